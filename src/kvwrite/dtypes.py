@@ -1,0 +1,121 @@
+"""Cache dtypes and the quantization rule (SPEC §1.1).
+
+`kv_cache_dtype` strings are parsed into :class:`CacheDType` at the API edge; everything past the
+public op works with the enum.
+
+The fp8 rule: convert ``x`` to float32 exactly, divide by the scale (a true IEEE division),
+round to nearest even and saturate to the largest finite value (±448 for e4m3fn, ±57344 for
+e5m2). ±inf saturates too, NaN stays NaN, the sign of zero is kept and subnormals are rounded,
+not flushed. The scale is the dequantization multiplier: ``x ≈ fp8_value * scale``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = [
+    "CacheDType",
+    "FP8_MAX",
+    "INPUT_DTYPES",
+    "parse_kv_cache_dtype",
+    "allowed_cache_dtypes",
+    "quantize",
+]
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CacheDType(enum.Enum):
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self in (CacheDType.FP8_E4M3, CacheDType.FP8_E5M2)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The torch float8 dtype whose bits the cache holds (fp8 modes only)."""
+        return {
+            CacheDType.FP8_E4M3: torch.float8_e4m3fn,
+            CacheDType.FP8_E5M2: torch.float8_e5m2,
+        }[self]
+
+    def element_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of one cache element's value (float8 for fp8 modes, whatever the storage)."""
+        if self is CacheDType.AUTO:
+            return input_dtype
+        if self.is_fp8:
+            return self.fp8_dtype
+        return _PLAIN[self]
+
+    def element_size(self, input_dtype: torch.dtype) -> int:
+        return 1 if self.is_fp8 else self.element_dtype(input_dtype).itemsize
+
+
+_PLAIN = {
+    CacheDType.FLOAT16: torch.float16,
+    CacheDType.BFLOAT16: torch.bfloat16,
+    CacheDType.FLOAT32: torch.float32,
+}
+
+# Every spelling the API accepts, including vLLM's aliases ("fp8", "half", "float").
+_ALIASES = {
+    "auto": CacheDType.AUTO,
+    "float16": CacheDType.FLOAT16,
+    "half": CacheDType.FLOAT16,
+    "bfloat16": CacheDType.BFLOAT16,
+    "float32": CacheDType.FLOAT32,
+    "float": CacheDType.FLOAT32,
+    "fp8": CacheDType.FP8_E4M3,
+    "fp8_e4m3": CacheDType.FP8_E4M3,
+    "fp8_e5m2": CacheDType.FP8_E5M2,
+}
+
+FP8_MAX = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType) -> CacheDType:
+    if isinstance(kv_cache_dtype, CacheDType):
+        return kv_cache_dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _ALIASES:
+        return _ALIASES[kv_cache_dtype]
+    raise ValueError(
+        f"kv_cache_dtype: expected one of {sorted(_ALIASES)}, got {kv_cache_dtype!r}"
+    )
+
+
+def allowed_cache_dtypes(cache_dtype: CacheDType, input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache tensor dtypes that fit `cache_dtype` for inputs of `input_dtype`."""
+    if cache_dtype is CacheDType.AUTO:
+        return (input_dtype,)
+    if cache_dtype.is_fp8:
+        return (torch.uint8, cache_dtype.fp8_dtype)
+    return (_PLAIN[cache_dtype],)
+
+
+def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | None,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """`Q(x)` of SPEC §1.1 for rows ``x`` of shape ``[T, H, D]``; returns ``out_dtype`` bits.
+
+    ``scale`` (fp8 only) holds 1 or H float32 values; head h uses ``scale[h]``.
+    """
+    if cache_dtype is CacheDType.AUTO:
+        return x
+    if not cache_dtype.is_fp8:
+        return x.to(_PLAIN[cache_dtype])
+    fp8 = cache_dtype.fp8_dtype
+    s = scale.reshape(1, -1, 1) if scale.numel() > 1 else scale.reshape(1, 1, 1)
+    y = x.float() / s
+    # Clamp before the cast: some PyTorch versions cast overflow (and inf) to NaN.
+    y = y.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+    return y.view(torch.uint8) if out_dtype == torch.uint8 else y

@@ -1,0 +1,34 @@
+"""The plain-PyTorch implementation: the reference oracle and the baseline a user would write.
+
+Works on CPU and CUDA tensors, on any strides (the caches are indexed logically by block and
+offset). Not graph-safe: masking out padding and out-of-range slots syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dtypes import CacheDType, quantize
+
+
+def available(device: torch.device) -> str | None:
+    return None
+
+
+def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+    return None
+
+
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None) -> None:
+    num_blocks, block_size = key_cache.shape[:2]
+    num_tokens = slot_mapping.numel()
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < num_blocks * block_size)
+    tokens = torch.arange(num_tokens, device=slots.device)[keep]
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        rows = quantize(src[tokens], cache_dtype, scale, cache.dtype)
+        cache[blocks, offsets] = rows

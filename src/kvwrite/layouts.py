@@ -1,0 +1,152 @@
+"""Cache layouts and allocation (SPEC §1.2).
+
+Every cache is the same *logical* tensor ``[num_blocks, block_size, H, D]``; layouts differ only in
+strides, and every implementation works from strides alone.
+
+=========  ===============================  ======================================================
+layout     physical order of one cache      strides (block, slot, head) in elements
+=========  ===============================  ======================================================
+NHD        ``[num_blocks, block_size, H, D]``  ``(bs*H*D*k, H*D*p, D*p)``
+HND        ``[num_blocks, H, block_size, D]``  ``(bs*H*D*k, D*p, bs*D*p)``
+=========  ===============================  ======================================================
+
+How K and V share memory (:class:`KVAlloc`): ``SEPARATE`` (two allocations, k=1, p=1),
+``INTERLEAVED`` (one allocation ``[num_blocks, 2, ...]``, K and V blocks alternate: k=2, p=1;
+this is what :func:`create_kv_caches_with_random_flash` returns) and ``PACKED`` (one allocation
+whose last dim is ``2*D``; the key cache is ``[..., :D]`` and the value cache ``[..., D:]``: p=2).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
+
+__all__ = [
+    "Layout",
+    "KVAlloc",
+    "parse_layout",
+    "allocate_kv_cache",
+    "create_kv_caches_with_random_flash",
+]
+
+
+class Layout(enum.Enum):
+    NHD = "NHD"
+    HND = "HND"
+
+
+class KVAlloc(enum.Enum):
+    SEPARATE = "separate"
+    INTERLEAVED = "interleaved"
+    PACKED = "packed"
+
+
+def parse_layout(layout: str | Layout) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    try:
+        return Layout(str(layout).upper())
+    except ValueError:
+        raise ValueError(f"cache_layout: expected 'NHD' or 'HND', got {layout!r}") from None
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_heads: int, head_size: int,
+                      dtype: torch.dtype, layout: Layout = Layout.NHD,
+                      alloc: KVAlloc = KVAlloc.SEPARATE, device: str | torch.device = "cuda",
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (key_cache, value_cache), each a logical ``[num_blocks, block_size, H, D]`` view."""
+    nb, bs, h, d = num_blocks, block_size, num_heads, head_size
+    # Physical shapes list dims in memory order; `perm` maps them back to the logical order.
+    if alloc is KVAlloc.SEPARATE:
+        shape = (nb, bs, h, d) if layout is Layout.NHD else (nb, h, bs, d)
+        perm = (0, 1, 2, 3) if layout is Layout.NHD else (0, 2, 1, 3)
+        k = torch.empty(shape, dtype=dtype, device=device).permute(*perm)
+        v = torch.empty(shape, dtype=dtype, device=device).permute(*perm)
+        return k, v
+    if alloc is KVAlloc.INTERLEAVED:
+        shape = (nb, 2, bs, h, d) if layout is Layout.NHD else (nb, 2, h, bs, d)
+        perm = (0, 1, 2, 3, 4) if layout is Layout.NHD else (0, 1, 3, 2, 4)
+        kv = torch.empty(shape, dtype=dtype, device=device).permute(*perm)
+        return kv[:, 0], kv[:, 1]
+    shape = (nb, bs, h, 2 * d) if layout is Layout.NHD else (nb, h, bs, 2 * d)
+    perm = (0, 1, 2, 3) if layout is Layout.NHD else (0, 2, 1, 3)
+    kv = torch.empty(shape, dtype=dtype, device=device).permute(*perm)
+    return kv[..., :d], kv[..., d:]
+
+
+def _fill_random(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: float,
+                 generator: torch.Generator | None) -> None:
+    """Uniform values in [lo, hi); fp8 caches get valid fp8 bits (never a NaN pattern)."""
+    if not cache_dtype.is_fp8:
+        cache.uniform_(lo, hi, generator=generator)
+        return
+    fp8 = cache_dtype.fp8_dtype
+    vals = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
+    vals.uniform_(lo, hi, generator=generator)
+    bits = vals.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+    cache.copy_(bits.view(torch.uint8) if cache.dtype == torch.uint8 else bits)
+
+
+_MODEL_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def _cache_torch_dtype(cache_dtype: CacheDType, model_dtype) -> torch.dtype:
+    if cache_dtype.is_fp8:
+        return torch.uint8
+    if cache_dtype is not CacheDType.AUTO:
+        return cache_dtype.element_dtype(torch.float32)
+    if model_dtype is None:
+        raise ValueError("model_dtype: required when cache_dtype is 'auto', got None")
+    if isinstance(model_dtype, torch.dtype):
+        dt = model_dtype
+    elif model_dtype in _MODEL_DTYPES:
+        dt = _MODEL_DTYPES[model_dtype]
+    else:
+        raise ValueError(
+            f"model_dtype: expected a torch dtype or one of {sorted(_MODEL_DTYPES)}, got {model_dtype!r}"
+        )
+    if dt not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"model_dtype: expected float16, bfloat16 or float32, got {dt}")
+    return dt
+
+
+def create_kv_caches_with_random_flash(num_blocks: int, block_size: int, num_layers: int,
+                                       num_heads: int, head_size: int, cache_dtype: str,
+                                       model_dtype=None, seed: int | None = None,
+                                       device: str | torch.device = "cuda",
+                                       cache_layout: str = "NHD",
+                                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random key and value caches for ``num_layers`` layers, as vLLM's function of this name.
+
+    Each layer is one allocation ``(num_blocks, 2, block_size, H, D)`` (NHD) or
+    ``(num_blocks, 2, H, block_size, D)`` (HND), so K and V blocks interleave; the returned caches
+    are its logical ``[num_blocks, block_size, H, D]`` halves. ``cache_dtype`` "auto" takes
+    ``model_dtype``; fp8 caches are ``torch.uint8`` holding valid fp8 values; values are uniform in
+    ``[-head_size**-0.5, head_size**-0.5)``. A ``seed`` makes the result reproducible.
+    """
+    cdt = parse_kv_cache_dtype(cache_dtype)
+    layout = parse_layout(cache_layout)
+    dtype = _cache_torch_dtype(cdt, model_dtype)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    scale = head_size**-0.5
+    key_caches, value_caches = [], []
+    for _ in range(num_layers):
+        k, v = allocate_kv_cache(num_blocks, block_size, num_heads, head_size, dtype, layout,
+                                 KVAlloc.INTERLEAVED, device)
+        _fill_random(k, cdt, -scale, scale, generator)
+        _fill_random(v, cdt, -scale, scale, generator)
+        key_caches.append(k)
+        value_caches.append(v)
+    return key_caches, value_caches

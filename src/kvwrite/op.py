@@ -1,0 +1,209 @@
+"""The public op, its validation, and the host-side slot check (SPEC §1)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from .dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
+
+__all__ = ["reshape_and_cache_flash", "validate", "check_slot_mapping", "select_implementation"]
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale=None,
+             v_scale=None) -> CacheDType:
+    """Check every argument of :func:`reshape_and_cache_flash`; return the parsed cache dtype.
+
+    Raises TypeError/ValueError naming the argument, what was expected and what came.
+    """
+    cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _require_tensor(name, t)
+
+    if key.dim() != 3:
+        raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
+    if key.dtype not in INPUT_DTYPES:
+        raise ValueError(f"key: expected dtype float16, bfloat16 or float32, got {key.dtype}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    _, num_heads, head_size = key.shape
+    for name, t in (("key", key), ("value", value)):
+        if head_size > 1 and t.stride(2) != 1 or num_heads > 1 and t.stride(1) != head_size:
+            raise ValueError(
+                f"{name}: expected dense heads (stride(2) == 1, stride(1) == head_size = {head_size}), "
+                f"got strides {tuple(t.stride())}"
+            )
+
+    if key_cache.dim() != 4:
+        raise ValueError(
+            f"key_cache: expected 4 dims [num_blocks, block_size, num_heads, head_size], got shape {_shape(key_cache)}"
+        )
+    if key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            f"key_cache: expected [num_blocks, block_size, {num_heads}, {head_size}] to match key, got shape {_shape(key_cache)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected the shape of key_cache {_shape(key_cache)}, got {_shape(value_cache)}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got {value_cache.dtype}")
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(
+            f"value_cache: expected the strides of key_cache {tuple(key_cache.stride())}, got {tuple(value_cache.stride())}"
+        )
+    if head_size > 1 and key_cache.stride(3) != 1:
+        raise ValueError(f"key_cache: expected a unit-stride last dim, got strides {tuple(key_cache.stride())}")
+    allowed = allowed_cache_dtypes(cache_dtype, key.dtype)
+    if key_cache.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise ValueError(
+            f"key_cache: kv_cache_dtype={cache_dtype.value!r} with {key.dtype} input expects a cache of dtype "
+            f"{names}, got {key_cache.dtype}"
+        )
+    if key_cache.numel() > 0 and key_cache.data_ptr() == value_cache.data_ptr():
+        raise ValueError("value_cache: expected a different tensor from key_cache, got the same memory")
+
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping: expected dtype int64 or int32, got {slot_mapping.dtype}")
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
+    if slot_mapping.numel() > key.shape[0]:
+        raise ValueError(
+            f"slot_mapping: expected at most key.shape[0] = {key.shape[0]} entries, got {slot_mapping.numel()}"
+        )
+
+    device = key.device
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slot_mapping", slot_mapping)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (that of key), got {t.device}")
+
+    if cache_dtype.is_fp8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None:
+                raise ValueError(f"{name}: kv_cache_dtype={cache_dtype.value!r} needs a float32 scale tensor, got None")
+            _require_tensor(name, s)
+            if s.dtype != torch.float32:
+                raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
+            if s.numel() not in (1, num_heads):
+                raise ValueError(
+                    f"{name}: expected 1 (per tensor) or {num_heads} (per head) elements, got {s.numel()}"
+                )
+            if s.device != device:
+                raise ValueError(f"{name}: expected device {device} (that of the caches), got {s.device}")
+            if s.numel() > 1 and not s.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(s.stride())}")
+    return cache_dtype
+
+
+def select_implementation(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType,
+                          k_scale=None, v_scale=None, implementation: str | None = None,
+                          ) -> registry.ImplInfo:
+    """The named implementation, or the preferred one that can run this case; raises if none can."""
+    if implementation is not None:
+        info = registry.get(implementation)
+        reason = info.unsupported(key, key_cache, cache_dtype, k_scale)
+        if reason is not None:
+            raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+        return info
+    reasons = []
+    for info in registry.all_impls():
+        reason = info.unsupported(key, key_cache, cache_dtype, k_scale)
+        if reason is None:
+            return info
+        reasons.append(f"{info.name}: {reason}")
+    raise ValueError("no implementation can run this call: " + "; ".join(reasons))
+
+
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, *,
+                            implementation: str | None = None) -> None:
+    """Write ``key``/``value`` rows into the paged caches; mutates ``key_cache`` and ``value_cache``.
+
+    For each token ``t < T = slot_mapping.numel()`` whose slot ``s`` satisfies
+    ``0 <= s < num_blocks * block_size``::
+
+        key_cache[s // block_size, s % block_size, h, d] = Q(key[t, h, d])   # same for value
+
+    and no other byte of either cache changes. Negative slots (padding) and slots past the cache
+    are skipped; rows of key/value past T are never read; T == 0 is a no-op. Which of two tokens
+    with the same slot wins is undefined.
+
+    Shapes: ``key``, ``value`` ``[T_pad, H, D]`` (float16/bfloat16/float32, dense heads, any token
+    stride); caches logically ``[num_blocks, block_size, H, D]`` with any strides whose last dim is
+    unit-stride (NHD, HND, interleaved, packed), equal for K and V; ``slot_mapping`` ``[T]`` int64 or
+    int32. ``Q`` is a copy ("auto"), a round-to-nearest-even cast ("float16", "bfloat16",
+    "float32"), or for "fp8"/"fp8_e4m3"/"fp8_e5m2" ``fp8(float32(x) / scale)`` with saturation, where
+    ``k_scale``/``v_scale`` are float32 tensors of 1 or H elements on the device, read there (no host
+    sync), so a captured CUDA graph sees new values.
+
+    ``implementation`` names one of :func:`kvwrite.implementations`; None picks the preferred one
+    that can run this call.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                                  str(kv_cache_dtype), k_scale, v_scale,
+                                                  implementation or "")
+        return
+    cache_dtype = validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                           k_scale, v_scale)
+    info = select_implementation(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
+                                 k_scale, v_scale, implementation)
+    if slot_mapping.numel() == 0:
+        return
+    if not cache_dtype.is_fp8:
+        k_scale = v_scale = None
+    info.run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
+
+
+@torch.library.custom_op("kvwrite::reshape_and_cache_flash", mutates_args=("key_cache", "value_cache"))
+def _custom_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               implementation: str) -> None:
+    """The op as torch.compile sees it: an opaque call that mutates both caches."""
+    reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale, implementation=implementation or None)
+
+
+@_custom_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+      implementation) -> None:
+    return None
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise ValueError naming every position whose slot is ``>= num_slots``.
+
+    Negative slots are padding and allowed. This reads the tensor on the host (a sync): it is for
+    debugging and tests, not for the hot path, where such slots are skipped silently.
+    """
+    _require_tensor("slot_mapping", slot_mapping)
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim, got shape {_shape(slot_mapping)}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping: expected dtype int64 or int32, got {slot_mapping.dtype}")
+    bad = torch.nonzero(slot_mapping >= num_slots).flatten().cpu()
+    if bad.numel():
+        shown = bad[:16].tolist()
+        values = slot_mapping.cpu()[bad[:16]].tolist()
+        more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
+        raise ValueError(
+            f"slot_mapping: expected slots < num_slots = {num_slots} (or negative for padding); "
+            f"{bad.numel()} out of range at positions {shown} with values {values}{more}"
+        )

@@ -1,0 +1,259 @@
+"""The case matrix, input builder and whole-cache checker shared by the tests and the benchmark.
+
+A :class:`Case` describes one call; :func:`make_inputs` builds its tensors (random caches, random
+inputs, unique random slots plus the padding and out-of-range slots the case asks for);
+:func:`assert_caches_equal` compares two caches byte for byte through integer views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
+from .layouts import KVAlloc, Layout, allocate_kv_cache
+
+__all__ = ["Case", "Inputs", "CASES", "make_inputs", "assert_caches_equal", "clone_caches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    num_tokens: int = 7
+    num_heads: int = 8
+    head_size: int = 64
+    block_size: int = 16
+    num_blocks: int = 12
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: str = "auto"
+    layout: Layout = Layout.NHD
+    alloc: KVAlloc = KVAlloc.SEPARATE
+    per_head_scale: bool = False
+    # fp8 caches: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
+    fp8_storage: str = "uint8"
+    slot_dtype: torch.dtype = torch.int64
+    # key/value rows past num_tokens (CUDA-graph padding); never read.
+    extra_rows: int = 0
+    # key/value as slices of one fused [T, Hq + 2H, D] qkv tensor (token stride (Hq + 2H) * D).
+    fused_qkv: bool = False
+    padding_slots: int = 0
+    out_of_range_slots: int = 0
+    # fp8 special values (NaN, ±inf, ±0, subnormals, past the maximum) in the inputs.
+    special_values: bool = False
+
+    @property
+    def cache_dtype(self) -> CacheDType:
+        return parse_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def id(self) -> str:
+        parts = [f"T{self.num_tokens}", f"H{self.num_heads}", f"D{self.head_size}",
+                 f"bs{self.block_size}", str(self.dtype).replace("torch.", ""), self.kv_cache_dtype,
+                 self.layout.value, self.alloc.value]
+        if self.cache_dtype.is_fp8:
+            parts.append("perhead" if self.per_head_scale else "pertensor")
+            parts.append(self.fp8_storage)
+        if self.slot_dtype == torch.int32:
+            parts.append("i32")
+        for flag, name in ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
+                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                           (self.special_values, "special")):
+            if flag:
+                parts.append(name)
+        return "-".join(parts)
+
+
+@dataclasses.dataclass
+class Inputs:
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_cache_dtype: str
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def args(self) -> tuple:
+        return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
+                self.kv_cache_dtype, self.k_scale, self.v_scale)
+
+
+def _cache_tensor_dtype(case: Case) -> torch.dtype:
+    cdt = case.cache_dtype
+    if cdt.is_fp8:
+        return torch.uint8 if case.fp8_storage == "uint8" else cdt.fp8_dtype
+    return cdt.element_dtype(case.dtype)
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole allocation behind `t` as a flat uint8 tensor (a view, not a copy)."""
+    s = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),))
+
+
+def _rebuild(storages: dict[int, torch.Tensor], t: torch.Tensor, copy) -> torch.Tensor:
+    """`t`'s view over copy(its allocation); allocations shared by several tensors are copied once."""
+    key = t.untyped_storage().data_ptr()
+    if key not in storages:
+        storages[key] = copy(_storage_bytes(t))
+    return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def special_values(cache_dtype: CacheDType) -> list[float]:
+    """Inputs that exercise every branch of the fp8 rule (before division by the scale)."""
+    fp8 = cache_dtype.fp8_dtype
+    mx = FP8_MAX[fp8]
+    tiny = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}[fp8]  # smallest subnormal
+    return [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, mx, -mx,
+            mx * 1.01, -mx * 1.2, mx * 1000, tiny, -tiny, tiny * 0.5, tiny * 0.5001, -tiny * 1.5,
+            tiny * 2.5, 1e-30, -1e-30, 1.0625, 1.1875, 17.0, 1e38, -3e38]
+
+
+def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> Inputs:
+    """Build the tensors of `case` on `device`; the caches' allocations hold random bits."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T, H, D = case.num_tokens, case.num_heads, case.head_size
+    rows = T + case.extra_rows
+    if case.fused_qkv:
+        hq = 2 * H
+        qkv = torch.randn(rows, hq + 2 * H, D, generator=gen).to(case.dtype)
+        key, value = qkv[:, hq:hq + H], qkv[:, hq + H:]
+    else:
+        key = torch.randn(rows, H, D, generator=gen).to(case.dtype)
+        value = torch.randn(rows, H, D, generator=gen).to(case.dtype)
+    cdt = case.cache_dtype
+    if cdt.is_fp8:
+        # Spread magnitudes over the whole fp8 range: subnormals, normals and saturation.
+        for t in (key, value):
+            mag = torch.exp2(torch.randint(-20, 12, t.shape, generator=gen).float())
+            t.mul_(mag.to(case.dtype))
+        if case.special_values:
+            sv = torch.tensor(special_values(cdt), dtype=torch.float32).to(case.dtype)
+            for t, vals in ((key, sv), (value, sv.flip(0))):
+                flat = t[:T].reshape(-1).clone()
+                n = min(vals.numel(), flat.numel())
+                flat[:n] = vals[:n]
+                t[:T].copy_(flat.view(t[:T].shape))
+
+    num_slots = case.num_blocks * case.block_size
+    n_valid = T - case.padding_slots - case.out_of_range_slots
+    if n_valid < 0 or n_valid > num_slots:
+        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
+    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
+    slots += [-1] * case.padding_slots
+    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
+    order = torch.randperm(T, generator=gen).tolist()
+    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+
+    key_cache, value_cache = allocate_kv_cache(case.num_blocks, case.block_size, H, D,
+                                               _cache_tensor_dtype(case), case.layout, case.alloc, "cpu")
+    # Random bits over the whole allocation (the other half of a packed cache too, NaN patterns
+    # included), so that a stray or a missing write shows.
+    for c in (key_cache, value_cache):
+        b = _storage_bytes(c)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+
+    if cdt.is_fp8:
+        n = H if case.per_head_scale else 1
+        # Scales that are not powers of two, so division and reciprocal-multiply can differ.
+        k_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 3.0
+        v_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.37
+    else:
+        k_scale = v_scale = torch.ones(1)
+
+    storages: dict[int, torch.Tensor] = {}
+    moved = [_rebuild(storages, t, lambda b: b.to(device))
+             for t in (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)]
+    return Inputs(*moved[:5], case.kv_cache_dtype, *moved[5:])
+
+
+def clone_caches(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of both caches with their allocations (bytes outside the logical views too)."""
+    storages: dict[int, torch.Tensor] = {}
+    return (_rebuild(storages, inp.key_cache, torch.clone),
+            _rebuild(storages, inp.value_cache, torch.clone))
+
+
+def _nan_mask(bytes_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per byte: does the element that holds it decode to NaN (fp8 and float caches)."""
+    es = like.element_size()
+    dt = like.dtype
+    if dt == torch.uint8:
+        return torch.zeros_like(bytes_, dtype=torch.bool)
+    n = bytes_.numel() // es
+    vals = bytes_[: n * es].view(dt)
+    m = torch.isnan(vals.float()).repeat_interleave(es)
+    return torch.cat([m, torch.zeros(bytes_.numel() - n * es, dtype=torch.bool, device=m.device)])
+
+
+def assert_caches_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "cache",
+                        fp8_dtype: torch.dtype | None = None, nan_equal: bool = False) -> None:
+    """Compare every byte of the storage behind `actual` and `expected`.
+
+    The whole allocation is compared, so stray writes outside the target slots (and into the
+    other half of an interleaved or packed cache) are caught. With ``nan_equal``, two elements
+    that both decode to NaN (with any sign or payload) count as equal; ``fp8_dtype`` says how to
+    decode uint8 caches for that.
+    """
+    a, e = _storage_bytes(actual).cpu(), _storage_bytes(expected).cpu()
+    if a.numel() != e.numel():
+        raise AssertionError(f"{name}: storage sizes differ ({a.numel()} vs {e.numel()} bytes)")
+    diff = a != e
+    if nan_equal and diff.any():
+        like = expected
+        if expected.dtype == torch.uint8 and fp8_dtype is not None:
+            like = torch.empty(0, dtype=fp8_dtype)
+        both_nan = _nan_mask(a, like) & _nan_mask(e, like)
+        diff &= ~both_nan
+    if diff.any():
+        idx = torch.nonzero(diff).flatten()
+        es = expected.element_size()
+        first = idx[:8].tolist()
+        raise AssertionError(
+            f"{name}: {idx.numel()} bytes differ; first at byte offsets {first} "
+            f"(element {[i // es for i in first]}): got {a[idx[:8]].tolist()}, expected {e[idx[:8]].tolist()}"
+        )
+
+
+def _matrix() -> list[Case]:
+    cases: list[Case] = []
+    # Every layout × allocation × cache dtype on a modest shape.
+    for layout, alloc, kv in itertools.product(
+            Layout, KVAlloc, ["auto", "float16", "bfloat16", "float32", "fp8", "fp8_e5m2"]):
+        cases.append(Case(layout=layout, alloc=alloc, kv_cache_dtype=kv, num_tokens=7))
+    # Input dtypes against every cache dtype.
+    for dtype, kv in itertools.product((torch.float16, torch.float32),
+                                       ["auto", "float16", "bfloat16", "float32", "fp8", "fp8_e5m2"]):
+        cases.append(Case(dtype=dtype, kv_cache_dtype=kv, layout=Layout.HND))
+    # Odd shapes.
+    for h, d in ((1, 64), (13, 80), (8, 96), (3, 120), (5, 46), (2, 256), (1, 1), (4, 2)):
+        for kv in ("auto", "fp8"):
+            for layout in Layout:
+                cases.append(Case(num_heads=h, head_size=d, kv_cache_dtype=kv, layout=layout,
+                                  num_tokens=129 if h * d <= 512 else 7, num_blocks=16))
+    # fp8 details: per-head scales, float8 storage, special values, e5m2.
+    for kv, per_head, storage, layout in itertools.product(
+            ("fp8", "fp8_e5m2"), (False, True), ("uint8", "float8"), Layout):
+        cases.append(Case(kv_cache_dtype=kv, per_head_scale=per_head, fp8_storage=storage,
+                          layout=layout, alloc=KVAlloc.PACKED, special_values=True, num_tokens=9,
+                          num_heads=4, head_size=32, dtype=torch.float32))
+    # Slots and rows.
+    cases += [
+        Case(num_tokens=1),
+        Case(num_tokens=0),
+        Case(num_tokens=0, extra_rows=3),
+        Case(num_tokens=9, padding_slots=3, out_of_range_slots=2, slot_dtype=torch.int32),
+        Case(num_tokens=9, padding_slots=9),
+        Case(num_tokens=5, out_of_range_slots=5, kv_cache_dtype="fp8", layout=Layout.HND),
+        Case(num_tokens=7, extra_rows=5, fused_qkv=True, layout=Layout.HND, alloc=KVAlloc.INTERLEAVED),
+        Case(num_tokens=7, fused_qkv=True, kv_cache_dtype="fp8", per_head_scale=True, alloc=KVAlloc.PACKED),
+        Case(num_tokens=129, num_heads=2, head_size=64, block_size=32, num_blocks=6,
+             padding_slots=10, slot_dtype=torch.int32, layout=Layout.HND, alloc=KVAlloc.PACKED),
+        Case(num_tokens=192, num_heads=1, head_size=64, block_size=16, num_blocks=12),  # every slot
+    ]
+    return cases
+
+
+CASES: list[Case] = _matrix()
