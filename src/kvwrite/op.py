@@ -121,6 +121,8 @@ def select_implementation(key, value, key_cache, value_cache, slot_mapping, cach
         return info
     reasons = []
     for info in registry.all_impls():
+        if key.device.type not in info.devices:
+            continue
         reason = info.unsupported(key, key_cache, cache_dtype, k_scale)
         if reason is None:
             return info

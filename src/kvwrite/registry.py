@@ -39,6 +39,9 @@ class ImplInfo:
     module: str
     # Higher wins when the caller names no implementation.
     priority: int
+    # Device types this implementation is meant for; a call that names no implementation only
+    # picks among these (Triton's CPU interpreter is for tests, not for default use).
+    devices: tuple[str, ...] = ("cuda",)
     # Safe to capture in a CUDA graph (no host sync, no allocation per call).
     graph_safe: bool = True
 
@@ -117,6 +120,7 @@ register(ImplInfo(
     description="plain PyTorch (index_put_ with padding and bounds masked); the reference",
     module="kvwrite.impls.torch_ref",
     priority=0,
+    devices=("cpu", "cuda"),
     # Boolean masking of padding/out-of-range slots syncs with the host.
     graph_safe=False,
 ))

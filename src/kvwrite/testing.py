@@ -111,6 +111,49 @@ def special_values(cache_dtype: CacheDType) -> list[float]:
             tiny * 2.5, 1e-30, -1e-30, 1.0625, 1.1875, 17.0, 1e38, -3e38]
 
 
+def reciprocal_traps(fp8: torch.dtype, scale: float) -> list[float]:
+    """float32 values x for which fp8(x / scale) != fp8(x * (1 / scale)) in float32 arithmetic.
+
+    They sit next to the midpoints between adjacent fp8 values, where the one-ulp error of the
+    reciprocal form changes the rounding; only a true division gets them right.
+    """
+    s = torch.tensor(scale, dtype=torch.float32)
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(fp8).float()
+    codes = codes[torch.isfinite(codes)]
+    mids = ((codes[:-1] + codes[1:]) / 2 * s).float()
+    up = torch.nextafter(mids, torch.tensor(float("inf")))
+    down = torch.nextafter(mids, torch.tensor(float("-inf")))
+    x = torch.cat([down, mids, up])
+    x = x[torch.isfinite(x)]
+    mx = FP8_MAX[fp8]
+    by_div = (x / s).clamp(-mx, mx).to(fp8).view(torch.uint8)
+    by_rcp = (x * (1 / s)).clamp(-mx, mx).to(fp8).view(torch.uint8)
+    return x[by_div != by_rcp].tolist()
+
+
+_SPECIAL_SCALES = (0.37, 2.7, 1.3)  # each has reciprocal traps for e4m3 and e5m2
+
+
+def _special_scales(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    n = case.num_heads if case.per_head_scale else 1
+    k = torch.tensor([_SPECIAL_SCALES[h % 3] for h in range(n)], dtype=torch.float32)
+    return k, k.flip(0).clone()
+
+
+def _plant_special_values(case: Case, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Per head: the special values, then the reciprocal traps for that head's scale."""
+    fp8 = case.cache_dtype.fp8_dtype
+    T, D = case.num_tokens, case.head_size
+    for t, scales in zip((key, value), _special_scales(case)):
+        for h in range(case.num_heads):
+            s = float(scales[h if scales.numel() > 1 else 0])
+            vals = torch.tensor(special_values(case.cache_dtype) + reciprocal_traps(fp8, s))
+            row = t[:T, h].reshape(-1).clone()
+            n = min(vals.numel(), row.numel())
+            row[:n] = vals[:n].to(t.dtype)
+            t[:T, h].copy_(row.view(T, D))
+
+
 def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> Inputs:
     """Build the tensors of `case` on `device`; the caches' allocations hold random bits."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -130,12 +173,7 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
             mag = torch.exp2(torch.randint(-20, 12, t.shape, generator=gen).float())
             t.mul_(mag.to(case.dtype))
         if case.special_values:
-            sv = torch.tensor(special_values(cdt), dtype=torch.float32).to(case.dtype)
-            for t, vals in ((key, sv), (value, sv.flip(0))):
-                flat = t[:T].reshape(-1).clone()
-                n = min(vals.numel(), flat.numel())
-                flat[:n] = vals[:n]
-                t[:T].copy_(flat.view(t[:T].shape))
+            _plant_special_values(case, key, value)
 
     num_slots = case.num_blocks * case.block_size
     n_valid = T - case.padding_slots - case.out_of_range_slots
@@ -155,7 +193,9 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
         b = _storage_bytes(c)
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
 
-    if cdt.is_fp8:
+    if cdt.is_fp8 and case.special_values:
+        k_scale, v_scale = _special_scales(case)
+    elif cdt.is_fp8:
         n = H if case.per_head_scale else 1
         # Scales that are not powers of two, so division and reciprocal-multiply can differ.
         k_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 3.0

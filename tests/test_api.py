@@ -1,0 +1,225 @@
+"""The public API: validation errors, cache allocation, slot checks, the implementation list."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.testing import Case, assert_caches_equal, clone_caches, make_inputs
+
+BASE = Case(num_tokens=5, num_heads=4, head_size=16, kv_cache_dtype="fp8", num_blocks=4)
+
+
+def _args(case: Case = BASE) -> dict:
+    inp = make_inputs(case)
+    return dict(key=inp.key, value=inp.value, key_cache=inp.key_cache, value_cache=inp.value_cache,
+                slot_mapping=inp.slot_mapping, kv_cache_dtype=inp.kv_cache_dtype,
+                k_scale=inp.k_scale, v_scale=inp.v_scale)
+
+
+def _other_layout_cache(a):
+    k, _ = allocate_kv_cache(4, 16, 4, 16, torch.uint8, Layout.HND, device="cpu")
+    return k
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+# (name, change to the valid arguments, exception type, text the message must contain)
+BAD = [
+    ("key-not-tensor", lambda a: {"key": a["key"].tolist()}, TypeError, "key: expected a torch.Tensor, got list"),
+    ("key-2d", lambda a: {"key": a["key"][:, 0]}, ValueError, "key: expected 3 dims"),
+    ("value-shape", lambda a: {"value": a["value"][:, :2]}, ValueError, "value: expected the shape of key"),
+    ("key-int", lambda a: {"key": a["key"].int(), "value": a["value"].int()}, ValueError,
+     "key: expected dtype float16, bfloat16 or float32, got torch.int32"),
+    ("value-dtype", lambda a: {"value": a["value"].half()}, ValueError, "value: expected the dtype of key"),
+    ("key-sparse-heads", lambda a: {"key": torch.cat([a["key"], a["key"]], -1)[..., ::2]}, ValueError,
+     "key: expected dense heads"),
+    ("cache-3d", lambda a: {"key_cache": a["key_cache"][0]}, ValueError, "key_cache: expected 4 dims"),
+    ("cache-heads", lambda a: {"key_cache": a["key_cache"][:, :, :2], "value_cache": a["value_cache"][:, :, :2]},
+     ValueError, "key_cache: expected [num_blocks, block_size, 4, 16]"),
+    ("value-cache-shape", lambda a: {"value_cache": a["value_cache"][:2]}, ValueError,
+     "value_cache: expected the shape of key_cache"),
+    ("value-cache-dtype", lambda a: {"value_cache": a["value_cache"].view(torch.float8_e4m3fn)}, ValueError,
+     "value_cache: expected the dtype of key_cache"),
+    ("value-cache-strides", lambda a: {"value_cache": _other_layout_cache(a)}, ValueError,
+     "value_cache: expected the strides of key_cache"),
+    ("cache-last-dim-stride", lambda a: {
+        "key_cache": torch.empty(4, 16, 4, 32, dtype=torch.uint8)[..., ::2],
+        "value_cache": torch.empty(4, 16, 4, 32, dtype=torch.uint8)[..., ::2]},
+     ValueError, "key_cache: expected a unit-stride last dim"),
+    ("auto-cache-dtype", lambda a: {"kv_cache_dtype": "auto"}, ValueError,
+     "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects a cache of dtype torch.bfloat16, got torch.uint8"),
+    ("e5m2-cache-for-e4m3", lambda a: {"key_cache": a["key_cache"].view(torch.float8_e5m2),
+                                       "value_cache": a["value_cache"].view(torch.float8_e5m2)},
+     ValueError, "expects a cache of dtype torch.uint8 or torch.float8_e4m3fn, got torch.float8_e5m2"),
+    ("same-cache", lambda a: {"value_cache": a["key_cache"]}, ValueError, "value_cache: expected a different tensor"),
+    ("slots-2d", lambda a: {"slot_mapping": a["slot_mapping"][None]}, ValueError, "slot_mapping: expected 1 dim"),
+    ("slots-float", lambda a: {"slot_mapping": a["slot_mapping"].float()}, ValueError,
+     "slot_mapping: expected dtype int64 or int32, got torch.float32"),
+    ("slots-strided", lambda a: {"slot_mapping": a["slot_mapping"].repeat(2)[::2]}, ValueError,
+     "slot_mapping: expected a contiguous tensor"),
+    ("slots-too-many", lambda a: {"slot_mapping": torch.arange(6)}, ValueError,
+     "slot_mapping: expected at most key.shape[0] = 5 entries, got 6"),
+    ("slots-device", lambda a: {"slot_mapping": _meta(a["slot_mapping"])}, ValueError,
+     "slot_mapping: expected device cpu (that of key), got meta"),
+    ("no-scale", lambda a: {"k_scale": None}, ValueError, "k_scale: kv_cache_dtype='fp8_e4m3' needs a float32 scale"),
+    ("scale-dtype", lambda a: {"k_scale": a["k_scale"].double()}, ValueError,
+     "k_scale: expected dtype float32, got torch.float64"),
+    ("scale-numel", lambda a: {"v_scale": torch.ones(3)}, ValueError,
+     "v_scale: expected 1 (per tensor) or 4 (per head) elements, got 3"),
+    ("scale-device", lambda a: {"k_scale": _meta(a["k_scale"])}, ValueError, "k_scale: expected device cpu"),
+    ("scale-strided", lambda a: {"k_scale": torch.ones(8)[::2]}, ValueError, "k_scale: expected a contiguous"),
+    ("kv-cache-dtype", lambda a: {"kv_cache_dtype": "int8"}, ValueError, "kv_cache_dtype: expected one of"),
+    ("implementation-unknown", lambda a: {"implementation": "nope"}, ValueError,
+     "implementation: expected one of ['cuda', 'torch', 'triton'], got 'nope'"),
+]
+
+
+# Cases whose change replaces a cache with a tensor of another shape or memory.
+CACHE_REPLACED = {"cache-3d", "cache-heads", "value-cache-shape", "value-cache-strides",
+                  "cache-last-dim-stride", "same-cache"}
+
+
+@pytest.mark.parametrize("name, change, exc, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_caches_are_untouched(name, change, exc, text):
+    args = _args()
+    before_k, before_v = clone_caches(make_inputs(BASE))
+    args.update(change(args))
+    with pytest.raises(exc) as err:
+        kvwrite.reshape_and_cache_flash(**args)
+    assert text in str(err.value)
+    # Every cache the call saw is as it was (the originals share no memory with replacements).
+    assert_caches_equal(args["key_cache"] if name not in CACHE_REPLACED else before_k, before_k)
+    if name not in CACHE_REPLACED:
+        assert_caches_equal(args["value_cache"], before_v)
+
+
+def test_rejected_call_changes_no_byte():
+    """A call rejected late in validation (bad v_scale) leaves both caches exactly as they were."""
+    inp = make_inputs(BASE)
+    before_k, before_v = clone_caches(inp)
+    with pytest.raises(ValueError, match="v_scale"):
+        kvwrite.reshape_and_cache_flash(*inp.args()[:7], torch.ones(3))
+    assert_caches_equal(inp.key_cache, before_k, "key_cache")
+    assert_caches_equal(inp.value_cache, before_v, "value_cache")
+
+
+def test_named_implementation_that_cannot_run_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine every implementation can run CPU-free cases")
+    inp = make_inputs(BASE)
+    with pytest.raises(ValueError, match=r"implementation='cuda' cannot run this call: .*cuda"):
+        kvwrite.reshape_and_cache_flash(*inp.args(), implementation="cuda")
+
+
+def test_default_implementation_on_cpu_is_torch(monkeypatch):
+    from kvwrite import op
+    inp = make_inputs(BASE)
+    chosen = op.select_implementation(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                      inp.slot_mapping, BASE.cache_dtype, inp.k_scale, inp.v_scale)
+    assert chosen.name == "torch"
+
+
+def test_scales_are_ignored_outside_fp8():
+    inp = make_inputs(dataclasses.replace(BASE, kv_cache_dtype="auto"))
+    kvwrite.reshape_and_cache_flash(*inp.args()[:6], None, None)
+    kvwrite.reshape_and_cache_flash(*inp.args()[:6], torch.ones(7, dtype=torch.float64), "junk")
+
+
+def test_zero_tokens_is_a_no_op():
+    inp = make_inputs(dataclasses.replace(BASE, num_tokens=0, extra_rows=2))
+    before_k, before_v = clone_caches(inp)
+    kvwrite.reshape_and_cache_flash(*inp.args())
+    assert_caches_equal(inp.key_cache, before_k)
+    assert_caches_equal(inp.value_cache, before_v)
+
+
+# --- check_slot_mapping ------------------------------------------------------------------------------
+
+def test_check_slot_mapping_names_bad_positions_and_values():
+    slots = torch.tensor([0, 63, 64, -1, 100, 5], dtype=torch.int32)
+    with pytest.raises(ValueError) as err:
+        kvwrite.check_slot_mapping(slots, 64)
+    msg = str(err.value)
+    assert "num_slots = 64" in msg and "positions [2, 4]" in msg and "values [64, 100]" in msg
+
+
+def test_check_slot_mapping_accepts_padding_and_valid_slots():
+    kvwrite.check_slot_mapping(torch.tensor([0, 63, -1, -7]), 64)
+    kvwrite.check_slot_mapping(torch.tensor([], dtype=torch.int64), 0)
+
+
+def test_check_slot_mapping_rejects_non_integer():
+    with pytest.raises(ValueError, match="slot_mapping: expected dtype int64 or int32"):
+        kvwrite.check_slot_mapping(torch.tensor([0.0]), 4)
+
+
+# --- create_kv_caches_with_random_flash --------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_create_caches_interleave_k_and_v(layout):
+    kc, vc = kvwrite.create_kv_caches_with_random_flash(3, 16, 2, 4, 8, "auto", torch.float16, seed=0,
+                                                         device="cpu", cache_layout=layout)
+    assert len(kc) == len(vc) == 2
+    k, v = kc[0], vc[0]
+    assert k.shape == v.shape == (3, 16, 4, 8) and k.dtype == torch.float16
+    block = 2 * 16 * 4 * 8
+    slot, head = (4 * 8, 8) if layout == "NHD" else (8, 16 * 8)
+    assert k.stride() == v.stride() == (block, slot, head, 1)
+    assert v.data_ptr() - k.data_ptr() == block // 2 * k.element_size()
+    assert kc[1].data_ptr() != k.data_ptr()
+    assert k.abs().max() <= 8**-0.5 and v.abs().max() <= 8**-0.5
+    assert k.std() > 0.05
+
+
+def test_create_caches_seeded_runs_reproduce():
+    a = kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "bfloat16", seed=7, device="cpu")
+    b = kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "bfloat16", seed=7, device="cpu")
+    c = kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "bfloat16", seed=8, device="cpu")
+    assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1][0], b[1][0])
+    assert not torch.equal(a[0][0], c[0][0])
+
+
+@pytest.mark.parametrize("cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_create_caches_fp8_are_valid_uint8(cache_dtype, fp8):
+    kc, vc = kvwrite.create_kv_caches_with_random_flash(8, 16, 1, 4, 32, cache_dtype, seed=0, device="cpu")
+    for c in (kc[0], vc[0]):
+        assert c.dtype == torch.uint8
+        vals = c.view(fp8).float()
+        # Rounding to fp8 can land up to half a step (1/8 for e5m2) past the bound.
+        assert not torch.isnan(vals).any() and vals.abs().max() <= 32**-0.5 * 1.125
+        assert vals.unique().numel() > 20
+
+
+def test_create_caches_errors():
+    with pytest.raises(ValueError, match="model_dtype: required when cache_dtype is 'auto'"):
+        kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "auto", device="cpu")
+    with pytest.raises(ValueError, match="cache_layout: expected 'NHD' or 'HND', got 'XYZ'"):
+        kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "half", device="cpu", cache_layout="XYZ")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+        kvwrite.create_kv_caches_with_random_flash(2, 16, 1, 2, 8, "int4", device="cpu")
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_packed_allocation_shares_one_buffer(layout):
+    k, v = allocate_kv_cache(2, 16, 4, 8, torch.float16, layout, KVAlloc.PACKED, "cpu")
+    assert v.data_ptr() - k.data_ptr() == 8 * 2
+    assert k.stride()[2] == (16 if layout is Layout.NHD else 16 * 16) and k.stride() == v.stride()
+
+
+# --- implementations() ------------------------------------------------------------------------------
+
+def test_implementations_lists_every_one_with_a_reason():
+    statuses = {s.name: s for s in kvwrite.implementations("cpu")}
+    assert set(statuses) == {"torch", "triton", "cuda"}
+    assert statuses["torch"].available and statuses["torch"].reason is None
+    for s in statuses.values():
+        assert s.available == (s.reason is None) and s.description
+    if not torch.cuda.is_available():
+        assert not statuses["cuda"].available and statuses["cuda"].reason
