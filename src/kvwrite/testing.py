@@ -209,11 +209,14 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     return Inputs(*moved[:5], case.kv_cache_dtype, *moved[5:])
 
 
-def clone_caches(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of both caches with their allocations (bytes outside the logical views too)."""
+def clone_caches(inp: Inputs, device: str | torch.device | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of both caches (on `device`, default theirs) with their whole allocations, so bytes
+    outside the logical views and the sharing of one allocation by K and V are kept."""
     storages: dict[int, torch.Tensor] = {}
-    return (_rebuild(storages, inp.key_cache, torch.clone),
-            _rebuild(storages, inp.value_cache, torch.clone))
+    device = inp.key_cache.device if device is None else device
+    return (_rebuild(storages, inp.key_cache, lambda b: b.to(device, copy=True)),
+            _rebuild(storages, inp.value_cache, lambda b: b.to(device, copy=True)))
 
 
 def _nan_mask(bytes_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
