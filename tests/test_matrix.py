@@ -11,7 +11,6 @@ import functools
 
 import pytest
 import torch
-from oracle import oracle
 
 import kvwrite
 from kvwrite import registry
@@ -19,12 +18,13 @@ from kvwrite.dtypes import parse_kv_cache_dtype
 from kvwrite.impls import torch_ref
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
+from oracle import oracle
 
 IMPLS = [info.name for info in registry.all_impls()]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected_caches(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle's caches for `case` (CPU), computed once per case."""
     inp = make_inputs(case)

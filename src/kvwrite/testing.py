@@ -144,7 +144,7 @@ def _plant_special_values(case: Case, key: torch.Tensor, value: torch.Tensor) ->
     """Per head: the special values, then the reciprocal traps for that head's scale."""
     fp8 = case.cache_dtype.fp8_dtype
     T, D = case.num_tokens, case.head_size
-    for t, scales in zip((key, value), _special_scales(case)):
+    for t, scales in zip((key, value), _special_scales(case), strict=True):
         for h in range(case.num_heads):
             s = float(scales[h if scales.numel() > 1 else 0])
             vals = torch.tensor(special_values(case.cache_dtype) + reciprocal_traps(fp8, s))

@@ -1,0 +1,270 @@
+"""The Triton implementation: one kernel for every layout, cache dtype and scale shape.
+
+One program writes a tile ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` of K and the same tile of V:
+it reads each token's slot once, loads both input tiles, converts them and stores them through the
+cache strides (so NHD, HND, interleaved and packed caches are the same code). Offsets into the
+caches and inputs are 64-bit. ``BLOCK_D`` is ``head_size`` rounded up to a power of two, masked.
+Tile shapes and warps are chosen per shape on the host by :func:`_tiling` (cached) and nothing is
+read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs, slots and
+scales.
+
+fp8 follows SPEC §1.1 exactly: ``tl.math.div_rn`` (Triton's ``/`` on float32 is approximate),
+saturation to ±448 / ±57344 done with comparisons (so NaN stays NaN and -0 stays -0), then the
+round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for bit into ``uint8`` or
+float8 caches.
+
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which rounds some float casts
+differently from the GPU; :func:`unsupported` refuses those cases there
+(see ``_interpreter_inexact``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..dtypes import CacheDType
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _e:  # optional at import time: `available` says why it cannot run
+    triton = tl = None
+    _IMPORT_ERROR: ImportError | None = _e
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["available", "unsupported", "run"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> str | None:
+    if triton is None:
+        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if not _interpreting():
+            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
+        if not _kernel_is_interpreted():
+            return ("TRITON_INTERPRET=1 was set after kvwrite.impls.triton_impl was imported; "
+                    "set it before importing triton")
+        return None
+    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+# Casts that Triton's interpreter (TRITON_INTERPRET=1, checked with Triton 3.9) rounds differently
+# from the GPU, as (input dtype, cache element dtype). Established by running this kernel under
+# the interpreter against the torch reference on all 65536 patterns of each 16-bit input dtype and
+# on 2^20 random float32 bit patterns plus rounding ties and overflow edges (tests/test_triton.py
+# keeps checking the exact ones): its float32->bfloat16 cast truncates instead of rounding to
+# nearest even (float16->bfloat16 goes through it), its bfloat16->float32 cast mangles bfloat16
+# subnormals, and its float32->fp8 cast rounds ties away from zero and mishandles mantissa carries,
+# subnormals and NaN. Exact there (NaN payloads aside): copies, float16->float32,
+# bfloat16->float16 and float32->float16.
+def _interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -> bool:
+    if element_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    if element_dtype == torch.bfloat16:
+        return input_dtype != torch.bfloat16
+    return input_dtype == torch.bfloat16 and element_dtype == torch.float32
+
+
+def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
+                k_scale: torch.Tensor | None) -> str | None:
+    if key.device.type == "cuda":
+        return None
+    element = cache_dtype.element_dtype(key.dtype)
+    if _interpreter_inexact(key.dtype, element):
+        src = str(key.dtype).removeprefix("torch.")
+        dst = str(element).removeprefix("torch.")
+        return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {src}->{dst} casts differently "
+                "from the GPU; run on a CUDA device")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning: the only place launch shapes are chosen. First guesses, not yet measured; the
+# bandwidth targets want 16 B vectors and enough bytes in flight per SM, the small-T target few
+# programs and no wasted lanes.
+_TILE_BYTES = 8192          # input bytes of K per program (as many of V): 4 KiB-16 KiB plausible
+_BYTES_PER_WARP = 2048      # -> 64 B of K and 64 B of V per thread: four 16 B vectors each
+_MAX_WARPS = 8
+_PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=512)
+def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int
+            ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, num_tiles) for one shape.
+
+    Large rows (H*D) are split into chunks of heads, one token per program; small rows take
+    several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
+    calls do not launch idle lanes.
+    """
+    block_d = _next_pow2(head_size)
+    tile_elems = max(1, _TILE_BYTES // in_bytes)
+    block_h = min(_next_pow2(num_heads), max(1, tile_elems // block_d))
+    block_t = 1
+    if block_h >= num_heads:
+        block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
+    tile_bytes = block_t * block_h * block_d * in_bytes
+    num_warps = min(_MAX_WARPS, max(1, tile_bytes // _BYTES_PER_WARP))
+    num_tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_heads, block_h)
+    return block_t, block_h, block_d, num_warps, num_tiles
+
+
+@functools.lru_cache(maxsize=16)
+def _max_programs(device_index: int | None) -> int | None:
+    if _PROGRAMS_PER_SM <= 0 or device_index is None:
+        return None
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms * _PROGRAMS_PER_SM
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel. QUANT: 0 = copy or float cast to the cache's element type, 1 = fp8 e4m3fn,
+# 2 = fp8 e5m2.
+_COPY, _E4M3, _E5M2 = 0, 1, 2
+
+if triton is not None:
+
+    @triton.jit
+    def _to_cache(x, scale, cache_ptr, QUANT: tl.constexpr):
+        """x (input dtype) -> the value stored through `cache_ptr` (SPEC §1.1)."""
+        if QUANT == 0:
+            out = x.to(cache_ptr.dtype.element_ty)
+        else:
+            if QUANT == 1:
+                fmax: tl.constexpr = 448.0
+                fp8_ty: tl.constexpr = tl.float8e4nv
+            else:
+                fmax: tl.constexpr = 57344.0
+                fp8_ty: tl.constexpr = tl.float8e5
+            # A true IEEE division: Triton's `/` on float32 is approximate and flips fp8 results.
+            y = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(scale, x.shape))
+            # Comparisons are false for NaN (stays NaN) and keep -0; ±inf saturates.
+            y = tl.where(y > fmax, fmax, tl.where(y < -fmax, -fmax, y))
+            # Round to nearest even; the cache is uint8 (vLLM's storage) or the float8 type
+            # itself: store the bits.
+            out = y.to(fp8_ty).to(cache_ptr.dtype.element_ty, bitcast=True)
+        return out
+
+    # Sizes that only bound loops and masks are not specialized on (divisibility, == 1): that
+    # would compile a new variant for many token counts without making any access wider.
+    @triton.jit(do_not_specialize=["num_tokens", "num_slots", "num_tiles"])
+    def _kvwrite_kernel(
+        key_ptr,  # [T_pad, H, D], token stride key_stride_t, dense heads
+        value_ptr,  # [T_pad, H, D], token stride value_stride_t, dense heads
+        key_cache_ptr,  # [num_blocks, block_size, H, D] via (stride_b, stride_s, stride_h, 1)
+        value_cache_ptr,  # same logical shape and strides as key_cache, other base
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        v_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        num_tokens,  # T
+        num_slots,  # num_blocks * block_size
+        key_stride_t,  # elements
+        value_stride_t,
+        stride_b,  # cache strides in elements (block, slot in block, head)
+        stride_s,
+        stride_h,
+        num_tiles,  # cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H)
+        NUM_HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        QUANT: tl.constexpr,
+        PER_HEAD_SCALE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        H_CHUNKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_SIZE
+        if QUANT != 0 and not PER_HEAD_SCALE:
+            k_scale_t = tl.load(k_scale_ptr)
+            v_scale_t = tl.load(v_scale_ptr)
+        else:
+            k_scale_t = 1.0
+            v_scale_t = 1.0
+        # A grid-stride loop: one iteration per program unless the grid is capped (persistent).
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            t = (tile // H_CHUNKS) * BLOCK_T + offs_t  # [BLOCK_T]
+            h = (tile % H_CHUNKS) * BLOCK_H + offs_h  # [BLOCK_H]
+            t_mask = t < num_tokens
+            slot = tl.load(slot_mapping_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+            t_mask = t_mask & (slot >= 0) & (slot < num_slots)
+            block = slot // BLOCK_SIZE
+            cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s  # int64
+            t64 = t.to(tl.int64)
+            in_col = h * HEAD_SIZE  # < H * D: 32-bit is enough
+            cache_col = h.to(tl.int64) * stride_h
+
+            mask = t_mask[:, None, None]
+            if NUM_HEADS % BLOCK_H != 0:
+                mask = mask & (h < NUM_HEADS)[None, :, None]
+            if BLOCK_D != HEAD_SIZE:
+                mask = mask & d_mask[None, None, :]
+            in_hd = in_col[None, :, None] + offs_d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
+            k_off = (t64 * key_stride_t)[:, None, None] + in_hd
+            v_off = (t64 * value_stride_t)[:, None, None] + in_hd
+            c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
+            # Both loads before either store, so K and V are in flight together.
+            k = tl.load(key_ptr + k_off, mask=mask, eviction_policy="evict_first")
+            v = tl.load(value_ptr + v_off, mask=mask, eviction_policy="evict_first")
+            if QUANT != 0 and PER_HEAD_SCALE:
+                h_ok = h < NUM_HEADS
+                k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
+                v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
+            else:
+                k_scale = k_scale_t
+                v_scale = v_scale_t
+            tl.store(key_cache_ptr + c_off, _to_cache(k, k_scale, key_cache_ptr, QUANT), mask=mask)
+            tl.store(value_cache_ptr + c_off, _to_cache(v, v_scale, value_cache_ptr, QUANT),
+                     mask=mask)
+
+
+def _kernel_is_interpreted() -> bool:
+    return type(_kvwrite_kernel).__name__ == "InterpretedFunction"
+
+
+_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by kvwrite.op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    _, num_heads, head_size = key.shape
+    num_blocks, block_size = key_cache.shape[:2]
+    block_t, block_h, block_d, num_warps, num_tiles = _tiling(
+        num_tokens, num_heads, head_size, key.element_size())
+    grid = num_tiles
+    cap = _max_programs(key.device.index if key.device.type == "cuda" else None)
+    if cap is not None:
+        grid = min(grid, cap)
+    quant = _QUANT.get(cache_dtype, _COPY)
+    per_head = quant != _COPY and k_scale.numel() > 1
+    stride_b, stride_s, stride_h, _ = key_cache.stride()
+    _kvwrite_kernel[(grid,)](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        num_tokens, num_blocks * block_size, key.stride(0), value.stride(0),
+        stride_b, stride_s, stride_h, num_tiles,
+        NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, QUANT=quant,
+        PER_HEAD_SCALE=per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
