@@ -84,10 +84,15 @@ def _fill_random(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: fl
         cache.uniform_(lo, hi, generator=generator)
         return
     fp8 = cache_dtype.fp8_dtype
-    vals = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
-    vals.uniform_(lo, hi, generator=generator)
-    bits = vals.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
-    cache.copy_(bits.view(torch.uint8) if cache.dtype == torch.uint8 else bits)
+    # A block range at a time: float32 temporaries of the whole cache would need 4x its size.
+    per_block = max(1, cache[:1].numel())
+    step = max(1, (64 << 20) // per_block)
+    for start in range(0, cache.shape[0], step):
+        part = cache[start:start + step]
+        vals = torch.empty(part.shape, dtype=torch.float32, device=cache.device)
+        vals.uniform_(lo, hi, generator=generator)
+        bits = vals.clamp_(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+        part.copy_(bits.view(torch.uint8) if cache.dtype == torch.uint8 else bits)
 
 
 _MODEL_DTYPES = {
