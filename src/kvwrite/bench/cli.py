@@ -1,0 +1,354 @@
+"""``kvwrite-bench``: vLLM's reshape_and_cache_flash benchmark, its flags and its table, and more.
+
+    kvwrite-bench [vLLM's flags] [kvwrite's flags]     # the sweep; the table on stdout
+    kvwrite-bench plot RESULTS.json --out PLOT.png     # a plot from a saved --json file
+
+Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error or a
+cache that does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+
+import torch
+
+from .. import registry
+from . import report
+from .models import MODELS, get_model, heads_per_rank
+from .plot import PlotError, plot_rows
+from .sweep import DTYPES, BenchError, Config, Env, run_sweep
+from .timing import MIN_SAMPLES
+from .workload import LAYOUTS
+
+__all__ = ["main", "build_parser", "parse_args", "make_config", "parse_num_tokens"]
+
+PROG = "kvwrite-bench"
+
+
+def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The parser; ``suppress_defaults`` leaves unset flags out (to tell which ones were given)."""
+    def d(value):
+        return argparse.SUPPRESS if suppress_defaults else value
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Benchmark reshape_and_cache_flash (writing new K/V rows into a paged KV "
+                    "cache). vLLM's flags, defaults and table, plus device timing, several "
+                    "implementations side by side, bandwidth, JSON/CSV and plots. "
+                    f"`{prog} plot RESULTS.json --out PLOT.png` plots a saved --json file.",
+    )
+    seed = p.add_argument_group("vLLM's flags (same defaults and choices)")
+    seed.add_argument("--num-heads", type=int, default=d(128), help="KV heads (default: 128)")
+    seed.add_argument("--head-size", type=int, choices=[64, 80, 96, 112, 120, 128, 192, 256],
+                      default=d(128), help="(default: 128)")
+    seed.add_argument("--block-size", type=int, choices=[16, 32], default=d(16),
+                      help="(default: 16)")
+    seed.add_argument("--num-blocks", type=int, default=d(128 * 512), help="(default: 65536)")
+    seed.add_argument("--dtype", type=str, choices=list(DTYPES), default=d("bfloat16"),
+                      help="key/value dtype (default: bfloat16)")
+    seed.add_argument("--kv-cache-dtype", type=str, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                      default=d("auto"), help="fp8 = fp8_e4m3 (default: auto)")
+    seed.add_argument("--iters", type=int, default=d(100),
+                      help="timed samples at most: replays (device timer) or calls (host-sync) "
+                           "(default: 100)")
+    seed.add_argument("--implementation", type=str, default=d("cuda"),
+                      help="a registered implementation (cuda, triton, torch, ...), a comma list, "
+                           "or 'all' (those available on the device) (default: cuda; torch with "
+                           "--device cpu)")
+    seed.add_argument("--mode", type=str, choices=["cudagraph", "no_graph"], default=d("cudagraph"),
+                      help="(default: cudagraph)")
+
+    more = p.add_argument_group("kvwrite's flags")
+    more.add_argument("--timer", choices=["device", "host-sync"], default=d("device"),
+                      help="device (default): CUDA events around a CUDA graph of --graph-calls "
+                           "calls (around as many eager calls in no_graph mode), median per call; "
+                           "host-sync: vLLM's host clock with a synchronize after each call")
+    more.add_argument("--hot-l2", action="store_true", default=d(False),
+                      help="the same inputs every call (vLLM's condition) instead of rotating "
+                           "inputs and slot mappings past the L2")
+    more.add_argument("--graph-calls", type=int, default=d(20),
+                      help="calls per CUDA graph (or per eager run) for the device timer "
+                           "(default: 20)")
+    more.add_argument("--time-budget", type=float, default=d(0.5), metavar="SECONDS",
+                      help="timed seconds per point and implementation after which the device "
+                           "timer stops (at least 10 samples, at most --iters; default: 0.5)")
+    more.add_argument("--layouts", type=str, default=d("NHD,HND"),
+                      help="comma list of NHD, HND, packed (one [num_blocks, block_size, H, 2*D] "
+                           "allocation, K = [..., :D], V = [..., D:]) (default: NHD,HND)")
+    more.add_argument("--num-tokens", type=str, default=d("2:65536"),
+                      help="a list (1,2,64) or a range LO:HI of doublings (2:65536 = 2, 4, ..., "
+                           "65536, the default)")
+    more.add_argument("--per-head-scale", action="store_true", default=d(False),
+                      help="fp8: one scale per head (its amax over tokens and dims / 64)")
+    more.add_argument("--model", type=str.lower, choices=list(MODELS), default=d(None),
+                      help="set --num-heads and --head-size to the model's KV heads and head size")
+    more.add_argument("--tp", type=int, default=d(1),
+                      help="tensor-parallel degree: divides the KV heads (one replicated head per "
+                           "rank when it exceeds them) (default: 1)")
+    more.add_argument("--baseline", type=str, default=d(None),
+                      help="the implementation speedups are relative to (default: the first listed)")
+    more.add_argument("--no-check", dest="check", action="store_false", default=d(True),
+                      help="skip the check against the torch reference before timing")
+    more.add_argument("--device", type=str, default=d("cuda"),
+                      help="cuda (default), cuda:N, or cpu (the torch implementation, CPU timings)")
+    more.add_argument("--verbose", action="store_true", default=d(False),
+                      help="add spread, bandwidth and status columns to the table")
+    more.add_argument("--json", type=str, default=d(None), metavar="PATH",
+                      help="write {meta, rows} (one row per measurement) as JSON")
+    more.add_argument("--csv", type=str, default=d(None), metavar="PATH",
+                      help="write one line per measurement as CSV (last column: the command)")
+    more.add_argument("--plot", type=str, default=d(None), metavar="PATH.png",
+                      help="plot latency and GB/s against num_tokens (needs matplotlib)")
+    return p
+
+
+def _normalize(argv: list[str]) -> list[str]:
+    """vLLM's parser accepts --num_heads for --num-heads: so does this one."""
+    out = []
+    for a in argv:
+        if a.startswith("--") and not a.startswith("---"):
+            flag, eq, value = a.partition("=")
+            a = flag.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
+def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
+    """Parsed flags; ``explicit`` holds the names of the flags given on the command line."""
+    argv = _normalize(argv)
+    args = build_parser(prog).parse_args(argv)
+    args.explicit = set(vars(build_parser(prog, suppress_defaults=True).parse_args(argv)))
+    return args
+
+
+def parse_num_tokens(text: str) -> list[int]:
+    """``"1,2,64"`` -> [1, 2, 64]; ``"LO:HI"`` -> LO, 2*LO, 4*LO, ... up to HI."""
+    bad = ValueError(f"--num-tokens: expected a list like 1,2,64 or a range LO:HI of doublings "
+                     f"like 2:65536 (positive integers), got {text!r}")
+    try:
+        if ":" in text:
+            lo, hi = (int(x) for x in text.split(":"))
+            if lo < 1 or hi < lo:
+                raise bad
+            values = []
+            while lo <= hi:
+                values.append(lo)
+                lo *= 2
+            return values
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise bad from None
+    if not values or min(values) < 1:
+        raise bad
+    return list(dict.fromkeys(values))
+
+
+def _parse_layouts(text: str) -> list[str]:
+    names = {name.lower(): name for name in LAYOUTS}
+    out = []
+    for part in text.split(","):
+        if part.strip().lower() not in names:
+            raise ValueError(f"--layouts: expected a comma list of {', '.join(LAYOUTS)}, got {text!r}")
+        out.append(names[part.strip().lower()])
+    return list(dict.fromkeys(out))
+
+
+def _parse_device(text: str) -> torch.device:
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device: expected cuda, cuda:N or cpu, got {text!r}")
+    return dev
+
+
+def _implementations(text: str, device: torch.device) -> list[str]:
+    if text == "all":
+        names = [i.name for i in registry.all_impls() if i.available(device) is None]
+        if not names:
+            raise ValueError(f"--implementation all: no registered implementation is available on {device}")
+        return names
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = [i.name for i in registry.all_impls()]
+    for n in names:
+        if n not in known:
+            raise ValueError(f"--implementation: expected {', '.join(known)}, a comma list of "
+                             f"them, or 'all', got {n!r}")
+    if not names:
+        raise ValueError(f"--implementation: expected a name, a comma list or 'all', got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def make_config(args: argparse.Namespace) -> Config:
+    """The run's configuration; raises ValueError naming the flag for bad values."""
+    device = _parse_device(args.device)
+    impl_text = args.implementation
+    if device.type == "cpu" and "implementation" not in args.explicit:
+        impl_text = "torch"
+    impls = _implementations(impl_text, device)
+    baseline = args.baseline or impls[0]
+    if baseline not in impls:
+        raise ValueError(f"--baseline: expected one of the implementations run ({', '.join(impls)}), "
+                         f"got {baseline!r}")
+    num_heads, head_size = args.num_heads, args.head_size
+    if args.model:
+        given = [f"--{f.replace('_', '-')}" for f in ("num_heads", "head_size") if f in args.explicit]
+        if given:
+            raise ValueError(f"--model: sets --num-heads and --head-size; got {' and '.join(given)} too")
+        preset = get_model(args.model)
+        num_heads, head_size = preset.num_kv_heads, preset.head_dim
+    for flag, value in (("--num-heads", num_heads), ("--num-blocks", args.num_blocks),
+                        ("--iters", args.iters), ("--graph-calls", args.graph_calls)):
+        if value < 1:
+            raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    num_heads = heads_per_rank(num_heads, args.tp)
+    if not args.time_budget > 0:
+        raise ValueError(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
+    return Config(
+        implementations=impls, baseline=baseline, layouts=_parse_layouts(args.layouts),
+        num_tokens=parse_num_tokens(args.num_tokens), num_heads=num_heads, head_size=head_size,
+        block_size=args.block_size, num_blocks=args.num_blocks, dtype=DTYPES[args.dtype],
+        kv_cache_dtype=args.kv_cache_dtype, per_head_scale=args.per_head_scale, iters=args.iters,
+        mode=args.mode, timer=args.timer, hot_l2=args.hot_l2, graph_calls=args.graph_calls,
+        time_budget=args.time_budget, check=args.check, device=device, model=args.model or "",
+        tp=args.tp)
+
+
+def header_lines(cfg: Config, env: Env) -> list[str]:
+    """What was measured, how, and on what: printed above vLLM's header line."""
+    calls = cfg.graph_calls
+
+    def over(unit: str) -> str:
+        return (f"up to {cfg.iters} {unit} (fewer past {cfg.time_budget:g} s per point, at least "
+                f"{min(cfg.iters, MIN_SAMPLES)})")
+    model = f" ({cfg.model}, tp={cfg.tp})" if cfg.model else (f" (tp={cfg.tp})" if cfg.tp > 1 else "")
+    scale = ", per-head scales" if cfg.per_head_scale and "fp8" in cfg.kv_cache_dtype else ""
+    lines = [
+        f"kvwrite-bench {env.kvwrite_version} on {env.device_name} | torch {env.torch_version}, "
+        f"triton {env.triton_version or '-'}, CUDA {env.cuda_version or '-'}",
+        f"shape: num_heads={cfg.num_heads}{model} head_size={cfg.head_size} "
+        f"block_size={cfg.block_size} num_blocks={cfg.num_blocks} dtype={str(cfg.dtype).removeprefix('torch.')} "
+        f"kv_cache_dtype={cfg.kv_cache_dtype}{scale}",
+    ]
+    if cfg.timer == "host-sync":
+        what = ("each replay of a CUDA graph of 1 call" if cfg.measured_mode == "cudagraph"
+                else "each call")
+        lines.append(f"timer: host-sync (vLLM's method): host clock around {what}, with a "
+                     f"synchronize after it; latency = mean of {cfg.iters} calls")
+    elif cfg.is_cpu:
+        lines.append(f"CPU timings: host clock (time.perf_counter) around runs of {calls} calls; "
+                     f"latency = median per call over {over('runs')}")
+    elif cfg.measured_mode == "cudagraph":
+        lines.append(f"timer: device: CUDA events around replays of one CUDA graph of {calls} calls; "
+                     f"latency = median per call over {over('replays')}")
+    else:
+        lines.append(f"timer: device: CUDA events around {calls} back-to-back eager calls (launch "
+                     f"cost included); latency = median per call over {over('runs')}")
+    if cfg.is_cpu and cfg.mode == "cudagraph":
+        lines.append("note: cudagraph mode needs a CUDA device; measured no_graph on the CPU")
+    l2_mib = env.l2_bytes / 2**20
+    if cfg.l2_condition == "rotated":
+        lines.append(f"L2: rotated: the calls of a run rotate over input sets (key, value, slots) "
+                     f"that together exceed 2x the {l2_mib:.0f} MiB L2 (up to {calls} sets; when "
+                     f"{calls} are smaller, L2 is flushed before each run)")
+    elif cfg.l2_condition == "hot":
+        lines.append("L2: hot: the same inputs every call, as vLLM measures")
+    else:
+        lines.append("L2: not controlled on the CPU")
+    lines.append(f"copy bandwidth: {env.copy_bw / 1e9:.0f} GB/s (copies of "
+                 f"{env.copy_bytes / 2**20:.0f} MiB, bytes read + written, median of 10)")
+    lines.append("check: each implementation against the torch reference at each point, before "
+                 "timing" if cfg.check else "check: off (--no-check)")
+    return ["# " + line for line in lines]
+
+
+def _command(prog: str, argv: list[str]) -> str:
+    return " ".join([prog, shlex.join(argv)]) if argv else prog
+
+
+def _run(argv: list[str], prog: str) -> int:
+    args = parse_args(argv, prog)
+    try:
+        cfg = make_config(args)
+    except ValueError as e:
+        build_parser(prog).error(str(e))
+    if cfg.device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False); "
+                         "pass --device cpu to run the torch implementation on the CPU")
+    if args.plot:
+        from .plot import _pyplot
+        _pyplot()  # fail before the sweep, not after it
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    rows, env = run_sweep(cfg, progress)
+    impl_title = ",".join(cfg.implementations)
+    header = header_lines(cfg, env)
+    lines = list(header)
+    lines.append(f"Benchmark results for implementation {impl_title} "
+                 f"(measuring with {cfg.measured_mode}):")
+    if len(cfg.implementations) == 1:
+        lines.append(report.seed_table(rows, args.verbose))
+    else:
+        lines.append(report.compare_table(rows, cfg.implementations, cfg.baseline, args.verbose))
+        lines.append(f"speedup = {cfg.baseline} latency / the implementation's latency")
+    notes = report.notes(rows)
+    if notes:
+        lines.append("notes (NaN rows):")
+        lines += [f"  {n}" for n in notes]
+    print("\n".join(lines), flush=True)
+
+    command = _command(prog, argv)
+    meta = {
+        "command": command, "argv": argv, "created": datetime.datetime.now(datetime.timezone.utc)
+        .isoformat(timespec="seconds"), "device": str(cfg.device), "device_name": env.device_name,
+        "torch_version": env.torch_version, "triton_version": env.triton_version,
+        "cuda_version": env.cuda_version, "kvwrite_version": env.kvwrite_version,
+        "l2_bytes": env.l2_bytes, "copy_bw_gbps": env.copy_bw / 1e9, "copy_bytes": env.copy_bytes,
+        "implementations": cfg.implementations, "baseline": cfg.baseline,
+        "header": header, "notes": notes,
+    }
+    if args.json:
+        report.write_json(args.json, rows, meta)
+    if args.csv:
+        report.write_csv(args.csv, rows, command)
+    if args.plot:
+        plot_rows(rows, args.plot)
+    failed = [r for r in rows if r.status.startswith(("mismatch", "error"))]
+    return 1 if failed else 0
+
+
+def _plot_main(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(prog=f"{prog} plot",
+                                description="Plot a JSON file written by --json.")
+    p.add_argument("json", help="a file written by --json")
+    p.add_argument("--out", required=True, metavar="PATH.png")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    try:
+        _, rows = report.read_json(args.json)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    plot_rows(rows, args.out, args.title)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["plot"]:
+            return _plot_main(argv[1:], prog)
+        return _run(argv, prog)
+    except (BenchError, PlotError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

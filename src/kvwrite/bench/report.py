@@ -1,0 +1,233 @@
+"""One row schema and its renderings: the console table, JSON and CSV.
+
+The console table is laid out as vLLM's benchmark prints it (``tabulate``'s "simple" format with
+its default number handling: numbers in ``g`` format, aligned on the decimal point), without
+depending on tabulate.
+
+JSON: ``{"meta": {...}, "rows": [...]}``, with ``meta["command"]`` the command line that
+reproduces the run; NaN is written as null. CSV: one line per row with the :class:`Row` fields
+as columns, plus a last ``command`` column holding that command line.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Row", "ROW_FIELDS", "CSV_FIELDS", "format_table", "seed_table", "compare_table",
+           "notes", "write_json", "write_csv", "read_json"]
+
+NAN = float("nan")
+
+
+@dataclasses.dataclass
+class Row:
+    """One measurement: one implementation at one (layout, num_tokens) point."""
+
+    implementation: str
+    layout: str                # NHD, HND or packed
+    dtype: str                 # key/value dtype
+    kv_cache_dtype: str
+    num_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    num_tokens: int
+    per_head_scale: bool
+    model: str                 # preset name, "" when none
+    tp: int
+    timer: str                 # device, host-sync or cpu
+    mode: str                  # cudagraph or no_graph (what was measured)
+    l2: str                    # rotated, hot or n/a (CPU)
+    rotation_sets: int         # distinct input sets the calls rotate over
+    calls_per_sample: int
+    samples: int
+    latency_us: float          # the table's number: median, or the mean for host-sync (vLLM's)
+    median_us: float
+    p20_us: float
+    p80_us: float
+    mean_us: float
+    bytes: int                 # 2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes
+    gbps: float                # bytes / median, in 1e9 bytes/s
+    pct_copy_bw: float         # gbps / the copy bandwidth measured in this run, in %
+    copy_bw_gbps: float
+    check: str                 # passed, failed or skipped
+    status: str                # ok, or "unsupported: ...", "mismatch: ...", "skipped: ...", "error: ..."
+    device: str                # GPU name, or "cpu"
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    kvwrite_version: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+ROW_FIELDS = [f.name for f in dataclasses.fields(Row)]
+CSV_FIELDS = ROW_FIELDS + ["command"]
+
+
+# --- the console table ---------------------------------------------------------------------------
+
+def _parse_number(v) -> type | None:
+    """int or float when ``v`` reads as a number (tabulate's rule, "nan" included), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return int
+    if isinstance(v, float):
+        return float
+    if not isinstance(v, str):
+        return None
+    try:
+        int(v)
+        return int
+    except ValueError:
+        pass
+    try:
+        f = float(v)
+    except ValueError:
+        return None
+    if math.isinf(f) or math.isnan(f):
+        return float if v.strip().lower() in ("inf", "-inf", "nan") else None
+    return float
+
+
+def _after_point(s: str) -> int:
+    if _parse_number(s) is not int and _parse_number(s) is float:
+        pos = s.rfind(".")
+        pos = s.lower().rfind("e") if pos < 0 else pos
+        return len(s) - pos - 1 if pos >= 0 else -1
+    return -1
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """``tabulate(rows, headers)`` with its defaults ("simple" format, numbers parsed)."""
+    cols = list(zip(*rows, strict=True)) if rows else [() for _ in headers]
+    out_cols, numeric = [], []
+    for col in cols:
+        kinds = {_parse_number(v) for v in col}
+        kind = str if None in kinds or not kinds else float if float in kinds else int
+        cells = [format(float(v), "g") if kind is float else str(v) for v in col]
+        out_cols.append(cells)
+        numeric.append(kind is not str)
+    lines_cols, widths = [], []
+    for h, cells, num in zip(headers, out_cols, numeric, strict=True):
+        minwidth = len(h) + 2
+        if num:
+            decs = [_after_point(c) for c in cells]
+            top = max(decs, default=-1)
+            cells = [c + " " * (top - d) for c, d in zip(cells, decs, strict=True)]
+            width = max([len(c) for c in cells] + [minwidth])
+            lines_cols.append([c.rjust(width) for c in cells])
+        else:
+            cells = [c.strip() for c in cells]
+            width = max([len(c) for c in cells] + [minwidth])
+            lines_cols.append([c.ljust(width) for c in cells])
+        widths.append(width)
+    head = "  ".join(h.rjust(w) if num else h.ljust(w)
+                     for h, w, num in zip(headers, widths, numeric, strict=True))
+    lines = [head.rstrip(), "  ".join("-" * w for w in widths)]
+    for i in range(len(rows)):
+        lines.append("  ".join(col[i] for col in lines_cols).rstrip())
+    return "\n".join(lines)
+
+
+def _us(x: float) -> str:
+    # vLLM prints f"{seconds * 1e6:.3f}" and tabulate re-reads it as a number.
+    return f"{x:.3f}"
+
+
+def seed_table(rows: Sequence[Row], verbose: bool = False) -> str:
+    """One implementation: vLLM's three columns (plus spread and bandwidth with ``verbose``)."""
+    headers = ["num_tokens", "layout", "latency (µs)"]
+    if verbose:
+        headers += ["p20 (µs)", "p80 (µs)", "GB/s", "% copy BW", "status"]
+    body = []
+    for r in rows:
+        line = [r.num_tokens, r.layout, _us(r.latency_us)]
+        if verbose:
+            line += [_us(r.p20_us), _us(r.p80_us), f"{r.gbps:.1f}", f"{r.pct_copy_bw:.1f}",
+                     r.status.split(":")[0]]
+        body.append(line)
+    return format_table(headers, body)
+
+
+def compare_table(rows: Sequence[Row], impls: Sequence[str], baseline: str,
+                  verbose: bool = False) -> str:
+    """Several implementations: one line per (layout, num_tokens), a latency column each, and
+    each one's speedup over ``baseline`` (baseline latency / its latency)."""
+    by_key: dict[tuple[str, int], dict[str, Row]] = {}
+    for r in rows:
+        by_key.setdefault((r.layout, r.num_tokens), {})[r.implementation] = r
+    others = [i for i in impls if i != baseline]
+    headers = ["num_tokens", "layout"] + [f"{i} (µs)" for i in impls]
+    headers += [f"{i} vs {baseline}" for i in others]
+    if verbose:
+        headers += [f"{i} % copy BW" for i in impls]
+    body = []
+    for (layout, t), per in by_key.items():
+        lat = {i: per[i].latency_us if i in per else NAN for i in impls}
+        line = [t, layout] + [_us(lat[i]) for i in impls]
+        line += [f"{lat[baseline] / lat[i]:.2f}" for i in others]
+        if verbose:
+            line += [f"{per[i].pct_copy_bw:.1f}" if i in per else "nan" for i in impls]
+        body.append(line)
+    return format_table(headers, body)
+
+
+def _ranges(values: Iterable[int]) -> str:
+    v = sorted(set(values))
+    return ", ".join(map(str, v)) if len(v) <= 4 else f"{v[0]}..{v[-1]} ({len(v)} points)"
+
+
+def notes(rows: Sequence[Row]) -> list[str]:
+    """One line per (implementation, layout, reason) for every row that was not measured."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for r in rows:
+        if not r.ok:
+            groups.setdefault((r.implementation, r.layout, r.status), []).append(r.num_tokens)
+    return [f"{impl} {layout} num_tokens {_ranges(ts)}: {status}"
+            for (impl, layout, status), ts in groups.items()]
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+def _json_value(v):
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def write_json(path: str, rows: Sequence[Row], meta: dict) -> None:
+    doc = {"meta": meta,
+           "rows": [{k: _json_value(v) for k, v in dataclasses.asdict(r).items()} for r in rows]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def read_json(path: str) -> tuple[dict, list[Row]]:
+    """(meta, rows) of a file :func:`write_json` wrote; null numbers read back as NaN."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or "rows" not in doc:
+        raise ValueError(f"{path}: expected a kvwrite-bench JSON file with 'meta' and 'rows'")
+    floats = {f.name for f in dataclasses.fields(Row) if f.type in ("float", float)}
+    rows = []
+    for d in doc["rows"]:
+        missing = [k for k in ROW_FIELDS if k not in d]
+        if missing:
+            raise ValueError(f"{path}: a row lacks the fields {missing}")
+        rows.append(Row(**{k: (NAN if d[k] is None and k in floats else d[k]) for k in ROW_FIELDS}))
+    return doc.get("meta", {}), rows
+
+
+def write_csv(path: str, rows: Sequence[Row], command: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**dataclasses.asdict(r), "command": command})

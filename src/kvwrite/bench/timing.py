@@ -1,0 +1,178 @@
+"""Timers: device time from CUDA events, vLLM's host clock with a sync per call, and a CPU clock.
+
+Every timer takes ``call(i)``, which launches call number ``i`` of a run of ``calls`` back-to-back
+calls (the caller rotates inputs with ``i``), and returns one :class:`Timing`: a list of per-call
+samples, each the duration of one run divided by its number of calls.
+
+- :func:`time_device`: ``graph=True`` captures the run in one CUDA graph and records CUDA events
+  around each replay; ``graph=False`` records the events around the eager run (launch cost
+  included). With ``flush``, that buffer is zeroed before each sample, outside the events.
+- :func:`time_host_sync`: vLLM's benchmark method, kept for comparison with published numbers.
+- :func:`time_cpu`: ``time.perf_counter`` around runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Timing", "time_device", "time_host_sync", "time_cpu", "copy_bandwidth", "l2_bytes",
+           "MIN_SAMPLES"]
+
+# Fewer samples than this make p20/p80 meaningless; below it the time budget is ignored.
+MIN_SAMPLES = 10
+# A guess where the device does not report its L2 (Hopper has 50-60 MB).
+DEFAULT_L2_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    samples: list[float]  # seconds per call, one per timed run
+    calls: int            # calls per timed run
+    mean: float           # seconds per call over all timed runs
+
+    def quantile(self, q: float) -> float:
+        """Linear interpolation between order statistics (q in [0, 1])."""
+        s = sorted(self.samples)
+        pos = q * (len(s) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+def _sample_count(estimate_s: float, iters: int, budget_s: float) -> int:
+    """At most ``iters`` samples, fewer when they would run past ``budget_s`` (never < MIN_SAMPLES)."""
+    by_budget = int(budget_s / estimate_s) if estimate_s > 0 else iters
+    return max(1, min(iters, max(MIN_SAMPLES, by_budget)))
+
+
+def time_device(call: Callable[[int], None], calls: int, iters: int, *, graph: bool,
+                flush: torch.Tensor | None = None, budget_s: float = math.inf) -> Timing:
+    """Device time per call from CUDA events; ``iters`` samples at most (see the module doc)."""
+    for i in range(calls):  # eager warm-up: compiles kernels before any capture
+        call(i)
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                call(i)
+        run = g.replay
+    else:
+        def run() -> None:
+            for i in range(calls):
+                call(i)
+
+    def sample() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        if flush is not None:
+            flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        return start, end
+
+    run()
+    first = sample()
+    torch.cuda.synchronize()
+    n = _sample_count(first[0].elapsed_time(first[1]) / 1e3, iters, budget_s)
+    events = [sample() for _ in range(n)]
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) / 1e3 / calls for s, e in events]
+    return Timing(samples, calls, statistics.fmean(samples))
+
+
+def time_host_sync(fn: Callable[[], None], iters: int, *, graph: bool, device: torch.device,
+                   warmup: int = 3) -> Timing:
+    """vLLM's method: ``fn`` once per iteration, a synchronize after each, host clock around the loop.
+
+    ``graph=True`` captures one call in a CUDA graph and times its replays, as vLLM does. ``mean`` is
+    the loop's total time over ``iters`` (vLLM's number); ``samples`` hold each iteration's time.
+    """
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()  # eager warm-up: a kernel must be compiled before it is captured
+    sync()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        sync()
+        fn = g.replay
+
+    def loop(n: int) -> tuple[float, list[float]]:
+        samples = []
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        return (time.perf_counter() - start) / n, samples
+
+    loop(warmup)
+    mean, samples = loop(iters)
+    return Timing(samples, 1, mean)
+
+
+def time_cpu(call: Callable[[int], None], calls: int, iters: int,
+             budget_s: float = math.inf) -> Timing:
+    """Host clock around runs of ``calls`` calls on the CPU; ``iters`` samples at most."""
+    def run() -> float:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            call(i)
+        return time.perf_counter() - t0
+
+    run()
+    n = _sample_count(run(), iters, budget_s)
+    samples = [run() / calls for _ in range(n)]
+    return Timing(samples, calls, statistics.fmean(samples))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
+
+    Median of ``reps`` copies of ``nbytes`` (CUDA events on a GPU, the host clock on the CPU).
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        events = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dst.copy_(src)
+            e.record()
+            events.append((s, e))
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) / 1e3 for s, e in events]
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 size as the driver reports it (a 64 MiB guess where it does not)."""
+    if device.type != "cuda":
+        return DEFAULT_L2_BYTES
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    return int(size) if size else DEFAULT_L2_BYTES

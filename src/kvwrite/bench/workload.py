@@ -1,0 +1,156 @@
+"""What one benchmark point runs on: the shape, the caches, and the input sets calls rotate over.
+
+Input sets follow vLLM's benchmark recipe: after seeding every RNG with 42, ``key`` and ``value``
+are ``torch.randn`` rows, the slots are ``random.sample(range(num_blocks * block_size), T)``
+(unique), and ``k_scale = key.amax() / 64`` (same for v), a float32 tensor. Set 0 is exactly vLLM's
+set; further sets (for L2 rotation) continue the same random streams.
+
+Caches are allocated as vLLM's benchmark does (one allocation per layer, K and V blocks
+interleaved) for the NHD and HND layouts, or as one packed allocation
+``[num_blocks, block_size, H, 2*D]`` (K = ``[..., :D]``, V = ``[..., D:]``) for "packed", and
+filled with uniform values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches), a chunk of
+blocks at a time so that filling needs no full-size temporary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import torch
+
+from ..dtypes import CacheDType
+from ..layouts import KVAlloc, Layout, allocate_kv_cache
+
+__all__ = ["LAYOUTS", "Shape", "InputSet", "make_caches", "fill_caches", "make_input_sets",
+           "SEED"]
+
+SEED = 42
+LAYOUTS = ("NHD", "HND", "packed")
+# Largest temporary (bytes) that filling or checking a cache may allocate at once.
+CHUNK_BYTES = 256 * 2**20
+SLOT_DTYPE = torch.int64
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype           # key/value dtype
+    cache_dtype: CacheDType
+    kv_cache_dtype: str          # as the user spelled it (passed to the op)
+    layout: str                  # "NHD", "HND" or "packed"
+    per_head_scale: bool = False
+
+    @property
+    def in_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def cache_elem_bytes(self) -> int:
+        return self.cache_dtype.element_size(self.dtype)
+
+    @property
+    def cache_tensor_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.cache_dtype.is_fp8 else self.cache_dtype.element_dtype(self.dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K plus one block of V."""
+        return 2 * self.block_size * self.num_heads * self.head_size * self.cache_elem_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def set_bytes(self, num_tokens: int) -> int:
+        """Bytes of one input set: key, value and the slot mapping."""
+        return (2 * num_tokens * self.num_heads * self.head_size * self.in_bytes
+                + num_tokens * SLOT_DTYPE.itemsize)
+
+    def bytes_moved(self, num_tokens: int) -> int:
+        """Bytes one call reads and writes: ``2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes``."""
+        return (2 * num_tokens * self.num_heads * self.head_size
+                * (self.in_bytes + self.cache_elem_bytes) + num_tokens * SLOT_DTYPE.itemsize)
+
+
+@dataclasses.dataclass
+class InputSet:
+    key: torch.Tensor            # [T, H, D]
+    value: torch.Tensor          # [T, H, D]
+    slot_mapping: torch.Tensor   # [T] int64, unique slots
+    k_scale: torch.Tensor        # float32, [] or [H]
+    v_scale: torch.Tensor
+
+    def run_args(self, key_cache, value_cache, cache_dtype: CacheDType) -> tuple:
+        """Arguments of an implementation's ``run`` (scales only in fp8 modes, as the op passes)."""
+        fp8 = cache_dtype.is_fp8
+        return (self.key, self.value, key_cache, value_cache, self.slot_mapping, cache_dtype,
+                self.k_scale if fp8 else None, self.v_scale if fp8 else None)
+
+
+def make_caches(shape: Shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (key_cache, value_cache) of ``shape.layout``, logical [nb, bs, H, D] each."""
+    if shape.layout == "packed":
+        layout, alloc = Layout.NHD, KVAlloc.PACKED
+    else:
+        layout, alloc = Layout(shape.layout), KVAlloc.INTERLEAVED
+    return allocate_kv_cache(shape.num_blocks, shape.block_size, shape.num_heads, shape.head_size,
+                             shape.cache_tensor_dtype, layout, alloc, device)
+
+
+def fill_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, shape: Shape,
+                seed: int = SEED) -> None:
+    """Uniform random values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches)."""
+    gen = torch.Generator(device=key_cache.device).manual_seed(seed)
+    bound = shape.head_size**-0.5
+    row_bytes = shape.block_size * shape.num_heads * shape.head_size * 4  # float32 temporary
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for cache in (key_cache, value_cache):
+        for b in range(0, shape.num_blocks, step):
+            part = cache[b:b + step]
+            if shape.cache_dtype.is_fp8:
+                vals = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+                vals.uniform_(-bound, bound, generator=gen)
+                # |values| <= 1 is far inside the fp8 range, so the cast needs no clamp.
+                part.copy_(vals.to(shape.cache_dtype.fp8_dtype).view(torch.uint8))
+            else:
+                part.uniform_(-bound, bound, generator=gen)
+
+
+def seed_everything(seed: int = SEED) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_input_sets(shape: Shape, num_tokens: int, count: int,
+                    device: torch.device) -> list[InputSet]:
+    """``count`` input sets of ``num_tokens`` tokens; set 0 is vLLM's benchmark input."""
+    if num_tokens > shape.num_slots:
+        raise ValueError(
+            f"num_tokens: expected at most num_blocks * block_size = {shape.num_slots}, got {num_tokens}"
+        )
+    seed_everything()
+    sets = []
+    for _ in range(count):
+        key = torch.randn(num_tokens, shape.num_heads, shape.head_size, dtype=shape.dtype,
+                          device=device)
+        value = torch.randn_like(key)
+        slots = torch.tensor(random.sample(range(shape.num_slots), num_tokens), dtype=SLOT_DTYPE,
+                             device=device)
+        if shape.per_head_scale:
+            k_scale = (key.amax(dim=(0, 2)) / 64.0).to(torch.float32)
+            v_scale = (value.amax(dim=(0, 2)) / 64.0).to(torch.float32)
+        else:
+            k_scale = (key.amax() / 64.0).to(torch.float32)
+            v_scale = (value.amax() / 64.0).to(torch.float32)
+        sets.append(InputSet(key, value, slots, k_scale, v_scale))
+    return sets

@@ -1,0 +1,446 @@
+"""kvwrite-bench: vLLM's flags and function, the table/JSON/CSV schema, the check, errors, plots."""
+
+import csv
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvwrite import registry
+from kvwrite.bench import run_benchmark, sweep
+from kvwrite.bench.cli import build_parser, main, make_config, parse_args, parse_num_tokens
+from kvwrite.bench.models import MODELS
+from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, format_table
+from kvwrite.bench.workload import Shape
+from kvwrite.dtypes import CacheDType
+from kvwrite.impls import torch_ref
+
+SEED_HEADER = re.compile(r"^Benchmark results for implementation (\S+) \(measuring with (\S+)\):$",
+                         re.M)
+SEED_COLUMNS = re.compile(r"^\s*num_tokens\s+layout\s+latency \(µs\)$", re.M)
+
+# A tiny sweep that runs end to end on the CPU in well under a second.
+TINY = ["--num-tokens", "2,16", "--num-heads", "2", "--head-size", "64", "--num-blocks", "64",
+        "--iters", "3"]
+CPU_TINY = ["--device", "cpu", *TINY]
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    """The data lines of the table under vLLM's header line."""
+    lines = out[SEED_HEADER.search(out).end():].strip("\n").splitlines()
+    body = []
+    for line in lines[2:]:
+        if not line or line.startswith(("notes", "speedup", " ")) and not line.strip()[0].isdigit():
+            break
+        body.append(line.split())
+    return body
+
+
+# --- vLLM's flags and function --------------------------------------------------------------------
+
+# SPEC §2: vLLM's flag, its default, and its choices (None: any int).
+SEED_FLAGS = {
+    "--num-heads": (128, None),
+    "--head-size": (128, [64, 80, 96, 112, 120, 128, 192, 256]),
+    "--block-size": (16, [16, 32]),
+    "--num-blocks": (128 * 512, None),
+    "--dtype": ("bfloat16", ["half", "bfloat16", "float"]),
+    "--kv-cache-dtype": ("auto", ["auto", "fp8"]),
+    "--iters": (100, None),
+    "--implementation": ("cuda", ["cuda", "triton"]),
+    "--mode": ("cudagraph", ["cudagraph", "no_graph"]),
+}
+
+
+def test_seed_flags_defaults_and_choices():
+    actions = build_parser()._option_string_actions
+    for flag, (default, choices) in SEED_FLAGS.items():
+        action = actions[flag]
+        assert action.default == default, flag
+        if flag in ("--kv-cache-dtype",):
+            assert set(choices) <= set(action.choices), flag  # fp8_e5m2 added
+        elif flag == "--implementation":
+            for name in choices:  # any registered name, a list or 'all': checked after parsing
+                assert parse_args([flag, name]).implementation == name
+                assert make_config(parse_args([flag, name])).implementations == [name]
+        elif choices is None:
+            assert action.choices is None and action.type is int, flag
+        else:
+            assert list(action.choices) == choices, flag
+    # vLLM's parser also takes underscores.
+    assert parse_args(["--num_heads", "8", "--head_size=64"]).num_heads == 8
+
+
+def test_seed_defaults_make_the_seed_sweep():
+    cfg = make_config(parse_args([]))
+    assert cfg.implementations == ["cuda"] and cfg.mode == "cudagraph"
+    assert cfg.layouts == ["NHD", "HND"]
+    assert cfg.num_tokens == [2**e for e in range(1, 17)]
+    assert (cfg.num_heads, cfg.head_size, cfg.block_size, cfg.num_blocks) == (128, 128, 16, 65536)
+    assert cfg.dtype == torch.bfloat16 and cfg.kv_cache_dtype == "auto" and cfg.iters == 100
+
+
+def test_help_lists_every_seed_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in SEED_FLAGS:
+        assert flag in out
+
+
+def test_run_benchmark_signature():
+    params = inspect.signature(run_benchmark).parameters
+    assert list(params) == ["num_tokens", "num_heads", "head_size", "block_size", "num_blocks",
+                            "dtype", "kv_cache_dtype", "kv_cache_layout", "num_iters",
+                            "implementation", "benchmark_mode", "device"]
+    assert params["device"].default == "cuda"
+    assert all(p.default is inspect.Parameter.empty for n, p in params.items() if n != "device")
+
+
+def test_run_benchmark_on_cpu():
+    args = dict(num_tokens=16, num_heads=2, head_size=64, block_size=16, num_blocks=64,
+                dtype=torch.bfloat16, kv_cache_dtype="auto", kv_cache_layout="HND", num_iters=3,
+                implementation="torch", benchmark_mode="no_graph", device="cpu")
+    seconds = run_benchmark(**args)
+    assert math.isfinite(seconds) and 0 < seconds < 1
+    with pytest.raises(ValueError, match="cudagraph"):
+        run_benchmark(**{**args, "benchmark_mode": "cudagraph"})
+    with pytest.raises(ValueError, match="head_size"):  # vLLM's rule for fp8
+        run_benchmark(**{**args, "kv_cache_dtype": "fp8", "head_size": 120})
+    with pytest.raises(ValueError, match="num_tokens"):
+        run_benchmark(**{**args, "num_tokens": 64 * 16 + 1})
+    with pytest.raises(ValueError, match="implementation"):
+        run_benchmark(**{**args, "implementation": "nope"})
+
+
+# --- the CPU run end to end ----------------------------------------------------------------------
+
+def test_cpu_end_to_end_table_json_csv_plot(tmp_path, capsys):
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
+    plot = ["--plot", str(png)] if _has_matplotlib() else []
+    assert main([*CPU_TINY, "--json", str(js), "--csv", str(cs), *plot]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert SEED_HEADER.search(out).groups() == ("torch", "no_graph")
+    assert SEED_COLUMNS.search(out)
+    assert "CPU timings" in out
+    body = _table_rows(out)
+    assert [(r[0], r[1]) for r in body] == [("2", "NHD"), ("16", "NHD"), ("2", "HND"), ("16", "HND")]
+    assert all(float(r[2]) > 0 for r in body)
+    assert "[4/4]" in captured.err  # progress goes to stderr
+
+    doc = json.loads(js.read_text())
+    assert doc["meta"]["command"].startswith("kvwrite-bench ")
+    assert doc["meta"]["argv"][:2] == ["--device", "cpu"]
+    rows = doc["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert set(r) == set(ROW_FIELDS)
+        assert r["status"] == "ok" and r["check"] == "passed" and r["timer"] == "cpu"
+        assert r["bytes"] == 2 * r["num_tokens"] * 2 * 64 * (2 + 2) + r["num_tokens"] * 8
+        assert r["median_us"] > 0 and r["p20_us"] <= r["median_us"] <= r["p80_us"]
+        assert math.isclose(r["gbps"], r["bytes"] / r["median_us"] / 1e3)
+    with cs.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_FIELDS
+        lines = list(reader)
+    assert len(lines) == 4 and lines[0]["command"] == doc["meta"]["command"]
+
+    if plot:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        again = tmp_path / "again.png"
+        assert main(["plot", str(js), "--out", str(again)]) == 0
+        assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_layouts_fp8_e5m2_per_head_and_host_sync_on_cpu(tmp_path, capsys):
+    js = tmp_path / "r.json"
+    argv = [*CPU_TINY, "--layouts", "packed,HND", "--kv-cache-dtype", "fp8_e5m2",
+            "--per-head-scale", "--timer", "host-sync", "--json", str(js), "--verbose"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "timer: host-sync" in out
+    assert re.search(r"latency \(µs\)\s+p20 \(µs\)\s+p80 \(µs\)\s+GB/s\s+% copy BW\s+status", out)
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["packed", "packed", "HND", "HND"]
+    assert all(r["status"] == "ok" and r["check"] == "passed" for r in rows)
+    assert all(r["timer"] == "host-sync" and r["bytes"] % 2 == 0 for r in rows)
+
+
+def test_unsupported_points_print_nan_with_a_reason(capsys):
+    # fp8 needs head_size % 16 == 0 (vLLM's rule); 2048 tokens exceed 64 blocks * 16 slots.
+    argv = ["--device", "cpu", "--num-tokens", "2,2048", "--num-heads", "2", "--head-size", "120",
+            "--num-blocks", "64", "--iters", "3", "--kv-cache-dtype", "fp8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert [r[2] for r in _table_rows(out)] == ["nan"] * 4
+    assert "head_size % 16" in out
+
+
+def test_seed_script_runs_from_a_checkout(tmp_path):
+    """benchmarks/kernels/... finds src/ itself when kvwrite (here: a stale one) lacks the bench."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "kvwrite").mkdir()
+    (tmp_path / "kvwrite" / "__init__.py").write_text("")
+    script = root / "benchmarks" / "kernels" / "benchmark_reshape_and_cache_flash.py"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), *CPU_TINY, "--layouts", "NHD"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert SEED_HEADER.search(done.stdout).groups() == ("torch", "no_graph")
+
+
+# --- the check ------------------------------------------------------------------------------------
+
+def _register(monkeypatch, name: str, run) -> None:
+    mod = types.ModuleType(f"kvwrite_test_impl_{name}")
+    mod.available = lambda device: None
+    mod.unsupported = lambda key, key_cache, cache_dtype, k_scale: None
+    mod.run = run
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(registry._REGISTRY, name,
+                        registry.ImplInfo(name, "deliberately wrong", mod.__name__, priority=-1))
+
+
+def _skip_last(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale):
+    torch_ref.run(key, value, key_cache, value_cache, slot_mapping[:-1], cache_dtype, k_scale, v_scale)
+
+
+def _stray(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale):
+    """Right rows, plus token 0's value row also in a slot of the same block no token owns."""
+    torch_ref.run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
+    bs = key_cache.shape[1]
+    taken = set(slot_mapping.tolist())
+    s0 = int(slot_mapping[0])
+    free = next(s for s in range(s0 - s0 % bs, s0 - s0 % bs + bs) if s not in taken)
+    value_cache[free // bs, free % bs] = value[0].to(value_cache.dtype)
+
+
+@pytest.mark.parametrize("broken", [_skip_last, _stray])
+def test_check_marks_a_wrong_implementation(monkeypatch, capsys, tmp_path, broken):
+    _register(monkeypatch, "wrong", broken)
+    js = tmp_path / "r.json"
+    rc = main([*CPU_TINY, "--implementation", "torch,wrong", "--json", str(js)])
+    assert rc == 1  # a failed check fails the run
+    out = capsys.readouterr().out
+    assert SEED_HEADER.search(out).group(1) == "torch,wrong"
+    assert re.search(r"torch \(µs\)\s+wrong \(µs\)\s+wrong vs torch", out)
+    rows = json.loads(js.read_text())["rows"]
+    by_impl = {i: [r for r in rows if r["implementation"] == i] for i in ("torch", "wrong")}
+    assert all(r["status"] == "ok" and r["median_us"] > 0 for r in by_impl["torch"])
+    for r in by_impl["wrong"]:
+        assert r["status"].startswith("mismatch: ") and r["check"] == "failed"
+        assert r["median_us"] is None and r["samples"] == 0  # never timed
+    assert "wrong NHD num_tokens 2: mismatch: " in out
+    stray = "a slot no token writes" in out
+    assert stray == (broken is _stray)
+
+
+def test_no_check_times_without_checking(monkeypatch, tmp_path):
+    _register(monkeypatch, "wrong", _skip_last)
+    js = tmp_path / "r.json"
+    assert main([*CPU_TINY, "--implementation", "wrong", "--no-check", "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert all(r["check"] == "skipped" and r["status"] == "ok" for r in rows)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+def test_no_gpu_without_device_cpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(TINY) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--num-heads", "8", "--tp", "3"], "--tp"),
+    (["--model", "llama-3.1-8b", "--tp", "3"], "--tp"),
+    (["--model", "no-such-model"], "--model"),
+    (["--model", "llama-3.1-8b", "--num-heads", "4"], "--model"),
+    (["--num-tokens", "0,2"], "--num-tokens"),
+    (["--num-tokens", "64:2"], "--num-tokens"),
+    (["--layouts", "NHD,XYZ"], "--layouts"),
+    (["--implementation", "cuda,nope"], "--implementation"),
+    (["--implementation", "torch", "--baseline", "cuda"], "--baseline"),
+    (["--head-size", "100"], "--head-size"),
+])
+def test_bad_flags_name_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_models_and_tp():
+    for name, preset in MODELS.items():
+        cfg = make_config(parse_args(["--model", name]))
+        assert (cfg.num_heads, cfg.head_size) == (preset.num_kv_heads, preset.head_dim)
+    assert (MODELS["llama-3.1-8b"].num_kv_heads, MODELS["llama-3.1-8b"].head_dim) == (8, 128)
+    assert (MODELS["gemma-2-9b"].num_kv_heads, MODELS["gemma-2-9b"].head_dim) == (8, 256)
+    assert (MODELS["gpt-oss-120b"].num_kv_heads, MODELS["gpt-oss-120b"].head_dim) == (8, 64)
+    assert make_config(parse_args(["--model", "Llama-3.1-8B", "--tp", "2"])).num_heads == 4
+    assert make_config(parse_args(["--model", "llama-3.1-8b", "--tp", "8"])).num_heads == 1
+    assert make_config(parse_args(["--model", "llama-3.1-8b", "--tp", "16"])).num_heads == 1
+    assert make_config(parse_args(["--num-heads", "128", "--tp", "4"])).num_heads == 32
+
+
+def test_parse_num_tokens():
+    assert parse_num_tokens("2:65536") == [2**e for e in range(1, 17)]
+    assert parse_num_tokens("3:20") == [3, 6, 12]
+    assert parse_num_tokens("1,2,64,2") == [1, 2, 64]
+    for bad in ("", "a", "0", "4:2", "1:2:3", "-1"):
+        with pytest.raises(ValueError, match="--num-tokens"):
+            parse_num_tokens(bad)
+
+
+def test_cache_too_large_names_the_largest_num_blocks(monkeypatch, capsys):
+    free = int(1.25 * 2**30)
+    monkeypatch.setattr(sweep, "available_memory", lambda device: free)
+    assert main(["--device", "cpu", *TINY[:-4], "--num-blocks", "10000000", "--iters", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "Traceback" not in err
+    largest = int(re.search(r"largest --num-blocks that fits is (\d+)", err).group(1))
+    block_bytes = 2 * 16 * 2 * 64 * 2  # K + V of one block, bf16
+    assert largest > 0 and largest * block_bytes < free
+    # The suggested size runs under the same memory limit.
+    assert main(["--device", "cpu", *TINY[:-4], "--num-blocks", str(largest), "--iters", "3"]) == 0
+    monkeypatch.setattr(sweep, "available_memory", lambda device: 0)
+    assert main(CPU_TINY) == 2
+    assert "No --num-blocks fits" in capsys.readouterr().err
+
+
+def test_out_of_memory_is_a_message_not_a_traceback(monkeypatch, capsys):
+    def oom(*args, **kwargs):
+        raise sweep.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(sweep, "make_caches", oom)
+    assert main(CPU_TINY) == 2
+    err = capsys.readouterr().err
+    assert "out of device memory" in err and "--num-blocks" in err and "Traceback" not in err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert main([*CPU_TINY, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+# --- pieces ---------------------------------------------------------------------------------------
+
+def test_rotation_exceeds_the_l2_or_flushes():
+    cfg = make_config(parse_args([]))  # device cuda: a torch.device needs no GPU
+    l2 = 50 * 2**20
+    for heads in (8, 128):
+        for t in (2**e for e in range(1, 17)):
+            shape = Shape(heads, 128, 16, 65536, torch.bfloat16, CacheDType.AUTO, "auto", "NHD")
+            sets, flush = sweep.rotation(cfg, shape, t, l2)
+            assert 1 <= sets <= cfg.graph_calls
+            total = sets * shape.set_bytes(t)
+            assert total >= 2 * l2 or (flush and sets == cfg.graph_calls)
+            assert (total - shape.set_bytes(t) < 2 * l2) or sets == 1  # no more sets than needed
+    cfg.hot_l2 = True
+    assert sweep.rotation(cfg, shape, 2, l2) == (1, False)
+
+
+def test_all_means_the_implementations_available_on_the_device():
+    cfg = make_config(parse_args(["--device", "cpu", "--implementation", "all"]))
+    assert "torch" in cfg.implementations
+    assert all(registry.get(n).available("cpu") is None for n in cfg.implementations)
+    assert cfg.baseline == cfg.implementations[0]
+
+
+def test_table_layout_matches_tabulate():
+    tabulate = pytest.importorskip("tabulate").tabulate
+    headers = ["num_tokens", "layout", "latency (µs)"]
+    for rows in ([[2, "NHD", "3.050"], [65536, "HND", "2406.981"], [16, "HND", "nan"]],
+                 [[2, "NHD", "nan"], [4, "packed", "nan"]],
+                 [[1, "NHD", "0.001"], [8, "HND", "1234567.891"]], []):
+        assert format_table(headers, rows) == tabulate(rows, headers=headers)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+GPU_SMALL = ["--num-heads", "8", "--num-blocks", "4096", "--iters", "20", "--time-budget", "0.1"]
+
+
+@pytest.mark.gpu
+def test_gpu_all_implementations_check_and_time(tmp_path, capsys):
+    js = tmp_path / "r.json"
+    argv = [*GPU_SMALL, "--implementation", "all", "--layouts", "NHD,HND,packed",
+            "--num-tokens", "2,64,4096", "--json", str(js), "--verbose"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "timer: device" in out and "L2: rotated" in out
+    doc = json.loads(js.read_text())
+    impls = doc["meta"]["implementations"]
+    assert "torch" in impls and len(impls) >= 2
+    for r in doc["rows"]:
+        if r["implementation"] == "torch":  # not graph-safe: NaN with the reason
+            assert r["status"].startswith("unsupported:") and "graph" in r["status"]
+            continue
+        assert r["status"] == "ok" and r["check"] == "passed", r
+        assert r["median_us"] > 0 and r["gbps"] > 0 and r["pct_copy_bw"] > 0
+        if r["num_tokens"] == 2:  # 8 KiB sets: all 20 calls of a graph get their own
+            assert r["rotation_sets"] == 20
+    assert doc["meta"]["copy_bw_gbps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_gpu_fp8_no_graph_and_host_sync(tmp_path, kv):
+    js = tmp_path / "r.json"
+    argv = [*GPU_SMALL, "--implementation", "all", "--kv-cache-dtype", kv, "--per-head-scale",
+            "--mode", "no_graph", "--num-tokens", "16,1024", "--json", str(js)]
+    assert main(argv) == 0
+    assert main([*argv[:-2], "--timer", "host-sync", "--hot-l2"]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert all(r["status"] == "ok" and r["check"] == "passed" for r in rows)  # torch included
+
+
+@pytest.mark.gpu
+def test_gpu_check_catches_a_wrong_implementation(monkeypatch, tmp_path):
+    _register(monkeypatch, "wrong", _skip_last)
+    js = tmp_path / "r.json"
+    argv = [*GPU_SMALL, "--implementation", "wrong", "--num-tokens", "16,4096", "--json", str(js)]
+    assert main(argv) == 1
+    rows = json.loads(js.read_text())["rows"]
+    assert all(r["status"].startswith("mismatch") and r["median_us"] is None for r in rows)
+
+
+@pytest.mark.gpu
+def test_gpu_run_benchmark():
+    args = dict(num_tokens=256, num_heads=8, head_size=128, block_size=16, num_blocks=1024,
+                dtype=torch.bfloat16, kv_cache_dtype="auto", num_iters=10,
+                benchmark_mode="cudagraph")
+    for impl in (i.name for i in registry.all_impls() if i.available("cuda") is None):
+        for layout in ("NHD", "HND", "packed"):
+            seconds = run_benchmark(**args, kv_cache_layout=layout, implementation=impl)
+            if impl == "torch":
+                assert math.isnan(seconds)  # not graph-safe
+            else:
+                assert math.isfinite(seconds) and seconds > 0
+
+
+@pytest.mark.gpu
+def test_gpu_cache_too_large(monkeypatch, capsys):
+    monkeypatch.setattr(sweep, "available_memory", lambda device: 2**30)
+    assert main([*GPU_SMALL[:2], "--num-blocks", "100000000"]) == 2
+    assert "largest --num-blocks that fits is" in capsys.readouterr().err
