@@ -1,0 +1,142 @@
+"""Tuning probe: time implementations (and variants of their tuning knobs) at the points of the
+performance issue, in one process, against the copy bandwidth measured in the same run.
+
+Method (the one the quoted vLLM figures use): 20 calls captured in one CUDA graph, CUDA events
+around each replay, median over replays, per call = replay / 20; hot L2 (the same inputs every
+call). This is a development tool; the user-facing benchmark is ``kvwrite-bench``.
+
+    python scripts/perf_probe.py --impls triton,cuda --set triton._TILE_BYTES=16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+
+import torch
+
+import kvwrite
+from kvwrite.dtypes import parse_kv_cache_dtype
+from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+
+CALLS = 20
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(22):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def time_graph(fn, replays: int) -> float:
+    """Median seconds per call of `fn` captured CALLS times in one graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def empty_kernel_floor() -> float:
+    x = torch.empty(1, device="cuda")
+    return time_graph(lambda: x.add_(0), 50)
+
+
+POINTS = [  # (H, D, layout, alloc, kv, T)
+    *[(128, 128, lo, al, kv, t) for lo, al in ((Layout.NHD, KVAlloc.INTERLEAVED),
+                                               (Layout.HND, KVAlloc.INTERLEAVED),
+                                               (Layout.NHD, KVAlloc.PACKED))
+      for kv in ("auto", "fp8") for t in (2, 4, 1024, 4096, 16384, 65536)],
+    *[(8, 128, lo, al, kv, t) for lo, al in ((Layout.NHD, KVAlloc.INTERLEAVED),
+                                             (Layout.HND, KVAlloc.INTERLEAVED),
+                                             (Layout.NHD, KVAlloc.PACKED))
+      for kv in ("auto", "fp8") for t in (2, 64, 1024, 32768, 65536)],
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impls", default="triton,cuda")
+    ap.add_argument("--set", action="append", default=[],
+                    help="module.ATTR=value tuning override, e.g. triton._TILE_BYTES=16384; "
+                         "several --set with '|' between alternatives make variants")
+    ap.add_argument("--filter", default="", help="only points whose label contains this")
+    ap.add_argument("--replays", type=int, default=30)
+    args = ap.parse_args()
+
+    variants = [[]]
+    for s in args.set:
+        variants = [v + [alt] for v in variants for alt in s.split("|")]
+    bw = copy_bandwidth()
+    floor = empty_kernel_floor()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)  "
+          f"empty-kernel floor {floor * 1e6:.2f} us/call (graph)")
+    dtype = torch.bfloat16
+    caches = {}
+    for impl in args.impls.split(","):
+        for variant in variants:
+            for ov in variant:
+                target, val = ov.split("=")
+                mod, attr = target.split(".")
+                m = importlib.import_module(f"kvwrite.impls.{mod}_impl")
+                setattr(m, attr, type(getattr(m, attr))(eval(val)))
+                for f in vars(m).values():
+                    if hasattr(f, "cache_clear"):
+                        f.cache_clear()
+            tag = impl + ("[" + ",".join(variant) + "]" if variant else "")
+            print(f"\n## {tag}")
+            print(f"{'H':>4} {'D':>4} {'layout':>7} {'kv':>5} {'T':>6} {'us':>9} {'%bw':>6}")
+            for h, d, layout, alloc, kv, t in POINTS:
+                label = f"{h}-{d}-{layout.value}-{alloc.value}-{kv}-{t}"
+                if args.filter and args.filter not in label:
+                    continue
+                cdt = parse_kv_cache_dtype(kv)
+                cache_dtype = torch.uint8 if cdt.is_fp8 else dtype
+                key_ = (h, d, layout, alloc, cache_dtype)
+                if key_ not in caches:
+                    caches.clear()
+                    torch.cuda.empty_cache()
+                    caches[key_] = allocate_kv_cache(65536 * 2 // 16, 16, h, d, cache_dtype,
+                                                     layout, alloc, "cuda")
+                kc, vc = caches[key_]
+                g = torch.Generator(device="cuda").manual_seed(0)
+                key = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
+                value = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
+                slots = torch.randperm(kc.shape[0] * 16, device="cuda", generator=g)[:t]
+                ks = (key.amax() / 64).float().reshape(1)
+                vs = (value.amax() / 64).float().reshape(1)
+
+                def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks, vs=vs, kv=kv,
+                         impl=impl):
+                    kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs,
+                                                    implementation=impl)
+
+                sec = time_graph(call, args.replays)
+                nbytes = 2 * t * h * d * (2 + cdt.element_size(dtype)) + t * 8
+                print(f"{h:>4} {d:>4} {layout.value + ('/p' if alloc is KVAlloc.PACKED else ''):>7} "
+                      f"{kv:>5} {t:>6} {sec * 1e6:>9.2f} {100 * nbytes / sec / bw:>6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
