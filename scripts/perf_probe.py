@@ -80,14 +80,15 @@ def main() -> None:
     ap.add_argument("--impls", default="triton,cuda")
     ap.add_argument("--set", action="append", default=[],
                     help="module.ATTR=value tuning override, e.g. triton._TILE_BYTES=16384; "
-                         "several --set with '|' between alternatives make variants")
+                         "alternatives separated by '|' (triton._TILE_BYTES=4096|8192) make variants")
     ap.add_argument("--filter", default="", help="only points whose label contains this")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
 
     variants = [[]]
     for s in args.set:
-        variants = [v + [alt] for v in variants for alt in s.split("|")]
+        target, vals = s.split("=")
+        variants = [v + [f"{target}={alt}"] for v in variants for alt in vals.split("|")]
     bw = copy_bandwidth()
     floor = empty_kernel_floor()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)  "

@@ -442,5 +442,5 @@ def test_gpu_run_benchmark():
 @pytest.mark.gpu
 def test_gpu_cache_too_large(monkeypatch, capsys):
     monkeypatch.setattr(sweep, "available_memory", lambda device: 2**30)
-    assert main([*GPU_SMALL[:2], "--num-blocks", "100000000"]) == 2
+    assert main([*GPU_SMALL[:2], "--num-tokens", "2:1024", "--num-blocks", "100000000"]) == 2
     assert "largest --num-blocks that fits is" in capsys.readouterr().err

@@ -89,10 +89,11 @@ def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDT
 
 
 # --------------------------------------------------------------------------------------------
-# Tuning: the only place launch shapes are chosen. First guesses, not yet measured; the
-# bandwidth targets want 16 B vectors and enough bytes in flight per SM, the small-T target few
-# programs and no wasted lanes.
-_TILE_BYTES = 8192          # input bytes of K per program (as many of V): 4 KiB-16 KiB plausible
+# Tuning: the only place launch shapes are chosen. The bandwidth targets want 16 B vectors and
+# enough bytes in flight per SM, the small-T target few programs and no wasted lanes.
+# 4 KiB: H200, bf16 "auto", T=65536 (scripts/perf_probe.py): H=128 2192 us (92.5% of copy
+# bandwidth) vs 2268 us (89.4%) at 8 KiB and 2291 us (88.5%) at 16 KiB; H=8 139 vs 144 us.
+_TILE_BYTES = 4096          # input bytes of K per program (as many of V)
 _BYTES_PER_WARP = 2048      # -> 64 B of K and 64 B of V per thread: four 16 B vectors each
 _MAX_WARPS = 8
 _PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
@@ -146,19 +147,16 @@ if triton is not None:
         return y.to(FP8_TY).to(tl.uint8, bitcast=True)
 
     @triton.jit
-    def _to_cache(x, scale, rcp, cache_ptr, QUANT: tl.constexpr):
-        """x (input dtype) -> the value stored through `cache_ptr` (SPEC §1.1).
+    def _store_cache(cache_ptr, offs, mask, x, scale, QUANT: tl.constexpr):
+        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`.
 
-        fp8: the rule is fp8(RN(x / scale)). A true division per element (`div_rn`) costs a
-        reciprocal, a correction and a slow-path check with a branch, which serializes the tile.
-        Instead, with rcp = RN(1 / scale) normal, q = RN(x * rcp) is within 1.5 ulp of x / scale,
-        so RN(x / scale) lies in [q - 2^-21 |q|, q + 2^-21 |q|]; fp8 rounding is monotone, so when
-        both ends give the same fp8 code that code is exact. Where they differ (within a few ulps
-        of an fp8 rounding boundary), or rcp is not a normal number, the whole tile takes the
-        true division. Measured on H200: 3.7 -> see docs/performance.md.
+        fp8 uses a true division per element (`div_rn`), whose slow-path check costs a branch
+        per element. A faster exact form (reciprocal bracket with a tile-wide fallback, as the
+        CUDA kernel does) miscompiled or crashed ptxas with Triton 3.6 on sm_90, so it is not
+        used here; see docs/performance.md.
         """
         if QUANT == 0:
-            out = x.to(cache_ptr.dtype.element_ty)
+            tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
             if QUANT == 1:
                 fmax: tl.constexpr = 448.0
@@ -166,21 +164,11 @@ if triton is not None:
             else:
                 fmax: tl.constexpr = 57344.0
                 fp8_ty: tl.constexpr = tl.float8e5
-            xf = x.to(tl.float32)
-            r = tl.broadcast_to(rcp, x.shape)
-            q = xf * r
-            margin = tl.abs(q) * 4.76837158203125e-07  # 2^-21
-            lo = _fp8_bits(q - margin, fmax, fp8_ty)
-            hi = _fp8_bits(q + margin, fmax, fp8_ty)
-            ok = (lo == hi) & (tl.abs(r) >= 1.1754943508222875e-38) & (tl.abs(r) < float("inf"))
-            if tl.min(tl.min(tl.min(ok.to(tl.int32), axis=2), axis=1), axis=0) == 1:
-                bits = lo
-            else:
-                y = tl.math.div_rn(xf, tl.broadcast_to(scale, x.shape))
-                bits = _fp8_bits(y, fmax, fp8_ty)
+            # A true IEEE division: Triton's `/` on float32 is approximate and flips fp8 results.
+            y = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(scale, x.shape))
+            bits = _fp8_bits(y, fmax, fp8_ty)
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
-            out = bits.to(cache_ptr.dtype.element_ty, bitcast=True)
-        return out
+            tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
     # Sizes that only bound loops and masks are not specialized on (divisibility, == 1): that
     # would compile a new variant for many token counts without making any access wider.
@@ -218,13 +206,9 @@ if triton is not None:
         if QUANT != 0 and not PER_HEAD_SCALE:
             k_scale_t = tl.load(k_scale_ptr)
             v_scale_t = tl.load(v_scale_ptr)
-            k_rcp_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), k_scale_t)
-            v_rcp_t = tl.math.div_rn(tl.full([], 1.0, tl.float32), v_scale_t)
         else:
             k_scale_t = 1.0
             v_scale_t = 1.0
-            k_rcp_t = 1.0
-            v_rcp_t = 1.0
         # A grid-stride loop: one iteration per program unless the grid is capped (persistent).
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             t = (tile // H_CHUNKS) * BLOCK_T + offs_t  # [BLOCK_T]
@@ -252,19 +236,13 @@ if triton is not None:
             v = tl.load(value_ptr + v_off, mask=mask, eviction_policy="evict_first")
             if QUANT != 0 and PER_HEAD_SCALE:
                 h_ok = h < NUM_HEADS
-                k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)
-                v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
-                k_rcp = tl.math.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), k_scale)[None, :, None]
-                v_rcp = tl.math.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), v_scale)[None, :, None]
-                k_scale = k_scale[None, :, None]
-                v_scale = v_scale[None, :, None]
+                k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
+                v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
             else:
-                k_scale, k_rcp = k_scale_t, k_rcp_t
-                v_scale, v_rcp = v_scale_t, v_rcp_t
-            tl.store(key_cache_ptr + c_off, _to_cache(k, k_scale, k_rcp, key_cache_ptr, QUANT),
-                     mask=mask)
-            tl.store(value_cache_ptr + c_off, _to_cache(v, v_scale, v_rcp, value_cache_ptr, QUANT),
-                     mask=mask)
+                k_scale = k_scale_t
+                v_scale = v_scale_t
+            _store_cache(key_cache_ptr, c_off, mask, k, k_scale, QUANT)
+            _store_cache(value_cache_ptr, c_off, mask, v, v_scale, QUANT)
 
 
 def _kernel_is_interpreted() -> bool:

@@ -1,0 +1,367 @@
+"""The CUDA implementation: ``reshape_and_cache.cu`` compiled at run time with NVRTC (cuda.core).
+
+No nvcc and no C++ toolchain at run time: the kernel source ships as package data, is compiled
+for the current GPU's architecture the first time a variant is needed (once per process), and
+is launched on PyTorch's current stream through ``cuda.core``.
+
+Variants (template arguments of ``reshape_and_cache_flash_kernel``): input dtype, cache element
+kind (a plain copy of the input bits, a float cast, fp8 e4m3 or e5m2), the vector width VEC in
+elements and the slot index type. VEC is the widest of 16, 8, 4, 2 bytes (of the wider of the
+input and cache element) such that every row chunk of VEC elements is aligned in the inputs and
+the caches: ``head_size % VEC == 0``, data pointers and every stride that moves (token, block,
+slot, head) multiples of VEC elements; otherwise one element per access (e.g. bfloat16 with
+head_size 46: 92-byte rows are 4-byte but not 16-byte aligned, so VEC = 2).
+
+Graph-safe: a call does no allocation and no host sync; scales are read on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.resources
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..dtypes import CacheDType
+
+__all__ = ["available", "unsupported", "run", "plan", "fixed_args", "kernel_source",
+           "compile_kernel"]
+
+INSTALL_HINT = "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"
+SOURCE_NAME = "reshape_and_cache.cu"
+KERNEL = "reshape_and_cache_flash_kernel"
+
+# Element kinds, as DT_* in the .cu file.
+_F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
+_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+# The kernel's __launch_bounds__.
+MAX_THREADS = 256
+# Persistent grid: at most this many waves of resident CTAs (by the occupancy API); beyond that,
+# each thread walks the tokens with a grid stride. A starting point, not yet measured against
+# other values (issue 6).
+_WAVES = 1
+
+# KVWRITE_CUDA_EXACT_DIV=1 compiles the fp8 kernels without the reciprocal bracket (one true
+# division per element), for comparison; both are bit-exact.
+_EXACT_DIV = os.environ.get("KVWRITE_CUDA_EXACT_DIV", "") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# Source and compilation
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def kernel_source() -> str:
+    """The text of ``reshape_and_cache.cu``, found as package data (works from a wheel too)."""
+    return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
+
+
+def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) -> str:
+    """The name expression of one kernel variant."""
+    slot = "long long" if slot_dtype == torch.int64 else "int"
+    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {slot}>"
+
+
+def all_kernel_names() -> list[str]:
+    """Every variant `run` can launch (for compile tests)."""
+    names = []
+    for in_dtype, in_kind in _KIND.items():
+        outs = [(_COPY, in_dtype.itemsize), (_E4M3, 1), (_E5M2, 1)]
+        outs += [(k, d.itemsize) for d, k in _KIND.items() if d != in_dtype]
+        for out_kind, out_bytes in outs:
+            if out_kind == _COPY and in_kind == _BF16:
+                continue  # 2-byte copies share the float16 variant
+            vec = 16 // max(in_dtype.itemsize, out_bytes)
+            while vec >= 1:
+                for slot in (torch.int32, torch.int64):
+                    names.append(kernel_name(in_kind, out_kind, vec, slot))
+                vec //= 2
+    return names
+
+
+@functools.cache
+def _cuda_core():
+    try:
+        import cuda.core as cc
+    except ImportError as e:
+        raise ImportError(f"the cuda implementation needs cuda.core ({e}); {INSTALL_HINT}") from e
+    return cc
+
+
+class _Log:
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, text) -> None:
+        self.parts.append(text.decode(errors="replace") if isinstance(text, bytes) else str(text))
+
+
+def compile_kernel(arch: str, names: str | Sequence[str], *, source: str | None = None,
+                   exact_div: bool = False, ptxas_verbose: bool = False):
+    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch`` (e.g.
+    "sm_90"); needs no GPU.
+
+    Returns ``(object_code, log)``: a cuda.core ``ObjectCode`` (``.code`` is the cubin,
+    ``.get_kernel(name)`` a kernel) and NVRTC's log (with ``ptxas_verbose``, ptxas's register
+    and spill report). A compile error raises RuntimeError carrying NVRTC's log.
+    """
+    names = (names,) if isinstance(names, str) else tuple(names)
+    cc = _cuda_core()
+    options = cc.ProgramOptions(name="kvwrite_reshape_and_cache", arch=arch, std="c++17",
+                                define_macro="KVWRITE_EXACT_DIV" if exact_div else None,
+                                ptxas_options="-v" if ptxas_verbose else None)
+    program = cc.Program(kernel_source() if source is None else source, "c++", options)
+    log = _Log()
+    try:
+        obj = program.compile("cubin", name_expressions=names, logs=log)
+    except Exception as e:  # cuda.core's NVRTCError carries the compilation log in its text
+        what = names[0] if len(names) == 1 else f"{len(names)} kernel variants"
+        text = f"{e}\n{''.join(log.parts)}".replace("\x00", "").strip()
+        raise RuntimeError(f"cuda: NVRTC could not compile {what} for {arch}:\n{text}") from e
+    finally:
+        program.close()
+    return obj, "".join(log.parts).replace("\x00", "")
+
+
+@functools.cache
+def _kernel(arch: str, name: str, exact_div: bool):
+    obj, _ = compile_kernel(arch, name, exact_div=exact_div)
+    return obj.get_kernel(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Availability
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def _setup_reason() -> str | None:
+    try:
+        _cuda_core()
+    except ImportError as e:
+        return str(e)
+    try:
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        if int(err) != 0:
+            raise RuntimeError(f"nvrtcVersion returned {err}")
+    except Exception as e:  # the library itself is missing or broken
+        return f"the cuda implementation cannot load NVRTC ({e}); {INSTALL_HINT}"
+    if not torch.cuda.is_available():
+        return ("the cuda implementation needs a CUDA GPU visible to PyTorch "
+                "(none found: no GPU, no NVIDIA driver, or a CPU-only PyTorch build)")
+    return None
+
+
+@functools.cache
+def available(device: torch.device) -> str | None:
+    """None on a CUDA device with cuda.core and NVRTC loadable, else why not (what to install)."""
+    if device.type != "cuda":
+        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
+    return _setup_reason()
+
+
+def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+    """Every validated case runs (any strides, dtypes, head sizes; unaligned rows fall back)."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Launch planning
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call shape is launched (cached per shape, strides, dtypes and alignment)."""
+
+    name: str             # kernel name expression
+    vec: int              # elements per vector access
+    vec_bytes: int        # bytes per input vector access
+    threads: int          # CTA size = tokens_per_cta * row
+    tokens_per_cta: int   # several tokens per CTA when a row has few chunks
+    grid_y: int           # CTAs per token when a row has many chunks
+    chunks_per_head: int
+    chunks_per_token: int
+    block_shift: int      # log2(block_size), or -1
+
+
+def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
+    if cache_dtype.is_fp8:
+        return _FP8_KIND[cache_dtype]
+    if cache_tensor == in_dtype:
+        return _COPY
+    return _KIND[cache_tensor]
+
+
+def _vector_width(head_size: int, in_bytes: int, out_bytes: int, in_align: int, out_align: int,
+                  in_strides: tuple[int, ...], cache_strides: tuple[int, ...]) -> int:
+    """The widest VEC whose accesses are all aligned (see the module docstring)."""
+    vec = 16 // max(in_bytes, out_bytes)
+    while vec > 1:
+        if (head_size % vec == 0 and in_align % (vec * in_bytes) == 0
+                and out_align % (vec * out_bytes) == 0
+                and all(s % vec == 0 for s in in_strides + cache_strides)):
+            return vec
+        vec //= 2
+    return 1
+
+
+def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+         slot_mapping: torch.Tensor, cache_dtype: CacheDType) -> Plan:
+    """The variant and CTA shape for these (validated) arguments; pure Python, needs no GPU."""
+    t_pad, num_heads, head_size = key.shape
+    num_blocks, block_size = key_cache.shape[:2]
+    in_dtype = key.dtype
+    in_kind = _KIND[in_dtype]
+    out_kind = _out_kind(cache_dtype, in_dtype, key_cache.dtype)
+    out_bytes = 1 if cache_dtype.is_fp8 else key_cache.element_size()
+    # Only strides along dims of size > 1 ever multiply a nonzero index.
+    in_strides = tuple(t.stride(0) for t in (key, value) if t_pad > 1)
+    cache_strides = tuple(s for s, n in zip(key_cache.stride()[:3], key_cache.shape[:3],
+                                            strict=True) if n > 1)
+    # The lowest set bit of the OR of the pointers is their common alignment (capped at 16).
+    in_align = key.data_ptr() | value.data_ptr() | 16
+    out_align = key_cache.data_ptr() | value_cache.data_ptr() | 16
+    vec = _vector_width(head_size, in_dtype.itemsize, out_bytes, in_align & -in_align,
+                        out_align & -out_align, in_strides, cache_strides)
+    if out_kind == _COPY and in_kind == _BF16:
+        in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
+    chunks_per_head = head_size // vec
+    chunks = num_heads * chunks_per_head
+    if chunks <= MAX_THREADS:
+        row, tokens_per_cta, grid_y = chunks, MAX_THREADS // chunks, 1
+    else:
+        parts = -(-chunks // MAX_THREADS)
+        row, tokens_per_cta = -(-chunks // parts), 1
+        grid_y = min(parts, 65535)  # the kernel loops over the rest
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype), vec=vec,
+                vec_bytes=vec * in_dtype.itemsize, threads=row * tokens_per_cta,
+                tokens_per_cta=tokens_per_cta, grid_y=grid_y, chunks_per_head=chunks_per_head,
+                chunks_per_token=chunks, block_shift=shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    plan: Plan
+    kernel: object
+    max_grid_x: int
+    device_index: int
+    tail: tuple  # fixed_args(...)
+
+
+@contextlib.contextmanager
+def _capture_relaxed():
+    """Let this thread load a module while PyTorch captures a CUDA graph (first call of a variant
+    inside torch.cuda.graph): global capture mode forbids it, relaxed mode allows it."""
+    if not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    from cuda.bindings import driver
+
+    modes = driver.CUstreamCaptureMode
+    _, previous = driver.cuThreadExchangeStreamCaptureMode(modes.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(previous)
+
+
+@functools.cache
+def _device_arch(index: int) -> tuple[str, int]:
+    """(arch, SM count) of CUDA device ``index``."""
+    dev = _cuda_core().Device(index)
+    major, minor = dev.compute_capability
+    return f"sm_{major}{minor}", dev.properties.multiprocessor_count
+
+
+def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
+                exact_div: bool) -> _Launchable:
+    reason = _setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype)
+    index = key.get_device()
+    with _capture_relaxed():
+        _cuda_core().Device(index).set_current()  # PyTorch's primary context, on this thread
+        arch, sm_count = _device_arch(index)
+        kernel = _kernel(arch, p.name, exact_div)
+        per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
+    resident = sm_count * max(1, per_sm) * _WAVES  # CTAs, over grid_x * grid_y
+    return _Launchable(p, kernel, max(1, resident // p.grid_y), index,
+                       fixed_args(key, value, key_cache, p))
+
+
+def fixed_args(key, value, key_cache, p: Plan) -> tuple[int, ...]:
+    """The kernel's trailing int64 arguments, fixed by the call signature (from key_stride on)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    block_stride, page_stride, head_stride = key_cache.stride()[:3]
+    return (key.stride(0), value.stride(0), block_stride, page_stride, head_stride, block_size,
+            p.block_shift, num_blocks * block_size, p.chunks_per_head, p.chunks_per_token,
+            p.tokens_per_cta)
+
+
+@functools.cache
+def _config(grid_x: int, grid_y: int, threads: int):
+    return _cuda_core().LaunchConfig(grid=(grid_x, grid_y, 1), block=(threads, 1, 1))
+
+
+_STREAMS: dict[int, object] = {}
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device_index: int):
+    # torch._C._cuda_getCurrentRawStream skips building a torch.cuda.Stream per call.
+    handle = (_raw_stream(device_index) if _raw_stream is not None
+              else torch.cuda.current_stream(device_index).cuda_stream)
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        with _capture_relaxed():
+            stream = _STREAMS[handle] = _cuda_core().Stream.from_handle(handle)
+    return stream
+
+
+# --------------------------------------------------------------------------------------------
+# The implementation
+# --------------------------------------------------------------------------------------------
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None) -> None:
+    """Launch the kernel on PyTorch's current stream (arguments validated by kvwrite.op)."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    kp, vp = key.data_ptr(), value.data_ptr()
+    kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
+    # Everything that selects the variant, the CTA shape or a fixed kernel argument.
+    sig = (key.dtype, key_cache.dtype, cache_dtype, slot_mapping.dtype, key.shape[1:],
+           key.shape[0] > 1, key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
+           (kp | vp) & 15, (kcp | vcp) & 15, key.get_device(), _EXACT_DIV)
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
+                                              cache_dtype, _EXACT_DIV)
+    p = lau.plan
+    config = _config(min(-(-num_tokens // p.tokens_per_cta), lau.max_grid_x), p.grid_y, p.threads)
+    if k_scale is None:
+        ksp = vsp = kss = vss = 0
+    else:
+        ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
+        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+    stream = _current_stream(lau.device_index)
+    launch = _cuda_core().launch
+    # The kernel's arguments: 7 pointers, then int64s: num_tokens, the two scale strides and
+    # fixed_args (test_cuda checks this against the compiled signature).
+    try:
+        launch(stream, config, lau.kernel, kp, vp, kcp, vcp, slot_mapping.data_ptr(), ksp, vsp,
+               num_tokens, kss, vss, *lau.tail)
+    except Exception:
+        # A thread on which nothing made the device's context current yet: do it and retry
+        # once (a launch error of any other kind raises again).
+        _cuda_core().Device(lau.device_index).set_current()
+        launch(stream, config, lau.kernel, kp, vp, kcp, vcp, slot_mapping.data_ptr(), ksp, vsp,
+               num_tokens, kss, vss, *lau.tail)

@@ -1,0 +1,423 @@
+// kvwrite: write new key/value rows into a paged KV cache (reshape_and_cache_flash, SPEC §1).
+//
+// Compiled at run time with NVRTC (see cuda_impl.py); one module per instantiation of
+// `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>`. Includes no headers at all (neither torch
+// nor CUDA), so NVRTC needs no toolkit include directory: raw pointers, 64-bit strides and sizes,
+// conversions through inline PTX or integer bit operations.
+//
+// With -DKVWRITE_HOST_TEST the file compiles as plain host C++ (g++): only the element
+// conversions remain, with their software fp8 paths, so tests can check them on the CPU.
+
+#ifdef KVWRITE_HOST_TEST
+#define KVW_HD inline
+#else
+#define KVW_HD __device__ __forceinline__
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Element kinds: template arguments IN (input) and OUT (cache). DT_COPY moves the input bits
+// unchanged (kv_cache_dtype "auto", or a cache of the input's own dtype).
+#define DT_F16 0
+#define DT_BF16 1
+#define DT_F32 2
+#define DT_E4M3 3
+#define DT_E5M2 4
+#define DT_COPY 5
+
+// The reciprocal bracket of `fp8_quantize` converts every element twice, which pays off only
+// where PTX converts two floats to fp8 per instruction (sm_89+); elsewhere each element is a
+// true division and one software conversion. -DKVWRITE_EXACT_DIV turns the bracket off.
+#if defined(KVWRITE_HOST_TEST) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+#ifndef KVWRITE_EXACT_DIV
+#define KVW_RECIPROCAL_BRACKET 1
+#endif
+#endif
+
+// ------------------------------------------------------------------------------------------
+// Bit casts and IEEE arithmetic that no compiler flag can change (no FMA contraction, no
+// fast-math, no flush to zero).
+// ------------------------------------------------------------------------------------------
+#ifdef KVWRITE_HOST_TEST
+KVW_HD u32 f32_bits(float f) { u32 u; __builtin_memcpy(&u, &f, 4); return u; }
+KVW_HD float bits_f32(u32 u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+// Host builds use -ffp-contract=off; x86-64 SSE arithmetic is IEEE round-to-nearest-even.
+KVW_HD float div_rn(float a, float b) { return a / b; }
+KVW_HD float mul_rn(float a, float b) { return a * b; }
+#else
+KVW_HD u32 f32_bits(float f) { return __float_as_uint(f); }
+KVW_HD float bits_f32(u32 u) { return __uint_as_float(u); }
+KVW_HD float div_rn(float a, float b) {
+  float q;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+  return q;
+}
+KVW_HD float mul_rn(float a, float b) {
+  float p;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
+  return p;
+}
+#endif
+
+// ------------------------------------------------------------------------------------------
+// float32 -> fp8, software: round to nearest even, saturate to the largest finite value (±inf
+// too), NaN -> NaN (sign|0x7F), sign of zero kept, subnormals rounded. Exactly
+// `x.clamp(-MAX, MAX).to(fp8)` (SPEC §1.1), i.e. CUDA's __NV_SATFINITE conversion.
+// FMT is DT_E4M3 (e4m3fn: bias 7, 3 mantissa bits, max 448 = 0x7E) or DT_E5M2 (bias 15,
+// 2 mantissa bits, max 57344 = 0x7B). Returns the byte in the low 8 bits.
+// ------------------------------------------------------------------------------------------
+template <int FMT>
+KVW_HD u32 fp8_from_f32_soft(float x) {
+  constexpr u32 MAN = FMT == DT_E4M3 ? 3 : 2;
+  constexpr u32 BIAS = FMT == DT_E4M3 ? 7 : 15;
+  constexpr u32 MAX_F32_BITS = FMT == DT_E4M3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+  constexpr u32 MAX_CODE = FMT == DT_E4M3 ? 0x7Eu : 0x7Bu;
+  constexpr u32 MIN_NORMAL_F32_BITS = (127u + 1u - BIAS) << 23;  // 2^(1 - BIAS)
+  const u32 b = f32_bits(x);
+  const u32 sign = (b >> 24) & 0x80u;
+  const u32 a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7Fu;  // NaN
+  // Clamping then rounding equals rounding then saturating: MAX is representable and rounding
+  // is monotone. Inputs below MAX never round past it (the next step up is >= MAX's midpoint).
+  if (a >= MAX_F32_BITS) return sign | MAX_CODE;
+  if (a >= MIN_NORMAL_F32_BITS) {
+    // Round the float32 bits to MAN mantissa bits (a carry moves into the exponent, as it
+    // should), then rebias the exponent.
+    constexpr u32 SH = 23 - MAN;
+    const u32 r = a + ((1u << (SH - 1)) - 1u) + ((a >> SH) & 1u);
+    return sign | ((r >> SH) - ((127u - BIAS) << MAN));
+  }
+  // fp8 subnormal range: the code is k = round(|x| / 2^(1 - BIAS - MAN)), k in [0, 2^MAN]
+  // (k == 2^MAN is the smallest normal, whose code is exactly 2^MAN). |x| = m * 2^(e - 150).
+  const u32 e_field = a >> 23;
+  const u32 m = (a & 0x7FFFFFu) | (e_field ? 0x800000u : 0u);
+  const u32 e = e_field ? e_field : 1u;
+  const u32 sh = 151u - BIAS - MAN - e;  // >= 21: m < 2^24, so no overflow below
+  if (sh >= 26) return sign;             // |x| < 2^-1 units: rounds to zero
+  const u32 r = m + ((1u << (sh - 1)) - 1u) + ((m >> sh) & 1u);
+  return sign | (r >> sh);
+}
+
+// float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
+KVW_HD u32 bf16_from_f32_soft(float x) {
+  const u32 b = f32_bits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+// Two fp8 codes: byte 0 = Q(lo), byte 1 = Q(hi) (the order of the elements in memory).
+template <int FMT>
+KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
+#if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  u16 r;
+  if (FMT == DT_E4M3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return fp8_from_f32_soft<FMT>(lo) | (fp8_from_f32_soft<FMT>(hi) << 8);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// fp8 quantization Q(x) = fp8(x / s), with the true IEEE division, bit for bit.
+//
+// Reciprocal bracket (sm_89+): with y = RN(1/s), y_lo = RN(y * (1 - 2^-21)) and
+// y_hi = RN(y * (1 + 2^-21)), let a = RN(x * y_lo) and b = RN(x * y_hi). If fp8(a) == fp8(b)
+// (same byte), that byte is fp8(RN(x / s)); otherwise the true division decides.
+// Proof. Let f(v) = fp8(RN_f32(v)) for real v: a composition of monotone roundings and a
+// saturation, so f is monotone and odd. u = 2^-24 bounds the relative error of each RN with a
+// normal result. While the fast path is on, 2^-120 <= |s| <= 2^120, so y, y_lo, y_hi are
+// normal. Write Q = x / s.
+//  (i) a and b normal: a/Q = (1+d1)(1-2^-21)(1+d2)(1+d3) <= (1+u)^3 (1-8u) < 1 and
+//      b/Q >= (1-u)^3 (1+8u) > 1, so Q lies strictly between a and b, and f(a) <= f(Q) <= f(b)
+//      (ordered by value); equal bytes then mean f(Q) is that byte.
+//  (ii) b overflows to ±inf: |x y_hi| >= 2^128 (1 - 2^-25), so |x y_lo| > 2^127 and a is
+//      normal (Q lies between a and b as in (i)) or ±inf too (|Q| > |x y_lo| > 2^127, and
+//      f(Q) = f(a) = f(b) = ±MAX).
+//  (iii) a or b is subnormal or zero: |Q| < 2^-125, far below the smallest fp8 midpoint
+//      (2^-10 for e4m3, 2^-17 for e5m2), so f(Q) is a zero with the sign of x*s, and so are
+//      f(a) and f(b) (the sign of a rounded product is the product of the signs).
+//  (iv) x = ±0, ±inf or NaN: a, b and Q are all ±0, all ±inf, or all NaN alike.
+// The bytes differ only when [a, b] (relative width 2^-20) straddles an fp8 rounding
+// boundary; then the whole chunk takes the division (on random inputs, about 4 chunks of 8
+// values in 10^5, counted with the host build of this file).
+// ------------------------------------------------------------------------------------------
+struct Fp8Scale {
+  float s;
+  float y_lo, y_hi;
+  bool bracket;
+};
+
+KVW_HD Fp8Scale make_fp8_scale(float s) {
+  Fp8Scale r;
+  r.s = s;
+  const float y = div_rn(1.0f, s);
+  r.y_lo = mul_rn(y, 0x1.fffff0p-1f);  // 1 - 2^-21
+  r.y_hi = mul_rn(y, 0x1.000008p+0f);  // 1 + 2^-21
+  const float as = s < 0.0f ? -s : s;
+  r.bracket = as >= 0x1p-120f && as <= 0x1p120f;  // false for NaN
+  return r;
+}
+
+// Q of N elements (N == 1 or even) into N fp8 codes, byte i of `out` = Q(x[i]) (little endian
+// words). One bracket check for the whole chunk keeps the fast path branch-free.
+template <int FMT, int N>
+KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8Scale& sc) {
+  static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
+#ifdef KVW_RECIPROCAL_BRACKET
+  if (sc.bracket) {
+    u32 differ = 0;
+#pragma unroll
+    for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
+      const u32 qa = fp8x2_from_f32<FMT>(mul_rn(x[i], sc.y_lo), mul_rn(x1, sc.y_lo));
+      const u32 qb = fp8x2_from_f32<FMT>(mul_rn(x[i], sc.y_hi), mul_rn(x1, sc.y_hi));
+      differ |= qa ^ qb;
+      out[i >> 2] |= qa << ((i & 2) * 8);
+    }
+    if (differ == 0) return;
+  }
+#endif
+#pragma unroll
+  for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
+    out[i >> 2] |= fp8x2_from_f32<FMT>(div_rn(x[i], sc.s), div_rn(x1, sc.s)) << ((i & 2) * 8);
+  }
+}
+
+#ifndef KVWRITE_HOST_TEST
+// ------------------------------------------------------------------------------------------
+// Device side: chunks of VEC elements moved as one vector access.
+// ------------------------------------------------------------------------------------------
+__host__ __device__ constexpr int elem_bytes(int dt) {
+  return dt == DT_F32 ? 4 : (dt == DT_E4M3 || dt == DT_E5M2) ? 1 : 2;
+}
+
+// N bytes of one chunk, in 32-bit words; element i of a 2-byte type is half (i & 1) of word
+// i / 2, of a 1-byte type byte (i & 3) of word i / 4 (little endian, as in memory). Chunks of
+// 1 or 2 bytes use the low bits of w[0].
+template <int N>
+struct Raw {
+  u32 w[N >= 4 ? N / 4 : 1];
+};
+
+template <int N>
+KVW_HD Raw<N> load_raw(const u8* p) {
+  Raw<N> r;
+  if constexpr (N == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
+  } else if constexpr (N == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = v.x; r.w[1] = v.y;
+  } else if constexpr (N == 4) {
+    r.w[0] = *reinterpret_cast<const u32*>(p);
+  } else if constexpr (N == 2) {
+    r.w[0] = *reinterpret_cast<const u16*>(p);
+  } else {
+    r.w[0] = *p;
+  }
+  return r;
+}
+
+template <int N>
+KVW_HD void store_raw(u8* p, const Raw<N>& r) {
+  if constexpr (N == 16) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+  } else if constexpr (N == 4) {
+    *reinterpret_cast<u32*>(p) = r.w[0];
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<u16*>(p) = static_cast<u16>(r.w[0]);
+  } else {
+    *p = static_cast<u8>(r.w[0]);
+  }
+}
+
+// Element i of a chunk of IN elements, as float32 (exact).
+template <int IN, int N>
+KVW_HD float elem_f32(const Raw<N>& r, int i) {
+  if constexpr (IN == DT_F32) {
+    return bits_f32(r.w[i]);
+  } else {
+    const u32 h = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
+    if constexpr (IN == DT_BF16) {
+      return bits_f32(h << 16);
+    } else {
+      float f;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
+      return f;
+    }
+  }
+}
+
+template <int OUT>
+KVW_HD u32 f16ish_from_f32(float f) {
+  if constexpr (OUT == DT_F16) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  } else {
+#if __CUDA_ARCH__ >= 800
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return bf16_from_f32_soft(f);
+#endif
+  }
+}
+
+// One chunk of VEC input elements -> VEC cache elements.
+template <int IN, int OUT, int VEC>
+KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>& in,
+                                                       const Fp8Scale& sc) {
+  Raw<VEC * elem_bytes(OUT)> out;
+  if constexpr (OUT == DT_E4M3 || OUT == DT_E5M2) {
+    float x[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in, i);
+    fp8_quantize<OUT, VEC>(x, out.w, sc);
+  } else if constexpr (OUT == DT_F32) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out.w[i] = f32_bits(elem_f32<IN>(in, i));
+  } else {
+#pragma unroll
+    for (int j = 0; j < (VEC * 2 + 3) / 4; ++j) out.w[j] = 0;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      out.w[i >> 1] |= f16ish_from_f32<OUT>(elem_f32<IN>(in, i)) << ((i & 1) * 16);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// The kernel.
+//
+// Work split: a token row is C = H*D/VEC chunks. A CTA is a [tokens_per_cta, row] grid of
+// threads (row = blockDim.x / tokens_per_cta <= C): several tokens per CTA when C is small,
+// and grid.y > 1 CTAs per token when C is large. Each thread owns one chunk index c of the row
+// (so one head, one scale, token-invariant offsets computed once) and walks the tokens with
+// a grid stride, two tokens per step: the slots and both tokens' K and V chunks are loaded
+// before anything is converted or stored, so four vector loads are in flight per thread, and
+// the first ones are issued before the thread's setup (head index, scales) is computed.
+// Slots < 0 (padding) or >= num_slots are skipped; rows of key/value past num_tokens are never
+// read. No shared memory, no barriers: a thread whose chunk is past C simply exits.
+// ------------------------------------------------------------------------------------------
+template <int IN, int OUT, int VEC, typename SlotT>
+__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
+    const u8* __restrict__ key,           // [T_pad, H, D]; token stride key_stride (elements)
+    const u8* __restrict__ value,         // [T_pad, H, D]; token stride value_stride
+    u8* __restrict__ key_cache,           // [num_blocks, block_size, H, D] via strides
+    u8* __restrict__ value_cache,         // same strides as key_cache
+    const SlotT* __restrict__ slot_mapping,  // [num_tokens]
+    const float* __restrict__ k_scale,    // [1] or [H] (fp8 only, else unused)
+    const float* __restrict__ v_scale,    // [1] or [H]
+    i64 num_tokens,
+    i64 k_scale_stride, i64 v_scale_stride,  // 0 (per tensor) or 1 (per head)
+    i64 key_stride, i64 value_stride,     // token strides of key and value, in elements
+    i64 block_stride, i64 page_stride, i64 head_stride,  // cache strides in elements
+    i64 block_size, i64 block_shift,      // block_shift = log2(block_size), or -1
+    i64 num_slots,                        // num_blocks * block_size
+    i64 chunks_per_head,                  // D / VEC
+    i64 chunks_per_token,                 // H * D / VEC
+    i64 tokens_per_cta) {
+  constexpr int IB = elem_bytes(IN);
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
+  constexpr int IN_BYTES = VEC * IB;
+  constexpr int OUT_BYTES = VEC * OB;
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+
+  const u32 row = blockDim.x / static_cast<u32>(tokens_per_cta);
+  const u32 ty = threadIdx.x / row;
+  const u32 tx = threadIdx.x - ty * row;
+  const i64 t_first = static_cast<i64>(blockIdx.x) * tokens_per_cta + ty;
+  const i64 t_step = static_cast<i64>(gridDim.x) * tokens_per_cta;
+  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
+
+  if (t_first >= num_tokens) return;
+
+  for (i64 c = static_cast<i64>(blockIdx.y) * row + tx; c < chunks_per_token;
+       c += static_cast<i64>(gridDim.y) * row) {
+    const i64 in_off = c * VEC * IB;  // bytes; heads are dense
+    // Slots and both tokens' K and V chunks are loaded before anything is stored.
+    i64 s0, s1;
+    Raw<IN_BYTES> k0, v0, k1, v1;
+    auto load = [&](i64 t0) {
+      const i64 t1 = t0 + t_step;
+      const bool has1 = t1 < num_tokens;
+      s0 = static_cast<i64>(slot_mapping[t0]);
+      s1 = has1 ? static_cast<i64>(slot_mapping[t1]) : -1;
+      k0 = load_raw<IN_BYTES>(key + t0 * key_stride * IB + in_off);
+      v0 = load_raw<IN_BYTES>(value + t0 * value_stride * IB + in_off);
+      k1 = k0;
+      v1 = v0;
+      if (has1) {
+        k1 = load_raw<IN_BYTES>(key + t1 * key_stride * IB + in_off);
+        v1 = load_raw<IN_BYTES>(value + t1 * value_stride * IB + in_off);
+      }
+    };
+    i64 t0 = t_first;
+    load(t0);
+
+    // Per-thread constants, computed while the first loads are in flight (code placed before
+    // them would delay them: its branches end the region loads can be scheduled in).
+    const i64 h = c / chunks_per_head;
+    const i64 d = (c - h * chunks_per_head) * VEC;
+    const i64 cache_off = (h * head_stride + d) * OB;  // bytes
+    Fp8Scale ks{}, vs{};
+    if constexpr (FP8) {
+      const float k_s = k_scale[h * k_scale_stride];  // both loads before either division
+      const float v_s = v_scale[h * v_scale_stride];
+      ks = make_fp8_scale(k_s);
+      vs = make_fp8_scale(v_s);
+    }
+
+    // Writes one token's chunk of K and V to slot s (skipped unless 0 <= s < num_slots).
+    // A lambda called twice, not a conditional picking the chunk: NVRTC 13.5 narrowed
+    // `const Raw<16>& kin = u == 0 ? k0 : k1;` to 4-byte loads and stores (seen in its PTX).
+    auto put = [&](i64 s, const Raw<IN_BYTES>& kin, const Raw<IN_BYTES>& vin) {
+      if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
+      i64 blk, pg;
+      if (block_shift >= 0) {
+        blk = s >> block_shift;
+        pg = s & (block_size - 1);
+      } else if (slots_fit_u32) {
+        const u32 b32 = static_cast<u32>(s) / static_cast<u32>(block_size);
+        blk = b32;
+        pg = s - static_cast<i64>(b32) * block_size;
+      } else {
+        blk = s / block_size;
+        pg = s - blk * block_size;
+      }
+      const i64 off = (blk * block_stride + pg * page_stride) * OB + cache_off;
+      if constexpr (OUT == DT_COPY) {
+        store_raw<OUT_BYTES>(key_cache + off, kin);
+        store_raw<OUT_BYTES>(value_cache + off, vin);
+      } else {
+        store_raw<OUT_BYTES>(key_cache + off, convert_chunk<IN, OUT, VEC>(kin, ks));
+        store_raw<OUT_BYTES>(value_cache + off, convert_chunk<IN, OUT, VEC>(vin, vs));
+      }
+    };
+
+    while (true) {
+      put(s0, k0, v0);
+      put(s1, k1, v1);
+      t0 += 2 * t_step;
+      if (t0 >= num_tokens) break;
+      load(t0);
+    }
+  }
+}
+#endif  // KVWRITE_HOST_TEST
