@@ -59,8 +59,18 @@ def time_graph(fn, replays: int) -> float:
 
 
 def empty_kernel_floor() -> float:
-    x = torch.empty(1, device="cuda")
-    return time_graph(lambda: x.add_(0), 50)
+    """An empty kernel (NVRTC, one thread) launched the way the cuda implementation launches."""
+    from kvwrite.impls import cuda_impl as ci
+
+    arch, _ = ci._device_arch(torch.cuda.current_device())
+    obj, _ = ci.compile_kernel(arch, "kvwrite_empty",
+                               source='extern "C" __global__ void kvwrite_empty() {}')
+    kernel = obj.get_kernel("kvwrite_empty")
+    config = ci._config(1, 1, 1)
+    cc = ci._cuda_core()
+    cc.Device(torch.cuda.current_device()).set_current()
+    return time_graph(lambda: cc.launch(ci._current_stream(torch.cuda.current_device()),
+                                        config, kernel), 50)
 
 
 POINTS = [  # (H, D, layout, alloc, kv, T)
@@ -81,7 +91,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[],
                     help="module.ATTR=value tuning override, e.g. triton._TILE_BYTES=16384; "
                          "alternatives separated by '|' (triton._TILE_BYTES=4096|8192) make variants")
-    ap.add_argument("--filter", default="", help="only points whose label contains this")
+    ap.add_argument("--filter", default="",
+                    help="only points whose label (H-D-layout-alloc-kv-T) contains one of these "
+                         "comma-separated strings")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
 
@@ -105,12 +117,13 @@ def main() -> None:
                 for f in vars(m).values():
                     if hasattr(f, "cache_clear"):
                         f.cache_clear()
+                getattr(m, "_LAUNCHABLES", {}).clear()
             tag = impl + ("[" + ",".join(variant) + "]" if variant else "")
             print(f"\n## {tag}")
             print(f"{'H':>4} {'D':>4} {'layout':>7} {'kv':>5} {'T':>6} {'us':>9} {'%bw':>6}")
             for h, d, layout, alloc, kv, t in POINTS:
                 label = f"{h}-{d}-{layout.value}-{alloc.value}-{kv}-{t}"
-                if args.filter and args.filter not in label:
+                if args.filter and not any(f in label for f in args.filter.split(",")):
                     continue
                 cdt = parse_kv_cache_dtype(kv)
                 cache_dtype = torch.uint8 if cdt.is_fp8 else dtype

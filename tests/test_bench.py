@@ -441,6 +441,7 @@ def test_gpu_run_benchmark():
 
 @pytest.mark.gpu
 def test_gpu_cache_too_large(monkeypatch, capsys):
-    monkeypatch.setattr(sweep, "available_memory", lambda device: 2**30)
+    # Room for the inputs, the L2 rotation and flush buffers, but not for 10^8 blocks.
+    monkeypatch.setattr(sweep, "available_memory", lambda device: 4 * 2**30)
     assert main([*GPU_SMALL[:2], "--num-tokens", "2:1024", "--num-blocks", "100000000"]) == 2
     assert "largest --num-blocks that fits is" in capsys.readouterr().err
