@@ -157,7 +157,8 @@ def test_plan_16_byte_vectors_for_h8_d128_bf16():
         for alloc in KVAlloc:
             p = _plan(8, 128, layout=layout, alloc=alloc)
             assert (p.vec, p.vec_bytes) == (8, 16), (layout, alloc)
-            assert (p.threads, p.tokens_per_cta, p.grid_y) == (256, 2, 1)
+            # One token's 128 chunks fill a CTA of MAX_THREADS = 128.
+            assert (p.threads, p.tokens_per_cta, p.grid_y) == (128, 1, 1)
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, alloc=KVAlloc.PACKED)
     assert p.vec_bytes == 16 and "<1, 3, 8, long long>" in p.name
 
@@ -172,11 +173,13 @@ def test_plan_falls_back_where_rows_are_not_16_byte_aligned():
 
 def test_plan_splits_large_rows_over_ctas():
     p = _plan(128, 128)
-    assert (p.threads, p.tokens_per_cta, p.grid_y, p.chunks_per_token) == (256, 1, 8, 2048)
-    p = _plan(128, 120)  # 1920 chunks: 8 balanced parts of 240
-    assert (p.threads, p.grid_y) == (240, 8)
+    assert (p.threads, p.tokens_per_cta, p.grid_y, p.chunks_per_token) == (128, 1, 16, 2048)
+    p = _plan(128, 120)  # 1920 chunks: 15 balanced parts of 128
+    assert (p.threads, p.grid_y) == (128, 15)
+    p = _plan(4, 16)  # 8 chunks a token: 16 tokens per CTA
+    assert (p.threads, p.tokens_per_cta, p.grid_y) == (128, 16, 1)
     p = _plan(1, 64)
-    assert (p.threads, p.tokens_per_cta) == (256, 32)
+    assert (p.threads, p.tokens_per_cta) == (128, 16)
 
 
 def test_cuda_unavailable_on_cpu_says_why():

@@ -94,7 +94,11 @@ def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDT
 # 4 KiB: H200, bf16 "auto", T=65536 (scripts/perf_probe.py): H=128 2192 us (92.5% of copy
 # bandwidth) vs 2268 us (89.4%) at 8 KiB and 2291 us (88.5%) at 16 KiB; H=8 139 vs 144 us.
 _TILE_BYTES = 4096          # input bytes of K per program (as many of V)
-_BYTES_PER_WARP = 2048      # -> 64 B of K and 64 B of V per thread: four 16 B vectors each
+# Input bytes of K per warp, i.e. 16 B of K and of V per thread for copies and casts, 32 B for
+# fp8. Measured on H200 (T=65536, bf16): copies at 512 vs 2048: H=8 139 vs 144 us, T=2 1.46 vs
+# 1.69 us; fp8, whose true division serializes work within a thread, at 1024 vs 512 vs 2048:
+# H=128 NHD 1749 vs 1906 vs 1897 us, H=8 NHD 115 vs 123 vs 139 us.
+_BYTES_PER_WARP = {False: 512, True: 1024}  # keyed by "is fp8"
 _MAX_WARPS = 8
 _PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
 
@@ -104,7 +108,7 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int
+def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
             ) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, num_tiles) for one shape.
 
@@ -119,7 +123,7 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int
     if block_h >= num_heads:
         block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
     tile_bytes = block_t * block_h * block_d * in_bytes
-    num_warps = min(_MAX_WARPS, max(1, tile_bytes // _BYTES_PER_WARP))
+    num_warps = min(_MAX_WARPS, max(1, tile_bytes // _BYTES_PER_WARP[fp8]))
     num_tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_heads, block_h)
     return block_t, block_h, block_d, num_warps, num_tiles
 
@@ -261,13 +265,13 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         return
     _, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
+    quant = _QUANT.get(cache_dtype, _COPY)
     block_t, block_h, block_d, num_warps, num_tiles = _tiling(
-        num_tokens, num_heads, head_size, key.element_size())
+        num_tokens, num_heads, head_size, key.element_size(), quant != _COPY)
     grid = num_tiles
     cap = _max_programs(key.device.index if key.device.type == "cuda" else None)
     if cap is not None:
         grid = min(grid, cap)
-    quant = _QUANT.get(cache_dtype, _COPY)
     per_head = quant != _COPY and k_scale.numel() > 1
     stride_b, stride_s, stride_h, _ = key_cache.stride()
     _kvwrite_kernel[(grid,)](
