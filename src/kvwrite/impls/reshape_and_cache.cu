@@ -373,8 +373,10 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
 
     // Per-thread constants, computed while the first loads are in flight (code placed before
     // them would delay them: its branches end the region loads can be scheduled in).
-    const i64 h = c / chunks_per_head;
-    const i64 d = (c - h * chunks_per_head) * VEC;
+    // 32-bit: c < H * D / VEC fits, and a 64-bit division is a long subroutine on the GPU.
+    const u32 h32 = static_cast<u32>(c) / static_cast<u32>(chunks_per_head);
+    const i64 h = h32;
+    const i64 d = static_cast<i64>(static_cast<u32>(c) - h32 * static_cast<u32>(chunks_per_head)) * VEC;
     const i64 cache_off = (h * head_stride + d) * OB;  // bytes
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {

@@ -100,6 +100,9 @@ _TILE_BYTES = 4096          # input bytes of K per program (as many of V)
 # H=128 NHD 1749 vs 1906 vs 1897 us, H=8 NHD 115 vs 123 vs 139 us.
 _BYTES_PER_WARP = {False: 512, True: 1024}  # keyed by "is fp8"
 _MAX_WARPS = 8
+# fp8 calls with fewer programs than this (about one per SM) use this many bytes per warp.
+_SMALL_GRID = 128
+_BYTES_PER_WARP_SMALL_GRID = 256
 _PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
 
 
@@ -123,8 +126,13 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
     if block_h >= num_heads:
         block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
     tile_bytes = block_t * block_h * block_d * in_bytes
-    num_warps = min(_MAX_WARPS, max(1, tile_bytes // _BYTES_PER_WARP[fp8]))
     num_tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_heads, block_h)
+    per_warp = _BYTES_PER_WARP[fp8]
+    if fp8 and num_tiles < _SMALL_GRID:
+        # Few programs: the latency of each thread's serialized fp8 divisions is the call's
+        # time, so spread a tile over more threads.
+        per_warp = _BYTES_PER_WARP_SMALL_GRID
+    num_warps = min(_MAX_WARPS, max(1, tile_bytes // per_warp))
     return block_t, block_h, block_d, num_warps, num_tiles
 
 
