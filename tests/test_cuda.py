@@ -157,7 +157,7 @@ def test_plan_16_byte_vectors_for_h8_d128_bf16():
         for alloc in KVAlloc:
             p = _plan(8, 128, layout=layout, alloc=alloc)
             assert (p.vec, p.vec_bytes) == (8, 16), (layout, alloc)
-            # One token's 128 chunks fill a CTA of MAX_THREADS = 128.
+            # One token's 128 chunks fill a CTA of SMALL_ROW_THREADS = 128.
             assert (p.threads, p.tokens_per_cta, p.grid_y) == (128, 1, 1)
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, alloc=KVAlloc.PACKED)
     assert p.vec_bytes == 16 and "<1, 3, 8, long long>" in p.name
@@ -173,9 +173,11 @@ def test_plan_falls_back_where_rows_are_not_16_byte_aligned():
 
 def test_plan_splits_large_rows_over_ctas():
     p = _plan(128, 128)
-    assert (p.threads, p.tokens_per_cta, p.grid_y, p.chunks_per_token) == (128, 1, 16, 2048)
-    p = _plan(128, 120)  # 1920 chunks: 15 balanced parts of 128
-    assert (p.threads, p.grid_y) == (128, 15)
+    assert (p.threads, p.tokens_per_cta, p.grid_y, p.chunks_per_token) == (256, 1, 8, 2048)
+    p = _plan(128, 120)  # 1920 chunks: 8 balanced parts of 240
+    assert (p.threads, p.grid_y) == (240, 8)
+    p = _plan(24, 64)  # 192 chunks: one token per CTA of 192 threads
+    assert (p.threads, p.tokens_per_cta, p.grid_y) == (192, 1, 1)
     p = _plan(4, 16)  # 8 chunks a token: 16 tokens per CTA
     assert (p.threads, p.tokens_per_cta, p.grid_y) == (128, 16, 1)
     p = _plan(1, 64)
@@ -474,13 +476,18 @@ def test_gpu_unaligned_input_uses_scalar_variant():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("block_size, slot_dtype", [(16, torch.int64), (12, torch.int32)])
-def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype):
-    # 120k tokens of 8 chunks: more than one resident wave, so threads loop (two tokens a step).
+def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype, monkeypatch):
+    # 120k tokens of 8 chunks with the grid capped at one resident wave: threads loop over
+    # tokens (two a step), which the default cap reaches only at larger T.
+    monkeypatch.setattr(cuda_impl, "_WAVES", 1)
+    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
     case = Case(num_tokens=120_001, num_heads=1, head_size=64, block_size=block_size,
                 num_blocks=-(-130_000 // block_size), padding_slots=500, out_of_range_slots=500,
                 slot_dtype=slot_dtype)
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)
+    (lau,) = cuda_impl._LAUNCHABLES.values()
+    assert lau.max_grid_x * lau.plan.tokens_per_cta < case.num_tokens  # the loop really runs
     _check(inp, ref_k, ref_v, case.cache_dtype)
 
 

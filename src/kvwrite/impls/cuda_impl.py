@@ -40,15 +40,19 @@ _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
 _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
-# Threads per CTA (at most the kernel's __launch_bounds__, 256). Measured on H200
-# (scripts/perf_probe.py, 20-call graphs, hot L2): 128 and 256 give the same bandwidth at large T;
-# 128 is 0.05-0.1 us faster at T=2 (1.79 vs 1.87 us, H=8 bf16).
-MAX_THREADS = 128
+# Threads per CTA (at most the kernel's __launch_bounds__, 256). Rows of more chunks than
+# MAX_THREADS are split over CTAs of up to MAX_THREADS threads; smaller rows are packed several
+# tokens to a CTA of up to SMALL_ROW_THREADS. Measured on H200 (scripts/perf_probe.py, 20-call
+# graphs, hot L2, bf16 copies, T=65536): H=128 rows 2163 us with 256-thread CTAs vs 2171 us with
+# 128; H=8 rows 136.3 us with 128-thread CTAs vs 142.8 us with 256; T=2: 128 is 0.05-0.1 us
+# faster than 256.
+MAX_THREADS = 256
+SMALL_ROW_THREADS = 128
 # Grid: at most this many waves of resident CTAs (by the occupancy API); beyond that, each thread
-# walks the tokens with a grid stride. Measured on H200: 4 waves vs 1: H=8 D=128 bf16 "auto"
-# T=65536 138.4 vs 142.3 us (91.1% vs 88.7% of copy bandwidth), H=128 T=4096 138.6 vs 142.7 us;
-# fp8 within 1%.
-_WAVES = 4
+# walks the tokens with a grid stride. Measured on H200: 64 waves (a grid of one CTA per token
+# part up to T of several thousand) vs 4: H=128 T=65536 2171 vs 2191 us, T=16384 540 vs 549 us,
+# H=8 T=65536 136.3 vs 137.6 us; 4 waves vs 1 had given H=8 138.4 vs 142.3 us.
+_WAVES = 64
 
 # KVWRITE_CUDA_EXACT_DIV=1 compiles the fp8 kernels without the reciprocal bracket (one true
 # division per element), for comparison; both are bit-exact.
@@ -234,8 +238,10 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
         in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
     chunks_per_head = head_size // vec
     chunks = num_heads * chunks_per_head
-    if chunks <= MAX_THREADS:
-        row, tokens_per_cta, grid_y = chunks, MAX_THREADS // chunks, 1
+    if chunks <= SMALL_ROW_THREADS:
+        row, tokens_per_cta, grid_y = chunks, SMALL_ROW_THREADS // chunks, 1
+    elif chunks <= MAX_THREADS:
+        row, tokens_per_cta, grid_y = chunks, 1, 1
     else:
         parts = -(-chunks // MAX_THREADS)
         row, tokens_per_cta = -(-chunks // parts), 1
