@@ -478,8 +478,8 @@ def test_gpu_unaligned_input_uses_scalar_variant():
 @pytest.mark.parametrize("block_size, slot_dtype", [(16, torch.int64), (12, torch.int32)])
 def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype, monkeypatch):
     # 120k tokens of 8 chunks with the grid capped at one resident wave: threads loop over
-    # tokens (two a step), which the default cap reaches only at larger T.
-    monkeypatch.setattr(cuda_impl, "_WAVES", 1)
+    # many tokens (two a step).
+    monkeypatch.setattr(cuda_impl, "_MAX_WAVES", 1)
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
     case = Case(num_tokens=120_001, num_heads=1, head_size=64, block_size=block_size,
                 num_blocks=-(-130_000 // block_size), padding_slots=500, out_of_range_slots=500,

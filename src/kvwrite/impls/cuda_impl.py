@@ -48,11 +48,18 @@ _FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 # faster than 256.
 MAX_THREADS = 256
 SMALL_ROW_THREADS = 128
-# Grid: at most this many waves of resident CTAs (by the occupancy API); beyond that, each thread
-# walks the tokens with a grid stride. Measured on H200: 64 waves (a grid of one CTA per token
-# part up to T of several thousand) vs 4: H=128 T=65536 2171 vs 2191 us, T=16384 540 vs 549 us,
-# H=8 T=65536 136.3 vs 137.6 us; 4 waves vs 1 had given H=8 138.4 vs 142.3 us.
-_WAVES = 64
+# Grid: sized so that each thread handles about _TOKENS_PER_THREAD tokens (it walks them with a
+# grid stride, two a step), which amortizes its prologue (index setup; for fp8, two scale loads
+# and two reciprocals), but never fewer than _MIN_WAVES nor more than _MAX_WAVES waves of
+# resident CTAs (by the occupancy API). Measured on H200 (hot L2, bf16, T=65536 unless said):
+# - fixed caps instead: one CTA per token part (64 waves) made fp8 slow (H=8 135 vs 105 us with
+#   4 waves) and copies at T=4096 slower (H=128 143.5 vs 139.9 us), but copies at T=65536 faster
+#   (H=128 2153 vs 2195 us): a cap that suits one T starves another, hence a target per thread;
+# - copies, 4 vs 16 tokens per thread: H=128 T=4096 136.1 vs 139.1 us, H=8 136.3 vs 139.1 us;
+# - fp8, 16 vs 4: H=128 T=4096 105.6 vs 108.9 us, T=16384 406.8 vs 424.9 us.
+_TOKENS_PER_THREAD = {False: 4, True: 16}  # keyed by "is fp8"
+_MIN_WAVES = 4
+_MAX_WAVES = 64
 
 # KVWRITE_CUDA_EXACT_DIV=1 compiles the fp8 kernels without the reciprocal bracket (one true
 # division per element), for comparison; both are bit-exact.
@@ -257,7 +264,9 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
 class _Launchable:
     plan: Plan
     kernel: object
+    min_grid_x: int
     max_grid_x: int
+    tokens_per_thread: int
     device_index: int
     tail: tuple  # fixed_args(...)
 
@@ -299,8 +308,10 @@ def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
         arch, sm_count = _device_arch(index)
         kernel = _kernel(arch, p.name, exact_div)
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
-    resident = sm_count * max(1, per_sm) * _WAVES  # CTAs, over grid_x * grid_y
-    return _Launchable(p, kernel, max(1, resident // p.grid_y), index,
+    wave = sm_count * max(1, per_sm)  # resident CTAs, over grid_x * grid_y
+    return _Launchable(p, kernel, max(1, wave * _MIN_WAVES // p.grid_y),
+                       max(1, wave * _MAX_WAVES // p.grid_y),
+                       _TOKENS_PER_THREAD[cache_dtype.is_fp8], index,
                        fixed_args(key, value, key_cache, p))
 
 
@@ -355,7 +366,9 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         lau = _LAUNCHABLES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
                                               cache_dtype, _EXACT_DIV)
     p = lau.plan
-    config = _config(min(-(-num_tokens // p.tokens_per_cta), lau.max_grid_x), p.grid_y, p.threads)
+    rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
+    grid_x = min(rows, lau.max_grid_x, max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
+    config = _config(grid_x, p.grid_y, p.threads)
     if k_scale is None:
         ksp = vsp = kss = vss = 0
     else:
