@@ -29,6 +29,7 @@ __all__ = [
     "KVAlloc",
     "parse_layout",
     "allocate_kv_cache",
+    "fill_uniform",
     "create_kv_caches_with_random_flash",
 ]
 
@@ -77,7 +78,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_heads: int, head_siz
     return kv[..., :d], kv[..., d:]
 
 
-def _fill_random(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: float,
+def fill_uniform(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: float,
                  generator: torch.Generator | None) -> None:
     """Uniform values in [lo, hi); fp8 caches get valid fp8 bits (never a NaN pattern)."""
     if not cache_dtype.is_fp8:
@@ -150,8 +151,8 @@ def create_kv_caches_with_random_flash(num_blocks: int, block_size: int, num_lay
     for _ in range(num_layers):
         k, v = allocate_kv_cache(num_blocks, block_size, num_heads, head_size, dtype, layout,
                                  KVAlloc.INTERLEAVED, device)
-        _fill_random(k, cdt, -scale, scale, generator)
-        _fill_random(v, cdt, -scale, scale, generator)
+        fill_uniform(k, cdt, -scale, scale, generator)
+        fill_uniform(v, cdt, -scale, scale, generator)
         key_caches.append(k)
         value_caches.append(v)
     return key_caches, value_caches

@@ -8,8 +8,8 @@ set; further sets (for L2 rotation) continue the same random streams.
 Caches are allocated as vLLM's benchmark does (one allocation per layer, K and V blocks
 interleaved) for the NHD and HND layouts, or as one packed allocation
 ``[num_blocks, block_size, H, 2*D]`` (K = ``[..., :D]``, V = ``[..., D:]``) for "packed", and
-filled with uniform values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches), a chunk of
-blocks at a time so that filling needs no full-size temporary.
+filled with uniform values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches) by
+:func:`kvwrite.layouts.fill_uniform`, which needs no full-size temporary.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..dtypes import CacheDType
-from ..layouts import KVAlloc, Layout, allocate_kv_cache
+from ..layouts import KVAlloc, Layout, allocate_kv_cache, fill_uniform
 
 __all__ = ["LAYOUTS", "Shape", "InputSet", "make_caches", "fill_caches", "make_input_sets",
            "SEED"]
@@ -111,18 +111,8 @@ def fill_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, shape: Shape
     """Uniform random values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches)."""
     gen = torch.Generator(device=key_cache.device).manual_seed(seed)
     bound = shape.head_size**-0.5
-    row_bytes = shape.block_size * shape.num_heads * shape.head_size * 4  # float32 temporary
-    step = max(1, CHUNK_BYTES // row_bytes)
     for cache in (key_cache, value_cache):
-        for b in range(0, shape.num_blocks, step):
-            part = cache[b:b + step]
-            if shape.cache_dtype.is_fp8:
-                vals = torch.empty(part.shape, dtype=torch.float32, device=part.device)
-                vals.uniform_(-bound, bound, generator=gen)
-                # |values| <= 1 is far inside the fp8 range, so the cast needs no clamp.
-                part.copy_(vals.to(shape.cache_dtype.fp8_dtype).view(torch.uint8))
-            else:
-                part.uniform_(-bound, bound, generator=gen)
+        fill_uniform(cache, shape.cache_dtype, -bound, bound, gen)
 
 
 def seed_everything(seed: int = SEED) -> None:
