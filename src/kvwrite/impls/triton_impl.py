@@ -8,10 +8,12 @@ Tile shapes and warps are chosen per shape on the host by :func:`_tiling` (cache
 read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs, slots and
 scales.
 
-fp8 follows SPEC §1.1 exactly: ``tl.math.div_rn`` (Triton's ``/`` on float32 is approximate),
-saturation to ±448 / ±57344 done with comparisons (so NaN stays NaN and -0 stays -0), then the
-round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for bit into ``uint8`` or
-float8 caches.
+fp8 follows SPEC §1.1 exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
+is approximate), computed without a division per element (``_fp8_scale`` splits the scale's
+exponent off once per program or head, ``_fp8_quotient`` corrects a reciprocal product with
+fused multiply-adds), saturated to ±448 / ±57344 with NaN kept and the sign of zero kept, then
+the round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for bit into
+``uint8`` or float8 caches.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which rounds some float casts
 differently from the GPU; :func:`unsupported` refuses those cases there
@@ -96,15 +98,17 @@ def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDT
 _TILE_BYTES = 4096          # input bytes of K per program (as many of V)
 # Input bytes of K per warp, i.e. 16 B of K and of V per thread for copies and casts, 32 B for
 # fp8. Measured on H200 (T=65536, bf16): copies at 512 vs 2048: H=8 139 vs 144 us, T=2 1.46 vs
-# 1.69 us; fp8, whose true division serializes work within a thread, at 1024 vs 512 vs 2048:
-# H=128 NHD 1749 vs 1906 vs 1897 us, H=8 NHD 115 vs 123 vs 139 us.
+# 1.69 us; fp8 (division-free quotient) at 1024 vs 512 vs 2048: H=128 NHD 1674 vs 1875 vs 1717 us,
+# H=8 NHD 106 vs 123 vs 109 us.
 _BYTES_PER_WARP = {False: 512, True: 1024}  # keyed by "is fp8"
 _MAX_WARPS = 8
-# fp8 calls whose grid would have fewer programs than this use smaller tiles and more threads
-# per byte: each thread's true divisions run one after another, and with few programs that
-# chain is the call's latency. Measured on H200 (hot L2, bf16 -> e4m3): 1 KiB tiles at 128 B per
-# warp vs 4 KiB at 256 B: T=2 H=128 1.71 vs 2.14 us, H=8 1.66 vs 2.21 us; H=8 T=64 1.87 vs 2.32 us.
-_SMALL_GRID = 128
+# Calls whose grid would have fewer programs than _SMALL_GRID[fp8] use smaller tiles and more
+# threads per byte: with few programs, the latency of each thread's chain of work is the call's
+# time. Measured on H200 (hot L2; scripts/perf_probe.py), 1 KiB tiles at 128 B per warp vs the
+# large-T tiling: fp8 (bf16 -> e4m3, division-free quotient) T=2 H=128 NHD 1.55 vs 1.91 us, HND
+# 1.92 vs 2.06 us, H=8 NHD 1.72 vs 1.96 us; bf16 copies T=2 H=8 NHD 1.45 vs 1.59 us, HND 1.44 vs
+# 1.57 us, H=128 HND 1.60 vs 1.74 us (small-T figures move by about 0.1 us between runs).
+_SMALL_GRID = {False: 128, True: 128}  # keyed by "is fp8"; 0: never
 _TILE_BYTES_SMALL_GRID = 1024
 _BYTES_PER_WARP_SMALL_GRID = 128
 _PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
@@ -135,9 +139,9 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
 
     block_t, block_h, num_tiles = tiles(_TILE_BYTES)
     per_warp = _BYTES_PER_WARP[fp8]
-    if fp8 and num_tiles < _SMALL_GRID:
-        # Few programs: the latency of each thread's serialized fp8 divisions is the call's
-        # time, so spread the work over more programs and threads.
+    if num_tiles < _SMALL_GRID[fp8]:
+        # Few programs: the latency of each thread's chain of work is the call's time, so
+        # spread the work over more programs and threads.
         block_t, block_h, num_tiles = tiles(_TILE_BYTES_SMALL_GRID)
         per_warp = _BYTES_PER_WARP_SMALL_GRID
     tile_bytes = block_t * block_h * block_d * in_bytes
@@ -161,21 +165,55 @@ _COPY, _E4M3, _E5M2 = 0, 1, 2
 if triton is not None:
 
     @triton.jit
-    def _fp8_bits(y, FMAX: tl.constexpr, FP8_TY: tl.constexpr):
-        """float32 -> fp8 bits as uint8: saturate (comparisons are false for NaN, which stays NaN,
-        and keep -0; ±inf saturates), then round to nearest even."""
-        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
-        return y.to(FP8_TY).to(tl.uint8, bitcast=True)
+    def _fp8_scale(s):
+        """Per-scale constants of the division in `_store_cache` (scalar or per-head vector).
+
+        Returns (m, s2, y): m = ±2^(1-e) for a finite nonzero scale s = ±1.f * 2^e (2^127 for a
+        subnormal one), carrying the sign of s, so that x * m is exact wherever it matters and
+        x / s = (x * m) / s2 with s2 = |s| * |m| in [2^-22, 4); y = RN(1 / s2). For s = ±0, ±inf
+        or NaN, m = 1/s (±inf, ±0, NaN) and s2 = y = 1, so x * m already is the quotient's
+        class: ±inf (saturates), ±0 or NaN.
+        """
+        s = s.to(tl.float32)
+        a = tl.abs(s)
+        e = a.to(tl.int32, bitcast=True) >> 23  # biased exponent field (0 for zero/subnormal)
+        m = ((255 - tl.maximum(e, 1)) << 23).to(tl.float32, bitcast=True)  # 2^(1-e), normal
+        special = (a == 0.0) | (e == 255)  # zero, inf, NaN
+        inv = tl.where(a == 0.0, float("inf"), tl.where(a == float("inf"), 0.0, a))  # 1/a there
+        m = tl.where(special, inv, m)
+        s2 = tl.where(special, 1.0, a * m)
+        y = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), s2)
+        sign = s.to(tl.int32, bitcast=True) & -2147483648
+        m = (m.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return m, s2, y
 
     @triton.jit
-    def _store_cache(cache_ptr, offs, mask, x, scale, QUANT: tl.constexpr):
-        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`.
+    def _fp8_quotient(x, m, s2, y, FMAX: tl.constexpr, STEPS: tl.constexpr):
+        """RN_f32(x / s) clamped to ±FMAX (NaN kept), without a division per element; (m, s2, y)
+        from `_fp8_scale(s)`.
 
-        fp8 uses a true division per element (`div_rn`), whose slow-path check costs a branch
-        per element. A faster exact form (reciprocal bracket with a tile-wide fallback, as the
-        CUDA kernel does) miscompiled or crashed ptxas with Triton 3.6 on sm_90, so it is not
-        used here; see docs/performance.md.
+        x' = x * m is exact (or so large or so small that the code is ±MAX or ±0 anyway), and
+        x / s = x' / s2. With a = min(|x'|, 2^20) (NaN kept; a quotient past 2^18 saturates in
+        both formats), q = RN(a * y) and STEPS corrections q = fma(fma(-s2, q, a), y, q) give
+        RN(a / s2) exactly: one step for float16/bfloat16 inputs (checked exhaustively, every
+        16-bit significand against every scale significand: tests/test_triton.py), two for
+        float32 (the first makes q faithful, and the second is then exact by Markstein's
+        theorem). Where a / s2 < 2^-40 the intermediates may be subnormal and q inexact, but it
+        stays far below the smallest fp8 midpoint (2^-17), so the code is zero all the same. The
+        sign is put back last, which keeps -0 and the sign of tiny quotients.
         """
+        xs = x.to(tl.float32) * m
+        a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-s2, q, a), y, q)
+        q = tl.minimum(q, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        sign = xs.to(tl.int32, bitcast=True) & -2147483648
+        return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store_cache(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
+        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`; (m, s2, y) from `_fp8_scale`."""
         if QUANT == 0:
             tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
@@ -185,9 +223,8 @@ if triton is not None:
             else:
                 fmax: tl.constexpr = 57344.0
                 fp8_ty: tl.constexpr = tl.float8e5
-            # A true IEEE division: Triton's `/` on float32 is approximate and flips fp8 results.
-            y = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(scale, x.shape))
-            bits = _fp8_bits(y, fmax, fp8_ty)
+            q = _fp8_quotient(x, m, s2, y, fmax, STEPS)
+            bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
@@ -224,12 +261,8 @@ if triton is not None:
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_SIZE
-        if QUANT != 0 and not PER_HEAD_SCALE:
-            k_scale_t = tl.load(k_scale_ptr)
-            v_scale_t = tl.load(v_scale_ptr)
-        else:
-            k_scale_t = 1.0
-            v_scale_t = 1.0
+        # 16-bit inputs need one correction step of the fp8 division, float32 two (_fp8_quotient).
+        STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
         # A grid-stride loop: one iteration per program unless the grid is capped (persistent).
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             t = (tile // H_CHUNKS) * BLOCK_T + offs_t  # [BLOCK_T]
@@ -255,15 +288,26 @@ if triton is not None:
             # Both loads before either store, so K and V are in flight together.
             k = tl.load(key_ptr + k_off, mask=mask, eviction_policy="evict_first")
             v = tl.load(value_ptr + v_off, mask=mask, eviction_policy="evict_first")
-            if QUANT != 0 and PER_HEAD_SCALE:
+            # The scales are read and prepared here, after the data loads are issued: placed
+            # before them, the scale's load and division would add a memory round trip to each
+            # program's critical path (the data loads cannot move above the division's branch).
+            if QUANT == 0:
+                km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+            elif PER_HEAD_SCALE:
                 h_ok = h < NUM_HEADS
-                k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
-                v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[None, :, None]
+                ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)  # both loads first
+                vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
+                km, ks2, ky = _fp8_scale(ks)
+                vm, vs2, vy = _fp8_scale(vs)
+                km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
+                vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
             else:
-                k_scale = k_scale_t
-                v_scale = v_scale_t
-            _store_cache(key_cache_ptr, c_off, mask, k, k_scale, QUANT)
-            _store_cache(value_cache_ptr, c_off, mask, v, v_scale, QUANT)
+                ks = tl.load(k_scale_ptr)
+                vs = tl.load(v_scale_ptr)
+                km, ks2, ky = _fp8_scale(ks)
+                vm, vs2, vy = _fp8_scale(vs)
+            _store_cache(key_cache_ptr, c_off, mask, k, km, ks2, ky, QUANT, STEPS)
+            _store_cache(value_cache_ptr, c_off, mask, v, vm, vs2, vy, QUANT, STEPS)
 
 
 def _kernel_is_interpreted() -> bool:

@@ -1,0 +1,211 @@
+"""The fp8 quotient without a per-element division (the Triton kernel's `_fp8_scale` and
+`_fp8_quotient`), checked three ways:
+
+- the identity it rests on, in C on the host: for x and s of the input's precision,
+  q = RN(x * RN(1/s)), then q = fma(fma(-s, q, x), RN(1/s), q) once, is RN(x / s). Exhaustive
+  for bfloat16 significands against every float32 scale significand, for float16 against every
+  64th one; float32 inputs take a second step (Markstein's theorem) and are sampled;
+- the Triton functions themselves, under the interpreter on CPU (its float32 multiply and fma
+  round like the GPU; only its fp8 cast does not, and that cast is not used here) and on the GPU:
+  every 16-bit input and random float32 inputs against a true division, for ordinary, tiny,
+  subnormal, huge, negative, zero, infinite and NaN scales;
+- end to end on the GPU for both fp8 kernels, with the same extreme scales per head.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite.dtypes import FP8_MAX, CacheDType
+from kvwrite.impls import torch_ref, triton_impl
+from kvwrite.testing import assert_caches_equal
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_triton = pytest.mark.skipif(triton_impl.triton is None, reason="triton is not installed")
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+# Ordinary, tiny, subnormal, huge, negative and special scales.
+SCALES = [0.37, 2.7, 1.3, 0.0123, 5.5e-3, 1.0, 2.0**-7, 3.0, 1.9999999, 6.1e-5, 1e-30, 1e30,
+          1.17549435e-38, 1.5 * 2.0**-127, 1e-39, 2.0**-149, 2.0**127, 3.4028235e38,
+          -0.37, -2.7e-20, 0.0, -0.0, float("inf"), -float("inf"), float("nan")]
+
+# ---------------------------------------------------------------------------------------------
+# The identity, in C.
+# ---------------------------------------------------------------------------------------------
+_IDENTITY_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static uint64_t st = 88172645463325252ull;
+static uint32_t rnd(void) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; return (uint32_t)(st >> 11); }
+/* Scales s in [2, 4) (the kernel's range of s2 for normal scales; the identity is invariant
+   under powers of two while nothing underflows), inputs x in [1, 4). Prints mismatch counts. */
+static long check(uint32_t s_bits, uint32_t x_bits, int steps) {
+  float s = f(0x40000000u | s_bits), y = 1.0f / s;
+  long bad = 0;
+  for (int e = 0; e < 2; ++e) {
+    float x = f(((127u + e) << 23) | x_bits);
+    float q = x * y;
+    for (int i = 0; i < steps; ++i) q = fmaf(fmaf(-s, q, x), y, q);
+    bad += q != x / s;
+  }
+  return bad;
+}
+int main(void) {
+  long n = 0, bad = 0;
+  for (uint32_t sm = 0; sm < (1u << 23); ++sm)        /* bfloat16: every pair */
+    for (uint32_t xm = 0; xm < (1u << 7); ++xm) { bad += check(sm, xm << 16, 1); n += 2; }
+  printf("bfloat16 %ld %ld\n", n, bad);
+  n = bad = 0;
+  for (uint32_t sm = 0; sm < (1u << 23); sm += 64)    /* float16: every 64th scale */
+    for (uint32_t xm = 0; xm < (1u << 10); ++xm) { bad += check(sm, xm << 13, 1); n += 2; }
+  printf("float16 %ld %ld\n", n, bad);
+  n = bad = 0;
+  for (long i = 0; i < 5000000; ++i) {                /* float32: random, and near-all-ones */
+    uint32_t sm = rnd() & 0x7FFFFF, xm = rnd() & 0x7FFFFF;
+    if ((i & 3) == 0) sm = 0x7FFFFF - (rnd() & 0xFFF);
+    if ((i & 3) == 1) xm = 0x7FFFFF - (rnd() & 0xFFF);
+    bad += check(sm, xm, 2); n += 2;
+  }
+  printf("float32 %ld %ld\n", n, bad);
+  return 0;
+}
+"""
+
+
+def test_division_identity_in_c(tmp_path):
+    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no host C compiler (gcc, cc or clang) to build the check")
+    (tmp_path / "identity.c").write_text(_IDENTITY_C)
+    exe = tmp_path / "identity"
+    # -ffp-contract=off: x * y stays a rounded product; fmaf is the C library's exact fma.
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / "identity.c"),
+                    "-o", str(exe), "-lm"], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    counts = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out if line}
+    assert counts["bfloat16"] == [2**31, 0]
+    assert counts["float16"] == [2**28, 0]
+    assert counts["float32"] == [10_000_000, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton functions, under the interpreter or on the GPU.
+# ---------------------------------------------------------------------------------------------
+if triton_impl.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quotient_kernel(x_ptr, s_ptr, q_ptr, n, per_scale, FMAX: tl.constexpr,
+                         STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        x = tl.load(x_ptr + i, mask=ok, other=0.0)
+        s = tl.load(s_ptr + i // per_scale, mask=ok, other=1.0)
+        m, s2, y = triton_impl._fp8_scale(s)
+        q = triton_impl._fp8_quotient(x, m, s2, y, FMAX, STEPS)
+        tl.store(q_ptr + i, q, mask=ok)
+
+
+def _inputs(dtype: torch.dtype) -> torch.Tensor:
+    if dtype != torch.float32:
+        return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=g, dtype=torch.int64)
+    rnd = bits.to(torch.int32).view(torch.float32)
+    near = torch.randn(1 << 16, generator=g) * torch.exp2(
+        torch.randint(-30, 20, (1 << 16,), generator=g).float())
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45,
+                            3.4028235e38, -3.4028235e38, 448.0, 464.0, -57344.0, 61440.0])
+    return torch.cat([rnd, near, special])
+
+
+@needs_triton
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        HAS_CUDA or triton_impl.available(torch.device("cpu")) is not None,
+        reason="the interpreter check runs where there is no GPU")),
+    pytest.param("cuda", marks=gpu),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("kv", list(FP8))
+def test_triton_quotient(kv, dtype, device):
+    fp8 = FP8[kv]
+    fmax = FP8_MAX[fp8]
+    x = _inputs(dtype)
+    per = x.numel()
+    s = torch.tensor(SCALES, dtype=torch.float32)
+    xs = x.repeat(len(SCALES))
+    q = torch.empty(xs.numel(), dtype=torch.float32, device=device)
+    steps = 2 if dtype == torch.float32 else 1
+    block = 1024
+    # The interpreter's bfloat16 -> float32 cast flushes subnormals; widen on the host there.
+    xin = xs.float() if device == "cpu" and dtype == torch.bfloat16 else xs
+    _quotient_kernel[(triton.cdiv(xs.numel(), block),)](
+        xin.to(device), s.to(device), q, xs.numel(), per, FMAX=fmax, STEPS=steps, BLOCK=block)
+    q = q.cpu()
+    ref = (xs.float() / s.repeat_interleave(per)).clamp(-fmax, fmax)
+
+    nan = ref.isnan()
+    assert torch.equal(q.isnan(), nan), "NaN where the true quotient is not, or the reverse"
+    # Exact float32 bits wherever the quotient is not tiny; signed fp8 codes everywhere.
+    big = ~nan & (ref.abs() >= 2.0**-40)
+    bad = big & (q.view(torch.int32) != ref.view(torch.int32))
+    codes_bad = ~nan & (q.to(fp8).view(torch.uint8) != ref.to(fp8).view(torch.uint8))
+    for name, mask in (("float32 quotients", bad), ("fp8 codes", codes_bad)):
+        idx = mask.nonzero().flatten()[:5]
+        assert idx.numel() == 0, (
+            f"{int(mask.sum())} {name} differ, e.g. x={xs[idx].float().tolist()} "
+            f"s={[SCALES[i // per] for i in idx.tolist()]}: got {q[idx].tolist()}, "
+            f"expected {ref[idx].tolist()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on the GPU: both fp8 kernels, extreme scales per head.
+# ---------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("kv", list(FP8))
+def test_extreme_scales_end_to_end_gpu(kv, dtype, impl):
+    fp8 = FP8[kv]
+    num_heads, head_size, block_size = len(SCALES), 64, 16
+    x = _inputs(dtype)
+    num_tokens = x.numel() // head_size
+    x = x[: num_tokens * head_size].view(num_tokens, 1, head_size)
+    key = x.expand(num_tokens, num_heads, head_size).contiguous()
+    value = key.flip(0)
+    gen = torch.Generator().manual_seed(5)
+    k_scale = torch.tensor(SCALES, dtype=torch.float32)
+    v_scale = k_scale[torch.randperm(num_heads, generator=gen)]
+    num_blocks = -(-num_tokens // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    shape = (num_blocks, block_size, num_heads, head_size)
+    kc = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    vc = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    cdt = CacheDType(kv)
+    torch_ref.run(key, value, ref_k, ref_v, slots, cdt, k_scale, v_scale)
+    dev = [t.cuda() for t in (key, value, kc, vc, slots, k_scale, v_scale)]
+    kvwrite.reshape_and_cache_flash(*dev[:5], kv, *dev[5:], implementation=impl)
+    assert_caches_equal(dev[2].cpu(), ref_k, "key_cache", fp8, nan_equal=True)
+    assert_caches_equal(dev[3].cpu(), ref_v, "value_cache", fp8, nan_equal=True)
+    # And one scale for all heads, each of the extreme ones in turn (per-tensor path).
+    for s in SCALES[12:]:
+        one = torch.tensor([s], dtype=torch.float32)
+        rk, rv = kc.clone(), vc.clone()
+        torch_ref.run(key, value, rk, rv, slots, cdt, one, one)
+        dk, dv = kc.cuda(), vc.cuda()
+        kvwrite.reshape_and_cache_flash(dev[0], dev[1], dk, dv, dev[4], kv, one.cuda(),
+                                        one.cuda(), implementation=impl)
+        assert_caches_equal(dk.cpu(), rk, "key_cache", fp8, nan_equal=True)
+        assert_caches_equal(dv.cpu(), rv, "value_cache", fp8, nan_equal=True)
