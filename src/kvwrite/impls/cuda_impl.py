@@ -61,8 +61,8 @@ _TOKENS_PER_THREAD = {False: 4, True: 16}  # keyed by "is fp8"
 _MIN_WAVES = 4
 _MAX_WAVES = 64
 
-# KVWRITE_CUDA_EXACT_DIV=1 compiles the fp8 kernels without the reciprocal bracket (one true
-# division per element), for comparison; both are bit-exact.
+# KVWRITE_CUDA_EXACT_DIV=1 compiles the fp8 kernels with one true division per element instead of
+# the division-free quotient, for comparison; both are bit-exact.
 _EXACT_DIV = os.environ.get("KVWRITE_CUDA_EXACT_DIV", "") not in ("", "0")
 
 

@@ -29,14 +29,8 @@ typedef unsigned long long u64;
 #define DT_E5M2 4
 #define DT_COPY 5
 
-// The reciprocal bracket of `fp8_quantize` converts every element twice, which pays off only
-// where PTX converts two floats to fp8 per instruction (sm_89+); elsewhere each element is a
-// true division and one software conversion. -DKVWRITE_EXACT_DIV turns the bracket off.
-#if defined(KVWRITE_HOST_TEST) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
-#ifndef KVWRITE_EXACT_DIV
-#define KVW_RECIPROCAL_BRACKET 1
-#endif
-#endif
+// -DKVWRITE_EXACT_DIV makes `fp8_quantize` divide each element with div.rn.f32 instead of the
+// division-free quotient below (both are bit-exact; the option exists for comparison).
 
 // ------------------------------------------------------------------------------------------
 // Bit casts and IEEE arithmetic that no compiler flag can change (no FMA contraction, no
@@ -48,6 +42,9 @@ KVW_HD float bits_f32(u32 u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 // Host builds use -ffp-contract=off; x86-64 SSE arithmetic is IEEE round-to-nearest-even.
 KVW_HD float div_rn(float a, float b) { return a / b; }
 KVW_HD float mul_rn(float a, float b) { return a * b; }
+KVW_HD float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+// min(a, b) that returns NaN when a is NaN (b is a constant here).
+KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 #else
 KVW_HD u32 f32_bits(float f) { return __float_as_uint(f); }
 KVW_HD float bits_f32(u32 u) { return __uint_as_float(u); }
@@ -60,6 +57,20 @@ KVW_HD float mul_rn(float a, float b) {
   float p;
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
   return p;
+}
+KVW_HD float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+KVW_HD float min_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a > b ? b : a;
+#endif
 }
 #endif
 
@@ -125,73 +136,77 @@ KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
 }
 
 // ------------------------------------------------------------------------------------------
-// fp8 quantization Q(x) = fp8(x / s), with the true IEEE division, bit for bit.
+// fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (SPEC §1.1), bit for bit, without a
+// division per element.
 //
-// Reciprocal bracket (sm_89+): with y = RN(1/s), y_lo = RN(y * (1 - 2^-21)) and
-// y_hi = RN(y * (1 + 2^-21)), let a = RN(x * y_lo) and b = RN(x * y_hi). If fp8(a) == fp8(b)
-// (same byte), that byte is fp8(RN(x / s)); otherwise the true division decides.
-// Proof. Let f(v) = fp8(RN_f32(v)) for real v: a composition of monotone roundings and a
-// saturation, so f is monotone and odd. u = 2^-24 bounds the relative error of each RN with a
-// normal result. While the fast path is on, 2^-120 <= |s| <= 2^120, so y, y_lo, y_hi are
-// normal. Write Q = x / s.
-//  (i) a and b normal: a/Q = (1+d1)(1-2^-21)(1+d2)(1+d3) <= (1+u)^3 (1-8u) < 1 and
-//      b/Q >= (1-u)^3 (1+8u) > 1, so Q lies strictly between a and b, and f(a) <= f(Q) <= f(b)
-//      (ordered by value); equal bytes then mean f(Q) is that byte.
-//  (ii) b overflows to ±inf: |x y_hi| >= 2^128 (1 - 2^-25), so |x y_lo| > 2^127 and a is
-//      normal (Q lies between a and b as in (i)) or ±inf too (|Q| > |x y_lo| > 2^127, and
-//      f(Q) = f(a) = f(b) = ±MAX).
-//  (iii) a or b is subnormal or zero: |Q| < 2^-125, far below the smallest fp8 midpoint
-//      (2^-10 for e4m3, 2^-17 for e5m2), so f(Q) is a zero with the sign of x*s, and so are
-//      f(a) and f(b) (the sign of a rounded product is the product of the signs).
-//  (iv) x = ±0, ±inf or NaN: a, b and Q are all ±0, all ±inf, or all NaN alike.
-// The bytes differ only when [a, b] (relative width 2^-20) straddles an fp8 rounding
-// boundary; then the whole chunk takes the division (on random inputs, about 4 chunks of 8
-// values in 10^5, counted with the host build of this file).
+// Per scale (once per thread): for a finite nonzero s = ±1.f * 2^e, m = ±2^(1-e) (2^127 for a
+// subnormal s; always a normal float) carries the sign of s, s2 = |s| * |m| lies in [2^-22, 4)
+// (exactly), and y = RN(1 / s2). Then x / s = (x * m) / s2, and x' = x * m is exact unless it
+// overflows (then |x / s| > 2^126: saturates either way) or underflows (then |x / s| < 2^-104:
+// zero either way, and the sign survives the rounding). For s = ±0, ±inf or NaN, m = 1/s
+// (±inf, ±0, NaN) and s2 = y = 1, so x' already is ±inf (saturates), ±0 or NaN, as x / s is.
+//
+// Per element: a = min(|x'|, 2^20), NaN kept (a quotient past 2^18 saturates in both formats,
+// and the clamp keeps inf - inf out of the residual); q = RN(a * y); then STEPS corrections
+// q = RN(q + RN(a - s2 * q) * y) by fused multiply-adds. For float16 and bfloat16 inputs one step
+// gives RN(a / s2) exactly (checked exhaustively: every 16-bit significand against every scale
+// significand, tests/test_fp8_division.py); float32 inputs take two (the first leaves q faithful,
+// and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the residual may be
+// subnormal and q inexact, but it stays far below the smallest fp8 rounding boundary (2^-17), so
+// the code is zero all the same. The sign of x' is put back last (keeps -0 and tiny negatives),
+// and the satfinite conversion rounds to nearest even and saturates (NaN stays NaN).
 // ------------------------------------------------------------------------------------------
 struct Fp8Scale {
-  float s;
-  float y_lo, y_hi;
-  bool bracket;
+  float s;   // the scale itself (for the exact-division build)
+  float m;   // ±2^(1-e), or 1/s for zero, infinite and NaN scales
+  float s2;  // |s| * |m|, in [2^-22, 4), or 1
+  float y;   // RN(1 / s2)
 };
 
 KVW_HD Fp8Scale make_fp8_scale(float s) {
+  const u32 sb = f32_bits(s);
+  const u32 ab = sb & 0x7FFFFFFFu;
+  const float a = bits_f32(ab);
+  const u32 e = ab >> 23;  // biased exponent field
   Fp8Scale r;
   r.s = s;
-  const float y = div_rn(1.0f, s);
-  r.y_lo = mul_rn(y, 0x1.fffff0p-1f);  // 1 - 2^-21
-  r.y_hi = mul_rn(y, 0x1.000008p+0f);  // 1 + 2^-21
-  const float as = s < 0.0f ? -s : s;
-  r.bracket = as >= 0x1p-120f && as <= 0x1p120f;  // false for NaN
+  float m = bits_f32((255u - (e > 1u ? e : 1u)) << 23);
+  r.s2 = mul_rn(a, m);
+  if (ab == 0u || e == 255u) {  // zero, inf, NaN: m = 1/|s|
+    m = ab == 0u ? bits_f32(0x7F800000u) : ab == 0x7F800000u ? 0.0f : a;
+    r.s2 = 1.0f;
+  }
+  r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
+  r.y = div_rn(1.0f, r.s2);
   return r;
 }
 
+template <int STEPS>
+KVW_HD float fp8_quotient(float x, const Fp8Scale& sc) {
+  const float xs = mul_rn(x, sc.m);
+  const float a = min_nan(bits_f32(f32_bits(xs) & 0x7FFFFFFFu), 1048576.0f);  // 2^20
+  float q = mul_rn(a, sc.y);
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) q = fma_rn(fma_rn(-sc.s2, q, a), sc.y, q);
+  return bits_f32(f32_bits(q) | (f32_bits(xs) & 0x80000000u));
+}
+
 // Q of N elements (N == 1 or even) into N fp8 codes, byte i of `out` = Q(x[i]) (little endian
-// words). One bracket check for the whole chunk keeps the fast path branch-free.
-template <int FMT, int N>
+// words). STEPS: 1 for 16-bit inputs, 2 for float32 (see above).
+template <int FMT, int N, int STEPS>
 KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8Scale& sc) {
   static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
-#ifdef KVW_RECIPROCAL_BRACKET
-  if (sc.bracket) {
-    u32 differ = 0;
-#pragma unroll
-    for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
-#pragma unroll
-    for (int i = 0; i < N; i += 2) {
-      const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
-      const u32 qa = fp8x2_from_f32<FMT>(mul_rn(x[i], sc.y_lo), mul_rn(x1, sc.y_lo));
-      const u32 qb = fp8x2_from_f32<FMT>(mul_rn(x[i], sc.y_hi), mul_rn(x1, sc.y_hi));
-      differ |= qa ^ qb;
-      out[i >> 2] |= qa << ((i & 2) * 8);
-    }
-    if (differ == 0) return;
-  }
-#endif
 #pragma unroll
   for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
 #pragma unroll
   for (int i = 0; i < N; i += 2) {
     const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
-    out[i >> 2] |= fp8x2_from_f32<FMT>(div_rn(x[i], sc.s), div_rn(x1, sc.s)) << ((i & 2) * 8);
+#ifdef KVWRITE_EXACT_DIV
+    const float q0 = div_rn(x[i], sc.s), q1 = div_rn(x1, sc.s);
+#else
+    const float q0 = fp8_quotient<STEPS>(x[i], sc), q1 = fp8_quotient<STEPS>(x1, sc);
+#endif
+    out[i >> 2] |= fp8x2_from_f32<FMT>(q0, q1) << ((i & 2) * 8);
   }
 }
 
@@ -288,7 +303,7 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
     float x[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in, i);
-    fp8_quantize<OUT, VEC>(x, out.w, sc);
+    fp8_quantize<OUT, VEC, IN == DT_F32 ? 2 : 1>(x, out.w, sc);
   } else if constexpr (OUT == DT_F32) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out.w[i] = f32_bits(elem_f32<IN>(in, i));
