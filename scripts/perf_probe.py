@@ -73,6 +73,21 @@ def empty_kernel_floor() -> float:
                                         config, kernel), 50)
 
 
+def empty_triton_floor() -> float | None:
+    """An empty Triton kernel (one program, one warp), for comparison with the NVRTC floor."""
+    try:
+        import triton
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _empty(x):
+        pass
+
+    x = torch.empty(1, device="cuda")
+    return time_graph(lambda: _empty[(1,)](x, num_warps=1), 50)
+
+
 POINTS = [  # (H, D, layout, alloc, kv, T)
     *[(128, 128, lo, al, kv, t) for lo, al in ((Layout.NHD, KVAlloc.INTERLEAVED),
                                                (Layout.HND, KVAlloc.INTERLEAVED),
@@ -95,6 +110,8 @@ def main() -> None:
                     help="only points whose label (H-D-layout-alloc-kv-T) contains one of these "
                          "comma-separated strings")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--scale", type=float, default=None,
+                    help="fp8 scale for K and V (default: amax / 64, as the benchmark)")
     args = ap.parse_args()
 
     variants = [[]]
@@ -103,8 +120,10 @@ def main() -> None:
         variants = [v + [f"{target}={alt}"] for v in variants for alt in vals.split("|")]
     bw = copy_bandwidth()
     floor = empty_kernel_floor()
+    tfloor = empty_triton_floor()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s (read+write)  "
-          f"empty-kernel floor {floor * 1e6:.2f} us/call (graph)")
+          f"empty-kernel floor {floor * 1e6:.2f} us/call (graph; NVRTC), "
+          f"{tfloor * 1e6 if tfloor else float('nan'):.2f} (Triton)")
     dtype = torch.bfloat16
     caches = {}
     for impl in args.impls.split(","):
@@ -138,8 +157,12 @@ def main() -> None:
                 key = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
                 value = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
                 slots = torch.randperm(kc.shape[0] * 16, device="cuda", generator=g)[:t]
-                ks = (key.amax() / 64).float().reshape(1)
-                vs = (value.amax() / 64).float().reshape(1)
+                if args.scale is None:
+                    ks = (key.amax() / 64).float().reshape(1)
+                    vs = (value.amax() / 64).float().reshape(1)
+                else:
+                    ks = torch.full((1,), args.scale, device="cuda")
+                    vs = torch.full((1,), args.scale, device="cuda")
 
                 def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks, vs=vs, kv=kv,
                          impl=impl):
