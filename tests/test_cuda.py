@@ -118,7 +118,7 @@ def _cuobjdump() -> str | None:
 @pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
 @pytest.mark.parametrize("in_dtype, cache_dtype, store", [
     (torch.bfloat16, CacheDType.AUTO, "STG.E.128"),
-    (torch.bfloat16, CacheDType.FP8_E4M3, "STG.E.64"),
+    (torch.bfloat16, CacheDType.FP8_E4M3, "STG.E.128"),
     (torch.float32, CacheDType.BFLOAT16, "STG.E.64"),
 ])
 def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_dtype, store):
@@ -128,7 +128,7 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
     cache_tensor_dtype = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(in_dtype)
     kc, vc = allocate_kv_cache(4, 16, 8, 128, cache_tensor_dtype, device="cpu")
     p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype)
-    assert p.vec_bytes == 16
+    assert p.vec_bytes == (32 if cache_dtype.is_fp8 else 16)  # fp8: two 16-byte loads a chunk
     obj, _ = cuda_impl.compile_kernel("sm_90", p.name)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(bytes(obj.code))
@@ -159,8 +159,14 @@ def test_plan_16_byte_vectors_for_h8_d128_bf16():
             assert (p.vec, p.vec_bytes) == (8, 16), (layout, alloc)
             # One token's 128 chunks fill a CTA of SMALL_ROW_THREADS = 128.
             assert (p.threads, p.tokens_per_cta, p.grid_y) == (128, 1, 1)
+    # fp8: 32 input bytes (16 elements) a chunk, one 16-byte store of codes.
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, alloc=KVAlloc.PACKED)
-    assert p.vec_bytes == 16 and "<1, 3, 8, long long>" in p.name
+    assert p.vec_bytes == 32 and "<1, 3, 16, long long>" in p.name
+    assert (p.threads, p.tokens_per_cta) == (128, 2)  # 64 chunks a token
+    p = _plan(8, 128, dtype=torch.float32, cache_dtype=CacheDType.FP8_E5M2)
+    assert (p.vec, p.vec_bytes) == (8, 32)
+    p = _plan(8, 120, cache_dtype=CacheDType.FP8_E4M3)  # 120 % 16 != 0: back to 8 elements
+    assert (p.vec, p.vec_bytes) == (8, 16)
 
 
 def test_plan_falls_back_where_rows_are_not_16_byte_aligned():
@@ -415,7 +421,7 @@ def test_gpu_fp8_exactness_sweep(monkeypatch, kv, per_head, exact_div):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_gpu_fp8_every_16_bit_input(kv, dtype):
-    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the 16-byte variant),
+    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the widest variant),
     under several per-tensor scales and one set of per-head scales."""
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype
@@ -431,7 +437,7 @@ def test_gpu_fp8_every_16_bit_input(kv, dtype):
         torch_ref.run(key, value, ref_k, ref_v, slots, cd, k_scale, v_scale)
         dev = [t.cuda() for t in (key, value, kc, vc, slots)] + [kv, k_scale.cuda(), v_scale.cuda()]
         p = cuda_impl.plan(*dev[:5], cd)
-        assert p.vec_bytes == 16
+        assert p.vec_bytes == 32
         kvwrite.reshape_and_cache_flash(*dev, implementation="cuda")
         assert_caches_equal(dev[2], ref_k, "key_cache", fp8_dtype=fp8, nan_equal=True)
         assert_caches_equal(dev[3], ref_v, "value_cache", fp8_dtype=fp8, nan_equal=True)
@@ -439,9 +445,9 @@ def test_gpu_fp8_every_16_bit_input(kv, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_heads, head_size, vec_bytes", [(8, 128, 16), (5, 46, 4)])
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_gpu_vector_variant_choice(num_heads, head_size, vec_bytes, kv):
+@pytest.mark.parametrize("num_heads, head_size, kv, vec_bytes", [
+    (8, 128, "auto", 16), (8, 128, "fp8", 32), (5, 46, "auto", 4), (5, 46, "fp8", 4)])
+def test_gpu_vector_variant_choice(num_heads, head_size, kv, vec_bytes):
     case = Case(num_tokens=129, num_heads=num_heads, head_size=head_size, num_blocks=16,
                 kv_cache_dtype=kv, padding_slots=3, out_of_range_slots=2, extra_rows=4)
     inp = make_inputs(case, "cuda")

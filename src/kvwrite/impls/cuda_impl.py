@@ -6,11 +6,12 @@ is launched on PyTorch's current stream through ``cuda.core``.
 
 Variants (template arguments of ``reshape_and_cache_flash_kernel``): input dtype, cache element
 kind (a plain copy of the input bits, a float cast, fp8 e4m3 or e5m2), the vector width VEC in
-elements and the slot index type. VEC is the widest of 16, 8, 4, 2 bytes (of the wider of the
-input and cache element) such that every row chunk of VEC elements is aligned in the inputs and
-the caches: ``head_size % VEC == 0``, data pointers and every stride that moves (token, block,
-slot, head) multiples of VEC elements; otherwise one element per access (e.g. bfloat16 with
-head_size 46: 92-byte rows are 4-byte but not 16-byte aligned, so VEC = 2).
+elements and the slot index type. VEC is the widest chunk of at most ``CHUNK_INPUT_BYTES`` of
+input (16, or 32 as two 16-byte loads) and 32 bytes of output, halving down to one element, such
+that every row chunk of VEC elements is aligned in the inputs and the caches: ``head_size % VEC == 0``,
+data pointers and every stride that moves (token, block, slot, head) multiples of VEC elements;
+otherwise one element per access (e.g. bfloat16 with head_size 46: 92-byte rows are 4-byte but
+not 16-byte aligned, so VEC = 2).
 
 Graph-safe: a call does no allocation and no host sync; scales are read on the device.
 """
@@ -58,6 +59,12 @@ SMALL_ROW_THREADS = 128
 # - copies, 4 vs 16 tokens per thread: H=128 T=4096 136.1 vs 139.1 us, H=8 136.3 vs 139.1 us;
 # - fp8, 16 vs 4: H=128 T=4096 105.6 vs 108.9 us, T=16384 406.8 vs 424.9 us.
 _TOKENS_PER_THREAD = {False: 4, True: 16}  # keyed by "is fp8"
+# Input bytes per chunk (one thread's share of a row), keyed by "is fp8". 32 bytes (two 16-byte
+# loads) halves the threads, and so the per-thread setup (indices; for fp8 the scales' constants)
+# per byte moved. Measured on H200 (hot L2, bf16 -> e4m3, scripts/perf_probe.py), 32 vs 16:
+# H=128 T=65536 NHD 1547 vs 1613 us (98.3 vs 94.3%), HND 1676 vs 1733 us (90.8 vs 87.8%);
+# H=8 T=65536 NHD 102.0 vs 106.3 us, T=1024 3.76 vs 4.23 us.
+CHUNK_INPUT_BYTES = {False: 16, True: 32}
 _MIN_WAVES = 4
 _MAX_WAVES = 64
 
@@ -90,7 +97,7 @@ def all_kernel_names() -> list[str]:
         for out_kind, out_bytes in outs:
             if out_kind == _COPY and in_kind == _BF16:
                 continue  # 2-byte copies share the float16 variant
-            vec = 16 // max(in_dtype.itemsize, out_bytes)
+            vec = _widest_vec(in_dtype.itemsize, out_bytes, out_kind in (_E4M3, _E5M2))
             while vec >= 1:
                 for slot in (torch.int32, torch.int64):
                     names.append(kernel_name(in_kind, out_kind, vec, slot))
@@ -210,13 +217,20 @@ def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torc
     return _KIND[cache_tensor]
 
 
+def _widest_vec(in_bytes: int, out_bytes: int, fp8: bool) -> int:
+    """The widest VEC of a variant: CHUNK_INPUT_BYTES[fp8] of input per chunk (accesses of at
+    most 16 bytes each, so 32 is two loads), and at most 32 bytes of output."""
+    return min(CHUNK_INPUT_BYTES[fp8] // in_bytes, 32 // out_bytes)
+
+
 def _vector_width(head_size: int, in_bytes: int, out_bytes: int, in_align: int, out_align: int,
-                  in_strides: tuple[int, ...], cache_strides: tuple[int, ...]) -> int:
+                  in_strides: tuple[int, ...], cache_strides: tuple[int, ...],
+                  fp8: bool = False) -> int:
     """The widest VEC whose accesses are all aligned (see the module docstring)."""
-    vec = 16 // max(in_bytes, out_bytes)
+    vec = _widest_vec(in_bytes, out_bytes, fp8)
     while vec > 1:
-        if (head_size % vec == 0 and in_align % (vec * in_bytes) == 0
-                and out_align % (vec * out_bytes) == 0
+        if (head_size % vec == 0 and in_align % min(vec * in_bytes, 16) == 0
+                and out_align % min(vec * out_bytes, 16) == 0
                 and all(s % vec == 0 for s in in_strides + cache_strides)):
             return vec
         vec //= 2
@@ -240,7 +254,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
     in_align = key.data_ptr() | value.data_ptr() | 16
     out_align = key_cache.data_ptr() | value_cache.data_ptr() | 16
     vec = _vector_width(head_size, in_dtype.itemsize, out_bytes, in_align & -in_align,
-                        out_align & -out_align, in_strides, cache_strides)
+                        out_align & -out_align, in_strides, cache_strides, cache_dtype.is_fp8)
     if out_kind == _COPY and in_kind == _BF16:
         in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
     chunks_per_head = head_size // vec

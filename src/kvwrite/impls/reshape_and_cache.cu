@@ -229,7 +229,12 @@ struct Raw {
 template <int N>
 KVW_HD Raw<N> load_raw(const u8* p) {
   Raw<N> r;
-  if constexpr (N == 16) {
+  if constexpr (N == 32) {  // two 16-byte loads
+    const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(p)[1];
+    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+  } else if constexpr (N == 16) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
   } else if constexpr (N == 8) {
@@ -247,7 +252,10 @@ KVW_HD Raw<N> load_raw(const u8* p) {
 
 template <int N>
 KVW_HD void store_raw(u8* p, const Raw<N>& r) {
-  if constexpr (N == 16) {
+  if constexpr (N == 32) {  // two 16-byte stores
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]);
+  } else if constexpr (N == 16) {
     *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
   } else if constexpr (N == 8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
