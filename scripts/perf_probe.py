@@ -66,8 +66,8 @@ def empty_kernel_floor() -> float:
     obj, _ = ci.compile_kernel(arch, "kvwrite_empty",
                                source='extern "C" __global__ void kvwrite_empty() {}')
     kernel = obj.get_kernel("kvwrite_empty")
-    config = ci._config(1, 1, 1)
     cc = ci._cuda_core()
+    config = cc.LaunchConfig(grid=(1, 1, 1), block=(1, 1, 1))
     cc.Device(torch.cuda.current_device()).set_current()
     return time_graph(lambda: cc.launch(ci._current_stream(torch.cuda.current_device()),
                                         config, kernel), 50)

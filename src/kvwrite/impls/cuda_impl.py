@@ -267,7 +267,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
         parts = -(-chunks // MAX_THREADS)
         row, tokens_per_cta = -(-chunks // parts), 1
         grid_y = min(parts, 65535)  # the kernel loops over the rest
-    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    shift = _log2_or_minus_1(block_size)
     return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype), vec=vec,
                 vec_bytes=vec * in_dtype.itemsize, threads=row * tokens_per_cta,
                 tokens_per_cta=tokens_per_cta, grid_y=grid_y, chunks_per_head=chunks_per_head,
@@ -335,12 +335,16 @@ def fixed_args(key, value, key_cache, p: Plan) -> tuple[int, ...]:
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     return (key.stride(0), value.stride(0), block_stride, page_stride, head_stride, block_size,
             p.block_shift, num_blocks * block_size, p.chunks_per_head, p.chunks_per_token,
-            p.tokens_per_cta)
+            _log2_or_minus_1(p.chunks_per_head))
+
+
+def _log2_or_minus_1(n: int) -> int:
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
 
 
 @functools.cache
-def _config(grid_x: int, grid_y: int, threads: int):
-    return _cuda_core().LaunchConfig(grid=(grid_x, grid_y, 1), block=(threads, 1, 1))
+def _config(grid_x: int, grid_y: int, row: int, tokens_per_cta: int):
+    return _cuda_core().LaunchConfig(grid=(grid_x, grid_y, 1), block=(row, tokens_per_cta, 1))
 
 
 _STREAMS: dict[int, object] = {}
@@ -382,7 +386,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     p = lau.plan
     rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
     grid_x = min(rows, lau.max_grid_x, max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
-    config = _config(grid_x, p.grid_y, p.threads)
+    config = _config(grid_x, p.grid_y, p.threads // p.tokens_per_cta, p.tokens_per_cta)
     if k_scale is None:
         ksp = vsp = kss = vss = 0
     else:

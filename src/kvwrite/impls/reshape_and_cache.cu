@@ -328,13 +328,15 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
 // ------------------------------------------------------------------------------------------
 // The kernel.
 //
-// Work split: a token row is C = H*D/VEC chunks. A CTA is a [tokens_per_cta, row] grid of
-// threads (row = blockDim.x / tokens_per_cta <= C): several tokens per CTA when C is small,
-// and grid.y > 1 CTAs per token when C is large. Each thread owns one chunk index c of the row
-// (so one head, one scale, token-invariant offsets computed once) and walks the tokens with
-// a grid stride, two tokens per step: the slots and both tokens' K and V chunks are loaded
-// before anything is converted or stored, so four vector loads are in flight per thread, and
-// the first ones are issued before the thread's setup (head index, scales) is computed.
+// Work split: a token row is C = H*D/VEC chunks. A CTA is a [blockDim.y tokens, blockDim.x =
+// row <= C chunks] grid of threads: several tokens per CTA when C is small, and grid.y > 1 CTAs
+// per token when C is large. Each thread owns one chunk index c of the row (so one head, one
+// scale, token-invariant offsets computed once) and walks the tokens with a grid stride, two
+// tokens per step: the slots and both tokens' K and V chunks are loaded before anything is
+// converted or stored, so four vector loads (eight for 32-byte fp8 chunks) are in flight per
+// thread. The prologue before the first loads has no division (2D CTAs; the head index is a
+// shift when D/VEC is a power of two) and issues the fp8 scale loads too, so their latency
+// overlaps the data's; the scales' constants are computed once the data loads are in flight.
 // Slots < 0 (padding) or >= num_slots are skipped; rows of key/value past num_tokens are never
 // read. No shared memory, no barriers: a thread whose chunk is past C simply exits.
 // ------------------------------------------------------------------------------------------
@@ -355,18 +357,17 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
     i64 num_slots,                        // num_blocks * block_size
     i64 chunks_per_head,                  // D / VEC
     i64 chunks_per_token,                 // H * D / VEC
-    i64 tokens_per_cta) {
+    i64 head_shift) {                     // log2(chunks_per_head), or -1
   constexpr int IB = elem_bytes(IN);
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
   constexpr int IN_BYTES = VEC * IB;
   constexpr int OUT_BYTES = VEC * OB;
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
 
-  const u32 row = blockDim.x / static_cast<u32>(tokens_per_cta);
-  const u32 ty = threadIdx.x / row;
-  const u32 tx = threadIdx.x - ty * row;
-  const i64 t_first = static_cast<i64>(blockIdx.x) * tokens_per_cta + ty;
-  const i64 t_step = static_cast<i64>(gridDim.x) * tokens_per_cta;
+  const u32 row = blockDim.x;
+  const u32 tx = threadIdx.x;
+  const i64 t_first = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const i64 t_step = static_cast<i64>(gridDim.x) * blockDim.y;
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
 
   if (t_first >= num_tokens) return;
@@ -391,20 +392,25 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
         v1 = load_raw<IN_BYTES>(value + t1 * value_stride * IB + in_off);
       }
     };
+    // The head of chunk c. 32-bit: c < H * D / VEC fits, and a 64-bit division is a long
+    // subroutine on the GPU.
+    const u32 h32 = head_shift >= 0 ? static_cast<u32>(c) >> head_shift
+                                    : static_cast<u32>(c) / static_cast<u32>(chunks_per_head);
+    const i64 h = h32;
+    float k_s = 0.0f, v_s = 0.0f;
+    if constexpr (FP8) {  // issued now, used after the data loads below
+      k_s = k_scale[h * k_scale_stride];
+      v_s = v_scale[h * v_scale_stride];
+    }
     i64 t0 = t_first;
     load(t0);
 
     // Per-thread constants, computed while the first loads are in flight (code placed before
-    // them would delay them: its branches end the region loads can be scheduled in).
-    // 32-bit: c < H * D / VEC fits, and a 64-bit division is a long subroutine on the GPU.
-    const u32 h32 = static_cast<u32>(c) / static_cast<u32>(chunks_per_head);
-    const i64 h = h32;
+    // them would delay them: the division's branches end the region loads can be scheduled in).
     const i64 d = static_cast<i64>(static_cast<u32>(c) - h32 * static_cast<u32>(chunks_per_head)) * VEC;
     const i64 cache_off = (h * head_stride + d) * OB;  // bytes
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
-      const float k_s = k_scale[h * k_scale_stride];  // both loads before either division
-      const float v_s = v_scale[h * v_scale_stride];
       ks = make_fp8_scale(k_s);
       vs = make_fp8_scale(v_s);
     }
