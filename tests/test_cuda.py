@@ -127,7 +127,8 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
     key = torch.empty(4, 8, 128, dtype=in_dtype)
     cache_tensor_dtype = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(in_dtype)
     kc, vc = allocate_kv_cache(4, 16, 8, 128, cache_tensor_dtype, device="cpu")
-    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype)
+    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype,
+                       small=False)
     assert p.vec_bytes == (32 if cache_dtype.is_fp8 else 16)  # fp8: two 16-byte loads a chunk
     obj, _ = cuda_impl.compile_kernel("sm_90", p.name)
     cubin = tmp_path / "k.cubin"
@@ -144,12 +145,23 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
 # The vectorization rule and the CTA shape (pure Python)
 # ------------------------------------------------------------------------------------------
 def _plan(num_heads, head_size, dtype=torch.bfloat16, cache_dtype=CacheDType.AUTO,
-          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0):
+          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0, small=False):
     rows = torch.empty(8 * num_heads * head_size + key_offset, dtype=dtype)
     key = rows[key_offset:].view(8, num_heads, head_size)
     storage = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(dtype)
     kc, vc = allocate_kv_cache(4, 16, num_heads, head_size, storage, layout, alloc, "cpu")
-    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype)
+    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype, small)
+
+
+def test_plan_narrower_chunks_for_small_calls():
+    # Small calls spread each token over more threads: fp8 8 input bytes a chunk instead of 32.
+    p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=True)
+    assert (p.vec, p.vec_bytes, p.threads, p.tokens_per_cta) == (4, 8, 256, 1)
+    assert _plan(8, 128, small=True).vec_bytes == cuda_impl._SMALL_CALL_INPUT_BYTES[False]
+    # The decision, from the call's size (key bytes).
+    limit = cuda_impl._SMALL_CALL_BYTES
+    assert cuda_impl.is_small_call(limit // (8 * 128 * 2), 8, 128, 2)
+    assert not cuda_impl.is_small_call(limit // (8 * 128 * 2) + 1, 8, 128, 2)
 
 
 def test_plan_16_byte_vectors_for_h8_d128_bf16():
@@ -418,11 +430,13 @@ def test_gpu_fp8_exactness_sweep(monkeypatch, kv, per_head, exact_div):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("small", [False, True], ids=["wide", "small-call"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_gpu_fp8_every_16_bit_input(kv, dtype):
-    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the widest variant),
-    under several per-tensor scales and one set of per-head scales."""
+def test_gpu_fp8_every_16_bit_input(monkeypatch, kv, dtype, small):
+    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the widest variant, and
+    the small-call one), under several per-tensor scales and one set of per-head scales."""
+    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 1 << 30 if small else 0)
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype
     key = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -437,7 +451,7 @@ def test_gpu_fp8_every_16_bit_input(kv, dtype):
         torch_ref.run(key, value, ref_k, ref_v, slots, cd, k_scale, v_scale)
         dev = [t.cuda() for t in (key, value, kc, vc, slots)] + [kv, k_scale.cuda(), v_scale.cuda()]
         p = cuda_impl.plan(*dev[:5], cd)
-        assert p.vec_bytes == 32
+        assert p.vec_bytes == (cuda_impl._SMALL_CALL_INPUT_BYTES[True] if small else 32)
         kvwrite.reshape_and_cache_flash(*dev, implementation="cuda")
         assert_caches_equal(dev[2], ref_k, "key_cache", fp8_dtype=fp8, nan_equal=True)
         assert_caches_equal(dev[3], ref_v, "value_cache", fp8_dtype=fp8, nan_equal=True)
