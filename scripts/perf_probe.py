@@ -110,6 +110,8 @@ def main() -> None:
                     help="only points whose label (H-D-layout-alloc-kv-T) contains one of these "
                          "comma-separated strings")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--tokens", default="",
+                    help="comma-separated token counts to use instead of the issue's points")
     ap.add_argument("--scale", type=float, default=None,
                     help="fp8 scale for K and V (default: amax / 64, as the benchmark)")
     args = ap.parse_args()
@@ -140,7 +142,11 @@ def main() -> None:
             tag = impl + ("[" + ",".join(variant) + "]" if variant else "")
             print(f"\n## {tag}")
             print(f"{'H':>4} {'D':>4} {'layout':>7} {'kv':>5} {'T':>6} {'us':>9} {'%bw':>6}")
-            for h, d, layout, alloc, kv, t in POINTS:
+            points = POINTS
+            if args.tokens:
+                shapes = dict.fromkeys(p[:5] for p in POINTS)
+                points = [(*sh, int(t)) for sh in shapes for t in args.tokens.split(",")]
+            for h, d, layout, alloc, kv, t in points:
                 label = f"{h}-{d}-{layout.value}-{alloc.value}-{kv}-{t}"
                 if args.filter and not any(f in label for f in args.filter.split(",")):
                     continue

@@ -69,8 +69,10 @@ CHUNK_INPUT_BYTES = {False: 16, True: 32}
 # spread each token's work over more threads, which shortens every thread's chain of loads,
 # conversions and stores. Measured on H200 (hot L2, bf16 -> e4m3), 8 vs 32 input bytes a chunk:
 # H=128 T=2 1.98 vs 2.38 us, T=4 1.96 vs 2.35 us; H=8 T=2 1.91 vs 2.03 us, T=64 2.00 vs 2.17 us.
-# Copies gain nothing from 8 bytes (H=128 T=2 1.73-1.77 us either way), so they keep 16.
-_SMALL_CALL_BYTES = 128 * 1024
+# Copies gain nothing from 8 bytes (H=128 T=2 1.73-1.77 us either way), so they keep 16. The
+# limit, 512 KiB vs 128 KiB: H=128 T=8 2.13 vs 2.42 us, T=16 2.32 vs 2.48 us, H=8 T=256 2.28 vs
+# 2.38 us; 2 MiB made H=128 T=64 (4.25 vs 3.36 us) and H=8 T=1024 (4.24 vs 3.39 us) slower.
+_SMALL_CALL_BYTES = 512 * 1024
 _SMALL_CALL_INPUT_BYTES = {False: 16, True: 8}
 _MIN_WAVES = 4
 _MAX_WAVES = 64
