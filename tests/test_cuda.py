@@ -23,7 +23,7 @@ import kvwrite
 from kvwrite.dtypes import FP8_MAX, CacheDType
 from kvwrite.impls import cuda_impl, torch_ref
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
-from kvwrite.testing import Case, assert_caches_equal, clone_caches, make_inputs
+from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100"]
 FP8 = {3: torch.float8_e4m3fn, 4: torch.float8_e5m2}  # DT_E4M3, DT_E5M2 in the .cu
@@ -461,7 +461,8 @@ def test_gpu_fp8_every_16_bit_input(monkeypatch, kv, dtype, small):
 @gpu
 @pytest.mark.parametrize("num_heads, head_size, kv, vec_bytes", [
     (8, 128, "auto", 16), (8, 128, "fp8", 32), (5, 46, "auto", 4), (5, 46, "fp8", 4)])
-def test_gpu_vector_variant_choice(num_heads, head_size, kv, vec_bytes):
+def test_gpu_vector_variant_choice(monkeypatch, num_heads, head_size, kv, vec_bytes):
+    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 0)  # the large-call variants
     case = Case(num_tokens=129, num_heads=num_heads, head_size=head_size, num_blocks=16,
                 kv_cache_dtype=kv, padding_slots=3, out_of_range_slots=2, extra_rows=4)
     inp = make_inputs(case, "cuda")
@@ -551,4 +552,16 @@ def test_gpu_launch_from_a_new_thread():
     th.start()
     th.join()
     assert not errors, errors
+    _check(inp, ref_k, ref_v, case.cache_dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case):
+    """The case matrix runs mostly small calls (test_matrix.py); here every case takes the
+    variants and CTA shapes of large calls (for fp8, 32-byte chunks) instead."""
+    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 0)
+    inp = make_inputs(case, "cuda")
+    ref_k, ref_v = _run_both(inp)
     _check(inp, ref_k, ref_v, case.cache_dtype)
