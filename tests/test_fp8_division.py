@@ -130,6 +130,7 @@ def _inputs(dtype: torch.dtype) -> torch.Tensor:
 
 
 @needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf/NaN scales
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.skipif(
         HAS_CUDA or triton_impl.available(torch.device("cpu")) is not None,
