@@ -7,11 +7,11 @@ is launched on PyTorch's current stream through ``cuda.core``.
 Variants (template arguments of ``reshape_and_cache_flash_kernel``): input dtype, cache element
 kind (a plain copy of the input bits, a float cast, fp8 e4m3 or e5m2), the vector width VEC in
 elements and the slot index type. VEC is the widest chunk of at most ``CHUNK_INPUT_BYTES`` of
-input (16, or 32 as two 16-byte loads) and 32 bytes of output, halving down to one element, such
-that every row chunk of VEC elements is aligned in the inputs and the caches: ``head_size % VEC == 0``,
-data pointers and every stride that moves (token, block, slot, head) multiples of VEC elements;
-otherwise one element per access (e.g. bfloat16 with head_size 46: 92-byte rows are 4-byte but
-not 16-byte aligned, so VEC = 2).
+input (16, or 32 as two 16-byte loads; fewer for small calls) and 32 bytes of output, halving
+down to one element, such that every row chunk of VEC elements is aligned in the inputs and the
+caches: ``head_size % VEC == 0``, data pointers and every stride that moves (token, block, slot,
+head) multiples of VEC elements; otherwise one element per access (e.g. bfloat16 with head_size
+46: 92-byte rows are 4-byte but not 16-byte aligned, so VEC = 2).
 
 Graph-safe: a call does no allocation and no host sync; scales are read on the device.
 """

@@ -149,9 +149,9 @@ KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
 // Per element: a = min(|x'|, 2^20), NaN kept (a quotient past 2^18 saturates in both formats,
 // and the clamp keeps inf - inf out of the residual); q = RN(a * y); then STEPS corrections
 // q = RN(q + RN(a - s2 * q) * y) by fused multiply-adds. For float16 and bfloat16 inputs one step
-// gives RN(a / s2) exactly (checked exhaustively: every 16-bit significand against every scale
-// significand, tests/test_fp8_division.py); float32 inputs take two (the first leaves q faithful,
-// and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the residual may be
+// gives RN(a / s2) exactly (tests/test_fp8_division.py: every bfloat16 significand against every
+// scale significand, every float16 one against every 64th); float32 inputs take two (the first
+// leaves q faithful, and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the residual may be
 // subnormal and q inexact, but it stays far below the smallest fp8 rounding boundary (2^-17), so
 // the code is zero all the same. The sign of x' is put back last (keeps -0 and tiny negatives),
 // and the satfinite conversion rounds to nearest even and saturates (NaN stays NaN).

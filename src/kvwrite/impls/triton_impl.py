@@ -195,10 +195,10 @@ if triton is not None:
         x' = x * m is exact (or so large or so small that the code is ±MAX or ±0 anyway), and
         x / s = x' / s2. With a = min(|x'|, 2^20) (NaN kept; a quotient past 2^18 saturates in
         both formats), q = RN(a * y) and STEPS corrections q = fma(fma(-s2, q, a), y, q) give
-        RN(a / s2) exactly: one step for float16/bfloat16 inputs (checked exhaustively, every
-        16-bit significand against every scale significand: tests/test_triton.py), two for
-        float32 (the first makes q faithful, and the second is then exact by Markstein's
-        theorem). Where a / s2 < 2^-40 the intermediates may be subnormal and q inexact, but it
+        RN(a / s2) exactly: one step for float16/bfloat16 inputs (checked in
+        tests/test_fp8_division.py: every bfloat16 significand against every scale significand,
+        every float16 one against every 64th), two for float32 (the first makes q faithful, and
+        the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the intermediates may be subnormal and q inexact, but it
         stays far below the smallest fp8 midpoint (2^-17), so the code is zero all the same. The
         sign is put back last, which keeps -0 and the sign of tiny quotients.
         """
