@@ -2,7 +2,7 @@
 
 On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, which conftest.py sets
 when there is no GPU). There it checks the kernel's indexing (layouts, head chunks, tokens per
-program, the grid-stride loop, padding and out-of-range slots, int32 slots, odd head sizes) and
+program, the 2D grid of token and head tiles, padding and out-of-range slots, int32 slots, odd head sizes) and
 the casts the interpreter rounds like the GPU: copies, float16->float32, bfloat16->float16 and
 float32->float16. The interpreter rounds float32->bfloat16, bfloat16->float32 (subnormals) and
 every fp8 cast differently from the GPU, so ``unsupported`` refuses those cases there; the fp8
@@ -133,30 +133,6 @@ def test_key_and_value_token_strides_differ(case, device):
     kvwrite.reshape_and_cache_flash(*inp.args(), implementation="triton")
     assert_caches_equal(inp.key_cache, ref_k, "key_cache")
     assert_caches_equal(inp.value_cache, ref_v, "value_cache")
-
-
-@pytest.fixture
-def capped_grid(monkeypatch):
-    """Cap the grid at 2 programs so each loops over many tiles (the persistent path)."""
-    calls = []
-
-    def cap(device_index):
-        calls.append(device_index)
-        return 2
-
-    monkeypatch.setattr(triton_impl, "_max_programs", cap)
-    return calls
-
-
-@needs_triton
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=interpreter),
-    pytest.param("cuda", marks=gpu),
-])
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c.id)
-def test_grid_stride_loop(case, device, capped_grid):
-    _check(case, device)
-    assert capped_grid, "run() did not consult _max_programs"
 
 
 # --- Which casts the interpreter can check --------------------------------------------------

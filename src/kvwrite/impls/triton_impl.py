@@ -1,12 +1,14 @@
 """The Triton implementation: one kernel for every layout, cache dtype and scale shape.
 
 One program writes a tile ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` of K and the same tile of V:
-it reads each token's slot once, loads both input tiles, converts them and stores them through the
-cache strides (so NHD, HND, interleaved and packed caches are the same code). Offsets into the
-caches and inputs are 64-bit. ``BLOCK_D`` is ``head_size`` rounded up to a power of two, masked.
-Tile shapes and warps are chosen per shape on the host by :func:`_tiling` (cached) and nothing is
-read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs, slots and
-scales.
+it reads each token's slot once, loads both input tiles (masked by the token and head bounds
+only, so the loads do not wait for the slot), converts them and stores them through the cache
+strides (so NHD, HND, interleaved and packed caches are the same code). Offsets into the caches
+and inputs are 64-bit. ``BLOCK_D`` is ``head_size`` rounded up to a power of two, masked. The grid
+is (token tiles, head tiles). The strides and the cache's slot count are compile-time constants
+(one compiled variant per cache geometry and input layout, as for the shape); tile shapes and
+warps are chosen per shape on the host by :func:`_tiling` (cached), and nothing is read on the
+host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs, slots and scales.
 
 fp8 follows SPEC §1.1 exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
 is approximate), computed without a division per element (``_fp8_scale`` splits the scale's
@@ -111,7 +113,6 @@ _MAX_WARPS = 8
 _SMALL_GRID = {False: 128, True: 128}  # keyed by "is fp8"; 0: never
 _TILE_BYTES_SMALL_GRID = 1024
 _BYTES_PER_WARP_SMALL_GRID = 128
-_PROGRAMS_PER_SM = 0        # > 0: a persistent grid of SMs * this many programs; 0: one per tile
 
 
 def _next_pow2(n: int) -> int:
@@ -121,7 +122,8 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=512)
 def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
             ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, num_tiles) for one shape.
+    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, num_tiles) for one shape; the grid is
+    ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``, num_tiles programs.
 
     Large rows (H*D) are split into chunks of heads, one token per program; small rows take
     several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
@@ -147,14 +149,6 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
     tile_bytes = block_t * block_h * block_d * in_bytes
     num_warps = min(_MAX_WARPS, max(1, tile_bytes // per_warp))
     return block_t, block_h, block_d, num_warps, num_tiles
-
-
-@functools.lru_cache(maxsize=16)
-def _max_programs(device_index: int | None) -> int | None:
-    if _PROGRAMS_PER_SM <= 0 or device_index is None:
-        return None
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return sms * _PROGRAMS_PER_SM
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,25 +222,26 @@ if triton is not None:
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
-    # Sizes that only bound loops and masks are not specialized on (divisibility, == 1): that
-    # would compile a new variant for many token counts without making any access wider.
-    @triton.jit(do_not_specialize=["num_tokens", "num_slots", "num_tiles"])
+    # num_tokens only bounds masks: specializing on it (divisibility, == 1) would compile a new
+    # variant for many token counts without making any access wider.
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _kvwrite_kernel(
-        key_ptr,  # [T_pad, H, D], token stride key_stride_t, dense heads
-        value_ptr,  # [T_pad, H, D], token stride value_stride_t, dense heads
-        key_cache_ptr,  # [num_blocks, block_size, H, D] via (stride_b, stride_s, stride_h, 1)
+        key_ptr,  # [T_pad, H, D], token stride KEY_STRIDE, dense heads
+        value_ptr,  # [T_pad, H, D], token stride VALUE_STRIDE, dense heads
+        key_cache_ptr,  # [num_blocks, block_size, H, D] via (STRIDE_B, STRIDE_S, STRIDE_H, 1)
         value_cache_ptr,  # same logical shape and strides as key_cache, other base
         slot_mapping_ptr,  # [T] int64 or int32
         k_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
         v_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
         num_tokens,  # T
-        num_slots,  # num_blocks * block_size
-        key_stride_t,  # elements
-        value_stride_t,
-        stride_b,  # cache strides in elements (block, slot in block, head)
-        stride_s,
-        stride_h,
-        num_tiles,  # cdiv(T, BLOCK_T) * cdiv(H, BLOCK_H)
+        # Fixed by the caches and the inputs' layout, so compiled in: the index math folds and
+        # nothing but the pointers and T is read from the parameter bank.
+        KEY_STRIDE: tl.constexpr,  # token strides of key and value, in elements
+        VALUE_STRIDE: tl.constexpr,
+        STRIDE_B: tl.constexpr,  # cache strides in elements (block, slot in block, head)
+        STRIDE_S: tl.constexpr,
+        STRIDE_H: tl.constexpr,
+        NUM_SLOTS: tl.constexpr,  # num_blocks * block_size
         NUM_HEADS: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -256,58 +251,58 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        H_CHUNKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+        # Grid (token tiles, head tiles): programs are dispatched token tile fastest, so the
+        # programs in flight write the same heads of many tokens, and no index needs a division.
         offs_t = tl.arange(0, BLOCK_T)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_SIZE
         # 16-bit inputs need one correction step of the fp8 division, float32 two (_fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-        # A grid-stride loop: one iteration per program unless the grid is capped (persistent).
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            t = (tile // H_CHUNKS) * BLOCK_T + offs_t  # [BLOCK_T]
-            h = (tile % H_CHUNKS) * BLOCK_H + offs_h  # [BLOCK_H]
-            t_mask = t < num_tokens
-            slot = tl.load(slot_mapping_ptr + t, mask=t_mask, other=-1).to(tl.int64)
-            t_mask = t_mask & (slot >= 0) & (slot < num_slots)
-            block = slot // BLOCK_SIZE
-            cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s  # int64
-            t64 = t.to(tl.int64)
-            in_col = h * HEAD_SIZE  # < H * D: 32-bit is enough
-            cache_col = h.to(tl.int64) * stride_h
-
-            mask = t_mask[:, None, None]
-            if NUM_HEADS % BLOCK_H != 0:
-                mask = mask & (h < NUM_HEADS)[None, :, None]
-            if BLOCK_D != HEAD_SIZE:
-                mask = mask & d_mask[None, None, :]
-            in_hd = in_col[None, :, None] + offs_d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
-            k_off = (t64 * key_stride_t)[:, None, None] + in_hd
-            v_off = (t64 * value_stride_t)[:, None, None] + in_hd
-            c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
-            # Both loads before either store, so K and V are in flight together.
-            k = tl.load(key_ptr + k_off, mask=mask, eviction_policy="evict_first")
-            v = tl.load(value_ptr + v_off, mask=mask, eviction_policy="evict_first")
-            # The scales are read and prepared here, after the data loads are issued: placed
-            # before them, the scale's load and division would add a memory round trip to each
-            # program's critical path (the data loads cannot move above the division's branch).
-            if QUANT == 0:
-                km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
-            elif PER_HEAD_SCALE:
-                h_ok = h < NUM_HEADS
-                ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)  # both loads first
-                vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
-                km, ks2, ky = _fp8_scale(ks)
-                vm, vs2, vy = _fp8_scale(vs)
-                km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
-                vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
-            else:
-                ks = tl.load(k_scale_ptr)
-                vs = tl.load(v_scale_ptr)
-                km, ks2, ky = _fp8_scale(ks)
-                vm, vs2, vy = _fp8_scale(vs)
-            _store_cache(key_cache_ptr, c_off, mask, k, km, ks2, ky, QUANT, STEPS)
-            _store_cache(value_cache_ptr, c_off, mask, v, vm, vs2, vy, QUANT, STEPS)
+        t = tl.program_id(0) * BLOCK_T + offs_t  # [BLOCK_T]
+        h = tl.program_id(1) * BLOCK_H + offs_h  # [BLOCK_H]
+        t_in = t < num_tokens
+        # The data loads are masked by the token and head bounds only, not by the slot, so they
+        # are issued together with the slot's load instead of one memory round trip after it
+        # (rows past num_tokens are never read; a padded token's row is read and not stored).
+        load_mask = t_in[:, None, None]
+        if NUM_HEADS % BLOCK_H != 0:
+            load_mask = load_mask & (h < NUM_HEADS)[None, :, None]
+        if BLOCK_D != HEAD_SIZE:
+            load_mask = load_mask & (offs_d < HEAD_SIZE)[None, None, :]
+        t64 = t.to(tl.int64)
+        in_hd = (h * HEAD_SIZE)[None, :, None] + offs_d[None, None, :]  # < H * D: 32-bit
+        k_off = (t64 * KEY_STRIDE)[:, None, None] + in_hd
+        v_off = (t64 * VALUE_STRIDE)[:, None, None] + in_hd
+        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        # Both loads before either store, so K and V are in flight together.
+        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy="evict_first")
+        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy="evict_first")
+        # The scales are read and prepared here, after the data loads are issued: placed
+        # before them, the scale's load and division would add a memory round trip to each
+        # program's critical path (the data loads cannot move above the division's branch).
+        if QUANT == 0:
+            km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+        elif PER_HEAD_SCALE:
+            h_ok = h < NUM_HEADS
+            ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)  # both loads first
+            vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
+            km, ks2, ky = _fp8_scale(ks)
+            vm, vs2, vy = _fp8_scale(vs)
+            km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
+            vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
+        else:
+            ks = tl.load(k_scale_ptr)
+            vs = tl.load(v_scale_ptr)
+            km, ks2, ky = _fp8_scale(ks)
+            vm, vs2, vy = _fp8_scale(vs)
+        # Padding (slot < 0) and out-of-range slots are not stored.
+        store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
+        block = slot // BLOCK_SIZE
+        cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
+        cache_col = h.to(tl.int64) * STRIDE_H
+        c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
+        _store_cache(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+        _store_cache(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
 
 
 def _kernel_is_interpreted() -> bool:
@@ -327,18 +322,20 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     _, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     quant = _QUANT.get(cache_dtype, _COPY)
-    block_t, block_h, block_d, num_warps, num_tiles = _tiling(
+    block_t, block_h, block_d, num_warps, _ = _tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY)
-    grid = num_tiles
-    cap = _max_programs(key.device.index if key.device.type == "cuda" else None)
-    if cap is not None:
-        grid = min(grid, cap)
     per_head = quant != _COPY and k_scale.numel() > 1
     stride_b, stride_s, stride_h, _ = key_cache.stride()
-    _kvwrite_kernel[(grid,)](
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-        num_tokens, num_blocks * block_size, key.stride(0), value.stride(0),
-        stride_b, stride_s, stride_h, num_tiles,
+    # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
+    # not compile another variant.
+    t_pad = key.shape[0]
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
+    _kvwrite_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+        KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
+        VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
+        STRIDE_B=stride_b if num_blocks > 1 else 0, STRIDE_S=stride_s if block_size > 1 else 0,
+        STRIDE_H=stride_h if num_heads > 1 else 0, NUM_SLOTS=num_blocks * block_size,
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=num_warps,
