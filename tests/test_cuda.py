@@ -141,6 +141,65 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
     assert set(re.findall(r"STG\.E[.\w]*", sass)) == {store}
 
 
+def _param_bank_reads(tmp_path, name: str, fixed) -> set[int]:
+    obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(bytes(obj.code))
+    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
+
+
+@needs_nvrtc
+@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
+@pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype, layout):
+    # sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers, num_tokens and the
+    # two scale strides (0x210-0x25f), then fixed_args (0x260 on). The build with the fixed
+    # arguments compiled in must read none of them; the generic build reads them.
+    key = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
+    kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
+    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype)
+    fixed = cuda_impl.fixed_args(key, key, kc, p)
+    first, end = 0x210 + 8 * 10, 0x210 + 8 * (10 + len(fixed))
+    generic = _param_bank_reads(tmp_path, p.name, None)
+    special = _param_bank_reads(tmp_path, p.name, fixed)
+    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
+    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    assert 0x210 in special and 0x248 in special  # the key pointer and num_tokens still are
+
+
+@needs_nvrtc
+@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
+def test_compile_plain_loads_for_small_calls(tmp_path):
+    # Small calls are built with KVWRITE_PLAIN_LOADS: the inputs are read with plain LDG, not
+    # through the read-only path (LDG.CONSTANT) that the default build uses.
+    key = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    kc, vc = allocate_kv_cache(64, 16, 8, 128, torch.uint8, device="cpu")
+    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(2, dtype=torch.int64), CacheDType.FP8_E4M3)
+    assert cuda_impl.is_small_call(2, 8, 128, 2)
+    loads = {}
+    for macros in ((), ("KVWRITE_PLAIN_LOADS",)):
+        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, macros=macros)
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(bytes(obj.code))
+        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
+        loads[macros] = set(re.findall(r"LDG\.E[.\w]*", sass))
+    assert loads[()] and all("CONSTANT" in op for op in loads[()]), loads
+    assert loads[("KVWRITE_PLAIN_LOADS",)] and not any(
+        "CONSTANT" in op for op in loads[("KVWRITE_PLAIN_LOADS",)]), loads
+
+
+@needs_nvrtc
+def test_compile_fixed_args_must_be_complete():
+    name = cuda_impl.all_kernel_names()[0]
+    with pytest.raises(RuntimeError, match="KVWRITE_FIXED_ARGS: 11 values"):
+        cuda_impl.compile_kernel("sm_90", name, fixed=(1, 2, 3))
+
+
 # ------------------------------------------------------------------------------------------
 # The vectorization rule and the CTA shape (pure Python)
 # ------------------------------------------------------------------------------------------
@@ -565,3 +624,38 @@ def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case):
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)
     _check(inp, ref_k, ref_v, case.cache_dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("small_limit", [None, 0], ids=["default-plan", "large-call-plan"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
+    """KVWRITE_CUDA_SPECIALIZE=0: the same kernels with their fixed arguments read at run time."""
+    monkeypatch.setattr(cuda_impl, "_SPECIALIZE", False)
+    if small_limit is not None:
+        monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", small_limit)
+    seen = []
+    real = cuda_impl._kernel
+    monkeypatch.setattr(cuda_impl, "_kernel",
+                        lambda *a: seen.append(a[3] if len(a) > 3 else None) or real(*a))
+    inp = make_inputs(case, "cuda")
+    ref_k, ref_v = _run_both(inp)
+    _check(inp, ref_k, ref_v, case.cache_dtype)
+    assert set(seen) <= {None}
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_specialized_build_is_the_default(monkeypatch):
+    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    seen = []
+    real = cuda_impl._kernel
+    monkeypatch.setattr(cuda_impl, "_kernel",
+                        lambda *a: seen.append(a[3] if len(a) > 3 else None) or real(*a))
+    case = CASES[0]
+    inp = make_inputs(case, "cuda")
+    ref_k, ref_v = _run_both(inp)
+    _check(inp, ref_k, ref_v, case.cache_dtype)
+    (lau,) = cuda_impl._LAUNCHABLES.values()
+    assert seen == [lau.tail]

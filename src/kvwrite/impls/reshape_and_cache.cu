@@ -340,15 +340,22 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
 // Slots < 0 (padding) or >= num_slots are skipped; rows of key/value past num_tokens are never
 // read. No shared memory, no barriers: a thread whose chunk is past C simply exits.
 // ------------------------------------------------------------------------------------------
+// -DKVWRITE_PLAIN_LOADS drops __restrict__, so that the inputs are read with plain loads (LDG)
+// instead of through the read-only path (LDG.CONSTANT); cuda_impl.py uses it for small calls.
+#ifdef KVWRITE_PLAIN_LOADS
+#define KVW_RESTRICT
+#else
+#define KVW_RESTRICT __restrict__
+#endif
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
-    const u8* __restrict__ key,           // [T_pad, H, D]; token stride key_stride (elements)
-    const u8* __restrict__ value,         // [T_pad, H, D]; token stride value_stride
-    u8* __restrict__ key_cache,           // [num_blocks, block_size, H, D] via strides
-    u8* __restrict__ value_cache,         // same strides as key_cache
-    const SlotT* __restrict__ slot_mapping,  // [num_tokens]
-    const float* __restrict__ k_scale,    // [1] or [H] (fp8 only, else unused)
-    const float* __restrict__ v_scale,    // [1] or [H]
+    const u8* KVW_RESTRICT key,           // [T_pad, H, D]; token stride key_stride (elements)
+    const u8* KVW_RESTRICT value,         // [T_pad, H, D]; token stride value_stride
+    u8* KVW_RESTRICT key_cache,           // [num_blocks, block_size, H, D] via strides
+    u8* KVW_RESTRICT value_cache,         // same strides as key_cache
+    const SlotT* KVW_RESTRICT slot_mapping,  // [num_tokens]
+    const float* KVW_RESTRICT k_scale,    // [1] or [H] (fp8 only, else unused)
+    const float* KVW_RESTRICT v_scale,    // [1] or [H]
     i64 num_tokens,
     i64 k_scale_stride, i64 v_scale_stride,  // 0 (per tensor) or 1 (per head)
     i64 key_stride, i64 value_stride,     // token strides of key and value, in elements
@@ -363,6 +370,19 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
   constexpr int IN_BYTES = VEC * IB;
   constexpr int OUT_BYTES = VEC * OB;
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+#ifdef KVWRITE_FIXED_ARGS
+  // A build specialized for one call signature: the arguments from key_stride on are
+  // compile-time constants (their values, in order), so none of them is read from the parameter
+  // bank and the index math folds.
+  {
+    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};
+    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 11, "KVWRITE_FIXED_ARGS: 11 values");
+    key_stride = fixed[0]; value_stride = fixed[1];
+    block_stride = fixed[2]; page_stride = fixed[3]; head_stride = fixed[4];
+    block_size = fixed[5]; block_shift = fixed[6]; num_slots = fixed[7];
+    chunks_per_head = fixed[8]; chunks_per_token = fixed[9]; head_shift = fixed[10];
+  }
+#endif
 
   const u32 row = blockDim.x;
   const u32 tx = threadIdx.x;
