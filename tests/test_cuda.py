@@ -173,24 +173,29 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
 
 @needs_nvrtc
 @pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
-def test_compile_plain_loads_for_small_calls(tmp_path):
-    # Small calls are built with KVWRITE_PLAIN_LOADS: the inputs are read with plain LDG, not
-    # through the read-only path (LDG.CONSTANT) that the default build uses.
+@pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+def test_compile_small_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, layout):
+    # The loop-free kernel of small calls must issue the slot's, the data's (and the scales')
+    # loads together: no exit or branch between the first load and the last. (ptxas moves plain
+    # loads whose only use is a store under the slot's test below that test, which makes them
+    # wait for the slot's load.)
     key = torch.empty(2, 8, 128, dtype=torch.bfloat16)
-    kc, vc = allocate_kv_cache(64, 16, 8, 128, torch.uint8, device="cpu")
-    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(2, dtype=torch.int64), CacheDType.FP8_E4M3)
-    assert cuda_impl.is_small_call(2, 8, 128, 2)
-    loads = {}
-    for macros in ((), ("KVWRITE_PLAIN_LOADS",)):
-        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, macros=macros)
+    storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
+    kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
+    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(2, dtype=torch.int64), cache_dtype)
+    assert p.loop_free and p.name.startswith(cuda_impl.SMALL_KERNEL + "<")
+    for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
+        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
         cubin = tmp_path / "k.cubin"
         cubin.write_bytes(bytes(obj.code))
         sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True,
                               text=True, check=True).stdout
-        loads[macros] = set(re.findall(r"LDG\.E[.\w]*", sass))
-    assert loads[()] and all("CONSTANT" in op for op in loads[()]), loads
-    assert loads[("KVWRITE_PLAIN_LOADS",)] and not any(
-        "CONSTANT" in op for op in loads[("KVWRITE_PLAIN_LOADS",)]), loads
+        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(\S+(?: \S+)?)", sass, re.M)
+        loads = [i for i, op in enumerate(ops) if "LDG" in op]
+        assert len(loads) == (5 if cache_dtype.is_fp8 else 3), ops  # slot, K, V (, 2 scales)
+        between = ops[loads[0]:loads[-1]]
+        assert not [op for op in between if "EXIT" in op or "BRA" in op], between
 
 
 @needs_nvrtc
@@ -217,6 +222,10 @@ def test_plan_narrower_chunks_for_small_calls():
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=True)
     assert (p.vec, p.vec_bytes, p.threads, p.tokens_per_cta) == (4, 8, 256, 1)
     assert _plan(8, 128, small=True).vec_bytes == cuda_impl._SMALL_CALL_INPUT_BYTES[False]
+    # Small calls run the loop-free kernel, large ones the grid-stride kernel.
+    assert p.loop_free and p.name.startswith(cuda_impl.SMALL_KERNEL + "<")
+    big = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
+    assert not big.loop_free and big.name.startswith(cuda_impl.KERNEL + "<")
     # The decision, from the call's size (key bytes).
     limit = cuda_impl._SMALL_CALL_BYTES
     assert cuda_impl.is_small_call(limit // (8 * 128 * 2), 8, 128, 2)

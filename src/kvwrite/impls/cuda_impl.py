@@ -4,7 +4,12 @@ No nvcc and no C++ toolchain at run time: the kernel source ships as package dat
 for the current GPU's architecture the first time a variant is needed (once per process), and
 is launched on PyTorch's current stream through ``cuda.core``.
 
-Variants (template arguments of ``reshape_and_cache_flash_kernel``): input dtype, cache element
+Two kernels take the same arguments: ``reshape_and_cache_flash_kernel`` (threads walk tokens with
+a grid stride; large calls) and ``reshape_and_cache_flash_small_kernel`` (one token's chunk per
+thread, no loops; small calls). By default each call signature gets its own build with the
+arguments fixed by the caches and the inputs' layout compiled in (see ``_SPECIALIZE``).
+
+Variants (template arguments of both kernels): input dtype, cache element
 kind (a plain copy of the input bits, a float cast, fp8 e4m3 or e5m2), the vector width VEC in
 elements and the slot index type. VEC is the widest chunk of at most ``CHUNK_INPUT_BYTES`` of
 input (16, or 32 as two 16-byte loads; fewer for small calls) and 32 bytes of output, halving
@@ -35,6 +40,7 @@ __all__ = ["available", "unsupported", "run", "plan", "fixed_args", "kernel_sour
 INSTALL_HINT = "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"
 SOURCE_NAME = "reshape_and_cache.cu"
 KERNEL = "reshape_and_cache_flash_kernel"
+SMALL_KERNEL = "reshape_and_cache_flash_small_kernel"  # small calls: no loops
 
 # Element kinds, as DT_* in the .cu file.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
@@ -89,12 +95,15 @@ _EXACT_DIV = os.environ.get("KVWRITE_CUDA_EXACT_DIV", "") not in ("", "0")
 # (scripts/perf_probe.py); large T unchanged. KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel
 # per variant instead (fewer compilations when many cache geometries are used).
 _SPECIALIZE = os.environ.get("KVWRITE_CUDA_SPECIALIZE", "1").strip() != "0"
-# Small calls read their inputs with plain loads (LDG) instead of the read-only path that
-# `const __restrict__` selects (LDG.CONSTANT). Measured on H200 (hot L2, mean over 5 slot sets,
-# scripts/small_t_probe.py), plain vs read-only: fp8 H=8 T=2 1.66 vs 1.72 us, T=64 1.77 vs
-# 1.85 us, H=128 T=2 1.75 vs 1.85 us; copies within 0.02 us. Large calls keep the read-only
-# path: plain loads made H=128 copies at T=65536 0.5-1% slower (2184-2196 vs 2174-2185 us).
-_PLAIN_LOADS_FOR_SMALL_CALLS = True
+# Small calls run a kernel without loops (reshape_and_cache_flash_small_kernel): one token's
+# chunk per thread, loads issued before the slot is tested. Measured on H200 (hot L2, mean over
+# 5 slot sets, scripts/small_t_probe.py), vs the grid-stride kernel: H=8 T=2 copies 1.34 vs
+# 1.41 us, fp8 1.48 vs 1.65 us; H=128 T=2 copies 1.46 vs 1.55 us, fp8 1.57 vs 1.74 us; H=8
+# T=256 fp8 1.88 vs 2.06 us; H=128 T=64 and T=256 unchanged. With it, reading the inputs with
+# plain loads instead of the read-only path (tried for small calls: 0.05-0.1 us faster for fp8
+# with the grid-stride kernel) makes no difference (within 0.01 us), so both kernels use the
+# read-only path.
+_LOOP_FREE_SMALL_CALLS = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,10 +115,11 @@ def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
 
 
-def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) -> str:
-    """The name expression of one kernel variant."""
+def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype,
+                small: bool = False) -> str:
+    """The name expression of one kernel variant (``small``: the loop-free kernel)."""
     slot = "long long" if slot_dtype == torch.int64 else "int"
-    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {slot}>"
+    return f"{SMALL_KERNEL if small else KERNEL}<{in_kind}, {out_kind}, {vec}, {slot}>"
 
 
 def all_kernel_names() -> list[str]:
@@ -125,6 +135,7 @@ def all_kernel_names() -> list[str]:
             while vec >= 1:
                 for slot in (torch.int32, torch.int64):
                     names.append(kernel_name(in_kind, out_kind, vec, slot))
+                    names.append(kernel_name(in_kind, out_kind, vec, slot, small=True))
                 vec //= 2
     return names
 
@@ -148,7 +159,7 @@ class _Log:
 
 def compile_kernel(arch: str, names: str | Sequence[str], *, source: str | None = None,
                    exact_div: bool = False, fixed: Sequence[int] | None = None,
-                   macros: Sequence[str] = (), ptxas_verbose: bool = False):
+                   ptxas_verbose: bool = False):
     """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch`` (e.g.
     "sm_90"); needs no GPU.
 
@@ -158,7 +169,7 @@ def compile_kernel(arch: str, names: str | Sequence[str], *, source: str | None 
     """
     names = (names,) if isinstance(names, str) else tuple(names)
     cc = _cuda_core()
-    macros = list(macros) + (["KVWRITE_EXACT_DIV"] if exact_div else [])
+    macros: list = ["KVWRITE_EXACT_DIV"] if exact_div else []
     if fixed is not None:
         macros.append(("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in fixed)))
     options = cc.ProgramOptions(name="kvwrite_reshape_and_cache", arch=arch, std="c++17",
@@ -178,10 +189,8 @@ def compile_kernel(arch: str, names: str | Sequence[str], *, source: str | None 
 
 
 @functools.cache
-def _kernel(arch: str, name: str, exact_div: bool, fixed: tuple[int, ...] | None = None,
-            plain_loads: bool = False):
-    obj, _ = compile_kernel(arch, name, exact_div=exact_div, fixed=fixed,
-                            macros=("KVWRITE_PLAIN_LOADS",) if plain_loads else ())
+def _kernel(arch: str, name: str, exact_div: bool, fixed: tuple[int, ...] | None = None):
+    obj, _ = compile_kernel(arch, name, exact_div=exact_div, fixed=fixed)
     return obj.get_kernel(name)
 
 
@@ -237,6 +246,7 @@ class Plan:
     chunks_per_head: int
     chunks_per_token: int
     block_shift: int      # log2(block_size), or -1
+    loop_free: bool = False  # the small-call kernel: one token per thread, grid_x = rows
 
 
 def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
@@ -305,10 +315,13 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
         row, tokens_per_cta = -(-chunks // parts), 1
         grid_y = min(parts, 65535)  # the kernel loops over the rest
     shift = _log2_or_minus_1(block_size)
-    return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype), vec=vec,
+    loop_free = small and _LOOP_FREE_SMALL_CALLS
+    if loop_free and grid_y * row < chunks:
+        raise AssertionError(f"cuda: a small call's row of {chunks} chunks exceeds its grid")
+    return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype, loop_free), vec=vec,
                 vec_bytes=vec * in_dtype.itemsize, threads=row * tokens_per_cta,
                 tokens_per_cta=tokens_per_cta, grid_y=grid_y, chunks_per_head=chunks_per_head,
-                chunks_per_token=chunks, block_shift=shift)
+                chunks_per_token=chunks, block_shift=shift, loop_free=loop_free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,8 +376,7 @@ def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
         _cuda_core().Device(index).set_current()  # PyTorch's primary context, on this thread
         arch, sm_count = _device_arch(index)
         tail = fixed_args(key, value, key_cache, p)
-        kernel = _kernel(arch, p.name, exact_div, tail if _SPECIALIZE else None,
-                         small and _PLAIN_LOADS_FOR_SMALL_CALLS)
+        kernel = _kernel(arch, p.name, exact_div, tail if _SPECIALIZE else None)
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
     wave = sm_count * max(1, per_sm)  # resident CTAs, over grid_x * grid_y
     return _Launchable(p, kernel, max(1, wave * _MIN_WAVES // p.grid_y),
@@ -430,7 +442,11 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
                                               cache_dtype, _EXACT_DIV, small)
     p = lau.plan
     rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
-    grid_x = min(rows, lau.max_grid_x, max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
+    if p.loop_free:  # every thread one token
+        grid_x = rows
+    else:
+        grid_x = min(rows, lau.max_grid_x,
+                     max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
     config = _config(grid_x, p.grid_y, p.threads // p.tokens_per_cta, p.tokens_per_cta)
     if k_scale is None:
         ksp = vsp = kss = vss = 0

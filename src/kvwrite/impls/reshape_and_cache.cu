@@ -1,9 +1,11 @@
 // kvwrite: write new key/value rows into a paged KV cache (reshape_and_cache_flash, SPEC §1).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py); one module per instantiation of
-// `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>`. Includes no headers at all (neither torch
-// nor CUDA), so NVRTC needs no toolkit include directory: raw pointers, 64-bit strides and sizes,
-// conversions through inline PTX or integer bit operations.
+// `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>` (grid-stride loops; large calls) or
+// `reshape_and_cache_flash_small_kernel<...>` (no loops; small calls), and per call signature
+// when the fixed arguments are compiled in (KVWRITE_FIXED_ARGS). Includes no headers at all
+// (neither torch nor CUDA), so NVRTC needs no toolkit include directory: raw pointers, 64-bit
+// strides and sizes, conversions through inline PTX or integer bit operations.
 //
 // With -DKVWRITE_HOST_TEST the file compiles as plain host C++ (g++): only the element
 // conversions remain, with their software fp8 paths, so tests can check them on the CPU.
@@ -151,10 +153,11 @@ KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
 // q = RN(q + RN(a - s2 * q) * y) by fused multiply-adds. For float16 and bfloat16 inputs one step
 // gives RN(a / s2) exactly (tests/test_fp8_division.py: every bfloat16 significand against every
 // scale significand, every float16 one against every 64th); float32 inputs take two (the first
-// leaves q faithful, and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the residual may be
-// subnormal and q inexact, but it stays far below the smallest fp8 rounding boundary (2^-17), so
-// the code is zero all the same. The sign of x' is put back last (keeps -0 and tiny negatives),
-// and the satfinite conversion rounds to nearest even and saturates (NaN stays NaN).
+// leaves q faithful, and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40
+// the residual may be subnormal and q inexact, but it stays far below the smallest fp8 rounding
+// boundary (2^-17), so the code is zero all the same. The sign of x' is put back last (keeps -0
+// and tiny negatives), and the satfinite conversion rounds to nearest even and saturates (NaN
+// stays NaN).
 // ------------------------------------------------------------------------------------------
 struct Fp8Scale {
   float s;   // the scale itself (for the exact-division build)
@@ -250,6 +253,34 @@ KVW_HD Raw<N> load_raw(const u8* p) {
   return r;
 }
 
+// load_raw with ld.volatile: the same bytes, but a load the compiler may neither drop nor move
+// below a branch (used where the only consumer of a chunk is a store under the slot's test).
+template <int N>
+KVW_HD Raw<N> load_raw_volatile(const u8* p) {
+  Raw<N> r;
+  if constexpr (N == 32 || N == 16) {
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i)
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r.w[4 * i]), "=r"(r.w[4 * i + 1]), "=r"(r.w[4 * i + 2]),
+                     "=r"(r.w[4 * i + 3])
+                   : "l"(p + 16 * i));
+  } else if constexpr (N == 8) {
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
+  } else if constexpr (N == 4) {
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(r.w[0]) : "l"(p));
+  } else if constexpr (N == 2) {
+    u16 h;
+    asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(h) : "l"(p));
+    r.w[0] = h;
+  } else {
+    u16 b;
+    asm volatile("ld.volatile.global.u8 %0, [%1];" : "=h"(b) : "l"(p));
+    r.w[0] = b & 0xFFu;
+  }
+  return r;
+}
+
 template <int N>
 KVW_HD void store_raw(u8* p, const Raw<N>& r) {
   if constexpr (N == 32) {  // two 16-byte stores
@@ -340,55 +371,78 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
 // Slots < 0 (padding) or >= num_slots are skipped; rows of key/value past num_tokens are never
 // read. No shared memory, no barriers: a thread whose chunk is past C simply exits.
 // ------------------------------------------------------------------------------------------
-// -DKVWRITE_PLAIN_LOADS drops __restrict__, so that the inputs are read with plain loads (LDG)
-// instead of through the read-only path (LDG.CONSTANT); cuda_impl.py uses it for small calls.
-#ifdef KVWRITE_PLAIN_LOADS
-#define KVW_RESTRICT
-#else
-#define KVW_RESTRICT __restrict__
-#endif
-template <int IN, int OUT, int VEC, typename SlotT>
-__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
-    const u8* KVW_RESTRICT key,           // [T_pad, H, D]; token stride key_stride (elements)
-    const u8* KVW_RESTRICT value,         // [T_pad, H, D]; token stride value_stride
-    u8* KVW_RESTRICT key_cache,           // [num_blocks, block_size, H, D] via strides
-    u8* KVW_RESTRICT value_cache,         // same strides as key_cache
-    const SlotT* KVW_RESTRICT slot_mapping,  // [num_tokens]
-    const float* KVW_RESTRICT k_scale,    // [1] or [H] (fp8 only, else unused)
-    const float* KVW_RESTRICT v_scale,    // [1] or [H]
-    i64 num_tokens,
-    i64 k_scale_stride, i64 v_scale_stride,  // 0 (per tensor) or 1 (per head)
-    i64 key_stride, i64 value_stride,     // token strides of key and value, in elements
-    i64 block_stride, i64 page_stride, i64 head_stride,  // cache strides in elements
-    i64 block_size, i64 block_shift,      // block_shift = log2(block_size), or -1
-    i64 num_slots,                        // num_blocks * block_size
-    i64 chunks_per_head,                  // D / VEC
-    i64 chunks_per_token,                 // H * D / VEC
-    i64 head_shift) {                     // log2(chunks_per_head), or -1
-  constexpr int IB = elem_bytes(IN);
-  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
-  constexpr int IN_BYTES = VEC * IB;
-  constexpr int OUT_BYTES = VEC * OB;
-  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
-#ifdef KVWRITE_FIXED_ARGS
-  // A build specialized for one call signature: the arguments from key_stride on are
-  // compile-time constants (their values, in order), so none of them is read from the parameter
-  // bank and the index math folds.
-  {
-    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};
-    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 11, "KVWRITE_FIXED_ARGS: 11 values");
-    key_stride = fixed[0]; value_stride = fixed[1];
-    block_stride = fixed[2]; page_stride = fixed[3]; head_stride = fixed[4];
-    block_size = fixed[5]; block_shift = fixed[6]; num_slots = fixed[7];
-    chunks_per_head = fixed[8]; chunks_per_token = fixed[9]; head_shift = fixed[10];
+// The element offset of slot s (0 <= s < num_slots) in a cache: block * block_stride +
+// (s mod block_size) * page_stride, with a shift when block_size is a power of two and a 32-bit
+// division when the slots fit in 32 bits (a 64-bit division is a long subroutine on the GPU).
+KVW_HD i64 slot_offset(i64 s, i64 block_stride, i64 page_stride, i64 block_size, i64 block_shift,
+                       bool slots_fit_u32) {
+  i64 blk, pg;
+  if (block_shift >= 0) {
+    blk = s >> block_shift;
+    pg = s & (block_size - 1);
+  } else if (slots_fit_u32) {
+    const u32 b32 = static_cast<u32>(s) / static_cast<u32>(block_size);
+    blk = b32;
+    pg = s - static_cast<i64>(b32) * block_size;
+  } else {
+    blk = s / block_size;
+    pg = s - blk * block_size;
   }
+  return blk * block_stride + pg * page_stride;
+}
+
+// The parameters of both kernels (cuda_impl.py passes the same arguments to either).
+#define KVW_KERNEL_PARAMS                                                                       \
+    const u8* __restrict__ key,           /* [T_pad, H, D]; token stride key_stride (elements) */ \
+    const u8* __restrict__ value,         /* [T_pad, H, D]; token stride value_stride */        \
+    u8* __restrict__ key_cache,           /* [num_blocks, block_size, H, D] via strides */      \
+    u8* __restrict__ value_cache,         /* same strides as key_cache */                       \
+    const SlotT* __restrict__ slot_mapping,  /* [num_tokens] */                                 \
+    const float* __restrict__ k_scale,    /* [1] or [H] (fp8 only, else unused) */              \
+    const float* __restrict__ v_scale,    /* [1] or [H] */                                      \
+    i64 num_tokens,                                                                             \
+    i64 k_scale_stride, i64 v_scale_stride,  /* 0 (per tensor) or 1 (per head) */               \
+    i64 key_stride, i64 value_stride,     /* token strides of key and value, in elements */     \
+    i64 block_stride, i64 page_stride, i64 head_stride,  /* cache strides in elements */        \
+    i64 block_size, i64 block_shift,      /* block_shift = log2(block_size), or -1 */           \
+    i64 num_slots,                        /* num_blocks * block_size */                         \
+    i64 chunks_per_head,                  /* D / VEC */                                         \
+    i64 chunks_per_token,                 /* H * D / VEC */                                     \
+    i64 head_shift                        /* log2(chunks_per_head), or -1 */
+
+// Element sizes of a variant, and (in a build specialized for one call signature, -D
+// KVWRITE_FIXED_ARGS=v0,...,v10) the arguments from key_stride on replaced by compile-time
+// constants, so that none of them is read from the parameter bank and the index math folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_FIXED_ARGS_PROLOGUE()                                                               \
+  {                                                                                             \
+    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
+    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 11, "KVWRITE_FIXED_ARGS: 11 values");    \
+    key_stride = fixed[0]; value_stride = fixed[1];                                             \
+    block_stride = fixed[2]; page_stride = fixed[3]; head_stride = fixed[4];                    \
+    block_size = fixed[5]; block_shift = fixed[6]; num_slots = fixed[7];                        \
+    chunks_per_head = fixed[8]; chunks_per_token = fixed[9]; head_shift = fixed[10];            \
+  }
+#else
+#define KVW_FIXED_ARGS_PROLOGUE()
 #endif
+#define KVW_KERNEL_PROLOGUE()                                                                   \
+  constexpr int IB = elem_bytes(IN);                                                            \
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);                                     \
+  constexpr int IN_BYTES = VEC * IB;                                                            \
+  constexpr int OUT_BYTES = VEC * OB;                                                           \
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;                                        \
+  KVW_FIXED_ARGS_PROLOGUE()                                                                     \
+  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
+
+template <int IN, int OUT, int VEC, typename SlotT>
+__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL_PARAMS) {
+  KVW_KERNEL_PROLOGUE()
 
   const u32 row = blockDim.x;
   const u32 tx = threadIdx.x;
   const i64 t_first = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const i64 t_step = static_cast<i64>(gridDim.x) * blockDim.y;
-  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
 
   if (t_first >= num_tokens) return;
 
@@ -427,7 +481,8 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
 
     // Per-thread constants, computed while the first loads are in flight (code placed before
     // them would delay them: the division's branches end the region loads can be scheduled in).
-    const i64 d = static_cast<i64>(static_cast<u32>(c) - h32 * static_cast<u32>(chunks_per_head)) * VEC;
+    const i64 d =
+        static_cast<i64>(static_cast<u32>(c) - h32 * static_cast<u32>(chunks_per_head)) * VEC;
     const i64 cache_off = (h * head_stride + d) * OB;  // bytes
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
@@ -440,19 +495,8 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
     // `const Raw<16>& kin = u == 0 ? k0 : k1;` to 4-byte loads and stores (seen in its PTX).
     auto put = [&](i64 s, const Raw<IN_BYTES>& kin, const Raw<IN_BYTES>& vin) {
       if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
-      i64 blk, pg;
-      if (block_shift >= 0) {
-        blk = s >> block_shift;
-        pg = s & (block_size - 1);
-      } else if (slots_fit_u32) {
-        const u32 b32 = static_cast<u32>(s) / static_cast<u32>(block_size);
-        blk = b32;
-        pg = s - static_cast<i64>(b32) * block_size;
-      } else {
-        blk = s / block_size;
-        pg = s - blk * block_size;
-      }
-      const i64 off = (blk * block_stride + pg * page_stride) * OB + cache_off;
+      const i64 off = slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                                  slots_fit_u32) * OB + cache_off;
       if constexpr (OUT == DT_COPY) {
         store_raw<OUT_BYTES>(key_cache + off, kin);
         store_raw<OUT_BYTES>(value_cache + off, vin);
@@ -468,6 +512,62 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
       t0 += 2 * t_step;
       if (t0 >= num_tokens) break;
       load(t0);
+    }
+  }
+}
+// ------------------------------------------------------------------------------------------
+// The kernel for small calls: the same CTA shape and arguments, no loops. Each thread writes
+// one chunk of one token (the grid covers every token and every chunk of the row), so a thread's
+// whole work is: slot, K and V (and the scales) loaded together, then the stores. The grid-stride
+// loop of the kernel above costs small calls about 0.1 us of index and loop control (measured,
+// docs/performance.md).
+// ------------------------------------------------------------------------------------------
+template <int IN, int OUT, int VEC, typename SlotT>
+__global__ void __launch_bounds__(256) reshape_and_cache_flash_small_kernel(KVW_KERNEL_PARAMS) {
+  KVW_KERNEL_PROLOGUE()
+  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;  // < 2^18 for a small call
+  if (t >= num_tokens || c >= chunks_per_token) return;
+  const u32 h = head_shift >= 0 ? c >> head_shift : c / static_cast<u32>(chunks_per_head);
+  const i64 in_off = static_cast<i64>(c) * VEC * IB;
+  const i64 s = static_cast<i64>(slot_mapping[t]);
+  float k_s = 0.0f, v_s = 0.0f;
+  if constexpr (FP8) {
+    k_s = k_scale[h * k_scale_stride];
+    v_s = v_scale[h * v_scale_stride];
+  }
+  // The chunks must be loaded before the slot's test, not after it (that would make them wait
+  // for the slot's load, a memory round trip). Conversions come before the test, which keeps
+  // their loads above it; a copy's only use of the chunk is the store under the test, and ptxas
+  // moves plain loads below it, so copies load with ld.volatile, which it may not move there.
+  Raw<IN_BYTES> kin, vin;
+  if constexpr (OUT == DT_COPY) {
+    kin = load_raw_volatile<IN_BYTES>(key + t * key_stride * IB + in_off);
+    vin = load_raw_volatile<IN_BYTES>(value + t * value_stride * IB + in_off);
+  } else {
+    kin = load_raw<IN_BYTES>(key + t * key_stride * IB + in_off);
+    vin = load_raw<IN_BYTES>(value + t * value_stride * IB + in_off);
+  }
+  const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
+  const i64 d = static_cast<i64>(c - h * static_cast<u32>(chunks_per_head)) * VEC;
+  const i64 off = (slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                               slots_fit_u32) + static_cast<i64>(h) * head_stride + d) * OB;
+  if constexpr (OUT == DT_COPY) {
+    if (valid) {
+      store_raw<OUT_BYTES>(key_cache + off, kin);
+      store_raw<OUT_BYTES>(value_cache + off, vin);
+    }
+  } else {
+    Fp8Scale ks{}, vs{};
+    if constexpr (FP8) {
+      ks = make_fp8_scale(k_s);
+      vs = make_fp8_scale(v_s);
+    }
+    const auto kout = convert_chunk<IN, OUT, VEC>(kin, ks);
+    const auto vout = convert_chunk<IN, OUT, VEC>(vin, vs);
+    if (valid) {
+      store_raw<OUT_BYTES>(key_cache + off, kout);
+      store_raw<OUT_BYTES>(value_cache + off, vout);
     }
   }
 }
