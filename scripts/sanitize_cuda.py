@@ -6,7 +6,8 @@ Each case runs the kernel on the GPU and the torch reference on the CPU (same in
 is deterministic per seed) and compares both whole caches byte for byte. The cases stress the
 bounds: out-of-range and padding slots, rows that are not 16-byte aligned (head size 46),
 HND, interleaved and packed caches, per-head fp8 scales, extra key/value rows past T, slices of
-a fused qkv, rows split over several CTAs, and a grid that walks tokens in a loop.
+a fused qkv, rows split over several CTAs, and (in the grid-stride kernel) a grid that walks
+tokens in a loop. Every case runs through both kernels.
 Exits 1 on a mismatch (memcheck's own errors exit with --error-exitcode).
 """
 
@@ -46,8 +47,14 @@ def main() -> int:
     if kvwrite.registry.get("cuda").available("cuda") is not None:
         print(kvwrite.registry.get("cuda").available("cuda"), file=sys.stderr)
         return 2
-    failures = 0
-    for case in CASES:
+    from kvwrite.impls import cuda_impl
+
+    failures = runs = 0
+    # Every case through the loop-free kernel, then through the grid-stride kernel.
+    for loop_free, case in [(lf, c) for lf in (True, False) for c in CASES]:
+        cuda_impl._LOOP_FREE = loop_free
+        cuda_impl._LAUNCHABLES.clear()
+        runs += 1
         gpu = make_inputs(case, "cuda")
         cpu = make_inputs(case, "cpu")
         ref_k, ref_v = clone_caches(cpu)
@@ -61,11 +68,11 @@ def main() -> int:
             got_k, got_v = clone_caches(gpu, "cpu")
             assert_caches_equal(got_k, ref_k, "key_cache", fp8, nan_equal=cd.is_fp8)
             assert_caches_equal(got_v, ref_v, "value_cache", fp8, nan_equal=cd.is_fp8)
-            print(f"ok       {case.id}")
+            print(f"ok       {'loop-free  ' if loop_free else 'grid-stride'} {case.id}")
         except AssertionError as e:
             failures += 1
-            print(f"MISMATCH {case.id}: {e}")
-    print(f"{len(CASES) - failures}/{len(CASES)} cases match the torch reference")
+            print(f"MISMATCH {'loop-free  ' if loop_free else 'grid-stride'} {case.id}: {e}")
+    print(f"{runs - failures}/{runs} runs match the torch reference")
     return 1 if failures else 0
 
 

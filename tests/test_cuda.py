@@ -175,8 +175,8 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
 @pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
 @pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
-def test_compile_small_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, layout):
-    # The loop-free kernel of small calls must issue the slot's, the data's (and the scales')
+def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, layout):
+    # The loop-free kernel must issue the slot's, the data's (and the scales')
     # loads together: no exit or branch between the first load and the last. (ptxas moves plain
     # loads whose only use is a store under the slot's test below that test, which makes them
     # wait for the slot's load.)
@@ -184,7 +184,7 @@ def test_compile_small_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, 
     storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
     kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
     p = cuda_impl.plan(key, key, kc, vc, torch.zeros(2, dtype=torch.int64), cache_dtype)
-    assert p.loop_free and p.name.startswith(cuda_impl.SMALL_KERNEL + "<")
+    assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
     for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
         obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
         cubin = tmp_path / "k.cubin"
@@ -222,10 +222,22 @@ def test_plan_narrower_chunks_for_small_calls():
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=True)
     assert (p.vec, p.vec_bytes, p.threads, p.tokens_per_cta) == (4, 8, 256, 1)
     assert _plan(8, 128, small=True).vec_bytes == cuda_impl._SMALL_CALL_INPUT_BYTES[False]
-    # Small calls run the loop-free kernel, large ones the grid-stride kernel.
-    assert p.loop_free and p.name.startswith(cuda_impl.SMALL_KERNEL + "<")
-    big = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
-    assert not big.loop_free and big.name.startswith(cuda_impl.KERNEL + "<")
+    # Every call whose row fits the grid runs the loop-free kernel.
+    assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
+    big = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
+    assert big.loop_free and big.name.startswith(cuda_impl.KERNEL + "<")
+
+
+def test_plan_grid_stride_kernel_for_rows_longer_than_the_grid(monkeypatch):
+    # H=128 fp8 rows are 1024 chunks, 4 CTAs of 256: with at most 1 CTA per token the row does
+    # not fit, and the grid-stride kernel (which loops over the rest) takes it.
+    monkeypatch.setattr(cuda_impl, "_MAX_GRID_Y", 1)
+    p = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
+    assert (p.grid_y, p.threads, p.chunks_per_token) == (1, 256, 1024)
+    assert not p.loop_free and p.name.startswith(cuda_impl.GRID_STRIDE_KERNEL + "<")
+    monkeypatch.setattr(cuda_impl, "_MAX_GRID_Y", 65535)
+    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", False)
+    assert not _plan(8, 128, small=True).loop_free
     # The decision, from the call's size (key bytes).
     limit = cuda_impl._SMALL_CALL_BYTES
     assert cuda_impl.is_small_call(limit // (8 * 128 * 2), 8, 128, 2)
@@ -561,6 +573,7 @@ def test_gpu_unaligned_input_uses_scalar_variant():
 def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype, monkeypatch):
     # 120k tokens of 8 chunks with the grid capped at one resident wave: threads loop over
     # many tokens (two a step).
+    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", False)  # the grid-stride kernel
     monkeypatch.setattr(cuda_impl, "_MAX_WAVES", 1)
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
     case = Case(num_tokens=120_001, num_heads=1, head_size=64, block_size=block_size,
@@ -625,11 +638,13 @@ def test_gpu_launch_from_a_new_thread():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("loop_free", [True, False], ids=["loop-free", "grid-stride"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case):
+def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case, loop_free):
     """The case matrix runs mostly small calls (test_matrix.py); here every case takes the
-    variants and CTA shapes of large calls (for fp8, 32-byte chunks) instead."""
+    variants and CTA shapes of large calls (for fp8, 32-byte chunks) instead, in both kernels."""
     monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 0)
+    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", loop_free)
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)
     _check(inp, ref_k, ref_v, case.cache_dtype)

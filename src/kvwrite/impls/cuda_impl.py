@@ -4,9 +4,10 @@ No nvcc and no C++ toolchain at run time: the kernel source ships as package dat
 for the current GPU's architecture the first time a variant is needed (once per process), and
 is launched on PyTorch's current stream through ``cuda.core``.
 
-Two kernels take the same arguments: ``reshape_and_cache_flash_kernel`` (threads walk tokens with
-a grid stride; large calls) and ``reshape_and_cache_flash_small_kernel`` (one token's chunk per
-thread, no loops; small calls). By default each call signature gets its own build with the
+Two kernels take the same arguments: ``reshape_and_cache_flash_kernel`` (one token's chunk per
+thread, no loops), which every call runs unless a token's row is too long for its grid, and
+``reshape_and_cache_flash_grid_stride_kernel`` (threads walk tokens and chunks with grid
+strides) for those. By default each call signature gets its own build with the
 arguments fixed by the caches and the inputs' layout compiled in (see ``_SPECIALIZE``).
 
 Variants (template arguments of both kernels): input dtype, cache element
@@ -39,8 +40,8 @@ __all__ = ["available", "unsupported", "run", "plan", "fixed_args", "kernel_sour
 
 INSTALL_HINT = "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"
 SOURCE_NAME = "reshape_and_cache.cu"
-KERNEL = "reshape_and_cache_flash_kernel"
-SMALL_KERNEL = "reshape_and_cache_flash_small_kernel"  # small calls: no loops
+KERNEL = "reshape_and_cache_flash_kernel"  # no loops: one token's chunk per thread
+GRID_STRIDE_KERNEL = "reshape_and_cache_flash_grid_stride_kernel"  # rows too long for KERNEL
 
 # Element kinds, as DT_* in the .cu file.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
@@ -95,15 +96,22 @@ _EXACT_DIV = os.environ.get("KVWRITE_CUDA_EXACT_DIV", "") not in ("", "0")
 # (scripts/perf_probe.py); large T unchanged. KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel
 # per variant instead (fewer compilations when many cache geometries are used).
 _SPECIALIZE = os.environ.get("KVWRITE_CUDA_SPECIALIZE", "1").strip() != "0"
-# Small calls run a kernel without loops (reshape_and_cache_flash_small_kernel): one token's
-# chunk per thread, loads issued before the slot is tested. Measured on H200 (hot L2, mean over
-# 5 slot sets, scripts/small_t_probe.py), vs the grid-stride kernel: H=8 T=2 copies 1.34 vs
-# 1.41 us, fp8 1.48 vs 1.65 us; H=128 T=2 copies 1.46 vs 1.55 us, fp8 1.57 vs 1.74 us; H=8
-# T=256 fp8 1.88 vs 2.06 us; H=128 T=64 and T=256 unchanged. With it, reading the inputs with
-# plain loads instead of the read-only path (tried for small calls: 0.05-0.1 us faster for fp8
-# with the grid-stride kernel) makes no difference (within 0.01 us), so both kernels use the
-# read-only path.
-_LOOP_FREE_SMALL_CALLS = True
+# Calls run the kernel without loops (reshape_and_cache_flash_kernel: one token's chunk
+# per thread, loads issued before the slot is tested) whenever its grid can hold a token's row
+# (at most _MAX_GRID_Y CTAs per token), else the grid-stride kernel. Measured on H200 (hot L2),
+# loop-free vs grid-stride, same chunk sizes: small calls (scripts/small_t_probe.py, mean over 5
+# slot sets) H=8 T=2 copies 1.34 vs 1.41 us, fp8 1.48 vs 1.65 us, H=128 T=2 copies 1.46 vs
+# 1.55 us, fp8 1.57 vs 1.74 us; mid-size (scripts/perf_probe.py) H=128 fp8 NHD T=512 13.14 vs
+# 14.31 us, T=1024 29.4 vs 30.7 us, H=8 fp8 T=4096 5.45 vs 6.59 us; large, T=65536: H=128
+# copies NHD 2146 vs 2192 us, HND 2142 vs 2173 us, fp8 NHD 1555 vs 1561 us, HND 1677 vs 1684 us,
+# packed 1556 vs 1567 us, H=8 copies 134.8 vs 136.1 us, fp8 NHD 97.9 vs 100.5 us, HND 104.1 vs
+# 106.5 us. (With the loop-free kernel, 16-byte fp8 chunks were faster at some mid sizes and
+# slower at others, e.g. H=128 NHD T=65536 1595 vs 1555 us; 32 bytes stays. Reading the inputs
+# with plain loads instead of the read-only path, 0.05-0.1 us faster for small fp8 calls with
+# the grid-stride kernel, makes no difference with this one.)
+_LOOP_FREE = True
+_MAX_GRID_Y = 65535
+_MAX_GRID_X = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,10 +124,10 @@ def kernel_source() -> str:
 
 
 def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype,
-                small: bool = False) -> str:
-    """The name expression of one kernel variant (``small``: the loop-free kernel)."""
+                loop_free: bool = True) -> str:
+    """The name expression of one kernel variant (of the grid-stride kernel if not loop_free)."""
     slot = "long long" if slot_dtype == torch.int64 else "int"
-    return f"{SMALL_KERNEL if small else KERNEL}<{in_kind}, {out_kind}, {vec}, {slot}>"
+    return f"{KERNEL if loop_free else GRID_STRIDE_KERNEL}<{in_kind}, {out_kind}, {vec}, {slot}>"
 
 
 def all_kernel_names() -> list[str]:
@@ -135,7 +143,7 @@ def all_kernel_names() -> list[str]:
             while vec >= 1:
                 for slot in (torch.int32, torch.int64):
                     names.append(kernel_name(in_kind, out_kind, vec, slot))
-                    names.append(kernel_name(in_kind, out_kind, vec, slot, small=True))
+                    names.append(kernel_name(in_kind, out_kind, vec, slot, loop_free=False))
                 vec //= 2
     return names
 
@@ -246,7 +254,7 @@ class Plan:
     chunks_per_head: int
     chunks_per_token: int
     block_shift: int      # log2(block_size), or -1
-    loop_free: bool = False  # the small-call kernel: one token per thread, grid_x = rows
+    loop_free: bool = False  # the loop-free kernel: one token per thread, grid_x = rows
 
 
 def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
@@ -313,11 +321,9 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
     else:
         parts = -(-chunks // MAX_THREADS)
         row, tokens_per_cta = -(-chunks // parts), 1
-        grid_y = min(parts, 65535)  # the kernel loops over the rest
+        grid_y = min(parts, _MAX_GRID_Y)  # the grid-stride kernel loops over the rest
     shift = _log2_or_minus_1(block_size)
-    loop_free = small and _LOOP_FREE_SMALL_CALLS
-    if loop_free and grid_y * row < chunks:
-        raise AssertionError(f"cuda: a small call's row of {chunks} chunks exceeds its grid")
+    loop_free = _LOOP_FREE and grid_y * row >= chunks
     return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype, loop_free), vec=vec,
                 vec_bytes=vec * in_dtype.itemsize, threads=row * tokens_per_cta,
                 tokens_per_cta=tokens_per_cta, grid_y=grid_y, chunks_per_head=chunks_per_head,
@@ -443,6 +449,9 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     p = lau.plan
     rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
     if p.loop_free:  # every thread one token
+        if rows > _MAX_GRID_X:
+            raise ValueError(f"slot_mapping: at most {_MAX_GRID_X * p.tokens_per_cta} tokens "
+                             f"per call with this cache shape, got {num_tokens}")
         grid_x = rows
     else:
         grid_x = min(rows, lau.max_grid_x,

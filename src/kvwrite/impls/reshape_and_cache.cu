@@ -1,11 +1,11 @@
 // kvwrite: write new key/value rows into a paged KV cache (reshape_and_cache_flash, SPEC §1).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py); one module per instantiation of
-// `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>` (grid-stride loops; large calls) or
-// `reshape_and_cache_flash_small_kernel<...>` (no loops; small calls), and per call signature
-// when the fixed arguments are compiled in (KVWRITE_FIXED_ARGS). Includes no headers at all
-// (neither torch nor CUDA), so NVRTC needs no toolkit include directory: raw pointers, 64-bit
-// strides and sizes, conversions through inline PTX or integer bit operations.
+// `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>` (no loops; every call whose row fits
+// its grid) or `reshape_and_cache_flash_grid_stride_kernel<...>` (the rest), and per call
+// signature when the fixed arguments are compiled in (KVWRITE_FIXED_ARGS). Includes no headers
+// at all (neither torch nor CUDA), so NVRTC needs no toolkit include directory: raw pointers,
+// 64-bit strides and sizes, conversions through inline PTX or integer bit operations.
 //
 // With -DKVWRITE_HOST_TEST the file compiles as plain host C++ (g++): only the element
 // conversions remain, with their software fp8 paths, so tests can check them on the CPU.
@@ -357,15 +357,20 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
 }
 
 // ------------------------------------------------------------------------------------------
-// The kernel.
+// The kernels.
 //
 // Work split: a token row is C = H*D/VEC chunks. A CTA is a [blockDim.y tokens, blockDim.x =
 // row <= C chunks] grid of threads: several tokens per CTA when C is small, and grid.y > 1 CTAs
-// per token when C is large. Each thread owns one chunk index c of the row (so one head, one
-// scale, token-invariant offsets computed once) and walks the tokens with a grid stride, two
-// tokens per step: the slots and both tokens' K and V chunks are loaded before anything is
-// converted or stored, so four vector loads (eight for 32-byte fp8 chunks) are in flight per
-// thread. The prologue before the first loads has no division (2D CTAs; the head index is a
+// per token when C is large. Both kernels take the same arguments and CTA shape:
+// - reshape_and_cache_flash_kernel (every call whose row fits in grid.y CTAs): no loops, each
+//   thread writes one chunk of one token. Its slot, K, V (and fp8 scale) loads are issued
+//   together, before the slot is tested, so a thread's time is one memory round trip, the
+//   conversion and the stores.
+// - reshape_and_cache_flash_grid_stride_kernel (rows longer than the grid can hold): each thread
+//   owns one chunk index c of the row (so one head, one scale, token-invariant offsets computed
+//   once) and walks the tokens with a grid stride, two tokens per step: the slots and both
+//   tokens' K and V chunks are loaded before anything is converted or stored.
+// In both, the prologue before the first loads has no division (2D CTAs; the head index is a
 // shift when D/VEC is a power of two) and issues the fp8 scale loads too, so their latency
 // overlaps the data's; the scales' constants are computed once the data loads are in flight.
 // Slots < 0 (padding) or >= num_slots are skipped; rows of key/value past num_tokens are never
@@ -436,7 +441,8 @@ KVW_HD i64 slot_offset(i64 s, i64 block_stride, i64 page_stride, i64 block_size,
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
 
 template <int IN, int OUT, int VEC, typename SlotT>
-__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL_PARAMS) {
+__global__ void __launch_bounds__(256)
+reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
   KVW_KERNEL_PROLOGUE()
 
   const u32 row = blockDim.x;
@@ -516,17 +522,14 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL
   }
 }
 // ------------------------------------------------------------------------------------------
-// The kernel for small calls: the same CTA shape and arguments, no loops. Each thread writes
-// one chunk of one token (the grid covers every token and every chunk of the row), so a thread's
-// whole work is: slot, K and V (and the scales) loaded together, then the stores. The grid-stride
-// loop of the kernel above costs small calls about 0.1 us of index and loop control (measured,
-// docs/performance.md).
+// The loop-free kernel (see "The kernels" above). Against the grid-stride kernel it saves small
+// calls about 0.1-0.2 us of index and loop control and large ones 1-3% (docs/performance.md).
 // ------------------------------------------------------------------------------------------
 template <int IN, int OUT, int VEC, typename SlotT>
-__global__ void __launch_bounds__(256) reshape_and_cache_flash_small_kernel(KVW_KERNEL_PARAMS) {
+__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL_PARAMS) {
   KVW_KERNEL_PROLOGUE()
   const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;  // < 2^18 for a small call
+  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;  // < 65535 * 256
   if (t >= num_tokens || c >= chunks_per_token) return;
   const u32 h = head_shift >= 0 ? c >> head_shift : c / static_cast<u32>(chunks_per_head);
   const i64 in_off = static_cast<i64>(c) * VEC * IB;
