@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
+import sys
 
 import torch
 
 import kvwrite
 from kvwrite.impls import cuda_impl as ci
 
-CALLS = 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from perf_probe import time_graph  # noqa: E402  (the same timer: 20 calls in one CUDA graph)
+
 D = 128  # head size (bfloat16 input)
 BS = 16  # block size
 
@@ -69,25 +73,6 @@ __global__ void __launch_bounds__(128) kvw_probe(
   }
 }
 """
-
-
-def time_graph(fn, replays: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / CALLS)
-    return statistics.median(times)
 
 
 def apply(variant) -> None:

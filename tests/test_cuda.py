@@ -114,6 +114,15 @@ def _cuobjdump() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+def _sass(tmp_path, name: str, fixed=None) -> str:
+    """The sm_90 machine code of one kernel variant, as cuobjdump prints it."""
+    obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(bytes(obj.code))
+    return subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+
 @needs_nvrtc
 @pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
 @pytest.mark.parametrize("in_dtype, cache_dtype, store", [
@@ -130,23 +139,24 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
     p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype,
                        small=False)
     assert p.vec_bytes == (32 if cache_dtype.is_fp8 else 16)  # fp8: two 16-byte loads a chunk
-    obj, _ = cuda_impl.compile_kernel("sm_90", p.name)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(bytes(obj.code))
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
+    sass = _sass(tmp_path, p.name)
     assert "LDG.E.128" in sass
     assert store in sass
     # Every store of the variant is a whole VEC-element vector (none narrowed).
     assert set(re.findall(r"STG\.E[.\w]*", sass)) == {store}
 
 
+def _h8_call(cache_dtype: CacheDType, layout: Layout, tokens: int):
+    """(key, key_cache, plan) of an H=8, D=128 bfloat16 call into an interleaved cache."""
+    key = torch.empty(tokens, 8, 128, dtype=torch.bfloat16)
+    storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
+    kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
+    slots = torch.zeros(tokens, dtype=torch.int64)
+    return key, kc, cuda_impl.plan(key, key, kc, vc, slots, cache_dtype)
+
+
 def _param_bank_reads(tmp_path, name: str, fixed) -> set[int]:
-    obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(bytes(obj.code))
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
+    sass = _sass(tmp_path, name, fixed)
     return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
 
 
@@ -158,10 +168,7 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
     # sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers, num_tokens and the
     # two scale strides (0x210-0x25f), then fixed_args (0x260 on). The build with the fixed
     # arguments compiled in must read none of them; the generic build reads them.
-    key = torch.empty(4, 8, 128, dtype=torch.bfloat16)
-    storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
-    kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
-    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype)
+    key, kc, p = _h8_call(cache_dtype, layout, 4)
     fixed = cuda_impl.fixed_args(key, key, kc, p)
     first, end = 0x210 + 8 * 10, 0x210 + 8 * (10 + len(fixed))
     generic = _param_bank_reads(tmp_path, p.name, None)
@@ -176,21 +183,14 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
 @pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
 def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, layout):
-    # The loop-free kernel must issue the slot's, the data's (and the scales')
-    # loads together: no exit or branch between the first load and the last. (ptxas moves plain
-    # loads whose only use is a store under the slot's test below that test, which makes them
-    # wait for the slot's load.)
-    key = torch.empty(2, 8, 128, dtype=torch.bfloat16)
-    storage = torch.uint8 if cache_dtype.is_fp8 else torch.bfloat16
-    kc, vc = allocate_kv_cache(64, 16, 8, 128, storage, layout, KVAlloc.INTERLEAVED, "cpu")
-    p = cuda_impl.plan(key, key, kc, vc, torch.zeros(2, dtype=torch.int64), cache_dtype)
+    # The loop-free kernel must issue the slot's, the data's (and the scales') loads together:
+    # no exit or branch between the first load and the last. (ptxas moves plain loads whose only
+    # use is a store under the slot's test below that test, which makes them wait for the slot's
+    # load.)
+    key, kc, p = _h8_call(cache_dtype, layout, 2)
     assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
     for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
-        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(bytes(obj.code))
-        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout
+        sass = _sass(tmp_path, p.name, fixed)
         ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(\S+(?: \S+)?)", sass, re.M)
         loads = [i for i, op in enumerate(ops) if "LDG" in op]
         assert len(loads) == (5 if cache_dtype.is_fp8 else 3), ops  # slot, K, V (, 2 scales)
