@@ -88,6 +88,33 @@ def empty_triton_floor() -> float | None:
     return time_graph(lambda: _empty[(1,)](x, num_warps=1), 50)
 
 
+def parse_variants(sets: list[str]) -> list[list[tuple[str, str]]]:
+    """``--set`` options (``module.ATTR=v1|v2``) -> every combination of their alternatives, each
+    a list of (module.ATTR, value expression)."""
+    variants: list[list[tuple[str, str]]] = [[]]
+    for s in sets:
+        target, vals = s.split("=", 1)
+        variants = [v + [(target, alt)] for v in variants for alt in vals.split("|")]
+    return variants
+
+
+def apply_variant(variant: list[tuple[str, str]]) -> None:
+    """Set each kvwrite.impls.<module>_impl.ATTR (converted to the type it had) and drop what
+    caches it: lru caches and the cuda implementation's launchables."""
+    for target, val in variant:
+        mod, attr = target.split(".")
+        m = importlib.import_module(f"kvwrite.impls.{mod}_impl")
+        setattr(m, attr, type(getattr(m, attr))(eval(val)))
+        for f in vars(m).values():
+            if hasattr(f, "cache_clear"):
+                f.cache_clear()
+        getattr(m, "_LAUNCHABLES", {}).clear()
+
+
+def variant_label(variant: list[tuple[str, str]]) -> str:
+    return ",".join(f"{target}={val}" for target, val in variant)
+
+
 POINTS = [  # (H, D, layout, alloc, kv, T)
     *[(128, 128, lo, al, kv, t) for lo, al in ((Layout.NHD, KVAlloc.INTERLEAVED),
                                                (Layout.HND, KVAlloc.INTERLEAVED),
@@ -116,10 +143,7 @@ def main() -> None:
                     help="fp8 scale for K and V (default: amax / 64, as the benchmark)")
     args = ap.parse_args()
 
-    variants = [[]]
-    for s in args.set:
-        target, vals = s.split("=")
-        variants = [v + [f"{target}={alt}"] for v in variants for alt in vals.split("|")]
+    variants = parse_variants(args.set)
     bw = copy_bandwidth()
     floor = empty_kernel_floor()
     tfloor = empty_triton_floor()
@@ -130,16 +154,8 @@ def main() -> None:
     caches = {}
     for impl in args.impls.split(","):
         for variant in variants:
-            for ov in variant:
-                target, val = ov.split("=")
-                mod, attr = target.split(".")
-                m = importlib.import_module(f"kvwrite.impls.{mod}_impl")
-                setattr(m, attr, type(getattr(m, attr))(eval(val)))
-                for f in vars(m).values():
-                    if hasattr(f, "cache_clear"):
-                        f.cache_clear()
-                getattr(m, "_LAUNCHABLES", {}).clear()
-            tag = impl + ("[" + ",".join(variant) + "]" if variant else "")
+            apply_variant(variant)
+            tag = impl + (f"[{variant_label(variant)}]" if variant else "")
             print(f"\n## {tag}")
             print(f"{'H':>4} {'D':>4} {'layout':>7} {'kv':>5} {'T':>6} {'us':>9} {'%bw':>6}")
             points = POINTS

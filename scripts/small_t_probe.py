@@ -15,7 +15,6 @@ at these sizes the slots' addresses alone move a call by ~0.1-0.2 us.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -26,7 +25,8 @@ import kvwrite
 from kvwrite.impls import cuda_impl as ci
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from perf_probe import time_graph  # noqa: E402  (the same timer: 20 calls in one CUDA graph)
+# The same timer (20 calls in one CUDA graph) and the same --set overrides as perf_probe.py.
+from perf_probe import apply_variant, parse_variants, time_graph, variant_label  # noqa: E402
 
 D = 128  # head size (bfloat16 input)
 BS = 16  # block size
@@ -75,18 +75,6 @@ __global__ void __launch_bounds__(128) kvw_probe(
 """
 
 
-def apply(variant) -> None:
-    """Set module.ATTR overrides (values are Python expressions) and drop what caches them."""
-    for target, val in variant:
-        mod, attr = target.split(".")
-        m = importlib.import_module(f"kvwrite.impls.{mod}_impl")
-        setattr(m, attr, eval(val))
-        for f in vars(m).values():
-            if hasattr(f, "cache_clear"):
-                f.cache_clear()
-        getattr(m, "_LAUNCHABLES", {}).clear()
-
-
 def strides(layout: str, h: int, pad: int) -> tuple[int, int, int]:
     """(block, page, head) strides in elements of one cache (K and V blocks interleaved)."""
     if layout == "NHD":
@@ -109,10 +97,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[],
                     help="module.ATTR=v1|v2 tuning overrides (as perf_probe.py): one row each")
     args = ap.parse_args()
-    variants = [[]]
-    for sv in args.set:
-        target, vals = sv.split("=", 1)
-        variants = [v + [(target, alt)] for v in variants for alt in vals.split("|")]
+    variants = parse_variants(args.set)
     impls = args.impls.split(",")
 
     dev = torch.cuda.current_device()
@@ -177,7 +162,7 @@ def main() -> None:
 
                         res["min"].append(time_graph(run_min, args.replays))
                         for i, variant in enumerate(variants):
-                            apply(variant)
+                            apply_variant(variant)
                             for impl in impls:
                                 def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks,
                                          vs=vs, kv=kv, impl=impl):
@@ -199,7 +184,7 @@ def main() -> None:
                             for k in ("cuda", "triton")]
                         print(f"{h:>4} {t:>4} {lo:>7} {kv:>5} "
                               + " ".join(f"{c * 1e6:>7.3f}" for c in cols)
-                              + "  " + ",".join(f"{a}={b}" for a, b in variant), flush=True)
+                              + "  " + variant_label(variant), flush=True)
             del caches, kv_bf16, kv_u8
             torch.cuda.empty_cache()
 
