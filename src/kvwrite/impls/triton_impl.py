@@ -121,9 +121,9 @@ def _next_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
-            ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, num_tiles) for one shape; the grid is
-    ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))``, num_tiles programs.
+            ) -> tuple[int, int, int, int, tuple[int, int]]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, grid) for one shape; the grid is
+    ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`` programs (token tiles, head tiles).
 
     Large rows (H*D) are split into chunks of heads, one token per program; small rows take
     several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
@@ -131,24 +131,24 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
     """
     block_d = _next_pow2(head_size)
 
-    def tiles(tile_bytes: int) -> tuple[int, int, int]:
+    def tiles(tile_bytes: int) -> tuple[int, int, tuple[int, int]]:
         tile_elems = max(1, tile_bytes // in_bytes)
         block_h = min(_next_pow2(num_heads), max(1, tile_elems // block_d))
         block_t = 1
         if block_h >= num_heads:
             block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
-        return block_t, block_h, triton.cdiv(num_tokens, block_t) * triton.cdiv(num_heads, block_h)
+        return block_t, block_h, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
 
-    block_t, block_h, num_tiles = tiles(_TILE_BYTES)
+    block_t, block_h, grid = tiles(_TILE_BYTES)
     per_warp = _BYTES_PER_WARP[fp8]
-    if num_tiles < _SMALL_GRID[fp8]:
+    if grid[0] * grid[1] < _SMALL_GRID[fp8]:
         # Few programs: the latency of each thread's chain of work is the call's time, so
         # spread the work over more programs and threads.
-        block_t, block_h, num_tiles = tiles(_TILE_BYTES_SMALL_GRID)
+        block_t, block_h, grid = tiles(_TILE_BYTES_SMALL_GRID)
         per_warp = _BYTES_PER_WARP_SMALL_GRID
     tile_bytes = block_t * block_h * block_d * in_bytes
     num_warps = min(_MAX_WARPS, max(1, tile_bytes // per_warp))
-    return block_t, block_h, block_d, num_warps, num_tiles
+    return block_t, block_h, block_d, num_warps, grid
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,14 +322,13 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     _, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     quant = _QUANT.get(cache_dtype, _COPY)
-    block_t, block_h, block_d, num_warps, _ = _tiling(
+    block_t, block_h, block_d, num_warps, grid = _tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY)
     per_head = quant != _COPY and k_scale.numel() > 1
     stride_b, stride_s, stride_h, _ = key_cache.stride()
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
     t_pad = key.shape[0]
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
     _kvwrite_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
         KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
