@@ -113,6 +113,33 @@ def test_gpu_matches_reference(case):
     _check(case, "cuda")
 
 
+@pytest.fixture
+def no_load_hint(monkeypatch):
+    """Every call planned as a large one: data loads without the evict-first hint."""
+    monkeypatch.setattr(triton_impl, "_EVICT_FIRST_MAX_BYTES", -1)
+    triton_impl._tiling.cache_clear()
+    yield
+    triton_impl._tiling.cache_clear()
+
+
+@needs_triton
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+@gpu
+def test_gpu_matches_reference_without_load_hint(case, no_load_hint):
+    _check(case, "cuda")
+
+
+@needs_triton
+def test_load_hint_by_call_size():
+    # Inputs (K and V) of at most _EVICT_FIRST_MAX_BYTES: evict-first loads; larger: no hint.
+    limit = triton_impl._EVICT_FIRST_MAX_BYTES
+    tokens = limit // (2 * 128 * 128 * 2)  # H=128, D=128, bfloat16: the largest "small" call
+    assert triton_impl._tiling(tokens, 128, 128, 2, True)[5] == "evict_first"
+    assert triton_impl._tiling(tokens + 1, 128, 128, 2, True)[5] == ""
+    assert triton_impl._tiling(2, 8, 128, 2, False)[5] == "evict_first"
+    assert triton_impl._tiling(32768, 8, 128, 2, False)[5] == ""
+
+
 @needs_triton
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=interpreter),

@@ -6,9 +6,10 @@ only, so the loads do not wait for the slot), converts them and stores them thro
 strides (so NHD, HND, interleaved and packed caches are the same code). Offsets into the caches
 and inputs are 64-bit. ``BLOCK_D`` is ``head_size`` rounded up to a power of two, masked. The grid
 is (token tiles, head tiles). The strides and the cache's slot count are compile-time constants
-(one compiled variant per cache geometry and input layout, as for the shape); tile shapes and
-warps are chosen per shape on the host by :func:`_tiling` (cached), and nothing is read on the
-host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs, slots and scales.
+(one compiled variant per cache geometry and input layout, as for the shape); tile shapes,
+warps and the loads' cache hint are chosen per shape on the host by :func:`_tiling` (cached),
+and nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new
+inputs, slots and scales.
 
 fp8 follows SPEC §1.1 exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
 is approximate), computed without a division per element (``_fp8_scale`` splits the scale's
@@ -113,6 +114,15 @@ _MAX_WARPS = 8
 _SMALL_GRID = {False: 128, True: 128}  # keyed by "is fp8"; 0: never
 _TILE_BYTES_SMALL_GRID = 1024
 _BYTES_PER_WARP_SMALL_GRID = 128
+# The data loads of calls whose K and V inputs together are at most _EVICT_FIRST_MAX_BYTES
+# (about the L2's size) carry the evict-first hint (the inputs are read once); larger calls load
+# without a hint. Measured on H200 (hot L2), no hint vs evict-first: every point from H=128
+# T=4096 and H=8 T=32768 up 2-7% faster (scripts/perf_probe.py: H=128 T=65536 copies 2145 vs
+# 2190 us, fp8 NHD 1558 vs 1612 us, HND 1683 vs 1768 us; H=8 T=32768 HND fp8 53.6 vs 57.4 us);
+# small calls mostly slower (scripts/small_t_probe.py, mean over 5 slot sets: H=8 T=2 HND fp8
+# 1.46 vs 1.39 us, T=64 1.69 vs 1.61 us; H=128 T=2 HND fp8 1.57 vs 1.50 us); at H=128 T=1024
+# (64 MiB of input) fp8 slower (29.6 vs 28.8 us) and copies faster (35.8 vs 36.6 us).
+_EVICT_FIRST_MAX_BYTES = 64 << 20
 
 
 def _next_pow2(n: int) -> int:
@@ -121,9 +131,9 @@ def _next_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
-            ) -> tuple[int, int, int, int, tuple[int, int]]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, grid) for one shape; the grid is
-    ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`` programs (token tiles, head tiles).
+            ) -> tuple[int, int, int, int, tuple[int, int], str]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, grid, load eviction policy) for one shape; the grid
+    is ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`` programs (token tiles, head tiles).
 
     Large rows (H*D) are split into chunks of heads, one token per program; small rows take
     several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
@@ -148,7 +158,8 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
         per_warp = _BYTES_PER_WARP_SMALL_GRID
     tile_bytes = block_t * block_h * block_d * in_bytes
     num_warps = min(_MAX_WARPS, max(1, tile_bytes // per_warp))
-    return block_t, block_h, block_d, num_warps, grid
+    small = 2 * num_tokens * num_heads * head_size * in_bytes <= _EVICT_FIRST_MAX_BYTES
+    return block_t, block_h, block_d, num_warps, grid, "evict_first" if small else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,6 +261,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
     ):
         # Grid (token tiles, head tiles): programs are dispatched token tile fastest, so the
         # programs in flight write the same heads of many tokens, and no index needs a division.
@@ -275,8 +287,8 @@ if triton is not None:
         v_off = (t64 * VALUE_STRIDE)[:, None, None] + in_hd
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
         # Both loads before either store, so K and V are in flight together.
-        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy="evict_first")
-        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy="evict_first")
+        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy=LOAD_EVICT)
+        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy=LOAD_EVICT)
         # The scales are read and prepared here, after the data loads are issued: placed
         # before them, the scale's load and division would add a memory round trip to each
         # program's critical path (the data loads cannot move above the division's branch).
@@ -322,7 +334,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     _, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     quant = _QUANT.get(cache_dtype, _COPY)
-    block_t, block_h, block_d, num_warps, grid = _tiling(
+    block_t, block_h, block_d, num_warps, grid, evict = _tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY)
     per_head = quant != _COPY and k_scale.numel() > 1
     stride_b, stride_s, stride_h, _ = key_cache.stride()
@@ -337,5 +349,5 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         STRIDE_H=stride_h if num_heads > 1 else 0, NUM_SLOTS=num_blocks * block_size,
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=num_warps,
+        LOAD_EVICT=evict, num_warps=num_warps,
     )
