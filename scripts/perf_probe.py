@@ -6,6 +6,11 @@ around each replay, median over replays, per call = replay / 20; hot L2 (the sam
 call). This is a development tool; the user-facing benchmark is ``kvwrite-bench``.
 
     python scripts/perf_probe.py --impls triton,cuda --set triton._TILE_BYTES=16384
+
+Besides the implementations, ``--impls`` takes ``pattern``: a minimal NVRTC kernel that moves
+the same bytes to the same cache addresses with none of the op's work (fp8: each bfloat16's high
+byte instead of the quotient), i.e. what this access pattern costs on this GPU
+(``pattern_el``: the same with evict-last loads).
 """
 
 from __future__ import annotations
@@ -88,6 +93,70 @@ def empty_triton_floor() -> float | None:
     return time_graph(lambda: _empty[(1,)](x, num_warps=1), 50)
 
 
+_PATTERN_SRC = r"""
+// The bytes and addresses of one call, without the op's work: each thread reads one 32-byte
+// (fp8) or 16-byte (copy) chunk of K and of V and writes 16 bytes of each (fp8: the high byte of
+// each bfloat16, no quotient) at the cache address of its token's slot.
+__device__ __forceinline__ uint4 ld(const unsigned char* p) {
+#ifdef EVICT_LAST
+  uint4 v;
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+  return v;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+extern "C" __global__ void kvw_pattern(const unsigned char* __restrict__ key,
+    const unsigned char* __restrict__ value, unsigned char* kc, unsigned char* vc,
+    const long long* __restrict__ slots, long long row_in_bytes, unsigned chunks, unsigned cph,
+    long long sb, long long ss, long long sh, int fp8) {
+  const long long t = blockIdx.x;
+  const unsigned c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= chunks) return;
+  const long long s = slots[t];
+  const unsigned in_chunk = fp8 ? 32 : 16;
+  const unsigned char* kp = key + t * row_in_bytes + (long long)c * in_chunk;
+  const unsigned char* vp = value + t * row_in_bytes + (long long)c * in_chunk;
+  const unsigned h = c / cph, d = (c - h * cph) * 16;
+  const long long off = (s >> 4) * sb + (s & 15) * ss + (long long)h * sh + d;
+  uint4 k = ld(kp), v = ld(vp);
+  if (fp8) {
+    const uint4 k1 = ld(kp + 16), v1 = ld(vp + 16);
+    k = make_uint4(__byte_perm(k.x, k.y, 0x7531), __byte_perm(k.z, k.w, 0x7531),
+                   __byte_perm(k1.x, k1.y, 0x7531), __byte_perm(k1.z, k1.w, 0x7531));
+    v = make_uint4(__byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x7531),
+                   __byte_perm(v1.x, v1.y, 0x7531), __byte_perm(v1.z, v1.w, 0x7531));
+  }
+  *reinterpret_cast<uint4*>(kc + off) = k;
+  *reinterpret_cast<uint4*>(vc + off) = v;
+}
+"""
+
+
+def pattern_call(key, value, kc, vc, slots, fp8: bool, evict_last: bool = False):
+    """A call of the minimal kernel above on these tensors (block size 16, D a multiple of 16)."""
+    from kvwrite.impls import cuda_impl as ci
+
+    arch, _ = ci._device_arch(torch.cuda.current_device())
+    src = ("#define EVICT_LAST\n" if evict_last else "") + _PATTERN_SRC
+    obj, _ = ci.compile_kernel(arch, "kvw_pattern", source=src)
+    kernel = obj.get_kernel("kvw_pattern")
+    cc = ci._cuda_core()
+    t, h, d = key.shape
+    out_chunk_elems = 16 // kc.element_size()
+    chunks, cph = h * d // out_chunk_elems, d // out_chunk_elems
+    threads = min(256, chunks)
+    config = cc.LaunchConfig(grid=(t, -(-chunks // threads), 1), block=(threads, 1, 1))
+    sb, ss, sh = (x * kc.element_size() for x in kc.stride()[:3])
+    args = (key.data_ptr(), value.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+            h * d * 2, chunks, cph, sb, ss, sh, int(fp8))
+    dev = torch.cuda.current_device()
+    return lambda: cc.launch(ci._current_stream(dev), config, kernel, *args)
+
+
 def parse_variants(sets: list[str]) -> list[list[tuple[str, str]]]:
     """``--set`` options (``module.ATTR=v1|v2``) -> every combination of their alternatives, each
     a list of (module.ATTR, value expression)."""
@@ -129,7 +198,7 @@ POINTS = [  # (H, D, layout, alloc, kv, T)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impls", default="triton,cuda")
+    ap.add_argument("--impls", default="triton,cuda", help="also pattern, pattern_el (see above)")
     ap.add_argument("--set", action="append", default=[],
                     help="module.ATTR=value tuning override, e.g. triton._TILE_BYTES=16384; "
                          "alternatives separated by '|' (triton._TILE_BYTES=4096|8192) make variants")
@@ -139,6 +208,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--tokens", default="",
                     help="comma-separated token counts to use instead of the issue's points")
+    ap.add_argument("--blocks", type=int, default=8192,
+                    help="cache blocks of 16 slots (kvwrite-bench's default: 65536)")
     ap.add_argument("--scale", type=float, default=None,
                     help="fp8 scale for K and V (default: amax / 64, as the benchmark)")
     args = ap.parse_args()
@@ -172,7 +243,7 @@ def main() -> None:
                 if key_ not in caches:
                     caches.clear()
                     torch.cuda.empty_cache()
-                    caches[key_] = allocate_kv_cache(65536 * 2 // 16, 16, h, d, cache_dtype,
+                    caches[key_] = allocate_kv_cache(args.blocks, 16, h, d, cache_dtype,
                                                      layout, alloc, "cuda")
                 kc, vc = caches[key_]
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -190,6 +261,10 @@ def main() -> None:
                          impl=impl):
                     kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs,
                                                     implementation=impl)
+
+                if impl in ("pattern", "pattern_el"):
+                    call = pattern_call(key, value, kc, vc, slots, cdt.is_fp8,
+                                        impl == "pattern_el")
 
                 sec = time_graph(call, args.replays)
                 nbytes = 2 * t * h * d * (2 + cdt.element_size(dtype)) + t * 8
