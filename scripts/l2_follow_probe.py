@@ -18,12 +18,18 @@ import sys
 
 import torch
 
-import kvwrite
 from kvwrite.dtypes import parse_kv_cache_dtype
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from perf_probe import apply_variant, parse_variants, time_graph, variant_label  # noqa: E402
+from perf_probe import (  # noqa: E402
+    apply_variant,
+    op_call,
+    parse_variants,
+    point_inputs,
+    time_graph,
+    variant_label,
+)
 
 
 def main() -> None:
@@ -60,17 +66,8 @@ def main() -> None:
                 cache_dtype = torch.uint8 if cdt.is_fp8 else torch.bfloat16
                 kc, vc = allocate_kv_cache(8192, 16, h, 128, cache_dtype, Layout(lo),
                                            KVAlloc.INTERLEAVED, "cuda")
-                g = torch.Generator(device="cuda").manual_seed(0)
-                key = torch.randn(t, h, 128, dtype=torch.bfloat16, device="cuda", generator=g)
-                value = torch.randn(t, h, 128, dtype=torch.bfloat16, device="cuda", generator=g)
-                slots = torch.randperm(kc.shape[0] * 16, device="cuda", generator=g)[:t]
-                ks = (key.amax() / 64).float().reshape(1)
-                vs = (value.amax() / 64).float().reshape(1)
-
-                def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks, vs=vs, kv=kv,
-                         impl=impl):
-                    kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs,
-                                                    implementation=impl)
+                key, value, slots, ks, vs = point_inputs(t, h, 128, kc.shape[0] * 16)
+                call = op_call(impl, key, value, kc, vc, slots, kv, ks, vs)
 
                 def pair(call=call):
                     call()

@@ -16,6 +16,7 @@ byte instead of the quotient), i.e. what this access pattern costs on this GPU
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import statistics
 
@@ -136,14 +137,21 @@ extern "C" __global__ void kvw_pattern(const unsigned char* __restrict__ key,
 """
 
 
-def pattern_call(key, value, kc, vc, slots, fp8: bool, evict_last: bool = False):
-    """A call of the minimal kernel above on these tensors (block size 16, D a multiple of 16)."""
+@functools.cache
+def _pattern_kernel(evict_last: bool):
     from kvwrite.impls import cuda_impl as ci
 
     arch, _ = ci._device_arch(torch.cuda.current_device())
     src = ("#define EVICT_LAST\n" if evict_last else "") + _PATTERN_SRC
     obj, _ = ci.compile_kernel(arch, "kvw_pattern", source=src)
-    kernel = obj.get_kernel("kvw_pattern")
+    return obj.get_kernel("kvw_pattern")
+
+
+def pattern_call(key, value, kc, vc, slots, fp8: bool, evict_last: bool = False):
+    """A call of the minimal kernel above on these tensors (block size 16, D a multiple of 16)."""
+    from kvwrite.impls import cuda_impl as ci
+
+    kernel = _pattern_kernel(evict_last)
     cc = ci._cuda_core()
     t, h, d = key.shape
     out_chunk_elems = 16 // kc.element_size()
@@ -152,9 +160,32 @@ def pattern_call(key, value, kc, vc, slots, fp8: bool, evict_last: bool = False)
     config = cc.LaunchConfig(grid=(t, -(-chunks // threads), 1), block=(threads, 1, 1))
     sb, ss, sh = (x * kc.element_size() for x in kc.stride()[:3])
     args = (key.data_ptr(), value.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
-            h * d * 2, chunks, cph, sb, ss, sh, int(fp8))
+            key.stride(0) * key.element_size(), chunks, cph, sb, ss, sh, int(fp8))
     dev = torch.cuda.current_device()
     return lambda: cc.launch(ci._current_stream(dev), config, kernel, *args)
+
+
+def point_inputs(t: int, h: int, d: int, num_slots: int, seed: int = 0,
+                 scale: float | None = None):
+    """(key, value, slots, k_scale, v_scale) of one point: random bfloat16 [T, H, D] rows, T
+    unique random slots below num_slots, per-tensor scales amax / 64 (or ``scale``)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    key = torch.randn(t, h, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    value = torch.randn(t, h, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    slots = torch.randperm(num_slots, device="cuda", generator=g)[:t]
+    if scale is None:
+        ks = (key.amax() / 64).float().reshape(1)
+        vs = (value.amax() / 64).float().reshape(1)
+    else:
+        ks = torch.full((1,), scale, device="cuda")
+        vs = torch.full((1,), scale, device="cuda")
+    return key, value, slots, ks, vs
+
+
+def op_call(impl: str, key, value, kc, vc, slots, kv: str, ks, vs):
+    """The public op on these tensors with one implementation, as a callable for time_graph."""
+    return lambda: kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs,
+                                                   implementation=impl)
 
 
 def parse_variants(sets: list[str]) -> list[list[tuple[str, str]]]:
@@ -246,25 +277,13 @@ def main() -> None:
                     caches[key_] = allocate_kv_cache(args.blocks, 16, h, d, cache_dtype,
                                                      layout, alloc, "cuda")
                 kc, vc = caches[key_]
-                g = torch.Generator(device="cuda").manual_seed(0)
-                key = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
-                value = torch.randn(t, h, d, dtype=dtype, device="cuda", generator=g)
-                slots = torch.randperm(kc.shape[0] * 16, device="cuda", generator=g)[:t]
-                if args.scale is None:
-                    ks = (key.amax() / 64).float().reshape(1)
-                    vs = (value.amax() / 64).float().reshape(1)
-                else:
-                    ks = torch.full((1,), args.scale, device="cuda")
-                    vs = torch.full((1,), args.scale, device="cuda")
-
-                def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks, vs=vs, kv=kv,
-                         impl=impl):
-                    kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv, ks, vs,
-                                                    implementation=impl)
-
+                key, value, slots, ks, vs = point_inputs(t, h, d, kc.shape[0] * 16,
+                                                         scale=args.scale)
                 if impl in ("pattern", "pattern_el"):
                     call = pattern_call(key, value, kc, vc, slots, cdt.is_fp8,
                                         impl == "pattern_el")
+                else:
+                    call = op_call(impl, key, value, kc, vc, slots, kv, ks, vs)
 
                 sec = time_graph(call, args.replays)
                 nbytes = 2 * t * h * d * (2 + cdt.element_size(dtype)) + t * 8

@@ -21,12 +21,18 @@ import sys
 
 import torch
 
-import kvwrite
 from kvwrite.impls import cuda_impl as ci
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# The same timer (20 calls in one CUDA graph) and the same --set overrides as perf_probe.py.
-from perf_probe import apply_variant, parse_variants, time_graph, variant_label  # noqa: E402
+# The same timer (20 calls in one CUDA graph), inputs and --set overrides as perf_probe.py.
+from perf_probe import (  # noqa: E402
+    apply_variant,
+    op_call,
+    parse_variants,
+    point_inputs,
+    time_graph,
+    variant_label,
+)
 
 D = 128  # head size (bfloat16 input)
 BS = 16  # block size
@@ -144,14 +150,8 @@ def main() -> None:
                     res = {"min": [], **{(i, k): [] for i in range(len(variants))
                                          for k in ("cuda", "triton")}}
                     for seed in range(args.seeds):
-                        g = torch.Generator(device="cuda").manual_seed(seed)
-                        key = torch.randn(t, h, D, dtype=torch.bfloat16, device="cuda",
-                                          generator=g)
-                        value = torch.randn(t, h, D, dtype=torch.bfloat16, device="cuda",
-                                            generator=g)
-                        slots = torch.randperm(args.blocks * BS, device="cuda", generator=g)[:t]
-                        ks = (key.amax() / 64).float().reshape(1)
-                        vs = (value.amax() / 64).float().reshape(1)
+                        key, value, slots, ks, vs = point_inputs(t, h, D, args.blocks * BS,
+                                                                 seed=seed)
                         kcp, vcp = kc.data_ptr(), vc.data_ptr()
 
                         def run_min(key=key, value=value, slots=slots, ks=ks, vs=vs,
@@ -164,10 +164,7 @@ def main() -> None:
                         for i, variant in enumerate(variants):
                             apply_variant(variant)
                             for impl in impls:
-                                def call(key=key, value=value, kc=kc, vc=vc, slots=slots, ks=ks,
-                                         vs=vs, kv=kv, impl=impl):
-                                    kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, kv,
-                                                                    ks, vs, implementation=impl)
+                                call = op_call(impl, key, value, kc, vc, slots, kv, ks, vs)
                                 res[(i, impl)].append(time_graph(call, args.replays))
                         if seed == 0:  # the minimal kernel writes what the op writes
                             blk, pg = slots // BS, slots % BS
