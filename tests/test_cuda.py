@@ -114,6 +114,10 @@ def _cuobjdump() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+needs_cuobjdump = pytest.mark.skipif(_cuobjdump() is None,
+                                     reason="no cuobjdump (CUDA toolkit or triton wheel)")
+
+
 def _sass(tmp_path, name: str, fixed=None) -> str:
     """The sm_90 machine code of one kernel variant, as cuobjdump prints it."""
     obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
@@ -124,7 +128,7 @@ def _sass(tmp_path, name: str, fixed=None) -> str:
 
 
 @needs_nvrtc
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
+@needs_cuobjdump
 @pytest.mark.parametrize("in_dtype, cache_dtype, store", [
     (torch.bfloat16, CacheDType.AUTO, "STG.E.128"),
     (torch.bfloat16, CacheDType.FP8_E4M3, "STG.E.128"),
@@ -161,7 +165,7 @@ def _param_bank_reads(tmp_path, name: str, fixed) -> set[int]:
 
 
 @needs_nvrtc
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
+@needs_cuobjdump
 @pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
 def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype, layout):
@@ -179,7 +183,7 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
 
 
 @needs_nvrtc
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or triton wheel)")
+@needs_cuobjdump
 @pytest.mark.parametrize("cache_dtype", [CacheDType.AUTO, CacheDType.FP8_E4M3])
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
 def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dtype, layout):
