@@ -117,7 +117,7 @@ _BYTES_PER_WARP_SMALL_GRID = 128
 # The data loads of calls whose K and V inputs together are at most _EVICT_FIRST_MAX_BYTES
 # (about the L2's size) carry the evict-first hint (the inputs are read once); larger calls load
 # without a hint. Measured on H200 (hot L2), no hint vs evict-first: every point from H=128
-# T=4096 and H=8 T=32768 up 2-7% faster (scripts/perf_probe.py: H=128 T=65536 copies 2145 vs
+# T=4096 and H=8 T=32768 up 1.7-7.4% faster (scripts/perf_probe.py: H=128 T=65536 copies 2145 vs
 # 2190 us, fp8 NHD 1558 vs 1612 us, HND 1683 vs 1768 us; H=8 T=32768 HND fp8 53.6 vs 57.4 us);
 # small calls mostly slower (scripts/small_t_probe.py, mean over 5 slot sets: H=8 T=2 HND fp8
 # 1.46 vs 1.39 us, T=64 1.69 vs 1.61 us; H=128 T=2 HND fp8 1.57 vs 1.50 us); at H=128 T=1024
