@@ -203,6 +203,29 @@ def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dty
 
 
 @needs_nvrtc
+@needs_cuobjdump
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize("tokens", [2, 4096])  # 8- and 32-byte fp8 chunks (small, large plans)
+def test_compile_fp8_kernel_loads_before_any_arithmetic(tmp_path, layout, tokens):
+    # The fp8 loop-free kernel must have every load in flight before any of the conversion's
+    # floating-point work (none between its first load and its last). Small calls' 8-byte
+    # chunks prepare the scales without a call (rcp_rn_s2); 32-byte chunks keep div_rn, whose
+    # branch keeps ptxas from issuing the second halves of the chunks among the conversions.
+    key, kc, p = _h8_call(CacheDType.FP8_E4M3, layout, tokens)
+    assert p.loop_free and p.vec_bytes == (8 if tokens == 2 else 32)
+    for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
+        sass = _sass(tmp_path, p.name, fixed)
+        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?(\S+)", sass, re.M)
+        loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
+        assert len(loads) == (5 if tokens == 2 else 7), ops  # slot, K, V (halves), 2 scales
+        between = ops[loads[0]:loads[-1]]
+        assert not [op for op in between
+                    if op.split(".")[0] in ("MUFU", "FFMA", "FMUL", "FMNMX", "F2FP")], between
+        if fixed is not None and tokens == 2:  # (a generic build keeps a 64-bit division's call)
+            assert not [op for op in ops if op.startswith("CALL")], "a call in the fp8 kernel"
+
+
+@needs_nvrtc
 def test_compile_fixed_args_must_be_complete():
     name = cuda_impl.all_kernel_names()[0]
     with pytest.raises(RuntimeError, match="KVWRITE_FIXED_ARGS: 11 values"):

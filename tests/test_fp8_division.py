@@ -10,6 +10,12 @@
   every 16-bit input and random float32 inputs against a true division, for ordinary, tiny,
   subnormal, huge, negative, zero, infinite and NaN scales;
 - end to end on the GPU for both fp8 kernels, with the same extreme scales per head.
+
+And the per-scale reciprocal y = RN(1 / s2): the CUDA kernel's branch-free one (rcp_rn_s2: an
+approximate reciprocal, two fused Newton steps, one fixed significand) in C from every
+approximation within 4 ulp; each kernel's own y (CUDA's both ways, Triton's `div_rn`) against a
+true division for every scale of [2, 4) and for subnormal scales (Triton's under the interpreter
+too).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import pytest
 import torch
 
 import kvwrite
+from kvwrite.impls import cuda_impl
 from kvwrite.dtypes import FP8_MAX, CacheDType
 from kvwrite.impls import torch_ref, triton_impl
 from kvwrite.testing import assert_caches_equal
@@ -81,20 +88,130 @@ int main(void) {
 """
 
 
-def test_division_identity_in_c(tmp_path):
+def _run_c(tmp_path, name: str, source: str) -> str:
     cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
     if cc is None:
         pytest.skip("no host C compiler (gcc, cc or clang) to build the check")
-    (tmp_path / "identity.c").write_text(_IDENTITY_C)
-    exe = tmp_path / "identity"
+    (tmp_path / f"{name}.c").write_text(source)
+    exe = tmp_path / name
     # -ffp-contract=off: x * y stays a rounded product; fmaf is the C library's exact fma.
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / "identity.c"),
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / f"{name}.c"),
                     "-o", str(exe), "-lm"], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+def test_division_identity_in_c(tmp_path):
+    out = _run_c(tmp_path, "identity", _IDENTITY_C).split("\n")
     counts = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out if line}
     assert counts["bfloat16"] == [2**31, 0]
     assert counts["float16"] == [2**28, 0]
     assert counts["float32"] == [10_000_000, 0]
+
+
+# The reciprocal, in C: what the CUDA kernel's rcp_rn_s2 computes from the hardware's
+# approximation r0 of 1/b (rcp.approx.ftz: within 2 ulp for b in [2^-22, 4)).
+_RECIPROCAL_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
+static float refine(float b, float r) {  /* rcp_rn_s2 after the approximation */
+  r = fmaf(r, fmaf(-b, r, 1.0f), r);
+  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
+  uint32_t bb = u(b);
+  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
+}
+static long n, bad, steps_miss;
+static void check(float b) {
+  const float want = 1.0f / b;
+  for (int k = -4; k <= 4; ++k) {                   /* every r0 within 4 ulp of 1/b */
+    float r0 = f(u(want) + k), r = fmaf(r0, fmaf(-b, r0, 1.0f), r0);
+    float y = fmaf(r, fmaf(-b, r, 1.0f), r);
+    steps_miss += u(y) != u(want);
+    bad += u(refine(b, r0)) != u(want);
+    ++n;
+  }
+}
+int main(void) {
+  for (uint32_t e = 127u - 22u; e <= 128u; ++e) {   /* b in [2^-22, 4): the range of s2 */
+    /* every significand of [1, 4); every 61st and the all-ones one of the binades below */
+    const uint32_t step = e >= 127u ? 1u : 61u;
+    for (uint32_t m = 0; m < (1u << 23); m += step) check(f((e << 23) | m));
+    if (step > 1) check(f((e << 23) | 0x7FFFFFu));
+  }
+  printf("%ld %ld %ld\n", n, bad, steps_miss);
+  return 0;
+}
+"""
+
+
+def test_reciprocal_refinement_in_c(tmp_path):
+    n, bad, steps_miss = (int(v) for v in _run_c(tmp_path, "reciprocal", _RECIPROCAL_C).split())
+    assert n == 9 * (2 * 2**23 + 22 * (-(-(2**23) // 61) + 1))
+    assert bad == 0
+    # The fixed significand is needed: without it the Newton steps miss (all-ones significands,
+    # from every approximation but the exact one), so this check can fail.
+    assert steps_miss > 0
+
+
+def _scales_and_s2() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every float32 scale of [2, 4) (where s2 = s) and every 61st subnormal one with the
+    largest (s2 = s * 2^127, in [2^-22, 2)); each with its s2."""
+    normal = (torch.arange(2**23, dtype=torch.int64) | (128 << 23)).to(torch.int32)
+    sub = torch.cat([torch.arange(1, 2**23, 61), torch.tensor([2**23 - 1])]).to(torch.int32)
+    s = torch.cat([normal, sub]).view(torch.float32)
+    s2 = torch.cat([s[: 2**23], (s[2**23:].double() * 2.0**127).float()])
+    return s, s2
+
+
+def test_scale_constants_are_exact_on_the_host():
+    # The reference itself: s2 exact (a power-of-two multiple) and CPU division correctly rounded.
+    s, s2 = _scales_and_s2()
+    assert (s2 >= 2.0**-22).all() and (s2 < 4).all()
+    assert torch.equal(s2.double(), s.double() * torch.where(s >= 2, 1.0, 2.0**127))
+
+
+_SCALE_KERNEL_SRC = r"""
+template <bool BRANCH_FREE>
+__global__ void kvw_test_fp8_scale(const float* s, float* s2, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const Fp8Scale r = make_fp8_scale<BRANCH_FREE>(s[i]);
+    s2[i] = r.s2;
+    y[i] = r.y;
+  }
+}
+"""
+
+
+def _cuda_scale(s: torch.Tensor, branch_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = torch.cuda.current_device()
+    arch, _ = cuda_impl._device_arch(dev)
+    name = f"kvw_test_fp8_scale<{str(branch_free).lower()}>"
+    obj, _ = cuda_impl.compile_kernel(arch, name,
+                                      source=cuda_impl.kernel_source() + _SCALE_KERNEL_SRC)
+    cc = cuda_impl._cuda_core()
+    cc.Device(dev).set_current()
+    sd = s.cuda()
+    s2, y = torch.empty_like(sd), torch.empty_like(sd)
+    config = cc.LaunchConfig(grid=(-(-s.numel() // 256), 1, 1), block=(256, 1, 1))
+    cc.launch(cuda_impl._current_stream(dev), config, obj.get_kernel(name),
+              sd.data_ptr(), s2.data_ptr(), y.data_ptr(), s.numel())
+    torch.cuda.synchronize()
+    return s2.cpu(), y.cpu()
+
+
+@gpu
+@pytest.mark.parametrize("branch_free", [True, False], ids=["rcp_rn_s2", "div_rn"])
+def test_cuda_scale_reciprocal_gpu(branch_free):
+    s, s2 = _scales_and_s2()
+    got_s2, y = _cuda_scale(s, branch_free)
+    assert torch.equal(got_s2, s2)
+    want = 1.0 / s2
+    bad = (y.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()[:5]
+    assert bad.numel() == 0, f"y != RN(1/s2) at s2={s2[bad].tolist()}: {y[bad].tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +231,14 @@ if triton_impl.triton is not None:
         m, s2, y = triton_impl._fp8_scale(s)
         q = triton_impl._fp8_quotient(x, m, s2, y, FMAX, STEPS)
         tl.store(q_ptr + i, q, mask=ok)
+
+    @triton.jit
+    def _scale_kernel(s_ptr, s2_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        m, s2, y = triton_impl._fp8_scale(tl.load(s_ptr + i, mask=ok, other=1.0))
+        tl.store(s2_ptr + i, s2, mask=ok)
+        tl.store(y_ptr + i, y, mask=ok)
 
 
 def _inputs(dtype: torch.dtype) -> torch.Tensor:
@@ -168,6 +293,25 @@ def test_triton_quotient(kv, dtype, device):
             f"{int(mask.sum())} {name} differ, e.g. x={xs[idx].float().tolist()} "
             f"s={[SCALES[i // per] for i in idx.tolist()]}: got {q[idx].tolist()}, "
             f"expected {ref[idx].tolist()}")
+
+
+@needs_triton
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        HAS_CUDA or triton_impl.available(torch.device("cpu")) is not None,
+        reason="the interpreter check runs where there is no GPU")),
+    pytest.param("cuda", marks=gpu),
+])
+def test_triton_scale_reciprocal(device):
+    s, s2 = _scales_and_s2()
+    got_s2, y = torch.empty_like(s, device=device), torch.empty_like(s, device=device)
+    block = 1 << 16
+    _scale_kernel[(triton.cdiv(s.numel(), block),)](s.to(device), got_s2, y, s.numel(),
+                                                     BLOCK=block)
+    assert torch.equal(got_s2.cpu(), s2)
+    y, want = y.cpu(), 1.0 / s2
+    bad = (y.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()[:5]
+    assert bad.numel() == 0, f"y != RN(1/s2) at s2={s2[bad].tolist()}: {y[bad].tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------

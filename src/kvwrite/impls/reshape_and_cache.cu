@@ -137,6 +137,28 @@ KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
 #endif
 }
 
+// RN(1 / b) for b in [2^-22, 4) (make_fp8_scale's s2), branch-free. div.rn.f32 wraps the same
+// arithmetic in a range check (FCHK) and a branch to a slow-path call, which ptxas cannot
+// overlap: a thread's two scales were prepared one after the other on every fp8 thread's path.
+// Here: the hardware approximation (within 2 ulp in this range), two fused Newton steps, and
+// the one significand they miss: for b = (2 - 2^-23) * 2^k, 1/b lies just above the midpoint
+// between 2^(-k-1) and its successor, the steps land on 2^(-k-1), and RN(1/b) is the successor.
+// tests/test_fp8_division.py checks in C that this is RN(1/b) from every approximation within
+// 4 ulp (every significand of [1, 4), every 61st and the all-ones one of each lower binade), and
+// on the GPU that make_fp8_scale's y is RN(1 / s2) for every scale of [2, 4) and subnormal ones.
+KVW_HD float rcp_rn_s2(float b) {
+#ifdef KVWRITE_HOST_TEST
+  return 1.0f / b;
+#else
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = fma_rn(r, fma_rn(-b, r, 1.0f), r);
+  const float y = fma_rn(r, fma_rn(-b, r, 1.0f), r);
+  const u32 bb = f32_bits(b);
+  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? bits_f32(((253u - (bb >> 23)) << 23) | 1u) : y;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------
 // fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (SPEC §1.1), bit for bit, without a
 // division per element.
@@ -166,6 +188,7 @@ struct Fp8Scale {
   float y;   // RN(1 / s2)
 };
 
+template <bool BRANCH_FREE = true>
 KVW_HD Fp8Scale make_fp8_scale(float s) {
   const u32 sb = f32_bits(s);
   const u32 ab = sb & 0x7FFFFFFFu;
@@ -180,7 +203,7 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
     r.s2 = 1.0f;
   }
   r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
-  r.y = div_rn(1.0f, r.s2);
+  r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
   return r;
 }
 
@@ -418,6 +441,11 @@ KVW_HD i64 slot_offset(i64 s, i64 block_stride, i64 page_stride, i64 block_size,
 // Element sizes of a variant, and (in a build specialized for one call signature, -D
 // KVWRITE_FIXED_ARGS=v0,...,v10) the arguments from key_stride on replaced by compile-time
 // constants, so that none of them is read from the parameter bank and the index math folds.
+// FAST_SCALE: the fp8 scales' reciprocals without a branch (rcp_rn_s2) where a chunk is one
+// load per tensor (the 8-byte chunks of small calls: 0.015-0.05 us less per call). 32-byte
+// chunks keep div_rn: without its branch, ptxas issues the second 16-byte loads of K and V in
+// the middle of the conversion (to save registers), a memory round trip more per thread
+// (H=8 T=4096 5.4 -> 6.0 us); it keeps loads above a branch. docs/performance.md, change 28.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FIXED_ARGS_PROLOGUE()                                                               \
   {                                                                                             \
@@ -437,6 +465,7 @@ KVW_HD i64 slot_offset(i64 s, i64 block_stride, i64 page_stride, i64 block_size,
   constexpr int IN_BYTES = VEC * IB;                                                            \
   constexpr int OUT_BYTES = VEC * OB;                                                           \
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;                                        \
+  constexpr bool FAST_SCALE = IN_BYTES <= 16;                                                   \
   KVW_FIXED_ARGS_PROLOGUE()                                                                     \
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
 
@@ -492,8 +521,8 @@ reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
     const i64 cache_off = (h * head_stride + d) * OB;  // bytes
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
-      ks = make_fp8_scale(k_s);
-      vs = make_fp8_scale(v_s);
+      ks = make_fp8_scale<FAST_SCALE>(k_s);
+      vs = make_fp8_scale<FAST_SCALE>(v_s);
     }
 
     // Writes one token's chunk of K and V to slot s (skipped unless 0 <= s < num_slots).
@@ -563,8 +592,8 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL
   } else {
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
-      ks = make_fp8_scale(k_s);
-      vs = make_fp8_scale(v_s);
+      ks = make_fp8_scale<FAST_SCALE>(k_s);
+      vs = make_fp8_scale<FAST_SCALE>(v_s);
     }
     const auto kout = convert_chunk<IN, OUT, VEC>(kin, ks);
     const auto vout = convert_chunk<IN, OUT, VEC>(vin, vs);
