@@ -27,9 +27,8 @@ import pytest
 import torch
 
 import kvwrite
-from kvwrite.impls import cuda_impl
 from kvwrite.dtypes import FP8_MAX, CacheDType
-from kvwrite.impls import torch_ref, triton_impl
+from kvwrite.impls import cuda_impl, torch_ref, triton_impl
 from kvwrite.testing import assert_caches_equal
 
 HAS_CUDA = torch.cuda.is_available()
