@@ -127,6 +127,12 @@ def _sass(tmp_path, name: str, fixed=None) -> str:
                           check=True).stdout
 
 
+def _sass_ops(tmp_path, name: str, fixed=None) -> list[str]:
+    """The opcodes of one kernel variant's sm_90 machine code, in order (predicates dropped)."""
+    return re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?(\S+)",
+                      _sass(tmp_path, name, fixed), re.M)
+
+
 @needs_nvrtc
 @needs_cuobjdump
 @pytest.mark.parametrize("in_dtype, cache_dtype, store", [
@@ -194,8 +200,7 @@ def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dty
     key, kc, p = _h8_call(cache_dtype, layout, 2)
     assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
     for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
-        sass = _sass(tmp_path, p.name, fixed)
-        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(\S+(?: \S+)?)", sass, re.M)
+        ops = _sass_ops(tmp_path, p.name, fixed)
         loads = [i for i, op in enumerate(ops) if "LDG" in op]
         assert len(loads) == (5 if cache_dtype.is_fp8 else 3), ops  # slot, K, V (, 2 scales)
         between = ops[loads[0]:loads[-1]]
@@ -214,8 +219,7 @@ def test_compile_fp8_kernel_loads_before_any_arithmetic(tmp_path, layout, tokens
     key, kc, p = _h8_call(CacheDType.FP8_E4M3, layout, tokens)
     assert p.loop_free and p.vec_bytes == (8 if tokens == 2 else 32)
     for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
-        sass = _sass(tmp_path, p.name, fixed)
-        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?(\S+)", sass, re.M)
+        ops = _sass_ops(tmp_path, p.name, fixed)
         loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
         assert len(loads) == (5 if tokens == 2 else 7), ops  # slot, K, V (halves), 2 scales
         between = ops[loads[0]:loads[-1]]
