@@ -24,16 +24,15 @@ import tempfile
 
 import torch
 
+from kvwrite.bench.workload import layout_alloc
 from kvwrite.dtypes import parse_kv_cache_dtype
 from kvwrite.impls import cuda_impl, triton_impl
-from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.layouts import allocate_kv_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_probe import copy_bandwidth, point_inputs, time_graph  # noqa: E402
 
 IMPLS = "src/kvwrite/impls"
-LAYOUTS = {"NHD": (Layout.NHD, KVAlloc.INTERLEAVED), "HND": (Layout.HND, KVAlloc.INTERLEAVED),
-           "packed": (Layout.NHD, KVAlloc.PACKED)}
 
 
 def _git_show(rev: str, path: str) -> str:
@@ -113,7 +112,7 @@ def run(args, base: dict) -> None:
         for kv in args.kv.split(","):
             storage = torch.uint8 if parse_kv_cache_dtype(kv).is_fp8 else torch.bfloat16
             for lname in args.layouts.split(","):
-                layout, alloc = LAYOUTS[lname]
+                layout, alloc = layout_alloc(lname)
                 caches = allocate_kv_cache(args.blocks, 16, h, 128, storage, layout, alloc, "cuda")
                 for t in (int(x) for x in args.tokens.split(",")):
                     res = time_point(versions, h, t, kv, *caches, args)

@@ -23,8 +23,8 @@ import torch
 from ..dtypes import CacheDType
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, fill_uniform
 
-__all__ = ["LAYOUTS", "Shape", "InputSet", "make_caches", "fill_caches", "make_input_sets",
-           "SEED"]
+__all__ = ["LAYOUTS", "Shape", "InputSet", "layout_alloc", "make_caches", "fill_caches",
+           "make_input_sets", "SEED"]
 
 SEED = 42
 LAYOUTS = ("NHD", "HND", "packed")
@@ -96,12 +96,16 @@ class InputSet:
                 self.k_scale if fp8 else None, self.v_scale if fp8 else None)
 
 
+def layout_alloc(name: str) -> tuple[Layout, KVAlloc]:
+    """The cache layout and allocation of a benchmark layout name (one of ``LAYOUTS``)."""
+    if name == "packed":
+        return Layout.NHD, KVAlloc.PACKED
+    return Layout(name), KVAlloc.INTERLEAVED
+
+
 def make_caches(shape: Shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized (key_cache, value_cache) of ``shape.layout``, logical [nb, bs, H, D] each."""
-    if shape.layout == "packed":
-        layout, alloc = Layout.NHD, KVAlloc.PACKED
-    else:
-        layout, alloc = Layout(shape.layout), KVAlloc.INTERLEAVED
+    layout, alloc = layout_alloc(shape.layout)
     return allocate_kv_cache(shape.num_blocks, shape.block_size, shape.num_heads, shape.head_size,
                              shape.cache_tensor_dtype, layout, alloc, device)
 
