@@ -26,8 +26,8 @@ import torch
 
 from kvwrite.bench.workload import layout_alloc
 from kvwrite.dtypes import parse_kv_cache_dtype
-from kvwrite.impls import cuda_impl, triton_impl
 from kvwrite.layouts import allocate_kv_cache
+from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_probe import copy_bandwidth, point_inputs, time_graph  # noqa: E402

@@ -66,7 +66,7 @@ def time_graph(fn, replays: int) -> float:
 
 def empty_kernel_floor() -> float:
     """An empty kernel (NVRTC, one thread) launched the way the cuda implementation launches."""
-    from kvwrite.impls import cuda_impl as ci
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl as ci
 
     arch, _ = ci._device_arch(torch.cuda.current_device())
     obj, _ = ci.compile_kernel(arch, "kvwrite_empty",
@@ -139,7 +139,7 @@ extern "C" __global__ void kvw_pattern(const unsigned char* __restrict__ key,
 
 @functools.cache
 def _pattern_kernel(evict_last: bool):
-    from kvwrite.impls import cuda_impl as ci
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl as ci
 
     arch, _ = ci._device_arch(torch.cuda.current_device())
     src = ("#define EVICT_LAST\n" if evict_last else "") + _PATTERN_SRC
@@ -149,7 +149,7 @@ def _pattern_kernel(evict_last: bool):
 
 def pattern_call(key, value, kc, vc, slots, fp8: bool, evict_last: bool = False):
     """A call of the minimal kernel above on these tensors (block size 16, D a multiple of 16)."""
-    from kvwrite.impls import cuda_impl as ci
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl as ci
 
     kernel = _pattern_kernel(evict_last)
     cc = ci._cuda_core()

@@ -18,8 +18,8 @@ import sys
 import torch
 
 import kvwrite
-from kvwrite.impls import torch_ref
 from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import Case, assert_caches_equal, clone_caches, make_inputs
 
 CASES = [
@@ -47,7 +47,7 @@ def main() -> int:
     if kvwrite.registry.get("cuda").available("cuda") is not None:
         print(kvwrite.registry.get("cuda").available("cuda"), file=sys.stderr)
         return 2
-    from kvwrite.impls import cuda_impl
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl
 
     failures = runs = 0
     # Every case through the loop-free kernel, then through the grid-stride kernel.

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from kvwrite.impls import cuda_impl as ci
+from kvwrite.ops.reshape_and_cache_flash import cuda_impl as ci
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The same timer (20 calls in one CUDA graph), inputs and --set overrides as perf_probe.py.

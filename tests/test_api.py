@@ -119,7 +119,7 @@ def test_named_implementation_that_cannot_run_says_why():
 
 
 def test_default_implementation_on_cpu_is_torch(monkeypatch):
-    from kvwrite import op
+    from kvwrite.ops.reshape_and_cache_flash import op
     inp = make_inputs(BASE)
     chosen = op.select_implementation(inp.key, inp.value, inp.key_cache, inp.value_cache,
                                       inp.slot_mapping, BASE.cache_dtype, inp.k_scale, inp.v_scale)
@@ -216,8 +216,12 @@ def test_packed_allocation_shares_one_buffer(layout):
 # --- implementations() ------------------------------------------------------------------------------
 
 def test_implementations_lists_every_one_with_a_reason():
-    statuses = {s.name: s for s in kvwrite.implementations("cpu")}
+    statuses = {s.name: s for s in kvwrite.implementations("cpu", op="reshape_and_cache_flash")}
     assert set(statuses) == {"torch", "triton", "cuda"}
+    # Without an op: every op's implementations, grouped by op.
+    every = kvwrite.implementations("cpu")
+    assert {s.op for s in every} == set(kvwrite.registry.ops())
+    assert [s.op for s in every] == sorted((s.op for s in every), key=kvwrite.registry.ops().index)
     assert statuses["torch"].available and statuses["torch"].reason is None
     for s in statuses.values():
         assert s.available == (s.reason is None) and s.description

@@ -21,7 +21,8 @@ from kvwrite.bench.models import MODELS
 from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, format_table
 from kvwrite.bench.workload import Shape
 from kvwrite.dtypes import CacheDType
-from kvwrite.impls import torch_ref
+from kvwrite.ops.reshape_and_cache_flash import OP
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 
 SEED_HEADER = re.compile(r"^Benchmark results for implementation (\S+) \(measuring with (\S+)\):$",
                          re.M)
@@ -215,8 +216,9 @@ def _register(monkeypatch, name: str, run) -> None:
     mod.unsupported = lambda key, key_cache, cache_dtype, k_scale: None
     mod.run = run
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setitem(registry._REGISTRY, name,
-                        registry.ImplInfo(name, "deliberately wrong", mod.__name__, priority=-1))
+    monkeypatch.setitem(registry._REGISTRY, (OP, name),
+                        registry.ImplInfo(OP, name, "deliberately wrong", mod.__name__,
+                                          priority=-1))
 
 
 def _skip_last(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale):
@@ -363,7 +365,7 @@ def test_rotation_exceeds_the_l2_or_flushes():
 def test_all_means_the_implementations_available_on_the_device():
     cfg = make_config(parse_args(["--device", "cpu", "--implementation", "all"]))
     assert "torch" in cfg.implementations
-    assert all(registry.get(n).available("cpu") is None for n in cfg.implementations)
+    assert all(registry.get(OP, n).available("cpu") is None for n in cfg.implementations)
     assert cfg.baseline == cfg.implementations[0]
 
 
@@ -430,7 +432,7 @@ def test_gpu_run_benchmark():
     args = dict(num_tokens=256, num_heads=8, head_size=128, block_size=16, num_blocks=1024,
                 dtype=torch.bfloat16, kv_cache_dtype="auto", num_iters=10,
                 benchmark_mode="cudagraph")
-    for impl in (i.name for i in registry.all_impls() if i.available("cuda") is None):
+    for impl in (i.name for i in registry.all_impls(OP) if i.available("cuda") is None):
         for layout in ("NHD", "HND", "packed"):
             seconds = run_benchmark(**args, kv_cache_layout=layout, implementation=impl)
             if impl == "torch":

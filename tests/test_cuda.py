@@ -9,6 +9,7 @@ The case matrix over every implementation lives in test_matrix.py.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.resources
 import os
 import re
@@ -21,14 +22,32 @@ import torch
 
 import kvwrite
 from kvwrite.dtypes import FP8_MAX, CacheDType
-from kvwrite.impls import cuda_impl, torch_ref
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.ops.reshape_and_cache_flash import cuda_impl
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100"]
 FP8 = {3: torch.float8_e4m3fn, 4: torch.float8_e5m2}  # DT_E4M3, DT_E5M2 in the .cu
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Tunings that force a path (passed to cuda_impl.run / plan explicitly).
+LARGE_CALLS = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=0)  # large-call variants
+GRID_STRIDE = dataclasses.replace(cuda_impl.TUNING, loop_free=False)  # the grid-stride kernel
+
+
+def _record_builds(monkeypatch) -> list:
+    """Record the fixed arguments (None for a generic build) of every kernel built from now on."""
+    seen = []
+    real = cuda_impl.SOURCE.kernel
+
+    def kernel(arch, name, macros=()):
+        fixed = [m[1] for m in macros if isinstance(m, tuple) and m[0] == "KVWRITE_FIXED_ARGS"]
+        seen.append(tuple(int(v) for v in fixed[0].split(",")) if fixed else None)
+        return real(arch, name, macros)
+
+    monkeypatch.setattr(cuda_impl.SOURCE, "kernel", kernel)
+    return seen
 
 
 def _nvrtc_reason() -> str | None:
@@ -49,13 +68,20 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_
 # The source and its compilation (no GPU needed)
 # ------------------------------------------------------------------------------------------
 def test_kernel_source_found_through_importlib_resources():
-    res = importlib.resources.files("kvwrite.impls").joinpath(cuda_impl.SOURCE_NAME)
+    res = importlib.resources.files(cuda_impl.SOURCE.package).joinpath(cuda_impl.SOURCE.filename)
     assert res.is_file()
     src = cuda_impl.kernel_source()
     assert src == res.read_text(encoding="utf-8")
     assert cuda_impl.KERNEL in src
-    # No headers at all: NVRTC must not need a CUDA toolkit include directory.
-    assert not re.search(r"^\s*#\s*include", src, re.M)
+    # Only kvwrite's own headers, which ship beside it; none of them includes anything else, so
+    # NVRTC needs no CUDA toolkit include directory.
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    included = re.findall(r'^\s*#\s*include\s*(\S+)', src, re.M)
+    assert included and all(re.fullmatch(r'"kvw/\w+\.cuh"', i) for i in included), included
+    for name in included:
+        header = include.joinpath(name.strip('"')).read_text(encoding="utf-8")
+        for inc in re.findall(r'^\s*#\s*include\s*(\S+)', header, re.M):
+            assert re.fullmatch(r'"kvw/\w+\.cuh"', inc), (name, inc)
 
 
 @needs_nvrtc
@@ -240,37 +266,37 @@ def test_compile_fixed_args_must_be_complete():
 # The vectorization rule and the CTA shape (pure Python)
 # ------------------------------------------------------------------------------------------
 def _plan(num_heads, head_size, dtype=torch.bfloat16, cache_dtype=CacheDType.AUTO,
-          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0, small=False):
+          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0, small=False,
+          tuning=cuda_impl.TUNING):
     rows = torch.empty(8 * num_heads * head_size + key_offset, dtype=dtype)
     key = rows[key_offset:].view(8, num_heads, head_size)
     storage = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(dtype)
     kc, vc = allocate_kv_cache(4, 16, num_heads, head_size, storage, layout, alloc, "cpu")
-    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype, small)
+    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype, small,
+                          tuning)
 
 
 def test_plan_narrower_chunks_for_small_calls():
     # Small calls spread each token over more threads: fp8 8 input bytes a chunk instead of 32.
     p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=True)
     assert (p.vec, p.vec_bytes, p.threads, p.tokens_per_cta) == (4, 8, 256, 1)
-    assert _plan(8, 128, small=True).vec_bytes == cuda_impl._SMALL_CALL_INPUT_BYTES[False]
+    assert _plan(8, 128, small=True).vec_bytes == cuda_impl.TUNING.small_chunk_bytes_copy
     # Every call whose row fits the grid runs the loop-free kernel.
     assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
     big = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
     assert big.loop_free and big.name.startswith(cuda_impl.KERNEL + "<")
 
 
-def test_plan_grid_stride_kernel_for_rows_longer_than_the_grid(monkeypatch):
+def test_plan_grid_stride_kernel_for_rows_longer_than_the_grid():
     # H=128 fp8 rows are 1024 chunks, 4 CTAs of 256: with at most 1 CTA per token the row does
     # not fit, and the grid-stride kernel (which loops over the rest) takes it.
-    monkeypatch.setattr(cuda_impl, "_MAX_GRID_Y", 1)
-    p = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
+    one_cta = dataclasses.replace(cuda_impl.TUNING, max_grid_y=1)
+    p = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False, tuning=one_cta)
     assert (p.grid_y, p.threads, p.chunks_per_token) == (1, 256, 1024)
     assert not p.loop_free and p.name.startswith(cuda_impl.GRID_STRIDE_KERNEL + "<")
-    monkeypatch.setattr(cuda_impl, "_MAX_GRID_Y", 65535)
-    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", False)
-    assert not _plan(8, 128, small=True).loop_free
+    assert not _plan(8, 128, small=True, tuning=GRID_STRIDE).loop_free
     # The decision, from the call's size (key bytes).
-    limit = cuda_impl._SMALL_CALL_BYTES
+    limit = cuda_impl.TUNING.small_call_bytes
     assert cuda_impl.is_small_call(limit // (8 * 128 * 2), 8, 128, 2)
     assert not cuda_impl.is_small_call(limit // (8 * 128 * 2) + 1, 8, 128, 2)
 
@@ -361,14 +387,16 @@ def host_lib(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the conversion harness")
-    src = importlib.resources.files("kvwrite.impls").joinpath(cuda_impl.SOURCE_NAME)
+    src = importlib.resources.files(cuda_impl.SOURCE.package).joinpath(cuda_impl.SOURCE.filename)
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
     d = tmp_path_factory.mktemp("fp8host")
     (d / "harness.cpp").write_text(_HARNESS)
     lib = d / "libkvwfp8.so"
     # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
                     "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f'-DKVW_SRC="{src}"', str(d / "harness.cpp"), "-o", str(lib)], check=True)
+                    f"-I{include}", f'-DKVW_SRC="{src}"', str(d / "harness.cpp"), "-o", str(lib)],
+                   check=True)
     so = ctypes.CDLL(str(lib))
     so.kvw_fp8_quantize.restype = None
     return so
@@ -477,14 +505,18 @@ def test_host_software_bf16_conversion_matches_torch(host_lib):
 # ------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------
-def _run_both(inp):
-    """Run the cuda kernel on ``inp`` and the torch reference on copies of its starting caches
-    (same device); returns the reference caches."""
+def _run_both(inp, tuning=None):
+    """Run the cuda kernel on ``inp`` (through the public op, or with ``tuning`` directly) and the
+    torch reference on copies of its starting caches (same device); returns the reference caches."""
     ref_k, ref_v = clone_caches(inp)
-    cd = kvwrite.op.validate(*inp.args())
+    cd = kvwrite.ops.reshape_and_cache_flash.validate(*inp.args())
     scales = (inp.k_scale, inp.v_scale) if cd.is_fp8 else (None, None)
     torch_ref.run(inp.key, inp.value, ref_k, ref_v, inp.slot_mapping, cd, *scales)
-    kvwrite.reshape_and_cache_flash(*inp.args(), implementation="cuda")
+    if tuning is None:
+        kvwrite.reshape_and_cache_flash(*inp.args(), implementation="cuda")
+    else:
+        cuda_impl.run(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping, cd,
+                      *scales, tuning=tuning)
     torch.cuda.synchronize()
     return ref_k, ref_v
 
@@ -514,10 +546,10 @@ def _sweep_inputs(fp8: torch.dtype, scales: torch.Tensor, num_heads=8, head_size
 @pytest.mark.parametrize("exact_div", [False, True], ids=["division-free", "exact-div"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_gpu_fp8_exactness_sweep(monkeypatch, kv, per_head, exact_div):
+def test_gpu_fp8_exactness_sweep(kv, per_head, exact_div):
     """About 2 x 1M float32 values (specials, every fp8 rounding boundary times each scale and
     its neighbours, random bit patterns) through the real kernel, byte for byte vs SPEC §1.1."""
-    monkeypatch.setattr(cuda_impl, "_EXACT_DIV", exact_div)
+    tuning = dataclasses.replace(cuda_impl.TUNING, exact_div=exact_div)
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype
     H, D, T, bs = 8, 128, 1024, 16
@@ -534,7 +566,7 @@ def test_gpu_fp8_exactness_sweep(monkeypatch, kv, per_head, exact_div):
     ref_k, ref_v = kc.clone(), vc.clone()
     torch_ref.run(key, value, ref_k, ref_v, slots, cd, k_scale, v_scale)
     dev = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    kvwrite.reshape_and_cache_flash(*dev, implementation="cuda")
+    cuda_impl.run(*dev[:5], cd, *dev[6:], tuning=tuning)
     assert_caches_equal(dev[2], ref_k, "key_cache", fp8_dtype=fp8, nan_equal=True)
     assert_caches_equal(dev[3], ref_v, "value_cache", fp8_dtype=fp8, nan_equal=True)
 
@@ -544,10 +576,10 @@ def test_gpu_fp8_exactness_sweep(monkeypatch, kv, per_head, exact_div):
 @pytest.mark.parametrize("small", [False, True], ids=["wide", "small-call"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_gpu_fp8_every_16_bit_input(monkeypatch, kv, dtype, small):
+def test_gpu_fp8_every_16_bit_input(kv, dtype, small):
     """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the widest variant, and
     the small-call one), under several per-tensor scales and one set of per-head scales."""
-    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 1 << 30 if small else 0)
+    tuning = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=1 << 30 if small else 0)
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype
     key = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -561,9 +593,9 @@ def test_gpu_fp8_every_16_bit_input(monkeypatch, kv, dtype, small):
         ref_k, ref_v = kc.clone(), vc.clone()
         torch_ref.run(key, value, ref_k, ref_v, slots, cd, k_scale, v_scale)
         dev = [t.cuda() for t in (key, value, kc, vc, slots)] + [kv, k_scale.cuda(), v_scale.cuda()]
-        p = cuda_impl.plan(*dev[:5], cd)
-        assert p.vec_bytes == (cuda_impl._SMALL_CALL_INPUT_BYTES[True] if small else 32)
-        kvwrite.reshape_and_cache_flash(*dev, implementation="cuda")
+        p = cuda_impl.plan(*dev[:5], cd, tuning=tuning)
+        assert p.vec_bytes == (cuda_impl.TUNING.small_chunk_bytes_fp8 if small else 32)
+        cuda_impl.run(*dev[:5], cd, *dev[6:], tuning=tuning)
         assert_caches_equal(dev[2], ref_k, "key_cache", fp8_dtype=fp8, nan_equal=True)
         assert_caches_equal(dev[3], ref_v, "value_cache", fp8_dtype=fp8, nan_equal=True)
 
@@ -572,15 +604,15 @@ def test_gpu_fp8_every_16_bit_input(monkeypatch, kv, dtype, small):
 @gpu
 @pytest.mark.parametrize("num_heads, head_size, kv, vec_bytes", [
     (8, 128, "auto", 16), (8, 128, "fp8", 32), (5, 46, "auto", 4), (5, 46, "fp8", 4)])
-def test_gpu_vector_variant_choice(monkeypatch, num_heads, head_size, kv, vec_bytes):
-    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 0)  # the large-call variants
+def test_gpu_vector_variant_choice(num_heads, head_size, kv, vec_bytes):
     case = Case(num_tokens=129, num_heads=num_heads, head_size=head_size, num_blocks=16,
                 kv_cache_dtype=kv, padding_slots=3, out_of_range_slots=2, extra_rows=4)
     inp = make_inputs(case, "cuda")
     cd = case.cache_dtype
-    p = cuda_impl.plan(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping, cd)
+    p = cuda_impl.plan(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping, cd,
+                       tuning=LARGE_CALLS)
     assert p.vec_bytes == vec_bytes
-    ref_k, ref_v = _run_both(inp)
+    ref_k, ref_v = _run_both(inp, LARGE_CALLS)
     _check(inp, ref_k, ref_v, cd)
 
 
@@ -604,14 +636,13 @@ def test_gpu_unaligned_input_uses_scalar_variant():
 def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype, monkeypatch):
     # 120k tokens of 8 chunks with the grid capped at one resident wave: threads loop over
     # many tokens (two a step).
-    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", False)  # the grid-stride kernel
-    monkeypatch.setattr(cuda_impl, "_MAX_WAVES", 1)
+    tuning = dataclasses.replace(GRID_STRIDE, max_waves=1)
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
     case = Case(num_tokens=120_001, num_heads=1, head_size=64, block_size=block_size,
                 num_blocks=-(-130_000 // block_size), padding_slots=500, out_of_range_slots=500,
                 slot_dtype=slot_dtype)
     inp = make_inputs(case, "cuda")
-    ref_k, ref_v = _run_both(inp)
+    ref_k, ref_v = _run_both(inp, tuning)
     (lau,) = cuda_impl._LAUNCHABLES.values()
     assert lau.max_grid_x * lau.plan.tokens_per_cta < case.num_tokens  # the loop really runs
     _check(inp, ref_k, ref_v, case.cache_dtype)
@@ -671,13 +702,12 @@ def test_gpu_launch_from_a_new_thread():
 @gpu
 @pytest.mark.parametrize("loop_free", [True, False], ids=["loop-free", "grid-stride"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case, loop_free):
+def test_gpu_case_matrix_with_large_call_variants(case, loop_free):
     """The case matrix runs mostly small calls (test_matrix.py); here every case takes the
     variants and CTA shapes of large calls (for fp8, 32-byte chunks) instead, in both kernels."""
-    monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", 0)
-    monkeypatch.setattr(cuda_impl, "_LOOP_FREE", loop_free)
+    tuning = dataclasses.replace(LARGE_CALLS, loop_free=loop_free)
     inp = make_inputs(case, "cuda")
-    ref_k, ref_v = _run_both(inp)
+    ref_k, ref_v = _run_both(inp, tuning)
     _check(inp, ref_k, ref_v, case.cache_dtype)
 
 
@@ -687,15 +717,12 @@ def test_gpu_case_matrix_with_large_call_variants(monkeypatch, case, loop_free):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
     """KVWRITE_CUDA_SPECIALIZE=0: the same kernels with their fixed arguments read at run time."""
-    monkeypatch.setattr(cuda_impl, "_SPECIALIZE", False)
+    tuning = dataclasses.replace(cuda_impl.TUNING, specialize=False)
     if small_limit is not None:
-        monkeypatch.setattr(cuda_impl, "_SMALL_CALL_BYTES", small_limit)
-    seen = []
-    real = cuda_impl._kernel
-    monkeypatch.setattr(cuda_impl, "_kernel",
-                        lambda *a: seen.append(a[3] if len(a) > 3 else None) or real(*a))
+        tuning = dataclasses.replace(tuning, small_call_bytes=small_limit)
+    seen = _record_builds(monkeypatch)
     inp = make_inputs(case, "cuda")
-    ref_k, ref_v = _run_both(inp)
+    ref_k, ref_v = _run_both(inp, tuning)
     _check(inp, ref_k, ref_v, case.cache_dtype)
     assert set(seen) <= {None}
 
@@ -704,10 +731,7 @@ def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
 @gpu
 def test_gpu_specialized_build_is_the_default(monkeypatch):
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
-    seen = []
-    real = cuda_impl._kernel
-    monkeypatch.setattr(cuda_impl, "_kernel",
-                        lambda *a: seen.append(a[3] if len(a) > 3 else None) or real(*a))
+    seen = _record_builds(monkeypatch)
     case = CASES[0]
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)

@@ -1,5 +1,5 @@
-"""The fp8 quotient without a per-element division (the Triton kernel's `_fp8_scale` and
-`_fp8_quotient`), checked three ways:
+"""The fp8 quotient without a per-element division (the Triton kernel's `fp8_scale` and
+`fp8_quotient`, kvwrite.kernels.triton_fp8), checked three ways:
 
 - the identity it rests on, in C on the host: for x and s of the input's precision,
   q = RN(x * RN(1/s)), then q = fma(fma(-s, q, x), RN(1/s), q) once, is RN(x / s). Exhaustive
@@ -28,7 +28,9 @@ import torch
 
 import kvwrite
 from kvwrite.dtypes import FP8_MAX, CacheDType
-from kvwrite.impls import cuda_impl, torch_ref, triton_impl
+from kvwrite.kernels import nvrtc, triton_fp8
+from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import assert_caches_equal
 
 HAS_CUDA = torch.cuda.is_available()
@@ -187,16 +189,16 @@ __global__ void kvw_test_fp8_scale(const float* s, float* s2, float* y, int n) {
 
 def _cuda_scale(s: torch.Tensor, branch_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dev = torch.cuda.current_device()
-    arch, _ = cuda_impl._device_arch(dev)
+    arch, _ = nvrtc.device_arch(dev)
     name = f"kvw_test_fp8_scale<{str(branch_free).lower()}>"
     obj, _ = cuda_impl.compile_kernel(arch, name,
                                       source=cuda_impl.kernel_source() + _SCALE_KERNEL_SRC)
-    cc = cuda_impl._cuda_core()
+    cc = nvrtc.cuda_core()
     cc.Device(dev).set_current()
     sd = s.cuda()
     s2, y = torch.empty_like(sd), torch.empty_like(sd)
     config = cc.LaunchConfig(grid=(-(-s.numel() // 256), 1, 1), block=(256, 1, 1))
-    cc.launch(cuda_impl._current_stream(dev), config, obj.get_kernel(name),
+    cc.launch(nvrtc.current_stream(dev), config, obj.get_kernel(name),
               sd.data_ptr(), s2.data_ptr(), y.data_ptr(), s.numel())
     torch.cuda.synchronize()
     return s2.cpu(), y.cpu()
@@ -227,15 +229,15 @@ if triton_impl.triton is not None:
         ok = i < n
         x = tl.load(x_ptr + i, mask=ok, other=0.0)
         s = tl.load(s_ptr + i // per_scale, mask=ok, other=1.0)
-        m, s2, y = triton_impl._fp8_scale(s)
-        q = triton_impl._fp8_quotient(x, m, s2, y, FMAX, STEPS)
+        m, s2, y = triton_fp8.fp8_scale(s)
+        q = triton_fp8.fp8_quotient(x, m, s2, y, FMAX, STEPS)
         tl.store(q_ptr + i, q, mask=ok)
 
     @triton.jit
     def _scale_kernel(s_ptr, s2_ptr, y_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
-        m, s2, y = triton_impl._fp8_scale(tl.load(s_ptr + i, mask=ok, other=1.0))
+        m, s2, y = triton_fp8.fp8_scale(tl.load(s_ptr + i, mask=ok, other=1.0))
         tl.store(s2_ptr + i, s2, mask=ok)
         tl.store(y_ptr + i, y, mask=ok)
 

@@ -15,12 +15,13 @@ import torch
 import kvwrite
 from kvwrite import registry
 from kvwrite.dtypes import parse_kv_cache_dtype
-from kvwrite.impls import torch_ref
 from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.ops.reshape_and_cache_flash import OP
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
 from oracle import oracle
 
-IMPLS = [info.name for info in registry.all_impls()]
+IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -42,7 +43,7 @@ def check_against_oracle(case: Case, key_cache: torch.Tensor, value_cache: torch
 
 
 def run_case(impl: str, case: Case, device: str):
-    info = registry.get(impl)
+    info = registry.get(OP, impl)
     reason = info.available(device)
     if reason is not None:
         pytest.skip(reason)
@@ -137,11 +138,11 @@ GRAPH_CASE = Case(num_tokens=40, num_heads=4, head_size=64, kv_cache_dtype="fp8"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls() if i.graph_safe])
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_cuda_graph_replay_sees_new_inputs(impl, kv):
     """Capture once, then change key, value, slots and scales in place: the replay uses them."""
-    info = registry.get(impl)
+    info = registry.get(OP, impl)
     if (reason := info.available("cuda")) is not None:
         pytest.skip(reason)
     case = Case(**{**GRAPH_CASE.__dict__, "kv_cache_dtype": kv})
@@ -171,7 +172,7 @@ def test_cuda_graph_replay_sees_new_inputs(impl, kv):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_torch_compile_sees_a_mutating_custom_op(impl, device):
-    info = registry.get(impl)
+    info = registry.get(OP, impl)
     if (reason := info.available(device)) is not None:
         pytest.skip(reason)
     case = Case(num_tokens=9, kv_cache_dtype="auto", layout=Layout.HND, padding_slots=2)

@@ -26,4 +26,4 @@ def test_ci_runs_the_readme_test_command():
 
 def test_kernel_source_ships_as_package_data():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'kvwrite = ["impls/*.cu"]' in pyproject
+    assert 'kvwrite = ["ops/*/*.cu", "kernels/include/kvw/*.cuh"]' in pyproject

@@ -20,8 +20,9 @@ import torch
 
 import kvwrite
 from kvwrite.dtypes import FP8_MAX, CacheDType, quantize
-from kvwrite.impls import torch_ref, triton_impl
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
+from kvwrite.ops.reshape_and_cache_flash import triton_impl, validate
 from kvwrite.testing import (
     Case,
     Inputs,
@@ -52,14 +53,21 @@ def _fill_random_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
-def _check(case: Case, device: str) -> None:
-    """Run `case` through the public op with implementation="triton"; compare every cache byte."""
+def _check(case: Case, device: str, tuning=None) -> None:
+    """Run `case` through the public op with implementation="triton" (or, with ``tuning``, the
+    implementation directly with that tuning); compare every cache byte."""
     inp = make_inputs(case, device)
     ref_k, ref_v = clone_caches(inp)
     kvwrite.reshape_and_cache_flash(inp.key, inp.value, ref_k, ref_v, inp.slot_mapping,
                                     case.kv_cache_dtype, inp.k_scale, inp.v_scale,
                                     implementation="torch")
-    kvwrite.reshape_and_cache_flash(*inp.args(), implementation="triton")
+    if tuning is None:
+        kvwrite.reshape_and_cache_flash(*inp.args(), implementation="triton")
+    else:
+        cd = validate(*inp.args())
+        scales = (inp.k_scale, inp.v_scale) if cd.is_fp8 else (None, None)
+        triton_impl.run(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping, cd,
+                        *scales, tuning=tuning)
     fp8 = case.cache_dtype.fp8_dtype if case.cache_dtype.is_fp8 else None
     assert_caches_equal(inp.key_cache, ref_k, "key_cache", fp8, nan_equal=True)
     assert_caches_equal(inp.value_cache, ref_v, "value_cache", fp8, nan_equal=True)
@@ -113,27 +121,22 @@ def test_gpu_matches_reference(case):
     _check(case, "cuda")
 
 
-@pytest.fixture
-def no_load_hint(monkeypatch):
-    """Every call planned as a large one: data loads without the evict-first hint."""
-    monkeypatch.setattr(triton_impl, "_EVICT_FIRST_MAX_BYTES", -1)
-    triton_impl._tiling.cache_clear()
-    yield
-    triton_impl._tiling.cache_clear()
+# Every call planned as a large one: data loads without the evict-first hint.
+NO_LOAD_HINT = dataclasses.replace(triton_impl.TUNING, evict_first_max_bytes=-1)
 
 
 @needs_triton
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
 @gpu
-def test_gpu_matches_reference_without_load_hint(case, no_load_hint):
-    assert triton_impl._tiling(1, 1, 1, 2)[5] == ""  # the fixture reached the plan
-    _check(case, "cuda")
+def test_gpu_matches_reference_without_load_hint(case):
+    assert triton_impl._tiling(1, 1, 1, 2, False, NO_LOAD_HINT)[5] == ""
+    _check(case, "cuda", NO_LOAD_HINT)
 
 
 @needs_triton
 def test_load_hint_by_call_size():
     # Inputs (K and V) of at most _EVICT_FIRST_MAX_BYTES: evict-first loads; larger: no hint.
-    limit = triton_impl._EVICT_FIRST_MAX_BYTES
+    limit = triton_impl.TUNING.evict_first_max_bytes
     tokens = limit // (2 * 128 * 128 * 2)  # H=128, D=128, bfloat16: the largest "small" call
     assert triton_impl._tiling(tokens, 128, 128, 2, True)[5] == "evict_first"
     assert triton_impl._tiling(tokens + 1, 128, 128, 2, True)[5] == ""

@@ -1,8 +1,13 @@
-"""kvwrite: writing new keys and values into a paged KV cache (``reshape_and_cache_flash``)."""
+"""kvwrite: writing new keys and values into a paged KV cache.
 
+Ops live in :mod:`kvwrite.ops` (one package each), their implementations in the registry
+(:func:`implementations`).
+"""
+
+from . import registry
 from .dtypes import CacheDType
 from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
-from .op import check_slot_mapping, reshape_and_cache_flash
+from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
 from .registry import implementations
 
 __version__ = "0.1.0"
@@ -15,5 +20,6 @@ __all__ = [
     "check_slot_mapping",
     "create_kv_caches_with_random_flash",
     "implementations",
+    "registry",
     "reshape_and_cache_flash",
 ]

@@ -1,19 +1,18 @@
-"""The registry of implementations.
+"""The registry of ops and their implementations, keyed by (op, implementation).
 
-Every implementation exposes one function with the same signature::
+Each op registers an :class:`OpSpec` that states the signature every implementation of it shares:
+its implementation modules expose
 
-    run(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType,
-        k_scale, v_scale) -> None
+    run(*run_args) -> None            # the op's arguments, validated by the public op
+    available(device) -> str | None   # None if it can run on that device here, else why not
+    unsupported(*case_args) -> str | None   # None if it can run this validated case, else why
 
-called only with arguments the public op has validated (see :mod:`kvwrite.op`): fp8 caches may
-be ``torch.uint8`` or the matching float8 dtype, scales are float32 tensors of 1 or H elements
-(``None`` outside fp8 modes). It must do no host sync and no allocation on the hot path unless its
-entry says it is not graph-safe.
+``run`` is called only with arguments the public op has validated; it must do no host sync and
+no allocation on the hot path unless its entry says it is not graph-safe. Modules are imported
+lazily, so importing kvwrite never pulls in triton or cuda.core.
 
-An entry says which devices it runs on, whether it can run here at all (``available``) and whether
-it can run one particular case (``unsupported``), each as ``None`` or a reason string. The tests and
-the benchmark iterate the registry, so a new implementation is tested and benchmarked as soon as it
-registers.
+The tests and the benchmark iterate the registry, so a new implementation is tested and
+benchmarked as soon as it registers (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
@@ -24,18 +23,28 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ImplInfo", "ImplStatus", "register", "get", "all_impls", "implementations"]
+__all__ = ["OpSpec", "ImplInfo", "ImplStatus", "register_op", "register", "get", "get_op",
+           "ops", "all_impls", "implementations", "select"]
 
 RunFn = Callable[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """An op: its name, the public function, and the signatures its implementations share."""
+
+    name: str
+    # The shared signatures, as text (shown by docs and error messages).
+    run_signature: str
+    unsupported_signature: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ImplInfo:
+    op: str
     name: str
     description: str
-    # Module that defines `run`, `available(device) -> str | None` and
-    # `unsupported(key, key_cache, cache_dtype, k_scale) -> str | None`; imported lazily so that
-    # importing kvwrite never pulls in triton or cuda.core.
+    # Module that defines `run`, `available` and `unsupported` (see the module doc).
     module: str
     # Higher wins when the caller names no implementation.
     priority: int
@@ -60,79 +69,104 @@ class ImplInfo:
             return f"{self.name}: cannot import {self.module}: {e}"
         return mod.available(torch.device(device))
 
-    def unsupported(self, key: torch.Tensor, key_cache: torch.Tensor, cache_dtype,
-                    k_scale: torch.Tensor | None) -> str | None:
-        """None if this implementation can run this (validated) case, else the reason."""
-        reason = self.available(key.device)
+    def unsupported(self, *case_args) -> str | None:
+        """None if this implementation can run this (validated) case, else the reason. The first
+        argument is a tensor on the call's device (the op's ``unsupported_signature``)."""
+        reason = self.available(case_args[0].device)
         if reason is not None:
             return reason
-        return self._mod().unsupported(key, key_cache, cache_dtype, k_scale)
+        return self._mod().unsupported(*case_args)
 
 
 @dataclasses.dataclass(frozen=True)
 class ImplStatus:
+    op: str
     name: str
     available: bool
     reason: str | None
     description: str
 
 
-_REGISTRY: dict[str, ImplInfo] = {}
+_OPS: dict[str, OpSpec] = {}
+_REGISTRY: dict[tuple[str, str], ImplInfo] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    if spec.name in _OPS:
+        raise ValueError(f"op {spec.name!r} is already registered")
+    _OPS[spec.name] = spec
+    return spec
 
 
 def register(info: ImplInfo) -> ImplInfo:
-    if info.name in _REGISTRY:
-        raise ValueError(f"implementation {info.name!r} is already registered")
-    _REGISTRY[info.name] = info
+    if info.op not in _OPS:
+        raise ValueError(f"implementation {info.name!r}: op {info.op!r} is not registered")
+    if (info.op, info.name) in _REGISTRY:
+        raise ValueError(f"implementation {info.name!r} of {info.op!r} is already registered")
+    _REGISTRY[(info.op, info.name)] = info
     return info
 
 
-def get(name: str) -> ImplInfo:
+def get_op(op: str) -> OpSpec:
     try:
-        return _REGISTRY[name]
+        return _OPS[op]
     except KeyError:
-        raise ValueError(
-            f"implementation: expected one of {sorted(_REGISTRY)}, got {name!r}"
-        ) from None
+        raise ValueError(f"op: expected one of {sorted(_OPS)}, got {op!r}") from None
 
 
-def all_impls() -> list[ImplInfo]:
-    """Every registered implementation, preferred first."""
-    return sorted(_REGISTRY.values(), key=lambda i: -i.priority)
+def ops() -> list[str]:
+    """Every registered op, in registration order."""
+    return list(_OPS)
 
 
-def implementations(device: torch.device | str | None = None) -> list[ImplStatus]:
-    """Each registered implementation, whether it can run on `device` here, and why not.
+def get(op: str, name: str) -> ImplInfo:
+    get_op(op)
+    try:
+        return _REGISTRY[(op, name)]
+    except KeyError:
+        names = sorted(n for o, n in _REGISTRY if o == op)
+        raise ValueError(f"implementation: expected one of {names}, got {name!r}") from None
 
-    `device` defaults to "cuda" when PyTorch sees a GPU, else "cpu".
+
+def all_impls(op: str) -> list[ImplInfo]:
+    """Every registered implementation of ``op``, preferred first."""
+    get_op(op)
+    return sorted((i for i in _REGISTRY.values() if i.op == op), key=lambda i: -i.priority)
+
+
+def implementations(device: torch.device | str | None = None,
+                    op: str | None = None) -> list[ImplStatus]:
+    """Each registered implementation (of ``op``, or of every op, grouped by op), whether it can
+    run on ``device`` here, and why not.
+
+    ``device`` defaults to "cuda" when PyTorch sees a GPU, else "cpu".
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
-    for info in all_impls():
-        reason = info.available(device)
-        out.append(ImplStatus(info.name, reason is None, reason, info.description))
+    for name in ([op] if op is not None else ops()):
+        for info in all_impls(name):
+            reason = info.available(device)
+            out.append(ImplStatus(info.op, info.name, reason is None, reason, info.description))
     return out
 
 
-register(ImplInfo(
-    name="torch",
-    description="plain PyTorch (index_put_ with padding and bounds masked); the reference",
-    module="kvwrite.impls.torch_ref",
-    priority=0,
-    devices=("cpu", "cuda"),
-    # Boolean masking of padding/out-of-range slots syncs with the host.
-    graph_safe=False,
-))
-register(ImplInfo(
-    name="triton",
-    description="Triton kernel, every layout and fp8 mode",
-    module="kvwrite.impls.triton_impl",
-    priority=10,
-))
-register(ImplInfo(
-    name="cuda",
-    description="CUDA C++ kernel compiled at run time with NVRTC (cuda.core)",
-    module="kvwrite.impls.cuda_impl",
-    priority=20,
-))
+def select(op: str, case_args: tuple, implementation: str | None = None) -> ImplInfo:
+    """The named implementation of ``op``, or the preferred one that can run this case (whose
+    ``unsupported`` arguments are ``case_args``); raises ValueError saying why where none can."""
+    if implementation is not None:
+        info = get(op, implementation)
+        reason = info.unsupported(*case_args)
+        if reason is not None:
+            raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+        return info
+    reasons = []
+    device_type = case_args[0].device.type
+    for info in all_impls(op):
+        if device_type not in info.devices:
+            continue
+        reason = info.unsupported(*case_args)
+        if reason is None:
+            return info
+        reasons.append(f"{info.name}: {reason}")
+    raise ValueError("no implementation can run this call: " + "; ".join(reasons))

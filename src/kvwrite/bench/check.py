@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import quantize
-from ..impls import torch_ref
+from ..ops.reshape_and_cache_flash import reference as torch_ref
 from .workload import CHUNK_BYTES, InputSet, Shape
 
 __all__ = ["check_point", "SNAPSHOT_BYTES", "GUARD_BLOCKS"]

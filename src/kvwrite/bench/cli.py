@@ -17,6 +17,7 @@ import sys
 import torch
 
 from .. import registry
+from ..ops.reshape_and_cache_flash import OP
 from . import report
 from .models import MODELS, get_model, heads_per_rank
 from .plot import PlotError, plot_rows
@@ -169,12 +170,12 @@ def _parse_device(text: str) -> torch.device:
 
 def _implementations(text: str, device: torch.device) -> list[str]:
     if text == "all":
-        names = [i.name for i in registry.all_impls() if i.available(device) is None]
+        names = [i.name for i in registry.all_impls(OP) if i.available(device) is None]
         if not names:
             raise ValueError(f"--implementation all: no registered implementation is available on {device}")
         return names
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = [i.name for i in registry.all_impls()]
+    known = [i.name for i in registry.all_impls(OP)]
     for n in names:
         if n not in known:
             raise ValueError(f"--implementation: expected {', '.join(known)}, a comma list of "

@@ -17,7 +17,7 @@ import torch
 
 from .. import __version__, registry
 from ..dtypes import parse_kv_cache_dtype
-from ..op import validate
+from ..ops.reshape_and_cache_flash import OP, validate
 from . import timing
 from .check import SNAPSHOT_BYTES, check_point
 from .report import Row
@@ -295,7 +295,7 @@ def run_sweep(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> 
 
 
 def _sweep(cfg: Config, env: Env, progress: Callable[[str], None]) -> list[Row]:
-    infos = [registry.get(name) for name in cfg.implementations]
+    infos = [registry.get(OP, name) for name in cfg.implementations]
     rows: list[Row] = []
     flush_buf = None
     total = len(cfg.layouts) * len(cfg.num_tokens) * len(infos)
@@ -352,7 +352,7 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
     if cache_dtype.is_fp8 and head_size % 16:
         raise ValueError(f"head_size: an fp8 kv-cache needs a multiple of 16, got {head_size}")
-    info = registry.get(implementation)
+    info = registry.get(OP, implementation)
     if benchmark_mode not in ("cudagraph", "no_graph"):
         raise ValueError(f"benchmark_mode: expected 'cudagraph' or 'no_graph', got {benchmark_mode!r}")
     dev = torch.device(device)

@@ -12,9 +12,9 @@ and nothing is read on the host per call, so ``run`` is CUDA-graph safe: a repla
 inputs, slots and scales.
 
 fp8 follows SPEC §1.1 exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
-is approximate), computed without a division per element (``_fp8_scale`` splits the scale's
-exponent off once per program or head, ``_fp8_quotient`` corrects a reciprocal product with
-fused multiply-adds), saturated to ±448 / ±57344 with NaN kept and the sign of zero kept, then
+is approximate), computed without a division per element (``kvwrite.kernels.triton_fp8``: ``fp8_scale`` splits the
+scale's exponent off once per program or head, ``fp8_quotient`` corrects a reciprocal product
+with fused multiply-adds), saturated to ±448 / ±57344 with NaN kept and the sign of zero kept, then
 the round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for bit into
 ``uint8`` or float8 caches.
 
@@ -25,23 +25,20 @@ differently from the GPU; :func:`unsupported` refuses those cases there
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
 import torch
 
-from ..dtypes import CacheDType
+from ...dtypes import CacheDType
+from ...kernels.triton_fp8 import COPY as _COPY
+from ...kernels.triton_fp8 import E4M3 as _E4M3
+from ...kernels.triton_fp8 import E5M2 as _E5M2
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import fp8_scale, store_quantized, tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as _e:  # optional at import time: `available` says why it cannot run
-    triton = tl = None
-    _IMPORT_ERROR: ImportError | None = _e
-else:
-    _IMPORT_ERROR = None
-
-__all__ = ["available", "unsupported", "run"]
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
 def _interpreting() -> bool:
@@ -57,7 +54,7 @@ def available(device: torch.device) -> str | None:
         if not _interpreting():
             return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
         if not _kernel_is_interpreted():
-            return ("TRITON_INTERPRET=1 was set after kvwrite.impls.triton_impl was imported; "
+            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was imported; "
                     "set it before importing triton")
         return None
     return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
@@ -94,35 +91,50 @@ def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDT
 
 
 # --------------------------------------------------------------------------------------------
-# Tuning: the only place launch shapes are chosen. The bandwidth targets want 16 B vectors and
-# enough bytes in flight per SM, the small-T target few programs and no wasted lanes.
-# 4 KiB: H200, bf16 "auto", T=65536 (scripts/perf_probe.py): H=128 2192 us (92.5% of copy
-# bandwidth) vs 2268 us (89.4%) at 8 KiB and 2291 us (88.5%) at 16 KiB; H=8 139 vs 144 us.
-_TILE_BYTES = 4096          # input bytes of K per program (as many of V)
-# Input bytes of K per warp, i.e. 16 B of K and of V per thread for copies and casts, 32 B for
-# fp8. Measured on H200 (T=65536, bf16): copies at 512 vs 2048: H=8 139 vs 144 us, T=2 1.46 vs
-# 1.69 us; fp8 (division-free quotient) at 1024 vs 512 vs 2048: H=128 NHD 1674 vs 1875 vs 1717 us,
-# H=8 NHD 106 vs 123 vs 109 us.
-_BYTES_PER_WARP = {False: 512, True: 1024}  # keyed by "is fp8"
-_MAX_WARPS = 8
-# Calls whose grid would have fewer programs than _SMALL_GRID[fp8] use smaller tiles and more
-# threads per byte: with few programs, the latency of each thread's chain of work is the call's
-# time. Measured on H200 (hot L2; scripts/perf_probe.py), 1 KiB tiles at 128 B per warp vs the
-# large-T tiling: fp8 (bf16 -> e4m3, division-free quotient) T=2 H=128 NHD 1.55 vs 1.91 us, HND
-# 1.92 vs 2.06 us, H=8 NHD 1.72 vs 1.96 us; bf16 copies T=2 H=8 NHD 1.45 vs 1.59 us, HND 1.44 vs
-# 1.57 us, H=128 HND 1.60 vs 1.74 us (small-T figures move by about 0.1 us between runs).
-_SMALL_GRID = {False: 128, True: 128}  # keyed by "is fp8"; 0: never
-_TILE_BYTES_SMALL_GRID = 1024
-_BYTES_PER_WARP_SMALL_GRID = 128
-# The data loads of calls whose K and V inputs together are at most _EVICT_FIRST_MAX_BYTES
-# (about the L2's size) carry the evict-first hint (the inputs are read once); larger calls load
-# without a hint. Measured on H200 (hot L2), no hint vs evict-first: every point from H=128
-# T=4096 and H=8 T=32768 up 1.7-7.4% faster (scripts/perf_probe.py: H=128 T=65536 copies 2145 vs
-# 2190 us, fp8 NHD 1558 vs 1612 us, HND 1683 vs 1768 us; H=8 T=32768 HND fp8 53.6 vs 57.4 us);
-# small calls mostly slower (scripts/small_t_probe.py, mean over 5 slot sets: H=8 T=2 HND fp8
-# 1.46 vs 1.39 us, T=64 1.69 vs 1.61 us; H=128 T=2 HND fp8 1.57 vs 1.50 us); at H=128 T=1024
-# (64 MiB of input) fp8 slower (29.6 vs 28.8 us) and copies faster (35.8 vs 36.6 us).
-_EVICT_FIRST_MAX_BYTES = 64 << 20
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TritonTuning:
+    """The only place launch shapes are chosen. ``TUNING`` is what every call uses unless a caller
+    passes another one to :func:`run`. The bandwidth targets want 16 B vectors and enough bytes in
+    flight per SM, the small-T target few programs and no wasted lanes. Figures: H200, 20-call
+    CUDA graphs, hot L2, bfloat16 input, unless said otherwise; history in docs/tuning-log.md."""
+
+    # Input bytes of K per program (as many of V). 4 KiB, "auto", T=65536: H=128 2192 us (92.5%
+    # of copy bandwidth) vs 2268 us (89.4%) at 8 KiB and 2291 us (88.5%) at 16 KiB; H=8 139 vs
+    # 144 us.
+    tile_bytes: int = 4096
+    # Input bytes of K per warp, i.e. 16 B of K and of V per thread for copies and casts, 32 B
+    # for fp8. T=65536: copies at 512 vs 2048: H=8 139 vs 144 us, T=2 1.46 vs 1.69 us; fp8 at 1024
+    # vs 512 vs 2048: H=128 NHD 1674 vs 1875 vs 1717 us, H=8 NHD 106 vs 123 vs 109 us.
+    bytes_per_warp_copy: int = 512
+    bytes_per_warp_fp8: int = 1024
+    max_warps: int = 8
+    # Calls whose grid would have fewer programs than small_grid use smaller tiles and more
+    # threads per byte: with few programs, the latency of each thread's chain of work is the
+    # call's time. 1 KiB tiles at 128 B per warp vs the large-T tiling: fp8 T=2 H=128 NHD 1.55 vs
+    # 1.91 us, HND 1.92 vs 2.06 us, H=8 NHD 1.72 vs 1.96 us; copies T=2 H=8 NHD 1.45 vs 1.59 us,
+    # H=128 HND 1.60 vs 1.74 us (small-T figures move by about 0.1 us between runs). 0: never.
+    small_grid_copy: int = 128
+    small_grid_fp8: int = 128
+    tile_bytes_small_grid: int = 1024
+    bytes_per_warp_small_grid: int = 128
+    # The data loads of calls whose K and V inputs together are at most evict_first_max_bytes
+    # (about the L2's size) carry the evict-first hint (the inputs are read once); larger calls
+    # load without a hint. No hint vs evict-first: every point from H=128 T=4096 and H=8 T=32768
+    # up 1.7-7.4% faster (H=128 T=65536 copies 2145 vs 2190 us, fp8 NHD 1558 vs 1612 us, HND 1683
+    # vs 1768 us); small calls mostly slower (H=8 T=2 HND fp8 1.46 vs 1.39 us, H=128 T=2 HND fp8
+    # 1.57 vs 1.50 us); at H=128 T=1024 (64 MiB of input) fp8 slower (29.6 vs 28.8 us) and copies
+    # faster (35.8 vs 36.6 us). -1: never.
+    evict_first_max_bytes: int = 64 << 20
+
+    def bytes_per_warp(self, fp8: bool) -> int:
+        return self.bytes_per_warp_fp8 if fp8 else self.bytes_per_warp_copy
+
+    def small_grid(self, fp8: bool) -> int:
+        return self.small_grid_fp8 if fp8 else self.small_grid_copy
+
+
+TUNING = TritonTuning()
 
 
 def _next_pow2(n: int) -> int:
@@ -131,7 +143,7 @@ def _next_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
-            ) -> tuple[int, int, int, int, tuple[int, int], str]:
+            tuning: TritonTuning = TUNING) -> tuple[int, int, int, int, tuple[int, int], str]:
     """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, grid, load eviction policy) for one shape; the grid
     is ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`` programs (token tiles, head tiles).
 
@@ -149,89 +161,24 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
             block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
         return block_t, block_h, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
 
-    block_t, block_h, grid = tiles(_TILE_BYTES)
-    per_warp = _BYTES_PER_WARP[fp8]
-    if grid[0] * grid[1] < _SMALL_GRID[fp8]:
+    block_t, block_h, grid = tiles(tuning.tile_bytes)
+    per_warp = tuning.bytes_per_warp(fp8)
+    if grid[0] * grid[1] < tuning.small_grid(fp8):
         # Few programs: the latency of each thread's chain of work is the call's time, so
         # spread the work over more programs and threads.
-        block_t, block_h, grid = tiles(_TILE_BYTES_SMALL_GRID)
-        per_warp = _BYTES_PER_WARP_SMALL_GRID
+        block_t, block_h, grid = tiles(tuning.tile_bytes_small_grid)
+        per_warp = tuning.bytes_per_warp_small_grid
     tile_bytes = block_t * block_h * block_d * in_bytes
-    num_warps = min(_MAX_WARPS, max(1, tile_bytes // per_warp))
-    small = 2 * num_tokens * num_heads * head_size * in_bytes <= _EVICT_FIRST_MAX_BYTES
+    num_warps = min(tuning.max_warps, max(1, tile_bytes // per_warp))
+    small = 2 * num_tokens * num_heads * head_size * in_bytes <= tuning.evict_first_max_bytes
     return block_t, block_h, block_d, num_warps, grid, "evict_first" if small else ""
 
 
 # --------------------------------------------------------------------------------------------
-# The kernel. QUANT: 0 = copy or float cast to the cache's element type, 1 = fp8 e4m3fn,
-# 2 = fp8 e5m2.
-_COPY, _E4M3, _E5M2 = 0, 1, 2
+# The kernel. QUANT: _COPY (copy or float cast to the cache's element type), _E4M3, _E5M2 (the
+# codes of kvwrite.kernels.triton_fp8.store_quantized).
 
 if triton is not None:
-
-    @triton.jit
-    def _fp8_scale(s):
-        """Per-scale constants of the division in `_store_cache` (scalar or per-head vector).
-
-        Returns (m, s2, y): m = ±2^(1-e) for a finite nonzero scale s = ±1.f * 2^e (2^127 for a
-        subnormal one), carrying the sign of s, so that x * m is exact wherever it matters and
-        x / s = (x * m) / s2 with s2 = |s| * |m| in [2^-22, 4); y = RN(1 / s2). For s = ±0, ±inf
-        or NaN, m = 1/s (±inf, ±0, NaN) and s2 = y = 1, so x * m already is the quotient's
-        class: ±inf (saturates), ±0 or NaN.
-        """
-        s = s.to(tl.float32)
-        a = tl.abs(s)
-        e = a.to(tl.int32, bitcast=True) >> 23  # biased exponent field (0 for zero/subnormal)
-        m = ((255 - tl.maximum(e, 1)) << 23).to(tl.float32, bitcast=True)  # 2^(1-e), normal
-        special = (a == 0.0) | (e == 255)  # zero, inf, NaN
-        inv = tl.where(a == 0.0, float("inf"), tl.where(a == float("inf"), 0.0, a))  # 1/a there
-        m = tl.where(special, inv, m)
-        s2 = tl.where(special, 1.0, a * m)
-        y = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), s2)
-        sign = s.to(tl.int32, bitcast=True) & -2147483648
-        m = (m.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        return m, s2, y
-
-    @triton.jit
-    def _fp8_quotient(x, m, s2, y, FMAX: tl.constexpr, STEPS: tl.constexpr):
-        """RN_f32(x / s) clamped to ±FMAX (NaN kept), without a division per element; (m, s2, y)
-        from `_fp8_scale(s)`.
-
-        x' = x * m is exact (or so large or so small that the code is ±MAX or ±0 anyway), and
-        x / s = x' / s2. With a = min(|x'|, 2^20) (NaN kept; a quotient past 2^18 saturates in
-        both formats), q = RN(a * y) and STEPS corrections q = fma(fma(-s2, q, a), y, q) give
-        RN(a / s2) exactly: one step for float16/bfloat16 inputs (checked in
-        tests/test_fp8_division.py: every bfloat16 significand against every scale significand,
-        every float16 one against every 64th), two for float32 (the first makes q faithful, and
-        the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the intermediates may be subnormal and q inexact, but it
-        stays far below the smallest fp8 midpoint (2^-17), so the code is zero all the same. The
-        sign is put back last, which keeps -0 and the sign of tiny quotients.
-        """
-        xs = x.to(tl.float32) * m
-        a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
-        q = a * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s2, q, a), y, q)
-        q = tl.minimum(q, FMAX, propagate_nan=tl.PropagateNan.ALL)
-        sign = xs.to(tl.int32, bitcast=True) & -2147483648
-        return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _store_cache(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
-        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`; (m, s2, y) from `_fp8_scale`."""
-        if QUANT == 0:
-            tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
-        else:
-            if QUANT == 1:
-                fmax: tl.constexpr = 448.0
-                fp8_ty: tl.constexpr = tl.float8e4nv
-            else:
-                fmax: tl.constexpr = 57344.0
-                fp8_ty: tl.constexpr = tl.float8e5
-            q = _fp8_quotient(x, m, s2, y, fmax, STEPS)
-            bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
-            # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
-            tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
     # num_tokens only bounds masks: specializing on it (divisibility, == 1) would compile a new
     # variant for many token counts without making any access wider.
@@ -268,7 +215,7 @@ if triton is not None:
         offs_t = tl.arange(0, BLOCK_T)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        # 16-bit inputs need one correction step of the fp8 division, float32 two (_fp8_quotient).
+        # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
         t = tl.program_id(0) * BLOCK_T + offs_t  # [BLOCK_T]
         h = tl.program_id(1) * BLOCK_H + offs_h  # [BLOCK_H]
@@ -298,23 +245,23 @@ if triton is not None:
             h_ok = h < NUM_HEADS
             ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)  # both loads first
             vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
-            km, ks2, ky = _fp8_scale(ks)
-            vm, vs2, vy = _fp8_scale(vs)
+            km, ks2, ky = fp8_scale(ks)
+            vm, vs2, vy = fp8_scale(vs)
             km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
             vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
         else:
             ks = tl.load(k_scale_ptr)
             vs = tl.load(v_scale_ptr)
-            km, ks2, ky = _fp8_scale(ks)
-            vm, vs2, vy = _fp8_scale(vs)
+            km, ks2, ky = fp8_scale(ks)
+            vm, vs2, vy = fp8_scale(vs)
         # Padding (slot < 0) and out-of-range slots are not stored.
         store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
         block = slot // BLOCK_SIZE
         cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
         cache_col = h.to(tl.int64) * STRIDE_H
         c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
-        _store_cache(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
-        _store_cache(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+        store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+        store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
 
 
 def _kernel_is_interpreted() -> bool:
@@ -326,8 +273,8 @@ _QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None) -> None:
-    """Launch the kernel on PyTorch's current stream; arguments as validated by kvwrite.op."""
+        v_scale: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
@@ -335,7 +282,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     num_blocks, block_size = key_cache.shape[:2]
     quant = _QUANT.get(cache_dtype, _COPY)
     block_t, block_h, block_d, num_warps, grid, evict = _tiling(
-        num_tokens, num_heads, head_size, key.element_size(), quant != _COPY)
+        num_tokens, num_heads, head_size, key.element_size(), quant != _COPY, tuning)
     per_head = quant != _COPY and k_scale.numel() > 1
     stride_b, stride_s, stride_h, _ = key_cache.stride()
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import CacheDType, quantize
+from ...dtypes import CacheDType, quantize
 
 
 def available(device: torch.device) -> str | None:

@@ -1,22 +1,19 @@
-"""The public op, its validation, and the host-side slot check (SPEC §1)."""
+"""reshape_and_cache_flash: the public op, its validation, its torch.compile custom op, and the
+host-side slot check (SPEC §1)."""
 
 from __future__ import annotations
 
 import torch
 
-from . import registry
-from .dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
+from ... import registry
+from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
+from ...validation import check_slot_dtype, require_same_device, require_tensor
+from ...validation import shape_str as _shape
 
-__all__ = ["reshape_and_cache_flash", "validate", "check_slot_mapping", "select_implementation"]
+__all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
+           "select_implementation"]
 
-
-def _shape(t: torch.Tensor) -> str:
-    return str(tuple(t.shape))
-
-
-def _require_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+OP = "reshape_and_cache_flash"
 
 
 def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale=None,
@@ -28,7 +25,7 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
     cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
-        _require_tensor(name, t)
+        require_tensor(name, t)
 
     if key.dim() != 3:
         raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
@@ -76,8 +73,7 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
 
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
-    if slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"slot_mapping: expected dtype int64 or int32, got {slot_mapping.dtype}")
+    check_slot_dtype("slot_mapping", slot_mapping)
     if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
         raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
     if slot_mapping.numel() > key.shape[0]:
@@ -86,16 +82,15 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         )
 
     device = key.device
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("slot_mapping", slot_mapping)):
-        if t.device != device:
-            raise ValueError(f"{name}: expected device {device} (that of key), got {t.device}")
+    require_same_device(device, "key", (("value", value), ("key_cache", key_cache),
+                                        ("value_cache", value_cache),
+                                        ("slot_mapping", slot_mapping)))
 
     if cache_dtype.is_fp8:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if s is None:
                 raise ValueError(f"{name}: kv_cache_dtype={cache_dtype.value!r} needs a float32 scale tensor, got None")
-            _require_tensor(name, s)
+            require_tensor(name, s)
             if s.dtype != torch.float32:
                 raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
             if s.numel() not in (1, num_heads):
@@ -113,21 +108,7 @@ def select_implementation(key, value, key_cache, value_cache, slot_mapping, cach
                           k_scale=None, v_scale=None, implementation: str | None = None,
                           ) -> registry.ImplInfo:
     """The named implementation, or the preferred one that can run this case; raises if none can."""
-    if implementation is not None:
-        info = registry.get(implementation)
-        reason = info.unsupported(key, key_cache, cache_dtype, k_scale)
-        if reason is not None:
-            raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-        return info
-    reasons = []
-    for info in registry.all_impls():
-        if key.device.type not in info.devices:
-            continue
-        reason = info.unsupported(key, key_cache, cache_dtype, k_scale)
-        if reason is None:
-            return info
-        reasons.append(f"{info.name}: {reason}")
-    raise ValueError("no implementation can run this call: " + "; ".join(reasons))
+    return registry.select(OP, (key, key_cache, cache_dtype, k_scale), implementation)
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -195,11 +176,10 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
     Negative slots are padding and allowed. This reads the tensor on the host (a sync): it is for
     debugging and tests, not for the hot path, where such slots are skipped silently.
     """
-    _require_tensor("slot_mapping", slot_mapping)
+    require_tensor("slot_mapping", slot_mapping)
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected 1 dim, got shape {_shape(slot_mapping)}")
-    if slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"slot_mapping: expected dtype int64 or int32, got {slot_mapping.dtype}")
+    check_slot_dtype("slot_mapping", slot_mapping)
     bad = torch.nonzero(slot_mapping >= num_slots).flatten().cpu()
     if bad.numel():
         shown = bad[:16].tolist()

@@ -1,0 +1,77 @@
+// kvwrite's shared device code: types, element kinds, and IEEE arithmetic that no compiler flag
+// can change. Included (through NVRTC's include path) by every op's kernel source; includes no
+// headers itself (neither torch nor CUDA), so NVRTC needs no toolkit include directory.
+//
+// With -DKVWRITE_HOST_TEST the shared headers compile as plain host C++ (g++): only the element
+// conversions remain, with their software fp8 paths, so tests can check them on the CPU.
+#pragma once
+
+#ifdef KVWRITE_HOST_TEST
+#define KVW_HD inline
+#else
+#define KVW_HD __device__ __forceinline__
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Element kinds: template arguments IN (input) and OUT (cache). DT_COPY moves the input bits
+// unchanged (kv_cache_dtype "auto", or a cache of the input's own dtype).
+#define DT_F16 0
+#define DT_BF16 1
+#define DT_F32 2
+#define DT_E4M3 3
+#define DT_E5M2 4
+#define DT_COPY 5
+
+// ------------------------------------------------------------------------------------------
+// Bit casts and IEEE arithmetic that no compiler flag can change (no FMA contraction, no
+// fast-math, no flush to zero).
+// ------------------------------------------------------------------------------------------
+#ifdef KVWRITE_HOST_TEST
+KVW_HD u32 f32_bits(float f) { u32 u; __builtin_memcpy(&u, &f, 4); return u; }
+KVW_HD float bits_f32(u32 u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+// Host builds use -ffp-contract=off; x86-64 SSE arithmetic is IEEE round-to-nearest-even.
+KVW_HD float div_rn(float a, float b) { return a / b; }
+KVW_HD float mul_rn(float a, float b) { return a * b; }
+KVW_HD float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+// min(a, b) that returns NaN when a is NaN (b is a constant here).
+KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
+#else
+KVW_HD u32 f32_bits(float f) { return __float_as_uint(f); }
+KVW_HD float bits_f32(u32 u) { return __uint_as_float(u); }
+KVW_HD float div_rn(float a, float b) {
+  float q;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+  return q;
+}
+KVW_HD float mul_rn(float a, float b) {
+  float p;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
+  return p;
+}
+KVW_HD float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+KVW_HD float min_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a > b ? b : a;
+#endif
+}
+#endif
+
+// float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
+KVW_HD u32 bf16_from_f32_soft(float x) {
+  const u32 b = f32_bits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}

@@ -1,0 +1,160 @@
+// fp8 quantization (SPEC §1.1): software conversion, the satfinite hardware conversion, and the
+// exact quotient x / s without a division per element. Shared by every op's kernel.
+#pragma once
+#include "kvw/common.cuh"
+
+// -DKVWRITE_EXACT_DIV makes `fp8_quantize` divide each element with div.rn.f32 instead of the
+// division-free quotient below (both are bit-exact; the option exists for comparison).
+
+// ------------------------------------------------------------------------------------------
+// float32 -> fp8, software: round to nearest even, saturate to the largest finite value (±inf
+// too), NaN -> NaN (sign|0x7F), sign of zero kept, subnormals rounded. Exactly
+// `x.clamp(-MAX, MAX).to(fp8)` (SPEC §1.1), i.e. CUDA's __NV_SATFINITE conversion.
+// FMT is DT_E4M3 (e4m3fn: bias 7, 3 mantissa bits, max 448 = 0x7E) or DT_E5M2 (bias 15,
+// 2 mantissa bits, max 57344 = 0x7B). Returns the byte in the low 8 bits.
+// ------------------------------------------------------------------------------------------
+template <int FMT>
+KVW_HD u32 fp8_from_f32_soft(float x) {
+  constexpr u32 MAN = FMT == DT_E4M3 ? 3 : 2;
+  constexpr u32 BIAS = FMT == DT_E4M3 ? 7 : 15;
+  constexpr u32 MAX_F32_BITS = FMT == DT_E4M3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+  constexpr u32 MAX_CODE = FMT == DT_E4M3 ? 0x7Eu : 0x7Bu;
+  constexpr u32 MIN_NORMAL_F32_BITS = (127u + 1u - BIAS) << 23;  // 2^(1 - BIAS)
+  const u32 b = f32_bits(x);
+  const u32 sign = (b >> 24) & 0x80u;
+  const u32 a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7Fu;  // NaN
+  // Clamping then rounding equals rounding then saturating: MAX is representable and rounding
+  // is monotone. Inputs below MAX never round past it (the next step up is >= MAX's midpoint).
+  if (a >= MAX_F32_BITS) return sign | MAX_CODE;
+  if (a >= MIN_NORMAL_F32_BITS) {
+    // Round the float32 bits to MAN mantissa bits (a carry moves into the exponent, as it
+    // should), then rebias the exponent.
+    constexpr u32 SH = 23 - MAN;
+    const u32 r = a + ((1u << (SH - 1)) - 1u) + ((a >> SH) & 1u);
+    return sign | ((r >> SH) - ((127u - BIAS) << MAN));
+  }
+  // fp8 subnormal range: the code is k = round(|x| / 2^(1 - BIAS - MAN)), k in [0, 2^MAN]
+  // (k == 2^MAN is the smallest normal, whose code is exactly 2^MAN). |x| = m * 2^(e - 150).
+  const u32 e_field = a >> 23;
+  const u32 m = (a & 0x7FFFFFu) | (e_field ? 0x800000u : 0u);
+  const u32 e = e_field ? e_field : 1u;
+  const u32 sh = 151u - BIAS - MAN - e;  // >= 21: m < 2^24, so no overflow below
+  if (sh >= 26) return sign;             // |x| < 2^-1 units: rounds to zero
+  const u32 r = m + ((1u << (sh - 1)) - 1u) + ((m >> sh) & 1u);
+  return sign | (r >> sh);
+}
+
+// Two fp8 codes: byte 0 = Q(lo), byte 1 = Q(hi) (the order of the elements in memory).
+template <int FMT>
+KVW_HD u32 fp8x2_from_f32(float lo, float hi) {
+#if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  u16 r;
+  if (FMT == DT_E4M3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return fp8_from_f32_soft<FMT>(lo) | (fp8_from_f32_soft<FMT>(hi) << 8);
+#endif
+}
+
+// RN(1 / b) for b in [2^-22, 4) (make_fp8_scale's s2), branch-free. div.rn.f32 wraps the same
+// arithmetic in a range check (FCHK) and a branch to a slow-path call, which ptxas cannot
+// overlap: a thread's two scales were prepared one after the other on every fp8 thread's path.
+// Here: the hardware approximation (within 2 ulp in this range), two fused Newton steps, and
+// the one significand they miss: for b = (2 - 2^-23) * 2^k, 1/b lies just above the midpoint
+// between 2^(-k-1) and its successor, the steps land on 2^(-k-1), and RN(1/b) is the successor.
+// tests/test_fp8_division.py checks in C that this is RN(1/b) from every approximation within
+// 4 ulp (every significand of [1, 4), every 61st and the all-ones one of each lower binade), and
+// on the GPU that make_fp8_scale's y is RN(1 / s2) for every scale of [2, 4) and subnormal ones.
+KVW_HD float rcp_rn_s2(float b) {
+#ifdef KVWRITE_HOST_TEST
+  return 1.0f / b;
+#else
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = fma_rn(r, fma_rn(-b, r, 1.0f), r);
+  const float y = fma_rn(r, fma_rn(-b, r, 1.0f), r);
+  const u32 bb = f32_bits(b);
+  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? bits_f32(((253u - (bb >> 23)) << 23) | 1u) : y;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (SPEC §1.1), bit for bit, without a
+// division per element.
+//
+// Per scale (once per thread): for a finite nonzero s = ±1.f * 2^e, m = ±2^(1-e) (2^127 for a
+// subnormal s; always a normal float) carries the sign of s, s2 = |s| * |m| lies in [2^-22, 4)
+// (exactly), and y = RN(1 / s2). Then x / s = (x * m) / s2, and x' = x * m is exact unless it
+// overflows (then |x / s| > 2^126: saturates either way) or underflows (then |x / s| < 2^-104:
+// zero either way, and the sign survives the rounding). For s = ±0, ±inf or NaN, m = 1/s
+// (±inf, ±0, NaN) and s2 = y = 1, so x' already is ±inf (saturates), ±0 or NaN, as x / s is.
+//
+// Per element: a = min(|x'|, 2^20), NaN kept (a quotient past 2^18 saturates in both formats,
+// and the clamp keeps inf - inf out of the residual); q = RN(a * y); then STEPS corrections
+// q = RN(q + RN(a - s2 * q) * y) by fused multiply-adds. For float16 and bfloat16 inputs one step
+// gives RN(a / s2) exactly (tests/test_fp8_division.py: every bfloat16 significand against every
+// scale significand, every float16 one against every 64th); float32 inputs take two (the first
+// leaves q faithful, and the second is then exact by Markstein's theorem). Where a / s2 < 2^-40
+// the residual may be subnormal and q inexact, but it stays far below the smallest fp8 rounding
+// boundary (2^-17), so the code is zero all the same. The sign of x' is put back last (keeps -0
+// and tiny negatives), and the satfinite conversion rounds to nearest even and saturates (NaN
+// stays NaN).
+// ------------------------------------------------------------------------------------------
+struct Fp8Scale {
+  float s;   // the scale itself (for the exact-division build)
+  float m;   // ±2^(1-e), or 1/s for zero, infinite and NaN scales
+  float s2;  // |s| * |m|, in [2^-22, 4), or 1
+  float y;   // RN(1 / s2)
+};
+
+template <bool BRANCH_FREE = true>
+KVW_HD Fp8Scale make_fp8_scale(float s) {
+  const u32 sb = f32_bits(s);
+  const u32 ab = sb & 0x7FFFFFFFu;
+  const float a = bits_f32(ab);
+  const u32 e = ab >> 23;  // biased exponent field
+  Fp8Scale r;
+  r.s = s;
+  float m = bits_f32((255u - (e > 1u ? e : 1u)) << 23);
+  r.s2 = mul_rn(a, m);
+  if (ab == 0u || e == 255u) {  // zero, inf, NaN: m = 1/|s|
+    m = ab == 0u ? bits_f32(0x7F800000u) : ab == 0x7F800000u ? 0.0f : a;
+    r.s2 = 1.0f;
+  }
+  r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
+  r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
+  return r;
+}
+
+template <int STEPS>
+KVW_HD float fp8_quotient(float x, const Fp8Scale& sc) {
+  const float xs = mul_rn(x, sc.m);
+  const float a = min_nan(bits_f32(f32_bits(xs) & 0x7FFFFFFFu), 1048576.0f);  // 2^20
+  float q = mul_rn(a, sc.y);
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) q = fma_rn(fma_rn(-sc.s2, q, a), sc.y, q);
+  return bits_f32(f32_bits(q) | (f32_bits(xs) & 0x80000000u));
+}
+
+// Q of N elements (N == 1 or even) into N fp8 codes, byte i of `out` = Q(x[i]) (little endian
+// words). STEPS: 1 for 16-bit inputs, 2 for float32 (see above).
+template <int FMT, int N, int STEPS>
+KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8Scale& sc) {
+  static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
+#pragma unroll
+  for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
+#ifdef KVWRITE_EXACT_DIV
+    const float q0 = div_rn(x[i], sc.s), q1 = div_rn(x1, sc.s);
+#else
+    const float q0 = fp8_quotient<STEPS>(x[i], sc), q1 = fp8_quotient<STEPS>(x1, sc);
+#endif
+    out[i >> 2] |= fp8x2_from_f32<FMT>(q0, q1) << ((i & 2) * 8);
+  }
+}

@@ -1,0 +1,146 @@
+// Vector loads and stores of one chunk of VEC elements, and the element conversions between
+// them (copy, float casts, fp8). Device code only. Shared by every op's kernel.
+#pragma once
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+
+#ifndef KVWRITE_HOST_TEST
+__host__ __device__ constexpr int elem_bytes(int dt) {
+  return dt == DT_F32 ? 4 : (dt == DT_E4M3 || dt == DT_E5M2) ? 1 : 2;
+}
+
+// N bytes of one chunk, in 32-bit words; element i of a 2-byte type is half (i & 1) of word
+// i / 2, of a 1-byte type byte (i & 3) of word i / 4 (little endian, as in memory). Chunks of
+// 1 or 2 bytes use the low bits of w[0].
+template <int N>
+struct Raw {
+  u32 w[N >= 4 ? N / 4 : 1];
+};
+
+template <int N>
+KVW_HD Raw<N> load_raw(const u8* p) {
+  Raw<N> r;
+  if constexpr (N == 32) {  // two 16-byte loads
+    const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(p)[1];
+    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+  } else if constexpr (N == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
+  } else if constexpr (N == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = v.x; r.w[1] = v.y;
+  } else if constexpr (N == 4) {
+    r.w[0] = *reinterpret_cast<const u32*>(p);
+  } else if constexpr (N == 2) {
+    r.w[0] = *reinterpret_cast<const u16*>(p);
+  } else {
+    r.w[0] = *p;
+  }
+  return r;
+}
+
+// load_raw with ld.volatile: the same bytes, but a load the compiler may neither drop nor move
+// below a branch (used where the only consumer of a chunk is a store under the slot's test).
+template <int N>
+KVW_HD Raw<N> load_raw_volatile(const u8* p) {
+  Raw<N> r;
+  if constexpr (N == 32 || N == 16) {
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i)
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r.w[4 * i]), "=r"(r.w[4 * i + 1]), "=r"(r.w[4 * i + 2]),
+                     "=r"(r.w[4 * i + 3])
+                   : "l"(p + 16 * i));
+  } else if constexpr (N == 8) {
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
+  } else if constexpr (N == 4) {
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(r.w[0]) : "l"(p));
+  } else if constexpr (N == 2) {
+    u16 h;
+    asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(h) : "l"(p));
+    r.w[0] = h;
+  } else {
+    u16 b;
+    asm volatile("ld.volatile.global.u8 %0, [%1];" : "=h"(b) : "l"(p));
+    r.w[0] = b & 0xFFu;
+  }
+  return r;
+}
+
+template <int N>
+KVW_HD void store_raw(u8* p, const Raw<N>& r) {
+  if constexpr (N == 32) {  // two 16-byte stores
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]);
+  } else if constexpr (N == 16) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+  } else if constexpr (N == 4) {
+    *reinterpret_cast<u32*>(p) = r.w[0];
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<u16*>(p) = static_cast<u16>(r.w[0]);
+  } else {
+    *p = static_cast<u8>(r.w[0]);
+  }
+}
+
+// Element i of a chunk of IN elements, as float32 (exact).
+template <int IN, int N>
+KVW_HD float elem_f32(const Raw<N>& r, int i) {
+  if constexpr (IN == DT_F32) {
+    return bits_f32(r.w[i]);
+  } else {
+    const u32 h = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
+    if constexpr (IN == DT_BF16) {
+      return bits_f32(h << 16);
+    } else {
+      float f;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
+      return f;
+    }
+  }
+}
+
+template <int OUT>
+KVW_HD u32 f16ish_from_f32(float f) {
+  if constexpr (OUT == DT_F16) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  } else {
+#if __CUDA_ARCH__ >= 800
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return bf16_from_f32_soft(f);
+#endif
+  }
+}
+
+// One chunk of VEC input elements -> VEC cache elements.
+template <int IN, int OUT, int VEC>
+KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>& in,
+                                                       const Fp8Scale& sc) {
+  Raw<VEC * elem_bytes(OUT)> out;
+  if constexpr (OUT == DT_E4M3 || OUT == DT_E5M2) {
+    float x[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in, i);
+    fp8_quantize<OUT, VEC, IN == DT_F32 ? 2 : 1>(x, out.w, sc);
+  } else if constexpr (OUT == DT_F32) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out.w[i] = f32_bits(elem_f32<IN>(in, i));
+  } else {
+#pragma unroll
+    for (int j = 0; j < (VEC * 2 + 3) / 4; ++j) out.w[j] = 0;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      out.w[i >> 1] |= f16ish_from_f32<OUT>(elem_f32<IN>(in, i)) << ((i & 1) * 16);
+  }
+  return out;
+}
+#endif  // KVWRITE_HOST_TEST

@@ -1,0 +1,97 @@
+"""Triton parts shared by every op: the fp8 rule of SPEC §1.1 without a division per element.
+
+- :func:`fp8_scale` (once per scale): the constants ``(m, s2, y)`` that turn ``x / s`` into an
+  exact product and one correction;
+- :func:`fp8_quotient` (per element): ``RN_f32(x / s)`` clamped to ±FMAX, NaN and the sign of zero
+  kept;
+- :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
+  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8).
+
+Triton's float32 ``/`` is approximate; ``tl.math.div_rn`` is exact but slow per element, hence
+this. ``triton`` is optional at import time: where it is missing, :data:`triton` is None and
+:data:`IMPORT_ERROR` says why.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as _e:  # optional: implementations report it through `available`
+    triton = tl = None
+    IMPORT_ERROR: ImportError | None = _e
+else:
+    IMPORT_ERROR = None
+
+__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
+           "store_quantized"]
+
+# QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
+# fp8 e5m2.
+COPY, E4M3, E5M2 = 0, 1, 2
+
+if triton is not None:
+
+    @triton.jit
+    def fp8_scale(s):
+        """Per-scale constants of the division in `store_quantized` (scalar or per-head vector).
+
+        Returns (m, s2, y): m = ±2^(1-e) for a finite nonzero scale s = ±1.f * 2^e (2^127 for a
+        subnormal one), carrying the sign of s, so that x * m is exact wherever it matters and
+        x / s = (x * m) / s2 with s2 = |s| * |m| in [2^-22, 4); y = RN(1 / s2). For s = ±0, ±inf
+        or NaN, m = 1/s (±inf, ±0, NaN) and s2 = y = 1, so x * m already is the quotient's
+        class: ±inf (saturates), ±0 or NaN.
+        """
+        s = s.to(tl.float32)
+        a = tl.abs(s)
+        e = a.to(tl.int32, bitcast=True) >> 23  # biased exponent field (0 for zero/subnormal)
+        m = ((255 - tl.maximum(e, 1)) << 23).to(tl.float32, bitcast=True)  # 2^(1-e), normal
+        special = (a == 0.0) | (e == 255)  # zero, inf, NaN
+        inv = tl.where(a == 0.0, float("inf"), tl.where(a == float("inf"), 0.0, a))  # 1/a there
+        m = tl.where(special, inv, m)
+        s2 = tl.where(special, 1.0, a * m)
+        y = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), s2)
+        sign = s.to(tl.int32, bitcast=True) & -2147483648
+        m = (m.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return m, s2, y
+
+    @triton.jit
+    def fp8_quotient(x, m, s2, y, FMAX: tl.constexpr, STEPS: tl.constexpr):
+        """RN_f32(x / s) clamped to ±FMAX (NaN kept), without a division per element; (m, s2, y)
+        from `fp8_scale(s)`.
+
+        x' = x * m is exact (or so large or so small that the code is ±MAX or ±0 anyway), and
+        x / s = x' / s2. With a = min(|x'|, 2^20) (NaN kept; a quotient past 2^18 saturates in
+        both formats), q = RN(a * y) and STEPS corrections q = fma(fma(-s2, q, a), y, q) give
+        RN(a / s2) exactly: one step for float16/bfloat16 inputs (checked in
+        tests/test_fp8_division.py: every bfloat16 significand against every scale significand,
+        every float16 one against every 64th), two for float32 (the first makes q faithful, and
+        the second is then exact by Markstein's theorem). Where a / s2 < 2^-40 the intermediates may be subnormal and q inexact, but it
+        stays far below the smallest fp8 midpoint (2^-17), so the code is zero all the same. The
+        sign is put back last, which keeps -0 and the sign of tiny quotients.
+        """
+        xs = x.to(tl.float32) * m
+        a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-s2, q, a), y, q)
+        q = tl.minimum(q, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        sign = xs.to(tl.int32, bitcast=True) & -2147483648
+        return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
+        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`."""
+        if QUANT == 0:
+            tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            if QUANT == 1:
+                fmax: tl.constexpr = 448.0
+                fp8_ty: tl.constexpr = tl.float8e4nv
+            else:
+                fmax: tl.constexpr = 57344.0
+                fp8_ty: tl.constexpr = tl.float8e5
+            q = fp8_quotient(x, m, s2, y, fmax, STEPS)
+            bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
+            # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
+            tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
