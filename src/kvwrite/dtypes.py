@@ -22,9 +22,38 @@ __all__ = [
     "parse_kv_cache_dtype",
     "allowed_cache_dtypes",
     "quantize",
+    "MODEL_DTYPES",
+    "BENCH_DTYPES",
+    "parse_model_dtype",
 ]
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The one table of model (input) dtype spellings: torch's names and vLLM's ("half", "float").
+MODEL_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+# The spellings vLLM's benchmark scripts accept for --dtype (a subset of MODEL_DTYPES).
+BENCH_DTYPES = ("half", "bfloat16", "float")
+
+
+def parse_model_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """A float16/bfloat16/float32 torch dtype from a torch dtype or one of MODEL_DTYPES's names;
+    ValueError naming ``name`` otherwise."""
+    if isinstance(dtype, torch.dtype):
+        dt = dtype
+    elif isinstance(dtype, str) and dtype in MODEL_DTYPES:
+        dt = MODEL_DTYPES[dtype]
+    else:
+        raise ValueError(f"{name}: expected a torch dtype or one of {sorted(MODEL_DTYPES)}, "
+                         f"got {dtype!r}")
+    if dt not in INPUT_DTYPES:
+        raise ValueError(f"{name}: expected float16, bfloat16 or float32, got {dt}")
+    return dt
 
 
 class CacheDType(enum.Enum):

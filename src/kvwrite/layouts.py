@@ -22,7 +22,7 @@ import enum
 
 import torch
 
-from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
+from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype, parse_model_dtype
 
 __all__ = [
     "Layout",
@@ -96,15 +96,6 @@ def fill_uniform(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: fl
         part.copy_(bits.view(torch.uint8) if cache.dtype == torch.uint8 else bits)
 
 
-_MODEL_DTYPES = {
-    "half": torch.float16,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float": torch.float32,
-    "float32": torch.float32,
-}
-
-
 def _cache_torch_dtype(cache_dtype: CacheDType, model_dtype) -> torch.dtype:
     if cache_dtype.is_fp8:
         return torch.uint8
@@ -112,17 +103,7 @@ def _cache_torch_dtype(cache_dtype: CacheDType, model_dtype) -> torch.dtype:
         return cache_dtype.element_dtype(torch.float32)
     if model_dtype is None:
         raise ValueError("model_dtype: required when cache_dtype is 'auto', got None")
-    if isinstance(model_dtype, torch.dtype):
-        dt = model_dtype
-    elif model_dtype in _MODEL_DTYPES:
-        dt = _MODEL_DTYPES[model_dtype]
-    else:
-        raise ValueError(
-            f"model_dtype: expected a torch dtype or one of {sorted(_MODEL_DTYPES)}, got {model_dtype!r}"
-        )
-    if dt not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"model_dtype: expected float16, bfloat16 or float32, got {dt}")
-    return dt
+    return parse_model_dtype(model_dtype, "model_dtype")
 
 
 def create_kv_caches_with_random_flash(num_blocks: int, block_size: int, num_layers: int,

@@ -28,6 +28,7 @@ import torch
 
 from ..dtypes import quantize
 from ..ops.reshape_and_cache_flash import reference as torch_ref
+from ..testing.compare import differing_bytes
 from .workload import CHUNK_BYTES, InputSet, Shape
 
 __all__ = ["check_point", "SNAPSHOT_BYTES", "GUARD_BLOCKS"]
@@ -48,12 +49,8 @@ def _expected(src: torch.Tensor, shape: Shape, scale, cache: torch.Tensor) -> to
 def _differs(got: torch.Tensor, want: torch.Tensor, shape: Shape) -> torch.Tensor | None:
     """None when ``got`` and ``want`` hold the same bytes, else a mask of differing ``[n, bs?, H]``
     rows. For fp8, two NaNs (any sign or payload) count as equal, as in the test suite."""
-    g, w = _byte_rows(got), _byte_rows(want)
-    diff = g != w
-    if shape.cache_dtype.is_fp8:  # one byte per element
-        fp8 = shape.cache_dtype.fp8_dtype
-        diff &= ~(g.view(fp8).float().isnan() & w.view(fp8).float().isnan())
-    rows = diff.any(dim=-1)
+    fp8 = shape.cache_dtype.fp8_dtype if shape.cache_dtype.is_fp8 else None
+    rows = differing_bytes(_byte_rows(got), _byte_rows(want), fp8).any(dim=-1)
     return rows if bool(rows.any()) else None
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .. import __version__, registry
-from ..dtypes import parse_kv_cache_dtype
+from ..dtypes import BENCH_DTYPES, MODEL_DTYPES, parse_kv_cache_dtype, parse_model_dtype
 from ..ops.reshape_and_cache_flash import OP, validate
 from . import timing
 from .check import SNAPSHOT_BYTES, check_point
@@ -26,7 +26,7 @@ from .workload import CHUNK_BYTES, LAYOUTS, Shape, fill_caches, make_caches, mak
 __all__ = ["BenchError", "Config", "Env", "run_sweep", "run_benchmark", "available_memory",
            "plan_memory", "DTYPES"]
 
-DTYPES = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32}
+DTYPES = {name: MODEL_DTYPES[name] for name in BENCH_DTYPES}  # vLLM's --dtype choices
 # Kept free beyond the planned tensors: CUDA graphs, kernel modules, allocator rounding.
 MARGIN_BYTES = 512 * 2**20
 COPY_BYTES = 2**30
@@ -359,10 +359,7 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     if benchmark_mode == "cudagraph" and dev.type != "cuda":
         raise ValueError(f"benchmark_mode: 'cudagraph' needs a CUDA device, got device={device!r}; "
                          "use 'no_graph'")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected a torch dtype or one of {list(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
+    dtype = parse_model_dtype(dtype)
     if kv_cache_layout not in LAYOUTS:
         raise ValueError(f"kv_cache_layout: expected one of {list(LAYOUTS)}, got {kv_cache_layout!r}")
     shape = Shape(num_heads, head_size, block_size, num_blocks, dtype, cache_dtype, kv_cache_dtype,

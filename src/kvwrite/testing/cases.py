@@ -1,9 +1,7 @@
-"""The case matrix, input builder and whole-cache checker shared by the tests and the benchmark.
-
-A :class:`Case` describes one call; :func:`make_inputs` builds its tensors (random caches, random
-inputs, unique random slots plus the padding and out-of-range slots the case asks for);
-:func:`assert_caches_equal` compares two caches byte for byte through integer views.
-"""
+"""reshape_and_cache_flash's case model: one :class:`Case` describes a call (shape, dtypes,
+layout and allocation incl. packed, slots); :func:`make_inputs` builds its tensors (random
+caches, random inputs, unique random slots plus the padding and out-of-range slots the case asks
+for); ``CASES`` is the matrix every implementation is tested on."""
 
 from __future__ import annotations
 
@@ -12,10 +10,12 @@ import itertools
 
 import torch
 
-from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
-from .layouts import KVAlloc, Layout, allocate_kv_cache
+from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
+from ..layouts import KVAlloc, Layout, allocate_kv_cache
+from .compare import storage_bytes
 
-__all__ = ["Case", "Inputs", "CASES", "make_inputs", "assert_caches_equal", "clone_caches"]
+__all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
+           "reciprocal_traps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +87,11 @@ def _cache_tensor_dtype(case: Case) -> torch.dtype:
     return cdt.element_dtype(case.dtype)
 
 
-def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole allocation behind `t` as a flat uint8 tensor (a view, not a copy)."""
-    s = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),))
-
-
 def _rebuild(storages: dict[int, torch.Tensor], t: torch.Tensor, copy) -> torch.Tensor:
     """`t`'s view over copy(its allocation); allocations shared by several tensors are copied once."""
     key = t.untyped_storage().data_ptr()
     if key not in storages:
-        storages[key] = copy(_storage_bytes(t))
+        storages[key] = copy(storage_bytes(t))
     return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
@@ -190,7 +184,7 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     # Random bits over the whole allocation (the other half of a packed cache too, NaN patterns
     # included), so that a stray or a missing write shows.
     for c in (key_cache, value_cache):
-        b = _storage_bytes(c)
+        b = storage_bytes(c)
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
 
     if cdt.is_fp8 and case.special_values:
@@ -217,47 +211,6 @@ def clone_caches(inp: Inputs, device: str | torch.device | None = None,
     device = inp.key_cache.device if device is None else device
     return (_rebuild(storages, inp.key_cache, lambda b: b.to(device, copy=True)),
             _rebuild(storages, inp.value_cache, lambda b: b.to(device, copy=True)))
-
-
-def _nan_mask(bytes_: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per byte: does the element that holds it decode to NaN (fp8 and float caches)."""
-    es = like.element_size()
-    dt = like.dtype
-    if dt == torch.uint8:
-        return torch.zeros_like(bytes_, dtype=torch.bool)
-    n = bytes_.numel() // es
-    vals = bytes_[: n * es].view(dt)
-    m = torch.isnan(vals.float()).repeat_interleave(es)
-    return torch.cat([m, torch.zeros(bytes_.numel() - n * es, dtype=torch.bool, device=m.device)])
-
-
-def assert_caches_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "cache",
-                        fp8_dtype: torch.dtype | None = None, nan_equal: bool = False) -> None:
-    """Compare every byte of the storage behind `actual` and `expected`.
-
-    The whole allocation is compared, so stray writes outside the target slots (and into the
-    other half of an interleaved or packed cache) are caught. With ``nan_equal``, two elements
-    that both decode to NaN (with any sign or payload) count as equal; ``fp8_dtype`` says how to
-    decode uint8 caches for that.
-    """
-    a, e = _storage_bytes(actual).cpu(), _storage_bytes(expected).cpu()
-    if a.numel() != e.numel():
-        raise AssertionError(f"{name}: storage sizes differ ({a.numel()} vs {e.numel()} bytes)")
-    diff = a != e
-    if nan_equal and diff.any():
-        like = expected
-        if expected.dtype == torch.uint8 and fp8_dtype is not None:
-            like = torch.empty(0, dtype=fp8_dtype)
-        both_nan = _nan_mask(a, like) & _nan_mask(e, like)
-        diff &= ~both_nan
-    if diff.any():
-        idx = torch.nonzero(diff).flatten()
-        es = expected.element_size()
-        first = idx[:8].tolist()
-        raise AssertionError(
-            f"{name}: {idx.numel()} bytes differ; first at byte offsets {first} "
-            f"(element {[i // es for i in first]}): got {a[idx[:8]].tolist()}, expected {e[idx[:8]].tolist()}"
-        )
 
 
 def _matrix() -> list[Case]:
