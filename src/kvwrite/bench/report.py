@@ -201,7 +201,8 @@ def _json_value(v):
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
-def write_json(path: str, rows: Sequence[Row], meta: dict) -> None:
+def write_json(path: str, rows: Sequence, meta: dict) -> None:
+    """``{meta, rows}``; rows are dataclasses (any op's row type)."""
     doc = {"meta": meta,
            "rows": [{k: _json_value(v) for k, v in dataclasses.asdict(r).items()} for r in rows]}
     with open(path, "w") as f:
@@ -225,9 +226,12 @@ def read_json(path: str) -> tuple[dict, list[Row]]:
     return doc.get("meta", {}), rows
 
 
-def write_csv(path: str, rows: Sequence[Row], command: str) -> None:
+def write_csv(path: str, rows: Sequence, command: str) -> None:
+    """One line per row (any dataclass rows of one type; :class:`Row` by default) and a last
+    ``command`` column."""
+    fields = ([f.name for f in dataclasses.fields(rows[0])] + ["command"]) if rows else CSV_FIELDS
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
             w.writerow({**dataclasses.asdict(r), "command": command})
