@@ -19,10 +19,9 @@ from kvwrite.bench import run_benchmark, sweep
 from kvwrite.bench.cli import build_parser, main, make_config, parse_args, parse_num_tokens
 from kvwrite.bench.models import MODELS
 from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, format_table
-from kvwrite.bench.workload import Shape
-from kvwrite.dtypes import CacheDType
 from kvwrite.ops.reshape_and_cache_flash import OP
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
+from kvwrite.testing import Case
 
 SEED_HEADER = re.compile(r"^Benchmark results for implementation (\S+) \(measuring with (\S+)\):$",
                          re.M)
@@ -352,7 +351,7 @@ def test_rotation_exceeds_the_l2_or_flushes():
     l2 = 50 * 2**20
     for heads in (8, 128):
         for t in (2**e for e in range(1, 17)):
-            shape = Shape(heads, 128, 16, 65536, torch.bfloat16, CacheDType.AUTO, "auto", "NHD")
+            shape = Case.named_layout("NHD", num_heads=heads, head_size=128, num_blocks=65536)
             sets, flush = sweep.rotation(cfg, shape, t, l2)
             assert 1 <= sets <= cfg.graph_calls
             total = sets * shape.set_bytes(t)

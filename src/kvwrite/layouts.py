@@ -28,6 +28,9 @@ __all__ = [
     "Layout",
     "KVAlloc",
     "parse_layout",
+    "LAYOUT_NAMES",
+    "layout_alloc",
+    "layout_name",
     "allocate_kv_cache",
     "fill_uniform",
     "create_kv_caches_with_random_flash",
@@ -43,6 +46,29 @@ class KVAlloc(enum.Enum):
     SEPARATE = "separate"
     INTERLEAVED = "interleaved"
     PACKED = "packed"
+
+
+# The benchmark's layout names: NHD and HND with K and V blocks interleaved in one allocation (as
+# vLLM's benchmark allocates them), and vLLM's packed serving layout.
+LAYOUT_NAMES = ("NHD", "HND", "packed")
+
+
+def layout_alloc(name: str) -> tuple[Layout, KVAlloc]:
+    """The cache layout and allocation of a benchmark layout name (one of ``LAYOUT_NAMES``)."""
+    if name == "packed":
+        return Layout.NHD, KVAlloc.PACKED
+    if name in ("NHD", "HND"):
+        return Layout(name), KVAlloc.INTERLEAVED
+    raise ValueError(f"layout: expected one of {list(LAYOUT_NAMES)}, got {name!r}")
+
+
+def layout_name(layout: Layout, alloc: KVAlloc) -> str:
+    """The benchmark name of (layout, allocation), or ``"<layout>-<allocation>"`` for the others."""
+    if alloc is KVAlloc.PACKED and layout is Layout.NHD:
+        return "packed"
+    if alloc is KVAlloc.INTERLEAVED:
+        return layout.value
+    return f"{layout.value}-{alloc.value}"
 
 
 def parse_layout(layout: str | Layout) -> Layout:

@@ -29,7 +29,7 @@ import torch
 from ..dtypes import quantize
 from ..ops.reshape_and_cache_flash import reference as torch_ref
 from ..testing.compare import differing_bytes
-from .workload import CHUNK_BYTES, InputSet, Shape
+from .workload import CHUNK_BYTES, Case, InputSet
 
 __all__ = ["check_point", "SNAPSHOT_BYTES", "GUARD_BLOCKS"]
 
@@ -42,11 +42,11 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _expected(src: torch.Tensor, shape: Shape, scale, cache: torch.Tensor) -> torch.Tensor:
+def _expected(src: torch.Tensor, shape: Case, scale, cache: torch.Tensor) -> torch.Tensor:
     return quantize(src, shape.cache_dtype, scale, cache.dtype)
 
 
-def _differs(got: torch.Tensor, want: torch.Tensor, shape: Shape) -> torch.Tensor | None:
+def _differs(got: torch.Tensor, want: torch.Tensor, shape: Case) -> torch.Tensor | None:
     """None when ``got`` and ``want`` hold the same bytes, else a mask of differing ``[n, bs?, H]``
     rows. For fp8, two NaNs (any sign or payload) count as equal, as in the test suite."""
     fp8 = shape.cache_dtype.fp8_dtype if shape.cache_dtype.is_fp8 else None
@@ -54,14 +54,14 @@ def _differs(got: torch.Tensor, want: torch.Tensor, shape: Shape) -> torch.Tenso
     return rows if bool(rows.any()) else None
 
 
-def _token_chunks(num_tokens: int, shape: Shape):
+def _token_chunks(num_tokens: int, shape: Case):
     per_token = shape.num_heads * shape.head_size * max(4, shape.in_bytes)
     step = max(1, CHUNK_BYTES // (4 * per_token))
     for t0 in range(0, num_tokens, step):
         yield slice(t0, min(num_tokens, t0 + step))
 
 
-def _checked_blocks(slots: torch.Tensor, shape: Shape) -> torch.Tensor:
+def _checked_blocks(slots: torch.Tensor, shape: Case) -> torch.Tensor:
     """Sorted ids of the checked blocks: touched ones (a random subset past the budget) + guards."""
     touched = torch.unique(slots // shape.block_size)
     budget = max(1, SNAPSHOT_BYTES // shape.block_bytes)
@@ -74,7 +74,7 @@ def _checked_blocks(slots: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 
 def check_point(run, key_cache: torch.Tensor, value_cache: torch.Tensor, inp: InputSet,
-                shape: Shape) -> str | None:
+                shape: Case) -> str | None:
     """Run ``run`` once on ``inp`` as described in the module doc; None if correct, else why.
 
     ``run`` is an implementation's ``run``. The caches are left holding the implementation's

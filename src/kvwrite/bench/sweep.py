@@ -21,7 +21,7 @@ from ..ops.reshape_and_cache_flash import OP, validate
 from . import timing
 from .check import SNAPSHOT_BYTES, check_point
 from .report import Row
-from .workload import CHUNK_BYTES, LAYOUTS, Shape, fill_caches, make_caches, make_input_sets
+from .workload import CHUNK_BYTES, LAYOUTS, Case, fill_caches, make_caches, make_input_sets
 
 __all__ = ["BenchError", "Config", "Env", "run_sweep", "run_benchmark", "available_memory",
            "plan_memory", "DTYPES"]
@@ -82,10 +82,13 @@ class Config:
             return "n/a"
         return "hot" if self.hot_l2 or self.timer == "host-sync" else "rotated"
 
-    def shape(self, layout: str) -> Shape:
-        return Shape(self.num_heads, self.head_size, self.block_size, self.num_blocks, self.dtype,
-                     parse_kv_cache_dtype(self.kv_cache_dtype), self.kv_cache_dtype, layout,
-                     self.per_head_scale)
+    def shape(self, layout: str) -> Case:
+        """The workload of ``layout``'s points (num_tokens is set per point)."""
+        return Case.named_layout(layout, num_tokens=0, num_heads=self.num_heads,
+                                 head_size=self.head_size, block_size=self.block_size,
+                                 num_blocks=self.num_blocks, dtype=self.dtype,
+                                 kv_cache_dtype=self.kv_cache_dtype,
+                                 per_head_scale=self.per_head_scale)
 
 
 @dataclasses.dataclass
@@ -122,7 +125,7 @@ def available_memory(device: torch.device) -> int | None:
 
 # --- L2 rotation and memory -----------------------------------------------------------------------
 
-def rotation(cfg: Config, shape: Shape, num_tokens: int, l2: int) -> tuple[int, bool]:
+def rotation(cfg: Config, shape: Case, num_tokens: int, l2: int) -> tuple[int, bool]:
     """(input sets to rotate over, flush L2 before each timed run).
 
     Cold L2 means that no call finds its inputs in L2: the sets a run rotates over must together
@@ -137,7 +140,7 @@ def rotation(cfg: Config, shape: Shape, num_tokens: int, l2: int) -> tuple[int, 
     return sets, sets * per_set < target
 
 
-def _point_bytes(cfg: Config, shape: Shape, num_tokens: int, l2: int) -> int:
+def _point_bytes(cfg: Config, shape: Case, num_tokens: int, l2: int) -> int:
     """Device bytes a point needs beyond the caches."""
     sets, flush = rotation(cfg, shape, num_tokens, l2)
     need = sets * shape.set_bytes(num_tokens) + (2 * l2 if flush else 0)
@@ -181,10 +184,10 @@ def plan_memory(cfg: Config, free: int | None, where: str, l2: int) -> None:
 
 # --- one measurement ------------------------------------------------------------------------------
 
-def _row(cfg: Config, env: Env, shape: Shape, impl: str, num_tokens: int, **fields) -> Row:
+def _row(cfg: Config, env: Env, shape: Case, impl: str, num_tokens: int, **fields) -> Row:
     nan = math.nan
     base = dict(
-        implementation=impl, layout=shape.layout, dtype=str(cfg.dtype).removeprefix("torch."),
+        implementation=impl, layout=shape.layout_name, dtype=str(cfg.dtype).removeprefix("torch."),
         kv_cache_dtype=cfg.kv_cache_dtype, num_heads=cfg.num_heads, head_size=cfg.head_size,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, num_tokens=num_tokens,
         per_head_scale=cfg.per_head_scale, model=cfg.model, tp=cfg.tp, timer=cfg.timer_name,
@@ -198,7 +201,7 @@ def _row(cfg: Config, env: Env, shape: Shape, impl: str, num_tokens: int, **fiel
     return Row(**base)
 
 
-def _skip_reason(cfg: Config, shape: Shape, num_tokens: int) -> str | None:
+def _skip_reason(cfg: Config, shape: Case, num_tokens: int) -> str | None:
     if num_tokens > shape.num_slots:
         return (f"skipped: num_tokens {num_tokens} exceeds the cache's num_blocks * block_size = "
                 f"{shape.num_slots} slots")
@@ -207,14 +210,14 @@ def _skip_reason(cfg: Config, shape: Shape, num_tokens: int) -> str | None:
     return None
 
 
-def _cannot_run(cfg: Config, info: registry.ImplInfo, inp, key_cache, shape: Shape) -> str | None:
+def _cannot_run(cfg: Config, info: registry.ImplInfo, inp, key_cache, shape: Case) -> str | None:
     reason = info.unsupported(inp.key, key_cache, shape.cache_dtype, inp.k_scale)
     if reason is None and cfg.measured_mode == "cudagraph" and not info.graph_safe:
         reason = f"{info.name} is not CUDA-graph safe (it syncs with the host); time it with --mode no_graph"
     return reason
 
 
-def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Shape, caches, sets,
+def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Case, caches, sets,
              flush: torch.Tensor | None) -> Row:
     key_cache, value_cache = caches
     num_tokens = sets[0].slot_mapping.numel()
@@ -362,8 +365,9 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     dtype = parse_model_dtype(dtype)
     if kv_cache_layout not in LAYOUTS:
         raise ValueError(f"kv_cache_layout: expected one of {list(LAYOUTS)}, got {kv_cache_layout!r}")
-    shape = Shape(num_heads, head_size, block_size, num_blocks, dtype, cache_dtype, kv_cache_dtype,
-                  kv_cache_layout)
+    shape = Case.named_layout(kv_cache_layout, num_tokens=num_tokens, num_heads=num_heads,
+                              head_size=head_size, block_size=block_size, num_blocks=num_blocks,
+                              dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     (inp,) = make_input_sets(shape, num_tokens, 1, dev)
     key_cache, value_cache = make_caches(shape, dev)
     fill_caches(key_cache, value_cache, shape)

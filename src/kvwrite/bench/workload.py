@@ -1,4 +1,5 @@
-"""What one benchmark point runs on: the shape, the caches, and the input sets calls rotate over.
+"""What one benchmark point runs on: the case (``kvwrite.testing.Case``, the one workload model
+of tests, benchmark and probes), the caches, and the input sets calls rotate over.
 
 Input sets follow vLLM's benchmark recipe: after seeding every RNG with 42, ``key`` and ``value``
 are ``torch.randn`` rows, the slots are ``random.sample(range(num_blocks * block_size), T)``
@@ -21,64 +22,16 @@ import numpy as np
 import torch
 
 from ..dtypes import CacheDType
-from ..layouts import KVAlloc, Layout, allocate_kv_cache, fill_uniform
+from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
+from ..testing.cases import Case
 
-__all__ = ["LAYOUTS", "Shape", "InputSet", "layout_alloc", "make_caches", "fill_caches",
+__all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
            "make_input_sets", "SEED"]
 
 SEED = 42
-LAYOUTS = ("NHD", "HND", "packed")
+LAYOUTS = LAYOUT_NAMES
 # Largest temporary (bytes) that filling or checking a cache may allocate at once.
 CHUNK_BYTES = 256 * 2**20
-SLOT_DTYPE = torch.int64
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_heads: int
-    head_size: int
-    block_size: int
-    num_blocks: int
-    dtype: torch.dtype           # key/value dtype
-    cache_dtype: CacheDType
-    kv_cache_dtype: str          # as the user spelled it (passed to the op)
-    layout: str                  # "NHD", "HND" or "packed"
-    per_head_scale: bool = False
-
-    @property
-    def in_bytes(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def cache_elem_bytes(self) -> int:
-        return self.cache_dtype.element_size(self.dtype)
-
-    @property
-    def cache_tensor_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.cache_dtype.is_fp8 else self.cache_dtype.element_dtype(self.dtype)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of K plus one block of V."""
-        return 2 * self.block_size * self.num_heads * self.head_size * self.cache_elem_bytes
-
-    @property
-    def cache_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    def set_bytes(self, num_tokens: int) -> int:
-        """Bytes of one input set: key, value and the slot mapping."""
-        return (2 * num_tokens * self.num_heads * self.head_size * self.in_bytes
-                + num_tokens * SLOT_DTYPE.itemsize)
-
-    def bytes_moved(self, num_tokens: int) -> int:
-        """Bytes one call reads and writes: ``2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes``."""
-        return (2 * num_tokens * self.num_heads * self.head_size
-                * (self.in_bytes + self.cache_elem_bytes) + num_tokens * SLOT_DTYPE.itemsize)
 
 
 @dataclasses.dataclass
@@ -96,27 +49,19 @@ class InputSet:
                 self.k_scale if fp8 else None, self.v_scale if fp8 else None)
 
 
-def layout_alloc(name: str) -> tuple[Layout, KVAlloc]:
-    """The cache layout and allocation of a benchmark layout name (one of ``LAYOUTS``)."""
-    if name == "packed":
-        return Layout.NHD, KVAlloc.PACKED
-    return Layout(name), KVAlloc.INTERLEAVED
+def make_caches(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (key_cache, value_cache) of the case's layout, logical [nb, bs, H, D] each."""
+    return allocate_kv_cache(case.num_blocks, case.block_size, case.num_heads, case.head_size,
+                             case.cache_tensor_dtype, case.layout, case.alloc, device)
 
 
-def make_caches(shape: Shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized (key_cache, value_cache) of ``shape.layout``, logical [nb, bs, H, D] each."""
-    layout, alloc = layout_alloc(shape.layout)
-    return allocate_kv_cache(shape.num_blocks, shape.block_size, shape.num_heads, shape.head_size,
-                             shape.cache_tensor_dtype, layout, alloc, device)
-
-
-def fill_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, shape: Shape,
+def fill_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, case: Case,
                 seed: int = SEED) -> None:
     """Uniform random values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches)."""
     gen = torch.Generator(device=key_cache.device).manual_seed(seed)
-    bound = shape.head_size**-0.5
+    bound = case.head_size**-0.5
     for cache in (key_cache, value_cache):
-        fill_uniform(cache, shape.cache_dtype, -bound, bound, gen)
+        fill_uniform(cache, case.cache_dtype, -bound, bound, gen)
 
 
 def seed_everything(seed: int = SEED) -> None:
@@ -125,22 +70,22 @@ def seed_everything(seed: int = SEED) -> None:
     torch.manual_seed(seed)
 
 
-def make_input_sets(shape: Shape, num_tokens: int, count: int,
+def make_input_sets(case: Case, num_tokens: int, count: int,
                     device: torch.device) -> list[InputSet]:
     """``count`` input sets of ``num_tokens`` tokens; set 0 is vLLM's benchmark input."""
-    if num_tokens > shape.num_slots:
+    if num_tokens > case.num_slots:
         raise ValueError(
-            f"num_tokens: expected at most num_blocks * block_size = {shape.num_slots}, got {num_tokens}"
+            f"num_tokens: expected at most num_blocks * block_size = {case.num_slots}, got {num_tokens}"
         )
     seed_everything()
     sets = []
     for _ in range(count):
-        key = torch.randn(num_tokens, shape.num_heads, shape.head_size, dtype=shape.dtype,
+        key = torch.randn(num_tokens, case.num_heads, case.head_size, dtype=case.dtype,
                           device=device)
         value = torch.randn_like(key)
-        slots = torch.tensor(random.sample(range(shape.num_slots), num_tokens), dtype=SLOT_DTYPE,
-                             device=device)
-        if shape.per_head_scale:
+        slots = torch.tensor(random.sample(range(case.num_slots), num_tokens),
+                             dtype=case.slot_dtype, device=device)
+        if case.per_head_scale:
             k_scale = (key.amax(dim=(0, 2)) / 64.0).to(torch.float32)
             v_scale = (value.amax(dim=(0, 2)) / 64.0).to(torch.float32)
         else:

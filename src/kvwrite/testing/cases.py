@@ -1,7 +1,11 @@
-"""reshape_and_cache_flash's case model: one :class:`Case` describes a call (shape, dtypes,
-layout and allocation incl. packed, slots); :func:`make_inputs` builds its tensors (random
-caches, random inputs, unique random slots plus the padding and out-of-range slots the case asks
-for); ``CASES`` is the matrix every implementation is tested on."""
+"""reshape_and_cache_flash's workload model, shared by the tests, the benchmark and the probes.
+
+One :class:`Case` describes a call: shape, dtypes, layout and allocation (incl. packed), slots,
+and the bytes it moves. Two input recipes build its tensors from it: :func:`make_inputs` for the
+tests (random cache bytes, inputs spread over the fp8 range, unique random slots plus the padding
+and out-of-range slots the case asks for) and ``kvwrite.bench.workload.make_input_sets`` for the
+benchmark (vLLM's recipe). ``CASES`` is the matrix every implementation is tested on.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import itertools
 import torch
 
 from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
-from ..layouts import KVAlloc, Layout, allocate_kv_cache
+from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
 from .compare import storage_bytes
 
 __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
@@ -42,9 +46,61 @@ class Case:
     # fp8 special values (NaN, ±inf, ±0, subnormals, past the maximum) in the inputs.
     special_values: bool = False
 
+    @classmethod
+    def named_layout(cls, name: str, **fields) -> Case:
+        """A case whose layout and allocation are a benchmark layout name (NHD, HND: K and V
+        blocks interleaved as vLLM allocates them; packed: one [.., 2*D] allocation)."""
+        layout, alloc = layout_alloc(name)
+        return cls(layout=layout, alloc=alloc, **fields)
+
+    @property
+    def layout_name(self) -> str:
+        """NHD, HND or packed where the allocation is the benchmark's; else layout-allocation."""
+        return layout_name(self.layout, self.alloc)
+
     @property
     def cache_dtype(self) -> CacheDType:
         return parse_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def cache_tensor_dtype(self) -> torch.dtype:
+        cdt = self.cache_dtype
+        if cdt.is_fp8:
+            return torch.uint8 if self.fp8_storage == "uint8" else cdt.fp8_dtype
+        return cdt.element_dtype(self.dtype)
+
+    @property
+    def in_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def cache_elem_bytes(self) -> int:
+        return self.cache_dtype.element_size(self.dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K plus one block of V."""
+        return 2 * self.block_size * self.num_heads * self.head_size * self.cache_elem_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def set_bytes(self, num_tokens: int | None = None) -> int:
+        """Bytes of one input set: key, value and the slot mapping."""
+        t = self.num_tokens if num_tokens is None else num_tokens
+        return (2 * t * self.num_heads * self.head_size * self.in_bytes
+                + t * self.slot_dtype.itemsize)
+
+    def bytes_moved(self, num_tokens: int | None = None) -> int:
+        """Bytes one call reads and writes: ``2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes``."""
+        t = self.num_tokens if num_tokens is None else num_tokens
+        return (2 * t * self.num_heads * self.head_size * (self.in_bytes + self.cache_elem_bytes)
+                + t * self.slot_dtype.itemsize)
 
     @property
     def id(self) -> str:
@@ -78,13 +134,6 @@ class Inputs:
     def args(self) -> tuple:
         return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
                 self.kv_cache_dtype, self.k_scale, self.v_scale)
-
-
-def _cache_tensor_dtype(case: Case) -> torch.dtype:
-    cdt = case.cache_dtype
-    if cdt.is_fp8:
-        return torch.uint8 if case.fp8_storage == "uint8" else cdt.fp8_dtype
-    return cdt.element_dtype(case.dtype)
 
 
 def _rebuild(storages: dict[int, torch.Tensor], t: torch.Tensor, copy) -> torch.Tensor:
@@ -180,7 +229,7 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
 
     key_cache, value_cache = allocate_kv_cache(case.num_blocks, case.block_size, H, D,
-                                               _cache_tensor_dtype(case), case.layout, case.alloc, "cpu")
+                                               case.cache_tensor_dtype, case.layout, case.alloc, "cpu")
     # Random bits over the whole allocation (the other half of a packed cache too, NaN patterns
     # included), so that a stray or a missing write shows.
     for c in (key_cache, value_cache):

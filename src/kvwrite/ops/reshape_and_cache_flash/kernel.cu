@@ -60,7 +60,7 @@
 // load per tensor (the 8-byte chunks of small calls: 0.015-0.05 us less per call). 32-byte
 // chunks keep div_rn: without its branch, ptxas issues the second 16-byte loads of K and V in
 // the middle of the conversion (to save registers), a memory round trip more per thread
-// (H=8 T=4096 5.4 -> 6.0 us); it keeps loads above a branch. docs/performance.md, change 28.
+// (H=8 T=4096 5.4 -> 6.0 us); it keeps loads above a branch. docs/tuning-log.md, change 28.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FIXED_ARGS_PROLOGUE()                                                               \
   {                                                                                             \
@@ -167,7 +167,7 @@ reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
 }
 // ------------------------------------------------------------------------------------------
 // The loop-free kernel (see "The kernels" above). Against the grid-stride kernel it saves small
-// calls about 0.1-0.2 us of index and loop control and large ones 1-3% (docs/performance.md).
+// calls about 0.1-0.2 us of index and loop control and large ones 1-3% (docs/tuning-log.md).
 // ------------------------------------------------------------------------------------------
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL_PARAMS) {
