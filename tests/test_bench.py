@@ -18,7 +18,7 @@ from kvwrite import registry
 from kvwrite.bench import run_benchmark, sweep
 from kvwrite.bench.cli import build_parser, main, make_config, parse_args, parse_num_tokens
 from kvwrite.bench.models import MODELS
-from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, format_table
+from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, Row, seed_table
 from kvwrite.ops.reshape_and_cache_flash import OP
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import Case
@@ -368,13 +368,23 @@ def test_all_means_the_implementations_available_on_the_device():
     assert cfg.baseline == cfg.implementations[0]
 
 
-def test_table_layout_matches_tabulate():
-    tabulate = pytest.importorskip("tabulate").tabulate
-    headers = ["num_tokens", "layout", "latency (µs)"]
-    for rows in ([[2, "NHD", "3.050"], [65536, "HND", "2406.981"], [16, "HND", "nan"]],
-                 [[2, "NHD", "nan"], [4, "packed", "nan"]],
-                 [[1, "NHD", "0.001"], [8, "HND", "1234567.891"]], []):
-        assert format_table(headers, rows) == tabulate(rows, headers=headers)
+def test_seed_table_is_vllms_format():
+    # vLLM prints f"{latency_us:.3f}" strings through tabulate's defaults; this is that output,
+    # written out, so a change of format (ours or tabulate's) shows here.
+    rows = [sweep_row(2, "NHD", 3.05), sweep_row(65536, "HND", 2406.981),
+            sweep_row(16, "HND", float("nan"))]
+    assert seed_table(rows) == (
+        "  num_tokens  layout      latency (µs)\n"
+        "------------  --------  --------------\n"
+        "           2  NHD                 3.05\n"
+        "       65536  HND              2406.98\n"
+        "          16  HND               nan")
+
+
+def sweep_row(num_tokens: int, layout: str, latency_us: float):
+    fields = {f: 0 for f in ROW_FIELDS}
+    fields.update(num_tokens=num_tokens, layout=layout, latency_us=latency_us)
+    return Row(**fields)
 
 
 # --- on the GPU -----------------------------------------------------------------------------------

@@ -191,8 +191,9 @@ def _cuda_scale(s: torch.Tensor, branch_free: bool) -> tuple[torch.Tensor, torch
     dev = torch.cuda.current_device()
     arch, _ = nvrtc.device_arch(dev)
     name = f"kvw_test_fp8_scale<{str(branch_free).lower()}>"
-    obj, _ = cuda_impl.compile_kernel(arch, name,
-                                      source=cuda_impl.kernel_source() + _SCALE_KERNEL_SRC)
+    # The shared header alone, as every op's kernel includes it.
+    obj, _ = cuda_impl.SOURCE.compile(arch, name,
+                                      source='#include "kvw/fp8.cuh"\n' + _SCALE_KERNEL_SRC)
     cc = nvrtc.cuda_core()
     cc.Device(dev).set_current()
     sd = s.cuda()

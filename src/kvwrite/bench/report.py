@@ -1,8 +1,7 @@
 """One row schema and its renderings: the console table, JSON and CSV.
 
-The console table is laid out as vLLM's benchmark prints it (``tabulate``'s "simple" format with
-its default number handling: numbers in ``g`` format, aligned on the decimal point), without
-depending on tabulate.
+The console table is what vLLM's benchmark prints: ``tabulate`` with its defaults ("simple"
+format; numbers in ``g`` format, aligned on the decimal point).
 
 JSON: ``{"meta": {...}, "rows": [...]}``, with ``meta["command"]`` the command line that
 reproduces the run; NaN is written as null. CSV: one line per row with the :class:`Row` fields
@@ -16,6 +15,8 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Sequence
+
+from tabulate import tabulate
 
 __all__ = ["Row", "ROW_FIELDS", "CSV_FIELDS", "format_table", "seed_table", "compare_table",
            "notes", "write_json", "write_csv", "read_json"]
@@ -73,68 +74,10 @@ CSV_FIELDS = ROW_FIELDS + ["command"]
 
 # --- the console table ---------------------------------------------------------------------------
 
-def _parse_number(v) -> type | None:
-    """int or float when ``v`` reads as a number (tabulate's rule, "nan" included), else None."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return int
-    if isinstance(v, float):
-        return float
-    if not isinstance(v, str):
-        return None
-    try:
-        int(v)
-        return int
-    except ValueError:
-        pass
-    try:
-        f = float(v)
-    except ValueError:
-        return None
-    if math.isinf(f) or math.isnan(f):
-        return float if v.strip().lower() in ("inf", "-inf", "nan") else None
-    return float
-
-
-def _after_point(s: str) -> int:
-    if _parse_number(s) is not int and _parse_number(s) is float:
-        pos = s.rfind(".")
-        pos = s.lower().rfind("e") if pos < 0 else pos
-        return len(s) - pos - 1 if pos >= 0 else -1
-    return -1
-
-
 def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """``tabulate(rows, headers)`` with its defaults ("simple" format, numbers parsed)."""
-    cols = list(zip(*rows, strict=True)) if rows else [() for _ in headers]
-    out_cols, numeric = [], []
-    for col in cols:
-        kinds = {_parse_number(v) for v in col}
-        kind = str if None in kinds or not kinds else float if float in kinds else int
-        cells = [format(float(v), "g") if kind is float else str(v) for v in col]
-        out_cols.append(cells)
-        numeric.append(kind is not str)
-    lines_cols, widths = [], []
-    for h, cells, num in zip(headers, out_cols, numeric, strict=True):
-        minwidth = len(h) + 2
-        if num:
-            decs = [_after_point(c) for c in cells]
-            top = max(decs, default=-1)
-            cells = [c + " " * (top - d) for c, d in zip(cells, decs, strict=True)]
-            width = max([len(c) for c in cells] + [minwidth])
-            lines_cols.append([c.rjust(width) for c in cells])
-        else:
-            cells = [c.strip() for c in cells]
-            width = max([len(c) for c in cells] + [minwidth])
-            lines_cols.append([c.ljust(width) for c in cells])
-        widths.append(width)
-    head = "  ".join(h.rjust(w) if num else h.ljust(w)
-                     for h, w, num in zip(headers, widths, numeric, strict=True))
-    lines = [head.rstrip(), "  ".join("-" * w for w in widths)]
-    for i in range(len(rows)):
-        lines.append("  ".join(col[i] for col in lines_cols).rstrip())
-    return "\n".join(lines)
+    """``tabulate(rows, headers)`` with its defaults ("simple" format, numbers parsed): the format
+    vLLM's benchmark prints."""
+    return tabulate(rows, headers=list(headers))
 
 
 def _us(x: float) -> str:
