@@ -303,6 +303,14 @@ def test_models_and_tp():
     assert make_config(parse_args(["--num-heads", "128", "--tp", "4"])).num_heads == 32
 
 
+def test_sample_count_without_a_time_budget():
+    # time_device's default budget is infinite: then every one of `iters` samples is taken.
+    from kvwrite.bench.timing import MIN_SAMPLES, _sample_count
+    assert _sample_count(1e-5, 30, math.inf) == 30
+    assert _sample_count(1e-3, 100, 0.05) == max(MIN_SAMPLES, 50)
+    assert _sample_count(0.0, 7, 1.0) == 7
+
+
 def test_parse_num_tokens():
     assert parse_num_tokens("2:65536") == [2**e for e in range(1, 17)]
     assert parse_num_tokens("3:20") == [3, 6, 12]

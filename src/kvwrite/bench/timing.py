@@ -51,7 +51,9 @@ class Timing:
 
 def _sample_count(estimate_s: float, iters: int, budget_s: float) -> int:
     """At most ``iters`` samples, fewer when they would run past ``budget_s`` (never < MIN_SAMPLES)."""
-    by_budget = int(budget_s / estimate_s) if estimate_s > 0 else iters
+    if estimate_s <= 0 or math.isinf(budget_s):
+        return max(1, iters)
+    by_budget = int(budget_s / estimate_s)
     return max(1, min(iters, max(MIN_SAMPLES, by_budget)))
 
 
