@@ -243,6 +243,7 @@ CASE = Case(num_tokens=9, num_heads=4, head_size=64, kv_cache_dtype="fp8", layou
 def test_ab_loads_a_directory_as_its_own_package(packages):
     pkg = packages["dir"]
     assert pkg.module.__name__ == "kvwrite_ab_dir" and pkg.module is not kvwrite
+    assert pkg.label == "kvwrite"
     assert pkg.impl("torch").__name__ == "kvwrite_ab_dir.ops.reshape_and_cache_flash.reference"
     assert pkg.impl("cuda").__name__.startswith("kvwrite_ab_dir.")
     # Its enum is its own; this tree's op is still this tree's, its op has its own namespace.

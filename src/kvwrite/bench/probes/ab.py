@@ -157,7 +157,8 @@ def load_package(base: str, name: str = "kvwrite_base", repo: str = ".") -> Pack
         for m in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[m]
         raise
-    return Package(name, base, module, tmp)
+    label = os.path.basename(os.path.normpath(base)) if os.path.isdir(base) else base
+    return Package(name, label, module, tmp)
 
 
 # --------------------------------------------------------------------------------------------
