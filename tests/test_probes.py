@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvwrite
-from kvwrite.bench import cli, markdown
+from kvwrite.bench import cli, markdown, timing
 from kvwrite.bench.probes import PROBES, ab, common, sanitize, small_t
 from kvwrite.bench.report import read_json
 from kvwrite.layouts import KVAlloc, Layout
@@ -112,6 +112,12 @@ def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flag in err, err
+
+
+def test_timers_without_a_budget_take_every_sample():
+    # The probes' timer passes no time budget (math.inf): every requested sample is taken.
+    t = timing.time_cpu(lambda i: None, 2, 7)
+    assert len(t.samples) == 7 and t.calls == 2
 
 
 # ------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Timing:
 
 def _sample_count(estimate_s: float, iters: int, budget_s: float) -> int:
     """At most ``iters`` samples, fewer when they would run past ``budget_s`` (never < MIN_SAMPLES)."""
-    by_budget = int(budget_s / estimate_s) if estimate_s > 0 else iters
+    by_budget = int(budget_s / estimate_s) if estimate_s > 0 and math.isfinite(budget_s) else iters
     return max(1, min(iters, max(MIN_SAMPLES, by_budget)))
 
 
