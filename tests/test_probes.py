@@ -101,6 +101,8 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probe", "small-t", "--layouts", "NHD,XYZ"], "--layouts"),
     (["probe", "small-t", "--pad", "3"], "--pad"),
     (["probe", "variants", "--impls", "cuda,nope"], "--impls"),
+    (["probe", "variants", "--impls", "cuda,torch"], "--impls: torch cannot be captured"),
+    (["probe", "small-t", "--impls", "torch"], "--impls: torch cannot be captured"),
     (["probe", "variants", "--filter", "no-such-point"], "--filter"),
     (["probe", "pattern", "--kinds", "plain,odd"], "--kinds"),
     (["probe", "l2-follow", "--points", "8-XYZ-fp8-64"], "--points"),
@@ -391,7 +393,7 @@ def test_gpu_sanitize_cases_under_compute_sanitizer():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("argv", [
-    ["variants", "--impls", "cuda,triton,torch", "--tokens", "2", "--filter", "8-128-HND-fp8",
+    ["variants", "--impls", "cuda,triton", "--tokens", "2", "--filter", "8-128-HND-fp8",
      "--set", "cuda.small_chunk_bytes_fp8=8|16", "--replays", "3", "--blocks", "64"],
     ["pattern", "--kinds", "plain,evict_last", "--impls", "cuda", "--tokens", "64",
      "--filter", "128-128-NHD-auto,8-128-packed-fp8", "--replays", "3", "--blocks", "64"],

@@ -235,7 +235,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
-    impls = common.str_list("--impls", args.impls, [i.name for i in registry.all_impls(OP)])
+    impls = common.timed_impls(args.impls)
     heads = common.int_list("--heads", args.heads)
     tokens = common.int_list("--tokens", args.tokens)
     layouts = common.str_list("--layouts", args.layouts, LAYOUTS)

@@ -31,7 +31,7 @@ from ..workload import InputSet, Shape, make_caches, make_input_sets
 __all__ = ["CALLS", "ProbeError", "require_gpu", "time_call", "copy_bandwidth", "point_shape",
            "point_sets", "point_caches", "default_tunings", "parse_value", "parse_set", "Variant",
            "variants", "impl_call", "SOURCE", "kernel", "launch", "empty_kernel_floor",
-           "empty_triton_floor", "int_list", "str_list"]
+           "empty_triton_floor", "int_list", "str_list", "timed_impls"]
 
 CALLS = 20
 COPY_BYTES = 2**30
@@ -65,6 +65,19 @@ def str_list(flag: str, text: str, choices: Sequence[str]) -> list[str]:
     if bad or not values:
         raise ProbeError(f"{flag}: expected a comma list of {', '.join(choices)}, got {text!r}")
     return values
+
+
+def timed_impls(text: str) -> list[str]:
+    """``--impls``: a comma list of registered implementations that a CUDA graph can capture
+    (the probes time graphs; the torch reference syncs with the host)."""
+    infos = {i.name: i for i in registry.all_impls(OP)}
+    names = str_list("--impls", text, list(infos))
+    for n in names:
+        if not infos[n].graph_safe:
+            safe = [i for i, info in infos.items() if info.graph_safe]
+            raise ProbeError(f"--impls: {n} cannot be captured in a CUDA graph, which the probes "
+                             f"time; expected a comma list of {', '.join(safe)}")
+    return names
 
 
 def time_call(fn: Callable[[], None], replays: int) -> float:

@@ -17,9 +17,7 @@ import dataclasses
 
 import torch
 
-from ... import registry
 from ...dtypes import parse_kv_cache_dtype
-from ...ops.reshape_and_cache_flash import OP
 from .. import report
 from ..workload import LAYOUTS
 from . import common
@@ -76,7 +74,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
-    impls = common.str_list("--impls", args.impls, [i.name for i in registry.all_impls(OP)])
+    impls = common.timed_impls(args.impls)
     vs = common.variants(args.set)
     points = [parse_point(x) for x in args.points.split(",") if x.strip()]
     if args.follower_mib < 1 or args.reps < 1:

@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from ... import registry
-from ...ops.reshape_and_cache_flash import OP
 from . import common
 from .variants import (
     Column,
@@ -78,8 +76,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str], prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
     kinds = common.str_list("--kinds", args.kinds, KINDS)
-    known = [i.name for i in registry.all_impls(OP)]
-    impls = common.str_list("--impls", args.impls, known) if args.impls else []
+    impls = common.timed_impls(args.impls) if args.impls else []
     points = select_points(args.tokens, args.filter)
     common.require_gpu()
     bw = common.copy_bandwidth()

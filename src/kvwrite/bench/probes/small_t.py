@@ -21,8 +21,6 @@ import statistics
 
 import torch
 
-from ... import registry
-from ...ops.reshape_and_cache_flash import OP
 from ...testing.compare import differing_bytes
 from .. import report
 from . import common
@@ -100,7 +98,7 @@ def main(argv: list[str], prog: str) -> int:
     tokens = common.int_list("--tokens", args.tokens)
     layouts = common.str_list("--layouts", args.layouts, LAYOUTS)
     kvs = common.str_list("--kv", args.kv, KV)
-    impls = common.str_list("--impls", args.impls, [i.name for i in registry.all_impls(OP)])
+    impls = common.timed_impls(args.impls)
     vs = common.variants(args.set)
     if args.pad < 0 or args.pad % 8:
         raise common.ProbeError(f"--pad: expected a non-negative multiple of 8, got {args.pad}")

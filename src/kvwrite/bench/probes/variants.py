@@ -174,8 +174,7 @@ def write_json(path: str | None, probe: str, rows: list[ProbeRow], argv: list[st
 
 def main(argv: list[str], prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
-    known = [i.name for i in registry.all_impls(OP)]
-    impls = common.str_list("--impls", args.impls, known)
+    impls = common.timed_impls(args.impls)
     vs = common.variants(args.set)
     points = select_points(args.tokens, args.filter)
     common.require_gpu()
