@@ -2,6 +2,9 @@
 
     kvwrite-bench [vLLM's flags] [kvwrite's flags]     # the sweep; the table on stdout
     kvwrite-bench plot RESULTS.json --out PLOT.png     # a plot from a saved --json file
+    kvwrite-bench report RESULTS.json...               # saved --json files as markdown tables
+    kvwrite-bench probe NAME [...]                     # development probes (kvwrite.bench.probes)
+    kvwrite-bench sanitize                             # the cases for compute-sanitizer
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error or a
 cache that does not fit.
@@ -340,11 +343,24 @@ def _plot_main(argv: list[str], prog: str) -> int:
     return 0
 
 
+def _tool_main(name: str, argv: list[str], prog: str) -> int:
+    """The ``probe``, ``report`` and ``sanitize`` subcommands (imported only when used)."""
+    if name == "report":
+        from .markdown import main as report_main
+        return report_main(argv, f"{prog} report")
+    from . import probes
+    if name == "sanitize":
+        return probes.run_probe("sanitize", argv, f"{prog} sanitize")
+    return probes.main(argv, f"{prog} probe")
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["plot"]:
             return _plot_main(argv[1:], prog)
+        if argv[:1] in (["probe"], ["report"], ["sanitize"]):
+            return _tool_main(argv[0], argv[1:], prog)
         return _run(argv, prog)
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

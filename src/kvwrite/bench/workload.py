@@ -70,9 +70,11 @@ def seed_everything(seed: int = SEED) -> None:
     torch.manual_seed(seed)
 
 
-def make_input_sets(case: Case, num_tokens: int, count: int,
-                    device: torch.device) -> list[InputSet]:
-    """``count`` input sets of ``num_tokens`` tokens; set 0 is vLLM's benchmark input."""
+def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.device,
+                    scale: float | None = None) -> list[InputSet]:
+    """``count`` input sets of ``num_tokens`` tokens; set 0 is vLLM's benchmark input.
+
+    ``scale``: every fp8 scale (per tensor, or each head's) is this value instead of amax / 64."""
     if num_tokens > case.num_slots:
         raise ValueError(
             f"num_tokens: expected at most num_blocks * block_size = {case.num_slots}, got {num_tokens}"
@@ -85,7 +87,11 @@ def make_input_sets(case: Case, num_tokens: int, count: int,
         value = torch.randn_like(key)
         slots = torch.tensor(random.sample(range(case.num_slots), num_tokens),
                              dtype=case.slot_dtype, device=device)
-        if case.per_head_scale:
+        if scale is not None:
+            k_scale = torch.full((case.num_heads,) if case.per_head_scale else (), scale,
+                                 dtype=torch.float32, device=device)
+            v_scale = k_scale.clone()
+        elif case.per_head_scale:
             k_scale = (key.amax(dim=(0, 2)) / 64.0).to(torch.float32)
             v_scale = (value.amax(dim=(0, 2)) / 64.0).to(torch.float32)
         else:

@@ -1,0 +1,94 @@
+// Minimal kernels of the probes (compiled with NVRTC by kvwrite.bench.probes.common): what a
+// launch, the access pattern, or the unavoidable work of reshape_and_cache_flash costs alone.
+// Input rows are bfloat16, block size 16, head size a multiple of 16 elements. Scalar arguments
+// are 64-bit (cuda.core passes a Python int as 8 bytes).
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+
+// Nothing: the floor of a launch (one thread).
+extern "C" __global__ void kvw_empty() {}
+
+// The bytes and addresses of one call, without the op's work: each thread reads one 32-byte
+// (fp8) or 16-byte (copy) chunk of K and of V and writes 16 bytes of each (fp8: the high byte of
+// each bfloat16, no quotient) at the cache address of its token's slot. Grid (T, chunk groups).
+// EVICT_LAST: the loads carry the L2 evict-last hint.
+template <bool EVICT_LAST>
+__device__ __forceinline__ uint4 pattern_load(const u8* p) {
+  if (EVICT_LAST) {
+    uint4 v;
+    u64 pol;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+    return v;
+  }
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+template <bool EVICT_LAST>
+__global__ void kvw_pattern(const u8* __restrict__ key, const u8* __restrict__ value, u8* kc,
+                            u8* vc, const i64* __restrict__ slots, i64 row_in_bytes,
+                            i64 num_chunks, i64 chunks_per_head, i64 sb, i64 ss, i64 sh, i64 fp8) {
+  const i64 t = blockIdx.x;
+  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
+  const u32 chunks = (u32)num_chunks, cph = (u32)chunks_per_head;
+  if (c >= chunks) return;
+  const i64 s = slots[t];
+  const u32 in_chunk = fp8 ? 32 : 16;
+  const u8* kp = key + t * row_in_bytes + (i64)c * in_chunk;
+  const u8* vp = value + t * row_in_bytes + (i64)c * in_chunk;
+  const u32 h = c / cph, d = (c - h * cph) * 16;
+  const i64 off = (s >> 4) * sb + (s & 15) * ss + (i64)h * sh + d;
+  uint4 k = pattern_load<EVICT_LAST>(kp), v = pattern_load<EVICT_LAST>(vp);
+  if (fp8) {
+    const uint4 k1 = pattern_load<EVICT_LAST>(kp + 16), v1 = pattern_load<EVICT_LAST>(vp + 16);
+    k = make_uint4(__byte_perm(k.x, k.y, 0x7531), __byte_perm(k.z, k.w, 0x7531),
+                   __byte_perm(k1.x, k1.y, 0x7531), __byte_perm(k1.z, k1.w, 0x7531));
+    v = make_uint4(__byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x7531),
+                   __byte_perm(v1.x, v1.y, 0x7531), __byte_perm(v1.z, v1.w, 0x7531));
+  }
+  *reinterpret_cast<uint4*>(kc + off) = k;
+  *reinterpret_cast<uint4*>(vc + off) = v;
+}
+
+// The unavoidable work of a small call (head size 128): one thread per 16-byte chunk of a token's
+// K row (and the same chunk of V): slot load, data loads, store through (block, page, head)
+// strides in elements; fp8 (e4m3) also the scales' loads and the exact division-free quotient.
+// H and the strides are template constants, so the kernel reads nothing but its pointers and T
+// from the parameter bank. Writes what reshape_and_cache_flash writes (the probe checks it).
+template <int H, int FP8, i64 PAGE, i64 HEAD, i64 BLOCK>
+__global__ void __launch_bounds__(128) kvw_small(
+    const u8* __restrict__ key, const u8* __restrict__ value, u8* __restrict__ kc,
+    u8* __restrict__ vc, const i64* __restrict__ slots, const float* __restrict__ ks,
+    const float* __restrict__ vs, i64 T) {
+  const u32 g = blockIdx.x * blockDim.x + threadIdx.x;
+  constexpr u32 C = H * 16;  // 16-byte chunks per token row
+  const u32 t = g / C;
+  if (t >= T) return;
+  const u32 c = g % C;
+  const i64 s = slots[t];
+  float k_s = 0.f, v_s = 0.f;
+  if (FP8) { k_s = ks[0]; v_s = vs[0]; }
+  const uint4 kk = reinterpret_cast<const uint4*>(key)[g];
+  const uint4 vv = reinterpret_cast<const uint4*>(value)[g];
+  const u32 h = c >> 4, d = (c & 15) * 8;
+  const i64 off = (s >> 4) * BLOCK + (s & 15) * PAGE + h * HEAD + d;  // elements
+  if (!FP8) {
+    reinterpret_cast<uint4*>(kc + off * 2)[0] = kk;
+    reinterpret_cast<uint4*>(vc + off * 2)[0] = vv;
+  } else {
+    const Fp8Scale ksc = make_fp8_scale(k_s), vsc = make_fp8_scale(v_s);
+    float xk[8], xv[8];
+    const u32 wk[4] = {kk.x, kk.y, kk.z, kk.w}, wv[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xk[i] = bits_f32((wk[i >> 1] >> ((i & 1) * 16)) << 16);
+      xv[i] = bits_f32((wv[i >> 1] >> ((i & 1) * 16)) << 16);
+    }
+    u32 ok[2], ov[2];
+    fp8_quantize<DT_E4M3, 8, 1>(xk, ok, ksc);
+    fp8_quantize<DT_E4M3, 8, 1>(xv, ov, vsc);
+    reinterpret_cast<uint2*>(kc + off)[0] = make_uint2(ok[0], ok[1]);
+    reinterpret_cast<uint2*>(vc + off)[0] = make_uint2(ov[0], ov[1]);
+  }
+}

@@ -1,0 +1,414 @@
+"""kvwrite-bench's probe, report and sanitize subcommands: argument parsing, the --set parser, the
+markdown report of a CPU benchmark's JSON, the A/B loader (an earlier revision as its own
+package), the probes' kernels compiled with NVRTC, and on a GPU the probes and the sanitizer
+cases themselves."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite.bench import cli, markdown, timing
+from kvwrite.bench.probes import PROBES, ab, common, sanitize, small_t
+from kvwrite.bench.report import read_json
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
+from kvwrite.testing import Case, make_inputs
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(kvwrite.__file__)))
+PKG = os.path.dirname(os.path.abspath(kvwrite.__file__))
+BASE_REV = "b3301bf"  # the last revision before the op axis (kvwrite.impls, registry.get(name))
+
+
+def _git_reason(rev: str) -> str | None:
+    """None when the tree kvwrite is imported from is a git checkout that has ``rev``."""
+    if shutil.which("git") is None:
+        return "git is not installed"
+    try:
+        subprocess.run(["git", "-C", SRC, "cat-file", "-e", f"{rev}^{{tree}}"], check=True,
+                       capture_output=True)
+    except subprocess.CalledProcessError:
+        return f"{SRC} is not a git checkout holding revision {rev}"
+    return None
+
+
+needs_history = pytest.mark.skipif(_git_reason(BASE_REV) is not None,
+                                   reason=str(_git_reason(BASE_REV)))
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # not installed, or the library cannot be loaded
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+
+
+# ------------------------------------------------------------------------------------------
+# Argument parsing
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["probe", name, "--help"] for name in PROBES]
+                         + [["report", "--help"], ["sanitize", "--help"], ["probe", "--help"]])
+def test_every_subcommand_has_help(argv, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's --help
+        rc = e.code
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvwrite-bench " + argv[0])
+
+
+def test_probe_without_a_name_lists_the_probes(capsys):
+    assert cli.main(["probe"]) == 2
+    out = capsys.readouterr().out
+    assert all(name in out for name in PROBES)
+
+
+def test_unknown_probe_is_one_line_naming_it(capsys):
+    assert cli.main(["probe", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'nope'" in err and "variants" in err
+
+
+@no_gpu
+@pytest.mark.parametrize("argv", [["probe", "variants"], ["probe", "pattern"],
+                                  ["probe", "small-t"], ["probe", "ab", "--base", "HEAD"],
+                                  ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"]])
+def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
+    assert cli.main(argv) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert "\n" not in err and "needs a CUDA GPU" in err, err
+    assert "Traceback" not in cap.err + cap.out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["probe", "small-t", "--heads", "8,x"], "--heads"),
+    (["probe", "small-t", "--layouts", "NHD,XYZ"], "--layouts"),
+    (["probe", "small-t", "--pad", "3"], "--pad"),
+    (["probe", "variants", "--impls", "cuda,nope"], "--impls"),
+    (["probe", "variants", "--impls", "cuda,torch"], "--impls: torch cannot be captured"),
+    (["probe", "small-t", "--impls", "torch"], "--impls: torch cannot be captured"),
+    (["probe", "variants", "--filter", "no-such-point"], "--filter"),
+    (["probe", "pattern", "--kinds", "plain,odd"], "--kinds"),
+    (["probe", "l2-follow", "--points", "8-XYZ-fp8-64"], "--points"),
+    (["probe", "ab", "--base", "HEAD", "--layouts", "NHD,nope"], "--layouts"),
+    (["probe", "ab", "--base", "HEAD", "--kv", "fp9"], "kv_cache_dtype"),
+])
+def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
+    # Checked before anything needs a GPU, so the same on every machine.
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err, err
+
+
+def test_timers_without_a_budget_take_every_sample():
+    # The probes' timer passes no time budget (math.inf): every requested sample is taken.
+    t = timing.time_cpu(lambda i: None, 2, 7)
+    assert len(t.samples) == 7 and t.calls == 2
+
+
+# ------------------------------------------------------------------------------------------
+# --set IMPL.FIELD=V1|V2
+# ------------------------------------------------------------------------------------------
+def test_set_parses_each_alternative_with_the_fields_type():
+    assert common.parse_set("triton.tile_bytes=4096|0x2000|16_384") == (
+        "triton", "tile_bytes", [4096, 8192, 16384])
+    impl, field, values = common.parse_set("cuda.loop_free=true|False|1|0")
+    assert (impl, field) == ("cuda", "loop_free")
+    assert values == [True, False, True, False] and all(type(v) is bool for v in values)
+    assert common.parse_set("triton.evict_first_max_bytes=-1") == (
+        "triton", "evict_first_max_bytes", [-1])
+
+
+@pytest.mark.parametrize("text, words", [
+    ("cuda.no_such_field=1", ["cuda", "'no_such_field'", "max_threads"]),
+    ("nope.tile_bytes=1", ["'nope'", "cuda", "triton"]),
+    ("cuda.max_threads=many", ["cuda.max_threads", "int", "'many'"]),
+    ("cuda.loop_free=yes", ["cuda.loop_free", "true, false", "'yes'"]),
+    ("cuda.max_threads", ["IMPL.FIELD=VALUE"]),
+    ("max_threads=128", ["IMPL.FIELD=VALUE"]),
+    ("cuda.max_threads=", ["IMPL.FIELD=VALUE"]),
+])
+def test_set_errors_name_what_is_wrong(text, words):
+    with pytest.raises(common.ProbeError) as e:
+        common.parse_set(text)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_variants_are_every_combination_of_new_tuning_objects():
+    vs = common.variants(["cuda.max_threads=128|256", "triton.tile_bytes=4096|8192|16384"])
+    assert len(vs) == 6
+    seen = {(v.tunings["cuda"].max_threads, v.tunings["triton"].tile_bytes) for v in vs}
+    assert seen == {(c, t) for c in (128, 256) for t in (4096, 8192, 16384)}
+    for v in vs:
+        assert isinstance(v.tunings["cuda"], cuda_impl.CudaTuning)
+        assert v.tunings["cuda"] is not cuda_impl.TUNING
+        # Fields not set keep the defaults.
+        assert v.tunings["cuda"].small_row_threads == cuda_impl.TUNING.small_row_threads
+    # The module-level defaults are untouched.
+    assert cuda_impl.TUNING.max_threads == 256 and triton_impl.TUNING.tile_bytes == 4096
+    v = vs[0]
+    assert v.label == "cuda.max_threads=128,triton.tile_bytes=4096"
+    assert v.tag("cuda") == "cuda[max_threads=128]" and v.tag("torch") == "torch"
+    [plain] = common.variants([])
+    assert plain.label == "" and plain.tunings["cuda"] is cuda_impl.TUNING
+
+
+def test_impl_call_passes_the_variants_tuning(monkeypatch):
+    seen = []
+    [v] = common.variants(["cuda.max_threads=64"])
+    monkeypatch.setattr(cuda_impl, "run", lambda *a, **kw: seen.append((a, kw)))
+    common.impl_call("cuda", (1, 2), v)()
+    assert seen == [((1, 2), {"tuning": v.tunings["cuda"]})]
+    assert seen[0][1]["tuning"].max_threads == 64
+
+
+# ------------------------------------------------------------------------------------------
+# report: the markdown tables of a CPU benchmark's JSON
+# ------------------------------------------------------------------------------------------
+def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
+    path = str(tmp_path / "cpu.json")
+    assert cli.main(["--device", "cpu", "--num-blocks", "64", "--num-tokens", "2,4",
+                     "--iters", "3", "--json", path]) == 0
+    capsys.readouterr()
+    assert cli.main(["report", path, path]) == 0
+    out = capsys.readouterr().out
+    meta, rows = read_json(path)
+    table = markdown.markdown_table(meta, rows)
+    assert out == f"{table}\n\n{table}\n"
+    lines = table.splitlines()
+    assert lines[0].startswith("**H=128 D=128 bfloat16 kv=auto** (cpu, copy bandwidth ")
+    assert lines[2] == "| T | NHD torch | HND torch |"
+    assert lines[3] == "|---:|---:|---:|"
+    by = {(r.num_tokens, r.layout): r for r in rows}
+    for line, t in zip(lines[4:], (2, 4), strict=True):
+        cells = [f"{by[(t, lo)].median_us:.2f} ({by[(t, lo)].pct_copy_bw:.0f}%)"
+                 for lo in ("NHD", "HND")]
+        assert line == f"| {t} | " + " | ".join(cells) + " |"
+
+
+def test_report_marks_rows_not_measured_and_rejects_bad_files(tmp_path, capsys):
+    path = str(tmp_path / "cpu.json")
+    assert cli.main(["--device", "cpu", "--num-blocks", "64", "--num-tokens", "2",
+                     "--iters", "3", "--layouts", "NHD", "--json", path]) == 0
+    meta, rows = read_json(path)
+    rows[0] = dataclasses.replace(rows[0], status="error: broken")
+    assert markdown.markdown_table(meta, rows).splitlines()[-1] == "| 2 | n/a |"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"something": 1}))
+    capsys.readouterr()
+    assert cli.main(["report", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bad.json" in err
+
+
+# ------------------------------------------------------------------------------------------
+# ab: an earlier tree as its own package
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def packages():
+    """This tree loaded from its directory, and where the history is there, b3301bf and HEAD."""
+    pkgs = {"dir": ab.load_package(PKG, "kvwrite_ab_dir")}
+    if _git_reason(BASE_REV) is None:
+        pkgs["old"] = ab.load_package(BASE_REV, "kvwrite_ab_old", repo=SRC)
+        pkgs["head"] = ab.load_package("HEAD", "kvwrite_ab_head", repo=SRC)
+    return pkgs
+
+
+def _fp8_case_calls(pkgs: dict, case: Case):
+    """Per package: a call of its torch implementation, with its own CacheDType, on ``case``."""
+    inp = make_inputs(case, "cpu")
+    calls = {"this tree": lambda: kvwrite.reshape_and_cache_flash(*inp.args(),
+                                                                  implementation="torch")}
+    for name, pkg in pkgs.items():
+        cdt = pkg.cache_dtype(case.kv_cache_dtype)
+        run = pkg.impl("torch").run
+        calls[name] = (lambda run=run, cdt=cdt: run(inp.key, inp.value, inp.key_cache,
+                                                    inp.value_cache, inp.slot_mapping, cdt,
+                                                    inp.k_scale, inp.v_scale))
+    return inp, calls
+
+
+CASE = Case(num_tokens=9, num_heads=4, head_size=64, kv_cache_dtype="fp8", layout=Layout.HND,
+            alloc=KVAlloc.INTERLEAVED, per_head_scale=True)
+
+
+def test_ab_loads_a_directory_as_its_own_package(packages):
+    pkg = packages["dir"]
+    assert pkg.module.__name__ == "kvwrite_ab_dir" and pkg.module is not kvwrite
+    assert pkg.label == "kvwrite"
+    assert pkg.impl("torch").__name__ == "kvwrite_ab_dir.ops.reshape_and_cache_flash.reference"
+    assert pkg.impl("cuda").__name__.startswith("kvwrite_ab_dir.")
+    # Its enum is its own; this tree's op is still this tree's, its op has its own namespace.
+    cdt = pkg.cache_dtype("fp8")
+    assert type(cdt) is pkg.module.CacheDType and not isinstance(cdt, kvwrite.CacheDType)
+    assert hasattr(torch.ops.kvwrite_ab_dir, "reshape_and_cache_flash")
+    inp, calls = _fp8_case_calls({"dir": pkg}, CASE)
+    assert ab.check_same_bytes(calls, inp.key_cache, inp.value_cache, inp.slot_mapping) is None
+
+
+@needs_history
+def test_ab_loads_the_revision_before_the_op_axis_and_head(packages):
+    old, head = packages["old"], packages["head"]
+    assert old.impl("torch").__name__ == "kvwrite_ab_old.impls.torch_ref"
+    assert old.impl("cuda").__name__ == "kvwrite_ab_old.impls.cuda_impl"
+    assert head.impl("torch").__name__ == "kvwrite_ab_head.ops.reshape_and_cache_flash.reference"
+    cdt = old.cache_dtype("fp8")
+    assert type(cdt) is old.module.dtypes.CacheDType
+    assert type(cdt) is not head.module.dtypes.CacheDType and not isinstance(
+        cdt, kvwrite.CacheDType)
+    # The old parser refuses this tree's enum: only the base's own parser gives the base's enum.
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        old.module.dtypes.parse_kv_cache_dtype(kvwrite.CacheDType.FP8_E4M3)
+
+
+@needs_history
+@pytest.mark.parametrize("case", [
+    CASE,
+    Case(num_tokens=7, num_heads=2, head_size=32, kv_cache_dtype="auto", alloc=KVAlloc.PACKED),
+    Case(num_tokens=5, num_heads=3, head_size=16, dtype=torch.float32, kv_cache_dtype="fp8_e5m2"),
+], ids=lambda c: c.id)
+def test_ab_torch_implementations_of_old_head_and_this_tree_write_the_same_bytes(packages, case):
+    inp, calls = _fp8_case_calls(packages, case)
+    assert ab.check_same_bytes(calls, inp.key_cache, inp.value_cache, inp.slot_mapping) is None
+
+
+def test_ab_byte_check_catches_a_wrong_implementation():
+    inp = make_inputs(CASE, "cpu")
+
+    def good():
+        kvwrite.reshape_and_cache_flash(*inp.args(), implementation="torch")
+
+    def off_by_one_slot():  # writes each row one slot further on
+        kvwrite.reshape_and_cache_flash(*inp.args()[:4], (inp.slot_mapping + 1) % 16,
+                                        *inp.args()[5:], implementation="torch")
+
+    def one_bit():
+        good()
+        blk, pg = int(inp.slot_mapping[3]) // 16, int(inp.slot_mapping[3]) % 16
+        inp.value_cache[blk, pg, 1, 5] ^= 1
+
+    diff = ab.check_same_bytes({"good": good, "one_bit": one_bit}, inp.key_cache,
+                               inp.value_cache, inp.slot_mapping)
+    assert diff == "one_bit wrote 1 bytes other than good"
+    assert ab.check_same_bytes({"good": good, "off": off_by_one_slot}, inp.key_cache,
+                               inp.value_cache, inp.slot_mapping) is not None
+
+
+def test_ab_loader_errors_name_the_problem(tmp_path):
+    with pytest.raises(common.ProbeError, match="holds no kvwrite package"):
+        ab.load_package(str(tmp_path), "kvwrite_ab_empty")
+    with pytest.raises(common.ProbeError, match="other than kvwrite"):
+        ab.load_package(PKG, "kvwrite")
+    with pytest.raises(common.ProbeError, match="already imported"):
+        ab.load_package(PKG, "pytest")
+    if _git_reason(BASE_REV) is None:
+        with pytest.raises(common.ProbeError, match="no-such-rev"):
+            ab.load_package("no-such-rev", "kvwrite_ab_bad", repo=SRC)
+    assert "kvwrite_ab_bad" not in sys.modules and "kvwrite_ab_empty" not in sys.modules
+
+
+# ------------------------------------------------------------------------------------------
+# The probes' kernels and the sanitizer cases
+# ------------------------------------------------------------------------------------------
+def _probe_kernel_names() -> list[str]:
+    names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>"]
+    names += [small_t.kernel_name(h, lo, fp8, 64) for h in (8, 128) for lo in small_t.LAYOUTS
+              for fp8 in (False, True)]
+    return names
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_probe_kernel_in_one_program():
+    names = _probe_kernel_names()
+    obj, _ = common.SOURCE.compile("sm_90", names)
+    assert set(names) <= set(obj.symbol_mapping)
+    # Every scalar argument is 64-bit (cuda.core passes Python ints as 8 bytes): the mangled
+    # names list only pointers (P...) and long long (x).
+    pattern = obj.symbol_mapping["kvw_pattern<false>"].decode()
+    assert pattern.endswith("PKhS1_PhS2_PKxxxxxxxx"), pattern
+
+
+def test_sanitize_cases_cover_both_kernels_and_the_hard_shapes():
+    assert sanitize.KERNELS == ("loop-free", "grid-stride")
+    ids = [c.id for c in sanitize.CASES]
+    assert len(set(ids)) == len(ids)
+    assert any(c.head_size % 8 for c in sanitize.CASES)            # unaligned rows
+    assert any(c.out_of_range_slots for c in sanitize.CASES)
+    assert any(c.alloc is KVAlloc.PACKED for c in sanitize.CASES)
+    assert any(c.block_size & (c.block_size - 1) for c in sanitize.CASES)
+    assert max(c.num_tokens for c in sanitize.CASES) >= 40_000
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_cases_match_the_reference_in_process():
+    lines = []
+    runs, failures = sanitize.run_cases(out=lines.append)
+    assert runs == 2 * len(sanitize.CASES) and failures == 0, "\n".join(lines)
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_case_reports_a_wrong_kernel(monkeypatch):
+    # A deliberately wrong launch (slot + 1) must show as a mismatch.
+    real = cuda_impl.run
+
+    def shifted(key, value, kc, vc, slots, *rest, **kw):
+        real(key, value, kc, vc, slots + 1, *rest, **kw)
+
+    monkeypatch.setattr(cuda_impl, "run", shifted)
+    diff = sanitize.run_case(sanitize.CASES[0], "loop-free")
+    assert diff is not None and "bytes differ" in diff
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
+                    reason="compute-sanitizer is not on PATH")
+def test_gpu_sanitize_cases_under_compute_sanitizer():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
+           "--error-exitcode", "3", sys.executable, "-m", "kvwrite.bench", "sanitize"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    n = 2 * len(sanitize.CASES)
+    assert f"{n}/{n} runs match the torch reference" in out
+    assert "ERROR SUMMARY: 0 errors" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("argv", [
+    ["variants", "--impls", "cuda,triton", "--tokens", "2", "--filter", "8-128-HND-fp8",
+     "--set", "cuda.small_chunk_bytes_fp8=8|16", "--replays", "3", "--blocks", "64"],
+    ["pattern", "--kinds", "plain,evict_last", "--impls", "cuda", "--tokens", "64",
+     "--filter", "128-128-NHD-auto,8-128-packed-fp8", "--replays", "3", "--blocks", "64"],
+    ["small-t", "--heads", "8", "--tokens", "2", "--seeds", "2", "--replays", "3",
+     "--blocks", "64"],
+    ["l2-follow", "--points", "8-HND-fp8-64", "--follower-mib", "1", "--replays", "3",
+     "--blocks", "64", "--set", "triton.evict_first_max_bytes=-1|0x100000"],
+    ["ab", "--base", PKG, "--heads", "8", "--tokens", "2,64", "--kv", "auto,fp8",
+     "--seeds", "2", "--replays", "3", "--blocks", "64"],
+], ids=lambda a: a[0])
+def test_gpu_probes_run_end_to_end(argv, tmp_path, capsys):
+    path = str(tmp_path / "rows.json")
+    assert cli.main(["probe", *argv, "--json", path]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# ")
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["rows"] and doc["meta"]["probe"] == argv[0]
