@@ -229,6 +229,11 @@ def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Case, caches
     if reason is not None:
         return _row(cfg, env, shape, info.name, num_tokens, status=f"unsupported: {reason}", **row)
     run = info.run
+    args = [s.run_args(key_cache, value_cache, shape.cache_dtype) for s in sets]
+    for a in args:
+        reason = info.prepare(*a)
+        if reason is not None:
+            return _row(cfg, env, shape, info.name, num_tokens, status=f"unsupported: {reason}", **row)
     try:
         if cfg.check:
             reason = check_point(run, key_cache, value_cache, sets[0], shape)
@@ -236,7 +241,6 @@ def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Case, caches
                 return _row(cfg, env, shape, info.name, num_tokens, check="failed",
                             status=f"mismatch: {reason}", **row)
             row["check"] = "passed"
-        args = [s.run_args(key_cache, value_cache, shape.cache_dtype) for s in sets]
         n = len(args)
 
         def call(i: int) -> None:
@@ -381,9 +385,12 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     key_cache, value_cache = make_caches(shape, dev)
     fill_caches(key_cache, value_cache, shape)
     reason = info.unsupported(inp.key, key_cache, cache_dtype, inp.k_scale)
+    run_args = inp.run_args(key_cache, value_cache, cache_dtype)
+    if reason is None:
+        reason = info.prepare(*run_args)
     if reason is not None or (benchmark_mode == "cudagraph" and not info.graph_safe):
         return math.nan
-    call = functools.partial(info.run, *inp.run_args(key_cache, value_cache, cache_dtype))
+    call = functools.partial(info.run, *run_args)
     t = timing.time_host_sync(call, num_iters, graph=benchmark_mode == "cudagraph", device=dev)
     del call, inp, key_cache, value_cache  # free the cache before the next call allocates one
     if dev.type == "cuda":
