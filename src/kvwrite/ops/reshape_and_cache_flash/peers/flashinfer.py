@@ -57,8 +57,8 @@ def _load():
     try:
         return importlib.import_module("flashinfer.page"), None
     except Exception as first:  # the full package's __init__ can fail on a partial install
-        for name in ("flashinfer.page", "flashinfer.jit", "flashinfer"):
-            sys.modules.pop(name, None)
+        for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+            del sys.modules[name]
         _bare_packages()
         try:
             return importlib.import_module("flashinfer.page"), None
