@@ -243,3 +243,10 @@ def test_torch_compile_passes_the_check_on_cpu():
         pytest.skip(reason)
     case, caches, inp = _point("HND", "mixed", pad=0.25, num_tokens=16)
     assert check_point(info.run, *caches, inp, case) is None
+
+
+def test_flashinfer_writes_nothing_for_zero_tokens(fake_flashinfer):
+    case, caches, inp = _point("NHD")
+    empty = inp.slot_mapping[:0]
+    fi.run(inp.key, inp.value, *caches, empty, case.cache_dtype, None, None)
+    assert fake_flashinfer.calls == []

@@ -146,8 +146,8 @@ def prepare(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_sca
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < 0:
             n = int((slot_mapping < 0).sum())
-            return (f"FlashInfer's append_paged_kv_cache has no padding slots: {n} slots are "
-                    f"negative (its position would address outside the cache)")
+            return (f"FlashInfer's append_paged_kv_cache has no padding slots: {n} of the slots "
+                    f"are negative (its position would address outside the cache)")
         if hi >= num_blocks * block_size:
             return f"FlashInfer would write outside the cache for slot {hi}"
     key_id = id(slot_mapping)
@@ -169,6 +169,8 @@ def _prepared(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> dict | Non
 
 
 def run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale) -> None:
+    if slot_mapping.numel() == 0:  # its launch grid would be empty (an invalid configuration)
+        return
     args = _prepared(slot_mapping, key_cache)
     if args is None:
         reason = prepare(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale,
