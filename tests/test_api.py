@@ -77,7 +77,8 @@ BAD = [
     ("scale-strided", lambda a: {"k_scale": torch.ones(8)[::2]}, ValueError, "k_scale: expected a contiguous"),
     ("kv-cache-dtype", lambda a: {"kv_cache_dtype": "int8"}, ValueError, "kv_cache_dtype: expected one of"),
     ("implementation-unknown", lambda a: {"implementation": "nope"}, ValueError,
-     "implementation: expected one of ['cuda', 'torch', 'triton'], got 'nope'"),
+     "implementation: expected one of ['cuda', 'flashinfer', 'torch', 'torch-compile', 'triton', "
+     "'vllm', 'vllm-triton'], got 'nope'"),
 ]
 
 
@@ -217,7 +218,8 @@ def test_packed_allocation_shares_one_buffer(layout):
 
 def test_implementations_lists_every_one_with_a_reason():
     statuses = {s.name: s for s in kvwrite.implementations("cpu", op="reshape_and_cache_flash")}
-    assert set(statuses) == {"torch", "triton", "cuda"}
+    assert set(statuses) == {"torch", "triton", "cuda", "torch-compile", "vllm", "vllm-triton",
+                             "flashinfer"}
     # Without an op: every op's implementations, grouped by op.
     every = kvwrite.implementations("cpu")
     assert {s.op for s in every} == set(kvwrite.registry.ops())

@@ -412,7 +412,7 @@ def test_gpu_all_implementations_check_and_time(tmp_path, capsys):
     impls = doc["meta"]["implementations"]
     assert "torch" in impls and len(impls) >= 2
     for r in doc["rows"]:
-        if r["implementation"] == "torch":  # not graph-safe: NaN with the reason
+        if not registry.get(OP, r["implementation"]).graph_safe:  # torch, torch-compile: NaN, why
             assert r["status"].startswith("unsupported:") and "graph" in r["status"]
             continue
         assert r["status"] == "ok" and r["check"] == "passed", r
@@ -464,3 +464,53 @@ def test_gpu_cache_too_large(monkeypatch, capsys):
     monkeypatch.setattr(sweep, "available_memory", lambda device: 4 * 2**30)
     assert main([*GPU_SMALL[:2], "--num-tokens", "2:1024", "--num-blocks", "100000000"]) == 2
     assert "largest --num-blocks that fits is" in capsys.readouterr().err
+
+
+# --- slot patterns ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", [
+    ["--slots", "decode"],
+    ["--slots", "prefill", "--prefill-len", "8", "--pad-fraction", "0.25"],
+    ["--slots", "mixed", "--decode-fraction", "0.5", "--context-len", "100"],
+])
+def test_slot_pattern_flags_end_to_end_on_cpu(tmp_path, capsys, pattern):
+    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    argv = ["--device", "cpu", "--num-blocks", "256", "--num-heads", "8", "--num-tokens", "4,16",
+            "--iters", "3", *pattern, "--json", str(js), "--csv", str(cs)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    kind = pattern[1]
+    assert re.search(rf"^# slots: {kind}\b", out, re.M)
+    doc = json.loads(js.read_text())
+    assert doc["meta"]["header"] == [line for line in out.splitlines() if line.startswith("# ")]
+    rows = doc["rows"]
+    assert len(rows) == 4
+    pad = 0.25 if "--pad-fraction" in pattern else 0.0
+    for r in rows:
+        assert r["status"] == "ok" and r["check"] == "passed"
+        assert r["slots"] == kind and r["slot_params"].startswith(kind) and r["pad_fraction"] == pad
+        n = r["num_tokens"] - round(pad * r["num_tokens"])
+        assert r["bytes"] == 2 * n * 8 * 128 * (2 + 2) + r["num_tokens"] * 8
+    with cs.open() as f:
+        assert {line["slots"] for line in csv.DictReader(f)} == {kind}
+
+
+def test_slot_pattern_that_does_not_fit_is_a_skipped_point(capsys):
+    # 32 decode sequences need 32 blocks; the cache has 16.
+    argv = ["--device", "cpu", "--num-blocks", "16", "--num-heads", "2", "--head-size", "64",
+            "--num-tokens", "4,32", "--iters", "3", "--slots", "decode"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "num_tokens 32: skipped: a decode batch of 32 sequences" in out
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--pad-fraction", "1"], "--pad-fraction"),
+    (["--decode-fraction", "2"], "--decode-fraction"),
+    (["--prefill-len", "0"], "--prefill-len"),
+    (["--context-len", "-1"], "--context-len"),
+])
+def test_bad_slot_flags_name_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", *argv])
+    assert flag in capsys.readouterr().err

@@ -6,6 +6,7 @@ its implementation modules expose
     run(*run_args) -> None            # the op's arguments, validated by the public op
     available(device) -> str | None   # None if it can run on that device here, else why not
     unsupported(*case_args) -> str | None   # None if it can run this validated case, else why
+    prepare(*run_args) -> str | None  # optional: once per argument set, outside timed calls
 
 ``run`` is called only with arguments the public op has validated; it must do no host sync and
 no allocation on the hot path unless its entry says it is not graph-safe. Modules are imported
@@ -68,6 +69,13 @@ class ImplInfo:
         except ImportError as e:  # a missing optional dependency
             return f"{self.name}: cannot import {self.module}: {e}"
         return mod.available(torch.device(device))
+
+    def prepare(self, *run_args) -> str | None:
+        """Work done once per set of arguments before they are timed or captured (a peer's
+        argument conversion), for modules that define ``prepare(*run_args)``; None when ready,
+        else why these arguments cannot run."""
+        fn = getattr(self._mod(), "prepare", None)
+        return None if fn is None else fn(*run_args)
 
     def unsupported(self, *case_args) -> str | None:
         """None if this implementation can run this (validated) case, else the reason. The first

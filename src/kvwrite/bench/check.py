@@ -78,12 +78,15 @@ def check_point(run, key_cache: torch.Tensor, value_cache: torch.Tensor, inp: In
     """Run ``run`` once on ``inp`` as described in the module doc; None if correct, else why.
 
     ``run`` is an implementation's ``run``. The caches are left holding the implementation's
-    result.
+    result. Padding (negative) and out-of-range slots write nothing: their tokens are left out of
+    the row checks, and a write they cause shows in the checked blocks.
     """
-    slots = inp.slot_mapping
+    all_slots = inp.slot_mapping
+    real = ((all_slots >= 0) & (all_slots < shape.num_slots)).nonzero().flatten()
+    slots = all_slots[real]
     blocks, offsets = slots // shape.block_size, slots % shape.block_size
-    pairs = ((inp.key, key_cache, inp.k_scale, "key_cache"),
-             (inp.value, value_cache, inp.v_scale, "value_cache"))
+    pairs = ((inp.key[real], key_cache, inp.k_scale, "key_cache"),
+             (inp.value[real], value_cache, inp.v_scale, "value_cache"))
     for src, cache, scale, _ in pairs:
         raw = cache.view(torch.uint8)
         for c in _token_chunks(slots.numel(), shape):
@@ -101,14 +104,15 @@ def check_point(run, key_cache: torch.Tensor, value_cache: torch.Tensor, inp: In
             if bad is not None:
                 tokens = bad.any(dim=-1).nonzero().flatten() + c.start
                 t = int(tokens[0])
-                return (f"{name}: {tokens.numel()} of the rows of tokens {c.start}..{c.stop - 1} "
-                        f"differ from the reference (first: token {t}, slot {int(slots[t])})")
+                return (f"{name}: {tokens.numel()} of the rows of {c.stop - c.start} tokens "
+                        f"differ from the reference (first: token {int(real[t])}, slot "
+                        f"{int(slots[t])})")
 
     # Remap each token whose block was snapshotted to its place in the snapshot; -1 skips.
     where = torch.searchsorted(sel, blocks)
     inside = (where < sel.numel()) & (sel[where.clamp(max=sel.numel() - 1)] == blocks)
     local = torch.where(inside, where * shape.block_size + offsets, torch.full_like(slots, -1))
-    ref_args = InputSet(inp.key, inp.value, local, inp.k_scale, inp.v_scale)
+    ref_args = InputSet(pairs[0][0], pairs[1][0], local, inp.k_scale, inp.v_scale)
     torch_ref.run(*ref_args.run_args(snap_k, snap_v, shape.cache_dtype))
     for got, want, name in ((key_cache[sel], snap_k, "key_cache"),
                             (value_cache[sel], snap_v, "value_cache")):

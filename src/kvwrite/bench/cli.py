@@ -24,6 +24,7 @@ from ..ops.reshape_and_cache_flash import OP
 from . import report
 from .models import MODELS, get_model, heads_per_rank
 from .plot import PlotError, plot_rows
+from .slots import PATTERNS, SlotPattern
 from .sweep import DTYPES, BenchError, Config, Env, run_sweep
 from .timing import MIN_SAMPLES
 from .workload import LAYOUTS
@@ -86,6 +87,25 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
     more.add_argument("--num-tokens", type=str, default=d("2:65536"),
                       help="a list (1,2,64) or a range LO:HI of doublings (2:65536 = 2, 4, ..., "
                            "65536, the default)")
+    slots = p.add_argument_group("slot patterns (which cache slots the T tokens write)")
+    slots.add_argument("--slots", choices=PATTERNS, default=d("random"),
+                       help="random: T unique random slots (vLLM's, the default); decode: T "
+                            "sequences appending one token each at the next offset of their last "
+                            "block; prefill: ceil(T / --prefill-len) sequences writing consecutive "
+                            "offsets over whole blocks; mixed: --decode-fraction of T decode tokens "
+                            "then one prefill chunk. Blocks come from a shuffled free list")
+    slots.add_argument("--pad-fraction", type=float, default=d(0.0), metavar="F",
+                       help="that fraction of the T slots are -1 padding at the end, as in a "
+                            "CUDA-graph batch (default: 0)")
+    slots.add_argument("--context-len", type=int, default=d(4096),
+                       help="decode, mixed: contexts already cached are uniform in [0, this] "
+                            "(capped so that every sequence's blocks fit) (default: 4096)")
+    slots.add_argument("--prefill-len", type=int, default=d(512),
+                       help="prefill: new tokens per sequence (default: 512)")
+    slots.add_argument("--decode-fraction", type=float, default=d(0.5),
+                       help="mixed: the fraction of the tokens that are decode tokens "
+                            "(default: 0.5)")
+
     more.add_argument("--per-head-scale", action="store_true", default=d(False),
                       help="fp8: one scale per head (its amax over tokens and dims / 64)")
     more.add_argument("--model", type=str.lower, choices=list(MODELS), default=d(None),
@@ -213,6 +233,9 @@ def make_config(args: argparse.Namespace) -> Config:
     num_heads = heads_per_rank(num_heads, args.tp)
     if not args.time_budget > 0:
         raise ValueError(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
+    slot_pattern = SlotPattern(args.slots, pad_fraction=args.pad_fraction,
+                               context_len=args.context_len, prefill_len=args.prefill_len,
+                               decode_fraction=args.decode_fraction)
     return Config(
         implementations=impls, baseline=baseline, layouts=_parse_layouts(args.layouts),
         num_tokens=parse_num_tokens(args.num_tokens), num_heads=num_heads, head_size=head_size,
@@ -220,7 +243,19 @@ def make_config(args: argparse.Namespace) -> Config:
         kv_cache_dtype=args.kv_cache_dtype, per_head_scale=args.per_head_scale, iters=args.iters,
         mode=args.mode, timer=args.timer, hot_l2=args.hot_l2, graph_calls=args.graph_calls,
         time_budget=args.time_budget, check=args.check, device=device, model=args.model or "",
-        tp=args.tp)
+        tp=args.tp, slots=slot_pattern)
+
+
+_SLOT_WORDS = {
+    "random": "T unique random slots (vLLM's benchmark)",
+    "decode": ("B = T sequences with contexts uniform in [0, {p.context_len}] (capped to fit), each "
+               "appending one token at the next offset of its last block; blocks from a shuffled "
+               "free list"),
+    "prefill": ("B = ceil(T / {p.prefill_len}) sequences, each writing {p.prefill_len} tokens at "
+                "consecutive offsets over whole blocks from a shuffled free list"),
+    "mixed": ("round({p.decode_fraction:g} * T) decode tokens (as decode), then one prefill chunk of "
+              "the rest continuing a sequence with up to {p.context_len} cached tokens"),
+}
 
 
 def header_lines(cfg: Config, env: Env) -> list[str]:
@@ -238,6 +273,9 @@ def header_lines(cfg: Config, env: Env) -> list[str]:
         f"shape: num_heads={cfg.num_heads}{model} head_size={cfg.head_size} "
         f"block_size={cfg.block_size} num_blocks={cfg.num_blocks} dtype={str(cfg.dtype).removeprefix('torch.')} "
         f"kv_cache_dtype={cfg.kv_cache_dtype}{scale}",
+        f"slots: {cfg.slots.describe()}: {_SLOT_WORDS[cfg.slots.kind].format(p=cfg.slots)}"
+        + (f"; the last {cfg.slots.pad_fraction:g} of the T slots are -1 padding (not counted in "
+           f"bytes)" if cfg.slots.pad_fraction else ""),
     ]
     if cfg.timer == "host-sync":
         what = ("each replay of a CUDA graph of 1 call" if cfg.measured_mode == "cudagraph"

@@ -78,7 +78,7 @@ def plot_rows(rows: Sequence[Row], path: str, title: str | None = None) -> None:
     r = rows[0]
     fig.suptitle(title or (
         f"reshape_and_cache_flash: H={r.num_heads} D={r.head_size} bs={r.block_size} {r.dtype} "
-        f"kv={r.kv_cache_dtype} | {r.timer} timer, {r.mode}, L2 {r.l2} | {r.device}"
+        f"kv={r.kv_cache_dtype} | slots {r.slot_params} | {r.timer} timer, {r.mode}, L2 {r.l2} | {r.device}"
     ), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -40,6 +40,9 @@ class Row:
     per_head_scale: bool
     model: str                 # preset name, "" when none
     tp: int
+    slots: str                 # slot pattern: random, decode, prefill or mixed (bench.slots)
+    slot_params: str           # the pattern with its parameters, e.g. decode(context_len=4096)
+    pad_fraction: float        # fraction of the slots that are -1 padding
     timer: str                 # device, host-sync or cpu
     mode: str                  # cudagraph or no_graph (what was measured)
     l2: str                    # rotated, hot or n/a (CPU)
@@ -51,7 +54,7 @@ class Row:
     p20_us: float
     p80_us: float
     mean_us: float
-    bytes: int                 # 2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes
+    bytes: int                 # 2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes, N = T - padding
     gbps: float                # bytes / median, in 1e9 bytes/s
     pct_copy_bw: float         # gbps / the copy bandwidth measured in this run, in %
     copy_bw_gbps: float

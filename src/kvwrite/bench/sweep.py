@@ -21,6 +21,7 @@ from ..ops.reshape_and_cache_flash import OP, validate
 from . import timing
 from .check import SNAPSHOT_BYTES, check_point
 from .report import Row
+from .slots import SlotPattern
 from .workload import CHUNK_BYTES, LAYOUTS, Case, fill_caches, make_caches, make_input_sets
 
 __all__ = ["BenchError", "Config", "Env", "run_sweep", "run_benchmark", "available_memory",
@@ -62,6 +63,7 @@ class Config:
     device: torch.device
     model: str = ""
     tp: int = 1
+    slots: SlotPattern = SlotPattern()
 
     @property
     def is_cpu(self) -> bool:
@@ -88,7 +90,7 @@ class Config:
                                  head_size=self.head_size, block_size=self.block_size,
                                  num_blocks=self.num_blocks, dtype=self.dtype,
                                  kv_cache_dtype=self.kv_cache_dtype,
-                                 per_head_scale=self.per_head_scale)
+                                 per_head_scale=self.per_head_scale, slots=self.slots)
 
 
 @dataclasses.dataclass
@@ -190,7 +192,8 @@ def _row(cfg: Config, env: Env, shape: Case, impl: str, num_tokens: int, **field
         implementation=impl, layout=shape.layout_name, dtype=str(cfg.dtype).removeprefix("torch."),
         kv_cache_dtype=cfg.kv_cache_dtype, num_heads=cfg.num_heads, head_size=cfg.head_size,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks, num_tokens=num_tokens,
-        per_head_scale=cfg.per_head_scale, model=cfg.model, tp=cfg.tp, timer=cfg.timer_name,
+        per_head_scale=cfg.per_head_scale, model=cfg.model, tp=cfg.tp, slots=cfg.slots.kind,
+        slot_params=cfg.slots.describe(), pad_fraction=cfg.slots.pad_fraction, timer=cfg.timer_name,
         mode=cfg.measured_mode, l2=cfg.l2_condition, rotation_sets=0, calls_per_sample=0,
         samples=0, latency_us=nan, median_us=nan, p20_us=nan, p80_us=nan, mean_us=nan,
         bytes=shape.bytes_moved(num_tokens), gbps=nan, pct_copy_bw=nan,
@@ -226,6 +229,11 @@ def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Case, caches
     if reason is not None:
         return _row(cfg, env, shape, info.name, num_tokens, status=f"unsupported: {reason}", **row)
     run = info.run
+    args = [s.run_args(key_cache, value_cache, shape.cache_dtype) for s in sets]
+    for a in args:
+        reason = info.prepare(*a)
+        if reason is not None:
+            return _row(cfg, env, shape, info.name, num_tokens, status=f"unsupported: {reason}", **row)
     try:
         if cfg.check:
             reason = check_point(run, key_cache, value_cache, sets[0], shape)
@@ -233,7 +241,6 @@ def _measure(cfg: Config, env: Env, info: registry.ImplInfo, shape: Case, caches
                 return _row(cfg, env, shape, info.name, num_tokens, check="failed",
                             status=f"mismatch: {reason}", **row)
             row["check"] = "passed"
-        args = [s.run_args(key_cache, value_cache, shape.cache_dtype) for s in sets]
         n = len(args)
 
         def call(i: int) -> None:
@@ -315,7 +322,13 @@ def _sweep(cfg: Config, env: Env, progress: Callable[[str], None]) -> list[Row]:
             count, flush = rotation(cfg, shape, num_tokens, env.l2_bytes)
             if flush and flush_buf is None:
                 flush_buf = torch.empty(2 * env.l2_bytes, dtype=torch.uint8, device=cfg.device)
-            sets = make_input_sets(shape, num_tokens, count, cfg.device)
+            try:
+                sets = make_input_sets(shape, num_tokens, count, cfg.device)
+            except ValueError as e:  # the slot pattern does not fit the cache
+                skip = f"skipped: {e}"
+                rows += [_row(cfg, env, shape, i.name, num_tokens, status=skip) for i in infos]
+                progress(f"{layout} T={num_tokens}: {skip}")
+                continue
             s0 = sets[0]
             validate(s0.key, s0.value, *caches, s0.slot_mapping, cfg.kv_cache_dtype, s0.k_scale,
                      s0.v_scale)
@@ -372,9 +385,12 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     key_cache, value_cache = make_caches(shape, dev)
     fill_caches(key_cache, value_cache, shape)
     reason = info.unsupported(inp.key, key_cache, cache_dtype, inp.k_scale)
+    run_args = inp.run_args(key_cache, value_cache, cache_dtype)
+    if reason is None:
+        reason = info.prepare(*run_args)
     if reason is not None or (benchmark_mode == "cudagraph" and not info.graph_safe):
         return math.nan
-    call = functools.partial(info.run, *inp.run_args(key_cache, value_cache, cache_dtype))
+    call = functools.partial(info.run, *run_args)
     t = timing.time_host_sync(call, num_iters, graph=benchmark_mode == "cudagraph", device=dev)
     del call, inp, key_cache, value_cache  # free the cache before the next call allocates one
     if dev.type == "cuda":

@@ -4,7 +4,9 @@ of tests, benchmark and probes), the caches, and the input sets calls rotate ove
 Input sets follow vLLM's benchmark recipe: after seeding every RNG with 42, ``key`` and ``value``
 are ``torch.randn`` rows, the slots are ``random.sample(range(num_blocks * block_size), T)``
 (unique), and ``k_scale = key.amax() / 64`` (same for v), a float32 tensor. Set 0 is exactly vLLM's
-set; further sets (for L2 rotation) continue the same random streams.
+set; further sets (for L2 rotation) continue the same random streams. Other slot patterns
+(``case.slots``: decode, prefill, mixed, padding; :mod:`kvwrite.bench.slots`) replace only the
+slots; key and value are drawn as above.
 
 Caches are allocated as vLLM's benchmark does (one allocation per layer, K and V blocks
 interleaved) for the NHD and HND layouts, or as one packed allocation
@@ -24,6 +26,7 @@ import torch
 from ..dtypes import CacheDType
 from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
 from ..testing.cases import Case
+from .slots import make_slots
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
            "make_input_sets", "SEED"]
@@ -38,7 +41,7 @@ CHUNK_BYTES = 256 * 2**20
 class InputSet:
     key: torch.Tensor            # [T, H, D]
     value: torch.Tensor          # [T, H, D]
-    slot_mapping: torch.Tensor   # [T] int64, unique slots
+    slot_mapping: torch.Tensor   # [T] int64, unique slots (-1 = padding)
     k_scale: torch.Tensor        # float32, [] or [H]
     v_scale: torch.Tensor
 
@@ -72,7 +75,9 @@ def seed_everything(seed: int = SEED) -> None:
 
 def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.device,
                     scale: float | None = None) -> list[InputSet]:
-    """``count`` input sets of ``num_tokens`` tokens; set 0 is vLLM's benchmark input.
+    """``count`` input sets of ``num_tokens`` tokens with ``case.slots``'s slot pattern; with the
+    default pattern (random, no padding) set 0 is vLLM's benchmark input. Raises ValueError where
+    the pattern does not fit the cache.
 
     ``scale``: every fp8 scale (per tensor, or each head's) is this value instead of amax / 64."""
     if num_tokens > case.num_slots:
@@ -81,12 +86,12 @@ def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.devic
         )
     seed_everything()
     sets = []
-    for _ in range(count):
+    for i in range(count):
         key = torch.randn(num_tokens, case.num_heads, case.head_size, dtype=case.dtype,
                           device=device)
         value = torch.randn_like(key)
-        slots = torch.tensor(random.sample(range(case.num_slots), num_tokens),
-                             dtype=case.slot_dtype, device=device)
+        batch = make_slots(case.slots, num_tokens, case.num_blocks, case.block_size, set_index=i)
+        slots = torch.from_numpy(batch.slots).to(device=device, dtype=case.slot_dtype)
         if scale is not None:
             k_scale = torch.full((case.num_heads,) if case.per_head_scale else (), scale,
                                  dtype=torch.float32, device=device)

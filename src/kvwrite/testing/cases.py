@@ -14,6 +14,7 @@ import itertools
 
 import torch
 
+from ..bench.slots import SlotPattern
 from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
 from .compare import storage_bytes
@@ -45,6 +46,9 @@ class Case:
     out_of_range_slots: int = 0
     # fp8 special values (NaN, ±inf, ±0, subnormals, past the maximum) in the inputs.
     special_values: bool = False
+    # The benchmark's slot pattern (kvwrite.bench.slots): random (vLLM's), decode, prefill, mixed,
+    # with its padding fraction. make_inputs (the tests' recipe) uses padding_slots instead.
+    slots: SlotPattern = SlotPattern()
 
     @classmethod
     def named_layout(cls, name: str, **fields) -> Case:
@@ -90,6 +94,11 @@ class Case:
     def cache_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    def num_real(self, num_tokens: int | None = None) -> int:
+        """Tokens that write: all but the slot pattern's padding."""
+        t = self.num_tokens if num_tokens is None else num_tokens
+        return t - self.slots.num_padding(t)
+
     def set_bytes(self, num_tokens: int | None = None) -> int:
         """Bytes of one input set: key, value and the slot mapping."""
         t = self.num_tokens if num_tokens is None else num_tokens
@@ -97,9 +106,10 @@ class Case:
                 + t * self.slot_dtype.itemsize)
 
     def bytes_moved(self, num_tokens: int | None = None) -> int:
-        """Bytes one call reads and writes: ``2*T*H*D*(in_bytes + cache_bytes) + T*slot_bytes``."""
+        """Bytes one call reads and writes: ``2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes``,
+        N = the tokens that write (T less the slot pattern's padding, whose rows are not read)."""
         t = self.num_tokens if num_tokens is None else num_tokens
-        return (2 * t * self.num_heads * self.head_size * (self.in_bytes + self.cache_elem_bytes)
+        return (2 * self.num_real(t) * self.num_heads * self.head_size * (self.in_bytes + self.cache_elem_bytes)
                 + t * self.slot_dtype.itemsize)
 
     @property
@@ -117,6 +127,8 @@ class Case:
                            (self.special_values, "special")):
             if flag:
                 parts.append(name)
+        if not self.slots.is_default:
+            parts.append(self.slots.id)
         return "-".join(parts)
 
 

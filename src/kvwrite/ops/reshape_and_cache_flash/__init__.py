@@ -45,3 +45,5 @@ registry.register(registry.ImplInfo(
     module=f"{__name__}.cuda_impl",
     priority=20,
 ))
+
+from . import peers  # noqa: E402, F401  (registers the peers: torch-compile, vllm, vllm-triton, flashinfer)

@@ -1,0 +1,193 @@
+"""Slot patterns: which cache slots a batch of T new tokens writes, as a server would pick them.
+
+Every pattern draws its blocks from :class:`BlockAllocator`, a simulated paged allocator whose
+free list is a seeded random permutation of all block ids: a long-running server has freed and
+reused blocks in arbitrary order, so the blocks of one sequence are scattered over the cache.
+
+How the T tokens of a point are laid out (P = round(pad_fraction * T) padding slots come last,
+as in a CUDA-graph batch padded up to its captured size; N = T - P tokens are real):
+
+- ``random``: N unique slots drawn uniformly (vLLM's benchmark; the default). With P = 0, input
+  set 0 is exactly vLLM's (``random.sample`` after seeding every RNG with 42).
+- ``decode``: B = N sequences, each appending ONE token. Sequence i has a context of c_i tokens
+  already cached, c_i uniform in [0, C] with C = min(context_len, blocks_per_seq * block_size - 1)
+  and blocks_per_seq = num_blocks // B (so that every sequence's blocks fit); it owns
+  ceil((c_i + 1) / block_size) blocks, and its new token goes to position c_i: offset
+  c_i % block_size of its last block, which is a freshly allocated block when c_i is a multiple
+  of block_size (the previous last block was full).
+- ``prefill``: B = ceil(N / L) sequences (L = prefill_len; the last one holds the remainder), each
+  writing its L new tokens at positions 0..L-1: consecutive offsets over whole fresh blocks.
+- ``mixed``: chunked prefill as schedulers batch it: D = round(decode_fraction * N) decode tokens
+  first (as ``decode`` with B = D), then one prefill chunk of N - D tokens continuing a sequence
+  that already holds p cached tokens, p uniform in [0, context_len] (so the chunk may start in the
+  middle of a block).
+
+Every real token gets a distinct slot; padding slots are -1. Patterns other than ``random`` use
+their own numpy generator seeded from (seed, input-set index), so they never disturb the random
+streams that draw key and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+
+__all__ = ["PATTERNS", "SlotPattern", "Sequence", "SlotBatch", "BlockAllocator", "make_slots"]
+
+PATTERNS = ("random", "decode", "prefill", "mixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPattern:
+    """A slot pattern and its parameters (see the module doc for how T maps to sequences)."""
+
+    kind: str = "random"
+    pad_fraction: float = 0.0
+    # decode and mixed: the longest context already cached before this step.
+    context_len: int = 4096
+    # prefill: new tokens per sequence.
+    prefill_len: int = 512
+    # mixed: the fraction of the real tokens that are decode tokens.
+    decode_fraction: float = 0.5
+    seed: int = 42
+
+    def __post_init__(self):
+        if self.kind not in PATTERNS:
+            raise ValueError(f"--slots: expected one of {', '.join(PATTERNS)}, got {self.kind!r}")
+        if not 0.0 <= self.pad_fraction < 1.0:
+            raise ValueError(f"--pad-fraction: expected a number in [0, 1), got {self.pad_fraction}")
+        if self.context_len < 0:
+            raise ValueError(f"--context-len: expected a non-negative integer, got {self.context_len}")
+        if self.prefill_len < 1:
+            raise ValueError(f"--prefill-len: expected a positive integer, got {self.prefill_len}")
+        if not 0.0 <= self.decode_fraction <= 1.0:
+            raise ValueError(f"--decode-fraction: expected a number in [0, 1], got {self.decode_fraction}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == SlotPattern()
+
+    def num_padding(self, num_tokens: int) -> int:
+        return round(self.pad_fraction * num_tokens)
+
+    def describe(self) -> str:
+        """The pattern and the parameters that shape it, e.g. ``decode(context_len=4096)``."""
+        params = {"random": [], "decode": ["context_len"], "prefill": ["prefill_len"],
+                  "mixed": ["decode_fraction", "context_len"]}[self.kind]
+        parts = [f"{p}={getattr(self, p):g}" for p in params]
+        if self.pad_fraction:
+            parts.append(f"pad_fraction={self.pad_fraction:g}")
+        return f"{self.kind}({', '.join(parts)})" if parts else self.kind
+
+    @property
+    def id(self) -> str:
+        """A short tag for case ids and file names."""
+        return self.describe().replace("(", "-").replace(")", "").replace(", ", "-").replace("=", "")
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sequence of a batch: its block table and the positions its new tokens take."""
+
+    block_table: list[int]   # its blocks, in position order
+    start: int               # tokens already cached = position of its first new token
+    num_new: int
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.block_table[position // block_size] * block_size + position % block_size
+
+
+@dataclasses.dataclass
+class SlotBatch:
+    """The slots of one batch (``-1`` = padding) and the sequences the real tokens belong to,
+    in token order (empty for ``random``, which has no sequences)."""
+
+    slots: np.ndarray        # [T] int64
+    sequences: list[Sequence]
+    num_padding: int
+
+
+class BlockAllocator:
+    """Hands out block ids from a free list shuffled as a long-running server's is."""
+
+    def __init__(self, num_blocks: int, rng: np.random.Generator):
+        self.num_blocks = num_blocks
+        self._free = rng.permutation(num_blocks)
+        self._next = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._next
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise ValueError(f"the slot pattern needs {n} more blocks and {self.num_free} of the "
+                             f"{self.num_blocks} are free: raise --num-blocks or lower --num-tokens")
+        out = self._free[self._next:self._next + n].tolist()
+        self._next += n
+        return out
+
+
+def _decode(alloc: BlockAllocator, num_seqs: int, context_len: int, block_size: int,
+            rng: np.random.Generator) -> list[Sequence]:
+    if num_seqs == 0:
+        return []
+    per_seq = alloc.num_free // num_seqs
+    if per_seq < 1:
+        raise ValueError(f"a decode batch of {num_seqs} sequences needs at least one block each, "
+                         f"and {alloc.num_free} blocks are free: raise --num-blocks")
+    cap = min(context_len, per_seq * block_size - 1)
+    contexts = rng.integers(0, cap, size=num_seqs, endpoint=True)
+    seqs = []
+    for c in contexts.tolist():
+        seqs.append(Sequence(alloc.allocate(c // block_size + 1), c, 1))
+    return seqs
+
+
+def _prefill(alloc: BlockAllocator, length: int, block_size: int, start: int = 0) -> Sequence:
+    return Sequence(alloc.allocate(math.ceil((start + length) / block_size)), start, length)
+
+
+def make_slots(pattern: SlotPattern, num_tokens: int, num_blocks: int, block_size: int,
+               set_index: int = 0) -> SlotBatch:
+    """The slots of input set ``set_index`` of a ``num_tokens`` point (see the module doc).
+
+    ``random`` draws from Python's ``random`` module (vLLM's stream; the caller seeds it); the
+    other patterns are reproducible from ``pattern.seed`` and ``set_index`` alone.
+    """
+    num_slots = num_blocks * block_size
+    pad = pattern.num_padding(num_tokens)
+    n = num_tokens - pad
+    if pattern.kind == "random":
+        if n > num_slots:
+            raise ValueError(f"num_tokens: expected at most num_blocks * block_size = {num_slots} "
+                             f"real tokens, got {n}")
+        slots = np.array(random.sample(range(num_slots), n) + [-1] * pad, dtype=np.int64)
+        return SlotBatch(slots, [], pad)
+    rng = np.random.default_rng([pattern.seed, set_index])
+    alloc = BlockAllocator(num_blocks, rng)
+    if pattern.kind == "decode":
+        seqs = _decode(alloc, n, pattern.context_len, block_size, rng)
+    elif pattern.kind == "prefill":
+        full, rest = divmod(n, pattern.prefill_len)
+        lengths = [pattern.prefill_len] * full + ([rest] if rest else [])
+        seqs = [_prefill(alloc, length, block_size) for length in lengths]
+    else:  # mixed
+        num_decode = round(pattern.decode_fraction * n)
+        chunk = n - num_decode
+        seqs = []
+        if chunk:
+            # Leave one block per decode sequence.
+            room = (alloc.num_free - num_decode) * block_size - chunk
+            if room < 0:
+                raise ValueError(f"a prefill chunk of {chunk} tokens and {num_decode} decode "
+                                 f"tokens need more than the {num_blocks} blocks: raise --num-blocks")
+            start = int(rng.integers(0, min(pattern.context_len, room), endpoint=True))
+            seqs.append(_prefill(alloc, chunk, block_size, start))
+        # Decode tokens come first in the batch, then the chunk.
+        seqs = _decode(alloc, num_decode, pattern.context_len, block_size, rng) + seqs
+    slots = [s.slot(p, block_size) for s in seqs for p in range(s.start, s.start + s.num_new)]
+    return SlotBatch(np.array(slots + [-1] * pad, dtype=np.int64), seqs, pad)

@@ -1,0 +1,34 @@
+"""``torch-compile``: the torch reference (:mod:`..reference`) under ``torch.compile`` — the
+baseline a PyTorch user would write and compile.
+
+Compiled once per signature by TorchDynamo's own cache (shapes, dtypes, strides and the cache
+dtype are guarded; after a second token count it compiles a version with a dynamic token count).
+Not graph-safe: the reference masks padding and out-of-range slots with boolean indexing, whose
+result size depends on the data, so Dynamo breaks the graph there and the host syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import reference
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(reference.run)
+
+
+def available(device: torch.device) -> str | None:
+    # Inductor compiles for the CPU with the system's C++ compiler and for CUDA with Triton.
+    return None
+
+
+def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+    return None
+
+
+def run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale) -> None:
+    _compiled()(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
