@@ -80,6 +80,9 @@ def test_gpu_packages_install_only_where_their_wheels_exist():
     # CI (Linux x86-64) compiles the kernels with NVRTC and runs Triton's interpreter.
     for machine in ("x86_64", "aarch64"):
         assert _installed_names(_platform("Linux", machine), "test") >= GPU_PACKAGES
+    # The benchmark's CPU install leaves triton (1 GB) to CUDA builds of torch, which bring it.
+    bench = _installed_names(_platform("Linux", "x86_64"), "plot")
+    assert "triton" not in bench and GPU_PACKAGES - {"triton"} <= bench
     windows = _installed_names(_platform("Windows", "AMD64"), "plot")
     assert {"cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc"} <= windows
     assert "triton" not in windows
