@@ -9,10 +9,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+NO_GPU_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
+
+_deselected_gpu: list = []
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
+    """Without a GPU, `gpu` tests are deselected unless a -m expression picks tests by marker
+    (`-m gpu` selects them; they then skip, each with the reason)."""
+    if HAS_CUDA:
+        return
+    if config.getoption("markexpr"):
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
+        return
+    keep = [item for item in items if "gpu" not in item.keywords]
+    gone = [item for item in items if "gpu" in item.keywords]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+        _deselected_gpu.extend(gone)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _deselected_gpu:
+        terminalreporter.write_line(
+            f"{len(_deselected_gpu)} gpu tests deselected: no CUDA GPU here "
+            f"(torch.cuda.is_available() is False); on a GPU machine `python -m pytest -m gpu` "
+            f"runs them")

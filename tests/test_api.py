@@ -58,7 +58,8 @@ BAD = [
     ("e5m2-cache-for-e4m3", lambda a: {"key_cache": a["key_cache"].view(torch.float8_e5m2),
                                        "value_cache": a["value_cache"].view(torch.float8_e5m2)},
      ValueError, "expects a cache of dtype torch.uint8 or torch.float8_e4m3fn, got torch.float8_e5m2"),
-    ("same-cache", lambda a: {"value_cache": a["key_cache"]}, ValueError, "value_cache: expected a different tensor"),
+    ("same-cache", lambda a: {"value_cache": a["key_cache"]}, ValueError,
+     "value_cache: expected memory apart from key_cache's, got overlapping memory"),
     ("slots-2d", lambda a: {"slot_mapping": a["slot_mapping"][None]}, ValueError, "slot_mapping: expected 1 dim"),
     ("slots-float", lambda a: {"slot_mapping": a["slot_mapping"].float()}, ValueError,
      "slot_mapping: expected dtype int64 or int32, got torch.float32"),
@@ -141,6 +142,169 @@ def test_zero_tokens_is_a_no_op():
     assert_caches_equal(inp.value_cache, before_v)
 
 
+# --- tensors that cannot be written, alias each other, or are tracked by autograd ------------------
+# The rule is kvwrite.validation.check_mutation_safe, which every op calls; here through
+# reshape_and_cache_flash, with a float cache (requires_grad needs a float dtype).
+
+AUTO = Case(num_tokens=5, num_heads=4, head_size=16, kv_cache_dtype="auto", num_blocks=4)
+
+
+def _shared_storage(a):
+    """Both caches as views of one [num_blocks + 1, ...] allocation, shifted by one block."""
+    st = torch.zeros((a["key_cache"].shape[0] + 1, *a["key_cache"].shape[1:]),
+                     dtype=a["key_cache"].dtype)
+    return {"key_cache": st[:-1], "value_cache": st[1:]}
+
+
+def _stride0(a):
+    kc = a["key_cache"]
+    return {"key_cache": kc[:1].expand(kc.shape), "value_cache": a["value_cache"][:1].expand(kc.shape)}
+
+
+def _key_in_cache(a):
+    return {"key": a["key_cache"][0, :5], "value": a["value"]}
+
+
+def _slots_in_cache(a):
+    kc = a["key_cache"]
+    raw = torch.zeros(kc.numel() * kc.element_size() + 64, dtype=torch.uint8)
+    cache = raw[:kc.numel() * kc.element_size()].view(kc.dtype).view(kc.shape)
+    slots = raw[-40:].view(torch.int64)[:5]
+    slots.copy_(a["slot_mapping"])
+    fold = raw[kc.numel() * kc.element_size() - 16:][:40].view(torch.int64)
+    return {"key_cache": cache, "slot_mapping": fold}
+
+
+def _folded_strides(a):
+    kc = a["key_cache"]
+    # Blocks 16 elements apart with 16 * 4 * 16 elements each: block 1 lies inside block 0.
+    def folded():
+        return torch.zeros(16 * 4 * 16 * 2, dtype=kc.dtype).as_strided(kc.shape, (16, 4 * 16, 16, 1))
+    return {"key_cache": folded(), "value_cache": folded()}
+
+
+# (name, change, text the message must contain). Each change makes a call that must be refused
+# before a byte is written.
+UNSAFE = [
+    ("key-cache-requires-grad", lambda a: {"key_cache": a["key_cache"].requires_grad_(True)},
+     "key_cache: expected a tensor that does not require grad"),
+    ("value-cache-requires-grad", lambda a: {"value_cache": a["value_cache"].requires_grad_(True)},
+     "value_cache: expected a tensor that does not require grad"),
+    ("key-requires-grad", lambda a: {"key": a["key"].requires_grad_(True)},
+     "key: expected a tensor that does not require grad (the op is not differentiable)"),
+    ("value-requires-grad", lambda a: {"value": a["value"].requires_grad_(True)},
+     "value: expected a tensor that does not require grad"),
+    ("all-meta", lambda a: {k: _meta(v) for k, v in a.items() if isinstance(v, torch.Tensor)},
+     "key_cache: expected a tensor with memory (cpu or cuda), got a meta tensor"),
+    ("overlapping-caches", _shared_storage,
+     "value_cache: expected memory apart from key_cache's, got overlapping memory"),
+    ("block-stride-0", _stride0, "key_cache: expected every element in its own memory"),
+    ("folded-strides", _folded_strides, "key_cache: expected every element in its own memory"),
+    ("key-aliases-key-cache", _key_in_cache,
+     "key: expected memory apart from key_cache's, got overlapping memory"),
+    ("slots-alias-key-cache", _slots_in_cache,
+     "slot_mapping: expected memory apart from key_cache's, got overlapping memory"),
+]
+
+
+@pytest.mark.parametrize("name, change, text", UNSAFE, ids=[u[0] for u in UNSAFE])
+@pytest.mark.parametrize("implementation", ["torch", "triton", None])
+def test_unsafe_tensors_are_refused_before_any_write(name, change, text, implementation):
+    args = _args(AUTO)
+    if implementation and kvwrite.registry.get("reshape_and_cache_flash", implementation
+                                               ).available(args["key"].device):
+        pytest.skip(f"{implementation} cannot run here")
+    args.update(change(args))
+    caches = [args["key_cache"], args["value_cache"]]
+    before = [c.detach().clone() if c.device.type != "meta" else None for c in caches]
+    stored = [c.untyped_storage() if c.device.type != "meta" else None for c in caches]
+    snapshots = [bytes(s) if s is not None else None for s in stored]
+    with pytest.raises(ValueError) as err:
+        kvwrite.reshape_and_cache_flash(**args, implementation=implementation)
+    assert text in str(err.value)
+    assert "the same memory" not in str(err.value)
+    for c, b, s, snap in zip(caches, before, stored, snapshots, strict=True):
+        if b is not None:
+            assert bytes(s) == snap  # the whole allocation, byte for byte
+            assert c.grad_fn is None
+
+
+def test_refused_before_any_write_under_torch_compile():
+    args = _args(AUTO)
+    args.update(_shared_storage(args))
+    snap = bytes(args["key_cache"].untyped_storage())
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def write(key, value, key_cache, value_cache, slot_mapping):
+        kvwrite.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto")
+
+    with pytest.raises(ValueError, match="value_cache: expected memory apart from key_cache's"):
+        write(args["key"], args["value"], args["key_cache"], args["value_cache"],
+              args["slot_mapping"])
+    assert bytes(args["key_cache"].untyped_storage()) == snap
+
+
+def test_inference_tensor_caches_are_written_inside_inference_mode_only():
+    with torch.inference_mode():
+        args = _args(AUTO)
+    before_k, before_v = (args["key_cache"].clone(), args["value_cache"].clone())
+    with pytest.raises(ValueError) as err:
+        kvwrite.reshape_and_cache_flash(**args)
+    assert "key_cache: expected a tensor writable here, got an inference tensor" in str(err.value)
+    assert_caches_equal(args["key_cache"], before_k, "key_cache")
+    assert_caches_equal(args["value_cache"], before_v, "value_cache")
+    # Inside inference mode the same call writes what the reference writes.
+    expected = _args(AUTO)
+    kvwrite.reshape_and_cache_flash(**expected, implementation="torch")
+    with torch.inference_mode():
+        kvwrite.reshape_and_cache_flash(**args)
+    assert_caches_equal(args["key_cache"], expected["key_cache"], "key_cache")
+    assert_caches_equal(args["value_cache"], expected["value_cache"], "value_cache")
+
+
+def test_inputs_that_require_grad_are_read_under_no_grad_and_caches_stay_plain():
+    args, expected = _args(AUTO), _args(AUTO)
+    kvwrite.reshape_and_cache_flash(**expected)
+    args["key"].requires_grad_(True)
+    args["value"].requires_grad_(True)
+    with torch.no_grad():
+        kvwrite.reshape_and_cache_flash(**args)
+    for name in ("key_cache", "value_cache"):
+        assert args[name].grad_fn is None and not args[name].requires_grad
+        assert_caches_equal(args[name], expected[name], name)
+
+
+def test_caches_that_only_interleave_are_accepted():
+    """K and V blocks of one allocation, and K/V halves of a packed last dim, share no element."""
+    from kvwrite.validation import check_mutation_safe
+    for layout in Layout:
+        for alloc in KVAlloc:
+            k, v = allocate_kv_cache(3, 16, 4, 8, torch.float16, layout, alloc, "cpu")
+            check_mutation_safe(outputs=[("key_cache", k), ("value_cache", v)])
+    # Slices of one fused qkv (GQA: 8 query heads, 2 KV heads) written in place, read beside.
+    qkv = torch.zeros(5, 12, 16)
+    check_mutation_safe(outputs=[("query", qkv[:, :8]), ("key", qkv[:, 8:10])],
+                        inputs=[("value", qkv[:, 10:])])
+    with pytest.raises(ValueError, match="key: expected memory apart from query's"):
+        check_mutation_safe(outputs=[("query", qkv[:, :8]), ("key", qkv[:, 7:9])])
+
+
+def test_overlap_check_is_exact_where_the_fast_rule_cannot_decide():
+    from kvwrite.validation import check_mutation_safe
+    base = torch.zeros(16)
+    # Offsets {0, 2, 4} + {0, 3} = {0, 2, 3, 4, 5, 7}: distinct, though stride 3 < 2 * 2 + 1.
+    check_mutation_safe(outputs=[("out", base.as_strided((2, 3), (3, 2)))])
+    with pytest.raises(ValueError, match="out: expected every element in its own memory"):
+        check_mutation_safe(outputs=[("out", base.as_strided((2, 3), (2, 2)))])  # 2 + 0 = 0 + 2
+    # Two outputs whose elements interleave at odd offsets, but never coincide; then do coincide.
+    # a: elements {0, 4, 8}; b: {1, 2, 6, 7}, then {1, 2, 4, 5}.
+    check_mutation_safe(outputs=[("a", base.as_strided((3,), (4,))),
+                                 ("b", base.as_strided((2, 2), (5, 1), 1))])
+    with pytest.raises(ValueError, match="b: expected memory apart from a's"):
+        check_mutation_safe(outputs=[("a", base.as_strided((3,), (4,))),
+                                     ("b", base.as_strided((2, 2), (3, 1), 1))])
+
+
 # --- check_slot_mapping ------------------------------------------------------------------------------
 
 def test_check_slot_mapping_names_bad_positions_and_values():
@@ -159,6 +323,26 @@ def test_check_slot_mapping_accepts_padding_and_valid_slots():
 def test_check_slot_mapping_rejects_non_integer():
     with pytest.raises(ValueError, match="slot_mapping: expected dtype int64 or int32"):
         kvwrite.check_slot_mapping(torch.tensor([0.0]), 4)
+
+
+@pytest.mark.parametrize("num_slots, exc, text", [
+    ("x", TypeError, "num_slots: expected a non-negative int, got str"),
+    (4.0, TypeError, "num_slots: expected a non-negative int, got float"),
+    (None, TypeError, "num_slots: expected a non-negative int, got NoneType"),
+    (True, TypeError, "num_slots: expected a non-negative int, got bool"),
+    (-1, ValueError, "num_slots: expected a non-negative int, got -1"),
+])
+def test_check_slot_mapping_rejects_a_bad_num_slots(num_slots, exc, text):
+    with pytest.raises(exc) as err:
+        kvwrite.check_slot_mapping(torch.tensor([0, 1]), num_slots)
+    assert text in str(err.value)
+
+
+def test_check_slot_mapping_takes_any_integer_num_slots():
+    import numpy as np
+    kvwrite.check_slot_mapping(torch.tensor([0, 3]), np.int64(4))
+    with pytest.raises(ValueError, match="num_slots = 3"):
+        kvwrite.check_slot_mapping(torch.tensor([0, 3]), torch.tensor(3))
 
 
 # --- create_kv_caches_with_random_flash --------------------------------------------------------------

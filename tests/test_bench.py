@@ -352,6 +352,117 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path)
     assert "matplotlib" in capsys.readouterr().err
 
 
+# --- what a first run on a machine without a GPU meets -------------------------------------------
+
+def test_cpu_defaults_are_a_small_shape_and_given_flags_win():
+    from kvwrite.bench.cli import CPU_DEFAULTS
+    cfg = make_config(parse_args(["--device", "cpu"]))
+    assert (cfg.num_heads, cfg.num_blocks, cfg.iters, cfg.graph_calls) == (8, 16, 10, 5)
+    assert cfg.num_tokens == parse_num_tokens(CPU_DEFAULTS["num_tokens"])
+    shape = cfg.shape("NHD")
+    assert shape.cache_bytes <= 2**20 and max(cfg.num_tokens) <= shape.num_slots
+    given = make_config(parse_args(["--device", "cpu", "--num-heads", "4", "--num-blocks", "99",
+                                    "--num-tokens", "3", "--iters", "7", "--graph-calls", "2"]))
+    assert (given.num_heads, given.num_blocks, given.num_tokens, given.iters,
+            given.graph_calls) == (4, 99, [3], 7, 2)
+    model = make_config(parse_args(["--device", "cpu", "--model", next(iter(MODELS))]))
+    assert model.num_heads == MODELS[next(iter(MODELS))].num_kv_heads
+    # On a GPU, vLLM's defaults stay.
+    gpu = make_config(parse_args([]))
+    assert (gpu.num_heads, gpu.num_blocks, gpu.iters) == (128, 128 * 512, 100)
+
+
+def test_memory_check_comes_before_the_copy_bandwidth(monkeypatch, capsys):
+    def measured(*args):
+        raise AssertionError("copy bandwidth measured before the memory check")
+
+    monkeypatch.setattr(sweep, "available_memory", lambda device: 0)
+    monkeypatch.setattr(sweep.timing, "copy_bandwidth", measured)
+    assert main(CPU_TINY) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "copy bandwidth" not in err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_output_paths_are_checked_before_the_sweep(monkeypatch, capsys, tmp_path, flag):
+    def sweep_ran(*args, **kwargs):
+        raise AssertionError("the sweep ran")
+
+    monkeypatch.setattr("kvwrite.bench.cli.run_sweep", sweep_ran)
+    missing = tmp_path / "no-such-folder" / "out.x"
+    with pytest.raises(SystemExit) as e:
+        main([*CPU_TINY, flag, str(missing)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: the folder" in err and "does not exist" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main([*CPU_TINY, flag, str(tmp_path)])
+    assert f"{flag}: expected a file path, got the folder" in capsys.readouterr().err
+
+
+def test_plot_out_path_and_a_file_that_is_not_json_are_named(capsys, tmp_path):
+    notjson = tmp_path / "notjson.json"
+    notjson.write_text("hello")
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(notjson), "--out", str(tmp_path / "p.png")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{notjson}: expected a JSON file written by --json" in err
+    assert "Expecting value" in err  # the parser's own words follow the file's name
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "other.json"), "--out", str(tmp_path / "p.png")])
+    assert f"{tmp_path / 'other.json'}: expected a kvwrite-bench JSON file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path / "absent.json"), "--out", str(tmp_path / "p.png")])
+    assert f"{tmp_path / 'absent.json'}: cannot read it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", str(notjson), "--out", str(tmp_path / "nope" / "p.png")])
+    assert "--out: the folder" in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_and_writes_what_was_measured(monkeypatch, capsys, tmp_path):
+    real = sweep._measure
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "_measure", measure)
+    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    argv = [*CPU_TINY, "--json", str(js), "--csv", str(cs)]  # 2 layouts x 2 token counts
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    assert [r[:2] for r in _table_rows(out)] == [["2", "NHD"], ["16", "NHD"]]
+    assert "interrupted (Ctrl-C) after 2 of 4 measurements" in err and "Traceback" not in err
+    assert len(json.loads(js.read_text())["rows"]) == 2
+    assert len(list(csv.DictReader(cs.open()))) == 2
+    # Before the first point: a message, no table, the same exit status.
+    calls.clear()
+    calls.extend([1, 1])
+    assert main(CPU_TINY) == 130
+    out, err = capsys.readouterr()
+    assert "before any point was measured" in err and "Benchmark results" not in out
+
+
+def test_nothing_that_can_run_is_an_error_not_a_nan_table(capsys):
+    assert main([*CPU_TINY, "--implementation", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert "nothing can run on cpu: cuda: " in err and "Benchmark results" not in out
+
+
+def test_all_on_cpu_says_what_it_leaves_out_and_why(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main([*CPU_TINY, "--implementation", "all", "--num-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("--implementation all leaves out")]
+    assert any("triton" in ln and "TRITON_INTERPRET=1" in ln for ln in lines), err
+    assert any(ln.startswith("--implementation all leaves out cuda: ") for ln in lines), err
+
+
 # --- pieces ---------------------------------------------------------------------------------------
 
 def test_rotation_exceeds_the_l2_or_flushes():

@@ -183,8 +183,8 @@ def test_impl_call_passes_the_variants_tuning(monkeypatch):
 # ------------------------------------------------------------------------------------------
 def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
     path = str(tmp_path / "cpu.json")
-    assert cli.main(["--device", "cpu", "--num-blocks", "64", "--num-tokens", "2,4",
-                     "--iters", "3", "--json", path]) == 0
+    assert cli.main(["--device", "cpu", "--num-heads", "8", "--num-blocks", "64", "--num-tokens",
+                     "2,4", "--iters", "3", "--json", path]) == 0
     capsys.readouterr()
     assert cli.main(["report", path, path]) == 0
     out = capsys.readouterr().out
@@ -192,7 +192,7 @@ def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
     table = markdown.markdown_table(meta, rows)
     assert out == f"{table}\n\n{table}\n"
     lines = table.splitlines()
-    assert lines[0].startswith("**H=128 D=128 bfloat16 kv=auto** (cpu, copy bandwidth ")
+    assert lines[0].startswith("**H=8 D=128 bfloat16 kv=auto** (cpu, copy bandwidth ")
     assert lines[2] == "| T | NHD torch | HND torch |"
     assert lines[3] == "|---:|---:|---:|"
     by = {(r.num_tokens, r.layout): r for r in rows}

@@ -1,6 +1,13 @@
 """The README's set-up commands and CI stay in step."""
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +40,79 @@ def test_kernel_source_ships_as_package_data():
     assert sources
     for src in sources:  # every kernel source and header matches a package-data glob
         assert any(src.relative_to(pkg).match(g) for g in globs), (src, globs)
+
+
+def test_the_two_commands_install_the_same_torch():
+    # One .venv, one torch pin: the commands differ only in the extras they install.
+    pins = [re.search(r"pip install -q (.*?) -e", cmd) for cmd in _readme_commands()]
+    assert all(pins), _readme_commands()
+    assert pins[0].group(1) == pins[1].group(1) and "torch==" in pins[0].group(1)
+
+
+def _dependencies(extra: str | None = None) -> list[str]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["dependencies"] if extra is None else project["optional-dependencies"][extra]
+
+
+def _installed_names(env: dict, extra: str) -> set[str]:
+    """The distributions pip would pick for ``kvwrite[extra]`` on the platform ``env`` describes."""
+    requirements = pytest.importorskip("packaging.requirements")
+    names = set()
+    for spec in [*_dependencies(), *_dependencies(extra)]:
+        req = requirements.Requirement(spec)
+        if req.marker is None or req.marker.evaluate({**env, "extra": extra}):
+            names.add(req.name)
+    return names
+
+
+def _platform(system: str, machine: str) -> dict:
+    sys_platform = {"Linux": "linux", "Darwin": "darwin", "Windows": "win32"}[system]
+    return {"platform_system": system, "platform_machine": machine, "sys_platform": sys_platform,
+            "python_version": "3.11", "python_full_version": "3.11.9", "os_name":
+            "nt" if system == "Windows" else "posix", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython"}
+
+
+GPU_PACKAGES = {"triton", "cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc"}
+
+
+def test_gpu_packages_install_only_where_their_wheels_exist():
+    # macOS has torch wheels but none of these: the reference and the tests install there.
+    for machine in ("arm64", "x86_64"):
+        names = _installed_names(_platform("Darwin", machine), "test")
+        assert not names & GPU_PACKAGES, names
+        assert {"torch", "numpy", "pytest", "tabulate"} <= names
+    # CI (Linux x86-64) compiles the kernels with NVRTC and runs Triton's interpreter.
+    for machine in ("x86_64", "aarch64"):
+        assert _installed_names(_platform("Linux", machine), "test") >= GPU_PACKAGES
+    # The benchmark's CPU install leaves triton (1 GB) to CUDA builds of torch, which bring it.
+    bench = _installed_names(_platform("Linux", "x86_64"), "plot")
+    assert "triton" not in bench and GPU_PACKAGES - {"triton"} <= bench
+    windows = _installed_names(_platform("Windows", "AMD64"), "plot")
+    assert {"cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc"} <= windows
+    assert "triton" not in windows
+
+
+def test_the_test_extra_has_what_the_tests_import():
+    names = {re.split(r"[<>=;\[ ]", spec, maxsplit=1)[0] for spec in _dependencies("test")}
+    assert {"pytest", "tabulate", "matplotlib"} <= names
+
+
+def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the gpu tests are selected and run here")
+    test = "tests/test_bench.py::test_parse_num_tokens tests/test_bench.py::test_gpu_run_benchmark"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *test.split()]
+    plain = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "1 passed, 1 deselected" in plain.stdout
+    lines = [ln for ln in plain.stdout.splitlines() if "gpu tests deselected" in ln]
+    assert lines == ["1 gpu tests deselected: no CUDA GPU here (torch.cuda.is_available() is "
+                     "False); on a GPU machine `python -m pytest -m gpu` runs them"]
+    assert "SKIPPED" not in plain.stdout
+    # -m gpu selects them; here they skip, each with the reason.
+    marked = subprocess.run(run + ["-m", "gpu"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "1 skipped, 1 deselected" in marked.stdout, marked.stdout
+    assert "needs a CUDA GPU" in marked.stdout

@@ -3,9 +3,14 @@ argument, what was expected and what came, before anything is written."""
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype"]
+__all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
+           "check_num_slots", "check_mutation_safe"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -27,3 +32,177 @@ def require_same_device(device: torch.device, what: str, named: tuple) -> None:
 def check_slot_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name}: expected dtype int64 or int32, got {t.dtype}")
+
+
+def check_num_slots(name: str, n) -> int:
+    """``n`` as a non-negative int (any integer type; not bool, float or str)."""
+    if isinstance(n, bool):
+        raise TypeError(f"{name}: expected a non-negative int, got bool")
+    try:
+        value = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value}")
+    return value
+
+
+# --- writes in place: what every op checks of the tensors it writes and reads -------------------
+
+# Tensors up to this many elements whose strides the fast rule cannot clear are checked exactly,
+# offset by offset; larger ones are refused as possibly overlapping.
+EXACT_OVERLAP_LIMIT = 1 << 22
+
+_Dims = tuple  # ((size, stride_in_bytes), ...): sizes > 1, strides > 0, outermost first
+
+
+def _byte_geometry(t: torch.Tensor) -> tuple[int, _Dims, int]:
+    """``(first byte address, dims, run)``: the elements of ``t`` are the byte ranges
+    ``[base + sum(i_k * stride_k), ... + run)`` over the dims (the innermost contiguous dims are
+    merged into ``run``). A dim of stride 0 stays (size > 1): it makes elements coincide."""
+    es = t.element_size()
+    base = t.data_ptr()
+    dims = []
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if size == 1:
+            continue
+        if stride < 0:
+            base += stride * (size - 1) * es
+            stride = -stride
+        dims.append((size, stride * es))
+    dims.sort(key=lambda d: d[1])
+    run = es
+    while dims and dims[0][1] == run:
+        run *= dims[0][0]
+        dims.pop(0)
+    return base, tuple(reversed(dims)), run
+
+
+def _extent(dims: _Dims, run: int) -> int:
+    return sum((n - 1) * s for n, s in dims) + run
+
+
+def _offsets(base: int, dims: _Dims) -> torch.Tensor:
+    off = torch.tensor([base], dtype=torch.int64)
+    for n, s in dims:
+        off = (off[:, None] + torch.arange(n, dtype=torch.int64) * s).flatten()
+    return off
+
+
+def _count(dims: _Dims) -> int:
+    return math.prod(n for n, _ in dims)
+
+
+def _self_overlap(dims: _Dims, run: int) -> bool | None:
+    """Whether two elements share a byte (None: too large to tell exactly)."""
+    ext = run
+    for n, s in reversed(dims):  # innermost first: each stride must clear the dims inside it
+        if s < ext:
+            break
+        ext += (n - 1) * s
+    else:
+        return False
+    if any(s == 0 for _, s in dims):
+        return True
+    if _count(dims) > EXACT_OVERLAP_LIMIT:
+        return None
+    off = torch.sort(_offsets(0, dims)).values
+    return bool((off[1:] - off[:-1] < run).any())
+
+
+def _overlap(a: tuple[int, _Dims, int], b: tuple[int, _Dims, int]) -> bool | None:
+    """Whether two tensors' elements share a byte, each free of self-overlap (None: too large
+    to tell exactly). Outer dims of equal stride that clear both inner extents are peeled off:
+    only the one or two index differences whose slices can meet are followed."""
+    (ba, da, ra), (bb, db, rb) = a, b
+    ext_a, ext_b = _extent(da, ra), _extent(db, rb)
+    if ba + ext_a <= bb or bb + ext_b <= ba:
+        return False
+    if not da and not db:
+        return True
+    if da and db and da[0][1] == db[0][1]:
+        (na, stride), (nb, _) = da[0], db[0]
+        in_a, in_b = _extent(da[1:], ra), _extent(db[1:], rb)
+        if stride >= in_a and stride >= in_b:
+            delta = bb - ba
+            # Slices a[i] and b[j] meet only if (i - j) * stride lies in (delta - in_a, delta + in_b).
+            lo = max((delta - in_a) // stride + 1, -(nb - 1))
+            hi = min(-((-(delta + in_b)) // stride) - 1, na - 1)
+            unknown = False
+            for k in range(lo, hi + 1):
+                r = _overlap((ba + k * stride, da[1:], ra), (bb, db[1:], rb))
+                if r:
+                    return True
+                unknown |= r is None
+            return None if unknown else False
+    if _count(da) + _count(db) > EXACT_OVERLAP_LIMIT:
+        return None
+    starts_a = torch.sort(_offsets(ba, da)).values
+    starts_b = _offsets(bb, db)
+    # For each element of b, the last element of a starting before b's end must end past b's start.
+    i = torch.searchsorted(starts_a, starts_b + rb) - 1
+    hit = (i >= 0) & (starts_a[i.clamp(min=0)] + ra > starts_b)
+    return bool(hit.any())
+
+
+def check_mutation_safe(outputs: Sequence[tuple[str, torch.Tensor]],
+                        inputs: Sequence[tuple[str, torch.Tensor | None]] = ()) -> None:
+    """The rule every op applies to the tensors it writes in place (``outputs``) and reads
+    (``inputs``, None entries ignored), before anything is written:
+
+    - no meta tensor (it has no memory to write or read);
+    - no output that requires grad (the ops write in place and are not differentiable), and no
+      input that requires grad while grad mode is on (call the op under ``torch.no_grad()`` or
+      ``torch.inference_mode()``, or pass ``.detach()``);
+    - no inference tensor written outside ``torch.inference_mode()``;
+    - no output whose elements share memory (a stride 0 over a dim of size > 1, or strides that
+      fold elements onto each other), no two outputs that share memory (``st[:-1]`` and
+      ``st[1:]``), and no input that shares memory with an output. Tensors that only interleave
+      (K and V blocks of one allocation, K and V halves of a packed last dim) pass.
+
+    Raises ValueError naming the tensor, what was expected and what came.
+    """
+    named_in = [(n, t) for n, t in inputs if t is not None]
+    for name, t in [*outputs, *named_in]:
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with memory (cpu or cuda), got a meta "
+                             f"tensor (meta tensors are not supported)")
+    grad = torch.is_grad_enabled()
+    for name, t in outputs:
+        if t.requires_grad:
+            raise ValueError(f"{name}: expected a tensor that does not require grad (it is written "
+                             f"in place and the op is not differentiable), got requires_grad=True")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name}: expected a tensor writable here, got an inference tensor "
+                             f"(made under torch.inference_mode()) outside inference mode: call "
+                             f"the op inside torch.inference_mode(), or make {name} outside it")
+    for name, t in named_in:
+        if grad and t.requires_grad:
+            raise ValueError(f"{name}: expected a tensor that does not require grad (the op is not "
+                             f"differentiable), got requires_grad=True with grad mode on: call it "
+                             f"under torch.no_grad() or torch.inference_mode(), or pass "
+                             f"{name}.detach()")
+    geo = {}
+    for name, t in outputs:
+        if t.numel() == 0:
+            continue
+        geo[name] = g = _byte_geometry(t)
+        over = _self_overlap(g[1], g[2])
+        if over is not False:
+            what = ("elements that share memory" if over else
+                    f"strides that this check cannot prove free of overlap at {t.numel()} elements")
+            raise ValueError(f"{name}: expected every element in its own memory, got strides "
+                             f"{tuple(t.stride())} for shape {shape_str(t)}: {what}")
+    written = [(n, t) for n, t in outputs if n in geo]
+    pairs = [(written[i], written[j]) for i in range(len(written))
+             for j in range(i + 1, len(written))]
+    pairs += [(o, i) for i in named_in if i[1].numel() for o in written]
+    for (on, o), (other, t) in pairs:
+        if o.device != t.device:
+            continue
+        if other not in geo:
+            geo[other] = _byte_geometry(t)
+        over = _overlap(geo[on], geo[other])
+        if over is not False:
+            what = "overlapping memory" if over else "memory that this check cannot prove apart"
+            raise ValueError(f"{other}: expected memory apart from {on}'s, got {what}")

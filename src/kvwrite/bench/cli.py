@@ -6,14 +6,19 @@
     kvwrite-bench probe NAME [...]                     # development probes (kvwrite.bench.probes)
     kvwrite-bench sanitize                             # the cases for compute-sanitizer
 
-Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error or a
-cache that does not fit.
+Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error, an
+output path that cannot be written, no implementation that can run on the device, or a cache that does not fit; 130 on Ctrl-C (after printing the table of what
+was measured and writing the files).
+
+Without a GPU (``--device cpu``), flags not given take small values (:data:`CPU_DEFAULTS`) so
+that the sweep runs in seconds; vLLM's defaults would need a 64 GiB cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 
@@ -25,13 +30,19 @@ from . import report
 from .models import MODELS, get_model, heads_per_rank
 from .plot import PlotError, plot_rows
 from .slots import PATTERNS, SlotPattern
-from .sweep import DTYPES, BenchError, Config, Env, run_sweep
+from .sweep import DTYPES, BenchError, Config, Env, Interrupted, run_sweep
 from .timing import MIN_SAMPLES
 from .workload import LAYOUTS
 
-__all__ = ["main", "build_parser", "parse_args", "make_config", "parse_num_tokens"]
+__all__ = ["main", "build_parser", "parse_args", "make_config", "parse_num_tokens",
+           "check_output_path", "CPU_DEFAULTS"]
 
 PROG = "kvwrite-bench"
+
+# --device cpu: the values of the flags not given. vLLM's shape (128 heads, 65536 blocks) needs a
+# 64 GiB cache; this one runs its 16 points in about 15 s on 2 cores with the torch reference.
+CPU_DEFAULTS = {"num_heads": 8, "num_blocks": 16, "num_tokens": "2:256", "iters": 10,
+                "graph_calls": 5}
 
 
 def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.ArgumentParser:
@@ -191,11 +202,18 @@ def _parse_device(text: str) -> torch.device:
     return dev
 
 
+def left_out(device: torch.device) -> list[str]:
+    """One line per registered implementation that cannot run on ``device``, with the reason."""
+    return [f"{i.name}: {reason}" for i in registry.all_impls(OP)
+            if (reason := i.available(device)) is not None]
+
+
 def _implementations(text: str, device: torch.device) -> list[str]:
     if text == "all":
         names = [i.name for i in registry.all_impls(OP) if i.available(device) is None]
         if not names:
-            raise ValueError(f"--implementation all: no registered implementation is available on {device}")
+            raise ValueError(f"--implementation all: no registered implementation is available on "
+                             f"{device}: {'; '.join(left_out(device))}")
         return names
     names = [n.strip() for n in text.split(",") if n.strip()]
     known = [i.name for i in registry.all_impls(OP)]
@@ -212,8 +230,12 @@ def make_config(args: argparse.Namespace) -> Config:
     """The run's configuration; raises ValueError naming the flag for bad values."""
     device = _parse_device(args.device)
     impl_text = args.implementation
-    if device.type == "cpu" and "implementation" not in args.explicit:
-        impl_text = "torch"
+    if device.type == "cpu":
+        if "implementation" not in args.explicit:
+            impl_text = "torch"
+        for flag, value in CPU_DEFAULTS.items():
+            if flag not in args.explicit and not (args.model and flag == "num_heads"):
+                setattr(args, flag, value)
     impls = _implementations(impl_text, device)
     baseline = args.baseline or impls[0]
     if baseline not in impls:
@@ -322,14 +344,39 @@ def _run(argv: list[str], prog: str) -> int:
     if cfg.device.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False); "
                          "pass --device cpu to run the torch implementation on the CPU")
+    reasons = {n: registry.get(OP, n).available(cfg.device) for n in cfg.implementations}
+    if all(r is not None for r in reasons.values()):
+        raise BenchError(f"nothing can run on {cfg.device}: "
+                         + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+    # Fail before the sweep, not after it.
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag)
+        if path:
+            try:
+                check_output_path(f"--{flag}", path)
+            except ValueError as e:
+                build_parser(prog).error(str(e))
     if args.plot:
         from .plot import _pyplot
-        _pyplot()  # fail before the sweep, not after it
+        _pyplot()
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    rows, env = run_sweep(cfg, progress)
+    if "all" in args.implementation.split(","):
+        for line in left_out(cfg.device):
+            progress(f"--implementation all leaves out {line}")
+    try:
+        rows, env = run_sweep(cfg, progress)
+        interrupted = False
+    except Interrupted as e:
+        rows, env, interrupted = e.rows, e.env, True
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C) before any point was measured", file=sys.stderr)
+        return 130
+    if interrupted and not rows:
+        print(f"{prog}: interrupted (Ctrl-C) before any point was measured", file=sys.stderr)
+        return 130
     impl_title = ",".join(cfg.implementations)
     header = header_lines(cfg, env)
     lines = list(header)
@@ -362,6 +409,14 @@ def _run(argv: list[str], prog: str) -> int:
         report.write_csv(args.csv, rows, command)
     if args.plot:
         plot_rows(rows, args.plot)
+    total = len(cfg.layouts) * len(cfg.num_tokens) * len(cfg.implementations)
+    if interrupted:
+        print(f"{prog}: interrupted (Ctrl-C) after {len(rows)} of {total} measurements; the "
+              f"table above and the files written hold those", file=sys.stderr)
+        return 130
+    if not any(r.ok for r in rows):
+        print(f"{prog}: nothing was measured: every point was unsupported or skipped (see the "
+              f"notes above)", file=sys.stderr)
     failed = [r for r in rows if r.status.startswith(("mismatch", "error"))]
     return 1 if failed else 0
 
@@ -374,9 +429,18 @@ def _plot_main(argv: list[str], prog: str) -> int:
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)
     try:
-        _, rows = report.read_json(args.json)
-    except (OSError, ValueError) as e:
+        check_output_path("--out", args.out)
+    except ValueError as e:
         p.error(str(e))
+    try:
+        _, rows = report.read_json(args.json)
+    except OSError as e:
+        p.error(f"{args.json}: cannot read it ({e.strerror or e})")
+    except (ValueError, TypeError, KeyError) as e:  # not JSON, or not --json's layout
+        text = str(e)
+        p.error(text if text.startswith(args.json) else
+                f"{args.json}: expected a JSON file written by --json, got one that does not "
+                f"parse as such ({type(e).__name__}: {text})")
     plot_rows(rows, args.out, args.title)
     return 0
 
@@ -392,6 +456,19 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
     return probes.main(argv, f"{prog} probe")
 
 
+def check_output_path(flag: str, path: str) -> None:
+    """Raise ValueError (naming ``flag``) unless ``path`` can be written: its folder exists and
+    is writable, and it is not a folder itself. Checked before the sweep."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: expected a file path, got the folder {path!r}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag}: the folder {folder!r} of {path!r} does not exist (create it "
+                         f"first)")
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag}: {path!r} cannot be written (no permission)")
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -403,6 +480,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from .report import Row
 from .slots import SlotPattern
 from .workload import CHUNK_BYTES, LAYOUTS, Case, fill_caches, make_caches, make_input_sets
 
-__all__ = ["BenchError", "Config", "Env", "run_sweep", "run_benchmark", "available_memory",
-           "plan_memory", "DTYPES"]
+__all__ = ["BenchError", "Interrupted", "Config", "Env", "run_sweep", "run_benchmark",
+           "available_memory", "plan_memory", "DTYPES"]
 
 DTYPES = {name: MODEL_DTYPES[name] for name in BENCH_DTYPES}  # vLLM's --dtype choices
 # Kept free beyond the planned tensors: CUDA graphs, kernel modules, allocator rounding.
@@ -38,6 +38,14 @@ OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryErro
 
 class BenchError(RuntimeError):
     """A condition the user must fix; printed as one message, never a traceback."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during the sweep, carrying the rows measured until then and the environment."""
+
+    def __init__(self, rows: list[Row], env: Env):
+        super().__init__()
+        self.rows, self.env = rows, env
 
 
 @dataclasses.dataclass
@@ -286,6 +294,8 @@ def run_sweep(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> 
     env = describe_env(cfg.device)
     where = f"{cfg.device} ({env.device_name})"
     free = available_memory(cfg.device)
+    # Before the copy bandwidth is measured: a run that cannot fit stops at once.
+    plan_memory(cfg, free, where, env.l2_bytes)
     env.copy_bytes = COPY_BYTES if not cfg.is_cpu else 64 * 2**20
     if free is not None:
         env.copy_bytes = max(2**20, min(env.copy_bytes, free // 8))
@@ -293,9 +303,12 @@ def run_sweep(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> 
     env.copy_bw = timing.copy_bandwidth(cfg.device, env.copy_bytes)
     if cfg.device.type == "cuda":
         torch.cuda.empty_cache()
-    plan_memory(cfg, available_memory(cfg.device), where, env.l2_bytes)
+    rows: list[Row] = []
     try:
-        return _sweep(cfg, env, progress), env
+        _sweep(cfg, env, progress, rows)
+        return rows, env
+    except KeyboardInterrupt:
+        raise Interrupted(rows, env) from None
     except OutOfMemoryError as e:
         message = str(e).splitlines()[0]
     # Out of the except block the traceback, and with it the sweep's tensors, are gone.
@@ -304,9 +317,9 @@ def run_sweep(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> 
     raise _oom_error(cfg, env, message)
 
 
-def _sweep(cfg: Config, env: Env, progress: Callable[[str], None]) -> list[Row]:
+def _sweep(cfg: Config, env: Env, progress: Callable[[str], None], rows: list[Row]) -> None:
+    """Append each measurement to ``rows`` as it is made (kept when the sweep is interrupted)."""
     infos = [registry.get(OP, name) for name in cfg.implementations]
-    rows: list[Row] = []
     flush_buf = None
     total = len(cfg.layouts) * len(cfg.num_tokens) * len(infos)
     for layout in cfg.layouts:
@@ -344,7 +357,6 @@ def _sweep(cfg: Config, env: Env, progress: Callable[[str], None]) -> list[Row]:
         del caches  # before the next layout allocates its own
         if cfg.device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
 # --- vLLM's function ------------------------------------------------------------------------------

@@ -7,7 +7,13 @@ import torch
 
 from ... import registry
 from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
-from ...validation import check_slot_dtype, require_same_device, require_tensor
+from ...validation import (
+    check_mutation_safe,
+    check_num_slots,
+    check_slot_dtype,
+    require_same_device,
+    require_tensor,
+)
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
@@ -68,8 +74,6 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
             f"key_cache: kv_cache_dtype={cache_dtype.value!r} with {key.dtype} input expects a cache of dtype "
             f"{names}, got {key_cache.dtype}"
         )
-    if key_cache.numel() > 0 and key_cache.data_ptr() == value_cache.data_ptr():
-        raise ValueError("value_cache: expected a different tensor from key_cache, got the same memory")
 
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
@@ -101,6 +105,10 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
                 raise ValueError(f"{name}: expected device {device} (that of the caches), got {s.device}")
             if s.numel() > 1 and not s.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(s.stride())}")
+    scales = (("k_scale", k_scale), ("v_scale", v_scale)) if cache_dtype.is_fp8 else ()
+    check_mutation_safe(outputs=(("key_cache", key_cache), ("value_cache", value_cache)),
+                        inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping),
+                                *scales))
     return cache_dtype
 
 
@@ -134,6 +142,12 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     "float32"), or for "fp8"/"fp8_e4m3"/"fp8_e5m2" ``fp8(float32(x) / scale)`` with saturation, where
     ``k_scale``/``v_scale`` are float32 tensors of 1 or H elements on the device, read there (no host
     sync), so a captured CUDA graph sees new values.
+
+    The op is not differentiable and writes in place (:func:`kvwrite.validation.check_mutation_safe`):
+    the caches must not require grad, be meta tensors, or be inference tensors outside
+    ``torch.inference_mode()``; no two elements of the caches may share memory (K and V may
+    interleave in one allocation), and no input may share memory with a cache; inputs that
+    require grad are refused while grad mode is on (call it under ``torch.no_grad()``).
 
     ``implementation`` names one of :func:`kvwrite.implementations`; None picks the preferred one
     that can run this call.
@@ -180,6 +194,7 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected 1 dim, got shape {_shape(slot_mapping)}")
     check_slot_dtype("slot_mapping", slot_mapping)
+    num_slots = check_num_slots("num_slots", num_slots)
     bad = torch.nonzero(slot_mapping >= num_slots).flatten().cpu()
     if bad.numel():
         shown = bad[:16].tolist()
