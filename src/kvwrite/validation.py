@@ -3,6 +3,7 @@ argument, what was expected and what came, before anything is written."""
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -60,22 +61,29 @@ def _byte_geometry(t: torch.Tensor) -> tuple[int, _Dims, int]:
     """``(first byte address, dims, run)``: the elements of ``t`` are the byte ranges
     ``[base + sum(i_k * stride_k), ... + run)`` over the dims (the innermost contiguous dims are
     merged into ``run``). A dim of stride 0 stays (size > 1): it makes elements coincide."""
-    es = t.element_size()
-    base = t.data_ptr()
+    dims, run, shift = _layout(tuple(t.shape), tuple(t.stride()), t.element_size())
+    return t.data_ptr() + shift, dims, run
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple, stride: tuple, es: int) -> tuple[_Dims, int, int]:
+    """``(dims, run, base shift)`` of a shape and strides (see :func:`_byte_geometry`); cached:
+    the same caches and views come back call after call."""
+    shift = 0
     dims = []
-    for size, stride in zip(t.shape, t.stride(), strict=True):
+    for size, st in zip(shape, stride, strict=True):
         if size == 1:
             continue
-        if stride < 0:
-            base += stride * (size - 1) * es
-            stride = -stride
-        dims.append((size, stride * es))
+        if st < 0:
+            shift += st * (size - 1) * es
+            st = -st
+        dims.append((size, st * es))
     dims.sort(key=lambda d: d[1])
     run = es
     while dims and dims[0][1] == run:
         run *= dims[0][0]
         dims.pop(0)
-    return base, tuple(reversed(dims)), run
+    return tuple(reversed(dims)), run, shift
 
 
 def _extent(dims: _Dims, run: int) -> int:
@@ -93,6 +101,7 @@ def _count(dims: _Dims) -> int:
     return math.prod(n for n, _ in dims)
 
 
+@functools.lru_cache(maxsize=4096)
 def _self_overlap(dims: _Dims, run: int) -> bool | None:
     """Whether two elements share a byte (None: too large to tell exactly)."""
     ext = run
@@ -112,9 +121,18 @@ def _self_overlap(dims: _Dims, run: int) -> bool | None:
 
 def _overlap(a: tuple[int, _Dims, int], b: tuple[int, _Dims, int]) -> bool | None:
     """Whether two tensors' elements share a byte, each free of self-overlap (None: too large
-    to tell exactly). Outer dims of equal stride that clear both inner extents are peeled off:
-    only the one or two index differences whose slices can meet are followed."""
+    to tell exactly)."""
     (ba, da, ra), (bb, db, rb) = a, b
+    return _relative_overlap(bb - ba, da, ra, db, rb)
+
+
+@functools.lru_cache(maxsize=4096)
+def _relative_overlap(delta: int, da: _Dims, ra: int, db: _Dims, rb: int) -> bool | None:
+    """:func:`_overlap` of ``a`` at address 0 and ``b`` at ``delta`` (cached: it depends only on
+    the two geometries and their distance). Outer dims of equal stride that clear both inner
+    extents are peeled off: only the one or two index differences whose slices can meet are
+    followed."""
+    ba, bb = 0, delta
     ext_a, ext_b = _extent(da, ra), _extent(db, rb)
     if ba + ext_a <= bb or bb + ext_b <= ba:
         return False
@@ -163,42 +181,54 @@ def check_mutation_safe(outputs: Sequence[tuple[str, torch.Tensor]],
     Raises ValueError naming the tensor, what was expected and what came.
     """
     named_in = [(n, t) for n, t in inputs if t is not None]
-    for name, t in [*outputs, *named_in]:
-        if t.device.type == "meta":
+    device = {}
+    for name, t in (*outputs, *named_in):
+        device[name] = d = t.device
+        if d.type == "meta":
             raise ValueError(f"{name}: expected a tensor with memory (cpu or cuda), got a meta "
                              f"tensor (meta tensors are not supported)")
-    grad = torch.is_grad_enabled()
+    inference_mode = torch.is_inference_mode_enabled()
     for name, t in outputs:
         if t.requires_grad:
             raise ValueError(f"{name}: expected a tensor that does not require grad (it is written "
                              f"in place and the op is not differentiable), got requires_grad=True")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
+        if not inference_mode and t.is_inference():
             raise ValueError(f"{name}: expected a tensor writable here, got an inference tensor "
                              f"(made under torch.inference_mode()) outside inference mode: call "
                              f"the op inside torch.inference_mode(), or make {name} outside it")
-    for name, t in named_in:
-        if grad and t.requires_grad:
-            raise ValueError(f"{name}: expected a tensor that does not require grad (the op is not "
-                             f"differentiable), got requires_grad=True with grad mode on: call it "
-                             f"under torch.no_grad() or torch.inference_mode(), or pass "
-                             f"{name}.detach()")
+    if torch.is_grad_enabled():
+        for name, t in named_in:
+            if t.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad (the op is "
+                                 f"not differentiable), got requires_grad=True with grad mode on: "
+                                 f"call it under torch.no_grad() or torch.inference_mode(), or "
+                                 f"pass {name}.detach()")
     geo = {}
+    written = []
     for name, t in outputs:
         if t.numel() == 0:
             continue
         geo[name] = g = _byte_geometry(t)
+        written.append((name, t))
         over = _self_overlap(g[1], g[2])
         if over is not False:
             what = ("elements that share memory" if over else
                     f"strides that this check cannot prove free of overlap at {t.numel()} elements")
             raise ValueError(f"{name}: expected every element in its own memory, got strides "
                              f"{tuple(t.stride())} for shape {shape_str(t)}: {what}")
-    written = [(n, t) for n, t in outputs if n in geo]
     pairs = [(written[i], written[j]) for i in range(len(written))
              for j in range(i + 1, len(written))]
     pairs += [(o, i) for i in named_in if i[1].numel() for o in written]
+    spans = {}
     for (on, o), (other, t) in pairs:
-        if o.device != t.device:
+        # Tensors whose allocations lie apart cannot share memory: only the others are compared.
+        if device[on] != device[other]:
+            continue
+        for n, x in ((on, o), (other, t)):
+            if n not in spans:
+                st = x.untyped_storage()
+                spans[n] = (st.data_ptr(), st.data_ptr() + st.nbytes())
+        if spans[on][1] <= spans[other][0] or spans[other][1] <= spans[on][0]:
             continue
         if other not in geo:
             geo[other] = _byte_geometry(t)
