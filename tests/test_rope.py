@@ -491,3 +491,78 @@ def test_torch_compile_sees_mutating_custom_ops(impl, device):
         inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
         inp.value_cache, inp.slot_mapping)
     assert_same_bytes(inp, _expected_fused(case))
+
+
+# --- Triton: the compiled rotation has no fused multiply-add (CPU: Triton compiles for sm_90) ----
+
+_PTX_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+from kvwrite.ops.rotary_embedding import triton_impl as rope
+from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl as fused
+
+def ptx(kernel, types, consts, fusion):
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, **LAUNCH_OPTIONS}
+    if fusion:
+        opts["enable_fp_fusion"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for dt in ("bf16", "fp16", "fp32"):
+    out["rope-" + dt] = ptx(rope._rope_kernel, {
+        "positions_ptr": "*i64", "query_ptr": "*" + dt, "key_ptr": "*" + dt,
+        "cos_sin_ptr": "*fp32", "num_rot": "i32", "q_stride": "i32", "k_stride": "i32",
+        "max_position": "i32"}, dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128,
+        IS_NEOX=True, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False).count("fma")
+    for quant in (0, 1):
+        types = {"positions_ptr": "*i64", "query_ptr": "*" + dt, "query_out_ptr": "*" + dt,
+                 "key_ptr": "*" + dt, "value_ptr": "*" + dt, "cos_sin_ptr": "*" + dt,
+                 "key_cache_ptr": "*u8" if quant else "*" + dt,
+                 "value_cache_ptr": "*u8" if quant else "*" + dt, "slot_mapping_ptr": "*i32"}
+        types.update({n: "i32" for n in ("num_rot", "num_tokens", "q_stride", "qo_stride",
+                                          "k_stride", "v_stride", "max_position", "num_slots",
+                                          "stride_b", "stride_s", "stride_h")})
+        consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=64, IS_NEOX=False,
+                      STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=False,
+                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
+        if quant:
+            types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        else:
+            consts.update(k_scale_ptr=None, v_scale_ptr=None)
+        out[f"fused-{dt}-q{quant}"] = ptx(fused._fused_kernel, types, consts, False).count("fma")
+out["rope-fp32-fusion-on"] = ptx(rope._rope_kernel, {
+    "positions_ptr": "*i64", "query_ptr": "*fp32", "key_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+    "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
+    dict(NUM_Q_HEADS=2, NUM_HEADS=2, HEAD_SIZE=64, ROT=64, IS_NEOX=True, Q_TILES=1, BLOCK_T=1,
+         BLOCK_H=2, BLOCK_D=64), True).count("fma")
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    # The fp8 variants keep the quotient's deliberate FMAs (kvwrite.kernels.triton_fp8); every
+    # other variant has none, and with fusion allowed the rotation gets some (the check can fail).
+    assert {k: v for k, v in counts.items() if "-q1" not in k and "fusion-on" not in k} == {
+        k: 0 for k in counts if "-q1" not in k and "fusion-on" not in k}
+    assert counts["rope-fp32-fusion-on"] > 0
+    assert all(counts[k] > 0 for k in counts if "-q1" in k)

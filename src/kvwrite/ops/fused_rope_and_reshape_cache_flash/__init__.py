@@ -32,3 +32,10 @@ registry.register(registry.ImplInfo(
     # The cache write's boolean masking syncs with the host.
     graph_safe=False,
 ))
+registry.register(registry.ImplInfo(
+    op=OP,
+    name="triton",
+    description="Triton kernel: rotation, query/key stores and cache write in one launch",
+    module=f"{__name__}.triton_impl",
+    priority=10,
+))

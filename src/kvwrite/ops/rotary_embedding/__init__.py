@@ -28,3 +28,10 @@ registry.register(registry.ImplInfo(
     priority=0,
     devices=("cpu", "cuda"),
 ))
+registry.register(registry.ImplInfo(
+    op=OP,
+    name="triton",
+    description="Triton kernel, neox and GPT-J, partial rotary",
+    module=f"{__name__}.triton_impl",
+    priority=10,
+))
