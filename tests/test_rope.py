@@ -7,6 +7,7 @@ and torch.compile."""
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -566,3 +567,124 @@ def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation():
         k: 0 for k in counts if "-q1" not in k and "fusion-on" not in k}
     assert counts["rope-fp32-fusion-on"] > 0
     assert all(counts[k] > 0 for k in counts if "-q1" in k)
+
+
+# --- CUDA: every variant compiles with NVRTC (no GPU needed); no FMA in the rotation ------------
+
+def _cuda_modules():
+    pytest.importorskip("cuda.core")
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl as fused_cuda
+    from kvwrite.ops.rotary_embedding import cuda_impl as rope_cuda
+    return rope_cuda, fused_cuda
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
+    rope_cuda, fused_cuda = _cuda_modules()
+    mod = rope_cuda if which == "rotary" else fused_cuda
+    names = mod.all_kernel_names()
+    obj, _ = mod.SOURCE.compile("sm_90", names)
+    assert len(bytes(obj.code)) > 0
+    assert set(names) <= set(obj.symbol_mapping)
+    # The launchers pass every scalar as a Python int (8 bytes): the kernels take int64s only,
+    # as many as the launchers pass (10 and 23), after the pointers.
+    for name in names:
+        mangled = obj.symbol_mapping[name]
+        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
+        params = mangled.split("Ev", 1)[1]
+        assert params.endswith("x" * (10 if which == "rotary" else 23)), params
+        assert not params.endswith("x" * (11 if which == "rotary" else 24)), params
+
+
+def _sass(source, names, tmp_path) -> str:
+    """The SASS of a cubin, through the cuobjdump that ships with Triton (skip where none)."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        try:
+            import triton
+        except ImportError:
+            triton = None
+        if triton is not None:
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                "cuobjdump")
+            tool = cand if os.path.exists(cand) else None
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    obj, _ = source.compile("sm_90", names)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(bytes(obj.code))
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_cuda_rotation_sass_has_no_fma(tmp_path):
+    """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
+    a contracting build of the same arithmetic would (the check can fail)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    for mod, names in ((rope_cuda, rope_cuda.all_kernel_names()),
+                       (fused_cuda, [n for n in fused_cuda.all_kernel_names()
+                                     if n.split("<")[1].split(", ")[2] not in ("3", "4")])):
+        assert names
+        sass = _sass(mod.SOURCE, names, tmp_path)
+        assert "FMUL" in sass and "FFMA" not in sass
+    contracting = rope_cuda.SOURCE.text.replace(
+        "rope_rotate_unit<IN, CS, W, NEOX>(a, b, cos_sin", "naive_rotate<IN, CS, W, NEOX>(a, b, cos_sin")
+    assert contracting != rope_cuda.SOURCE.text
+    naive = r'''
+template <int IN, int CS, int W, bool NEOX>
+KVW_HD void naive_rotate(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
+                         const u8* table, u32 half, u32 oa) {
+  Raw<W * elem_bytes(IN)> r = zero_raw<W * elem_bytes(IN)>();
+  for (int j = 0; j < W; ++j) {
+    const float c = elem_f32<CS>(load_raw<4>(table + 4 * j), 0);
+    put_elem<IN>(r, j, round_to<IN>(elem_f32<IN>(a, j) * c - elem_f32<IN>(b, j) * c));
+  }
+  a = r;
+}
+'''
+    contracting = contracting.replace('#include "kvw/rope.cuh"\n', '#include "kvw/rope.cuh"\n' + naive)
+
+    name = rope_cuda.kernel_name(2, 2, 4, True, torch.int64)
+    obj, _ = rope_cuda.SOURCE.compile("sm_90", name, source=contracting)
+    path = tmp_path / "naive.cubin"
+    path.write_bytes(bytes(obj.code))
+    assert "FFMA" in _sass(type("S", (), {"compile": lambda self, a, n: (obj, "")})(), name,
+                           tmp_path)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("op", [ROPE, FUSED])
+def test_cuda_graph_replay_sees_new_inputs(op, impl):
+    """Capture once (the first call of the variant inside the capture), then change every input
+    in place: the replay rotates and caches the new values."""
+    if (reason := registry.get(op, impl).available("cuda")) is not None:
+        pytest.skip(reason)
+    case = RopeCase(num_tokens=40, num_q_heads=8, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                    kv_cache_dtype="fp8" if op == FUSED else "auto", per_head_scale=True,
+                    layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
+                    num_blocks=8, pos_dtype=torch.int32)
+    live = make_rope_inputs(case, "cuda", seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if op == ROPE:
+            kvwrite.rotary_embedding(*live.rotary_args(), implementation=impl)
+        else:
+            kvwrite.fused_rope_and_reshape_cache_flash(*live.fused_args(), implementation=impl)
+    for seed in (2, 3):
+        new = make_rope_inputs(case, "cuda", seed=seed)
+        want = make_rope_inputs(case, "cuda", seed=seed)
+        for name, t in live.tensors().items():
+            t.copy_(new.tensors()[name])
+        graph.replay()
+        if op == ROPE:
+            kvwrite.rotary_embedding(*want.rotary_args(), implementation="torch")
+        else:
+            kvwrite.fused_rope_and_reshape_cache_flash(*want.fused_args(), implementation="torch")
+        torch.cuda.synchronize()
+        assert_same_bytes(live, want)

@@ -39,3 +39,10 @@ registry.register(registry.ImplInfo(
     module=f"{__name__}.triton_impl",
     priority=10,
 ))
+registry.register(registry.ImplInfo(
+    op=OP,
+    name="cuda",
+    description="CUDA C++ kernel compiled at run time with NVRTC (cuda.core)",
+    module=f"{__name__}.cuda_impl",
+    priority=20,
+))
