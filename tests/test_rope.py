@@ -15,6 +15,7 @@ import torch
 
 import kvwrite
 from kvwrite import registry
+from kvwrite.dtypes import CacheDType
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops import fused_rope_and_reshape_cache_flash as fused_pkg
 from kvwrite.ops import rotary_embedding as rope_pkg
@@ -688,3 +689,29 @@ def test_cuda_graph_replay_sees_new_inputs(op, impl):
             kvwrite.fused_rope_and_reshape_cache_flash(*want.fused_args(), implementation="torch")
         torch.cuda.synchronize()
         assert_same_bytes(live, want)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+def test_bench_rope_runs_checks_and_writes_rows(tmp_path, capsys):
+    import json
+
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench.cli import main as cli_main
+
+    out = tmp_path / "r.json"
+    rc = cli_main(["rope", "--device", "cpu", "--num-tokens", "3", "--implementation", "torch",
+                   "--iters", "2", "--time-budget", "0.01", "--no-graph", "--heads", "4,2,32",
+                   "--dtypes", "float16", "--kv-cache-dtypes", "auto,fp8", "--layouts",
+                   "NHD,packed", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "best pair/fused" in text and "bound" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 3
+    assert {r["check"] for r in rows} == {"passed"}
+    assert all(r["latency_us"] > 0 for r in rows)
+    p = bench_rope.Point(torch.bfloat16, CacheDType.AUTO, 32, 8, 128, 128, True, "NHD", 1000,
+                         256, 16, 4096)
+    # pair - fused = one more read of the key: T*H*D*2 bytes.
+    assert bench_rope.point_bytes(p, "pair") - bench_rope.point_bytes(p, "fused") == 1000 * 8 * 128 * 2

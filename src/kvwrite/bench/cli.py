@@ -2,6 +2,7 @@
 
     kvwrite-bench [vLLM's flags] [kvwrite's flags]     # the sweep; the table on stdout
     kvwrite-bench plot RESULTS.json --out PLOT.png     # a plot from a saved --json file
+    kvwrite-bench rope [flags]                         # fused RoPE + cache write (bench/rope.py)
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error or a
 cache that does not fit.
@@ -345,6 +346,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         if argv[:1] == ["plot"]:
             return _plot_main(argv[1:], prog)
+        if argv[:1] == ["rope"]:
+            from .rope import main as rope_main
+            return rope_main(argv[1:], f"{prog} rope")
         return _run(argv, prog)
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
