@@ -51,12 +51,15 @@ __global__ void __launch_bounds__(256) fused_rope_cache_kernel(
   const bool in_table = static_cast<u64>(p) < static_cast<u64>(max_position);  // also p < 0
 
   if (j < static_cast<u64>(num_q_heads)) {
-    if (!in_table || (!rotated && query_in_place)) return;
+    if (!rotated && query_in_place) return;
     const i64 h_off = static_cast<i64>(j) * head_size * IB;
     const u8* row = query + t * q_stride * IB + h_off;
     u8* out = query_out + t * qo_stride * IB + h_off;
-    Raw<W * IB> a = load_raw<W * IB>(row + ea), b = a;
-    if constexpr (NEOX) b = load_raw<W * IB>(row + eb);
+    // Loaded before the position's test (volatile: ptxas may not sink them below it), so the
+    // data's memory round trip overlaps the position's.
+    Raw<W * IB> a = load_raw_volatile<W * IB>(row + ea), b = a;
+    if constexpr (NEOX) b = load_raw_volatile<W * IB>(row + eb);
+    if (!in_table) return;
     if (rotated) rope_rotate_unit<IN, CS, W, NEOX>(a, b, table, half, oa);
     store_raw<W * IB>(out + ea, a);
     if constexpr (NEOX) {
@@ -73,17 +76,19 @@ __global__ void __launch_bounds__(256) fused_rope_cache_kernel(
     k_s = k_scale[h * k_scale_stride];
     v_s = v_scale[h * v_scale_stride];
   }
+  u8* krow = key + t * k_stride * IB + h * head_size * IB;
+  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;
+  // Key and value chunks loaded before the position's and slot's tests (volatile, as above);
+  // rows t < num_rot of key and value exist, whatever the slot.
+  Raw<W * IB> a = load_raw_volatile<W * IB>(krow + ea), b = a, va = a, vb = a;
+  if constexpr (NEOX) b = load_raw_volatile<W * IB>(krow + eb);
+  if (cached) {
+    va = load_raw_volatile<W * IB>(vrow + ea);
+    if constexpr (NEOX) vb = load_raw_volatile<W * IB>(vrow + eb);
+  }
   if (!in_table) return;
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   if (!rotated && !valid) return;  // a pass-through unit only feeds the cache
-  u8* krow = key + t * k_stride * IB + h * head_size * IB;
-  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;
-  Raw<W * IB> a = load_raw<W * IB>(krow + ea), b = a, va = a, vb = a;
-  if constexpr (NEOX) b = load_raw<W * IB>(krow + eb);
-  if (valid) {
-    va = load_raw<W * IB>(vrow + ea);
-    if constexpr (NEOX) vb = load_raw<W * IB>(vrow + eb);
-  }
   if (rotated) {
     rope_rotate_unit<IN, CS, W, NEOX>(a, b, table, half, oa);
     if (store_key) {

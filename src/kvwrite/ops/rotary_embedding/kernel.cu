@@ -29,12 +29,14 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
   u32 oa, ob;
   const u32 half = static_cast<u32>(rot) / 2;
   if (!rope_unit_offsets<W, NEOX>(u, rot_units, half, rot, oa, ob)) return;
-  if (static_cast<u64>(p) >= static_cast<u64>(max_position)) return;  // also p < 0
   const bool is_q = j < static_cast<u64>(num_q_heads);
   const i64 h = is_q ? j : j - num_q_heads;
   u8* row = (is_q ? query + t * q_stride * IB : key + t * k_stride * IB) + h * head_size * IB;
-  Raw<W * IB> a = load_raw<W * IB>(row + static_cast<i64>(oa) * IB), b = a;
-  if constexpr (NEOX) b = load_raw<W * IB>(row + static_cast<i64>(ob) * IB);
+  // Loaded before the position's test (volatile: ptxas may not sink them below it), so the
+  // data's memory round trip overlaps the position's.
+  Raw<W * IB> a = load_raw_volatile<W * IB>(row + static_cast<i64>(oa) * IB), b = a;
+  if constexpr (NEOX) b = load_raw_volatile<W * IB>(row + static_cast<i64>(ob) * IB);
+  if (static_cast<u64>(p) >= static_cast<u64>(max_position)) return;  // also p < 0
   rope_rotate_unit<IN, CS, W, NEOX>(a, b, cos_sin + p * rot * elem_bytes(CS), half, oa);
   store_raw<W * IB>(row + static_cast<i64>(oa) * IB, a);
   if constexpr (NEOX) store_raw<W * IB>(row + static_cast<i64>(ob) * IB, b);
