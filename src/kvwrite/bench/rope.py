@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
     bad = [r for r in rows if r.status != "ok" and not r.status.startswith("unsupported")]
     for r in bad:
         print(f"# {r.implementation} N={r.num_tokens} {r.layout}: {r.status}")
-    command = shlex.join([prog, *argv])
+    command = f"{prog} {shlex.join(argv)}"
     if args.json:
         report.write_json(args.json, rows, {"command": command, "device": dev,
                                             "copy_bw_gbps": copy_bw / 1e9,
@@ -462,6 +462,6 @@ def vllm_main(argv: list[str] | None = None, prog: str = "benchmark_fused_rope_k
             print(f"sanity: N={n} speedup >= {need}x: {'PASS' if passed else 'FAIL'} "
                   f"(min {worst:.2f}x)")
     if args.json:
-        report.write_json(args.json, rows, {"command": shlex.join([prog, *sys.argv[1:]]),
+        report.write_json(args.json, rows, {"command": f"{prog} {shlex.join(sys.argv[1:])}",
                                             "device": dev, "copy_bw_gbps": copy_bw / 1e9})
     return 0 if ok else 1
