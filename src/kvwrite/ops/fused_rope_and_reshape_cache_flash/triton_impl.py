@@ -86,12 +86,10 @@ if triton is not None:
         t64 = t.to(tl.int64)
         if tile < Q_TILES:
             h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
-            in_row = (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
-            mask = valid[:, None, None] & in_row
+            mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
             row = (t64 * q_stride)[:, None, None] + h * HEAD_SIZE
-            # Loads masked by the token bound only: they do not wait for the position's load.
-            x = tl.load(query_ptr + row + d, mask=t_in[:, None, None] & in_row)
-            y = tl.load(query_ptr + row + partner, mask=t_in[:, None, None] & in_row)
+            x = tl.load(query_ptr + row + d, mask=mask)
+            y = tl.load(query_ptr + row + partner, mask=mask)
             out_row = (t64 * qo_stride)[:, None, None] + h * HEAD_SIZE
             tl.store(query_out_ptr + out_row + d, rope_rotate(x, y, c, s, first, is_rot),
                      mask=mask)
@@ -103,8 +101,8 @@ if triton is not None:
             cached = t < num_tokens
             slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
             row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
-            x = tl.load(key_ptr + row + d, mask=t_in[:, None, None] & in_row)
-            y = tl.load(key_ptr + row + partner, mask=t_in[:, None, None] & in_row)
+            x = tl.load(key_ptr + row + d, mask=mask)
+            y = tl.load(key_ptr + row + partner, mask=mask)
             v_row = (t64 * v_stride)[:, None, None] + h * HEAD_SIZE
             v = tl.load(value_ptr + v_row + d, mask=cached[:, None, None] & in_row)
             k = rope_rotate(x, y, c, s, first, is_rot)

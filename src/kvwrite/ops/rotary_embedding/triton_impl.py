@@ -129,27 +129,24 @@ if triton is not None:
         first, is_rot = first[None, None, :], is_rot[None, None, :]
         partner = partner[None, None, :]
         if tile < Q_TILES:
-            _rotate_tile(query_ptr, q_stride, t, num_rot, valid, tile * BLOCK_H, c, s, partner,
-                         first, is_rot, NUM_Q_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+            _rotate_tile(query_ptr, q_stride, t, valid, tile * BLOCK_H, c, s, partner, first,
+                         is_rot, NUM_Q_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
         else:
-            _rotate_tile(key_ptr, k_stride, t, num_rot, valid, (tile - Q_TILES) * BLOCK_H, c, s,
-                         partner, first, is_rot, NUM_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+            _rotate_tile(key_ptr, k_stride, t, valid, (tile - Q_TILES) * BLOCK_H, c, s, partner,
+                         first, is_rot, NUM_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
 
     @triton.jit
-    def _rotate_tile(ptr, stride, t, num_rot, valid, h0, c, s, partner, first, is_rot,
+    def _rotate_tile(ptr, stride, t, valid, h0, c, s, partner, first, is_rot,
                      NH: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr):
         """Rotates heads [h0, h0 + BLOCK_H) of tokens t in place (valid tokens only)."""
         d = tl.arange(0, BLOCK_D)[None, None, :]
         h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
-        in_row = (h < NH) & (d < HEAD_SIZE)
+        mask = valid[:, None, None] & (h < NH) & (d < HEAD_SIZE)
         row = (t.to(tl.int64) * stride)[:, None, None] + h * HEAD_SIZE
-        # Loads masked by the token bound only, so they do not wait for the position's load.
-        load_mask = (t < num_rot)[:, None, None] & in_row
-        x = tl.load(ptr + row + d, mask=load_mask)
-        y = tl.load(ptr + row + partner, mask=load_mask)
-        tl.store(ptr + row + d, rope_rotate(x, y, c, s, first, is_rot),
-                 mask=valid[:, None, None] & in_row)
+        x = tl.load(ptr + row + d, mask=mask)
+        y = tl.load(ptr + row + partner, mask=mask)
+        tl.store(ptr + row + d, rope_rotate(x, y, c, s, first, is_rot), mask=mask)
 
 
 def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
