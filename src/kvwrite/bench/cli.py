@@ -5,10 +5,12 @@
     kvwrite-bench report RESULTS.json...               # saved --json files as markdown tables
     kvwrite-bench probe NAME [...]                     # development probes (kvwrite.bench.probes)
     kvwrite-bench sanitize                             # the cases for compute-sanitizer
+    kvwrite-bench rope [flags]                         # fused RoPE + cache write (bench/rope.py)
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error, an
-output path that cannot be written, no implementation that can run on the device, or a cache that does not fit; 130 on Ctrl-C (after printing the table of what
-was measured and writing the files).
+output path that cannot be written, no implementation that can run on the device, or a cache
+that does not fit; 130 on Ctrl-C (after printing the table of what was measured and writing the
+files).
 
 Without a GPU (``--device cpu``), flags not given take small values (:data:`CPU_DEFAULTS`) so
 that the sweep runs in seconds; vLLM's defaults would need a 64 GiB cache.
@@ -476,6 +478,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             return _plot_main(argv[1:], prog)
         if argv[:1] in (["probe"], ["report"], ["sanitize"]):
             return _tool_main(argv[0], argv[1:], prog)
+        if argv[:1] == ["rope"]:
+            from .rope import main as rope_main
+            return rope_main(argv[1:], f"{prog} rope")
         return _run(argv, prog)
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """One package per op; importing one registers the op and its implementations."""
 
-from . import reshape_and_cache_flash
+from . import fused_rope_and_reshape_cache_flash, reshape_and_cache_flash, rotary_embedding
 
-__all__ = ["reshape_and_cache_flash"]
+__all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash"]

@@ -1,0 +1,62 @@
+"""Triton parts of the RoPE ops (SPEC §3): the rotation of a tile of rows, shared by
+rotary_embedding's and fused_rope_and_reshape_cache_flash's kernels.
+
+A tile is ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` with ``BLOCK_D >= head_size``. Each element
+``d < rot_dim`` is rotated with its partner (neox: ``d ± rot_dim/2``; GPT-J: ``d ^ 1``), loaded by
+a second gather of the same row (an L1 hit: DRAM traffic is the row once), so that every store is
+a whole, contiguous row. For the first element of a pair ``x' = RN(RN(x*c) - RN(y*s))``, for the
+second ``y' = RN(RN(y*c) + RN(x*s))``: the same products and sums as SPEC §3, one formula.
+Elements ``d >= rot_dim`` keep their bits.
+
+No fused multiply-add: the kernels that use :func:`rope_rotate` are launched with
+``enable_fp_fusion=False`` (Triton otherwise lets LLVM contract ``a*b - c`` into an FMA);
+tests/test_rope.py checks the PTX of the rotation's kernels for ``fma``.
+"""
+
+from __future__ import annotations
+
+from .triton_fp8 import tl, triton
+
+__all__ = ["rope_tables", "rope_rotate", "LAUNCH_OPTIONS"]
+
+# Keyword arguments of every launch of a kernel that rotates (see the module doc).
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+if triton is not None:
+
+    @triton.jit
+    def rope_tables(cos_sin_ptr, pos, valid, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        """Per token and element of a ``[BLOCK_T]`` position vector: (cos, sin) as float32
+        ``[BLOCK_T, BLOCK_D]`` (1 and 0 where the element is not rotated or the token is not
+        ``valid``), the partner element ``[BLOCK_D]``, whether the element is the first of its
+        pair, and whether it is rotated. The table is read only for valid tokens."""
+        HALF: tl.constexpr = ROT // 2
+        d = tl.arange(0, BLOCK_D)
+        is_rot = d < ROT
+        if IS_NEOX:
+            first = d < HALF
+            pair = tl.where(first, d, d - HALF)
+            partner = tl.where(first, d + HALF, d - HALF)
+        else:
+            first = (d % 2) == 0
+            pair = d // 2
+            partner = d ^ 1
+        partner = tl.where(is_rot, partner, d)
+        pair = tl.where(is_rot, pair, 0)
+        row = tl.where(valid, pos, 0).to(tl.int64) * ROT
+        m = valid[:, None] & is_rot[None, :]
+        c = tl.load(cos_sin_ptr + row[:, None] + pair[None, :], mask=m, other=1.0).to(tl.float32)
+        s = tl.load(cos_sin_ptr + row[:, None] + HALF + pair[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        return c, s, partner, first, is_rot
+
+    @triton.jit
+    def rope_rotate(x, y, c, s, first, is_rot):
+        """The rotated tile in x's dtype: ``x`` the elements, ``y`` their partners
+        (``[BLOCK_T, BLOCK_H, BLOCK_D]``), ``c``/``s`` ``[BLOCK_T, 1, BLOCK_D]``, ``first`` and
+        ``is_rot`` ``[1, 1, BLOCK_D]`` (from :func:`rope_tables`)."""
+        p1 = x.to(tl.float32) * c
+        p2 = y.to(tl.float32) * s
+        r = tl.where(first, p1 - p2, p1 + p2)
+        return tl.where(is_rot, r.to(x.dtype), x)

@@ -1,0 +1,166 @@
+"""The CUDA implementation of fused_rope_and_reshape_cache_flash: ``kernel.cu`` compiled at run
+time with NVRTC; the rotation is ``kvw/rope.cuh`` (shared with rotary_embedding), the cache
+element conversion and fp8 rule ``kvw/vec_io.cuh`` and ``kvw/fp8.cuh`` (shared with
+reshape_and_cache_flash).
+
+Variants (template arguments): row dtype, table dtype, cache element kind (copy, float cast, fp8
+e4m3 or e5m2), unit width W, pairing, position and slot index types. W is chosen as for
+rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the caches' pointers
+and strides among the aligned ones. Launched on PyTorch's current stream; scales are read on the
+device; no allocation and no host sync per call (graph-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import nvrtc
+from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
+from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
+
+__all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
+           "kernel_name"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
+KERNEL = "fused_rope_cache_kernel"
+_COPY, _E4M3, _E5M2 = 5, 3, 4
+_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+
+def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
+    if cache_dtype.is_fp8:
+        return _FP8_KIND[cache_dtype]
+    if cache_tensor == in_dtype:
+        return _COPY
+    return kind(cache_tensor)
+
+
+def kernel_name(in_kind: int, cs_kind: int, out_kind: int, w: int, neox: bool,
+                pos: torch.dtype, slot: torch.dtype) -> str:
+    return (f"{KERNEL}<{in_kind}, {cs_kind}, {out_kind}, {w}, {str(neox).lower()}, "
+            f"{int_type(pos)}, {int_type(slot)}>")
+
+
+def all_kernel_names() -> list[str]:
+    """The variants the tests and the benchmark launch (for the NVRTC compile test)."""
+    names = []
+    f32 = kind(torch.float32)
+    for in_dt in (torch.float16, torch.bfloat16, torch.float32):
+        k = kind(in_dt)
+        outs = [_COPY, _E4M3, _E5M2] + [kind(d) for d in (torch.float16, torch.bfloat16,
+                                                          torch.float32) if d != in_dt]
+        w = 16 // in_dt.itemsize
+        while w >= 1:
+            for out in outs:
+                for neox in (True, False):
+                    if not neox and w < 2:
+                        continue
+                    names.append(kernel_name(k, f32, out, w, neox, torch.int64, torch.int64))
+            w //= 2
+        widest = 16 // in_dt.itemsize
+        for pos, slot in ((torch.int32, torch.int32), (torch.int64, torch.int32)):
+            names.append(kernel_name(k, k, _COPY, widest, True, pos, slot))
+            names.append(kernel_name(k, k, _E4M3, widest, False, pos, slot))
+    return names
+
+
+def _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox) -> int:
+    rows = [query, key, value] + ([] if query_out is None else [query_out])
+    ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
+    ptrs += tuple((c.data_ptr(), c.element_size()) for c in (key_cache, value_cache))
+    strides = tuple(t.stride(0) for t in rows if t.shape[0] > 1)
+    strides += tuple(s for s, n in zip(key_cache.stride()[:3], key_cache.shape[:3], strict=True)
+                     if n > 1)
+    return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
+                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
+
+
+def unsupported(query, key, key_cache, cache_dtype, cos_sin_cache, is_neox) -> str | None:
+    if query.device.type != "cuda" or is_neox:
+        return None
+    # GPT-J needs an even W; the caches' and value's alignment is checked at launch as well.
+    if _width(query, key, key, key_cache, key_cache, None, cos_sin_cache, is_neox) == 0:
+        return ("GPT-J pairing needs rows aligned to 2 elements (even token strides and "
+                "pointers); these are not")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    kernel: object
+    config: tuple
+    device_index: int
+    tail: tuple
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
+                slot_mapping, cache_dtype, query_out) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    _, hq, d = query.shape
+    h = key.shape[1]
+    rot = cos_sin_cache.shape[1]
+    w = _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox)
+    if w == 0:
+        raise ValueError("cuda: GPT-J pairing needs rows and caches aligned to 2 elements")
+    per_head, rot_units = units(d, rot, is_neox, w)
+    per_token = (hq + h) * per_head
+    row, tpc, parts = launch_shape(per_token)
+    num_blocks, block_size = key_cache.shape[:2]
+    block_stride, page_stride, head_stride = key_cache.stride()[:3]
+    name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype),
+                       _out_kind(cache_dtype, query.dtype, key_cache.dtype), w, is_neox,
+                       positions.dtype, slot_mapping.dtype)
+    index = query.get_device()
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()
+        arch, _ = nvrtc.device_arch(index)
+        kernel = SOURCE.kernel(arch, name)
+    tail = (block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            num_blocks * block_size, hq, d, rot, per_head, rot_units, per_token)
+    return _Launchable(kernel, (row, tpc, parts), index, tail)
+
+
+def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
+        value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
+        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, rotate_key_in_place: bool,
+        query_out: torch.Tensor | None) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_rot = positions.numel()
+    if num_rot == 0:
+        return
+    qo = query if query_out is None else query_out
+    ptrs = (query.data_ptr(), qo.data_ptr(), key.data_ptr(), value.data_ptr(),
+            cos_sin_cache.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+    align = 0
+    for p in ptrs:
+        align |= p
+    sig = (query.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, positions.dtype,
+           slot_mapping.dtype, query.shape[1:], key.shape[1:], query.stride(0), qo.stride(0),
+           key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
+           cos_sin_cache.shape, align & 15, is_neox, query.get_device())
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(query, key, value, positions, cos_sin_cache,
+                                              is_neox, key_cache, value_cache, slot_mapping,
+                                              cache_dtype, query_out)
+    row, tpc, parts = lau.config
+    config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
+    if k_scale is None:
+        ksp = vsp = kss = vss = 0
+    else:
+        ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
+        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+    nvrtc.launch(lau.device_index, config, lau.kernel, positions.data_ptr(), ptrs[0], ptrs[1],
+                 ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], slot_mapping.data_ptr(), ksp, vsp,
+                 num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0), key.stride(0),
+                 value.stride(0), cos_sin_cache.shape[0], kss, vss, *lau.tail,
+                 int(rotate_key_in_place), int(query_out is None))

@@ -1,0 +1,128 @@
+// kvwrite: fused_rope_and_reshape_cache_flash (SPEC §3): RoPE on query and key and the cache
+// write in one launch. Compiled at run time with NVRTC (cuda_impl.py), one module per
+// instantiation of fused_rope_cache_kernel<IN, CS, OUT, W, NEOX, PosT, SlotT>.
+//
+// Work split as rotary_embedding's kernel: a token's work is (Hq + H) heads x units_per_head
+// units (kvw/rope.cuh); one thread per (token, head, unit), [tokens, units] CTAs. A query thread
+// rotates its unit and stores it to query_out (query itself when in place; a pass-through unit is
+// copied only when query_out is another tensor). A key thread loads its key and value chunks
+// together, rotates the key, stores it back (store_key), and for t < num_tokens with a slot in
+// [0, num_slots) stores Q(rotated key) and Q(value) into the caches (kvw/vec_io.cuh's
+// convert_chunk: copies, casts, fp8 by SPEC §1.1 with scales read on the device). A token whose
+// position is outside the table is not touched at all.
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+#include "kvw/vec_io.cuh"
+#include "kvw/slot.cuh"
+#include "kvw/rope.cuh"
+
+template <int IN, int CS, int OUT, int W, bool NEOX, typename PosT, typename SlotT>
+__global__ void __launch_bounds__(256) fused_rope_cache_kernel(
+    const PosT* __restrict__ positions,   // [T_rot]
+    u8* query,                            // [T_pad, Hq, D]; token stride q_stride (elements)
+    u8* query_out,                        // [T_pad, Hq, D]; token stride qo_stride (may be query)
+    u8* key,                              // [T_pad, H, D]; token stride k_stride
+    const u8* __restrict__ value,         // [T_pad, H, D]; token stride v_stride
+    const u8* __restrict__ cos_sin,       // [max_position, rot], elements of kind CS
+    u8* __restrict__ key_cache,           // [num_blocks, block_size, H, D] via strides
+    u8* __restrict__ value_cache,         // same strides as key_cache
+    const SlotT* __restrict__ slot_mapping,  // [num_tokens]
+    const float* __restrict__ k_scale,    // [1] or [H] (fp8 only)
+    const float* __restrict__ v_scale,
+    i64 num_rot, i64 num_tokens, i64 q_stride, i64 qo_stride, i64 k_stride, i64 v_stride,
+    i64 max_position, i64 k_scale_stride, i64 v_scale_stride,
+    i64 block_stride, i64 page_stride, i64 head_stride, i64 block_size, i64 block_shift,
+    i64 num_slots, i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
+    i64 units_per_token, i64 store_key, i64 query_in_place) {
+  constexpr int IB = elem_bytes(IN);
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (t >= num_rot || c >= static_cast<u64>(units_per_token)) return;
+  const i64 p = static_cast<i64>(positions[t]);
+  const u32 j = c / static_cast<u32>(units_per_head);
+  const u32 u = c - j * static_cast<u32>(units_per_head);
+  const u32 half = static_cast<u32>(rot) / 2;
+  u32 oa, ob;
+  const bool rotated = rope_unit_offsets<W, NEOX>(u, rot_units, half, rot, oa, ob);
+  const i64 ea = static_cast<i64>(oa) * IB, eb = static_cast<i64>(ob) * IB;
+  const u8* table = cos_sin + (p < 0 ? 0 : p) * rot * elem_bytes(CS);
+  const bool in_table = static_cast<u64>(p) < static_cast<u64>(max_position);  // also p < 0
+
+  if (j < static_cast<u64>(num_q_heads)) {
+    if (!rotated && query_in_place) return;
+    const i64 h_off = static_cast<i64>(j) * head_size * IB;
+    const u8* row = query + t * q_stride * IB + h_off;
+    u8* out = query_out + t * qo_stride * IB + h_off;
+    // Loaded before the position's test (volatile: ptxas may not sink them below it), so the
+    // data's memory round trip overlaps the position's.
+    Raw<W * IB> a = load_raw_volatile<W * IB>(row + ea), b = a;
+    if constexpr (NEOX) b = load_raw_volatile<W * IB>(row + eb);
+    if (!in_table) return;
+    if (rotated) rope_rotate_unit<IN, CS, W, NEOX>(a, b, table, half, oa);
+    store_raw<W * IB>(out + ea, a);
+    if constexpr (NEOX) {
+      if (rotated) store_raw<W * IB>(out + eb, b);
+    }
+    return;
+  }
+
+  const i64 h = static_cast<i64>(j) - num_q_heads;
+  const bool cached = t < num_tokens;
+  const i64 s = cached ? static_cast<i64>(slot_mapping[t]) : -1;
+  float k_s = 0.0f, v_s = 0.0f;
+  if constexpr (FP8) {
+    k_s = k_scale[h * k_scale_stride];
+    v_s = v_scale[h * v_scale_stride];
+  }
+  u8* krow = key + t * k_stride * IB + h * head_size * IB;
+  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;
+  // Key and value chunks loaded before the position's and slot's tests (volatile, as above);
+  // rows t < num_rot of key and value exist, whatever the slot.
+  Raw<W * IB> a = load_raw_volatile<W * IB>(krow + ea), b = a, va = a, vb = a;
+  if constexpr (NEOX) b = load_raw_volatile<W * IB>(krow + eb);
+  if (cached) {
+    va = load_raw_volatile<W * IB>(vrow + ea);
+    if constexpr (NEOX) vb = load_raw_volatile<W * IB>(vrow + eb);
+  }
+  if (!in_table) return;
+  const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
+  if (!rotated && !valid) return;  // a pass-through unit only feeds the cache
+  if (rotated) {
+    rope_rotate_unit<IN, CS, W, NEOX>(a, b, table, half, oa);
+    if (store_key) {
+      store_raw<W * IB>(krow + ea, a);
+      if constexpr (NEOX) store_raw<W * IB>(krow + eb, b);
+    }
+  }
+  if (!valid) return;
+  const i64 off = (slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                               (static_cast<u64>(num_slots) >> 32) == 0) +
+                   h * head_stride) * OB;
+  const i64 ca = off + static_cast<i64>(oa) * OB, cb = off + static_cast<i64>(ob) * OB;
+  if constexpr (OUT == DT_COPY) {
+    store_raw<W * OB>(key_cache + ca, a);
+    store_raw<W * OB>(value_cache + ca, va);
+    if constexpr (NEOX) {
+      if (rotated) {
+        store_raw<W * OB>(key_cache + cb, b);
+        store_raw<W * OB>(value_cache + cb, vb);
+      }
+    }
+  } else {
+    Fp8Scale ks{}, vs{};
+    if constexpr (FP8) {
+      ks = make_fp8_scale<true>(k_s);
+      vs = make_fp8_scale<true>(v_s);
+    }
+    store_raw<W * OB>(key_cache + ca, convert_chunk<IN, OUT, W>(a, ks));
+    store_raw<W * OB>(value_cache + ca, convert_chunk<IN, OUT, W>(va, vs));
+    if constexpr (NEOX) {
+      if (rotated) {
+        store_raw<W * OB>(key_cache + cb, convert_chunk<IN, OUT, W>(b, ks));
+        store_raw<W * OB>(value_cache + cb, convert_chunk<IN, OUT, W>(vb, vs));
+      }
+    }
+  }
+}

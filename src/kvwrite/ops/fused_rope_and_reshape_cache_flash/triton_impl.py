@@ -1,0 +1,159 @@
+"""The Triton implementation of fused_rope_and_reshape_cache_flash: one launch rotates query and
+key and writes the cache.
+
+Grid (token tiles, query head tiles + key head tiles). A query program rotates a ``[BLOCK_T,
+BLOCK_H, BLOCK_D]`` tile (kvwrite.kernels.triton_rope) and stores it in place or to query_out. A
+key program rotates a key tile, stores it back (unless ``rotate_key_in_place`` is false), loads
+the same tile of value, and stores both into the caches through their strides (every layout)
+with the cache write's conversion (kvwrite.kernels.triton_fp8.store_quantized: copies, casts,
+fp8 by SPEC §1.1 with per-tensor or per-head scales read on the device). Tokens whose position is
+outside the table are neither rotated nor cached; tokens ``t >= T`` (slot_mapping.numel()) are
+rotated but not cached; padding and out-of-range slots are skipped. Graph-safe.
+
+Under Triton's interpreter (CPU) the cases whose casts it rounds differently from the GPU are
+refused (bfloat16 rows or tables, and reshape_and_cache_flash's inexact cache casts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels.triton_fp8 import COPY as _COPY
+from ...kernels.triton_fp8 import E4M3 as _E4M3
+from ...kernels.triton_fp8 import E5M2 as _E5M2
+from ...kernels.triton_fp8 import fp8_scale, store_quantized, tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
+from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
+from ..rotary_embedding.triton_impl import available as _available
+
+__all__ = ["available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return _available(device)
+
+
+def unsupported(query, key, key_cache, cache_dtype: CacheDType, cos_sin_cache,
+                is_neox) -> str | None:
+    if query.device.type == "cuda":
+        return None
+    reason = interpreter_reason(query.dtype, cos_sin_cache.dtype)
+    if reason is None and _interpreter_inexact(key.dtype, cache_dtype.element_dtype(key.dtype)):
+        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {key.dtype}->"
+                  f"{cache_dtype.element_dtype(key.dtype)} casts differently from the GPU; run "
+                  "on a CUDA device")
+    return reason
+
+
+_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_rot", "num_tokens"])
+    def _fused_kernel(
+        positions_ptr,  # [T_rot] int64 or int32
+        query_ptr,  # [T_pad, Hq, D], token stride q_stride, dense heads
+        query_out_ptr,  # where rotated query rows go (query itself when in place)
+        key_ptr,  # [T_pad, H, D], token stride k_stride
+        value_ptr,  # [T_pad, H, D], token stride v_stride
+        cos_sin_ptr,  # [max_position, ROT]: cos | sin
+        key_cache_ptr,  # [num_blocks, block_size, H, D] via (stride_b, stride_s, stride_h, 1)
+        value_cache_ptr,  # same logical shape and strides, other base
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr, v_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        num_rot, num_tokens,  # T_rot, T
+        q_stride, qo_stride, k_stride, v_stride,  # token strides in elements
+        max_position, num_slots,
+        stride_b, stride_s, stride_h,  # cache strides in elements
+        NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+        ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_KEY: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
+        Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)
+        t_in = t < num_rot
+        pos = tl.load(positions_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (pos >= 0) & (pos < max_position)
+        c, s, partner, first, is_rot = rope_tables(cos_sin_ptr, pos, valid, ROT, IS_NEOX, BLOCK_D)
+        c, s = c[:, None, :], s[:, None, :]
+        first, is_rot = first[None, None, :], is_rot[None, None, :]
+        partner = partner[None, None, :]
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        t64 = t.to(tl.int64)
+        if tile < Q_TILES:
+            h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+            mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
+            row = (t64 * q_stride)[:, None, None] + h * HEAD_SIZE
+            x = tl.load(query_ptr + row + d, mask=mask)
+            y = tl.load(query_ptr + row + partner, mask=mask)
+            out_row = (t64 * qo_stride)[:, None, None] + h * HEAD_SIZE
+            tl.store(query_out_ptr + out_row + d, rope_rotate(x, y, c, s, first, is_rot),
+                     mask=mask)
+        else:
+            hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+            h = hv[None, :, None]
+            in_row = (h < NUM_HEADS) & (d < HEAD_SIZE)
+            mask = valid[:, None, None] & in_row
+            cached = t < num_tokens
+            slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
+            row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
+            x = tl.load(key_ptr + row + d, mask=mask)
+            y = tl.load(key_ptr + row + partner, mask=mask)
+            v_row = (t64 * v_stride)[:, None, None] + h * HEAD_SIZE
+            v = tl.load(value_ptr + v_row + d, mask=cached[:, None, None] & in_row)
+            k = rope_rotate(x, y, c, s, first, is_rot)
+            if STORE_KEY:
+                tl.store(key_ptr + row + d, k, mask=mask)
+            STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+            if QUANT == 0:
+                km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+            elif PER_HEAD_SCALE:
+                h_ok = hv < NUM_HEADS
+                ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
+                vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
+                km, ks2, ky = fp8_scale(ksc)
+                vm, vs2, vy = fp8_scale(vsc)
+                km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
+                vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
+            else:
+                km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
+                vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))
+            ok = cached & valid & (slot >= 0) & (slot < num_slots)
+            store_mask = ok[:, None, None] & in_row
+            block = slot // BLOCK_SIZE
+            cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
+            c_off = cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+
+
+def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
+        value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
+        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, rotate_key_in_place: bool,
+        query_out: torch.Tensor | None, *, tuning: RopeTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+    num_rot = positions.numel()
+    if num_rot == 0:
+        return
+    _, hq, d = query.shape
+    h = key.shape[1]
+    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, hq, h, d, query.element_size(),
+                                                      tuning)
+    quant = _QUANT.get(cache_dtype, _COPY)
+    num_blocks, block_size = key_cache.shape[:2]
+    qo = query if query_out is None else query_out
+    _fused_kernel[(triton.cdiv(num_rot, block_t), nq + nk)](
+        positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
+        key.stride(0), value.stride(0), cos_sin_cache.shape[0], num_blocks * block_size,
+        *key_cache.stride()[:3],
+        NUM_Q_HEADS=hq, NUM_HEADS=h, HEAD_SIZE=d, ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
+        STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
+        PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq, BLOCK_T=block_t,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, **LAUNCH_OPTIONS,
+    )

@@ -1,0 +1,177 @@
+"""The CUDA implementation of rotary_embedding: ``kernel.cu`` compiled at run time with NVRTC
+(kvwrite.kernels.nvrtc); the rotation lives in ``kvw/rope.cuh``, shared with the fused op.
+
+Variants (template arguments): row dtype IN, table dtype CS, unit width W (elements per access),
+pairing (neox or GPT-J) and position index type. W is the widest of ``16 / element size`` down to
+1 whose accesses are all aligned: W divides rot_dim/2 (neox) or rot_dim with W even (GPT-J), and
+head_size - rot_dim; data pointers and token strides are multiples of W elements, the table's
+pointer of its entries per unit. GPT-J rows that allow no even W (odd strides) are refused with
+that reason. Launched on PyTorch's current stream; no allocation and no host sync per call
+(graph-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ...kernels import nvrtc
+
+__all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
+           "kind", "all_kernel_names", "kernel_name", "int_type"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
+KERNEL = "rotary_embedding_kernel"
+
+# Element kinds, as DT_* in kvw/common.cuh.
+_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def kind(dtype: torch.dtype) -> int:
+    return _KIND[dtype]
+
+
+def int_type(dtype: torch.dtype) -> str:
+    return "long long" if dtype == torch.int64 else "int"
+
+
+@functools.cache
+def available(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
+    return nvrtc.setup_reason()
+
+
+def _align(ptr: int) -> int:
+    return (ptr | 16) & -(ptr | 16)
+
+
+def unit_width(head_size: int, rot: int, is_neox: bool, in_bytes: int, table_bytes: int,
+               table_ptr: int, ptrs: tuple[tuple[int, int], ...], strides: tuple[int, ...]) -> int:
+    """The widest unit W (see the module doc), or 0 where none fits (GPT-J with odd rows).
+    ``ptrs``: (address, element size) of every row tensor and cache; ``strides``: every stride in
+    elements that moves (token strides, cache strides)."""
+    w = 16 // in_bytes
+    while w >= 1:
+        nc = w if is_neox else w // 2
+        ok = ((rot // 2) % w == 0 if is_neox else (w % 2 == 0 and rot % w == 0))
+        ok = ok and (head_size - rot) % w == 0 and head_size % w == 0
+        ok = ok and all(_align(p) % min(w * e, 16) == 0 for p, e in ptrs)
+        ok = ok and all(s % w == 0 for s in strides)
+        ok = ok and _align(table_ptr) % min(max(nc, 1) * table_bytes, 16) == 0
+        if ok:
+            return w
+        w //= 2
+    return 0
+
+
+def units(head_size: int, rot: int, is_neox: bool, w: int) -> tuple[int, int]:
+    """(units per head, rotated units per head)."""
+    rot_units = (rot // 2) // w if is_neox else rot // w
+    return rot_units + (head_size - rot) // w, rot_units
+
+
+@functools.cache
+def launch_shape(units_per_token: int, max_threads: int = 256,
+                 small_row_threads: int = 128) -> tuple[int, int, int]:
+    """(threads per token row, tokens per CTA, CTAs per token): several tokens per CTA for short
+    rows, several CTAs per token for long ones (as reshape_and_cache_flash's kernel)."""
+    c = units_per_token
+    if c <= small_row_threads:
+        return c, small_row_threads // c, 1
+    if c <= max_threads:
+        return c, 1, 1
+    parts = -(-c // max_threads)
+    return -(-c // parts), 1, parts
+
+
+def kernel_name(in_kind: int, cs_kind: int, w: int, neox: bool, pos: torch.dtype) -> str:
+    return f"{KERNEL}<{in_kind}, {cs_kind}, {w}, {str(neox).lower()}, {int_type(pos)}>"
+
+
+def all_kernel_names() -> list[str]:
+    """The variants the tests and the benchmark launch (for the NVRTC compile test)."""
+    names = []
+    for in_dt, in_kind in _KIND.items():
+        for cs_kind in sorted({_KIND[torch.float32], in_kind}):
+            w = 16 // in_dt.itemsize
+            while w >= 1:
+                for neox in (True, False):
+                    if neox or w >= 2:
+                        for pos in (torch.int64, torch.int32):
+                            names.append(kernel_name(in_kind, cs_kind, w, neox, pos))
+                w //= 2
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    kernel: object
+    config: object
+    device_index: int
+    tail: tuple
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def unsupported(query, key, cos_sin_cache, is_neox) -> str | None:
+    if query.device.type != "cuda":
+        return None
+    if _width(query, key, cos_sin_cache, is_neox) == 0:
+        return ("GPT-J pairing needs rows aligned to 2 elements (even token strides and "
+                "pointers); these are not")
+    return None
+
+
+def _width(query, key, cos_sin_cache, is_neox) -> int:
+    rows = (query,) if key is None else (query, key)
+    ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
+    strides = tuple(t.stride(0) for t in rows if t.shape[0] > 1)
+    return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
+                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
+
+
+def _launchable(positions, query, key, cos_sin_cache, is_neox) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    _, hq, d = query.shape
+    h = 0 if key is None else key.shape[1]
+    rot = cos_sin_cache.shape[1]
+    w = _width(query, key, cos_sin_cache, is_neox)
+    per_head, rot_units = units(d, rot, is_neox, w)
+    per_token = (hq + h) * per_head
+    row, tpc, parts = launch_shape(per_token)
+    index = query.get_device()
+    name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype)
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()
+        arch, _ = nvrtc.device_arch(index)
+        kernel = SOURCE.kernel(arch, name)
+    return _Launchable(kernel, (row, tpc, parts), index,
+                       (hq, d, rot, per_head, rot_units, per_token))
+
+
+def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_rot = positions.numel()
+    if num_rot == 0:
+        return
+    qp = query.data_ptr()
+    kp = 0 if key is None else key.data_ptr()
+    sig = (query.dtype, cos_sin_cache.dtype, positions.dtype, query.shape[1:],
+           None if key is None else key.shape[1], query.stride(0),
+           None if key is None else key.stride(0), cos_sin_cache.shape,
+           (qp | kp | cos_sin_cache.data_ptr()) & 15, is_neox, query.get_device())
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(positions, query, key, cos_sin_cache, is_neox)
+    row, tpc, parts = lau.config
+    config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
+    nvrtc.launch(lau.device_index, config, lau.kernel, positions.data_ptr(), qp, kp or qp,
+                 cos_sin_cache.data_ptr(), num_rot, query.stride(0),
+                 0 if key is None else key.stride(0), cos_sin_cache.shape[0], *lau.tail)

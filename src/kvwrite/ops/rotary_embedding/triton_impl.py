@@ -1,0 +1,169 @@
+"""The Triton implementation of rotary_embedding: one kernel, neox and GPT-J, partial rotary.
+
+Grid (token tiles, query head tiles + key head tiles): a program rotates ``[BLOCK_T, BLOCK_H,
+BLOCK_D]`` of query or of key (kvwrite.kernels.triton_rope) and stores whole rows back in place,
+only for tokens whose position is in the table. Graph-safe: nothing is read on the host per call.
+
+On CPU it runs under Triton's interpreter, whose float32->bfloat16 cast truncates and whose
+bfloat16->float32 cast mangles subnormals: :func:`unsupported` refuses bfloat16 rows and
+tables there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
+
+__all__ = ["RopeTuning", "TUNING", "available", "unsupported", "run", "tiling"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> str | None:
+    if triton is None:
+        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if not _interpreting():
+            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
+        if type(_rope_kernel).__name__ != "InterpretedFunction":
+            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was "
+                    "imported; set it before importing triton")
+        return None
+    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+def interpreter_reason(*dtypes: torch.dtype) -> str | None:
+    """Why Triton's interpreter cannot run rows or tables of these dtypes exactly (or None)."""
+    if torch.bfloat16 in dtypes:
+        return ("Triton's interpreter (TRITON_INTERPRET=1) rounds float32->bfloat16 casts and "
+                "converts bfloat16 subnormals differently from the GPU; run on a CUDA device")
+    return None
+
+
+def unsupported(query, key, cos_sin_cache, is_neox) -> str | None:
+    if query.device.type == "cuda":
+        return None
+    return interpreter_reason(query.dtype, cos_sin_cache.dtype)
+
+
+# eq=False: hashed by identity (a key of the tiling cache).
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeTuning:
+    """Launch shapes of the RoPE kernels (this op's and the fused op's)."""
+
+    # Input bytes of one tensor per program (one tile of query, or of key (and value)).
+    tile_bytes: int = 4096
+    # Input bytes per warp: 16 B per thread.
+    bytes_per_warp: int = 512
+    max_warps: int = 8
+    # Programs below this count get 1 KiB tiles: few programs make each one's latency the call's.
+    small_grid: int = 128
+    tile_bytes_small_grid: int = 1024
+
+
+TUNING = RopeTuning()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=512)
+def tiling(num_tokens: int, num_q_heads: int, num_heads: int, head_size: int, in_bytes: int,
+           tuning: RopeTuning = TUNING) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, query head tiles, key head tiles)."""
+    block_d = _next_pow2(head_size)
+    most = max(num_q_heads, num_heads)
+
+    def tiles(tile_bytes: int):
+        elems = max(1, tile_bytes // in_bytes)
+        block_h = min(_next_pow2(most), max(1, elems // block_d))
+        block_t = 1
+        if block_h >= most:
+            block_t = min(_next_pow2(max(1, num_tokens)), max(1, elems // (block_h * block_d)))
+        nq, nk = -(-num_q_heads // block_h), -(-num_heads // block_h)
+        return block_t, block_h, nq, nk, -(-num_tokens // block_t) * (nq + nk)
+
+    block_t, block_h, nq, nk, programs = tiles(tuning.tile_bytes)
+    if programs < tuning.small_grid:
+        block_t, block_h, nq, nk, programs = tiles(tuning.tile_bytes_small_grid)
+    tile = block_t * block_h * block_d * in_bytes
+    warps = min(tuning.max_warps, max(1, tile // tuning.bytes_per_warp))
+    return block_t, block_h, block_d, warps, nq, nk
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_rot"])
+    def _rope_kernel(
+        positions_ptr,  # [T_rot] int64 or int32
+        query_ptr,  # [T_pad, Hq, D], token stride q_stride, dense heads
+        key_ptr,  # [T_pad, H, D], token stride k_stride (query when there is no key)
+        cos_sin_ptr,  # [max_position, ROT]: cos | sin
+        num_rot,  # T_rot
+        q_stride, k_stride,  # token strides in elements
+        max_position,
+        NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+        ROT: tl.constexpr, IS_NEOX: tl.constexpr,
+        Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)
+        t_in = t < num_rot
+        pos = tl.load(positions_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (pos >= 0) & (pos < max_position)
+        c, s, partner, first, is_rot = rope_tables(cos_sin_ptr, pos, valid, ROT, IS_NEOX, BLOCK_D)
+        c, s = c[:, None, :], s[:, None, :]
+        first, is_rot = first[None, None, :], is_rot[None, None, :]
+        partner = partner[None, None, :]
+        if tile < Q_TILES:
+            _rotate_tile(query_ptr, q_stride, t, valid, tile * BLOCK_H, c, s, partner, first,
+                         is_rot, NUM_Q_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+        else:
+            _rotate_tile(key_ptr, k_stride, t, valid, (tile - Q_TILES) * BLOCK_H, c, s, partner,
+                         first, is_rot, NUM_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+
+    @triton.jit
+    def _rotate_tile(ptr, stride, t, valid, h0, c, s, partner, first, is_rot,
+                     NH: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+        """Rotates heads [h0, h0 + BLOCK_H) of tokens t in place (valid tokens only)."""
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        mask = valid[:, None, None] & (h < NH) & (d < HEAD_SIZE)
+        row = (t.to(tl.int64) * stride)[:, None, None] + h * HEAD_SIZE
+        x = tl.load(ptr + row + d, mask=mask)
+        y = tl.load(ptr + row + partner, mask=mask)
+        tl.store(ptr + row + d, rope_rotate(x, y, c, s, first, is_rot), mask=mask)
+
+
+def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor, is_neox: bool, *, tuning: RopeTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+    num_rot = positions.numel()
+    if num_rot == 0:
+        return
+    _, hq, d = query.shape
+    h = 0 if key is None else key.shape[1]
+    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, hq, h, d, query.element_size(),
+                                                      tuning)
+    grid = (triton.cdiv(num_rot, block_t), nq + (nk if key is not None else 0))
+    _rope_kernel[grid](
+        positions, query, query if key is None else key, cos_sin_cache, num_rot, query.stride(0),
+        0 if key is None else key.stride(0), cos_sin_cache.shape[0],
+        NUM_Q_HEADS=hq, NUM_HEADS=max(h, 1), HEAD_SIZE=d, ROT=cos_sin_cache.shape[1],
+        IS_NEOX=is_neox, Q_TILES=nq, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=block_d, num_warps=warps, **LAUNCH_OPTIONS,
+    )

@@ -1,0 +1,717 @@
+"""rotary_embedding and fused_rope_and_reshape_cache_flash (SPEC §3): every registered
+implementation over the case matrices, byte-exact against an independent oracle (NumPy float32,
+one token and head at a time, pairs picked by explicit index lists), every byte of every tensor
+the call touches compared; validation; the checker failing on wrong implementations; CUDA graphs
+and torch.compile."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import registry
+from kvwrite.dtypes import CacheDType
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.ops import fused_rope_and_reshape_cache_flash as fused_pkg
+from kvwrite.ops import rotary_embedding as rope_pkg
+from kvwrite.ops.fused_rope_and_reshape_cache_flash import reference as fused_ref
+from kvwrite.ops.rotary_embedding import reference as rope_ref
+from kvwrite.testing import assert_caches_equal
+from kvwrite.testing.rope import FUSED_CASES, ROPE_CASES, RopeCase, RopeInputs, make_rope_inputs
+from oracle import oracle as cache_oracle
+
+ROPE = rope_pkg.OP
+FUSED = fused_pkg.OP
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+# --- the oracle ----------------------------------------------------------------------------------
+
+def _round_to(vals: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values rounded to nearest even in ``dtype`` (bfloat16 by integer arithmetic)."""
+    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    if dtype == torch.float32:
+        return torch.from_numpy(vals.copy())
+    if dtype == torch.float16:
+        return torch.from_numpy(vals.astype(np.float16))
+    b = vals.view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint32)
+    r = np.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)  # NaN stays NaN
+    return torch.from_numpy(r.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+def _pairs(rot: int, neox: bool) -> tuple[list[int], list[int]]:
+    half = rot // 2
+    if neox:
+        return list(range(half)), [i + half for i in range(half)]
+    return [2 * i for i in range(half)], [2 * i + 1 for i in range(half)]
+
+
+def oracle_row(row: torch.Tensor, cs: np.ndarray, rot: int, neox: bool) -> torch.Tensor:
+    """One head's row rotated by one table row ``cs`` (float32 cos then sin)."""
+    x = row.float().numpy().astype(np.float32)
+    out = x.copy()
+    xs, ys = _pairs(rot, neox)
+    c, s = cs[: rot // 2], cs[rot // 2: rot]
+    a, b = x[xs], x[ys]
+    with np.errstate(all="ignore"):
+        out[xs] = np.subtract(np.multiply(a, c, dtype=np.float32), np.multiply(b, s, dtype=np.float32),
+                              dtype=np.float32)
+        out[ys] = np.add(np.multiply(b, c, dtype=np.float32), np.multiply(a, s, dtype=np.float32),
+                         dtype=np.float32)
+    res = _round_to(out, row.dtype)
+    res[rot:] = row[rot:]
+    return res
+
+
+def oracle_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool,
+                  dest: torch.Tensor) -> list[bool]:
+    """Writes rotated rows of the CPU ``[T_pad, H, D]`` tensor ``x`` into ``dest`` (valid tokens
+    only); returns each token's validity."""
+    table = cos_sin.float().numpy().astype(np.float32)
+    rot = cos_sin.shape[1]
+    valid = []
+    for t in range(positions.numel()):
+        p = int(positions[t])
+        ok = 0 <= p < cos_sin.shape[0]
+        valid.append(ok)
+        if not ok:
+            continue
+        for h in range(x.shape[1]):
+            dest[t, h] = oracle_row(x[t, h], table[p], rot, neox)
+    return valid
+
+
+def _heads(t, d):
+    return None if t is None else (t if t.dim() == 3 else t.unflatten(1, (-1, d)))
+
+
+def expected_rotary(case: RopeCase) -> RopeInputs:
+    inp = make_rope_inputs(case)
+    d = case.head_size
+    for t in (inp.query, inp.key):
+        if t is not None:
+            v = _heads(t, d)
+            oracle_rotate(v.clone(), inp.positions, inp.cos_sin_cache, case.is_neox, v)
+    return inp
+
+
+def expected_fused(case: RopeCase) -> RopeInputs:
+    inp = make_rope_inputs(case)
+    d = case.head_size
+    q, k, v = _heads(inp.query, d), _heads(inp.key, d), _heads(inp.value, d)
+    qdest = q if inp.query_out is None else _heads(inp.query_out, d)
+    oracle_rotate(q.clone(), inp.positions, inp.cos_sin_cache, case.is_neox, qdest)
+    rk = k.clone()
+    valid = oracle_rotate(k.clone(), inp.positions, inp.cos_sin_cache, case.is_neox, rk)
+    if case.rotate_key_in_place:
+        k.copy_(rk)
+    slots = inp.slot_mapping.clone()
+    for t in range(slots.numel()):
+        if not valid[t]:
+            slots[t] = -1
+    cache_oracle(rk, v, inp.key_cache, inp.value_cache, slots, case.cache_dtype, inp.k_scale,
+                 inp.v_scale)
+    return inp
+
+
+_expected_rotary = functools.cache(expected_rotary)
+_expected_fused = functools.cache(expected_fused)
+
+
+def assert_same_bytes(got: RopeInputs, want: RopeInputs) -> None:
+    """Every tensor of the call, whole allocations, byte for byte."""
+    gt, wt = got.tensors(), want.tensors()
+    assert gt.keys() == wt.keys()
+    for name in gt:
+        assert_caches_equal(gt[name], wt[name], name)
+
+
+# --- every implementation against the oracle -----------------------------------------------------
+
+def _impl_inputs(op: str, impl: str, case: RopeCase, device: str) -> RopeInputs:
+    info = registry.get(op, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = make_rope_inputs(case, device)
+    d = case.head_size
+    q, k = _heads(inp.query, d), _heads(inp.key, d)
+    if op == ROPE:
+        reason = info.unsupported(q, k, inp.cos_sin_cache, case.is_neox)
+    else:
+        reason = info.unsupported(q, k, inp.key_cache, case.cache_dtype, inp.cos_sin_cache,
+                                  case.is_neox)
+    if reason is not None:
+        pytest.skip(reason)
+    return inp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(ROPE)])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: c.id)
+def test_rotary_matches_oracle(impl, case, device):
+    inp = _impl_inputs(ROPE, impl, case, device)
+    kvwrite.rotary_embedding(*inp.rotary_args(), implementation=impl)
+    assert_same_bytes(inp, _expected_rotary(case))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_fused_matches_oracle(impl, case, device):
+    inp = _impl_inputs(FUSED, impl, case, device)
+    kvwrite.fused_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                               implementation=impl)
+    assert_same_bytes(inp, _expected_fused(case))
+
+
+def test_matrices_cover_the_contract():
+    both = ROPE_CASES + FUSED_CASES
+    assert {c.dtype for c in both} == {torch.float16, torch.bfloat16, torch.float32}
+    assert {c.cos_sin_dtype for c in both} == {torch.float16, torch.bfloat16, torch.float32}
+    assert {c.is_neox for c in ROPE_CASES} == {c.is_neox for c in FUSED_CASES} == {True, False}
+    assert any(c.rot < c.head_size for c in ROPE_CASES)
+    assert any(c.rot < c.head_size and not c.is_neox for c in FUSED_CASES)
+    assert {(c.layout, c.alloc) for c in FUSED_CASES} == {(lo, a) for lo in Layout for a in KVAlloc}
+    assert {c.kv_cache_dtype for c in FUSED_CASES} >= {"auto", "float16", "float32", "fp8",
+                                                       "fp8_e5m2"}
+    for cases in (ROPE_CASES, FUSED_CASES):
+        assert any(c.bad_positions for c in cases) and any(c.num_tokens == 0 for c in cases)
+        assert any(c.pos_dtype == torch.int32 for c in cases)
+        assert any(c.fused_qkv and c.flat for c in cases)
+        assert any(c.num_q_heads != c.num_heads for c in cases)
+        assert any(c.num_q_heads == c.num_heads for c in cases)
+        assert any(c.extra_rows for c in cases)
+    assert any(c.no_key for c in ROPE_CASES)
+    assert any(c.per_head_scale for c in FUSED_CASES)
+    assert any(c.padding_slots and c.out_of_range_slots and c.slot_dtype == torch.int32
+               for c in FUSED_CASES)
+    assert any(c.num_cache_tokens < c.num_tokens for c in FUSED_CASES)
+    assert any(not c.rotate_key_in_place for c in FUSED_CASES)
+    assert any(c.query_out for c in FUSED_CASES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+@pytest.mark.parametrize("case", [
+    RopeCase(num_tokens=9, dtype=torch.float32, kv_cache_dtype="fp8", per_head_scale=True),
+    RopeCase(num_tokens=9, dtype=torch.bfloat16, cos_sin_dtype=torch.bfloat16, is_neox=False,
+             rot_dim=32, layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=2),
+], ids=lambda c: c.id)
+def test_fused_equals_the_unfused_pair(impl, case, device):
+    """With every position in the table, the fused op has the pair's effect, byte for byte."""
+    inp = _impl_inputs(FUSED, impl, case, device)
+    pair = make_rope_inputs(case, device)
+    kvwrite.fused_rope_and_reshape_cache_flash(*inp.fused_args(), implementation=impl)
+    kvwrite.rotary_embedding(*pair.rotary_args(), implementation="torch")
+    kvwrite.reshape_and_cache_flash(_heads(pair.key, case.head_size),
+                                    _heads(pair.value, case.head_size), pair.key_cache,
+                                    pair.value_cache, pair.slot_mapping, pair.kv_cache_dtype,
+                                    pair.k_scale, pair.v_scale, implementation="torch")
+    assert_same_bytes(inp, pair)
+
+
+# --- the checker can fail ------------------------------------------------------------------------
+
+def _fma_rotation(positions, q, k, cos_sin, neox):
+    """Rotation with x*c - y*s fused (one rounding): differs from the contract on float32 rows."""
+    for x in (q, k):
+        n = positions.numel()
+        half = cos_sin.shape[1] // 2
+        cs = cos_sin[positions.long()].double()
+        c, s = cs[:, None, :half], cs[:, None, half:]
+        xf = x[:n].double()
+        a, b = (xf[..., :half], xf[..., half:2 * half]) if neox else (xf[..., 0::2], xf[..., 1::2])
+        a2 = (a.float().double() * c - (b * s).float().double()).float()
+        b2 = (b.float().double() * c + (a * s).float().double()).float()
+        if neox:
+            x[:n, :, :half], x[:n, :, half:2 * half] = a2.to(x.dtype), b2.to(x.dtype)
+        else:
+            x[:n, :, 0::2], x[:n, :, 1::2] = a2.to(x.dtype), b2.to(x.dtype)
+
+
+def _swapped_pairing(positions, q, k, cos_sin, neox):
+    rope_ref.run(positions, q, k, cos_sin, not neox)
+
+
+def _clamped_positions(positions, q, k, cos_sin, neox):
+    rope_ref.run(positions.clamp(0, cos_sin.shape[0] - 1), q, k, cos_sin, neox)
+
+
+def _float_table_as_model_dtype(positions, q, k, cos_sin, neox):
+    rope_ref.run(positions, q, k, cos_sin.to(q.dtype), neox)
+
+
+@pytest.mark.parametrize("broken, case", [
+    (_fma_rotation, RopeCase(dtype=torch.float32, num_tokens=9)),
+    (_swapped_pairing, RopeCase(num_tokens=5)),
+    (_clamped_positions, RopeCase(num_tokens=9, bad_positions=3)),
+    (_float_table_as_model_dtype, RopeCase(num_tokens=9, dtype=torch.bfloat16)),
+], ids=["fma", "swapped-pairing", "clamped-positions", "table-rounded-to-bf16"])
+def test_checker_rejects_wrong_rotations(broken, case):
+    inp = make_rope_inputs(case)
+    d = case.head_size
+    broken(inp.positions, _heads(inp.query, d), _heads(inp.key, d), inp.cos_sin_cache,
+           case.is_neox)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same_bytes(inp, expected_rotary(case))
+
+
+def _unrotated_key_cached(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
+    fused_ref.cache_write.run(k, v, kc, vc, slots, cdt, ks, vs)
+    rope_ref.run(pos, q, k if in_place else None, cs, neox)
+
+
+def _bad_position_cached(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
+    """Caches the unrotated key of a token whose position is out of range (the pair's effect)."""
+    rope_ref.run(pos, q, k, cs, neox)
+    fused_ref.cache_write.run(k, v, kc, vc, slots, cdt, ks, vs)
+
+
+def _query_in_place_too(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
+    fused_ref.run(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo)
+    rope_ref.run(pos, q, None, cs, neox)
+
+
+@pytest.mark.parametrize("broken, case", [
+    (_unrotated_key_cached, RopeCase(num_tokens=9, kv_cache_dtype="fp8")),
+    (_bad_position_cached, RopeCase(num_tokens=9, bad_positions=3)),
+    (_query_in_place_too, RopeCase(num_tokens=9, query_out=True)),
+], ids=["unrotated-key-cached", "bad-position-cached", "query-out-and-in-place"])
+def test_checker_rejects_wrong_fused_implementations(broken, case):
+    inp = make_rope_inputs(case)
+    d = case.head_size
+    broken(_heads(inp.query, d), _heads(inp.key, d), _heads(inp.value, d), inp.positions,
+           inp.cos_sin_cache, case.is_neox, inp.key_cache, inp.value_cache, inp.slot_mapping,
+           case.cache_dtype, inp.k_scale, inp.v_scale, case.rotate_key_in_place,
+           _heads(inp.query_out, d))
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same_bytes(inp, expected_fused(case))
+
+
+def test_oracle_rounds_bfloat16_to_nearest_even():
+    vals = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -0.0, 3e38],
+                    dtype=np.float32)
+    got = _round_to(vals, torch.bfloat16)
+    want = torch.from_numpy(vals).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# --- validation: errors name the argument; nothing changes ---------------------------------------
+
+VCASE = RopeCase(num_tokens=5, num_q_heads=4, num_heads=2, head_size=16, kv_cache_dtype="fp8",
+                 num_blocks=4)
+
+
+def _fused_kwargs(inp: RopeInputs) -> dict:
+    names = ("query", "key", "value", "positions", "cos_sin_cache", "is_neox", "key_cache",
+             "value_cache", "slot_mapping", "k_scale", "v_scale", "kv_cache_dtype")
+    return dict(zip(names, inp.fused_args(), strict=True))
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+# (name, change, exception, text the message must contain); shared by both ops where the
+# argument exists in both.
+COMMON_BAD = [
+    ("positions-not-tensor", lambda a: {"positions": a["positions"].tolist()}, TypeError,
+     "positions: expected a torch.Tensor, got list"),
+    ("positions-2d", lambda a: {"positions": a["positions"][None]}, ValueError,
+     "positions: expected 1 dim"),
+    ("positions-float", lambda a: {"positions": a["positions"].float()}, ValueError,
+     "positions: expected dtype int64 or int32, got torch.float32"),
+    ("positions-strided", lambda a: {"positions": a["positions"].repeat(2)[::2]}, ValueError,
+     "positions: expected a contiguous tensor"),
+    ("positions-too-many", lambda a: {"positions": torch.zeros(6, dtype=torch.long)}, ValueError,
+     "positions: expected at most"),
+    ("positions-device", lambda a: {"positions": _meta(a["positions"])}, ValueError,
+     "positions: expected device cpu (that of query), got meta"),
+    ("query-4d", lambda a: {"query": a["query"][None]}, ValueError, "query: expected 2 dims"),
+    ("query-int", lambda a: {"query": a["query"].int()}, ValueError,
+     "query: expected dtype float16, bfloat16 or float32, got torch.int32"),
+    ("query-dtype", lambda a: {"query": a["query"].half()}, ValueError, "the dtype of"),
+    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
+     "query: expected head size 16"),
+    ("query-flat-size", lambda a: {"query": a["query"].flatten(1)[:, :24]}, ValueError,
+     "query: expected [num_tokens, num_heads * 16]"),
+    ("query-sparse-heads", lambda a: {"query": torch.cat([a["query"], a["query"]], -1)[..., ::2]},
+     ValueError, "query: expected dense heads"),
+    ("table-1d", lambda a: {"cos_sin_cache": a["cos_sin_cache"][0]}, ValueError,
+     "cos_sin_cache: expected 2 dims"),
+    ("table-odd-rot", lambda a: {"cos_sin_cache": a["cos_sin_cache"][:, :15].contiguous()},
+     ValueError, "cos_sin_cache: expected an even rot_dim in [2, head_size = 16]"),
+    ("table-too-wide", lambda a: {"cos_sin_cache": torch.zeros(8, 18)}, ValueError,
+     "cos_sin_cache: expected an even rot_dim"),
+    ("table-empty", lambda a: {"cos_sin_cache": torch.zeros(0, 16)}, ValueError,
+     "cos_sin_cache: expected at least one position"),
+    ("table-dtype", lambda a: {"cos_sin_cache": a["cos_sin_cache"].double()}, ValueError,
+     "cos_sin_cache: expected dtype float32, float16 or bfloat16, got torch.float64"),
+    ("table-strided", lambda a: {"cos_sin_cache": torch.zeros(8, 32)[:, ::2]}, ValueError,
+     "cos_sin_cache: expected a contiguous tensor"),
+    ("table-device", lambda a: {"cos_sin_cache": _meta(a["cos_sin_cache"])}, ValueError,
+     "cos_sin_cache: expected device cpu"),
+    ("is-neox-int", lambda a: {"is_neox": 1}, TypeError, "is_neox: expected a bool, got int"),
+]
+
+ROTARY_BAD = COMMON_BAD + [
+    ("head-size-float", lambda a: {"head_size": 16.0}, TypeError,
+     "head_size: expected a positive int, got 16.0"),
+    ("key-dtype", lambda a: {"key": a["key"].half()}, ValueError,
+     "key: expected the dtype of query (torch.bfloat16), got torch.float16"),
+    ("key-short", lambda a: {"key": a["key"][:3]}, ValueError,
+     "positions: expected at most key.shape[0] = 3 entries, got 5"),
+    ("key-device", lambda a: {"key": _meta(a["key"])}, ValueError, "key: expected device cpu"),
+    ("implementation", lambda a: {"implementation": "nope"}, ValueError,
+     "implementation: expected one of"),
+]
+
+FUSED_BAD = COMMON_BAD + [
+    ("value-shape", lambda a: {"value": a["value"][:, :1]}, ValueError,
+     "value: expected the shape of key"),
+    ("key-cache-heads", lambda a: {"key_cache": a["key_cache"][:, :, :1],
+                                   "value_cache": a["value_cache"][:, :, :1]}, ValueError,
+     "key_cache: expected [num_blocks, block_size, 2, 16] to match key"),
+    ("auto-with-uint8-cache", lambda a: {"kv_cache_dtype": "auto"}, ValueError,
+     "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects a cache of dtype"),
+    ("no-scale", lambda a: {"k_scale": None}, ValueError, "k_scale: kv_cache_dtype='fp8_e4m3' needs"),
+    ("slots-more-than-positions", lambda a: {"positions": a["positions"][:3]}, ValueError,
+     "slot_mapping: expected at most positions.numel() = 3 entries, got 5"),
+    ("slots-float", lambda a: {"slot_mapping": a["slot_mapping"].float()}, ValueError,
+     "slot_mapping: expected dtype int64 or int32"),
+    ("key-2d-no-cache", lambda a: {"key": a["key"].flatten(1), "key_cache": None}, TypeError,
+     "key_cache: expected a torch.Tensor, got NoneType"),
+    ("rotate-key-int", lambda a: {"rotate_key_in_place": 0}, TypeError,
+     "rotate_key_in_place: expected a bool, got int"),
+    ("query-out-shape", lambda a: {"query_out": torch.zeros(5, 4, 8, dtype=torch.bfloat16)},
+     ValueError, "query_out: expected head size 16"),
+    ("query-out-rows", lambda a: {"query_out": torch.zeros(4, 4, 16, dtype=torch.bfloat16)},
+     ValueError, "query_out: expected the shape of query (5, 4, 16), got (4, 4, 16)"),
+    ("query-out-dtype", lambda a: {"query_out": torch.zeros(5, 4, 16)}, ValueError,
+     "query_out: expected the dtype of query (torch.bfloat16), got torch.float32"),
+    ("query-out-is-query", lambda a: {"query_out": a["query"]}, ValueError,
+     "query_out: expected memory apart from query's"),
+    ("implementation", lambda a: {"implementation": "nope"}, ValueError,
+     "implementation: expected one of"),
+]
+
+
+def _snapshot(inp: RopeInputs) -> dict:
+    return {n: t.clone() for n, t in inp.tensors().items()}
+
+
+@pytest.mark.parametrize("name, change, exc, text", ROTARY_BAD, ids=[b[0] for b in ROTARY_BAD])
+def test_rotary_rejects_bad_arguments(name, change, exc, text):
+    inp = make_rope_inputs(VCASE)
+    args = dict(zip(("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
+                    inp.rotary_args(), strict=True))
+    before = _snapshot(inp)
+    with pytest.raises(exc) as e:
+        kvwrite.rotary_embedding(**{**args, **change(args)})
+    assert text in str(e.value), str(e.value)
+    for n, t in inp.tensors().items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype.is_floating_point else t,
+                           before[n].view(torch.uint8) if t.dtype.is_floating_point else before[n]), n
+
+
+@pytest.mark.parametrize("name, change, exc, text", FUSED_BAD, ids=[b[0] for b in FUSED_BAD])
+def test_fused_rejects_bad_arguments(name, change, exc, text):
+    inp = make_rope_inputs(VCASE)
+    args = _fused_kwargs(inp)
+    before = _snapshot(inp)
+    with pytest.raises(exc) as e:
+        kvwrite.fused_rope_and_reshape_cache_flash(**{**args, **change(args)})
+    assert text in str(e.value), str(e.value)
+    for n, t in inp.tensors().items():
+        assert torch.equal(t.view(torch.uint8), before[n].view(torch.uint8)), n
+
+
+def test_check_positions():
+    kvwrite.check_positions(torch.tensor([0, 5, 7]), 8)
+    with pytest.raises(ValueError, match=r"2 out of range at indices \[1, 3\] with values \[-1, 8\]"):
+        kvwrite.check_positions(torch.tensor([0, -1, 7, 8], dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="positions: expected dtype int64 or int32"):
+        kvwrite.check_positions(torch.tensor([0.0]), 8)
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+def _compiled_targets(fn, *args) -> list[str]:
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=recording_backend)(*args)
+    return [str(n.target).removesuffix(".default") for g in graphs for n in g.graph.nodes
+            if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+def test_torch_compile_sees_mutating_custom_ops(impl, device):
+    for op in (ROPE, FUSED):
+        if (reason := registry.get(op, impl).available(device)) is not None:
+            pytest.skip(reason)
+    case = RopeCase(num_tokens=9, dtype=torch.float16, bad_positions=2, padding_slots=2,
+                    layout=Layout.HND)
+
+    def rotary(positions, query, key, cos_sin):
+        kvwrite.rotary_embedding(positions, query, key, case.head_size, cos_sin, True,
+                                 implementation=impl)
+
+    def fused(query, key, value, positions, cos_sin, kc, vc, slots):
+        kvwrite.fused_rope_and_reshape_cache_flash(query, key, value, positions, cos_sin, True,
+                                                   kc, vc, slots, None, None, "auto",
+                                                   implementation=impl)
+
+    inp = make_rope_inputs(case, device)
+    assert _compiled_targets(rotary, inp.positions, inp.query, inp.key,
+                             inp.cos_sin_cache) == ["kvwrite.rotary_embedding"]
+    inp = make_rope_inputs(case, device)
+    fargs = (inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
+             inp.value_cache, inp.slot_mapping)
+    assert _compiled_targets(fused, *fargs) == ["kvwrite.fused_rope_and_reshape_cache_flash"]
+
+    # Through AOT autograd's functionalization, on fresh inputs: the mutations are kept.
+    inp = make_rope_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(rotary, fullgraph=True, backend="aot_eager")(
+        inp.positions, inp.query, inp.key, inp.cos_sin_cache)
+    assert_same_bytes(inp, _expected_rotary(case))
+    inp = make_rope_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(fused, fullgraph=True, backend="aot_eager")(
+        inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
+        inp.value_cache, inp.slot_mapping)
+    assert_same_bytes(inp, _expected_fused(case))
+
+
+# --- Triton: the compiled rotation has no fused multiply-add (CPU: Triton compiles for sm_90) ----
+
+_PTX_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+from kvwrite.ops.rotary_embedding import triton_impl as rope
+from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl as fused
+
+def ptx(kernel, types, consts, fusion):
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, **LAUNCH_OPTIONS}
+    if fusion:
+        opts["enable_fp_fusion"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for dt in ("bf16", "fp16", "fp32"):
+    out["rope-" + dt] = ptx(rope._rope_kernel, {
+        "positions_ptr": "*i64", "query_ptr": "*" + dt, "key_ptr": "*" + dt,
+        "cos_sin_ptr": "*fp32", "num_rot": "i32", "q_stride": "i32", "k_stride": "i32",
+        "max_position": "i32"}, dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128,
+        IS_NEOX=True, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False).count("fma")
+    for quant in (0, 1):
+        types = {"positions_ptr": "*i64", "query_ptr": "*" + dt, "query_out_ptr": "*" + dt,
+                 "key_ptr": "*" + dt, "value_ptr": "*" + dt, "cos_sin_ptr": "*" + dt,
+                 "key_cache_ptr": "*u8" if quant else "*" + dt,
+                 "value_cache_ptr": "*u8" if quant else "*" + dt, "slot_mapping_ptr": "*i32"}
+        types.update({n: "i32" for n in ("num_rot", "num_tokens", "q_stride", "qo_stride",
+                                          "k_stride", "v_stride", "max_position", "num_slots",
+                                          "stride_b", "stride_s", "stride_h")})
+        consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=64, IS_NEOX=False,
+                      STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=False,
+                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
+        if quant:
+            types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        else:
+            consts.update(k_scale_ptr=None, v_scale_ptr=None)
+        out[f"fused-{dt}-q{quant}"] = ptx(fused._fused_kernel, types, consts, False).count("fma")
+out["rope-fp32-fusion-on"] = ptx(rope._rope_kernel, {
+    "positions_ptr": "*i64", "query_ptr": "*fp32", "key_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+    "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
+    dict(NUM_Q_HEADS=2, NUM_HEADS=2, HEAD_SIZE=64, ROT=64, IS_NEOX=True, Q_TILES=1, BLOCK_T=1,
+         BLOCK_H=2, BLOCK_D=64), True).count("fma")
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    # The fp8 variants keep the quotient's deliberate FMAs (kvwrite.kernels.triton_fp8); every
+    # other variant has none, and with fusion allowed the rotation gets some (the check can fail).
+    assert {k: v for k, v in counts.items() if "-q1" not in k and "fusion-on" not in k} == {
+        k: 0 for k in counts if "-q1" not in k and "fusion-on" not in k}
+    assert counts["rope-fp32-fusion-on"] > 0
+    assert all(counts[k] > 0 for k in counts if "-q1" in k)
+
+
+# --- CUDA: every variant compiles with NVRTC (no GPU needed); no FMA in the rotation ------------
+
+def _cuda_modules():
+    pytest.importorskip("cuda.core")
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl as fused_cuda
+    from kvwrite.ops.rotary_embedding import cuda_impl as rope_cuda
+    return rope_cuda, fused_cuda
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
+    rope_cuda, fused_cuda = _cuda_modules()
+    mod = rope_cuda if which == "rotary" else fused_cuda
+    names = mod.all_kernel_names()
+    obj, _ = mod.SOURCE.compile("sm_90", names)
+    assert len(bytes(obj.code)) > 0
+    assert set(names) <= set(obj.symbol_mapping)
+    # The launchers pass every scalar as a Python int (8 bytes): the kernels take int64s only,
+    # as many as the launchers pass (10 and 23), after the pointers.
+    for name in names:
+        mangled = obj.symbol_mapping[name]
+        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
+        params = mangled.split("Ev", 1)[1]
+        assert params.endswith("x" * (10 if which == "rotary" else 23)), params
+        assert not params.endswith("x" * (11 if which == "rotary" else 24)), params
+
+
+def _sass(source, names, tmp_path) -> str:
+    """The SASS of a cubin, through the cuobjdump that ships with Triton (skip where none)."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        try:
+            import triton
+        except ImportError:
+            triton = None
+        if triton is not None:
+            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                "cuobjdump")
+            tool = cand if os.path.exists(cand) else None
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    obj, _ = source.compile("sm_90", names)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(bytes(obj.code))
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_cuda_rotation_sass_has_no_fma(tmp_path):
+    """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
+    a contracting build of the same arithmetic would (the check can fail)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    for mod, names in ((rope_cuda, rope_cuda.all_kernel_names()),
+                       (fused_cuda, [n for n in fused_cuda.all_kernel_names()
+                                     if n.split("<")[1].split(", ")[2] not in ("3", "4")])):
+        assert names
+        sass = _sass(mod.SOURCE, names, tmp_path)
+        assert "FMUL" in sass and "FFMA" not in sass
+    contracting = rope_cuda.SOURCE.text.replace(
+        "rope_rotate_unit<IN, CS, W, NEOX>(a, b, cos_sin", "naive_rotate<IN, CS, W, NEOX>(a, b, cos_sin")
+    assert contracting != rope_cuda.SOURCE.text
+    naive = r'''
+template <int IN, int CS, int W, bool NEOX>
+KVW_HD void naive_rotate(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
+                         const u8* table, u32 half, u32 oa) {
+  Raw<W * elem_bytes(IN)> r = zero_raw<W * elem_bytes(IN)>();
+  for (int j = 0; j < W; ++j) {
+    const float c = elem_f32<CS>(load_raw<4>(table + 4 * j), 0);
+    put_elem<IN>(r, j, round_to<IN>(elem_f32<IN>(a, j) * c - elem_f32<IN>(b, j) * c));
+  }
+  a = r;
+}
+'''
+    contracting = contracting.replace('#include "kvw/rope.cuh"\n', '#include "kvw/rope.cuh"\n' + naive)
+
+    name = rope_cuda.kernel_name(2, 2, 4, True, torch.int64)
+    obj, _ = rope_cuda.SOURCE.compile("sm_90", name, source=contracting)
+    path = tmp_path / "naive.cubin"
+    path.write_bytes(bytes(obj.code))
+    assert "FFMA" in _sass(type("S", (), {"compile": lambda self, a, n: (obj, "")})(), name,
+                           tmp_path)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("op", [ROPE, FUSED])
+def test_cuda_graph_replay_sees_new_inputs(op, impl):
+    """Capture once (the first call of the variant inside the capture), then change every input
+    in place: the replay rotates and caches the new values."""
+    if (reason := registry.get(op, impl).available("cuda")) is not None:
+        pytest.skip(reason)
+    case = RopeCase(num_tokens=40, num_q_heads=8, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                    kv_cache_dtype="fp8" if op == FUSED else "auto", per_head_scale=True,
+                    layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
+                    num_blocks=8, pos_dtype=torch.int32)
+    live = make_rope_inputs(case, "cuda", seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if op == ROPE:
+            kvwrite.rotary_embedding(*live.rotary_args(), implementation=impl)
+        else:
+            kvwrite.fused_rope_and_reshape_cache_flash(*live.fused_args(), implementation=impl)
+    for seed in (2, 3):
+        new = make_rope_inputs(case, "cuda", seed=seed)
+        want = make_rope_inputs(case, "cuda", seed=seed)
+        for name, t in live.tensors().items():
+            t.copy_(new.tensors()[name])
+        graph.replay()
+        if op == ROPE:
+            kvwrite.rotary_embedding(*want.rotary_args(), implementation="torch")
+        else:
+            kvwrite.fused_rope_and_reshape_cache_flash(*want.fused_args(), implementation="torch")
+        torch.cuda.synchronize()
+        assert_same_bytes(live, want)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+def test_bench_rope_runs_checks_and_writes_rows(tmp_path, capsys):
+    import json
+
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench.cli import main as cli_main
+
+    out = tmp_path / "r.json"
+    rc = cli_main(["rope", "--device", "cpu", "--num-tokens", "3", "--implementation", "torch",
+                   "--iters", "2", "--time-budget", "0.01", "--no-graph", "--heads", "4,2,32",
+                   "--dtypes", "float16", "--kv-cache-dtypes", "auto,fp8", "--layouts",
+                   "NHD,packed", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "best pair/fused" in text and "bound" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 3
+    assert {r["check"] for r in rows} == {"passed"}
+    assert all(r["latency_us"] > 0 for r in rows)
+    p = bench_rope.Point(torch.bfloat16, CacheDType.AUTO, 32, 8, 128, 128, True, "NHD", 1000,
+                         256, 16, 4096)
+    # pair - fused = one more read of the key: T*H*D*2 bytes.
+    assert bench_rope.point_bytes(p, "pair") - bench_rope.point_bytes(p, "fused") == 1000 * 8 * 128 * 2
