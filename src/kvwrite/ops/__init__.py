@@ -1,5 +1,5 @@
 """One package per op; importing one registers the op and its implementations."""
 
-from . import reshape_and_cache_flash
+from . import concat_and_cache_mla, reshape_and_cache_flash
 
-__all__ = ["reshape_and_cache_flash"]
+__all__ = ["concat_and_cache_mla", "reshape_and_cache_flash"]
