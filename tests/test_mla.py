@@ -443,3 +443,51 @@ def test_torch_compile_sees_a_mutating_custom_op(impl, device, kv):
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:4])
     assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+
+
+# --- Triton's interpreter on exactly representable quotients -------------------------------------
+
+def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str):
+    """Inputs whose quotients are fp8 values themselves, so any rounding gives the same code: the
+    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly."""
+    mode = MlaMode(kv) if kv != "fp8" else MlaMode.FP8_E4M3
+    fp8 = mode.fp8_dtype
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(fp8).float()
+    codes = codes[torch.isfinite(codes) & (codes >= 2.0**-6)]  # normal, exact in 16 bits
+    n = 9
+    pick = codes[torch.randint(0, codes.numel(), (n, 576), generator=gen)]
+    pick *= torch.where(torch.rand(n, 576, generator=gen) < 0.5, -1.0, 1.0)
+    if mode is MlaMode.FP8_DS_MLA:
+        pick.view(n, 576)[:, :512].view(n, 4, 128)[:, :, 0] = 448.0  # amax 448 * 2^k
+        pick[:, :512] *= torch.exp2(torch.randint(-8, 8, (n, 4), generator=gen).float()
+                                    ).repeat_interleave(128, dim=1)
+        scale = None
+    else:
+        scale = torch.tensor([0.25])
+        pick *= 0.25
+    latent = pick.to(dtype)
+    cache = kvwrite.create_mla_cache(3, 4, 512, 64, kv, dtype, "cpu")
+    storage_bytes(cache).copy_(torch.randint(0, 256, (storage_bytes(cache).numel(),),
+                                             dtype=torch.uint8, generator=gen))
+    slots = torch.tensor([3, -1, 11, 0, 7, 100, 5, 2, 9])
+    return mode, latent[:, :512], latent[:, 512:], cache.to(device), slots, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "fp8_ds_mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_paths_on_exact_quotients(kv, dtype, device):
+    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    info = registry.get(OP, "triton")
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    mode, kv_c, k_pe, cache, slots, scale = _exact_quotient_inputs(kv, dtype, device)
+    want = clone_cache(cache, "cpu")
+    mla_oracle(kv_c, k_pe, want, slots, mode, scale)
+
+    def mv(t):
+        return None if t is None else t.to(device)
+
+    triton_impl.run(mv(kv_c), mv(k_pe), cache, mv(slots), mode, mv(scale))
+    assert_mla_caches_equal(clone_cache(cache, "cpu"), want, mode)
