@@ -491,3 +491,164 @@ def test_triton_fp8_paths_on_exact_quotients(kv, dtype, device):
 
     triton_impl.run(mv(kv_c), mv(k_pe), cache, mv(slots), mode, mv(scale))
     assert_mla_caches_equal(clone_cache(cache, "cpu"), want, mode)
+
+
+# --- CUDA: NVRTC compiles (no GPU needed), launch plans ---------------------------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_cuda_variant_for_sm90():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
+    assert len(names) == 90 and len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_specialized_builds():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    for case in (MlaCase(kv_cache_dtype="fp8_ds_mla"), MlaCase(kv_cache_dtype="fp8"),
+                 MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3, block_size=7)):
+        inp = make_mla_inputs(case)
+        p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+        assert len(bytes(obj.code)) > 0
+    with pytest.raises(RuntimeError, match="9 values"):
+        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@pytest.mark.parametrize("case, name, vec, align", [
+    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long>", 0, 16),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", dtype=torch.float16, cache_pad=4, slot_dtype=torch.int32),
+     "concat_and_cache_ds_mla_kernel<0, 4, int>", 0, 4),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", cache_offset=1, cache_pad=2), None, 0, 1),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", latent_slices=True, latent_pad=1), None, 0, 2),
+    (MlaCase(kv_cache_dtype="auto"), "concat_and_cache_mla_kernel<0, 5, 8, long long>", 8, 0),
+    (MlaCase(kv_cache_dtype="auto", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 5, 4, long long>", 4, 0),
+    (MlaCase(kv_cache_dtype="fp8"), "concat_and_cache_mla_kernel<1, 3, 16, long long>", 16, 0),
+    (MlaCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 4, 8, long long>", 8, 0),
+    (MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3), None, 1, 0),
+    (MlaCase(kv_cache_dtype="auto", latent_slices=True, latent_pad=2), None, 2, 0),
+    (MlaCase(kv_cache_dtype="fp8", cache_pad=3), None, 1, 0),
+])
+def test_cuda_plan_picks_the_widest_aligned_accesses(case, name, vec, align):
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    inp = make_mla_inputs(case)
+    p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+    if name is not None:
+        assert p.name == name
+    assert (p.vec, p.align) == (vec, align)
+
+
+def test_cuda_unavailable_on_cpu_says_why():
+    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in MLA_CASES if c.num_tokens in (5, 6, 9, 33)],
+                         ids=lambda c: c.id)
+def test_gpu_generic_cuda_kernels(case):
+    """The unspecialized builds (runtime arguments) over part of the matrix."""
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    inp = make_mla_inputs(case, "cuda")
+    kvwrite.ops.concat_and_cache_mla.validate(*inp.args())
+    if inp.slot_mapping.numel():
+        cuda_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
+                      inp.scale if case.mode.uses_scale else None,
+                      tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128))
+    assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+
+
+# --- the benchmark (CPU: small shapes, the torch implementation) ------------------------------------
+
+SMALL = ["--device", "cpu", "--num-blocks", "8", "--block-size", "16", "--num-tokens", "1:8",
+         "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"]
+
+
+def test_bench_cli_cpu_table_json_csv_plot(tmp_path, capsys):
+    import json
+
+    from kvwrite.bench.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["mla", *SMALL, "--kv-cache-dtype", "fp8_ds_mla", "--strided", "--json", str(out),
+               "--csv", str(tmp_path / "r.csv"), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert ("concat_and_cache_mla: dtype=bfloat16 kv_cache_dtype=fp8_ds_mla kv_lora_rank=512 "
+            "pe_dim=64 strided=True") in text
+    assert "num_tokens    latency (us)" in text
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["num_tokens"] for r in rows] == [1, 2, 4, 8]
+    assert all(r["check"] == "passed" and r["status"] == "ok" for r in rows)
+    assert rows[0]["bytes"] == 1 * (576 * 2 + 656 + 8)
+    assert (tmp_path / "r.png").stat().st_size > 0
+    assert (tmp_path / "r.csv").read_text().count("\n") == 5
+
+
+def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
+    from kvwrite.bench import mla as bench_mla
+
+    class TrueReference:
+        run = staticmethod(torch_ref.run)
+
+    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
+
+    monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
+    monkeypatch.setattr(torch_ref, "run", broken)
+    rc = bench_mla.main([*SMALL, "--kv-cache-dtype", "fp8", "--num-tokens", "2,8"])
+    assert rc == 1
+    assert "mismatch: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--implementation", "nope"], "--implementation"),
+    (["--num-tokens", "0:4"], "--num-tokens"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bench_bad_flags_name_the_flag(capsys, argv, flag):
+    from kvwrite.bench import mla as bench_mla
+    with pytest.raises(SystemExit) as e:
+        bench_mla.main([*SMALL, *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bench_script_runs_from_a_checkout(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(root / "benchmarks/kernels/benchmark_concat_and_cache_mla.py"),
+                        *SMALL, "--kv_cache_dtype", "auto", "--dtype", "half"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "concat_and_cache_mla: dtype=half kv_cache_dtype=auto" in r.stdout
+
+
+def test_bench_run_benchmark_on_cpu():
+    from kvwrite.bench.mla import run_benchmark
+    us = run_benchmark(4, 512, 64, 16, 8, torch.bfloat16, "fp8", True, device="cpu",
+                       implementation="torch")
+    assert us > 0

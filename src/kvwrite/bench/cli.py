@@ -2,6 +2,7 @@
 
     kvwrite-bench [vLLM's flags] [kvwrite's flags]     # the sweep; the table on stdout
     kvwrite-bench plot RESULTS.json --out PLOT.png     # a plot from a saved --json file
+    kvwrite-bench mla [flags]                          # concat_and_cache_mla (kvwrite.bench.mla)
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error or a
 cache that does not fit.
@@ -345,6 +346,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         if argv[:1] == ["plot"]:
             return _plot_main(argv[1:], prog)
+        if argv[:1] == ["mla"]:
+            from .mla import main as mla_main
+            return mla_main(argv[1:], f"{prog} mla")
         return _run(argv, prog)
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
