@@ -40,7 +40,9 @@ def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     x = kv_c.float().reshape(n, DS_MLA_L // DS_MLA_TILE, DS_MLA_TILE)
     # amax ignoring NaN (as fmaxf does), from 0: an all-NaN tile has amax 0.
     amax = torch.where(torch.isnan(x), 0.0, x.abs()).amax(dim=2)
-    s = torch.clamp_min(amax / 448.0, FLT_MIN)  # a true float32 division
+    # A true float32 division: a tensor divisor, since PyTorch's CUDA division by a Python
+    # scalar multiplies by its reciprocal (the GPU check found scales that differ with it).
+    s = torch.clamp_min(amax / torch.full_like(amax, 448.0), FLT_MIN)
     codes = _fp8(x, torch.float8_e4m3fn, s[:, :, None])
     return torch.cat([codes.reshape(n, DS_MLA_L), s.contiguous().view(torch.uint8),
                       k_pe.contiguous().view(torch.uint8)], dim=1)

@@ -1,0 +1,56 @@
+"""Launch-shape probe for concat_and_cache_mla's CUDA kernels: µs per call (device timer, CUDA
+graph of 20 calls, median) for CudaTuning variants, per mode, at small and large T, hot L2 and
+rotated (input sets past 2x the L2), bfloat16, L=512, P=64, block 64, 2048 blocks."""
+
+import random
+
+import torch
+
+from kvwrite.bench import timing
+from kvwrite.ops.concat_and_cache_mla import MlaMode, create_mla_cache, cuda_impl, triton_impl
+
+VARIANTS = {
+    "cuda default": (cuda_impl.run, cuda_impl.TUNING),
+    "cuda threads=128 ds_warps=2": (cuda_impl.run, cuda_impl.CudaTuning(threads=128, ds_warps=2)),
+    "cuda ds_warps=8": (cuda_impl.run, cuda_impl.CudaTuning(ds_warps=8)),
+    "cuda copy 32B chunks": (cuda_impl.run, cuda_impl.CudaTuning(chunk_bytes_copy=32)),
+    "cuda fp8 16B chunks": (cuda_impl.run, cuda_impl.CudaTuning(chunk_bytes_fp8=16)),
+    "triton default": (triton_impl.run, triton_impl.TUNING),
+    "triton tile 8K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=8192)),
+    "triton tile 2K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=2048)),
+}
+
+
+def main():
+    dev = torch.device("cuda")
+    l2 = timing.l2_bytes(dev)
+    for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_DS_MLA):
+        cache = create_mla_cache(2048, 64, 512, 64, mode, torch.bfloat16, dev)
+        scale = torch.tensor([0.1], device=dev) if mode.uses_scale else None
+        for T in (16, 16384, 65536):
+            n = max(1, min(20, -(-2 * l2 // (T * 1160))))
+            sets = []
+            for _ in range(n):
+                kv_c = torch.randn(T, 512, dtype=torch.bfloat16, device=dev)
+                k_pe = torch.randn(T, 64, dtype=torch.bfloat16, device=dev)
+                slots = torch.tensor(random.sample(range(2048 * 64), T), device=dev)
+                sets.append((kv_c, k_pe, slots))
+            flush = torch.empty(2 * l2, dtype=torch.uint8, device=dev) if n * T * 1160 < 2 * l2 else None
+            for name, (run, tuning) in VARIANTS.items():
+                out = []
+                for hot in (True, False):
+                    use = sets[:1] if hot else sets
+
+                    def call(i, run=run, tuning=tuning, use=use, cache=cache, mode=mode, scale=scale):
+                        a = use[i % len(use)]
+                        run(a[0], a[1], cache, a[2], mode, scale, tuning=tuning)
+
+                    t = timing.time_device(call, 20, 50, graph=True,
+                                           flush=None if hot else flush, budget_s=0.1)
+                    out.append(t.median * 1e6)
+                print(f"{mode.value:10s} T={T:6d} {name:32s} hot {out[0]:8.3f} us  rotated {out[1]:8.3f} us",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
