@@ -18,11 +18,20 @@ VARIANTS = {
     "triton default": (triton_impl.run, triton_impl.TUNING),
     "triton tile 8K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=8192)),
     "triton tile 2K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=2048)),
+    "triton ds tile 4K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes_ds=4096)),
 }
 
 
 def main():
     dev = torch.device("cuda")
+    # The copy ceiling at each call's size: a device-to-device copy of half its bytes (so bytes
+    # read + written equal the call's), median of 10, against the 1 GiB copy of the benchmark.
+    big = timing.copy_bandwidth(dev, 2**30)
+    for T in (16384, 65536):
+        for name, per_token in (("auto", 2304 + 8), ("fp8", 1728 + 8), ("fp8_ds_mla", 1808 + 8)):
+            bw = timing.copy_bandwidth(dev, T * per_token // 2)
+            print(f"copy of {T * per_token // 2 / 2**20:.1f} MiB ({name} T={T}): {bw / 1e9:.0f} GB/s "
+                  f"= {100 * bw / big:.1f}% of the 1 GiB copy's {big / 1e9:.0f} GB/s", flush=True)
     l2 = timing.l2_bytes(dev)
     for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_DS_MLA):
         cache = create_mla_cache(2048, 64, 512, 64, mode, torch.bfloat16, dev)

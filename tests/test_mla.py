@@ -109,6 +109,21 @@ def test_matches_oracle(impl, case, device):
     assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
 
 
+def test_nan_equal_only_in_the_fp8_codes():
+    """Two different NaN codes count as equal inside an entry's fp8 codes, never in padding."""
+    case = MlaCase(kv_cache_dtype="fp8", cache_pad=4, num_tokens=1)
+    inp = make_mla_inputs(case)
+    a, b = clone_cache(inp.kv_cache), clone_cache(inp.kv_cache)
+    a[0, 0, 3], b[0, 0, 3] = 0x7F, 0xFF  # both e4m3 NaN
+    assert_mla_caches_equal(a, b, case.mode)
+    pad = storage_bytes(a)
+    pad_b = storage_bytes(b)
+    i = inp.kv_cache.stride(1) - 1  # the last padding byte of entry 0
+    pad[i], pad_b[i] = 0x7F, 0xFF
+    with pytest.raises(AssertionError, match="1 bytes differ"):
+        assert_mla_caches_equal(a, b, case.mode)
+
+
 def test_matrix_covers_the_contract():
     assert {c.kv_cache_dtype for c in MLA_CASES} >= {"auto", "fp8", "fp8_e5m2", "fp8_ds_mla"}
     assert {c.dtype for c in MLA_CASES} == {torch.float16, torch.bfloat16, torch.float32}
@@ -403,7 +418,7 @@ def test_cuda_graph_replay_sees_new_inputs(impl, kv):
     for dst, src in ((first.kv_c, second.kv_c), (first.k_pe, second.k_pe),
                      (first.slot_mapping, second.slot_mapping), (first.scale, second.scale)):
         dst.copy_(src)
-    first.kv_cache.copy_(second.kv_cache)
+    storage_bytes(first.kv_cache).copy_(storage_bytes(second.kv_cache))
     want = clone_cache(second.kv_cache)
     kvwrite.concat_and_cache_mla(second.kv_c, second.k_pe, want, second.slot_mapping, kv,
                                  second.scale, implementation="torch")

@@ -130,11 +130,14 @@ def _plant_ds_specials(x: torch.Tensor, gen: torch.Generator) -> None:
             if n < len(specials):
                 specials[n](tiles[tok, j])
             n += 1
-    # Random further NaNs and infinities.
-    flat = x.view(-1)
-    idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 97),), generator=gen)
-    flat[idx[::2]] = float("nan")
-    flat[idx[1::2]] = float("inf")
+    # Random further NaNs and infinities past the special tiles' rows (x may be a slice:
+    # indexed by row and column).
+    first = min(x.shape[0] - 1, -(-n // tiles.shape[1]))
+    n = max(2, x.numel() // 97)
+    r = torch.randint(first, x.shape[0], (n,), generator=gen)
+    c = torch.randint(0, x.shape[1], (n,), generator=gen)
+    x[r[::2], c[::2]] = float("nan")
+    x[r[1::2], c[1::2]] = float("inf")
 
 
 def _random_rows(rows: int, n: int, dtype: torch.dtype, gen: torch.Generator,
@@ -218,7 +221,7 @@ def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -
 
 def _code_region(cache: torch.Tensor, mode: MlaMode) -> torch.Tensor:
     """Per byte of the cache's allocation: does it hold an fp8 code of an entry."""
-    mask = torch.zeros(storage_bytes(cache).numel(), dtype=torch.bool)
+    mask = torch.zeros(storage_bytes(cache).numel(), dtype=torch.bool)  # on the CPU
     es = cache.element_size()
     n = DS_MLA_L if mode is MlaMode.FP8_DS_MLA else cache.shape[2]
     nb, bs = cache.shape[:2]
@@ -238,7 +241,7 @@ def mla_differing_bytes(actual: torch.Tensor, expected: torch.Tensor,
     if mode is MlaMode.AUTO or not bool(diff.any()):
         return diff
     fp8 = mode.fp8_dtype
-    both_nan = nan_mask(a, fp8) & nan_mask(e, fp8) & _code_region(expected.cpu(), mode)
+    both_nan = nan_mask(a, fp8) & nan_mask(e, fp8) & _code_region(expected, mode)
     return diff & ~both_nan
 
 

@@ -76,6 +76,10 @@ class TritonTuning:
     # Input bytes per program (BLOCK_T tokens of kv_c + k_pe), as for reshape_and_cache_flash's
     # 4 KiB tiles; a token's row (1152 bytes for L=512, P=64, 16-bit) is never split.
     tile_bytes: int = 4096
+    # fp8_ds_mla: 2 KiB (one token of 16-bit input per program, 4 warps) vs 4 KiB, H100, 20-call
+    # graphs, rotated L2: T=65536 47.8 vs 52.9 us, T=16384 13.6 vs 14.8 us, T=16 2.15 us both
+    # (scripts/mla_probe.py).
+    tile_bytes_ds: int = 2048
     # Input bytes per warp: 16-byte accesses for 16-bit copies, 32 B per thread for fp8.
     bytes_per_warp: int = 512
     max_warps: int = 8
@@ -89,11 +93,13 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING) -> tuple[int, int]:
-    """(BLOCK_T, num_warps): as many whole rows as fit ``tile_bytes`` (a power of two, at most T
+def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
+            ds: bool = False) -> tuple[int, int]:
+    """(BLOCK_T, num_warps): as many whole rows as fit the tile (a power of two, at most T
     rounded up to one)."""
+    tile = tuning.tile_bytes_ds if ds else tuning.tile_bytes
     block_t = 1
-    while block_t * 2 * row_bytes <= tuning.tile_bytes and block_t < _next_pow2(num_tokens):
+    while block_t * 2 * row_bytes <= tile and block_t < _next_pow2(num_tokens):
         block_t *= 2
     warps = min(tuning.max_warps, max(1, block_t * row_bytes // tuning.bytes_per_warp))
     return block_t, 1 << (warps.bit_length() - 1)
@@ -191,7 +197,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     code = _MODE[mode]
     if code == _DS:
         k_pe = k_pe.view(torch.uint8)  # the rotary part is copied as bytes
-    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning)
+    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code == _DS)
     num_blocks, block_size = kv_cache.shape[:2]
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
