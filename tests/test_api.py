@@ -413,3 +413,52 @@ def test_implementations_lists_every_one_with_a_reason():
         assert s.available == (s.reason is None) and s.description
     if not torch.cuda.is_available():
         assert not statuses["cuda"].available and statuses["cuda"].reason
+
+
+# --- the write-safety rule is every op's -------------------------------------------------------------
+
+def _every_op_call(unsafe: str):
+    """(op function, args, kwargs, the tensors whose bytes must not change) for each op, with one
+    tensor made unsafe: "grad" (a tensor requires grad) or "alias" (an input shares the memory of
+    a written tensor)."""
+    from kvwrite.testing.mla import MlaCase, make_mla_inputs
+    from kvwrite.testing.rope import RopeCase, make_rope_inputs
+    calls = []
+    inp = make_inputs(BASE)
+    args = list(inp.args())
+    if unsafe == "grad":  # the caches are uint8 (fp8): the key requires grad instead
+        args[0] = args[0].clone().requires_grad_(True)
+    else:
+        args[3] = args[2]  # value_cache: key_cache itself
+    calls.append((kvwrite.reshape_and_cache_flash, args, {}, args[2:4]))
+    m = make_mla_inputs(MlaCase(num_tokens=3, kv_lora_rank=64, pe_dim=16))
+    margs = list(m.args())
+    if unsafe == "grad":
+        margs[2] = margs[2].clone().requires_grad_(True)
+    else:
+        margs[1] = margs[2].view(-1)[: margs[1].numel()].view(margs[1].shape)
+    calls.append((kvwrite.concat_and_cache_mla, margs, {}, [margs[2]]))
+    r = make_rope_inputs(RopeCase(num_tokens=3))
+    rargs = list(r.rotary_args())
+    fargs = list(r.fused_args())
+    if unsafe == "grad":
+        rargs[1] = rargs[1].clone().requires_grad_(True)
+        fargs[7] = fargs[7].clone().requires_grad_(True)
+    else:
+        rargs[2] = rargs[1][:, : rargs[2].shape[1]]  # key: the first heads of query
+        fargs[7] = fargs[6]  # value_cache: key_cache itself
+    calls.append((kvwrite.rotary_embedding, rargs, {}, [rargs[1], rargs[2]]))
+    calls.append((kvwrite.fused_rope_and_reshape_cache_flash, fargs, r.fused_kwargs(),
+                  [fargs[0], fargs[1], fargs[6], fargs[7]]))
+    return calls
+
+
+@pytest.mark.parametrize("unsafe", ["grad", "alias"])
+def test_every_op_applies_the_write_safety_rule(unsafe):
+    for fn, args, kwargs, written in _every_op_call(unsafe):
+        before = [t.detach().clone() for t in written]
+        with pytest.raises(ValueError, match="requires_grad=True" if unsafe == "grad"
+                           else "expected memory apart"):
+            fn(*args, **kwargs)
+        for t, b in zip(written, before, strict=True):
+            assert torch.equal(t.detach().view(torch.uint8), b.view(torch.uint8)), fn.__name__

@@ -6,6 +6,7 @@
     kvwrite-bench probe NAME [...]                     # development probes (kvwrite.bench.probes)
     kvwrite-bench sanitize                             # the cases for compute-sanitizer
     kvwrite-bench rope [flags]                         # fused RoPE + cache write (bench/rope.py)
+    kvwrite-bench mla [flags]                          # concat_and_cache_mla (kvwrite.bench.mla)
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error, an
 output path that cannot be written, no implementation that can run on the device, or a cache
@@ -481,6 +482,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if argv[:1] == ["rope"]:
             from .rope import main as rope_main
             return rope_main(argv[1:], f"{prog} rope")
+        if argv[:1] == ["mla"]:
+            from .mla import main as mla_main
+            return mla_main(argv[1:], f"{prog} mla")
         return _run(argv, prog)
     except (BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

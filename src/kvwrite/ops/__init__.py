@@ -1,5 +1,11 @@
 """One package per op; importing one registers the op and its implementations."""
 
-from . import fused_rope_and_reshape_cache_flash, reshape_and_cache_flash, rotary_embedding
+from . import (
+    concat_and_cache_mla,
+    fused_rope_and_reshape_cache_flash,
+    reshape_and_cache_flash,
+    rotary_embedding,
+)
 
-__all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash"]
+__all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
+           "concat_and_cache_mla"]

@@ -7,6 +7,7 @@ and the workload model (:mod:`kvwrite.bench.workload`).
     kvwrite-bench probe ab --base REV [...]         # an earlier revision's kernels vs this tree's
     kvwrite-bench probe l2-follow  [...]            # what a call leaves in the L2
     kvwrite-bench probe sanitize                    # the memcheck cases (= kvwrite-bench sanitize)
+    kvwrite-bench probe mla                         # concat_and_cache_mla's launch variants
 
 Each prints its table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed
 check, 2 for a usage error or where a probe cannot run (no GPU: one line on stderr).
@@ -29,6 +30,7 @@ PROBES = {
     "ab": ("ab", "an earlier revision's implementations next to this tree's, alternating"),
     "l2-follow": ("l2_follow", "a follower kernel's time right after a call (L2 effects)"),
     "sanitize": ("sanitize", "the compute-sanitizer cases through both CUDA kernels"),
+    "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
 }
 
 

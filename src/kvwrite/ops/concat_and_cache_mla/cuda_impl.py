@@ -1,0 +1,242 @@
+"""The CUDA implementation of concat_and_cache_mla: ``kernel.cu`` compiled at run time with NVRTC
+(through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
+
+Two kernels (see ``kernel.cu``): ``concat_and_cache_mla_kernel`` for "auto" and the per-tensor
+fp8 modes (one thread per chunk of VEC elements of a token's row), and
+``concat_and_cache_ds_mla_kernel`` for "fp8_ds_mla" (one warp per token; the tile amax is a warp
+reduction over the registers that hold the row).
+
+Variants (template arguments): for the first, the input dtype, the element kind written (a copy
+of the input bits, fp8 e4m3 or e5m2), VEC and the slot index type; VEC is the widest chunk of at
+most ``CudaTuning.chunk_bytes_copy``/``chunk_bytes_fp8`` of input (16 B: one access; 32 B: two)
+such that ``L`` and ``P`` are multiples of it and every row start (inputs and cache) is aligned
+to it, halving down to one element. For the second, the input dtype, ALIGN (the common
+alignment in bytes of every row start, 16 at most: the widths of its accesses) and the slot
+type. By default each call signature gets its own build with the arguments fixed by the caches
+and the inputs' layout compiled in (``CudaTuning.specialize``).
+
+Graph-safe: a call does no allocation and no host sync; the scale is read on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from ...kernels import nvrtc
+from .op import MlaMode
+
+__all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
+           "compile_kernel", "SOURCE", "Plan"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_concat_and_cache_mla")
+KERNEL = "concat_and_cache_mla_kernel"
+DS_KERNEL = "concat_and_cache_ds_mla_kernel"
+
+# Element kinds, as DT_* in kvw/common.cuh.
+_F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
+_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_OUT = {MlaMode.AUTO: _COPY, MlaMode.FP8_E4M3: _E4M3, MlaMode.FP8_E5M2: _E5M2}
+_ALIGNS = (16, 8, 4, 2, 1)
+
+
+def _env_flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip() not in ("", "0")
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
+    one to :func:`run` (probes comparing variants, tests forcing a path)."""
+
+    # Threads per CTA of the per-chunk kernel (a multiple of 32, at most 256).
+    threads: int = 256
+    # Input bytes per chunk: 16 (one access) for copies, 32 (two 16-byte loads, 16 bytes of fp8
+    # out) for fp8, as reshape_and_cache_flash measured best for its copies and fp8 writes.
+    chunk_bytes_copy: int = 16
+    chunk_bytes_fp8: int = 32
+    # Tokens (warps) per CTA of the fp8_ds_mla kernel (at most 8).
+    ds_warps: int = 4
+    # One build per call signature with the fixed arguments compiled in (NVRTC once per
+    # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
+    specialize: bool = dataclasses.field(
+        default_factory=lambda: _env_flag("KVWRITE_CUDA_SPECIALIZE", "1"))
+
+
+TUNING = CudaTuning()
+
+
+def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
+                   ptxas_verbose: bool = False):
+    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
+    GPU. ``fixed``: the 9 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    macros = () if fixed is None else (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in fixed)),)
+    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+
+
+def _slot_type(slot_dtype: torch.dtype) -> str:
+    return "long long" if slot_dtype == torch.int64 else "int"
+
+
+def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) -> str:
+    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {_slot_type(slot_dtype)}>"
+
+
+def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype) -> str:
+    return f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}>"
+
+
+def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING) -> int:
+    return max(1, (tuning.chunk_bytes_fp8 if fp8 else tuning.chunk_bytes_copy) // in_bytes)
+
+
+def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
+    """Every variant `run` can launch (for compile tests)."""
+    names = []
+    for slot in (torch.int32, torch.int64):
+        for in_dtype, in_kind in _KIND.items():
+            for out_kind in (_COPY, _E4M3, _E5M2):
+                if out_kind == _COPY and in_kind == _BF16:
+                    continue  # 2-byte copies share the float16 variant
+                vec = _widest_vec(in_dtype.itemsize, out_kind != _COPY, tuning)
+                while vec >= 1:
+                    names.append(kernel_name(in_kind, out_kind, vec, slot))
+                    vec //= 2
+        for in_kind in (_F16, _BF16):
+            names += [ds_kernel_name(in_kind, a, slot) for a in _ALIGNS]
+    return names
+
+
+@functools.cache
+def available(device: torch.device) -> str | None:
+    """None on a CUDA device with cuda.core and NVRTC loadable, else why not (what to install)."""
+    if device.type != "cuda":
+        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
+    return nvrtc.setup_reason()
+
+
+def unsupported(kv_c, kv_cache, mode) -> str | None:
+    """Every validated case runs (any strides and alignments; unaligned rows use narrower
+    accesses)."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    ds: bool
+    vec: int            # elements per chunk (per-chunk kernel), 0 for fp8_ds_mla
+    align: int          # fp8_ds_mla: bytes of alignment of every row start
+    threads: int        # CTA size
+    per_cta: int        # chunks (per-chunk kernel) or tokens (fp8_ds_mla) per CTA
+    fixed: tuple[int, ...]  # kv_c_stride .. chunks (the 9 trailing kernel arguments)
+
+
+def _log2_or_minus_1(n: int) -> int:
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
+
+
+def _align(byte_values) -> int:
+    """The largest power of two (at most 16) dividing every value."""
+    v = 16
+    for b in byte_values:
+        v |= int(b)
+    return v & -v
+
+
+def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+         slot_mapping: torch.Tensor, mode: MlaMode, tuning: CudaTuning = TUNING) -> Plan:
+    """The variant, CTA shape and fixed arguments for these (validated) arguments; no GPU needed."""
+    t_pad, L = kv_c.shape
+    P = k_pe.shape[1]
+    num_blocks, block_size = kv_cache.shape[:2]
+    ib, ob = kv_c.element_size(), kv_cache.element_size()
+    # Only strides along dims of size > 1 ever multiply a nonzero index.
+    in_strides = [t.stride(0) * ib for t in (kv_c, k_pe) if t_pad > 1]
+    cache_strides = [s * ob for s, n in zip(kv_cache.stride()[:2], (num_blocks, block_size),
+                                            strict=True) if n > 1]
+    in_ptrs = [kv_c.data_ptr(), k_pe.data_ptr()]
+    common = (kv_c.stride(0) if t_pad > 1 else 0, k_pe.stride(0) if t_pad > 1 else 0,
+              kv_cache.stride(0) if num_blocks > 1 else 0,
+              kv_cache.stride(1) if block_size > 1 else 0, block_size,
+              _log2_or_minus_1(block_size), num_blocks * block_size)
+    if mode is MlaMode.FP8_DS_MLA:
+        align = _align(in_strides + cache_strides + in_ptrs + [kv_cache.data_ptr()])
+        warps = tuning.ds_warps
+        return Plan(ds_kernel_name(_KIND[kv_c.dtype], align, slot_mapping.dtype), True, 0, align,
+                    32 * warps, warps, common + (0, 0))
+    out_kind = _OUT[mode]
+    in_kind = _KIND[kv_c.dtype]
+    if out_kind == _COPY and in_kind == _BF16:
+        in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
+    vec = _widest_vec(ib, out_kind != _COPY, tuning)
+    in_al = _align(in_strides + in_ptrs)
+    out_al = _align(cache_strides + [kv_cache.data_ptr()])
+    while vec > 1:
+        if (L % vec == 0 and P % vec == 0 and in_al % min(vec * ib, 16) == 0
+                and out_al % min(vec * ob, 16) == 0):
+            break
+        vec //= 2
+    chunks = (L + P) // vec
+    return Plan(kernel_name(in_kind, out_kind, vec, slot_mapping.dtype), False, vec, 0,
+                tuning.threads, tuning.threads, common + (L // vec, chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    plan: Plan
+    kernel: object
+    device_index: int
+    tail: tuple  # the 9 trailing int64 arguments
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    p = plan(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)
+    index = kv_c.get_device()
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
+        arch, _ = nvrtc.device_arch(index)
+        macros = ()
+        if tuning.specialize:
+            macros = (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
+        kernel = SOURCE.kernel(arch, p.name, macros)
+    return _Launchable(p, kernel, index, p.fixed)
+
+
+def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        mode: MlaMode, scale: torch.Tensor | None, *, tuning: CudaTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    kp, pp, cp = kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr()
+    # Everything that selects the variant, the CTA shape or a fixed kernel argument.
+    sig = (kv_c.dtype, kv_cache.dtype, mode, slot_mapping.dtype, kv_c.shape[1], k_pe.shape[1],
+           kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
+           kp & 15, pp & 15, cp & 15, kv_c.get_device(), tuning)
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)
+    p = lau.plan
+    if p.ds:
+        grid = -(-num_tokens // p.per_cta)
+    else:
+        total = num_tokens * p.fixed[8]
+        if total >= 2**32:
+            raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.fixed[8]} tokens per call "
+                             f"with this row length, got {num_tokens}")
+        grid = -(-total // p.threads)
+    config = nvrtc.launch_config(grid, 1, p.threads, 1)
+    sp = scale.data_ptr() if scale is not None else 0
+    nvrtc.launch(lau.device_index, config, lau.kernel, kp, pp, cp, slot_mapping.data_ptr(), sp,
+                 num_tokens, *lau.tail)

@@ -1,0 +1,194 @@
+// kvwrite: concat_and_cache_mla (SPEC §4): write one MLA latent row (kv_c then k_pe) per token
+// into a paged cache [num_blocks, block_size, E].
+//
+// Compiled at run time with NVRTC (see cuda_impl.py): one module per instantiation and, by
+// default, per call signature, with the arguments fixed by the caches and the inputs' layout
+// compiled in (KVWRITE_FIXED_ARGS). The shared parts (element kinds, fp8 quantization, vector
+// I/O, slot addressing) come from kvwrite's kernel headers; nothing else is included.
+//
+// - concat_and_cache_mla_kernel<IN, OUT, VEC, SlotT> ("auto", "fp8_e4m3", "fp8_e5m2"): a flat
+//   grid of threads, one per (token, chunk of VEC elements) of the row kv_c ++ k_pe
+//   (chunks = (L + P) / VEC, the first l_chunks from kv_c). Loads are issued before the slot is
+//   tested, so a thread's time is one memory round trip, the conversion and the store.
+// - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT> ("fp8_ds_mla", L = 512, P = 64, 16-bit):
+//   one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and [256 + 8i, 256 + 8i + 8),
+//   so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each tile's amax is a
+//   16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already in registers.
+//   Lanes 0-7 carry the 128 bytes of k_pe. ALIGN (16, 8, 4, 2 or 1) is the alignment in bytes
+//   of every row start (inputs and cache): accesses are 16-byte ones at 16, narrower below.
+// Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+#include "kvw/vec_io.cuh"
+#include "kvw/slot.cuh"
+
+#ifndef KVWRITE_HOST_TEST
+
+#define KVW_MLA_PARAMS                                                                          \
+    const u8* __restrict__ kv_c,          /* [T_pad, L]; token stride kv_c_stride (elements) */ \
+    const u8* __restrict__ k_pe,          /* [T_pad, P]; token stride k_pe_stride */            \
+    u8* __restrict__ cache,               /* [num_blocks, block_size, E] via strides */         \
+    const SlotT* __restrict__ slot_mapping,  /* [num_tokens] */                                 \
+    const float* __restrict__ scale,      /* [1] (fp8_e4m3/e5m2 only, else unused) */           \
+    i64 num_tokens,                                                                             \
+    i64 kv_c_stride, i64 k_pe_stride,     /* token strides in input elements */                 \
+    i64 block_stride, i64 page_stride,    /* cache strides in cache elements */                 \
+    i64 block_size, i64 block_shift,      /* block_shift = log2(block_size), or -1 */           \
+    i64 num_slots,                        /* num_blocks * block_size */                         \
+    i64 l_chunks, i64 chunks              /* L / VEC, (L + P) / VEC (0 for fp8_ds_mla) */
+
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the
+// arguments from kv_c_stride on are compile-time constants: none is read from the parameter
+// bank and the index math (the division by `chunks` included) folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_MLA_FIXED_PROLOGUE()                                                                \
+  {                                                                                             \
+    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
+    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 9, "KVWRITE_FIXED_ARGS: 9 values");      \
+    kv_c_stride = fixed[0]; k_pe_stride = fixed[1];                                             \
+    block_stride = fixed[2]; page_stride = fixed[3];                                            \
+    block_size = fixed[4]; block_shift = fixed[5]; num_slots = fixed[6];                        \
+    l_chunks = fixed[7]; chunks = fixed[8];                                                     \
+  }
+#else
+#define KVW_MLA_FIXED_PROLOGUE()
+#endif
+
+// N bytes at an A-byte aligned address (A a power of two), as the widest accesses A allows.
+template <int N, int A>
+KVW_HD Raw<N> load_aligned(const u8* p) {
+  if constexpr (A >= 16 || A >= N) {
+    return load_raw<N>(p);
+  } else {
+    Raw<N> r;
+#pragma unroll
+    for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
+#pragma unroll
+    for (int i = 0; i < N / A; ++i) {
+      const Raw<A> piece = load_raw<A>(p + i * A);
+      if constexpr (A >= 4) {
+#pragma unroll
+        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
+      } else {
+        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
+      }
+    }
+    return r;
+  }
+}
+
+template <int N, int A>
+KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
+  if constexpr (A >= 16 || A >= N) {
+    store_raw<N>(p, r);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / A; ++i) {
+      Raw<A> piece;
+      if constexpr (A >= 4) {
+#pragma unroll
+        for (int k = 0; k < A / 4; ++k) piece.w[k] = r.w[i * A / 4 + k];
+      } else {
+        piece.w[0] = (r.w[(i * A) / 4] >> (8 * ((i * A) & 3))) & ((1u << (8 * A)) - 1u);
+      }
+      store_raw<A>(p + i * A, piece);
+    }
+  }
+}
+
+template <int IN, int OUT, int VEC, typename SlotT>
+__global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAMS) {
+  KVW_MLA_FIXED_PROLOGUE()
+  constexpr int IB = elem_bytes(IN);
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
+  constexpr int IN_BYTES = VEC * IB;
+  constexpr int OUT_BYTES = VEC * OB;
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+  // 32-bit: the host launches at most 2^32 - 1 threads (cuda_impl.py checks).
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 t32 = gid / static_cast<u32>(chunks);
+  if (t32 >= num_tokens) return;
+  const u32 c = gid - t32 * static_cast<u32>(chunks);
+  const i64 t = t32;
+  const i64 s = static_cast<i64>(slot_mapping[t]);
+  float sv = 0.0f;
+  if constexpr (FP8) sv = scale[0];
+  const bool pe = c >= static_cast<u32>(l_chunks);
+  const u8* src = pe ? k_pe + (t * k_pe_stride + static_cast<i64>(c - l_chunks) * VEC) * IB
+                     : kv_c + (t * kv_c_stride + static_cast<i64>(c) * VEC) * IB;
+  // Copies load with ld.volatile, which ptxas may not move below the slot's test (a plain load
+  // whose only use is the store under the test would wait for the slot's load).
+  Raw<IN_BYTES> in;
+  if constexpr (OUT == DT_COPY) {
+    in = load_raw_volatile<IN_BYTES>(src);
+  } else {
+    in = load_raw<IN_BYTES>(src);
+  }
+  const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
+  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
+  const i64 off = (slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                               slots_fit_u32) + static_cast<i64>(c) * VEC) * OB;
+  if constexpr (OUT == DT_COPY) {
+    if (valid) store_raw<OUT_BYTES>(cache + off, in);
+  } else {
+    const Fp8Scale sc = make_fp8_scale<(IN_BYTES <= 16)>(sv);
+    const auto out = convert_chunk<IN, OUT, VEC>(in, sc);
+    if (valid) store_raw<OUT_BYTES>(cache + off, out);
+  }
+}
+
+// fp8_ds_mla entry: [0, 512) e4m3 codes of 4 tiles, [512, 528) their float32 scales,
+// [528, 656) the 64 k_pe values' 16-bit patterns.
+template <int IN, int ALIGN, typename SlotT>
+__global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PARAMS) {
+  KVW_MLA_FIXED_PROLOGUE()
+  constexpr float FLT_MIN_F = 1.17549435082228750797e-38f;  // 2^-126
+  const u32 lane = threadIdx.x & 31u;
+  const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= num_tokens) return;  // the whole warp: t is warp-uniform
+  const i64 s = static_cast<i64>(slot_mapping[t]);
+  const u8* row = kv_c + t * kv_c_stride * 2;
+  const Raw<16> x0 = load_aligned<16, ALIGN>(row + 16 * lane);
+  const Raw<16> x1 = load_aligned<16, ALIGN>(row + 512 + 16 * lane);
+  Raw<16> pe{};
+  if (lane < 8) pe = load_aligned<16, ALIGN>(k_pe + t * k_pe_stride * 2 + 16 * lane);
+
+  float f0[8], f1[8];
+  float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f0[i] = elem_f32<IN>(x0, i);
+    f1[i] = elem_f32<IN>(x1, i);
+    a0 = fmaxf(a0, fabsf(f0[i]));  // fmaxf returns the other operand for a NaN
+    a1 = fmaxf(a1, fabsf(f1[i]));
+  }
+#pragma unroll
+  for (int m = 8; m >= 1; m >>= 1) {  // within each half warp: one tile per half
+    a0 = fmaxf(a0, __shfl_xor_sync(0xFFFFFFFFu, a0, m));
+    a1 = fmaxf(a1, __shfl_xor_sync(0xFFFFFFFFu, a1, m));
+  }
+  const float s0 = fmaxf(div_rn(a0, 448.0f), FLT_MIN_F);  // tile (lane >> 4)
+  const float s1 = fmaxf(div_rn(a1, 448.0f), FLT_MIN_F);  // tile 2 + (lane >> 4)
+  const float s0_hi = __shfl_sync(0xFFFFFFFFu, s0, 16);   // tile 1
+  const float s1_hi = __shfl_sync(0xFFFFFFFFu, s1, 16);   // tile 3
+  Raw<8> q0, q1;
+  fp8_quantize<DT_E4M3, 8, 1>(f0, q0.w, make_fp8_scale<true>(s0));
+  fp8_quantize<DT_E4M3, 8, 1>(f1, q1.w, make_fp8_scale<true>(s1));
+
+  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
+  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
+  u8* entry = cache + slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                                  slots_fit_u32);
+  store_aligned<8, ALIGN>(entry + 8 * lane, q0);
+  store_aligned<8, ALIGN>(entry + 256 + 8 * lane, q1);
+  if (lane == 0) {
+    Raw<16> sc;
+    sc.w[0] = f32_bits(s0);
+    sc.w[1] = f32_bits(s0_hi);
+    sc.w[2] = f32_bits(s1);
+    sc.w[3] = f32_bits(s1_hi);
+    store_aligned<16, ALIGN>(entry + 512, sc);
+  }
+  if (lane < 8) store_aligned<16, ALIGN>(entry + 528 + 16 * lane, pe);
+}
+#endif  // KVWRITE_HOST_TEST

@@ -1,0 +1,246 @@
+"""concat_and_cache_mla: the public op, its validation, its torch.compile custom op, the mode enum
+and the cache allocation helper (SPEC §4)."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ... import registry
+from ...dtypes import INPUT_DTYPES
+from ...validation import (
+    check_mutation_safe,
+    check_slot_dtype,
+    require_same_device,
+    require_tensor,
+)
+from ...validation import shape_str as _shape
+
+__all__ = ["OP", "MlaMode", "parse_mla_mode", "concat_and_cache_mla", "validate",
+           "create_mla_cache", "entry_size", "DS_MLA_L", "DS_MLA_P", "DS_MLA_ENTRY",
+           "DS_MLA_TILE", "select_implementation"]
+
+OP = "concat_and_cache_mla"
+
+# fp8_ds_mla's fixed geometry (SPEC §4): 4 tiles of 128 latent values as e4m3, their 4 float32
+# scales, then the 64 rotary values' 16-bit patterns: 512 + 16 + 128 = 656 bytes per token.
+DS_MLA_L = 512
+DS_MLA_P = 64
+DS_MLA_TILE = 128
+DS_MLA_SCALES_OFFSET = DS_MLA_L
+DS_MLA_PE_OFFSET = DS_MLA_L + 4 * (DS_MLA_L // DS_MLA_TILE)
+DS_MLA_ENTRY = DS_MLA_PE_OFFSET + 2 * DS_MLA_P
+
+
+class MlaMode(enum.Enum):
+    """How a cache entry is written: ``AUTO`` copies, ``FP8_E4M3``/``FP8_E5M2`` quantize with the one
+    per-tensor scale (SPEC §1.1), ``FP8_DS_MLA`` is DeepSeek's tiled format (SPEC §4)."""
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    FP8_DS_MLA = "fp8_ds_mla"
+
+    @property
+    def uses_scale(self) -> bool:
+        return self in (MlaMode.FP8_E4M3, MlaMode.FP8_E5M2)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype | None:
+        """The float8 dtype of the quantized latent values (None for AUTO)."""
+        return {MlaMode.FP8_E4M3: torch.float8_e4m3fn, MlaMode.FP8_E5M2: torch.float8_e5m2,
+                MlaMode.FP8_DS_MLA: torch.float8_e4m3fn}.get(self)
+
+
+_ALIASES = {"auto": MlaMode.AUTO, "fp8": MlaMode.FP8_E4M3, "fp8_e4m3": MlaMode.FP8_E4M3,
+            "fp8_e5m2": MlaMode.FP8_E5M2, "fp8_ds_mla": MlaMode.FP8_DS_MLA}
+
+
+def parse_mla_mode(kv_cache_dtype: str | MlaMode) -> MlaMode:
+    if isinstance(kv_cache_dtype, MlaMode):
+        return kv_cache_dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _ALIASES:
+        return _ALIASES[kv_cache_dtype]
+    raise ValueError(f"kv_cache_dtype: expected one of {sorted(_ALIASES)}, got {kv_cache_dtype!r}")
+
+
+def entry_size(mode: MlaMode, kv_lora_rank: int, pe_dim: int) -> int:
+    """The cache's last dim: ``L + P`` elements, or 656 bytes for fp8_ds_mla."""
+    return DS_MLA_ENTRY if mode is MlaMode.FP8_DS_MLA else kv_lora_rank + pe_dim
+
+
+def _allowed_cache_dtypes(mode: MlaMode, input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    if mode is MlaMode.AUTO:
+        return (input_dtype,)
+    if mode is MlaMode.FP8_DS_MLA:
+        return (torch.uint8,)
+    return (torch.uint8, mode.fp8_dtype)
+
+
+def create_mla_cache(num_blocks: int, block_size: int, kv_lora_rank: int, pe_dim: int,
+                     kv_cache_dtype: str | MlaMode = "auto", dtype: torch.dtype = torch.bfloat16,
+                     device: str | torch.device = "cuda") -> torch.Tensor:
+    """A zeroed contiguous ``[num_blocks, block_size, E]`` cache for ``kv_cache_dtype``: ``E = L + P``
+    of ``dtype`` ("auto") or uint8 (fp8 modes, vLLM's storage), ``E = 656`` uint8 (fp8_ds_mla, which
+    needs L = 512, P = 64 and a 16-bit ``dtype``)."""
+    mode = parse_mla_mode(kv_cache_dtype)
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("kv_lora_rank", kv_lora_rank), ("pe_dim", pe_dim)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+    if mode is MlaMode.FP8_DS_MLA:
+        _check_ds_geometry(kv_lora_rank, pe_dim, dtype)
+    cache_dtype = dtype if mode is MlaMode.AUTO else torch.uint8
+    return torch.zeros(num_blocks, block_size, entry_size(mode, kv_lora_rank, pe_dim),
+                       dtype=cache_dtype, device=device)
+
+
+def _check_ds_geometry(kv_lora_rank: int, pe_dim: int, dtype: torch.dtype,
+                       names: tuple[str, str, str] = ("kv_lora_rank", "pe_dim", "dtype")) -> None:
+    if kv_lora_rank != DS_MLA_L:
+        raise ValueError(f"{names[0]}: kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank {DS_MLA_L}, "
+                         f"got {kv_lora_rank}")
+    if pe_dim != DS_MLA_P:
+        raise ValueError(f"{names[1]}: kv_cache_dtype='fp8_ds_mla' needs pe_dim {DS_MLA_P}, got {pe_dim}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{names[2]}: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16 input, "
+                         f"got {dtype}")
+
+
+def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None) -> MlaMode:
+    """Check every argument of :func:`concat_and_cache_mla`; return the parsed mode.
+
+    Raises TypeError/ValueError naming the argument, what was expected and what came.
+    """
+    mode = parse_mla_mode(kv_cache_dtype)
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
+                    ("slot_mapping", slot_mapping)):
+        require_tensor(name, t)
+    if kv_c.dim() != 2:
+        raise ValueError(f"kv_c: expected 2 dims [num_tokens, kv_lora_rank], got shape {_shape(kv_c)}")
+    if k_pe.dim() != 2:
+        raise ValueError(f"k_pe: expected 2 dims [num_tokens, pe_dim], got shape {_shape(k_pe)}")
+    if kv_c.dtype not in INPUT_DTYPES:
+        raise ValueError(f"kv_c: expected dtype float16, bfloat16 or float32, got {kv_c.dtype}")
+    if k_pe.dtype != kv_c.dtype:
+        raise ValueError(f"k_pe: expected the dtype of kv_c ({kv_c.dtype}), got {k_pe.dtype}")
+    t_pad, kv_lora_rank = kv_c.shape
+    pe_dim = k_pe.shape[1]
+    if k_pe.shape[0] != t_pad:
+        raise ValueError(f"k_pe: expected {t_pad} rows (those of kv_c), got shape {_shape(k_pe)}")
+    if kv_lora_rank < 1 or pe_dim < 1:
+        raise ValueError(f"kv_c, k_pe: expected kv_lora_rank >= 1 and pe_dim >= 1, got "
+                         f"{kv_lora_rank} and {pe_dim}")
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name}: expected a unit-stride last dim, got strides {tuple(t.stride())}")
+    if mode is MlaMode.FP8_DS_MLA:
+        _check_ds_geometry(kv_lora_rank, pe_dim, kv_c.dtype,
+                           ("kv_c", "k_pe", "kv_c"))
+
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache: expected 3 dims [num_blocks, block_size, entry_size], got "
+                         f"shape {_shape(kv_cache)}")
+    entry = entry_size(mode, kv_lora_rank, pe_dim)
+    what = "656 bytes (fp8_ds_mla)" if mode is MlaMode.FP8_DS_MLA else \
+        f"kv_lora_rank + pe_dim = {kv_lora_rank} + {pe_dim}"
+    if kv_cache.shape[2] != entry:
+        raise ValueError(f"kv_cache: expected a last dim of {what} = {entry}, got shape "
+                         f"{_shape(kv_cache)}")
+    if kv_cache.stride(2) != 1:
+        raise ValueError(f"kv_cache: expected a unit-stride last dim, got strides "
+                         f"{tuple(kv_cache.stride())}")
+    allowed = _allowed_cache_dtypes(mode, kv_c.dtype)
+    if kv_cache.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise ValueError(f"kv_cache: kv_cache_dtype={mode.value!r} with {kv_c.dtype} input expects "
+                         f"a cache of dtype {names}, got {kv_cache.dtype}")
+
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
+    check_slot_dtype("slot_mapping", slot_mapping)
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
+    if slot_mapping.numel() > t_pad:
+        raise ValueError(f"slot_mapping: expected at most kv_c.shape[0] = {t_pad} entries, got "
+                         f"{slot_mapping.numel()}")
+    device = kv_c.device
+    require_same_device(device, "kv_c", (("k_pe", k_pe), ("kv_cache", kv_cache),
+                                         ("slot_mapping", slot_mapping)))
+    if mode.uses_scale:
+        if scale is None:
+            raise ValueError(f"scale: kv_cache_dtype={mode.value!r} needs a float32 tensor of 1 "
+                             "element, got None")
+        require_tensor("scale", scale)
+        if scale.dtype != torch.float32:
+            raise ValueError(f"scale: expected dtype float32, got {scale.dtype}")
+        if scale.numel() != 1:
+            raise ValueError(f"scale: expected 1 element (one per-tensor scale), got {scale.numel()}")
+        if scale.device != device:
+            raise ValueError(f"scale: expected device {device} (that of kv_c), got {scale.device}")
+    check_mutation_safe(outputs=(("kv_cache", kv_cache),),
+                        inputs=(("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping),
+                                ("scale", scale if mode.uses_scale else None)))
+    return mode
+
+
+def select_implementation(kv_c, kv_cache, mode: MlaMode, implementation: str | None = None,
+                          ) -> registry.ImplInfo:
+    """The named implementation, or the preferred one that can run this case; raises if none can."""
+    return registry.select(OP, (kv_c, kv_cache, mode), implementation)
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                         scale: torch.Tensor | None = None, *,
+                         implementation: str | None = None) -> None:
+    """Write one latent row per token into an MLA cache; mutates ``kv_cache``.
+
+    For each token ``t < T = slot_mapping.numel()`` whose slot ``s`` satisfies
+    ``0 <= s < num_blocks * block_size``, entry ``kv_cache[s // block_size, s % block_size]`` gets:
+
+    - "auto": ``kv_c[t]`` then ``k_pe[t]`` (bits copied; cache dtype = input dtype);
+    - "fp8"/"fp8_e4m3"/"fp8_e5m2": both quantized by SPEC §1.1 with the one ``scale``
+      (``fp8(float32(x) / scale)``, saturating), into a uint8 or float8 cache;
+    - "fp8_ds_mla" (L = 512, P = 64, float16/bfloat16 input, uint8 cache of last dim 656): bytes
+      ``[0, 512)`` the 4 tiles of 128 ``kv_c`` values as e4m3 of ``x / s_j`` with
+      ``s_j = max(amax_j / 448, 2^-126)`` (``amax_j`` the largest ``|x|`` of tile j, NaN ignored; an
+      all-NaN tile has amax 0), bytes ``[512, 528)`` ``s_0..s_3`` as float32, bytes ``[528, 656)``
+      the 16-bit patterns of ``k_pe[t]``. ``scale`` is not used.
+
+    No other byte of the cache changes. Negative slots (padding) and slots past the cache are
+    skipped; rows past T are never read; T == 0 is a no-op; which of two tokens with one slot wins
+    is undefined.
+
+    Shapes: ``kv_c`` ``[T_pad, L]``, ``k_pe`` ``[T_pad, P]`` (float16/bfloat16/float32, unit last
+    stride, any token stride: ``k_pe`` may be ``latent[:, L:]``); ``kv_cache``
+    ``[num_blocks, block_size, E]`` with any strides but a unit last one; ``slot_mapping`` ``[T]``
+    int64 or int32; ``scale`` a 1-element float32 tensor on the device (fp8 modes), read there (no
+    host sync), so a captured CUDA graph sees new values. :func:`create_mla_cache` allocates.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping,
+                                               str(kv_cache_dtype), scale, implementation or "")
+        return
+    mode = validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
+    info = select_implementation(kv_c, kv_cache, mode, implementation)
+    if slot_mapping.numel() == 0:
+        return
+    info.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale if mode.uses_scale else None)
+
+
+@torch.library.custom_op("kvwrite::concat_and_cache_mla", mutates_args=("kv_cache",))
+def _custom_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+               slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None,
+               implementation: str) -> None:
+    """The op as torch.compile sees it: an opaque call that mutates the cache."""
+    concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
+                         implementation=implementation or None)
+
+
+@_custom_op.register_fake
+def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, implementation) -> None:
+    return None

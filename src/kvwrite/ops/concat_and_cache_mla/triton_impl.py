@@ -1,0 +1,213 @@
+"""The Triton implementation of concat_and_cache_mla: one kernel for every mode.
+
+One program writes ``BLOCK_T`` tokens: it reads their slots, loads their ``kv_c`` and ``k_pe``
+rows (masked by the token bound only, so the loads do not wait for the slots), converts them and
+stores them through the cache strides. Offsets are 64-bit. The strides, the slot count and the
+geometry are compile-time constants (one compiled variant per cache geometry and input layout);
+nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs,
+slots and scale.
+
+- "auto": the bits are copied; "fp8_e4m3"/"fp8_e5m2": SPEC §1.1 with the one scale, exactly
+  (``kvwrite.kernels.triton_fp8``: the true float32 quotient without a division per element).
+- "fp8_ds_mla": ``kv_c`` is loaded as ``[BLOCK_T, 4, 128]``; each tile's amax is a reduction
+  over the tile with NaN replaced by 0 (fmaxf's rule, from 0), ``s = max(div_rn(amax, 448),
+  FLT_MIN)`` is a true division, and each element is e4m3 of the exact quotient ``x / s``. The
+  scales and the rotary part are stored as bytes (``k_pe`` is read through a byte view), so any
+  cache row alignment works.
+
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
+differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
+:func:`unsupported` refuses the fp8 modes there; "auto" (a copy) is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from ...kernels.triton_fp8 import COPY as _COPY
+from ...kernels.triton_fp8 import E4M3 as _E4M3
+from ...kernels.triton_fp8 import E5M2 as _E5M2
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, store_quantized, tl, triton
+from .op import DS_MLA_L, DS_MLA_PE_OFFSET, DS_MLA_SCALES_OFFSET, DS_MLA_TILE, MlaMode
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+_DS = 3  # MODE code of fp8_ds_mla (0-2 are triton_fp8's COPY, E4M3, E5M2)
+_MODE = {MlaMode.AUTO: _COPY, MlaMode.FP8_E4M3: _E4M3, MlaMode.FP8_E5M2: _E5M2,
+         MlaMode.FP8_DS_MLA: _DS}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> str | None:
+    if triton is None:
+        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if not _interpreting():
+            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
+        if type(_mla_kernel).__name__ != "InterpretedFunction":
+            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was imported; "
+                    "set it before importing triton")
+        return None
+    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> str | None:
+    if kv_c.device.type == "cuda" or mode is MlaMode.AUTO:
+        return None
+    return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
+            f"the GPU, so kv_cache_dtype={mode.value!r} is not exact there; run on a CUDA device")
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TritonTuning:
+    """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
+
+    # Input bytes per program (BLOCK_T tokens of kv_c + k_pe), as for reshape_and_cache_flash's
+    # 4 KiB tiles; a token's row (1152 bytes for L=512, P=64, 16-bit) is never split.
+    tile_bytes: int = 4096
+    # fp8_ds_mla: 2 KiB (one token of 16-bit input per program, 4 warps) vs 4 KiB, H100, 20-call
+    # graphs, rotated L2: T=65536 47.8 vs 52.9 us, T=16384 13.6 vs 14.8 us, T=16 2.15 us both
+    # (kvwrite-bench probe mla).
+    tile_bytes_ds: int = 2048
+    # Input bytes per warp: 16-byte accesses for 16-bit copies, 32 B per thread for fp8.
+    bytes_per_warp: int = 512
+    max_warps: int = 8
+
+
+TUNING = TritonTuning()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=256)
+def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
+            ds: bool = False) -> tuple[int, int]:
+    """(BLOCK_T, num_warps): as many whole rows as fit the tile (a power of two, at most T
+    rounded up to one)."""
+    tile = tuning.tile_bytes_ds if ds else tuning.tile_bytes
+    block_t = 1
+    while block_t * 2 * row_bytes <= tile and block_t < _next_pow2(num_tokens):
+        block_t *= 2
+    warps = min(tuning.max_warps, max(1, block_t * row_bytes // tuning.bytes_per_warp))
+    return block_t, 1 << (warps.bit_length() - 1)
+
+
+if triton is not None:
+    # Byte offsets of the scales and the rotary part in an fp8_ds_mla entry.
+    SCALES_OFFSET = tl.constexpr(DS_MLA_SCALES_OFFSET)
+    PE_OFFSET = tl.constexpr(DS_MLA_PE_OFFSET)
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _mla_kernel(
+        kv_c_ptr,  # [T_pad, L], token stride KV_C_STRIDE (elements)
+        k_pe_ptr,  # [T_pad, P], token stride K_PE_STRIDE; fp8_ds_mla: its bytes [T_pad, 2P]
+        cache_ptr,  # [num_blocks, block_size, E] via (STRIDE_B, STRIDE_S, 1)
+        slot_mapping_ptr,  # [T] int64 or int32
+        scale_ptr,  # [1] float32 (fp8_e4m3/e5m2 only; None otherwise)
+        num_tokens,  # T
+        KV_C_STRIDE: tl.constexpr,
+        K_PE_STRIDE: tl.constexpr,
+        STRIDE_B: tl.constexpr,  # cache strides in cache elements (bytes for fp8_ds_mla)
+        STRIDE_S: tl.constexpr,
+        NUM_SLOTS: tl.constexpr,  # num_blocks * block_size
+        BLOCK_SIZE: tl.constexpr,
+        L: tl.constexpr,
+        P: tl.constexpr,
+        BLOCK_L: tl.constexpr,  # L and P rounded up to powers of two (masked)
+        BLOCK_P: tl.constexpr,
+        MODE: tl.constexpr,  # COPY, E4M3, E5M2 or 3 (fp8_ds_mla)
+        BLOCK_T: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_in = t < num_tokens
+        t64 = t.to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        # Padding (slot < 0) and out-of-range slots are not stored.
+        valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)
+        block = slot // BLOCK_SIZE
+        row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
+        if MODE == 3:
+            TILES: tl.constexpr = L // 128
+            j = tl.arange(0, TILES)
+            k = tl.arange(0, 128)
+            col = (j * 128)[None, :, None] + k[None, None, :]  # [1, TILES, 128]
+            x = tl.load(kv_c_ptr + (t64 * KV_C_STRIDE)[:, None, None] + col,
+                        mask=t_in[:, None, None])
+            pb = tl.arange(0, 2 * P)
+            pe = tl.load(k_pe_ptr + (t64 * K_PE_STRIDE)[:, None] + pb[None, :],
+                         mask=t_in[:, None])
+            xf = x.to(tl.float32)
+            a = tl.where(xf == xf, tl.abs(xf), 0.0)  # NaN ignored, as fmaxf does
+            amax = tl.max(a, axis=2)  # [BLOCK_T, TILES]
+            s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                           1.1754943508222875e-38)  # FLT_MIN = 2^-126
+            m, s2, y = fp8_scale(s)
+            q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], 448.0, 1)
+            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            ok3 = valid[:, None, None]
+            tl.store(cache_ptr + row[:, None, None] + col, codes, mask=ok3)
+            b = tl.arange(0, 4)
+            sbits = s.to(tl.int32, bitcast=True)
+            sbytes = ((sbits[:, :, None] >> (b * 8)[None, None, :]) & 255).to(tl.uint8)
+            tl.store(cache_ptr + row[:, None, None] + SCALES_OFFSET + (j * 4)[None, :, None]
+                     + b[None, None, :], sbytes, mask=ok3)
+            tl.store(cache_ptr + row[:, None] + PE_OFFSET + pb[None, :], pe, mask=valid[:, None])
+        else:
+            # 16-bit inputs need one correction step of the fp8 quotient, float32 two.
+            STEPS: tl.constexpr = 2 if kv_c_ptr.dtype.element_ty == tl.float32 else 1
+            offs_l = tl.arange(0, BLOCK_L)
+            offs_p = tl.arange(0, BLOCK_P)
+            in_l = t_in[:, None] & (offs_l < L)[None, :]
+            in_p = t_in[:, None] & (offs_p < P)[None, :]
+            x = tl.load(kv_c_ptr + (t64 * KV_C_STRIDE)[:, None] + offs_l[None, :], mask=in_l)
+            pe = tl.load(k_pe_ptr + (t64 * K_PE_STRIDE)[:, None] + offs_p[None, :], mask=in_p)
+            if MODE == 0:
+                m, s2, y = 1.0, 1.0, 1.0
+            else:
+                m, s2, y = fp8_scale(tl.load(scale_ptr))
+            store_quantized(cache_ptr, row[:, None] + offs_l[None, :], in_l & valid[:, None],
+                            x, m, s2, y, MODE, STEPS)
+            store_quantized(cache_ptr, row[:, None] + L + offs_p[None, :], in_p & valid[:, None],
+                            pe, m, s2, y, MODE, STEPS)
+
+assert DS_MLA_TILE == 128 and DS_MLA_L % DS_MLA_TILE == 0  # the kernel's tile shape
+
+
+def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        mode: MlaMode, scale: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    t_pad, L = kv_c.shape
+    P = k_pe.shape[1]
+    code = _MODE[mode]
+    if code == _DS:
+        k_pe = k_pe.view(torch.uint8)  # the rotary part is copied as bytes
+    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code == _DS)
+    num_blocks, block_size = kv_cache.shape[:2]
+    # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
+    # not compile another variant.
+    _mla_kernel[(triton.cdiv(num_tokens, block_t),)](
+        kv_c, k_pe, kv_cache, slot_mapping, scale if code in (_E4M3, _E5M2) else None, num_tokens,
+        KV_C_STRIDE=kv_c.stride(0) if t_pad > 1 else 0,
+        K_PE_STRIDE=k_pe.stride(0) if t_pad > 1 else 0,
+        STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
+        STRIDE_S=kv_cache.stride(1) if block_size > 1 else 0,
+        NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
+        BLOCK_L=_next_pow2(L), BLOCK_P=_next_pow2(P), MODE=code, BLOCK_T=block_t,
+        num_warps=warps,
+    )

@@ -1,0 +1,316 @@
+"""concat_and_cache_mla's case model: one :class:`MlaCase` describes a call (shapes, dtypes, mode,
+cache strides and alignment, input slices, slots, special values); :func:`make_mla_inputs` builds
+its tensors; :func:`assert_mla_caches_equal` is the byte comparison (NaN-aware only in the fp8
+codes, as SPEC §1.1 allows); ``MLA_CASES`` is the matrix every implementation is tested on."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from ..dtypes import FP8_MAX
+from ..ops.concat_and_cache_mla.op import DS_MLA_L, DS_MLA_TILE, MlaMode, entry_size, parse_mla_mode
+from .cases import reciprocal_traps
+from .compare import differing_bytes, nan_mask, storage_bytes
+
+__all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache",
+           "assert_mla_caches_equal", "mla_differing_bytes", "every_16_bit_pattern_tiles"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCase:
+    num_tokens: int = 7
+    kv_lora_rank: int = 512
+    pe_dim: int = 64
+    block_size: int = 16
+    num_blocks: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: str = "auto"
+    # fp8 modes: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
+    fp8_storage: str = "uint8"
+    slot_dtype: torch.dtype = torch.int64
+    # kv_c/k_pe rows past num_tokens (CUDA-graph padding); never read.
+    extra_rows: int = 0
+    # kv_c and k_pe as slices of one latent projection [T, L + P] (token stride L + P), with
+    # latent_pad more elements per row after them.
+    latent_slices: bool = False
+    latent_pad: int = 0
+    # Cache entries padded by cache_pad elements and starting cache_offset elements into their
+    # row (so rows may be unaligned); cache_transposed puts slots outermost in memory.
+    cache_pad: int = 0
+    cache_offset: int = 0
+    cache_transposed: bool = False
+    padding_slots: int = 0
+    out_of_range_slots: int = 0
+    # NaN, ±inf, ±0, subnormals, saturating values; for fp8_ds_mla zero, NaN, all-NaN, inf and
+    # tiny tiles too.
+    special_values: bool = False
+    scale: float = 0.37
+
+    @property
+    def mode(self) -> MlaMode:
+        return parse_mla_mode(self.kv_cache_dtype)
+
+    @property
+    def entry(self) -> int:
+        return entry_size(self.mode, self.kv_lora_rank, self.pe_dim)
+
+    @property
+    def cache_tensor_dtype(self) -> torch.dtype:
+        mode = self.mode
+        if mode is MlaMode.AUTO:
+            return self.dtype
+        if mode is MlaMode.FP8_DS_MLA or self.fp8_storage == "uint8":
+            return torch.uint8
+        return mode.fp8_dtype
+
+    @property
+    def id(self) -> str:
+        parts = [f"T{self.num_tokens}", f"L{self.kv_lora_rank}", f"P{self.pe_dim}",
+                 f"bs{self.block_size}", str(self.dtype).removeprefix("torch."), self.kv_cache_dtype]
+        if self.mode.uses_scale:
+            parts.append(self.fp8_storage)
+        if self.slot_dtype == torch.int32:
+            parts.append("i32")
+        for flag, name in ((self.extra_rows, "extra"), (self.latent_slices, "latent"),
+                           (self.latent_pad, f"lpad{self.latent_pad}"),
+                           (self.cache_pad, f"cpad{self.cache_pad}"),
+                           (self.cache_offset, f"coff{self.cache_offset}"),
+                           (self.cache_transposed, "transposed"),
+                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                           (self.special_values, "special")):
+            if flag:
+                parts.append(name)
+        return "-".join(parts)
+
+
+@dataclasses.dataclass
+class MlaInputs:
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_cache_dtype: str
+    scale: torch.Tensor
+
+    def args(self) -> tuple:
+        return (self.kv_c, self.k_pe, self.kv_cache, self.slot_mapping, self.kv_cache_dtype,
+                self.scale)
+
+
+def _fp8_specials(fp8: torch.dtype) -> list[float]:
+    mx = FP8_MAX[fp8]
+    tiny = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}[fp8]
+    return [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, mx, -mx,
+            mx * 1.01, -mx * 1.2, mx * 1000, tiny, -tiny, tiny * 0.5, tiny * 0.5001, -tiny * 1.5,
+            tiny * 2.5, 1e-30, -1e-30, 1.0625, 1.1875, 17.0, 1e38, -3e38]
+
+
+def _plant_ds_specials(x: torch.Tensor, gen: torch.Generator) -> None:
+    """Tiles that exercise every branch of the tile scale: zeros (with -0), a NaN among values,
+    all NaN, ±inf, values whose amax / 448 is below FLT_MIN, the largest finite values, and
+    elements at the tile maximum (quotient exactly ±448)."""
+    tiles = x.view(x.shape[0], -1, DS_MLA_TILE)[:, :DS_MLA_L // DS_MLA_TILE]
+    finfo = torch.finfo(x.dtype)
+    specials = [
+        lambda t: t.zero_().view(-1)[::3].neg_(),                        # zeros, some -0
+        lambda t: t.view(-1).__setitem__(5, float("nan")),              # one NaN
+        lambda t: t.fill_(float("nan")),                                # all NaN
+        lambda t: t.view(-1).__setitem__(7, float("inf")),              # +inf
+        lambda t: t.view(-1).__setitem__(9, -float("inf")),             # -inf
+        lambda t: t.mul_(finfo.tiny * 2.0**-2),                         # amax/448 < FLT_MIN
+        lambda t: t.copy_(torch.full_like(t, finfo.max)).view(-1)[1::2].neg_(),  # largest
+        lambda t: t.view(-1)[:4].copy_(torch.tensor([finfo.max, -finfo.max, 0.5, -0.0])),
+    ]
+    n = 0
+    for tok in range(tiles.shape[0]):
+        for j in range(tiles.shape[1]):
+            if n < len(specials):
+                specials[n](tiles[tok, j])
+            n += 1
+    # Random further NaNs and infinities past the special tiles' rows (x may be a slice:
+    # indexed by row and column).
+    first = min(x.shape[0] - 1, -(-n // tiles.shape[1]))
+    n = max(2, x.numel() // 97)
+    r = torch.randint(first, x.shape[0], (n,), generator=gen)
+    c = torch.randint(0, x.shape[1], (n,), generator=gen)
+    x[r[::2], c[::2]] = float("nan")
+    x[r[1::2], c[1::2]] = float("inf")
+
+
+def _random_rows(rows: int, n: int, dtype: torch.dtype, gen: torch.Generator,
+                 spread: bool) -> torch.Tensor:
+    x = torch.randn(rows, n, generator=gen)
+    if spread:  # magnitudes over the whole fp8 range: subnormals, normals and saturation
+        x *= torch.exp2(torch.randint(-20, 12, (rows, n), generator=gen).float())
+    return x.to(dtype)
+
+
+def make_mla_inputs(case: MlaCase, device: str | torch.device = "cpu", seed: int = 0) -> MlaInputs:
+    """Build the tensors of ``case`` on ``device``; the cache's allocation holds random bits."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T, L, P = case.num_tokens, case.kv_lora_rank, case.pe_dim
+    rows = T + case.extra_rows
+    mode = case.mode
+    spread = mode.uses_scale
+    if case.latent_slices:
+        latent = _random_rows(rows, L + P + case.latent_pad, case.dtype, gen, spread)
+        kv_c, k_pe = latent[:, :L], latent[:, L:L + P]
+    else:
+        kv_c = _random_rows(rows, L, case.dtype, gen, spread)
+        k_pe = _random_rows(rows, P, case.dtype, gen, spread)
+    if mode is MlaMode.FP8_DS_MLA:
+        # A magnitude per tile, so that tile scales differ over many binades.
+        lo, hi = (-16, 8) if case.dtype == torch.float16 else (-30, 30)
+        mag = torch.exp2(torch.randint(lo, hi, (rows, L // DS_MLA_TILE), generator=gen).float())
+        kv_c.mul_(mag.repeat_interleave(DS_MLA_TILE, dim=1).to(case.dtype))
+        if case.special_values:
+            _plant_ds_specials(kv_c, gen)
+    elif mode.uses_scale and case.special_values:
+        fp8 = mode.fp8_dtype
+        vals = torch.tensor(_fp8_specials(fp8)) * case.scale
+        vals = torch.cat([vals, torch.tensor(reciprocal_traps(fp8, case.scale))])
+        for t in (kv_c, k_pe):
+            flat = t[:T].reshape(-1).clone()
+            n = min(vals.numel(), flat.numel())
+            flat[:n] = vals[:n].to(t.dtype)
+            t[:T].copy_(flat.view(T, -1))
+
+    num_slots = case.num_blocks * case.block_size
+    n_valid = T - case.padding_slots - case.out_of_range_slots
+    if n_valid < 0 or n_valid > num_slots:
+        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
+    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
+    slots += [-1 - i for i in range(case.padding_slots)]
+    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
+    order = torch.randperm(T, generator=gen).tolist()
+    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+
+    E = case.entry
+    width = case.cache_offset + E + case.cache_pad
+    dt = case.cache_tensor_dtype
+    if case.cache_transposed:
+        base = torch.empty(case.block_size, case.num_blocks, width, dtype=dt).transpose(0, 1)
+    else:
+        base = torch.empty(case.num_blocks, case.block_size, width, dtype=dt)
+    b = storage_bytes(base)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+    kv_cache = base[:, :, case.cache_offset:case.cache_offset + E]
+    scale = torch.tensor([case.scale], dtype=torch.float32)
+
+    moved = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in moved:
+            moved[key] = storage_bytes(t).to(device)
+        return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return MlaInputs(move(kv_c), move(k_pe), move(kv_cache), move(slot_mapping),
+                     case.kv_cache_dtype, move(scale))
+
+
+def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
+    """A copy of ``cache`` (on ``device``, default its own) with its whole allocation."""
+    device = cache.device if device is None else device
+    copy = storage_bytes(cache).to(device, copy=True)
+    return copy.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+
+
+def _code_region(cache: torch.Tensor, mode: MlaMode) -> torch.Tensor:
+    """Per byte of the cache's allocation: does it hold an fp8 code of an entry."""
+    mask = torch.zeros(storage_bytes(cache).numel(), dtype=torch.bool)  # on the CPU
+    es = cache.element_size()
+    n = DS_MLA_L if mode is MlaMode.FP8_DS_MLA else cache.shape[2]
+    nb, bs = cache.shape[:2]
+    mask.as_strided((nb, bs, n * es), (cache.stride(0) * es, cache.stride(1) * es, 1),
+                    cache.storage_offset() * es).fill_(True)
+    return mask
+
+
+def mla_differing_bytes(actual: torch.Tensor, expected: torch.Tensor,
+                        mode: MlaMode) -> torch.Tensor:
+    """Bool mask over the allocation's bytes where two caches differ. Two fp8 codes that both
+    decode to NaN (any sign or payload) count as equal, only where the cache holds fp8 codes."""
+    a, e = storage_bytes(actual).cpu(), storage_bytes(expected).cpu()
+    if a.numel() != e.numel():
+        raise AssertionError(f"storage sizes differ ({a.numel()} vs {e.numel()} bytes)")
+    diff = differing_bytes(a, e)
+    if mode is MlaMode.AUTO or not bool(diff.any()):
+        return diff
+    fp8 = mode.fp8_dtype
+    both_nan = nan_mask(a, fp8) & nan_mask(e, fp8) & _code_region(expected, mode)
+    return diff & ~both_nan
+
+
+def assert_mla_caches_equal(actual: torch.Tensor, expected: torch.Tensor, mode: MlaMode,
+                            name: str = "kv_cache") -> None:
+    """Every byte of the allocation behind ``actual`` equals ``expected``'s (see
+    :func:`mla_differing_bytes`); stray writes outside the entries are caught too."""
+    diff = mla_differing_bytes(actual, expected, mode)
+    if bool(diff.any()):
+        a, e = storage_bytes(actual).cpu(), storage_bytes(expected).cpu()
+        idx = torch.nonzero(diff).flatten()
+        first = idx[:8].tolist()
+        raise AssertionError(f"{name}: {idx.numel()} bytes differ; first at byte offsets {first}: "
+                             f"got {a[idx[:8]].tolist()}, expected {e[idx[:8]].tolist()}")
+
+
+def every_16_bit_pattern_tiles(dtype: torch.dtype) -> torch.Tensor:
+    """kv_c rows ``[128, 512]`` holding every 16-bit pattern of ``dtype`` once, shuffled (fixed
+    seed) so that tiles mix magnitudes, with one tile in 8 left with only its small values (the
+    tile scale then comes from a small amax)."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    gen = torch.Generator().manual_seed(1)
+    x = bits[torch.randperm(65536, generator=gen)].view(dtype).clone()
+    tiles = x.view(512, DS_MLA_TILE)
+    small = tiles[::8].float().abs()
+    tiles[::8] = torch.where(small < 1.0, tiles[::8], torch.zeros_like(tiles[::8]))
+    return x.view(128, DS_MLA_L)
+
+
+def _matrix() -> list[MlaCase]:
+    cases: list[MlaCase] = []
+    modes = ("auto", "fp8", "fp8_e5m2", "fp8_ds_mla")
+    for kv, dtype in itertools.product(modes, (torch.float16, torch.bfloat16, torch.float32)):
+        if kv == "fp8_ds_mla" and dtype == torch.float32:
+            continue
+        cases.append(MlaCase(kv_cache_dtype=kv, dtype=dtype))
+    for kv in modes:
+        cases += [
+            MlaCase(kv_cache_dtype=kv, latent_slices=True, extra_rows=3, num_tokens=9),
+            MlaCase(kv_cache_dtype=kv, cache_pad=16, cache_transposed=True, block_size=8),
+            MlaCase(kv_cache_dtype=kv, cache_pad=3, cache_offset=1, num_tokens=5),
+            MlaCase(kv_cache_dtype=kv, latent_slices=True, latent_pad=1, num_tokens=6),
+            MlaCase(kv_cache_dtype=kv, num_tokens=9, padding_slots=3, out_of_range_slots=2,
+                    slot_dtype=torch.int32),
+            MlaCase(kv_cache_dtype=kv, num_tokens=6, special_values=True,
+                    dtype=torch.float16 if kv == "fp8_ds_mla" else torch.float32),
+            MlaCase(kv_cache_dtype=kv, num_tokens=6, special_values=True),
+        ]
+    # fp8 in float8 storage.
+    for kv in ("fp8", "fp8_e5m2"):
+        cases.append(MlaCase(kv_cache_dtype=kv, fp8_storage="float8", special_values=True,
+                             num_tokens=4, dtype=torch.float32))
+    # Other latent geometries (plain modes take any L and P).
+    for (L, P), kv in itertools.product(((256, 32), (10, 3), (1, 1), (96, 40), (128, 64)),
+                                        ("auto", "fp8", "fp8_e5m2")):
+        cases.append(MlaCase(kv_lora_rank=L, pe_dim=P, kv_cache_dtype=kv, num_tokens=33,
+                             num_blocks=6, block_size=7))
+    cases += [
+        MlaCase(num_tokens=1),
+        MlaCase(num_tokens=0),
+        MlaCase(num_tokens=0, extra_rows=2, kv_cache_dtype="fp8_ds_mla"),
+        MlaCase(num_tokens=9, padding_slots=9, kv_cache_dtype="fp8_ds_mla"),
+        MlaCase(num_tokens=64, block_size=16, num_blocks=4, kv_cache_dtype="fp8_ds_mla"),  # all
+        MlaCase(num_tokens=129, block_size=64, num_blocks=3, kv_cache_dtype="fp8_ds_mla",
+                padding_slots=5, slot_dtype=torch.int32),
+        MlaCase(num_tokens=129, block_size=64, num_blocks=3, kv_cache_dtype="auto",
+                latent_slices=True),
+    ]
+    return cases
+
+
+MLA_CASES: list[MlaCase] = _matrix()

@@ -1,0 +1,669 @@
+"""concat_and_cache_mla (SPEC §4): every registered implementation over the case matrix, byte-exact
+against an independent per-token NumPy oracle of the entry layout; validation; the checker's
+ability to fail; CUDA graphs and torch.compile.
+
+On CPU this runs the torch reference (and Triton's interpreter where it rounds exactly); on a GPU
+(`gpu` marker) every implementation available there. The whole allocation behind each cache is
+compared, so stray writes are caught as well as wrong ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import registry
+from kvwrite.ops.concat_and_cache_mla import OP, MlaMode
+from kvwrite.ops.concat_and_cache_mla import reference as torch_ref
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.mla import (
+    MLA_CASES,
+    MlaCase,
+    assert_mla_caches_equal,
+    clone_cache,
+    every_16_bit_pattern_tiles,
+    make_mla_inputs,
+)
+from oracle import fp8_round
+
+IMPLS = [info.name for info in registry.all_impls(OP)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+# --- the independent oracle -----------------------------------------------------------------------
+
+def _bytes(x: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU row, from NumPy's view of its integer bit patterns."""
+    ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    return x.contiguous().view(ints).numpy().view(np.uint8)
+
+
+def _ds_entry(kv_c: torch.Tensor, k_pe: torch.Tensor) -> np.ndarray:
+    """The 656 bytes of one fp8_ds_mla entry, tile by tile in float32 NumPy arithmetic."""
+    x = kv_c.float().numpy().astype(np.float32)
+    codes, scales = [], []
+    for j in range(4):
+        tile = x[128 * j:128 * (j + 1)]
+        a = np.abs(tile)
+        amax = np.float32(0.0)
+        for v in a:  # fmaxf: a NaN operand is ignored
+            if not np.isnan(v) and v > amax:
+                amax = np.float32(v)
+        with np.errstate(all="ignore"):
+            s = np.float32(amax) / np.float32(448.0)
+            s = max(s, np.float32(2.0**-126))
+            q = (tile / np.float32(s)).astype(np.float32)
+        codes.append(fp8_round(q, torch.float8_e4m3fn))
+        scales.append(np.float32(s))
+    return np.concatenate(codes + [np.array(scales, dtype="<f4").view(np.uint8), _bytes(k_pe)])
+
+
+def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale) -> None:
+    """Writes into a CPU cache, one token at a time."""
+    num_blocks, block_size, _ = kv_cache.shape
+    for t in range(slot_mapping.numel()):
+        slot = int(slot_mapping[t])
+        if slot < 0 or slot >= num_blocks * block_size:
+            continue
+        if mode is MlaMode.AUTO:
+            entry = np.concatenate([_bytes(kv_c[t]), _bytes(k_pe[t])])
+        elif mode is MlaMode.FP8_DS_MLA:
+            entry = _ds_entry(kv_c[t], k_pe[t])
+        else:
+            row = torch.cat([kv_c[t], k_pe[t]]).float().numpy().astype(np.float32)
+            with np.errstate(all="ignore"):
+                q = row / np.float32(float(scale[0]))
+            entry = fp8_round(q, mode.fp8_dtype)
+        dst = kv_cache[slot // block_size, slot % block_size].view(torch.uint8)
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(entry)))
+
+
+@functools.cache
+def expected_cache(case: MlaCase) -> torch.Tensor:
+    inp = make_mla_inputs(case)
+    cache = clone_cache(inp.kv_cache)
+    mla_oracle(inp.kv_c, inp.k_pe, cache, inp.slot_mapping, case.mode, inp.scale)
+    return cache
+
+
+def run_case(impl: str, case: MlaCase, device: str):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = make_mla_inputs(case, device)
+    if (reason := info.unsupported(inp.kv_c, inp.kv_cache, case.mode)) is not None:
+        pytest.skip(reason)
+    kvwrite.concat_and_cache_mla(*inp.args(), implementation=impl)
+    return inp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: c.id)
+def test_matches_oracle(impl, case, device):
+    inp = run_case(impl, case, device)
+    assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+
+
+def test_nan_equal_only_in_the_fp8_codes():
+    """Two different NaN codes count as equal inside an entry's fp8 codes, never in padding."""
+    case = MlaCase(kv_cache_dtype="fp8", cache_pad=4, num_tokens=1)
+    inp = make_mla_inputs(case)
+    a, b = clone_cache(inp.kv_cache), clone_cache(inp.kv_cache)
+    a[0, 0, 3], b[0, 0, 3] = 0x7F, 0xFF  # both e4m3 NaN
+    assert_mla_caches_equal(a, b, case.mode)
+    pad = storage_bytes(a)
+    pad_b = storage_bytes(b)
+    i = inp.kv_cache.stride(1) - 1  # the last padding byte of entry 0
+    pad[i], pad_b[i] = 0x7F, 0xFF
+    with pytest.raises(AssertionError, match="1 bytes differ"):
+        assert_mla_caches_equal(a, b, case.mode)
+
+
+def test_matrix_covers_the_contract():
+    assert {c.kv_cache_dtype for c in MLA_CASES} >= {"auto", "fp8", "fp8_e5m2", "fp8_ds_mla"}
+    assert {c.dtype for c in MLA_CASES} == {torch.float16, torch.bfloat16, torch.float32}
+    assert {(c.kv_lora_rank, c.pe_dim) for c in MLA_CASES} >= {(512, 64), (10, 3), (1, 1)}
+    for kv in ("auto", "fp8", "fp8_e5m2", "fp8_ds_mla"):
+        mine = [c for c in MLA_CASES if c.kv_cache_dtype == kv]
+        assert any(c.latent_slices for c in mine) and any(c.cache_transposed for c in mine)
+        assert any(c.cache_offset % 2 for c in mine) and any(c.special_values for c in mine)
+        assert any(c.padding_slots and c.out_of_range_slots for c in mine)
+        assert any(c.slot_dtype == torch.int32 for c in mine)
+    assert any(c.fp8_storage == "float8" for c in MLA_CASES)
+    assert {c.num_tokens for c in MLA_CASES} >= {0, 1, 7, 129}
+
+
+def test_oracle_writes_the_documented_ds_mla_layout():
+    """A hand-checked entry: tile j holds j+1 at one place (so s_j = (j+1)/448), k_pe its bits."""
+    kv_c = torch.zeros(512, dtype=torch.bfloat16)
+    for j in range(4):
+        kv_c[128 * j + 3] = j + 1.0
+        kv_c[128 * j + 4] = -(j + 1.0) / 2
+    kv_c[128] = float("nan")
+    k_pe = torch.arange(64, dtype=torch.bfloat16)
+    e = _ds_entry(kv_c, k_pe)
+    assert e.shape == (656,)
+    scales = e[512:528].view("<f4")
+    assert scales.tolist() == [np.float32(j + 1) / np.float32(448) for j in range(4)]
+    for j in range(4):
+        assert e[128 * j + 3] == 0x7E and e[128 * j + 4] == 0xF6  # 448 and -224 in e4m3
+    assert e[128] == 0x7F and e[0] == 0
+    assert bytes(e[528:]) == k_pe.view(torch.uint8).numpy().tobytes()
+
+
+# --- every 16-bit input through the tile scales -----------------------------------------------------
+
+def _pattern_inputs(dtype, device):
+    kv_c = every_16_bit_pattern_tiles(dtype).to(device)
+    k_pe = kv_c[:, :64].flip(0).contiguous()
+    cache = kvwrite.create_mla_cache(2, 64, 512, 64, "fp8_ds_mla", dtype, device)
+    storage_bytes(cache).copy_(torch.randint(0, 256, (cache.numel(),), dtype=torch.uint8))
+    slots = torch.randperm(128).to(device)
+    return kv_c, k_pe, cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_every_16_bit_input_matches_oracle(dtype):
+    kv_c, k_pe, cache, slots = _pattern_inputs(dtype, "cpu")
+    want = clone_cache(cache)
+    mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation="torch")
+    assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_every_16_bit_input_ds_mla(impl, dtype):
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    kv_c, k_pe, cache, slots = _pattern_inputs(dtype, "cuda")
+    want = clone_cache(cache)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation=impl)
+    assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_every_16_bit_input_fp8(impl, kv, dtype):
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    kv_c = every_16_bit_pattern_tiles(dtype).cuda()
+    k_pe = kv_c[:, :64].flip(0).contiguous()
+    for s in (0.37, 2.7, 1.0, 2.0**-10, 3e-41):
+        cache = kvwrite.create_mla_cache(2, 64, 512, 64, kv, dtype, "cuda")
+        want = cache.clone()
+        slots = torch.randperm(128).cuda()
+        scale = torch.tensor([s], dtype=torch.float32, device="cuda")
+        kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, kv, scale, implementation="torch")
+        kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, kv, scale, implementation=impl)
+        assert_mla_caches_equal(cache, want, MlaMode(kv), f"kv_cache (scale {s})")
+
+
+# --- the checker can fail -------------------------------------------------------------------------
+
+def _skip_last_token(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    torch_ref.run(kv_c, k_pe, kv_cache, slot_mapping[:-1], mode, scale)
+
+
+def _ignore_strides(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """Writes as if the cache were contiguous."""
+    nb, bs, e = kv_cache.shape
+    torch_ref.run(kv_c, k_pe, kv_cache.as_strided((nb, bs, e), (bs * e, e, 1)), slot_mapping,
+                  mode, scale)
+
+
+def _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, amax_fn, floor: bool):
+    nb, bs, _ = kv_cache.shape
+    for t in range(slot_mapping.numel()):
+        s = int(slot_mapping[t])
+        if not 0 <= s < nb * bs:
+            continue
+        x = kv_c[t].float().view(4, 128)
+        sc = amax_fn(x) / 448.0
+        if floor:
+            sc = sc.clamp_min(2.0**-126)
+        q = (x / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        kv_cache[s // bs, s % bs] = torch.cat([q.view(-1), sc.view(torch.uint8),
+                                               k_pe[t].contiguous().view(torch.uint8)])
+
+
+def _amax_with_nan(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """amax by torch.amax, which propagates NaN (SPEC: NaN is ignored)."""
+    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, lambda x: x.abs().amax(dim=1), True)
+
+
+def _no_scale_floor(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """s_j = amax_j / 448 without the FLT_MIN floor."""
+    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
+                  lambda x: torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1), False)
+
+
+def _multiply_by_reciprocal(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """fp8 with x * (1/s) instead of x / s."""
+    torch_ref.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale)
+    nb, bs, _ = kv_cache.shape
+    fp8 = mode.fp8_dtype
+    for t in range(slot_mapping.numel()):
+        s = int(slot_mapping[t])
+        if 0 <= s < nb * bs:
+            row = torch.cat([kv_c[t], k_pe[t]]).float() * (1.0 / scale)
+            q = row.clamp(-57344, 57344).clamp(-448, 448) if fp8 == torch.float8_e4m3fn else \
+                row.clamp(-57344, 57344)
+            kv_cache[s // bs, s % bs] = q.to(fp8).view(torch.uint8)
+
+
+def _pe_quantized(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """The rotary part stored as a copy of the wrong row (k_pe of the previous token)."""
+    torch_ref.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
+
+
+@pytest.mark.parametrize("broken, case", [
+    (_skip_last_token, MlaCase(num_tokens=7)),
+    (_skip_last_token, MlaCase(num_tokens=7, kv_cache_dtype="fp8_ds_mla")),
+    (_ignore_strides, MlaCase(cache_transposed=True, kv_cache_dtype="fp8_ds_mla")),
+    (_ignore_strides, MlaCase(cache_pad=16, kv_cache_dtype="fp8")),
+    (_amax_with_nan, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
+    (_no_scale_floor, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
+    (_multiply_by_reciprocal, MlaCase(kv_cache_dtype="fp8", special_values=True,
+                                      dtype=torch.float32, num_tokens=6)),
+    (_pe_quantized, MlaCase(kv_cache_dtype="fp8_ds_mla", num_tokens=5)),
+], ids=["skip-last-token", "skip-last-token-ds", "transposed-as-contiguous-ds",
+        "padded-as-contiguous-fp8", "amax-propagates-nan", "no-flt-min-floor",
+        "reciprocal-e4m3", "wrong-pe-row"])
+def test_checker_rejects_wrong_implementations(broken, case):
+    inp = make_mla_inputs(case)
+    broken(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode, inp.scale)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_mla_caches_equal(inp.kv_cache, expected_cache(case), case.mode)
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+def _base(kv="auto", dtype=torch.bfloat16):
+    return make_mla_inputs(MlaCase(kv_cache_dtype=kv, dtype=dtype, num_tokens=5))
+
+
+def _bad(kv, **changes):
+    def make():
+        inp = _base(kv)
+        args = dict(kv_c=inp.kv_c, k_pe=inp.k_pe, kv_cache=inp.kv_cache,
+                    slot_mapping=inp.slot_mapping, kv_cache_dtype=kv, scale=inp.scale)
+        for k, f in changes.items():
+            args[k] = f(inp)
+        return inp, args
+    return make
+
+
+BAD = [
+    ("kv_cache_dtype", _bad("auto", kv_cache_dtype=lambda i: "int8"), ValueError, "kv_cache_dtype: expected one of"),
+    ("kv_c type", _bad("auto", kv_c=lambda i: i.kv_c.tolist()), TypeError, "kv_c: expected a torch.Tensor"),
+    ("kv_c dims", _bad("auto", kv_c=lambda i: i.kv_c[None]), ValueError, "kv_c: expected 2 dims"),
+    ("kv_c dtype", _bad("auto", kv_c=lambda i: i.kv_c.double()), ValueError, "kv_c: expected dtype"),
+    ("k_pe dtype", _bad("auto", k_pe=lambda i: i.k_pe.half()), ValueError, "k_pe: expected the dtype of kv_c"),
+    ("k_pe rows", _bad("auto", k_pe=lambda i: i.k_pe[:-1]), ValueError, "k_pe: expected 5 rows"),
+    ("kv_c stride", _bad("auto", kv_c=lambda i: i.kv_c.repeat(1, 2)[:, ::2]), ValueError, "kv_c: expected a unit-stride"),
+    ("cache entry", _bad("auto", kv_cache=lambda i: i.kv_cache[..., :-1]), ValueError, "kv_cache: expected a last dim"),
+    ("cache dims", _bad("auto", kv_cache=lambda i: i.kv_cache[0]), ValueError, "kv_cache: expected 3 dims"),
+    ("cache stride", _bad("auto", kv_cache=lambda i: i.kv_cache.repeat(1, 1, 2)[..., ::2]), ValueError, "kv_cache: expected a unit-stride"),
+    ("cache dtype auto", _bad("auto", kv_cache=lambda i: i.kv_cache.half()), ValueError, "kv_cache: kv_cache_dtype='auto'"),
+    ("cache dtype fp8", _bad("fp8", kv_cache=lambda i: i.kv_cache.view(torch.float8_e5m2)), ValueError, "kv_cache: kv_cache_dtype='fp8_e4m3'"),
+    ("slot dtype", _bad("auto", slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
+    ("slot dims", _bad("auto", slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
+    ("slot count", _bad("auto", slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most"),
+    ("scale missing", _bad("fp8", scale=lambda i: None), ValueError, "scale: kv_cache_dtype='fp8_e4m3' needs"),
+    ("scale dtype", _bad("fp8", scale=lambda i: i.scale.double()), ValueError, "scale: expected dtype float32"),
+    ("scale numel", _bad("fp8", scale=lambda i: i.scale.repeat(2)), ValueError, "scale: expected 1 element"),
+    ("scale type", _bad("fp8_e5m2", scale=lambda i: 0.5), TypeError, "scale: expected a torch.Tensor"),
+    ("ds rank", _bad("fp8_ds_mla", kv_c=lambda i: i.kv_c[:, :256]), ValueError, "kv_c: kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank 512, got 256"),
+    ("ds pe", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:, :32]), ValueError, "k_pe: kv_cache_dtype='fp8_ds_mla' needs pe_dim 64"),
+    ("ds float32", _bad("fp8_ds_mla", kv_c=lambda i: i.kv_c.float(), k_pe=lambda i: i.k_pe.float()), ValueError, "kv_c: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16 input, got torch.float32"),
+    ("ds entry", _bad("fp8_ds_mla", kv_cache=lambda i: i.kv_cache[..., :576]), ValueError, "kv_cache: expected a last dim of 656 bytes"),
+    ("ds dtype", _bad("fp8_ds_mla", kv_cache=lambda i: i.kv_cache.view(torch.float8_e4m3fn)), ValueError, "kv_cache: kv_cache_dtype='fp8_ds_mla' with torch.bfloat16 input expects a cache of dtype torch.uint8"),
+]
+
+
+@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
+    inp, args = make()
+    tensors = [t for t in args.values() if isinstance(t, torch.Tensor)]
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(exc, match=__import__("re").escape(text)):
+        kvwrite.concat_and_cache_mla(**args)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
+
+
+def test_named_implementation_that_cannot_run_says_why():
+    inp = _base()
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run this call"):
+        kvwrite.concat_and_cache_mla(*inp.args(), implementation="cuda")
+    with pytest.raises(ValueError, match="implementation: expected one of"):
+        kvwrite.concat_and_cache_mla(*inp.args(), implementation="nope")
+
+
+def test_scale_is_ignored_outside_the_per_tensor_fp8_modes():
+    for kv in ("auto", "fp8_ds_mla"):
+        inp = _base(kv)
+        want = clone_cache(inp.kv_cache)
+        kvwrite.concat_and_cache_mla(inp.kv_c, inp.k_pe, want, inp.slot_mapping, kv, None)
+        kvwrite.concat_and_cache_mla(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, kv,
+                                     torch.full((3,), float("nan")))
+        assert_mla_caches_equal(inp.kv_cache, want, MlaMode(kv))
+
+
+def test_zero_tokens_is_a_no_op():
+    inp = make_mla_inputs(MlaCase(num_tokens=0, extra_rows=2, kv_cache_dtype="fp8"))
+    before = storage_bytes(inp.kv_cache).clone()
+    kvwrite.concat_and_cache_mla(*inp.args())
+    assert torch.equal(storage_bytes(inp.kv_cache), before)
+
+
+@pytest.mark.parametrize("kv, dtype, e, cdt", [
+    ("auto", torch.bfloat16, 576, torch.bfloat16), ("fp8", torch.float16, 576, torch.uint8),
+    ("fp8_e5m2", torch.float32, 576, torch.uint8), ("fp8_ds_mla", torch.bfloat16, 656, torch.uint8),
+])
+def test_create_mla_cache(kv, dtype, e, cdt):
+    c = kvwrite.create_mla_cache(3, 16, 512, 64, kv, dtype, "cpu")
+    assert c.shape == (3, 16, e) and c.dtype == cdt and c.is_contiguous()
+    assert not c.view(torch.uint8).any()
+
+
+def test_create_mla_cache_errors():
+    with pytest.raises(ValueError, match="kv_lora_rank: kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank 512, got 256"):
+        kvwrite.create_mla_cache(3, 16, 256, 64, "fp8_ds_mla", torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="dtype: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16"):
+        kvwrite.create_mla_cache(3, 16, 512, 64, "fp8_ds_mla", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="num_blocks: expected a positive integer"):
+        kvwrite.create_mla_cache(0, 16, 512, 64, "auto", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+        kvwrite.create_mla_cache(1, 16, 512, 64, "int4", torch.float32, "cpu")
+
+
+def test_implementations_are_registered():
+    names = {s.name for s in kvwrite.implementations("cpu", OP)}
+    assert names == {"torch", "triton", "cuda"}
+
+
+# --- CUDA graphs and torch.compile ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2", "fp8_ds_mla"])
+def test_cuda_graph_replay_sees_new_inputs(impl, kv):
+    """Capture once, then change kv_c, k_pe, slots and scale in place: the replay uses them."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    case = MlaCase(num_tokens=40, kv_cache_dtype=kv, latent_slices=True, padding_slots=3,
+                   out_of_range_slots=2, cache_pad=16, num_blocks=4, block_size=16,
+                   special_values=True)
+    first = make_mla_inputs(case, "cuda", seed=1)
+    kvwrite.concat_and_cache_mla(*first.args(), implementation=impl)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.concat_and_cache_mla(*first.args(), implementation=impl)
+    second = make_mla_inputs(MlaCase(**{**case.__dict__, "scale": 2.7}), "cuda", seed=2)
+    for dst, src in ((first.kv_c, second.kv_c), (first.k_pe, second.k_pe),
+                     (first.slot_mapping, second.slot_mapping), (first.scale, second.scale)):
+        dst.copy_(src)
+    storage_bytes(first.kv_cache).copy_(storage_bytes(second.kv_cache))
+    want = clone_cache(second.kv_cache)
+    kvwrite.concat_and_cache_mla(second.kv_c, second.k_pe, want, second.slot_mapping, kv,
+                                 second.scale, implementation="torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_mla_caches_equal(first.kv_cache, want, case.mode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_torch_compile_sees_a_mutating_custom_op(impl, device, kv):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    case = MlaCase(num_tokens=9, kv_cache_dtype=kv, padding_slots=2, latent_slices=True)
+    inp = make_mla_inputs(case, device)
+    if (reason := info.unsupported(inp.kv_c, inp.kv_cache, case.mode)) is not None:
+        pytest.skip(reason)
+
+    def step(kv_c, k_pe, kv_cache, slot_mapping):
+        kvwrite.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv, None,
+                                     implementation=impl)
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=recording_backend)(*inp.args()[:4])
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert [t.removesuffix(".default") for t in targets] == ["kvwrite.concat_and_cache_mla"]
+
+    inp = make_mla_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:4])
+    assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+
+
+# --- Triton's interpreter on exactly representable quotients -------------------------------------
+
+def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str):
+    """Inputs whose quotients are fp8 values themselves, so any rounding gives the same code: the
+    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly."""
+    mode = MlaMode(kv) if kv != "fp8" else MlaMode.FP8_E4M3
+    fp8 = mode.fp8_dtype
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(fp8).float()
+    codes = codes[torch.isfinite(codes) & (codes >= 2.0**-6)]  # normal, exact in 16 bits
+    n = 9
+    pick = codes[torch.randint(0, codes.numel(), (n, 576), generator=gen)]
+    pick *= torch.where(torch.rand(n, 576, generator=gen) < 0.5, -1.0, 1.0)
+    if mode is MlaMode.FP8_DS_MLA:
+        pick.view(n, 576)[:, :512].view(n, 4, 128)[:, :, 0] = 448.0  # amax 448 * 2^k
+        pick[:, :512] *= torch.exp2(torch.randint(-8, 8, (n, 4), generator=gen).float()
+                                    ).repeat_interleave(128, dim=1)
+        scale = None
+    else:
+        scale = torch.tensor([0.25])
+        pick *= 0.25
+    latent = pick.to(dtype)
+    cache = kvwrite.create_mla_cache(3, 4, 512, 64, kv, dtype, "cpu")
+    storage_bytes(cache).copy_(torch.randint(0, 256, (storage_bytes(cache).numel(),),
+                                             dtype=torch.uint8, generator=gen))
+    slots = torch.tensor([3, -1, 11, 0, 7, 100, 5, 2, 9])
+    return mode, latent[:, :512], latent[:, 512:], cache.to(device), slots, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "fp8_ds_mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_paths_on_exact_quotients(kv, dtype, device):
+    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    info = registry.get(OP, "triton")
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    mode, kv_c, k_pe, cache, slots, scale = _exact_quotient_inputs(kv, dtype, device)
+    want = clone_cache(cache, "cpu")
+    mla_oracle(kv_c, k_pe, want, slots, mode, scale)
+
+    def mv(t):
+        return None if t is None else t.to(device)
+
+    triton_impl.run(mv(kv_c), mv(k_pe), cache, mv(slots), mode, mv(scale))
+    assert_mla_caches_equal(clone_cache(cache, "cpu"), want, mode)
+
+
+# --- CUDA: NVRTC compiles (no GPU needed), launch plans ---------------------------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_cuda_variant_for_sm90():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
+    assert len(names) == 90 and len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_specialized_builds():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    for case in (MlaCase(kv_cache_dtype="fp8_ds_mla"), MlaCase(kv_cache_dtype="fp8"),
+                 MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3, block_size=7)):
+        inp = make_mla_inputs(case)
+        p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+        assert len(bytes(obj.code)) > 0
+    with pytest.raises(RuntimeError, match="9 values"):
+        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@pytest.mark.parametrize("case, name, vec, align", [
+    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long>", 0, 16),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", dtype=torch.float16, cache_pad=4, slot_dtype=torch.int32),
+     "concat_and_cache_ds_mla_kernel<0, 4, int>", 0, 4),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", cache_offset=1, cache_pad=2), None, 0, 1),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", latent_slices=True, latent_pad=1), None, 0, 2),
+    (MlaCase(kv_cache_dtype="auto"), "concat_and_cache_mla_kernel<0, 5, 8, long long>", 8, 0),
+    (MlaCase(kv_cache_dtype="auto", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 5, 4, long long>", 4, 0),
+    (MlaCase(kv_cache_dtype="fp8"), "concat_and_cache_mla_kernel<1, 3, 16, long long>", 16, 0),
+    (MlaCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 4, 8, long long>", 8, 0),
+    (MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3), None, 1, 0),
+    (MlaCase(kv_cache_dtype="auto", latent_slices=True, latent_pad=2), None, 2, 0),
+    (MlaCase(kv_cache_dtype="fp8", cache_pad=3), None, 1, 0),
+])
+def test_cuda_plan_picks_the_widest_aligned_accesses(case, name, vec, align):
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    inp = make_mla_inputs(case)
+    p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+    if name is not None:
+        assert p.name == name
+    assert (p.vec, p.align) == (vec, align)
+
+
+def test_cuda_unavailable_on_cpu_says_why():
+    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in MLA_CASES if c.num_tokens in (5, 6, 9, 33)],
+                         ids=lambda c: c.id)
+def test_gpu_generic_cuda_kernels(case):
+    """The unspecialized builds (runtime arguments) over part of the matrix."""
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    inp = make_mla_inputs(case, "cuda")
+    kvwrite.ops.concat_and_cache_mla.validate(*inp.args())
+    if inp.slot_mapping.numel():
+        cuda_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
+                      inp.scale if case.mode.uses_scale else None,
+                      tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128))
+    assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+
+
+# --- the benchmark (CPU: small shapes, the torch implementation) ------------------------------------
+
+SMALL = ["--device", "cpu", "--num-blocks", "8", "--block-size", "16", "--num-tokens", "1:8",
+         "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"]
+
+
+def test_bench_cli_cpu_table_json_csv_plot(tmp_path, capsys):
+    import json
+
+    from kvwrite.bench.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["mla", *SMALL, "--kv-cache-dtype", "fp8_ds_mla", "--strided", "--json", str(out),
+               "--csv", str(tmp_path / "r.csv"), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert ("concat_and_cache_mla: dtype=bfloat16 kv_cache_dtype=fp8_ds_mla kv_lora_rank=512 "
+            "pe_dim=64 strided=True") in text
+    assert "num_tokens    latency (us)" in text
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["num_tokens"] for r in rows] == [1, 2, 4, 8]
+    assert all(r["check"] == "passed" and r["status"] == "ok" for r in rows)
+    assert rows[0]["bytes"] == 1 * (576 * 2 + 656 + 8)
+    assert (tmp_path / "r.png").stat().st_size > 0
+    assert (tmp_path / "r.csv").read_text().count("\n") == 5
+
+
+def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
+    from kvwrite.bench import mla as bench_mla
+
+    class TrueReference:
+        run = staticmethod(torch_ref.run)
+
+    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
+
+    monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
+    monkeypatch.setattr(torch_ref, "run", broken)
+    rc = bench_mla.main([*SMALL, "--kv-cache-dtype", "fp8", "--num-tokens", "2,8"])
+    assert rc == 1
+    assert "mismatch: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--implementation", "nope"], "--implementation"),
+    (["--num-tokens", "0:4"], "--num-tokens"),
+    (["--num-blocks", "0"], "--num-blocks"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bench_bad_flags_name_the_flag(capsys, argv, flag):
+    from kvwrite.bench import mla as bench_mla
+    with pytest.raises(SystemExit) as e:
+        bench_mla.main([*SMALL, *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_bench_script_runs_from_a_checkout(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(root / "benchmarks/kernels/benchmark_concat_and_cache_mla.py"),
+                        *SMALL, "--kv_cache_dtype", "auto", "--dtype", "half"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "concat_and_cache_mla: dtype=half kv_cache_dtype=auto" in r.stdout
+
+
+def test_bench_run_benchmark_on_cpu():
+    from kvwrite.bench.mla import run_benchmark
+    us = run_benchmark(4, 512, 64, 16, 8, torch.bfloat16, "fp8", True, device="cpu",
+                       implementation="torch")
+    assert us > 0
