@@ -542,7 +542,12 @@ def test_gpu_fp8_no_graph_and_host_sync(tmp_path, kv):
     assert main(argv) == 0
     assert main([*argv[:-2], "--timer", "host-sync", "--hot-l2"]) == 0
     rows = json.loads(js.read_text())["rows"]
-    assert all(r["status"] == "ok" and r["check"] == "passed" for r in rows)  # torch included
+    # kvwrite's own (torch included) are measured and checked; a peer may say why it cannot run.
+    own = [r for r in rows if r["implementation"] in ("cuda", "triton", "torch")]
+    assert len(own) == 3 * 4
+    assert all(r["status"] == "ok" and r["check"] == "passed" for r in own)
+    assert all(r["status"] == "ok" and r["check"] == "passed" or r["status"].startswith("unsupported")
+               for r in rows)
 
 
 @pytest.mark.gpu
@@ -560,11 +565,12 @@ def test_gpu_run_benchmark():
     args = dict(num_tokens=256, num_heads=8, head_size=128, block_size=16, num_blocks=1024,
                 dtype=torch.bfloat16, kv_cache_dtype="auto", num_iters=10,
                 benchmark_mode="cudagraph")
-    for impl in (i.name for i in registry.all_impls(OP) if i.available("cuda") is None):
+    for info in (i for i in registry.all_impls(OP) if i.available("cuda") is None):
+        impl = info.name
         for layout in ("NHD", "HND", "packed"):
             seconds = run_benchmark(**args, kv_cache_layout=layout, implementation=impl)
-            if impl == "torch":
-                assert math.isnan(seconds)  # not graph-safe
+            if not info.graph_safe:  # torch, torch-compile: they sync with the host
+                assert math.isnan(seconds)
             else:
                 assert math.isfinite(seconds) and seconds > 0
 
