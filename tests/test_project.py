@@ -116,3 +116,13 @@ def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
     marked = subprocess.run(run + ["-m", "gpu"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert "1 skipped, 1 deselected" in marked.stdout, marked.stdout
     assert "needs a CUDA GPU" in marked.stdout
+
+
+def test_readme_example_runs_on_the_cpu():
+    # The README's Python example, on the CPU: the torch implementation where it names triton.
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start:text.index("```\n", start)]
+    assert "concat_and_cache_mla" in code and "fused_rope_and_reshape_cache_flash" in code
+    code = code.replace('"cuda"', '"cpu"').replace('implementation="triton"', 'implementation="torch"')
+    exec(compile(code, "README.md", "exec"), {})
