@@ -144,8 +144,8 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
     return p
 
 
-def _normalize(argv: list[str]) -> list[str]:
-    """vLLM's parser accepts --num_heads for --num-heads: so does this one."""
+def normalize_flags(argv: list[str]) -> list[str]:
+    """vLLM's parsers accept --num_heads for --num-heads: so do kvwrite's (every subcommand)."""
     out = []
     for a in argv:
         if a.startswith("--") and not a.startswith("---"):
@@ -157,7 +157,7 @@ def _normalize(argv: list[str]) -> list[str]:
 
 def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     """Parsed flags; ``explicit`` holds the names of the flags given on the command line."""
-    argv = _normalize(argv)
+    argv = normalize_flags(argv)
     args = build_parser(prog).parse_args(argv)
     args.explicit = set(vars(build_parser(prog, suppress_defaults=True).parse_args(argv)))
     return args

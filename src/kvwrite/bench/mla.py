@@ -30,6 +30,7 @@ from ..ops.concat_and_cache_mla import OP, MlaMode, create_mla_cache, parse_mla_
 from ..ops.concat_and_cache_mla import reference as torch_ref
 from ..testing.mla import mla_differing_bytes
 from . import report, timing
+from .cli import normalize_flags
 
 __all__ = ["MlaRow", "main", "run_benchmark", "build_parser", "bytes_moved"]
 
@@ -164,17 +165,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     more.add_argument("--csv", metavar="PATH", help="write one line per measurement as CSV")
     more.add_argument("--plot", metavar="PATH.png", help="plot latency and GB/s (matplotlib)")
     return p
-
-
-def _normalize(argv: list[str]) -> list[str]:
-    """vLLM's FlexibleArgumentParser accepts --kv_lora_rank for --kv-lora-rank: so does this."""
-    out = []
-    for a in argv:
-        if a.startswith("--") and not a.startswith("---"):
-            flag, eq, value = a.partition("=")
-            a = flag.replace("_", "-") + eq + value
-        out.append(a)
-    return out
 
 
 def _implementations(text: str | None, device: torch.device) -> list[str]:
@@ -346,7 +336,7 @@ def _table(rows: list[MlaRow], impls: list[str], baseline: str, verbose: bool) -
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
-    args = parser.parse_args(_normalize(argv))
+    args = parser.parse_args(normalize_flags(argv))
     try:
         device = torch.device(args.device)
     except RuntimeError:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["INSTALL_HINT", "KernelSource", "cuda_core", "setup_reason", "device_arch",
+__all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch"]
 
 INSTALL_HINT = "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"
@@ -127,6 +127,15 @@ def setup_reason() -> str | None:
         return ("the cuda implementations need a CUDA GPU visible to PyTorch "
                 "(none found: no GPU, no NVIDIA driver, or a CPU-only PyTorch build)")
     return None
+
+
+@functools.cache
+def available(device: torch.device) -> str | None:
+    """Every CUDA implementation's ``available``: None on a CUDA device with cuda.core and NVRTC
+    loadable, else why not (what to install)."""
+    if device.type != "cuda":
+        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
+    return setup_reason()
 
 
 @contextlib.contextmanager

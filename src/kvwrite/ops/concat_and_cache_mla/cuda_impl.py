@@ -21,7 +21,6 @@ Graph-safe: a call does no allocation and no host sync; the scale is read on the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -111,12 +110,7 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
     return names
 
 
-@functools.cache
-def available(device: torch.device) -> str | None:
-    """None on a CUDA device with cuda.core and NVRTC loadable, else why not (what to install)."""
-    if device.type != "cuda":
-        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
-    return nvrtc.setup_reason()
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
 
 def unsupported(kv_c, kv_cache, mode) -> str | None:

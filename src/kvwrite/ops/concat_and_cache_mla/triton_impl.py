@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
+from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, store_quantized, tl, triton
+from ...kernels.triton_support import next_pow2
 from .op import DS_MLA_L, DS_MLA_PE_OFFSET, DS_MLA_SCALES_OFFSET, DS_MLA_TILE, MlaMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
@@ -42,23 +43,8 @@ _MODE = {MlaMode.AUTO: _COPY, MlaMode.FP8_E4M3: _E4M3, MlaMode.FP8_E5M2: _E5M2,
          MlaMode.FP8_DS_MLA: _DS}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def available(device: torch.device) -> str | None:
-    if triton is None:
-        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        if not _interpreting():
-            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
-        if type(_mla_kernel).__name__ != "InterpretedFunction":
-            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was imported; "
-                    "set it before importing triton")
-        return None
-    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+    return triton_support.available(device, triton, lambda: _mla_kernel, _IMPORT_ERROR)
 
 
 def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> str | None:
@@ -88,10 +74,6 @@ class TritonTuning:
 TUNING = TritonTuning()
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=256)
 def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
             ds: bool = False) -> tuple[int, int]:
@@ -99,7 +81,7 @@ def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
     rounded up to one)."""
     tile = tuning.tile_bytes_ds if ds else tuning.tile_bytes
     block_t = 1
-    while block_t * 2 * row_bytes <= tile and block_t < _next_pow2(num_tokens):
+    while block_t * 2 * row_bytes <= tile and block_t < next_pow2(num_tokens):
         block_t *= 2
     warps = min(tuning.max_warps, max(1, block_t * row_bytes // tuning.bytes_per_warp))
     return block_t, 1 << (warps.bit_length() - 1)
@@ -208,6 +190,6 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
         STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
         STRIDE_S=kv_cache.stride(1) if block_size > 1 else 0,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
-        BLOCK_L=_next_pow2(L), BLOCK_P=_next_pow2(P), MODE=code, BLOCK_T=block_t,
+        BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code, BLOCK_T=block_t,
         num_warps=warps,
     )

@@ -27,37 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
 from ...dtypes import CacheDType
+from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, store_quantized, tl, triton
+from ...kernels.triton_support import next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def available(device: torch.device) -> str | None:
-    if triton is None:
-        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        if not _interpreting():
-            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
-        if not _kernel_is_interpreted():
-            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was imported; "
-                    "set it before importing triton")
-        return None
-    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+    return triton_support.available(device, triton, lambda: _kvwrite_kernel, _IMPORT_ERROR)
 
 
 # Casts that Triton's interpreter (TRITON_INTERPRET=1, checked with Triton 3.9) rounds differently
@@ -137,10 +123,6 @@ class TritonTuning:
 TUNING = TritonTuning()
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=512)
 def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
             tuning: TritonTuning = TUNING) -> tuple[int, int, int, int, tuple[int, int], str]:
@@ -151,14 +133,14 @@ def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8:
     several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
     calls do not launch idle lanes.
     """
-    block_d = _next_pow2(head_size)
+    block_d = next_pow2(head_size)
 
     def tiles(tile_bytes: int) -> tuple[int, int, tuple[int, int]]:
         tile_elems = max(1, tile_bytes // in_bytes)
-        block_h = min(_next_pow2(num_heads), max(1, tile_elems // block_d))
+        block_h = min(next_pow2(num_heads), max(1, tile_elems // block_d))
         block_t = 1
         if block_h >= num_heads:
-            block_t = min(_next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
+            block_t = min(next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
         return block_t, block_h, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
 
     block_t, block_h, grid = tiles(tuning.tile_bytes)
@@ -263,9 +245,6 @@ if triton is not None:
         store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
         store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
 
-
-def _kernel_is_interpreted() -> bool:
-    return type(_kvwrite_kernel).__name__ == "InterpretedFunction"
 
 
 _QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}

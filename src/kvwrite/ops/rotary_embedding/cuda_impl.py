@@ -37,11 +37,7 @@ def int_type(dtype: torch.dtype) -> str:
     return "long long" if dtype == torch.int64 else "int"
 
 
-@functools.cache
-def available(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"the cuda implementation runs on CUDA devices only, got {device.type!r}"
-    return nvrtc.setup_reason()
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
 
 def _align(ptr: int) -> int:

@@ -13,34 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
+from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
+from ...kernels.triton_support import next_pow2
 
 __all__ = ["RopeTuning", "TUNING", "available", "unsupported", "run", "tiling"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def available(device: torch.device) -> str | None:
-    if triton is None:
-        return f"triton is not installed (pip install triton): {_IMPORT_ERROR}"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        if not _interpreting():
-            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
-        if type(_rope_kernel).__name__ != "InterpretedFunction":
-            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was "
-                    "imported; set it before importing triton")
-        return None
-    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+    return triton_support.available(device, triton, lambda: _rope_kernel, _IMPORT_ERROR)
 
 
 def interpreter_reason(*dtypes: torch.dtype) -> str | None:
@@ -75,23 +61,19 @@ class RopeTuning:
 TUNING = RopeTuning()
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=512)
 def tiling(num_tokens: int, num_q_heads: int, num_heads: int, head_size: int, in_bytes: int,
            tuning: RopeTuning = TUNING) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, query head tiles, key head tiles)."""
-    block_d = _next_pow2(head_size)
+    block_d = next_pow2(head_size)
     most = max(num_q_heads, num_heads)
 
     def tiles(tile_bytes: int):
         elems = max(1, tile_bytes // in_bytes)
-        block_h = min(_next_pow2(most), max(1, elems // block_d))
+        block_h = min(next_pow2(most), max(1, elems // block_d))
         block_t = 1
         if block_h >= most:
-            block_t = min(_next_pow2(max(1, num_tokens)), max(1, elems // (block_h * block_d)))
+            block_t = min(next_pow2(max(1, num_tokens)), max(1, elems // (block_h * block_d)))
         nq, nk = -(-num_q_heads // block_h), -(-num_heads // block_h)
         return block_t, block_h, nq, nk, -(-num_tokens // block_t) * (nq + nk)
 

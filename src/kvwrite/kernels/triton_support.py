@@ -1,0 +1,35 @@
+"""What every op's Triton implementation shares besides the fp8 rule: whether Triton can run a
+kernel on a device here, and the power-of-two rounding of tile sizes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["available", "next_pow2"]
+
+
+def available(device: torch.device, triton, kernel: Callable[[], object],
+              import_error: Exception | None = None) -> str | None:
+    """None where Triton can run ``kernel()`` (a ``triton.jit`` function, looked up only when
+    triton imported) on ``device``, else why not: triton missing; a CPU without
+    ``TRITON_INTERPRET=1``; or the variable set only after the kernel was defined."""
+    if triton is None:
+        return f"triton is not installed (pip install triton): {import_error}"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
+        if type(kernel()).__name__ != "InterpretedFunction":
+            return ("TRITON_INTERPRET=1 was set after kvwrite's triton implementation was "
+                    "imported; set it before importing triton")
+        return None
+    return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
