@@ -311,6 +311,25 @@ def test_sample_count_without_a_time_budget():
     assert _sample_count(0.0, 7, 1.0) == 7
 
 
+def test_time_cpu_stops_at_its_budget_when_runs_slow_down(monkeypatch):
+    # A fake clock: every call takes 1 ms more than the one before. The sample count planned from
+    # the first runs would overrun the budget many times; the timer stops once it is spent.
+    from kvwrite.bench import timing
+    clock = {"now": 0.0, "calls": 0}
+
+    def call(i):
+        clock["calls"] += 1
+        clock["now"] += 1e-3 * clock["calls"]
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    t = timing.time_cpu(call, calls=1, iters=1000, budget_s=0.05)
+    assert len(t.samples) == timing.MIN_SAMPLES  # the budget is spent before the 10th sample
+    clock.update(now=0.0, calls=0)
+    t = timing.time_cpu(call, calls=1, iters=1000, budget_s=1.0)
+    spent = sum(t.samples)
+    assert spent > 1.0 and spent - t.samples[-1] <= 1.0  # stopped at the first sample past it
+
+
 def test_parse_num_tokens():
     assert parse_num_tokens("2:65536") == [2**e for e in range(1, 17)]
     assert parse_num_tokens("3:20") == [3, 6, 12]

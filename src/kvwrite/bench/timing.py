@@ -139,7 +139,16 @@ def time_cpu(call: Callable[[int], None], calls: int, iters: int,
 
     run()
     n = _sample_count(run(), iters, budget_s)
-    samples = [run() / calls for _ in range(n)]
+    # The count comes from one run; on the CPU later runs can be much slower (the reference's
+    # allocations), so the budget is also checked as the samples come in (never below
+    # MIN_SAMPLES).
+    samples, spent = [], 0.0
+    for _ in range(n):
+        seconds = run()
+        samples.append(seconds / calls)
+        spent += seconds
+        if len(samples) >= MIN_SAMPLES and spent > budget_s:
+            break
     return Timing(samples, calls, statistics.fmean(samples))
 
 
