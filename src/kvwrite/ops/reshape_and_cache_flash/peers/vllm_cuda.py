@@ -56,7 +56,13 @@ def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
 
 
 def run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale) -> None:
-    fn = _load()[0]
+    call_vllm(_load()[0], key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale,
+              v_scale)
+
+
+def call_vllm(fn, key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale,
+              v_scale) -> None:
+    """Call one of vLLM's two kernels (the same argument order) on kvwrite's arguments."""
     if k_scale is None:  # vLLM takes scale tensors in every mode
         k_scale = v_scale = _ones(key.device)
     fn(key, value, key_cache, value_cache, slot_mapping, vllm_cache_dtype(cache_dtype, key.dtype),

@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from .vllm_cuda import common_unsupported, vllm_cache_dtype
+from .vllm_cuda import call_vllm, common_unsupported
 
 MODULES = ("vllm.v1.attention.ops.triton_reshape_and_cache_flash",
            "vllm.attention.ops.triton_reshape_and_cache_flash")
@@ -54,13 +54,5 @@ def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
 
 
 def run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale) -> None:
-    fn = _load()[0]
-    if k_scale is None:
-        k_scale = v_scale = _ones(key.device)
-    fn(key, value, key_cache, value_cache, slot_mapping, vllm_cache_dtype(cache_dtype, key.dtype),
-       k_scale, v_scale)
-
-
-@functools.cache
-def _ones(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)
+    call_vllm(_load()[0], key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale,
+              v_scale)
