@@ -73,15 +73,17 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
         if query_out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
             raise ValueError("query_out: expected memory apart from query's (or None to rotate "
                              "in place), got the same allocation")
-    # The caches against key, value, slots and scales were checked with the cache arguments; here
-    # what this op writes besides them (the rotated query, the key in place) and what it reads.
+    # The caches themselves, and against key, value, slots and scales, were checked with the
+    # cache arguments; here what this op writes besides them (the rotated query, the key in
+    # place) against each other, against what it reads, and against the caches (passed as the
+    # other side of the pairs, so their own checks are not repeated).
     written = [("query_out", query_out) if query_out is not None else ("query", query)]
     read = [("positions", positions), ("cos_sin_cache", cos_sin_cache), ("value", value)]
     if query_out is not None:
         read.append(("query", query))
     (written if rotate_key_in_place else read).append(("key", key))
-    check_mutation_safe(outputs=(*written, ("key_cache", key_cache), ("value_cache", value_cache)),
-                        inputs=read)
+    check_mutation_safe(outputs=written,
+                        inputs=(*read, ("key_cache", key_cache), ("value_cache", value_cache)))
     return q, k, v, qo, cache_dtype
 
 
