@@ -419,6 +419,22 @@ def test_output_paths_are_checked_before_the_sweep(monkeypatch, capsys, tmp_path
     assert f"{flag}: expected a file path, got the folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sub, sweep", [("mla", "kvwrite.bench.mla.run_sweep"),
+                                        ("rope", "kvwrite.bench.rope.run_rows")])
+def test_every_subcommand_checks_its_output_paths_before_the_sweep(monkeypatch, capsys, tmp_path,
+                                                                   sub, sweep):
+    def sweep_ran(*args, **kwargs):
+        raise AssertionError("the sweep ran")
+
+    monkeypatch.setattr(sweep, sweep_ran)
+    missing = tmp_path / "no-such-folder" / "out.json"
+    with pytest.raises(SystemExit) as e:
+        main([sub, "--device", "cpu", "--json", str(missing)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json: the folder" in err and "does not exist" in err and "Traceback" not in err
+
+
 def test_plot_out_path_and_a_file_that_is_not_json_are_named(capsys, tmp_path):
     notjson = tmp_path / "notjson.json"
     notjson.write_text("hello")

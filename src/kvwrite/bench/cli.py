@@ -352,13 +352,10 @@ def _run(argv: list[str], prog: str) -> int:
         raise BenchError(f"nothing can run on {cfg.device}: "
                          + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
     # Fail before the sweep, not after it.
-    for flag in ("json", "csv", "plot"):
-        path = getattr(args, flag)
-        if path:
-            try:
-                check_output_path(f"--{flag}", path)
-            except ValueError as e:
-                build_parser(prog).error(str(e))
+    try:
+        check_output_paths(args)
+    except ValueError as e:
+        build_parser(prog).error(str(e))
     if args.plot:
         from .plot import _pyplot
         _pyplot()
@@ -457,6 +454,15 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
     if name == "sanitize":
         return probes.run_probe("sanitize", argv, f"{prog} sanitize")
     return probes.main(argv, f"{prog} probe")
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """:func:`check_output_path` for every one of ``--json``, ``--csv``, ``--plot`` that ``args``
+    has and sets (every benchmark subcommand calls it before its sweep)."""
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag, None)
+        if path:
+            check_output_path(f"--{flag}", path)
 
 
 def check_output_path(flag: str, path: str) -> None:

@@ -30,7 +30,7 @@ from ..ops.concat_and_cache_mla import OP, MlaMode, create_mla_cache, parse_mla_
 from ..ops.concat_and_cache_mla import reference as torch_ref
 from ..testing.mla import mla_differing_bytes
 from . import report, timing
-from .cli import normalize_flags
+from .cli import check_output_paths, normalize_flags
 
 __all__ = ["MlaRow", "main", "run_benchmark", "build_parser", "bytes_moved"]
 
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                              f"64, got {args.kv_lora_rank} and {args.pe_dim}")
         if mode is MlaMode.FP8_DS_MLA and args.dtype == "float":
             raise ValueError("--kv-cache-dtype fp8_ds_mla: needs --dtype half or bfloat16, got float")
+        check_output_paths(args)  # results are never lost to a bad path after the sweep
     except ValueError as e:
         parser.error(str(e))
     if device.type == "cuda" and not torch.cuda.is_available():

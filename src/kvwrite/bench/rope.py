@@ -39,6 +39,7 @@ from ..ops.reshape_and_cache_flash import OP as WRITE
 from ..ops.rotary_embedding import OP as ROPE
 from ..testing.rope import cos_sin_table
 from . import report
+from .cli import check_output_paths
 from .models import MODELS, get_model
 from .timing import copy_bandwidth, l2_bytes, time_cpu, time_device
 
@@ -391,7 +392,12 @@ def summary_table(rows: list[RopeRow]) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        check_output_paths(args)  # results are never lost to a bad path after the sweep
+    except ValueError as e:
+        parser.error(str(e))
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(f"{prog}: error: --device cuda: no CUDA GPU visible to PyTorch", file=sys.stderr)
         return 2
