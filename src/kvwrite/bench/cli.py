@@ -205,21 +205,24 @@ def _parse_device(text: str) -> torch.device:
     return dev
 
 
-def left_out(device: torch.device) -> list[str]:
-    """One line per registered implementation that cannot run on ``device``, with the reason."""
-    return [f"{i.name}: {reason}" for i in registry.all_impls(OP)
+def left_out(device: torch.device, op: str = OP) -> list[str]:
+    """One line per registered implementation of ``op`` that cannot run on ``device``, with the
+    reason."""
+    return [f"{i.name}: {reason}" for i in registry.all_impls(op)
             if (reason := i.available(device)) is not None]
 
 
-def _implementations(text: str, device: torch.device) -> list[str]:
+def parse_implementations(text: str, device: torch.device, op: str = OP) -> list[str]:
+    """``--implementation``: a registered name of ``op``, a comma list, or "all" (those available
+    on ``device``); every benchmark subcommand parses it this way."""
     if text == "all":
-        names = [i.name for i in registry.all_impls(OP) if i.available(device) is None]
+        names = [i.name for i in registry.all_impls(op) if i.available(device) is None]
         if not names:
             raise ValueError(f"--implementation all: no registered implementation is available on "
-                             f"{device}: {'; '.join(left_out(device))}")
+                             f"{device}: {'; '.join(left_out(device, op))}")
         return names
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = [i.name for i in registry.all_impls(OP)]
+    known = [i.name for i in registry.all_impls(op)]
     for n in names:
         if n not in known:
             raise ValueError(f"--implementation: expected {', '.join(known)}, a comma list of "
@@ -239,7 +242,7 @@ def make_config(args: argparse.Namespace) -> Config:
         for flag, value in CPU_DEFAULTS.items():
             if flag not in args.explicit and not (args.model and flag == "num_heads"):
                 setattr(args, flag, value)
-    impls = _implementations(impl_text, device)
+    impls = parse_implementations(impl_text, device)
     baseline = args.baseline or impls[0]
     if baseline not in impls:
         raise ValueError(f"--baseline: expected one of the implementations run ({', '.join(impls)}), "

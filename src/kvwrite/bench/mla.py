@@ -30,7 +30,7 @@ from ..ops.concat_and_cache_mla import OP, MlaMode, create_mla_cache, parse_mla_
 from ..ops.concat_and_cache_mla import reference as torch_ref
 from ..testing.mla import mla_differing_bytes
 from . import report, timing
-from .cli import check_output_paths, normalize_flags
+from .cli import check_output_paths, normalize_flags, parse_implementations
 
 __all__ = ["MlaRow", "main", "run_benchmark", "build_parser", "bytes_moved"]
 
@@ -168,20 +168,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def _implementations(text: str | None, device: torch.device) -> list[str]:
-    known = [i.name for i in registry.all_impls(OP)]
     if text is None:
         text = "torch" if device.type == "cpu" else "cuda"
-    if text == "all":
-        names = [n for n in known if registry.get(OP, n).available(device) is None]
-        if not names:
-            raise ValueError(f"--implementation all: none is available on {device}")
-        return names
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise ValueError(f"--implementation: expected {', '.join(known)}, a comma list of them, "
-                         f"or 'all', got {text!r}")
-    return names
+    return parse_implementations(text, device, OP)
 
 
 def _parse_num_tokens(text: str) -> list[int]:
