@@ -25,6 +25,7 @@ from kvwrite.dtypes import FP8_MAX, CacheDType
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
+from kvwrite.ops.reshape_and_cache_flash.cuda_impl import CallSize
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100"]
@@ -32,7 +33,8 @@ FP8 = {3: torch.float8_e4m3fn, 4: torch.float8_e5m2}  # DT_E4M3, DT_E5M2 in the 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Tunings that force a path (passed to cuda_impl.run / plan explicitly).
-LARGE_CALLS = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=0)  # large-call variants
+LARGE_CALLS = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=0,
+                                  mid_call_bytes=0)  # large-call variants
 GRID_STRIDE = dataclasses.replace(cuda_impl.TUNING, loop_free=False)  # the grid-stride kernel
 
 
@@ -199,7 +201,7 @@ def test_compile_sm90_fast_paths_use_vector_accesses(tmp_path, in_dtype, cache_d
     cache_tensor_dtype = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(in_dtype)
     kc, vc = allocate_kv_cache(4, 16, 8, 128, cache_tensor_dtype, device="cpu")
     p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int64), cache_dtype,
-                       small=False)
+                       size=CallSize.LARGE)
     assert p.vec_bytes == (32 if cache_dtype.is_fp8 else 16)  # fp8: two 16-byte loads a chunk
     sass = _sass(tmp_path, p.name)
     assert "LDG.E.128" in sass
@@ -262,18 +264,20 @@ def test_compile_loop_free_kernel_loads_before_the_slot_test(tmp_path, cache_dty
 @needs_nvrtc
 @needs_cuobjdump
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
-@pytest.mark.parametrize("tokens", [2, 4096])  # 8- and 32-byte fp8 chunks (small, large plans)
-def test_compile_fp8_kernel_loads_before_any_arithmetic(tmp_path, layout, tokens):
+# 8-, 16- and 32-byte fp8 chunks (small, mid-sized and large plans)
+@pytest.mark.parametrize("tokens, chunk", [(2, 8), (512, 16), (4096, 32)])
+def test_compile_fp8_kernel_loads_before_any_arithmetic(tmp_path, layout, tokens, chunk):
     # The fp8 loop-free kernel must have every load in flight before any of the conversion's
     # floating-point work (none between its first load and its last). Small calls' 8-byte
-    # chunks prepare the scales without a call (rcp_rn_s2); 32-byte chunks keep div_rn, whose
-    # branch keeps ptxas from issuing the second halves of the chunks among the conversions.
+    # chunks prepare the scales without a call (rcp_rn_s2); 16- and 32-byte chunks keep div_rn,
+    # whose branch keeps ptxas from issuing V's chunk, or the second halves of the chunks, among
+    # the conversions (it did both with rcp_rn_s2).
     key, kc, p = _h8_call(CacheDType.FP8_E4M3, layout, tokens)
-    assert p.loop_free and p.vec_bytes == (8 if tokens == 2 else 32)
+    assert p.loop_free and p.vec_bytes == chunk
     for fixed in (cuda_impl.fixed_args(key, key, kc, p), None):
         ops = _sass_ops(tmp_path, p.name, fixed)
         loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
-        assert len(loads) == (5 if tokens == 2 else 7), ops  # slot, K, V (halves), 2 scales
+        assert len(loads) == (7 if chunk == 32 else 5), ops  # slot, K, V (halves), 2 scales
         between = ops[loads[0]:loads[-1]]
         assert not [op for op in between
                     if op.split(".")[0] in ("MUFU", "FFMA", "FMUL", "FMNMX", "F2FP")], between
@@ -292,24 +296,27 @@ def test_compile_fixed_args_must_be_complete():
 # The vectorization rule and the CTA shape (pure Python)
 # ------------------------------------------------------------------------------------------
 def _plan(num_heads, head_size, dtype=torch.bfloat16, cache_dtype=CacheDType.AUTO,
-          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0, small=False,
+          layout=Layout.NHD, alloc=KVAlloc.SEPARATE, key_offset=0, size=CallSize.LARGE,
           tuning=cuda_impl.TUNING):
     rows = torch.empty(8 * num_heads * head_size + key_offset, dtype=dtype)
     key = rows[key_offset:].view(8, num_heads, head_size)
     storage = torch.uint8 if cache_dtype.is_fp8 else cache_dtype.element_dtype(dtype)
     kc, vc = allocate_kv_cache(4, 16, num_heads, head_size, storage, layout, alloc, "cpu")
-    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype, small,
+    return cuda_impl.plan(key, key, kc, vc, torch.zeros(8, dtype=torch.int64), cache_dtype, size,
                           tuning)
 
 
 def test_plan_narrower_chunks_for_small_calls():
     # Small calls spread each token over more threads: fp8 8 input bytes a chunk instead of 32.
-    p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, small=True)
+    p = _plan(8, 128, cache_dtype=CacheDType.FP8_E4M3, size=CallSize.SMALL)
     assert (p.vec, p.vec_bytes, p.threads, p.tokens_per_cta) == (4, 8, 256, 1)
-    assert _plan(8, 128, small=True).vec_bytes == cuda_impl.TUNING.small_chunk_bytes_copy
+    assert _plan(8, 128, size=CallSize.SMALL).vec_bytes == cuda_impl.TUNING.small_chunk_bytes_copy
+    # Mid-sized calls: one 16-byte load per tensor and thread.
+    mid = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, size=CallSize.MID)
+    assert (mid.vec, mid.vec_bytes, mid.threads, mid.grid_y) == (8, 16, 256, 8)
     # Every call whose row fits the grid runs the loop-free kernel.
     assert p.loop_free and p.name.startswith(cuda_impl.KERNEL + "<")
-    big = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False)
+    big = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3)
     assert big.loop_free and big.name.startswith(cuda_impl.KERNEL + "<")
 
 
@@ -317,14 +324,16 @@ def test_plan_grid_stride_kernel_for_rows_longer_than_the_grid():
     # H=128 fp8 rows are 1024 chunks, 4 CTAs of 256: with at most 1 CTA per token the row does
     # not fit, and the grid-stride kernel (which loops over the rest) takes it.
     one_cta = dataclasses.replace(cuda_impl.TUNING, max_grid_y=1)
-    p = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, small=False, tuning=one_cta)
+    p = _plan(128, 128, cache_dtype=CacheDType.FP8_E4M3, tuning=one_cta)
     assert (p.grid_y, p.threads, p.chunks_per_token) == (1, 256, 1024)
     assert not p.loop_free and p.name.startswith(cuda_impl.GRID_STRIDE_KERNEL + "<")
-    assert not _plan(8, 128, small=True, tuning=GRID_STRIDE).loop_free
+    assert not _plan(8, 128, size=CallSize.SMALL, tuning=GRID_STRIDE).loop_free
     # The decision, from the call's size (key bytes).
-    limit = cuda_impl.TUNING.small_call_bytes
-    assert cuda_impl.is_small_call(limit // (8 * 128 * 2), 8, 128, 2)
-    assert not cuda_impl.is_small_call(limit // (8 * 128 * 2) + 1, 8, 128, 2)
+    t = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=1000, mid_call_bytes=3000)
+    assert [t.call_size(n) for n in (1000, 1001, 3000, 3001)] == [
+        CallSize.SMALL, CallSize.MID, CallSize.MID, CallSize.LARGE]
+    # ... and what run() plans from it: the key bytes of the call's tokens.
+    assert _plan(8, 128, size=None, tuning=t).vec_bytes == t.chunk_bytes_copy  # 8 * 2 KiB keys
 
 
 def test_plan_16_byte_vectors_for_h8_d128_bf16():
@@ -597,13 +606,16 @@ def test_gpu_fp8_exactness_sweep(kv, per_head, exact_div):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("small", [False, True], ids=["wide", "small-call"])
+@pytest.mark.parametrize("size", list(CallSize), ids=lambda s: s.value)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_gpu_fp8_every_16_bit_input(kv, dtype, small):
-    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the widest variant, and
-    the small-call one), under several per-tensor scales and one set of per-head scales."""
-    tuning = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=1 << 30 if small else 0)
+def test_gpu_fp8_every_16_bit_input(kv, dtype, size):
+    """All 65536 bit patterns of the input dtype, as [64, 8, 128] rows (the chunk width of each
+    call size), under several per-tensor scales and one set of per-head scales."""
+    limits = {CallSize.SMALL: (1 << 30, 1 << 30), CallSize.MID: (0, 1 << 30),
+              CallSize.LARGE: (0, 0)}[size]
+    tuning = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=limits[0],
+                                 mid_call_bytes=limits[1])
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype
     key = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -618,7 +630,7 @@ def test_gpu_fp8_every_16_bit_input(kv, dtype, small):
         torch_ref.run(key, value, ref_k, ref_v, slots, cd, k_scale, v_scale)
         dev = [t.cuda() for t in (key, value, kc, vc, slots)] + [kv, k_scale.cuda(), v_scale.cuda()]
         p = cuda_impl.plan(*dev[:5], cd, tuning=tuning)
-        assert p.vec_bytes == (cuda_impl.TUNING.small_chunk_bytes_fp8 if small else 32)
+        assert p.vec_bytes == tuning.chunk_input_bytes(True, size)
         cuda_impl.run(*dev[:5], cd, *dev[6:], tuning=tuning)
         assert_caches_equal(dev[2], ref_k, "key_cache", fp8_dtype=fp8, nan_equal=True)
         assert_caches_equal(dev[3], ref_v, "value_cache", fp8_dtype=fp8, nan_equal=True)
@@ -743,7 +755,8 @@ def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
     """KVWRITE_CUDA_SPECIALIZE=0: the same kernels with their fixed arguments read at run time."""
     tuning = dataclasses.replace(cuda_impl.TUNING, specialize=False)
     if small_limit is not None:
-        tuning = dataclasses.replace(tuning, small_call_bytes=small_limit)
+        tuning = dataclasses.replace(tuning, small_call_bytes=small_limit,
+                                     mid_call_bytes=small_limit)
     seen = _record_builds(monkeypatch)
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp, tuning)

@@ -553,8 +553,9 @@ def test_nvrtc_compiles_specialized_builds():
     (MlaCase(kv_cache_dtype="fp8_ds_mla", latent_slices=True, latent_pad=1), None, 0, 2),
     (MlaCase(kv_cache_dtype="auto"), "concat_and_cache_mla_kernel<0, 5, 8, long long>", 8, 0),
     (MlaCase(kv_cache_dtype="auto", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 5, 4, long long>", 4, 0),
-    (MlaCase(kv_cache_dtype="fp8"), "concat_and_cache_mla_kernel<1, 3, 16, long long>", 16, 0),
-    (MlaCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 4, 8, long long>", 8, 0),
+    # small calls (these cases): 16-byte fp8 chunks
+    (MlaCase(kv_cache_dtype="fp8"), "concat_and_cache_mla_kernel<1, 3, 8, long long>", 8, 0),
+    (MlaCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float32), "concat_and_cache_mla_kernel<2, 4, 4, long long>", 4, 0),
     (MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3), None, 1, 0),
     (MlaCase(kv_cache_dtype="auto", latent_slices=True, latent_pad=2), None, 2, 0),
     (MlaCase(kv_cache_dtype="fp8", cache_pad=3), None, 1, 0),
@@ -568,15 +569,32 @@ def test_cuda_plan_picks_the_widest_aligned_accesses(case, name, vec, align):
     assert (p.vec, p.align) == (vec, align)
 
 
+def test_cuda_plan_wider_fp8_chunks_for_large_calls():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    case = MlaCase(kv_cache_dtype="fp8")
+    inp = make_mla_inputs(case)
+    args = (inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+    large = cuda_impl.CudaTuning(small_call_bytes=0)
+    assert cuda_impl.plan(*args, large).vec == 16  # 32 bytes: two 16-byte loads
+    assert cuda_impl.plan(*args).vec == 8
+    n = inp.slot_mapping.numel() * (case.kv_lora_rank + case.pe_dim) * 2
+    assert cuda_impl.is_small_call(inp.slot_mapping.numel(), case.kv_lora_rank, case.pe_dim, 2,
+                                   cuda_impl.CudaTuning(small_call_bytes=n))
+    assert not cuda_impl.is_small_call(inp.slot_mapping.numel(), case.kv_lora_rank, case.pe_dim,
+                                       2, cuda_impl.CudaTuning(small_call_bytes=n - 1))
+
+
 def test_cuda_unavailable_on_cpu_says_why():
     assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("small_call_bytes", [512 * 1024, 0], ids=["default-plan", "large-call-plan"])
 @pytest.mark.parametrize("case", [c for c in MLA_CASES if c.num_tokens in (5, 6, 9, 33)],
                          ids=lambda c: c.id)
-def test_gpu_generic_cuda_kernels(case):
-    """The unspecialized builds (runtime arguments) over part of the matrix."""
+def test_gpu_generic_cuda_kernels(case, small_call_bytes):
+    """The unspecialized builds (runtime arguments) over part of the matrix, with the small-call
+    plan (these cases' default) and the large calls' one."""
     from kvwrite.ops.concat_and_cache_mla import cuda_impl
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
@@ -585,7 +603,8 @@ def test_gpu_generic_cuda_kernels(case):
     if inp.slot_mapping.numel():
         cuda_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
                       inp.scale if case.mode.uses_scale else None,
-                      tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128))
+                      tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128,
+                                                  small_call_bytes=small_call_bytes))
     assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
 
 

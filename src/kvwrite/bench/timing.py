@@ -181,6 +181,23 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def graph_copy_bandwidth(device: torch.device, nbytes: int, rotate_bytes: int = 0,
+                         calls: int = 20, iters: int = 30) -> float:
+    """The copy bandwidth (bytes read + written per second) of ``nbytes`` copies timed as the
+    benchmark times a call: ``calls`` copies in one CUDA graph, the median replay per copy; with
+    ``rotate_bytes``, enough source/destination pairs (at most ``calls``) that one replay
+    touches at least that many bytes, so no copy finds its data in L2."""
+    pairs = max(1, min(calls, -(-rotate_bytes // (2 * nbytes))))
+    bufs = [(torch.empty(nbytes, dtype=torch.uint8, device=device),
+             torch.empty(nbytes, dtype=torch.uint8, device=device)) for _ in range(pairs)]
+
+    def call(i: int) -> None:
+        dst, src = bufs[i % pairs]
+        dst.copy_(src)
+
+    return 2 * nbytes / time_device(call, calls, iters, graph=True).median
+
+
 def l2_bytes(device: torch.device) -> int:
     """The GPU's L2 size as the driver reports it (a 64 MiB guess where it does not)."""
     if device.type != "cuda":

@@ -58,6 +58,12 @@ class CudaTuning:
     # out) for fp8, as reshape_and_cache_flash measured best for its copies and fp8 writes.
     chunk_bytes_copy: int = 16
     chunk_bytes_fp8: int = 32
+    # Small fp8 calls (at most small_call_bytes of kv_c and k_pe input) take 16-byte chunks:
+    # twice the threads, each with half the chain. H200, T=16: 1.40 vs 1.57 us (hot L2), 1.99
+    # vs 2.14 us (rotated); at T=16384 and 65536 16-byte chunks are slower (9.9 vs 9.0 us, 34.0
+    # vs 29.4 us, rotated).
+    small_call_bytes: int = 512 * 1024
+    small_chunk_bytes_fp8: int = 16
     # Tokens (warps) per CTA of the fp8_ds_mla kernel (at most 8).
     ds_warps: int = 4
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
@@ -89,8 +95,17 @@ def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype) -> str:
     return f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}>"
 
 
-def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING) -> int:
-    return max(1, (tuning.chunk_bytes_fp8 if fp8 else tuning.chunk_bytes_copy) // in_bytes)
+def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING, small: bool = False) -> int:
+    chunk = tuning.chunk_bytes_copy
+    if fp8:
+        chunk = tuning.small_chunk_bytes_fp8 if small else tuning.chunk_bytes_fp8
+    return max(1, chunk // in_bytes)
+
+
+def is_small_call(num_tokens: int, L: int, P: int, in_bytes: int,
+                  tuning: CudaTuning = TUNING) -> bool:
+    """Whether a call is planned with the small calls' chunks."""
+    return num_tokens * (L + P) * in_bytes <= tuning.small_call_bytes
 
 
 def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
@@ -167,7 +182,8 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     in_kind = _KIND[kv_c.dtype]
     if out_kind == _COPY and in_kind == _BF16:
         in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
-    vec = _widest_vec(ib, out_kind != _COPY, tuning)
+    small = is_small_call(slot_mapping.numel(), L, P, ib, tuning)
+    vec = _widest_vec(ib, out_kind != _COPY, tuning, small)
     in_al = _align(in_strides + in_ptrs)
     out_al = _align(cache_strides + [kv_cache.data_ptr()])
     while vec > 1:
@@ -217,7 +233,9 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
     sig = (kv_c.dtype, kv_cache.dtype, mode, slot_mapping.dtype, kv_c.shape[1], k_pe.shape[1],
            kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
-           kp & 15, pp & 15, cp & 15, kv_c.get_device(), tuning)
+           kp & 15, pp & 15, cp & 15, kv_c.get_device(),
+           is_small_call(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
+           tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)

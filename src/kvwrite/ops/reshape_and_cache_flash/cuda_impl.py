@@ -31,6 +31,7 @@ Graph-safe: a call does no allocation and no host sync; scales are read on the d
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 
 import torch
@@ -38,7 +39,7 @@ import torch
 from ...dtypes import CacheDType
 from ...kernels import nvrtc
 
-__all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "fixed_args",
+__all__ = ["CallSize", "CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "fixed_args",
            "kernel_source", "compile_kernel", "SOURCE"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_reshape_and_cache")
@@ -53,6 +54,14 @@ _FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip() not in ("", "0")
+
+
+class CallSize(enum.Enum):
+    """Which chunk width a call is planned with (:meth:`CudaTuning.call_size`)."""
+
+    SMALL = "small"   # latency-bound: narrow chunks, many threads
+    MID = "mid"
+    LARGE = "large"   # bandwidth-bound: wide chunks
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -93,6 +102,14 @@ class CudaTuning:
     small_call_bytes: int = 512 * 1024
     small_chunk_bytes_copy: int = 16
     small_chunk_bytes_fp8: int = 8
+    # Mid-sized calls (above small_call_bytes, at most mid_call_bytes of key input) take
+    # mid_chunk_bytes: one 16-byte load per tensor and thread, between the small calls' 8 and the
+    # large calls' 32 bytes (mid_call_bytes == small_call_bytes: no mid-sized calls). fp8 H=128
+    # T=32 (1 MiB; H200, hot L2), 16 vs 32 bytes: NHD 2.11 vs 2.25 us, HND 2.12 vs 2.22, packed
+    # 2.09 vs 2.25; at T=64 (2 MiB) 2.72 either way, at T=128 (4 MiB) 3.84 vs 3.65.
+    mid_call_bytes: int = 1024 * 1024
+    mid_chunk_bytes_copy: int = 16
+    mid_chunk_bytes_fp8: int = 16
     # The loop-free kernel for every call whose row fits its grid (at most max_grid_y CTAs per
     # token), else the grid-stride kernel. Loop-free vs grid-stride: H=8 T=2 fp8 1.48 vs 1.65 us,
     # H=128 fp8 NHD T=512 13.14 vs 14.31 us, H=128 copies NHD T=65536 2146 vs 2192 us.
@@ -110,13 +127,26 @@ class CudaTuning:
     exact_div: bool = dataclasses.field(
         default_factory=lambda: _env_flag("KVWRITE_CUDA_EXACT_DIV", "0"))
 
+    # Measurement only, NOT exact (SPEC §1.1 is broken by it): the fp8 quotient as x * (1 / s),
+    # one rounded multiplication, as an approximate division computes it; `probe variants
+    # --set cuda.inexact_quotient=True` uses it to time what the exact quotient costs.
+    inexact_quotient: bool = False
+
     def tokens_per_thread(self, fp8: bool) -> int:
         return self.tokens_per_thread_fp8 if fp8 else self.tokens_per_thread_copy
 
-    def chunk_input_bytes(self, fp8: bool, small: bool = False) -> int:
-        if small:
+    def chunk_input_bytes(self, fp8: bool, size: CallSize = CallSize.LARGE) -> int:
+        if size is CallSize.SMALL:
             return self.small_chunk_bytes_fp8 if fp8 else self.small_chunk_bytes_copy
+        if size is CallSize.MID:
+            return self.mid_chunk_bytes_fp8 if fp8 else self.mid_chunk_bytes_copy
         return self.chunk_bytes_fp8 if fp8 else self.chunk_bytes_copy
+
+    def call_size(self, key_bytes: int) -> CallSize:
+        """The size class of a call that reads ``key_bytes`` of key input."""
+        if key_bytes <= self.small_call_bytes:
+            return CallSize.SMALL
+        return CallSize.MID if key_bytes <= self.mid_call_bytes else CallSize.LARGE
 
 
 TUNING = CudaTuning()
@@ -130,8 +160,10 @@ def kernel_source() -> str:
     return SOURCE.text
 
 
-def _macros(exact_div: bool, fixed) -> tuple:
+def _macros(exact_div: bool, fixed, inexact_quotient: bool = False) -> tuple:
     macros: list = ["KVWRITE_EXACT_DIV"] if exact_div else []
+    if inexact_quotient:
+        macros.append("KVWRITE_PROBE_INEXACT_QUOTIENT")
     if fixed is not None:
         macros.append(("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in fixed)))
     return tuple(macros)
@@ -210,18 +242,19 @@ def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torc
     return _KIND[cache_tensor]
 
 
-def _widest_vec(in_bytes: int, out_bytes: int, fp8: bool, small: bool = False,
+def _widest_vec(in_bytes: int, out_bytes: int, fp8: bool, size: CallSize = CallSize.LARGE,
                 tuning: CudaTuning = TUNING) -> int:
-    """The widest VEC of a variant: ``tuning.chunk_input_bytes(fp8, small)`` of input per chunk
+    """The widest VEC of a variant: ``tuning.chunk_input_bytes(fp8, size)`` of input per chunk
     (accesses of at most 16 bytes each, so 32 is two loads), and at most 32 bytes of output."""
-    return max(1, min(tuning.chunk_input_bytes(fp8, small) // in_bytes, 32 // out_bytes))
+    return max(1, min(tuning.chunk_input_bytes(fp8, size) // in_bytes, 32 // out_bytes))
 
 
 def _vector_width(head_size: int, in_bytes: int, out_bytes: int, in_align: int, out_align: int,
                   in_strides: tuple[int, ...], cache_strides: tuple[int, ...],
-                  fp8: bool = False, small: bool = False, tuning: CudaTuning = TUNING) -> int:
+                  fp8: bool = False, size: CallSize = CallSize.LARGE,
+                  tuning: CudaTuning = TUNING) -> int:
     """The widest VEC whose accesses are all aligned (see the module docstring)."""
-    vec = _widest_vec(in_bytes, out_bytes, fp8, small, tuning)
+    vec = _widest_vec(in_bytes, out_bytes, fp8, size, tuning)
     while vec > 1:
         if (head_size % vec == 0 and in_align % min(vec * in_bytes, 16) == 0
                 and out_align % min(vec * out_bytes, 16) == 0
@@ -232,11 +265,11 @@ def _vector_width(head_size: int, in_bytes: int, out_bytes: int, in_align: int, 
 
 
 def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-         slot_mapping: torch.Tensor, cache_dtype: CacheDType, small: bool | None = None,
+         slot_mapping: torch.Tensor, cache_dtype: CacheDType, size: CallSize | None = None,
          tuning: CudaTuning = TUNING) -> Plan:
     """The variant and CTA shape for these (validated) arguments; pure Python, needs no GPU.
 
-    ``small``: plan for a small call (narrower chunks); None decides from the call's size."""
+    ``size``: plan for a call of that size class (chunk width); None decides from the call."""
     t_pad, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     in_dtype = key.dtype
@@ -250,12 +283,11 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
     # The lowest set bit of the OR of the pointers is their common alignment (capped at 16).
     in_align = key.data_ptr() | value.data_ptr() | 16
     out_align = key_cache.data_ptr() | value_cache.data_ptr() | 16
-    if small is None:
-        small = is_small_call(slot_mapping.numel(), num_heads, head_size, in_dtype.itemsize,
-                              tuning)
+    if size is None:
+        size = tuning.call_size(slot_mapping.numel() * num_heads * head_size * in_dtype.itemsize)
     vec = _vector_width(head_size, in_dtype.itemsize, out_bytes, in_align & -in_align,
                         out_align & -out_align, in_strides, cache_strides, cache_dtype.is_fp8,
-                        small, tuning)
+                        size, tuning)
     if out_kind == _COPY and in_kind == _BF16:
         in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
     chunks_per_head = head_size // vec
@@ -287,25 +319,20 @@ class _Launchable:
     tail: tuple  # fixed_args(...)
 
 
-def is_small_call(num_tokens: int, num_heads: int, head_size: int, in_bytes: int,
-                  tuning: CudaTuning = TUNING) -> bool:
-    """Whether a call is planned as a small (latency-bound) one."""
-    return num_tokens * num_heads * head_size * in_bytes <= tuning.small_call_bytes
-
-
-def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype, small: bool,
+def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype, size: CallSize,
                 tuning: CudaTuning) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype, small, tuning)
+    p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype, size, tuning)
     index = key.get_device()
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, sm_count = nvrtc.device_arch(index)
         tail = fixed_args(key, value, key_cache, p)
         kernel = SOURCE.kernel(arch, p.name,
-                               _macros(tuning.exact_div, tail if tuning.specialize else None))
+                               _macros(tuning.exact_div, tail if tuning.specialize else None,
+                                       tuning.inexact_quotient))
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
     wave = sm_count * max(1, per_sm)  # resident CTAs, over grid_x * grid_y
     return _Launchable(p, kernel, max(1, wave * tuning.min_waves // p.grid_y),
@@ -344,14 +371,14 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     kcp, vcp = key_cache.data_ptr(), value_cache.data_ptr()
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
     _, num_heads, head_size = key.shape
-    small = is_small_call(num_tokens, num_heads, head_size, key.element_size(), tuning)
+    size = tuning.call_size(num_tokens * num_heads * head_size * key.element_size())
     sig = (key.dtype, key_cache.dtype, cache_dtype, slot_mapping.dtype, key.shape[1:],
            key.shape[0] > 1, key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
-           (kp | vp) & 15, (kcp | vcp) & 15, key.get_device(), small, tuning)
+           (kp | vp) & 15, (kcp | vcp) & 15, key.get_device(), size, tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
-                                              cache_dtype, small, tuning)
+                                              cache_dtype, size, tuning)
     p = lau.plan
     rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
     if p.loop_free:  # every thread one token

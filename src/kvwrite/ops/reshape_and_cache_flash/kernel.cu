@@ -56,11 +56,13 @@
 // Element sizes of a variant, and (in a build specialized for one call signature, -D
 // KVWRITE_FIXED_ARGS=v0,...,v10) the arguments from key_stride on replaced by compile-time
 // constants, so that none of them is read from the parameter bank and the index math folds.
-// FAST_SCALE: the fp8 scales' reciprocals without a branch (rcp_rn_s2) where a chunk is one
-// load per tensor (the 8-byte chunks of small calls: 0.015-0.05 us less per call). 32-byte
-// chunks keep div_rn: without its branch, ptxas issues the second 16-byte loads of K and V in
-// the middle of the conversion (to save registers), a memory round trip more per thread
-// (H=8 T=4096 5.4 -> 6.0 us); it keeps loads above a branch. docs/tuning-log.md, change 28.
+// FAST_SCALE: the fp8 scales' reciprocals without a branch (rcp_rn_s2) for chunks of at most 8
+// input bytes (the small calls' chunks: 0.015-0.05 us less per call). Wider chunks keep div_rn:
+// without its branch, ptxas issues loads in the middle of the conversion (to save registers), a
+// memory round trip more per thread: the second 16-byte loads of K and V of 32-byte chunks
+// (H=8 T=4096 5.4 -> 6.0 us), V's load after K's conversion in 16-byte chunks (H=128 T=32
+// 2.1 -> 3.2 us, also with ld.volatile); it keeps loads above a branch. docs/tuning-log.md,
+// changes 28 and 31.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FIXED_ARGS_PROLOGUE()                                                               \
   {                                                                                             \
@@ -80,7 +82,7 @@
   constexpr int IN_BYTES = VEC * IB;                                                            \
   constexpr int OUT_BYTES = VEC * OB;                                                           \
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;                                        \
-  constexpr bool FAST_SCALE = IN_BYTES <= 16;                                                   \
+  constexpr bool FAST_SCALE = IN_BYTES <= 8;                                                   \
   KVW_FIXED_ARGS_PROLOGUE()                                                                     \
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
 

@@ -152,6 +152,11 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8
     const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
 #ifdef KVWRITE_EXACT_DIV
     const float q0 = div_rn(x[i], sc.s), q1 = div_rn(x1, sc.s);
+#elif defined(KVWRITE_PROBE_INEXACT_QUOTIENT)
+    // Measurement only (CudaTuning.inexact_quotient): one rounded product by an approximation
+    // of 1 / s, as an approximate division computes it; NOT the SPEC §1.1 quotient.
+    const float r = mul_rn(sc.m, sc.y);
+    const float q0 = mul_rn(x[i], r), q1 = mul_rn(x1, r);
 #else
     const float q0 = fp8_quotient<STEPS>(x[i], sc), q1 = fp8_quotient<STEPS>(x1, sc);
 #endif
