@@ -686,3 +686,58 @@ def test_bench_run_benchmark_on_cpu():
     us = run_benchmark(4, 512, 64, 16, 8, torch.bfloat16, "fp8", True, device="cpu",
                        implementation="torch")
     assert us > 0
+
+
+def test_bench_slot_pattern_with_padding_runs_checks_and_rows_carry_it(tmp_path, capsys):
+    import csv
+    import json
+
+    from kvwrite.bench.cli import main
+    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    rc = main(["mla", *SMALL, "--num-blocks", "64", "--num-tokens", "4,16", "--kv-cache-dtype",
+               "fp8", "--slots", "decode", "--pad-fraction", "0.25", "--json", str(js),
+               "--csv", str(cs)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "# slots: decode(context_len=4096, pad_fraction=0.25): " in out
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["num_tokens"] for r in rows] == [4, 16]
+    for r in rows:
+        assert r["check"] == "passed" and r["status"] == "ok"
+        assert (r["slots"], r["slot_params"], r["pad_fraction"]) == (
+            "decode", "decode(context_len=4096, pad_fraction=0.25)", 0.25)
+        n = r["num_tokens"] * 3 // 4  # padding moves only its slot
+        assert r["bytes"] == n * (576 * 2 + 576) + r["num_tokens"] * 8
+    with cs.open() as f:
+        assert {line["slots"] for line in csv.DictReader(f)} == {"decode"}
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_bench_sets_take_the_patterns_slots(kind):
+    from kvwrite.bench import mla as bench_mla
+    from kvwrite.bench.slots import SlotPattern, make_slots
+    pat = SlotPattern(kind, pad_fraction=0.25, prefill_len=8, context_len=40)
+    sets = bench_mla.make_sets(16, 512, 64, torch.bfloat16, True, 64, 16, 2, "cpu", pat)
+    for i, s in enumerate(sets):
+        assert s.slot_mapping.tolist() == make_slots(pat, 16, 64, 16, set_index=i).slots.tolist()
+        assert s.slot_mapping[-4:].tolist() == [-1] * 4
+
+
+def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
+    from kvwrite.bench import mla as bench_mla
+
+    class TrueReference:
+        run = staticmethod(torch_ref.run)
+
+    def writes_padding(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+        """Wrong: indexes with -1 as Python does, so padding lands in the last slot."""
+        s = slot_mapping.clone()
+        s[s < 0] = kv_cache.shape[0] * kv_cache.shape[1] - 1
+        TrueReference.run(kv_c, k_pe, kv_cache, s, mode, scale)
+
+    monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
+    monkeypatch.setattr(torch_ref, "run", writes_padding)
+    rc = bench_mla.main([*SMALL, "--num-tokens", "8", "--slots", "prefill", "--prefill-len", "4",
+                         "--pad-fraction", "0.25"])
+    assert rc == 1
+    assert "mismatch: " in capsys.readouterr().out

@@ -715,3 +715,135 @@ def test_bench_rope_runs_checks_and_writes_rows(tmp_path, capsys):
                          256, 16, 4096)
     # pair - fused = one more read of the key: T*H*D*2 bytes.
     assert bench_rope.point_bytes(p, "pair") - bench_rope.point_bytes(p, "fused") == 1000 * 8 * 128 * 2
+
+
+# --- the benchmark's slot patterns and positions ------------------------------------------------
+
+BENCH_CPU = ["rope", "--device", "cpu", "--implementation", "torch", "--iters", "2",
+             "--time-budget", "0.01", "--no-graph", "--heads", "4,2,32", "--dtypes", "float16"]
+
+
+def _bench_point(kind: str, T: int = 16, max_position: int = 4096, **pattern):
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench.slots import SlotPattern
+    slots = SlotPattern(kind, max_position=None if kind == "random" else max_position, **pattern)
+    return bench_rope.Point(torch.float16, CacheDType.AUTO, 4, 2, 32, 32, True, "NHD", T, 64, 16,
+                            max_position, "", slots)
+
+
+def test_bench_rope_slot_pattern_runs_checks_and_rows_carry_it(tmp_path, capsys):
+    import csv
+    import json
+
+    from kvwrite.bench.cli import main as cli_main
+    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    rc = cli_main([*BENCH_CPU, "--num-tokens", "4", "16", "--kv-cache-dtypes", "auto,fp8",
+                   "--slots", "decode", "--pad-fraction", "0.25", "--json", str(js),
+                   "--csv", str(cs)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "# slots: decode(context_len=4096, max_position=4096, pad_fraction=0.25): " in out
+    assert "# positions: each token's position in its sequence" in out
+    doc = json.loads(js.read_text())
+    assert doc["meta"]["header"] == [ln[2:] for ln in out.splitlines() if ln.startswith("# ")]
+    rows = doc["rows"]
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert r["check"] == "passed" and r["status"] == "ok"
+        assert (r["slots"], r["pad_fraction"], r["max_position"]) == ("decode", 0.25, 4096)
+        assert r["slot_params"] == "decode(context_len=4096, max_position=4096, pad_fraction=0.25)"
+    with cs.open() as f:
+        assert {line["slots"] for line in csv.DictReader(f)} == {"decode"}
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_bench_rope_positions_are_the_sequences_positions(kind):
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench.slots import make_slots
+    # A 64-row table: decode contexts (up to 4096 asked) and the mixed chunk stay below it.
+    p = _bench_point(kind, T=48, max_position=64, pad_fraction=0.25, prefill_len=40,
+                     decode_tokens=8)
+    gen = torch.Generator().manual_seed(0)
+    sets = bench_rope._make_sets(p, 3, torch.device("cpu"), gen)
+    for i, s in enumerate(sets):
+        batch = make_slots(p.slots, 48, p.num_blocks, p.block_size, set_index=i)
+        assert s.slots.tolist() == batch.slots.tolist()
+        pos = s.positions.tolist()
+        t = 0
+        for seq in batch.sequences:  # in token order
+            want = list(range(seq.start, seq.start + seq.num_new))
+            if kind == "decode":  # one token at its context length
+                assert want == [seq.start]
+            assert pos[t:t + seq.num_new] == want
+            t += seq.num_new
+        assert t == 36 and pos[36:] == [0] * 12 and max(pos) < 64
+        assert s.slots[36:].tolist() == [-1] * 12
+
+
+def test_bench_rope_random_keeps_random_positions_over_the_table():
+    from kvwrite.bench import rope as bench_rope
+    p = _bench_point("random", T=200, max_position=4096)
+    (s,) = bench_rope._make_sets(p, 1, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert int(s.positions.min()) >= 0 and int(s.positions.max()) < 4096
+    assert len(set(s.positions.tolist())) > 150  # not a sequence's consecutive positions
+    assert len(set(s.slots.tolist())) == 200
+
+
+def test_bench_rope_bytes_leave_out_the_padding_writes():
+    from kvwrite.bench import rope as bench_rope
+    full, padded = _bench_point("decode"), _bench_point("decode", pad_fraction=0.25)
+    e, H, D, c = 2, 2, 32, 2
+    # 4 of the 16 tokens are padding: no value read, no K/V cache write, no second key read.
+    assert (bench_rope.point_bytes(full, "fused") - bench_rope.point_bytes(padded, "fused")
+            == 4 * (H * D * e + 2 * H * D * c))
+    assert (bench_rope.point_bytes(full, "pair") - bench_rope.point_bytes(padded, "pair")
+            == 4 * (2 * H * D * e + 2 * H * D * c))
+    assert bench_rope.point_bytes(full, "rotary") == bench_rope.point_bytes(padded, "rotary")
+
+
+def test_bench_rope_check_catches_a_write_of_padding(monkeypatch):
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.testing.rope import cos_sin_table
+    p = _bench_point("decode", pad_fraction=0.25)
+    real_callers = bench_rope._callers
+
+    def callers(p, impl, kind, sets, caches, table, scales):
+        if impl != "padding-writer":
+            return real_callers(p, impl, kind, sets, caches, table, scales)
+
+        def call(i):  # wrong: indexes with -1 as Python does, so padding lands in the last slot
+            s = sets[i % len(sets)]
+            slots = s.slots.clone()
+            slots[slots < 0] = p.num_blocks * p.block_size - 1
+            bench_rope.kvwrite_fused(s.query, s.key, s.value, s.positions, table, p.is_neox,
+                                     *caches, slots, None, None, "auto", implementation="torch")
+        return call
+
+    monkeypatch.setattr(bench_rope, "_callers", callers)
+    table = cos_sin_table(p.max_position, p.rot_dim, torch.float32)
+    cpu = torch.device("cpu")
+    assert bench_rope._check(p, "torch", "fused", cpu, table, (None, None)) is None
+    reason = bench_rope._check(p, "padding-writer", "fused", cpu, table, (None, None))
+    assert reason is not None and reason.startswith("key_cache: ")
+
+
+def test_bench_rope_model_takes_the_serving_shape():
+    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench.cli import given_flags
+
+    def args_of(*argv):
+        parser = bench_rope.build_parser("rope")
+        args = parser.parse_args(list(argv))
+        bench_rope.apply_serving_shape(args, given_flags(parser, list(argv)))
+        return args
+
+    a = args_of("--model", "llama-3.1-8b", "--slots", "decode")
+    assert a.num_tokens == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert (a.max_position, a.context_len, a.num_blocks) == (131072, 131071, 65536)
+    assert bench_rope.pattern_of(a).max_position == 131072
+    a = args_of("--model", "llama-3.1-8b", "--slots", "mixed", "--device", "cpu",
+                "--num-tokens", "64", "--max-position", "8192")
+    assert (a.num_tokens, a.max_position, a.decode_tokens, a.num_blocks) == ([64], 8192, 256, 256)
+    a = args_of("--model", "llama-3.1-8b")  # random: today's sweep and table
+    assert (a.num_tokens, a.max_position, a.num_blocks) == ([1, 8, 128, 2048], 4096, 256)
+    assert bench_rope.pattern_of(a).is_default

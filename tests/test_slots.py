@@ -189,3 +189,122 @@ def test_check_catches_a_missed_token_of_a_prefill():
     case, caches, inp = _point("prefill", 0.0)
     reason = check_point(_skips_first_of_each_block, *caches, inp, case)
     assert reason is not None and "differ from the reference" in reason
+
+
+# --- serving shapes of the --model presets ----------------------------------------------------------
+
+def _config(*argv):
+    from kvwrite.bench.cli import make_config, parse_args
+    return make_config(parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_model_decode_sweeps_the_running_batch_up_to_the_context_window(device):
+    cfg = _config("--device", device, "--model", "llama-3.1-8b", "--slots", "decode")
+    assert cfg.num_tokens == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    # The new token takes position context_len at most: the last one of the 131072-token window.
+    assert (cfg.slots.context_len, cfg.slots.max_position) == (131071, 131072)
+    assert cfg.slots.describe() == "decode(context_len=131071, max_position=131072)"
+
+
+@pytest.mark.parametrize("kind", ["prefill", "mixed"])
+def test_model_prefill_and_mixed_sweep_the_step_budget(kind):
+    cfg = _config("--model", "qwen3-8b", "--slots", kind)
+    assert cfg.num_tokens == [512, 1024, 2048, 4096, 8192]
+    assert cfg.slots.max_position == 40960
+    assert cfg.slots.prefill_len == 2048
+    assert cfg.slots.decode_tokens == (256 if kind == "mixed" else None)
+
+
+def test_model_with_random_slots_keeps_the_users_sweep():
+    cfg = _config("--model", "llama-3.1-8b")
+    assert cfg.slots.is_default
+    assert cfg.num_tokens == _config().num_tokens  # vLLM's 2..65536
+
+
+def test_explicit_flags_win_over_the_serving_shape():
+    cfg = _config("--model", "llama-3.1-8b", "--slots", "decode", "--num-tokens", "3,5",
+                  "--context-len", "100")
+    assert cfg.num_tokens == [3, 5] and cfg.slots.context_len == 100
+    cfg = _config("--model", "llama-3.1-8b", "--slots", "mixed", "--decode-tokens", "32",
+                  "--prefill-len", "64")
+    assert cfg.slots.decode_tokens == 32 and cfg.slots.prefill_len == 64
+    # A decode fraction given keeps mixed on its fraction.
+    cfg = _config("--model", "llama-3.1-8b", "--slots", "mixed", "--decode-fraction", "0.25")
+    assert cfg.slots.decode_tokens is None and cfg.slots.decode_fraction == 0.25
+    assert cfg.slots.describe().startswith("mixed(decode_fraction=0.25,")
+
+
+def test_prefill_len_is_capped_by_a_small_context_window():
+    from kvwrite.bench.models import MODELS, ServingShape, serving_flags
+    assert MODELS["gemma-2-9b"].max_position == 8192
+    long_prompts = ServingShape(prefill_len=16384)
+    assert serving_flags("gemma-2-9b", "prefill", set(), long_prompts)["prefill_len"] == 8192
+    assert serving_flags("llama-3.1-8b", "prefill", set(), long_prompts)["prefill_len"] == 16384
+    assert serving_flags("gemma-2-9b", "prefill", {"prefill_len"}, long_prompts).get(
+        "prefill_len") is None
+    # A prompt longer than the window, given explicitly, is an error naming the flag.
+    with pytest.raises(ValueError, match="--prefill-len: expected at most max_position = 8192"):
+        _config("--model", "gemma-2-9b", "--slots", "prefill", "--prefill-len", "9000")
+
+
+def test_every_preset_names_its_context_window_in_its_source():
+    from kvwrite.bench.models import MODELS
+    for m in MODELS.values():
+        assert f"max_position_embeddings={m.max_position}" in m.source
+
+
+@pytest.mark.parametrize("num_tokens,decode_tokens", [(512, 256), (100, 256), (300, 0)])
+def test_mixed_with_decode_tokens_is_the_running_batch_then_one_chunk(num_tokens, decode_tokens):
+    pat = SlotPattern("mixed", decode_tokens=decode_tokens, context_len=1000, pad_fraction=0.125)
+    batch = make_slots(pat, num_tokens, 4096, BS)
+    n = num_tokens - batch.num_padding
+    d = min(decode_tokens, n)
+    decodes, rest = batch.sequences[:d], batch.sequences[d:]
+    assert all(s.num_new == 1 for s in decodes)
+    for t, s in enumerate(decodes):  # the first D tokens append at their sequences' next offset
+        assert batch.slots[t] == s.slot(s.start, BS) and len(s.block_table) == s.start // BS + 1
+    if d == n:
+        assert rest == []
+    else:  # the rest: one chunk at consecutive positions of one sequence
+        (chunk,) = rest
+        assert chunk.num_new == n - d
+        want = [chunk.slot(p, BS) for p in range(chunk.start, chunk.start + chunk.num_new)]
+        assert batch.slots[d:n].tolist() == want
+    assert (batch.slots[n:] == -1).all()
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_positions_are_each_tokens_place_in_its_sequence_below_max_position(kind):
+    pat = SlotPattern(kind, context_len=10_000, prefill_len=40, max_position=64,
+                      pad_fraction=0.25, decode_tokens=8)
+    for set_index in range(5):
+        batch = make_slots(pat, 48, 1024, BS, set_index=set_index)
+        pos = batch.positions()
+        n = 48 - batch.num_padding
+        assert (pos[n:] == 0).all() and pos.min() >= 0 and pos.max() < 64
+        t = 0
+        for s in batch.sequences:
+            assert pos[t:t + s.num_new].tolist() == list(range(s.start, s.start + s.num_new))
+            t += s.num_new
+        assert t == n
+    assert make_slots(SlotPattern(), 8, 64, BS).positions() is None
+    with pytest.raises(ValueError, match="does not fit below max_position = 64"):
+        make_slots(SlotPattern("mixed", decode_tokens=0, max_position=64), 80, 1024, BS)
+
+
+def test_model_header_and_rows_show_the_serving_shape(tmp_path, capsys):
+    import json
+
+    from kvwrite.bench.cli import main
+    js = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--model", "gemma-2-9b", "--slots", "decode", "--num-blocks", "512",
+            "--layouts", "NHD", "--iters", "2", "--time-budget", "0.01", "--json", str(js)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# slots: decode(context_len=8191, max_position=8192): " in out
+    assert "at T=256 the 512 blocks cap contexts at 31" in out
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["num_tokens"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert {r["slot_params"] for r in rows} == {"decode(context_len=8191, max_position=8192)"}
+    assert {r["check"] for r in rows} == {"passed"} and {r["model"] for r in rows} == {"gemma-2-9b"}

@@ -30,7 +30,7 @@ import torch
 from .. import registry
 from ..ops.reshape_and_cache_flash import OP
 from . import report
-from .models import MODELS, get_model, heads_per_rank
+from .models import MODELS, get_model, heads_per_rank, serving_flags
 from .plot import PlotError, plot_rows
 from .slots import PATTERNS, SlotPattern
 from .sweep import DTYPES, BenchError, Config, Env, Interrupted, run_sweep
@@ -38,7 +38,7 @@ from .timing import MIN_SAMPLES
 from .workload import LAYOUTS
 
 __all__ = ["main", "build_parser", "parse_args", "make_config", "parse_num_tokens",
-           "check_output_path", "CPU_DEFAULTS"]
+           "check_output_path", "CPU_DEFAULTS", "add_slot_flags", "slot_pattern", "given_flags"]
 
 PROG = "kvwrite-bench"
 
@@ -101,29 +101,18 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
     more.add_argument("--num-tokens", type=str, default=d("2:65536"),
                       help="a list (1,2,64) or a range LO:HI of doublings (2:65536 = 2, 4, ..., "
                            "65536, the default)")
-    slots = p.add_argument_group("slot patterns (which cache slots the T tokens write)")
-    slots.add_argument("--slots", choices=PATTERNS, default=d("random"),
-                       help="random: T unique random slots (vLLM's, the default); decode: T "
-                            "sequences appending one token each at the next offset of their last "
-                            "block; prefill: ceil(T / --prefill-len) sequences writing consecutive "
-                            "offsets over whole blocks; mixed: --decode-fraction of T decode tokens "
-                            "then one prefill chunk. Blocks come from a shuffled free list")
-    slots.add_argument("--pad-fraction", type=float, default=d(0.0), metavar="F",
-                       help="that fraction of the T slots are -1 padding at the end, as in a "
-                            "CUDA-graph batch (default: 0)")
-    slots.add_argument("--context-len", type=int, default=d(4096),
-                       help="decode, mixed: contexts already cached are uniform in [0, this] "
-                            "(capped so that every sequence's blocks fit) (default: 4096)")
-    slots.add_argument("--prefill-len", type=int, default=d(512),
-                       help="prefill: new tokens per sequence (default: 512)")
-    slots.add_argument("--decode-fraction", type=float, default=d(0.5),
-                       help="mixed: the fraction of the tokens that are decode tokens "
-                            "(default: 0.5)")
+    add_slot_flags(p, d)
 
     more.add_argument("--per-head-scale", action="store_true", default=d(False),
                       help="fp8: one scale per head (its amax over tokens and dims / 64)")
     more.add_argument("--model", type=str.lower, choices=list(MODELS), default=d(None),
-                      help="set --num-heads and --head-size to the model's KV heads and head size")
+                      help="set --num-heads and --head-size to the model's KV heads and head "
+                           "size; with --slots decode, prefill or mixed also the serving shape "
+                           "(kvwrite.bench.models.ServingShape): T = 1..256 running sequences "
+                           "(decode) or 512..8192 tokens per step (prefill, mixed: 256 decode "
+                           "tokens + one chunk), contexts up to the model's context window, "
+                           "prefill_len 2048; --num-tokens, --context-len, --prefill-len, "
+                           "--decode-tokens and --decode-fraction given win")
     more.add_argument("--tp", type=int, default=d(1),
                       help="tensor-parallel degree: divides the KV heads (one replicated head per "
                            "rank when it exceeds them) (default: 1)")
@@ -142,6 +131,51 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
     more.add_argument("--plot", type=str, default=d(None), metavar="PATH.png",
                       help="plot latency and GB/s against num_tokens (needs matplotlib)")
     return p
+
+
+def add_slot_flags(parser: argparse.ArgumentParser, d=lambda value: value) -> None:
+    """The slot-pattern flags (``--slots``, ``--pad-fraction``, ``--context-len``,
+    ``--prefill-len``, ``--decode-fraction``, ``--decode-tokens``) as one group of ``parser``;
+    every benchmark subcommand adds them here. ``d`` wraps each default (the seed benchmark's
+    parser passes one that suppresses them, to tell which flags were given)."""
+    g = parser.add_argument_group("slot patterns (which cache slots the T tokens write)")
+    g.add_argument("--slots", choices=PATTERNS, default=d("random"),
+                   help="random: T unique random slots (vLLM's, the default); decode: T "
+                        "sequences appending one token each at the next offset of their last "
+                        "block; prefill: ceil(T / --prefill-len) sequences writing consecutive "
+                        "offsets over whole blocks; mixed: decode tokens (--decode-tokens, else "
+                        "--decode-fraction of T) then one prefill chunk. Blocks come from a "
+                        "shuffled free list")
+    g.add_argument("--pad-fraction", type=float, default=d(0.0), metavar="F",
+                   help="that fraction of the T slots are -1 padding at the end, as in a "
+                        "CUDA-graph batch (default: 0)")
+    g.add_argument("--context-len", type=int, default=d(4096),
+                   help="decode, mixed: contexts already cached are uniform in [0, this] "
+                        "(capped so that every sequence's blocks fit) (default: 4096)")
+    g.add_argument("--prefill-len", type=int, default=d(512),
+                   help="prefill: new tokens per sequence (default: 512)")
+    g.add_argument("--decode-fraction", type=float, default=d(0.5),
+                   help="mixed: the fraction of the tokens that are decode tokens "
+                        "(default: 0.5)")
+    g.add_argument("--decode-tokens", type=int, default=d(None),
+                   help="mixed: this many decode tokens (at most T) instead of "
+                        "--decode-fraction: the running batch of a serving step")
+
+
+def slot_pattern(args: argparse.Namespace, max_position: int | None = None) -> SlotPattern:
+    """The :class:`SlotPattern` of :func:`add_slot_flags`'s flags (ValueError names a bad one)."""
+    return SlotPattern(args.slots, pad_fraction=args.pad_fraction, context_len=args.context_len,
+                       prefill_len=args.prefill_len, decode_fraction=args.decode_fraction,
+                       decode_tokens=args.decode_tokens, max_position=max_position)
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags ``argv`` gives (argparse leaves a namespace's attributes that are
+    already set alone unless a flag sets them)."""
+    unset = object()
+    ns = argparse.Namespace(**{dest: unset for dest in vars(parser.parse_args([]))})
+    parser.parse_args(argv, namespace=ns)
+    return {dest for dest, value in vars(ns).items() if value is not unset}
 
 
 def normalize_flags(argv: list[str]) -> list[str]:
@@ -248,7 +282,12 @@ def make_config(args: argparse.Namespace) -> Config:
         raise ValueError(f"--baseline: expected one of the implementations run ({', '.join(impls)}), "
                          f"got {baseline!r}")
     num_heads, head_size = args.num_heads, args.head_size
+    max_position = None
     if args.model:
+        preset_flags = serving_flags(args.model, args.slots, args.explicit)
+        max_position = preset_flags.pop("max_position", None)
+        for dest, value in preset_flags.items():
+            setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens" else value)
         given = [f"--{f.replace('_', '-')}" for f in ("num_heads", "head_size") if f in args.explicit]
         if given:
             raise ValueError(f"--model: sets --num-heads and --head-size; got {' and '.join(given)} too")
@@ -261,9 +300,7 @@ def make_config(args: argparse.Namespace) -> Config:
     num_heads = heads_per_rank(num_heads, args.tp)
     if not args.time_budget > 0:
         raise ValueError(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
-    slot_pattern = SlotPattern(args.slots, pad_fraction=args.pad_fraction,
-                               context_len=args.context_len, prefill_len=args.prefill_len,
-                               decode_fraction=args.decode_fraction)
+    pattern = slot_pattern(args, max_position)
     return Config(
         implementations=impls, baseline=baseline, layouts=_parse_layouts(args.layouts),
         num_tokens=parse_num_tokens(args.num_tokens), num_heads=num_heads, head_size=head_size,
@@ -271,19 +308,7 @@ def make_config(args: argparse.Namespace) -> Config:
         kv_cache_dtype=args.kv_cache_dtype, per_head_scale=args.per_head_scale, iters=args.iters,
         mode=args.mode, timer=args.timer, hot_l2=args.hot_l2, graph_calls=args.graph_calls,
         time_budget=args.time_budget, check=args.check, device=device, model=args.model or "",
-        tp=args.tp, slots=slot_pattern)
-
-
-_SLOT_WORDS = {
-    "random": "T unique random slots (vLLM's benchmark)",
-    "decode": ("B = T sequences with contexts uniform in [0, {p.context_len}] (capped to fit), each "
-               "appending one token at the next offset of its last block; blocks from a shuffled "
-               "free list"),
-    "prefill": ("B = ceil(T / {p.prefill_len}) sequences, each writing {p.prefill_len} tokens at "
-                "consecutive offsets over whole blocks from a shuffled free list"),
-    "mixed": ("round({p.decode_fraction:g} * T) decode tokens (as decode), then one prefill chunk of "
-              "the rest continuing a sequence with up to {p.context_len} cached tokens"),
-}
+        tp=args.tp, slots=pattern)
 
 
 def header_lines(cfg: Config, env: Env) -> list[str]:
@@ -301,9 +326,7 @@ def header_lines(cfg: Config, env: Env) -> list[str]:
         f"shape: num_heads={cfg.num_heads}{model} head_size={cfg.head_size} "
         f"block_size={cfg.block_size} num_blocks={cfg.num_blocks} dtype={str(cfg.dtype).removeprefix('torch.')} "
         f"kv_cache_dtype={cfg.kv_cache_dtype}{scale}",
-        f"slots: {cfg.slots.describe()}: {_SLOT_WORDS[cfg.slots.kind].format(p=cfg.slots)}"
-        + (f"; the last {cfg.slots.pad_fraction:g} of the T slots are -1 padding (not counted in "
-           f"bytes)" if cfg.slots.pad_fraction else ""),
+        "slots: " + cfg.slots.explain(max(cfg.num_tokens), cfg.num_blocks, cfg.block_size),
     ]
     if cfg.timer == "host-sync":
         what = ("each replay of a CUDA graph of 1 call" if cfg.measured_mode == "cudagraph"

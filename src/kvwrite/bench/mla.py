@@ -6,6 +6,8 @@ Each point follows vLLM's recipe: every RNG seeded with 42, ``kv_c`` and ``k_pe`
 ``torch.randn`` (with ``--strided``, ``k_pe`` is ``latent[:, L:]`` of a ``[T, L + P]`` randn
 latent), unique slots from ``random.sample``, a zeroed ``[num_blocks, block_size, E]`` cache and
 ``scale = 0.1``. Further input sets (for L2 rotation) continue the same random streams.
+``--slots`` decode, prefill or mixed and ``--pad-fraction`` (:mod:`kvwrite.bench.slots`) replace
+only the slots; padding tokens (-1) write nothing and are not counted in bytes.
 
 Exit status: 0, 1 when an implementation failed its check or raised, 2 for a usage error.
 """
@@ -30,7 +32,14 @@ from ..ops.concat_and_cache_mla import OP, MlaMode, create_mla_cache, parse_mla_
 from ..ops.concat_and_cache_mla import reference as torch_ref
 from ..testing.mla import mla_differing_bytes
 from . import report, timing
-from .cli import check_output_paths, normalize_flags, parse_implementations
+from .cli import (
+    add_slot_flags,
+    check_output_paths,
+    normalize_flags,
+    parse_implementations,
+    slot_pattern,
+)
+from .slots import SlotPattern, make_slots
 
 __all__ = ["MlaRow", "main", "run_benchmark", "build_parser", "bytes_moved"]
 
@@ -54,6 +63,9 @@ class MlaRow:
     block_size: int
     num_blocks: int
     num_tokens: int
+    slots: str                 # slot pattern: random, decode, prefill or mixed (bench.slots)
+    slot_params: str           # the pattern and its parameters, e.g. decode(context_len=4096)
+    pad_fraction: float        # fraction of the slots that are -1 padding
     timer: str                 # device or cpu
     mode: str                  # cudagraph or no_graph (what was measured)
     l2: str                    # rotated, hot or n/a (CPU)
@@ -65,7 +77,7 @@ class MlaRow:
     p20_us: float
     p80_us: float
     mean_us: float
-    bytes: int                 # T*(L+P)*in_bytes + T*entry_bytes + T*slot_bytes
+    bytes: int                 # n*(L+P)*in_bytes + n*entry_bytes + T*slot_bytes (n real tokens)
     gbps: float
     pct_copy_bw: float
     copy_bw_gbps: float
@@ -88,9 +100,12 @@ def entry_bytes(mode: MlaMode, L: int, P: int, dtype: torch.dtype) -> int:
     return 656 if mode is MlaMode.FP8_DS_MLA else L + P
 
 
-def bytes_moved(num_tokens: int, L: int, P: int, dtype: torch.dtype, mode: MlaMode) -> int:
-    """Bytes one call reads and writes: the inputs, the entries and the int64 slots."""
-    return num_tokens * ((L + P) * dtype.itemsize + entry_bytes(mode, L, P, dtype) + 8)
+def bytes_moved(num_tokens: int, L: int, P: int, dtype: torch.dtype, mode: MlaMode,
+                num_padding: int = 0) -> int:
+    """Bytes one call reads and writes: the real tokens' inputs and entries, and the int64 slots
+    of all ``num_tokens`` (padding slots are read; their tokens move nothing else)."""
+    n = num_tokens - num_padding
+    return n * ((L + P) * dtype.itemsize + entry_bytes(mode, L, P, dtype)) + num_tokens * 8
 
 
 @dataclasses.dataclass
@@ -100,9 +115,13 @@ class _Set:
     slot_mapping: torch.Tensor
 
 
-def make_sets(num_tokens: int, L: int, P: int, dtype: torch.dtype, strided: bool, num_slots: int,
-              count: int, device) -> list[_Set]:
-    """``count`` input sets; set 0 is vLLM's benchmark input (see the module doc)."""
+def make_sets(num_tokens: int, L: int, P: int, dtype: torch.dtype, strided: bool, num_blocks: int,
+              block_size: int, count: int, device, pattern: SlotPattern | None = None
+              ) -> list[_Set]:
+    """``count`` input sets with ``pattern``'s slots; with the default pattern (random, no
+    padding) set 0 is vLLM's benchmark input (see the module doc). Raises ValueError where the
+    pattern does not fit the cache."""
+    num_slots = num_blocks * block_size
     if num_tokens > num_slots:
         raise ValueError(f"num_tokens: expected at most num_blocks * block_size = {num_slots}, "
                          f"got {num_tokens}")
@@ -110,7 +129,7 @@ def make_sets(num_tokens: int, L: int, P: int, dtype: torch.dtype, strided: bool
     np.random.seed(SEED)
     torch.manual_seed(SEED)
     sets = []
-    for _ in range(count):
+    for i in range(count):
         if strided:
             latent = torch.randn(num_tokens, L + P, dtype=dtype, device=device)
             kv_c = torch.randn(num_tokens, L, dtype=dtype, device=device)
@@ -118,8 +137,9 @@ def make_sets(num_tokens: int, L: int, P: int, dtype: torch.dtype, strided: bool
         else:
             kv_c = torch.randn(num_tokens, L, dtype=dtype, device=device)
             k_pe = torch.randn(num_tokens, P, dtype=dtype, device=device)
-        slots = torch.tensor(random.sample(range(num_slots), num_tokens), dtype=torch.int64,
-                             device=device)
+        batch = make_slots(pattern or SlotPattern(), num_tokens, num_blocks, block_size,
+                           set_index=i)
+        slots = torch.from_numpy(batch.slots).to(device)
         sets.append(_Set(kv_c, k_pe, slots))
     return sets
 
@@ -164,6 +184,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     more.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
     more.add_argument("--csv", metavar="PATH", help="write one line per measurement as CSV")
     more.add_argument("--plot", metavar="PATH.png", help="plot latency and GB/s (matplotlib)")
+    add_slot_flags(p)
     return p
 
 
@@ -214,6 +235,7 @@ def _rotation(hot: bool, per_set: int, calls: int, l2: int) -> tuple[int, bool]:
 
 def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: None):
     env = _env(device)
+    pattern = slot_pattern(args)
     dtype = MODEL_DTYPES[args.dtype]
     mode = parse_mla_mode(args.kv_cache_dtype)
     L, P = args.kv_lora_rank, args.pe_dim
@@ -232,11 +254,13 @@ def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: N
         base = dict(layout="strided" if args.strided else "contiguous",
                     dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=args.kv_cache_dtype,
                     kv_lora_rank=L, pe_dim=P, block_size=args.block_size,
-                    num_blocks=args.num_blocks, num_tokens=T, timer="cpu" if cpu else "device",
+                    num_blocks=args.num_blocks, num_tokens=T, slots=pattern.kind,
+                    slot_params=pattern.describe(), pad_fraction=pattern.pad_fraction,
+                    timer="cpu" if cpu else "device",
                     mode="no_graph" if cpu else "cudagraph", l2=l2_name, rotation_sets=0,
                     calls_per_sample=0, samples=0, latency_us=math.nan, median_us=math.nan,
                     p20_us=math.nan, p80_us=math.nan, mean_us=math.nan,
-                    bytes=bytes_moved(T, L, P, dtype, mode), gbps=math.nan,
+                    bytes=bytes_moved(T, L, P, dtype, mode, pattern.num_padding(T)), gbps=math.nan,
                     pct_copy_bw=math.nan, copy_bw_gbps=copy_bw / 1e9, check="skipped",
                     status="ok", **env)
         if num_slots < T:
@@ -246,9 +270,16 @@ def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: N
             continue
         per_set = T * ((L + P) * dtype.itemsize + 8)
         count, flush = _rotation(args.hot_l2 or cpu, per_set, args.graph_calls, l2)
+        try:
+            sets = make_sets(T, L, P, dtype, args.strided, args.num_blocks, args.block_size,
+                             count, device, pattern)
+        except ValueError as e:  # the slot pattern does not fit the cache
+            rows += [MlaRow(implementation=name, **{**base, "status": f"skipped: {e}"})
+                     for name in impls]
+            progress(f"T={T}: skipped: {e}")
+            continue
         if flush and flush_buf is None:
             flush_buf = torch.empty(2 * l2, dtype=torch.uint8, device=device)
-        sets = make_sets(T, L, P, dtype, args.strided, num_slots, count, device)
         validate(sets[0].kv_c, sets[0].k_pe, cache, sets[0].slot_mapping, mode, scale)
         for name in impls:
             info = registry.get(OP, name)
@@ -341,7 +372,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(args, flag)}")
-        _parse_num_tokens(args.num_tokens)
+        num_tokens = _parse_num_tokens(args.num_tokens)
+        pattern = slot_pattern(args)
         mode = parse_mla_mode(args.kv_cache_dtype)
         if mode is MlaMode.FP8_DS_MLA and (args.kv_lora_rank, args.pe_dim) != (512, 64):
             raise ValueError(f"--kv-cache-dtype fp8_ds_mla: needs --kv-lora-rank 512 and --pe-dim "
@@ -374,9 +406,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                   "hot: the same inputs every call" if args.hot_l2 else
                   "rotated: input sets exceeding 2x the L2 (flushed before each run when fewer)"),
         f"copy bandwidth: {env['copy_bw_gbps']:.0f} GB/s (bytes read + written); bytes per call = "
-        "T*(L+P)*in_bytes + T*entry_bytes + T*8",
+        "n*(L+P)*in_bytes + n*entry_bytes + T*8 (n = T less the padding)",
         "check: each implementation against the torch reference, every cache byte, before timing"
         if args.check else "check: off (--no-check)",
+        "slots: " + pattern.explain(max(num_tokens), args.num_blocks, args.block_size),
     ]
     lines = ["# " + h for h in header]
     lines.append(f"concat_and_cache_mla: dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
@@ -399,8 +432,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         from .plot import plot_rows
         plot_rows(rows, args.plot, f"concat_and_cache_mla: L={args.kv_lora_rank} P={args.pe_dim} "
                   f"bs={args.block_size} {args.dtype} kv={args.kv_cache_dtype} "
-                  f"strided={args.strided} | {header[1].split(';')[0]} | L2 {rows[0].l2 if rows else ''}"
-                  f" | {env['device']}")
+                  f"strided={args.strided} | slots {pattern.describe()} | "
+                  f"{header[1].split(';')[0]} | L2 {rows[0].l2 if rows else ''} | {env['device']}")
     return 1 if any(r.status.startswith(("mismatch", "error")) for r in rows) else 0
 
 
@@ -412,8 +445,8 @@ def run_benchmark(num_tokens: int, kv_lora_rank: int, pe_dim: int, block_size: i
     mode = parse_mla_mode(kv_cache_dtype)
     dev = torch.device(device)
     dtype = MODEL_DTYPES[dtype] if isinstance(dtype, str) else dtype
-    (s,) = make_sets(num_tokens, kv_lora_rank, pe_dim, dtype, strided, num_blocks * block_size,
-                     1, dev)
+    (s,) = make_sets(num_tokens, kv_lora_rank, pe_dim, dtype, strided, num_blocks, block_size, 1,
+                     dev)
     cache = create_mla_cache(num_blocks, block_size, kv_lora_rank, pe_dim, mode, dtype, dev)
     scale = torch.tensor([SCALE], dtype=torch.float32, device=dev)
     validate(s.kv_c, s.k_pe, cache, s.slot_mapping, mode, scale)

@@ -1,16 +1,22 @@
-"""Model presets (KV heads × head size) and tensor-parallel division of the KV heads.
+"""Model presets (KV heads × head size, context window), the serving shape a preset's sweep
+takes, and tensor-parallel division of the KV heads.
 
 Each preset is taken from the model's public ``config.json`` on the Hugging Face Hub:
-``num_key_value_heads``, and ``head_dim`` where the config has it, else
-``hidden_size / num_attention_heads``. MLA models (DeepSeek-V2/V3) cache a latent vector instead
-of per-head K and V, so they have no preset here.
+``num_key_value_heads``, ``head_dim`` where the config has it, else
+``hidden_size / num_attention_heads``, and ``max_position_embeddings`` (the context window).
+MLA models (DeepSeek-V2/V3) cache a latent vector instead of per-head K and V, so they have no
+preset here.
+
+A preset's batch shapes come from the serving engine's scheduler limits, the same for every model
+(:class:`ServingShape`), and from the model only through its context window.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ModelPreset", "MODELS", "get_model", "heads_per_rank"]
+__all__ = ["ModelPreset", "MODELS", "get_model", "heads_per_rank", "ServingShape", "SERVING",
+           "serving_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,33 +25,106 @@ class ModelPreset:
     hf_id: str
     num_kv_heads: int
     head_dim: int
+    max_position: int  # the context window: max_position_embeddings
     source: str  # the config.json fields the numbers come from
 
 
 MODELS: dict[str, ModelPreset] = {p.name: p for p in (
     # hidden_size 4096 / num_attention_heads 32 = head_dim 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 8, 128,
-                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads)"),
+    ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 8, 128, 131072,
+                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
+                "max_position_embeddings=131072"),
     # hidden_size 8192 / 64 heads = 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8, 128,
-                "num_key_value_heads=8, head_dim=128 (8192 / 64 heads)"),
+    ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8, 128, 131072,
+                "num_key_value_heads=8, head_dim=128 (8192 / 64 heads), "
+                "max_position_embeddings=131072"),
     # hidden_size 16384 / 128 heads = 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 8, 128,
-                "num_key_value_heads=8, head_dim=128 (16384 / 128 heads)"),
+    ModelPreset("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 8, 128, 131072,
+                "num_key_value_heads=8, head_dim=128 (16384 / 128 heads), "
+                "max_position_embeddings=131072"),
     # hidden_size 4096 / 32 heads = 128; num_key_value_heads 8.
-    ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", 8, 128,
-                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads)"),
+    ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", 8, 128, 32768,
+                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
+                "max_position_embeddings=32768"),
     # hidden_size 3584 / 28 heads = 128; num_key_value_heads 4.
-    ModelPreset("qwen2.5-7b", "Qwen/Qwen2.5-7B", 4, 128,
-                "num_key_value_heads=4, head_dim=128 (3584 / 28 heads)"),
+    ModelPreset("qwen2.5-7b", "Qwen/Qwen2.5-7B", 4, 128, 131072,
+                "num_key_value_heads=4, head_dim=128 (3584 / 28 heads), "
+                "max_position_embeddings=131072"),
     # head_dim 128 (explicit in the config); num_key_value_heads 8 (32 query heads).
-    ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", 8, 128, "num_key_value_heads=8, head_dim=128"),
+    ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", 8, 128, 40960,
+                "num_key_value_heads=8, head_dim=128, max_position_embeddings=40960"),
     # head_dim 256 (explicit; not hidden_size / heads = 224); num_key_value_heads 8.
-    ModelPreset("gemma-2-9b", "google/gemma-2-9b", 8, 256, "num_key_value_heads=8, head_dim=256"),
+    ModelPreset("gemma-2-9b", "google/gemma-2-9b", 8, 256, 8192,
+                "num_key_value_heads=8, head_dim=256, max_position_embeddings=8192"),
     # head_dim 64 (explicit); num_key_value_heads 8 (64 query heads); both gpt-oss sizes.
-    ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", 8, 64, "num_key_value_heads=8, head_dim=64"),
-    ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", 8, 64, "num_key_value_heads=8, head_dim=64"),
+    ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", 8, 64, 131072,
+                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072"),
+    ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", 8, 64, 131072,
+                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072"),
 )}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingShape:
+    """What one step of a serving engine's scheduler writes into the cache, from its limits, the
+    same for every model (a model enters only through its context window).
+
+    - decode: one new token per running sequence: T = 1, 2, 4, ..., ``max_num_seqs``;
+    - prefill: whole prompts of ``prefill_len`` tokens (at most the window):
+      T = ``min_step_tokens``, 2x, ... ``max_num_batched_tokens``;
+    - mixed (chunked prefill): the running decode batch, ``max_num_seqs`` tokens, then one prefill
+      chunk filling the rest of the step's budget; T as for prefill;
+    - random: no sequences; the sweep stays the user's (vLLM's by default).
+
+    Contexts already cached reach the window: ``context_len = window - 1`` (the new token then
+    takes the last position the window holds), and every position stays below the window.
+    """
+
+    # vLLM's long-standing default for --max-num-seqs.
+    max_num_seqs: int = 256
+    # The chunked-prefill token budget per step (--max-num-batched-tokens).
+    max_num_batched_tokens: int = 8192
+    prefill_len: int = 2048
+    # The smallest prefill or mixed step of the sweep.
+    min_step_tokens: int = 512
+
+    def num_tokens(self, kind: str) -> list[int] | None:
+        """The sweep's T for slot pattern ``kind`` (None for random: the user's sweep)."""
+        lo, hi = {"decode": (1, self.max_num_seqs),
+                  "prefill": (self.min_step_tokens, self.max_num_batched_tokens),
+                  "mixed": (self.min_step_tokens, self.max_num_batched_tokens)}.get(kind, (0, 0))
+        if not lo:
+            return None
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= 2
+        return out
+
+    def flags(self, preset: ModelPreset, kind: str) -> dict:
+        """The values this shape gives the flags (by argparse dest) for slot pattern ``kind``;
+        empty for random."""
+        if self.num_tokens(kind) is None:
+            return {}
+        out = {"num_tokens": self.num_tokens(kind), "context_len": preset.max_position - 1,
+               "max_position": preset.max_position,
+               "prefill_len": min(self.prefill_len, preset.max_position)}
+        if kind == "mixed":
+            out["decode_tokens"] = self.max_num_seqs
+        return out
+
+
+SERVING = ServingShape()
+
+
+def serving_flags(model: str, kind: str, given: set[str], shape: ServingShape = SERVING) -> dict:
+    """The flag values (by argparse dest) that ``--model`` sets for slot pattern ``kind``, leaving
+    out the flags in ``given`` (given on the command line: they win). ``--decode-fraction`` given
+    keeps mixed on its fraction (no decode_tokens)."""
+    out = {k: v for k, v in shape.flags(get_model(model), kind).items() if k not in given}
+    if "decode_fraction" in given:
+        out.pop("decode_tokens", None)
+    return out
 
 
 def get_model(name: str) -> ModelPreset:

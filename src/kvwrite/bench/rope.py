@@ -18,6 +18,17 @@ the pair reads the key once more: ``+ T*H*D*e``; rotary alone ``T*(2*(Hq + H)*D*
 
 By default the inputs rotate over enough sets to exceed twice the L2 (cold L2); ``--hot-l2``
 uses the same inputs every call (vLLM's condition).
+
+Slots and positions: ``--slots`` (:mod:`kvwrite.bench.slots`) picks the slots; with decode,
+prefill or mixed each token's position is its place in its sequence (decode: its context length;
+a prefill or the mixed chunk: start..start+n-1; padding: 0), and the pattern keeps every position
+below the cos/sin table's ``--max-position`` rows (contexts capped at max_position - 1, the chunk
+ending below it), so every real token is rotated and cached and the check covers all of them.
+``random`` keeps uniform random positions in ``[0, max_position)``. ``--model`` with decode,
+prefill or mixed takes the seed benchmark's serving shape (:class:`kvwrite.bench.models.ServingShape`),
+a table of the model's context window and, on a GPU, vLLM's 65536 cache blocks; flags given win.
+Padding tokens (-1 slots) are rotated (their positions are in the table) but write no cache row:
+the bytes count the cache writes and value reads of the real tokens only.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import random
 import shlex
 import sys
 
@@ -39,13 +51,18 @@ from ..ops.reshape_and_cache_flash import OP as WRITE
 from ..ops.rotary_embedding import OP as ROPE
 from ..testing.rope import cos_sin_table
 from . import report
-from .cli import check_output_paths
-from .models import MODELS, get_model
+from .cli import add_slot_flags, check_output_paths, given_flags, slot_pattern
+from .models import MODELS, get_model, serving_flags
+from .slots import SlotPattern, make_slots
 from .timing import copy_bandwidth, l2_bytes, time_cpu, time_device
 
 __all__ = ["RopeRow", "main", "vllm_main", "point_bytes"]
 
 SEED = 42
+NUM_BLOCKS = 256
+# --model with a sequence slot pattern on a GPU: the seed benchmark's (vLLM's) cache size, so that
+# decode contexts are not capped by the blocks each sequence can own.
+SERVING_NUM_BLOCKS = 128 * 512
 
 
 @dataclasses.dataclass
@@ -63,6 +80,10 @@ class RopeRow:
     is_neox: bool
     model: str
     num_tokens: int
+    slots: str               # slot pattern: random, decode, prefill or mixed (bench.slots)
+    slot_params: str         # the pattern and its parameters
+    pad_fraction: float
+    max_position: int        # rows of the cos/sin table
     num_blocks: int
     block_size: int
     l2: str
@@ -96,6 +117,7 @@ class Point:
     block_size: int
     max_position: int
     model: str = ""
+    slots: SlotPattern = SlotPattern()
 
     @property
     def cache_bytes(self) -> int:
@@ -103,13 +125,16 @@ class Point:
 
 
 def point_bytes(p: Point, kind: str, key_in_place: bool = True) -> int:
+    """Bytes one call must move. Every token is rotated; the value read and the cache writes (and
+    the pair's second key read) are the n real tokens' only (padding slots write nothing)."""
     e, c, t = p.dtype.itemsize, p.cache_bytes, 4  # float32 table
     T, Hq, H, D = p.num_tokens, p.num_q_heads, p.num_heads, p.head_size
+    n = T - p.slots.num_padding(T)
     if kind == "rotary":
         return T * (2 * (Hq + H) * D * e + p.rot_dim * t + 8)
-    fused = T * (2 * Hq * D * e + (2 + int(key_in_place)) * H * D * e + 2 * H * D * c
-                 + p.rot_dim * t + 8 + 8)
-    return fused + (T * H * D * e if kind == "pair" else 0)
+    fused = (T * (2 * Hq * D * e + (1 + int(key_in_place)) * H * D * e + p.rot_dim * t + 8 + 8)
+             + n * (H * D * e + 2 * H * D * c))
+    return fused + (n * H * D * e if kind == "pair" else 0)
 
 
 def _layout_alloc(name: str) -> tuple[Layout, KVAlloc]:
@@ -128,16 +153,23 @@ class _Set:
 
 
 def _make_sets(p: Point, count: int, device, gen) -> list[_Set]:
+    """``count`` input sets; the slots are ``p.slots``'s, the positions the sequences' (random:
+    uniform in the table). Raises ValueError where the pattern does not fit the cache."""
     sets = []
-    num_slots = p.num_blocks * p.block_size
-    for _ in range(count):
+    random.seed(SEED)  # the random pattern's stream (make_slots)
+    for i in range(count):
         T = p.num_tokens
         qkv = torch.randn(T, p.num_q_heads + 2 * p.num_heads, p.head_size, device=device,
                           generator=gen, dtype=torch.float32).to(p.dtype)
         hq, h = p.num_q_heads, p.num_heads
-        sets.append(_Set(qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:],
-                         torch.randint(0, p.max_position, (T,), device=device, generator=gen),
-                         torch.randperm(num_slots, device=device, generator=gen)[:T]))
+        batch = make_slots(p.slots, T, p.num_blocks, p.block_size, set_index=i)
+        pos = batch.positions()
+        if pos is None:
+            positions = torch.randint(0, p.max_position, (T,), device=device, generator=gen)
+        else:
+            positions = torch.from_numpy(pos).to(device)
+        sets.append(_Set(qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:], positions,
+                         torch.from_numpy(batch.slots).to(device)))
     return sets
 
 
@@ -223,8 +255,11 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
         scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
     per_set = point_bytes(p, "pair")
     count = 1 if args.hot_l2 else max(1, min(64, -(-2 * l2_bytes(device) // max(per_set, 1))))
-    sets = _make_sets(p, count, device, gen)
-    caches = _caches(p, device, gen)
+    try:
+        sets = _make_sets(p, count, device, gen)
+    except ValueError as e:  # the slot pattern does not fit the cache
+        sets, skipped = None, f"skipped: {e}"
+    caches = _caches(p, device, gen) if sets else None
     rows = []
     for kind in kinds:
         for impl in impls:
@@ -238,7 +273,9 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
             if kind == "pair" and reason is None:
                 r2 = registry.get(ROPE, impl)
                 reason = r2.available(device)
-            if reason is not None:
+            if sets is None:
+                status = skipped
+            elif reason is not None:
                 status = f"unsupported: {reason}"
             else:
                 try:
@@ -264,6 +301,8 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
                 dtype=str(p.dtype).removeprefix("torch."), kv_cache_dtype=p.cache_dtype.value,
                 num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
                 rot_dim=p.rot_dim, is_neox=p.is_neox, model=p.model, num_tokens=p.num_tokens,
+                slots=p.slots.kind, slot_params=p.slots.describe(),
+                pad_fraction=p.slots.pad_fraction, max_position=p.max_position,
                 num_blocks=p.num_blocks, block_size=p.block_size,
                 l2="hot" if args.hot_l2 else "rotated", rotation_sets=count,
                 calls_per_sample=args.graph_calls, samples=len(timing.samples) if timing else 0,
@@ -287,8 +326,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "Benchmark fused_rope_and_reshape_cache_flash against kvwrite's unfused pair "
         "(rotary_embedding + reshape_and_cache_flash) and rotary_embedding alone."))
     p.add_argument("--num-tokens", type=int, nargs="+", default=[1, 8, 128, 2048])
-    p.add_argument("--num-blocks", type=int, default=256,
-                   help="cache blocks (raised to 2*T/block_size where T needs more)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help=f"cache blocks, raised to 2*T/block_size where T needs more (default: "
+                        f"{NUM_BLOCKS}; {SERVING_NUM_BLOCKS} on a GPU with --model and a decode, "
+                        f"prefill or mixed --slots)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=200, help="timed samples at most")
     p.add_argument("--warmup", type=int, default=10,
@@ -298,10 +339,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--heads", default="32,32,128;32,8,128",
                    help="semicolon list of Hq,H,D (default: MHA(32,32,128) and GQA(32,8,128))")
     p.add_argument("--model", default=None, choices=sorted(MODELS),
-                   help="heads and head size of a preset (32 query heads per 8 KV heads)")
+                   help="heads and head size of a preset (32 query heads per 8 KV heads); with "
+                        "--slots decode, prefill or mixed also the seed benchmark's serving shape "
+                        "(T, contexts up to the context window, a table of that many rows)")
     p.add_argument("--rot-dim", type=int, default=None, help="(default: head size)")
     p.add_argument("--gptj", action="store_true", help="GPT-J pairing instead of neox")
-    p.add_argument("--max-position", type=int, default=4096)
+    p.add_argument("--max-position", type=int, default=4096,
+                   help="rows of the cos/sin table; positions stay below it (default: 4096; the "
+                        "model's context window with --model and a sequence --slots pattern)")
     p.add_argument("--layouts", default="NHD", help="comma list of NHD, HND, packed")
     p.add_argument("--implementation", default="all",
                    help="comma list of implementations or 'all' (those available)")
@@ -314,11 +359,33 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None)
+    add_slot_flags(p)
     return p
+
+
+def apply_serving_shape(args, given: set[str]) -> None:
+    """``--model`` with a decode, prefill or mixed pattern: the serving shape's flags
+    (:func:`kvwrite.bench.models.serving_flags`; those in ``given`` win), a table of the model's
+    context window, and on a GPU :data:`SERVING_NUM_BLOCKS` blocks unless --num-blocks is given.
+    Then --num-blocks takes its default where unset."""
+    if args.model:
+        flags = serving_flags(args.model, args.slots, given)
+        for dest, value in flags.items():
+            setattr(args, dest, value)
+        if flags and args.num_blocks is None and torch.device(args.device).type == "cuda":
+            args.num_blocks = SERVING_NUM_BLOCKS
+    if args.num_blocks is None:
+        args.num_blocks = NUM_BLOCKS
+
+
+def pattern_of(args) -> SlotPattern:
+    """The slot pattern of ``args``; sequence patterns keep positions below the table's rows."""
+    return slot_pattern(args, None if args.slots == "random" else args.max_position)
 
 
 def _points(args) -> list[Point]:
     heads = _heads(args.heads)
+    pattern = pattern_of(args)
     model = ""
     if args.model:
         m = get_model(args.model)
@@ -329,10 +396,10 @@ def _points(args) -> list[Point]:
             for hq, h, d in heads:
                 for layout in args.layouts.split(","):
                     for T in args.num_tokens:
-                        nb = max(args.num_blocks, -(-2 * T // args.block_size))
+                        nb = max(args.num_blocks or NUM_BLOCKS, -(-2 * T // args.block_size))
                         pts.append(Point(parse_model_dtype(dt), parse_kv_cache_dtype(kv), hq, h,
                                          d, args.rot_dim or d, not args.gptj, layout, T, nb,
-                                         args.block_size, args.max_position, model))
+                                         args.block_size, args.max_position, model, pattern))
     return pts
 
 
@@ -395,6 +462,8 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
+        apply_serving_shape(args, given_flags(parser, argv))
+        pattern = pattern_of(args)
         check_output_paths(args)  # results are never lost to a bad path after the sweep
     except ValueError as e:
         parser.error(str(e))
@@ -402,23 +471,35 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
         print(f"{prog}: error: --device cuda: no CUDA GPU visible to PyTorch", file=sys.stderr)
         return 2
     rows, copy_bw, dev = run_rows(args, lambda s: print(s, file=sys.stderr))
-    print(f"# {dev}, torch {torch.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
-          f"device timer ({args.graph_calls} calls per CUDA graph, median), "
-          f"L2 {'hot' if args.hot_l2 else 'rotated'}")
+    top = max(args.num_tokens)
+    header = [
+        f"{dev}, torch {torch.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s, device timer "
+        f"({args.graph_calls} calls per CUDA graph, median), L2 {'hot' if args.hot_l2 else 'rotated'}",
+        "slots: " + pattern.explain(top, max(args.num_blocks, -(-2 * top // args.block_size)),
+                                    args.block_size),
+        "positions: " + (f"uniform random in [0, {args.max_position})" if pattern.kind == "random"
+                         else f"each token's position in its sequence (padding: 0), all below "
+                              f"the cos/sin table's {args.max_position} rows: every real token is "
+                              f"rotated and cached, and checked"),
+    ]
+    print("\n".join("# " + h for h in header))
     print(summary_table(rows))
-    bad = [r for r in rows if r.status != "ok" and not r.status.startswith("unsupported")]
-    for r in bad:
-        print(f"# {r.implementation} N={r.num_tokens} {r.layout}: {r.status}")
+    bad = [r for r in rows if r.status.startswith(("mismatch", "error"))]
+    for r in rows:
+        if r.status != "ok" and not r.status.startswith("unsupported"):
+            print(f"# {r.implementation} N={r.num_tokens} {r.layout}: {r.status}")
     command = f"{prog} {shlex.join(argv)}"
     if args.json:
         report.write_json(args.json, rows, {"command": command, "device": dev,
-                                            "copy_bw_gbps": copy_bw / 1e9,
+                                            "copy_bw_gbps": copy_bw / 1e9, "header": header,
+                                            "slots": pattern.describe(),
                                             "date": datetime.datetime.now().isoformat()})
     if args.csv:
         report.write_csv(args.csv, rows, command)
     if args.plot:
         from .plot import plot_rows
-        plot_rows([r for r in rows if r.kind == "fused"], args.plot, "fused RoPE + cache write")
+        plot_rows([r for r in rows if r.kind == "fused"], args.plot,
+                  f"fused RoPE + cache write | slots {pattern.describe()} | {dev}")
     return 1 if bad else 0
 
 

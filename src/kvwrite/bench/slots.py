@@ -10,17 +10,23 @@ as in a CUDA-graph batch padded up to its captured size; N = T - P tokens are re
 - ``random``: N unique slots drawn uniformly (vLLM's benchmark; the default). With P = 0, input
   set 0 is exactly vLLM's (``random.sample`` after seeding every RNG with 42).
 - ``decode``: B = N sequences, each appending ONE token. Sequence i has a context of c_i tokens
-  already cached, c_i uniform in [0, C] with C = min(context_len, blocks_per_seq * block_size - 1)
-  and blocks_per_seq = num_blocks // B (so that every sequence's blocks fit); it owns
+  already cached, c_i uniform in [0, C] with C = min(context_len, max_position - 1,
+  blocks_per_seq * block_size - 1) and blocks_per_seq = num_blocks // B (so that every sequence's
+  blocks fit); it owns
   ceil((c_i + 1) / block_size) blocks, and its new token goes to position c_i: offset
   c_i % block_size of its last block, which is a freshly allocated block when c_i is a multiple
   of block_size (the previous last block was full).
 - ``prefill``: B = ceil(N / L) sequences (L = prefill_len; the last one holds the remainder), each
   writing its L new tokens at positions 0..L-1: consecutive offsets over whole fresh blocks.
-- ``mixed``: chunked prefill as schedulers batch it: D = round(decode_fraction * N) decode tokens
-  first (as ``decode`` with B = D), then one prefill chunk of N - D tokens continuing a sequence
-  that already holds p cached tokens, p uniform in [0, context_len] (so the chunk may start in the
-  middle of a block).
+- ``mixed``: chunked prefill as schedulers batch it: D decode tokens first (as ``decode`` with
+  B = D), D = min(decode_tokens, N) when ``decode_tokens`` is set (the running batch), else
+  round(decode_fraction * N); then one prefill chunk of N - D tokens continuing a sequence that
+  already holds p cached tokens, p uniform in [0, min(context_len, max_position - (N - D))] (so
+  the chunk may start in the middle of a block, and ends below max_position).
+
+``max_position`` (optional; a model's context window, or the rows of a RoPE cos/sin table) bounds
+every token's position in its sequence: positions are < max_position, and prefill_len may not
+exceed it. :meth:`SlotBatch.positions` gives the positions.
 
 Every real token gets a distinct slot; padding slots are -1. Patterns other than ``random`` use
 their own numpy generator seeded from (seed, input-set index), so they never disturb the random
@@ -50,8 +56,12 @@ class SlotPattern:
     context_len: int = 4096
     # prefill: new tokens per sequence.
     prefill_len: int = 512
-    # mixed: the fraction of the real tokens that are decode tokens.
+    # mixed: the fraction of the real tokens that are decode tokens ...
     decode_fraction: float = 0.5
+    # ... or, when set, this many (at most N): the running sequences of a serving step.
+    decode_tokens: int | None = None
+    # Every position in a sequence stays below this (None: no bound).
+    max_position: int | None = None
     seed: int = 42
 
     def __post_init__(self):
@@ -65,6 +75,28 @@ class SlotPattern:
             raise ValueError(f"--prefill-len: expected a positive integer, got {self.prefill_len}")
         if not 0.0 <= self.decode_fraction <= 1.0:
             raise ValueError(f"--decode-fraction: expected a number in [0, 1], got {self.decode_fraction}")
+        if self.decode_tokens is not None and self.decode_tokens < 0:
+            raise ValueError(f"--decode-tokens: expected a non-negative integer, got {self.decode_tokens}")
+        if self.max_position is not None:
+            if self.max_position < 1:
+                raise ValueError(f"max_position: expected a positive integer, got {self.max_position}")
+            if self.kind == "prefill" and self.prefill_len > self.max_position:
+                raise ValueError(f"--prefill-len: expected at most max_position = {self.max_position} "
+                                 f"(positions 0..L-1 stay below it), got {self.prefill_len}")
+
+    @property
+    def max_context(self) -> int:
+        """The longest context already cached a decode token may follow (before the cap that
+        makes every sequence's blocks fit)."""
+        if self.max_position is None:
+            return self.context_len
+        return min(self.context_len, self.max_position - 1)
+
+    def num_decode(self, num_real: int) -> int:
+        """mixed: the decode tokens among ``num_real`` real tokens."""
+        if self.decode_tokens is not None:
+            return min(self.decode_tokens, num_real)
+        return round(self.decode_fraction * num_real)
 
     @property
     def is_default(self) -> bool:
@@ -76,11 +108,45 @@ class SlotPattern:
     def describe(self) -> str:
         """The pattern and the parameters that shape it, e.g. ``decode(context_len=4096)``."""
         params = {"random": [], "decode": ["context_len"], "prefill": ["prefill_len"],
-                  "mixed": ["decode_fraction", "context_len"]}[self.kind]
+                  "mixed": ["decode_tokens" if self.decode_tokens is not None else
+                            "decode_fraction", "context_len"]}[self.kind]
+        if self.max_position is not None and self.kind != "random":
+            params.append("max_position")
         parts = [f"{p}={getattr(self, p):g}" for p in params]
         if self.pad_fraction:
             parts.append(f"pad_fraction={self.pad_fraction:g}")
         return f"{self.kind}({', '.join(parts)})" if parts else self.kind
+
+    def explain(self, num_tokens: int | None = None, num_blocks: int | None = None,
+                block_size: int | None = None) -> str:
+        """:meth:`describe` and what it means, for a header line. Given the sweep's largest
+        ``num_tokens`` and the cache, a decode pattern also says where the blocks cap contexts."""
+        words = {
+            "random": "T unique random slots (vLLM's benchmark)",
+            "decode": (f"B = T sequences with contexts uniform in [0, {self.max_context}] (capped "
+                       f"so that every sequence's blocks fit), each appending one token at the "
+                       f"next offset of its last block; blocks from a shuffled free list"),
+            "prefill": (f"B = ceil(T / {self.prefill_len}) sequences, each writing "
+                        f"{self.prefill_len} tokens at consecutive offsets over whole blocks from "
+                        f"a shuffled free list"),
+            "mixed": ((f"min({self.decode_tokens}, T)" if self.decode_tokens is not None else
+                       f"round({self.decode_fraction:g} * T)")
+                      + f" decode tokens (as decode), then one prefill chunk of the rest "
+                        f"continuing a sequence with up to {self.context_len} cached tokens"),
+        }[self.kind]
+        if self.kind == "decode" and None not in (num_tokens, num_blocks, block_size):
+            n = num_tokens - self.num_padding(num_tokens)
+            if n:
+                cap = min(self.max_context, num_blocks // n * block_size - 1)
+                if cap < self.max_context:
+                    words += (f"; at T={num_tokens} the {num_blocks} blocks cap contexts at "
+                              f"{max(cap, 0)}")
+        if self.max_position is not None and self.kind != "random":
+            words += f"; every position in a sequence < {self.max_position}"
+        if self.pad_fraction:
+            words += (f"; the last {self.pad_fraction:g} of the T slots are -1 padding (not "
+                      f"counted in bytes)")
+        return f"{self.describe()}: {words}"
 
     @property
     def id(self) -> str:
@@ -108,6 +174,14 @@ class SlotBatch:
     slots: np.ndarray        # [T] int64
     sequences: list[Sequence]
     num_padding: int
+
+    def positions(self) -> np.ndarray | None:
+        """[T] int64: each real token's position in its sequence, 0 for padding (as a padded
+        CUDA-graph batch carries); None for ``random`` (no sequences)."""
+        if not self.sequences:
+            return None
+        pos = [p for s in self.sequences for p in range(s.start, s.start + s.num_new)]
+        return np.array(pos + [0] * self.num_padding, dtype=np.int64)
 
 
 class BlockAllocator:
@@ -170,13 +244,13 @@ def make_slots(pattern: SlotPattern, num_tokens: int, num_blocks: int, block_siz
     rng = np.random.default_rng([pattern.seed, set_index])
     alloc = BlockAllocator(num_blocks, rng)
     if pattern.kind == "decode":
-        seqs = _decode(alloc, n, pattern.context_len, block_size, rng)
+        seqs = _decode(alloc, n, pattern.max_context, block_size, rng)
     elif pattern.kind == "prefill":
         full, rest = divmod(n, pattern.prefill_len)
         lengths = [pattern.prefill_len] * full + ([rest] if rest else [])
         seqs = [_prefill(alloc, length, block_size) for length in lengths]
     else:  # mixed
-        num_decode = round(pattern.decode_fraction * n)
+        num_decode = pattern.num_decode(n)
         chunk = n - num_decode
         seqs = []
         if chunk:
@@ -185,9 +259,15 @@ def make_slots(pattern: SlotPattern, num_tokens: int, num_blocks: int, block_siz
             if room < 0:
                 raise ValueError(f"a prefill chunk of {chunk} tokens and {num_decode} decode "
                                  f"tokens need more than the {num_blocks} blocks: raise --num-blocks")
-            start = int(rng.integers(0, min(pattern.context_len, room), endpoint=True))
+            last = min(pattern.context_len, room)
+            if pattern.max_position is not None:
+                last = min(last, pattern.max_position - chunk)
+                if last < 0:
+                    raise ValueError(f"a prefill chunk of {chunk} tokens does not fit below "
+                                     f"max_position = {pattern.max_position}")
+            start = int(rng.integers(0, last, endpoint=True))
             seqs.append(_prefill(alloc, chunk, block_size, start))
         # Decode tokens come first in the batch, then the chunk.
-        seqs = _decode(alloc, num_decode, pattern.context_len, block_size, rng) + seqs
+        seqs = _decode(alloc, num_decode, pattern.max_context, block_size, rng) + seqs
     slots = [s.slot(p, block_size) for s in seqs for p in range(s.start, s.start + s.num_new)]
     return SlotBatch(np.array(slots + [-1] * pad, dtype=np.int64), seqs, pad)
