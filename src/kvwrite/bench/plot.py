@@ -4,6 +4,7 @@ of panels per layout. Needs matplotlib (``pip install 'kvwrite[plot]'``)."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 from .report import Row
@@ -76,10 +77,12 @@ def plot_rows(rows: Sequence[Row], path: str, title: str | None = None) -> None:
         lat_ax.legend(fontsize=8)
         bw_ax.legend(fontsize=8)
     r = rows[0]
-    fig.suptitle(title or (
+    title = title or (
         f"reshape_and_cache_flash: H={r.num_heads} D={r.head_size} bs={r.block_size} {r.dtype} "
         f"kv={r.kv_cache_dtype} | slots {r.slot_params} | {r.timer} timer, {r.mode}, L2 {r.l2} | {r.device}"
-    ), fontsize=10)
+    )
+    # Wrapped to the figure's width (about 12 characters an inch at this size), never cut off.
+    fig.suptitle(textwrap.fill(title, width=int(12 * 5.5 * len(layouts))), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
