@@ -30,7 +30,7 @@ import torch
 from .. import registry
 from ..ops.reshape_and_cache_flash import OP
 from . import report
-from .models import MODELS, get_model, heads_per_rank, serving_flags
+from .models import MODELS, doublings, get_model, heads_per_rank, serving_flags
 from .plot import PlotError, plot_rows
 from .slots import PATTERNS, SlotPattern
 from .sweep import DTYPES, BenchError, Config, Env, Interrupted, run_sweep
@@ -206,11 +206,7 @@ def parse_num_tokens(text: str) -> list[int]:
             lo, hi = (int(x) for x in text.split(":"))
             if lo < 1 or hi < lo:
                 raise bad
-            values = []
-            while lo <= hi:
-                values.append(lo)
-                lo *= 2
-            return values
+            return doublings(lo, hi)
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise bad from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ModelPreset", "MODELS", "get_model", "heads_per_rank", "ServingShape", "SERVING",
+__all__ = ["ModelPreset", "MODELS", "doublings", "get_model", "heads_per_rank", "ServingShape", "SERVING",
            "serving_flags"]
 
 
@@ -93,13 +93,7 @@ class ServingShape:
         lo, hi = {"decode": (1, self.max_num_seqs),
                   "prefill": (self.min_step_tokens, self.max_num_batched_tokens),
                   "mixed": (self.min_step_tokens, self.max_num_batched_tokens)}.get(kind, (0, 0))
-        if not lo:
-            return None
-        out = []
-        while lo <= hi:
-            out.append(lo)
-            lo *= 2
-        return out
+        return doublings(lo, hi) if lo else None
 
     def flags(self, preset: ModelPreset, kind: str) -> dict:
         """The values this shape gives the flags (by argparse dest) for slot pattern ``kind``;
@@ -124,6 +118,15 @@ def serving_flags(model: str, kind: str, given: set[str], shape: ServingShape = 
     out = {k: v for k, v in shape.flags(get_model(model), kind).items() if k not in given}
     if "decode_fraction" in given:
         out.pop("decode_tokens", None)
+    return out
+
+
+def doublings(lo: int, hi: int) -> list[int]:
+    """lo, 2*lo, 4*lo, ... up to hi (a --num-tokens range LO:HI)."""
+    out = []
+    while lo <= hi:
+        out.append(lo)
+        lo *= 2
     return out
 
 
