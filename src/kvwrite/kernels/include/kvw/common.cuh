@@ -58,6 +58,12 @@ KVW_HD float fma_rn(float a, float b, float c) {
   asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
   return r;
 }
+// RZ(a * b): rounded toward zero (fp8_quantize's bracket).
+KVW_HD float mul_rz(float a, float b) {
+  float p;
+  asm("mul.rz.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
+  return p;
+}
 KVW_HD float min_nan(float a, float b) {
 #if __CUDA_ARCH__ >= 800
   float r;

@@ -104,11 +104,27 @@ KVW_HD float rcp_rn_s2(float b) {
 // and tiny negatives), and the satfinite conversion rounds to nearest even and saturates (NaN
 // stays NaN).
 // ------------------------------------------------------------------------------------------
+//
+// The bracket (hardware conversion only, |s| in [2^-100, 2^100]): with r = RN(1/s) = m * y,
+// r_lo = RN(r * (1 - 2^-21)) and r_hi = RN(r * (1 + 2^-21)), the products rounded toward zero
+// lo = RZ(x * r_lo) and hi = RZ(x * r_hi) satisfy |lo| < |x / s| < |hi| (relative errors: r
+// and r_lo/r_hi 2^-24 each, RZ 2^-23, against the 2^-21 margins), with the sign of x. lo and
+// hi are floats, so RN(x / s) lies between them too, and the satfinite conversion is monotone:
+// where fp8(lo) == fp8(hi), that is Q(x). Where the product underflows, every value involved
+// is below 2^-125 and converts to the signed zero of x; where it overflows, RZ gives ±FLT_MAX,
+// which saturates as x / s does; NaN converts to NaN either way. So two rounded products and
+// two conversions per element decide Q(x) unless an fp8 rounding boundary lies within about
+// 2^-21 of x / s (one element in ~10^5), and only a thread holding such an element computes
+// the quotient below. tests/test_cuda.py checks every 16-bit input under many scales, and the
+// elements that take the quotient, on the GPU.
+// ------------------------------------------------------------------------------------------
 struct Fp8Scale {
   float s;   // the scale itself (for the exact-division build)
   float m;   // ±2^(1-e), or 1/s for zero, infinite and NaN scales
   float s2;  // |s| * |m|, in [2^-22, 4), or 1
   float y;   // RN(1 / s2)
+  float r_lo, r_hi;  // the bracket's reciprocals (when bracket)
+  bool bracket;      // |s| in [2^-100, 2^100]
 };
 
 template <bool BRANCH_FREE = true>
@@ -127,6 +143,10 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
   }
   r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
   r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
+  r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
+  const float rcp = mul_rn(r.y, r.m);                    // RN(1 / s) there
+  r.r_lo = mul_rn(rcp, 1.0f - 0x1p-21f);
+  r.r_hi = mul_rn(rcp, 1.0f + 0x1p-21f);
   return r;
 }
 
@@ -145,6 +165,30 @@ KVW_HD float fp8_quotient(float x, const Fp8Scale& sc) {
 template <int FMT, int N, int STEPS>
 KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8Scale& sc) {
   static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
+#if !defined(KVWRITE_HOST_TEST) && !defined(KVWRITE_EXACT_DIV) && \
+    !defined(KVWRITE_PROBE_INEXACT_QUOTIENT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (sc.bracket) {  // see "The bracket" above
+    u32 lo[(N + 3) / 4], hi[(N + 3) / 4];
+#pragma unroll
+    for (int j = 0; j < (N + 3) / 4; ++j) lo[j] = hi[j] = 0;
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
+      lo[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], sc.r_lo), mul_rz(x1, sc.r_lo))
+                    << ((i & 2) * 8);
+      hi[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], sc.r_hi), mul_rz(x1, sc.r_hi))
+                    << ((i & 2) * 8);
+    }
+    u32 differ = 0;
+#pragma unroll
+    for (int j = 0; j < (N + 3) / 4; ++j) differ |= lo[j] ^ hi[j];
+    if (differ == 0) {
+#pragma unroll
+      for (int j = 0; j < (N + 3) / 4; ++j) out[j] = lo[j];
+      return;
+    }
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
 #pragma unroll
