@@ -179,7 +179,7 @@ template <bool BRANCH_FREE>
 __global__ void kvw_test_fp8_scale(const float* s, float* s2, float* y, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
-    const Fp8Scale r = make_fp8_scale<BRANCH_FREE>(s[i]);
+    const Fp8Scale r = fp8_exact_scale<BRANCH_FREE>(s[i]);
     s2[i] = r.s2;
     y[i] = r.y;
   }

@@ -105,18 +105,20 @@ KVW_HD float rcp_rn_s2(float b) {
 // stays NaN).
 // ------------------------------------------------------------------------------------------
 //
-// The bracket (hardware conversion only, |s| in [2^-100, 2^100]): with r = RN(1/s) = m * y,
-// r_lo = RN(r * (1 - 2^-21)) and r_hi = RN(r * (1 + 2^-21)), the products rounded toward zero
-// lo = RZ(x * r_lo) and hi = RZ(x * r_hi) satisfy |lo| < |x / s| < |hi| (relative errors: r
-// and r_lo/r_hi 2^-24 each, RZ 2^-23, against the 2^-21 margins), with the sign of x. lo and
-// hi are floats, so RN(x / s) lies between them too, and the satfinite conversion is monotone:
-// where fp8(lo) == fp8(hi), that is Q(x). Where the product underflows, every value involved
-// is below 2^-125 and converts to the signed zero of x; where it overflows, RZ gives ±FLT_MAX,
-// which saturates as x / s does; NaN converts to NaN either way. So two rounded products and
+// The bracket (hardware conversion only, |s| in [2^-100, 2^100]): with r the hardware
+// approximation of 1/s (within 1 ulp: 2^-23 relative), r_lo = RN(r * (1 - 2^-20)) and r_hi =
+// RN(r * (1 + 2^-20)), the products rounded toward zero lo = RZ(x * r_lo) and hi = RZ(x * r_hi)
+// satisfy |lo| < |x / s| < |hi| with the sign of x: |r_lo| <= (1 + 2^-23)(1 - 2^-20)(1 + 2^-24)
+// / |s| < 1 / |s|, and |hi| >= |x / s| (1 - 2^-23)(1 + 2^-20)(1 - 2^-24)(1 - 2^-23) > |x / s|.
+// lo and hi are floats, so RN(x / s) lies between them too, and the satfinite conversion is
+// monotone: where fp8(lo) == fp8(hi), that is Q(x). Where a product underflows, every value
+// involved is below 2^-125 and converts to the signed zero of x; where it overflows, RZ gives
+// ±FLT_MAX, which saturates as x / s does; NaN converts to NaN either way. So two products and
 // two conversions per element decide Q(x) unless an fp8 rounding boundary lies within about
-// 2^-21 of x / s (one element in ~10^5), and only a thread holding such an element computes
-// the quotient below. tests/test_cuda.py checks every 16-bit input under many scales, and the
-// elements that take the quotient, on the GPU.
+// 2^-20 of x / s (about one element in 10^5 for random data; every exact midpoint, e.g. s = 1
+// and x halfway between two fp8 values), and only a thread holding such an element computes
+// the exact constants and the quotient above. The GPU tests check every 16-bit input under
+// per-tensor and per-head scales (tests/test_cuda.py, test_mla.py, test_rope.py).
 // ------------------------------------------------------------------------------------------
 struct Fp8Scale {
   float s;   // the scale itself (for the exact-division build)
@@ -127,8 +129,18 @@ struct Fp8Scale {
   bool bracket;      // |s| in [2^-100, 2^100]
 };
 
+// Builds that decide Q(x) by the bracket: device code with the hardware conversion, unless a
+// comparison build asks for the division (KVWRITE_EXACT_DIV) or the inexact product.
+#if !defined(KVWRITE_HOST_TEST) && !defined(KVWRITE_EXACT_DIV) && \
+    !defined(KVWRITE_PROBE_INEXACT_QUOTIENT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KVW_FP8_BRACKET 1
+#else
+#define KVW_FP8_BRACKET 0
+#endif
+
+// The exact quotient's constants m, s2, y (see above). BRANCH_FREE: y by rcp_rn_s2.
 template <bool BRANCH_FREE = true>
-KVW_HD Fp8Scale make_fp8_scale(float s) {
+KVW_HD Fp8Scale fp8_exact_scale(float s) {
   const u32 sb = f32_bits(s);
   const u32 ab = sb & 0x7FFFFFFFu;
   const float a = bits_f32(ab);
@@ -143,11 +155,31 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
   }
   r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
   r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
-  r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
-  const float rcp = mul_rn(r.y, r.m);                    // RN(1 / s) there
-  r.r_lo = mul_rn(rcp, 1.0f - 0x1p-21f);
-  r.r_hi = mul_rn(rcp, 1.0f + 0x1p-21f);
+  r.bracket = false;
+  r.r_lo = r.r_hi = 0.0f;
   return r;
+}
+
+// What fp8_quantize needs of scale s. Bracket builds: the bracket's reciprocals only, from the
+// hardware approximation of 1/s (within 1 ulp, so 2^-23 relative, inside the 2^-20 margins:
+// |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|); a thread computes the exact constants only where
+// an element needs the quotient. Other builds: the exact constants.
+template <bool BRANCH_FREE = true>
+KVW_HD Fp8Scale make_fp8_scale(float s) {
+#if KVW_FP8_BRACKET
+  Fp8Scale r;
+  r.s = s;
+  const u32 ab = f32_bits(s) & 0x7FFFFFFFu;
+  r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
+  float rcp;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(s));
+  r.r_lo = mul_rn(rcp, 1.0f - 0x1p-20f);
+  r.r_hi = mul_rn(rcp, 1.0f + 0x1p-20f);
+  r.m = r.s2 = r.y = 0.0f;
+  return r;
+#else
+  return fp8_exact_scale<BRANCH_FREE>(s);
+#endif
 }
 
 template <int STEPS>
@@ -163,20 +195,20 @@ KVW_HD float fp8_quotient(float x, const Fp8Scale& sc) {
 // Q of N elements (N == 1 or even) into N fp8 codes, byte i of `out` = Q(x[i]) (little endian
 // words). STEPS: 1 for 16-bit inputs, 2 for float32 (see above).
 template <int FMT, int N, int STEPS>
-KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8Scale& sc) {
+KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
+                         const Fp8Scale& scale) {
   static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
-#if !defined(KVWRITE_HOST_TEST) && !defined(KVWRITE_EXACT_DIV) && \
-    !defined(KVWRITE_PROBE_INEXACT_QUOTIENT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if (sc.bracket) {  // see "The bracket" above
+#if KVW_FP8_BRACKET
+  if (scale.bracket) {  // see "The bracket" above
     u32 lo[(N + 3) / 4], hi[(N + 3) / 4];
 #pragma unroll
     for (int j = 0; j < (N + 3) / 4; ++j) lo[j] = hi[j] = 0;
 #pragma unroll
     for (int i = 0; i < N; i += 2) {
       const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
-      lo[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], sc.r_lo), mul_rz(x1, sc.r_lo))
+      lo[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], scale.r_lo), mul_rz(x1, scale.r_lo))
                     << ((i & 2) * 8);
-      hi[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], sc.r_hi), mul_rz(x1, sc.r_hi))
+      hi[i >> 2] |= fp8x2_from_f32<FMT>(mul_rz(x[i], scale.r_hi), mul_rz(x1, scale.r_hi))
                     << ((i & 2) * 8);
     }
     u32 differ = 0;
@@ -188,6 +220,9 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4], const Fp8
       return;
     }
   }
+  const Fp8Scale sc = fp8_exact_scale<true>(scale.s);  // an element needs the quotient
+#else
+  const Fp8Scale& sc = scale;
 #endif
 #pragma unroll
   for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
