@@ -138,8 +138,8 @@ reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
     const i64 cache_off = (h * head_stride + d) * OB;  // bytes
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
-      ks = make_fp8_scale<FAST_SCALE>(k_s);
-      vs = make_fp8_scale<FAST_SCALE>(v_s);
+      ks = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(k_s);
+      vs = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(v_s);
     }
 
     // Writes one token's chunk of K and V to slot s (skipped unless 0 <= s < num_slots).
@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL
   } else {
     Fp8Scale ks{}, vs{};
     if constexpr (FP8) {
-      ks = make_fp8_scale<FAST_SCALE>(k_s);
-      vs = make_fp8_scale<FAST_SCALE>(v_s);
+      ks = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(k_s);
+      vs = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(v_s);
     }
     const auto kout = convert_chunk<IN, OUT, VEC>(kin, ks);
     const auto vout = convert_chunk<IN, OUT, VEC>(vin, vs);

@@ -160,17 +160,23 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
   return r;
 }
 
-// What fp8_quantize needs of scale s. Bracket builds: the bracket's reciprocals only, from the
-// hardware approximation of 1/s (within 1 ulp, so 2^-23 relative, inside the 2^-20 margins:
-// |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|); a thread computes the exact constants only where
-// an element needs the quotient. Other builds: the exact constants.
-template <bool BRANCH_FREE = true>
+// What fp8_quantize needs of scale s. BRACKET (in bracket builds): the bracket's reciprocals
+// only, from the hardware approximation of 1/s (within 1 ulp, so 2^-23 relative, inside the
+// 2^-20 margins: |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|); a thread computes the exact
+// constants only where an element needs the quotient. Otherwise the exact constants, and
+// fp8_quantize compiles to the quotient alone. Measured (H200, docs/tuning-log.md change 33):
+// the bracket pays in the reshape kernel's 16- and 32-byte chunks (H=128 T=64 2.77 -> 2.36 us)
+// and costs elsewhere (8-byte chunks +1-4%, the MLA and fused RoPE kernels +4-15%), so only
+// those chunks ask for it.
+template <bool BRANCH_FREE = true, bool BRACKET = false>
 KVW_HD Fp8Scale make_fp8_scale(float s) {
 #if KVW_FP8_BRACKET
+  if (!BRACKET) return fp8_exact_scale<BRANCH_FREE>(s);
   Fp8Scale r;
   r.s = s;
   const u32 ab = f32_bits(s) & 0x7FFFFFFFu;
   r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
+  if (!r.bracket) return fp8_exact_scale<BRANCH_FREE>(s);
   float rcp;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(s));
   r.r_lo = mul_rn(rcp, 1.0f - 0x1p-20f);
@@ -220,7 +226,8 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
       return;
     }
   }
-  const Fp8Scale sc = fp8_exact_scale<true>(scale.s);  // an element needs the quotient
+  // Where an element needs the quotient (or no bracket was asked for: then this is `scale`).
+  const Fp8Scale sc = scale.bracket ? fp8_exact_scale<true>(scale.s) : scale;
 #else
   const Fp8Scale& sc = scale;
 #endif
