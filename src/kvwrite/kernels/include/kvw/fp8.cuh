@@ -126,7 +126,9 @@ struct Fp8Scale {
   float s2;  // |s| * |m|, in [2^-22, 4), or 1
   float y;   // RN(1 / s2)
   float r_lo, r_hi;  // the bracket's reciprocals (when bracket)
-  bool bracket;      // |s| in [2^-100, 2^100]
+  bool bracket;      // |s| in [2^-100, 2^100]: fp8_quantize tries the bracket first
+  bool lazy;         // m, s2, y not computed (make_fp8_scale<..., true>): fp8_quantize computes
+                     // them where an element needs the quotient (a constant at every call site)
 };
 
 // Builds that decide Q(x) by the bracket: device code with the hardware conversion, unless a
@@ -155,7 +157,7 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
   }
   r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
   r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
-  r.bracket = false;
+  r.bracket = r.lazy = false;
   r.r_lo = r.r_hi = 0.0f;
   return r;
 }
@@ -176,7 +178,7 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
   r.s = s;
   const u32 ab = f32_bits(s) & 0x7FFFFFFFu;
   r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
-  if (!r.bracket) return fp8_exact_scale<BRANCH_FREE>(s);
+  r.lazy = true;
   float rcp;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(s));
   r.r_lo = mul_rn(rcp, 1.0f - 0x1p-20f);
@@ -226,8 +228,8 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
       return;
     }
   }
-  // Where an element needs the quotient (or no bracket was asked for: then this is `scale`).
-  const Fp8Scale sc = scale.bracket ? fp8_exact_scale<true>(scale.s) : scale;
+  // Where an element needs the quotient (or the scale is outside the bracket's range).
+  const Fp8Scale sc = scale.lazy ? fp8_exact_scale<true>(scale.s) : scale;
 #else
   const Fp8Scale& sc = scale;
 #endif
