@@ -216,6 +216,67 @@ def test_cuda_scale_reciprocal_gpu(branch_free):
     assert bad.numel() == 0, f"y != RN(1/s2) at s2={s2[bad].tolist()}: {y[bad].tolist()}"
 
 
+_QUANTIZE_KERNEL_SRC = r"""
+#include "kvw/fp8.cuh"
+template <int FMT, bool BRACKET>
+__global__ void kvw_test_quantize(const float* x, const float* s, unsigned char* out, int n,
+                                  int per_scale) {
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (i >= n) return;
+  float v[8];
+  for (int k = 0; k < 8; ++k) v[k] = x[i + k];
+  u32 w[2];
+  fp8_quantize<FMT, 8, 1>(v, w, make_fp8_scale<true, BRACKET>(s[i / per_scale]));
+  for (int k = 0; k < 8; ++k) out[i + k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
+}
+"""
+
+
+def _cuda_quantize(x: torch.Tensor, scales: torch.Tensor, fmt: int, bracket: bool,
+                   macros=()) -> torch.Tensor:
+    """fp8_quantize<fmt, 8, 1> of x (float32, 16-bit values) under each scale, on the GPU."""
+    dev = torch.cuda.current_device()
+    arch, _ = nvrtc.device_arch(dev)
+    name = f"kvw_test_quantize<{fmt}, {str(bracket).lower()}>"
+    obj, _ = cuda_impl.SOURCE.compile(arch, name, source=_QUANTIZE_KERNEL_SRC, macros=macros)
+    cc = nvrtc.cuda_core()
+    cc.Device(dev).set_current()
+    xs = x.repeat(scales.numel()).cuda()
+    sd = scales.cuda()
+    out = torch.empty(xs.numel(), dtype=torch.uint8, device="cuda")
+    config = cc.LaunchConfig(grid=(-(-xs.numel() // (8 * 256)), 1, 1), block=(256, 1, 1))
+    cc.launch(nvrtc.current_stream(dev), config, obj.get_kernel(name), xs.data_ptr(),
+              sd.data_ptr(), out.data_ptr(), xs.numel(), x.numel())
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+@gpu
+@pytest.mark.parametrize("kv", list(FP8))
+def test_cuda_fp8_bracket_every_bfloat16_input(kv):
+    """fp8_quantize with the bracket (make_fp8_scale<..., true>) against the reference for every
+    bfloat16 value under scales inside the bracket's range (s = 1 and 0.5: every fp8 midpoint is
+    exact and takes the quotient) and outside it; and the same sweep fails for a bracket with no
+    margin, so it can tell."""
+    fmt = 3 if kv == "fp8_e4m3" else 4  # DT_E4M3, DT_E5M2
+    fp8 = FP8[kv]
+    x = _inputs(torch.bfloat16).float()
+    scales = torch.tensor([1.0, 0.5, 0.37, 96.0, 3.0, 1.0 / 3, 7.3e5, 1e-3, 2.0**-100, 2.0**100,
+                           1e-38, 2.0**125, -0.37])
+    fmax = torch.finfo(fp8).max
+    want = torch.cat([(x / s).clamp(-fmax, fmax).to(fp8).view(torch.uint8) for s in scales])
+    nan = torch.cat([(x / s).isnan() for s in scales])
+
+    def differing(got: torch.Tensor) -> int:
+        return int(((got != want) & ~nan).sum())
+
+    for bracket in (True, False):
+        got = _cuda_quantize(x, scales, fmt, bracket)
+        assert differing(got) == 0, f"bracket={bracket}: {differing(got)} codes differ"
+    narrow = _cuda_quantize(x, scales, fmt, True, (("KVWRITE_FP8_BRACKET_MARGIN", "0.0f"),))
+    assert differing(narrow) > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The Triton functions, under the interpreter or on the GPU.
 # ---------------------------------------------------------------------------------------------

@@ -170,6 +170,12 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
 // the bracket pays in the reshape kernel's 16- and 32-byte chunks (H=128 T=64 2.77 -> 2.36 us)
 // and costs elsewhere (8-byte chunks +1-4%, the MLA and fused RoPE kernels +4-15%), so only
 // those chunks ask for it.
+// The bracket's relative margin (a test sets 0 to show that its sweep catches a bracket too
+// narrow to hold x / s).
+#ifndef KVWRITE_FP8_BRACKET_MARGIN
+#define KVWRITE_FP8_BRACKET_MARGIN 0x1p-20f
+#endif
+
 template <bool BRANCH_FREE = true, bool BRACKET = false>
 KVW_HD Fp8Scale make_fp8_scale(float s) {
 #if KVW_FP8_BRACKET
@@ -181,8 +187,8 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
   r.lazy = true;
   float rcp;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(s));
-  r.r_lo = mul_rn(rcp, 1.0f - 0x1p-20f);
-  r.r_hi = mul_rn(rcp, 1.0f + 0x1p-20f);
+  r.r_lo = mul_rn(rcp, 1.0f - KVWRITE_FP8_BRACKET_MARGIN);
+  r.r_hi = mul_rn(rcp, 1.0f + KVWRITE_FP8_BRACKET_MARGIN);
   r.m = r.s2 = r.y = 0.0f;
   return r;
 #else
