@@ -218,7 +218,7 @@ def test_cuda_scale_reciprocal_gpu(branch_free):
 
 _QUANTIZE_KERNEL_SRC = r"""
 #include "kvw/fp8.cuh"
-template <int FMT, bool BRACKET>
+template <int FMT, bool BRACKET, int STEPS>
 __global__ void kvw_test_quantize(const float* x, const float* s, unsigned char* out, int n,
                                   int per_scale) {
   const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
@@ -226,18 +226,18 @@ __global__ void kvw_test_quantize(const float* x, const float* s, unsigned char*
   float v[8];
   for (int k = 0; k < 8; ++k) v[k] = x[i + k];
   u32 w[2];
-  fp8_quantize<FMT, 8, 1>(v, w, make_fp8_scale<true, BRACKET>(s[i / per_scale]));
+  fp8_quantize<FMT, 8, STEPS>(v, w, make_fp8_scale<true, BRACKET>(s[i / per_scale]));
   for (int k = 0; k < 8; ++k) out[i + k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
 }
 """
 
 
-def _cuda_quantize(x: torch.Tensor, scales: torch.Tensor, fmt: int, bracket: bool,
+def _cuda_quantize(x: torch.Tensor, scales: torch.Tensor, fmt: int, bracket: bool, steps: int,
                    macros=()) -> torch.Tensor:
-    """fp8_quantize<fmt, 8, 1> of x (float32, 16-bit values) under each scale, on the GPU."""
+    """fp8_quantize<fmt, 8, steps> of x (float32; x.numel() % 8 == 0) under each scale."""
     dev = torch.cuda.current_device()
     arch, _ = nvrtc.device_arch(dev)
-    name = f"kvw_test_quantize<{fmt}, {str(bracket).lower()}>"
+    name = f"kvw_test_quantize<{fmt}, {str(bracket).lower()}, {steps}>"
     obj, _ = cuda_impl.SOURCE.compile(arch, name, source=_QUANTIZE_KERNEL_SRC, macros=macros)
     cc = nvrtc.cuda_core()
     cc.Device(dev).set_current()
@@ -251,30 +251,50 @@ def _cuda_quantize(x: torch.Tensor, scales: torch.Tensor, fmt: int, bracket: boo
     return out.cpu()
 
 
+def _near_rounding_boundaries(fp8: torch.dtype, s: float) -> torch.Tensor:
+    """float32 x with x / s within 6 ulp of every fp8 rounding boundary (the midpoints
+    between neighbouring fp8 values): where a bracket too narrow would round the wrong way."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    vals = codes[codes.isfinite()].unique()
+    mids = (vals[:-1].double() + vals[1:].double()) / 2
+    base = (mids * s).float().view(torch.int32)
+    x = torch.cat([base + k for k in range(-6, 7)]).view(torch.float32)
+    x = x[x.isfinite()]
+    return x[: x.numel() // 8 * 8]
+
+
 @gpu
 @pytest.mark.parametrize("kv", list(FP8))
-def test_cuda_fp8_bracket_every_bfloat16_input(kv):
-    """fp8_quantize with the bracket (make_fp8_scale<..., true>) against the reference for every
-    bfloat16 value under scales inside the bracket's range (s = 1 and 0.5: every fp8 midpoint is
-    exact and takes the quotient) and outside it; and the same sweep fails for a bracket with no
-    margin, so it can tell."""
+def test_cuda_fp8_bracket_against_the_reference(kv):
+    """fp8_quantize with the bracket (make_fp8_scale<..., true>) and without it, against the
+    reference: every bfloat16 value under scales inside the bracket's range (s = 1 and 0.5: every
+    fp8 midpoint is exact and must take the quotient) and outside it, and float32 values within
+    6 ulp of every fp8 rounding boundary. The same sweep fails for a bracket with no margin."""
     fmt = 3 if kv == "fp8_e4m3" else 4  # DT_E4M3, DT_E5M2
     fp8 = FP8[kv]
-    x = _inputs(torch.bfloat16).float()
+    fmax = torch.finfo(fp8).max
     scales = torch.tensor([1.0, 0.5, 0.37, 96.0, 3.0, 1.0 / 3, 7.3e5, 1e-3, 2.0**-100, 2.0**100,
                            1e-38, 2.0**125, -0.37])
-    fmax = torch.finfo(fp8).max
-    want = torch.cat([(x / s).clamp(-fmax, fmax).to(fp8).view(torch.uint8) for s in scales])
-    nan = torch.cat([(x / s).isnan() for s in scales])
 
-    def differing(got: torch.Tensor) -> int:
-        return int(((got != want) & ~nan).sum())
+    def want(x: torch.Tensor, ss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.cat([x / s for s in ss])
+        return q.clamp(-fmax, fmax).to(fp8).view(torch.uint8), q.isnan()
 
+    def differing(got, ref) -> int:
+        return int(((got != ref[0]) & ~ref[1]).sum())
+
+    bf16 = _inputs(torch.bfloat16).float()
+    ref16 = want(bf16, scales)
+    near_s = torch.tensor([0.37, 3.0, 1.0 / 3, 1e-3, 0.7, 5.5])
+    near = torch.cat([_near_rounding_boundaries(fp8, float(s)) for s in near_s])
+    ref32 = want(near, near_s)
     for bracket in (True, False):
-        got = _cuda_quantize(x, scales, fmt, bracket)
-        assert differing(got) == 0, f"bracket={bracket}: {differing(got)} codes differ"
-    narrow = _cuda_quantize(x, scales, fmt, True, (("KVWRITE_FP8_BRACKET_MARGIN", "0.0f"),))
-    assert differing(narrow) > 0
+        got = _cuda_quantize(bf16, scales, fmt, bracket, 1)
+        assert differing(got, ref16) == 0, f"bracket={bracket}, bfloat16"
+        got = _cuda_quantize(near, near_s, fmt, bracket, 2)
+        assert differing(got, ref32) == 0, f"bracket={bracket}, near the boundaries"
+    narrow = _cuda_quantize(near, near_s, fmt, True, 2, (("KVWRITE_FP8_BRACKET_MARGIN", "0.0f"),))
+    assert differing(narrow, ref32) > 0
 
 
 # ---------------------------------------------------------------------------------------------
