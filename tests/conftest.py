@@ -1,3 +1,4 @@
+import importlib
 import os
 
 import pytest
@@ -7,6 +8,15 @@ import torch
 # must happen before anything imports triton (triton.jit reads it when a kernel is defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Define every Triton function now, under the interpreter: a test that unsets
+    # TRITON_INTERPRET (to see what `--implementation all` reports without it) must not be the
+    # first to import one, or the interpreter tests after it would call a compiled-mode function.
+    for _module in ("kvwrite.kernels.triton_fp8", "kvwrite.kernels.triton_rope",
+                    "kvwrite.ops.reshape_and_cache_flash.triton_impl",
+                    "kvwrite.ops.rotary_embedding.triton_impl",
+                    "kvwrite.ops.fused_rope_and_reshape_cache_flash.triton_impl",
+                    "kvwrite.ops.concat_and_cache_mla.triton_impl"):
+        importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()
 NO_GPU_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
