@@ -417,7 +417,8 @@ def run_rows(args, progress=lambda s: None) -> tuple[list[RopeRow], float, str]:
     impls = _impls(args.implementation, device)
     rows = []
     for p in _points(args):
-        progress(f"{p}")
+        progress(f"{str(p.dtype).removeprefix('torch.')} {p.cache_dtype.value} "
+                 f"({p.num_q_heads},{p.num_heads},{p.head_size}) {p.layout} N={p.num_tokens}")
         rows += measure(p, impls, args.kinds.split(","), args, device, copy_bw, env_device)
     return rows, copy_bw, env_device
 
