@@ -25,12 +25,17 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 if triton is not None:
 
     @triton.jit
-    def rope_tables(cos_sin_ptr, pos, valid, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-        """Per token and element of a ``[BLOCK_T]`` position vector: (cos, sin) as float32
-        ``[BLOCK_T, BLOCK_D]`` (1 and 0 where the element is not rotated or the token is not
-        ``valid``), the partner element ``[BLOCK_D]``, whether the element is the first of its
-        pair, and whether it is rotated. The table is read only for valid tokens."""
+    def rope_tables(positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT: tl.constexpr,
+                    IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+        """For a ``[BLOCK_T]`` vector of token indices ``t`` (rotated when ``t < num_rot``):
+        ``valid`` (the token is rotated and its position lies in ``[0, max_position)``), then per
+        token and element (cos, sin) as float32 ``[BLOCK_T, 1, BLOCK_D]`` (1 and 0 where the
+        element is not rotated or the token is not valid), and ``[1, 1, BLOCK_D]``: the partner
+        element, whether the element is the first of its pair, and whether it is rotated. The
+        positions are read only for ``t < num_rot``, the table only for valid tokens."""
+        t_in = t < num_rot
+        pos = tl.load(positions_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (pos >= 0) & (pos < max_position)
         HALF: tl.constexpr = ROT // 2
         d = tl.arange(0, BLOCK_D)
         is_rot = d < ROT
@@ -49,7 +54,8 @@ if triton is not None:
         c = tl.load(cos_sin_ptr + row[:, None] + pair[None, :], mask=m, other=1.0).to(tl.float32)
         s = tl.load(cos_sin_ptr + row[:, None] + HALF + pair[None, :], mask=m,
                     other=0.0).to(tl.float32)
-        return c, s, partner, first, is_rot
+        return (valid, c[:, None, :], s[:, None, :], partner[None, None, :], first[None, None, :],
+                is_rot[None, None, :])
 
     @triton.jit
     def rope_rotate(x, y, c, s, first, is_rot):

@@ -103,13 +103,8 @@ if triton is not None:
     ):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tile = tl.program_id(1)
-        t_in = t < num_rot
-        pos = tl.load(positions_ptr + t, mask=t_in, other=-1).to(tl.int64)
-        valid = t_in & (pos >= 0) & (pos < max_position)
-        c, s, partner, first, is_rot = rope_tables(cos_sin_ptr, pos, valid, ROT, IS_NEOX, BLOCK_D)
-        c, s = c[:, None, :], s[:, None, :]
-        first, is_rot = first[None, None, :], is_rot[None, None, :]
-        partner = partner[None, None, :]
+        valid, c, s, partner, first, is_rot = rope_tables(
+            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
         if tile < Q_TILES:
             _rotate_tile(query_ptr, q_stride, t, valid, tile * BLOCK_H, c, s, partner, first,
                          is_rot, NUM_Q_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
