@@ -48,10 +48,8 @@ CPU_DEFAULTS = {"num_heads": 8, "num_blocks": 16, "num_tokens": "2:256", "iters"
                 "graph_calls": 5}
 
 
-def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.ArgumentParser:
-    """The parser; ``suppress_defaults`` leaves unset flags out (to tell which ones were given)."""
-    def d(value):
-        return argparse.SUPPRESS if suppress_defaults else value
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The parser of the seed benchmark's flags."""
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -61,51 +59,51 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
                     f"`{prog} plot RESULTS.json --out PLOT.png` plots a saved --json file.",
     )
     seed = p.add_argument_group("vLLM's flags (same defaults and choices)")
-    seed.add_argument("--num-heads", type=int, default=d(128), help="KV heads (default: 128)")
+    seed.add_argument("--num-heads", type=int, default=128, help="KV heads (default: 128)")
     seed.add_argument("--head-size", type=int, choices=[64, 80, 96, 112, 120, 128, 192, 256],
-                      default=d(128), help="(default: 128)")
-    seed.add_argument("--block-size", type=int, choices=[16, 32], default=d(16),
+                      default=128, help="(default: 128)")
+    seed.add_argument("--block-size", type=int, choices=[16, 32], default=16,
                       help="(default: 16)")
-    seed.add_argument("--num-blocks", type=int, default=d(128 * 512), help="(default: 65536)")
-    seed.add_argument("--dtype", type=str, choices=list(DTYPES), default=d("bfloat16"),
+    seed.add_argument("--num-blocks", type=int, default=128 * 512, help="(default: 65536)")
+    seed.add_argument("--dtype", type=str, choices=list(DTYPES), default="bfloat16",
                       help="key/value dtype (default: bfloat16)")
     seed.add_argument("--kv-cache-dtype", type=str, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                      default=d("auto"), help="fp8 = fp8_e4m3 (default: auto)")
-    seed.add_argument("--iters", type=int, default=d(100),
+                      default="auto", help="fp8 = fp8_e4m3 (default: auto)")
+    seed.add_argument("--iters", type=int, default=100,
                       help="timed samples at most: replays (device timer) or calls (host-sync) "
                            "(default: 100)")
-    seed.add_argument("--implementation", type=str, default=d("cuda"),
+    seed.add_argument("--implementation", type=str, default="cuda",
                       help="a registered implementation (cuda, triton, torch, ...), a comma list, "
                            "or 'all' (those available on the device) (default: cuda; torch with "
                            "--device cpu)")
-    seed.add_argument("--mode", type=str, choices=["cudagraph", "no_graph"], default=d("cudagraph"),
+    seed.add_argument("--mode", type=str, choices=["cudagraph", "no_graph"], default="cudagraph",
                       help="(default: cudagraph)")
 
     more = p.add_argument_group("kvwrite's flags")
-    more.add_argument("--timer", choices=["device", "host-sync"], default=d("device"),
+    more.add_argument("--timer", choices=["device", "host-sync"], default="device",
                       help="device (default): CUDA events around a CUDA graph of --graph-calls "
                            "calls (around as many eager calls in no_graph mode), median per call; "
                            "host-sync: vLLM's host clock with a synchronize after each call")
-    more.add_argument("--hot-l2", action="store_true", default=d(False),
+    more.add_argument("--hot-l2", action="store_true", default=False,
                       help="the same inputs every call (vLLM's condition) instead of rotating "
                            "inputs and slot mappings past the L2")
-    more.add_argument("--graph-calls", type=int, default=d(20),
+    more.add_argument("--graph-calls", type=int, default=20,
                       help="calls per CUDA graph (or per eager run) for the device timer "
                            "(default: 20)")
-    more.add_argument("--time-budget", type=float, default=d(0.5), metavar="SECONDS",
+    more.add_argument("--time-budget", type=float, default=0.5, metavar="SECONDS",
                       help="timed seconds per point and implementation after which the device "
                            "timer stops (at least 10 samples, at most --iters; default: 0.5)")
-    more.add_argument("--layouts", type=str, default=d("NHD,HND"),
+    more.add_argument("--layouts", type=str, default="NHD,HND",
                       help="comma list of NHD, HND, packed (one [num_blocks, block_size, H, 2*D] "
                            "allocation, K = [..., :D], V = [..., D:]) (default: NHD,HND)")
-    more.add_argument("--num-tokens", type=str, default=d("2:65536"),
+    more.add_argument("--num-tokens", type=str, default="2:65536",
                       help="a list (1,2,64) or a range LO:HI of doublings (2:65536 = 2, 4, ..., "
                            "65536, the default)")
-    add_slot_flags(p, d)
+    add_slot_flags(p)
 
-    more.add_argument("--per-head-scale", action="store_true", default=d(False),
+    more.add_argument("--per-head-scale", action="store_true", default=False,
                       help="fp8: one scale per head (its amax over tokens and dims / 64)")
-    more.add_argument("--model", type=str.lower, choices=list(MODELS), default=d(None),
+    more.add_argument("--model", type=str.lower, choices=list(MODELS), default=None,
                       help="set --num-heads and --head-size to the model's KV heads and head "
                            "size; with --slots decode, prefill or mixed also the serving shape "
                            "(kvwrite.bench.models.ServingShape): T = 1..256 running sequences "
@@ -113,51 +111,50 @@ def build_parser(prog: str = PROG, suppress_defaults: bool = False) -> argparse.
                            "tokens + one chunk), contexts up to the model's context window, "
                            "prefill_len 2048; --num-tokens, --context-len, --prefill-len, "
                            "--decode-tokens and --decode-fraction given win")
-    more.add_argument("--tp", type=int, default=d(1),
+    more.add_argument("--tp", type=int, default=1,
                       help="tensor-parallel degree: divides the KV heads (one replicated head per "
                            "rank when it exceeds them) (default: 1)")
-    more.add_argument("--baseline", type=str, default=d(None),
+    more.add_argument("--baseline", type=str, default=None,
                       help="the implementation speedups are relative to (default: the first listed)")
-    more.add_argument("--no-check", dest="check", action="store_false", default=d(True),
+    more.add_argument("--no-check", dest="check", action="store_false", default=True,
                       help="skip the check against the torch reference before timing")
-    more.add_argument("--device", type=str, default=d("cuda"),
+    more.add_argument("--device", type=str, default="cuda",
                       help="cuda (default), cuda:N, or cpu (the torch implementation, CPU timings)")
-    more.add_argument("--verbose", action="store_true", default=d(False),
+    more.add_argument("--verbose", action="store_true", default=False,
                       help="add spread, bandwidth and status columns to the table")
-    more.add_argument("--json", type=str, default=d(None), metavar="PATH",
+    more.add_argument("--json", type=str, default=None, metavar="PATH",
                       help="write {meta, rows} (one row per measurement) as JSON")
-    more.add_argument("--csv", type=str, default=d(None), metavar="PATH",
+    more.add_argument("--csv", type=str, default=None, metavar="PATH",
                       help="write one line per measurement as CSV (last column: the command)")
-    more.add_argument("--plot", type=str, default=d(None), metavar="PATH.png",
+    more.add_argument("--plot", type=str, default=None, metavar="PATH.png",
                       help="plot latency and GB/s against num_tokens (needs matplotlib)")
     return p
 
 
-def add_slot_flags(parser: argparse.ArgumentParser, d=lambda value: value) -> None:
+def add_slot_flags(parser: argparse.ArgumentParser) -> None:
     """The slot-pattern flags (``--slots``, ``--pad-fraction``, ``--context-len``,
     ``--prefill-len``, ``--decode-fraction``, ``--decode-tokens``) as one group of ``parser``;
-    every benchmark subcommand adds them here. ``d`` wraps each default (the seed benchmark's
-    parser passes one that suppresses them, to tell which flags were given)."""
+    every benchmark subcommand adds them here."""
     g = parser.add_argument_group("slot patterns (which cache slots the T tokens write)")
-    g.add_argument("--slots", choices=PATTERNS, default=d("random"),
+    g.add_argument("--slots", choices=PATTERNS, default="random",
                    help="random: T unique random slots (vLLM's, the default); decode: T "
                         "sequences appending one token each at the next offset of their last "
                         "block; prefill: ceil(T / --prefill-len) sequences writing consecutive "
                         "offsets over whole blocks; mixed: decode tokens (--decode-tokens, else "
                         "--decode-fraction of T) then one prefill chunk. Blocks come from a "
                         "shuffled free list")
-    g.add_argument("--pad-fraction", type=float, default=d(0.0), metavar="F",
+    g.add_argument("--pad-fraction", type=float, default=0.0, metavar="F",
                    help="that fraction of the T slots are -1 padding at the end, as in a "
                         "CUDA-graph batch (default: 0)")
-    g.add_argument("--context-len", type=int, default=d(4096),
+    g.add_argument("--context-len", type=int, default=4096,
                    help="decode, mixed: contexts already cached are uniform in [0, this] "
                         "(capped so that every sequence's blocks fit) (default: 4096)")
-    g.add_argument("--prefill-len", type=int, default=d(512),
+    g.add_argument("--prefill-len", type=int, default=512,
                    help="prefill: new tokens per sequence (default: 512)")
-    g.add_argument("--decode-fraction", type=float, default=d(0.5),
+    g.add_argument("--decode-fraction", type=float, default=0.5,
                    help="mixed: the fraction of the tokens that are decode tokens "
                         "(default: 0.5)")
-    g.add_argument("--decode-tokens", type=int, default=d(None),
+    g.add_argument("--decode-tokens", type=int, default=None,
                    help="mixed: this many decode tokens (at most T) instead of "
                         "--decode-fraction: the running batch of a serving step")
 
@@ -192,8 +189,9 @@ def normalize_flags(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     """Parsed flags; ``explicit`` holds the names of the flags given on the command line."""
     argv = normalize_flags(argv)
-    args = build_parser(prog).parse_args(argv)
-    args.explicit = set(vars(build_parser(prog, suppress_defaults=True).parse_args(argv)))
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.explicit = given_flags(parser, argv)
     return args
 
 
