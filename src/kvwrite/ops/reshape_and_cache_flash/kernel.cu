@@ -62,7 +62,9 @@
 // memory round trip more per thread: the second 16-byte loads of K and V of 32-byte chunks
 // (H=8 T=4096 5.4 -> 6.0 us), V's load after K's conversion in 16-byte chunks (H=128 T=32
 // 2.1 -> 3.2 us, also with ld.volatile); it keeps loads above a branch. docs/tuning-log.md,
-// changes 28 and 31.
+// changes 28 and 31. The wider chunks also quantize by kvw/fp8.cuh's bracket (make_fp8_scale's
+// BRACKET = !FAST_SCALE), where the GPU converts to fp8 in hardware; div_rn then serves only
+// the threads whose bracket holds a rounding boundary (change 33).
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FIXED_ARGS_PROLOGUE()                                                               \
   {                                                                                             \

@@ -162,6 +162,12 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
   return r;
 }
 
+// The bracket's relative margin (a test sets 0 to show that its sweep catches a bracket too
+// narrow to hold x / s).
+#ifndef KVWRITE_FP8_BRACKET_MARGIN
+#define KVWRITE_FP8_BRACKET_MARGIN 0x1p-20f
+#endif
+
 // What fp8_quantize needs of scale s. BRACKET (in bracket builds): the bracket's reciprocals
 // only, from the hardware approximation of 1/s (within 1 ulp, so 2^-23 relative, inside the
 // 2^-20 margins: |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|); a thread computes the exact
@@ -170,12 +176,6 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
 // the bracket pays in the reshape kernel's 16- and 32-byte chunks (H=128 T=64 2.77 -> 2.36 us)
 // and costs elsewhere (8-byte chunks +1-4%, the MLA and fused RoPE kernels +4-15%), so only
 // those chunks ask for it.
-// The bracket's relative margin (a test sets 0 to show that its sweep catches a bracket too
-// narrow to hold x / s).
-#ifndef KVWRITE_FP8_BRACKET_MARGIN
-#define KVWRITE_FP8_BRACKET_MARGIN 0x1p-20f
-#endif
-
 template <bool BRANCH_FREE = true, bool BRACKET = false>
 KVW_HD Fp8Scale make_fp8_scale(float s) {
 #if KVW_FP8_BRACKET
