@@ -137,7 +137,7 @@ class SlotPattern:
         if self.kind == "decode" and None not in (num_tokens, num_blocks, block_size):
             n = num_tokens - self.num_padding(num_tokens)
             if n:
-                cap = min(self.max_context, num_blocks // n * block_size - 1)
+                cap = decode_context_cap(self.max_context, num_blocks, n, block_size)
                 if cap < self.max_context:
                     words += (f"; at T={num_tokens} the {num_blocks} blocks cap contexts at "
                               f"{max(cap, 0)}")
@@ -205,15 +205,22 @@ class BlockAllocator:
         return out
 
 
+def decode_context_cap(context_len: int, num_free_blocks: int, num_seqs: int,
+                       block_size: int) -> int:
+    """The longest context a decode batch of ``num_seqs`` sequences draws: at most
+    ``context_len``, and small enough that every sequence's blocks fit the free ones (negative
+    when not even one block each fits)."""
+    return min(context_len, num_free_blocks // num_seqs * block_size - 1)
+
+
 def _decode(alloc: BlockAllocator, num_seqs: int, context_len: int, block_size: int,
             rng: np.random.Generator) -> list[Sequence]:
     if num_seqs == 0:
         return []
-    per_seq = alloc.num_free // num_seqs
-    if per_seq < 1:
+    cap = decode_context_cap(context_len, alloc.num_free, num_seqs, block_size)
+    if cap < 0:
         raise ValueError(f"a decode batch of {num_seqs} sequences needs at least one block each, "
                          f"and {alloc.num_free} blocks are free: raise --num-blocks")
-    cap = min(context_len, per_seq * block_size - 1)
     contexts = rng.integers(0, cap, size=num_seqs, endpoint=True)
     seqs = []
     for c in contexts.tolist():
