@@ -22,6 +22,7 @@ from kvwrite.ops import rotary_embedding as rope_pkg
 from kvwrite.ops.fused_rope_and_reshape_cache_flash import reference as fused_ref
 from kvwrite.ops.rotary_embedding import reference as rope_ref
 from kvwrite.testing import assert_caches_equal
+from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.rope import FUSED_CASES, ROPE_CASES, RopeCase, RopeInputs, make_rope_inputs
 from oracle import oracle as cache_oracle
 
@@ -442,19 +443,6 @@ def test_check_positions():
 
 # --- torch.compile ------------------------------------------------------------------------------
 
-def _compiled_targets(fn, *args) -> list[str]:
-    graphs = []
-
-    def recording_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, fullgraph=True, backend=recording_backend)(*args)
-    return [str(n.target).removesuffix(".default") for g in graphs for n in g.graph.nodes
-            if n.op == "call_function"]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
 def test_torch_compile_sees_mutating_custom_ops(impl, device):
@@ -474,12 +462,12 @@ def test_torch_compile_sees_mutating_custom_ops(impl, device):
                                                    implementation=impl)
 
     inp = make_rope_inputs(case, device)
-    assert _compiled_targets(rotary, inp.positions, inp.query, inp.key,
+    assert compiled_targets(rotary, inp.positions, inp.query, inp.key,
                              inp.cos_sin_cache) == ["kvwrite.rotary_embedding"]
     inp = make_rope_inputs(case, device)
     fargs = (inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
              inp.value_cache, inp.slot_mapping)
-    assert _compiled_targets(fused, *fargs) == ["kvwrite.fused_rope_and_reshape_cache_flash"]
+    assert compiled_targets(fused, *fargs) == ["kvwrite.fused_rope_and_reshape_cache_flash"]
 
     # Through AOT autograd's functionalization, on fresh inputs: the mutations are kept.
     inp = make_rope_inputs(case, device)
