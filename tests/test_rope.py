@@ -171,6 +171,24 @@ def test_fused_matches_oracle(impl, case, device):
     assert_same_bytes(inp, _expected_fused(case))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_cuda_fused_large_call_build_matches_oracle(case):
+    """The register-bounded build that large calls take (CudaTuning.large_call_min_blocks),
+    forced for every call here, writes the oracle's bytes too."""
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
+    inp = _impl_inputs(FUSED, "cuda", case, "cuda")
+    q, k, v, query_out, cache_dtype = validate(*inp.fused_args(), **inp.fused_kwargs())
+    scales = (inp.k_scale, inp.v_scale) if cache_dtype.is_fp8 else (None, None)
+    if inp.positions.numel():
+        cuda_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
+                      inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
+                      case.rotate_key_in_place, query_out,
+                      tuning=cuda_impl.CudaTuning(large_call_bytes=0))
+    assert_same_bytes(inp, _expected_fused(case))
+
+
 def test_matrices_cover_the_contract():
     both = ROPE_CASES + FUSED_CASES
     assert {c.dtype for c in both} == {torch.float16, torch.bfloat16, torch.float32}
@@ -576,7 +594,8 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     assert len(bytes(obj.code)) > 0
     assert set(names) <= set(obj.symbol_mapping)
     # The launchers pass every scalar as a Python int (8 bytes): the kernels take int64s only,
-    # as many as the launchers pass (10 and 23), after the pointers.
+    # as many as the launchers pass (10 and 23), after the pointers; the fused kernel's names
+    # carry its register bound (1, or the large-call build's).
     for name in names:
         mangled = obj.symbol_mapping[name]
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled

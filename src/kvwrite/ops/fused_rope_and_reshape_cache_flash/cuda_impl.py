@@ -4,9 +4,10 @@ element conversion and fp8 rule ``kvw/vec_io.cuh`` and ``kvw/fp8.cuh`` (shared w
 reshape_and_cache_flash).
 
 Variants (template arguments): row dtype, table dtype, cache element kind (copy, float cast, fp8
-e4m3 or e5m2), unit width W, pairing, position and slot index types. W is chosen as for
-rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the caches' pointers
-and strides among the aligned ones. Launched on PyTorch's current stream; scales are read on the
+e4m3 or e5m2), unit width W, pairing, position and slot index types, and the minimum of
+resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large). W is
+chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
+caches' pointers and strides among the aligned ones. Launched on PyTorch's current stream; scales are read on the
 device; no allocation and no host sync per call (graph-safe).
 """
 
@@ -22,12 +23,31 @@ from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
-           "kernel_name"]
+           "kernel_name", "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
 _COPY, _E4M3, _E5M2 = 5, 3, 4
 _FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
+    one to :func:`run` (probes comparing variants, tests forcing a build)."""
+
+    # Calls that move at least large_call_bytes of query, key and value rows take the build with
+    # __launch_bounds__(256, large_call_min_blocks): 48 registers instead of 57 (8-16 bytes
+    # spilled), so 8 instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200,
+    # bfloat16, rotated L2 (docs/tuning-log.md change 34): T=16384 GQA auto 122.2 -> 116.6 us,
+    # fp8 NHD 116.1 -> 112.4, fp8 HND 123.9 -> 119.3, MHA fp8 HND 244.6 -> 234.9; T=4096 1-4%
+    # less; but T=16 0.03-0.13 us more, so small calls keep the unbounded build. 6 CTAs (40
+    # registers, 44-52 bytes spilled) was slower than either.
+    large_call_bytes: int = 4 << 20
+    large_call_min_blocks: int = 5
+
+
+TUNING = CudaTuning()
 
 
 def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
@@ -39,9 +59,9 @@ def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torc
 
 
 def kernel_name(in_kind: int, cs_kind: int, out_kind: int, w: int, neox: bool,
-                pos: torch.dtype, slot: torch.dtype) -> str:
+                pos: torch.dtype, slot: torch.dtype, min_blocks: int = 1) -> str:
     return (f"{KERNEL}<{in_kind}, {cs_kind}, {out_kind}, {w}, {str(neox).lower()}, "
-            f"{int_type(pos)}, {int_type(slot)}>")
+            f"{int_type(pos)}, {int_type(slot)}, {min_blocks}>")
 
 
 def all_kernel_names() -> list[str]:
@@ -64,6 +84,9 @@ def all_kernel_names() -> list[str]:
         for pos, slot in ((torch.int32, torch.int32), (torch.int64, torch.int32)):
             names.append(kernel_name(k, k, _COPY, widest, True, pos, slot))
             names.append(kernel_name(k, k, _E4M3, widest, False, pos, slot))
+        for out in (_COPY, _E4M3):  # the large-call build
+            names.append(kernel_name(k, f32, out, widest, True, torch.int64, torch.int64,
+                                     TUNING.large_call_min_blocks))
     return names
 
 
@@ -100,7 +123,7 @@ _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 
 def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-                slot_mapping, cache_dtype, query_out) -> _Launchable:
+                slot_mapping, cache_dtype, query_out, min_blocks) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -117,7 +140,7 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype),
                        _out_kind(cache_dtype, query.dtype, key_cache.dtype), w, is_neox,
-                       positions.dtype, slot_mapping.dtype)
+                       positions.dtype, slot_mapping.dtype, min_blocks)
     index = query.get_device()
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
@@ -132,7 +155,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
         value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, rotate_key_in_place: bool,
-        query_out: torch.Tensor | None) -> None:
+        query_out: torch.Tensor | None, *, tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     num_rot = positions.numel()
     if num_rot == 0:
@@ -147,11 +170,14 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
            slot_mapping.dtype, query.shape[1:], key.shape[1:], query.stride(0), qo.stride(0),
            key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
            cos_sin_cache.shape, align & 15, is_neox, query.get_device())
-    lau = _LAUNCHABLES.get(sig)
+    large = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
+        query.element_size() >= tuning.large_call_bytes
+    min_blocks = tuning.large_call_min_blocks if large else 1
+    lau = _LAUNCHABLES.get((sig, min_blocks))
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(query, key, value, positions, cos_sin_cache,
-                                              is_neox, key_cache, value_cache, slot_mapping,
-                                              cache_dtype, query_out)
+        lau = _LAUNCHABLES[sig, min_blocks] = _launchable(
+            query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
+            slot_mapping, cache_dtype, query_out, min_blocks)
     row, tpc, parts = lau.config
     config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
     if k_scale is None:

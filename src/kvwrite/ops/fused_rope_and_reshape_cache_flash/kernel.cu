@@ -1,6 +1,6 @@
 // kvwrite: fused_rope_and_reshape_cache_flash (SPEC §3): RoPE on query and key and the cache
 // write in one launch. Compiled at run time with NVRTC (cuda_impl.py), one module per
-// instantiation of fused_rope_cache_kernel<IN, CS, OUT, W, NEOX, PosT, SlotT>.
+// instantiation of fused_rope_cache_kernel<IN, CS, OUT, W, NEOX, PosT, SlotT, MIN_BLOCKS>.
 //
 // Work split as rotary_embedding's kernel: a token's work is (Hq + H) heads x units_per_head
 // units (kvw/rope.cuh); one thread per (token, head, unit), [tokens, units] CTAs. A query thread
@@ -16,8 +16,11 @@
 #include "kvw/slot.cuh"
 #include "kvw/rope.cuh"
 
-template <int IN, int CS, int OUT, int W, bool NEOX, typename PosT, typename SlotT>
-__global__ void __launch_bounds__(256) fused_rope_cache_kernel(
+// MIN_BLOCKS: __launch_bounds__'s minimum of resident CTAs (of at most 256 threads) per SM, 1 or
+// the large-call build's (cuda_impl.CudaTuning): a key thread holds its key and value chunks and
+// the table's entries at once, so this kernel takes 57 registers unbounded.
+template <int IN, int CS, int OUT, int W, bool NEOX, typename PosT, typename SlotT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     const PosT* __restrict__ positions,   // [T_rot]
     u8* query,                            // [T_pad, Hq, D]; token stride q_stride (elements)
     u8* query_out,                        // [T_pad, Hq, D]; token stride qo_stride (may be query)
