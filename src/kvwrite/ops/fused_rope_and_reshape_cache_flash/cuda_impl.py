@@ -7,8 +7,8 @@ Variants (template arguments): row dtype, table dtype, cache element kind (copy,
 e4m3 or e5m2), unit width W, pairing, position and slot index types, and the minimum of
 resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large). W is
 chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
-caches' pointers and strides among the aligned ones. Launched on PyTorch's current stream; scales are read on the
-device; no allocation and no host sync per call (graph-safe).
+caches' pointers and strides among the aligned ones. Launched on PyTorch's current stream; scales
+are read on the device; no allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
