@@ -37,12 +37,14 @@ class CudaTuning:
     one to :func:`run` (probes comparing variants, tests forcing a build)."""
 
     # Calls that move at least large_call_bytes of query, key and value rows take the build with
-    # __launch_bounds__(256, large_call_min_blocks): 48 registers instead of 57 (8-16 bytes
-    # spilled), so 8 instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200,
-    # bfloat16, rotated L2 (docs/tuning-log.md change 34): T=16384 GQA auto 122.2 -> 116.6 us,
-    # fp8 NHD 116.1 -> 112.4, fp8 HND 123.9 -> 119.3, MHA fp8 HND 244.6 -> 234.9; T=4096 1-4%
-    # less; but T=16 0.03-0.13 us more, so small calls keep the unbounded build. 6 CTAs (40
-    # registers, 44-52 bytes spilled) was slower than either.
+    # __launch_bounds__(256, large_call_min_blocks) whose key threads store the value before they
+    # rotate the key (kernel.cu's VALUE_FIRST): 48 registers instead of 57-62, none spilled, so 8
+    # instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200, bfloat16,
+    # rotated L2 (docs/tuning-log.md changes 34 and 35): T=16384 GQA auto 122.2 -> 115.5 us, fp8
+    # NHD 116.1 -> 108.2, fp8 HND 123.9 -> 114.3, MHA fp8 HND 244.6 -> 227.0; value-first alone
+    # takes T=4096 1-5% below the bound alone (fp8 the most). At T=16 the bound costs 0.03-0.13
+    # us and value-first 0.04-0.05 us, so small calls keep the unbounded build. 6 CTAs (40
+    # registers, spilled) was slower.
     large_call_bytes: int = 4 << 20
     large_call_min_blocks: int = 5
 
