@@ -172,10 +172,11 @@ def test_fused_matches_oracle(impl, case, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cta_threads", [64, 32])
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
-def test_cuda_fused_large_call_build_matches_oracle(case):
-    """The register-bounded build that large calls take (CudaTuning.large_call_min_blocks),
-    forced for every call here, writes the oracle's bytes too."""
+def test_cuda_fused_large_call_build_matches_oracle(case, cta_threads):
+    """The build that large calls take (register bound, value first, narrow CTAs), forced for
+    every call here, writes the oracle's bytes too; 32-thread CTAs split every case's tokens."""
     from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
     from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
     inp = _impl_inputs(FUSED, "cuda", case, "cuda")
@@ -185,8 +186,22 @@ def test_cuda_fused_large_call_build_matches_oracle(case):
         cuda_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
                       inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
                       case.rotate_key_in_place, query_out,
-                      tuning=cuda_impl.CudaTuning(large_call_bytes=0))
+                      tuning=cuda_impl.CudaTuning(large_call_bytes=0,
+                                                  large_call_cta_threads=cta_threads))
     assert_same_bytes(inp, _expected_fused(case))
+
+
+def test_cuda_fused_cta_shapes():
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
+    # GQA(32,8,128) bfloat16 neox: 8 units per head, 320 per token.
+    assert cuda_impl.cta_shape(320, None) == (160, 1, 2)       # small calls: launch_shape's
+    assert cuda_impl.cta_shape(320, 64) == (64, 1, 5)          # large calls: 2-warp CTAs
+    assert cuda_impl.cta_shape(512, 64) == (64, 1, 8)          # MHA(32,32,128)
+    assert cuda_impl.cta_shape(100, 64) == (64, 1, 2)          # the last CTA part-filled
+    assert cuda_impl.cta_shape(48, 64) == cuda_impl.cta_shape(48, None) == (48, 2, 1)
+    for bad in (0, 16, 48, 288, 64.0):
+        with pytest.raises(ValueError, match="large_call_cta_threads: expected a multiple of 32"):
+            cuda_impl.CudaTuning(large_call_cta_threads=bad)
 
 
 def test_matrices_cover_the_contract():

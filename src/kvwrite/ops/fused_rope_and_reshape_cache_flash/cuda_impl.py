@@ -5,7 +5,8 @@ reshape_and_cache_flash).
 
 Variants (template arguments): row dtype, table dtype, cache element kind (copy, float cast, fp8
 e4m3 or e5m2), unit width W, pairing, position and slot index types, and the minimum of
-resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large). W is
+resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large, which
+also take narrower CTAs and store the value before the key's rotation). W is
 chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
 caches' pointers and strides among the aligned ones. Launched on PyTorch's current stream; scales
 are read on the device; no allocation and no host sync per call (graph-safe).
@@ -23,7 +24,7 @@ from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
-           "kernel_name", "CudaTuning", "TUNING"]
+           "kernel_name", "cta_shape", "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
@@ -47,6 +48,30 @@ class CudaTuning:
     # registers, spilled) was slower.
     large_call_bytes: int = 4 << 20
     large_call_min_blocks: int = 5
+    # Large calls split a token's units into CTAs of large_call_cta_threads threads (a multiple
+    # of 32, at most 256) instead of launch_shape's near-even parts of up to 256 (GQA(32,8,128):
+    # 5 CTAs of 64 instead of 2 of 160, so no CTA mixes query and key warps; MHA: 8 of 64
+    # instead of 2 of 256). Measured, H200, rotated L2 (tuning-log change 36): T=16384 fp8 GQA
+    # HND 115.2 -> 109.9 us, MHA fp8 NHD 216.6 -> 210.0, MHA auto 255.3 -> 248.7, GQA auto 116.4
+    # -> 116.0; T=1536-4096 1-5% less; but GQA fp8 at T=768-1024 0.02-0.16 us more, and small
+    # GQA calls (T <= 64) 0.08-0.14 us more (MHA at T <= 16 0.25-0.34 us less), so small calls
+    # keep launch_shape's CTAs.
+    large_call_cta_threads: int = 64
+
+    def __post_init__(self):
+        c = self.large_call_cta_threads
+        if not (isinstance(c, int) and 32 <= c <= 256 and c % 32 == 0):
+            raise ValueError(f"large_call_cta_threads: expected a multiple of 32 in [32, 256], "
+                             f"got {c!r}")
+
+
+def cta_shape(units_per_token: int, cta_threads: int | None) -> tuple[int, int, int]:
+    """(threads per token row, tokens per CTA, CTAs per token) of a launch: launch_shape's, or
+    for cta_threads (the large-call build) CTAs of that many threads where a token has more
+    units than that."""
+    if cta_threads is not None and units_per_token > cta_threads:
+        return cta_threads, 1, -(-units_per_token // cta_threads)
+    return launch_shape(units_per_token)
 
 
 TUNING = CudaTuning()
@@ -125,7 +150,7 @@ _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 
 def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-                slot_mapping, cache_dtype, query_out, min_blocks) -> _Launchable:
+                slot_mapping, cache_dtype, query_out, min_blocks, cta_threads) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -137,7 +162,7 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
         raise ValueError("cuda: GPT-J pairing needs rows and caches aligned to 2 elements")
     per_head, rot_units = units(d, rot, is_neox, w)
     per_token = (hq + h) * per_head
-    row, tpc, parts = launch_shape(per_token)
+    row, tpc, parts = cta_shape(per_token, cta_threads)
     num_blocks, block_size = key_cache.shape[:2]
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype),
@@ -174,12 +199,12 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
            cos_sin_cache.shape, align & 15, is_neox, query.get_device())
     large = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
         query.element_size() >= tuning.large_call_bytes
-    min_blocks = tuning.large_call_min_blocks if large else 1
-    lau = _LAUNCHABLES.get((sig, min_blocks))
+    build = (tuning.large_call_min_blocks, tuning.large_call_cta_threads) if large else (1, None)
+    lau = _LAUNCHABLES.get((sig, build))
     if lau is None:
-        lau = _LAUNCHABLES[sig, min_blocks] = _launchable(
+        lau = _LAUNCHABLES[sig, build] = _launchable(
             query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-            slot_mapping, cache_dtype, query_out, min_blocks)
+            slot_mapping, cache_dtype, query_out, *build)
     row, tpc, parts = lau.config
     config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
     if k_scale is None:
