@@ -191,6 +191,17 @@ def test_cuda_fused_large_call_build_matches_oracle(case, cta_threads):
     assert_same_bytes(inp, _expected_fused(case))
 
 
+def test_cuda_launch_shapes():
+    from kvwrite.ops.rotary_embedding.cuda_impl import launch_shape
+    assert launch_shape(48) == (48, 2, 1)          # short rows: several tokens per CTA
+    assert launch_shape(200) == (200, 1, 1)
+    assert launch_shape(256) == (256, 1, 1)
+    assert launch_shape(320) == (160, 1, 2)        # GQA(32,8,128) bfloat16 neox: near-even
+    assert launch_shape(512) == (128, 1, 4)        # MHA(32,32,128): 128-thread tiles
+    assert launch_shape(640) == (128, 1, 5)
+    assert launch_shape(600) == (200, 1, 3)
+
+
 def test_cuda_fused_cta_shapes():
     from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
     # GQA(32,8,128) bfloat16 neox: 8 units per head, 320 per token.
