@@ -860,6 +860,15 @@ def test_bench_rope_check_catches_a_write_of_padding(monkeypatch):
     assert reason is not None and reason.startswith("key_cache: ")
 
 
+def test_bench_rope_rotation_flushes_when_the_sets_are_small():
+    from kvwrite.bench.rope import MAX_SETS, rotation
+    l2 = 50 << 20
+    assert rotation(True, 1000, l2) == (1, False)                # hot: one set, no flush
+    assert rotation(False, 60 << 20, l2) == (2, False)           # sets past 2x the L2
+    assert rotation(False, 40 << 20, l2) == (3, False)
+    assert rotation(False, 57_000, l2) == (MAX_SETS, True)       # T=1: all sets fit: flush too
+
+
 def test_bench_rope_model_takes_the_serving_shape():
     from kvwrite.bench import rope as bench_rope
     from kvwrite.bench.cli import given_flags

@@ -16,8 +16,9 @@ written back when ``k`` = 1, value read, both caches written, a table row, posit
 the pair reads the key once more: ``+ T*H*D*e``; rotary alone ``T*(2*(Hq + H)*D*e + rot*t + p)``.
 ``pair bytes / fused bytes`` is the most the fusion can gain once both are bandwidth-bound.
 
-By default the inputs rotate over enough sets to exceed twice the L2 (cold L2); ``--hot-l2``
-uses the same inputs every call (vLLM's condition).
+By default the inputs rotate over enough sets to exceed twice the L2 (cold L2; at most 64
+sets, and when those are smaller, at small T, the L2 is flushed before each timed run as
+well); ``--hot-l2`` uses the same inputs every call (vLLM's condition).
 
 Slots and positions: ``--slots`` (:mod:`kvwrite.bench.slots`) picks the slots; with decode,
 prefill or mixed each token's position is its place in its sequence (decode: its context length;
@@ -60,6 +61,7 @@ __all__ = ["RopeRow", "main", "vllm_main", "point_bytes"]
 
 SEED = 42
 NUM_BLOCKS = 256
+MAX_SETS = 64  # input sets at most per point for a rotated L2 (rotation)
 # --model with a sequence slot pattern on a GPU: the seed benchmark's (vLLM's) cache size, so that
 # decode contexts are not capped by the blocks each sequence can own.
 SERVING_NUM_BLOCKS = 128 * 512
@@ -246,6 +248,17 @@ def _check(p: Point, impl: str, kind: str, device, table, scales) -> str | None:
     return None
 
 
+def rotation(hot: bool, per_set: int, l2: int) -> tuple[int, bool]:
+    """(input sets a point's calls rotate over, flush the L2 before each timed run). Rotated
+    ("cold") L2: the sets together exceed twice the L2, at most MAX_SETS of them; when that many
+    are smaller (small T), the L2 is flushed before each timed run as well, as the other
+    benchmarks do."""
+    if hot:
+        return 1, False
+    sets = min(MAX_SETS, max(1, -(-2 * l2 // max(per_set, 1))))
+    return sets, sets * per_set < 2 * l2
+
+
 def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw: float,
             env_device: str) -> list[RopeRow]:
     gen = torch.Generator(device=device).manual_seed(SEED)
@@ -253,8 +266,10 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
     scales = (None, None)
     if p.cache_dtype.is_fp8:
         scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
-    per_set = point_bytes(p, "pair")
-    count = 1 if args.hot_l2 else max(1, min(64, -(-2 * l2_bytes(device) // max(per_set, 1))))
+    count, flush = rotation(args.hot_l2, point_bytes(p, "pair"), l2_bytes(device))
+    flush_buf = None
+    if flush and device.type == "cuda":
+        flush_buf = torch.empty(2 * l2_bytes(device), dtype=torch.uint8, device=device)
     try:
         sets = _make_sets(p, count, device, gen)
     except ValueError as e:  # the slot pattern does not fit the cache
@@ -287,7 +302,8 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
                         call = _callers(p, impl, kind, sets, caches, table, scales)
                         if device.type == "cuda":
                             timing = time_device(call, args.graph_calls, args.iters,
-                                                 graph=args.graph, budget_s=args.time_budget)
+                                                 graph=args.graph, flush=flush_buf,
+                                                 budget_s=args.time_budget)
                         else:
                             timing = time_cpu(call, args.graph_calls, args.iters,
                                               budget_s=args.time_budget)
@@ -475,7 +491,9 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
     top = max(args.num_tokens)
     header = [
         f"{dev}, torch {torch.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s, device timer "
-        f"({args.graph_calls} calls per CUDA graph, median), L2 {'hot' if args.hot_l2 else 'rotated'}",
+        f"({args.graph_calls} calls per CUDA graph, median), L2 "
+        + ("hot" if args.hot_l2 else
+           "rotated (input sets past 2x the L2; flushed before each run when fewer)"),
         "slots: " + pattern.explain(top, max(args.num_blocks, -(-2 * top // args.block_size)),
                                     args.block_size),
         "positions: " + (f"uniform random in [0, {args.max_position})" if pattern.kind == "random"
