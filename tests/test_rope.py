@@ -191,6 +191,37 @@ def test_cuda_fused_large_call_build_matches_oracle(case, cta_threads):
     assert_same_bytes(inp, _expected_fused(case))
 
 
+# Rows long enough for several CTAs per token (GQA(32,8,128): 2 of 160 threads; MHA: 4 of 128).
+LONG_ROW_CASES = [
+    RopeCase(num_q_heads=32, num_heads=8, head_size=128),
+    RopeCase(num_q_heads=32, num_heads=32, head_size=128, bad_positions=2),
+    RopeCase(num_q_heads=32, num_heads=8, head_size=128, dtype=torch.float16, is_neox=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ROPE_CASES + LONG_ROW_CASES, ids=lambda c: c.id)
+def test_cuda_rotary_large_call_grid_matches_oracle(case):
+    """The 1-D grid that large calls take (CudaTuning.linear_grid_bytes), forced for every call
+    here (cases of several tokens per CTA keep their grid), writes the oracle's bytes too."""
+    from kvwrite.ops.rotary_embedding import cuda_impl
+    from kvwrite.ops.rotary_embedding.op import validate
+    inp = _impl_inputs(ROPE, "cuda", case, "cuda")
+    q, k = validate(*inp.rotary_args())
+    if inp.positions.numel():
+        cuda_impl.run(inp.positions, q, k, inp.cos_sin_cache, case.is_neox,
+                      tuning=cuda_impl.CudaTuning(linear_grid_bytes=0))
+    assert_same_bytes(inp, _expected_rotary(case))
+
+
+def test_long_row_cases_span_several_ctas():
+    from kvwrite.ops.rotary_embedding.cuda_impl import launch_shape, units
+    for case in LONG_ROW_CASES:
+        w = 16 // case.dtype.itemsize
+        per_head, _ = units(case.head_size, case.rot_dim or case.head_size, case.is_neox, w)
+        assert launch_shape((case.num_q_heads + case.num_heads) * per_head)[2] >= 2
+
+
 def test_cuda_launch_shapes():
     from kvwrite.ops.rotary_embedding.cuda_impl import launch_shape
     assert launch_shape(48) == (48, 2, 1)          # short rows: several tokens per CTA

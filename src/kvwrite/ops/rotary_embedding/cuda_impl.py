@@ -2,12 +2,12 @@
 (kvwrite.kernels.nvrtc); the rotation lives in ``kvw/rope.cuh``, shared with the fused op.
 
 Variants (template arguments): row dtype IN, table dtype CS, unit width W (elements per access),
-pairing (neox or GPT-J) and position index type. W is the widest of ``16 / element size`` down to
-1 whose accesses are all aligned: W divides rot_dim/2 (neox) or rot_dim with W even (GPT-J), and
-head_size - rot_dim; data pointers and token strides are multiples of W elements, the table's
-pointer of its entries per unit. GPT-J rows that allow no even W (odd strides) are refused with
-that reason. Launched on PyTorch's current stream; no allocation and no host sync per call
-(graph-safe).
+pairing (neox or GPT-J), position index type, and LINEAR, the large-call grid (``CudaTuning``).
+W is the widest of ``16 / element size`` down to 1 whose accesses are all aligned: W divides
+rot_dim/2 (neox) or rot_dim with W even (GPT-J), and head_size - rot_dim; data pointers and
+token strides are multiples of W elements, the table's pointer of its entries per unit. GPT-J
+rows that allow no even W (odd strides) are refused with that reason. Launched on PyTorch's
+current stream; no allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from ...kernels import nvrtc
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
-           "kind", "all_kernel_names", "kernel_name", "int_type"]
+           "kind", "all_kernel_names", "kernel_name", "int_type", "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
 KERNEL = "rotary_embedding_kernel"
@@ -90,8 +90,10 @@ def launch_shape(units_per_token: int, max_threads: int = 256, small_row_threads
     return -(-c // parts), 1, parts
 
 
-def kernel_name(in_kind: int, cs_kind: int, w: int, neox: bool, pos: torch.dtype) -> str:
-    return f"{KERNEL}<{in_kind}, {cs_kind}, {w}, {str(neox).lower()}, {int_type(pos)}>"
+def kernel_name(in_kind: int, cs_kind: int, w: int, neox: bool, pos: torch.dtype,
+                linear: bool = False) -> str:
+    return (f"{KERNEL}<{in_kind}, {cs_kind}, {w}, {str(neox).lower()}, {int_type(pos)}, "
+            f"{str(linear).lower()}>")
 
 
 def all_kernel_names() -> list[str]:
@@ -106,7 +108,27 @@ def all_kernel_names() -> list[str]:
                         for pos in (torch.int64, torch.int32):
                             names.append(kernel_name(in_kind, cs_kind, w, neox, pos))
                 w //= 2
+            # the large-call build
+            names.append(kernel_name(in_kind, cs_kind, 16 // in_dt.itemsize, True, torch.int64,
+                                     True))
     return names
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`."""
+
+    # Calls with at least linear_grid_bytes of query and key rows, one token per CTA, launch a
+    # 1-D grid with a token's CTAs adjacent (kernel.cu's LINEAR) instead of a [tokens, parts]
+    # grid, whose launch order runs through every token's first part before any second one.
+    # Measured, H200, bfloat16, rotated L2 (docs/tuning-log.md change 38): GQA(32,8,128) T=16384
+    # 86.2 -> 84.3 us, T=4096 23.3 -> 23.0; MHA(32,32,128) 139.0 -> 134.3, 36.0 -> 35.4; equal at
+    # T=3072 (GQA 31 MB, MHA 50 MB), 0.5-2.5% slower at 1024-2048 and 0.13-0.15 us at T=16 (its
+    # two divisions come first on the latency path).
+    linear_grid_bytes: int = 32 << 20
+
+
+TUNING = CudaTuning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +159,7 @@ def _width(query, key, cos_sin_cache, is_neox) -> int:
                       cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
 
 
-def _launchable(positions, query, key, cos_sin_cache, is_neox) -> _Launchable:
+def _launchable(positions, query, key, cos_sin_cache, is_neox, linear) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -149,17 +171,19 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox) -> _Launchable:
     per_token = (hq + h) * per_head
     row, tpc, parts = launch_shape(per_token)
     index = query.get_device()
-    name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype)
+    linear = linear and tpc == 1
+    name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype,
+                       linear)
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
-    return _Launchable(kernel, (row, tpc, parts), index,
+    return _Launchable(kernel, (row, tpc, parts, linear), index,
                        (hq, d, rot, per_head, rot_units, per_token))
 
 
 def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
-        cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+        cos_sin_cache: torch.Tensor, is_neox: bool, *, tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     num_rot = positions.numel()
     if num_rot == 0:
@@ -170,11 +194,17 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
            None if key is None else key.shape[1], query.stride(0),
            None if key is None else key.stride(0), cos_sin_cache.shape,
            (qp | kp | cos_sin_cache.data_ptr()) & 15, is_neox, query.get_device())
-    lau = _LAUNCHABLES.get(sig)
+    heads = query.shape[1] + (0 if key is None else key.shape[1])
+    large = num_rot * heads * query.shape[2] * query.element_size() >= tuning.linear_grid_bytes
+    lau = _LAUNCHABLES.get((sig, large))
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(positions, query, key, cos_sin_cache, is_neox)
-    row, tpc, parts = lau.config
-    config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
+        lau = _LAUNCHABLES[sig, large] = _launchable(positions, query, key, cos_sin_cache,
+                                                     is_neox, large)
+    row, tpc, parts, linear = lau.config
+    if linear:
+        config = nvrtc.launch_config(num_rot * parts, 1, row, 1)
+    else:
+        config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
     nvrtc.launch(lau.device_index, config, lau.kernel, positions.data_ptr(), qp, kp or qp,
                  cos_sin_cache.data_ptr(), num_rot, query.stride(0),
                  0 if key is None else key.stride(0), cos_sin_cache.shape[0], *lau.tail)

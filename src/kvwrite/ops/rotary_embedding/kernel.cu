@@ -1,16 +1,18 @@
 // kvwrite: rotary_embedding (SPEC §3), in place. Compiled at run time with NVRTC (cuda_impl.py),
-// one module per instantiation of rotary_embedding_kernel<IN, CS, W, NEOX, PosT>.
+// one module per instantiation of rotary_embedding_kernel<IN, CS, W, NEOX, PosT, LINEAR>.
 //
 // Work split: a token's work is (Hq + H) heads x units_per_head units (kvw/rope.cuh). A CTA is a
 // [blockDim.y tokens, blockDim.x units] grid of threads: several tokens per CTA when a token has
-// few units, grid.y CTAs per token when it has many. Each thread loads its token's position, and
-// (for a position inside the table) its chunk(s) and table entries, rotates and stores back.
+// few units, grid.y CTAs per token when it has many. LINEAR (large calls, one token per CTA): a
+// 1-D grid of tokens x parts CTAs, a token's parts adjacent in launch order (cuda_impl.py). Each
+// thread loads its token's position, and (for a position inside the table) its chunk(s) and
+// table entries, rotates and stores back.
 // Pass-through units have nothing to do in place. No loops, no shared memory.
 #include "kvw/common.cuh"
 #include "kvw/vec_io.cuh"
 #include "kvw/rope.cuh"
 
-template <int IN, int CS, int W, bool NEOX, typename PosT>
+template <int IN, int CS, int W, bool NEOX, typename PosT, bool LINEAR>
 __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     const PosT* __restrict__ positions,  // [T_rot]
     u8* query,                 // [T_pad, Hq, D]; token stride q_stride (elements)
@@ -20,8 +22,17 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
     i64 units_per_token) {
   constexpr int IB = elem_bytes(IN);
-  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
+  i64 t;
+  u32 c;
+  if constexpr (LINEAR) {  // blockIdx.x = token * parts + part, blockDim.y = 1
+    const u32 parts = (static_cast<u32>(units_per_token) + blockDim.x - 1) / blockDim.x;
+    const u32 tok = blockIdx.x / parts;
+    t = tok;
+    c = (blockIdx.x - tok * parts) * blockDim.x + threadIdx.x;
+  } else {
+    t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
+    c = blockIdx.y * blockDim.x + threadIdx.x;
+  }
   if (t >= num_rot || c >= static_cast<u64>(units_per_token)) return;
   const i64 p = static_cast<i64>(positions[t]);
   const u32 j = c / static_cast<u32>(units_per_head);
