@@ -892,12 +892,13 @@ def test_bench_rope_check_catches_a_write_of_padding(monkeypatch):
 
 
 def test_bench_rope_rotation_flushes_when_the_sets_are_small():
-    from kvwrite.bench.rope import MAX_SETS, rotation
+    from kvwrite.bench.rope import MAX_SETS
+    from kvwrite.bench.timing import l2_rotation
     l2 = 50 << 20
-    assert rotation(True, 1000, l2) == (1, False)                # hot: one set, no flush
-    assert rotation(False, 60 << 20, l2) == (2, False)           # sets past 2x the L2
-    assert rotation(False, 40 << 20, l2) == (3, False)
-    assert rotation(False, 57_000, l2) == (MAX_SETS, True)       # T=1: all sets fit: flush too
+    assert l2_rotation(True, 1000, l2, MAX_SETS) == (1, False)           # hot: one set, no flush
+    assert l2_rotation(False, 60 << 20, l2, MAX_SETS) == (2, False)      # sets past 2x the L2
+    assert l2_rotation(False, 40 << 20, l2, MAX_SETS) == (3, False)
+    assert l2_rotation(False, 57_000, l2, MAX_SETS) == (MAX_SETS, True)  # T=1: flush too
 
 
 def test_bench_rope_model_takes_the_serving_shape():

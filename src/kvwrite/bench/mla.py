@@ -225,14 +225,6 @@ def _check(run, cache: torch.Tensor, s: _Set, mode: MlaMode, scale) -> str | Non
     return f"{int(bad.sum())} cache bytes differ from the reference (first: slot {first // e})"
 
 
-def _rotation(hot: bool, per_set: int, calls: int, l2: int) -> tuple[int, bool]:
-    """(input sets to rotate over, flush the L2 before each timed run)."""
-    if hot:
-        return 1, False
-    sets = min(calls, max(1, math.ceil(2 * l2 / per_set)))
-    return sets, sets * per_set < 2 * l2
-
-
 def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: None):
     env = _env(device)
     pattern = slot_pattern(args)
@@ -269,7 +261,7 @@ def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: N
                             f"skipped: num_tokens {T} exceeds num_blocks * block_size = {num_slots}"}))
             continue
         per_set = T * ((L + P) * dtype.itemsize + 8)
-        count, flush = _rotation(args.hot_l2 or cpu, per_set, args.graph_calls, l2)
+        count, flush = timing.l2_rotation(args.hot_l2 or cpu, per_set, l2, args.graph_calls)
         try:
             sets = make_sets(T, L, P, dtype, args.strided, args.num_blocks, args.block_size,
                              count, device, pattern)

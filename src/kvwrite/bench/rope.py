@@ -55,13 +55,13 @@ from . import report
 from .cli import add_slot_flags, check_output_paths, given_flags, slot_pattern
 from .models import MODELS, get_model, serving_flags
 from .slots import SlotPattern, make_slots
-from .timing import copy_bandwidth, l2_bytes, time_cpu, time_device
+from .timing import copy_bandwidth, l2_bytes, l2_rotation, time_cpu, time_device
 
 __all__ = ["RopeRow", "main", "vllm_main", "point_bytes"]
 
 SEED = 42
 NUM_BLOCKS = 256
-MAX_SETS = 64  # input sets at most per point for a rotated L2 (rotation)
+MAX_SETS = 64  # input sets at most per point for a rotated L2 (timing.l2_rotation)
 # --model with a sequence slot pattern on a GPU: the seed benchmark's (vLLM's) cache size, so that
 # decode contexts are not capped by the blocks each sequence can own.
 SERVING_NUM_BLOCKS = 128 * 512
@@ -248,17 +248,6 @@ def _check(p: Point, impl: str, kind: str, device, table, scales) -> str | None:
     return None
 
 
-def rotation(hot: bool, per_set: int, l2: int) -> tuple[int, bool]:
-    """(input sets a point's calls rotate over, flush the L2 before each timed run). Rotated
-    ("cold") L2: the sets together exceed twice the L2, at most MAX_SETS of them; when that many
-    are smaller (small T), the L2 is flushed before each timed run as well, as the other
-    benchmarks do."""
-    if hot:
-        return 1, False
-    sets = min(MAX_SETS, max(1, -(-2 * l2 // max(per_set, 1))))
-    return sets, sets * per_set < 2 * l2
-
-
 def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw: float,
             env_device: str) -> list[RopeRow]:
     gen = torch.Generator(device=device).manual_seed(SEED)
@@ -266,10 +255,11 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
     scales = (None, None)
     if p.cache_dtype.is_fp8:
         scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
-    count, flush = rotation(args.hot_l2, point_bytes(p, "pair"), l2_bytes(device))
+    l2 = l2_bytes(device)
+    count, flush = l2_rotation(args.hot_l2, point_bytes(p, "pair"), l2, MAX_SETS)
     flush_buf = None
     if flush and device.type == "cuda":
-        flush_buf = torch.empty(2 * l2_bytes(device), dtype=torch.uint8, device=device)
+        flush_buf = torch.empty(2 * l2, dtype=torch.uint8, device=device)
     try:
         sets = _make_sets(p, count, device, gen)
     except ValueError as e:  # the slot pattern does not fit the cache

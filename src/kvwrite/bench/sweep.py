@@ -136,18 +136,10 @@ def available_memory(device: torch.device) -> int | None:
 # --- L2 rotation and memory -----------------------------------------------------------------------
 
 def rotation(cfg: Config, shape: Case, num_tokens: int, l2: int) -> tuple[int, bool]:
-    """(input sets to rotate over, flush L2 before each timed run).
-
-    Cold L2 means that no call finds its inputs in L2: the sets a run rotates over must together
-    exceed the L2 (2x, for its imperfect LRU). Up to ``graph_calls`` sets are made; when even that
-    many are smaller than 2x the L2, the L2 is flushed before each run as well.
-    """
-    if cfg.l2_condition != "rotated":
-        return 1, False
-    target = 2 * l2
-    per_set = shape.set_bytes(num_tokens)
-    sets = min(cfg.graph_calls, max(1, math.ceil(target / per_set)))
-    return sets, sets * per_set < target
+    """(input sets to rotate over, flush L2 before each timed run): :func:`timing.l2_rotation`
+    for a rotated L2, with up to ``graph_calls`` sets."""
+    return timing.l2_rotation(cfg.l2_condition != "rotated", shape.set_bytes(num_tokens), l2,
+                              cfg.graph_calls)
 
 
 def _point_bytes(cfg: Config, shape: Case, num_tokens: int, l2: int) -> int:

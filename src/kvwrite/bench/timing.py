@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["Timing", "time_device", "time_host_sync", "time_cpu", "copy_bandwidth", "l2_bytes",
-           "MIN_SAMPLES"]
+           "l2_rotation", "MIN_SAMPLES"]
 
 # Fewer samples than this make p20/p80 meaningless; below it the time budget is ignored.
 MIN_SAMPLES = 10
@@ -196,6 +196,17 @@ def graph_copy_bandwidth(device: torch.device, nbytes: int, rotate_bytes: int = 
         dst.copy_(src)
 
     return 2 * nbytes / time_device(call, calls, iters, graph=True).median
+
+
+def l2_rotation(hot: bool, per_set: int, l2: int, max_sets: int) -> tuple[int, bool]:
+    """(input sets a run rotates over, flush the L2 before each timed run), the benchmarks' one
+    rule. Hot: one set. Cold: no call may find its inputs in the L2, so the sets together exceed
+    twice the L2 (its LRU is imperfect), at most ``max_sets`` of them; when that many are still
+    smaller (small calls), the L2 is flushed before each run as well."""
+    if hot:
+        return 1, False
+    sets = min(max_sets, max(1, -(-2 * l2 // max(per_set, 1))))
+    return sets, sets * per_set < 2 * l2
 
 
 def l2_bytes(device: torch.device) -> int:
