@@ -8,6 +8,7 @@ and the workload model (:mod:`kvwrite.bench.workload`).
     kvwrite-bench probe l2-follow  [...]            # what a call leaves in the L2
     kvwrite-bench probe sanitize                    # the memcheck cases (= kvwrite-bench sanitize)
     kvwrite-bench probe mla                         # concat_and_cache_mla's launch variants
+    kvwrite-bench probe mla-pattern                 # ... its slot patterns and entry alignment
 
 Each prints its table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed
 check, 2 for a usage error or where a probe cannot run (no GPU: one line on stderr).
@@ -31,6 +32,7 @@ PROBES = {
     "l2-follow": ("l2_follow", "a follower kernel's time right after a call (L2 effects)"),
     "sanitize": ("sanitize", "the compute-sanitizer cases through both CUDA kernels"),
     "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
+    "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
 }
 
 
