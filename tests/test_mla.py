@@ -26,6 +26,7 @@ from kvwrite.testing.mla import (
     MlaCase,
     assert_mla_caches_equal,
     clone_cache,
+    ds_midpoint_tiles,
     every_16_bit_pattern_tiles,
     make_mla_inputs,
 )
@@ -189,6 +190,79 @@ def test_gpu_every_16_bit_input_ds_mla(impl, dtype):
     kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
     kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation=impl)
     assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
+def _midpoint_inputs(dtype, device):
+    kv_c = ds_midpoint_tiles(dtype).to(device)
+    k_pe = kv_c[:, 64:128].flip(0).contiguous()
+    cache = kvwrite.create_mla_cache(1, 64, 512, 64, "fp8_ds_mla", dtype, device)
+    storage_bytes(cache).copy_(torch.randint(0, 256, (cache.numel(),), dtype=torch.uint8))
+    slots = torch.randperm(64)[:kv_c.shape[0]].to(device)
+    return kv_c, k_pe, cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_ds_midpoint_tiles_match_oracle(dtype):
+    """Quotients exactly on e4m3 rounding boundaries: the reference rounds them to nearest even."""
+    kv_c, k_pe, cache, slots = _midpoint_inputs(dtype, "cpu")
+    want = clone_cache(cache)
+    mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation="torch")
+    assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
+def _ds_cuda_build(bracket: bool, macros=()):
+    """cuda_impl.run with fp8_ds_mla's bracket build forced on or off (and extra NVRTC macros),
+    and a fresh build cache."""
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    tuning = cuda_impl.CudaTuning(ds_bracket_bytes=0 if bracket else 2**62)
+    src, launchables = cuda_impl.SOURCE, cuda_impl._LAUNCHABLES
+    kernel = type(src).kernel
+
+    def run(kv_c, k_pe, cache, slots):
+        saved = dict(launchables)
+        launchables.clear()
+        src.kernel = lambda arch, name, m=(): kernel(src, arch, name, tuple(m) + tuple(macros))
+        try:
+            cuda_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=tuning)
+            torch.cuda.synchronize()
+        finally:
+            del src.kernel
+            src._kernels.clear()
+            launchables.clear()
+            launchables.update(saved)
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bracket", [True, False], ids=["bracket", "quotient"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_ds_mla_cuda_builds_on_every_16_bit_input_and_midpoints(dtype, bracket):
+    """Both quantizer builds of the cuda fp8_ds_mla kernel (large calls take the bracket, small
+    ones the quotient), forced on every 16-bit input and on quotients exactly at and next to the
+    e4m3 rounding boundaries, against the reference."""
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    run = _ds_cuda_build(bracket)
+    for make in (_pattern_inputs, _midpoint_inputs):
+        kv_c, k_pe, cache, slots = make(dtype, "cuda")
+        want = clone_cache(cache)
+        kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
+        run(kv_c, k_pe, cache, slots)
+        assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
+@pytest.mark.gpu
+def test_gpu_ds_mla_midpoints_catch_an_inexact_quotient():
+    """The midpoint tiles fail a build that multiplies by the reciprocal of the scale instead of
+    dividing (about 730 of their codes differ on the CPU), so the test above can fail."""
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    kv_c, k_pe, cache, slots = _midpoint_inputs(torch.bfloat16, "cuda")
+    want = clone_cache(cache)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
+    _ds_cuda_build(False, ("KVWRITE_PROBE_INEXACT_QUOTIENT",))(kv_c, k_pe, cache, slots)
+    assert (storage_bytes(cache) != storage_bytes(want)).sum() > 100
 
 
 @pytest.mark.gpu
@@ -521,7 +595,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     from kvwrite.ops.concat_and_cache_mla import cuda_impl
     names = cuda_impl.all_kernel_names()
     obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 90 and len(bytes(obj.code)) > 0
+    assert len(names) == 110 and len(bytes(obj.code)) > 0  # 20 of them fp8_ds_mla bracket builds
 
 
 @needs_nvrtc
@@ -530,17 +604,18 @@ def test_nvrtc_compiles_specialized_builds():
     for case in (MlaCase(kv_cache_dtype="fp8_ds_mla"), MlaCase(kv_cache_dtype="fp8"),
                  MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3, block_size=7)):
         inp = make_mla_inputs(case)
-        p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
-        obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
-        assert len(bytes(obj.code)) > 0
+        for tuning in (cuda_impl.TUNING, cuda_impl.CudaTuning(small_call_bytes=0, ds_bracket_bytes=0)):
+            p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode, tuning)
+            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+            assert len(bytes(obj.code)) > 0
     with pytest.raises(RuntimeError, match="9 values"):
         cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
 
 
 @pytest.mark.parametrize("case, name, vec, align", [
-    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long>", 0, 16),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long, false>", 0, 16),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", dtype=torch.float16, cache_pad=4, slot_dtype=torch.int32),
-     "concat_and_cache_ds_mla_kernel<0, 4, int>", 0, 4),
+     "concat_and_cache_ds_mla_kernel<0, 4, int, false>", 0, 4),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", cache_offset=1, cache_pad=2), None, 0, 1),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", latent_slices=True, latent_pad=1), None, 0, 2),
     (MlaCase(kv_cache_dtype="auto"), "concat_and_cache_mla_kernel<0, 5, 8, long long>", 8, 0),
@@ -576,6 +651,18 @@ def test_cuda_plan_wider_fp8_chunks_for_large_calls():
                                        2, cuda_impl.CudaTuning(small_call_bytes=n - 1))
 
 
+def test_cuda_plan_bracket_for_large_ds_mla_calls():
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    case = MlaCase(kv_cache_dtype="fp8_ds_mla")
+    inp = make_mla_inputs(case)
+    args = (inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+    n = inp.slot_mapping.numel() * (case.kv_lora_rank + case.pe_dim) * 2
+    assert cuda_impl.plan(*args).name.endswith(", false>")  # a small call: the quotient
+    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n - 1)).name.endswith(", true>")
+    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n)).name.endswith(", false>")
+    assert cuda_impl.ds_uses_bracket(65536, 512, 64, 2)  # the benchmark's large calls
+
+
 def test_cuda_unavailable_on_cpu_says_why():
     assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
 
@@ -586,7 +673,7 @@ def test_cuda_unavailable_on_cpu_says_why():
                          ids=lambda c: c.id)
 def test_gpu_generic_cuda_kernels(case, small_call_bytes):
     """The unspecialized builds (runtime arguments) over part of the matrix, with the small-call
-    plan (these cases' default) and the large calls' one."""
+    plan (these cases' default) and the large calls' one (fp8_ds_mla: the bracket build)."""
     from kvwrite.ops.concat_and_cache_mla import cuda_impl
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
@@ -596,7 +683,8 @@ def test_gpu_generic_cuda_kernels(case, small_call_bytes):
         cuda_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
                       inp.scale if case.mode.uses_scale else None,
                       tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128,
-                                                  small_call_bytes=small_call_bytes))
+                                                  small_call_bytes=small_call_bytes,
+                                                  ds_bracket_bytes=small_call_bytes))
     assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
 
 

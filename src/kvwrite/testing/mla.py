@@ -16,7 +16,8 @@ from .cases import reciprocal_traps
 from .compare import differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache",
-           "assert_mla_caches_equal", "mla_differing_bytes", "every_16_bit_pattern_tiles"]
+           "assert_mla_caches_equal", "mla_differing_bytes", "every_16_bit_pattern_tiles",
+           "ds_midpoint_tiles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +270,46 @@ def every_16_bit_pattern_tiles(dtype: torch.dtype) -> torch.Tensor:
     small = tiles[::8].float().abs()
     tiles[::8] = torch.where(small < 1.0, tiles[::8], torch.zeros_like(tiles[::8]))
     return x.view(128, DS_MLA_L)
+
+
+def ds_midpoint_tiles(dtype: torch.dtype) -> torch.Tensor:
+    """fp8_ds_mla kv_c rows ``[R, 512]`` whose quotients lie on or next to e4m3 rounding boundaries.
+
+    Exact tiles: amax = 448 * c * 2^k (so the tile's scale is exactly c * 2^k, c in {1, 3, 5, 7},
+    k in [-2, 4]), then x = m * c * 2^k for every midpoint m between neighbouring e4m3 values,
+    with the tile's sign: x / s is exactly m and round-to-nearest-even decides. Near tiles: for the
+    128 amax values of ``dtype`` whose scale s = RN(amax / 448) admits the most values x of
+    ``dtype`` with x / s within 2^-22 (relative) of a midpoint but not on it, those x. A quantizer
+    that brackets x / s with approximate reciprocals must fall back to the exact quotient on
+    both kinds; one that multiplies by RN(1 / s) gets about 730 of them wrong. Every tile starts
+    with its amax; the rest of a near tile is zeros."""
+    codes = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    vals = codes.float()  # 0 .. 448, ascending
+    mids = (vals[:-1] + vals[1:]) / 2  # 126 midpoints, 5 significant bits at most
+    tiles = []
+    for c in (1.0, 3.0, 5.0, 7.0):
+        for k in range(-2, 5):
+            for sign in (1.0, -1.0):
+                s = c * 2.0**k
+                amax = torch.tensor([448.0 * s]).to(dtype)
+                below = (amax.view(torch.int16) - 1).view(dtype)
+                tiles.append(torch.cat([amax, (mids * s).to(dtype), below]) * sign)
+    # Near tiles: every finite positive normal amax of dtype, its scale as the kernels compute it.
+    lo, hi = (0x0400, 0x7C00) if dtype == torch.float16 else (0x0080, 0x7F80)
+    amax = torch.arange(lo, hi, dtype=torch.int32).to(torch.int16).view(dtype)
+    s = (amax.float() / 448.0).clamp(min=2.0**-126).double()
+    m = mids.double()
+    x = (m[None, :] * s[:, None]).to(dtype)
+    rel = (x.double() / s[:, None] - m[None, :]).abs() / m[None, :]
+    near = (rel > 0) & (rel < 2.0**-22) & (x.float() <= amax.float()[:, None])
+    best = near.sum(1).argsort(descending=True, stable=True)[:128]
+    for r, row in enumerate(best.tolist()):
+        xs = x[row][near[row]]
+        tile = torch.zeros(DS_MLA_TILE, dtype=dtype)
+        tile[0] = amax[row]
+        tile[1:1 + xs.numel()] = xs
+        tiles.append(tile if r % 2 == 0 else -tile)
+    return torch.stack(tiles).reshape(-1, DS_MLA_L)
 
 
 def _matrix() -> list[MlaCase]:

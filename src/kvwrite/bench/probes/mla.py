@@ -24,6 +24,8 @@ VARIANTS = {
     "cuda fp8 32B chunks at every size": (cuda_impl.run, cuda_impl.CudaTuning(small_call_bytes=0)),
     "cuda copy 32B chunks": (cuda_impl.run, cuda_impl.CudaTuning(chunk_bytes_copy=32)),
     "cuda fp8 16B chunks at every size": (cuda_impl.run, cuda_impl.CudaTuning(chunk_bytes_fp8=16)),
+    "cuda ds bracket at every size": (cuda_impl.run, cuda_impl.CudaTuning(ds_bracket_bytes=0)),
+    "cuda ds quotient at every size": (cuda_impl.run, cuda_impl.CudaTuning(ds_bracket_bytes=2**62)),
     "triton default": (triton_impl.run, triton_impl.TUNING),
     "triton tile 8K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=8192)),
     "triton tile 2K": (triton_impl.run, triton_impl.TritonTuning(tile_bytes=2048)),

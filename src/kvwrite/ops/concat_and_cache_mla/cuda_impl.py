@@ -11,9 +11,10 @@ of the input bits, fp8 e4m3 or e5m2), VEC and the slot index type; VEC is the wi
 most ``CudaTuning.chunk_bytes_copy``/``chunk_bytes_fp8`` of input (16 B: one access; 32 B: two)
 such that ``L`` and ``P`` are multiples of it and every row start (inputs and cache) is aligned
 to it, halving down to one element. For the second, the input dtype, ALIGN (the common
-alignment in bytes of every row start, 16 at most: the widths of its accesses) and the slot
-type. By default each call signature gets its own build with the arguments fixed by the caches
-and the inputs' layout compiled in (``CudaTuning.specialize``).
+alignment in bytes of every row start, 16 at most: the widths of its accesses), the slot
+type and BRACKET (large calls quantize through the bracket, ``CudaTuning.ds_bracket_bytes``).
+By default each call signature gets its own build with the arguments fixed by the caches and the
+inputs' layout compiled in (``CudaTuning.specialize``).
 
 Graph-safe: a call does no allocation and no host sync; the scale is read on the device.
 """
@@ -29,7 +30,7 @@ from ...kernels import nvrtc
 from .op import MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
-           "compile_kernel", "SOURCE", "Plan"]
+           "compile_kernel", "SOURCE", "Plan", "is_small_call", "ds_uses_bracket"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_concat_and_cache_mla")
 KERNEL = "concat_and_cache_mla_kernel"
@@ -66,6 +67,13 @@ class CudaTuning:
     small_chunk_bytes_fp8: int = 16
     # Tokens (warps) per CTA of the fp8_ds_mla kernel (at most 8).
     ds_warps: int = 4
+    # fp8_ds_mla calls with more than ds_bracket_bytes of kv_c and k_pe input (bfloat16: more
+    # than 10922 tokens) quantize through the bracket (kernel.cu's BRACKET): fewer instructions
+    # per token. H200, rotated L2, quotient -> bracket: T=65536 32.3 -> 30.6 us with consecutive
+    # slots, 34.0 -> 33.5 with random ones; T=32768 17.19 -> 16.33, 18.11 -> 17.94; T=12288
+    # 7.73 -> 7.58, 8.18 -> 8.18. Smaller calls are latency-bound and the bracket's longer
+    # chain costs them: T=16 1.54 -> 1.75 us hot, T=6144 4.95 -> 5.04 rotated.
+    ds_bracket_bytes: int = 12 * 2**20
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(
@@ -91,8 +99,8 @@ def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) 
     return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {_slot_type(slot_dtype)}>"
 
 
-def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype) -> str:
-    return f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}>"
+def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype, bracket: bool) -> str:
+    return f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}, {str(bracket).lower()}>"
 
 
 def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING, small: bool = False) -> int:
@@ -108,6 +116,12 @@ def is_small_call(num_tokens: int, L: int, P: int, in_bytes: int,
     return num_tokens * (L + P) * in_bytes <= tuning.small_call_bytes
 
 
+def ds_uses_bracket(num_tokens: int, L: int, P: int, in_bytes: int,
+                    tuning: CudaTuning = TUNING) -> bool:
+    """Whether an fp8_ds_mla call quantizes through the bracket (a large call)."""
+    return num_tokens * (L + P) * in_bytes > tuning.ds_bracket_bytes
+
+
 def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
     names = []
@@ -121,7 +135,7 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
                     names.append(kernel_name(in_kind, out_kind, vec, slot))
                     vec //= 2
         for in_kind in (_F16, _BF16):
-            names += [ds_kernel_name(in_kind, a, slot) for a in _ALIGNS]
+            names += [ds_kernel_name(in_kind, a, slot, b) for a in _ALIGNS for b in (False, True)]
     return names
 
 
@@ -176,8 +190,9 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     if mode is MlaMode.FP8_DS_MLA:
         align = _align(in_strides + cache_strides + in_ptrs + [kv_cache.data_ptr()])
         warps = tuning.ds_warps
-        return Plan(ds_kernel_name(_KIND[kv_c.dtype], align, slot_mapping.dtype), True, 0, align,
-                    32 * warps, warps, common + (0, 0))
+        bracket = ds_uses_bracket(slot_mapping.numel(), L, P, ib, tuning)
+        return Plan(ds_kernel_name(_KIND[kv_c.dtype], align, slot_mapping.dtype, bracket), True,
+                    0, align, 32 * warps, warps, common + (0, 0))
     out_kind = _OUT[mode]
     in_kind = _KIND[kv_c.dtype]
     if out_kind == _COPY and in_kind == _BF16:
@@ -235,6 +250,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
            kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
            kp & 15, pp & 15, cp & 15, kv_c.get_device(),
            is_small_call(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
+           ds_uses_bracket(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:

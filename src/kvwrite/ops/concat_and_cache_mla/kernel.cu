@@ -10,12 +10,16 @@
 //   grid of threads, one per (token, chunk of VEC elements) of the row kv_c ++ k_pe
 //   (chunks = (L + P) / VEC, the first l_chunks from kv_c). Loads are issued before the slot is
 //   tested, so a thread's time is one memory round trip, the conversion and the store.
-// - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT> ("fp8_ds_mla", L = 512, P = 64, 16-bit):
-//   one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and [256 + 8i, 256 + 8i + 8),
-//   so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each tile's amax is a
+// - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT, BRACKET> ("fp8_ds_mla", L = 512, P = 64,
+//   16-bit): one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and [256 + 8i, 256 +
+//   8i + 8), so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each tile's amax is a
 //   16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already in registers.
 //   Lanes 0-7 carry the 128 bytes of k_pe. ALIGN (16, 8, 4, 2 or 1) is the alignment in bytes
 //   of every row start (inputs and cache): accesses are 16-byte ones at 16, narrower below.
+//   BRACKET (large calls, cuda_impl.py): the tiles are quantized through kvw/fp8.cuh's bracket
+//   (two products per element, the exact quotient only where the bracket cannot decide) instead
+//   of the exact quotient for every element: fewer instructions per token where throughput
+//   counts, a longer chain where latency does (small calls keep the quotient).
 // Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
@@ -139,7 +143,7 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
 
 // fp8_ds_mla entry: [0, 512) e4m3 codes of 4 tiles, [512, 528) their float32 scales,
 // [528, 656) the 64 k_pe values' 16-bit patterns.
-template <int IN, int ALIGN, typename SlotT>
+template <int IN, int ALIGN, typename SlotT, bool BRACKET>
 __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PARAMS) {
   KVW_MLA_FIXED_PROLOGUE()
   constexpr float FLT_MIN_F = 1.17549435082228750797e-38f;  // 2^-126
@@ -172,8 +176,8 @@ __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PA
   const float s0_hi = __shfl_sync(0xFFFFFFFFu, s0, 16);   // tile 1
   const float s1_hi = __shfl_sync(0xFFFFFFFFu, s1, 16);   // tile 3
   Raw<8> q0, q1;
-  fp8_quantize<DT_E4M3, 8, 1>(f0, q0.w, make_fp8_scale<true>(s0));
-  fp8_quantize<DT_E4M3, 8, 1>(f1, q1.w, make_fp8_scale<true>(s1));
+  fp8_quantize<DT_E4M3, 8, 1>(f0, q0.w, make_fp8_scale<true, BRACKET>(s0));
+  fp8_quantize<DT_E4M3, 8, 1>(f1, q1.w, make_fp8_scale<true, BRACKET>(s1));
 
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
