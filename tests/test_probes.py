@@ -87,7 +87,8 @@ def test_unknown_probe_is_one_line_naming_it(capsys):
 @no_gpu
 @pytest.mark.parametrize("argv", [["probe", "variants"], ["probe", "pattern"],
                                   ["probe", "small-t"], ["probe", "ab", "--base", "HEAD"],
-                                  ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"]])
+                                  ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"],
+                                  ["probe", "mla"], ["probe", "mla-pattern"]])
 def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     assert cli.main(argv) == 2
     cap = capsys.readouterr()
@@ -108,6 +109,10 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probe", "l2-follow", "--points", "8-XYZ-fp8-64"], "--points"),
     (["probe", "ab", "--base", "HEAD", "--layouts", "NHD,nope"], "--layouts"),
     (["probe", "ab", "--base", "HEAD", "--kv", "fp9"], "kv_cache_dtype"),
+    (["probe", "mla-pattern", "--tokens", "0"], "--tokens"),
+    (["probe", "mla-pattern", "--tokens", "200000"], "--tokens"),
+    (["probe", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
+    (["probe", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
 ])
 def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     # Checked before anything needs a GPU, so the same on every machine.
@@ -412,3 +417,12 @@ def test_gpu_probes_run_end_to_end(argv, tmp_path, capsys):
     with open(path) as f:
         doc = json.load(f)
     assert doc["rows"] and doc["meta"]["probe"] == argv[0]
+
+
+@pytest.mark.gpu
+def test_gpu_mla_pattern_probe_runs(capsys):
+    assert cli.main(["probe", "mla-pattern", "--tokens", "1024", "--modes", "fp8_ds_mla"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ")
+    assert [ln.split()[3] for ln in lines[1:]] == ["random", "sorted", "consecutive"]
+    assert all(ln.count("%)") == 4 for ln in lines[1:])  # natural and 128B, cuda and triton
