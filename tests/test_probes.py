@@ -88,7 +88,7 @@ def test_unknown_probe_is_one_line_naming_it(capsys):
 @pytest.mark.parametrize("argv", [["probe", "variants"], ["probe", "pattern"],
                                   ["probe", "small-t"], ["probe", "ab", "--base", "HEAD"],
                                   ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"],
-                                  ["probe", "mla"], ["probe", "mla-pattern"]])
+                                  ["probe", "mla"], ["probe", "mla-pattern"], ["probe", "chain"]])
 def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     assert cli.main(argv) == 2
     cap = capsys.readouterr()
@@ -113,6 +113,7 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probe", "mla-pattern", "--tokens", "200000"], "--tokens"),
     (["probe", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
     (["probe", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
+    (["probe", "chain", "--sets", "0"], "--sets"),
 ])
 def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     # Checked before anything needs a GPU, so the same on every machine.
@@ -332,7 +333,8 @@ def test_ab_loader_errors_name_the_problem(tmp_path):
 # The probes' kernels and the sanitizer cases
 # ------------------------------------------------------------------------------------------
 def _probe_kernel_names() -> list[str]:
-    names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>"]
+    names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>", "kvw_slot_store",
+             "kvw_rope_chain"]
     names += [small_t.kernel_name(h, lo, fp8, 64) for h in (8, 128) for lo in small_t.LAYOUTS
               for fp8 in (False, True)]
     return names
@@ -426,3 +428,12 @@ def test_gpu_mla_pattern_probe_runs(capsys):
     assert lines[0].startswith("# ")
     assert [ln.split()[3] for ln in lines[1:]] == ["random", "sorted", "consecutive"]
     assert all(ln.count("%)") == 4 for ln in lines[1:])  # natural and 128B, cuda and triton
+
+
+@pytest.mark.gpu
+def test_gpu_chain_probe_runs(capsys):
+    assert cli.main(["probe", "chain", "--sets", "4", "--replays", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ") and len(lines) == 7
+    us = {ln[:4].strip() + " " + ln[6:38].strip(): float(ln.split()[-1]) for ln in lines[1:]}
+    assert all(v > 0 for v in us.values())

@@ -92,3 +92,25 @@ __global__ void __launch_bounds__(128) kvw_small(
     reinterpret_cast<uint2*>(vc + off)[0] = make_uint2(ov[0], ov[1]);
   }
 }
+
+// The dependent loads a small call cannot avoid, and nothing else (one CTA; `probe chain`):
+// kvw_slot_store: the slot, then one float32 store per thread at that slot's row (a cache
+// write's chain); kvw_rope_chain: the position, then the thread's table entry of that row, then
+// stores of it to an output row and to the slot's row (a RoPE write's chain: the table row is
+// known only once the position has arrived).
+extern "C" __global__ void kvw_slot_store(const i64* __restrict__ slots, float* __restrict__ cache,
+                                          i64 row) {
+  const i64 s = slots[0];
+  cache[s * row + threadIdx.x] = 1.0f;
+}
+
+extern "C" __global__ void kvw_rope_chain(const i64* __restrict__ positions,
+                                          const float* __restrict__ table,
+                                          const i64* __restrict__ slots, float* __restrict__ out,
+                                          float* __restrict__ cache, i64 row) {
+  const i64 p = positions[0];
+  const i64 s = slots[0];
+  const float c = table[p * row + threadIdx.x];
+  out[threadIdx.x] = c;
+  cache[s * row + threadIdx.x] = c;
+}

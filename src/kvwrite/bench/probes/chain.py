@@ -1,0 +1,70 @@
+"""``probe chain``: the floor of a small call's dependent loads, hot and cold.
+
+Times (the benchmarks' timer: ``CALLS`` calls in one CUDA graph, CUDA events, median per call)
+three one-CTA kernels of ``kernels.cu``: an empty launch, a slot's load followed by a store at
+that slot's row (``kvw_slot_store``: a cache write's chain), and a position's load, then the
+table row it selects, then stores (``kvw_rope_chain``: a RoPE write's chain, two dependent
+loads). Hot: the same position and slot every call. Cold: ``--sets`` different positions and
+slots in a 32 MiB table and cache, and the L2 flushed before each timed run (as the rope
+benchmark does for small calls), so each call waits for DRAM. No kernel that must read a
+position and then its table row can be faster than ``kvw_rope_chain`` under the same condition.
+
+    kvwrite-bench probe chain [--sets 64] [--replays 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import timing
+from . import common
+
+ROW = 128  # floats per table and cache row (one thread each)
+ROWS = 65536  # 32 MiB of table, 32 MiB of cache
+
+
+def main(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--sets", type=int, default=64, help="positions/slots rotated when cold")
+    p.add_argument("--replays", type=int, default=30, help="timed graph replays (default: 30)")
+    args = p.parse_args(argv)
+    if args.sets < 1:
+        raise common.ProbeError(f"--sets: expected a positive integer, got {args.sets}")
+    if args.replays < 1:
+        raise common.ProbeError(f"--replays: expected a positive integer, got {args.replays}")
+    common.require_gpu()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    table = torch.randn(ROWS, ROW, device=dev, generator=gen)
+    cache = torch.zeros(ROWS, ROW, device=dev)
+    out = torch.zeros(ROW, device=dev)
+    positions = torch.randint(0, ROWS, (args.sets, 1), device=dev, generator=gen)
+    slots = torch.randint(0, ROWS, (args.sets, 1), device=dev, generator=gen)
+    flush = torch.empty(2 * timing.l2_bytes(dev), dtype=torch.uint8, device=dev)
+    index = torch.cuda.current_device()
+    one, row = common.nvrtc.launch_config(1, 1, 1, 1), common.nvrtc.launch_config(1, 1, ROW, 1)
+    kernels = {name: common.kernel(name) for name in ("kvw_empty", "kvw_slot_store",
+                                                      "kvw_rope_chain")}
+
+    def calls(n: int) -> dict:
+        launch = common.nvrtc.launch
+        return {
+            "empty kernel": lambda i: launch(index, one, kernels["kvw_empty"]),
+            "slot -> store": lambda i: launch(index, row, kernels["kvw_slot_store"],
+                                              slots[i % n].data_ptr(), cache.data_ptr(), ROW),
+            "position -> table row -> store": lambda i: launch(
+                index, row, kernels["kvw_rope_chain"], positions[i % n].data_ptr(),
+                table.data_ptr(), slots[i % n].data_ptr(), out.data_ptr(), cache.data_ptr(),
+                ROW),
+        }
+
+    print(f"# {torch.cuda.get_device_name()}: us per call, median of {args.replays} replays of "
+          f"{common.CALLS} calls in one CUDA graph", flush=True)
+    for hot in (True, False):
+        for name, call in calls(1 if hot else args.sets).items():
+            t = timing.time_device(call, common.CALLS, args.replays, graph=True,
+                                   flush=None if hot else flush)
+            print(f"{'hot ' if hot else 'cold'}  {name:32s} {t.median * 1e6:7.3f}", flush=True)
+    return 0
