@@ -160,18 +160,24 @@ def test_oracle_writes_the_documented_ds_mla_layout():
 
 # --- every 16-bit input through the tile scales -----------------------------------------------------
 
-def _pattern_inputs(dtype, device):
-    kv_c = every_16_bit_pattern_tiles(dtype).to(device)
+# Rows of kv_c for fp8_ds_mla: every 16-bit pattern once, and quotients on and next to the e4m3
+# rounding boundaries.
+DS_TILES = {"every-16-bit": every_16_bit_pattern_tiles, "boundaries": ds_midpoint_tiles}
+
+
+def _ds_inputs(tiles: str, dtype, device):
+    kv_c = DS_TILES[tiles](dtype).to(device)
     k_pe = kv_c[:, :64].flip(0).contiguous()
     cache = kvwrite.create_mla_cache(2, 64, 512, 64, "fp8_ds_mla", dtype, device)
     storage_bytes(cache).copy_(torch.randint(0, 256, (cache.numel(),), dtype=torch.uint8))
-    slots = torch.randperm(128).to(device)
+    slots = torch.randperm(128)[:kv_c.shape[0]].to(device)
     return kv_c, k_pe, cache, slots
 
 
+@pytest.mark.parametrize("tiles", list(DS_TILES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reference_every_16_bit_input_matches_oracle(dtype):
-    kv_c, k_pe, cache, slots = _pattern_inputs(dtype, "cpu")
+def test_reference_ds_tiles_match_oracle(dtype, tiles):
+    kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cpu")
     want = clone_cache(cache)
     mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None)
     kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation="torch")
@@ -179,35 +185,17 @@ def test_reference_every_16_bit_input_matches_oracle(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", list(DS_TILES))
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_every_16_bit_input_ds_mla(impl, dtype):
+def test_gpu_ds_tiles(impl, dtype, tiles):
     info = registry.get(OP, impl)
     if (reason := info.available("cuda")) is not None:
         pytest.skip(reason)
-    kv_c, k_pe, cache, slots = _pattern_inputs(dtype, "cuda")
+    kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cuda")
     want = clone_cache(cache)
     kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
     kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation=impl)
-    assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
-
-
-def _midpoint_inputs(dtype, device):
-    kv_c = ds_midpoint_tiles(dtype).to(device)
-    k_pe = kv_c[:, 64:128].flip(0).contiguous()
-    cache = kvwrite.create_mla_cache(1, 64, 512, 64, "fp8_ds_mla", dtype, device)
-    storage_bytes(cache).copy_(torch.randint(0, 256, (cache.numel(),), dtype=torch.uint8))
-    slots = torch.randperm(64)[:kv_c.shape[0]].to(device)
-    return kv_c, k_pe, cache, slots
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reference_ds_midpoint_tiles_match_oracle(dtype):
-    """Quotients exactly on e4m3 rounding boundaries: the reference rounds them to nearest even."""
-    kv_c, k_pe, cache, slots = _midpoint_inputs(dtype, "cpu")
-    want = clone_cache(cache)
-    mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None)
-    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation="torch")
     assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
 
@@ -244,8 +232,8 @@ def test_gpu_ds_mla_cuda_builds_on_every_16_bit_input_and_midpoints(dtype, brack
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     run = _ds_cuda_build(bracket)
-    for make in (_pattern_inputs, _midpoint_inputs):
-        kv_c, k_pe, cache, slots = make(dtype, "cuda")
+    for tiles in DS_TILES:
+        kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cuda")
         want = clone_cache(cache)
         kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
         run(kv_c, k_pe, cache, slots)
@@ -258,7 +246,7 @@ def test_gpu_ds_mla_midpoints_catch_an_inexact_quotient():
     dividing (about 730 of their codes differ on the CPU), so the test above can fail."""
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
-    kv_c, k_pe, cache, slots = _midpoint_inputs(torch.bfloat16, "cuda")
+    kv_c, k_pe, cache, slots = _ds_inputs("boundaries", torch.bfloat16, "cuda")
     want = clone_cache(cache)
     kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
     _ds_cuda_build(False, ("KVWRITE_PROBE_INEXACT_QUOTIENT",))(kv_c, k_pe, cache, slots)
