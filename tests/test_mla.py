@@ -651,6 +651,44 @@ def test_cuda_plan_bracket_for_large_ds_mla_calls():
     assert cuda_impl.ds_uses_bracket(65536, 512, 64, 2)  # the benchmark's large calls
 
 
+def test_triton_large_calls_take_two_tokens_per_warp():
+    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    t, row = triton_impl.TUNING, 1152  # L=512, P=64, 16-bit
+    ds = t.large_call_bytes_ds // row
+    assert triton_impl._tiling(ds, row, t, True) == (1, 2)
+    assert triton_impl._tiling(ds + 1, row, t, True) == (2, 1)
+    fp8 = t.large_call_bytes // row
+    assert triton_impl._tiling(fp8, row, t, False, True) == (2, 4)
+    assert triton_impl._tiling(fp8 + 1, row, t, False, True) == (4, 2)
+    assert triton_impl._tiling(65536, row, t, False, False) == (2, 4)  # copies keep their tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in MLA_CASES if c.mode is not MlaMode.AUTO],
+                         ids=lambda c: c.id)
+def test_gpu_triton_large_call_tiles(case):
+    """The large calls' tiles (two tokens per warp), forced on the fp8 cases of the matrix and,
+    for fp8_ds_mla, on the every-16-bit and boundary tiles."""
+    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    if (reason := registry.get(OP, "triton").available("cuda")) is not None:
+        pytest.skip(reason)
+    large = triton_impl.TritonTuning(large_call_bytes=0, large_call_bytes_ds=0)
+    inp = make_mla_inputs(case, "cuda")
+    kvwrite.ops.concat_and_cache_mla.validate(*inp.args())
+    if inp.slot_mapping.numel():
+        triton_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
+                        inp.scale if case.mode.uses_scale else None, tuning=large)
+    assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
+    if case.mode is MlaMode.FP8_DS_MLA and case.dtype in (torch.float16, torch.bfloat16):
+        for tiles in DS_TILES:
+            kv_c, k_pe, cache, slots = _ds_inputs(tiles, case.dtype, "cuda")
+            want = clone_cache(cache)
+            kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla",
+                                         implementation="torch")
+            triton_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=large)
+            assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
+
+
 def test_cuda_unavailable_on_cpu_says_why():
     assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
 

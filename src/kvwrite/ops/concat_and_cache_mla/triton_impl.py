@@ -62,13 +62,26 @@ class TritonTuning:
     # Input bytes per program (BLOCK_T tokens of kv_c + k_pe), as for reshape_and_cache_flash's
     # 4 KiB tiles; a token's row (1152 bytes for L=512, P=64, 16-bit) is never split.
     tile_bytes: int = 4096
-    # fp8_ds_mla: 2 KiB (one token of 16-bit input per program, 4 warps) vs 4 KiB, H100, 20-call
-    # graphs, rotated L2: T=65536 47.8 vs 52.9 us, T=16384 13.6 vs 14.8 us, T=16 2.15 us both
-    # (kvwrite-bench probe mla).
+    # fp8_ds_mla: 2 KiB (one token of 16-bit input per program, 2 warps) vs 4 KiB (2 tokens, 4
+    # warps), H100, 20-call graphs, rotated L2: T=65536 47.8 vs 52.9 us, T=16384 13.6 vs 14.8
+    # us, T=16 2.15 us both (kvwrite-bench probe mla).
     tile_bytes_ds: int = 2048
     # Input bytes per warp: 16-byte accesses for 16-bit copies, 32 B per thread for fp8.
     bytes_per_warp: int = 512
     max_warps: int = 8
+    # Large fp8 calls (more than large_call_bytes of kv_c and k_pe input; fp8_ds_mla: more than
+    # large_call_bytes_ds) take tiles of large_tile_bytes (large_tile_bytes_ds) with
+    # large_bytes_per_warp of input per warp: two tokens of 16-bit input per warp, so each
+    # thread quantizes twice the elements. H200, rotated L2 (docs/tuning-log.md change 41):
+    # fp8, 4 tokens in 2 warps instead of 2 in 4: T=65536 33.8 -> 29.5 us (79.0 -> 90.6% of
+    # copy bandwidth), T=16384 9.89 -> 8.98, but T=4096 3.99 -> 4.14; fp8_ds_mla, 2 tokens in
+    # 1 warp instead of 1 in 2: T=65536 42.5 -> 35.8 us, T=16384 12.40 -> 10.67, T=4096 4.59 ->
+    # 4.54 (hot 3.98 -> 3.15), but T=1024 2.76 -> 2.85.
+    large_call_bytes: int = 8 << 20
+    large_call_bytes_ds: int = 4 << 20
+    large_tile_bytes: int = 8192
+    large_tile_bytes_ds: int = 4096
+    large_bytes_per_warp: int = 2304
 
 
 TUNING = TritonTuning()
@@ -76,14 +89,20 @@ TUNING = TritonTuning()
 
 @functools.lru_cache(maxsize=256)
 def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
-            ds: bool = False) -> tuple[int, int]:
+            ds: bool = False, fp8: bool = False) -> tuple[int, int]:
     """(BLOCK_T, num_warps): as many whole rows as fit the tile (a power of two, at most T
-    rounded up to one)."""
+    rounded up to one). ``fp8``: a per-tensor fp8 mode (``ds``: fp8_ds_mla), whose large calls
+    take the large tiles."""
     tile = tuning.tile_bytes_ds if ds else tuning.tile_bytes
+    per_warp = tuning.bytes_per_warp
+    large = tuning.large_call_bytes_ds if ds else tuning.large_call_bytes
+    if (ds or fp8) and num_tokens * row_bytes > large:
+        tile = tuning.large_tile_bytes_ds if ds else tuning.large_tile_bytes
+        per_warp = tuning.large_bytes_per_warp
     block_t = 1
     while block_t * 2 * row_bytes <= tile and block_t < next_pow2(num_tokens):
         block_t *= 2
-    warps = min(tuning.max_warps, max(1, block_t * row_bytes // tuning.bytes_per_warp))
+    warps = min(tuning.max_warps, max(1, block_t * row_bytes // per_warp))
     return block_t, 1 << (warps.bit_length() - 1)
 
 
@@ -179,7 +198,8 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     code = _MODE[mode]
     if code == _DS:
         k_pe = k_pe.view(torch.uint8)  # the rotary part is copied as bytes
-    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code == _DS)
+    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code == _DS,
+                             code in (_E4M3, _E5M2))
     num_blocks, block_size = kv_cache.shape[:2]
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
