@@ -214,6 +214,48 @@ def test_cuda_rotary_large_call_grid_matches_oracle(case):
     assert_same_bytes(inp, _expected_rotary(case))
 
 
+# Every call on the Triton kernels' large-call tiles (no small-grid tiles either).
+TRITON_LARGE = dict(large_call_bytes=0, small_grid=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ROPE_CASES + LONG_ROW_CASES, ids=lambda c: c.id)
+def test_triton_rotary_large_call_tiles_match_oracle(case, device):
+    from kvwrite.ops.rotary_embedding import triton_impl
+    from kvwrite.ops.rotary_embedding.op import validate
+    inp = _impl_inputs(ROPE, "triton", case, device)
+    q, k = validate(*inp.rotary_args())
+    if inp.positions.numel():
+        triton_impl.run(inp.positions, q, k, inp.cos_sin_cache, case.is_neox,
+                        tuning=triton_impl.RopeTuning(**TRITON_LARGE))
+    assert_same_bytes(inp, _expected_rotary(case))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_triton_fused_large_call_tiles_match_oracle(case, device):
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
+    from kvwrite.ops.rotary_embedding.triton_impl import RopeTuning
+    inp = _impl_inputs(FUSED, "triton", case, device)
+    q, k, v, query_out, cache_dtype = validate(*inp.fused_args(), **inp.fused_kwargs())
+    scales = (inp.k_scale, inp.v_scale) if cache_dtype.is_fp8 else (None, None)
+    if inp.positions.numel():
+        triton_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
+                        inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
+                        case.rotate_key_in_place, query_out, tuning=RopeTuning(**TRITON_LARGE))
+    assert_same_bytes(inp, _expected_fused(case))
+
+
+def test_triton_rope_tiling_for_large_calls():
+    from kvwrite.ops.rotary_embedding.triton_impl import TUNING, tiling
+    # GQA(32,8,128) bfloat16: 2 KiB tiles (8 heads) in one warp from 4 MiB of query and key rows.
+    limit = TUNING.large_call_bytes // (40 * 128 * 2)
+    assert tiling(limit - 1, 32, 8, 128, 2) == (1, 16, 128, 8, 2, 1)
+    assert tiling(limit + 1, 32, 8, 128, 2) == (1, 8, 128, 1, 4, 1)
+    assert tiling(1, 32, 8, 128, 2) == (1, 4, 128, 2, 8, 2)  # a small grid keeps its tiles
+
+
 def test_long_row_cases_span_several_ctas():
     from kvwrite.ops.rotary_embedding.cuda_impl import launch_shape, units
     for case in LONG_ROW_CASES:

@@ -56,6 +56,16 @@ class RopeTuning:
     # Programs below this count get 1 KiB tiles: few programs make each one's latency the call's.
     small_grid: int = 128
     tile_bytes_small_grid: int = 1024
+    # Calls with at least large_call_bytes of query and key rows (and not a small grid) take
+    # tiles of large_tile_bytes with large_bytes_per_warp per warp: one warp per 2 KiB tile, 64
+    # bytes per thread. H200, bfloat16, NHD, rotated L2 (docs/tuning-log.md change 42), default
+    # -> large tiles, us: rotary GQA(32,8,128) T=16384 112.0 -> 87.3, T=4096 29.1 -> 23.8, T=1024
+    # 9.04 -> 8.05; fused GQA auto T=16384 133.3 -> 115.9, fp8 158.5 -> 114.9; MHA(32,32,128)
+    # fused auto 293.9 -> 246.9, fp8 255.3 -> 224.8. At T=256 GQA (2.6 MB of rows) the fused
+    # call would lose (4.86 -> 5.31), and small grids keep their tiles.
+    large_call_bytes: int = 4 << 20
+    large_tile_bytes: int = 2048
+    large_bytes_per_warp: int = 2048
 
 
 TUNING = RopeTuning()
@@ -77,11 +87,15 @@ def tiling(num_tokens: int, num_q_heads: int, num_heads: int, head_size: int, in
         nq, nk = -(-num_q_heads // block_h), -(-num_heads // block_h)
         return block_t, block_h, nq, nk, -(-num_tokens // block_t) * (nq + nk)
 
+    per_warp = tuning.bytes_per_warp
     block_t, block_h, nq, nk, programs = tiles(tuning.tile_bytes)
     if programs < tuning.small_grid:
         block_t, block_h, nq, nk, programs = tiles(tuning.tile_bytes_small_grid)
+    elif num_tokens * (num_q_heads + num_heads) * head_size * in_bytes >= tuning.large_call_bytes:
+        block_t, block_h, nq, nk, programs = tiles(tuning.large_tile_bytes)
+        per_warp = tuning.large_bytes_per_warp
     tile = block_t * block_h * block_d * in_bytes
-    warps = min(tuning.max_warps, max(1, tile // tuning.bytes_per_warp))
+    warps = min(tuning.max_warps, max(1, tile // per_warp))
     return block_t, block_h, block_d, warps, nq, nk
 
 
