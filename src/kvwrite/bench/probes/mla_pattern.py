@@ -9,8 +9,10 @@ after another from a block boundary, the writes one contiguous stream). Each wit
 entry (1152 / 576 / 656 bytes for auto / fp8 / fp8_ds_mla) and with the entry's stride padded
 to a multiple of 128 bytes (a view of a wider cache), which tells whether entries that share a
 128-byte line (576 and 656 do; 656 also shares 32-byte sectors) cost more than the bytes.
-Inputs rotate past twice the L2 (20 calls per CUDA graph, median per call); % is of the 1 GiB
-copy's bandwidth, the bytes counted as the benchmark counts them.
+For auto, PyTorch's ``index_copy_`` of the same rows (concatenated beforehand) into the same
+slots is timed too: another kernel's scatter of the same bytes. Inputs rotate past twice the L2
+(20 calls per CUDA graph, median per call); % is of the 1 GiB copy's bandwidth, the bytes
+counted as the benchmark counts them.
 
     kvwrite-bench probe mla-pattern [--tokens 16384,65536] [--modes auto,fp8,fp8_ds_mla]
 """
@@ -99,6 +101,18 @@ def main(argv: list[str], prog: str) -> int:
                                                flush=flush_buf, budget_s=0.15).median
                         cells.append(f"{cname} {impl} {t * 1e6:7.2f} "
                                      f"({100 * nbytes / t / big:4.1f}%)")
+                if mode is MlaMode.AUTO:
+                    # Another scatter of the same bytes: PyTorch's index_copy_ of the rows
+                    # concatenated beforehand (not an implementation of the op).
+                    rows = [torch.cat([kv_c, k_pe], 1) for kv_c, k_pe in inputs]
+                    flat = caches["natural"].view(-1, L + P)
+
+                    def scatter(i, rows=rows, slots=slots, flat=flat):
+                        flat.index_copy_(0, slots[i % len(slots)], rows[i % len(rows)])
+
+                    t = timing.time_device(scatter, common.CALLS, 50, graph=True,
+                                           flush=flush_buf, budget_s=0.15).median
+                    cells.append(f"torch index_copy_ {t * 1e6:7.2f} ({100 * nbytes / t / big:4.1f}%)")
                 print(f"{mode.value:10s} T={T:6d} {pattern:11s} " + "  ".join(cells), flush=True)
         del caches
         torch.cuda.empty_cache()
