@@ -199,26 +199,15 @@ def test_gpu_ds_tiles(impl, dtype, tiles):
     assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
 
-def _ds_cuda_build(bracket: bool, macros=()):
-    """cuda_impl.run with fp8_ds_mla's bracket build forced on or off (and extra NVRTC macros),
-    and a fresh build cache."""
+def _ds_cuda_build(bracket: bool, **tuning):
+    """cuda_impl.run with fp8_ds_mla's bracket build forced on or off (and other CudaTuning
+    fields)."""
     from kvwrite.ops.concat_and_cache_mla import cuda_impl
-    tuning = cuda_impl.CudaTuning(ds_bracket_bytes=0 if bracket else 2**62)
-    src, launchables = cuda_impl.SOURCE, cuda_impl._LAUNCHABLES
-    kernel = type(src).kernel
+    t = cuda_impl.CudaTuning(ds_bracket_bytes=0 if bracket else 2**62, **tuning)
 
     def run(kv_c, k_pe, cache, slots):
-        saved = dict(launchables)
-        launchables.clear()
-        src.kernel = lambda arch, name, m=(): kernel(src, arch, name, tuple(m) + tuple(macros))
-        try:
-            cuda_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=tuning)
-            torch.cuda.synchronize()
-        finally:
-            del src.kernel
-            src._kernels.clear()
-            launchables.clear()
-            launchables.update(saved)
+        cuda_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=t)
+        torch.cuda.synchronize()
     return run
 
 
@@ -249,7 +238,7 @@ def test_gpu_ds_mla_midpoints_catch_an_inexact_quotient():
     kv_c, k_pe, cache, slots = _ds_inputs("boundaries", torch.bfloat16, "cuda")
     want = clone_cache(cache)
     kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
-    _ds_cuda_build(False, ("KVWRITE_PROBE_INEXACT_QUOTIENT",))(kv_c, k_pe, cache, slots)
+    _ds_cuda_build(False, inexact_quotient=True)(kv_c, k_pe, cache, slots)
     assert (storage_bytes(cache) != storage_bytes(want)).sum() > 100
 
 
@@ -655,12 +644,12 @@ def test_triton_large_calls_take_two_tokens_per_warp():
     from kvwrite.ops.concat_and_cache_mla import triton_impl
     t, row = triton_impl.TUNING, 1152  # L=512, P=64, 16-bit
     ds = t.large_call_bytes_ds // row
-    assert triton_impl._tiling(ds, row, t, True) == (1, 2)
-    assert triton_impl._tiling(ds + 1, row, t, True) == (2, 1)
+    assert triton_impl._tiling(ds, row, t, triton_impl._DS) == (1, 2)
+    assert triton_impl._tiling(ds + 1, row, t, triton_impl._DS) == (2, 1)
     fp8 = t.large_call_bytes // row
-    assert triton_impl._tiling(fp8, row, t, False, True) == (2, 4)
-    assert triton_impl._tiling(fp8 + 1, row, t, False, True) == (4, 2)
-    assert triton_impl._tiling(65536, row, t, False, False) == (2, 4)  # copies keep their tiles
+    assert triton_impl._tiling(fp8, row, t, triton_impl._E4M3) == (2, 4)
+    assert triton_impl._tiling(fp8 + 1, row, t, triton_impl._E5M2) == (4, 2)
+    assert triton_impl._tiling(65536, row, t, triton_impl._COPY) == (2, 4)  # copies keep their tiles
 
 
 @pytest.mark.gpu

@@ -74,9 +74,9 @@ def main(argv: list[str], prog: str) -> int:
           f"P={P}, block {BLOCK}, {BLOCKS} blocks; rotated L2; us per call (% of copy bandwidth)",
           flush=True)
     for mode in modes:
-        e_bytes = entry_size(mode, L, P) * (2 if mode is MlaMode.AUTO else 1)
         scale = torch.tensor([0.1], device=dev) if mode.uses_scale else None
         caches = {"natural": padded_cache(mode, 1, dev), "128B": padded_cache(mode, 128, dev)}
+        e_bytes = caches["natural"].shape[-1] * caches["natural"].element_size()
         if e_bytes % 128 == 0:
             del caches["128B"]  # the same addresses
         for T in tokens:

@@ -78,6 +78,10 @@ class CudaTuning:
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(
         default_factory=lambda: _env_flag("KVWRITE_CUDA_SPECIALIZE", "1"))
+    # Measurement and tests only, NOT exact (breaks SPEC §1.1): the fp8 quotient as x * (1 / s),
+    # one rounded multiplication (KVWRITE_PROBE_INEXACT_QUOTIENT, as reshape_and_cache_flash's
+    # CudaTuning.inexact_quotient); a test shows the fp8_ds_mla boundary tiles catch it.
+    inexact_quotient: bool = False
 
 
 TUNING = CudaTuning()
@@ -231,9 +235,9 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, _ = nvrtc.device_arch(index)
-        macros = ()
+        macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
         if tuning.specialize:
-            macros = (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
+            macros += (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
         kernel = SOURCE.kernel(arch, p.name, macros)
     return _Launchable(p, kernel, index, p.fixed)
 

@@ -89,14 +89,15 @@ TUNING = TritonTuning()
 
 @functools.lru_cache(maxsize=256)
 def _tiling(num_tokens: int, row_bytes: int, tuning: TritonTuning = TUNING,
-            ds: bool = False, fp8: bool = False) -> tuple[int, int]:
+            mode: int = _COPY) -> tuple[int, int]:
     """(BLOCK_T, num_warps): as many whole rows as fit the tile (a power of two, at most T
-    rounded up to one). ``fp8``: a per-tensor fp8 mode (``ds``: fp8_ds_mla), whose large calls
-    take the large tiles."""
+    rounded up to one). ``mode``: the kernel's MODE code; large calls of the fp8 modes take the
+    large tiles."""
+    ds = mode == _DS
     tile = tuning.tile_bytes_ds if ds else tuning.tile_bytes
     per_warp = tuning.bytes_per_warp
     large = tuning.large_call_bytes_ds if ds else tuning.large_call_bytes
-    if (ds or fp8) and num_tokens * row_bytes > large:
+    if mode != _COPY and num_tokens * row_bytes > large:
         tile = tuning.large_tile_bytes_ds if ds else tuning.large_tile_bytes
         per_warp = tuning.large_bytes_per_warp
     block_t = 1
@@ -198,8 +199,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     code = _MODE[mode]
     if code == _DS:
         k_pe = k_pe.view(torch.uint8)  # the rotary part is copied as bytes
-    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code == _DS,
-                             code in (_E4M3, _E5M2))
+    block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code)
     num_blocks, block_size = kv_cache.shape[:2]
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
