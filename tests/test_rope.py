@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvwrite
+import sass as sass_tools
 from kvwrite import registry
 from kvwrite.dtypes import CacheDType
 from kvwrite.layouts import KVAlloc, Layout
@@ -611,7 +612,8 @@ from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
 from kvwrite.ops.rotary_embedding import triton_impl as rope
 from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl as fused
 
-def ptx(kernel, types, consts, fusion):
+def ptx(kernel, types, consts, fusion, pdl=False):
+    consts = {**consts, "PDL": pdl}
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     src = ASTSource(fn=kernel, signature=sig,
@@ -619,6 +621,8 @@ def ptx(kernel, types, consts, fusion):
     opts = {"num_warps": 4, **LAUNCH_OPTIONS}
     if fusion:
         opts["enable_fp_fusion"] = True
+    if pdl:
+        opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 out = {}
@@ -649,13 +653,23 @@ out["rope-fp32-fusion-on"] = ptx(rope._rope_kernel, {
     "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
     dict(NUM_Q_HEADS=2, NUM_HEADS=2, HEAD_SIZE=64, ROT=64, IS_NEOX=True, Q_TILES=1, BLOCK_T=1,
          BLOCK_H=2, BLOCK_D=64), True).count("fma")
+# Programmatic dependent launch: the PDL build's first memory access comes after the wait.
+for pdl in (False, True):
+    text = ptx(rope._rope_kernel, {
+        "positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16", "cos_sin_ptr": "*fp32",
+        "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
+        dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True, Q_TILES=8,
+             BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False, pdl)
+    first_ld = text.index("ld.global")
+    out[f"rope-pdl{int(pdl)}"] = [text.count("griddepcontrol.launch_dependents"),
+                                  text.count("griddepcontrol.wait"),
+                                  text.find("griddepcontrol.wait") in range(0, first_ld)]
 print(json.dumps(out))
 """
 
 
-def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation():
+def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation_and_wait_first_with_pdl():
     import json
-    import os
     import subprocess
     import sys
 
@@ -669,10 +683,13 @@ def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation():
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     # The fp8 variants keep the quotient's deliberate FMAs (kvwrite.kernels.triton_fp8); every
     # other variant has none, and with fusion allowed the rotation gets some (the check can fail).
+    pdl = {k: counts.pop(k) for k in ("rope-pdl0", "rope-pdl1")}
     assert {k: v for k, v in counts.items() if "-q1" not in k and "fusion-on" not in k} == {
         k: 0 for k in counts if "-q1" not in k and "fusion-on" not in k}
     assert counts["rope-fp32-fusion-on"] > 0
     assert all(counts[k] > 0 for k in counts if "-q1" in k)
+    # PDL=True: one launch_dependents and one wait, the wait before the first global load.
+    assert pdl == {"rope-pdl0": [0, 0, False], "rope-pdl1": [1, 1, True]}
 
 
 # --- CUDA: every variant compiles with NVRTC (no GPU needed); no FMA in the rotation ------------
@@ -704,27 +721,11 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
 
 
 def _sass(source, names, tmp_path) -> str:
-    """The SASS of a cubin, through the cuobjdump that ships with Triton (skip where none)."""
-    import shutil
-    import subprocess
-
-    tool = shutil.which("cuobjdump")
-    if tool is None:
-        try:
-            import triton
-        except ImportError:
-            triton = None
-        if triton is not None:
-            cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                "cuobjdump")
-            tool = cand if os.path.exists(cand) else None
-    if tool is None:
+    """The sm_90 SASS of ``names`` built from ``source`` (skip where there is no cuobjdump)."""
+    if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
     obj, _ = source.compile("sm_90", names)
-    path = tmp_path / "k.cubin"
-    path.write_bytes(bytes(obj.code))
-    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True,
-                          check=True).stdout
+    return sass_tools.dump_sass(bytes(obj.code), tmp_path)
 
 
 def test_cuda_rotation_sass_has_no_fma(tmp_path):

@@ -100,6 +100,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                       help="a list (1,2,64) or a range LO:HI of doublings (2:65536 = 2, 4, ..., "
                            "65536, the default)")
     add_slot_flags(p)
+    add_launch_flags(p)
 
     more.add_argument("--per-head-scale", action="store_true", default=False,
                       help="fp8: one scale per head (its amax over tokens and dims / 64)")
@@ -129,6 +130,34 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     more.add_argument("--plot", type=str, default=None, metavar="PATH.png",
                       help="plot latency and GB/s against num_tokens (needs matplotlib)")
     return p
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """``--no-pdl``; every benchmark subcommand adds it (and applies it with
+    :func:`launch_line`)."""
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the cuda implementations without programmatic dependent "
+                             "launch (on by default on compute capability 9.0 and later: each "
+                             "call is scheduled while the one before it still runs and waits for "
+                             "it before reading anything; KVWRITE_PDL=0 does the same)")
+
+
+def launch_line(args: argparse.Namespace, device: torch.device) -> str:
+    """Applies ``--no-pdl`` and returns the header line that says how the cuda implementations
+    launch on ``device``."""
+    from ..kernels import nvrtc
+
+    if getattr(args, "no_pdl", False):
+        nvrtc.use_pdl(False)
+    if not nvrtc.pdl_on():
+        return "launch (cuda): programmatic dependent launch off"
+    if device.type != "cuda" or nvrtc.setup_reason() is not None:
+        return "launch (cuda): the cuda implementation does not run here"
+    if not nvrtc.pdl_capable(device.index if device.index is not None else 0):
+        return ("launch (cuda): plain launches (programmatic dependent launch needs compute "
+                "capability 9.0)")
+    return ("launch (cuda): programmatic dependent launch (each call scheduled while the one "
+            "before it runs, waiting for it before any load; --no-pdl turns it off)")
 
 
 def add_slot_flags(parser: argparse.ArgumentParser) -> None:
@@ -386,6 +415,7 @@ def _run(argv: list[str], prog: str) -> int:
     if "all" in args.implementation.split(","):
         for line in left_out(cfg.device):
             progress(f"--implementation all leaves out {line}")
+    launch = launch_line(args, cfg.device)
     try:
         rows, env = run_sweep(cfg, progress)
         interrupted = False
@@ -398,7 +428,7 @@ def _run(argv: list[str], prog: str) -> int:
         print(f"{prog}: interrupted (Ctrl-C) before any point was measured", file=sys.stderr)
         return 130
     impl_title = ",".join(cfg.implementations)
-    header = header_lines(cfg, env)
+    header = header_lines(cfg, env) + ["# " + launch]
     lines = list(header)
     lines.append(f"Benchmark results for implementation {impl_title} "
                  f"(measuring with {cfg.measured_mode}):")

@@ -33,8 +33,10 @@ from ..ops.concat_and_cache_mla import reference as torch_ref
 from ..testing.mla import mla_differing_bytes
 from . import report, timing
 from .cli import (
+    add_launch_flags,
     add_slot_flags,
     check_output_paths,
+    launch_line,
     normalize_flags,
     parse_implementations,
     slot_pattern,
@@ -185,6 +187,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     more.add_argument("--csv", metavar="PATH", help="write one line per measurement as CSV")
     more.add_argument("--plot", metavar="PATH.png", help="plot latency and GB/s (matplotlib)")
     add_slot_flags(p)
+    add_launch_flags(p)
     return p
 
 
@@ -386,6 +389,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    launch = launch_line(args, device)
     with torch.inference_mode():
         rows, env = run_sweep(args, impls, device, progress)
     timer = ("CPU: host clock around runs of " if device.type == "cpu" else
@@ -402,6 +406,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         "check: each implementation against the torch reference, every cache byte, before timing"
         if args.check else "check: off (--no-check)",
         "slots: " + pattern.explain(max(num_tokens), args.num_blocks, args.block_size),
+        launch,
     ]
     lines = ["# " + h for h in header]
     lines.append(f"concat_and_cache_mla: dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "

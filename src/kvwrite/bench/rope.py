@@ -52,7 +52,14 @@ from ..ops.reshape_and_cache_flash import OP as WRITE
 from ..ops.rotary_embedding import OP as ROPE
 from ..testing.rope import cos_sin_table
 from . import report
-from .cli import add_slot_flags, check_output_paths, given_flags, slot_pattern
+from .cli import (
+    add_launch_flags,
+    add_slot_flags,
+    check_output_paths,
+    given_flags,
+    launch_line,
+    slot_pattern,
+)
 from .models import MODELS, get_model, serving_flags
 from .slots import SlotPattern, make_slots
 from .timing import copy_bandwidth, l2_bytes, l2_rotation, time_cpu, time_device
@@ -366,6 +373,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None)
     p.add_argument("--plot", default=None)
     add_slot_flags(p)
+    add_launch_flags(p)
     return p
 
 
@@ -477,6 +485,7 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(f"{prog}: error: --device cuda: no CUDA GPU visible to PyTorch", file=sys.stderr)
         return 2
+    launch = launch_line(args, torch.device(args.device))
     rows, copy_bw, dev = run_rows(args, lambda s: print(s, file=sys.stderr))
     top = max(args.num_tokens)
     header = [
@@ -490,6 +499,7 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
                          else f"each token's position in its sequence (padding: 0), all below "
                               f"the cos/sin table's {args.max_position} rows: every real token is "
                               f"rotated and cached, and checked"),
+        launch,
     ]
     print("\n".join("# " + h for h in header))
     print(summary_table(rows))

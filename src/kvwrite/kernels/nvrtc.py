@@ -13,6 +13,13 @@ this module for everything else:
   :func:`capture_relaxed` (load a module while PyTorch captures a CUDA graph),
   :func:`launch_config` and :func:`launch` (which makes the device's context current on a thread
   that never used it).
+- Programmatic dependent launch (:func:`use_pdl`, :func:`pdl_capable`, ``launch_config(...,
+  pdl=True)``): a kernel built with ``KVWRITE_PDL`` (kvw/common.cuh's ``KVW_PDL_ENTRY``) and
+  launched with programmatic stream serialization is scheduled while the kernel before it in the
+  stream still runs, and waits for it before reading anything; the kernel after it may be
+  scheduled as soon as all of its CTAs have started. On by default on devices that allow it
+  (compute capability 9.0 and later); ``KVWRITE_PDL=0`` in the environment or ``use_pdl(False)``
+  turns it off.
 """
 
 from __future__ import annotations
@@ -20,12 +27,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.resources
+import os
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
-           "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch"]
+           "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
+           "pdl_capable", "pdl_on", "use_pdl", "PDL_MACRO"]
+
+# The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True).
+PDL_MACRO = "KVWRITE_PDL"
+_PDL = [os.environ.get("KVWRITE_PDL", "1").strip() != "0"]
+
+
+def use_pdl(enabled: bool) -> None:
+    """Launch the cuda implementations' calls with programmatic dependent launch (where their
+    tuning and the device allow it) or not, from the next call on."""
+    _PDL[0] = bool(enabled)
+
+
+def pdl_on() -> bool:
+    """Whether programmatic dependent launch is on (:func:`use_pdl`, ``KVWRITE_PDL``)."""
+    return _PDL[0]
 
 INSTALL_HINT = "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"
 
@@ -164,8 +188,20 @@ def device_arch(index: int) -> tuple[str, int]:
 
 
 @functools.cache
-def launch_config(grid_x: int, grid_y: int, block_x: int, block_y: int):
-    return cuda_core().LaunchConfig(grid=(grid_x, grid_y, 1), block=(block_x, block_y, 1))
+def pdl_capable(index: int) -> bool:
+    """Whether device ``index`` takes programmatic dependent launches from here: compute capability
+    9.0 or later (griddepcontrol) and a cuda.core whose LaunchConfig can ask for them."""
+    major = cuda_core().Device(index).compute_capability[0]
+    return major >= 9 and hasattr(cuda_core().LaunchConfig, "programmatic_stream_serialization")
+
+
+@functools.cache
+def launch_config(grid_x: int, grid_y: int, block_x: int, block_y: int, pdl: bool = False):
+    """A launch of [grid_x, grid_y] CTAs of [block_x, block_y] threads; ``pdl``: with programmatic
+    stream serialization, for a kernel built with :data:`PDL_MACRO` on a :func:`pdl_capable`
+    device."""
+    extra = {"programmatic_stream_serialization": True} if pdl else {}
+    return cuda_core().LaunchConfig(grid=(grid_x, grid_y, 1), block=(block_x, block_y, 1), **extra)
 
 
 _STREAMS: dict[int, object] = {}

@@ -5,7 +5,9 @@
 - :func:`fp8_quotient` (per element): ``RN_f32(x / s)`` clamped to ±FMAX, NaN and the sign of zero
   kept;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
-  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8).
+  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
+- :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
+  ``PDL`` (kvwrite.kernels.triton_support.pdl_launch says when), nothing otherwise.
 
 Triton's float32 ``/`` is approximate; ``tl.math.div_rn`` is exact but slow per element, hence
 this. ``triton`` is optional at import time: where it is missing, :data:`triton` is None and
@@ -24,7 +26,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
-           "store_quantized"]
+           "store_quantized", "pdl_entry"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
 # fp8 e5m2.
@@ -95,3 +97,13 @@ if triton is not None:
             bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+    @triton.jit
+    def pdl_entry(PDL: tl.constexpr):
+        """With PDL (a launch with launch_pdl=True): let the next kernel of the stream be scheduled
+        once every program has started, and wait until the kernels before this one have completed
+        and their writes are visible, before anything is read (as kvw/common.cuh's
+        KVW_PDL_ENTRY)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()

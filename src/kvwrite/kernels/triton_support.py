@@ -3,12 +3,13 @@ kernel on a device here, and the power-of-two rounding of tile sizes."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["available", "next_pow2"]
+__all__ = ["available", "next_pow2", "pdl_launch"]
 
 
 def available(device: torch.device, triton, kernel: Callable[[], object],
@@ -33,3 +34,27 @@ def available(device: torch.device, triton, kernel: Callable[[], object],
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+
+def pdl_launch(device: torch.device, programs: int, max_programs: int) -> bool:
+    """Whether a Triton launch of ``programs`` programs takes programmatic dependent launch
+    (``PDL=True, launch_pdl=True``): on (kvwrite.kernels.nvrtc.use_pdl, ``KVWRITE_PDL``), at most
+    ``max_programs`` programs, a CUDA device of compute capability 9.0 or later, and a Triton
+    that has grid dependency control."""
+    if device.type != "cuda" or programs > max_programs:
+        return False
+    from . import nvrtc
+
+    return nvrtc.pdl_on() and _pdl_device(device.index if device.index is not None
+                                           else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    try:
+        import triton.language.extra.cuda as tl_cuda
+    except ImportError:
+        return False
+    return (torch.cuda.get_device_capability(index)[0] >= 9
+            and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))

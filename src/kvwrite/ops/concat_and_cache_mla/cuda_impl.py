@@ -82,6 +82,12 @@ class CudaTuning:
     # one rounded multiplication (KVWRITE_PROBE_INEXACT_QUOTIENT, as reshape_and_cache_flash's
     # CudaTuning.inexact_quotient); a test shows the fp8_ds_mla boundary tiles catch it.
     inexact_quotient: bool = False
+    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
+    # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0:
+    # never. Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off -> on: auto T=1 1.38
+    # -> 1.08 us, T=16 1.92 -> 1.27, T=4096 4.55 -> 4.07, T=65536 41.08 -> 40.40; fp8 T=16 1.99
+    # -> 1.35; fp8_ds_mla T=16 1.56 -> 1.24; no point slower, so every call.
+    pdl_max_ctas: int = 1 << 30
 
 
 TUNING = CudaTuning()
@@ -219,6 +225,7 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
 class _Launchable:
     plan: Plan
     kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     device_index: int
     tail: tuple  # the 9 trailing int64 arguments
 
@@ -239,7 +246,9 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
         if tuning.specialize:
             macros += (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
         kernel = SOURCE.kernel(arch, p.name, macros)
-    return _Launchable(p, kernel, index, p.fixed)
+        pdl_kernel = (SOURCE.kernel(arch, p.name, macros + (nvrtc.PDL_MACRO,))
+                      if nvrtc.pdl_capable(index) else None)
+    return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
 
 
 def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -268,7 +277,9 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
             raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.fixed[8]} tokens per call "
                              f"with this row length, got {num_tokens}")
         grid = -(-total // p.threads)
-    config = nvrtc.launch_config(grid, 1, p.threads, 1)
+    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
+           and grid <= tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
     sp = scale.data_ptr() if scale is not None else 0
-    nvrtc.launch(lau.device_index, config, lau.kernel, kp, pp, cp, slot_mapping.data_ptr(), sp,
-                 num_tokens, *lau.tail)
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, pp, cp,
+                 slot_mapping.data_ptr(), sp, num_tokens, *lau.tail)

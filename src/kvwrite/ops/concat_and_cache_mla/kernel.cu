@@ -102,6 +102,7 @@ KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
 
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAMS) {
+  KVW_PDL_ENTRY();
   KVW_MLA_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
 // [528, 656) the 64 k_pe values' 16-bit patterns.
 template <int IN, int ALIGN, typename SlotT, bool BRACKET>
 __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PARAMS) {
+  KVW_PDL_ENTRY();
   KVW_MLA_FIXED_PROLOGUE()
   constexpr float FLT_MIN_F = 1.17549435082228750797e-38f;  // 2^-126
   const u32 lane = threadIdx.x & 31u;

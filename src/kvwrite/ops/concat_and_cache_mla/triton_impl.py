@@ -32,7 +32,7 @@ from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, store_quantized, tl, triton
+from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, store_quantized, tl, triton
 from ...kernels.triton_support import next_pow2
 from .op import DS_MLA_L, DS_MLA_PE_OFFSET, DS_MLA_SCALES_OFFSET, DS_MLA_TILE, MlaMode
 
@@ -82,6 +82,13 @@ class TritonTuning:
     large_tile_bytes: int = 8192
     large_tile_bytes_ds: int = 4096
     large_bytes_per_warp: int = 2304
+    # Launches of at most this many programs take programmatic dependent launch where it is on
+    # and the device allows it (kvwrite.kernels.triton_support.pdl_launch). Measured, H200,
+    # bfloat16, rotated L2 (tuning-log change 44), off -> on: auto T=1 1.34 -> 0.98 us, T=16 1.80
+    # -> 1.15, T=2048 (1024 programs) 3.22 -> 2.67; fp8_ds_mla T=16 2.08 -> 1.38, T=4096 (2048
+    # programs) 4.55 -> 4.33, but T=8192 (4096) 6.56 -> 6.78 and T=65536 35.8 -> 40.0; auto at
+    # T=65536 40.4 -> 41.1.
+    pdl_max_programs: int = 2048
 
 
 TUNING = TritonTuning()
@@ -132,7 +139,9 @@ if triton is not None:
         BLOCK_P: tl.constexpr,
         MODE: tl.constexpr,  # COPY, E4M3, E5M2 or 3 (fp8_ds_mla)
         BLOCK_T: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
+        pdl_entry(PDL)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_in = t < num_tokens
         t64 = t.to(tl.int64)
@@ -203,13 +212,15 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     num_blocks, block_size = kv_cache.shape[:2]
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
-    _mla_kernel[(triton.cdiv(num_tokens, block_t),)](
+    grid = (triton.cdiv(num_tokens, block_t),)
+    pdl = triton_support.pdl_launch(kv_c.device, grid[0], tuning.pdl_max_programs)
+    _mla_kernel[grid](
         kv_c, k_pe, kv_cache, slot_mapping, scale if code in (_E4M3, _E5M2) else None, num_tokens,
         KV_C_STRIDE=kv_c.stride(0) if t_pad > 1 else 0,
         K_PE_STRIDE=k_pe.stride(0) if t_pad > 1 else 0,
         STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
         STRIDE_S=kv_cache.stride(1) if block_size > 1 else 0,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
-        BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code, BLOCK_T=block_t,
-        num_warps=warps,
+        BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code, BLOCK_T=block_t, PDL=pdl,
+        num_warps=warps, launch_pdl=pdl,
     )

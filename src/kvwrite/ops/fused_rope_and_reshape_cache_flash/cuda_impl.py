@@ -57,6 +57,14 @@ class CudaTuning:
     # GQA calls (T <= 64) 0.08-0.14 us more (MHA at T <= 16 0.25-0.34 us less), so small calls
     # keep launch_shape's CTAs.
     large_call_cta_threads: int = 64
+    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
+    # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0: never.
+    # Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off -> on: GQA(32,8,128) auto
+    # T=1 2.85 -> 2.19 us (hot 1.89 -> 1.43), T=16 3.17 -> 2.51, T=1024 9.46 -> 8.73 (5120 CTAs),
+    # MHA(32,32,128) T=1024 17.74 -> 16.95 (8192 CTAs); but the large-call build's 64-thread CTAs
+    # lose with it at T=4096 (GQA 30.54 -> 31.05, 20480 CTAs; MHA 63.5 -> 64.1) and T=16384 (GQA
+    # 115.2 -> 123.9), where the launch it hides is a smaller share than each CTA's wait costs.
+    pdl_max_ctas: int = 8192
 
     def __post_init__(self):
         c = self.large_call_cta_threads
@@ -141,6 +149,7 @@ def unsupported(query, key, key_cache, cache_dtype, cos_sin_cache, is_neox) -> s
 @dataclasses.dataclass(frozen=True)
 class _Launchable:
     kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     config: tuple
     device_index: int
     tail: tuple
@@ -173,9 +182,11 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
+        pdl_kernel = (SOURCE.kernel(arch, name, (nvrtc.PDL_MACRO,)) if nvrtc.pdl_capable(index)
+                      else None)
     tail = (block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
             num_blocks * block_size, hq, d, rot, per_head, rot_units, per_token)
-    return _Launchable(kernel, (row, tpc, parts), index, tail)
+    return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, tail)
 
 
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -206,13 +217,17 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
             query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
             slot_mapping, cache_dtype, query_out, *build)
     row, tpc, parts = lau.config
-    config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
+    gx = -(-num_rot // tpc)
+    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
+           and gx * parts <= tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(gx, parts, row, tpc, pdl)
     if k_scale is None:
         ksp = vsp = kss = vss = 0
     else:
         ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
         kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
-    nvrtc.launch(lau.device_index, config, lau.kernel, positions.data_ptr(), ptrs[0], ptrs[1],
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+                 positions.data_ptr(), ptrs[0], ptrs[1],
                  ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], slot_mapping.data_ptr(), ksp, vsp,
                  num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0), key.stride(0),
                  value.stride(0), cos_sin_cache.shape[0], kss, vss, *lau.tail,

@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     i64 block_stride, i64 page_stride, i64 head_stride, i64 block_size, i64 block_shift,
     i64 num_slots, i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
     i64 units_per_token, i64 store_key, i64 query_in_place) {
+  KVW_PDL_ENTRY();
   constexpr int IB = elem_bytes(IN);
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;

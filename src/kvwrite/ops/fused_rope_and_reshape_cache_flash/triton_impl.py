@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import CacheDType
+from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
-from ...kernels.triton_fp8 import fp8_scale, store_quantized, tl, triton
+from ...kernels.triton_fp8 import fp8_scale, pdl_entry, store_quantized, tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
 from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
@@ -71,8 +72,9 @@ if triton is not None:
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_KEY: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_entry(PDL)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tile = tl.program_id(1)
         valid, c, s, partner, first, is_rot = rope_tables(
@@ -142,7 +144,10 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     quant = _QUANT.get(cache_dtype, _COPY)
     num_blocks, block_size = key_cache.shape[:2]
     qo = query if query_out is None else query_out
-    _fused_kernel[(triton.cdiv(num_rot, block_t), nq + nk)](
+    grid = (triton.cdiv(num_rot, block_t), nq + nk)
+    pdl = triton_support.pdl_launch(query.device, grid[0] * grid[1],
+                                    tuning.fused_pdl_max_programs)
+    _fused_kernel[grid](
         positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
         key.stride(0), value.stride(0), cos_sin_cache.shape[0], num_blocks * block_size,
@@ -150,5 +155,6 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         NUM_Q_HEADS=hq, NUM_HEADS=h, HEAD_SIZE=d, ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, **LAUNCH_OPTIONS,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+        **LAUNCH_OPTIONS,
     )

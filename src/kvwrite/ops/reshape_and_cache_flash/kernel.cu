@@ -91,6 +91,7 @@
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256)
 reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
+  KVW_PDL_ENTRY();
   KVW_KERNEL_PROLOGUE()
 
   const u32 row = blockDim.x;
@@ -175,6 +176,7 @@ reshape_and_cache_flash_grid_stride_kernel(KVW_KERNEL_PARAMS) {
 // ------------------------------------------------------------------------------------------
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL_PARAMS) {
+  KVW_PDL_ENTRY();
   KVW_KERNEL_PROLOGUE()
   const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const u32 c = blockIdx.y * blockDim.x + threadIdx.x;  // < 65535 * 256

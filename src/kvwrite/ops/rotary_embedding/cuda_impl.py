@@ -126,6 +126,13 @@ class CudaTuning:
     # T=3072 (GQA 31 MB, MHA 50 MB), 0.5-2.5% slower at 1024-2048 and 0.13-0.15 us at T=16 (its
     # two divisions come first on the latency path).
     linear_grid_bytes: int = 32 << 20
+    # Calls of at most pdl_max_ctas CTAs take the build that starts with KVW_PDL_ENTRY and launch
+    # with programmatic stream serialization where the device allows it (kernels/nvrtc.py):
+    # scheduled while the kernel before them still runs, they wait for it before reading
+    # anything. 0: never. Measured, H200, bfloat16, rotated L2, 20-call graphs (tuning-log change
+    # 44): GQA(32,8,128) T=1 2.26 -> 1.59 us, T=16 2.50 -> 1.80 (hot 1.66 -> 1.20), T=1024 7.46 ->
+    # 6.71, T=16384 84.8 -> 84.1; MHA alike; no point slower, so every call.
+    pdl_max_ctas: int = 1 << 30
 
 
 TUNING = CudaTuning()
@@ -134,6 +141,7 @@ TUNING = CudaTuning()
 @dataclasses.dataclass(frozen=True)
 class _Launchable:
     kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     config: object
     device_index: int
     tail: tuple
@@ -178,7 +186,9 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox, linear) -> _Launc
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
-    return _Launchable(kernel, (row, tpc, parts, linear), index,
+        pdl_kernel = (SOURCE.kernel(arch, name, (nvrtc.PDL_MACRO,)) if nvrtc.pdl_capable(index)
+                      else None)
+    return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index,
                        (hq, d, rot, per_head, rot_units, per_token))
 
 
@@ -201,10 +211,12 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
         lau = _LAUNCHABLES[sig, large] = _launchable(positions, query, key, cos_sin_cache,
                                                      is_neox, large)
     row, tpc, parts, linear = lau.config
-    if linear:
-        config = nvrtc.launch_config(num_rot * parts, 1, row, 1)
-    else:
-        config = nvrtc.launch_config(-(-num_rot // tpc), parts, row, tpc)
-    nvrtc.launch(lau.device_index, config, lau.kernel, positions.data_ptr(), qp, kp or qp,
+    gx, gy, bx, by = ((num_rot * parts, 1, row, 1) if linear
+                      else (-(-num_rot // tpc), parts, row, tpc))
+    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
+           and gx * gy <= tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(gx, gy, bx, by, pdl)
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+                 positions.data_ptr(), qp, kp or qp,
                  cos_sin_cache.data_ptr(), num_rot, query.stride(0),
                  0 if key is None else key.stride(0), cos_sin_cache.shape[0], *lau.tail)

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     i64 num_rot, i64 q_stride, i64 k_stride, i64 max_position,
     i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
     i64 units_per_token) {
+  KVW_PDL_ENTRY();
   constexpr int IB = elem_bytes(IN);
   i64 t;
   u32 c;

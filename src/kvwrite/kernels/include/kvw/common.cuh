@@ -75,6 +75,24 @@ KVW_HD float min_nan(float a, float b) {
 }
 #endif
 
+// Programmatic dependent launch (a build with -DKVWRITE_PDL, launched with programmatic stream
+// serialization; sm_90 and later, nothing before): every kernel's first statement. It lets the
+// next kernel of the stream be scheduled once all of this grid's CTAs have started
+// (launch_dependents), and waits until the kernels before it in the stream have completed and
+// their writes are visible (wait), before this kernel reads anything. A caller's inputs are
+// often written by the kernel just before (the qkv projection), so no load may come earlier.
+#if defined(KVWRITE_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVW_PDL_ENTRY()                                                \
+  do {                                                                 \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");    \
+    asm volatile("griddepcontrol.wait;" ::: "memory");                 \
+  } while (0)
+#else
+#define KVW_PDL_ENTRY() \
+  do {                  \
+  } while (0)
+#endif
+
 // float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
 KVW_HD u32 bf16_from_f32_soft(float x) {
   const u32 b = f32_bits(x);

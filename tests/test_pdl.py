@@ -1,0 +1,229 @@
+"""Programmatic dependent launch (kernels/nvrtc.py; kvw/common.cuh's KVW_PDL_ENTRY): every CUDA
+kernel's PDL build waits for the kernels before it (ACQBULK) before its first memory access and
+lets the next kernel be scheduled (PREEXIT), the plain build does neither; the switch
+(KVWRITE_PDL, use_pdl, --no-pdl); on the GPU, a PDL call reads what the kernel just before it
+wrote, eagerly and in a CUDA graph, and a call that did not wait would not."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvwrite
+import sass as sass_tools
+from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.testing.rope import cos_sin_table
+
+OPS = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
+       "concat_and_cache_mla"]
+# Global memory accesses of sm_90 SASS (generic LD/ST included; shared and constant ones are not).
+MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
+def _cuda_impl(op: str):
+    pytest.importorskip("cuda.core")
+    import importlib
+
+    return importlib.import_module(f"kvwrite.ops.{op}.cuda_impl")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
+    """sm_90: in every variant's PDL build PREEXIT and ACQBULK come before the first global load
+    or store; the plain build has neither. sm_80 (no griddepcontrol): the PDL build compiles to
+    the plain one."""
+    mod = _cuda_impl(op)
+    from kvwrite.kernels import nvrtc
+
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton wheel) to read the SASS")
+    names = mod.all_kernel_names()
+    pdl, _ = mod.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
+    assert len(funcs) == len(set(names)), (len(funcs), len(set(names)))
+    for name, ops in funcs.items():
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    plain, _ = mod.SOURCE.compile("sm_90", names[:8])
+    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+    old, _ = mod.SOURCE.compile("sm_80", names[:4], macros=(nvrtc.PDL_MACRO,))
+    text = sass_tools.dump_sass(bytes(old.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text and "LDG" in text
+
+
+def test_use_pdl_switches_it_and_the_environment_sets_it():
+    pytest.importorskip("cuda.core")
+    from kvwrite.kernels import nvrtc
+
+    before = nvrtc.pdl_on()
+    try:
+        nvrtc.use_pdl(False)
+        assert not nvrtc.pdl_on()
+        nvrtc.use_pdl(True)
+        assert nvrtc.pdl_on()
+    finally:
+        nvrtc.use_pdl(before)
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "KVWRITE_PDL"}
+        if value is not None:
+            env["KVWRITE_PDL"] = value
+        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+        out = subprocess.run([sys.executable, "-c", "from kvwrite.kernels import nvrtc; "
+                              "print(nvrtc.pdl_on())"], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == want, (value, out)
+
+
+@pytest.mark.parametrize("sub", ["rope", "mla", "write"])
+def test_bench_no_pdl_says_so_in_the_header(sub, capsys):
+    pytest.importorskip("cuda.core")
+    from kvwrite.bench import cli
+    from kvwrite.kernels import nvrtc
+
+    argv = {"rope": ["rope", "--device", "cpu", "--num-tokens", "2", "--heads", "2,1,16",
+                     "--kv-cache-dtypes", "auto", "--dtypes", "float32", "--layouts", "NHD",
+                     "--implementation", "torch", "--iters", "2", "--num-blocks", "4"],
+            "mla": ["mla", "--device", "cpu", "--num-tokens", "2", "--kv-lora-rank", "16",
+                    "--pe-dim", "8", "--num-blocks", "4", "--implementation", "torch",
+                    "--iters", "2"],
+            "write": ["--device", "cpu", "--num-tokens", "2", "--implementation", "torch",
+                      "--iters", "2"]}[sub]
+    before = nvrtc.pdl_on()
+    try:
+        assert cli.main(argv + ["--no-pdl"]) == 0
+        assert "# launch (cuda): programmatic dependent launch off" in capsys.readouterr().out
+        assert not nvrtc.pdl_on()
+    finally:
+        nvrtc.use_pdl(before)
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+T_BIG, N = 8192, 64  # the writing call's tokens (many waves of CTAs); the reading call's
+
+
+def _setup(seed: int):
+    """A qkv tensor [T_BIG, 64, 128] (32 query, 8 key, 8 value heads and 16 more), positions,
+    tables, caches and slots for the reading calls (the last N tokens)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(T_BIG, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    pos_big = torch.randint(0, 4096, (T_BIG,), device="cuda", generator=g)
+    pos = torch.randint(0, 4096, (N,), device="cuda", generator=g)
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[:N]
+    kc, vc = allocate_kv_cache(64, 16, 8, 128, torch.bfloat16, Layout.NHD, KVAlloc.INTERLEAVED,
+                               "cuda")
+    kc.zero_()
+    vc.zero_()
+    mla = kvwrite.create_mla_cache(64, 16, 512, 64, "auto", torch.bfloat16, device="cuda")
+    mla.zero_()
+    return {"qkv": qkv, "pos_big": pos_big, "pos": pos, "slots": slots, "kc": kc, "vc": vc,
+            "mla": mla}
+
+
+def _sequence(op: str, s: dict, impl: str, table: torch.Tensor) -> None:
+    """A large rotary call that rotates every token's rows of qkv in place, then ``op`` reading
+    the last N tokens' rows: what the second reads was written by the first, the kernel just
+    before it in the stream (which lets its successor be scheduled as soon as it starts)."""
+    qkv = s["qkv"]
+    kvwrite.rotary_embedding(s["pos_big"], qkv[:, :32], qkv[:, 32:40], 128, table, True,
+                             implementation=impl)
+    last = qkv[-N:]
+    if op == "rotary_embedding":
+        kvwrite.rotary_embedding(s["pos"], last[:, :32], last[:, 32:40], 128, table, True,
+                                 implementation=impl)
+    elif op == "reshape_and_cache_flash":
+        kvwrite.reshape_and_cache_flash(last[:, 32:40], last[:, 40:48], s["kc"], s["vc"],
+                                        s["slots"], "auto", implementation=impl)
+    elif op == "fused_rope_and_reshape_cache_flash":
+        kvwrite.fused_rope_and_reshape_cache_flash(
+            last[:, :32], last[:, 32:40], last[:, 40:48], s["pos"], table, True, s["kc"], s["vc"],
+            s["slots"], None, None, "auto", implementation=impl)
+    else:
+        flat = last.reshape(N, 64 * 128)
+        kvwrite.concat_and_cache_mla(flat[:, :512], flat[:, 4096:4160], s["mla"], s["slots"],
+                                     "auto", implementation=impl)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+               for k in ("qkv", "kc", "vc", "mla"))
+
+
+def _skip_without_pdl(impl: str = "cuda"):
+    from kvwrite.kernels import nvrtc, triton_support
+
+    if nvrtc.setup_reason() is not None:
+        pytest.skip(nvrtc.setup_reason())
+    if not nvrtc.pdl_capable(torch.cuda.current_device()) or not nvrtc.pdl_on():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (and is on)")
+    if impl == "triton" and not triton_support._pdl_device(torch.cuda.current_device()):
+        pytest.skip("this Triton has no grid dependency control (gdc_wait)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ["pdl-eager", "pdl-graph", "plain-eager", "plain-graph"])
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("op", OPS)
+def test_call_reads_what_the_kernel_before_it_wrote(op, impl, launch):
+    """With programmatic dependent launch (the default) and without (the plain builds)."""
+    from kvwrite.kernels import nvrtc
+
+    _skip_without_pdl(impl)
+    table = cos_sin_table(4096, 128, torch.float32, device="cuda")
+    want = _setup(0)
+    _sequence(op, want, "torch", table)
+    got = _setup(0)
+    try:
+        nvrtc.use_pdl(launch.startswith("pdl"))
+        if launch.endswith("graph"):
+            _sequence(op, _setup(1), impl, table)  # compiles the variants outside the capture
+            live = _setup(1)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                _sequence(op, live, impl, table)
+            for k, t in got.items():
+                live[k].copy_(t)
+            g.replay()
+            got = live
+        else:
+            _sequence(op, got, impl, table)
+        torch.cuda.synchronize()
+    finally:
+        nvrtc.use_pdl(True)
+    assert _same(got, want)
+
+
+@pytest.mark.gpu
+def test_a_pdl_launch_that_does_not_wait_reads_stale_rows():
+    """The check above can fail: the reading rotary call launched with programmatic stream
+    serialization but built without KVW_PDL_ENTRY (so it does not wait) reads rows the call
+    before it has not rotated yet, in at least one of ten tries."""
+    _skip_without_pdl()
+    from kvwrite.ops.rotary_embedding import cuda_impl
+
+    table = cos_sin_table(4096, 128, torch.float32, device="cuda")
+    want = _setup(0)
+    _sequence("rotary_embedding", want, "torch", table)
+    _sequence("rotary_embedding", _setup(0), "cuda", table)  # creates the launchables
+    saved = dict(cuda_impl._LAUNCHABLES)
+    try:
+        for key, lau in saved.items():  # the reading call's (not a large call): no wait
+            if not key[1]:
+                cuda_impl._LAUNCHABLES[key] = dataclasses.replace(lau, pdl_kernel=lau.kernel)
+        stale = 0
+        for _ in range(10):
+            got = _setup(0)
+            _sequence("rotary_embedding", got, "cuda", table)
+            torch.cuda.synchronize()
+            stale += not _same(got, want)
+        assert stale > 0
+    finally:
+        cuda_impl._LAUNCHABLES.clear()
+        cuda_impl._LAUNCHABLES.update(saved)
