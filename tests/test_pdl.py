@@ -35,8 +35,8 @@ def _cuda_impl(op: str):
 @pytest.mark.parametrize("op", OPS)
 def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
     """sm_90: in every variant's PDL build PREEXIT and ACQBULK come before the first global load
-    or store; the plain build has neither. sm_80 (no griddepcontrol): the PDL build compiles to
-    the plain one."""
+    or store (the fused op's large-call build, without the trigger: ACQBULK and no PREEXIT); the
+    plain build has neither. sm_80 (no griddepcontrol): the PDL build compiles to the plain one."""
     mod = _cuda_impl(op)
     from kvwrite.kernels import nvrtc
 
@@ -49,6 +49,13 @@ def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
     for name, ops in funcs.items():
         first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
         assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    if op == "fused_rope_and_reshape_cache_flash":
+        wait_only, _ = mod.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,
+                                                                  nvrtc.PDL_NO_TRIGGER_MACRO))
+        for name, ops in sass_tools.functions(
+                sass_tools.dump_sass(bytes(wait_only.code), tmp_path)).items():
+            first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+            assert "ACQBULK" in ops[:first_mem] and "PREEXIT" not in ops, (name, ops[:40])
     plain, _ = mod.SOURCE.compile("sm_90", names[:8])
     text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
     assert "ACQBULK" not in text and "PREEXIT" not in text

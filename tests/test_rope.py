@@ -613,7 +613,7 @@ from kvwrite.ops.rotary_embedding import triton_impl as rope
 from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl as fused
 
 def ptx(kernel, types, consts, fusion, pdl=False):
-    consts = {**consts, "PDL": pdl}
+    consts = {**consts, "PDL": pdl, "PDL_TRIGGER": pdl}
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     src = ASTSource(fn=kernel, signature=sig,

@@ -34,10 +34,12 @@ import torch
 
 __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
-           "pdl_capable", "pdl_on", "use_pdl", "PDL_MACRO"]
+           "pdl_capable", "pdl_on", "use_pdl", "PDL_MACRO", "PDL_NO_TRIGGER_MACRO"]
 
-# The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True).
+# The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True), and the
+# one that leaves out its trigger of the next kernel (PDL_NO_TRIGGER_MACRO: wait only).
 PDL_MACRO = "KVWRITE_PDL"
+PDL_NO_TRIGGER_MACRO = "KVWRITE_PDL_NO_TRIGGER"
 _PDL = [os.environ.get("KVWRITE_PDL", "1").strip() != "0"]
 
 

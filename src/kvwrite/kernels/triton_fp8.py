@@ -99,11 +99,12 @@ if triton is not None:
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
     @triton.jit
-    def pdl_entry(PDL: tl.constexpr):
-        """With PDL (a launch with launch_pdl=True): let the next kernel of the stream be scheduled
-        once every program has started, and wait until the kernels before this one have completed
-        and their writes are visible, before anything is read (as kvw/common.cuh's
-        KVW_PDL_ENTRY)."""
+    def pdl_entry(PDL: tl.constexpr, TRIGGER: tl.constexpr):
+        """With PDL (a launch with launch_pdl=True): with TRIGGER, let the next kernel of the
+        stream be scheduled once every program has started; then wait until the kernels before
+        this one have completed and their writes are visible, before anything is read (as
+        kvw/common.cuh's KVW_PDL_ENTRY)."""
         if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+            if TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()

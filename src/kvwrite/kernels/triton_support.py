@@ -37,17 +37,20 @@ def next_pow2(n: int) -> int:
 
 
 
-def pdl_launch(device: torch.device, programs: int, max_programs: int) -> bool:
-    """Whether a Triton launch of ``programs`` programs takes programmatic dependent launch
-    (``PDL=True, launch_pdl=True``): on (kvwrite.kernels.nvrtc.use_pdl, ``KVWRITE_PDL``), at most
-    ``max_programs`` programs, a CUDA device of compute capability 9.0 or later, and a Triton
-    that has grid dependency control."""
+def pdl_launch(device: torch.device, programs: int, max_programs: int,
+               trigger_max_programs: int) -> tuple[bool, bool]:
+    """(PDL, TRIGGER) of a Triton launch of ``programs`` programs: programmatic dependent launch
+    (``PDL=True, launch_pdl=True``) where it is on (kvwrite.kernels.nvrtc.use_pdl,
+    ``KVWRITE_PDL``), for at most ``max_programs`` programs, on a CUDA device of compute
+    capability 9.0 or later with a Triton that has grid dependency control; and with it the early
+    trigger of the next kernel (``pdl_entry``'s TRIGGER) for at most ``trigger_max_programs``."""
     if device.type != "cuda" or programs > max_programs:
-        return False
+        return False, False
     from . import nvrtc
 
-    return nvrtc.pdl_on() and _pdl_device(device.index if device.index is not None
-                                           else torch.cuda.current_device())
+    pdl = nvrtc.pdl_on() and _pdl_device(device.index if device.index is not None
+                                          else torch.cuda.current_device())
+    return pdl, pdl and programs <= trigger_max_programs
 
 
 @functools.cache

@@ -82,13 +82,15 @@ class TritonTuning:
     large_tile_bytes: int = 8192
     large_tile_bytes_ds: int = 4096
     large_bytes_per_warp: int = 2304
-    # Launches of at most this many programs take programmatic dependent launch where it is on
-    # and the device allows it (kvwrite.kernels.triton_support.pdl_launch). Measured, H200,
-    # bfloat16, rotated L2 (tuning-log change 44), off -> on: auto T=1 1.34 -> 0.98 us, T=16 1.80
-    # -> 1.15, T=2048 (1024 programs) 3.22 -> 2.67; fp8_ds_mla T=16 2.08 -> 1.38, T=4096 (2048
-    # programs) 4.55 -> 4.33, but T=8192 (4096) 6.56 -> 6.78 and T=65536 35.8 -> 40.0; auto at
-    # T=65536 40.4 -> 41.1.
-    pdl_max_programs: int = 2048
+    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
+    # is on and the device allows it (kvwrite.kernels.triton_support.pdl_launch); those of at
+    # most pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's
+    # TRIGGER). Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off / with the
+    # trigger / without it, us: auto T=16 1.47 / 1.16 / 1.33, T=2048 (1024 programs) 2.95 / 2.60
+    # / 2.76, T=65536 40.6 / 41.1 / 40.0; fp8_ds_mla T=256 2.03 / 1.62 / 1.89, T=2048 (2048
+    # programs) 3.08 / 3.49 / 3.11, T=8192 6.60 / 6.78 / 5.99, T=65536 36.0 / 40.0 / 35.4.
+    pdl_max_programs: int = 1 << 30
+    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
@@ -139,9 +141,9 @@ if triton is not None:
         BLOCK_P: tl.constexpr,
         MODE: tl.constexpr,  # COPY, E4M3, E5M2 or 3 (fp8_ds_mla)
         BLOCK_T: tl.constexpr,
-        PDL: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL)
+        pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_in = t < num_tokens
         t64 = t.to(tl.int64)
@@ -213,7 +215,8 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
     grid = (triton.cdiv(num_tokens, block_t),)
-    pdl = triton_support.pdl_launch(kv_c.device, grid[0], tuning.pdl_max_programs)
+    pdl, trigger = triton_support.pdl_launch(kv_c.device, grid[0], tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
     _mla_kernel[grid](
         kv_c, k_pe, kv_cache, slot_mapping, scale if code in (_E4M3, _E5M2) else None, num_tokens,
         KV_C_STRIDE=kv_c.stride(0) if t_pad > 1 else 0,
@@ -222,5 +225,5 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
         STRIDE_S=kv_cache.stride(1) if block_size > 1 else 0,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
         BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code, BLOCK_T=block_t, PDL=pdl,
-        num_warps=warps, launch_pdl=pdl,
+        PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )

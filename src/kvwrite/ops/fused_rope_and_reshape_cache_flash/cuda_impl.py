@@ -59,12 +59,13 @@ class CudaTuning:
     large_call_cta_threads: int = 64
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0: never.
-    # Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off -> on: GQA(32,8,128) auto
-    # T=1 2.85 -> 2.19 us (hot 1.89 -> 1.43), T=16 3.17 -> 2.51, T=1024 9.46 -> 8.73 (5120 CTAs),
-    # MHA(32,32,128) T=1024 17.74 -> 16.95 (8192 CTAs); but the large-call build's 64-thread CTAs
-    # lose with it at T=4096 (GQA 30.54 -> 31.05, 20480 CTAs; MHA 63.5 -> 64.1) and T=16384 (GQA
-    # 115.2 -> 123.9), where the launch it hides is a smaller share than each CTA's wait costs.
-    pdl_max_ctas: int = 8192
+    # The large-call build waits but does not trigger the next kernel early (nvrtc's
+    # PDL_NO_TRIGGER_MACRO). Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off ->
+    # on: GQA(32,8,128) auto T=1 2.85 -> 2.19 us (hot 1.89 -> 1.43), T=16 3.17 -> 2.51, T=1024
+    # 9.38 -> 8.78; with the trigger the large-call build lost at T >= 4096 (GQA T=16384 114.8 ->
+    # 123.6), without it T=4096 GQA auto 30.40 -> 29.75, fp8 28.32 -> 27.70, MHA fp8 53.66 ->
+    # 53.03, T=16384 equal or less (GQA fp8 105.7 -> 104.8).
+    pdl_max_ctas: int = 1 << 30
 
     def __post_init__(self):
         c = self.large_call_cta_threads
@@ -182,7 +183,8 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
-        pdl_kernel = (SOURCE.kernel(arch, name, (nvrtc.PDL_MACRO,)) if nvrtc.pdl_capable(index)
+        pdl_macros = (nvrtc.PDL_MACRO,) + ((nvrtc.PDL_NO_TRIGGER_MACRO,) if min_blocks > 1 else ())
+        pdl_kernel = (SOURCE.kernel(arch, name, pdl_macros) if nvrtc.pdl_capable(index)
                       else None)
     tail = (block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
             num_blocks * block_size, hq, d, rot, per_head, rot_units, per_token)

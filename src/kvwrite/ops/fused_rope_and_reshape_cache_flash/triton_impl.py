@@ -72,9 +72,9 @@ if triton is not None:
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_KEY: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL)
+        pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tile = tl.program_id(1)
         valid, c, s, partner, first, is_rot = rope_tables(
@@ -145,8 +145,9 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     num_blocks, block_size = key_cache.shape[:2]
     qo = query if query_out is None else query_out
     grid = (triton.cdiv(num_rot, block_t), nq + nk)
-    pdl = triton_support.pdl_launch(query.device, grid[0] * grid[1],
-                                    tuning.fused_pdl_max_programs)
+    pdl, trigger = triton_support.pdl_launch(query.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
     _fused_kernel[grid](
         positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
@@ -155,6 +156,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         NUM_Q_HEADS=hq, NUM_HEADS=h, HEAD_SIZE=d, ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger,
+        launch_pdl=pdl,
         **LAUNCH_OPTIONS,
     )

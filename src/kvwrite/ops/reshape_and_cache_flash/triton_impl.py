@@ -112,12 +112,15 @@ class TritonTuning:
     # 1.57 vs 1.50 us); at H=128 T=1024 (64 MiB of input) fp8 slower (29.6 vs 28.8 us) and copies
     # faster (35.8 vs 36.6 us). -1: never.
     evict_first_max_bytes: int = 64 << 20
-    # Launches of at most this many programs take programmatic dependent launch where it is on
-    # and the device allows it (kvwrite.kernels.triton_support.pdl_launch). Measured, H=128,
-    # bfloat16, rotated L2 (tuning-log change 44), off -> on: NHD T=2 1.66 -> 1.31 us, HND 1.99 ->
-    # 1.32, fp8 HND T=16 2.96 -> 2.04, T=1024 2-3% less, T=65536 equal; one point slower (fp8 NHD
-    # T=64 3.95 -> 4.11), so every call.
+    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
+    # is on and the device allows it (kvwrite.kernels.triton_support.pdl_launch); those of at
+    # most pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's
+    # TRIGGER). Measured, H=128, bfloat16, rotated L2 (tuning-log change 44), off -> on: NHD T=2
+    # 1.66 -> 1.31 us, HND 1.99 -> 1.32, fp8 HND T=16 2.96 -> 2.04, T=1024 2-3% less, T=65536
+    # equal; without the trigger fp8 HND T=2 1.64 (1.49 with it), T=1024 29.95 (29.73). Every
+    # call, with the trigger.
     pdl_max_programs: int = 1 << 30
+    pdl_trigger_max_programs: int = 1 << 30
 
     def bytes_per_warp(self, fp8: bool) -> int:
         return self.bytes_per_warp_fp8 if fp8 else self.bytes_per_warp_copy
@@ -197,9 +200,9 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
         LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
-        PDL: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL)
+        pdl_entry(PDL, PDL_TRIGGER)
         # Grid (token tiles, head tiles): programs are dispatched token tile fastest, so the
         # programs in flight write the same heads of many tokens, and no index needs a division.
         offs_t = tl.arange(0, BLOCK_T)
@@ -278,7 +281,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     programs = 1
     for n in grid:
         programs *= n
-    pdl = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs)
+    pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
     _kvwrite_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
         KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
@@ -287,5 +291,6 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         STRIDE_H=stride_h if num_heads > 1 else 0, NUM_SLOTS=num_blocks * block_size,
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        LOAD_EVICT=evict, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        LOAD_EVICT=evict, PDL=pdl, PDL_TRIGGER=trigger, num_warps=num_warps,
+        launch_pdl=pdl,
     )

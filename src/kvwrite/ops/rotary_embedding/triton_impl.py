@@ -66,16 +66,17 @@ class RopeTuning:
     large_call_bytes: int = 4 << 20
     large_tile_bytes: int = 2048
     large_bytes_per_warp: int = 2048
-    # Launches of at most this many programs take programmatic dependent launch where it is on
-    # and the device allows it (kvwrite.kernels.triton_support.pdl_launch): rotary_embedding's
-    # (pdl_max_programs) and the fused op's. Measured, H200, bfloat16, rotated L2 (tuning-log
-    # change 44), off -> on: rotary GQA(32,8,128) T=1 2.54 -> 1.90 us, T=16 2.82 -> 2.16 (hot
-    # 1.73 -> 1.27), T=256 (768 programs) 3.69 -> 3.50; but with the one-warp programs of large
-    # calls MHA(32,32,128) T=1024 (8192 programs) 7.97 -> 10.40 and T=16384 138.1 -> 158.1.
-    # Fused: GQA T=16 3.18 -> 2.51, T=1024 (5120 programs) 9.74 -> 9.14, MHA T=1024 (8192) 17.84
-    # -> 17.10; T=4096 (20480 and 32768) 1-2% slower, T=16384 3-8% slower.
-    pdl_max_programs: int = 1024
-    fused_pdl_max_programs: int = 8192
+    # Launches of at most pdl_max_programs programs (rotary_embedding's and the fused op's) take
+    # programmatic dependent launch where it is on and the device allows it
+    # (kvwrite.kernels.triton_support.pdl_launch); those of at most pdl_trigger_max_programs also
+    # let the next kernel be scheduled early (pdl_entry's TRIGGER). Measured, H200, bfloat16,
+    # rotated L2 (tuning-log change 44), off / with the trigger / without it, us: rotary
+    # GQA(32,8,128) T=16 (160 programs) 2.89 / 2.21 / 2.75, T=256 (768) 3.73 / 3.57 / 3.14, T=4096
+    # 23.69 / 25.17 / 23.05, T=16384 86.9 / 99.0 / 86.3; MHA(32,32,128) T=16384 138.2 / 158.1 /
+    # 137.6; fused GQA auto T=16 3.30 / 2.59 / 3.13, T=256 4.59 / 4.36 / 3.98, T=16384 115.1 /
+    # 123.3 / 114.5.
+    pdl_max_programs: int = 1 << 30
+    pdl_trigger_max_programs: int = 256
 
 
 TUNING = RopeTuning()
@@ -123,9 +124,9 @@ if triton is not None:
         NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL)
+        pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tile = tl.program_id(1)
         valid, c, s, partner, first, is_rot = rope_tables(
@@ -162,12 +163,14 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, hq, h, d, query.element_size(),
                                                       tuning)
     grid = (triton.cdiv(num_rot, block_t), nq + (nk if key is not None else 0))
-    pdl = triton_support.pdl_launch(query.device, grid[0] * grid[1], tuning.pdl_max_programs)
+    pdl, trigger = triton_support.pdl_launch(query.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
     _rope_kernel[grid](
         positions, query, query if key is None else key, cos_sin_cache, num_rot, query.stride(0),
         0 if key is None else key.stride(0), cos_sin_cache.shape[0],
         NUM_Q_HEADS=hq, NUM_HEADS=max(h, 1), HEAD_SIZE=d, ROT=cos_sin_cache.shape[1],
         IS_NEOX=is_neox, Q_TILES=nq, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_D=block_d, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+        BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger, launch_pdl=pdl,
         **LAUNCH_OPTIONS,
     )

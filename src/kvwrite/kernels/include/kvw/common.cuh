@@ -78,14 +78,22 @@ KVW_HD float min_nan(float a, float b) {
 // Programmatic dependent launch (a build with -DKVWRITE_PDL, launched with programmatic stream
 // serialization; sm_90 and later, nothing before): every kernel's first statement. It lets the
 // next kernel of the stream be scheduled once all of this grid's CTAs have started
-// (launch_dependents), and waits until the kernels before it in the stream have completed and
+// (launch_dependents; not with -DKVWRITE_PDL_NO_TRIGGER, where the next kernel is scheduled when
+// this one completes), and waits until the kernels before it in the stream have completed and
 // their writes are visible (wait), before this kernel reads anything. A caller's inputs are
 // often written by the kernel just before (the qkv projection), so no load may come earlier.
 #if defined(KVWRITE_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KVW_PDL_ENTRY()                                                \
-  do {                                                                 \
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");    \
-    asm volatile("griddepcontrol.wait;" ::: "memory");                 \
+#ifdef KVWRITE_PDL_NO_TRIGGER
+#define KVW_PDL_TRIGGER() \
+  do {                    \
+  } while (0)
+#else
+#define KVW_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#endif
+#define KVW_PDL_ENTRY()                                \
+  do {                                                 \
+    KVW_PDL_TRIGGER();                                 \
+    asm volatile("griddepcontrol.wait;" ::: "memory"); \
   } while (0)
 #else
 #define KVW_PDL_ENTRY() \
