@@ -105,7 +105,7 @@ def test_bench_no_pdl_says_so_in_the_header(sub, capsys):
     before = nvrtc.pdl_on()
     try:
         assert cli.main(argv + ["--no-pdl"]) == 0
-        assert "# launch (cuda): programmatic dependent launch off" in capsys.readouterr().out
+        assert "# launch: programmatic dependent launch off" in capsys.readouterr().out
         assert not nvrtc.pdl_on()
     finally:
         nvrtc.use_pdl(before)

@@ -143,21 +143,22 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def launch_line(args: argparse.Namespace, device: torch.device) -> str:
-    """Applies ``--no-pdl`` and returns the header line that says how the cuda implementations
+    """Applies ``--no-pdl`` and returns the header line that says how the cuda and Triton kernels
     launch on ``device``."""
     from ..kernels import nvrtc
 
     if getattr(args, "no_pdl", False):
         nvrtc.use_pdl(False)
     if not nvrtc.pdl_on():
-        return "launch (cuda): programmatic dependent launch off"
-    if device.type != "cuda" or nvrtc.setup_reason() is not None:
-        return "launch (cuda): the cuda implementation does not run here"
-    if not nvrtc.pdl_capable(device.index if device.index is not None else 0):
-        return ("launch (cuda): plain launches (programmatic dependent launch needs compute "
-                "capability 9.0)")
-    return ("launch (cuda): programmatic dependent launch (each call scheduled while the one "
-            "before it runs, waiting for it before any load; --no-pdl turns it off)")
+        return "launch: programmatic dependent launch off"
+    if device.type != "cuda":
+        return "launch: plain (not a CUDA device)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return ("launch: plain (programmatic dependent launch needs compute capability 9.0)")
+    return ("launch: programmatic dependent launch of the cuda and Triton kernels (each call "
+            "scheduled while the kernel before it runs, waiting for it before any load; --no-pdl "
+            "turns it off)")
 
 
 def add_slot_flags(parser: argparse.ArgumentParser) -> None:
