@@ -1,5 +1,6 @@
 """What every op's Triton implementation shares besides the fp8 rule: whether Triton can run a
-kernel on a device here, and the power-of-two rounding of tile sizes."""
+kernel on a device here, the power-of-two rounding of tile sizes, and whether a launch takes
+programmatic dependent launch."""
 
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ def available(device: torch.device, triton, kernel: Callable[[], object],
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
-
 
 
 def pdl_launch(device: torch.device, programs: int, max_programs: int,
