@@ -88,7 +88,8 @@ def test_unknown_probe_is_one_line_naming_it(capsys):
 @pytest.mark.parametrize("argv", [["probe", "variants"], ["probe", "pattern"],
                                   ["probe", "small-t"], ["probe", "ab", "--base", "HEAD"],
                                   ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"],
-                                  ["probe", "mla"], ["probe", "mla-pattern"], ["probe", "chain"]])
+                                  ["probe", "mla"], ["probe", "mla-pattern"], ["probe", "chain"],
+                                  ["probe", "pdl-step"]])
 def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     assert cli.main(argv) == 2
     cap = capsys.readouterr()
@@ -114,6 +115,10 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probe", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
     (["probe", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
     (["probe", "chain", "--sets", "0"], "--sets"),
+    (["probe", "pdl-step", "--tokens", "0"], "--tokens"),
+    (["probe", "pdl-step", "--tokens", "70000"], "--tokens"),
+    (["probe", "pdl-step", "--impls", "cuda,torch"], "--impls"),
+    (["probe", "pdl-step", "--replays", "0"], "--replays"),
 ])
 def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     # Checked before anything needs a GPU, so the same on every machine.
@@ -439,3 +444,14 @@ def test_gpu_chain_probe_runs(capsys):
     assert lines[0].startswith("# ") and len(lines) == 7
     us = {ln[:4].strip() + " " + ln[6:38].strip(): float(ln.split()[-1]) for ln in lines[1:]}
     assert all(v > 0 for v in us.values())
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_step_probe_runs(capsys):
+    from kvwrite.kernels import nvrtc
+
+    assert cli.main(["probe", "pdl-step", "--tokens", "1,16", "--replays", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ") and len(lines) == 5
+    assert all(ln.startswith("T=") and ln.count("->") == 2 for ln in lines[1:]), lines
+    assert nvrtc.pdl_on()  # left as it was

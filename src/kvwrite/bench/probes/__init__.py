@@ -10,6 +10,7 @@ and the workload model (:mod:`kvwrite.bench.workload`).
     kvwrite-bench probe mla                         # concat_and_cache_mla's launch variants
     kvwrite-bench probe mla-pattern                 # ... its slot patterns and entry alignment
     kvwrite-bench probe chain                       # the floor of a small call's dependent loads
+    kvwrite-bench probe pdl-step                    # programmatic dependent launch in a GEMM step
 
 Each prints its table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed
 check, 2 for a usage error or where a probe cannot run (no GPU: one line on stderr).
@@ -35,6 +36,7 @@ PROBES = {
     "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
     "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
     "chain": ("chain", "the floor of a small call's dependent loads (slot, position -> table)"),
+    "pdl-step": ("pdl_step", "the fused op after a GEMM, with and without dependent launch"),
 }
 
 
