@@ -34,7 +34,8 @@ import torch
 
 __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
-           "pdl_capable", "pdl_on", "use_pdl", "PDL_MACRO", "PDL_NO_TRIGGER_MACRO"]
+           "pdl_capable", "pdl_on", "use_pdl", "pdl_twin", "takes_pdl", "PDL_MACRO",
+           "PDL_NO_TRIGGER_MACRO"]
 
 # The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True), and the
 # one that leaves out its trigger of the next kernel (PDL_NO_TRIGGER_MACRO: wait only).
@@ -195,6 +196,25 @@ def pdl_capable(index: int) -> bool:
     9.0 or later (griddepcontrol) and a cuda.core whose LaunchConfig can ask for them."""
     major = cuda_core().Device(index).compute_capability[0]
     return major >= 9 and hasattr(cuda_core().LaunchConfig, "programmatic_stream_serialization")
+
+
+def pdl_twin(source: KernelSource, arch: str, name: str, macros: tuple, index: int,
+             trigger: bool = True):
+    """The PDL build of ``source.kernel(arch, name, macros)`` (with :data:`PDL_MACRO`, and
+    :data:`PDL_NO_TRIGGER_MACRO` unless ``trigger``), or None where device ``index`` cannot take
+    programmatic dependent launches (:func:`pdl_capable`). Call it where the plain build is
+    loaded (inside :func:`capture_relaxed`, the device current)."""
+    if not pdl_capable(index):
+        return None
+    extra = (PDL_MACRO,) if trigger else (PDL_MACRO, PDL_NO_TRIGGER_MACRO)
+    return source.kernel(arch, name, tuple(macros) + extra)
+
+
+def takes_pdl(pdl_kernel, ctas: int, max_ctas: int) -> bool:
+    """Whether a launch of ``ctas`` CTAs takes its PDL twin ``pdl_kernel`` (:func:`pdl_twin`):
+    there is one, programmatic dependent launch is on (:func:`use_pdl`), and ``ctas`` is at most
+    ``max_ctas`` (the op's tuning)."""
+    return pdl_kernel is not None and _PDL[0] and ctas <= max_ctas
 
 
 @functools.cache

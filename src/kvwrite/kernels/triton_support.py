@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import nvrtc
+
 __all__ = ["available", "next_pow2", "pdl_launch"]
 
 
@@ -46,8 +48,6 @@ def pdl_launch(device: torch.device, programs: int, max_programs: int,
     trigger of the next kernel (``pdl_entry``'s TRIGGER) for at most ``trigger_max_programs``."""
     if device.type != "cuda" or programs > max_programs:
         return False, False
-    from . import nvrtc
-
     pdl = nvrtc.pdl_on() and _pdl_device(device.index if device.index is not None
                                           else torch.cuda.current_device())
     return pdl, pdl and programs <= trigger_max_programs

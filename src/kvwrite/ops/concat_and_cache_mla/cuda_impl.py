@@ -246,8 +246,7 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
         if tuning.specialize:
             macros += (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
         kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = (SOURCE.kernel(arch, p.name, macros + (nvrtc.PDL_MACRO,))
-                      if nvrtc.pdl_capable(index) else None)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
 
 
@@ -277,8 +276,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
             raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.fixed[8]} tokens per call "
                              f"with this row length, got {num_tokens}")
         grid = -(-total // p.threads)
-    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
-           and grid <= tuning.pdl_max_ctas)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
     sp = scale.data_ptr() if scale is not None else 0
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, pp, cp,

@@ -183,9 +183,8 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
-        pdl_macros = (nvrtc.PDL_MACRO,) + ((nvrtc.PDL_NO_TRIGGER_MACRO,) if min_blocks > 1 else ())
-        pdl_kernel = (SOURCE.kernel(arch, name, pdl_macros) if nvrtc.pdl_capable(index)
-                      else None)
+        # The large-call build waits without triggering the next kernel early (CudaTuning).
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, (), index, trigger=min_blocks == 1)
     tail = (block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
             num_blocks * block_size, hq, d, rot, per_head, rot_units, per_token)
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, tail)
@@ -220,8 +219,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
             slot_mapping, cache_dtype, query_out, *build)
     row, tpc, parts = lau.config
     gx = -(-num_rot // tpc)
-    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
-           and gx * parts <= tuning.pdl_max_ctas)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * parts, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(gx, parts, row, tpc, pdl)
     if k_scale is None:
         ksp = vsp = kss = vss = 0

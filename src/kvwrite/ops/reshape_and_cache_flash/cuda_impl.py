@@ -341,8 +341,7 @@ def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype, s
         macros = _macros(tuning.exact_div, tail if tuning.specialize else None,
                          tuning.inexact_quotient)
         kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = (SOURCE.kernel(arch, p.name, macros + (nvrtc.PDL_MACRO,))
-                      if nvrtc.pdl_capable(index) else None)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
     wave = sm_count * max(1, per_sm)  # resident CTAs, over grid_x * grid_y
     return _Launchable(p, kernel, pdl_kernel, max(1, wave * tuning.min_waves // p.grid_y),
@@ -399,8 +398,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     else:
         grid_x = min(rows, lau.max_grid_x,
                      max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
-    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
-           and grid_x * p.grid_y <= tuning.pdl_max_ctas)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid_x * p.grid_y, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid_x, p.grid_y, p.threads // p.tokens_per_cta,
                                  p.tokens_per_cta, pdl)
     if k_scale is None:

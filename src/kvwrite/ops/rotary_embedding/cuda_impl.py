@@ -186,8 +186,7 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox, linear) -> _Launc
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name)
-        pdl_kernel = (SOURCE.kernel(arch, name, (nvrtc.PDL_MACRO,)) if nvrtc.pdl_capable(index)
-                      else None)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, (), index)
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index,
                        (hq, d, rot, per_head, rot_units, per_token))
 
@@ -213,8 +212,7 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     row, tpc, parts, linear = lau.config
     gx, gy, bx, by = ((num_rot * parts, 1, row, 1) if linear
                       else (-(-num_rot // tpc), parts, row, tpc))
-    pdl = (lau.pdl_kernel is not None and nvrtc.pdl_on()
-           and gx * gy <= tuning.pdl_max_ctas)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * gy, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(gx, gy, bx, by, pdl)
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
                  positions.data_ptr(), qp, kp or qp,
