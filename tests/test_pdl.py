@@ -2,7 +2,8 @@
 kernel's PDL build waits for the kernels before it (ACQBULK) before its first memory access and
 lets the next kernel be scheduled (PREEXIT), the plain build does neither; the switch
 (KVWRITE_PDL, use_pdl, --no-pdl); on the GPU, a PDL call reads what the kernel just before it
-wrote, eagerly and in a CUDA graph, and a call that did not wait would not."""
+wrote, eagerly and in a CUDA graph, and (after a writer that writes late) a call that does not wait
+reads the rows before they are written."""
 
 from __future__ import annotations
 
@@ -207,33 +208,74 @@ def test_call_reads_what_the_kernel_before_it_wrote(op, impl, launch):
     assert _same(got, want)
 
 
+# A writer that lets its successor be scheduled at once, then waits ~100 us before it writes: a
+# successor that reads without waiting for it reads the rows as they were, every time.
+_LATE_WRITER = r"""
+extern "C" __global__ void kvw_test_late_copy(const unsigned int* src, unsigned int* dst,
+                                              long long n, long long delay_ns) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < static_cast<unsigned long long>(delay_ns));
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+"""
+
+
 @pytest.mark.gpu
-def test_a_pdl_launch_that_does_not_wait_reads_stale_rows():
-    """The check above can fail: the reading rotary call launched with programmatic stream
-    serialization but built without KVW_PDL_ENTRY (so it does not wait) reads rows the call
-    before it has not rotated yet, in at least one of 200 tries (a race: on an H200 it showed in
-    one of the first ten tries in two runs and in none of ten in a third)."""
-    _skip_without_pdl()
+@pytest.mark.parametrize("impl,waits", [("cuda", True), ("triton", True), ("cuda", False)],
+                         ids=["cuda-pdl-build", "triton-pdl-build", "cuda-build-without-the-wait"])
+def test_pdl_call_after_a_late_writer(impl, waits):
+    """A writer triggers its successor at once and writes the rows 100 us later; a rotary call
+    launched with PDL right after it reads those rows. The PDL builds (cuda and Triton) wait and
+    rotate the written rows; launched the same way, the cuda plain build (no KVW_PDL_ENTRY) reads
+    them before they are written, so the check fails for a call that does not wait
+    (deterministically)."""
+    _skip_without_pdl(impl)
+    from kvwrite.kernels import nvrtc
     from kvwrite.ops.rotary_embedding import cuda_impl
 
     table = cos_sin_table(4096, 128, torch.float32, device="cuda")
-    want = _setup(0)
-    _sequence("rotary_embedding", want, "torch", table)
-    _sequence("rotary_embedding", _setup(0), "cuda", table)  # creates the launchables
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = torch.randn(N, 40, 128, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (N,), device="cuda", generator=g)
+    want = src.clone()
+    kvwrite.rotary_embedding(pos, want[:, :32], want[:, 32:], 128, table, True,
+                             implementation="torch")
+    index = torch.cuda.current_device()
+    arch, _ = nvrtc.device_arch(index)
+    obj, _ = cuda_impl.SOURCE.compile(arch, "kvw_test_late_copy", source=_LATE_WRITER)
+    writer = obj.get_kernel("kvw_test_late_copy")
+    rows = torch.zeros_like(src)
+    # The writer's first launch loads its module (lazily), which must not fall between the two.
+    nvrtc.launch(index, nvrtc.launch_config(1, 1, 256, 1), writer, src.data_ptr(),
+                 rows.data_ptr(), src.numel() // 2, 0)
+    kvwrite.rotary_embedding(pos, rows[:, :32], rows[:, 32:], 128, table, True,
+                             implementation=impl)  # compiles the kernel, creates the launchable
     saved = dict(cuda_impl._LAUNCHABLES)
     try:
-        for key, lau in saved.items():  # the reading call's (not a large call): no wait
-            if not key[1]:
+        if not waits:
+            for key, lau in saved.items():
                 cuda_impl._LAUNCHABLES[key] = dataclasses.replace(lau, pdl_kernel=lau.kernel)
-        stale = 0
-        for _ in range(200):
-            got = _setup(0)
-            _sequence("rotary_embedding", got, "cuda", table)
-            torch.cuda.synchronize()
-            stale += not _same(got, want)
-            if stale:
-                break
-        assert stale > 0
+            # The plain build's first launch loads it (lazily), which must not fall between the
+            # two either.
+            kvwrite.rotary_embedding(pos, rows[:, :32], rows[:, 32:], 128, table, True,
+                                     implementation=impl)
+        rows.zero_()
+        torch.cuda.synchronize()
+        # A spin of ~10 ms first, so that the writer and the call are both queued before the
+        # writer starts (the call's host-side work alone can outlast the writer's delay).
+        torch.cuda._sleep(20_000_000)
+        nvrtc.launch(index, nvrtc.launch_config(1, 1, 256, 1), writer, src.data_ptr(),
+                     rows.data_ptr(), src.numel() // 2, 100_000)
+        kvwrite.rotary_embedding(pos, rows[:, :32], rows[:, 32:], 128, table, True,
+                                 implementation=impl)
+        torch.cuda.synchronize()
     finally:
         cuda_impl._LAUNCHABLES.clear()
         cuda_impl._LAUNCHABLES.update(saved)
+    # Without the wait the call rotated the zeros and the writer then stored src unrotated.
+    assert torch.equal(rows.view(torch.int16), want.view(torch.int16)) == waits
