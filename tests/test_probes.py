@@ -439,11 +439,15 @@ def test_gpu_mla_pattern_probe_runs(capsys):
 
 @pytest.mark.gpu
 def test_gpu_chain_probe_runs(capsys):
+    from kvwrite.kernels import nvrtc
+
     assert cli.main(["probe", "chain", "--sets", "4", "--replays", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("# ") and len(lines) == 7
-    us = {ln[:4].strip() + " " + ln[6:38].strip(): float(ln.split()[-1]) for ln in lines[1:]}
-    assert all(v > 0 for v in us.values())
+    launches = {"plain", "pdl"} if nvrtc.pdl_capable(torch.cuda.current_device()) else {"plain"}
+    assert lines[0].startswith("# ") and len(lines) == 1 + 6 * len(launches)
+    us = {tuple(ln[:45].split(maxsplit=2)): float(ln.split()[-1]) for ln in lines[1:]}
+    assert {k[1] for k in us} == launches and {k[0] for k in us} == {"hot", "cold"}
+    assert len(us) == len(lines) - 1 and all(v > 0 for v in us.values())
 
 
 @pytest.mark.gpu

@@ -8,6 +8,9 @@ loads). Hot: the same position and slot every call. Cold: ``--sets`` different p
 slots in a 32 MiB table and cache, and the L2 flushed before each timed run (as the rope
 benchmark does for small calls), so each call waits for DRAM. No kernel that must read a
 position and then its table row can be faster than ``kvw_rope_chain`` under the same condition.
+Each is timed with plain launches and, where the GPU takes it (compute capability 9.0), with
+programmatic dependent launch as the ops launch (the PDL build, which triggers the next call and
+then waits for the one before it; launch column ``pdl``).
 
     kvwrite-bench probe chain [--sets 64] [--replays 30]
 """
@@ -44,27 +47,30 @@ def main(argv: list[str], prog: str) -> int:
     slots = torch.randint(0, ROWS, (args.sets, 1), device=dev, generator=gen)
     flush = torch.empty(2 * timing.l2_bytes(dev), dtype=torch.uint8, device=dev)
     index = torch.cuda.current_device()
-    one, row = common.nvrtc.launch_config(1, 1, 1, 1), common.nvrtc.launch_config(1, 1, ROW, 1)
-    kernels = {name: common.kernel(name) for name in ("kvw_empty", "kvw_slot_store",
-                                                      "kvw_rope_chain")}
+    launches = ["plain"] + (["pdl"] if common.nvrtc.pdl_capable(index) else [])
 
-    def calls(n: int) -> dict:
-        launch = common.nvrtc.launch
+    def calls(n: int, launch: str) -> dict:
+        pdl = launch == "pdl"
+        empty, slot_store, rope_chain = (common.kernel(name, pdl) for name in (
+            "kvw_empty", "kvw_slot_store", "kvw_rope_chain"))
         return {
-            "empty kernel": lambda i: launch(index, one, kernels["kvw_empty"]),
-            "slot -> store": lambda i: launch(index, row, kernels["kvw_slot_store"],
-                                              slots[i % n].data_ptr(), cache.data_ptr(), ROW),
-            "position -> table row -> store": lambda i: launch(
-                index, row, kernels["kvw_rope_chain"], positions[i % n].data_ptr(),
-                table.data_ptr(), slots[i % n].data_ptr(), out.data_ptr(), cache.data_ptr(),
-                ROW),
+            "empty kernel": lambda i: common.launch(empty, (1, 1), 1, pdl=pdl)(),
+            "slot -> store": lambda i: common.launch(
+                slot_store, (1, 1), ROW, slots[i % n].data_ptr(), cache.data_ptr(), ROW,
+                pdl=pdl)(),
+            "position -> table row -> store": lambda i: common.launch(
+                rope_chain, (1, 1), ROW, positions[i % n].data_ptr(), table.data_ptr(),
+                slots[i % n].data_ptr(), out.data_ptr(), cache.data_ptr(), ROW, pdl=pdl)(),
         }
 
     print(f"# {torch.cuda.get_device_name()}: us per call, median of {args.replays} replays of "
-          f"{common.CALLS} calls in one CUDA graph", flush=True)
+          f"{common.CALLS} calls in one CUDA graph; launch plain or pdl (programmatic dependent "
+          "launch)", flush=True)
     for hot in (True, False):
-        for name, call in calls(1 if hot else args.sets).items():
-            t = timing.time_device(call, common.CALLS, args.replays, graph=True,
-                                   flush=None if hot else flush)
-            print(f"{'hot ' if hot else 'cold'}  {name:32s} {t.median * 1e6:7.3f}", flush=True)
+        for launch in launches:
+            for name, call in calls(1 if hot else args.sets, launch).items():
+                t = timing.time_device(call, common.CALLS, args.replays, graph=True,
+                                       flush=None if hot else flush)
+                print(f"{'hot ' if hot else 'cold'}  {launch:5s}  {name:32s} "
+                      f"{t.median * 1e6:7.3f}", flush=True)
     return 0

@@ -30,8 +30,8 @@ from ..workload import Case, InputSet, make_caches, make_input_sets
 
 __all__ = ["CALLS", "ProbeError", "require_gpu", "time_call", "copy_bandwidth", "point_shape",
            "point_sets", "point_caches", "default_tunings", "parse_value", "parse_set", "Variant",
-           "variants", "impl_call", "SOURCE", "kernel", "launch", "empty_kernel_floor",
-           "empty_triton_floor", "int_list", "str_list", "timed_impls"]
+           "variants", "impl_call", "SOURCE", "kernel", "launch", "pdl_launches",
+           "empty_kernel_floor", "empty_triton_floor", "int_list", "str_list", "timed_impls"]
 
 CALLS = 20
 COPY_BYTES = 2**30
@@ -212,25 +212,36 @@ def impl_call(impl: str, args: tuple, variant: Variant | None = None) -> Callabl
 SOURCE = nvrtc.KernelSource(__package__, "kernels.cu", "kvwrite_probes")
 
 
-def kernel(name: str):
-    """The loaded kernel ``name`` (a name expression of kernels.cu) for the current GPU."""
+def kernel(name: str, pdl: bool = False):
+    """The loaded kernel ``name`` (a name expression of kernels.cu) for the current GPU; ``pdl``:
+    its programmatic-dependent-launch build (``nvrtc.PDL_MACRO``), for :func:`launch` with
+    ``pdl=True``."""
     index = torch.cuda.current_device()
     nvrtc.cuda_core().Device(index).set_current()
     arch, _ = nvrtc.device_arch(index)
-    return SOURCE.kernel(arch, name)
+    return SOURCE.kernel(arch, name, (nvrtc.PDL_MACRO,) if pdl else ())
 
 
-def launch(kern, grid: tuple[int, int], block: int, *args) -> Callable[[], None]:
-    """A launch of ``kern`` on PyTorch's current stream, as a callable for :func:`time_call`."""
-    config = nvrtc.launch_config(grid[0], grid[1], block, 1)
+def launch(kern, grid: tuple[int, int], block: int, *args,
+           pdl: bool = False) -> Callable[[], None]:
+    """A launch of ``kern`` on PyTorch's current stream, as a callable for :func:`time_call`;
+    ``pdl``: with programmatic stream serialization (``kern`` from ``kernel(..., pdl=True)``)."""
+    config = nvrtc.launch_config(grid[0], grid[1], block, 1, pdl)
     index = torch.cuda.current_device()
     return lambda: nvrtc.launch(index, config, kern, *args)
 
 
+def pdl_launches() -> bool:
+    """Whether the cuda implementations launch with programmatic dependent launch here (it is on
+    and the current GPU takes it), so that a floor should be measured the same way."""
+    return nvrtc.pdl_on() and nvrtc.pdl_capable(torch.cuda.current_device())
+
+
 def empty_kernel_floor(replays: int = 50) -> float:
     """Seconds per call of an empty NVRTC kernel (one thread), launched as the cuda
-    implementation launches its kernel."""
-    return time_call(launch(kernel("kvw_empty"), (1, 1), 1), replays)
+    implementation launches its kernel (with programmatic dependent launch where it does)."""
+    pdl = pdl_launches()
+    return time_call(launch(kernel("kvw_empty", pdl), (1, 1), 1, pdl=pdl), replays)
 
 
 def empty_triton_floor(replays: int = 50) -> float | None:

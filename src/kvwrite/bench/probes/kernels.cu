@@ -5,8 +5,9 @@
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 
-// Nothing: the floor of a launch (one thread).
-extern "C" __global__ void kvw_empty() {}
+// Nothing: the floor of a launch (one thread). Built with KVWRITE_PDL (kvw/common.cuh), this and
+// the two chain kernels below start as every kernel of the ops does: trigger, then wait.
+extern "C" __global__ void kvw_empty() { KVW_PDL_ENTRY(); }
 
 // The bytes and addresses of one call, without the op's work: each thread reads one 32-byte
 // (fp8) or 16-byte (copy) chunk of K and of V and writes 16 bytes of each (fp8: the high byte of
@@ -100,6 +101,7 @@ __global__ void __launch_bounds__(128) kvw_small(
 // known only once the position has arrived).
 extern "C" __global__ void kvw_slot_store(const i64* __restrict__ slots, float* __restrict__ cache,
                                           i64 row) {
+  KVW_PDL_ENTRY();
   const i64 s = slots[0];
   cache[s * row + threadIdx.x] = 1.0f;
 }
@@ -108,6 +110,7 @@ extern "C" __global__ void kvw_rope_chain(const i64* __restrict__ positions,
                                           const float* __restrict__ table,
                                           const i64* __restrict__ slots, float* __restrict__ out,
                                           float* __restrict__ cache, i64 row) {
+  KVW_PDL_ENTRY();
   const i64 p = positions[0];
   const i64 s = slots[0];
   const float c = table[p * row + threadIdx.x];
