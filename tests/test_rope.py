@@ -244,7 +244,8 @@ def test_triton_fused_large_call_tiles_match_oracle(case, device):
     if inp.positions.numel():
         triton_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
                         inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
-                        case.rotate_key_in_place, query_out, tuning=RopeTuning(**TRITON_LARGE))
+                        case.rotate_key_in_place, query_out,
+                        tuning=RopeTuning(**TRITON_LARGE, fused_value_first_max_programs=0))
     assert_same_bytes(inp, _expected_fused(case))
 
 
@@ -642,7 +643,7 @@ for dt in ("bf16", "fp16", "fp32"):
                                           "stride_b", "stride_s", "stride_h")})
         consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=64, IS_NEOX=False,
                       STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=False,
-                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
+                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=False)
         if quant:
             types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
         else:
@@ -664,11 +665,31 @@ for pdl in (False, True):
     out[f"rope-pdl{int(pdl)}"] = [text.count("griddepcontrol.launch_dependents"),
                                   text.count("griddepcontrol.wait"),
                                   text.find("griddepcontrol.wait") in range(0, first_ld)]
+# The fused kernel's key programs (after the query branch's end, its bra.uni), with VALUE_FIRST (small
+# calls) only: the fp8 scales (the only 32-bit loads with bfloat16 rows and table) are loaded before
+# anything is stored, and the value's cache stores (8-bit) come before the key's in-place store
+# (16-bit).
+for vf in (False, True):
+    types = {"positions_ptr": "*i64", "query_ptr": "*bf16", "query_out_ptr": "*bf16",
+             "key_ptr": "*bf16", "value_ptr": "*bf16", "cos_sin_ptr": "*bf16",
+             "key_cache_ptr": "*u8", "value_cache_ptr": "*u8", "slot_mapping_ptr": "*i64",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    types.update({n: "i32" for n in ("num_rot", "num_tokens", "q_stride", "qo_stride",
+                                      "k_stride", "v_stride", "max_position", "num_slots",
+                                      "stride_b", "stride_s", "stride_h")})
+    consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
+                  STORE_KEY=True, BLOCK_SIZE=16, QUANT=1, PER_HEAD_SCALE=False, Q_TILES=8,
+                  BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=vf)
+    text = ptx(fused._fused_kernel, types, consts, False)
+    key = text[text.index("bra.uni"):]
+    out[f"fused-order-vf{int(vf)}"] = [key.index("ld.global.b32") < key.index("st.global"),
+                                       key.index("st.global.b8") < key.index("st.global.b16")]
 print(json.dumps(out))
 """
 
 
 def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation_and_wait_first_with_pdl():
+    """Also: the fused kernel's order of loads and stores in its key programs."""
     import json
     import subprocess
     import sys
@@ -684,6 +705,8 @@ def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation_and_wait_fi
     # The fp8 variants keep the quotient's deliberate FMAs (kvwrite.kernels.triton_fp8); every
     # other variant has none, and with fusion allowed the rotation gets some (the check can fail).
     pdl = {k: counts.pop(k) for k in ("rope-pdl0", "rope-pdl1")}
+    order = {k: counts.pop(k) for k in ("fused-order-vf0", "fused-order-vf1")}
+    assert order == {"fused-order-vf0": [False, False], "fused-order-vf1": [True, True]}
     assert {k: v for k, v in counts.items() if "-q1" not in k and "fusion-on" not in k} == {
         k: 0 for k in counts if "-q1" not in k and "fusion-on" not in k}
     assert counts["rope-fp32-fusion-on"] > 0

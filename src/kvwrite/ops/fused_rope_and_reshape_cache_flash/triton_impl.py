@@ -73,6 +73,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+        VALUE_FIRST: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -97,35 +98,100 @@ if triton is not None:
             mask = valid[:, None, None] & in_row
             cached = t < num_tokens
             slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
+            STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+            if VALUE_FIRST:
+                # Small calls: the scales loaded before anything is stored (after the key's store
+                # the compiler may not move them up, as they could alias the key), and all but
+                # the key's own work done before the rotation, which waits for the table's round
+                # trip (tuning-log change 46).
+                ksc, vsc = _load_scales(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS, QUANT,
+                                        PER_HEAD_SCALE)
             row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
             x = tl.load(key_ptr + row + d, mask=mask)
             y = tl.load(key_ptr + row + partner, mask=mask)
             v_row = (t64 * v_stride)[:, None, None] + h * HEAD_SIZE
             v = tl.load(value_ptr + v_row + d, mask=cached[:, None, None] & in_row)
+            if VALUE_FIRST:
+                store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
+                vm, vs2, vy = _scale_constants(vsc, QUANT, PER_HEAD_SCALE)
+                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+                km, ks2, ky = _scale_constants(ksc, QUANT, PER_HEAD_SCALE)
             k = rope_rotate(x, y, c, s, first, is_rot)
             if STORE_KEY:
                 tl.store(key_ptr + row + d, k, mask=mask)
-            STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-            if QUANT == 0:
-                km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
-            elif PER_HEAD_SCALE:
-                h_ok = hv < NUM_HEADS
-                ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
-                vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
-                km, ks2, ky = fp8_scale(ksc)
-                vm, vs2, vy = fp8_scale(vsc)
-                km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
-                vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
-            else:
-                km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
-                vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))
-            ok = cached & valid & (slot >= 0) & (slot < num_slots)
-            store_mask = ok[:, None, None] & in_row
-            block = slot // BLOCK_SIZE
-            cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
-            c_off = cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
+            if not VALUE_FIRST:
+                # Large calls: the scales after the key's store, one after the other, and the
+                # value last (the order of every call before change 46; with the small calls'
+                # order GQA fp8 T=16384 took 5% longer).
+                km, ks2, ky, vm, vs2, vy = _scales_in_turn(k_scale_ptr, v_scale_ptr, hv,
+                                                           NUM_HEADS, QUANT, PER_HEAD_SCALE)
+                store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
-            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+            if not VALUE_FIRST:
+                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+
+    @triton.jit
+    def _cache_offsets(slot, cached_valid, in_row, h, d, num_slots, BLOCK_SIZE: tl.constexpr,
+                       stride_b, stride_s, stride_h):
+        """The store mask (a cached token with a valid position and a slot in [0, num_slots), an
+        element of the row) and the element offsets into either cache."""
+        ok = cached_valid & (slot >= 0) & (slot < num_slots)
+        store_mask = ok[:, None, None] & in_row
+        block = slot // BLOCK_SIZE
+        cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
+        return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
+
+    @triton.jit
+    def _scales_in_turn(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS: tl.constexpr,
+                        QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
+        """(km, ks2, ky, vm, vs2, vy): fp8_scale of the key's, then of the value's scale (a
+        per-tensor value scale is loaded after the key's constants; per head both loads first,
+        ``[1, BLOCK_H, 1]``); ones where the cache is not fp8."""
+        if QUANT == 0:
+            km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+        elif PER_HEAD_SCALE:
+            h_ok = hv < NUM_HEADS
+            ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
+            vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
+            km, ks2, ky = fp8_scale(ksc)
+            vm, vs2, vy = fp8_scale(vsc)
+            km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
+            vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
+        else:
+            km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
+            vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))
+        return km, ks2, ky, vm, vs2, vy
+
+    @triton.jit
+    def _load_scales(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS: tl.constexpr, QUANT: tl.constexpr,
+                     PER_HEAD_SCALE: tl.constexpr):
+        """The key's and the value's fp8 scales (per head: ``[BLOCK_H]`` of heads ``hv``), both
+        loads issued together; ones where the cache is not fp8."""
+        if QUANT == 0:
+            ksc, vsc = 1.0, 1.0
+        elif PER_HEAD_SCALE:
+            h_ok = hv < NUM_HEADS
+            ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
+            vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
+        else:
+            ksc = tl.load(k_scale_ptr)
+            vsc = tl.load(v_scale_ptr)
+        return ksc, vsc
+
+    @triton.jit
+    def _scale_constants(sc, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
+        """fp8_scale's (m, s2, y) of a scale from _load_scales, per head as ``[1, BLOCK_H, 1]``.
+        Computed where they are first needed: fp8_scale's division (div_rn) may branch to a slow
+        path, which the compiler moves no load across."""
+        if QUANT == 0:
+            m, s2, y = 1.0, 1.0, 1.0
+        else:
+            m, s2, y = fp8_scale(sc)
+            if PER_HEAD_SCALE:
+                m, s2, y = m[None, :, None], s2[None, :, None], y[None, :, None]
+        return m, s2, y
 
 
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -145,9 +211,10 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     num_blocks, block_size = key_cache.shape[:2]
     qo = query if query_out is None else query_out
     grid = (triton.cdiv(num_rot, block_t), nq + nk)
-    pdl, trigger = triton_support.pdl_launch(query.device, grid[0] * grid[1],
-                                             tuning.pdl_max_programs,
+    programs = grid[0] * grid[1]
+    pdl, trigger = triton_support.pdl_launch(query.device, programs, tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
+    value_first = programs <= tuning.fused_value_first_max_programs
     _fused_kernel[grid](
         positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
@@ -157,6 +224,6 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
         PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger,
-        launch_pdl=pdl,
+        VALUE_FIRST=value_first, launch_pdl=pdl,
         **LAUNCH_OPTIONS,
     )
