@@ -7,6 +7,13 @@ this module for everything else:
   with kvwrite's shared headers (``kernels/include/kvw/*.cuh``) on NVRTC's include path, to one
   cubin per (architecture, kernel name expressions, macros); :meth:`KernelSource.kernel` caches
   the loaded kernel per process. Needs no GPU to compile (cubin, not PTX: tests compile on CPU).
+- The kernel cache on disk (:func:`kernel_cache_dir`): :meth:`KernelSource.cubin` keeps each
+  build's cubin between processes, keyed by everything that goes into it (the source, the shared
+  headers, the architecture, the name expression, the macros, NVRTC's and cuda.core's versions),
+  so a new process loads it instead of compiling it again. ``KVWRITE_KERNEL_CACHE=0`` turns it
+  off; ``KVWRITE_CACHE_DIR`` moves it (default ``$XDG_CACHE_HOME/kvwrite`` or
+  ``~/.cache/kvwrite``). A cache that cannot be read or written is compiled around, never an
+  error.
 - :func:`setup_reason`: None where cuda.core, NVRTC and a GPU are usable, else what is missing
   and what to install.
 - :func:`device_arch`, :func:`current_stream` (PyTorch's current stream as a cuda.core stream),
@@ -26,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.resources
 import os
+import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +44,7 @@ import torch
 __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
            "pdl_capable", "pdl_on", "use_pdl", "pdl_twin", "takes_pdl", "PDL_MACRO",
-           "PDL_NO_TRIGGER_MACRO"]
+           "PDL_NO_TRIGGER_MACRO", "kernel_cache_dir"]
 
 # The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True), and the
 # one that leaves out its trigger of the next kernel (PDL_NO_TRIGGER_MACRO: wait only).
@@ -126,13 +135,126 @@ class KernelSource:
         return obj, "".join(log.parts).replace("\x00", "")
 
     def kernel(self, arch: str, name: str, macros: tuple = ()):
-        """The loaded kernel ``name`` built with ``macros``, compiled once per process."""
+        """The loaded kernel ``name`` built with ``macros``: once per process, from
+        :meth:`cubin` (the disk cache, or NVRTC)."""
         key = (arch, name, macros)
         k = self._kernels.get(key)
         if k is None:
-            obj, _ = self.compile(arch, name, macros=macros)
+            cubin, mangled = self.cubin(arch, name, macros)
+            obj = cuda_core().ObjectCode.from_cubin(
+                cubin, symbol_mapping=None if mangled is None else {name: mangled})
             k = self._kernels[key] = obj.get_kernel(name)
         return k
+
+    def cubin(self, arch: str, name: str, macros: tuple = ()) -> tuple[bytes, bytes | None]:
+        """(cubin, mangled symbol or None) of kernel ``name`` built with ``macros`` for ``arch``:
+        read from the disk cache (:func:`kernel_cache_dir`) when it holds this exact build, else
+        compiled and stored there."""
+        root = kernel_cache_dir()
+        path = None if root is None else os.path.join(root, self._build_key(arch, name, macros))
+        if path is not None:
+            found = _read_entry(path)
+            if found is not None:
+                return found
+        obj, _ = self.compile(arch, name, macros=macros)
+        cubin = bytes(obj.code)
+        mangled = obj.symbol_mapping.get(name) if obj.symbol_mapping else None
+        if path is not None:
+            _write_entry(path, cubin, mangled)
+        return cubin, mangled
+
+    def _build_key(self, arch: str, name: str, macros: tuple) -> str:
+        """A file name that changes with anything that changes the build."""
+        h = hashlib.sha256()
+        for part in (str(_CACHE_FORMAT), self.program_name, self.text, _headers_digest(), arch,
+                     name, repr(tuple(macros)), _compiler_versions()):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest() + ".cubin"
+
+
+# The disk cache of compiled kernels. Entry: magic, the mangled symbol's length (2 bytes) and
+# text, the cubin's SHA-256, the cubin; an entry that does not check out is compiled again.
+_CACHE_FORMAT = 1
+_MAGIC = b"kvwrite-cubin-1\n"
+
+
+def kernel_cache_dir() -> str | None:
+    """The directory of the kernel cache on disk, or None where ``KVWRITE_KERNEL_CACHE=0``:
+    ``$KVWRITE_CACHE_DIR/nvrtc``, else ``$XDG_CACHE_HOME/kvwrite/nvrtc``, else
+    ``~/.cache/kvwrite/nvrtc``."""
+    if os.environ.get("KVWRITE_KERNEL_CACHE", "1").strip() == "0":
+        return None
+    root = os.environ.get("KVWRITE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "kvwrite")
+    return os.path.join(root, "nvrtc")
+
+
+@functools.cache
+def _headers_digest() -> str:
+    """SHA-256 over the shared headers' paths and texts (every build includes them)."""
+    h = hashlib.sha256()
+    base = include_dir()
+    for dirpath, _, files in sorted(os.walk(base)):
+        for f in sorted(files):
+            path = os.path.join(dirpath, f)
+            h.update(os.path.relpath(path, base).encode() + b"\0")
+            with open(path, "rb") as fh:
+                h.update(fh.read() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _compiler_versions() -> str:
+    """NVRTC's and cuda.core's versions (a new compiler may build other code)."""
+    try:
+        from cuda.bindings import nvrtc as _nvrtc
+
+        _, major, minor = _nvrtc.nvrtcVersion()
+        nvrtc_version = f"{major}.{minor}"
+    except Exception:  # an older binding: the key still changes with cuda.core's version
+        nvrtc_version = "?"
+    return f"nvrtc {nvrtc_version}, cuda.core {getattr(cuda_core(), '__version__', '?')}"
+
+
+def _read_entry(path: str) -> tuple[bytes, bytes | None] | None:
+    """The entry at ``path`` if it is there and intact, else None."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 2:
+        return None
+    at = len(_MAGIC)
+    n = int.from_bytes(data[at:at + 2], "little")
+    mangled, at = data[at + 2:at + 2 + n], at + 2 + n
+    digest, cubin = data[at:at + 32], data[at + 32:]
+    if len(digest) != 32 or not cubin or hashlib.sha256(cubin).digest() != digest:
+        return None
+    return cubin, (mangled or None)
+
+
+def _write_entry(path: str, cubin: bytes, mangled: bytes | None) -> None:
+    """Store an entry atomically (a temporary file renamed into place); errors are ignored."""
+    mangled = mangled or b""
+    data = (_MAGIC + len(mangled).to_bytes(2, "little") + mangled
+            + hashlib.sha256(cubin).digest() + cubin)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 @functools.cache
