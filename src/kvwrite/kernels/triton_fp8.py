@@ -4,6 +4,7 @@
   exact product and one correction;
 - :func:`fp8_quotient` (per element): ``RN_f32(x / s)`` clamped to ±FMAX, NaN and the sign of zero
   kept;
+- :func:`fp8_scale_pair`: those constants of a key's and a value's scale (per tensor or per head);
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
   e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
@@ -26,7 +27,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
-           "store_quantized", "pdl_entry"]
+           "store_quantized", "fp8_scale_pair", "pdl_entry"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
 # fp8 e5m2.
@@ -97,6 +98,34 @@ if triton is not None:
             bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+    @triton.jit
+    def fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS: tl.constexpr, QUANT: tl.constexpr,
+                       PER_HEAD_SCALE: tl.constexpr, LOADS_FIRST: tl.constexpr):
+        """(km, ks2, ky, vm, vs2, vy): `fp8_scale` of the key's and of the value's scale, for
+        the heads ``h`` (``[BLOCK_H]``; per-head scales come back as ``[1, BLOCK_H, 1]``), ones
+        where ``QUANT == COPY``. Per-head scales: both loads, then both constants. Per-tensor:
+        with ``LOADS_FIRST`` the same; without it the value's scale is loaded after the key's
+        constants (their division may branch to a slow path, which nothing is moved across)."""
+        if QUANT == 0:
+            km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+        elif PER_HEAD_SCALE:
+            h_ok = h < NUM_HEADS
+            ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)
+            vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
+            km, ks2, ky = fp8_scale(ks)
+            vm, vs2, vy = fp8_scale(vs)
+            km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
+            vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
+        elif LOADS_FIRST:
+            ks = tl.load(k_scale_ptr)
+            vs = tl.load(v_scale_ptr)
+            km, ks2, ky = fp8_scale(ks)
+            vm, vs2, vy = fp8_scale(vs)
+        else:
+            km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
+            vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))
+        return km, ks2, ky, vm, vs2, vy
 
     @triton.jit
     def pdl_entry(PDL: tl.constexpr, TRIGGER: tl.constexpr):

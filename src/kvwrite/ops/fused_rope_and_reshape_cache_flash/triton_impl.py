@@ -23,7 +23,7 @@ from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
-from ...kernels.triton_fp8 import fp8_scale, pdl_entry, store_quantized, tl, triton
+from ...kernels.triton_fp8 import fp8_scale, fp8_scale_pair, pdl_entry, store_quantized, tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
 from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
@@ -124,8 +124,8 @@ if triton is not None:
                 # Large calls: the scales after the key's store, one after the other, and the
                 # value last (the order of every call before change 46; with the small calls'
                 # order GQA fp8 T=16384 took 5% longer).
-                km, ks2, ky, vm, vs2, vy = _scales_in_turn(k_scale_ptr, v_scale_ptr, hv,
-                                                           NUM_HEADS, QUANT, PER_HEAD_SCALE)
+                km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv,
+                                                          NUM_HEADS, QUANT, PER_HEAD_SCALE, False)
                 store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                    BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
@@ -142,27 +142,6 @@ if triton is not None:
         block = slot // BLOCK_SIZE
         cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
         return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
-
-    @triton.jit
-    def _scales_in_turn(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS: tl.constexpr,
-                        QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
-        """(km, ks2, ky, vm, vs2, vy): fp8_scale of the key's, then of the value's scale (a
-        per-tensor value scale is loaded after the key's constants; per head both loads first,
-        ``[1, BLOCK_H, 1]``); ones where the cache is not fp8."""
-        if QUANT == 0:
-            km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
-        elif PER_HEAD_SCALE:
-            h_ok = hv < NUM_HEADS
-            ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
-            vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
-            km, ks2, ky = fp8_scale(ksc)
-            vm, vs2, vy = fp8_scale(vsc)
-            km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
-            vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
-        else:
-            km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
-            vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))
-        return km, ks2, ky, vm, vs2, vy
 
     @triton.jit
     def _load_scales(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS: tl.constexpr, QUANT: tl.constexpr,

@@ -36,7 +36,7 @@ from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_scale, pdl_entry, store_quantized, tl, triton
+from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, store_quantized, tl, triton
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
@@ -232,21 +232,8 @@ if triton is not None:
         # The scales are read and prepared here, after the data loads are issued: placed
         # before them, the scale's load and division would add a memory round trip to each
         # program's critical path (the data loads cannot move above the division's branch).
-        if QUANT == 0:
-            km, ks2, ky, vm, vs2, vy = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
-        elif PER_HEAD_SCALE:
-            h_ok = h < NUM_HEADS
-            ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)  # both loads first
-            vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
-            km, ks2, ky = fp8_scale(ks)
-            vm, vs2, vy = fp8_scale(vs)
-            km, ks2, ky = km[None, :, None], ks2[None, :, None], ky[None, :, None]
-            vm, vs2, vy = vm[None, :, None], vs2[None, :, None], vy[None, :, None]
-        else:
-            ks = tl.load(k_scale_ptr)
-            vs = tl.load(v_scale_ptr)
-            km, ks2, ky = fp8_scale(ks)
-            vm, vs2, vy = fp8_scale(vs)
+        km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
+                                                  PER_HEAD_SCALE, True)
         # Padding (slot < 0) and out-of-range slots are not stored.
         store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
         block = slot // BLOCK_SIZE
