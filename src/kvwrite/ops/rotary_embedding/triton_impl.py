@@ -79,13 +79,15 @@ class RopeTuning:
     pdl_trigger_max_programs: int = 256
     # The fused op's key programs store the value into its cache before they rotate the key in
     # launches of at most fused_value_first_max_programs programs, after it in larger ones. A
-    # small call's latency is its key programs': value first, the value's conversion and store and
-    # the fp8 scales' constants fill the table's round trip instead of following it. H200,
-    # bfloat16, NHD, rotated L2 unless hot (tuning-log change 46), after -> first, us: fp8
-    # GQA(32,8,128) hot T=1 (10 programs) 1.73 -> 1.38, T=16 1.85 -> 1.49; T=128 (384) 4.14 ->
-    # 3.30, T=192 (576) 4.06 -> 4.02, T=256 (768) 4.47 -> 4.86, T=16384 118.8 -> 131.7; fp8
-    # MHA(32,32,128) T=128 (512) 4.30 -> 3.68, T=192 (768) 5.03 -> 5.02, T=256 (2048) 5.75 ->
-    # 6.36; auto equal within 0.03 up to T=192.
+    # small call's latency is its key programs': value first, with the fp8 scales loaded before
+    # any store, the value's conversion and store and the scales' constants fill the table's
+    # round trip instead of following it. H200, bfloat16, NHD, rotated L2 unless hot (tuning-log
+    # change 46), us. Against the order of larger calls: fp8 GQA(32,8,128) hot T=1 1.90 -> 1.39,
+    # T=16 2.02 -> 1.49, T=64 3.31 -> 2.63; MHA(32,32,128) hot T=1 1.95 -> 1.43. The threshold,
+    # value after -> first (both with the scales loaded first): fp8 GQA T=128 (384 programs)
+    # 4.14 -> 3.30, T=192 (576) 4.06 -> 4.02, T=256 (768) 4.47 -> 4.86, T=16384 118.8 -> 131.7;
+    # fp8 MHA T=128 (512) 4.30 -> 3.68, T=192 (768) 5.03 -> 5.02, T=256 (2048) 5.75 -> 6.36;
+    # auto equal within 0.03 up to T=192.
     fused_value_first_max_programs: int = 512
 
 
