@@ -666,3 +666,46 @@ def test_bad_slot_flags_name_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit):
         main(["--device", "cpu", *argv])
     assert flag in capsys.readouterr().err
+
+
+# --- the launch floor in every benchmark's header -------------------------------------------------
+
+FLOOR_ARGS = {
+    "write": [*GPU_SMALL, "--implementation", "cuda", "--num-tokens", "2"],
+    "rope": ["rope", "--num-tokens", "2", "--heads", "4,2,64", "--kv-cache-dtypes", "auto",
+             "--dtypes", "bfloat16", "--layouts", "NHD", "--implementation", "cuda",
+             "--iters", "10"],
+    "mla": ["mla", "--num-tokens", "2", "--implementation", "cuda", "--iters", "10"],
+}
+
+
+@pytest.mark.parametrize("sub", sorted(FLOOR_ARGS))
+def test_cpu_runs_print_no_launch_floor(sub, capsys):
+    argv = {"write": ["--device", "cpu", "--num-tokens", "2", "--implementation", "torch",
+                      "--iters", "2"],
+            "rope": ["rope", "--device", "cpu", "--num-tokens", "2", "--heads", "2,1,16",
+                     "--kv-cache-dtypes", "auto", "--dtypes", "float32", "--layouts", "NHD",
+                     "--implementation", "torch", "--iters", "2", "--num-blocks", "4"],
+            "mla": ["mla", "--device", "cpu", "--num-tokens", "2", "--kv-lora-rank", "16",
+                    "--pe-dim", "8", "--num-blocks", "4", "--implementation", "torch",
+                    "--iters", "2"]}[sub]
+    assert main(argv) == 0
+    assert "launch floor" not in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sub", sorted(FLOOR_ARGS))
+def test_gpu_header_and_json_carry_the_launch_floor(sub, tmp_path, capsys):
+    """Each benchmark measures an empty kernel's time per call in the same run and prints it
+    beside the copy bandwidth; the JSON's meta carries the same figure."""
+    from kvwrite.kernels import nvrtc
+
+    if nvrtc.setup_reason() is not None:
+        pytest.skip(nvrtc.setup_reason())
+    js = tmp_path / "r.json"
+    assert main([*FLOOR_ARGS[sub], "--json", str(js)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "launch floor:" in ln]
+    assert len(lines) == 1, lines
+    printed = float(re.search(r"launch floor: ([0-9.]+) µs per call", lines[0]).group(1))
+    meta = json.loads(js.read_text())["meta"]
+    assert meta["launch_floor_us"] > 0 and f"{meta['launch_floor_us']:.2f}" == f"{printed:.2f}"

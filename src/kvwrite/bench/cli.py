@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shlex
 import sys
@@ -34,7 +35,7 @@ from .models import MODELS, doublings, get_model, heads_per_rank, serving_flags
 from .plot import PlotError, plot_rows
 from .slots import PATTERNS, SlotPattern
 from .sweep import DTYPES, BenchError, Config, Env, Interrupted, run_sweep
-from .timing import MIN_SAMPLES
+from .timing import MIN_SAMPLES, floor_line
 from .workload import LAYOUTS
 
 __all__ = ["main", "build_parser", "parse_args", "make_config", "parse_num_tokens",
@@ -379,6 +380,8 @@ def header_lines(cfg: Config, env: Env) -> list[str]:
         lines.append("L2: not controlled on the CPU")
     lines.append(f"copy bandwidth: {env.copy_bw / 1e9:.0f} GB/s (copies of "
                  f"{env.copy_bytes / 2**20:.0f} MiB, bytes read + written, median of 10)")
+    if not cfg.is_cpu:
+        lines.append(floor_line(None if math.isnan(env.launch_floor) else env.launch_floor))
     lines.append("check: each implementation against the torch reference at each point, before "
                  "timing" if cfg.check else "check: off (--no-check)")
     return ["# " + line for line in lines]
@@ -451,6 +454,7 @@ def _run(argv: list[str], prog: str) -> int:
         "torch_version": env.torch_version, "triton_version": env.triton_version,
         "cuda_version": env.cuda_version, "kvwrite_version": env.kvwrite_version,
         "l2_bytes": env.l2_bytes, "copy_bw_gbps": env.copy_bw / 1e9, "copy_bytes": env.copy_bytes,
+        "launch_floor_us": None if math.isnan(env.launch_floor) else env.launch_floor * 1e6,
         "implementations": cfg.implementations, "baseline": cfg.baseline,
         "header": header, "notes": notes,
     }

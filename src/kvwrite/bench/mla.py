@@ -239,6 +239,7 @@ def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: N
     copy_bytes = 64 * 2**20 if cpu else COPY_BYTES
     progress(f"measuring the copy bandwidth ({copy_bytes >> 20} MiB copies)")
     copy_bw = timing.copy_bandwidth(device, copy_bytes)
+    floor = timing.launch_floor(device)
     cache = create_mla_cache(args.num_blocks, args.block_size, L, P, mode, dtype, device)
     scale = torch.tensor([SCALE], dtype=torch.float32, device=device)
     run_scale = scale if mode.uses_scale else None
@@ -319,7 +320,8 @@ def run_sweep(args, impls: list[str], device: torch.device, progress=lambda s: N
                 "p20_us": t.quantile(0.2) * 1e6, "p80_us": t.quantile(0.8) * 1e6,
                 "mean_us": t.mean * 1e6, "gbps": gbps, "pct_copy_bw": 100 * gbps * 1e9 / copy_bw}))
             progress(f"T={T} {name}: {t.median * 1e6:.3f} us, {gbps:.1f} GB/s")
-    return rows, dict(env, copy_bw_gbps=copy_bw / 1e9, copy_bytes=copy_bytes, l2_bytes=l2)
+    return rows, dict(env, copy_bw_gbps=copy_bw / 1e9, copy_bytes=copy_bytes, l2_bytes=l2,
+                      launch_floor_us=None if floor is None else floor * 1e6)
 
 
 def _table(rows: list[MlaRow], impls: list[str], baseline: str, verbose: bool) -> str:
@@ -408,6 +410,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         "slots: " + pattern.explain(max(num_tokens), args.num_blocks, args.block_size),
         launch,
     ]
+    if device.type != "cpu":
+        floor = env["launch_floor_us"]
+        header.insert(4, timing.floor_line(None if floor is None else floor * 1e-6))
     lines = ["# " + h for h in header]
     lines.append(f"concat_and_cache_mla: dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
                  f"kv_lora_rank={args.kv_lora_rank} pe_dim={args.pe_dim} strided={args.strided}")

@@ -62,7 +62,15 @@ from .cli import (
 )
 from .models import MODELS, get_model, serving_flags
 from .slots import SlotPattern, make_slots
-from .timing import copy_bandwidth, l2_bytes, l2_rotation, time_cpu, time_device
+from .timing import (
+    copy_bandwidth,
+    floor_line,
+    l2_bytes,
+    l2_rotation,
+    launch_floor,
+    time_cpu,
+    time_device,
+)
 
 __all__ = ["RopeRow", "main", "vllm_main", "point_bytes"]
 
@@ -487,6 +495,7 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
         return 2
     launch = launch_line(args, torch.device(args.device))
     rows, copy_bw, dev = run_rows(args, lambda s: print(s, file=sys.stderr))
+    floor = launch_floor(torch.device(args.device))
     top = max(args.num_tokens)
     header = [
         f"{dev}, torch {torch.__version__}, copy bandwidth {copy_bw / 1e9:.0f} GB/s, device timer "
@@ -501,6 +510,8 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
                               f"rotated and cached, and checked"),
         launch,
     ]
+    if torch.device(args.device).type == "cuda":
+        header.insert(1, floor_line(floor))
     print("\n".join("# " + h for h in header))
     print(summary_table(rows))
     bad = [r for r in rows if r.status.startswith(("mismatch", "error"))]
@@ -511,6 +522,8 @@ def main(argv: list[str] | None = None, prog: str = "kvwrite-bench rope") -> int
     if args.json:
         report.write_json(args.json, rows, {"command": command, "device": dev,
                                             "copy_bw_gbps": copy_bw / 1e9, "header": header,
+                                            "launch_floor_us": None if floor is None
+                                            else floor * 1e6,
                                             "slots": pattern.describe(),
                                             "date": datetime.datetime.now().isoformat()})
     if args.csv:

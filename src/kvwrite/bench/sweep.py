@@ -111,6 +111,7 @@ class Env:
     l2_bytes: int
     copy_bytes: int = 0
     copy_bw: float = math.nan   # bytes/s, read + written
+    launch_floor: float = math.nan  # seconds per call of an empty kernel (timing.launch_floor)
 
 
 def describe_env(device: torch.device) -> Env:
@@ -293,6 +294,8 @@ def run_sweep(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> 
         env.copy_bytes = max(2**20, min(env.copy_bytes, free // 8))
     progress(f"measuring the copy bandwidth ({env.copy_bytes / 2**20:.0f} MiB copies)")
     env.copy_bw = timing.copy_bandwidth(cfg.device, env.copy_bytes)
+    floor = timing.launch_floor(cfg.device)
+    env.launch_floor = math.nan if floor is None else floor
     if cfg.device.type == "cuda":
         torch.cuda.empty_cache()
     rows: list[Row] = []

@@ -9,6 +9,8 @@ samples, each the duration of one run divided by its number of calls.
   included). With ``flush``, that buffer is zeroed before each sample, outside the events.
 - :func:`time_host_sync`: vLLM's benchmark method, kept for comparison with published numbers.
 - :func:`time_cpu`: ``time.perf_counter`` around runs on the CPU.
+- :func:`launch_floor`: an empty kernel launched as the cuda implementations launch, the floor
+  every benchmark header reports beside the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["Timing", "time_device", "time_host_sync", "time_cpu", "copy_bandwidth", "l2_bytes",
-           "l2_rotation", "MIN_SAMPLES"]
+           "l2_rotation", "launch_floor", "floor_line", "MIN_SAMPLES"]
 
 # Fewer samples than this make p20/p80 meaningless; below it the time budget is ignored.
 MIN_SAMPLES = 10
@@ -215,3 +217,26 @@ def l2_bytes(device: torch.device) -> int:
         return DEFAULT_L2_BYTES
     size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
     return int(size) if size else DEFAULT_L2_BYTES
+
+
+def launch_floor(device: torch.device) -> float | None:
+    """Seconds per call of an empty NVRTC kernel launched as the cuda implementations launch on
+    ``device`` (with programmatic dependent launch where they take it), timed as the benchmarks
+    time (20 calls per CUDA graph, median): the floor under any small call, measured in the same
+    run. None off CUDA or where the cuda implementations cannot run."""
+    from ..kernels import nvrtc
+
+    if device.type != "cuda" or nvrtc.setup_reason() is not None:
+        return None
+    from .probes import common
+
+    with torch.cuda.device(device):
+        return common.empty_kernel_floor()
+
+
+def floor_line(floor: float | None) -> str:
+    """The header line of :func:`launch_floor`'s measurement."""
+    if floor is None:
+        return "launch floor: n/a (no CUDA device with the cuda implementations)"
+    return (f"launch floor: {floor * 1e6:.2f} µs per call (an empty NVRTC kernel launched as the "
+            "cuda implementations launch, the same timer)")
