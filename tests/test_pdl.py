@@ -279,3 +279,71 @@ def test_pdl_call_after_a_late_writer(impl, waits):
         cuda_impl._LAUNCHABLES.update(saved)
     # Without the wait the call rotated the zeros and the writer then stored src unrotated.
     assert torch.equal(rows.view(torch.int16), want.view(torch.int16)) == waits
+
+
+# The builds the ops compile at run time (call-signature macros included), read back from the
+# kernel cache: ptxas may hoist a read-only load (LDG.CONSTANT) above the wait, which a build of
+# another signature than test_pdl_builds_wait_before_any_memory_access compiles could show.
+_RUNTIME_SCRIPT = r"""
+import torch, kvwrite
+from kvwrite.testing.rope import cos_sin_table
+g = torch.Generator(device="cuda").manual_seed(0)
+table = cos_sin_table(4096, 128, torch.float32, device="cuda")
+scale = torch.tensor([0.05], device="cuda")
+for T in (1, 16, 4096):
+    qkv = torch.randn(T, 48, 128, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (T,), device="cuda", generator=g)
+    slots = torch.randperm(1024 * 16, device="cuda", generator=g)[:T]
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    for kv, dt in (("auto", torch.bfloat16), ("fp8", torch.uint8)):
+        sc = None if kv == "auto" else scale
+        for shape in ((1024, 16, 8, 128), (1024, 8, 16, 128)):  # NHD, HND
+            kc = torch.zeros(shape, device="cuda", dtype=dt)
+            vc = torch.zeros_like(kc)
+            if shape[1] == 8:
+                kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+            kvwrite.reshape_and_cache_flash(k, v, kc, vc, slots, kv, sc, sc, implementation="cuda")
+            kvwrite.fused_rope_and_reshape_cache_flash(q, k, v, pos, table, True, kc, vc, slots, sc,
+                                                       sc, kv, implementation="cuda")
+    kvwrite.rotary_embedding(pos, q, k, 128, table, True, implementation="cuda")
+    flat = torch.randn(T, 576, device="cuda", generator=g).to(torch.bfloat16)
+    for mode in ("auto", "fp8", "fp8_ds_mla"):
+        cache = kvwrite.create_mla_cache(1024, 16, 512, 64, mode, torch.bfloat16, device="cuda")
+        kvwrite.concat_and_cache_mla(flat[:, :512], flat[:, 512:], cache, slots, mode,
+                                     None if mode == "auto" else scale, implementation="cuda")
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_runtime_pdl_builds_wait_before_any_memory_access(tmp_path):
+    """Every op's cuda builds as compiled for real calls (small and large, auto and fp8, NHD and
+    HND, the MLA modes), from a fresh kernel cache: in each PDL build no global load or store
+    comes before the wait (ACQBULK)."""
+    _skip_without_pdl()
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton wheel) to read the SASS")
+    from kvwrite.kernels import nvrtc
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KVWRITE_KERNEL_CACHE", "KVWRITE_PDL")}
+    env["KVWRITE_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    waiting, early = [], []
+    for entry in sorted((tmp_path / "nvrtc").iterdir()):
+        cubin, _ = nvrtc._read_entry(str(entry))
+        for name, ops in sass_tools.functions(sass_tools.dump_sass(cubin, tmp_path)).items():
+            if "ACQBULK" in ops:
+                waiting.append(name)
+                wait = ops.index("ACQBULK")
+                early += [(name, o) for o in ops[:wait] if o.startswith(MEMORY_OPS)]
+    # The PDL builds of every op's kernels were compiled and read back.
+    for kernel in ("reshape_and_cache_flash_kernel", "rotary_embedding_kernel",
+                   "fused_rope_cache_kernel", "concat_and_cache_mla_kernel",
+                   "concat_and_cache_ds_mla_kernel"):
+        assert any(kernel in name for name in waiting), (kernel, waiting)
+    assert early == []

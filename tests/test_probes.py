@@ -339,7 +339,7 @@ def test_ab_loader_errors_name_the_problem(tmp_path):
 # ------------------------------------------------------------------------------------------
 def _probe_kernel_names() -> list[str]:
     names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>", "kvw_slot_store",
-             "kvw_rope_chain"]
+             "kvw_rope_chain", "kvw_rope_row_chain"]
     names += [small_t.kernel_name(h, lo, fp8, 64) for h in (8, 128) for lo in small_t.LAYOUTS
               for fp8 in (False, True)]
     return names
@@ -444,8 +444,8 @@ def test_gpu_chain_probe_runs(capsys):
     assert cli.main(["probe", "chain", "--sets", "4", "--replays", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     launches = {"plain", "pdl"} if nvrtc.pdl_capable(torch.cuda.current_device()) else {"plain"}
-    assert lines[0].startswith("# ") and len(lines) == 1 + 6 * len(launches)
-    us = {tuple(ln[:45].split(maxsplit=2)): float(ln.split()[-1]) for ln in lines[1:]}
+    assert lines[0].startswith("# ") and len(lines) == 1 + 8 * len(launches)
+    us = {tuple(ln[:56].split(maxsplit=2)): float(ln.split()[-1]) for ln in lines[1:]}
     assert {k[1] for k in us} == launches and {k[0] for k in us} == {"hot", "cold"}
     assert len(us) == len(lines) - 1 and all(v > 0 for v in us.values())
 
@@ -459,3 +459,21 @@ def test_gpu_pdl_step_probe_runs(capsys):
     assert lines[0].startswith("# ") and len(lines) == 5
     assert all(ln.startswith("T=") and ln.count("->") == 2 for ln in lines[1:]), lines
     assert nvrtc.pdl_on()  # left as it was
+
+
+@needs_nvrtc
+def test_the_pdl_builds_of_the_floor_kernels_wait_before_any_memory_access(tmp_path):
+    """probe chain's PDL builds: PREEXIT and ACQBULK before the first global access (a read-only
+    load hoisted above the wait would start before the call before it has finished)."""
+    import sass as sass_tools
+
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton wheel) to read the SASS")
+    names = ["kvw_empty", "kvw_slot_store", "kvw_rope_chain", "kvw_rope_row_chain"]
+    obj, _ = common.SOURCE.compile("sm_90", names, macros=(common.nvrtc.PDL_MACRO,))
+    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+    assert set(funcs) == set(names)
+    for name, ops in funcs.items():
+        wait = ops.index("ACQBULK")
+        assert "PREEXIT" in ops[:wait], name
+        assert not [o for o in ops[:wait] if o.startswith(("LDG", "STG", "LD.", "ST."))], (name, ops)

@@ -1,10 +1,11 @@
 """``probe chain``: the floor of a small call's dependent loads, hot and cold.
 
 Times (the benchmarks' timer: ``CALLS`` calls in one CUDA graph, CUDA events, median per call)
-three one-CTA kernels of ``kernels.cu``: an empty launch, a slot's load followed by a store at
-that slot's row (``kvw_slot_store``: a cache write's chain), and a position's load, then the
-table row it selects, then stores (``kvw_rope_chain``: a RoPE write's chain, two dependent
-loads). Hot: the same position and slot every call. Cold: ``--sets`` different positions and
+four one-CTA kernels of ``kernels.cu``: an empty launch, a slot's load followed by a store at
+that slot's row (``kvw_slot_store``: a cache write's chain), a position's load, then the table
+row it selects, then stores (``kvw_rope_chain``: a RoPE write's chain, two dependent loads, 4
+bytes per thread), and the same with the whole 512-byte float32 row read in 16-byte pieces as
+the RoPE kernels read it (``kvw_rope_row_chain``, 32 threads). Hot: the same position and slot every call. Cold: ``--sets`` different positions and
 slots in a 32 MiB table and cache, and the L2 flushed before each timed run (as the rope
 benchmark does for small calls), so each call waits for DRAM. No kernel that must read a
 position and then its table row can be faster than ``kvw_rope_chain`` under the same condition.
@@ -51,8 +52,8 @@ def main(argv: list[str], prog: str) -> int:
 
     def calls(n: int, launch: str) -> dict:
         pdl = launch == "pdl"
-        empty, slot_store, rope_chain = (common.kernel(name, pdl) for name in (
-            "kvw_empty", "kvw_slot_store", "kvw_rope_chain"))
+        empty, slot_store, rope_chain, row_chain = (common.kernel(name, pdl) for name in (
+            "kvw_empty", "kvw_slot_store", "kvw_rope_chain", "kvw_rope_row_chain"))
         return {
             "empty kernel": lambda i: common.launch(empty, (1, 1), 1, pdl=pdl)(),
             "slot -> store": lambda i: common.launch(
@@ -61,6 +62,9 @@ def main(argv: list[str], prog: str) -> int:
             "position -> table row -> store": lambda i: common.launch(
                 rope_chain, (1, 1), ROW, positions[i % n].data_ptr(), table.data_ptr(),
                 slots[i % n].data_ptr(), out.data_ptr(), cache.data_ptr(), ROW, pdl=pdl)(),
+            "position -> 16 B pieces of the row -> store": lambda i: common.launch(
+                row_chain, (1, 1), ROW // 4, positions[i % n].data_ptr(), table.data_ptr(),
+                slots[i % n].data_ptr(), out.data_ptr(), cache.data_ptr(), ROW // 4, pdl=pdl)(),
         }
 
     print(f"# {torch.cuda.get_device_name()}: us per call, median of {args.replays} replays of "
@@ -71,6 +75,6 @@ def main(argv: list[str], prog: str) -> int:
             for name, call in calls(1 if hot else args.sets, launch).items():
                 t = timing.time_device(call, common.CALLS, args.replays, graph=True,
                                        flush=None if hot else flush)
-                print(f"{'hot ' if hot else 'cold'}  {launch:5s}  {name:32s} "
+                print(f"{'hot ' if hot else 'cold'}  {launch:5s}  {name:43s} "
                       f"{t.median * 1e6:7.3f}", flush=True)
     return 0

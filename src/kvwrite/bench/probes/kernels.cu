@@ -117,3 +117,20 @@ extern "C" __global__ void kvw_rope_chain(const i64* __restrict__ positions,
   out[threadIdx.x] = c;
   cache[s * row + threadIdx.x] = c;
 }
+
+// kvw_rope_row_chain: the same chain with the table row read as the RoPE kernels read it, in
+// 16-byte pieces (one per thread of a 32-thread CTA: a whole float32 row of 128 entries, 512
+// bytes, what a rotation of head size 128 needs), then 16-byte stores.
+// Its position and slot pointers are not __restrict__: loads through the read-only path
+// (LDG.CONSTANT) may be hoisted by ptxas above the PDL build's wait (ACQBULK), and here were.
+extern "C" __global__ void kvw_rope_row_chain(const i64* positions,
+                                              const uint4* __restrict__ table, const i64* slots,
+                                              uint4* __restrict__ out, uint4* __restrict__ cache,
+                                              i64 row_vectors) {
+  KVW_PDL_ENTRY();
+  const i64 p = positions[0];
+  const i64 s = slots[0];
+  const uint4 c = table[p * row_vectors + threadIdx.x];
+  out[threadIdx.x] = c;
+  cache[s * row_vectors + threadIdx.x] = c;
+}
