@@ -106,16 +106,24 @@ extern "C" __global__ void kvw_slot_store(const i64* __restrict__ slots, float* 
   cache[s * row + threadIdx.x] = 1.0f;
 }
 
+// The chain of both RoPE floor kernels: the position, then the thread's piece of that table row,
+// then stores of it to an output row and to the slot's row.
+template <typename T>
+__device__ __forceinline__ void rope_chain(const i64* positions, const T* table, const i64* slots,
+                                           T* out, T* cache, i64 row) {
+  KVW_PDL_ENTRY();
+  const i64 p = positions[0];
+  const i64 s = slots[0];
+  const T c = table[p * row + threadIdx.x];
+  out[threadIdx.x] = c;
+  cache[s * row + threadIdx.x] = c;
+}
+
 extern "C" __global__ void kvw_rope_chain(const i64* __restrict__ positions,
                                           const float* __restrict__ table,
                                           const i64* __restrict__ slots, float* __restrict__ out,
                                           float* __restrict__ cache, i64 row) {
-  KVW_PDL_ENTRY();
-  const i64 p = positions[0];
-  const i64 s = slots[0];
-  const float c = table[p * row + threadIdx.x];
-  out[threadIdx.x] = c;
-  cache[s * row + threadIdx.x] = c;
+  rope_chain(positions, table, slots, out, cache, row);
 }
 
 // kvw_rope_row_chain: the same chain with the table row read as the RoPE kernels read it, in
@@ -127,10 +135,5 @@ extern "C" __global__ void kvw_rope_row_chain(const i64* positions,
                                               const uint4* __restrict__ table, const i64* slots,
                                               uint4* __restrict__ out, uint4* __restrict__ cache,
                                               i64 row_vectors) {
-  KVW_PDL_ENTRY();
-  const i64 p = positions[0];
-  const i64 s = slots[0];
-  const uint4 c = table[p * row_vectors + threadIdx.x];
-  out[threadIdx.x] = c;
-  cache[s * row_vectors + threadIdx.x] = c;
+  rope_chain(positions, table, slots, out, cache, row_vectors);
 }
