@@ -23,7 +23,15 @@ from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
-from ...kernels.triton_fp8 import fp8_scale, fp8_scale_pair, pdl_entry, store_quantized, tl, triton
+from ...kernels.triton_fp8 import (
+    fp8_scale_pair,
+    load_scale_pair,
+    pdl_entry,
+    scale_constants,
+    store_quantized,
+    tl,
+    triton,
+)
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
 from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
@@ -104,8 +112,8 @@ if triton is not None:
                 # the compiler may not move them up, as they could alias the key), and all but
                 # the key's own work done before the rotation, which waits for the table's round
                 # trip (tuning-log change 46).
-                ksc, vsc = _load_scales(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS, QUANT,
-                                        PER_HEAD_SCALE)
+                ksc, vsc = load_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS, QUANT,
+                                           PER_HEAD_SCALE)
             row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
             x = tl.load(key_ptr + row + d, mask=mask)
             y = tl.load(key_ptr + row + partner, mask=mask)
@@ -114,9 +122,9 @@ if triton is not None:
             if VALUE_FIRST:
                 store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                    BLOCK_SIZE, stride_b, stride_s, stride_h)
-                vm, vs2, vy = _scale_constants(vsc, QUANT, PER_HEAD_SCALE)
+                vm, vs2, vy = scale_constants(vsc, QUANT, PER_HEAD_SCALE)
                 store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
-                km, ks2, ky = _scale_constants(ksc, QUANT, PER_HEAD_SCALE)
+                km, ks2, ky = scale_constants(ksc, QUANT, PER_HEAD_SCALE)
             k = rope_rotate(x, y, c, s, first, is_rot)
             if STORE_KEY:
                 tl.store(key_ptr + row + d, k, mask=mask)
@@ -142,35 +150,6 @@ if triton is not None:
         block = slot // BLOCK_SIZE
         cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
         return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
-
-    @triton.jit
-    def _load_scales(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS: tl.constexpr, QUANT: tl.constexpr,
-                     PER_HEAD_SCALE: tl.constexpr):
-        """The key's and the value's fp8 scales (per head: ``[BLOCK_H]`` of heads ``hv``), both
-        loads issued together; ones where the cache is not fp8."""
-        if QUANT == 0:
-            ksc, vsc = 1.0, 1.0
-        elif PER_HEAD_SCALE:
-            h_ok = hv < NUM_HEADS
-            ksc = tl.load(k_scale_ptr + hv, mask=h_ok, other=1.0)
-            vsc = tl.load(v_scale_ptr + hv, mask=h_ok, other=1.0)
-        else:
-            ksc = tl.load(k_scale_ptr)
-            vsc = tl.load(v_scale_ptr)
-        return ksc, vsc
-
-    @triton.jit
-    def _scale_constants(sc, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
-        """fp8_scale's (m, s2, y) of a scale from _load_scales, per head as ``[1, BLOCK_H, 1]``.
-        Computed where they are first needed: fp8_scale's division (div_rn) may branch to a slow
-        path, which the compiler moves no load across."""
-        if QUANT == 0:
-            m, s2, y = 1.0, 1.0, 1.0
-        else:
-            m, s2, y = fp8_scale(sc)
-            if PER_HEAD_SCALE:
-                m, s2, y = m[None, :, None], s2[None, :, None], y[None, :, None]
-        return m, s2, y
 
 
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
