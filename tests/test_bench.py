@@ -679,17 +679,20 @@ FLOOR_ARGS = {
 }
 
 
-@pytest.mark.parametrize("sub", sorted(FLOOR_ARGS))
+# A small run of each benchmark subcommand on the CPU (torch implementation); test_pdl uses it too.
+CPU_RUNS = {
+    "write": ["--device", "cpu", "--num-tokens", "2", "--implementation", "torch", "--iters", "2"],
+    "rope": ["rope", "--device", "cpu", "--num-tokens", "2", "--heads", "2,1,16",
+             "--kv-cache-dtypes", "auto", "--dtypes", "float32", "--layouts", "NHD",
+             "--implementation", "torch", "--iters", "2", "--num-blocks", "4"],
+    "mla": ["mla", "--device", "cpu", "--num-tokens", "2", "--kv-lora-rank", "16", "--pe-dim",
+            "8", "--num-blocks", "4", "--implementation", "torch", "--iters", "2"],
+}
+
+
+@pytest.mark.parametrize("sub", sorted(CPU_RUNS))
 def test_cpu_runs_print_no_launch_floor(sub, capsys):
-    argv = {"write": ["--device", "cpu", "--num-tokens", "2", "--implementation", "torch",
-                      "--iters", "2"],
-            "rope": ["rope", "--device", "cpu", "--num-tokens", "2", "--heads", "2,1,16",
-                     "--kv-cache-dtypes", "auto", "--dtypes", "float32", "--layouts", "NHD",
-                     "--implementation", "torch", "--iters", "2", "--num-blocks", "4"],
-            "mla": ["mla", "--device", "cpu", "--num-tokens", "2", "--kv-lora-rank", "16",
-                    "--pe-dim", "8", "--num-blocks", "4", "--implementation", "torch",
-                    "--iters", "2"]}[sub]
-    assert main(argv) == 0
+    assert main(CPU_RUNS[sub]) == 0
     assert "launch floor" not in capsys.readouterr().out
 
 

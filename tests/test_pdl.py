@@ -19,6 +19,7 @@ import kvwrite
 import sass as sass_tools
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 from kvwrite.testing.rope import cos_sin_table
+from test_bench import CPU_RUNS
 
 OPS = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
        "concat_and_cache_mla"]
@@ -95,14 +96,7 @@ def test_bench_no_pdl_says_so_in_the_header(sub, capsys):
     from kvwrite.bench import cli
     from kvwrite.kernels import nvrtc
 
-    argv = {"rope": ["rope", "--device", "cpu", "--num-tokens", "2", "--heads", "2,1,16",
-                     "--kv-cache-dtypes", "auto", "--dtypes", "float32", "--layouts", "NHD",
-                     "--implementation", "torch", "--iters", "2", "--num-blocks", "4"],
-            "mla": ["mla", "--device", "cpu", "--num-tokens", "2", "--kv-lora-rank", "16",
-                    "--pe-dim", "8", "--num-blocks", "4", "--implementation", "torch",
-                    "--iters", "2"],
-            "write": ["--device", "cpu", "--num-tokens", "2", "--implementation", "torch",
-                      "--iters", "2"]}[sub]
+    argv = CPU_RUNS[sub]
     before = nvrtc.pdl_on()
     try:
         assert cli.main(argv + ["--no-pdl"]) == 0
