@@ -49,3 +49,25 @@ def pytest_terminal_summary(terminalreporter):
             f"{len(_deselected_gpu)} gpu tests deselected: no CUDA GPU here "
             f"(torch.cuda.is_available() is False); on a GPU machine `python -m pytest -m gpu` "
             f"runs them")
+
+
+@pytest.fixture
+def record_builds(monkeypatch):
+    """``record_builds(source)``: from then on, the fixed arguments (a tuple; None for a generic
+    build) of every kernel that ``source`` (a ``KernelSource``) builds, in a list it returns."""
+    from kvwrite.kernels import nvrtc
+
+    def start(source) -> list:
+        seen = []
+        real = source.kernel
+
+        def kernel(arch, name, macros=()):
+            fixed = [m[1] for m in macros
+                     if isinstance(m, tuple) and m[0] == nvrtc.FIXED_ARGS_MACRO]
+            seen.append(tuple(int(v) for v in fixed[0].split(",")) if fixed else None)
+            return real(arch, name, macros)
+
+        monkeypatch.setattr(source, "kernel", kernel)
+        return seen
+
+    return start

@@ -38,20 +38,6 @@ LARGE_CALLS = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=0,
 GRID_STRIDE = dataclasses.replace(cuda_impl.TUNING, loop_free=False)  # the grid-stride kernel
 
 
-def _record_builds(monkeypatch) -> list:
-    """Record the fixed arguments (None for a generic build) of every kernel built from now on."""
-    seen = []
-    real = cuda_impl.SOURCE.kernel
-
-    def kernel(arch, name, macros=()):
-        fixed = [m[1] for m in macros if isinstance(m, tuple) and m[0] == "KVWRITE_FIXED_ARGS"]
-        seen.append(tuple(int(v) for v in fixed[0].split(",")) if fixed else None)
-        return real(arch, name, macros)
-
-    monkeypatch.setattr(cuda_impl.SOURCE, "kernel", kernel)
-    return seen
-
-
 def _nvrtc_reason() -> str | None:
     try:
         import cuda.core  # noqa: F401
@@ -735,13 +721,13 @@ def test_gpu_case_matrix_with_large_call_variants(case, loop_free):
 @gpu
 @pytest.mark.parametrize("small_limit", [None, 0], ids=["default-plan", "large-call-plan"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
+def test_gpu_case_matrix_with_generic_kernels(record_builds, case, small_limit):
     """KVWRITE_CUDA_SPECIALIZE=0: the same kernels with their fixed arguments read at run time."""
     tuning = dataclasses.replace(cuda_impl.TUNING, specialize=False)
     if small_limit is not None:
         tuning = dataclasses.replace(tuning, small_call_bytes=small_limit,
                                      mid_call_bytes=small_limit)
-    seen = _record_builds(monkeypatch)
+    seen = record_builds(cuda_impl.SOURCE)
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp, tuning)
     _check(inp, ref_k, ref_v, case.cache_dtype)
@@ -750,9 +736,9 @@ def test_gpu_case_matrix_with_generic_kernels(monkeypatch, case, small_limit):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_specialized_build_is_the_default(monkeypatch):
+def test_gpu_specialized_build_is_the_default(monkeypatch, record_builds):
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
-    seen = _record_builds(monkeypatch)
+    seen = record_builds(cuda_impl.SOURCE)
     case = CASES[0]
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)

@@ -44,13 +44,33 @@ import torch
 __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reason", "device_arch",
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
            "pdl_capable", "pdl_on", "use_pdl", "pdl_twin", "takes_pdl", "PDL_MACRO",
-           "PDL_NO_TRIGGER_MACRO", "kernel_cache_dir"]
+           "PDL_NO_TRIGGER_MACRO", "kernel_cache_dir", "FIXED_ARGS_MACRO", "fixed_args_macros",
+           "specialize_default"]
 
 # The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True), and the
 # one that leaves out its trigger of the next kernel (PDL_NO_TRIGGER_MACRO: wait only).
 PDL_MACRO = "KVWRITE_PDL"
 PDL_NO_TRIGGER_MACRO = "KVWRITE_PDL_NO_TRIGGER"
 _PDL = [os.environ.get("KVWRITE_PDL", "1").strip() != "0"]
+
+
+# The macro of a build specialized for one call signature: the kernel's trailing scalar arguments
+# (each op's kernel.cu says which) as compile-time constants, "v0,v1,...".
+FIXED_ARGS_MACRO = "KVWRITE_FIXED_ARGS"
+
+
+def fixed_args_macros(fixed: Sequence[int] | None) -> tuple:
+    """The macros of a build with ``fixed`` compiled in (none for a generic build: None)."""
+    if fixed is None:
+        return ()
+    return ((FIXED_ARGS_MACRO, ",".join(str(int(v)) for v in fixed)),)
+
+
+def specialize_default() -> bool:
+    """Whether the cuda implementations build one kernel per call signature with its fixed
+    arguments compiled in (their ``CudaTuning.specialize``): yes unless
+    ``KVWRITE_CUDA_SPECIALIZE`` is 0 or empty."""
+    return os.environ.get("KVWRITE_CUDA_SPECIALIZE", "1").strip() not in ("", "0")
 
 
 def use_pdl(enabled: bool) -> None:

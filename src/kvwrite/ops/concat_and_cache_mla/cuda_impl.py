@@ -22,7 +22,6 @@ Graph-safe: a call does no allocation and no host sync; the scale is read on the
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -41,10 +40,6 @@ _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
 _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _OUT = {MlaMode.AUTO: _COPY, MlaMode.FP8_E4M3: _E4M3, MlaMode.FP8_E5M2: _E5M2}
 _ALIGNS = (16, 8, 4, 2, 1)
-
-
-def _env_flag(name: str, default: str) -> bool:
-    return os.environ.get(name, default).strip() not in ("", "0")
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -76,8 +71,7 @@ class CudaTuning:
     ds_bracket_bytes: int = 12 * 2**20
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
-    specialize: bool = dataclasses.field(
-        default_factory=lambda: _env_flag("KVWRITE_CUDA_SPECIALIZE", "1"))
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
     # Measurement and tests only, NOT exact (breaks SPEC §1.1): the fp8 quotient as x * (1 / s),
     # one rounded multiplication (KVWRITE_PROBE_INEXACT_QUOTIENT, as reshape_and_cache_flash's
     # CudaTuning.inexact_quotient); a test shows the fp8_ds_mla boundary tiles catch it.
@@ -97,7 +91,7 @@ def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    ptxas_verbose: bool = False):
     """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
     GPU. ``fixed``: the 9 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = () if fixed is None else (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in fixed)),)
+    macros = nvrtc.fixed_args_macros(fixed)
     return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
 
 
@@ -244,7 +238,7 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
         arch, _ = nvrtc.device_arch(index)
         macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
         if tuning.specialize:
-            macros += (("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in p.fixed)),)
+            macros += nvrtc.fixed_args_macros(p.fixed)
         kernel = SOURCE.kernel(arch, p.name, macros)
         pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index, p.fixed)

@@ -120,8 +120,7 @@ class CudaTuning:
     # once per signature and process): specialized vs generic, H=8 T=2 copies 1.47 vs 1.57 us,
     # fp8 1.71 vs 1.88 us; H=8 T=1024 2.66 vs 2.96 us; large T unchanged.
     # KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant instead.
-    specialize: bool = dataclasses.field(
-        default_factory=lambda: _env_flag("KVWRITE_CUDA_SPECIALIZE", "1"))
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
     # One true division per fp8 element instead of the division-free quotient, for comparison;
     # both are bit-exact. KVWRITE_CUDA_EXACT_DIV=1 sets it.
     exact_div: bool = dataclasses.field(
@@ -171,9 +170,7 @@ def _macros(exact_div: bool, fixed, inexact_quotient: bool = False) -> tuple:
     macros: list = ["KVWRITE_EXACT_DIV"] if exact_div else []
     if inexact_quotient:
         macros.append("KVWRITE_PROBE_INEXACT_QUOTIENT")
-    if fixed is not None:
-        macros.append(("KVWRITE_FIXED_ARGS", ",".join(str(int(v)) for v in fixed)))
-    return tuple(macros)
+    return tuple(macros) + nvrtc.fixed_args_macros(fixed)
 
 
 def compile_kernel(arch: str, names, *, source: str | None = None, exact_div: bool = False,
