@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -213,6 +214,68 @@ def test_cuda_rotary_large_call_grid_matches_oracle(case):
         cuda_impl.run(inp.positions, q, k, inp.cos_sin_cache, case.is_neox,
                       tuning=cuda_impl.CudaTuning(linear_grid_bytes=0))
     assert_same_bytes(inp, _expected_rotary(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("large", [False, True], ids=["small-call-builds", "large-call-builds"])
+@pytest.mark.parametrize("op,case",
+                         [(ROPE, c) for c in ROPE_CASES] + [(FUSED, c) for c in FUSED_CASES],
+                         ids=[f"rotary-{c.id}" for c in ROPE_CASES] +
+                             [f"fused-{c.id}" for c in FUSED_CASES])
+def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, large):
+    """KVWRITE_CUDA_SPECIALIZE=0 (CudaTuning.specialize=False): the same kernels with their fixed
+    arguments read at run time write the oracle's bytes too, small- and large-call builds."""
+    rotary = op == ROPE
+    if rotary:
+        from kvwrite.ops.rotary_embedding import cuda_impl
+        from kvwrite.ops.rotary_embedding.op import validate
+        tuning = cuda_impl.CudaTuning(specialize=False, linear_grid_bytes=0 if large else 1 << 60)
+    else:
+        from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
+        from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
+        tuning = cuda_impl.CudaTuning(specialize=False, large_call_bytes=0 if large else 1 << 60)
+    seen = record_builds(cuda_impl.SOURCE)
+    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    inp = _impl_inputs(ROPE if rotary else FUSED, "cuda", case, "cuda")
+    if rotary:
+        q, k = validate(*inp.rotary_args())
+        if inp.positions.numel():
+            cuda_impl.run(inp.positions, q, k, inp.cos_sin_cache, case.is_neox, tuning=tuning)
+        assert_same_bytes(inp, _expected_rotary(case))
+    else:
+        q, k, v, query_out, cache_dtype = validate(*inp.fused_args(), **inp.fused_kwargs())
+        scales = (inp.k_scale, inp.v_scale) if cache_dtype.is_fp8 else (None, None)
+        if inp.positions.numel():
+            cuda_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
+                          inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
+                          case.rotate_key_in_place, query_out, tuning=tuning)
+        assert_same_bytes(inp, _expected_fused(case))
+    assert set(seen) <= {None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_cuda_specialized_build_is_the_default(monkeypatch, record_builds, which):
+    """A call with the default tuning builds its kernel (and the PDL twin) with the call's fixed
+    arguments compiled in, the ones it launches with."""
+    rotary = which == "rotary"
+    if rotary:
+        from kvwrite.ops.rotary_embedding import cuda_impl
+    else:
+        from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
+    seen = record_builds(cuda_impl.SOURCE)
+    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    case = RopeCase(num_q_heads=32, num_heads=8, head_size=128, kv_cache_dtype="fp8")
+    inp = _impl_inputs(ROPE if rotary else FUSED, "cuda", case, "cuda")
+    if rotary:
+        kvwrite.rotary_embedding(*inp.rotary_args(), implementation="cuda")
+        assert_same_bytes(inp, _expected_rotary(case))
+    else:
+        kvwrite.fused_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                   implementation="cuda")
+        assert_same_bytes(inp, _expected_fused(case))
+    (lau,) = cuda_impl._LAUNCHABLES.values()
+    assert seen == [lau.fixed] * (1 if lau.pdl_kernel is None else 2)
 
 
 # Every call on the Triton kernels' large-call tiles (no small-grid tiles either).
@@ -741,6 +804,82 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
         params = mangled.split("Ev", 1)[1]
         assert params.endswith("x" * (10 if which == "rotary" else 23)), params
         assert not params.endswith("x" * (11 if which == "rotary" else 24)), params
+    # ... and the last of them are the fixed arguments, after num_rot (and for the fused
+    # kernel num_tokens and the two scale strides).
+    for case in (ROPE_CASES if which == "rotary" else FUSED_CASES)[:3]:
+        _, fixed = _specialized_build(which, case)
+        assert len(fixed) == (10 - 1 if which == "rotary" else 23 - 4)
+
+
+def _specialized_build(which, case):
+    """(kernel name, fixed arguments) of the build ``case``'s call takes: its shapes and strides,
+    from CPU tensors (no GPU needed)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    inp = make_rope_inputs(case, "cpu")
+    cs = inp.cos_sin_cache
+    if which == "rotary":
+        q, k = rope_pkg.op.validate(*inp.rotary_args())
+        w = rope_cuda._width(q, k, cs, case.is_neox)
+        return (rope_cuda.kernel_name(rope_cuda.kind(q.dtype), rope_cuda.kind(cs.dtype), w,
+                                      case.is_neox, inp.positions.dtype),
+                rope_cuda.fixed_args(q, k, cs, case.is_neox, w))
+    q, k, v, query_out, cache_dtype = fused_pkg.op.validate(*inp.fused_args(),
+                                                            **inp.fused_kwargs())
+    kc = inp.key_cache
+    w = fused_cuda._width(q, k, v, kc, inp.value_cache, query_out, cs, case.is_neox)
+    out = fused_cuda._out_kind(cache_dtype, q.dtype, kc.dtype)
+    return (fused_cuda.kernel_name(rope_cuda.kind(q.dtype), rope_cuda.kind(cs.dtype), out, w,
+                                   case.is_neox, inp.positions.dtype, inp.slot_mapping.dtype),
+            fused_cuda.fixed_args(q, k, v, cs, case.is_neox, kc, case.rotate_key_in_place,
+                                  query_out, w))
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_nvrtc_compiles_the_specialized_build_of_every_case(which):
+    """Every call of the case matrix takes a build with its fixed arguments compiled in
+    (CudaTuning.specialize): each compiles for sm_90. A build given the wrong number of fixed
+    arguments is refused by the compiler, naming the macro."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    mod = rope_cuda if which == "rotary" else fused_cuda
+    from kvwrite.kernels import nvrtc
+    builds = {_specialized_build(which, c) for c in (ROPE_CASES if which == "rotary"
+                                                    else FUSED_CASES)}
+    assert len(builds) > 10
+    for name, fixed in sorted(builds):
+        obj, _ = mod.SOURCE.compile("sm_90", name, macros=nvrtc.fixed_args_macros(fixed))
+        assert name in obj.symbol_mapping
+    with pytest.raises(RuntimeError, match=f"KVWRITE_FIXED_ARGS: {len(fixed)} values"):
+        mod.SOURCE.compile("sm_90", name, macros=nvrtc.fixed_args_macros(fixed[:-1]))
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: the pointers, num_rot (the fused
+    kernel: num_tokens and the scale strides too), then the fixed arguments. A build with them
+    compiled in reads none of the fixed ones; the generic build reads them (the check can
+    fail); both read the positions' pointer and num_rot."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    mod = rope_cuda if which == "rotary" else fused_cuda
+    from kvwrite.kernels import nvrtc
+    cases = ROPE_CASES if which == "rotary" else FUSED_CASES
+    pointers, leading = (4, 1) if which == "rotary" else (11, 4)
+    num_rot = 0x210 + 8 * pointers
+    for case in (cases[0], next(c for c in cases if c.kv_cache_dtype == "fp8"
+                                and c.per_head_scale) if which == "fused" else cases[1]):
+        name, fixed = _specialized_build(which, case)
+        first = 0x210 + 8 * (pointers + leading)
+        end = first + 8 * len(fixed)
+        reads = {}
+        for build in ("generic", "specialized"):
+            macros = nvrtc.fixed_args_macros(fixed if build == "specialized" else None)
+            source = type("S", (), {"compile": lambda self, a, n, m=macros: mod.SOURCE.compile(
+                a, n, macros=m)})()
+            sass = _sass(source, name, tmp_path)
+            reads[build] = {int(o, 16) for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
+        assert any(first <= o < end for o in reads["generic"]), sorted(map(hex, reads["generic"]))
+        assert not any(first <= o < end for o in reads["specialized"]), \
+            sorted(map(hex, reads["specialized"]))
+        assert {0x210, num_rot} <= reads["specialized"], sorted(map(hex, reads["specialized"]))
 
 
 def _sass(source, names, tmp_path) -> str:

@@ -8,8 +8,10 @@ e4m3 or e5m2), unit width W, pairing, position and slot index types, and the min
 resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large, which
 also take narrower CTAs and store the value before the key's rotation). W is
 chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
-caches' pointers and strides among the aligned ones. Launched on PyTorch's current stream; scales
-are read on the device; no allocation and no host sync per call (graph-safe).
+caches' pointers and strides among the aligned ones. Each call signature takes its own build
+with the arguments it fixes (strides, head counts, the caches' geometry, the table's shape)
+compiled in (``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream;
+scales are read on the device; no allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
-           "kernel_name", "cta_shape", "CudaTuning", "TUNING"]
+           "kernel_name", "cta_shape", "fixed_args", "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
@@ -66,6 +68,12 @@ class CudaTuning:
     # 123.6), without it T=4096 GQA auto 30.40 -> 29.75, fp8 28.32 -> 27.70, MHA fp8 53.66 ->
     # 53.03, T=16384 equal or less (GQA fp8 105.7 -> 104.8).
     pdl_max_ctas: int = 1 << 30
+    # One build per call signature with the arguments from q_stride on compiled in (kernel.cu's
+    # KVWRITE_FIXED_ARGS), as reshape_and_cache_flash's; KVWRITE_CUDA_SPECIALIZE=0: one generic
+    # build per variant. Predicted from the sm_90 SASS (GQA(32,8,128) bfloat16, small-call
+    # build): auto 624 -> 352 instructions, 35 -> 12 parameter reads; fp8 e4m3 880 -> 592, 39 ->
+    # 14; NOT YET MEASURED on a GPU.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
 
     def __post_init__(self):
         c = self.large_call_cta_threads
@@ -147,47 +155,61 @@ def unsupported(query, key, key_cache, cache_dtype, cos_sin_cache, is_neox) -> s
     return None
 
 
+def fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_in_place,
+               query_out, w) -> tuple[int, ...]:
+    """The kernel's arguments from q_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set by
+    the call signature: the row strides of query, query_out, key and value, max_position, the
+    caches' block, page and head strides, block_size, log2(block_size) or -1, num_slots,
+    num_q_heads, head_size, rot, units_per_head, rot_units, units_per_token, whether the key is
+    stored back, whether the query is rotated in place."""
+    _, hq, d = query.shape
+    rot = cos_sin_cache.shape[1]
+    per_head, rot_units = units(d, rot, is_neox, w)
+    num_blocks, block_size = key_cache.shape[:2]
+    block_stride, page_stride, head_stride = key_cache.stride()[:3]
+    qo = query if query_out is None else query_out
+    return (query.stride(0), qo.stride(0), key.stride(0), value.stride(0), cos_sin_cache.shape[0],
+            block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            num_blocks * block_size, hq, d, rot, per_head, rot_units,
+            (hq + key.shape[1]) * per_head, int(rotate_key_in_place), int(query_out is None))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Launchable:
     kernel: object
     pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     config: tuple
     device_index: int
-    tail: tuple
+    fixed: tuple  # the arguments from q_stride on (fixed_args)
 
 
 _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 
 def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-                slot_mapping, cache_dtype, query_out, min_blocks, cta_threads) -> _Launchable:
+                slot_mapping, cache_dtype, rotate_key_in_place, query_out, min_blocks,
+                cta_threads, specialize) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    _, hq, d = query.shape
-    h = key.shape[1]
-    rot = cos_sin_cache.shape[1]
     w = _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox)
     if w == 0:
         raise ValueError("cuda: GPT-J pairing needs rows and caches aligned to 2 elements")
-    per_head, rot_units = units(d, rot, is_neox, w)
-    per_token = (hq + h) * per_head
-    row, tpc, parts = cta_shape(per_token, cta_threads)
-    num_blocks, block_size = key_cache.shape[:2]
-    block_stride, page_stride, head_stride = key_cache.stride()[:3]
+    fixed = fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_in_place,
+                       query_out, w)
+    row, tpc, parts = cta_shape(fixed[16], cta_threads)
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype),
                        _out_kind(cache_dtype, query.dtype, key_cache.dtype), w, is_neox,
                        positions.dtype, slot_mapping.dtype, min_blocks)
+    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = query.get_device()
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
-        kernel = SOURCE.kernel(arch, name)
+        kernel = SOURCE.kernel(arch, name, macros)
         # The large-call build waits without triggering the next kernel early (CudaTuning).
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, (), index, trigger=min_blocks == 1)
-    tail = (block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
-            num_blocks * block_size, hq, d, rot, per_head, rot_units, per_token)
-    return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, tail)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index, trigger=min_blocks == 1)
+    return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, fixed)
 
 
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
@@ -208,7 +230,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     sig = (query.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, positions.dtype,
            slot_mapping.dtype, query.shape[1:], key.shape[1:], query.stride(0), qo.stride(0),
            key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
-           cos_sin_cache.shape, align & 15, is_neox, query.get_device())
+           cos_sin_cache.shape, align & 15, is_neox, query.get_device(), rotate_key_in_place,
+           query_out is None, tuning.specialize)
     large = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
         query.element_size() >= tuning.large_call_bytes
     build = (tuning.large_call_min_blocks, tuning.large_call_cta_threads) if large else (1, None)
@@ -216,7 +239,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     if lau is None:
         lau = _LAUNCHABLES[sig, build] = _launchable(
             query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-            slot_mapping, cache_dtype, query_out, *build)
+            slot_mapping, cache_dtype, rotate_key_in_place, query_out, *build,
+            tuning.specialize)
     row, tpc, parts = lau.config
     gx = -(-num_rot // tpc)
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * parts, tuning.pdl_max_ctas)
@@ -229,6 +253,4 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
                  positions.data_ptr(), ptrs[0], ptrs[1],
                  ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], slot_mapping.data_ptr(), ksp, vsp,
-                 num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0), key.stride(0),
-                 value.stride(0), cos_sin_cache.shape[0], kss, vss, *lau.tail,
-                 int(rotate_key_in_place), int(query_out is None))
+                 num_rot, slot_mapping.numel(), kss, vss, *lau.fixed)

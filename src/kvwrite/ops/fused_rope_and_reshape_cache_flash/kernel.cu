@@ -17,6 +17,25 @@
 #include "kvw/slot.cuh"
 #include "kvw/rope.cuh"
 
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v18) the arguments
+// from q_stride on are compile-time constants: none is read from the parameter bank and the
+// index math (the division by units_per_head, the slot's block split) folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_FUSED_FIXED_PROLOGUE()                                                              \
+  {                                                                                             \
+    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
+    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 19, "KVWRITE_FIXED_ARGS: 19 values");    \
+    q_stride = fixed[0]; qo_stride = fixed[1]; k_stride = fixed[2]; v_stride = fixed[3];        \
+    max_position = fixed[4]; block_stride = fixed[5]; page_stride = fixed[6];                   \
+    head_stride = fixed[7]; block_size = fixed[8]; block_shift = fixed[9];                      \
+    num_slots = fixed[10]; num_q_heads = fixed[11]; head_size = fixed[12]; rot = fixed[13];     \
+    units_per_head = fixed[14]; rot_units = fixed[15]; units_per_token = fixed[16];             \
+    store_key = fixed[17]; query_in_place = fixed[18];                                          \
+  }
+#else
+#define KVW_FUSED_FIXED_PROLOGUE()
+#endif
+
 // MIN_BLOCKS: __launch_bounds__'s minimum of resident CTAs (of at most 256 threads) per SM, 1 (the
 // small-call build) or the large-call build's (cuda_impl.CudaTuning). Unbounded, a key thread
 // holds its key and value chunks and the table's entries at once (57-62 registers).
@@ -33,12 +52,14 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     const SlotT* __restrict__ slot_mapping,  // [num_tokens]
     const float* __restrict__ k_scale,    // [1] or [H] (fp8 only)
     const float* __restrict__ v_scale,
-    i64 num_rot, i64 num_tokens, i64 q_stride, i64 qo_stride, i64 k_stride, i64 v_stride,
-    i64 max_position, i64 k_scale_stride, i64 v_scale_stride,
+    i64 num_rot, i64 num_tokens, i64 k_scale_stride, i64 v_scale_stride,
+    // the fixed arguments (KVWRITE_FIXED_ARGS below)
+    i64 q_stride, i64 qo_stride, i64 k_stride, i64 v_stride, i64 max_position,
     i64 block_stride, i64 page_stride, i64 head_stride, i64 block_size, i64 block_shift,
     i64 num_slots, i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
     i64 units_per_token, i64 store_key, i64 query_in_place) {
   KVW_PDL_ENTRY();
+  KVW_FUSED_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;

@@ -6,8 +6,10 @@ pairing (neox or GPT-J), position index type, and LINEAR, the large-call grid (`
 W is the widest of ``16 / element size`` down to 1 whose accesses are all aligned: W divides
 rot_dim/2 (neox) or rot_dim with W even (GPT-J), and head_size - rot_dim; data pointers and
 token strides are multiples of W elements, the table's pointer of its entries per unit. GPT-J
-rows that allow no even W (odd strides) are refused with that reason. Launched on PyTorch's
-current stream; no allocation and no host sync per call (graph-safe).
+rows that allow no even W (odd strides) are refused with that reason. Each call signature
+takes its own build with the arguments it fixes (strides, head counts, the table's shape)
+compiled in (``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream; no
+allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from ...kernels import nvrtc
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
-           "kind", "all_kernel_names", "kernel_name", "int_type", "CudaTuning", "TUNING"]
+           "kind", "all_kernel_names", "kernel_name", "int_type", "fixed_args", "CudaTuning",
+           "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
 KERNEL = "rotary_embedding_kernel"
@@ -133,9 +136,28 @@ class CudaTuning:
     # 44): GQA(32,8,128) T=1 2.26 -> 1.59 us, T=16 2.50 -> 1.80 (hot 1.66 -> 1.20), T=1024 7.46 ->
     # 6.71, T=16384 84.8 -> 84.1; MHA alike; no point slower, so every call.
     pdl_max_ctas: int = 1 << 30
+    # One build per call signature with the arguments from q_stride on compiled in (kernel.cu's
+    # KVWRITE_FIXED_ARGS), as reshape_and_cache_flash's; KVWRITE_CUDA_SPECIALIZE=0: one generic
+    # build per variant. Predicted from the sm_90 SASS (GQA(32,8,128) bfloat16, T=1): 208 -> 152
+    # instructions, the position's load 49 -> 22 instructions from the entry, 16 -> 6 parameter
+    # reads; NOT YET MEASURED on a GPU.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
 
 
 TUNING = CudaTuning()
+
+
+def fixed_args(query: torch.Tensor, key: torch.Tensor | None, cos_sin_cache: torch.Tensor,
+               is_neox: bool, w: int) -> tuple[int, ...]:
+    """The kernel's arguments from q_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set by
+    the call signature: q_stride, k_stride, max_position, num_q_heads, head_size, rot,
+    units_per_head, rot_units, units_per_token."""
+    _, hq, d = query.shape
+    h = 0 if key is None else key.shape[1]
+    rot = cos_sin_cache.shape[1]
+    per_head, rot_units = units(d, rot, is_neox, w)
+    return (query.stride(0), 0 if key is None else key.stride(0), cos_sin_cache.shape[0], hq, d,
+            rot, per_head, rot_units, (hq + h) * per_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +166,7 @@ class _Launchable:
     pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     config: object
     device_index: int
-    tail: tuple
+    fixed: tuple  # the arguments from q_stride on (fixed_args)
 
 
 _LAUNCHABLES: dict[tuple, _Launchable] = {}
@@ -167,28 +189,25 @@ def _width(query, key, cos_sin_cache, is_neox) -> int:
                       cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
 
 
-def _launchable(positions, query, key, cos_sin_cache, is_neox, linear) -> _Launchable:
+def _launchable(positions, query, key, cos_sin_cache, is_neox, linear,
+                specialize) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    _, hq, d = query.shape
-    h = 0 if key is None else key.shape[1]
-    rot = cos_sin_cache.shape[1]
     w = _width(query, key, cos_sin_cache, is_neox)
-    per_head, rot_units = units(d, rot, is_neox, w)
-    per_token = (hq + h) * per_head
-    row, tpc, parts = launch_shape(per_token)
+    fixed = fixed_args(query, key, cos_sin_cache, is_neox, w)
+    row, tpc, parts = launch_shape(fixed[8])
     index = query.get_device()
     linear = linear and tpc == 1
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype,
                        linear)
+    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
-        kernel = SOURCE.kernel(arch, name)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, (), index)
-    return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index,
-                       (hq, d, rot, per_head, rot_units, per_token))
+        kernel = SOURCE.kernel(arch, name, macros)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index)
+    return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index, fixed)
 
 
 def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
@@ -205,16 +224,15 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
            (qp | kp | cos_sin_cache.data_ptr()) & 15, is_neox, query.get_device())
     heads = query.shape[1] + (0 if key is None else key.shape[1])
     large = num_rot * heads * query.shape[2] * query.element_size() >= tuning.linear_grid_bytes
-    lau = _LAUNCHABLES.get((sig, large))
+    lau = _LAUNCHABLES.get((sig, large, tuning.specialize))
     if lau is None:
-        lau = _LAUNCHABLES[sig, large] = _launchable(positions, query, key, cos_sin_cache,
-                                                     is_neox, large)
+        lau = _LAUNCHABLES[sig, large, tuning.specialize] = _launchable(
+            positions, query, key, cos_sin_cache, is_neox, large, tuning.specialize)
     row, tpc, parts, linear = lau.config
     gx, gy, bx, by = ((num_rot * parts, 1, row, 1) if linear
                       else (-(-num_rot // tpc), parts, row, tpc))
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * gy, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(gx, gy, bx, by, pdl)
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
-                 positions.data_ptr(), qp, kp or qp,
-                 cos_sin_cache.data_ptr(), num_rot, query.stride(0),
-                 0 if key is None else key.stride(0), cos_sin_cache.shape[0], *lau.tail)
+                 positions.data_ptr(), qp, kp or qp, cos_sin_cache.data_ptr(), num_rot,
+                 *lau.fixed)

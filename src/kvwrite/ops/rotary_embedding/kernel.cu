@@ -12,6 +12,22 @@
 #include "kvw/vec_io.cuh"
 #include "kvw/rope.cuh"
 
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the arguments
+// from q_stride on are compile-time constants: none is read from the parameter bank and the
+// index math (the division by units_per_head included) folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_ROPE_FIXED_PROLOGUE()                                                               \
+  {                                                                                             \
+    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
+    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 9, "KVWRITE_FIXED_ARGS: 9 values");      \
+    q_stride = fixed[0]; k_stride = fixed[1]; max_position = fixed[2];                          \
+    num_q_heads = fixed[3]; head_size = fixed[4]; rot = fixed[5];                               \
+    units_per_head = fixed[6]; rot_units = fixed[7]; units_per_token = fixed[8];                \
+  }
+#else
+#define KVW_ROPE_FIXED_PROLOGUE()
+#endif
+
 template <int IN, int CS, int W, bool NEOX, typename PosT, bool LINEAR>
 __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     const PosT* __restrict__ positions,  // [T_rot]
@@ -22,6 +38,7 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
     i64 units_per_token) {
   KVW_PDL_ENTRY();
+  KVW_ROPE_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
   i64 t;
   u32 c;
