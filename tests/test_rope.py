@@ -890,6 +890,31 @@ def _sass(source, names, tmp_path) -> str:
     return sass_tools.dump_sass(bytes(obj.code), tmp_path)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_cache_dtype,
+                                                                            tmp_path):
+    """The small-call build uses the fp8 scales only after the rotation; their loads must still be
+    issued before the table's, not sunk to that use (a memory round trip more per call). ptxas
+    sank plain loads there in the build with the fixed arguments compiled in (tuning-log change
+    48), so they are volatile loads: the first 4-byte load comes before the first 16-byte
+    read-only load (the table's), in the generic and the specialized build."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    case = RopeCase(num_tokens=16, num_q_heads=32, num_heads=8, head_size=128,
+                    kv_cache_dtype=kv_cache_dtype)
+    name, fixed = _specialized_build("fused", case)
+    assert name.endswith(", 8, true, long long, long long, 1>"), name  # W = 8, small-call build
+    for macros in ((), nvrtc.fixed_args_macros(fixed)):
+        source = type("S", (), {"compile": lambda self, a, n, m=macros: fused_cuda.SOURCE.compile(
+            a, n, macros=(nvrtc.PDL_MACRO,) + m)})()
+        loads = [op for op in sass_tools.opcodes(_sass(source, name, tmp_path))
+                 if op.startswith("LDG")]
+        table = loads.index("LDG.E.128.CONSTANT")
+        scale = min(i for i, op in enumerate(loads) if op in ("LDG.E.STRONG.SYS",
+                                                               "LDG.E.CONSTANT", "LDG.E"))
+        assert scale < table, loads
+
+
 def test_cuda_rotation_sass_has_no_fma(tmp_path):
     """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
     a contracting build of the same arithmetic would (the check can fail)."""
