@@ -217,23 +217,30 @@ def test_cuda_rotary_large_call_grid_matches_oracle(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("large", [False, True], ids=["small-call-builds", "large-call-builds"])
+@pytest.mark.parametrize("build", ["small", "mid", "large", "mid-specialized"])
 @pytest.mark.parametrize("op,case",
                          [(ROPE, c) for c in ROPE_CASES] + [(FUSED, c) for c in FUSED_CASES],
                          ids=[f"rotary-{c.id}" for c in ROPE_CASES] +
                              [f"fused-{c.id}" for c in FUSED_CASES])
-def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, large):
+def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, build):
     """KVWRITE_CUDA_SPECIALIZE=0 (CudaTuning.specialize=False): the same kernels with their fixed
-    arguments read at run time write the oracle's bytes too, small- and large-call builds."""
+    arguments read at run time write the oracle's bytes too, in the builds of small calls
+    (narrower units), mid-sized calls and large calls, each forced on every case; and the
+    specialized build of mid-sized calls (the matrix's own calls are small)."""
+    huge = 1 << 60
+    small = huge if build == "small" else 0
+    specialize = build == "mid-specialized"
     rotary = op == ROPE
     if rotary:
         from kvwrite.ops.rotary_embedding import cuda_impl
         from kvwrite.ops.rotary_embedding.op import validate
-        tuning = cuda_impl.CudaTuning(specialize=False, linear_grid_bytes=0 if large else 1 << 60)
+        tuning = cuda_impl.CudaTuning(specialize=specialize, small_call_bytes=small,
+                                      linear_grid_bytes=0 if build == "large" else huge)
     else:
         from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
         from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
-        tuning = cuda_impl.CudaTuning(specialize=False, large_call_bytes=0 if large else 1 << 60)
+        tuning = cuda_impl.CudaTuning(specialize=specialize, small_call_bytes=small,
+                                      large_call_bytes=0 if build == "large" else huge)
     seen = record_builds(cuda_impl.SOURCE)
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
     inp = _impl_inputs(ROPE if rotary else FUSED, "cuda", case, "cuda")
@@ -250,7 +257,7 @@ def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, 
                           inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
                           case.rotate_key_in_place, query_out, tuning=tuning)
         assert_same_bytes(inp, _expected_fused(case))
-    assert set(seen) <= {None}
+    assert all((f is not None) == specialize for f in seen), seen
 
 
 @pytest.mark.gpu
@@ -327,6 +334,22 @@ def test_long_row_cases_span_several_ctas():
         w = 16 // case.dtype.itemsize
         per_head, _ = units(case.head_size, case.rot_dim or case.head_size, case.is_neox, w)
         assert launch_shape((case.num_q_heads + case.num_heads) * per_head)[2] >= 2
+
+
+def test_cuda_unit_width_for_small_calls():
+    """Small calls take units of at most CudaTuning.small_call_unit_bytes (8 bytes: 4 bfloat16
+    elements, 2 float32), still the widest that every alignment allows."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    for mod in (rope_cuda, fused_cuda):
+        assert mod.TUNING.small_call_unit_bytes == 8
+        assert mod.TUNING.small_call_bytes >= 32 * 48 * 128 * 2  # GQA(32,8,128) bf16 at T=32
+    ptrs, strides = ((4096, 2),), (6144,)
+    assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, strides) == 8
+    assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, strides, 8) == 4
+    assert rope_cuda.unit_width(128, 128, True, 4, 4, 4096, ((4096, 4),), strides, 8) == 2
+    assert rope_cuda.unit_width(128, 128, False, 2, 4, 4096, ptrs, strides, 8) == 4  # GPT-J
+    # alignment still narrows further: a row stride of 2 elements
+    assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, (2,), 8) == 2
 
 
 def test_cuda_launch_shapes():
@@ -811,22 +834,24 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
         assert len(fixed) == (10 - 1 if which == "rotary" else 23 - 4)
 
 
-def _specialized_build(which, case):
-    """(kernel name, fixed arguments) of the build ``case``'s call takes: its shapes and strides,
-    from CPU tensors (no GPU needed)."""
+def _specialized_build(which, case, max_unit_bytes=16):
+    """(kernel name, fixed arguments) of the build ``case``'s call takes with units of at most
+    ``max_unit_bytes`` (CudaTuning.small_call_unit_bytes for small calls): its shapes and
+    strides, from CPU tensors (no GPU needed)."""
     rope_cuda, fused_cuda = _cuda_modules()
     inp = make_rope_inputs(case, "cpu")
     cs = inp.cos_sin_cache
     if which == "rotary":
         q, k = rope_pkg.op.validate(*inp.rotary_args())
-        w = rope_cuda._width(q, k, cs, case.is_neox)
+        w = rope_cuda._width(q, k, cs, case.is_neox, max_unit_bytes)
         return (rope_cuda.kernel_name(rope_cuda.kind(q.dtype), rope_cuda.kind(cs.dtype), w,
                                       case.is_neox, inp.positions.dtype),
                 rope_cuda.fixed_args(q, k, cs, case.is_neox, w))
     q, k, v, query_out, cache_dtype = fused_pkg.op.validate(*inp.fused_args(),
                                                             **inp.fused_kwargs())
     kc = inp.key_cache
-    w = fused_cuda._width(q, k, v, kc, inp.value_cache, query_out, cs, case.is_neox)
+    w = fused_cuda._width(q, k, v, kc, inp.value_cache, query_out, cs, case.is_neox,
+                          max_unit_bytes)
     out = fused_cuda._out_kind(cache_dtype, q.dtype, kc.dtype)
     return (fused_cuda.kernel_name(rope_cuda.kind(q.dtype), rope_cuda.kind(cs.dtype), out, w,
                                    case.is_neox, inp.positions.dtype, inp.slot_mapping.dtype),
@@ -842,8 +867,9 @@ def test_nvrtc_compiles_the_specialized_build_of_every_case(which):
     rope_cuda, fused_cuda = _cuda_modules()
     mod = rope_cuda if which == "rotary" else fused_cuda
     from kvwrite.kernels import nvrtc
-    builds = {_specialized_build(which, c) for c in (ROPE_CASES if which == "rotary"
-                                                    else FUSED_CASES)}
+    builds = {_specialized_build(which, c, unit) for c in (ROPE_CASES if which == "rotary"
+                                                          else FUSED_CASES)
+              for unit in (16, mod.TUNING.small_call_unit_bytes)}
     assert len(builds) > 10
     for name, fixed in sorted(builds):
         obj, _ = mod.SOURCE.compile("sm_90", name, macros=nvrtc.fixed_args_macros(fixed))
@@ -893,7 +919,7 @@ def _sass(source, names, tmp_path) -> str:
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_cache_dtype,
                                                                             tmp_path):
-    """The small-call build uses the fp8 scales only after the rotation; their loads must still be
+    """The small-call builds (units of 8 and 4 elements) use the fp8 scales only after the rotation; their loads must still be
     issued before the table's, not sunk to that use (a memory round trip more per call). ptxas
     sank plain loads there in the build with the fixed arguments compiled in (tuning-log change
     48), so they are volatile loads: the first 4-byte load comes before the first 16-byte
@@ -902,9 +928,11 @@ def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_ca
     from kvwrite.kernels import nvrtc
     case = RopeCase(num_tokens=16, num_q_heads=32, num_heads=8, head_size=128,
                     kv_cache_dtype=kv_cache_dtype)
-    name, fixed = _specialized_build("fused", case)
-    assert name.endswith(", 8, true, long long, long long, 1>"), name  # W = 8, small-call build
-    for macros in ((), nvrtc.fixed_args_macros(fixed)):
+    builds = [_specialized_build("fused", case, unit) for unit in (16, 8)]
+    assert builds[0][0].endswith(", 8, true, long long, long long, 1>"), builds  # W = 8
+    assert builds[1][0].endswith(", 4, true, long long, long long, 1>"), builds  # W = 4
+    for (name, _), macros in [(b, m) for b in builds
+                                  for m in ((), nvrtc.fixed_args_macros(b[1]))]:
         source = type("S", (), {"compile": lambda self, a, n, m=macros: fused_cuda.SOURCE.compile(
             a, n, macros=(nvrtc.PDL_MACRO,) + m)})()
         loads = [op for op in sass_tools.opcodes(_sass(source, name, tmp_path))

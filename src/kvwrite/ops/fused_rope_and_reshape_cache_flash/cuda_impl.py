@@ -59,6 +59,15 @@ class CudaTuning:
     # GQA calls (T <= 64) 0.08-0.14 us more (MHA at T <= 16 0.25-0.34 us less), so small calls
     # keep launch_shape's CTAs.
     large_call_cta_threads: int = 64
+    # Calls of at most small_call_bytes of query, key and value rows take units of at most
+    # small_call_unit_bytes (bfloat16: 4 elements instead of 8): twice the threads, each with
+    # half the rotation and half the conversion after the table's round trip. Measured, H200,
+    # bfloat16, specialized builds (tuning-log change 49), 8 -> 4 elements, hot / rotated:
+    # GQA(32,8,128) fp8 T=1 1.55 -> 1.40 / 2.27 -> 2.10 us, T=16 1.71 -> 1.51 / 2.56 -> 2.41,
+    # T=64 1.99 -> 1.79; auto T=16 1.47 -> 1.31; MHA fp8 T=16 1.78 -> 1.64. Larger calls lost:
+    # GQA fp8 T=128 2.21 -> 2.58 hot, MHA fp8 T=64 2.41 -> 2.49, T=128 3.29 -> 3.97.
+    small_call_bytes: int = 1 << 20
+    small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0: never.
     # The large-call build waits but does not trigger the next kernel early (nvrtc's
@@ -136,7 +145,8 @@ def all_kernel_names() -> list[str]:
     return names
 
 
-def _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox) -> int:
+def _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox,
+           max_bytes: int = 16) -> int:
     rows = [query, key, value] + ([] if query_out is None else [query_out])
     ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
     ptrs += tuple((c.data_ptr(), c.element_size()) for c in (key_cache, value_cache))
@@ -144,7 +154,8 @@ def _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, 
     strides += tuple(s for s, n in zip(key_cache.stride()[:3], key_cache.shape[:3], strict=True)
                      if n > 1)
     return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
-                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
+                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides,
+                      max_bytes)
 
 
 def unsupported(query, key, key_cache, cache_dtype, cos_sin_cache, is_neox) -> str | None:
@@ -190,11 +201,12 @@ _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
                 slot_mapping, cache_dtype, rotate_key_in_place, query_out, min_blocks,
-                cta_threads, specialize) -> _Launchable:
+                cta_threads, max_unit_bytes, specialize) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    w = _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox)
+    w = _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox,
+               max_unit_bytes)
     if w == 0:
         raise ValueError("cuda: GPT-J pairing needs rows and caches aligned to 2 elements")
     fixed = fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_in_place,
@@ -234,9 +246,13 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
            key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
            cos_sin_cache.shape, align & 15, is_neox, query.get_device(), rotate_key_in_place,
            query_out is None, tuning.specialize)
-    large = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
-        query.element_size() >= tuning.large_call_bytes
-    build = (tuning.large_call_min_blocks, tuning.large_call_cta_threads) if large else (1, None)
+    row_bytes = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
+        query.element_size()
+    if row_bytes >= tuning.large_call_bytes:
+        build = (tuning.large_call_min_blocks, tuning.large_call_cta_threads, 16)
+    else:
+        build = (1, None, tuning.small_call_unit_bytes if row_bytes <= tuning.small_call_bytes
+                 else 16)
     lau = _LAUNCHABLES.get((sig, build))
     if lau is None:
         lau = _LAUNCHABLES[sig, build] = _launchable(

@@ -48,11 +48,12 @@ def _align(ptr: int) -> int:
 
 
 def unit_width(head_size: int, rot: int, is_neox: bool, in_bytes: int, table_bytes: int,
-               table_ptr: int, ptrs: tuple[tuple[int, int], ...], strides: tuple[int, ...]) -> int:
-    """The widest unit W (see the module doc), or 0 where none fits (GPT-J with odd rows).
-    ``ptrs``: (address, element size) of every row tensor and cache; ``strides``: every stride in
-    elements that moves (token strides, cache strides)."""
-    w = 16 // in_bytes
+               table_ptr: int, ptrs: tuple[tuple[int, int], ...], strides: tuple[int, ...],
+               max_bytes: int = 16) -> int:
+    """The widest unit W of at most ``max_bytes`` (see the module doc), or 0 where none fits
+    (GPT-J with odd rows). ``ptrs``: (address, element size) of every row tensor and cache;
+    ``strides``: every stride in elements that moves (token strides, cache strides)."""
+    w = max(min(16, max_bytes) // in_bytes, 1)
     while w >= 1:
         nc = w if is_neox else w // 2
         ok = ((rot // 2) % w == 0 if is_neox else (w % 2 == 0 and rot % w == 0))
@@ -129,6 +130,14 @@ class CudaTuning:
     # T=3072 (GQA 31 MB, MHA 50 MB), 0.5-2.5% slower at 1024-2048 and 0.13-0.15 us at T=16 (its
     # two divisions come first on the latency path).
     linear_grid_bytes: int = 32 << 20
+    # Calls of at most small_call_bytes of query and key rows take units of at most
+    # small_call_unit_bytes (bfloat16: 4 elements instead of 8), twice the threads with half the
+    # rotation each: the arithmetic after the table's round trip is on a small call's latency
+    # path. Measured, H200, bfloat16, specialized builds (tuning-log change 49), 8 -> 4
+    # elements: GQA(32,8,128) T=1 1.06 -> 0.97 us hot, 1.51 -> 1.37 rotated; T=64 1.29 -> 1.20,
+    # 1.97 -> 1.85; MHA T=16 1.15 -> 1.07, 1.77 -> 1.65; but MHA T=256 2.68 -> 2.86 hot.
+    small_call_bytes: int = 1 << 20
+    small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the build that starts with KVW_PDL_ENTRY and launch
     # with programmatic stream serialization where the device allows it (kernels/nvrtc.py):
     # scheduled while the kernel before them still runs, they wait for it before reading
@@ -181,20 +190,21 @@ def unsupported(query, key, cos_sin_cache, is_neox) -> str | None:
     return None
 
 
-def _width(query, key, cos_sin_cache, is_neox) -> int:
+def _width(query, key, cos_sin_cache, is_neox, max_bytes: int = 16) -> int:
     rows = (query,) if key is None else (query, key)
     ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
     strides = tuple(t.stride(0) for t in rows if t.shape[0] > 1)
     return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
-                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides)
+                      cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides,
+                      max_bytes)
 
 
-def _launchable(positions, query, key, cos_sin_cache, is_neox, linear,
+def _launchable(positions, query, key, cos_sin_cache, is_neox, linear, max_unit_bytes,
                 specialize) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    w = _width(query, key, cos_sin_cache, is_neox)
+    w = _width(query, key, cos_sin_cache, is_neox, max_unit_bytes)
     fixed = fixed_args(query, key, cos_sin_cache, is_neox, w)
     row, tpc, parts = launch_shape(fixed[8])
     index = query.get_device()
@@ -223,11 +233,14 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
            None if key is None else key.stride(0), cos_sin_cache.shape,
            (qp | kp | cos_sin_cache.data_ptr()) & 15, is_neox, query.get_device())
     heads = query.shape[1] + (0 if key is None else key.shape[1])
-    large = num_rot * heads * query.shape[2] * query.element_size() >= tuning.linear_grid_bytes
-    lau = _LAUNCHABLES.get((sig, large, tuning.specialize))
+    row_bytes = num_rot * heads * query.shape[2] * query.element_size()
+    large = row_bytes >= tuning.linear_grid_bytes
+    unit_bytes = tuning.small_call_unit_bytes if row_bytes <= tuning.small_call_bytes else 16
+    build = (large, unit_bytes, tuning.specialize)
+    lau = _LAUNCHABLES.get((sig, build))
     if lau is None:
-        lau = _LAUNCHABLES[sig, large, tuning.specialize] = _launchable(
-            positions, query, key, cos_sin_cache, is_neox, large, tuning.specialize)
+        lau = _LAUNCHABLES[sig, build] = _launchable(positions, query, key, cos_sin_cache,
+                                                     is_neox, *build)
     row, tpc, parts, linear = lau.config
     gx, gy, bx, by = ((num_rot * parts, 1, row, 1) if linear
                       else (-(-num_rot // tpc), parts, row, tpc))
