@@ -62,10 +62,11 @@ class CudaTuning:
     # Calls of at most small_call_bytes of query, key and value rows take units of at most
     # small_call_unit_bytes (bfloat16: 4 elements instead of 8): twice the threads, each with
     # half the rotation and half the conversion after the table's round trip. Measured, H200,
-    # bfloat16, specialized builds (tuning-log change 49), 8 -> 4 elements, hot / rotated:
-    # GQA(32,8,128) fp8 T=1 1.55 -> 1.40 / 2.27 -> 2.10 us, T=16 1.71 -> 1.51 / 2.56 -> 2.41,
-    # T=64 1.99 -> 1.79; auto T=16 1.47 -> 1.31; MHA fp8 T=16 1.78 -> 1.64. Larger calls lost:
-    # GQA fp8 T=128 2.21 -> 2.58 hot, MHA fp8 T=64 2.41 -> 2.49, T=128 3.29 -> 3.97.
+    # bfloat16, specialized builds, 8 -> 4 elements, hot / rotated L2 (tuning-log change 49):
+    # GQA(32,8,128) fp8 T=1 1.56 -> 1.41 / 2.26 -> 2.10 us, T=16 1.72 -> 1.52 / 2.58 -> 2.41,
+    # T=64 2.01 -> 1.87 / 2.92 -> 2.74; auto T=16 1.47 -> 1.32 / 2.30 -> 2.20; MHA(32,32,128) fp8
+    # T=16 1.78 -> 1.66 / 2.72 -> 2.55. Larger calls lost in a scratch sweep (GQA fp8 T=128
+    # 2.21 -> 2.58 us hot, MHA fp8 T=64 2.41 -> 2.49, T=128 3.29 -> 3.97).
     small_call_bytes: int = 1 << 20
     small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic

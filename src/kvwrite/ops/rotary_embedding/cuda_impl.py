@@ -133,9 +133,10 @@ class CudaTuning:
     # Calls of at most small_call_bytes of query and key rows take units of at most
     # small_call_unit_bytes (bfloat16: 4 elements instead of 8), twice the threads with half the
     # rotation each: the arithmetic after the table's round trip is on a small call's latency
-    # path. Measured, H200, bfloat16, specialized builds (tuning-log change 49), 8 -> 4
-    # elements: GQA(32,8,128) T=1 1.06 -> 0.97 us hot, 1.51 -> 1.37 rotated; T=64 1.29 -> 1.20,
-    # 1.97 -> 1.85; MHA T=16 1.15 -> 1.07, 1.77 -> 1.65; but MHA T=256 2.68 -> 2.86 hot.
+    # path. Measured, H200, bfloat16, specialized builds, 8 -> 4 elements, hot / rotated L2
+    # (tuning-log change 49): GQA(32,8,128) T=1 1.09 -> 0.96 / 1.56 -> 1.41 us, T=16 1.15 ->
+    # 1.01 / 1.75 -> 1.60, T=64 1.29 -> 1.21 / 2.00 -> 1.84; MHA(32,32,128) T=16 1.14 -> 1.06 /
+    # 1.76 -> 1.65. Larger calls lost in a scratch sweep (MHA T=256 2.68 -> 2.86 us hot).
     small_call_bytes: int = 1 << 20
     small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the build that starts with KVW_PDL_ENTRY and launch
