@@ -47,8 +47,7 @@
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_MLA_FIXED_PROLOGUE()                                                                \
   {                                                                                             \
-    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
-    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 9, "KVWRITE_FIXED_ARGS: 9 values");      \
+    KVW_FIXED_ARGS_ARRAY(9);                                                                    \
     kv_c_stride = fixed[0]; k_pe_stride = fixed[1];                                             \
     block_stride = fixed[2]; page_stride = fixed[3];                                            \
     block_size = fixed[4]; block_shift = fixed[5]; num_slots = fixed[6];                        \

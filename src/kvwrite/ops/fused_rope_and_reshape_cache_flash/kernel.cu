@@ -23,8 +23,7 @@
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FUSED_FIXED_PROLOGUE()                                                              \
   {                                                                                             \
-    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
-    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 19, "KVWRITE_FIXED_ARGS: 19 values");    \
+    KVW_FIXED_ARGS_ARRAY(19);                                                                   \
     q_stride = fixed[0]; qo_stride = fixed[1]; k_stride = fixed[2]; v_stride = fixed[3];        \
     max_position = fixed[4]; block_stride = fixed[5]; page_stride = fixed[6];                   \
     head_stride = fixed[7]; block_size = fixed[8]; block_shift = fixed[9];                      \

@@ -68,8 +68,7 @@
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FIXED_ARGS_PROLOGUE()                                                               \
   {                                                                                             \
-    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
-    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 11, "KVWRITE_FIXED_ARGS: 11 values");    \
+    KVW_FIXED_ARGS_ARRAY(11);                                                                   \
     key_stride = fixed[0]; value_stride = fixed[1];                                             \
     block_stride = fixed[2]; page_stride = fixed[3]; head_stride = fixed[4];                    \
     block_size = fixed[5]; block_shift = fixed[6]; num_slots = fixed[7];                        \

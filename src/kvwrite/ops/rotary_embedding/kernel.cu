@@ -18,8 +18,7 @@
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_ROPE_FIXED_PROLOGUE()                                                               \
   {                                                                                             \
-    constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS};                                               \
-    static_assert(sizeof(fixed) / sizeof(fixed[0]) == 9, "KVWRITE_FIXED_ARGS: 9 values");      \
+    KVW_FIXED_ARGS_ARRAY(9);                                                                    \
     q_stride = fixed[0]; k_stride = fixed[1]; max_position = fixed[2];                          \
     num_q_heads = fixed[3]; head_size = fixed[4]; rot = fixed[5];                               \
     units_per_head = fixed[6]; rot_units = fixed[7]; units_per_token = fixed[8];                \

@@ -101,6 +101,13 @@ KVW_HD float min_nan(float a, float b) {
   } while (0)
 #endif
 
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v<N-1>): `fixed`,
+// the N values as a constexpr array, and a compile error unless there are exactly N. Each op's
+// kernel.cu assigns them to its trailing scalar arguments (cuda_impl.fixed_args' order).
+#define KVW_FIXED_ARGS_ARRAY(N)                   \
+  constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS}; \
+  static_assert(sizeof(fixed) / sizeof(fixed[0]) == N, "KVWRITE_FIXED_ARGS: " #N " values")
+
 // float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
 KVW_HD u32 bf16_from_f32_soft(float x) {
   const u32 b = f32_bits(x);
