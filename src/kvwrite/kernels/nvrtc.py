@@ -45,7 +45,7 @@ __all__ = ["INSTALL_HINT", "KernelSource", "available", "cuda_core", "setup_reas
            "include_dir", "current_stream", "capture_relaxed", "launch_config", "launch",
            "pdl_capable", "pdl_on", "use_pdl", "pdl_twin", "takes_pdl", "PDL_MACRO",
            "PDL_NO_TRIGGER_MACRO", "kernel_cache_dir", "FIXED_ARGS_MACRO", "fixed_args_macros",
-           "specialize_default"]
+           "env_flag", "specialize_default"]
 
 # The macro of a kernel build that starts with KVW_PDL_ENTRY (launch it with pdl=True), and the
 # one that leaves out its trigger of the next kernel (PDL_NO_TRIGGER_MACRO: wait only).
@@ -66,11 +66,17 @@ def fixed_args_macros(fixed: Sequence[int] | None) -> tuple:
     return ((FIXED_ARGS_MACRO, ",".join(str(int(v)) for v in fixed)),)
 
 
+def env_flag(name: str, default: str) -> bool:
+    """An on/off setting from the environment variable ``name`` (``default`` when unset): off
+    when it is 0 or empty, on otherwise."""
+    return os.environ.get(name, default).strip() not in ("", "0")
+
+
 def specialize_default() -> bool:
     """Whether the cuda implementations build one kernel per call signature with its fixed
     arguments compiled in (their ``CudaTuning.specialize``): yes unless
     ``KVWRITE_CUDA_SPECIALIZE`` is 0 or empty."""
-    return os.environ.get("KVWRITE_CUDA_SPECIALIZE", "1").strip() not in ("", "0")
+    return env_flag("KVWRITE_CUDA_SPECIALIZE", "1")
 
 
 def use_pdl(enabled: bool) -> None:

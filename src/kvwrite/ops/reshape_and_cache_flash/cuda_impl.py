@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 
 import torch
 
@@ -50,10 +49,6 @@ GRID_STRIDE_KERNEL = "reshape_and_cache_flash_grid_stride_kernel"  # rows too lo
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
 _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
-
-
-def _env_flag(name: str, default: str) -> bool:
-    return os.environ.get(name, default).strip() not in ("", "0")
 
 
 class CallSize(enum.Enum):
@@ -124,7 +119,7 @@ class CudaTuning:
     # One true division per fp8 element instead of the division-free quotient, for comparison;
     # both are bit-exact. KVWRITE_CUDA_EXACT_DIV=1 sets it.
     exact_div: bool = dataclasses.field(
-        default_factory=lambda: _env_flag("KVWRITE_CUDA_EXACT_DIV", "0"))
+        default_factory=lambda: nvrtc.env_flag("KVWRITE_CUDA_EXACT_DIV", "0"))
 
     # Measurement only, NOT exact (SPEC §1.1 is broken by it): the fp8 quotient as x * (1 / s),
     # one rounded multiplication, as an approximate division computes it; `probe variants
