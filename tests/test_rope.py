@@ -1150,13 +1150,30 @@ def test_bench_rope_check_catches_a_write_of_padding(monkeypatch):
 
 
 def test_bench_rope_rotation_flushes_when_the_sets_are_small():
-    from kvwrite.bench.rope import MAX_SETS
+    from kvwrite.bench import rope as bench_rope
     from kvwrite.bench.timing import l2_rotation
     l2 = 50 << 20
-    assert l2_rotation(True, 1000, l2, MAX_SETS) == (1, False)           # hot: one set, no flush
-    assert l2_rotation(False, 60 << 20, l2, MAX_SETS) == (2, False)      # sets past 2x the L2
-    assert l2_rotation(False, 40 << 20, l2, MAX_SETS) == (3, False)
-    assert l2_rotation(False, 57_000, l2, MAX_SETS) == (MAX_SETS, True)  # T=1: flush too
+    assert l2_rotation(True, 1000, l2, 20) == (1, False)           # hot: one set, no flush
+    assert l2_rotation(False, 60 << 20, l2, 20) == (2, False)      # sets past 2x the L2
+    assert l2_rotation(False, 40 << 20, l2, 20) == (3, False)
+    assert l2_rotation(False, 57_000, l2, 20) == (20, True)        # T=1: flush too
+
+    # The rope benchmark's own rule: call i of a graph takes set i % sets, so a point never has
+    # more sets than the graph has calls, and a mid-sized point whose graph-full of sets fits in
+    # twice the L2 is flushed (MHA(32,32,128) at T=64: 4.3 MB a set, 20 sets = 86 MB < 2 x 60 MiB;
+    # a rule of 64 sets left it unflushed with 20 of them touched).
+    parser = bench_rope.build_parser("rope")
+    p = bench_rope.Point(torch.bfloat16, CacheDType.AUTO, 32, 32, 128, 128, True, "NHD", 64,
+                         256, 16, 4096)
+    per_set = bench_rope.point_bytes(p, "pair")
+    for calls in (5, 20, 64):
+        args = parser.parse_args(["--graph-calls", str(calls)])
+        sets, flush = bench_rope.rotation(p, args, 60 << 20)
+        assert sets <= calls
+        assert flush == (sets * per_set < 2 * (60 << 20))
+    args = parser.parse_args([])
+    assert bench_rope.rotation(p, args, 60 << 20) == (args.graph_calls, True)
+    assert bench_rope.rotation(p, parser.parse_args(["--hot-l2"]), 60 << 20) == (1, False)
 
 
 def test_bench_rope_model_takes_the_serving_shape():

@@ -16,9 +16,9 @@ written back when ``k`` = 1, value read, both caches written, a table row, posit
 the pair reads the key once more: ``+ T*H*D*e``; rotary alone ``T*(2*(Hq + H)*D*e + rot*t + p)``.
 ``pair bytes / fused bytes`` is the most the fusion can gain once both are bandwidth-bound.
 
-By default the inputs rotate over enough sets to exceed twice the L2 (cold L2; at most 64
-sets, and when those are smaller, at small T, the L2 is flushed before each timed run as
-well); ``--hot-l2`` uses the same inputs every call (vLLM's condition).
+By default the inputs rotate over enough sets to exceed twice the L2 (cold L2; at most one set
+per call of the timed graph, ``--graph-calls``, and when those are smaller the L2 is flushed
+before each timed run as well); ``--hot-l2`` uses the same inputs every call (vLLM's condition).
 
 Slots and positions: ``--slots`` (:mod:`kvwrite.bench.slots`) picks the slots; with decode,
 prefill or mixed each token's position is its place in its sequence (decode: its context length;
@@ -76,7 +76,6 @@ __all__ = ["RopeRow", "main", "vllm_main", "point_bytes"]
 
 SEED = 42
 NUM_BLOCKS = 256
-MAX_SETS = 64  # input sets at most per point for a rotated L2 (timing.l2_rotation)
 # --model with a sequence slot pattern on a GPU: the seed benchmark's (vLLM's) cache size, so that
 # decode contexts are not capped by the blocks each sequence can own.
 SERVING_NUM_BLOCKS = 128 * 512
@@ -263,6 +262,14 @@ def _check(p: Point, impl: str, kind: str, device, table, scales) -> str | None:
     return None
 
 
+def rotation(p: Point, args, l2: int) -> tuple[int, bool]:
+    """(input sets, flush the L2 before each timed run) for a point: :func:`timing.l2_rotation`
+    with at most one set per call of the timed graph, since call ``i`` takes set ``i % sets`` and
+    a graph replays only its ``--graph-calls`` calls (more sets would never be touched, and the
+    ones touched could fit in the L2 unflushed)."""
+    return l2_rotation(args.hot_l2, point_bytes(p, "pair"), l2, args.graph_calls)
+
+
 def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw: float,
             env_device: str) -> list[RopeRow]:
     gen = torch.Generator(device=device).manual_seed(SEED)
@@ -271,7 +278,7 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
     if p.cache_dtype.is_fp8:
         scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
     l2 = l2_bytes(device)
-    count, flush = l2_rotation(args.hot_l2, point_bytes(p, "pair"), l2, MAX_SETS)
+    count, flush = rotation(p, args, l2)
     flush_buf = None
     if flush and device.type == "cuda":
         flush_buf = torch.empty(2 * l2, dtype=torch.uint8, device=device)
