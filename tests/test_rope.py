@@ -240,6 +240,7 @@ def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, 
         from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
         from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
         tuning = cuda_impl.CudaTuning(specialize=specialize, small_call_bytes=small,
+                                      small_call_bytes_fp8=small,
                                       large_call_bytes=0 if build == "large" else huge)
     seen = record_builds(cuda_impl.SOURCE)
     monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
@@ -315,7 +316,8 @@ def test_triton_fused_large_call_tiles_match_oracle(case, device):
         triton_impl.run(q, k, v, inp.positions, inp.cos_sin_cache, case.is_neox, inp.key_cache,
                         inp.value_cache, inp.slot_mapping, cache_dtype, *scales,
                         case.rotate_key_in_place, query_out,
-                        tuning=RopeTuning(**TRITON_LARGE, fused_value_first_max_programs=0))
+                        tuning=RopeTuning(**TRITON_LARGE, fused_value_first_max_programs=0,
+                                          fused_value_first_max_programs_fp8=0))
     assert_same_bytes(inp, _expected_fused(case))
 
 
@@ -342,7 +344,6 @@ def test_cuda_unit_width_for_small_calls():
     rope_cuda, fused_cuda = _cuda_modules()
     for mod in (rope_cuda, fused_cuda):
         assert mod.TUNING.small_call_unit_bytes == 8
-        assert mod.TUNING.small_call_bytes >= 32 * 48 * 128 * 2  # GQA(32,8,128) bf16 at T=32
     ptrs, strides = ((4096, 2),), (6144,)
     assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, strides) == 8
     assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, strides, 8) == 4
@@ -350,6 +351,38 @@ def test_cuda_unit_width_for_small_calls():
     assert rope_cuda.unit_width(128, 128, False, 2, 4, 4096, ptrs, strides, 8) == 4  # GPT-J
     # alignment still narrows further: a row stride of 2 elements
     assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, (2,), 8) == 2
+
+
+def test_small_call_bounds_per_cache_format():
+    """Where each RoPE kernel's small-call build ends (tuning-log change 50): bfloat16,
+    GQA(32,8,128) and MHA(32,32,128) token counts either side of each bound."""
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash.triton_impl import takes_value_first
+    rope_cuda, fused_cuda = _cuda_modules()
+    fp8, auto = CacheDType.FP8_E4M3, CacheDType.AUTO
+
+    def rotary_unit(T, heads):
+        return rope_cuda.call_unit_bytes(T * heads * 128 * 2)
+
+    def fused_unit(T, hq, h, cache_dtype):
+        return fused_cuda.call_build(T * (hq + 2 * h) * 128 * 2, cache_dtype)[2]
+
+    # rotary_embedding: 4-element units up to 3 MiB of query and key rows.
+    assert rotary_unit(307, 40) == 8 and rotary_unit(308, 40) == 16
+    assert rotary_unit(192, 64) == 8 and rotary_unit(193, 64) == 16
+    # The fused op: copies up to 3 MiB of query, key and value rows, fp8 up to 1 MiB.
+    assert fused_unit(256, 32, 8, auto) == 8 and fused_unit(257, 32, 8, auto) == 16
+    assert fused_unit(128, 32, 32, auto) == 8 and fused_unit(129, 32, 32, auto) == 16
+    assert fused_unit(85, 32, 8, fp8) == 8 and fused_unit(86, 32, 8, fp8) == 16
+    assert fused_unit(85, 32, 8, CacheDType.FP8_E5M2) == 8
+    assert fused_unit(86, 32, 8, CacheDType.FP8_E5M2) == 16
+    assert fused_unit(42, 32, 32, fp8) == 8 and fused_unit(43, 32, 32, fp8) == 16
+    # From 4 MiB the large-call build (value first, register bound, 64-thread CTAs).
+    assert fused_cuda.call_build(4 << 20, auto) == (5, 64, 16)
+    assert fused_cuda.call_build((4 << 20) - 1, auto) == (1, None, 16)
+    # The Triton fused kernel stores the value first up to 16384 programs for copies (GQA
+    # T=2048: 10240), up to 512 for fp8 (GQA T=128: 384; T=192: 576).
+    assert takes_value_first(16384, False) and not takes_value_first(16385, False)
+    assert takes_value_first(512, True) and not takes_value_first(513, True)
 
 
 def test_cuda_launch_shapes():

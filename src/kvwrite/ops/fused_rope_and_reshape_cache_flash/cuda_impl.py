@@ -26,7 +26,7 @@ from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
-           "kernel_name", "cta_shape", "fixed_args", "CudaTuning", "TUNING"]
+           "kernel_name", "cta_shape", "call_build", "fixed_args", "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
@@ -59,15 +59,18 @@ class CudaTuning:
     # GQA calls (T <= 64) 0.08-0.14 us more (MHA at T <= 16 0.25-0.34 us less), so small calls
     # keep launch_shape's CTAs.
     large_call_cta_threads: int = 64
-    # Calls of at most small_call_bytes of query, key and value rows take units of at most
-    # small_call_unit_bytes (bfloat16: 4 elements instead of 8): twice the threads, each with
-    # half the rotation and half the conversion after the table's round trip. Measured, H200,
-    # bfloat16, specialized builds, 8 -> 4 elements, hot / rotated L2 (tuning-log change 49):
-    # GQA(32,8,128) fp8 T=1 1.56 -> 1.41 / 2.26 -> 2.10 us, T=16 1.72 -> 1.52 / 2.58 -> 2.41,
-    # T=64 2.01 -> 1.87 / 2.92 -> 2.74; auto T=16 1.47 -> 1.32 / 2.30 -> 2.20; MHA(32,32,128) fp8
-    # T=16 1.78 -> 1.66 / 2.72 -> 2.55. Larger calls lost in a scratch sweep (GQA fp8 T=128
-    # 2.21 -> 2.58 us hot, MHA fp8 T=64 2.41 -> 2.49, T=128 3.29 -> 3.97).
-    small_call_bytes: int = 1 << 20
+    # Calls of at most small_call_bytes (fp8 caches: small_call_bytes_fp8) of query, key and
+    # value rows take units of at most small_call_unit_bytes (bfloat16: 4 elements instead of
+    # 8): twice the threads, each with half the rotation and half the conversion after the
+    # table's round trip. Measured, H200, bfloat16, specialized builds, 8 -> 4 elements, hot /
+    # rotated L2 (tuning-log change 49): GQA(32,8,128) fp8 T=1 1.56 -> 1.41 / 2.26 -> 2.10 us,
+    # T=16 1.72 -> 1.52 / 2.58 -> 2.41; auto T=16 1.47 -> 1.32 / 2.30 -> 2.20. The bounds (change
+    # 50, the rope benchmark's L2 rotation corrected): copies win up to GQA T=256 (3 MiB; 2.66
+    # -> 2.32 / 3.56 -> 3.50) and MHA(32,32,128) T=128 (3 MiB; 2.50 -> 2.42 / 3.48 -> 3.47), and
+    # tie beyond; fp8 wins up to 1 MiB (GQA T=64 2.02 -> 1.86 / 2.91 -> 2.75) and loses hot
+    # from 1.5 MiB (GQA T=128 2.23 -> 2.67, MHA T=64 2.71 -> 2.85).
+    small_call_bytes: int = 3 << 20
+    small_call_bytes_fp8: int = 1 << 20
     small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0: never.
@@ -227,6 +230,17 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, fixed)
 
 
+def call_build(row_bytes: int, cache_dtype: CacheDType, tuning: CudaTuning = TUNING) -> tuple:
+    """(min CTAs per SM, CTA threads or None, unit bytes at most) of a call that moves
+    ``row_bytes`` of query, key and value rows: the large-call build from
+    ``tuning.large_call_bytes``, narrower units up to ``small_call_bytes`` (fp8 caches:
+    ``small_call_bytes_fp8``), else the default build."""
+    if row_bytes >= tuning.large_call_bytes:
+        return (tuning.large_call_min_blocks, tuning.large_call_cta_threads, 16)
+    small = tuning.small_call_bytes_fp8 if cache_dtype.is_fp8 else tuning.small_call_bytes
+    return (1, None, tuning.small_call_unit_bytes if row_bytes <= small else 16)
+
+
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
         value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
@@ -249,11 +263,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
            query_out is None, tuning.specialize)
     row_bytes = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
         query.element_size()
-    if row_bytes >= tuning.large_call_bytes:
-        build = (tuning.large_call_min_blocks, tuning.large_call_cta_threads, 16)
-    else:
-        build = (1, None, tuning.small_call_unit_bytes if row_bytes <= tuning.small_call_bytes
-                 else 16)
+    build = call_build(row_bytes, cache_dtype, tuning)
     lau = _LAUNCHABLES.get((sig, build))
     if lau is None:
         lau = _LAUNCHABLES[sig, build] = _launchable(

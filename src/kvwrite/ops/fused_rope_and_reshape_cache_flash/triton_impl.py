@@ -37,7 +37,7 @@ from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
 from ..rotary_embedding.triton_impl import available as _available
 
-__all__ = ["available", "unsupported", "run"]
+__all__ = ["available", "unsupported", "run", "takes_value_first"]
 
 
 def available(device: torch.device) -> str | None:
@@ -152,6 +152,13 @@ if triton is not None:
         return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
 
 
+def takes_value_first(programs: int, fp8: bool, tuning: RopeTuning = TUNING) -> bool:
+    """Whether a launch of ``programs`` programs stores the value before the key's rotation
+    (``tuning.fused_value_first_max_programs``; fp8 caches: ``..._fp8``)."""
+    return programs <= (tuning.fused_value_first_max_programs_fp8 if fp8
+                        else tuning.fused_value_first_max_programs)
+
+
 def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
         value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
@@ -172,7 +179,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     programs = grid[0] * grid[1]
     pdl, trigger = triton_support.pdl_launch(query.device, programs, tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
-    value_first = programs <= tuning.fused_value_first_max_programs
+    value_first = takes_value_first(programs, quant != _COPY, tuning)
     _fused_kernel[grid](
         positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),

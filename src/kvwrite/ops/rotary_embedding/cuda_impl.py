@@ -22,7 +22,7 @@ import torch
 from ...kernels import nvrtc
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
-           "kind", "all_kernel_names", "kernel_name", "int_type", "fixed_args", "CudaTuning",
+           "kind", "all_kernel_names", "kernel_name", "int_type", "call_unit_bytes", "fixed_args", "CudaTuning",
            "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
@@ -135,9 +135,11 @@ class CudaTuning:
     # rotation each: the arithmetic after the table's round trip is on a small call's latency
     # path. Measured, H200, bfloat16, specialized builds, 8 -> 4 elements, hot / rotated L2
     # (tuning-log change 49): GQA(32,8,128) T=1 1.09 -> 0.96 / 1.56 -> 1.41 us, T=16 1.15 ->
-    # 1.01 / 1.75 -> 1.60, T=64 1.29 -> 1.21 / 2.00 -> 1.84; MHA(32,32,128) T=16 1.14 -> 1.06 /
-    # 1.76 -> 1.65. Larger calls lost in a scratch sweep (MHA T=256 2.68 -> 2.86 us hot).
-    small_call_bytes: int = 1 << 20
+    # 1.01 / 1.75 -> 1.60. The bound (change 50, the rope benchmark's L2 rotation corrected):
+    # 4-element units still win at GQA T=256 (2.5 MiB; 2.28 -> 2.08 / 2.65 -> 2.49) and MHA(32,
+    # 32,128) T=192 (3 MiB; 2.71 -> 2.22 / 2.72 -> 2.23) and lose from MHA T=256 (4 MiB; 2.68 ->
+    # 2.86 / 2.75 -> 2.87).
+    small_call_bytes: int = 3 << 20
     small_call_unit_bytes: int = 8
     # Calls of at most pdl_max_ctas CTAs take the build that starts with KVW_PDL_ENTRY and launch
     # with programmatic stream serialization where the device allows it (kernels/nvrtc.py):
@@ -221,6 +223,12 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox, linear, max_unit_
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index, fixed)
 
 
+def call_unit_bytes(row_bytes: int, tuning: CudaTuning = TUNING) -> int:
+    """The widest unit (bytes) a call that moves ``row_bytes`` of query and key rows may take:
+    ``tuning.small_call_unit_bytes`` up to ``small_call_bytes``, else 16."""
+    return tuning.small_call_unit_bytes if row_bytes <= tuning.small_call_bytes else 16
+
+
 def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
         cos_sin_cache: torch.Tensor, is_neox: bool, *, tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
@@ -236,7 +244,7 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     heads = query.shape[1] + (0 if key is None else key.shape[1])
     row_bytes = num_rot * heads * query.shape[2] * query.element_size()
     large = row_bytes >= tuning.linear_grid_bytes
-    unit_bytes = tuning.small_call_unit_bytes if row_bytes <= tuning.small_call_bytes else 16
+    unit_bytes = call_unit_bytes(row_bytes, tuning)
     build = (large, unit_bytes, tuning.specialize)
     lau = _LAUNCHABLES.get((sig, build))
     if lau is None:

@@ -78,17 +78,20 @@ class RopeTuning:
     pdl_max_programs: int = 1 << 30
     pdl_trigger_max_programs: int = 256
     # The fused op's key programs store the value into its cache before they rotate the key in
-    # launches of at most fused_value_first_max_programs programs, after it in larger ones. A
-    # small call's latency is its key programs': value first, with the fp8 scales loaded before
-    # any store, the value's conversion and store and the scales' constants fill the table's
-    # round trip instead of following it. H200, bfloat16, NHD, rotated L2 unless hot (tuning-log
-    # change 46), us. Against the order of larger calls: fp8 GQA(32,8,128) hot T=1 1.90 -> 1.39,
-    # T=16 2.02 -> 1.49, T=64 3.31 -> 2.63; MHA(32,32,128) hot T=1 1.95 -> 1.43. The threshold,
-    # value after -> first (both with the scales loaded first): fp8 GQA T=128 (384 programs)
-    # 4.14 -> 3.30, T=192 (576) 4.06 -> 4.02, T=256 (768) 4.47 -> 4.86, T=16384 118.8 -> 131.7;
-    # fp8 MHA T=128 (512) 4.30 -> 3.68, T=192 (768) 5.03 -> 5.02, T=256 (2048) 5.75 -> 6.36;
-    # auto equal within 0.03 up to T=192.
-    fused_value_first_max_programs: int = 512
+    # launches of at most fused_value_first_max_programs programs (fp8 caches:
+    # fused_value_first_max_programs_fp8), after it in larger ones. A small call's latency is
+    # its key programs': value first, with the fp8 scales loaded before any store, the value's
+    # conversion and store and the scales' constants fill the table's round trip instead of
+    # following it. H200, bfloat16, NHD, rotated L2 unless hot (tuning-log change 46), us.
+    # Against the order of larger calls: fp8 GQA(32,8,128) hot T=1 1.90 -> 1.39, T=16 2.02 ->
+    # 1.49, T=64 3.31 -> 2.63; MHA(32,32,128) hot T=1 1.95 -> 1.43. The bounds (change 50, the
+    # rope benchmark's L2 rotation corrected), value after -> first: fp8 GQA T=128 (384
+    # programs) 3.80 -> 3.32 (hot 2.44 -> 2.27), T=192 (576) 4.30 -> 4.55; fp8 MHA T=128 (512)
+    # 3.78 -> 3.51, T=192 (768) 4.75 -> 4.91; copies win up to T=2048 (GQA 10240 programs 15.6
+    # -> 15.2, T=512 5.68 -> 4.82; MHA 16384 programs 32.5 -> 32.2), tie at T=4096 and lose at
+    # T=16384 (GQA 114.4 -> 117.0).
+    fused_value_first_max_programs: int = 16384
+    fused_value_first_max_programs_fp8: int = 512
 
 
 TUNING = RopeTuning()
