@@ -1191,22 +1191,40 @@ def test_bench_rope_rotation_flushes_when_the_sets_are_small():
     assert l2_rotation(False, 40 << 20, l2, 20) == (3, False)
     assert l2_rotation(False, 57_000, l2, 20) == (20, True)        # T=1: flush too
 
-    # The rope benchmark's own rule: call i of a graph takes set i % sets, so a point never has
-    # more sets than the graph has calls, and a mid-sized point whose graph-full of sets fits in
-    # twice the L2 is flushed (MHA(32,32,128) at T=64: 4.3 MB a set, 20 sets = 86 MB < 2 x 60 MiB;
-    # a rule of 64 sets left it unflushed with 20 of them touched).
+    # The rope benchmark's own rule. Call i of a graph takes set i % sets, so a point never has
+    # more sets than the graph has calls (a cap of 64 left MHA(32,32,128) at T=32-96 rotating
+    # over the 20 sets a graph touches, unflushed). The sets are counted by the bytes a call
+    # touches in them (the in-place query and key once), for the kind that touches fewest:
+    # GQA(32,8,128) at T=4096 (rotary 42 MB a set) takes 3 sets, not the 2 that the pair's
+    # bytes moved (119 MB) would give, which left rotary_embedding's 84 MB partly in the L2.
     parser = bench_rope.build_parser("rope")
-    p = bench_rope.Point(torch.bfloat16, CacheDType.AUTO, 32, 32, 128, 128, True, "NHD", 64,
-                         256, 16, 4096)
-    per_set = bench_rope.point_bytes(p, "pair")
-    for calls in (5, 20, 64):
-        args = parser.parse_args(["--graph-calls", str(calls)])
-        sets, flush = bench_rope.rotation(p, args, 60 << 20)
-        assert sets <= calls
-        assert flush == (sets * per_set < 2 * (60 << 20))
+    l2 = 60 << 20
+
+    def point(hq, h, T):
+        return bench_rope.Point(torch.bfloat16, CacheDType.AUTO, hq, h, 128, 128, True, "NHD", T,
+                                256, 16, 4096)
+
+    kinds = ("fused", "pair", "rotary")
+    for hq, h, T in ((32, 32, 64), (32, 8, 128), (32, 8, 4096), (32, 32, 4096), (32, 8, 16384)):
+        p = point(hq, h, T)
+        for calls in (5, 20, 64):
+            args = parser.parse_args(["--graph-calls", str(calls)])
+            sets, flush = bench_rope.rotation(p, args, l2, kinds)
+            assert 1 <= sets <= calls
+            for k in kinds:
+                touched = sets * bench_rope.set_footprint(p, k)
+                assert flush[k] == (touched < 2 * l2), (hq, h, T, calls, k)
+                if not flush[k]:
+                    assert touched >= 2 * l2
     args = parser.parse_args([])
-    assert bench_rope.rotation(p, args, 60 << 20) == (args.graph_calls, True)
-    assert bench_rope.rotation(p, parser.parse_args(["--hot-l2"]), 60 << 20) == (1, False)
+    assert bench_rope.set_footprint(point(32, 8, 4096), "rotary") == 4096 * (40 * 256 + 8)
+    assert bench_rope.rotation(point(32, 8, 4096), args, l2, kinds)[0] == 3
+    assert bench_rope.rotation(point(32, 8, 4096), args, l2, ("fused",))[0] == 3
+    assert bench_rope.rotation(point(32, 32, 64), args, l2, kinds) == (
+        args.graph_calls, {"fused": True, "pair": True, "rotary": True})
+    hot = parser.parse_args(["--hot-l2"])
+    assert bench_rope.rotation(point(32, 32, 64), hot, l2, kinds) == (
+        1, {"fused": False, "pair": False, "rotary": False})
 
 
 def test_bench_rope_model_takes_the_serving_shape():

@@ -16,9 +16,11 @@ written back when ``k`` = 1, value read, both caches written, a table row, posit
 the pair reads the key once more: ``+ T*H*D*e``; rotary alone ``T*(2*(Hq + H)*D*e + rot*t + p)``.
 ``pair bytes / fused bytes`` is the most the fusion can gain once both are bandwidth-bound.
 
-By default the inputs rotate over enough sets to exceed twice the L2 (cold L2; at most one set
-per call of the timed graph, ``--graph-calls``, and when those are smaller the L2 is flushed
-before each timed run as well); ``--hot-l2`` uses the same inputs every call (vLLM's condition).
+By default the inputs rotate over enough sets that the bytes a call touches in them (each once:
+in-place rows count once) exceed twice the L2 for every kind timed (cold L2; at most one set per
+call of the timed graph, ``--graph-calls``; a kind whose sets stay smaller, at small T, has the
+L2 flushed before each timed run as well); ``--hot-l2`` uses the same inputs every call (vLLM's
+condition).
 
 Slots and positions: ``--slots`` (:mod:`kvwrite.bench.slots`) picks the slots; with decode,
 prefill or mixed each token's position is its place in its sequence (decode: its context length;
@@ -262,12 +264,25 @@ def _check(p: Point, impl: str, kind: str, device, table, scales) -> str | None:
     return None
 
 
-def rotation(p: Point, args, l2: int) -> tuple[int, bool]:
-    """(input sets, flush the L2 before each timed run) for a point: :func:`timing.l2_rotation`
-    with at most one set per call of the timed graph, since call ``i`` takes set ``i % sets`` and
-    a graph replays only its ``--graph-calls`` calls (more sets would never be touched, and the
-    ones touched could fit in the L2 unflushed)."""
-    return l2_rotation(args.hot_l2, point_bytes(p, "pair"), l2, args.graph_calls)
+def set_footprint(p: Point, kind: str) -> int:
+    """Bytes of one input set that a ``kind`` call touches (each once, however often it reads
+    or writes them): the query and key rows and the positions for ``rotary``, also the value
+    rows and the slots for ``fused`` and ``pair``. The caches and the table are shared by the
+    sets."""
+    rows = p.num_q_heads + p.num_heads + (0 if kind == "rotary" else p.num_heads)
+    per_token = rows * p.head_size * p.dtype.itemsize + 8 + (0 if kind == "rotary" else 8)
+    return p.num_tokens * per_token
+
+
+def rotation(p: Point, args, l2: int, kinds=("fused", "pair", "rotary")
+             ) -> tuple[int, dict[str, bool]]:
+    """(input sets, {kind: flush the L2 before each timed run}) for a point: the sets of
+    :func:`timing.l2_rotation` for the kind that touches the fewest bytes of a set, at most one
+    per call of the timed graph (call ``i`` takes set ``i % sets`` and a graph replays only its
+    ``--graph-calls`` calls); a kind whose sets together stay under twice the L2 is flushed."""
+    least = min(set_footprint(p, k) for k in kinds)
+    sets, _ = l2_rotation(args.hot_l2, least, l2, args.graph_calls)
+    return sets, {k: not args.hot_l2 and sets * set_footprint(p, k) < 2 * l2 for k in kinds}
 
 
 def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw: float,
@@ -278,9 +293,9 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
     if p.cache_dtype.is_fp8:
         scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
     l2 = l2_bytes(device)
-    count, flush = rotation(p, args, l2)
+    count, flush = rotation(p, args, l2, kinds)
     flush_buf = None
-    if flush and device.type == "cuda":
+    if any(flush.values()) and device.type == "cuda":
         flush_buf = torch.empty(2 * l2, dtype=torch.uint8, device=device)
     try:
         sets = _make_sets(p, count, device, gen)
@@ -314,7 +329,8 @@ def measure(p: Point, impls: list[str], kinds: list[str], args, device, copy_bw:
                         call = _callers(p, impl, kind, sets, caches, table, scales)
                         if device.type == "cuda":
                             timing = time_device(call, args.graph_calls, args.iters,
-                                                 graph=args.graph, flush=flush_buf,
+                                                 graph=args.graph,
+                                                 flush=flush_buf if flush[kind] else None,
                                                  budget_s=args.time_budget)
                         else:
                             timing = time_cpu(call, args.graph_calls, args.iters,
