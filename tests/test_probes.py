@@ -115,6 +115,7 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probe", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
     (["probe", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
     (["probe", "chain", "--sets", "0"], "--sets"),
+    (["probe", "chain", "--sets", "21"], "--sets"),
     (["probe", "pdl-step", "--tokens", "0"], "--tokens"),
     (["probe", "pdl-step", "--tokens", "70000"], "--tokens"),
     (["probe", "pdl-step", "--impls", "cuda,torch"], "--impls"),

@@ -14,7 +14,7 @@ Each is timed with plain launches and, where the GPU takes it (compute capabilit
 programmatic dependent launch as the ops launch (the PDL build, which triggers the next call and
 then waits for the one before it; launch column ``pdl``).
 
-    kvwrite-bench probe chain [--sets 64] [--replays 30]
+    kvwrite-bench probe chain [--sets 20] [--replays 30]
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ LINE = 16  # int64s per position and slot row: one 128-byte line each
 
 def main(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--sets", type=int, default=64, help="positions/slots rotated when cold")
+    p.add_argument("--sets", type=int, default=common.CALLS,
+                   help=f"positions/slots rotated when cold, at most the {common.CALLS} calls of "
+                        f"one graph (call i takes set i %% sets) (default: {common.CALLS})")
     p.add_argument("--replays", type=int, default=30, help="timed graph replays (default: 30)")
     args = p.parse_args(argv)
-    if args.sets < 1:
-        raise common.ProbeError(f"--sets: expected a positive integer, got {args.sets}")
+    if not 1 <= args.sets <= common.CALLS:
+        raise common.ProbeError(f"--sets: expected 1 to {common.CALLS} (a graph's calls: call i "
+                                f"takes set i % sets, so more are never used), got {args.sets}")
     if args.replays < 1:
         raise common.ProbeError(f"--replays: expected a positive integer, got {args.replays}")
     common.require_gpu()
