@@ -7,8 +7,8 @@ row it selects, then stores (``kvw_rope_chain``: a RoPE write's chain, two depen
 bytes per thread), and the same with the whole 512-byte float32 row read in 16-byte pieces as
 the RoPE kernels read it (``kvw_rope_row_chain``, 32 threads). Hot: the same position and slot
 every call. Cold: ``--sets`` different positions and slots (each on its own 128-byte line) in a
-32 MiB table and cache, and the L2 flushed before each timed run (as the rope benchmark does for small calls), so each call
-waits for DRAM. No kernel that must read a position and then its table row can be faster than
+32 MiB table and cache, and the L2 flushed before each timed run (as the rope benchmark does for
+small calls), so each call waits for DRAM. No kernel that must read a position and then its table row can be faster than
 ``kvw_rope_chain`` under the same condition.
 Each is timed with plain launches and, where the GPU takes it (compute capability 9.0), with
 programmatic dependent launch as the ops launch (the PDL build, which triggers the next call and

@@ -22,8 +22,8 @@ import torch
 from ...kernels import nvrtc
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
-           "kind", "all_kernel_names", "kernel_name", "int_type", "call_unit_bytes", "fixed_args", "CudaTuning",
-           "TUNING"]
+           "kind", "all_kernel_names", "kernel_name", "int_type", "call_unit_bytes", "fixed_args",
+           "CudaTuning", "TUNING"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
 KERNEL = "rotary_embedding_kernel"
