@@ -42,3 +42,53 @@ def functions(sass: str) -> dict[str, list[str]]:
     """Each kernel function's opcodes, by mangled name."""
     parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
     return {parts[i]: opcodes(parts[i + 1]) for i in range(1, len(parts) - 1, 2)}
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+ )?([^;]*);\s*/\* (0x[0-9a-f]{16}) \*/\s*$"
+                    r"\n^\s*/\* (0x[0-9a-f]{16}) \*/", re.M)
+
+
+def scheduled(sass: str) -> list[tuple[str, bool, int | None, int]]:
+    """The instructions of one function's SASS (sm_70 and later) with their scheduling: (text,
+    predicated, the scoreboard a variable-latency result sets or None, the mask of scoreboards
+    the instruction waits for). The control bits are the top 23 of the 128-bit word: stall (4),
+    yield (1), write scoreboard (3; 7 for none), read scoreboard (3), wait mask (6), reuse (4)."""
+    out = []
+    for m in _INSTR.finditer(sass):
+        ctrl = int(m.group(5), 16) >> 41
+        wb = (ctrl >> 5) & 7
+        out.append((m.group(3).strip(), m.group(2) is not None, None if wb == 7 else wb,
+                    (ctrl >> 11) & 0x3F))
+    return out
+
+
+def waits_before_loads(sass: str, is_row_load) -> list[str]:
+    """Where a kernel waits for a global load's result before it has issued a later load for
+    which ``is_row_load(text)`` holds, in listing order up to an unpredicated EXIT (for a
+    loop-free kernel whose branches rejoin, or end in an EXIT before the next path's code): the
+    instructions that wait, with the load they come before. Empty when every such load is issued
+    before the first wait for a load."""
+    found, pending, waits = [], set(), []
+    for text, predicated, wb, wait in scheduled(sass):
+        op = text.split()[0]
+        hit = [sb for sb in pending if wait >> sb & 1]
+        if hit:
+            waits.append(text)
+            pending -= set(hit)
+        if op.startswith("LDG"):
+            if is_row_load(text):
+                found += [f"{w}  (before {text})" for w in waits]
+            if wb is not None:
+                pending.add(wb)
+        if op == "EXIT" and not predicated:
+            pending, waits = set(), []
+    return found
+
+
+def late_issues(sass: str, is_row_load) -> dict[str, list[str]]:
+    """:func:`waits_before_loads` of each kernel function of a listing, by mangled name (only
+    those with any)."""
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    found = {parts[i]: waits_before_loads(parts[i + 1], is_row_load)
+             for i in range(1, len(parts) - 1, 2)}
+    return {k: v for k, v in found.items() if v}

@@ -977,6 +977,49 @@ def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_ca
         assert scale < table, loads
 
 
+def _row_load(text: str) -> bool:
+    """A row's load in the RoPE kernels: the volatile loads of query, key and value chunks (and
+    the fp8 scales), which must not wait for the position's or slot's load."""
+    return "STRONG.SYS" in text
+
+
+def test_cuda_rope_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
+    """A small call's latency is its chain of memory round trips: the position (and slot), then
+    the table's row, then the stores, with the rows' loads alongside the first. In the machine
+    code of every variant of both kernels, and of the specialized builds of the case matrix (both
+    unit widths), no instruction waits for a global load's result before the last row load is
+    issued (sass.waits_before_loads reads sm_90's scoreboard bits). The fused kernel's earlier
+    source failed this in every variant, and so do the two mutations below: its value chunks
+    initialized as copies of the key's, or its position loaded first (tuning-log change 52)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    for which, mod in (("rotary", rope_cuda), ("fused", fused_cuda)):
+        obj, _ = mod.SOURCE.compile("sm_90", mod.all_kernel_names())
+        late = sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path), _row_load)
+        assert not late, (which, late)
+        builds = {_specialized_build(which, c, unit) for c in (ROPE_CASES if which == "rotary"
+                                                               else FUSED_CASES)
+                  for unit in (16, mod.TUNING.small_call_unit_bytes)}
+        for name, fixed in sorted(builds):
+            obj, _ = mod.SOURCE.compile("sm_90", name, macros=nvrtc.fixed_args_macros(fixed))
+            late = sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path),
+                                          _row_load)
+            assert not late, (name, fixed, late)
+    text = fused_cuda.SOURCE.text
+    copies = text.replace("b{}, va{}, vb{};", "b = a, va = a, vb = a;")
+    first = text.replace("  const u32 j = c / static_cast<u32>(units_per_head);\n",
+                         "  const i64 p0 = positions[t];\n"
+                         "  if (static_cast<u64>(p0) >= static_cast<u64>(max_position)) return;\n"
+                         "  const u32 j = c / static_cast<u32>(units_per_head);\n", 1)
+    name = "fused_rope_cache_kernel<0, 2, 5, 8, true, long long, long long, 1>"
+    for mutated in (copies, first):
+        assert mutated != text
+        obj, _ = fused_cuda.SOURCE.compile("sm_90", name, source=mutated)
+        assert sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path), _row_load)
+
+
 def test_cuda_rotation_sass_has_no_fma(tmp_path):
     """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
     a contracting build of the same arithmetic would (the check can fail)."""

@@ -69,6 +69,26 @@ KVW_HD Raw<N> load_raw_volatile(const u8* p) {
   return r;
 }
 
+// *p, a 4- or 8-byte integer of a read-only index array (a position, a slot), loaded where it
+// stands: as an asm volatile statement it stays after the row's load_raw_volatile in the PTX, so
+// nothing computed from the index (the table's address, an int's widening) is placed before the
+// row's loads, where ptxas would wait for the index's round trip before issuing them. ptxas may
+// still issue this load earlier; it waits for it after the row's loads (test_rope checks the
+// machine code). ld.global.nc is the read-only path a plain load of a const __restrict__ array
+// takes; with ld.volatile, hot calls whose warps share an index took up to 0.66 us more (H200,
+// tuning-log change 52).
+template <typename T>
+KVW_HD T load_index(const T* p) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 4- or 8-byte integer");
+  T x;
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(x) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(x) : "l"(p));
+  }
+  return x;
+}
+
 template <int N>
 KVW_HD void store_raw(u8* p, const Raw<N>& r) {
   if constexpr (N == 32) {  // two 16-byte stores
