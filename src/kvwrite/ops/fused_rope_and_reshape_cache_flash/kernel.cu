@@ -84,6 +84,9 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   // store with the row alongside (H200, GQA(32,8,128) T=1, rotated L2: 1.86 -> 1.49 us; tuning-log
   // change 52).
   const auto table_row = [&](i64 pos) { return cos_sin + pos * rot * elem_bytes(CS); };
+  const auto in_table = [&](i64 pos) {  // also pos < 0
+    return static_cast<u64>(pos) < static_cast<u64>(max_position);
+  };
 
   if (j < static_cast<u64>(num_q_heads)) {
     if (!rotated && query_in_place) return;
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     Raw<W * IB> a = load_raw_volatile<W * IB>(row + ea), b{};
     if constexpr (NEOX) b = load_raw_volatile<W * IB>(row + eb);
     const i64 pos = static_cast<i64>(load_index(positions + t));
-    if (static_cast<u64>(pos) >= static_cast<u64>(max_position)) return;  // also pos < 0
+    if (!in_table(pos)) return;
     if (rotated) rope_rotate_unit<IN, CS, W, NEOX>(a, b, table_row(pos), half, oa);
     store_raw<W * IB>(out + ea, a);
     if constexpr (NEOX) {
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   }
   const i64 pos = static_cast<i64>(load_index(positions + t));
   const i64 s = cached ? static_cast<i64>(load_index(slot_mapping + t)) : -1;
-  if (static_cast<u64>(pos) >= static_cast<u64>(max_position)) return;  // also pos < 0
+  if (!in_table(pos)) return;
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   if (!rotated && !valid) return;  // a pass-through unit only feeds the cache
   // The byte offsets of the unit's chunk(s) in either cache (valid slots only) and the fp8
