@@ -38,10 +38,15 @@ def opcodes(sass: str) -> list[str]:
     return _OP.findall(sass)
 
 
+def function_listings(sass: str) -> dict[str, str]:
+    """Each kernel function's part of a SASS listing, by mangled name."""
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
 def functions(sass: str) -> dict[str, list[str]]:
     """Each kernel function's opcodes, by mangled name."""
-    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
-    return {parts[i]: opcodes(parts[i + 1]) for i in range(1, len(parts) - 1, 2)}
+    return {name: opcodes(text) for name, text in function_listings(sass).items()}
 
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+ )?([^;]*);\s*/\* (0x[0-9a-f]{16}) \*/\s*$"
@@ -88,7 +93,6 @@ def waits_before_loads(sass: str, is_row_load) -> list[str]:
 def late_issues(sass: str, is_row_load) -> dict[str, list[str]]:
     """:func:`waits_before_loads` of each kernel function of a listing, by mangled name (only
     those with any)."""
-    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
-    found = {parts[i]: waits_before_loads(parts[i + 1], is_row_load)
-             for i in range(1, len(parts) - 1, 2)}
+    found = {name: waits_before_loads(text, is_row_load)
+             for name, text in function_listings(sass).items()}
     return {k: v for k, v in found.items() if v}
