@@ -1020,6 +1020,40 @@ def test_cuda_rope_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_p
         assert sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path), _row_load)
 
 
+def _stores_before_table(sass: str) -> int:
+    """Global stores placed before the first 16-byte read-only load (the table's entries; the
+    position and slot loads are narrower, the rows' volatile) in a fused build's listing, whose
+    key path comes first."""
+    ops = sass_tools.opcodes(sass)
+    first_table = next(i for i, op in enumerate(ops) if op == "LDG.E.128.CONSTANT")
+    return sum(op.startswith("STG") for op in ops[:first_table])
+
+
+def test_cuda_fused_large_build_stores_a_128_byte_value_row_with_the_key(tmp_path):
+    """The large-call build stores the value's converted chunks before it requests the table,
+    except where a head's cache row is 128 bytes (fp8 with D=128, 16-bit with D=64): there it
+    holds them and stores them right after the key's, so K and V of a (slot, head), adjacent
+    lines in the packed layout, are written together (kernel.cu's hold; packed fp8 (32,32,128)
+    T=4096 88.2 -> 91.5% of the copy bandwidth, tuning-log change 53). Pinned either side in the
+    specialized builds of the benchmark's shapes."""
+    _, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    min_blocks = fused_cuda.TUNING.large_call_min_blocks
+    for d, kv, hold in ((128, "fp8", True), (64, "auto", True), (128, "auto", False),
+                        (64, "fp8", False)):
+        for alloc in (KVAlloc.PACKED, KVAlloc.INTERLEAVED):
+            case = RopeCase(num_tokens=20, head_size=d, num_q_heads=32, num_heads=8,
+                            num_blocks=4, dtype=torch.bfloat16, kv_cache_dtype=kv, alloc=alloc)
+            name, fixed = _specialized_build("fused", case)
+            name = name.rsplit(", ", 1)[0] + f", {min_blocks}>"  # the large-call build
+            obj, _ = fused_cuda.SOURCE.compile("sm_90", name,
+                                               macros=nvrtc.fixed_args_macros(fixed))
+            early = _stores_before_table(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+            assert (early == 0) == hold, (d, kv, alloc, early)
+
+
 def test_cuda_rotation_sass_has_no_fma(tmp_path):
     """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
     a contracting build of the same arithmetic would (the check can fail)."""

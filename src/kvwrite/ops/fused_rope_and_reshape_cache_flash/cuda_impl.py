@@ -6,7 +6,8 @@ reshape_and_cache_flash).
 Variants (template arguments): row dtype, table dtype, cache element kind (copy, float cast, fp8
 e4m3 or e5m2), unit width W, pairing, position and slot index types, and the minimum of
 resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large, which
-also take narrower CTAs and store the value before the key's rotation). W is
+also take narrower CTAs and convert the value before the key's rotation, storing it then or, where
+a head's cache row is 128 bytes, right after the key's chunks). W is
 chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
 caches' pointers and strides among the aligned ones. Each call signature takes its own build
 with the arguments it fixes (strides, head counts, the caches' geometry, the table's shape)
@@ -40,14 +41,15 @@ class CudaTuning:
     one to :func:`run` (probes comparing variants, tests forcing a build)."""
 
     # Calls that move at least large_call_bytes of query, key and value rows take the build with
-    # __launch_bounds__(256, large_call_min_blocks) whose key threads store the value before they
-    # rotate the key (kernel.cu's VALUE_FIRST): 48 registers instead of 57-62, none spilled, so 8
-    # instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200, bfloat16,
-    # rotated L2 (docs/tuning-log.md changes 34 and 35): T=16384 GQA auto 122.2 -> 115.5 us, fp8
-    # NHD 116.1 -> 108.2, fp8 HND 123.9 -> 114.3, MHA fp8 HND 244.6 -> 227.0; value-first alone
-    # takes T=4096 1-5% below the bound alone (fp8 the most). At T=16 the bound costs 0.03-0.13
-    # us and value-first 0.04-0.05 us, so small calls keep the unbounded build. 6 CTAs (40
-    # registers, spilled) was slower.
+    # __launch_bounds__(256, large_call_min_blocks) whose key threads convert the value before they
+    # rotate the key (kernel.cu's VALUE_FIRST; stored then, or held where a head's cache row is
+    # 128 bytes, kernel.cu's hold, tuning-log change 53): 48 registers instead of 57-62, none
+    # spilled, so 8 instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200,
+    # bfloat16, rotated L2 (docs/tuning-log.md changes 34 and 35): T=16384 GQA auto 122.2 ->
+    # 115.5 us, fp8 NHD 116.1 -> 108.2, fp8 HND 123.9 -> 114.3, MHA fp8 HND 244.6 -> 227.0;
+    # value-first alone takes T=4096 1-5% below the bound alone (fp8 the most). At T=16 the bound
+    # costs 0.03-0.13 us and value-first 0.04-0.05 us, so small calls keep the unbounded build. 6
+    # CTAs (40 registers, spilled) was slower.
     large_call_bytes: int = 4 << 20
     large_call_min_blocks: int = 5
     # Large calls split a token's units into CTAs of large_call_cta_threads threads (a multiple

@@ -9,8 +9,9 @@
 // together, rotates the key, stores it back (store_key), and for t < num_tokens with a slot in
 // [0, num_slots) stores Q(rotated key) and Q(value) into the caches (kvw/vec_io.cuh's
 // convert_chunk: copies, casts, fp8 by SPEC §1.1 with scales read on the device). A token whose
-// position is outside the table is not touched at all. The large-call build stores the value
-// before it rotates the key (VALUE_FIRST below); the small-call build after.
+// position is outside the table is not touched at all. The large-call build converts the value
+// before it rotates the key (VALUE_FIRST below) and stores it then, or with the key's chunks where
+// a head's cache row is 128 bytes (hold below); the small-call build converts and stores it after.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/vec_io.cuh"
@@ -62,12 +63,22 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   constexpr int IB = elem_bytes(IN);
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
-  // VALUE_FIRST (the large-call build): a key thread stores its value chunks before it requests
-  // the table's entries, so it never holds both (48 registers under the bound, none spilled,
-  // against 8-16 bytes spilled the other way); H200, T=16384: fp8 GQA 112.5 -> 108.2 us, MHA
+  // VALUE_FIRST (the large-call build): a key thread converts its value chunks (and stores them,
+  // unless hold below) before it requests the table's entries, so it never holds the value's input
+  // and the table's entries at once (48 registers under the bound, none spilled, against 8-16
+  // bytes spilled the other way); H200, T=16384: fp8 GQA 112.5 -> 108.2 us, MHA
   // 228.2 -> 214.7, auto 0.8-1.5% less. Small calls request the table first: its round trip is
   // on their latency path, and value-first cost them 0.04-0.05 us at T=16 (tuning-log change 35).
   constexpr bool VALUE_FIRST = MIN_BLOCKS > 1;
+  // hold (large-call build, a head's cache row of 128 bytes: fp8 with D=128, 16-bit with D=64):
+  // the converted value chunks wait in registers and are stored right after the key's. Then K and
+  // V of a (slot, head), adjacent 128-byte lines in the packed layout, are written together, not a
+  // table round trip apart. Measured, H200, T=4096 / 16384, rotated L2 (tuning-log change 53):
+  // fp8 (32,32,128) packed 88.2 -> 91.5% / 90.1 -> 93.3% of the copy bandwidth, (32,8,128) packed
+  // 89.4 -> 91.2% / 93.2 -> 94.9%, NHD and HND 0.1-0.4 points more; bfloat16 (32,8,64) packed
+  // 86.7 -> 88.4% / 91.4 -> 93.7%. Other rows lost with it: bfloat16 D=128 0.2-0.7 points, fp8
+  // D=64 0.4-1.7.
+  const bool hold = VALUE_FIRST && head_size * OB == 128;
   const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= num_rot || c >= static_cast<u64>(units_per_token)) return;
@@ -157,20 +168,30 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
       vs = make_fp8_scale<true>(v_s);
     }
   };
-  // One chunk into one cache at byte offset c, converted to the cache's kind.
-  const auto to_cache = [&](u8* cache, i64 c, const Raw<W * IB>& x, const Fp8Scale& sc) {
+  // One chunk converted to the cache's kind, and stored into one cache at byte offset c.
+  const auto converted = [&](const Raw<W * IB>& x, const Fp8Scale& sc) -> Raw<W * OB> {
     if constexpr (OUT == DT_COPY) {
-      store_raw<W * OB>(cache + c, x);
+      return x;
     } else {
-      store_raw<W * OB>(cache + c, convert_chunk<IN, OUT, W>(x, sc));
+      return convert_chunk<IN, OUT, W>(x, sc);
     }
   };
+  const auto to_cache = [&](u8* cache, i64 c, const Raw<W * IB>& x, const Fp8Scale& sc) {
+    store_raw<W * OB>(cache + c, converted(x, sc));
+  };
+  Raw<W * OB> cva{}, cvb{};  // the value's converted chunks (large-call build)
   if constexpr (VALUE_FIRST) {
     if (valid) {
       prepare_stores();
-      to_cache(value_cache, ca, va, vs);
+      cva = converted(va, vs);
       if constexpr (NEOX) {
-        if (rotated) to_cache(value_cache, cb, vb, vs);
+        if (rotated) cvb = converted(vb, vs);
+      }
+      if (!hold) {
+        store_raw<W * OB>(value_cache + ca, cva);
+        if constexpr (NEOX) {
+          if (rotated) store_raw<W * OB>(value_cache + cb, cvb);
+        }
       }
     }
   }
@@ -185,10 +206,12 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   if constexpr (!VALUE_FIRST) prepare_stores();
   to_cache(key_cache, ca, a, ks);
   if constexpr (!VALUE_FIRST) to_cache(value_cache, ca, va, vs);
+  if (hold) store_raw<W * OB>(value_cache + ca, cva);
   if constexpr (NEOX) {
     if (rotated) {
       to_cache(key_cache, cb, b, ks);
       if constexpr (!VALUE_FIRST) to_cache(value_cache, cb, vb, vs);
+      if (hold) store_raw<W * OB>(value_cache + cb, cvb);
     }
   }
 }
