@@ -1054,6 +1054,42 @@ def test_cuda_fused_large_build_stores_a_128_byte_value_row_with_the_key(tmp_pat
             assert (early == 0) == hold, (d, kv, alloc, early)
 
 
+def test_cuda_fused_small_build_prepares_fp8_stores_while_the_table_loads(tmp_path):
+    """A small call's key thread requests the table's entries, then computes the fp8 scales'
+    constants (their MUFU.RCP) and converts the value while they are in flight, before the
+    rotation's first result (F2F.BF16.F32): that work used to follow the rotation, on the call's
+    latency path (tuning-log change 54). Checked in the specialized small-call builds of
+    GQA(32,8,128) bfloat16 with fp8 caches (both unit widths); the old order fails it."""
+    _, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+
+    def order(source, name, fixed):
+        obj, _ = fused_cuda.SOURCE.compile("sm_90", name, source=source,
+                                           macros=nvrtc.fixed_args_macros(fixed))
+        ops = sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+        first = lambda op: ops.index(op)  # noqa: E731
+        return first("LDG.E.128.CONSTANT") < first("MUFU.RCP") < first("F2F.BF16.F32")
+
+    text = fused_cuda.SOURCE.text
+    for alloc in (KVAlloc.INTERLEAVED, KVAlloc.PACKED):
+        case = RopeCase(num_tokens=16, head_size=128, num_q_heads=32, num_heads=8,
+                        dtype=torch.bfloat16, kv_cache_dtype="fp8", alloc=alloc)
+        for unit in (fused_cuda.TUNING.small_call_unit_bytes, 16):
+            name, fixed = _specialized_build("fused", case, unit)
+            assert order(text, name, fixed), (alloc, unit)
+    old = text.replace("      prepare_stores();\n      convert_value();\n"
+                       "      rope_rotate_entries<IN, CS, W, NEOX>(a, b, entries);\n",
+                       "      rope_rotate_entries<IN, CS, W, NEOX>(a, b, entries);\n", 1)
+    old = old.replace("  if (!valid) return;\n",
+                      "  if (!valid) return;\n  if constexpr (!VALUE_FIRST) {\n"
+                      "    if (rotated) {\n      prepare_stores();\n      convert_value();\n"
+                      "    }\n  }\n", 1)
+    assert old != text
+    assert not order(old, name, fixed)
+
+
 def test_cuda_rotation_sass_has_no_fma(tmp_path):
     """The copy and cast variants have no fused multiply-add (fp8 ones keep the quotient's);
     a contracting build of the same arithmetic would (the check can fail)."""

@@ -69,23 +69,37 @@ KVW_HD bool rope_unit_offsets(u32 u, u32 rot_units, u32 half, u32 rot, u32& oa, 
   return false;
 }
 
-// Rotates a unit: `a` (and `b`, the partner chunk, for neox) in place. `table` points at the
-// token's row of the cos/sin table (ROT entries of kind CS), `half` = ROT / 2, `oa` from
-// rope_unit_offsets. The table loads are issued first.
-template <int IN, int CS, int W, bool NEOX>
-KVW_HD void rope_rotate_unit(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
-                             const u8* table, u32 half, u32 oa) {
-  constexpr int CB = elem_bytes(CS);
-  constexpr int NC = NEOX ? W : W / 2;  // table entries per unit
+// A unit's entries of the cos/sin table: `table` points at the token's row (ROT entries of kind
+// CS), `half` = ROT / 2, `oa` from rope_unit_offsets. Loaded apart from the rotation so that a
+// kernel can issue them and then do other work while they are in flight.
+template <int CS, int W, bool NEOX>
+struct RopeEntries {
+  static constexpr int NC = NEOX ? W : W / 2;  // table entries per unit
+  Raw<NC * elem_bytes(CS)> c, s;
+};
+
+template <int CS, int W, bool NEOX>
+KVW_HD RopeEntries<CS, W, NEOX> rope_load_entries(const u8* table, u32 half, u32 oa) {
   static_assert(NEOX || W % 2 == 0, "GPT-J units hold whole pairs");
+  constexpr int CB = elem_bytes(CS);
+  constexpr int NC = RopeEntries<CS, W, NEOX>::NC;
   const u32 ci = NEOX ? oa : oa / 2;
-  const Raw<NC * CB> cr = load_raw<NC * CB>(table + static_cast<i64>(ci) * CB);
-  const Raw<NC * CB> sr = load_raw<NC * CB>(table + static_cast<i64>(ci + half) * CB);
+  RopeEntries<CS, W, NEOX> e;
+  e.c = load_raw<NC * CB>(table + static_cast<i64>(ci) * CB);
+  e.s = load_raw<NC * CB>(table + static_cast<i64>(ci + half) * CB);
+  return e;
+}
+
+// Rotates a unit with its table entries: `a` (and `b`, the partner chunk, for neox) in place.
+template <int IN, int CS, int W, bool NEOX>
+KVW_HD void rope_rotate_entries(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
+                                const RopeEntries<CS, W, NEOX>& e) {
+  constexpr int NC = RopeEntries<CS, W, NEOX>::NC;
   Raw<W * elem_bytes(IN)> ra = zero_raw<W * elem_bytes(IN)>();
   Raw<W * elem_bytes(IN)> rb = zero_raw<W * elem_bytes(IN)>();
 #pragma unroll
   for (int j = 0; j < NC; ++j) {
-    const float c = elem_f32<CS>(cr, j), s = elem_f32<CS>(sr, j);
+    const float c = elem_f32<CS>(e.c, j), s = elem_f32<CS>(e.s, j);
     const float x = elem_f32<IN>(a, NEOX ? j : 2 * j);
     const float y = NEOX ? elem_f32<IN>(b, j) : elem_f32<IN>(a, 2 * j + 1);
     const u32 xo = round_to<IN>(sub_rn(mul_rn(x, c), mul_rn(y, s)));
@@ -100,5 +114,12 @@ KVW_HD void rope_rotate_unit(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>
   }
   a = ra;
   if constexpr (NEOX) b = rb;
+}
+
+// Rotates a unit: its table entries loaded (issued first), then the rotation.
+template <int IN, int CS, int W, bool NEOX>
+KVW_HD void rope_rotate_unit(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
+                             const u8* table, u32 half, u32 oa) {
+  rope_rotate_entries<IN, CS, W, NEOX>(a, b, rope_load_entries<CS, W, NEOX>(table, half, oa));
 }
 #endif  // KVWRITE_HOST_TEST
