@@ -1034,7 +1034,7 @@ def test_cuda_fused_large_build_stores_a_128_byte_value_row_with_the_key(tmp_pat
     except where a head's cache row is 128 bytes (fp8 with D=128, 16-bit with D=64): there it
     holds them and stores them right after the key's, so K and V of a (slot, head), adjacent
     lines in the packed layout, are written together (kernel.cu's hold; packed fp8 (32,32,128)
-    T=4096 88.2 -> 91.5% of the copy bandwidth, tuning-log change 53). Pinned either side in the
+    T=4096 88.5 -> 91.7% of the copy bandwidth, tuning-log change 53). Pinned either side in the
     specialized builds of the benchmark's shapes."""
     _, fused_cuda = _cuda_modules()
     from kvwrite.kernels import nvrtc

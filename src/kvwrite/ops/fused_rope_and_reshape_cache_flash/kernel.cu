@@ -75,10 +75,10 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   // the converted value chunks wait in registers and are stored right after the key's. Then K and
   // V of a (slot, head), adjacent 128-byte lines in the packed layout, are written together, not a
   // table round trip apart. Measured, H200, T=4096 / 16384, rotated L2 (tuning-log change 53):
-  // fp8 (32,32,128) packed 88.2 -> 91.5% / 90.1 -> 93.3% of the copy bandwidth, (32,8,128) packed
-  // 89.4 -> 91.2% / 93.2 -> 94.9%, NHD and HND 0.1-0.4 points more; bfloat16 (32,8,64) packed
-  // 86.7 -> 88.4% / 91.4 -> 93.7%. Other rows lost with it: bfloat16 D=128 0.2-0.7 points, fp8
-  // D=64 0.4-1.7.
+  // fp8 (32,32,128) packed 88.5 -> 91.7% / 90.1 -> 93.3% of the copy bandwidth, (32,8,128) packed
+  // 89.4 -> 91.1% / 92.8 -> 94.5%, NHD and HND 0.1-0.3 points more; bfloat16 (32,8,64) packed
+  // 86.8 -> 88.7% / 91.5 -> 93.8%. Other rows lost with it: bfloat16 D=128 0.3-0.7 points, fp8
+  // D=64 0.5-1.7.
   const bool hold = VALUE_FIRST && head_size * OB == 128;
   const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
@@ -207,8 +207,8 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
       // fp8 scales' constants and converts the value while they are in flight, all of which it
       // did after the rotation, on its latency path (the value is stored after the key's chunks
       // as before). Measured, H200, GQA(32,8,128) bfloat16 NHD, rotated L2 (tuning-log change
-      // 54): fp8 T=1 1.63 -> 1.57 us, T=16 1.83 -> 1.78, T=256 4.00 -> 3.26; hot T=16 1.27 ->
-      // 1.23; MHA fp8 T=1 1.65 -> 1.60; copies unchanged within 0.01-0.05.
+      // 54): fp8 T=1 1.63 -> 1.58 us, T=16 1.83 -> 1.79, T=256 4.00 -> 3.26; hot T=16 1.27 ->
+      // 1.23; MHA fp8 T=1 1.66 -> 1.61; copies unchanged within 0.01-0.05.
       const auto entries = rope_load_entries<CS, W, NEOX>(table_row(pos), half, oa);
       prepare_stores();
       convert_value();
