@@ -178,7 +178,8 @@ def test_fused_matches_oracle(impl, case, device):
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
 def test_cuda_fused_large_call_build_matches_oracle(case, cta_threads):
     """The build that large calls take (register bound, value first, narrow CTAs), forced for
-    every call here, writes the oracle's bytes too; 32-thread CTAs split every case's tokens."""
+    every call here, writes the oracle's bytes too; 32-thread CTAs split every case's tokens
+    that they tile or that take more than one CTA of launch_shape's (cta_shape)."""
     from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
     from kvwrite.ops.fused_rope_and_reshape_cache_flash.op import validate
     inp = _impl_inputs(FUSED, "cuda", case, "cuda")
@@ -402,7 +403,12 @@ def test_cuda_fused_cta_shapes():
     assert cuda_impl.cta_shape(320, None) == (160, 1, 2)       # small calls: launch_shape's
     assert cuda_impl.cta_shape(320, 64) == (64, 1, 5)          # large calls: 2-warp CTAs
     assert cuda_impl.cta_shape(512, 64) == (64, 1, 8)          # MHA(32,32,128)
-    assert cuda_impl.cta_shape(100, 64) == (64, 1, 2)          # the last CTA part-filled
+    # GQA(32,8,64): 160 units, which 64-thread CTAs do not tile (their last would hold 32 busy
+    # threads): launch_shape's one CTA; past 256 units the last CTA part-filled.
+    assert cuda_impl.cta_shape(160, 64) == cuda_impl.cta_shape(160, None) == (160, 1, 1)
+    assert cuda_impl.cta_shape(100, 64) == (100, 1, 1)
+    assert cuda_impl.cta_shape(288, 64) == (64, 1, 5)
+    assert cuda_impl.cta_shape(160, 32) == (32, 1, 5)
     assert cuda_impl.cta_shape(48, 64) == cuda_impl.cta_shape(48, None) == (48, 2, 1)
     for bad in (0, 16, 48, 288, 64.0):
         with pytest.raises(ValueError, match="large_call_cta_threads: expected a multiple of 32"):

@@ -59,7 +59,12 @@ class CudaTuning:
     # HND 115.2 -> 109.9 us, MHA fp8 NHD 216.6 -> 210.0, MHA auto 255.3 -> 248.7, GQA auto 116.4
     # -> 116.0; T=1536-4096 1-5% less; but GQA fp8 at T=768-1024 0.02-0.16 us more, and small
     # GQA calls (T <= 64) 0.08-0.14 us more (MHA at T <= 16 0.25-0.34 us less), so small calls
-    # keep launch_shape's CTAs.
+    # keep launch_shape's CTAs. A token of at most 256 units that these CTAs do not tile keeps
+    # launch_shape's one CTA (cta_shape): GQA(32,8,64)'s 160 units took 64 + 64 + a key CTA of
+    # 32 busy threads out of 64, one CTA of 160 instead: fp8 T=4096 / 16384 77.7 -> 84.0% / 85.7
+    # -> 95.4% of the copy bandwidth, auto 88.9 -> 88.9% / 94.2 -> 96.1% (tuning-log change 55).
+    # Longer rows keep them: with 288 units (64,8,64 and 32,4,128) launch_shape's 2 CTAs of 144
+    # won with fp8 (T=16384 +3 points) but lost with copies (T=4096 -2.2 to -2.5).
     large_call_cta_threads: int = 64
     # Calls of at most small_call_bytes (fp8 caches: small_call_bytes_fp8) of query, key and
     # value rows take units of at most small_call_unit_bytes (bfloat16: 4 elements instead of
@@ -102,10 +107,12 @@ class CudaTuning:
 def cta_shape(units_per_token: int, cta_threads: int | None) -> tuple[int, int, int]:
     """(threads per token row, tokens per CTA, CTAs per token) of a launch: launch_shape's, or
     for cta_threads (the large-call build) CTAs of that many threads where a token has more
-    units than that."""
-    if cta_threads is not None and units_per_token > cta_threads:
-        return cta_threads, 1, -(-units_per_token // cta_threads)
-    return launch_shape(units_per_token)
+    units than that and they tile it exactly or it takes more than one CTA of launch_shape's
+    (CudaTuning.large_call_cta_threads)."""
+    c = units_per_token
+    if cta_threads is not None and c > cta_threads and (c % cta_threads == 0 or c > 256):
+        return cta_threads, 1, -(-c // cta_threads)
+    return launch_shape(c)
 
 
 TUNING = CudaTuning()
