@@ -1039,7 +1039,7 @@ def test_cuda_fused_large_build_stores_a_128_byte_value_row_with_the_key(tmp_pat
     """The large-call build stores the value's converted chunks before it requests the table,
     except where a head's cache row is 128 bytes (fp8 with D=128, 16-bit with D=64): there it
     holds them and stores them right after the key's, so K and V of a (slot, head), adjacent
-    lines in the packed layout, are written together (kernel.cu's hold; packed fp8 (32,32,128)
+    lines in the packed layout, are written together (kernel.cu's value_after; packed fp8 (32,32,128)
     T=4096 88.5 -> 91.7% of the copy bandwidth, tuning-log change 53). Pinned either side in the
     specialized builds of the benchmark's shapes."""
     _, fused_cuda = _cuda_modules()
@@ -1075,8 +1075,7 @@ def test_cuda_fused_small_build_prepares_fp8_stores_while_the_table_loads(tmp_pa
         obj, _ = fused_cuda.SOURCE.compile("sm_90", name, source=source,
                                            macros=nvrtc.fixed_args_macros(fixed))
         ops = sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
-        first = lambda op: ops.index(op)  # noqa: E731
-        return first("LDG.E.128.CONSTANT") < first("MUFU.RCP") < first("F2F.BF16.F32")
+        return ops.index("LDG.E.128.CONSTANT") < ops.index("MUFU.RCP") < ops.index("F2F.BF16.F32")
 
     text = fused_cuda.SOURCE.text
     for alloc in (KVAlloc.INTERLEAVED, KVAlloc.PACKED):

@@ -43,7 +43,7 @@ class CudaTuning:
     # Calls that move at least large_call_bytes of query, key and value rows take the build with
     # __launch_bounds__(256, large_call_min_blocks) whose key threads convert the value before they
     # rotate the key (kernel.cu's VALUE_FIRST; stored then, or held where a head's cache row is
-    # 128 bytes, kernel.cu's hold, tuning-log change 53): 48 registers instead of 57-62, none
+    # 128 bytes, kernel.cu's value_after, tuning-log change 53): 48 registers instead of 57-62, none
     # spilled, so 8 instead of 6 CTAs of 160 threads per SM for GQA(32,8,128). Measured, H200,
     # bfloat16, rotated L2 (docs/tuning-log.md changes 34 and 35): T=16384 GQA auto 122.2 ->
     # 115.5 us, fp8 NHD 116.1 -> 108.2, fp8 HND 123.9 -> 114.3, MHA fp8 HND 244.6 -> 227.0;
@@ -110,9 +110,10 @@ def cta_shape(units_per_token: int, cta_threads: int | None) -> tuple[int, int, 
     units than that and they tile it exactly or it takes more than one CTA of launch_shape's
     (CudaTuning.large_call_cta_threads)."""
     c = units_per_token
-    if cta_threads is not None and c > cta_threads and (c % cta_threads == 0 or c > 256):
+    shape = launch_shape(c)
+    if cta_threads is not None and c > cta_threads and (c % cta_threads == 0 or shape[2] > 1):
         return cta_threads, 1, -(-c // cta_threads)
-    return launch_shape(c)
+    return shape
 
 
 TUNING = CudaTuning()

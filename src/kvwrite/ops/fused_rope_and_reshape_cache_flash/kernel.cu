@@ -11,7 +11,7 @@
 // convert_chunk: copies, casts, fp8 by SPEC §1.1 with scales read on the device). A token whose
 // position is outside the table is not touched at all. The large-call build converts the value
 // before it rotates the key (VALUE_FIRST below) and stores it then, or with the key's chunks where
-// a head's cache row is 128 bytes (hold below); the small-call build converts it while the
+// a head's cache row is 128 bytes (value_after below); the small-call build converts it while the
 // table's entries are in flight and stores it after the key's chunks.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
@@ -65,21 +65,22 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
   constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
   // VALUE_FIRST (the large-call build): a key thread converts its value chunks (and stores them,
-  // unless hold below) before it requests the table's entries, so it never holds the value's input
-  // and the table's entries at once (48 registers under the bound, none spilled, against 8-16
-  // bytes spilled the other way); H200, T=16384: fp8 GQA 112.5 -> 108.2 us, MHA
+  // unless value_after below) before it requests the table's entries, so it never holds the
+  // value's input and the table's entries at once (48 registers under the bound, none spilled,
+  // against 8-16 bytes spilled the other way); H200, T=16384: fp8 GQA 112.5 -> 108.2 us, MHA
   // 228.2 -> 214.7, auto 0.8-1.5% less. Small calls request the table first: its round trip is
   // on their latency path, and value-first cost them 0.04-0.05 us at T=16 (tuning-log change 35).
   constexpr bool VALUE_FIRST = MIN_BLOCKS > 1;
-  // hold (large-call build, a head's cache row of 128 bytes: fp8 with D=128, 16-bit with D=64):
-  // the converted value chunks wait in registers and are stored right after the key's. Then K and
-  // V of a (slot, head), adjacent 128-byte lines in the packed layout, are written together, not a
-  // table round trip apart. Measured, H200, T=4096 / 16384, rotated L2 (tuning-log change 53):
+  // value_after: the value's chunks are stored right after the key's, in the small-call build
+  // and in the large-call one where a head's cache row is 128 bytes (fp8 with D=128, 16-bit with
+  // D=64), whose converted value chunks wait in registers for it. Then K and V of a (slot, head),
+  // adjacent 128-byte lines in the packed layout, are written together, not a table round trip
+  // apart. Measured, H200, T=4096 / 16384, rotated L2 (tuning-log change 53):
   // fp8 (32,32,128) packed 88.5 -> 91.7% / 90.1 -> 93.3% of the copy bandwidth, (32,8,128) packed
   // 89.4 -> 91.1% / 92.8 -> 94.5%, NHD and HND 0.1-0.3 points more; bfloat16 (32,8,64) packed
   // 86.8 -> 88.7% / 91.5 -> 93.8%. Other rows lost with it: bfloat16 D=128 0.3-0.7 points, fp8
   // D=64 0.5-1.7.
-  const bool hold = VALUE_FIRST && head_size * OB == 128;
+  const bool value_after = !VALUE_FIRST || head_size * OB == 128;
   const i64 t = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= num_rot || c >= static_cast<u64>(units_per_token)) return;
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     if (valid) {
       prepare_stores();
       convert_value();
-      if (!hold) {
+      if (!value_after) {
         store_raw<W * OB>(value_cache + ca, cva);
         if constexpr (NEOX) {
           if (rotated) store_raw<W * OB>(value_cache + cb, cvb);
@@ -223,7 +224,6 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     convert_value();
   }
   if (!valid) return;
-  const bool value_after = !VALUE_FIRST || hold;
   to_cache(key_cache, ca, a, ks);
   if (value_after) store_raw<W * OB>(value_cache + ca, cva);
   if constexpr (NEOX) {
