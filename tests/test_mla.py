@@ -589,6 +589,50 @@ def test_nvrtc_compiles_specialized_builds():
         cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
 
 
+def _mla_row_load(text: str) -> bool:
+    """A row's load in the MLA kernels: the volatile loads of copies and the 16-byte read-only
+    loads of conversions and fp8_ds_mla rows; not the slot's or the scale's 4- or 8-byte loads
+    (an 8-byte chunk's read-only load is skipped with them, and the byte and half-word loads of
+    fp8_ds_mla's unaligned builds, which assemble a row piece by piece)."""
+    op = text.split()[0]
+    return "STRONG.SYS" in op or op == "LDG.E.128.CONSTANT"
+
+
+@needs_nvrtc
+def test_cuda_mla_kernels_issue_the_row_loads_before_waiting_for_the_slot(tmp_path):
+    """A small call's chain is one memory round trip (the slot's and the row's together), then
+    the store. With int32 slots loaded first, ptxas placed the slot's sign extension before the
+    row's load, so 17 of the 55 int32 variants waited for the slot before requesting their
+    chunk; int32 slots are now loaded after the row (SLOT_FIRST). No variant, and no
+    specialized build of int32 and int64 cases, waits for a global load before its last row
+    load is issued (sass.waits_before_loads reads sm_90's scoreboards); the old order fails."""
+    import sass as sass_tools
+    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+
+    def late(obj):
+        return sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path),
+                                      _mla_row_load)
+
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.compile_kernel("sm_90", names)
+    assert not late(obj)
+    for slot in (torch.int32, torch.int64):
+        for kv in ("auto", "fp8", "fp8_ds_mla"):
+            case = MlaCase(kv_cache_dtype=kv, slot_dtype=slot)
+            inp = make_mla_inputs(case)
+            p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+            assert not late(obj), (p.name, late(obj))
+    old = cuda_impl.SOURCE.text.replace("constexpr bool SLOT_FIRST = sizeof(SlotT) == 8;",
+                                        "constexpr bool SLOT_FIRST = true;")
+    assert old != cuda_impl.SOURCE.text
+    obj, _ = cuda_impl.compile_kernel("sm_90", names, source=old)
+    flagged = late(obj)
+    assert flagged and all("EiE" in k for k in flagged), sorted(flagged)
+
+
 @pytest.mark.parametrize("case, name, vec, align", [
     (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long, false>", 0, 16),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", dtype=torch.float16, cache_pad=4, slot_dtype=torch.int32),

@@ -99,6 +99,17 @@ KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
   }
 }
 
+// Whether a kernel loads its token's slot before its row (int64 slots, a plain read-only load)
+// or after it (int32 slots, load_index). Loaded first, an int32 slot's sign extension was placed
+// before the row's load in 17 of the 55 generic int32 variants, which so waited for the slot's
+// round trip before requesting their chunk: H200, generic build (KVWRITE_CUDA_SPECIALIZE=0),
+// bfloat16 L=512 P=64, rotated L2, auto T=1 / 16 / 256 1.40 / 1.63 / 1.96 -> 1.08 / 1.33 / 1.62
+// us, fp8 1.50 / 1.73 / 2.05 -> 1.18 / 1.41 / 1.72; the specialized builds had no such wait and
+// measured the same either way. int64 slots keep the first order: load_index measured 0-2% slower
+// with them (tuning-log changes 52 and 57).
+template <typename SlotT>
+constexpr bool SLOT_FIRST = sizeof(SlotT) == 8;
+
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAMS) {
   KVW_PDL_ENTRY();
@@ -114,7 +125,8 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
   if (t32 >= num_tokens) return;
   const u32 c = gid - t32 * static_cast<u32>(chunks);
   const i64 t = t32;
-  const i64 s = static_cast<i64>(slot_mapping[t]);
+  // The slot: here (int64) or after the row's load (int32; SLOT_FIRST above).
+  i64 s = SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;
   float sv = 0.0f;
   if constexpr (FP8) sv = scale[0];
   const bool pe = c >= static_cast<u32>(l_chunks);
@@ -128,6 +140,7 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
   } else {
     in = load_raw<IN_BYTES>(src);
   }
+  if constexpr (!SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
   const i64 off = (slot_offset(s, block_stride, page_stride, block_size, block_shift,
@@ -151,12 +164,13 @@ __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PA
   const u32 lane = threadIdx.x & 31u;
   const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= num_tokens) return;  // the whole warp: t is warp-uniform
-  const i64 s = static_cast<i64>(slot_mapping[t]);
+  i64 s = SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;  // as above
   const u8* row = kv_c + t * kv_c_stride * 2;
   const Raw<16> x0 = load_aligned<16, ALIGN>(row + 16 * lane);
   const Raw<16> x1 = load_aligned<16, ALIGN>(row + 512 + 16 * lane);
   Raw<16> pe{};
   if (lane < 8) pe = load_aligned<16, ALIGN>(k_pe + t * k_pe_stride * 2 + 16 * lane);
+  if constexpr (!SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
 
   float f0[8], f1[8];
   float a0 = 0.0f, a1 = 0.0f;
