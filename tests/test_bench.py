@@ -1,4 +1,6 @@
-"""kvwrite-bench: vLLM's flags and function, the table/JSON/CSV schema, the check, errors, plots."""
+"""kvwrite-bench's seed subcommand (reshape_and_cache_flash): vLLM's flags and function, the
+table/JSON/CSV schema, the check, errors, plots. The engine's behaviour across every subcommand
+is tests/test_engine.py."""
 
 import csv
 import inspect
@@ -15,11 +17,13 @@ import pytest
 import torch
 
 from kvwrite import registry
-from kvwrite.bench import run_benchmark, sweep
-from kvwrite.bench.cli import build_parser, main, make_config, parse_args, parse_num_tokens
+from kvwrite.bench import engine, run_benchmark
+from kvwrite.bench.cli import main
+from kvwrite.bench.engine import parse_num_tokens
 from kvwrite.bench.models import MODELS
-from kvwrite.bench.report import CSV_FIELDS, ROW_FIELDS, Row, seed_table
+from kvwrite.bench.report import COMMON_FIELDS, Row
 from kvwrite.ops.reshape_and_cache_flash import OP
+from kvwrite.ops.reshape_and_cache_flash import bench as seed_bench
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import Case
 
@@ -31,6 +35,19 @@ SEED_COLUMNS = re.compile(r"^\s*num_tokens\s+layout\s+latency \(µs\)$", re.M)
 TINY = ["--num-tokens", "2,16", "--num-heads", "2", "--head-size", "64", "--num-blocks", "64",
         "--iters", "3"]
 CPU_TINY = ["--device", "cpu", *TINY]
+BENCH = seed_bench.BENCH
+SEED_PARAMS = ["layout", "dtype", "kv_cache_dtype", "num_heads", "head_size", "block_size",
+               "num_blocks", "per_head_scale", "model", "tp", "slots", "slot_params",
+               "pad_fraction"]
+ROW_FIELDS = ["op", "kind", "implementation", "num_tokens", *SEED_PARAMS,
+              *COMMON_FIELDS[4:]]
+CSV_FIELDS = [*ROW_FIELDS, "command"]
+
+
+def configure(argv: list[str]):
+    """(config, args, points) of the seed subcommand's flags."""
+    cfg, args, points, _ = engine.configure(BENCH, argv, "kvwrite-bench")
+    return cfg, args, points
 
 
 def _table_rows(out: str) -> list[list[str]]:
@@ -61,7 +78,7 @@ SEED_FLAGS = {
 
 
 def test_seed_flags_defaults_and_choices():
-    actions = build_parser()._option_string_actions
+    actions = engine.build_parser(BENCH, "kvwrite-bench")._option_string_actions
     for flag, (default, choices) in SEED_FLAGS.items():
         action = actions[flag]
         assert action.default == default, flag
@@ -69,29 +86,27 @@ def test_seed_flags_defaults_and_choices():
             assert set(choices) <= set(action.choices), flag  # fp8_e5m2 added
         elif flag == "--implementation":
             for name in choices:  # any registered name, a list or 'all': checked after parsing
-                assert parse_args([flag, name]).implementation == name
-                assert make_config(parse_args([flag, name])).implementations == [name]
+                assert configure([flag, name])[0].implementations == [name]
         elif choices is None:
             assert action.choices is None and action.type is int, flag
         else:
             assert list(action.choices) == choices, flag
     # vLLM's parser also takes underscores.
-    assert parse_args(["--num_heads", "8", "--head_size=64"]).num_heads == 8
+    assert configure(["--num_heads", "8", "--head_size=64"])[1].num_heads == 8
 
 
 def test_seed_defaults_make_the_seed_sweep():
-    cfg = make_config(parse_args([]))
-    assert cfg.implementations == ["cuda"] and cfg.mode == "cudagraph"
-    assert cfg.layouts == ["NHD", "HND"]
-    assert cfg.num_tokens == [2**e for e in range(1, 17)]
-    assert (cfg.num_heads, cfg.head_size, cfg.block_size, cfg.num_blocks) == (128, 128, 16, 65536)
-    assert cfg.dtype == torch.bfloat16 and cfg.kv_cache_dtype == "auto" and cfg.iters == 100
+    cfg, args, points = configure([])
+    assert cfg.implementations == ["cuda"] and cfg.mode == "cudagraph" and cfg.iters == 100
+    assert [p.case.layout_name for p in points] == ["NHD"] * 16 + ["HND"] * 16
+    assert [p.num_tokens for p in points[:16]] == [2**e for e in range(1, 17)]
+    c = points[0].case
+    assert (c.num_heads, c.head_size, c.block_size, c.num_blocks) == (128, 128, 16, 65536)
+    assert c.dtype == torch.bfloat16 and c.kv_cache_dtype == "auto"
 
 
 def test_help_lists_every_seed_flag(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--help"])
-    assert e.value.code == 0
+    assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for flag in SEED_FLAGS:
         assert flag in out
@@ -292,15 +307,15 @@ def test_bad_flags_name_the_flag(capsys, argv, flag):
 
 def test_models_and_tp():
     for name, preset in MODELS.items():
-        cfg = make_config(parse_args(["--model", name]))
-        assert (cfg.num_heads, cfg.head_size) == (preset.num_kv_heads, preset.head_dim)
+        args = configure(["--model", name])[1]
+        assert (args.num_heads, args.head_size) == (preset.num_kv_heads, preset.head_dim)
     assert (MODELS["llama-3.1-8b"].num_kv_heads, MODELS["llama-3.1-8b"].head_dim) == (8, 128)
     assert (MODELS["gemma-2-9b"].num_kv_heads, MODELS["gemma-2-9b"].head_dim) == (8, 256)
     assert (MODELS["gpt-oss-120b"].num_kv_heads, MODELS["gpt-oss-120b"].head_dim) == (8, 64)
-    assert make_config(parse_args(["--model", "Llama-3.1-8B", "--tp", "2"])).num_heads == 4
-    assert make_config(parse_args(["--model", "llama-3.1-8b", "--tp", "8"])).num_heads == 1
-    assert make_config(parse_args(["--model", "llama-3.1-8b", "--tp", "16"])).num_heads == 1
-    assert make_config(parse_args(["--num-heads", "128", "--tp", "4"])).num_heads == 32
+    assert configure(["--model", "Llama-3.1-8B", "--tp", "2"])[1].num_heads == 4
+    assert configure(["--model", "llama-3.1-8b", "--tp", "8"])[1].num_heads == 1
+    assert configure(["--model", "llama-3.1-8b", "--tp", "16"])[1].num_heads == 1
+    assert configure(["--num-heads", "128", "--tp", "4"])[1].num_heads == 32
 
 
 def test_sample_count_without_a_time_budget():
@@ -341,7 +356,7 @@ def test_parse_num_tokens():
 
 def test_cache_too_large_names_the_largest_num_blocks(monkeypatch, capsys):
     free = int(1.25 * 2**30)
-    monkeypatch.setattr(sweep, "available_memory", lambda device: free)
+    monkeypatch.setattr(engine, "available_memory", lambda device: free)
     assert main(["--device", "cpu", *TINY[:-4], "--num-blocks", "10000000", "--iters", "3"]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "Traceback" not in err
@@ -350,16 +365,16 @@ def test_cache_too_large_names_the_largest_num_blocks(monkeypatch, capsys):
     assert largest > 0 and largest * block_bytes < free
     # The suggested size runs under the same memory limit.
     assert main(["--device", "cpu", *TINY[:-4], "--num-blocks", str(largest), "--iters", "3"]) == 0
-    monkeypatch.setattr(sweep, "available_memory", lambda device: 0)
+    monkeypatch.setattr(engine, "available_memory", lambda device: 0)
     assert main(CPU_TINY) == 2
     assert "No --num-blocks fits" in capsys.readouterr().err
 
 
 def test_out_of_memory_is_a_message_not_a_traceback(monkeypatch, capsys):
     def oom(*args, **kwargs):
-        raise sweep.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        raise engine.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
-    monkeypatch.setattr(sweep, "make_caches", oom)
+    monkeypatch.setattr(seed_bench, "make_caches", oom)
     assert main(CPU_TINY) == 2
     err = capsys.readouterr().err
     assert "out of device memory" in err and "--num-blocks" in err and "Traceback" not in err
@@ -374,29 +389,28 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path)
 # --- what a first run on a machine without a GPU meets -------------------------------------------
 
 def test_cpu_defaults_are_a_small_shape_and_given_flags_win():
-    from kvwrite.bench.cli import CPU_DEFAULTS
-    cfg = make_config(parse_args(["--device", "cpu"]))
-    assert (cfg.num_heads, cfg.num_blocks, cfg.iters, cfg.graph_calls) == (8, 16, 10, 5)
-    assert cfg.num_tokens == parse_num_tokens(CPU_DEFAULTS["num_tokens"])
-    shape = cfg.shape("NHD")
-    assert shape.cache_bytes <= 2**20 and max(cfg.num_tokens) <= shape.num_slots
-    given = make_config(parse_args(["--device", "cpu", "--num-heads", "4", "--num-blocks", "99",
-                                    "--num-tokens", "3", "--iters", "7", "--graph-calls", "2"]))
-    assert (given.num_heads, given.num_blocks, given.num_tokens, given.iters,
-            given.graph_calls) == (4, 99, [3], 7, 2)
-    model = make_config(parse_args(["--device", "cpu", "--model", next(iter(MODELS))]))
+    cfg, args, points = configure(["--device", "cpu"])
+    assert (args.num_heads, args.num_blocks, cfg.iters, cfg.graph_calls) == (8, 16, 10, 5)
+    assert args.token_counts == parse_num_tokens(BENCH.cpu_defaults["num_tokens"])
+    shape = points[0].case
+    assert shape.cache_bytes <= 2**20 and max(args.token_counts) <= shape.num_slots
+    cfg, given, _ = configure(["--device", "cpu", "--num-heads", "4", "--num-blocks", "99",
+                               "--num-tokens", "3", "--iters", "7", "--graph-calls", "2"])
+    assert (given.num_heads, given.num_blocks, given.token_counts, cfg.iters,
+            cfg.graph_calls) == (4, 99, [3], 7, 2)
+    model = configure(["--device", "cpu", "--model", next(iter(MODELS))])[1]
     assert model.num_heads == MODELS[next(iter(MODELS))].num_kv_heads
     # On a GPU, vLLM's defaults stay.
-    gpu = make_config(parse_args([]))
-    assert (gpu.num_heads, gpu.num_blocks, gpu.iters) == (128, 128 * 512, 100)
+    cfg, gpu, _ = configure([])
+    assert (gpu.num_heads, gpu.num_blocks, cfg.iters) == (128, 128 * 512, 100)
 
 
 def test_memory_check_comes_before_the_copy_bandwidth(monkeypatch, capsys):
     def measured(*args):
         raise AssertionError("copy bandwidth measured before the memory check")
 
-    monkeypatch.setattr(sweep, "available_memory", lambda device: 0)
-    monkeypatch.setattr(sweep.timing, "copy_bandwidth", measured)
+    monkeypatch.setattr(engine, "available_memory", lambda device: 0)
+    monkeypatch.setattr(engine.timing, "copy_bandwidth", measured)
     assert main(CPU_TINY) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "copy bandwidth" not in err
@@ -407,7 +421,7 @@ def test_output_paths_are_checked_before_the_sweep(monkeypatch, capsys, tmp_path
     def sweep_ran(*args, **kwargs):
         raise AssertionError("the sweep ran")
 
-    monkeypatch.setattr("kvwrite.bench.cli.run_sweep", sweep_ran)
+    monkeypatch.setattr(engine, "sweep", sweep_ran)
     missing = tmp_path / "no-such-folder" / "out.x"
     with pytest.raises(SystemExit) as e:
         main([*CPU_TINY, flag, str(missing)])
@@ -417,22 +431,6 @@ def test_output_paths_are_checked_before_the_sweep(monkeypatch, capsys, tmp_path
     with pytest.raises(SystemExit):
         main([*CPU_TINY, flag, str(tmp_path)])
     assert f"{flag}: expected a file path, got the folder" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("sub, sweep", [("mla", "kvwrite.bench.mla.run_sweep"),
-                                        ("rope", "kvwrite.bench.rope.run_rows")])
-def test_every_subcommand_checks_its_output_paths_before_the_sweep(monkeypatch, capsys, tmp_path,
-                                                                   sub, sweep):
-    def sweep_ran(*args, **kwargs):
-        raise AssertionError("the sweep ran")
-
-    monkeypatch.setattr(sweep, sweep_ran)
-    missing = tmp_path / "no-such-folder" / "out.json"
-    with pytest.raises(SystemExit) as e:
-        main([sub, "--device", "cpu", "--json", str(missing)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--json: the folder" in err and "does not exist" in err and "Traceback" not in err
 
 
 def test_plot_out_path_and_a_file_that_is_not_json_are_named(capsys, tmp_path):
@@ -457,7 +455,7 @@ def test_plot_out_path_and_a_file_that_is_not_json_are_named(capsys, tmp_path):
 
 
 def test_ctrl_c_prints_and_writes_what_was_measured(monkeypatch, capsys, tmp_path):
-    real = sweep._measure
+    real = engine._measure
     calls = []
 
     def measure(*args, **kwargs):
@@ -466,7 +464,7 @@ def test_ctrl_c_prints_and_writes_what_was_measured(monkeypatch, capsys, tmp_pat
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sweep, "_measure", measure)
+    monkeypatch.setattr(engine, "_measure", measure)
     js, cs = tmp_path / "r.json", tmp_path / "r.csv"
     argv = [*CPU_TINY, "--json", str(js), "--csv", str(cs)]  # 2 layouts x 2 token counts
     assert main(argv) == 130
@@ -501,22 +499,24 @@ def test_all_on_cpu_says_what_it_leaves_out_and_why(monkeypatch, capsys):
 # --- pieces ---------------------------------------------------------------------------------------
 
 def test_rotation_exceeds_the_l2_or_flushes():
-    cfg = make_config(parse_args([]))  # device cuda: a torch.device needs no GPU
+    cfg = configure([])[0]  # device cuda: a torch.device needs no GPU
     l2 = 50 * 2**20
     for heads in (8, 128):
         for t in (2**e for e in range(1, 17)):
-            shape = Case.named_layout("NHD", num_heads=heads, head_size=128, num_blocks=65536)
-            sets, flush = sweep.rotation(cfg, shape, t, l2)
+            shape = Case.named_layout("NHD", num_tokens=t, num_heads=heads, head_size=128,
+                                      num_blocks=65536)
+            point = seed_bench.Point(shape)
+            sets, flush = engine.rotation(BENCH, cfg, point, l2)
             assert 1 <= sets <= cfg.graph_calls
             total = sets * shape.set_bytes(t)
-            assert total >= 2 * l2 or (flush and sets == cfg.graph_calls)
+            assert total >= 2 * l2 or (flush[OP] and sets == cfg.graph_calls)
             assert (total - shape.set_bytes(t) < 2 * l2) or sets == 1  # no more sets than needed
     cfg.hot_l2 = True
-    assert sweep.rotation(cfg, shape, 2, l2) == (1, False)
+    assert engine.rotation(BENCH, cfg, seed_bench.Point(shape), l2) == (1, {OP: False})
 
 
 def test_all_means_the_implementations_available_on_the_device():
-    cfg = make_config(parse_args(["--device", "cpu", "--implementation", "all"]))
+    cfg = configure(["--device", "cpu", "--implementation", "all"])[0]
     assert "torch" in cfg.implementations
     assert all(registry.get(OP, n).available("cpu") is None for n in cfg.implementations)
     assert cfg.baseline == cfg.implementations[0]
@@ -527,7 +527,8 @@ def test_seed_table_is_vllms_format():
     # written out, so a change of format (ours or tabulate's) shows here.
     rows = [sweep_row(2, "NHD", 3.05), sweep_row(65536, "HND", 2406.981),
             sweep_row(16, "HND", float("nan"))]
-    assert seed_table(rows) == (
+    cfg = configure(["--device", "cpu"])[0]
+    assert engine.table(BENCH, rows, cfg) == (
         "  num_tokens  layout      latency (µs)\n"
         "------------  --------  --------------\n"
         "           2  NHD                 3.05\n"
@@ -536,9 +537,8 @@ def test_seed_table_is_vllms_format():
 
 
 def sweep_row(num_tokens: int, layout: str, latency_us: float):
-    fields = {f: 0 for f in ROW_FIELDS}
-    fields.update(num_tokens=num_tokens, layout=layout, latency_us=latency_us)
-    return Row(**fields)
+    return Row(op=OP, kind=OP, implementation="torch", num_tokens=num_tokens,
+               params={"layout": layout, "dtype": "bfloat16"}, latency_us=latency_us)
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
@@ -552,15 +552,14 @@ def test_gpu_all_implementations_check_and_time(tmp_path, capsys):
     argv = [*GPU_SMALL, "--implementation", "all", "--layouts", "NHD,HND,packed",
             "--num-tokens", "2,64,4096", "--json", str(js), "--verbose"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "timer: device" in out and "L2: rotated" in out
+    assert "--implementation all leaves out torch: not CUDA-graph safe" in err
     doc = json.loads(js.read_text())
     impls = doc["meta"]["implementations"]
-    assert "torch" in impls and len(impls) >= 2
+    assert len(impls) >= 2
+    assert "torch" not in impls  # not graph-safe: 'all' leaves it out and says why
     for r in doc["rows"]:
-        if not registry.get(OP, r["implementation"]).graph_safe:  # torch, torch-compile: NaN, why
-            assert r["status"].startswith("unsupported:") and "graph" in r["status"]
-            continue
         assert r["status"] == "ok" and r["check"] == "passed", r
         assert r["median_us"] > 0 and r["gbps"] > 0 and r["pct_copy_bw"] > 0
         if r["num_tokens"] == 2:  # 8 KiB sets: all 20 calls of a graph get their own
@@ -613,7 +612,7 @@ def test_gpu_run_benchmark():
 @pytest.mark.gpu
 def test_gpu_cache_too_large(monkeypatch, capsys):
     # Room for the inputs, the L2 rotation and flush buffers, but not for 10^8 blocks.
-    monkeypatch.setattr(sweep, "available_memory", lambda device: 4 * 2**30)
+    monkeypatch.setattr(engine, "available_memory", lambda device: 4 * 2**30)
     assert main([*GPU_SMALL[:2], "--num-tokens", "2:1024", "--num-blocks", "100000000"]) == 2
     assert "largest --num-blocks that fits is" in capsys.readouterr().err
 
@@ -634,7 +633,7 @@ def test_slot_pattern_flags_end_to_end_on_cpu(tmp_path, capsys, pattern):
     kind = pattern[1]
     assert re.search(rf"^# slots: {kind}\b", out, re.M)
     doc = json.loads(js.read_text())
-    assert doc["meta"]["header"] == [line for line in out.splitlines() if line.startswith("# ")]
+    assert doc["meta"]["header"] == [ln[2:] for ln in out.splitlines() if ln.startswith("# ")]
     rows = doc["rows"]
     assert len(rows) == 4
     pad = 0.25 if "--pad-fraction" in pattern else 0.0

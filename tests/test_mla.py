@@ -764,7 +764,7 @@ def test_bench_cli_cpu_table_json_csv_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert ("concat_and_cache_mla: dtype=bfloat16 kv_cache_dtype=fp8_ds_mla kv_lora_rank=512 "
             "pe_dim=64 strided=True") in text
-    assert "num_tokens    latency (us)" in text
+    assert "num_tokens    latency (µs)" in text
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert [r["num_tokens"] for r in rows] == [1, 2, 4, 8]
@@ -775,7 +775,8 @@ def test_bench_cli_cpu_table_json_csv_plot(tmp_path, capsys):
 
 
 def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
-    from kvwrite.bench import mla as bench_mla
+    from kvwrite.bench.cli import main
+    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
 
     class TrueReference:
         run = staticmethod(torch_ref.run)
@@ -785,7 +786,7 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", broken)
-    rc = bench_mla.main([*SMALL, "--kv-cache-dtype", "fp8", "--num-tokens", "2,8"])
+    rc = main(["mla", *SMALL, "--kv-cache-dtype", "fp8", "--num-tokens", "2,8"])
     assert rc == 1
     assert "mismatch: " in capsys.readouterr().out
 
@@ -799,9 +800,9 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
     (["--device", "tpu"], "--device"),
 ])
 def test_bench_bad_flags_name_the_flag(capsys, argv, flag):
-    from kvwrite.bench import mla as bench_mla
+    from kvwrite.bench.cli import main
     with pytest.raises(SystemExit) as e:
-        bench_mla.main([*SMALL, *argv])
+        main(["mla", *SMALL, *argv])
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
 
@@ -821,7 +822,7 @@ def test_bench_script_runs_from_a_checkout(tmp_path):
 
 
 def test_bench_run_benchmark_on_cpu():
-    from kvwrite.bench.mla import run_benchmark
+    from kvwrite.ops.concat_and_cache_mla.bench import run_benchmark
     us = run_benchmark(4, 512, 64, 16, 8, torch.bfloat16, "fp8", True, device="cpu",
                        implementation="torch")
     assert us > 0
@@ -853,8 +854,8 @@ def test_bench_slot_pattern_with_padding_runs_checks_and_rows_carry_it(tmp_path,
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_bench_sets_take_the_patterns_slots(kind):
-    from kvwrite.bench import mla as bench_mla
     from kvwrite.bench.slots import SlotPattern, make_slots
+    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
     pat = SlotPattern(kind, pad_fraction=0.25, prefill_len=8, context_len=40)
     sets = bench_mla.make_sets(16, 512, 64, torch.bfloat16, True, 64, 16, 2, "cpu", pat)
     for i, s in enumerate(sets):
@@ -863,7 +864,8 @@ def test_bench_sets_take_the_patterns_slots(kind):
 
 
 def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
-    from kvwrite.bench import mla as bench_mla
+    from kvwrite.bench.cli import main
+    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
 
     class TrueReference:
         run = staticmethod(torch_ref.run)
@@ -876,7 +878,7 @@ def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", writes_padding)
-    rc = bench_mla.main([*SMALL, "--num-tokens", "8", "--slots", "prefill", "--prefill-len", "4",
-                         "--pad-fraction", "0.25"])
+    rc = main(["mla", *SMALL, "--num-tokens", "8", "--slots", "prefill", "--prefill-len", "4",
+               "--pad-fraction", "0.25"])
     assert rc == 1
     assert "mismatch: " in capsys.readouterr().out

@@ -19,6 +19,7 @@ from kvwrite.bench.probes import PROBES, ab, common, sanitize, small_t
 from kvwrite.bench.report import read_json
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
+from kvwrite.ops.reshape_and_cache_flash import sanitize as seed_sanitize
 from kvwrite.testing import Case, make_inputs
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(kvwrite.__file__)))
@@ -201,10 +202,12 @@ def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
     assert cli.main(["report", path, path]) == 0
     out = capsys.readouterr().out
     meta, rows = read_json(path)
-    table = markdown.markdown_table(meta, rows)
+    table = markdown.markdown_tables(meta, rows)
     assert out == f"{table}\n\n{table}\n"
     lines = table.splitlines()
-    assert lines[0].startswith("**H=8 D=128 bfloat16 kv=auto** (cpu, copy bandwidth ")
+    assert lines[0].startswith("**reshape_and_cache_flash: dtype=bfloat16 kv_cache_dtype=auto "
+                               "num_heads=8 head_size=128 block_size=16 num_blocks=64 "
+                               "slots=random** (cpu, copy bandwidth ")
     assert lines[2] == "| T | NHD torch | HND torch |"
     assert lines[3] == "|---:|---:|---:|"
     by = {(r.num_tokens, r.layout): r for r in rows}
@@ -220,7 +223,7 @@ def test_report_marks_rows_not_measured_and_rejects_bad_files(tmp_path, capsys):
                      "--iters", "3", "--layouts", "NHD", "--json", path]) == 0
     meta, rows = read_json(path)
     rows[0] = dataclasses.replace(rows[0], status="error: broken")
-    assert markdown.markdown_table(meta, rows).splitlines()[-1] == "| 2 | n/a |"
+    assert markdown.markdown_tables(meta, rows).splitlines()[-1] == "| 2 | n/a |"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"something": 1}))
     capsys.readouterr()
@@ -358,21 +361,26 @@ def test_nvrtc_compiles_every_probe_kernel_in_one_program():
 
 
 def test_sanitize_cases_cover_both_kernels_and_the_hard_shapes():
-    assert sanitize.KERNELS == ("loop-free", "grid-stride")
-    ids = [c.id for c in sanitize.CASES]
+    assert seed_sanitize.KERNELS == ("loop-free", "grid-stride")
+    ids = [c.id for c in seed_sanitize.CASES]
     assert len(set(ids)) == len(ids)
-    assert any(c.head_size % 8 for c in sanitize.CASES)            # unaligned rows
-    assert any(c.out_of_range_slots for c in sanitize.CASES)
-    assert any(c.alloc is KVAlloc.PACKED for c in sanitize.CASES)
-    assert any(c.block_size & (c.block_size - 1) for c in sanitize.CASES)
-    assert max(c.num_tokens for c in sanitize.CASES) >= 40_000
+    assert any(c.head_size % 8 for c in seed_sanitize.CASES)            # unaligned rows
+    assert any(c.out_of_range_slots for c in seed_sanitize.CASES)
+    assert any(c.alloc is KVAlloc.PACKED for c in seed_sanitize.CASES)
+    assert any(c.block_size & (c.block_size - 1) for c in seed_sanitize.CASES)
+    assert max(c.num_tokens for c in seed_sanitize.CASES) >= 40_000
+    assert len(seed_sanitize.cases()) == 2 * len(seed_sanitize.CASES)
+
+
+def _all_runs() -> int:
+    return sum(len(c) for c in sanitize.op_cases().values())
 
 
 @pytest.mark.gpu
 def test_gpu_sanitize_cases_match_the_reference_in_process():
     lines = []
     runs, failures = sanitize.run_cases(out=lines.append)
-    assert runs == 2 * len(sanitize.CASES) and failures == 0, "\n".join(lines)
+    assert runs == _all_runs() and failures == 0, "\n".join(lines)
 
 
 @pytest.mark.gpu
@@ -384,7 +392,7 @@ def test_gpu_sanitize_case_reports_a_wrong_kernel(monkeypatch):
         real(key, value, kc, vc, slots + 1, *rest, **kw)
 
     monkeypatch.setattr(cuda_impl, "run", shifted)
-    diff = sanitize.run_case(sanitize.CASES[0], "loop-free")
+    diff = seed_sanitize.run_case(seed_sanitize.CASES[0], "loop-free")
     assert diff is not None and "bytes differ" in diff
 
 
@@ -399,7 +407,7 @@ def test_gpu_sanitize_cases_under_compute_sanitizer():
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    n = 2 * len(sanitize.CASES)
+    n = _all_runs()
     assert f"{n}/{n} runs match the torch reference" in out
     assert "ERROR SUMMARY: 0 errors" in out
 

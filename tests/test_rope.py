@@ -1167,10 +1167,14 @@ def test_cuda_graph_replay_sees_new_inputs(op, impl):
 
 # --- the benchmark ------------------------------------------------------------------------------
 
+def _bench():
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import bench
+    return bench
+
+
 def test_bench_rope_runs_checks_and_writes_rows(tmp_path, capsys):
     import json
 
-    from kvwrite.bench import rope as bench_rope
     from kvwrite.bench.cli import main as cli_main
 
     out = tmp_path / "r.json"
@@ -1185,6 +1189,8 @@ def test_bench_rope_runs_checks_and_writes_rows(tmp_path, capsys):
     assert len(rows) == 2 * 2 * 3
     assert {r["check"] for r in rows} == {"passed"}
     assert all(r["latency_us"] > 0 for r in rows)
+    assert {r["kind"] for r in rows} == {"fused", "pair", "rotary"}
+    bench_rope = _bench()
     p = bench_rope.Point(torch.bfloat16, CacheDType.AUTO, 32, 8, 128, 128, True, "NHD", 1000,
                          256, 16, 4096)
     # pair - fused = one more read of the key: T*H*D*2 bytes.
@@ -1198,11 +1204,10 @@ BENCH_CPU = ["rope", "--device", "cpu", "--implementation", "torch", "--iters", 
 
 
 def _bench_point(kind: str, T: int = 16, max_position: int = 4096, **pattern):
-    from kvwrite.bench import rope as bench_rope
     from kvwrite.bench.slots import SlotPattern
     slots = SlotPattern(kind, max_position=None if kind == "random" else max_position, **pattern)
-    return bench_rope.Point(torch.float16, CacheDType.AUTO, 4, 2, 32, 32, True, "NHD", T, 64, 16,
-                            max_position, "", slots)
+    return _bench().Point(torch.float16, CacheDType.AUTO, 4, 2, 32, 32, True, "NHD", T, 64, 16,
+                          max_position, "", slots)
 
 
 def test_bench_rope_slot_pattern_runs_checks_and_rows_carry_it(tmp_path, capsys):
@@ -1232,13 +1237,12 @@ def test_bench_rope_slot_pattern_runs_checks_and_rows_carry_it(tmp_path, capsys)
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_bench_rope_positions_are_the_sequences_positions(kind):
-    from kvwrite.bench import rope as bench_rope
     from kvwrite.bench.slots import make_slots
     # A 64-row table: decode contexts (up to 4096 asked) and the mixed chunk stay below it.
     p = _bench_point(kind, T=48, max_position=64, pad_fraction=0.25, prefill_len=40,
                      decode_tokens=8)
     gen = torch.Generator().manual_seed(0)
-    sets = bench_rope._make_sets(p, 3, torch.device("cpu"), gen)
+    sets = _bench().make_sets(p, 3, torch.device("cpu"), gen)
     for i, s in enumerate(sets):
         batch = make_slots(p.slots, 48, p.num_blocks, p.block_size, set_index=i)
         assert s.slots.tolist() == batch.slots.tolist()
@@ -1255,16 +1259,15 @@ def test_bench_rope_positions_are_the_sequences_positions(kind):
 
 
 def test_bench_rope_random_keeps_random_positions_over_the_table():
-    from kvwrite.bench import rope as bench_rope
     p = _bench_point("random", T=200, max_position=4096)
-    (s,) = bench_rope._make_sets(p, 1, torch.device("cpu"), torch.Generator().manual_seed(0))
+    (s,) = _bench().make_sets(p, 1, torch.device("cpu"), torch.Generator().manual_seed(0))
     assert int(s.positions.min()) >= 0 and int(s.positions.max()) < 4096
     assert len(set(s.positions.tolist())) > 150  # not a sequence's consecutive positions
     assert len(set(s.slots.tolist())) == 200
 
 
 def test_bench_rope_bytes_leave_out_the_padding_writes():
-    from kvwrite.bench import rope as bench_rope
+    bench_rope = _bench()
     full, padded = _bench_point("decode"), _bench_point("decode", pad_fraction=0.25)
     e, H, D, c = 2, 2, 32, 2
     # 4 of the 16 tokens are padding: no value read, no K/V cache write, no second key read.
@@ -1275,35 +1278,36 @@ def test_bench_rope_bytes_leave_out_the_padding_writes():
     assert bench_rope.point_bytes(full, "rotary") == bench_rope.point_bytes(padded, "rotary")
 
 
-def test_bench_rope_check_catches_a_write_of_padding(monkeypatch):
-    from kvwrite.bench import rope as bench_rope
+def test_bench_rope_check_catches_a_write_of_padding():
+    from kvwrite import fused_rope_and_reshape_cache_flash
     from kvwrite.testing.rope import cos_sin_table
+    bench_rope = _bench()
     p = _bench_point("decode", pad_fraction=0.25)
-    real_callers = bench_rope._callers
 
-    def callers(p, impl, kind, sets, caches, table, scales):
+    def caller(p, impl, kind, sets, caches, table, scales):
         if impl != "padding-writer":
-            return real_callers(p, impl, kind, sets, caches, table, scales)
+            return bench_rope.kind_call(p, impl, kind, sets, caches, table, scales)
 
         def call(i):  # wrong: indexes with -1 as Python does, so padding lands in the last slot
             s = sets[i % len(sets)]
             slots = s.slots.clone()
             slots[slots < 0] = p.num_blocks * p.block_size - 1
-            bench_rope.kvwrite_fused(s.query, s.key, s.value, s.positions, table, p.is_neox,
-                                     *caches, slots, None, None, "auto", implementation="torch")
+            fused_rope_and_reshape_cache_flash(s.query, s.key, s.value, s.positions, table,
+                                               p.is_neox, *caches, slots, None, None, "auto",
+                                               implementation="torch")
         return call
 
-    monkeypatch.setattr(bench_rope, "_callers", callers)
     table = cos_sin_table(p.max_position, p.rot_dim, torch.float32)
     cpu = torch.device("cpu")
-    assert bench_rope._check(p, "torch", "fused", cpu, table, (None, None)) is None
-    reason = bench_rope._check(p, "padding-writer", "fused", cpu, table, (None, None))
+    assert bench_rope.check(p, "torch", "fused", cpu, table, (None, None), caller) is None
+    reason = bench_rope.check(p, "padding-writer", "fused", cpu, table, (None, None), caller)
     assert reason is not None and reason.startswith("key_cache: ")
 
 
 def test_bench_rope_rotation_flushes_when_the_sets_are_small():
-    from kvwrite.bench import rope as bench_rope
+    from kvwrite.bench import engine
     from kvwrite.bench.timing import l2_rotation
+    bench_rope = _bench()
     l2 = 50 << 20
     assert l2_rotation(True, 1000, l2, 20) == (1, False)           # hot: one set, no flush
     assert l2_rotation(False, 60 << 20, l2, 20) == (2, False)      # sets past 2x the L2
@@ -1316,8 +1320,10 @@ def test_bench_rope_rotation_flushes_when_the_sets_are_small():
     # touches in them (the in-place query and key once), for the kind that touches fewest:
     # GQA(32,8,128) at T=4096 (rotary 42 MB a set) takes 3 sets, not the 2 that the pair's
     # bytes moved (119 MB) would give, which left rotary_embedding's 84 MB partly in the L2.
-    parser = bench_rope.build_parser("rope")
     l2 = 60 << 20
+
+    def cfg(*argv):
+        return engine.configure(bench_rope.BENCH, list(argv), "rope")[0]
 
     def point(hq, h, T):
         return bench_rope.Point(torch.bfloat16, CacheDType.AUTO, hq, h, 128, 128, True, "NHD", T,
@@ -1327,42 +1333,40 @@ def test_bench_rope_rotation_flushes_when_the_sets_are_small():
     for hq, h, T in ((32, 32, 64), (32, 8, 128), (32, 8, 4096), (32, 32, 4096), (32, 8, 16384)):
         p = point(hq, h, T)
         for calls in (5, 20, 64):
-            args = parser.parse_args(["--graph-calls", str(calls)])
-            sets, flush = bench_rope.rotation(p, args, l2, kinds)
+            sets, flush = engine.rotation(bench_rope.BENCH, cfg("--graph-calls", str(calls)), p, l2)
             assert 1 <= sets <= calls
             for k in kinds:
                 touched = sets * bench_rope.set_footprint(p, k)
                 assert flush[k] == (touched < 2 * l2), (hq, h, T, calls, k)
                 if not flush[k]:
                     assert touched >= 2 * l2
-    args = parser.parse_args([])
+    default = cfg()
     assert bench_rope.set_footprint(point(32, 8, 4096), "rotary") == 4096 * (40 * 256 + 8)
-    assert bench_rope.rotation(point(32, 8, 4096), args, l2, kinds)[0] == 3
-    assert bench_rope.rotation(point(32, 8, 4096), args, l2, ("fused",))[0] == 3
-    assert bench_rope.rotation(point(32, 32, 64), args, l2, kinds) == (
-        args.graph_calls, {"fused": True, "pair": True, "rotary": True})
-    hot = parser.parse_args(["--hot-l2"])
-    assert bench_rope.rotation(point(32, 32, 64), hot, l2, kinds) == (
+    assert engine.rotation(bench_rope.BENCH, default, point(32, 8, 4096), l2)[0] == 3
+    assert engine.rotation(bench_rope.BENCH, cfg("--kinds", "fused"), point(32, 8, 4096),
+                           l2)[0] == 3
+    assert engine.rotation(bench_rope.BENCH, default, point(32, 32, 64), l2) == (
+        default.graph_calls, {"fused": True, "pair": True, "rotary": True})
+    assert engine.rotation(bench_rope.BENCH, cfg("--hot-l2"), point(32, 32, 64), l2) == (
         1, {"fused": False, "pair": False, "rotary": False})
 
 
 def test_bench_rope_model_takes_the_serving_shape():
-    from kvwrite.bench import rope as bench_rope
-    from kvwrite.bench.cli import given_flags
+    from kvwrite.bench import engine
+    bench_rope = _bench()
 
     def args_of(*argv):
-        parser = bench_rope.build_parser("rope")
-        args = parser.parse_args(list(argv))
-        bench_rope.apply_serving_shape(args, given_flags(parser, list(argv)))
-        return args
+        return engine.configure(bench_rope.BENCH, list(argv), "rope")[1]
 
     a = args_of("--model", "llama-3.1-8b", "--slots", "decode")
-    assert a.num_tokens == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert a.token_counts == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert (a.max_position, a.context_len, a.num_blocks) == (131072, 131071, 65536)
-    assert bench_rope.pattern_of(a).max_position == 131072
+    assert a.pattern.max_position == 131072
     a = args_of("--model", "llama-3.1-8b", "--slots", "mixed", "--device", "cpu",
                 "--num-tokens", "64", "--max-position", "8192")
-    assert (a.num_tokens, a.max_position, a.decode_tokens, a.num_blocks) == ([64], 8192, 256, 256)
+    assert (a.token_counts, a.max_position, a.decode_tokens, a.num_blocks) == ([64], 8192, 256,
+                                                                                256)
     a = args_of("--model", "llama-3.1-8b")  # random: today's sweep and table
-    assert (a.num_tokens, a.max_position, a.num_blocks) == ([1, 8, 128, 2048], 4096, 256)
-    assert bench_rope.pattern_of(a).is_default
+    assert (a.token_counts, a.max_position, a.num_blocks) == ([1, 8, 128, 2048], 4096, 256)
+    assert a.pattern.is_default
+    assert a.head_list == [(32, 8, 128)]

@@ -194,8 +194,13 @@ def test_check_catches_a_missed_token_of_a_prefill():
 # --- serving shapes of the --model presets ----------------------------------------------------------
 
 def _config(*argv):
-    from kvwrite.bench.cli import make_config, parse_args
-    return make_config(parse_args(list(argv)))
+    """The seed benchmark's token counts and slot pattern for these flags."""
+    import types
+
+    from kvwrite.bench import engine
+    from kvwrite.ops.reshape_and_cache_flash.bench import BENCH
+    args = engine.configure(BENCH, list(argv), "kvwrite-bench")[1]
+    return types.SimpleNamespace(num_tokens=args.token_counts, slots=args.pattern)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])

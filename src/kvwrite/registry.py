@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 import torch
 
 __all__ = ["OpSpec", "ImplInfo", "ImplStatus", "register_op", "register", "get", "get_op",
-           "ops", "all_impls", "implementations", "select"]
+           "ops", "all_impls", "implementations", "select", "installed"]
 
 RunFn = Callable[..., None]
 
@@ -54,6 +55,9 @@ class ImplInfo:
     devices: tuple[str, ...] = ("cuda",)
     # Safe to capture in a CUDA graph (no host sync, no allocation per call).
     graph_safe: bool = True
+    # Optional packages the module needs (e.g. "triton"): where one is missing, `available`
+    # names it with its pip command instead of the import error it would cause.
+    requires: tuple[str, ...] = ()
 
     def _mod(self):
         return importlib.import_module(self.module)
@@ -64,6 +68,9 @@ class ImplInfo:
 
     def available(self, device: torch.device | str) -> str | None:
         """None if this implementation can run on `device` here, else the reason it cannot."""
+        for package in self.requires:
+            if not installed(package):
+                return f"{package} is not installed (pip install {package})"
         try:
             mod = self._mod()
         except ImportError as e:  # a missing optional dependency
@@ -84,6 +91,13 @@ class ImplInfo:
         if reason is not None:
             return reason
         return self._mod().unsupported(*case_args)
+
+
+def installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,61 +1,86 @@
-"""``kvwrite-bench report FILE.json...``: saved ``--json`` results as the markdown tables of
-docs/performance.md.
+"""``kvwrite-bench report FILE.json...``: saved ``--json`` results of any subcommand as markdown
+tables (docs/performance.md is this command's output over the committed JSON files).
 
-One table per file (one configuration): a row per num_tokens, for each layout and implementation
-the latency in µs and the percentage of the copy bandwidth measured in that run (``n/a`` where a
-row was not measured).
+A file's rows are split into tables by the axes that vary over them (all but num_tokens and the
+layout); a table has a row per num_tokens and, for each layout and series (implementation, or
+kind:implementation), the latency in µs and the percentage of the copy bandwidth measured in
+that run (``n/a`` where a row was not measured).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
-from .report import Row, read_json
+from .report import ReportError, Row, read_json, series_label
 
-__all__ = ["markdown_table", "main"]
+__all__ = ["markdown_tables", "main"]
+
+_QUIET = {"slot_params", "model", "tp"}
 
 
-def markdown_table(meta: dict, rows: Sequence[Row]) -> str:
-    """The markdown table of one file's ``meta`` and ``rows``."""
+def _fmt(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items()
+                    if k not in _QUIET and v not in ("", None, False))
+
+
+def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
+    """The markdown tables of one file's ``meta`` and ``rows``."""
     if not rows:
-        raise ValueError("rows: expected at least one measurement, got none")
-    impls = meta.get("implementations") or list(dict.fromkeys(r.implementation for r in rows))
-    layouts = list(dict.fromkeys(r.layout for r in rows))
+        raise ReportError("rows: expected at least one measurement, got none")
+    keys = list(dict.fromkeys(k for r in rows for k in r.params))
+    varying = [k for k in keys if len({str(r.params.get(k)) for r in rows}) > 1]
+    split = [k for k in varying if k != "layout"]
+    fixed = {k: rows[0].params.get(k) for k in keys if k not in varying}
+    multi_kind = len({r.kind for r in rows}) > 1
+    series = list(dict.fromkeys(series_label(r, multi_kind) for r in rows))
     r0 = rows[0]
     device = meta.get("device_name", r0.device)
-    lines = [
-        f"**H={r0.num_heads} D={r0.head_size} {r0.dtype} kv={r0.kv_cache_dtype}** "
-        f"({device}, copy bandwidth {r0.copy_bw_gbps:.0f} GB/s, L2 {r0.l2}): "
-        "µs per call (% of copy bandwidth)",
-        "",
-        "| T | " + " | ".join(f"{lo} {i}" for lo in layouts for i in impls) + " |",
-        "|---:|" + "---:|" * (len(layouts) * len(impls)),
-    ]
-    by = {(r.num_tokens, r.layout, r.implementation): r for r in rows}
-    for t in sorted({r.num_tokens for r in rows}):
-        cells = []
-        for lo in layouts:
-            for i in impls:
-                r = by.get((t, lo, i))
+    op = meta.get("op", r0.op)
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.params.get(k)) for k in split), []).append(r)
+    out = []
+    for values, group in groups.items():
+        layouts = list(dict.fromkeys(str(r.params.get("layout", "")) for r in group))
+        what = " ".join(f"{k}={v}" for k, v in zip(split, values, strict=True))
+        head = f"**{op}: {_fmt(fixed)}{' ' + what if what else ''}**"
+        cols = [(lo, s) for lo in layouts for s in series]
+        lines = [f"{head} ({device}, copy bandwidth {r0.copy_bw_gbps:.0f} GB/s, {r0.timer} timer, "
+                 f"L2 {r0.l2}): µs per call (% of copy bandwidth)", "",
+                 "| T | " + " | ".join(f"{lo} {s}".strip() for lo, s in cols) + " |",
+                 "|---:|" + "---:|" * len(cols)]
+        by = {(r.num_tokens, str(r.params.get("layout", "")), series_label(r, multi_kind)): r
+              for r in group}
+        for t in sorted({r.num_tokens for r in group}):
+            cells = []
+            for lo, s in cols:
+                r = by.get((t, lo, s))
                 cells.append("n/a" if r is None or not r.ok
                              else f"{r.median_us:.2f} ({r.pct_copy_bw:.0f}%)")
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def main(argv: list[str], prog: str = "kvwrite-bench report") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="Print files written by kvwrite-bench "
-                                "--json as markdown tables (one per file).")
-    p.add_argument("json", nargs="+", help="files written by kvwrite-bench --json")
+    from .engine import Parser
+
+    p = Parser(prog=prog, description="Print files written by any kvwrite-bench subcommand's "
+                                      "--json as markdown tables.")
+    p.add_argument("json", nargs="+", help="files written by kvwrite-bench ... --json")
     args = p.parse_args(argv)
     tables = []
     for path in args.json:
         try:
-            tables.append(markdown_table(*read_json(path)))
-        except (OSError, ValueError) as e:
-            print(f"{prog}: error: {path}: {e}", file=sys.stderr)
+            tables.append(markdown_tables(*read_json(path)))
+        except OSError as e:
+            print(f"{prog}: error: {path}: cannot read it ({e.strerror or e})", file=sys.stderr)
+            return 2
+        except ReportError as e:
+            text = str(e)
+            print(f"{prog}: error: {text if text.startswith(path) else f'{path}: {text}'}",
+                  file=sys.stderr)
             return 2
     print("\n\n".join(tables))
     return 0

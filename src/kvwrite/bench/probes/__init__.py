@@ -6,7 +6,7 @@ and the workload model (:mod:`kvwrite.bench.workload`).
     kvwrite-bench probe small-t    [--heads 8,128 --tokens 2,64] ... # small calls vs a minimum
     kvwrite-bench probe ab --base REV [...]         # an earlier revision's kernels vs this tree's
     kvwrite-bench probe l2-follow  [...]            # what a call leaves in the L2
-    kvwrite-bench probe sanitize                    # the memcheck cases (= kvwrite-bench sanitize)
+    kvwrite-bench probe sanitize                    # every op's memcheck cases (= kvwrite-bench sanitize)
     kvwrite-bench probe mla                         # concat_and_cache_mla's launch variants
     kvwrite-bench probe mla-pattern                 # ... its slot patterns and entry alignment
     kvwrite-bench probe chain                       # the floor of a small call's dependent loads
@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ...registry import installed as registry_installed
 from .common import ProbeError
 
 __all__ = ["PROBES", "main", "run_probe"]
@@ -32,7 +33,7 @@ PROBES = {
     "small-t": ("small_t", "small calls next to a kernel doing only the unavoidable work"),
     "ab": ("ab", "an earlier revision's implementations next to this tree's, alternating"),
     "l2-follow": ("l2_follow", "a follower kernel's time right after a call (L2 effects)"),
-    "sanitize": ("sanitize", "the compute-sanitizer cases through both CUDA kernels"),
+    "sanitize": ("sanitize", "every op's compute-sanitizer cases through its CUDA kernels"),
     "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
     "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
     "chain": ("chain", "the floor of a small call's dependent loads (slot, position -> table)"),
@@ -49,11 +50,18 @@ def _usage(prog: str) -> str:
 
 def run_probe(name: str, argv: list[str], prog: str) -> int:
     """Run probe ``name``; a ProbeError or ValueError is one line on stderr and exit status 2."""
-    module = importlib.import_module(f"{__name__}.{PROBES[name][0]}")
     try:
+        module = importlib.import_module(f"{__name__}.{PROBES[name][0]}")
         return module.main(argv, prog)
     except (ProbeError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional package this probe needs
+        missing = next((p for p in ("triton", "cuda.core", "matplotlib")
+                        if not registry_installed(p)), None)
+        why = (f"it needs {missing}, which is not installed (pip install "
+               f"{missing.replace('.', '-')})" if missing else f"cannot import: {e}")
+        print(f"{prog}: error: {why}", file=sys.stderr)
         return 2
 
 

@@ -47,6 +47,7 @@ from ... import registry
 from ...ops.reshape_and_cache_flash import OP
 from ...testing.compare import differing_bytes
 from .. import report
+from ..engine import Parser
 from ..workload import LAYOUTS
 from . import common
 
@@ -210,7 +211,7 @@ class ABRow:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog, description="Time an earlier revision's implementations next to this tree's "
                                "in one process, alternating, after checking both write the "
                                "same bytes.")

@@ -19,11 +19,10 @@ then waits for the one before it; launch column ``pdl``).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from .. import timing
+from ..engine import Parser
 from . import common
 
 ROW = 128  # floats per table and cache row (one thread each)
@@ -32,7 +31,7 @@ LINE = 16  # int64s per position and slot row: one 128-byte line each
 
 
 def main(argv: list[str], prog: str) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = Parser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--sets", type=int, default=common.CALLS,
                    help=f"positions/slots rotated when cold, at most the {common.CALLS} calls of "
                         f"one graph (call i takes set i %% sets) (default: {common.CALLS})")

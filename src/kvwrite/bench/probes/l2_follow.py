@@ -19,6 +19,7 @@ import torch
 
 from ...dtypes import parse_kv_cache_dtype
 from .. import report
+from ..engine import Parser
 from ..workload import LAYOUTS
 from . import common
 
@@ -54,7 +55,7 @@ class FollowRow:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog, description="Time a follower kernel (L2-resident copies) right after a call, "
                                "against the follower alone: what the call left in the L2.")
     p.add_argument("--impls", default="triton,cuda",

@@ -8,13 +8,13 @@ and large T, hot L2 and rotated (input sets past 2x the L2), bfloat16, L=512, P=
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 
 from ...ops.concat_and_cache_mla import MlaMode, create_mla_cache, cuda_impl, triton_impl
 from .. import timing
+from ..engine import Parser
 from . import common
 
 VARIANTS = {
@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def main(argv: list[str], prog: str) -> int:
-    argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]).parse_args(argv)
+    Parser(prog=prog, description=__doc__.splitlines()[0]).parse_args(argv)
     common.require_gpu()
     dev = torch.device("cuda")
     # The copy ceiling at each call's size: a device-to-device copy of half its bytes (so bytes

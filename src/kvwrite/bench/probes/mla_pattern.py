@@ -19,7 +19,6 @@ counted as the benchmark counts them.
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from ...ops.concat_and_cache_mla import MlaMode, cuda_impl, parse_mla_mode, triton_impl
 from ...ops.concat_and_cache_mla.op import entry_size
 from .. import timing
+from ..engine import Parser
 from . import common
 
 L, P, BLOCK, BLOCKS = 512, 64, 64, 2048
@@ -55,7 +55,7 @@ def padded_cache(mode: MlaMode, pad_to: int, device: torch.device) -> torch.Tens
 
 
 def main(argv: list[str], prog: str) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = Parser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16384,65536", help="comma list (default: 16384,65536)")
     p.add_argument("--modes", default="auto,fp8,fp8_ds_mla",
                    help="comma list of kv_cache_dtype values (default: auto,fp8,fp8_ds_mla)")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..engine import Parser
 from . import common
 from .variants import (
     Column,
@@ -61,7 +62,7 @@ def pattern_column(kind: str) -> Column:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog, description="Time a minimal kernel with the op's access pattern and none of "
                                "its work (the floor of this pattern on this GPU) at the "
                                "performance issue's points.")

@@ -23,13 +23,14 @@ from ...layouts import KVAlloc, Layout, allocate_kv_cache
 from ...ops.fused_rope_and_reshape_cache_flash import OP
 from ...testing.rope import cos_sin_table
 from .. import timing
+from ..engine import Parser
 from . import common
 
 HQ, H, D, HIDDEN, BLOCKS, BLOCK_SIZE, MAX_POSITION = 32, 8, 128, 4096, 4096, 16, 8192
 
 
 def _args(argv: list[str], prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = Parser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,16,256", help="token counts (default: 1,16,256)")
     p.add_argument("--impls", default="cuda,triton", help="implementations (default: cuda,triton)")
     p.add_argument("--replays", type=int, default=50, help="timed graph replays (default: 50)")

@@ -23,6 +23,7 @@ import torch
 
 from ...testing.compare import differing_bytes
 from .. import report
+from ..engine import Parser
 from . import common
 
 __all__ = ["D", "LAYOUTS", "strides", "kernel_name", "small_caches", "build_parser", "main"]
@@ -70,7 +71,7 @@ class SmallRow:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog, description="Small calls: the implementations next to a minimal kernel doing "
                                "only the unavoidable work, on the same caches and slots, mean "
                                "over several slot sets.")

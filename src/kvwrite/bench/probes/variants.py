@@ -21,6 +21,7 @@ import torch
 from ... import registry
 from ...ops.reshape_and_cache_flash import OP
 from .. import report
+from ..engine import Parser
 from ..workload import LAYOUTS, Case, InputSet
 from . import common
 
@@ -153,7 +154,7 @@ def add_point_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog, description="Time implementations and variants of their tuning (--set) at the "
                                "performance issue's points, with the copy bandwidth of this run.")
     p.add_argument("--impls", default="triton,cuda",

@@ -45,6 +45,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel, every mode (fp8_ds_mla tile scales in the kernel)",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

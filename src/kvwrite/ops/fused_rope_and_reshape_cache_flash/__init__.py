@@ -38,6 +38,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel: rotation, query/key stores and cache write in one launch",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -37,6 +37,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel, every layout and fp8 mode",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -34,6 +34,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel, neox and GPT-J, partial rotary",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

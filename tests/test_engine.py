@@ -1,0 +1,307 @@
+"""The benchmark engine across every subcommand (CPU): one grammar, one-line errors before any
+work, Ctrl-C keeps what was measured, small CPU defaults, report and plot of any subcommand's
+JSON, output paths really written, optional packages named, every op's sanitize cases."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvwrite import registry
+from kvwrite.bench import cli, engine
+from kvwrite.bench.cli import main
+from kvwrite.bench.probes import sanitize
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# A tiny CPU run of each subcommand (torch implementation), a few seconds at most.
+TINY = {
+    "reshape_and_cache_flash": ["--device", "cpu", "--num-tokens", "2,16", "--num-heads", "2",
+                                "--head-size", "64", "--num-blocks", "64", "--iters", "3"],
+    "rope": ["rope", "--device", "cpu", "--num-tokens", "2,16", "--heads", "4,2,32", "--dtypes",
+             "float16", "--kv-cache-dtypes", "auto", "--iters", "3", "--time-budget", "0.01"],
+    "mla": ["mla", "--device", "cpu", "--num-blocks", "8", "--block-size", "16", "--num-tokens",
+            "2,8,16", "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"],
+}
+SUBS = sorted(TINY)
+
+
+def _bench(sub: str):
+    return cli.bench_of(sub)
+
+
+def _sub_argv(sub: str) -> list[str]:
+    """The subcommand word (none for the default subcommand)."""
+    return [] if sub == "reshape_and_cache_flash" else [sub]
+
+
+# --- the grammar and the help ----------------------------------------------------------------------
+
+def test_help_lists_every_subcommand_with_one_line(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (aliases, _, summary) in cli.SUBCOMMANDS.items():
+        assert re.search(rf"^  {name}\b.*{re.escape(summary)}$", out, re.M), name
+        for a in aliases:
+            assert f"({a})" in out or f"{a}," in out
+    for tool in cli.TOOLS:
+        assert re.search(rf"^  {tool}\s", out, re.M), tool
+
+
+@pytest.mark.parametrize("sub", list(cli.SUBCOMMANDS))
+def test_every_flag_of_every_subcommand_is_documented(sub):
+    parser = engine.build_parser(_bench(sub), sub)
+    for action in parser._actions:
+        if action.dest in ("help",):
+            continue
+        assert action.help and len(action.help) > 3, (sub, action.option_strings)
+
+
+@pytest.mark.parametrize("sub", SUBS)
+@pytest.mark.parametrize("text, want", [("2,16", [2, 16]), ("2 16", [2, 16]), ("2:16", [2, 4, 8, 16])])
+def test_num_tokens_takes_one_grammar_everywhere(sub, text, want):
+    argv = [*TINY[sub][len(_sub_argv(sub)):], "--num-tokens", *text.split(" ")]
+    _, args, points, _ = engine.configure(_bench(sub), argv, sub)
+    assert args.token_counts == want
+    assert sorted({p.num_tokens for p in points}) == want
+
+
+COMMON_BAD = [
+    (["--num-tokens", "-5"], "--num-tokens"), (["--num-tokens", "0"], "--num-tokens"),
+    (["--num-tokens", "64:2"], "--num-tokens"), (["--num-tokens", "x"], "--num-tokens"),
+    (["--implementation", "bogus"], "--implementation"), (["--device", "bogus"], "--device"),
+    (["--iters", "0"], "--iters"), (["--graph-calls", "0"], "--graph-calls"),
+    (["--time-budget", "0"], "--time-budget"), (["--time-budget", "nan"], "--time-budget"),
+    (["--baseline", "nope"], "--baseline"), (["--json", "/proc/x.json"], "--json"),
+    (["--csv", "/proc/x.csv"], "--csv"), (["--plot", "a.txt"], "--plot"),
+    (["--plot", "/no/such/folder/p.png"], "--plot"), (["--mode", "x"], "--mode"),
+    (["--timer", "x"], "--timer"), (["--no-such-flag"], "--no-such-flag"),
+]
+OWN_BAD = {
+    "reshape_and_cache_flash": [
+        (["--layouts", "NHD,XYZ"], "--layouts"), (["--head-size", "100"], "--head-size"),
+        (["--num-heads", "0"], "--num-heads"), (["--num-blocks", "-3"], "--num-blocks"),
+        (["--num-heads", "8", "--tp", "3"], "--tp"), (["--model", "nope"], "--model"),
+        (["--model", "llama-3.1-8b", "--num-heads", "4"], "--model"),
+        (["--dtype", "bogus"], "--dtype"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype"),
+        (["--slots", "bogus"], "--slots"), (["--pad-fraction", "2"], "--pad-fraction")],
+    "rope": [
+        (["--dtypes", "bogus"], "--dtypes"), (["--heads", "bogus"], "--heads"),
+        (["--heads", "4,2,0"], "--heads"), (["--kinds", "bogus"], "--kinds"),
+        (["--layouts", "bogus"], "--layouts"), (["--max-position", "0"], "--max-position"),
+        (["--block-size", "0"], "--block-size"), (["--rot-dim", "256"], "--rot-dim"),
+        (["--rot-dim", "0"], "--rot-dim"), (["--rot-dim", "3"], "--rot-dim"),
+        (["--num-blocks", "-3"], "--num-blocks"), (["--kv-cache-dtypes", "bogus"],
+                                                   "--kv-cache-dtypes"),
+        (["--model", "bogus"], "--model"), (["--slots", "bogus"], "--slots"),
+        (["--pad-fraction", "2"], "--pad-fraction")],
+    "mla": [
+        (["--kv-lora-rank", "0"], "--kv-lora-rank"), (["--pe-dim", "0"], "--pe-dim"),
+        (["--num-blocks", "0"], "--num-blocks"), (["--block-size", "0"], "--block-size"),
+        (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype"),
+        (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"],
+         "--kv-cache-dtype fp8_ds_mla"),
+        (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+        (["--slots", "bogus"], "--slots")],
+}
+BAD = [(sub, argv, flag) for sub in SUBS for argv, flag in COMMON_BAD + OWN_BAD[sub]]
+
+
+@pytest.mark.parametrize("sub, argv, flag", BAD,
+                         ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD])
+def test_every_bad_flag_is_one_line_and_exit_2_before_any_work(monkeypatch, capsys, sub, argv,
+                                                               flag):
+    def worked(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(engine, "sweep", worked)
+    monkeypatch.setattr(engine, "measure_env", worked)
+    with pytest.raises(SystemExit) as e:
+        main([*TINY[sub], *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0], err
+    assert not os.path.exists("/proc/x.json")
+
+
+def test_an_unknown_subcommand_is_one_line(capsys):
+    assert main(["nope"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+def test_output_paths_are_really_created_then_removed(tmp_path):
+    # /proc/x.json: os.access says yes to root; creating it does not.
+    with pytest.raises(ValueError, match="cannot be written"):
+        engine.check_output_path("--json", "/proc/x.json")
+    fresh = tmp_path / "r.json"
+    engine.check_output_path("--json", str(fresh))
+    assert not fresh.exists()  # the probe file is removed again
+    kept = tmp_path / "old.json"
+    kept.write_text("keep me")
+    engine.check_output_path("--json", str(kept))
+    assert kept.read_text() == "keep me"  # an existing file is neither removed nor truncated
+
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_ctrl_c_keeps_what_was_measured_in_every_subcommand(monkeypatch, capsys, tmp_path, sub):
+    real = engine._measure
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_measure", measure)
+    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    assert main([*TINY[sub], "--json", str(js), "--csv", str(cs)]) == 130
+    out, err = capsys.readouterr()
+    assert "interrupted (Ctrl-C) after 2 of" in err and "Traceback" not in err
+    assert "latency (µs)" in out or "(µs)" in out  # the table of what was measured
+    assert len(json.loads(js.read_text())["rows"]) == 2
+    assert cs.read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_report_and_plot_read_every_subcommands_json(capsys, tmp_path, sub):
+    js = tmp_path / "r.json"
+    assert main([*TINY[sub], "--json", str(js)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(js)]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith(f"**{_bench(sub).name}: ") and "| T |" in md
+    assert re.search(r"^\| 16 \| [0-9.]+ \(", md, re.M)
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    assert main(["plot", str(js), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tables_print_microseconds_the_same_way(capsys):
+    for sub in SUBS:
+        assert main(TINY[sub]) == 0
+        out = capsys.readouterr().out
+        assert "(µs)" in out and "(us)" not in out, sub
+
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_cpu_header_says_what_the_cpu_run_measured(capsys, sub):
+    assert main(TINY[sub]) == 0
+    out = capsys.readouterr().out
+    assert "# CPU timings: host clock" in out and "# L2: not controlled on the CPU" in out
+    assert "timer: device" not in out and "launch floor" not in out
+
+
+# --- the CPU defaults --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_cpu_defaults_are_a_small_sweep(sub):
+    """The default run on a CPU moves a few MB per point (vLLM's shapes would need a 64 GiB
+    cache, or minutes of the torch reference): the work is bounded, not timed."""
+    defn = _bench(sub)
+    cfg, _, points, _ = engine.configure(defn, ["--device", "cpu"], sub)
+    moved = sum(defn.bytes(p, k) for p in points for k in cfg.kinds)
+    assert moved * len(cfg.implementations) <= 64 * 2**20
+    assert max(defn.state_bytes(p) + defn.temp_bytes(p) for p in points) <= 1.5 * 2**30
+    assert cfg.iters * cfg.graph_calls <= 50 and cfg.implementations == ["torch"]
+
+
+@pytest.mark.parametrize("sub", SUBS)
+def test_cpu_default_runs_end_to_end(capsys, sub):
+    assert main([*_sub_argv(sub), "--device", "cpu"]) == 0
+    assert "(µs)" in capsys.readouterr().out
+
+
+# --- optional packages -------------------------------------------------------------------------
+
+def test_without_triton_every_message_says_it_is_not_installed():
+    code = """
+import sys
+sys.modules["triton"] = None  # `import triton` fails, as where it is not installed
+import torch, kvwrite
+from kvwrite.bench.cli import main
+reasons = [s.reason for s in kvwrite.implementations("cpu") if s.name == "triton"]
+print("REASONS", reasons)
+try:
+    kvwrite.reshape_and_cache_flash(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8),
+        torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8), torch.zeros(1, dtype=torch.long),
+        "auto", None, None, implementation="triton")
+except ValueError as e:
+    print("CALL", e)
+print("PROBE", main(["probe", "variants"]))
+"""
+    env = dict(os.environ, PYTHONPATH=SRC, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    out = done.stdout + done.stderr
+    reasons = re.search(r"REASONS (.*)", out).group(1)
+    assert reasons.count("triton is not installed (pip install triton)") == len(registry.ops())
+    assert "cannot import name" not in out
+    assert re.search(r"CALL .*triton is not installed \(pip install triton\)", out)
+    assert "PROBE 2" in out and "needs triton, which is not installed" in out
+    assert "Traceback" not in out
+
+
+# --- sanitize cases for every op ----------------------------------------------------------------
+
+def test_every_op_with_cuda_kernels_has_sanitize_cases():
+    cases = sanitize.op_cases()
+    assert set(cases) == {op for op in registry.ops()
+                          if any(i.name == "cuda" for i in registry.all_impls(op))}
+    for op, got in cases.items():
+        ids = [i for i, _ in got]
+        assert ids and len(set(ids)) == len(ids), op
+
+
+@pytest.mark.parametrize("module", ["rotary_embedding", "fused_rope_and_reshape_cache_flash",
+                                    "concat_and_cache_mla"])
+def test_sanitize_cases_build_and_match_on_the_cpu(monkeypatch, module):
+    """Each case's inputs are valid and the comparison passes for the reference itself; a
+    deliberately wrong implementation (the last slot skipped) is caught."""
+    import importlib
+    mod = importlib.import_module(f"kvwrite.ops.{module}.sanitize")
+    small = [c for c in mod.CASES if c.num_tokens < 1000]
+    for case in small:
+        assert mod.run_case(case, "cpu", "torch") is None, case.id
+    if module == "rotary_embedding":
+        return  # rotary_embedding has no slots; its wrong writers are caught in test_rope
+    from kvwrite.ops.concat_and_cache_mla import OP as MLA
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import OP as FUSED
+    op = {"concat_and_cache_mla": MLA, "fused_rope_and_reshape_cache_flash": FUSED}[module]
+    ref = registry.get(op, "torch")
+    wrong = types.ModuleType("kvwrite_test_wrong_writer")  # the slots reversed
+    wrong.available = lambda device: None
+    wrong.unsupported = lambda *a: None
+
+    def run(*args, **kwargs):
+        args = list(args)
+        slots_at = 3 if op == MLA else 8
+        args[slots_at] = args[slots_at].flip(0)  # each token into another token's slot
+        ref.run(*args, **kwargs)
+
+    wrong.run = run
+    monkeypatch.setitem(sys.modules, wrong.__name__, wrong)
+    monkeypatch.setitem(registry._REGISTRY, (op, "wrong"),
+                        registry.ImplInfo(op, "wrong", "slots reversed", wrong.__name__,
+                                          priority=-1, devices=("cpu",)))
+    for case in small:
+        assert mod.run_case(case, "cpu", "wrong") is not None, case.id
+
+
+def test_sanitize_without_a_gpu_is_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert main(["sanitize"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["sanitize", "--ops", "nope"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
