@@ -63,7 +63,7 @@ def _table_rows(out: str) -> list[list[str]]:
 
 # --- vLLM's flags and function --------------------------------------------------------------------
 
-# SPEC §2: vLLM's flag, its default, and its choices (None: any int).
+# vLLM's benchmark: vLLM's flag, its default, and its choices (None: any int).
 SEED_FLAGS = {
     "--num-heads": (128, None),
     "--head-size": (128, [64, 80, 96, 112, 120, 128, 192, 256]),

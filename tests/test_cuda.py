@@ -406,7 +406,7 @@ def host_lib(tmp_path_factory):
 
 
 def _reference(x: torch.Tensor, s: float, fp8: torch.dtype) -> torch.Tensor:
-    """SPEC §1.1 on the CPU, as kvwrite.dtypes.quantize does."""
+    """the fp8 rule on the CPU, as kvwrite.dtypes.quantize does."""
     q = (x.float() / torch.tensor(s, dtype=torch.float32)).clamp(-FP8_MAX[fp8], FP8_MAX[fp8])
     return q.to(fp8).view(torch.uint8)
 
@@ -474,7 +474,7 @@ _SCALES = [0.37, 3.0, 0.0123, 7.3e5, 0.25, 1.0, -0.5, 2.0**-126, 1e-40, 2.0**-14
 @pytest.mark.parametrize("fmt", sorted(FP8))
 def test_host_division_free_quotient_is_bit_exact(host_lib, fmt):
     """The kernel's fp8 path (make_fp8_scale, fp8_quotient, fp8_quantize, software conversion)
-    against SPEC §1.1: float32 inputs with two correction steps, bfloat16 and float16 values
+    against the fp8 rule: float32 inputs with two correction steps, bfloat16 and float16 values
     with one."""
     fp8 = FP8[fmt]
     grid = _fp8_grid(fp8)
@@ -551,7 +551,7 @@ def _sweep_inputs(fp8: torch.dtype, scales: torch.Tensor, num_heads=8, head_size
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_gpu_fp8_exactness_sweep(kv, per_head, exact_div):
     """About 2 x 1M float32 values (specials, every fp8 rounding boundary times each scale and
-    its neighbours, random bit patterns) through the real kernel, byte for byte vs SPEC §1.1."""
+    its neighbours, random bit patterns) through the real kernel, byte for byte vs the fp8 rule."""
     tuning = dataclasses.replace(cuda_impl.TUNING, exact_div=exact_div)
     cd = kvwrite.dtypes.parse_kv_cache_dtype(kv)
     fp8 = cd.fp8_dtype

@@ -41,7 +41,7 @@ def expected_caches(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 def check_against_oracle(case: Case, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     ek, ev = expected_caches(case)
     fp8 = case.cache_dtype.fp8_dtype if case.cache_dtype.is_fp8 else None
-    # NaN's sign and payload are not part of the contract (SPEC §1.1: "NaN stays NaN").
+    # NaN's sign and payload are not part of the contract (the fp8 rule: "NaN stays NaN").
     assert_caches_equal(key_cache, ek, "key_cache", fp8, nan_equal=fp8 is not None)
     assert_caches_equal(value_cache, ev, "value_cache", fp8, nan_equal=fp8 is not None)
 

@@ -1,6 +1,6 @@
-"""concat_and_cache_mla (SPEC §4): every registered implementation over the case matrix, byte-exact
-against an independent per-token NumPy oracle of the entry layout; validation; the checker's
-ability to fail; CUDA graphs and torch.compile.
+"""concat_and_cache_mla (docs/ops/concat_and_cache_mla.md): every registered implementation over the
+case matrix, byte-exact against an independent per-token NumPy oracle of the entry layout;
+validation; the checker's ability to fail; CUDA graphs and torch.compile.
 
 On CPU this runs the torch reference (and Triton's interpreter where it rounds exactly); on a GPU
 (`gpu` marker) every implementation available there. The whole allocation behind each cache is
@@ -291,7 +291,7 @@ def _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, amax_fn, floor: bool):
 
 
 def _amax_with_nan(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
-    """amax by torch.amax, which propagates NaN (SPEC: NaN is ignored)."""
+    """amax by torch.amax, which propagates NaN (the contract: NaN is ignored)."""
     _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, lambda x: x.abs().amax(dim=1), True)
 
 

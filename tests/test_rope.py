@@ -1,8 +1,8 @@
-"""rotary_embedding and fused_rope_and_reshape_cache_flash (SPEC §3): every registered
-implementation over the case matrices, byte-exact against an independent oracle (NumPy float32,
-one token and head at a time, pairs picked by explicit index lists), every byte of every tensor
-the call touches compared; validation; the checker failing on wrong implementations; CUDA graphs
-and torch.compile."""
+"""rotary_embedding and fused_rope_and_reshape_cache_flash (docs/ops/rotary_embedding.md): every
+registered implementation over the case matrices, byte-exact against an independent oracle (NumPy
+float32, one token and head at a time, pairs picked by explicit index lists), every byte of every
+tensor the call touches compared; validation; the checker failing on wrong implementations; CUDA
+graphs and torch.compile."""
 
 from __future__ import annotations
 

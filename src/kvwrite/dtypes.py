@@ -1,4 +1,4 @@
-"""Cache dtypes and the quantization rule (SPEC §1.1).
+"""Cache dtypes and the quantization rule (the fp8 rule).
 
 `kv_cache_dtype` strings are parsed into :class:`CacheDType` at the API edge; everything past the
 public op works with the enum.
@@ -134,7 +134,7 @@ def allowed_cache_dtypes(cache_dtype: CacheDType, input_dtype: torch.dtype) -> t
 
 def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | None,
              out_dtype: torch.dtype) -> torch.Tensor:
-    """`Q(x)` of SPEC §1.1 for rows ``x`` of shape ``[T, H, D]``; returns ``out_dtype`` bits.
+    """`Q(x)` of the fp8 rule for rows ``x`` of shape ``[T, H, D]``; returns ``out_dtype`` bits.
 
     ``scale`` (fp8 only) holds 1 or H float32 values; head h uses ``scale[h]``.
     """

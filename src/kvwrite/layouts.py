@@ -1,4 +1,4 @@
-"""Cache layouts and allocation (SPEC §1.2).
+"""Cache layouts and allocation (docs/ops/reshape_and_cache_flash.md).
 
 Every cache is the same *logical* tensor ``[num_blocks, block_size, H, D]``; layouts differ only in
 strides, and every implementation works from strides alone.

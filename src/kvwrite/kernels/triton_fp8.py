@@ -1,4 +1,5 @@
-"""Triton parts shared by every op: the fp8 rule of SPEC §1.1 without a division per element.
+"""Triton parts shared by every op: the fp8 rule of docs/ops/reshape_and_cache_flash.md without a
+division per element.
 
 - :func:`fp8_scale` (once per scale): the constants ``(m, s2, y)`` that turn ``x / s`` into an
   exact product and one correction;
@@ -86,7 +87,7 @@ if triton is not None:
 
     @triton.jit
     def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
-        """Store Q(x) (SPEC §1.1) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`."""
+        """Store Q(x) (the fp8 rule) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`."""
         if QUANT == 0:
             tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:

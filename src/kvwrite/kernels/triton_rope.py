@@ -1,12 +1,12 @@
-"""Triton parts of the RoPE ops (SPEC §3): the rotation of a tile of rows, shared by
-rotary_embedding's and fused_rope_and_reshape_cache_flash's kernels.
+"""Triton parts of the RoPE ops (docs/ops/rotary_embedding.md): the rotation of a tile of rows,
+shared by rotary_embedding's and fused_rope_and_reshape_cache_flash's kernels.
 
 A tile is ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` with ``BLOCK_D >= head_size``. Each element
 ``d < rot_dim`` is rotated with its partner (neox: ``d ± rot_dim/2``; GPT-J: ``d ^ 1``), loaded by
 a second gather of the same row (an L1 hit: DRAM traffic is the row once), so that every store is
 a whole, contiguous row. For the first element of a pair ``x' = RN(RN(x*c) - RN(y*s))``, for the
-second ``y' = RN(RN(y*c) + RN(x*s))``: the same products and sums as SPEC §3, one formula.
-Elements ``d >= rot_dim`` keep their bits.
+second ``y' = RN(RN(y*c) + RN(x*s))``: the same products and sums as docs/ops/rotary_embedding.md,
+one formula. Elements ``d >= rot_dim`` keep their bits.
 
 No fused multiply-add: the kernels that use :func:`rope_rotate` are launched with
 ``enable_fp_fusion=False`` (Triton otherwise lets LLVM contract ``a*b - c`` into an FMA);

@@ -1,6 +1,6 @@
 """The one byte comparison of kvwrite's tests and benchmark checks: every byte through integer
 views, so NaN bit patterns, signed zeros and stray writes are all seen; optionally two elements
-that both decode to NaN (any sign or payload) count as equal, as SPEC §1.1's fp8 rule allows."""
+that both decode to NaN (any sign or payload) count as equal, as the fp8 rule allows."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """concat_and_cache_mla's case model: one :class:`MlaCase` describes a call (shapes, dtypes, mode,
 cache strides and alignment, input slices, slots, special values); :func:`make_mla_inputs` builds
 its tensors; :func:`assert_mla_caches_equal` is the byte comparison (NaN-aware only in the fp8
-codes, as SPEC §1.1 allows); ``MLA_CASES`` is the matrix every implementation is tested on."""
+codes, as the fp8 rule allows); ``MLA_CASES`` is the matrix every implementation is tested on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The case model of rotary_embedding and fused_rope_and_reshape_cache_flash (SPEC §3): a
+"""The case model of rotary_embedding and fused_rope_and_reshape_cache_flash
+(docs/ops/rotary_embedding.md): a
 :class:`RopeCase` names one call, :func:`make_rope_inputs` builds its tensors (a real RoPE
 cos/sin table, random rows, positions with the out-of-range ones the case asks for, and the
 caches, slots and scales of reshape_and_cache_flash's case model), ``ROPE_CASES`` and

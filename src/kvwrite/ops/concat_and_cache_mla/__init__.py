@@ -1,5 +1,6 @@
-"""concat_and_cache_mla (SPEC §4): write one MLA latent row (kv_c then k_pe) per token into a
-paged cache, plainly, as per-tensor fp8, or in DeepSeek's tiled fp8_ds_mla format.
+"""concat_and_cache_mla (docs/ops/concat_and_cache_mla.md): write one MLA latent row (kv_c then
+k_pe) per token into a paged cache, plainly, as per-tensor fp8, or in DeepSeek's tiled fp8_ds_mla
+format.
 
 - :mod:`.op`: the public function, its validation, its torch.compile custom op, the mode enum
   and :func:`create_mla_cache`;

@@ -72,7 +72,7 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Measurement and tests only, NOT exact (breaks SPEC §1.1): the fp8 quotient as x * (1 / s),
+    # Measurement and tests only, NOT exact (breaks the fp8 rule): the fp8 quotient as x * (1 / s),
     # one rounded multiplication (KVWRITE_PROBE_INEXACT_QUOTIENT, as reshape_and_cache_flash's
     # CudaTuning.inexact_quotient); a test shows the fp8_ds_mla boundary tiles catch it.
     inexact_quotient: bool = False

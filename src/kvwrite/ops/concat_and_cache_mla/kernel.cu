@@ -1,5 +1,5 @@
-// kvwrite: concat_and_cache_mla (SPEC §4): write one MLA latent row (kv_c then k_pe) per token
-// into a paged cache [num_blocks, block_size, E].
+// kvwrite: concat_and_cache_mla (docs/ops/concat_and_cache_mla.md): write one MLA latent row (kv_c
+// then k_pe) per token into a paged cache [num_blocks, block_size, E].
 //
 // Compiled at run time with NVRTC (see cuda_impl.py): one module per instantiation and, by
 // default, per call signature, with the arguments fixed by the caches and the inputs' layout

@@ -1,5 +1,5 @@
 """concat_and_cache_mla: the public op, its validation, its torch.compile custom op, the mode enum
-and the cache allocation helper (SPEC §4)."""
+and the cache allocation helper (docs/ops/concat_and_cache_mla.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ __all__ = ["OP", "MlaMode", "parse_mla_mode", "concat_and_cache_mla", "validate"
 
 OP = "concat_and_cache_mla"
 
-# fp8_ds_mla's fixed geometry (SPEC §4): 4 tiles of 128 latent values as e4m3, their 4 float32
-# scales, then the 64 rotary values' 16-bit patterns: 512 + 16 + 128 = 656 bytes per token.
+# fp8_ds_mla's fixed geometry (docs/ops/concat_and_cache_mla.md): 4 tiles of 128 latent values as
+# e4m3, their 4 float32 scales, then the 64 rotary values' 16-bit patterns: 512 + 16 + 128 = 656
+# bytes per token.
 DS_MLA_L = 512
 DS_MLA_P = 64
 DS_MLA_TILE = 128
@@ -35,7 +36,8 @@ DS_MLA_ENTRY = DS_MLA_PE_OFFSET + 2 * DS_MLA_P
 
 class MlaMode(enum.Enum):
     """How a cache entry is written: ``AUTO`` copies, ``FP8_E4M3``/``FP8_E5M2`` quantize with the one
-    per-tensor scale (SPEC §1.1), ``FP8_DS_MLA`` is DeepSeek's tiled format (SPEC §4)."""
+    per-tensor scale (the fp8 rule), ``FP8_DS_MLA`` is DeepSeek's tiled format
+    (docs/ops/concat_and_cache_mla.md)."""
 
     AUTO = "auto"
     FP8_E4M3 = "fp8_e4m3"
@@ -203,7 +205,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     ``0 <= s < num_blocks * block_size``, entry ``kv_cache[s // block_size, s % block_size]`` gets:
 
     - "auto": ``kv_c[t]`` then ``k_pe[t]`` (bits copied; cache dtype = input dtype);
-    - "fp8"/"fp8_e4m3"/"fp8_e5m2": both quantized by SPEC §1.1 with the one ``scale``
+    - "fp8"/"fp8_e4m3"/"fp8_e5m2": both quantized by the fp8 rule with the one ``scale``
       (``fp8(float32(x) / scale)``, saturating), into a uint8 or float8 cache;
     - "fp8_ds_mla" (L = 512, P = 64, float16/bfloat16 input, uint8 cache of last dim 656): bytes
       ``[0, 512)`` the 4 tiles of 128 ``kv_c`` values as e4m3 of ``x / s_j`` with

@@ -27,7 +27,7 @@ def unsupported(kv_c, kv_cache, mode) -> str | None:
 
 
 def _fp8(x: torch.Tensor, fp8: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """SPEC §1.1 as uint8 codes: a true float32 division, then a saturating cast."""
+    """The fp8 rule as uint8 codes: a true float32 division, then a saturating cast."""
     y = x.float() / scale
     # Clamp before the cast: some PyTorch versions cast overflow (and inf) to NaN.
     return y.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8).view(torch.uint8)

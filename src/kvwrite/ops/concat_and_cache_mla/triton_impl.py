@@ -7,7 +7,7 @@ geometry are compile-time constants (one compiled variant per cache geometry and
 nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new inputs,
 slots and scale.
 
-- "auto": the bits are copied; "fp8_e4m3"/"fp8_e5m2": SPEC §1.1 with the one scale, exactly
+- "auto": the bits are copied; "fp8_e4m3"/"fp8_e5m2": the fp8 rule with the one scale, exactly
   (``kvwrite.kernels.triton_fp8``: the true float32 quotient without a division per element).
 - "fp8_ds_mla": ``kv_c`` is loaded as ``[BLOCK_T, 4, 128]``; each tile's amax is a reduction
   over the tile with NaN replaced by 0 (fmaxf's rule, from 0), ``s = max(div_rn(amax, 448),

@@ -1,5 +1,5 @@
-"""fused_rope_and_reshape_cache_flash (SPEC §3): RoPE on query and key, then the key and value
-rows written into the paged KV cache, in one call.
+"""fused_rope_and_reshape_cache_flash (docs/ops/fused_rope_and_reshape_cache_flash.md): RoPE on
+query and key, then the key and value rows written into the paged KV cache, in one call.
 
 - :mod:`.op`: the public function, its validation and its torch.compile custom op;
 - :mod:`.reference`: the plain-PyTorch implementation (the reference oracle: the unfused pair);

@@ -1,6 +1,7 @@
-// kvwrite: fused_rope_and_reshape_cache_flash (SPEC §3): RoPE on query and key and the cache
-// write in one launch. Compiled at run time with NVRTC (cuda_impl.py), one module per
-// instantiation of fused_rope_cache_kernel<IN, CS, OUT, W, NEOX, PosT, SlotT, MIN_BLOCKS>.
+// kvwrite: fused_rope_and_reshape_cache_flash (docs/ops/fused_rope_and_reshape_cache_flash.md):
+// RoPE on query and key and the cache write in one launch. Compiled at run time with NVRTC
+// (cuda_impl.py), one module per instantiation of fused_rope_cache_kernel<IN, CS, OUT, W, NEOX,
+// PosT, SlotT, MIN_BLOCKS>.
 //
 // Work split as rotary_embedding's kernel: a token's work is (Hq + H) heads x units_per_head
 // units (kvw/rope.cuh); one thread per (token, head, unit), [tokens, units] CTAs. A query thread
@@ -8,7 +9,7 @@
 // copied only when query_out is another tensor). A key thread loads its key and value chunks
 // together, rotates the key, stores it back (store_key), and for t < num_tokens with a slot in
 // [0, num_slots) stores Q(rotated key) and Q(value) into the caches (kvw/vec_io.cuh's
-// convert_chunk: copies, casts, fp8 by SPEC §1.1 with scales read on the device). A token whose
+// convert_chunk: copies, casts, fp8 by the fp8 rule with scales read on the device). A token whose
 // position is outside the table is not touched at all. The large-call build converts the value
 // before it rotates the key (VALUE_FIRST below) and stores it then, or with the key's chunks where
 // a head's cache row is 128 bytes (value_after below); the small-call build converts it while the

@@ -1,5 +1,5 @@
 """fused_rope_and_reshape_cache_flash: the public op, its validation and its torch.compile custom
-op (SPEC §3)."""
+op (docs/ops/fused_rope_and_reshape_cache_flash.md)."""
 
 from __future__ import annotations
 

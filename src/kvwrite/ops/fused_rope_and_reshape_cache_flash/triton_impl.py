@@ -6,7 +6,7 @@ BLOCK_H, BLOCK_D]`` tile (kvwrite.kernels.triton_rope) and stores it in place or
 key program rotates a key tile, stores it back (unless ``rotate_key_in_place`` is false), loads
 the same tile of value, and stores both into the caches through their strides (every layout)
 with the cache write's conversion (kvwrite.kernels.triton_fp8.store_quantized: copies, casts,
-fp8 by SPEC §1.1 with per-tensor or per-head scales read on the device). Tokens whose position is
+fp8 by the fp8 rule with per-tensor or per-head scales read on the device). Tokens whose position is
 outside the table are neither rotated nor cached; tokens ``t >= T`` (slot_mapping.numel()) are
 rotated but not cached; padding and out-of-range slots are skipped. Graph-safe.
 

@@ -1,4 +1,5 @@
-"""reshape_and_cache_flash (SPEC §1): write new key and value rows into a paged KV cache.
+"""reshape_and_cache_flash (docs/ops/reshape_and_cache_flash.md): write new key and value rows into
+a paged KV cache.
 
 - :mod:`.op`: the public function, its validation, its torch.compile custom op, and
   ``check_slot_mapping``;

@@ -121,7 +121,7 @@ class CudaTuning:
     exact_div: bool = dataclasses.field(
         default_factory=lambda: nvrtc.env_flag("KVWRITE_CUDA_EXACT_DIV", "0"))
 
-    # Measurement only, NOT exact (SPEC §1.1 is broken by it): the fp8 quotient as x * (1 / s),
+    # Measurement only, NOT exact (it breaks the fp8 rule): the fp8 quotient as x * (1 / s),
     # one rounded multiplication, as an approximate division computes it; `probe variants
     # --set cuda.inexact_quotient=True` uses it to time what the exact quotient costs.
     inexact_quotient: bool = False

@@ -1,4 +1,5 @@
-// kvwrite: write new key/value rows into a paged KV cache (reshape_and_cache_flash, SPEC §1).
+// kvwrite: write new key/value rows into a paged KV cache (reshape_and_cache_flash,
+// docs/ops/reshape_and_cache_flash.md).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py); one module per instantiation of
 // `reshape_and_cache_flash_kernel<IN, OUT, VEC, SlotT>` (no loops; every call whose row fits

@@ -1,5 +1,5 @@
 """reshape_and_cache_flash: the public op, its validation, its torch.compile custom op, and the
-host-side slot check (SPEC §1)."""
+host-side slot check (docs/ops/reshape_and_cache_flash.md)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ warps and the loads' cache hint are chosen per shape on the host by :func:`_tili
 and nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new
 inputs, slots and scales.
 
-fp8 follows SPEC §1.1 exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
+fp8 follows the fp8 rule exactly: the true float32 quotient ``RN(x / s)`` (Triton's ``/`` on float32
 is approximate), computed without a division per element (``kvwrite.kernels.triton_fp8``: ``fp8_scale`` splits the
 scale's exponent off once per program or head, ``fp8_quotient`` corrects a reciprocal product
 with fused multiply-adds), saturated to ±448 / ±57344 with NaN kept and the sign of zero kept, then

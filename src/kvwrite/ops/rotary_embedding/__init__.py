@@ -1,4 +1,5 @@
-"""rotary_embedding (SPEC §3): rotate query and key rows by their positions (RoPE), in place.
+"""rotary_embedding (docs/ops/rotary_embedding.md): rotate query and key rows by their positions
+(RoPE), in place.
 
 - :mod:`.op`: the public function, its validation (shared with the fused op), its torch.compile
   custom op, and ``check_positions``;

@@ -1,5 +1,6 @@
-// kvwrite: rotary_embedding (SPEC §3), in place. Compiled at run time with NVRTC (cuda_impl.py),
-// one module per instantiation of rotary_embedding_kernel<IN, CS, W, NEOX, PosT, LINEAR>.
+// kvwrite: rotary_embedding (docs/ops/rotary_embedding.md), in place. Compiled at run time with
+// NVRTC (cuda_impl.py), one module per instantiation of rotary_embedding_kernel<IN, CS, W, NEOX,
+// PosT, LINEAR>.
 //
 // Work split: a token's work is (Hq + H) heads x units_per_head units (kvw/rope.cuh). A CTA is a
 // [blockDim.y tokens, blockDim.x units] grid of threads: several tokens per CTA when a token has

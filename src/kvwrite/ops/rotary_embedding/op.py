@@ -1,5 +1,5 @@
 """rotary_embedding: the public op, its validation (shared with the fused op), its torch.compile
-custom op, and the host-side position check (SPEC §3)."""
+custom op, and the host-side position check (docs/ops/rotary_embedding.md)."""
 
 from __future__ import annotations
 

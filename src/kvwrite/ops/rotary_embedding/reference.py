@@ -1,4 +1,5 @@
-"""The plain-PyTorch implementation of rotary_embedding: the reference oracle (SPEC §3).
+"""The plain-PyTorch implementation of rotary_embedding: the reference oracle
+(docs/ops/rotary_embedding.md).
 
 Every product and sum is its own float32 tensor op (eager PyTorch never fuses them), so each is
 rounded to float32 as the contract says. Works on CPU and CUDA tensors of any token stride.

@@ -1,4 +1,4 @@
-// fp8 quantization (SPEC §1.1): software conversion, the satfinite hardware conversion, and the
+// fp8 quantization (the fp8 rule): software conversion, the satfinite hardware conversion, and the
 // exact quotient x / s without a division per element. Shared by every op's kernel.
 #pragma once
 #include "kvw/common.cuh"
@@ -9,7 +9,7 @@
 // ------------------------------------------------------------------------------------------
 // float32 -> fp8, software: round to nearest even, saturate to the largest finite value (±inf
 // too), NaN -> NaN (sign|0x7F), sign of zero kept, subnormals rounded. Exactly
-// `x.clamp(-MAX, MAX).to(fp8)` (SPEC §1.1), i.e. CUDA's __NV_SATFINITE conversion.
+// `x.clamp(-MAX, MAX).to(fp8)` (the fp8 rule), i.e. CUDA's __NV_SATFINITE conversion.
 // FMT is DT_E4M3 (e4m3fn: bias 7, 3 mantissa bits, max 448 = 0x7E) or DT_E5M2 (bias 15,
 // 2 mantissa bits, max 57344 = 0x7B). Returns the byte in the low 8 bits.
 // ------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ KVW_HD float rcp_rn_s2(float b) {
 }
 
 // ------------------------------------------------------------------------------------------
-// fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (SPEC §1.1), bit for bit, without a
+// fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (the fp8 rule), bit for bit, without a
 // division per element.
 //
 // Per scale (once per thread): for a finite nonzero s = ±1.f * 2^e, m = ±2^(1-e) (2^127 for a
@@ -248,7 +248,7 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
     const float q0 = div_rn(x[i], sc.s), q1 = div_rn(x1, sc.s);
 #elif defined(KVWRITE_PROBE_INEXACT_QUOTIENT)
     // Measurement only (CudaTuning.inexact_quotient): one rounded product by an approximation
-    // of 1 / s, as an approximate division computes it; NOT the SPEC §1.1 quotient.
+    // of 1 / s, as an approximate division computes it; NOT the fp8 rule's quotient.
     const float r = mul_rn(sc.m, sc.y);
     const float q0 = mul_rn(x[i], r), q1 = mul_rn(x1, r);
 #else

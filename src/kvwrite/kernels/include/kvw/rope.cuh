@@ -1,5 +1,5 @@
-// RoPE (SPEC §3): the rotation of one unit of a head's row, shared by rotary_embedding's and
-// fused_rope_and_reshape_cache_flash's kernels.
+// RoPE (docs/ops/rotary_embedding.md): the rotation of one unit of a head's row, shared by
+// rotary_embedding's and fused_rope_and_reshape_cache_flash's kernels.
 //
 // A head row of D elements is split into units of W elements (one 16-byte access or less):
 // - neox: unit u < HALF / W rotates the chunk at a = u * W with its partner chunk at a + HALF

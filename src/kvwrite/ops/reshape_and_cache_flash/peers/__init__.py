@@ -1,7 +1,7 @@
 """Peers of reshape_and_cache_flash as registry entries, so the benchmark checks and times them
-beside kvwrite's own (SPEC §1.3). Each is offered only where its package imports and says why it
-cannot run a case; their priorities are below kvwrite's, so a call that names no implementation
-never picks one.
+beside kvwrite's own (docs/ops/reshape_and_cache_flash.md). Each is offered only where its package
+imports and says why it cannot run a case; their priorities are below kvwrite's, so a call that
+names no implementation never picks one.
 
 - ``torch-compile``: the torch reference under ``torch.compile`` (:mod:`.torch_compile`);
 - ``vllm``: ``vllm._custom_ops.reshape_and_cache_flash`` (:mod:`.vllm_cuda`);

@@ -4,8 +4,9 @@ FlashInfer describes a write by request instead of by slot: token i goes to requ
 ``batch_indices[i]`` at position ``positions[i]``, i.e. to entry ``positions[i] % page_size`` of
 page ``kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size]`` (its documented page
 table: ``kv_indptr`` [batch + 1], ``kv_indices`` [kv_indptr[-1]], ``kv_last_page_len`` [batch]).
-:func:`one_request` states kvwrite's slots that way, as SPEC §1.3 says: one request owning every
-block in order (``kv_indices = arange(num_blocks)``, ``positions = slot``, ``batch_indices = 0``).
+:func:`one_request` states kvwrite's slots that way, as docs/ops/reshape_and_cache_flash.md says:
+one request owning every block in order (``kv_indices = arange(num_blocks)``, ``positions = slot``,
+``batch_indices = 0``).
 :func:`per_sequence` states a slot pattern's sequences with their own block tables, as a server's
 page table would (the two put every row in the same place; tests/test_peers.py checks both).
 

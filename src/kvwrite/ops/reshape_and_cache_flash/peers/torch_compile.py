@@ -28,11 +28,11 @@ def available(device: torch.device) -> str | None:
 
 def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
     # Inductor fuses the reference's `x.float() / scale` into a Triton kernel whose float32 `/` is
-    # approximate (SPEC §1.1): on an H100, H=8 D=128 with per-head scales, T=1024 wrote one row
+    # approximate (the fp8 rule): on an H100, H=8 D=128 with per-head scales, T=1024 wrote one row
     # that differs from the exact rule. Such a result is not the op, so it is not timed.
     if cache_dtype.is_fp8 and key.device.type == "cuda":
         return ("torch.compile generates Triton code that divides approximately, so its fp8 "
-                "results can differ from the exact rule (SPEC §1.1)")
+                "results can differ from the exact rule (the fp8 rule)")
     return None
 
 
