@@ -313,13 +313,14 @@ def _gpu_matrix() -> list[IndexerCase]:
     cases: list[IndexerCase] = []
     geometries = ((128, 128), (64, 64), (128, 64), (256, 128), (512, 128), (128, 32), (96, 96),
                   (80, 16), (128, 1), (6, 3))
-    for (D, q), dtype, fmt, bs in itertools.product(
-            geometries, (torch.bfloat16, torch.float16, torch.float32), ("ue8m0", "float32"),
-            (1, 16, 64)):
+    # Every geometry, input dtype and scale format; block sizes and slot types in turn.
+    for i, ((D, q), dtype, fmt) in enumerate(itertools.product(
+            geometries, (torch.bfloat16, torch.float16, torch.float32), ("ue8m0", "float32"))):
+        bs = (1, 16, 64)[i % 3]
         cases.append(IndexerCase(head_dim=D, quant_block_size=q, dtype=dtype, scale_fmt=fmt,
                                  block_size=bs, num_blocks=max(2, 512 // bs), num_tokens=300,
                                  padding_slots=7, out_of_range_slots=5, special_values=True,
-                                 slot_dtype=torch.int32 if bs == 16 else torch.int64))
+                                 slot_dtype=torch.int32 if i % 2 else torch.int64))
     for dtype, fmt in itertools.product((torch.bfloat16, torch.float32), ("ue8m0", "float32")):
         cases += [
             IndexerCase(dtype=dtype, scale_fmt=fmt, num_tokens=1000, extra_rows=24, k_pad=3,

@@ -297,31 +297,35 @@ LEGACY_CASES: list[LegacyCase] = _matrix()
 def _gpu_matrix() -> list[LegacyCase]:
     cases: list[LegacyCase] = []
     modes = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e5m2")
-    for dtype, kv, layout in itertools.product((torch.bfloat16, torch.float16, torch.float32),
-                                               modes, CACHE_STRIDES):
-        cases.append(LegacyCase(dtype=dtype, kv_cache_dtype=kv, cache_strides=layout,
-                                num_tokens=200, num_heads=8, head_size=128, num_blocks=16,
-                                padding_slots=5, out_of_range_slots=3,
-                                per_head_scale=layout == "padded"))
-    for x, kv, bs in itertools.product((1, 2, 4, 8, 16), ("auto", "fp8", "float32"), (1, 16, 64)):
+    # Every input dtype and cache mode, two cache layouts each in turn (every layout with every
+    # mode); per-head scales on the fp8 ones every other case.
+    for i, (dtype, kv) in enumerate(itertools.product(
+            (torch.bfloat16, torch.float16, torch.float32), modes)):
+        for j in (0, 1):
+            cases.append(LegacyCase(dtype=dtype, kv_cache_dtype=kv,
+                                    cache_strides=CACHE_STRIDES[(2 * i + j) % 5], num_tokens=200,
+                                    num_heads=8, head_size=128, num_blocks=16, padding_slots=5,
+                                    out_of_range_slots=3, per_head_scale=j == 1))
+    for i, (x, kv) in enumerate(itertools.product((1, 2, 4, 8, 16), ("auto", "fp8", "float32"))):
+        bs = (1, 16, 64)[i % 3]
         cases.append(LegacyCase(x=x, kv_cache_dtype=kv, num_tokens=100, num_heads=4,
-                                head_size=128 if x != 16 or kv == "fp8" else 64, block_size=bs,
-                                num_blocks=max(2, 256 // bs), slot_dtype=torch.int32))
+                                head_size=128, block_size=bs, num_blocks=max(2, 256 // bs),
+                                slot_dtype=torch.int32))
     for h, kv in itertools.product((32, 64), ("auto", "bfloat16", "fp8", "fp8_e5m2")):
         # H = 64, D = 128: vLLM's 512 threads leave half the heads of 16-bit caches unwritten.
         cases.append(LegacyCase(num_heads=h, head_size=128, kv_cache_dtype=kv, num_tokens=70,
                                 num_blocks=8, per_head_scale=True, dtype=torch.float16))
-    for (h, d), kv in itertools.product(((1, 80), (13, 96), (13, 80), (1, 96), (5, 46), (3, 6)),
-                                        ("auto", "float32", "fp8", "fp8_e5m2")):
-        cases.append(LegacyCase(num_heads=h, head_size=d, kv_cache_dtype=kv, num_tokens=129,
-                                x=2 if d % 4 else None, block_size=7, num_blocks=24,
-                                padding_slots=4, out_of_range_slots=4, extra_rows=3))
-    for kv, storage, per_head, dtype in itertools.product(
-            ("fp8", "fp8_e5m2"), ("uint8", "float8"), (False, True),
-            (torch.float32, torch.bfloat16, torch.float16)):
+    for i, (h, d) in enumerate(((1, 80), (13, 96), (13, 80), (1, 96), (5, 46), (3, 6))):
+        for kv in (("auto", "fp8"), ("float32", "fp8_e5m2"))[i % 2]:
+            cases.append(LegacyCase(num_heads=h, head_size=d, kv_cache_dtype=kv, num_tokens=129,
+                                    x=2 if d % 4 else None, block_size=7, num_blocks=24,
+                                    padding_slots=4, out_of_range_slots=4, extra_rows=3))
+    for i, (kv, storage, per_head) in enumerate(itertools.product(
+            ("fp8", "fp8_e5m2"), ("uint8", "float8"), (False, True))):
         cases.append(LegacyCase(kv_cache_dtype=kv, fp8_storage=storage, per_head_scale=per_head,
                                 special_values=True, num_tokens=33, num_heads=4, head_size=64,
-                                dtype=dtype, cache_strides="interleaved"))
+                                dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
+                                cache_strides=CACHE_STRIDES[i % 5]))
     cases += [
         LegacyCase(num_tokens=4096, num_heads=8, head_size=128, block_size=16, num_blocks=256,
                    kv_cache_dtype="fp8", fused_qkv=True),  # every slot, consecutive runs
