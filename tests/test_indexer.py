@@ -499,11 +499,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
     names = cuda_impl.all_kernel_names()
     obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 44 and len(bytes(obj.code)) > 0
-    wide = cuda_impl.all_kernel_names(cuda_impl.CudaTuning(chunk_bytes=32))
-    new = sorted(set(wide) - set(names))
-    assert len(new) == 12
-    obj, _ = cuda_impl.compile_kernel("sm_90", new)
+    assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
 
 
 @pytest.mark.parametrize("case, name, vec, lanes, tpt", [
@@ -537,8 +533,13 @@ def test_cuda_plan_fixed_arguments():
     assert p.fixed == (128, 16 * 132 + 16, 16, 4, 64, 128, 128, 1, 16, 16, 1)
     p = _plan(IndexerCase(num_blocks=4, block_size=7, scale_fmt="fp32", quant_block_size=32))
     assert p.fixed == (128, 7 * 144, 7, -1, 28, 128, 32, 4, 4, 16, 0)
-    wide = _plan(IndexerCase(), chunk_bytes=32)
-    assert (wide.vec, wide.lanes, wide.one) == (16, 8, True)
+    large = _plan(IndexerCase(), small_call_bytes=0)  # large calls: 32-byte chunks
+    assert (large.vec, large.lanes, large.one, large.name) == (
+        16, 8, True, "indexer_k_quant_and_cache_kernel<1, 16, long long, true>")
+    large = _plan(IndexerCase(dtype=torch.float32), small_call_bytes=0)
+    assert (large.vec, large.lanes, large.one) == (8, 16, True)
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    assert cuda_impl.is_small_call(2048, 128, 2) and not cuda_impl.is_small_call(2049, 128, 2)
 
 
 @needs_nvrtc
@@ -566,19 +567,22 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
 
 @needs_nvrtc
 def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
-    """The D = 128 build (one 16-byte load a lane): the row's load and the slot's are issued
-    before the first wait for a load's result, with int32 and int64 slots, ue8m0 and float32
-    scales (tests/sass.py's scoreboard reading)."""
+    """The D = 128 builds (small calls: one 16-byte load a lane, an 8-byte code store; large
+    calls: two 16-byte loads, a 16-byte store): the row's loads and the slot's are issued before
+    the first wait for a load's result, with int32 and int64 slots, ue8m0 and float32 scales
+    (tests/sass.py's scoreboard reading)."""
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
     sass_tools = _cuobjdump_or_skip()
     for slot in (torch.int32, torch.int64):
         for fmt in ("ue8m0", "float32"):
-            p = _plan(IndexerCase(slot_dtype=slot, scale_fmt=fmt))
-            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
-            text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-            assert "LDG.E.128" in text and "STG.E.64" in text, p.name
-            late = sass_tools.late_issues(text, lambda op: op.split()[0].startswith("LDG"))
-            assert not late, (p.name, late)
+            for tuning, store in ((dict(), "STG.E.64"), (dict(small_call_bytes=0), "STG.E.128")):
+                p = _plan(IndexerCase(slot_dtype=slot, scale_fmt=fmt), **tuning)
+                obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+                text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+                rows = 1 if tuning == {} else 2
+                assert text.count("LDG.E.128") == rows and store in text, p.name
+                late = sass_tools.late_issues(text, lambda op: op.split()[0].startswith("LDG"))
+                assert not late, (p.name, late)
 
 
 @needs_nvrtc
@@ -604,14 +608,15 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [
-    dict(specialize=False), dict(chunk_bytes=32), dict(chunk_bytes=4, threads=64),
-    dict(chunk_bytes=32, specialize=False, threads=128),
-], ids=["generic", "32-byte-chunks", "4-byte-chunks-64-threads", "32-byte-generic"])
+    dict(specialize=False), dict(small_call_bytes=0),
+    dict(chunk_bytes=4, small_chunk_bytes=4, threads=64),
+    dict(small_call_bytes=0, specialize=False, threads=128),
+], ids=["generic", "large-call-plan", "4-byte-chunks-64-threads", "large-call-generic"])
 @pytest.mark.parametrize("case", INDEXER_GPU_CASES[::4], ids=lambda c: c.id)
 def test_gpu_cuda_builds(case, tuning):
-    """The generic (unspecialized) builds, 32-byte chunks (8 lanes a D = 128 group) and narrow
-    chunks (more lanes, the two-pass path for large groups) over every fourth case of the GPU
-    matrix."""
+    """The generic (unspecialized) builds, the large calls' 32-byte chunks (8 lanes a D = 128
+    group) and narrow chunks (more lanes, the two-pass path for large groups) over every fourth
+    case of the GPU matrix (whose cases are mostly small calls)."""
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)

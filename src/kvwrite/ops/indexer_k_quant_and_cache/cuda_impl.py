@@ -7,9 +7,10 @@ and ``G`` groups per token; each group's amax is a shuffle reduction within its 
 most ``CudaTuning.chunk_bytes`` of input that divides ``q`` and keeps every load and code store
 aligned), the slot index type, and ONE (each lane holds exactly one chunk: ``q / VEC`` is a power
 of two of at most 32). ``lanes`` is the largest power of two of at most 32 dividing ``q / VEC``.
-For D = 128, q = 128 and 16-bit input: VEC = 8, 16 lanes a token, one 16-byte load and one
-8-byte code store each. By default each call signature gets its own build with the arguments
-fixed by the cache and the input's layout compiled in (``CudaTuning.specialize``).
+For D = 128, q = 128 and 16-bit input: VEC = 16 (large calls), 8 lanes a token, two 16-byte
+loads and one 16-byte code store each; small calls VEC = 8, 16 lanes. By default each call
+signature gets its own build with the arguments fixed by the cache and the input's layout compiled
+in (``CudaTuning.specialize``).
 
 Graph-safe: a call does no allocation and no host sync.
 """
@@ -24,7 +25,7 @@ from ...kernels import nvrtc
 from .op import ScaleFormat
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
-           "all_kernel_names", "compile_kernel", "SOURCE", "kernel_name"]
+           "all_kernel_names", "compile_kernel", "SOURCE", "kernel_name", "is_small_call"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_indexer_k_quant_and_cache")
 KERNEL = "indexer_k_quant_and_cache_kernel"
@@ -39,13 +40,19 @@ _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 class CudaTuning:
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
-    values follow concat_and_cache_mla's fp8_ds_mla kernel (16-byte input chunks, 256-thread
+    values follow concat_and_cache_mla's fp8_ds_mla kernel (32 input bytes a lane, 256-thread
     CTAs), whose per-token work is the same (a tile amax by shuffles, one scale, e4m3 codes)."""
 
     # Threads per CTA (a multiple of 32, at most 256).
     threads: int = 256
-    # Input bytes per chunk: 16 (one load) or 32 (two 16-byte loads, half the lanes a group).
-    chunk_bytes: int = 16
+    # Input bytes per chunk: 32 (two 16-byte loads, 8 lanes a group of 128 16-bit elements, a
+    # 16-byte code store each) for large calls, as the fp8_ds_mla kernel's 32 bytes a lane: twice
+    # the bytes in flight per resident thread of 16-byte chunks. Small calls (at most
+    # small_call_bytes of k) are latency-bound: 16-byte chunks spread a row over twice the lanes,
+    # each with half the chain (concat_and_cache_mla's small-call rule).
+    chunk_bytes: int = 32
+    small_call_bytes: int = 512 * 1024
+    small_chunk_bytes: int = 16
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -71,8 +78,14 @@ def kernel_name(in_kind: int, vec: int, slot_dtype: torch.dtype, one: bool) -> s
     return f"{KERNEL}<{in_kind}, {vec}, {slot}, {str(one).lower()}>"
 
 
-def _widest_vec(in_bytes: int, tuning: CudaTuning = TUNING) -> int:
-    return max(1, tuning.chunk_bytes // in_bytes)
+def is_small_call(num_tokens: int, head_dim: int, in_bytes: int,
+                  tuning: CudaTuning = TUNING) -> bool:
+    """Whether a call is planned with the small calls' chunks."""
+    return num_tokens * head_dim * in_bytes <= tuning.small_call_bytes
+
+
+def _widest_vec(in_bytes: int, tuning: CudaTuning = TUNING, small: bool = False) -> int:
+    return max(1, (tuning.small_chunk_bytes if small else tuning.chunk_bytes) // in_bytes)
 
 
 def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
@@ -80,7 +93,7 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
     names = []
     for slot in (torch.int32, torch.int64):
         for in_dtype, in_kind in _KIND.items():
-            vec = _widest_vec(in_dtype.itemsize, tuning)
+            vec = max(_widest_vec(in_dtype.itemsize, tuning, small) for small in (False, True))
             while vec >= 1:
                 for one in (True, False):
                     names.append(kernel_name(in_kind, vec, slot, one))
@@ -134,7 +147,7 @@ def plan(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     in_al = _align([k.data_ptr()] + ([k.stride(0) * ib] if t_pad > 1 else []))
     out_al = _align([kv_cache.data_ptr()] + ([kv_cache.stride(0)] if num_blocks > 1 else [])
                     + ([head_dim] if block_size > 1 else []))
-    vec = _widest_vec(ib, tuning)
+    vec = _widest_vec(ib, tuning, is_small_call(slot_mapping.numel(), head_dim, ib, tuning))
     while vec > 1:
         if q % vec == 0 and in_al % min(vec * ib, 16) == 0 and out_al % min(vec, 16) == 0:
             break
@@ -187,7 +200,8 @@ def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     kp, cp = k.data_ptr(), kv_cache.data_ptr()
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
     sig = (k.dtype, slot_mapping.dtype, k.shape[1], k.shape[0] > 1, k.stride(0), quant_block_size,
-           fmt, kv_cache.shape, kv_cache.stride(), kp & 15, cp & 15, k.get_device(), tuning)
+           fmt, kv_cache.shape, kv_cache.stride(), kp & 15, cp & 15, k.get_device(),
+           is_small_call(num_tokens, k.shape[1], k.element_size(), tuning), tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt,

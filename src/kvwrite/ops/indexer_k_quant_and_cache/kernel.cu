@@ -13,7 +13,7 @@
 // xor-shuffle reduction (fmaxf, which ignores NaN) within the segment. A lane holds chunks of
 // VEC consecutive elements: chunk c of the group's q / VEC goes to lane c mod lanes. ONE: each
 // lane has exactly one chunk, held in registers from the load to the store (D = 128, q = 128,
-// 16-bit input: 16 lanes of 16 bytes per token). Otherwise a lane walks its chunks twice: once
+// 16-bit input: 8 lanes of 32 bytes per token, or 16 of 16 bytes in small calls). Otherwise a lane walks its chunks twice: once
 // for the amax, once (loads again, from L1/L2) to quantize and store.
 //
 // Per group: s = max(amax, float32(1e-4)) / 448 by div_rn, once per lane (every lane of the
