@@ -9,6 +9,8 @@ from .dtypes import CacheDType
 from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
 from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
+from .ops.indexer_k_quant_and_cache import create_indexer_k_cache, indexer_k_quant_and_cache
+from .ops.reshape_and_cache import create_legacy_kv_cache, reshape_and_cache
 from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
 from .ops.rotary_embedding import check_positions, rotary_embedding
 from .registry import implementations
@@ -26,9 +28,13 @@ __all__ = [
     "concat_and_cache_mla",
     "create_mla_cache",
     "create_kv_caches_with_random_flash",
+    "create_indexer_k_cache",
+    "create_legacy_kv_cache",
     "fused_rope_and_reshape_cache_flash",
     "implementations",
+    "indexer_k_quant_and_cache",
     "registry",
+    "reshape_and_cache",
     "reshape_and_cache_flash",
     "rotary_embedding",
 ]

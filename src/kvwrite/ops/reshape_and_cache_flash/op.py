@@ -17,7 +17,8 @@ from ...validation import (
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
-           "select_implementation"]
+           "select_implementation", "check_key_value", "check_cache_dtype", "check_slots",
+           "check_scales"]
 
 OP = "reshape_and_cache_flash"
 
@@ -33,21 +34,7 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(name, t)
 
-    if key.dim() != 3:
-        raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
-    if key.dtype not in INPUT_DTYPES:
-        raise ValueError(f"key: expected dtype float16, bfloat16 or float32, got {key.dtype}")
-    if value.dtype != key.dtype:
-        raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
-    _, num_heads, head_size = key.shape
-    for name, t in (("key", key), ("value", value)):
-        if head_size > 1 and t.stride(2) != 1 or num_heads > 1 and t.stride(1) != head_size:
-            raise ValueError(
-                f"{name}: expected dense heads (stride(2) == 1, stride(1) == head_size = {head_size}), "
-                f"got strides {tuple(t.stride())}"
-            )
+    _, num_heads, head_size = check_key_value(key, value)
 
     if key_cache.dim() != 4:
         raise ValueError(
@@ -67,45 +54,16 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         )
     if head_size > 1 and key_cache.stride(3) != 1:
         raise ValueError(f"key_cache: expected a unit-stride last dim, got strides {tuple(key_cache.stride())}")
-    allowed = allowed_cache_dtypes(cache_dtype, key.dtype)
-    if key_cache.dtype not in allowed:
-        names = " or ".join(str(d) for d in allowed)
-        raise ValueError(
-            f"key_cache: kv_cache_dtype={cache_dtype.value!r} with {key.dtype} input expects a cache of dtype "
-            f"{names}, got {key_cache.dtype}"
-        )
+    check_cache_dtype(cache_dtype, key.dtype, key_cache)
 
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
-    if slot_mapping.numel() > key.shape[0]:
-        raise ValueError(
-            f"slot_mapping: expected at most key.shape[0] = {key.shape[0]} entries, got {slot_mapping.numel()}"
-        )
+    check_slots(slot_mapping, key)
 
     device = key.device
     require_same_device(device, "key", (("value", value), ("key_cache", key_cache),
                                         ("value_cache", value_cache),
                                         ("slot_mapping", slot_mapping)))
 
-    if cache_dtype.is_fp8:
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is None:
-                raise ValueError(f"{name}: kv_cache_dtype={cache_dtype.value!r} needs a float32 scale tensor, got None")
-            require_tensor(name, s)
-            if s.dtype != torch.float32:
-                raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
-            if s.numel() not in (1, num_heads):
-                raise ValueError(
-                    f"{name}: expected 1 (per tensor) or {num_heads} (per head) elements, got {s.numel()}"
-                )
-            if s.device != device:
-                raise ValueError(f"{name}: expected device {device} (that of the caches), got {s.device}")
-            if s.numel() > 1 and not s.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(s.stride())}")
-    scales = (("k_scale", k_scale), ("v_scale", v_scale)) if cache_dtype.is_fp8 else ()
+    scales = check_scales(cache_dtype, k_scale, v_scale, num_heads, device)
     check_mutation_safe(outputs=(("key_cache", key_cache), ("value_cache", value_cache)),
                         inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping),
                                 *scales))
@@ -204,3 +162,73 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
             f"slot_mapping: expected slots < num_slots = {num_slots} (or negative for padding); "
             f"{bad.numel()} out of range at positions {shown} with values {values}{more}"
         )
+
+
+# --- the checks shared with reshape_and_cache (the legacy layout) ----------------------------------
+
+def check_key_value(key, value) -> tuple[int, int, int]:
+    """``key``/``value`` ``[T_pad, H, D]`` of one input dtype with dense heads; returns
+    ``(T_pad, H, D)``."""
+    if key.dim() != 3:
+        raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
+    if key.dtype not in INPUT_DTYPES:
+        raise ValueError(f"key: expected dtype float16, bfloat16 or float32, got {key.dtype}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    t_pad, num_heads, head_size = key.shape
+    for name, t in (("key", key), ("value", value)):
+        if head_size > 1 and t.stride(2) != 1 or num_heads > 1 and t.stride(1) != head_size:
+            raise ValueError(
+                f"{name}: expected dense heads (stride(2) == 1, stride(1) == head_size = {head_size}), "
+                f"got strides {tuple(t.stride())}"
+            )
+    return t_pad, num_heads, head_size
+
+
+def check_cache_dtype(cache_dtype: CacheDType, input_dtype: torch.dtype, key_cache) -> None:
+    """The key cache's dtype fits ``kv_cache_dtype`` for inputs of ``input_dtype``."""
+    allowed = allowed_cache_dtypes(cache_dtype, input_dtype)
+    if key_cache.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise ValueError(
+            f"key_cache: kv_cache_dtype={cache_dtype.value!r} with {input_dtype} input expects a cache of dtype "
+            f"{names}, got {key_cache.dtype}"
+        )
+
+
+def check_slots(slot_mapping, key) -> None:
+    """``slot_mapping`` ``[T]`` int64/int32, contiguous, ``T <= key.shape[0]``."""
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
+    check_slot_dtype("slot_mapping", slot_mapping)
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
+    if slot_mapping.numel() > key.shape[0]:
+        raise ValueError(
+            f"slot_mapping: expected at most key.shape[0] = {key.shape[0]} entries, got {slot_mapping.numel()}"
+        )
+
+
+def check_scales(cache_dtype: CacheDType, k_scale, v_scale, num_heads: int,
+                 device: torch.device) -> tuple:
+    """fp8 modes: float32 ``[1]`` or ``[H]`` scales on ``device``. Returns the ``(name, scale)``
+    pairs the op reads (none outside the fp8 modes), for ``check_mutation_safe``."""
+    if not cache_dtype.is_fp8:
+        return ()
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{name}: kv_cache_dtype={cache_dtype.value!r} needs a float32 scale tensor, got None")
+        require_tensor(name, s)
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
+        if s.numel() not in (1, num_heads):
+            raise ValueError(
+                f"{name}: expected 1 (per tensor) or {num_heads} (per head) elements, got {s.numel()}"
+            )
+        if s.device != device:
+            raise ValueError(f"{name}: expected device {device} (that of the caches), got {s.device}")
+        if s.numel() > 1 and not s.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(s.stride())}")
+    return (("k_scale", k_scale), ("v_scale", v_scale))

@@ -1,0 +1,190 @@
+"""indexer_k_quant_and_cache: the public op, its validation, its torch.compile custom op, the
+scale-format enum and the cache allocation helper (docs/ops/indexer_k_quant_and_cache.md)."""
+
+from __future__ import annotations
+
+import enum
+import operator
+
+import torch
+
+from ... import registry
+from ...dtypes import INPUT_DTYPES
+from ...validation import (
+    check_mutation_safe,
+    check_slot_dtype,
+    require_same_device,
+    require_tensor,
+)
+from ...validation import shape_str as _shape
+
+__all__ = ["OP", "ScaleFormat", "parse_scale_fmt", "indexer_k_quant_and_cache", "validate",
+           "create_indexer_k_cache", "entry_size", "E4M3_MAX", "SCALE_FLOOR_BITS", "SCALE_FLOOR",
+           "select_implementation"]
+
+OP = "indexer_k_quant_and_cache"
+
+# The group scale s = max(amax, float32(1e-4)) / 448 (a true float32 division).
+E4M3_MAX = 448.0
+SCALE_FLOOR_BITS = 0x38D1B717  # float32(1e-4)
+SCALE_FLOOR = 1e-4  # rounds to SCALE_FLOOR_BITS as float32
+
+
+class ScaleFormat(enum.Enum):
+    """How a group's scale is stored: ``UE8M0`` rounds it up to a power of two (``scale_fmt``
+    "ue8m0"), ``FLOAT32`` keeps the float32 quotient (any other string)."""
+
+    UE8M0 = "ue8m0"
+    FLOAT32 = "float32"
+
+
+def parse_scale_fmt(scale_fmt: str | ScaleFormat) -> ScaleFormat:
+    """"ue8m0" -> UE8M0, any other string -> FLOAT32 (vLLM's rule); None or a non-string raises."""
+    if isinstance(scale_fmt, ScaleFormat):
+        return scale_fmt
+    if scale_fmt is None:
+        raise ValueError("scale_fmt: expected a string ('ue8m0' for power-of-two scales, any other "
+                         "for float32 scales), got None")
+    if not isinstance(scale_fmt, str):
+        raise TypeError(f"scale_fmt: expected a string, got {type(scale_fmt).__name__}")
+    return ScaleFormat.UE8M0 if scale_fmt == "ue8m0" else ScaleFormat.FLOAT32
+
+
+def _check_quant_block_size(quant_block_size, head_dim: int) -> int:
+    if isinstance(quant_block_size, bool):
+        raise TypeError("quant_block_size: expected a positive int dividing the head dim, got bool")
+    try:
+        q = operator.index(quant_block_size)
+    except TypeError:
+        raise TypeError(f"quant_block_size: expected a positive int dividing the head dim, got "
+                        f"{type(quant_block_size).__name__}") from None
+    if q < 1 or head_dim % q != 0:
+        raise ValueError(f"quant_block_size: expected a positive divisor of the head dim "
+                         f"k.shape[1] = {head_dim}, got {q}")
+    return q
+
+
+def entry_size(head_dim: int, quant_block_size: int) -> int:
+    """The cache's last dim: ``D`` code bytes and ``4 * G`` scale bytes per token slot."""
+    return head_dim + 4 * (head_dim // quant_block_size)
+
+
+def create_indexer_k_cache(num_blocks: int, block_size: int, head_dim: int = 128,
+                           quant_block_size: int = 128,
+                           device: str | torch.device = "cuda") -> torch.Tensor:
+    """A zeroed contiguous ``[num_blocks, block_size, D + 4 * (D / quant_block_size)]`` uint8
+    cache (vLLM's allocation)."""
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("head_dim", head_dim)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    q = _check_quant_block_size(quant_block_size, head_dim)
+    return torch.zeros(num_blocks, block_size, entry_size(head_dim, q), dtype=torch.uint8,
+                       device=device)
+
+
+def validate(k, kv_cache, slot_mapping, quant_block_size, scale_fmt) -> tuple[int, ScaleFormat]:
+    """Check every argument of :func:`indexer_k_quant_and_cache`; return ``(quant_block_size,
+    scale format)``.
+
+    Raises TypeError/ValueError naming the argument, what was expected and what came.
+    """
+    for name, t in (("k", k), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        require_tensor(name, t)
+    fmt = parse_scale_fmt(scale_fmt)
+    if k.dim() != 2:
+        raise ValueError(f"k: expected 2 dims [num_tokens, head_dim], got shape {_shape(k)}")
+    if k.dtype not in INPUT_DTYPES:
+        raise ValueError(f"k: expected dtype float16, bfloat16 or float32, got {k.dtype}")
+    t_pad, head_dim = k.shape
+    if head_dim < 1:
+        raise ValueError(f"k: expected a head dim >= 1, got shape {_shape(k)}")
+    if head_dim > 1 and k.stride(1) != 1:
+        raise ValueError(f"k: expected a unit-stride last dim, got strides {tuple(k.stride())}")
+    q = _check_quant_block_size(quant_block_size, head_dim)
+    groups = head_dim // q
+
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache: expected 3 dims [num_blocks, block_size, head_dim + "
+                         f"4 * head_dim / quant_block_size], got shape {_shape(kv_cache)}")
+    if kv_cache.dtype != torch.uint8:
+        raise ValueError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+    entry = entry_size(head_dim, q)
+    if kv_cache.shape[2] != entry:
+        raise ValueError(f"kv_cache: expected a last dim of head_dim + 4 * head_dim / "
+                         f"quant_block_size = {head_dim} + 4 * {groups} = {entry} (k.shape[1] = "
+                         f"{head_dim}, quant_block_size = {q}), got shape {_shape(kv_cache)}")
+    block_size = kv_cache.shape[1]
+    if kv_cache.stride(2) != 1 or (block_size > 1 and kv_cache.stride(1) != entry):
+        raise ValueError(f"kv_cache: expected dense pages (stride(2) == 1, stride(1) == {entry}), "
+                         f"got strides {tuple(kv_cache.stride())}")
+
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape "
+                         f"{_shape(slot_mapping)}")
+    check_slot_dtype("slot_mapping", slot_mapping)
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride "
+                         f"{slot_mapping.stride(0)}")
+    if slot_mapping.numel() > t_pad:
+        raise ValueError(f"slot_mapping: expected at most k.shape[0] = {t_pad} entries, got "
+                         f"{slot_mapping.numel()}")
+    require_same_device(k.device, "k", (("kv_cache", kv_cache), ("slot_mapping", slot_mapping)))
+    check_mutation_safe(outputs=(("kv_cache", kv_cache),),
+                        inputs=(("k", k), ("slot_mapping", slot_mapping)))
+    return q, fmt
+
+
+def select_implementation(k, kv_cache, fmt: ScaleFormat, implementation: str | None = None,
+                          ) -> registry.ImplInfo:
+    """The named implementation, or the preferred one that can run this case; raises if none can."""
+    return registry.select(OP, (k, kv_cache, fmt), implementation)
+
+
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              quant_block_size: int, scale_fmt: str | None, *,
+                              implementation: str | None = None) -> None:
+    """Quantize one indexer key row per token into e4m3 codes and per-group scales, into the
+    token's slot of a paged cache; mutates ``kv_cache``.
+
+    ``k`` ``[T_pad, D]`` (float16/bfloat16/float32, unit last stride, any token stride);
+    ``kv_cache`` ``[num_blocks, block_size, D + 4G]`` uint8, ``G = D / quant_block_size``, with
+    dense pages (``stride(2) == 1``, ``stride(1) == D + 4G``; ``stride(0)`` free);
+    ``slot_mapping`` ``[T]`` int64 or int32. Block ``b``'s page is the ``block_size * (D + 4G)``
+    bytes from ``kv_cache[b, 0, 0]``: first every slot's ``D`` code bytes (slot ``o`` at
+    ``[o*D, o*D + D)``), then every slot's ``G`` float32 scales (group ``g`` of slot ``o`` at
+    ``[block_size*D + 4*(o*G + g), +4)``, little-endian).
+
+    For each token ``t < T = slot_mapping.numel()`` with ``0 <= slot < num_blocks *
+    block_size`` and each group ``g`` (elements ``[g*q, g*q + q)``, ``q = quant_block_size``):
+    ``a`` = the largest ``|x|`` of the group in float32, NaN ignored (0 if none); ``s =
+    max(a, float32(1e-4)) / 448`` (a true float32 division); with ``scale_fmt == "ue8m0"`` s
+    becomes the smallest power of two ``>= s`` (+inf stays +inf); any other string keeps s. The
+    codes are ``e4m3(x / s)`` (true division, round to nearest even, saturating at ±448, NaN
+    stays NaN), so an infinite element makes its group's codes ±0 and NaN. ``scale_fmt`` None
+    raises. No other byte of the cache changes: negative and out-of-range slots are skipped, rows
+    of ``k`` past T are never read, T == 0 is a no-op, which of two tokens with one slot wins is
+    undefined. The contract: docs/ops/indexer_k_quant_and_cache.md.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size,
+                                                    scale_fmt, implementation or "")
+        return
+    _, fmt = validate(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
+    info = select_implementation(k, kv_cache, fmt, implementation)
+    if slot_mapping.numel() == 0 or kv_cache.shape[0] * kv_cache.shape[1] == 0:
+        return
+    info.run(k, kv_cache, slot_mapping, operator.index(quant_block_size), fmt)
+
+
+@torch.library.custom_op("kvwrite::indexer_k_quant_and_cache", mutates_args=("kv_cache",))
+def _custom_op(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               quant_block_size: int, scale_fmt: str | None, implementation: str) -> None:
+    """The op as torch.compile sees it: an opaque call that mutates the cache."""
+    indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt,
+                              implementation=implementation or None)
+
+
+@_custom_op.register_fake
+def _(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, implementation) -> None:
+    return None

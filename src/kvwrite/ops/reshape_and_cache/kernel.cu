@@ -1,0 +1,154 @@
+// kvwrite: reshape_and_cache (docs/ops/reshape_and_cache.md): write new key/value rows into the
+// legacy paged-attention layout, key_cache [num_blocks, H, D/x, block_size, x] and value_cache
+// [num_blocks, H, D, block_size], any strides.
+//
+// Compiled at run time with NVRTC (see cuda_impl.py): one module per instantiation of
+// reshape_and_cache_kernel<IN, OUT, VEC, KP, SlotT> and, by default, per call signature, with
+// the arguments fixed by the caches and the inputs' layout compiled in (KVWRITE_FIXED_ARGS). The
+// shared parts (element kinds, the fp8 rule, vector I/O, slot addressing) come from kvwrite's
+// kernel headers; nothing else is included.
+//
+// Work split: a thread writes one chunk of VEC elements of one head of one token, K and V. A CTA
+// is [blockDim.x tokens, blockDim.y chunks], tokens fastest: the lanes of a warp are consecutive
+// tokens at one (head, chunk). The value cache is d-major and slot-minor, so a token's V
+// elements lie block_size elements apart; consecutive tokens with consecutive slots (a prefill)
+// write one element each of one contiguous run, and the warp's stores coalesce (the key's
+// x-element pieces too: slot-minor runs of x elements). Small calls (T < 32) take fewer token
+// lanes and more chunks a warp. Every head is written (the grid's y covers H * D / VEC chunks),
+// heads take their own scale (k_scale_stride 1), and slots < 0 (padding) or >= num_slots are
+// skipped; rows of key/value past num_tokens are never read.
+//
+// VEC elements are loaded as one access (16 bytes at most), converted (kvw/vec_io.cuh's
+// convert_chunk: copy, float cast, or the fp8 rule of kvw/fp8.cuh), and stored as VEC / KP
+// pieces of KP elements into the key cache (cuda_impl.py launches KP = VEC, VEC dividing x and
+// kc_elem == 1, or KP = 1) and as VEC single elements into the value cache.
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+#include "kvw/vec_io.cuh"
+#include "kvw/slot.cuh"
+
+#ifndef KVWRITE_HOST_TEST
+
+#define KVW_LEGACY_PARAMS                                                                       \
+    const u8* __restrict__ key,           /* [T_pad, H, D]; token stride key_stride (elements) */ \
+    const u8* __restrict__ value,         /* [T_pad, H, D]; token stride value_stride */        \
+    u8* __restrict__ key_cache,           /* [num_blocks, H, D/x, block_size, x] via strides */ \
+    u8* __restrict__ value_cache,         /* [num_blocks, H, D, block_size] via strides */      \
+    const SlotT* __restrict__ slot_mapping,  /* [num_tokens] */                                 \
+    const float* __restrict__ k_scale,    /* [1] or [H] (fp8 only, else unused) */              \
+    const float* __restrict__ v_scale,    /* [1] or [H] */                                      \
+    i64 num_tokens,                                                                             \
+    i64 k_scale_stride, i64 v_scale_stride,  /* 0 (per tensor) or 1 (per head) */               \
+    i64 key_stride, i64 value_stride,     /* token strides of key and value, in elements */     \
+    i64 kc_block, i64 kc_head, i64 kc_group, i64 kc_slot, i64 kc_elem,  /* key_cache strides */ \
+    i64 vc_block, i64 vc_head, i64 vc_dim, i64 vc_slot,  /* value_cache strides (elements) */   \
+    i64 block_size, i64 block_shift,      /* block_shift = log2(block_size), or -1 */           \
+    i64 num_slots,                        /* num_blocks * block_size */                         \
+    i64 x,                                /* key_cache.size(4) */                               \
+    i64 chunks_per_head,                  /* D / VEC */                                         \
+    i64 chunks                            /* H * D / VEC */
+
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v16) the
+// arguments from key_stride on are compile-time constants: none is read from the parameter bank
+// and the index math (the divisions by chunks_per_head and x included) folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_LEGACY_FIXED_PROLOGUE()                                                             \
+  {                                                                                             \
+    KVW_FIXED_ARGS_ARRAY(17);                                                                   \
+    key_stride = fixed[0]; value_stride = fixed[1];                                             \
+    kc_block = fixed[2]; kc_head = fixed[3]; kc_group = fixed[4]; kc_slot = fixed[5];           \
+    kc_elem = fixed[6]; vc_block = fixed[7]; vc_head = fixed[8]; vc_dim = fixed[9];             \
+    vc_slot = fixed[10]; block_size = fixed[11]; block_shift = fixed[12];                       \
+    num_slots = fixed[13]; x = fixed[14]; chunks_per_head = fixed[15]; chunks = fixed[16];      \
+  }
+#else
+#define KVW_LEGACY_FIXED_PROLOGUE()
+#endif
+
+// As the other ops' kernels: an int64 slot is loaded before the rows (a plain read-only load),
+// an int32 slot after them (load_index), so that no build waits for the slot's round trip before
+// requesting the rows (tuning-log changes 52 and 57).
+template <typename SlotT>
+constexpr bool LEGACY_SLOT_FIRST = sizeof(SlotT) == 8;
+
+// Bytes [j * P, j * P + P) of a chunk (P = 1, 2 or a multiple of 4).
+template <int P, int N>
+KVW_HD Raw<P> raw_piece(const Raw<N>& r, int j) {
+  Raw<P> p;
+  if constexpr (P >= 4) {
+#pragma unroll
+    for (int i = 0; i < P / 4; ++i) p.w[i] = r.w[j * (P / 4) + i];
+  } else {
+    p.w[0] = (r.w[(j * P) / 4] >> (8 * ((j * P) & 3))) & ((1u << (8 * P)) - 1u);
+  }
+  return p;
+}
+
+template <int IN, int OUT, int VEC, int KP, typename SlotT>
+__global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAMS) {
+  KVW_PDL_ENTRY();
+  KVW_LEGACY_FIXED_PROLOGUE()
+  constexpr int IB = elem_bytes(IN);
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
+  constexpr int IN_BYTES = VEC * IB;
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+  // As reshape_and_cache_flash's kernel: branch-free scale reciprocals for chunks of at most 8
+  // input bytes, the bracket (where the GPU converts in hardware) for wider ones.
+  constexpr bool FAST_SCALE = IN_BYTES <= 8;
+  static_assert(VEC % KP == 0, "key pieces tile the chunk");
+  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const u32 u = blockIdx.y * blockDim.y + threadIdx.y;  // < 65535 * 256
+  if (t >= num_tokens || u >= static_cast<u64>(chunks)) return;
+  const u32 h = u / static_cast<u32>(chunks_per_head);
+  const i64 d0 = static_cast<i64>(u - h * static_cast<u32>(chunks_per_head)) * VEC;
+  const i64 in_off = static_cast<i64>(u) * VEC * IB;  // heads are dense: h * D + d0
+  i64 s = LEGACY_SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;
+  float k_s = 0.0f, v_s = 0.0f;
+  if constexpr (FP8) {
+    k_s = k_scale[h * k_scale_stride];
+    v_s = v_scale[h * v_scale_stride];
+  }
+  // Copies load with ld.volatile, which ptxas may not move below the slot's test (a plain load
+  // whose only use is a store under the test would wait for the slot's load).
+  Raw<IN_BYTES> kin, vin;
+  if constexpr (OUT == DT_COPY) {
+    kin = load_raw_volatile<IN_BYTES>(key + t * key_stride * IB + in_off);
+    vin = load_raw_volatile<IN_BYTES>(value + t * value_stride * IB + in_off);
+  } else {
+    kin = load_raw<IN_BYTES>(key + t * key_stride * IB + in_off);
+    vin = load_raw<IN_BYTES>(value + t * value_stride * IB + in_off);
+  }
+  if constexpr (!LEGACY_SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
+  const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
+  const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
+  const i64 kbase = slot_offset(s, kc_block, kc_slot, block_size, block_shift, slots_fit_u32) +
+                    static_cast<i64>(h) * kc_head;
+  const i64 vbase = slot_offset(s, vc_block, vc_slot, block_size, block_shift, slots_fit_u32) +
+                    static_cast<i64>(h) * vc_head;
+  Raw<VEC * OB> kout, vout;
+  if constexpr (OUT == DT_COPY) {
+    kout = kin;
+    vout = vin;
+  } else {
+    Fp8Scale ks{}, vs{};
+    if constexpr (FP8) {
+      ks = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(k_s);
+      vs = make_fp8_scale<FAST_SCALE, !FAST_SCALE>(v_s);
+    }
+    kout = convert_chunk<IN, OUT, VEC>(kin, ks);
+    vout = convert_chunk<IN, OUT, VEC>(vin, vs);
+  }
+  if (!valid) return;
+#pragma unroll
+  for (int j = 0; j < VEC / KP; ++j) {
+    const u32 d = static_cast<u32>(d0) + j * KP;
+    const u32 grp = d / static_cast<u32>(x);
+    const i64 off = kbase + static_cast<i64>(grp) * kc_group +
+                    static_cast<i64>(d - grp * static_cast<u32>(x)) * kc_elem;
+    store_raw<KP * OB>(key_cache + off * OB, raw_piece<KP * OB>(kout, j));
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i)
+    store_raw<OB>(value_cache + (vbase + (d0 + i) * vc_dim) * OB, raw_piece<OB>(vout, i));
+}
+#endif  // KVWRITE_HOST_TEST

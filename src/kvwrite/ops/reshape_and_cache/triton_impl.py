@@ -1,0 +1,153 @@
+"""The Triton implementation of reshape_and_cache: one kernel for every cache dtype, scale shape
+and cache strides.
+
+One program writes a tile ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` of K and the same tile of
+V, as reshape_and_cache_flash's kernel does (and with its tiling, ``_tiling``): it reads each
+token's slot once, loads both input tiles (masked by the token and head bounds only, so the loads
+do not wait for the slot), converts them (``kvwrite.kernels.triton_fp8.store_quantized``: a copy,
+a float cast, or the fp8 rule exactly) and stores them through the legacy layout's strides: the
+key element ``d`` of head ``h`` at ``key_cache[b, h, d // X, o, d % X]``, the value element at
+``value_cache[b, h, d, o]``. Offsets are 64-bit; strides and the geometry are compile-time
+constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
+
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which rounds some float casts
+differently from the GPU; :func:`unsupported` refuses those cases there, as
+reshape_and_cache_flash's does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import triton_support
+from ...kernels.triton_fp8 import COPY as _COPY
+from ...kernels.triton_fp8 import E4M3 as _E4M3
+from ...kernels.triton_fp8 import E5M2 as _E5M2
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, store_quantized, tl, triton
+from ..reshape_and_cache_flash import triton_impl as _flash
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+# The tiles and launch shapes of reshape_and_cache_flash's kernel: the same loads and conversions
+# per program; only the stores' addresses differ.
+TritonTuning = _flash.TritonTuning
+TUNING = TritonTuning()
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _legacy_kernel, _IMPORT_ERROR)
+
+
+def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
+                k_scale: torch.Tensor | None) -> str | None:
+    return _flash.unsupported(key, key_cache, cache_dtype, k_scale)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _legacy_kernel(
+        key_ptr,  # [T_pad, H, D], token stride KEY_STRIDE, dense heads
+        value_ptr,  # [T_pad, H, D], token stride VALUE_STRIDE, dense heads
+        key_cache_ptr,  # [num_blocks, H, D / X, block_size, X] via KC_* strides
+        value_cache_ptr,  # [num_blocks, H, D, block_size] via VC_* strides
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        v_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        num_tokens,  # T
+        KEY_STRIDE: tl.constexpr,
+        VALUE_STRIDE: tl.constexpr,
+        KC_B: tl.constexpr, KC_H: tl.constexpr, KC_G: tl.constexpr, KC_S: tl.constexpr,
+        KC_X: tl.constexpr,  # key_cache strides (block, head, d // X, slot, d % X), elements
+        VC_B: tl.constexpr, VC_H: tl.constexpr, VC_D: tl.constexpr,
+        VC_S: tl.constexpr,  # value_cache strides (block, head, d, slot), elements
+        X: tl.constexpr,
+        NUM_SLOTS: tl.constexpr,  # num_blocks * block_size
+        NUM_HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        QUANT: tl.constexpr,
+        PER_HEAD_SCALE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
+        STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+        t = tl.program_id(0) * BLOCK_T + offs_t  # [BLOCK_T]
+        h = tl.program_id(1) * BLOCK_H + offs_h  # [BLOCK_H]
+        t_in = t < num_tokens
+        # Loads masked by the token and head bounds only (not the slot): issued with the slot's.
+        load_mask = t_in[:, None, None]
+        if NUM_HEADS % BLOCK_H != 0:
+            load_mask = load_mask & (h < NUM_HEADS)[None, :, None]
+        if BLOCK_D != HEAD_SIZE:
+            load_mask = load_mask & (offs_d < HEAD_SIZE)[None, None, :]
+        t64 = t.to(tl.int64)
+        in_hd = (h * HEAD_SIZE)[None, :, None] + offs_d[None, None, :]  # < H * D: 32-bit
+        k_off = (t64 * KEY_STRIDE)[:, None, None] + in_hd
+        v_off = (t64 * VALUE_STRIDE)[:, None, None] + in_hd
+        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy=LOAD_EVICT)
+        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy=LOAD_EVICT)
+        km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
+                                                  PER_HEAD_SCALE, True)
+        # Padding (slot < 0) and out-of-range slots are not stored.
+        store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
+        block = slot // BLOCK_SIZE
+        o = slot - block * BLOCK_SIZE
+        h64 = h.to(tl.int64)
+        d64 = offs_d.to(tl.int64)
+        kc_row = block * KC_B + o * KC_S  # int64
+        kc_col = (d64 // X) * KC_G + (d64 % X) * KC_X
+        kc_off = kc_row[:, None, None] + (h64 * KC_H)[None, :, None] + kc_col[None, None, :]
+        vc_row = block * VC_B + o * VC_S
+        vc_off = vc_row[:, None, None] + (h64 * VC_H)[None, :, None] + (d64 * VC_D)[None, None, :]
+        store_quantized(key_cache_ptr, kc_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+        store_quantized(value_cache_ptr, vc_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+
+
+_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+
+
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    t_pad, num_heads, head_size = key.shape
+    num_blocks, _, _, block_size, x = key_cache.shape
+    quant = _QUANT.get(cache_dtype, _COPY)
+    block_t, block_h, block_d, num_warps, grid, evict = _flash._tiling(
+        num_tokens, num_heads, head_size, key.element_size(), quant != _COPY, tuning)
+    per_head = quant != _COPY and k_scale.numel() > 1
+    ks, vs = key_cache.stride(), value_cache.stride()
+    programs = grid[0] * grid[1]
+    pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
+    # not compile another variant.
+    one = block_size > 1
+    _legacy_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+        KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
+        VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
+        KC_B=ks[0] if num_blocks > 1 else 0, KC_H=ks[1] if num_heads > 1 else 0,
+        KC_G=ks[2] if head_size > x else 0, KC_S=ks[3] if one else 0, KC_X=ks[4] if x > 1 else 0,
+        VC_B=vs[0] if num_blocks > 1 else 0, VC_H=vs[1] if num_heads > 1 else 0,
+        VC_D=vs[2] if head_size > 1 else 0, VC_S=vs[3] if one else 0, X=x,
+        NUM_SLOTS=num_blocks * block_size, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+        BLOCK_SIZE=block_size, QUANT=quant, PER_HEAD_SCALE=per_head, BLOCK_T=block_t,
+        BLOCK_H=block_h, BLOCK_D=block_d, LOAD_EVICT=evict, PDL=pdl, PDL_TRIGGER=trigger,
+        num_warps=num_warps, launch_pdl=pdl,
+    )

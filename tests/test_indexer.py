@@ -1,0 +1,734 @@
+"""indexer_k_quant_and_cache (DeepSeek-V3.2's indexer key cache): the reference against an
+independent per-token NumPy oracle of the page layout and the scale rule (CPU), every registered
+implementation byte for byte over whole caches (Triton's interpreter on exact quotients on the
+CPU; all three on the GPU over a large matrix), the scale rule's C code compiled for the host,
+validation, deliberately wrong writers caught, NVRTC compiles, CUDA graphs and torch.compile.
+
+A failure names the cache, the number of differing bytes and the first ones by block, slot and
+code or scale byte.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.resources
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import registry
+from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
+from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.compile import compiled_targets
+from kvwrite.testing.indexer import (
+    INDEXER_CASES,
+    INDEXER_GPU_CASES,
+    IndexerCase,
+    assert_indexer_caches_equal,
+    clone_cache,
+    exact_quotient_inputs,
+    make_indexer_inputs,
+    pow2_boundary_amaxes,
+)
+from oracle import fp8_round
+
+IMPLS = [info.name for info in registry.all_impls(OP)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+# --- the independent oracle -----------------------------------------------------------------------
+
+def _ue8m0(s: np.float32) -> np.float32:
+    """The smallest power of two >= s (s > 0), by frexp: s = m * 2^e with m in [0.5, 1)."""
+    if math.isinf(s):
+        return s
+    m, e = math.frexp(float(s))
+    return np.float32(s) if m == 0.5 else np.float32(math.ldexp(1.0, e))
+
+
+def _group(x: np.ndarray, ue8m0: bool) -> tuple[np.ndarray, np.float32]:
+    """(e4m3 codes, scale) of one group of float32 values, element by element."""
+    amax = np.float32(0.0)
+    for v in x:
+        if not np.isnan(v) and abs(v) > amax:
+            amax = np.float32(abs(v))
+    floor = np.float32(1e-4)
+    with np.errstate(all="ignore"):
+        s = np.float32(max(amax, floor)) / np.float32(448.0)  # IEEE float32 division
+        if ue8m0:
+            s = _ue8m0(s)
+        q = (x / np.float32(s)).astype(np.float32)
+    return fp8_round(q, torch.float8_e4m3fn), np.float32(s)
+
+
+def indexer_oracle(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt) -> None:
+    """Writes into a CPU cache one token and group at a time, at byte offsets computed from the
+    page layout and the cache's strides."""
+    nb, bs, e = kv_cache.shape
+    d = k.shape[1]
+    g_count = d // quant_block_size
+    ue8m0 = scale_fmt == "ue8m0"
+    mem = storage_bytes(kv_cache)
+    for t in range(slot_mapping.numel()):
+        slot = int(slot_mapping[t])
+        if slot < 0 or slot >= nb * bs:
+            continue
+        b, o = divmod(slot, bs)
+        page = kv_cache.storage_offset() + b * kv_cache.stride(0)
+        x = k[t].float().numpy().astype(np.float32)
+        for g in range(g_count):
+            codes, s = _group(x[g * quant_block_size:(g + 1) * quant_block_size], ue8m0)
+            at = page + o * d + g * quant_block_size
+            mem[at:at + quant_block_size] = torch.from_numpy(codes)
+            at = page + bs * d + 4 * (o * g_count + g)
+            mem[at:at + 4] = torch.from_numpy(np.array([s], dtype="<f4").view(np.uint8))
+
+
+@functools.cache
+def expected_cache(case: IndexerCase) -> torch.Tensor:
+    inp = make_indexer_inputs(case)
+    cache = clone_cache(inp.kv_cache)
+    indexer_oracle(inp.k, cache, inp.slot_mapping, case.quant_block_size, case.scale_fmt)
+    return cache
+
+
+@functools.cache
+def reference_cache(case: IndexerCase) -> torch.Tensor:
+    """The torch reference's cache for ``case`` on the CPU (the GPU matrix's expectation: the
+    reference is checked against the oracle on the CPU matrix)."""
+    inp = make_indexer_inputs(case)
+    cache = clone_cache(inp.kv_cache)
+    kvwrite.indexer_k_quant_and_cache(inp.k, cache, *inp.args()[2:], implementation="torch")
+    return cache
+
+
+def run_case(impl: str, case: IndexerCase, device: str):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = make_indexer_inputs(case, device)
+    if (reason := info.unsupported(inp.k, inp.kv_cache,
+                                   parse_scale_fmt(case.scale_fmt))) is not None:
+        pytest.skip(reason)
+    kvwrite.indexer_k_quant_and_cache(*inp.args(), implementation=impl)
+    return inp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: c.id)
+def test_matches_oracle(impl, case, device):
+    inp = run_case(impl, case, device)
+    assert_indexer_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case),
+                                case.head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", INDEXER_GPU_CASES, ids=lambda c: c.id)
+def test_gpu_matrix(impl, case):
+    inp = run_case(impl, case, "cuda")
+    assert_indexer_caches_equal(clone_cache(inp.kv_cache, "cpu"), reference_cache(case),
+                                case.head_dim)
+
+
+def test_matrix_covers_the_contract():
+    for cases in (INDEXER_CASES, INDEXER_GPU_CASES):
+        assert {c.dtype for c in cases} == {torch.float16, torch.bfloat16, torch.float32}
+        assert {(c.head_dim, c.quant_block_size) for c in cases} >= {
+            (128, 128), (64, 64), (128, 64), (256, 128), (96, 96), (80, 16), (128, 1), (6, 3)}
+        assert {c.block_size for c in cases} >= {1, 16, 64}
+        assert any(c.scale_fmt == "ue8m0" for c in cases)
+        assert any(c.scale_fmt != "ue8m0" for c in cases)
+        assert any(c.special_values and c.dtype == torch.float32 for c in cases)
+        assert any(c.padding_slots and c.out_of_range_slots for c in cases)
+        assert any(c.slot_dtype == torch.int32 for c in cases)
+        assert any(c.k_pad and c.extra_rows for c in cases)
+        assert any(c.page_pad and c.cache_offset % 2 for c in cases)
+    assert {c.num_tokens for c in INDEXER_CASES} >= {0, 1}
+
+
+def test_oracle_writes_the_documented_page():
+    """A hand-checked page: D = 8, q = 4 (G = 2), block_size 2; the token at slot 3 is block 1's
+    offset 1: its codes at page bytes [8, 16), its scales at 16 + 4 * (1 * 2 + g)."""
+    k = torch.tensor([[448.0, -224.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    cache = torch.zeros(2, 2, 16, dtype=torch.uint8)
+    indexer_oracle(k, cache, torch.tensor([3]), 4, "float32")
+    page = cache[1].reshape(-1)
+    assert page[:8].tolist() == [0] * 8 and cache[0].count_nonzero() == 0
+    # s0 = 448 / 448 = 1: codes of 448, -224, 0, 1; s1 = 1e-4 / 448 (the floor): zeros.
+    assert page[8:16].tolist() == [0x7E, 0xF6, 0x00, 0x38, 0, 0, 0, 0]
+    scales = page[16:32].numpy().view("<f4")
+    assert scales[:2].tolist() == [0.0, 0.0]  # slot 0's scales: untouched
+    assert scales[2] == np.float32(1.0)
+    assert scales[3] == np.float32(1e-4) / np.float32(448)
+    want = cache.clone()
+    cache.zero_()
+    kvwrite.indexer_k_quant_and_cache(k, cache, torch.tensor([3]), 4, "float32")
+    assert torch.equal(cache, want)
+
+
+def test_ue8m0_rounds_up_from_the_bits():
+    """Scales exactly a power of two stay; a few ulps above one go to the next power, where
+    exp2(ceil(log2(s))) in float32 stays at the lower power (vLLM's form)."""
+    amax = torch.tensor(pow2_boundary_amaxes(), dtype=torch.float32)
+    s = amax / torch.full_like(amax, 448.0)
+    got = torch_ref.ue8m0(s)
+    want = torch.tensor([_ue8m0(np.float32(v)) for v in s.tolist()], dtype=torch.float32)
+    assert torch.equal(got, want)
+    exact = (s.view(torch.int32) & 0x7FFFFF) == 0
+    assert exact.sum() == 12 and torch.equal(got[exact], s[exact])
+    assert (got[~exact] == 2 * torch.exp2(torch.floor(torch.log2(s[~exact].double())))
+            .float()).all()
+    log_form = torch.exp2(torch.ceil(torch.log2(s[~exact])))
+    assert (log_form != got[~exact]).sum() >= 20  # the boundaries catch the float32 log form
+    inf = torch.tensor([float("inf")])
+    assert torch.equal(torch_ref.ue8m0(inf), inf)
+
+
+# --- Triton's interpreter on exactly representable quotients -------------------------------------
+
+TRITON_CPU_CASES = [
+    IndexerCase(num_tokens=9, padding_slots=2, out_of_range_slots=2),
+    IndexerCase(num_tokens=9, scale_fmt="float32", dtype=torch.float16, slot_dtype=torch.int32),
+    IndexerCase(num_tokens=6, head_dim=64, quant_block_size=32, dtype=torch.float32,
+                block_size=5, k_pad=2, page_pad=1, cache_offset=3),
+    IndexerCase(num_tokens=7, head_dim=6, quant_block_size=3, block_size=1, num_blocks=9),
+    IndexerCase(num_tokens=5, head_dim=80, quant_block_size=16, extra_rows=2, k_pad=1,
+                scale_fmt=""),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", TRITON_CPU_CASES, ids=lambda c: c.id)
+def test_triton_on_exact_quotients(case, device):
+    """Quotients that are e4m3 values themselves: the interpreter's fp8 casts (which round
+    differently from the GPU) agree there, so the kernel's indexing, scales and page layout run
+    exactly on the CPU."""
+    from kvwrite.ops.indexer_k_quant_and_cache import triton_impl
+    info = registry.get(OP, "triton")
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = exact_quotient_inputs(case, "cpu")
+    want = clone_cache(inp.kv_cache)
+    indexer_oracle(inp.k, want, inp.slot_mapping, case.quant_block_size, case.scale_fmt)
+    got = clone_cache(inp.kv_cache, device)
+    kvwrite.ops.indexer_k_quant_and_cache.validate(*inp.args())
+    triton_impl.run(inp.k.to(device), got, inp.slot_mapping.to(device), case.quant_block_size,
+                    parse_scale_fmt(case.scale_fmt))
+    assert_indexer_caches_equal(clone_cache(got, "cpu"), want, case.head_dim)
+
+
+def test_triton_refuses_the_interpreter_through_the_op():
+    inp = make_indexer_inputs(IndexerCase())
+    with pytest.raises(ValueError, match="implementation='triton' cannot run this call"):
+        kvwrite.indexer_k_quant_and_cache(*inp.args(), implementation="triton")
+
+
+# --- the scale rule's C code, compiled for the host -----------------------------------------------
+
+_HARNESS = r"""
+#include "kernel.cu"  // with -DKVWRITE_HOST_TEST only the scale functions remain
+extern "C" {
+void kvw_indexer_scales(const float* amax, int ue8m0, float* s, float* rcp, long long n) {
+  for (long long i = 0; i < n; ++i) {
+    s[i] = indexer_scale(amax[i], ue8m0 != 0);
+    rcp[i] = ue8m0 ? indexer_pow2_reciprocal(s[i]) : 0.0f;
+  }
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def scale_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the scale harness")
+    kernels = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    here = importlib.resources.files("kvwrite.ops.indexer_k_quant_and_cache")
+    d = tmp_path_factory.mktemp("indexerhost")
+    (d / "harness.cpp").write_text(_HARNESS)
+    lib = d / "libkvwindexer.so"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
+                    f"-I{kernels}", f"-I{here}", str(d / "harness.cpp"), "-o", str(lib)],
+                   check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _host_scales(lib, amax: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s, rcp = torch.empty_like(amax), torch.empty_like(amax)
+    lib.kvw_indexer_scales(ctypes.c_void_p(amax.data_ptr()), int(ue8m0),
+                           ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(rcp.data_ptr()),
+                           ctypes.c_longlong(amax.numel()))
+    return s, rcp
+
+
+def test_kernel_scale_rule_on_the_host(scale_lib):
+    """kernel.cu's indexer_scale (and the exact reciprocal of ue8m0 scales) against the
+    reference's group_scales: random amaxes over the float32 range, the floor's neighbours, the
+    power-of-two boundaries, 0, +inf and the largest finite value."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(0, 0x7F800000, (1 << 18,), generator=gen, dtype=torch.int64)
+    amax = torch.cat([bits.to(torch.int32).view(torch.float32),
+                      torch.tensor(pow2_boundary_amaxes(range(-21, 118, 3), 8)),
+                      torch.tensor([0.0, 1e-4, float("inf"), 3.4028234663852886e38, 448.0,
+                                    2.0**-149, 1e-30]),
+                      torch.nextafter(torch.tensor([1e-4] * 2),
+                                      torch.tensor([0.0, 1.0]))]).float().contiguous()
+    for fmt in ScaleFormat:
+        ue8m0 = fmt is ScaleFormat.UE8M0
+        s, rcp = _host_scales(scale_lib, amax, ue8m0)
+        want = torch_ref.group_scales(amax.view(-1, 1, 1), fmt).view(-1)
+        bad = torch.nonzero(s.view(torch.int32) != want.view(torch.int32)).flatten()
+        assert bad.numel() == 0, (fmt, amax[bad[:5]].tolist(), s[bad[:5]].tolist(),
+                                  want[bad[:5]].tolist())
+        if ue8m0:
+            finite = torch.isfinite(s)
+            assert torch.equal(rcp[finite] * s[finite], torch.ones_like(s[finite]))
+            assert (rcp[~finite] == 0).all()
+
+
+# --- the checker can fail -------------------------------------------------------------------------
+
+def _skip_last_token(k, kv_cache, slots, q, fmt):
+    torch_ref.run(k, kv_cache, slots[:-1], q, fmt)
+
+
+def _amax_with_nan(k, kv_cache, slots, q, fmt):
+    """amax by torch.amax, which propagates NaN (the rule ignores it)."""
+    real = torch_ref.group_scales
+    try:
+        torch_ref.group_scales = lambda x, f: real(torch.where(
+            torch.isnan(x).any(dim=2, keepdim=True), float("nan"), x), f)
+        torch_ref.run(k, kv_cache, slots, q, fmt)
+    finally:
+        torch_ref.group_scales = real
+
+
+def _no_floor(k, kv_cache, slots, q, fmt):
+    """s = amax / 448 without the 1e-4 floor (zero groups: NaN codes, zero scales)."""
+    real = torch_ref.SCALE_FLOOR_BITS
+    try:
+        torch_ref.SCALE_FLOOR_BITS = 0
+        torch_ref.run(k, kv_cache, slots, q, fmt)
+    finally:
+        torch_ref.SCALE_FLOOR_BITS = real
+
+
+def _log2_ue8m0(k, kv_cache, slots, q, fmt):
+    """ue8m0 as exp2f(ceilf(log2f(s))) in float32."""
+    real = torch_ref.ue8m0
+    try:
+        torch_ref.ue8m0 = lambda s: torch.exp2(torch.ceil(torch.log2(s)))
+        torch_ref.run(k, kv_cache, slots, q, fmt)
+    finally:
+        torch_ref.ue8m0 = real
+
+
+def _scales_beside_codes(k, kv_cache, slots, q, fmt):
+    """Each slot as [D codes, 4G scale bytes] (a per-token entry), not the page layout."""
+    nb, bs, _ = kv_cache.shape
+    d = k.shape[1]
+    for t in range(slots.numel()):
+        s = int(slots[t])
+        if 0 <= s < nb * bs:
+            codes, scales = torch_ref.quantize_rows(k[t:t + 1], q, fmt)
+            kv_cache[s // bs, s % bs, :d] = codes[0]
+            kv_cache[s // bs, s % bs, d:] = scales[0].contiguous().view(torch.uint8)
+
+
+def _one_group_amax(k, kv_cache, slots, q, fmt):
+    """vLLM's kernel: the amax always spans the first 128 elements (every group gets one scale)."""
+    real = torch_ref.group_scales
+    try:
+        torch_ref.group_scales = lambda x, f: real(x.reshape(x.shape[0], 1, -1), f).expand(
+            x.shape[0], x.shape[1])
+        torch_ref.run(k, kv_cache, slots, q, fmt)
+    finally:
+        torch_ref.group_scales = real
+
+
+@pytest.mark.parametrize("broken, case", [
+    (_skip_last_token, IndexerCase()),
+    (_amax_with_nan, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
+    (_no_floor, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
+    (_log2_ue8m0, IndexerCase(special_values=True, num_tokens=96, num_blocks=8,
+                              dtype=torch.float32)),
+    (_scales_beside_codes, IndexerCase(head_dim=64, quant_block_size=32)),
+    (_one_group_amax, IndexerCase(quant_block_size=64)),
+], ids=["skip-last-token", "amax-propagates-nan", "no-floor", "log2-ue8m0", "per-token-entries",
+        "one-group-amax"])
+def test_checker_rejects_wrong_implementations(broken, case):
+    inp = make_indexer_inputs(case)
+    broken(inp.k, inp.kv_cache, inp.slot_mapping, case.quant_block_size,
+           parse_scale_fmt(case.scale_fmt))
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_indexer_caches_equal(inp.kv_cache, expected_cache(case), case.head_dim)
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+def _base():
+    return make_indexer_inputs(IndexerCase(num_tokens=5, num_blocks=4, block_size=4))
+
+
+def _bad(**changes):
+    def make():
+        inp = _base()
+        args = dict(k=inp.k, kv_cache=inp.kv_cache, slot_mapping=inp.slot_mapping,
+                    quant_block_size=128, scale_fmt="ue8m0")
+        for key, f in changes.items():
+            args[key] = f(inp)
+        return inp, args
+    return make
+
+
+BAD = [
+    ("k type", _bad(k=lambda i: i.k.tolist()), TypeError, "k: expected a torch.Tensor"),
+    ("k dims", _bad(k=lambda i: i.k[None]), ValueError, "k: expected 2 dims"),
+    ("k dtype", _bad(k=lambda i: i.k.double()), ValueError, "k: expected dtype"),
+    ("k stride", _bad(k=lambda i: i.k.repeat(1, 2)[:, ::2]), ValueError, "k: expected a unit-stride last dim"),
+    ("q not dividing", _bad(quant_block_size=lambda i: 48), ValueError, "quant_block_size: expected a positive divisor of the head dim k.shape[1] = 128, got 48"),
+    ("q zero", _bad(quant_block_size=lambda i: 0), ValueError, "quant_block_size: expected a positive divisor"),
+    ("q float", _bad(quant_block_size=lambda i: 128.0), TypeError, "quant_block_size: expected a positive int"),
+    ("q bool", _bad(quant_block_size=lambda i: True), TypeError, "quant_block_size: expected a positive int dividing the head dim, got bool"),
+    ("scale_fmt None", _bad(scale_fmt=lambda i: None), ValueError, "scale_fmt: expected a string ('ue8m0' for power-of-two scales"),
+    ("scale_fmt int", _bad(scale_fmt=lambda i: 8), TypeError, "scale_fmt: expected a string, got int"),
+    ("cache dims", _bad(kv_cache=lambda i: i.kv_cache[0]), ValueError, "kv_cache: expected 3 dims"),
+    ("cache dtype", _bad(kv_cache=lambda i: i.kv_cache.view(torch.float8_e4m3fn)), ValueError, "kv_cache: expected dtype torch.uint8"),
+    ("cache entry", _bad(quant_block_size=lambda i: 64), ValueError, "kv_cache: expected a last dim of head_dim + 4 * head_dim / quant_block_size = 128 + 4 * 2 = 136"),
+    ("cache entry short", _bad(kv_cache=lambda i: i.kv_cache[..., :-1]), ValueError, "kv_cache: expected a last dim of"),
+    ("page not dense", _bad(kv_cache=lambda i: torch.zeros(2, 4, 264, dtype=torch.uint8)[..., :132]), ValueError, "kv_cache: expected dense pages (stride(2) == 1, stride(1) == 132)"),
+    ("slot dtype", _bad(slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
+    ("slot dims", _bad(slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
+    ("slot count", _bad(slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most k.shape[0] = 5 entries, got 10"),
+    ("slot stride", _bad(slot_mapping=lambda i: i.slot_mapping.repeat(2)[::2]), ValueError, "slot_mapping: expected a contiguous tensor"),
+    ("slot device", _bad(slot_mapping=lambda i: i.slot_mapping.to("meta")), ValueError, "slot_mapping: expected device cpu (that of k), got meta"),
+    ("k in the cache", _bad(k=lambda i: i.kv_cache.view(-1)[:1280].view(torch.bfloat16).view(5, 128)), ValueError, "k: expected memory apart from kv_cache's"),
+    ("k requires grad", _bad(k=lambda i: i.k.float().requires_grad_()), ValueError, "k: expected a tensor that does not require grad"),
+]
+
+
+@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
+    inp, args = make()
+    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(exc, match=re.escape(text)):
+        kvwrite.indexer_k_quant_and_cache(**args)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
+
+
+def test_any_other_scale_fmt_means_float32_scales():
+    case = IndexerCase(num_tokens=6, scale_fmt="float32")
+    for fmt in ("", "fp8", "bfloat16", "UE8M0"):
+        inp = make_indexer_inputs(case)
+        kvwrite.indexer_k_quant_and_cache(inp.k, inp.kv_cache, inp.slot_mapping, 128, fmt)
+        assert_indexer_caches_equal(inp.kv_cache, expected_cache(case), 128)
+
+
+def test_zero_tokens_is_a_no_op():
+    inp = make_indexer_inputs(IndexerCase(num_tokens=0, extra_rows=2))
+    before = storage_bytes(inp.kv_cache).clone()
+    kvwrite.indexer_k_quant_and_cache(*inp.args())
+    assert torch.equal(storage_bytes(inp.kv_cache), before)
+
+
+def test_create_indexer_k_cache():
+    c = kvwrite.create_indexer_k_cache(3, 64, device="cpu")
+    assert c.shape == (3, 64, 132) and c.dtype == torch.uint8 and not c.any()
+    assert kvwrite.create_indexer_k_cache(1, 2, 128, 64, device="cpu").shape == (1, 2, 136)
+    with pytest.raises(ValueError, match="quant_block_size: expected a positive divisor"):
+        kvwrite.create_indexer_k_cache(1, 2, 128, 48, device="cpu")
+    with pytest.raises(ValueError, match="block_size: expected a positive integer"):
+        kvwrite.create_indexer_k_cache(1, 0, device="cpu")
+
+
+def test_implementations_are_registered():
+    names = {s.name for s in kvwrite.implementations("cpu", OP)}
+    assert names == {"torch", "triton", "cuda"}
+    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+# --- CUDA: NVRTC compiles (no GPU needed), launch plans, machine code -------------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+# Global memory accesses of sm_90 SASS, as tests/test_pdl.py lists them.
+MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
+def _cuobjdump_or_skip():
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    return sass_tools
+
+
+def _plan(case: IndexerCase, **tuning):
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    inp = make_indexer_inputs(case)
+    t = cuda_impl.CudaTuning(**tuning) if tuning else cuda_impl.TUNING
+    return cuda_impl.plan(inp.k, inp.kv_cache, inp.slot_mapping, case.quant_block_size,
+                          parse_scale_fmt(case.scale_fmt), t)
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_cuda_variant_for_sm90():
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
+    assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
+
+
+@pytest.mark.parametrize("case, name, vec, lanes, tpt", [
+    (IndexerCase(), "indexer_k_quant_and_cache_kernel<1, 8, long long, true>", 8, 16, 16),
+    (IndexerCase(dtype=torch.float32, slot_dtype=torch.int32, padding_slots=1),
+     "indexer_k_quant_and_cache_kernel<2, 4, int, true>", 4, 32, 32),
+    (IndexerCase(dtype=torch.float16, quant_block_size=64),
+     "indexer_k_quant_and_cache_kernel<0, 8, long long, true>", 8, 8, 16),
+    (IndexerCase(head_dim=512, quant_block_size=512),
+     "indexer_k_quant_and_cache_kernel<1, 8, long long, false>", 8, 32, 32),
+    (IndexerCase(head_dim=80, quant_block_size=80),
+     "indexer_k_quant_and_cache_kernel<1, 8, long long, false>", 8, 2, 2),
+    (IndexerCase(head_dim=6, quant_block_size=3),
+     "indexer_k_quant_and_cache_kernel<1, 1, long long, false>", 1, 1, 2),
+    (IndexerCase(head_dim=128, quant_block_size=1),
+     "indexer_k_quant_and_cache_kernel<1, 1, long long, true>", 1, 1, 128),
+    (IndexerCase(k_pad=1), None, 1, 32, 32),  # 2-byte aligned rows: one element a chunk
+    (IndexerCase(k_pad=2), None, 2, 32, 32),
+    (IndexerCase(page_pad=4), None, 4, 32, 32),  # 4-byte aligned pages: 4-byte code stores
+    (IndexerCase(cache_offset=1, page_pad=1), None, 1, 32, 32),
+])
+def test_cuda_plan_picks_the_widest_aligned_accesses(case, name, vec, lanes, tpt):
+    p = _plan(case)
+    if name is not None:
+        assert p.name == name
+    assert (p.vec, min(p.lanes, 32), p.threads_per_token) == (vec, lanes, tpt)
+
+
+def test_cuda_plan_fixed_arguments():
+    p = _plan(IndexerCase(num_blocks=4, block_size=16, page_pad=16))
+    assert p.fixed == (128, 16 * 132 + 16, 16, 4, 64, 128, 128, 1, 16, 16, 1)
+    p = _plan(IndexerCase(num_blocks=4, block_size=7, scale_fmt="fp32", quant_block_size=32))
+    assert p.fixed == (128, 7 * 144, 7, -1, 28, 128, 32, 4, 4, 16, 0)
+    large = _plan(IndexerCase(), small_call_bytes=0)  # large calls: 32-byte chunks
+    assert (large.vec, large.lanes, large.one, large.name) == (
+        16, 8, True, "indexer_k_quant_and_cache_kernel<1, 16, long long, true>")
+    large = _plan(IndexerCase(dtype=torch.float32), small_call_bytes=0)
+    assert (large.vec, large.lanes, large.one) == (8, 16, True)
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    assert cuda_impl.is_small_call(2048, 128, 2) and not cuda_impl.is_small_call(2049, 128, 2)
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: k, kv_cache, slot_mapping and
+    num_tokens (0x210-0x22f), then the 11 fixed arguments; a specialized build reads none of them,
+    the generic build does."""
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    sass_tools = _cuobjdump_or_skip()
+    first, end = 0x230, 0x230 + 8 * 11
+    for case in (IndexerCase(), IndexerCase(head_dim=512, quant_block_size=512, scale_fmt=""),
+                 IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3)):
+        p = _plan(case)
+        reads = {}
+        for fixed in (p.fixed, None):
+            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
+            text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+            reads[fixed is None] = {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]",
+                                                                   text)}
+        assert any(first <= o < end for o in reads[True]), case.id
+        assert not any(first <= o < end for o in reads[False]), (case.id, sorted(reads[False]))
+    with pytest.raises(RuntimeError, match="11 values"):
+        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@needs_nvrtc
+def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
+    """The D = 128 builds (small calls: one 16-byte load a lane, an 8-byte code store; large
+    calls: two 16-byte loads, a 16-byte store): the row's loads and the slot's are issued before
+    the first wait for a load's result, with int32 and int64 slots, ue8m0 and float32 scales
+    (tests/sass.py's scoreboard reading)."""
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    sass_tools = _cuobjdump_or_skip()
+    for slot in (torch.int32, torch.int64):
+        for fmt in ("ue8m0", "float32"):
+            for tuning, store in ((dict(), "STG.E.64"), (dict(small_call_bytes=0), "STG.E.128")):
+                p = _plan(IndexerCase(slot_dtype=slot, scale_fmt=fmt), **tuning)
+                obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+                text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+                rows = 1 if tuning == {} else 2
+                assert text.count("LDG.E.128") == rows and store in text, p.name
+                late = sass_tools.late_issues(text, lambda op: op.split()[0].startswith("LDG"))
+                assert not late, (p.name, late)
+
+
+@needs_nvrtc
+def test_pdl_builds_wait_before_any_memory_access(tmp_path):
+    """As tests/test_pdl.py checks the other ops: in every variant's PDL build PREEXIT and
+    ACQBULK come before the first global access; the plain build has neither."""
+    from kvwrite.kernels import nvrtc
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    sass_tools = _cuobjdump_or_skip()
+    names = cuda_impl.all_kernel_names()[::5]
+    pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
+    assert len(funcs) == len(names)
+    for name, ops in funcs.items():
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    plain, _ = cuda_impl.SOURCE.compile("sm_90", names[:4])
+    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+
+
+# --- the GPU: builds and launch shapes, graphs, torch.compile -----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [
+    dict(specialize=False), dict(small_call_bytes=0),
+    dict(chunk_bytes=4, small_chunk_bytes=4, threads=64),
+    dict(small_call_bytes=0, specialize=False, threads=128),
+], ids=["generic", "large-call-plan", "4-byte-chunks-64-threads", "large-call-generic"])
+@pytest.mark.parametrize("case", INDEXER_GPU_CASES[::4], ids=lambda c: c.id)
+def test_gpu_cuda_builds(case, tuning):
+    """The generic (unspecialized) builds, the large calls' 32-byte chunks (8 lanes a D = 128
+    group) and narrow chunks (more lanes, the two-pass path for large groups) over every fourth
+    case of the GPU matrix (whose cases are mostly small calls)."""
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    inp = make_indexer_inputs(case, "cuda")
+    kvwrite.ops.indexer_k_quant_and_cache.validate(*inp.args())
+    if inp.slot_mapping.numel():
+        cuda_impl.run(inp.k, inp.kv_cache, inp.slot_mapping, case.quant_block_size,
+                      parse_scale_fmt(case.scale_fmt), tuning=cuda_impl.CudaTuning(**tuning))
+    assert_indexer_caches_equal(clone_cache(inp.kv_cache, "cpu"), reference_cache(case),
+                                case.head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("fmt", ["ue8m0", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_every_16_bit_input(impl, fmt, dtype):
+    """Every 16-bit pattern once, shuffled into groups of 128 (one group in 8 keeps only its
+    small values, so its scale comes from a small amax), against the reference."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    x = bits[torch.randperm(65536, generator=torch.Generator().manual_seed(1))].view(dtype)
+    groups = x.clone().view(512, 128)
+    small = groups[::8].float().abs()
+    groups[::8] = torch.where(small < 1.0, groups[::8], torch.zeros_like(groups[::8]))
+    k = groups.view(512, 128).cuda()
+    cache = kvwrite.create_indexer_k_cache(8, 64, device="cuda")
+    storage_bytes(cache).copy_(torch.randint(0, 256, (cache.numel(),), dtype=torch.uint8))
+    slots = torch.randperm(512).cuda()
+    want = cache.clone()
+    kvwrite.indexer_k_quant_and_cache(k, want, slots, 128, fmt, implementation="torch")
+    kvwrite.indexer_k_quant_and_cache(k, cache, slots, 128, fmt, implementation=impl)
+    assert_indexer_caches_equal(cache, want, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
+@pytest.mark.parametrize("fmt", ["ue8m0", "float32"])
+def test_cuda_graph_replay_sees_new_inputs(impl, fmt):
+    """Capture once, then change k and the slots in place: the replay uses them."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    case = IndexerCase(num_tokens=300, scale_fmt=fmt, padding_slots=3, out_of_range_slots=2,
+                       k_pad=8, page_pad=16, num_blocks=32, special_values=True)
+    first = make_indexer_inputs(case, "cuda", seed=1)
+    kvwrite.indexer_k_quant_and_cache(*first.args(), implementation=impl)  # compile outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.indexer_k_quant_and_cache(*first.args(), implementation=impl)
+    second = make_indexer_inputs(case, "cuda", seed=2)
+    first.k.copy_(second.k)
+    first.slot_mapping.copy_(second.slot_mapping)
+    storage_bytes(first.kv_cache).copy_(storage_bytes(second.kv_cache))
+    want = clone_cache(second.kv_cache)
+    kvwrite.indexer_k_quant_and_cache(second.k, want, *second.args()[2:], implementation="torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_indexer_caches_equal(first.kv_cache, want, case.head_dim)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_compile_sees_a_mutating_custom_op(impl, device):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    case = IndexerCase(num_tokens=9, padding_slots=2, k_pad=8)
+    inp = make_indexer_inputs(case, device)
+    if (reason := info.unsupported(inp.k, inp.kv_cache, ScaleFormat.UE8M0)) is not None:
+        pytest.skip(reason)
+
+    def step(k, kv_cache, slot_mapping):
+        kvwrite.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, 128, "ue8m0",
+                                          implementation=impl)
+
+    assert compiled_targets(step, *inp.args()[:3]) == ["kvwrite.indexer_k_quant_and_cache"]
+    inp = make_indexer_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:3])
+    assert_indexer_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), 128)
+
+
+def test_torch_compile_scale_fmt_none_raises():
+    inp = make_indexer_inputs(IndexerCase(num_tokens=3))
+
+    def step(k, kv_cache, slot_mapping):
+        kvwrite.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, 128, None,
+                                          implementation="torch")
+
+    before = storage_bytes(inp.kv_cache).clone()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="scale_fmt: expected a string"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:3])
+    assert torch.equal(storage_bytes(inp.kv_cache), before)
+
+
+# --- memcheck cases -------------------------------------------------------------------------------
+
+def test_sanitize_cases_are_listed():
+    from kvwrite.ops.indexer_k_quant_and_cache import sanitize
+    ids = [i for i, _ in sanitize.cases()]
+    assert ids and len(ids) == len(set(ids))
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_cases_pass():
+    from kvwrite.ops.indexer_k_quant_and_cache import sanitize
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    failed = [(i, r) for i, f in sanitize.cases() if (r := f()) is not None]
+    assert not failed, failed
