@@ -48,6 +48,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel (group amax, scales and codes in the kernel)",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -42,6 +42,7 @@ registry.register(registry.ImplInfo(
     description="Triton kernel, every cache dtype, per-head scales, any cache strides",
     module=f"{__name__}.triton_impl",
     priority=10,
+    requires=("triton",),
 ))
 registry.register(registry.ImplInfo(
     op=OP,
