@@ -28,6 +28,9 @@ TINY = {
              "float16", "--kv-cache-dtypes", "auto", "--iters", "3", "--time-budget", "0.01"],
     "mla": ["mla", "--device", "cpu", "--num-blocks", "8", "--block-size", "16", "--num-tokens",
             "2,8,16", "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"],
+    "indexer": ["indexer", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
+                "--num-tokens", "2,8,16", "--iters", "3", "--time-budget", "0.01",
+                "--graph-calls", "2"],
 }
 SUBS = sorted(TINY)
 
@@ -108,6 +111,11 @@ OWN_BAD = {
         (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"],
          "--kv-cache-dtype fp8_ds_mla"),
         (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+        (["--slots", "bogus"], "--slots")],
+    "indexer": [
+        (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
+        (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),
+        (["--dtype", "x"], "--dtype"), (["--scale-fmts", "ue8m0,x"], "--scale-fmts"),
         (["--slots", "bogus"], "--slots")],
 }
 BAD = [(sub, argv, flag) for sub in SUBS for argv, flag in COMMON_BAD + OWN_BAD[sub]]

@@ -205,6 +205,8 @@ def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
     table = markdown.markdown_tables(meta, rows)
     assert out == f"{table}\n\n{table}\n"
     lines = table.splitlines()
+    assert lines[:2] == [f"`{meta['command']}`", ""]
+    lines = lines[2:]
     assert lines[0].startswith("**reshape_and_cache_flash: dtype=bfloat16 kv_cache_dtype=auto "
                                "num_heads=8 head_size=128 block_size=16 num_blocks=64 "
                                "slots=random** (cpu, copy bandwidth ")
@@ -224,6 +226,14 @@ def test_report_marks_rows_not_measured_and_rejects_bad_files(tmp_path, capsys):
     meta, rows = read_json(path)
     rows[0] = dataclasses.replace(rows[0], status="error: broken")
     assert markdown.markdown_tables(meta, rows).splitlines()[-1] == "| 2 | n/a |"
+    page = tmp_path / "page.md"
+    page.write_text("# Performance\n\nmethod\n\n<!-- generated: below -->\nold tables\n")
+    assert cli.main(["report", "--into", str(page), path]) == 0
+    assert page.read_text() == ("# Performance\n\nmethod\n\n<!-- generated: below -->\n\n"
+                                + markdown.markdown_tables(*read_json(path)) + "\n")
+    (tmp_path / "plain.md").write_text("no marker\n")
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--into", str(tmp_path / "plain.md"), path])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"something": 1}))
     capsys.readouterr()

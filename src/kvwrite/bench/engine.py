@@ -45,7 +45,7 @@ __all__ = ["OpBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Par
            "configure", "sweep", "render", "parse_num_tokens", "parse_list", "parse_device",
            "check_output_path", "given_flags", "normalize_flags", "add_slot_flags",
            "slot_pattern", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
-           "OutOfMemoryError"]
+           "OutOfMemoryError", "compare_with_reference"]
 
 COPY_BYTES = 2**30
 CPU_COPY_BYTES = 64 * 2**20
@@ -761,6 +761,21 @@ def _sweep(defn: OpBench, cfg: Config, env: Env, points: list,
             progress(done + (f"{row.latency_us:.3f} µs, {row.gbps:.1f} GB/s" if row.ok
                              else row.status))
         del ctx
+
+
+def compare_with_reference(run, reference, outputs: dict[str, torch.Tensor],
+                           nan_dtypes: dict[str, torch.dtype] | None = None) -> str | None:
+    """The check of ops whose outputs are small enough to copy: ``run(outs)`` and
+    ``reference(outs)`` each write into their own copies of ``outputs`` ({name: tensor}); None
+    when every copy's whole allocation holds the same bytes, else the first difference.
+    ``nan_dtypes``: as :func:`kvwrite.testing.sanitize.compare_outputs`."""
+    from ..testing.sanitize import compare_outputs
+
+    got = {k: v.clone() for k, v in outputs.items()}
+    want = {k: v.clone() for k, v in outputs.items()}
+    run(got)
+    reference(want)
+    return compare_outputs(got, want, nan_dtypes)
 
 
 # --- rendering ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``kvwrite-bench report FILE.json...``: saved ``--json`` results of any subcommand as markdown
-tables (docs/performance.md is this command's output over the committed JSON files).
+tables (docs/performance.md's tables are this command's output over the committed JSON files:
+``kvwrite-bench report --into docs/performance.md docs/data/*.json``).
 
 A file's rows are split into tables by the axes that vary over them (all but num_tokens and the
 layout); a table has a row per num_tokens and, for each layout and series (implementation, or
@@ -14,9 +15,10 @@ from collections.abc import Sequence
 
 from .report import ReportError, Row, read_json, series_label
 
-__all__ = ["markdown_tables", "main"]
+__all__ = ["markdown_tables", "main", "MARKER"]
 
 _QUIET = {"slot_params", "model", "tp"}
+MARKER = "<!-- generated:"
 
 
 def _fmt(params: dict) -> str:
@@ -40,7 +42,7 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(tuple(str(r.params.get(k)) for k in split), []).append(r)
-    out = []
+    out = [f"`{meta['command']}`"] if meta.get("command") else []
     for values, group in groups.items():
         layouts = list(dict.fromkeys(str(r.params.get("layout", "")) for r in group))
         what = " ".join(f"{k}={v}" for k, v in zip(split, values, strict=True))
@@ -69,7 +71,21 @@ def main(argv: list[str], prog: str = "kvwrite-bench report") -> int:
     p = Parser(prog=prog, description="Print files written by any kvwrite-bench subcommand's "
                                       "--json as markdown tables.")
     p.add_argument("json", nargs="+", help="files written by kvwrite-bench ... --json")
+    p.add_argument("--into", metavar="PAGE.md", default=None,
+                   help="replace everything after the page's marker line (a line starting with "
+                        f"{MARKER!r}) with the tables, instead of printing them")
     args = p.parse_args(argv)
+    head = None
+    if args.into:
+        try:
+            with open(args.into) as f:
+                text = f.read()
+        except OSError as e:
+            p.error(f"--into: {args.into}: cannot read it ({e.strerror or e})")
+        at = text.find("\n" + MARKER)
+        if at < 0:
+            p.error(f"--into: {args.into} has no line starting with {MARKER!r}")
+        head = text[:text.index("\n", at + 1) + 1]
     tables = []
     for path in args.json:
         try:
@@ -82,5 +98,10 @@ def main(argv: list[str], prog: str = "kvwrite-bench report") -> int:
             print(f"{prog}: error: {text if text.startswith(path) else f'{path}: {text}'}",
                   file=sys.stderr)
             return 2
-    print("\n\n".join(tables))
+    body = "\n\n".join(tables)
+    if head is None:
+        print(body)
+    else:
+        with open(args.into, "w") as f:
+            f.write(head + "\n" + body + "\n")
     return 0

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The runs behind docs/performance.md and the README's tables: every op's benchmark, cold and hot
+# L2, the cuda and Triton implementations, each point checked before it is timed. One JSON file
+# per command in OUT_DIR; then, in a checkout:
+#   cp OUT_DIR/*.json docs/data/ && kvwrite-bench report --into docs/performance.md docs/data/*.json
+# Usage (GPU machine, repository root, PYTHONPATH=src): benchmarks/performance.sh OUT_DIR [NAME...]
+set -u
+out=${1:?usage: benchmarks/performance.sh OUT_DIR [NAME...]}; shift
+mkdir -p "$out"
+only=" $* "
+common=(--implementation cuda,triton --iters 50 --time-budget 0.15)
+run() {  # name, subcommand and flags...
+    local name=$1; shift
+    [ "$only" != "  " ] && [[ "$only" != *" ${name%%-*} "* ]] && return
+    for l2 in cold hot; do
+        local flag=(); [ $l2 = hot ] && flag=(--hot-l2)
+        echo "== kvwrite-bench $* ${common[*]} ${flag[*]}"
+        timeout 300 python3 -m kvwrite.bench "$@" "${common[@]}" "${flag[@]}" \
+            --json "$out/$name-$l2.json" 2>"$out/$name-$l2.err" | tail -n +2 | grep -v "^#"
+    done
+}
+run 01_write-auto --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536
+run 01_write-fp8 --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
+run 01_write-h8 --num-heads 8 --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536 \
+    --kv-cache-dtype fp8
+run 02_rope rope --dtypes bfloat16 --kv-cache-dtypes auto,fp8_e4m3 --num-tokens 1,16,1024,4096,16384
+run 03_mla-auto mla --num-tokens 1,16,1024,4096,16384,65536
+run 03_mla-fp8 mla --kv-cache-dtype fp8 --num-tokens 1,16,1024,4096,16384,65536
+run 03_mla-ds mla --kv-cache-dtype fp8_ds_mla --num-tokens 1,16,1024,4096,16384,65536
+run 04_indexer indexer --scale-fmts ue8m0,float32 --num-tokens 1,16,1024,16384,65536
