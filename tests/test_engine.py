@@ -28,6 +28,9 @@ TINY = {
              "float16", "--kv-cache-dtypes", "auto", "--iters", "3", "--time-budget", "0.01"],
     "mla": ["mla", "--device", "cpu", "--num-blocks", "8", "--block-size", "16", "--num-tokens",
             "2,8,16", "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"],
+    "legacy": ["legacy", "--device", "cpu", "--num-tokens", "2,8,16", "--num-heads", "2",
+               "--head-size", "64", "--num-blocks", "8", "--iters", "3", "--graph-calls", "2",
+               "--time-budget", "0.01"],
     "indexer": ["indexer", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
                 "--num-tokens", "2,8,16", "--iters", "3", "--time-budget", "0.01",
                 "--graph-calls", "2"],
@@ -112,6 +115,9 @@ OWN_BAD = {
          "--kv-cache-dtype fp8_ds_mla"),
         (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
         (["--slots", "bogus"], "--slots")],
+    "legacy": [
+        (["--layouts", "NHD"], "--layouts"), (["--head-size", "100"], "--head-size"),
+        (["--num-heads", "0"], "--num-heads"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype")],
     "indexer": [
         (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
         (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),
@@ -187,7 +193,8 @@ def test_report_and_plot_read_every_subcommands_json(capsys, tmp_path, sub):
     capsys.readouterr()
     assert main(["report", str(js)]) == 0
     md = capsys.readouterr().out
-    assert md.startswith(f"**{_bench(sub).name}: ") and "| T |" in md
+    command = json.loads(js.read_text())["meta"]["command"]
+    assert md.startswith(f"`{command}`\n\n**{_bench(sub).name}: ") and "| T |" in md
     assert re.search(r"^\| 16 \| [0-9.]+ \(", md, re.M)
     pytest.importorskip("matplotlib")
     png = tmp_path / "r.png"

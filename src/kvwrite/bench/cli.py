@@ -37,6 +37,9 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "concat_and_cache_mla": (
         ("mla",), "kvwrite.ops.concat_and_cache_mla.bench:BENCH",
         "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark"),
+    "reshape_and_cache": (
+        ("legacy",), "kvwrite.ops.reshape_and_cache.bench:BENCH",
+        "the legacy paged-attention cache write (x-packed key layout)"),
     "indexer_k_quant_and_cache": (
         ("indexer",), "kvwrite.ops.indexer_k_quant_and_cache.bench:BENCH",
         "DeepSeek-V3.2's indexer key write (e4m3 codes + group scales)"),

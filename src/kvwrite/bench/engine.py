@@ -740,15 +740,20 @@ def _sweep(defn: OpBench, cfg: Config, env: Env, points: list,
         skip = defn.skip_reason(point)
         count, flush = rotation(defn, cfg, point, env.l2_bytes)
         ctx = None
+        failed = None
         if skip is None:
             try:
                 ctx = defn.prepare(point, count, cfg.device)
             except Skip as e:
                 skip = str(e)
-        if skip is not None:
-            rows += [_row(defn, cfg, env, point, k, i, status=f"skipped: {skip}")
-                     for k, i in series]
-            progress(f"{label}: skipped: {skip}")
+            except OutOfMemoryError:
+                raise
+            except Exception as e:  # the point cannot be built: its rows say why, the run fails
+                failed = f"error: {type(e).__name__}: {e}".splitlines()[0]
+        if skip is not None or failed is not None:
+            status = failed or f"skipped: {skip}"
+            rows += [_row(defn, cfg, env, point, k, i, status=status) for k, i in series]
+            progress(f"{label}: {status}")
             continue
         if any(flush.values()) and flush_buf is None:
             flush_buf = torch.empty(2 * env.l2_bytes, dtype=torch.uint8, device=cfg.device)
