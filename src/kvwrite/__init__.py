@@ -9,6 +9,12 @@ from .dtypes import CacheDType
 from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
 from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
+from .ops.nvfp4 import (
+    nvfp4_gather_cache,
+    nvfp4_kv_dequantize,
+    nvfp4_kv_quantize,
+    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+)
 from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
 from .ops.rotary_embedding import check_positions, rotary_embedding
 from .registry import implementations
@@ -28,6 +34,10 @@ __all__ = [
     "create_kv_caches_with_random_flash",
     "fused_rope_and_reshape_cache_flash",
     "implementations",
+    "nvfp4_gather_cache",
+    "nvfp4_kv_dequantize",
+    "nvfp4_kv_quantize",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "registry",
     "reshape_and_cache_flash",
     "rotary_embedding",

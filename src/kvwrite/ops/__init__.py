@@ -3,9 +3,10 @@
 from . import (
     concat_and_cache_mla,
     fused_rope_and_reshape_cache_flash,
+    nvfp4,
     reshape_and_cache_flash,
     rotary_embedding,
 )
 
 __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
-           "concat_and_cache_mla"]
+           "concat_and_cache_mla", "nvfp4"]
