@@ -166,26 +166,30 @@ NVFP4_CASES = _cases()
 
 def _gpu_cases() -> list[Nvfp4Case]:
     """The GPU matrix: every form, layout, rule and V scale layout over D 64/128/256 (and other
-    multiples of 16 with linear scales), block sizes, GQA head counts, dtypes, slots and inputs."""
+    multiples of 16 with linear scales), block sizes, GQA head counts, dtypes, slots and inputs.
+    About 100 cases: each compiles its own Triton and CUDA builds."""
     c = Nvfp4Case
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
     cases = list(NVFP4_CASES)
-    for form, layout, kv, dt, d in itertools.product(
-            FORMS, ("NHD", "HND"), ("nvfp4", "nvfp4_4over6"),
-            (torch.bfloat16, torch.float16, torch.float32), (64, 128, 256)):
+    i = 0
+    for form, layout, kv, d in itertools.product(FORMS, ("NHD", "HND"),
+                                                 ("nvfp4", "nvfp4_4over6"), (64, 128, 256)):
         if form != "vllm" and kv != "nvfp4":
             continue
         for v_layout in (("linear", "swizzled") if form == "vllm" else ("linear",)):
-            cases.append(c(form=form, layout=layout, kv_cache_dtype=kv, dtype=dt, head_size=d,
-                           v_scale_layout=v_layout, num_heads=8 if d < 256 else 2,
+            i += 1
+            cases.append(c(form=form, layout=layout, kv_cache_dtype=kv, dtype=dtypes[i % 3],
+                           head_size=d, v_scale_layout=v_layout, num_heads=8 if d < 256 else 2,
                            num_tokens=300, num_blocks=40, block_size=16, padding_slots=7,
                            out_of_range_slots=5, special_values=True,
                            qkv_slices=d == 128, extra_rows=4,
-                           slot_dtype=torch.int32 if d == 64 else torch.int64,
+                           slot_dtype=torch.int32 if i % 2 else torch.int64,
                            scale_as_number=form != "vllm" and d == 256))
-    for d in (16, 32, 48, 80, 96, 112, 144, 192):
-        for bs in (1, 3, 16, 32):
-            cases.append(c(head_size=d, block_size=bs, num_heads=5, num_tokens=100,
-                           num_blocks=-(-128 // bs), special_values=True, padding_slots=3))
+    for j, d in enumerate((16, 32, 48, 80, 96, 112, 144, 192)):
+        bs = (1, 3, 16, 32)[j % 4]
+        cases.append(c(head_size=d, block_size=bs, num_heads=5, num_tokens=100,
+                       num_blocks=-(-128 // bs), special_values=True, padding_slots=3,
+                       dtype=dtypes[j % 3], layout=("NHD", "HND")[j % 2]))
     for h in (1, 4, 16, 64):
         cases.append(c(num_heads=h, head_size=128, num_tokens=70, block_size=32, num_blocks=4,
                        v_scale_layout="swizzled", layout="HND"))
@@ -324,10 +328,7 @@ def _vllm_caches(case: Nvfp4Case, g, device) -> tuple:
     # (nb, 2 sides (+ pad bytes each)) as vLLM allocates, permuted to logical order.
     buf = _random_bytes((nb * 2 * (side + case.pad) + case.pad,), g, device)
     s0 = 2 * (side + case.pad)
-    if case.layout == "NHD":
-        strides = (s0, h * f, f, 1)
-    else:
-        strides = (s0, f, bs * f, 1)
+    strides = (s0, h * f, f, 1) if case.layout == "NHD" else (s0, f, bs * f, 1)
     k = buf.as_strided((nb, bs, h, f), strides, case.pad)
     v = buf.as_strided((nb, bs, h, f), strides, case.pad + side + case.pad)
     return (k, v)
