@@ -99,7 +99,8 @@ def float32_scale(name: str, k) -> float | torch.Tensor:
 # --- the inputs (both entry points) ----------------------------------------------------------------
 
 def _check_inputs(key, value, names: tuple[str, str], head_what: str) -> tuple[int, int, int]:
-    """``key``/``value`` as §6.2 takes them; returns (T_pad, H, D)."""
+    """``key``/``value`` as both NVFP4 writers take them (docs/ops/nvfp4.md); returns
+    (T_pad, H, D)."""
     kn, vn = names
     require_tensor(kn, key)
     require_tensor(vn, value)

@@ -215,12 +215,22 @@ KVW_HD void nvfp4_group_pair(const float (&xa)[16], const float (&xb)[16], float
   // amax with NaN propagated (max.NaN costs what fmaxf does): a NaN amax says the group holds a
   // NaN, and only then is amax taken again with NaN skipped (the rule's), and the codes by the
   // general path.
-  float amax = 0.0f, bmax = 0.0f;
+  // A tree (4 dependent steps, not 16: small calls wait on this chain); max is associative.
+  float ta[8], tb[8];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    amax = max_nan(amax, abs_f(xa[i]));
-    bmax = max_nan(bmax, abs_f(xb[i]));
+  for (int i = 0; i < 8; ++i) {
+    ta[i] = max_nan(abs_f(xa[i]), abs_f(xa[i + 8]));
+    tb[i] = max_nan(abs_f(xb[i]), abs_f(xb[i + 8]));
   }
+#pragma unroll
+  for (int n = 4; n >= 1; n >>= 1) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+      ta[i] = max_nan(ta[i], ta[i + n]);
+      tb[i] = max_nan(tb[i], tb[i + n]);
+    }
+  }
+  float amax = ta[0], bmax = tb[0];  // |x| >= +0: the max from 0
   const bool nan_in = amax != amax || bmax != bmax;
   if (nan_in) {
     amax = bmax = 0.0f;
