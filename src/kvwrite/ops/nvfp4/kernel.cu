@@ -139,24 +139,6 @@ KVW_HD void nvfp4_load_group(const u8* p, float (&x)[16]) {
   }
 }
 
-// The slot: load_index (the read-only path; ptxas may issue it early, and waits for it after the
-// rows' loads). The element-wise build (32 loads of its rows) loads it with ld.volatile, after
-// the rows: ptxas placed an int32 slot's sign extension between the rows' loads there, waiting
-// for the slot before requesting the rest of the rows.
-template <bool ALIGNED, typename SlotT>
-KVW_HD SlotT nvfp4_slot(const SlotT* p) {
-  if constexpr (ALIGNED) {
-    return load_index(p);
-  } else {
-    const Raw<sizeof(SlotT)> r = load_raw_volatile<sizeof(SlotT)>(reinterpret_cast<const u8*>(p));
-    if constexpr (sizeof(SlotT) == 8) {
-      return static_cast<SlotT>((static_cast<u64>(r.w[1]) << 32) | r.w[0]);
-    } else {
-      return static_cast<SlotT>(r.w[0]);
-    }
-  }
-}
-
 template <int IN, bool ALIGNED, typename SlotT, bool FOUR_OVER_SIX>
 __global__ void __launch_bounds__(256) nvfp4_kernel(KVW_NVFP4_PARAMS) {
   KVW_PDL_ENTRY();
@@ -180,7 +162,7 @@ __global__ void __launch_bounds__(256) nvfp4_kernel(KVW_NVFP4_PARAMS) {
   nvfp4_load_group<IN, IN_ALIGN>(value + (t * value_stride + static_cast<i64>(q) * 16) * IB, xv);
   const float k = nvfp4_scale(k_scale, k_scale_bits);
   const float v = nvfp4_scale(v_scale, v_scale_bits);
-  const i64 s = static_cast<i64>(nvfp4_slot<ALIGNED>(slot_mapping + t));
+  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
 
   const u32 h = q / static_cast<u32>(head_groups);

@@ -179,10 +179,12 @@ KVW_HD u32 nvfp4_group(const float (&x)[16], float k, const Fp8Scale& den6, cons
 KVW_HD float max_nan(float a, float b) {
 #ifdef KVWRITE_HOST_TEST
   return (a != a || b != b) ? a + b : __builtin_fmaxf(a, b);
-#else
+#elif __CUDA_ARCH__ >= 800
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return (a != a || b != b) ? add_rn(a, b) : fmaxf(a, b);
 #endif
 }
 
