@@ -1120,10 +1120,12 @@ def test_cuda_plan(case, name, threads):
 def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
     """A build with the call signature's 20 trailing arguments compiled in reads none of them
     from the parameter bank (sm_90: 9 pointers at 0x210, the scale bits, num_tokens at 0x268,
-    the fixed arguments from 0x270); the generic build reads them; a wrong count fails."""
+    the fixed arguments from 0x270), issues its loads before any wait and, as its PDL twin,
+    waits before any access; the generic build reads them; a wrong count fails."""
     import sass as sass_tools
     if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
     cuda_impl = _cuda_impl()
 
     def reads(name, fixed):
@@ -1140,6 +1142,11 @@ def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
         assert not any(first <= o < end for o in special), sorted(map(hex, special))
         assert 0x210 in special and 0x268 in special  # the key pointer and num_tokens still are
         assert not sass_tools.late_issues(text, _row_load)
+        pdl, _ = cuda_impl.SOURCE.compile("sm_90", p.name, macros=nvrtc.fixed_args_macros(p.fixed)
+                                          + (nvrtc.PDL_MACRO,))
+        (ops,) = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path)).values()
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "ACQBULK" in ops[:first_mem], ops[:40]
     generic, _ = reads(p.name, None)
     assert any(first <= o < end for o in generic), sorted(map(hex, generic))
     with pytest.raises(RuntimeError, match="20 values"):
@@ -1242,7 +1249,7 @@ def test_gpu_every_16_bit_input(impl, dtype, kv):
                                                             device="cuda")
         want_k, want_v = clone_tensors([kc[0], vc[0]])
         ks = torch.tensor([k], device="cuda")
-        vs = torch.tensor([k * 3], device="cuda")
+        vs = torch.tensor([min(k * 3, 2.0**100)], device="cuda")  # within [2^-100, 2^100]
         kvwrite.reshape_and_cache_flash(x, x.flip(0), want_k, want_v, slots, kv, ks, vs,
                                         v_scale_layout="linear", implementation="torch")
         kvwrite.reshape_and_cache_flash(x, x.flip(0), kc[0], vc[0], slots, kv, ks, vs,
