@@ -1183,6 +1183,73 @@ def test_sanitize_cases_are_listed():
     assert all(callable(fn) for _, fn in sanitize.cases())
 
 
+# --- Triton: compiles for sm_90 (CPU), no fused multiply-add, the PDL wait first ---------------
+
+_TRITON_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.ops.nvfp4 import triton_impl as nv
+
+def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
+    k = nv._nvfp4_kernel
+    types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "k_sf_ptr": "*u8",
+             "v_data_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot,
+             "num_tokens": "i32"}
+    consts = dict(KEY_STRIDE=3072, VALUE_STRIDE=3072, KD_SB=18432, KD_SS=512, KD_SH=64,
+                  KS_SB=18432, KS_SS=64, KS_SH=8, VD_SB=18432, VD_SS=512, VD_SH=64,
+                  VS_SB=18432, VS_SS=64, VS_SH=8, NUM_SLOTS=1024, BLOCK_SIZE=16, G=8,
+                  NUM_GROUPS=64, FOUR_OVER_SIX=fos, V_SWIZZLE=swz, BF16_BITS=in_ty == "*i16",
+                  SCALE_IN_MEMORY=in_mem, BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
+    if in_mem:
+        types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_scale_value="fp32",
+                     v_scale_value="fp32")
+    else:
+        consts.update(k_scale_ptr=None, v_scale_ptr=None)
+        types.update(k_scale_value="fp32", v_scale_value="fp32")
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, "enable_fp_fusion": False}
+    if pdl:
+        opts["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for in_ty, fos in (("*i16", False), ("*fp32", True)):
+    text = ptx(in_ty, fos, True, True)
+    out[f"{in_ty}-{fos}"] = [text.count("fma."), text.count("div.rn.f32")]
+text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8)
+first_ld = text.index("ld.global")
+out["pdl"] = [text.count("griddepcontrol.wait"), text.find("griddepcontrol.wait") < first_ld]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
+    """The Triton kernel compiled for sm_90 (no GPU needed): bfloat16 bits and float32 4over6
+    builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
+    and int32 slots. No fma at all in their PTX (contraction off: the rule's steps and 4over6's
+    error sums are rounded one by one), the two quotients per group as div.rn.f32 (K and V:
+    2 x 64 groups; 4over6 both candidates), and the PDL build's wait before its first load."""
+    import json
+    import os
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["*i16-False"] == [0, 64] and out["*fp32-True"] == [0, 128], out
+    assert out["pdl"] == [1, True], out
+
+
 # --- on the GPU -----------------------------------------------------------------------------------------
 
 def _gpu_impl(impl: str):
