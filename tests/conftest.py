@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.fused_rope_and_reshape_cache_flash.triton_impl",
                     "kvwrite.ops.concat_and_cache_mla.triton_impl",
                     "kvwrite.ops.indexer_k_quant_and_cache.triton_impl",
-                    "kvwrite.ops.reshape_and_cache.triton_impl"):
+                    "kvwrite.ops.reshape_and_cache.triton_impl",
+                    "kvwrite.ops.nvfp4.triton_impl"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()

@@ -10,6 +10,12 @@ from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_r
 from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
 from .ops.indexer_k_quant_and_cache import create_indexer_k_cache, indexer_k_quant_and_cache
+from .ops.nvfp4 import (
+    nvfp4_gather_cache,
+    nvfp4_kv_dequantize,
+    nvfp4_kv_quantize,
+    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
+)
 from .ops.reshape_and_cache import create_legacy_kv_cache, reshape_and_cache
 from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
 from .ops.rotary_embedding import check_positions, rotary_embedding
@@ -33,6 +39,10 @@ __all__ = [
     "fused_rope_and_reshape_cache_flash",
     "implementations",
     "indexer_k_quant_and_cache",
+    "nvfp4_gather_cache",
+    "nvfp4_kv_dequantize",
+    "nvfp4_kv_quantize",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
     "registry",
     "reshape_and_cache",
     "reshape_and_cache_flash",

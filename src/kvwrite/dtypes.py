@@ -63,10 +63,18 @@ class CacheDType(enum.Enum):
     FLOAT32 = "float32"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+    # NVFP4 (docs/ops/nvfp4.md): 4-bit E2M1 codes with an E4M3 scale per 16 elements, in
+    # vLLM's page layout; reshape_and_cache_flash only (parse_kv_cache_dtype(..., nvfp4=True)).
+    NVFP4 = "nvfp4"
+    NVFP4_4OVER6 = "nvfp4_4over6"
 
     @property
     def is_fp8(self) -> bool:
         return self in (CacheDType.FP8_E4M3, CacheDType.FP8_E5M2)
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self in (CacheDType.NVFP4, CacheDType.NVFP4_4OVER6)
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -77,7 +85,11 @@ class CacheDType(enum.Enum):
         }[self]
 
     def element_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of one cache element's value (float8 for fp8 modes, whatever the storage)."""
+        """The dtype of one cache element's value (float8 for fp8 modes, whatever the storage).
+        The NVFP4 modes have none (4-bit codes with block scales): ValueError."""
+        if self.is_nvfp4:
+            raise ValueError(f"kv_cache_dtype={self.value!r} has no per-element dtype (4-bit codes "
+                             f"and a scale byte per 16 elements in uint8 pages)")
         if self is CacheDType.AUTO:
             return input_dtype
         if self.is_fp8:
@@ -106,6 +118,11 @@ _ALIASES = {
     "fp8_e4m3": CacheDType.FP8_E4M3,
     "fp8_e5m2": CacheDType.FP8_E5M2,
 }
+# The NVFP4 spellings, accepted only where the caller says it writes them (nvfp4=True).
+_NVFP4_ALIASES = {
+    "nvfp4": CacheDType.NVFP4,
+    "nvfp4_4over6": CacheDType.NVFP4_4OVER6,
+}
 
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
@@ -113,13 +130,24 @@ FP8_MAX = {
 }
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType) -> CacheDType:
+def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType, *, nvfp4: bool = False) -> CacheDType:
+    """The :class:`CacheDType` of a spelling (or the enum itself). The NVFP4 modes ("nvfp4",
+    "nvfp4_4over6") only with ``nvfp4=True`` (reshape_and_cache_flash and the allocator write
+    them; every other op and the benchmark's per-element modes refuse them here)."""
+    names = {**_ALIASES, **_NVFP4_ALIASES} if nvfp4 else _ALIASES
     if isinstance(kv_cache_dtype, CacheDType):
+        if kv_cache_dtype.is_nvfp4 and not nvfp4:
+            raise ValueError(f"kv_cache_dtype: expected one of {sorted(names)}, got "
+                             f"{kv_cache_dtype.value!r} (the NVFP4 modes are written by "
+                             f"reshape_and_cache_flash only)")
         return kv_cache_dtype
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _ALIASES:
-        return _ALIASES[kv_cache_dtype]
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in names:
+        return names[kv_cache_dtype]
+    hint = ""
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _NVFP4_ALIASES:
+        hint = " (the NVFP4 modes are written by reshape_and_cache_flash only)"
     raise ValueError(
-        f"kv_cache_dtype: expected one of {sorted(_ALIASES)}, got {kv_cache_dtype!r}"
+        f"kv_cache_dtype: expected one of {sorted(names)}, got {kv_cache_dtype!r}{hint}"
     )
 
 
@@ -129,6 +157,8 @@ def allowed_cache_dtypes(cache_dtype: CacheDType, input_dtype: torch.dtype) -> t
         return (input_dtype,)
     if cache_dtype.is_fp8:
         return (torch.uint8, cache_dtype.fp8_dtype)
+    if cache_dtype.is_nvfp4:
+        return (torch.uint8,)
     return (_PLAIN[cache_dtype],)
 
 
@@ -138,6 +168,9 @@ def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | Non
 
     ``scale`` (fp8 only) holds 1 or H float32 values; head h uses ``scale[h]``.
     """
+    if cache_dtype.is_nvfp4:
+        raise ValueError(f"kv_cache_dtype={cache_dtype.value!r}: not a per-element rule (see "
+                         f"kvwrite.ops.nvfp4)")
     if cache_dtype is CacheDType.AUTO:
         return x
     if not cache_dtype.is_fp8:

@@ -145,14 +145,23 @@ def create_kv_caches_with_random_flash(num_blocks: int, block_size: int, num_lay
     are its logical ``[num_blocks, block_size, H, D]`` halves. ``cache_dtype`` "auto" takes
     ``model_dtype``; fp8 caches are ``torch.uint8`` holding valid fp8 values; values are uniform in
     ``[-head_size**-0.5, head_size**-0.5)``. A ``seed`` makes the result reproducible.
+
+    ``cache_dtype`` "nvfp4" / "nvfp4_4over6" (``head_size % 16 == 0``): vLLM's NVFP4 page layout,
+    uint8 ``(num_blocks, 2, block_size, H, F)`` (NHD) or ``(num_blocks, 2, H, block_size, F)``
+    (HND) with ``F = D/2 + D/16``, random bytes; the caches are its logical
+    ``[num_blocks, block_size, H, F]`` halves, so the V side of a block follows its K side
+    (docs/ops/nvfp4.md). ``model_dtype`` is not used there.
     """
-    cdt = parse_kv_cache_dtype(cache_dtype)
+    cdt = parse_kv_cache_dtype(cache_dtype, nvfp4=True)
     layout = parse_layout(cache_layout)
-    dtype = _cache_torch_dtype(cdt, model_dtype)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
+    if cdt.is_nvfp4:
+        return _nvfp4_caches(num_blocks, block_size, num_layers, num_heads, head_size, layout,
+                             generator, device)
+    dtype = _cache_torch_dtype(cdt, model_dtype)
     scale = head_size**-0.5
     key_caches, value_caches = [], []
     for _ in range(num_layers):
@@ -162,4 +171,24 @@ def create_kv_caches_with_random_flash(num_blocks: int, block_size: int, num_lay
         fill_uniform(v, cdt, -scale, scale, generator)
         key_caches.append(k)
         value_caches.append(v)
+    return key_caches, value_caches
+
+
+def _nvfp4_caches(num_blocks: int, block_size: int, num_layers: int, num_heads: int,
+                  head_size: int, layout: Layout, generator: torch.Generator | None,
+                  device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """create_kv_caches_with_random_flash's NVFP4 caches: random bytes in vLLM's page layout."""
+    if head_size < 16 or head_size % 16:
+        raise ValueError(f"head_size: the NVFP4 cache dtypes need a positive multiple of 16, got "
+                         f"{head_size}")
+    f = head_size // 2 + head_size // 16
+    nb, bs, h = num_blocks, block_size, num_heads
+    shape = (nb, 2, bs, h, f) if layout is Layout.NHD else (nb, 2, h, bs, f)
+    perm = (0, 1, 2, 3, 4) if layout is Layout.NHD else (0, 1, 3, 2, 4)
+    key_caches, value_caches = [], []
+    for _ in range(num_layers):
+        kv = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator)
+        kv = kv.permute(*perm)
+        key_caches.append(kv[:, 0])
+        value_caches.append(kv[:, 1])
     return key_caches, value_caches

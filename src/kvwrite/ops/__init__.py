@@ -4,10 +4,11 @@ from . import (  # noqa: E402
     concat_and_cache_mla,
     fused_rope_and_reshape_cache_flash,
     indexer_k_quant_and_cache,
+    nvfp4,
     reshape_and_cache,
     reshape_and_cache_flash,
     rotary_embedding,
 )
 
 __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
-           "concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache"]
+           "concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache", "nvfp4"]

@@ -15,6 +15,7 @@ from ...validation import (
     require_tensor,
 )
 from ...validation import shape_str as _shape
+from ..nvfp4 import op as nvfp4_op
 
 __all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
            "select_implementation", "check_key_value", "check_cache_dtype", "check_slots",
@@ -81,6 +82,7 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, *,
+                            v_scale_layout: str | None = None,
                             implementation: str | None = None) -> None:
     """Write ``key``/``value`` rows into the paged caches; mutates ``key_cache`` and ``value_cache``.
 
@@ -107,14 +109,29 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     interleave in one allocation), and no input may share memory with a cache; inputs that
     require grad are refused while grad mode is on (call it under ``torch.no_grad()``).
 
+    ``kv_cache_dtype`` "nvfp4" and "nvfp4_4over6" write vLLM's NVFP4 page layout into uint8
+    caches of logical shape ``[num_blocks, block_size, H, D/2 + D/16]`` with one-element
+    ``k_scale``/``v_scale``; ``v_scale_layout`` (None, "linear" or "swizzled") places the V scales
+    (None: vLLM's rule for the device). The contract of those modes is docs/ops/nvfp4.md; their
+    implementations are those of ``kvwrite.implementations(op="nvfp4_kv_write")``.
+
     ``implementation`` names one of :func:`kvwrite.implementations`; None picks the preferred one
     that can run this call.
     """
     if torch.compiler.is_compiling():
+        kv = kv_cache_dtype.value if isinstance(kv_cache_dtype, CacheDType) else str(kv_cache_dtype)
         torch.ops.kvwrite.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
-                                                  str(kv_cache_dtype), k_scale, v_scale,
+                                                  kv, k_scale, v_scale,
+                                                  _layout_text(v_scale_layout),
                                                   implementation or "")
         return
+    if parse_kv_cache_dtype(kv_cache_dtype, nvfp4=True).is_nvfp4:
+        nvfp4_op.write_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                             k_scale, v_scale, v_scale_layout, implementation)
+        return
+    if v_scale_layout is not None:
+        raise ValueError(f"v_scale_layout: only the NVFP4 modes lay out V scales; expected None "
+                         f"with kv_cache_dtype={kv_cache_dtype!r}, got {v_scale_layout!r}")
     cache_dtype = validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                            k_scale, v_scale)
     info = select_implementation(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
@@ -126,19 +143,27 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     info.run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
 
 
+def _layout_text(v_scale_layout) -> str:
+    """v_scale_layout as the custom op's string ("" for None)."""
+    if v_scale_layout is None:
+        return ""
+    return getattr(v_scale_layout, "value", None) or str(v_scale_layout)
+
+
 @torch.library.custom_op("kvwrite::reshape_and_cache_flash", mutates_args=("key_cache", "value_cache"))
 def _custom_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, v_scale_layout: str,
                implementation: str) -> None:
     """The op as torch.compile sees it: an opaque call that mutates both caches."""
     reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale, implementation=implementation or None)
+                            k_scale, v_scale, v_scale_layout=v_scale_layout or None,
+                            implementation=implementation or None)
 
 
 @_custom_op.register_fake
 def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-      implementation) -> None:
+      v_scale_layout, implementation) -> None:
     return None
 
 

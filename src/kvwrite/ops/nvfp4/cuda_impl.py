@@ -1,0 +1,222 @@
+"""The CUDA implementation of the NVFP4 writes: ``kernel.cu`` compiled at run time with NVRTC
+(through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
+
+One kernel (see ``kernel.cu``): one thread per (token, group of 16 elements), K and V together.
+Variants (template arguments): the input dtype, ALIGNED (every input group 16-byte aligned and
+every data address 8-byte aligned: 16-byte loads and 8-byte stores; else element loads and byte
+stores), the slot index type and the rule ("nvfp4" or "nvfp4_4over6"). Whether V's scales are
+swizzled is an argument. By default each call signature gets its own build with the arguments fixed by the
+views and the inputs' layout compiled in (``CudaTuning.specialize``).
+
+Graph-safe: a call does no allocation and no host sync; scale tensors are read on the device (a
+Python-number scale, FlashInfer's form, is a kernel argument).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import nvrtc
+from .op import ScaleLayout
+from .rule import GROUP
+
+__all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
+           "compile_kernel", "SOURCE", "Plan", "FIXED_ARGS"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_nvfp4")
+KERNEL = "nvfp4_kernel"
+# The kernel's trailing arguments that a specialized build compiles in, in order.
+FIXED_ARGS = ("key_stride", "value_stride", "groups", "head_groups", "kd_sb", "kd_ss", "kd_sh",
+              "ks_sb", "ks_ss", "ks_sh", "vd_sb", "vd_ss", "vd_sh", "vs_sb", "vs_ss", "vs_sh",
+              "block_size", "block_shift", "num_slots", "v_swizzle")
+
+# Element kinds, as DT_* in kvw/common.cuh.
+_F16, _BF16, _F32 = range(3)
+_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
+    one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
+    values follow the other ops' kernels."""
+
+    # Threads per CTA (a multiple of 32, at most 256): one (token, group) each.
+    threads: int = 256
+    # Small calls (at most small_call_groups groups of K) take CTAs of small_threads threads:
+    # more CTAs over the SMs when there are few threads in all.
+    small_call_groups: int = 2048
+    small_threads: int = 64
+    # One build per call signature with the fixed arguments compiled in (NVRTC once per
+    # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
+    # stream serialization where the device allows it (as the other ops); 0: never.
+    pdl_max_ctas: int = 1 << 30
+
+
+TUNING = CudaTuning()
+
+
+def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
+                   ptxas_verbose: bool = False):
+    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
+    GPU. ``fixed``: the 20 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    macros = nvrtc.fixed_args_macros(fixed)
+    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+
+
+def _slot_type(slot_dtype: torch.dtype) -> str:
+    return "long long" if slot_dtype == torch.int64 else "int"
+
+
+def kernel_name(in_kind: int, aligned: bool, slot_dtype: torch.dtype, four_over_six: bool) -> str:
+    return (f"{KERNEL}<{in_kind}, {str(aligned).lower()}, {_slot_type(slot_dtype)}, "
+            f"{str(four_over_six).lower()}>")
+
+
+def all_kernel_names() -> list[str]:
+    """Every variant `run` can launch (for compile tests)."""
+    names = []
+    for slot in (torch.int32, torch.int64):
+        for kind in (_F16, _BF16, _F32):
+            for aligned in (True, False):
+                for fos in (False, True):
+                    names.append(kernel_name(kind, aligned, slot, fos))
+    return names
+
+
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
+
+
+def unsupported(key, k_data, cache_dtype, v_scale_layout) -> str | None:
+    """Every validated case runs (any strides and alignments; unaligned rows and data use
+    narrower accesses)."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    aligned: bool  # every input group 16-byte aligned and every data address 8-byte aligned
+    threads: int
+    fixed: tuple[int, ...]  # key_stride .. v_swizzle (the 20 trailing kernel arguments)
+
+
+def _log2_or_minus_1(n: int) -> int:
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
+
+
+def _align(byte_values, most: int) -> int:
+    """The largest power of two (at most ``most``) dividing every value."""
+    v = most
+    for b in byte_values:
+        v |= int(b)
+    return v & -v
+
+
+def _strides(view: torch.Tensor) -> tuple[int, int, int]:
+    """(block, slot, head) strides of a byte view, 0 along dims of size 1 (they never multiply a
+    nonzero index, and so compile no other variant)."""
+    return tuple(st if n > 1 else 0 for st, n in zip(view.stride()[:3], view.shape[:3],
+                                                     strict=True))
+
+
+def is_small_call(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> bool:
+    return num_tokens * groups <= tuning.small_call_groups
+
+
+def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: CacheDType,
+         v_scale_layout: ScaleLayout, tuning: CudaTuning = TUNING) -> Plan:
+    """The variant, CTA size and fixed arguments for these (validated) arguments; no GPU
+    needed."""
+    t_pad, num_heads, head_size = key.shape
+    num_blocks, block_size = k_data.shape[:2]
+    ib = key.element_size()
+    head_groups = head_size // GROUP
+    groups = num_heads * head_groups
+    in_strides = [t.stride(0) * ib for t in (key, value)] if t_pad > 1 else []
+    kd, ks, vd, vs = (_strides(x) for x in (k_data, k_sf, v_data, v_sf))
+    aligned = (_align(in_strides + [key.data_ptr(), value.data_ptr()], 16) == 16
+               and _align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 8) == 8)
+    name = kernel_name(_KIND[key.dtype], aligned, slot_mapping.dtype,
+                       cache_dtype is CacheDType.NVFP4_4OVER6)
+    fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0, groups,
+             head_groups, *kd, *ks, *vd, *vs, block_size, _log2_or_minus_1(block_size),
+             num_blocks * block_size, int(v_scale_layout is ScaleLayout.SWIZZLED))
+    small = is_small_call(slot_mapping.numel(), groups, tuning)
+    return Plan(name, aligned, tuning.small_threads if small else tuning.threads, fixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    plan: Plan
+    kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
+    device_index: int
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def _launchable(args, tuning) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    p = plan(*args, tuning=tuning)
+    index = args[0].get_device()
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
+        arch, _ = nvrtc.device_arch(index)
+        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+        kernel = SOURCE.kernel(arch, p.name, macros)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    return _Launchable(p, kernel, pdl_kernel, index)
+
+
+def _scale_args(s) -> tuple[int, int]:
+    """(pointer, float32 bits) of a scale: a tensor's pointer, or a Python number's bits."""
+    if isinstance(s, torch.Tensor):
+        return s.data_ptr(), 0
+    return 0, struct.unpack("<I", struct.pack("<f", s))[0]
+
+
+def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torch.Tensor,
+        v_data: torch.Tensor, v_sf: torch.Tensor, slot_mapping: torch.Tensor,
+        cache_dtype: CacheDType, k_scale, v_scale, v_scale_layout: ScaleLayout, *,
+        tuning: CudaTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    views = (k_data, k_sf, v_data, v_sf)
+    groups = key.shape[1] * (key.shape[2] // GROUP)
+    # Everything that selects the variant, the CTA shape or a fixed kernel argument.
+    sig = (key.dtype, key.shape[1:], key.shape[0] > 1, key.stride(0), value.stride(0),
+           key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.dtype, cache_dtype,
+           v_scale_layout, k_data.shape, *(x.stride() for x in views),
+           k_data.data_ptr() & 7, v_data.data_ptr() & 7, key.get_device(),
+           is_small_call(num_tokens, groups, tuning), tuning)
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(
+            (key, value, *views, slot_mapping, cache_dtype, v_scale_layout), tuning)
+    p = lau.plan
+    total = num_tokens * groups
+    if total >= 2**32:
+        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // groups} tokens per call with "
+                         f"this row length, got {num_tokens}")
+    grid = -(-total // p.threads)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
+    kp, kb = _scale_args(k_scale)
+    vp, vb = _scale_args(v_scale)
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+                 key.data_ptr(), value.data_ptr(), k_data.data_ptr(), k_sf.data_ptr(),
+                 v_data.data_ptr(), v_sf.data_ptr(), slot_mapping.data_ptr(), kp, vp, kb, vb,
+                 num_tokens, *p.fixed)

@@ -1,0 +1,312 @@
+"""The Triton implementation of the NVFP4 writes: one kernel for both rules and every addressing.
+
+One program quantizes ``BLOCK_T`` tokens x ``BLOCK_Q`` groups of 16 elements (a flat group index
+over the token's ``H * D/16`` groups: heads are dense in the input), for K and for V: it loads
+the rows (masked by the token and group bounds only), then the slots, runs the group rule and
+stores 8 code bytes and one scale byte per group through the four byte views' strides (vLLM's
+page layout and FlashInfer's tensors are the same code). Offsets are 64-bit. Strides, the slot
+count and the geometry are compile-time constants (one compiled variant per cache geometry and
+input layout); nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay
+sees new inputs, slots and scale tensors.
+
+The group rule (docs/ops/nvfp4.md) step by step, each one IEEE float32 operation rounded to
+nearest even: ``tl.math.div_rn`` for the two quotients, FMA contraction off
+(``enable_fp_fusion=False``: the error sums of "nvfp4_4over6" are rounded products and sums).
+E4M3 and E2M1 are computed with integer and comparison operations, never by a float8 cast, and
+bfloat16 inputs are widened from their bits: so Triton's interpreter (``TRITON_INTERPRET=1``)
+writes the GPU's bytes, and the CPU tests compare it in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import triton_support
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import pdl_entry, tl, triton
+from ...kernels.triton_support import next_pow2
+from .op import ScaleLayout
+from .rule import GROUP
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _nvfp4_kernel, _IMPORT_ERROR)
+
+
+def unsupported(key, k_data, cache_dtype, v_scale_layout) -> str | None:
+    return None
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TritonTuning:
+    """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
+
+    # Input bytes of K per program (as many of V), as for reshape_and_cache_flash's 4 KiB tiles.
+    # Not measured for this kernel yet.
+    tile_bytes: int = 4096
+    # Input bytes of K per warp: 1 KiB is 32 groups of 16-bit input, one a thread.
+    bytes_per_warp: int = 1024
+    max_warps: int = 8
+    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
+    # is on and the device allows it; those of at most pdl_trigger_max_programs also let the next
+    # kernel be scheduled early (as the other ops' Triton tunings).
+    pdl_max_programs: int = 1 << 30
+    pdl_trigger_max_programs: int = 1024
+
+
+TUNING = TritonTuning()
+
+
+@functools.lru_cache(maxsize=256)
+def _tiling(num_tokens: int, groups: int, in_bytes: int, tuning: TritonTuning = TUNING
+            ) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_Q, num_warps): BLOCK_Q groups of a token's ``groups`` (its whole row when
+    it fits the tile), BLOCK_T tokens (at most T rounded up to a power of two)."""
+    group_bytes = GROUP * in_bytes
+    per_tile = max(1, tuning.tile_bytes // group_bytes)
+    block_q = min(next_pow2(groups), next_pow2(per_tile))
+    block_t = 1
+    while block_t * 2 * block_q <= per_tile and block_t < next_pow2(num_tokens):
+        block_t *= 2
+    warps = min(tuning.max_warps, max(1, block_t * block_q * group_bytes // tuning.bytes_per_warp))
+    return block_t, block_q, 1 << (warps.bit_length() - 1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1(v):
+        """E2M1 codes (int32, 0-15) of float32 ``v``: NaN -> 7; bit 3 = signbit; bits 0-2 the
+        number of thresholds |v| passes (nearest, ties to the even code, saturating at 6)."""
+        m = tl.abs(v)
+        c = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+             + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
+             + (m > 5.0).to(tl.int32))
+        c = c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+        return tl.where(v != v, 7, c)
+
+    @triton.jit
+    def _e2m1_value(c):
+        """value(c) as float32 (code 8 is -0.0)."""
+        mag = c & 7
+        val = tl.where(mag < 5, mag.to(tl.float32) * 0.5,
+                       tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
+        return tl.where(c >= 8, -val, val)
+
+    @triton.jit
+    def _e4m3(s):
+        """(code int32, float32 value) of E4M3(s) for s >= 0: nearest even, subnormals rounded,
+        s >= 448 (and +inf) saturating to 448 (0x7E); NaN (a scale outside its range) -> 0x7F."""
+        b = s.to(tl.int32, bitcast=True)
+        # Normal: the float32 bits rounded to 3 mantissa bits, the exponent rebiased 127 -> 7.
+        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2^-6: RN(s / 2^-9) is the last bits of s + 2^14 (whose ulp is 2^-9).
+        sub = (s + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        code = tl.where(s < 0.015625, sub, normal)
+        code = tl.where(s >= 448.0, 0x7E, code)
+        code = tl.where(s != s, 0x7F, code)
+        val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
+                       ((code + (120 << 3)) << 20).to(tl.float32, bitcast=True))
+        return code, val
+
+    @triton.jit
+    def _candidate(x, a, k, C: tl.constexpr):
+        """(S code, E2M1 codes, d) of groups ``x`` [BT, BQ, 16] with amax ``a`` [BT, BQ] for the
+        denominator C (6, or 4 for 4over6's other candidate)."""
+        den = tl.zeros_like(a) + k * C                      # RN(C * k)
+        s = tl.math.div_rn(a, den)                          # RN(a / RN(C * k))
+        S, Sf = _e4m3(s)
+        d = Sf * k                                          # RN(float(S) * k)
+        nz = d != 0.0
+        r = tl.where(nz, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nz, d, 1.0)),
+                     0.0)
+        return S, _e2m1(x * r[:, :, None]), d
+
+    @triton.jit
+    def _halves(x, BT: tl.constexpr, BQ: tl.constexpr, N: tl.constexpr):
+        """[BT, BQ, N] -> (elements 0, 2, 4, ..., elements 1, 3, 5, ...), each [BT, BQ, N/2]."""
+        return tl.split(tl.reshape(x, (BT, BQ, N // 2, 2)))
+
+    @triton.jit
+    def _quarters(x, BT: tl.constexpr, BQ: tl.constexpr):
+        """[BT, BQ, 4] -> its four columns [BT, BQ], in order."""
+        e, o = _halves(x, BT, BQ, 4)  # (0, 2), (1, 3)
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def _error(x, code, d, BT: tl.constexpr, BQ: tl.constexpr):
+        """sum over i = 0..15 in order of RN(delta_i^2), delta_i = RN(RN(value(c_i) * d) - x_i);
+        each addition rounded (the columns are taken apart by splits, which move no bits)."""
+        delta = _e2m1_value(code) * d[:, :, None] - x
+        sq = delta * delta
+        e, o = _halves(sq, BT, BQ, 16)     # even / odd i
+        ee, eo = _halves(e, BT, BQ, 8)     # i = 0, 4, 8, 12 / 2, 6, 10, 14
+        oe, oo = _halves(o, BT, BQ, 8)     # i = 1, 5, 9, 13 / 3, 7, 11, 15
+        s0, s4, s8, s12 = _quarters(ee, BT, BQ)
+        s2, s6, s10, s14 = _quarters(eo, BT, BQ)
+        s1, s5, s9, s13 = _quarters(oe, BT, BQ)
+        s3, s7, s11, s15 = _quarters(oo, BT, BQ)
+        acc = s0 + s1
+        acc = acc + s2
+        acc = acc + s3
+        acc = acc + s4
+        acc = acc + s5
+        acc = acc + s6
+        acc = acc + s7
+        acc = acc + s8
+        acc = acc + s9
+        acc = acc + s10
+        acc = acc + s11
+        acc = acc + s12
+        acc = acc + s13
+        acc = acc + s14
+        acc = acc + s15
+        return acc
+
+    @triton.jit
+    def _group_rule(x, k, FOUR_OVER_SIX: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
+        """(S codes [BT, BQ], packed code bytes [BT, BQ, 8]) of groups ``x`` [BT, BQ, 16]."""
+        a = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=2)  # NaN skipped, from 0
+        S, code, d = _candidate(x, a, k, 6.0)
+        if FOUR_OVER_SIX:
+            S4, code4, d4 = _candidate(x, a, k, 4.0)
+            use4 = _error(x, code4, d4, BT, BQ) < _error(x, code, d, BT, BQ)
+            S = tl.where(use4, S4, S)
+            code = tl.where(use4[:, :, None], code4, code)
+        lo, hi = _halves(code, BT, BQ, 16)
+        return S, (lo | (hi << 4)).to(tl.uint8)
+
+    @triton.jit
+    def _widen(x, BF16_BITS: tl.constexpr):
+        """Input elements as float32 (bfloat16 arrives as its int16 bits)."""
+        if BF16_BITS:
+            return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return x.to(tl.float32)
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _nvfp4_kernel(
+        key_ptr, value_ptr,  # [T_pad, H, D]; token strides KEY_STRIDE / VALUE_STRIDE (elements)
+        k_data_ptr, k_sf_ptr,  # uint8 [num_blocks, block_size, H, D/2] / [.., D/16] via strides
+        v_data_ptr, v_sf_ptr,
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr, v_scale_ptr,  # [1] float32 (SCALE_IN_MEMORY), else unused
+        k_scale_value, v_scale_value,  # float32 (not SCALE_IN_MEMORY)
+        num_tokens,  # T
+        KEY_STRIDE: tl.constexpr, VALUE_STRIDE: tl.constexpr,
+        KD_SB: tl.constexpr, KD_SS: tl.constexpr, KD_SH: tl.constexpr,  # K data strides (bytes)
+        KS_SB: tl.constexpr, KS_SS: tl.constexpr, KS_SH: tl.constexpr,  # K scale strides
+        VD_SB: tl.constexpr, VD_SS: tl.constexpr, VD_SH: tl.constexpr,
+        VS_SB: tl.constexpr, VS_SS: tl.constexpr, VS_SH: tl.constexpr,
+        NUM_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        G: tl.constexpr,  # groups per head, D / 16
+        NUM_GROUPS: tl.constexpr,  # groups per token, H * G
+        FOUR_OVER_SIX: tl.constexpr, V_SWIZZLE: tl.constexpr, BF16_BITS: tl.constexpr,
+        SCALE_IN_MEMORY: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        e = tl.arange(0, 16)
+        t_in = t < num_tokens
+        q_in = q < NUM_GROUPS
+        t64 = t.to(tl.int64)
+        in3 = t_in[:, None, None] & q_in[None, :, None]
+        col = (q * 16)[None, :, None] + e[None, None, :]
+        xk = tl.load(key_ptr + (t64 * KEY_STRIDE)[:, None, None] + col, mask=in3, other=0)
+        xv = tl.load(value_ptr + (t64 * VALUE_STRIDE)[:, None, None] + col, mask=in3, other=0)
+        if SCALE_IN_MEMORY:
+            k = tl.load(k_scale_ptr)
+            v = tl.load(v_scale_ptr)
+        else:
+            k = tl.cast(k_scale_value, tl.float32)
+            v = tl.cast(v_scale_value, tl.float32)
+        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)
+        blk = slot // BLOCK_SIZE
+        pg = slot - blk * BLOCK_SIZE
+        h = q // G
+        g = q - h * G
+        ok2 = valid[:, None] & q_in[None, :]
+        ok3 = ok2[:, :, None]
+        j = tl.arange(0, 8)
+
+        sk, ck = _group_rule(_widen(xk, BF16_BITS), k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        kd = (blk * KD_SB + pg * KD_SS)[:, None, None] + (h * KD_SH + g * 8)[None, :, None] \
+            + j[None, None, :]
+        tl.store(k_data_ptr + kd, ck, mask=ok3)
+        ks = (blk * KS_SB + pg * KS_SS)[:, None] + (h * KS_SH + g)[None, :]
+        tl.store(k_sf_ptr + ks, sk.to(tl.uint8), mask=ok2)
+
+        sv, cv = _group_rule(_widen(xv, BF16_BITS), v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        vd = (blk * VD_SB + pg * VD_SS)[:, None, None] + (h * VD_SH + g * 8)[None, :, None] \
+            + j[None, None, :]
+        tl.store(v_data_ptr + vd, cv, mask=ok3)
+        if V_SWIZZLE:
+            # Group g of offset t: row 4*(t//4) + g//(G/4), byte 4*(g % (G/4)) + t % 4.
+            Q4: tl.constexpr = G // 4
+            tp = (pg - pg % 4)[:, None] + (g // Q4)[None, :]
+            gp = (4 * (g % Q4))[None, :] + (pg % 4)[:, None]
+            vs = (blk * VS_SB)[:, None] + tp * VS_SS + (h * VS_SH)[None, :] + gp
+        else:
+            vs = (blk * VS_SB + pg * VS_SS)[:, None] + (h * VS_SH + g)[None, :]
+        tl.store(v_sf_ptr + vs, sv.to(tl.uint8), mask=ok2)
+
+
+def _zero_if_one(stride: int, size: int) -> int:
+    """A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
+    not compile another variant."""
+    return stride if size > 1 else 0
+
+
+def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torch.Tensor,
+        v_data: torch.Tensor, v_sf: torch.Tensor, slot_mapping: torch.Tensor,
+        cache_dtype: CacheDType, k_scale, v_scale, v_scale_layout: ScaleLayout, *,
+        tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    t_pad, num_heads, head_size = key.shape
+    groups = head_size // GROUP
+    num_blocks, block_size = k_data.shape[:2]
+    block_t, block_q, warps = _tiling(num_tokens, num_heads * groups, key.element_size(), tuning)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads * groups, block_q))
+    pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    bf16 = key.dtype == torch.bfloat16
+    if bf16:
+        key, value = key.view(torch.int16), value.view(torch.int16)
+    in_memory = isinstance(k_scale, torch.Tensor)
+
+    def strides(view):
+        sb, ss, sh, _ = view.stride()
+        return (_zero_if_one(sb, num_blocks), _zero_if_one(ss, block_size),
+                _zero_if_one(sh, num_heads))
+
+    kd, ks, vd, vs = (strides(x) for x in (k_data, k_sf, v_data, v_sf))
+    _nvfp4_kernel[grid](
+        key, value, k_data, k_sf, v_data, v_sf, slot_mapping,
+        k_scale if in_memory else None, v_scale if in_memory else None,
+        0.0 if in_memory else float(k_scale), 0.0 if in_memory else float(v_scale), num_tokens,
+        KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
+        VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
+        KD_SB=kd[0], KD_SS=kd[1], KD_SH=kd[2], KS_SB=ks[0], KS_SS=ks[1], KS_SH=ks[2],
+        VD_SB=vd[0], VD_SS=vd[1], VD_SH=vd[2], VS_SB=vs[0], VS_SS=vs[1], VS_SH=vs[2],
+        NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, G=groups,
+        NUM_GROUPS=num_heads * groups, FOUR_OVER_SIX=cache_dtype is CacheDType.NVFP4_4OVER6,
+        V_SWIZZLE=v_scale_layout is ScaleLayout.SWIZZLED, BF16_BITS=bf16,
+        SCALE_IN_MEMORY=in_memory, BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl,
+        PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=False,
+    )

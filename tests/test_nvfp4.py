@@ -1,0 +1,1472 @@
+"""NVFP4 KV cache writes and readers (docs/ops/nvfp4.md): the group rule's reference against an
+independent NumPy oracle (special groups, exact ties, the documented tie cases), the CUDA rule's
+C code against the reference on the CPU (g++), every implementation byte for byte against the
+reference over whole allocations (vLLM's page layout, NHD and HND, both V scale layouts,
+FlashInfer's tuple / stacked / padded forms), readers and the allocator, validation, wrong
+implementations caught, NVRTC compiles and the machine code; on the GPU the full matrix for the
+three implementations, CUDA-graph replay and torch.compile.
+
+On CPU this runs the torch reference and Triton's interpreter (exact here: the Triton kernel has
+no float8 casts and widens bfloat16 from its bits); on a GPU (`gpu` marker) every implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import importlib.resources
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import registry
+from kvwrite.dtypes import CacheDType, parse_kv_cache_dtype
+from kvwrite.ops.nvfp4 import OP, ScaleLayout, page_bytes
+from kvwrite.ops.nvfp4 import op as nvfp4_op
+from kvwrite.ops.nvfp4 import reference as torch_ref
+from kvwrite.ops.nvfp4.rule import pack_codes, quantize_groups
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.compile import compiled_targets
+from kvwrite.testing.nvfp4 import (
+    NVFP4_CASES,
+    NVFP4_GPU_CASES,
+    Nvfp4Case,
+    assert_storages_equal,
+    clone_inputs,
+    make_nvfp4_inputs,
+    special_groups,
+    tie_group_6_5,
+)
+
+IMPLS = [info.name for info in registry.all_impls(OP)]
+
+# --- the independent oracle -----------------------------------------------------------------------
+# Python floats and NumPy float32 scalars, step by step; E2M1 and E4M3 by their own tables.
+
+F32 = np.float32
+E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _e4m3_table() -> list[float]:
+    """The 127 non-negative finite e4m3fn values by code (0x00 .. 0x7E), from the format."""
+    out = []
+    for code in range(0x7F):
+        e, m = code >> 3, code & 7
+        out.append(m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return out
+
+
+E4M3 = _e4m3_table()
+
+
+def _nearest(table: list[float], v: float) -> int:
+    """Index of the nearest table value to v >= 0 (exact: float32 values and the table are exact
+    in float64), ties to the even index."""
+    best = 0
+    for i, t in enumerate(table):
+        dt, db = abs(v - t), abs(v - table[best])
+        if dt < db or (dt == db and i % 2 == 0 and best % 2 == 1):
+            best = i
+    return best
+
+
+def oracle_e4m3(s: F32) -> int:
+    s = float(s)
+    assert not math.isnan(s) and s >= 0
+    if s >= 448.0:
+        return 0x7E
+    return _nearest(E4M3, s)
+
+
+def oracle_e2m1(v: F32) -> int:
+    v = float(v)
+    if math.isnan(v):
+        return 0x7
+    sign = 8 if math.copysign(1.0, v) < 0 else 0
+    m = abs(v)
+    return sign | (7 if m >= 6.0 else _nearest(E2M1_GRID, m))
+
+
+def oracle_group(x, k: float, four_over_six: bool) -> tuple[list[int], int]:
+    """(16 codes, S) of one group by the rule, one float32 operation at a time."""
+    x = [F32(v) for v in x]
+    k = F32(k)
+    a = F32(0.0)
+    for v in x:
+        if not np.isnan(v) and abs(v) > a:
+            a = F32(abs(v))
+
+    def candidate(c: float):
+        with np.errstate(all="ignore"):
+            den = F32(F32(c) * k)
+            s = F32(a / den)
+            S = oracle_e4m3(s)
+            d = F32(F32(E4M3[S]) * k)
+            r = F32(0.0) if d == 0 else F32(F32(1.0) / d)
+            return S, [oracle_e2m1(F32(v * r)) for v in x], d
+
+    S, codes, d = candidate(6.0)
+    if not four_over_six:
+        return codes, S
+
+    def error(cs, d):
+        e = F32(0.0)
+        with np.errstate(all="ignore"):
+            for c, v in zip(cs, x, strict=True):
+                val = F32(-E2M1_GRID[c & 7] if c & 8 else E2M1_GRID[c & 7])
+                delta = F32(F32(val * d) - v)
+                e = F32(e + F32(delta * delta))
+        return e
+
+    S4, codes4, d4 = candidate(4.0)
+    if error(codes4, d4) < error(codes, d):
+        return codes4, S4
+    return codes, S
+
+
+def oracle_bytes(x, k, four_over_six) -> tuple[bytes, int]:
+    codes, S = oracle_group(x, k, four_over_six)
+    return bytes(codes[2 * j] | codes[2 * j + 1] << 4 for j in range(8)), S
+
+
+def _groups_tensor(groups, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(groups, dtype=torch.float32).to(dtype).float()
+
+
+def _assert_groups_match(x: torch.Tensor, k: float, fos: bool):
+    """quantize_groups against the oracle on every group of x [N, 16] (float32 values)."""
+    codes, S = quantize_groups(x, k, fos)
+    for i in range(x.shape[0]):
+        want_codes, want_S = oracle_group(x[i].tolist(), k, fos)
+        got = codes[i].tolist()
+        assert (got, int(S[i])) == (want_codes, want_S), (
+            f"group {i} {x[i].tolist()} k={k} 4over6={fos}: got codes {got} S {int(S[i]):#x}, "
+            f"oracle {want_codes} S {want_S:#x}")
+
+
+SCALES = [1.0, 2.0**-5, 0.003, 0.7, 0.1, 1 / 3, 2.0**-100, 2.0**100]
+
+
+@pytest.mark.parametrize("fos", [False, True], ids=["nvfp4", "4over6"])
+@pytest.mark.parametrize("k", SCALES)
+def test_reference_matches_oracle_on_special_groups(k, fos):
+    k = torch.tensor(k, dtype=torch.float32).item()
+    _assert_groups_match(_groups_tensor(special_groups(k)), k, fos)
+
+
+@pytest.mark.parametrize("fos", [False, True], ids=["nvfp4", "4over6"])
+def test_reference_matches_oracle_on_random_groups(fos):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 16, generator=g) * torch.exp2(torch.randint(-12, 12, (300, 1),
+                                                                     generator=g).float())
+    x = x.to(torch.bfloat16).float()
+    for k in (0.01, 2.0**-3, 0.37):
+        _assert_groups_match(x, torch.tensor(k).item(), fos)
+
+
+def test_documented_tie_cases():
+    """k = 1, a = 11.25: x = 2.34375, 4.6875, 9.375 give codes 3, 5, 7 (2, 4, 6 by a true
+    division), S = 1.875 (0x3F); reference, oracle, and the reciprocal's role shown."""
+    x = _groups_tensor([tie_group_6_5()])
+    codes, S = quantize_groups(x, 1.0)
+    assert codes[0, 1:4].tolist() == [3, 5, 7] and int(S[0]) == 0x3F
+    assert oracle_group(x[0].tolist(), 1.0, False)[0][1:4] == [3, 5, 7]
+    assert [2.34375 / 1.875, 4.6875 / 1.875, 9.375 / 1.875] == [1.25, 2.5, 5.0]  # exact ties
+
+
+def test_special_groups_give_the_documented_bytes():
+    """All zero -> S 0x00, codes 0/8 by sign; s = 2^-10 -> S 0; a = inf -> S 0x7E, inf 0x7/0xF;
+    NaN -> 0x7; saturating -> 0x7E; subnormal S."""
+    k = 1.0
+    g = {i: _groups_tensor([grp]) for i, grp in enumerate(special_groups(k))}
+
+    def q(i):
+        codes, S = quantize_groups(g[i], k)
+        return codes[0].tolist(), int(S[0])
+
+    assert q(0) == ([0] * 16, 0) and q(1) == ([8] * 16, 0) and q(2) == ([0, 8] * 8, 0)
+    assert q(4)[1] < 0x08  # subnormal S
+    assert q(5)[1] == 0x7E  # saturated
+    assert q(6) == ([0] * 16, 0)  # s = 2^-10: a tie, to 0
+    assert q(7)[1] == 0x01
+    assert q(8)[1] == 0x38 and q(9)[1] == 0x3A and q(10)[1] == 0x02  # E4M3 ties to even
+    codes, S = q(11)
+    assert S == 0x38 and codes[1:8] == [0, 2, 2, 4, 4, 6, 6] and codes[8:15] == [8, 10, 10, 12, 12, 14, 14]
+    assert q(13)[0][0] == 7 and q(14) == ([7] * 16, 0)
+    assert q(15)[0][0] == 7  # -NaN: 0x7, no sign
+    assert q(16)[1] == 0x7E and q(16)[0][:3] == [7, 0, 8]
+    assert q(17)[0][0] == 0xF
+
+
+# --- the CUDA rule's C code on the CPU (g++ -DKVWRITE_HOST_TEST) ---------------------------------
+
+_HARNESS = r"""
+#include "kvw/nvfp4.cuh"
+extern "C" {
+// n groups of 16 float32 values with scale k: 8 code bytes and S per group. pair: groups 2i and
+// 2i+1 through nvfp4_group_pair (the kernel's path, fast and general), else nvfp4_group.
+void kvw_nvfp4_groups(const float* x, float k, long long n, int fos, int pair,
+                      unsigned char* data, unsigned char* scales) {
+  const Fp8Scale d6 = make_fp8_scale(mul_rn(k, 6.0f)), d4 = make_fp8_scale(mul_rn(k, 4.0f));
+  for (long long g = 0; g < n; g += (pair ? 2 : 1)) {
+    float a[16], b[16];
+    for (int i = 0; i < 16; ++i) {
+      a[i] = x[16 * g + i];
+      b[i] = pair ? x[16 * (g + 1) + i] : 0.0f;
+    }
+    u32 oa[2], ob[2], sa, sb;
+    if (pair) {
+      if (fos) nvfp4_group_pair<true, 2>(a, b, k, k, d6, d4, d6, d4, oa, ob, &sa, &sb);
+      else nvfp4_group_pair<false, 2>(a, b, k, k, d6, d4, d6, d4, oa, ob, &sa, &sb);
+      __builtin_memcpy(data + 8 * g, oa, 8);
+      __builtin_memcpy(data + 8 * (g + 1), ob, 8);
+      scales[g] = sa;
+      scales[g + 1] = sb;
+    } else {
+      sa = fos ? nvfp4_group<true, 2>(a, k, d6, d4, oa) : nvfp4_group<false, 2>(a, k, d6, d4, oa);
+      __builtin_memcpy(data + 8 * g, oa, 8);
+      scales[g] = sa;
+    }
+  }
+}
+// E2M1 by the thresholds (the rule's text), for every float32 bit pattern from lo to hi; one = 1
+// (an argument, so that the compiler does not fold v * 1 to v and keep a signaling NaN).
+long long kvw_nvfp4_sweep(unsigned lo, unsigned hi, float one, unsigned* first_bad) {
+  long long bad = 0;
+  for (unsigned long long b = lo; b <= hi; ++b) {
+    const float v = bits_f32((u32)b);
+    const float m = __builtin_fabsf(v);
+    u32 want = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+               (m >= 3.5f) + (m > 5.0f);
+    want |= (f32_bits(v) >> 28) & 8u;
+    if (v != v) want = 7;
+    u32 got = nvfp4_code(v, one);
+    u32 fast = (f32_bits(nvfp4_e2m1_t(m)) & 7u) | ((f32_bits(v) >> 28) & 8u);
+    if (got != want || (m < 7.0f && fast != want)) {
+      if (bad == 0) *first_bad = (u32)b;
+      ++bad;
+    }
+  }
+  return bad;
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the rule harness")
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    d = tmp_path_factory.mktemp("nvfp4host")
+    (d / "harness.cpp").write_text(_HARNESS)
+    lib = d / "libkvwnvfp4.so"
+    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
+                    f"-I{include}", str(d / "harness.cpp"), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.kvw_nvfp4_groups.restype = None
+    so.kvw_nvfp4_sweep.restype = ctypes.c_longlong
+    return so
+
+
+def _host_groups(so, x: torch.Tensor, k: float, fos: bool, pair: bool):
+    x = x.float().contiguous()
+    n = x.shape[0]
+    data = torch.zeros(n, 8, dtype=torch.uint8)
+    sc = torch.zeros(n, dtype=torch.uint8)
+    so.kvw_nvfp4_groups(ctypes.c_void_p(x.data_ptr()), ctypes.c_float(k), ctypes.c_longlong(n),
+                        int(fos), int(pair), ctypes.c_void_p(data.data_ptr()),
+                        ctypes.c_void_p(sc.data_ptr()))
+    return data, sc
+
+
+def _rule_groups(n: int, seed: int) -> torch.Tensor:
+    """n random bfloat16 groups over many magnitudes, with special groups at both ends."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g) * torch.exp2(torch.randint(-24, 24, (n, 1),
+                                                                   generator=g).float())
+    x = x.to(torch.bfloat16).float()
+    x[::97, 3] = float("nan")
+    x[::89] = 0.0
+    x[::83, :8] = -0.0
+    x[::79, 5] = float("inf")
+    x[::71, 2] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("fos", [False, True], ids=["nvfp4", "4over6"])
+def test_host_c_rule_matches_reference(host_lib, fos):
+    """kvw/nvfp4.cuh's rule (one group, and the kernel's pair of groups with its fast path)
+    against the reference, on random groups and every special group, for many scales."""
+    for k in SCALES:
+        k = torch.tensor(k, dtype=torch.float32).item()
+        x = torch.cat([_rule_groups(4000, 1), _groups_tensor(special_groups(k))])
+        if x.shape[0] % 2:
+            x = torch.cat([x, x[:1]])
+        codes, S = quantize_groups(x, k, fos)
+        want = pack_codes(codes)
+        for pair in (False, True):
+            data, sc = _host_groups(host_lib, x, k, fos, pair)
+            bad = torch.nonzero((data != want).any(1) | (sc != S)).flatten()
+            assert bad.numel() == 0, (
+                f"k={k} 4over6={fos} pair={pair}: {bad.numel()} groups differ; first "
+                f"{x[bad[0]].tolist()}: got {data[bad[0]].tolist()} S {int(sc[bad[0]]):#x}, "
+                f"want {want[bad[0]].tolist()} S {int(S[bad[0]]):#x}")
+
+
+def test_host_e2m1_lines_equal_the_thresholds_on_every_float_near_the_grid(host_lib):
+    """The kernel's E2M1 (three lines and their minimum) against the rule's thresholds on every
+    float32 of [2^-3, 8] (every threshold and tie), within 2^16 ulps of each negative threshold,
+    past 8, around inf and NaN (both signs), zero and subnormals; the fast path too where
+    |v| < 7."""
+    bad_at = ctypes.c_uint(0)
+    ranges = [(0x3E000000, 0x41000000),  # [2^-3, 8]: every threshold and tie
+              (0x41000000, 0x41100000), (0x7F700000, 0x7F900000),  # past 8; huge, inf, NaN
+              (0xFF700000, 0xFF900000), (0x00000000, 0x00100000),  # -inf, -NaN; zero, subnormal
+              (0x80000000, 0x80100000)]
+    for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0):  # negatives near each threshold
+        b = int(np.array(-t, dtype=np.float32).view(np.uint32))
+        ranges.append((b - 65536, b + 65536))
+    for lo, hi in ranges:
+        n = host_lib.kvw_nvfp4_sweep(ctypes.c_uint(lo), ctypes.c_uint(hi), ctypes.c_float(1.0),
+                                     ctypes.byref(bad_at))
+        assert n == 0, f"{n} floats in [{lo:#x}, {hi:#x}] coded wrong, first {bad_at.value:#x}"
+
+
+# --- whole allocations: the page-layout oracle and every implementation ---------------------------
+
+def _scale_value(s) -> float:
+    return float(s.reshape(-1)[0]) if isinstance(s, torch.Tensor) else float(s)
+
+
+def page_oracle(inp) -> list[torch.Tensor]:
+    """The expected allocations after the call, written token by token from the layout's text:
+    vLLM's page (data byte rho*D/2 + j, scale byte bs*H*D/2 + rho(t', h)*D/16 + g', the 4-token
+    swizzle for V where asked) or FlashInfer's [page, entry, head, byte] tensors."""
+    case = inp.case
+    exp = clone_tensors_cpu(inp)
+    key, value = inp.key.cpu().float(), inp.value.cpu().float()
+    slots = inp.slot_mapping.cpu().tolist()
+    ks, vs = _scale_value(inp.k_scale), _scale_value(inp.v_scale)
+    h_n, d = case.num_heads, case.head_size
+    gs = d // 16
+    nb, bs = case.num_blocks, case.block_size
+    nhd = case.layout == "NHD"
+    if case.form == "vllm":
+        kc, vc = exp
+        swz = case.v_scale_layout == "swizzled" or (
+            case.v_scale_layout is None
+            and nvfp4_op.default_v_scale_layout(inp.key.device) is ScaleLayout.SWIZZLED)
+        sides = ((key, ks, kc, False), (value, vs, vc, swz))
+    else:
+        sides = (key, ks), (value, vs)
+    for t, slot in enumerate(slots):
+        if not 0 <= slot < nb * bs:
+            continue
+        b, off = divmod(slot, bs)
+        for side, item in enumerate(sides):
+            x, k = item[0], item[1]
+            for h in range(h_n):
+                for g in range(gs):
+                    data, s = oracle_bytes(x[t, h, 16 * g:16 * g + 16].tolist(), k,
+                                           case.four_over_six)
+                    if case.form == "vllm":
+                        cache, swizzled = item[2], item[3]
+                        st = storage_bytes(cache)
+                        base = cache.storage_offset() + b * cache.stride(0)
+
+                        def rho(tt, h=h):
+                            return tt * h_n + h if nhd else h * bs + tt
+
+                        at = base + rho(off) * d // 2 + 8 * g
+                        st[at:at + 8] = torch.tensor(list(data), dtype=torch.uint8)
+                        tp, gp = off, g
+                        if swizzled:
+                            q = d // 64
+                            tp, gp = 4 * (off // 4) + g // q, 4 * (g % q) + off % 4
+                        st[base + bs * h_n * d // 2 + rho(tp) * gs + gp] = s
+                    else:
+                        data_t, sf_t = _fi_side(exp, case, side)
+                        idx = (b, off, h) if nhd else (b, h, off)
+                        data_t[idx][8 * g:8 * g + 8] = torch.tensor(list(data), dtype=torch.uint8)
+                        sf_t.view(torch.uint8)[idx][g] = s
+    return exp
+
+
+def clone_tensors_cpu(inp) -> list[torch.Tensor]:
+    return clone_inputs(inp, "cpu").tensors()
+
+
+def _fi_side(exp: list[torch.Tensor], case: Nvfp4Case, side: int):
+    """(data, scales) tensors of one side (0 = K, 1 = V) in FlashInfer's physical order."""
+    if case.form == "stacked":
+        return exp[0][:, side], exp[1][:, side]
+    return exp[side], exp[2 + side]
+
+
+@functools.cache
+def expected(case: Nvfp4Case) -> list[torch.Tensor]:
+    return page_oracle(make_nvfp4_inputs(case))
+
+
+def _run(impl: str, case: Nvfp4Case, device: str):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = make_nvfp4_inputs(case, device)
+    inp.call(implementation=impl)
+    return inp
+
+
+def test_matrix_covers_the_contract():
+    cases = NVFP4_CASES
+    assert {c.form for c in cases} == {"vllm", "tuple", "stacked", "padded"}
+    assert {c.layout for c in cases} == {"NHD", "HND"}
+    assert {c.v_scale_layout for c in cases if c.form == "vllm"} == {"linear", "swizzled", None}
+    assert {c.kv_cache_dtype for c in cases} == {"nvfp4", "nvfp4_4over6"}
+    assert {c.dtype for c in cases} == {torch.bfloat16, torch.float16, torch.float32}
+    assert {c.head_size for c in cases} >= {16, 48, 64, 80, 96, 128, 256}
+    assert {c.block_size for c in cases} >= {1, 2, 3, 4, 5, 8, 16}
+    assert any(c.qkv_slices for c in cases) and any(c.misaligned for c in cases)
+    assert any(c.padding_slots and c.out_of_range_slots for c in cases)
+    assert any(c.slot_dtype == torch.int32 for c in cases) and any(c.extra_rows for c in cases)
+    assert any(c.scale_as_number for c in cases) and any(c.pad for c in cases)
+    assert {c.num_tokens for c in cases} >= {0, 1, 7, 40}
+    gpu = NVFP4_GPU_CASES
+    assert {c.head_size for c in gpu} >= {16, 32, 48, 64, 80, 96, 112, 128, 144, 192, 256}
+    assert {c.num_heads for c in gpu} >= {1, 2, 4, 5, 8, 16, 64}
+    assert max(c.num_tokens for c in gpu) >= 16384
+
+
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: c.id)
+def test_reference_matches_page_oracle(case):
+    inp = _run("torch", case, "cpu")
+    assert_storages_equal(inp.tensors(), expected(case), f"{case.id}")
+
+
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: c.id)
+def test_triton_interpreter_matches_page_oracle(case):
+    inp = _run("triton", case, "cpu")
+    assert_storages_equal(inp.tensors(), expected(case), f"{case.id}")
+
+
+def test_layout_oracle_by_hand():
+    """One token, one head, D = 64, bs = 4, NHD, slot 6 (block 1, offset 2), V swizzled: the bytes
+    where the layout's text puts them, nothing else moved."""
+    case = Nvfp4Case(num_tokens=1, num_heads=1, head_size=64, block_size=4, num_blocks=2,
+                     v_scale_layout="swizzled")
+    inp = make_nvfp4_inputs(case)
+    inp.slot_mapping.fill_(6)
+    before = storage_bytes(inp.caches[0]).clone()
+    inp.call("torch")
+    after = storage_bytes(inp.caches[0])
+    f = page_bytes(64)  # 36
+    side = 4 * f        # 144 bytes a block side
+    k0 = 2 * side       # block 1's K side
+    changed = torch.nonzero(after != before).flatten().tolist()
+    k_data = range(k0 + 2 * 32, k0 + 3 * 32)          # rho = 2: bytes 64..95
+    k_sf = range(k0 + 128 + 2 * 4, k0 + 128 + 3 * 4)  # scales after 4 * 32 data bytes
+    v0 = k0 + side
+    v_data = range(v0 + 64, v0 + 96)
+    # swizzle, t = 2, D/64 = 1: group g -> row g, byte 2 (4 * 0 + 2)
+    v_sf = [v0 + 128 + g * 4 + 2 for g in range(4)]
+    allowed = set(k_data) | set(k_sf) | set(v_data) | set(v_sf)
+    assert set(changed) <= allowed
+    codes, s = quantize_groups(inp.key[0, 0].reshape(4, 16), inp.k_scale)
+    assert after[k0 + 64:k0 + 96].tolist() == pack_codes(codes).flatten().tolist()
+    assert after[k0 + 136:k0 + 140].tolist() == s.tolist()
+    codes, s = quantize_groups(inp.value[0, 0].reshape(4, 16), inp.v_scale)
+    assert [int(after[i]) for i in v_sf] == s.tolist()
+
+
+def test_flashinfer_form_equals_the_linear_page_layout():
+    """The same inputs into vLLM's layout (V scales linear) and FlashInfer's tensors give the
+    same data and scale bytes at every written (slot, head)."""
+    base = dict(num_tokens=12, num_heads=3, head_size=64, block_size=8, num_blocks=3,
+                special_values=True, padding_slots=1)
+    v = make_nvfp4_inputs(Nvfp4Case(form="vllm", **base))
+    f = make_nvfp4_inputs(Nvfp4Case(form="tuple", **base))
+    v.call("torch")
+    f.call("torch")
+    (kd, ks, vd, vsf) = v.run_args()[2:6]
+    (fkd, fks, fvd, fvsf) = f.run_args()[2:6]
+    slots = v.slot_mapping[v.slot_mapping >= 0]
+    b, o = slots // 8, slots % 8
+    for a, c in ((kd, fkd), (ks, fks), (vd, fvd), (vsf, fvsf)):
+        assert torch.equal(a[b, o], c[b, o])
+
+
+def test_swizzle_is_a_permutation_within_four_tokens():
+    """Every (t, g) of a 4-token tile lands on a distinct byte of the same tile, for D 64..256."""
+    from kvwrite.ops.nvfp4.reference import swizzled_positions
+    for d in (64, 128, 192, 256):
+        gs = d // 16
+        tp, gp = swizzled_positions(torch.arange(8), gs)
+        pairs = {(int(a), int(b)) for a, b in zip(tp.flatten(), gp.flatten(), strict=True)}
+        assert len(pairs) == 8 * gs
+        assert all(4 * (t // 4) <= tp[t].min() and tp[t].max() < 4 * (t // 4) + 4
+                   for t in range(8))
+
+
+# --- readers ----------------------------------------------------------------------------------------
+
+def _roundtrip_inputs(layout="NHD", v_layout="swizzled", head_size=128, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(5)
+    t, h = 24, 4
+    key = (torch.randn(t, h, head_size, generator=g) * 3).to(dtype)
+    value = torch.randn(t, h, head_size, generator=g).to(dtype)
+    kc, vc = kvwrite.create_kv_caches_with_random_flash(8, 16, 1, h, head_size, "nvfp4", seed=1,
+                                                        device="cpu", cache_layout=layout)
+    slots = torch.randperm(128, generator=g)[:t]
+    # Scales that keep every group's S a normal e4m3 value (no saturation, no coarse subnormal).
+    ks = (key.float().abs().amax() / (6 * 256)).reshape(1)
+    vs = (value.float().abs().amax() / (6 * 256)).reshape(1)
+    kvwrite.reshape_and_cache_flash(key, value, kc[0], vc[0], slots, "nvfp4", ks, vs,
+                                    v_scale_layout=v_layout)
+    return key, value, kc[0], vc[0], slots, ks, vs
+
+
+def _half_step_bound(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Half the E2M1 step at |x|/d times d, per element, with d = float(S) * k of its group."""
+    groups = x.float().reshape(-1, 16)
+    _, s = quantize_groups(groups, k)
+    d = (s.view(torch.float8_e4m3fn).float() * k.float())[:, None]
+    y = groups.abs() / d
+    half = torch.where(y < 2, 0.25, torch.where(y < 4, 0.5, 1.0))
+    return (half * d * (1 + 2.0**-20)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("v_layout", ["linear", "swizzled"])
+def test_gather_round_trip_within_half_a_step(layout, v_layout):
+    key, value, kc, vc, slots, ks, vs = _roundtrip_inputs(layout, v_layout)
+    gk = kvwrite.nvfp4_gather_cache(kc, slots, ks)
+    gv = kvwrite.nvfp4_gather_cache(vc, slots, vs, scale_layout=v_layout)
+    for x, got, k in ((key, gk, ks), (value, gv, vs)):
+        err = (got - x.float()).abs()
+        bound = _half_step_bound(x, k)
+        assert bool((err <= bound).all()), float((err - bound).max())
+    # The wrong scale layout reads other scales: not within the bound.
+    other = "linear" if v_layout == "swizzled" else "swizzled"
+    wrong = kvwrite.nvfp4_gather_cache(vc, slots, vs, scale_layout=other)
+    assert not bool(((wrong - value.float()).abs() <= _half_step_bound(value, vs)).all())
+
+
+def test_gather_skipped_rows_are_zero_and_dtypes():
+    key, value, kc, vc, slots, ks, vs = _roundtrip_inputs()
+    s = slots.clone()
+    s[3] = -1
+    s[5] = 10**6
+    g = kvwrite.nvfp4_gather_cache(kc, s, float(ks), output_dtype=torch.bfloat16)
+    assert g.dtype == torch.bfloat16 and g.shape == key.shape
+    assert not g[3].any() and not g[5].any()
+    full = kvwrite.nvfp4_gather_cache(kc, s, ks)
+    assert torch.equal(g, full.to(torch.bfloat16))
+    assert kvwrite.nvfp4_gather_cache(kc, s.int(), ks).equal(full)
+
+
+def test_gather_keeps_negative_zero():
+    case = Nvfp4Case(num_tokens=1, num_heads=1, head_size=16, block_size=1, num_blocks=1)
+    inp = make_nvfp4_inputs(case)
+    inp.key.fill_(-0.0)
+    inp.slot_mapping.fill_(0)
+    inp.call("torch")
+    got = kvwrite.nvfp4_gather_cache(inp.caches[0], inp.slot_mapping, inp.k_scale)
+    assert bool(torch.signbit(got).all()) and not got.any()
+
+
+def test_attention_over_the_gathered_cache():
+    """A consumer's view: scaled_dot_product_attention over the gathered K/V (GQA) stays within
+    the format's error of attention over the original rows; a misread cache does not."""
+    g = torch.Generator().manual_seed(11)
+    t, hq, h, d = 64, 8, 2, 128
+    q = torch.randn(1, hq, 8, d, generator=g)
+    key = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+    value = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+    kc, vc = kvwrite.create_kv_caches_with_random_flash(4, 16, 1, h, d, "nvfp4", seed=2,
+                                                        device="cpu", cache_layout="HND")
+    slots = torch.randperm(64, generator=g)
+    ks = (key.float().abs().amax() / (6 * 448)).reshape(1)
+    vs = torch.tensor([value.float().abs().amax() / (6 * 448)])
+    kvwrite.reshape_and_cache_flash(key, value, kc[0], vc[0], slots, "nvfp4", ks, vs)
+
+    def attend(k, v):
+        k = k.float().permute(1, 0, 2)[None].repeat_interleave(hq // h, dim=1)
+        v = v.float().permute(1, 0, 2)[None].repeat_interleave(hq // h, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    want = attend(key, value)
+    gk = kvwrite.nvfp4_gather_cache(kc[0], slots, ks)
+    gv = kvwrite.nvfp4_gather_cache(vc[0], slots, vs, scale_layout="swizzled")
+    err = float((attend(gk, gv) - want).abs().max())
+    # The format's error carried through: the values' largest error, plus what the logits'
+    # largest error can move a softmax-weighted average of values.
+    dv = float((gv - value.float()).abs().max())
+    dk = (gk - key.float()).permute(1, 0, 2)[None].repeat_interleave(hq // h, dim=1)
+    dl = float((q @ dk.transpose(-1, -2)).abs().max()) / math.sqrt(d)
+    bound = dv + float(value.float().abs().max()) * (math.exp(2 * dl) - 1)
+    assert err <= bound and err < 0.2, (err, bound)
+    for misread in (kvwrite.nvfp4_gather_cache(vc[0], slots, vs, scale_layout="linear"),
+                    kvwrite.nvfp4_gather_cache(vc[0], slots.roll(1), vs,
+                                               scale_layout="swizzled")):
+        assert float((attend(gk, misread) - want).abs().max()) > 2 * err
+
+
+@pytest.mark.parametrize("fos", [False, True])
+def test_kv_quantize_and_dequantize(fos):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 64, generator=g) * 4).to(torch.bfloat16)
+    x[0, :16] = 0.0
+    x[1, 3] = float("nan")
+    fp4, sc = kvwrite.nvfp4_kv_quantize(x, 0.01, four_over_six=fos)
+    assert fp4.shape == (6, 32) and sc.shape == (6, 4)
+    assert fp4.dtype == sc.dtype == torch.uint8
+    k = torch.tensor(0.01, dtype=torch.float32).item()
+    for r in range(6):
+        for grp in range(4):
+            data, s = oracle_bytes(x[r, 16 * grp:16 * grp + 16].float().tolist(), k, fos)
+            assert bytes(fp4[r, 8 * grp:8 * grp + 8].tolist()) == data and int(sc[r, grp]) == s
+    assert torch.equal(kvwrite.nvfp4_kv_quantize(x, torch.tensor([0.01]), four_over_six=fos)[0],
+                       fp4)
+    out = kvwrite.nvfp4_kv_dequantize(fp4, sc, 0.01, output_dtype=torch.float32)
+    # Each element by hand: value(c) * float(S) * k, one rounding.
+    codes = torch.stack([fp4 & 15, fp4 >> 4], dim=-1).reshape(6, 64).tolist()
+    for r in range(6):
+        for i in range(64):
+            c = codes[r][i]
+            val = (-1 if c & 8 else 1) * E2M1_GRID[c & 7]
+            s = E4M3[int(sc[r, i // 16])]
+            want = F32(F32(val * s) * F32(k))
+            assert np.float32(out[r, i].item()).tobytes() == want.tobytes(), (r, i)
+    bf = kvwrite.nvfp4_kv_dequantize(fp4, sc.view(torch.float8_e4m3fn), torch.tensor(0.01))
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf, out.to(torch.bfloat16))
+
+
+def test_kv_quantize_equals_the_cache_bytes():
+    """nvfp4_kv_quantize's rows are the bytes the FlashInfer form stores for those rows."""
+    case = Nvfp4Case(form="tuple", num_tokens=5, num_heads=2, head_size=64, block_size=4,
+                     num_blocks=2, scale_as_number=True)
+    inp = make_nvfp4_inputs(case)
+    inp.call("torch")
+    fp4, sc = kvwrite.nvfp4_kv_quantize(inp.key.reshape(5 * 2, 64), case.k_scale)
+    (kd, _), (ksf, _) = inp.caches
+    for t, slot in enumerate(inp.slot_mapping.tolist()):
+        if 0 <= slot < 8:
+            assert torch.equal(kd[slot // 4, slot % 4].reshape(2, 32), fp4[2 * t:2 * t + 2])
+            assert torch.equal(ksf[slot // 4, slot % 4].view(torch.uint8), sc[2 * t:2 * t + 2])
+
+
+@pytest.mark.parametrize("call, exc, text", [
+    (lambda: kvwrite.nvfp4_kv_quantize(torch.zeros(2, 40), 1.0), ValueError, "input: expected K a positive multiple of 16"),
+    (lambda: kvwrite.nvfp4_kv_quantize(torch.zeros(2, 32), -1.0), ValueError, "global_scale: expected a positive finite number"),
+    (lambda: kvwrite.nvfp4_kv_quantize(torch.zeros(2, 32), torch.ones(2)), ValueError, "global_scale: expected exactly one element"),
+    (lambda: kvwrite.nvfp4_kv_quantize(torch.zeros(2, 32, dtype=torch.int32), 1.0), ValueError, "input: expected dtype"),
+    (lambda: kvwrite.nvfp4_kv_dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), 1.0), ValueError, "block_scales: expected shape (2, 2)"),
+    (lambda: kvwrite.nvfp4_kv_dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8), 1.0, torch.int8), ValueError, "output_dtype"),
+    (lambda: kvwrite.nvfp4_gather_cache(torch.zeros(2, 4, 1, 40, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), 1.0), ValueError, "cache: expected a last dim F = D/2 + D/16"),
+    (lambda: kvwrite.nvfp4_gather_cache(torch.zeros(2, 6, 1, 36, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), 1.0, scale_layout="swizzled"), ValueError, "scale_layout: 'swizzled' needs block_size % 4 == 0"),
+    (lambda: kvwrite.nvfp4_gather_cache(torch.zeros(2, 4, 1, 36, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), 1.0, scale_layout="tiled"), ValueError, "scale_layout: expected None, 'linear' or 'swizzled'"),
+    (lambda: kvwrite.nvfp4_gather_cache(torch.zeros(2, 4, 1, 36, dtype=torch.uint8), torch.zeros(1), 1.0), ValueError, "slot_mapping: expected dtype int64 or int32"),
+], ids=["quantize-K", "quantize-scale", "quantize-scale-numel", "quantize-dtype",
+        "dequantize-scales-shape", "dequantize-output-dtype", "gather-F", "gather-swizzle",
+        "gather-layout", "gather-slots"])
+def test_reader_errors(call, exc, text):
+    with pytest.raises(exc, match=re.escape(text)):
+        call()
+
+
+# --- the allocator ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv", ["nvfp4", "nvfp4_4over6"])
+def test_allocator_pages(layout, kv):
+    kc, vc = kvwrite.create_kv_caches_with_random_flash(5, 16, 2, 4, 128, kv, seed=3,
+                                                        device="cpu", cache_layout=layout)
+    f = page_bytes(128)
+    assert len(kc) == len(vc) == 2 and f == 72
+    for k, v in zip(kc, vc, strict=True):
+        assert k.shape == v.shape == (5, 16, 4, f) and k.dtype == torch.uint8
+        assert v.data_ptr() - k.data_ptr() == 16 * 4 * f
+        assert k.stride() == ((2 * 16 * 4 * f, 4 * f, f, 1) if layout == "NHD"
+                              else (2 * 16 * 4 * f, f, 16 * f, 1))
+        nvfp4_op.flash_run_args(torch.zeros(1, 4, 128), torch.zeros(1, 4, 128), k, v,
+                                torch.zeros(1, dtype=torch.long), kv, torch.ones(1),
+                                torch.ones(1))  # the write accepts them
+    again = kvwrite.create_kv_caches_with_random_flash(5, 16, 2, 4, 128, kv, seed=3,
+                                                       device="cpu", cache_layout=layout)
+    other = kvwrite.create_kv_caches_with_random_flash(5, 16, 2, 4, 128, kv, seed=4,
+                                                       device="cpu", cache_layout=layout)
+    assert torch.equal(storage_bytes(kc[1]), storage_bytes(again[0][1]))
+    assert not torch.equal(storage_bytes(kc[0]), storage_bytes(other[0][0]))
+
+
+def test_allocator_needs_a_multiple_of_16():
+    with pytest.raises(ValueError, match="head_size: the NVFP4 cache dtypes need a positive "
+                                         "multiple of 16, got 40"):
+        kvwrite.create_kv_caches_with_random_flash(1, 16, 1, 1, 40, "nvfp4", device="cpu")
+
+
+# --- the cache dtype: only where it is written --------------------------------------------------------
+
+def test_nvfp4_spellings_parse_only_where_written():
+    assert parse_kv_cache_dtype("nvfp4", nvfp4=True) is CacheDType.NVFP4
+    assert parse_kv_cache_dtype("nvfp4_4over6", nvfp4=True) is CacheDType.NVFP4_4OVER6
+    for kv in ("nvfp4", CacheDType.NVFP4_4OVER6):
+        with pytest.raises(ValueError, match="written by reshape_and_cache_flash only"):
+            parse_kv_cache_dtype(kv)
+    assert CacheDType.NVFP4.is_nvfp4 and not CacheDType.NVFP4.is_fp8
+    with pytest.raises(ValueError, match="no per-element dtype"):
+        CacheDType.NVFP4.element_dtype(torch.bfloat16)
+
+
+def test_the_seed_benchmark_does_not_offer_nvfp4(capsys):
+    """The seed benchmark's --kv-cache-dtype stays vLLM's list, and run_benchmark (vLLM's
+    function) refuses the NVFP4 spellings: its per-element cases have no NVFP4 form."""
+    from kvwrite.bench.sweep import run_benchmark
+
+    from kvwrite.bench import cli
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--kv-cache-dtype", "nvfp4"])
+    assert "invalid choice: 'nvfp4'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        run_benchmark(2, 2, 64, 16, 8, torch.bfloat16, "nvfp4", "NHD", 1, "torch", "no_graph",
+                      device="cpu")
+
+
+def test_other_ops_refuse_nvfp4():
+    key = torch.zeros(2, 1, 16)
+    cache = torch.zeros(2, 16, 1, 16)
+    with pytest.raises(ValueError, match="v_scale_layout: only the NVFP4 modes"):
+        kvwrite.reshape_and_cache_flash(key, key, cache, cache.clone(),
+                                        torch.zeros(2, dtype=torch.long), "auto",
+                                        v_scale_layout="linear")
+    cos_sin = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kvwrite.fused_rope_and_reshape_cache_flash(
+            torch.zeros(2, 1, 16), key, key, torch.zeros(2, dtype=torch.long), cos_sin, True,
+            cache.to(torch.uint8), cache.to(torch.uint8), torch.zeros(2, dtype=torch.long),
+            "nvfp4", torch.ones(1), torch.ones(1))
+
+
+# --- validation: every bad argument names itself and changes nothing --------------------------------
+
+def _vllm(**changes):
+    """A valid vLLM-form call (H=2, D=64, bs=16) with some arguments replaced."""
+    def make():
+        inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5))
+        kc, vc = inp.caches
+        args = dict(key=inp.key, value=inp.value, key_cache=kc, value_cache=vc,
+                    slot_mapping=inp.slot_mapping, kv_cache_dtype="nvfp4", k_scale=inp.k_scale,
+                    v_scale=inp.v_scale, v_scale_layout="linear")
+        for k, f in changes.items():
+            args[k] = f(args)
+        return args
+    return make
+
+
+def _strided(c: torch.Tensor, stride) -> torch.Tensor:
+    return c.as_strided(c.shape, stride, c.storage_offset())
+
+
+BAD_VLLM = [
+    ("kv-cache-dtype", _vllm(kv_cache_dtype=lambda a: "nvfp5"), ValueError, "kv_cache_dtype: expected one of"),
+    ("key-type", _vllm(key=lambda a: a["key"].tolist()), TypeError, "key: expected a torch.Tensor"),
+    ("key-dims", _vllm(key=lambda a: a["key"][0]), ValueError, "key: expected 3 dims"),
+    ("value-shape", _vllm(value=lambda a: a["value"][:, :1]), ValueError, "value: expected the shape of key"),
+    ("key-dtype", _vllm(key=lambda a: a["key"].double(), value=lambda a: a["value"].double()), ValueError, "key: expected dtype float16, bfloat16 or float32"),
+    ("value-dtype", _vllm(value=lambda a: a["value"].half()), ValueError, "value: expected the dtype of key"),
+    ("head-size", _vllm(key=lambda a: a["key"][..., :40], value=lambda a: a["value"][..., :40]), ValueError, "key: kv_cache_dtype='nvfp4' needs head_size a positive multiple of 16, got 40"),
+    ("dense-heads", _vllm(key=lambda a: a["key"].repeat(1, 1, 2)[..., :64], value=lambda a: a["value"].repeat(1, 1, 2)[..., :64]), ValueError, "key: expected dense heads"),
+    ("cache-dtype", _vllm(key_cache=lambda a: a["key_cache"].view(torch.float8_e4m3fn), value_cache=lambda a: a["value_cache"].view(torch.float8_e4m3fn)), ValueError, "key_cache: kv_cache_dtype='nvfp4' expects a cache of dtype torch.uint8"),
+    ("cache-dims", _vllm(key_cache=lambda a: a["key_cache"][0]), ValueError, "key_cache: expected 4 dims"),
+    ("cache-F", _vllm(key_cache=lambda a: a["key_cache"][..., :35], value_cache=lambda a: a["value_cache"][..., :35]), ValueError, "key_cache: expected [num_blocks, block_size, 2, 36]"),
+    ("value-cache-shape", _vllm(value_cache=lambda a: a["value_cache"][:2]), ValueError, "value_cache: expected the shape of key_cache"),
+    ("value-cache-strides", _vllm(value_cache=lambda a: a["value_cache"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "value_cache: expected the strides of key_cache"),
+    ("cache-physical-hnd", _vllm(key_cache=lambda a: _strided(a["key_cache"], (2304, 37, 36, 1)), value_cache=lambda a: _strided(a["value_cache"], (2304, 37, 36, 1))), ValueError, "key_cache: expected a logical [num_blocks, block_size, H, F] view whose inner dims are dense NHD"),
+    ("cache-s0", _vllm(key_cache=lambda a: _strided(a["key_cache"], (1000, 72, 36, 1)), value_cache=lambda a: _strided(a["value_cache"], (1000, 72, 36, 1))), ValueError, "key_cache: expected a block stride s0 >= block_size * H * F = 1152"),
+    ("overlap", _vllm(value_cache=lambda a: a["key_cache"]), ValueError, "value_cache: expected memory apart from key_cache's"),
+    ("slot-dtype", _vllm(slot_mapping=lambda a: a["slot_mapping"].float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
+    ("slot-dims", _vllm(slot_mapping=lambda a: a["slot_mapping"][None]), ValueError, "slot_mapping: expected 1 dim"),
+    ("slot-count", _vllm(slot_mapping=lambda a: torch.cat([a["slot_mapping"]] * 2)), ValueError, "slot_mapping: expected at most key.shape[0] = 5 entries, got 10"),
+    ("k-scale-none", _vllm(k_scale=lambda a: None), ValueError, "k_scale: kv_cache_dtype='nvfp4' needs a one-element float32 tensor, got None"),
+    ("k-scale-number", _vllm(k_scale=lambda a: 0.5), TypeError, "k_scale: expected a torch.Tensor"),
+    ("k-scale-dtype", _vllm(k_scale=lambda a: a["k_scale"].double()), ValueError, "k_scale: expected dtype float32"),
+    ("v-scale-per-head", _vllm(v_scale=lambda a: torch.ones(2)), ValueError, "v_scale: expected exactly one element"),
+    ("v-scale-2d", _vllm(v_scale=lambda a: torch.ones(1, 1)), ValueError, "v_scale: expected exactly one element (shape [] or [1]"),
+    ("v-scale-layout", _vllm(v_scale_layout=lambda a: "tiled"), ValueError, "v_scale_layout: expected None, 'linear' or 'swizzled', got 'tiled'"),
+    ("swizzle-block-size", _vllm(key_cache=lambda a: a["key_cache"][:, :6], value_cache=lambda a: a["value_cache"][:, :6], v_scale_layout=lambda a: "swizzled"), ValueError, "v_scale_layout: 'swizzled' (asked for) needs block_size % 4 == 0"),
+    ("swizzle-default-d80", lambda: _d80(None), ValueError, "v_scale_layout: 'swizzled' (the default on cpu) needs block_size % 4 == 0 and head_size % 64 == 0, got block_size 16 and head_size 80"),
+    ("requires-grad", _vllm(key=lambda a: a["key"].float().requires_grad_(), value=lambda a: a["value"].float()), ValueError, "key: expected a tensor that does not require grad"),
+]
+
+
+def _d80(v_layout):
+    inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=3, head_size=80, v_scale_layout=v_layout))
+    kc, vc = inp.caches
+    return dict(key=inp.key, value=inp.value, key_cache=kc, value_cache=vc,
+                slot_mapping=inp.slot_mapping, kv_cache_dtype="nvfp4", k_scale=inp.k_scale,
+                v_scale=inp.v_scale, v_scale_layout=v_layout)
+
+
+def _fi(**changes):
+    """A valid FlashInfer-form call (tuple, NHD, H=2, D=64) with some arguments replaced."""
+    def make():
+        inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5, form="tuple"))
+        args = dict(append_key=inp.key, append_value=inp.value, slot_mapping=inp.slot_mapping,
+                    paged_kv_cache=inp.caches[0], kv_cache_sf=inp.caches[1],
+                    k_scale=inp.k_scale, v_scale=inp.v_scale, kv_layout="NHD")
+        for k, f in changes.items():
+            args[k] = f(args)
+        return args
+    return make
+
+
+BAD_FI = [
+    ("kv-layout", _fi(kv_layout=lambda a: "NDH"), ValueError, "kv_layout: expected 'NHD' or 'HND', got 'NDH'"),
+    ("append-key-dims", _fi(append_key=lambda a: a["append_key"][0]), ValueError, "append_key: expected 3 dims"),
+    ("append-key-d", _fi(append_key=lambda a: a["append_key"][..., :24], append_value=lambda a: a["append_value"][..., :24]), ValueError, "append_key: NVFP4 needs head_size a positive multiple of 16, got 24"),
+    ("data-dtype", _fi(paged_kv_cache=lambda a: tuple(x.view(torch.float8_e4m3fn) for x in a["paged_kv_cache"])), ValueError, "paged_kv_cache[0]: expected dtype torch.uint8, got torch.float8_e4m3fn"),
+    ("sf-dtype", _fi(kv_cache_sf=lambda a: tuple(x.view(torch.uint8) for x in a["kv_cache_sf"])), ValueError, "kv_cache_sf[0]: expected dtype torch.float8_e4m3fn, got torch.uint8"),
+    ("data-last-dim", _fi(paged_kv_cache=lambda a: tuple(x[..., :16] for x in a["paged_kv_cache"])), ValueError, "paged_kv_cache[0]: expected a last dim of 32"),
+    ("data-last-stride", _fi(paged_kv_cache=lambda a: tuple(x.repeat(1, 1, 1, 2)[..., ::2] for x in a["paged_kv_cache"])), ValueError, "paged_kv_cache[0]: expected a contiguous last dim"),
+    ("data-pair", _fi(paged_kv_cache=lambda a: (*a["paged_kv_cache"], a["paged_kv_cache"][0])), ValueError, "paged_kv_cache: expected a tuple (k, v) or one 5-D tensor, got a tuple of 3 items"),
+    ("data-5d", _fi(paged_kv_cache=lambda a: torch.stack(a["paged_kv_cache"] * 2, dim=1)), ValueError, "paged_kv_cache: expected a tuple (k, v) or one 5-D tensor with K/V on dim 1 ([P, 2, page, H, 32])"),
+    ("data-v-shape", _fi(paged_kv_cache=lambda a: (a["paged_kv_cache"][0], a["paged_kv_cache"][1][:2])), ValueError, "paged_kv_cache[1]: expected the shape of paged_kv_cache[0]"),
+    ("heads", _fi(paged_kv_cache=lambda a: tuple(x[:, :, :1] for x in a["paged_kv_cache"]), kv_cache_sf=lambda a: tuple(x[:, :, :1] for x in a["kv_cache_sf"])), ValueError, "paged_kv_cache: expected 2 heads (those of append_key), got 1"),
+    ("sf-pages", _fi(kv_cache_sf=lambda a: tuple(x[:2] for x in a["kv_cache_sf"])), ValueError, "kv_cache_sf: expected [P, page, H] = (4, 16, 2) as paged_kv_cache"),
+    ("k-scale-negative", _fi(k_scale=lambda a: -0.5), ValueError, "k_scale: expected a positive finite number, got -0.5"),
+    ("k-scale-inf", _fi(k_scale=lambda a: math.inf), ValueError, "k_scale: expected a positive finite number"),
+    ("k-scale-nan", _fi(k_scale=lambda a: math.nan), ValueError, "k_scale: expected a positive finite number"),
+    ("k-scale-zero", _fi(k_scale=lambda a: 0), ValueError, "k_scale: expected a positive finite number"),
+    ("v-scale-underflow", _fi(v_scale=lambda a: 1e-50), ValueError, "v_scale: expected a number whose float32 rounding is positive and finite"),
+    ("v-scale-overflow", _fi(v_scale=lambda a: 1e39), ValueError, "v_scale: expected a number whose float32 rounding is positive and finite"),
+    ("v-scale-bool", _fi(v_scale=lambda a: True), TypeError, "v_scale: expected a Python number or a one-element float32 tensor, got bool"),
+    ("v-scale-str", _fi(v_scale=lambda a: "1"), TypeError, "v_scale: expected a Python number"),
+    ("k-scale-tensor-dtype", _fi(k_scale=lambda a: torch.ones(1, dtype=torch.float16)), ValueError, "k_scale: expected dtype float32"),
+    ("k-scale-tensor-numel", _fi(k_scale=lambda a: torch.ones(3)), ValueError, "k_scale: expected exactly one element"),
+    ("slot-count", _fi(slot_mapping=lambda a: torch.cat([a["slot_mapping"]] * 2)), ValueError, "slot_mapping: expected at most append_key.shape[0] = 5 entries"),
+    ("overlap", _fi(paged_kv_cache=lambda a: (a["paged_kv_cache"][0], a["paged_kv_cache"][0])), ValueError, "expected memory apart from paged_kv_cache (K data)'s"),
+]
+
+
+@pytest.mark.parametrize("make, exc, text", [b[1:] for b in BAD_VLLM],
+                         ids=[b[0] for b in BAD_VLLM])
+def test_bad_vllm_form_is_rejected_and_nothing_changes(make, exc, text):
+    args = make()
+    _rejects(lambda: kvwrite.reshape_and_cache_flash(**args), args, exc, text)
+
+
+@pytest.mark.parametrize("make, exc, text", [b[1:] for b in BAD_FI], ids=[b[0] for b in BAD_FI])
+def test_bad_flashinfer_form_is_rejected_and_nothing_changes(make, exc, text):
+    args = make()
+    _rejects(lambda: kvwrite.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(**args),
+             args, exc, text)
+
+
+def _rejects(call, args, exc, text):
+    tensors = []
+    for v in args.values():
+        tensors += list(v) if isinstance(v, tuple) else [v]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(exc, match=re.escape(text)):
+        call()
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
+
+
+def test_named_implementation_and_zero_tokens():
+    inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=3))
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run this call"):
+        inp.call("cuda")
+    with pytest.raises(ValueError, match="implementation: expected one of"):
+        inp.call("vllm")
+    zero = make_nvfp4_inputs(Nvfp4Case(num_tokens=0, extra_rows=3))
+    before = [storage_bytes(t).clone() for t in zero.tensors()]
+    zero.call()
+    assert all(torch.equal(storage_bytes(t), b) for t, b in zip(zero.tensors(), before,
+                                                                 strict=True))
+
+
+def test_implementations_are_registered():
+    names = {s.name for s in kvwrite.implementations("cpu", OP)}
+    assert names == {"torch", "triton", "cuda"}
+    assert OP in registry.ops()
+
+
+def test_default_v_scale_layout_rule():
+    assert nvfp4_op.default_v_scale_layout("cpu") is ScaleLayout.SWIZZLED
+    nvfp4_op._capability_major.cache_clear()
+    try:
+        for major, want in ((8, ScaleLayout.SWIZZLED), (9, ScaleLayout.SWIZZLED),
+                            (10, ScaleLayout.SWIZZLED), (12, ScaleLayout.LINEAR)):
+            nvfp4_op._capability_major.cache_clear()
+            orig = torch.cuda.get_device_capability
+            torch.cuda.get_device_capability = lambda i, m=major: (m, 0)
+            try:
+                assert nvfp4_op.default_v_scale_layout("cuda:0") is want
+            finally:
+                torch.cuda.get_device_capability = orig
+    finally:
+        nvfp4_op._capability_major.cache_clear()
+
+
+# --- the checker can fail ----------------------------------------------------------------------------
+
+def _patched_rule(monkeypatch, fn):
+    monkeypatch.setattr(torch_ref, "quantize_groups", fn)
+
+
+def _divide(x, k, four_over_six=False):
+    """The codes of x / d (a true division), as both upstreams' divisions would."""
+    from kvwrite.ops.nvfp4 import rule
+    codes, s = rule.quantize_groups(x, k, four_over_six)
+    d = rule.e4m3_value(s) * rule.scale_tensor(k, x.device)
+    q = torch.where(d[:, None] == 0, x * 0, x.float() / d[:, None])
+    return rule.e2m1_codes(q), s
+
+
+def _nan_to_zero(x, k, four_over_six=False):
+    from kvwrite.ops.nvfp4 import rule
+    codes, s = rule.quantize_groups(x, k, four_over_six)
+    return torch.where(torch.isnan(x.float()), torch.zeros_like(codes), codes), s
+
+
+def _no_tie_to_even(x, k, four_over_six=False):
+    """E2M1 with ties away from zero."""
+    from kvwrite.ops.nvfp4 import rule
+    codes, s = rule.quantize_groups(x, k, four_over_six)
+    d = rule.e4m3_value(s) * rule.scale_tensor(k, x.device)
+    r = torch.where(d == 0, d, 1 / d)
+    m = (x.float() * r[:, None]).abs()
+    up = torch.zeros_like(codes)
+    for t in (0.25, 1.25, 2.5, 5.0):
+        up |= (m == t).to(torch.uint8)
+    return codes + up, s
+
+
+def _run_broken(case, broken=None, monkeypatch=None, transform=None):
+    inp = make_nvfp4_inputs(case)
+    if broken is not None:
+        _patched_rule(monkeypatch, broken)
+    args = list(inp.run_args())
+    if transform is not None:
+        args = transform(args)
+    torch_ref.run(*args)
+    return inp
+
+
+def _swizzle_ignored(args):
+    args[10] = ScaleLayout.LINEAR
+    return args
+
+
+def _hnd_as_nhd(args):
+    for i in (2, 3, 4, 5):
+        v = args[i]
+        nb, bs, h, n = v.shape
+        args[i] = v.as_strided(v.shape, (v.stride(0), h * n, n, 1), v.storage_offset())
+    return args
+
+
+def _skip_last_token(args):
+    args[6] = args[6][:-1]
+    return args
+
+
+def _k_scale_for_v(args):
+    args[9] = args[8]
+    return args
+
+
+@pytest.mark.parametrize("name, case, broken, transform", [
+    ("division", Nvfp4Case(special_values=True, num_tokens=20), _divide, None),
+    ("nan-to-zero", Nvfp4Case(special_values=True, num_tokens=20), _nan_to_zero, None),
+    ("ties-away", Nvfp4Case(special_values=True, num_tokens=20), _no_tie_to_even, None),
+    ("swizzle-ignored", Nvfp4Case(v_scale_layout="swizzled", num_tokens=9), None, _swizzle_ignored),
+    ("hnd-as-nhd", Nvfp4Case(layout="HND", num_tokens=9), None, _hnd_as_nhd),
+    ("hnd-as-nhd-fi", Nvfp4Case(layout="HND", form="stacked", num_tokens=9), None, _hnd_as_nhd),
+    ("skip-last-token", Nvfp4Case(num_tokens=9, form="padded", pad=4), None, _skip_last_token),
+    ("k-scale-for-v", Nvfp4Case(num_tokens=4), None, _k_scale_for_v),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_checker_rejects_wrong_implementations(monkeypatch, name, case, broken, transform):
+    inp = _run_broken(case, broken, monkeypatch, transform)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_storages_equal(inp.tensors(), expected(case), name)
+
+
+# --- CUDA: NVRTC compiles (no GPU needed), launch plans, machine code --------------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+# Global memory accesses of sm_90 SASS (as tests/test_pdl.py).
+MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
+def _cuda_impl():
+    from kvwrite.ops.nvfp4 import cuda_impl
+    return cuda_impl
+
+
+@pytest.fixture(scope="module")
+def pdl_sass(tmp_path_factory):
+    """sm_90 SASS of the PDL build of every variant, compiled as one NVRTC program."""
+    if _nvrtc_reason() is not None:
+        pytest.skip(_nvrtc_reason())
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
+    cuda_impl = _cuda_impl()
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    return names, sass_tools.dump_sass(bytes(obj.code), tmp_path_factory.mktemp("nvfp4sass"))
+
+
+def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
+    """Every variant compiles with NVRTC for sm_90 (24: dtype x aligned x slot type x rule); in
+    its PDL build the trigger and the wait (PREEXIT, ACQBULK) come before the first global access."""
+    import sass as sass_tools
+    names, text = pdl_sass
+    assert len(names) == 24
+    funcs = sass_tools.functions(text)
+    assert len(funcs) == len(names)
+    for name, ops in funcs.items():
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+
+
+def _row_load(text: str) -> bool:
+    """A row's load: the volatile (STRONG.SYS) loads of the groups; not the slot's or the
+    scales' read-only loads."""
+    return "STRONG.SYS" in text.split()[0]
+
+
+def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
+    """No variant waits for a load's result before it has issued its last row load: the K and V
+    groups, the scales and the slot are one memory round trip (sass.waits_before_loads; ptxas
+    once put V's loads after K's rule and the slot's after both); loading and testing the slot
+    first fails the check."""
+    import tempfile
+    from pathlib import Path
+
+    import sass as sass_tools
+    from kvwrite.kernels import nvrtc
+    names, text = pdl_sass
+    late = sass_tools.late_issues(text, _row_load)
+    assert not late, {k: v[:3] for k, v in late.items()}
+    # The order the check guards: the slot loaded and tested before the rows are requested.
+    cuda_impl = _cuda_impl()
+    line = "  const i64 s = static_cast<i64>(load_index(slot_mapping + t));\n"
+    test = "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0\n"
+    src = cuda_impl.SOURCE.text
+    assert line in src and test in src
+    old = src.replace(line, "").replace(test, "").replace(
+        "  float xk[16], xv[16];\n", "  const i64 s = static_cast<i64>(slot_mapping[t]);\n"
+        "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;\n"
+        "  float xk[16], xv[16];\n")
+    obj, _ = cuda_impl.SOURCE.compile("sm_90", names[:4], source=old, macros=(nvrtc.PDL_MACRO,))
+    with tempfile.TemporaryDirectory() as d:
+        flagged = sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), Path(d)),
+                                         _row_load)
+    assert len(flagged) == 4, sorted(flagged)
+
+
+def _plan_of(case: Nvfp4Case):
+    inp = make_nvfp4_inputs(case)
+    args = inp.run_args()
+    return _cuda_impl().plan(*args[:8], args[10])
+
+
+@pytest.mark.parametrize("case, name, threads", [
+    (Nvfp4Case(), "nvfp4_kernel<1, true, long long, false>", 64),
+    (Nvfp4Case(dtype=torch.float16, slot_dtype=torch.int32, kv_cache_dtype="nvfp4_4over6"),
+     "nvfp4_kernel<0, true, int, true>", 64),
+    (Nvfp4Case(dtype=torch.float32, form="stacked"), "nvfp4_kernel<2, true, long long, false>", 64),
+    (Nvfp4Case(misaligned=True), "nvfp4_kernel<1, false, long long, false>", 64),
+    (Nvfp4Case(form="padded", pad=3), "nvfp4_kernel<1, false, long long, false>", 64),
+    (Nvfp4Case(pad=4), "nvfp4_kernel<1, false, long long, false>", 64),  # s0 % 8 == 4
+    (Nvfp4Case(pad=8, qkv_slices=True), "nvfp4_kernel<1, true, long long, false>", 64),
+    (Nvfp4Case(num_tokens=300, num_heads=8, head_size=128, num_blocks=20),
+     "nvfp4_kernel<1, true, long long, false>", 256),
+])
+def test_cuda_plan(case, name, threads):
+    p = _plan_of(case)
+    assert (p.name, p.threads) == (name, threads)
+    assert len(p.fixed) == len(_cuda_impl().FIXED_ARGS) == 20
+    assert p.fixed[-1] == int(case.v_scale_layout == "swizzled")
+
+
+@needs_nvrtc
+def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
+    """A build with the call signature's 20 trailing arguments compiled in reads none of them
+    from the parameter bank (sm_90: 9 pointers at 0x210, the scale bits, num_tokens at 0x268,
+    the fixed arguments from 0x270), issues its loads before any wait and, as its PDL twin,
+    waits before any access; the generic build reads them; a wrong count fails."""
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
+    cuda_impl = _cuda_impl()
+
+    def reads(name, fixed):
+        obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
+        text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+        return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text)}, text
+
+    first, end = 0x270, 0x270 + 8 * 20
+    for case in (Nvfp4Case(num_heads=8, head_size=128), Nvfp4Case(layout="HND", block_size=12,
+                                                                   v_scale_layout="linear",
+                                                                   slot_dtype=torch.int32)):
+        p = _plan_of(case)
+        special, text = reads(p.name, p.fixed)
+        assert not any(first <= o < end for o in special), sorted(map(hex, special))
+        assert 0x210 in special and 0x268 in special  # the key pointer and num_tokens still are
+        assert not sass_tools.late_issues(text, _row_load)
+        pdl, _ = cuda_impl.SOURCE.compile("sm_90", p.name, macros=nvrtc.fixed_args_macros(p.fixed)
+                                          + (nvrtc.PDL_MACRO,))
+        (ops,) = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path)).values()
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "ACQBULK" in ops[:first_mem], ops[:40]
+    generic, _ = reads(p.name, None)
+    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
+    with pytest.raises(RuntimeError, match="20 values"):
+        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@needs_nvrtc
+def test_plain_build_has_no_pdl_and_other_architectures_compile(tmp_path):
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
+    cuda_impl = _cuda_impl()
+    names = cuda_impl.all_kernel_names()[:2]
+    plain, _ = cuda_impl.compile_kernel("sm_90", names)
+    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+    old, _ = cuda_impl.SOURCE.compile("sm_80", names[:1], macros=(nvrtc.PDL_MACRO,))
+    text = sass_tools.dump_sass(bytes(old.code), tmp_path)
+    assert "ACQBULK" not in text and "LDG" in text
+    for arch in ("sm_75", "sm_120"):  # any GPU: no e2m1 or max.NaN instruction needed
+        obj, _ = cuda_impl.compile_kernel(arch, names[:1])
+        assert len(bytes(obj.code)) > 0
+
+
+def test_cuda_unavailable_on_cpu_says_why():
+    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+def test_sanitize_cases_are_listed():
+    from kvwrite.ops.nvfp4 import sanitize
+    ids = [i for i, _ in sanitize.cases()]
+    assert ids and len(ids) == len(set(ids))
+    assert all(callable(fn) for _, fn in sanitize.cases())
+
+
+# --- Triton: compiles for sm_90 (CPU), no fused multiply-add, the PDL wait first ---------------
+
+_TRITON_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.ops.nvfp4 import triton_impl as nv
+
+def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
+    k = nv._nvfp4_kernel
+    types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "k_sf_ptr": "*u8",
+             "v_data_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot,
+             "num_tokens": "i32"}
+    consts = dict(KEY_STRIDE=3072, VALUE_STRIDE=3072, KD_SB=18432, KD_SS=512, KD_SH=64,
+                  KS_SB=18432, KS_SS=64, KS_SH=8, VD_SB=18432, VD_SS=512, VD_SH=64,
+                  VS_SB=18432, VS_SS=64, VS_SH=8, NUM_SLOTS=1024, BLOCK_SIZE=16, G=8,
+                  NUM_GROUPS=64, FOUR_OVER_SIX=fos, V_SWIZZLE=swz, BF16_BITS=in_ty == "*i16",
+                  SCALE_IN_MEMORY=in_mem, BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
+    if in_mem:
+        types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_scale_value="fp32",
+                     v_scale_value="fp32")
+    else:
+        consts.update(k_scale_ptr=None, v_scale_ptr=None)
+        types.update(k_scale_value="fp32", v_scale_value="fp32")
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, "enable_fp_fusion": False}
+    if pdl:
+        opts["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for in_ty, fos in (("*i16", False), ("*fp32", True)):
+    text = ptx(in_ty, fos, True, True)
+    out[f"{in_ty}-{fos}"] = [text.count("fma."), text.count("div.rn.f32")]
+text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8)
+first_ld = text.index("ld.global")
+out["pdl"] = [text.count("griddepcontrol.wait"), text.find("griddepcontrol.wait") < first_ld]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
+    """The Triton kernel compiled for sm_90 (no GPU needed): bfloat16 bits and float32 4over6
+    builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
+    and int32 slots. No fma at all in their PTX (contraction off: the rule's steps and 4over6's
+    error sums are rounded one by one), the two quotients per group as div.rn.f32 (K and V:
+    2 x 64 groups; 4over6 both candidates), and the PDL build's wait before its first load."""
+    import json
+    import os
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["*i16-False"] == [0, 64] and out["*fp32-True"] == [0, 128], out
+    assert out["pdl"] == [1, True], out
+
+
+# --- on the GPU -----------------------------------------------------------------------------------------
+
+def _gpu_impl(impl: str):
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    return info
+
+
+def _gpu_vs_reference(case: Nvfp4Case, impl: str, seed: int = 0, **run_kw):
+    """impl on the GPU against the torch reference on the GPU, whole allocations."""
+    inp = make_nvfp4_inputs(case, "cuda", seed)
+    want = clone_inputs(inp)
+    want.call("torch")
+    if run_kw:
+        args = inp.run_args()
+        if inp.slot_mapping.numel():
+            importlib.import_module(f"kvwrite.ops.nvfp4.{impl}_impl").run(*args, **run_kw)
+    else:
+        inp.call(impl)
+    torch.cuda.synchronize()
+    assert_storages_equal(inp.tensors(), want.tensors(), f"{impl} {case.id}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NVFP4_GPU_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_gpu_matrix(impl, case):
+    _gpu_impl(impl)
+    _gpu_vs_reference(case, impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=lambda c: c.id)
+def test_gpu_reference_matches_page_oracle(case):
+    """The torch reference on the GPU writes the oracle's bytes (PyTorch's CUDA ops: the same
+    IEEE steps; no division by a CPU scalar)."""
+    inp = make_nvfp4_inputs(case, "cuda")
+    inp.call("torch")
+    assert_storages_equal(clone_inputs(inp, "cpu").tensors(), expected(case), case.id)
+
+
+def _every_16_bit_groups(dtype: torch.dtype) -> torch.Tensor:
+    """Every 16-bit pattern of dtype once, as 4096 groups of 16 (rows [4096 / 8, 8 heads, 16]),
+    in an order that mixes magnitudes within groups."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    perm = torch.randperm(65536, generator=torch.Generator().manual_seed(9))
+    return bits[perm].view(dtype).reshape(512, 8, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["nvfp4", "nvfp4_4over6"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_gpu_every_16_bit_input(impl, dtype, kv):
+    """Every bfloat16 / float16 input (NaNs, infinities, subnormals, -0 included) through the
+    kernels, for scales that put S in every regime (subnormal, normal, saturated, and the
+    documented ties' power-of-two k), against the reference."""
+    _gpu_impl(impl)
+    x = _every_16_bit_groups(dtype).cuda()
+    slots = torch.randperm(512, device="cuda")
+    for k in (1.0, 2.0**-5, 0.003, 1 / 3, 0.7, 2.0**-100, 2.0**100, 5e-4):
+        kc, vc = kvwrite.create_kv_caches_with_random_flash(32, 16, 1, 8, 16, kv, seed=1,
+                                                            device="cuda")
+        want_k, want_v = clone_tensors([kc[0], vc[0]])
+        ks = torch.tensor([k], device="cuda")
+        vs = torch.tensor([min(k * 3, 2.0**100)], device="cuda")  # within [2^-100, 2^100]
+        kvwrite.reshape_and_cache_flash(x, x.flip(0), want_k, want_v, slots, kv, ks, vs,
+                                        v_scale_layout="linear", implementation="torch")
+        kvwrite.reshape_and_cache_flash(x, x.flip(0), kc[0], vc[0], slots, kv, ks, vs,
+                                        v_scale_layout="linear", implementation=impl)
+        assert_storages_equal([kc[0]], [want_k], f"{impl} {dtype} {kv} k={k}")
+
+
+def clone_tensors(ts):
+    from kvwrite.testing.nvfp4 import clone_tensors as ct
+    return ct(ts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in NVFP4_CASES if c.num_tokens in (5, 7, 9, 40)],
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("tuning", ["generic", "big-ctas", "small-ctas"])
+def test_gpu_cuda_builds(case, tuning):
+    """The unspecialized builds (runtime arguments) and both CTA sizes over part of the matrix."""
+    _gpu_impl("cuda")
+    cuda_impl = _cuda_impl()
+    t = {"generic": cuda_impl.CudaTuning(specialize=False),
+         "big-ctas": cuda_impl.CudaTuning(small_call_groups=0),
+         "small-ctas": cuda_impl.CudaTuning(small_call_groups=1 << 40, small_threads=32)}[tuning]
+    _gpu_vs_reference(case, "cuda", tuning=t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("form", ["vllm", "stacked"])
+def test_cuda_graph_replay_sees_new_inputs_slots_and_scales(impl, form):
+    """Capture once, then change key, value, slots and scales in place: the replay uses them."""
+    _gpu_impl(impl)
+    case = Nvfp4Case(form=form, num_tokens=64, num_heads=4, head_size=128, block_size=16,
+                     num_blocks=8, padding_slots=3, out_of_range_slots=2, special_values=True,
+                     extra_rows=2, layout="HND", v_scale_layout="swizzled")
+    first = make_nvfp4_inputs(case, "cuda", seed=1)
+    first.call(impl)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first.call(impl)
+    second = make_nvfp4_inputs(dataclasses_replace(case, k_scale=0.05, v_scale=0.0007), "cuda",
+                               seed=2)
+    for dst, src in ((first.key, second.key), (first.value, second.value),
+                     (first.slot_mapping, second.slot_mapping),
+                     (first.k_scale, second.k_scale), (first.v_scale, second.v_scale)):
+        dst.copy_(src)
+    for a, b in zip(first.tensors(), second.tensors(), strict=True):
+        storage_bytes(a).copy_(storage_bytes(b))
+    want = clone_inputs(second)
+    want.call("torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_storages_equal(first.tensors(), want.tensors(), f"replay {impl} {form}")
+
+
+def dataclasses_replace(case, **kw):
+    import dataclasses
+    return dataclasses.replace(case, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_cuda_graph_replay_with_python_number_scales(impl):
+    """FlashInfer's form with Python-number scales: the capture keeps the numbers, new rows and
+    slots are seen."""
+    _gpu_impl(impl)
+    case = Nvfp4Case(form="tuple", num_tokens=32, scale_as_number=True, padding_slots=2)
+    first = make_nvfp4_inputs(case, "cuda", seed=1)
+    first.call(impl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first.call(impl)
+    second = make_nvfp4_inputs(case, "cuda", seed=2)
+    for dst, src in ((first.key, second.key), (first.value, second.value),
+                     (first.slot_mapping, second.slot_mapping)):
+        dst.copy_(src)
+    want = clone_inputs(first)
+    want.call("torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_storages_equal(first.tensors(), want.tensors(), f"replay {impl}")
+
+
+@pytest.mark.parametrize("impl, device", [
+    ("torch", "cpu"), pytest.param("torch", "cuda", marks=pytest.mark.gpu),
+    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+    pytest.param("cuda", "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("form", ["vllm", "tuple", "stacked"])
+def test_torch_compile_sees_one_custom_op(impl, device, form):
+    """Both entry points stay one opaque custom op under torch.compile (v_scale_layout and
+    Python-number scales passed through) and write the reference's bytes."""
+    if device == "cuda":
+        _gpu_impl(impl)
+    case = Nvfp4Case(form=form, num_tokens=16, v_scale_layout="swizzled",
+                     scale_as_number=form == "tuple")
+    inp = make_nvfp4_inputs(case, device)
+    want = clone_inputs(inp)
+    want.call("torch")
+
+    if form == "vllm":
+        def fn(key, value, kc, vc, slots, ks, vs):
+            kvwrite.reshape_and_cache_flash(key, value, kc, vc, slots, "nvfp4", ks, vs,
+                                            v_scale_layout="swizzled", implementation=impl)
+        targets = compiled_targets(fn, inp.key, inp.value, *inp.caches, inp.slot_mapping,
+                                   inp.k_scale, inp.v_scale)
+        assert targets == ["kvwrite.reshape_and_cache_flash"], targets
+    else:
+        def fn(key, value, slots, data, sf):
+            kvwrite.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
+                key, value, slots, data, sf, inp.k_scale, inp.v_scale, "NHD",
+                implementation=impl)
+        targets = compiled_targets(fn, inp.key, inp.value, inp.slot_mapping, *inp.caches)
+        assert targets == ["kvwrite.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping"], \
+            targets
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_storages_equal(inp.tensors(), want.tensors(), f"compiled {impl} {form}")
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_cases():
+    from kvwrite.ops.nvfp4 import sanitize
+    _gpu_impl("cuda")
+    failures = [f"{i}: {r}" for i, fn in sanitize.cases() if (r := fn()) is not None]
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+def test_gpu_readers_match_the_cpu():
+    """The readers on the GPU give the CPU's bytes (exact PyTorch ops, tensor divisors)."""
+    key, value, kc, vc, slots, ks, vs = _roundtrip_inputs("HND", "swizzled")
+    cpu = kvwrite.nvfp4_gather_cache(vc, slots, vs, scale_layout="swizzled")
+    gpu = kvwrite.nvfp4_gather_cache(vc.cuda(), slots.cuda(), vs.cuda(),
+                                     scale_layout="swizzled")
+    assert torch.equal(cpu.view(torch.int32), gpu.cpu().view(torch.int32))
+    x = key.reshape(-1, 128)
+    for fos in (False, True):
+        a = kvwrite.nvfp4_kv_quantize(x, 0.003, four_over_six=fos)
+        b = kvwrite.nvfp4_kv_quantize(x.cuda(), 0.003, four_over_six=fos)
+        assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
+    d1 = kvwrite.nvfp4_kv_dequantize(*a, 0.003, torch.float32)
+    d2 = kvwrite.nvfp4_kv_dequantize(b[0], b[1], 0.003, torch.float32)
+    assert torch.equal(d1.view(torch.int32), d2.cpu().view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_default_v_scale_layout_follows_the_device():
+    major = torch.cuda.get_device_capability()[0]
+    want = ScaleLayout.LINEAR if major >= 12 else ScaleLayout.SWIZZLED
+    assert nvfp4_op.default_v_scale_layout("cuda") is want
