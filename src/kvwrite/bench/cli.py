@@ -37,6 +37,9 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "concat_and_cache_mla": (
         ("mla",), "kvwrite.ops.concat_and_cache_mla.bench:BENCH",
         "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark"),
+    "nvfp4": (
+        (), "kvwrite.ops.nvfp4.bench:BENCH",
+        "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"),
     "reshape_and_cache": (
         ("legacy",), "kvwrite.ops.reshape_and_cache.bench:BENCH",
         "the legacy paged-attention cache write (x-packed key layout)"),
