@@ -10,6 +10,12 @@ from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_r
 from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
 from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
+from .ops.reshape_and_cache_flash_per_token_head_quant import (
+    PerTokenHeadMode,
+    create_per_token_head_caches,
+    dequantize_per_token_head,
+    reshape_and_cache_flash_per_token_head_quant,
+)
 from .ops.rotary_embedding import check_positions, rotary_embedding
 from .registry import implementations
 
@@ -31,4 +37,8 @@ __all__ = [
     "registry",
     "reshape_and_cache_flash",
     "rotary_embedding",
+    "PerTokenHeadMode",
+    "create_per_token_head_caches",
+    "dequantize_per_token_head",
+    "reshape_and_cache_flash_per_token_head_quant",
 ]

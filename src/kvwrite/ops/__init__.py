@@ -4,8 +4,9 @@ from . import (
     concat_and_cache_mla,
     fused_rope_and_reshape_cache_flash,
     reshape_and_cache_flash,
+    reshape_and_cache_flash_per_token_head_quant,
     rotary_embedding,
 )
 
 __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
-           "concat_and_cache_mla"]
+           "concat_and_cache_mla", "reshape_and_cache_flash_per_token_head_quant"]
