@@ -39,6 +39,7 @@ from kvwrite.testing.per_token_head import (
     assert_pth_caches_equal,
     check_roundtrip,
     clone_pth_caches,
+    half_step_bound,
     make_pth_inputs,
     roundtrip_error,
     special_rows,
@@ -617,3 +618,623 @@ def test_zero_tokens_is_a_no_op_and_implementations_register():
     assert all(torch.equal(storage_bytes(c), b) for c, b in zip(inp.caches, before, strict=True))
     assert {s.name for s in kvwrite.implementations("cpu", OP)} == {"torch", "triton", "cuda"}
     assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+# --- the round trip and a consumer ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_within_half_step(mode, dtype):
+    """Write, read back with dequantize_per_token_head, compare with the input: every row
+    within the format's half step (special rows are skipped where the contract gives no bound)."""
+    for special in (False, True):
+        case = PthCase(kv_quant_mode=mode, dtype=dtype, num_tokens=12, num_heads=4,
+                       head_size=32, head_size_v=16, padding_slots=2, out_of_range_slots=1,
+                       special_values=special, alloc="packed", vllm_rows=True)
+        inp = make_pth_inputs(case)
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+        assert check_roundtrip(*inp.args()) is None
+        err = roundtrip_error(*inp.args())
+        assert 0.0 < err <= 1.0, err
+        if not special and mode != FP8:
+            assert err > 0.5, err  # the bound is tight: some element is off by nearly s/2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_check_catches_wrong_codes(mode, monkeypatch):
+    case = PthCase(kv_quant_mode=mode, num_tokens=6, head_size=32, dtype=torch.float32)
+    inp = make_pth_inputs(case)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+    s = int(inp.slot_mapping[2])
+    token = 2
+    code = inp.value_cache[s // 16, s % 16, 1, 3:4].view(torch.uint8)
+    code ^= 0x22  # another code, 2+ steps away
+    msg = check_roundtrip(*inp.args())
+    assert msg is not None and msg.startswith("value: ") and f"token {token}, head 1" in msg, msg
+    assert roundtrip_error(*inp.args()) > 1.0
+    # Truncating instead of rounding stays within a whole step but not within half of one.
+    if mode == INT8:
+        monkeypatch.setattr(torch_ref, "rhaz", torch.trunc)
+        inp = make_pth_inputs(case)
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+        assert 1.0 < roundtrip_error(*inp.args()) < 2.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout, alloc", [("NHD", "packed"), ("HND", "interleaved"),
+                                           ("HND", "separate")])
+def test_attention_over_dequantized_cache_matches_the_original(mode, layout, alloc):
+    """The consumer's view: scaled_dot_product_attention (GQA, 4 query heads per KV head) over
+    the K/V read back from the cache equals attention over the original K/V within the bound the
+    format's half step implies: logits move by at most d = scale * sum_j |q_j| b_ij (b the
+    per-element bound), so softmax weights by a factor within e^(+-2d), and the output by at
+    most (e^(2d) - 1) max|v| + max b_v."""
+    g = torch.Generator().manual_seed(MODES.index(mode))
+    T, H, D, group = 40, 2, 64, 4
+    k = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, H * group, D, generator=g, dtype=torch.float64)
+    caches = kvwrite.create_per_token_head_caches(4, 16, H, D, mode, cache_layout=layout,
+                                                  kv_alloc=alloc, device="cpu")
+    slots = torch.randperm(64, generator=g)[:T]
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(k, v, *caches, slots, mode)
+    kh = kvwrite.dequantize_per_token_head(caches[0], caches[2], slots, mode)
+    vh = kvwrite.dequantize_per_token_head(caches[1], caches[3], slots, mode)
+    pm = PerTokenHeadMode(mode)
+    bs = 16
+    bk = half_step_bound(k.float(), kh, caches[2][slots // bs, slots % bs], pm)  # [T, H, D]
+    bv = half_step_bound(v.float(), vh, caches[3][slots // bs, slots % bs], pm)
+
+    def attn(kk, vv):  # [T, H, D] -> [Hq, 3, D], float64
+        kk = kk.double().permute(1, 0, 2).repeat_interleave(group, 0)
+        vv = vv.double().permute(1, 0, 2).repeat_interleave(group, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q.permute(1, 0, 2), kk, vv)
+
+    got, want = attn(kh, vh), attn(k.float(), v.float())
+    scale = D**-0.5
+    bkq = bk.permute(1, 0, 2).repeat_interleave(group, 0)  # [Hq, T, D]
+    delta = (scale * torch.einsum("qhd,htd->hqt", q.abs(), bkq)).amax(-1)  # [Hq, 3]
+    vmax = v.double().abs().amax()
+    bound = (torch.exp(2 * delta) - 1) * vmax + bv.amax()
+    err = (got - want).abs().amax(-1)
+    assert (err <= bound + 1e-12).all(), (err.max(), bound.min())
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < {INT8: 0.02, FP8: 0.1, INT4: 0.3}[mode], rel
+
+
+# --- the allocator and the reader ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, d", [(INT8, 128), (FP8, 64), (INT4, 128)])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("alloc", ["packed", "interleaved", "separate"])
+def test_create_per_token_head_caches_strides(mode, d, layout, alloc):
+    nb, bs, h = 3, 16, 4
+    kc, vc, ks, vs = kvwrite.create_per_token_head_caches(nb, bs, h, d, mode, cache_layout=layout,
+                                                          kv_alloc=alloc, device="cpu")
+    pm = PerTokenHeadMode(mode)
+    dq = pm.quantized_size(d)
+    assert kc.shape == vc.shape == (nb, bs, h, dq) and ks.shape == vs.shape == (nb, bs, h)
+    assert kc.dtype == vc.dtype == (torch.int8 if mode == INT8 else torch.uint8)
+    assert ks.dtype == vs.dtype == torch.float32
+    hnd = layout == "HND"
+    if alloc == "packed":
+        r = 2 * (dq + 4)
+        want = (bs * h * r, r, bs * r, 1) if hnd else (bs * h * r, h * r, r, 1)
+        assert kc.stride() == vc.stride() == want
+        assert vc.data_ptr() - kc.data_ptr() == dq + 4
+        assert ks.data_ptr() - kc.data_ptr() == dq and vs.data_ptr() - kc.data_ptr() == 2 * dq + 4
+        assert ks.stride() == tuple(s // 4 for s in want[:3])
+        assert storage_bytes(kc).numel() == nb * bs * h * r
+    elif alloc == "interleaved":
+        r = dq + 4
+        want = (2 * bs * h * r, r, bs * r, 1) if hnd else (2 * bs * h * r, h * r, r, 1)
+        assert kc.stride() == vc.stride() == want
+        assert vc.data_ptr() - kc.data_ptr() == bs * h * r
+        assert ks.data_ptr() - kc.data_ptr() == dq and vs.data_ptr() - vc.data_ptr() == dq
+        assert storage_bytes(kc).numel() == 2 * nb * bs * h * r
+    else:
+        want = (bs * h * dq, dq, bs * dq, 1) if hnd else (bs * h * dq, h * dq, dq, 1)
+        assert kc.stride() == vc.stride() == want
+        assert ks.stride() == ((bs * h, 1, bs) if hnd else (bs * h, h, 1))
+        assert len({t.untyped_storage().data_ptr() for t in (kc, vc, ks, vs)}) == 4
+    # Data 0, scales 1.0, and nothing else in the allocations.
+    assert not kc.view(torch.uint8).any() and not vc.view(torch.uint8).any()
+    assert (ks == 1.0).all() and (vs == 1.0).all()
+    total = sum(storage_bytes(t).numel() for t in {t.untyped_storage().data_ptr(): t
+                                                   for t in (kc, vc, ks, vs)}.values())
+    assert total == 2 * nb * bs * h * (dq + 4)
+    # The caches take the op's writes.
+    x = torch.randn(5, h, d, dtype=torch.bfloat16)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(x, x, kc, vc, ks, vs,
+                                                         torch.arange(5) * 7, mode)
+    assert check_roundtrip(x, x, kc, vc, ks, vs, torch.arange(5) * 7, mode) is None
+
+
+@pytest.mark.parametrize("args, kwargs, text", [
+    ((2, 16, 4, 6, INT8), {}, "head_size: kv_alloc='packed' stores each float32 scale"),
+    ((2, 16, 4, 12, INT4), {"kv_alloc": "interleaved"}, "head_size: kv_alloc='interleaved'"),
+    ((2, 16, 4, 7, INT4), {"kv_alloc": "separate"}, "head_size: kv_quant_mode='int4_per_token_head' packs two"),
+    ((2, 16, 4, 64, INT8), {"kv_alloc": "fused"}, "kv_alloc: expected 'packed', 'interleaved' or 'separate'"),
+    ((2, 16, 4, 64, INT8), {"cache_layout": "NDH"}, "cache_layout: expected 'NHD' or 'HND'"),
+    ((2, 16, 4, 64, None), {}, "kv_quant_mode: expected one of"),
+    ((2, 16, 4, 64, "int8"), {}, "kv_quant_mode: expected one of"),
+    ((0, 16, 4, 64, INT8), {}, "num_blocks: expected a positive integer"),
+    ((2, 16, 4, 0, INT8), {}, "head_size: expected a positive integer"),
+])
+def test_create_per_token_head_caches_errors(args, kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        kvwrite.create_per_token_head_caches(*args, device="cpu", **kwargs)
+
+
+def test_create_separate_allows_any_head_size():
+    kc, _, ks, _ = kvwrite.create_per_token_head_caches(2, 4, 3, 6, INT8, kv_alloc="separate",
+                                                        device="cpu")
+    assert kc.shape == (2, 4, 3, 6) and ks.shape == (2, 4, 3)
+
+
+def test_dequantize_reads_the_documented_bytes():
+    """Hand-written rows: int8 codes times s, fp8 codes times s, int4 (q - zp) times s' with the
+    even element in the low nibble and zp in the scale's low bits."""
+    s = 0.37
+    slots = torch.tensor([5])
+    c8 = torch.zeros(1, 8, 1, 4, dtype=torch.int8)
+    c8[0, 5, 0] = torch.tensor([127, -128, 1, -1])
+    sc = torch.full((1, 8, 1), s)
+    got = kvwrite.dequantize_per_token_head(c8, sc, slots, INT8)
+    s32 = torch.tensor(s, dtype=torch.float32)
+    assert torch.equal(got[0, 0], torch.tensor([127.0, -128.0, 1.0, -1.0]) * s32)
+    cf = torch.zeros(1, 8, 1, 4, dtype=torch.uint8)
+    cf[0, 5, 0] = torch.tensor([0x7E, 0xF6, 0x38, 0x80], dtype=torch.uint8)  # 448, -224, 1, -0
+    got = kvwrite.dequantize_per_token_head(cf, sc, slots, FP8)
+    assert got[0, 0].tolist() == (torch.tensor([448.0, -224.0, 1.0, -0.0]) * s32).tolist()
+    c4 = torch.zeros(1, 8, 1, 2, dtype=torch.uint8)
+    c4[0, 5, 0] = torch.tensor([0x3A, 0x07], dtype=torch.uint8)  # q = 10, 3, 7, 0
+    bits = (s32.view(torch.int32) & -16) | 7
+    sc4 = bits.view(torch.float32).expand(1, 8, 1).clone()
+    got = kvwrite.dequantize_per_token_head(c4, sc4, slots, INT4)
+    sp = (s32.view(torch.int32) & -16).view(torch.float32)
+    assert torch.equal(got[0, 0], torch.tensor([3.0, -4.0, 0.0, -7.0]) * sp)
+    assert kvwrite.dequantize_per_token_head(c4, sc4, slots, INT4, head_size=2).shape == (1, 1, 2)
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0, 8]), INT8),
+     "slot_mapping: expected every slot in [0, 8)"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([-1]), INT8),
+     "slot_mapping: expected every slot in [0, 8)"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0.0]), INT8),
+     "slot_mapping: expected dtype int64 or int32"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0]), INT8, head_size=5),
+     "head_size: 5 needs 5 code bytes per row"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0]), FP8),
+     "cache: kv_quant_mode='fp8_per_token_head' expects a cache of dtype"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s[:, :4], torch.tensor([0]), INT8),
+     "scale_cache: expected shape"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c.view(torch.uint8), s, torch.tensor([0]), None),
+     "kv_quant_mode: None infers the mode from cache.dtype"),
+])
+def test_dequantize_errors(call, text):
+    c = torch.zeros(1, 8, 1, 4, dtype=torch.int8)
+    s = torch.ones(1, 8, 1)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        call(c, s)
+
+
+# --- CUDA: NVRTC compiles, launch plans and machine code (no GPU needed) -----------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+def _cuda_impl():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl
+    return cuda_impl
+
+
+def _plan(case: PthCase, tuning=None):
+    c = _cuda_impl()
+    inp = make_pth_inputs(case)
+    args = (inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
+    return c.plan(*args) if tuning is None else c.plan(*args, tuning)
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_cuda_variant_for_sm90():
+    c = _cuda_impl()
+    names = c.all_kernel_names()
+    obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
+    assert len(names) == 111 and len(set(names)) == 111 and len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_for_other_architectures():
+    """The software fp8 conversion (before sm_89) and a newer architecture."""
+    c = _cuda_impl()
+    names = [c.kernel_name(k, m, v, 1) for k in (0, 2) for m in (0, 1, 2) for v in (4, 1)]
+    for arch in ("sm_80", "sm_100"):
+        obj, _ = c.compile_kernel(arch, names)
+        assert len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_specialized_builds():
+    c = _cuda_impl()
+    for case in (PthCase(kv_quant_mode=FP8, vllm_rows=True, layout="HND"),
+                 PthCase(kv_quant_mode=INT4, head_size=30, head_pad=1, alloc="separate"),
+                 PthCase(head_size=46, head_size_v=80, block_size=12, slot_dtype=torch.int32,
+                         dtype=torch.float32, alloc="separate")):
+        for tuning in (c.TUNING, c.CudaTuning(large_call_bytes=0)):
+            p = _plan(case, tuning)
+            obj, _ = c.compile_kernel("sm_90", p.name, fixed=p.fixed)
+            assert len(bytes(obj.code)) > 0
+    with pytest.raises(RuntimeError, match="24 values"):
+        c.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@pytest.mark.parametrize("case, vec, cpl, lanes", [
+    (PthCase(head_size=128, alloc="separate"), 8, 1, 16),  # 16-byte loads, 8-byte stores
+    (PthCase(head_size=128, alloc="packed"), 4, 1, 32),  # V rows 4-byte aligned (Dq + 4)
+    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16),  # 4-byte codes
+    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32),
+    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16),
+    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16),
+    (PthCase(head_size=46, alloc="separate"), 2, 1, 32),
+    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16),
+    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32),
+    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1, 2),
+    (PthCase(head_size=512, alloc="separate"), 8, 2, 32),
+    (PthCase(head_size=1, alloc="separate"), 1, 1, 1),
+])
+def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes):
+    p = _plan(case)
+    assert (p.vec, p.cpl, p.lanes) == (vec, cpl, lanes), p
+    assert p.name == _cuda_impl().kernel_name(
+        {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[case.dtype],
+        MODES.index(case.kv_quant_mode), vec, cpl)
+    assert len(p.fixed) == _cuda_impl().NUM_FIXED
+
+
+def test_cuda_plan_large_calls_take_two_chunks_per_lane_and_long_rows_are_refused():
+    c = _cuda_impl()
+    case = PthCase(head_size=128, alloc="separate")
+    p = _plan(case, c.CudaTuning(large_call_bytes=0))
+    assert (p.vec, p.cpl, p.lanes) == (8, 2, 8)
+    inp = make_pth_inputs(case)
+    n = inp.slot_mapping.numel() * case.num_heads * 256 * 2
+    assert not c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
+                               c.CudaTuning(large_call_bytes=n))
+    assert c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
+                           c.CudaTuning(large_call_bytes=n - 1))
+    long = make_pth_inputs(PthCase(head_size=259, alloc="separate", num_tokens=1))
+    reason = c.unsupported(long.key, long.value, long.key_cache, long.value_cache,
+                           PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+    assert reason and "chunks per lane" in reason
+    ok = make_pth_inputs(PthCase(head_size=512, alloc="separate", num_tokens=1))
+    assert c.unsupported(ok.key, ok.value, ok.key_cache, ok.value_cache,
+                         PerTokenHeadMode.INT8_PER_TOKEN_HEAD) is None
+
+
+def _sass_tools():
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    return sass_tools
+
+
+_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED")
+
+
+@needs_nvrtc
+def test_pdl_builds_wait_before_any_memory_access(tmp_path):
+    """sm_90: the PDL build of every mode and input kind waits (ACQBULK) and triggers (PREEXIT)
+    before its first global access; the plain build has neither."""
+    from kvwrite.kernels import nvrtc
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    names = [c.kernel_name(k, m, v, cpl) for k, m, v, cpl in
+             ((1, 0, 8, 1), (1, 1, 4, 2), (1, 2, 1, 8), (2, 0, 1, 1), (2, 1, 2, 4), (0, 2, 8, 2))]
+    pdl, _ = c.compile_kernel("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
+    assert len(funcs) == len(names)
+    for name, ops in funcs.items():
+        first = next(i for i, o in enumerate(ops) if o.startswith(_MEMORY_OPS))
+        assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+    plain, _ = c.compile_kernel("sm_90", names[:4])
+    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode", MODES)
+def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path, mode,
+                                                                         slot_dtype):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers and num_tokens
+    (0x210-0x24f), then the 24 fixed arguments (0x250-0x30f). The specialized build reads none
+    of them, the generic one does; and no build waits for a load (the slot's) before it has
+    issued the row's 16-byte loads (sass.waits_before_loads)."""
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    p = _plan(PthCase(kv_quant_mode=mode, head_size=128, alloc="separate", slot_dtype=slot_dtype))
+    assert p.vec == 8
+
+    def reads(fixed):
+        obj, _ = c.compile_kernel("sm_90", p.name, fixed=fixed)
+        text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+        return text, {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text)}
+
+    first, end = 0x250, 0x250 + 8 * c.NUM_FIXED
+    generic_text, generic = reads(None)
+    special_text, special = reads(p.fixed)
+    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
+    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    for text in (special_text, generic_text):
+        assert not sass_tools.late_issues(text, lambda t: ".128" in t.split()[0])
+
+
+def test_sanitize_cases_are_listed():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    found = sanitize.cases()
+    ids = [i for i, _ in found]
+    assert len(found) >= 6 and len(set(ids)) == len(ids)
+    assert all(callable(f) for _, f in found)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_torch_compile_sees_one_mutating_custom_op_cpu(impl):
+    _compile_case(impl, "cpu", INT4)
+
+
+# --- torch.compile, CUDA graphs and the GPU matrix ---------------------------------------------------
+
+def _compile_case(impl: str, device: str, mode: str):
+    """The op under torch.compile stays one custom op and writes the reference's bytes: with
+    separate caches passed in, and with a packed allocation passed in and its four views taken
+    inside the compiled function (aot_autograd refuses mutated graph inputs that are views of
+    one allocation with different dtypes, as the packed caches' codes and float32 scales are)."""
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    case = PthCase(kv_quant_mode=mode, num_tokens=9, padding_slots=2, fused_qkv=True,
+                   alloc="separate", head_size=32)
+    inp = make_pth_inputs(case, device)
+    if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                   case.mode)) is not None:
+        pytest.skip(reason)
+
+    def step(key, value, kc, vc, ks, vs, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, kc, vc, ks, vs, slots,
+                                                             mode, implementation=impl)
+
+    args = (inp.key, inp.value, *inp.caches, inp.slot_mapping)
+    assert compiled_targets(step, *args) == ["kvwrite.reshape_and_cache_flash_per_token_head_quant"]
+    inp = make_pth_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(
+        inp.key, inp.value, *inp.caches, inp.slot_mapping)
+    assert_pth_caches_equal(clone_pth_caches(inp.caches, "cpu"), expected_caches(case),
+                            case.mode, _dq(case))
+
+    # A packed allocation, its views taken inside.
+    pm = PerTokenHeadMode(mode)
+    dq = pm.quantized_size(32)
+    row = dq + 4
+    raw = torch.randint(0, 256, (4, 16, 4, 2 * row), dtype=torch.uint8).to(device)
+    want = raw.clone()
+
+    def views(r):
+        f32 = r.view(torch.float32)
+        return (r[..., :dq].view(pm.storage_dtype), r[..., row:row + dq].view(pm.storage_dtype),
+                f32[..., dq // 4], f32[..., (row + dq) // 4])
+
+    def packed_step(key, value, r, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, *views(r), slots, mode,
+                                                             implementation=impl)
+
+    torch._dynamo.reset()
+    torch.compile(packed_step, fullgraph=True, backend="aot_eager")(
+        inp.key, inp.value, raw, inp.slot_mapping)
+    torch_ref.run(inp.key, inp.value, *views(want), inp.slot_mapping, pm)
+    assert_pth_caches_equal(views(raw), views(want), pm, (dq, dq))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_torch_compile(impl, mode):
+    _compile_case(impl, "cuda", mode)
+
+
+def _gpu_reference(case: PthCase, seed: int = 0):
+    """The case's inputs on the GPU and the torch reference's caches for them (on the GPU)."""
+    inp = make_pth_inputs(case, "cuda", seed)
+    want = clone_pth_caches(inp.caches)
+    if inp.slot_mapping.numel():
+        torch_ref.run(inp.key, inp.value, *want, inp.slot_mapping, case.mode)
+    return inp, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PTH_GPU_CASES[::9], ids=lambda c: c.id)
+def test_gpu_reference_matches_cpu_reference(case):
+    """The reference's arithmetic on the GPU (CUDA's division and casts) writes the CPU's bytes."""
+    inp, want = _gpu_reference(case)
+    cpu = make_pth_inputs(case)
+    torch_ref.run(cpu.key, cpu.value, *cpu.caches, cpu.slot_mapping, case.mode)
+    assert_pth_caches_equal(clone_pth_caches(want, "cpu"), cpu.caches, case.mode, _dq(case),
+                            "GPU reference vs CPU reference: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("case", PTH_GPU_CASES, ids=lambda c: c.id)
+def test_gpu_matches_reference(impl, case):
+    """The GPU matrix: every mode x input dtype x head size x layout and allocation (and the
+    cycled factors), Dk != Dv, odd and unaligned shapes, special values, large calls; the four
+    tensors' whole allocations byte for byte against the torch reference on the GPU."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    inp, want = _gpu_reference(case)
+    if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                   case.mode)) is not None:
+        pytest.skip(reason)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case), f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PTH_CASES, ids=lambda c: c.id)
+def test_gpu_cpu_matrix_against_oracle(case):
+    """The CPU matrix (oracle-checked) on the GPU for the three implementations."""
+    for impl in IMPLS:
+        info = registry.get(OP, impl)
+        if info.available("cuda") is not None:
+            continue
+        inp = make_pth_inputs(case, "cuda")
+        if info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache, case.mode):
+            continue
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+        assert_pth_caches_equal(clone_pth_caches(inp.caches, "cpu"), expected_caches(case),
+                                case.mode, _dq(case), f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["generic", "large-call", "generic-large-call",
+                                     "threads-64"])
+@pytest.mark.parametrize("case", PTH_GPU_CASES[::5], ids=lambda c: c.id)
+def test_gpu_cuda_builds(case, variant):
+    """The cuda kernel's other builds over part of the matrix: generic (runtime arguments), the
+    large calls' plan (two chunks per lane) forced on small calls, both, and 64-thread CTAs."""
+    c = _cuda_impl()
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    tuning = c.CudaTuning(specialize="generic" not in variant,
+                          large_call_bytes=0 if "large" in variant else c.TUNING.large_call_bytes,
+                          threads=64 if variant == "threads-64" else c.TUNING.threads)
+    inp, want = _gpu_reference(case)
+    if (reason := c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                case.mode)) is not None:
+        pytest.skip(reason)
+    if inp.slot_mapping.numel():
+        c.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode, tuning=tuning)
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case), f"cuda {variant}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_row_sweep(impl, mode, dtype):
+    """Every 16-bit input pattern (16-bit dtypes), random rows over many binades, tie rows and
+    the special rows, as key and value rows of one call, against the reference."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    x = _sweep_rows(dtype, 32, seed=MODES.index(mode)).cuda()
+    n = x.shape[0] // 4 * 4
+    key = x[:n].view(-1, 4, 32)
+    value = x[:n].flip(0).reshape(-1, 4, 32)
+    t = key.shape[0]
+    bs = 16
+    nb = -(-t // bs)
+    caches = kvwrite.create_per_token_head_caches(nb, bs, 4, 32, mode, kv_alloc="packed",
+                                                  device="cuda")
+    storage_bytes(caches[0]).copy_(torch.randint(0, 256, storage_bytes(caches[0]).shape,
+                                                 dtype=torch.uint8, device="cuda"))
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    want = clone_pth_caches(caches)
+    torch_ref.run(key, value, *want, slots, PerTokenHeadMode(mode))
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, *caches, slots, mode,
+                                                         implementation=impl)
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), (32 // (2 if mode == INT4 else 1),) * 2,
+                            f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_sees_new_inputs_and_slots(impl, mode):
+    """Capture once, then change key, value and the slots in place: the replay quantizes the new
+    rows into the new slots (and nothing else changes)."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    case = PthCase(kv_quant_mode=mode, num_tokens=40, num_heads=8, head_size=128,
+                   fused_qkv=True, padding_slots=3, out_of_range_slots=2, alloc="packed",
+                   vllm_rows=True, num_blocks=8, special_values=True)
+    first = make_pth_inputs(case, "cuda", seed=1)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
+    second = make_pth_inputs(case, "cuda", seed=2)
+    for dst, src in ((first.key, second.key), (first.value, second.value),
+                     (first.slot_mapping, second.slot_mapping)):
+        dst.copy_(src)
+    storage_bytes(first.key_cache).copy_(storage_bytes(second.key_cache))
+    want = clone_pth_caches(second.caches)
+    torch_ref.run(second.key, second.value, *want, second.slot_mapping, case.mode)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(first.caches, want, case.mode, _dq(case), f"{impl} replay: ")
+    assert check_roundtrip(*first.args()) is None
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_cases_pass():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    failed = {i: msg for i, f in sanitize.cases() if (msg := f()) is not None}
+    assert not failed, failed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_roundtrip_of_every_implementation(mode):
+    """The benchmark's check (check_roundtrip) on each implementation's GPU write."""
+    for impl in IMPLS:
+        case = PthCase(kv_quant_mode=mode, num_tokens=512, num_heads=8, head_size=128,
+                       num_blocks=64, alloc="packed", vllm_rows=True)
+        inp = make_pth_inputs(case, "cuda")
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+        assert check_roundtrip(*inp.args()) is None, impl
+        assert 0.5 < roundtrip_error(*inp.args()) <= 1.0
+
+
+def test_torch_compile_with_packed_views_as_inputs_refuses_or_is_right():
+    """Packed caches passed straight into a compiled function are mutated graph inputs that are
+    views of one allocation with different dtypes: PyTorch's aot_autograd refuses them (the docs
+    say to pass the allocation and take the views inside). Should a later PyTorch accept them,
+    the bytes must be right."""
+    caches = kvwrite.create_per_token_head_caches(4, 16, 2, 16, INT4, device="cpu")
+    key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([1, 5, -1, 9, 63])
+
+    def step(key, value, kc, vc, ks, vs, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, kc, vc, ks, vs, slots,
+                                                             INT4)
+
+    want = clone_pth_caches(caches)
+    step(key, value, *want, slots)
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(key, value, *caches, slots)
+    except Exception as e:  # the refusal
+        assert "views with different dtypes" in str(e), e
+        return
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(INT4), (8, 8))

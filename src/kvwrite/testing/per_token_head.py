@@ -530,13 +530,16 @@ def _rows_error(x: torch.Tensor, xh: torch.Tensor, entry: torch.Tensor,
     xh with their scale entries ``[N, H]``. Rows with a NaN or infinite element take no part,
     nor (int4) rows whose values do not straddle zero, nor rows whose scale is infinite."""
     x64, xh64 = x.double(), xh.double()
-    rows = torch.isfinite(x64).all(dim=-1)
+    # Rows with an element at 2^127 or more may read back as ±inf (q * s rounds past float32's
+    # largest value): no bound there either.
+    rows = (x64.abs() < 2.0**127).all(dim=-1)
     if mode.is_int4:
         rows &= (x64.amin(dim=-1) <= 0) & (x64.amax(dim=-1) >= 0)
         rows &= torch.isfinite((entry.view(torch.int32) & -16).view(torch.float32))
     else:
         rows &= torch.isfinite(entry)
     ratio = (xh64 - x64).abs() / half_step_bound(x, xh, entry, mode)
+    ratio = torch.where(torch.isnan(ratio), float("inf"), ratio)  # a NaN read back fails
     return torch.where(rows[..., None], ratio, 0.0), rows
 
 
@@ -574,8 +577,9 @@ def roundtrip_error(key, value, key_cache, value_cache, k_scale_cache, v_scale_c
     value and ``bound`` the format's half step: ``s/2`` (int8, int4) or half an e4m3 step of
     ``x/s`` times ``s`` (fp8), plus float32 rounding (and int4's ``< 2^-19`` relative loss of
     the scale's low bits). Rows read: tokens with an in-range slot no other token shares; rows
-    with a NaN or infinite element, int4 rows whose values do not straddle zero (the zero point
-    saturates) and rows whose scale is infinite are skipped. 0.0 when no row qualifies."""
+    with a NaN or infinite element or one of magnitude 2^127 or more (its read-back product may
+    overflow), int4 rows whose values do not straddle zero (the zero point saturates) and rows
+    whose scale is infinite are skipped. 0.0 when no row qualifies."""
     _, parts = _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
                           slot_mapping, kv_quant_mode)
     worst = 0.0
