@@ -10,6 +10,7 @@ three implementations, CUDA graphs, torch.compile and the sanitize cases."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib.resources
 import math
@@ -280,7 +281,7 @@ void pth_rows(int mode, int steps, const float* x, long long rows, int d, unsign
       }
     } else if (mode == PTH_INT8) {
       for (int i = 0; i < d; ++i) {
-        const float q = steps == 1 ? fp8_quotient<1>(xr[i], sc) : fp8_quotient<2>(xr[i], sc);
+        const float q = steps == 1 ? int8_quotient<1>(xr[i], sc) : int8_quotient<2>(xr[i], sc);
         codes[r * d + i] = static_cast<unsigned char>(int8_code(q));
       }
     } else {
@@ -853,7 +854,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     c = _cuda_impl()
     names = c.all_kernel_names()
     obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 111 and len(set(names)) == 111 and len(bytes(obj.code)) > 0
+    assert len(names) == 126 and len(set(names)) == 126 and len(bytes(obj.code)) > 0
 
 
 @needs_nvrtc
@@ -904,24 +905,51 @@ def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes):
     assert len(p.fixed) == _cuda_impl().NUM_FIXED
 
 
-def test_cuda_plan_large_calls_take_two_chunks_per_lane_and_long_rows_are_refused():
+def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
     c = _cuda_impl()
+    large = c.CudaTuning(large_call_bytes=0)
+    p = _plan(PthCase(head_size=128, alloc="separate"), large)
+    assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
+    p = _plan(PthCase(head_size=128, alloc="packed"), large)
+    assert (p.vec, p.cpl, p.lanes) == (4, 8, 4)
+    p = _plan(PthCase(head_size=64, alloc="packed", kv_quant_mode=INT4), large)
+    assert (p.vec, p.cpl, p.lanes) == (8, 4, 2)
+    p = _plan(PthCase(head_size=256, alloc="separate", dtype=torch.float32), large)
+    assert (p.vec, p.cpl, p.lanes) == (4, 8, 8)
     case = PthCase(head_size=128, alloc="separate")
-    p = _plan(case, c.CudaTuning(large_call_bytes=0))
-    assert (p.vec, p.cpl, p.lanes) == (8, 2, 8)
     inp = make_pth_inputs(case)
     n = inp.slot_mapping.numel() * case.num_heads * 256 * 2
     assert not c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
                                c.CudaTuning(large_call_bytes=n))
     assert c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
                            c.CudaTuning(large_call_bytes=n - 1))
-    long = make_pth_inputs(PthCase(head_size=259, alloc="separate", num_tokens=1))
+    long = make_pth_inputs(PthCase(head_size=259, alloc="separate", num_tokens=1))  # 1-element chunks
     reason = c.unsupported(long.key, long.value, long.key_cache, long.value_cache,
                            PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
     assert reason and "chunks per lane" in reason
     ok = make_pth_inputs(PthCase(head_size=512, alloc="separate", num_tokens=1))
     assert c.unsupported(ok.key, ok.value, ok.key_cache, ok.value_cache,
                          PerTokenHeadMode.INT8_PER_TOKEN_HEAD) is None
+
+
+def test_cuda_plans_every_gpu_case_it_does_not_refuse():
+    """Every case of the GPU matrix and the sanitize list gets a plan from the small-call and the
+    large-call tuning alike, unless unsupported() refuses it up front (as select() asks)."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    c = _cuda_impl()
+    refused = 0
+    for case in PTH_GPU_CASES + sanitize.CASES:
+        # A few tokens and blocks: the plan depends on the shapes and strides, not the sizes.
+        case = dataclasses.replace(case, num_tokens=min(case.num_tokens, 4), padding_slots=0,
+                                   out_of_range_slots=0, num_blocks=1, block_size=max(
+                                       case.block_size, 4), num_heads=min(case.num_heads, 4))
+        inp = make_pth_inputs(case)
+        reason = c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache, case.mode)
+        for tuning in (c.TUNING, c.CudaTuning(large_call_bytes=0)):
+            p = c.plan(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode, tuning)
+            assert isinstance(p, str) == (reason is not None), (case.id, p, reason)
+        refused += reason is not None
+    assert refused == 0
 
 
 def _sass_tools():

@@ -8,8 +8,8 @@ the widest chunk of at most 16 bytes of input such that both head sizes are mult
 every input row start is aligned to its bytes and every cache row start to its code bytes
 (halving down to one element; int4 codes of single elements are paired across lanes). ``lanes``
 is the power of two (at most 32) that covers the row's chunks with ``CudaTuning.chunks_per_lane``
-chunks per lane, and CPL (1, 2, 4 or 8, at most 16 elements per lane) what is left; rows longer
-than that (head sizes above 256 that no wider chunk divides, above 512 otherwise) are
+chunks per lane (large calls: ``large_elems_per_lane`` elements), and CPL (1, 2, 4 or 8, at most
+32 elements per lane) what is left; rows longer than that (head sizes above 256 that no wider chunk divides, above 1024 otherwise) are
 unsupported here (torch and triton run them). The slot width (int32 or int64) is a fixed
 argument, not a template one: the variants stay few enough to compile all of them in a test. By default each call signature gets its own build
 with the arguments fixed by the caches and the inputs' layout compiled in
@@ -40,7 +40,7 @@ _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: 0, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: 1,
          PerTokenHeadMode.INT4_PER_TOKEN_HEAD: 2}
 _CPLS = (1, 2, 4, 8)
-MAX_ELEMS_PER_LANE = 16
+MAX_ELEMS_PER_LANE = 32
 NUM_FIXED = 24  # slot64 .. num_slots (kernel.cu's KVW_PTH_PARAMS after num_tokens)
 
 
@@ -58,11 +58,16 @@ class CudaTuning:
     # Chunks per lane of small calls: one 16-byte chunk per lane keeps a row's lanes at one
     # memory round trip each (as the other ops' small calls).
     chunks_per_lane: int = 1
-    # Calls reading more than large_call_bytes of key and value take large_chunks_per_lane
-    # chunks per lane (fewer lanes per row): twice the bytes in flight per thread, as
-    # reshape_and_cache_flash's 32-byte fp8 chunks for large calls.
+    # Calls reading more than large_call_bytes of key and value take large_elems_per_lane
+    # elements per lane (fewer lanes per row), to stay memory-bound: every lane of a row computes
+    # the row's scale and the quotient's constants and addresses its stores, so the instructions
+    # per row fall with more elements per lane. Static sm_90 SASS of the packed H=8, D=128
+    # bfloat16 build, warp instructions per row at 4 / 16 / 32 elements per lane: int8 280 / 112
+    # / 83, fp8 264 / 94 / 66, int4 204 / 144 / 102. At T=16384 (262144 rows) an H200 issues
+    # about 1.05e12 warp instructions/s: int8 at 32 elements about 21 us against about 24 us for
+    # its 102 MB at 4.3 TB/s; int4 about 26 us against 20 us (85 MB). Estimates, not measured.
     large_call_bytes: int = 8 << 20
-    large_chunks_per_lane: int = 2
+    large_elems_per_lane: int = 32
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -173,7 +178,8 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
         vec //= 2
     chunks = max(dk, dv) // vec
     large = is_large_call(slot_mapping.numel(), key, value, tuning)
-    target = tuning.large_chunks_per_lane if large else tuning.chunks_per_lane
+    target = tuning.large_elems_per_lane // vec if large else tuning.chunks_per_lane
+    target = max(1, min(target, _CPLS[-1]))
     lanes = min(32, _next_pow2(-(-chunks // max(1, target))))
     if int4 and vec == 1:
         lanes = max(2, lanes)  # a code's odd neighbour comes from lane + 1

@@ -11,7 +11,7 @@
 // (slot, head), adjacent in the packed layout, are written by neighbouring lanes. Lane l holds the
 // row's chunks l, l + lanes, ... (CPL of them, VEC elements each, one vector access per chunk).
 // The row's amax (int8, fp8) or min and max (int4) is an xor-shuffle reduction within the group
-// (NaN skipped: elements past the row are NaN here). The scale's division and
+// (NaN ignored). The scale's division and
 // the per-scale constants of the exact quotient (kvw/fp8.cuh: x / s = (x * m) / s2 by a product
 // and one or two fused corrections, bit for bit the IEEE quotient) are computed once per lane;
 // each element then costs the quotient and its rounding. The slot is loaded after the row.
@@ -32,59 +32,97 @@
 // The scale floor float32(1e-6): bits 0x358637BD.
 #define PTH_FLOOR 1e-6f
 
+// Additions rounded toward zero (rz) and toward -inf (rm). The host build (tests) derives them
+// from the round-to-nearest sum and its exact error (TwoSum, -ffp-contract=off).
 #ifdef KVWRITE_HOST_TEST
 KVW_HD float sub_rn(float a, float b) { return a - b; }
-KVW_HD float trunc_f32(float v) { return __builtin_truncf(v); }
-KVW_HD float floor_f32(float v) { return __builtin_floorf(v); }
+KVW_HD float add_err(float a, float b, float s) {
+  const float bb = s - a;
+  return (a - (s - bb)) + (b - bb);  // a + b - s, exactly
+}
+KVW_HD float add_rz(float a, float b) {
+  const float s = a + b, e = add_err(a, b, s);
+  return (s > 0.0f && e < 0.0f) || (s < 0.0f && e > 0.0f) ? nextafterf(s, 0.0f) : s;
+}
+KVW_HD float add_rm(float a, float b) {
+  const float s = a + b, e = add_err(a, b, s);
+  return e < 0.0f ? nextafterf(s, -INFINITY) : s;
+}
 #else
 KVW_HD float sub_rn(float a, float b) {
   float r;
   asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-KVW_HD float trunc_f32(float v) {
+KVW_HD float add_rz(float a, float b) {
   float r;
-  asm("cvt.rzi.f32.f32 %0, %1;" : "=f"(r) : "f"(v));
+  asm("add.rz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-KVW_HD float floor_f32(float v) {
+KVW_HD float add_rm(float a, float b) {
   float r;
-  asm("cvt.rmi.f32.f32 %0, %1;" : "=f"(r) : "f"(v));
+  asm("add.rm.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
 #endif
 
 KVW_HD float nan_to_zero(float v) { return v == v ? v : 0.0f; }
+KVW_HD float clampf(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
 
-// The row reductions' steps, NaN skipped explicitly: a signaling NaN input (a 16-bit NaN pattern
-// widened) makes C's fmaxf return NaN, and the contract ignores every NaN.
+// The row reductions' steps, NaN ignored: the GPU's min and max return the other operand of any
+// NaN (signaling ones too). C's fmaxf returns NaN for a signaling NaN operand (a 16-bit NaN
+// pattern widened), so the host build tests for NaN explicitly.
+#ifdef KVWRITE_HOST_TEST
 KVW_HD float amax_step(float a, float v) { return v == v ? fmaxf(a, fabsf(v)) : a; }
 KVW_HD float min_step(float lo, float v) { return v == v ? fminf(lo, v) : lo; }
 KVW_HD float max_step(float hi, float v) { return v == v ? fmaxf(hi, v) : hi; }
+#else
+KVW_HD float amax_step(float a, float v) { return fmaxf(a, fabsf(v)); }
+KVW_HD float min_step(float lo, float v) { return fminf(lo, v); }
+KVW_HD float max_step(float hi, float v) { return fmaxf(hi, v); }
+#endif
 
-// Round half away from zero, exactly: v - trunc(v) is exact in float32 (never floor(v + 0.5),
-// which rounds 0.49999997 up). ±inf stay ±inf (their difference is NaN: no step).
-KVW_HD float rhaz(float v) {
-  const float n = trunc_f32(v);
-  return fabsf(sub_rn(v, n)) >= 0.5f ? (v < 0.0f ? n - 1.0f : n + 1.0f) : n;
+// Integer rounding in float32 arithmetic only, exactly (never floor(v + 0.5) rounded to nearest,
+// which takes 0.49999997 to 1), and without conversion instructions (a quarter of the issue
+// rate): for y in [0, 2^23), RM(y + 2^23) = RZ(y + 2^23) = 2^23 + floor(y) (the float32 step is 1
+// there), whose bits are 0x4B000000 + floor(y). And floor(RZ(y)) = floor(RM(y)) = floor(y) for
+// the exact sum y of two floats: a directed rounding never passes the integer below y, which is a
+// float. So rhaz(q) = sign(q) floor(|q| + 1/2) and rhu(q) = floor(q + 1/2) take two additions.
+#define PTH_2P23 8388608.0f  // 2^23
+
+// The bits of 2^23 + floor(y) for y in [0, 2^23): 0x4B000000 + floor(y), whose low byte is
+// floor(y)'s (0x4B000000 ends with a zero byte).
+KVW_HD u32 floor_bits(float y) { return f32_bits(add_rm(y, PTH_2P23)); }
+
+// The exact quotient RN(x / s) of int8 rows, from kvw/fp8.cuh's per-scale constants: fp8_quotient
+// without its clamp and its sign fix-up, which int8 needs neither of. |x / s| <= 127.00001 for
+// every element of a row with finite values (s >= RN(amax / 127)), so |x * m| <= 2^9 (within the
+// exact range of the corrections); an infinite element makes s infinite and m 0, so x * m is NaN
+// (inf * 0) or ±0; and a zero's sign does not matter.
+template <int STEPS>
+KVW_HD float int8_quotient(float x, const Fp8Scale& sc) {
+  const float a = mul_rn(x, sc.m);
+  float q = mul_rn(a, sc.y);
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) q = fma_rn(fma_rn(-sc.s2, q, a), sc.y, q);
+  return q;
 }
 
-// Round half up, exactly (v - floor(v) is exact).
-KVW_HD float rhu(float v) {
-  const float n = floor_f32(v);
-  return sub_rn(v, n) >= 0.5f ? n + 1.0f : n;
-}
-
-// The int8 code (its byte) of q = RN(x / s): NaN counts 0, rhaz, clamp to [-128, 127].
+// The int8 code (its byte) of q = RN(x / s), |q| <= 128 or NaN: rhaz, a NaN quotient counted as
+// 0 (floor_bits). No clamp: |q| <= 127.00001 (int8_quotient), so |rhaz(q)| <= 127.
 KVW_HD u32 int8_code(float q) {
-  const float r = fminf(fmaxf(rhaz(nan_to_zero(q)), -128.0f), 127.0f);
-  return static_cast<u32>(static_cast<int>(r)) & 0xFFu;
+  // floor(|q| + 1/2) in the low byte; a NaN sum gives 2^23 (fmaxf), as |q| < 1/2 does.
+  const u32 n = f32_bits(fmaxf(add_rm(add_rz(fabsf(q), 0.5f), PTH_2P23), PTH_2P23));
+  const u32 neg = static_cast<u32>(static_cast<int>(f32_bits(q)) >> 31);  // 0 or all ones
+  return ((n ^ neg) - neg) & 0xFFu;  // the two's complement byte of ±floor(|q| + 1/2)
 }
 
-// The int4 code of q = RN(x / s) with zero point zp: NaN counts 0, rhu, + zp, clamp to [0, 15].
+// The int4 code of q = RN(x / s) with zero point zp: a NaN quotient counted as 0, then
+// clamp(rhu(q) + zp, 0, 15) = floor(clamp(q + zp + 1/2, 0, 15.5)): zp + 1/2 is exact, the sum
+// rounds toward -inf (its floor is the exact one), and floor is monotone. q from fp8_quotient:
+// |q| <= 2^20.
 KVW_HD u32 int4_code(float q, float zp) {
-  const float r = fminf(fmaxf(rhu(nan_to_zero(q)) + zp, 0.0f), 15.0f);
-  return static_cast<u32>(static_cast<int>(r));
+  return floor_bits(clampf(add_rm(nan_to_zero(q), zp + 0.5f), 0.0f, 15.5f)) & 0xFu;
 }
 
 // The scale of int8 (div 127) and fp8 (div 448) rows from their amax (NaN ignored, 0 if none).
@@ -97,15 +135,15 @@ KVW_HD float int4_scale(float& mn, float& mx) {
   return fmaxf(div_rn(sub_rn(mx, mn), 15.0f), PTH_FLOOR);
 }
 
-// The int4 zero point of scale constants sc (of s) and the row minimum: clamp(rhu(RN(-mn/s))).
+// The int4 zero point clamp(rhu(RN(-mn / s)), 0, 15), from the scale constants sc of s.
 template <int STEPS>
 KVW_HD float int4_zero_point(float mn, const Fp8Scale& sc) {
-  return fminf(fmaxf(rhu(nan_to_zero(fp8_quotient<STEPS>(-mn, sc))), 0.0f), 15.0f);
+  return static_cast<float>(int4_code(fp8_quotient<STEPS>(-mn, sc), 0.0f));
 }
 
 // The int4 scale cache entry: s with its low 4 bits replaced by the zero point.
 KVW_HD u32 int4_entry(float s, float zp) {
-  return (f32_bits(s) & 0xFFFFFFF0u) | static_cast<u32>(static_cast<int>(zp));
+  return (f32_bits(s) & 0xFFFFFFF0u) | static_cast<u32>(zp);
 }
 
 #ifndef KVWRITE_HOST_TEST
@@ -196,12 +234,14 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
                   : static_cast<i64>(load_index(static_cast<const int*>(slot_mapping) + t));
   }
 
-  // The row's elements; NaN past the row (and in inactive lanes): every reduction ignores NaN.
+  // The row's elements. Past the row int4 takes NaN, which its min and max ignore; int8 and fp8
+  // take the zeros loaded there, which leave the amax as it is. (Inactive lanes' rows are not
+  // stored: their values do not matter.)
   float x[CPL][VEC];
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
     const i64 c = static_cast<i64>(lane) + static_cast<i64>(i) * lanes;
-    const bool ok = active && c * VEC < d;
+    const bool ok = MODE != PTH_INT4 || c * VEC < d;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) x[i][j] = ok ? elem_f32<IN>(in[i], j) : __int_as_float(0x7FC00000);
   }
@@ -249,7 +289,7 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
       for (int k = 0; k < (OUT_N >= 4 ? OUT_N / 4 : 1); ++k) out[i].w[k] = 0;
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
-        out[i].w[j >> 2] |= int8_code(fp8_quotient<STEPS>(x[i][j], sc)) << ((j & 3) * 8);
+        out[i].w[j >> 2] |= int8_code(int8_quotient<STEPS>(x[i][j], sc)) << ((j & 3) * 8);
     } else if constexpr (INT4_PAIRS) {
       const u32 code = int4_code(fp8_quotient<STEPS>(x[i][0], sc), zp);
       const u32 next = __shfl_down_sync(FULL, code, 1);  // the odd element, in lane + 1
