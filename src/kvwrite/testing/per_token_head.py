@@ -672,15 +672,17 @@ PTH_CASES: list[PthCase] = _cpu_matrix()
 
 
 def _gpu_matrix() -> list[PthCase]:
-    """Every mode x input dtype x head size x layout and allocation, with the other factors
-    (block size, GQA head count, slot dtype, padding, vLLM rows, fused qkv, storage) cycled over
-    them; then Dk != Dv, odd shapes, special values and large calls."""
+    """Every mode x input dtype x head size x allocation (packed, interleaved, separate), NHD and
+    HND alternating (each mode, dtype and allocation sees both), with the other factors (block
+    size, GQA head count, slot dtype, padding, vLLM rows, fused qkv, storage, special values)
+    cycled over them; then Dk != Dv, odd and unaligned shapes, special values and large calls."""
     cases: list[PthCase] = []
     cyc = itertools.count()
-    for mode, dtype, d, (lay, alloc) in itertools.product(
+    for mode, dtype, d, alloc in itertools.product(
             (INT8, FP8, INT4), (torch.float16, torch.bfloat16, torch.float32),
-            (64, 80, 96, 128, 256), _LAYOUTS):
+            (64, 80, 96, 128, 256), ("packed", "interleaved", "separate")):
         i = next(cyc)
+        lay = ("NHD", "HND")[(i // 3) % 2]
         t = (33, 7, 129, 16, 1)[i % 5]
         bs = (16, 32, 64, 12)[(i // 5) % 4]
         storages = {FP8: ("", "float8"), INT4: ("", "int8")}.get(mode, ("",))

@@ -10,7 +10,7 @@ element (``kvwrite.kernels.triton_fp8.fp8_quotient``: a product and one or two f
 corrections). The integer roundings are exact (``v - floor(v)`` is exact in float32); int4
 codes are paired with ``tl.split`` (even element in the low nibble). Codes are stored as bytes
 through a uint8 view of each data cache, scales as float32. Strides are run-time arguments;
-head sizes, head and token tiles and the block size are compile-time constants. Nothing is read
+head sizes and the head and token tiles are compile-time constants. Nothing is read
 on the host per call, so ``run`` is CUDA-graph safe.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
@@ -67,14 +67,20 @@ class TritonTuning:
 TUNING = TritonTuning()
 
 
+def _floor_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1)."""
+    return 1 << max(0, n.bit_length() - 1)
+
+
 @functools.lru_cache(maxsize=256)
-def tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
+def tiling(num_heads: int, dk: int, dv: int,
            tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_H, num_warps): whole rows, as many heads and then tokens as fit the tile
-    (powers of two, at most H and T rounded up)."""
+    """(BLOCK_T, BLOCK_H, num_warps): whole rows, as many heads (at most H rounded up) and then
+    tokens as fit the tile (powers of two). BLOCK_T does not follow T, so that one compiled
+    variant serves every call size (a short call masks the tile's other tokens)."""
     row = next_pow2(dk) + next_pow2(dv)
-    block_h = min(next_pow2(num_heads), max(1, tuning.tile_elems // row))
-    block_t = min(next_pow2(num_tokens), max(1, tuning.tile_elems // (block_h * row)))
+    block_h = min(next_pow2(num_heads), _floor_pow2(tuning.tile_elems // row))
+    block_t = _floor_pow2(tuning.tile_elems // (block_h * row))
     warps = min(tuning.max_warps, max(1, block_t * block_h * row // tuning.elems_per_warp))
     return block_t, block_h, 1 << (warps.bit_length() - 1)
 
@@ -155,7 +161,7 @@ if triton is not None:
         srow = (blk * S_B + pg * S_S)[:, None] + h[None, :] * S_H
         tl.store(scale_ptr + srow, entry, mask=write)
 
-    @triton.jit(do_not_specialize=["num_tokens"])
+    @triton.jit(do_not_specialize=["num_tokens", "NUM_SLOTS", "BLOCK_SIZE", "H"])
     def _pth_kernel(
         key_ptr,  # [T_pad, H, DK] via (K_TOK, K_HEAD, 1)
         value_ptr,  # [T_pad', H, DV] via (V_TOK, V_HEAD, 1)
@@ -169,8 +175,8 @@ if triton is not None:
         KC_B, KC_S, KC_H, VC_B, VC_S, VC_H,
         KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
         NUM_SLOTS,  # num_blocks * block_size
-        BLOCK_SIZE: tl.constexpr,
-        H: tl.constexpr,
+        BLOCK_SIZE,
+        H,
         DK: tl.constexpr,
         DV: tl.constexpr,
         BLOCK_DK: tl.constexpr,  # DK and DV rounded up to powers of two (masked)
@@ -221,7 +227,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         return
     h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
     nb, bs = key_cache.shape[:2]
-    block_t, block_h, warps = tiling(num_tokens, h, dk, dv, tuning)
+    block_t, block_h, warps = tiling(h, dk, dv, tuning)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(h, block_h))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
@@ -231,8 +237,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         key, value, kc, vc, k_scale_cache, v_scale_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *kc.stride()[:3], *vc.stride()[:3], *k_scale_cache.stride(), *v_scale_cache.stride(),
-        nb * bs,
-        BLOCK_SIZE=bs, H=h, DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
+        nb * bs, bs, h,
+        DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
         BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], PDL=pdl, PDL_TRIGGER=trigger,
         num_warps=warps, launch_pdl=pdl,
     )
