@@ -1279,3 +1279,33 @@ def test_triton_tiling_is_powers_of_two_within_the_tile():
             assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
         row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
         assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= 4096 or bt == bh == 1)
+
+
+def test_roundtrip_reads_back_in_chunks(monkeypatch):
+    from kvwrite.testing import per_token_head as pth
+    case = PthCase(num_tokens=40, padding_slots=3, kv_quant_mode=INT4, num_blocks=4)
+    inp = make_pth_inputs(case)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args())
+    whole = roundtrip_error(*inp.args())
+    monkeypatch.setattr(pth, "_ROUNDTRIP_CHUNK", 7)
+    assert roundtrip_error(*inp.args()) == whole and check_roundtrip(*inp.args()) is None
+    t = max(i for i, s in enumerate(inp.slot_mapping.tolist()) if s >= 0)
+    s = int(inp.slot_mapping[t])
+    inp.key_cache[s // 16, s % 16, 2, 0] ^= 0x33
+    assert f"first token {t}, head 2, element" in check_roundtrip(*inp.args())
+
+
+def test_sanitize_case_runner_compares_whole_allocations(monkeypatch):
+    """run_case's plumbing on the CPU: with the cuda kernel stood in for by the reference it
+    reports nothing, with a writer that skips a token it reports the difference."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl, sanitize
+    from kvwrite.testing import per_token_head as pth
+    real = pth.make_pth_inputs
+    monkeypatch.setattr(sanitize, "make_pth_inputs", lambda c, device: real(c, "cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = sanitize.CASES[0]
+    monkeypatch.setattr(cuda_impl, "run", lambda *a, **k: torch_ref.run(*a))
+    assert sanitize.run_case(case) is None
+    monkeypatch.setattr(cuda_impl, "run", lambda k, v, kc, vc, ks, vs, sl, m, **kw:
+                        torch_ref.run(k, v, kc, vc, ks, vs, sl[1:], m))
+    assert "bytes differ" in sanitize.run_case(case)

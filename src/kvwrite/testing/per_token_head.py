@@ -553,21 +553,36 @@ def _written_tokens(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
     return torch.nonzero(once).flatten()
 
 
+# Tokens read back at a time (bounds the float64 temporaries of a large call).
+_ROUNDTRIP_CHUNK = 4096
+
+
 def _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
-               kv_quant_mode):
+               kv_quant_mode) -> tuple[float, str | None]:
+    """(worst ratio of error to bound, the first failure's description or None)."""
     mode = parse_kv_quant_mode(kv_quant_mode, key_cache.dtype)
     nb, bs = key_cache.shape[:2]
     tokens = _written_tokens(slot_mapping, nb * bs)
-    slots = slot_mapping.long()[tokens.to(slot_mapping.device)]
-    out = []
-    for name, x, cache, scales in (("key", key, key_cache, k_scale_cache),
-                                   ("value", value, value_cache, v_scale_cache)):
-        xt = x[tokens.to(x.device)]
-        xh = dequantize_per_token_head(cache, scales, slots, mode, head_size=x.shape[2])
-        entry = scales[slots // bs, slots % bs]
-        ratio, rows = _rows_error(xt.float(), xh, entry, mode)
-        out.append((name, ratio.cpu(), rows.cpu(), xt.float().cpu(), xh.cpu(), tokens))
-    return mode, out
+    worst, first = 0.0, None
+    for c0 in range(0, tokens.numel(), _ROUNDTRIP_CHUNK):
+        part = tokens[c0:c0 + _ROUNDTRIP_CHUNK]
+        slots = slot_mapping.long()[part.to(slot_mapping.device)]
+        for name, x, cache, scales in (("key", key, key_cache, k_scale_cache),
+                                       ("value", value, value_cache, v_scale_cache)):
+            xt = x[part.to(x.device)].float()
+            xh = dequantize_per_token_head(cache, scales, slots, mode, head_size=x.shape[2])
+            entry = scales[slots // bs, slots % bs]
+            ratio, _ = _rows_error(xt, xh, entry, mode)
+            worst = max(worst, float(ratio.max()))
+            bad = torch.nonzero(ratio > 1.0)
+            if first is None and bad.numel():
+                n, h, d = bad[0].tolist()
+                got, want = float(xh[n, h, d]), float(xt[n, h, d])
+                first = (f"{name}: {bad.shape[0]} elements read back ({mode.value}) farther from "
+                         f"the input than the format's half step; first token {int(part[n])}, "
+                         f"head {h}, element {d}: input {want!r}, read back {got!r}, error "
+                         f"{abs(got - want):.6g} = {float(ratio[n, h, d]):.4g} x the bound")
+    return worst, first
 
 
 def roundtrip_error(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
@@ -579,33 +594,19 @@ def roundtrip_error(key, value, key_cache, value_cache, k_scale_cache, v_scale_c
     the scale's low bits). Rows read: tokens with an in-range slot no other token shares; rows
     with a NaN or infinite element or one of magnitude 2^127 or more (its read-back product may
     overflow), int4 rows whose values do not straddle zero (the zero point saturates) and rows
-    whose scale is infinite are skipped. 0.0 when no row qualifies."""
-    _, parts = _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
-                          slot_mapping, kv_quant_mode)
-    worst = 0.0
-    for _, ratio, _, _, _, _ in parts:
-        if ratio.numel():
-            worst = max(worst, float(ratio.max()))
-    return worst
+    whose scale is infinite are skipped. 0.0 when no row qualifies. Syncs with the host; reads
+    back 4096 tokens at a time."""
+    return _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
+                      slot_mapping, kv_quant_mode)[0]
 
 
 def check_roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
                     slot_mapping, kv_quant_mode=None) -> str | None:
     """:func:`roundtrip_error`'s check: None when every row read back lies within the format's
     half step of the input, else where the first one does not (tensor, token, head, element,
-    input, read back, bound)."""
-    mode, parts = _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
-                             slot_mapping, kv_quant_mode)
-    for name, ratio, _, x, xh, tokens in parts:
-        bad = torch.nonzero(ratio > 1.0)
-        if bad.numel():
-            n, h, d = bad[0].tolist()
-            err = abs(float(xh[n, h, d]) - float(x[n, h, d]))
-            return (f"{name}: {bad.shape[0]} elements read back ({mode.value}) farther from the "
-                    f"input than the format's half step; first token {int(tokens[n])}, head {h}, "
-                    f"element {d}: input {float(x[n, h, d])!r}, read back {float(xh[n, h, d])!r}, "
-                    f"error {err:.6g} = {float(ratio[n, h, d]):.4g} x the bound")
-    return None
+    input, read back, and the error as a multiple of the bound)."""
+    return _roundtrip(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
+                      slot_mapping, kv_quant_mode)[1]
 
 
 # --- the matrices -------------------------------------------------------------------------------
