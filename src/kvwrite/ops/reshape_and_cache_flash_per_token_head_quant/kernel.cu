@@ -11,10 +11,11 @@
 // (slot, head), adjacent in the packed layout, are written by neighbouring lanes. Lane l holds the
 // row's chunks l, l + lanes, ... (CPL of them, VEC elements each, one vector access per chunk).
 // The row's amax (int8, fp8) or min and max (int4) is an xor-shuffle reduction within the group
-// (NaN ignored). The scale's division and
-// the per-scale constants of the exact quotient (kvw/fp8.cuh: x / s = (x * m) / s2 by a product
-// and one or two fused corrections, bit for bit the IEEE quotient) are computed once per lane;
-// each element then costs the quotient and its rounding. The slot is loaded after the row.
+// (NaN ignored). The scale's division and the per-scale constants of the exact quotient
+// (kvw/fp8.cuh: x / s = (x * m) / s2 by a product and one or two fused corrections, bit for bit
+// the IEEE quotient) are computed once per lane; each element then costs the quotient and its
+// rounding, done exactly with additions rounded toward zero or -inf (no conversion
+// instructions). The slot is loaded after the row.
 // int4 with VEC = 1 (unaligned rows): each lane's code is paired with its neighbour's by a
 // shuffle and the even lane stores the byte.
 // Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
