@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.concat_and_cache_mla.triton_impl",
                     "kvwrite.ops.indexer_k_quant_and_cache.triton_impl",
                     "kvwrite.ops.reshape_and_cache.triton_impl",
-                    "kvwrite.ops.nvfp4.triton_impl"):
+                    "kvwrite.ops.nvfp4.triton_impl",
+                    "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_impl"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()

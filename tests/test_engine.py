@@ -31,6 +31,13 @@ TINY = {
     "legacy": ["legacy", "--device", "cpu", "--num-tokens", "2,8,16", "--num-heads", "2",
                "--head-size", "64", "--num-blocks", "8", "--iters", "3", "--graph-calls", "2",
                "--time-budget", "0.01"],
+    "per-token-head": ["per-token-head", "--device", "cpu", "--num-blocks", "4", "--block-size",
+                       "16", "--num-heads", "2", "--head-size", "64", "--modes", "int8,int4",
+                       "--num-tokens", "2,16", "--iters", "3", "--time-budget", "0.01",
+                       "--graph-calls", "2"],
+    "nvfp4": ["nvfp4", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
+              "--num-heads", "2", "--head-size", "64", "--num-tokens", "2,16", "--iters", "3",
+              "--time-budget", "0.01", "--graph-calls", "2"],
     "indexer": ["indexer", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
                 "--num-tokens", "2,8,16", "--iters", "3", "--time-budget", "0.01",
                 "--graph-calls", "2"],
@@ -118,6 +125,18 @@ OWN_BAD = {
     "legacy": [
         (["--layouts", "NHD"], "--layouts"), (["--head-size", "100"], "--head-size"),
         (["--num-heads", "0"], "--num-heads"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype")],
+    "per-token-head": [
+        (["--modes", "int8,int5"], "--modes"), (["--head-size", "63", "--modes", "int4"],
+                                                "--head-size"),
+        (["--head-size", "62"], "--head-size"), (["--layouts", "NHD,X"], "--layouts"),
+        (["--kv-alloc", "x"], "--kv-alloc"), (["--num-heads", "0"], "--num-heads"),
+        (["--model", "llama-3.1-8b", "--num-heads", "4"], "--model"),
+        (["--num-heads", "8", "--tp", "3"], "--tp")],
+    "nvfp4": [
+        (["--modes", "nvfp5"], "--modes"), (["--head-size", "40"], "--head-size"),
+        (["--head-size", "48"], "--v-scale-layouts"),
+        (["--v-scale-layouts", "x"], "--v-scale-layouts"), (["--layouts", "X"], "--layouts"),
+        (["--kinds", "fp4"], "--kinds"), (["--block-size", "0"], "--block-size")],
     "indexer": [
         (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
         (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),

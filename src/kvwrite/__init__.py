@@ -18,6 +18,12 @@ from .ops.nvfp4 import (
 )
 from .ops.reshape_and_cache import create_legacy_kv_cache, reshape_and_cache
 from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
+from .ops.reshape_and_cache_flash_per_token_head_quant import (
+    PerTokenHeadMode,
+    create_per_token_head_caches,
+    dequantize_per_token_head,
+    reshape_and_cache_flash_per_token_head_quant,
+)
 from .ops.rotary_embedding import check_positions, rotary_embedding
 from .registry import implementations
 
@@ -47,4 +53,8 @@ __all__ = [
     "reshape_and_cache",
     "reshape_and_cache_flash",
     "rotary_embedding",
+    "PerTokenHeadMode",
+    "create_per_token_head_caches",
+    "dequantize_per_token_head",
+    "reshape_and_cache_flash_per_token_head_quant",
 ]

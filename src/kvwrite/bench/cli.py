@@ -37,6 +37,9 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "concat_and_cache_mla": (
         ("mla",), "kvwrite.ops.concat_and_cache_mla.bench:BENCH",
         "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark"),
+    "reshape_and_cache_flash_per_token_head_quant": (
+        ("per-token-head",), "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.bench:BENCH",
+        "the per-(token, head) quantized cache write: int8, fp8, int4"),
     "nvfp4": (
         (), "kvwrite.ops.nvfp4.bench:BENCH",
         "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"),

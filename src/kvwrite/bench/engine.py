@@ -121,7 +121,8 @@ class OpBench:
         raise NotImplementedError
 
     def params(self, point) -> dict:
-        """The row's axes for ``point`` (JSON-able values; not num_tokens)."""
+        """The row's axes for ``point`` (JSON-able values; not num_tokens, and no name of a
+        :class:`report.Row` field: ``mode`` is the timer's, so a format is ``kv_cache_dtype``)."""
         raise NotImplementedError
 
     def header(self, args: argparse.Namespace, points: list) -> list[str]:

@@ -7,8 +7,10 @@ from . import (  # noqa: E402
     nvfp4,
     reshape_and_cache,
     reshape_and_cache_flash,
+    reshape_and_cache_flash_per_token_head_quant,
     rotary_embedding,
 )
 
 __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
-           "concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache", "nvfp4"]
+           "concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache", "nvfp4",
+           "reshape_and_cache_flash_per_token_head_quant"]

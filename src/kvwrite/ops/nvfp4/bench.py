@@ -61,7 +61,8 @@ class Nvfp4Bench(OpBench):
                 "time_budget": 0.25}
     cpu_defaults = {"num_blocks": 16, "num_tokens": "1:256", "iters": 5, "graph_calls": 2,
                     "time_budget": 0.05}
-    columns = (("num_tokens", "num_tokens"), ("mode", "mode"), ("v_scale_layout", "v scales"),
+    columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "mode"),
+               ("v_scale_layout", "v scales"),
                ("layout", "layout"))
     always_columns = ("num_tokens", "layout")
 
@@ -106,7 +107,7 @@ class Nvfp4Bench(OpBench):
                 for layout in args.layout_list for t in args.token_counts]
 
     def params(self, p: Point) -> dict:
-        return dict(mode=p.mode, v_scale_layout=p.v_scale_layout, layout=p.layout,
+        return dict(kv_cache_dtype=p.mode, v_scale_layout=p.v_scale_layout, layout=p.layout,
                     dtype=str(p.dtype).removeprefix("torch."), num_heads=p.num_heads,
                     head_size=p.head_size, block_size=p.block_size, num_blocks=p.num_blocks,
                     slots=p.slots.kind, slot_params=p.slots.describe(),

@@ -1,0 +1,267 @@
+"""The CUDA implementation of reshape_and_cache_flash_per_token_head_quant: ``kernel.cu`` compiled
+at run time with NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current
+stream.
+
+One kernel, ``pth_quant_kernel<IN, MODE, VEC, CPL>`` (see ``kernel.cu``): a group of
+``lanes`` threads per (token, head, K or V) row, each holding CPL chunks of VEC elements. VEC is
+the widest chunk of at most 16 bytes of input such that both head sizes are multiples of it and
+every input row start is aligned to its bytes and every cache row start to its code bytes
+(halving down to one element; int4 codes of single elements are paired across lanes). ``lanes``
+is the power of two (at most 32) that covers the row's chunks with ``CudaTuning.chunks_per_lane``
+chunks per lane (large calls: ``large_elems_per_lane`` elements), and CPL (1, 2, 4 or 8, at most
+32 elements per lane) what is left; rows longer than that (head sizes above 256 that no wider chunk divides, above 1024 otherwise) are
+unsupported here (torch and triton run them). The slot width (int32 or int64) is a fixed
+argument, not a template one: the variants stay few enough to compile all of them in a test. By default each call signature gets its own build
+with the arguments fixed by the caches and the inputs' layout compiled in
+(``CudaTuning.specialize``).
+
+Graph-safe: a call does no allocation and no host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels import nvrtc
+from .op import PerTokenHeadMode
+
+__all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
+           "all_kernel_names", "compile_kernel", "kernel_name", "SOURCE", "NUM_FIXED",
+           "MAX_ELEMS_PER_LANE"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_pth_quant")
+KERNEL = "pth_quant_kernel"
+
+# Element kinds, as DT_* in kvw/common.cuh; modes as PTH_* in kernel.cu.
+_F16, _BF16, _F32 = 0, 1, 2
+_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: 0, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: 1,
+         PerTokenHeadMode.INT4_PER_TOKEN_HEAD: 2}
+_CPLS = (1, 2, 4, 8)
+MAX_ELEMS_PER_LANE = 32
+NUM_FIXED = 24  # slot64 .. num_slots (kernel.cu's KVW_PTH_PARAMS after num_tokens)
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
+    one to :func:`run` (probes comparing variants, tests forcing a path).
+
+    Not measured yet (no GPU when this kernel was written): the values follow the other ops'
+    measured choices and are the first thing to tune on an H200."""
+
+    # Threads per CTA (a multiple of 32, at most 256).
+    threads: int = 256
+    # Chunks per lane of small calls: one 16-byte chunk per lane keeps a row's lanes at one
+    # memory round trip each (as the other ops' small calls).
+    chunks_per_lane: int = 1
+    # Calls reading more than large_call_bytes of key and value take large_elems_per_lane
+    # elements per lane (fewer lanes per row), to stay memory-bound: every lane of a row computes
+    # the row's scale and the quotient's constants and addresses its stores, so the instructions
+    # per row fall with more elements per lane. Static sm_90 SASS of the packed H=8, D=128
+    # bfloat16 build, warp instructions per row at 4 / 16 / 32 elements per lane: int8 280 / 112
+    # / 83, fp8 264 / 94 / 66, int4 204 / 144 / 102. At T=16384 (262144 rows) an H200 issues
+    # about 1.05e12 warp instructions/s: int8 at 32 elements about 21 us against about 24 us for
+    # its 102 MB at 4.3 TB/s; int4 about 26 us against 20 us (85 MB). Estimates, not measured.
+    large_call_bytes: int = 8 << 20
+    large_elems_per_lane: int = 32
+    # One build per call signature with the fixed arguments compiled in (NVRTC once per
+    # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
+    # stream serialization where the device allows it, as every other op's (tuning-log change
+    # 44: no call slower with it); 0: never.
+    pdl_max_ctas: int = 1 << 30
+
+
+TUNING = CudaTuning()
+
+
+def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
+                   macros: tuple = (), ptxas_verbose: bool = False):
+    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
+    GPU. ``fixed``: the 24 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
+    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+
+
+def kernel_name(in_kind: int, mode: int, vec: int, cpl: int) -> str:
+    return f"{KERNEL}<{in_kind}, {mode}, {vec}, {cpl}>"
+
+
+def _vecs(in_bytes: int) -> list[int]:
+    v, out = 16 // in_bytes, []
+    while v >= 1:
+        out.append(v)
+        v //= 2
+    return out
+
+
+def all_kernel_names() -> list[str]:
+    """Every variant `run` can launch (for compile tests)."""
+    names = []
+    for dtype, kind in _KIND.items():
+        for mode in _MODE.values():
+            for vec in _vecs(dtype.itemsize):
+                for cpl in _CPLS:
+                    if vec * cpl <= MAX_ELEMS_PER_LANE:
+                        names.append(kernel_name(kind, mode, vec, cpl))
+    return names
+
+
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    vec: int            # elements per chunk
+    cpl: int            # chunks per lane
+    lanes: int          # threads per row
+    fixed: tuple[int, ...]  # slot64 .. num_slots (the 24 trailing kernel arguments)
+
+
+def _align(byte_values) -> int:
+    """The largest power of two (at most 16) dividing every value."""
+    v = 16
+    for b in byte_values:
+        v |= int(b)
+    return v & -v
+
+
+def _log2_or_minus_1(n: int) -> int:
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def is_large_call(num_tokens: int, key: torch.Tensor, value: torch.Tensor,
+                  tuning: CudaTuning = TUNING) -> bool:
+    """Whether a call is planned with the large calls' chunks per lane."""
+    h = key.shape[1]
+    return num_tokens * h * (key.shape[2] + value.shape[2]) * key.element_size() > \
+        tuning.large_call_bytes
+
+
+def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
+         mode: PerTokenHeadMode, tuning: CudaTuning = TUNING) -> Plan | str:
+    """The variant, lanes and fixed arguments for these (validated) arguments, or why none fits;
+    no GPU needed."""
+    t_pad = min(key.shape[0], value.shape[0])
+    h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
+    nb, bs = key_cache.shape[:2]
+    ib = key.element_size()
+    int4 = mode.is_int4
+    # Strides along dims of size 1 never multiply a nonzero index: 0 there (fewer builds).
+    k_tok = key.stride(0) if t_pad > 1 else 0
+    v_tok = value.stride(0) if t_pad > 1 else 0
+    k_head = key.stride(1) if h > 1 else 0
+    v_head = value.stride(1) if h > 1 else 0
+
+    def cache_strides(c):
+        return tuple(st if n > 1 else 0 for st, n in zip(c.stride()[:3], (nb, bs, h), strict=True))
+
+    kc, vc = cache_strides(key_cache), cache_strides(value_cache)
+    ks, vs = cache_strides(k_scale_cache), cache_strides(v_scale_cache)
+    in_al = _align([key.data_ptr(), value.data_ptr()] + [s * ib for s in (k_tok, v_tok, k_head, v_head)])
+    out_al = _align([key_cache.data_ptr(), value_cache.data_ptr()] + list(kc) + list(vc))
+    vec = 16 // ib
+    while vec > 1:
+        out_n = vec // 2 if int4 else vec
+        if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0 and out_al % out_n == 0:
+            break
+        vec //= 2
+    chunks = max(dk, dv) // vec
+    large = is_large_call(slot_mapping.numel(), key, value, tuning)
+    target = tuning.large_elems_per_lane // vec if large else tuning.chunks_per_lane
+    target = max(1, min(target, _CPLS[-1]))
+    lanes = min(32, _next_pow2(-(-chunks // max(1, target))))
+    if int4 and vec == 1:
+        lanes = max(2, lanes)  # a code's odd neighbour comes from lane + 1
+    cpl = _next_pow2(-(-chunks // lanes))
+    if cpl > _CPLS[-1] or cpl * vec > MAX_ELEMS_PER_LANE:
+        return (f"head size {max(dk, dv)} in chunks of {vec} element(s) needs {cpl} chunks per "
+                f"lane; the cuda kernel holds at most {MAX_ELEMS_PER_LANE} elements and "
+                f"{_CPLS[-1]} chunks per lane (torch and triton run it)")
+    fixed = (int(slot_mapping.dtype == torch.int64), h, dk, dv, lanes.bit_length() - 1, k_tok, k_head, v_tok, v_head, *kc, *vc, *ks, *vs,
+             bs, _log2_or_minus_1(bs), nb * bs)
+    assert len(fixed) == NUM_FIXED
+    return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, lanes, fixed)
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+def unsupported(key, value, key_cache, value_cache, mode) -> str | None:
+    """Rows longer than a warp's registers hold (see the module doc); every other validated case
+    runs."""
+    if max(key.shape[2], value.shape[2]) <= 32 * _CPLS[-1]:
+        return None  # fits even in chunks of one element
+    # The plan's chunk width does not depend on the scale caches or the call size's lanes.
+    p = plan(key, value, key_cache, value_cache, key_cache, value_cache, _NO_SLOTS, mode)
+    return p if isinstance(p, str) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    plan: Plan
+    kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
+    device_index: int
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def _launchable(args, mode, tuning) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    p = plan(*args, mode, tuning)
+    if isinstance(p, str):
+        raise ValueError(f"implementation='cuda' cannot run this call: {p}")
+    index = args[0].get_device()
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
+        arch, _ = nvrtc.device_arch(index)
+        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+        kernel = SOURCE.kernel(arch, p.name, macros)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    return _Launchable(p, kernel, pdl_kernel, index)
+
+
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+        value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, mode: PerTokenHeadMode, *,
+        tuning: CudaTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    ptrs = (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            k_scale_cache.data_ptr(), v_scale_cache.data_ptr())
+    # Everything that selects the variant, the lanes or a fixed kernel argument.
+    sig = (key.dtype, mode, slot_mapping.dtype, key.shape[1:], value.shape[1:],
+           min(key.shape[0], value.shape[0]) > 1, key.stride(), value.stride(),
+           key_cache.shape[:3], key_cache.stride(), value_cache.stride(), k_scale_cache.stride(),
+           v_scale_cache.stride(), ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15,
+           key.get_device(), is_large_call(num_tokens, key, value, tuning), tuning)
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        args = (key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+        lau = _LAUNCHABLES[sig] = _launchable(args, mode, tuning)
+    p = lau.plan
+    total = num_tokens * key.shape[1] * 2 * p.lanes
+    if total >= 2**32:
+        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // (key.shape[1] * 2 * p.lanes)} "
+                         f"tokens per call with these heads, got {num_tokens}")
+    grid = -(-total // tuning.threads)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(grid, 1, tuning.threads, 1, pdl)
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, *ptrs,
+                 slot_mapping.data_ptr(), num_tokens, *p.fixed)

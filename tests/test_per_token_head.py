@@ -1,0 +1,1313 @@
+"""reshape_and_cache_flash_per_token_head_quant, dequantize_per_token_head and
+create_per_token_head_caches: the reference against an independent per-row oracle (exact
+rational arithmetic for every rounding decision) over the CPU matrix; every implementation byte
+for byte against the reference over whole allocations (the four tensors, one allocation or
+four); the kernel's row arithmetic compiled as host C++ against the reference; validation that
+changes nothing; wrong writers caught; the round trip and an attention consumer; the allocator's
+strides; NVRTC compiles and machine code of the CUDA kernel; on the GPU the full matrix for the
+three implementations, CUDA graphs, torch.compile and the sanitize cases."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import importlib.resources
+import math
+import re
+import shutil
+import struct
+import subprocess
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import registry
+from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import OP, PerTokenHeadMode
+from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import reference as torch_ref
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.compile import compiled_targets
+from kvwrite.testing.per_token_head import (
+    FP8,
+    INT4,
+    INT8,
+    PTH_CASES,
+    PTH_GPU_CASES,
+    PthCase,
+    assert_pth_caches_equal,
+    check_roundtrip,
+    clone_pth_caches,
+    half_step_bound,
+    make_pth_inputs,
+    roundtrip_error,
+    special_rows,
+)
+from oracle import fp8_round
+
+IMPLS = [info.name for info in registry.all_impls(OP)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+MODES = [INT8, FP8, INT4]
+
+
+def _dq(case: PthCase) -> tuple[int, int]:
+    return case.mode.quantized_size(case.dk), case.mode.quantized_size(case.dv)
+
+
+# --- the independent oracle -----------------------------------------------------------------------
+
+_FLOOR = np.float32(1e-6)
+
+
+def _f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def _div(a, b) -> float:
+    """The IEEE float32 quotient (NumPy's float32 division rounds to nearest even)."""
+    with np.errstate(all="ignore"):
+        return float(np.float32(a) / np.float32(b))
+
+
+def _fmax(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)
+
+
+def _round_half_away(v: float) -> float:
+    if math.isinf(v):
+        return v
+    n = math.trunc(v)
+    frac = Fraction(v) - n
+    if abs(frac) >= Fraction(1, 2):
+        n += 1 if v > 0 else -1
+    return float(n)
+
+
+def _round_half_up(v: float) -> float:
+    if math.isinf(v):
+        return v
+    n = math.floor(v)
+    return float(n + 1 if Fraction(v) - n >= Fraction(1, 2) else n)
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def oracle_row(x: np.ndarray, mode: str) -> tuple[bytes, int]:
+    """(code bytes, scale entry bits) of one row of float32 values, element by element."""
+    vals = [float(v) for v in x]
+    real = [v for v in vals if not math.isnan(v)]
+    if mode == INT4:
+        mn, mx = (min(real), max(real)) if real else (0.0, 0.0)
+        with np.errstate(all="ignore"):
+            rng = float(np.float32(mx) - np.float32(mn))
+        s = _fmax(_div(rng, 15.0), float(_FLOOR))
+        zq = _div(-mn, s)
+        zp = min(max(_round_half_up(0.0 if math.isnan(zq) else zq), 0.0), 15.0)
+        codes = []
+        for v in vals:
+            q = _div(v, s)
+            codes.append(int(min(max(_round_half_up(0.0 if math.isnan(q) else q) + zp, 0.0), 15.0)))
+        out = bytes(codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(len(codes) // 2))
+        return out, (_bits(s) & 0xFFFFFFF0) | int(zp)
+    amax = max((abs(v) for v in real), default=0.0)
+    if mode == INT8:
+        s = _fmax(_div(amax, 127.0), float(_FLOOR))
+        out = []
+        for v in vals:
+            q = _div(v, s)
+            r = min(max(_round_half_away(0.0 if math.isnan(q) else q), -128.0), 127.0)
+            out.append(int(r) & 0xFF)
+        return bytes(out), _bits(s)
+    s = _fmax(_div(amax, 448.0), float(_FLOOR))
+    with np.errstate(all="ignore"):
+        q = (x.astype(np.float32) / np.float32(s)).astype(np.float32)
+    return bytes(fp8_round(q, torch.float8_e4m3fn).tolist()), _bits(s)
+
+
+def pth_oracle(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
+               mode: str) -> None:
+    """Writes into CPU caches, one (token, head, K or V) row at a time."""
+    nb, bs, num_heads, _ = key_cache.shape
+    for t in range(slot_mapping.numel()):
+        slot = int(slot_mapping[t])
+        if slot < 0 or slot >= nb * bs:
+            continue
+        b, o = divmod(slot, bs)
+        for src, cache, scales in ((key, key_cache, k_scale_cache),
+                                   (value, value_cache, v_scale_cache)):
+            for h in range(num_heads):
+                codes, entry = oracle_row(src[t, h].float().numpy(), mode)
+                cache[b, o, h, :len(codes)].view(torch.uint8).copy_(
+                    torch.frombuffer(bytearray(codes), dtype=torch.uint8))
+                signed = entry - (1 << 32) if entry >= 1 << 31 else entry
+                scales[b, o, h:h + 1].view(torch.int32).fill_(signed)
+
+
+@functools.cache
+def expected_caches(case: PthCase) -> tuple:
+    inp = make_pth_inputs(case)
+    caches = clone_pth_caches(inp.caches)
+    pth_oracle(inp.key, inp.value, *caches, inp.slot_mapping, case.kv_quant_mode)
+    return caches
+
+
+def run_case(impl: str, case: PthCase, device: str):
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = make_pth_inputs(case, device)
+    if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                   case.mode)) is not None:
+        pytest.skip(reason)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+    return inp
+
+
+# --- the oracle and every implementation on the CPU matrix ------------------------------------------
+
+@pytest.mark.parametrize("case", PTH_CASES, ids=lambda c: c.id)
+def test_reference_matches_oracle(case):
+    inp = run_case("torch", case, "cpu")
+    assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
+
+
+# The interpreter's NumPy arithmetic warns on the special values' NaN and inf (as intended).
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", PTH_CASES, ids=lambda c: c.id)
+def test_triton_matches_oracle_on_cpu(case):
+    inp = run_case("triton", case, "cpu")
+    assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
+
+
+def test_oracle_writes_the_documented_bytes():
+    """Hand-checked rows: int8 ties away from zero, int4 nibble order and the zero point in the
+    scale's low bits, fp8 codes, the floor."""
+    codes, entry = oracle_row(np.array([127.0, 0.5, -0.5, 1.5, -2.5, 0.0], np.float32), INT8)
+    assert list(codes) == [127, 1, 0xFF, 2, 0xFD, 0] and entry == _bits(1.0)
+    # int4: min -7, max 8: s = 1, zp = 7; x + 7 = 0, 15, 7.5 -> 8, 6.5 -> 7 (half up).
+    codes, entry = oracle_row(np.array([-7.0, 8.0, 0.5, -0.5], np.float32), INT4)
+    assert list(codes) == [0 | 15 << 4, 8 | 7 << 4] and entry == (_bits(1.0) | 7)
+    codes, entry = oracle_row(np.array([448.0, -224.0, float("nan"), -0.0], np.float32), FP8)
+    assert list(codes) == [0x7E, 0xF6, 0x7F, 0x80] and entry == _bits(1.0)
+    codes, entry = oracle_row(np.zeros(4, np.float32), INT8)
+    assert entry == 0x358637BD == kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.SCALE_FLOOR_BITS
+    assert np.float32(1e-6).view(np.uint32) == 0x358637BD
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_special_rows_match_the_contract(mode, dtype):
+    """Each special case the contract lists, row by row, against the oracle and the stated
+    outcome."""
+    rows = special_rows(16, dtype)
+    x = torch.stack(rows).to(dtype)
+    codes, entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
+    for i, r in enumerate(rows):
+        want_codes, want_entry = oracle_row(r.numpy(), mode)
+        got = bytes(codes[i].tolist())
+        if mode == FP8:  # NaN codes may differ in sign
+            nan = [j for j, c in enumerate(want_codes) if c & 0x7F == 0x7F]
+            assert all(codes[i][j] & 0x7F == 0x7F for j in nan), (i, r)
+            got = bytes(c if j not in nan else want_codes[j] for j, c in enumerate(got))
+        assert got == want_codes, (i, r.tolist(), list(got), list(want_codes))
+        assert _bits(float(entries[i])) == want_entry, (i, r.tolist())
+    ent = [_bits(float(e)) for e in entries]
+    floor = 0x358637BD
+    zero, all_nan, one_nan, pinf, ninf, const, constn, tiny, pinf_only, ninf_only, both = range(11)
+    if mode == INT8:
+        assert ent[zero] == ent[all_nan] == ent[tiny] == floor
+        assert not codes[zero].any() and not codes[all_nan].any() and codes[one_nan][0] == 0
+        assert ent[pinf] == _bits(float("inf")) and not codes[pinf].any()  # inf -> 0, finite -> 0
+        assert set(codes[const].tolist()) == {127} and set(codes[constn].tolist()) == {0x81}
+    elif mode == INT4:
+        f4 = floor & ~15  # the floor with zero point 0 in its low bits
+        assert ent[zero] == ent[all_nan] == f4 and not codes[zero].any()
+        assert ent[pinf] == (_bits(float("inf")) & ~15) and not codes[pinf].any()
+        assert ent[both] == (_bits(float("inf")) & ~15)  # mx - mn overflows: s = inf, zp = 0
+        # +inf only: mx - mn is NaN, s = the floor, codes saturate (15; NaN elements get zp = 0).
+        assert ent[pinf_only] == f4 and set(codes[pinf_only].tolist()) == {0x0F}
+        # -inf only: zp = rhu(+inf) clamped to 15, codes clamp to 0.
+        assert ent[ninf_only] == f4 | 15 and not codes[ninf_only].any()
+        assert ent[const] == f4 and set(codes[const].tolist()) == {0xFF}  # saturated
+        one = [c >> (4 * (j % 2)) & 15 for j, c in
+               enumerate(codes[one_nan].repeat_interleave(2).tolist())]
+        assert one[0] == ent[one_nan] & 15  # a NaN element stores the zero point
+    else:
+        assert ent[zero] == ent[all_nan] == floor
+        assert set(codes[all_nan].tolist()) <= {0x7F, 0xFF}
+        assert codes[zero][0] == 0x80 and codes[zero][1] == 0  # -0 kept
+        assert ent[pinf] == _bits(float("inf"))
+
+
+# --- the kernel's row arithmetic as host C++ --------------------------------------------------------
+
+_HARNESS = r"""
+#include <cmath>
+#include "kernel.cu"
+
+extern "C" {
+// Rows of d float32 values (the input's values): code bytes and scale entry bits, by kernel.cu's
+// functions (the reductions as a loop instead of shuffles).
+void pth_rows(int mode, int steps, const float* x, long long rows, int d, unsigned char* codes,
+              unsigned int* entries) {
+  for (long long r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    float s, mn = 0.0f;
+    if (mode == PTH_INT4) {
+      float lo = INFINITY, hi = -INFINITY;
+      for (int i = 0; i < d; ++i) { lo = min_step(lo, xr[i]); hi = max_step(hi, xr[i]); }
+      s = int4_scale(lo, hi);
+      mn = lo;
+    } else {
+      float a = 0.0f;
+      for (int i = 0; i < d; ++i) a = amax_step(a, xr[i]);
+      s = amax_scale(a, mode == PTH_INT8 ? 127.0f : 448.0f);
+    }
+    const Fp8Scale sc = fp8_exact_scale<true>(s);
+    u32 entry = f32_bits(s);
+    if (mode == PTH_INT4) {
+      const float zp = steps == 1 ? int4_zero_point<1>(mn, sc) : int4_zero_point<2>(mn, sc);
+      entry = int4_entry(s, zp);
+      for (int j = 0; j < d / 2; ++j) {
+        const float q0 = steps == 1 ? fp8_quotient<1>(xr[2 * j], sc) : fp8_quotient<2>(xr[2 * j], sc);
+        const float q1 = steps == 1 ? fp8_quotient<1>(xr[2 * j + 1], sc) : fp8_quotient<2>(xr[2 * j + 1], sc);
+        codes[r * (d / 2) + j] = static_cast<unsigned char>(int4_code(q0, zp) | (int4_code(q1, zp) << 4));
+      }
+    } else if (mode == PTH_INT8) {
+      for (int i = 0; i < d; ++i) {
+        const float q = steps == 1 ? int8_quotient<1>(xr[i], sc) : int8_quotient<2>(xr[i], sc);
+        codes[r * d + i] = static_cast<unsigned char>(int8_code(q));
+      }
+    } else {
+      for (int i = 0; i < d; ++i) {
+        const float v[1] = {xr[i]};
+        u32 w[1];
+        if (steps == 1) fp8_quantize<DT_E4M3, 1, 1>(v, w, sc); else fp8_quantize<DT_E4M3, 1, 2>(v, w, sc);
+        codes[r * d + i] = static_cast<unsigned char>(w[0] & 0xFFu);
+      }
+    }
+    entries[r] = entry;
+  }
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the row harness")
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    op_dir = importlib.resources.files("kvwrite.ops.reshape_and_cache_flash_per_token_head_quant")
+    d = tmp_path_factory.mktemp("pthhost")
+    (d / "harness.cpp").write_text(_HARNESS)
+    lib = d / "libpth.so"
+    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
+                    f"-I{include}", f"-I{op_dir}", str(d / "harness.cpp"), "-o", str(lib)],
+                   check=True)
+    so = ctypes.CDLL(str(lib))
+    so.pth_rows.restype = None
+    return so
+
+
+def _host_rows(host_lib, x: torch.Tensor, mode: str, steps: int):
+    rows, d = x.shape
+    xf = x.float().contiguous()
+    dq = d // 2 if mode == INT4 else d
+    codes = torch.empty(rows, dq, dtype=torch.uint8)
+    entries = torch.empty(rows, dtype=torch.int32)
+    host_lib.pth_rows(MODES.index(mode), steps, ctypes.c_void_p(xf.data_ptr()),
+                      ctypes.c_longlong(rows), d, ctypes.c_void_p(codes.data_ptr()),
+                      ctypes.c_void_p(entries.data_ptr()))
+    return codes, entries
+
+
+def _sweep_rows(dtype: torch.dtype, d: int, seed: int) -> torch.Tensor:
+    """Rows of every kind: every 16-bit pattern (16-bit dtypes), random rows over many binades,
+    with offsets, the special rows, and rows whose quotients sit on rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.stack(special_rows(d, dtype)).to(dtype)]
+    if dtype != torch.float32:
+        bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+        pats = bits[torch.randperm(65536, generator=g)].view(dtype)
+        parts.append(pats.view(-1, d))
+    n = 4096
+    mag = torch.exp2(torch.randint(-30 if dtype != torch.float16 else -14, 16, (n, 1),
+                                   generator=g).float())
+    parts.append(((torch.randn(n, d, generator=g) + torch.randn(n, 1, generator=g)) * mag).to(dtype))
+    # Ties: amax = 127 * 2^k (int8 scale 2^k) or max - min = 15 * 2^k, with halves.
+    k = torch.exp2(torch.randint(-8, 8, (512, 1), generator=g).float())
+    half = (torch.randint(-254, 255, (512, d), generator=g).float() / 2)
+    t8 = half.clamp(-126.5, 126.5)
+    t8[:, 0] = 127.0
+    parts.append((t8 * k).to(dtype))
+    t4 = (torch.randint(-14, 16, (512, d), generator=g).float() / 2).clamp(-7, 8)
+    t4[:, 0], t4[:, 1] = -7.0, 8.0
+    parts.append((t4 * k).to(dtype))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
+    """kernel.cu's scale, quotient (kvw/fp8.cuh's division-free one) and roundings, compiled as
+    host C++, on every 16-bit pattern and on random, tie and special rows, against the
+    reference's torch arithmetic: codes and scale entries bit for bit (fp8 NaN codes: any)."""
+    d = 32
+    x = _sweep_rows(dtype, d, seed=MODES.index(mode))
+    steps = 2 if dtype == torch.float32 else 1
+    codes, entries = _host_rows(host_lib, x, mode, steps)
+    want_codes, want_entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
+    bad_e = torch.nonzero(entries != want_entries.view(torch.int32)).flatten()
+    assert bad_e.numel() == 0, (f"{bad_e.numel()} scale entries differ; first row "
+                                f"{x[bad_e[0]].tolist()}: got {int(entries[bad_e[0]]):#x}, want "
+                                f"{int(want_entries.view(torch.int32)[bad_e[0]]):#x}")
+    diff = codes != want_codes
+    if mode == FP8:
+        diff &= ~(torch.isnan(codes.view(torch.float8_e4m3fn).float())
+                  & torch.isnan(want_codes.view(torch.float8_e4m3fn).float()))
+    bad = torch.nonzero(diff)
+    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} element "
+                              f"{int(bad[0, 1])}: got {int(codes[tuple(bad[0])])}, want "
+                              f"{int(want_codes[tuple(bad[0])])}")
+
+
+def test_tie_rows_catch_inexact_roundings(monkeypatch):
+    """The sweep's tie rows fail a reference whose rhu is floor(v + 0.5) in float32 (0.49999997
+    -> 1) and one whose rhaz rounds half to even: proof that the sweep above can fail."""
+    x = _sweep_rows(torch.float32, 32, seed=0)
+    want, _ = torch_ref.quantize_rows(x, PerTokenHeadMode.INT4_PER_TOKEN_HEAD)
+    want8, _ = torch_ref.quantize_rows(x, PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+    monkeypatch.setattr(torch_ref, "rhu", lambda v: torch.floor(v + 0.5))
+    monkeypatch.setattr(torch_ref, "rhaz", torch.round)  # half to even
+    wrong, _ = torch_ref.quantize_rows(x, PerTokenHeadMode.INT4_PER_TOKEN_HEAD)
+    wrong8, _ = torch_ref.quantize_rows(x, PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+    assert (wrong != want).any() and (wrong8 != want8).any()
+
+
+# --- the checker can fail --------------------------------------------------------------------------
+
+def _rows_writer(quantize):
+    """A writer with the reference's addressing and another row quantizer."""
+    def run(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode):
+        nb, bs = key_cache.shape[:2]
+        slots = slot_mapping.long()
+        keep = (slots >= 0) & (slots < nb * bs)
+        tokens = torch.nonzero(keep).flatten()
+        slots = slots[keep]
+        for src, cache, scales in ((key, key_cache, k_scale_cache),
+                                   (value, value_cache, v_scale_cache)):
+            codes, entries = quantize(src[tokens], mode)
+            cache[..., :codes.shape[-1]].view(torch.uint8)[slots // bs, slots % bs] = codes
+            scales[slots // bs, slots % bs] = entries
+    return run
+
+
+def _skip_last_token(key, value, kc, vc, ks, vs, slot_mapping, mode):
+    torch_ref.run(key, value, kc, vc, ks, vs, slot_mapping[:-1], mode)
+
+
+def _clobber_row_tail(key, value, kc, vc, ks, vs, slot_mapping, mode):
+    """Writes whole rows [..., :E] (codes then zeros), over vLLM's inline scale bytes."""
+    torch_ref.run(key, value, kc, vc, ks, vs, slot_mapping, mode)
+    nb, bs = kc.shape[:2]
+    for s in slot_mapping.tolist():
+        if 0 <= s < nb * bs:
+            dq = mode.quantized_size(key.shape[2])
+            kc[s // bs, s % bs, :, dq:].view(torch.uint8).zero_()
+
+
+def _half_to_even(x, mode):
+    codes, entries = torch_ref.quantize_rows(x, mode)
+    if mode is PerTokenHeadMode.INT8_PER_TOKEN_HEAD:
+        q = (x.float() / entries[..., None]).nan_to_num(0.0).clamp(-200, 200)
+        codes = torch.round(q).clamp(-128, 127).to(torch.int8).view(torch.uint8)
+    return codes, entries
+
+
+def _nibbles_swapped(x, mode):
+    codes, entries = torch_ref.quantize_rows(x, mode)
+    return (codes >> 4) | (codes << 4), entries
+
+
+def _zero_point_not_stored(x, mode):
+    codes, entries = torch_ref.quantize_rows(x, mode)
+    return codes, (entries.view(torch.int32) & -16).view(torch.float32)
+
+
+def _amax_with_nan(x, mode):
+    """amax by torch.amax, which propagates NaN (the contract ignores NaN)."""
+    codes, entries = torch_ref.quantize_rows(x, mode)
+    nan_rows = torch.isnan(x.float()).any(dim=-1)
+    return codes, torch.where(nan_rows, float("nan"), entries)
+
+
+def _reciprocal(x, mode):
+    """Codes from x * (1 / s) instead of x / s."""
+    codes, s = torch_ref.quantize_rows(x, mode)
+    y = x.float() * (1.0 / s[..., None])
+    if mode is PerTokenHeadMode.FP8_PER_TOKEN_HEAD:
+        codes = y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = torch_ref.rhaz(y.nan_to_num(0.0).clamp(-200, 200)).clamp(-128, 127).to(
+            torch.int8).view(torch.uint8)
+    return codes, s
+
+
+def _no_floor(x, mode):
+    codes, s = torch_ref.quantize_rows(x, mode)
+    amax = torch.where(torch.isnan(x.float()), 0.0, x.float().abs()).amax(-1)
+    return codes, amax / torch.full_like(amax, 127.0)
+
+
+def _layout_ignored(key, value, kc, vc, ks, vs, slot_mapping, mode):
+    """Writes an HND cache as if it were NHD (contiguous strides)."""
+    nb, bs, h, e = kc.shape
+    torch_ref.run(key, value, kc.as_strided((nb, bs, h, e), (kc.stride(0), h * e, e, 1)), vc, ks,
+                  vs, slot_mapping, mode)
+
+
+def _scales_swapped(key, value, kc, vc, ks, vs, slot_mapping, mode):
+    torch_ref.run(key, value, kc, vc, vs, ks, slot_mapping, mode)
+
+
+_SPECIAL = dict(special_values=True, num_tokens=8, num_heads=4, head_size=16,
+                dtype=torch.float32)
+
+
+@pytest.mark.parametrize("broken, case", [
+    (_skip_last_token, PthCase(num_tokens=7)),
+    (_clobber_row_tail, PthCase(vllm_rows=True, kv_quant_mode=INT4)),
+    (_rows_writer(_half_to_even), PthCase(**_SPECIAL)),
+    (_rows_writer(_nibbles_swapped), PthCase(kv_quant_mode=INT4)),
+    (_rows_writer(_zero_point_not_stored), PthCase(kv_quant_mode=INT4)),
+    (_rows_writer(_amax_with_nan), PthCase(**_SPECIAL, kv_quant_mode=FP8)),
+    (_rows_writer(_reciprocal), PthCase(**_SPECIAL)),
+    (_rows_writer(_no_floor), PthCase(**_SPECIAL)),
+    (_layout_ignored, PthCase(layout="HND", alloc="separate")),
+    (_scales_swapped, PthCase(kv_quant_mode=FP8)),
+], ids=["skip-last-token", "clobber-inline-scale", "int8-half-to-even", "int4-nibbles-swapped",
+        "int4-zero-point-missing", "amax-propagates-nan", "reciprocal-quotient", "no-floor",
+        "hnd-as-nhd", "k-v-scales-swapped"])
+def test_checker_rejects_wrong_implementations(broken, case):
+    inp = make_pth_inputs(case)
+    broken(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
+
+
+def test_mismatch_message_names_the_tensor_and_element():
+    case = PthCase(num_tokens=3, head_size=16, num_heads=2, alloc="packed")
+    inp = make_pth_inputs(case)
+    want = expected_caches(case)
+    torch_ref.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
+    s = int(inp.slot_mapping[1])
+    inp.v_scale_cache[s // 16, s % 16, 1] += 1.0
+    with pytest.raises(AssertionError, match=re.escape(f"v_scale_cache[{s // 16}, {s % 16}, 1]")):
+        assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case))
+
+
+def test_fp8_nan_codes_equal_only_within_the_codes():
+    case = PthCase(kv_quant_mode=FP8, alloc="separate", row_pad=4, num_tokens=1)
+    inp = make_pth_inputs(case)
+    a, b = clone_pth_caches(inp.caches), clone_pth_caches(inp.caches)
+    a[0][0, 0, 0, 3], b[0][0, 0, 0, 3] = 0x7F, 0xFF  # both e4m3 NaN
+    assert_pth_caches_equal(a, b, case.mode, _dq(case))
+    pad_a, pad_b = storage_bytes(a[0]), storage_bytes(b[0])
+    pad_a[64], pad_b[64] = 0x7F, 0xFF  # the first row's padding byte (Dq = 64)
+    with pytest.raises(AssertionError, match="1 bytes differ"):
+        assert_pth_caches_equal(a, b, case.mode, _dq(case))
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+def _bad(mode=INT8, **changes):
+    def make():
+        inp = make_pth_inputs(PthCase(kv_quant_mode=mode, num_tokens=5, num_heads=2,
+                                      head_size=16, alloc="packed", vllm_rows=True))
+        args = dict(key=inp.key, value=inp.value, key_cache=inp.key_cache,
+                    value_cache=inp.value_cache, k_scale_cache=inp.k_scale_cache,
+                    v_scale_cache=inp.v_scale_cache, slot_mapping=inp.slot_mapping,
+                    kv_quant_mode=mode)
+        for k, f in changes.items():
+            args[k] = f(inp)
+        return args
+    return make
+
+
+def _overlapping_scale(i):
+    """A float32 view of the key codes' first 4 bytes of every row."""
+    kc = i.key_cache
+    return storage_bytes(kc).view(torch.float32).as_strided(
+        i.k_scale_cache.shape, tuple(s // 4 for s in kc.stride()[:3]), 0)
+
+
+BAD = [
+    ("mode", _bad(kv_quant_mode=lambda i: "int8"), ValueError, "kv_quant_mode: expected one of"),
+    ("mode none int4", _bad(INT4, kv_quant_mode=lambda i: None), ValueError, "kv_quant_mode: None infers the mode from key_cache.dtype"),
+    ("mode enum", _bad(kv_quant_mode=lambda i: kvwrite.MlaMode.AUTO), ValueError, "kv_quant_mode: expected one of"),
+    ("key type", _bad(key=lambda i: i.key.tolist()), TypeError, "key: expected a torch.Tensor"),
+    ("scale type", _bad(k_scale_cache=lambda i: 1.0), TypeError, "k_scale_cache: expected a torch.Tensor"),
+    ("key dims", _bad(key=lambda i: i.key[0]), ValueError, "key: expected 3 dims"),
+    ("key dtype", _bad(key=lambda i: i.key.double(), value=lambda i: i.value.double()), ValueError, "key: expected dtype float16, bfloat16 or float32"),
+    ("value dtype", _bad(value=lambda i: i.value.half()), ValueError, "value: expected the dtype of key"),
+    ("value heads", _bad(value=lambda i: i.value[:, :1]), ValueError, "value: expected 2 heads (those of key)"),
+    ("key stride", _bad(key=lambda i: i.key.repeat(1, 1, 2)[..., ::2]), ValueError, "key: expected a unit-stride last dim"),
+    ("int4 odd", _bad(INT4, key=lambda i: i.key[..., :15]), ValueError, "key: kv_quant_mode='int4_per_token_head' packs two elements per byte"),
+    ("cache dims", _bad(key_cache=lambda i: i.key_cache[0]), ValueError, "key_cache: expected 4 dims"),
+    ("cache E", _bad(key_cache=lambda i: i.key_cache[..., :15]), ValueError, "key_cache: expected a last dim E >= Dq = 16"),
+    ("value cache E", _bad(INT4, value_cache=lambda i: i.value_cache[..., :7]), ValueError, "value_cache: expected a last dim E >= Dq = 8"),
+    ("cache stride", _bad(key_cache=lambda i: i.key_cache.repeat(1, 1, 1, 2)[..., ::2]), ValueError, "key_cache: expected a unit-stride last dim"),
+    ("cache dtype", _bad(key_cache=lambda i: i.key_cache.view(torch.uint8)), ValueError, "key_cache: kv_quant_mode='int8_per_token_head' expects a cache of dtype torch.int8, got torch.uint8"),
+    ("fp8 e5m2", _bad(FP8, key_cache=lambda i: i.key_cache.view(torch.float8_e5m2)), ValueError, "key_cache: kv_quant_mode='fp8_per_token_head' expects a cache of dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("value cache dtype", _bad(INT4, value_cache=lambda i: i.value_cache.view(torch.int8)), ValueError, "value_cache: expected the dtype of key_cache (torch.uint8)"),
+    ("cache heads", _bad(key_cache=lambda i: i.key_cache[:, :, :1], value_cache=lambda i: i.value_cache[:, :, :1]), ValueError, "key_cache: expected 2 heads (those of key)"),
+    ("value cache blocks", _bad(value_cache=lambda i: i.value_cache[:2]), ValueError, "value_cache: expected [num_blocks, block_size, num_heads] = [4, 16, 2] (those of key_cache)"),
+    ("scale dtype", _bad(k_scale_cache=lambda i: i.k_scale_cache.double()), ValueError, "k_scale_cache: expected dtype float32"),
+    ("scale shape", _bad(v_scale_cache=lambda i: i.v_scale_cache[:, :8]), ValueError, "v_scale_cache: expected shape [num_blocks, block_size, num_heads] = [4, 16, 2]"),
+    ("slot dtype", _bad(slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
+    ("slot dims", _bad(slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
+    ("slot stride", _bad(slot_mapping=lambda i: i.slot_mapping.repeat(2)[::2]), ValueError, "slot_mapping: expected a contiguous tensor"),
+    ("slots > key rows", _bad(slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most key.shape[0] = 5"),
+    ("slots > value rows", _bad(value=lambda i: i.value[:3]), ValueError, "slot_mapping: expected at most value.shape[0] = 3"),
+    ("scale over codes", _bad(k_scale_cache=_overlapping_scale), ValueError, "k_scale_cache: expected memory apart from key_cache's"),
+    ("same cache", _bad(value_cache=lambda i: i.key_cache), ValueError, "value_cache: expected memory apart from key_cache's"),
+    ("scales alias", _bad(v_scale_cache=lambda i: i.k_scale_cache), ValueError, "v_scale_cache: expected memory apart from k_scale_cache's"),
+    ("key in cache", _bad(key=lambda i: storage_bytes(i.key_cache)[:5 * 2 * 16 * 2].view(torch.bfloat16).view(5, 2, 16)), ValueError, "key: expected memory apart from key_cache's"),
+    ("grad", _bad(k_scale_cache=lambda i: i.k_scale_cache.clone().requires_grad_()), ValueError, "k_scale_cache: expected a tensor that does not require grad"),
+    ("meta", _bad(value_cache=lambda i: torch.empty(i.value_cache.shape, dtype=torch.int8, device="meta")), ValueError, "device"),
+    ("implementation", _bad(implementation=lambda i: "nope"), ValueError, "implementation: expected one of"),
+    ("cuda on cpu", _bad(implementation=lambda i: "cuda"), ValueError, "implementation='cuda' cannot run this call"),
+]
+
+
+@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
+    args = make()
+    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(exc, match=re.escape(text)):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(**args)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
+
+
+@pytest.mark.parametrize("arg, want", [
+    ("int8_per_token_head", PerTokenHeadMode.INT8_PER_TOKEN_HEAD),
+    (PerTokenHeadMode.INT4_PER_TOKEN_HEAD, PerTokenHeadMode.INT4_PER_TOKEN_HEAD),
+    (None, PerTokenHeadMode.FP8_PER_TOKEN_HEAD),
+])
+def test_parse_kv_quant_mode(arg, want):
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import parse_kv_quant_mode
+    assert parse_kv_quant_mode(arg, torch.float8_e4m3fn) is want
+    assert parse_kv_quant_mode(None, torch.int8) is PerTokenHeadMode.INT8_PER_TOKEN_HEAD
+
+
+def test_zero_tokens_is_a_no_op_and_implementations_register():
+    inp = make_pth_inputs(PthCase(num_tokens=0, extra_rows=2, kv_quant_mode=INT4))
+    before = [storage_bytes(c).clone() for c in inp.caches]
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args())  # no GPU: torch picked
+    assert all(torch.equal(storage_bytes(c), b) for c, b in zip(inp.caches, before, strict=True))
+    assert {s.name for s in kvwrite.implementations("cpu", OP)} == {"torch", "triton", "cuda"}
+    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
+
+
+# --- the round trip and a consumer ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_within_half_step(mode, dtype):
+    """Write, read back with dequantize_per_token_head, compare with the input: every row
+    within the format's half step (special rows are skipped where the contract gives no bound)."""
+    for special in (False, True):
+        case = PthCase(kv_quant_mode=mode, dtype=dtype, num_tokens=12, num_heads=4,
+                       head_size=32, head_size_v=16, padding_slots=2, out_of_range_slots=1,
+                       special_values=special, alloc="packed", vllm_rows=True)
+        inp = make_pth_inputs(case)
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+        assert check_roundtrip(*inp.args()) is None
+        err = roundtrip_error(*inp.args())
+        assert 0.0 < err <= 1.0, err
+        if not special and mode != FP8:
+            assert err > 0.5, err  # the bound is tight: some element is off by nearly s/2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_roundtrip_check_catches_wrong_codes(mode, monkeypatch):
+    case = PthCase(kv_quant_mode=mode, num_tokens=6, head_size=32, dtype=torch.float32)
+    inp = make_pth_inputs(case)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+    s = int(inp.slot_mapping[2])
+    token = 2
+    code = inp.value_cache[s // 16, s % 16, 1, 3:4].view(torch.uint8)
+    code ^= 0x22  # another code, 2+ steps away
+    msg = check_roundtrip(*inp.args())
+    assert msg is not None and msg.startswith("value: ") and f"token {token}, head 1" in msg, msg
+    assert roundtrip_error(*inp.args()) > 1.0
+    # Truncating instead of rounding stays within a whole step but not within half of one.
+    if mode == INT8:
+        monkeypatch.setattr(torch_ref, "rhaz", torch.trunc)
+        inp = make_pth_inputs(case)
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation="torch")
+        assert 1.0 < roundtrip_error(*inp.args()) < 2.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout, alloc", [("NHD", "packed"), ("HND", "interleaved"),
+                                           ("HND", "separate")])
+def test_attention_over_dequantized_cache_matches_the_original(mode, layout, alloc):
+    """The consumer's view: scaled_dot_product_attention (GQA, 4 query heads per KV head) over
+    the K/V read back from the cache equals attention over the original K/V within the bound the
+    format's half step implies: logits move by at most d = scale * sum_j |q_j| b_ij (b the
+    per-element bound), so softmax weights by a factor within e^(+-2d), and the output by at
+    most (e^(2d) - 1) max|v| + max b_v."""
+    g = torch.Generator().manual_seed(MODES.index(mode))
+    T, H, D, group = 40, 2, 64, 4
+    k = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(3, H * group, D, generator=g, dtype=torch.float64)
+    caches = kvwrite.create_per_token_head_caches(4, 16, H, D, mode, cache_layout=layout,
+                                                  kv_alloc=alloc, device="cpu")
+    slots = torch.randperm(64, generator=g)[:T]
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(k, v, *caches, slots, mode)
+    kh = kvwrite.dequantize_per_token_head(caches[0], caches[2], slots, mode)
+    vh = kvwrite.dequantize_per_token_head(caches[1], caches[3], slots, mode)
+    pm = PerTokenHeadMode(mode)
+    bs = 16
+    bk = half_step_bound(k.float(), kh, caches[2][slots // bs, slots % bs], pm)  # [T, H, D]
+    bv = half_step_bound(v.float(), vh, caches[3][slots // bs, slots % bs], pm)
+
+    def attn(kk, vv):  # [T, H, D] -> [Hq, 3, D], float64
+        kk = kk.double().permute(1, 0, 2).repeat_interleave(group, 0)
+        vv = vv.double().permute(1, 0, 2).repeat_interleave(group, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q.permute(1, 0, 2), kk, vv)
+
+    got, want = attn(kh, vh), attn(k.float(), v.float())
+    scale = D**-0.5
+    bkq = bk.permute(1, 0, 2).repeat_interleave(group, 0)  # [Hq, T, D]
+    delta = (scale * torch.einsum("qhd,htd->hqt", q.abs(), bkq)).amax(-1)  # [Hq, 3]
+    vmax = v.double().abs().amax()
+    bound = (torch.exp(2 * delta) - 1) * vmax + bv.amax()
+    err = (got - want).abs().amax(-1)
+    assert (err <= bound + 1e-12).all(), (err.max(), bound.min())
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < {INT8: 0.02, FP8: 0.1, INT4: 0.3}[mode], rel
+
+
+# --- the allocator and the reader ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, d", [(INT8, 128), (FP8, 64), (INT4, 128)])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("alloc", ["packed", "interleaved", "separate"])
+def test_create_per_token_head_caches_strides(mode, d, layout, alloc):
+    nb, bs, h = 3, 16, 4
+    kc, vc, ks, vs = kvwrite.create_per_token_head_caches(nb, bs, h, d, mode, cache_layout=layout,
+                                                          kv_alloc=alloc, device="cpu")
+    pm = PerTokenHeadMode(mode)
+    dq = pm.quantized_size(d)
+    assert kc.shape == vc.shape == (nb, bs, h, dq) and ks.shape == vs.shape == (nb, bs, h)
+    assert kc.dtype == vc.dtype == (torch.int8 if mode == INT8 else torch.uint8)
+    assert ks.dtype == vs.dtype == torch.float32
+    hnd = layout == "HND"
+    if alloc == "packed":
+        r = 2 * (dq + 4)
+        want = (bs * h * r, r, bs * r, 1) if hnd else (bs * h * r, h * r, r, 1)
+        assert kc.stride() == vc.stride() == want
+        assert vc.data_ptr() - kc.data_ptr() == dq + 4
+        assert ks.data_ptr() - kc.data_ptr() == dq and vs.data_ptr() - kc.data_ptr() == 2 * dq + 4
+        assert ks.stride() == tuple(s // 4 for s in want[:3])
+        assert storage_bytes(kc).numel() == nb * bs * h * r
+    elif alloc == "interleaved":
+        r = dq + 4
+        want = (2 * bs * h * r, r, bs * r, 1) if hnd else (2 * bs * h * r, h * r, r, 1)
+        assert kc.stride() == vc.stride() == want
+        assert vc.data_ptr() - kc.data_ptr() == bs * h * r
+        assert ks.data_ptr() - kc.data_ptr() == dq and vs.data_ptr() - vc.data_ptr() == dq
+        assert storage_bytes(kc).numel() == 2 * nb * bs * h * r
+    else:
+        want = (bs * h * dq, dq, bs * dq, 1) if hnd else (bs * h * dq, h * dq, dq, 1)
+        assert kc.stride() == vc.stride() == want
+        assert ks.stride() == ((bs * h, 1, bs) if hnd else (bs * h, h, 1))
+        assert len({t.untyped_storage().data_ptr() for t in (kc, vc, ks, vs)}) == 4
+    # Data 0, scales 1.0, and nothing else in the allocations.
+    assert not kc.view(torch.uint8).any() and not vc.view(torch.uint8).any()
+    assert (ks == 1.0).all() and (vs == 1.0).all()
+    total = sum(storage_bytes(t).numel() for t in {t.untyped_storage().data_ptr(): t
+                                                   for t in (kc, vc, ks, vs)}.values())
+    assert total == 2 * nb * bs * h * (dq + 4)
+    # The caches take the op's writes.
+    x = torch.randn(5, h, d, dtype=torch.bfloat16)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(x, x, kc, vc, ks, vs,
+                                                         torch.arange(5) * 7, mode)
+    assert check_roundtrip(x, x, kc, vc, ks, vs, torch.arange(5) * 7, mode) is None
+
+
+@pytest.mark.parametrize("args, kwargs, text", [
+    ((2, 16, 4, 6, INT8), {}, "head_size: kv_alloc='packed' stores each float32 scale"),
+    ((2, 16, 4, 12, INT4), {"kv_alloc": "interleaved"}, "head_size: kv_alloc='interleaved'"),
+    ((2, 16, 4, 7, INT4), {"kv_alloc": "separate"}, "head_size: kv_quant_mode='int4_per_token_head' packs two"),
+    ((2, 16, 4, 64, INT8), {"kv_alloc": "fused"}, "kv_alloc: expected 'packed', 'interleaved' or 'separate'"),
+    ((2, 16, 4, 64, INT8), {"cache_layout": "NDH"}, "cache_layout: expected 'NHD' or 'HND'"),
+    ((2, 16, 4, 64, None), {}, "kv_quant_mode: expected one of"),
+    ((2, 16, 4, 64, "int8"), {}, "kv_quant_mode: expected one of"),
+    ((0, 16, 4, 64, INT8), {}, "num_blocks: expected a positive integer"),
+    ((2, 16, 4, 0, INT8), {}, "head_size: expected a positive integer"),
+])
+def test_create_per_token_head_caches_errors(args, kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        kvwrite.create_per_token_head_caches(*args, device="cpu", **kwargs)
+
+
+def test_create_separate_allows_any_head_size():
+    kc, _, ks, _ = kvwrite.create_per_token_head_caches(2, 4, 3, 6, INT8, kv_alloc="separate",
+                                                        device="cpu")
+    assert kc.shape == (2, 4, 3, 6) and ks.shape == (2, 4, 3)
+
+
+def test_dequantize_reads_the_documented_bytes():
+    """Hand-written rows: int8 codes times s, fp8 codes times s, int4 (q - zp) times s' with the
+    even element in the low nibble and zp in the scale's low bits."""
+    s = 0.37
+    slots = torch.tensor([5])
+    c8 = torch.zeros(1, 8, 1, 4, dtype=torch.int8)
+    c8[0, 5, 0] = torch.tensor([127, -128, 1, -1])
+    sc = torch.full((1, 8, 1), s)
+    got = kvwrite.dequantize_per_token_head(c8, sc, slots, INT8)
+    s32 = torch.tensor(s, dtype=torch.float32)
+    assert torch.equal(got[0, 0], torch.tensor([127.0, -128.0, 1.0, -1.0]) * s32)
+    cf = torch.zeros(1, 8, 1, 4, dtype=torch.uint8)
+    cf[0, 5, 0] = torch.tensor([0x7E, 0xF6, 0x38, 0x80], dtype=torch.uint8)  # 448, -224, 1, -0
+    got = kvwrite.dequantize_per_token_head(cf, sc, slots, FP8)
+    assert got[0, 0].tolist() == (torch.tensor([448.0, -224.0, 1.0, -0.0]) * s32).tolist()
+    c4 = torch.zeros(1, 8, 1, 2, dtype=torch.uint8)
+    c4[0, 5, 0] = torch.tensor([0x3A, 0x07], dtype=torch.uint8)  # q = 10, 3, 7, 0
+    bits = (s32.view(torch.int32) & -16) | 7
+    sc4 = bits.view(torch.float32).expand(1, 8, 1).clone()
+    got = kvwrite.dequantize_per_token_head(c4, sc4, slots, INT4)
+    sp = (s32.view(torch.int32) & -16).view(torch.float32)
+    assert torch.equal(got[0, 0], torch.tensor([3.0, -4.0, 0.0, -7.0]) * sp)
+    assert kvwrite.dequantize_per_token_head(c4, sc4, slots, INT4, head_size=2).shape == (1, 1, 2)
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0, 8]), INT8),
+     "slot_mapping: expected every slot in [0, 8)"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([-1]), INT8),
+     "slot_mapping: expected every slot in [0, 8)"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0.0]), INT8),
+     "slot_mapping: expected dtype int64 or int32"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0]), INT8, head_size=5),
+     "head_size: 5 needs 5 code bytes per row"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s, torch.tensor([0]), FP8),
+     "cache: kv_quant_mode='fp8_per_token_head' expects a cache of dtype"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c, s[:, :4], torch.tensor([0]), INT8),
+     "scale_cache: expected shape"),
+    (lambda c, s: kvwrite.dequantize_per_token_head(c.view(torch.uint8), s, torch.tensor([0]), None),
+     "kv_quant_mode: None infers the mode from cache.dtype"),
+])
+def test_dequantize_errors(call, text):
+    c = torch.zeros(1, 8, 1, 4, dtype=torch.int8)
+    s = torch.ones(1, 8, 1)
+    with pytest.raises(ValueError, match=re.escape(text)):
+        call(c, s)
+
+
+# --- CUDA: NVRTC compiles, launch plans and machine code (no GPU needed) -----------------------------
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+def _cuda_impl():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl
+    return cuda_impl
+
+
+def _plan(case: PthCase, tuning=None):
+    c = _cuda_impl()
+    inp = make_pth_inputs(case)
+    args = (inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
+    return c.plan(*args) if tuning is None else c.plan(*args, tuning)
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_cuda_variant_for_sm90():
+    c = _cuda_impl()
+    names = c.all_kernel_names()
+    obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
+    assert len(names) == 126 and len(set(names)) == 126 and len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_for_other_architectures():
+    """The software fp8 conversion (before sm_89) and a newer architecture."""
+    c = _cuda_impl()
+    names = [c.kernel_name(k, m, v, 1) for k in (0, 2) for m in (0, 1, 2) for v in (4, 1)]
+    for arch in ("sm_80", "sm_100"):
+        obj, _ = c.compile_kernel(arch, names)
+        assert len(bytes(obj.code)) > 0
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_specialized_builds():
+    c = _cuda_impl()
+    for case in (PthCase(kv_quant_mode=FP8, vllm_rows=True, layout="HND"),
+                 PthCase(kv_quant_mode=INT4, head_size=30, head_pad=1, alloc="separate"),
+                 PthCase(head_size=46, head_size_v=80, block_size=12, slot_dtype=torch.int32,
+                         dtype=torch.float32, alloc="separate")):
+        for tuning in (c.TUNING, c.CudaTuning(large_call_bytes=0)):
+            p = _plan(case, tuning)
+            obj, _ = c.compile_kernel("sm_90", p.name, fixed=p.fixed)
+            assert len(bytes(obj.code)) > 0
+    with pytest.raises(RuntimeError, match="24 values"):
+        c.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+@pytest.mark.parametrize("case, vec, cpl, lanes", [
+    (PthCase(head_size=128, alloc="separate"), 8, 1, 16),  # 16-byte loads, 8-byte stores
+    (PthCase(head_size=128, alloc="packed"), 4, 1, 32),  # V rows 4-byte aligned (Dq + 4)
+    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16),  # 4-byte codes
+    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32),
+    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16),
+    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16),
+    (PthCase(head_size=46, alloc="separate"), 2, 1, 32),
+    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16),
+    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32),
+    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1, 2),
+    (PthCase(head_size=512, alloc="separate"), 8, 2, 32),
+    (PthCase(head_size=1, alloc="separate"), 1, 1, 1),
+])
+def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes):
+    p = _plan(case)
+    assert (p.vec, p.cpl, p.lanes) == (vec, cpl, lanes), p
+    assert p.name == _cuda_impl().kernel_name(
+        {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[case.dtype],
+        MODES.index(case.kv_quant_mode), vec, cpl)
+    assert len(p.fixed) == _cuda_impl().NUM_FIXED
+
+
+def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
+    c = _cuda_impl()
+    large = c.CudaTuning(large_call_bytes=0)
+    p = _plan(PthCase(head_size=128, alloc="separate"), large)
+    assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
+    p = _plan(PthCase(head_size=128, alloc="packed"), large)
+    assert (p.vec, p.cpl, p.lanes) == (4, 8, 4)
+    p = _plan(PthCase(head_size=64, alloc="packed", kv_quant_mode=INT4), large)
+    assert (p.vec, p.cpl, p.lanes) == (8, 4, 2)
+    p = _plan(PthCase(head_size=256, alloc="separate", dtype=torch.float32), large)
+    assert (p.vec, p.cpl, p.lanes) == (4, 8, 8)
+    case = PthCase(head_size=128, alloc="separate")
+    inp = make_pth_inputs(case)
+    n = inp.slot_mapping.numel() * case.num_heads * 256 * 2
+    assert not c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
+                               c.CudaTuning(large_call_bytes=n))
+    assert c.is_large_call(inp.slot_mapping.numel(), inp.key, inp.value,
+                           c.CudaTuning(large_call_bytes=n - 1))
+    long = make_pth_inputs(PthCase(head_size=259, alloc="separate", num_tokens=1))  # 1-element chunks
+    reason = c.unsupported(long.key, long.value, long.key_cache, long.value_cache,
+                           PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+    assert reason and "chunks per lane" in reason
+    ok = make_pth_inputs(PthCase(head_size=512, alloc="separate", num_tokens=1))
+    assert c.unsupported(ok.key, ok.value, ok.key_cache, ok.value_cache,
+                         PerTokenHeadMode.INT8_PER_TOKEN_HEAD) is None
+
+
+def test_cuda_plans_every_gpu_case_it_does_not_refuse():
+    """Every case of the GPU matrix and the sanitize list gets a plan from the small-call and the
+    large-call tuning alike, unless unsupported() refuses it up front (as select() asks)."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    c = _cuda_impl()
+    refused = 0
+    for case in PTH_GPU_CASES + sanitize.CASES:
+        # A few tokens and blocks: the plan depends on the shapes and strides, not the sizes.
+        case = dataclasses.replace(case, num_tokens=min(case.num_tokens, 4), padding_slots=0,
+                                   out_of_range_slots=0, num_blocks=1, block_size=max(
+                                       case.block_size, 4), num_heads=min(case.num_heads, 4))
+        inp = make_pth_inputs(case)
+        reason = c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache, case.mode)
+        for tuning in (c.TUNING, c.CudaTuning(large_call_bytes=0)):
+            p = c.plan(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode, tuning)
+            assert isinstance(p, str) == (reason is not None), (case.id, p, reason)
+        refused += reason is not None
+    assert refused == 0
+
+
+def _sass_tools():
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    return sass_tools
+
+
+_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED")
+
+
+@needs_nvrtc
+def test_pdl_builds_wait_before_any_memory_access(tmp_path):
+    """sm_90: the PDL build of every mode and input kind waits (ACQBULK) and triggers (PREEXIT)
+    before its first global access; the plain build has neither."""
+    from kvwrite.kernels import nvrtc
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    names = [c.kernel_name(k, m, v, cpl) for k, m, v, cpl in
+             ((1, 0, 8, 1), (1, 1, 4, 2), (1, 2, 1, 8), (2, 0, 1, 1), (2, 1, 2, 4), (0, 2, 8, 2))]
+    pdl, _ = c.compile_kernel("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
+    assert len(funcs) == len(names)
+    for name, ops in funcs.items():
+        first = next(i for i, o in enumerate(ops) if o.startswith(_MEMORY_OPS))
+        assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+    plain, _ = c.compile_kernel("sm_90", names[:4])
+    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode", MODES)
+def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path, mode,
+                                                                         slot_dtype):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers and num_tokens
+    (0x210-0x24f), then the 24 fixed arguments (0x250-0x30f). The specialized build reads none
+    of them, the generic one does; and no build waits for a load (the slot's) before it has
+    issued the row's 16-byte loads (sass.waits_before_loads)."""
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    p = _plan(PthCase(kv_quant_mode=mode, head_size=128, alloc="separate", slot_dtype=slot_dtype))
+    assert p.vec == 8
+
+    def reads(fixed):
+        obj, _ = c.compile_kernel("sm_90", p.name, fixed=fixed)
+        text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+        return text, {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text)}
+
+    first, end = 0x250, 0x250 + 8 * c.NUM_FIXED
+    generic_text, generic = reads(None)
+    special_text, special = reads(p.fixed)
+    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
+    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    for text in (special_text, generic_text):
+        assert not sass_tools.late_issues(text, lambda t: ".128" in t.split()[0])
+
+
+def test_sanitize_cases_are_listed():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    found = sanitize.cases()
+    ids = [i for i, _ in found]
+    assert len(found) >= 6 and len(set(ids)) == len(ids)
+    assert all(callable(f) for _, f in found)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_torch_compile_sees_one_mutating_custom_op_cpu(impl):
+    _compile_case(impl, "cpu", INT4)
+
+
+# --- torch.compile, CUDA graphs and the GPU matrix ---------------------------------------------------
+
+def _compile_case(impl: str, device: str, mode: str):
+    """The op under torch.compile stays one custom op and writes the reference's bytes: with
+    separate caches passed in, and with a packed allocation passed in and its four views taken
+    inside the compiled function (aot_autograd refuses mutated graph inputs that are views of
+    one allocation with different dtypes, as the packed caches' codes and float32 scales are)."""
+    info = registry.get(OP, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    case = PthCase(kv_quant_mode=mode, num_tokens=9, padding_slots=2, fused_qkv=True,
+                   alloc="separate", head_size=32)
+    inp = make_pth_inputs(case, device)
+    if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                   case.mode)) is not None:
+        pytest.skip(reason)
+
+    def step(key, value, kc, vc, ks, vs, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, kc, vc, ks, vs, slots,
+                                                             mode, implementation=impl)
+
+    args = (inp.key, inp.value, *inp.caches, inp.slot_mapping)
+    assert compiled_targets(step, *args) == ["kvwrite.reshape_and_cache_flash_per_token_head_quant"]
+    inp = make_pth_inputs(case, device)
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(
+        inp.key, inp.value, *inp.caches, inp.slot_mapping)
+    assert_pth_caches_equal(clone_pth_caches(inp.caches, "cpu"), expected_caches(case),
+                            case.mode, _dq(case))
+
+    # A packed allocation, its views taken inside.
+    pm = PerTokenHeadMode(mode)
+    dq = pm.quantized_size(32)
+    row = dq + 4
+    raw = torch.randint(0, 256, (4, 16, 4, 2 * row), dtype=torch.uint8).to(device)
+    want = raw.clone()
+
+    def views(r):
+        f32 = r.view(torch.float32)
+        return (r[..., :dq].view(pm.storage_dtype), r[..., row:row + dq].view(pm.storage_dtype),
+                f32[..., dq // 4], f32[..., (row + dq) // 4])
+
+    def packed_step(key, value, r, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, *views(r), slots, mode,
+                                                             implementation=impl)
+
+    torch._dynamo.reset()
+    torch.compile(packed_step, fullgraph=True, backend="aot_eager")(
+        inp.key, inp.value, raw, inp.slot_mapping)
+    torch_ref.run(inp.key, inp.value, *views(want), inp.slot_mapping, pm)
+    assert_pth_caches_equal(views(raw), views(want), pm, (dq, dq))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_torch_compile(impl, mode):
+    _compile_case(impl, "cuda", mode)
+
+
+def _gpu_reference(case: PthCase, seed: int = 0):
+    """The case's inputs on the GPU and the torch reference's caches for them (on the GPU)."""
+    inp = make_pth_inputs(case, "cuda", seed)
+    want = clone_pth_caches(inp.caches)
+    if inp.slot_mapping.numel():
+        torch_ref.run(inp.key, inp.value, *want, inp.slot_mapping, case.mode)
+    return inp, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PTH_GPU_CASES[::9], ids=lambda c: c.id)
+def test_gpu_reference_matches_cpu_reference(case):
+    """The reference's arithmetic on the GPU (CUDA's division and casts) writes the CPU's bytes."""
+    inp, want = _gpu_reference(case)
+    cpu = make_pth_inputs(case)
+    torch_ref.run(cpu.key, cpu.value, *cpu.caches, cpu.slot_mapping, case.mode)
+    assert_pth_caches_equal(clone_pth_caches(want, "cpu"), cpu.caches, case.mode, _dq(case),
+                            "GPU reference vs CPU reference: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("case", PTH_GPU_CASES, ids=lambda c: c.id)
+def test_gpu_matches_reference(impl, case):
+    """The GPU matrix: every mode x input dtype x head size x layout and allocation (and the
+    cycled factors), Dk != Dv, odd and unaligned shapes, special values, large calls; the four
+    tensors' whole allocations byte for byte against the torch reference on the GPU."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    inp, want = _gpu_reference(case)
+    if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                   case.mode)) is not None:
+        pytest.skip(reason)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case), f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in PTH_CASES if c.special_values or c.vllm_rows
+                                  or c.mode_arg != "str" or c.via_allocator or c.dk != c.dv],
+                         ids=lambda c: c.id)
+def test_gpu_cpu_matrix_against_oracle(case):
+    """The CPU matrix's special cases (oracle-checked) on the GPU for the three implementations."""
+    for impl in IMPLS:
+        info = registry.get(OP, impl)
+        if info.available("cuda") is not None:
+            continue
+        inp = make_pth_inputs(case, "cuda")
+        if info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache, case.mode):
+            continue
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+        assert_pth_caches_equal(clone_pth_caches(inp.caches, "cpu"), expected_caches(case),
+                                case.mode, _dq(case), f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["generic", "large-call", "generic-large-call",
+                                     "threads-64"])
+@pytest.mark.parametrize("case", PTH_GPU_CASES[::8], ids=lambda c: c.id)
+def test_gpu_cuda_builds(case, variant):
+    """The cuda kernel's other builds over part of the matrix: generic (runtime arguments), the
+    large calls' plan (two chunks per lane) forced on small calls, both, and 64-thread CTAs."""
+    c = _cuda_impl()
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    tuning = c.CudaTuning(specialize="generic" not in variant,
+                          large_call_bytes=0 if "large" in variant else c.TUNING.large_call_bytes,
+                          threads=64 if variant == "threads-64" else c.TUNING.threads)
+    inp, want = _gpu_reference(case)
+    if (reason := c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
+                                case.mode)) is not None:
+        pytest.skip(reason)
+    if inp.slot_mapping.numel():
+        c.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode, tuning=tuning)
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case), f"cuda {variant}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_row_sweep(impl, mode, dtype):
+    """Every 16-bit input pattern (16-bit dtypes), random rows over many binades, tie rows and
+    the special rows, as key and value rows of one call, against the reference."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    x = _sweep_rows(dtype, 32, seed=MODES.index(mode)).cuda()
+    n = x.shape[0] // 4 * 4
+    key = x[:n].view(-1, 4, 32)
+    value = x[:n].flip(0).reshape(-1, 4, 32)
+    t = key.shape[0]
+    bs = 16
+    nb = -(-t // bs)
+    caches = kvwrite.create_per_token_head_caches(nb, bs, 4, 32, mode, kv_alloc="packed",
+                                                  device="cuda")
+    storage_bytes(caches[0]).copy_(torch.randint(0, 256, storage_bytes(caches[0]).shape,
+                                                 dtype=torch.uint8, device="cuda"))
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    want = clone_pth_caches(caches)
+    torch_ref.run(key, value, *want, slots, PerTokenHeadMode(mode))
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, *caches, slots, mode,
+                                                         implementation=impl)
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), (32 // (2 if mode == INT4 else 1),) * 2,
+                            f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_sees_new_inputs_and_slots(impl, mode):
+    """Capture once, then change key, value and the slots in place: the replay quantizes the new
+    rows into the new slots (and nothing else changes)."""
+    info = registry.get(OP, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    case = PthCase(kv_quant_mode=mode, num_tokens=40, num_heads=8, head_size=128,
+                   fused_qkv=True, padding_slots=3, out_of_range_slots=2, alloc="packed",
+                   vllm_rows=True, num_blocks=8, special_values=True)
+    first = make_pth_inputs(case, "cuda", seed=1)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
+    second = make_pth_inputs(case, "cuda", seed=2)
+    for dst, src in ((first.key, second.key), (first.value, second.value),
+                     (first.slot_mapping, second.slot_mapping)):
+        dst.copy_(src)
+    storage_bytes(first.key_cache).copy_(storage_bytes(second.key_cache))
+    want = clone_pth_caches(second.caches)
+    torch_ref.run(second.key, second.value, *want, second.slot_mapping, case.mode)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_pth_caches_equal(first.caches, want, case.mode, _dq(case), f"{impl} replay: ")
+    assert check_roundtrip(*first.args()) is None
+
+
+@pytest.mark.gpu
+def test_gpu_sanitize_cases_pass():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    failed = {i: msg for i, f in sanitize.cases() if (msg := f()) is not None}
+    assert not failed, failed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_roundtrip_of_every_implementation(mode):
+    """The benchmark's check (check_roundtrip) on each implementation's GPU write."""
+    for impl in IMPLS:
+        case = PthCase(kv_quant_mode=mode, num_tokens=512, num_heads=8, head_size=128,
+                       num_blocks=64, alloc="packed", vllm_rows=True)
+        inp = make_pth_inputs(case, "cuda")
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args(), implementation=impl)
+        assert check_roundtrip(*inp.args()) is None, impl
+        assert 0.5 < roundtrip_error(*inp.args()) <= 1.0
+
+
+def test_torch_compile_with_packed_views_as_inputs_refuses_or_is_right():
+    """Packed caches passed straight into a compiled function are mutated graph inputs that are
+    views of one allocation with different dtypes: PyTorch's aot_autograd refuses them (the docs
+    say to pass the allocation and take the views inside). Should a later PyTorch accept them,
+    the bytes must be right."""
+    caches = kvwrite.create_per_token_head_caches(4, 16, 2, 16, INT4, device="cpu")
+    key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([1, 5, -1, 9, 63])
+
+    def step(key, value, kc, vc, ks, vs, slots):
+        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, kc, vc, ks, vs, slots,
+                                                             INT4)
+
+    want = clone_pth_caches(caches)
+    step(key, value, *want, slots)
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(key, value, *caches, slots)
+    except Exception as e:  # the refusal
+        assert "views with different dtypes" in str(e), e
+        return
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(INT4), (8, 8))
+
+
+def test_triton_tiling_is_powers_of_two_within_the_tile():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    for h, dk, dv in ((8, 128, 128), (1, 64, 64), (32, 256, 256), (5, 13, 7), (4, 16, 48),
+                      (2, 1024, 1024), (128, 128, 128)):
+        bt, bh, warps = triton_impl.tiling(h, dk, dv)
+        for v in (bt, bh, warps):
+            assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
+        row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
+        assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= 4096 or bt == bh == 1)
+
+
+def test_roundtrip_reads_back_in_chunks(monkeypatch):
+    from kvwrite.testing import per_token_head as pth
+    case = PthCase(num_tokens=40, padding_slots=3, kv_quant_mode=INT4, num_blocks=4)
+    inp = make_pth_inputs(case)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(*inp.args())
+    whole = roundtrip_error(*inp.args())
+    monkeypatch.setattr(pth, "_ROUNDTRIP_CHUNK", 7)
+    assert roundtrip_error(*inp.args()) == whole and check_roundtrip(*inp.args()) is None
+    t = max(i for i, s in enumerate(inp.slot_mapping.tolist()) if s >= 0)
+    s = int(inp.slot_mapping[t])
+    inp.key_cache[s // 16, s % 16, 2, 0] ^= 0x33
+    assert f"first token {t}, head 2, element" in check_roundtrip(*inp.args())
+
+
+def test_sanitize_case_runner_compares_whole_allocations(monkeypatch):
+    """run_case's plumbing on the CPU: with the cuda kernel stood in for by the reference it
+    reports nothing, with a writer that skips a token it reports the difference."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl, sanitize
+    from kvwrite.testing import per_token_head as pth
+    real = pth.make_pth_inputs
+    monkeypatch.setattr(sanitize, "make_pth_inputs", lambda c, device: real(c, "cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = sanitize.CASES[0]
+    monkeypatch.setattr(cuda_impl, "run", lambda *a, **k: torch_ref.run(*a))
+    assert sanitize.run_case(case) is None
+    monkeypatch.setattr(cuda_impl, "run", lambda k, v, kc, vc, ks, vs, sl, m, **kw:
+                        torch_ref.run(k, v, kc, vc, ks, vs, sl[1:], m))
+    assert "bytes differ" in sanitize.run_case(case)
