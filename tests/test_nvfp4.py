@@ -732,11 +732,9 @@ def test_nvfp4_spellings_parse_only_where_written():
 def test_the_seed_benchmark_does_not_offer_nvfp4(capsys):
     """The seed benchmark's --kv-cache-dtype stays vLLM's list, and run_benchmark (vLLM's
     function) refuses the NVFP4 spellings: its per-element cases have no NVFP4 form."""
-    from kvwrite.bench.sweep import run_benchmark
-
-    from kvwrite.bench import cli
+    from kvwrite.bench import cli, run_benchmark
     with pytest.raises(SystemExit):
-        cli.parse_args(["--kv-cache-dtype", "nvfp4"])
+        cli.main(["--device", "cpu", "--kv-cache-dtype", "nvfp4"])
     assert "invalid choice: 'nvfp4'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         run_benchmark(2, 2, 64, 16, 8, torch.bfloat16, "nvfp4", "NHD", 1, "torch", "no_graph",

@@ -307,8 +307,9 @@ def _slots(case: Nvfp4Case, g: torch.Generator, device) -> torch.Tensor:
     t = case.num_tokens
     slots = torch.randperm(num_slots, generator=g)[:t]
     if slots.numel() < t:
-        slots = torch.cat([slots, torch.randint(0, num_slots, (t - slots.numel(),),
-                                                generator=g)])
+        # More tokens than slots: the rest go past the cache (skipped). Never a duplicate slot:
+        # which of two tokens with one slot wins is undefined, so no test may depend on it.
+        slots = torch.cat([slots, num_slots + torch.arange(t - slots.numel())])
     pos = torch.randperm(t, generator=g)
     npad = min(case.padding_slots, t)
     slots[pos[:npad]] = -1
