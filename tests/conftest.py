@@ -15,7 +15,13 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.reshape_and_cache_flash.triton_impl",
                     "kvwrite.ops.rotary_embedding.triton_impl",
                     "kvwrite.ops.fused_rope_and_reshape_cache_flash.triton_impl",
-                    "kvwrite.ops.concat_and_cache_mla.triton_impl"):
+                    "kvwrite.ops.concat_and_cache_mla.triton_impl",
+                    "kvwrite.kernels.triton_gather",
+                    "kvwrite.ops.gather_and_maybe_dequant_cache.triton_impl",
+                    "kvwrite.ops.cp_gather_cache.triton_impl",
+                    "kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache.triton_impl",
+                    "kvwrite.ops.gather_cache_flash.triton_impl",
+                    "kvwrite.ops.cp_gather_indexer_k_quant_cache.triton_impl"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()

@@ -2,10 +2,17 @@
 
 from . import (
     concat_and_cache_mla,
+    cp_gather_and_upconvert_fp8_kv_cache,
+    cp_gather_cache,
+    cp_gather_indexer_k_quant_cache,
     fused_rope_and_reshape_cache_flash,
+    gather_and_maybe_dequant_cache,
+    gather_cache_flash,
     reshape_and_cache_flash,
     rotary_embedding,
 )
 
 __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
-           "concat_and_cache_mla"]
+           "concat_and_cache_mla", "gather_and_maybe_dequant_cache", "cp_gather_cache",
+           "cp_gather_and_upconvert_fp8_kv_cache", "gather_cache_flash",
+           "cp_gather_indexer_k_quant_cache"]
