@@ -58,6 +58,13 @@ INDEXER = "cp_gather_indexer_k_quant_cache"
 OPS = (DEQUANT, CP, UPCONVERT, FLASH, INDEXER)
 IMPLS = {op: [i.name for i in registry.all_impls(op)] for op in OPS}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def impl_devices(op: str) -> list:
+    """(implementation, device) pairs: on the CPU Triton's interpreter (the torch one is the
+    reference, checked against the oracle), on the GPU every implementation."""
+    return [pytest.param(i, "cpu", id=f"{i}-cpu") for i in IMPLS[op] if i == "triton"] + [
+        pytest.param(i, "cuda", id=f"{i}-cuda", marks=pytest.mark.gpu) for i in IMPLS[op]]
 I32, I64 = torch.int32, torch.int64
 
 # --- the row rule's cases ------------------------------------------------------------------------
@@ -198,8 +205,7 @@ def _run(op: str, impl: str, device: str, inputs_of, args_of, case, caches_of):
     return inp
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS[DEQUANT])
+@pytest.mark.parametrize("impl, device", impl_devices(DEQUANT))
 @pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
 def test_dequant_implementations(impl, case, device):
     inp = _run(DEQUANT, impl, device, make_entry_inputs, lambda i, c: i.dequant_args(c), case,
@@ -243,8 +249,7 @@ def test_cp_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst, _cp_expected(case), "dst")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS[CP])
+@pytest.mark.parametrize("impl, device", impl_devices(CP))
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
 def test_cp_implementations(impl, case, device):
     inp = _run(CP, impl, device, make_entry_inputs, lambda i, c: i.cp_args(), case,
@@ -289,8 +294,7 @@ def test_upconvert_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst, _upconvert_expected(case), "dst", slice(0, 512))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS[UPCONVERT])
+@pytest.mark.parametrize("impl, device", impl_devices(UPCONVERT))
 @pytest.mark.parametrize("case", UPCONVERT_CASES, ids=lambda c: c.id)
 def test_upconvert_implementations(impl, case, device):
     inp = _run(UPCONVERT, impl, device, make_upconvert_inputs, lambda i, c: i.args(), case,
@@ -346,8 +350,7 @@ def test_flash_reference_matches_oracle(case):
     _flash_check(inp, case, "")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS[FLASH])
+@pytest.mark.parametrize("impl, device", impl_devices(FLASH))
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
 def test_flash_implementations(impl, case, device):
     inp = _run(FLASH, impl, device, make_flash_inputs, lambda i, c: i.args(c), case,
@@ -391,8 +394,7 @@ def test_indexer_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst_scale, want_s, "dst_scale")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS[INDEXER])
+@pytest.mark.parametrize("impl, device", impl_devices(INDEXER))
 @pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: c.id)
 def test_indexer_implementations(impl, case, device):
     inp = _run(INDEXER, impl, device, make_indexer_inputs, lambda i, c: i.args(), case,

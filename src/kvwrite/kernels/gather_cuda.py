@@ -19,14 +19,14 @@ from . import nvrtc
 __all__ = ["THREADS", "SMEM_ROWS", "CudaTuning", "TUNING", "row_fixed", "uses_smem",
            "rows_per_warp", "align", "EntryPlan", "entry_plan", "Launchable", "build", "launch",
            "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY", "OUT_KIND",
-           "ENTRY_FIXED", "ROW_FIXED", "signature"]
+           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name"]
 
 # kvw/gather.cuh's KVW_GATHER_THREADS and KVW_GATHER_SMEM_ROWS.
 THREADS = 128
 WARPS = THREADS // 32
 SMEM_ROWS = 2048
 ROW_FIXED = 9     # KVW_GATHER_ROW_FIXED
-ENTRY_FIXED = 19  # KVW_ENTRY_FIXED
+ENTRY_FIXED = 20  # KVW_ENTRY_FIXED
 
 # Element kinds, as DT_* in kvw/common.cuh.
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
@@ -105,28 +105,35 @@ def align(values) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EntryPlan:
-    """A call of the entry kernel (kvw/gather_entry.cuh): its variant and its 19 entry arguments."""
+    """A call of the entry kernel (kvw/gather_entry.cuh): its variant and its 20 entry arguments."""
 
-    conv: int   # DT_COPY, DT_E4M3 or DT_E5M2
+    conv: int   # DT_COPY, or DT_E4M3 for fp8 codes (either format: a fixed argument says which)
     out: int    # DT_F16/DT_BF16/DT_F32 (dequantization), 0 for copies
     vb: int     # input bytes per chunk
+    ndim: int   # outer dims decomposed
     fixed: tuple[int, ...]
 
     def name(self, kernel: str) -> str:
-        return f"{kernel}<{self.conv}, {self.out}, {self.vb}>"
+        return entry_kernel_name(kernel, self.conv, self.out, self.vb, self.ndim)
+
+
+def entry_kernel_name(kernel: str, conv: int, out: int, vb: int, ndim: int) -> str:
+    """The name expression of an entry-kernel variant."""
+    return f"{kernel}<{conv}, {out}, {vb}, {ndim}>"
 
 
 def entry_plan(*, conv: int, out_dtype: torch.dtype | None, in_es: int, run: int,
                outer: list[tuple[int, int, int, int]], cache_strides: tuple[int, int],
                dst_row_strides: tuple[int, int], num_tensors: int, per_head: int,
                src_align: int, dst_align: int) -> EntryPlan:
-    """The entry kernel's plan. ``run``: elements of the inner run (contiguous in cache and
+    """The entry kernel's plan (``conv``: DT_COPY, DT_E4M3 or DT_E5M2). ``run``: elements of the inner run (contiguous in cache and
     output); ``outer``: up to 3 outer dims ``(n, src_stride, dst0_stride, dst1_stride)`` in bytes,
     innermost first; ``cache_strides``: (block, offset) in bytes; ``per_head``: bit k set where
     tensor k's scale is per head (indexed by outer dim 0); ``src_align``/``dst_align``: the
     alignment of every entry and row start (pointers and strides)."""
     if len(outer) > 3:
         raise ValueError(f"at most 3 outer entry dims, got {len(outer)}")
+    ndim = len(outer)
     outer = list(outer) + [(1, 0, 0, 0)] * (3 - len(outer))
     if conv == DT_COPY:
         run_bytes = run * in_es
@@ -148,8 +155,8 @@ def entry_plan(*, conv: int, out_dtype: torch.dtype | None, in_es: int, run: int
     fixed = (cache_strides[0], cache_strides[1], dst_row_strides[0], dst_row_strides[1],
              run_chunks, n[0], n[1], outer[0][1], outer[1][1], outer[2][1],
              outer[0][2], outer[1][2], outer[2][2], outer[0][3], outer[1][3], outer[2][3],
-             tensor_chunks, num_tensors, per_head)
-    return EntryPlan(conv, out, vb, fixed)
+             tensor_chunks, num_tensors, per_head, int(conv == DT_E5M2))
+    return EntryPlan(DT_E4M3 if conv == DT_E5M2 else conv, out, vb, ndim, fixed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ __all__ = ["Seqs", "Requests", "make_requests", "mixed_seqs", "EntryCase", "Entr
            "make_entry_inputs", "FlashCase", "FlashInputs", "make_flash_inputs", "UpconvertCase",
            "UpconvertInputs", "make_upconvert_inputs", "IndexerCase", "IndexerInputs",
            "make_indexer_inputs", "random_bytes", "clone_tensor", "clone_tensors", "element_region",
-           "assert_outputs_equal", "SPECIAL_SCALES", "indexer_cache"]
+           "assert_outputs_equal", "SPECIAL_SCALES", "indexer_cache", "cuda_against_reference",
+           "big_batch", "SANITIZE_SEQS"]
 
 # Scales that every fp8 read must follow: zero, negative zero, negative, subnormal, tiny normal,
 # huge, infinite and NaN (besides ordinary ones).
@@ -633,3 +634,52 @@ def _locate(t: torch.Tensor, byte: int) -> str:
     if rem != 0:
         return " (outside the output's elements)"
     return f" (element {[i for _, i in sorted(idx)]} of the output)"
+
+
+# --- sanitize cases -------------------------------------------------------------------------------
+
+def cuda_against_reference(op: str, build, args_of, outs_of, nan=False) -> str | None:
+    """Run the cuda implementation of ``op`` on the GPU and the torch one on the CPU over the same
+    inputs (``build(device)``; ``args_of(inputs)``, ``outs_of(inputs)``: the call's arguments and
+    outputs); None when every output allocation is byte-equal (NaN-aware as
+    :func:`assert_outputs_equal`'s ``nan_cols``), else what differs. For the sanitize cases of each
+    gather (``ops/<op>/sanitize.py``)."""
+    from .. import ops
+    fn = getattr(getattr(ops, op), op)
+    gpu, cpu = build("cuda"), build("cpu")
+    fn(*args_of(gpu), implementation="cuda")
+    fn(*args_of(cpu), implementation="torch")
+    torch.cuda.synchronize()
+    try:
+        for got, want in zip(outs_of(gpu), outs_of(cpu), strict=True):
+            assert_outputs_equal(got, want, op, nan)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def big_batch(num_req: int, seed: int = 5, **fields) -> Seqs:
+    """``num_req`` requests of 0-3 rows with context offsets from -2 (negative positions) to 40:
+    past the shared memory's starts when ``num_req >= 2048``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = tuple(torch.randint(0, 4, (num_req,), generator=gen).tolist())
+    starts = tuple(torch.randint(-2, 40, (num_req,), generator=gen).tolist())
+    fields.setdefault("num_blocks", 200)
+    return Seqs(lens=lens, starts=starts, **fields)
+
+
+# The row rule's bounds, for every op's sanitize cases: negative and past-the-table positions,
+# block ids past both ends, rows no request owns (before, between and after), T_out below the
+# total, a block size that is not a power of two, strided int64 index tensors, more rows than one
+# wave of CTAs, and batches past the shared memory's starts.
+SANITIZE_SEQS = {
+    "bounds": Seqs(lens=(9, 0, 40, 3, 17), starts=(-5, 3, 30, 200, 0), max_blocks=3,
+                   bad_blocks=(-1, 12, 1 << 40, -(1 << 40)), num_blocks=12, rows_past=7,
+                   bt_dtype=torch.int64),
+    "gaps": Seqs(lens=(4, -14, 4), first=10, rows_past=3, block_size=7, num_blocks=5,
+                 cu_dtype=torch.int64, strided=True),
+    "short": Seqs(lens=(30, 30), rows_past=-25, block_size=5, num_blocks=13),
+    "wave": mixed_seqs(long=(30000, 12000), short=300, max_short=12, num_blocks=3000,
+                       bad_blocks=(-1, 3000)),
+    "big-batch": big_batch(3000, bad_blocks=(-1, 200), rows_past=5),
+}

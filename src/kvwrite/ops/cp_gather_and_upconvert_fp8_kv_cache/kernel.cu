@@ -50,7 +50,7 @@ struct UpconvertOp {
       Raw<8> codes;
       codes.w[0] = c.raw.w[0];
       codes.w[1] = c.raw.w[1];
-      gather_store<16, ALIGN>(p, fp8_dequant_chunk<DT_E4M3, OUT, 8>(codes, c.s));
+      gather_store<16, ALIGN>(p, fp8_dequant_chunk<OUT, 8>(codes, c.s, false));
     } else {
       gather_store<16, ALIGN>(p, c.raw);
     }
@@ -62,7 +62,7 @@ struct UpconvertOp {
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_UPCONVERT_FIXED_PROLOGUE()                  \
   {                                                     \
-    KVW_FIXED_ARGS_ARRAY(KVW_GATHER_ROW_FIXED + 3);     \
+    KVW_FIXED_ARGS_ARRAY(12); /* row rule 9 + 3 */    \
     KVW_GATHER_ROW_ASSIGN()                             \
     cache_block_stride = fixed[KVW_GATHER_ROW_FIXED];   \
     cache_page_stride = fixed[KVW_GATHER_ROW_FIXED + 1]; \
@@ -74,11 +74,11 @@ struct UpconvertOp {
 
 template <int OUT, int ALIGN>
 __global__ void __launch_bounds__(KVW_GATHER_THREADS) cp_gather_and_upconvert_fp8_kv_cache_kernel(
-    const u8* __restrict__ src,          // [num_blocks, block_size, 656] via strides (bytes)
-    u8* __restrict__ dst,                // [T_out, 576] 16-bit, row stride dst_row_stride (bytes)
-    const u8* __restrict__ starts,       // workspace_starts [>= B]
-    const u8* __restrict__ seq_starts,   // [>= B] or null
-    const u8* __restrict__ block_table,  // [>= B, max_blocks]
+    const u8* src,          // [num_blocks, block_size, 656] via strides (bytes)
+    u8* dst,                // [T_out, 576] 16-bit, row stride dst_row_stride (bytes)
+    const u8* starts,       // workspace_starts [>= B]
+    const u8* seq_starts,   // [>= B] or null
+    const u8* block_table,  // [>= B, max_blocks]
     i64 t_out, i64 num_req, i64 smem_rows, i64 rpw, KVW_GATHER_ROW_PARAMS,
     i64 cache_block_stride, i64 cache_page_stride, i64 dst_row_stride) {
   KVW_PDL_ENTRY();

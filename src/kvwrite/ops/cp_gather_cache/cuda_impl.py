@@ -17,7 +17,7 @@ import torch
 
 from ...gather import entry_dims
 from ...kernels import gather_cuda, nvrtc
-from ...kernels.gather_cuda import DT_COPY, TUNING, CudaTuning
+from ...kernels.gather_cuda import DT_COPY, TUNING, CudaTuning, entry_kernel_name
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
            "all_kernel_names", "compile_kernel", "geometry"]
@@ -45,13 +45,14 @@ def unsupported(src_cache, dst) -> str | None:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    return [f"{KERNEL}<{DT_COPY}, 0, {vb}>" for vb in (16, 8, 4, 2, 1)]
+    return [entry_kernel_name(KERNEL, DT_COPY, 0, vb, nd) for nd in range(4)
+            for vb in (16, 8, 4, 2, 1)]
 
 
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    28 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
     return SOURCE.compile(arch, names, source=source,
                           macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
                           ptxas_verbose=ptxas_verbose)

@@ -1,11 +1,11 @@
 """The CUDA implementation of cp_gather_indexer_k_quant_cache: ``kernel.cu`` compiled at run time
 with NVRTC, launched on PyTorch's current stream through :mod:`kvwrite.kernels.gather_cuda`.
 
-Variants (template arguments): VK and VS, the bytes per chunk of the codes and of the scales (the
-widest power of two up to 16 that divides the part and every page, row and output start; one
-element where an output's last stride is not 1), and AS, the alignment of the scales' reads. By
-default each call signature gets its own build with its fixed arguments compiled in
-(``CudaTuning.specialize``).
+Variants (template arguments): VK and VS, the bytes per chunk of the codes and of the scales: the
+widest power of two (16 at most for the codes, 4 for the scales) that divides the part and every
+page, row and output start; one byte for dst_k with a non-unit last stride, at most one element
+of dst_scale's where its last stride is not 1. By default each call signature gets its own build
+with its fixed arguments compiled in (``CudaTuning.specialize``).
 
 Graph-safe: a call does no allocation and no host sync; index tensors are read on the device.
 """
@@ -23,6 +23,7 @@ __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_cp_gather_indexer_k_quant_cache")
 KERNEL = "cp_gather_indexer_k_quant_cache_kernel"
 _WIDTHS = (16, 8, 4, 2, 1)
+_SCALE_WIDTHS = (4, 2, 1)
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
@@ -32,20 +33,15 @@ def unsupported(kv_cache, dst_k, dst_scale) -> str | None:
     return None
 
 
-def _scale_variants() -> list[tuple[int, int]]:
-    """(VS, AS) pairs: aligned chunks, and float32 elements read from unaligned pages."""
-    return [(v, v) for v in _WIDTHS] + [(4, 2), (4, 1)]
-
-
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    return [f"{KERNEL}<{vk}, {vs}, {a}>" for vk in _WIDTHS for vs, a in _scale_variants()]
+    return [f"{KERNEL}<{vk}, {vs}>" for vk in _WIDTHS for vs in _SCALE_WIDTHS]
 
 
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    19 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    20 trailing arguments compiled in. Returns ``(object_code, log)``."""
     return SOURCE.compile(arch, names, source=source,
                           macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
                           ptxas_verbose=ptxas_verbose)
@@ -67,20 +63,17 @@ def plan(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
         kcs = vk
     else:
         vk, kcs = 1, dst_k.stride(1)
-    # Scales: page + bs * D + o * 4G + k * VS.
+    # Scales: page + bs * D + o * 4G + k * VS, into elements of `unit` bytes `sus` apart.
     unit = dst_scale.element_size()
-    src_align = gather_cuda.align([base, cbs, block_size * head_dim, scale_bytes])
     srs = dst_scale.stride(0) * unit if rows else 0
-    if dst_scale.shape[1] == 1 or dst_scale.stride(1) == 1:
-        vs = gather_cuda.align([src_align, dst_scale.data_ptr(), srs])
-        scs, a = vs, vs
-    else:
-        vs, scs = unit, dst_scale.stride(1) * unit
-        a = min(vs, src_align)
+    contiguous = dst_scale.shape[1] == 1 or dst_scale.stride(1) == 1
+    sus = unit if contiguous else dst_scale.stride(1) * unit
+    vs = min(4 if contiguous else unit, gather_cuda.align(
+        [base, cbs, block_size * head_dim, scale_bytes, dst_scale.data_ptr(), srs, sus]))
     fixed = gather_cuda.row_fixed(cu_seq_lens, None, block_table, block_size, num_blocks) + (
-        cbs, head_dim, scale_bytes, block_size * head_dim, krs, kcs, srs, scs,
-        head_dim // vk, scale_bytes // vs)
-    return f"{KERNEL}<{vk}, {vs}, {a}>", fixed
+        cbs, head_dim, scale_bytes, block_size * head_dim, krs, kcs, srs, unit.bit_length() - 1,
+        sus, head_dim // vk, scale_bytes // vs)
+    return f"{KERNEL}<{vk}, {vs}>", fixed
 
 
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}

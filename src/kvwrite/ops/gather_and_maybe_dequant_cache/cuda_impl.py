@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from ...kernels import gather_cuda, nvrtc
-from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
+from ...kernels.gather_cuda import (
+    DT_COPY,
+    DT_E4M3,
+    DT_E5M2,
+    TUNING,
+    CudaTuning,
+    entry_kernel_name,
+)
 from ..concat_and_cache_mla.op import MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
@@ -25,6 +32,7 @@ __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_gather_and_maybe_dequant_cache")
 KERNEL = "gather_and_maybe_dequant_cache_kernel"
+NDIM = 0  # the entry is one run: no outer dims
 _CONV = {MlaMode.AUTO: DT_COPY, MlaMode.FP8_E4M3: DT_E4M3, MlaMode.FP8_E5M2: DT_E5M2}
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -38,17 +46,16 @@ def unsupported(src_cache, dst, mode) -> str | None:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    names = [f"{KERNEL}<{DT_COPY}, 0, {vb}>" for vb in (16, 8, 4, 2, 1)]
-    for conv in (DT_E4M3, DT_E5M2):
-        for out in (0, 1, 2):
-            names += [f"{KERNEL}<{conv}, {out}, {vb}>" for vb in (8, 4, 2, 1)]
+    names = [entry_kernel_name(KERNEL, DT_COPY, 0, vb, NDIM) for vb in (16, 8, 4, 2, 1)]
+    for out in (0, 1, 2):  # fp8 (e4m3 or e5m2: a fixed argument)
+        names += [entry_kernel_name(KERNEL, DT_E4M3, out, vb, NDIM) for vb in (8, 4, 2, 1)]
     return names
 
 
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    28 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
     return SOURCE.compile(arch, names, source=source,
                           macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
                           ptxas_verbose=ptxas_verbose)

@@ -18,13 +18,21 @@ import torch
 
 from ...dtypes import CacheDType
 from ...kernels import gather_cuda, nvrtc
-from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
+from ...kernels.gather_cuda import (
+    DT_COPY,
+    DT_E4M3,
+    DT_E5M2,
+    TUNING,
+    CudaTuning,
+    entry_kernel_name,
+)
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
            "all_kernel_names", "compile_kernel"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_gather_cache_flash")
 KERNEL = "gather_cache_flash_kernel"
+NDIM = 1  # outer dim 0: the heads (one of them where H == 1)
 _CONV = {CacheDType.FP8_E4M3: DT_E4M3, CacheDType.FP8_E5M2: DT_E5M2}
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -37,17 +45,16 @@ def unsupported(key_cache, key_out, cache_dtype) -> str | None:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    names = [f"{KERNEL}<{DT_COPY}, 0, {vb}>" for vb in (16, 8, 4, 2, 1)]
-    for conv in (DT_E4M3, DT_E5M2):
-        for out in (0, 1, 2):
-            names += [f"{KERNEL}<{conv}, {out}, {vb}>" for vb in (8, 4, 2, 1)]
+    names = [entry_kernel_name(KERNEL, DT_COPY, 0, vb, NDIM) for vb in (16, 8, 4, 2, 1)]
+    for out in (0, 1, 2):  # fp8 (e4m3 or e5m2: a fixed argument)
+        names += [entry_kernel_name(KERNEL, DT_E4M3, out, vb, NDIM) for vb in (8, 4, 2, 1)]
     return names
 
 
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    28 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
     return SOURCE.compile(arch, names, source=source,
                           macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
                           ptxas_verbose=ptxas_verbose)
@@ -62,7 +69,7 @@ def plan(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tens
     ies, oes = key_cache.element_size(), key_out.element_size()
     cs = (key_cache.stride(0) * ies if num_blocks > 1 else 0,
           key_cache.stride(1) * ies if block_size > 1 else 0)
-    outer = []
+    outer = [(1, 0, 0, 0)]
     if num_heads > 1:
         outer = [(num_heads, key_cache.stride(2) * ies, key_out.stride(1) * oes,
                   value_out.stride(1) * oes)]

@@ -39,3 +39,9 @@ template <int FMT>
 KVW_HD float fp8_dequant(u32 c, float s) {
   return mul_rn(fp8_decode<FMT>(c), s);
 }
+
+// D(c, s) with the format chosen by `e5m2` (a compile-time constant in a specialized build, where
+// this folds to one of the two; generic builds decode both and pick).
+KVW_HD float fp8_dequant_any(u32 c, float s, bool e5m2) {
+  return mul_rn(e5m2 ? fp8_decode<DT_E5M2>(c) : fp8_decode<DT_E4M3>(c), s);
+}

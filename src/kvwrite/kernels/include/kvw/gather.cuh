@@ -22,6 +22,9 @@
 //      warp's rows, so every lane works whatever the row length), UNROLL chunks' loads in flight
 //      per lane before their stores; a chunk's block id and offset come from the owning lane by
 //      shuffles.
+// The kernels' pointer parameters carry no __restrict__: ptxas moved read-only loads
+// (LDG.CONSTANT: a per-tensor fp8 scale) above the PDL wait (KVW_PDL_ENTRY); plain loads keep
+// their place after it (tests/test_gather_cuda.py checks the SASS).
 #pragma once
 #include "kvw/common.cuh"
 #include "kvw/fp8_read.cuh"
@@ -210,42 +213,58 @@ __device__ __forceinline__ void gather_warp_chunks(const Op& op, i64 t_first, in
   }
 }
 
-// A whole gather CTA: the rule for its rows, then the op over them. Every kernel calls it after
-// KVW_PDL_ENTRY and its fixed-argument prologue; rpw rows per warp.
-template <int UNROLL, typename Op>
-__device__ __forceinline__ void gather_cta(const GatherRowArgs& g, i64 rpw, const Op& op) {
+// The rule for a CTA's rows (phases 1 and 2): the lane's row (t_first + lane) and, for the warp,
+// its first row and row count (0: no row, the warp returns). A generic build (no
+// KVWRITE_FIXED_ARGS) keeps it one non-inlined function, compiled once per module whatever the
+// kernel variants around it (one NVRTC program of every variant compiles it once); a
+// specialized build inlines it, so its fixed arguments fold into it. KVW_GATHER_OUTLINED does the
+// same for the fp8 conversion of a chunk (once per kernel rather than once per unrolled chunk).
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_GATHER_OUTLINED __device__ __forceinline__
+#else
+#define KVW_GATHER_OUTLINED __device__ __noinline__
+#endif
+KVW_GATHER_OUTLINED GatherRow gather_rule(const GatherRowArgs& g, i64 rpw, i64& t_first,
+                                         int& rows) {
   extern __shared__ i64 kvw_gather_smem[];
   i64* s_a = kvw_gather_smem;
   i64* s_s = kvw_gather_smem + g.smem_rows;
   const bool monotone = gather_load_starts(g, s_a, s_s);
   const u32 lane = threadIdx.x & 31u;
   const i64 warp = static_cast<i64>(blockIdx.x) * (KVW_GATHER_THREADS / 32) + (threadIdx.x >> 5);
-  const i64 t_first = warp * rpw;
-  if (t_first >= g.t_out) return;
-  const int rows = static_cast<int>(g.t_out - t_first < rpw ? g.t_out - t_first : rpw);
+  t_first = warp * rpw;
+  rows = 0;
   GatherRow row{-1, 0u};
+  if (t_first >= g.t_out) return row;
+  rows = static_cast<int>(g.t_out - t_first < rpw ? g.t_out - t_first : rpw);
   if (static_cast<int>(lane) < rows) {
     const i64 t = t_first + lane;
-    const int nr = static_cast<int>(g.num_req);
-    const bool has_ss = g.flags & KVW_GATHER_HAS_SS;
-    int r;
+    const bool smem = g.smem_rows != 0;
+    // One accessor for both homes of the starts (a uniform branch per access): shared memory
+    // when they fit, global memory otherwise (no order known there).
+    const auto a = [&](int i) { return smem ? s_a[i] : gather_start_global(g, i); };
+    const int r = gather_owner(t, static_cast<int>(g.num_req), monotone, a);
     i64 a_r = 0, s_r = 0;
-    if (g.smem_rows != 0) {
-      r = gather_owner(t, nr, monotone, [&](int i) { return s_a[i]; });
-      if (r >= 0) {
-        a_r = s_a[r];
-        if (has_ss) s_r = s_s[r];
-      }
-    } else {
-      r = gather_owner(t, nr, false, [&](int i) { return gather_start_global(g, i); });
-      if (r >= 0) {
-        a_r = gather_start_global(g, r);
-        if (has_ss)
-          s_r = gather_index(g.seq_starts, r * g.ss_stride, g.flags & KVW_GATHER_SS64);
+    if (r >= 0) {
+      a_r = a(r);
+      if (g.flags & KVW_GATHER_HAS_SS) {
+        s_r = smem ? s_s[r]
+                   : gather_index(g.seq_starts, r * g.ss_stride, g.flags & KVW_GATHER_SS64);
       }
     }
     row = gather_locate(g, t, r, a_r, s_r);
   }
+  return row;
+}
+
+// A whole gather CTA: the rule for its rows, then the op over them. Every kernel calls it after
+// KVW_PDL_ENTRY and its fixed-argument prologue; rpw rows per warp.
+template <int UNROLL, typename Op>
+__device__ __forceinline__ void gather_cta(const GatherRowArgs& g, i64 rpw, const Op& op) {
+  i64 t_first;
+  int rows;
+  const GatherRow row = gather_rule(g, rpw, t_first, rows);
+  if (rows == 0) return;
   gather_warp_chunks<UNROLL>(op, t_first, rows, row);
 }
 
@@ -296,16 +315,17 @@ KVW_HD void gather_store(u8* p, const Raw<N>& r) {
 }
 
 // N fp8 codes (byte i of `codes`) -> N elements of OUT (DT_F16, DT_BF16, DT_F32) by the read rule
-// with the one scale s.
-template <int FMT, int OUT, int N>
-KVW_HD Raw<N * elem_bytes(OUT)> fp8_dequant_chunk(const Raw<N>& codes, float s) {
+// with the one scale s; e4m3 codes, or e5m2 where `e5m2`.
+template <int OUT, int N>
+KVW_GATHER_OUTLINED Raw<N * elem_bytes(OUT)> fp8_dequant_chunk(const Raw<N>& codes, float s,
+                                                               bool e5m2) {
   Raw<N * elem_bytes(OUT)> out;
 #pragma unroll
   for (int j = 0; j < (N * elem_bytes(OUT) >= 4 ? N * elem_bytes(OUT) / 4 : 1); ++j) out.w[j] = 0;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     const u32 c = (codes.w[i >> 2] >> (8 * (i & 3))) & 0xFFu;
-    const float y = fp8_dequant<FMT>(c, s);
+    const float y = fp8_dequant_any(c, s, e5m2);
     if constexpr (OUT == DT_F32) {
       out.w[i] = f32_bits(y);
     } else {
