@@ -60,11 +60,14 @@ IMPLS = {op: [i.name for i in registry.all_impls(op)] for op in OPS}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def impl_devices(op: str) -> list:
-    """(implementation, device) pairs: on the CPU Triton's interpreter (the torch one is the
-    reference, checked against the oracle), on the GPU every implementation."""
-    return [pytest.param(i, "cpu", id=f"{i}-cpu") for i in IMPLS[op] if i == "triton"] + [
-        pytest.param(i, "cuda", id=f"{i}-cuda", marks=pytest.mark.gpu) for i in IMPLS[op]]
+def impl_device_cases(op: str, cases: list, cpu_step: int = 1) -> list:
+    """(implementation, device, case) triples: on the CPU Triton's interpreter over every
+    ``cpu_step``-th case (it is slow; the torch implementation is the reference, checked against
+    the oracle on every case), on the GPU every implementation over every case."""
+    out = [pytest.param(i, "cpu", c, id=f"{c.id}-{i}-cpu") for i in IMPLS[op] if i == "triton"
+           for c in cases[::cpu_step]]
+    return out + [pytest.param(i, "cuda", c, id=f"{c.id}-{i}-cuda", marks=pytest.mark.gpu)
+                  for i in IMPLS[op] for c in cases]
 I32, I64 = torch.int32, torch.int64
 
 # --- the row rule's cases ------------------------------------------------------------------------
@@ -205,8 +208,7 @@ def _run(op: str, impl: str, device: str, inputs_of, args_of, case, caches_of):
     return inp
 
 
-@pytest.mark.parametrize("impl, device", impl_devices(DEQUANT))
-@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(DEQUANT, DEQUANT_CASES, 2))
 def test_dequant_implementations(impl, case, device):
     inp = _run(DEQUANT, impl, device, make_entry_inputs, lambda i, c: i.dequant_args(c), case,
                lambda i: (i.src_cache,))
@@ -249,8 +251,7 @@ def test_cp_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst, _cp_expected(case), "dst")
 
 
-@pytest.mark.parametrize("impl, device", impl_devices(CP))
-@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(CP, CP_CASES, 2))
 def test_cp_implementations(impl, case, device):
     inp = _run(CP, impl, device, make_entry_inputs, lambda i, c: i.cp_args(), case,
                lambda i: (i.src_cache,))
@@ -294,8 +295,7 @@ def test_upconvert_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst, _upconvert_expected(case), "dst", slice(0, 512))
 
 
-@pytest.mark.parametrize("impl, device", impl_devices(UPCONVERT))
-@pytest.mark.parametrize("case", UPCONVERT_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(UPCONVERT, UPCONVERT_CASES))
 def test_upconvert_implementations(impl, case, device):
     inp = _run(UPCONVERT, impl, device, make_upconvert_inputs, lambda i, c: i.args(), case,
                lambda i: (i.src_cache,))
@@ -350,8 +350,7 @@ def test_flash_reference_matches_oracle(case):
     _flash_check(inp, case, "")
 
 
-@pytest.mark.parametrize("impl, device", impl_devices(FLASH))
-@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(FLASH, FLASH_CASES))
 def test_flash_implementations(impl, case, device):
     inp = _run(FLASH, impl, device, make_flash_inputs, lambda i, c: i.args(c), case,
                lambda i: (i.key_cache, i.value_cache))
@@ -394,8 +393,7 @@ def test_indexer_reference_matches_oracle(case):
     assert_outputs_equal(inp.dst_scale, want_s, "dst_scale")
 
 
-@pytest.mark.parametrize("impl, device", impl_devices(INDEXER))
-@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(INDEXER, INDEXER_CASES))
 def test_indexer_implementations(impl, case, device):
     inp = _run(INDEXER, impl, device, make_indexer_inputs, lambda i, c: i.args(), case,
                lambda i: (i.kv_cache,))

@@ -31,6 +31,7 @@ from kvwrite.testing.gather import (
     Seqs,
     UpconvertCase,
     assert_outputs_equal,
+    big_batch,
     clone_tensors,
     make_entry_inputs,
     make_flash_inputs,
@@ -364,16 +365,6 @@ def test_gpu_cuda_builds_and_paths(op, tuning):
             assert_outputs_equal(got, want, f"{case_id} ({tuning})", nan)
 
 
-def _big_batch(num_req: int, device: str):
-    """A batch past the shared memory's starts: num_req requests of 0-3 rows, some empty, random
-    context offsets."""
-    gen = torch.Generator().manual_seed(5)
-    lens = tuple(torch.randint(0, 4, (num_req,), generator=gen).tolist())
-    starts = tuple(torch.randint(-2, 40, (num_req,), generator=gen).tolist())
-    return Seqs(lens=lens, starts=starts, rows_past=9, num_blocks=200, bad_blocks=(-1, 200),
-                cu_dtype=torch.int64)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_req", [2047, 2048, 5000])
 @pytest.mark.parametrize("decreasing", [False, True], ids=["monotone", "decreasing"])
@@ -383,7 +374,7 @@ def test_gpu_batches_either_side_of_the_shared_memory(num_req, decreasing):
     back: no request owns a row twice), which takes the scan where the search misses."""
     for op in ("gather_and_maybe_dequant_cache", "gather_cache_flash"):
         _gpu(op)
-    seqs = _big_batch(num_req, "cuda")
+    seqs = big_batch(num_req, rows_past=9, bad_blocks=(-1, 200), cu_dtype=torch.int64)
     if decreasing:
         lens = list(seqs.lens)
         head = sum(lens[:100])

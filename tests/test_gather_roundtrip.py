@@ -107,12 +107,15 @@ FLASH_FORMATS = [("auto", torch.bfloat16, False), ("auto", torch.float16, False)
                  ("fp8_e5m2", torch.bfloat16, True), ("fp8_e5m2", torch.float32, False)]
 
 
+# Each format in one of the two layouts, alternating (the layouts' own matrix is test_gather's).
+FLASH_RUNS = [(*f, *((Layout.HND, KVAlloc.INTERLEAVED) if i % 2 == 0 else
+                     (Layout.NHD, KVAlloc.PACKED))) for i, f in enumerate(FLASH_FORMATS)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout, alloc", [(Layout.HND, KVAlloc.INTERLEAVED),
-                                           (Layout.NHD, KVAlloc.PACKED)], ids=["HND", "packed"])
-@pytest.mark.parametrize("kv, dtype, per_head", FLASH_FORMATS,
-                         ids=[f"{k}-{str(d)[6:]}-{'perhead' if p else 'pertensor'}"
-                              for k, d, p in FLASH_FORMATS])
+@pytest.mark.parametrize("kv, dtype, per_head, layout, alloc", FLASH_RUNS,
+                         ids=[f"{k}-{str(d)[6:]}-{'perhead' if p else 'pertensor'}-{lay.value}-"
+                              f"{al.value}" for k, d, p, lay, al in FLASH_RUNS])
 def test_flash_round_trip_and_attention(kv, dtype, per_head, layout, alloc, device):
     gen = torch.Generator().manual_seed(7)
     cdt = parse_kv_cache_dtype(kv)
