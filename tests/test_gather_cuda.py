@@ -244,6 +244,7 @@ def test_rows_per_warp_spread_small_calls_and_amortize_large_ones():
     assert gather_cuda.rows_per_warp(65536, 132, t) == 16    # 1024 CTAs of 64 rows
     assert gather_cuda.rows_per_warp(1 << 22, 132, t) == 32  # capped
     assert gather_cuda.rows_per_warp(1, 132, t) == 1
+    assert gather_cuda.rows_per_warp(5, 132, gather_cuda.CudaTuning(ctas_per_sm=0)) == 32
     assert gather_cuda.uses_smem(2047) and not gather_cuda.uses_smem(2048)
     assert not gather_cuda.uses_smem(3, gather_cuda.CudaTuning(smem_rows=0))
 

@@ -87,8 +87,10 @@ def uses_smem(num_req: int, tuning: CudaTuning = TUNING) -> bool:
 
 
 def rows_per_warp(t_out: int, sm_count: int, tuning: CudaTuning = TUNING) -> int:
-    """Rows per warp of a call writing ``t_out`` rows (see CudaTuning)."""
-    per_warp = t_out // (WARPS * tuning.ctas_per_sm * max(1, sm_count))
+    """Rows per warp of a call writing ``t_out`` rows (see CudaTuning; ``ctas_per_sm`` 0: always
+    ``max_rows_per_warp``)."""
+    target = WARPS * tuning.ctas_per_sm * max(1, sm_count)
+    per_warp = t_out // target if target else tuning.max_rows_per_warp
     rpw = 1
     while rpw * 2 <= min(per_warp, tuning.max_rows_per_warp):
         rpw *= 2

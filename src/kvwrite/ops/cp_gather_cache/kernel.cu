@@ -6,7 +6,8 @@
 // kvwrite's entry gather (kvw/gather_entry.cuh) over the shared row rule (kvw/gather.cuh): the
 // entry's dims coalesced into an inner run contiguous in both tensors and up to 3 outer dims, each
 // row moved as bytes in chunks of VB (16 at most: the widest that every run, entry and row start
-// allows). Only cp_gather_cache_kernel<DT_COPY, 0, VB> is instantiated.
+// allows). Only cp_gather_cache_kernel<DT_COPY, 0, VB, NDIM> is instantiated (NDIM: the outer
+// dims, 0 to 3).
 #include "kvw/gather_entry.cuh"
 
 #ifndef KVWRITE_HOST_TEST

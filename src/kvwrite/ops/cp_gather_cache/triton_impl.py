@@ -75,8 +75,9 @@ if triton is not None:
             q = q // N0
             i1 = q % N1
             i2 = q // N1
-            so = (i0 * S0 + i1 * S1 + i2 * S2 + ru * UNIT).to(tl.int64)
-            do = (i0 * D0 + i1 * D1 + i2 * D2 + ru * UNIT).to(tl.int64)
+            i0, i1, i2, ru = i0.to(tl.int64), i1.to(tl.int64), i2.to(tl.int64), ru.to(tl.int64)
+            so = i0 * S0 + i1 * S1 + i2 * S2 + ru * UNIT
+            do = i0 * D0 + i1 * D1 + i2 * D2 + ru * UNIT
             m = ok[:, None] & (i < M)[None, :]
             x = tl.load(byte_ptr(src_ptr, src_row[:, None] + so[None, :], UNIT), mask=m)
             tl.store(byte_ptr(dst_ptr, dst_row[:, None] + do[None, :], UNIT), x, mask=m)

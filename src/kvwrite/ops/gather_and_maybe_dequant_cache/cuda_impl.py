@@ -2,9 +2,9 @@
 gather, ``kvw/gather_entry.cuh``) compiled at run time with NVRTC, launched on PyTorch's current
 stream through :mod:`kvwrite.kernels.gather_cuda`.
 
-Variants (template arguments): the conversion (a copy of the bits, or e4m3/e5m2 codes dequantized),
-the output kind, and the chunk: the widest (16 bytes for copies, 8 codes for fp8) that divides
-the entry and that every entry and row start is aligned to. By default each call signature gets
+Variants (template arguments): the conversion (a copy of the bits, or fp8 codes dequantized: e4m3
+or e5m2 is a fixed argument), the output kind, and the chunk: the widest (16 bytes for copies, 8
+codes for fp8) that divides the entry and that every entry and row start is aligned to. By default each call signature gets
 its own build with the row rule's and the geometry's fixed arguments compiled in
 (``CudaTuning.specialize``).
 

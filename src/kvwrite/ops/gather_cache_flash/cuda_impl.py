@@ -2,8 +2,8 @@
 ``kvw/gather_entry.cuh``, over two tensors) compiled at run time with NVRTC, launched on PyTorch's
 current stream through :mod:`kvwrite.kernels.gather_cuda`.
 
-Variants (template arguments): the conversion (a copy of the bits, or e4m3/e5m2 codes dequantized),
-the output kind, and the chunk: the widest (16 bytes for copies, 8 codes for fp8) that divides the
+Variants (template arguments): the conversion (a copy of the bits, or fp8 codes dequantized: e4m3
+or e5m2 is a fixed argument), the output kind, and the chunk: the widest (16 bytes for copies, 8 codes for fp8) that divides the
 head size and that every head and row start of both caches and both outputs is aligned to.
 Per-head scales are read per chunk, per-tensor ones once per thread. By default each call
 signature gets its own build with its fixed arguments compiled in (``CudaTuning.specialize``).

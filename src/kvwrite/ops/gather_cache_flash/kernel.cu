@@ -8,9 +8,9 @@
 // kvwrite's entry gather (kvw/gather_entry.cuh: two tensors, outer dim 0 = the heads, the run = a
 // head) over the shared row rule (kvw/gather.cuh) and fp8 read rule (kvw/fp8_read.cuh).
 //
-// gather_cache_flash_kernel<CONV, OUT, VB>: CONV DT_COPY (VB bytes per chunk, 16 at most, the
-// widest that every head and row start allows) or DT_E4M3/DT_E5M2 (VB codes per chunk, 8 at most,
-// into VB elements of OUT).
+// gather_cache_flash_kernel<CONV, OUT, VB, 1>: CONV DT_COPY (VB bytes per chunk, 16 at most, the
+// widest that every head and row start allows) or DT_E4M3 (fp8: VB codes per chunk, 8 at most,
+// into VB elements of OUT; e4m3 or e5m2 codes as the fixed argument fp8_e5m2 says).
 #include "kvw/gather_entry.cuh"
 
 #ifndef KVWRITE_HOST_TEST
