@@ -468,6 +468,42 @@ def test_every_code_under_special_scales(kv, out_dtype, impl, device):
             assert_outputs_equal(args[1], want, f"dst (scale {s}, {storage})", None)
 
 
+@pytest.mark.parametrize("impl, device", [
+    pytest.param(i, d, id=f"{i}-{d}", marks=[pytest.mark.gpu] if d == "cuda" else [])
+    for d in ("cpu", "cuda") for i in IMPLS[FLASH] if d == "cuda" or i != "cuda"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_code_under_per_head_special_scales(kv, out_dtype, impl, device):
+    """gather_cache_flash with one head per special scale (SPECIAL_SCALES as k_scale, reversed as
+    v_scale), every head holding all 256 codes (the value cache in reverse order), against the
+    oracle."""
+    info = registry.get(FLASH, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    fmt = "e4m3" if kv == "fp8_e4m3" else "e5m2"
+    h = len(SPECIAL_SCALES)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    kc = codes.repeat(h).view(1, 1, h, 256).to(device)
+    vc = codes.flip(0).repeat(h).view(1, 1, h, 256).to(device)
+    ks = torch.tensor(SPECIAL_SCALES, dtype=torch.float32, device=device)
+    vs = ks.flip(0).contiguous()
+    ko = torch.full((2, h, 256), 3.0, dtype=out_dtype, device=device)
+    vo = torch.full_like(ko, 3.0)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int64, device=device)
+    if (reason := info.unsupported(kc, ko, kvwrite.CacheDType(kv))) is not None:
+        pytest.skip(reason)
+    kvwrite.gather_cache_flash(kc, vc, ko, vo, bt, cu, kv, ks, vs, implementation=impl)
+    for cache, out, sc, name in ((kc, ko, ks, "key_out"), (vc, vo, vs, "value_out")):
+        want = torch.full((2, h, 256), 3.0, dtype=out_dtype)
+        ints = {2: torch.int16, 4: torch.int32}[want.element_size()]
+        nps = {2: np.int16, 4: np.int32}[want.element_size()]
+        for head in range(h):
+            bits = dequant_bits(cache[0, 0, head].cpu().numpy(), fmt, float(sc[head]), out_dtype)
+            want[0, head].view(ints).copy_(torch.from_numpy(bits.view(nps)))
+        assert_outputs_equal(out, want, f"{name} ({impl}, per-head special scales)", None)
+
+
 # --- validation: bad arguments raise and change nothing --------------------------------------------
 
 def _entry_base(kv="auto"):
