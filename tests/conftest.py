@@ -19,7 +19,13 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.indexer_k_quant_and_cache.triton_impl",
                     "kvwrite.ops.reshape_and_cache.triton_impl",
                     "kvwrite.ops.nvfp4.triton_impl",
-                    "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_impl"):
+                    "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_impl",
+                    "kvwrite.kernels.triton_gather",
+                    "kvwrite.ops.gather_and_maybe_dequant_cache.triton_impl",
+                    "kvwrite.ops.cp_gather_cache.triton_impl",
+                    "kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache.triton_impl",
+                    "kvwrite.ops.gather_cache_flash.triton_impl",
+                    "kvwrite.ops.cp_gather_indexer_k_quant_cache.triton_impl"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()

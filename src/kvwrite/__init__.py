@@ -8,7 +8,12 @@ from . import registry
 from .dtypes import CacheDType
 from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
 from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
+from .ops.cp_gather_and_upconvert_fp8_kv_cache import cp_gather_and_upconvert_fp8_kv_cache
+from .ops.cp_gather_cache import cp_gather_cache
+from .ops.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
+from .ops.gather_and_maybe_dequant_cache import gather_and_maybe_dequant_cache
+from .ops.gather_cache_flash import gather_cache_flash
 from .ops.indexer_k_quant_and_cache import create_indexer_k_cache, indexer_k_quant_and_cache
 from .ops.nvfp4 import (
     nvfp4_gather_cache,
@@ -38,11 +43,16 @@ __all__ = [
     "check_positions",
     "check_slot_mapping",
     "concat_and_cache_mla",
+    "cp_gather_and_upconvert_fp8_kv_cache",
+    "cp_gather_cache",
+    "cp_gather_indexer_k_quant_cache",
     "create_mla_cache",
     "create_kv_caches_with_random_flash",
     "create_indexer_k_cache",
     "create_legacy_kv_cache",
     "fused_rope_and_reshape_cache_flash",
+    "gather_and_maybe_dequant_cache",
+    "gather_cache_flash",
     "implementations",
     "indexer_k_quant_and_cache",
     "nvfp4_gather_cache",

@@ -1,0 +1,216 @@
+"""What the five gathers' CUDA launchers share (kernels in ``ops/<op>/kernel.cu`` over
+``kvw/gather.cuh``): the row rule's fixed arguments, the launch shape (rows per warp, CTAs,
+dynamic shared memory), the widest aligned chunk, the entry geometry of the entry kernel
+(``kvw/gather_entry.cuh``), and building and launching a variant.
+
+A call does no allocation and no host sync: every index tensor is read on the device, so a
+captured CUDA graph sees new block tables, sequence lengths and starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from . import nvrtc
+
+__all__ = ["THREADS", "SMEM_ROWS", "CudaTuning", "TUNING", "row_fixed", "uses_smem",
+           "rows_per_warp", "align", "EntryPlan", "entry_plan", "Launchable", "build", "launch",
+           "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY", "OUT_KIND",
+           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name"]
+
+# kvw/gather.cuh's KVW_GATHER_THREADS and KVW_GATHER_SMEM_ROWS.
+THREADS = 128
+WARPS = THREADS // 32
+SMEM_ROWS = 2048
+ROW_FIXED = 9     # KVW_GATHER_ROW_FIXED
+ENTRY_FIXED = 20  # KVW_ENTRY_FIXED
+
+# Element kinds, as DT_* in kvw/common.cuh.
+DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
+OUT_KIND = {torch.float16: DT_F16, torch.bfloat16: DT_BF16, torch.float32: DT_F32}
+
+# kvw/gather.cuh's flags.
+_STARTS64, _SS64, _BT64, _HAS_SS, _WS = 1, 2, 4, 8, 16
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants of every gather kernel. ``TUNING`` is what every call uses unless a
+    caller passes another one (tests forcing a path)."""
+
+    # Rows per warp, a power of two from 1 to max_rows_per_warp: the largest that still gives
+    # ctas_per_sm CTAs per SM (small calls spread one row per warp over the whole GPU; large ones
+    # amortize each CTA's load of the starts over up to 128 rows).
+    max_rows_per_warp: int = 32
+    ctas_per_sm: int = 4
+    # Batches of at most SMEM_ROWS - 1 requests keep their starts in shared memory (one round
+    # trip per CTA); larger ones binary-search global memory. Tests set 0 to force that path.
+    smem_rows: int = SMEM_ROWS
+    # One build per call signature with the fixed arguments compiled in (NVRTC once per signature
+    # and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    # Launches of at most pdl_max_ctas CTAs take the KVWRITE_PDL build with programmatic stream
+    # serialization where the device allows it (as the write ops do for every call).
+    pdl_max_ctas: int = 1 << 30
+
+
+TUNING = CudaTuning()
+
+
+def _dim_stride(t: torch.Tensor, d: int) -> int:
+    """Stride of dim ``d``, 0 where that dim has one element (never multiplies a nonzero index:
+    one compiled variant whatever it is)."""
+    return t.stride(d) if t.shape[d] > 1 else 0
+
+
+def row_fixed(starts: torch.Tensor, seq_starts: torch.Tensor | None, block_table: torch.Tensor,
+              block_size: int, num_blocks: int, workspace: bool = False) -> tuple[int, ...]:
+    """The row rule's 9 fixed kernel arguments (kvw/gather.cuh's KVW_GATHER_ROW_PARAMS)."""
+    flags = ((_STARTS64 if starts.dtype == torch.int64 else 0)
+             | (_BT64 if block_table.dtype == torch.int64 else 0) | (_WS if workspace else 0))
+    ss_stride = 0
+    if seq_starts is not None:
+        flags |= _HAS_SS | (_SS64 if seq_starts.dtype == torch.int64 else 0)
+        ss_stride = _dim_stride(seq_starts, 0)
+    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+    return (_dim_stride(starts, 0), ss_stride, _dim_stride(block_table, 0),
+            _dim_stride(block_table, 1), block_table.shape[1], block_size, shift, num_blocks, flags)
+
+
+def uses_smem(num_req: int, tuning: CudaTuning = TUNING) -> bool:
+    """Whether a batch of ``num_req`` requests keeps its starts in shared memory."""
+    return num_req + 1 <= min(tuning.smem_rows, SMEM_ROWS)
+
+
+def rows_per_warp(t_out: int, sm_count: int, tuning: CudaTuning = TUNING) -> int:
+    """Rows per warp of a call writing ``t_out`` rows (see CudaTuning; ``ctas_per_sm`` 0: always
+    ``max_rows_per_warp``)."""
+    target = WARPS * tuning.ctas_per_sm * max(1, sm_count)
+    per_warp = t_out // target if target else tuning.max_rows_per_warp
+    rpw = 1
+    while rpw * 2 <= min(per_warp, tuning.max_rows_per_warp):
+        rpw *= 2
+    return rpw
+
+
+def align(values) -> int:
+    """The largest power of two, at most 16, dividing every value."""
+    v = 16
+    for b in values:
+        v |= int(b)
+    return v & -v
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryPlan:
+    """A call of the entry kernel (kvw/gather_entry.cuh): its variant and its 20 entry arguments."""
+
+    conv: int   # DT_COPY, or DT_E4M3 for fp8 codes (either format: a fixed argument says which)
+    out: int    # DT_F16/DT_BF16/DT_F32 (dequantization), 0 for copies
+    vb: int     # input bytes per chunk
+    ndim: int   # outer dims decomposed
+    fixed: tuple[int, ...]
+
+    def name(self, kernel: str) -> str:
+        return entry_kernel_name(kernel, self.conv, self.out, self.vb, self.ndim)
+
+
+def entry_kernel_name(kernel: str, conv: int, out: int, vb: int, ndim: int) -> str:
+    """The name expression of an entry-kernel variant."""
+    return f"{kernel}<{conv}, {out}, {vb}, {ndim}>"
+
+
+def entry_plan(*, conv: int, out_dtype: torch.dtype | None, in_es: int, run: int,
+               outer: list[tuple[int, int, int, int]], cache_strides: tuple[int, int],
+               dst_row_strides: tuple[int, int], num_tensors: int, per_head: int,
+               src_align: int, dst_align: int) -> EntryPlan:
+    """The entry kernel's plan (``conv``: DT_COPY, DT_E4M3 or DT_E5M2). ``run``: elements of the inner run (contiguous in cache and
+    output); ``outer``: up to 3 outer dims ``(n, src_stride, dst0_stride, dst1_stride)`` in bytes,
+    innermost first; ``cache_strides``: (block, offset) in bytes; ``per_head``: bit k set where
+    tensor k's scale is per head (indexed by outer dim 0); ``src_align``/``dst_align``: the
+    alignment of every entry and row start (pointers and strides)."""
+    if len(outer) > 3:
+        raise ValueError(f"at most 3 outer entry dims, got {len(outer)}")
+    ndim = len(outer)
+    outer = list(outer) + [(1, 0, 0, 0)] * (3 - len(outer))
+    if conv == DT_COPY:
+        run_bytes = run * in_es
+        vb = align([run_bytes, src_align, dst_align])
+        out, ob = 0, vb
+        run_chunks = run_bytes // vb
+    else:
+        oe = out_dtype.itemsize
+        out = OUT_KIND[out_dtype]
+        vb = 8
+        while vb > 1 and not (run % vb == 0 and src_align % vb == 0
+                              and dst_align % min(vb * oe, 16) == 0):
+            vb //= 2
+        ob = vb * oe
+        run_chunks = run // vb
+    del ob
+    n = [d[0] for d in outer]
+    tensor_chunks = run_chunks * n[0] * n[1] * n[2]
+    fixed = (cache_strides[0], cache_strides[1], dst_row_strides[0], dst_row_strides[1],
+             run_chunks, n[0], n[1], outer[0][1], outer[1][1], outer[2][1],
+             outer[0][2], outer[1][2], outer[2][2], outer[0][3], outer[1][3], outer[2][3],
+             tensor_chunks, num_tensors, per_head, int(conv == DT_E5M2))
+    return EntryPlan(DT_E4M3 if conv == DT_E5M2 else conv, out, vb, ndim, fixed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launchable:
+    name: str
+    kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
+    device_index: int
+    sm_count: int
+    fixed: tuple[int, ...]  # the trailing int64 arguments
+
+
+def build(source: nvrtc.KernelSource, name: str, fixed: tuple[int, ...], index: int,
+          tuning: CudaTuning, macros: tuple = ()) -> Launchable:
+    """Load (compile or read from the kernel cache) variant ``name`` for device ``index``: the
+    specialized build with ``fixed`` compiled in where ``tuning.specialize``, and its PDL twin."""
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
+        arch, sms = nvrtc.device_arch(index)
+        if tuning.specialize:
+            macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
+        kernel = source.kernel(arch, name, macros)
+        pdl_kernel = nvrtc.pdl_twin(source, arch, name, macros, index)
+    return Launchable(name, kernel, pdl_kernel, index, sms, tuple(fixed))
+
+
+@functools.cache
+def _config(grid: int, shmem: int, pdl: bool):
+    extra = {"programmatic_stream_serialization": True} if pdl else {}
+    return nvrtc.cuda_core().LaunchConfig(grid=(grid, 1, 1), block=(THREADS, 1, 1),
+                                          shmem_size=shmem, **extra)
+
+
+def launch(lau: Launchable, tuning: CudaTuning, pointers: tuple[int, ...], t_out: int,
+           num_req: int, has_seq_starts: bool) -> None:
+    """Launch a gather kernel on PyTorch's current stream: ``pointers`` (the kernel's leading
+    pointer arguments), then T_out, B, the shared-memory rows, the rows per warp and the fixed
+    arguments."""
+    rpw = rows_per_warp(t_out, lau.sm_count, tuning)
+    grid = -(-t_out // (WARPS * rpw))
+    smem_rows = num_req + 1 if uses_smem(num_req, tuning) else 0
+    shmem = 8 * (smem_rows + (num_req if has_seq_starts and smem_rows else 0))
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    nvrtc.launch(lau.device_index, _config(grid, shmem, pdl), lau.pdl_kernel if pdl else lau.kernel,
+                 *pointers, t_out, num_req, smem_rows, rpw, *lau.fixed)
+
+
+def signature(*tensors) -> tuple:
+    """What of these tensors selects a variant or a fixed argument: dtype, shape, strides and the
+    alignment of the first byte (None for an absent tensor)."""
+    return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)
+                 for t in tensors)

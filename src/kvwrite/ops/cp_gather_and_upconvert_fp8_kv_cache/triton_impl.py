@@ -1,0 +1,101 @@
+"""The Triton implementation of cp_gather_and_upconvert_fp8_kv_cache.
+
+One program writes ``BLOCK_T`` output rows: the row rule (``kernels.triton_gather.gather_rows``
+with workspace starts), then per tile of 128 codes its float32 scale (four bytes assembled, so any
+entry alignment works) and the codes dequantized by ``fp8_dequant`` and rounded to ``dst``'s
+dtype, and the 64 rotary values as 16-bit patterns assembled from their bytes. Strides are
+compile-time constants; T_out and B are not, and nothing is read on the host (CUDA-graph safe).
+
+On CPU it runs under Triton's interpreter, whose float32 -> bfloat16 cast is not round to
+nearest even: :func:`unsupported` refuses bfloat16 outputs there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...gather import bits_view
+from ...kernels import triton_support
+from ...kernels.triton_fp8 import pdl_entry
+from ...kernels.triton_gather import (
+    IMPORT_ERROR,
+    TUNING,
+    TritonTuning,
+    fp8_dequant,
+    gather_rows,
+    interpreter_reason,
+    row_constants,
+    rows_per_program,
+    tl,
+    triton,
+)
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+
+
+def unsupported(src_cache, dst) -> str | None:
+    return interpreter_reason(dst.device, dst.dtype)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["t_out", "num_req"])
+    def _kernel(
+        src_ptr,  # [num_blocks, bs, 656] uint8 via (CBS, CPS, 1)
+        dst_ptr,  # [T_out, 576] float16/bfloat16, row stride DRS
+        dst_bits_ptr,  # the same tensor as int16 (the rotary part's patterns)
+        bt_ptr, starts_ptr, ss_ptr,  # block_table, workspace_starts, seq_starts (or None)
+        t_out, num_req,
+        CBS: tl.constexpr, CPS: tl.constexpr, DRS: tl.constexpr, BLOCK_T: tl.constexpr,
+        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
+        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
+                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
+                                   HAS_SS, WS, BLOCK_B)
+        entry = blk * CBS + off * CPS
+        row = t * DRS
+        col = tl.arange(0, 128)
+        b = tl.arange(0, 4)
+        m = ok[:, None]
+        for j in tl.static_range(4):
+            sb = tl.load(src_ptr + entry[:, None] + 512 + 4 * j + b[None, :], mask=m, other=0)
+            sbits = tl.sum(sb.to(tl.int32) << (8 * b)[None, :], axis=1)
+            s = sbits.to(tl.float32, bitcast=True)
+            codes = tl.load(src_ptr + entry[:, None] + 128 * j + col[None, :], mask=m, other=0)
+            y = fp8_dequant(codes, s[:, None], 1).to(dst_ptr.dtype.element_ty)
+            tl.store(dst_ptr + row[:, None] + 128 * j + col[None, :], y, mask=m)
+        k = tl.arange(0, 64)
+        lo = tl.load(src_ptr + entry[:, None] + 528 + 2 * k[None, :], mask=m, other=0)
+        hi = tl.load(src_ptr + entry[:, None] + 529 + 2 * k[None, :], mask=m, other=0)
+        pe = (lo.to(tl.int32) | (hi.to(tl.int32) << 8)).to(tl.int16)
+        tl.store(dst_bits_ptr + row[:, None] + 512 + k[None, :], pe, mask=m)
+
+
+def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+        workspace_starts: torch.Tensor, num_req: int, seq_starts: torch.Tensor | None, *,
+        tuning: TritonTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+    num_blocks, block_size = src_cache.shape[:2]
+    src = src_cache.view(torch.uint8)
+    t_out = dst.shape[0]
+    block_t = rows_per_program(t_out, tuning)
+    grid = (triton.cdiv(t_out, block_t),)
+    pdl, trigger = triton_support.pdl_launch(dst.device, grid[0], tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    _kernel[grid](
+        src, dst, bits_view(dst), block_table, workspace_starts, seq_starts, t_out, num_req,
+        CBS=src.stride(0) if num_blocks > 1 else 0, CPS=src.stride(1) if block_size > 1 else 0,
+        DRS=dst.stride(0) if t_out > 1 else 0, BLOCK_T=block_t,
+        **row_constants(workspace_starts, seq_starts, block_table, block_size, num_blocks,
+                        num_req, workspace=True),
+        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+    )

@@ -1,0 +1,116 @@
+"""The Triton implementation of cp_gather_cache.
+
+One program writes ``BLOCK_T`` output rows: the row rule (``kernels.triton_gather.gather_rows``),
+then the entry as integers of UNIT bytes (the widest power of two up to 8 that divides the run's
+bytes and every entry, row and outer-dim start), ``CHUNK`` of them per step, through the entry's
+coalesced dims (``kvwrite.gather.entry_dims``: an inner run and up to 3 outer dims, more:
+:func:`unsupported`). Both tensors are read through flat byte views of their storage, so any
+dtype moves as its bits. Strides and geometry are compile-time constants; T_out and B are not, and
+nothing is read on the host (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import gather_cuda, triton_support
+from ...kernels.triton_fp8 import pdl_entry
+from ...kernels.triton_gather import (
+    IMPORT_ERROR,
+    TUNING,
+    TritonTuning,
+    byte_ptr,
+    byte_storage,
+    chunk_width,
+    gather_rows,
+    row_constants,
+    rows_per_program,
+    tl,
+    triton,
+)
+from . import cuda_impl
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+
+
+unsupported = cuda_impl.unsupported  # at most 3 outer dims, as the CUDA kernel
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["t_out", "num_req"])
+    def _kernel(
+        src_ptr, src_base,  # the cache's storage as bytes, and its first byte
+        dst_ptr, dst_base,  # dst's storage as bytes, and its first byte
+        bt_ptr, starts_ptr, ss_ptr,  # block_table, cu_seq_lens, seq_starts (or None)
+        t_out, num_req,
+        CBS: tl.constexpr, CPS: tl.constexpr, DRS: tl.constexpr,  # bytes
+        UNIT: tl.constexpr, RUN: tl.constexpr,  # bytes per access; accesses per run
+        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,  # outer dims, innermost first
+        S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # their cache strides (bytes)
+        D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,  # their dst strides (bytes)
+        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
+        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
+                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
+                                   HAS_SS, WS, BLOCK_B)
+        src_row = src_base + blk * CBS + off * CPS
+        dst_row = dst_base + t * DRS
+        M: tl.constexpr = RUN * N0 * N1 * N2
+        for c0 in tl.range(0, M, CHUNK):
+            i = c0 + tl.arange(0, CHUNK)
+            ru = i % RUN
+            q = i // RUN
+            i0 = q % N0
+            q = q // N0
+            i1 = q % N1
+            i2 = q // N1
+            i0, i1, i2, ru = i0.to(tl.int64), i1.to(tl.int64), i2.to(tl.int64), ru.to(tl.int64)
+            so = i0 * S0 + i1 * S1 + i2 * S2 + ru * UNIT
+            do = i0 * D0 + i1 * D1 + i2 * D2 + ru * UNIT
+            m = ok[:, None] & (i < M)[None, :]
+            x = tl.load(byte_ptr(src_ptr, src_row[:, None] + so[None, :], UNIT), mask=m)
+            tl.store(byte_ptr(dst_ptr, dst_row[:, None] + do[None, :], UNIT), x, mask=m)
+
+
+def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+        cu_seq_lens: torch.Tensor, seq_starts: torch.Tensor | None, *,
+        tuning: TritonTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+    num_blocks, block_size = src_cache.shape[:2]
+    num_req = cu_seq_lens.shape[0] - 1
+    t_out = dst.shape[0]
+    es = src_cache.element_size()
+    run_elems, outer = cuda_impl.geometry(src_cache, dst)
+    dims = [(n, s * es, d * es) for n, s, d in outer] + [(1, 0, 0)] * (3 - len(outer))
+    src, src_base = byte_storage(src_cache)
+    out, dst_base = byte_storage(dst)
+    cbs = src_cache.stride(0) * es if num_blocks > 1 else 0
+    cps = src_cache.stride(1) * es if block_size > 1 else 0
+    drs = dst.stride(0) * es if t_out > 1 else 0
+    unit = min(8, gather_cuda.align([run_elems * es, src_base, dst_base, cbs, cps, drs,
+                                     *(d[1] for d in dims), *(d[2] for d in dims)]))
+    run_units = run_elems * es // unit
+    block_t = rows_per_program(t_out, tuning)
+    grid = (triton.cdiv(t_out, block_t),)
+    pdl, trigger = triton_support.pdl_launch(dst.device, grid[0], tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    _kernel[grid](
+        src, src_base, out, dst_base, block_table, cu_seq_lens, seq_starts, t_out, num_req,
+        CBS=cbs, CPS=cps, DRS=drs, UNIT=unit, RUN=run_units,
+        N0=dims[0][0], N1=dims[1][0], N2=dims[2][0], S0=dims[0][1], S1=dims[1][1],
+        S2=dims[2][1], D0=dims[0][2], D1=dims[1][2], D2=dims[2][2],
+        CHUNK=chunk_width(run_units * dims[0][0] * dims[1][0] * dims[2][0]), BLOCK_T=block_t,
+        **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
+        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+    )

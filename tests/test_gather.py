@@ -1,0 +1,941 @@
+"""The five gathers (docs/ops/gather.md): each reference against an independent per-row oracle
+(``gather_oracle.py``), every registered implementation against the reference byte for byte on
+whole output allocations with the caches unchanged, over the row rule's cases (seq_starts,
+negative and past-the-table positions, bad block ids, rows no request owns, decreasing
+cu_seq_lens, T_out below the total, int32/int64 index tensors with non-unit strides, block sizes),
+entry sizes and layouts; the fp8 read rule on all 256 codes under special scales; validation;
+deliberately wrong implementations caught; CUDA-graph replay with new index tensors and
+torch.compile on the GPU.
+
+On CPU this runs the torch reference and Triton's interpreter (where it rounds exactly); on a GPU
+(`gpu` marker) every implementation available there, over a larger matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+from gather_oracle import (
+    dequant_bits,
+    oracle_entry,
+    oracle_flash,
+    oracle_indexer,
+    oracle_rows,
+    oracle_upconvert,
+)
+from kvwrite import registry
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.compile import compiled_targets
+from kvwrite.testing.gather import (
+    SPECIAL_SCALES,
+    EntryCase,
+    FlashCase,
+    IndexerCase,
+    Seqs,
+    UpconvertCase,
+    assert_outputs_equal,
+    clone_tensor,
+    make_entry_inputs,
+    make_flash_inputs,
+    make_indexer_inputs,
+    make_upconvert_inputs,
+    mixed_seqs,
+)
+
+DEQUANT = "gather_and_maybe_dequant_cache"
+CP = "cp_gather_cache"
+UPCONVERT = "cp_gather_and_upconvert_fp8_kv_cache"
+FLASH = "gather_cache_flash"
+INDEXER = "cp_gather_indexer_k_quant_cache"
+OPS = (DEQUANT, CP, UPCONVERT, FLASH, INDEXER)
+IMPLS = {op: [i.name for i in registry.all_impls(op)] for op in OPS}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def impl_device_cases(op: str, cases: list, cpu_step: int = 1) -> list:
+    """(implementation, device, case) triples: on the CPU Triton's interpreter over every
+    ``cpu_step``-th case (it is slow; the torch implementation is the reference, checked against
+    the oracle on every case), on the GPU every implementation over every case."""
+    out = [pytest.param(i, "cpu", c, id=f"{c.id}-{i}-cpu") for i in IMPLS[op] if i == "triton"
+           for c in cases[::cpu_step]]
+    return out + [pytest.param(i, "cuda", c, id=f"{c.id}-{i}-cuda", marks=pytest.mark.gpu)
+                  for i in IMPLS[op] for c in cases]
+I32, I64 = torch.int32, torch.int64
+
+# --- the row rule's cases ------------------------------------------------------------------------
+
+# Each exercises one part of the rule; every op runs them (the indexer those without seq_starts).
+SEQ_SETS = [
+    Seqs(),
+    Seqs(starts=(3, 0, 40, 15, 2)),
+    Seqs(starts=(-3, 0, 5, -20, 0)),                       # negative positions
+    Seqs(starts=(0, 9, 30, 0, 0), max_blocks=2),           # positions past the table
+    Seqs(bad_blocks=(-1, 12, 100, -7)),                    # block ids outside [0, num_blocks)
+    Seqs(first=4, rows_past=5),                            # rows before a_0 and after a_B
+    Seqs(lens=(4, 6, -14, 4), first=4, rows_past=1),       # cu_seq_lens decreasing, no overlap
+    Seqs(lens=(4, -14, 4), first=10, rows_past=3),         # ... with a gap no request owns
+    Seqs(rows_past=-6),                                    # T_out smaller than the total
+    Seqs(lens=(), rows_past=3),                            # B = 0
+    Seqs(lens=(0, 0), rows_past=4),                        # only empty requests
+    Seqs(lens=(3, 20, 2), starts=(1, 7, 0), cu_dtype=I64, ss_dtype=I32, bt_dtype=I32,
+         strided=True, table_rows=3),
+    Seqs(lens=(3, 20, 2), starts=(1, 7, 0), cu_dtype=I32, ss_dtype=I64, bt_dtype=I64,
+         strided=True),
+    Seqs(lens=(9, 2, 13), block_size=1, num_blocks=40, bad_blocks=(40,)),
+    Seqs(lens=(9, 2, 13), starts=(5, 0, 3), block_size=7, num_blocks=9),
+    Seqs(lens=(70, 1, 30), block_size=64, num_blocks=3, cu_dtype=I64, bt_dtype=I64),
+    mixed_seqs(long=(41, 23), short=14, max_short=5, block_size=16, bad_blocks=(-1, 64)),
+]
+NO_SS = [s for s in SEQ_SETS if s.starts is None]
+BAD_IDS = SEQ_SETS[4]  # block ids outside [0, num_blocks), no seq_starts
+
+
+def _owned_twice(s: Seqs, workspace: bool = False) -> bool:
+    """Whether a row below T_out has two owners (with workspace_starts the last request ends at
+    T_out)."""
+    cu, owned = s.cu, []
+    for r in range(s.num_req):
+        end = s.t_out if workspace and r == s.num_req - 1 else cu[r + 1]
+        owned += [t for t in range(cu[r], end) if 0 <= t < s.t_out]
+    return len(owned) != len(set(owned))
+
+
+# As workspace_starts the last request ends at T_out: decreasing starts overlap unless T_out is
+# small; this one does not.
+WS_SETS = [s for s in SEQ_SETS if not _owned_twice(s, workspace=True)] + [
+    Seqs(lens=(4, -12, 5), first=8, rows_past=-7)]
+
+
+def test_seq_sets_have_no_row_owned_twice():
+    """Which of two owners wins is undefined: the cases must not depend on it."""
+    for s in SEQ_SETS:
+        assert not _owned_twice(s), s.id
+    assert len(WS_SETS) >= len(SEQ_SETS) - 3
+
+
+def test_oracle_rows_by_hand():
+    """The rule on a hand-checked batch: block size 4, table [[5, 1], [2, 9]], cu = [1, 4, 9],
+    seq_starts = [6, -1]: rows 1-3 read positions 6-8 of request 0 (block 1 offsets 2, 3, then
+    position 8: past the 2-block table), rows 4-8 positions -1..3 of request 1 (row 4 negative,
+    rows 5-8 block 2 offsets 0-3); row 0 and rows 9-10 no request owns."""
+    bt = torch.tensor([[5, 1], [2, 9]])
+    rows = oracle_rows(torch.tensor([1, 4, 9]), torch.tensor([6, -1]), bt, 2, 11, 4, 10)
+    assert rows == {1: (1, 2), 2: (1, 3), 5: (2, 0), 6: (2, 1), 7: (2, 2), 8: (2, 3)}
+    bt[1, 0] = 10  # a block id past num_blocks: those rows keep their bytes
+    rows = oracle_rows(torch.tensor([1, 4, 9]), torch.tensor([6, -1]), bt, 2, 11, 4, 10)
+    assert rows == {1: (1, 2), 2: (1, 3)}
+    ws = oracle_rows(torch.tensor([1, 4]), None, torch.tensor([[5, 1], [2, 9]]), 2, 7, 4, 10,
+                     workspace=True)
+    assert ws == {1: (5, 0), 2: (5, 1), 3: (5, 2), 4: (2, 0), 5: (2, 1), 6: (2, 2)}
+
+
+def test_fp8_oracle_decodes_like_the_float8_dtypes():
+    """The oracle's bit-field decode equals PyTorch's float8 decode on every code (NaN as NaN)."""
+    for fmt, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float().numpy()
+        got = dequant_bits(np.arange(256), fmt, 1.0, torch.float32).view(np.float32)
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+# --- gather_and_maybe_dequant_cache ------------------------------------------------------------
+
+def _dequant_cases() -> list[EntryCase]:
+    cases = [EntryCase(seqs=s) for s in SEQ_SETS]
+    for kv in ("auto", "fp8", "fp8_e5m2"):
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            cases.append(EntryCase(kv_cache_dtype=kv, dtype=dt, seqs=SEQ_SETS[1], seed=1))
+    cases += [
+        EntryCase(entry=(512,), kv_cache_dtype="fp8", fp8_storage="float8"),
+        EntryCase(entry=(320,), kv_cache_dtype="fp8_e5m2", fp8_storage="float8",
+                  dtype=torch.float16),
+        EntryCase(entry=(7,), dtype=torch.float32, seqs=BAD_IDS),
+        EntryCase(entry=(1,), kv_cache_dtype="fp8", dtype=torch.float16),
+        EntryCase(entry=(33,), kv_cache_dtype="fp8", dtype=torch.float32, cache_pad=1,
+                  cache_offset=1, dst_pad=1, dst_offset=1),
+        EntryCase(cache_pad=3, cache_offset=1, dst_pad=5, dst_offset=3, dst_rows_extra=4),
+        EntryCase(kv_cache_dtype="fp8", cache_pad=16, cache_transposed=True, dst_pad=64,
+                  dtype=torch.float16, seqs=SEQ_SETS[11]),
+        EntryCase(kv_cache_dtype="fp8_e5m2", cache_offset=3, dst_rows_extra=3,
+                  dtype=torch.float32, seqs=SEQ_SETS[6]),
+    ]
+    return cases
+
+
+DEQUANT_CASES = _dequant_cases()
+
+
+@functools.cache
+def _dequant_expected(case: EntryCase) -> torch.Tensor:
+    return oracle_entry(case, make_entry_inputs(case), dequant=True)
+
+
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
+def test_dequant_reference_matches_oracle(case):
+    inp = make_entry_inputs(case)
+    cache = clone_tensor(inp.src_cache)
+    kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="torch")
+    assert_outputs_equal(inp.dst, _dequant_expected(case), "dst",
+                         None if case.fp8 else False)
+    assert_outputs_equal(inp.src_cache, cache, "src_cache")
+
+
+def _run(op: str, impl: str, device: str, inputs_of, args_of, case, caches_of):
+    """Run ``impl`` of ``op`` on ``case``'s inputs on ``device``; check that the caches did not
+    change; return the inputs."""
+    info = registry.get(op, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    inp = inputs_of(case, device)
+    caches = [clone_tensor(c) for c in caches_of(inp)]
+    try:
+        getattr(kvwrite, op)(*args_of(inp, case), implementation=impl)
+    except ValueError as e:
+        if "cannot run this call" in str(e):
+            pytest.skip(str(e))
+        raise
+    for c, before in zip(caches_of(inp), caches, strict=True):
+        assert_outputs_equal(c, before, f"cache ({impl}; a gather never writes it)")
+    return inp
+
+
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(DEQUANT, DEQUANT_CASES, 2))
+def test_dequant_implementations(impl, case, device):
+    inp = _run(DEQUANT, impl, device, make_entry_inputs, lambda i, c: i.dequant_args(c), case,
+               lambda i: (i.src_cache,))
+    assert_outputs_equal(inp.dst, _dequant_expected(case), f"dst ({impl})",
+                         None if case.fp8 else False)
+
+
+# --- cp_gather_cache ------------------------------------------------------------------------------
+
+def _cp_cases() -> list[EntryCase]:
+    cases = [EntryCase(seqs=s, seed=2) for s in SEQ_SETS]
+    cases += [
+        EntryCase(entry=(576,), dtype=torch.uint8),
+        EntryCase(entry=(8, 16), dtype=torch.float32, entry_perm=(1, 0)),       # HND-like
+        EntryCase(entry=(3, 5, 7), dtype=torch.float16, entry_perm=(2, 0, 1)),
+        EntryCase(entry=(2, 3, 4, 5), dtype=torch.int16, entry_perm=(3, 2, 1, 0)),  # 4 strided
+        EntryCase(entry=(4, 6), dtype=torch.float64, cache_transposed=True),
+        EntryCase(entry=(5,), dtype=torch.complex64, cache_pad=1, dst_pad=2),
+        EntryCase(entry=(3,), dtype=torch.complex128),
+        EntryCase(entry=(), dtype=torch.int64, seqs=SEQ_SETS[1]),
+        EntryCase(entry=(9,), dtype=torch.bool, cache_offset=1, dst_offset=3),
+        EntryCase(entry=(13,), dtype=torch.bfloat16, cache_pad=1, cache_offset=1, dst_pad=3),
+        EntryCase(entry=(0,), dtype=torch.float32),
+    ]
+    return cases
+
+
+CP_CASES = _cp_cases()
+
+
+@functools.cache
+def _cp_expected(case: EntryCase) -> torch.Tensor:
+    return oracle_entry(case, make_entry_inputs(case), dequant=False)
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.id)
+def test_cp_reference_matches_oracle(case):
+    inp = make_entry_inputs(case)
+    kvwrite.cp_gather_cache(*inp.cp_args(), implementation="torch")
+    assert_outputs_equal(inp.dst, _cp_expected(case), "dst")
+
+
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(CP, CP_CASES, 2))
+def test_cp_implementations(impl, case, device):
+    inp = _run(CP, impl, device, make_entry_inputs, lambda i, c: i.cp_args(), case,
+               lambda i: (i.src_cache,))
+    assert_outputs_equal(inp.dst, _cp_expected(case), f"dst ({impl})")
+
+
+def test_cp_four_strided_entry_dims_fall_back_with_the_reason():
+    case = EntryCase(entry=(2, 3, 4, 5), dtype=torch.int16, entry_perm=(3, 2, 1, 0))
+    inp = make_entry_inputs(case)
+    reason = registry.get(CP, "triton").unsupported(inp.src_cache, inp.dst)
+    assert reason is not None and "coalesce to 4 strided dims" in reason
+
+
+# --- cp_gather_and_upconvert_fp8_kv_cache -------------------------------------------------------
+
+def _upconvert_cases() -> list[UpconvertCase]:
+    cases = [UpconvertCase(seqs=s) for s in WS_SETS]
+    cases += [
+        UpconvertCase(dtype=torch.float16, scales="special", seqs=SEQ_SETS[1]),
+        UpconvertCase(scales="random", fp8_storage="float8"),
+        UpconvertCase(dtype=torch.float16, scales="random", cache_pad=3, cache_offset=1,
+                      dst_pad=1, dst_offset=1),
+        UpconvertCase(cache_pad=16, cache_transposed=True, dst_pad=8, seqs=SEQ_SETS[12]),
+        UpconvertCase(dtype=torch.float16, cache_offset=8, dst_offset=4, seqs=WS_SETS[-1]),
+    ]
+    return cases
+
+
+UPCONVERT_CASES = _upconvert_cases()
+
+
+@functools.cache
+def _upconvert_expected(case: UpconvertCase) -> torch.Tensor:
+    return oracle_upconvert(make_upconvert_inputs(case))
+
+
+@pytest.mark.parametrize("case", UPCONVERT_CASES, ids=lambda c: c.id)
+def test_upconvert_reference_matches_oracle(case):
+    inp = make_upconvert_inputs(case)
+    kvwrite.cp_gather_and_upconvert_fp8_kv_cache(*inp.args(), implementation="torch")
+    assert_outputs_equal(inp.dst, _upconvert_expected(case), "dst", slice(0, 512))
+
+
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(UPCONVERT, UPCONVERT_CASES))
+def test_upconvert_implementations(impl, case, device):
+    inp = _run(UPCONVERT, impl, device, make_upconvert_inputs, lambda i, c: i.args(), case,
+               lambda i: (i.src_cache,))
+    assert_outputs_equal(inp.dst, _upconvert_expected(case), f"dst ({impl})", slice(0, 512))
+
+
+# --- gather_cache_flash ---------------------------------------------------------------------------
+
+def _flash_cases() -> list[FlashCase]:
+    cases = [FlashCase(seqs=s) for s in SEQ_SETS]
+    for layout, alloc in ((Layout.NHD, KVAlloc.INTERLEAVED), (Layout.HND, KVAlloc.INTERLEAVED),
+                          (Layout.NHD, KVAlloc.PACKED), (Layout.HND, KVAlloc.PACKED),
+                          (Layout.HND, KVAlloc.SEPARATE)):
+        for kv, ph in (("auto", False), ("fp8", False), ("fp8_e5m2", True)):
+            cases.append(FlashCase(layout=layout, alloc=alloc, kv_cache_dtype=kv,
+                                   per_head_scale=ph, seqs=SEQ_SETS[1]))
+    cases += [
+        FlashCase(kv_cache_dtype="fp8", per_head_scale=True, dtype=torch.float16,
+                  outputs="fused"),
+        FlashCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float32, fp8_storage="float8",
+                  outputs="padded"),
+        FlashCase(kv_cache_dtype="fp8", dtype=torch.bfloat16, outputs="padded", num_heads=3,
+                  head_size=20, layout=Layout.HND, alloc=KVAlloc.PACKED),
+        FlashCase(kv_cache_dtype="float16", dtype=torch.float16, num_heads=1, head_size=7),
+        FlashCase(kv_cache_dtype="float32", dtype=torch.float32, num_heads=5, head_size=3,
+                  outputs="padded", alloc=KVAlloc.INTERLEAVED),
+        FlashCase(kv_cache_dtype="auto", dtype=torch.float32, num_heads=2, head_size=128,
+                  seqs=BAD_IDS),
+    ]
+    return cases
+
+
+FLASH_CASES = _flash_cases()
+
+
+@functools.cache
+def _flash_expected(case: FlashCase):
+    return oracle_flash(case, make_flash_inputs(case))
+
+
+def _flash_check(inp, case, what: str) -> None:
+    nan = None if case.cache_dtype.is_fp8 else False
+    want_k, want_v = _flash_expected(case)
+    assert_outputs_equal(inp.key_out, want_k, f"key_out{what}", nan, (inp.value_out,))
+    assert_outputs_equal(inp.value_out, want_v, f"value_out{what}", nan, (inp.key_out,))
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
+def test_flash_reference_matches_oracle(case):
+    inp = make_flash_inputs(case)
+    kvwrite.gather_cache_flash(*inp.args(case), implementation="torch")
+    _flash_check(inp, case, "")
+
+
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(FLASH, FLASH_CASES))
+def test_flash_implementations(impl, case, device):
+    inp = _run(FLASH, impl, device, make_flash_inputs, lambda i, c: i.args(c), case,
+               lambda i: (i.key_cache, i.value_cache))
+    _flash_check(inp, case, f" ({impl})")
+
+
+# --- cp_gather_indexer_k_quant_cache --------------------------------------------------------------
+
+def _indexer_cases() -> list[IndexerCase]:
+    cases = [IndexerCase(seqs=s) for s in NO_SS]
+    cases += [
+        IndexerCase(scale_dtype=torch.float32, k_dtype=torch.float8_e4m3fn),
+        IndexerCase(head_dim=64, groups=2, k_layout="padded", scale_layout="padded",
+                    page_pad=16),
+        IndexerCase(k_layout="strided", scale_layout="strided", scale_dtype=torch.float32,
+                    seqs=BAD_IDS),
+        IndexerCase(k_layout="strided", scale_layout="strided", page_pad=3, cache_offset=1),
+        IndexerCase(head_dim=24, groups=3, scale_dtype=torch.float32, scale_layout="strided",
+                    cache_offset=2, page_pad=1),
+        IndexerCase(head_dim=7, groups=1, cache_offset=1, k_layout="padded",
+                    scale_dtype=torch.float32),
+    ]
+    return cases
+
+
+INDEXER_CASES = _indexer_cases()
+
+
+@functools.cache
+def _indexer_expected(case: IndexerCase):
+    return oracle_indexer(make_indexer_inputs(case))
+
+
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: c.id)
+def test_indexer_reference_matches_oracle(case):
+    inp = make_indexer_inputs(case)
+    kvwrite.cp_gather_indexer_k_quant_cache(*inp.args(), implementation="torch")
+    want_k, want_s = _indexer_expected(case)
+    assert_outputs_equal(inp.dst_k, want_k, "dst_k")
+    assert_outputs_equal(inp.dst_scale, want_s, "dst_scale")
+
+
+@pytest.mark.parametrize("impl, device, case", impl_device_cases(INDEXER, INDEXER_CASES))
+def test_indexer_implementations(impl, case, device):
+    inp = _run(INDEXER, impl, device, make_indexer_inputs, lambda i, c: i.args(), case,
+               lambda i: (i.kv_cache,))
+    want_k, want_s = _indexer_expected(case)
+    assert_outputs_equal(inp.dst_k, want_k, f"dst_k ({impl})")
+    assert_outputs_equal(inp.dst_scale, want_s, f"dst_scale ({impl})")
+
+
+def test_matrix_covers_the_contract():
+    for cases in (DEQUANT_CASES, CP_CASES, UPCONVERT_CASES, FLASH_CASES):
+        seqs = [c.seqs for c in cases]
+        assert not any(_owned_twice(s, cases is UPCONVERT_CASES) for s in seqs)
+        assert any(s.starts is not None for s in seqs) and any(s.bad_blocks for s in seqs)
+        assert any(s.rows_past < 0 for s in seqs) and any(s.first > 0 for s in seqs)
+        assert any(s.strided and s.cu_dtype != s.bt_dtype for s in seqs)
+        assert any(min(s.lens, default=0) < 0 for s in seqs)
+        assert {s.block_size for s in seqs} >= {1, 7, 16, 64}
+    assert {c.entry for c in DEQUANT_CASES} >= {(576,), (512,), (320,), (7,), (1,)}
+    assert {c.kv_cache_dtype for c in DEQUANT_CASES} == {"auto", "fp8", "fp8_e5m2"}
+    assert {(c.layout, c.alloc) for c in FLASH_CASES} >= {
+        (Layout.NHD, KVAlloc.INTERLEAVED), (Layout.HND, KVAlloc.INTERLEAVED),
+        (Layout.NHD, KVAlloc.PACKED)}
+    assert any(c.per_head_scale for c in FLASH_CASES)
+    assert {c.scale_dtype for c in INDEXER_CASES} == {torch.uint8, torch.float32}
+    assert any(c.k_layout == "strided" for c in INDEXER_CASES)
+
+
+# --- the fp8 read rule: all 256 codes under special scales -------------------------------------
+
+def _all_codes_cache(storage: torch.dtype) -> torch.Tensor:
+    """A [2, 4, 64] cache whose 8 entries hold the 256 codes, twice, in two orders."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    cache = torch.cat([codes, codes.flip(0)]).view(2, 4, 64)
+    return cache if storage == torch.uint8 else cache.view(storage)
+
+
+def _all_codes_call(kv: str, storage, out_dtype, scale: float, device: str):
+    cache = _all_codes_cache(storage).to(device)
+    dst = torch.full((8, 64), 7.0, dtype=out_dtype, device=device)
+    bt = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    t2s = torch.zeros(8, dtype=torch.int32, device=device)
+    s = torch.tensor([scale], dtype=torch.float32, device=device)
+    return (cache, dst, bt, cu, t2s, 8, kv, s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", IMPLS[DEQUANT])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_code_under_special_scales(kv, out_dtype, impl, device):
+    """D(c, s) for all 256 codes and SPECIAL_SCALES (0, -0, negative, subnormal, huge, inf, NaN)
+    against the oracle, through gather_and_maybe_dequant_cache (block table order: block 1 then
+    block 0)."""
+    info = registry.get(DEQUANT, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    fmt = "e4m3" if kv == "fp8_e4m3" else "e5m2"
+    for storage in (torch.uint8, {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]):
+        for s in SPECIAL_SCALES:
+            args = _all_codes_call(kv, storage, out_dtype, s, device)
+            if (reason := info.unsupported(args[0], args[1], kvwrite.MlaMode(kv))) is not None:
+                pytest.skip(reason)
+            kvwrite.gather_and_maybe_dequant_cache(*args, implementation=impl)
+            cache = args[0].cpu().view(torch.uint8)
+            want = torch.empty(8, 64, dtype=out_dtype)
+            for t in range(8):
+                b, o = (1, t) if t < 4 else (0, t - 4)
+                bits = dequant_bits(cache[b, o].numpy(), fmt, s, out_dtype)
+                want[t].view({2: torch.int16, 4: torch.int32}[want.element_size()]).copy_(
+                    torch.from_numpy(bits.view({2: np.int16, 4: np.int32}[bits.itemsize])))
+            assert_outputs_equal(args[1], want, f"dst (scale {s}, {storage})", None)
+
+
+@pytest.mark.parametrize("impl, device", [
+    pytest.param(i, d, id=f"{i}-{d}", marks=[pytest.mark.gpu] if d == "cuda" else [])
+    for d in ("cpu", "cuda") for i in IMPLS[FLASH] if d == "cuda" or i != "cuda"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_code_under_per_head_special_scales(kv, out_dtype, impl, device):
+    """gather_cache_flash with one head per special scale (SPECIAL_SCALES as k_scale, reversed as
+    v_scale), every head holding all 256 codes (the value cache in reverse order), against the
+    oracle."""
+    info = registry.get(FLASH, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    fmt = "e4m3" if kv == "fp8_e4m3" else "e5m2"
+    h = len(SPECIAL_SCALES)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    kc = codes.repeat(h).view(1, 1, h, 256).to(device)
+    vc = codes.flip(0).repeat(h).view(1, 1, h, 256).to(device)
+    ks = torch.tensor(SPECIAL_SCALES, dtype=torch.float32, device=device)
+    vs = ks.flip(0).contiguous()
+    ko = torch.full((2, h, 256), 3.0, dtype=out_dtype, device=device)
+    vo = torch.full_like(ko, 3.0)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int64, device=device)
+    if (reason := info.unsupported(kc, ko, kvwrite.CacheDType(kv))) is not None:
+        pytest.skip(reason)
+    kvwrite.gather_cache_flash(kc, vc, ko, vo, bt, cu, kv, ks, vs, implementation=impl)
+    for cache, out, sc, name in ((kc, ko, ks, "key_out"), (vc, vo, vs, "value_out")):
+        want = torch.full((2, h, 256), 3.0, dtype=out_dtype)
+        ints = {2: torch.int16, 4: torch.int32}[want.element_size()]
+        nps = {2: np.int16, 4: np.int32}[want.element_size()]
+        for head in range(h):
+            bits = dequant_bits(cache[0, 0, head].cpu().numpy(), fmt, float(sc[head]), out_dtype)
+            want[0, head].view(ints).copy_(torch.from_numpy(bits.view(nps)))
+        assert_outputs_equal(out, want, f"{name} ({impl}, per-head special scales)", None)
+
+
+# --- validation: bad arguments raise and change nothing --------------------------------------------
+
+def _entry_base(kv="auto"):
+    case = EntryCase(kv_cache_dtype=kv, seqs=Seqs(starts=(1, 2, 3, 4, 5)), entry=(32,))
+    return case, make_entry_inputs(case)
+
+
+def _dq(kv="auto", **changes):
+    def make():
+        case, inp = _entry_base(kv)
+        a = inp.dequant_args(case)
+        names = ("src_cache", "dst", "block_table", "cu_seq_lens", "token_to_seq", "num_tokens",
+                 "kv_cache_dtype", "scale", "seq_starts")
+        args = dict(zip(names, a, strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return DEQUANT, args
+    return make
+
+
+def _cpv(**changes):
+    def make():
+        case = EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), entry=(4, 8), dtype=torch.float32)
+        inp = make_entry_inputs(case)
+        names = ("src_cache", "dst", "block_table", "cu_seq_lens", "batch_size", "seq_starts")
+        args = dict(zip(names, inp.cp_args(), strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return CP, args
+    return make
+
+
+def _up(**changes):
+    def make():
+        inp = make_upconvert_inputs(UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 5))))
+        names = ("src_cache", "dst", "block_table", "workspace_starts", "batch_size",
+                 "seq_starts")
+        args = dict(zip(names, inp.args(), strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return UPCONVERT, args
+    return make
+
+
+def _fl(kv="fp8", **changes):
+    def make():
+        case = FlashCase(kv_cache_dtype=kv, per_head_scale=True, seqs=Seqs(starts=(1, 2, 3, 4, 5)))
+        inp = make_flash_inputs(case)
+        names = ("key_cache", "value_cache", "key_out", "value_out", "block_table", "cu_seq_lens",
+                 "kv_cache_dtype", "k_scale", "v_scale", "seq_starts")
+        args = dict(zip(names, inp.args(case), strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return FLASH, args
+    return make
+
+
+def _ix(**changes):
+    def make():
+        inp = make_indexer_inputs(IndexerCase(scale_dtype=torch.float32))
+        names = ("kv_cache", "dst_k", "dst_scale", "block_table", "cu_seq_lens")
+        args = dict(zip(names, inp.args(), strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return INDEXER, args
+    return make
+
+
+BAD = [
+    # gather_and_maybe_dequant_cache
+    ("dq mode", _dq(kv_cache_dtype=lambda a: "int8"), ValueError, "kv_cache_dtype: expected one of"),
+    ("dq ds_mla", _dq(kv_cache_dtype=lambda a: "fp8_ds_mla"), ValueError, "kv_cache_dtype: expected 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got 'fp8_ds_mla'"),
+    ("dq cache type", _dq(src_cache=lambda a: 3), TypeError, "src_cache: expected a torch.Tensor"),
+    ("dq cache dims", _dq(src_cache=lambda a: a["src_cache"][0]), ValueError, "src_cache: expected 3 dims"),
+    ("dq dst dims", _dq(dst=lambda a: a["dst"][None]), ValueError, "dst: expected 2 dims"),
+    ("dq dst dtype", _dq(dst=lambda a: a["dst"].double()), ValueError, "dst: expected dtype float16, bfloat16 or float32"),
+    ("dq entry", _dq(dst=lambda a: a["dst"][:, :-1]), ValueError, "dst: expected a last dim of 32"),
+    ("dq dst stride", _dq(dst=lambda a: a["dst"].repeat(1, 2)[:, ::2]), ValueError, "dst: expected a unit-stride last dim"),
+    ("dq auto dtype", _dq(dst=lambda a: a["dst"].half()), ValueError, "src_cache: kv_cache_dtype='auto' expects the dtype of dst"),
+    ("dq fp8 dtype", _dq("fp8", src_cache=lambda a: a["src_cache"].view(torch.float8_e5m2)), ValueError, "src_cache: kv_cache_dtype='fp8_e4m3' expects a cache of dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("dq num_tokens big", _dq(num_tokens=lambda a: a["dst"].shape[0] + 1), ValueError, "num_tokens: expected at most dst.shape[0]"),
+    ("dq num_tokens neg", _dq(num_tokens=lambda a: -1), ValueError, "num_tokens: expected a non-negative int"),
+    ("dq num_tokens float", _dq(num_tokens=lambda a: 2.0), TypeError, "num_tokens: expected a non-negative int, got float"),
+    ("dq cu dtype", _dq(cu_seq_lens=lambda a: a["cu_seq_lens"].float()), ValueError, "cu_seq_lens: expected dtype int64 or int32"),
+    ("dq cu dims", _dq(cu_seq_lens=lambda a: a["cu_seq_lens"][None]), ValueError, "cu_seq_lens: expected 1 dim"),
+    ("dq cu empty", _dq(cu_seq_lens=lambda a: a["cu_seq_lens"][:0]), ValueError, "cu_seq_lens: expected at least 1 entries"),
+    ("dq table rows", _dq(block_table=lambda a: a["block_table"][:2]), ValueError, "block_table: expected at least 5 entries along dim 0"),
+    ("dq table dims", _dq(block_table=lambda a: a["block_table"][0]), ValueError, "block_table: expected 2 dims"),
+    ("dq seq_starts short", _dq(seq_starts=lambda a: a["seq_starts"][:4]), ValueError, "seq_starts: expected at least 5 entries"),
+    ("dq seq_starts dtype", _dq(seq_starts=lambda a: a["seq_starts"].short()), ValueError, "seq_starts: expected dtype int64 or int32"),
+    ("dq token_to_seq short", _dq(token_to_seq=lambda a: a["token_to_seq"][:3]), ValueError, "token_to_seq: expected at least"),
+    ("dq scale missing", _dq("fp8", scale=lambda a: None), ValueError, "scale: kv_cache_dtype='fp8_e4m3' needs a float32 tensor"),
+    ("dq scale dtype", _dq("fp8_e5m2", scale=lambda a: a["scale"].double()), ValueError, "scale: expected dtype float32"),
+    ("dq scale numel", _dq("fp8", scale=lambda a: a["scale"].repeat(2)), ValueError, "scale: expected 1 element"),
+    ("dq dst overlaps cache", _dq(dst=lambda a: a["src_cache"].view(-1, 32)[:a["dst"].shape[0]]), ValueError, "src_cache: expected memory apart from dst's"),
+    ("dq dst grad", _dq(dst=lambda a: a["dst"].clone().requires_grad_()), ValueError, "dst: expected a tensor that does not require grad"),
+    # cp_gather_cache
+    ("cp batch_size", _cpv(batch_size=lambda a: a["batch_size"] + 1), ValueError, "batch_size: expected cu_seq_lens.numel() - 1 = 5, got 6"),
+    ("cp entry shape", _cpv(dst=lambda a: a["dst"][:, :, :-1]), ValueError, "dst: expected shape [T_out, 4, 8]"),
+    ("cp dtype", _cpv(dst=lambda a: a["dst"].double()), ValueError, "dst: expected the dtype of src_cache"),
+    ("cp cache dims", _cpv(src_cache=lambda a: a["src_cache"][0, 0, 0]), ValueError, "src_cache: expected at least 2 dims"),
+    ("cp seq_starts device", _cpv(seq_starts=lambda a: a["seq_starts"].to("meta")), ValueError, "seq_starts: expected device cpu"),
+    ("cp dst self-overlap", _cpv(dst=lambda a: a["dst"][:, :1].expand(-1, 4, 8)), ValueError, "dst: expected every element in its own memory"),
+    # cp_gather_and_upconvert_fp8_kv_cache
+    ("up entry", _up(src_cache=lambda a: a["src_cache"][:, :, :576]), ValueError, "src_cache: expected shape [num_blocks, block_size, 656]"),
+    ("up e5m2", _up(src_cache=lambda a: a["src_cache"].view(torch.float8_e5m2)), ValueError, "src_cache: expected dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("up dst width", _up(dst=lambda a: a["dst"][:, :512]), ValueError, "dst: expected shape [T_out, 576]"),
+    ("up dst dtype", _up(dst=lambda a: a["dst"].float()), ValueError, "dst: expected dtype bfloat16 or float16"),
+    ("up ws short", _up(workspace_starts=lambda a: a["workspace_starts"][:4]), ValueError, "workspace_starts: expected at least 5 entries"),
+    ("up batch_size", _up(batch_size=lambda a: -2), ValueError, "batch_size: expected a non-negative int"),
+    ("up table rows", _up(batch_size=lambda a: 6, seq_starts=lambda a: None, workspace_starts=lambda a: torch.zeros(6, dtype=torch.int32)), ValueError, "block_table: expected at least 6 entries"),
+    # gather_cache_flash
+    ("fl mode", _fl(kv_cache_dtype=lambda a: "fp4"), ValueError, "kv_cache_dtype: expected one of"),
+    ("fl cache dims", _fl(key_cache=lambda a: a["key_cache"][0]), ValueError, "key_cache: expected 4 dims"),
+    ("fl v shape", _fl(value_cache=lambda a: a["value_cache"][:1]), ValueError, "value_cache: expected the shape of key_cache"),
+    ("fl v strides", _fl(value_cache=lambda a: a["value_cache"].clone(memory_format=torch.contiguous_format).transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "value_cache: expected the strides of key_cache"),
+    ("fl out heads", _fl(key_out=lambda a: a["key_out"][:, :2]), ValueError, "key_out: expected shape [T_out, 4, 32]"),
+    ("fl out dtypes", _fl(value_out=lambda a: a["value_out"].half()), ValueError, "value_out: expected the dtype of key_out"),
+    ("fl fp8 cache", _fl(key_cache=lambda a: a["key_cache"].view(torch.float8_e5m2), value_cache=lambda a: a["value_cache"].view(torch.float8_e5m2)), ValueError, "key_cache: kv_cache_dtype='fp8_e4m3' with torch.bfloat16 outputs expects a cache of dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("fl auto out dtype", _fl("auto", key_out=lambda a: a["key_out"].float(), value_out=lambda a: a["value_out"].float()), ValueError, "key_cache: kv_cache_dtype='auto' with torch.float32 outputs expects a cache of dtype torch.float32"),
+    ("fl k_scale numel", _fl(k_scale=lambda a: a["k_scale"][:2]), ValueError, "k_scale: expected 1 (per tensor) or 4 (per head) elements, got 2"),
+    ("fl v_scale none", _fl(v_scale=lambda a: None), ValueError, "v_scale: kv_cache_dtype='fp8_e4m3' needs a float32 tensor"),
+    ("fl outputs overlap", _fl(value_out=lambda a: a["key_out"]), ValueError, "value_out: expected memory apart from key_out's"),
+    ("fl out stride", _fl(key_out=lambda a: a["key_out"].repeat(1, 1, 2)[:, :, ::2]), ValueError, "key_out: expected a unit-stride last dim"),
+    # cp_gather_indexer_k_quant_cache
+    ("ix width", _ix(kv_cache=lambda a: a["kv_cache"][:, :, :-4]), ValueError, "kv_cache: expected shape [num_blocks, block_size, 132]"),
+    ("ix pages", _ix(kv_cache=lambda a: a["kv_cache"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "kv_cache: expected dense pages"),
+    ("ix k dtype", _ix(dst_k=lambda a: a["dst_k"].float()), ValueError, "dst_k: expected dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("ix scale dtype", _ix(dst_scale=lambda a: a["dst_scale"].half()), ValueError, "dst_scale: expected dtype torch.uint8 or torch.float32"),
+    ("ix scale bytes", _ix(dst_scale=lambda a: torch.zeros(a["dst_k"].shape[0], 3, dtype=torch.uint8)), ValueError, "dst_scale: expected [T_out, 4 * G] bytes"),
+    ("ix scale rows", _ix(dst_scale=lambda a: a["dst_scale"][:-1]), ValueError, "dst_scale: expected"),
+    ("ix cu short", _ix(cu_seq_lens=lambda a: a["cu_seq_lens"][:-1]), ValueError, "cu_seq_lens: expected at least 6 entries"),
+    ("ix cache dtype", _ix(kv_cache=lambda a: a["kv_cache"].view(torch.int8)), ValueError, "kv_cache: expected dtype torch.uint8"),
+]
+
+
+@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
+    op, args = make()
+    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(exc, match=re.escape(text)):
+        getattr(kvwrite, op)(**args)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
+
+
+def test_scale_is_not_read_where_the_mode_copies():
+    case, inp = _entry_base("auto")
+    want = clone_tensor(inp.dst)
+    a = list(inp.dequant_args(case))
+    a[1] = want
+    a[7] = None
+    kvwrite.gather_and_maybe_dequant_cache(*a)
+    kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case)[:7],
+                                           torch.full((3,), float("nan")), inp.req.seq_starts)
+    assert_outputs_equal(inp.dst, want, "dst")
+
+
+def test_named_implementation_that_cannot_run_says_why():
+    case, inp = _entry_base()
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run this call"):
+        kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="cuda")
+    with pytest.raises(ValueError, match="implementation: expected one of"):
+        kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="nope")
+
+
+def test_implementations_are_registered():
+    for op in OPS:
+        assert {s.name for s in kvwrite.implementations("cpu", op)} == {"torch", "triton", "cuda"}
+
+
+# --- the checker can fail ---------------------------------------------------------------------------
+
+def _torch(op):
+    import importlib
+    return importlib.import_module(f"kvwrite.ops.{op}.reference")
+
+
+# The references' own run functions (the wrong implementations below replace them).
+_REF = {op: _torch(op).run for op in OPS}
+
+
+def _skip_last_request(src_cache, dst, block_table, cu_seq_lens, seq_starts, num_tokens, mode,
+                       scale):
+    _REF[DEQUANT](src_cache, dst, block_table, cu_seq_lens[:-1], seq_starts, num_tokens, mode,
+                  scale)
+
+
+def _ignores_seq_starts(src_cache, dst, block_table, cu_seq_lens, seq_starts):
+    _REF[CP](src_cache, dst, block_table, cu_seq_lens, None)
+
+
+def _tile_scales_shifted(src_cache, dst, block_table, ws, num_req, seq_starts):
+    """Dequantizes tile j with the scale of tile j + 1 (mod 4)."""
+    ref = _torch(UPCONVERT)
+    real = ref.fp8_dequant
+
+    def wrong(codes, fp8, s, out):
+        return real(codes, fp8, s.roll(1, dims=1), out)
+    ref.fp8_dequant = wrong
+    try:
+        _REF[UPCONVERT](src_cache, dst, block_table, ws, num_req, seq_starts)
+    finally:
+        ref.fp8_dequant = real
+
+
+def _saturates(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, seq_starts,
+               cache_dtype, k_scale, v_scale):
+    """Clamps the dequantized values to the output's finite range (the read rule does not)."""
+    _REF[FLASH](key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, seq_starts,
+                cache_dtype, k_scale, v_scale)
+    fin = torch.finfo(key_out.dtype).max
+    for out in (key_out, value_out):
+        out.copy_(out.clamp(-fin, fin))
+
+
+def _table_bounds_unchecked(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
+    """Reads block ids modulo num_blocks (a kernel that wraps instead of skipping)."""
+    _REF[INDEXER](kv_cache, dst_k, dst_scale, block_table.remainder(kv_cache.shape[0]),
+                  cu_seq_lens)
+
+
+def _whole_rows(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
+    """Reads the scales from the entry's own row (the [bs, D + 4G] shape) instead of the page's
+    scale region."""
+    nb, bs, width = kv_cache.shape
+    d = dst_k.shape[1]
+    from kvwrite.gather import request_rows
+    t, blk, off = request_rows(cu_seq_lens, None, block_table, block_table.shape[0],
+                               dst_k.shape[0], bs, nb)
+    dst_k.view(torch.uint8)[t] = kv_cache[blk, off, :d]
+    dst_scale.view(torch.uint8)[t] = kv_cache[blk, off, d:].reshape(-1, *dst_scale.view(
+        torch.uint8).shape[1:])
+
+
+WRONG = [
+    (DEQUANT, _skip_last_request, DEQUANT_CASES[1], "dequant-skips-last-request"),
+    (CP, _ignores_seq_starts, CP_CASES[1], "cp-ignores-seq-starts"),
+    (UPCONVERT, _tile_scales_shifted, UpconvertCase(), "upconvert-tile-scales"),
+    (FLASH, _saturates, FlashCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float16), "flash-saturates"),
+    (INDEXER, _table_bounds_unchecked, IndexerCase(seqs=BAD_IDS), "indexer-wraps-block-ids"),
+    (INDEXER, _whole_rows, IndexerCase(), "indexer-row-layout"),
+]
+
+
+@pytest.mark.parametrize("op, broken, case, name", WRONG, ids=[w[3] for w in WRONG])
+def test_checker_rejects_wrong_implementations(op, broken, case, name, monkeypatch):
+    """A deliberately wrong implementation, registered in place of the torch one, fails the same
+    comparison the tests above make."""
+    mod = _torch(op)
+    monkeypatch.setattr(mod, "run", broken)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        if op == DEQUANT:
+            test_dequant_implementations("torch", case, "cpu")
+        elif op == CP:
+            test_cp_implementations("torch", case, "cpu")
+        elif op == UPCONVERT:
+            test_upconvert_implementations("torch", case, "cpu")
+        elif op == FLASH:
+            test_flash_implementations("torch", case, "cpu")
+        else:
+            test_indexer_implementations("torch", case, "cpu")
+
+
+# --- CUDA graphs and torch.compile (GPU) -----------------------------------------------------------
+
+def _graph_replay(impl, op, build, args_of, outs_of, expect):
+    """Capture a call, then change the index tensors (and scales) in place: the replay writes
+    what an eager call on the new values writes."""
+    info = registry.get(op, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    first, second = build(0), build(1)
+    fn = getattr(kvwrite, op)
+    fn(*args_of(first), implementation=impl)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args_of(first), implementation=impl)
+    for a, b in zip(args_of(first), args_of(second), strict=True):
+        if isinstance(a, torch.Tensor):
+            storage_bytes(a).copy_(storage_bytes(b))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs_of(first), expect(second), strict=True):
+        assert_outputs_equal(got, want, f"{op} replay ({impl})", None)
+
+
+def _graph_seqs(seed: int) -> Seqs:
+    """Same shapes, new values: lengths, starts and block ids differ between seeds."""
+    lens = (7, 0, 30, 2, 11) if seed == 0 else (1, 25, 3, 0, 12)
+    starts = (2, 0, 13, 40, 5) if seed == 0 else (30, 1, -2, 7, 0)
+    return Seqs(lens=lens, starts=starts, rows_past=3 if seed == 0 else 12, num_blocks=20,
+                max_blocks=4, bad_blocks=(-1,) if seed == 0 else (20, 99))
+
+
+GRAPH_IMPLS = lambda op: [i.name for i in registry.all_impls(op) if i.graph_safe]  # noqa: E731
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GRAPH_IMPLS(DEQUANT))
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gpu_graph_dequant(impl, kv):
+    def build(seed):
+        case = EntryCase(seqs=_graph_seqs(seed), kv_cache_dtype=kv, seed=seed,
+                         scale=0.37 if seed == 0 else 2.5)
+        return case, make_entry_inputs(case, "cuda")
+
+    def expect(ci):
+        case, inp = ci
+        want = clone_tensor(inp.dst)
+        a = list(inp.dequant_args(case))
+        a[1] = want
+        kvwrite.gather_and_maybe_dequant_cache(*a, implementation="torch")
+        return (want,)
+    _graph_replay(impl, DEQUANT, build, lambda ci: ci[1].dequant_args(ci[0]),
+                  lambda ci: (ci[1].dst,), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GRAPH_IMPLS(UPCONVERT))
+def test_gpu_graph_upconvert(impl):
+    def build(seed):
+        return make_upconvert_inputs(UpconvertCase(seqs=_graph_seqs(seed), seed=seed), "cuda")
+
+    def expect(inp):
+        want = clone_tensor(inp.dst)
+        kvwrite.cp_gather_and_upconvert_fp8_kv_cache(inp.args()[0], want, *inp.args()[2:],
+                                                     implementation="torch")
+        return (want,)
+    _graph_replay(impl, UPCONVERT, build, lambda i: i.args(), lambda i: (i.dst,), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GRAPH_IMPLS(FLASH))
+@pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])
+def test_gpu_graph_flash(impl, kv):
+    def build(seed):
+        case = FlashCase(seqs=_graph_seqs(seed), kv_cache_dtype=kv, per_head_scale=True,
+                         seed=seed, layout=Layout.HND, alloc=KVAlloc.PACKED)
+        return case, make_flash_inputs(case, "cuda")
+
+    def expect(ci):
+        case, inp = ci
+        ko, vo = clone_tensor(inp.key_out), clone_tensor(inp.value_out)
+        a = list(inp.args(case))
+        a[2], a[3] = ko, vo
+        kvwrite.gather_cache_flash(*a, implementation="torch")
+        return ko, vo
+    _graph_replay(impl, FLASH, build, lambda ci: ci[1].args(ci[0]),
+                  lambda ci: (ci[1].key_out, ci[1].value_out), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GRAPH_IMPLS(CP))
+def test_gpu_graph_cp(impl):
+    def build(seed):
+        return make_entry_inputs(EntryCase(seqs=_graph_seqs(seed), seed=seed, entry=(8, 24),
+                                           entry_perm=(1, 0)), "cuda")
+
+    def expect(inp):
+        want = clone_tensor(inp.dst)
+        a = list(inp.cp_args())
+        a[1] = want
+        kvwrite.cp_gather_cache(*a, implementation="torch")
+        return (want,)
+    _graph_replay(impl, CP, build, lambda i: i.cp_args(), lambda i: (i.dst,), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GRAPH_IMPLS(INDEXER))
+def test_gpu_graph_indexer(impl):
+    def build(seed):
+        s = dataclasses.replace(_graph_seqs(seed), starts=None)
+        return make_indexer_inputs(IndexerCase(seqs=s, seed=seed, scale_dtype=torch.float32),
+                                   "cuda")
+
+    def expect(inp):
+        k, s = clone_tensor(inp.dst_k), clone_tensor(inp.dst_scale)
+        kvwrite.cp_gather_indexer_k_quant_cache(inp.kv_cache, k, s, *inp.args()[3:],
+                                                implementation="torch")
+        return k, s
+    _graph_replay(impl, INDEXER, build, lambda i: i.args(), lambda i: (i.dst_k, i.dst_scale),
+                  expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_torch_compile_sees_one_mutating_custom_op(op, device):
+    """Each gather stays one opaque custom op under torch.compile (its default implementation on
+    the device), and the compiled call writes the reference's bytes."""
+    impl = "torch" if device == "cpu" else None
+    seqs = Seqs(starts=None) if op == INDEXER else Seqs(starts=(1, 2, 3, 4, 5))
+    if op in (DEQUANT, CP):
+        case = EntryCase(seqs=seqs, kv_cache_dtype="fp8" if op == DEQUANT else "auto")
+        build = lambda: make_entry_inputs(case, device)  # noqa: E731
+        args_of = (lambda i: i.dequant_args(case)) if op == DEQUANT else (lambda i: i.cp_args())
+        outs = lambda i: (i.dst,)  # noqa: E731
+        want = (_dequant_expected(case),) if op == DEQUANT else (_cp_expected(case),)
+    elif op == UPCONVERT:
+        case = UpconvertCase(seqs=seqs)
+        build = lambda: make_upconvert_inputs(case, device)  # noqa: E731
+        args_of, outs = (lambda i: i.args()), (lambda i: (i.dst,))
+        want = (_upconvert_expected(case),)
+    elif op == FLASH:
+        case = FlashCase(seqs=seqs, kv_cache_dtype="fp8", per_head_scale=True)
+        build = lambda: make_flash_inputs(case, device)  # noqa: E731
+        args_of, outs = (lambda i: i.args(case)), (lambda i: (i.key_out, i.value_out))
+        want = _flash_expected(case)
+    else:
+        case = IndexerCase(seqs=seqs)
+        build = lambda: make_indexer_inputs(case, device)  # noqa: E731
+        args_of, outs = (lambda i: i.args()), (lambda i: (i.dst_k, i.dst_scale))
+        want = _indexer_expected(case)
+    fn = getattr(kvwrite, op)
+
+    def compiled(inp, compile_fn):
+        args = list(args_of(inp))
+        pos = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def step(*ts):
+            full = list(args)
+            for k, t in zip(pos, ts, strict=True):
+                full[k] = t
+            fn(*full, implementation=impl)
+        return compile_fn(step, *[args[k] for k in pos])
+
+    assert compiled(build(), compiled_targets) == [f"kvwrite.{op}"]
+    inp = build()
+    torch._dynamo.reset()
+    compiled(inp, lambda f, *ts: torch.compile(f, fullgraph=True, backend="aot_eager")(*ts))
+    nan = {DEQUANT: None, FLASH: None, UPCONVERT: slice(0, 512)}.get(op, False)
+    for got, w in zip(outs(inp), want, strict=True):
+        assert_outputs_equal(got, w, f"{op} compiled", nan)

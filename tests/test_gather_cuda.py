@@ -1,0 +1,456 @@
+"""The gathers' CUDA kernels (docs/ops/gather.md): without a GPU, NVRTC compiles of every variant
+of the five kernels, the specialized builds of the test cases (none reads a fixed argument from
+the parameter bank), the PDL builds' wait before any memory access (SASS), the fp8 read rule
+compiled as host C++ against PyTorch on all 256 codes and special scales, and the launch plans;
+on the GPU, the generic builds, the global-memory search (batches past the shared-memory
+capacity, forced and real), every rows-per-warp shape, large calls and the sanitize cases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib
+import importlib.resources
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+import sass as sass_tools
+from kvwrite.kernels import gather_cuda
+from kvwrite.testing.gather import (
+    SPECIAL_SCALES,
+    EntryCase,
+    FlashCase,
+    IndexerCase,
+    Seqs,
+    UpconvertCase,
+    assert_outputs_equal,
+    big_batch,
+    clone_tensors,
+    make_entry_inputs,
+    make_flash_inputs,
+    make_indexer_inputs,
+    make_upconvert_inputs,
+    mixed_seqs,
+)
+
+OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
+       "gather_cache_flash", "cp_gather_indexer_k_quant_cache")
+# Pointer arguments before the 4 per-call scalars (T_out, B, shared rows, rows per warp).
+POINTERS = {"gather_and_maybe_dequant_cache": 9, "cp_gather_cache": 9, "gather_cache_flash": 9,
+            "cp_gather_and_upconvert_fp8_kv_cache": 5, "cp_gather_indexer_k_quant_cache": 5}
+MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG", "LDS",
+              "STS")
+
+
+def _cuda(op: str):
+    return importlib.import_module(f"kvwrite.ops.{op}.cuda_impl")
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # missing or broken install
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+# One call per op (its inputs on the CPU: a plan needs no GPU).
+def _calls():
+    seqs = Seqs(starts=(1, 2, 3, 4, 5), cu_dtype=torch.int64, strided=True)
+    e = make_entry_inputs(EntryCase(seqs=seqs, kv_cache_dtype="fp8_e5m2"))
+    c = make_entry_inputs(EntryCase(seqs=seqs, entry=(4, 8), dtype=torch.float32,
+                                    entry_perm=(1, 0)))
+    u = make_upconvert_inputs(UpconvertCase(seqs=seqs))
+    fc = FlashCase(seqs=seqs, kv_cache_dtype="fp8", per_head_scale=True)
+    f = make_flash_inputs(fc)
+    i = make_indexer_inputs(IndexerCase(scale_dtype=torch.float32))
+    from kvwrite.dtypes import CacheDType
+    return {
+        "gather_and_maybe_dequant_cache": lambda: _cuda(OPS[0]).plan(
+            e.src_cache, e.dst, e.req.block_table, e.req.cu_seq_lens, e.req.seq_starts,
+            kvwrite.MlaMode.FP8_E5M2),
+        "cp_gather_cache": lambda: _cuda(OPS[1]).plan(c.src_cache, c.dst, c.req.block_table,
+                                                      c.req.cu_seq_lens, c.req.seq_starts),
+        "cp_gather_and_upconvert_fp8_kv_cache": lambda: _cuda(OPS[2]).plan(
+            u.src_cache, u.dst, u.req.block_table, u.req.workspace_starts, u.req.seq_starts),
+        "gather_cache_flash": lambda: _cuda(OPS[3]).plan(
+            f.key_cache, f.value_cache, f.key_out, f.value_out, f.req.block_table,
+            f.req.cu_seq_lens, f.req.seq_starts, CacheDType.FP8_E4M3, f.k_scale, f.v_scale),
+        "cp_gather_indexer_k_quant_cache": lambda: _cuda(OPS[4]).plan(
+            i.kv_cache, i.dst_k, i.dst_scale, i.req.block_table, i.req.cu_seq_lens),
+    }
+
+
+@pytest.fixture(scope="module")
+def every_variant(tmp_path_factory):
+    """{op: (names, {name: SASS listing})}: every variant of each kernel compiled in one NVRTC
+    program for sm_90 (compiled once for the tests below)."""
+    if _nvrtc_reason() is not None:
+        pytest.skip(_nvrtc_reason())
+    out = {}
+    d = tmp_path_factory.mktemp("gather_sass")
+    for op in OPS:
+        mod = _cuda(op)
+        names = mod.all_kernel_names()
+        obj, _ = mod.compile_kernel("sm_90", names)  # one program: raises if any fails
+        listings = {}
+        if sass_tools.cuobjdump() is not None:
+            funcs = sass_tools.function_listings(sass_tools.dump_sass(bytes(obj.code), d))
+            listings = {n: funcs[obj.symbol_mapping[n].decode()
+                                 if isinstance(obj.symbol_mapping[n], bytes)
+                                 else obj.symbol_mapping[n]] for n in names}
+        out[op] = (names, listings, len(bytes(obj.code)))
+    return out
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("op", OPS)
+def test_nvrtc_compiles_every_variant_for_sm90(op, every_variant):
+    names, listings, size = every_variant[op]
+    assert size > 0 and len(set(names)) == len(names)
+    assert len(names) == {"gather_and_maybe_dequant_cache": 17, "cp_gather_cache": 20,
+                          "cp_gather_and_upconvert_fp8_kv_cache": 10, "gather_cache_flash": 17,
+                          "cp_gather_indexer_k_quant_cache": 15}[op]
+    if listings:
+        assert len(listings) == len(names)
+
+
+def _param_reads(listing: str) -> set[int]:
+    return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", listing)}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("op", OPS)
+def test_specialized_build_reads_no_fixed_argument(op, every_variant, tmp_path):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: the pointers, T_out, B, the
+    shared rows and the rows per warp, then the fixed arguments. The build with them compiled in
+    reads none of them; the generic build of the same variant reads them (the check can fail);
+    both read T_out."""
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    name, fixed = _calls()[op]()
+    mod = _cuda(op)
+    obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed)
+    special = _param_reads(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+    generic = _param_reads(every_variant[op][1][name])
+    t_out = 0x210 + 8 * POINTERS[op]
+    first, end = t_out + 8 * 4, t_out + 8 * (4 + len(fixed))
+    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
+    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    assert t_out in special, sorted(map(hex, special))
+    with pytest.raises(RuntimeError, match=f"{len(fixed)} values"):
+        mod.compile_kernel("sm_90", name, fixed=fixed[:-1])
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("op", OPS)
+def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
+    """sm_90: the PDL builds (a generic variant and the specialized build of the test call)
+    trigger the next kernel (PREEXIT) and wait for the previous one (ACQBULK) before their first
+    memory access, shared memory included; the plain build does neither."""
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
+    mod = _cuda(op)
+    name, fixed = _calls()[op]()
+    names = [n for n in mod.all_kernel_names()[:1] if n != name]
+    for fx, ns in ((None, names), (fixed, [name])):
+        obj, _ = mod.compile_kernel("sm_90", ns, fixed=fx, macros=(nvrtc.PDL_MACRO,))
+        funcs = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+        assert len(funcs) == len(ns)
+        for fn, ops in funcs.items():
+            first = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (fn, ops[:40])
+    obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed)
+    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+
+
+# --- the fp8 read rule as host C++ --------------------------------------------------------------
+
+_HARNESS = r"""
+#include "kvw/fp8_read.cuh"  // the shared read rule, as the gather kernels include it
+extern "C" {
+void kvw_fp8_dequant(int e5m2, const unsigned char* c, float s, float* out, long long n) {
+  for (long long i = 0; i < n; ++i)
+    out[i] = e5m2 ? fp8_dequant<DT_E5M2>(c[i], s) : fp8_dequant<DT_E4M3>(c[i], s);
+}
+void kvw_fp8_dequant_any(int e5m2, const unsigned char* c, float s, float* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = fp8_dequant_any(c[i], s, e5m2 != 0);
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def read_rule_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the read-rule harness")
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    d = tmp_path_factory.mktemp("fp8read")
+    (d / "harness.cpp").write_text(_HARNESS)
+    lib = d / "libkvwfp8read.so"
+    # -ffp-contract=off: a*b stays one rounded product, as mul.rn.f32 on the GPU.
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
+                    f"-I{include}", str(d / "harness.cpp"), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    for f in (so.kvw_fp8_dequant, so.kvw_fp8_dequant_any):
+        f.restype = None
+        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                      ctypes.c_longlong]
+    return so
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_read_rule_in_cxx_matches_pytorch_on_every_code(read_rule_lib, fmt):
+    """kvw/fp8_read.cuh's D(c, s) (float32, before the output rounding) equals PyTorch's
+    ``code.view(float8).float() * s`` bit for bit on all 256 codes under SPECIAL_SCALES and a few
+    ordinary ones (NaN as NaN), through both entry points."""
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    scales = list(SPECIAL_SCALES) + [0.001, 17.25, 2.0**-140, -7e-39, 1.5e-45]
+    for s in scales:
+        want = (codes.view(dt).float() * torch.tensor(s, dtype=torch.float32)).numpy()
+        for fn in (read_rule_lib.kvw_fp8_dequant, read_rule_lib.kvw_fp8_dequant_any):
+            got = np.empty(256, dtype=np.float32)
+            fn(int(fmt == "e5m2"), codes.numpy().ctypes.data, s, got.ctypes.data, 256)
+            assert np.array_equal(np.isnan(got), np.isnan(want)), s
+            ok = ~np.isnan(want)
+            bad = np.nonzero(got[ok].view(np.uint32) != want[ok].view(np.uint32))[0]
+            assert bad.size == 0, (f"scale {s}: codes {np.arange(256)[ok][bad[:6]]}: got "
+                                   f"{got[ok][bad[:6]]}, want {want[ok][bad[:6]]}")
+
+
+# --- launch plans ----------------------------------------------------------------------------------
+
+def test_rows_per_warp_spread_small_calls_and_amortize_large_ones():
+    t = gather_cuda.TUNING
+    assert gather_cuda.rows_per_warp(1024, 132, t) == 1      # 256 CTAs of 4 rows
+    assert gather_cuda.rows_per_warp(65536, 132, t) == 16    # 1024 CTAs of 64 rows
+    assert gather_cuda.rows_per_warp(1 << 22, 132, t) == 32  # capped
+    assert gather_cuda.rows_per_warp(1, 132, t) == 1
+    assert gather_cuda.rows_per_warp(5, 132, gather_cuda.CudaTuning(ctas_per_sm=0)) == 32
+    assert gather_cuda.uses_smem(2047) and not gather_cuda.uses_smem(2048)
+    assert not gather_cuda.uses_smem(3, gather_cuda.CudaTuning(smem_rows=0))
+
+
+def test_entry_plan_picks_the_widest_aligned_chunk():
+    plan = gather_cuda.entry_plan
+    kw = dict(outer=[], cache_strides=(16 * 1152, 1152), dst_row_strides=(1152, 0),
+              num_tensors=1, per_head=0, src_align=16, dst_align=16)
+    assert plan(conv=gather_cuda.DT_COPY, out_dtype=None, in_es=2, run=576, **kw).vb == 16
+    p = plan(conv=gather_cuda.DT_E5M2, out_dtype=torch.bfloat16, in_es=1, run=576, **kw)
+    assert (p.conv, p.vb, p.fixed[-1]) == (gather_cuda.DT_E4M3, 8, 1)  # e5m2: a fixed argument
+    assert plan(conv=gather_cuda.DT_COPY, out_dtype=None, in_es=2, run=7,
+                **kw).vb == 2  # 14 bytes
+    assert plan(conv=gather_cuda.DT_E4M3, out_dtype=torch.float32, in_es=1, run=576,
+                **{**kw, "dst_align": 8}).vb == 2  # 8-byte rows: 2 codes -> 8 bytes
+    assert plan(conv=gather_cuda.DT_COPY, out_dtype=None, in_es=1, run=576,
+                **{**kw, "src_align": 1}).vb == 1
+
+
+def test_every_case_plans_a_compiled_variant():
+    """The plan of each op's test call names one of all_kernel_names() (so the every-variant
+    compile covers what runs), with the fixed-argument count the kernel expects."""
+    counts = {"gather_and_maybe_dequant_cache": 29, "cp_gather_cache": 29,
+              "gather_cache_flash": 29, "cp_gather_and_upconvert_fp8_kv_cache": 12,
+              "cp_gather_indexer_k_quant_cache": 20}
+    for op, call in _calls().items():
+        name, fixed = call()
+        assert name in _cuda(op).all_kernel_names(), (op, name)
+        assert len(fixed) == counts[op], (op, len(fixed))
+
+
+def test_cuda_unavailable_on_cpu_says_why():
+    for op in OPS:
+        assert "CUDA devices only" in kvwrite.registry.get(op, "cuda").available("cpu")
+
+
+# --- GPU: the other builds and paths --------------------------------------------------------------
+
+def _gpu(op: str):
+    info = kvwrite.registry.get(op, "cuda")
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    return _cuda(op)
+
+
+def _tuned_runs(op: str, tuning):
+    """(inputs builder, runner, expected) over a part of the matrix, running cuda_impl.run with
+    ``tuning``."""
+    import test_gather as tg
+    mod = _cuda(op)
+    if op == "gather_and_maybe_dequant_cache":
+        for case in tg.DEQUANT_CASES[::2]:
+            inp = make_entry_inputs(case, "cuda")
+            mode, nr, nt = kvwrite.ops.gather_and_maybe_dequant_cache.validate(
+                *inp.dequant_args(case))
+            if nr and nt:
+                mod.run(inp.src_cache, inp.dst, inp.req.block_table, inp.req.cu_seq_lens,
+                        inp.req.seq_starts, nt, mode, inp.scale if mode.uses_scale else None,
+                        tuning=tuning)
+            yield case.id, ((inp.dst, tg._dequant_expected(case), None if case.fp8 else False),)
+    elif op == "cp_gather_cache":
+        for case in tg.CP_CASES[::2]:
+            inp = make_entry_inputs(case, "cuda")
+            nr = kvwrite.ops.cp_gather_cache.validate(*inp.cp_args())
+            if nr and inp.dst.numel() and mod.unsupported(inp.src_cache, inp.dst) is None:
+                mod.run(inp.src_cache, inp.dst, inp.req.block_table, inp.req.cu_seq_lens,
+                        inp.req.seq_starts, tuning=tuning)
+                yield case.id, ((inp.dst, tg._cp_expected(case), False),)
+    elif op == "cp_gather_and_upconvert_fp8_kv_cache":
+        for case in tg.UPCONVERT_CASES[::2]:
+            inp = make_upconvert_inputs(case, "cuda")
+            nr = kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache.validate(*inp.args())
+            if nr and inp.dst.shape[0]:
+                mod.run(*inp.args()[:4], nr, inp.req.seq_starts, tuning=tuning)
+            yield case.id, ((inp.dst, tg._upconvert_expected(case), slice(0, 512)),)
+    elif op == "gather_cache_flash":
+        for case in tg.FLASH_CASES[::2]:
+            inp = make_flash_inputs(case, "cuda")
+            cd, nr = kvwrite.ops.gather_cache_flash.validate(*inp.args(case))
+            if nr and inp.key_out.numel():
+                ks, vs = (inp.k_scale, inp.v_scale) if cd.is_fp8 else (None, None)
+                mod.run(inp.key_cache, inp.value_cache, inp.key_out, inp.value_out,
+                        inp.req.block_table, inp.req.cu_seq_lens, inp.req.seq_starts, cd, ks, vs,
+                        tuning=tuning)
+            nan = None if cd.is_fp8 else False
+            wk, wv = tg._flash_expected(case)
+            yield case.id, ((inp.key_out, wk, nan), (inp.value_out, wv, nan))
+    else:
+        for case in tg.INDEXER_CASES[::2]:
+            inp = make_indexer_inputs(case, "cuda")
+            nr = kvwrite.ops.cp_gather_indexer_k_quant_cache.validate(*inp.args())
+            if nr and inp.dst_k.shape[0]:
+                mod.run(*inp.args(), tuning=tuning)
+            wk, ws = tg._indexer_expected(case)
+            yield case.id, ((inp.dst_k, wk, False), (inp.dst_scale, ws, False))
+
+
+TUNINGS = {
+    "generic": gather_cuda.CudaTuning(specialize=False),
+    "global-search": gather_cuda.CudaTuning(smem_rows=0),
+    "generic-global-search": gather_cuda.CudaTuning(specialize=False, smem_rows=0),
+    "one-row-per-warp": gather_cuda.CudaTuning(max_rows_per_warp=1),
+    "32-rows-per-warp": gather_cuda.CudaTuning(ctas_per_sm=0),
+    "no-pdl": gather_cuda.CudaTuning(pdl_max_ctas=0),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_cuda_builds_and_paths(op, tuning):
+    """Every other build and path of the cuda kernels over half of each op's matrix: the generic
+    builds (runtime arguments), the binary search of global memory (batches past the shared
+    memory's starts, forced), one and 32 rows per warp, without PDL."""
+    _gpu(op)
+    for case_id, checks in _tuned_runs(op, TUNINGS[tuning]):
+        torch.cuda.synchronize()
+        for got, want, nan in checks:
+            assert_outputs_equal(got, want, f"{case_id} ({tuning})", nan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_req", [2047, 2048, 5000])
+@pytest.mark.parametrize("decreasing", [False, True], ids=["monotone", "decreasing"])
+def test_gpu_batches_either_side_of_the_shared_memory(num_req, decreasing):
+    """B = 2047 keeps its starts in shared memory, 2048 and 5000 search global memory; the
+    decreasing variant moves the first 100 requests' rows after all others (cu_seq_lens drops
+    back: no request owns a row twice), which takes the scan where the search misses."""
+    for op in ("gather_and_maybe_dequant_cache", "gather_cache_flash"):
+        _gpu(op)
+    seqs = big_batch(num_req, rows_past=9, bad_blocks=(-1, 200), cu_dtype=torch.int64)
+    if decreasing:
+        lens = list(seqs.lens)
+        head = sum(lens[:100])
+        seqs = dataclasses.replace(seqs, lens=tuple(lens[:100] + [-head - sum(lens[100:])]
+                                                    + lens[100:]),
+                                   starts=(*seqs.starts[:100], 0, *seqs.starts[100:]),
+                                   first=sum(lens[100:]), rows_past=9)
+    case = EntryCase(seqs=seqs, kv_cache_dtype="fp8", dtype=torch.float16, entry=(64,))
+    inp = make_entry_inputs(case, "cuda")
+    kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="cuda")
+    cpu = make_entry_inputs(case)
+    kvwrite.gather_and_maybe_dequant_cache(*cpu.dequant_args(case), implementation="torch")
+    assert_outputs_equal(inp.dst, cpu.dst, f"dst (B = {seqs.num_req})", None)
+    fc = FlashCase(seqs=seqs, num_heads=2, head_size=16, layout=kvwrite.Layout.HND,
+                   alloc=kvwrite.KVAlloc.INTERLEAVED)
+    f, fcpu = make_flash_inputs(fc, "cuda"), make_flash_inputs(fc)
+    kvwrite.gather_cache_flash(*f.args(fc), implementation="cuda")
+    kvwrite.gather_cache_flash(*fcpu.args(fc), implementation="torch")
+    assert_outputs_equal(f.key_out, fcpu.key_out, f"key_out (B = {seqs.num_req})")
+    assert_outputs_equal(f.value_out, fcpu.value_out, f"value_out (B = {seqs.num_req})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_large_calls(op, impl):
+    """MLA chunked prefill's shape at size: a few long sequences and many short ones (about 20000
+    rows, more than one wave of CTAs), every op, against the torch implementation on the GPU."""
+    info = kvwrite.registry.get(op, impl)
+    if (reason := info.available("cuda")) is not None:
+        pytest.skip(reason)
+    seqs = mixed_seqs(long=(9000, 4000, 2500), short=400, max_short=20, num_blocks=1400,
+                      block_size=16, context=op != "cp_gather_indexer_k_quant_cache",
+                      bad_blocks=(-1, 1400))
+    fn = getattr(kvwrite, op)
+    if op in ("gather_and_maybe_dequant_cache", "cp_gather_cache"):
+        case = EntryCase(seqs=seqs, kv_cache_dtype="fp8" if op[0] == "g" else "auto")
+        inp = make_entry_inputs(case, "cuda")
+        args = inp.dequant_args(case) if op[0] == "g" else inp.cp_args()
+        outs, nan = (inp.dst,), (None if op[0] == "g" else False)
+        swap = {1: 0}
+    elif op == "cp_gather_and_upconvert_fp8_kv_cache":
+        inp = make_upconvert_inputs(UpconvertCase(seqs=seqs), "cuda")
+        args, outs, nan, swap = inp.args(), (inp.dst,), slice(0, 512), {1: 0}
+    elif op == "gather_cache_flash":
+        case = FlashCase(seqs=seqs, num_heads=8, head_size=64, kv_cache_dtype="fp8",
+                         per_head_scale=True, layout=kvwrite.Layout.HND,
+                         alloc=kvwrite.KVAlloc.INTERLEAVED)
+        inp = make_flash_inputs(case, "cuda")
+        args, outs, nan, swap = inp.args(case), (inp.key_out, inp.value_out), None, {2: 0, 3: 1}
+    else:
+        inp = make_indexer_inputs(IndexerCase(seqs=seqs, scale_dtype=torch.float32), "cuda")
+        args, outs, nan, swap = inp.args(), (inp.dst_k, inp.dst_scale), False, {1: 0, 2: 1}
+    want = clone_tensors(*outs)
+    ref_args = list(args)
+    for pos, k in swap.items():
+        ref_args[pos] = want[k]
+    fn(*ref_args, implementation="torch")
+    fn(*args, implementation=impl)
+    for got, w in zip(outs, want, strict=True):
+        assert_outputs_equal(got, w, f"{op} large ({impl})", nan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_sanitize_cases(op):
+    """Each op's memcheck cases (``ops/<op>/sanitize.py``) pass without the memory checker too."""
+    _gpu(op)
+    mod = importlib.import_module(f"kvwrite.ops.{op}.sanitize")
+    failed = [(cid, msg) for cid, fn in mod.cases() if (msg := fn()) is not None]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_sanitize_cases_are_listed(op):
+    mod = importlib.import_module(f"kvwrite.ops.{op}.sanitize")
+    ids = [cid for cid, _ in mod.cases()]
+    assert ids and len(ids) == len(set(ids))
