@@ -38,6 +38,10 @@ TINY = {
     "nvfp4": ["nvfp4", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
               "--num-heads", "2", "--head-size", "64", "--num-tokens", "2,16", "--iters", "3",
               "--time-budget", "0.01", "--graph-calls", "2"],
+    "gather": ["gather", "--device", "cpu", "--num-blocks", "16", "--block-size", "16",
+               "--num-heads", "2", "--head-size", "64", "--entry", "96", "--num-tokens",
+               "16,32,64", "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2",
+               "--kinds", "cp,flash"],
     "indexer": ["indexer", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
                 "--num-tokens", "2,8,16", "--iters", "3", "--time-budget", "0.01",
                 "--graph-calls", "2"],
@@ -137,6 +141,10 @@ OWN_BAD = {
         (["--head-size", "48"], "--v-scale-layouts"),
         (["--v-scale-layouts", "x"], "--v-scale-layouts"), (["--layouts", "X"], "--layouts"),
         (["--kinds", "fp4"], "--kinds"), (["--block-size", "0"], "--block-size")],
+    "gather": [
+        (["--kv-cache-dtypes", "fp4"], "--kv-cache-dtypes"), (["--mix", "x"], "--mix"),
+        (["--num-seqs", "0"], "--num-seqs"), (["--entry", "0"], "--entry"),
+        (["--kinds", "dequant,x"], "--kinds"), (["--dtype", "float"], "--dtype")],
     "indexer": [
         (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
         (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),

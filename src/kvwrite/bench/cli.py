@@ -40,6 +40,9 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "reshape_and_cache_flash_per_token_head_quant": (
         ("per-token-head",), "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.bench:BENCH",
         "the per-(token, head) quantized cache write: int8, fp8, int4"),
+    "gather": (
+        (), "kvwrite.ops.gather_cache_flash.bench:BENCH",
+        "reading caches back: the five gathers (dequant, cp, upconvert, flash, indexer)"),
     "nvfp4": (
         (), "kvwrite.ops.nvfp4.bench:BENCH",
         "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"),
