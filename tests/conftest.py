@@ -15,7 +15,10 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.reshape_and_cache_flash.triton_impl",
                     "kvwrite.ops.rotary_embedding.triton_impl",
                     "kvwrite.ops.fused_rope_and_reshape_cache_flash.triton_impl",
-                    "kvwrite.ops.concat_and_cache_mla.triton_impl"):
+                    "kvwrite.ops.concat_and_cache_mla.triton_impl",
+                    "kvwrite.kernels.triton_qk_norm",
+                    "kvwrite.ops.fused_qk_norm_rope.triton_impl",
+                    "kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.triton_impl"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()
