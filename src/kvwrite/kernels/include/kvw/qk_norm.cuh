@@ -101,8 +101,9 @@ KVW_HD float qkn_group_sum(float v, u32 mask) {
   return v;
 }
 
-// A lane's E elements of one row (kind IN) as E / V chunks of V elements; chunks at or past
-// the row's end (head_size) are zeros and are neither loaded nor stored.
+// A lane's E elements of one row (kind IN) as E / V chunks of V elements. A chunk at or past the
+// row's end (head_size) holds a copy of the first chunk (qkn_load_row): its elements count as
+// +0 (qkn_to_f32) and it is never stored.
 template <int IN, int E, int V>
 struct QknRow {
   Raw<V * elem_bytes(IN)> c[E / V];
@@ -169,8 +170,9 @@ KVW_HD QknRow<IN, E, V> qkn_round(const float (&x)[E]) {
 }
 
 // The lane's weights: a [D] vector of kind W, the lane's elements in chunks of VW elements
-// (nothing for QKN_NO_WEIGHT; chunks past head_size: whatever, their elements are not stored). Loaded apart from their conversion
-// (qkn_weight_f32) so that a kernel can request them and convert them after other loads.
+// (nothing for QKN_NO_WEIGHT; a chunk past head_size copies the first, for elements never
+// stored). Loaded apart from their conversion (qkn_weight_f32) so that a kernel can request
+// them and convert them after other loads.
 template <int W, int E, int VW>
 struct QknWeight {
   Raw<VW * elem_bytes(W == QKN_NO_WEIGHT ? DT_F32 : W)> c[W == QKN_NO_WEIGHT ? 1 : E / VW];
@@ -182,8 +184,7 @@ KVW_HD QknWeight<W, E, VW> qkn_load_weight(const u8* w, u32 i0, i64 head_size) {
   if constexpr (W == QKN_NO_WEIGHT) {
     r.c[0] = zero_raw<VW * 4>();
   } else {
-    // Branch-free as qkn_load_row: a chunk past the end loads the first one (its g multiplies
-    // the zeros past the row's end).
+    // Branch-free as qkn_load_row: a chunk past the end loads the first one.
     constexpr int B = VW * elem_bytes(W);
 #pragma unroll
     for (int k = 0; k < E / VW; ++k) {
