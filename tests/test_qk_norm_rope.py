@@ -308,12 +308,15 @@ def test_fused_matches_reference(impl, case, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", NORM_CASES + FUSED_CASES, ids=lambda c: c.id)
-def test_gpu_reference_matches_the_oracle(case):
+@pytest.mark.parametrize("op, case", [(NORM, c) for c in NORM_CASES] +
+                         [(FUSED, c) for c in FUSED_CASES],
+                         ids=[f"norm-{c.id}" for c in NORM_CASES] +
+                             [f"fused-{c.id}" for c in FUSED_CASES])
+def test_gpu_reference_matches_the_oracle(op, case):
     """The torch reference on the GPU writes the oracle's bytes (so the GPU matrix below, whose
     cases are compared with it, is compared with the oracle too)."""
     inp = make_qk_norm_inputs(case, "cuda")
-    if case in NORM_CASES:
+    if op == NORM:
         kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation="torch")
         assert_same(inp, _expected_norm(case), _nan_equal(case), _norm_names(inp))
     else:
@@ -337,14 +340,16 @@ def test_gpu_fused_matrix(impl, case):
     _run_fused(impl, case, "cuda")
 
 
+_GPU_SAMPLE = ([(NORM, c) for c in GPU_NORM_CASES if c.num_tokens < 1000][::3]
+               + [(FUSED, c) for c in GPU_FUSED_CASES if c.num_tokens < 1000][::3])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in GPU_NORM_CASES if c.num_tokens < 1000][::3]
-                         + [c for c in GPU_FUSED_CASES if c.num_tokens < 1000][::3],
-                         ids=lambda c: c.id)
-def test_gpu_reference_matches_the_cpu_reference(case):
+@pytest.mark.parametrize("op, case", _GPU_SAMPLE, ids=[f"{o}-{c.id}" for o, c in _GPU_SAMPLE])
+def test_gpu_reference_matches_the_cpu_reference(op, case):
     """The reference gives the same bytes on the GPU as on the CPU (where the oracle checks it)."""
     gpu, cpu = make_qk_norm_inputs(case, "cuda"), make_qk_norm_inputs(case, "cpu")
-    fused = case in GPU_FUSED_CASES
+    fused = op == FUSED
     for inp in (gpu, cpu):
         if fused:
             kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
@@ -400,11 +405,11 @@ SEQUENCE_CASES = [
                cos_sin_dtype=torch.bfloat16),
 ]
 GPU_SEQUENCE_CASES = [
-    QkNormCase(num_tokens=33, num_q_heads=32, num_k_heads=8, head_size=128, dtype=dtype,
+    QkNormCase(num_tokens=33, num_q_heads=32, num_k_heads=8, head_size=128,
+               dtype=torch.bfloat16 if layout is Layout.NHD else torch.float16,
                kv_cache_dtype=kv, layout=layout, alloc=KVAlloc.INTERLEAVED, num_blocks=4,
                padding_slots=2, per_head_scale=kv == "fp8")
-    for dtype in (torch.bfloat16, torch.float16) for kv in ("auto", "fp8", "fp8_e5m2", "float32")
-    for layout in Layout]
+    for kv in ("auto", "fp8", "fp8_e5m2", "float32") for layout in Layout]
 
 
 def _sequence(inp: QkNormInputs, impl: str) -> None:

@@ -401,28 +401,31 @@ def _fused_matrix() -> list[QkNormCase]:
 
 def _gpu_norm_matrix() -> list[QkNormCase]:
     """Model shapes: Qwen3-8B (32, 8, 128), Qwen3-30B-A3B (32, 4, 128), Gemma 3 (8, 4, 256 with
-    (1 + w)), head_dim 64, 80, 512; GQA and MHA; both pairings; partial rotary; every weight
-    kind."""
+    (1 + w)), head_dim 64, 80, 512; GQA and MHA; both pairings and every row dtype (each shape
+    with three of the six combinations, Qwen3-8B with all); partial rotary; every weight kind;
+    the special rows. Sized for a GPU run of a few minutes (each case is a kernel build)."""
     cases = []
     shapes = [(32, 8, 8, 128), (32, 4, 4, 128), (8, 4, 4, 256), (16, 16, 16, 64),
               (12, 2, 2, 80), (8, 1, 1, 512), (32, 32, 32, 128)]
-    for (hq, hk, hv, d), dtype, neox in itertools.product(
-            shapes, (torch.bfloat16, torch.float16, torch.float32), (True, False)):
-        offset = 1.0 if d == 256 else 0.0
-        cases.append(QkNormCase(num_tokens=37, num_q_heads=hq, num_k_heads=hk, num_v_heads=hv,
-                                head_size=d, dtype=dtype, is_neox=neox, weight_offset=offset,
-                                bad_positions=2, max_position=4096))
+    combos = [(torch.bfloat16, True), (torch.float16, False), (torch.float32, True)]
+    for i, (hq, hk, hv, d) in enumerate(shapes):
+        extra = [(torch.bfloat16, False), (torch.float16, True), (torch.float32, False)]
+        for dtype, neox in combos + (extra if i == 0 else []):
+            cases.append(QkNormCase(num_tokens=37, num_q_heads=hq, num_k_heads=hk,
+                                    num_v_heads=hv, head_size=d, dtype=dtype, is_neox=neox,
+                                    weight_offset=1.0 if d == 256 else 0.0, bad_positions=2,
+                                    max_position=4096))
     for rot in (64, 32, 2):
         cases.append(QkNormCase(num_tokens=16, num_q_heads=32, num_k_heads=8, head_size=128,
                                 rot_dim=rot, dtype=torch.bfloat16))
-    for qw, kw in ((None, None), (torch.float32, torch.bfloat16), (torch.float16, None)):
-        for offset in (0.0, 1.0):
-            cases.append(QkNormCase(num_tokens=16, num_q_heads=32, num_k_heads=8, head_size=128,
-                                    q_weight=qw, k_weight=kw, weight_offset=offset))
-    for special, dtype, eps in itertools.product(SPECIALS[1:], (torch.bfloat16, torch.float32),
-                                                 (1e-6, 0)):
-        cases.append(QkNormCase(num_tokens=9, num_q_heads=32, num_k_heads=8, head_size=128,
-                                dtype=dtype, special=special, eps=eps))
+    for qw, kw, offset in ((None, None, 0.0), (torch.float32, torch.bfloat16, 1.0),
+                           (torch.float16, None, 0.0), (torch.float32, torch.float16, 0.0)):
+        cases.append(QkNormCase(num_tokens=16, num_q_heads=32, num_k_heads=8, head_size=128,
+                                q_weight=qw, k_weight=kw, weight_offset=offset))
+    for special in SPECIALS[1:]:
+        for dtype, eps in ((torch.bfloat16, 1e-6), (torch.float32, 0)):
+            cases.append(QkNormCase(num_tokens=9, num_q_heads=32, num_k_heads=8, head_size=128,
+                                    dtype=dtype, special=special, eps=eps))
     cases += [QkNormCase(num_tokens=3000, num_q_heads=32, num_k_heads=8, head_size=128,
                          dtype=torch.bfloat16, max_position=8192, bad_positions=5,
                          extra_rows=3),
@@ -433,14 +436,17 @@ def _gpu_norm_matrix() -> list[QkNormCase]:
 
 
 def _gpu_fused_matrix() -> list[QkNormCase]:
-    """Every cache format of the cache write and both layouts (and K/V allocations) on the model
-    shapes, fp8 query_out, rotate_key_in_place=False, padding and out-of-range slots and
-    positions."""
+    """Every cache format of the cache write in both layouts on the model shapes, every K/V
+    allocation (interleaved, separate, packed) in both layouts with uint8 and float8 fp8
+    storage, every query destination (plain, spare region, fp8 per tensor and per head),
+    rotate_key_in_place=False, head_dim 46, 80, 512, the special rows, padding and out-of-range
+    slots and positions, T < T_rot and T = 0, many tokens. Sized for a GPU run of a few minutes
+    (each case is a kernel build)."""
     cases = []
     formats = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e5m2")
-    for (hq, hk, d), dtype, kv, layout in itertools.product(
-            ((32, 8, 128), (8, 4, 256), (16, 16, 64)), (torch.bfloat16, torch.float16),
-            formats, Layout):
+    shapes = ((32, 8, 128, torch.bfloat16), (8, 4, 256, torch.bfloat16),
+              (16, 16, 64, torch.float16))
+    for (hq, hk, d, dtype), kv, layout in itertools.product(shapes, formats, Layout):
         fp8 = kv.startswith("fp8")
         cases.append(QkNormCase(
             num_tokens=21, num_q_heads=hq, num_k_heads=hk, head_size=d, dtype=dtype,
@@ -448,15 +454,14 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
             padding_slots=2, out_of_range_slots=2, bad_positions=2,
             per_head_scale=fp8 and d == 128, weight_offset=1.0 if d == 256 else 0.0,
             max_position=4096))
-    for layout, alloc, kv, storage in itertools.product(Layout, KVAlloc, ("auto", "fp8"),
-                                                        ("uint8", "float8")):
-        if kv == "auto" and storage == "float8":
-            continue
+    for layout, alloc in itertools.product(Layout, KVAlloc):
+        kv = "auto" if layout is Layout.NHD else "fp8"
         cases.append(QkNormCase(num_tokens=17, num_q_heads=32, num_k_heads=8, head_size=128,
                                 dtype=torch.bfloat16, kv_cache_dtype=kv, layout=layout,
-                                alloc=alloc, fp8_storage=storage, num_blocks=4, is_neox=False))
-    for qo, per_head, kv in itertools.product(("fp8_e4m3", "fp8_e5m2", "same", "spare"),
-                                              (False, True), ("auto", "fp8")):
+                                alloc=alloc, num_blocks=4, is_neox=False,
+                                fp8_storage="float8" if alloc is KVAlloc.PACKED else "uint8"))
+    for qo, kv in itertools.product(("fp8_e4m3", "fp8_e5m2", "same", "spare"), ("auto", "fp8")):
+        per_head = kv == "fp8"
         cases.append(QkNormCase(num_tokens=19, num_q_heads=32, num_k_heads=8, head_size=128,
                                 dtype=torch.bfloat16, kv_cache_dtype=kv, query_out=qo,
                                 q_scale_per_head=per_head and qo.startswith("fp8"),
@@ -466,9 +471,10 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
         cases.append(QkNormCase(num_tokens=11, num_q_heads=4, num_k_heads=2, head_size=d,
                                 kv_cache_dtype=kv, dtype=torch.float32 if d == 46 else
                                 torch.bfloat16, num_blocks=2))
-    for special, eps in itertools.product(SPECIALS[1:], (1e-6, 0)):
+    for special in SPECIALS[1:]:
         cases.append(QkNormCase(num_tokens=9, num_q_heads=32, num_k_heads=8, head_size=128,
-                                dtype=torch.float32, special=special, eps=eps,
+                                dtype=torch.float32, special=special,
+                                eps=0 if special in ("zeros", "tiny") else 1e-6,
                                 kv_cache_dtype="fp8", query_out="fp8_e4m3", num_blocks=2))
     cases += [
         QkNormCase(num_tokens=4000, cache_tokens=3900, num_q_heads=32, num_k_heads=8,
