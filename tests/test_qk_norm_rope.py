@@ -490,7 +490,7 @@ def _variant(inp: QkNormInputs, *, tree: str = "pairwise", root: str = "sqrt",
             ss = ss + x[..., i] * x[..., i]
     d = x.shape[2]
     eps = float(np.float32(inp.eps))
-    m = ss / d
+    m = ss / torch.full_like(ss, d)
     if root == "sqrt":
         sigma = (m + eps).double().sqrt().float()
         r = torch.div(torch.ones_like(sigma), sigma)

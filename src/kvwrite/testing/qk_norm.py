@@ -19,8 +19,8 @@ from .cases import Case, make_inputs
 from .compare import storage_bytes
 from .rope import cos_sin_table
 
-__all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "NORM_CASES", "FUSED_CASES",
-           "GPU_NORM_CASES", "GPU_FUSED_CASES", "SPECIALS"]
+__all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "differences",
+           "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES", "SPECIALS"]
 
 # Special rows a case may plant (see _plant_specials).
 SPECIALS = ("", "zeros", "nan", "inf", "huge", "tiny")
@@ -514,6 +514,3 @@ def differences(got: QkNormInputs, want: QkNormInputs, nan_equal: bool = False,
             return str(e)
     return None
 
-
-# The case-list entries below the matrices (clone_inputs, differences) are public too.
-__all__ += ["clone_inputs", "differences"]

@@ -69,7 +69,8 @@ def norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     d = qkv.shape[2]
     x = qkv[:num_rot, :heads].float()
     ss = sum_of_squares(x)
-    m = ss / d
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal.
+    m = ss / torch.full_like(ss, d)
     a = m + float32_value(eps)
     sigma = a.double().sqrt().float()
     r = torch.div(torch.ones_like(sigma), sigma)
