@@ -1138,7 +1138,8 @@ def _row_load(text: str) -> bool:
 
 
 def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
-    """In the specialized builds (what calls take) of the CPU matrices and in the generic
+    """In the specialized builds (what calls take; every other variant) of the CPU matrices and in
+    the generic
     variants, no instruction waits for a global load's result before the last row load is
     issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
     kind of exception: generic builds (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks
@@ -1161,7 +1162,8 @@ def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
         by_name = {}
         for name, fixed in {_specialized_build(which, c) for c in cases if c.num_tokens < 1000}:
             by_name[name] = min(fixed, by_name.get(name, fixed))
-        for name, fixed in sorted(by_name.items()):  # the builds the compile test made
+        # Every other variant's build of the compile test (each SASS listing costs time here).
+        for name, fixed in sorted(by_name.items())[::2]:
             late = sass_tools.late_issues(
                 _build_sass(which, (name,), tmp_path, nvrtc.fixed_args_macros(fixed)), _row_load)
             assert not late, (name, fixed, late)
@@ -1193,19 +1195,23 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
         sorted(map(hex, reads["specialized"]))
 
 
+_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
 def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
-    """The KVWRITE_PDL build of both kernels: the wait (ACQBULK) before the first global load or
-    store; the plain build has none."""
-    norm_cuda, fused_cuda = _cuda_modules()
+    """The KVWRITE_PDL build of both kernels (every fourth variant of the representative set:
+    each build costs CPU time here): the trigger (PREEXIT) and the wait (ACQBULK) before the
+    first global load or store; the plain build has neither."""
     from kvwrite.kernels import nvrtc
-    for mod in (norm_cuda, fused_cuda):
-        name = mod.all_kernel_names()[0]
-        for pdl in (False, True):
-            ops = sass_tools.opcodes(_sass(mod.SOURCE, name, tmp_path,
-                                           macros=(nvrtc.PDL_MACRO,) if pdl else ()))
-            first = next(i for i, op in enumerate(ops) if op.startswith(("LDG", "STG")))
-            waits = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
-            assert bool(waits) == pdl and all(i < first for i in waits), (name, pdl)
+    for which in ("norm", "fused"):
+        names = _all_names(which)[::4]
+        pdl = sass_tools.functions(_build_sass(which, names, tmp_path, (nvrtc.PDL_MACRO,)))
+        assert len(pdl) == len(names)
+        for name, ops in pdl.items():
+            first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+        plain = _build_sass(which, _all_names(which), tmp_path)
+        assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
 
 _HOST_HARNESS = r'''
