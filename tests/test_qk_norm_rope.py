@@ -1139,9 +1139,8 @@ def _row_load(text: str) -> bool:
 
 def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
     """In the specialized builds (what calls take; every other variant) of the CPU matrices and in
-    the generic
-    variants, no instruction waits for a global load's result before the last row load is
-    issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
+    the generic variants, no instruction waits for a global load's result before the last row
+    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
     kind of exception: generic builds (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks
     narrower than a lane's elements, where ptxas issues the position's load first and places its
     test among the chunks' and weights' address arithmetic (specialized, the same variants do
