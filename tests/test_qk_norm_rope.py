@@ -933,6 +933,25 @@ def test_implementations_are_registered_and_exported():
             is fused_pkg.fused_qk_norm_rope_and_reshape_cache_flash)
 
 
+def test_without_triton_the_triton_implementations_say_so():
+    """Where triton cannot be imported, both ops' triton modules still import and their
+    `available` says what to install."""
+    import subprocess
+    import sys
+    script = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+              "import kvwrite\n"
+              "for s in kvwrite.implementations('cuda'):\n"
+              "    if s.name == 'triton' and 'qk_norm' in s.op: print(s.op, '|', s.reason)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert all("triton is not installed (pip install triton)" in ln for ln in lines), lines
+
+
 def test_cuda_unavailable_on_cpu_says_why():
     inp = make_qk_norm_inputs(QkNormCase(num_tokens=3))
     with pytest.raises(ValueError, match="implementation='cuda' cannot run this call"):

@@ -18,11 +18,11 @@ No fused multiply-add: the kernels are launched with ``enable_fp_fusion=False``
 from __future__ import annotations
 
 from .triton_fp8 import tl, triton
-from .triton_rope import rope_rotate
 
 __all__ = ["pair_sum", "tree_sum", "inv_rms", "norm_rope_tile", "f32_from_bits"]
 
 if triton is not None:
+    from .triton_rope import rope_rotate
 
     @triton.jit
     def pair_sum(x, N: tl.constexpr):

@@ -16,11 +16,15 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import pdl_entry, tl, triton
-from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_tables
-from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
+from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS
 from .op import float32_bits
+
+if triton is not None:  # without triton this module imports, and `available` says why
+    from ...kernels.triton_fp8 import pdl_entry
+    from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
+    from ...kernels.triton_rope import rope_tables
+    from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
 
 __all__ = ["available", "unsupported", "run", "interpreter_dtypes", "signed_bits"]
 
@@ -92,11 +96,13 @@ if triton is not None:
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
         cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor,
-        weight_offset: float, *, tuning: RopeTuning = TUNING) -> None:
-    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+        weight_offset: float, *, tuning=None) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
+    a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
     num_rot = position_ids.numel()
     if num_rot == 0:
         return
+    tuning = TUNING if tuning is None else tuning
     d = qkv.shape[2]
     block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k, d,
                                                       qkv.element_size(), tuning)

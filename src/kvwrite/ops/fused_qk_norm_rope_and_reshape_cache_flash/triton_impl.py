@@ -25,27 +25,25 @@ from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
-from ...kernels.triton_fp8 import (
-    fp8_scale_pair,
-    pdl_entry,
-    scale_constants,
-    store_quantized,
-    tl,
-    triton,
-)
-from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_tables
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS
 from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, signed_bits
-from ..fused_rope_and_reshape_cache_flash.triton_impl import _cache_offsets
-from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
-from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
-from ..rotary_embedding.triton_impl import available as _available
+
+if triton is not None:  # without triton this module imports, and `available` says why
+    from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, scale_constants, store_quantized
+    from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
+    from ...kernels.triton_rope import rope_tables
+    from ..fused_rope_and_reshape_cache_flash.triton_impl import _cache_offsets
+    from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+    from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
 
 __all__ = ["available", "unsupported", "run"]
 
 
 def available(device: torch.device) -> str | None:
-    return _available(device)
+    return triton_support.available(device, triton, lambda: _qk_norm_rope_cache_kernel,
+                                    _IMPORT_ERROR)
 
 
 _QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
@@ -156,11 +154,13 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None, rotate_key_in_place: bool,
         query_out: torch.Tensor | None, q_scale: torch.Tensor | None, *,
-        tuning: RopeTuning = TUNING) -> None:
-    """Launch on PyTorch's current stream; arguments as validated by the public op."""
+        tuning=None) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
+    a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
     num_rot = position_ids.numel()
     if num_rot == 0:
         return
+    tuning = TUNING if tuning is None else tuning
     d = qkv.shape[2]
     block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k, d,
                                                       qkv.element_size(), tuning)
