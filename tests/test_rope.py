@@ -641,7 +641,7 @@ FUSED_BAD = COMMON_BAD + [
     ("query-out-dtype", lambda a: {"query_out": torch.zeros(5, 4, 16)}, ValueError,
      "query_out: expected the dtype of query (torch.bfloat16), got torch.float32"),
     ("query-out-is-query", lambda a: {"query_out": a["query"]}, ValueError,
-     "query_out: expected memory apart from query's"),
+     "query: expected memory apart from query_out's"),
     ("implementation", lambda a: {"implementation": "nope"}, ValueError,
      "implementation: expected one of"),
 ]

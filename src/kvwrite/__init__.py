@@ -11,6 +11,10 @@ from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_
 from .ops.cp_gather_and_upconvert_fp8_kv_cache import cp_gather_and_upconvert_fp8_kv_cache
 from .ops.cp_gather_cache import cp_gather_cache
 from .ops.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache
+from .ops.fused_qk_norm_rope import fused_qk_norm_rope
+from .ops.fused_qk_norm_rope_and_reshape_cache_flash import (
+    fused_qk_norm_rope_and_reshape_cache_flash,
+)
 from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
 from .ops.gather_and_maybe_dequant_cache import gather_and_maybe_dequant_cache
 from .ops.gather_cache_flash import gather_cache_flash
@@ -53,6 +57,8 @@ __all__ = [
     "fused_rope_and_reshape_cache_flash",
     "gather_and_maybe_dequant_cache",
     "gather_cache_flash",
+    "fused_qk_norm_rope",
+    "fused_qk_norm_rope_and_reshape_cache_flash",
     "implementations",
     "indexer_k_quant_and_cache",
     "nvfp4_gather_cache",

@@ -5,6 +5,8 @@ from . import (  # noqa: E402
     cp_gather_and_upconvert_fp8_kv_cache,
     cp_gather_cache,
     cp_gather_indexer_k_quant_cache,
+    fused_qk_norm_rope,
+    fused_qk_norm_rope_and_reshape_cache_flash,
     fused_rope_and_reshape_cache_flash,
     gather_and_maybe_dequant_cache,
     gather_cache_flash,
@@ -20,4 +22,5 @@ __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshap
            "concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache", "nvfp4",
            "reshape_and_cache_flash_per_token_head_quant", "gather_and_maybe_dequant_cache",
            "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache", "gather_cache_flash",
-           "cp_gather_indexer_k_quant_cache"]
+           "cp_gather_indexer_k_quant_cache", "fused_qk_norm_rope",
+           "fused_qk_norm_rope_and_reshape_cache_flash"]

@@ -70,13 +70,11 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
             raise ValueError(
                 f"query_out: expected the dtype of query ({query.dtype}), got {query_out.dtype}")
         require_same_device(query.device, "query", (("query_out", query_out),))
-        if query_out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
-            raise ValueError("query_out: expected memory apart from query's (or None to rotate "
-                             "in place), got the same allocation")
     # The caches themselves, and against key, value, slots and scales, were checked with the
     # cache arguments; here what this op writes besides them (the rotated query, the key in
     # place) against each other, against what it reads, and against the caches (passed as the
-    # other side of the pairs, so their own checks are not repeated).
+    # other side of the pairs, so their own checks are not repeated). query_out may share an
+    # allocation with query (a spare region of a fused qkv buffer): its elements may not.
     written = [("query_out", query_out) if query_out is not None else ("query", query)]
     read = [("positions", positions), ("cos_sin_cache", cos_sin_cache), ("value", value)]
     if query_out is not None:

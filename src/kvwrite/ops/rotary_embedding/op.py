@@ -46,20 +46,22 @@ def as_heads(name: str, t, head_size: int) -> torch.Tensor:
     return v
 
 
-def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: int) -> None:
+def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: int, *,
+                    positions_name: str = "positions", query_name: str = "query") -> None:
     """Checks ``positions`` and ``cos_sin_cache`` against the (already checked) ``[T_pad, Hq, D]``
-    query view."""
-    require_tensor("positions", positions)
+    query view; messages name them ``positions_name`` and ``query_name`` (an op's own names)."""
+    pn = positions_name
+    require_tensor(pn, positions)
     require_tensor("cos_sin_cache", cos_sin_cache)
     if positions.dim() != 1:
-        raise ValueError(f"positions: expected 1 dim [num_tokens], got shape {_shape(positions)}")
+        raise ValueError(f"{pn}: expected 1 dim [num_tokens], got shape {_shape(positions)}")
     if positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions: expected dtype int64 or int32, got {positions.dtype}")
+        raise ValueError(f"{pn}: expected dtype int64 or int32, got {positions.dtype}")
     if positions.numel() > 1 and positions.stride(0) != 1:
-        raise ValueError(f"positions: expected a contiguous tensor, got stride {positions.stride(0)}")
+        raise ValueError(f"{pn}: expected a contiguous tensor, got stride {positions.stride(0)}")
     if positions.numel() > query.shape[0]:
         raise ValueError(
-            f"positions: expected at most query.shape[0] = {query.shape[0]} entries, got "
+            f"{pn}: expected at most {query_name}.shape[0] = {query.shape[0]} entries, got "
             f"{positions.numel()}")
     if cos_sin_cache.dim() != 2:
         raise ValueError(
@@ -78,8 +80,8 @@ def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: in
     if not cos_sin_cache.is_contiguous():
         raise ValueError(
             f"cos_sin_cache: expected a contiguous tensor, got strides {tuple(cos_sin_cache.stride())}")
-    require_same_device(query.device, "query", (("positions", positions),
-                                                ("cos_sin_cache", cos_sin_cache)))
+    require_same_device(query.device, query_name, ((pn, positions),
+                                                   ("cos_sin_cache", cos_sin_cache)))
 
 
 def validate(positions, query, key, head_size, cos_sin_cache, is_neox

@@ -1,0 +1,375 @@
+// QK-norm + RoPE (docs/ops/fused_qk_norm_rope.md): the per-head arithmetic shared by
+// fused_qk_norm_rope's and fused_qk_norm_rope_and_reshape_cache_flash's kernels.
+//
+// One head row is held by a group of L lanes of one warp (L a power of two, L <= 32), lane l
+// holding the E consecutive elements [l*E, l*E + E) of the row padded with zeros to P = L*E
+// elements (P the smallest power of two >= D; E a power of two). Then the contract's fixed sum
+// of squares is an in-lane pairwise tree over the E leaves followed by __shfl_xor_sync with
+// masks 1, 2, ..., L/2, in that order: neighbours at every level, as the contract's tree. The +0
+// leaves past D add exactly.
+//
+// Every float32 step is one explicitly rounded PTX instruction (mul.rn, add.rn, sub.rn, div.rn,
+// sqrt.rn, rcp.rn: never contracted into an FMA, no flush to zero):
+//   ss = the tree; m = RN(ss / D) (D a power of two: RN(ss * 2^-k), the same value);
+//   a = RN(m + eps); sigma = RN(sqrt(a)); r = RN(1 / sigma);
+//   u_i = RN(x_i * r); n_i = RN(u_i * g_i), g_i = float32(w_i) or RN(float32(w_i) + offset)
+//   (no weight: g_i = 1, and RN(u_i * 1) = u_i);
+//   then RoPE on the float32 n (kvw/rope.cuh's formula) and one rounding to the row's dtype.
+// A neox pair (i, i + rot/2) spans lanes: each lane publishes its n in shared memory (the
+// group's P floats) and reads its partners back after a __syncwarp of the group.
+#pragma once
+#include "kvw/common.cuh"
+#include "kvw/vec_io.cuh"
+#include "kvw/rope.cuh"
+
+// Template value of a weight kind: no weight (n = u).
+#define QKN_NO_WEIGHT 6
+// Template value of the query's destination: written back in place (no query_out).
+#define QKN_IN_PLACE 7
+// Threads per CTA of both kernels (the exchange buffer is sized by it).
+#define QKN_THREADS 128
+
+#ifndef KVWRITE_HOST_TEST
+KVW_HD float sqrt_rn(float a) {
+  float r;
+  asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+KVW_HD float rcp_rn(float a) {
+  float r;
+  asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+#else
+#include <math.h>
+KVW_HD float add_rn(float a, float b) { return a + b; }
+// The float64 root rounded once to float32 is the correctly rounded float32 root.
+KVW_HD float sqrt_rn(float a) { return static_cast<float>(sqrt(static_cast<double>(a))); }
+KVW_HD float rcp_rn(float a) { return 1.0f / a; }
+#endif
+
+// The in-lane part of the tree: N leaves (a power of two) summed pairwise, neighbours at every
+// level; as a recursion over halves (the same tree), so that every index is a constant.
+template <int N>
+KVW_HD float qkn_tree(const float* q) {
+  if constexpr (N == 1) {
+    return q[0];
+  } else {
+    return add_rn(qkn_tree<N / 2>(q), qkn_tree<N / 2>(q + N / 2));
+  }
+}
+
+template <int E>
+KVW_HD float qkn_lane_tree(const float (&q)[E]) {
+  return qkn_tree<E>(q);
+}
+
+// r = RN(1 / RN(sqrt(RN(RN(ss / D) + eps)))), D in [2, 512].
+KVW_HD float qkn_inv_rms(float ss, i64 head_size, float eps) {
+  const u32 d = static_cast<u32>(head_size);
+  float m;
+  if ((d & (d - 1)) == 0) {
+    // D = 2^k: ss * 2^-k is the exact quotient, so its rounding is RN(ss / D).
+#ifdef KVWRITE_HOST_TEST
+    const u32 k = 31 - __builtin_clz(d);
+#else
+    const u32 k = 31 - __clz(d);
+#endif
+    m = mul_rn(ss, bits_f32((127u - k) << 23));
+  } else {
+    m = div_rn(ss, static_cast<float>(d));
+  }
+  return rcp_rn(sqrt_rn(add_rn(m, eps)));
+}
+
+#ifndef KVWRITE_HOST_TEST
+// The lanes of this thread's group (L lanes, aligned within the warp).
+template <int L>
+KVW_HD u32 qkn_group_mask() {
+  if constexpr (L == 32) {
+    return 0xFFFFFFFFu;
+  } else {
+    return ((1u << L) - 1u) << (threadIdx.x & 31u & ~static_cast<u32>(L - 1));
+  }
+}
+
+// The group's part of the tree: xor masks 1, 2, ..., L/2 (every lane ends with the sum).
+template <int L>
+KVW_HD float qkn_group_sum(float v, u32 mask) {
+#pragma unroll
+  for (int m = 1; m < L; m <<= 1) v = add_rn(v, __shfl_xor_sync(mask, v, m));
+  return v;
+}
+
+// A lane's E elements of one row (kind IN) as E / V chunks of V elements. A chunk at or past the
+// row's end (head_size) holds a copy of the first chunk (qkn_load_row): its elements count as
+// +0 (qkn_to_f32) and it is never stored.
+template <int IN, int E, int V>
+struct QknRow {
+  Raw<V * elem_bytes(IN)> c[E / V];
+};
+
+template <int IN, int E, int V>
+KVW_HD QknRow<IN, E, V> qkn_zero_row() {
+  QknRow<IN, E, V> r;
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) r.c[k] = zero_raw<V * elem_bytes(IN)>();
+  return r;
+}
+
+// Loads with ld.volatile: ptxas may not sink them below the position's test. Branch-free: a
+// chunk past the row's end loads the row's first chunk instead (always there); qkn_to_f32
+// zeroes its elements and qkn_store_row skips it. (Branches between chunk loads let ptxas
+// place work that waits for other loads between them.)
+template <int IN, int E, int V>
+KVW_HD QknRow<IN, E, V> qkn_load_row(const u8* row, u32 i0, i64 head_size) {
+  constexpr int B = V * elem_bytes(IN);
+  QknRow<IN, E, V> r;
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const u32 b = i0 + k * V;
+    const bool in = b < static_cast<u64>(head_size);
+    r.c[k] = load_raw_volatile<B>(row + (in ? static_cast<i64>(b) * elem_bytes(IN) : 0));
+  }
+  return r;
+}
+
+template <int IN, int E, int V>
+KVW_HD void qkn_store_row(u8* row, const QknRow<IN, E, V>& r, u32 i0, i64 head_size) {
+  constexpr int B = V * elem_bytes(IN);
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const u32 b = i0 + k * V;
+    if (b < static_cast<u64>(head_size))
+      store_raw<B>(row + static_cast<i64>(b) * elem_bytes(IN), r.c[k]);
+  }
+}
+
+// The lane's elements as float32, +0 past the row's end (the tree's padding leaves).
+template <int IN, int E, int V>
+KVW_HD void qkn_to_f32(const QknRow<IN, E, V>& r, u32 i0, i64 head_size, float (&x)[E]) {
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const bool in = i0 + k * V < static_cast<u64>(head_size);
+#pragma unroll
+    for (int e = 0; e < V; ++e) x[k * V + e] = in ? elem_f32<IN>(r.c[k], e) : 0.0f;
+  }
+}
+
+// float32 values rounded to nearest even in kind IN.
+template <int IN, int E, int V>
+KVW_HD QknRow<IN, E, V> qkn_round(const float (&x)[E]) {
+  QknRow<IN, E, V> r;
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    r.c[k] = zero_raw<V * elem_bytes(IN)>();
+#pragma unroll
+    for (int e = 0; e < V; ++e) put_elem<IN>(r.c[k], e, round_to<IN>(x[k * V + e]));
+  }
+  return r;
+}
+
+// The lane's weights: a [D] vector of kind W, the lane's elements in chunks of VW elements
+// (nothing for QKN_NO_WEIGHT; a chunk past head_size copies the first, for elements never
+// stored). Loaded apart from their conversion (qkn_weight_f32) so that a kernel can request
+// them and convert them after other loads.
+template <int W, int E, int VW>
+struct QknWeight {
+  Raw<VW * elem_bytes(W == QKN_NO_WEIGHT ? DT_F32 : W)> c[W == QKN_NO_WEIGHT ? 1 : E / VW];
+};
+
+template <int W, int E, int VW>
+KVW_HD QknWeight<W, E, VW> qkn_load_weight(const u8* w, u32 i0, i64 head_size) {
+  QknWeight<W, E, VW> r;
+  if constexpr (W == QKN_NO_WEIGHT) {
+    r.c[0] = zero_raw<VW * 4>();
+  } else {
+    // Branch-free as qkn_load_row: a chunk past the end loads the first one.
+    constexpr int B = VW * elem_bytes(W);
+#pragma unroll
+    for (int k = 0; k < E / VW; ++k) {
+      const u32 b = i0 + k * VW;
+      const bool in = b < static_cast<u64>(head_size);
+      r.c[k] = load_raw<B>(w + (in ? static_cast<i64>(b) * elem_bytes(W) : 0));
+    }
+  }
+  return r;
+}
+
+// g = float32(w), or RN(float32(w) + offset) where add_offset (weight_offset != 0); ones where
+// there is no weight (then n = RN(u * 1) = u).
+template <int W, int E, int VW>
+KVW_HD void qkn_weight_f32(const QknWeight<W, E, VW>& w, bool add_offset, float offset,
+                           float (&g)[E]) {
+  if constexpr (W == QKN_NO_WEIGHT) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) g[i] = 1.0f;
+  } else {
+#pragma unroll
+    for (int k = 0; k < E / VW; ++k) {
+#pragma unroll
+      for (int e = 0; e < VW; ++e) g[k * VW + e] = elem_f32<W>(w.c[k], e);
+    }
+    if (add_offset) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) g[i] = add_rn(g[i], offset);
+    }
+  }
+}
+
+// A query group's weights (q) or a key group's (k), both loaded by every lane: no branch splits
+// the loads (ptxas moved weight loads under a branch above the rows' loads and waited for them
+// there). Weights of one kind are selected as bits and converted once.
+template <int WQ, int WK, int E, int VW>
+KVW_HD void qkn_weights(const QknWeight<WQ, E, VW>& wq, const QknWeight<WK, E, VW>& wk,
+                        bool is_q, bool add_offset, float offset, float (&g)[E]) {
+  if constexpr (WQ == WK) {
+    QknWeight<WQ, E, VW> w;
+#pragma unroll
+    for (int k = 0; k < (WQ == QKN_NO_WEIGHT ? 1 : E / VW); ++k) w.c[k] = is_q ? wq.c[k] : wk.c[k];
+    qkn_weight_f32<WQ, E, VW>(w, add_offset, offset, g);
+  } else {
+    float gq[E], gk[E];
+    qkn_weight_f32<WQ, E, VW>(wq, add_offset, offset, gq);
+    qkn_weight_f32<WK, E, VW>(wk, add_offset, offset, gk);
+#pragma unroll
+    for (int i = 0; i < E; ++i) g[i] = is_q ? gq[i] : gk[i];
+  }
+}
+
+// The lane's table entries: per group of VT elements (neox) or 2*VT elements (GPT-J) VT cos and
+// VT sin entries of kind CS, loaded only for rotated groups (VT divides rot/2, so a group is
+// wholly in [0, rot/2), [rot/2, rot) or past rot).
+template <int CS, int E, int VT, bool NEOX>
+struct QknTable {
+  static_assert(NEOX ? E % VT == 0 : E % (2 * VT) == 0, "a table group within a lane's elements");
+  static constexpr int NG = NEOX ? E / VT : E / (2 * VT);
+  Raw<VT * elem_bytes(CS)> c[NG], s[NG];
+};
+
+template <int CS, int E, int VT, bool NEOX>
+KVW_HD QknTable<CS, E, VT, NEOX> qkn_load_table(const u8* table, u32 i0, u32 half, u32 rot) {
+  constexpr int B = VT * elem_bytes(CS);
+  constexpr int STEP = NEOX ? VT : 2 * VT;
+  QknTable<CS, E, VT, NEOX> tb;
+#pragma unroll
+  for (int k = 0; k < QknTable<CS, E, VT, NEOX>::NG; ++k) {
+    const u32 b = i0 + k * STEP;
+    const u32 p = NEOX ? (b < half ? b : b - half) : b / 2;  // the pair index
+    if (b < rot) {
+      tb.c[k] = load_raw<B>(table + static_cast<i64>(p) * elem_bytes(CS));
+      tb.s[k] = load_raw<B>(table + static_cast<i64>(p + half) * elem_bytes(CS));
+    } else {
+      tb.c[k] = tb.s[k] = zero_raw<B>();
+    }
+  }
+  return tb;
+}
+
+// N consecutive floats of shared memory at p (aligned to N floats when N is 2 or 4).
+template <int N>
+KVW_HD void qkn_lds(const float* p, float* out) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(p + i);
+      out[i] = v.x; out[i + 1] = v.y; out[i + 2] = v.z; out[i + 3] = v.w;
+    }
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p + i);
+      out[i] = v.x; out[i + 1] = v.y;
+    }
+  } else {
+    out[0] = p[0];
+  }
+}
+
+template <int N>
+KVW_HD void qkn_sts(float* p, const float* in) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4)
+      *reinterpret_cast<float4*>(p + i) = make_float4(in[i], in[i + 1], in[i + 2], in[i + 3]);
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) *reinterpret_cast<float2*>(p + i) = make_float2(in[i], in[i + 1]);
+  } else {
+    p[0] = in[0];
+  }
+}
+
+// The neox exchange buffer of this thread's group: QKN_THREADS * E floats per CTA, the group's
+// P floats from its first lane's E-th float.
+template <int E, int L>
+KVW_HD float* qkn_exchange() {
+  __shared__ __align__(16) float buf[QKN_THREADS * E];
+  return buf + (threadIdx.x & ~static_cast<u32>(L - 1)) * E;
+}
+
+// RoPE on the lane's float32 values n (element i0 + i is n[i]), in place: pair (x, y) with
+// c, s: x' = RN(RN(x*c) - RN(y*s)), y' = RN(RN(y*c) + RN(x*s)); elements >= rot keep n.
+// `group` is the group's P floats of the exchange buffer (neox only).
+template <int CS, int E, int L, int VT, bool NEOX>
+KVW_HD void qkn_rotate(float (&n)[E], const QknTable<CS, E, VT, NEOX>& tb, u32 i0, u32 half,
+                       u32 rot, float* group, u32 mask) {
+  if constexpr (NEOX) {
+    constexpr int XS = E >= 4 ? 4 : E;
+#pragma unroll
+    for (int i = 0; i < E; i += XS) qkn_sts<XS>(group + i0 + i, n + i);
+    __syncwarp(mask);
+    constexpr int XV = VT >= 4 ? 4 : VT;
+#pragma unroll
+    for (int k = 0; k < E / VT; ++k) {
+      const u32 b = i0 + k * VT;
+      if (b < rot) {
+        const bool first = b < half;
+        const u32 pb = first ? b + half : b - half;  // the partners' first element
+        float y[VT];
+#pragma unroll
+        for (int i = 0; i < VT; i += XV) qkn_lds<XV>(group + pb + i, y + i);
+#pragma unroll
+        for (int e = 0; e < VT; ++e) {
+          const float c = elem_f32<CS>(tb.c[k], e), s = elem_f32<CS>(tb.s[k], e);
+          const float x = n[k * VT + e];
+          n[k * VT + e] = first ? sub_rn(mul_rn(x, c), mul_rn(y[e], s))
+                                : add_rn(mul_rn(x, c), mul_rn(y[e], s));
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < E / (2 * VT); ++k) {
+      const u32 b = i0 + k * 2 * VT;
+      if (b < rot) {
+#pragma unroll
+        for (int e = 0; e < VT; ++e) {
+          const float c = elem_f32<CS>(tb.c[k], e), s = elem_f32<CS>(tb.s[k], e);
+          const float x = n[k * 2 * VT + 2 * e], y = n[k * 2 * VT + 2 * e + 1];
+          n[k * 2 * VT + 2 * e] = sub_rn(mul_rn(x, c), mul_rn(y, s));
+          n[k * 2 * VT + 2 * e + 1] = add_rn(mul_rn(y, c), mul_rn(x, s));
+        }
+      }
+    }
+  }
+}
+
+// The whole per-head computation on a lane's row chunks: returns the rotated, normalized values
+// (float32) of the lane's E elements. `g` holds the lane's weights (qkn_load_weight, offset
+// applied), `tb` the table entries of the token's position.
+template <int IN, int CS, int E, int L, int V, int VT, bool NEOX>
+KVW_HD void qkn_norm_rope(const QknRow<IN, E, V>& row, const float (&g)[E],
+                          const QknTable<CS, E, VT, NEOX>& tb, u32 i0, i64 head_size, u32 half,
+                          u32 rot, float eps, float* group, u32 mask, float (&n)[E]) {
+  float x[E], q[E];
+  qkn_to_f32<IN, E, V>(row, i0, head_size, x);
+#pragma unroll
+  for (int i = 0; i < E; ++i) q[i] = mul_rn(x[i], x[i]);
+  const float ss = qkn_group_sum<L>(qkn_lane_tree<E>(q), mask);
+  const float r = qkn_inv_rms(ss, head_size, eps);
+#pragma unroll
+  for (int i = 0; i < E; ++i) n[i] = mul_rn(mul_rn(x[i], r), g[i]);
+  qkn_rotate<CS, E, L, VT, NEOX>(n, tb, i0, half, rot, group, mask);
+}
+#endif  // KVWRITE_HOST_TEST

@@ -1,0 +1,57 @@
+"""Memory-checker cases of fused_qk_norm_rope's cuda implementation: :func:`cases` lists
+``(id, run)`` pairs; ``run()`` runs the cuda implementation on the GPU over a case that stresses
+its bounds and the torch reference on the CPU over the same inputs, and returns None when qkv's
+whole allocation holds the same bytes, else what differs. ``kvwrite-bench sanitize`` runs them
+under compute-sanitizer.
+
+The cases: positions out of range (negative, past the table, the int32 extremes), rows past
+T_rot, head sizes whose rows are not 16-byte aligned (46, 6) or not a power of two (80), token
+strides of an odd number of elements, D = 512 (one warp per head), partial rotary down to one
+pair, int32 positions, no weights, and more tokens than one resident wave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...testing.qk_norm import QkNormCase, differences, make_qk_norm_inputs
+
+__all__ = ["CASES", "cases", "run_case"]
+
+CASES = [
+    QkNormCase(num_tokens=9, bad_positions=4, extra_rows=5, pos_dtype=torch.int32),
+    QkNormCase(num_tokens=33, head_size=46, rot_dim=18, num_q_heads=5, num_k_heads=3,
+               row_pad=1, bad_positions=3),
+    QkNormCase(num_tokens=17, head_size=80, rot_dim=20, is_neox=False, dtype=torch.float32,
+               row_pad=3, q_weight=None),
+    QkNormCase(num_tokens=6, head_size=6, rot_dim=2, num_q_heads=7, num_k_heads=1,
+               dtype=torch.bfloat16, k_weight=torch.float32, weight_offset=1.0),
+    QkNormCase(num_tokens=5, head_size=512, num_q_heads=3, num_k_heads=2, dtype=torch.float32,
+               bad_positions=1, extra_rows=2),
+    QkNormCase(num_tokens=20, head_size=128, num_q_heads=32, num_k_heads=8,
+               dtype=torch.bfloat16, flat=True, bad_positions=2),
+    QkNormCase(num_tokens=40_000, head_size=64, num_q_heads=4, num_k_heads=1, num_v_heads=1,
+               dtype=torch.bfloat16, max_position=4096, bad_positions=50),
+]
+
+
+def run_case(case: QkNormCase) -> str | None:
+    """None when the cuda implementation writes the torch reference's bytes for ``case``."""
+    from . import cuda_impl, reference
+    from .op import validate
+
+    got = make_qk_norm_inputs(case, "cuda")
+    want = make_qk_norm_inputs(case, "cpu")
+    for inp, run in ((want, reference.run), (got, cuda_impl.run)):
+        view, eps, offset = validate(*inp.norm_args(), weight_offset=inp.weight_offset)
+        if inp.position_ids.numel():
+            run(view, inp.num_heads_q, inp.num_heads_k, eps, inp.q_weight, inp.k_weight,
+                inp.cos_sin_cache, inp.is_neox, inp.position_ids, offset)
+    torch.cuda.synchronize()
+    return differences(got, want, names=("qkv",))
+
+
+def cases() -> list[tuple[str, Callable[[], str | None]]]:
+    return [(case.id, lambda case=case: run_case(case)) for case in CASES]

@@ -1,0 +1,239 @@
+"""The CUDA implementation of fused_qk_norm_rope_and_reshape_cache_flash: ``kernel.cu`` compiled at
+run time with NVRTC; the per-head arithmetic is ``kvw/qk_norm.cuh`` (shared with
+fused_qk_norm_rope, whose launcher's lane layout and widths this one takes, with query_out and
+the caches among the tensors the row chunks must be aligned for), the cache element conversion
+and fp8 rule ``kvw/vec_io.cuh`` and ``kvw/fp8.cuh`` (shared with reshape_and_cache_flash).
+
+Variants (template arguments): row, table and weight dtypes, the cache element kind (copy, float
+cast, fp8 e4m3 or e5m2), the query's destination (in place, query_out of qkv's dtype, fp8
+query_out), the lane layout and widths (E, L, V, VW, VT), pairing, position and slot index
+types. Each call signature takes its own build with the arguments it fixes (strides, head
+counts, the caches' geometry, the table's shape, eps, the weight offset) compiled in
+(``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream; scales are
+read on the device; no allocation and no host sync per call (graph-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import nvrtc
+from ..fused_qk_norm_rope.cuda_impl import (
+    NO_WEIGHT,
+    THREADS,
+    lane_layout,
+    plan,
+    weight_kind,
+)
+from ..fused_qk_norm_rope.op import float32_bits
+from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
+from ..rotary_embedding.cuda_impl import int_type, kind
+
+__all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "kernel_name",
+           "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "IN_PLACE", "out_kind",
+           "query_kind"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope_cache")
+KERNEL = "qk_norm_rope_cache_kernel"
+_COPY, _E4M3, _E5M2 = 5, 3, 4
+IN_PLACE = 7  # kvw/qk_norm.cuh's QKN_IN_PLACE
+_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+_QUERY_FP8_KIND = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
+
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
+
+
+def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache, cache_dtype,
+                query_out) -> str | None:
+    return None
+
+
+def out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
+    """The caches' element kind: DT_COPY where they hold qkv's own dtype."""
+    if cache_dtype.is_fp8:
+        return _FP8_KIND[cache_dtype]
+    if cache_tensor == in_dtype:
+        return _COPY
+    return kind(cache_tensor)
+
+
+def query_kind(query_out: torch.Tensor | None) -> int:
+    """The query's destination: in place, a copy to query_out, or fp8 e4m3 / e5m2."""
+    if query_out is None:
+        return IN_PLACE
+    return _QUERY_FP8_KIND.get(query_out.dtype, _COPY)
+
+
+def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, out: int, qo: int, e: int,
+                lanes: int, v: int, vw: int, vt: int, neox: bool, pos: torch.dtype,
+                slot: torch.dtype) -> str:
+    return (f"{KERNEL}<{in_kind}, {cs_kind}, {wq}, {wk}, {out}, {qo}, {e}, {lanes}, {v}, {vw}, "
+            f"{vt}, {str(neox).lower()}, {int_type(pos)}, {int_type(slot)}>")
+
+
+def all_kernel_names() -> list[str]:
+    """A representative set of variants (for the NVRTC compile test): every row dtype against
+    every cache kind and every query destination at D = 128 with its widest layout, both pairings,
+    D = 64, 80, 46 and 512, weights of other kinds and none, narrow widths, int32 indices."""
+    names = set()
+    f32, bf16 = kind(torch.float32), kind(torch.bfloat16)
+    i64, i32 = torch.int64, torch.int32
+    for in_dt in (torch.float16, torch.bfloat16, torch.float32):
+        k = kind(in_dt)
+        e, lanes = lane_layout(128, in_dt.itemsize)
+        v = min(e, 16 // in_dt.itemsize)
+        outs = [_COPY, _E4M3, _E5M2] + [kind(d) for d in (torch.float16, torch.bfloat16,
+                                                          torch.float32) if d != in_dt]
+        for out in outs:
+            names.add(kernel_name(k, f32, k, k, out, IN_PLACE, e, lanes, v, v, 4, True, i64, i64))
+        for out, qo in ((_COPY, _COPY), (_COPY, _E4M3), (_E4M3, _E5M2), (_E5M2, _COPY)):
+            names.add(kernel_name(k, f32, k, k, out, qo, e, lanes, v, v, 4, True, i64, i64))
+        for neox in (True, False):
+            names.add(kernel_name(k, f32, k, k, _E4M3, IN_PLACE, e, lanes, v, v, 2, neox, i64,
+                                  i64))
+        for d in (64, 80, 46, 512):
+            e2, lanes2 = lane_layout(d, in_dt.itemsize)
+            v2 = e2
+            while v2 > 1 and (d % v2 or v2 * in_dt.itemsize > 16):
+                v2 //= 2
+            names.add(kernel_name(k, f32, k, k, _COPY, IN_PLACE, e2, lanes2, v2, v2, 1, True,
+                                  i64, i64))
+            names.add(kernel_name(k, f32, k, k, _E5M2, _E4M3, e2, lanes2, v2, v2, 1, False,
+                                  i64, i64))
+        names.add(kernel_name(k, bf16, NO_WEIGHT, f32, _COPY, IN_PLACE, e, lanes, 1, 2, 2, True,
+                              i32, i32))
+        names.add(kernel_name(k, k, f32, NO_WEIGHT, _E4M3, _COPY, e, lanes, 2, 1, 1, False, i64,
+                              i32))
+    return sorted(names)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning:
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`."""
+
+    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
+    # stream serialization where the device allows it (as the fused RoPE op's); 0: never.
+    pdl_max_ctas: int = 1 << 30
+    # One build per call signature with the arguments from qkv_stride on compiled in
+    # (kernel.cu's KVWRITE_FIXED_ARGS); KVWRITE_CUDA_SPECIALIZE=0: one generic build per variant.
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+
+
+TUNING = CudaTuning()
+
+
+def fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset, key_cache,
+               rotate_key_in_place, query_out) -> tuple[int, ...]:
+    """The kernel's arguments from qkv_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set by
+    the call signature: qkv's and query_out's token strides, max_position, the caches' block,
+    page and head strides, block_size, log2(block_size) or -1, num_slots, Hq, Hk, D, rot, the
+    bits of float32(eps) and float32(weight_offset), whether the offset is added, whether the
+    key is stored back."""
+    num_blocks, block_size = key_cache.shape[:2]
+    block_stride, page_stride, head_stride = key_cache.stride()[:3]
+    qo_stride = 0 if query_out is None else query_out.stride(0)
+    return (qkv.stride(0), qo_stride, cos_sin_cache.shape[0], block_stride, page_stride,
+            head_stride, block_size, _log2_or_minus_1(block_size), num_blocks * block_size,
+            num_heads_q, num_heads_k, qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps),
+            float32_bits(weight_offset), int(weight_offset != 0), int(rotate_key_in_place))
+
+
+def _rows(qkv, key_cache, value_cache, query_out) -> tuple:
+    """(address, element size, strides) of the tensors the kernel accesses in V-element chunks
+    besides qkv: query_out and both caches."""
+    rows = []
+    if query_out is not None:
+        rows.append((query_out.data_ptr(), query_out.element_size(),
+                     (query_out.stride(0),) if query_out.shape[0] > 1 else ()))
+    strides = tuple(s for s, n in zip(key_cache.stride()[:3], key_cache.shape[:3], strict=True)
+                    if n > 1)
+    for c in (key_cache, value_cache):
+        rows.append((c.data_ptr(), c.element_size(), strides))
+    return tuple(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launchable:
+    kernel: object
+    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
+    lanes: int
+    units_per_token: int
+    device_index: int
+    fixed: tuple
+
+
+_LAUNCHABLES: dict[tuple, _Launchable] = {}
+
+
+def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+                position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
+                rotate_key_in_place, query_out, specialize) -> _Launchable:
+    reason = nvrtc.setup_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    p = plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox,
+             _rows(qkv, key_cache, value_cache, query_out))
+    fixed = fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset,
+                       key_cache, rotate_key_in_place, query_out)
+    name = kernel_name(kind(qkv.dtype), kind(cos_sin_cache.dtype), weight_kind(q_weight),
+                       weight_kind(k_weight), out_kind(cache_dtype, qkv.dtype, key_cache.dtype),
+                       query_kind(query_out), p.e, p.lanes, p.v, p.vw, p.vt, is_neox,
+                       position_ids.dtype, slot_mapping.dtype)
+    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
+    index = qkv.get_device()
+    with nvrtc.capture_relaxed():
+        nvrtc.cuda_core().Device(index).set_current()
+        arch, _ = nvrtc.device_arch(index)
+        kernel = SOURCE.kernel(arch, name, macros)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index)
+    return _Launchable(kernel, pdl_kernel, p.lanes, num_heads_q + num_heads_k, index, fixed)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
+        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor,
+        weight_offset: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None, rotate_key_in_place: bool,
+        query_out: torch.Tensor | None, q_scale: torch.Tensor | None, *,
+        tuning: CudaTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_rot = position_ids.numel()
+    if num_rot == 0:
+        return
+    qw, kw, qo = _ptr(q_weight), _ptr(k_weight), _ptr(query_out)
+    kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
+    sig = (qkv.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, position_ids.dtype,
+           slot_mapping.dtype, qkv.shape[1:], qkv.stride(0), num_heads_q, num_heads_k, eps,
+           weight_offset, cos_sin_cache.shape, key_cache.shape, key_cache.stride(),
+           None if q_weight is None else q_weight.dtype,
+           None if k_weight is None else k_weight.dtype,
+           None if query_out is None else (query_out.dtype, query_out.stride(0)),
+           qkv.data_ptr() & 15, cos_sin_cache.data_ptr() & 15, qw & 15, kw & 15, qo & 15,
+           kc & 15, vc & 15, is_neox, rotate_key_in_place, qkv.get_device(), tuning.specialize)
+    lau = _LAUNCHABLES.get(sig)
+    if lau is None:
+        lau = _LAUNCHABLES[sig] = _launchable(
+            qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+            position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
+            rotate_key_in_place, query_out, tuning.specialize)
+    threads = num_rot * lau.units_per_token * lau.lanes
+    ctas = -(-threads // THREADS)
+    pdl = nvrtc.takes_pdl(lau.pdl_kernel, ctas, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    kss = vss = qss = 0
+    if k_scale is not None:
+        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+    if q_scale is not None:
+        qss = int(q_scale.numel() > 1)
+    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+                 position_ids.data_ptr(), qkv.data_ptr(), qo, cos_sin_cache.data_ptr(), qw, kw,
+                 kc, vc, slot_mapping.data_ptr(), _ptr(k_scale), _ptr(v_scale), _ptr(q_scale),
+                 num_rot, slot_mapping.numel(), kss, vss, qss, *lau.fixed)

@@ -1,0 +1,168 @@
+// kvwrite: fused_qk_norm_rope_and_reshape_cache_flash (docs/ops/fused_qk_norm_rope.md): QK-norm
+// and RoPE of every query and key head of the packed qkv, the query written back (or to
+// query_out, plain or fp8), the key written back (unless rotate_key_in_place is false), and the
+// key and value rows written into the paged caches, in one launch. Compiled at run time with
+// NVRTC (cuda_impl.py), one module per instantiation of
+// qk_norm_rope_cache_kernel<IN, CS, WQ, WK, OUT, QO, E, L, V, VW, VT, NEOX, PosT, SlotT>.
+//
+// Work split as fused_qk_norm_rope's kernel: one group of L lanes per (token, head) of the
+// Hq + Hk query and key heads (kvw/qk_norm.cuh), QKN_THREADS threads per CTA. A key head's
+// group also carries its value head (Hv == Hk): it loads the value's chunks with the key's
+// (tokens t < num_tokens), and for a slot in [0, num_slots) stores Q(key as rounded to qkv's
+// dtype) and Q(value) chunk by chunk, K and V of a (slot, head) together (kvw/vec_io.cuh's
+// convert_chunk: copies, casts, fp8 by the contract's rule with scales read on the device). A
+// token whose position is outside the table is not touched at all.
+#include "kvw/common.cuh"
+#include "kvw/fp8.cuh"
+#include "kvw/vec_io.cuh"
+#include "kvw/slot.cuh"
+#include "kvw/rope.cuh"
+#include "kvw/qk_norm.cuh"
+
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v16) the arguments
+// from qkv_stride on are compile-time constants: none is read from the parameter bank and the
+// index math (the division by the heads per token, the slot's block split) folds.
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_QKN_CACHE_FIXED_PROLOGUE()                                                          \
+  {                                                                                             \
+    KVW_FIXED_ARGS_ARRAY(17);                                                                   \
+    qkv_stride = fixed[0]; qo_stride = fixed[1]; max_position = fixed[2];                       \
+    block_stride = fixed[3]; page_stride = fixed[4]; head_stride = fixed[5];                    \
+    block_size = fixed[6]; block_shift = fixed[7]; num_slots = fixed[8];                        \
+    num_q_heads = fixed[9]; num_k_heads = fixed[10]; head_size = fixed[11]; rot = fixed[12];    \
+    eps_bits = fixed[13]; offset_bits = fixed[14]; add_offset = fixed[15];                      \
+    store_key = fixed[16];                                                                      \
+  }
+#else
+#define KVW_QKN_CACHE_FIXED_PROLOGUE()
+#endif
+
+// IN: qkv's element kind; CS: the table's; WQ, WK: the weights' (QKN_NO_WEIGHT: none); OUT: the
+// caches' element (DT_COPY: qkv's own dtype); QO: the query's destination (QKN_IN_PLACE, DT_COPY:
+// query_out of qkv's dtype, DT_E4M3 / DT_E5M2: an fp8 query_out scaled by q_scale).
+template <int IN, int CS, int WQ, int WK, int OUT, int QO, int E, int L, int V, int VW, int VT,
+          bool NEOX, typename PosT, typename SlotT>
+__global__ void __launch_bounds__(QKN_THREADS) qk_norm_rope_cache_kernel(
+    const PosT* __restrict__ positions,   // [T_rot]
+    u8* qkv,                              // [T_pad, Hq + Hk + Hv, D]; token stride qkv_stride
+    u8* query_out,                        // [T_pad, Hq, D] of QO's kind; token stride qo_stride
+    const u8* __restrict__ cos_sin,       // [max_position, rot], elements of kind CS
+    const u8* __restrict__ q_weight,      // [D] of kind WQ
+    const u8* __restrict__ k_weight,      // [D] of kind WK
+    u8* __restrict__ key_cache,           // [num_blocks, block_size, Hk, D] via strides
+    u8* __restrict__ value_cache,         // same strides as key_cache
+    const SlotT* __restrict__ slot_mapping,  // [num_tokens]
+    const float* __restrict__ k_scale,    // [1] or [Hk] (fp8 caches only)
+    const float* __restrict__ v_scale,
+    const float* __restrict__ q_scale,    // [1] or [Hq] (fp8 query_out only)
+    i64 num_rot, i64 num_tokens, i64 k_scale_stride, i64 v_scale_stride, i64 q_scale_stride,
+    // the fixed arguments (KVWRITE_FIXED_ARGS above)
+    i64 qkv_stride, i64 qo_stride, i64 max_position, i64 block_stride, i64 page_stride,
+    i64 head_stride, i64 block_size, i64 block_shift, i64 num_slots, i64 num_q_heads,
+    i64 num_k_heads, i64 head_size, i64 rot, i64 eps_bits, i64 offset_bits, i64 add_offset,
+    i64 store_key) {
+  KVW_PDL_ENTRY();
+  KVW_QKN_CACHE_FIXED_PROLOGUE()
+  constexpr int IB = elem_bytes(IN);
+  constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);
+  constexpr bool FP8 = OUT == DT_E4M3 || OUT == DT_E5M2;
+  constexpr bool QFP8 = QO == DT_E4M3 || QO == DT_E5M2;
+  constexpr int QB = QFP8 ? 1 : IB;
+  const u64 units_per_token = static_cast<u64>(num_q_heads + num_k_heads);
+  const u64 thread = static_cast<u64>(blockIdx.x) * QKN_THREADS + threadIdx.x;
+  const u64 grp = thread / L;
+  const u64 t = grp / units_per_token;
+  if (t >= static_cast<u64>(num_rot)) return;  // whole groups: every lane of one leaves
+  const u32 j = static_cast<u32>(grp - t * units_per_token);
+  const u32 i0 = (static_cast<u32>(thread) & (L - 1)) * E;
+  const bool is_q = j < static_cast<u64>(num_q_heads);
+  const i64 h = static_cast<i64>(j) - (is_q ? 0 : num_q_heads);  // the head within its kind
+  u8* row = qkv + static_cast<i64>(t) * qkv_stride * IB + static_cast<i64>(j) * head_size * IB;
+  const bool cached = !is_q && t < static_cast<u64>(num_tokens);
+  // The rows first (volatile: not sunk below the position's test; a key group's value row too,
+  // Hk heads after its key), then the scales (volatile: used only after the rotation, but needed
+  // in flight now), the weights, and the position and slot (load_index: nothing computed from
+  // them placed before the rows' loads).
+  const QknRow<IN, E, V> x = qkn_load_row<IN, E, V>(row, i0, head_size);
+  QknRow<IN, E, V> v = qkn_zero_row<IN, E, V>();
+  if (cached) v = qkn_load_row<IN, E, V>(row + num_k_heads * head_size * IB, i0, head_size);
+  // The scales by every lane, branch-free (a query group reads head 0's k and v scales, a key
+  // group head 0's q scale: always there).
+  float k_s = 0.0f, v_s = 0.0f, q_s = 0.0f;
+  if constexpr (FP8) {
+    const i64 hk = is_q ? 0 : h;
+    k_s = __uint_as_float(load_raw_volatile<4>(
+        reinterpret_cast<const u8*>(k_scale + hk * k_scale_stride)).w[0]);
+    v_s = __uint_as_float(load_raw_volatile<4>(
+        reinterpret_cast<const u8*>(v_scale + hk * v_scale_stride)).w[0]);
+  }
+  if constexpr (QFP8) {
+    q_s = __uint_as_float(load_raw_volatile<4>(
+        reinterpret_cast<const u8*>(q_scale + (is_q ? h : 0) * q_scale_stride)).w[0]);
+  }
+  const QknWeight<WQ, E, VW> wq = qkn_load_weight<WQ, E, VW>(q_weight, i0, head_size);
+  const QknWeight<WK, E, VW> wk = qkn_load_weight<WK, E, VW>(k_weight, i0, head_size);
+  const i64 pos = static_cast<i64>(load_index(positions + t));
+  const i64 s = cached ? static_cast<i64>(load_index(slot_mapping + t)) : -1;
+  if (static_cast<u64>(pos) >= static_cast<u64>(max_position)) return;  // also pos < 0
+  const u32 half = static_cast<u32>(rot) / 2;
+  const auto tb = qkn_load_table<CS, E, VT, NEOX>(cos_sin + pos * rot * elem_bytes(CS), i0,
+                                                  half, static_cast<u32>(rot));
+  // While the table's entries are in flight: the weights' conversion, the stores' offsets and
+  // the fp8 scales' constants.
+  float g[E];
+  const float offset = bits_f32(static_cast<u32>(offset_bits));
+  qkn_weights<WQ, WK, E, VW>(wq, wk, is_q, add_offset != 0, offset, g);
+  const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
+  i64 coff = 0;  // the (slot, head) row's element offset in either cache
+  if (valid) {
+    coff = slot_offset(s, block_stride, page_stride, block_size, block_shift,
+                       (static_cast<u64>(num_slots) >> 32) == 0) + h * head_stride;
+  }
+  Fp8Scale ks{}, vs{}, qs{};
+  if constexpr (FP8) {
+    ks = make_fp8_scale<true>(k_s);
+    vs = make_fp8_scale<true>(v_s);
+  }
+  if constexpr (QFP8) qs = make_fp8_scale<true>(q_s);
+  float* group = nullptr;
+  if constexpr (NEOX) group = qkn_exchange<E, L>();
+  float n[E];
+  qkn_norm_rope<IN, CS, E, L, V, VT, NEOX>(x, g, tb, i0, head_size, half, static_cast<u32>(rot),
+                                           bits_f32(static_cast<u32>(eps_bits)), group,
+                                           qkn_group_mask<L>(), n);
+  const QknRow<IN, E, V> out = qkn_round<IN, E, V>(n);
+  if (is_q) {
+    if constexpr (QO == QKN_IN_PLACE) {
+      qkn_store_row<IN, E, V>(row, out, i0, head_size);
+    } else {
+      u8* qrow = query_out + (static_cast<i64>(t) * qo_stride + h * head_size) * QB;
+#pragma unroll
+      for (int k = 0; k < E / V; ++k) {
+        const u32 b = i0 + k * V;
+        if (b >= static_cast<u64>(head_size)) continue;
+        if constexpr (QFP8) {
+          store_raw<V>(qrow + b, convert_chunk<IN, QO, V>(out.c[k], qs));
+        } else {
+          store_raw<V * IB>(qrow + static_cast<i64>(b) * IB, out.c[k]);
+        }
+      }
+    }
+    return;
+  }
+  if (store_key) qkn_store_row<IN, E, V>(row, out, i0, head_size);
+  if (!valid) return;
+#pragma unroll
+  for (int k = 0; k < E / V; ++k) {
+    const u32 b = i0 + k * V;
+    if (b >= static_cast<u64>(head_size)) continue;
+    const i64 c = (coff + b) * OB;
+    if constexpr (OUT == DT_COPY) {
+      store_raw<V * IB>(key_cache + c, out.c[k]);
+      store_raw<V * IB>(value_cache + c, v.c[k]);
+    } else {
+      store_raw<V * OB>(key_cache + c, convert_chunk<IN, OUT, V>(out.c[k], ks));
+      store_raw<V * OB>(value_cache + c, convert_chunk<IN, OUT, V>(v.c[k], vs));
+    }
+  }
+}

@@ -1,0 +1,190 @@
+"""The Triton implementation of fused_qk_norm_rope_and_reshape_cache_flash: one launch normalizes
+and rotates query and key heads, stores them and writes the caches.
+
+Grid (token tiles, query head tiles + key head tiles), tiles as rotary_embedding's. A query
+program normalizes and rotates a ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of query heads
+(kvwrite.kernels.triton_qk_norm) and stores it in place, to query_out, or fp8-quantized to
+query_out (kvwrite.kernels.triton_fp8.store_quantized with q_scale's constants). A key program
+does the same for key heads, stores them back (unless ``rotate_key_in_place`` is false), loads
+the same tile of value heads and stores key and value into the caches through their strides
+(every layout) with the cache write's conversion (copies, casts, fp8 with per-tensor or
+per-head scales read on the device). Tokens whose position is outside the table are not
+touched; tokens ``t >= T`` are normalized and rotated but not cached; padding and out-of-range
+slots are skipped. Graph-safe.
+
+Under Triton's interpreter (CPU) the cases whose casts it rounds differently from the GPU are
+refused (bfloat16 rows, tables or weights, fp8 and the cache write's inexact casts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...dtypes import CacheDType
+from ...kernels import triton_support
+from ...kernels.triton_fp8 import COPY as _COPY
+from ...kernels.triton_fp8 import E4M3 as _E4M3
+from ...kernels.triton_fp8 import E5M2 as _E5M2
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS
+from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, signed_bits
+
+if triton is not None:  # without triton this module imports, and `available` says why
+    from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, scale_constants, store_quantized
+    from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
+    from ...kernels.triton_rope import rope_tables
+    from ..fused_rope_and_reshape_cache_flash.triton_impl import _cache_offsets
+    from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+    from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
+
+__all__ = ["available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _qk_norm_rope_cache_kernel,
+                                    _IMPORT_ERROR)
+
+
+_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+_QUERY_QUANT = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
+
+
+def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
+                cache_dtype: CacheDType, query_out) -> str | None:
+    if qkv.device.type == "cuda":
+        return None
+    reason = interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
+    if reason is None and _interpreter_inexact(qkv.dtype, cache_dtype.element_dtype(qkv.dtype)):
+        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {qkv.dtype}->"
+                  f"{cache_dtype.element_dtype(qkv.dtype)} casts differently from the GPU; run "
+                  "on a CUDA device")
+    if reason is None and query_out is not None and query_out.dtype in _QUERY_QUANT:
+        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {qkv.dtype}->"
+                  f"{query_out.dtype} casts differently from the GPU; run on a CUDA device")
+    return reason
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_rot", "num_tokens", "eps_bits", "offset_bits"])
+    def _qk_norm_rope_cache_kernel(
+        positions_ptr,  # [T_rot] int64 or int32
+        qkv_ptr,  # [T_pad, Hq + Hk + Hv, D], token stride qkv_stride, dense heads
+        query_out_ptr,  # [T_pad, Hq, D], token stride qo_stride (qkv itself when in place)
+        cos_sin_ptr,  # [max_position, ROT]: cos | sin
+        q_weight_ptr, k_weight_ptr,  # [D] each (None where HAS_QW / HAS_KW is false)
+        key_cache_ptr,  # [num_blocks, block_size, Hk, D] via (stride_b, stride_s, stride_h, 1)
+        value_cache_ptr,  # same logical shape and strides, other base
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr, v_scale_ptr,  # [1] or [Hk] float32 (fp8 caches only; None otherwise)
+        q_scale_ptr,  # [1] or [Hq] float32 (fp8 query_out only; None otherwise)
+        num_rot, num_tokens,  # T_rot, T
+        qkv_stride, qo_stride,  # token strides in elements
+        max_position, num_slots,
+        stride_b, stride_s, stride_h,  # cache strides in elements
+        eps_bits, offset_bits,  # float32(eps), float32(weight_offset) as int32 bits
+        NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+        ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
+        ADD_OFFSET: tl.constexpr, STORE_KEY: tl.constexpr, QUERY_IN_PLACE: tl.constexpr,
+        QUERY_QUANT: tl.constexpr, Q_PER_HEAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr, Q_TILES: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr,
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)
+        valid, c, s, partner, first, is_rot = rope_tables(
+            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        eps = f32_from_bits(eps_bits)
+        offset = f32_from_bits(offset_bits)
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        t64 = t.to(tl.int64)
+        STEPS: tl.constexpr = 2 if qkv_ptr.dtype.element_ty == tl.float32 else 1
+        if tile < Q_TILES:
+            hq = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            h = hq[None, :, None]
+            mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
+            row = (t64 * qkv_stride)[:, None, None] + h * HEAD_SIZE
+            q = norm_rope_tile(qkv_ptr, row, d, partner, mask, q_weight_ptr, eps, offset, c, s,
+                               first, is_rot, HEAD_SIZE, HAS_QW, ADD_OFFSET, BLOCK_D)
+            q = q.to(qkv_ptr.dtype.element_ty)
+            if QUERY_IN_PLACE:
+                tl.store(qkv_ptr + row + d, q, mask=mask)
+            else:
+                q_row = (t64 * qo_stride)[:, None, None] + h * HEAD_SIZE
+                if QUERY_QUANT == 0:
+                    tl.store(query_out_ptr + q_row + d, q, mask=mask)
+                else:
+                    if Q_PER_HEAD_SCALE:
+                        qsc = tl.load(q_scale_ptr + hq, mask=hq < NUM_Q_HEADS, other=1.0)
+                    else:
+                        qsc = tl.load(q_scale_ptr)
+                    qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
+                    store_quantized(query_out_ptr, q_row + d, mask, q, qm, qs2, qy,
+                                    QUERY_QUANT, STEPS)
+        else:
+            hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+            h = hv[None, :, None]
+            in_row = (h < NUM_K_HEADS) & (d < HEAD_SIZE)
+            mask = valid[:, None, None] & in_row
+            row = (t64 * qkv_stride)[:, None, None] + (NUM_Q_HEADS + h) * HEAD_SIZE
+            cached = t < num_tokens
+            slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
+            k = norm_rope_tile(qkv_ptr, row, d, partner, mask, k_weight_ptr, eps, offset, c, s,
+                               first, is_rot, HEAD_SIZE, HAS_KW, ADD_OFFSET, BLOCK_D)
+            k = k.to(qkv_ptr.dtype.element_ty)
+            v = tl.load(qkv_ptr + row + NUM_K_HEADS * HEAD_SIZE + d,
+                        mask=cached[:, None, None] & in_row)
+            if STORE_KEY:
+                tl.store(qkv_ptr + row + d, k, mask=mask)
+            km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_K_HEADS,
+                                                      QUANT, PER_HEAD_SCALE, False)
+            store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+
+
+def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
+        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor,
+        weight_offset: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None, rotate_key_in_place: bool,
+        query_out: torch.Tensor | None, q_scale: torch.Tensor | None, *,
+        tuning=None) -> None:
+    """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
+    a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
+    num_rot = position_ids.numel()
+    if num_rot == 0:
+        return
+    tuning = TUNING if tuning is None else tuning
+    d = qkv.shape[2]
+    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k, d,
+                                                      qkv.element_size(), tuning)
+    quant = _QUANT.get(cache_dtype, _COPY)
+    query_quant = 0 if query_out is None else _QUERY_QUANT.get(query_out.dtype, 0)
+    num_blocks, block_size = key_cache.shape[:2]
+    qo = qkv if query_out is None else query_out
+    grid = (triton.cdiv(num_rot, block_t), nq + nk)
+    pdl, trigger = triton_support.pdl_launch(qkv.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    _qk_norm_rope_cache_kernel[grid](
+        position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
+        slot_mapping, k_scale, v_scale, q_scale if query_quant else None, num_rot,
+        slot_mapping.numel(), qkv.stride(0), qo.stride(0), cos_sin_cache.shape[0],
+        num_blocks * block_size, *key_cache.stride()[:3], signed_bits(eps),
+        signed_bits(weight_offset),
+        NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
+        ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox, HAS_QW=q_weight is not None,
+        HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0,
+        STORE_KEY=rotate_key_in_place, QUERY_IN_PLACE=query_out is None,
+        QUERY_QUANT=query_quant,
+        Q_PER_HEAD_SCALE=bool(query_quant) and q_scale.numel() > 1, BLOCK_SIZE=block_size,
+        QUANT=quant, PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
+        PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,
+    )

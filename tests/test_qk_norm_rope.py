@@ -1,0 +1,1521 @@
+"""fused_qk_norm_rope and fused_qk_norm_rope_and_reshape_cache_flash (docs/ops/fused_qk_norm_rope.md):
+the torch reference against an independent oracle (NumPy float64, one token and head at a time,
+rounded to float32 at every step of the contract, its own pairwise tree by recursive halves);
+every implementation byte for byte against the reference (qkv, query_out and both caches, whole
+allocations); fused == the norm op followed by reshape_and_cache_flash; validation (every error
+names the argument, nothing changes); deliberately wrong implementations caught; NVRTC compiles
+of every CUDA variant and the machine code (no local memory, no FFMA outside the root and the
+divisions); on the GPU the large matrix for all three implementations, the generic CUDA builds,
+CUDA-graph replay with new positions, weights and scales, torch.compile and the memory-checker
+cases."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvwrite
+import sass as sass_tools
+from kvwrite import registry
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.ops import fused_qk_norm_rope as norm_pkg
+from kvwrite.ops import fused_qk_norm_rope_and_reshape_cache_flash as fused_pkg
+from kvwrite.testing.compile import compiled_targets
+from kvwrite.testing.qk_norm import (
+    FUSED_CASES,
+    GPU_FUSED_CASES,
+    GPU_NORM_CASES,
+    NORM_CASES,
+    QkNormCase,
+    QkNormInputs,
+    clone_inputs,
+    differences,
+    make_qk_norm_inputs,
+)
+from oracle import fp8_round
+from oracle import oracle as cache_oracle
+
+NORM = norm_pkg.OP
+FUSED = fused_pkg.OP
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _nan_equal(case: QkNormCase) -> bool:
+    """Cases whose results hold NaNs (the contract lets each stored NaN be any NaN)."""
+    return case.special in ("nan", "inf") or (case.eps == 0 and case.special in ("zeros", "tiny"))
+
+
+# --- the oracle ----------------------------------------------------------------------------------
+
+def _f32(x):
+    """float64 values rounded to float32 (nearest even, overflow to ±inf), as float64."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def _tree(leaves: list[float]) -> float:
+    """The pairwise sum of a power-of-two number of leaves: the two halves' sums added (the same
+    tree as neighbours added level by level), each sum rounded to float32."""
+    if len(leaves) == 1:
+        return leaves[0]
+    h = len(leaves) // 2
+    return float(_f32(_tree(leaves[:h]) + _tree(leaves[h:])))
+
+
+def _round_to(vals: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values (as float64) rounded to nearest even in ``dtype`` (bfloat16 by integer
+    arithmetic)."""
+    v32 = np.ascontiguousarray(vals, dtype=np.float32)
+    if dtype == torch.float32:
+        return torch.from_numpy(v32.copy())
+    if dtype == torch.float16:
+        with np.errstate(over="ignore"):
+            return torch.from_numpy(v32.astype(np.float16))
+    b = v32.view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint32)
+    r = np.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+    return torch.from_numpy(r.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+def oracle_head(x: np.ndarray, g: np.ndarray | None, eps32: float, cs: np.ndarray, rot: int,
+                neox: bool) -> np.ndarray:
+    """One head row (float32 values as float64) normalized and rotated, float32 values."""
+    d = len(x)
+    p = 1
+    while p < d:
+        p *= 2
+    with np.errstate(all="ignore"):
+        leaves = [float(v) for v in _f32(x * x)] + [0.0] * (p - d)
+        ss = _tree(leaves)
+        m = float(_f32(ss / d))
+        a = float(_f32(m + eps32))
+        sigma = float(_f32(np.sqrt(a)))
+        r = float(_f32(np.float64(1.0) / np.float64(sigma)))
+        n = _f32(x * r)
+        if g is not None:
+            n = _f32(n * g)
+        out = n.copy()
+        half = rot // 2
+        xs = np.arange(half) if neox else np.arange(0, rot, 2)
+        ys = xs + half if neox else xs + 1
+        c, s = cs[:half], cs[half:rot]
+        out[xs] = _f32(_f32(n[xs] * c) - _f32(n[ys] * s))
+        out[ys] = _f32(_f32(n[ys] * c) + _f32(n[xs] * s))
+    return out
+
+
+def _oracle_weight(w: torch.Tensor | None, offset: float) -> np.ndarray | None:
+    if w is None:
+        return None
+    g = w.float().numpy().astype(np.float64)
+    if offset != 0:
+        g = _f32(g + float(np.float32(offset)))
+    return g
+
+
+def oracle_rows(inp: QkNormInputs) -> tuple[torch.Tensor, list[bool]]:
+    """The query and key heads of every row t < T_rot as the contract stores them (qkv's dtype;
+    rows of invalid tokens keep their bits), ``[T_rot, Hq+Hk, D]``, and each token's validity."""
+    qkv = inp.heads()
+    hq, hk = inp.num_heads_q, inp.num_heads_k
+    table = inp.cos_sin_cache.float().numpy().astype(np.float64)
+    rot = inp.cos_sin_cache.shape[1]
+    eps32 = float(np.float32(inp.eps))
+    gq = _oracle_weight(inp.q_weight, inp.weight_offset)
+    gk = _oracle_weight(inp.k_weight, inp.weight_offset)
+    out = qkv[:inp.position_ids.numel(), :hq + hk].clone()
+    valid = []
+    for t in range(inp.position_ids.numel()):
+        p = int(inp.position_ids[t])
+        ok = 0 <= p < table.shape[0]
+        valid.append(ok)
+        if not ok:
+            continue
+        for h in range(hq + hk):
+            x = qkv[t, h].float().numpy().astype(np.float64)
+            row = oracle_head(x, gq if h < hq else gk, eps32, table[p], rot, inp.is_neox)
+            out[t, h] = _round_to(row, qkv.dtype)
+    return out, valid
+
+
+def expected_norm(case: QkNormCase) -> QkNormInputs:
+    inp = make_qk_norm_inputs(case)
+    rows, valid = oracle_rows(inp)
+    qkv = inp.heads()
+    for t, ok in enumerate(valid):
+        if ok:
+            qkv[t, :rows.shape[1]] = rows[t]
+    return inp
+
+
+def _quantize_query(row: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
+    with np.errstate(all="ignore"):
+        q = row.float().numpy().astype(np.float32) / np.float32(scale)
+    return torch.from_numpy(fp8_round(q, fp8)).view(fp8)
+
+
+def expected_fused(case: QkNormCase) -> QkNormInputs:
+    inp = make_qk_norm_inputs(case)
+    rows, valid = oracle_rows(inp)
+    qkv = inp.heads()
+    hq, hk = inp.num_heads_q, inp.num_heads_k
+    qo = inp.query_out
+    if qo is not None and qo.dim() == 2:
+        qo = qo.unflatten(1, (hq, inp.head_dim))
+    key = qkv[:, hq:hq + hk].clone()
+    value = qkv[:, hq + hk:].clone()
+    for t, ok in enumerate(valid):
+        if not ok:
+            continue
+        key[t] = rows[t, hq:]
+        if inp.rotate_key_in_place:
+            qkv[t, hq:hq + hk] = rows[t, hq:]
+        if qo is None:
+            qkv[t, :hq] = rows[t, :hq]
+        elif qo.dtype == qkv.dtype:
+            qo[t] = rows[t, :hq]
+        else:
+            for h in range(hq):
+                s = float(inp.q_scale.reshape(-1)[h if inp.q_scale.numel() > 1 else 0])
+                qo[t, h] = _quantize_query(rows[t, h], s, qo.dtype)
+    slots = inp.slot_mapping.clone()
+    for t in range(slots.numel()):
+        if not valid[t]:
+            slots[t] = -1
+    cache_oracle(key, value, inp.key_cache, inp.value_cache, slots, case.cache_dtype, inp.k_scale,
+                 inp.v_scale)
+    return inp
+
+
+_expected_norm = functools.cache(expected_norm)
+_expected_fused = functools.cache(expected_fused)
+
+
+def assert_same(got: QkNormInputs, want: QkNormInputs, nan_equal: bool = False,
+                names: tuple[str, ...] | None = None) -> None:
+    """Every tensor of the call (or those of ``names``), whole allocations, byte for byte."""
+    diff = differences(got, want, nan_equal, names)
+    if diff is not None:
+        raise AssertionError(f"bytes differ: {diff}")
+
+
+def _norm_names(inp: QkNormInputs) -> tuple[str, ...]:
+    return tuple(inp.tensors(cache=False))
+
+
+# --- the reference against the oracle ------------------------------------------------------------
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: c.id)
+def test_norm_reference_matches_oracle(case):
+    inp = make_qk_norm_inputs(case)
+    kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation="torch")
+    assert_same(inp, _expected_norm(case), _nan_equal(case), _norm_names(inp))
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_fused_reference_matches_oracle(case):
+    inp = make_qk_norm_inputs(case)
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation="torch")
+    assert_same(inp, _expected_fused(case), _nan_equal(case))
+
+
+def test_oracle_rounds_bfloat16_to_nearest_even():
+    vals = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -0.0, 3e38],
+                    dtype=np.float32)
+    got = _round_to(vals.astype(np.float64), torch.bfloat16)
+    want = torch.from_numpy(vals).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_reference_root_is_correctly_rounded_where_float32_sqrt_may_not_be():
+    """The reference's sigma is the float64 root rounded once: on many random float32 values it
+    equals the correctly rounded float32 root (checked against integer arithmetic:
+    sigma^2 <= a < (sigma + ulp/2)^2 rounded to nearest)."""
+    from kvwrite.ops.fused_qk_norm_rope import reference as ref
+    gen = torch.Generator().manual_seed(5)
+    a = torch.rand(100_000, generator=gen) * torch.exp2(torch.randint(-60, 60, (100_000,),
+                                                                       generator=gen).float())
+    x = torch.sqrt(a.double()).float()  # what the reference computes
+    lo, hi = torch.nextafter(x, torch.zeros_like(x)), torch.nextafter(x, x * 2)
+    # x is the nearest float32 to sqrt(a): its neighbours' midpoints bracket the root.
+    mid_lo = (lo.double() + x.double()) / 2
+    mid_hi = (hi.double() + x.double()) / 2
+    assert bool(((mid_lo**2 <= a.double()) & (a.double() <= mid_hi**2)).all())
+    assert ref.sum_of_squares(torch.tensor([[1.0, 2.0, 3.0]])).item() == 14.0
+
+
+# --- every implementation against the reference --------------------------------------------------
+
+def _skip_unless_runs(op: str, impl: str, inp: QkNormInputs, device) -> None:
+    info = registry.get(op, impl)
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    if op == NORM:
+        view, *_ = norm_pkg.op.validate(*inp.norm_args(), weight_offset=inp.weight_offset)
+        reason = info.unsupported(view, inp.q_weight, inp.k_weight, inp.cos_sin_cache,
+                                  inp.is_neox)
+    else:
+        view, _, _, cache_dtype, qo, _ = fused_pkg.op.validate(*inp.fused_args(),
+                                                               **inp.fused_kwargs())
+        reason = info.unsupported(view, inp.q_weight, inp.k_weight, inp.cos_sin_cache,
+                                  inp.is_neox, inp.key_cache, cache_dtype, qo)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _run_norm(impl: str, case: QkNormCase, device) -> QkNormInputs:
+    inp = make_qk_norm_inputs(case, device)
+    _skip_unless_runs(NORM, impl, inp, device)
+    want = clone_inputs(inp)
+    kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation=impl)
+    kvwrite.fused_qk_norm_rope(*want.norm_args(), **want.norm_kwargs(), implementation="torch")
+    assert_same(inp, want, _nan_equal(case), _norm_names(inp))
+    return inp
+
+
+def _run_fused(impl: str, case: QkNormCase, device) -> QkNormInputs:
+    inp = make_qk_norm_inputs(case, device)
+    _skip_unless_runs(FUSED, impl, inp, device)
+    want = clone_inputs(inp)
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation=impl)
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*want.fused_args(), **want.fused_kwargs(),
+                                                       implementation="torch")
+    assert_same(inp, want, _nan_equal(case))
+    return inp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(NORM) if i.name != "torch"])
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: c.id)
+def test_norm_matches_reference(impl, case, device):
+    _run_norm(impl, case, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED) if i.name != "torch"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_fused_matches_reference(impl, case, device):
+    _run_fused(impl, case, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", [(NORM, c) for c in NORM_CASES] +
+                         [(FUSED, c) for c in FUSED_CASES],
+                         ids=[f"norm-{c.id}" for c in NORM_CASES] +
+                             [f"fused-{c.id}" for c in FUSED_CASES])
+def test_gpu_reference_matches_the_oracle(op, case):
+    """The torch reference on the GPU writes the oracle's bytes (so the GPU matrix below, whose
+    cases are compared with it, is compared with the oracle too)."""
+    inp = make_qk_norm_inputs(case, "cuda")
+    if op == NORM:
+        kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation="torch")
+        assert_same(inp, _expected_norm(case), _nan_equal(case), _norm_names(inp))
+    else:
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(),
+                                                           **inp.fused_kwargs(),
+                                                           implementation="torch")
+        assert_same(inp, _expected_fused(case), _nan_equal(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("case", GPU_NORM_CASES, ids=lambda c: c.id)
+def test_gpu_norm_matrix(impl, case):
+    _run_norm(impl, case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("case", GPU_FUSED_CASES, ids=lambda c: c.id)
+def test_gpu_fused_matrix(impl, case):
+    _run_fused(impl, case, "cuda")
+
+
+_GPU_SAMPLE = ([(NORM, c) for c in GPU_NORM_CASES if c.num_tokens < 1000][::3]
+               + [(FUSED, c) for c in GPU_FUSED_CASES if c.num_tokens < 1000][::3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", _GPU_SAMPLE, ids=[f"{o}-{c.id}" for o, c in _GPU_SAMPLE])
+def test_gpu_reference_matches_the_cpu_reference(op, case):
+    """The reference gives the same bytes on the GPU as on the CPU (where the oracle checks it)."""
+    gpu, cpu = make_qk_norm_inputs(case, "cuda"), make_qk_norm_inputs(case, "cpu")
+    fused = op == FUSED
+    for inp in (gpu, cpu):
+        if fused:
+            kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+                *inp.fused_args(), **inp.fused_kwargs(), implementation="torch")
+        else:
+            kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(),
+                                       implementation="torch")
+    assert_same(gpu, cpu, _nan_equal(case), None if fused else _norm_names(cpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [NORM, FUSED])
+@pytest.mark.parametrize("case", [QkNormCase(num_tokens=40, num_q_heads=32, num_k_heads=8,
+                                             head_size=128, dtype=torch.bfloat16,
+                                             kv_cache_dtype="fp8", query_out="fp8_e4m3",
+                                             bad_positions=2, padding_slots=2, num_blocks=4),
+                                  QkNormCase(num_tokens=9, head_size=46, rot_dim=18,
+                                             num_q_heads=5, num_k_heads=3, row_pad=1,
+                                             dtype=torch.float32, q_weight=torch.bfloat16,
+                                             weight_offset=1.0, is_neox=False,
+                                             layout=Layout.HND, alloc=KVAlloc.PACKED),
+                                  QkNormCase(num_tokens=5, head_size=512, num_q_heads=4,
+                                             num_k_heads=2, kv_cache_dtype="fp8_e5m2",
+                                             per_head_scale=True, dtype=torch.bfloat16)],
+                         ids=lambda c: c.id)
+def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op, case):
+    """KVWRITE_CUDA_SPECIALIZE=0 (CudaTuning.specialize=False): the kernels with their fixed
+    arguments read at run time (D not known: the division by D instead of the multiplication)
+    write the reference's bytes too."""
+    if op == NORM:
+        from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+    monkeypatch.setattr(cuda_impl, "TUNING", cuda_impl.CudaTuning(specialize=False))
+    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl.run, "__kwdefaults__", {"tuning": cuda_impl.TUNING})
+    seen = record_builds(cuda_impl.SOURCE)
+    (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
+    assert seen and all(f is None for f in seen), seen
+
+
+# --- fused == the norm op, then the cache write --------------------------------------------------
+
+SEQUENCE_CASES = [
+    QkNormCase(num_tokens=9, dtype=torch.float32, kv_cache_dtype="fp8", per_head_scale=True),
+    QkNormCase(num_tokens=9, kv_cache_dtype="fp8_e5m2", layout=Layout.HND, alloc=KVAlloc.PACKED,
+               padding_slots=2, out_of_range_slots=1, weight_offset=1.0, is_neox=False,
+               rot_dim=32),
+    QkNormCase(num_tokens=9, cache_tokens=5, kv_cache_dtype="float32", q_weight=None,
+               alloc=KVAlloc.INTERLEAVED),
+    QkNormCase(num_tokens=7, kv_cache_dtype="auto", flat=True, row_pad=4),
+    QkNormCase(num_tokens=7, kv_cache_dtype="fp8", dtype=torch.bfloat16,
+               cos_sin_dtype=torch.bfloat16),
+]
+GPU_SEQUENCE_CASES = [
+    QkNormCase(num_tokens=33, num_q_heads=32, num_k_heads=8, head_size=128,
+               dtype=torch.bfloat16 if layout is Layout.NHD else torch.float16,
+               kv_cache_dtype=kv, layout=layout, alloc=KVAlloc.INTERLEAVED, num_blocks=4,
+               padding_slots=2, per_head_scale=kv == "fp8")
+    for kv in ("auto", "fp8", "fp8_e5m2", "float32") for layout in Layout]
+
+
+def _sequence(inp: QkNormInputs, impl: str) -> None:
+    kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation=impl)
+    v = inp.heads()
+    hq, hk = inp.num_heads_q, inp.num_heads_k
+    kvwrite.reshape_and_cache_flash(v[:, hq:hq + hk], v[:, hq + hk:], inp.key_cache,
+                                    inp.value_cache, inp.slot_mapping, inp.kv_cache_dtype,
+                                    inp.k_scale, inp.v_scale, implementation=impl)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+@pytest.mark.parametrize("case", SEQUENCE_CASES + [
+    pytest.param(c, marks=pytest.mark.gpu) for c in GPU_SEQUENCE_CASES], ids=lambda c: c.id)
+def test_fused_equals_the_unfused_sequence(impl, case, device):
+    """With every position in the table, the fused op has the effect of fused_qk_norm_rope
+    followed by reshape_and_cache_flash (the same implementation), byte for byte."""
+    if device == "cpu" and case in GPU_SEQUENCE_CASES:
+        pytest.skip("a GPU case")
+    inp = make_qk_norm_inputs(case, device)
+    _skip_unless_runs(FUSED, impl, inp, device)
+    pair = clone_inputs(inp)
+    try:
+        _sequence(pair, impl if impl != "triton" or device != "cpu" else "torch")
+    except ValueError as e:
+        pytest.skip(str(e))
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation=impl)
+    assert_same(inp, pair)
+
+
+# --- T == 0 and T_rot == 0 ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+def test_zero_cache_tokens_normalizes_and_leaves_the_caches(impl, device):
+    case = QkNormCase(num_tokens=6, cache_tokens=0, kv_cache_dtype="auto")
+    inp = _run_fused(impl, case, device)
+    fresh = make_qk_norm_inputs(case, device)
+    assert_same(inp, fresh, names=("key_cache", "value_cache", "slot_mapping"))
+    with pytest.raises(AssertionError):
+        assert_same(inp, fresh, names=("qkv",))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", [NORM, FUSED])
+@pytest.mark.parametrize("impl", ["torch", "triton", "cuda"])
+def test_zero_tokens_changes_nothing(op, impl, device):
+    case = QkNormCase(num_tokens=0, extra_rows=3)
+    inp = make_qk_norm_inputs(case, device)
+    _skip_unless_runs(op, impl, inp, device)
+    if op == NORM:
+        kvwrite.fused_qk_norm_rope(*inp.norm_args(), implementation=impl)
+    else:
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(),
+                                                           implementation=impl)
+    assert_same(inp, make_qk_norm_inputs(case, device))
+
+
+# --- the checker can fail ----------------------------------------------------------------------
+
+def _variant(inp: QkNormInputs, *, tree: str = "pairwise", root: str = "sqrt",
+             order: str = "xr_w", round_after_norm: bool = False, eps_place: str = "inside",
+             offset: str = "add") -> None:
+    """The reference's arithmetic with one thing changed, in place on qkv."""
+    from kvwrite.ops.fused_qk_norm_rope.reference import sum_of_squares
+    from kvwrite.ops.rotary_embedding.reference import rotate, store_rotated
+    qkv = inp.heads()
+    hq, hk = inp.num_heads_q, inp.num_heads_k
+    n_rot = inp.position_ids.numel()
+    x = qkv[:n_rot, :hq + hk].float()
+    if tree == "pairwise":
+        ss = sum_of_squares(x)
+    else:  # one element after the other
+        ss = torch.zeros(x.shape[:2])
+        for i in range(x.shape[2]):
+            ss = ss + x[..., i] * x[..., i]
+    d = x.shape[2]
+    eps = float(np.float32(inp.eps))
+    m = ss / torch.full_like(ss, d)
+    if root == "sqrt":
+        sigma = (m + eps).double().sqrt().float()
+        r = torch.div(torch.ones_like(sigma), sigma)
+    else:  # the correctly rounded reciprocal root, one rounding
+        r = (1.0 / (m + eps).double().sqrt()).float()
+    if eps_place == "outside":
+        sigma = m.double().sqrt().float() + eps
+        r = torch.div(torch.ones_like(sigma), sigma)
+    r = r[..., None]
+    g = torch.cat([inp.q_weight.float().expand(hq, d), inp.k_weight.float().expand(hk, d)])
+    if inp.weight_offset and offset == "add":
+        g = g + float(np.float32(inp.weight_offset))
+    n = x * r * g if order == "xr_w" else x * (r * g)
+    if round_after_norm:
+        n = n.to(qkv.dtype).float()
+    out, valid = rotate(n, inp.position_ids, inp.cos_sin_cache, inp.is_neox)
+    store_rotated(qkv[:, :hq + hk], out.to(qkv.dtype), valid)
+
+
+BROKEN = [
+    ("sequential-sum", dict(tree="sequential"), QkNormCase(num_tokens=9, dtype=torch.float32)),
+    ("rsqrt", dict(root="rsqrt"), QkNormCase(num_tokens=9, dtype=torch.float32)),
+    ("x-times-rw", dict(order="x_rw"), QkNormCase(num_tokens=9, dtype=torch.float32)),
+    ("rounded-after-norm", dict(round_after_norm=True), QkNormCase(num_tokens=9)),
+    ("eps-outside-root", dict(eps_place="outside"),
+     QkNormCase(num_tokens=9, dtype=torch.float32, eps=1e-2)),
+    ("no-offset", dict(offset="none"), QkNormCase(num_tokens=9, weight_offset=1.0)),
+]
+
+
+@pytest.mark.parametrize("kwargs, case", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_checker_rejects_wrong_arithmetic(kwargs, case):
+    inp = make_qk_norm_inputs(case)
+    _variant(inp, **kwargs)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same(inp, _expected_norm(case), names=("qkv",))
+    right = make_qk_norm_inputs(case)  # the same code without the change passes
+    _variant(right)
+    assert_same(right, _expected_norm(case), names=("qkv",))
+
+
+def _fused_then(inp: QkNormInputs, change) -> None:
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation="torch")
+    change(inp)
+
+
+def _unnormalized_key_cached(inp):
+    """Caches the key before the norm (the rotation only)."""
+    fresh = make_qk_norm_inputs(CHECK_FUSED)
+    v = fresh.heads()
+    hq, hk = fresh.num_heads_q, fresh.num_heads_k
+    kvwrite.rotary_embedding(fresh.position_ids, v[:, :hq], v[:, hq:hq + hk], fresh.head_dim,
+                             fresh.cos_sin_cache, fresh.is_neox)
+    kvwrite.reshape_and_cache_flash(v[:, hq:hq + hk], v[:, hq + hk:], inp.key_cache,
+                                    inp.value_cache, inp.slot_mapping, inp.kv_cache_dtype,
+                                    inp.k_scale, inp.v_scale)
+
+
+def _bad_position_cached(inp):
+    """Caches the unnormalized key of a token whose position is out of range (the pair's
+    effect)."""
+    v = make_qk_norm_inputs(CHECK_FUSED).heads()
+    hq, hk = inp.num_heads_q, inp.num_heads_k
+    kvwrite.reshape_and_cache_flash(v[:, hq:hq + hk], v[:, hq + hk:], inp.key_cache,
+                                    inp.value_cache, inp.slot_mapping, inp.kv_cache_dtype,
+                                    inp.k_scale, inp.v_scale)
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation="torch")
+
+
+def _query_quantized_unrounded(inp):
+    """An fp8 query quantized from the float32 result, not from the value as rounded to qkv's
+    dtype."""
+    fresh = make_qk_norm_inputs(CHECK_FP8_QUERY)
+    from kvwrite.dtypes import CacheDType, quantize
+    from kvwrite.ops.fused_qk_norm_rope.reference import norm_rope
+    view = fresh.heads()
+    hq = fresh.num_heads_q
+    out, valid = norm_rope(view.float(), hq, fresh.num_heads_k, fresh.eps, fresh.q_weight,
+                           fresh.k_weight, fresh.cos_sin_cache, fresh.is_neox,
+                           fresh.position_ids, fresh.weight_offset)
+    codes = quantize(out[:, :hq], CacheDType.FP8_E4M3, fresh.q_scale, torch.uint8)
+    qo = inp.query_out.view(torch.uint8)
+    qo = qo if qo.dim() == 3 else qo.unflatten(1, (hq, -1))
+    qo[:codes.shape[0]] = torch.where(valid[:, None, None], codes, qo[:codes.shape[0]])
+
+
+CHECK_FUSED = QkNormCase(num_tokens=9, kv_cache_dtype="fp8", bad_positions=2)
+CHECK_FP8_QUERY = QkNormCase(num_tokens=9, query_out="fp8_e4m3", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("change, case", [
+    (_unnormalized_key_cached, CHECK_FUSED),
+    (_bad_position_cached, CHECK_FUSED),
+    (_query_quantized_unrounded, CHECK_FP8_QUERY),
+], ids=["unnormalized-key-cached", "bad-position-cached", "fp8-query-from-float32"])
+def test_checker_rejects_wrong_fused_implementations(change, case):
+    inp = make_qk_norm_inputs(case)
+    if change is _bad_position_cached:
+        change(inp)
+    else:
+        _fused_then(inp, change)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same(inp, _expected_fused(case))
+
+
+# --- validation: errors name the argument; nothing changes -------------------------------------
+
+VCASE = QkNormCase(num_tokens=5, num_q_heads=4, num_k_heads=2, head_size=16,
+                   kv_cache_dtype="fp8", num_blocks=2, query_out="fp8_e4m3")
+NORM_NAMES = ("qkv", "num_heads_q", "num_heads_k", "num_heads_v", "head_dim", "eps", "q_weight",
+              "k_weight", "cos_sin_cache", "is_neox", "position_ids")
+FUSED_NAMES = NORM_NAMES + ("key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale",
+                            "kv_cache_dtype")
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _spare_query_out(a):
+    """qkv and query_out as disjoint parts of one allocation: accepted."""
+    buf = torch.zeros(5, (4 + 2 + 2) * 16 + 4 * 16, dtype=torch.float16)
+    buf[:, :128].copy_(a["qkv"].flatten(1))
+    return {"qkv": buf[:, :128], "query_out": buf[:, 128:]}
+
+
+COMMON_BAD = [
+    ("qkv-not-tensor", lambda a: {"qkv": a["qkv"].tolist()}, TypeError,
+     "qkv: expected a torch.Tensor, got list"),
+    ("qkv-4d", lambda a: {"qkv": a["qkv"][None]}, ValueError, "qkv: expected 2 dims"),
+    ("qkv-int", lambda a: {"qkv": a["qkv"].int()}, ValueError,
+     "qkv: expected dtype float16, bfloat16 or float32, got torch.int32"),
+    ("qkv-width", lambda a: {"qkv": a["qkv"].flatten(1)[:, :120]}, ValueError,
+     "qkv: expected [num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]"),
+    ("qkv-heads-3d", lambda a: {"qkv": a["qkv"][:, :7]}, ValueError,
+     "qkv: expected [num_tokens, num_heads_q + num_heads_k + num_heads_v, head_dim]"),
+    ("qkv-strided-2d", lambda a: {"qkv": torch.zeros(5, 256, dtype=torch.float16)[:, ::2]},
+     ValueError, "qkv: expected a unit stride in dim 1"),
+    ("qkv-sparse-heads", lambda a: {"qkv": torch.zeros(5, 8, 32, dtype=torch.float16)[..., ::2]},
+     ValueError, "qkv: expected dense heads"),
+    ("num-heads-q-bool", lambda a: {"num_heads_q": True}, TypeError,
+     "num_heads_q: expected a Python int, got bool"),
+    ("num-heads-k-float", lambda a: {"num_heads_k": 2.0}, TypeError,
+     "num_heads_k: expected a Python int, got float"),
+    ("num-heads-q-zero", lambda a: {"num_heads_q": 0}, ValueError,
+     "num_heads_q: expected an int >= 1, got 0"),
+    ("num-heads-k-zero", lambda a: {"num_heads_k": 0}, ValueError,
+     "num_heads_k: expected an int >= 1, got 0"),
+    ("num-heads-v-negative", lambda a: {"num_heads_v": -1}, ValueError,
+     "num_heads_v: expected an int >= 0, got -1"),
+    ("num-heads-against-width", lambda a: {"num_heads_q": 3}, ValueError, "qkv: expected"),
+    ("head-dim-odd", lambda a: {"head_dim": 15}, ValueError,
+     "head_dim: expected an even int in [2, 512], got 15"),
+    ("head-dim-large", lambda a: {"head_dim": 514}, ValueError,
+     "head_dim: expected an even int in [2, 512], got 514"),
+    ("head-dim-bool", lambda a: {"head_dim": False}, TypeError,
+     "head_dim: expected a Python int, got bool"),
+    ("head-dim-mismatch", lambda a: {"head_dim": 8}, ValueError, "qkv: expected"),
+    ("eps-nan", lambda a: {"eps": float("nan")}, ValueError,
+     "eps: expected a finite value >= 0, got nan"),
+    ("eps-inf", lambda a: {"eps": float("inf")}, ValueError, "eps: expected a finite value"),
+    ("eps-negative", lambda a: {"eps": -1e-6}, ValueError, "eps: expected a finite value >= 0"),
+    ("eps-str", lambda a: {"eps": "1e-6"}, TypeError,
+     "eps: expected a Python float (or int), got str"),
+    ("eps-tensor", lambda a: {"eps": torch.tensor(1e-6)}, TypeError,
+     "eps: expected a Python float (or int), got Tensor"),
+    ("eps-bool", lambda a: {"eps": True}, TypeError, "eps: expected a Python float"),
+    ("weight-offset-nan", lambda a: {"weight_offset": float("nan")}, ValueError,
+     "weight_offset: expected a finite value, got nan"),
+    ("weight-offset-str", lambda a: {"weight_offset": "1"}, TypeError,
+     "weight_offset: expected a Python float (or int), got str"),
+    ("is-neox-int", lambda a: {"is_neox": 1}, TypeError, "is_neox: expected a bool, got int"),
+    ("q-weight-shape", lambda a: {"q_weight": torch.ones(15, dtype=torch.float16)}, ValueError,
+     "q_weight: expected shape [head_dim] = [16], got (15,)"),
+    ("k-weight-2d", lambda a: {"k_weight": torch.ones(1, 16)}, ValueError,
+     "k_weight: expected shape [head_dim] = [16], got (1, 16)"),
+    ("q-weight-int", lambda a: {"q_weight": torch.ones(16, dtype=torch.int32)}, ValueError,
+     "q_weight: expected dtype float16, bfloat16 or float32, got torch.int32"),
+    ("k-weight-strided", lambda a: {"k_weight": torch.ones(32)[::2]}, ValueError,
+     "k_weight: expected a unit stride, got stride 2"),
+    ("q-weight-device", lambda a: {"q_weight": _meta(a["q_weight"])}, ValueError,
+     "q_weight: expected device cpu (that of qkv), got meta"),
+    ("q-weight-list", lambda a: {"q_weight": [1.0] * 16}, TypeError,
+     "q_weight: expected a torch.Tensor, got list"),
+    ("q-weight-is-qkv", lambda a: {"q_weight": a["qkv"][0, 0]}, ValueError,
+     "q_weight: expected memory apart from qkv's"),
+    ("position-ids-2d", lambda a: {"position_ids": a["position_ids"][None]}, ValueError,
+     "position_ids: expected 1 dim"),
+    ("position-ids-float", lambda a: {"position_ids": a["position_ids"].float()}, ValueError,
+     "position_ids: expected dtype int64 or int32, got torch.float32"),
+    ("position-ids-strided", lambda a: {"position_ids": a["position_ids"].repeat(2)[::2]},
+     ValueError, "position_ids: expected a contiguous tensor"),
+    ("position-ids-too-many", lambda a: {"position_ids": torch.zeros(6, dtype=torch.long)},
+     ValueError, "position_ids: expected at most qkv.shape[0] = 5 entries, got 6"),
+    ("position-ids-device", lambda a: {"position_ids": _meta(a["position_ids"])}, ValueError,
+     "position_ids: expected device cpu (that of qkv), got meta"),
+    ("table-odd-rot", lambda a: {"cos_sin_cache": a["cos_sin_cache"][:, :15].contiguous()},
+     ValueError, "cos_sin_cache: expected an even rot_dim in [2, head_size = 16]"),
+    ("table-too-wide", lambda a: {"cos_sin_cache": torch.zeros(8, 18)}, ValueError,
+     "cos_sin_cache: expected an even rot_dim"),
+    ("table-dtype", lambda a: {"cos_sin_cache": a["cos_sin_cache"].double()}, ValueError,
+     "cos_sin_cache: expected dtype float32, float16 or bfloat16, got torch.float64"),
+    ("table-strided", lambda a: {"cos_sin_cache": torch.zeros(8, 32)[:, ::2]}, ValueError,
+     "cos_sin_cache: expected a contiguous tensor"),
+    ("table-is-qkv", lambda a: {"cos_sin_cache": a["qkv"].flatten(1)[:, :16]}, ValueError,
+     "cos_sin_cache: expected"),
+    ("qkv-requires-grad", lambda a: {"qkv": a["qkv"].clone().requires_grad_()}, ValueError,
+     "qkv: expected a tensor that does not require grad"),
+    ("qkv-overlapping-rows", lambda a: {"qkv": a["qkv"].flatten(1).as_strided((5, 128), (16, 1))},
+     ValueError, "qkv: expected every element in its own memory"),
+    ("implementation", lambda a: {"implementation": "nope"}, ValueError,
+     "implementation: expected one of"),
+]
+
+NORM_BAD = COMMON_BAD + [
+    ("forced-heads-float", lambda a: {"forced_token_heads_per_warp": 1.5}, TypeError,
+     "forced_token_heads_per_warp: expected an int, got float"),
+]
+
+FUSED_BAD = COMMON_BAD + [
+    ("num-heads-v-not-k", lambda a: {"num_heads_v": 1, "qkv": a["qkv"][:, :7]}, ValueError,
+     "num_heads_v: expected num_heads_k = 2"),
+    ("key-cache-heads", lambda a: {"key_cache": a["key_cache"][:, :, :1],
+                                   "value_cache": a["value_cache"][:, :, :1]}, ValueError,
+     "key_cache: expected [num_blocks, block_size, num_heads_k = 2, head_dim = 16]"),
+    ("key-cache-head-size", lambda a: {"key_cache": a["key_cache"][..., :8],
+                                       "value_cache": a["value_cache"][..., :8]}, ValueError,
+     "key_cache: expected [num_blocks, block_size, 2, 16] to match key"),
+    ("key-cache-none", lambda a: {"key_cache": None}, TypeError,
+     "key_cache: expected a torch.Tensor, got NoneType"),
+    ("value-cache-dtype", lambda a: {"value_cache": a["value_cache"].view(torch.int8)},
+     ValueError, "value_cache: expected the dtype of key_cache"),
+    ("auto-with-uint8-cache", lambda a: {"kv_cache_dtype": "auto"}, ValueError,
+     "key_cache: kv_cache_dtype='auto' with torch.float16 input expects a cache of dtype"),
+    ("kv-cache-dtype-bad", lambda a: {"kv_cache_dtype": "int4"}, ValueError,
+     "kv_cache_dtype: expected one of"),
+    ("no-k-scale", lambda a: {"k_scale": None}, ValueError,
+     "k_scale: kv_cache_dtype='fp8_e4m3' needs"),
+    ("v-scale-heads", lambda a: {"v_scale": torch.ones(3)}, ValueError,
+     "v_scale: expected 1 (per tensor) or 2 (per head) elements, got 3"),
+    ("slots-more-than-positions", lambda a: {"position_ids": a["position_ids"][:3]}, ValueError,
+     "slot_mapping: expected at most position_ids.numel() = 3 entries, got 5"),
+    ("slots-float", lambda a: {"slot_mapping": a["slot_mapping"].float()}, ValueError,
+     "slot_mapping: expected dtype int64 or int32"),
+    ("rotate-key-int", lambda a: {"rotate_key_in_place": 0}, TypeError,
+     "rotate_key_in_place: expected a bool, got int"),
+    ("query-out-shape", lambda a: {"query_out": torch.zeros(5, 4, 8, dtype=torch.float16)},
+     ValueError, "query_out: expected [qkv.shape[0], num_heads_q, head_dim] = [5, 4, 16]"),
+    ("query-out-rows", lambda a: {"query_out": torch.zeros(4, 64, dtype=torch.float16)},
+     ValueError, "query_out: expected [qkv.shape[0], num_heads_q * head_dim] = [5, 64]"),
+    ("query-out-1d", lambda a: {"query_out": torch.zeros(320, dtype=torch.float16)},
+     ValueError, "query_out: expected 2 or 3 dims"),
+    ("query-out-strided", lambda a: {"query_out": torch.zeros(5, 128, dtype=torch.float16)[:, ::2]},
+     ValueError, "query_out: expected a unit stride in dim 1"),
+    ("query-out-sparse-heads",
+     lambda a: {"query_out": torch.zeros(5, 4, 32, dtype=torch.float16)[..., ::2]}, ValueError,
+     "query_out: expected dense heads"),
+    ("query-out-dtype", lambda a: {"query_out": torch.zeros(5, 4, 16)}, ValueError,
+     "query_out: expected the dtype of qkv (torch.float16), float8_e4m3fn or float8_e5m2, got "
+     "torch.float32"),
+    ("query-out-device", lambda a: {"query_out": _meta(a["query_out"])}, ValueError,
+     "query_out: expected device cpu (that of qkv), got meta"),
+    ("query-out-is-qkv", lambda a: {"query_out": a["qkv"][:, :4]}, ValueError,
+     "query_out: expected memory apart from qkv's"),
+    ("query-out-overlaps-key", lambda a: {"query_out": a["qkv"][:, 2:6],
+                                          "rotate_key_in_place": False}, ValueError,
+     "qkv: expected memory apart from query_out's"),
+    ("query-out-is-cache", lambda a: {"query_out": a["key_cache"].view(torch.float8_e4m3fn)
+                                      .flatten()[:320].view(5, 4, 16)}, ValueError,
+     "key_cache: expected memory apart from query_out's"),
+    ("fp8-query-no-scale", lambda a: {"q_scale": None}, ValueError,
+     "q_scale: an fp8 query_out (torch.float8_e4m3fn) needs a float32 scale tensor"),
+    ("q-scale-dtype", lambda a: {"q_scale": a["q_scale"].double()}, ValueError,
+     "q_scale: expected dtype float32, got torch.float64"),
+    ("q-scale-heads", lambda a: {"q_scale": torch.ones(3)}, ValueError,
+     "q_scale: expected 1 (per tensor) or num_heads_q = 4 (per head) elements, got 3"),
+    ("q-scale-device", lambda a: {"q_scale": _meta(a["q_scale"])}, ValueError,
+     "q_scale: expected device cpu (that of qkv), got meta"),
+    ("q-scale-strided", lambda a: {"q_scale": torch.ones(8)[::2]}, ValueError,
+     "q_scale: expected a contiguous tensor"),
+    ("q-scale-not-tensor", lambda a: {"q_scale": 1.0}, TypeError,
+     "q_scale: expected a torch.Tensor, got float"),
+]
+
+
+def _snapshot(inp: QkNormInputs) -> dict:
+    return {n: t.clone() for n, t in inp.tensors().items()}
+
+
+def _assert_unchanged(inp: QkNormInputs, before: dict) -> None:
+    for n, t in inp.tensors().items():
+        assert torch.equal(t.contiguous().view(torch.uint8), before[n].contiguous().view(
+            torch.uint8)), n
+
+
+@pytest.mark.parametrize("name, change, exc, text", NORM_BAD, ids=[b[0] for b in NORM_BAD])
+def test_norm_rejects_bad_arguments(name, change, exc, text):
+    inp = make_qk_norm_inputs(VCASE)
+    args = dict(zip(NORM_NAMES, inp.norm_args(), strict=True))
+    before = _snapshot(inp)
+    with pytest.raises(exc) as e:
+        kvwrite.fused_qk_norm_rope(**{**args, **change({**args, **inp.tensors()})})
+    assert text in str(e.value), str(e.value)
+    _assert_unchanged(inp, before)
+
+
+@pytest.mark.parametrize("name, change, exc, text", FUSED_BAD, ids=[b[0] for b in FUSED_BAD])
+def test_fused_rejects_bad_arguments(name, change, exc, text):
+    inp = make_qk_norm_inputs(VCASE)
+    args = {**dict(zip(FUSED_NAMES, inp.fused_args(), strict=True)), **inp.fused_kwargs()}
+    before = _snapshot(inp)
+    with pytest.raises(exc) as e:
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(**{**args, **change(args)})
+    assert text in str(e.value), str(e.value)
+    _assert_unchanged(inp, before)
+
+
+def test_accepted_edge_arguments():
+    """What the contract allows: an int eps, eps = 0, a 0-dim q_scale, no q_scale with a
+    query_out of qkv's dtype (any q_scale then ignored), any forced_token_heads_per_warp,
+    weights of another dtype than qkv, and query_out in a spare region of qkv's own allocation."""
+    inp = make_qk_norm_inputs(VCASE)
+    args = {**dict(zip(FUSED_NAMES, inp.fused_args(), strict=True)), **inp.fused_kwargs()}
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(**{**args, "eps": 0,
+                                                          "q_scale": torch.tensor(0.5)})
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+        **{**args, "query_out": torch.zeros(5, 64, dtype=torch.float16), "q_scale": "ignored",
+           "q_weight": torch.ones(16, dtype=torch.bfloat16), "weight_offset": 1})
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(**{**args, **_spare_query_out(args),
+                                                          "q_scale": None})
+    norm = dict(zip(NORM_NAMES, inp.norm_args(), strict=True))
+    kvwrite.fused_qk_norm_rope(**norm, forced_token_heads_per_warp=7)
+    kvwrite.fused_qk_norm_rope(**{**norm, "eps": 10**400 // 10**399, "q_weight": None})
+
+
+def test_float32_scalars_round_to_nearest():
+    from kvwrite.ops.fused_qk_norm_rope.op import float32_bits, float32_value
+    assert float32_value(1e-6) == float(np.float32(1e-6))
+    assert float32_value(1e39) == float("inf")
+    assert float32_bits(1.0) == 0x3F800000
+    assert float32_bits(-0.0) == 0x80000000
+    assert float32_bits(1 + 2**-24) == 0x3F800000  # a tie: to even
+    assert float32_bits(1 + 3 * 2**-24) == 0x3F800002
+
+
+# --- the fused RoPE op accepts a query_out in a spare region of its own allocation --------------
+
+def test_fused_rope_accepts_query_out_in_a_spare_region_of_qkv():
+    """fused_rope_and_reshape_cache_flash judges query_out's overlap with query element by
+    element: a query_out that is a disjoint slice of the fused qkv buffer (past the value heads)
+    is accepted and receives the rotated query; one that overlaps query is refused. (Before,
+    any query_out in query's allocation was refused.)"""
+    from kvwrite.testing.rope import RopeCase, make_rope_inputs
+    case = RopeCase(num_tokens=9, num_q_heads=4, num_heads=2, head_size=32, dtype=torch.float16,
+                    fused_qkv=True)
+    inp = make_rope_inputs(case)
+    want = make_rope_inputs(case)
+    hq, h, d = 4, 2, 32
+    buf = torch.zeros(9, hq + 2 * h + hq, d, dtype=torch.float16)
+    buf[:, :hq + 2 * h].copy_(inp.query._base if inp.query._base is not None else inp.query)
+    q, k, v, qo = buf[:, :hq], buf[:, hq:hq + h], buf[:, hq + h:hq + 2 * h], buf[:, hq + 2 * h:]
+    kvwrite.fused_rope_and_reshape_cache_flash(q, k, v, inp.positions, inp.cos_sin_cache, True,
+                                               inp.key_cache, inp.value_cache, inp.slot_mapping,
+                                               None, None, "auto", query_out=qo,
+                                               implementation="torch")
+    want_qo = torch.zeros(9, hq, d, dtype=torch.float16)
+    kvwrite.fused_rope_and_reshape_cache_flash(want.query, want.key, want.value, want.positions,
+                                               want.cos_sin_cache, True, want.key_cache,
+                                               want.value_cache, want.slot_mapping, None, None,
+                                               "auto", query_out=want_qo, implementation="torch")
+    assert torch.equal(qo.view(torch.int16), want_qo.view(torch.int16))
+    assert torch.equal(q.view(torch.int16), want.query.view(torch.int16))
+    assert torch.equal(k.view(torch.int16), want.key.view(torch.int16))
+    with pytest.raises(ValueError, match="query: expected memory apart from query_out's"):
+        kvwrite.fused_rope_and_reshape_cache_flash(q, k, v, inp.positions, inp.cos_sin_cache,
+                                                   True, inp.key_cache, inp.value_cache,
+                                                   inp.slot_mapping, None, None, "auto",
+                                                   query_out=buf[:, :hq])
+
+
+# --- the matrices cover the contract -------------------------------------------------------------
+
+def test_matrices_cover_the_contract():
+    cpu = NORM_CASES + FUSED_CASES
+    gpu = GPU_NORM_CASES + GPU_FUSED_CASES
+    for cases in (cpu, gpu):
+        assert {c.dtype for c in cases} == {torch.float16, torch.bfloat16, torch.float32}
+        assert {c.is_neox for c in cases} == {True, False}
+        assert any(c.rot < c.head_size for c in cases)
+        assert {c.special for c in cases} >= {"zeros", "nan", "inf", "huge", "tiny"}
+        assert any(c.eps == 0 for c in cases)
+        assert {c.weight_offset for c in cases} == {0.0, 1.0}
+        assert any(c.q_weight is None or c.k_weight is None for c in cases)
+        assert any(c.weight_dtype("q") not in (None, c.dtype) for c in cases)
+        assert any(c.bad_positions for c in cases)
+        assert any(c.pos_dtype == torch.int32 for c in cases)
+        assert any(c.flat for c in cases) and any(c.row_pad for c in cases)
+        assert any(c.num_q_heads == c.num_k_heads for c in cases)
+        assert any(c.num_q_heads != c.num_k_heads for c in cases)
+    assert {c.head_size for c in gpu} >= {64, 80, 128, 256, 512}
+    assert {c.head_size for c in cpu} >= {6, 46, 64, 80, 128, 256, 512}
+    assert (32, 8, 128) in {(c.num_q_heads, c.num_k_heads, c.head_size) for c in gpu}
+    for fused in (FUSED_CASES, GPU_FUSED_CASES):
+        assert {(c.layout, c.alloc) for c in fused} == {(lo, a) for lo in Layout for a in KVAlloc}
+        assert {c.kv_cache_dtype for c in fused} >= {"auto", "float16", "bfloat16", "float32",
+                                                     "fp8", "fp8_e5m2"}
+        assert any(c.per_head_scale for c in fused)
+        assert {c.fp8_storage for c in fused if c.cache_dtype.is_fp8} == {"uint8", "float8"}
+        assert {c.query_out for c in fused} >= {None, "same", "spare", "fp8_e4m3", "fp8_e5m2"}
+        assert any(c.q_scale_per_head for c in fused)
+        assert any(not c.rotate_key_in_place for c in fused)
+        assert any(c.padding_slots and c.out_of_range_slots for c in fused)
+        assert any(c.num_cache_tokens < c.num_tokens for c in fused)
+        assert any(c.num_cache_tokens == 0 < c.num_tokens for c in fused)
+        assert any(c.slot_dtype == torch.int32 for c in fused)
+    assert any(c.num_tokens == 0 for c in cpu)
+
+
+def test_oracle_sees_what_the_specials_plant():
+    """The special cases do what they say (the oracle's results): zero heads stay ±0 with eps >
+    0 and become NaN with eps = 0; a head whose sum of squares overflows becomes ±0."""
+    zeros = expected_norm(QkNormCase(special="zeros", num_tokens=5)).heads()
+    nans = expected_norm(QkNormCase(special="zeros", eps=0, num_tokens=5,
+                                    dtype=torch.float32)).heads()
+    huge = expected_norm(QkNormCase(special="huge", num_tokens=5, dtype=torch.float32)).heads()
+    assert bool((zeros[0, 0].float() == 0).all())
+    assert bool(nans[0, 0].isnan().all())
+    assert bool((huge[0, 0].float() == 0).all())
+
+
+# --- registry, implementations ------------------------------------------------------------------
+
+def test_implementations_are_registered_and_exported():
+    for op in (NORM, FUSED):
+        assert [i.name for i in registry.all_impls(op)] == ["cuda", "triton", "torch"]
+    assert kvwrite.fused_qk_norm_rope is norm_pkg.fused_qk_norm_rope
+    assert (kvwrite.fused_qk_norm_rope_and_reshape_cache_flash
+            is fused_pkg.fused_qk_norm_rope_and_reshape_cache_flash)
+
+
+def test_without_triton_the_triton_implementations_say_so():
+    """Where triton cannot be imported, both ops' triton modules still import and their
+    `available` says what to install."""
+    import subprocess
+    import sys
+    script = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+              "import kvwrite\n"
+              "for s in kvwrite.implementations('cuda'):\n"
+              "    if s.name == 'triton' and 'qk_norm' in s.op: print(s.op, '|', s.reason)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert all("triton is not installed (pip install triton)" in ln for ln in lines), lines
+
+
+def test_cuda_unavailable_on_cpu_says_why():
+    inp = make_qk_norm_inputs(QkNormCase(num_tokens=3))
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run this call"):
+        kvwrite.fused_qk_norm_rope(*inp.norm_args(), implementation="cuda")
+
+
+# --- CUDA: the lane layout, NVRTC compiles, the machine code ------------------------------------
+
+def _cuda_modules():
+    pytest.importorskip("cuda.core")
+    from kvwrite.ops.fused_qk_norm_rope import cuda_impl as norm_cuda
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl as fused_cuda
+    return norm_cuda, fused_cuda
+
+
+def _build(which: str, names: tuple[str, ...], macros: tuple = ()):
+    """(object code, NVRTC log with ptxas's report) of ``names`` built from which's source for
+    sm_90: once per test session (the compile, SASS and scheduling tests share the builds)."""
+    return _build_once(which, tuple(names), tuple(macros))
+
+
+@functools.cache
+def _build_once(which: str, names: tuple[str, ...], macros: tuple):
+    norm_cuda, fused_cuda = _cuda_modules()
+    mod = norm_cuda if which == "norm" else fused_cuda
+    return mod.SOURCE.compile("sm_90", list(names), macros=macros, ptxas_verbose=True)
+
+
+def _build_sass(which: str, names: tuple[str, ...], tmp_path, macros: tuple = ()) -> str:
+    """The SASS listing of :func:`_build`'s build (once per test session)."""
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    return _dump(which, tuple(names), tuple(macros))
+
+
+@functools.cache
+def _dump(which: str, names: tuple[str, ...], macros: tuple) -> str:
+    import pathlib
+    import tempfile
+    obj, _ = _build(which, names, macros)
+    with tempfile.TemporaryDirectory() as tmp:
+        return sass_tools.dump_sass(bytes(obj.code), pathlib.Path(tmp))
+
+
+def _all_names(which: str) -> tuple[str, ...]:
+    norm_cuda, fused_cuda = _cuda_modules()
+    return tuple((norm_cuda if which == "norm" else fused_cuda).all_kernel_names())
+
+
+def test_cuda_lane_layout():
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import lane_layout
+    # (D, element size) -> (elements per lane, lanes per head)
+    assert lane_layout(128, 2) == (8, 16)     # Qwen3 bfloat16: a 16-byte chunk per lane
+    assert lane_layout(128, 4) == (4, 32)
+    assert lane_layout(64, 2) == (8, 8)
+    assert lane_layout(80, 2) == (8, 16)      # padded to 128
+    assert lane_layout(256, 2) == (8, 32)
+    assert lane_layout(512, 2) == (16, 32)    # one warp per head, 32 bytes per lane
+    assert lane_layout(512, 4) == (16, 32)
+    assert lane_layout(46, 2) == (8, 8)
+    assert lane_layout(6, 4) == (4, 2)
+    assert lane_layout(2, 2) == (2, 1)
+
+
+def test_cuda_widths_follow_alignment():
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import table_width, vector_width
+    rows = ((4096, 2, (5120,)),)
+    assert vector_width(128, 8, rows, 2) == 8
+    assert vector_width(128, 8, ((4098, 2, (5120,)),), 2) == 1   # a 2-byte aligned pointer
+    assert vector_width(128, 8, ((4096, 2, (5122,)),), 2) == 2   # an even token stride
+    assert vector_width(46, 8, rows, 2) == 2                     # 46 = 2 * 23
+    assert vector_width(80, 8, rows + ((4096, 4, (16, 128)),), 2) == 8  # float32 caches
+    table = torch.zeros(8, 128)
+    assert table_width(8, 128, True, table) == 4
+    assert table_width(8, 128, False, table) == 4
+    assert table_width(8, 36, True, table[:, :36].contiguous()) == 2     # rot/2 = 18
+    assert table_width(8, 2, True, table[:, :2].contiguous()) == 1
+    assert table_width(8, 128, True, torch.zeros(8, 128, dtype=torch.bfloat16)) == 8
+
+
+@pytest.mark.parametrize("which", ["norm", "fused"])
+def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
+    """Every variant of the representative set compiles; the kernels take int64 scalars only (as
+    many as the launchers pass), none needs a stack frame (no local memory: every index into a
+    lane's registers is a constant), none spills."""
+    names = _all_names(which)
+    obj, log = _build(which, names)
+    assert set(names) <= set(obj.symbol_mapping)
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+    assert len(frames) >= len(names) and all(f == ("0", "0") for f in frames), frames
+    scalars = 10 if which == "norm" else 22
+    for name in names:
+        mangled = obj.symbol_mapping[name]
+        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
+        params = mangled.split("Ev", 1)[1]
+        assert params.endswith("x" * scalars) and not params.endswith("x" * (scalars + 1))
+
+
+def _specialized_build(which: str, case: QkNormCase) -> tuple[str, tuple]:
+    """(kernel name, fixed arguments) of the build ``case``'s call takes (CPU tensors)."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.ops.rotary_embedding.cuda_impl import kind
+    inp = make_qk_norm_inputs(case, "cpu")
+    cs = inp.cos_sin_cache
+    if which == "norm":
+        view, eps, off = norm_pkg.op.validate(*inp.norm_args(), weight_offset=inp.weight_offset)
+        p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox)
+        name = norm_cuda.kernel_name(kind(view.dtype), kind(cs.dtype),
+                                     norm_cuda.weight_kind(inp.q_weight),
+                                     norm_cuda.weight_kind(inp.k_weight), p.e, p.lanes, p.v,
+                                     p.vw, p.vt, case.is_neox, inp.position_ids.dtype)
+        return name, norm_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off)
+    view, eps, off, cdt, qo, _ = fused_pkg.op.validate(*inp.fused_args(), **inp.fused_kwargs())
+    p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox,
+                       fused_cuda._rows(view, inp.key_cache, inp.value_cache, qo))
+    name = fused_cuda.kernel_name(
+        kind(view.dtype), kind(cs.dtype), norm_cuda.weight_kind(inp.q_weight),
+        norm_cuda.weight_kind(inp.k_weight),
+        fused_cuda.out_kind(cdt, view.dtype, inp.key_cache.dtype), fused_cuda.query_kind(qo),
+        p.e, p.lanes, p.v, p.vw, p.vt, case.is_neox, inp.position_ids.dtype,
+        inp.slot_mapping.dtype)
+    return name, fused_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off,
+                                       inp.key_cache, case.rotate_key_in_place, qo)
+
+
+@pytest.mark.parametrize("which", ["norm", "fused"])
+def test_nvrtc_compiles_the_specialized_build_of_every_case(which):
+    """Every call of the CPU matrix takes a build with its fixed arguments compiled in: every
+    variant those calls take compiles for sm_90 specialized (with the first call's arguments;
+    one program per build, so not every call's: that would take minutes here, and the GPU tests
+    build every call's). A build given the wrong number of fixed arguments is refused by the
+    compiler, naming the macro."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    mod = norm_cuda if which == "norm" else fused_cuda
+    cases = NORM_CASES if which == "norm" else FUSED_CASES
+    by_name = collections.defaultdict(list)
+    for name, fixed in {_specialized_build(which, c) for c in cases if c.num_tokens < 1000}:
+        by_name[name].append(fixed)
+    assert len(by_name) > 10
+    for name, sets in sorted(by_name.items()):
+        obj, _ = _build(which, (name,), nvrtc.fixed_args_macros(min(sets)))
+        assert name in obj.symbol_mapping
+    with pytest.raises(RuntimeError, match=f"KVWRITE_FIXED_ARGS: {len(sets[0])} values"):
+        mod.SOURCE.compile("sm_90", name, macros=nvrtc.fixed_args_macros(sets[0][:-1]))
+
+
+def _sass(source, names, tmp_path, macros=(), text=None) -> str:
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    obj, _ = source.compile("sm_90", names, macros=macros, source=text)
+    return sass_tools.dump_sass(bytes(obj.code), tmp_path)
+
+
+_INV_RMS_PROBE = r'''
+extern "C" __global__ void qkn_inv_rms_probe(float* p, long long d, float eps) {
+  p[threadIdx.x] = qkn_inv_rms(p[threadIdx.x], d, eps);
+}
+'''
+
+
+def test_cuda_sass_has_ffma_only_in_the_root_and_divisions(tmp_path):
+    """The per-element arithmetic (squares, sums, x*r, *g, the rotation) is mul.rn/add.rn/sub.rn,
+    never contracted: in every generic variant of both kernels without fp8 the FFMAs are exactly
+    those of the reciprocal root alone (qkn_inv_rms: the division by D, the root and the
+    reciprocal, once per head), whatever the elements per lane. A build of the same source with
+    plain `*` and `+` in the tree gets more (the check can fail)."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    probe = norm_cuda.SOURCE.text + _INV_RMS_PROBE
+    base = sass_tools.opcodes(_sass(norm_cuda.SOURCE, "qkn_inv_rms_probe", tmp_path, text=probe))
+    want = sum(op.startswith("FFMA") for op in base)
+    assert want > 0
+    for which in ("norm", "fused"):
+        names = _all_names(which)
+        obj, _ = _build(which, names)
+        by_symbol = {(v.decode() if isinstance(v, bytes) else v): k
+                     for k, v in obj.symbol_mapping.items()}
+        fp8 = ("3", "4")
+        checked = 0
+        for symbol, ops in sass_tools.functions(_build_sass(which, names, tmp_path)).items():
+            args = by_symbol[symbol].split("<")[1].split(", ")
+            if which == "fused" and (args[4] in fp8 or args[5] in fp8):
+                continue  # the fp8 quotient's deliberate FMAs
+            assert sum(op.startswith("FFMA") for op in ops) == want, by_symbol[symbol]
+            checked += 1
+        assert checked >= 20
+    from kvwrite.kernels import nvrtc
+    with open(os.path.join(nvrtc.include_dir(), "kvw", "qk_norm.cuh")) as f:
+        header = f.read()
+    contracting = header.replace("return add_rn(qkn_tree<N / 2>(q), qkn_tree<N / 2>(q + N / 2));",
+                                 "return qkn_tree<N / 2>(q) + qkn_tree<N / 2>(q + N / 2);")
+    contracting = contracting.replace("q[i] = mul_rn(x[i], x[i]);", "q[i] = x[i] * x[i];")
+    assert contracting.count("qkn_tree<N / 2>(q) +") == 1 and "x[i] * x[i]" in contracting
+    text = norm_cuda.SOURCE.text.replace('#include "kvw/qk_norm.cuh"', contracting)
+    name = norm_cuda.all_kernel_names()[0]
+    ops = sass_tools.opcodes(_sass(norm_cuda.SOURCE, name, tmp_path, text=text))
+    assert sum(op.startswith("FFMA") for op in ops) > want
+
+
+def _row_load(text: str) -> bool:
+    """A row's load: the volatile loads of qkv's chunks (and the fp8 scales)."""
+    return "STRONG.SYS" in text
+
+
+def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
+    """In the specialized builds (what calls take; every other variant) of the CPU matrices and in
+    the generic variants, no instruction waits for a global load's result before the last row
+    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
+    kind of exception: generic builds (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks
+    narrower than a lane's elements, where ptxas issues the position's load first and places its
+    test among the chunks' and weights' address arithmetic (specialized, the same variants do
+    not)."""
+    _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    for which, cases in (("norm", NORM_CASES), ("fused", FUSED_CASES)):
+        names = _all_names(which)
+        obj, _ = _build(which, names)
+        by_symbol = {(v.decode() if isinstance(v, bytes) else v): k
+                     for k, v in obj.symbol_mapping.items()}
+        late = sass_tools.late_issues(_build_sass(which, names, tmp_path), _row_load)
+        for symbol in late:
+            args = by_symbol[symbol].split("<")[1].split(", ")
+            assert args[0] == "2" and int(args[-5 if which == "norm" else -6]) < int(
+                args[4 if which == "norm" else 6]), (which, by_symbol[symbol], late[symbol])
+        assert len(late) <= 2, late
+        by_name = {}
+        for name, fixed in {_specialized_build(which, c) for c in cases if c.num_tokens < 1000}:
+            by_name[name] = min(fixed, by_name.get(name, fixed))
+        # Every other variant's build of the compile test (each SASS listing costs time here).
+        for name, fixed in sorted(by_name.items())[::2]:
+            late = sass_tools.late_issues(
+                _build_sass(which, (name,), tmp_path, nvrtc.fixed_args_macros(fixed)), _row_load)
+            assert not late, (name, fixed, late)
+
+
+@pytest.mark.parametrize("which", ["norm", "fused"])
+def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: the pointers, num_rot (the fused
+    kernel: num_tokens and three scale strides too), then the fixed arguments. The specialized
+    build reads none of the fixed ones; the generic build does (the check can fail)."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    mod = norm_cuda if which == "norm" else fused_cuda
+    pointers, leading = (5, 1) if which == "norm" else (12, 5)
+    case = (QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)
+            if which == "norm" else
+            QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                       kv_cache_dtype="fp8", per_head_scale=True, query_out="fp8_e4m3"))
+    name, fixed = _specialized_build(which, case)
+    first = 0x210 + 8 * (pointers + leading)
+    end = first + 8 * len(fixed)
+    reads = {}
+    for build in ("generic", "specialized"):
+        macros = nvrtc.fixed_args_macros(fixed if build == "specialized" else None)
+        sass = _sass(mod.SOURCE, name, tmp_path, macros=macros)
+        reads[build] = {int(o, 16) for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
+    assert any(first <= o < end for o in reads["generic"]), sorted(map(hex, reads["generic"]))
+    assert not any(first <= o < end for o in reads["specialized"]), \
+        sorted(map(hex, reads["specialized"]))
+
+
+_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
+def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
+    """The KVWRITE_PDL build of both kernels (every fourth variant of the representative set:
+    each build costs CPU time here): the trigger (PREEXIT) and the wait (ACQBULK) before the
+    first global load or store; the plain build has neither."""
+    from kvwrite.kernels import nvrtc
+    for which in ("norm", "fused"):
+        names = _all_names(which)[::4]
+        pdl = sass_tools.functions(_build_sass(which, names, tmp_path, (nvrtc.PDL_MACRO,)))
+        assert len(pdl) == len(names)
+        for name, ops in pdl.items():
+            first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+        plain = _build_sass(which, _all_names(which), tmp_path)
+        assert "ACQBULK" not in plain and "PREEXIT" not in plain
+
+
+_HOST_HARNESS = r'''
+#include "kvw/qk_norm.cuh"
+extern "C" void inv_rms(const float* ss, float* out, int n, long long d, float eps) {
+  for (int i = 0; i < n; ++i) out[i] = qkn_inv_rms(ss[i], d, eps);
+}
+extern "C" float lane_tree16(const float* q) {
+  float a[16];
+  for (int i = 0; i < 16; ++i) a[i] = q[i];
+  return qkn_lane_tree<16>(a);
+}
+'''
+
+
+def test_header_arithmetic_on_the_host(tmp_path):
+    """kvw/qk_norm.cuh's reciprocal RMS and in-lane tree, compiled as host C++
+    (-DKVWRITE_HOST_TEST, no contraction): the oracle's values for many sums of squares
+    (normal, subnormal, zero, huge, inf), D = 128 (the multiplication by 2^-7) and 80 (the
+    division), eps 0 and 1e-6; the tree of 16 leaves is the oracle's."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kvwrite.kernels import nvrtc
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++)")
+    src = tmp_path / "h.cpp"
+    src.write_text(_HOST_HARNESS)
+    lib = tmp_path / "h.so"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared",
+                    "-DKVWRITE_HOST_TEST", f"-I{nvrtc.include_dir()}", str(src), "-o", str(lib)],
+                   check=True, capture_output=True)
+    h = ctypes.CDLL(str(lib))
+    gen = np.random.default_rng(3)
+    ss = (gen.random(20000) * np.exp2(gen.integers(-150, 128, 20000))).astype(np.float32)
+    ss[:6] = [0.0, np.inf, 1e-45, 3e38, 2.0**-149, 1.0]
+    fp = ctypes.POINTER(ctypes.c_float)
+    for d in (128, 80):
+        for eps in (0.0, 1e-6):
+            out = np.empty_like(ss)
+            h.inv_rms(ss.ctypes.data_as(fp), out.ctypes.data_as(fp), len(ss), ctypes.c_longlong(d),
+                      ctypes.c_float(eps))
+            eps32 = float(np.float32(eps))
+            with np.errstate(all="ignore"):
+                m = _f32(ss.astype(np.float64) / d)
+                want = _f32(1.0 / _f32(np.sqrt(_f32(m + eps32))))
+            assert np.array_equal(out.astype(np.float64), want), (d, eps)
+    h.lane_tree16.restype = ctypes.c_float
+    for _ in range(200):
+        q = (gen.standard_normal(16) * np.exp2(gen.integers(-20, 20, 16))).astype(np.float32)
+        got = h.lane_tree16(q.ctypes.data_as(fp))
+        assert got == np.float32(_tree([float(v) for v in q]))
+
+
+# --- Triton: the compiled kernels have no fused multiply-add and no flush to zero ---------------
+
+_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+from kvwrite.ops.fused_qk_norm_rope import triton_impl as norm
+from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import triton_impl as fused
+
+def ptx(kernel, types, consts, fusion=False):
+    consts = {**consts, "PDL": False, "PDL_TRIGGER": False}
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, **LAUNCH_OPTIONS}
+    if fusion:
+        opts["enable_fp_fusion"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+def count(text):
+    return [text.count("fma.rn.f32"), text.count(".ftz"), text.count("sqrt.rn.f32"),
+            text.count("div.rn.f32"), text.count("sqrt.approx"), text.count("rsqrt")]
+
+out = {}
+for dt in ("bf16", "fp32"):
+    types = {"positions_ptr": "*i64", "qkv_ptr": "*" + dt, "cos_sin_ptr": "*fp32",
+             "q_weight_ptr": "*" + dt, "k_weight_ptr": "*fp32", "num_rot": "i32",
+             "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32", "offset_bits": "i32"}
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
+                  HAS_QW=True, HAS_KW=True, ADD_OFFSET=True, Q_TILES=8, BLOCK_T=1, BLOCK_H=4,
+                  BLOCK_D=128)
+    out["norm-" + dt] = count(ptx(norm._qk_norm_rope_kernel, types, consts))
+    if dt == "fp32":
+        out["norm-fusion-on"] = count(ptx(norm._qk_norm_rope_kernel, types, consts, True))
+        continue
+    types = {"positions_ptr": "*i64", "qkv_ptr": "*" + dt, "query_out_ptr": "*" + dt,
+             "cos_sin_ptr": "*fp32", "q_weight_ptr": "*" + dt, "k_weight_ptr": "*" + dt,
+             "key_cache_ptr": "*" + dt, "value_cache_ptr": "*" + dt, "slot_mapping_ptr": "*i64"}
+    types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
+                                      "max_position", "num_slots", "stride_b", "stride_s",
+                                      "stride_h", "eps_bits", "offset_bits")})
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=80, ROT=64, IS_NEOX=False,
+                  HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, STORE_KEY=True,
+                  QUERY_IN_PLACE=False, QUERY_QUANT=0, Q_PER_HEAD_SCALE=False, BLOCK_SIZE=16,
+                  QUANT=0, PER_HEAD_SCALE=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128,
+                  k_scale_ptr=None, v_scale_ptr=None, q_scale_ptr=None)
+    out["fused-" + dt] = count(ptx(fused._qk_norm_rope_cache_kernel, types, consts))
+# The other paths of both kernels compile (fp8 caches and queries with per-tensor and per-head
+# scales, no weights, the query in place, the key not stored, int32 indices, a bfloat16 table):
+# the GPU runs them, the interpreter cannot.
+compiled = 0
+for quant, qquant, per_head, has_w, in_place in (
+        (1, 2, True, False, False), (2, 1, False, True, False), (1, 0, True, True, True)):
+    types = {"positions_ptr": "*i32", "qkv_ptr": "*bf16", "query_out_ptr": "*fp8e4nv" if qquant
+             == 1 else "*fp8e5" if qquant == 2 else "*bf16", "cos_sin_ptr": "*bf16",
+             "q_weight_ptr": "*fp32", "k_weight_ptr": "*fp16", "key_cache_ptr": "*u8" if quant
+             else "*bf16", "value_cache_ptr": "*u8" if quant else "*bf16",
+             "slot_mapping_ptr": "*i32"}
+    types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
+                                      "max_position", "num_slots", "stride_b", "stride_s",
+                                      "stride_h", "eps_bits", "offset_bits")})
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
+                  HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w, STORE_KEY=not in_place,
+                  QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant, Q_PER_HEAD_SCALE=per_head and
+                  qquant > 0, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=per_head and quant > 0,
+                  Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
+    for name, on in (("k_scale_ptr", quant), ("v_scale_ptr", quant), ("q_scale_ptr", qquant)):
+        if on:
+            types[name] = "*fp32"
+        else:
+            consts[name] = None
+    if not has_w:
+        consts.update(q_weight_ptr=None, k_weight_ptr=None)
+        del types["q_weight_ptr"], types["k_weight_ptr"]
+    ptx(fused._qk_norm_rope_cache_kernel, types, consts)
+    compiled += 1
+for has_w, off in ((False, False),):
+    types = {"positions_ptr": "*i32", "qkv_ptr": "*fp16", "cos_sin_ptr": "*fp16",
+             "num_rot": "i32", "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32",
+             "offset_bits": "i32"}
+    consts = dict(NUM_Q_HEADS=16, NUM_K_HEADS=16, HEAD_SIZE=80, ROT=32, IS_NEOX=False,
+                  HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=off, Q_TILES=4, BLOCK_T=2, BLOCK_H=4,
+                  BLOCK_D=128)
+    if has_w:
+        types.update(q_weight_ptr="*bf16", k_weight_ptr="*bf16")
+    else:
+        consts.update(q_weight_ptr=None, k_weight_ptr=None)
+    ptx(norm._qk_norm_rope_kernel, types, consts)
+    compiled += 1
+out["compiled"] = compiled
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
+    """The Triton kernels compiled for sm_90 (on the CPU): no fma (the quotient's are in fp8
+    builds only, none here), no .ftz, the correctly rounded root and true divisions, no
+    approximate root; with fusion allowed the same kernel gets fmas (the check can fail)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts.pop("compiled") == 4
+    fusion = counts.pop("norm-fusion-on")
+    for name, (fma, ftz, sqrt_rn, div_rn, sqrt_approx, rsqrt) in counts.items():
+        assert (fma, ftz, sqrt_approx, rsqrt) == (0, 0, 0, 0), (name, counts[name])
+        assert sqrt_rn > 0 and div_rn >= 2 * sqrt_rn, (name, counts[name])
+    assert fusion[0] > 0
+
+
+# --- CUDA graphs, torch.compile, sanitize --------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("op", [NORM, FUSED])
+def test_cuda_graph_replay_sees_new_inputs(op, impl):
+    """Capture once (the first call of the variant inside the capture), then change every input
+    in place (rows, positions, weights, slots, cache and query scales): the replay writes what
+    the reference writes for the new values."""
+    if (reason := registry.get(op, impl).available("cuda")) is not None:
+        pytest.skip(reason)
+    case = QkNormCase(num_tokens=40, num_q_heads=32, num_k_heads=8, head_size=128,
+                      dtype=torch.bfloat16, kv_cache_dtype="fp8", per_head_scale=True,
+                      layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3,
+                      bad_positions=2, num_blocks=8, pos_dtype=torch.int32,
+                      query_out="fp8_e4m3" if op == FUSED else None, q_scale_per_head=True,
+                      q_weight=torch.float32, weight_offset=1.0, max_position=4096)
+    live = make_qk_norm_inputs(case, "cuda", seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if op == NORM:
+            kvwrite.fused_qk_norm_rope(*live.norm_args(), **live.norm_kwargs(),
+                                       implementation=impl)
+        else:
+            kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+                *live.fused_args(), **live.fused_kwargs(), implementation=impl)
+    for seed in (2, 3):
+        new = make_qk_norm_inputs(case, "cuda", seed=seed)
+        want = make_qk_norm_inputs(case, "cuda", seed=seed)
+        for name, t in live.tensors().items():
+            t.copy_(new.tensors()[name])
+        graph.replay()
+        if op == NORM:
+            kvwrite.fused_qk_norm_rope(*want.norm_args(), **want.norm_kwargs(),
+                                       implementation="torch")
+        else:
+            kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+                *want.fused_args(), **want.fused_kwargs(), implementation="torch")
+        torch.cuda.synchronize()
+        assert_same(live, want, names=None if op == FUSED else _norm_names(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["torch", "triton", "cuda"])
+def test_torch_compile_sees_mutating_custom_ops(impl, device):
+    case = QkNormCase(num_tokens=9, bad_positions=2, padding_slots=2, layout=Layout.HND,
+                      query_out="same", weight_offset=1.0, rotate_key_in_place=False)
+    inp = make_qk_norm_inputs(case, device)
+    for op in (NORM, FUSED):
+        _skip_unless_runs(op, impl, inp, device)
+
+    def norm(qkv, qw, kw, cs, pos):
+        kvwrite.fused_qk_norm_rope(qkv, 4, 2, 2, 64, 1e-6, qw, kw, cs, True, pos,
+                                   weight_offset=1.0, implementation=impl)
+
+    def fused(qkv, qw, kw, cs, pos, kc, vc, slots, qo):
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+            qkv, 4, 2, 2, 64, 1e-6, qw, kw, cs, True, pos, kc, vc, slots, None, None, "auto",
+            weight_offset=1.0, rotate_key_in_place=False, query_out=qo, implementation=impl)
+
+    def nargs(i):
+        return (i.qkv, i.q_weight, i.k_weight, i.cos_sin_cache, i.position_ids)
+
+    def fargs(i):
+        return (*nargs(i), i.key_cache, i.value_cache, i.slot_mapping, i.query_out)
+
+    assert compiled_targets(norm, *nargs(make_qk_norm_inputs(case, device))) == [
+        "kvwrite.fused_qk_norm_rope"]
+    assert compiled_targets(fused, *fargs(make_qk_norm_inputs(case, device))) == [
+        "kvwrite.fused_qk_norm_rope_and_reshape_cache_flash"]
+    # Through AOT autograd's functionalization, on fresh inputs: the mutations are kept.
+    for fn, args, op in ((norm, nargs, NORM), (fused, fargs, FUSED)):
+        got, want = make_qk_norm_inputs(case, device), make_qk_norm_inputs(case, device)
+        torch._dynamo.reset()
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(*args(got))
+        if op == NORM:
+            kvwrite.fused_qk_norm_rope(*want.norm_args(), **want.norm_kwargs(),
+                                       implementation="torch")
+        else:
+            kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+                *want.fused_args(), **want.fused_kwargs(), implementation="torch")
+        assert_same(got, want, names=None if op == FUSED else _norm_names(want))
+
+
+def test_sanitize_cases_are_listed():
+    from kvwrite.ops.fused_qk_norm_rope import sanitize as norm_san
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize as fused_san
+    for mod in (norm_san, fused_san):
+        listed = mod.cases()
+        assert listed and len({i for i, _ in listed}) == len(listed)
+        assert all(callable(fn) for _, fn in listed)
+    for case in norm_san.CASES + fused_san.CASES:  # the inputs build on the CPU
+        if case.num_tokens < 1000:
+            make_qk_norm_inputs(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["norm", "fused"])
+def test_gpu_sanitize_cases_pass(which):
+    if which == "norm":
+        from kvwrite.ops.fused_qk_norm_rope import sanitize
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize
+    failed = {i: r for i, fn in sanitize.cases() if (r := fn()) is not None}
+    assert not failed, failed
+
+
+def test_case_ids_are_unique():
+    for cases in (NORM_CASES, FUSED_CASES, GPU_NORM_CASES, GPU_FUSED_CASES):
+        ids = [c.id for c in cases]
+        assert len(set(ids)) == len(ids), [i for i in ids if ids.count(i) > 1]
+    assert dataclasses.replace(QkNormCase(), eps=0).id != QkNormCase().id
