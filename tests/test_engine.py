@@ -38,6 +38,9 @@ TINY = {
     "nvfp4": ["nvfp4", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
               "--num-heads", "2", "--head-size", "64", "--num-tokens", "2,16", "--iters", "3",
               "--time-budget", "0.01", "--graph-calls", "2"],
+    "qk-norm-rope": ["qk-norm-rope", "--device", "cpu", "--heads", "4,2,32", "--num-tokens",
+                     "2,16", "--kv-cache-dtypes", "auto,fp8", "--iters", "3", "--time-budget",
+                     "0.01", "--graph-calls", "2"],
     "gather": ["gather", "--device", "cpu", "--num-blocks", "16", "--block-size", "16",
                "--num-heads", "2", "--head-size", "64", "--entry", "96", "--num-tokens",
                "16,32,64", "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2",
@@ -141,6 +144,13 @@ OWN_BAD = {
         (["--head-size", "48"], "--v-scale-layouts"),
         (["--v-scale-layouts", "x"], "--v-scale-layouts"), (["--layouts", "X"], "--layouts"),
         (["--kinds", "fp4"], "--kinds"), (["--block-size", "0"], "--block-size")],
+    "qk-norm-rope": [
+        (["--model", "qwen9"], "--model"), (["--heads", "4,2"], "--heads"),
+        (["--heads", "4,2,33"], "--heads"), (["--model", "qwen3-8b", "--heads", "4,2,32"],
+                                             "--heads"),
+        (["--dtype", "int8"], "--dtype"), (["--kv-cache-dtypes", "x"], "--kv-cache-dtypes"),
+        (["--layouts", "Y"], "--layouts"), (["--max-position", "0"], "--max-position"),
+        (["--kinds", "fused,x"], "--kinds")],
     "gather": [
         (["--kv-cache-dtypes", "fp4"], "--kv-cache-dtypes"), (["--mix", "x"], "--mix"),
         (["--num-seqs", "0"], "--num-seqs"), (["--entry", "0"], "--entry"),

@@ -34,6 +34,9 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "fused_rope_and_reshape_cache_flash": (
         ("rope",), "kvwrite.ops.fused_rope_and_reshape_cache_flash.bench:BENCH",
         "RoPE + cache write, fused, against the unfused pair and rotary_embedding alone"),
+    "fused_qk_norm_rope_and_reshape_cache_flash": (
+        ("qk-norm-rope",), "kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.bench:BENCH",
+        "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone"),
     "concat_and_cache_mla": (
         ("mla",), "kvwrite.ops.concat_and_cache_mla.bench:BENCH",
         "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark"),

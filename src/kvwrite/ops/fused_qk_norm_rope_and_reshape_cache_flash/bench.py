@@ -1,0 +1,269 @@
+"""QK-norm + RoPE + cache write's benchmark on the engine (``kvwrite-bench qk-norm-rope``).
+
+Kinds timed at each point:
+- ``fused``: fused_qk_norm_rope_and_reshape_cache_flash (one kernel);
+- ``pair``: fused_qk_norm_rope, then reshape_and_cache_flash on qkv's key and value heads (the
+  unfused sequence);
+- ``norm_rope``: fused_qk_norm_rope alone;
+each checked against the torch reference's bytes (qkv and both caches) on fresh inputs first.
+
+Shapes come from ``--model`` (query heads, KV heads, head dim, the weight convention):
+qwen3-8b (32, 8, 128), qwen3-30b-a3b (32, 4, 128), gemma-3-12b (16, 8, 256, (1 + w)) and
+gemma-3-27b (32, 16, 128, (1 + w)), from their config.json; or ``--heads Hq,Hk,D``. Inputs:
+qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the float32 cos/sin
+table's rows (or the sequences' positions with a decode, prefill or mixed ``--slots``), weights
+``1 + randn/8``, fp8 scales 0.05/0.04.
+Bytes per call (e = qkv's element size, c = the cache's, N = the real tokens): fused
+``T*((2*Hq + 3*Hk + Hv)*D*e + rot*4 + 16) + N*2*Hk*D*c`` (qkv's q and k read and written, v
+read, a table row, position and slot); pair = fused + ``N*Hk*D*e`` (the key read again);
+norm_rope ``T*(2*(Hq + Hk)*D*e + rot*4 + 8)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from ... import fused_qk_norm_rope, reshape_and_cache_flash
+from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
+from ...bench.slots import SlotPattern, make_slots
+from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
+from ...testing.rope import cos_sin_table
+from ..fused_qk_norm_rope import OP as NORM_ROPE
+from ..fused_rope_and_reshape_cache_flash.bench import make_caches
+from ..reshape_and_cache_flash import OP as WRITE
+from . import OP as FUSED
+from . import fused_qk_norm_rope_and_reshape_cache_flash
+
+__all__ = ["BENCH", "PRESETS"]
+
+SEED = 42
+EPS = 1e-6
+# name -> (query heads, KV heads, head dim, weight_offset), from each model's config.json
+# (num_attention_heads, num_key_value_heads, head_dim; Gemma 3 normalizes with (1 + w)).
+PRESETS = {
+    "qwen3-8b": (32, 8, 128, 0.0),
+    "qwen3-30b-a3b": (32, 4, 128, 0.0),
+    "gemma-3-12b": (16, 8, 256, 1.0),
+    "gemma-3-27b": (32, 16, 128, 1.0),
+}
+KINDS = ("fused", "pair", "norm_rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    dtype: torch.dtype
+    cache_dtype: CacheDType
+    num_q_heads: int
+    num_heads: int           # KV heads (= value heads)
+    head_size: int
+    weight_offset: float
+    layout: str
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    max_position: int
+    model: str
+    slots: SlotPattern
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_dtype.element_size(self.dtype)
+
+
+def point_bytes(p: Point, kind: str) -> int:
+    e, c, D = p.dtype.itemsize, p.cache_bytes, p.head_size
+    T, Hq, H = p.num_tokens, p.num_q_heads, p.num_heads
+    n = T - p.slots.num_padding(T)
+    if kind == "norm_rope":
+        return T * (2 * (Hq + H) * D * e + D * 4 + 8)
+    fused = T * (2 * Hq * D * e + 2 * H * D * e + D * 4 + 16) + n * (H * D * e + 2 * H * D * c)
+    return fused + (n * H * D * e if kind == "pair" else 0)
+
+
+class QkNormRopeBench(OpBench):
+    name = FUSED
+    aliases = ("qk-norm-rope",)
+    summary = "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone"
+    description = ("Benchmark fused_qk_norm_rope_and_reshape_cache_flash against kvwrite's "
+                   "unfused sequence (fused_qk_norm_rope, then reshape_and_cache_flash) and "
+                   "fused_qk_norm_rope alone.")
+    op = FUSED
+    kinds = KINDS
+    has_slots = True
+    defaults = {"num_tokens": "1,16,256,1024,4096,16384", "implementation": "cuda",
+                "iters": 100, "time_budget": 0.25}
+    cpu_defaults = {"heads": "4,2,64", "num_tokens": "1,16,64", "iters": 5, "graph_calls": 2,
+                    "time_budget": 0.05, "kv_cache_dtypes": "auto"}
+    columns = (("model", "model"), ("kv_cache_dtype", "cache"), ("heads", "heads"),
+               ("layout", "layout"), ("num_tokens", "N"))
+    always_columns = ("kv_cache_dtype", "num_tokens")
+
+    def add_flags(self, p) -> None:
+        g = p.add_argument_group("the points")
+        g.add_argument("--model", default="qwen3-8b",
+                       help=f"comma list of {', '.join(PRESETS)}: query and KV heads, head dim "
+                            f"and weight convention (default: qwen3-8b; --heads instead sets "
+                            f"them directly)")
+        g.add_argument("--heads", default=None,
+                       help="Hq,Hk,D instead of --model (the (x r) w norm)")
+        g.add_argument("--dtype", default="bfloat16", help="qkv's dtype (default: bfloat16)")
+        g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3",
+                       help="comma list of cache dtypes: auto, bfloat16, float16, float32, fp8, "
+                            "fp8_e4m3, fp8_e5m2 (default: auto,fp8_e4m3)")
+        g.add_argument("--layouts", default="NHD", help="comma list of NHD, HND, packed "
+                                                        "(default: NHD)")
+        g.add_argument("--max-position", type=int, default=4096,
+                       help="rows of the cos/sin table (default: 4096)")
+        g.add_argument("--num-blocks", type=int, default=2048,
+                       help="cache blocks, raised to 2*T/block_size where T needs more "
+                            "(default: 2048)")
+        g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
+
+    def configure(self, args, device) -> None:
+        if args.heads is not None:
+            if "model" in args.explicit:
+                raise ValueError("--heads: sets the shape --model would; give one of them")
+            try:
+                hq, h, d = (int(x) for x in args.heads.split(","))
+            except ValueError:
+                raise ValueError(f"--heads: expected Hq,Hk,D (positive integers), got "
+                                 f"{args.heads!r}") from None
+            if min(hq, h, d) < 1 or d % 2:
+                raise ValueError(f"--heads: expected positive counts and an even head dim, got "
+                                 f"{args.heads!r}")
+            args.shapes = [("", (hq, h, d, 0.0))]
+        else:
+            args.shapes = [(m, PRESETS[m]) for m in parse_list(args.model, "--model",
+                                                                 list(PRESETS))]
+        for flag in ("max_position", "num_blocks", "block_size"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
+                                 f"{getattr(args, flag)}")
+        args.dtype_t = parse_model_dtype(args.dtype, "--dtype")
+        args.kv_list = parse_list(args.kv_cache_dtypes, "--kv-cache-dtypes",
+                                  convert=parse_kv_cache_dtype)
+        args.layout_list = parse_list(args.layouts, "--layouts", ["NHD", "HND", "packed"])
+        args.pattern = slot_pattern(args, None if args.slots == "random" else args.max_position)
+
+    def points(self, args) -> list:
+        return [Point(args.dtype_t, kv, hq, h, d, wo, layout, t,
+                      max(args.num_blocks, -(-2 * t // args.block_size)), args.block_size,
+                      args.max_position, model, args.pattern)
+                for model, (hq, h, d, wo) in args.shapes for kv in args.kv_list
+                for layout in args.layout_list for t in args.token_counts]
+
+    def params(self, p: Point) -> dict:
+        return dict(model=p.model, layout=p.layout, dtype=str(p.dtype).removeprefix("torch."),
+                    kv_cache_dtype=p.cache_dtype.value,
+                    heads=f"({p.num_q_heads},{p.num_heads},{p.head_size})",
+                    num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
+                    weight_offset=p.weight_offset, num_blocks=p.num_blocks,
+                    block_size=p.block_size, max_position=p.max_position, slots=p.slots.kind,
+                    slot_params=p.slots.describe(), pad_fraction=p.slots.pad_fraction)
+
+    def header(self, args, points) -> list[str]:
+        top = max(p.num_tokens for p in points)
+        shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
+                           f"{' (1 + w)' if wo else ''}" for m, (hq, h, d, wo) in args.shapes)
+        return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}",
+                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
+                "bytes per call: fused = T*((2*Hq + 3*Hk + Hv)*D*e + rot*4 + 16) + N*2*Hk*D*c; "
+                "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq+Hk)*D*e + rot*4 + 8) (N = T less "
+                "the padding)"]
+
+    def kind_ops(self, kind: str) -> tuple[str, ...]:
+        return {"fused": (FUSED,), "pair": (NORM_ROPE, WRITE), "norm_rope": (NORM_ROPE,)}[kind]
+
+    def set_bytes(self, p: Point, kind: str) -> int:
+        rows = p.num_q_heads + p.num_heads + (0 if kind == "norm_rope" else p.num_heads)
+        return p.num_tokens * (rows * p.head_size * p.dtype.itemsize + 16)
+
+    def state_bytes(self, p: Point) -> int:
+        return p.num_blocks * self.block_bytes(p)
+
+    def block_bytes(self, p: Point) -> int:
+        return 3 * 2 * p.block_size * p.num_heads * p.head_size * p.cache_bytes
+
+    def temp_bytes(self, p: Point) -> int:
+        return p.max_position * p.head_size * 4
+
+    def bytes(self, p: Point, kind: str) -> int:
+        return point_bytes(p, kind)
+
+    def _inputs(self, p: Point, count: int, device, gen):
+        random.seed(SEED)
+        sets = []
+        H3 = p.num_q_heads + 2 * p.num_heads
+        for i in range(count):
+            qkv = torch.randn(p.num_tokens, H3 * p.head_size, device=device, generator=gen,
+                              dtype=torch.float32).to(p.dtype)
+            batch = make_slots(p.slots, p.num_tokens, p.num_blocks, p.block_size, set_index=i)
+            pos = batch.positions()
+            positions = (torch.randint(0, p.max_position, (p.num_tokens,), device=device,
+                                       generator=gen) if pos is None
+                         else torch.from_numpy(pos).to(device))
+            sets.append((qkv, positions, torch.from_numpy(batch.slots).to(device)))
+        return sets
+
+    def prepare(self, p: Point, count: int, device):
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        try:
+            sets = self._inputs(p, count, device, gen)
+        except ValueError as e:  # the slot pattern does not fit the cache
+            raise Skip(str(e)) from None
+        table = cos_sin_table(p.max_position, p.head_size, torch.float32, device=device)
+        w = [(1 + torch.randn(p.head_size, device=device, generator=gen) / 8).to(p.dtype)
+             for _ in range(2)]
+        scales = (None, None)
+        if p.cache_dtype.is_fp8:
+            scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
+        return p, sets, make_caches(p, device, gen), table, w, scales, device
+
+    def _caller(self, ctx, kind: str, impl: str, sets=None, caches=None):
+        p, default_sets, default_caches, table, (qw, kw), (ks, vs), _ = ctx
+        sets = sets or default_sets
+        kc, vc = caches or default_caches
+        Hq, H, D, kv = p.num_q_heads, p.num_heads, p.head_size, p.cache_dtype.value
+
+        def call(i: int) -> None:
+            qkv, pos, slots = sets[i % len(sets)]
+            if kind == "fused":
+                fused_qk_norm_rope_and_reshape_cache_flash(
+                    qkv, Hq, H, H, D, EPS, qw, kw, table, True, pos, kc, vc, slots, ks, vs, kv,
+                    weight_offset=p.weight_offset, implementation=impl)
+                return
+            fused_qk_norm_rope(qkv, Hq, H, H, D, EPS, qw, kw, table, True, pos,
+                               weight_offset=p.weight_offset, implementation=impl)
+            if kind == "pair":
+                heads = qkv.view(qkv.shape[0], Hq + 2 * H, D)
+                reshape_and_cache_flash(heads[:, Hq:Hq + H], heads[:, Hq + H:], kc, vc, slots, kv,
+                                        ks, vs, implementation=impl)
+        return call
+
+    def check(self, ctx, kind, impl) -> str | None:
+        """``impl`` and the torch reference on fresh copies of one input set and of the caches:
+        qkv and both caches must hold the same bytes."""
+        p, _, _, _, _, _, device = ctx
+        outs = []
+        for name in (impl, "torch"):
+            gen = torch.Generator(device=device).manual_seed(SEED + 1)
+            sets = self._inputs(p, 1, device, gen)
+            caches = make_caches(p, device, gen)
+            self._caller(ctx, kind, name, sets, caches)(0)
+            outs.append([sets[0][0], *caches])
+        for what, a, b in zip(("qkv", "key_cache", "value_cache"), *outs, strict=True):
+            if kind == "norm_rope" and what != "qkv":
+                continue
+            ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+            if not torch.equal(ab, bb):
+                return f"{what}: {int((ab != bb).sum())} bytes differ from the torch reference"
+        return None
+
+    def call(self, ctx, kind, impl):
+        return self._caller(ctx, kind, impl)
+
+
+BENCH = QkNormRopeBench()
