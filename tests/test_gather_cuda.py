@@ -30,6 +30,7 @@ from kvwrite.testing.gather import (
     IndexerCase,
     Seqs,
     UpconvertCase,
+    assert_all_outputs_equal,
     assert_outputs_equal,
     big_batch,
     clone_tensors,
@@ -179,6 +180,116 @@ def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
     assert "ACQBULK" not in text and "PREEXIT" not in text
 
 
+# --- stores of converted values: whole elements, no float-to-integer conversion ---------------
+
+# A float converted to an 8- or 16-bit integer (F2I.U8.F16.TRUNC.NTZ, ...). No gather converts a
+# float to an integer; ptxas (NVRTC 13.0) emitted one where the upconvert kernel's unaligned path
+# stored a converted half's low byte (cvt.rn.f16.f32, then st.global.u8): the byte became the
+# half's value as a saturated integer (inf -> 255, 6.44 -> 6) instead of its bits.
+_NARROW_F2I = re.compile(r"\bF2I(?:\.[A-Z0-9_]+)*\.(?:U8|S8|U16|S16)\b")
+_BYTE_STORE = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.U8\b")
+
+
+def _unaligned_upconvert_plans() -> list[tuple[str, tuple[int, ...]]]:
+    """The specialized builds of the unaligned upconvert calls: the matrix's and the sanitize
+    case's (cache rows of 659 bytes from an odd address: ALIGN 1, float16 rows padded and offset
+    by one element), and bfloat16 at ALIGN 1 and 2."""
+    from kvwrite.testing.gather import SANITIZE_SEQS
+    cases = [
+        UpconvertCase(dtype=torch.float16, scales="random", cache_pad=3, cache_offset=1,
+                      dst_pad=1, dst_offset=1),
+        UpconvertCase(seqs=SANITIZE_SEQS["bounds"], dtype=torch.float16, cache_pad=3,
+                      cache_offset=1, dst_pad=1, dst_offset=1),
+        UpconvertCase(cache_pad=1, cache_offset=3, dst_pad=3, dst_offset=1),
+        UpconvertCase(cache_pad=2, cache_offset=2, dst_pad=1, dst_offset=1),
+    ]
+    out = []
+    for case in cases:
+        u = make_upconvert_inputs(case)
+        out.append(_cuda(OPS[2]).plan(u.src_cache, u.dst, u.req.block_table,
+                                      u.req.workspace_starts, u.req.seq_starts))
+    return out
+
+
+def test_unaligned_upconvert_plans_take_the_narrow_variants():
+    names = [name for name, _ in _unaligned_upconvert_plans()]
+    assert names == [f"{_cuda(OPS[2]).KERNEL}<{o}, {a}>" for o, a in
+                     ((gather_cuda.DT_F16, 1), (gather_cuda.DT_F16, 1), (gather_cuda.DT_BF16, 1),
+                      (gather_cuda.DT_BF16, 2))]
+
+
+@needs_nvrtc
+def test_upconvert_stores_whole_elements(every_variant, tmp_path):
+    """sm_90: no variant of the upconvert kernel (generic, and the specialized builds of the
+    unaligned calls, PDL twin included) stores single bytes: its output is 16-bit, so its stores
+    are at least 2 bytes wide whatever the cache's alignment; and none converts a float to a
+    narrow integer (the ptxas miscompile of the byte stores, see _NARROW_F2I)."""
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    from kvwrite.kernels import nvrtc
+    mod = _cuda(OPS[2])
+    listings = dict(every_variant[OPS[2]][1])
+    for name, fixed in _unaligned_upconvert_plans():
+        for macros in ((), (nvrtc.PDL_MACRO,)):
+            obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed, macros=macros)
+            listings[f"{name} {fixed} {macros}"] = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    for name, text in listings.items():
+        assert not _BYTE_STORE.search(text), f"{name}: stores single bytes of its 16-bit output"
+        assert not _NARROW_F2I.search(text), (name, _NARROW_F2I.findall(text)[:4])
+        assert "STG" in text, name
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("op", OPS)
+def test_no_variant_converts_a_float_to_a_narrow_integer(op, every_variant):
+    """sm_90, every variant of each gather: no float-to-8/16-bit-integer conversion (the gathers
+    convert floats only to floats), and the dequantizing variants of the entry kernel (fp8 codes
+    into 16/32-bit outputs) store whole elements, never single bytes."""
+    names, listings, _ = every_variant[op]
+    if not listings:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    for name in names:
+        text = listings[name]
+        assert not _NARROW_F2I.search(text), (name, _NARROW_F2I.findall(text)[:4])
+        if f"<{gather_cuda.DT_E4M3}, " in name and op != OPS[4]:
+            assert not _BYTE_STORE.search(text), f"{name}: stores single bytes of its output"
+
+
+# --- the GPU tests' output checks ---------------------------------------------------------------
+
+def test_output_checks_allow_nan_payloads_in_an_output_sharing_the_allocation():
+    """key_out and value_out as halves of one tensor ('fused'): the GPU tests check each output's
+    whole allocation, NaN-aware in both halves' elements (assert_all_outputs_equal), so a
+    dequantized NaN whose payload differs from the reference's (the GPU's conversion gives 0x7FFF,
+    PyTorch's on the CPU 0x7E00) passes in either half, and any other byte still fails. A check
+    NaN-aware in key_out's own elements only fails on value_out's NaNs (the paths test did)."""
+    case = FlashCase(kv_cache_dtype="fp8", per_head_scale=True, dtype=torch.float16,
+                     outputs="fused")
+    inp = make_flash_inputs(case)
+    kvwrite.gather_cache_flash(*inp.args(case), implementation="torch")
+    want = clone_tensors(inp.key_out, inp.value_out)
+    got = clone_tensors(inp.key_out, inp.value_out)
+    from kvwrite.testing.compare import storage_bytes
+    halves = storage_bytes(got[0]).view(torch.int16)
+    nan = torch.isnan(halves.view(torch.float16)) & (halves != 0x7FFF)
+    value_half = torch.zeros_like(nan).view(got[0].shape[0], 2, -1)
+    value_half[:, 1] = True
+    value_half = value_half.flatten()
+    assert bool((nan & value_half).any()) and bool((nan & ~value_half).any())
+    halves[nan] = 0x7FFF  # the GPU's NaN
+    labels = ("key_out", "value_out")
+    assert_all_outputs_equal(got, want, case.id, None, labels)
+    with pytest.raises(AssertionError, match="outside the output's elements"):
+        assert_outputs_equal(got[0], want[0], "key_out", None)
+    with pytest.raises(AssertionError, match="outside the output's elements"):
+        assert_outputs_equal(got[1], want[1], "value_out", None)
+    ok = ~torch.isnan(halves.view(torch.float16)) & value_half
+    i = int(torch.nonzero(ok)[0])
+    halves[i] ^= 1
+    with pytest.raises(AssertionError, match="1 bytes differ"):
+        assert_all_outputs_equal(got, want, case.id, None, labels)
+
+
 # --- the fp8 read rule as host C++ --------------------------------------------------------------
 
 _HARNESS = r"""
@@ -291,8 +402,9 @@ def _gpu(op: str):
 
 
 def _tuned_runs(op: str, tuning):
-    """(inputs builder, runner, expected) over a part of the matrix, running cuda_impl.run with
-    ``tuning``."""
+    """(case id, outputs, expected, NaN columns, output names) over a part of the matrix, running
+    cuda_impl.run with ``tuning`` (the outputs are checked together by
+    assert_all_outputs_equal: key_out and value_out may be halves of one allocation)."""
     import test_gather as tg
     mod = _cuda(op)
     if op == "gather_and_maybe_dequant_cache":
@@ -304,7 +416,8 @@ def _tuned_runs(op: str, tuning):
                 mod.run(inp.src_cache, inp.dst, inp.req.block_table, inp.req.cu_seq_lens,
                         inp.req.seq_starts, nt, mode, inp.scale if mode.uses_scale else None,
                         tuning=tuning)
-            yield case.id, ((inp.dst, tg._dequant_expected(case), None if case.fp8 else False),)
+            yield (case.id, (inp.dst,), (tg._dequant_expected(case),),
+                   None if case.fp8 else False, ("dst",))
     elif op == "cp_gather_cache":
         for case in tg.CP_CASES[::2]:
             inp = make_entry_inputs(case, "cuda")
@@ -312,14 +425,14 @@ def _tuned_runs(op: str, tuning):
             if nr and inp.dst.numel() and mod.unsupported(inp.src_cache, inp.dst) is None:
                 mod.run(inp.src_cache, inp.dst, inp.req.block_table, inp.req.cu_seq_lens,
                         inp.req.seq_starts, tuning=tuning)
-                yield case.id, ((inp.dst, tg._cp_expected(case), False),)
+                yield case.id, (inp.dst,), (tg._cp_expected(case),), False, ("dst",)
     elif op == "cp_gather_and_upconvert_fp8_kv_cache":
         for case in tg.UPCONVERT_CASES[::2]:
             inp = make_upconvert_inputs(case, "cuda")
             nr = kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache.validate(*inp.args())
             if nr and inp.dst.shape[0]:
                 mod.run(*inp.args()[:4], nr, inp.req.seq_starts, tuning=tuning)
-            yield case.id, ((inp.dst, tg._upconvert_expected(case), slice(0, 512)),)
+            yield case.id, (inp.dst,), (tg._upconvert_expected(case),), slice(0, 512), ("dst",)
     elif op == "gather_cache_flash":
         for case in tg.FLASH_CASES[::2]:
             inp = make_flash_inputs(case, "cuda")
@@ -329,17 +442,16 @@ def _tuned_runs(op: str, tuning):
                 mod.run(inp.key_cache, inp.value_cache, inp.key_out, inp.value_out,
                         inp.req.block_table, inp.req.cu_seq_lens, inp.req.seq_starts, cd, ks, vs,
                         tuning=tuning)
-            nan = None if cd.is_fp8 else False
-            wk, wv = tg._flash_expected(case)
-            yield case.id, ((inp.key_out, wk, nan), (inp.value_out, wv, nan))
+            yield (case.id, (inp.key_out, inp.value_out), tg._flash_expected(case),
+                   None if cd.is_fp8 else False, ("key_out", "value_out"))
     else:
         for case in tg.INDEXER_CASES[::2]:
             inp = make_indexer_inputs(case, "cuda")
             nr = kvwrite.ops.cp_gather_indexer_k_quant_cache.validate(*inp.args())
             if nr and inp.dst_k.shape[0]:
                 mod.run(*inp.args(), tuning=tuning)
-            wk, ws = tg._indexer_expected(case)
-            yield case.id, ((inp.dst_k, wk, False), (inp.dst_scale, ws, False))
+            yield (case.id, (inp.dst_k, inp.dst_scale), tg._indexer_expected(case), False,
+                   ("dst_k", "dst_scale"))
 
 
 TUNINGS = {
@@ -360,10 +472,9 @@ def test_gpu_cuda_builds_and_paths(op, tuning):
     builds (runtime arguments), the binary search of global memory (batches past the shared
     memory's starts, forced), one and 32 rows per warp, without PDL."""
     _gpu(op)
-    for case_id, checks in _tuned_runs(op, TUNINGS[tuning]):
+    for case_id, gots, wants, nan, labels in _tuned_runs(op, TUNINGS[tuning]):
         torch.cuda.synchronize()
-        for got, want, nan in checks:
-            assert_outputs_equal(got, want, f"{case_id} ({tuning})", nan)
+        assert_all_outputs_equal(gots, wants, f"{case_id} ({tuning})", nan, labels)
 
 
 @pytest.mark.gpu

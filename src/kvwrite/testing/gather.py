@@ -24,7 +24,8 @@ __all__ = ["Seqs", "Requests", "make_requests", "mixed_seqs", "EntryCase", "Entr
            "make_entry_inputs", "FlashCase", "FlashInputs", "make_flash_inputs", "UpconvertCase",
            "UpconvertInputs", "make_upconvert_inputs", "IndexerCase", "IndexerInputs",
            "make_indexer_inputs", "random_bytes", "clone_tensor", "clone_tensors", "element_region",
-           "assert_outputs_equal", "SPECIAL_SCALES", "indexer_cache", "cuda_against_reference",
+           "assert_outputs_equal", "assert_all_outputs_equal", "SPECIAL_SCALES", "indexer_cache",
+           "cuda_against_reference",
            "big_batch", "SANITIZE_SEQS"]
 
 # Scales that every fp8 read must follow: zero, negative zero, negative, subnormal, tiny normal,
@@ -616,6 +617,22 @@ def assert_outputs_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
             f"{a[idx[:8]].tolist()}, want {e[idx[:8]].tolist()}")
 
 
+def assert_all_outputs_equal(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...],
+                             name: str, nan_cols: slice | None | bool = False,
+                             labels: tuple[str, ...] | None = None) -> None:
+    """:func:`assert_outputs_equal` for each output of a call (``labels``: their names, added to
+    ``name`` in the message), each with the call's other outputs as ``also``: where two outputs
+    are views of one allocation (key_out and value_out halves of one tensor), the whole
+    allocation is compared for each, and the NaN allowance of ``nan_cols`` holds in the other
+    output's elements too (a kernel's NaN payload may differ from the reference's there)."""
+    if len(actual) != len(expected):
+        raise ValueError(f"{name}: {len(actual)} outputs against {len(expected)} expected")
+    for i, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        label = f"{name} {labels[i]}" if labels else name
+        others = tuple(o for j, o in enumerate(actual) if j != i)
+        assert_outputs_equal(got, want, label, nan_cols, others)
+
+
 def _locate(t: torch.Tensor, byte: int) -> str:
     """`` (element [i, j, ...] of the output)`` for a byte of its allocation inside it, else ``
     (outside the output's elements)``."""
@@ -651,8 +668,7 @@ def cuda_against_reference(op: str, build, args_of, outs_of, nan=False) -> str |
     fn(*args_of(cpu), implementation="torch")
     torch.cuda.synchronize()
     try:
-        for got, want in zip(outs_of(gpu), outs_of(cpu), strict=True):
-            assert_outputs_equal(got, want, op, nan)
+        assert_all_outputs_equal(tuple(outs_of(gpu)), tuple(outs_of(cpu)), op, nan)
     except AssertionError as e:
         return str(e)
     return None

@@ -2,8 +2,10 @@
 time with NVRTC, launched on PyTorch's current stream through :mod:`kvwrite.kernels.gather_cuda`.
 
 Variants (template arguments): the output dtype and ALIGN, the alignment in bytes (16 at most) of
-every entry and row start, which sets the width of the accesses. By default each call signature
-gets its own build with its fixed arguments compiled in (``CudaTuning.specialize``).
+every entry and row start, which sets the width of the accesses (the stores' at least 2 bytes: the
+output is 16-bit, its rows 2-byte aligned even where odd cache strides make ALIGN 1). By default
+each call signature gets its own build with its fixed arguments compiled in
+(``CudaTuning.specialize``).
 
 Graph-safe: a call does no allocation and no host sync; index tensors are read on the device.
 """

@@ -12,12 +12,21 @@
 // narrower below. A row is 72 chunks of 16 output bytes: chunk k < 64 dequantizes the 8 codes at
 // byte 8k with its tile's scale (a 4-byte load beside them, from the same lines), chunk k >= 64
 // copies 16 bytes of the rotary part.
+//
+// The stores are never narrower than one 16-bit element (DST_ALIGN below): the output is 16-bit,
+// so its rows are 2-byte aligned whatever ALIGN (set by the cache, 1 for odd entry strides) says.
+// Byte stores of converted halves also met a ptxas bug: NVRTC 13.0 compiled the low byte of a
+// chunk's last element (cvt.rn.f16.f32, then st.global.u8 of its low byte) as
+// F2I.U8.F16.TRUNC.NTZ, the element's value as a saturated integer instead of its bits
+// (tests/test_gather_cuda.py checks that no upconvert variant stores single bytes).
 #include "kvw/gather.cuh"
 
 #ifndef KVWRITE_HOST_TEST
 
 template <int OUT, int ALIGN>
 struct UpconvertOp {
+  // The output's accesses: at least one 16-bit element wide (dst rows are 2-byte aligned).
+  static constexpr int DST_ALIGN = ALIGN < 2 ? 2 : ALIGN;
   struct Chunk {
     Raw<16> raw;
     float s;
@@ -50,9 +59,9 @@ struct UpconvertOp {
       Raw<8> codes;
       codes.w[0] = c.raw.w[0];
       codes.w[1] = c.raw.w[1];
-      gather_store<16, ALIGN>(p, fp8_dequant_chunk<OUT, 8>(codes, c.s, false));
+      gather_store<16, DST_ALIGN>(p, fp8_dequant_chunk<OUT, 8>(codes, c.s, false));
     } else {
-      gather_store<16, ALIGN>(p, c.raw);
+      gather_store<16, DST_ALIGN>(p, c.raw);
     }
   }
 };
