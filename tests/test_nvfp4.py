@@ -1450,10 +1450,15 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
         opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
+import re
+LINE = r"fma\.rn\.f32\s+%\w+,\s*%\w+,\s*"
 out = {}
 for in_ty, fos in (("*i16", False), ("*fp32", True)):
     text = ptx(in_ty, fos, True, True)
-    out[f"{in_ty}-{fos}"] = [text.count("fma."), text.count("div.rn.f32")]
+    two = len(re.findall(LINE + r"0f40000000,\s*0f4B000000;", text))
+    half = len(re.findall(LINE + r"0f3F000000,\s*0f4B000004;", text))
+    out[f"{in_ty}-{fos}"] = [text.count("fma.") - two - half, two, half,
+                             text.count("div.rn.f32")]
 text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8)
 first_ld = text.index("ld.global")
 out["pdl"] = [text.count("griddepcontrol.wait"), text.find("griddepcontrol.wait") < first_ld]
@@ -1464,9 +1469,10 @@ print(json.dumps(out))
 def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     """The Triton kernel compiled for sm_90 (no GPU needed): bfloat16 bits and float32 4over6
     builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
-    and int32 slots. No fma at all in their PTX (contraction off: the rule's steps and 4over6's
-    error sums are rounded one by one), the two quotients per group as div.rn.f32 (K and V:
-    2 x 64 groups; 4over6 both candidates), and the PDL build's wait before its first load."""
+    and int32 slots. No fma in their PTX but E2M1's two exact-product lines (contraction off:
+    the rule's steps and 4over6's error sums are rounded one by one), the two quotients per group
+    as div.rn.f32 (K and V: 2 x 64 groups; 4over6 both candidates), and the PDL build's wait
+    before its first load."""
     import json
     import os
     import sys
@@ -1479,7 +1485,10 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["*i16-False"] == [0, 64] and out["*fp32-True"] == [0, 128], out
+    other, two, half, div = out["*i16-False"]
+    assert other == 0 and two == half > 0 and div == 64, out
+    other, two, half, div = out["*fp32-True"]
+    assert other == 0 and two == half > 0 and div == 128, out
     assert out["pdl"] == [1, True], out
 
 
