@@ -9,7 +9,7 @@
 //                                           nvfp4_den's constants
 //   S = E4M3(s), saturating                 fp8x2_from_f32 (satfinite)
 //   d = RN(float(S) * k)
-//   r = 0 if d == 0 else RN(1 / d)          nvfp4_rcp_rn: rcp_rn_s2 on d's significand
+//   r = 0 if d == 0 else RN(1 / d)          nvfp4_rcp_rn: rcp_rn_s2's steps on d
 //   c_i = E2M1(RN(x_i * r))                 nvfp4_e2m1_t below
 //
 // E2M1 without comparisons: with m = min(|v|, 6) (fminf returns the number for a NaN, so NaN
@@ -99,14 +99,17 @@ KVW_HD float nvfp4_e4m3_value(u32 code) {
   return mul_rn(bits_f32(code << 20), 1.329227995784916e36f);  // 2^120
 }
 
-// RN(1 / d) for d in [2^-125, 2^125] (every d = float(S) * k with k in [2^-100, 2^100]): 1/b of
-// d's significand b in [1, 2) by rcp_rn_s2, times the power of two, exactly. 0 for d == 0.
+// RN(1 / d) for d in [2^-109, 2^109) (every nonzero d = float(S) * k with k in [2^-100, 2^100]:
+// S >= 2^-9, S <= 448), 0 for d == 0: kvw/fp8.cuh's rcp_rn_s2 applied to d itself. Its steps
+// (the hardware approximation, two fused Newton steps, the all-ones significand's fix) are exact
+// for every b in [2^-22, 4) (tests/test_fp8_division.py), and each step commutes with scaling by
+// a power of two while d, 1/d and the steps' results are normal floats (d * r0 and the residual
+// do not change; RN(2^j x) = 2^j RN(x)), which holds here: so they are exact for every d of the
+// range (tests/test_nvfp4.py checks the steps in C on every binade of it). Before: rcp_rn_s2 on
+// d's significand times the power of two, seven instructions more.
 KVW_HD float nvfp4_rcp_rn(float d) {
-  const u32 db = f32_bits(d);
-  const u32 e = (db >> 23) & 0xFFu;
-  const float y = rcp_rn_s2(bits_f32((db & 0x807FFFFFu) | 0x3F800000u));
-  const float r = mul_rn(y, bits_f32(((254u - e) & 0xFFu) << 23));
-  return d == 0.0f ? 0.0f : r;
+  const float y = rcp_rn_s2(d);
+  return d == 0.0f ? 0.0f : y;
 }
 
 // The constants of the scale quotient RN(a / c) for c = RN(C * k) (C = 6, or 4 for 4over6's
