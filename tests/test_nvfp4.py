@@ -1271,7 +1271,8 @@ def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
 
 def _tuning(**kw):
     """A CudaTuning with the kernel shapes fixed (not the environment's defaults)."""
-    return _cuda_impl().CudaTuning(**{"small_elems": 4, "pair_groups": True, **kw})
+    return _cuda_impl().CudaTuning(**{"small_elems": 4, "pair_groups": True, "pair_min_ctas": 4,
+                                      "small_call_groups": 4096, **kw})
 
 
 def _plan_of(case: Nvfp4Case, **kw):
@@ -1331,9 +1332,11 @@ def test_cuda_cta_size_shrinks_for_few_ctas():
     assert cuda_impl.cta_threads(small, 64, t) == 64
 
 
-def test_cuda_tuning_rejects_bad_small_elems():
+def test_cuda_tuning_rejects_bad_values():
     with pytest.raises(ValueError, match="small_elems: expected 0, 4 or 8, got 2"):
         _tuning(small_elems=2)
+    with pytest.raises(ValueError, match="pair_min_ctas: expected 0 to 8, got 9"):
+        _tuning(pair_min_ctas=9)
 
 
 @needs_nvrtc
@@ -1373,18 +1376,20 @@ def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
         cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
 
 
-def _build_shape(case: Nvfp4Case, tmp_path, **kw):
-    """(opcodes, ptxas registers, spill bytes) of the specialized PDL build for sm_90 that a
-    call of ``case`` runs."""
+def _build_shape(case: Nvfp4Case, tmp_path, extra_macros=(), **kw):
+    """(plan, opcodes, ptxas registers, spill bytes) of the specialized PDL build for sm_90
+    that a call of ``case`` runs, after checking that it issues every load before any wait."""
     import sass as sass_tools
     from kvwrite.kernels import nvrtc
     p = _plan_of(case, **kw)
     obj, log = _cuda_impl().SOURCE.compile(
-        "sm_90", p.name, macros=nvrtc.fixed_args_macros(p.fixed) + (nvrtc.PDL_MACRO,),
-        ptxas_verbose=True)
-    (ops,) = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path)).values()
+        "sm_90", p.name, macros=nvrtc.fixed_args_macros(p.fixed) + (nvrtc.PDL_MACRO,)
+        + tuple(extra_macros), ptxas_verbose=True)
+    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    (ops,) = sass_tools.functions(text).values()
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    assert not sass_tools.late_issues(text, _row_load), (p.name, case.id)  # one round trip
     return p, ops, regs, spill
 
 
@@ -1412,7 +1417,9 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
     - small calls (nvfp4_small_kernel, 4 elements a thread): one 8-byte row load, one 2-byte
       store of codes (a warp's 64 contiguous bytes) and part 0's scale byte; two xor shuffles
       (and two more on the NaN path) and no divergent-shuffle fallback; at most 32 registers and
-      under 260 instructions in all."""
+      under 260 instructions in all;
+    and in every one of these builds (and the HND and int32-slot ones) all loads are issued
+    before the first wait."""
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path)
     assert p.name == "nvfp4_kernel<1, 2, long long, false>"
     assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
@@ -1423,6 +1430,13 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
     simd = sum(_count(ops, "VIMNMX.U16x2", "VIMNMX3.U16x2").values())
     assert simd >= 4 * 4, _count(ops, "VIMNMX")  # 4 groups, 8 words each
     assert len(ops) <= 1600, len(ops)
+
+    # pair_min_ctas=0 (no register bound): no spill, 3 CTAs of 256 an SM.
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       extra_macros=[("KVW_NVFP4_PAIR_MIN_CTAS", "0")])
+    assert p.name == "nvfp4_kernel<1, 2, long long, false>"
+    assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
+    assert 64 < regs <= 85 and spill == 0, (regs, spill)
 
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
                                        pair_groups=False)
@@ -1441,6 +1455,12 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
     assert not _count(ops, "MATCH", "WARPSYNC", "BRA.DIV", "REDUX"), ops
     assert regs <= 32 and spill == 0, (regs, spill)
     assert len(ops) <= 260, len(ops)
+    # The other layouts and slot type of the benchmark: the same kernels, loads first.
+    for layout, slot in (("HND", torch.int64), ("NHD", torch.int32)):
+        for t, name in ((300, "nvfp4_kernel<1, 2, "), (16, "nvfp4_small_kernel<1, ")):
+            p, ops, regs, spill = _build_shape(
+                Nvfp4Case(num_tokens=t, layout=layout, slot_dtype=slot, **_BENCH), tmp_path)
+            assert p.name.startswith(name), p.name
 
 
 @needs_nvrtc
@@ -1606,6 +1626,7 @@ _SHAPES = {
     "default": {},
     "generic": {"specialize": False},
     "big-pair": {"small_call_groups": 0},
+    "big-pair-unbounded": {"small_call_groups": 0, "pair_min_ctas": 0},
     "big-single": {"small_call_groups": 0, "pair_groups": False},
     "small-e4": {"small_call_groups": 1 << 40, "small_elems": 4, "small_threads": 32},
     "small-e8": {"small_call_groups": 1 << 40, "small_elems": 8},

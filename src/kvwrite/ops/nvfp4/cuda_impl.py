@@ -60,7 +60,7 @@ def _env_int(name: str, default: int) -> int:
 class CudaTuning:
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
-    values follow the other ops' kernels. The three environment variables below let a benchmark
+    values follow the other ops' kernels. The four environment variables below let a benchmark
     run (``kvwrite-bench nvfp4``) compare the kernel shapes without code."""
 
     # Threads per CTA (a multiple of 32, at most 256) of nvfp4_kernel, halved (down to 64)
@@ -87,6 +87,11 @@ class CudaTuning:
     # False.
     pair_groups: bool = dataclasses.field(
         default_factory=lambda: nvrtc.env_flag("KVWRITE_NVFP4_PAIR_GROUPS", "1"))
+    # nvfp4_kernel MODE 2's minimum of resident 256-thread CTAs an SM (__launch_bounds__): 4
+    # caps it at 64 registers (8 bytes spilled in the bfloat16 build; 80 unbounded, 3 CTAs);
+    # 0: no bound. KVWRITE_NVFP4_PAIR_MIN_CTAS sets the default. Not measured.
+    pair_min_ctas: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_PAIR_MIN_CTAS", 4))
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -97,6 +102,8 @@ class CudaTuning:
     def __post_init__(self):
         if self.small_elems not in (0, *SMALL_ELEMS):
             raise ValueError(f"small_elems: expected 0, 4 or 8, got {self.small_elems}")
+        if not 0 <= self.pair_min_ctas <= 8:
+            raise ValueError(f"pair_min_ctas: expected 0 to 8, got {self.pair_min_ctas}")
 
 
 TUNING = CudaTuning()
@@ -244,6 +251,8 @@ def _launchable(args, tuning) -> _Launchable:
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, _ = nvrtc.device_arch(index)
         macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+        if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
+            macros += (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
         kernel = SOURCE.kernel(arch, p.name, macros)
         pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index)

@@ -203,14 +203,18 @@ KVW_HD void nvfp4_v_scale_at(i64 pg, u32 g, i64 head_groups, i64 v_swizzle, i64*
 //   aligned and D % 32 == 0): the per-thread work that does not scale with the groups (index
 //   math, the scale constants, the slot, the addresses) paid once for two groups. At most 64
 //   registers (__launch_bounds__(256, 4): 4 CTAs of 256 threads an SM, 8 bytes spilled in the
-//   bfloat16 build) where it would take 80 (3 CTAs); the groups' raw words are held until the
-//   rule needs their floats (nvfp4_group_amax).
+//   bfloat16 build: the second group's maxima) where it would take 80 (3 CTAs); the groups' raw
+//   words are held until the rule needs their floats (nvfp4_group_amax).
 // Order (one memory round trip; tests/test_nvfp4.py reads the machine code): the slot's load,
 // the rows' (their first use, the amax, comes before the slot's test, so ptxas issues them all
 // before it waits: tested first, the rows were loaded after the test), the scales', the amax,
 // then the slot's test (a skipped slot leaves before the rest of the rule), the rule, the stores.
+#ifndef KVW_NVFP4_PAIR_MIN_CTAS
+#define KVW_NVFP4_PAIR_MIN_CTAS 4  // cuda_impl.CudaTuning.pair_min_ctas
+#endif
 template <int IN, int MODE, typename SlotT, bool FOUR_OVER_SIX>
-__global__ void __launch_bounds__(256, MODE == 2 ? 4 : 0) nvfp4_kernel(KVW_NVFP4_PARAMS) {
+__global__ void __launch_bounds__(256, MODE == 2 ? KVW_NVFP4_PAIR_MIN_CTAS : 0)
+nvfp4_kernel(KVW_NVFP4_PARAMS) {
   KVW_PDL_ENTRY();
   KVW_NVFP4_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
