@@ -72,8 +72,8 @@ class CudaTuning:
     # small_threads threads and, for "nvfp4" with aligned inputs and data, nvfp4_small_kernel.
     # Estimated (not measured) from the instruction counts: nvfp4_small_kernel issues about 3.8
     # times the instructions of nvfp4_kernel's two groups a thread per token, but each thread's
-    # chain is a quarter as long; they break even near 128 tokens of that shape.
-    # KVWRITE_NVFP4_SMALL_CALL_GROUPS sets the default.
+    # chain is a quarter as long; by that estimate they break even near 128 tokens of that
+    # shape, and the limit stays below it. KVWRITE_NVFP4_SMALL_CALL_GROUPS sets the default.
     small_call_groups: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_SMALL_CALL_GROUPS", 4096))
     small_threads: int = 64
