@@ -214,7 +214,7 @@ extern "C" {
 // 2i+1 through nvfp4_group_pair (the kernel's path, fast and general), else nvfp4_group.
 void kvw_nvfp4_groups(const float* x, float k, long long n, int fos, int pair,
                       unsigned char* data, unsigned char* scales) {
-  const Fp8Scale d6 = make_fp8_scale(mul_rn(k, 6.0f)), d4 = make_fp8_scale(mul_rn(k, 4.0f));
+  const Nvfp4Den d6 = nvfp4_den(mul_rn(k, 6.0f)), d4 = nvfp4_den(mul_rn(k, 4.0f));
   for (long long g = 0; g < n; g += (pair ? 2 : 1)) {
     float a[16], b[16];
     for (int i = 0; i < 16; ++i) {
@@ -235,6 +235,74 @@ void kvw_nvfp4_groups(const float* x, float k, long long n, int fos, int pair,
       scales[g] = sa;
     }
   }
+}
+// n groups of 16 through the small calls' kernel's rule: each group as 16 / e parts of e elements
+// (nvfp4_part_rule), their amax combined as the kernel's shuffles combine them (max_nan, and
+// max_num where that is NaN). Returns the number of groups whose parts disagree on S.
+long long kvw_nvfp4_parts(const float* x, float k, long long n, int e, unsigned char* data,
+                          unsigned char* scales) {
+  const Nvfp4Den d6 = nvfp4_den(mul_rn(k, 6.0f));
+  long long disagree = 0;
+  for (long long g = 0; g < n; ++g) {
+    const float* gx = x + 16 * g;
+    float a = 0.0f, a_num = 0.0f;
+    for (int p = 0; p < 16 / e; ++p) {
+      float pa, pn;
+      if (e == 4) {
+        float v[4];
+        for (int i = 0; i < 4; ++i) v[i] = gx[4 * p + i];
+        pa = nvfp4_amax_nan(v);
+        pn = nvfp4_amax_num(v);
+      } else {
+        float v[8];
+        for (int i = 0; i < 8; ++i) v[i] = gx[8 * p + i];
+        pa = nvfp4_amax_nan(v);
+        pn = nvfp4_amax_num(v);
+      }
+      a = p ? max_nan(a, pa) : pa;
+      a_num = p ? max_num(a_num, pn) : pn;
+    }
+    u32 S0 = 0;
+    for (int p = 0; p < 16 / e; ++p) {
+      u32 S;
+      if (e == 4) {
+        float v[4];
+        u32 w[1];
+        for (int i = 0; i < 4; ++i) v[i] = gx[4 * p + i];
+        S = nvfp4_part_rule<4, 2>(v, a, a != a ? a_num : 0.0f, k, d6, w);
+        data[8 * g + 2 * p] = w[0] & 0xFF;
+        data[8 * g + 2 * p + 1] = (w[0] >> 8) & 0xFF;
+      } else {
+        float v[8];
+        u32 w[1];
+        for (int i = 0; i < 8; ++i) v[i] = gx[8 * p + i];
+        S = nvfp4_part_rule<8, 2>(v, a, a != a ? a_num : 0.0f, k, d6, w);
+        __builtin_memcpy(data + 8 * g + 4 * p, w, 4);
+      }
+      if (p == 0) S0 = S;
+      else if (S != S0) ++disagree;
+    }
+    scales[g] = S0;
+  }
+  return disagree;
+}
+// nvfp4_amax_nan16 (bfloat16 words) against nvfp4_amax_nan of the widened floats for n groups of
+// 8 words: the number that differ (NaN equals NaN), the first in *first_bad.
+long long kvw_nvfp4_amax16(const unsigned* w, long long n, long long* first_bad) {
+  long long bad = 0;
+  for (long long g = 0; g < n; ++g) {
+    u32 words[8];
+    float x[16];
+    for (int i = 0; i < 8; ++i) words[i] = w[8 * g + i];
+    for (int i = 0; i < 16; ++i) x[i] = bits_f32(i & 1 ? words[i >> 1] & 0xFFFF0000u
+                                                       : words[i >> 1] << 16);
+    const float got = nvfp4_amax_nan16<true>(words), want = nvfp4_amax_nan(x);
+    if (!(got == want || (got != got && want != want)) || f32_bits(got) >> 31) {
+      if (bad == 0) *first_bad = g;
+      ++bad;
+    }
+  }
+  return bad;
 }
 // E2M1 by the thresholds (the rule's text), for every float32 bit pattern from lo to hi; one = 1
 // (an argument, so that the compiler does not fold v * 1 to v and keep a signaling NaN).
@@ -276,6 +344,8 @@ def host_lib(tmp_path_factory):
     so = ctypes.CDLL(str(lib))
     so.kvw_nvfp4_groups.restype = None
     so.kvw_nvfp4_sweep.restype = ctypes.c_longlong
+    so.kvw_nvfp4_parts.restype = ctypes.c_longlong
+    so.kvw_nvfp4_amax16.restype = ctypes.c_longlong
     return so
 
 
@@ -322,6 +392,110 @@ def test_host_c_rule_matches_reference(host_lib, fos):
                 f"k={k} 4over6={fos} pair={pair}: {bad.numel()} groups differ; first "
                 f"{x[bad[0]].tolist()}: got {data[bad[0]].tolist()} S {int(sc[bad[0]]):#x}, "
                 f"want {want[bad[0]].tolist()} S {int(S[bad[0]]):#x}")
+
+
+@pytest.mark.parametrize("e", [4, 8])
+def test_host_c_part_rule_matches_reference(host_lib, e):
+    """The small calls' kernel's rule (kvw/nvfp4.cuh's nvfp4_part_rule: a group as 16 / e parts,
+    their amax combined as the kernel's shuffles do) against the reference, random and special
+    groups, many scales; every part computes the same S."""
+    for k in SCALES:
+        k = torch.tensor(k, dtype=torch.float32).item()
+        x = torch.cat([_rule_groups(2000, 2), _groups_tensor(special_groups(k))]).float()
+        x = x.contiguous()
+        codes, S = quantize_groups(x, k, False)
+        want = pack_codes(codes)
+        n = x.shape[0]
+        data = torch.zeros(n, 8, dtype=torch.uint8)
+        sc = torch.zeros(n, dtype=torch.uint8)
+        disagree = host_lib.kvw_nvfp4_parts(ctypes.c_void_p(x.data_ptr()), ctypes.c_float(k),
+                                            ctypes.c_longlong(n), e,
+                                            ctypes.c_void_p(data.data_ptr()),
+                                            ctypes.c_void_p(sc.data_ptr()))
+        assert disagree == 0, f"k={k} e={e}: {disagree} groups whose parts disagree on S"
+        bad = torch.nonzero((data != want).any(1) | (sc != S)).flatten()
+        assert bad.numel() == 0, (
+            f"k={k} e={e}: {bad.numel()} groups differ; first {x[bad[0]].tolist()}: got "
+            f"{data[bad[0]].tolist()} S {int(sc[bad[0]]):#x}, want {want[bad[0]].tolist()} S "
+            f"{int(S[bad[0]]):#x}")
+
+
+def test_host_amax16_equals_the_float_amax(host_lib):
+    """nvfp4_amax_nan16's rule (sign bits cleared, the largest 16-bit pattern; the host build's
+    loop, the device's SIMD maximum computes the same) equals the float amax with NaN propagated
+    on every bfloat16 pattern (each group: one pattern beside random ones) and on groups of
+    infinities, NaNs, zeros and subnormals."""
+    g = torch.Generator().manual_seed(5)
+    every = torch.arange(65536, dtype=torch.int64)
+    rest = torch.randint(0, 65536, (65536, 15), generator=g)
+    halves = torch.cat([every[:, None], rest], 1)[:, torch.randperm(16, generator=g)]
+    special = torch.tensor([[0x7F80] * 16, [0xFF80] * 16, [0x7FC0] + [0] * 15, [0x8000] * 16,
+                            [1] * 16, [0x8001, 0x7F7F] + [0] * 14, [0xFFFF] * 16])
+    halves = torch.cat([halves, special])
+    words = (halves[:, 0::2] | (halves[:, 1::2] << 16)).to(torch.int64)
+    words = words.numpy().astype(np.uint32)
+    words = np.ascontiguousarray(words)
+    first = ctypes.c_longlong(-1)
+    bad = host_lib.kvw_nvfp4_amax16(words.ctypes.data_as(ctypes.c_void_p),
+                                    ctypes.c_longlong(words.shape[0]), ctypes.byref(first))
+    assert bad == 0, f"{bad} groups differ, first {halves[first.value].tolist()}"
+
+
+# nvfp4_rcp_rn's steps in C (as tests/test_fp8_division.py checks them on [2^-22, 4)): the
+# device's rcp_rn_s2 arithmetic applied to d itself, from every approximation within 4 ulp of
+# 1/d, on every binade of d in [2^-109, 2^109) (every 997th significand, the all-ones one and
+# 1.0), against the host's 1.0f / d (IEEE RN).
+_RCP_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
+static float steps(float b, float r) {  /* kvw/fp8.cuh rcp_rn_s2 after the approximation */
+  r = fmaf(r, fmaf(-b, r, 1.0f), r);
+  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
+  uint32_t bb = u(b);
+  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
+}
+static long n, bad, raw_bad;
+static void check(float d) {
+  const float want = 1.0f / d;
+  for (int k = -4; k <= 4; ++k) {
+    const float r0 = f(u(want) + k);
+    bad += u(steps(d, r0)) != u(want);
+    const float r = fmaf(r0, fmaf(-d, r0, 1.0f), r0);
+    raw_bad += u(fmaf(r, fmaf(-d, r, 1.0f), r)) != u(want);
+    ++n;
+  }
+}
+int main(void) {
+  for (uint32_t e = 127u - 109u; e < 127u + 109u; ++e) {
+    for (uint32_t m = 0; m < (1u << 23); m += 997u) check(f((e << 23) | m));
+    check(f((e << 23) | 0x7FFFFFu));
+  }
+  printf("%ld %ld %ld\n", n, bad, raw_bad);
+  return 0;
+}
+"""
+
+
+def test_reciprocal_steps_on_every_binade_of_d(tmp_path):
+    """nvfp4_rcp_rn applies rcp_rn_s2's steps to d itself: RN(1/d) from every approximation
+    within 4 ulp on every binade d can take; without the all-ones fix the steps miss (so the
+    check can fail)."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "rcp.c").write_text(_RCP_C)
+    exe = tmp_path / "rcp"
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / "rcp.c"),
+                    "-o", str(exe), "-lm"], check=True)
+    n, bad, raw_bad = (int(v) for v in subprocess.run(
+        [str(exe)], check=True, capture_output=True, text=True).stdout.split())
+    assert n == 9 * 218 * (-(-(2**23) // 997) + 1)
+    assert bad == 0
+    assert raw_bad > 0
 
 
 def test_host_e2m1_lines_equal_the_thresholds_on_every_float_near_the_grid(host_lib):
@@ -1042,11 +1216,13 @@ def pdl_sass(tmp_path_factory):
 
 
 def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
-    """Every variant compiles with NVRTC for sm_90 (24: dtype x aligned x slot type x rule); in
-    its PDL build the trigger and the wait (PREEXIT, ACQBULK) come before the first global access."""
+    """Every variant compiles with NVRTC for sm_90 (40: nvfp4_kernel by dtype x MODE x slot type
+    x rule, 28, MODE 2 only for "nvfp4" with 16-bit inputs; nvfp4_small_kernel by dtype x slot
+    type x 4 or 8 elements a thread, 12); in its PDL build the trigger and the wait (PREEXIT,
+    ACQBULK) come before the first global access."""
     import sass as sass_tools
     names, text = pdl_sass
-    assert len(names) == 24
+    assert len(names) == 40
     funcs = sass_tools.functions(text)
     assert len(funcs) == len(names)
     for name, ops in funcs.items():
@@ -1055,16 +1231,17 @@ def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
 
 
 def _row_load(text: str) -> bool:
-    """A row's load: the volatile (STRONG.SYS) loads of the groups; not the slot's or the
-    scales' read-only loads."""
-    return "STRONG.SYS" in text.split()[0]
+    """Every global load counts: the rows', the scales' and the slot's (all one round trip)."""
+    return True
 
 
 def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
-    """No variant waits for a load's result before it has issued its last row load: the K and V
-    groups, the scales and the slot are one memory round trip (sass.waits_before_loads; ptxas
-    once put V's loads after K's rule and the slot's after both); loading and testing the slot
-    first fails the check."""
+    """No variant waits for a load's result before it has issued its last load: the K and V
+    groups, the scales and the slot are one memory round trip (sass.waits_before_loads). The
+    16-byte row loads are plain (L1-cached) loads, which ptxas sinks below a branch that does not
+    need them: the kernels test the slot after the amax, the rows' first use (MODE 0, whose
+    element loads are volatile, before it). Testing the slot before the amax in nvfp4_kernel's
+    MODE 1 fails the check: ptxas then loads the rows after the test."""
     import tempfile
     from pathlib import Path
 
@@ -1073,46 +1250,93 @@ def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
     names, text = pdl_sass
     late = sass_tools.late_issues(text, _row_load)
     assert not late, {k: v[:3] for k, v in late.items()}
-    # The order the check guards: the slot loaded and tested before the rows are requested.
+    # No volatile 16-byte row loads (they skip L1: see kernel.cu's nvfp4_load); MODE 0's element
+    # loads are volatile.
+    strong = {op for ops in sass_tools.functions(text).values() for op in ops
+              if op.startswith("LDG") and "STRONG" in op and ".128" in op}
+    assert not strong, strong
+    # The order the check guards: the slot tested before the amax (as MODE 0 does).
     cuda_impl = _cuda_impl()
-    line = "  const i64 s = static_cast<i64>(load_index(slot_mapping + t));\n"
-    test = "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0\n"
+    early, late = "  if (MODE == 0 && skip) return;\n", "  if (skip) return;\n"
     src = cuda_impl.SOURCE.text
-    assert line in src and test in src
-    old = src.replace(line, "").replace(test, "").replace(
-        "  float xk[16], xv[16];\n", "  const i64 s = static_cast<i64>(slot_mapping[t]);\n"
-        "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;\n"
-        "  float xk[16], xv[16];\n")
-    obj, _ = cuda_impl.SOURCE.compile("sm_90", names[:4], source=old, macros=(nvrtc.PDL_MACRO,))
+    assert src.count(early) == 1 and src.count(late) == 1
+    old = src.replace(late, "").replace(early, late)
+    big = [n for n in names if n.startswith("nvfp4_kernel<") and ", 1, " in n][:4]
+    obj, _ = cuda_impl.SOURCE.compile("sm_90", big, source=old, macros=(nvrtc.PDL_MACRO,))
     with tempfile.TemporaryDirectory() as d:
         flagged = sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), Path(d)),
                                          _row_load)
     assert len(flagged) == 4, sorted(flagged)
 
 
-def _plan_of(case: Nvfp4Case):
+def _tuning(**kw):
+    """A CudaTuning with the kernel shapes fixed (not the environment's defaults)."""
+    return _cuda_impl().CudaTuning(**{"small_elems": 4, "pair_groups": True, "pair_min_ctas": 4,
+                                      "small_call_groups": 4096, **kw})
+
+
+def _plan_of(case: Nvfp4Case, **kw):
     inp = make_nvfp4_inputs(case)
     args = inp.run_args()
-    return _cuda_impl().plan(*args[:8], args[10])
+    return _cuda_impl().plan(*args[:8], args[10], tuning=_tuning(**kw))
 
 
-@pytest.mark.parametrize("case, name, threads", [
-    (Nvfp4Case(), "nvfp4_kernel<1, true, long long, false>", 64),
-    (Nvfp4Case(dtype=torch.float16, slot_dtype=torch.int32, kv_cache_dtype="nvfp4_4over6"),
-     "nvfp4_kernel<0, true, int, true>", 64),
-    (Nvfp4Case(dtype=torch.float32, form="stacked"), "nvfp4_kernel<2, true, long long, false>", 64),
-    (Nvfp4Case(misaligned=True), "nvfp4_kernel<1, false, long long, false>", 64),
-    (Nvfp4Case(form="padded", pad=3), "nvfp4_kernel<1, false, long long, false>", 64),
-    (Nvfp4Case(pad=4), "nvfp4_kernel<1, false, long long, false>", 64),  # s0 % 8 == 4
-    (Nvfp4Case(pad=8, qkv_slices=True), "nvfp4_kernel<1, true, long long, false>", 64),
-    (Nvfp4Case(num_tokens=300, num_heads=8, head_size=128, num_blocks=20),
-     "nvfp4_kernel<1, true, long long, false>", 256),
+_BIG = dict(num_tokens=300, num_heads=8, head_size=128, num_blocks=20)
+
+
+@pytest.mark.parametrize("case, kw, name, threads, per_token", [
+    # Small calls of "nvfp4" with aligned inputs and data: a group of a side over 4 (2) threads.
+    (Nvfp4Case(), {}, "nvfp4_small_kernel<1, long long, 4>", 64, 64),
+    (Nvfp4Case(), {"small_elems": 8}, "nvfp4_small_kernel<1, long long, 8>", 64, 32),
+    (Nvfp4Case(dtype=torch.float32, form="stacked"), {}, "nvfp4_small_kernel<2, long long, 4>",
+     64, 64),
+    (Nvfp4Case(pad=8, qkv_slices=True), {}, "nvfp4_small_kernel<1, long long, 4>", 64, 64),
+    # small_elems=0: nvfp4_kernel for the small calls too.
+    (Nvfp4Case(), {"small_elems": 0}, "nvfp4_kernel<1, 2, long long, false>", 64, 4),
+    (Nvfp4Case(pad=8, qkv_slices=True), {"small_elems": 0}, "nvfp4_kernel<1, 1, long long, false>",
+     64, 8),  # data 8-byte aligned only: one group a thread
+    # 4over6: nvfp4_kernel, one group a thread.
+    (Nvfp4Case(dtype=torch.float16, slot_dtype=torch.int32, kv_cache_dtype="nvfp4_4over6"), {},
+     "nvfp4_kernel<0, 1, int, true>", 64, 8),
+    # Unaligned inputs or data: element accesses.
+    (Nvfp4Case(misaligned=True), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),
+    (Nvfp4Case(form="padded", pad=3), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),
+    (Nvfp4Case(pad=4), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),  # s0 % 8 == 4
+    # Large calls: two groups a thread where the data is 16-byte aligned, D % 32 == 0 and the
+    # inputs 16-bit; else one.
+    (Nvfp4Case(**_BIG), {}, "nvfp4_kernel<1, 2, long long, false>", 256, 32),
+    (Nvfp4Case(**_BIG, form="tuple", layout="HND"), {}, "nvfp4_kernel<1, 2, long long, false>",
+     256, 32),
+    (Nvfp4Case(**_BIG), {"pair_groups": False}, "nvfp4_kernel<1, 1, long long, false>", 256, 64),
+    (Nvfp4Case(**{**_BIG, "head_size": 48}), {}, "nvfp4_kernel<1, 1, long long, false>", 256, 24),
+    (Nvfp4Case(**_BIG, dtype=torch.float32), {}, "nvfp4_kernel<2, 1, long long, false>", 256, 64),
+    (Nvfp4Case(**_BIG, pad=8), {}, "nvfp4_kernel<1, 1, long long, false>", 256, 64),
 ])
-def test_cuda_plan(case, name, threads):
-    p = _plan_of(case)
-    assert (p.name, p.threads) == (name, threads)
+def test_cuda_plan(case, kw, name, threads, per_token):
+    p = _plan_of(case, **kw)
+    assert (p.name, p.threads, p.per_token) == (name, threads, per_token)
+    assert p.name in _cuda_impl().all_kernel_names()
     assert len(p.fixed) == len(_cuda_impl().FIXED_ARGS) == 20
     assert p.fixed[-1] == int(case.v_scale_layout == "swizzled")
+
+
+def test_cuda_cta_size_shrinks_for_few_ctas():
+    """nvfp4_kernel's CTAs halve (down to 64 threads) while a call would have fewer than
+    min_ctas of them; the small calls' kernel keeps its size."""
+    cuda_impl = _cuda_impl()
+    big = _plan_of(Nvfp4Case(**_BIG))  # 32 threads a token
+    t = _tuning()
+    assert [cuda_impl.cta_threads(big, n * 32, t) for n in (64, 1024, 2000, 2112, 16384)] == [
+        64, 64, 128, 256, 256]
+    small = _plan_of(Nvfp4Case())
+    assert cuda_impl.cta_threads(small, 64, t) == 64
+
+
+def test_cuda_tuning_rejects_bad_values():
+    with pytest.raises(ValueError, match="small_elems: expected 0, 4 or 8, got 2"):
+        _tuning(small_elems=2)
+    with pytest.raises(ValueError, match="pair_min_ctas: expected 0 to 8, got 9"):
+        _tuning(pair_min_ctas=9)
 
 
 @needs_nvrtc
@@ -1150,6 +1374,93 @@ def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
     assert any(first <= o < end for o in generic), sorted(map(hex, generic))
     with pytest.raises(RuntimeError, match="20 values"):
         cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+
+
+def _build_shape(case: Nvfp4Case, tmp_path, extra_macros=(), **kw):
+    """(plan, opcodes, ptxas registers, spill bytes) of the specialized PDL build for sm_90
+    that a call of ``case`` runs, after checking that it issues every load before any wait."""
+    import sass as sass_tools
+    from kvwrite.kernels import nvrtc
+    p = _plan_of(case, **kw)
+    obj, log = _cuda_impl().SOURCE.compile(
+        "sm_90", p.name, macros=nvrtc.fixed_args_macros(p.fixed) + (nvrtc.PDL_MACRO,)
+        + tuple(extra_macros), ptxas_verbose=True)
+    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    (ops,) = sass_tools.functions(text).values()
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    assert not sass_tools.late_issues(text, _row_load), (p.name, case.id)  # one round trip
+    return p, ops, regs, spill
+
+
+def _count(ops, *prefixes) -> dict[str, int]:
+    import collections
+    return dict(collections.Counter(o for o in ops if o.startswith(prefixes)))
+
+
+# The benchmark's shape (kvwrite-bench nvfp4: H=8, D=128, bfloat16, block 16, NHD, swizzled V
+# scales, int64 slots), as a large call (300 tokens: 19200 groups) and a small one (16 tokens).
+_BENCH = dict(num_heads=8, head_size=128, block_size=16, num_blocks=20, v_scale_layout="swizzled")
+
+
+@needs_nvrtc
+def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
+    """What the performance rests on, in the sm_90 machine code of the benchmark shape's builds:
+    - large calls (nvfp4_kernel, MODE 2): two groups a thread, one 16-byte store of codes a side
+      (a warp's store 512 contiguous bytes) and four scale bytes; eight 16-byte L1-cached row
+      loads (LDG.CONSTANT, not volatile: a group's two halves are one sector fetch); at most 64
+      registers (4 CTAs of 256 threads an SM) with at most 8 bytes spilled; the amax of the raw
+      bfloat16 words by the 16-bit SIMD maximum; the E2M1 lines' minimum as one VIMNMX3 an
+      element (64 fast, 64 in the general path); about 420 instructions a group on the fast
+      path (nvfp4_kernel before: about 550, 63 registers, two 8-byte stores, volatile loads);
+    - the same with pair_groups=False (MODE 1): one group a thread, two 8-byte stores;
+    - small calls (nvfp4_small_kernel, 4 elements a thread): one 8-byte row load, one 2-byte
+      store of codes (a warp's 64 contiguous bytes) and part 0's scale byte; two xor shuffles
+      (and two more on the NaN path) and no divergent-shuffle fallback; at most 32 registers and
+      under 260 instructions in all;
+    and in every one of these builds (and the HND and int32-slot ones) all loads are issued
+    before the first wait."""
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path)
+    assert p.name == "nvfp4_kernel<1, 2, long long, false>"
+    assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 8, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 2}
+    assert regs <= 64 and spill <= 8, (regs, spill)
+    assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 128}
+    simd = sum(_count(ops, "VIMNMX.U16x2", "VIMNMX3.U16x2").values())
+    assert simd >= 4 * 4, _count(ops, "VIMNMX")  # 4 groups, 8 words each
+    assert len(ops) <= 1600, len(ops)
+
+    # pair_min_ctas=0 (no register bound): no spill, 3 CTAs of 256 an SM.
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       extra_macros=[("KVW_NVFP4_PAIR_MIN_CTAS", "0")])
+    assert p.name == "nvfp4_kernel<1, 2, long long, false>"
+    assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
+    assert 64 < regs <= 85 and spill == 0, (regs, spill)
+
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       pair_groups=False)
+    assert p.name == "nvfp4_kernel<1, 1, long long, false>"
+    assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 4, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 2}
+    assert regs <= 64 and spill == 0, (regs, spill)
+    assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 64}
+
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=16, **_BENCH), tmp_path)
+    assert p.name == "nvfp4_small_kernel<1, long long, 4>"
+    assert _count(ops, "STG") == {"STG.E.U16": 1, "STG.E.U8": 1}
+    assert _count(ops, "LDG") == {"LDG.E.64.CONSTANT": 2, "LDG.E.CONSTANT": 1}  # row, slot; k
+    assert _count(ops, "SHFL") == {"SHFL.BFLY": 4}
+    assert not _count(ops, "MATCH", "WARPSYNC", "BRA.DIV", "REDUX"), ops
+    assert regs <= 32 and spill == 0, (regs, spill)
+    assert len(ops) <= 260, len(ops)
+    # The other layouts and slot type of the benchmark: the same kernels, loads first.
+    for layout, slot in (("HND", torch.int64), ("NHD", torch.int32)):
+        for t, name in ((300, "nvfp4_kernel<1, 2, "), (16, "nvfp4_small_kernel<1, ")):
+            p, ops, regs, spill = _build_shape(
+                Nvfp4Case(num_tokens=t, layout=layout, slot_dtype=slot, **_BENCH), tmp_path)
+            assert p.name.startswith(name), p.name
 
 
 @needs_nvrtc
@@ -1216,10 +1527,15 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
         opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
+import re
+LINE = r"fma\.rn\.f32\s+%\w+,\s*%\w+,\s*"
 out = {}
 for in_ty, fos in (("*i16", False), ("*fp32", True)):
     text = ptx(in_ty, fos, True, True)
-    out[f"{in_ty}-{fos}"] = [text.count("fma."), text.count("div.rn.f32")]
+    two = len(re.findall(LINE + r"0f40000000,\s*0f4B000000;", text))
+    half = len(re.findall(LINE + r"0f3F000000,\s*0f4B000004;", text))
+    out[f"{in_ty}-{fos}"] = [text.count("fma.") - two - half, two, half,
+                             text.count("div.rn.f32")]
 text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8)
 first_ld = text.index("ld.global")
 out["pdl"] = [text.count("griddepcontrol.wait"), text.find("griddepcontrol.wait") < first_ld]
@@ -1230,9 +1546,10 @@ print(json.dumps(out))
 def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     """The Triton kernel compiled for sm_90 (no GPU needed): bfloat16 bits and float32 4over6
     builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
-    and int32 slots. No fma at all in their PTX (contraction off: the rule's steps and 4over6's
-    error sums are rounded one by one), the two quotients per group as div.rn.f32 (K and V:
-    2 x 64 groups; 4over6 both candidates), and the PDL build's wait before its first load."""
+    and int32 slots. No fma in their PTX but E2M1's two exact-product lines (contraction off:
+    the rule's steps and 4over6's error sums are rounded one by one), the two quotients per group
+    as div.rn.f32 (K and V: 2 x 64 groups; 4over6 both candidates), and the PDL build's wait
+    before its first load."""
     import json
     import os
     import sys
@@ -1245,7 +1562,10 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["*i16-False"] == [0, 64] and out["*fp32-True"] == [0, 128], out
+    other, two, half, div = out["*i16-False"]
+    assert other == 0 and two == half > 0 and div == 64, out
+    other, two, half, div = out["*fp32-True"]
+    assert other == 0 and two == half > 0 and div == 128, out
     assert out["pdl"] == [1, True], out
 
 
@@ -1299,28 +1619,53 @@ def _every_16_bit_groups(dtype: torch.dtype) -> torch.Tensor:
     return bits[perm].view(dtype).reshape(512, 8, 16)
 
 
+# Kernel shapes the GPU tests force (cuda_impl.CudaTuning fields): the default plan, the large
+# calls' kernel on every call with two groups a thread and with one, the small calls' kernel on
+# every call with 4 and 8 elements a thread, and the large calls' kernel with small CTAs.
+_SHAPES = {
+    "default": {},
+    "generic": {"specialize": False},
+    "big-pair": {"small_call_groups": 0},
+    "big-pair-unbounded": {"small_call_groups": 0, "pair_min_ctas": 0},
+    "big-single": {"small_call_groups": 0, "pair_groups": False},
+    "small-e4": {"small_call_groups": 1 << 40, "small_elems": 4, "small_threads": 32},
+    "small-e8": {"small_call_groups": 1 << 40, "small_elems": 8},
+    "small-ctas": {"small_call_groups": 1 << 40, "small_elems": 0, "small_threads": 32},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["nvfp4", "nvfp4_4over6"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
-def test_gpu_every_16_bit_input(impl, dtype, kv):
+@pytest.mark.parametrize("impl, shape", [("triton", None), ("cuda", None)]
+                         + [("cuda", s) for s in _SHAPES], ids=lambda x: x or "public")
+@pytest.mark.parametrize("head_size", [16, 32])
+def test_gpu_every_16_bit_input(impl, dtype, kv, shape, head_size):
     """Every bfloat16 / float16 input (NaNs, infinities, subnormals, -0 included) through the
     kernels, for scales that put S in every regime (subnormal, normal, saturated, and the
-    documented ties' power-of-two k), against the reference."""
+    documented ties' power-of-two k), against the reference. D = 16 and 32 (two groups a head:
+    the large calls' kernel takes them two a thread); the cuda kernel shapes forced one by one
+    (``shape``; None: the public op)."""
     _gpu_impl(impl)
-    x = _every_16_bit_groups(dtype).cuda()
-    slots = torch.randperm(512, device="cuda")
+    x = _every_16_bit_groups(dtype).cuda().reshape(-1, 8, head_size)
+    slots = torch.randperm(x.shape[0], device="cuda")
     for k in (1.0, 2.0**-5, 0.003, 1 / 3, 0.7, 2.0**-100, 2.0**100, 5e-4):
-        kc, vc = kvwrite.create_kv_caches_with_random_flash(32, 16, 1, 8, 16, kv, seed=1,
+        kc, vc = kvwrite.create_kv_caches_with_random_flash(32, 16, 1, 8, head_size, kv, seed=1,
                                                             device="cuda")
         want_k, want_v = clone_tensors([kc[0], vc[0]])
         ks = torch.tensor([k], device="cuda")
         vs = torch.tensor([min(k * 3, 2.0**100)], device="cuda")  # within [2^-100, 2^100]
         kvwrite.reshape_and_cache_flash(x, x.flip(0), want_k, want_v, slots, kv, ks, vs,
                                         v_scale_layout="linear", implementation="torch")
-        kvwrite.reshape_and_cache_flash(x, x.flip(0), kc[0], vc[0], slots, kv, ks, vs,
-                                        v_scale_layout="linear", implementation=impl)
-        assert_storages_equal([kc[0]], [want_k], f"{impl} {dtype} {kv} k={k}")
+        if shape is None:
+            kvwrite.reshape_and_cache_flash(x, x.flip(0), kc[0], vc[0], slots, kv, ks, vs,
+                                            v_scale_layout="linear", implementation=impl)
+        else:
+            args = nvfp4_op.flash_run_args(x, x.flip(0), kc[0], vc[0], slots, kv, ks, vs,
+                                           v_scale_layout="linear")
+            _cuda_impl().run(*args, tuning=_tuning(**_SHAPES[shape]))
+        assert_storages_equal([kc[0], vc[0]], [want_k, want_v],
+                              f"{impl} {dtype} {kv} D={head_size} shape={shape} k={k}")
 
 
 def clone_tensors(ts):
@@ -1329,28 +1674,30 @@ def clone_tensors(ts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in NVFP4_CASES if c.num_tokens in (5, 7, 9, 40)],
+@pytest.mark.parametrize("case", [c for c in NVFP4_CASES if c.num_tokens in (5, 7, 9, 40)]
+                         + [c for c in NVFP4_GPU_CASES if c.num_tokens in (70, 100)]
+                         + [c for c in NVFP4_GPU_CASES if c.num_tokens == 300][::5],
                          ids=lambda c: c.id)
-@pytest.mark.parametrize("tuning", ["generic", "big-ctas", "small-ctas"])
-def test_gpu_cuda_builds(case, tuning):
-    """The unspecialized builds (runtime arguments) and both CTA sizes over part of the matrix."""
+@pytest.mark.parametrize("shape", [s for s in _SHAPES if s != "default"])
+def test_gpu_cuda_builds(case, shape):
+    """The unspecialized builds (runtime arguments) and every kernel shape forced on part of the
+    matrix (the small calls' kernel on calls of 70 to 300 tokens too, the large calls' on the
+    small ones)."""
     _gpu_impl("cuda")
-    cuda_impl = _cuda_impl()
-    t = {"generic": cuda_impl.CudaTuning(specialize=False),
-         "big-ctas": cuda_impl.CudaTuning(small_call_groups=0),
-         "small-ctas": cuda_impl.CudaTuning(small_call_groups=1 << 40, small_threads=32)}[tuning]
-    _gpu_vs_reference(case, "cuda", tuning=t)
+    _gpu_vs_reference(case, "cuda", tuning=_tuning(**_SHAPES[shape]))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
 @pytest.mark.parametrize("form", ["vllm", "stacked"])
-def test_cuda_graph_replay_sees_new_inputs_slots_and_scales(impl, form):
-    """Capture once, then change key, value, slots and scales in place: the replay uses them."""
+@pytest.mark.parametrize("tokens", [64, 600], ids=["small-call", "large-call"])
+def test_cuda_graph_replay_sees_new_inputs_slots_and_scales(impl, form, tokens):
+    """Capture once, then change key, value, slots and scales in place: the replay uses them
+    (a small call: cuda's small-call kernel; a large one: two groups a thread)."""
     _gpu_impl(impl)
-    case = Nvfp4Case(form=form, num_tokens=64, num_heads=4, head_size=128, block_size=16,
-                     num_blocks=8, padding_slots=3, out_of_range_slots=2, special_values=True,
-                     extra_rows=2, layout="HND", v_scale_layout="swizzled")
+    case = Nvfp4Case(form=form, num_tokens=tokens, num_heads=4, head_size=128, block_size=16,
+                     num_blocks=-(-tokens // 16) + 2, padding_slots=3, out_of_range_slots=2,
+                     special_values=True, extra_rows=2, layout="HND", v_scale_layout="swizzled")
     first = make_nvfp4_inputs(case, "cuda", seed=1)
     first.call(impl)  # compile outside the capture
     torch.cuda.synchronize()

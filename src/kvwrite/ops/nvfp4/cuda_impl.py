@@ -1,12 +1,19 @@
 """The CUDA implementation of the NVFP4 writes: ``kernel.cu`` compiled at run time with NVRTC
 (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
 
-One kernel (see ``kernel.cu``): one thread per (token, group of 16 elements), K and V together.
-Variants (template arguments): the input dtype, ALIGNED (every input group 16-byte aligned and
-every data address 8-byte aligned: 16-byte loads and 8-byte stores; else element loads and byte
-stores), the slot index type and the rule ("nvfp4" or "nvfp4_4over6"). Whether V's scales are
-swizzled is an argument. By default each call signature gets its own build with the arguments fixed by the
-views and the inputs' layout compiled in (``CudaTuning.specialize``).
+Two kernels (see ``kernel.cu``), both with the same arguments:
+
+- ``nvfp4_kernel<IN, MODE, SlotT, FOUR_OVER_SIX>``: one thread per group of 16 elements, K and V
+  together, or per two adjacent groups of one head (MODE 2: 16-byte stores of codes, the
+  per-thread setup paid once for two groups). MODE 0 takes inputs that are not 16-byte aligned
+  or data that is not 8-byte aligned (element loads, byte stores); MODE 1 the rest.
+- ``nvfp4_small_kernel<IN, SlotT, E>``: small calls (``CudaTuning.small_call_groups``) of the
+  "nvfp4" rule with MODE 1's alignment: each group of one side spread over 16 / E threads of E
+  elements, for a short chain per thread.
+
+Whether V's scales are swizzled is an argument. By default each call signature gets its own build
+with the arguments fixed by the views and the inputs' layout compiled in
+(``CudaTuning.specialize``).
 
 Graph-safe: a call does no allocation and no host sync; scale tensors are read on the device (a
 Python-number scale, FlashInfer's form, is a kernel argument).
@@ -15,6 +22,7 @@ Python-number scale, FlashInfer's form, is a kernel argument).
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 
 import torch
@@ -25,18 +33,26 @@ from .op import ScaleLayout
 from .rule import GROUP
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
-           "compile_kernel", "SOURCE", "Plan", "FIXED_ARGS"]
+           "compile_kernel", "SOURCE", "Plan", "FIXED_ARGS", "cta_threads"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_nvfp4")
 KERNEL = "nvfp4_kernel"
+SMALL_KERNEL = "nvfp4_small_kernel"
 # The kernel's trailing arguments that a specialized build compiles in, in order.
 FIXED_ARGS = ("key_stride", "value_stride", "groups", "head_groups", "kd_sb", "kd_ss", "kd_sh",
               "ks_sb", "ks_ss", "ks_sh", "vd_sb", "vd_ss", "vd_sh", "vs_sb", "vs_ss", "vs_sh",
               "block_size", "block_shift", "num_slots", "v_swizzle")
+# nvfp4_kernel's MODE: element accesses; 16-byte loads and 8-byte stores; two groups a thread.
+MODE_UNALIGNED, MODE_ALIGNED, MODE_PAIR = 0, 1, 2
+SMALL_ELEMS = (4, 8)  # nvfp4_small_kernel's E
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
 _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, str(default)).strip() or default)
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -44,20 +60,50 @@ _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 class CudaTuning:
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
-    values follow the other ops' kernels."""
+    values follow the other ops' kernels. The four environment variables below let a benchmark
+    run (``kvwrite-bench nvfp4``) compare the kernel shapes without code."""
 
-    # Threads per CTA (a multiple of 32, at most 256): one (token, group) each.
+    # Threads per CTA (a multiple of 32, at most 256) of nvfp4_kernel, halved (down to 64)
+    # while the call would have fewer than min_ctas CTAs: a mid-sized call's threads, each a
+    # long chain, spread over more SMs (2 CTAs an SM of an H200 or H100).
     threads: int = 256
-    # Small calls (at most small_call_groups groups of K) take CTAs of small_threads threads:
-    # more CTAs over the SMs when there are few threads in all.
-    small_call_groups: int = 2048
+    min_ctas: int = 264
+    # Small calls (at most small_call_groups groups of K: 64 tokens of H=8, D=128) take CTAs of
+    # small_threads threads and, for "nvfp4" with aligned inputs and data, nvfp4_small_kernel.
+    # Estimated (not measured) from the instruction counts: nvfp4_small_kernel issues about 3.8
+    # times the instructions of nvfp4_kernel's two groups a thread per token, but each thread's
+    # chain is a quarter as long; by that estimate they break even near 128 tokens of that
+    # shape, and the limit stays below it. KVWRITE_NVFP4_SMALL_CALL_GROUPS sets the default.
+    small_call_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_SMALL_CALL_GROUPS", 4096))
     small_threads: int = 64
+    # Elements per thread of nvfp4_small_kernel (4 or 8: a group of a side over 4 or 2 threads)
+    # for the small calls that it takes; 0: nvfp4_kernel for those too. KVWRITE_NVFP4_SMALL_ELEMS
+    # sets the default.
+    small_elems: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_SMALL_ELEMS", 4))
+    # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
+    # the data is 16-byte aligned and D % 32 == 0; False: one. KVWRITE_NVFP4_PAIR_GROUPS=0 sets
+    # False.
+    pair_groups: bool = dataclasses.field(
+        default_factory=lambda: nvrtc.env_flag("KVWRITE_NVFP4_PAIR_GROUPS", "1"))
+    # nvfp4_kernel MODE 2's minimum of resident 256-thread CTAs an SM (__launch_bounds__): 4
+    # caps it at 64 registers (8 bytes spilled in the bfloat16 build; 80 unbounded, 3 CTAs);
+    # 0: no bound. KVWRITE_NVFP4_PAIR_MIN_CTAS sets the default. Not measured.
+    pair_min_ctas: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_PAIR_MIN_CTAS", 4))
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as the other ops); 0: never.
     pdl_max_ctas: int = 1 << 30
+
+    def __post_init__(self):
+        if self.small_elems not in (0, *SMALL_ELEMS):
+            raise ValueError(f"small_elems: expected 0, 4 or 8, got {self.small_elems}")
+        if not 0 <= self.pair_min_ctas <= 8:
+            raise ValueError(f"pair_min_ctas: expected 0 to 8, got {self.pair_min_ctas}")
 
 
 TUNING = CudaTuning()
@@ -75,19 +121,26 @@ def _slot_type(slot_dtype: torch.dtype) -> str:
     return "long long" if slot_dtype == torch.int64 else "int"
 
 
-def kernel_name(in_kind: int, aligned: bool, slot_dtype: torch.dtype, four_over_six: bool) -> str:
-    return (f"{KERNEL}<{in_kind}, {str(aligned).lower()}, {_slot_type(slot_dtype)}, "
-            f"{str(four_over_six).lower()}>")
+def kernel_name(in_kind: int, mode: int, slot_dtype: torch.dtype, four_over_six: bool) -> str:
+    return f"{KERNEL}<{in_kind}, {mode}, {_slot_type(slot_dtype)}, {str(four_over_six).lower()}>"
+
+
+def small_kernel_name(in_kind: int, slot_dtype: torch.dtype, elems: int) -> str:
+    return f"{SMALL_KERNEL}<{in_kind}, {_slot_type(slot_dtype)}, {elems}>"
 
 
 def all_kernel_names() -> list[str]:
-    """Every variant `run` can launch (for compile tests)."""
+    """Every variant `run` can launch (for compile tests): nvfp4_kernel in MODE 0 and 1 for both
+    rules and MODE 2 for "nvfp4" with 16-bit inputs, nvfp4_small_kernel with 4 and 8 elements a
+    thread."""
     names = []
     for slot in (torch.int32, torch.int64):
         for kind in (_F16, _BF16, _F32):
-            for aligned in (True, False):
-                for fos in (False, True):
-                    names.append(kernel_name(kind, aligned, slot, fos))
+            for fos in (False, True):
+                pair = () if fos or kind == _F32 else (MODE_PAIR,)
+                modes = (MODE_UNALIGNED, MODE_ALIGNED) + pair
+                names += [kernel_name(kind, mode, slot, fos) for mode in modes]
+            names += [small_kernel_name(kind, slot, e) for e in SMALL_ELEMS]
     return names
 
 
@@ -103,8 +156,9 @@ def unsupported(key, k_data, cache_dtype, v_scale_layout) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     name: str
-    aligned: bool  # every input group 16-byte aligned and every data address 8-byte aligned
-    threads: int
+    mode: int  # nvfp4_kernel's MODE, or -1 for nvfp4_small_kernel
+    threads: int  # per CTA
+    per_token: int  # threads per token
     fixed: tuple[int, ...]  # key_stride .. v_swizzle (the 20 trailing kernel arguments)
 
 
@@ -133,7 +187,7 @@ def is_small_call(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> 
 
 def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: CacheDType,
          v_scale_layout: ScaleLayout, tuning: CudaTuning = TUNING) -> Plan:
-    """The variant, CTA size and fixed arguments for these (validated) arguments; no GPU
+    """The kernel, CTA size and fixed arguments for these (validated) arguments; no GPU
     needed."""
     t_pad, num_heads, head_size = key.shape
     num_blocks, block_size = k_data.shape[:2]
@@ -142,15 +196,38 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
     groups = num_heads * head_groups
     in_strides = [t.stride(0) * ib for t in (key, value)] if t_pad > 1 else []
     kd, ks, vd, vs = (_strides(x) for x in (k_data, k_sf, v_data, v_sf))
-    aligned = (_align(in_strides + [key.data_ptr(), value.data_ptr()], 16) == 16
-               and _align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 8) == 8)
-    name = kernel_name(_KIND[key.dtype], aligned, slot_mapping.dtype,
-                       cache_dtype is CacheDType.NVFP4_4OVER6)
+    in_aligned = _align(in_strides + [key.data_ptr(), value.data_ptr()], 16) == 16
+    data_align = _align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 16)
+    fos = cache_dtype is CacheDType.NVFP4_4OVER6
+    kind = _KIND[key.dtype]
+    small = is_small_call(slot_mapping.numel(), groups, tuning)
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0, groups,
              head_groups, *kd, *ks, *vd, *vs, block_size, _log2_or_minus_1(block_size),
              num_blocks * block_size, int(v_scale_layout is ScaleLayout.SWIZZLED))
-    small = is_small_call(slot_mapping.numel(), groups, tuning)
-    return Plan(name, aligned, tuning.small_threads if small else tuning.threads, fixed)
+    threads = tuning.small_threads if small else tuning.threads
+    if not in_aligned or data_align < 8:
+        mode = MODE_UNALIGNED
+    elif small and not fos and tuning.small_elems:
+        e = tuning.small_elems
+        return Plan(small_kernel_name(kind, slot_mapping.dtype, e), -1, threads,
+                    2 * groups * (GROUP // e), fixed)
+    elif (data_align == 16 and head_groups % 2 == 0 and ib == 2 and not fos
+          and tuning.pair_groups):
+        mode = MODE_PAIR
+    else:
+        mode = MODE_ALIGNED
+    per_token = groups // 2 if mode == MODE_PAIR else groups
+    return Plan(kernel_name(kind, mode, slot_mapping.dtype, fos), mode, threads, per_token, fixed)
+
+
+def cta_threads(p: Plan, total: int, tuning: CudaTuning = TUNING) -> int:
+    """Threads per CTA for a call of ``total`` threads: the plan's, halved down to 64 for
+    nvfp4_kernel while there would be fewer than ``tuning.min_ctas`` CTAs."""
+    threads = p.threads
+    if p.mode >= 0:
+        while threads > 64 and -(-total // threads) < tuning.min_ctas:
+            threads //= 2
+    return threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +251,8 @@ def _launchable(args, tuning) -> _Launchable:
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, _ = nvrtc.device_arch(index)
         macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+        if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
+            macros += (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
         kernel = SOURCE.kernel(arch, p.name, macros)
         pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index)
@@ -200,20 +279,21 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
     sig = (key.dtype, key.shape[1:], key.shape[0] > 1, key.stride(0), value.stride(0),
            key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.dtype, cache_dtype,
            v_scale_layout, k_data.shape, *(x.stride() for x in views),
-           k_data.data_ptr() & 7, v_data.data_ptr() & 7, key.get_device(),
+           k_data.data_ptr() & 15, v_data.data_ptr() & 15, key.get_device(),
            is_small_call(num_tokens, groups, tuning), tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(
             (key, value, *views, slot_mapping, cache_dtype, v_scale_layout), tuning)
     p = lau.plan
-    total = num_tokens * groups
+    total = num_tokens * p.per_token
     if total >= 2**32:
-        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // groups} tokens per call with "
-                         f"this row length, got {num_tokens}")
-    grid = -(-total // p.threads)
+        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.per_token} tokens per call "
+                         f"with this row length, got {num_tokens}")
+    threads = cta_threads(p, total, tuning)
+    grid = -(-total // threads)
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
+    config = nvrtc.launch_config(grid, 1, threads, 1, pdl)
     kp, kb = _scale_args(k_scale)
     vp, vb = _scale_args(v_scale)
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,

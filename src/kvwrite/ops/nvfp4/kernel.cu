@@ -8,16 +8,11 @@
 // default, per call signature, with the arguments fixed by the views and the inputs' layout
 // compiled in (KVWRITE_FIXED_ARGS).
 //
-// nvfp4_kernel<IN, ALIGNED, SlotT, FOUR_OVER_SIX>: a flat grid of threads, one per (token, group
-// of the token's H * D/16): a thread loads its group of K and of V (32 bytes each of 16-bit
-// input: two 16-byte loads), then the slot, runs the rule for both and stores 8 bytes of codes
-// (one 8-byte store) and one scale byte for each. ALIGNED = false (an input group not 16-byte
-// aligned, or a data address not 8-byte aligned: never in vLLM's or FlashInfer's allocations with
-// block_size 16, nor for slices of a fused qkv) loads element by element and stores byte by byte. Consecutive threads
-// take consecutive groups, so a warp's data stores are 256 contiguous bytes where a token's heads
-// are adjacent (NHD) and whole heads' D/2 bytes otherwise (HND). v_swizzle: V's scale byte of
+// Two kernels take the same arguments: nvfp4_kernel (every call but the small ones: one thread
+// per one or two groups, K and V together) and nvfp4_small_kernel (small calls of the "nvfp4"
+// rule: a group of one side spread over 2 or 4 threads); see each below. Slots < 0 (padding) or
+// >= num_slots are skipped; rows past num_tokens are never read. v_swizzle: V's scale byte of
 // group g at offset t goes to row 4*(t/4) + g/(G/4), byte 4*(g % (G/4)) + t % 4 (G = D/16).
-// Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/nvfp4.cuh"
@@ -66,13 +61,16 @@
 #define KVW_NVFP4_FIXED_PROLOGUE()
 #endif
 
-// N bytes at an A-byte aligned address, as the widest accesses A allows (A a power of two), with
-// ld.volatile: the compiler may not sink a row's load below the work on the row before it (it
-// did: V's loads waited for K's rule, the slot's for V's; one memory round trip became three).
+// N bytes at an A-byte aligned address, as the widest accesses A allows (A a power of two).
+// Whole chunks: plain loads of a const __restrict__ row (LDG.CONSTANT, cached in L1, so a
+// thread's two 16-byte loads of one 32-byte group are one sector fetched from L2; volatile loads
+// skip L1 and fetched it twice, a warp's load instruction taking half of each sector). Pieces
+// (MODE 0's element loads, rare): ld.volatile, which ptxas issues in order, all before the work
+// on them (plain, it interleaved them with the assembly of the words and waited between them).
 template <int N, int A>
 KVW_HD Raw<N> nvfp4_load(const u8* p) {
   if constexpr (A >= 16 || A >= N) {
-    return load_raw_volatile<N>(p);
+    return load_raw<N>(p);
   } else {
     Raw<N> r;
 #pragma unroll
@@ -92,113 +90,274 @@ KVW_HD Raw<N> nvfp4_load(const u8* p) {
 }
 
 // A scale: *p where p is not null (read on the device: a graph replay sees a new value), else
-// the float32 whose bits are `bits` (a Python number's, FlashInfer's form). An asm volatile load
-// (load_index), so it stays with the rows' loads.
+// the float32 whose bits are `bits` (a Python number's, FlashInfer's form).
 KVW_HD float nvfp4_scale(const float* p, i64 bits) {
   return p != nullptr ? bits_f32(load_index(reinterpret_cast<const u32*>(p)))
                       : bits_f32(static_cast<u32>(bits));
 }
 
-template <int A>
-KVW_HD void nvfp4_store8(u8* p, const u32 (&w)[2]) {
-  if constexpr (A >= 8) {
-    Raw<8> r;
-    r.w[0] = w[0];
-    r.w[1] = w[1];
-    store_raw<8>(p, r);
+// N code bytes (words w, little endian) at an A-aligned address, as the widest stores A allows.
+template <int N, int A>
+KVW_HD void nvfp4_store(u8* p, const u32* w) {
+  constexpr int W = A < N ? A : N;
+  if constexpr (W >= 4) {
+#pragma unroll
+    for (int i = 0; i < N / W; ++i) {
+      Raw<W> piece;
+#pragma unroll
+      for (int k = 0; k < W / 4; ++k) piece.w[k] = w[i * W / 4 + k];
+      store_raw<W>(p + i * W, piece);
+    }
   } else {
 #pragma unroll
-    for (int i = 0; i < 8 / A; ++i) {
-      Raw<A> piece;
-      if constexpr (A == 4) {
-        piece.w[0] = w[i];
-      } else {
-        piece.w[0] = (w[(i * A) / 4] >> (8 * ((i * A) & 3))) & ((1u << (8 * A)) - 1u);
-      }
-      store_raw<A>(p + i * A, piece);
+    for (int i = 0; i < N / W; ++i) {
+      Raw<W> piece;
+      piece.w[0] = (w[(i * W) / 4] >> (8 * ((i * W) & 3))) & ((1u << (8 * W)) - 1u);
+      store_raw<W>(p + i * W, piece);
     }
   }
 }
 
-// A group of 16 input elements (16 * IB bytes) at an IN_ALIGN-aligned address, as float32.
-template <int IN, int IN_ALIGN>
-KVW_HD void nvfp4_load_group(const u8* p, float (&x)[16]) {
-  constexpr int IB = elem_bytes(IN);
-  if constexpr (IB == 4) {  // two 32-byte halves
-    const Raw<32> a = nvfp4_load<32, IN_ALIGN>(p);
-    const Raw<32> b = nvfp4_load<32, IN_ALIGN>(p + 32);
+// N input elements (N * IB bytes) at an IN_ALIGN-aligned address: their raw words.
+template <int IN, int N, int IN_ALIGN>
+KVW_HD void nvfp4_load_raw(const u8* p, u32 (&w)[N * elem_bytes(IN) / 4]) {
+  constexpr int BYTES = N * elem_bytes(IN);
+  constexpr int CH = BYTES < 32 ? BYTES : 32;  // bytes per Raw chunk
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[i] = bits_f32(a.w[i]);
-      x[8 + i] = bits_f32(b.w[i]);
-    }
-  } else {
-    const Raw<32> a = nvfp4_load<32, IN_ALIGN>(p);
+  for (int c = 0; c < BYTES / CH; ++c) {
+    const Raw<CH> a = nvfp4_load<CH, IN_ALIGN>(p + c * CH);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = elem_f32<IN>(a, i);
+    for (int i = 0; i < CH / 4; ++i) w[c * (CH / 4) + i] = a.w[i];
   }
 }
 
-template <int IN, bool ALIGNED, typename SlotT, bool FOUR_OVER_SIX>
-__global__ void __launch_bounds__(256) nvfp4_kernel(KVW_NVFP4_PARAMS) {
+// The N elements of raw words as float32 (exact).
+template <int IN, int N>
+KVW_HD void nvfp4_widen(const u32 (&w)[N * elem_bytes(IN) / 4], float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (IN == DT_F32) {
+      x[i] = bits_f32(w[i]);
+    } else if constexpr (IN == DT_BF16) {
+      x[i] = bits_f32((i & 1) ? w[i >> 1] & 0xFFFF0000u : w[i >> 1] << 16);
+    } else {
+      float f;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(w[i >> 1] >> (16 * (i & 1)))));
+      x[i] = f;
+    }
+  }
+}
+
+// nvfp4_amax_nan of a group from its raw words: on sm_90 and later, 16-bit inputs by the 16-bit
+// SIMD maximum on the words (nvfp4_amax_nan16), so that the floats are made only when the rule
+// needs them; else from the floats.
+template <int IN>
+KVW_HD float nvfp4_group_amax(const u32 (&w)[4 * elem_bytes(IN)]) {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (IN != DT_F32) return nvfp4_amax_nan16<IN == DT_BF16>(w);
+#endif
+  float x[16];
+  nvfp4_widen<IN, 16>(w, x);
+  return nvfp4_amax_nan(x);
+}
+
+// (block, offset in block) of slot s (0 <= s < num_slots).
+KVW_HD void nvfp4_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, i64* blk,
+                           i64* pg) {
+  if (block_shift >= 0) {
+    *blk = s >> block_shift;
+    *pg = s & (block_size - 1);
+  } else if ((static_cast<u64>(num_slots) >> 32) == 0) {
+    const u32 b32 = static_cast<u32>(s) / static_cast<u32>(block_size);
+    *blk = b32;
+    *pg = s - static_cast<i64>(b32) * block_size;
+  } else {
+    *blk = s / block_size;
+    *pg = s - *blk * block_size;
+  }
+}
+
+// V's scale byte of group g at block offset pg: (row, byte) in the 4-token swizzle (G = D/16
+// groups a head): row 4*(pg/4) + g/(G/4), byte 4*(g % (G/4)) + pg % 4; linear: (pg, g).
+KVW_HD void nvfp4_v_scale_at(i64 pg, u32 g, i64 head_groups, i64 v_swizzle, i64* row, i64* col) {
+  *row = pg;
+  *col = g;
+  if (v_swizzle) {
+    const u32 quarter = static_cast<u32>(head_groups) >> 2;  // D/64
+    const u32 r = g / quarter;
+    *row = (pg & ~3ll) + r;
+    *col = 4 * static_cast<i64>(g - r * quarter) + (pg & 3);
+  }
+}
+
+// nvfp4_kernel<IN, MODE, SlotT, FOUR_OVER_SIX>: every call but the small ones (nvfp4_small_kernel
+// below). A flat grid of threads, each taking NG consecutive groups of a token's H * D/16, K and
+// V together (MODE 2: NG = 2, in one head; else NG = 1). Consecutive threads take consecutive
+// groups, so a warp's data stores are contiguous where a token's heads are adjacent (NHD): 256
+// bytes per 8-byte store instruction (MODE 1), 512 per 16-byte one (MODE 2).
+// MODE 0: inputs not 16-byte aligned, or data addresses not 8-byte aligned (never in vLLM's or
+//   FlashInfer's allocations with block_size 16, nor for slices of a fused qkv): element loads,
+//   byte stores, NG = 1.
+// MODE 1: 16-byte loads, 8-byte stores of codes, NG = 1 (data 8-byte aligned, or D/16 odd).
+// MODE 2: 16-byte loads, one 16-byte store of codes a side, NG = 2 (16-bit inputs, data 16-byte
+//   aligned and D % 32 == 0): the per-thread work that does not scale with the groups (index
+//   math, the scale constants, the slot, the addresses) paid once for two groups. At most 64
+//   registers (__launch_bounds__(256, 4): 4 CTAs of 256 threads an SM, 8 bytes spilled in the
+//   bfloat16 build: the second group's maxima) where it would take 80 (3 CTAs); the groups' raw
+//   words are held until the rule needs their floats (nvfp4_group_amax).
+// Order (one memory round trip; tests/test_nvfp4.py reads the machine code): the slot's load,
+// the rows' (their first use, the amax, comes before the slot's test, so ptxas issues them all
+// before it waits: tested first, the rows were loaded after the test), the scales', the amax,
+// then the slot's test (a skipped slot leaves before the rest of the rule), the rule, the stores.
+#ifndef KVW_NVFP4_PAIR_MIN_CTAS
+#define KVW_NVFP4_PAIR_MIN_CTAS 4  // cuda_impl.CudaTuning.pair_min_ctas
+#endif
+template <int IN, int MODE, typename SlotT, bool FOUR_OVER_SIX>
+__global__ void __launch_bounds__(256, MODE == 2 ? KVW_NVFP4_PAIR_MIN_CTAS : 0)
+nvfp4_kernel(KVW_NVFP4_PARAMS) {
   KVW_PDL_ENTRY();
   KVW_NVFP4_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
-  constexpr int IN_ALIGN = ALIGNED ? 16 : IB;
-  constexpr int OUT_ALIGN = ALIGNED ? 8 : 1;
+  constexpr int NG = MODE == 2 ? 2 : 1;
+  constexpr int IN_ALIGN = MODE ? 16 : IB;
+  constexpr int OUT_ALIGN = MODE == 2 ? 16 : MODE == 1 ? 8 : 1;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // the exact quotient's corrections (kvw/fp8.cuh)
   // 32-bit: the host launches at most 2^32 - 1 threads (cuda_impl.py checks).
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  const u32 t32 = gid / static_cast<u32>(groups);
+  const u32 units = static_cast<u32>(groups) / NG;
+  const u32 t32 = gid / units;
   if (t32 >= num_tokens) return;
-  const u32 q = gid - t32 * static_cast<u32>(groups);
+  const u32 q = (gid - t32 * units) * NG;  // the first group
   const i64 t = t32;
-  // The rows first (ld.volatile: in flight before anything waits), then the scales and the slot
-  // (load_index). A skipped slot leaves before the rule; a kept one waits for its slot and its
-  // rows together: one memory round trip. Tested after the rule, the slot's load was issued after
-  // it (the stores were its only use), a second round trip.
-  float xk[16], xv[16];
-  nvfp4_load_group<IN, IN_ALIGN>(key + (t * key_stride + static_cast<i64>(q) * 16) * IB, xk);
-  nvfp4_load_group<IN, IN_ALIGN>(value + (t * value_stride + static_cast<i64>(q) * 16) * IB, xv);
+  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
+  constexpr int W = 4 * IB;  // raw words of a group
+  u32 wk[NG][W], wv[NG][W];
+  const u8* krow = key + (t * key_stride + static_cast<i64>(q) * 16) * IB;
+  const u8* vrow = value + (t * value_stride + static_cast<i64>(q) * 16) * IB;
+#pragma unroll
+  for (int j = 0; j < NG; ++j) nvfp4_load_raw<IN, 16, IN_ALIGN>(krow + j * 16 * IB, wk[j]);
+#pragma unroll
+  for (int j = 0; j < NG; ++j) nvfp4_load_raw<IN, 16, IN_ALIGN>(vrow + j * 16 * IB, wv[j]);
   const float k = nvfp4_scale(k_scale, k_scale_bits);
   const float v = nvfp4_scale(v_scale, v_scale_bits);
-  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
-  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
-
-  const u32 h = q / static_cast<u32>(head_groups);
-  const u32 g = q - h * static_cast<u32>(head_groups);
-  const Fp8Scale k6 = make_fp8_scale(mul_rn(k, 6.0f)), v6 = make_fp8_scale(mul_rn(v, 6.0f));
-  Fp8Scale k4 = k6, v4 = v6;
-  if constexpr (FOUR_OVER_SIX) {
-    k4 = make_fp8_scale(mul_rn(k, 4.0f));
-    v4 = make_fp8_scale(mul_rn(v, 4.0f));
+  const bool skip = static_cast<u64>(s) >= static_cast<u64>(num_slots);  // also s < 0
+  // MODE 0's volatile element loads stay above any test; tested after the amax, ptxas issued
+  // the slot's and the scales' loads after it had begun assembling the rows' words.
+  if (MODE == 0 && skip) return;
+  float ak[NG], av[NG];
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    ak[j] = nvfp4_group_amax<IN>(wk[j]);
+    av[j] = nvfp4_group_amax<IN>(wv[j]);
   }
-  u32 ck[2], cv[2], sk, sv;
-  nvfp4_group_pair<FOUR_OVER_SIX, STEPS>(xk, xv, k, v, k6, k4, v6, v4, ck, cv, &sk, &sv);
+  if (skip) return;
+
+  const Nvfp4Den k6 = nvfp4_den(mul_rn(k, 6.0f)), v6 = nvfp4_den(mul_rn(v, 6.0f));
+  Nvfp4Den k4 = k6, v4 = v6;
+  if constexpr (FOUR_OVER_SIX) {
+    k4 = nvfp4_den(mul_rn(k, 4.0f));
+    v4 = nvfp4_den(mul_rn(v, 4.0f));
+  }
+  u32 ck[2 * NG], cv[2 * NG], sk[NG], sv[NG];
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    float xk[16], xv[16];
+    nvfp4_widen<IN, 16>(wk[j], xk);
+    nvfp4_widen<IN, 16>(wv[j], xv);
+    u32 a[2], b[2];
+    nvfp4_pair_rule<FOUR_OVER_SIX, STEPS>(xk, xv, ak[j], av[j], k, v, k6, k4, v6, v4, a, b,
+                                          &sk[j], &sv[j]);
+    ck[2 * j] = a[0];
+    ck[2 * j + 1] = a[1];
+    cv[2 * j] = b[0];
+    cv[2 * j + 1] = b[1];
+  }
 
   i64 blk, pg;
-  if (block_shift >= 0) {
-    blk = s >> block_shift;
-    pg = s & (block_size - 1);
-  } else if ((static_cast<u64>(num_slots) >> 32) == 0) {
-    const u32 b32 = static_cast<u32>(s) / static_cast<u32>(block_size);
-    blk = b32;
-    pg = s - static_cast<i64>(b32) * block_size;
-  } else {
-    blk = s / block_size;
-    pg = s - blk * block_size;
-  }
+  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
+  const u32 h = q / static_cast<u32>(head_groups);
+  const u32 g = q - h * static_cast<u32>(head_groups);
   const i64 hh = h, gg = g;
-  nvfp4_store8<OUT_ALIGN>(k_data + blk * kd_sb + pg * kd_ss + hh * kd_sh + gg * 8, ck);
-  nvfp4_store8<OUT_ALIGN>(v_data + blk * vd_sb + pg * vd_ss + hh * vd_sh + gg * 8, cv);
-  k_sf[blk * ks_sb + pg * ks_ss + hh * ks_sh + gg] = static_cast<u8>(sk);
-  i64 vt = pg, vg = gg;
-  if (v_swizzle) {
-    const u32 quarter = static_cast<u32>(head_groups) >> 2;  // D/64
-    const u32 row = g / quarter;
-    vt = (pg & ~3ll) + row;
-    vg = 4 * static_cast<i64>(g - row * quarter) + (pg & 3);
+  nvfp4_store<8 * NG, OUT_ALIGN>(k_data + blk * kd_sb + pg * kd_ss + hh * kd_sh + gg * 8, ck);
+  nvfp4_store<8 * NG, OUT_ALIGN>(v_data + blk * vd_sb + pg * vd_ss + hh * vd_sh + gg * 8, cv);
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    k_sf[blk * ks_sb + pg * ks_ss + hh * ks_sh + gg + j] = static_cast<u8>(sk[j]);
+    i64 row, col;
+    nvfp4_v_scale_at(pg, g + j, head_groups, v_swizzle, &row, &col);
+    v_sf[blk * vs_sb + row * vs_ss + hh * vs_sh + col] = static_cast<u8>(sv[j]);
   }
-  v_sf[blk * vs_sb + vt * vs_ss + hh * vs_sh + vg] = static_cast<u8>(sv);
+}
+
+// nvfp4_small_kernel<IN, SlotT, E>: small calls (cuda_impl.CudaTuning.small_call_groups) of the
+// "nvfp4" rule with aligned inputs and data (MODE 1's conditions). A group's rule for one side
+// spread over P = 16 / E adjacent lanes of a warp, E elements each: a thread's chain from its
+// rows' arrival to its stores is the scale's (amax, quotient, reciprocal) plus E elements, not
+// 32 (nvfp4_kernel's thread issues about 470 instructions, which at T <= 16 is the call's time
+// past the memory round trip). Thread order: token, side (K, V), group, part; a warp's loads are
+// 32 * E * IB contiguous bytes and its code stores 32 * E / 2 contiguous bytes (NHD). The parts'
+// amax are combined by xor shuffles of the whole warp, so every lane of it reaches them: lanes
+// past the last token load nothing and leave after them, as do the lanes of a skipped slot
+// (a group's lanes share its token and slot). Every part computes the group's scale; part 0
+// stores it. Order as nvfp4_kernel's: the slot, the row part, the scale, the scale's constants
+// (they wait only for the scale), the amax, then the slot's test.
+template <int IN, typename SlotT, int E>
+__global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
+  KVW_PDL_ENTRY();
+  KVW_NVFP4_FIXED_PROLOGUE()
+  constexpr int IB = elem_bytes(IN);
+  constexpr int P = 16 / E;
+  constexpr int STEPS = IN == DT_F32 ? 2 : 1;
+  static_assert(E == 4 || E == 8, "4 or 8 elements a thread");
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 part = gid % P;
+  const u32 unit = gid / P;                                      // (token, side, group)
+  const u32 ts = unit / static_cast<u32>(groups);                // token * 2 + side
+  const u32 q = unit - ts * static_cast<u32>(groups);
+  const u32 t32 = ts >> 1;
+  const bool live = t32 < num_tokens;
+  const bool is_v = ts & 1;
+  const i64 t = t32;
+  i64 s = -1;
+  u32 w[E * IB / 4];
+#pragma unroll
+  for (int i = 0; i < E * IB / 4; ++i) w[i] = 0;
+  if (live) {
+    s = static_cast<i64>(load_index(slot_mapping + t));
+    const u8* row = is_v ? value + t * value_stride * IB : key + t * key_stride * IB;
+    nvfp4_load_raw<IN, E, 16>(row + (static_cast<i64>(q) * 16 + part * E) * IB, w);
+  }
+  const float k = nvfp4_scale(is_v ? v_scale : k_scale, is_v ? v_scale_bits : k_scale_bits);
+  const Nvfp4Den den = nvfp4_den(mul_rn(k, 6.0f));
+  float x[E];
+  nvfp4_widen<IN, E>(w, x);
+  float a = nvfp4_amax_nan(x);
+#pragma unroll
+  for (int o = 1; o < P; o <<= 1) a = max_nan(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+  float a_num = 0.0f;
+  if (__any_sync(0xFFFFFFFFu, a != a)) {  // rare: the rule's amax, NaN skipped, where needed
+    a_num = nvfp4_amax_num(x);
+#pragma unroll
+    for (int o = 1; o < P; o <<= 1) a_num = max_num(a_num, __shfl_xor_sync(0xFFFFFFFFu, a_num, o));
+  }
+  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0 and !live
+
+  u32 codes[(E + 7) / 8];
+  const u32 S = nvfp4_part_rule<E, STEPS>(x, a, a_num, k, den, codes);
+  i64 blk, pg;
+  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
+  const u32 h = q / static_cast<u32>(head_groups);
+  const u32 g = q - h * static_cast<u32>(head_groups);
+  const i64 hh = h, gg = g;
+  u8* data = is_v ? v_data + blk * vd_sb + pg * vd_ss + hh * vd_sh
+                  : k_data + blk * kd_sb + pg * kd_ss + hh * kd_sh;
+  nvfp4_store<E / 2, E / 2>(data + gg * 8 + part * (E / 2), codes);
+  if (part == 0) {
+    i64 srow = pg, scol = gg;
+    if (is_v) nvfp4_v_scale_at(pg, g, head_groups, v_swizzle, &srow, &scol);
+    u8* sf = is_v ? v_sf + blk * vs_sb + srow * vs_ss + hh * vs_sh
+                  : k_sf + blk * ks_sb + srow * ks_ss + hh * ks_sh;
+    sf[scol] = static_cast<u8>(S);
+  }
 }
 #endif  // KVWRITE_HOST_TEST

@@ -6,7 +6,8 @@ inputs (:func:`kvwrite.testing.nvfp4.make_nvfp4_inputs` is deterministic) and co
 of the written allocations: padding and out-of-range slots, inputs and pages that are not 16- or
 8-byte aligned (the element-wise build), HND pages with swizzled V scales, FlashInfer's padded
 and stacked tensors with Python-number scales, input rows past T, slices of a fused qkv, block
-sizes that are not powers of two, the 4over6 rule, and more tokens than one resident wave.
+sizes that are not powers of two, the 4over6 rule, more tokens than one resident wave, the
+small calls' kernel with a partial last warp and the large calls' two groups a thread.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ CASES = [
               num_blocks=64, dtype=torch.float32, special_values=True, padding_slots=4),
     Nvfp4Case(num_tokens=40_000, num_heads=1, head_size=64, num_blocks=2600, padding_slots=100,
               out_of_range_slots=100, v_scale_layout="swizzled"),  # more than one wave
+    # The small calls' kernel with a partial last warp (3 tokens x 2 sides x 6 groups x 4 parts).
+    Nvfp4Case(num_tokens=3, num_heads=3, head_size=32, block_size=4, num_blocks=2,
+              padding_slots=1, special_values=True),
+    # Two groups a thread (HND, D/16 = 6), out-of-range and padding slots.
+    Nvfp4Case(num_tokens=700, num_heads=3, head_size=96, layout="HND", num_blocks=50,
+              padding_slots=5, out_of_range_slots=7, special_values=True),
 ]
 
 
