@@ -297,6 +297,162 @@ void pth_rows(int mode, int steps, const float* x, long long rows, int d, unsign
     entries[r] = entry;
   }
 }
+
+// The kernel's choice of path per row, its reductions (NaN propagating) as loops: rows that
+// qualify take the fast path's functions, the others pth_rows. Returns the fast rows' count.
+long long pth_rows_paths(int mode, int steps, const float* x, long long rows, int d,
+                         unsigned char* codes, unsigned int* entries) {
+  const int dq = mode == PTH_INT4 ? d / 2 : d;
+  long long fast_rows = 0;
+  for (long long r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    bool nan = false;
+    float amax = 0.0f, lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < d; ++i) {
+      const float v = xr[i];
+      if (v != v) { nan = true; continue; }
+      amax = fmaxf(amax, fabsf(v)); lo = fminf(lo, v); hi = fmaxf(hi, v);
+    }
+    const bool fast = !nan && (mode == PTH_INT4 ? fast_int4_row(lo, hi) : fast_amax_row(amax));
+    if (!fast) { pth_rows(mode, steps, xr, 1, d, codes + r * dq, entries + r); continue; }
+    ++fast_rows;
+    unsigned char* out = codes + r * dq;
+    float s = mode == PTH_INT4 ? fast_int4_scale(lo, hi)
+              : mode == PTH_INT8 ? (steps == 1 ? fast_amax_scale<PTH_INT8, 1>(amax)
+                                               : fast_amax_scale<PTH_INT8, 2>(amax))
+                                 : (steps == 1 ? fast_amax_scale<PTH_FP8, 1>(amax)
+                                               : fast_amax_scale<PTH_FP8, 2>(amax));
+    const float y = fast_rcp(s);
+    auto quot = [&](float v) {
+      return steps == 1 ? fast_quotient<1>(v, s, y) : fast_quotient<2>(v, s, y);
+    };
+    if (mode == PTH_INT4) {
+      const u32 zp = steps == 1 ? fast_int4_zero_point<1>(lo, s, y)
+                                : fast_int4_zero_point<2>(lo, s, y);
+      const float zc = fast_int4_zc(zp);
+      entries[r] = (f32_bits(s) & 0xFFFFFFF0u) | (zp & 0xFu);
+      for (int j = 0; j < d; j += 8) {  // groups of 8 (fast_int4_pack<8>), the rest by pairs
+        if (j + 8 <= d) {
+          u32 t[8];
+          for (int k = 0; k < 8; ++k) t[k] = fast_int4_bits(quot(xr[j + k]), zc);
+          const u32 w = fast_int4_pack<8>(t);
+          for (int k = 0; k < 4; ++k) out[j / 2 + k] = static_cast<unsigned char>(w >> (8 * k));
+        } else {
+          for (int k = j; k < d; k += 2) {
+            const u32 t[2] = {fast_int4_bits(quot(xr[k]), zc), fast_int4_bits(quot(xr[k + 1]), zc)};
+            out[k / 2] = static_cast<unsigned char>(fast_int4_pack<2>(t));
+          }
+        }
+      }
+    } else if (mode == PTH_INT8) {
+      entries[r] = f32_bits(s);
+      for (int i = 0; i < d; ++i) out[i] = static_cast<unsigned char>(fast_int8_code(quot(xr[i])));
+    } else {
+      entries[r] = f32_bits(s);
+      for (int i = 0; i < d; ++i) {
+        const float v = fast_fp8_signed(quot(xr[i]), xr[i]);
+        out[i] = static_cast<unsigned char>(fp8x2_from_f32<DT_E4M3>(v, 0.0f) & 0xFFu);
+      }
+    }
+  }
+  return fast_rows;
+}
+
+// fast_quotient(x, s, fast_rcp(s)) against the IEEE quotient for every x of xs and s of ss with
+// |x / s| <= 1024: out[0] pairs checked, out[1] quotients >= 2^-60 that differ, out[2] tiny
+// quotients (< 2^-60) whose result is not tiny, out[3] reciprocals that differ from 1 / s.
+void pth_fast_quotient(int steps, const float* xs, long long nx, const float* ss, long long ns,
+                       long long* out) {
+  out[0] = out[1] = out[2] = out[3] = 0;
+  for (long long j = 0; j < ns; ++j) {
+    const float s = ss[j], y = fast_rcp(s);
+    out[3] += f32_bits(y) != f32_bits(1.0f / s);
+    for (long long i = 0; i < nx; ++i) {
+      const float x = xs[i], want = x / s;
+      if (!(fabsf(want) <= 1024.0f)) continue;
+      const float got = steps == 1 ? fast_quotient<1>(x, s, y)
+                      : steps == 2 ? fast_quotient<2>(x, s, y) : fast_quotient<0>(x, s, y);
+      ++out[0];
+      if (fabsf(want) >= 0x1p-60f) out[1] += f32_bits(got) != f32_bits(want);
+      else out[2] += !(fabsf(got) < 0x1p-59f);
+    }
+  }
+}
+
+// fast_div_const by 127 (which 0), 448 (1) or 15 (2) against the IEEE quotient, for a >= 0:
+// the count that differ.
+long long pth_fast_div(int which, int steps, const float* as, long long n) {
+  long long bad = 0;
+  for (long long i = 0; i < n; ++i) {
+    const float a = as[i];
+    float got, want;
+    if (which == 0) {
+      got = steps == 1 ? fast_div_const<1>(a, PTH_M127, PTH_S127, PTH_Y127)
+                       : fast_div_const<2>(a, PTH_M127, PTH_S127, PTH_Y127);
+      want = a / 127.0f;
+    } else if (which == 1) {
+      got = steps == 1 ? fast_div_const<1>(a, PTH_M448, PTH_S448, PTH_Y448)
+                       : fast_div_const<2>(a, PTH_M448, PTH_S448, PTH_Y448);
+      want = a / 448.0f;
+    } else {
+      got = steps == 1   ? fast_div_const<1>(a, PTH_M15, PTH_S15, PTH_Y15)
+            : steps == 2 ? fast_div_const<2>(a, PTH_M15, PTH_S15, PTH_Y15)
+                         : fast_div_const<0>(a, PTH_M15, PTH_S15, PTH_Y15);
+      want = a / 15.0f;
+    }
+    // Below the floor (1e-6) only the floored scale matters.
+    if (want >= 1e-7f || got >= 1e-7f) bad += f32_bits(got) != f32_bits(want);
+  }
+  return bad;
+}
+
+// The fast path's code roundings on every 13th float q of [2^-3, 2^8) (both signs) and on each
+// tie k + 1/2 and its two neighbours: fast_int8_code's byte against rhaz (|q| <= 127.00002),
+// fast_int4_bits's nibble against clamp(rhu(q) + zp, 0, 15) for every zp where rhu(q) + zp >= 0
+// and q <= 16.0001. out[0] checked, out[1] int8 wrong, out[2] int4 wrong, out[3] int4 bits
+// other than 0x4B00000n.
+static double rhaz_exact(float q) {
+  const double n = trunc((double)q);
+  return fabs((double)q - n) >= 0.5 ? n + (q < 0 ? -1.0 : 1.0) : n;
+}
+static double rhu_exact(float q) {
+  const double n = floor((double)q);
+  return (double)q - n >= 0.5 ? n + 1.0 : n;
+}
+static void code_case(float q, long long* out) {
+  ++out[0];
+  if (fabsf(q) <= 127.00002f) {
+    const int want = (int)rhaz_exact(q);
+    out[1] += (fast_int8_code(q) & 0xFFu) != ((unsigned)want & 0xFFu);
+  }
+  if (q > 16.0001f) return;
+  const double n = rhu_exact(q);
+  for (int zp = 0; zp < 16; ++zp) {
+    if (n + zp < 0) continue;
+    const double want = n + zp > 15 ? 15 : n + zp;
+    const u32 zbits = 0x4B000000u | (u32)zp;
+    const u32 b = fast_int4_bits(q, fast_int4_zc(zbits));
+    out[2] += (b & 0xFu) != (u32)want;
+    out[3] += (b & ~0xFu) != 0x4B000000u;
+  }
+}
+void pth_code_check(long long* out) {
+  out[0] = out[1] = out[2] = out[3] = 0;
+  for (u32 e = 127u - 3u; e < 127u + 8u; ++e)
+    for (u32 m = 0; m < (1u << 23); m += 13) {
+      code_case(bits_f32((e << 23) | m), out);
+      code_case(-bits_f32((e << 23) | m), out);
+    }
+  for (int k = -130; k <= 130; ++k)
+    for (int dlt = -2; dlt <= 2; ++dlt) {
+      const float t = bits_f32(f32_bits((float)k + 0.5f) + dlt);
+      code_case(t, out);
+    }
+  code_case(0.0f, out);
+  code_case(-0.0f, out);
+  code_case(0x1p-140f, out);
+  code_case(-0x1p-140f, out);
+}
 }
 """
 
@@ -381,6 +537,131 @@ def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
     assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} element "
                               f"{int(bad[0, 1])}: got {int(codes[tuple(bad[0])])}, want "
                               f"{int(want_codes[tuple(bad[0])])}")
+
+
+def _fast_rows_check(host_lib, x: torch.Tensor, mode: str, steps: int) -> int:
+    """pth_rows_paths on rows x against the reference; returns how many took the fast path."""
+    rows, d = x.shape
+    xf = x.float().contiguous()
+    dq = d // 2 if mode == INT4 else d
+    codes = torch.empty(rows, dq, dtype=torch.uint8)
+    entries = torch.empty(rows, dtype=torch.int32)
+    host_lib.pth_rows_paths.restype = ctypes.c_longlong
+    n_fast = host_lib.pth_rows_paths(MODES.index(mode), steps, ctypes.c_void_p(xf.data_ptr()),
+                                     ctypes.c_longlong(rows), d, ctypes.c_void_p(codes.data_ptr()),
+                                     ctypes.c_void_p(entries.data_ptr()))
+    want_codes, want_entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
+    bad_e = torch.nonzero(entries != want_entries.view(torch.int32)).flatten()
+    assert bad_e.numel() == 0, (f"{bad_e.numel()} scale entries differ; first row "
+                                f"{x[bad_e[0]].tolist()}: got {int(entries[bad_e[0]]):#x}, want "
+                                f"{int(want_entries.view(torch.int32)[bad_e[0]]):#x}")
+    diff = codes != want_codes
+    if mode == FP8:
+        diff &= ~(torch.isnan(codes.view(torch.float8_e4m3fn).float())
+                  & torch.isnan(want_codes.view(torch.float8_e4m3fn).float()))
+    bad = torch.nonzero(diff)
+    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} "
+                              f"{x[int(bad[0, 0])].tolist()} element {int(bad[0, 1])}: got "
+                              f"{int(codes[tuple(bad[0])])}, want "
+                              f"{int(want_codes[tuple(bad[0])])}")
+    return int(n_fast)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_fast_path_on_host_matches_reference(host_lib, mode, dtype):
+    """The kernel's fast path (finite rows; int4: rows whose range holds zero) and its choice of
+    path, compiled as host C++, on the sweep's rows (every 16-bit pattern, random, tie and
+    special rows) and on rows of 128: codes and entries bit for bit; both paths taken."""
+    steps = 2 if dtype == torch.float32 else 1
+    x = _sweep_rows(dtype, 32, seed=10 + MODES.index(mode))
+    n_fast = _fast_rows_check(host_lib, x, mode, steps)
+    assert x.shape[0] // 3 < n_fast < x.shape[0], (n_fast, x.shape[0])
+    g = torch.Generator().manual_seed(3)
+    lo, hi = (-10, 8) if dtype == torch.float16 else (-20, 20)
+    y = (torch.randn(512, 128, generator=g) * torch.exp2(
+        torch.randint(lo, hi, (512, 1), generator=g).float())).to(dtype)
+    assert _fast_rows_check(host_lib, y, mode, steps) == 512
+
+
+def _f32_of_all_16bit(dtype: torch.dtype) -> torch.Tensor:
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    return x[torch.isfinite(x)].contiguous()
+
+
+def _fast_scales() -> torch.Tensor:
+    """Scales the fast path meets (FLOOR to 2^125): of every binade, ordinary, all-ones, 1.0
+    and near-1.0 significands."""
+    g = torch.Generator().manual_seed(5)
+    e = torch.arange(-20, 126, dtype=torch.int64)
+    mant = torch.cat([torch.randint(0, 2**23, (2,), generator=g),
+                      torch.tensor([0, 2**23 - 1, 0x7F0000])])
+    bits = ((e[:, None] + 127) << 23) | mant[None, :]
+    s = bits.flatten().to(torch.int32).view(torch.float32)
+    return torch.cat([s[s >= 1e-6], torch.tensor([1e-6, 3.3e-6, 0.0078740157])]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fast_quotient_is_the_ieee_quotient_on_host(host_lib, dtype):
+    """The fast path's quotient without the scaling by m (one product, two fused multiply-adds
+    per step) is RN(x / s) for every 16-bit x (float32: random x, two steps) under scales of every
+    binade the fast path meets, wherever |x / s| <= 1024 (tiny quotients: tiny); its reciprocal
+    is RN(1 / s). Without a step it is not (the check can fail)."""
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(6)
+        xs = (torch.randn(20000, generator=g) * torch.exp2(
+            torch.randint(-30, 30, (20000,), generator=g).float())).contiguous()
+        steps = 2
+    else:
+        xs = _f32_of_all_16bit(dtype)
+        steps = 1
+    ss = _fast_scales()
+    out = (ctypes.c_longlong * 4)()
+    def run(steps):
+        host_lib.pth_fast_quotient(steps, ctypes.c_void_p(xs.data_ptr()),
+                                   ctypes.c_longlong(xs.numel()), ctypes.c_void_p(ss.data_ptr()),
+                                   ctypes.c_longlong(ss.numel()), out)
+
+    run(steps)
+    checked, wrong, tiny_wrong, rcp_wrong = list(out)
+    assert checked > 5 * xs.numel() and wrong == 0 and tiny_wrong == 0 and rcp_wrong == 0
+    run(0)
+    assert out[1] > 0
+
+
+def test_fast_scale_divisions_on_host(host_lib):
+    """RN(a / 127), RN(a / 448) by the fast path's constants, one step, for every 16-bit
+    a >= 0 (amax is an input value); two steps for float32 a (float32 inputs, int4's
+    RN(mx - mn) / 15, where the proof is Markstein's); and the constants are RN(1 / s2)."""
+    import numpy as np
+    for s2, y in ((3.96875, "0x1.020408p-2"), (3.5, "0x1.24924ap-2"), (3.75, "0x1.111112p-2")):
+        assert float(np.float32(1.0) / np.float32(s2)) == float.fromhex(y)
+    host_lib.pth_fast_div.restype = ctypes.c_longlong
+    for dtype in (torch.float16, torch.bfloat16):
+        a = _f32_of_all_16bit(dtype).abs().unique().contiguous()
+        for which in (0, 1):
+            assert host_lib.pth_fast_div(which, 1, ctypes.c_void_p(a.data_ptr()),
+                                         ctypes.c_longlong(a.numel())) == 0
+    g = torch.Generator().manual_seed(7)
+    a = (torch.rand(200000, generator=g) * torch.exp2(
+        torch.randint(-30, 127, (200000,), generator=g).float())).contiguous()
+    a = a[torch.isfinite(a)].contiguous()
+    for which in (0, 1, 2):
+        assert host_lib.pth_fast_div(which, 2, ctypes.c_void_p(a.data_ptr()),
+                                     ctypes.c_longlong(a.numel())) == 0
+    # The product alone is not the quotient (the check can fail).
+    assert host_lib.pth_fast_div(2, 0, ctypes.c_void_p(a.data_ptr()),
+                                 ctypes.c_longlong(a.numel())) > 0
+
+
+def test_fast_code_roundings_on_host(host_lib):
+    """The fast path's int8 byte (rhaz in two directed additions, the sign folded in) and int4
+    nibble (rhu + zp, top clamp) on every 13th float of [2^-3, 2^8) of both signs, every tie and
+    its neighbours, zeros and tiny values, against exact roundings."""
+    out = (ctypes.c_longlong * 4)()
+    host_lib.pth_code_check(out)
+    checked, int8_wrong, int4_wrong, int4_bits_wrong = list(out)
+    assert checked > 10_000_000 and int8_wrong == 0 and int4_wrong == 0 and int4_bits_wrong == 0
 
 
 def test_tie_rows_catch_inexact_roundings(monkeypatch):
@@ -880,31 +1161,34 @@ def test_nvrtc_compiles_specialized_builds():
             p = _plan(case, tuning)
             obj, _ = c.compile_kernel("sm_90", p.name, fixed=p.fixed)
             assert len(bytes(obj.code)) > 0
-    with pytest.raises(RuntimeError, match="24 values"):
+    with pytest.raises(RuntimeError, match="25 values"):
         c.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
 
 
-@pytest.mark.parametrize("case, vec, cpl, lanes", [
-    (PthCase(head_size=128, alloc="separate"), 8, 1, 16),  # 16-byte loads, 8-byte stores
-    (PthCase(head_size=128, alloc="packed"), 4, 1, 32),  # V rows 4-byte aligned (Dq + 4)
-    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16),  # 4-byte codes
-    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32),
-    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16),
-    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16),
-    (PthCase(head_size=46, alloc="separate"), 2, 1, 32),
-    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16),
-    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32),
-    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1, 2),
-    (PthCase(head_size=512, alloc="separate"), 8, 2, 32),
-    (PthCase(head_size=1, alloc="separate"), 1, 1, 1),
+@pytest.mark.parametrize("case, vec, cpl, lanes, sw", [
+    (PthCase(head_size=128, alloc="separate"), 8, 1, 16, 8),  # 16-byte loads, 8-byte stores
+    (PthCase(head_size=128, alloc="packed"), 8, 1, 16, 4),  # V rows 4-byte aligned (Dq + 4)
+    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16, 4),  # 4-byte codes
+    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32, 4),
+    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16, 4),
+    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16, 8),
+    (PthCase(head_size=46, alloc="separate"), 2, 1, 32, 2),
+    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16, 1),
+    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32, 1),
+    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1,
+     2, 1),
+    (PthCase(head_size=512, alloc="separate"), 8, 2, 32, 8),
+    (PthCase(head_size=1, alloc="separate"), 1, 1, 1, 1),
+    # Loads as wide as the input allows, stores as wide as the rows allow (odd row strides).
+    (PthCase(head_size=64, alloc="separate", row_pad=1), 8, 1, 8, 1),
 ])
-def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes):
+def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes, sw):
     p = _plan(case)
-    assert (p.vec, p.cpl, p.lanes) == (vec, cpl, lanes), p
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (vec, cpl, lanes, sw), p
     assert p.name == _cuda_impl().kernel_name(
         {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[case.dtype],
         MODES.index(case.kv_quant_mode), vec, cpl)
-    assert len(p.fixed) == _cuda_impl().NUM_FIXED
+    assert len(p.fixed) == _cuda_impl().NUM_FIXED and p.fixed[-1] == sw.bit_length() - 1
 
 
 def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
@@ -913,7 +1197,7 @@ def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refus
     p = _plan(PthCase(head_size=128, alloc="separate"), large)
     assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
     p = _plan(PthCase(head_size=128, alloc="packed"), large)
-    assert (p.vec, p.cpl, p.lanes) == (4, 8, 4)
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 4, 4, 4)
     p = _plan(PthCase(head_size=64, alloc="packed", kv_quant_mode=INT4), large)
     assert (p.vec, p.cpl, p.lanes) == (8, 4, 2)
     p = _plan(PthCase(head_size=256, alloc="separate", dtype=torch.float32), large)
@@ -990,7 +1274,7 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
 def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path, mode,
                                                                          slot_dtype):
     """sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers and num_tokens
-    (0x210-0x24f), then the 24 fixed arguments (0x250-0x30f). The specialized build reads none
+    (0x210-0x24f), then the 25 fixed arguments (0x250-0x317). The specialized build reads none
     of them, the generic one does; and no build waits for a load (the slot's) before it has
     issued the row's 16-byte loads (sass.waits_before_loads)."""
     sass_tools = _sass_tools()

@@ -41,7 +41,7 @@ _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: 0, PerTokenHeadMode.FP8_PER_TOKEN
          PerTokenHeadMode.INT4_PER_TOKEN_HEAD: 2}
 _CPLS = (1, 2, 4, 8)
 MAX_ELEMS_PER_LANE = 32
-NUM_FIXED = 24  # slot64 .. num_slots (kernel.cu's KVW_PTH_PARAMS after num_tokens)
+NUM_FIXED = 25  # slot64 .. store_shift (kernel.cu's KVW_PTH_PARAMS after num_tokens)
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -83,13 +83,19 @@ TUNING = CudaTuning()
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 24 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    GPU. ``fixed``: the 25 trailing arguments compiled in. Returns ``(object_code, log)``."""
     macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
     return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
 
 
 def kernel_name(in_kind: int, mode: int, vec: int, cpl: int) -> str:
     return f"{KERNEL}<{in_kind}, {mode}, {vec}, {cpl}>"
+
+
+def _code_bytes(mode: int, vec: int) -> int:
+    """Code bytes of a chunk of ``vec`` elements (kernel.cu's OUT_N)."""
+    return (vec // 2 if vec >= 2 else 1) if mode == _MODE[PerTokenHeadMode.INT4_PER_TOKEN_HEAD] \
+        else vec
 
 
 def _vecs(in_bytes: int) -> list[int]:
@@ -120,8 +126,9 @@ class Plan:
     name: str
     vec: int            # elements per chunk
     cpl: int            # chunks per lane
+    sw: int             # bytes per store of a chunk's codes
     lanes: int          # threads per row
-    fixed: tuple[int, ...]  # slot64 .. num_slots (the 24 trailing kernel arguments)
+    fixed: tuple[int, ...]  # slot64 .. store_shift (the 25 trailing kernel arguments)
 
 
 def _align(byte_values) -> int:
@@ -172,10 +179,11 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
     out_al = _align([key_cache.data_ptr(), value_cache.data_ptr()] + list(kc) + list(vc))
     vec = 16 // ib
     while vec > 1:
-        out_n = vec // 2 if int4 else vec
-        if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0 and out_al % out_n == 0:
+        if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0:
             break
         vec //= 2
+    # The stores as wide as the cache rows' alignment allows, at most a chunk's code bytes.
+    sw = min(_code_bytes(_MODE[mode], vec), out_al)
     chunks = max(dk, dv) // vec
     large = is_large_call(slot_mapping.numel(), key, value, tuning)
     target = tuning.large_elems_per_lane // vec if large else tuning.chunks_per_lane
@@ -189,9 +197,9 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
                 f"lane; the cuda kernel holds at most {MAX_ELEMS_PER_LANE} elements and "
                 f"{_CPLS[-1]} chunks per lane (torch and triton run it)")
     fixed = (int(slot_mapping.dtype == torch.int64), h, dk, dv, lanes.bit_length() - 1, k_tok, k_head, v_tok, v_head, *kc, *vc, *ks, *vs,
-             bs, _log2_or_minus_1(bs), nb * bs)
+             bs, _log2_or_minus_1(bs), nb * bs, sw.bit_length() - 1)
     assert len(fixed) == NUM_FIXED
-    return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, lanes, fixed)
+    return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, sw, lanes, fixed)
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
