@@ -9,6 +9,7 @@ three implementations, CUDA graphs, torch.compile and the sanitize cases."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -1137,7 +1138,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     c = _cuda_impl()
     names = c.all_kernel_names()
     obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 126 and len(set(names)) == 126 and len(bytes(obj.code)) > 0
+    assert len(names) == 132 and len(set(names)) == 132 and len(bytes(obj.code)) > 0
 
 
 @needs_nvrtc
@@ -1192,6 +1193,8 @@ def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes, sw):
 
 
 def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
+    """Large calls' plans (32 elements per lane, or 64 when tuned), and the refusals: rows of
+    more than 64 elements or 8 chunks per lane of 32."""
     c = _cuda_impl()
     large = c.CudaTuning(large_call_bytes=0)
     p = _plan(PthCase(head_size=128, alloc="separate"), large)
@@ -1216,6 +1219,17 @@ def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refus
     ok = make_pth_inputs(PthCase(head_size=512, alloc="separate", num_tokens=1))
     assert c.unsupported(ok.key, ok.value, ok.key_cache, ok.value_cache,
                          PerTokenHeadMode.INT8_PER_TOKEN_HEAD) is None
+    # 64 elements per lane: two lanes per row of 128, and rows up to 2048 in 16-byte chunks.
+    p = _plan(PthCase(head_size=128, alloc="packed"),
+              c.CudaTuning(large_call_bytes=0, large_elems_per_lane=64))
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 8, 2, 4)
+    for d, refused in ((2048, False), (2056, True), (1024, False)):
+        x = make_pth_inputs(PthCase(head_size=d, alloc="separate", num_tokens=1, num_heads=1,
+                                    num_blocks=1, dtype=torch.float32 if d == 1024 else
+                                    torch.bfloat16))
+        reason = c.unsupported(x.key, x.value, x.key_cache, x.value_cache,
+                               PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+        assert (reason is not None) == refused, (d, reason)
 
 
 def test_cuda_plans_every_gpu_case_it_does_not_refuse():
@@ -1294,6 +1308,95 @@ def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path
     assert not any(first <= o < end for o in special), sorted(map(hex, special))
     for text in (special_text, generic_text):
         assert not sass_tools.late_issues(text, lambda t: ".128" in t.split()[0])
+
+
+# The fast path's machine code for the benchmark's shape (vLLM's packed rows, H=8, D=128,
+# bfloat16, the large calls' plan: 4 lanes of 32 elements per row), built alone
+# (KVWRITE_PTH_FAST_ONLY): instructions at most (measured 386 / 312 / 407 when pinned, i.e.
+# 12.1 / 9.8 / 12.7 per element, against 17.2 / 14 / about 22 of the kernel before it).
+_FAST_PATH_BUDGET = {INT8: 400, FP8: 325, INT4: 420}
+
+
+def _bench_plan(mode: str, elems: int = 32):
+    c = _cuda_impl()
+    return _plan(PthCase(kv_quant_mode=mode, head_size=128, num_heads=8, alloc="packed",
+                         via_allocator=True),
+                 c.CudaTuning(large_call_bytes=0, large_elems_per_lane=elems))
+
+
+def _build(p, macros=()):
+    """(SASS listing, registers, spilled bytes) of plan p's specialized sm_90 build."""
+    c = _cuda_impl()
+    obj, log = c.compile_kernel("sm_90", p.name, fixed=p.fixed, macros=macros, ptxas_verbose=True)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return obj, regs, spills
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mode", MODES)
+def test_fast_path_machine_code_shape(tmp_path, mode):
+    """sm_90, the benchmark's shape. The fast path alone: at most _FAST_PATH_BUDGET
+    instructions; per element one product and two fused multiply-adds for the quotient (FMUL,
+    FFMA counts), no conversion instruction (F2I, I2F, F2F), one reciprocal (MUFU), no call;
+    the reductions on bfloat16 pairs (HMNMX2 / VHMNMX, one per word or less); the row's four
+    16-byte loads and the slot's; the codes in 4-byte stores (the rows' alignment), 2 per chunk
+    (int8, fp8) or 1 (int4), and the scale's. The whole kernel (both paths): at most 32
+    registers (full occupancy at 256 threads), no spills, every load (the row's and the slot's)
+    issued before any arithmetic on the row and before any wait for a load."""
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    p = _bench_plan(mode)
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 4, 4, 4)
+    elems = p.vec * p.cpl
+    obj, regs, spills = _build(p, (c.FAST_ONLY_MACRO,))
+    ops = [o for o in sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+           if o != "NOP;" and not o.startswith("BRA")]
+    base = [o.split(".")[0] for o in ops]
+    n = collections.Counter(base)
+    assert len(ops) <= _FAST_PATH_BUDGET[mode], (len(ops), n.most_common(12))
+    assert elems <= n["FMUL"] <= elems + 8 and 2 * elems <= n["FFMA"] <= 2 * elems + 10, n
+    assert not any(k in n for k in ("F2I", "I2F", "F2F", "CALL", "FCHK", "I2FP", "F2IP")), n
+    assert n["MUFU"] == 1 and n["LDL"] == n["STL"] == 0, n
+    if mode == INT4:
+        assert 0 < n["VHMNMX"] + n["HMNMX2"] <= 2 * p.cpl * 4, n
+    else:
+        assert n["HMNMX2"] == p.cpl * 4, n  # one per word of two elements
+    assert sorted(o for o in ops if o.startswith("LDG")) == \
+        ["LDG.E.128.CONSTANT"] * p.cpl + ["LDG.E.64.CONSTANT"]
+    stores = [o for o in ops if o.startswith("STG")]
+    per_chunk = 1 if mode == INT4 else 2
+    assert stores == ["STG.E"] * (p.cpl * per_chunk + 1), stores
+    obj, regs, spills = _build(p)
+    assert regs <= 32 and spills == 0, (regs, spills)
+    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    ops = sass_tools.opcodes(text)
+    loads = [i for i, o in enumerate(ops) if o.startswith("LDG")]
+    first_math = min(i for i, o in enumerate(ops) if o.split(".")[0] in ("HMNMX2", "VHMNMX",
+                                                                         "FMNMX", "FMUL"))
+    assert len(loads) == p.cpl + 1 and max(loads) < first_math, ops[:first_math + 2]
+    # No wait for a load before the last of them is issued (a round trip each otherwise).
+    assert not sass_tools.late_issues(text, lambda t: True)
+    assert not any(o.startswith(("LDL", "STL")) for o in ops)
+
+
+@needs_nvrtc
+def test_fast_path_64_elements_per_lane_machine_code(tmp_path):
+    """The other plan for large calls (2 lanes of 64 elements per row): fewer instructions per
+    element than 32 (the per-row work amortized), 8 loads of 16 bytes, at most 48 registers and
+    no spills."""
+    sass_tools = _sass_tools()
+    c = _cuda_impl()
+    for mode in MODES:
+        p = _bench_plan(mode, 64)
+        assert (p.vec, p.cpl, p.lanes) == (8, 8, 2)
+        obj, _, _ = _build(p, (c.FAST_ONLY_MACRO,))
+        ops = [o for o in sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+               if o != "NOP;" and not o.startswith("BRA")]
+        assert len(ops) / 64 < _FAST_PATH_BUDGET[mode] / 32 - 1.0, (mode, len(ops))
+        assert sum(o == "LDG.E.128.CONSTANT" for o in ops) == 8
+        _, regs, spills = _build(p)
+        assert regs <= 48 and spills == 0, (mode, regs, spills)
 
 
 def test_sanitize_cases_are_listed():
@@ -1428,17 +1531,22 @@ def test_gpu_cpu_matrix_against_oracle(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["generic", "large-call", "generic-large-call",
-                                     "threads-64"])
+                                     "threads-64", "general-path", "large-call-64",
+                                     "general-path-large-call"])
 @pytest.mark.parametrize("case", PTH_GPU_CASES[::8], ids=lambda c: c.id)
 def test_gpu_cuda_builds(case, variant):
     """The cuda kernel's other builds over part of the matrix: generic (runtime arguments), the
-    large calls' plan (two chunks per lane) forced on small calls, both, and 64-thread CTAs."""
+    large calls' plan (32 elements per lane, or 64) forced on small calls, both, 64-thread CTAs,
+    and every row down the general path (which otherwise runs only NaN, infinite and int4
+    one-sign rows)."""
     c = _cuda_impl()
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     tuning = c.CudaTuning(specialize="generic" not in variant,
                           large_call_bytes=0 if "large" in variant else c.TUNING.large_call_bytes,
-                          threads=64 if variant == "threads-64" else c.TUNING.threads)
+                          large_elems_per_lane=64 if variant.endswith("-64") else 32,
+                          threads=64 if variant == "threads-64" else c.TUNING.threads,
+                          general_path_only=variant.startswith("general-path"))
     inp, want = _gpu_reference(case)
     if (reason := c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
                                 case.mode)) is not None:
@@ -1477,6 +1585,43 @@ def test_gpu_row_sweep(impl, mode, dtype):
                                                          implementation=impl)
     assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), (32 // (2 if mode == INT4 else 1),) * 2,
                             f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["small", "large-32", "large-64", "general-path"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_cuda_row_sweep_rows_of_128(mode, dtype, plan):
+    """The sweep's rows (every 16-bit pattern, random rows over many binades, ties, special
+    rows) as rows of 128 in vLLM's packed layout (the benchmark's shape: H=8), through each of
+    the cuda kernel's plans: warps whose rows take the fast path and the general path side by
+    side (and every row down the general path); whole allocations against the reference."""
+    c = _cuda_impl()
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    x = _sweep_rows(dtype, 128, seed=20 + MODES.index(mode)).cuda()
+    n = x.shape[0] // 8 * 8
+    key = x[:n].view(-1, 8, 128)
+    value = x[:n].flip(0).reshape(-1, 8, 128)
+    t = key.shape[0]
+    bs = 16
+    nb = -(-t // bs) + 1
+    caches = kvwrite.create_per_token_head_caches(nb, bs, 8, 128, mode, kv_alloc="packed",
+                                                  device="cuda")
+    storage_bytes(caches[0]).copy_(torch.randint(0, 256, storage_bytes(caches[0]).shape,
+                                                 dtype=torch.uint8, device="cuda"))
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    slots[::17] = -1
+    want = clone_pth_caches(caches)
+    pmode = PerTokenHeadMode(mode)
+    torch_ref.run(key, value, *want, slots, pmode)
+    tuning = c.CudaTuning(large_call_bytes=c.TUNING.large_call_bytes if plan == "small" else 0,
+                          large_elems_per_lane=64 if plan == "large-64" else 32,
+                          general_path_only=plan == "general-path")
+    c.run(key, value, *caches, slots, pmode, tuning=tuning)
+    torch.cuda.synchronize()
+    dq = 64 if mode == INT4 else 128
+    assert_pth_caches_equal(caches, want, pmode, (dq, dq), f"cuda {plan}: ")
 
 
 @pytest.mark.gpu

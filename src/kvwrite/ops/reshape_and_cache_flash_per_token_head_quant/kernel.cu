@@ -463,18 +463,22 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
   const bool active = static_cast<i64>(th) < rows_th;
   const bool is_v = row & 1u;
   const u32 t32 = th / static_cast<u32>(num_heads);
-  const i64 t = t32;
+  // Rows past the last token read the last token's (no predicate on the loads; nothing of
+  // theirs is stored).
+  const i64 t = active ? static_cast<i64>(t32) : num_tokens - 1;
   const i64 h = th - t32 * static_cast<u32>(num_heads);
   const i64 d = is_v ? dv : dk;
   const u8* src = is_v ? value + (t * v_tok + h * v_head) * IB : key + (t * k_tok + h * k_head) * IB;
+  // Every chunk of every lane lies in both rows (a constant in specialized builds).
+  const bool full = static_cast<i64>(lanes) * (CPL * VEC) <= (dk < dv ? dk : dv);
 
   Raw<VEC * IB> in[CPL];
-  bool in_row[CPL];  // the chunk lies in the row (rows past the last token's included)
+  bool in_row[CPL];  // the chunk lies in the row
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
     const i64 c = static_cast<i64>(lane) + static_cast<i64>(i) * lanes;
-    in_row[i] = c * VEC < d;
-    if (active && in_row[i]) {
+    in_row[i] = full || c * VEC < d;
+    if (in_row[i]) {
       in[i] = load_raw<VEC * IB>(src + c * VEC * IB);
     } else {
 #pragma unroll
@@ -483,11 +487,8 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
   }
   // The slot after the row (load_index: nothing computed from it is placed before the row's
   // loads). Its width is a fixed argument, a constant in specialized builds.
-  i64 slot = -1;
-  if (active) {
-    slot = slot64 ? load_index(static_cast<const long long*>(slot_mapping) + t)
-                  : static_cast<i64>(load_index(static_cast<const int*>(slot_mapping) + t));
-  }
+  const i64 slot = slot64 ? load_index(static_cast<const long long*>(slot_mapping) + t)
+                          : static_cast<i64>(load_index(static_cast<const int*>(slot_mapping) + t));
 
   // The row's amax (int8, fp8) or min and max (int4), NaN propagating: they decide whether the
   // row takes the fast path (see "The fast path" above) and are its scale's inputs there.
@@ -499,7 +500,7 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
       u32 lo2 = pinf, hi2 = pinf | 0x80008000u;
 #pragma unroll
       for (int i = 0; i < CPL; ++i)
-        if (active && in_row[i]) {
+        if (in_row[i]) {
 #pragma unroll
           for (int k = 0; k < NW; ++k) {
             lo2 = pk_min<IN>(lo2, in[i].w[k]);
@@ -512,7 +513,7 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
     } else {
 #pragma unroll
       for (int i = 0; i < CPL; ++i)
-        if (active && in_row[i]) {
+        if (in_row[i]) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             const float x = elem_f32<IN>(in[i], j);
@@ -542,16 +543,20 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
     }
     for (u32 m = lanes >> 1; m >= 1u; m >>= 1) r_a = nmax(r_a, __shfl_xor_sync(FULL, r_a, m));
   }
-  // Rows past the last token store nothing: either path will do. KVWRITE_PTH_GENERAL_ONLY sends
-  // every row down the general path (tests: its bytes on ordinary rows); KVWRITE_PTH_FAST_ONLY
-  // leaves the general path out (machine-code counts only: wrong on NaN and infinite rows).
+  // Rows that store nothing (past the last token, or a slot out of range or padding) take
+  // either path; the slot's test here also keeps its load up with the row's (a load whose value
+  // is only used at the stores is issued there, its round trip after the arithmetic).
+  // KVWRITE_PTH_GENERAL_ONLY sends every row down the general path (tests: its bytes on
+  // ordinary rows); KVWRITE_PTH_FAST_ONLY leaves the general path out (machine-code counts
+  // only: wrong on NaN and infinite rows).
+  const bool stores = active && static_cast<u64>(slot) < static_cast<u64>(num_slots);  // >= 0
 #if defined(KVWRITE_PTH_GENERAL_ONLY)
   const bool fast = false;
 #elif defined(KVWRITE_PTH_FAST_ONLY)
-  const bool fast = true;
+  const bool fast = stores;  // and no general path below
 #else
   const bool fast =
-      !active || (MODE == PTH_INT4 ? fast_int4_row(r_lo, r_hi) : fast_amax_row(r_a));
+      !stores || (MODE == PTH_INT4 ? fast_int4_row(r_lo, r_hi) : fast_amax_row(r_a));
 #endif
   // The lanes of the rows that take the general path (whole rows: their shuffles' lanes).
   const u32 general = __ballot_sync(FULL, !fast);
@@ -609,7 +614,9 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
         out[i].w[0] = fast_int4_pack<VEC>(tb);
       }
     }
-  } else {
+  }
+#ifndef KVWRITE_PTH_FAST_ONLY
+  else {
     // The general path (any row): the rule's arithmetic step by step, NaN and infinities
     // handled; its own NaN-ignoring reductions. Past the row int4 takes NaN, which its min and
     // max ignore; int8 and fp8 take the zeros loaded there, which leave the amax as it is.
@@ -650,10 +657,16 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
     }
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
+      // The chunk's words through an opaque copy: the elements are converted again here rather
+      // than kept from the reductions above (registers: the general path's would otherwise set
+      // the kernel's count, which the fast path's occupancy pays for).
+      Raw<VEC * IB> w;
+#pragma unroll
+      for (int k = 0; k < NW; ++k) asm volatile("mov.b32 %0, %1;" : "=r"(w.w[k]) : "r"(in[i].w[k]));
       float x[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
-        x[j] = MODE != PTH_INT4 || in_row[i] ? elem_f32<IN>(in[i], j) : bits_f32(0x7FC00000u);
+        x[j] = MODE != PTH_INT4 || in_row[i] ? elem_f32<IN>(w, j) : bits_f32(0x7FC00000u);
       if constexpr (MODE == PTH_FP8) {
         fp8_quantize<DT_E4M3, VEC, STEPS>(x, out[i].w, sc);
       } else if constexpr (MODE == PTH_INT8) {
@@ -676,13 +689,14 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
       }
     }
   }
+#endif
   if constexpr (INT4_PAIRS) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i)  // the odd element's code, from lane + 1
       out[i].w[0] |= __shfl_down_sync(FULL, out[i].w[0], 1) << 4;
   }
 
-  if (!active || static_cast<u64>(slot) >= static_cast<u64>(num_slots)) return;  // also < 0
+  if (!stores) return;
   i64 blk, pg;
   if (block_shift >= 0) {
     blk = slot >> block_shift;
