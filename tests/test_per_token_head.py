@@ -1701,15 +1701,91 @@ def test_torch_compile_with_packed_views_as_inputs_refuses_or_is_right():
     assert_pth_caches_equal(caches, want, PerTokenHeadMode(INT4), (8, 8))
 
 
+_TRITON_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl as ti
+
+def ptx(mode, align, small):
+    k = ti._pth_kernel
+    bt, bh, warps = ti.tiling(8, 128, 128, ti.TUNING, small)
+    types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8",
+             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_mapping_ptr": "*i64", "num_tokens": "i32"}
+    for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "KC_B", "KC_S", "KC_H", "VC_B", "VC_S",
+              "VC_H", "KS_B", "KS_S", "KS_H", "VS_B", "VS_S", "VS_H", "NUM_SLOTS", "H"):
+        types[n] = "i32"
+    consts = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, BLOCK_T=bt, BLOCK_H=bh, MODE=mode,
+                  PDL=False, PDL_TRIGGER=False, BLOCK_SIZE=16, ALIGN=align)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in k.arg_names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for mode, align, small in ((0, 4, False), (1, 4, True), (2, 4, False), (2, 4, True),
+                           (0, 1, False)):
+        t = ptx(mode, align, small)
+        out[f"{mode}-{align}-{small}"] = [t.count("st.global.b8"), t.count("st.global.b32"),
+                                          t.count("cvt.rzi") + t.count("cvt.rmi") +
+                                          t.count("cvt.rpi") + t.count("cvt.rni"),
+                                          t.count("div.s64") + t.count("div.u64") +
+                                          t.count("rem.s64") + t.count("rem.u64")]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_with_wide_code_stores():
+    """The Triton kernel compiled for sm_90 (no GPU needed), the benchmark's shape: with rows
+    4-byte aligned (ALIGN, vLLM's packed layout) the codes go out in 4-byte stores, with no
+    alignment in bytes (the check can fail); no float-to-integer rounding conversion (the exact
+    roundings take additions) and no 64-bit division (the block size is a constant), in the
+    large calls' tiling and the small grids'."""
+    import json
+    import os
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key, (b8, b32, cvt, div) in out.items():
+        mode, align, _ = key.split("-")
+        if align == "4":
+            assert b8 == 0 and b32 > 0 and div == 0, (key, out)
+            assert cvt == 0 or mode == "1", (key, out)
+    assert out["0-1-False"][0] > 0, out
+
+
+def test_triton_call_tiling_spreads_small_grids():
+    """Calls of few programs take the small-grid tiling: fewer elements per thread (8 at H=8,
+    D=128), one token per program."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    large = triton_impl.tiling(8, 128, 128)
+    assert large == (2, 8, 4)  # 32 elements per thread
+    assert triton_impl.call_tiling(1, 8, 128, 128) == (1, 8, 8)  # 8 per thread
+    assert triton_impl.call_tiling(16, 8, 128, 128) == (1, 8, 8)
+    assert triton_impl.call_tiling(4096, 8, 128, 128) == large
+    none = triton_impl.TritonTuning(small_grid=0)
+    assert triton_impl.call_tiling(1, 8, 128, 128, none) == large
+
+
 def test_triton_tiling_is_powers_of_two_within_the_tile():
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     for h, dk, dv in ((8, 128, 128), (1, 64, 64), (32, 256, 256), (5, 13, 7), (4, 16, 48),
                       (2, 1024, 1024), (128, 128, 128)):
-        bt, bh, warps = triton_impl.tiling(h, dk, dv)
-        for v in (bt, bh, warps):
-            assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
-        row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
-        assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= 4096 or bt == bh == 1)
+        for small, tile in ((False, 4096), (True, 2048)):
+            bt, bh, warps = triton_impl.tiling(h, dk, dv, triton_impl.TUNING, small)
+            for v in (bt, bh, warps):
+                assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
+            row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
+            assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= tile or bt == bh == 1)
 
 
 def test_roundtrip_reads_back_in_chunks(monkeypatch):
