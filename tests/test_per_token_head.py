@@ -1529,11 +1529,16 @@ def test_gpu_cpu_matrix_against_oracle(case):
                                 case.mode, _dq(case), f"{impl}: ")
 
 
+_BUILD_VARIANTS = (
+    [(c, v) for v in ("generic", "large-call", "generic-large-call", "threads-64")
+     for c in PTH_GPU_CASES[::8]]
+    + [(c, v) for v in ("general-path", "large-call-64", "general-path-large-call")
+       for c in PTH_GPU_CASES[::16]])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["generic", "large-call", "generic-large-call",
-                                     "threads-64", "general-path", "large-call-64",
-                                     "general-path-large-call"])
-@pytest.mark.parametrize("case", PTH_GPU_CASES[::8], ids=lambda c: c.id)
+@pytest.mark.parametrize("case, variant", _BUILD_VARIANTS,
+                         ids=[f"{c.id}-{v}" for c, v in _BUILD_VARIANTS])
 def test_gpu_cuda_builds(case, variant):
     """The cuda kernel's other builds over part of the matrix: generic (runtime arguments), the
     large calls' plan (32 elements per lane, or 64) forced on small calls, both, 64-thread CTAs,

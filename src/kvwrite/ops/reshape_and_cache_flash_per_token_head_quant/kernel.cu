@@ -9,16 +9,26 @@
 // pth_quant_kernel<IN, MODE, VEC, CPL>: a group of `lanes` = 2^lane_shift threads (1 to
 // 32, within one warp) per row, rows ordered (token, head, K then V), so the K and V rows of one
 // (slot, head), adjacent in the packed layout, are written by neighbouring lanes. Lane l holds the
-// row's chunks l, l + lanes, ... (CPL of them, VEC elements each, one vector access per chunk).
-// The row's amax (int8, fp8) or min and max (int4) is an xor-shuffle reduction within the group
-// (NaN ignored). The scale's division and the per-scale constants of the exact quotient
-// (kvw/fp8.cuh: x / s = (x * m) / s2 by a product and one or two fused corrections, bit for bit
-// the IEEE quotient) are computed once per lane; each element then costs the quotient and its
-// rounding, done exactly with additions rounded toward zero or -inf (no conversion
-// instructions). The slot is loaded after the row.
+// row's chunks l, l + lanes, ... (CPL of them, VEC elements each, one vector load per chunk; the
+// chunk's codes stored in accesses of 2^store_shift bytes, what the cache rows' alignment
+// allows). The row's loads and its slot's are issued first. Then the row's amax (int8, fp8) or
+// min and max (int4), NaN propagating (bfloat16 / float16 pairs: one instruction per pair), by
+// an xor-shuffle reduction within the group, decides the row's path:
+// - the fast path (rows of finite values; int4: whose range also holds zero; every row of
+//   real data): the rule's arithmetic simplified where those rows allow it (see "The fast path"
+//   below): the scale's division by the constant divisor's exact-quotient constants, RN(1 / s),
+//   each element's quotient in one product and two fused multiply-adds, its code in three
+//   additions (int8, int4) or the satfinite conversion (fp8), bit for bit the general path's;
+// - the general path (NaN, infinities, int4 rows of one sign): the rule step by step, with its
+//   own NaN-ignoring reductions (kvw/fp8.cuh's exact quotient x / s = (x * m) / s2, the
+//   roundings done exactly with additions rounded toward zero or -inf: no conversion
+//   instructions).
+// Rows of one warp may take different paths (the general path's shuffles use the ballot of its
+// rows' lanes).
 // int4 with VEC = 1 (unaligned rows): each lane's code is paired with its neighbour's by a
 // shuffle and the even lane stores the byte.
-// Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
+// Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never stored (their
+// lanes read the last token's row).
 //
 // Before the kernel: the row arithmetic, shared with a host build (-DKVWRITE_HOST_TEST, g++) that
 // the tests compare with the reference on the CPU.
