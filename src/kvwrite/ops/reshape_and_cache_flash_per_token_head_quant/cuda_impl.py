@@ -75,10 +75,12 @@ class CudaTuning:
     # elements per lane (fewer lanes per row), to stay memory-bound: every lane of a row computes
     # the row's scale and the quotient's constants and addresses its stores, so the instructions
     # per element fall with more elements per lane. Static sm_90 SASS of the fast path
-    # (kernel.cu, built with KVWRITE_PTH_FAST_ONLY), packed H=8, D=128 bfloat16, instructions per
-    # element at 32 / 64 elements per lane: int8 12.1 / 10.6, fp8 9.8 / 8.4, int4 12.7 / 11.0,
-    # at 32 / 48 registers (100% / 62.5% occupancy at 256 threads). Not measured yet; 64 is the
-    # other candidate (KVWRITE_PTH_LARGE_ELEMS=64 sets it for a measurement).
+    # (kernel.cu, built with KVWRITE_PTH_FAST_ONLY; int4 without its rare top clamp), packed
+    # H=8, D=128 bfloat16, instructions per element at 32 / 64 elements per lane: int8 12.1 /
+    # 10.3, fp8 9.8 / 8.1, int4 11.7 / 9.7, at 32 / 48 registers (100% / 62.5% occupancy at 256
+    # threads); the kernel before the fast path: 17.1, 12.9, 21.8 at 32 (48 registers). Not
+    # measured yet; 64 is the other candidate (KVWRITE_PTH_LARGE_ELEMS=64 sets it for a
+    # measurement).
     large_call_bytes: int = 8 << 20
     large_elems_per_lane: int = dataclasses.field(
         default_factory=lambda: int(os.environ.get("KVWRITE_PTH_LARGE_ELEMS", "32")))
