@@ -9,6 +9,7 @@ three implementations, CUDA graphs, torch.compile and the sanitize cases."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -297,6 +298,169 @@ void pth_rows(int mode, int steps, const float* x, long long rows, int d, unsign
     entries[r] = entry;
   }
 }
+
+// The kernel's choice of path per row, its reductions (NaN propagating) as loops: rows that
+// qualify take the fast path's functions, the others pth_rows. Returns the fast rows' count.
+long long pth_rows_paths(int mode, int steps, const float* x, long long rows, int d,
+                         unsigned char* codes, unsigned int* entries, long long* clamped) {
+  const int dq = mode == PTH_INT4 ? d / 2 : d;
+  long long fast_rows = 0;
+  *clamped = 0;
+  for (long long r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    bool nan = false;
+    float amax = 0.0f, lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < d; ++i) {
+      const float v = xr[i];
+      if (v != v) { nan = true; continue; }
+      amax = fmaxf(amax, fabsf(v)); lo = fminf(lo, v); hi = fmaxf(hi, v);
+    }
+    const bool fast = !nan && (mode == PTH_INT4 ? fast_int4_row(lo, hi) : fast_amax_row(amax));
+    if (!fast) { pth_rows(mode, steps, xr, 1, d, codes + r * dq, entries + r); continue; }
+    ++fast_rows;
+    unsigned char* out = codes + r * dq;
+    float s = mode == PTH_INT4 ? fast_int4_scale(lo, hi)
+              : mode == PTH_INT8 ? (steps == 1 ? fast_amax_scale<PTH_INT8, 1>(amax)
+                                               : fast_amax_scale<PTH_INT8, 2>(amax))
+                                 : (steps == 1 ? fast_amax_scale<PTH_FP8, 1>(amax)
+                                               : fast_amax_scale<PTH_FP8, 2>(amax));
+    const float y = fast_rcp(s);
+    auto quot = [&](float v) {
+      return steps == 1 ? fast_quotient<1>(v, s, y) : fast_quotient<2>(v, s, y);
+    };
+    if (mode == PTH_INT4) {
+      const u32 zp = steps == 1 ? fast_int4_zero_point<1>(lo, s, y)
+                                : fast_int4_zero_point<2>(lo, s, y);
+      const float zc = fast_int4_zc(zp);
+      entries[r] = (f32_bits(s) & 0xFFFFFFF0u) | (zp & 0xFu);
+      // The kernel's choice: no top clamp where the largest value's code is at most 15.
+      const bool top = steps == 1 ? fast_int4_top<1>(hi, s, y, zc) : fast_int4_top<2>(hi, s, y, zc);
+      *clamped += !top;
+      auto bits = [&](float v) {
+        return top ? fast_int4_bits<false>(quot(v), zc) : fast_int4_bits<true>(quot(v), zc);
+      };
+      for (int j = 0; j < d; j += 8) {  // groups of 8 (fast_int4_pack<8>), the rest by pairs
+        if (j + 8 <= d) {
+          u32 t[8];
+          for (int k = 0; k < 8; ++k) t[k] = bits(xr[j + k]);
+          const u32 w = fast_int4_pack<8>(t);
+          for (int k = 0; k < 4; ++k) out[j / 2 + k] = static_cast<unsigned char>(w >> (8 * k));
+        } else {
+          for (int k = j; k < d; k += 2) {
+            const u32 t[2] = {bits(xr[k]), bits(xr[k + 1])};
+            out[k / 2] = static_cast<unsigned char>(fast_int4_pack<2>(t));
+          }
+        }
+      }
+    } else if (mode == PTH_INT8) {
+      entries[r] = f32_bits(s);
+      for (int i = 0; i < d; ++i) out[i] = static_cast<unsigned char>(fast_int8_code(quot(xr[i])));
+    } else {
+      entries[r] = f32_bits(s);
+      for (int i = 0; i < d; ++i) {
+        const float v = fast_fp8_signed(quot(xr[i]), xr[i]);
+        out[i] = static_cast<unsigned char>(fp8x2_from_f32<DT_E4M3>(v, 0.0f) & 0xFFu);
+      }
+    }
+  }
+  return fast_rows;
+}
+
+// fast_quotient(x, s, fast_rcp(s)) against the IEEE quotient for every x of xs and s of ss with
+// |x / s| <= 1024: out[0] pairs checked, out[1] quotients >= 2^-60 that differ, out[2] tiny
+// quotients (< 2^-60) whose result is not tiny, out[3] reciprocals that differ from 1 / s.
+void pth_fast_quotient(int steps, const float* xs, long long nx, const float* ss, long long ns,
+                       long long* out) {
+  out[0] = out[1] = out[2] = out[3] = 0;
+  for (long long j = 0; j < ns; ++j) {
+    const float s = ss[j], y = fast_rcp(s);
+    out[3] += f32_bits(y) != f32_bits(1.0f / s);
+    for (long long i = 0; i < nx; ++i) {
+      const float x = xs[i], want = x / s;
+      if (!(fabsf(want) <= 1024.0f)) continue;
+      const float got = steps == 1 ? fast_quotient<1>(x, s, y)
+                      : steps == 2 ? fast_quotient<2>(x, s, y) : fast_quotient<0>(x, s, y);
+      ++out[0];
+      if (fabsf(want) >= 0x1p-60f) out[1] += f32_bits(got) != f32_bits(want);
+      else out[2] += !(fabsf(got) < 0x1p-59f);
+    }
+  }
+}
+
+// fast_div_const by 127 (which 0), 448 (1) or 15 (2) against the IEEE quotient, for a >= 0:
+// the count that differ.
+long long pth_fast_div(int which, int steps, const float* as, long long n) {
+  long long bad = 0;
+  for (long long i = 0; i < n; ++i) {
+    const float a = as[i];
+    float got, want;
+    if (which == 0) {
+      got = steps == 1 ? fast_div_const<1>(a, PTH_M127, PTH_S127, PTH_Y127)
+                       : fast_div_const<2>(a, PTH_M127, PTH_S127, PTH_Y127);
+      want = a / 127.0f;
+    } else if (which == 1) {
+      got = steps == 1 ? fast_div_const<1>(a, PTH_M448, PTH_S448, PTH_Y448)
+                       : fast_div_const<2>(a, PTH_M448, PTH_S448, PTH_Y448);
+      want = a / 448.0f;
+    } else {
+      got = steps == 1   ? fast_div_const<1>(a, PTH_M15, PTH_S15, PTH_Y15)
+            : steps == 2 ? fast_div_const<2>(a, PTH_M15, PTH_S15, PTH_Y15)
+                         : fast_div_const<0>(a, PTH_M15, PTH_S15, PTH_Y15);
+      want = a / 15.0f;
+    }
+    // Below the floor (1e-6) only the floored scale matters.
+    if (want >= 1e-7f || got >= 1e-7f) bad += f32_bits(got) != f32_bits(want);
+  }
+  return bad;
+}
+
+// The fast path's code roundings on every 13th float q of [2^-3, 2^8) (both signs) and on each
+// tie k + 1/2 and its two neighbours: fast_int8_code's byte against rhaz (|q| <= 127.00002),
+// fast_int4_bits's nibble against clamp(rhu(q) + zp, 0, 15) for every zp where rhu(q) + zp >= 0
+// and q <= 16.0001. out[0] checked, out[1] int8 wrong, out[2] int4 wrong, out[3] int4 bits
+// other than 0x4B00000n.
+static double rhaz_exact(float q) {
+  const double n = trunc((double)q);
+  return fabs((double)q - n) >= 0.5 ? n + (q < 0 ? -1.0 : 1.0) : n;
+}
+static double rhu_exact(float q) {
+  const double n = floor((double)q);
+  return (double)q - n >= 0.5 ? n + 1.0 : n;
+}
+static void code_case(float q, long long* out) {
+  ++out[0];
+  if (fabsf(q) <= 127.00002f) {
+    const int want = (int)rhaz_exact(q);
+    out[1] += (fast_int8_code(q) & 0xFFu) != ((unsigned)want & 0xFFu);
+  }
+  if (q > 16.0001f) return;
+  const double n = rhu_exact(q);
+  for (int zp = 0; zp < 16; ++zp) {
+    if (n + zp < 0) continue;
+    const double want = n + zp > 15 ? 15 : n + zp;
+    const u32 zbits = 0x4B000000u | (u32)zp;
+    const u32 b = fast_int4_bits(q, fast_int4_zc(zbits));
+    out[2] += (b & 0xFu) != (u32)want;
+    out[3] += (b & ~0xFu) != 0x4B000000u;
+  }
+}
+void pth_code_check(long long* out) {
+  out[0] = out[1] = out[2] = out[3] = 0;
+  for (u32 e = 127u - 3u; e < 127u + 8u; ++e)
+    for (u32 m = 0; m < (1u << 23); m += 13) {
+      code_case(bits_f32((e << 23) | m), out);
+      code_case(-bits_f32((e << 23) | m), out);
+    }
+  for (int k = -130; k <= 130; ++k)
+    for (int dlt = -2; dlt <= 2; ++dlt) {
+      const float t = bits_f32(f32_bits((float)k + 0.5f) + dlt);
+      code_case(t, out);
+    }
+  code_case(0.0f, out);
+  code_case(-0.0f, out);
+  code_case(0x1p-140f, out);
+  code_case(-0x1p-140f, out);
+}
 }
 """
 
@@ -355,6 +519,11 @@ def _sweep_rows(dtype: torch.dtype, d: int, seed: int) -> torch.Tensor:
     t4 = (torch.randint(-14, 16, (512, d), generator=g).float() / 2).clamp(-7, 8)
     t4[:, 0], t4[:, 1] = -7.0, 8.0
     parts.append((t4 * k).to(dtype))
+    # Extremes both on halves (-7.5, 7.5 times 2^k): zp = 8 and the top code would be 16 (the
+    # kernel's fast path keeps its top clamp for these rows).
+    t5 = (torch.randint(-15, 16, (256, d), generator=g).float() / 2).clamp(-7.5, 7.5)
+    t5[:, 0], t5[:, 1] = -7.5, 7.5
+    parts.append((t5 * k[:256]).to(dtype))
     return torch.cat(parts)
 
 
@@ -381,6 +550,140 @@ def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
     assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} element "
                               f"{int(bad[0, 1])}: got {int(codes[tuple(bad[0])])}, want "
                               f"{int(want_codes[tuple(bad[0])])}")
+
+
+def _fast_rows_check(host_lib, x: torch.Tensor, mode: str, steps: int,
+                     clamped: list | None = None) -> int:
+    """pth_rows_paths on rows x against the reference; returns how many took the fast path
+    (``clamped`` gets how many int4 rows of them took the top clamp)."""
+    rows, d = x.shape
+    xf = x.float().contiguous()
+    dq = d // 2 if mode == INT4 else d
+    codes = torch.empty(rows, dq, dtype=torch.uint8)
+    entries = torch.empty(rows, dtype=torch.int32)
+    host_lib.pth_rows_paths.restype = ctypes.c_longlong
+    n_clamped = ctypes.c_longlong(0)
+    n_fast = host_lib.pth_rows_paths(MODES.index(mode), steps, ctypes.c_void_p(xf.data_ptr()),
+                                     ctypes.c_longlong(rows), d, ctypes.c_void_p(codes.data_ptr()),
+                                     ctypes.c_void_p(entries.data_ptr()), ctypes.byref(n_clamped))
+    if clamped is not None:
+        clamped.append(n_clamped.value)
+    want_codes, want_entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
+    bad_e = torch.nonzero(entries != want_entries.view(torch.int32)).flatten()
+    assert bad_e.numel() == 0, (f"{bad_e.numel()} scale entries differ; first row "
+                                f"{x[bad_e[0]].tolist()}: got {int(entries[bad_e[0]]):#x}, want "
+                                f"{int(want_entries.view(torch.int32)[bad_e[0]]):#x}")
+    diff = codes != want_codes
+    if mode == FP8:
+        diff &= ~(torch.isnan(codes.view(torch.float8_e4m3fn).float())
+                  & torch.isnan(want_codes.view(torch.float8_e4m3fn).float()))
+    bad = torch.nonzero(diff)
+    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} "
+                              f"{x[int(bad[0, 0])].tolist()} element {int(bad[0, 1])}: got "
+                              f"{int(codes[tuple(bad[0])])}, want "
+                              f"{int(want_codes[tuple(bad[0])])}")
+    return int(n_fast)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_fast_path_on_host_matches_reference(host_lib, mode, dtype):
+    """The kernel's fast path (finite rows; int4: rows whose range holds zero) and its choice of
+    path, compiled as host C++, on the sweep's rows (every 16-bit pattern, random, tie and
+    special rows) and on rows of 128: codes and entries bit for bit; both paths taken, and
+    int4's rows with and without the top clamp."""
+    steps = 2 if dtype == torch.float32 else 1
+    x = _sweep_rows(dtype, 32, seed=10 + MODES.index(mode))
+    clamped = []
+    n_fast = _fast_rows_check(host_lib, x, mode, steps, clamped)
+    assert x.shape[0] // 3 < n_fast < x.shape[0], (n_fast, x.shape[0])
+    if mode == INT4:
+        assert 256 <= clamped[0] < n_fast, (clamped, n_fast)
+    g = torch.Generator().manual_seed(3)
+    lo, hi = (-10, 8) if dtype == torch.float16 else (-20, 20)
+    y = (torch.randn(512, 128, generator=g) * torch.exp2(
+        torch.randint(lo, hi, (512, 1), generator=g).float())).to(dtype)
+    assert _fast_rows_check(host_lib, y, mode, steps) == 512
+
+
+def _f32_of_all_16bit(dtype: torch.dtype) -> torch.Tensor:
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    return x[torch.isfinite(x)].contiguous()
+
+
+def _fast_scales() -> torch.Tensor:
+    """Scales the fast path meets (FLOOR to 2^125): of every binade, ordinary, all-ones, 1.0
+    and near-1.0 significands."""
+    g = torch.Generator().manual_seed(5)
+    e = torch.arange(-20, 126, dtype=torch.int64)
+    mant = torch.cat([torch.randint(0, 2**23, (2,), generator=g),
+                      torch.tensor([0, 2**23 - 1, 0x7F0000])])
+    bits = ((e[:, None] + 127) << 23) | mant[None, :]
+    s = bits.flatten().to(torch.int32).view(torch.float32)
+    return torch.cat([s[s >= 1e-6], torch.tensor([1e-6, 3.3e-6, 0.0078740157])]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fast_quotient_is_the_ieee_quotient_on_host(host_lib, dtype):
+    """The fast path's quotient without the scaling by m (one product, two fused multiply-adds
+    per step) is RN(x / s) for every 16-bit x (float32: random x, two steps) under scales of every
+    binade the fast path meets, wherever |x / s| <= 1024 (tiny quotients: tiny); its reciprocal
+    is RN(1 / s). Without a step it is not (the check can fail)."""
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(6)
+        xs = (torch.randn(20000, generator=g) * torch.exp2(
+            torch.randint(-30, 30, (20000,), generator=g).float())).contiguous()
+        steps = 2
+    else:
+        xs = _f32_of_all_16bit(dtype)
+        steps = 1
+    ss = _fast_scales()
+    out = (ctypes.c_longlong * 4)()
+    def run(steps):
+        host_lib.pth_fast_quotient(steps, ctypes.c_void_p(xs.data_ptr()),
+                                   ctypes.c_longlong(xs.numel()), ctypes.c_void_p(ss.data_ptr()),
+                                   ctypes.c_longlong(ss.numel()), out)
+
+    run(steps)
+    checked, wrong, tiny_wrong, rcp_wrong = list(out)
+    assert checked > 5 * xs.numel() and wrong == 0 and tiny_wrong == 0 and rcp_wrong == 0
+    run(0)
+    assert out[1] > 0
+
+
+def test_fast_scale_divisions_on_host(host_lib):
+    """RN(a / 127), RN(a / 448) by the fast path's constants, one step, for every 16-bit
+    a >= 0 (amax is an input value); two steps for float32 a (float32 inputs, int4's
+    RN(mx - mn) / 15, where the proof is Markstein's); and the constants are RN(1 / s2)."""
+    import numpy as np
+    for s2, y in ((3.96875, "0x1.020408p-2"), (3.5, "0x1.24924ap-2"), (3.75, "0x1.111112p-2")):
+        assert float(np.float32(1.0) / np.float32(s2)) == float.fromhex(y)
+    host_lib.pth_fast_div.restype = ctypes.c_longlong
+    for dtype in (torch.float16, torch.bfloat16):
+        a = _f32_of_all_16bit(dtype).abs().unique().contiguous()
+        for which in (0, 1):
+            assert host_lib.pth_fast_div(which, 1, ctypes.c_void_p(a.data_ptr()),
+                                         ctypes.c_longlong(a.numel())) == 0
+    g = torch.Generator().manual_seed(7)
+    a = (torch.rand(200000, generator=g) * torch.exp2(
+        torch.randint(-30, 127, (200000,), generator=g).float())).contiguous()
+    a = a[torch.isfinite(a)].contiguous()
+    for which in (0, 1, 2):
+        assert host_lib.pth_fast_div(which, 2, ctypes.c_void_p(a.data_ptr()),
+                                     ctypes.c_longlong(a.numel())) == 0
+    # The product alone is not the quotient (the check can fail).
+    assert host_lib.pth_fast_div(2, 0, ctypes.c_void_p(a.data_ptr()),
+                                 ctypes.c_longlong(a.numel())) > 0
+
+
+def test_fast_code_roundings_on_host(host_lib):
+    """The fast path's int8 byte (rhaz in two directed additions, the sign folded in) and int4
+    nibble (rhu + zp, top clamp) on every 13th float of [2^-3, 2^8) of both signs, every tie and
+    its neighbours, zeros and tiny values, against exact roundings."""
+    out = (ctypes.c_longlong * 4)()
+    host_lib.pth_code_check(out)
+    checked, int8_wrong, int4_wrong, int4_bits_wrong = list(out)
+    assert checked > 10_000_000 and int8_wrong == 0 and int4_wrong == 0 and int4_bits_wrong == 0
 
 
 def test_tie_rows_catch_inexact_roundings(monkeypatch):
@@ -856,7 +1159,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     c = _cuda_impl()
     names = c.all_kernel_names()
     obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 126 and len(set(names)) == 126 and len(bytes(obj.code)) > 0
+    assert len(names) == 132 and len(set(names)) == 132 and len(bytes(obj.code)) > 0
 
 
 @needs_nvrtc
@@ -880,40 +1183,45 @@ def test_nvrtc_compiles_specialized_builds():
             p = _plan(case, tuning)
             obj, _ = c.compile_kernel("sm_90", p.name, fixed=p.fixed)
             assert len(bytes(obj.code)) > 0
-    with pytest.raises(RuntimeError, match="24 values"):
+    with pytest.raises(RuntimeError, match="25 values"):
         c.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
 
 
-@pytest.mark.parametrize("case, vec, cpl, lanes", [
-    (PthCase(head_size=128, alloc="separate"), 8, 1, 16),  # 16-byte loads, 8-byte stores
-    (PthCase(head_size=128, alloc="packed"), 4, 1, 32),  # V rows 4-byte aligned (Dq + 4)
-    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16),  # 4-byte codes
-    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32),
-    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16),
-    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16),
-    (PthCase(head_size=46, alloc="separate"), 2, 1, 32),
-    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16),
-    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32),
-    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1, 2),
-    (PthCase(head_size=512, alloc="separate"), 8, 2, 32),
-    (PthCase(head_size=1, alloc="separate"), 1, 1, 1),
+@pytest.mark.parametrize("case, vec, cpl, lanes, sw", [
+    (PthCase(head_size=128, alloc="separate"), 8, 1, 16, 8),  # 16-byte loads, 8-byte stores
+    (PthCase(head_size=128, alloc="packed"), 8, 1, 16, 4),  # V rows 4-byte aligned (Dq + 4)
+    (PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), 8, 1, 16, 4),  # 4-byte codes
+    (PthCase(head_size=256, alloc="interleaved", dtype=torch.float32), 4, 2, 32, 4),
+    (PthCase(head_size=64, alloc="separate", dtype=torch.float32), 4, 1, 16, 4),
+    (PthCase(head_size=64, head_size_v=80, alloc="separate"), 8, 1, 16, 8),
+    (PthCase(head_size=46, alloc="separate"), 2, 1, 32, 2),
+    (PthCase(head_size=13, head_size_v=7, alloc="separate"), 1, 1, 16, 1),
+    (PthCase(head_size=30, head_pad=1, alloc="separate", kv_quant_mode=INT4), 1, 1, 32, 1),
+    (PthCase(head_size=2, num_heads=1, alloc="separate", kv_quant_mode=INT4, head_pad=1), 1, 1,
+     2, 1),
+    (PthCase(head_size=512, alloc="separate"), 8, 2, 32, 8),
+    (PthCase(head_size=1, alloc="separate"), 1, 1, 1, 1),
+    # Loads as wide as the input allows, stores as wide as the rows allow (odd row strides).
+    (PthCase(head_size=64, alloc="separate", row_pad=1), 8, 1, 8, 1),
 ])
-def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes):
+def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes, sw):
     p = _plan(case)
-    assert (p.vec, p.cpl, p.lanes) == (vec, cpl, lanes), p
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (vec, cpl, lanes, sw), p
     assert p.name == _cuda_impl().kernel_name(
         {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[case.dtype],
         MODES.index(case.kv_quant_mode), vec, cpl)
-    assert len(p.fixed) == _cuda_impl().NUM_FIXED
+    assert len(p.fixed) == _cuda_impl().NUM_FIXED and p.fixed[-1] == sw.bit_length() - 1
 
 
 def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
+    """Large calls' plans (32 elements per lane, or 64 when tuned), and the refusals: rows of
+    more than 64 elements or 8 chunks per lane of 32."""
     c = _cuda_impl()
     large = c.CudaTuning(large_call_bytes=0)
     p = _plan(PthCase(head_size=128, alloc="separate"), large)
     assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
     p = _plan(PthCase(head_size=128, alloc="packed"), large)
-    assert (p.vec, p.cpl, p.lanes) == (4, 8, 4)
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 4, 4, 4)
     p = _plan(PthCase(head_size=64, alloc="packed", kv_quant_mode=INT4), large)
     assert (p.vec, p.cpl, p.lanes) == (8, 4, 2)
     p = _plan(PthCase(head_size=256, alloc="separate", dtype=torch.float32), large)
@@ -932,6 +1240,17 @@ def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refus
     ok = make_pth_inputs(PthCase(head_size=512, alloc="separate", num_tokens=1))
     assert c.unsupported(ok.key, ok.value, ok.key_cache, ok.value_cache,
                          PerTokenHeadMode.INT8_PER_TOKEN_HEAD) is None
+    # 64 elements per lane: two lanes per row of 128, and rows up to 2048 in 16-byte chunks.
+    p = _plan(PthCase(head_size=128, alloc="packed"),
+              c.CudaTuning(large_call_bytes=0, large_elems_per_lane=64))
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 8, 2, 4)
+    for d, refused in ((2048, False), (2056, True), (1024, False)):
+        x = make_pth_inputs(PthCase(head_size=d, alloc="separate", num_tokens=1, num_heads=1,
+                                    num_blocks=1, dtype=torch.float32 if d == 1024 else
+                                    torch.bfloat16))
+        reason = c.unsupported(x.key, x.value, x.key_cache, x.value_cache,
+                               PerTokenHeadMode.INT8_PER_TOKEN_HEAD)
+        assert (reason is not None) == refused, (d, reason)
 
 
 def test_cuda_plans_every_gpu_case_it_does_not_refuse():
@@ -990,7 +1309,7 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
 def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path, mode,
                                                                          slot_dtype):
     """sm_90 kernels find their parameters at c[0x0][0x210] on: 7 pointers and num_tokens
-    (0x210-0x24f), then the 24 fixed arguments (0x250-0x30f). The specialized build reads none
+    (0x210-0x24f), then the 25 fixed arguments (0x250-0x317). The specialized build reads none
     of them, the generic one does; and no build waits for a load (the slot's) before it has
     issued the row's 16-byte loads (sass.waits_before_loads)."""
     sass_tools = _sass_tools()
@@ -1010,6 +1329,95 @@ def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path
     assert not any(first <= o < end for o in special), sorted(map(hex, special))
     for text in (special_text, generic_text):
         assert not sass_tools.late_issues(text, lambda t: ".128" in t.split()[0])
+
+
+# The fast path's machine code for the benchmark's shape (vLLM's packed rows, H=8, D=128,
+# bfloat16, the large calls' plan: 4 lanes of 32 elements per row), built alone
+# (KVWRITE_PTH_FAST_ONLY; int4: its loop without the top clamp alone, the rows' common case,
+# KVWRITE_PTH_COUNT_UNCLAMPED): instructions at most (measured 386 / 312 / 375 when pinned,
+# i.e. 12.1 / 9.8 / 11.7 per element, against 17.2 / 14 / about 22 of the kernel before it).
+_FAST_PATH_BUDGET = {INT8: 400, FP8: 325, INT4: 390}
+_COUNT_MACROS = ("KVWRITE_PTH_FAST_ONLY", "KVWRITE_PTH_COUNT_UNCLAMPED")
+
+
+def _bench_plan(mode: str, elems: int = 32):
+    c = _cuda_impl()
+    return _plan(PthCase(kv_quant_mode=mode, head_size=128, num_heads=8, alloc="packed",
+                         via_allocator=True),
+                 c.CudaTuning(large_call_bytes=0, large_elems_per_lane=elems))
+
+
+def _build(p, macros=()):
+    """(SASS listing, registers, spilled bytes) of plan p's specialized sm_90 build."""
+    c = _cuda_impl()
+    obj, log = c.compile_kernel("sm_90", p.name, fixed=p.fixed, macros=macros, ptxas_verbose=True)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return obj, regs, spills
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mode", MODES)
+def test_fast_path_machine_code_shape(tmp_path, mode):
+    """sm_90, the benchmark's shape. The fast path alone: at most _FAST_PATH_BUDGET
+    instructions; per element one product and two fused multiply-adds for the quotient (FMUL,
+    FFMA counts), no conversion instruction (F2I, I2F, F2F), one reciprocal (MUFU), no call;
+    the reductions on bfloat16 pairs (HMNMX2 / VHMNMX, one per word or less); the row's four
+    16-byte loads and the slot's; the codes in 4-byte stores (the rows' alignment), 2 per chunk
+    (int8, fp8) or 1 (int4), and the scale's. The whole kernel (both paths): at most 32
+    registers (full occupancy at 256 threads), no spills, every load (the row's and the slot's)
+    issued before any arithmetic on the row and before any wait for a load."""
+    sass_tools = _sass_tools()
+    p = _bench_plan(mode)
+    assert (p.vec, p.cpl, p.lanes, p.sw) == (8, 4, 4, 4)
+    elems = p.vec * p.cpl
+    obj, regs, spills = _build(p, _COUNT_MACROS)
+    ops = [o for o in sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+           if o != "NOP;" and not o.startswith("BRA")]
+    base = [o.split(".")[0] for o in ops]
+    n = collections.Counter(base)
+    assert len(ops) <= _FAST_PATH_BUDGET[mode], (len(ops), n.most_common(12))
+    assert elems <= n["FMUL"] <= elems + 8 and 2 * elems <= n["FFMA"] <= 2 * elems + 10, n
+    assert not any(k in n for k in ("F2I", "I2F", "F2F", "CALL", "FCHK", "I2FP", "F2IP")), n
+    assert n["MUFU"] == 1 and n["LDL"] == n["STL"] == 0, n
+    if mode == INT4:
+        assert 0 < n["VHMNMX"] + n["HMNMX2"] <= 2 * p.cpl * 4, n
+    else:
+        assert n["HMNMX2"] == p.cpl * 4, n  # one per word of two elements
+    assert sorted(o for o in ops if o.startswith("LDG")) == \
+        ["LDG.E.128.CONSTANT"] * p.cpl + ["LDG.E.64.CONSTANT"]
+    stores = [o for o in ops if o.startswith("STG")]
+    per_chunk = 1 if mode == INT4 else 2
+    assert stores == ["STG.E"] * (p.cpl * per_chunk + 1), stores
+    obj, regs, spills = _build(p)
+    assert regs <= 32 and spills == 0, (regs, spills)
+    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
+    ops = sass_tools.opcodes(text)
+    loads = [i for i, o in enumerate(ops) if o.startswith("LDG")]
+    first_math = min(i for i, o in enumerate(ops) if o.split(".")[0] in ("HMNMX2", "VHMNMX",
+                                                                         "FMNMX", "FMUL"))
+    assert len(loads) == p.cpl + 1 and max(loads) < first_math, ops[:first_math + 2]
+    # No wait for a load before the last of them is issued (a round trip each otherwise).
+    assert not sass_tools.late_issues(text, lambda t: True)
+    assert not any(o.startswith(("LDL", "STL")) for o in ops)
+
+
+@needs_nvrtc
+def test_fast_path_64_elements_per_lane_machine_code(tmp_path):
+    """The other plan for large calls (2 lanes of 64 elements per row): fewer instructions per
+    element than 32 (the per-row work amortized), 8 loads of 16 bytes, at most 48 registers and
+    no spills."""
+    sass_tools = _sass_tools()
+    for mode in MODES:
+        p = _bench_plan(mode, 64)
+        assert (p.vec, p.cpl, p.lanes) == (8, 8, 2)
+        obj, _, _ = _build(p, _COUNT_MACROS)
+        ops = [o for o in sass_tools.opcodes(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+               if o != "NOP;" and not o.startswith("BRA")]
+        assert len(ops) / 64 < _FAST_PATH_BUDGET[mode] / 32 - 1.0, (mode, len(ops))
+        assert sum(o == "LDG.E.128.CONSTANT" for o in ops) == 8
+        _, regs, spills = _build(p)
+        assert regs <= 48 and spills == 0, (mode, regs, spills)
 
 
 def test_sanitize_cases_are_listed():
@@ -1142,19 +1550,29 @@ def test_gpu_cpu_matrix_against_oracle(case):
                                 case.mode, _dq(case), f"{impl}: ")
 
 
+_BUILD_VARIANTS = (
+    [(c, v) for v in ("generic", "large-call", "generic-large-call", "threads-64")
+     for c in PTH_GPU_CASES[::8]]
+    + [(c, v) for v in ("general-path", "large-call-64", "general-path-large-call")
+       for c in PTH_GPU_CASES[::16]])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["generic", "large-call", "generic-large-call",
-                                     "threads-64"])
-@pytest.mark.parametrize("case", PTH_GPU_CASES[::8], ids=lambda c: c.id)
+@pytest.mark.parametrize("case, variant", _BUILD_VARIANTS,
+                         ids=[f"{c.id}-{v}" for c, v in _BUILD_VARIANTS])
 def test_gpu_cuda_builds(case, variant):
     """The cuda kernel's other builds over part of the matrix: generic (runtime arguments), the
-    large calls' plan (two chunks per lane) forced on small calls, both, and 64-thread CTAs."""
+    large calls' plan (32 elements per lane, or 64) forced on small calls, both, 64-thread CTAs,
+    and every row down the general path (which otherwise runs only NaN, infinite and int4
+    one-sign rows)."""
     c = _cuda_impl()
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     tuning = c.CudaTuning(specialize="generic" not in variant,
                           large_call_bytes=0 if "large" in variant else c.TUNING.large_call_bytes,
-                          threads=64 if variant == "threads-64" else c.TUNING.threads)
+                          large_elems_per_lane=64 if variant.endswith("-64") else 32,
+                          threads=64 if variant == "threads-64" else c.TUNING.threads,
+                          general_path_only=variant.startswith("general-path"))
     inp, want = _gpu_reference(case)
     if (reason := c.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
                                 case.mode)) is not None:
@@ -1193,6 +1611,43 @@ def test_gpu_row_sweep(impl, mode, dtype):
                                                          implementation=impl)
     assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), (32 // (2 if mode == INT4 else 1),) * 2,
                             f"{impl}: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["small", "large-32", "large-64", "general-path"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_cuda_row_sweep_rows_of_128(mode, dtype, plan):
+    """The sweep's rows (every 16-bit pattern, random rows over many binades, ties, special
+    rows) as rows of 128 in vLLM's packed layout (the benchmark's shape: H=8), through each of
+    the cuda kernel's plans: warps whose rows take the fast path and the general path side by
+    side (and every row down the general path); whole allocations against the reference."""
+    c = _cuda_impl()
+    if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
+        pytest.skip(reason)
+    x = _sweep_rows(dtype, 128, seed=20 + MODES.index(mode)).cuda()
+    n = x.shape[0] // 8 * 8
+    key = x[:n].view(-1, 8, 128)
+    value = x[:n].flip(0).reshape(-1, 8, 128)
+    t = key.shape[0]
+    bs = 16
+    nb = -(-t // bs) + 1
+    caches = kvwrite.create_per_token_head_caches(nb, bs, 8, 128, mode, kv_alloc="packed",
+                                                  device="cuda")
+    storage_bytes(caches[0]).copy_(torch.randint(0, 256, storage_bytes(caches[0]).shape,
+                                                 dtype=torch.uint8, device="cuda"))
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    slots[::17] = -1
+    want = clone_pth_caches(caches)
+    pmode = PerTokenHeadMode(mode)
+    torch_ref.run(key, value, *want, slots, pmode)
+    tuning = c.CudaTuning(large_call_bytes=c.TUNING.large_call_bytes if plan == "small" else 0,
+                          large_elems_per_lane=64 if plan == "large-64" else 32,
+                          general_path_only=plan == "general-path")
+    c.run(key, value, *caches, slots, pmode, tuning=tuning)
+    torch.cuda.synchronize()
+    dq = 64 if mode == INT4 else 128
+    assert_pth_caches_equal(caches, want, pmode, (dq, dq), f"cuda {plan}: ")
 
 
 @pytest.mark.gpu
@@ -1272,15 +1727,91 @@ def test_torch_compile_with_packed_views_as_inputs_refuses_or_is_right():
     assert_pth_caches_equal(caches, want, PerTokenHeadMode(INT4), (8, 8))
 
 
+_TRITON_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl as ti
+
+def ptx(mode, align, small):
+    k = ti._pth_kernel
+    bt, bh, warps = ti.tiling(8, 128, 128, ti.TUNING, small)
+    types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8",
+             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_mapping_ptr": "*i64", "num_tokens": "i32"}
+    for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "KC_B", "KC_S", "KC_H", "VC_B", "VC_S",
+              "VC_H", "KS_B", "KS_S", "KS_H", "VS_B", "VS_S", "VS_H", "NUM_SLOTS", "H"):
+        types[n] = "i32"
+    consts = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, BLOCK_T=bt, BLOCK_H=bh, MODE=mode,
+                  PDL=False, PDL_TRIGGER=False, BLOCK_SIZE=16, ALIGN=align)
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in k.arg_names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for mode, align, small in ((0, 4, False), (1, 4, True), (2, 4, False), (2, 4, True),
+                           (0, 1, False)):
+        t = ptx(mode, align, small)
+        out[f"{mode}-{align}-{small}"] = [t.count("st.global.b8"), t.count("st.global.b32"),
+                                          t.count("cvt.rzi") + t.count("cvt.rmi") +
+                                          t.count("cvt.rpi") + t.count("cvt.rni"),
+                                          t.count("div.s64") + t.count("div.u64") +
+                                          t.count("rem.s64") + t.count("rem.u64")]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_with_wide_code_stores():
+    """The Triton kernel compiled for sm_90 (no GPU needed), the benchmark's shape: with rows
+    4-byte aligned (ALIGN, vLLM's packed layout) the codes go out in 4-byte stores, with no
+    alignment in bytes (the check can fail); no float-to-integer rounding conversion (the exact
+    roundings take additions) and no 64-bit division (the block size is a constant), in the
+    large calls' tiling and the small grids'."""
+    import json
+    import os
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key, (b8, b32, cvt, div) in out.items():
+        mode, align, _ = key.split("-")
+        if align == "4":
+            assert b8 == 0 and b32 > 0 and div == 0, (key, out)
+            assert cvt == 0 or mode == "1", (key, out)
+    assert out["0-1-False"][0] > 0, out
+
+
+def test_triton_call_tiling_spreads_small_grids():
+    """Calls of few programs take the small-grid tiling: fewer elements per thread (8 at H=8,
+    D=128), one token per program."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    large = triton_impl.tiling(8, 128, 128)
+    assert large == (2, 8, 4)  # 32 elements per thread
+    assert triton_impl.call_tiling(1, 8, 128, 128) == (1, 8, 8)  # 8 per thread
+    assert triton_impl.call_tiling(16, 8, 128, 128) == (1, 8, 8)
+    assert triton_impl.call_tiling(4096, 8, 128, 128) == large
+    none = triton_impl.TritonTuning(small_grid=0)
+    assert triton_impl.call_tiling(1, 8, 128, 128, none) == large
+
+
 def test_triton_tiling_is_powers_of_two_within_the_tile():
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     for h, dk, dv in ((8, 128, 128), (1, 64, 64), (32, 256, 256), (5, 13, 7), (4, 16, 48),
                       (2, 1024, 1024), (128, 128, 128)):
-        bt, bh, warps = triton_impl.tiling(h, dk, dv)
-        for v in (bt, bh, warps):
-            assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
-        row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
-        assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= 4096 or bt == bh == 1)
+        for small, tile in ((False, 4096), (True, 2048)):
+            bt, bh, warps = triton_impl.tiling(h, dk, dv, triton_impl.TUNING, small)
+            for v in (bt, bh, warps):
+                assert v >= 1 and v & (v - 1) == 0, (h, dk, dv, bt, bh, warps)
+            row = triton_impl.next_pow2(dk) + triton_impl.next_pow2(dv)
+            assert bh <= triton_impl.next_pow2(h) and (bt * bh * row <= tile or bt == bh == 1)
 
 
 def test_roundtrip_reads_back_in_chunks(monkeypatch):

@@ -5,15 +5,23 @@ stream.
 One kernel, ``pth_quant_kernel<IN, MODE, VEC, CPL>`` (see ``kernel.cu``): a group of
 ``lanes`` threads per (token, head, K or V) row, each holding CPL chunks of VEC elements. VEC is
 the widest chunk of at most 16 bytes of input such that both head sizes are multiples of it and
-every input row start is aligned to its bytes and every cache row start to its code bytes
-(halving down to one element; int4 codes of single elements are paired across lanes). ``lanes``
-is the power of two (at most 32) that covers the row's chunks with ``CudaTuning.chunks_per_lane``
-chunks per lane (large calls: ``large_elems_per_lane`` elements), and CPL (1, 2, 4 or 8, at most
-32 elements per lane) what is left; rows longer than that (head sizes above 256 that no wider chunk divides, above 1024 otherwise) are
+every input row start is aligned to its bytes (halving down to one element; int4 codes of single
+elements are paired across lanes); a chunk's codes are stored in accesses as wide as every cache
+row start's alignment allows (the fixed argument ``store_shift``: vLLM's packed rows put V's
+codes 4 bytes off alignment, and loads need not be narrowed for it). ``lanes`` is the power of
+two (at most 32) that covers the row's chunks with ``CudaTuning.chunks_per_lane`` chunks per
+lane (large calls: ``large_elems_per_lane`` elements), and CPL (1, 2, 4 or 8, at most 64
+elements per lane) what is left; rows longer than that (head sizes above 256 that no wider chunk
+divides, above 512 or 1024 where 4- or 8-byte chunks are the widest, above 2048 otherwise) are
 unsupported here (torch and triton run them). The slot width (int32 or int64) is a fixed
-argument, not a template one: the variants stay few enough to compile all of them in a test. By default each call signature gets its own build
-with the arguments fixed by the caches and the inputs' layout compiled in
-(``CudaTuning.specialize``).
+argument, not a template one: the variants stay few enough to compile all of them in a test. By
+default each call signature gets its own build with the arguments fixed by the caches and the
+inputs' layout compiled in (``CudaTuning.specialize``).
+
+The kernel runs a row by one of two paths: the fast path for rows of finite values (int4: whose
+range also holds zero), the general path for the others (NaN, infinities, int4 rows of one
+sign); see kernel.cu. ``CudaTuning.general_path_only`` (tests) sends every row down the general
+path.
 
 Graph-safe: a call does no allocation and no host sync.
 """
@@ -21,6 +29,7 @@ Graph-safe: a call does no allocation and no host sync.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -29,7 +38,7 @@ from .op import PerTokenHeadMode
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
            "all_kernel_names", "compile_kernel", "kernel_name", "SOURCE", "NUM_FIXED",
-           "MAX_ELEMS_PER_LANE"]
+           "MAX_ELEMS_PER_LANE", "GENERAL_ONLY_MACRO", "FAST_ONLY_MACRO"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_pth_quant")
 KERNEL = "pth_quant_kernel"
@@ -40,8 +49,12 @@ _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: 0, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: 1,
          PerTokenHeadMode.INT4_PER_TOKEN_HEAD: 2}
 _CPLS = (1, 2, 4, 8)
-MAX_ELEMS_PER_LANE = 32
-NUM_FIXED = 24  # slot64 .. num_slots (kernel.cu's KVW_PTH_PARAMS after num_tokens)
+MAX_ELEMS_PER_LANE = 64
+NUM_FIXED = 25  # slot64 .. store_shift (kernel.cu's KVW_PTH_PARAMS after num_tokens)
+# Builds of kernel.cu for tests and machine-code counts: every row down the general path; the
+# fast path alone (wrong on NaN and infinite rows: never launched).
+GENERAL_ONLY_MACRO = "KVWRITE_PTH_GENERAL_ONLY"
+FAST_ONLY_MACRO = "KVWRITE_PTH_FAST_ONLY"
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -61,13 +74,16 @@ class CudaTuning:
     # Calls reading more than large_call_bytes of key and value take large_elems_per_lane
     # elements per lane (fewer lanes per row), to stay memory-bound: every lane of a row computes
     # the row's scale and the quotient's constants and addresses its stores, so the instructions
-    # per row fall with more elements per lane. Static sm_90 SASS of the packed H=8, D=128
-    # bfloat16 build, warp instructions per row at 4 / 16 / 32 elements per lane: int8 280 / 112
-    # / 83, fp8 264 / 94 / 66, int4 204 / 144 / 102. At T=16384 (262144 rows) an H200 issues
-    # about 1.05e12 warp instructions/s: int8 at 32 elements about 21 us against about 24 us for
-    # its 102 MB at 4.3 TB/s; int4 about 26 us against 20 us (85 MB). Estimates, not measured.
+    # per element fall with more elements per lane. Static sm_90 SASS of the fast path
+    # (kernel.cu, built with KVWRITE_PTH_FAST_ONLY; int4 without its rare top clamp), packed
+    # H=8, D=128 bfloat16, instructions per element at 32 / 64 elements per lane: int8 12.1 /
+    # 10.3, fp8 9.8 / 8.1, int4 11.7 / 9.7, at 32 / 48 registers (100% / 62.5% occupancy at 256
+    # threads); the kernel before the fast path: 17.1, 12.9, 21.8 at 32 (48 registers). Not
+    # measured yet; 64 is the other candidate (KVWRITE_PTH_LARGE_ELEMS=64 sets it for a
+    # measurement).
     large_call_bytes: int = 8 << 20
-    large_elems_per_lane: int = 32
+    large_elems_per_lane: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("KVWRITE_PTH_LARGE_ELEMS", "32")))
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -75,6 +91,9 @@ class CudaTuning:
     # stream serialization where the device allows it, as every other op's (tuning-log change
     # 44: no call slower with it); 0: never.
     pdl_max_ctas: int = 1 << 30
+    # Tests only: every row down the kernel's general path (KVWRITE_PTH_GENERAL_ONLY), which
+    # otherwise runs only rows with NaN or infinite values (int4: also rows of one sign).
+    general_path_only: bool = False
 
 
 TUNING = CudaTuning()
@@ -83,13 +102,19 @@ TUNING = CudaTuning()
 def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
                    macros: tuple = (), ptxas_verbose: bool = False):
     """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 24 trailing arguments compiled in. Returns ``(object_code, log)``."""
+    GPU. ``fixed``: the 25 trailing arguments compiled in. Returns ``(object_code, log)``."""
     macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
     return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
 
 
 def kernel_name(in_kind: int, mode: int, vec: int, cpl: int) -> str:
     return f"{KERNEL}<{in_kind}, {mode}, {vec}, {cpl}>"
+
+
+def _code_bytes(mode: int, vec: int) -> int:
+    """Code bytes of a chunk of ``vec`` elements (kernel.cu's OUT_N)."""
+    return (vec // 2 if vec >= 2 else 1) if mode == _MODE[PerTokenHeadMode.INT4_PER_TOKEN_HEAD] \
+        else vec
 
 
 def _vecs(in_bytes: int) -> list[int]:
@@ -120,8 +145,9 @@ class Plan:
     name: str
     vec: int            # elements per chunk
     cpl: int            # chunks per lane
+    sw: int             # bytes per store of a chunk's codes
     lanes: int          # threads per row
-    fixed: tuple[int, ...]  # slot64 .. num_slots (the 24 trailing kernel arguments)
+    fixed: tuple[int, ...]  # slot64 .. store_shift (the 25 trailing kernel arguments)
 
 
 def _align(byte_values) -> int:
@@ -172,10 +198,11 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
     out_al = _align([key_cache.data_ptr(), value_cache.data_ptr()] + list(kc) + list(vc))
     vec = 16 // ib
     while vec > 1:
-        out_n = vec // 2 if int4 else vec
-        if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0 and out_al % out_n == 0:
+        if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0:
             break
         vec //= 2
+    # The stores as wide as the cache rows' alignment allows, at most a chunk's code bytes.
+    sw = min(_code_bytes(_MODE[mode], vec), out_al)
     chunks = max(dk, dv) // vec
     large = is_large_call(slot_mapping.numel(), key, value, tuning)
     target = tuning.large_elems_per_lane // vec if large else tuning.chunks_per_lane
@@ -189,9 +216,9 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
                 f"lane; the cuda kernel holds at most {MAX_ELEMS_PER_LANE} elements and "
                 f"{_CPLS[-1]} chunks per lane (torch and triton run it)")
     fixed = (int(slot_mapping.dtype == torch.int64), h, dk, dv, lanes.bit_length() - 1, k_tok, k_head, v_tok, v_head, *kc, *vc, *ks, *vs,
-             bs, _log2_or_minus_1(bs), nb * bs)
+             bs, _log2_or_minus_1(bs), nb * bs, sw.bit_length() - 1)
     assert len(fixed) == NUM_FIXED
-    return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, lanes, fixed)
+    return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, sw, lanes, fixed)
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -230,6 +257,8 @@ def _launchable(args, mode, tuning) -> _Launchable:
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, _ = nvrtc.device_arch(index)
         macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+        if tuning.general_path_only:
+            macros += (GENERAL_ONLY_MACRO,)
         kernel = SOURCE.kernel(arch, p.name, macros)
         pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index)

@@ -4,14 +4,19 @@ three modes.
 A program quantizes ``BLOCK_T`` tokens by ``BLOCK_H`` heads: it loads their key rows
 ``[BLOCK_T, BLOCK_H, BLOCK_DK]`` and value rows, then their slots (after the rows, which do not
 depend on them), reduces each row to its amax (int8, fp8) or its min and max (int4), NaN and the
-padding past the head size ignored, computes the scale with a true division
-(``tl.math.div_rn``), and each element's quotient ``RN(x / s)`` exactly without a division per
-element (``kvwrite.kernels.triton_fp8.fp8_quotient``: a product and one or two fused
-corrections). The integer roundings are exact (``v - floor(v)`` is exact in float32); int4
-codes are paired with ``tl.split`` (even element in the low nibble). Codes are stored as bytes
-through a uint8 view of each data cache, scales as float32. Strides are run-time arguments;
-head sizes and the head and token tiles are compile-time constants. Nothing is read
-on the host per call, so ``run`` is CUDA-graph safe.
+padding past the head size ignored, computes the scale's division by 127, 448 or 15 with the
+exact quotient's constants (an exact product and one or two fused corrections, as the CUDA
+kernel; infinities kept), and each element's quotient ``RN(x / s)`` exactly without a division
+per element (``kvwrite.kernels.triton_fp8.fp8_quotient``: a product and one or two fused
+corrections). The integer roundings are exact and need no conversion instruction: round half to
+even by the 1.5 * 2^23 sum, corrected on the ties (``q - n`` is exact), and the codes' bits from
+a second exact sum; int4 codes are paired with ``tl.split`` (even element in the low nibble).
+Codes are stored as bytes through a uint8 view of each data cache, in accesses as wide as the
+rows' alignment allows (``ALIGN``, a hint Triton cannot derive from the 4-byte-aligned V rows of
+vLLM's packed layout), scales as float32. Strides are run-time arguments; head sizes, the block
+size and the head and token tiles are compile-time constants. Calls of few programs take
+smaller tiles spread over more threads (a thread's chain of work is the call's latency there).
+Nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
 differently from the GPU: :func:`unsupported` refuses the fp8 mode there; int8 and int4 are
@@ -27,11 +32,12 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton
+from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
 from ...kernels.triton_support import next_pow2
 from .op import PerTokenHeadMode
 
-__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling"]
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling",
+           "call_tiling"]
 
 _INT8, _FP8, _INT4 = 0, 1, 2
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: _INT8, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: _FP8,
@@ -53,12 +59,21 @@ def unsupported(key, value, key_cache, value_cache, mode: PerTokenHeadMode) -> s
 @dataclasses.dataclass(frozen=True, eq=False)
 class TritonTuning:
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one.
-    Not measured yet (no GPU when this kernel was written)."""
+    Not measured yet beyond the first figures (H200, H=8, D=128, bfloat16, packed: T=1 3.4-4.3
+    us, T=16384 57-72 us before the small-grid tiling, the wide stores and the roundings
+    without conversions)."""
 
-    # Elements (key + value, padded to powers of two) per program, and per warp.
+    # Elements (key + value, padded to powers of two) per program, and per warp (32 per thread).
     tile_elems: int = 4096
     elems_per_warp: int = 1024
     max_warps: int = 8
+    # Calls whose grid would have fewer programs than small_grid take tiles of
+    # tile_elems_small_grid at elems_per_warp_small_grid (8 per thread): with few programs each
+    # thread's chain of work (its elements' quotients and roundings one after another) is the
+    # call's latency. 0: never.
+    small_grid: int = 128
+    tile_elems_small_grid: int = 2048
+    elems_per_warp_small_grid: int = 256
     # Programmatic dependent launch, as the other ops' Triton kernels (tuning-log change 44).
     pdl_max_programs: int = 1 << 30
     pdl_trigger_max_programs: int = 1024
@@ -73,31 +88,65 @@ def _floor_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def tiling(num_heads: int, dk: int, dv: int,
-           tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
+def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
+           small: bool = False) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, num_warps): whole rows, as many heads (at most H rounded up) and then
     tokens as fit the tile (powers of two). BLOCK_T does not follow T, so that one compiled
-    variant serves every call size (a short call masks the tile's other tokens)."""
+    variant serves every call size of a tiling (a short call masks the tile's other tokens);
+    ``small``: the small-grid tiling (:func:`call_tiling` says when)."""
     row = next_pow2(dk) + next_pow2(dv)
-    block_h = min(next_pow2(num_heads), _floor_pow2(tuning.tile_elems // row))
-    block_t = _floor_pow2(tuning.tile_elems // (block_h * row))
-    warps = min(tuning.max_warps, max(1, block_t * block_h * row // tuning.elems_per_warp))
+    tile, per_warp = ((tuning.tile_elems_small_grid, tuning.elems_per_warp_small_grid) if small
+                      else (tuning.tile_elems, tuning.elems_per_warp))
+    block_h = min(next_pow2(num_heads), _floor_pow2(tile // row))
+    block_t = _floor_pow2(tile // (block_h * row))
+    warps = min(tuning.max_warps, max(1, block_t * block_h * row // per_warp))
     return block_t, block_h, 1 << (warps.bit_length() - 1)
+
+
+def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
+                tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
+    """The tiling of a call: the small-grid one where the large one would launch fewer than
+    ``tuning.small_grid`` programs."""
+    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning)
+    if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
+        return tiling(num_heads, dk, dv, tuning, True)
+    return block_t, block_h, warps
+
+
+def _align(values) -> int:
+    """The largest power of two (at most 16) dividing every value."""
+    v = 16
+    for b in values:
+        v |= int(b)
+    return v & -v
 
 
 if triton is not None:
 
+    # RN(1 / S2) of the constant divisors 127 = 3.96875 * 2^5, 448 = 3.5 * 2^7, 15 = 3.75 * 2^2
+    # (the CUDA kernel's PTH_Y*; exact float32 values).
+    _Y127 = tl.constexpr(float.fromhex("0x1.020408p-2"))
+    _Y448 = tl.constexpr(float.fromhex("0x1.24924ap-2"))
+    _Y15 = tl.constexpr(float.fromhex("0x1.111112p-2"))
+
     @triton.jit
-    def _rhaz(q):
-        """Round half away from zero, exactly (q - trunc(q) is exact)."""
-        n = tl.where(q < 0, tl.math.ceil(q), tl.math.floor(q))
-        return tl.where(tl.abs(q - n) >= 0.5, n + tl.where(q < 0, -1.0, 1.0), n)
+    def _rne(q):
+        """Round half to even, exactly, for |q| < 2^22: the sum with 1.5 * 2^23 (step 1 there)
+        rounds q to the nearest integer, ties to even; the difference is exact."""
+        return (q + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _rhaz_mag(a):
+        """floor(a + 1/2) for 0 <= a < 2^22 (|q|'s rhaz), exactly: a - RNE(a) is exact, and RNE
+        differs from rounding half up only on the ties it takes down."""
+        n = _rne(a)
+        return tl.where(a - n == 0.5, n + 1.0, n)
 
     @triton.jit
     def _rhu(q):
-        """Round half up, exactly (q - floor(q) is exact)."""
-        n = tl.math.floor(q)
-        return tl.where(q - n >= 0.5, n + 1.0, n)
+        """Round half up, exactly, for |q| < 2^22 (as _rhaz_mag, both signs)."""
+        n = _rne(q)
+        return tl.where(q - n == 0.5, n + 1.0, n)
 
     @triton.jit
     def _nan0(q):
@@ -109,59 +158,124 @@ if triton is not None:
         return tl.where(s > 1e-6, s, 1e-6)
 
     @triton.jit
-    def _quantize(x, ok, MODE: tl.constexpr, STEPS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _div_const(a, M: tl.constexpr, S2: tl.constexpr, Y: tl.constexpr,
+                   STEPS: tl.constexpr):
+        """RN(a / D) for a >= 0 (or NaN) and a constant divisor D = S2 / M (M a power of two,
+        S2 in [2, 4), Y = RN(1 / S2)): the exact quotient's product and corrections on a * M,
+        exact for 16-bit dividends with one step and for float32 ones with two (as the CUDA
+        kernel's fast_div_const); a * M below 2^-126 only where the result is floored anyway; an
+        infinite a gives inf."""
+        am = a * M
+        q = am * Y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-S2, q, am), Y, q)
+        return tl.where(a == float("inf"), a, q)
+
+    @triton.jit
+    def _mag_quotient(xf, m, s2, y, STEPS: tl.constexpr):
+        """RN(|x| / s) for int8 and fp8 rows ((m, s2, y) of fp8_scale(s)): |x| * m is exact (m > 0,
+        a power of two) and at most 4 * 448.0001 (s >= RN(amax / 448), or / 127; an infinite s
+        makes m 0: the product is 0, or NaN for an infinite x), so fp8_quotient's clamp and its
+        sign are not needed here; the corrections as in fp8_quotient."""
+        a = tl.abs(xf) * m
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-s2, q, a), y, q)
+        return q
+
+    @triton.jit
+    def _signed_quotient(xf, m, s2, y, STEPS: tl.constexpr):
+        """RN(x / s) with |x / s| clamped to at most about 2^19 (NaN and the sign of zero kept):
+        fp8_quotient without its second clamp, which a quotient of a <= 2^20 by s2 >= 2 never
+        reaches (int4: past 2^4 every code saturates)."""
+        xs = xf * m
+        a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-s2, q, a), y, q)
+        sign = xs.to(tl.int32, bitcast=True) & -2147483648
+        return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bits_low(v):
+        """The bits of the float32 v (2^23 <= |v| < 2^24: the integer's low bits)."""
+        return v.to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _quantize(x, ok, MODE: tl.constexpr, STEPS: tl.constexpr, DSTEPS: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr):
         """(codes, entries) of rows x ``[BT, BH, BLOCK_D]`` (``ok``: the row's elements): the
-        stored bytes ``[BT, BH, BLOCK_D]`` (int4: ``[BT, BH, BLOCK_D // 2]``) as int32 and the
-        scale cache entries ``[BT, BH]`` as float32."""
+        stored bytes ``[BT, BH, BLOCK_D]`` (int4: ``[BT, BH, BLOCK_D // 2]``) as int32 (their
+        low byte) and the scale cache entries ``[BT, BH]`` as float32."""
         xf = x.to(tl.float32)
-        real = ok & (xf == xf)  # NaN is ignored by every reduction
+        # tl.min and tl.max ignore NaN (minnum/maxnum; the interpreter's nanmin/nanmax): a row
+        # of NaN only gives NaN. Elements past the head size (masked loads: 0) are left out of
+        # int4's min and max; the amax takes their zeros.
         if MODE == 2:
-            mn = tl.min(tl.where(real, xf, float("inf")), axis=2)
-            mx = tl.max(tl.where(real, xf, -float("inf")), axis=2)
-            none = mn > mx
+            if BLOCK_D == D:
+                mn = tl.min(xf, axis=2)
+                mx = tl.max(xf, axis=2)
+            else:
+                mn = tl.min(tl.where(ok, xf, float("inf")), axis=2)
+                mx = tl.max(tl.where(ok, xf, -float("inf")), axis=2)
+            none = ~(mn <= mx)  # no value (or none but NaN)
             mn = tl.where(none, 0.0, mn)
             mx = tl.where(none, 0.0, mx)
-            s = _fmax_floor(tl.math.div_rn(mx - mn, tl.full(mn.shape, 15.0, tl.float32)))
+            # 15 = 3.75 * 2^2; RN(mx - mn) is a float32 dividend: two steps.
+            s = _fmax_floor(_div_const(mx - mn, 0.25, 3.75, _Y15, 2))
             m, s2, y = fp8_scale(s)
-            zp = _rhu(_nan0(fp8_quotient(-mn, m, s2, y, 1048576.0, STEPS)))
+            zp = _rhu(_nan0(_signed_quotient(-mn, m, s2, y, STEPS)))
             zp = tl.minimum(tl.maximum(zp, 0.0), 15.0)
-            q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], 1048576.0, STEPS)
-            c = tl.minimum(tl.maximum(_rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0).to(tl.int32)
+            q = _signed_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], STEPS)
+            c = tl.minimum(tl.maximum(_rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0)
+            c = _bits_low(c + 8388608.0) & 15  # 2^23 + c: c in the low bits
             BT: tl.constexpr = c.shape[0]
             BH: tl.constexpr = c.shape[1]
             lo, hi = tl.split(tl.reshape(c, [BT, BH, BLOCK_D // 2, 2]))
             codes = lo | (hi << 4)
-            bits = (s.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)
+            zbits = _bits_low(zp + 8388608.0) & 15
+            bits = (s.to(tl.int32, bitcast=True) & -16) | zbits
             entry = bits.to(tl.float32, bitcast=True)
         else:
-            amax = tl.max(tl.where(real, tl.abs(xf), 0.0), axis=2)
-            div: tl.constexpr = 127.0 if MODE == 0 else 448.0
-            s = _fmax_floor(tl.math.div_rn(amax, tl.full(amax.shape, div, tl.float32)))
+            amax = tl.max(tl.abs(xf), axis=2)  # NaN for a row of NaN: the floor below
+            if MODE == 0:  # 127 = 3.96875 * 2^5
+                s = _fmax_floor(_div_const(amax, 0.03125, 3.96875, _Y127, DSTEPS))
+            else:  # 448 = 3.5 * 2^7
+                s = _fmax_floor(_div_const(amax, 0.0078125, 3.5, _Y448, DSTEPS))
             m, s2, y = fp8_scale(s)
             m, s2, y = m[:, :, None], s2[:, :, None], y[:, :, None]
+            q = _mag_quotient(xf, m, s2, y, STEPS)
             if MODE == 0:
-                q = fp8_quotient(xf, m, s2, y, 1048576.0, STEPS)
-                n = tl.minimum(tl.maximum(_rhaz(_nan0(q)), -128.0), 127.0)
-                codes = n.to(tl.int32) & 255
+                # A NaN quotient becomes 0 by the maximum; its rhaz n; then the bits of
+                # n + 2^23 + 256 (x >= 0) or n - 2^23 - 256 (x < 0), whose low byte is n or
+                # 256 - n, the two's complement byte (both sums exact).
+                n = _rhaz_mag(tl.maximum(q, 0.0))
+                codes = _bits_low(n + tl.where(xf < 0, -8388864.0, 8388864.0)) & 255
             else:
-                q = fp8_quotient(xf, m, s2, y, 448.0, STEPS)
+                # Saturated (NaN kept), x's sign put back (keeps -0), rounded by the cast.
+                q = tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
+                sign = xf.to(tl.int32, bitcast=True) & -2147483648
+                q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
                 codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
             entry = s
         return codes, entry
 
     @triton.jit
     def _store_rows(codes, entry, cache_ptr, scale_ptr, blk, pg, h, write, C_B, C_S, C_H, S_B,
-                    S_S, S_H, DQ: tl.constexpr, BLOCK_Q: tl.constexpr):
+                    S_S, S_H, DQ: tl.constexpr, BLOCK_Q: tl.constexpr, ALIGN: tl.constexpr):
         """Store codes ``[BT, BH, BLOCK_Q]`` (the first DQ of each row) and entries ``[BT, BH]``
-        where ``write`` ``[BT, BH]`` (a valid slot, a head < H)."""
+        where ``write`` ``[BT, BH]`` (a valid slot, a head < H). ALIGN: every row's first code
+        byte is a multiple of it (the launcher's check), which lets Triton store the codes in
+        accesses of up to ALIGN bytes."""
         row = (blk * C_B + pg * C_S)[:, None] + h[None, :] * C_H  # int64 [BT, BH]
         j = tl.arange(0, BLOCK_Q)
         ok = write[:, :, None] & (j < DQ)[None, None, :]
-        tl.store(cache_ptr + row[:, :, None] + j[None, None, :], codes.to(tl.uint8), mask=ok)
+        ptrs = tl.multiple_of(cache_ptr + row[:, :, None] + j[None, None, :], [1, 1, ALIGN])
+        tl.store(ptrs, codes.to(tl.uint8), mask=ok)
         srow = (blk * S_B + pg * S_S)[:, None] + h[None, :] * S_H
         tl.store(scale_ptr + srow, entry, mask=write)
 
-    @triton.jit(do_not_specialize=["num_tokens", "NUM_SLOTS", "BLOCK_SIZE", "H"])
+    @triton.jit(do_not_specialize=["num_tokens", "NUM_SLOTS", "H"])
     def _pth_kernel(
         key_ptr,  # [T_pad, H, DK] via (K_TOK, K_HEAD, 1)
         value_ptr,  # [T_pad', H, DV] via (V_TOK, V_HEAD, 1)
@@ -175,8 +289,8 @@ if triton is not None:
         KC_B, KC_S, KC_H, VC_B, VC_S, VC_H,
         KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
         NUM_SLOTS,  # num_blocks * block_size
-        BLOCK_SIZE,
         H,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         DK: tl.constexpr,
         DV: tl.constexpr,
         BLOCK_DK: tl.constexpr,  # DK and DV rounded up to powers of two (masked)
@@ -184,6 +298,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         MODE: tl.constexpr,  # 0 int8, 1 fp8, 2 int4
+        ALIGN: tl.constexpr,  # bytes: a power of two dividing both caches' rows' addresses
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -194,6 +309,7 @@ if triton is not None:
         t64 = t.to(tl.int64)
         h64 = h.to(tl.int64)
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+        DSTEPS: tl.constexpr = STEPS  # amax is an input value
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
         k_ok = th_ok[:, :, None] & (dk < DK)[None, None, :]
@@ -208,13 +324,13 @@ if triton is not None:
         blk = slot // BLOCK_SIZE
         pg = slot - blk * BLOCK_SIZE
         write = valid[:, None] & (h < H)[None, :]
-        ck, ek = _quantize(xk, k_ok, MODE, STEPS, BLOCK_DK)
-        cv, ev = _quantize(xv, v_ok, MODE, STEPS, BLOCK_DV)
+        ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK)
+        cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV)
         PACK: tl.constexpr = 2 if MODE == 2 else 1  # elements per code byte
         _store_rows(ck, ek, kc_ptr, ks_ptr, blk, pg, h64, write, KC_B, KC_S, KC_H, KS_B, KS_S,
-                    KS_H, DK // PACK, BLOCK_DK // PACK)
+                    KS_H, DK // PACK, BLOCK_DK // PACK, ALIGN)
         _store_rows(cv, ev, vc_ptr, vs_ptr, blk, pg, h64, write, VC_B, VC_S, VC_H, VS_B, VS_S,
-                    VS_H, DV // PACK, BLOCK_DV // PACK)
+                    VS_H, DV // PACK, BLOCK_DV // PACK, ALIGN)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -227,19 +343,20 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         return
     h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
     nb, bs = key_cache.shape[:2]
-    block_t, block_h, warps = tiling(h, dk, dv, tuning)
+    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(h, block_h))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
     kc, vc = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    align = _align([kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], *vc.stride()[:3]])
     _pth_kernel[grid](
         key, value, kc, vc, k_scale_cache, v_scale_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *kc.stride()[:3], *vc.stride()[:3], *k_scale_cache.stride(), *v_scale_cache.stride(),
-        nb * bs, bs, h,
+        nb * bs, h, BLOCK_SIZE=bs,
         DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
-        BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], PDL=pdl, PDL_TRIGGER=trigger,
-        num_warps=warps, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align, PDL=pdl,
+        PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
 
