@@ -151,12 +151,31 @@ def _calls(op: str, tuning: gather_cuda.CudaTuning, extra: bool) -> list[Call]:
     return out
 
 
+def _batch(num_req: int, decreasing: bool) -> Seqs:
+    """``num_req`` requests of 0-3 rows (big_batch); ``decreasing``: the first half's rows (at
+    most 100 requests) moved after all the others (cu_seq_lens drops back once, through an
+    empty request: no row owned twice)."""
+    seqs = big_batch(num_req - decreasing, rows_past=9, bad_blocks=(-1, 200),
+                     cu_dtype=torch.int64)
+    if not decreasing:
+        return seqs
+    lens = list(seqs.lens)
+    k = min(100, num_req // 2)
+    head = sum(lens[:k])
+    return dataclasses.replace(seqs, lens=tuple(lens[:k] + [-head - sum(lens[k:])] + lens[k:]),
+                               starts=(*seqs.starts[:k], 0, *seqs.starts[k:]),
+                               first=sum(lens[k:]))
+
+
 def _big_batch_calls(tuning) -> list[Call]:
-    """Batches of 40 and 2100 requests (the shared-memory and global-memory paths of the row
-    rule), fp8 dequant and a flash copy."""
+    """Batches of 31 requests (the most a warp's registers hold: every lane a start), 32 and 40
+    (the starts in shared memory) and 2100 (the binary search of global memory), monotone and
+    decreasing, fp8 dequant and a flash copy."""
     out = []
-    for num_req in (40, 2100):
-        seqs = big_batch(num_req, rows_past=9, bad_blocks=(-1, 200), cu_dtype=torch.int64)
+    for num_req, decreasing in ((31, False), (31, True), (32, True), (40, False), (40, True),
+                                (2100, False), (2100, True)):
+        seqs = _batch(num_req, decreasing)
+        assert seqs.num_req == num_req
         case = EntryCase(seqs=seqs, kv_cache_dtype="fp8", dtype=torch.float16, entry=(16,))
         inp = make_entry_inputs(case)
         mode, nr, nt = kvwrite.ops.gather_and_maybe_dequant_cache.validate(
@@ -166,7 +185,8 @@ def _big_batch_calls(tuning) -> list[Call]:
                             inp.req.seq_starts, nt, mode, inp.scale, tuning=tuning)
         want = make_entry_inputs(case)
         kvwrite.gather_and_maybe_dequant_cache(*want.dequant_args(case), implementation="torch")
-        out.append(Call(f"big-batch-{num_req}", "gather_and_maybe_dequant_cache", a, (inp.dst,),
+        cid = f"batch-{num_req}{'-decreasing' if decreasing else ''}"
+        out.append(Call(cid, "gather_and_maybe_dequant_cache", a, (inp.dst,),
                         (want.dst,), None, ("dst",), (inp,)))
         fc = FlashCase(seqs=seqs, num_heads=2, head_size=8)
         f = make_flash_inputs(fc)
@@ -177,7 +197,7 @@ def _big_batch_calls(tuning) -> list[Call]:
                               None, tuning=tuning)
         fw = make_flash_inputs(fc)
         kvwrite.gather_cache_flash(*fw.args(fc), implementation="torch")
-        out.append(Call(f"big-batch-{num_req}", "gather_cache_flash", fa,
+        out.append(Call(cid, "gather_cache_flash", fa,
                         (f.key_out, f.value_out), (fw.key_out, fw.value_out), False,
                         ("key_out", "value_out"), (f,)))
     return out
