@@ -8,20 +8,27 @@
 // otherwise it keeps its bytes. Nothing outside the cache or the index tensors is read.
 //
 // A CTA of KVW_GATHER_THREADS threads covers (KVW_GATHER_THREADS / 32) * rpw consecutive rows, rpw
-// per warp (at most 32). Its chain:
-//   1. every thread loads its share of the B + 1 starts (and the B seq_starts) into shared memory:
-//      coalesced loads issued together, one round trip for B < 512 (B + 1 <= KVW_GATHER_SMEM_ROWS;
-//      larger batches search global memory instead), and the CTA learns whether the starts are
-//      non-decreasing;
-//   2. lane j of a warp owns row t_first + j: it binary-searches the shared starts for the last r
-//      with a_r <= t (about log2(B) shared loads), checks t < e_r, computes p, and loads the
-//      block-table entry (the one dependent global load); only where the starts decrease
-//      somewhere and the search misses does a lane scan every request (which one of two owners
-//      wins is undefined, as the contract says);
-//   3. the warp copies its rows chunk by chunk (the op's chunks of a row, flattened over the
-//      warp's rows, so every lane works whatever the row length), UNROLL chunks' loads in flight
-//      per lane before their stores; a chunk's block id and offset come from the owning lane by
-//      shuffles.
+// per warp (at most 32: lane j locates row j). The chain of a warp:
+//   1. the starts. Batches of at most KVW_GATHER_WARP_REQS (31) requests (gather_rule_warp): lane
+//      i loads a_i (and s_i), one coalesced load per tensor, and takes a_{i+1} from the next lane;
+//      per row t a ballot of the requests with a_i <= t < a_{i+1}, whose highest bit is the owner
+//      (the last one: exact for any starts). No shared memory, no barrier, no search. Larger
+//      batches (gather_rule): every thread loads its share of the B + 1 starts (and seq_starts)
+//      into shared memory, one round trip for B < 512 (B + 1 <= KVW_GATHER_SMEM_ROWS; larger ones
+//      search global memory instead), the CTA learns whether they are non-decreasing, and lane j
+//      binary-searches them for the last r with a_r <= t (about log2(B) shared loads), checks
+//      t < e_r, and only where the starts decrease somewhere and the search misses scans every
+//      request (which one of two owners wins is undefined, as the contract says);
+//   2. lane j computes row t_first + j's position and loads its block-table entry (the one
+//      dependent global load), and the op's byte offset of the entry (its row base);
+//   3. the warp copies its rows in rounds (gather_warp_chunks; the upconvert and indexer kernels
+//      have their own, built the same way): the op's chunks of a row, flattened over the warp's
+//      rows so that every lane works whatever the row length, UNROLL chunks per lane and round;
+//      first the round's row bases by shuffles from the rows' lanes (one word each where every
+//      base lies below 2^31), then every load of the round (predicated, load_raw_if), then the
+//      stores. The launcher gives a warp the rows one round covers (kvwrite.kernels.gather_cuda,
+//      CudaTuning.max_rounds), so a lane waits for memory once, and a large call is many short
+//      CTAs that the GPU starts as others finish.
 // The kernels' pointer parameters carry no __restrict__: ptxas moved read-only loads
 // (LDG.CONSTANT: a per-tensor fp8 scale) above the PDL wait (KVW_PDL_ENTRY); plain loads keep
 // their place after it (tests/test_gather_cuda.py checks the SASS).
