@@ -517,6 +517,24 @@ def test_rows_per_warp_spread_small_calls_and_amortize_large_ones():
     assert gather_cuda.launch_shape(65536, 32, True, 132, 4) == (4096, 8 * (33 + 32), 33, 4)
 
 
+def test_round_sizes_match_the_kernels_defaults():
+    """gather_cuda's round sizes (the launcher's rows per round) are the kernels' own defaults."""
+    def define(text: str, name: str) -> int:
+        return int(re.search(rf"#define {name} (\d+)", text).group(1))
+
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include", "kvw")
+    entry = inc.joinpath("gather_entry.cuh").read_text()
+    up = importlib.resources.files(f"kvwrite.ops.{OPS[2]}").joinpath("kernel.cu").read_text()
+    ix = importlib.resources.files(f"kvwrite.ops.{OPS[4]}").joinpath("kernel.cu").read_text()
+    gather = inc.joinpath("gather.cuh").read_text()
+    assert define(entry, "KVW_ENTRY_UNROLL") == gather_cuda.ENTRY_UNROLL
+    assert define(up, "KVW_UPCONVERT_ROWS") == gather_cuda.UPCONVERT_ROWS
+    assert (define(ix, "KVW_INDEXER_CODE_UNROLL"),
+            define(ix, "KVW_INDEXER_SCALE_UNROLL")) == gather_cuda.INDEXER_UNROLL
+    assert define(gather, "KVW_GATHER_WARP_REQS") == gather_cuda.WARP_REQS
+    assert define(gather, "KVW_GATHER_THREADS") == gather_cuda.THREADS
+
+
 def test_round_rows_of_the_benchmark_shapes():
     """One round covers 4 MLA rows (72 chunks of 16 bytes: 9 per lane), one gather_cache_flash
     row of H=8, D=128 (K and V: 256 chunks, 8 per lane), 32 indexer rows (8 code chunks and one
