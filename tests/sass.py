@@ -96,3 +96,29 @@ def late_issues(sass: str, is_row_load) -> dict[str, list[str]]:
     found = {name: waits_before_loads(text, is_row_load)
              for name, text in function_listings(sass).items()}
     return {k: v for k, v in found.items() if v}
+
+
+def round_window(sass: str, is_row_load, is_store=lambda text: text.startswith("STG"),
+                 start: int | None = None) -> tuple[int, int, list[str]]:
+    """One function's SASS from instruction ``start`` (default: the first for which
+    ``is_row_load(text)`` holds) to the first store after it (``is_store``): (the row loads
+    issued there, those issued before the first instruction that waits for one of them, that
+    instruction and the next few). A kernel whose loads of a round all go out before it waits
+    has the first two equal. A wait on a scoreboard that a row load set counts whatever else set
+    it too (the wait is for both)."""
+    ins = scheduled(sass)
+    first = start if start is not None else next(i for i, x in enumerate(ins)
+                                                 if is_row_load(x[0]))
+    pending, issued, before, waits = set(), 0, None, []
+    for text, _, wb, wait in ins[first:]:
+        if is_store(text):
+            break
+        if before is None and any(wait >> sb & 1 for sb in pending):
+            before = issued
+        if before is not None and len(waits) < 4:
+            waits.append(text)
+        if is_row_load(text):
+            issued += 1
+            if wb is not None:
+                pending.add(wb)
+    return issued, issued if before is None else before, waits

@@ -290,6 +290,152 @@ def test_output_checks_allow_nan_payloads_in_an_output_sharing_the_allocation():
         assert_all_outputs_equal(got, want, case.id, None, labels)
 
 
+# --- the machine code of the benchmark's calls ---------------------------------------------------
+
+def _bench_plans() -> dict:
+    """{kind: (cuda_impl module, name, fixed)} of the calls `kvwrite-bench gather` times (8
+    requests, block size 64, bfloat16 rows; 64 blocks here: the number of blocks is a bound, not
+    a shape of the code): MLA entries [.., 64, 576] (auto and fp8), cp of the same, flash H=8
+    D=128 NHD (auto and fp8), fp8_ds_mla upconvert, the indexer D=128 with uint8 scales."""
+    from kvwrite.dtypes import CacheDType
+    nb, bs, t, b = 64, 64, 256, 8
+    cu = torch.tensor([t // b * i for i in range(b + 1)], dtype=torch.int32)
+    bt = torch.zeros(b, t // b // bs + 1, dtype=torch.int32)
+    out = {}
+    m = _cuda(OPS[0])
+    dst = torch.empty(t, 576, dtype=torch.bfloat16)
+    src = torch.empty(nb, bs, 576, dtype=torch.bfloat16)
+    out["dequant"] = (m, *m.plan(src, dst, bt, cu, None, kvwrite.MlaMode.AUTO))
+    src8 = torch.empty(nb, bs, 576, dtype=torch.uint8)
+    out["dequant-fp8"] = (m, *m.plan(src8, dst, bt, cu, None, kvwrite.MlaMode.FP8_E4M3))
+    m = _cuda(OPS[1])
+    out["cp"] = (m, *m.plan(src, dst, bt, cu, None))
+    m = _cuda(OPS[2])
+    ds = torch.empty(nb, bs, 656, dtype=torch.uint8)
+    out["upconvert"] = (m, *m.plan(ds, dst, bt, cu[:-1], None))
+    m = _cuda(OPS[3])
+    ko = torch.empty(t, 8, 128, dtype=torch.bfloat16)
+    kc = torch.empty(nb, bs, 8, 128, dtype=torch.bfloat16)
+    one = torch.ones(1)
+    out["flash"] = (m, *m.plan(kc, kc, ko, ko, bt, cu, None, CacheDType.AUTO, None, None))
+    kc8 = torch.empty(nb, bs, 8, 128, dtype=torch.uint8)
+    out["flash-fp8"] = (m, *m.plan(kc8, kc8, ko, ko, bt, cu, None, CacheDType.FP8_E4M3, one,
+                                   one))
+    m = _cuda(OPS[4])
+    kv = torch.empty(nb, bs, 132, dtype=torch.uint8)
+    out["indexer"] = (m, *m.plan(kv, torch.empty(t, 128, dtype=torch.uint8),
+                                 torch.empty(t, 4, dtype=torch.uint8), bt, cu))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench_sass(tmp_path_factory):
+    """{kind: SASS listing} of the benchmark calls' specialized builds (sm_90)."""
+    if _nvrtc_reason() is not None:
+        pytest.skip(_nvrtc_reason())
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    d = tmp_path_factory.mktemp("gather_bench_sass")
+    out = {}
+    for kind, (mod, name, fixed) in _bench_plans().items():
+        obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed)
+        funcs = sass_tools.function_listings(sass_tools.dump_sass(bytes(obj.code), d))
+        assert len(funcs) == 1
+        out[kind] = next(iter(funcs.values()))
+    return out
+
+
+# Each round of the benchmark calls: (the row loads' opcode, how many a lane issues, the other
+# loads of the round), all before the lane waits for any of them.
+_ROUNDS = {
+    "dequant": ("LDG.E.128", 9, 0),    # 9 chunks of 16 bytes: 4 MLA rows per warp
+    "cp": ("LDG.E.128", 9, 0),
+    "dequant-fp8": ("LDG.E.64", 9, 0),  # 9 chunks of 8 codes
+    "flash": ("LDG.E.128", 9, 0),      # 8 of the 9 used: one K+V row of 256 chunks per warp
+    "flash-fp8": ("LDG.E.64", 9, 0),
+    "upconvert": ("LDG.E.128", 8, 4),  # 4 rows: 16 codes and (lanes 0-7) 16 rotary bytes,
+                                       # and each row's 4-byte scale
+    "indexer": ("LDG.E.128", 8, 1),    # 8 code chunks (32 rows) and one 4-byte scale chunk
+}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind", list(_ROUNDS))
+def test_bench_round_issues_every_load_before_waiting(kind, bench_sass):
+    """sm_90, the specialized build of each benchmark call: from a round's first row load to its
+    first store, the lane issues all its loads of the round (as many as the round's chunks)
+    before any instruction waits for one of them. The original kernels issued 1 to 3 of their 4
+    (ptxas moved each predicated load's value out of a scratch register right after it); the
+    benchmark's 16384-row calls then waited for memory 3 times or more per warp."""
+    op, n, extra = _ROUNDS[kind]
+    text = bench_sass[kind]
+    rows = sass_tools.round_window(text, lambda t: t.split()[0] == op)
+    assert rows[0] == n and rows[1] == n, (kind, rows)
+    # With the round's 4-byte loads (scales), from its first shuffle (after the rule's 4).
+    start = _round_shuffles(text)[0]
+    every = sass_tools.round_window(text, lambda t: t.split()[0] in (op, "LDG.E"), start=start)
+    assert every[0] == n + extra and every[1] == every[0], (kind, every)
+
+
+def _round_shuffles(text: str) -> list[int]:
+    """Indexes (in the scheduled listing) of a benchmark build's round shuffles: the SHFL.IDX
+    from the block-table load (the first load after the row rule's ballots) to the first global
+    store. ptxas places a second copy of each shuffle after the kernel's end, for a diverged warp
+    (BRA.DIV): not counted."""
+    ins = [t for t, *_ in sass_tools.scheduled(text)]
+    first_store = next(i for i, t in enumerate(ins) if t.startswith("STG"))
+    last_vote = max(i for i, t in enumerate(ins[:first_store]) if t.startswith("VOTE"))
+    table = next(i for i, t in enumerate(ins) if i > last_vote and t.startswith("LDG"))
+    return [i for i, t in enumerate(ins[:first_store]) if i > table and t.startswith("SHFL.IDX")]
+
+
+# Global stores of each benchmark call: every one 16 bytes wide, but the indexer's 4-byte scales.
+_STORES = {"dequant": {"STG.E.128"}, "cp": {"STG.E.128"}, "dequant-fp8": {"STG.E.128"},
+           "flash": {"STG.E.128"}, "flash-fp8": {"STG.E.128"}, "upconvert": {"STG.E.128"},
+           "indexer": {"STG.E.128", "STG.E"}}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind", list(_STORES))
+def test_bench_accesses_are_wide(kind, bench_sass):
+    """sm_90: the benchmark calls store rows in 16-byte pieces (the indexer's scales in 4-byte
+    ones: 4 bytes a row, one chunk; the plan used to take single bytes for a uint8 dst_scale),
+    and the row data never moves through narrower loads."""
+    ops = sass_tools.opcodes(bench_sass[kind])
+    stores = {o for o in ops if o.startswith("STG")}
+    assert stores == _STORES[kind], (kind, sorted(stores))
+    assert not any(o.startswith(("LDG.E.U8", "LDG.E.S8", "LDG.E.U16", "LDG.E.S16")) for o in ops)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind", ["dequant", "cp", "flash", "upconvert", "indexer"])
+def test_bench_round_shuffles_one_word_per_chunk(kind, bench_sass):
+    """sm_90: every row base of the benchmark's caches lies below 2^31, so a chunk's row base
+    comes from its row's lane in one shuffle (two for larger caches): one per chunk of the round
+    (the upconvert kernel: one per row), no division by a row's chunks in the upconvert."""
+    text = bench_sass[kind]
+    _, n, extra = _ROUNDS[kind]
+    want = {"upconvert": 4, "indexer": n + extra}.get(kind, n)
+    assert len(_round_shuffles(text)) == want, (kind, len(_round_shuffles(text)))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind", ["dequant-fp8", "flash-fp8", "upconvert"])
+def test_bench_fp8_decode_is_the_hardware_conversion(kind, bench_sass):
+    """sm_90: the fp8 reads decode two codes per F2FP...E4M3.UNPACK_B (cvt.rn.f16x2.e4m3x2: exact,
+    the read rule's decode), with no per-element branch (the software decode took a branch, a
+    convergence barrier and I2FP per element) and two results rounded per F2FP...PACK_AB."""
+    ops = sass_tools.opcodes(bench_sass[kind])
+    unpack = [o for o in ops if o.startswith("F2FP") and "E4M3.UNPACK_B" in o]
+    pack = [o for o in ops if o.startswith("F2FP") and "PACK_AB" in o]
+    pairs = {"dequant-fp8": 9 * 4, "flash-fp8": 9 * 4, "upconvert": 4 * 8}[kind]
+    assert len(unpack) >= pairs and len(pack) >= pairs, (kind, len(unpack), len(pack))
+    assert "I2FP.F32.U32" not in ops, kind
+    # Convergence barriers: the rule's, and one per store under its chunk's test; the software
+    # decode had one per element (8 or 16 a chunk).
+    assert ops.count("BSSY") < 32, (kind, ops.count("BSSY"))
+
+
 # --- the fp8 read rule as host C++ --------------------------------------------------------------
 
 _HARNESS = r"""
@@ -350,14 +496,59 @@ def test_read_rule_in_cxx_matches_pytorch_on_every_code(read_rule_lib, fmt):
 # --- launch plans ----------------------------------------------------------------------------------
 
 def test_rows_per_warp_spread_small_calls_and_amortize_large_ones():
+    """Small calls one row per warp over the whole GPU; large ones the rows of one round per warp
+    (each lane's loads all issued before it waits), many short CTAs; more rounds only where
+    max_rounds allows them; never more than 32 rows (lane j locates row j)."""
     t = gather_cuda.TUNING
-    assert gather_cuda.rows_per_warp(1024, 132, t) == 1      # 256 CTAs of 4 rows
-    assert gather_cuda.rows_per_warp(65536, 132, t) == 16    # 1024 CTAs of 64 rows
-    assert gather_cuda.rows_per_warp(1 << 22, 132, t) == 32  # capped
-    assert gather_cuda.rows_per_warp(1, 132, t) == 1
-    assert gather_cuda.rows_per_warp(5, 132, gather_cuda.CudaTuning(ctas_per_sm=0)) == 32
+    rpw = gather_cuda.rows_per_warp
+    assert rpw(1024, 132, 4, t) == 1        # 256 CTAs of 4 rows
+    assert rpw(16384, 132, 4, t) == 4       # MLA rows (4 per round): 1024 CTAs
+    assert rpw(65536, 132, 4, t) == 4       # 4096 CTAs, not 1024 of 4 rounds
+    assert rpw(65536, 132, 32, t) == 16     # indexer rows (32 per round): spread to 1024 CTAs
+    assert rpw(65536, 132, 1, t) == 1       # flash K+V rows of 4 KiB
+    assert rpw(1 << 22, 132, 4, gather_cuda.CudaTuning(max_rounds=8)) == 32
+    assert rpw(1 << 22, 132, 64, t) == 32   # capped
+    assert rpw(1, 132, 4, t) == 1
+    assert rpw(5, 132, 4, gather_cuda.CudaTuning(ctas_per_sm=0, max_rounds=32)) == 32
     assert gather_cuda.uses_smem(2047) and not gather_cuda.uses_smem(2048)
     assert not gather_cuda.uses_smem(3, gather_cuda.CudaTuning(smem_rows=0))
+    # Batches of at most 31 requests: starts in registers, no shared memory.
+    assert gather_cuda.launch_shape(65536, 31, True, 132, 4) == (4096, 0, 0, 4)
+    assert gather_cuda.launch_shape(65536, 32, True, 132, 4) == (4096, 8 * (33 + 32), 33, 4)
+
+
+def test_round_sizes_match_the_kernels_defaults():
+    """gather_cuda's round sizes (the launcher's rows per round) are the kernels' own defaults."""
+    def define(text: str, name: str) -> int:
+        return int(re.search(rf"#define {name} (\d+)", text).group(1))
+
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include", "kvw")
+    entry = inc.joinpath("gather_entry.cuh").read_text()
+    up = importlib.resources.files(f"kvwrite.ops.{OPS[2]}").joinpath("kernel.cu").read_text()
+    ix = importlib.resources.files(f"kvwrite.ops.{OPS[4]}").joinpath("kernel.cu").read_text()
+    gather = inc.joinpath("gather.cuh").read_text()
+    assert define(entry, "KVW_ENTRY_UNROLL") == gather_cuda.ENTRY_UNROLL
+    assert define(up, "KVW_UPCONVERT_ROWS") == gather_cuda.UPCONVERT_ROWS
+    assert (define(ix, "KVW_INDEXER_CODE_UNROLL"),
+            define(ix, "KVW_INDEXER_SCALE_UNROLL")) == gather_cuda.INDEXER_UNROLL
+    assert define(gather, "KVW_GATHER_WARP_REQS") == gather_cuda.WARP_REQS
+    assert define(gather, "KVW_GATHER_THREADS") == gather_cuda.THREADS
+
+
+def test_round_rows_of_the_benchmark_shapes():
+    """One round covers 4 MLA rows (72 chunks of 16 bytes: 9 per lane), one gather_cache_flash
+    row of H=8, D=128 (K and V: 256 chunks, 8 per lane), 32 indexer rows (8 code chunks and one
+    4-byte scale chunk each), 4 upconvert rows."""
+    b = _bench_plans()
+    assert gather_cuda.entry_round_rows(b["dequant"][2]) == 4
+    assert gather_cuda.entry_round_rows(b["dequant-fp8"][2]) == 4
+    assert gather_cuda.entry_round_rows(b["cp"][2]) == 4
+    assert gather_cuda.entry_round_rows(b["flash"][2]) == 1
+    assert gather_cuda.entry_round_rows(b["flash-fp8"][2]) == 1
+    assert gather_cuda.indexer_round_rows(b["indexer"][2]) == 32
+    assert b["indexer"][1].endswith("<16, 4>")  # 4-byte scale chunks into a uint8 dst_scale
+    assert gather_cuda.UPCONVERT_ROWS == 4
+    assert gather_cuda.entry_round_rows(b["cp"][2], gather_cuda.CudaTuning(entry_unroll=2)) == 1
 
 
 def test_entry_plan_picks_the_widest_aligned_chunk():
@@ -459,7 +650,9 @@ TUNINGS = {
     "global-search": gather_cuda.CudaTuning(smem_rows=0),
     "generic-global-search": gather_cuda.CudaTuning(specialize=False, smem_rows=0),
     "one-row-per-warp": gather_cuda.CudaTuning(max_rows_per_warp=1),
-    "32-rows-per-warp": gather_cuda.CudaTuning(ctas_per_sm=0),
+    "32-rows-per-warp": gather_cuda.CudaTuning(ctas_per_sm=0, max_rounds=32),
+    "small-rounds": gather_cuda.CudaTuning(ctas_per_sm=0, max_rounds=32, entry_unroll=2,
+                                           upconvert_rows=1, indexer_unroll=(1, 1)),
     "no-pdl": gather_cuda.CudaTuning(pdl_max_ctas=0),
 }
 
@@ -469,8 +662,10 @@ TUNINGS = {
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_cuda_builds_and_paths(op, tuning):
     """Every other build and path of the cuda kernels over half of each op's matrix: the generic
-    builds (runtime arguments), the binary search of global memory (batches past the shared
-    memory's starts, forced), one and 32 rows per warp, without PDL."""
+    builds (runtime arguments), the binary search of global memory (forced; it applies to batches
+    of 32 requests or more, see test_gpu_batches_either_side_of_the_shared_memory), one and 32
+    rows per warp (32: several rounds), rounds of 2 entry chunks, 1 upconvert row and 1+1
+    indexer chunks per lane (many rounds, each row split across them), without PDL."""
     _gpu(op)
     for case_id, gots, wants, nan, labels in _tuned_runs(op, TUNINGS[tuning]):
         torch.cuda.synchronize()
@@ -478,22 +673,26 @@ def test_gpu_cuda_builds_and_paths(op, tuning):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_req", [2047, 2048, 5000])
+@pytest.mark.parametrize("num_req", [31, 32, 200, 2047, 2048, 5000])
 @pytest.mark.parametrize("decreasing", [False, True], ids=["monotone", "decreasing"])
 def test_gpu_batches_either_side_of_the_shared_memory(num_req, decreasing):
-    """B = 2047 keeps its starts in shared memory, 2048 and 5000 search global memory; the
-    decreasing variant moves the first 100 requests' rows after all others (cu_seq_lens drops
-    back: no request owns a row twice), which takes the scan where the search misses."""
+    """B = 31 keeps its starts in the registers of each warp (a ballot per row), 32 to 2047 in
+    shared memory, 2048 and 5000 search global memory; the decreasing variant moves the first
+    requests' rows (100, or half a small batch) after all others (cu_seq_lens drops back: no
+    request owns a row twice), which takes the scan where the search misses."""
     for op in ("gather_and_maybe_dequant_cache", "gather_cache_flash"):
         _gpu(op)
-    seqs = big_batch(num_req, rows_past=9, bad_blocks=(-1, 200), cu_dtype=torch.int64)
+    # The decreasing variant adds one (empty) request: B = num_req either way.
+    seqs = big_batch(num_req - decreasing, rows_past=9, bad_blocks=(-1, 200),
+                     cu_dtype=torch.int64)
     if decreasing:
         lens = list(seqs.lens)
-        head = sum(lens[:100])
-        seqs = dataclasses.replace(seqs, lens=tuple(lens[:100] + [-head - sum(lens[100:])]
-                                                    + lens[100:]),
-                                   starts=(*seqs.starts[:100], 0, *seqs.starts[100:]),
-                                   first=sum(lens[100:]), rows_past=9)
+        k = min(100, num_req // 2)
+        head = sum(lens[:k])
+        seqs = dataclasses.replace(seqs, lens=tuple(lens[:k] + [-head - sum(lens[k:])]
+                                                    + lens[k:]),
+                                   starts=(*seqs.starts[:k], 0, *seqs.starts[k:]),
+                                   first=sum(lens[k:]), rows_past=9)
     case = EntryCase(seqs=seqs, kv_cache_dtype="fp8", dtype=torch.float16, entry=(64,))
     inp = make_entry_inputs(case, "cuda")
     kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="cuda")

@@ -19,14 +19,23 @@ from . import nvrtc
 __all__ = ["THREADS", "SMEM_ROWS", "CudaTuning", "TUNING", "row_fixed", "uses_smem",
            "rows_per_warp", "align", "EntryPlan", "entry_plan", "Launchable", "build", "launch",
            "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY", "OUT_KIND",
-           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name"]
+           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name", "ENTRY_UNROLL",
+           "UPCONVERT_ROWS", "INDEXER_UNROLL", "entry_round_rows", "indexer_round_rows",
+           "tuning_macros", "launch_shape", "WARP_REQS", "LaunchArgs"]
 
 # kvw/gather.cuh's KVW_GATHER_THREADS and KVW_GATHER_SMEM_ROWS.
 THREADS = 128
 WARPS = THREADS // 32
 SMEM_ROWS = 2048
 ROW_FIXED = 9     # KVW_GATHER_ROW_FIXED
+WARP_REQS = 31    # KVW_GATHER_WARP_REQS: larger batches share their starts through the CTA
 ENTRY_FIXED = 20  # KVW_ENTRY_FIXED
+# The kernels' round sizes when no macro overrides them: kvw/gather_entry.cuh's
+# KVW_ENTRY_UNROLL (chunks per lane), the upconvert kernel's KVW_UPCONVERT_ROWS (rows per warp),
+# the indexer kernel's KVW_INDEXER_CODE_UNROLL and KVW_INDEXER_SCALE_UNROLL (chunks per lane).
+ENTRY_UNROLL = 9
+UPCONVERT_ROWS = 4
+INDEXER_UNROLL = (8, 1)
 
 # Element kinds, as DT_* in kvw/common.cuh.
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
@@ -42,11 +51,20 @@ class CudaTuning:
     """The launch constants of every gather kernel. ``TUNING`` is what every call uses unless a
     caller passes another one (tests forcing a path)."""
 
-    # Rows per warp, a power of two from 1 to max_rows_per_warp: the largest that still gives
-    # ctas_per_sm CTAs per SM (small calls spread one row per warp over the whole GPU; large ones
-    # amortize each CTA's load of the starts over up to 128 rows).
+    # Rows per warp: the rows one round of the kernel covers (each lane issues all its loads,
+    # then stores: gather_cuda.entry_round_rows and the like), times at most max_rounds, and for
+    # small calls fewer: a power of two from 1 to max_rows_per_warp, the largest that still gives
+    # ctas_per_sm CTAs per SM (small calls spread one row per warp over the whole GPU). One round
+    # per warp makes large calls many short CTAs: the GPU starts the next ones as others finish,
+    # so one CTA's index loads overlap other CTAs' rows, and no warp waits for memory twice.
     max_rows_per_warp: int = 32
     ctas_per_sm: int = 4
+    max_rounds: int = 1
+    # The round sizes (compiled in: a build per value; the defaults are the kernels' own, see
+    # ENTRY_UNROLL, UPCONVERT_ROWS, INDEXER_UNROLL).
+    entry_unroll: int = ENTRY_UNROLL
+    upconvert_rows: int = UPCONVERT_ROWS
+    indexer_unroll: tuple[int, int] = INDEXER_UNROLL
     # Batches of at most SMEM_ROWS - 1 requests keep their starts in shared memory (one round
     # trip per CTA); larger ones binary-search global memory. Tests set 0 to force that path.
     smem_rows: int = SMEM_ROWS
@@ -86,15 +104,47 @@ def uses_smem(num_req: int, tuning: CudaTuning = TUNING) -> bool:
     return num_req + 1 <= min(tuning.smem_rows, SMEM_ROWS)
 
 
-def rows_per_warp(t_out: int, sm_count: int, tuning: CudaTuning = TUNING) -> int:
-    """Rows per warp of a call writing ``t_out`` rows (see CudaTuning; ``ctas_per_sm`` 0: always
-    ``max_rows_per_warp``)."""
+def rows_per_warp(t_out: int, sm_count: int, round_rows: int = 32,
+                  tuning: CudaTuning = TUNING) -> int:
+    """Rows per warp of a call writing ``t_out`` rows whose kernel covers ``round_rows`` rows per
+    warp in one round (see CudaTuning; ``ctas_per_sm`` 0: ``max_rows_per_warp`` before the round
+    cap). At most 32: lane j locates row j."""
     target = WARPS * tuning.ctas_per_sm * max(1, sm_count)
     per_warp = t_out // target if target else tuning.max_rows_per_warp
     rpw = 1
-    while rpw * 2 <= min(per_warp, tuning.max_rows_per_warp):
+    while rpw * 2 <= min(per_warp, tuning.max_rows_per_warp, 32):
         rpw *= 2
-    return rpw
+    return max(1, min(rpw, round_rows * max(1, tuning.max_rounds), 32))
+
+
+def entry_round_rows(fixed: tuple[int, ...], tuning: CudaTuning = TUNING) -> int:
+    """Rows of one round of the entry kernel (kvw/gather_entry.cuh) for its fixed arguments: as
+    many whole rows as 32 lanes of ``entry_unroll`` chunks hold (at least 1, at most 32)."""
+    cpr = fixed[ROW_FIXED + 16] * fixed[ROW_FIXED + 17]  # tensor_chunks * num_tensors
+    return max(1, min(32, 32 * tuning.entry_unroll // max(1, cpr)))
+
+
+def indexer_round_rows(fixed: tuple[int, ...], tuning: CudaTuning = TUNING) -> int:
+    """Rows of one round of the indexer kernel: its code and scale chunks both fit the lanes'
+    ``indexer_unroll`` chunks (at least 1, at most 32)."""
+    kc, sc = fixed[ROW_FIXED + 9], fixed[ROW_FIXED + 10]
+    uk, us = tuning.indexer_unroll
+    return max(1, min(32, 32 * uk // max(1, kc), 32 * us // max(1, sc)))
+
+
+def tuning_macros(tuning: CudaTuning) -> tuple:
+    """The macros of a build with ``tuning``'s round sizes (none for the kernels' defaults, so
+    that those builds are the kernels' own)."""
+    out = []
+    if tuning.entry_unroll != ENTRY_UNROLL:
+        out.append(("KVW_ENTRY_UNROLL", str(tuning.entry_unroll)))
+    if tuning.upconvert_rows != UPCONVERT_ROWS:
+        out.append(("KVW_UPCONVERT_ROWS", str(tuning.upconvert_rows)))
+    if tuning.indexer_unroll[0] != INDEXER_UNROLL[0]:
+        out.append(("KVW_INDEXER_CODE_UNROLL", str(tuning.indexer_unroll[0])))
+    if tuning.indexer_unroll[1] != INDEXER_UNROLL[1]:
+        out.append(("KVW_INDEXER_SCALE_UNROLL", str(tuning.indexer_unroll[1])))
+    return tuple(out)
 
 
 def align(values) -> int:
@@ -169,23 +219,41 @@ class Launchable:
     device_index: int
     sm_count: int
     fixed: tuple[int, ...]  # the trailing int64 arguments
+    round_rows: int = 32    # rows of one round per warp (rows_per_warp's cap)
 
 
 def build(source: nvrtc.KernelSource, name: str, fixed: tuple[int, ...], index: int,
-          tuning: CudaTuning, macros: tuple = ()) -> Launchable:
+          tuning: CudaTuning, macros: tuple = (), round_rows: int = 32) -> Launchable:
     """Load (compile or read from the kernel cache) variant ``name`` for device ``index``: the
-    specialized build with ``fixed`` compiled in where ``tuning.specialize``, and its PDL twin."""
+    specialized build with ``fixed`` compiled in where ``tuning.specialize``, and its PDL twin;
+    ``tuning``'s round sizes as macros (:func:`tuning_macros`)."""
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
         arch, sms = nvrtc.device_arch(index)
+        macros = tuple(macros) + tuning_macros(tuning)
         if tuning.specialize:
-            macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
+            macros = macros + nvrtc.fixed_args_macros(fixed)
         kernel = source.kernel(arch, name, macros)
         pdl_kernel = nvrtc.pdl_twin(source, arch, name, macros, index)
-    return Launchable(name, kernel, pdl_kernel, index, sms, tuple(fixed))
+    return Launchable(name, kernel, pdl_kernel, index, sms, tuple(fixed), round_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchArgs:
+    """What a cuda implementation launches for one call: the kernel variant, its fixed arguments,
+    the rows of one round per warp, the leading pointer arguments and the per-call scalars
+    (:func:`launch_shape` gives the rest)."""
+
+    name: str
+    fixed: tuple[int, ...]
+    round_rows: int
+    pointers: tuple[int, ...]
+    t_out: int
+    num_req: int
+    has_seq_starts: bool
 
 
 @functools.cache
@@ -195,15 +263,24 @@ def _config(grid: int, shmem: int, pdl: bool):
                                           shmem_size=shmem, **extra)
 
 
+def launch_shape(t_out: int, num_req: int, has_seq_starts: bool, sm_count: int,
+                 round_rows: int, tuning: CudaTuning = TUNING) -> tuple[int, int, int, int]:
+    """(CTAs, dynamic shared memory bytes, shared-memory rows, rows per warp) of a call."""
+    rpw = rows_per_warp(t_out, sm_count, round_rows, tuning)
+    grid = -(-t_out // (WARPS * rpw))
+    # Batches of at most WARP_REQS requests keep their starts in registers (gather_rule_warp).
+    smem_rows = num_req + 1 if num_req > WARP_REQS and uses_smem(num_req, tuning) else 0
+    shmem = 8 * (smem_rows + (num_req if has_seq_starts and smem_rows else 0))
+    return grid, shmem, smem_rows, rpw
+
+
 def launch(lau: Launchable, tuning: CudaTuning, pointers: tuple[int, ...], t_out: int,
            num_req: int, has_seq_starts: bool) -> None:
     """Launch a gather kernel on PyTorch's current stream: ``pointers`` (the kernel's leading
     pointer arguments), then T_out, B, the shared-memory rows, the rows per warp and the fixed
     arguments."""
-    rpw = rows_per_warp(t_out, lau.sm_count, tuning)
-    grid = -(-t_out // (WARPS * rpw))
-    smem_rows = num_req + 1 if uses_smem(num_req, tuning) else 0
-    shmem = 8 * (smem_rows + (num_req if has_seq_starts and smem_rows else 0))
+    grid, shmem, smem_rows, rpw = launch_shape(t_out, num_req, has_seq_starts, lau.sm_count,
+                                               lau.round_rows, tuning)
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
     nvrtc.launch(lau.device_index, _config(grid, shmem, pdl), lau.pdl_kernel if pdl else lau.kernel,
                  *pointers, t_out, num_req, smem_rows, rpw, *lau.fixed)

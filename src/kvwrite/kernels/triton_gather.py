@@ -8,8 +8,8 @@
   arithmetic on its bits (subnormal codes as an integer times 2^-9 or 2^-16, so no subnormal
   float32 is formed), one float32 product with the scale; the caller rounds to the output dtype
   (``.to``, round to nearest even, overflow to ±inf).
-- :func:`byte_ptr`: a byte address reinterpreted as a pointer to ``UNIT``-byte integers (copies
-  move bits of any element type through a flat byte view of the storage).
+- :func:`byte_storage`: the storage behind a tensor as a flat tensor of 1-, 2-, 4- or 8-byte
+  integers (copies move bits of any element type through it).
 
 ``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
 """
@@ -24,8 +24,9 @@ import torch
 from .triton_fp8 import IMPORT_ERROR, tl, triton
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "gather_rows", "fp8_decode", "fp8_dequant",
-           "byte_ptr", "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
-           "TritonTuning", "TUNING", "rows_per_program", "interpreter_reason", "chunk_width"]
+           "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
+           "TritonTuning", "TUNING", "rows_per_program", "interpreter_reason", "chunk_width",
+           "native_fp8"]
 
 # FMT codes of fp8_decode (as triton_fp8's E4M3 and E5M2).
 E4M3, E5M2 = 1, 2
@@ -91,22 +92,21 @@ if triton is not None:
         return (bits | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def fp8_dequant(c, s, FMT: tl.constexpr):
-        """``D(c, s)`` in float32 (round it to the output dtype with ``.to``)."""
-        return fp8_decode(c, FMT) * s
-
-    @triton.jit
-    def byte_ptr(base, offs, UNIT: tl.constexpr):
-        """``base + offs`` (a uint8 pointer and byte offsets) as pointers to UNIT-byte integers."""
-        p = base + offs
-        if UNIT == 2:
-            return p.to(tl.pointer_type(tl.int16))
-        elif UNIT == 4:
-            return p.to(tl.pointer_type(tl.int32))
-        elif UNIT == 8:
-            return p.to(tl.pointer_type(tl.int64))
+    def fp8_dequant(c, s, FMT: tl.constexpr, NATIVE: tl.constexpr):
+        """``D(c, s)`` in float32 (round it to the output dtype with ``.to``). NATIVE (compiled
+        kernels, not the interpreter): the codes decoded by Triton's float8 conversion (on sm_89
+        and later cvt.rn.f16x2.e4m3x2 and float16 -> float32; e5m2 codes are float16's high
+        byte), exact as fp8_decode and a few instructions per element instead of a dozen. The
+        interpreter's conversion is not exact (it reads e4m3's NaN codes as 480, e5m2's
+        infinities and NaNs as numbers), so it keeps fp8_decode."""
+        if NATIVE:
+            if FMT == 1:
+                d = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                d = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
-            return p
+            d = fp8_decode(c, FMT)
+        return d * s
 
 
 def index_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -135,12 +135,19 @@ def _block_b(num_req: int) -> int:
     return n
 
 
-def byte_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the whole storage behind ``t`` as a flat uint8 tensor, ``t``'s first byte in it): a view,
-    no copy and no allocation on the device."""
+_UNIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def byte_storage(t: torch.Tensor, unit: int = 1) -> tuple[torch.Tensor, int]:
+    """(the whole storage behind ``t`` as a flat tensor of ``unit``-byte integers, ``t``'s first
+    byte in it, in units): a view, no copy and no allocation on the device. ``unit`` must divide
+    ``t``'s first byte (the storage's trailing bytes past a whole unit are not in the view)."""
     s = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),))
-    return flat, t.storage_offset() * t.element_size()
+    first = t.storage_offset() * t.element_size()
+    assert first % unit == 0, (first, unit)
+    flat = torch.empty(0, dtype=_UNIT_DTYPES[unit], device=t.device).set_(
+        s, 0, (s.nbytes() // unit,))
+    return flat, first // unit
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -181,6 +188,12 @@ def chunk_width(n: int, cap: int = 128) -> int:
     while p < min(n, cap):
         p *= 2
     return p
+
+
+def native_fp8(device: torch.device) -> bool:
+    """fp8_dequant's NATIVE for a call on ``device``: compiled kernels (CUDA devices), not
+    Triton's interpreter."""
+    return device.type == "cuda"
 
 
 def interpreter_reason(device: torch.device, out_dtype: torch.dtype | None) -> str | None:

@@ -18,7 +18,7 @@ from ...kernels import gather_cuda, nvrtc
 from ...kernels.gather_cuda import DT_BF16, DT_F16, OUT_KIND, TUNING, CudaTuning
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
-           "all_kernel_names", "compile_kernel"]
+           "all_kernel_names", "compile_kernel", "launch_args"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_cp_gather_and_upconvert")
 KERNEL = "cp_gather_and_upconvert_fp8_kv_cache_kernel"
@@ -58,6 +58,23 @@ def plan(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     return f"{KERNEL}<{OUT_KIND[dst.dtype]}, {a}>", fixed
 
 
+def launch_args(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                workspace_starts: torch.Tensor, num_req: int, seq_starts: torch.Tensor | None, *,
+                tuning: CudaTuning = TUNING) -> gather_cuda.LaunchArgs:
+    """What :func:`run` launches for these arguments, without building or launching it (see
+    gather_and_maybe_dequant_cache's)."""
+    name, fixed = plan(src_cache, dst, block_table, workspace_starts, seq_starts)
+    return gather_cuda.LaunchArgs(
+        name, fixed, tuning.upconvert_rows,
+        _pointers(src_cache, dst, workspace_starts, seq_starts, block_table), dst.shape[0],
+        num_req, seq_starts is not None)
+
+
+def _pointers(src_cache, dst, workspace_starts, seq_starts, block_table) -> tuple[int, ...]:
+    return (src_cache.data_ptr(), dst.data_ptr(), workspace_starts.data_ptr(),
+            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+
+
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
 
 
@@ -70,8 +87,8 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         name, fixed = plan(src_cache, dst, block_table, workspace_starts, seq_starts)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(SOURCE, name, fixed, src_cache.get_device(),
-                                                    tuning)
-    ptrs = (src_cache.data_ptr(), dst.data_ptr(), workspace_starts.data_ptr(),
-            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+        lau = _LAUNCHABLES[sig] = gather_cuda.build(
+            SOURCE, name, fixed, src_cache.get_device(), tuning,
+            round_rows=tuning.upconvert_rows)
+    ptrs = _pointers(src_cache, dst, workspace_starts, seq_starts, block_table)
     gather_cuda.launch(lau, tuning, ptrs, dst.shape[0], num_req, seq_starts is not None)

@@ -20,7 +20,7 @@ from ...kernels import gather_cuda, nvrtc
 from ...kernels.gather_cuda import DT_COPY, TUNING, CudaTuning, entry_kernel_name
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
-           "all_kernel_names", "compile_kernel", "geometry"]
+           "all_kernel_names", "compile_kernel", "geometry", "launch_args"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_cp_gather_cache")
 KERNEL = "cp_gather_cache_kernel"
@@ -78,6 +78,23 @@ def plan(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     return ep.name(KERNEL), fixed
 
 
+def launch_args(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                cu_seq_lens: torch.Tensor, seq_starts: torch.Tensor | None, *,
+                tuning: CudaTuning = TUNING) -> gather_cuda.LaunchArgs:
+    """What :func:`run` launches for these arguments, without building or launching it (see
+    gather_and_maybe_dequant_cache's)."""
+    name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts)
+    return gather_cuda.LaunchArgs(
+        name, fixed, gather_cuda.entry_round_rows(fixed, tuning),
+        _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table), dst.shape[0],
+        cu_seq_lens.shape[0] - 1, seq_starts is not None)
+
+
+def _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table) -> tuple[int, ...]:
+    return (src_cache.data_ptr(), 0, dst.data_ptr(), 0, 0, 0, cu_seq_lens.data_ptr(),
+            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+
+
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
 
 
@@ -90,9 +107,9 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(SOURCE, name, fixed, src_cache.get_device(),
-                                                    tuning)
-    ptrs = (src_cache.data_ptr(), 0, dst.data_ptr(), 0, 0, 0, cu_seq_lens.data_ptr(),
-            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+        lau = _LAUNCHABLES[sig] = gather_cuda.build(
+            SOURCE, name, fixed, src_cache.get_device(), tuning,
+            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
+    ptrs = _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table)
     gather_cuda.launch(lau, tuning, ptrs, dst.shape[0], cu_seq_lens.shape[0] - 1,
                        seq_starts is not None)

@@ -10,6 +10,6 @@
 // dims, 0 to 3).
 #include "kvw/gather_entry.cuh"
 
-#ifndef KVWRITE_HOST_TEST
+#if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 KVW_DEFINE_GATHER_ENTRY_KERNEL(cp_gather_cache_kernel)
 #endif

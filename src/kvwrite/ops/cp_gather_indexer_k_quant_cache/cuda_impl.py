@@ -18,7 +18,7 @@ from ...kernels import gather_cuda, nvrtc
 from ...kernels.gather_cuda import TUNING, CudaTuning
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
-           "all_kernel_names", "compile_kernel"]
+           "all_kernel_names", "compile_kernel", "launch_args"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_cp_gather_indexer_k_quant_cache")
 KERNEL = "cp_gather_indexer_k_quant_cache_kernel"
@@ -68,12 +68,32 @@ def plan(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     srs = dst_scale.stride(0) * unit if rows else 0
     contiguous = dst_scale.shape[1] == 1 or dst_scale.stride(1) == 1
     sus = unit if contiguous else dst_scale.stride(1) * unit
+    # A contiguous dst_scale's elements are consecutive bytes: a chunk may span several (its
+    # element stride says nothing of the chunk's alignment).
     vs = min(4 if contiguous else unit, gather_cuda.align(
-        [base, cbs, block_size * head_dim, scale_bytes, dst_scale.data_ptr(), srs, sus]))
+        [base, cbs, block_size * head_dim, scale_bytes, dst_scale.data_ptr(), srs]
+        + ([] if contiguous else [sus])))
     fixed = gather_cuda.row_fixed(cu_seq_lens, None, block_table, block_size, num_blocks) + (
         cbs, head_dim, scale_bytes, block_size * head_dim, krs, kcs, srs, unit.bit_length() - 1,
         sus, head_dim // vk, scale_bytes // vs)
     return f"{KERNEL}<{vk}, {vs}>", fixed
+
+
+def launch_args(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
+                block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
+                tuning: CudaTuning = TUNING) -> gather_cuda.LaunchArgs:
+    """What :func:`run` launches for these arguments, without building or launching it (see
+    gather_and_maybe_dequant_cache's)."""
+    name, fixed = plan(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+    return gather_cuda.LaunchArgs(
+        name, fixed, gather_cuda.indexer_round_rows(fixed, tuning),
+        _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens), dst_k.shape[0],
+        block_table.shape[0], False)
+
+
+def _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> tuple[int, ...]:
+    return (kv_cache.data_ptr(), dst_k.data_ptr(), dst_scale.data_ptr(), cu_seq_lens.data_ptr(),
+            block_table.data_ptr())
 
 
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
@@ -88,8 +108,8 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         name, fixed = plan(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(SOURCE, name, fixed, kv_cache.get_device(),
-                                                    tuning)
-    ptrs = (kv_cache.data_ptr(), dst_k.data_ptr(), dst_scale.data_ptr(), cu_seq_lens.data_ptr(),
-            block_table.data_ptr())
+        lau = _LAUNCHABLES[sig] = gather_cuda.build(
+            SOURCE, name, fixed, kv_cache.get_device(), tuning,
+            round_rows=gather_cuda.indexer_round_rows(fixed, tuning))
+    ptrs = _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
     gather_cuda.launch(lau, tuning, ptrs, dst_k.shape[0], block_table.shape[0], False)

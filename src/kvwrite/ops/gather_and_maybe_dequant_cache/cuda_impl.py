@@ -28,7 +28,7 @@ from ...kernels.gather_cuda import (
 from ..concat_and_cache_mla.op import MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
-           "all_kernel_names", "compile_kernel"]
+           "all_kernel_names", "compile_kernel", "launch_args"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_gather_and_maybe_dequant_cache")
 KERNEL = "gather_and_maybe_dequant_cache_kernel"
@@ -80,6 +80,26 @@ def plan(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     return ep.name(KERNEL), fixed
 
 
+def launch_args(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                cu_seq_lens: torch.Tensor, seq_starts: torch.Tensor | None, num_tokens: int,
+                mode: MlaMode, scale: torch.Tensor | None, *,
+                tuning: CudaTuning = TUNING) -> gather_cuda.LaunchArgs:
+    """What :func:`run` launches for these arguments (its kernel, fixed arguments, round rows,
+    pointers and per-call scalars), without building or launching it: for tests that run the
+    kernel's code elsewhere (tests/test_gather_emu.py)."""
+    name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts, mode)
+    return gather_cuda.LaunchArgs(
+        name, fixed, gather_cuda.entry_round_rows(fixed, tuning),
+        _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale), num_tokens,
+        cu_seq_lens.shape[0] - 1, seq_starts is not None)
+
+
+def _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale) -> tuple[int, ...]:
+    return (src_cache.data_ptr(), 0, dst.data_ptr(), 0, 0 if scale is None else scale.data_ptr(),
+            0, cu_seq_lens.data_ptr(), 0 if seq_starts is None else seq_starts.data_ptr(),
+            block_table.data_ptr())
+
+
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
 
 
@@ -92,10 +112,9 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts, mode)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(SOURCE, name, fixed, src_cache.get_device(),
-                                                    tuning)
-    ptrs = (src_cache.data_ptr(), 0, dst.data_ptr(), 0,
-            0 if scale is None else scale.data_ptr(), 0, cu_seq_lens.data_ptr(),
-            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+        lau = _LAUNCHABLES[sig] = gather_cuda.build(
+            SOURCE, name, fixed, src_cache.get_device(), tuning,
+            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
+    ptrs = _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale)
     gather_cuda.launch(lau, tuning, ptrs, num_tokens, cu_seq_lens.shape[0] - 1,
                        seq_starts is not None)

@@ -26,6 +26,7 @@ from ...kernels.triton_gather import (
     fp8_dequant,
     gather_rows,
     interpreter_reason,
+    native_fp8,
     row_constants,
     rows_per_program,
     tl,
@@ -58,6 +59,7 @@ if triton is not None:
         CBS: tl.constexpr, CPS: tl.constexpr, DRS: tl.constexpr,
         E: tl.constexpr, CHUNK: tl.constexpr,
         FMT: tl.constexpr,  # 0 copy, 1 e4m3, 2 e5m2
+        NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         BLOCK_T: tl.constexpr,
         ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
         BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -80,7 +82,7 @@ if triton is not None:
             if FMT == 0:  # noqa: SIM108 (a compile-time branch)
                 y = x
             else:
-                y = fp8_dequant(x, s, FMT).to(dst_ptr.dtype.element_ty)
+                y = fp8_dequant(x, s, FMT, NATIVE).to(dst_ptr.dtype.element_ty)
             tl.store(dst_ptr + dst_row[:, None] + cols[None, :], y, mask=m)
 
 
@@ -102,7 +104,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         src, out, scale, block_table, cu_seq_lens, seq_starts, num_tokens, num_req,
         CBS=src.stride(0) if num_blocks > 1 else 0, CPS=src.stride(1) if block_size > 1 else 0,
         DRS=out.stride(0) if dst.shape[0] > 1 else 0, E=entry, CHUNK=chunk_width(entry),
-        FMT=_FMT[mode], BLOCK_T=block_t,
+        FMT=_FMT[mode], NATIVE=native_fp8(dst.device), BLOCK_T=block_t,
         **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
     )

@@ -28,7 +28,7 @@ from ...kernels.gather_cuda import (
 )
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
-           "all_kernel_names", "compile_kernel"]
+           "all_kernel_names", "compile_kernel", "launch_args"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_gather_cache_flash")
 KERNEL = "gather_cache_flash_kernel"
@@ -92,6 +92,30 @@ def plan(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tens
     return ep.name(KERNEL), fixed
 
 
+def launch_args(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
+                value_out: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                seq_starts: torch.Tensor | None, cache_dtype: CacheDType,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, *,
+                tuning: CudaTuning = TUNING) -> gather_cuda.LaunchArgs:
+    """What :func:`run` launches for these arguments, without building or launching it (see
+    gather_and_maybe_dequant_cache's)."""
+    name, fixed = plan(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
+                       seq_starts, cache_dtype, k_scale, v_scale)
+    return gather_cuda.LaunchArgs(
+        name, fixed, gather_cuda.entry_round_rows(fixed, tuning),
+        _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
+                  block_table, k_scale, v_scale),
+        key_out.shape[0], cu_seq_lens.shape[0] - 1, seq_starts is not None)
+
+
+def _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts, block_table,
+              k_scale, v_scale) -> tuple[int, ...]:
+    return (key_cache.data_ptr(), value_cache.data_ptr(), key_out.data_ptr(),
+            value_out.data_ptr(), 0 if k_scale is None else k_scale.data_ptr(),
+            0 if v_scale is None else v_scale.data_ptr(), cu_seq_lens.data_ptr(),
+            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+
+
 _LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
 
 
@@ -107,11 +131,10 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
     if lau is None:
         name, fixed = plan(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
                            seq_starts, cache_dtype, k_scale, v_scale)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(SOURCE, name, fixed, key_cache.get_device(),
-                                                    tuning)
-    ptrs = (key_cache.data_ptr(), value_cache.data_ptr(), key_out.data_ptr(), value_out.data_ptr(),
-            0 if k_scale is None else k_scale.data_ptr(),
-            0 if v_scale is None else v_scale.data_ptr(), cu_seq_lens.data_ptr(),
-            0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
+        lau = _LAUNCHABLES[sig] = gather_cuda.build(
+            SOURCE, name, fixed, key_cache.get_device(), tuning,
+            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
+    ptrs = _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
+                     block_table, k_scale, v_scale)
     gather_cuda.launch(lau, tuning, ptrs, key_out.shape[0], cu_seq_lens.shape[0] - 1,
                        seq_starts is not None)

@@ -13,6 +13,6 @@
 // into VB elements of OUT; e4m3 or e5m2 codes as the fixed argument fp8_e5m2 says).
 #include "kvw/gather_entry.cuh"
 
-#ifndef KVWRITE_HOST_TEST
+#if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 KVW_DEFINE_GATHER_ENTRY_KERNEL(gather_cache_flash_kernel)
 #endif

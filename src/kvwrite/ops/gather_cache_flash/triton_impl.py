@@ -26,6 +26,7 @@ from ...kernels.triton_gather import (
     fp8_dequant,
     gather_rows,
     interpreter_reason,
+    native_fp8,
     row_constants,
     rows_per_program,
     tl,
@@ -50,7 +51,7 @@ if triton is not None:
     @triton.jit
     def _gather_heads(src_ptr, dst_ptr, scale_ptr, ok, src_row, dst_row, H: tl.constexpr,
                       D: tl.constexpr, HS: tl.constexpr, OS: tl.constexpr, CHUNK: tl.constexpr,
-                      FMT: tl.constexpr, PER_HEAD: tl.constexpr):
+                      FMT: tl.constexpr, PER_HEAD: tl.constexpr, NATIVE: tl.constexpr):
         """One cache's heads of the rows (src_row: entry offsets, dst_row: output row offsets)."""
         for c0 in tl.range(0, H * D, CHUNK):
             i = c0 + tl.arange(0, CHUNK)
@@ -66,7 +67,7 @@ if triton is not None:
                     s = tl.load(scale_ptr + h, mask=in_e, other=1.0)[None, :]
                 else:
                     s = tl.load(scale_ptr)
-                y = fp8_dequant(x, s, FMT).to(dst_ptr.dtype.element_ty)
+                y = fp8_dequant(x, s, FMT, NATIVE).to(dst_ptr.dtype.element_ty)
             tl.store(dst_ptr + dst_row[:, None] + (h * OS + d)[None, :], y, mask=m)
 
     @triton.jit(do_not_specialize=["t_out", "num_req"])
@@ -79,6 +80,7 @@ if triton is not None:
         CBS: tl.constexpr, CPS: tl.constexpr, HS: tl.constexpr,
         KRS: tl.constexpr, KHS: tl.constexpr, VRS: tl.constexpr, VHS: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, FMT: tl.constexpr,
+        NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
         ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
         BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -92,9 +94,9 @@ if triton is not None:
                                    HAS_SS, WS, BLOCK_B)
         src_row = blk * CBS + off * CPS
         _gather_heads(k_ptr, ko_ptr, ks_ptr, ok, src_row, t * KRS, H, D, HS, KHS, CHUNK, FMT,
-                      K_PER_HEAD)
+                      K_PER_HEAD, NATIVE)
         _gather_heads(v_ptr, vo_ptr, vs_ptr, ok, src_row, t * VRS, H, D, HS, VHS, CHUNK, FMT,
-                      V_PER_HEAD)
+                      V_PER_HEAD, NATIVE)
 
 
 def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
@@ -123,8 +125,9 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
         KRS=ko.stride(0) if rows else 0, KHS=ko.stride(1) if num_heads > 1 else 0,
         VRS=vo.stride(0) if rows else 0, VHS=vo.stride(1) if num_heads > 1 else 0,
         H=num_heads, D=head_size, CHUNK=chunk_width(num_heads * head_size),
-        FMT=_FMT.get(cache_dtype, 0), K_PER_HEAD=fp8 and k_scale.numel() > 1,
-        V_PER_HEAD=fp8 and v_scale.numel() > 1, BLOCK_T=block_t,
+        FMT=_FMT.get(cache_dtype, 0), NATIVE=native_fp8(key_out.device),
+        K_PER_HEAD=fp8 and k_scale.numel() > 1, V_PER_HEAD=fp8 and v_scale.numel() > 1,
+        BLOCK_T=block_t,
         **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
     )

@@ -45,3 +45,30 @@ KVW_HD float fp8_dequant(u32 c, float s) {
 KVW_HD float fp8_dequant_any(u32 c, float s, bool e5m2) {
   return mul_rn(e5m2 ? fp8_decode<DT_E5M2>(c) : fp8_decode<DT_E4M3>(c), s);
 }
+
+// D(c, s) of the two codes in the low 16 bits of `pair` (byte 0 element 0, byte 1 element 1),
+// into lo and hi. On sm_89 and later the decode is the hardware conversion of both codes to
+// float16 (cvt.rn.f16x2.e4m3x2 / .e5m2x2: every e4m3 and e5m2 value, subnormals, infinities and
+// NaN included, is a float16 value, so the conversion is exact), then float16 -> float32 (exact),
+// then the one IEEE product: the same values as fp8_dequant_any's software decode (NaN as NaN)
+// in 3 instructions per code instead of about a dozen with a branch. Elsewhere (and as host C++)
+// the software decode.
+KVW_HD void fp8x2_dequant(u32 pair, float s, bool e5m2, float& lo, float& hi) {
+#if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const u16 in = static_cast<u16>(pair);
+  u32 h2;
+  if (e5m2) {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
+  } else {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  }
+  float f0, f1;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f0) : "h"(static_cast<u16>(h2)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f1) : "h"(static_cast<u16>(h2 >> 16)));
+  lo = mul_rn(f0, s);
+  hi = mul_rn(f1, s);
+#else
+  lo = fp8_dequant_any(pair & 0xFFu, s, e5m2);
+  hi = fp8_dequant_any((pair >> 8) & 0xFFu, s, e5m2);
+#endif
+}

@@ -8,20 +8,27 @@
 // otherwise it keeps its bytes. Nothing outside the cache or the index tensors is read.
 //
 // A CTA of KVW_GATHER_THREADS threads covers (KVW_GATHER_THREADS / 32) * rpw consecutive rows, rpw
-// per warp (at most 32). Its chain:
-//   1. every thread loads its share of the B + 1 starts (and the B seq_starts) into shared memory:
-//      coalesced loads issued together, one round trip for B < 512 (B + 1 <= KVW_GATHER_SMEM_ROWS;
-//      larger batches search global memory instead), and the CTA learns whether the starts are
-//      non-decreasing;
-//   2. lane j of a warp owns row t_first + j: it binary-searches the shared starts for the last r
-//      with a_r <= t (about log2(B) shared loads), checks t < e_r, computes p, and loads the
-//      block-table entry (the one dependent global load); only where the starts decrease
-//      somewhere and the search misses does a lane scan every request (which one of two owners
-//      wins is undefined, as the contract says);
-//   3. the warp copies its rows chunk by chunk (the op's chunks of a row, flattened over the
-//      warp's rows, so every lane works whatever the row length), UNROLL chunks' loads in flight
-//      per lane before their stores; a chunk's block id and offset come from the owning lane by
-//      shuffles.
+// per warp (at most 32: lane j locates row j). The chain of a warp:
+//   1. the starts. Batches of at most KVW_GATHER_WARP_REQS (31) requests (gather_rule_warp): lane
+//      i loads a_i (and s_i), one coalesced load per tensor, and takes a_{i+1} from the next lane;
+//      per row t a ballot of the requests with a_i <= t < a_{i+1}, whose highest bit is the owner
+//      (the last one: exact for any starts). No shared memory, no barrier, no search. Larger
+//      batches (gather_rule): every thread loads its share of the B + 1 starts (and seq_starts)
+//      into shared memory, one round trip for B < 512 (B + 1 <= KVW_GATHER_SMEM_ROWS; larger ones
+//      search global memory instead), the CTA learns whether they are non-decreasing, and lane j
+//      binary-searches them for the last r with a_r <= t (about log2(B) shared loads), checks
+//      t < e_r, and only where the starts decrease somewhere and the search misses scans every
+//      request (which one of two owners wins is undefined, as the contract says);
+//   2. lane j computes row t_first + j's position and loads its block-table entry (the one
+//      dependent global load), and the op's byte offset of the entry (its row base);
+//   3. the warp copies its rows in rounds (gather_warp_chunks; the upconvert and indexer kernels
+//      have their own, built the same way): the op's chunks of a row, flattened over the warp's
+//      rows so that every lane works whatever the row length, UNROLL chunks per lane and round;
+//      first the round's row bases by shuffles from the rows' lanes (one word each where every
+//      base lies below 2^31), then every load of the round (predicated, load_raw_if), then the
+//      stores. The launcher gives a warp the rows one round covers (kvwrite.kernels.gather_cuda,
+//      CudaTuning.max_rounds), so a lane waits for memory once, and a large call is many short
+//      CTAs that the GPU starts as others finish.
 // The kernels' pointer parameters carry no __restrict__: ptxas moved read-only loads
 // (LDG.CONSTANT: a per-tensor fp8 scale) above the PDL wait (KVW_PDL_ENTRY); plain loads keep
 // their place after it (tests/test_gather_cuda.py checks the SASS).
@@ -30,7 +37,7 @@
 #include "kvw/fp8_read.cuh"
 #include "kvw/vec_io.cuh"
 
-#ifndef KVWRITE_HOST_TEST
+#if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 
 // The CTA size of every gather kernel and the starts it holds in shared memory (the launcher
 // sizes the dynamic shared memory: 8 bytes per start and per seq_start).
@@ -175,50 +182,185 @@ KVW_HD GatherRow gather_locate(const GatherRowArgs& g, i64 t, int r, i64 a_r, i6
   return out;
 }
 
-// Phase 3: the warp's `rows` rows (t_first, t_first + 1, ...; lane j holds row j's GatherRow)
-// through the op, chunk by chunk. Op provides
-//   typename Op::Chunk;                              // what a chunk's load hands its store
-//   u32 chunks() const;                              // chunks per row
-//   Chunk load(i64 block, u32 offset, u32 k) const;  // chunk k of the entry at (block, offset)
-//   void store(i64 t, u32 k, const Chunk&) const;    // into output row t
+// N bytes at p where `pred` holds, else zeros: one predicated load (ld.global, 16 bytes at most,
+// p aligned to N) written as asm with its destination defined inside the statement. With
+// `if (pred) r = load_raw<N>(p)` over a round's chunks, ptxas loaded into scratch registers and
+// moved the values into place right after, waiting for each load before issuing the next (the
+// original kernels had 1 to 3 of their 4 loads in flight); tests/test_gather_cuda.py reads the
+// SASS: a round's loads all issued before the first wait for one of them.
+template <int N>
+KVW_HD Raw<N> load_raw_if(const u8* p, bool pred) {
+  Raw<N> r;
+#ifdef KVWRITE_EMU
+  for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
+  if (pred) r = load_raw<N>(p);
+  return r;
+#endif
+  const u32 q = pred ? 1u : 0u;
+  if constexpr (N == 16) {
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %4, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@q ld.global.v4.u32 {%0, %1, %2, %3}, [%5];\n\t}"
+        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+        : "r"(q), "l"(p));
+  } else if constexpr (N == 8) {
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\t"
+        "@q ld.global.v2.u32 {%0, %1}, [%3];\n\t}"
+        : "=r"(r.w[0]), "=r"(r.w[1])
+        : "r"(q), "l"(p));
+  } else if constexpr (N == 4) {
+    asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %1, 0;\n\tmov.b32 %0, 0;\n\t"
+        "@q ld.global.u32 %0, [%2];\n\t}"
+        : "=r"(r.w[0])
+        : "r"(q), "l"(p));
+  } else if constexpr (N == 2) {
+    asm("{\n\t.reg .pred q;\n\t.reg .b16 h;\n\tsetp.ne.b32 q, %1, 0;\n\tmov.b16 h, 0;\n\t"
+        "@q ld.global.u16 h, [%2];\n\tcvt.u32.u16 %0, h;\n\t}"
+        : "=r"(r.w[0])
+        : "r"(q), "l"(p));
+  } else {
+    static_assert(N == 1, "a chunk of 1, 2, 4, 8 or 16 bytes");
+    asm("{\n\t.reg .pred q;\n\t.reg .b16 h;\n\tsetp.ne.b32 q, %1, 0;\n\tmov.b16 h, 0;\n\t"
+        "@q ld.global.u8 h, [%2];\n\tcvt.u32.u8 %0, h;\n\t}"
+        : "=r"(r.w[0])
+        : "r"(q), "l"(p));
+  }
+  return r;
+}
+
+// A 64-bit value computed before a round's loads, for its stores: an empty asm the compiler cannot
+// look through (without it each store of gather_warp_chunks read the CTA and thread indices again,
+// S2R, to compute the warp's first row after the loads).
+#ifdef KVWRITE_EMU
+#define KVW_GATHER_KEEP(x) ((void)0)
+#else
+#define KVW_GATHER_KEEP(x) asm("mov.b64 %0, %0;" : "+l"(x))
+#endif
+
+// 64-bit values moved between the lanes of a warp (every lane takes part).
+__device__ __forceinline__ i64 gather_shfl_i64(i64 v, int src) {
+  const u32 lo = __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v)), src);
+  const u32 hi = __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v) >> 32), src);
+  return static_cast<i64>((static_cast<u64>(hi) << 32) | lo);
+}
+__device__ __forceinline__ i64 gather_shfl_down_i64(i64 v, u32 delta) {
+  const u32 lo = __shfl_down_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v)), delta);
+  const u32 hi = __shfl_down_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v) >> 32), delta);
+  return static_cast<i64>((static_cast<u64>(hi) << 32) | lo);
+}
+
+// A row's byte offset (an op's row_base, or -1: the row keeps its bytes) from lane `src`. Where
+// every row base lies below 2^31 (`narrow`: a constant in a specialized build) one shuffle of the
+// low word carries it, -1 included.
+__device__ __forceinline__ i64 gather_shfl_base(i64 base, int src, bool narrow) {
+  if (narrow) {
+    return static_cast<i64>(static_cast<int>(
+        __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(base)), src)));
+  }
+  return gather_shfl_i64(base, src);
+}
+
+// Whether (n - 1) * a + (m - 1) * b < 2^31 for non-negative a, b (n, m >= 1): every row base of
+// a cache of n blocks of m offsets with these byte strides fits the narrow shuffle.
+KVW_HD bool gather_narrow(i64 n, i64 a, i64 m, i64 b) {
+  const u64 lim = 1ull << 31;
+  if (static_cast<u64>(n) > lim || static_cast<u64>(m) > lim || static_cast<u64>(a) >= lim ||
+      static_cast<u64>(b) >= lim)
+    return false;
+  return static_cast<u64>(n - 1) * static_cast<u64>(a) + static_cast<u64>(m - 1) * static_cast<u64>(b) <
+         lim;
+}
+
+// Phase 3: the warp's `rows` rows (t_first, t_first + 1, ...; lane j holds row j's base, the
+// op's row_base of its entry, or -1) through the op, chunk by chunk: the op's chunks of a row,
+// flattened over the warp's rows, so every lane works whatever the row length. A round issues
+// UNROLL chunks' loads per lane before any of their stores; the launcher sizes the warp's rows
+// so that one round covers them (gather_cuda.round_rows), so a lane's loads all go out together
+// and it waits for memory once. Op provides
+//   typename Op::Chunk;                        // what a chunk's load hands its store
+//   u32 chunks() const;                        // chunks per row
+//   bool narrow;                               // every row base is below 2^31
+//   Chunk load(i64 base, u32 k, bool live) const;  // chunk k of the entry at row base
+//                                                  // `base`, loaded where `live` (load_raw_if)
+//   void store(i64 t_first, u32 j, u32 k, const Chunk&) const;  // into output row
+//                                              // t_first + j
+// The chunk's row and index are computed again for its store (a multiply-high by a constant in
+// a specialized build) rather than kept: fewer registers for the chunks in flight.
 template <int UNROLL, typename Op>
 __device__ __forceinline__ void gather_warp_chunks(const Op& op, i64 t_first, int rows,
-                                                   GatherRow row) {
+                                                   i64 base) {
   const u32 lane = threadIdx.x & 31u;
   const u32 cpr = op.chunks();
   const u32 total = static_cast<u32>(rows) * cpr;
-  const u32 blk_lo = static_cast<u32>(static_cast<u64>(row.block));
-  const u32 blk_hi = static_cast<u32>(static_cast<u64>(row.block) >> 32);
+  KVW_GATHER_KEEP(t_first);
 #pragma unroll 1
-  for (u32 base = 0; base < total; base += 32u * UNROLL) {
+  for (u32 c0 = 0; c0 < total; c0 += 32u * UNROLL) {
     typename Op::Chunk buf[UNROLL];
-    u32 jj[UNROLL], kk[UNROLL];
     bool live[UNROLL];
+    // The round's row bases first (its shuffles, then one wait for them), then its loads: a
+    // shuffle between two loads made ptxas wait for the shuffle, and with it (scoreboards are
+    // shared) the load before it. No branch between the loads either (a select, not
+    // `c < total ? c / cpr : 0`): a chunk past the rows asks a lane beyond them (the shuffle
+    // takes its source lane mod 32) and loads nothing.
+    i64 b[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const u32 c = base + u * 32u + lane;
-      const u32 j = c < total ? c / cpr : 0u;
-      const u32 lo = __shfl_sync(0xFFFFFFFFu, blk_lo, j);
-      const u32 hi = __shfl_sync(0xFFFFFFFFu, blk_hi, j);
-      const u32 off = __shfl_sync(0xFFFFFFFFu, row.offset, j);
-      const i64 blk = static_cast<i64>((static_cast<u64>(hi) << 32) | lo);
-      jj[u] = j;
-      kk[u] = c - j * cpr;
-      live[u] = c < total && blk >= 0;
-      if (live[u]) buf[u] = op.load(blk, off, kk[u]);
+      const u32 c = c0 + u * 32u + lane;
+      b[u] = gather_shfl_base(base, static_cast<int>((c / cpr) & 31u), op.narrow);
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
-      if (live[u]) op.store(t_first + jj[u], kk[u], buf[u]);
+    for (int u = 0; u < UNROLL; ++u) {
+      const u32 c = c0 + u * 32u + lane;
+      const u32 j = c / cpr;
+      live[u] = c < total && b[u] >= 0;
+      buf[u] = op.load(b[u], c - j * cpr, live[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (live[u]) {
+        const u32 c = c0 + u * 32u + lane;
+        const u32 j = c / cpr;
+        op.store(t_first, j, c - j * cpr, buf[u]);
+      }
+    }
   }
 }
 
-// The rule for a CTA's rows (phases 1 and 2): the lane's row (t_first + lane) and, for the warp,
-// its first row and row count (0: no row, the warp returns). A generic build (no
-// KVWRITE_FIXED_ARGS) keeps it one non-inlined function, compiled once per module whatever the
-// kernel variants around it (one NVRTC program of every variant compiles it once); a
-// specialized build inlines it, so its fixed arguments fold into it. KVW_GATHER_OUTLINED does the
-// same for the fp8 conversion of a chunk (once per kernel rather than once per unrolled chunk).
+// The rule for the warp's rows with the starts in registers (batches of at most 31 requests:
+// B + 1 starts, one per lane): lane i holds a_i (i <= B) and s_i (i < B), loaded together, and
+// a_{i+1} from the next lane. For each of the warp's rows t (uniform), a ballot of the requests
+// that own it, [a_i, a_{i+1}) containing t; the highest set bit is the last owner (exact for any
+// starts: at most one owner where they do not decrease, and which of two wins is undefined).
+// No shared memory, no barrier, no search: two loads in flight, a few instructions per row.
+__device__ __forceinline__ GatherRow gather_rule_warp(const GatherRowArgs& g, i64 t_first,
+                                                      int rows) {
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int nreq = static_cast<int>(g.num_req);
+  i64 a = 0x7FFFFFFFFFFFFFFFll, s = 0;
+  if (lane <= nreq) a = gather_start_global(g, lane);
+  if ((g.flags & KVW_GATHER_HAS_SS) && lane < nreq)
+    s = gather_index(g.seq_starts, lane * g.ss_stride, g.flags & KVW_GATHER_SS64);
+  const i64 e = gather_shfl_down_i64(a, 1u);
+  int r = -1;
+#pragma unroll 4
+  for (int j = 0; j < rows; ++j) {
+    const i64 t = t_first + j;
+    const u32 m = __ballot_sync(0xFFFFFFFFu, lane < nreq && a <= t && t < e);
+    if (lane == j && m != 0u) r = 31 - __clz(m);
+  }
+  const int src = r < 0 ? 0 : r;
+  const i64 a_r = gather_shfl_i64(a, src);
+  const i64 s_r = gather_shfl_i64(s, src);
+  return gather_locate(g, t_first + lane, r, a_r, s_r);
+}
+
+// The rule for a CTA's rows (phases 1 and 2) with the starts in shared memory or global memory
+// (batches of 32 requests or more): the lane's row (t_first + lane) and, for the warp, its first
+// row and row count (0: no row, the warp returns). A generic build (no KVWRITE_FIXED_ARGS) keeps
+// it one non-inlined function, compiled once per module whatever the kernel variants around it
+// (one NVRTC program of every variant compiles it once); a specialized build inlines it, so its
+// fixed arguments fold into it. KVW_GATHER_OUTLINED does the same for the fp8 conversion of a
+// chunk (once per kernel rather than once per unrolled chunk).
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_GATHER_OUTLINED __device__ __forceinline__
 #else
@@ -257,15 +399,36 @@ KVW_GATHER_OUTLINED GatherRow gather_rule(const GatherRowArgs& g, i64 rpw, i64& 
   return row;
 }
 
+// Batches of at most this many requests take gather_rule_warp (B + 1 starts in one warp).
+#define KVW_GATHER_WARP_REQS 31
+
+// The rule for the warp's rows: t_first, rows (0: none, the warp may return) and the lane's row
+// (lane < rows). Batches of at most KVW_GATHER_WARP_REQS requests: gather_rule_warp (the warp on
+// its own: a warp without rows returns at once); larger ones: gather_rule (the CTA loads the
+// starts together; every thread reaches its barriers). The choice is uniform over the grid.
+KVW_GATHER_OUTLINED GatherRow gather_rows(const GatherRowArgs& g, i64 rpw, i64& t_first,
+                                          int& rows) {
+  if (g.num_req > KVW_GATHER_WARP_REQS) return gather_rule(g, rpw, t_first, rows);
+  const i64 warp = static_cast<i64>(blockIdx.x) * (KVW_GATHER_THREADS / 32) + (threadIdx.x >> 5);
+  t_first = warp * rpw;
+  rows = 0;
+  if (t_first >= g.t_out) return GatherRow{-1, 0u};
+  rows = static_cast<int>(g.t_out - t_first < rpw ? g.t_out - t_first : rpw);
+  return gather_rule_warp(g, t_first, rows);
+}
+
 // A whole gather CTA: the rule for its rows, then the op over them. Every kernel calls it after
-// KVW_PDL_ENTRY and its fixed-argument prologue; rpw rows per warp.
+// KVW_PDL_ENTRY and its fixed-argument prologue; rpw rows per warp (at most 32: lane j holds row
+// j). The op gives each row's base (Op::row_base(block, offset), an i64 byte offset) once, from
+// the lane that located it.
 template <int UNROLL, typename Op>
 __device__ __forceinline__ void gather_cta(const GatherRowArgs& g, i64 rpw, const Op& op) {
   i64 t_first;
   int rows;
-  const GatherRow row = gather_rule(g, rpw, t_first, rows);
+  const GatherRow row = gather_rows(g, rpw, t_first, rows);
   if (rows == 0) return;
-  gather_warp_chunks<UNROLL>(op, t_first, rows, row);
+  const i64 base = row.block >= 0 ? op.row_base(row.block, row.offset) : -1;
+  gather_warp_chunks<UNROLL>(op, t_first, rows, base);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -314,24 +477,77 @@ KVW_HD void gather_store(u8* p, const Raw<N>& r) {
   }
 }
 
+// gather_load where `pred` holds, else zeros: N bytes at an A-byte aligned address as the widest
+// predicated loads A allows (load_raw_if pieces).
+template <int N, int A>
+KVW_HD Raw<N> gather_load_if(const u8* p, bool pred) {
+  if constexpr (A >= 16 || A >= N) {
+    return load_raw_if<N>(p, pred);
+  } else {
+    Raw<N> r;
+#pragma unroll
+    for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
+#pragma unroll
+    for (int i = 0; i < N / A; ++i) {
+      const Raw<A> piece = load_raw_if<A>(p + i * A, pred);
+      if constexpr (A >= 4) {
+#pragma unroll
+        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
+      } else {
+        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
+      }
+    }
+    return r;
+  }
+}
+
+// Two float32 values rounded to nearest even to a 16-bit OUT (DT_F16 or DT_BF16), packed: lo in
+// the low half. One cvt.rn.{f16,bf16}x2.f32 (overflow gives infinity, as the single
+// conversions); bfloat16 before sm_80 element by element.
+template <int OUT>
+KVW_HD u32 f16ish_x2_from_f32(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  u32 r;
+  if constexpr (OUT == DT_F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
+#endif
+}
+
 // N fp8 codes (byte i of `codes`) -> N elements of OUT (DT_F16, DT_BF16, DT_F32) by the read rule
-// with the one scale s; e4m3 codes, or e5m2 where `e5m2`.
+// with the one scale s; e4m3 codes, or e5m2 where `e5m2`. Two codes at a time (fp8x2_dequant:
+// the hardware decode on sm_89 and later), two 16-bit results packed by one conversion.
 template <int OUT, int N>
 KVW_GATHER_OUTLINED Raw<N * elem_bytes(OUT)> fp8_dequant_chunk(const Raw<N>& codes, float s,
                                                                bool e5m2) {
   Raw<N * elem_bytes(OUT)> out;
-#pragma unroll
-  for (int j = 0; j < (N * elem_bytes(OUT) >= 4 ? N * elem_bytes(OUT) / 4 : 1); ++j) out.w[j] = 0;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const u32 c = (codes.w[i >> 2] >> (8 * (i & 3))) & 0xFFu;
-    const float y = fp8_dequant_any(c, s, e5m2);
+  if constexpr (N == 1) {
+    float lo, hi;
+    fp8x2_dequant(codes.w[0] & 0xFFu, s, e5m2, lo, hi);
     if constexpr (OUT == DT_F32) {
-      out.w[i] = f32_bits(y);
+      out.w[0] = f32_bits(lo);
     } else {
-      out.w[i >> 1] |= f16ish_from_f32<OUT>(y) << ((i & 1) * 16);
+      out.w[0] = f16ish_from_f32<OUT>(lo);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const u32 pair = (codes.w[i >> 2] >> (8 * (i & 3))) & 0xFFFFu;
+      float lo, hi;
+      fp8x2_dequant(pair, s, e5m2, lo, hi);
+      if constexpr (OUT == DT_F32) {
+        out.w[i] = f32_bits(lo);
+        out.w[i + 1] = f32_bits(hi);
+      } else {
+        out.w[i >> 1] = f16ish_x2_from_f32<OUT>(lo, hi);
+      }
     }
   }
   return out;
 }
-#endif  // KVWRITE_HOST_TEST
+#endif  // !KVWRITE_HOST_TEST || KVWRITE_EMU

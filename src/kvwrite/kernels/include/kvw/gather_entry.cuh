@@ -17,7 +17,7 @@
 #pragma once
 #include "kvw/gather.cuh"
 
-#ifndef KVWRITE_HOST_TEST
+#if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 
 #define KVW_ENTRY_PARAMS                                                                      \
   i64 cache_block_stride, i64 cache_page_stride, i64 dst_row_stride0, i64 dst_row_stride1,  \
@@ -36,10 +36,13 @@ static_assert(KVW_GATHER_ROW_FIXED + KVW_ENTRY_FIXED == 29, "the entry kernel's 
   tensor_chunks = fixed[o + 16]; num_tensors = fixed[o + 17]; per_head = fixed[o + 18];      \
   fp8_e5m2 = fixed[o + 19];
 
-// Chunks whose loads a lane issues before their stores (16-byte copies: 64 bytes in flight per
-// lane, 4 warps x 16 CTAs per SM).
+// Chunks whose loads a lane issues before their stores (gather_warp_chunks' round). The launcher
+// gives each warp the rows one round covers (kvwrite.kernels.gather_cuda.ENTRY_UNROLL must say
+// the same): 9 chunks of 16 bytes per lane take four 1152-byte MLA rows per warp (72 chunks each)
+// in one round, one 4096-byte K+V row of gather_cache_flash (H=8, D=128, bfloat16: 256 chunks)
+// in 8 of them. Each lane then waits for memory once, with up to 144 bytes in flight.
 #ifndef KVW_ENTRY_UNROLL
-#define KVW_ENTRY_UNROLL 4
+#define KVW_ENTRY_UNROLL 9
 #endif
 
 template <int CONV, int OUT, int VB, int NDIM>
@@ -48,9 +51,7 @@ struct GatherEntryOp {
   static constexpr int OB = FP8 ? VB * elem_bytes(OUT) : VB;  // output bytes per chunk
   struct Chunk {
     Raw<VB> raw;
-    i64 dst;  // byte offset in the output row's tensor (without the row)
-    float s;
-    u32 kv;
+    float s;  // fp8 per-head scales: the chunk's head's
   };
   const u8* src[2];
   u8* dst[2];
@@ -61,47 +62,67 @@ struct GatherEntryOp {
   i64 ss[3], ds[2][3];
   u32 per_head;  // bit kv: tensor kv's scale is per head (scale[i0]), else per tensor
   bool e5m2;     // fp8 codes are e5m2 (else e4m3)
+  bool narrow;   // every row base (block * cbs + offset * cps) is below 2^31
 
   KVW_HD u32 chunks() const { return tensor_chunks * num_tensors; }
+  KVW_HD i64 row_base(i64 blk, u32 off) const { return blk * cbs + static_cast<i64>(off) * cps; }
 
-  KVW_HD Chunk load(i64 blk, u32 off, u32 k) const {
-    Chunk c;
-    c.kv = num_tensors > 1 && k >= tensor_chunks ? 1u : 0u;
-    const bool v = c.kv != 0;  // selects, not indexing: the op stays in registers
-    // The chunk's run chunk and outer indices: only the dims this variant has (NDIM), so that a
-    // row's chunks cost one division (by the chunks per row) where the entry has no outer dims.
-    u32 rem = k - c.kv * tensor_chunks;
-    u32 cr = rem, i0 = 0, i1 = 0, i2 = 0;
+  // Chunk k of a row: its tensor, outer indices and run chunk (only the dims this variant has,
+  // NDIM, so that a row's chunks cost no division where the entry has no outer dims).
+  struct Where {
+    u32 kv, i0, i1, i2, cr;
+  };
+  KVW_HD Where where(u32 k) const {
+    Where w;
+    w.kv = num_tensors > 1 && k >= tensor_chunks ? 1u : 0u;
+    u32 rem = k - w.kv * tensor_chunks;
+    w.cr = rem;
+    w.i0 = w.i1 = w.i2 = 0;
     if constexpr (NDIM >= 1) {
-      cr = rem % run_chunks;
+      w.cr = rem % run_chunks;
       rem /= run_chunks;
-      i0 = rem;
+      w.i0 = rem;
     }
     if constexpr (NDIM >= 2) {
-      i0 = rem % n0;
-      i1 = rem / n0;
+      w.i0 = rem % n0;
+      w.i1 = rem / n0;
     }
     if constexpr (NDIM >= 3) {
-      i1 = (rem / n0) % n1;
-      i2 = rem / n0 / n1;
+      w.i1 = (rem / n0) % n1;
+      w.i2 = rem / n0 / n1;
     }
-    const i64 so = blk * cbs + static_cast<i64>(off) * cps + i0 * ss[0] + i1 * ss[1] +
-                   i2 * ss[2] + static_cast<i64>(cr) * VB;
-    c.dst = i0 * (v ? ds[1][0] : ds[0][0]) + i1 * (v ? ds[1][1] : ds[0][1]) +
-            i2 * (v ? ds[1][2] : ds[0][2]) + static_cast<i64>(cr) * OB;
-    c.raw = load_raw<VB>((v ? src[1] : src[0]) + so);
+    return w;
+  }
+
+  // Chunk k of the row at `base` (k < chunks()), loaded where `live`.
+  KVW_HD Chunk load(i64 base, u32 k, bool live) const {
+    const Where w = where(k);
+    const bool v = w.kv != 0;  // selects, not indexing: the op stays in registers
+    const i64 so = base + w.i0 * ss[0] + w.i1 * ss[1] + w.i2 * ss[2] +
+                   static_cast<i64>(w.cr) * VB;
+    Chunk c;
+    c.raw = load_raw_if<VB>((v ? src[1] : src[0]) + so, live);
+    c.s = 0.0f;
     if constexpr (FP8) {
-      c.s = (per_head >> c.kv) & 1u ? (v ? scale[1] : scale[0])[i0]
-                                     : (v ? scale_v[1] : scale_v[0]);
+      if ((per_head >> w.kv) & 1u) {
+        c.s = bits_f32(load_raw_if<4>(
+            reinterpret_cast<const u8*>((v ? scale[1] : scale[0]) + w.i0), live).w[0]);
+      }
     }
     return c;
   }
 
-  KVW_HD void store(i64 t, u32 k, const Chunk& c) const {
-    const bool v = c.kv != 0;
-    u8* p = (v ? dst[1] : dst[0]) + t * (v ? drs[1] : drs[0]) + c.dst;
+  // Into output row t_first + j (t_first * drs is the same for every chunk of the warp).
+  KVW_HD void store(i64 t_first, u32 j, u32 k, const Chunk& c) const {
+    const Where w = where(k);
+    const bool v = w.kv != 0;
+    const i64 rs = v ? drs[1] : drs[0];
+    u8* p = (v ? dst[1] : dst[0]) + t_first * rs + static_cast<i64>(j) * rs +
+            w.i0 * (v ? ds[1][0] : ds[0][0]) + w.i1 * (v ? ds[1][1] : ds[0][1]) +
+            w.i2 * (v ? ds[1][2] : ds[0][2]) + static_cast<i64>(w.cr) * OB;
     if constexpr (FP8) {
-      store_raw<OB>(p, fp8_dequant_chunk<OUT, VB>(c.raw, c.s, e5m2));
+      const float s = (per_head >> w.kv) & 1u ? c.s : (v ? scale_v[1] : scale_v[0]);
+      store_raw<OB>(p, fp8_dequant_chunk<OUT, VB>(c.raw, s, e5m2));
     } else {
       store_raw<VB>(p, c.raw);
     }
@@ -124,7 +145,7 @@ struct GatherEntryOp {
 
 #define KVW_DEFINE_GATHER_ENTRY_KERNEL(name)                                                    \
   template <int CONV, int OUT, int VB, int NDIM>                                                \
-  __global__ void __launch_bounds__(KVW_GATHER_THREADS) name(                                   \
+  __global__ void __launch_bounds__(KVW_GATHER_THREADS) name(                                    \
       const u8* src0,        /* key (or only) cache, entries via strides */        \
       const u8* src1,        /* value cache (two tensors), else null */            \
       u8* dst0,              /* [T_out, entry] output of tensor 0 */               \
@@ -156,9 +177,10 @@ struct GatherEntryOp {
     op.ds[1][0] = dst1_s0; op.ds[1][1] = dst1_s1; op.ds[1][2] = dst1_s2;                        \
     op.per_head = static_cast<u32>(per_head);                                                   \
     op.e5m2 = fp8_e5m2 != 0;                                                                    \
+    op.narrow = gather_narrow(num_blocks, cache_block_stride, block_size, cache_page_stride);    \
     gather_cta<KVW_ENTRY_UNROLL>(                                                               \
         KVW_GATHER_ROW_ARGS(starts, seq_starts, block_table, t_out, num_req, smem_rows), rpw,   \
         op);                                                                                    \
   }
 
-#endif  // KVWRITE_HOST_TEST
+#endif  // !KVWRITE_HOST_TEST || KVWRITE_EMU

@@ -4,7 +4,9 @@
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 
-#ifndef KVWRITE_HOST_TEST
+// KVWRITE_EMU: the gather kernels' SIMT emulation on the CPU (tests/gather_emu.h), which needs
+// this header's chunks too.
+#if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 __host__ __device__ constexpr int elem_bytes(int dt) {
   return dt == DT_F32 ? 4 : (dt == DT_E4M3 || dt == DT_E5M2) ? 1 : 2;
 }
@@ -126,6 +128,16 @@ KVW_HD float elem_f32(const Raw<N>& r, int i) {
 
 template <int OUT>
 KVW_HD u32 f16ish_from_f32(float f) {
+#ifdef KVWRITE_EMU
+  if constexpr (OUT == DT_F16) {
+    const _Float16 h = static_cast<_Float16>(f);  // round to nearest even (libgcc)
+    u16 b;
+    __builtin_memcpy(&b, &h, 2);
+    return b;
+  } else {
+    return bf16_from_f32_soft(f);
+  }
+#endif
   if constexpr (OUT == DT_F16) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -163,4 +175,4 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
   }
   return out;
 }
-#endif  // KVWRITE_HOST_TEST
+#endif  // !KVWRITE_HOST_TEST || KVWRITE_EMU
