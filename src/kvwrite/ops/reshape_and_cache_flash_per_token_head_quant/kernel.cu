@@ -411,11 +411,6 @@ KVW_HD u32 pk_max(u32 a, u32 b) {
   return r;
 }
 
-template <bool B>
-struct BoolC {
-  static constexpr bool value = B;
-};
-
 // Four code bytes (the low byte of each argument) in one word, byte 0 first.
 KVW_HD u32 bytes4(u32 b0, u32 b1, u32 b2, u32 b3) {
   return __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
@@ -640,24 +635,22 @@ __global__ void __launch_bounds__(256) pth_quant_kernel(KVW_PTH_PARAMS) {
     if constexpr (MODE == PTH_INT4 && !INT4_PAIRS) {
       // Without the top clamp where no code of the row reaches 16 (fast_int4_top: nearly every
       // row; one instruction less per element), with it otherwise.
-      auto codes = [&](auto clamp) {
-#pragma unroll
-        for (int i = 0; i < CPL; ++i) {
-          u32 tb[VEC];
-#pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            tb[j] = fast_int4_bits<decltype(clamp)::value>(
-                fast_quotient<STEPS>(elem_f32<IN>(in[i], j), s, y), zc);
-          out[i].w[0] = fast_int4_pack<VEC>(tb);
-        }
-      };
+      // (A macro, not a generic lambda: NVRTC 13.0 takes an unannotated generic lambda in device
+      // code for a host function and refuses it in JIT mode.)
+#define KVW_PTH_INT4_CODES(CLAMP)                                                       \
+  _Pragma("unroll") for (int i = 0; i < CPL; ++i) {                                      \
+    u32 tb[VEC];                                                                         \
+    _Pragma("unroll") for (int j = 0; j < VEC; ++j) tb[j] = fast_int4_bits<CLAMP>(       \
+        fast_quotient<STEPS>(elem_f32<IN>(in[i], j), s, y), zc);                        \
+    out[i].w[0] = fast_int4_pack<VEC>(tb);                                               \
+  }
 #ifdef KVWRITE_PTH_COUNT_UNCLAMPED
-      codes(BoolC<false>{});  // machine-code counts of the unclamped loop alone
+      KVW_PTH_INT4_CODES(false)  // machine-code counts of the unclamped loop alone
 #else
       if (unclamped) {
-        codes(BoolC<false>{});
+        KVW_PTH_INT4_CODES(false)
       } else {
-        codes(BoolC<true>{});
+        KVW_PTH_INT4_CODES(true)
       }
 #endif
     }
