@@ -1519,3 +1519,80 @@ def test_case_ids_are_unique():
         ids = [c.id for c in cases]
         assert len(set(ids)) == len(ids), [i for i in ids if ids.count(i) > 1]
     assert dataclasses.replace(QkNormCase(), eps=0).id != QkNormCase().id
+
+
+# --- the builder is device-independent; comparisons take whole allocations -----------------------
+
+def _all_built_cases() -> list[QkNormCase]:
+    from kvwrite.ops.fused_qk_norm_rope import sanitize as norm_san
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize as fused_san
+    cases = NORM_CASES + FUSED_CASES + [c for _, c in _GPU_SAMPLE] + norm_san.CASES + fused_san.CASES
+    return [c for c in cases if c.num_tokens < 1000]
+
+
+def test_builder_gives_the_same_allocations_on_every_device():
+    """make_qk_norm_inputs(case, device) has the CPU build's allocation sizes, view geometry
+    (dtype, shape, strides, offset) and sharing whatever the device: checked against a 'meta'
+    build (the path every non-CPU device takes) and, bytes included, against the CPU build moved
+    whole to the CPU (the same path, forced), for the CPU matrices, the cases the GPU compares
+    with the CPU reference and the memory-checker cases."""
+    from kvwrite.testing.qk_norm import geometry
+    for case in _all_built_cases():
+        cpu = make_qk_norm_inputs(case, "cpu")
+        want = geometry(cpu)
+        meta = make_qk_norm_inputs(case, "meta")
+        assert all(t.is_meta for t in meta.tensors().values()), case.id
+        assert geometry(meta) == want, case.id
+        moved = clone_inputs(cpu, "cpu")
+        assert all(t.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+                   for t, c in zip(moved.tensors().values(), cpu.tensors().values(), strict=True)
+                   if c.untyped_storage().nbytes()), case.id  # copies, not the same memory
+        assert geometry(moved) == want, case.id
+        assert differences(moved, cpu) is None, case.id
+
+
+def test_builder_keeps_padding_and_sharing():
+    """The allocations the GPU comparisons depend on: qkv's row padding and spare region, K and
+    V in one allocation (interleaved, packed), query_out inside qkv's allocation."""
+    from kvwrite.testing.qk_norm import geometry
+    case = QkNormCase(num_tokens=5, row_pad=8, query_out="spare", alloc=KVAlloc.INTERLEAVED)
+    g = geometry(make_qk_norm_inputs(case, "meta"))
+    rows, width = 5, (4 + 2 + 2) * 64 + 8 + 4 * 64
+    assert g["qkv"][4] == g["query_out"][4] == rows * width * 2
+    assert g["qkv"][5] == g["query_out"][5]
+    assert g["key_cache"][5] == g["value_cache"][5]
+    assert g["key_cache"][4] == 2 * 8 * 16 * 2 * 64 * 2
+    for alloc in (KVAlloc.PACKED, KVAlloc.SEPARATE):
+        g = geometry(make_qk_norm_inputs(dataclasses.replace(case, alloc=alloc), "meta"))
+        assert (g["key_cache"][5] == g["value_cache"][5]) == (alloc is KVAlloc.PACKED)
+
+
+def test_differences_compares_whole_allocations_and_their_geometry():
+    """A byte changed outside every view (qkv's row padding, between the key blocks of an
+    interleaved cache) is caught, and so is a compact copy of a view (what Tensor.cpu() of a
+    view on another device gives), by its geometry, before any byte is compared."""
+    case = QkNormCase(num_tokens=5, row_pad=8, alloc=KVAlloc.INTERLEAVED)
+    want = make_qk_norm_inputs(case)
+    assert differences(clone_inputs(want), want) is None
+    got = clone_inputs(want)
+    pad = got.qkv.flatten(1)
+    storage_row = pad.stride(0) * pad.element_size()
+    qkv_bytes = kvwrite.testing.compare.storage_bytes(got.qkv)
+    qkv_bytes[storage_row - 1] ^= 1  # the last byte of row 0's padding
+    assert "qkv: 1 bytes differ" in differences(got, want)
+    got = clone_inputs(want)
+    vb = kvwrite.testing.compare.storage_bytes(got.value_cache)
+    off = got.value_cache.storage_offset() * got.value_cache.element_size()
+    vb[off] ^= 0x40  # the value cache's first byte: in key_cache's allocation too
+    assert "key_cache: 1 bytes differ" in differences(got, want)
+    got = clone_inputs(want)
+    got.key_cache = got.key_cache.contiguous()
+    assert differences(got, want) == ("key_cache: stride differs (got "
+                                      f"{got.key_cache.stride()}, want "
+                                      f"{want.key_cache.stride()})")
+    got = clone_inputs(want)
+    q = got.qkv
+    wider = torch.zeros(q.untyped_storage().nbytes() + 16, dtype=torch.uint8)
+    got.qkv = wider.view(q.dtype).as_strided(q.shape, q.stride(), q.storage_offset())
+    got.qkv.copy_(q)
+    assert differences(got, want).startswith("qkv: allocation bytes differs")
