@@ -1032,6 +1032,68 @@ def test_cuda_widths_follow_alignment():
     assert table_width(8, 128, True, torch.zeros(8, 128, dtype=torch.bfloat16)) == 8
 
 
+def test_cuda_lane_plans():
+    """kvw/qk_norm.cuh's layouts as the launchers choose them (E, L, SEG, V, VW, VT, PS): one
+    16-byte chunk per lane for small calls; two for large calls, interleaved across the group's
+    lanes (segments of V elements, L * V apart) where the neox partner is then the lane's own
+    chunk PS segments on (or the pairs are GPT-J's), else the one-chunk consecutive layout."""
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import Plan, layout_plan, plan
+    bf, f32 = 2, 4
+    assert layout_plan(128, bf, 128, True) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(128, bf, 128, True, 2) == Plan(16, 8, 8, 8, 8, 4, 1)
+    assert layout_plan(128, bf, 128, False, 2) == Plan(16, 8, 8, 8, 8, 4, 0)
+    assert layout_plan(256, bf, 256, True, 2) == Plan(16, 16, 8, 8, 8, 4, 1)
+    assert layout_plan(64, bf, 64, True, 2) == Plan(16, 4, 8, 8, 8, 4, 1)
+    assert layout_plan(128, f32, 128, True, 2) == Plan(8, 16, 4, 4, 4, 4, 1)
+    assert layout_plan(512, f32, 512, True, 2) == Plan(16, 32, 4, 4, 4, 4, 2)
+    # D = 512 of 16-bit rows holds two chunks per lane in small calls too: interleaved.
+    assert layout_plan(512, bf, 512, True) == Plan(16, 32, 8, 8, 8, 4, 1)
+    # Partners across lanes (rot/2 not a multiple of L * V): consecutive, one chunk.
+    assert layout_plan(128, bf, 64, True, 2) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(80, bf, 80, True, 2) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(512, bf, 256, True) == Plan(16, 32, 16, 8, 8, 4, 0)
+    table = torch.zeros(16, 128)
+    qkv = torch.zeros(4, 48, 128, dtype=torch.bfloat16)
+    assert plan(qkv, None, None, table, True, chunks=2) == Plan(16, 8, 8, 8, 8, 4, 1)
+    w = torch.zeros(128, dtype=torch.float32)
+    assert plan(qkv, w, w, table, True, chunks=2) == Plan(16, 8, 8, 8, 4, 4, 1)
+    # Rows aligned to 2 bytes only: the one-chunk plan of 1-element chunks.
+    odd = torch.zeros(4 * 48 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 48, 128)
+    assert plan(odd, None, None, table, True, chunks=2) == Plan(8, 16, 8, 1, 8, 4, 0)
+
+
+def test_cuda_call_builds():
+    """Which build a call takes: the large-call build from large_call_bytes of the rows the
+    kernel moves (the norm op: query and key; the fused op: query, key and value), with the fp8
+    bound for fp8 caches or queries; the register bound only for specialized interleaved builds
+    with lean weights."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import SMALL, Build, Plan, bounded
+    t = norm_cuda.TUNING
+    assert norm_cuda.call_build(t.large_call_bytes - 1) == SMALL
+    large = norm_cuda.call_build(t.large_call_bytes)
+    assert large == Build(t.large_call_chunks, t.large_call_cta_threads,
+                          t.large_call_min_blocks, t.large_call_pdl_trigger)
+    assert (large.chunks, large.cta, large.trigger) == (2, 64, False)
+    ft = fused_cuda.TUNING
+    assert fused_cuda.call_build(ft.large_call_bytes - 1, True) == (SMALL, False)
+    b, vf = fused_cuda.call_build(ft.large_call_bytes, True)
+    assert vf and b.min_blocks == ft.large_call_min_blocks_fp8
+    assert fused_cuda.call_build(ft.large_call_bytes, False)[0].min_blocks == \
+        ft.large_call_min_blocks
+    ilv, consecutive = Plan(16, 8, 8, 8, 8, 4, 1), Plan(8, 16, 8, 8, 8, 4, 0)
+    bf = torch.zeros(128, dtype=torch.bfloat16)
+    assert bounded(large, ilv, True, bf, bf, 2) == large
+    assert bounded(large, ilv, True, None, bf, 2) == large
+    assert bounded(large, ilv, True, bf.float(), bf.float(), 4) == large
+    for p, spec, w in ((ilv, False, bf), (consecutive, True, bf), (ilv, True, bf.float()),
+                       (ilv, True, bf.half())):
+        assert bounded(large, p, spec, bf, w, 2).min_blocks == 1, (p, spec, w.dtype)
+    assert bounded(large, ilv, True, bf.float(), None, 2).min_blocks == 1
+    with pytest.raises(ValueError, match="large_call_cta_threads"):
+        norm_cuda.CudaTuning(large_call_cta_threads=48)
+
+
 @pytest.mark.parametrize("which", ["norm", "fused"])
 def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     """Every variant of the representative set compiles; the kernels take int64 scalars only (as
@@ -1050,31 +1112,43 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
         assert params.endswith("x" * scalars) and not params.endswith("x" * (scalars + 1))
 
 
-def _specialized_build(which: str, case: QkNormCase) -> tuple[str, tuple]:
-    """(kernel name, fixed arguments) of the build ``case``'s call takes (CPU tensors)."""
+def _specialized_build(which: str, case: QkNormCase, build: str = "small") -> tuple[str, tuple]:
+    """(kernel name, fixed arguments) of the build ``case``'s call takes (CPU tensors): the
+    small-call build, or with ``build="large"`` the large-call build (as a call of at least
+    CudaTuning.large_call_bytes of rows takes it, register bound included)."""
     norm_cuda, fused_cuda = _cuda_modules()
-    from kvwrite.ops.rotary_embedding.cuda_impl import kind
     inp = make_qk_norm_inputs(case, "cpu")
     cs = inp.cos_sin_cache
     if which == "norm":
         view, eps, off = norm_pkg.op.validate(*inp.norm_args(), weight_offset=inp.weight_offset)
-        p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox)
-        name = norm_cuda.kernel_name(kind(view.dtype), kind(cs.dtype),
-                                     norm_cuda.weight_kind(inp.q_weight),
-                                     norm_cuda.weight_kind(inp.k_weight), p.e, p.lanes, p.v,
-                                     p.vw, p.vt, case.is_neox, inp.position_ids.dtype)
-        return name, norm_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off)
+        b = norm_cuda.TUNING.large_build() if build == "large" else norm_cuda.SMALL
+        name, _, fixed, _ = norm_cuda.call_kernel(view, inp.num_heads_q, inp.num_heads_k, eps,
+                                                  inp.q_weight, inp.k_weight, cs, case.is_neox,
+                                                  inp.position_ids, off, b)
+        return name, fixed
     view, eps, off, cdt, qo, _ = fused_pkg.op.validate(*inp.fused_args(), **inp.fused_kwargs())
-    p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox,
-                       fused_cuda._rows(view, inp.key_cache, inp.value_cache, qo))
-    name = fused_cuda.kernel_name(
-        kind(view.dtype), kind(cs.dtype), norm_cuda.weight_kind(inp.q_weight),
-        norm_cuda.weight_kind(inp.k_weight),
-        fused_cuda.out_kind(cdt, view.dtype, inp.key_cache.dtype), fused_cuda.query_kind(qo),
-        p.e, p.lanes, p.v, p.vw, p.vt, case.is_neox, inp.position_ids.dtype,
-        inp.slot_mapping.dtype)
-    return name, fused_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off,
-                                       inp.key_cache, case.rotate_key_in_place, qo)
+    fp8 = cdt.is_fp8 or fused_cuda.query_kind(qo) in (3, 4)
+    b, vf = fused_cuda.call_build(1 << 62 if build == "large" else 0, fp8)
+    name, _, fixed, _ = fused_cuda.call_kernel(view, inp.num_heads_q, inp.num_heads_k, eps,
+                                               inp.q_weight, inp.k_weight, cs, case.is_neox,
+                                               inp.position_ids, off, inp.key_cache,
+                                               inp.value_cache, inp.slot_mapping, cdt,
+                                               case.rotate_key_in_place, qo, b, vf)
+    return name, fixed
+
+
+_TEMPLATE = {
+    "norm": ("IN", "CS", "WQ", "WK", "E", "L", "SEG", "V", "VW", "VT", "NEOX", "PS", "PosT", "CTA",
+             "MIN_BLOCKS"),
+    "fused": ("IN", "CS", "WQ", "WK", "OUT", "QO", "E", "L", "SEG", "V", "VW", "VT", "NEOX", "PS",
+              "PosT", "SlotT", "CTA", "MIN_BLOCKS", "VALUE_FIRST"),
+}
+
+
+def _template_args(which: str, name: str) -> dict[str, str]:
+    """A kernel name's template arguments by kernel.cu's names."""
+    args = name.split("<", 1)[1].rstrip(">").split(", ")
+    return dict(zip(_TEMPLATE[which], args, strict=True))
 
 
 @pytest.mark.parametrize("which", ["norm", "fused"])
@@ -1132,8 +1206,8 @@ def test_cuda_sass_has_ffma_only_in_the_root_and_divisions(tmp_path):
         fp8 = ("3", "4")
         checked = 0
         for symbol, ops in sass_tools.functions(_build_sass(which, names, tmp_path)).items():
-            args = by_symbol[symbol].split("<")[1].split(", ")
-            if which == "fused" and (args[4] in fp8 or args[5] in fp8):
+            args = _template_args(which, by_symbol[symbol])
+            if which == "fused" and (args["OUT"] in fp8 or args["QO"] in fp8):
                 continue  # the fp8 quotient's deliberate FMAs
             assert sum(op.startswith("FFMA") for op in ops) == want, by_symbol[symbol]
             checked += 1
@@ -1159,11 +1233,12 @@ def _row_load(text: str) -> bool:
 def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
     """In the specialized builds (what calls take; every other variant) of the CPU matrices and in
     the generic variants, no instruction waits for a global load's result before the last row
-    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
-    kind of exception: generic builds (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks
-    narrower than a lane's elements, where ptxas issues the position's load first and places its
-    test among the chunks' and weights' address arithmetic (specialized, the same variants do
-    not)."""
+    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads),
+    in the small-call and the large-call builds. The kinds of exception: generic builds
+    (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks narrower than a lane's elements, or of
+    the fused op's large-call build with int32 positions, where ptxas issues the position's load
+    first and places its test among the chunks' and weights' address arithmetic (specialized,
+    the same variants do not)."""
     _cuda_modules()
     from kvwrite.kernels import nvrtc
     for which, cases in (("norm", NORM_CASES), ("fused", FUSED_CASES)):
@@ -1173,18 +1248,27 @@ def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
                      for k, v in obj.symbol_mapping.items()}
         late = sass_tools.late_issues(_build_sass(which, names, tmp_path), _row_load)
         for symbol in late:
-            args = by_symbol[symbol].split("<")[1].split(", ")
-            assert args[0] == "2" and int(args[-5 if which == "norm" else -6]) < int(
-                args[4 if which == "norm" else 6]), (which, by_symbol[symbol], late[symbol])
+            args = _template_args(which, by_symbol[symbol])
+            assert (args["IN"] == "2" and int(args["V"]) < int(args["E"])) or (
+                args.get("VALUE_FIRST") == "true" and args["PosT"] == "int"), (
+                which, by_symbol[symbol], late[symbol])
         assert len(late) <= 2, late
-        by_name = {}
-        for name, fixed in {_specialized_build(which, c) for c in cases if c.num_tokens < 1000}:
-            by_name[name] = min(fixed, by_name.get(name, fixed))
-        # Every other variant's build of the compile test (each SASS listing costs time here).
-        for name, fixed in sorted(by_name.items())[::2]:
-            late = sass_tools.late_issues(
-                _build_sass(which, (name,), tmp_path, nvrtc.fixed_args_macros(fixed)), _row_load)
-            assert not late, (name, fixed, late)
+        for build, step in (("small", 2), ("large", 3)):
+            by_name = {}
+            for name, fixed in {_specialized_build(which, c, build) for c in cases
+                                if c.num_tokens < 1000}:
+                by_name[name] = min(fixed, by_name.get(name, fixed))
+            # A share of the variants (each SASS listing costs time here).
+            for name, fixed in sorted(by_name.items())[::step]:
+                macros = nvrtc.fixed_args_macros(fixed)
+                late = sass_tools.late_issues(_build_sass(which, (name,), tmp_path, macros),
+                                              _row_load)
+                assert not late, (name, fixed, late)
+                # The large-call register bound spills at most a few bytes (GPT-J with partial
+                # rotary and D = 64: 4 bytes) in these odd shapes; none in the models' shapes
+                # (test_cuda_large_call_builds_of_model_shapes).
+                spills = re.findall(r"(\d+) bytes spill stores", _build(which, (name,), macros)[1])
+                assert all(int(n) <= 8 for n in spills), (name, spills)
 
 
 @pytest.mark.parametrize("which", ["norm", "fused"])
@@ -1211,6 +1295,71 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
     assert any(first <= o < end for o in reads["generic"]), sorted(map(hex, reads["generic"]))
     assert not any(first <= o < end for o in reads["specialized"]), \
         sorted(map(hex, reads["specialized"]))
+
+
+_MODEL_LARGE = [  # (op, case): the models' shapes in the large-call build
+    ("norm", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                         kv_cache_dtype="fp8")),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                         query_out="fp8_e4m3")),
+    ("fused", QkNormCase(num_q_heads=16, num_k_heads=8, head_size=256, dtype=torch.bfloat16,
+                         weight_offset=1.0)),
+    ("fused", QkNormCase(num_q_heads=64, num_k_heads=8, head_size=64, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.float32)),
+]
+
+
+def test_cuda_large_call_builds_of_model_shapes(tmp_path):
+    """The large-call builds (specialized, register bound included) of the models' shapes
+    (Qwen3-8B both ops with auto and fp8 caches and an fp8 query, Gemma 3's D = 256 with (1 +
+    w), D = 64, float32 rows): the interleaved layout, so no shared-memory exchange (no LDS or
+    STS); within the bound's registers without a spill; each lane loads its weight once (one
+    weight's chunks, selected by address) and one segment's cos and sin (the partner segment
+    shares them): bfloat16 D = 128, 2 + 4 16-byte loads after the rows, position and slot; with
+    16-bit rows the value (value-first) stored before the table's first load, except where a
+    head's cache row is 128 bytes of fp8, where it is stored with the key's chunks, after it
+    (float32 rows: ptxas issues the table's loads first, within the bound)."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    for which, case in _MODEL_LARGE:
+        name, fixed = _specialized_build(which, case, "large")
+        args = _template_args(which, name)
+        assert args["SEG"] != args["E"] and args["PS"] == "1" and args["CTA"] == "64", name
+        macros = nvrtc.fixed_args_macros(fixed)
+        _, log = _build(which, (name,), macros)
+        regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+        assert regs and max(regs) <= 65536 // (64 * int(args["MIN_BLOCKS"])), (name, regs)
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], (name, log[-400:])
+        ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
+        assert not any(op.startswith(("LDS", "STS")) for op in ops), name
+        wide = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128.CONSTANT")]
+        e, seg, vw, vt = (int(args[k]) for k in ("E", "SEG", "VW", "VT"))
+        assert len(wide) == e // vw + 2 * seg // vt, (name, len(wide))  # weight, cos and sin
+        if which == "fused" and case.dtype != torch.float32:  # (float32: ptxas's own order)
+            first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+            fp8_128 = case.cache_dtype.is_fp8 and case.head_size == 128
+            assert (first_store > wide[0]) == fp8_128, (name, first_store, wide[0])
+
+
+def test_cuda_small_fp8_build_converts_the_value_while_the_table_is_in_flight(tmp_path):
+    """The small-call build with an fp8 cache converts the value's chunks (F2FP E4M3 packs)
+    before the rotation rounds the key (F2FP / F2F to bfloat16): between the table's request and
+    the rotation, no longer after the key's store on a small call's latency path (as
+    fused_rope_and_reshape_cache_flash's small build, tuning-log change 54)."""
+    _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    case = QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                      kv_cache_dtype="fp8")
+    name, fixed = _specialized_build("fused", case)
+    assert _template_args("fused", name)["VALUE_FIRST"] == "false"
+    ops = sass_tools.opcodes(_build_sass("fused", (name,), tmp_path,
+                                         nvrtc.fixed_args_macros(fixed)))
+    table = next(i for i, op in enumerate(ops) if op.startswith("LDG.E.128.CONSTANT"))
+    value = next(i for i, op in enumerate(ops) if op.startswith("F2FP.SATFINITE.E4M3"))
+    key = next(i for i, op in enumerate(ops) if op.startswith(("F2FP.BF16", "F2F.BF16")))
+    assert table < value < key, (table, value, key)
 
 
 _MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
