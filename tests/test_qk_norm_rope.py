@@ -391,6 +391,68 @@ def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op,
     assert seen and all(f is None for f in seen), seen
 
 
+def _force(monkeypatch, cuda_impl, **tuning) -> None:
+    """Every cuda call of the test through ``cuda_impl`` with these CudaTuning fields."""
+    monkeypatch.setattr(cuda_impl, "TUNING", dataclasses.replace(cuda_impl.TUNING, **tuning))
+    monkeypatch.setattr(cuda_impl.run, "__kwdefaults__", {"tuning": cuda_impl.TUNING})
+
+
+_LARGE_GPU = ([(NORM, c) for c in NORM_CASES + GPU_NORM_CASES[::2] if c.num_tokens < 1000] +
+              [(FUSED, c) for c in FUSED_CASES + GPU_FUSED_CASES[::2] if c.num_tokens < 1000])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", _LARGE_GPU, ids=[f"{o}-{c.id}" for o, c in _LARGE_GPU])
+def test_gpu_cuda_large_call_build_matches_reference(monkeypatch, op, case):
+    """The large-call build forced (large_call_bytes=0) on every case of the CPU matrices and on
+    half of the GPU ones: the interleaved layouts (two chunks per lane, neox partners in the
+    lane), 64-thread CTAs, the register bound with the row and weights converted again, the
+    value first: qkv, query_out and both caches, whole allocations, as the reference writes
+    them."""
+    if op == NORM:
+        from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+    _force(monkeypatch, cuda_impl, large_call_bytes=0)
+    (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
+
+
+_TUNING_CASES = [
+    QkNormCase(num_tokens=37, num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+               kv_cache_dtype="fp8", alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
+               per_head_scale=True),
+    QkNormCase(num_tokens=37, num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+               layout=Layout.HND, query_out="fp8_e4m3", rotate_key_in_place=False),
+    QkNormCase(num_tokens=21, num_q_heads=16, num_k_heads=8, head_size=256, dtype=torch.bfloat16,
+               weight_offset=1.0, is_neox=False, kv_cache_dtype="fp8_e5m2"),
+    QkNormCase(num_tokens=21, num_q_heads=8, num_k_heads=2, head_size=64, dtype=torch.float16,
+               alloc=KVAlloc.INTERLEAVED, special="nan"),
+    QkNormCase(num_tokens=13, num_q_heads=4, num_k_heads=2, head_size=512, dtype=torch.float32,
+               kv_cache_dtype="bfloat16", q_weight=torch.float32, k_weight=torch.bfloat16),
+]
+_TUNINGS = [dict(large_call_cta_threads=128), dict(large_call_cta_threads=32),
+            dict(large_call_chunks=1), dict(large_call_chunks=4), dict(large_call_min_blocks=1),
+            dict(large_call_pdl_trigger=True), dict(large_call_value_first=False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", _TUNINGS, ids=lambda t: "-".join(f"{k}={v}" for k, v in
+                                                                    t.items()))
+@pytest.mark.parametrize("op", [NORM, FUSED])
+def test_gpu_cuda_large_call_tunings_match_reference(monkeypatch, op, tuning):
+    """The large-call build under each setting the benchmark may compare (other CTA widths,
+    chunks per lane, no register bound, the early PDL trigger, the value after the table), on
+    the models' shapes and a few odd ones: the reference's bytes."""
+    if op == NORM:
+        from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+        tuning = {k: v for k, v in tuning.items() if k != "large_call_value_first"}
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+    _force(monkeypatch, cuda_impl, large_call_bytes=0, **tuning)
+    for case in _TUNING_CASES:
+        (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
+
+
 # --- fused == the norm op, then the cache write --------------------------------------------------
 
 SEQUENCE_CASES = [
@@ -1368,7 +1430,9 @@ _MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "U
 def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
     """The KVWRITE_PDL build of both kernels (every fourth variant of the representative set:
     each build costs CPU time here): the trigger (PREEXIT) and the wait (ACQBULK) before the
-    first global load or store; the plain build has neither."""
+    first global load or store; the plain build has neither. The large-call build's twin (no
+    early trigger, CudaTuning.large_call_pdl_trigger) of the models' shapes: the wait first, no
+    trigger."""
     from kvwrite.kernels import nvrtc
     for which in ("norm", "fused"):
         names = _all_names(which)[::4]
@@ -1377,6 +1441,12 @@ def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
         for name, ops in pdl.items():
             first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
             assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+    for which, case in _MODEL_LARGE[:3]:
+        name, fixed = _specialized_build(which, case, "large")
+        macros = nvrtc.fixed_args_macros(fixed) + (nvrtc.PDL_MACRO, nvrtc.PDL_NO_TRIGGER_MACRO)
+        ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
+        first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+        assert "ACQBULK" in ops[:first] and "PREEXIT" not in ops, name
         plain = _build_sass(which, _all_names(which), tmp_path)
         assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
@@ -1559,12 +1629,19 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
 # --- CUDA graphs, torch.compile, sanitize --------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("impl", ["triton", "cuda", "cuda-large"])
 @pytest.mark.parametrize("op", [NORM, FUSED])
-def test_cuda_graph_replay_sees_new_inputs(op, impl):
+def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl):
     """Capture once (the first call of the variant inside the capture), then change every input
     in place (rows, positions, weights, slots, cache and query scales): the replay writes what
-    the reference writes for the new values."""
+    the reference writes for the new values (cuda-large: the cuda large-call build)."""
+    if impl == "cuda-large":
+        if op == NORM:
+            from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+        else:
+            from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+        _force(monkeypatch, cuda_impl, large_call_bytes=0)
+        impl = "cuda"
     if (reason := registry.get(op, impl).available("cuda")) is not None:
         pytest.skip(reason)
     case = QkNormCase(num_tokens=40, num_q_heads=32, num_k_heads=8, head_size=128,
