@@ -1461,6 +1461,54 @@ extern "C" float lane_tree16(const float* q) {
   for (int i = 0; i < 16; ++i) a[i] = q[i];
   return qkn_lane_tree<16>(a);
 }
+// The device's sum of squares over a layout, its shuffles emulated lane by lane: per segment the
+// in-lane tree, xor masks 1, 2, ..., L/2, then the tree over the segments (lane 0's result).
+template <int E, int L, int SEG>
+float layout_sum(const float* leaves) {
+  using LY = QknLayout<E, L, SEG>;
+  float part[L][LY::NSEG], next[L][LY::NSEG];
+  for (int l = 0; l < L; ++l)
+    for (int s = 0; s < LY::NSEG; ++s) {
+      float seg[SEG];
+      for (int j = 0; j < SEG; ++j) seg[j] = leaves[LY::off(l * SEG, s * SEG + j)];
+      part[l][s] = qkn_tree<SEG>(seg);
+    }
+  for (int m = 1; m < L; m <<= 1) {
+    for (int l = 0; l < L; ++l)
+      for (int s = 0; s < LY::NSEG; ++s) next[l][s] = add_rn(part[l][s], part[l ^ m][s]);
+    for (int l = 0; l < L; ++l)
+      for (int s = 0; s < LY::NSEG; ++s) part[l][s] = next[l][s];
+  }
+  return qkn_tree<LY::NSEG>(part[0]);
+}
+// 0 when the layout's offsets cover [0, L*E) once each and (ps > 0) element i < ps*SEG of a lane
+// pairs with its element i + ps*SEG at row offset + ps*L*SEG (the neox partner, rot/2 on).
+template <int E, int L, int SEG>
+int layout_errors(int ps) {
+  using LY = QknLayout<E, L, SEG>;
+  int seen[L * E] = {0}, bad = 0;
+  for (int l = 0; l < L; ++l)
+    for (int i = 0; i < E; ++i) {
+      const unsigned o = LY::off(l * SEG, i);
+      if (o >= L * E) { ++bad; continue; }
+      ++seen[o];
+      if (i < ps * SEG && LY::off(l * SEG, i + ps * SEG) != o + ps * L * SEG) ++bad;
+    }
+  for (int o = 0; o < L * E; ++o) bad += seen[o] != 1;
+  return bad;
+}
+#define KVW_LAYOUT(E, L, SEG)                                                              \
+  extern "C" float sum_##E##_##L##_##SEG(const float* q) { return layout_sum<E, L, SEG>(q); } \
+  extern "C" int errors_##E##_##L##_##SEG(int ps) { return layout_errors<E, L, SEG>(ps); }
+KVW_LAYOUT(8, 16, 8)
+KVW_LAYOUT(16, 8, 8)
+KVW_LAYOUT(16, 4, 8)
+KVW_LAYOUT(16, 16, 8)
+KVW_LAYOUT(16, 32, 8)
+KVW_LAYOUT(8, 16, 4)
+KVW_LAYOUT(16, 32, 4)
+KVW_LAYOUT(32, 4, 8)
+KVW_LAYOUT(16, 32, 16)
 '''
 
 
@@ -1468,7 +1516,8 @@ def test_header_arithmetic_on_the_host(tmp_path):
     """kvw/qk_norm.cuh's reciprocal RMS and in-lane tree, compiled as host C++
     (-DKVWRITE_HOST_TEST, no contraction): the oracle's values for many sums of squares
     (normal, subnormal, zero, huge, inf), D = 128 (the multiplication by 2^-7) and 80 (the
-    division), eps 0 and 1e-6; the tree of 16 leaves is the oracle's."""
+    division), eps 0 and 1e-6; the tree of 16 leaves is the oracle's; every lane layout's
+    offsets, neox partners and sum over lanes (its shuffles emulated) are the contract's."""
     import ctypes
     import shutil
     import subprocess
@@ -1503,6 +1552,21 @@ def test_header_arithmetic_on_the_host(tmp_path):
         q = (gen.standard_normal(16) * np.exp2(gen.integers(-20, 20, 16))).astype(np.float32)
         got = h.lane_tree16(q.ctypes.data_as(fp))
         assert got == np.float32(_tree([float(v) for v in q]))
+    # Every lane layout the launchers choose: the offsets partition the padded row, the neox
+    # partners are PS segments on (PS of the plans: bfloat16 D = 128, 256, 64 and 512 in two
+    # chunks, float32 D = 128 and 512, four chunks), and the sum over lanes is the contract's
+    # tree over the row (the oracle's, leaves in row order).
+    for e, lanes, seg, ps in ((8, 16, 8, 0), (16, 8, 8, 1), (16, 4, 8, 1), (16, 16, 8, 1),
+                              (16, 32, 8, 1), (8, 16, 4, 1), (16, 32, 4, 2), (32, 4, 8, 2),
+                              (16, 32, 16, 0)):
+        tag = f"{e}_{lanes}_{seg}"
+        assert getattr(h, "errors_" + tag)(ctypes.c_int(ps)) == 0, tag
+        fn = getattr(h, "sum_" + tag)
+        fn.restype = ctypes.c_float
+        for _ in range(50):
+            n = e * lanes
+            q = (gen.standard_normal(n) * np.exp2(gen.integers(-20, 20, n))).astype(np.float32)
+            assert fn(q.ctypes.data_as(fp)) == np.float32(_tree([float(v) for v in q])), tag
 
 
 # --- Triton: the compiled kernels have no fused multiply-add and no flush to zero ---------------

@@ -94,8 +94,8 @@ KVW_HD float qkn_inv_rms(float ss, i64 head_size, float eps) {
 }
 
 
-#ifndef KVWRITE_HOST_TEST
 // The lane layout (see the top of this file): E elements per lane in segments of SEG, L lanes.
+// (Host code too: tests/test_qk_norm_rope.py checks its offsets and tree on the CPU.)
 template <int E_, int L_, int SEG_>
 struct QknLayout {
   static constexpr int E = E_, L = L_, SEG = SEG_, NSEG = E_ / SEG_;
@@ -106,6 +106,8 @@ struct QknLayout {
     return i0 + static_cast<u32>((i / SEG) * (L * SEG) + i % SEG);
   }
 };
+
+#ifndef KVWRITE_HOST_TEST
 
 // The lanes of this thread's group (L lanes, aligned within the warp).
 template <int L>
