@@ -391,6 +391,68 @@ def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op,
     assert seen and all(f is None for f in seen), seen
 
 
+def _force(monkeypatch, cuda_impl, **tuning) -> None:
+    """Every cuda call of the test through ``cuda_impl`` with these CudaTuning fields."""
+    monkeypatch.setattr(cuda_impl, "TUNING", dataclasses.replace(cuda_impl.TUNING, **tuning))
+    monkeypatch.setattr(cuda_impl.run, "__kwdefaults__", {"tuning": cuda_impl.TUNING})
+
+
+_LARGE_GPU = ([(NORM, c) for c in NORM_CASES + GPU_NORM_CASES[::2] if c.num_tokens < 1000] +
+              [(FUSED, c) for c in FUSED_CASES + GPU_FUSED_CASES[::2] if c.num_tokens < 1000])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, case", _LARGE_GPU, ids=[f"{o}-{c.id}" for o, c in _LARGE_GPU])
+def test_gpu_cuda_large_call_build_matches_reference(monkeypatch, op, case):
+    """The large-call build forced (large_call_bytes=0) on every case of the CPU matrices and on
+    half of the GPU ones: the interleaved layouts (two chunks per lane, neox partners in the
+    lane), 64-thread CTAs, the register bound with the row and weights converted again, the
+    value first: qkv, query_out and both caches, whole allocations, as the reference writes
+    them."""
+    if op == NORM:
+        from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+    _force(monkeypatch, cuda_impl, large_call_bytes=0)
+    (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
+
+
+_TUNING_CASES = [
+    QkNormCase(num_tokens=37, num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+               kv_cache_dtype="fp8", alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
+               per_head_scale=True),
+    QkNormCase(num_tokens=37, num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+               layout=Layout.HND, query_out="fp8_e4m3", rotate_key_in_place=False),
+    QkNormCase(num_tokens=21, num_q_heads=16, num_k_heads=8, head_size=256, dtype=torch.bfloat16,
+               weight_offset=1.0, is_neox=False, kv_cache_dtype="fp8_e5m2"),
+    QkNormCase(num_tokens=21, num_q_heads=8, num_k_heads=2, head_size=64, dtype=torch.float16,
+               alloc=KVAlloc.INTERLEAVED, special="nan"),
+    QkNormCase(num_tokens=13, num_q_heads=4, num_k_heads=2, head_size=512, dtype=torch.float32,
+               kv_cache_dtype="bfloat16", q_weight=torch.float32, k_weight=torch.bfloat16),
+]
+_TUNINGS = [dict(large_call_cta_threads=128), dict(large_call_cta_threads=32),
+            dict(large_call_chunks=1), dict(large_call_chunks=4), dict(large_call_min_blocks=1),
+            dict(large_call_pdl_trigger=True), dict(large_call_value_first=False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", _TUNINGS, ids=lambda t: "-".join(f"{k}={v}" for k, v in
+                                                                    t.items()))
+@pytest.mark.parametrize("op", [NORM, FUSED])
+def test_gpu_cuda_large_call_tunings_match_reference(monkeypatch, op, tuning):
+    """The large-call build under each setting the benchmark may compare (other CTA widths,
+    chunks per lane, no register bound, the early PDL trigger, the value after the table), on
+    the models' shapes and a few odd ones: the reference's bytes."""
+    if op == NORM:
+        from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+        tuning = {k: v for k, v in tuning.items() if k != "large_call_value_first"}
+    else:
+        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+    _force(monkeypatch, cuda_impl, large_call_bytes=0, **tuning)
+    for case in _TUNING_CASES:
+        (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
+
+
 # --- fused == the norm op, then the cache write --------------------------------------------------
 
 SEQUENCE_CASES = [
@@ -1032,6 +1094,68 @@ def test_cuda_widths_follow_alignment():
     assert table_width(8, 128, True, torch.zeros(8, 128, dtype=torch.bfloat16)) == 8
 
 
+def test_cuda_lane_plans():
+    """kvw/qk_norm.cuh's layouts as the launchers choose them (E, L, SEG, V, VW, VT, PS): one
+    16-byte chunk per lane for small calls; two for large calls, interleaved across the group's
+    lanes (segments of V elements, L * V apart) where the neox partner is then the lane's own
+    chunk PS segments on (or the pairs are GPT-J's), else the one-chunk consecutive layout."""
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import Plan, layout_plan, plan
+    bf, f32 = 2, 4
+    assert layout_plan(128, bf, 128, True) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(128, bf, 128, True, 2) == Plan(16, 8, 8, 8, 8, 4, 1)
+    assert layout_plan(128, bf, 128, False, 2) == Plan(16, 8, 8, 8, 8, 4, 0)
+    assert layout_plan(256, bf, 256, True, 2) == Plan(16, 16, 8, 8, 8, 4, 1)
+    assert layout_plan(64, bf, 64, True, 2) == Plan(16, 4, 8, 8, 8, 4, 1)
+    assert layout_plan(128, f32, 128, True, 2) == Plan(8, 16, 4, 4, 4, 4, 1)
+    assert layout_plan(512, f32, 512, True, 2) == Plan(16, 32, 4, 4, 4, 4, 2)
+    # D = 512 of 16-bit rows holds two chunks per lane in small calls too: interleaved.
+    assert layout_plan(512, bf, 512, True) == Plan(16, 32, 8, 8, 8, 4, 1)
+    # Partners across lanes (rot/2 not a multiple of L * V): consecutive, one chunk.
+    assert layout_plan(128, bf, 64, True, 2) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(80, bf, 80, True, 2) == Plan(8, 16, 8, 8, 8, 4, 0)
+    assert layout_plan(512, bf, 256, True) == Plan(16, 32, 16, 8, 8, 4, 0)
+    table = torch.zeros(16, 128)
+    qkv = torch.zeros(4, 48, 128, dtype=torch.bfloat16)
+    assert plan(qkv, None, None, table, True, chunks=2) == Plan(16, 8, 8, 8, 8, 4, 1)
+    w = torch.zeros(128, dtype=torch.float32)
+    assert plan(qkv, w, w, table, True, chunks=2) == Plan(16, 8, 8, 8, 4, 4, 1)
+    # Rows aligned to 2 bytes only: the one-chunk plan of 1-element chunks.
+    odd = torch.zeros(4 * 48 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 48, 128)
+    assert plan(odd, None, None, table, True, chunks=2) == Plan(8, 16, 8, 1, 8, 4, 0)
+
+
+def test_cuda_call_builds():
+    """Which build a call takes: the large-call build from large_call_bytes of the rows the
+    kernel moves (the norm op: query and key; the fused op: query, key and value), with the fp8
+    bound for fp8 caches or queries; the register bound only for specialized interleaved builds
+    with lean weights."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.ops.fused_qk_norm_rope.cuda_impl import SMALL, Build, Plan, bounded
+    t = norm_cuda.TUNING
+    assert norm_cuda.call_build(t.large_call_bytes - 1) == SMALL
+    large = norm_cuda.call_build(t.large_call_bytes)
+    assert large == Build(t.large_call_chunks, t.large_call_cta_threads,
+                          t.large_call_min_blocks, t.large_call_pdl_trigger)
+    assert (large.chunks, large.cta, large.trigger) == (2, 64, False)
+    ft = fused_cuda.TUNING
+    assert fused_cuda.call_build(ft.large_call_bytes - 1, True) == (SMALL, False)
+    b, vf = fused_cuda.call_build(ft.large_call_bytes, True)
+    assert vf and b.min_blocks == ft.large_call_min_blocks_fp8
+    assert fused_cuda.call_build(ft.large_call_bytes, False)[0].min_blocks == \
+        ft.large_call_min_blocks
+    ilv, consecutive = Plan(16, 8, 8, 8, 8, 4, 1), Plan(8, 16, 8, 8, 8, 4, 0)
+    bf = torch.zeros(128, dtype=torch.bfloat16)
+    assert bounded(large, ilv, True, bf, bf, 2) == large
+    assert bounded(large, ilv, True, None, bf, 2) == large
+    assert bounded(large, ilv, True, bf.float(), bf.float(), 4) == large
+    for p, spec, w in ((ilv, False, bf), (consecutive, True, bf), (ilv, True, bf.float()),
+                       (ilv, True, bf.half())):
+        assert bounded(large, p, spec, bf, w, 2).min_blocks == 1, (p, spec, w.dtype)
+    assert bounded(large, ilv, True, bf.float(), None, 2).min_blocks == 1
+    with pytest.raises(ValueError, match="large_call_cta_threads"):
+        norm_cuda.CudaTuning(large_call_cta_threads=48)
+
+
 @pytest.mark.parametrize("which", ["norm", "fused"])
 def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     """Every variant of the representative set compiles; the kernels take int64 scalars only (as
@@ -1050,31 +1174,43 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
         assert params.endswith("x" * scalars) and not params.endswith("x" * (scalars + 1))
 
 
-def _specialized_build(which: str, case: QkNormCase) -> tuple[str, tuple]:
-    """(kernel name, fixed arguments) of the build ``case``'s call takes (CPU tensors)."""
+def _specialized_build(which: str, case: QkNormCase, build: str = "small") -> tuple[str, tuple]:
+    """(kernel name, fixed arguments) of the build ``case``'s call takes (CPU tensors): the
+    small-call build, or with ``build="large"`` the large-call build (as a call of at least
+    CudaTuning.large_call_bytes of rows takes it, register bound included)."""
     norm_cuda, fused_cuda = _cuda_modules()
-    from kvwrite.ops.rotary_embedding.cuda_impl import kind
     inp = make_qk_norm_inputs(case, "cpu")
     cs = inp.cos_sin_cache
     if which == "norm":
         view, eps, off = norm_pkg.op.validate(*inp.norm_args(), weight_offset=inp.weight_offset)
-        p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox)
-        name = norm_cuda.kernel_name(kind(view.dtype), kind(cs.dtype),
-                                     norm_cuda.weight_kind(inp.q_weight),
-                                     norm_cuda.weight_kind(inp.k_weight), p.e, p.lanes, p.v,
-                                     p.vw, p.vt, case.is_neox, inp.position_ids.dtype)
-        return name, norm_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off)
+        b = norm_cuda.TUNING.large_build() if build == "large" else norm_cuda.SMALL
+        name, _, fixed, _ = norm_cuda.call_kernel(view, inp.num_heads_q, inp.num_heads_k, eps,
+                                                  inp.q_weight, inp.k_weight, cs, case.is_neox,
+                                                  inp.position_ids, off, b)
+        return name, fixed
     view, eps, off, cdt, qo, _ = fused_pkg.op.validate(*inp.fused_args(), **inp.fused_kwargs())
-    p = norm_cuda.plan(view, inp.q_weight, inp.k_weight, cs, case.is_neox,
-                       fused_cuda._rows(view, inp.key_cache, inp.value_cache, qo))
-    name = fused_cuda.kernel_name(
-        kind(view.dtype), kind(cs.dtype), norm_cuda.weight_kind(inp.q_weight),
-        norm_cuda.weight_kind(inp.k_weight),
-        fused_cuda.out_kind(cdt, view.dtype, inp.key_cache.dtype), fused_cuda.query_kind(qo),
-        p.e, p.lanes, p.v, p.vw, p.vt, case.is_neox, inp.position_ids.dtype,
-        inp.slot_mapping.dtype)
-    return name, fused_cuda.fixed_args(view, inp.num_heads_q, inp.num_heads_k, eps, cs, off,
-                                       inp.key_cache, case.rotate_key_in_place, qo)
+    fp8 = cdt.is_fp8 or fused_cuda.query_kind(qo) in (3, 4)
+    b, vf = fused_cuda.call_build(1 << 62 if build == "large" else 0, fp8)
+    name, _, fixed, _ = fused_cuda.call_kernel(view, inp.num_heads_q, inp.num_heads_k, eps,
+                                               inp.q_weight, inp.k_weight, cs, case.is_neox,
+                                               inp.position_ids, off, inp.key_cache,
+                                               inp.value_cache, inp.slot_mapping, cdt,
+                                               case.rotate_key_in_place, qo, b, vf)
+    return name, fixed
+
+
+_TEMPLATE = {
+    "norm": ("IN", "CS", "WQ", "WK", "E", "L", "SEG", "V", "VW", "VT", "NEOX", "PS", "PosT", "CTA",
+             "MIN_BLOCKS"),
+    "fused": ("IN", "CS", "WQ", "WK", "OUT", "QO", "E", "L", "SEG", "V", "VW", "VT", "NEOX", "PS",
+              "PosT", "SlotT", "CTA", "MIN_BLOCKS", "VALUE_FIRST"),
+}
+
+
+def _template_args(which: str, name: str) -> dict[str, str]:
+    """A kernel name's template arguments by kernel.cu's names."""
+    args = name.split("<", 1)[1].rstrip(">").split(", ")
+    return dict(zip(_TEMPLATE[which], args, strict=True))
 
 
 @pytest.mark.parametrize("which", ["norm", "fused"])
@@ -1132,8 +1268,8 @@ def test_cuda_sass_has_ffma_only_in_the_root_and_divisions(tmp_path):
         fp8 = ("3", "4")
         checked = 0
         for symbol, ops in sass_tools.functions(_build_sass(which, names, tmp_path)).items():
-            args = by_symbol[symbol].split("<")[1].split(", ")
-            if which == "fused" and (args[4] in fp8 or args[5] in fp8):
+            args = _template_args(which, by_symbol[symbol])
+            if which == "fused" and (args["OUT"] in fp8 or args["QO"] in fp8):
                 continue  # the fp8 quotient's deliberate FMAs
             assert sum(op.startswith("FFMA") for op in ops) == want, by_symbol[symbol]
             checked += 1
@@ -1159,11 +1295,12 @@ def _row_load(text: str) -> bool:
 def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
     """In the specialized builds (what calls take; every other variant) of the CPU matrices and in
     the generic variants, no instruction waits for a global load's result before the last row
-    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads). The one
-    kind of exception: generic builds (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks
-    narrower than a lane's elements, where ptxas issues the position's load first and places its
-    test among the chunks' and weights' address arithmetic (specialized, the same variants do
-    not)."""
+    load is issued (the position and slot are loaded after the rows, sass.waits_before_loads),
+    in the small-call and the large-call builds. The kinds of exception: generic builds
+    (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks narrower than a lane's elements, or of
+    the fused op's large-call build with int32 positions, where ptxas issues the position's load
+    first and places its test among the chunks' and weights' address arithmetic (specialized,
+    the same variants do not)."""
     _cuda_modules()
     from kvwrite.kernels import nvrtc
     for which, cases in (("norm", NORM_CASES), ("fused", FUSED_CASES)):
@@ -1173,18 +1310,27 @@ def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
                      for k, v in obj.symbol_mapping.items()}
         late = sass_tools.late_issues(_build_sass(which, names, tmp_path), _row_load)
         for symbol in late:
-            args = by_symbol[symbol].split("<")[1].split(", ")
-            assert args[0] == "2" and int(args[-5 if which == "norm" else -6]) < int(
-                args[4 if which == "norm" else 6]), (which, by_symbol[symbol], late[symbol])
+            args = _template_args(which, by_symbol[symbol])
+            assert (args["IN"] == "2" and int(args["V"]) < int(args["E"])) or (
+                args.get("VALUE_FIRST") == "true" and args["PosT"] == "int"), (
+                which, by_symbol[symbol], late[symbol])
         assert len(late) <= 2, late
-        by_name = {}
-        for name, fixed in {_specialized_build(which, c) for c in cases if c.num_tokens < 1000}:
-            by_name[name] = min(fixed, by_name.get(name, fixed))
-        # Every other variant's build of the compile test (each SASS listing costs time here).
-        for name, fixed in sorted(by_name.items())[::2]:
-            late = sass_tools.late_issues(
-                _build_sass(which, (name,), tmp_path, nvrtc.fixed_args_macros(fixed)), _row_load)
-            assert not late, (name, fixed, late)
+        for build, step in (("small", 2), ("large", 3)):
+            by_name = {}
+            for name, fixed in {_specialized_build(which, c, build) for c in cases
+                                if c.num_tokens < 1000}:
+                by_name[name] = min(fixed, by_name.get(name, fixed))
+            # A share of the variants (each SASS listing costs time here).
+            for name, fixed in sorted(by_name.items())[::step]:
+                macros = nvrtc.fixed_args_macros(fixed)
+                late = sass_tools.late_issues(_build_sass(which, (name,), tmp_path, macros),
+                                              _row_load)
+                assert not late, (name, fixed, late)
+                # The large-call register bound spills at most a few bytes (GPT-J with partial
+                # rotary and D = 64: 4 bytes) in these odd shapes; none in the models' shapes
+                # (test_cuda_large_call_builds_of_model_shapes).
+                spills = re.findall(r"(\d+) bytes spill stores", _build(which, (name,), macros)[1])
+                assert all(int(n) <= 8 for n in spills), (name, spills)
 
 
 @pytest.mark.parametrize("which", ["norm", "fused"])
@@ -1213,13 +1359,80 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
         sorted(map(hex, reads["specialized"]))
 
 
+_MODEL_LARGE = [  # (op, case): the models' shapes in the large-call build
+    ("norm", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                         kv_cache_dtype="fp8")),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                         query_out="fp8_e4m3")),
+    ("fused", QkNormCase(num_q_heads=16, num_k_heads=8, head_size=256, dtype=torch.bfloat16,
+                         weight_offset=1.0)),
+    ("fused", QkNormCase(num_q_heads=64, num_k_heads=8, head_size=64, dtype=torch.bfloat16)),
+    ("fused", QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.float32)),
+]
+
+
+def test_cuda_large_call_builds_of_model_shapes(tmp_path):
+    """The large-call builds (specialized, register bound included) of the models' shapes
+    (Qwen3-8B both ops with auto and fp8 caches and an fp8 query, Gemma 3's D = 256 with (1 +
+    w), D = 64, float32 rows): the interleaved layout, so no shared-memory exchange (no LDS or
+    STS); within the bound's registers without a spill; each lane loads its weight once (one
+    weight's chunks, selected by address) and one segment's cos and sin (the partner segment
+    shares them): bfloat16 D = 128, 2 + 4 16-byte loads after the rows, position and slot; with
+    16-bit rows the value (value-first) stored before the table's first load, except where a
+    head's cache row is 128 bytes of fp8, where it is stored with the key's chunks, after it
+    (float32 rows: ptxas issues the table's loads first, within the bound)."""
+    norm_cuda, fused_cuda = _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    for which, case in _MODEL_LARGE:
+        name, fixed = _specialized_build(which, case, "large")
+        args = _template_args(which, name)
+        assert args["SEG"] != args["E"] and args["PS"] == "1" and args["CTA"] == "64", name
+        macros = nvrtc.fixed_args_macros(fixed)
+        _, log = _build(which, (name,), macros)
+        regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+        assert regs and max(regs) <= 65536 // (64 * int(args["MIN_BLOCKS"])), (name, regs)
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], (name, log[-400:])
+        ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
+        assert not any(op.startswith(("LDS", "STS")) for op in ops), name
+        wide = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128.CONSTANT")]
+        e, seg, vw, vt = (int(args[k]) for k in ("E", "SEG", "VW", "VT"))
+        assert len(wide) == e // vw + 2 * seg // vt, (name, len(wide))  # weight, cos and sin
+        if which == "fused" and case.dtype != torch.float32:  # (float32: ptxas's own order)
+            first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+            fp8_128 = case.cache_dtype.is_fp8 and case.head_size == 128
+            assert (first_store > wide[0]) == fp8_128, (name, first_store, wide[0])
+
+
+def test_cuda_small_fp8_build_converts_the_value_while_the_table_is_in_flight(tmp_path):
+    """The small-call build with an fp8 cache converts the value's chunks (F2FP E4M3 packs)
+    before the rotation rounds the key (F2FP / F2F to bfloat16): between the table's request and
+    the rotation, no longer after the key's store on a small call's latency path (as
+    fused_rope_and_reshape_cache_flash's small build, tuning-log change 54)."""
+    _cuda_modules()
+    from kvwrite.kernels import nvrtc
+    case = QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                      kv_cache_dtype="fp8")
+    name, fixed = _specialized_build("fused", case)
+    assert _template_args("fused", name)["VALUE_FIRST"] == "false"
+    ops = sass_tools.opcodes(_build_sass("fused", (name,), tmp_path,
+                                         nvrtc.fixed_args_macros(fixed)))
+    table = next(i for i, op in enumerate(ops) if op.startswith("LDG.E.128.CONSTANT"))
+    value = next(i for i, op in enumerate(ops) if op.startswith("F2FP.SATFINITE.E4M3"))
+    key = next(i for i, op in enumerate(ops) if op.startswith(("F2FP.BF16", "F2F.BF16")))
+    assert table < value < key, (table, value, key)
+
+
 _MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
 
 
 def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
     """The KVWRITE_PDL build of both kernels (every fourth variant of the representative set:
     each build costs CPU time here): the trigger (PREEXIT) and the wait (ACQBULK) before the
-    first global load or store; the plain build has neither."""
+    first global load or store; the plain build has neither. The large-call build's twin (no
+    early trigger, CudaTuning.large_call_pdl_trigger) of the models' shapes: the wait first, no
+    trigger."""
     from kvwrite.kernels import nvrtc
     for which in ("norm", "fused"):
         names = _all_names(which)[::4]
@@ -1228,6 +1441,12 @@ def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
         for name, ops in pdl.items():
             first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
             assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+    for which, case in _MODEL_LARGE[:3]:
+        name, fixed = _specialized_build(which, case, "large")
+        macros = nvrtc.fixed_args_macros(fixed) + (nvrtc.PDL_MACRO, nvrtc.PDL_NO_TRIGGER_MACRO)
+        ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
+        first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+        assert "ACQBULK" in ops[:first] and "PREEXIT" not in ops, name
         plain = _build_sass(which, _all_names(which), tmp_path)
         assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
@@ -1242,6 +1461,54 @@ extern "C" float lane_tree16(const float* q) {
   for (int i = 0; i < 16; ++i) a[i] = q[i];
   return qkn_lane_tree<16>(a);
 }
+// The device's sum of squares over a layout, its shuffles emulated lane by lane: per segment the
+// in-lane tree, xor masks 1, 2, ..., L/2, then the tree over the segments (lane 0's result).
+template <int E, int L, int SEG>
+float layout_sum(const float* leaves) {
+  using LY = QknLayout<E, L, SEG>;
+  float part[L][LY::NSEG], next[L][LY::NSEG];
+  for (int l = 0; l < L; ++l)
+    for (int s = 0; s < LY::NSEG; ++s) {
+      float seg[SEG];
+      for (int j = 0; j < SEG; ++j) seg[j] = leaves[LY::off(l * SEG, s * SEG + j)];
+      part[l][s] = qkn_tree<SEG>(seg);
+    }
+  for (int m = 1; m < L; m <<= 1) {
+    for (int l = 0; l < L; ++l)
+      for (int s = 0; s < LY::NSEG; ++s) next[l][s] = add_rn(part[l][s], part[l ^ m][s]);
+    for (int l = 0; l < L; ++l)
+      for (int s = 0; s < LY::NSEG; ++s) part[l][s] = next[l][s];
+  }
+  return qkn_tree<LY::NSEG>(part[0]);
+}
+// 0 when the layout's offsets cover [0, L*E) once each and (ps > 0) element i < ps*SEG of a lane
+// pairs with its element i + ps*SEG at row offset + ps*L*SEG (the neox partner, rot/2 on).
+template <int E, int L, int SEG>
+int layout_errors(int ps) {
+  using LY = QknLayout<E, L, SEG>;
+  int seen[L * E] = {0}, bad = 0;
+  for (int l = 0; l < L; ++l)
+    for (int i = 0; i < E; ++i) {
+      const unsigned o = LY::off(l * SEG, i);
+      if (o >= L * E) { ++bad; continue; }
+      ++seen[o];
+      if (i < ps * SEG && LY::off(l * SEG, i + ps * SEG) != o + ps * L * SEG) ++bad;
+    }
+  for (int o = 0; o < L * E; ++o) bad += seen[o] != 1;
+  return bad;
+}
+#define KVW_LAYOUT(E, L, SEG)                                                              \
+  extern "C" float sum_##E##_##L##_##SEG(const float* q) { return layout_sum<E, L, SEG>(q); } \
+  extern "C" int errors_##E##_##L##_##SEG(int ps) { return layout_errors<E, L, SEG>(ps); }
+KVW_LAYOUT(8, 16, 8)
+KVW_LAYOUT(16, 8, 8)
+KVW_LAYOUT(16, 4, 8)
+KVW_LAYOUT(16, 16, 8)
+KVW_LAYOUT(16, 32, 8)
+KVW_LAYOUT(8, 16, 4)
+KVW_LAYOUT(16, 32, 4)
+KVW_LAYOUT(32, 4, 8)
+KVW_LAYOUT(16, 32, 16)
 '''
 
 
@@ -1249,7 +1516,8 @@ def test_header_arithmetic_on_the_host(tmp_path):
     """kvw/qk_norm.cuh's reciprocal RMS and in-lane tree, compiled as host C++
     (-DKVWRITE_HOST_TEST, no contraction): the oracle's values for many sums of squares
     (normal, subnormal, zero, huge, inf), D = 128 (the multiplication by 2^-7) and 80 (the
-    division), eps 0 and 1e-6; the tree of 16 leaves is the oracle's."""
+    division), eps 0 and 1e-6; the tree of 16 leaves is the oracle's; every lane layout's
+    offsets, neox partners and sum over lanes (its shuffles emulated) are the contract's."""
     import ctypes
     import shutil
     import subprocess
@@ -1284,6 +1552,21 @@ def test_header_arithmetic_on_the_host(tmp_path):
         q = (gen.standard_normal(16) * np.exp2(gen.integers(-20, 20, 16))).astype(np.float32)
         got = h.lane_tree16(q.ctypes.data_as(fp))
         assert got == np.float32(_tree([float(v) for v in q]))
+    # Every lane layout the launchers choose: the offsets partition the padded row, the neox
+    # partners are PS segments on (PS of the plans: bfloat16 D = 128, 256, 64 and 512 in two
+    # chunks, float32 D = 128 and 512, four chunks), and the sum over lanes is the contract's
+    # tree over the row (the oracle's, leaves in row order).
+    for e, lanes, seg, ps in ((8, 16, 8, 0), (16, 8, 8, 1), (16, 4, 8, 1), (16, 16, 8, 1),
+                              (16, 32, 8, 1), (8, 16, 4, 1), (16, 32, 4, 2), (32, 4, 8, 2),
+                              (16, 32, 16, 0)):
+        tag = f"{e}_{lanes}_{seg}"
+        assert getattr(h, "errors_" + tag)(ctypes.c_int(ps)) == 0, tag
+        fn = getattr(h, "sum_" + tag)
+        fn.restype = ctypes.c_float
+        for _ in range(50):
+            n = e * lanes
+            q = (gen.standard_normal(n) * np.exp2(gen.integers(-20, 20, n))).astype(np.float32)
+            assert fn(q.ctypes.data_as(fp)) == np.float32(_tree([float(v) for v in q])), tag
 
 
 # --- Triton: the compiled kernels have no fused multiply-add and no flush to zero ---------------
@@ -1410,12 +1693,19 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
 # --- CUDA graphs, torch.compile, sanitize --------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("impl", ["triton", "cuda", "cuda-large"])
 @pytest.mark.parametrize("op", [NORM, FUSED])
-def test_cuda_graph_replay_sees_new_inputs(op, impl):
+def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl):
     """Capture once (the first call of the variant inside the capture), then change every input
     in place (rows, positions, weights, slots, cache and query scales): the replay writes what
-    the reference writes for the new values."""
+    the reference writes for the new values (cuda-large: the cuda large-call build)."""
+    if impl == "cuda-large":
+        if op == NORM:
+            from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+        else:
+            from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+        _force(monkeypatch, cuda_impl, large_call_bytes=0)
+        impl = "cuda"
     if (reason := registry.get(op, impl).available("cuda")) is not None:
         pytest.skip(reason)
     case = QkNormCase(num_tokens=40, num_q_heads=32, num_k_heads=8, head_size=128,
@@ -1519,3 +1809,80 @@ def test_case_ids_are_unique():
         ids = [c.id for c in cases]
         assert len(set(ids)) == len(ids), [i for i in ids if ids.count(i) > 1]
     assert dataclasses.replace(QkNormCase(), eps=0).id != QkNormCase().id
+
+
+# --- the builder is device-independent; comparisons take whole allocations -----------------------
+
+def _all_built_cases() -> list[QkNormCase]:
+    from kvwrite.ops.fused_qk_norm_rope import sanitize as norm_san
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize as fused_san
+    cases = NORM_CASES + FUSED_CASES + [c for _, c in _GPU_SAMPLE] + norm_san.CASES + fused_san.CASES
+    return [c for c in cases if c.num_tokens < 1000]
+
+
+def test_builder_gives_the_same_allocations_on_every_device():
+    """make_qk_norm_inputs(case, device) has the CPU build's allocation sizes, view geometry
+    (dtype, shape, strides, offset) and sharing whatever the device: checked against a 'meta'
+    build (the path every non-CPU device takes) and, bytes included, against the CPU build moved
+    whole to the CPU (the same path, forced), for the CPU matrices, the cases the GPU compares
+    with the CPU reference and the memory-checker cases."""
+    from kvwrite.testing.qk_norm import geometry
+    for case in _all_built_cases():
+        cpu = make_qk_norm_inputs(case, "cpu")
+        want = geometry(cpu)
+        meta = make_qk_norm_inputs(case, "meta")
+        assert all(t.is_meta for t in meta.tensors().values()), case.id
+        assert geometry(meta) == want, case.id
+        moved = clone_inputs(cpu, "cpu")
+        assert all(t.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+                   for t, c in zip(moved.tensors().values(), cpu.tensors().values(), strict=True)
+                   if c.untyped_storage().nbytes()), case.id  # copies, not the same memory
+        assert geometry(moved) == want, case.id
+        assert differences(moved, cpu) is None, case.id
+
+
+def test_builder_keeps_padding_and_sharing():
+    """The allocations the GPU comparisons depend on: qkv's row padding and spare region, K and
+    V in one allocation (interleaved, packed), query_out inside qkv's allocation."""
+    from kvwrite.testing.qk_norm import geometry
+    case = QkNormCase(num_tokens=5, row_pad=8, query_out="spare", alloc=KVAlloc.INTERLEAVED)
+    g = geometry(make_qk_norm_inputs(case, "meta"))
+    rows, width = 5, (4 + 2 + 2) * 64 + 8 + 4 * 64
+    assert g["qkv"][4] == g["query_out"][4] == rows * width * 2
+    assert g["qkv"][5] == g["query_out"][5]
+    assert g["key_cache"][5] == g["value_cache"][5]
+    assert g["key_cache"][4] == 2 * 8 * 16 * 2 * 64 * 2
+    for alloc in (KVAlloc.PACKED, KVAlloc.SEPARATE):
+        g = geometry(make_qk_norm_inputs(dataclasses.replace(case, alloc=alloc), "meta"))
+        assert (g["key_cache"][5] == g["value_cache"][5]) == (alloc is KVAlloc.PACKED)
+
+
+def test_differences_compares_whole_allocations_and_their_geometry():
+    """A byte changed outside every view (qkv's row padding, between the key blocks of an
+    interleaved cache) is caught, and so is a compact copy of a view (what Tensor.cpu() of a
+    view on another device gives), by its geometry, before any byte is compared."""
+    case = QkNormCase(num_tokens=5, row_pad=8, alloc=KVAlloc.INTERLEAVED)
+    want = make_qk_norm_inputs(case)
+    assert differences(clone_inputs(want), want) is None
+    got = clone_inputs(want)
+    pad = got.qkv.flatten(1)
+    storage_row = pad.stride(0) * pad.element_size()
+    qkv_bytes = kvwrite.testing.compare.storage_bytes(got.qkv)
+    qkv_bytes[storage_row - 1] ^= 1  # the last byte of row 0's padding
+    assert "qkv: 1 bytes differ" in differences(got, want)
+    got = clone_inputs(want)
+    vb = kvwrite.testing.compare.storage_bytes(got.value_cache)
+    off = got.value_cache.storage_offset() * got.value_cache.element_size()
+    vb[off] ^= 0x40  # the value cache's first byte: in key_cache's allocation too
+    assert "key_cache: 1 bytes differ" in differences(got, want)
+    got = clone_inputs(want)
+    got.key_cache = got.key_cache.contiguous()
+    assert differences(got, want) == ("key_cache: stride differs (got "
+                                      f"{got.key_cache.stride()}, want "
+                                      f"{want.key_cache.stride()})")
+    got = clone_inputs(want)
+    q = got.qkv
+    wider = torch.zeros(q.untyped_storage().nbytes() + 16, dtype=torch.uint8)
+    got.qkv = wider.view(q.dtype).as_strided(q.shape, q.stride(), q.storage_offset())
+    got.qkv.copy_(q)
+    assert differences(got, want).startswith("qkv: allocation bytes differs")

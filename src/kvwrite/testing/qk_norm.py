@@ -9,6 +9,7 @@ GPU (model shapes, every cache format and layout)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -19,8 +20,9 @@ from .cases import Case, make_inputs
 from .compare import storage_bytes
 from .rope import cos_sin_table
 
-__all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "differences",
-           "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES", "SPECIALS"]
+__all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "geometry",
+           "differences", "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES",
+           "SPECIALS"]
 
 # Special rows a case may plant (see _plant_specials).
 SPECIALS = ("", "zeros", "nan", "inf", "huge", "tiny")
@@ -229,7 +231,27 @@ def _plant_specials(case: QkNormCase, x: torch.Tensor, gen: torch.Generator) -> 
 
 def make_qk_norm_inputs(case: QkNormCase, device: str | torch.device = "cpu",
                         seed: int = 0) -> QkNormInputs:
-    """The tensors of ``case`` on ``device``; the same seed gives the same bytes."""
+    """The tensors of ``case`` on ``device``; the same seed gives the same bytes.
+
+    Device-independent by construction: everything is built on the CPU, then (for another
+    device) each allocation is moved once, whole, and every view is re-created over it with its
+    shape, strides and offset (:func:`clone_inputs`). So a build on any device has the CPU
+    build's allocation sizes, view geometry, sharing (K and V of one cache, ``query_out`` in
+    qkv's spare region) and bytes, padding included, and comparisons of whole allocations
+    across devices compare like with like (:func:`geometry` describes all of it)."""
+    inp = _build_on_cpu(case, seed)
+    if torch.device(device) == torch.device("cpu"):
+        return inp
+    return clone_inputs(inp, device)
+
+
+@functools.cache
+def _table(max_position: int, rot_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The RoPE table, computed once per shape (each build gets its own copy)."""
+    return cos_sin_table(max_position, rot_dim, dtype)
+
+
+def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
     gen = torch.Generator(device="cpu").manual_seed(seed + 2000)
     T, Tc = case.num_tokens, case.num_cache_tokens
     rows = T + case.extra_rows
@@ -268,7 +290,7 @@ def make_qk_norm_inputs(case: QkNormCase, device: str | torch.device = "cpu",
         for i, w in enumerate(where.tolist()):
             pos[w] = bad[i % len(bad)]
     positions = pos.to(case.pos_dtype)
-    cos_sin = cos_sin_table(case.max_position, case.rot, case.cos_sin_dtype)
+    cos_sin = _table(case.max_position, case.rot, case.cos_sin_dtype).clone()
 
     # The caches, slots and scales from the cache write's model (its key and value unused), with
     # enough blocks for the slots (norm-only cases of many tokens).
@@ -280,45 +302,58 @@ def make_qk_norm_inputs(case: QkNormCase, device: str | torch.device = "cpu",
                       per_head_scale=case.per_head_scale, fp8_storage=case.fp8_storage,
                       slot_dtype=case.slot_dtype, padding_slots=case.padding_slots,
                       out_of_range_slots=case.out_of_range_slots)
-    ci = make_inputs(cache_case, device, seed)
+    ci = make_inputs(cache_case, "cpu", seed)
 
-    def dev(t):
-        return None if t is None else t.to(device)
-
-    buf = buf.to(device)
-    qkv = buf[:, :heads * d]
-    query_out = buf[:, width - hq * d:] if case.query_out == "spare" else dev(query_out)
     if query_out is not None and not case.flat:
         query_out = query_out.unflatten(1, (hq, d))
     if not case.flat:
         qkv = qkv.unflatten(1, (heads, d))
     return QkNormInputs(
         qkv=qkv, num_heads_q=hq, num_heads_k=hk, num_heads_v=hv, head_dim=d, eps=case.eps,
-        q_weight=dev(q_weight), k_weight=dev(k_weight), cos_sin_cache=dev(cos_sin),
-        is_neox=case.is_neox, position_ids=dev(positions), key_cache=ci.key_cache,
-        value_cache=ci.value_cache, slot_mapping=ci.slot_mapping,
-        kv_cache_dtype=case.kv_cache_dtype,
+        q_weight=q_weight, k_weight=k_weight, cos_sin_cache=cos_sin, is_neox=case.is_neox,
+        position_ids=positions, key_cache=ci.key_cache, value_cache=ci.value_cache,
+        slot_mapping=ci.slot_mapping, kv_cache_dtype=case.kv_cache_dtype,
         k_scale=ci.k_scale if case.cache_dtype.is_fp8 else None,
         v_scale=ci.v_scale if case.cache_dtype.is_fp8 else None,
         weight_offset=case.weight_offset, rotate_key_in_place=case.rotate_key_in_place,
-        query_out=query_out, q_scale=dev(q_scale))
+        query_out=query_out, q_scale=q_scale)
 
 
-def clone_inputs(inp: QkNormInputs) -> QkNormInputs:
-    """A copy with every allocation copied once (slices of one allocation stay slices of one)."""
+def clone_inputs(inp: QkNormInputs, device: str | torch.device | None = None) -> QkNormInputs:
+    """A copy (on ``device``; default each tensor's own) with every allocation copied once,
+    whole, and every view re-created over its copy with the same shape, strides and offset:
+    slices of one allocation stay slices of one, and the bytes outside the views (row padding,
+    the other half of an interleaved or packed cache) come along."""
     storages: dict[int, torch.Tensor] = {}
 
     def copy(t):
         if t is None:
             return None
-        key = t.untyped_storage().data_ptr()
+        s = t.untyped_storage()
+        # Empty allocations all have address 0: each is its own.
+        key = s.data_ptr() if s.nbytes() else ("empty", id(t))
         if key not in storages:
-            storages[key] = storage_bytes(t).clone()
+            storages[key] = storage_bytes(t).to(t.device if device is None else device,
+                                                copy=True)
         return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     fields = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
     return QkNormInputs(**{k: copy(v) if isinstance(v, torch.Tensor) else v
                            for k, v in fields.items()})
+
+
+def geometry(inp: QkNormInputs) -> dict[str, tuple]:
+    """Per tensor of the call: dtype, shape, strides, storage offset, the size of its whole
+    allocation in bytes, and which of the call's allocations it lies in (numbered in field
+    order): what two builds must share for their whole allocations to be compared byte for byte,
+    on any device (meta tensors included)."""
+    allocations: dict[int, int] = {}
+    out = {}
+    for name, t in inp.tensors().items():
+        s = t.untyped_storage()
+        which = allocations.setdefault(s._cdata, len(allocations))
+        out[name] = (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), s.nbytes(), which)
+    return out
 
 
 def _norm_matrix() -> list[QkNormCase]:
@@ -501,15 +536,27 @@ def differences(got: QkNormInputs, want: QkNormInputs, nan_equal: bool = False,
     """None when every tensor of the two calls (or those of ``names``) holds the same bytes over
     its whole allocation, else what differs (tensor, first differing bytes, got vs want). With
     ``nan_equal``, elements that decode to NaN on both sides (any sign or payload; fp8 codes of
-    uint8 caches decoded by the cache's format) count as equal."""
+    uint8 caches decoded by the cache's format) count as equal.
+
+    The two may lie on different devices: each whole allocation is brought to the CPU (never a
+    view alone, whose copy would be compact and lose the padding and the other tensors of its
+    allocation). Their views must have the same geometry (dtype, shape, strides, offset,
+    allocation size, sharing), else that is what differs."""
     from .compare import assert_caches_equal
 
     gt, wt = got.tensors(), want.tensors()
+    if set(gt) != set(wt):
+        return f"tensors differ: got {sorted(gt)}, want {sorted(wt)}"
+    gg, wg = geometry(got), geometry(want)
+    fields = ("dtype", "shape", "stride", "storage_offset", "allocation bytes", "allocation")
     fp8 = parse_kv_cache_dtype(want.kv_cache_dtype)
     for name in names or tuple(wt):
+        for field, g, w in zip(fields, gg[name], wg[name], strict=True):
+            if g != w:
+                return f"{name}: {field} differs (got {g}, want {w})"
         decode = fp8.fp8_dtype if fp8.is_fp8 and name in ("key_cache", "value_cache") else None
         try:
-            assert_caches_equal(gt[name].cpu(), wt[name].cpu(), name, decode, nan_equal)
+            assert_caches_equal(gt[name], wt[name], name, decode, nan_equal)
         except AssertionError as e:
             return str(e)
     return None

@@ -1,19 +1,26 @@
 """The CUDA implementation of fused_qk_norm_rope: ``kernel.cu`` compiled at run time with NVRTC
 (kvwrite.kernels.nvrtc); the per-head arithmetic lives in ``kvw/qk_norm.cuh``, shared with the
-fused cache-writing op, whose launcher takes its lane layout and widths from here.
+fused cache-writing op, whose launcher takes its lane layout, widths and builds from here.
 
-Lane layout (:func:`lane_layout`): a head row of D elements, padded to P = next_pow2(D), is held
-by a group of L = P / E lanes, each with E consecutive elements, E = min(P, max(P / 32, 16 bytes
-of the row's dtype)): a 16-byte row chunk per lane where the row allows (bfloat16 D=128: 16
-lanes of 8 elements, two heads per warp; D=512: 32 lanes of 16). Widths (:func:`vector_width`,
-:func:`weight_width`, :func:`table_width`): each lane's elements are loaded and stored in chunks
-of V elements (the widest power of two dividing E and D, at most 16 bytes, with every pointer and
-stride aligned to it), its weights in chunks of VW, its table entries in chunks of VT (dividing
-rot/2). Variants (template arguments): row, table and weight dtypes, E, L, V, VW, VT, pairing
-and the position index type. Each call signature takes its own build with the arguments it fixes
-(the token stride, the head counts, D, rot, eps, the weight offset) compiled in
-(``CudaTuning.specialize``). Launched on PyTorch's current stream; no allocation and no host sync
-per call (graph-safe).
+Lane layout (:func:`plan`, kvw/qk_norm.cuh's QknLayout): a head row of D elements, padded to P =
+next_pow2(D), is held by a group of L = P / E lanes, each with E elements, E = min(P, max(P / 32,
+chunks * 16 bytes of the row's dtype)) (:func:`lane_layout`): one 16-byte chunk per lane in the
+small-call build (bfloat16 D=128: 16 lanes of 8 elements), two in the large-call build (8 lanes
+of 16). Widths: each lane's elements are loaded and stored in chunks of V elements (the widest
+power of two dividing E and D, at most 16 bytes, with every pointer and stride aligned to it,
+:func:`vector_width`), its weights in chunks of VW, its table entries in chunks of VT. Where a
+lane holds more than one full 16-byte chunk and the rotation's partners then stay in the lane
+(neox: rot/2 a multiple of L * V; GPT-J: always), its chunks are interleaved with the other
+lanes' (segments of SEG = V elements, L * V apart: every warp access covers consecutive bytes,
+and the neox partner of a chunk is the lane's own chunk PS = rot / (2 * L * V) segments on);
+otherwise a lane holds E consecutive elements (SEG = E) and neox partners come through shared
+memory. Variants (template arguments): row, table and weight dtypes, E, L, SEG, V, VW, VT,
+pairing, PS, the position index type, the CTA's threads and the register bound. Each call
+signature takes its own build with the arguments it fixes (the token stride, the head counts, D,
+rot, eps, the weight offset) compiled in (``CudaTuning.specialize``). Calls of at least
+``CudaTuning.large_call_bytes`` of rows take the large-call build (two chunks per lane, narrower
+CTAs, a register bound, no early trigger of the next kernel). Launched on PyTorch's current
+stream; no allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from .op import float32_bits
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "THREADS", "NO_WEIGHT",
            "lane_layout", "vector_width", "weight_width", "table_width", "weight_kind",
            "kernel_name", "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "Plan",
-           "plan"]
+           "plan", "layout_plan", "Build", "SMALL", "bounded", "call_build", "call_kernel"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope")
 KERNEL = "qk_norm_rope_kernel"
-# kvw/qk_norm.cuh's QKN_THREADS and QKN_NO_WEIGHT.
+# kvw/qk_norm.cuh's QKN_THREADS (the small-call build's CTA) and QKN_NO_WEIGHT.
 THREADS = 128
 NO_WEIGHT = 6
 
@@ -53,10 +60,11 @@ def _aligned(ptr: int, nbytes: int) -> bool:
     return ptr % min(nbytes, 16) == 0
 
 
-def lane_layout(head_size: int, in_bytes: int) -> tuple[int, int]:
-    """(E, L): elements per lane and lanes per head group (see the module doc)."""
+def lane_layout(head_size: int, in_bytes: int, chunks: int = 1) -> tuple[int, int]:
+    """(E, L): elements per lane and lanes per head group for ``chunks`` 16-byte chunks of the
+    row per lane (see the module doc)."""
     p = next_pow2(head_size)
-    e = min(p, max(-(-p // 32), 16 // in_bytes))
+    e = min(p, max(-(-p // 32), chunks * (16 // in_bytes)))
     return e, p // e
 
 
@@ -104,38 +112,139 @@ def table_width(e: int, rot: int, is_neox: bool, table: torch.Tensor) -> int:
     return 1
 
 
-def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, e: int, lanes: int, v: int,
-                vw: int, vt: int, neox: bool, pos: torch.dtype) -> str:
-    return (f"{KERNEL}<{in_kind}, {cs_kind}, {wq}, {wk}, {e}, {lanes}, {v}, {vw}, {vt}, "
-            f"{str(neox).lower()}, {int_type(pos)}>")
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """A call's build: the 16-byte chunks per lane, the CTA's threads, __launch_bounds__'s
+    minimum of resident CTAs, whether its PDL twin triggers the next kernel early."""
+
+    chunks: int = 1
+    cta: int = THREADS
+    min_blocks: int = 1
+    trigger: bool = True
+
+
+SMALL = Build()
+
+
+def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, p: Plan, neox: bool,
+                pos: torch.dtype, build: Build = SMALL) -> str:
+    return (f"{KERNEL}<{in_kind}, {cs_kind}, {wq}, {wk}, {p.e}, {p.lanes}, {p.seg}, {p.v}, "
+            f"{p.vw}, {p.vt}, {str(neox).lower()}, {p.ps}, {int_type(pos)}, {build.cta}, "
+            f"{build.min_blocks}>")
 
 
 def all_kernel_names() -> list[str]:
     """A representative set of variants (for the NVRTC compile test): every row dtype with its
-    widest layout of D = 64, 128 and 512 (and D = 80, 46), both pairings, weights of every kind
-    and none, narrower widths, int32 positions."""
+    layouts of D = 64, 128 and 512 (and D = 80, 46) in the small-call and the large-call build,
+    both pairings, partial rotary, weights of every kind and none, narrower widths, int32
+    positions."""
     names = set()
     f32, bf16, f16 = kind(torch.float32), kind(torch.bfloat16), kind(torch.float16)
     for in_dt in (torch.float16, torch.bfloat16, torch.float32):
         k = kind(in_dt)
-        for d in (64, 80, 128, 46, 512):
-            e, lanes = lane_layout(d, in_dt.itemsize)
-            v = e
-            while v > 1 and (d % v or v * in_dt.itemsize > 16):
-                v //= 2
-            for neox in (True, False):
-                vt = min(e if neox else e // 2, 4)
-                names.add(kernel_name(k, f32, k, k, e, lanes, v, v, vt, neox, torch.int64))
+        # Generic builds (this set): the large-call build takes no register bound (bounded()).
+        for build in (SMALL, dataclasses.replace(TUNING.large_build(), min_blocks=1)):
+            for d in (64, 80, 128, 46, 512):
+                for neox, rot in ((True, d), (False, d), (True, d // 2)):
+                    p = layout_plan(d, in_dt.itemsize, rot, neox, build.chunks)
+                    names.add(kernel_name(k, f32, k, k, p, neox, torch.int64, build))
         e, lanes = lane_layout(128, in_dt.itemsize)
         for wq, wk in ((NO_WEIGHT, f32), (bf16, NO_WEIGHT), (f16, f32), (NO_WEIGHT, NO_WEIGHT)):
-            names.add(kernel_name(k, k, wq, wk, e, lanes, 2, 1, 1, True, torch.int32))
-            names.add(kernel_name(k, bf16, wq, wk, e, lanes, 1, 2, 2, False, torch.int64))
+            names.add(kernel_name(k, k, wq, wk, Plan(e, lanes, e, 2, 1, 1, 0), True,
+                                  torch.int32))
+            names.add(kernel_name(k, bf16, wq, wk, Plan(e, lanes, e, 1, 2, 2, 0), False,
+                                  torch.int64))
     return sorted(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A call's lane layout and widths (kvw/qk_norm.cuh): E elements per lane, L lanes, segments
+    of SEG elements, chunks of V (rows), VW (weights), VT (table entries), the neox partners PS
+    segments on in the lane (0: across lanes, or GPT-J)."""
+
+    e: int
+    lanes: int
+    seg: int
+    v: int
+    vw: int
+    vt: int
+    ps: int
+
+
+def _pairs_in_lane(head_size: int, rot: int, is_neox: bool, lanes: int, v: int) -> int | None:
+    """PS of an interleaved layout with segments of V elements (0 for GPT-J), or None where the
+    neox partners would lie in other lanes."""
+    if not is_neox:
+        return 0 if v % 2 == 0 else None
+    half = rot // 2
+    if half % (lanes * v):
+        return None
+    return half // (lanes * v)
+
+
+def layout_plan(head_size: int, in_bytes: int, rot: int, is_neox: bool, chunks: int = 1,
+                v: int | None = None, vw: int | None = None, vt: int | None = None) -> Plan:
+    """The plan of a row of ``head_size`` elements of ``in_bytes`` with ``chunks`` 16-byte chunks
+    per lane, all pointers and strides aligned to 16 bytes unless ``v`` (the row's chunk) says
+    otherwise; ``vw`` and ``vt`` default to the widest the segments allow (at most 16 bytes of
+    float32 entries). Interleaved where a lane holds more than one full chunk and the rotation's
+    partners stay in the lane; else, with ``chunks`` > 1, the one-chunk plan."""
+    e, lanes = lane_layout(head_size, in_bytes, chunks)
+    full = min(e, 16 // in_bytes)
+    if v is None:
+        v = full
+        while head_size % v:
+            v //= 2
+    seg, ps = e, 0
+    if e > v == full and (found := _pairs_in_lane(head_size, rot, is_neox, lanes, v)) is not None:
+        seg, ps = v, found
+    elif chunks > 1:
+        return layout_plan(head_size, in_bytes, rot, is_neox, 1, None if v == full else v, vw,
+                           vt)
+
+    def widest(n: int, limit: int) -> int:
+        w = 1
+        while w * 2 <= min(n, limit) and n % (w * 2) == 0 and head_size % (w * 2) == 0:
+            w *= 2
+        return w
+
+    if vw is None:
+        vw = widest(seg, 16 // min(in_bytes, 4))
+    if vt is None:
+        per = seg if is_neox else seg // 2
+        vt = 1
+        while vt * 2 <= min(per, 4) and per % (vt * 2) == 0 and (rot // 2) % (vt * 2) == 0:
+            vt *= 2
+    return Plan(e, lanes, seg, v, vw, vt, ps)
+
+
+def plan(qkv: torch.Tensor, q_weight, k_weight, cos_sin_cache: torch.Tensor, is_neox: bool,
+         extra_rows: tuple[tuple[int, int, tuple[int, ...]], ...] = (), chunks: int = 1) -> Plan:
+    """The layout and widths of a call on ``qkv`` (``[T_pad, H, D]``) with ``chunks`` 16-byte
+    chunks per lane; ``extra_rows``: (address, element size, strides) of other tensors the
+    kernel accesses in V-element chunks (the fused op's query_out and caches)."""
+    d = qkv.shape[2]
+    es = qkv.element_size()
+    rot = cos_sin_cache.shape[1]
+    strides = (qkv.stride(0),) if qkv.shape[0] > 1 else ()
+    rows = ((qkv.data_ptr(), es, strides),) + tuple(extra_rows)
+    e, lanes = lane_layout(d, es, chunks)
+    v = vector_width(d, e, rows, es)
+    if chunks > 1 and (v < min(e, 16 // es) or
+                       _pairs_in_lane(d, rot, is_neox, lanes, v) is None):
+        return plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox, extra_rows)
+    p = layout_plan(d, es, rot, is_neox, chunks, v)
+    return dataclasses.replace(p, vw=weight_width(d, p.seg, (q_weight, k_weight)),
+                               vt=table_width(p.seg, rot, is_neox, cos_sin_cache))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning:
-    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`."""
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`. The
+    large-call fields are predictions from the kernel's machine code and from what made
+    fused_rope_and_reshape_cache_flash's kernel fast (tuning-log changes 34-36, 44, 53): not
+    measured on this kernel yet."""
 
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0:
@@ -145,34 +254,44 @@ class CudaTuning:
     # (kernel.cu's KVWRITE_FIXED_ARGS), as the other ops; KVWRITE_CUDA_SPECIALIZE=0: one generic
     # build per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    # Calls that move at least large_call_bytes of the heads' rows (query and key here; query,
+    # key and value in the fused op) take the large-call build (not measured):
+    # - large_call_chunks 16-byte chunks of the row per lane, interleaved across the group's
+    #   lanes where the rotation's partners stay in the lane (bfloat16 D = 128: 8 lanes of two
+    #   chunks 128 bytes apart, the neox pairs in the lane: no shared-memory exchange), so twice
+    #   the bytes in flight per thread, half the threads, half the per-lane root computations;
+    # - CTAs of large_call_cta_threads (Qwen3-8B's 40 heads x 8 lanes = 5 CTAs of 64 per token,
+    #   4 of query heads and 1 of key heads: none mixes the two paths);
+    # - __launch_bounds__(cta, large_call_min_blocks): the register bound (48 registers with 64
+    #   threads and 20 CTAs);
+    # - large_call_pdl_trigger: whether its PDL twin triggers the next kernel early (the fused
+    #   RoPE kernel's large build lost 4.5-7.5% with the trigger, tuning-log change 44).
+    large_call_bytes: int = 4 << 20
+    large_call_chunks: int = 2
+    large_call_cta_threads: int = 64
+    large_call_min_blocks: int = 20
+    large_call_pdl_trigger: bool = False
+
+    def __post_init__(self):
+        c = self.large_call_cta_threads
+        if not (isinstance(c, int) and 32 <= c <= 1024 and c % 32 == 0):
+            raise ValueError(f"large_call_cta_threads: expected a multiple of 32 in [32, 1024], "
+                             f"got {c!r}")
+        if self.large_call_chunks not in (1, 2, 4):
+            raise ValueError(f"large_call_chunks: expected 1, 2 or 4, got "
+                             f"{self.large_call_chunks!r}")
+
+    def large_build(self) -> Build:
+        return Build(self.large_call_chunks, self.large_call_cta_threads,
+                     self.large_call_min_blocks, self.large_call_pdl_trigger)
 
 
 TUNING = CudaTuning()
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A call's lane layout and widths."""
-
-    e: int
-    lanes: int
-    v: int
-    vw: int
-    vt: int
-
-
-def plan(qkv: torch.Tensor, q_weight, k_weight, cos_sin_cache: torch.Tensor, is_neox: bool,
-         extra_rows: tuple[tuple[int, int, tuple[int, ...]], ...] = ()) -> Plan:
-    """The layout and widths of a call on ``qkv`` (``[T_pad, H, D]``); ``extra_rows``: (address,
-    element size, strides) of other tensors the kernel accesses in V-element chunks (the fused
-    op's query_out and caches)."""
-    d = qkv.shape[2]
-    e, lanes = lane_layout(d, qkv.element_size())
-    strides = (qkv.stride(0),) if qkv.shape[0] > 1 else ()
-    rows = ((qkv.data_ptr(), qkv.element_size(), strides),) + tuple(extra_rows)
-    return Plan(e, lanes, vector_width(d, e, rows, qkv.element_size()),
-                weight_width(d, e, (q_weight, k_weight)),
-                table_width(e, cos_sin_cache.shape[1], is_neox, cos_sin_cache))
+def call_build(row_bytes: int, tuning: CudaTuning = TUNING) -> Build:
+    """The build of a call that moves ``row_bytes`` of the heads' rows."""
+    return tuning.large_build() if row_bytes >= tuning.large_call_bytes else SMALL
 
 
 def fixed_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
@@ -185,11 +304,41 @@ def fixed_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float
             int(weight_offset != 0))
 
 
+def bounded(build: Build, p: Plan, specialize: bool, q_weight, k_weight,
+            in_bytes: int) -> Build:
+    """``build`` with its register bound where it applies: the large-call bound is chosen for the
+    specialized builds of the interleaved layout with no weight or weights of one dtype no wider
+    than the rows' (no spill there, tests/test_qk_norm_rope.py). A generic build (more registers
+    for its run-time arguments), a call whose layout stayed consecutive (its neox partners
+    across lanes, or unaligned rows) or one with wider weights or weights of two dtypes (twice
+    the weights' registers: 56 bytes spilled) takes none."""
+    dtypes = {w.dtype for w in (q_weight, k_weight) if w is not None}
+    lean = len(dtypes) <= 1 and all(d.itemsize <= in_bytes for d in dtypes)
+    if build.min_blocks > 1 and (not specialize or p.seg == p.e or not lean):
+        return dataclasses.replace(build, min_blocks=1)
+    return build
+
+
+def call_kernel(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
+                q_weight, k_weight, cos_sin_cache: torch.Tensor, is_neox: bool,
+                position_ids: torch.Tensor, weight_offset: float, build: Build = SMALL,
+                specialize: bool = True) -> tuple[str, Plan, tuple[int, ...], Build]:
+    """(kernel name, plan, fixed arguments, build) of a call taking ``build`` (CPU tensors too:
+    the tests read the machine code of what calls take)."""
+    p = plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox, chunks=build.chunks)
+    build = bounded(build, p, specialize, q_weight, k_weight, qkv.element_size())
+    fixed = fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset)
+    name = kernel_name(kind(qkv.dtype), kind(cos_sin_cache.dtype), weight_kind(q_weight),
+                       weight_kind(k_weight), p, is_neox, position_ids.dtype, build)
+    return name, p, fixed, build
+
+
 @dataclasses.dataclass(frozen=True)
 class _Launchable:
     kernel: object
     pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     lanes: int
+    cta: int
     units_per_token: int
     device_index: int
     fixed: tuple
@@ -199,23 +348,22 @@ _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 
 def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
-                position_ids, weight_offset, specialize) -> _Launchable:
+                position_ids, weight_offset, specialize, build) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    p = plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox)
-    fixed = fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset)
-    name = kernel_name(kind(qkv.dtype), kind(cos_sin_cache.dtype), weight_kind(q_weight),
-                       weight_kind(k_weight), p.e, p.lanes, p.v, p.vw, p.vt, is_neox,
-                       position_ids.dtype)
+    name, p, fixed, build = call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight,
+                                        cos_sin_cache, is_neox, position_ids, weight_offset,
+                                        build, specialize)
     macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = qkv.get_device()
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index)
-    return _Launchable(kernel, pdl_kernel, p.lanes, num_heads_q + num_heads_k, index, fixed)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index, trigger=build.trigger)
+    return _Launchable(kernel, pdl_kernel, p.lanes, build.cta, num_heads_q + num_heads_k, index,
+                       fixed)
 
 
 def _ptr(w: torch.Tensor | None) -> int:
@@ -231,21 +379,23 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     if num_rot == 0:
         return
     qw, kw = _ptr(q_weight), _ptr(k_weight)
+    build = call_build(num_rot * (num_heads_q + num_heads_k) * qkv.shape[2] *
+                       qkv.element_size(), tuning)
     sig = (qkv.dtype, cos_sin_cache.dtype, position_ids.dtype, qkv.shape[1:], qkv.stride(0),
            num_heads_q, num_heads_k, eps, weight_offset, cos_sin_cache.shape,
            None if q_weight is None else q_weight.dtype,
            None if k_weight is None else k_weight.dtype,
            qkv.data_ptr() & 15, cos_sin_cache.data_ptr() & 15, qw & 15, kw & 15, is_neox,
-           qkv.get_device(), tuning.specialize)
+           qkv.get_device(), tuning.specialize, build)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight,
                                               k_weight, cos_sin_cache, is_neox, position_ids,
-                                              weight_offset, tuning.specialize)
+                                              weight_offset, tuning.specialize, build)
     threads = num_rot * lau.units_per_token * lau.lanes
-    ctas = -(-threads // THREADS)
+    ctas = -(-threads // lau.cta)
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    config = nvrtc.launch_config(ctas, 1, lau.cta, 1, pdl)
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
                  position_ids.data_ptr(), qkv.data_ptr(), cos_sin_cache.data_ptr(), qw, kw,
                  num_rot, *lau.fixed)

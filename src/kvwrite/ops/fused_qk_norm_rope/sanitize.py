@@ -2,7 +2,8 @@
 ``(id, run)`` pairs; ``run()`` runs the cuda implementation on the GPU over a case that stresses
 its bounds and the torch reference on the CPU over the same inputs, and returns None when qkv's
 whole allocation holds the same bytes, else what differs. ``kvwrite-bench sanitize`` runs them
-under compute-sanitizer.
+under compute-sanitizer. Each case runs in the build its call takes and, with the id's suffix
+"-large", in the large-call build (cuda_impl.CudaTuning: two chunks per lane, 64-thread CTAs).
 
 The cases: positions out of range (negative, past the table, the int32 extremes), rows past
 T_rot, head sizes whose rows are not 16-byte aligned (46, 6) or not a power of two (80), token
@@ -12,11 +13,18 @@ pair, int32 positions, no weights, and more tokens than one resident wave.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 
-from ...testing.qk_norm import QkNormCase, differences, make_qk_norm_inputs
+from ...testing.qk_norm import (
+    QkNormCase,
+    clone_inputs,
+    differences,
+    make_qk_norm_inputs,
+)
 
 __all__ = ["CASES", "cases", "run_case"]
 
@@ -37,14 +45,21 @@ CASES = [
 ]
 
 
-def run_case(case: QkNormCase) -> str | None:
-    """None when the cuda implementation writes the torch reference's bytes for ``case``."""
+def run_case(case: QkNormCase, large: bool = False) -> str | None:
+    """None when the cuda implementation writes the torch reference's bytes for ``case``; with
+    ``large``, in its large-call build whatever the call's size."""
     from . import cuda_impl, reference
     from .op import validate
 
-    got = make_qk_norm_inputs(case, "cuda")
+    tuning = dataclasses.replace(cuda_impl.TUNING, large_call_bytes=0) if large else \
+        cuda_impl.TUNING
+
+    # One build on the CPU, moved whole (every allocation once, its views re-created), so that
+    # the two sides have the same allocations, views and bytes to start from.
     want = make_qk_norm_inputs(case, "cpu")
-    for inp, run in ((want, reference.run), (got, cuda_impl.run)):
+    got = clone_inputs(want, "cuda")
+    for inp, run in ((want, reference.run),
+                     (got, functools.partial(cuda_impl.run, tuning=tuning))):
         view, eps, offset = validate(*inp.norm_args(), weight_offset=inp.weight_offset)
         if inp.position_ids.numel():
             run(view, inp.num_heads_q, inp.num_heads_k, eps, inp.q_weight, inp.k_weight,
@@ -54,4 +69,9 @@ def run_case(case: QkNormCase) -> str | None:
 
 
 def cases() -> list[tuple[str, Callable[[], str | None]]]:
-    return [(case.id, lambda case=case: run_case(case)) for case in CASES]
+    """Each case in the build its call takes, and (but for the one of more tokens than a wave,
+    which takes it anyway) in the large-call build."""
+    out = [(case.id, lambda case=case: run_case(case)) for case in CASES]
+    out += [(case.id + "-large", lambda case=case: run_case(case, large=True)) for case in CASES
+            if case.num_tokens < 10_000]
+    return out

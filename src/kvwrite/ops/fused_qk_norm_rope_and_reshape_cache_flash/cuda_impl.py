@@ -6,11 +6,14 @@ and fp8 rule ``kvw/vec_io.cuh`` and ``kvw/fp8.cuh`` (shared with reshape_and_cac
 
 Variants (template arguments): row, table and weight dtypes, the cache element kind (copy, float
 cast, fp8 e4m3 or e5m2), the query's destination (in place, query_out of qkv's dtype, fp8
-query_out), the lane layout and widths (E, L, V, VW, VT), pairing, position and slot index
-types. Each call signature takes its own build with the arguments it fixes (strides, head
-counts, the caches' geometry, the table's shape, eps, the weight offset) compiled in
-(``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream; scales are
-read on the device; no allocation and no host sync per call (graph-safe).
+query_out), the lane layout and widths (E, L, SEG, V, VW, VT, PS), pairing, position and slot
+index types, the CTA's threads, the register bound and the value's order (VALUE_FIRST: the
+large-call build). Each call signature takes its own build with the arguments it fixes (strides,
+head counts, the caches' geometry, the table's shape, eps, the weight offset) compiled in
+(``fixed_args``, ``CudaTuning.specialize``); calls of at least ``CudaTuning.large_call_bytes``
+of query, key and value rows take the large-call build (fused_qk_norm_rope's, with the value
+converted before the table's entries are requested). Launched on PyTorch's current stream;
+scales are read on the device; no allocation and no host sync per call (graph-safe).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from ...dtypes import CacheDType
 from ...kernels import nvrtc
 from ..fused_qk_norm_rope.cuda_impl import (
     NO_WEIGHT,
-    THREADS,
+    SMALL,
+    Build,
+    Plan,
+    bounded,
     lane_layout,
+    layout_plan,
     plan,
     weight_kind,
 )
@@ -34,7 +41,7 @@ from ..rotary_embedding.cuda_impl import int_type, kind
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "kernel_name",
            "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "IN_PLACE", "out_kind",
-           "query_kind"]
+           "query_kind", "call_build", "call_kernel"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope_cache")
 KERNEL = "qk_norm_rope_cache_kernel"
@@ -67,52 +74,62 @@ def query_kind(query_out: torch.Tensor | None) -> int:
     return _QUERY_FP8_KIND.get(query_out.dtype, _COPY)
 
 
-def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, out: int, qo: int, e: int,
-                lanes: int, v: int, vw: int, vt: int, neox: bool, pos: torch.dtype,
-                slot: torch.dtype) -> str:
-    return (f"{KERNEL}<{in_kind}, {cs_kind}, {wq}, {wk}, {out}, {qo}, {e}, {lanes}, {v}, {vw}, "
-            f"{vt}, {str(neox).lower()}, {int_type(pos)}, {int_type(slot)}>")
+def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, out: int, qo: int, p: Plan,
+                neox: bool, pos: torch.dtype, slot: torch.dtype, build: Build = SMALL,
+                value_first: bool = False) -> str:
+    return (f"{KERNEL}<{in_kind}, {cs_kind}, {wq}, {wk}, {out}, {qo}, {p.e}, {p.lanes}, {p.seg}, "
+            f"{p.v}, {p.vw}, {p.vt}, {str(neox).lower()}, {p.ps}, {int_type(pos)}, "
+            f"{int_type(slot)}, {build.cta}, {build.min_blocks}, {str(value_first).lower()}>")
 
 
 def all_kernel_names() -> list[str]:
     """A representative set of variants (for the NVRTC compile test): every row dtype against
-    every cache kind and every query destination at D = 128 with its widest layout, both pairings,
-    D = 64, 80, 46 and 512, weights of other kinds and none, narrow widths, int32 indices."""
+    every cache kind and every query destination at D = 128 with its layouts of the small-call
+    and the large-call build, both pairings, partial rotary, D = 64, 80, 46 and 512, weights of
+    other kinds and none, narrow widths, int32 indices."""
     names = set()
     f32, bf16 = kind(torch.float32), kind(torch.bfloat16)
     i64, i32 = torch.int64, torch.int32
+    # Generic builds (this set): the large-call build takes no register bound (bounded()).
+    large = dataclasses.replace(TUNING.large_build(), min_blocks=1)
     for in_dt in (torch.float16, torch.bfloat16, torch.float32):
         k = kind(in_dt)
-        e, lanes = lane_layout(128, in_dt.itemsize)
-        v = min(e, 16 // in_dt.itemsize)
+        es = in_dt.itemsize
         outs = [_COPY, _E4M3, _E5M2] + [kind(d) for d in (torch.float16, torch.bfloat16,
                                                           torch.float32) if d != in_dt]
-        for out in outs:
-            names.add(kernel_name(k, f32, k, k, out, IN_PLACE, e, lanes, v, v, 4, True, i64, i64))
-        for out, qo in ((_COPY, _COPY), (_COPY, _E4M3), (_E4M3, _E5M2), (_E5M2, _COPY)):
-            names.add(kernel_name(k, f32, k, k, out, qo, e, lanes, v, v, 4, True, i64, i64))
-        for neox in (True, False):
-            names.add(kernel_name(k, f32, k, k, _E4M3, IN_PLACE, e, lanes, v, v, 2, neox, i64,
-                                  i64))
-        for d in (64, 80, 46, 512):
-            e2, lanes2 = lane_layout(d, in_dt.itemsize)
-            v2 = e2
-            while v2 > 1 and (d % v2 or v2 * in_dt.itemsize > 16):
-                v2 //= 2
-            names.add(kernel_name(k, f32, k, k, _COPY, IN_PLACE, e2, lanes2, v2, v2, 1, True,
-                                  i64, i64))
-            names.add(kernel_name(k, f32, k, k, _E5M2, _E4M3, e2, lanes2, v2, v2, 1, False,
-                                  i64, i64))
-        names.add(kernel_name(k, bf16, NO_WEIGHT, f32, _COPY, IN_PLACE, e, lanes, 1, 2, 2, True,
-                              i32, i32))
-        names.add(kernel_name(k, k, f32, NO_WEIGHT, _E4M3, _COPY, e, lanes, 2, 1, 1, False, i64,
-                              i32))
+        for build, vf in ((SMALL, False), (large, TUNING.large_call_value_first)):
+            p = layout_plan(128, es, 128, True, build.chunks)
+            for out in outs:
+                names.add(kernel_name(k, f32, k, k, out, IN_PLACE, p, True, i64, i64, build, vf))
+            for out, qo in ((_COPY, _COPY), (_COPY, _E4M3), (_E4M3, _E5M2), (_E5M2, _COPY)):
+                names.add(kernel_name(k, f32, k, k, out, qo, p, True, i64, i64, build, vf))
+            for neox, rot in ((True, 64), (False, 128)):
+                q = layout_plan(128, es, rot, neox, build.chunks)
+                names.add(kernel_name(k, f32, k, k, _E4M3, IN_PLACE, q, neox, i64, i64, build,
+                                      vf))
+            for d in (64, 80, 46, 512):
+                names.add(kernel_name(k, f32, k, k, _COPY, IN_PLACE,
+                                      layout_plan(d, es, d, True, build.chunks), True, i64, i64,
+                                      build, vf))
+                names.add(kernel_name(k, f32, k, k, _E5M2, _E4M3,
+                                      layout_plan(d, es, d, False, build.chunks), False, i64,
+                                      i64, build, vf))
+        e, lanes = lane_layout(128, es)
+        names.add(kernel_name(k, bf16, NO_WEIGHT, f32, _COPY, IN_PLACE,
+                              Plan(e, lanes, e, 1, 2, 2, 0), True, i32, i32))
+        names.add(kernel_name(k, k, f32, NO_WEIGHT, _E4M3, _COPY, Plan(e, lanes, e, 2, 1, 1, 0),
+                              False, i64, i32))
+        p = layout_plan(128, es, 128, True, large.chunks)
+        names.add(kernel_name(k, bf16, NO_WEIGHT, f32, _E4M3, _E5M2, p, True, i32, i32, large,
+                              True))
     return sorted(names)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning:
-    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`."""
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`. The
+    large-call fields are fused_qk_norm_rope's (see its CudaTuning) plus the value's order:
+    predictions, not measured on this kernel yet."""
 
     # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
     # stream serialization where the device allows it (as the fused RoPE op's); 0: never.
@@ -120,9 +137,47 @@ class CudaTuning:
     # One build per call signature with the arguments from qkv_stride on compiled in
     # (kernel.cu's KVWRITE_FIXED_ARGS); KVWRITE_CUDA_SPECIALIZE=0: one generic build per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    # The large-call build (not measured): for calls of at least large_call_bytes of query, key
+    # and value rows, large_call_chunks 16-byte chunks per lane (interleaved where the rotation's
+    # partners stay in the lane), CTAs of large_call_cta_threads, __launch_bounds__(cta,
+    # large_call_min_blocks) (48 registers; with an fp8 cache or query_out
+    # large_call_min_blocks_fp8: 56, where 48 spilled 40 bytes), a PDL twin that triggers the next kernel early only with
+    # large_call_pdl_trigger; with large_call_value_first a key group converts its value before
+    # it requests the table's entries and stores it then (or, where a head's cache row is 128
+    # bytes, right after the key's chunks), so it never holds the value's input and the entries
+    # at once (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
+    large_call_bytes: int = 4 << 20
+    large_call_chunks: int = 2
+    large_call_cta_threads: int = 64
+    large_call_min_blocks: int = 20
+    large_call_min_blocks_fp8: int = 18
+    large_call_pdl_trigger: bool = False
+    large_call_value_first: bool = True
+
+    def __post_init__(self):
+        c = self.large_call_cta_threads
+        if not (isinstance(c, int) and 32 <= c <= 1024 and c % 32 == 0):
+            raise ValueError(f"large_call_cta_threads: expected a multiple of 32 in [32, 1024], "
+                             f"got {c!r}")
+        if self.large_call_chunks not in (1, 2, 4):
+            raise ValueError(f"large_call_chunks: expected 1, 2 or 4, got "
+                             f"{self.large_call_chunks!r}")
+
+    def large_build(self, fp8: bool = False) -> Build:
+        return Build(self.large_call_chunks, self.large_call_cta_threads,
+                     self.large_call_min_blocks_fp8 if fp8 else self.large_call_min_blocks,
+                     self.large_call_pdl_trigger)
 
 
 TUNING = CudaTuning()
+
+
+def call_build(row_bytes: int, fp8: bool, tuning: CudaTuning = TUNING) -> tuple[Build, bool]:
+    """(build, value first) of a call that moves ``row_bytes`` of query, key and value rows;
+    ``fp8``: an fp8 cache or query_out (the quotients' registers: a looser bound)."""
+    if row_bytes >= tuning.large_call_bytes:
+        return tuning.large_build(fp8), tuning.large_call_value_first
+    return SMALL, False
 
 
 def fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset, key_cache,
@@ -155,11 +210,30 @@ def _rows(qkv, key_cache, value_cache, query_out) -> tuple:
     return tuple(rows)
 
 
+def call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+                position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
+                rotate_key_in_place, query_out, build: Build = SMALL, value_first: bool = False,
+                specialize: bool = True) -> tuple[str, Plan, tuple[int, ...], Build]:
+    """(kernel name, plan, fixed arguments, build) of a call taking ``build`` (CPU tensors too:
+    the tests read the machine code of what calls take)."""
+    p = plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox,
+             _rows(qkv, key_cache, value_cache, query_out), build.chunks)
+    build = bounded(build, p, specialize, q_weight, k_weight, qkv.element_size())
+    fixed = fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset,
+                       key_cache, rotate_key_in_place, query_out)
+    name = kernel_name(kind(qkv.dtype), kind(cos_sin_cache.dtype), weight_kind(q_weight),
+                       weight_kind(k_weight), out_kind(cache_dtype, qkv.dtype, key_cache.dtype),
+                       query_kind(query_out), p, is_neox, position_ids.dtype, slot_mapping.dtype,
+                       build, value_first)
+    return name, p, fixed, build
+
+
 @dataclasses.dataclass(frozen=True)
 class _Launchable:
     kernel: object
     pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
     lanes: int
+    cta: int
     units_per_token: int
     device_index: int
     fixed: tuple
@@ -170,26 +244,24 @@ _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
                 position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
-                rotate_key_in_place, query_out, specialize) -> _Launchable:
+                rotate_key_in_place, query_out, specialize, build, value_first) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    p = plan(qkv, q_weight, k_weight, cos_sin_cache, is_neox,
-             _rows(qkv, key_cache, value_cache, query_out))
-    fixed = fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset,
-                       key_cache, rotate_key_in_place, query_out)
-    name = kernel_name(kind(qkv.dtype), kind(cos_sin_cache.dtype), weight_kind(q_weight),
-                       weight_kind(k_weight), out_kind(cache_dtype, qkv.dtype, key_cache.dtype),
-                       query_kind(query_out), p.e, p.lanes, p.v, p.vw, p.vt, is_neox,
-                       position_ids.dtype, slot_mapping.dtype)
+    name, p, fixed, build = call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight,
+                                        cos_sin_cache, is_neox, position_ids, weight_offset,
+                                        key_cache, value_cache, slot_mapping, cache_dtype,
+                                        rotate_key_in_place, query_out, build, value_first,
+                                        specialize)
     macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = qkv.get_device()
     with nvrtc.capture_relaxed():
         nvrtc.cuda_core().Device(index).set_current()
         arch, _ = nvrtc.device_arch(index)
         kernel = SOURCE.kernel(arch, name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index)
-    return _Launchable(kernel, pdl_kernel, p.lanes, num_heads_q + num_heads_k, index, fixed)
+        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index, trigger=build.trigger)
+    return _Launchable(kernel, pdl_kernel, p.lanes, build.cta, num_heads_q + num_heads_k, index,
+                       fixed)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -210,6 +282,9 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         return
     qw, kw, qo = _ptr(q_weight), _ptr(k_weight), _ptr(query_out)
     kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
+    fp8 = cache_dtype.is_fp8 or query_kind(query_out) in (_E4M3, _E5M2)
+    build, value_first = call_build(num_rot * (num_heads_q + 2 * num_heads_k) * qkv.shape[2] *
+                                    qkv.element_size(), fp8, tuning)
     sig = (qkv.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, position_ids.dtype,
            slot_mapping.dtype, qkv.shape[1:], qkv.stride(0), num_heads_q, num_heads_k, eps,
            weight_offset, cos_sin_cache.shape, key_cache.shape, key_cache.stride(),
@@ -217,17 +292,18 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
            None if k_weight is None else k_weight.dtype,
            None if query_out is None else (query_out.dtype, query_out.stride(0)),
            qkv.data_ptr() & 15, cos_sin_cache.data_ptr() & 15, qw & 15, kw & 15, qo & 15,
-           kc & 15, vc & 15, is_neox, rotate_key_in_place, qkv.get_device(), tuning.specialize)
+           kc & 15, vc & 15, is_neox, rotate_key_in_place, qkv.get_device(), tuning.specialize,
+           build, value_first)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
         lau = _LAUNCHABLES[sig] = _launchable(
             qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
             position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
-            rotate_key_in_place, query_out, tuning.specialize)
+            rotate_key_in_place, query_out, tuning.specialize, build, value_first)
     threads = num_rot * lau.units_per_token * lau.lanes
-    ctas = -(-threads // THREADS)
+    ctas = -(-threads // lau.cta)
     pdl = nvrtc.takes_pdl(lau.pdl_kernel, ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    config = nvrtc.launch_config(ctas, 1, lau.cta, 1, pdl)
     kss = vss = qss = 0
     if k_scale is not None:
         kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
