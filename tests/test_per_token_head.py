@@ -1213,11 +1213,17 @@ def test_cuda_plan_picks_aligned_chunks_and_lanes(case, vec, cpl, lanes, sw):
     assert len(p.fixed) == _cuda_impl().NUM_FIXED and p.fixed[-1] == sw.bit_length() - 1
 
 
-def test_cuda_plan_large_calls_take_32_elements_per_lane_and_long_rows_are_refused():
-    """Large calls' plans (32 elements per lane, or 64 when tuned), and the refusals: rows of
-    more than 64 elements or 8 chunks per lane of 32."""
+def test_cuda_plan_large_calls_take_their_elements_per_lane_and_long_rows_are_refused():
+    """Large calls' plans (by default 16 elements per lane for int8 and fp8, 32 for int4, as
+    measured best; 32 or 64 when tuned), and the refusals: rows of more than 64 elements or 8
+    chunks per lane of 32."""
     c = _cuda_impl()
-    large = c.CudaTuning(large_call_bytes=0)
+    default = c.CudaTuning(large_call_bytes=0, large_elems_per_lane=None)
+    p = _plan(PthCase(head_size=128, alloc="packed"), default)
+    assert (p.vec, p.cpl, p.lanes) == (8, 2, 8)
+    p = _plan(PthCase(head_size=128, alloc="packed", kv_quant_mode=INT4), default)
+    assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
+    large = c.CudaTuning(large_call_bytes=0, large_elems_per_lane=32)
     p = _plan(PthCase(head_size=128, alloc="separate"), large)
     assert (p.vec, p.cpl, p.lanes) == (8, 4, 4)
     p = _plan(PthCase(head_size=128, alloc="packed"), large)

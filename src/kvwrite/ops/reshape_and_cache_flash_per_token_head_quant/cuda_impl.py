@@ -72,18 +72,19 @@ class CudaTuning:
     # memory round trip each (as the other ops' small calls).
     chunks_per_lane: int = 1
     # Calls reading more than large_call_bytes of key and value take large_elems_per_lane
-    # elements per lane (fewer lanes per row), to stay memory-bound: every lane of a row computes
-    # the row's scale and the quotient's constants and addresses its stores, so the instructions
-    # per element fall with more elements per lane. Static sm_90 SASS of the fast path
-    # (kernel.cu, built with KVWRITE_PTH_FAST_ONLY; int4 without its rare top clamp), packed
-    # H=8, D=128 bfloat16, instructions per element at 32 / 64 elements per lane: int8 12.1 /
-    # 10.3, fp8 9.8 / 8.1, int4 11.7 / 9.7, at 32 / 48 registers (100% / 62.5% occupancy at 256
-    # threads); the kernel before the fast path: 17.1, 12.9, 21.8 at 32 (48 registers). Not
-    # measured yet; 64 is the other candidate (KVWRITE_PTH_LARGE_ELEMS=64 sets it for a
-    # measurement).
+    # elements per lane (fewer lanes per row): every lane of a row computes the row's scale and
+    # the quotient's constants and addresses its stores, so the instructions per element fall
+    # with more elements per lane (static sm_90 SASS of the fast path, packed H=8 D=128 bf16, at
+    # 32 / 64 elements: int8 12.1 / 10.3, fp8 9.8 / 8.1, int4 11.7 / 9.7 per element), but a
+    # lane's chain grows. Measured (H200, kvwrite-bench per-token-head, cold L2, H=8 D=128 bf16
+    # packed NHD; T=16384 / 65536, µs) at 8 / 16 / 32 elements per lane: int8 34.6 / 133.1,
+    # 27.4 / 104.1, 36.6 / 132.7; fp8 32.2 / 124.2, 26.9 / 102.0, 40.2 / 149.1; int4 36.7 /
+    # 141.7, 26.0 / 98.3, 23.4 / 83.5 (64: about 360 µs at 65536 for int8 and fp8). None: 16 for
+    # int8 and fp8, 32 for int4; KVWRITE_PTH_LARGE_ELEMS=N sets one value for every mode.
     large_call_bytes: int = 8 << 20
-    large_elems_per_lane: int = dataclasses.field(
-        default_factory=lambda: int(os.environ.get("KVWRITE_PTH_LARGE_ELEMS", "32")))
+    large_elems_per_lane: int | None = dataclasses.field(
+        default_factory=lambda: (int(os.environ["KVWRITE_PTH_LARGE_ELEMS"])
+                                 if os.environ.get("KVWRITE_PTH_LARGE_ELEMS") else None))
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -205,7 +206,8 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
     sw = min(_code_bytes(_MODE[mode], vec), out_al)
     chunks = max(dk, dv) // vec
     large = is_large_call(slot_mapping.numel(), key, value, tuning)
-    target = tuning.large_elems_per_lane // vec if large else tuning.chunks_per_lane
+    elems = tuning.large_elems_per_lane or (32 if int4 else 16)
+    target = elems // vec if large else tuning.chunks_per_lane
     target = max(1, min(target, _CPLS[-1]))
     lanes = min(32, _next_pow2(-(-chunks // max(1, target))))
     if int4 and vec == 1:
