@@ -230,7 +230,7 @@ def test_report_and_plot_read_every_subcommands_json(capsys, tmp_path, sub):
     capsys.readouterr()
     assert main(["report", str(js)]) == 0
     md = capsys.readouterr().out
-    command = json.loads(js.read_text())["meta"]["command"]
+    command = re.sub(r" --json \S+", "", json.loads(js.read_text())["meta"]["command"])
     assert md.startswith(f"`{command}`\n\n**{_bench(sub).name}: ") and "| T |" in md
     assert re.search(r"^\| 16 \| [0-9.]+ \(", md, re.M)
     pytest.importorskip("matplotlib")

@@ -205,7 +205,7 @@ def test_report_renders_a_cpu_benchmarks_json(tmp_path, capsys):
     table = markdown.markdown_tables(meta, rows)
     assert out == f"{table}\n\n{table}\n"
     lines = table.splitlines()
-    assert lines[:2] == [f"`{meta['command']}`", ""]
+    assert lines[:2] == [f"`{meta['command'].replace(' --json ' + path, '')}`", ""]
     lines = lines[2:]
     assert lines[0].startswith("**reshape_and_cache_flash: dtype=bfloat16 kv_cache_dtype=auto "
                                "num_heads=8 head_size=128 block_size=16 num_blocks=64 "

@@ -126,3 +126,18 @@ def test_readme_example_runs_on_the_cpu():
     assert "concat_and_cache_mla" in code and "fused_rope_and_reshape_cache_flash" in code
     code = code.replace('"cuda"', '"cpu"').replace('implementation="triton"', 'implementation="torch"')
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
+    """docs/performance.md's tables are `kvwrite-bench report` of docs/data/*.json, as committed
+    (regenerate with `kvwrite-bench report --into docs/performance.md docs/data/*.json`)."""
+    from kvwrite.bench.cli import main
+
+    page = (ROOT / "docs" / "performance.md").read_text()
+    data = sorted(str(p) for p in (ROOT / "docs" / "data").glob("*.json"))
+    assert data, "docs/data holds the latest GPU run's JSON files"
+    copy = tmp_path / "performance.md"
+    copy.write_text(page)
+    assert main(["report", "--into", str(copy), *data]) == 0
+    assert copy.read_text() == page
+    assert len(page.splitlines()) <= 600

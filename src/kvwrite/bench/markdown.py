@@ -10,6 +10,7 @@ that run (``n/a`` where a row was not measured).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +33,13 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
         raise ReportError("rows: expected at least one measurement, got none")
     keys = list(dict.fromkeys(k for r in rows for k in r.params))
     varying = [k for k in keys if len({str(r.params.get(k)) for r in rows}) > 1]
-    split = [k for k in varying if k != "layout"]
+
+    def follows_t(k: str) -> bool:  # one value per num_tokens (a cache sized for T): no split
+        per_t: dict[int, set] = {}
+        for r in rows:
+            per_t.setdefault(r.num_tokens, set()).add(str(r.params.get(k)))
+        return all(len(v) == 1 for v in per_t.values())
+    split = [k for k in varying if k != "layout" and not follows_t(k)]
     fixed = {k: rows[0].params.get(k) for k in keys if k not in varying}
     multi_kind = len({r.kind for r in rows}) > 1
     series = list(dict.fromkeys(series_label(r, multi_kind) for r in rows))
@@ -42,7 +49,8 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(tuple(str(r.params.get(k)) for k in split), []).append(r)
-    out = [f"`{meta['command']}`"] if meta.get("command") else []
+    command = re.sub(r" --json \S+", "", meta.get("command", ""))
+    out = [f"`{command}`"] if command else []
     for values, group in groups.items():
         layouts = list(dict.fromkeys(str(r.params.get("layout", "")) for r in group))
         what = " ".join(f"{k}={v}" for k, v in zip(split, values, strict=True))
