@@ -14,9 +14,10 @@ qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the float
 table's rows (or the sequences' positions with a decode, prefill or mixed ``--slots``), weights
 ``1 + randn/8``, fp8 scales 0.05/0.04.
 Bytes per call (e = qkv's element size, c = the cache's, N = the real tokens): fused
-``T*((2*Hq + 3*Hk + Hv)*D*e + rot*4 + 16) + N*2*Hk*D*c`` (qkv's q and k read and written, v
-read, a table row, position and slot); pair = fused + ``N*Hk*D*e`` (the key read again);
-norm_rope ``T*(2*(Hq + Hk)*D*e + rot*4 + 8)``.
+``T*(2*(Hq + Hk)*D*e + D*4 + 16) + N*(Hv*D*e + 2*Hk*D*c)`` (qkv's q and k read and written,
+a float32 table row of D, position and slot per token; v read and both cache rows written per
+real token); pair = fused + ``N*Hk*D*e`` (the key read again); norm_rope
+``T*(2*(Hq + Hk)*D*e + D*4 + 8)``.
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ class QkNormRopeBench(OpBench):
                            f"{' (1 + w)' if wo else ''}" for m, (hq, h, d, wo) in args.shapes)
         return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}",
                 "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
-                "bytes per call: fused = T*((2*Hq + 3*Hk + Hv)*D*e + rot*4 + 16) + N*2*Hk*D*c; "
-                "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq+Hk)*D*e + rot*4 + 8) (N = T less "
+                "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*4 + 16) + N*(Hv*D*e + 2*Hk*D*c); "
+                "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq + Hk)*D*e + D*4 + 8) (N = T less "
                 "the padding)"]
 
     def kind_ops(self, kind: str) -> tuple[str, ...]:
