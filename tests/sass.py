@@ -1,12 +1,35 @@
-"""Reading the machine code of a compiled cubin in tests: cuobjdump (the CUDA toolkit's, or the
-copy in the Triton wheel) and the opcodes of each kernel function."""
+"""Compiling kernels and reading their machine code in tests: whether NVRTC can compile here,
+cuobjdump (the CUDA toolkit's, or the copy in the Triton wheel) and the opcodes of each kernel
+function."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
+
+import pytest
+
+# Global memory accesses of sm_90 SASS (generic LD/ST included; shared and constant ones are not).
+MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
+
+
+@functools.cache
+def nvrtc_reason() -> str | None:
+    """Why NVRTC cannot compile here, or None where it can (no GPU is needed to compile)."""
+    try:
+        import cuda.core  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
+    except Exception as e:  # not installed, or the library cannot be loaded
+        return f"cuda.core/NVRTC unavailable: {e}"
+
+
+needs_nvrtc = pytest.mark.skipif(nvrtc_reason() is not None, reason=str(nvrtc_reason()))
 
 
 def cuobjdump() -> str | None:
@@ -20,6 +43,14 @@ def cuobjdump() -> str | None:
         return None
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     return path if os.access(path, os.X_OK) else None
+
+
+def cuobjdump_or_skip():
+    """This module, or a skip where there is no cuobjdump to read SASS with."""
+    import sys
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    return sys.modules[__name__]
 
 
 def dump_sass(cubin: bytes, tmp_path) -> str:

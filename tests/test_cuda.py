@@ -27,6 +27,7 @@ from kvwrite.ops.reshape_and_cache_flash import cuda_impl
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.ops.reshape_and_cache_flash.cuda_impl import CallSize
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
+from sass import needs_nvrtc
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_100"]
 FP8 = {3: torch.float8_e4m3fn, 4: torch.float8_e5m2}  # DT_E4M3, DT_E5M2 in the .cu
@@ -36,20 +37,6 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 LARGE_CALLS = dataclasses.replace(cuda_impl.TUNING, small_call_bytes=0,
                                   mid_call_bytes=0)  # large-call variants
 GRID_STRIDE = dataclasses.replace(cuda_impl.TUNING, loop_free=False)  # the grid-stride kernel
-
-
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # not installed, or the library cannot be loaded
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
 
 
 # ------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from kvwrite.testing.gather import (
     make_upconvert_inputs,
     mixed_seqs,
 )
+from sass import needs_nvrtc, nvrtc_reason
 
 OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
        "gather_cache_flash", "cp_gather_indexer_k_quant_cache")
@@ -52,20 +53,6 @@ MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UT
 
 def _cuda(op: str):
     return importlib.import_module(f"kvwrite.ops.{op}.cuda_impl")
-
-
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
 
 
 # One call per op (its inputs on the CPU: a plan needs no GPU).
@@ -99,8 +86,8 @@ def _calls():
 def every_variant(tmp_path_factory):
     """{op: (names, {name: SASS listing})}: every variant of each kernel compiled in one NVRTC
     program for sm_90 (compiled once for the tests below)."""
-    if _nvrtc_reason() is not None:
-        pytest.skip(_nvrtc_reason())
+    if nvrtc_reason() is not None:
+        pytest.skip(nvrtc_reason())
     out = {}
     d = tmp_path_factory.mktemp("gather_sass")
     for op in OPS:
@@ -331,8 +318,8 @@ def _bench_plans() -> dict:
 @pytest.fixture(scope="module")
 def bench_sass(tmp_path_factory):
     """{kind: SASS listing} of the benchmark calls' specialized builds (sm_90)."""
-    if _nvrtc_reason() is not None:
-        pytest.skip(_nvrtc_reason())
+    if nvrtc_reason() is not None:
+        pytest.skip(nvrtc_reason())
     if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
     d = tmp_path_factory.mktemp("gather_bench_sass")

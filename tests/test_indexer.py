@@ -39,6 +39,7 @@ from kvwrite.testing.indexer import (
     pow2_boundary_amaxes,
 )
 from oracle import fp8_round
+from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -463,28 +464,6 @@ def test_implementations_are_registered():
 
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans, machine code -------------------------------
 
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
-# Global memory accesses of sm_90 SASS, as tests/test_pdl.py lists them.
-MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
-
-
-def _cuobjdump_or_skip():
-    import sass as sass_tools
-    if sass_tools.cuobjdump() is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
-    return sass_tools
-
 
 def _plan(case: IndexerCase, **tuning):
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
@@ -548,7 +527,7 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
     num_tokens (0x210-0x22f), then the 11 fixed arguments; a specialized build reads none of them,
     the generic build does."""
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    sass_tools = _cuobjdump_or_skip()
+    sass_tools = cuobjdump_or_skip()
     first, end = 0x230, 0x230 + 8 * 11
     for case in (IndexerCase(), IndexerCase(head_dim=512, quant_block_size=512, scale_fmt=""),
                  IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3)):
@@ -572,7 +551,7 @@ def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
     the first wait for a load's result, with int32 and int64 slots, ue8m0 and float32 scales
     (tests/sass.py's scoreboard reading)."""
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    sass_tools = _cuobjdump_or_skip()
+    sass_tools = cuobjdump_or_skip()
     for slot in (torch.int32, torch.int64):
         for fmt in ("ue8m0", "float32"):
             for tuning, store in ((dict(), "STG.E.64"), (dict(small_call_bytes=0), "STG.E.128")):
@@ -591,7 +570,7 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     ACQBULK come before the first global access; the plain build has neither."""
     from kvwrite.kernels import nvrtc
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    sass_tools = _cuobjdump_or_skip()
+    sass_tools = cuobjdump_or_skip()
     names = cuda_impl.all_kernel_names()[::5]
     pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))

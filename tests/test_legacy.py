@@ -34,6 +34,7 @@ from kvwrite.testing.legacy import (
     make_legacy_inputs,
 )
 from oracle import _convert_row
+from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -335,28 +336,6 @@ def test_implementations_are_registered():
 
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans ---------------------------------------------
 
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
-# Global memory accesses of sm_90 SASS, as tests/test_pdl.py lists them.
-MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
-
-
-def _cuobjdump_or_skip():
-    import sass as sass_tools
-    if sass_tools.cuobjdump() is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
-    return sass_tools
-
 
 def _plan(case: LegacyCase, **tuning):
     from kvwrite.ops.reshape_and_cache import cuda_impl
@@ -410,7 +389,7 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
     scale strides (0x210-0x25f), then the 17 fixed arguments; a specialized build reads none of
     them, the generic build does."""
     from kvwrite.ops.reshape_and_cache import cuda_impl
-    sass_tools = _cuobjdump_or_skip()
+    sass_tools = cuobjdump_or_skip()
     first, end = 0x210 + 8 * 10, 0x210 + 8 * 27
     for case in (LegacyCase(), LegacyCase(kv_cache_dtype="fp8", cache_strides="padded"),
                  LegacyCase(num_heads=13, head_size=80, block_size=7, x=2)):
@@ -434,7 +413,7 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     same code in each)."""
     from kvwrite.kernels import nvrtc
     from kvwrite.ops.reshape_and_cache import cuda_impl
-    sass_tools = _cuobjdump_or_skip()
+    sass_tools = cuobjdump_or_skip()
     names = cuda_impl.all_kernel_names()[::13]
     pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))

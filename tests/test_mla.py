@@ -31,6 +31,7 @@ from kvwrite.testing.mla import (
     make_mla_inputs,
 )
 from oracle import fp8_round
+from sass import needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -552,19 +553,6 @@ def test_triton_fp8_paths_on_exact_quotients(kv, dtype, device):
 
 
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans ---------------------------------------------
-
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
 
 
 @needs_nvrtc

@@ -44,6 +44,7 @@ from kvwrite.testing.nvfp4 import (
     special_groups,
     tie_group_6_5,
 )
+from sass import MEMORY_OPS, needs_nvrtc, nvrtc_reason
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 
@@ -1179,21 +1180,6 @@ def test_checker_rejects_wrong_implementations(monkeypatch, name, case, broken, 
 
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans, machine code --------------------------------
 
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
-# Global memory accesses of sm_90 SASS (as tests/test_pdl.py).
-MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
-
 
 def _cuda_impl():
     from kvwrite.ops.nvfp4 import cuda_impl
@@ -1203,8 +1189,8 @@ def _cuda_impl():
 @pytest.fixture(scope="module")
 def pdl_sass(tmp_path_factory):
     """sm_90 SASS of the PDL build of every variant, compiled as one NVRTC program."""
-    if _nvrtc_reason() is not None:
-        pytest.skip(_nvrtc_reason())
+    if nvrtc_reason() is not None:
+        pytest.skip(nvrtc_reason())
     import sass as sass_tools
     if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")

@@ -19,12 +19,11 @@ import kvwrite
 import sass as sass_tools
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 from kvwrite.testing.rope import cos_sin_table
+from sass import MEMORY_OPS
 from test_bench import CPU_RUNS
 
 OPS = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshape_cache_flash",
        "concat_and_cache_mla"]
-# Global memory accesses of sm_90 SASS (generic LD/ST included; shared and constant ones are not).
-MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
 
 
 def _cuda_impl(op: str):

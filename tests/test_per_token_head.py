@@ -47,6 +47,7 @@ from kvwrite.testing.per_token_head import (
     special_rows,
 )
 from oracle import fp8_round
+from sass import needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -1127,19 +1128,6 @@ def test_dequantize_errors(call, text):
 
 
 # --- CUDA: NVRTC compiles, launch plans and machine code (no GPU needed) -----------------------------
-
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # missing or broken install
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
 
 
 def _cuda_impl():

@@ -21,6 +21,7 @@ from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
 from kvwrite.ops.reshape_and_cache_flash import sanitize as seed_sanitize
 from kvwrite.testing import Case, make_inputs
+from sass import needs_nvrtc
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(kvwrite.__file__)))
 PKG = os.path.dirname(os.path.abspath(kvwrite.__file__))
@@ -43,18 +44,6 @@ needs_history = pytest.mark.skipif(_git_reason(BASE_REV) is not None,
                                    reason=str(_git_reason(BASE_REV)))
 
 
-def _nvrtc_reason() -> str | None:
-    try:
-        import cuda.core  # noqa: F401
-        from cuda.bindings import nvrtc
-
-        err, _, _ = nvrtc.nvrtcVersion()
-        return None if int(err) == 0 else f"nvrtcVersion returned {err}"
-    except Exception as e:  # not installed, or the library cannot be loaded
-        return f"cuda.core/NVRTC unavailable: {e}"
-
-
-needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 
 

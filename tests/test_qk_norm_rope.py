@@ -41,6 +41,7 @@ from kvwrite.testing.qk_norm import (
 )
 from oracle import fp8_round
 from oracle import oracle as cache_oracle
+from sass import MEMORY_OPS
 
 NORM = norm_pkg.OP
 FUSED = fused_pkg.OP
@@ -1424,9 +1425,6 @@ def test_cuda_small_fp8_build_converts_the_value_while_the_table_is_in_flight(tm
     assert table < value < key, (table, value, key)
 
 
-_MEMORY_OPS = ("LDG", "STG", "LD.", "ST.", "ATOM", "RED", "LDGSTS", "UBLKCP", "UTMALDG")
-
-
 def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
     """The KVWRITE_PDL build of both kernels (every fourth variant of the representative set:
     each build costs CPU time here): the trigger (PREEXIT) and the wait (ACQBULK) before the
@@ -1439,13 +1437,13 @@ def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
         pdl = sass_tools.functions(_build_sass(which, names, tmp_path, (nvrtc.PDL_MACRO,)))
         assert len(pdl) == len(names)
         for name, ops in pdl.items():
-            first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+            first = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))
             assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
     for which, case in _MODEL_LARGE[:3]:
         name, fixed = _specialized_build(which, case, "large")
         macros = nvrtc.fixed_args_macros(fixed) + (nvrtc.PDL_MACRO, nvrtc.PDL_NO_TRIGGER_MACRO)
         ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
-        first = next(i for i, op in enumerate(ops) if op.startswith(_MEMORY_OPS))
+        first = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))
         assert "ACQBULK" in ops[:first] and "PREEXIT" not in ops, name
         plain = _build_sass(which, _all_names(which), tmp_path)
         assert "ACQBULK" not in plain and "PREEXIT" not in plain
