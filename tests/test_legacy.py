@@ -350,22 +350,22 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     from kvwrite.ops.reshape_and_cache import cuda_impl
     names = cuda_impl.all_kernel_names()
     obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 176 and len(bytes(obj.code)) > 0
+    assert len(names) == len(set(names)) == 192 and len(bytes(obj.code)) > 0
 
 
 @pytest.mark.parametrize("case, name", [
-    (LegacyCase(), "reshape_and_cache_kernel<0, 5, 8, 8, long long>"),
-    (LegacyCase(kv_cache_dtype="fp8"), "reshape_and_cache_kernel<1, 3, 8, 8, long long>"),
+    (LegacyCase(), "reshape_and_cache_kernel<0, 5, 8, 8, false, long long>"),
+    (LegacyCase(kv_cache_dtype="fp8"), "reshape_and_cache_kernel<1, 3, 8, 8, true, long long>"),
     (LegacyCase(kv_cache_dtype="float32", slot_dtype=torch.int32, padding_slots=1),
-     "reshape_and_cache_kernel<1, 2, 4, 4, int>"),
+     "reshape_and_cache_kernel<1, 2, 4, 4, false, int>"),
     (LegacyCase(dtype=torch.float32, kv_cache_dtype="fp8_e5m2"),
-     "reshape_and_cache_kernel<2, 4, 4, 4, long long>"),
-    (LegacyCase(x=1), "reshape_and_cache_kernel<0, 5, 8, 1, long long>"),
-    (LegacyCase(x=2, kv_cache_dtype="float16"), "reshape_and_cache_kernel<1, 0, 2, 2, long long>"),
-    (LegacyCase(cache_strides="x-strided"), "reshape_and_cache_kernel<0, 5, 8, 1, long long>"),
-    (LegacyCase(num_heads=3, head_size=46, x=2), "reshape_and_cache_kernel<0, 5, 2, 2, long long>"),
+     "reshape_and_cache_kernel<2, 4, 4, 4, false, long long>"),
+    (LegacyCase(x=1), "reshape_and_cache_kernel<0, 5, 8, 1, false, long long>"),
+    (LegacyCase(x=2, kv_cache_dtype="float16"), "reshape_and_cache_kernel<1, 0, 2, 2, false, long long>"),
+    (LegacyCase(cache_strides="x-strided"), "reshape_and_cache_kernel<0, 5, 8, 1, false, long long>"),
+    (LegacyCase(num_heads=3, head_size=46, x=2), "reshape_and_cache_kernel<0, 5, 2, 2, false, long long>"),
     (LegacyCase(fused_qkv=True, num_heads=3, head_size=6, x=2),
-     "reshape_and_cache_kernel<0, 5, 2, 2, long long>"),
+     "reshape_and_cache_kernel<0, 5, 2, 2, false, long long>"),
 ])
 def test_cuda_plan_picks_the_widest_aligned_accesses(case, name):
     assert _plan(case).name == name
@@ -373,14 +373,36 @@ def test_cuda_plan_picks_the_widest_aligned_accesses(case, name):
 
 def test_cuda_plan_cta_shape():
     from kvwrite.ops.reshape_and_cache import cuda_impl
+    # Calls of fewer than 32 tokens: CTAs of one warp (1024 chunks: every head).
     p = _plan(LegacyCase(num_tokens=1, num_heads=64, head_size=128))
-    assert (p.token_lanes, p.rows, p.grid_y) == (1, 256, 4)  # 1024 chunks: every head
+    assert (p.token_lanes, p.rows, p.grid_y) == (1, 32, 32)
     p = _plan(LegacyCase(num_tokens=7, num_heads=8, head_size=128))
+    assert (p.token_lanes, p.rows, p.grid_y) == (8, 4, 32)
+    p = _plan(LegacyCase(num_tokens=7, num_heads=8, head_size=128), small_call_threads=256)
     assert (p.token_lanes, p.rows, p.grid_y) == (8, 32, 4)
     p = _plan(LegacyCase(num_tokens=40, num_blocks=8, num_heads=1, head_size=16))
     assert (p.token_lanes, p.rows, p.grid_y) == (32, 2, 1)
     assert cuda_impl.token_lanes(1) == 1 and cuda_impl.token_lanes(33) == 32
     assert p.fixed[-2:] == (2, 2) and p.fixed[11:15] == (16, 4, 128, 8)
+
+
+@pytest.mark.parametrize("case, pair", [
+    (LegacyCase(kv_cache_dtype="fp8"), True),
+    (LegacyCase(kv_cache_dtype="fp8_e5m2", x=1, slot_dtype=torch.int32), True),
+    (LegacyCase(kv_cache_dtype="fp8", num_tokens=1, head_size=128), True),
+    (LegacyCase(kv_cache_dtype="fp8", head_size=8), False),  # one chunk a head: no pair
+    (LegacyCase(kv_cache_dtype="fp8", head_size=24, x=8), False),  # three chunks a head
+    (LegacyCase(dtype=torch.float32, kv_cache_dtype="fp8"), False),  # 4-element chunks
+    (LegacyCase(kv_cache_dtype="bfloat16"), False),  # 2-byte cache elements
+    (LegacyCase(), False),
+], ids=lambda v: v.id if isinstance(v, LegacyCase) else str(v))
+def test_cuda_plan_pairs_lanes_for_one_byte_caches(case, pair):
+    """PAIR builds: fp8 caches with 8-element chunks and an even number of chunks a head (a
+    pair never straddles a head); ``pair_lanes=False`` turns them off."""
+    assert (", true, " in _plan(case).name) is pair
+    assert ", true, " not in _plan(case, pair_lanes=False).name
+    if pair:
+        assert _plan(case).rows % 2 == 0
 
 
 @needs_nvrtc
@@ -431,8 +453,10 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [
     dict(specialize=False), dict(token_lanes=1), dict(token_lanes=8, threads=64),
-    dict(chunk_bytes=4), dict(chunk_bytes=8, specialize=False),
-], ids=["generic", "one-token-lane", "8-lanes-64-threads", "4-byte-chunks", "8-byte-generic"])
+    dict(chunk_bytes=4), dict(chunk_bytes=8, specialize=False), dict(pair_lanes=False),
+    dict(small_call_threads=256), dict(pair_lanes=True, specialize=False, token_lanes=4),
+], ids=["generic", "one-token-lane", "8-lanes-64-threads", "4-byte-chunks", "8-byte-generic",
+        "no-lane-pairs", "256-thread-small-calls", "pairs-4-lanes-generic"])
 @pytest.mark.parametrize("case", LEGACY_GPU_CASES[::5], ids=lambda c: c.id)
 def test_gpu_cuda_launch_shapes(case, tuning):
     """The generic (unspecialized) builds, other CTA shapes and narrower chunks (more key pieces

@@ -326,6 +326,10 @@ def _gpu_matrix() -> list[LegacyCase]:
                                 special_values=True, num_tokens=33, num_heads=4, head_size=64,
                                 dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
                                 cache_strides=CACHE_STRIDES[i % 5]))
+    # Small calls (CTAs of one warp, lane pairs on fp8 caches).
+    for t, kv in ((1, "fp8"), (2, "fp8_e5m2"), (16, "fp8"), (5, "auto")):
+        cases.append(LegacyCase(num_tokens=t, num_heads=8, head_size=128, kv_cache_dtype=kv,
+                                num_blocks=16, padding_slots=int(t > 2), per_head_scale=t == 16))
     cases += [
         LegacyCase(num_tokens=4096, num_heads=8, head_size=128, block_size=16, num_blocks=256,
                    kv_cache_dtype="fp8", fused_qkv=True),  # every slot, consecutive runs

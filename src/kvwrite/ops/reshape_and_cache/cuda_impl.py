@@ -8,7 +8,9 @@ bits, a float cast, fp8 e4m3 or e5m2), VEC (the widest power of two of at most
 ``CudaTuning.chunk_bytes`` of input dividing D with every input row aligned to it, and dividing
 x where the key cache's pieces are written whole), KP (VEC: the chunk is one piece of a key
 cache row of x elements, stored in one access, where the key cache's last stride is 1 and the
-stores are aligned; else 1: element by element) and the slot index type. By default each call signature gets its
+stores are aligned; else 1: element by element), PAIR (fp8 caches with 8-element chunks: lane
+pairs take a token's adjacent chunks and swap bytes, so that one value store writes d and d + 1
+side by side) and the slot index type. By default each call signature gets its
 own build with the arguments fixed by the caches and the inputs' layout compiled in
 (``CudaTuning.specialize``).
 
@@ -42,10 +44,18 @@ _OUT_BYTES = {_F16: 2, _BF16: 2, _F32: 4, _E4M3: 1, _E5M2: 1}
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning:
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
-    one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet."""
+    one to :func:`run` (probes comparing variants, tests forcing a path); docs/tuning-log.md
+    change 64 measured ``small_call_threads`` and ``pair_lanes``."""
 
     # Threads per CTA (at most the kernel's __launch_bounds__, 256).
     threads: int = 256
+    # Threads per CTA of calls with fewer tokens than token_lanes: one warp, so that a small call
+    # spreads over SMs (its stores, a sector each, all pass through its CTAs' SMs: T = 2 at H = 8
+    # took 3.6 µs in one CTA of 256 threads, the Triton kernel 1.5 µs).
+    small_call_threads: int = 32
+    # Lane pairs for 1-byte cache elements (the kernel's PAIR): half the value stores' sectors
+    # at random slots.
+    pair_lanes: bool = True
     # Token lanes per CTA row: consecutive tokens share a warp (their value stores coalesce
     # where their slots are consecutive); fewer for calls of fewer tokens.
     token_lanes: int = 32
@@ -71,9 +81,10 @@ def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
     return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
 
 
-def kernel_name(in_kind: int, out_kind: int, vec: int, kp: int, slot_dtype: torch.dtype) -> str:
+def kernel_name(in_kind: int, out_kind: int, vec: int, kp: int, pair: bool,
+                slot_dtype: torch.dtype) -> str:
     slot = "long long" if slot_dtype == torch.int64 else "int"
-    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {kp}, {slot}>"
+    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {kp}, {str(pair).lower()}, {slot}>"
 
 
 def _out_kinds(in_dtype: torch.dtype) -> list[int]:
@@ -92,7 +103,8 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
                 vec = max(1, tuning.chunk_bytes // in_dtype.itemsize)
                 while vec >= 1:
                     for kp in sorted({vec, 1}, reverse=True):
-                        names.append(kernel_name(in_kind, out_kind, vec, kp, slot))
+                        for pair in (False, True) if _pairs(out_kind, vec) else (False,):
+                            names.append(kernel_name(in_kind, out_kind, vec, kp, pair, slot))
                     vec //= 2
     return names
 
@@ -127,6 +139,11 @@ def _align(byte_values) -> int:
     for b in byte_values:
         v |= int(b)
     return v & -v
+
+
+def _pairs(out_kind: int, vec: int) -> bool:
+    """Whether the kernel has a PAIR build for these: 1-byte cache elements, 8 a chunk."""
+    return out_kind in (_E4M3, _E5M2) and vec == 8
 
 
 def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
@@ -171,7 +188,8 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     cph = head_size // vec
     chunks = num_heads * cph
     lanes = token_lanes(slot_mapping.numel(), tuning)
-    rows = max(1, min(tuning.threads // lanes, chunks))
+    threads = tuning.threads if lanes == tuning.token_lanes else tuning.small_call_threads
+    rows = max(1, min(threads // lanes, chunks))
     grid_y = -(-chunks // rows)
     if grid_y > tuning.max_grid_y:
         rows = -(-chunks // tuning.max_grid_y)
@@ -179,14 +197,15 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             raise ValueError(f"key: at most {tuning.max_grid_y * tuning.threads} chunks of "
                              f"{vec} elements per token, got {chunks}")
         grid_y = -(-chunks // rows)
+    pair = (tuning.pair_lanes and _pairs(out_kind, vec) and cph % 2 == 0 and rows % 2 == 0)
     vs = value_cache.stride()
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0,
              ks[0] if num_blocks > 1 else 0, ks[1], ks[2], ks[3] if block_size > 1 else 0,
              ks[4] if x > 1 else 0, vs[0] if num_blocks > 1 else 0, vs[1], vs[2],
              vs[3] if block_size > 1 else 0, block_size, _log2_or_minus_1(block_size),
              num_blocks * block_size, x, cph, chunks)
-    return Plan(kernel_name(in_kind, out_kind, vec, kp, slot_mapping.dtype), vec, kp, lanes, rows,
-                grid_y, fixed)
+    return Plan(kernel_name(in_kind, out_kind, vec, kp, pair, slot_mapping.dtype), vec, kp, lanes,
+                rows, grid_y, fixed)
 
 
 @dataclasses.dataclass(frozen=True)

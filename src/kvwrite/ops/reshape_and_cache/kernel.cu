@@ -3,9 +3,9 @@
 // [num_blocks, H, D, block_size], any strides.
 //
 // Compiled at run time with NVRTC (see cuda_impl.py): one module per instantiation of
-// reshape_and_cache_kernel<IN, OUT, VEC, KP, SlotT> and, by default, per call signature, with
-// the arguments fixed by the caches and the inputs' layout compiled in (KVWRITE_FIXED_ARGS). The
-// shared parts (element kinds, the fp8 rule, vector I/O, slot addressing) come from kvwrite's
+// reshape_and_cache_kernel<IN, OUT, VEC, KP, PAIR, SlotT> and, by default, per call signature,
+// with the arguments fixed by the caches and the inputs' layout compiled in (KVWRITE_FIXED_ARGS).
+// The shared parts (element kinds, the fp8 rule, vector I/O, slot addressing) come from kvwrite's
 // kernel headers; nothing else is included.
 //
 // Work split: a thread writes one chunk of VEC elements of one head of one token, K and V. A CTA
@@ -14,9 +14,19 @@
 // elements lie block_size elements apart; consecutive tokens with consecutive slots (a prefill)
 // write one element each of one contiguous run, and the warp's stores coalesce (the key's
 // x-element pieces too: slot-minor runs of x elements). Small calls (T < 32) take fewer token
-// lanes and more chunks a warp. Every head is written (the grid's y covers H * D / VEC chunks),
-// heads take their own scale (k_scale_stride 1), and slots < 0 (padding) or >= num_slots are
-// skipped; rows of key/value past num_tokens are never read.
+// lanes and more chunks a warp, in CTAs of one warp (cuda_impl.py: a CTA's stores all pass
+// through one SM's load/store unit, so a small call in one CTA of 256 threads took 3.6 µs).
+// Every head is written (the grid's y covers H * D / VEC chunks), heads take their own scale
+// (k_scale_stride 1), and slots < 0 (padding) or >= num_slots are skipped; rows of key/value
+// past num_tokens are never read.
+//
+// PAIR (1-byte cache elements, VEC = 8): the two lanes of a pair (lane ids 2m, 2m + 1) take one
+// token's chunks 2c and 2c + 1, 16 consecutive elements, and swap bytes (one shuffle) so that the
+// even lane holds the even d of the 16 and the odd lane the odd d. Each value store then writes
+// d and d + 1 of one token side by side: rows block_size bytes apart, one 32-byte sector for
+// block size 16, where tokens-fastest lanes at random slots write a sector per lane. The warp
+// covers 16 tokens x 2 chunks, so a prefill's consecutive slots still fill whole sectors, and
+// the key pieces and the input rows of a pair are 16 contiguous bytes as well.
 //
 // VEC elements are loaded as one access (16 bytes at most), converted (kvw/vec_io.cuh's
 // convert_chunk: copy, float cast, or the fp8 rule of kvw/fp8.cuh), and stored as VEC / KP
@@ -84,7 +94,7 @@ KVW_HD Raw<P> raw_piece(const Raw<N>& r, int j) {
   return p;
 }
 
-template <int IN, int OUT, int VEC, int KP, typename SlotT>
+template <int IN, int OUT, int VEC, int KP, bool PAIR, typename SlotT>
 __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAMS) {
   KVW_PDL_ENTRY();
   KVW_LEGACY_FIXED_PROLOGUE()
@@ -96,8 +106,18 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
   // input bytes, the bracket (where the GPU converts in hardware) for wider ones.
   constexpr bool FAST_SCALE = IN_BYTES <= 8;
   static_assert(VEC % KP == 0, "key pieces tile the chunk");
-  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const u32 u = blockIdx.y * blockDim.y + threadIdx.y;  // < 65535 * 256
+  static_assert(!PAIR || (OB == 1 && VEC == 8), "pairs swap 8 one-byte elements");
+  // The thread's token lane and chunk row: threadIdx as is, or (PAIR) the linear thread id's
+  // bit 0 is the chunk row's (blockDim.y and chunks_per_head are even: a pair never straddles a
+  // head or the last chunk, and both of its lanes pass or fail the bounds test below).
+  const u32 lin = threadIdx.y * blockDim.x + threadIdx.x;
+  u32 tx = threadIdx.x, ty = threadIdx.y;
+  if constexpr (PAIR) {
+    tx = (lin >> 1) % blockDim.x;
+    ty = (((lin >> 1) / blockDim.x) << 1) | (lin & 1u);
+  }
+  const i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + tx;
+  const u32 u = blockIdx.y * blockDim.y + ty;  // < 65535 * 256
   if (t >= num_tokens || u >= static_cast<u64>(chunks)) return;
   const u32 h = u / static_cast<u32>(chunks_per_head);
   const i64 d0 = static_cast<i64>(u - h * static_cast<u32>(chunks_per_head)) * VEC;
@@ -138,6 +158,17 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
     kout = convert_chunk<IN, OUT, VEC>(kin, ks);
     vout = convert_chunk<IN, OUT, VEC>(vin, vs);
   }
+  // PAIR: the even lane gives its odd elements for its partner's even ones; afterwards value
+  // byte i of either lane is element d_pair + 2 i + odd. Both lanes of the pair are here (same
+  // token, same slot), and only they take part in the shuffle.
+  const u32 odd = PAIR ? (lin & 1u) : 0u;
+  if constexpr (PAIR) {
+    const u32 evens = __byte_perm(vout.w[0], vout.w[1], 0x6420);  // bytes 0, 2, 4, 6
+    const u32 odds = __byte_perm(vout.w[0], vout.w[1], 0x7531);   // bytes 1, 3, 5, 7
+    const u32 got = __shfl_xor_sync(3u << (lin & 30u), odd ? evens : odds, 1);
+    vout.w[0] = odd ? got : evens;
+    vout.w[1] = odd ? odds : got;
+  }
   if (!valid) return;
 #pragma unroll
   for (int j = 0; j < VEC / KP; ++j) {
@@ -147,8 +178,11 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
                     static_cast<i64>(d - grp * static_cast<u32>(x)) * kc_elem;
     store_raw<KP * OB>(key_cache + off * OB, raw_piece<KP * OB>(kout, j));
   }
+  const i64 vd0 = PAIR ? d0 - 8 * odd : d0;   // the pair's first element
+  constexpr i64 VD_STEP = PAIR ? 2 : 1;
 #pragma unroll
   for (int i = 0; i < VEC; ++i)
-    store_raw<OB>(value_cache + (vbase + (d0 + i) * vc_dim) * OB, raw_piece<OB>(vout, i));
+    store_raw<OB>(value_cache + (vbase + (vd0 + i * VD_STEP + odd) * vc_dim) * OB,
+                  raw_piece<OB>(vout, i));
 }
 #endif  // KVWRITE_HOST_TEST
