@@ -230,14 +230,11 @@ def build(source: nvrtc.KernelSource, name: str, fixed: tuple[int, ...], index: 
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, sms = nvrtc.device_arch(index)
-        macros = tuple(macros) + tuning_macros(tuning)
-        if tuning.specialize:
-            macros = macros + nvrtc.fixed_args_macros(fixed)
-        kernel = source.kernel(arch, name, macros)
-        pdl_kernel = nvrtc.pdl_twin(source, arch, name, macros, index)
+    macros = tuple(macros) + tuning_macros(tuning)
+    if tuning.specialize:
+        macros = macros + nvrtc.fixed_args_macros(fixed)
+    kernel, pdl_kernel = nvrtc.load_kernels(source, name, macros, index)
+    sms = nvrtc.device_arch(index)[1]
     return Launchable(name, kernel, pdl_kernel, index, sms, tuple(fixed), round_rows)
 
 

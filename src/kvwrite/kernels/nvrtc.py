@@ -358,6 +358,18 @@ def pdl_twin(source: KernelSource, arch: str, name: str, macros: tuple, index: i
     return source.kernel(arch, name, tuple(macros) + extra)
 
 
+def load_kernels(source: KernelSource, name: str, macros: tuple, index: int,
+                 trigger: bool = True):
+    """``(kernel, pdl_kernel)``: variant ``name`` of ``source`` built with ``macros`` for CUDA
+    device ``index`` (compiled, or read from the kernel cache) and its :func:`pdl_twin`, loaded
+    in PyTorch's primary context on this thread, also while a CUDA graph is being captured."""
+    with capture_relaxed():
+        cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
+        arch, _ = device_arch(index)
+        kernel = source.kernel(arch, name, macros)
+        return kernel, pdl_twin(source, arch, name, macros, index, trigger=trigger)
+
+
 def takes_pdl(pdl_kernel, ctas: int, max_ctas: int) -> bool:
     """Whether a launch of ``ctas`` CTAs takes its PDL twin ``pdl_kernel`` (:func:`pdl_twin`):
     there is one, programmatic dependent launch is on (:func:`use_pdl`), and ``ctas`` is at most

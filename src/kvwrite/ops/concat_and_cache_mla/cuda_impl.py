@@ -233,14 +233,10 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
         raise RuntimeError(reason)
     p = plan(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)
     index = kv_c.get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, _ = nvrtc.device_arch(index)
-        macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
-        if tuning.specialize:
-            macros += nvrtc.fixed_args_macros(p.fixed)
-        kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
+    if tuning.specialize:
+        macros += nvrtc.fixed_args_macros(p.fixed)
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
 
 

@@ -255,11 +255,7 @@ def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_
                                         specialize)
     macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = qkv.get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()
-        arch, _ = nvrtc.device_arch(index)
-        kernel = SOURCE.kernel(arch, name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index, trigger=build.trigger)
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index, trigger=build.trigger)
     return _Launchable(kernel, pdl_kernel, p.lanes, build.cta, num_heads_q + num_heads_k, index,
                        fixed)
 

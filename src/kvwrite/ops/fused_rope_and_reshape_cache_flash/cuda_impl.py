@@ -231,12 +231,8 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
                        positions.dtype, slot_mapping.dtype, min_blocks)
     macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = query.get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()
-        arch, _ = nvrtc.device_arch(index)
-        kernel = SOURCE.kernel(arch, name, macros)
-        # The large-call build waits without triggering the next kernel early (CudaTuning).
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index, trigger=min_blocks == 1)
+    # The large-call build waits without triggering the next kernel early (CudaTuning).
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index, trigger=min_blocks == 1)
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, fixed)
 
 

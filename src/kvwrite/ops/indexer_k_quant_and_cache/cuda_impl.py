@@ -182,12 +182,8 @@ def _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt, tuning) -> _La
         raise RuntimeError(reason)
     p = plan(k, kv_cache, slot_mapping, quant_block_size, fmt, tuning)
     index = k.get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, _ = nvrtc.device_arch(index)
-        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-        kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
 
 

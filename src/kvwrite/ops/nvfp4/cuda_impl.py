@@ -247,14 +247,10 @@ def _launchable(args, tuning) -> _Launchable:
         raise RuntimeError(reason)
     p = plan(*args, tuning=tuning)
     index = args[0].get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, _ = nvrtc.device_arch(index)
-        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-        if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
-            macros += (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
-        kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+    if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
+        macros += (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index)
 
 

@@ -227,12 +227,8 @@ def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
         raise RuntimeError(reason)
     p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype, tuning)
     index = key.get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, _ = nvrtc.device_arch(index)
-        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-        kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
 
 

@@ -255,14 +255,10 @@ def _launchable(args, mode, tuning) -> _Launchable:
     if isinstance(p, str):
         raise ValueError(f"implementation='cuda' cannot run this call: {p}")
     index = args[0].get_device()
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context, this thread
-        arch, _ = nvrtc.device_arch(index)
-        macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-        if tuning.general_path_only:
-            macros += (GENERAL_ONLY_MACRO,)
-        kernel = SOURCE.kernel(arch, p.name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
+    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+    if tuning.general_path_only:
+        macros += (GENERAL_ONLY_MACRO,)
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
     return _Launchable(p, kernel, pdl_kernel, index)
 
 

@@ -215,11 +215,7 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox, linear, max_unit_
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype,
                        linear)
     macros = nvrtc.fixed_args_macros(fixed if specialize else None)
-    with nvrtc.capture_relaxed():
-        nvrtc.cuda_core().Device(index).set_current()
-        arch, _ = nvrtc.device_arch(index)
-        kernel = SOURCE.kernel(arch, name, macros)
-        pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, name, macros, index)
+    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index)
     return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index, fixed)
 
 
