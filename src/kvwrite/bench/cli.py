@@ -4,6 +4,7 @@
     kvwrite-bench OP [flags]                    # another op's benchmark (the table below)
     kvwrite-bench plot RESULTS.json --out P.png # a plot of any subcommand's --json file
     kvwrite-bench report RESULTS.json...        # --json files as markdown tables
+    kvwrite-bench compare OLD NEW               # two runs point by point (kvwrite.bench.compare)
     kvwrite-bench probe NAME [...]              # development probes (kvwrite.bench.probes)
     kvwrite-bench sanitize                      # every op's bounds cases, for compute-sanitizer
 
@@ -60,6 +61,7 @@ SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
 TOOLS = {
     "plot": "plot a --json file of any subcommand",
     "report": "--json files as the markdown tables of docs/performance.md",
+    "compare": "two runs' --json files point by point: new/old, geometric means, a threshold",
     "probe": "development probes (kvwrite-bench probe --help lists them)",
     "sanitize": "every op's bounds cases through its CUDA kernels, for compute-sanitizer",
 }
@@ -122,6 +124,9 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
     if name == "report":
         from .markdown import main as report_main
         return report_main(argv, f"{prog} report")
+    if name == "compare":
+        from .compare import main as compare_main
+        return compare_main(argv, f"{prog} compare")
     from . import probes
     if name == "sanitize":
         return probes.run_probe("sanitize", argv, f"{prog} sanitize")
