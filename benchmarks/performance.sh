@@ -3,20 +3,44 @@
 # L2, the cuda and Triton implementations, each point checked before it is timed. One JSON file
 # per command in OUT_DIR; then, in a checkout:
 #   cp OUT_DIR/*.json docs/data/ && kvwrite-bench report --into docs/performance.md docs/data/*.json
-# Usage (GPU machine, repository root, PYTHONPATH=src): benchmarks/performance.sh OUT_DIR [NAME...]
+# Usage (GPU machine, repository root, PYTHONPATH=src):
+#   benchmarks/performance.sh [--l2 cold|hot|both] [--skip NAME]... OUT_DIR [NAME...]
+# NAME (run only these) and --skip take a run's name (05_pth-h128) or its prefix (05_pth: both
+# per-token-head runs). benchmarks/regression.sh runs this list too (one list of commands).
+# Exit status: 0; 1 when a command failed (its stderr is OUT_DIR/NAME-L2.err); 2 for bad usage.
 set -u
-out=${1:?usage: benchmarks/performance.sh OUT_DIR [NAME...]}; shift
+usage="usage: benchmarks/performance.sh [--l2 cold|hot|both] [--skip NAME]... OUT_DIR [NAME...]"
+l2s=(cold hot); skip=" "
+while [ $# -gt 0 ]; do
+    case $1 in
+        --l2) case ${2:-} in cold|hot) l2s=("$2") ;; both) ;;
+                  *) echo "$usage (--l2: expected cold, hot or both, got '${2:-}')" >&2; exit 2 ;;
+              esac; shift 2 ;;
+        --skip) [ -n "${2:-}" ] || { echo "$usage (--skip: expected a name)" >&2; exit 2; }
+                skip+="$2 "; shift 2 ;;
+        -*) echo "$usage (unknown flag '$1')" >&2; exit 2 ;;
+        *) break ;;
+    esac
+done
+out=${1:?$usage}; shift
 mkdir -p "$out"
 only=" $* "
+failed=()
 common=(--implementation cuda,triton --iters 50 --time-budget 0.15)
+picked() {  # is run $1 named (by its name or its prefix) in the list $2?
+    [[ "$2" == *" $1 "* || "$2" == *" ${1%%-*} "* ]]
+}
 run() {  # name, subcommand and flags...
     local name=$1; shift
-    [ "$only" != "  " ] && [[ "$only" != *" ${name%%-*} "* ]] && return
-    for l2 in cold hot; do
-        local flag=(); [ $l2 = hot ] && flag=(--hot-l2)
+    [ "$only" != "  " ] && ! picked "$name" "$only" && return
+    picked "$name" "$skip" && return
+    for l2 in "${l2s[@]}"; do
+        local flag=(); [ "$l2" = hot ] && flag=(--hot-l2)
         echo "== kvwrite-bench $* ${common[*]} ${flag[*]}"
         timeout 300 python3 -m kvwrite.bench "$@" "${common[@]}" "${flag[@]}" \
             --json "$out/$name-$l2.json" 2>"$out/$name-$l2.err" | tail -n +2 | grep -v "^#"
+        local rc=${PIPESTATUS[0]}
+        [ "$rc" = 0 ] || { failed+=("$name-$l2 (exit $rc)"); echo "!! $name-$l2: exit $rc"; }
     done
 }
 run 01_write-auto --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536
@@ -37,3 +61,8 @@ run 07_gather-fp8 gather --kinds dequant,cp,flash --kv-cache-dtypes fp8 \
     --num-tokens 1024,8192,16384,65536
 run 08_indexer indexer --scale-fmts ue8m0,float32 --num-tokens 1,1024,16384,65536
 run 09_legacy legacy --num-heads 8 --num-tokens 2,1024,16384 --kv-cache-dtype fp8
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]} (see $out/*.err)" >&2
+    exit 1
+fi
