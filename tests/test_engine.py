@@ -159,6 +159,7 @@ OWN_BAD = {
         (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
         (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),
         (["--dtype", "x"], "--dtype"), (["--scale-fmts", "ue8m0,x"], "--scale-fmts"),
+        (["--scale-fmts", "ue8m0,mxfp8", "--quant-block-size", "64"], "--quant-block-size"),
         (["--slots", "bogus"], "--slots")],
 }
 BAD = [(sub, argv, flag) for sub in SUBS for argv, flag in COMMON_BAD + OWN_BAD[sub]]

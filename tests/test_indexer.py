@@ -2,7 +2,8 @@
 independent per-token NumPy oracle of the page layout and the scale rule (CPU), every registered
 implementation byte for byte over whole caches (Triton's interpreter on exact quotients on the
 CPU; all three on the GPU over a large matrix), the scale rule's C code compiled for the host,
-validation, deliberately wrong writers caught, NVRTC compiles, CUDA graphs and torch.compile.
+"mxfp8"'s exponent bytes and the round trip through the gather, validation, deliberately wrong
+writers caught, NVRTC compiles, CUDA graphs and torch.compile.
 
 A failure names the cache, the number of differing bytes and the first ones by block, slot and
 code or scale byte.
@@ -34,6 +35,8 @@ from kvwrite.testing.indexer import (
     IndexerCase,
     assert_indexer_caches_equal,
     clone_cache,
+    decode_scales,
+    dequantize_rows,
     exact_quotient_inputs,
     make_indexer_inputs,
     pow2_boundary_amaxes,
@@ -70,13 +73,24 @@ def _group(x: np.ndarray, ue8m0: bool) -> tuple[np.ndarray, np.float32]:
     return fp8_round(q, torch.float8_e4m3fn), np.float32(s)
 
 
+def _mxfp8_byte(s: np.float32) -> int:
+    """The UE8M0 byte of a power-of-two scale s = 2^k (k + 127, by frexp: s = 0.5 * 2^(k+1)), 0xFF
+    for +inf."""
+    if math.isinf(s):
+        return 0xFF
+    m, e = math.frexp(float(s))
+    assert m == 0.5, s
+    return e - 1 + 127
+
+
 def indexer_oracle(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt) -> None:
     """Writes into a CPU cache one token and group at a time, at byte offsets computed from the
     page layout and the cache's strides."""
     nb, bs, e = kv_cache.shape
     d = k.shape[1]
     g_count = d // quant_block_size
-    ue8m0 = scale_fmt == "ue8m0"
+    mxfp8 = scale_fmt == "mxfp8"
+    ue8m0 = scale_fmt == "ue8m0" or mxfp8
     mem = storage_bytes(kv_cache)
     for t in range(slot_mapping.numel()):
         slot = int(slot_mapping[t])
@@ -90,7 +104,10 @@ def indexer_oracle(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt) 
             at = page + o * d + g * quant_block_size
             mem[at:at + quant_block_size] = torch.from_numpy(codes)
             at = page + bs * d + 4 * (o * g_count + g)
-            mem[at:at + 4] = torch.from_numpy(np.array([s], dtype="<f4").view(np.uint8))
+            if mxfp8:
+                mem[at:at + 4] = _mxfp8_byte(s)
+            else:
+                mem[at:at + 4] = torch.from_numpy(np.array([s], dtype="<f4").view(np.uint8))
 
 
 @functools.cache
@@ -148,6 +165,9 @@ def test_matrix_covers_the_contract():
             (128, 128), (64, 64), (128, 64), (256, 128), (96, 96), (80, 16), (128, 1), (6, 3)}
         assert {c.block_size for c in cases} >= {1, 16, 64}
         assert any(c.scale_fmt == "ue8m0" for c in cases)
+        assert {c.dtype for c in cases if c.scale_fmt == "mxfp8" and c.special_values} == {
+            torch.float16, torch.bfloat16, torch.float32}
+        assert any(c.scale_fmt == "mxfp8" and c.groups > 1 and c.cache_offset % 2 for c in cases)
         assert any(c.scale_fmt != "ue8m0" for c in cases)
         assert any(c.special_values and c.dtype == torch.float32 for c in cases)
         assert any(c.padding_slots and c.out_of_range_slots for c in cases)
@@ -175,6 +195,32 @@ def test_oracle_writes_the_documented_page():
     cache.zero_()
     kvwrite.indexer_k_quant_and_cache(k, cache, torch.tensor([3]), 4, "float32")
     assert torch.equal(cache, want)
+
+
+def test_mxfp8_writes_exponent_bytes():
+    """Hand-checked "mxfp8" scale bytes (D = q = 128, block_size 2): amax 448 gives s = 1, byte
+    127; an all-zero group s = RN(1e-4 / 448) = 2.23e-7 -> 2^-22, byte 105; amax 448 * 2^-20 plus
+    one ulp rounds up to 2^-19, byte 108; +inf gives 0xFF, its codes ±0 and NaN. Each byte 4
+    times; the codes those of "ue8m0"; no other byte changes."""
+    k = torch.zeros(4, 128)
+    k[0, 0], k[0, 1] = 448.0, -1.0
+    k[2, 5] = float(torch.nextafter(torch.tensor(448.0 * 2.0**-20), torch.tensor(1.0)))
+    k[3, 7], k[3, 8] = float("inf"), 2.0
+    cache = torch.full((3, 2, 132), 0xA5, dtype=torch.uint8)
+    slots = torch.tensor([1, 2, 4, 5])
+    kvwrite.indexer_k_quant_and_cache(k, cache, slots, 128, "mxfp8", implementation="torch")
+    page = cache.view(3, -1)
+    for slot, byte in zip(slots.tolist(), (127, 105, 108, 0xFF), strict=True):
+        b, o = divmod(slot, 2)
+        assert page[b, 256 + 4 * o:260 + 4 * o].tolist() == [byte] * 4, (slot, byte)
+    assert page[0, 256:260].tolist() == [0xA5] * 4  # slot 0: untouched
+    assert page[2, 7 + 128].item() & 0x7F == 0x7F and page[2, 8 + 128].item() == 0  # NaN, +0
+    want = torch.full_like(cache, 0xA5)
+    indexer_oracle(k, want, slots, 128, "mxfp8")
+    assert_indexer_caches_equal(cache, want, 128)  # NaN codes of either sign
+    ue8m0 = torch.full_like(cache, 0xA5)
+    kvwrite.indexer_k_quant_and_cache(k, ue8m0, slots, 128, "ue8m0", implementation="torch")
+    assert torch.equal(ue8m0.view(3, -1)[:, :256], page[:, :256])
 
 
 def test_ue8m0_rounds_up_from_the_bits():
@@ -205,6 +251,9 @@ TRITON_CPU_CASES = [
     IndexerCase(num_tokens=7, head_dim=6, quant_block_size=3, block_size=1, num_blocks=9),
     IndexerCase(num_tokens=5, head_dim=80, quant_block_size=16, extra_rows=2, k_pad=1,
                 scale_fmt=""),
+    IndexerCase(num_tokens=9, scale_fmt="mxfp8", dtype=torch.float32, padding_slots=1),
+    IndexerCase(num_tokens=7, head_dim=256, scale_fmt="mxfp8", block_size=5, k_pad=3,
+                page_pad=1, cache_offset=3, slot_dtype=torch.int32),
 ]
 
 
@@ -244,6 +293,9 @@ void kvw_indexer_scales(const float* amax, int ue8m0, float* s, float* rcp, long
     s[i] = indexer_scale(amax[i], ue8m0 != 0);
     rcp[i] = ue8m0 ? indexer_pow2_reciprocal(s[i]) : 0.0f;
   }
+}
+void kvw_indexer_scale_words(const float* s, int fmt, unsigned* word, long long n) {
+  for (long long i = 0; i < n; ++i) word[i] = indexer_scale_word(s[i], fmt == KVW_INDEXER_FMT_MXFP8);
 }
 }
 """
@@ -287,7 +339,7 @@ def test_kernel_scale_rule_on_the_host(scale_lib):
                       torch.nextafter(torch.tensor([1e-4] * 2),
                                       torch.tensor([0.0, 1.0]))]).float().contiguous()
     for fmt in ScaleFormat:
-        ue8m0 = fmt is ScaleFormat.UE8M0
+        ue8m0 = fmt.power_of_two
         s, rcp = _host_scales(scale_lib, amax, ue8m0)
         want = torch_ref.group_scales(amax.view(-1, 1, 1), fmt).view(-1)
         bad = torch.nonzero(s.view(torch.int32) != want.view(torch.int32)).flatten()
@@ -297,6 +349,85 @@ def test_kernel_scale_rule_on_the_host(scale_lib):
             finite = torch.isfinite(s)
             assert torch.equal(rcp[finite] * s[finite], torch.ones_like(s[finite]))
             assert (rcp[~finite] == 0).all()
+        # The 4 scale bytes (kernel.cu's indexer_scale_word, KVW_INDEXER_FMT_* as the launcher's
+        # codes) against the reference's.
+        from kvwrite.ops.indexer_k_quant_and_cache.cuda_impl import _FMT_CODE
+        word = torch.empty_like(s, dtype=torch.int32)
+        scale_lib.kvw_indexer_scale_words(ctypes.c_void_p(s.data_ptr()), _FMT_CODE[fmt],
+                                          ctypes.c_void_p(word.data_ptr()),
+                                          ctypes.c_longlong(s.numel()))
+        want_bytes = torch_ref.scale_bytes(want.view(-1, 1), fmt)
+        assert torch.equal(word.view(torch.uint8).view(-1, 4), want_bytes), fmt
+        if fmt.exponent_bytes:
+            assert set(want_bytes[:, 0].unique().tolist()) <= set(range(105, 248)) | {0xFF}
+            assert (want_bytes[torch.isinf(want), 0] == 0xFF).all()
+
+
+# --- the round trip: write, gather, decode ---------------------------------------------------------
+
+GATHER = "cp_gather_indexer_k_quant_cache"
+ROUND_TRIP_CASES = [
+    IndexerCase(scale_fmt="mxfp8", special_values=True, num_tokens=12, num_blocks=8,
+                padding_slots=2),
+    IndexerCase(scale_fmt="mxfp8", special_values=True, num_tokens=96, num_blocks=8,
+                dtype=torch.float32, out_of_range_slots=2),
+    IndexerCase(scale_fmt="mxfp8", head_dim=256, num_tokens=9, block_size=7, num_blocks=3,
+                page_pad=1, cache_offset=3, special_values=True, dtype=torch.float16),
+    IndexerCase(scale_fmt="ue8m0", special_values=True, num_tokens=12, num_blocks=8),
+    IndexerCase(scale_fmt="float32", special_values=True, num_tokens=12, num_blocks=8),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gather_impl", [i.name for i in registry.all_impls(GATHER)])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float32], ids=["u8", "f32"])
+@pytest.mark.parametrize("case", ROUND_TRIP_CASES, ids=lambda c: c.id)
+def test_round_trip_through_the_gather(case, scale_dtype, impl, gather_impl, device):
+    """Write, then cp_gather_indexer_k_quant_cache every slot in order (one request over all
+    blocks): the gather copies each slot's code and scale bytes as they are (uint8 or float32
+    dst_scale); "mxfp8" holds one exponent byte 4 times a group; the decoded scales
+    (testing.indexer.decode_scales) are the reference's group scales exactly (+inf included) and
+    each decoded finite element is within the e4m3 bound of its input: ``|D(Q(x)) - x| <=
+    s * max(|x / s| * 2^-4, 2^-10)`` (half an ulp of a normal code, of a subnormal one)."""
+    if (reason := registry.get(GATHER, gather_impl).available(device)) is not None:
+        pytest.skip(reason)
+    inp = run_case(impl, case, device)
+    nb, bs, _ = inp.kv_cache.shape
+    d, g = case.head_dim, case.groups
+    rows = nb * bs
+    dst_k = torch.full((rows, d), 0x5A, dtype=torch.uint8, device=device)
+    width = 4 * g if scale_dtype == torch.uint8 else g
+    dst_scale = torch.full((rows, 4 * g), 0x5A, dtype=torch.uint8, device=device)
+    dst_scale = dst_scale.view(scale_dtype)[:, :width]
+    table = torch.arange(nb, dtype=torch.int32, device=device)[None]
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    kvwrite.cp_gather_indexer_k_quant_cache(inp.kv_cache, dst_k, dst_scale, table, cu,
+                                            implementation=gather_impl)
+    cache = clone_cache(inp.kv_cache, "cpu")
+    codes, scales = (v.reshape(rows, -1) for v in torch_ref.page_views(cache, d))
+    got_scales = dst_scale.cpu().contiguous().view(torch.uint8)
+    assert torch.equal(dst_k.cpu(), codes) and torch.equal(got_scales, scales)
+
+    k = inp.k.cpu()[:inp.slot_mapping.numel()]
+    slots = inp.slot_mapping.cpu().long()
+    ok = (slots >= 0) & (slots < rows)
+    x, at = k[ok].float(), slots[ok]
+    if case.scale_fmt == "mxfp8":
+        b = got_scales[at].view(-1, g, 4)
+        assert (b == b[:, :, :1]).all()
+    pow2 = case.scale_fmt in ("ue8m0", "mxfp8")
+    want_s = torch_ref.group_scales(x.view(-1, g, case.quant_block_size),
+                                    ScaleFormat.UE8M0 if pow2 else ScaleFormat.FLOAT32)
+    s = decode_scales(got_scales[at], case.scale_fmt)
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))
+    y = dequantize_rows(dst_k.cpu()[at], got_scales[at], case.scale_fmt, torch.float64)
+    x, sx = x.double(), s.double().repeat_interleave(case.quant_block_size, dim=1)
+    check = torch.isfinite(sx) & ~torch.isnan(x)
+    bound = sx * torch.maximum((x / sx).abs() * 2.0**-4, torch.full_like(x, 2.0**-10))
+    err = (y - x).abs()
+    assert (err[check] <= bound[check]).all(), (err - bound)[check].max()
+    assert torch.isnan(y[torch.isnan(x)]).all()
 
 
 # --- the checker can fail -------------------------------------------------------------------------
@@ -359,15 +490,32 @@ def _one_group_amax(k, kv_cache, slots, q, fmt):
         torch_ref.group_scales = real
 
 
+def _mxfp8_float_bits(k, kv_cache, slots, q, fmt):
+    """"mxfp8" storing the power-of-two scale's float32 bits ("ue8m0"'s bytes)."""
+    torch_ref.run(k, kv_cache, slots, q, ScaleFormat.UE8M0)
+
+
+def _mxfp8_one_byte(k, kv_cache, slots, q, fmt):
+    """"mxfp8" writing the exponent into the first byte of each group's slot only."""
+    before = clone_cache(kv_cache)
+    torch_ref.run(k, kv_cache, slots, q, fmt)
+    _, got = torch_ref.page_views(kv_cache, k.shape[1])
+    _, old = torch_ref.page_views(before, k.shape[1])
+    n = got.shape[0]
+    got.view(n, -1, 4)[..., 1:] = old.view(n, -1, 4)[..., 1:]
+
+
 @pytest.mark.parametrize("broken, case", [
     (_skip_last_token, IndexerCase()),
+    (_mxfp8_float_bits, IndexerCase(scale_fmt="mxfp8")),
+    (_mxfp8_one_byte, IndexerCase(scale_fmt="mxfp8", head_dim=256)),
     (_amax_with_nan, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
     (_no_floor, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
     (_log2_ue8m0, IndexerCase(special_values=True, num_tokens=96, num_blocks=8,
                               dtype=torch.float32)),
     (_scales_beside_codes, IndexerCase(head_dim=64, quant_block_size=32)),
     (_one_group_amax, IndexerCase(quant_block_size=64)),
-], ids=["skip-last-token", "amax-propagates-nan", "no-floor", "log2-ue8m0", "per-token-entries",
+], ids=["skip-last-token", "mxfp8-float-bits", "mxfp8-one-byte", "amax-propagates-nan", "no-floor", "log2-ue8m0", "per-token-entries",
         "one-group-amax"])
 def test_checker_rejects_wrong_implementations(broken, case):
     inp = make_indexer_inputs(case)
@@ -394,7 +542,20 @@ def _bad(**changes):
     return make
 
 
+def _mxfp8_group(head_dim: int, q: int):
+    """"mxfp8" with a group size other than 128 and a cache of the right entry size for it."""
+    def make():
+        inp = make_indexer_inputs(IndexerCase(num_tokens=5, num_blocks=4, block_size=4,
+                                              head_dim=head_dim, quant_block_size=q))
+        return inp, dict(k=inp.k, kv_cache=inp.kv_cache, slot_mapping=inp.slot_mapping,
+                         quant_block_size=q, scale_fmt="mxfp8")
+    return make
+
+
 BAD = [
+    ("mxfp8 q64", _mxfp8_group(128, 64), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8' (4 UE8M0 bytes a group, one per 32 elements), got 64"),
+    ("mxfp8 q32", _mxfp8_group(128, 32), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8'"),
+    ("mxfp8 q256", _mxfp8_group(256, 256), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8'"),
     ("k type", _bad(k=lambda i: i.k.tolist()), TypeError, "k: expected a torch.Tensor"),
     ("k dims", _bad(k=lambda i: i.k[None]), ValueError, "k: expected 2 dims"),
     ("k dtype", _bad(k=lambda i: i.k.double()), ValueError, "k: expected dtype"),
@@ -433,7 +594,7 @@ def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
 
 def test_any_other_scale_fmt_means_float32_scales():
     case = IndexerCase(num_tokens=6, scale_fmt="float32")
-    for fmt in ("", "fp8", "bfloat16", "UE8M0"):
+    for fmt in ("", "fp8", "bfloat16", "UE8M0", "MXFP8", "mxfp8 "):
         inp = make_indexer_inputs(case)
         kvwrite.indexer_k_quant_and_cache(inp.k, inp.kv_cache, inp.slot_mapping, 128, fmt)
         assert_indexer_caches_equal(inp.kv_cache, expected_cache(case), 128)
@@ -481,6 +642,32 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
 
 
+MXFP8_PLANS = [
+    IndexerCase(scale_fmt="mxfp8", dtype=dtype, slot_dtype=slot, head_dim=d, cache_offset=off,
+                page_pad=off)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32)
+    for slot in (torch.int32, torch.int64) for d, off in ((128, 0), (256, 1), (512, 2))
+]
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_mxfp8_build_for_sm90():
+    """"mxfp8" is the last fixed argument (2): the specialized builds of every input and slot
+    dtype, small and large calls, aligned and unaligned pages compile (the generic builds, which
+    take it at run time, are the 56 variants above)."""
+    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
+    built = set()
+    for case in MXFP8_PLANS:
+        for tuning in (dict(), dict(small_call_bytes=0)):
+            p = _plan(case, **tuning)
+            assert p.fixed[-1] == 2
+            if (p.name, p.fixed) not in built:
+                built.add((p.name, p.fixed))
+                obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+                assert len(bytes(obj.code)) > 0
+    assert len({name for name, _ in built}) >= 12
+
+
 @pytest.mark.parametrize("case, name, vec, lanes, tpt", [
     (IndexerCase(), "indexer_k_quant_and_cache_kernel<1, 8, long long, true>", 8, 16, 16),
     (IndexerCase(dtype=torch.float32, slot_dtype=torch.int32, padding_slots=1),
@@ -512,6 +699,8 @@ def test_cuda_plan_fixed_arguments():
     assert p.fixed == (128, 16 * 132 + 16, 16, 4, 64, 128, 128, 1, 16, 16, 1)
     p = _plan(IndexerCase(num_blocks=4, block_size=7, scale_fmt="fp32", quant_block_size=32))
     assert p.fixed == (128, 7 * 144, 7, -1, 28, 128, 32, 4, 4, 16, 0)
+    p = _plan(IndexerCase(num_blocks=4, block_size=16, page_pad=16, scale_fmt="mxfp8"))
+    assert p.fixed == (128, 16 * 132 + 16, 16, 4, 64, 128, 128, 1, 16, 16, 2)
     large = _plan(IndexerCase(), small_call_bytes=0)  # large calls: 32-byte chunks
     assert (large.vec, large.lanes, large.one, large.name) == (
         16, 8, True, "indexer_k_quant_and_cache_kernel<1, 16, long long, true>")
@@ -530,7 +719,8 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
     sass_tools = cuobjdump_or_skip()
     first, end = 0x230, 0x230 + 8 * 11
     for case in (IndexerCase(), IndexerCase(head_dim=512, quant_block_size=512, scale_fmt=""),
-                 IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3)):
+                 IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3),
+                 IndexerCase(head_dim=256, scale_fmt="mxfp8", page_pad=1)):
         p = _plan(case)
         reads = {}
         for fixed in (p.fixed, None):
@@ -553,7 +743,7 @@ def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
     sass_tools = cuobjdump_or_skip()
     for slot in (torch.int32, torch.int64):
-        for fmt in ("ue8m0", "float32"):
+        for fmt in ("ue8m0", "mxfp8", "float32"):
             for tuning, store in ((dict(), "STG.E.64"), (dict(small_call_bytes=0), "STG.E.128")):
                 p = _plan(IndexerCase(slot_dtype=slot, scale_fmt=fmt), **tuning)
                 obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
@@ -610,7 +800,7 @@ def test_gpu_cuda_builds(case, tuning):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["triton", "cuda"])
-@pytest.mark.parametrize("fmt", ["ue8m0", "float32"])
+@pytest.mark.parametrize("fmt", ["ue8m0", "mxfp8", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_every_16_bit_input(impl, fmt, dtype):
     """Every 16-bit pattern once, shuffled into groups of 128 (one group in 8 keeps only its
@@ -635,7 +825,7 @@ def test_gpu_every_16_bit_input(impl, fmt, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
-@pytest.mark.parametrize("fmt", ["ue8m0", "float32"])
+@pytest.mark.parametrize("fmt", ["ue8m0", "mxfp8", "float32"])
 def test_cuda_graph_replay_sees_new_inputs(impl, fmt):
     """Capture once, then change k and the slots in place: the replay uses them."""
     info = registry.get(OP, impl)

@@ -2,7 +2,8 @@
 group size, input dtype, scale format, block size, page stride and alignment, token stride, slots,
 special values); :func:`make_indexer_inputs` builds its tensors; :func:`assert_indexer_caches_equal`
 is the byte comparison over the whole allocation (two NaN codes count as equal only where a page
-holds codes, as the fp8 rule allows); ``INDEXER_CASES`` is the matrix every implementation is
+holds codes, as the fp8 rule allows); :func:`decode_scales` and :func:`dequantize_rows` read
+slots' scale bytes and codes back in each scale format (round trips, consumers); ``INDEXER_CASES`` is the matrix every implementation is
 tested on (small enough for the CPU), ``INDEXER_GPU_CASES`` the larger one for the GPU."""
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ import itertools
 
 import torch
 
-from ..ops.indexer_k_quant_and_cache.op import E4M3_MAX, entry_size
+from ..ops.indexer_k_quant_and_cache.op import (
+    E4M3_MAX,
+    MXFP8_GROUP,
+    ScaleFormat,
+    entry_size,
+    parse_scale_fmt,
+)
 from .compare import differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["IndexerCase", "IndexerInputs", "INDEXER_CASES", "INDEXER_GPU_CASES",
            "make_indexer_inputs", "clone_cache", "assert_indexer_caches_equal",
-           "indexer_differing_bytes", "pow2_boundary_amaxes", "exact_quotient_inputs"]
+           "indexer_differing_bytes", "pow2_boundary_amaxes", "exact_quotient_inputs",
+           "decode_scales", "dequantize_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +138,7 @@ def _plant_specials(x: torch.Tensor, case: IndexerCase) -> None:
         lambda t: t.view(-1).__setitem__(0, -float("inf")),         # -inf
         fill([finfo.max, -finfo.max, 0.5, -0.0]),                   # the largest values
         fill([E4M3_MAX, -E4M3_MAX / 2, 1.0, 3.0]),                  # s = 1 exactly
+        fill([E4M3_MAX + 256 * finfo.eps, -1.0, 2.0, 0.5]),         # 1 ulp above: s just above 1
         lambda t: t.div_(t.abs().amax()).mul_(finfo.max / 3),       # huge
     ]
     if f32:
@@ -274,10 +283,38 @@ def exact_quotient_inputs(case: IndexerCase, device: str | torch.device = "cpu",
                          inp.slot_mapping.to(device), q, case.scale_fmt)
 
 
+def decode_scales(scale_bytes: torch.Tensor, scale_fmt: str | ScaleFormat) -> torch.Tensor:
+    """float32 scales ``[n, G]`` from slots' scale bytes ``[n, 4G]`` uint8 (as the cache or the
+    gather's uint8 ``dst_scale`` holds them): each group's little-endian float32, or for "mxfp8"
+    ``2^(byte - 127)`` of its first UE8M0 byte (0xFF: +inf; the writer stores the same byte 4
+    times, a reader takes any)."""
+    n = scale_bytes.shape[0]
+    b = scale_bytes.contiguous().view(n, -1, 4)
+    if not parse_scale_fmt(scale_fmt).exponent_bytes:
+        return b.reshape(n, -1).view(torch.float32)
+    e = b[:, :, 0].to(torch.int32)
+    # byte << 23 is the float32 2^(byte - 127) for bytes 1..254 and +inf for 0xFF; byte 0 is the
+    # subnormal 2^-127.
+    bits = torch.where(e == 0, 1 << 22, e << 23)
+    return bits.view(torch.float32)
+
+
+def dequantize_rows(codes: torch.Tensor, scale_bytes: torch.Tensor,
+                    scale_fmt: str | ScaleFormat, dtype: torch.dtype = torch.float32,
+                    ) -> torch.Tensor:
+    """Rows ``[n, D]`` of ``dtype``: each e4m3 code (``codes`` ``[n, D]`` uint8 or
+    float8_e4m3fn) times its group's scale (:func:`decode_scales`). float64 holds every product
+    exactly; in float32 a code near 448 times a scale near 2^120 overflows to inf."""
+    s = decode_scales(scale_bytes, scale_fmt).to(dtype)
+    n, d = codes.shape
+    x = codes.contiguous().view(torch.float8_e4m3fn).to(dtype).view(n, s.shape[1], -1)
+    return (x * s[:, :, None]).view(n, d)
+
+
 def _matrix() -> list[IndexerCase]:
     cases: list[IndexerCase] = []
     for dtype, fmt in itertools.product((torch.bfloat16, torch.float16, torch.float32),
-                                        ("ue8m0", "float32")):
+                                        ("ue8m0", "mxfp8", "float32")):
         cases.append(IndexerCase(dtype=dtype, scale_fmt=fmt))
         # float32: 84 groups more, the power-of-two boundaries.
         cases.append(IndexerCase(dtype=dtype, scale_fmt=fmt, special_values=True, num_blocks=8,
@@ -302,6 +339,10 @@ def _matrix() -> list[IndexerCase]:
         IndexerCase(num_tokens=64, block_size=16, num_blocks=4),  # every slot
         IndexerCase(num_tokens=40, head_dim=512, quant_block_size=512, block_size=8,
                     num_blocks=6, special_values=True, dtype=torch.float32),
+        # "mxfp8" with two groups a slot, unaligned pages (byte-by-byte scale stores), padding.
+        IndexerCase(num_tokens=9, head_dim=2 * MXFP8_GROUP, scale_fmt="mxfp8", block_size=7,
+                    num_blocks=3, k_pad=1, page_pad=1, cache_offset=3, padding_slots=1,
+                    out_of_range_slots=1, special_values=True, slot_dtype=torch.int32),
     ]
     return cases
 
@@ -328,6 +369,23 @@ def _gpu_matrix() -> list[IndexerCase]:
             IndexerCase(dtype=dtype, scale_fmt=fmt, num_tokens=1000, k_pad=64, page_pad=64,
                         block_size=64, num_blocks=20, slot_dtype=torch.int32),
             IndexerCase(dtype=dtype, scale_fmt=fmt, num_tokens=4096, block_size=64,
+                        num_blocks=64),  # every slot
+        ]
+    # "mxfp8" (groups of 128 only), after the others so that their order stays.
+    for i, ((D, q), dtype) in enumerate(itertools.product(
+            [g for g in geometries if g[1] == MXFP8_GROUP],
+            (torch.bfloat16, torch.float16, torch.float32))):
+        bs = (1, 16, 64)[i % 3]
+        cases.append(IndexerCase(head_dim=D, quant_block_size=q, dtype=dtype, scale_fmt="mxfp8",
+                                 block_size=bs, num_blocks=max(2, 512 // bs), num_tokens=300,
+                                 padding_slots=7, out_of_range_slots=5, special_values=True,
+                                 page_pad=i % 2, cache_offset=i % 4,
+                                 slot_dtype=torch.int32 if i % 2 else torch.int64))
+    for dtype in (torch.bfloat16, torch.float32):
+        cases += [
+            IndexerCase(dtype=dtype, scale_fmt="mxfp8", num_tokens=1000, extra_rows=24, k_pad=3,
+                        page_pad=5, cache_offset=1, block_size=64, num_blocks=20),
+            IndexerCase(dtype=dtype, scale_fmt="mxfp8", num_tokens=4096, block_size=64,
                         num_blocks=64),  # every slot
         ]
     return cases

@@ -1,6 +1,6 @@
 """indexer_k_quant_and_cache (docs/ops/indexer_k_quant_and_cache.md): quantize DeepSeek-V3.2's
-lightning-indexer keys into e4m3 codes with per-group float32 scales, into a paged cache whose
-page holds all codes, then all scales.
+lightning-indexer keys into e4m3 codes with per-group scales (4 bytes: a float32, or "mxfp8"'s
+UE8M0 exponent byte 4 times), into a paged cache whose page holds all codes, then all scales.
 
 - :mod:`.op`: the public function, its validation, its torch.compile custom op, the scale-format
   enum and :func:`create_indexer_k_cache`;

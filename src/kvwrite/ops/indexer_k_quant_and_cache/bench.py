@@ -2,7 +2,8 @@
 lightning-indexer key write, at vLLM's shape (D = 128, one quant group of 128, a
 ``[2048, 64, 132]`` uint8 cache) by default.
 
-Inputs: ``k`` from ``torch.randn`` (RNGs seeded with 42), the slot pattern's slots. The check runs
+``--scale-fmts``: ue8m0, mxfp8 (vLLM 0.33's UE8M0 exponent bytes; groups of 128 only) and
+float32 scales. Inputs: ``k`` from ``torch.randn`` (RNGs seeded with 42), the slot pattern's slots. The check runs
 the implementation and the torch reference on copies of the cache and compares every byte.
 Bytes per call: ``T*D*in_bytes + n*(D + 4G) + T*8`` (k read, codes and scales of the n real tokens
 written, the slots).
@@ -21,6 +22,7 @@ from ...bench.engine import OpBench, Skip, compare_with_reference, parse_list, s
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
 from . import OP, create_indexer_k_cache, entry_size, parse_scale_fmt, validate
+from .op import ScaleFormat, check_group_size
 
 __all__ = ["BENCH"]
 
@@ -46,7 +48,8 @@ class Point:
 class IndexerBench(OpBench):
     name = OP
     aliases = ("indexer",)
-    summary = "DeepSeek-V3.2's indexer key write (fp8 codes + group scales, ue8m0 or float32)"
+    summary = ("DeepSeek-V3.2's indexer key write (fp8 codes + group scales, ue8m0, mxfp8 or "
+               "float32)")
     description = ("Benchmark indexer_k_quant_and_cache: the lightning indexer's key quantized to "
                    "e4m3 with one scale per group, written into its paged cache (all codes of a "
                    "page, then all scales).")
@@ -68,8 +71,9 @@ class IndexerBench(OpBench):
         g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
                        help="k's dtype (default: bfloat16)")
         g.add_argument("--scale-fmts", default="ue8m0",
-                       help="comma list of ue8m0 (power-of-two scales) and float32 (default: "
-                            "ue8m0)")
+                       help="comma list of ue8m0 (power-of-two scales), mxfp8 (the same scales "
+                            "as 4 UE8M0 exponent bytes, vLLM 0.33; --quant-block-size 128) and "
+                            "float32 (default: ue8m0)")
 
     def configure(self, args, device) -> None:
         for flag in ("head_dim", "quant_block_size", "block_size", "num_blocks"):
@@ -79,7 +83,15 @@ class IndexerBench(OpBench):
         if args.head_dim % args.quant_block_size:
             raise ValueError(f"--quant-block-size: expected a divisor of --head-dim "
                              f"{args.head_dim}, got {args.quant_block_size}")
-        args.fmt_list = parse_list(args.scale_fmts, "--scale-fmts", ["ue8m0", "float32"])
+        args.fmt_list = parse_list(args.scale_fmts, "--scale-fmts",
+                                   [f.value for f in (ScaleFormat.UE8M0, ScaleFormat.MXFP8,
+                                                      ScaleFormat.FLOAT32)])
+        for fmt in args.fmt_list:
+            try:
+                check_group_size(parse_scale_fmt(fmt), args.quant_block_size)
+            except ValueError as e:
+                why = str(e).removeprefix("quant_block_size: ")
+                raise ValueError(f"--quant-block-size: {why} (--scale-fmts {fmt})") from None
         args.pattern = slot_pattern(args)
 
     def points(self, args) -> list:

@@ -6,7 +6,7 @@ and ``G`` groups per token; each group's amax is a shuffle reduction within its 
 (template arguments): the input dtype, VEC (elements per chunk: the widest power of two of at
 most ``CudaTuning.chunk_bytes`` of input that divides ``q`` and keeps every load and code store
 aligned), the slot index type, and ONE (each lane holds exactly one chunk: ``q / VEC`` is a power
-of two of at most 32). ``lanes`` is the largest power of two of at most 32 dividing ``q / VEC``.
+of two of at most 32). The scale format is the last fixed argument (``_FMT_CODE``), not a variant. ``lanes`` is the largest power of two of at most 32 dividing ``q / VEC``.
 For D = 128, q = 128 and 16-bit input: VEC = 16 (large calls), 8 lanes a token, two 16-byte
 loads and one 16-byte code store each; small calls VEC = 8, 16 lanes. By default each call
 signature gets its own build with the arguments fixed by the cache and the input's layout compiled
@@ -33,6 +33,9 @@ KERNEL = "indexer_k_quant_and_cache_kernel"
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
 _KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+# The scale format as the kernel's last fixed argument scale_fmt (KVW_INDEXER_FMT_* in kernel.cu):
+# a macro in specialized builds, a kernel argument in the generic ones.
+_FMT_CODE = {ScaleFormat.FLOAT32: 0, ScaleFormat.UE8M0: 1, ScaleFormat.MXFP8: 2}
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -118,7 +121,7 @@ class Plan:
     one: bool           # one chunk per lane (lanes == q / vec)
     threads_per_token: int
     threads: int        # CTA size
-    fixed: tuple[int, ...]  # k_stride .. ue8m0 (the 11 trailing kernel arguments)
+    fixed: tuple[int, ...]  # k_stride .. scale_fmt (the 11 trailing kernel arguments)
 
 
 def _log2_or_minus_1(n: int) -> int:
@@ -158,7 +161,7 @@ def plan(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     tpt = groups * lanes
     fixed = (k.stride(0) if t_pad > 1 else 0, kv_cache.stride(0) if num_blocks > 1 else 0,
              block_size, _log2_or_minus_1(block_size), num_blocks * block_size, head_dim, q,
-             groups, lanes, tpt, int(fmt is ScaleFormat.UE8M0))
+             groups, lanes, tpt, _FMT_CODE[fmt])
     one = lanes == chunks
     return Plan(kernel_name(_KIND[k.dtype], vec, slot_mapping.dtype, one), vec, lanes, one, tpt,
                 tuning.threads, fixed)

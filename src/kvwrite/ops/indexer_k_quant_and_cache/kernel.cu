@@ -17,11 +17,14 @@
 // for the amax, once (loads again, from L1/L2) to quantize and store.
 //
 // Per group: s = max(amax, float32(1e-4)) / 448 by div_rn, once per lane (every lane of the
-// segment holds the same amax). "ue8m0" (the fixed argument ue8m0 != 0): s rounded up to a power
-// of two from its bits; then x / s = x * 2^-k exactly, so each code is the satfinite conversion
+// segment holds the same amax). "ue8m0" and "mxfp8" (the fixed argument scale_fmt, one of
+// KVW_INDEXER_FMT_*, other than F32): s rounded up to a power of two from its bits; then
+// x / s = x * 2^-k exactly, so each code is the satfinite conversion
 // of one rounded product (mul_rn by the exact reciprocal): RN(x * 2^-k) = RN(x / s), including
 // subnormal quotients, and s = +inf gives the reciprocal 0: x * 0 = ±0, inf * 0 = NaN, as x / inf.
 // Plain float32 scales: kvw/fp8.cuh's exact division-free quotient (make_fp8_scale, fp8_quantize).
+// The scale's 4 bytes: its float32 bits, or for "mxfp8" its biased exponent (bits >> 23, 0xFF for
+// +inf) in each byte.
 //
 // No thread returns before the shuffles (threads past num_tokens load nothing and store nothing),
 // so a full-warp mask is always right. Slots < 0 (padding) or >= num_slots are skipped; rows of k
@@ -40,6 +43,11 @@ KVW_HD float indexer_ue8m0(float s) {
   return bits_f32(b);
 }
 
+// The scale formats (the fixed argument scale_fmt; cuda_impl.py's _FMT_CODE).
+#define KVW_INDEXER_FMT_F32 0
+#define KVW_INDEXER_FMT_UE8M0 1
+#define KVW_INDEXER_FMT_MXFP8 2
+
 KVW_HD float indexer_scale(float amax, bool ue8m0) {
   const float floor = bits_f32(0x38D1B717u);  // float32(1e-4)
   const float s = div_rn(amax > floor ? amax : floor, 448.0f);
@@ -50,6 +58,14 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 KVW_HD float indexer_pow2_reciprocal(float s) {
   const u32 e = f32_bits(s) >> 23;  // s > 0: the biased exponent
   return e >= 255u ? 0.0f : bits_f32((254u - e) << 23);
+}
+
+// The 4 scale bytes of a group (little-endian word): s's float32 bits, or for "mxfp8" its UE8M0
+// byte 4 times (s > 0 is a power of two or +inf: bits >> 23 is the biased exponent, 0xFF for
+// +inf). Host-testable.
+KVW_HD u32 indexer_scale_word(float s, bool mxfp8) {
+  const u32 b = f32_bits(s);
+  return mxfp8 ? (b >> 23) * 0x01010101u : b;
 }
 
 #ifndef KVWRITE_HOST_TEST
@@ -68,7 +84,7 @@ KVW_HD float indexer_pow2_reciprocal(float s) {
     i64 num_groups,                       /* G = D / q */                                       \
     i64 lanes,                            /* threads per group: a power of two, <= 32 */        \
     i64 threads_per_token,                /* G * lanes */                                       \
-    i64 ue8m0                             /* 1: power-of-two scales, 0: float32 scales */
+    i64 scale_fmt                         /* KVW_INDEXER_FMT_F32, _UE8M0 or _MXFP8 */
 
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v10) the
 // arguments from k_stride on are compile-time constants: none is read from the parameter bank
@@ -80,7 +96,7 @@ KVW_HD float indexer_pow2_reciprocal(float s) {
     k_stride = fixed[0]; block_stride = fixed[1]; block_size = fixed[2];                        \
     block_shift = fixed[3]; num_slots = fixed[4]; head_dim = fixed[5];                          \
     group_size = fixed[6]; num_groups = fixed[7]; lanes = fixed[8];                             \
-    threads_per_token = fixed[9]; ue8m0 = fixed[10];                                            \
+    threads_per_token = fixed[9]; scale_fmt = fixed[10];                                        \
   }
 #else
 #define KVW_INDEXER_FIXED_PROLOGUE()
@@ -112,9 +128,8 @@ KVW_HD Raw<VEC> indexer_codes(const float (&x)[VEC], float s, bool ue8m0) {
   return out;
 }
 
-// The 4 bytes of a group's scale at p (4-byte aligned, or byte by byte).
-KVW_HD void indexer_store_scale(u8* p, float s) {
-  const u32 b = f32_bits(s);
+// The 4 bytes of a group's scale (indexer_scale_word) at p (4-byte aligned, or byte by byte).
+KVW_HD void indexer_store_scale(u8* p, u32 b) {
   if ((reinterpret_cast<u64>(p) & 3u) == 0) {
     *reinterpret_cast<u32*>(p) = b;
   } else {
@@ -167,7 +182,8 @@ __global__ void __launch_bounds__(256) indexer_k_quant_and_cache_kernel(KVW_INDE
   }
   for (u32 m = static_cast<u32>(lanes) >> 1; m > 0; m >>= 1)  // within the group's segment
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
-  const float sc = indexer_scale(amax, ue8m0 != 0);
+  const bool ue8m0 = scale_fmt != KVW_INDEXER_FMT_F32;  // power-of-two scales
+  const float sc = indexer_scale(amax, ue8m0);
 
   if (!live || static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
@@ -177,15 +193,16 @@ __global__ void __launch_bounds__(256) indexer_k_quant_and_cache_kernel(KVW_INDE
   u8* scales = cache + slot_offset(s, block_stride, 4 * num_groups, block_size, block_shift,
                                    slots_fit_u32) + block_size * head_dim + 4 * static_cast<i64>(g);
   if constexpr (ONE) {
-    store_raw<VEC>(codes + static_cast<i64>(lane) * VEC, indexer_codes<IN, VEC>(x, sc, ue8m0 != 0));
+    store_raw<VEC>(codes + static_cast<i64>(lane) * VEC, indexer_codes<IN, VEC>(x, sc, ue8m0));
   } else {
     for (i64 c = lane; c < chunks; c += lanes) {
       const Raw<IN_BYTES> in = load_raw<IN_BYTES>(grp + c * IN_BYTES);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in, i);
-      store_raw<VEC>(codes + c * VEC, indexer_codes<IN, VEC>(x, sc, ue8m0 != 0));
+      store_raw<VEC>(codes + c * VEC, indexer_codes<IN, VEC>(x, sc, ue8m0));
     }
   }
-  if (lane == 0) indexer_store_scale(scales, sc);
+  if (lane == 0)
+    indexer_store_scale(scales, indexer_scale_word(sc, scale_fmt == KVW_INDEXER_FMT_MXFP8));
 }
 #endif  // KVWRITE_HOST_TEST

@@ -20,7 +20,7 @@ from ...validation import shape_str as _shape
 
 __all__ = ["OP", "ScaleFormat", "parse_scale_fmt", "indexer_k_quant_and_cache", "validate",
            "create_indexer_k_cache", "entry_size", "E4M3_MAX", "SCALE_FLOOR_BITS", "SCALE_FLOOR",
-           "select_implementation"]
+           "MXFP8_GROUP", "check_group_size", "select_implementation"]
 
 OP = "indexer_k_quant_and_cache"
 
@@ -31,23 +31,51 @@ SCALE_FLOOR = 1e-4  # rounds to SCALE_FLOOR_BITS as float32
 
 
 class ScaleFormat(enum.Enum):
-    """How a group's scale is stored: ``UE8M0`` rounds it up to a power of two (``scale_fmt``
-    "ue8m0"), ``FLOAT32`` keeps the float32 quotient (any other string)."""
+    """How a group's scale is stored: ``UE8M0`` rounds it up to a power of two and stores its
+    float32 bits (``scale_fmt`` "ue8m0"); ``MXFP8`` rounds it the same way and stores its biased
+    exponent (float32 bits >> 23, 0xFF for +inf) in each of the group's 4 scale bytes ("mxfp8",
+    vLLM 0.33; groups of 128 only); ``FLOAT32`` keeps the float32 quotient (any other string)."""
 
     UE8M0 = "ue8m0"
+    MXFP8 = "mxfp8"
     FLOAT32 = "float32"
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether the scale is rounded up to a power of two (the codes follow it)."""
+        return self is not ScaleFormat.FLOAT32
+
+    @property
+    def exponent_bytes(self) -> bool:
+        """Whether the 4 scale bytes hold the scale's UE8M0 exponent byte 4 times."""
+        return self is ScaleFormat.MXFP8
+
+
+# "mxfp8" stores one UE8M0 byte per 32 elements of a group, 4 per slot: only groups of 128.
+MXFP8_GROUP = 128
 
 
 def parse_scale_fmt(scale_fmt: str | ScaleFormat) -> ScaleFormat:
-    """"ue8m0" -> UE8M0, any other string -> FLOAT32 (vLLM's rule); None or a non-string raises."""
+    """"ue8m0" -> UE8M0, "mxfp8" -> MXFP8, any other string -> FLOAT32 (vLLM's rule); None or a
+    non-string raises."""
     if isinstance(scale_fmt, ScaleFormat):
         return scale_fmt
     if scale_fmt is None:
-        raise ValueError("scale_fmt: expected a string ('ue8m0' for power-of-two scales, any other "
-                         "for float32 scales), got None")
+        raise ValueError("scale_fmt: expected a string ('ue8m0' for power-of-two scales, 'mxfp8' "
+                         "for UE8M0 exponent bytes, any other for float32 scales), got None")
     if not isinstance(scale_fmt, str):
         raise TypeError(f"scale_fmt: expected a string, got {type(scale_fmt).__name__}")
+    if scale_fmt == "mxfp8":
+        return ScaleFormat.MXFP8
     return ScaleFormat.UE8M0 if scale_fmt == "ue8m0" else ScaleFormat.FLOAT32
+
+
+def check_group_size(fmt: ScaleFormat, quant_block_size: int) -> None:
+    """Raise ValueError naming quant_block_size unless the scale format takes groups of this size
+    ("mxfp8": only MXFP8_GROUP)."""
+    if fmt.exponent_bytes and quant_block_size != MXFP8_GROUP:
+        raise ValueError(f"quant_block_size: expected {MXFP8_GROUP} with scale_fmt 'mxfp8' (4 "
+                         f"UE8M0 bytes a group, one per 32 elements), got {quant_block_size}")
 
 
 def _check_quant_block_size(quant_block_size, head_dim: int) -> int:
@@ -102,6 +130,7 @@ def validate(k, kv_cache, slot_mapping, quant_block_size, scale_fmt) -> tuple[in
     if head_dim > 1 and k.stride(1) != 1:
         raise ValueError(f"k: expected a unit-stride last dim, got strides {tuple(k.stride())}")
     q = _check_quant_block_size(quant_block_size, head_dim)
+    check_group_size(fmt, q)
     groups = head_dim // q
 
     if kv_cache.dim() != 3:
@@ -152,15 +181,17 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     dense pages (``stride(2) == 1``, ``stride(1) == D + 4G``; ``stride(0)`` free);
     ``slot_mapping`` ``[T]`` int64 or int32. Block ``b``'s page is the ``block_size * (D + 4G)``
     bytes from ``kv_cache[b, 0, 0]``: first every slot's ``D`` code bytes (slot ``o`` at
-    ``[o*D, o*D + D)``), then every slot's ``G`` float32 scales (group ``g`` of slot ``o`` at
-    ``[block_size*D + 4*(o*G + g), +4)``, little-endian).
+    ``[o*D, o*D + D)``), then every slot's ``G`` 4-byte scales (group ``g`` of slot ``o`` at
+    ``[block_size*D + 4*(o*G + g), +4)``, a little-endian float32 or "mxfp8"'s bytes).
 
     For each token ``t < T = slot_mapping.numel()`` with ``0 <= slot < num_blocks *
     block_size`` and each group ``g`` (elements ``[g*q, g*q + q)``, ``q = quant_block_size``):
     ``a`` = the largest ``|x|`` of the group in float32, NaN ignored (0 if none); ``s =
-    max(a, float32(1e-4)) / 448`` (a true float32 division); with ``scale_fmt == "ue8m0"`` s
-    becomes the smallest power of two ``>= s`` (+inf stays +inf); any other string keeps s. The
-    codes are ``e4m3(x / s)`` (true division, round to nearest even, saturating at ±448, NaN
+    max(a, float32(1e-4)) / 448`` (a true float32 division); with ``scale_fmt`` "ue8m0" or
+    "mxfp8" s becomes the smallest power of two ``>= s`` (+inf stays +inf); any other string
+    keeps s. "mxfp8" (``quant_block_size`` 128 only) stores s's biased exponent (float32 bits
+    >> 23: ``s = 2^(byte - 127)``, 0xFF for +inf) in each of the group's 4 scale bytes instead
+    of its float32 bits. The codes are ``e4m3(x / s)`` (true division, round to nearest even, saturating at ±448, NaN
     stays NaN), so an infinite element makes its group's codes ±0 and NaN. ``scale_fmt`` None
     raises. No other byte of the cache changes: negative and out-of-range slots are skipped, rows
     of ``k`` past T are never read, T == 0 is a no-op, which of two tokens with one slot wins is

@@ -12,7 +12,7 @@ import torch
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
 __all__ = ["available", "unsupported", "run", "group_scales", "quantize_rows", "page_views",
-           "ue8m0"]
+           "ue8m0", "scale_bytes"]
 
 
 def available(device: torch.device) -> str | None:
@@ -39,7 +39,17 @@ def group_scales(x: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
     # A true float32 division: a tensor divisor (PyTorch's CUDA division by a Python scalar
     # multiplies by its reciprocal).
     s = torch.maximum(amax, floor) / torch.full_like(amax, E4M3_MAX)
-    return ue8m0(s) if fmt is ScaleFormat.UE8M0 else s
+    return ue8m0(s) if fmt.power_of_two else s
+
+
+def scale_bytes(s: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
+    """The ``[n, 4G]`` scale bytes of float32 scales ``s`` ``[n, G]``: each scale's little-endian
+    float32 bits, or for "mxfp8" its biased exponent (bits >> 23; s > 0, so 0xFF is +inf) 4
+    times."""
+    if fmt.exponent_bytes:
+        e = (s.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+        return e[:, :, None].expand(*s.shape, 4).reshape(s.shape[0], -1)
+    return s.contiguous().view(torch.uint8)
 
 
 def quantize_rows(k: torch.Tensor, quant_block_size: int, fmt: ScaleFormat,
@@ -73,4 +83,4 @@ def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     codes, scales = quantize_rows(k[tokens], quant_block_size, fmt)
     code_view, scale_view = page_views(kv_cache, k.shape[1])
     code_view[blocks, offsets] = codes
-    scale_view[blocks, offsets] = scales.contiguous().view(torch.uint8)
+    scale_view[blocks, offsets] = scale_bytes(scales, fmt)

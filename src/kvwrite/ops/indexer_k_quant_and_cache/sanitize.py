@@ -1,8 +1,8 @@
 """Cases for the memory checker: each runs the cuda implementation of indexer_k_quant_and_cache on
 the GPU over a case that stresses its bounds (padding and out-of-range slots, unaligned pages and
-k rows, odd group sizes, one-slot blocks, k rows past T, more tokens than one wave) and the torch
-reference on the CPU on the same inputs, and returns None when the whole caches are byte-equal,
-else what differs.
+k rows, odd group sizes, one-slot blocks, k rows past T, more tokens than one wave, "mxfp8"
+scale bytes) and the torch reference on the CPU on the same inputs, and returns None when the
+whole caches are byte-equal, else what differs.
 
     compute-sanitizer --tool memcheck ... kvwrite-bench sanitize   # runs every op's cases()
 """
@@ -30,6 +30,10 @@ def _cases():
                     num_blocks=6, special_values=True, dtype=torch.float32),
         IndexerCase(num_tokens=70000, block_size=64, num_blocks=1100, padding_slots=100,
                     out_of_range_slots=100),
+        # "mxfp8" exponent bytes on unaligned pages (byte-by-byte scale stores), two groups.
+        IndexerCase(num_tokens=33, head_dim=256, scale_fmt="mxfp8", k_pad=1, page_pad=1,
+                    cache_offset=3, block_size=5, num_blocks=9, out_of_range_slots=2,
+                    special_values=True, slot_dtype=torch.int32),
     ]
 
 

@@ -4,9 +4,10 @@ One program writes ``BLOCK_T`` tokens: it loads their rows as ``[BLOCK_T, BLOCK_
 (groups and group elements rounded up to powers of two, masked; the loads masked by the token
 bound only, so they do not wait for the slots), reduces each group's amax with NaN replaced by 0
 (fmaxf's rule, from 0), computes ``s = div_rn(max(amax, float32(1e-4)), 448)`` (a true
-division), rounds it up to a power of two from its bits for "ue8m0", and stores each element as
-e4m3 of the exact quotient ``x / s`` (``kvwrite.kernels.triton_fp8``: no division per element)
-and each scale as 4 bytes, through the page layout (codes at ``page + o*D``, scales at ``page +
+division), rounds it up to a power of two from its bits for "ue8m0" and "mxfp8", and stores
+each element as e4m3 of the exact quotient ``x / s`` (``kvwrite.kernels.triton_fp8``: no division
+per element) and each scale as 4 bytes (its float32 bits, or for "mxfp8" its biased exponent 4
+times), through the page layout (codes at ``page + o*D``, scales at ``page +
 block_size*D + 4*(o*G + g)``). Offsets are 64-bit; strides and the geometry are compile-time
 constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
@@ -94,7 +95,8 @@ if triton is not None:
         G: tl.constexpr,  # D / Q
         BLOCK_G: tl.constexpr,  # G and Q rounded up to powers of two (masked)
         BLOCK_Q: tl.constexpr,
-        UE8M0: tl.constexpr,
+        UE8M0: tl.constexpr,  # power-of-two scales ("ue8m0" and "mxfp8")
+        MXFP8: tl.constexpr,  # scale bytes: the biased exponent 4 times, not the float32 bits
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
@@ -135,7 +137,11 @@ if triton is not None:
         tl.store(cache_ptr + (page + o * D)[:, None, None] + col, codes, mask=ok & in_gq)
         b = tl.arange(0, 4)
         sbits = s.to(tl.int32, bitcast=True)
-        sbytes = ((sbits[:, :, None] >> (b * 8)[None, None, :]) & 255).to(tl.uint8)
+        if MXFP8:
+            # s > 0 (a power of two or +inf): bits >> 23 is its biased exponent, 0xFF for +inf.
+            sbytes = ((sbits[:, :, None] >> 23) + 0 * b[None, None, :]).to(tl.uint8)
+        else:
+            sbytes = ((sbits[:, :, None] >> (b * 8)[None, None, :]) & 255).to(tl.uint8)
         tl.store(cache_ptr + (page + BLOCK_SIZE * D + o * (4 * G))[:, None, None]
                  + (g * 4)[None, :, None] + b[None, None, :], sbytes, mask=ok & in_g)
 
@@ -162,6 +168,7 @@ def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
         K_STRIDE=k.stride(0) if t_pad > 1 else 0,
         STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, D=head_dim, Q=q, G=groups,
-        BLOCK_G=block_g, BLOCK_Q=block_q, UE8M0=fmt is ScaleFormat.UE8M0, BLOCK_T=block_t,
+        BLOCK_G=block_g, BLOCK_Q=block_q, UE8M0=fmt.power_of_two,
+        MXFP8=fmt.exponent_bytes, BLOCK_T=block_t,
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
