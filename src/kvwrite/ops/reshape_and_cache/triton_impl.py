@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3

@@ -209,7 +209,7 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
     """Every validated case runs (any strides, dtypes, head sizes; unaligned rows fall back)."""
     return None
 

@@ -64,7 +64,13 @@ def _interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -
 
 
 def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
-                k_scale: torch.Tensor | None) -> str | None:
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
+    return interpreter_reason(key, cache_dtype)
+
+
+def interpreter_reason(key: torch.Tensor, cache_dtype: CacheDType) -> str | None:
+    """Why Triton's interpreter cannot write this call's bytes exactly (None on CUDA devices, or
+    where it can); reshape_and_cache's Triton launcher asks it too."""
     if key.device.type == "cuda":
         return None
     element = cache_dtype.element_dtype(key.dtype)
