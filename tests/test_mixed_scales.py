@@ -153,8 +153,8 @@ def build(op: FusedOp, kv: str, mix: str, device, seed: int, dtype=torch.bfloat1
 
 def reference(op: FusedOp, kv: str, mix: str, device, seed: int, dtype=torch.bfloat16,
               prepare: Callable | None = None):
-    """The torch reference's call of the same inputs on ``device`` (test_qk_norm_rope checks
-    that the reference writes the oracle's bytes on the GPU too)."""
+    """The torch reference's call of the same inputs on ``device`` (each op's own tests check
+    the reference against an independent oracle on every device)."""
     want = build(op, kv, mix, device, seed, dtype)
     if prepare is not None:
         prepare(want)
