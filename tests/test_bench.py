@@ -227,7 +227,7 @@ def test_seed_script_runs_from_a_checkout(tmp_path):
 def _register(monkeypatch, name: str, run) -> None:
     mod = types.ModuleType(f"kvwrite_test_impl_{name}")
     mod.available = lambda device: None
-    mod.unsupported = lambda key, key_cache, cache_dtype, k_scale: None
+    mod.unsupported = lambda key, key_cache, cache_dtype, k_scale, v_scale: None
     mod.run = run
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setitem(registry._REGISTRY, (OP, name),

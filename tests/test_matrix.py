@@ -52,7 +52,7 @@ def run_case(impl: str, case: Case, device: str):
     if reason is not None:
         pytest.skip(reason)
     inp = make_inputs(case, device)
-    reason = info.unsupported(inp.key, inp.key_cache, case.cache_dtype, inp.k_scale)
+    reason = info.unsupported(inp.key, inp.key_cache, case.cache_dtype, inp.k_scale, inp.v_scale)
     if reason is None:  # a peer's slot conversion (FlashInfer: no padding) says what it refuses
         reason = info.prepare(inp.key, inp.value, inp.key_cache, inp.value_cache,
                               inp.slot_mapping, case.cache_dtype, inp.k_scale, inp.v_scale)

@@ -155,10 +155,10 @@ def test_flashinfer_says_what_it_cannot_run(kw, words):
     key = torch.zeros(1, h, d, dtype=kw.get("dtype", torch.bfloat16))
     cache = torch.zeros(4, 16, h, d, dtype=key.dtype)
     cache_dtype = CacheDType(kw.get("kv", "auto")) if kw.get("kv") != "fp8" else CacheDType.FP8_E4M3
-    assert words in fi.unsupported(key, cache, cache_dtype, None)
+    assert words in fi.unsupported(key, cache, cache_dtype, None, None)
     assert fi.unsupported(torch.zeros(1, 8, 128, dtype=torch.bfloat16),
                           torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), CacheDType.AUTO,
-                          None) is None
+                          None, None) is None
 
 
 def test_benchmark_checks_a_peer_and_reports_padding(fake_flashinfer, tmp_path, capsys):
@@ -207,16 +207,20 @@ def test_vllm_adapters_pass_vllms_arguments(monkeypatch, mod):
 def test_vllm_adapters_say_what_they_cannot_run(mod):
     key = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     nhd = torch.zeros(8, 16, 4, 64, dtype=torch.uint8)
-    assert "no vLLM spelling" in mod.unsupported(key, nhd, CacheDType.FLOAT16, None)
-    assert "per-head" in mod.unsupported(key, nhd, CacheDType.FP8_E4M3, torch.ones(4))
-    assert mod.unsupported(key, nhd, CacheDType.FP8_E4M3, torch.ones(1)) is None
+    one, four = torch.ones(1), torch.ones(4)
+    assert "no vLLM spelling" in mod.unsupported(key, nhd, CacheDType.FLOAT16, None, None)
+    # Each scale's kind is its own: a per-head value scale is refused beside a per-tensor key one.
+    assert "k_scale: 4" in mod.unsupported(key, nhd, CacheDType.FP8_E4M3, four, one)
+    assert "v_scale: 4" in mod.unsupported(key, nhd, CacheDType.FP8_E4M3, one, four)
+    assert "per-head" in mod.unsupported(key, nhd, CacheDType.FP8_E4M3, four, four)
+    assert mod.unsupported(key, nhd, CacheDType.FP8_E4M3, one, one) is None
     hnd = torch.zeros(8, 4, 16, 64, dtype=torch.uint8).transpose(1, 2)
-    e5m2 = mod.unsupported(key, nhd, CacheDType.FP8_E5M2, torch.ones(1))
+    e5m2 = mod.unsupported(key, nhd, CacheDType.FP8_E5M2, one, one)
     if mod is vllm_triton:
-        assert "HND or packed" in mod.unsupported(key, hnd, CacheDType.AUTO, None)
+        assert "HND or packed" in mod.unsupported(key, hnd, CacheDType.AUTO, None, None)
         assert "e4m3 bits" in e5m2
     else:
-        assert mod.unsupported(key, hnd, CacheDType.AUTO, None) is None
+        assert mod.unsupported(key, hnd, CacheDType.AUTO, None, None) is None
         assert e5m2 is None
 
 

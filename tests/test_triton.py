@@ -183,7 +183,8 @@ INTERPRETER_INEXACT |= {(dt, kv) for dt in INPUT_DTYPES for kv in FP8}
 def test_interpreter_refuses_inexact_casts(dtype, kv):
     case = Case(num_tokens=3, num_heads=2, head_size=16, dtype=dtype, kv_cache_dtype=kv)
     inp = make_inputs(case, "cpu")
-    reason = triton_impl.unsupported(inp.key, inp.key_cache, case.cache_dtype, inp.k_scale)
+    reason = triton_impl.unsupported(inp.key, inp.key_cache, case.cache_dtype, inp.k_scale,
+                                     inp.v_scale)
     if (dtype, kv) not in INTERPRETER_INEXACT:
         assert reason is None
         return

@@ -22,6 +22,7 @@ __all__ = [
     "parse_kv_cache_dtype",
     "allowed_cache_dtypes",
     "quantize",
+    "scale_is_per_head",
     "MODEL_DTYPES",
     "BENCH_DTYPES",
     "parse_model_dtype",
@@ -162,6 +163,18 @@ def allowed_cache_dtypes(cache_dtype: CacheDType, input_dtype: torch.dtype) -> t
     return (_PLAIN[cache_dtype],)
 
 
+def scale_is_per_head(scale: torch.Tensor | None) -> bool:
+    """Whether a validated fp8 scale (1 or H float32 values; None where there is none) is per
+    head: head h uses ``scale[h]``; else every head uses ``scale[0]``.
+
+    The one place that decides a scale's kind. Every launcher asks it of each scale tensor on its
+    own: the contract lets ``k_scale`` and ``v_scale`` (and ``q_scale``) each be per tensor or
+    per head, so one scale's kind never says another's. With H = 1 both kinds read the same
+    value, so a [1] scale is per tensor.
+    """
+    return scale is not None and scale.numel() > 1
+
+
 def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | None,
              out_dtype: torch.dtype) -> torch.Tensor:
     """`Q(x)` of the fp8 rule for rows ``x`` of shape ``[T, H, D]``; returns ``out_dtype`` bits.
@@ -176,7 +189,7 @@ def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | Non
     if not cache_dtype.is_fp8:
         return x.to(_PLAIN[cache_dtype])
     fp8 = cache_dtype.fp8_dtype
-    s = scale.reshape(1, -1, 1) if scale.numel() > 1 else scale.reshape(1, 1, 1)
+    s = scale.reshape(1, -1, 1) if scale_is_per_head(scale) else scale.reshape(1, 1, 1)
     y = x.float() / s
     # Clamp before the cast: some PyTorch versions cast overflow (and inf) to NaN.
     y = y.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)

@@ -5,8 +5,9 @@ division per element.
   exact product and one correction;
 - :func:`fp8_quotient` (per element): ``RN_f32(x / s)`` clamped to ±FMAX, NaN and the sign of zero
   kept;
-- :func:`load_scale_pair`, :func:`scale_constants`, :func:`fp8_scale_pair`: a key's and a value's
-  scale (per tensor or per head) and those constants of them;
+- :func:`load_scale`, :func:`load_scale_pair`, :func:`scale_constants`, :func:`fp8_scale_pair`:
+  a key's and a value's scale, each per tensor or per head on its own (the launcher passes each
+  tensor's kind, kvwrite.dtypes.scale_is_per_head), and those constants of them;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
   e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
@@ -29,7 +30,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
-           "store_quantized", "load_scale_pair", "scale_constants", "fp8_scale_pair",
+           "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
            "pdl_entry"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
@@ -103,45 +104,56 @@ if triton is not None:
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
     @triton.jit
+    def load_scale(scale_ptr, h, NUM_HEADS: tl.constexpr, PER_HEAD: tl.constexpr):
+        """One fp8 scale: per head (``PER_HEAD``), ``[BLOCK_H]`` of the heads ``h`` (ones past
+        ``NUM_HEADS``); else the tensor's one value."""
+        if PER_HEAD:
+            s = tl.load(scale_ptr + h, mask=h < NUM_HEADS, other=1.0)
+        else:
+            s = tl.load(scale_ptr)
+        return s
+
+    @triton.jit
     def load_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS: tl.constexpr,
-                        QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
-        """The key's and the value's fp8 scale (per head: ``[BLOCK_H]`` of the heads ``h``), both
-        loads issued together; ones where ``QUANT == COPY``."""
+                        QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr):
+        """The key's and the value's fp8 scale (`load_scale`), both loads issued together; ones
+        where ``QUANT == COPY``. Each scale has its own kind (``K_PER_HEAD``, ``V_PER_HEAD``:
+        kvwrite.dtypes.scale_is_per_head of each tensor): the contract lets a per-head key
+        scale come with a per-tensor value scale and the reverse."""
         if QUANT == 0:
             ks, vs = 1.0, 1.0
-        elif PER_HEAD_SCALE:
-            h_ok = h < NUM_HEADS
-            ks = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)
-            vs = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
         else:
-            ks = tl.load(k_scale_ptr)
-            vs = tl.load(v_scale_ptr)
+            ks = load_scale(k_scale_ptr, h, NUM_HEADS, K_PER_HEAD)
+            vs = load_scale(v_scale_ptr, h, NUM_HEADS, V_PER_HEAD)
         return ks, vs
 
     @triton.jit
-    def scale_constants(s, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr):
-        """`fp8_scale`'s (m, s2, y) of a scale from `load_scale_pair` (per head as
-        ``[1, BLOCK_H, 1]``), ones where ``QUANT == COPY``. Its division (div_rn) may branch to a
-        slow path, which the compiler moves no load across: compute it where it is needed."""
+    def scale_constants(s, QUANT: tl.constexpr, PER_HEAD: tl.constexpr):
+        """`fp8_scale`'s (m, s2, y) of one scale from `load_scale` (``PER_HEAD``: its kind; per
+        head as ``[1, BLOCK_H, 1]``), ones where ``QUANT == COPY``. Its division (div_rn) may
+        branch to a slow path, which the compiler moves no load across: compute it where it is
+        needed."""
         if QUANT == 0:
             m, s2, y = 1.0, 1.0, 1.0
         else:
             m, s2, y = fp8_scale(s)
-            if PER_HEAD_SCALE:
+            if PER_HEAD:
                 m, s2, y = m[None, :, None], s2[None, :, None], y[None, :, None]
         return m, s2, y
 
     @triton.jit
     def fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS: tl.constexpr, QUANT: tl.constexpr,
-                       PER_HEAD_SCALE: tl.constexpr, LOADS_FIRST: tl.constexpr):
-        """(km, ks2, ky, vm, vs2, vy): `scale_constants` of the key's and of the value's scale.
-        Per-head scales, or ``LOADS_FIRST``: both loads (`load_scale_pair`), then both constants.
-        Per-tensor scales without it: the value's scale is loaded after the key's constants."""
-        if LOADS_FIRST or PER_HEAD_SCALE or QUANT == 0:
-            ks, vs = load_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
-                                     PER_HEAD_SCALE)
-            km, ks2, ky = scale_constants(ks, QUANT, PER_HEAD_SCALE)
-            vm, vs2, vy = scale_constants(vs, QUANT, PER_HEAD_SCALE)
+                       K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+                       LOADS_FIRST: tl.constexpr):
+        """(km, ks2, ky, vm, vs2, vy): `scale_constants` of the key's and of the value's scale,
+        each of its own kind. A per-head scale, or ``LOADS_FIRST``: both loads
+        (`load_scale_pair`), then both constants. Two per-tensor scales without it: the value's
+        scale is loaded after the key's constants."""
+        if LOADS_FIRST or K_PER_HEAD or V_PER_HEAD or QUANT == 0:
+            ks, vs = load_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT, K_PER_HEAD,
+                                     V_PER_HEAD)
+            km, ks2, ky = scale_constants(ks, QUANT, K_PER_HEAD)
+            vm, vs2, vy = scale_constants(vs, QUANT, V_PER_HEAD)
         else:
             km, ks2, ky = fp8_scale(tl.load(k_scale_ptr))
             vm, vs2, vy = fp8_scale(tl.load(v_scale_ptr))

@@ -67,7 +67,7 @@ def impl_column(impl: str, variant: common.Variant) -> Column:
 
     def make(shape: Case, kc, vc, inp: InputSet):
         args = inp.run_args(kc, vc, shape.cache_dtype)
-        reason = info.unsupported(inp.key, kc, shape.cache_dtype, args[6])
+        reason = info.unsupported(inp.key, kc, shape.cache_dtype, args[6], args[7])
         return reason if reason is not None else common.impl_call(impl, args, variant)
 
     return Column(variant.tag(impl), make)

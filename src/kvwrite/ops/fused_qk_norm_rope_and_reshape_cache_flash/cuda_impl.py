@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import nvrtc
 from ..fused_qk_norm_rope.cuda_impl import (
     NO_WEIGHT,
@@ -302,9 +302,9 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     config = nvrtc.launch_config(ctas, 1, lau.cta, 1, pdl)
     kss = vss = qss = 0
     if k_scale is not None:
-        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
     if q_scale is not None:
-        qss = int(q_scale.numel() > 1)
+        qss = int(scale_is_per_head(q_scale))
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
                  position_ids.data_ptr(), qkv.data_ptr(), qo, cos_sin_cache.data_ptr(), qw, kw,
                  kc, vc, slot_mapping.data_ptr(), _ptr(k_scale), _ptr(v_scale), _ptr(q_scale),

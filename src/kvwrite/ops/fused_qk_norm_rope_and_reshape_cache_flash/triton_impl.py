@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
@@ -88,7 +88,8 @@ if triton is not None:
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
         ADD_OFFSET: tl.constexpr, STORE_KEY: tl.constexpr, QUERY_IN_PLACE: tl.constexpr,
         QUERY_QUANT: tl.constexpr, Q_PER_HEAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr, Q_TILES: tl.constexpr,
+        QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,  # own kinds
+        Q_TILES: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
@@ -140,7 +141,7 @@ if triton is not None:
             if STORE_KEY:
                 tl.store(qkv_ptr + row + d, k, mask=mask)
             km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_K_HEADS,
-                                                      QUANT, PER_HEAD_SCALE, False)
+                                                      QUANT, K_PER_HEAD, V_PER_HEAD, False)
             store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
@@ -183,8 +184,10 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0,
         STORE_KEY=rotate_key_in_place, QUERY_IN_PLACE=query_out is None,
         QUERY_QUANT=query_quant,
-        Q_PER_HEAD_SCALE=bool(query_quant) and q_scale.numel() > 1, BLOCK_SIZE=block_size,
-        QUANT=quant, PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq,
+        Q_PER_HEAD_SCALE=bool(query_quant) and scale_is_per_head(q_scale),
+        BLOCK_SIZE=block_size, QUANT=quant,
+        K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
+        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=nq,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
         PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,
     )

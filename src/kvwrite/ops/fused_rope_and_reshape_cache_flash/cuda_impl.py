@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import nvrtc
 from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
@@ -284,7 +284,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         ksp = vsp = kss = vss = 0
     else:
         ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
                  positions.data_ptr(), ptrs[0], ptrs[1],
                  ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], slot_mapping.data_ptr(), ksp, vsp,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
@@ -78,7 +78,8 @@ if triton is not None:
         stride_b, stride_s, stride_h,  # cache strides in elements
         NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_KEY: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr,
+        V_PER_HEAD: tl.constexpr,  # each scale's own kind (scale_is_per_head)
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
         VALUE_FIRST: tl.constexpr,
@@ -113,7 +114,7 @@ if triton is not None:
                 # the key's own work done before the rotation, which waits for the table's round
                 # trip (tuning-log change 46).
                 ksc, vsc = load_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS, QUANT,
-                                           PER_HEAD_SCALE)
+                                           K_PER_HEAD, V_PER_HEAD)
             row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
             x = tl.load(key_ptr + row + d, mask=mask)
             y = tl.load(key_ptr + row + partner, mask=mask)
@@ -122,9 +123,9 @@ if triton is not None:
             if VALUE_FIRST:
                 store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                    BLOCK_SIZE, stride_b, stride_s, stride_h)
-                vm, vs2, vy = scale_constants(vsc, QUANT, PER_HEAD_SCALE)
+                vm, vs2, vy = scale_constants(vsc, QUANT, V_PER_HEAD)
                 store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
-                km, ks2, ky = scale_constants(ksc, QUANT, PER_HEAD_SCALE)
+                km, ks2, ky = scale_constants(ksc, QUANT, K_PER_HEAD)
             k = rope_rotate(x, y, c, s, first, is_rot)
             if STORE_KEY:
                 tl.store(key_ptr + row + d, k, mask=mask)
@@ -133,7 +134,8 @@ if triton is not None:
                 # value last (the order of every call before change 46; with the small calls'
                 # order GQA fp8 T=16384 took 5% longer).
                 km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv,
-                                                          NUM_HEADS, QUANT, PER_HEAD_SCALE, False)
+                                                          NUM_HEADS, QUANT, K_PER_HEAD, V_PER_HEAD,
+                                                          False)
                 store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                    BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
@@ -187,7 +189,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         *key_cache.stride()[:3],
         NUM_Q_HEADS=hq, NUM_HEADS=h, HEAD_SIZE=d, ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
-        PER_HEAD_SCALE=quant != _COPY and k_scale.numel() > 1, Q_TILES=nq, BLOCK_T=block_t,
+        K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
+        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=nq, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger,
         VALUE_FIRST=value_first, launch_pdl=pdl,
         **LAUNCH_OPTIONS,

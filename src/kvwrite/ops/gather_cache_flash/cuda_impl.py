@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import gather_cuda, nvrtc
 from ...kernels.gather_cuda import (
     DT_COPY,
@@ -78,7 +78,7 @@ def plan(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tens
     fp8 = cache_dtype.is_fp8
     per_head = 0
     if fp8:
-        per_head = int(k_scale.numel() > 1) | (int(v_scale.numel() > 1) << 1)
+        per_head = int(scale_is_per_head(k_scale)) | (int(scale_is_per_head(v_scale)) << 1)
     ep = gather_cuda.entry_plan(
         conv=_CONV[cache_dtype] if fp8 else DT_COPY, out_dtype=key_out.dtype if fp8 else None,
         in_es=ies, run=head_size, outer=outer, cache_strides=cs, dst_row_strides=drs,

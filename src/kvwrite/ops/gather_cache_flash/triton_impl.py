@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...gather import bits_view
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import pdl_entry
@@ -126,7 +126,7 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
         VRS=vo.stride(0) if rows else 0, VHS=vo.stride(1) if num_heads > 1 else 0,
         H=num_heads, D=head_size, CHUNK=chunk_width(num_heads * head_size),
         FMT=_FMT.get(cache_dtype, 0), NATIVE=native_fp8(key_out.device),
-        K_PER_HEAD=fp8 and k_scale.numel() > 1, V_PER_HEAD=fp8 and v_scale.numel() > 1,
+        K_PER_HEAD=fp8 and scale_is_per_head(k_scale), V_PER_HEAD=fp8 and scale_is_per_head(v_scale),
         BLOCK_T=block_t,
         **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,

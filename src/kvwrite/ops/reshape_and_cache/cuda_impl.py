@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import nvrtc
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
@@ -261,6 +261,6 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         ksp = vsp = kss = vss = 0
     else:
         ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, vp, kcp,
                  vcp, slot_mapping.data_ptr(), ksp, vsp, num_tokens, kss, vss, *lau.tail)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
@@ -42,7 +42,7 @@ def available(device: torch.device) -> str | None:
 
 def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
                 k_scale: torch.Tensor | None) -> str | None:
-    return _flash.unsupported(key, key_cache, cache_dtype, k_scale)
+    return _flash.interpreter_reason(key, cache_dtype)
 
 
 if triton is not None:
@@ -69,7 +69,8 @@ if triton is not None:
         HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         QUANT: tl.constexpr,
-        PER_HEAD_SCALE: tl.constexpr,
+        K_PER_HEAD: tl.constexpr,  # each scale's own kind (scale_is_per_head)
+        V_PER_HEAD: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -99,7 +100,7 @@ if triton is not None:
         k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy=LOAD_EVICT)
         v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy=LOAD_EVICT)
         km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
-                                                  PER_HEAD_SCALE, True)
+                                                  K_PER_HEAD, V_PER_HEAD, True)
         # Padding (slot < 0) and out-of-range slots are not stored.
         store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
         block = slot // BLOCK_SIZE
@@ -130,7 +131,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     quant = _QUANT.get(cache_dtype, _COPY)
     block_t, block_h, block_d, num_warps, grid, evict = _flash._tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY, tuning)
-    per_head = quant != _COPY and k_scale.numel() > 1
+    k_per_head = quant != _COPY and scale_is_per_head(k_scale)
+    v_per_head = quant != _COPY and scale_is_per_head(v_scale)
     ks, vs = key_cache.stride(), value_cache.stride()
     programs = grid[0] * grid[1]
     pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
@@ -147,7 +149,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         VC_B=vs[0] if num_blocks > 1 else 0, VC_H=vs[1] if num_heads > 1 else 0,
         VC_D=vs[2] if head_size > 1 else 0, VC_S=vs[3] if one else 0, X=x,
         NUM_SLOTS=num_blocks * block_size, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
-        BLOCK_SIZE=block_size, QUANT=quant, PER_HEAD_SCALE=per_head, BLOCK_T=block_t,
-        BLOCK_H=block_h, BLOCK_D=block_d, LOAD_EVICT=evict, PDL=pdl, PDL_TRIGGER=trigger,
-        num_warps=num_warps, launch_pdl=pdl,
+        BLOCK_SIZE=block_size, QUANT=quant, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, LOAD_EVICT=evict, PDL=pdl,
+        PDL_TRIGGER=trigger, num_warps=num_warps, launch_pdl=pdl,
     )

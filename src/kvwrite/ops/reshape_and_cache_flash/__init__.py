@@ -19,8 +19,8 @@ registry.register_op(registry.OpSpec(
     name=OP,
     run_signature="run(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType, "
                   "k_scale, v_scale) -> None",
-    unsupported_signature="unsupported(key, key_cache, cache_dtype: CacheDType, k_scale) "
-                          "-> str | None",
+    unsupported_signature="unsupported(key, key_cache, cache_dtype: CacheDType, k_scale, "
+                          "v_scale) -> str | None",
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -204,7 +204,8 @@ class ReshapeAndCacheFlashBench(OpBench):
     def unsupported(self, ctx, kind, impl) -> str | None:
         p, (key_cache, value_cache), sets = ctx
         info = registry.get(OP, impl)
-        reason = info.unsupported(sets[0].key, key_cache, p.case.cache_dtype, sets[0].k_scale)
+        reason = info.unsupported(sets[0].key, key_cache, p.case.cache_dtype, sets[0].k_scale,
+                                  sets[0].v_scale)
         if reason is not None:
             return reason
         for s in sets:  # a peer's per-argument preparation, outside the timed calls
@@ -268,7 +269,7 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     (inp,) = make_input_sets(shape, num_tokens, 1, dev)
     key_cache, value_cache = make_caches(shape, dev)
     fill_caches(key_cache, value_cache, shape)
-    reason = info.unsupported(inp.key, key_cache, cache_dtype, inp.k_scale)
+    reason = info.unsupported(inp.key, key_cache, cache_dtype, inp.k_scale, inp.v_scale)
     run_args = inp.run_args(key_cache, value_cache, cache_dtype)
     if reason is None:
         reason = info.prepare(*run_args)

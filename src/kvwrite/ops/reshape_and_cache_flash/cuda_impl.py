@@ -35,7 +35,7 @@ import enum
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import nvrtc
 
 __all__ = ["CallSize", "CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "fixed_args",
@@ -209,7 +209,7 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
     """Every validated case runs (any strides, dtypes, head sizes; unaligned rows fall back)."""
     return None
 
@@ -397,7 +397,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         ksp = vsp = kss = vss = 0
     else:
         ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(k_scale.numel() > 1), int(v_scale.numel() > 1)
+        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
     # The kernel's arguments: 7 pointers, then int64s: num_tokens, the two scale strides and
     # fixed_args (test_cuda checks this against the compiled signature).
     nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, vp, kcp,

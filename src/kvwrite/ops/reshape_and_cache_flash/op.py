@@ -75,7 +75,7 @@ def select_implementation(key, value, key_cache, value_cache, slot_mapping, cach
                           k_scale=None, v_scale=None, implementation: str | None = None,
                           ) -> registry.ImplInfo:
     """The named implementation, or the preferred one that can run this case; raises if none can."""
-    return registry.select(OP, (key, key_cache, cache_dtype, k_scale), implementation)
+    return registry.select(OP, (key, key_cache, cache_dtype, k_scale, v_scale), implementation)
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

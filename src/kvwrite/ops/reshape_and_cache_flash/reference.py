@@ -15,7 +15,7 @@ def available(device: torch.device) -> str | None:
     return None
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
     return None
 
 

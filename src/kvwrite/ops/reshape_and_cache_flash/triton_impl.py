@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from ...dtypes import CacheDType
+from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
@@ -64,7 +64,13 @@ def _interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -
 
 
 def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
-                k_scale: torch.Tensor | None) -> str | None:
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
+    return interpreter_reason(key, cache_dtype)
+
+
+def interpreter_reason(key: torch.Tensor, cache_dtype: CacheDType) -> str | None:
+    """Why Triton's interpreter cannot write this call's bytes exactly (None on CUDA devices, or
+    where it can); reshape_and_cache's Triton launcher asks it too."""
     if key.device.type == "cuda":
         return None
     element = cache_dtype.element_dtype(key.dtype)
@@ -195,7 +201,8 @@ if triton is not None:
         HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         QUANT: tl.constexpr,
-        PER_HEAD_SCALE: tl.constexpr,
+        K_PER_HEAD: tl.constexpr,  # each scale's own kind (scale_is_per_head)
+        V_PER_HEAD: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -233,7 +240,7 @@ if triton is not None:
         # before them, the scale's load and division would add a memory round trip to each
         # program's critical path (the data loads cannot move above the division's branch).
         km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
-                                                  PER_HEAD_SCALE, True)
+                                                  K_PER_HEAD, V_PER_HEAD, True)
         # Padding (slot < 0) and out-of-range slots are not stored.
         store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
         block = slot // BLOCK_SIZE
@@ -260,7 +267,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     quant = _QUANT.get(cache_dtype, _COPY)
     block_t, block_h, block_d, num_warps, grid, evict = _tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY, tuning)
-    per_head = quant != _COPY and k_scale.numel() > 1
+    k_per_head = quant != _COPY and scale_is_per_head(k_scale)
+    v_per_head = quant != _COPY and scale_is_per_head(v_scale)
     stride_b, stride_s, stride_h, _ = key_cache.stride()
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant.
@@ -277,7 +285,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         STRIDE_B=stride_b if num_blocks > 1 else 0, STRIDE_S=stride_s if block_size > 1 else 0,
         STRIDE_H=stride_h if num_heads > 1 else 0, NUM_SLOTS=num_blocks * block_size,
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, QUANT=quant,
-        PER_HEAD_SCALE=per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         LOAD_EVICT=evict, PDL=pdl, PDL_TRIGGER=trigger, num_warps=num_warps,
         launch_pdl=pdl,
     )

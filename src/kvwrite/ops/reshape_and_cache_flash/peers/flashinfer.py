@@ -75,7 +75,7 @@ def available(device: torch.device) -> str | None:
     return _load()[1]
 
 
-def unsupported(key, key_cache, cache_dtype: CacheDType, k_scale) -> str | None:
+def unsupported(key, key_cache, cache_dtype: CacheDType, k_scale, v_scale) -> str | None:
     if cache_dtype.is_fp8 or cache_dtype.element_dtype(key.dtype) != key.dtype:
         return ("FlashInfer's append_paged_kv_cache copies rows without conversion or scaling "
                 f"(kv_cache_dtype {cache_dtype.value} with {str(key.dtype).removeprefix('torch.')} "

@@ -26,7 +26,7 @@ def available(device: torch.device) -> str | None:
     return None
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
     # Inductor fuses the reference's `x.float() / scale` into a Triton kernel whose float32 `/` is
     # approximate (the fp8 rule): on an H100, H=8 D=128 with per-head scales, T=1024 wrote one row
     # that differs from the exact rule. Such a result is not the op, so it is not timed.

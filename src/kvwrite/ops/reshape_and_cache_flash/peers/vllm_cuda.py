@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from ....dtypes import CacheDType
+from ....dtypes import CacheDType, scale_is_per_head
 
 MODULE = "vllm._custom_ops"
 
@@ -35,13 +35,17 @@ def vllm_cache_dtype(cache_dtype: CacheDType, input_dtype: torch.dtype) -> str |
     return None
 
 
-def common_unsupported(key, key_cache, cache_dtype, k_scale, who: str) -> str | None:
+def common_unsupported(key, key_cache, cache_dtype, k_scale, v_scale, who: str) -> str | None:
     if vllm_cache_dtype(cache_dtype, key.dtype) is None:
         return (f"{who} converts only to fp8 ('auto' copies); kv_cache_dtype "
                 f"{cache_dtype.value} with {str(key.dtype).removeprefix('torch.')} input has no "
                 f"vLLM spelling")
-    if cache_dtype.is_fp8 and k_scale is not None and k_scale.numel() > 1:
-        return f"{who} reads one scale per tensor; per-head scales ({k_scale.numel()}) are not supported"
+    if cache_dtype.is_fp8:
+        # Each scale's kind from its own tensor: either may be per head without the other.
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale_is_per_head(scale):
+                return (f"{who} reads one scale per tensor; per-head scales ({name}: "
+                        f"{scale.numel()}) are not supported")
     return None
 
 
@@ -51,8 +55,9 @@ def available(device: torch.device) -> str | None:
     return _load()[1]
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
-    return common_unsupported(key, key_cache, cache_dtype, k_scale, "vLLM's reshape_and_cache_flash")
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
+    return common_unsupported(key, key_cache, cache_dtype, k_scale, v_scale,
+                              "vLLM's reshape_and_cache_flash")
 
 
 def run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale) -> None:

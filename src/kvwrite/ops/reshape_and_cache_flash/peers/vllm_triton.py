@@ -40,8 +40,9 @@ def available(device: torch.device) -> str | None:
     return _load()[1]
 
 
-def unsupported(key, key_cache, cache_dtype, k_scale) -> str | None:
-    reason = common_unsupported(key, key_cache, cache_dtype, k_scale, "vLLM's Triton kernel")
+def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
+    reason = common_unsupported(key, key_cache, cache_dtype, k_scale, v_scale,
+                                "vLLM's Triton kernel")
     if reason is not None:
         return reason
     h, d = key.shape[1], key.shape[2]
