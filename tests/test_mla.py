@@ -1056,3 +1056,87 @@ def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
                "--pad-fraction", "0.25"])
     assert rc == 1
     assert "mismatch: " in capsys.readouterr().out
+
+
+# --- the shared power-of-two rounding (kvwrite.dtypes, triton_fp8, kvw/fp8.cuh) -------------------
+
+def _ue8m0_inputs() -> torch.Tensor:
+    """Positive float32 values: random bit patterns (subnormals included), every power of two and
+    its neighbours, the largest finite value (rounds up to +inf) and +inf."""
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(1, 0x7F800000, (1 << 16,), generator=gen, dtype=torch.int64)
+    p2 = torch.arange(0, 255, dtype=torch.int64) << 23  # 0 (the subnormal binade) .. 2^127
+    edges = torch.cat([p2[1:], p2[1:] + 1, p2[1:] - 1, p2 + 0x7FFFFF, torch.tensor([1])])
+    v = torch.cat([bits, edges]).to(torch.int32).view(torch.float32)
+    return torch.cat([v, torch.tensor([float("inf")])]).contiguous()
+
+
+def test_ue8m0_round_up_is_the_smallest_power_of_two_at_least_s():
+    """kvwrite.dtypes.ue8m0_round_up against frexp, and against the indexer's rounding (which it
+    replaces there): normal powers of two stay, every other normal value goes up a binade, +inf
+    stays, subnormals give 2^-126 (the bits' rule: a nonzero mantissa)."""
+    from kvwrite.dtypes import ue8m0_round_up
+    from kvwrite.ops.indexer_k_quant_and_cache import reference as indexer_ref
+    s = _ue8m0_inputs()
+    got = ue8m0_round_up(s)
+    normal = s >= 2.0**-126  # a subnormal s gives 2^-126 (the callers' floors keep s normal)
+    want = torch.tensor([_pow2_at_least(np.float32(v)) for v in s[normal].tolist()],
+                        dtype=torch.float32)
+    assert torch.equal(got[normal].view(torch.int32), want.view(torch.int32))
+    assert (got[~normal] == 2.0**-126).all() and (~normal).sum() > 100
+    assert torch.equal(got.view(torch.int32), indexer_ref.ue8m0(s).view(torch.int32))
+    big = torch.tensor([3.4028234663852886e38, float("inf")])  # (2 - 2^-23) * 2^127 -> +inf
+    assert torch.isinf(ue8m0_round_up(big)).all()
+
+
+if kvwrite.ops.concat_and_cache_mla.triton_impl.triton is not None:
+    from kvwrite.kernels.triton_fp8 import tl, triton, ue8m0_round_up
+
+    @triton.jit
+    def _ue8m0_kernel(s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(s_ptr + i, mask=i < n, other=1.0)
+        tl.store(out_ptr + i, ue8m0_round_up(s), mask=i < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_ue8m0_round_up_matches_torch(device):
+    from kvwrite.dtypes import ue8m0_round_up
+    if (reason := registry.get(OP, "triton").available(device)) is not None:
+        pytest.skip(reason)
+    s = _ue8m0_inputs().to(device)
+    out = torch.empty_like(s)
+    _ue8m0_kernel[(triton.cdiv(s.numel(), 1024),)](s, out, s.numel(), BLOCK=1024)
+    assert torch.equal(out.view(torch.int32).cpu(), ue8m0_round_up(s.cpu()).view(torch.int32))
+
+
+_UE8M0_HARNESS = r"""
+#include "kvw/fp8.cuh"
+extern "C" void kvw_ue8m0(const float* s, float* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = ue8m0_round_up(s[i]);
+}
+"""
+
+
+def test_cuda_ue8m0_round_up_on_the_host_matches_torch(tmp_path):
+    """kvw/fp8.cuh's ue8m0_round_up, compiled for the host (-DKVWRITE_HOST_TEST)."""
+    import ctypes
+    import importlib.resources
+    import shutil
+    import subprocess
+
+    from kvwrite.dtypes import ue8m0_round_up
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++)")
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    (tmp_path / "h.cpp").write_text(_UE8M0_HARNESS)
+    lib = tmp_path / "libue8m0.so"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                    "-shared", "-fPIC", "-DKVWRITE_HOST_TEST", f"-I{include}",
+                    str(tmp_path / "h.cpp"), "-o", str(lib)], check=True)
+    s = _ue8m0_inputs()
+    out = torch.empty_like(s)
+    ctypes.CDLL(str(lib)).kvw_ue8m0(ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                    ctypes.c_longlong(s.numel()))
+    assert torch.equal(out.view(torch.int32), ue8m0_round_up(s).view(torch.int32))

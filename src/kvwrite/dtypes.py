@@ -139,7 +139,8 @@ SCALE_FLOOR_1E4_BITS = 0x38D1B717
 def ue8m0_round_up(s: torch.Tensor) -> torch.Tensor:
     """The smallest power of two ``>= s`` of positive float32 ``s``, from the bits as DeepSeek's
     ``fast_log2_ceil`` does: ``s`` itself when its 23 mantissa bits are zero (a power of two, and
-    +inf), else ``2^(e+1)`` for ``s`` in ``(2^e, 2^(e+1))`` (a carry past 2^127 gives +inf).
+    +inf), else ``2^(e+1)`` for ``s`` in ``(2^e, 2^(e+1))`` (a carry past 2^127 gives +inf; a
+    subnormal ``s`` gives 2^-126, which callers' floors never reach).
     The Triton and CUDA twins: ``kvwrite.kernels.triton_fp8.ue8m0_round_up`` and kvw/fp8.cuh's
     ``ue8m0_round_up``; a float32 ``exp2(ceil(log2(s)))`` is not this (it can return ``2^e`` for
     ``s`` a few ulps above ``2^e``)."""
