@@ -955,8 +955,8 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
     class TrueReference:
         run = staticmethod(torch_ref.run)
 
-    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
-        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
+    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale, **kw):
+        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale, **kw)
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", broken)
@@ -968,6 +968,11 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
 @pytest.mark.parametrize("argv, flag", [
     (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"], "--kv-cache-dtype fp8_ds_mla"),
     (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--pe-dim", "32"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--ds-mla-scales", "pow2,ue8m0"], "--ds-mla-scales"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--ds-mla-scales", ","], "--ds-mla-scales"),
+    (["--ds-mla-scales", "amax"], "--ds-mla-scales: only --kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8", "--pe-dim", "0"], "--pe-dim"),
     (["--implementation", "nope"], "--implementation"),
     (["--num-tokens", "0:4"], "--num-tokens"),
     (["--num-blocks", "0"], "--num-blocks"),
@@ -978,7 +983,29 @@ def test_bench_bad_flags_name_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
         main(["mla", *SMALL, *argv])
     assert e.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err and err.count("\n") == 1
+
+
+def test_bench_ds_mla_scale_rules_and_nope_rows(tmp_path, capsys):
+    """--ds-mla-scales sweeps both rules (a column, a JSON field, each checked against the
+    reference); --pe-dim 0 writes NoPE rows, which read no k_pe bytes."""
+    import json
+
+    from kvwrite.bench.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["mla", *SMALL, "--num-tokens", "1,4", "--kv-cache-dtype", "fp8_ds_mla",
+               "--ds-mla-scales", "amax,pow2", "--pe-dim", "0", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ds_mla_scale" in text and "ds_mla_scales=amax,pow2" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ds_mla_scale"], r["num_tokens"]) for r in rows] == [
+        ("amax", 1), ("amax", 4), ("pow2", 1), ("pow2", 4)]
+    assert all(r["check"] == "passed" and r["pe_dim"] == 0 for r in rows)
+    assert rows[0]["bytes"] == 1 * (512 * 2 + 656 + 8)
+    rc = main(["mla", *SMALL, "--num-tokens", "2", "--json", str(out)])
+    assert rc == 0 and "ds_mla_scale" not in json.loads(out.read_text())["rows"][0]
 
 
 def test_bench_script_runs_from_a_checkout(tmp_path):
@@ -1044,11 +1071,11 @@ def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
     class TrueReference:
         run = staticmethod(torch_ref.run)
 
-    def writes_padding(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    def writes_padding(kv_c, k_pe, kv_cache, slot_mapping, mode, scale, **kw):
         """Wrong: indexes with -1 as Python does, so padding lands in the last slot."""
         s = slot_mapping.clone()
         s[s < 0] = kv_cache.shape[0] * kv_cache.shape[1] - 1
-        TrueReference.run(kv_c, k_pe, kv_cache, s, mode, scale)
+        TrueReference.run(kv_c, k_pe, kv_cache, s, mode, scale, **kw)
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", writes_padding)
