@@ -51,7 +51,8 @@ def _pow2_at_least(v: np.float32) -> np.float32:
     if np.isinf(v):
         return v
     m, e = math.frexp(float(v))
-    return np.float32(math.ldexp(1.0, e - 1 if m == 0.5 else e))
+    with np.errstate(over="ignore"):  # 2^128 (from above (2 - 2^-23) * 2^127) is +inf
+        return np.float32(math.ldexp(1.0, e - 1 if m == 0.5 else e))
 
 
 def _ds_entry(kv_c: torch.Tensor, k_pe: torch.Tensor, rule: str = "pow2") -> np.ndarray:

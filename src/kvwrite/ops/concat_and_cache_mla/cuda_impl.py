@@ -265,8 +265,8 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     # NoPE (fp8_ds_mla, P = 0): k_pe is never read; kv_c's pointer stands in for its own.
     pp = k_pe.data_ptr() if k_pe.shape[1] else kp
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
-    sig = (kv_c.dtype, kv_cache.dtype, mode, ds_scale, slot_mapping.dtype, kv_c.shape[1], k_pe.shape[1],
-           kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
+    sig = (kv_c.dtype, kv_cache.dtype, mode, ds_scale, slot_mapping.dtype, kv_c.shape[1],
+           k_pe.shape[1], kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
            kp & 15, pp & 15, cp & 15, kv_c.get_device(),
            is_small_call(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            ds_uses_bracket(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),

@@ -11,14 +11,15 @@
 //   (chunks = (L + P) / VEC, the first l_chunks from kv_c). Loads are issued before the slot is
 //   tested, so a thread's time is one memory round trip, the conversion and the store.
 // - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT, BRACKET, POW2> ("fp8_ds_mla", L = 512,
-//   P = 64 or 0, 16-bit): one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and [256 + 8i, 256 +
-//   8i + 8), so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each tile's amax is a
-//   16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already in registers.
-//   Lanes 0-7 carry the 128 bytes of k_pe (the argument l_chunks: the lanes that load them, 8,
-//   or 0 for NoPE layers (P = 0), whose rotary bytes are stored as zeros). POW2: the tile scale
-//   rule "pow2" (the smallest power of two >= max(amax / 448, float32(1e-4)), kvw/fp8.cuh's
-//   ue8m0_round_up), else "amax" (max(amax / 448, FLT_MIN)). ALIGN (16, 8, 4, 2 or 1) is the alignment in bytes
-//   of every row start (inputs and cache): accesses are 16-byte ones at 16, narrower below.
+//   P = 64 or 0, 16-bit): one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and
+//   [256 + 8i, 256 + 8i + 8), so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each
+//   tile's amax is a 16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already
+//   in registers. Lanes 0-7 carry the 128 bytes of k_pe (the argument l_chunks: the lanes that
+//   load them, 8, or 0 for NoPE layers (P = 0), whose rotary bytes are stored as zeros). POW2:
+//   the tile scale rule "pow2" (the smallest power of two >= max(amax / 448, float32(1e-4)),
+//   kvw/fp8.cuh's ue8m0_round_up), else "amax" (max(amax / 448, FLT_MIN)). ALIGN (16, 8, 4, 2
+//   or 1) is the alignment in bytes of every row start (inputs and cache): accesses are 16-byte
+//   ones at 16, narrower below.
 //   BRACKET (large calls, cuda_impl.py): the tiles are quantized through kvw/fp8.cuh's bracket
 //   (two products per element, the exact quotient only where the bracket cannot decide) instead
 //   of the exact quotient for every element: fewer instructions per token where throughput
