@@ -10,6 +10,7 @@ compared, so stray writes are caught as well as wrong ones.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -45,8 +46,18 @@ def _bytes(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().view(ints).numpy().view(np.uint8)
 
 
-def _ds_entry(kv_c: torch.Tensor, k_pe: torch.Tensor) -> np.ndarray:
-    """The 656 bytes of one fp8_ds_mla entry, tile by tile in float32 NumPy arithmetic."""
+def _pow2_at_least(v: np.float32) -> np.float32:
+    """The smallest power of two >= v > 0 (+inf stays), from frexp: v = m * 2^e, m in [0.5, 1)."""
+    if np.isinf(v):
+        return v
+    m, e = math.frexp(float(v))
+    with np.errstate(over="ignore"):  # 2^128 (from above (2 - 2^-23) * 2^127) is +inf
+        return np.float32(math.ldexp(1.0, e - 1 if m == 0.5 else e))
+
+
+def _ds_entry(kv_c: torch.Tensor, k_pe: torch.Tensor, rule: str = "pow2") -> np.ndarray:
+    """The 656 bytes of one fp8_ds_mla entry, tile by tile in float32 NumPy arithmetic, under the
+    tile scale rule ``rule``; NoPE (an empty k_pe) leaves zeros in the rotary bytes."""
     x = kv_c.float().numpy().astype(np.float32)
     codes, scales = [], []
     for j in range(4):
@@ -58,14 +69,19 @@ def _ds_entry(kv_c: torch.Tensor, k_pe: torch.Tensor) -> np.ndarray:
                 amax = np.float32(v)
         with np.errstate(all="ignore"):
             s = np.float32(amax) / np.float32(448.0)
-            s = max(s, np.float32(2.0**-126))
+            if rule == "pow2":
+                s = _pow2_at_least(max(s, np.float32(1e-4)))
+            else:
+                s = max(s, np.float32(2.0**-126))
             q = (tile / np.float32(s)).astype(np.float32)
         codes.append(fp8_round(q, torch.float8_e4m3fn))
         scales.append(np.float32(s))
-    return np.concatenate(codes + [np.array(scales, dtype="<f4").view(np.uint8), _bytes(k_pe)])
+    pe = _bytes(k_pe) if k_pe.numel() else np.zeros(128, np.uint8)
+    return np.concatenate(codes + [np.array(scales, dtype="<f4").view(np.uint8), pe])
 
 
-def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale) -> None:
+def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale,
+               ds_mla_scale: str = "pow2") -> None:
     """Writes into a CPU cache, one token at a time."""
     num_blocks, block_size, _ = kv_cache.shape
     for t in range(slot_mapping.numel()):
@@ -75,7 +91,7 @@ def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale) -> None
         if mode is MlaMode.AUTO:
             entry = np.concatenate([_bytes(kv_c[t]), _bytes(k_pe[t])])
         elif mode is MlaMode.FP8_DS_MLA:
-            entry = _ds_entry(kv_c[t], k_pe[t])
+            entry = _ds_entry(kv_c[t], k_pe[t], ds_mla_scale)
         else:
             row = torch.cat([kv_c[t], k_pe[t]]).float().numpy().astype(np.float32)
             with np.errstate(all="ignore"):
@@ -89,7 +105,8 @@ def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale) -> None
 def expected_cache(case: MlaCase) -> torch.Tensor:
     inp = make_mla_inputs(case)
     cache = clone_cache(inp.kv_cache)
-    mla_oracle(inp.kv_c, inp.k_pe, cache, inp.slot_mapping, case.mode, inp.scale)
+    mla_oracle(inp.kv_c, inp.k_pe, cache, inp.slot_mapping, case.mode, inp.scale,
+               case.ds_mla_scale)
     return cache
 
 
@@ -100,7 +117,7 @@ def run_case(impl: str, case: MlaCase, device: str):
     inp = make_mla_inputs(case, device)
     if (reason := info.unsupported(inp.kv_c, inp.kv_cache, case.mode)) is not None:
         pytest.skip(reason)
-    kvwrite.concat_and_cache_mla(*inp.args(), implementation=impl)
+    kvwrite.concat_and_cache_mla(*inp.args(), **inp.kwargs(), implementation=impl)
     return inp
 
 
@@ -139,17 +156,30 @@ def test_matrix_covers_the_contract():
         assert any(c.slot_dtype == torch.int32 for c in mine)
     assert any(c.fp8_storage == "float8" for c in MLA_CASES)
     assert {c.num_tokens for c in MLA_CASES} >= {0, 1, 7, 129}
+    ds = [c for c in MLA_CASES if c.mode is MlaMode.FP8_DS_MLA]
+    for rule in ("pow2", "amax"):
+        mine = [c for c in ds if c.ds_mla_scale == rule]
+        assert any(c.special_values and c.dtype == torch.float16 for c in mine)
+        assert any(c.special_values and c.dtype == torch.bfloat16 for c in mine)
+        assert any(c.pe_dim == 0 and c.latent_slices and c.special_values for c in mine)
+        assert any(c.pe_dim == 0 and c.padding_slots and c.out_of_range_slots for c in mine)
+    assert all(c.ds_mla_scale == "pow2" for c in MLA_CASES if c.mode is not MlaMode.FP8_DS_MLA)
 
 
-def test_oracle_writes_the_documented_ds_mla_layout():
-    """A hand-checked entry: tile j holds j+1 at one place (so s_j = (j+1)/448), k_pe its bits."""
+def _hand_checked_row():
     kv_c = torch.zeros(512, dtype=torch.bfloat16)
     for j in range(4):
         kv_c[128 * j + 3] = j + 1.0
         kv_c[128 * j + 4] = -(j + 1.0) / 2
     kv_c[128] = float("nan")
-    k_pe = torch.arange(64, dtype=torch.bfloat16)
-    e = _ds_entry(kv_c, k_pe)
+    return kv_c, torch.arange(64, dtype=torch.bfloat16)
+
+
+def test_oracle_writes_the_documented_ds_mla_layout():
+    """A hand-checked entry ("amax"): tile j holds j+1 at one place (so s_j = (j+1)/448), k_pe
+    its bits."""
+    kv_c, k_pe = _hand_checked_row()
+    e = _ds_entry(kv_c, k_pe, "amax")
     assert e.shape == (656,)
     scales = e[512:528].view("<f4")
     assert scales.tolist() == [np.float32(j + 1) / np.float32(448) for j in range(4)]
@@ -157,6 +187,29 @@ def test_oracle_writes_the_documented_ds_mla_layout():
         assert e[128 * j + 3] == 0x7E and e[128 * j + 4] == 0xF6  # 448 and -224 in e4m3
     assert e[128] == 0x7F and e[0] == 0
     assert bytes(e[528:]) == k_pe.view(torch.uint8).numpy().tobytes()
+
+
+def test_oracle_writes_power_of_two_scales_and_nope_zeros():
+    """The same row under "pow2": s_j = 2^ceil(log2((j+1)/448)) = 2^-8, 2^-7, 2^-7, 2^-6 (vLLM
+    0.33), so the tile maxima become 256, 256, 384, 256; tiles below float32(1e-4) * 448 take
+    2^-13, an exact power of two 448 * 2^k keeps 2^k, and a NoPE row's rotary bytes are zeros."""
+    kv_c, k_pe = _hand_checked_row()
+    e = _ds_entry(kv_c, k_pe, "pow2")
+    assert e[512:528].view("<f4").tolist() == [2.0**-8, 2.0**-7, 2.0**-7, 2.0**-6]
+    maxima = [(0x78, 0xF0), (0x78, 0xF0), (0x7C, 0xF4), (0x78, 0xF0)]  # 256/-128, 384/-192
+    for j, (hi, lo) in enumerate(maxima):
+        assert (e[128 * j + 3], e[128 * j + 4]) == (hi, lo)
+    assert e[128] == 0x7F
+    assert bytes(e[528:]) == k_pe.view(torch.uint8).numpy().tobytes()
+    tiles = torch.zeros(512, dtype=torch.bfloat16)
+    tiles[0] = 448.0 * 2.0**-3  # amax / 448 = 2^-3 exactly: kept
+    tiles[128] = (torch.tensor([56.0], dtype=torch.bfloat16).view(torch.int16) + 1).view(
+        torch.bfloat16)[0]  # one step above 448 * 2^-3: 2^-2
+    tiles[256] = 0.01  # amax / 448 < 1e-4: the floor's power, 2^-13
+    e = _ds_entry(tiles, torch.zeros(0, dtype=torch.bfloat16), "pow2")  # tile 3: zeros, 2^-13
+    assert e[512:528].view("<f4").tolist() == [2.0**-3, 2.0**-2, 2.0**-13, 2.0**-13]
+    assert e[0] == 0x7E and e[128] == 0x76  # 448, and 56.25 / 0.25 = 225 -> 224
+    assert not e[528:].any() and e.shape == (656,)
 
 
 # --- every 16-bit input through the tile scales -----------------------------------------------------
@@ -175,57 +228,68 @@ def _ds_inputs(tiles: str, dtype, device):
     return kv_c, k_pe, cache, slots
 
 
+RULES = ["pow2", "amax"]
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tiles", list(DS_TILES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_reference_ds_tiles_match_oracle(dtype, tiles):
+def test_reference_ds_tiles_match_oracle(dtype, tiles, rule):
     kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cpu")
     want = clone_cache(cache)
-    mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None)
-    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation="torch")
+    mla_oracle(kv_c, k_pe, want, slots, MlaMode.FP8_DS_MLA, None, rule)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", ds_mla_scale=rule,
+                                 implementation="torch")
     assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tiles", list(DS_TILES))
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "torch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_ds_tiles(impl, dtype, tiles):
+def test_gpu_ds_tiles(impl, dtype, tiles, rule):
     info = registry.get(OP, impl)
     if (reason := info.available("cuda")) is not None:
         pytest.skip(reason)
     kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cuda")
     want = clone_cache(cache)
-    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
-    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", implementation=impl)
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", ds_mla_scale=rule,
+                                 implementation="torch")
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", ds_mla_scale=rule,
+                                 implementation=impl)
     assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
 
-def _ds_cuda_build(bracket: bool, **tuning):
+def _ds_cuda_build(bracket: bool, rule: str = "amax", **tuning):
     """cuda_impl.run with fp8_ds_mla's bracket build forced on or off (and other CudaTuning
-    fields)."""
-    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    fields), under the tile scale rule ``rule``."""
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, cuda_impl
     t = cuda_impl.CudaTuning(ds_bracket_bytes=0 if bracket else 2**62, **tuning)
 
     def run(kv_c, k_pe, cache, slots):
-        cuda_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=t)
+        cuda_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None,
+                      ds_scale=DsMlaScale(rule), tuning=t)
         torch.cuda.synchronize()
     return run
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("bracket", [True, False], ids=["bracket", "quotient"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_ds_mla_cuda_builds_on_every_16_bit_input_and_midpoints(dtype, bracket):
+def test_gpu_ds_mla_cuda_builds_on_every_16_bit_input_and_midpoints(dtype, bracket, rule):
     """Both quantizer builds of the cuda fp8_ds_mla kernel (large calls take the bracket, small
     ones the quotient), forced on every 16-bit input and on quotients exactly at and next to the
     e4m3 rounding boundaries, against the reference."""
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
-    run = _ds_cuda_build(bracket)
+    run = _ds_cuda_build(bracket, rule)
     for tiles in DS_TILES:
         kv_c, k_pe, cache, slots = _ds_inputs(tiles, dtype, "cuda")
         want = clone_cache(cache)
-        kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
+        kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", ds_mla_scale=rule,
+                                     implementation="torch")
         run(kv_c, k_pe, cache, slots)
         assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
@@ -233,12 +297,14 @@ def test_gpu_ds_mla_cuda_builds_on_every_16_bit_input_and_midpoints(dtype, brack
 @pytest.mark.gpu
 def test_gpu_ds_mla_midpoints_catch_an_inexact_quotient():
     """The midpoint tiles fail a build that multiplies by the reciprocal of the scale instead of
-    dividing (about 730 of their codes differ on the CPU), so the test above can fail."""
+    dividing (about 730 of their codes differ on the CPU), so the test above can fail. Under
+    "amax": "pow2"'s scales are powers of two, whose reciprocals are exact."""
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     kv_c, k_pe, cache, slots = _ds_inputs("boundaries", torch.bfloat16, "cuda")
     want = clone_cache(cache)
-    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", implementation="torch")
+    kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla", ds_mla_scale="amax",
+                                 implementation="torch")
     _ds_cuda_build(False, inexact_quotient=True)(kv_c, k_pe, cache, slots)
     assert (storage_bytes(cache) != storage_bytes(want)).sum() > 100
 
@@ -321,19 +387,80 @@ def _pe_quantized(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
     torch_ref.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
 
 
+def _rule_ignored(rule):
+    """fp8_ds_mla written by the other tile scale rule than the case's ``rule``."""
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale
+    other = DsMlaScale.AMAX if rule == "pow2" else DsMlaScale.POW2
+
+    def run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+        torch_ref.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale, ds_scale=other)
+    return run
+
+
+def _pow2_rows_with(kv_c, k_pe, kv_cache, slot_mapping, scale_fn):
+    """"pow2" entries whose tile scales come from ``scale_fn(amax)``."""
+    nb, bs, _ = kv_cache.shape
+    for t in range(slot_mapping.numel()):
+        s = int(slot_mapping[t])
+        if not 0 <= s < nb * bs:
+            continue
+        x = kv_c[t].float().view(4, 128)
+        sc = scale_fn(torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1))
+        q = (x / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        kv_cache[s // bs, s % bs] = torch.cat([q.view(-1), sc.view(torch.uint8),
+                                               k_pe[t].contiguous().view(torch.uint8)])
+
+
+def _pow2_without_floor(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """"pow2" rounding amax / 448 up without the float32(1e-4) floor."""
+    from kvwrite.dtypes import ue8m0_round_up
+    _pow2_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
+                    lambda a: ue8m0_round_up((a / 448.0).clamp_min(2.0**-126)))
+
+
+def _pow2_floor_before_division(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """"pow2" with the floor applied to amax, as the indexer does (max(amax, 1e-4) / 448)."""
+    from kvwrite.dtypes import ue8m0_round_up
+    _pow2_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
+                    lambda a: ue8m0_round_up(a.clamp_min(1e-4) / 448.0))
+
+
+def _pow2_rounded_down(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """"pow2" rounding to the power of two below (2^floor(log2 s)) instead of above."""
+    _pow2_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
+                    lambda a: torch.exp2(torch.floor(torch.log2((a / 448.0).clamp_min(1e-4)))))
+
+
+def _nope_pe_left(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    """NoPE: the rotary bytes left as they were instead of zeroed."""
+    before = kv_cache.clone()
+    torch_ref.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale)
+    kv_cache[..., 528:] = before[..., 528:]
+
+
 @pytest.mark.parametrize("broken, case", [
     (_skip_last_token, MlaCase(num_tokens=7)),
     (_skip_last_token, MlaCase(num_tokens=7, kv_cache_dtype="fp8_ds_mla")),
     (_ignore_strides, MlaCase(cache_transposed=True, kv_cache_dtype="fp8_ds_mla")),
     (_ignore_strides, MlaCase(cache_pad=16, kv_cache_dtype="fp8")),
-    (_amax_with_nan, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
-    (_no_scale_floor, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
+    (_amax_with_nan, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True,
+                             ds_mla_scale="amax")),
+    (_no_scale_floor, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True,
+                              ds_mla_scale="amax")),
     (_multiply_by_reciprocal, MlaCase(kv_cache_dtype="fp8", special_values=True,
                                       dtype=torch.float32, num_tokens=6)),
     (_pe_quantized, MlaCase(kv_cache_dtype="fp8_ds_mla", num_tokens=5)),
+    (_rule_ignored("pow2"), MlaCase(kv_cache_dtype="fp8_ds_mla", num_tokens=5)),
+    (_rule_ignored("amax"), MlaCase(kv_cache_dtype="fp8_ds_mla", num_tokens=5,
+                                    ds_mla_scale="amax")),
+    (_pow2_without_floor, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
+    (_pow2_floor_before_division, MlaCase(kv_cache_dtype="fp8_ds_mla", special_values=True)),
+    (_pow2_rounded_down, MlaCase(kv_cache_dtype="fp8_ds_mla", num_tokens=5)),
+    (_nope_pe_left, MlaCase(kv_cache_dtype="fp8_ds_mla", pe_dim=0, num_tokens=5)),
 ], ids=["skip-last-token", "skip-last-token-ds", "transposed-as-contiguous-ds",
         "padded-as-contiguous-fp8", "amax-propagates-nan", "no-flt-min-floor",
-        "reciprocal-e4m3", "wrong-pe-row"])
+        "reciprocal-e4m3", "wrong-pe-row", "amax-for-pow2", "pow2-for-amax", "pow2-no-floor",
+        "pow2-floor-before-division", "pow2-rounded-down", "nope-pe-left"])
 def test_checker_rejects_wrong_implementations(broken, case):
     inp = make_mla_inputs(case)
     broken(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode, inp.scale)
@@ -383,6 +510,20 @@ BAD = [
     ("ds float32", _bad("fp8_ds_mla", kv_c=lambda i: i.kv_c.float(), k_pe=lambda i: i.k_pe.float()), ValueError, "kv_c: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16 input, got torch.float32"),
     ("ds entry", _bad("fp8_ds_mla", kv_cache=lambda i: i.kv_cache[..., :576]), ValueError, "kv_cache: expected a last dim of 656 bytes"),
     ("ds dtype", _bad("fp8_ds_mla", kv_cache=lambda i: i.kv_cache.view(torch.float8_e4m3fn)), ValueError, "kv_cache: kv_cache_dtype='fp8_ds_mla' with torch.bfloat16 input expects a cache of dtype torch.uint8"),
+    ("ds_mla_scale", _bad("fp8_ds_mla", ds_mla_scale=lambda i: "ue8m0"), ValueError, "ds_mla_scale: expected one of ['pow2', 'amax'], got 'ue8m0'"),
+    ("ds_mla_scale None", _bad("fp8_ds_mla", ds_mla_scale=lambda i: None), ValueError, "ds_mla_scale: expected one of ['pow2', 'amax'], got None"),
+    ("ds_mla_scale case", _bad("fp8_ds_mla", ds_mla_scale=lambda i: "POW2"), ValueError, "ds_mla_scale: expected one of ['pow2', 'amax'], got 'POW2'"),
+    ("ds_mla_scale auto", _bad("auto", ds_mla_scale=lambda i: "amax"), ValueError, "ds_mla_scale: only kv_cache_dtype='fp8_ds_mla' has tile scales; with kv_cache_dtype='auto' leave it at its default 'pow2', got 'amax'"),
+    ("ds_mla_scale fp8", _bad("fp8", ds_mla_scale=lambda i: "amax"), ValueError, "ds_mla_scale: only kv_cache_dtype='fp8_ds_mla' has tile scales; with kv_cache_dtype='fp8_e4m3' leave"),
+    ("ds_mla_scale bad auto", _bad("auto", ds_mla_scale=lambda i: "fast"), ValueError, "ds_mla_scale: expected one of ['pow2', 'amax'], got 'fast'"),
+    ("nope auto", _bad("auto", k_pe=lambda i: i.k_pe[:, :0]), ValueError, "kv_c, k_pe: expected kv_lora_rank >= 1 and pe_dim >= 1 (pe_dim 0 only with kv_cache_dtype='fp8_ds_mla'), got 512 and 0"),
+    ("nope fp8", _bad("fp8", k_pe=lambda i: i.k_pe[:, :0], kv_cache=lambda i: i.kv_cache[..., :512]), ValueError, "kv_c, k_pe: expected kv_lora_rank >= 1 and pe_dim >= 1 (pe_dim 0 only"),
+    ("nope rows", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:-1, :0]), ValueError, "k_pe: expected 5 rows (those of kv_c), got shape (4, 0)"),
+    ("nope dtype", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:, :0].half()), ValueError, "k_pe: expected the dtype of kv_c (torch.bfloat16), got torch.float16"),
+    ("nope dims", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:, :0, None]), ValueError, "k_pe: expected 2 dims"),
+    ("nope rank", _bad("fp8_ds_mla", kv_c=lambda i: i.kv_c[:, :256], k_pe=lambda i: i.k_pe[:, :0]), ValueError, "kv_c: kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank 512, got 256"),
+    ("nope entry", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:, :0], kv_cache=lambda i: i.kv_cache[..., :512]), ValueError, "kv_cache: expected a last dim of 656 bytes (fp8_ds_mla) = 656, got shape"),
+    ("ds pe 1", _bad("fp8_ds_mla", k_pe=lambda i: i.k_pe[:, :1]), ValueError, "k_pe: kv_cache_dtype='fp8_ds_mla' needs pe_dim 64 (or 0: NoPE), got 1"),
 ]
 
 
@@ -425,9 +566,11 @@ def test_zero_tokens_is_a_no_op():
 @pytest.mark.parametrize("kv, dtype, e, cdt", [
     ("auto", torch.bfloat16, 576, torch.bfloat16), ("fp8", torch.float16, 576, torch.uint8),
     ("fp8_e5m2", torch.float32, 576, torch.uint8), ("fp8_ds_mla", torch.bfloat16, 656, torch.uint8),
+    ("fp8_ds_mla-nope", torch.float16, 656, torch.uint8),
 ])
 def test_create_mla_cache(kv, dtype, e, cdt):
-    c = kvwrite.create_mla_cache(3, 16, 512, 64, kv, dtype, "cpu")
+    pe_dim = 0 if kv.endswith("-nope") else 64
+    c = kvwrite.create_mla_cache(3, 16, 512, pe_dim, kv.removesuffix("-nope"), dtype, "cpu")
     assert c.shape == (3, 16, e) and c.dtype == cdt and c.is_contiguous()
     assert not c.view(torch.uint8).any()
 
@@ -437,6 +580,11 @@ def test_create_mla_cache_errors():
         kvwrite.create_mla_cache(3, 16, 256, 64, "fp8_ds_mla", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="dtype: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16"):
         kvwrite.create_mla_cache(3, 16, 512, 64, "fp8_ds_mla", torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"pe_dim: kv_cache_dtype='fp8_ds_mla' needs pe_dim 64 \(or 0: NoPE\), got 32"):
+        kvwrite.create_mla_cache(3, 16, 512, 32, "fp8_ds_mla", torch.bfloat16, "cpu")
+    for kv in ("auto", "fp8"):  # NoPE is fp8_ds_mla's only
+        with pytest.raises(ValueError, match="pe_dim: expected a positive integer, got 0"):
+            kvwrite.create_mla_cache(3, 16, 512, 0, kv, torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="num_blocks: expected a positive integer"):
         kvwrite.create_mla_cache(0, 16, 512, 64, "auto", torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
@@ -452,21 +600,26 @@ def test_implementations_are_registered():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
-@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2", "fp8_ds_mla"])
-def test_cuda_graph_replay_sees_new_inputs(impl, kv):
+@pytest.mark.parametrize("kv, rule, pe_dim", [
+    ("auto", "pow2", 64), ("fp8", "pow2", 64), ("fp8_e5m2", "pow2", 64),
+    ("fp8_ds_mla", "pow2", 64), ("fp8_ds_mla", "amax", 64), ("fp8_ds_mla", "pow2", 0),
+    ("fp8_ds_mla", "amax", 0)], ids=["auto", "fp8", "fp8_e5m2", "fp8_ds_mla", "fp8_ds_mla-amax",
+                                     "fp8_ds_mla-nope", "fp8_ds_mla-amax-nope"])
+def test_cuda_graph_replay_sees_new_inputs(impl, kv, rule, pe_dim):
     """Capture once, then change kv_c, k_pe, slots and scale in place: the replay uses them."""
     info = registry.get(OP, impl)
     if (reason := info.available("cuda")) is not None:
         pytest.skip(reason)
     case = MlaCase(num_tokens=40, kv_cache_dtype=kv, latent_slices=True, padding_slots=3,
                    out_of_range_slots=2, cache_pad=16, num_blocks=4, block_size=16,
-                   special_values=True)
+                   special_values=True, ds_mla_scale=rule, pe_dim=pe_dim)
     first = make_mla_inputs(case, "cuda", seed=1)
-    kvwrite.concat_and_cache_mla(*first.args(), implementation=impl)  # compile outside capture
+    kw = first.kwargs()
+    kvwrite.concat_and_cache_mla(*first.args(), **kw, implementation=impl)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kvwrite.concat_and_cache_mla(*first.args(), implementation=impl)
+        kvwrite.concat_and_cache_mla(*first.args(), **kw, implementation=impl)
     second = make_mla_inputs(MlaCase(**{**case.__dict__, "scale": 2.7}), "cuda", seed=2)
     for dst, src in ((first.kv_c, second.kv_c), (first.k_pe, second.k_pe),
                      (first.slot_mapping, second.slot_mapping), (first.scale, second.scale)):
@@ -474,7 +627,7 @@ def test_cuda_graph_replay_sees_new_inputs(impl, kv):
     storage_bytes(first.kv_cache).copy_(storage_bytes(second.kv_cache))
     want = clone_cache(second.kv_cache)
     kvwrite.concat_and_cache_mla(second.kv_c, second.k_pe, want, second.slot_mapping, kv,
-                                 second.scale, implementation="torch")
+                                 second.scale, **kw, implementation="torch")
     graph.replay()
     torch.cuda.synchronize()
     assert_mla_caches_equal(first.kv_cache, want, case.mode)
@@ -482,19 +635,23 @@ def test_cuda_graph_replay_sees_new_inputs(impl, kv):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
-def test_torch_compile_sees_a_mutating_custom_op(impl, device, kv):
+@pytest.mark.parametrize("kv, rule, pe_dim", [
+    ("auto", "pow2", 64), ("fp8_ds_mla", "pow2", 64), ("fp8_ds_mla", "amax", 64),
+    ("fp8_ds_mla", "amax", 0)], ids=["auto", "fp8_ds_mla", "fp8_ds_mla-amax",
+                                     "fp8_ds_mla-amax-nope"])
+def test_torch_compile_sees_a_mutating_custom_op(impl, device, kv, rule, pe_dim):
     info = registry.get(OP, impl)
     if (reason := info.available(device)) is not None:
         pytest.skip(reason)
-    case = MlaCase(num_tokens=9, kv_cache_dtype=kv, padding_slots=2, latent_slices=True)
+    case = MlaCase(num_tokens=9, kv_cache_dtype=kv, padding_slots=2, latent_slices=True,
+                   ds_mla_scale=rule, pe_dim=pe_dim)
     inp = make_mla_inputs(case, device)
     if (reason := info.unsupported(inp.kv_c, inp.kv_cache, case.mode)) is not None:
         pytest.skip(reason)
 
     def step(kv_c, k_pe, kv_cache, slot_mapping):
         kvwrite.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv, None,
-                                     implementation=impl)
+                                     ds_mla_scale=rule, implementation=impl)
 
     assert compiled_targets(step, *inp.args()[:4]) == ["kvwrite.concat_and_cache_mla"]
 
@@ -506,9 +663,12 @@ def test_torch_compile_sees_a_mutating_custom_op(impl, device, kv):
 
 # --- Triton's interpreter on exactly representable quotients -------------------------------------
 
-def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str):
+def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str, rule: str = "pow2",
+                           pe_dim: int = 64):
     """Inputs whose quotients are fp8 values themselves, so any rounding gives the same code: the
-    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly."""
+    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly. fp8_ds_mla
+    tiles: amax = 448 * 2^k under "amax" (s = 2^k); under "pow2" amax = 320 * 2^k or more
+    (r = 5/7 * 2^k at least, rounded up to s = 2^k: an "amax" scale would not be 2^k)."""
     mode = MlaMode(kv) if kv != "fp8" else MlaMode.FP8_E4M3
     fp8 = mode.fp8_dtype
     gen = torch.Generator().manual_seed(3)
@@ -518,7 +678,11 @@ def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str):
     pick = codes[torch.randint(0, codes.numel(), (n, 576), generator=gen)]
     pick *= torch.where(torch.rand(n, 576, generator=gen) < 0.5, -1.0, 1.0)
     if mode is MlaMode.FP8_DS_MLA:
-        pick.view(n, 576)[:, :512].view(n, 4, 128)[:, :, 0] = 448.0  # amax 448 * 2^k
+        top = 448.0 if rule == "amax" else 320.0
+        tiles = pick.view(n, 576)[:, :512].view(n, 4, 128)
+        tiles[:, :, 0] = top  # amax 448 * 2^k ("amax"), in [320, 448] * 2^k ("pow2")
+        if rule == "pow2":
+            tiles[:, :, 1:] = tiles[:, :, 1:].clamp(-288.0, 288.0)  # amax exactly 320 * 2^k
         pick[:, :512] *= torch.exp2(torch.randint(-8, 8, (n, 4), generator=gen).float()
                                     ).repeat_interleave(128, dim=1)
         scale = None
@@ -526,29 +690,35 @@ def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str):
         scale = torch.tensor([0.25])
         pick *= 0.25
     latent = pick.to(dtype)
-    cache = kvwrite.create_mla_cache(3, 4, 512, 64, kv, dtype, "cpu")
+    cache = kvwrite.create_mla_cache(3, 4, 512, pe_dim, kv, dtype, "cpu")
     storage_bytes(cache).copy_(torch.randint(0, 256, (storage_bytes(cache).numel(),),
                                              dtype=torch.uint8, generator=gen))
     slots = torch.tensor([3, -1, 11, 0, 7, 100, 5, 2, 9])
-    return mode, latent[:, :512], latent[:, 512:], cache.to(device), slots, scale
+    return mode, latent[:, :512], latent[:, 512:512 + pe_dim], cache.to(device), slots, scale
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "fp8_ds_mla"])
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "fp8_ds_mla", "fp8_ds_mla-amax",
+                                "fp8_ds_mla-nope", "fp8_ds_mla-amax-nope"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_fp8_paths_on_exact_quotients(kv, dtype, device):
-    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, triton_impl
     info = registry.get(OP, "triton")
     if (reason := info.available(device)) is not None:
         pytest.skip(reason)
-    mode, kv_c, k_pe, cache, slots, scale = _exact_quotient_inputs(kv, dtype, device)
+    rule = "amax" if "-amax" in kv else "pow2"
+    pe_dim = 0 if kv.endswith("-nope") else 64
+    kv = kv.split("-")[0]
+    mode, kv_c, k_pe, cache, slots, scale = _exact_quotient_inputs(kv, dtype, device, rule,
+                                                                   pe_dim)
     want = clone_cache(cache, "cpu")
-    mla_oracle(kv_c, k_pe, want, slots, mode, scale)
+    mla_oracle(kv_c, k_pe, want, slots, mode, scale, rule)
 
     def mv(t):
         return None if t is None else t.to(device)
 
-    triton_impl.run(mv(kv_c), mv(k_pe), cache, mv(slots), mode, mv(scale))
+    triton_impl.run(mv(kv_c), mv(k_pe), cache, mv(slots), mode, mv(scale),
+                    ds_scale=DsMlaScale(rule))
     assert_mla_caches_equal(clone_cache(cache, "cpu"), want, mode)
 
 
@@ -560,17 +730,23 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90():
     from kvwrite.ops.concat_and_cache_mla import cuda_impl
     names = cuda_impl.all_kernel_names()
     obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 110 and len(bytes(obj.code)) > 0  # 20 of them fp8_ds_mla bracket builds
+    # 80 fp8_ds_mla builds: 2 dtypes, 5 alignments, 2 slot types, bracket or not, 2 scale rules.
+    assert len(names) == 150 and len(bytes(obj.code)) > 0
+    assert sum(", true>" in n and "ds_mla" in n for n in names) == 40  # the "pow2" builds
 
 
 @needs_nvrtc
 def test_nvrtc_compiles_specialized_builds():
-    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, cuda_impl
     for case in (MlaCase(kv_cache_dtype="fp8_ds_mla"), MlaCase(kv_cache_dtype="fp8"),
+                 MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax"),
+                 MlaCase(kv_cache_dtype="fp8_ds_mla", pe_dim=0, dtype=torch.float16),
+                 MlaCase(kv_cache_dtype="fp8_ds_mla", pe_dim=0, ds_mla_scale="amax"),
                  MlaCase(kv_cache_dtype="auto", kv_lora_rank=10, pe_dim=3, block_size=7)):
         inp = make_mla_inputs(case)
         for tuning in (cuda_impl.TUNING, cuda_impl.CudaTuning(small_call_bytes=0, ds_bracket_bytes=0)):
-            p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode, tuning)
+            p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode, tuning,
+                               DsMlaScale(case.ds_mla_scale))
             obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
             assert len(bytes(obj.code)) > 0
     with pytest.raises(RuntimeError, match="9 values"):
@@ -622,9 +798,13 @@ def test_cuda_mla_kernels_issue_the_row_loads_before_waiting_for_the_slot(tmp_pa
 
 
 @pytest.mark.parametrize("case, name, vec, align", [
-    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long, false>", 0, 16),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla"), "concat_and_cache_ds_mla_kernel<1, 16, long long, false, true>", 0, 16),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", dtype=torch.float16, cache_pad=4, slot_dtype=torch.int32),
-     "concat_and_cache_ds_mla_kernel<0, 4, int, false>", 0, 4),
+     "concat_and_cache_ds_mla_kernel<0, 4, int, false, true>", 0, 4),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax"), "concat_and_cache_ds_mla_kernel<1, 16, long long, false, false>", 0, 16),
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", pe_dim=0), "concat_and_cache_ds_mla_kernel<1, 16, long long, false, true>", 0, 16),
+    # NoPE: k_pe (a slice at an odd element of the latent) is never read, so it costs no alignment
+    (MlaCase(kv_cache_dtype="fp8_ds_mla", pe_dim=0, latent_slices=True, latent_pad=8), None, 0, 16),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", cache_offset=1, cache_pad=2), None, 0, 1),
     (MlaCase(kv_cache_dtype="fp8_ds_mla", latent_slices=True, latent_pad=1), None, 0, 2),
     (MlaCase(kv_cache_dtype="auto"), "concat_and_cache_mla_kernel<0, 5, 8, long long>", 8, 0),
@@ -637,12 +817,16 @@ def test_cuda_mla_kernels_issue_the_row_loads_before_waiting_for_the_slot(tmp_pa
     (MlaCase(kv_cache_dtype="fp8", cache_pad=3), None, 1, 0),
 ])
 def test_cuda_plan_picks_the_widest_aligned_accesses(case, name, vec, align):
-    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, cuda_impl
     inp = make_mla_inputs(case)
-    p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
+    p = cuda_impl.plan(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
+                       ds_scale=DsMlaScale(case.ds_mla_scale))
     if name is not None:
         assert p.name == name
     assert (p.vec, p.align) == (vec, align)
+    if case.mode is MlaMode.FP8_DS_MLA:  # the lanes that load k_pe: 8, none for NoPE
+        assert p.fixed[7] == (8 if case.pe_dim else 0) and p.fixed[1] == (
+            inp.k_pe.stride(0) if case.pe_dim else 0)
 
 
 def test_cuda_plan_wider_fp8_chunks_for_large_calls():
@@ -666,9 +850,9 @@ def test_cuda_plan_bracket_for_large_ds_mla_calls():
     inp = make_mla_inputs(case)
     args = (inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode)
     n = inp.slot_mapping.numel() * (case.kv_lora_rank + case.pe_dim) * 2
-    assert cuda_impl.plan(*args).name.endswith(", false>")  # a small call: the quotient
-    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n - 1)).name.endswith(", true>")
-    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n)).name.endswith(", false>")
+    assert cuda_impl.plan(*args).name.endswith(", false, true>")  # a small call: the quotient
+    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n - 1)).name.endswith(", true, true>")
+    assert cuda_impl.plan(*args, cuda_impl.CudaTuning(ds_bracket_bytes=n)).name.endswith(", false, true>")
     assert cuda_impl.ds_uses_bracket(65536, 512, 64, 2)  # the benchmark's large calls
 
 
@@ -690,7 +874,7 @@ def test_triton_large_calls_take_two_tokens_per_warp():
 def test_gpu_triton_large_call_tiles(case):
     """The large calls' tiles (two tokens per warp), forced on the fp8 cases of the matrix and,
     for fp8_ds_mla, on the every-16-bit and boundary tiles."""
-    from kvwrite.ops.concat_and_cache_mla import triton_impl
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, triton_impl
     if (reason := registry.get(OP, "triton").available("cuda")) is not None:
         pytest.skip(reason)
     large = triton_impl.TritonTuning(large_call_bytes=0, large_call_bytes_ds=0)
@@ -698,15 +882,17 @@ def test_gpu_triton_large_call_tiles(case):
     kvwrite.ops.concat_and_cache_mla.validate(*inp.args())
     if inp.slot_mapping.numel():
         triton_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
-                        inp.scale if case.mode.uses_scale else None, tuning=large)
+                        inp.scale if case.mode.uses_scale else None,
+                        ds_scale=DsMlaScale(case.ds_mla_scale), tuning=large)
     assert_mla_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), case.mode)
     if case.mode is MlaMode.FP8_DS_MLA and case.dtype in (torch.float16, torch.bfloat16):
         for tiles in DS_TILES:
             kv_c, k_pe, cache, slots = _ds_inputs(tiles, case.dtype, "cuda")
             want = clone_cache(cache)
             kvwrite.concat_and_cache_mla(kv_c, k_pe, want, slots, "fp8_ds_mla",
-                                         implementation="torch")
-            triton_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None, tuning=large)
+                                         ds_mla_scale=case.ds_mla_scale, implementation="torch")
+            triton_impl.run(kv_c, k_pe, cache, slots, MlaMode.FP8_DS_MLA, None,
+                            ds_scale=DsMlaScale(case.ds_mla_scale), tuning=large)
             assert_mla_caches_equal(cache, want, MlaMode.FP8_DS_MLA)
 
 
@@ -721,7 +907,7 @@ def test_cuda_unavailable_on_cpu_says_why():
 def test_gpu_generic_cuda_kernels(case, small_call_bytes):
     """The unspecialized builds (runtime arguments) over part of the matrix, with the small-call
     plan (these cases' default) and the large calls' one (fp8_ds_mla: the bracket build)."""
-    from kvwrite.ops.concat_and_cache_mla import cuda_impl
+    from kvwrite.ops.concat_and_cache_mla import DsMlaScale, cuda_impl
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     inp = make_mla_inputs(case, "cuda")
@@ -729,6 +915,7 @@ def test_gpu_generic_cuda_kernels(case, small_call_bytes):
     if inp.slot_mapping.numel():
         cuda_impl.run(inp.kv_c, inp.k_pe, inp.kv_cache, inp.slot_mapping, case.mode,
                       inp.scale if case.mode.uses_scale else None,
+                      ds_scale=DsMlaScale(case.ds_mla_scale),
                       tuning=cuda_impl.CudaTuning(specialize=False, ds_warps=8, threads=128,
                                                   small_call_bytes=small_call_bytes,
                                                   ds_bracket_bytes=small_call_bytes))
@@ -769,8 +956,8 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
     class TrueReference:
         run = staticmethod(torch_ref.run)
 
-    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
-        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale)
+    def broken(kv_c, k_pe, kv_cache, slot_mapping, mode, scale, **kw):
+        TrueReference.run(kv_c, k_pe.roll(1, 0), kv_cache, slot_mapping, mode, scale, **kw)
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", broken)
@@ -782,6 +969,11 @@ def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
 @pytest.mark.parametrize("argv, flag", [
     (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"], "--kv-cache-dtype fp8_ds_mla"),
     (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--pe-dim", "32"], "--kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--ds-mla-scales", "pow2,ue8m0"], "--ds-mla-scales"),
+    (["--kv-cache-dtype", "fp8_ds_mla", "--ds-mla-scales", ","], "--ds-mla-scales"),
+    (["--ds-mla-scales", "amax"], "--ds-mla-scales: only --kv-cache-dtype fp8_ds_mla"),
+    (["--kv-cache-dtype", "fp8", "--pe-dim", "0"], "--pe-dim"),
     (["--implementation", "nope"], "--implementation"),
     (["--num-tokens", "0:4"], "--num-tokens"),
     (["--num-blocks", "0"], "--num-blocks"),
@@ -792,7 +984,29 @@ def test_bench_bad_flags_name_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
         main(["mla", *SMALL, *argv])
     assert e.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err and err.count("\n") == 1
+
+
+def test_bench_ds_mla_scale_rules_and_nope_rows(tmp_path, capsys):
+    """--ds-mla-scales sweeps both rules (a column, a JSON field, each checked against the
+    reference); --pe-dim 0 writes NoPE rows, which read no k_pe bytes."""
+    import json
+
+    from kvwrite.bench.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["mla", *SMALL, "--num-tokens", "1,4", "--kv-cache-dtype", "fp8_ds_mla",
+               "--ds-mla-scales", "amax,pow2", "--pe-dim", "0", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ds_mla_scale" in text and "ds_mla_scales=amax,pow2" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["ds_mla_scale"], r["num_tokens"]) for r in rows] == [
+        ("amax", 1), ("amax", 4), ("pow2", 1), ("pow2", 4)]
+    assert all(r["check"] == "passed" and r["pe_dim"] == 0 for r in rows)
+    assert rows[0]["bytes"] == 1 * (512 * 2 + 656 + 8)
+    rc = main(["mla", *SMALL, "--num-tokens", "2", "--json", str(out)])
+    assert rc == 0 and "ds_mla_scale" not in json.loads(out.read_text())["rows"][0]
 
 
 def test_bench_script_runs_from_a_checkout(tmp_path):
@@ -858,11 +1072,11 @@ def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
     class TrueReference:
         run = staticmethod(torch_ref.run)
 
-    def writes_padding(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
+    def writes_padding(kv_c, k_pe, kv_cache, slot_mapping, mode, scale, **kw):
         """Wrong: indexes with -1 as Python does, so padding lands in the last slot."""
         s = slot_mapping.clone()
         s[s < 0] = kv_cache.shape[0] * kv_cache.shape[1] - 1
-        TrueReference.run(kv_c, k_pe, kv_cache, s, mode, scale)
+        TrueReference.run(kv_c, k_pe, kv_cache, s, mode, scale, **kw)
 
     monkeypatch.setattr(bench_mla, "torch_ref", TrueReference)
     monkeypatch.setattr(torch_ref, "run", writes_padding)
@@ -870,3 +1084,87 @@ def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
                "--pad-fraction", "0.25"])
     assert rc == 1
     assert "mismatch: " in capsys.readouterr().out
+
+
+# --- the shared power-of-two rounding (kvwrite.dtypes, triton_fp8, kvw/fp8.cuh) -------------------
+
+def _ue8m0_inputs() -> torch.Tensor:
+    """Positive float32 values: random bit patterns (subnormals included), every power of two and
+    its neighbours, the largest finite value (rounds up to +inf) and +inf."""
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(1, 0x7F800000, (1 << 16,), generator=gen, dtype=torch.int64)
+    p2 = torch.arange(0, 255, dtype=torch.int64) << 23  # 0 (the subnormal binade) .. 2^127
+    edges = torch.cat([p2[1:], p2[1:] + 1, p2[1:] - 1, p2 + 0x7FFFFF, torch.tensor([1])])
+    v = torch.cat([bits, edges]).to(torch.int32).view(torch.float32)
+    return torch.cat([v, torch.tensor([float("inf")])]).contiguous()
+
+
+def test_ue8m0_round_up_is_the_smallest_power_of_two_at_least_s():
+    """kvwrite.dtypes.ue8m0_round_up against frexp, and against the indexer's rounding (which it
+    replaces there): normal powers of two stay, every other normal value goes up a binade, +inf
+    stays, subnormals give 2^-126 (the bits' rule: a nonzero mantissa)."""
+    from kvwrite.dtypes import ue8m0_round_up
+    from kvwrite.ops.indexer_k_quant_and_cache import reference as indexer_ref
+    s = _ue8m0_inputs()
+    got = ue8m0_round_up(s)
+    normal = s >= 2.0**-126  # a subnormal s gives 2^-126 (the callers' floors keep s normal)
+    want = torch.tensor([_pow2_at_least(np.float32(v)) for v in s[normal].tolist()],
+                        dtype=torch.float32)
+    assert torch.equal(got[normal].view(torch.int32), want.view(torch.int32))
+    assert (got[~normal] == 2.0**-126).all() and (~normal).sum() > 100
+    assert torch.equal(got.view(torch.int32), indexer_ref.ue8m0(s).view(torch.int32))
+    big = torch.tensor([3.4028234663852886e38, float("inf")])  # (2 - 2^-23) * 2^127 -> +inf
+    assert torch.isinf(ue8m0_round_up(big)).all()
+
+
+if kvwrite.ops.concat_and_cache_mla.triton_impl.triton is not None:
+    from kvwrite.kernels.triton_fp8 import tl, triton, ue8m0_round_up
+
+    @triton.jit
+    def _ue8m0_kernel(s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(s_ptr + i, mask=i < n, other=1.0)
+        tl.store(out_ptr + i, ue8m0_round_up(s), mask=i < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_ue8m0_round_up_matches_torch(device):
+    from kvwrite.dtypes import ue8m0_round_up
+    if (reason := registry.get(OP, "triton").available(device)) is not None:
+        pytest.skip(reason)
+    s = _ue8m0_inputs().to(device)
+    out = torch.empty_like(s)
+    _ue8m0_kernel[(triton.cdiv(s.numel(), 1024),)](s, out, s.numel(), BLOCK=1024)
+    assert torch.equal(out.view(torch.int32).cpu(), ue8m0_round_up(s.cpu()).view(torch.int32))
+
+
+_UE8M0_HARNESS = r"""
+#include "kvw/fp8.cuh"
+extern "C" void kvw_ue8m0(const float* s, float* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = ue8m0_round_up(s[i]);
+}
+"""
+
+
+def test_cuda_ue8m0_round_up_on_the_host_matches_torch(tmp_path):
+    """kvw/fp8.cuh's ue8m0_round_up, compiled for the host (-DKVWRITE_HOST_TEST)."""
+    import ctypes
+    import importlib.resources
+    import shutil
+    import subprocess
+
+    from kvwrite.dtypes import ue8m0_round_up
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++)")
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    (tmp_path / "h.cpp").write_text(_UE8M0_HARNESS)
+    lib = tmp_path / "libue8m0.so"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas",
+                    "-shared", "-fPIC", "-DKVWRITE_HOST_TEST", f"-I{include}",
+                    str(tmp_path / "h.cpp"), "-o", str(lib)], check=True)
+    s = _ue8m0_inputs()
+    out = torch.empty_like(s)
+    ctypes.CDLL(str(lib)).kvw_ue8m0(ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                    ctypes.c_longlong(s.numel()))
+    assert torch.equal(out.view(torch.int32), ue8m0_round_up(s).view(torch.int32))

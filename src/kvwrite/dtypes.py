@@ -26,6 +26,8 @@ __all__ = [
     "MODEL_DTYPES",
     "BENCH_DTYPES",
     "parse_model_dtype",
+    "SCALE_FLOOR_1E4_BITS",
+    "ue8m0_round_up",
 ]
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -129,6 +131,23 @@ FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
     torch.float8_e5m2: 57344.0,
 }
+
+# float32(1e-4) (0x38D1B717), the floor of vLLM's power-of-two scales (DeepSeek's indexer and
+# fp8_ds_mla's "pow2" rule apply it, the indexer before its division by 448, fp8_ds_mla after).
+SCALE_FLOOR_1E4_BITS = 0x38D1B717
+
+
+def ue8m0_round_up(s: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``>= s`` of positive float32 ``s``, from the bits as DeepSeek's
+    ``fast_log2_ceil`` does: ``s`` itself when its 23 mantissa bits are zero (a power of two, and
+    +inf), else ``2^(e+1)`` for ``s`` in ``(2^e, 2^(e+1))`` (a carry past 2^127 gives +inf; a
+    subnormal ``s`` gives 2^-126, which callers' floors never reach).
+    The Triton and CUDA twins: ``kvwrite.kernels.triton_fp8.ue8m0_round_up`` and kvw/fp8.cuh's
+    ``ue8m0_round_up``; a float32 ``exp2(ceil(log2(s)))`` is not this (it can return ``2^e`` for
+    ``s`` a few ulps above ``2^e``)."""
+    bits = s.view(torch.int32)
+    up = ((bits >> 23) + 1) << 23
+    return torch.where((bits & 0x7FFFFF) != 0, up, bits).view(torch.float32)
 
 
 def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType, *, nvfp4: bool = False) -> CacheDType:

@@ -10,6 +10,8 @@ division per element.
   tensor's kind, kvwrite.dtypes.scale_is_per_head), and those constants of them;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
   e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
+- :func:`ue8m0_round_up`: a positive scale rounded up to a power of two from its bits (vLLM's
+  "ue8m0" scales; ``kvwrite.dtypes.ue8m0_round_up`` says how);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
   ``PDL`` (kvwrite.kernels.triton_support.pdl_launch says when), nothing otherwise.
 
@@ -31,7 +33,7 @@ else:
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
            "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
-           "pdl_entry"]
+           "pdl_entry", "ue8m0_round_up"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
 # fp8 e5m2.
@@ -61,6 +63,15 @@ if triton is not None:
         sign = s.to(tl.int32, bitcast=True) & -2147483648
         m = (m.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         return m, s2, y
+
+    @triton.jit
+    def ue8m0_round_up(s):
+        """The smallest power of two >= s for positive float32 s, from the bits: s itself when its
+        mantissa is zero (a power of two, +inf), else 2^(e+1) for s in (2^e, 2^(e+1)); as
+        ``kvwrite.dtypes.ue8m0_round_up`` and kvw/fp8.cuh's ``ue8m0_round_up``."""
+        bits = s.to(tl.int32, bitcast=True)
+        bits = tl.where((bits & 0x7FFFFF) != 0, ((bits >> 23) + 1) << 23, bits)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def fp8_quotient(x, m, s2, y, FMAX: tl.constexpr, STEPS: tl.constexpr):

@@ -1,5 +1,6 @@
 """concat_and_cache_mla's case model: one :class:`MlaCase` describes a call (shapes, dtypes, mode,
-cache strides and alignment, input slices, slots, special values); :func:`make_mla_inputs` builds
+fp8_ds_mla's tile scale rule, cache strides and alignment, input slices, slots, special values;
+``pe_dim=0`` with fp8_ds_mla is a NoPE layer); :func:`make_mla_inputs` builds
 its tensors; :func:`assert_mla_caches_equal` is the byte comparison (NaN-aware only in the fp8
 codes, as the fp8 rule allows); ``MLA_CASES`` is the matrix every implementation is tested on."""
 
@@ -11,7 +12,14 @@ import itertools
 import torch
 
 from ..dtypes import FP8_MAX
-from ..ops.concat_and_cache_mla.op import DS_MLA_L, DS_MLA_TILE, MlaMode, entry_size, parse_mla_mode
+from ..ops.concat_and_cache_mla.op import (
+    DEFAULT_DS_MLA_SCALE,
+    DS_MLA_L,
+    DS_MLA_TILE,
+    MlaMode,
+    entry_size,
+    parse_mla_mode,
+)
 from .cases import reciprocal_traps
 from .compare import differing_bytes, nan_mask, storage_bytes
 
@@ -29,6 +37,8 @@ class MlaCase:
     num_blocks: int = 4
     dtype: torch.dtype = torch.bfloat16
     kv_cache_dtype: str = "auto"
+    # fp8_ds_mla's tile scale rule ("pow2" or "amax"); the default in every other mode.
+    ds_mla_scale: str = DEFAULT_DS_MLA_SCALE.value
     # fp8 modes: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
     fp8_storage: str = "uint8"
     slot_dtype: torch.dtype = torch.int64
@@ -71,6 +81,8 @@ class MlaCase:
     def id(self) -> str:
         parts = [f"T{self.num_tokens}", f"L{self.kv_lora_rank}", f"P{self.pe_dim}",
                  f"bs{self.block_size}", str(self.dtype).removeprefix("torch."), self.kv_cache_dtype]
+        if self.mode is MlaMode.FP8_DS_MLA:
+            parts.append(self.ds_mla_scale)
         if self.mode.uses_scale:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
@@ -95,10 +107,15 @@ class MlaInputs:
     slot_mapping: torch.Tensor
     kv_cache_dtype: str
     scale: torch.Tensor
+    ds_mla_scale: str = DEFAULT_DS_MLA_SCALE.value
 
     def args(self) -> tuple:
         return (self.kv_c, self.k_pe, self.kv_cache, self.slot_mapping, self.kv_cache_dtype,
                 self.scale)
+
+    def kwargs(self) -> dict:
+        """The keyword-only arguments of the call (``ds_mla_scale``)."""
+        return {"ds_mla_scale": self.ds_mla_scale}
 
 
 def _fp8_specials(fp8: torch.dtype) -> list[float]:
@@ -109,12 +126,25 @@ def _fp8_specials(fp8: torch.dtype) -> list[float]:
             tiny * 2.5, 1e-30, -1e-30, 1.0625, 1.1875, 17.0, 1e38, -3e38]
 
 
+def _with_amax(t: torch.Tensor, amax: float, above: bool = False) -> None:
+    """Tile ``t`` (finite) scaled below ``amax / 2`` with one element ``-amax`` (the 16-bit value
+    of ``amax``; with ``above``, the next 16-bit value above it)."""
+    t.mul_(amax / 2 / float(t.float().abs().amax().clamp_min(1e-30)))
+    v = torch.tensor([amax]).to(t.dtype)
+    if above:
+        v = (v.view(torch.int16) + 1).view(t.dtype)
+    t[3] = -v[0]
+
+
 def _plant_ds_specials(x: torch.Tensor, gen: torch.Generator) -> None:
-    """Tiles that exercise every branch of the tile scale: zeros (with -0), a NaN among values,
-    all NaN, ±inf, values whose amax / 448 is below FLT_MIN, the largest finite values, and
-    elements at the tile maximum (quotient exactly ±448)."""
+    """Tiles that exercise every branch of both tile scale rules: zeros (with -0), a NaN among
+    values, all NaN, ±inf, values whose amax / 448 is below FLT_MIN, the largest finite values,
+    elements at the tile maximum (quotient exactly ±448), amax exactly 448 * 2^k (a power-of-two
+    amax / 448, which "pow2" keeps) and one 16-bit step above it (rounded up a binade), amax /
+    448 below, at and just above float32(1e-4) ("pow2"'s floor)."""
     tiles = x.view(x.shape[0], -1, DS_MLA_TILE)[:, :DS_MLA_L // DS_MLA_TILE]
     finfo = torch.finfo(x.dtype)
+    floor_amax = 448 * 1e-4  # amax / 448 near float32(1e-4)
     specials = [
         lambda t: t.zero_().view(-1)[::3].neg_(),                        # zeros, some -0
         lambda t: t.view(-1).__setitem__(5, float("nan")),              # one NaN
@@ -124,6 +154,17 @@ def _plant_ds_specials(x: torch.Tensor, gen: torch.Generator) -> None:
         lambda t: t.mul_(finfo.tiny * 2.0**-2),                         # amax/448 < FLT_MIN
         lambda t: t.copy_(torch.full_like(t, finfo.max)).view(-1)[1::2].neg_(),  # largest
         lambda t: t.view(-1)[:4].copy_(torch.tensor([finfo.max, -finfo.max, 0.5, -0.0])),
+        lambda t: _with_amax(t, 448.0),                                 # amax / 448 = 1
+        lambda t: _with_amax(t, 448.0, above=True),
+        lambda t: _with_amax(t, 448.0 * 2.0**5),
+        lambda t: _with_amax(t, 448.0 * 2.0**5, above=True),
+        lambda t: _with_amax(t, 448.0 * 2.0**-6),
+        lambda t: _with_amax(t, 448.0 * 2.0**-6, above=True),
+        lambda t: _with_amax(t, floor_amax * 0.3),                      # below the 1e-4 floor
+        lambda t: _with_amax(t, floor_amax),
+        lambda t: _with_amax(t, floor_amax, above=True),
+        lambda t: _with_amax(t, 448.0 * 2.0**-13),                      # the floor's power
+        lambda t: _with_amax(t, 448.0 * 2.0**-13, above=True),
     ]
     n = 0
     for tok in range(tiles.shape[0]):
@@ -210,7 +251,7 @@ def make_mla_inputs(case: MlaCase, device: str | torch.device = "cpu", seed: int
         return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     return MlaInputs(move(kv_c), move(k_pe), move(kv_cache), move(slot_mapping),
-                     case.kv_cache_dtype, move(scale))
+                     case.kv_cache_dtype, move(scale), case.ds_mla_scale)
 
 
 def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
@@ -330,6 +371,24 @@ def _matrix() -> list[MlaCase]:
             MlaCase(kv_cache_dtype=kv, num_tokens=6, special_values=True,
                     dtype=torch.float16 if kv == "fp8_ds_mla" else torch.float32),
             MlaCase(kv_cache_dtype=kv, num_tokens=6, special_values=True),
+        ]
+    # fp8_ds_mla: the earlier tile scale rule ("amax"; the cases above take the default "pow2"),
+    # and NoPE layers (pe_dim 0: the rotary bytes become zeros) under both rules.
+    cases += [
+        MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax", num_tokens=6,
+                special_values=True),
+        MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax", num_tokens=6,
+                special_values=True, dtype=torch.float16),
+        MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax", num_tokens=9, padding_slots=3,
+                out_of_range_slots=2, slot_dtype=torch.int32, cache_transposed=True),
+    ]
+    for rule in ("pow2", "amax"):
+        cases += [
+            MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale=rule, pe_dim=0, num_tokens=9,
+                    padding_slots=2, out_of_range_slots=1),
+            MlaCase(kv_cache_dtype="fp8_ds_mla", ds_mla_scale=rule, pe_dim=0, num_tokens=6,
+                    latent_slices=True, latent_pad=3, cache_pad=3, cache_offset=1,
+                    special_values=True, dtype=torch.float16),
         ]
     # fp8 in float8 storage.
     for kv in ("fp8", "fp8_e5m2"):

@@ -14,6 +14,7 @@ Importing this package registers the op and its three implementations.
 from ... import registry
 from .op import (
     OP,
+    DsMlaScale,
     MlaMode,
     concat_and_cache_mla,
     create_mla_cache,
@@ -22,12 +23,13 @@ from .op import (
     validate,
 )
 
-__all__ = ["OP", "MlaMode", "concat_and_cache_mla", "create_mla_cache", "entry_size",
+__all__ = ["OP", "DsMlaScale", "MlaMode", "concat_and_cache_mla", "create_mla_cache", "entry_size",
            "parse_mla_mode", "validate"]
 
 registry.register_op(registry.OpSpec(
     name=OP,
-    run_signature="run(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale) -> None",
+    run_signature=("run(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale, *, "
+                   "ds_scale: DsMlaScale) -> None"),
     unsupported_signature="unsupported(kv_c, kv_cache, mode: MlaMode) -> str | None",
 ))
 registry.register(registry.ImplInfo(

@@ -1,5 +1,7 @@
 """concat_and_cache_mla's benchmark on the engine: vLLM's benchmark_concat_and_cache_mla.py (its
-flags, sweep num_tokens 2^0..2^16 and table) with fp8_e4m3, fp8_e5m2 and fp8_ds_mla added.
+flags, sweep num_tokens 2^0..2^16 and table) with fp8_e4m3, fp8_e5m2 and fp8_ds_mla added;
+fp8_ds_mla takes its tile scale rules (``--ds-mla-scales pow2,amax``) and NoPE rows
+(``--pe-dim 0``).
 
 Each point follows vLLM's recipe: every RNG seeded with 42, ``kv_c`` and ``k_pe`` from
 ``torch.randn`` (with ``--strided``, ``k_pe`` is ``latent[:, L:]`` of a ``[T, L + P]`` randn
@@ -20,12 +22,13 @@ import torch
 
 from ... import registry
 from ...bench import timing
-from ...bench.engine import OpBench, Skip, slot_pattern
+from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
 from ...testing.mla import mla_differing_bytes
-from . import OP, MlaMode, create_mla_cache, parse_mla_mode, validate
+from . import OP, DsMlaScale, MlaMode, create_mla_cache, parse_mla_mode, validate
 from . import reference as torch_ref
+from .op import DEFAULT_DS_MLA_SCALE, parse_ds_mla_scale
 
 __all__ = ["BENCH", "run_benchmark", "make_sets", "bytes_moved"]
 
@@ -94,6 +97,7 @@ class Point:
     kv_cache_dtype: str
     strided: bool
     slots: SlotPattern
+    ds_mla_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE
 
 
 class ConcatAndCacheMlaBench(OpBench):
@@ -109,13 +113,15 @@ class ConcatAndCacheMlaBench(OpBench):
                 "time_budget": 0.25}
     cpu_defaults = {"num_blocks": 16, "block_size": 16, "num_tokens": "1:64", "iters": 5,
                     "graph_calls": 2, "time_budget": 0.05}
-    columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "kv_cache_dtype"))
+    columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "kv_cache_dtype"),
+               ("ds_mla_scale", "ds_mla_scale"))
 
     def add_flags(self, p) -> None:
         g = p.add_argument_group("vLLM's flags (same defaults; fp8_e4m3, fp8_e5m2, fp8_ds_mla "
                                  "added)")
         g.add_argument("--kv-lora-rank", type=int, default=512, help="L (default: 512)")
-        g.add_argument("--pe-dim", type=int, default=64, help="P (default: 64)")
+        g.add_argument("--pe-dim", type=int, default=64,
+                       help="P (default: 64; 0 with fp8_ds_mla: NoPE layers)")
         g.add_argument("--block-size", type=int, default=64, help="(default: 64)")
         g.add_argument("--num-blocks", type=int, default=2048, help="(default: 2048)")
         g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
@@ -124,39 +130,55 @@ class ConcatAndCacheMlaBench(OpBench):
                        help="(default: auto)")
         g.add_argument("--strided", action="store_true",
                        help="pass k_pe as a slice of the latent projection, as the model does")
+        g.add_argument("--ds-mla-scales", default=DEFAULT_DS_MLA_SCALE.value,
+                       help="fp8_ds_mla: comma list of tile scale rules, pow2 (vLLM 0.33) and "
+                            f"amax (earlier vLLM) (default: {DEFAULT_DS_MLA_SCALE.value})")
 
     def configure(self, args, device) -> None:
+        mode = parse_mla_mode(args.kv_cache_dtype)
         for flag in ("kv_lora_rank", "pe_dim", "block_size", "num_blocks"):
+            if flag == "pe_dim" and mode is MlaMode.FP8_DS_MLA and args.pe_dim == 0:
+                continue  # NoPE
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(args, flag)}")
-        mode = parse_mla_mode(args.kv_cache_dtype)
-        if mode is MlaMode.FP8_DS_MLA and (args.kv_lora_rank, args.pe_dim) != (512, 64):
+        if mode is MlaMode.FP8_DS_MLA and (args.kv_lora_rank != 512 or args.pe_dim not in (64, 0)):
             raise ValueError(f"--kv-cache-dtype fp8_ds_mla: needs --kv-lora-rank 512 and --pe-dim "
-                             f"64, got {args.kv_lora_rank} and {args.pe_dim}")
+                             f"64 (or 0: NoPE), got {args.kv_lora_rank} and {args.pe_dim}")
         if mode is MlaMode.FP8_DS_MLA and args.dtype == "float":
             raise ValueError("--kv-cache-dtype fp8_ds_mla: needs --dtype half or bfloat16, got "
                              "float")
+        rules = parse_list(args.ds_mla_scales, "--ds-mla-scales", [r.value for r in DsMlaScale])
+        if mode is not MlaMode.FP8_DS_MLA and rules != [DEFAULT_DS_MLA_SCALE.value]:
+            raise ValueError(f"--ds-mla-scales: only --kv-cache-dtype fp8_ds_mla has tile scales, "
+                             f"got {args.ds_mla_scales!r} with --kv-cache-dtype "
+                             f"{args.kv_cache_dtype}")
+        args.rule_list = [parse_ds_mla_scale(r, mode) for r in rules]
         args.pattern = slot_pattern(args)
 
     def points(self, args) -> list:
         mode = parse_mla_mode(args.kv_cache_dtype)
         return [Point(t, args.kv_lora_rank, args.pe_dim, args.block_size, args.num_blocks,
                       MODEL_DTYPES[args.dtype], mode, args.kv_cache_dtype, args.strided,
-                      args.pattern) for t in args.token_counts]
+                      args.pattern, rule) for rule in args.rule_list for t in args.token_counts]
 
     def params(self, p: Point) -> dict:
         return dict(layout="strided" if p.strided else "contiguous",
                     dtype=str(p.dtype).removeprefix("torch."), kv_cache_dtype=p.kv_cache_dtype,
                     kv_lora_rank=p.kv_lora_rank, pe_dim=p.pe_dim, block_size=p.block_size,
                     num_blocks=p.num_blocks, slots=p.slots.kind, slot_params=p.slots.describe(),
-                    pad_fraction=p.slots.pad_fraction)
+                    pad_fraction=p.slots.pad_fraction,
+                    # fp8_ds_mla's tile scale rule (no other mode has one)
+                    **({"ds_mla_scale": p.ds_mla_scale.value}
+                       if p.mode is MlaMode.FP8_DS_MLA else {}))
 
     def header(self, args, points) -> list[str]:
         top = max(p.num_tokens for p in points)
         return [f"shape: kv_lora_rank={args.kv_lora_rank} pe_dim={args.pe_dim} "
                 f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype} "
-                f"kv_cache_dtype={args.kv_cache_dtype} strided={args.strided}",
+                f"kv_cache_dtype={args.kv_cache_dtype} strided={args.strided}"
+                + (f" ds_mla_scales={args.ds_mla_scales}"
+                   if parse_mla_mode(args.kv_cache_dtype) is MlaMode.FP8_DS_MLA else ""),
                 "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
                 "bytes per call = n*(L+P)*in_bytes + n*entry_bytes + T*8 (n = T less the "
                 "padding)"]
@@ -194,7 +216,8 @@ class ConcatAndCacheMlaBench(OpBench):
         cache = create_mla_cache(p.num_blocks, p.block_size, p.kv_lora_rank, p.pe_dim, p.mode,
                                  p.dtype, device)
         scale = torch.tensor([SCALE], dtype=torch.float32, device=device)
-        validate(sets[0].kv_c, sets[0].k_pe, cache, sets[0].slot_mapping, p.mode, scale)
+        validate(sets[0].kv_c, sets[0].k_pe, cache, sets[0].slot_mapping, p.mode, scale,
+                 ds_mla_scale=p.ds_mla_scale)
         return p, cache, sets, scale if p.mode.uses_scale else None
 
     def unsupported(self, ctx, kind, impl) -> str | None:
@@ -207,9 +230,11 @@ class ConcatAndCacheMlaBench(OpBench):
         p, cache, sets, scale = ctx
         s = sets[0]
         want = cache.clone()
-        torch_ref.run(s.kv_c, s.k_pe, want, s.slot_mapping, p.mode, scale)
+        torch_ref.run(s.kv_c, s.k_pe, want, s.slot_mapping, p.mode, scale,
+                      ds_scale=p.ds_mla_scale)
         got = cache.clone()
-        registry.get(OP, impl).run(s.kv_c, s.k_pe, got, s.slot_mapping, p.mode, scale)
+        registry.get(OP, impl).run(s.kv_c, s.k_pe, got, s.slot_mapping, p.mode, scale,
+                                   ds_scale=p.ds_mla_scale)
         if torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             return None
         bad = mla_differing_bytes(got, want, p.mode)  # NaN-aware in the fp8 codes only
@@ -222,10 +247,11 @@ class ConcatAndCacheMlaBench(OpBench):
     def call(self, ctx, kind, impl):
         p, cache, sets, scale = ctx
         run = registry.get(OP, impl).run
+        rule = p.ds_mla_scale
 
         def call(i: int) -> None:
             s = sets[i % len(sets)]
-            run(s.kv_c, s.k_pe, cache, s.slot_mapping, p.mode, scale)
+            run(s.kv_c, s.k_pe, cache, s.slot_mapping, p.mode, scale, ds_scale=rule)
         return call
 
 

@@ -12,7 +12,9 @@ most ``CudaTuning.chunk_bytes_copy``/``chunk_bytes_fp8`` of input (16 B: one acc
 such that ``L`` and ``P`` are multiples of it and every row start (inputs and cache) is aligned
 to it, halving down to one element. For the second, the input dtype, ALIGN (the common
 alignment in bytes of every row start, 16 at most: the widths of its accesses), the slot
-type and BRACKET (large calls quantize through the bracket, ``CudaTuning.ds_bracket_bytes``).
+type, BRACKET (large calls quantize through the bracket, ``CudaTuning.ds_bracket_bytes``) and
+POW2 (the tile scale rule, ``ds_mla_scale``); NoPE rows (P = 0) are a fixed argument (the lanes
+that load ``k_pe``: 8 or 0), not a variant.
 By default each call signature gets its own build with the arguments fixed by the caches and the
 inputs' layout compiled in (``CudaTuning.specialize``).
 
@@ -26,7 +28,7 @@ import dataclasses
 import torch
 
 from ...kernels import nvrtc
-from .op import MlaMode
+from .op import DEFAULT_DS_MLA_SCALE, DsMlaScale, MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
            "compile_kernel", "SOURCE", "Plan", "is_small_call", "ds_uses_bracket"]
@@ -103,8 +105,11 @@ def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) 
     return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {_slot_type(slot_dtype)}>"
 
 
-def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype, bracket: bool) -> str:
-    return f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}, {str(bracket).lower()}>"
+def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype, bracket: bool,
+                   ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE) -> str:
+    pow2 = ds_scale is DsMlaScale.POW2
+    return (f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}, {str(bracket).lower()}, "
+            f"{str(pow2).lower()}>")
 
 
 def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING, small: bool = False) -> int:
@@ -139,7 +144,8 @@ def all_kernel_names(tuning: CudaTuning = TUNING) -> list[str]:
                     names.append(kernel_name(in_kind, out_kind, vec, slot))
                     vec //= 2
         for in_kind in (_F16, _BF16):
-            names += [ds_kernel_name(in_kind, a, slot, b) for a in _ALIGNS for b in (False, True)]
+            names += [ds_kernel_name(in_kind, a, slot, b, r) for a in _ALIGNS
+                      for b in (False, True) for r in DsMlaScale]
     return names
 
 
@@ -176,18 +182,22 @@ def _align(byte_values) -> int:
 
 
 def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-         slot_mapping: torch.Tensor, mode: MlaMode, tuning: CudaTuning = TUNING) -> Plan:
-    """The variant, CTA shape and fixed arguments for these (validated) arguments; no GPU needed."""
+         slot_mapping: torch.Tensor, mode: MlaMode, tuning: CudaTuning = TUNING,
+         ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE) -> Plan:
+    """The variant, CTA shape and fixed arguments for these (validated) arguments; no GPU needed.
+    A NoPE k_pe (P = 0, fp8_ds_mla) is never read: its pointer and stride count for nothing."""
     t_pad, L = kv_c.shape
     P = k_pe.shape[1]
     num_blocks, block_size = kv_cache.shape[:2]
     ib, ob = kv_c.element_size(), kv_cache.element_size()
     # Only strides along dims of size > 1 ever multiply a nonzero index.
-    in_strides = [t.stride(0) * ib for t in (kv_c, k_pe) if t_pad > 1]
+    pe_read = P > 0
+    inputs = (kv_c, k_pe) if pe_read else (kv_c,)
+    in_strides = [t.stride(0) * ib for t in inputs if t_pad > 1]
     cache_strides = [s * ob for s, n in zip(kv_cache.stride()[:2], (num_blocks, block_size),
                                             strict=True) if n > 1]
-    in_ptrs = [kv_c.data_ptr(), k_pe.data_ptr()]
-    common = (kv_c.stride(0) if t_pad > 1 else 0, k_pe.stride(0) if t_pad > 1 else 0,
+    in_ptrs = [t.data_ptr() for t in inputs]
+    common = (kv_c.stride(0) if t_pad > 1 else 0, k_pe.stride(0) if t_pad > 1 and pe_read else 0,
               kv_cache.stride(0) if num_blocks > 1 else 0,
               kv_cache.stride(1) if block_size > 1 else 0, block_size,
               _log2_or_minus_1(block_size), num_blocks * block_size)
@@ -195,8 +205,10 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         align = _align(in_strides + cache_strides + in_ptrs + [kv_cache.data_ptr()])
         warps = tuning.ds_warps
         bracket = ds_uses_bracket(slot_mapping.numel(), L, P, ib, tuning)
-        return Plan(ds_kernel_name(_KIND[kv_c.dtype], align, slot_mapping.dtype, bracket), True,
-                    0, align, 32 * warps, warps, common + (0, 0))
+        pe_lanes = 2 * P // 16  # 8 lanes of 16 bytes, or 0 (NoPE)
+        return Plan(ds_kernel_name(_KIND[kv_c.dtype], align, slot_mapping.dtype, bracket,
+                                   ds_scale), True, 0, align, 32 * warps, warps,
+                    common + (pe_lanes, 0))
     out_kind = _OUT[mode]
     in_kind = _KIND[kv_c.dtype]
     if out_kind == _COPY and in_kind == _BF16:
@@ -227,11 +239,11 @@ class _Launchable:
 _LAUNCHABLES: dict[tuple, _Launchable] = {}
 
 
-def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable:
+def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning, ds_scale) -> _Launchable:
     reason = nvrtc.setup_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    p = plan(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)
+    p = plan(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning, ds_scale)
     index = kv_c.get_device()
     macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
     if tuning.specialize:
@@ -241,22 +253,28 @@ def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning) -> _Launchable
 
 
 def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-        mode: MlaMode, scale: torch.Tensor | None, *, tuning: CudaTuning = TUNING) -> None:
+        mode: MlaMode, scale: torch.Tensor | None, *,
+        ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE, tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
-    kp, pp, cp = kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr()
+    if mode is not MlaMode.FP8_DS_MLA:
+        ds_scale = DEFAULT_DS_MLA_SCALE  # no tile scales: one signature either way
+    kp, cp = kv_c.data_ptr(), kv_cache.data_ptr()
+    # NoPE (fp8_ds_mla, P = 0): k_pe is never read; kv_c's pointer stands in for its own.
+    pp = k_pe.data_ptr() if k_pe.shape[1] else kp
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
-    sig = (kv_c.dtype, kv_cache.dtype, mode, slot_mapping.dtype, kv_c.shape[1], k_pe.shape[1],
-           kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
+    sig = (kv_c.dtype, kv_cache.dtype, mode, ds_scale, slot_mapping.dtype, kv_c.shape[1],
+           k_pe.shape[1], kv_c.shape[0] > 1, kv_c.stride(0), k_pe.stride(0), kv_cache.shape, kv_cache.stride(),
            kp & 15, pp & 15, cp & 15, kv_c.get_device(),
            is_small_call(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            ds_uses_bracket(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            tuning)
     lau = _LAUNCHABLES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning)
+        lau = _LAUNCHABLES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning,
+                                              ds_scale)
     p = lau.plan
     if p.ds:
         grid = -(-num_tokens // p.per_cta)

@@ -10,12 +10,16 @@
 //   grid of threads, one per (token, chunk of VEC elements) of the row kv_c ++ k_pe
 //   (chunks = (L + P) / VEC, the first l_chunks from kv_c). Loads are issued before the slot is
 //   tested, so a thread's time is one memory round trip, the conversion and the store.
-// - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT, BRACKET> ("fp8_ds_mla", L = 512, P = 64,
-//   16-bit): one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and [256 + 8i, 256 +
-//   8i + 8), so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each tile's amax is a
-//   16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already in registers.
-//   Lanes 0-7 carry the 128 bytes of k_pe. ALIGN (16, 8, 4, 2 or 1) is the alignment in bytes
-//   of every row start (inputs and cache): accesses are 16-byte ones at 16, narrower below.
+// - concat_and_cache_ds_mla_kernel<IN, ALIGN, SlotT, BRACKET, POW2> ("fp8_ds_mla", L = 512,
+//   P = 64 or 0, 16-bit): one warp per token. Lane i holds kv_c elements [8i, 8i + 8) and
+//   [256 + 8i, 256 + 8i + 8), so lanes 0-15 hold tiles 0 and 2, lanes 16-31 tiles 1 and 3; each
+//   tile's amax is a 16-lane xor-shuffle reduction (fmaxf, which ignores NaN) over data already
+//   in registers. Lanes 0-7 carry the 128 bytes of k_pe (the argument l_chunks: the lanes that
+//   load them, 8, or 0 for NoPE layers (P = 0), whose rotary bytes are stored as zeros). POW2:
+//   the tile scale rule "pow2" (the smallest power of two >= max(amax / 448, float32(1e-4)),
+//   kvw/fp8.cuh's ue8m0_round_up), else "amax" (max(amax / 448, FLT_MIN)). ALIGN (16, 8, 4, 2
+//   or 1) is the alignment in bytes of every row start (inputs and cache): accesses are 16-byte
+//   ones at 16, narrower below.
 //   BRACKET (large calls, cuda_impl.py): the tiles are quantized through kvw/fp8.cuh's bracket
 //   (two products per element, the exact quotient only where the bracket cannot decide) instead
 //   of the exact quotient for every element: fewer instructions per token where throughput
@@ -39,7 +43,7 @@
     i64 block_stride, i64 page_stride,    /* cache strides in cache elements */                 \
     i64 block_size, i64 block_shift,      /* block_shift = log2(block_size), or -1 */           \
     i64 num_slots,                        /* num_blocks * block_size */                         \
-    i64 l_chunks, i64 chunks              /* L / VEC, (L + P) / VEC (0 for fp8_ds_mla) */
+    i64 l_chunks, i64 chunks              /* L / VEC, (L + P) / VEC; fp8_ds_mla: 2P / 16, 0 */
 
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the
 // arguments from kv_c_stride on are compile-time constants: none is read from the parameter
@@ -155,12 +159,13 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
 }
 
 // fp8_ds_mla entry: [0, 512) e4m3 codes of 4 tiles, [512, 528) their float32 scales,
-// [528, 656) the 64 k_pe values' 16-bit patterns.
-template <int IN, int ALIGN, typename SlotT, bool BRACKET>
+// [528, 656) the 64 k_pe values' 16-bit patterns (zeros for NoPE).
+template <int IN, int ALIGN, typename SlotT, bool BRACKET, bool POW2>
 __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PARAMS) {
   KVW_PDL_ENTRY();
   KVW_MLA_FIXED_PROLOGUE()
   constexpr float FLT_MIN_F = 1.17549435082228750797e-38f;  // 2^-126
+  const i64 pe_lanes = l_chunks;  // 8, or 0 (NoPE: k_pe is not read, its bytes stay zero)
   const u32 lane = threadIdx.x & 31u;
   const i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= num_tokens) return;  // the whole warp: t is warp-uniform
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PA
   const Raw<16> x0 = load_aligned<16, ALIGN>(row + 16 * lane);
   const Raw<16> x1 = load_aligned<16, ALIGN>(row + 512 + 16 * lane);
   Raw<16> pe{};
-  if (lane < 8) pe = load_aligned<16, ALIGN>(k_pe + t * k_pe_stride * 2 + 16 * lane);
+  if (lane < pe_lanes) pe = load_aligned<16, ALIGN>(k_pe + t * k_pe_stride * 2 + 16 * lane);
   if constexpr (!SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
 
   float f0[8], f1[8];
@@ -186,8 +191,16 @@ __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PA
     a0 = fmaxf(a0, __shfl_xor_sync(0xFFFFFFFFu, a0, m));
     a1 = fmaxf(a1, __shfl_xor_sync(0xFFFFFFFFu, a1, m));
   }
-  const float s0 = fmaxf(div_rn(a0, 448.0f), FLT_MIN_F);  // tile (lane >> 4)
-  const float s1 = fmaxf(div_rn(a1, 448.0f), FLT_MIN_F);  // tile 2 + (lane >> 4)
+  float s0 = div_rn(a0, 448.0f);  // tile (lane >> 4)
+  float s1 = div_rn(a1, 448.0f);  // tile 2 + (lane >> 4)
+  if constexpr (POW2) {
+    const float floor = bits_f32(0x38D1B717u);  // float32(1e-4)
+    s0 = ue8m0_round_up(fmaxf(s0, floor));
+    s1 = ue8m0_round_up(fmaxf(s1, floor));
+  } else {
+    s0 = fmaxf(s0, FLT_MIN_F);
+    s1 = fmaxf(s1, FLT_MIN_F);
+  }
   const float s0_hi = __shfl_sync(0xFFFFFFFFu, s0, 16);   // tile 1
   const float s1_hi = __shfl_sync(0xFFFFFFFFu, s1, 16);   // tile 3
   Raw<8> q0, q1;

@@ -17,17 +17,19 @@ from ...validation import (
 )
 from ...validation import shape_str as _shape
 
-__all__ = ["OP", "MlaMode", "parse_mla_mode", "concat_and_cache_mla", "validate",
-           "create_mla_cache", "entry_size", "DS_MLA_L", "DS_MLA_P", "DS_MLA_ENTRY",
-           "DS_MLA_TILE", "select_implementation"]
+__all__ = ["OP", "MlaMode", "parse_mla_mode", "DsMlaScale", "DEFAULT_DS_MLA_SCALE",
+           "parse_ds_mla_scale", "concat_and_cache_mla", "validate", "create_mla_cache",
+           "entry_size", "DS_MLA_L", "DS_MLA_P", "DS_MLA_ENTRY", "DS_MLA_TILE",
+           "select_implementation"]
 
 OP = "concat_and_cache_mla"
 
 # fp8_ds_mla's fixed geometry (docs/ops/concat_and_cache_mla.md): 4 tiles of 128 latent values as
 # e4m3, their 4 float32 scales, then the 64 rotary values' 16-bit patterns: 512 + 16 + 128 = 656
-# bytes per token.
+# bytes per token. NoPE layers (k_pe [T, 0]) write the 128 rotary bytes as zeros.
 DS_MLA_L = 512
 DS_MLA_P = 64
+DS_MLA_PE_DIMS = (DS_MLA_P, 0)
 DS_MLA_TILE = 128
 DS_MLA_SCALES_OFFSET = DS_MLA_L
 DS_MLA_PE_OFFSET = DS_MLA_L + 4 * (DS_MLA_L // DS_MLA_TILE)
@@ -67,6 +69,37 @@ def parse_mla_mode(kv_cache_dtype: str | MlaMode) -> MlaMode:
     raise ValueError(f"kv_cache_dtype: expected one of {sorted(_ALIASES)}, got {kv_cache_dtype!r}")
 
 
+class DsMlaScale(enum.Enum):
+    """fp8_ds_mla's tile scale rule (docs/ops/concat_and_cache_mla.md), from ``r = RN(amax / 448)``:
+    ``POW2`` (vLLM 0.33 and later) the smallest power of two ``>= max(r, float32(1e-4))``,
+    ``AMAX`` (earlier vLLM) ``max(r, FLT_MIN)``."""
+
+    POW2 = "pow2"
+    AMAX = "amax"
+
+
+# The public op's default (vLLM 0.33's rule); outside fp8_ds_mla ds_mla_scale must be left at it.
+DEFAULT_DS_MLA_SCALE = DsMlaScale.POW2
+
+
+def parse_ds_mla_scale(ds_mla_scale: str | DsMlaScale, mode: MlaMode) -> DsMlaScale:
+    """The :class:`DsMlaScale` of a spelling (or the enum itself), for a call in ``mode``:
+    ValueError naming ``ds_mla_scale`` for any other value, and for a value other than the default
+    outside fp8_ds_mla (only fp8_ds_mla has tile scales)."""
+    if isinstance(ds_mla_scale, DsMlaScale):
+        rule = ds_mla_scale
+    else:
+        names = [r.value for r in DsMlaScale]
+        if not isinstance(ds_mla_scale, str) or ds_mla_scale not in names:
+            raise ValueError(f"ds_mla_scale: expected one of {names}, got {ds_mla_scale!r}")
+        rule = DsMlaScale(ds_mla_scale)
+    if mode is not MlaMode.FP8_DS_MLA and rule is not DEFAULT_DS_MLA_SCALE:
+        raise ValueError(f"ds_mla_scale: only kv_cache_dtype='fp8_ds_mla' has tile scales; with "
+                         f"kv_cache_dtype={mode.value!r} leave it at its default "
+                         f"{DEFAULT_DS_MLA_SCALE.value!r}, got {rule.value!r}")
+    return rule
+
+
 def entry_size(mode: MlaMode, kv_lora_rank: int, pe_dim: int) -> int:
     """The cache's last dim: ``L + P`` elements, or 656 bytes for fp8_ds_mla."""
     return DS_MLA_ENTRY if mode is MlaMode.FP8_DS_MLA else kv_lora_rank + pe_dim
@@ -85,10 +118,12 @@ def create_mla_cache(num_blocks: int, block_size: int, kv_lora_rank: int, pe_dim
                      device: str | torch.device = "cuda") -> torch.Tensor:
     """A zeroed contiguous ``[num_blocks, block_size, E]`` cache for ``kv_cache_dtype``: ``E = L + P``
     of ``dtype`` ("auto") or uint8 (fp8 modes, vLLM's storage), ``E = 656`` uint8 (fp8_ds_mla, which
-    needs L = 512, P = 64 and a 16-bit ``dtype``)."""
+    needs L = 512, P = 64 or 0 (NoPE) and a 16-bit ``dtype``)."""
     mode = parse_mla_mode(kv_cache_dtype)
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                     ("kv_lora_rank", kv_lora_rank), ("pe_dim", pe_dim)):
+        if name == "pe_dim" and mode is MlaMode.FP8_DS_MLA and v == 0:
+            continue  # NoPE: fp8_ds_mla only (_check_ds_geometry)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
     if dtype not in INPUT_DTYPES:
@@ -105,19 +140,22 @@ def _check_ds_geometry(kv_lora_rank: int, pe_dim: int, dtype: torch.dtype,
     if kv_lora_rank != DS_MLA_L:
         raise ValueError(f"{names[0]}: kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank {DS_MLA_L}, "
                          f"got {kv_lora_rank}")
-    if pe_dim != DS_MLA_P:
-        raise ValueError(f"{names[1]}: kv_cache_dtype='fp8_ds_mla' needs pe_dim {DS_MLA_P}, got {pe_dim}")
+    if pe_dim not in DS_MLA_PE_DIMS:
+        raise ValueError(f"{names[1]}: kv_cache_dtype='fp8_ds_mla' needs pe_dim {DS_MLA_P} (or 0: "
+                         f"NoPE), got {pe_dim}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{names[2]}: kv_cache_dtype='fp8_ds_mla' needs float16 or bfloat16 input, "
                          f"got {dtype}")
 
 
-def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None) -> MlaMode:
+def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None, *,
+             ds_mla_scale: str | DsMlaScale = DEFAULT_DS_MLA_SCALE) -> MlaMode:
     """Check every argument of :func:`concat_and_cache_mla`; return the parsed mode.
 
     Raises TypeError/ValueError naming the argument, what was expected and what came.
     """
     mode = parse_mla_mode(kv_cache_dtype)
+    parse_ds_mla_scale(ds_mla_scale, mode)
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                     ("slot_mapping", slot_mapping)):
         require_tensor(name, t)
@@ -133,9 +171,10 @@ def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None) -> 
     pe_dim = k_pe.shape[1]
     if k_pe.shape[0] != t_pad:
         raise ValueError(f"k_pe: expected {t_pad} rows (those of kv_c), got shape {_shape(k_pe)}")
-    if kv_lora_rank < 1 or pe_dim < 1:
-        raise ValueError(f"kv_c, k_pe: expected kv_lora_rank >= 1 and pe_dim >= 1, got "
-                         f"{kv_lora_rank} and {pe_dim}")
+    # pe_dim 0 (NoPE layers) is fp8_ds_mla's only (_check_ds_geometry below).
+    if kv_lora_rank < 1 or (pe_dim < 1 and mode is not MlaMode.FP8_DS_MLA):
+        raise ValueError(f"kv_c, k_pe: expected kv_lora_rank >= 1 and pe_dim >= 1 (pe_dim 0 only "
+                         f"with kv_cache_dtype='fp8_ds_mla'), got {kv_lora_rank} and {pe_dim}")
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name}: expected a unit-stride last dim, got strides {tuple(t.stride())}")
@@ -198,6 +237,7 @@ def select_implementation(kv_c, kv_cache, mode: MlaMode, implementation: str | N
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                          scale: torch.Tensor | None = None, *,
+                         ds_mla_scale: str = DEFAULT_DS_MLA_SCALE.value,
                          implementation: str | None = None) -> None:
     """Write one latent row per token into an MLA cache; mutates ``kv_cache``.
 
@@ -207,11 +247,14 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     - "auto": ``kv_c[t]`` then ``k_pe[t]`` (bits copied; cache dtype = input dtype);
     - "fp8"/"fp8_e4m3"/"fp8_e5m2": both quantized by the fp8 rule with the one ``scale``
       (``fp8(float32(x) / scale)``, saturating), into a uint8 or float8 cache;
-    - "fp8_ds_mla" (L = 512, P = 64, float16/bfloat16 input, uint8 cache of last dim 656): bytes
-      ``[0, 512)`` the 4 tiles of 128 ``kv_c`` values as e4m3 of ``x / s_j`` with
-      ``s_j = max(amax_j / 448, 2^-126)`` (``amax_j`` the largest ``|x|`` of tile j, NaN ignored; an
-      all-NaN tile has amax 0), bytes ``[512, 528)`` ``s_0..s_3`` as float32, bytes ``[528, 656)``
-      the 16-bit patterns of ``k_pe[t]``. ``scale`` is not used.
+    - "fp8_ds_mla" (L = 512, P = 64 or 0, float16/bfloat16 input, uint8 cache of last dim 656):
+      bytes ``[0, 512)`` the 4 tiles of 128 ``kv_c`` values as e4m3 of ``x / s_j``, from
+      ``r_j = amax_j / 448`` (``amax_j`` the largest ``|x|`` of tile j, NaN ignored; an all-NaN
+      tile has amax 0) by ``ds_mla_scale``: "pow2" (the default, vLLM 0.33) ``s_j`` = the
+      smallest power of two ``>= max(r_j, float32(1e-4))``, "amax" (earlier vLLM)
+      ``s_j = max(r_j, 2^-126)``; bytes ``[512, 528)`` ``s_0..s_3`` as float32, bytes
+      ``[528, 656)`` the 16-bit patterns of ``k_pe[t]``, zeros when ``P = 0`` (NoPE layers).
+      ``scale`` is not used; ``ds_mla_scale`` must be left at its default in the other modes.
 
     No other byte of the cache changes. Negative slots (padding) and slots past the cache are
     skipped; rows past T are never read; T == 0 is a no-op; which of two tokens with one slot wins
@@ -224,25 +267,34 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     host sync), so a captured CUDA graph sees new values. :func:`create_mla_cache` allocates.
     """
     if torch.compiler.is_compiling():
+        if isinstance(kv_cache_dtype, MlaMode):
+            kv_cache_dtype = kv_cache_dtype.value
+        if isinstance(ds_mla_scale, DsMlaScale):
+            ds_mla_scale = ds_mla_scale.value
         torch.ops.kvwrite.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping,
-                                               str(kv_cache_dtype), scale, implementation or "")
+                                               str(kv_cache_dtype), scale, str(ds_mla_scale),
+                                               implementation or "")
         return
-    mode = validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
+    mode = validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
+                    ds_mla_scale=ds_mla_scale)
+    rule = parse_ds_mla_scale(ds_mla_scale, mode)
     info = select_implementation(kv_c, kv_cache, mode, implementation)
     if slot_mapping.numel() == 0:
         return
-    info.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale if mode.uses_scale else None)
+    info.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale if mode.uses_scale else None,
+             ds_scale=rule)
 
 
 @torch.library.custom_op("kvwrite::concat_and_cache_mla", mutates_args=("kv_cache",))
 def _custom_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None,
-               implementation: str) -> None:
+               ds_mla_scale: str, implementation: str) -> None:
     """The op as torch.compile sees it: an opaque call that mutates the cache."""
     concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
-                         implementation=implementation or None)
+                         ds_mla_scale=ds_mla_scale, implementation=implementation or None)
 
 
 @_custom_op.register_fake
-def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, implementation) -> None:
+def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, ds_mla_scale,
+      implementation) -> None:
     return None

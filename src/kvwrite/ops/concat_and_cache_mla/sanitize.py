@@ -3,7 +3,7 @@ the GPU against the torch reference on the CPU over the same inputs, the whole c
 compared byte for byte. The cases stress the bounds in every mode: padding and out-of-range
 slots, int32 slots, rows past T, k_pe a slice of the latent projection, padded and unaligned
 cache entries, a slot-major cache, odd kv_lora_rank and pe_dim (narrow accesses), fp8_ds_mla
-special tiles, more tokens than one wave."""
+special tiles under both tile scale rules, NoPE rows (k_pe [T, 0]), more tokens than one wave."""
 
 from __future__ import annotations
 
@@ -25,8 +25,14 @@ CASES = [
             padding_slots=3, out_of_range_slots=3, special_values=True),
     MlaCase(num_tokens=9, kv_cache_dtype="fp8_ds_mla", cache_offset=2, cache_pad=6,
             dtype=torch.float16, out_of_range_slots=2),  # unaligned entries: narrow accesses
+    MlaCase(num_tokens=17, kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax", cache_pad=8,
+            padding_slots=3, out_of_range_slots=3, special_values=True),
+    MlaCase(num_tokens=9, kv_cache_dtype="fp8_ds_mla", pe_dim=0, latent_slices=True,
+            cache_offset=2, cache_pad=6, out_of_range_slots=2, special_values=True),  # NoPE
     MlaCase(num_tokens=30_000, kv_cache_dtype="fp8_ds_mla", num_blocks=2000,
             padding_slots=40, out_of_range_slots=40),  # the large-call (bracket) build
+    MlaCase(num_tokens=30_000, kv_cache_dtype="fp8_ds_mla", ds_mla_scale="amax", pe_dim=0,
+            num_blocks=2000, padding_slots=40, out_of_range_slots=40),
     MlaCase(num_tokens=30_000, num_blocks=2000, padding_slots=40, out_of_range_slots=40),
 ]
 
@@ -38,8 +44,8 @@ def run_case(case: MlaCase, device: str = "cuda",
     from . import concat_and_cache_mla
 
     gpu, cpu = make_mla_inputs(case, device), make_mla_inputs(case, "cpu")
-    concat_and_cache_mla(*gpu.args(), implementation=implementation)
-    concat_and_cache_mla(*cpu.args(), implementation="torch")
+    concat_and_cache_mla(*gpu.args(), **gpu.kwargs(), implementation=implementation)
+    concat_and_cache_mla(*cpu.args(), **cpu.kwargs(), implementation="torch")
     if device != "cpu":
         torch.cuda.synchronize()
     bad = mla_differing_bytes(gpu.kv_cache, cpu.kv_cache, case.mode)  # NaN-aware in fp8 codes

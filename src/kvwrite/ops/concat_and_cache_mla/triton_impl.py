@@ -10,10 +10,11 @@ slots and scale.
 - "auto": the bits are copied; "fp8_e4m3"/"fp8_e5m2": the fp8 rule with the one scale, exactly
   (``kvwrite.kernels.triton_fp8``: the true float32 quotient without a division per element).
 - "fp8_ds_mla": ``kv_c`` is loaded as ``[BLOCK_T, 4, 128]``; each tile's amax is a reduction
-  over the tile with NaN replaced by 0 (fmaxf's rule, from 0), ``s = max(div_rn(amax, 448),
-  FLT_MIN)`` is a true division, and each element is e4m3 of the exact quotient ``x / s``. The
-  scales and the rotary part are stored as bytes (``k_pe`` is read through a byte view), so any
-  cache row alignment works.
+  over the tile with NaN replaced by 0 (fmaxf's rule, from 0), ``r = div_rn(amax, 448)`` a true
+  division, ``s`` from it by the rule (the constexpr ``POW2``: ``ue8m0_round_up(max(r,
+  float32(1e-4)))``, else ``max(r, FLT_MIN)``), and each element is e4m3 of the exact quotient
+  ``x / s``. The scales and the rotary part are stored as bytes (``k_pe`` is read through a byte
+  view), so any cache row alignment works; with ``P = 0`` (NoPE) the rotary bytes are zeros.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
 differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
@@ -27,14 +28,32 @@ import functools
 
 import torch
 
+from ...dtypes import SCALE_FLOOR_1E4_BITS
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, store_quantized, tl, triton
+from ...kernels.triton_fp8 import (
+    fp8_quotient,
+    fp8_scale,
+    pdl_entry,
+    store_quantized,
+    tl,
+    triton,
+    ue8m0_round_up,
+)
 from ...kernels.triton_support import next_pow2
-from .op import DS_MLA_L, DS_MLA_PE_OFFSET, DS_MLA_SCALES_OFFSET, DS_MLA_TILE, MlaMode
+from .op import (
+    DEFAULT_DS_MLA_SCALE,
+    DS_MLA_L,
+    DS_MLA_P,
+    DS_MLA_PE_OFFSET,
+    DS_MLA_SCALES_OFFSET,
+    DS_MLA_TILE,
+    DsMlaScale,
+    MlaMode,
+)
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
@@ -120,6 +139,8 @@ if triton is not None:
     # Byte offsets of the scales and the rotary part in an fp8_ds_mla entry.
     SCALES_OFFSET = tl.constexpr(DS_MLA_SCALES_OFFSET)
     PE_OFFSET = tl.constexpr(DS_MLA_PE_OFFSET)
+    PE_BYTES = tl.constexpr(2 * DS_MLA_P)
+    FLOOR_1E4_BITS = tl.constexpr(SCALE_FLOOR_1E4_BITS)  # float32(1e-4), the "pow2" floor
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _mla_kernel(
@@ -140,6 +161,7 @@ if triton is not None:
         BLOCK_L: tl.constexpr,  # L and P rounded up to powers of two (masked)
         BLOCK_P: tl.constexpr,
         MODE: tl.constexpr,  # COPY, E4M3, E5M2 or 3 (fp8_ds_mla)
+        POW2: tl.constexpr,  # fp8_ds_mla's tile scale rule: "pow2" (True) or "amax"
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
@@ -159,14 +181,21 @@ if triton is not None:
             col = (j * 128)[None, :, None] + k[None, None, :]  # [1, TILES, 128]
             x = tl.load(kv_c_ptr + (t64 * KV_C_STRIDE)[:, None, None] + col,
                         mask=t_in[:, None, None])
-            pb = tl.arange(0, 2 * P)
-            pe = tl.load(k_pe_ptr + (t64 * K_PE_STRIDE)[:, None] + pb[None, :],
-                         mask=t_in[:, None])
+            pb = tl.arange(0, PE_BYTES)
+            if P == 0:  # NoPE: the rotary bytes are zeros
+                pe = tl.zeros((BLOCK_T, PE_BYTES), tl.uint8)
+            else:
+                pe = tl.load(k_pe_ptr + (t64 * K_PE_STRIDE)[:, None] + pb[None, :],
+                             mask=t_in[:, None])
             xf = x.to(tl.float32)
             a = tl.where(xf == xf, tl.abs(xf), 0.0)  # NaN ignored, as fmaxf does
             amax = tl.max(a, axis=2)  # [BLOCK_T, TILES]
-            s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
-                           1.1754943508222875e-38)  # FLT_MIN = 2^-126
+            r = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            if POW2:
+                floor = tl.full(r.shape, FLOOR_1E4_BITS, tl.int32).to(tl.float32, bitcast=True)
+                s = ue8m0_round_up(tl.maximum(r, floor))
+            else:
+                s = tl.maximum(r, 1.1754943508222875e-38)  # FLT_MIN = 2^-126
             m, s2, y = fp8_scale(s)
             q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], 448.0, 1)
             codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -200,7 +229,8 @@ assert DS_MLA_TILE == 128 and DS_MLA_L % DS_MLA_TILE == 0  # the kernel's tile s
 
 
 def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-        mode: MlaMode, scale: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
+        mode: MlaMode, scale: torch.Tensor | None, *,
+        ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE, tuning: TritonTuning = TUNING) -> None:
     """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
@@ -209,7 +239,9 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     P = k_pe.shape[1]
     code = _MODE[mode]
     if code == _DS:
-        k_pe = k_pe.view(torch.uint8)  # the rotary part is copied as bytes
+        # The rotary part is copied as bytes; NoPE (P = 0) reads none (kv_c stands in for the
+        # pointer: an empty tensor's may be null).
+        k_pe = k_pe.view(torch.uint8) if P else kv_c
     block_t, warps = _tiling(num_tokens, (L + P) * kv_c.element_size(), tuning, code)
     num_blocks, block_size = kv_cache.shape[:2]
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
@@ -220,10 +252,11 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     _mla_kernel[grid](
         kv_c, k_pe, kv_cache, slot_mapping, scale if code in (_E4M3, _E5M2) else None, num_tokens,
         KV_C_STRIDE=kv_c.stride(0) if t_pad > 1 else 0,
-        K_PE_STRIDE=k_pe.stride(0) if t_pad > 1 else 0,
+        K_PE_STRIDE=k_pe.stride(0) if t_pad > 1 and P else 0,
         STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
         STRIDE_S=kv_cache.stride(1) if block_size > 1 else 0,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
-        BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code, BLOCK_T=block_t, PDL=pdl,
+        BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code,
+        POW2=code == _DS and ds_scale is DsMlaScale.POW2, BLOCK_T=block_t, PDL=pdl,
         PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )

@@ -257,3 +257,18 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
     out[i >> 2] |= fp8x2_from_f32<FMT>(q0, q1) << ((i & 2) * 8);
   }
 }
+
+// ------------------------------------------------------------------------------------------
+// Power-of-two scales (vLLM's "ue8m0" scales: DeepSeek's indexer, fp8_ds_mla's "pow2" rule):
+// the smallest power of two >= s for a positive float32 s, from the bits as DeepSeek's
+// fast_log2_ceil does: s itself when its 23 mantissa bits are zero (a power of two, and +inf),
+// else 2^(e+1) for s in (2^e, 2^(e+1)) (a carry past 2^127 gives +inf; a subnormal s gives
+// 2^-126, which the callers' floors never reach). exp2f(ceilf(log2f(s)))
+// is not this: it can return 2^e for s a few ulps above 2^e. Host-testable. The PyTorch and
+// Triton twins: kvwrite.dtypes.ue8m0_round_up, kvwrite.kernels.triton_fp8.ue8m0_round_up.
+// ------------------------------------------------------------------------------------------
+KVW_HD float ue8m0_round_up(float s) {
+  u32 b = f32_bits(s);
+  if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x00800000u;
+  return bits_f32(b);
+}
