@@ -35,14 +35,8 @@
 #include "kvw/slot.cuh"
 
 // The group scale from its amax (>= 0, never NaN): s = max(amax, float32(1e-4)) / 448, a true
-// float32 division, then for ue8m0 the smallest power of two >= s (s itself when its 23 mantissa
-// bits are zero, else the next binade's power; +inf keeps its zero mantissa). Host-testable.
-KVW_HD float indexer_ue8m0(float s) {
-  u32 b = f32_bits(s);
-  if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x00800000u;
-  return bits_f32(b);
-}
-
+// float32 division, then for ue8m0 the smallest power of two >= s (kvw/fp8.cuh's
+// ue8m0_round_up). Host-testable.
 // The scale formats (the fixed argument scale_fmt; cuda_impl.py's _FMT_CODE).
 #define KVW_INDEXER_FMT_F32 0
 #define KVW_INDEXER_FMT_UE8M0 1
@@ -51,7 +45,7 @@ KVW_HD float indexer_ue8m0(float s) {
 KVW_HD float indexer_scale(float amax, bool ue8m0) {
   const float floor = bits_f32(0x38D1B717u);  // float32(1e-4)
   const float s = div_rn(amax > floor ? amax : floor, 448.0f);
-  return ue8m0 ? indexer_ue8m0(s) : s;
+  return ue8m0 ? ue8m0_round_up(s) : s;
 }
 
 // The exact reciprocal of a power-of-two scale s = 2^k (|k| <= 126 here) as a float, 0 for +inf.

@@ -9,7 +9,7 @@ import operator
 import torch
 
 from ... import registry
-from ...dtypes import INPUT_DTYPES
+from ...dtypes import INPUT_DTYPES, SCALE_FLOOR_1E4_BITS
 from ...validation import (
     check_mutation_safe,
     check_slot_dtype,
@@ -26,7 +26,7 @@ OP = "indexer_k_quant_and_cache"
 
 # The group scale s = max(amax, float32(1e-4)) / 448 (a true float32 division).
 E4M3_MAX = 448.0
-SCALE_FLOOR_BITS = 0x38D1B717  # float32(1e-4)
+SCALE_FLOOR_BITS = SCALE_FLOOR_1E4_BITS  # float32(1e-4)
 SCALE_FLOOR = 1e-4  # rounds to SCALE_FLOOR_BITS as float32
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...dtypes import ue8m0_round_up
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
 __all__ = ["available", "unsupported", "run", "group_scales", "quantize_rows", "page_views",
@@ -23,12 +24,7 @@ def unsupported(k, kv_cache, fmt) -> str | None:
     return None
 
 
-def ue8m0(s: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two ``>= s`` for positive float32 ``s`` (from the bits: s itself when
-    its mantissa is zero, else the next binade's power; +inf stays +inf)."""
-    bits = s.view(torch.int32)
-    up = ((bits >> 23) + 1) << 23
-    return torch.where((bits & 0x7FFFFF) != 0, up, bits).view(torch.float32)
+ue8m0 = ue8m0_round_up  # the shared rule (kvwrite.dtypes), under the name the tests know
 
 
 def group_scales(x: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton
+from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton, ue8m0_round_up
 from ...kernels.triton_support import next_pow2
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
@@ -122,11 +122,7 @@ if triton is not None:
         floor = tl.full(amax.shape, FLOOR_BITS, tl.int32).to(tl.float32, bitcast=True)
         s = tl.math.div_rn(tl.maximum(amax, floor), tl.full(amax.shape, FMAX, tl.float32))
         if UE8M0:
-            # s > 0: round up to the next power of two unless the mantissa is zero (+inf has a
-            # zero mantissa and stays).
-            bits = s.to(tl.int32, bitcast=True)
-            bits = tl.where((bits & 0x7FFFFF) != 0, ((bits >> 23) + 1) << 23, bits)
-            s = bits.to(tl.float32, bitcast=True)
+            s = ue8m0_round_up(s)  # s > 0
         m, s2, y = fp8_scale(s)
         q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], FMAX, STEPS)
         codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
