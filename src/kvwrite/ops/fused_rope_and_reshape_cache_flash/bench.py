@@ -312,7 +312,11 @@ class FusedRopeBench(OpBench):
                                  f"is rotated and cached, and checked"),
                 "bytes per call: fused = T*(2*Hq*D*e + 2*H*D*e + rot*4 + 16) + N*(H*D*e + "
                 "2*H*D*c); pair = fused + N*H*D*e; rotary = T*(2*(Hq+H)*D*e + rot*4 + 8) "
-                "(N = T less the padding)"]
+                "(N = T less the padding)",
+                "columns: best pair/fused = the fastest pair's latency / the fastest fused's; "
+                "bound = pair bytes / fused bytes, the most the fusion can gain once both are "
+                "bandwidth-bound; fused %BW and rotary %BW = the fastest one's GB/s as a "
+                "percentage of the copy bandwidth"]
 
     def kind_ops(self, kind: str) -> tuple[str, ...]:
         return {"fused": (FUSED,), "pair": (ROPE, WRITE), "rotary": (ROPE,)}[kind]
