@@ -199,14 +199,19 @@ def test_layouts_fp8_e5m2_per_head_and_host_sync_on_cpu(tmp_path, capsys):
     assert all(r["timer"] == "host-sync" and r["bytes"] % 2 == 0 for r in rows)
 
 
-def test_unsupported_points_print_nan_with_a_reason(capsys):
-    # fp8 needs head_size % 16 == 0 (vLLM's rule); 2048 tokens exceed 64 blocks * 16 slots.
-    argv = ["--device", "cpu", "--num-tokens", "2,2048", "--num-heads", "2", "--head-size", "120",
-            "--num-blocks", "64", "--iters", "3", "--kv-cache-dtype", "fp8"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert [r[2] for r in _table_rows(out)] == ["nan"] * 4
-    assert "head_size % 16" in out
+@pytest.mark.parametrize("argv, flag", [
+    # fp8 needs head_size % 16 == 0 (vLLM's rule).
+    (["--num-tokens", "2", "--head-size", "120", "--kv-cache-dtype", "fp8"], "--head-size"),
+    # 2048 tokens exceed 64 blocks * 16 slots.
+    (["--num-tokens", "2,2048"], "--num-blocks"),
+])
+def test_points_that_cannot_run_are_refused_before_the_sweep(monkeypatch, capsys, argv, flag):
+    monkeypatch.setattr(engine, "measure_env", lambda *a: pytest.fail("work started"))
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--num-heads", "2", "--num-blocks", "64", *argv])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "cannot run" in lines[0], lines
 
 
 def test_seed_script_runs_from_a_checkout(tmp_path):
@@ -523,17 +528,18 @@ def test_all_means_the_implementations_available_on_the_device():
 
 
 def test_seed_table_is_vllms_format():
-    # vLLM prints f"{latency_us:.3f}" strings through tabulate's defaults; this is that output,
-    # written out, so a change of format (ours or tabulate's) shows here.
+    # vLLM's layout (tabulate's "simple" format, f"{latency_us:.3f}" cells), the numbers printed
+    # fixed-point as formatted: tabulate's own re-reading printed 1005980.123 as 1.00598e+06.
     rows = [sweep_row(2, "NHD", 3.05), sweep_row(65536, "HND", 2406.981),
-            sweep_row(16, "HND", float("nan"))]
+            sweep_row(131072, "NHD", 1005980.123), sweep_row(16, "HND", float("nan"))]
     cfg = configure(["--device", "cpu"])[0]
     assert engine.table(BENCH, rows, cfg) == (
         "  num_tokens  layout      latency (µs)\n"
         "------------  --------  --------------\n"
-        "           2  NHD                 3.05\n"
-        "       65536  HND              2406.98\n"
-        "          16  HND               nan")
+        "           2  NHD                3.050\n"
+        "       65536  HND             2406.981\n"
+        "      131072  NHD          1005980.123\n"
+        "          16  HND                  nan")
 
 
 def sweep_row(num_tokens: int, layout: str, latency_us: float):
@@ -646,13 +652,15 @@ def test_slot_pattern_flags_end_to_end_on_cpu(tmp_path, capsys, pattern):
         assert {line["slots"] for line in csv.DictReader(f)} == {kind}
 
 
-def test_slot_pattern_that_does_not_fit_is_a_skipped_point(capsys):
+def test_slot_pattern_that_does_not_fit_is_refused_before_the_sweep(capsys):
     # 32 decode sequences need 32 blocks; the cache has 16.
     argv = ["--device", "cpu", "--num-blocks", "16", "--num-heads", "2", "--head-size", "64",
             "--num-tokens", "4,32", "--iters", "3", "--slots", "decode"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "num_tokens 32: skipped: a decode batch of 32 sequences" in out
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_tokens 32 with --slots decode needs 32 cache blocks" in err
 
 
 @pytest.mark.parametrize("argv,flag", [

@@ -3,6 +3,7 @@ work, Ctrl-C keeps what was measured, small CPU defaults, report and plot of any
 JSON, output paths really written, optional packages named, every op's sanitize cases."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from kvwrite import registry
 from kvwrite.bench import cli, engine
 from kvwrite.bench.cli import main
+from kvwrite.bench.models import MODELS
 from kvwrite.bench.probes import sanitize
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -102,6 +104,21 @@ COMMON_BAD = [
     (["--csv", "/proc/x.csv"], "--csv"), (["--plot", "a.txt"], "--plot"),
     (["--plot", "/no/such/folder/p.png"], "--plot"), (["--mode", "x"], "--mode"),
     (["--timer", "x"], "--timer"), (["--no-such-flag"], "--no-such-flag"),
+    # Conflicting or empty: each refused, never silently resolved.
+    (["--no-graph", "--mode", "cudagraph"], "--no-graph"),
+    (["--json", "x.json", "--csv", "x.json"], "--csv"),
+    (["--json", "x.json", "--plot", "./x.json"], "--plot"),
+    (["--num-tokens", "2,,16"], "--num-tokens"), (["--num-tokens", "2,16,"], "--num-tokens"),
+    (["--implementation", "torch,,torch"], "--implementation"),
+    (["--threads", "0"], "--threads"), (["--threads", "x"], "--threads"),
+]
+# The slot flags a pattern does not read, on every subcommand that has slot patterns.
+SLOT_BAD = [
+    (["--decode-tokens", "4"], "--decode-tokens"),
+    (["--slots", "decode", "--decode-tokens", "4"], "--decode-tokens"),
+    (["--slots", "mixed", "--decode-tokens", "2", "--decode-fraction", "0.5"], "--decode-tokens"),
+    (["--decode-fraction", "0.5"], "--decode-fraction"),
+    (["--context-len", "5"], "--context-len"), (["--prefill-len", "8"], "--prefill-len"),
 ]
 OWN_BAD = {
     "reshape_and_cache_flash": [
@@ -110,7 +127,10 @@ OWN_BAD = {
         (["--num-heads", "8", "--tp", "3"], "--tp"), (["--model", "nope"], "--model"),
         (["--model", "llama-3.1-8b", "--num-heads", "4"], "--model"),
         (["--dtype", "bogus"], "--dtype"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype"),
-        (["--slots", "bogus"], "--slots"), (["--pad-fraction", "2"], "--pad-fraction")],
+        (["--slots", "bogus"], "--slots"), (["--pad-fraction", "2"], "--pad-fraction"),
+        (["--layouts", "NHD,,HND"], "--layouts"), (["--per-head-scale"], "--per-head-scale"),
+        (["--num-tokens", "2048"], "--num-blocks"),
+        (["--slots", "decode", "--num-tokens", "128"], "--num-blocks")],
     "rope": [
         (["--dtypes", "bogus"], "--dtypes"), (["--heads", "bogus"], "--heads"),
         (["--heads", "4,2,0"], "--heads"), (["--kinds", "bogus"], "--kinds"),
@@ -120,7 +140,9 @@ OWN_BAD = {
         (["--num-blocks", "-3"], "--num-blocks"), (["--kv-cache-dtypes", "bogus"],
                                                    "--kv-cache-dtypes"),
         (["--model", "bogus"], "--model"), (["--slots", "bogus"], "--slots"),
-        (["--pad-fraction", "2"], "--pad-fraction")],
+        (["--pad-fraction", "2"], "--pad-fraction"), (["--kinds", "fused,,pair"], "--kinds"),
+        (["--layouts", "NHD,"], "--layouts"), (["--heads", "4,2,32;"], "--heads"),
+        (["--model", "llama-3.1-8b"], "--model")],
     "mla": [
         (["--kv-lora-rank", "0"], "--kv-lora-rank"), (["--pe-dim", "0"], "--pe-dim"),
         (["--num-blocks", "0"], "--num-blocks"), (["--block-size", "0"], "--block-size"),
@@ -128,41 +150,52 @@ OWN_BAD = {
         (["--kv-cache-dtype", "fp8_ds_mla", "--kv-lora-rank", "256"],
          "--kv-cache-dtype fp8_ds_mla"),
         (["--kv-cache-dtype", "fp8_ds_mla", "--dtype", "float"], "--kv-cache-dtype fp8_ds_mla"),
-        (["--slots", "bogus"], "--slots")],
+        (["--slots", "bogus"], "--slots"), (["--num-tokens", "256"], "--num-blocks")],
     "legacy": [
         (["--layouts", "NHD"], "--layouts"), (["--head-size", "100"], "--head-size"),
-        (["--num-heads", "0"], "--num-heads"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype")],
+        (["--num-heads", "0"], "--num-heads"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype"),
+        (["--num-tokens", "1024"], "--num-blocks")],
     "per-token-head": [
         (["--modes", "int8,int5"], "--modes"), (["--head-size", "63", "--modes", "int4"],
                                                 "--head-size"),
         (["--head-size", "62"], "--head-size"), (["--layouts", "NHD,X"], "--layouts"),
         (["--kv-alloc", "x"], "--kv-alloc"), (["--num-heads", "0"], "--num-heads"),
         (["--model", "llama-3.1-8b", "--num-heads", "4"], "--model"),
-        (["--num-heads", "8", "--tp", "3"], "--tp")],
+        (["--num-heads", "8", "--tp", "3"], "--tp"), (["--modes", "int8,"], "--modes"),
+        (["--slots", "decode"], "--num-blocks")],
     "nvfp4": [
         (["--modes", "nvfp5"], "--modes"), (["--head-size", "40"], "--head-size"),
         (["--head-size", "48"], "--v-scale-layouts"),
         (["--v-scale-layouts", "x"], "--v-scale-layouts"), (["--layouts", "X"], "--layouts"),
-        (["--kinds", "fp4"], "--kinds"), (["--block-size", "0"], "--block-size")],
+        (["--kinds", "fp4"], "--kinds"), (["--block-size", "0"], "--block-size"),
+        (["--num-tokens", "128"], "--num-blocks")],
     "qk-norm-rope": [
         (["--model", "qwen9"], "--model"), (["--heads", "4,2"], "--heads"),
         (["--heads", "4,2,33"], "--heads"), (["--model", "qwen3-8b", "--heads", "4,2,32"],
                                              "--heads"),
         (["--dtype", "int8"], "--dtype"), (["--kv-cache-dtypes", "x"], "--kv-cache-dtypes"),
         (["--layouts", "Y"], "--layouts"), (["--max-position", "0"], "--max-position"),
-        (["--kinds", "fused,x"], "--kinds")],
+        (["--kinds", "fused,x"], "--kinds"), (["--kinds", "fused,,pair"], "--kinds")],
     "gather": [
         (["--kv-cache-dtypes", "fp4"], "--kv-cache-dtypes"), (["--mix", "x"], "--mix"),
         (["--num-seqs", "0"], "--num-seqs"), (["--entry", "0"], "--entry"),
-        (["--kinds", "dequant,x"], "--kinds"), (["--dtype", "float"], "--dtype")],
+        (["--kinds", "dequant,x"], "--kinds"), (["--dtype", "float"], "--dtype"),
+        (["--kinds", "cp,,flash"], "--kinds"), (["--num-tokens", "4096"], "--num-blocks")],
     "indexer": [
         (["--head-dim", "0"], "--head-dim"), (["--quant-block-size", "48"], "--quant-block-size"),
         (["--block-size", "0"], "--block-size"), (["--num-blocks", "-1"], "--num-blocks"),
         (["--dtype", "x"], "--dtype"), (["--scale-fmts", "ue8m0,x"], "--scale-fmts"),
         (["--scale-fmts", "ue8m0,mxfp8", "--quant-block-size", "64"], "--quant-block-size"),
-        (["--slots", "bogus"], "--slots")],
+        (["--slots", "bogus"], "--slots"), (["--num-tokens", "128"], "--num-blocks")],
 }
-BAD = [(sub, argv, flag) for sub in SUBS for argv, flag in COMMON_BAD + OWN_BAD[sub]]
+
+
+def _has_slots(sub: str) -> bool:
+    return "--decode-tokens" in engine.build_parser(_bench(sub), sub)._option_string_actions
+
+
+BAD = [(sub, argv, flag) for sub in SUBS
+       for argv, flag in COMMON_BAD + OWN_BAD[sub] + (SLOT_BAD if _has_slots(sub) else [])]
 
 
 @pytest.mark.parametrize("sub, argv, flag", BAD,
@@ -180,7 +213,178 @@ def test_every_bad_flag_is_one_line_and_exit_2_before_any_work(monkeypatch, caps
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], err
-    assert not os.path.exists("/proc/x.json")
+    assert not os.path.exists("/proc/x.json") and not os.path.exists("x.json")
+
+
+# --- issue 41: the walk-through on a CPU machine ---------------------------------------------------
+
+MODEL_SUBS = [s for s in cli.SUBCOMMANDS
+              if "--model" in engine.build_parser(_bench(s), s)._option_string_actions]
+
+
+@pytest.mark.parametrize("sub", MODEL_SUBS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_model_subcommand_takes_the_one_model_list(sub, model):
+    """Every preset of bench/models.py configures on the CPU's defaults (whose small --heads is
+    no user input), or is refused in one line naming --model where the op cannot run its shape
+    (qk-norm-rope: the models without a QK norm)."""
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.bench import PRESETS
+
+    argv = ["--device", "cpu", "--model", model]
+    if sub == "fused_qk_norm_rope_and_reshape_cache_flash" and MODELS[model].qk_norm is None:
+        with pytest.raises(ValueError, match=rf"^--model: {re.escape(model)} has no QK norm"):
+            engine.configure(_bench(sub), argv, sub)
+        return
+    _, args, points, _ = engine.configure(_bench(sub), argv, sub)
+    if sub == "fused_qk_norm_rope_and_reshape_cache_flash":
+        assert args.shapes == [(model, PRESETS[model])]
+    m = MODELS[model]
+    assert {(p.num_heads if hasattr(p, "num_heads") else p.case.num_heads) for p in points} == {
+        m.num_kv_heads}
+
+
+def test_qk_norm_rope_model_on_the_cpu_runs(capsys):
+    argv = ["qk-norm-rope", "--device", "cpu", "--model", "qwen3-30b-a3b", "--num-tokens", "2",
+            "--kinds", "fused", "--iters", "2", "--graph-calls", "1", "--time-budget", "0.01"]
+    assert main(argv) == 0
+    assert "qwen3-30b-a3b (Hq,Hk,D)=(32,4,128)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--implementation", "all"], ["rope"], []])
+def test_no_gpu_is_one_short_line_before_the_implementations(monkeypatch, capsys, argv):
+    # As on a machine where no implementation is available without a GPU (--implementation all
+    # then listed every implementation's reason in one 996-character line).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(registry.ImplInfo, "available",
+                        lambda self, device: "needs a GPU" if str(device).startswith("cuda")
+                        else None)
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU is visible" in lines[0] and "--device cpu" in lines[0]
+    assert len(lines[0]) < 250, lines[0]
+
+
+def test_nothing_measured_is_exit_status_3(monkeypatch, capsys):
+    defn = _bench("reshape_and_cache_flash")
+    monkeypatch.setattr(type(defn), "unsupported", lambda self, ctx, kind, impl: "not here")
+    assert main(TINY["reshape_and_cache_flash"]) == engine.NOTHING_MEASURED == 3
+    assert "nothing was measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub, argv", [
+    ("rope", ["--model", "qwen3-8b", "--slots", "mixed"]),
+    ("rope", ["--model", "llama-3.1-8b", "--slots", "decode"]),
+    ("qk-norm-rope", ["--model", "qwen3-8b", "--slots", "mixed", "--num-tokens", "512"]),
+    ("reshape_and_cache_flash", ["--model", "llama-3.1-8b", "--slots", "decode"]),
+    ("reshape_and_cache_flash", ["--model", "qwen3-8b", "--slots", "mixed"]),
+    ("per-token-head", ["--model", "llama-3.1-8b", "--slots", "decode"]),
+])
+def test_model_serving_shapes_size_the_cache_for_every_point(sub, argv):
+    """--model with a sequence pattern: every point's slots are built in its cache (the decode
+    sequences' blocks counted), so no point is skipped; configure refuses any that would be."""
+    from kvwrite.bench.slots import make_slots
+
+    defn = _bench(sub)
+    _, _, points, _ = engine.configure(defn, ["--device", "cpu", *argv], sub)
+    assert max(p.num_tokens for p in points) >= 256
+    for p in points:
+        c = getattr(p, "case", p)
+        make_slots(c.slots, p.num_tokens, c.num_blocks, c.block_size)  # raises where it misfits
+
+
+def test_threads_flag_sets_and_the_header_says_them(capsys):
+    before = torch.get_num_threads()
+    try:
+        assert main([*TINY["reshape_and_cache_flash"], "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert re.search(r"^# CPU threads: 1 ", out, re.M), out
+
+
+def test_version(capsys):
+    from kvwrite import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvwrite-bench {__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        main(["rope", "--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_progress_lines_carry_an_eta(capsys):
+    assert engine.eta(10.0, 2, 6) == ", ETA 0:20" and engine.eta(1.0, 6, 6) == ""
+    assert engine.eta(3600.0, 1, 3) == ", ETA 2:00:00"
+    assert main(TINY["reshape_and_cache_flash"]) == 0
+    progress = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[")]
+    assert all(", ETA " in ln for ln in progress[:-1]) and ", ETA" not in progress[-1]
+
+
+def test_rope_header_defines_its_columns(capsys):
+    assert main(TINY["rope"]) == 0
+    out = capsys.readouterr().out
+    assert "bound" in out.split("\n# launch")[-1]  # the column
+    assert re.search(r"^# columns: .*bound = pair bytes / fused bytes", out, re.M)
+
+
+def _figure_of(monkeypatch, rows):
+    import matplotlib.figure
+
+    from kvwrite.bench.plot import plot_rows
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_rows(rows, "unused.png")
+    return saved[0]
+
+
+def test_plot_marks_skipped_points_draws_the_band_and_plain_ticks(monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PathCollection, PolyCollection
+
+    from kvwrite.bench.plot import tick_label
+    from kvwrite.bench.report import Row
+
+    rows = [Row(op="x", kind="x", implementation=i, num_tokens=t, params={"layout": "NHD"},
+                latency_us=math.nan if (i, t) == ("b", 64) else 0.5 + t / 100,
+                p20_us=0.45 + t / 100, p80_us=0.6 + t / 100, gbps=float(t))
+            for i in ("a", "b") for t in (1, 4, 16, 64)]
+    fig = _figure_of(monkeypatch, rows)
+    lat_ax, bw_ax = fig.axes[:2]
+    bands = [c for c in lat_ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 2  # one p20-p80 band per series
+    for ax in (lat_ax, bw_ax):
+        marks = [c for c in ax.collections if isinstance(c, PathCollection)]
+        assert len(marks) == 1 and [x for x, _ in marks[0].get_offsets()] == [64]
+    assert [tick_label(v) for v in (0.6, 1, 2, 40, 1024, 0.05, 2.5)] == [
+        "0.6", "1", "2", "40", "1024", "0.05", "2.5"]
+    fig.canvas.draw()
+    labels = [t.get_text() for ax in (lat_ax, bw_ax) for t in
+              ax.get_yticklabels() + ax.get_yticklabels(minor=True) + ax.get_xticklabels()]
+    assert labels and not any("e" in t or "\\times" in t or "^" in t for t in labels), labels
+
+
+def test_cli_imports_no_op_and_no_engine_until_a_subcommand_runs():
+    """What makes --help and --version quick and Ctrl-C during start-up one line: importing the
+    command line imports no op's benchmark and not the engine."""
+    code = ("import sys, kvwrite.bench.cli as c; "
+            "print(sorted(m for m in sys.modules if m.startswith('kvwrite.bench.') or "
+            "m.endswith('.bench')))")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['kvwrite.bench', 'kvwrite.bench.cli']", done.stdout
+
+
+def test_ctrl_c_while_starting_is_one_line_and_130(monkeypatch, capsys):
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "bench_of", interrupted)
+    assert main(["rope", "--device", "cpu"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
 
 
 def test_an_unknown_subcommand_is_one_line(capsys):
@@ -283,6 +487,7 @@ import sys
 sys.modules["triton"] = None  # `import triton` fails, as where it is not installed
 import torch, kvwrite
 from kvwrite.bench.cli import main
+from kvwrite.bench.models import MODELS
 reasons = [s.reason for s in kvwrite.implementations("cpu") if s.name == "triton"]
 print("REASONS", reasons)
 try:

@@ -231,9 +231,13 @@ def test_explicit_flags_win_over_the_serving_shape():
     cfg = _config("--model", "llama-3.1-8b", "--slots", "decode", "--num-tokens", "3,5",
                   "--context-len", "100")
     assert cfg.num_tokens == [3, 5] and cfg.slots.context_len == 100
-    cfg = _config("--model", "llama-3.1-8b", "--slots", "mixed", "--decode-tokens", "32",
-                  "--prefill-len", "64")
-    assert cfg.slots.decode_tokens == 32 and cfg.slots.prefill_len == 64
+    cfg = _config("--model", "llama-3.1-8b", "--slots", "mixed", "--decode-tokens", "32")
+    assert cfg.slots.decode_tokens == 32
+    cfg = _config("--model", "llama-3.1-8b", "--slots", "prefill", "--prefill-len", "64")
+    assert cfg.slots.prefill_len == 64
+    # mixed writes one prefill chunk: --prefill-len (which it does not read) is refused.
+    with pytest.raises(ValueError, match="--prefill-len: only read with --slots prefill"):
+        _config("--model", "llama-3.1-8b", "--slots", "mixed", "--prefill-len", "64")
     # A decode fraction given keeps mixed on its fraction.
     cfg = _config("--model", "llama-3.1-8b", "--slots", "mixed", "--decode-fraction", "0.25")
     assert cfg.slots.decode_tokens is None and cfg.slots.decode_fraction == 0.25

@@ -8,19 +8,22 @@
     kvwrite-bench probe NAME [...]              # development probes (kvwrite.bench.probes)
     kvwrite-bench sanitize                      # every op's bounds cases, for compute-sanitizer
 
+    kvwrite-bench --version
+
 Exit status: 0; 1 when an implementation failed its check or raised; 2 for a usage error (one
 line on stderr, before any work), an output path that cannot be written, nothing that can run on
-the device, or a point that does not fit; 130 on Ctrl-C (after printing the table of what was
-measured and writing the files).
+the device, or a point that does not fit; 3 when nothing was measured (every point unsupported
+or skipped); 130 on Ctrl-C (after printing the table of what was measured and writing the files;
+during start-up: one line).
+
+Nothing here imports an op, the engine or PyTorch's extras at module level: ``--version`` and the
+subcommand list need none, a subcommand imports its own definition only.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-
-from .engine import BenchError, Parser
-from .plot import PlotError
 
 __all__ = ["main", "SUBCOMMANDS", "TOOLS", "bench_of", "PROG"]
 
@@ -93,7 +96,7 @@ def subcommand_help() -> str:
 
 
 def _plot_main(argv: list[str], prog: str) -> int:
-    from .engine import check_output_path, check_plot_format
+    from .engine import Parser, check_output_path, check_plot_format
     from .plot import plot_rows
     from .report import ReportError, read_json
 
@@ -134,9 +137,24 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    from . import engine
-
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv, prog)
+    except KeyboardInterrupt:
+        # Ctrl-C while starting (importing PyTorch, an op, compiling): one line, no traceback.
+        # The sweep's own Ctrl-C is the engine's (the table of what was measured, then 130).
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], prog: str) -> int:
+    if argv[:1] == ["--version"]:
+        from .. import __version__
+        print(f"{PROG} {__version__}")
+        return 0
+    from . import engine
+    from .plot import PlotError
+
     try:
         if argv[:1] and argv[0] in TOOLS:
             return _tool_main(argv[0], argv[1:], prog)
@@ -147,17 +165,14 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                   f"{', '.join(TOOLS)}) or flags, got {argv[0]!r}", file=sys.stderr)
             return 2
         if "-h" in argv or "--help" in argv:
-            # The default subcommand's help, with every subcommand listed.
+            # The default subcommand's help (its one op imported), with every subcommand listed.
             engine.build_parser(bench_of("reshape_and_cache_flash"), prog).print_help()
             print("\n" + subcommand_help())
             return 0
         return engine.main(bench_of("reshape_and_cache_flash"), argv, prog)
-    except (BenchError, PlotError) as e:
+    except (engine.BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

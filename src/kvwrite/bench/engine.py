@@ -29,8 +29,10 @@ import datetime
 import importlib.metadata
 import math
 import os
+import re
 import shlex
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,6 +50,9 @@ __all__ = ["OpBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Par
            "OutOfMemoryError", "compare_with_reference"]
 
 COPY_BYTES = 2**30
+# The exit status of a run that measured nothing (every row unsupported or skipped): not 0, and
+# none of 1 (a failed check or an error), 2 (a usage error) or 130 (Ctrl-C).
+NOTHING_MEASURED = 3
 CPU_COPY_BYTES = 64 * 2**20
 # Kept free beyond the planned tensors: CUDA graphs, kernel modules, allocator rounding.
 MARGIN_BYTES = 512 * 2**20
@@ -271,7 +276,7 @@ def parse_num_tokens(text: str, flag: str = "--num-tokens") -> list[int]:
     """``"1,2,64"`` (or ``"1 2 64"``) -> [1, 2, 64]; ``"LO:HI"`` -> LO, 2*LO, 4*LO, ... up to HI."""
     bad = ValueError(f"{flag}: expected a list like 1,2,64 or a range LO:HI of doublings like "
                      f"2:65536 (positive integers), got {text!r}")
-    text = text.replace(" ", ",")
+    text = re.sub(r"\s*,\s*|\s+", ",", text.strip())
     try:
         if ":" in text:
             lo, hi = (int(x) for x in text.split(":"))
@@ -282,7 +287,7 @@ def parse_num_tokens(text: str, flag: str = "--num-tokens") -> list[int]:
                 out.append(lo)
                 lo *= 2
             return out
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         raise bad from None
     if not values or min(values) < 1:
@@ -294,9 +299,12 @@ def parse_list(text: str, flag: str, choices: Sequence[str] | None = None,
                convert: Callable[[str], object] | None = None) -> list:
     """A comma list (duplicates dropped); each item one of ``choices`` (case as given) and/or
     converted by ``convert`` (whose ValueError is reported naming ``flag``)."""
-    items = list(dict.fromkeys(x.strip() for x in str(text).split(",") if x.strip()))
-    if not items:
+    raw = [x.strip() for x in str(text).split(",")]
+    if not any(raw):
         raise ValueError(f"{flag}: expected a comma list, got {text!r}")
+    if not all(raw):
+        raise ValueError(f"{flag}: expected a comma list without empty items, got {text!r}")
+    items = list(dict.fromkeys(raw))
     out = []
     for x in items:
         if choices is not None and x not in choices:
@@ -354,8 +362,24 @@ def add_slot_flags(parser: argparse.ArgumentParser) -> None:
                         "--decode-fraction: the running batch of a serving step")
 
 
+# The slot flags each pattern reads (--pad-fraction: every pattern); one given for a pattern that
+# does not read it is a usage error, never silently ignored.
+SLOT_FLAGS = {"random": (), "decode": ("context_len",), "prefill": ("prefill_len",),
+              "mixed": ("context_len", "decode_fraction", "decode_tokens")}
+
+
 def slot_pattern(args: argparse.Namespace, max_position: int | None = None) -> SlotPattern:
-    """The :class:`SlotPattern` of :func:`add_slot_flags`'s flags (ValueError names a bad one)."""
+    """The :class:`SlotPattern` of :func:`add_slot_flags`'s flags (ValueError names a bad one, a
+    flag the pattern does not read, or --decode-tokens given with --decode-fraction)."""
+    given = getattr(args, "explicit", set())
+    for dest in ("context_len", "prefill_len", "decode_fraction", "decode_tokens"):
+        if dest in given and dest not in SLOT_FLAGS[args.slots]:
+            users = [k for k, v in SLOT_FLAGS.items() if dest in v]
+            raise ValueError(f"--{dest.replace('_', '-')}: only read with --slots "
+                             f"{' or '.join(users)}, got --slots {args.slots}")
+    if {"decode_fraction", "decode_tokens"} <= given:
+        raise ValueError("--decode-tokens: sets the decode tokens --decode-fraction would; give "
+                         "one of them")
     return SlotPattern(args.slots, pad_fraction=args.pad_fraction, context_len=args.context_len,
                        prefill_len=args.prefill_len, decode_fraction=args.decode_fraction,
                        decode_tokens=args.decode_tokens, max_position=max_position)
@@ -456,7 +480,7 @@ def build_parser(defn: OpBench, prog: str) -> Parser:
     g.add_argument("--mode", choices=["cudagraph", "no_graph"], default="cudagraph",
                    help="cudagraph (default): the timed calls are replays of one CUDA graph; "
                         "no_graph: eager calls, launch cost included")
-    g.add_argument("--no-graph", dest="mode", action="store_const", const="no_graph",
+    g.add_argument("--no-graph", action="store_true",
                    help="the same as --mode no_graph")
     g.add_argument("--timer", choices=["device", "host-sync"], default="device",
                    help="device (default): CUDA events around --graph-calls calls, median per "
@@ -480,6 +504,12 @@ def build_parser(defn: OpBench, prog: str) -> Parser:
     g.add_argument("--device", default="cuda",
                    help="cuda (default), cuda:N, or cpu (the torch implementation, host timings, "
                         "a small default shape)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for PyTorch's CPU kernels (torch.set_num_threads); CPU "
+                        "timings depend on it more than on anything else (default: PyTorch's, "
+                        "as OMP_NUM_THREADS sets it; the header says the count)")
+    g.add_argument("--version", action="version", version=f"kvwrite-bench {__version__}",
+                   help="print kvwrite-bench's version and exit")
     g.add_argument("--verbose", action="store_true",
                    help="add spread, bandwidth and status columns to the table")
     g.add_argument("--json", metavar="PATH", help="write {meta, rows} as JSON")
@@ -502,6 +532,13 @@ def build_parser(defn: OpBench, prog: str) -> Parser:
     return p
 
 
+def check_gpu(device: torch.device) -> None:
+    """Raise :class:`BenchError` where ``device`` is a CUDA device and PyTorch sees no GPU."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is "
+                         "False); pass --device cpu to run the torch implementation on the CPU")
+
+
 def _implementations(text: str, device: torch.device, defn: OpBench, mode: str
                      ) -> tuple[list[str], list[str]]:
     """(names, what 'all' left out and why)."""
@@ -520,6 +557,7 @@ def _implementations(text: str, device: torch.device, defn: OpBench, mode: str
             else:
                 names.append(i.name)
         if not names:
+            check_gpu(device)  # without a GPU, that one line, not every implementation's reason
             raise BenchError(f"--implementation all: nothing can run on {device}: "
                              + "; ".join(left))
         return names, left
@@ -546,6 +584,13 @@ def configure(defn: OpBench, argv: list[str], prog: str
         for dest, value in defn.cpu_defaults.items():
             if dest not in args.explicit:
                 setattr(args, dest, value)
+    if args.no_graph:
+        if "mode" in args.explicit and args.mode != "no_graph":
+            raise ValueError(f"--no-graph: means --mode no_graph, and --mode {args.mode} was "
+                             f"given too")
+        args.mode = "no_graph"
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads: expected a positive integer, got {args.threads}")
     for flag in ("graph_calls", "iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
@@ -556,6 +601,14 @@ def configure(defn: OpBench, argv: list[str], prog: str
     kinds = list(defn.kind_names)
     if len(kinds) > 1:
         kinds = parse_list(args.kinds, "--kinds", defn.kind_names)
+    outputs = {}
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag)
+        if path:
+            other = outputs.setdefault(os.path.realpath(path), flag)
+            if other != flag:
+                raise ValueError(f"--{flag}: {path!r} is also the --{other} file (one would "
+                                 f"overwrite the other)")
     impls, left = _implementations(args.implementation, device, defn, args.mode)
     baseline = args.baseline or impls[0]
     if baseline not in impls:
@@ -564,6 +617,12 @@ def configure(defn: OpBench, argv: list[str], prog: str
     points = defn.points(args)
     if not points:
         raise ValueError("nothing to measure: the flags give no point")
+    # A point that cannot run with these flags (it does not fit the cache, a shape the op
+    # refuses) is a usage error: refused here, before any work, never a NaN row after a sweep.
+    for point in points:
+        reason = defn.skip_reason(point)
+        if reason is not None:
+            raise ValueError(f"the point at num_tokens={point.num_tokens} cannot run: {reason}")
     for flag in ("json", "csv", "plot"):
         if getattr(args, flag):
             check_output_path(f"--{flag}", getattr(args, flag))
@@ -735,6 +794,7 @@ def _sweep(defn: OpBench, cfg: Config, env: Env, points: list,
     """Append each measurement to ``rows`` as it is made (kept when the sweep is interrupted)."""
     series = [(k, i) for k in cfg.kinds for i in cfg.implementations]
     total = len(points) * len(series)
+    start = time.monotonic()
     flush_buf = None
     for point in points:
         label = point_label(defn, point)
@@ -765,8 +825,18 @@ def _sweep(defn: OpBench, cfg: Config, env: Env, points: list,
             name = f"{kind}:{impl}" if len(cfg.kinds) > 1 else impl
             done = f"[{len(rows)}/{total}] {label} {name}: "
             progress(done + (f"{row.latency_us:.3f} µs, {row.gbps:.1f} GB/s" if row.ok
-                             else row.status))
+                             else row.status) + eta(time.monotonic() - start, len(rows), total))
         del ctx
+
+
+def eta(elapsed: float, done: int, total: int) -> str:
+    """The progress lines' estimate of the time left: the mean time per measurement so far
+    times the measurements left (", ETA 1:05"; empty when done or nothing is done yet)."""
+    if done < 1 or done >= total:
+        return ""
+    left = round(elapsed / done * (total - done))
+    h, rest = divmod(left, 3600)
+    return f", ETA {h}:{rest // 60:02d}:{rest % 60:02d}" if h else f", ETA {left // 60}:{left % 60:02d}"
 
 
 def compare_with_reference(run, reference, outputs: dict[str, torch.Tensor],
@@ -885,6 +955,9 @@ def header_lines(defn: OpBench, cfg: Config, env: Env, args, points: list) -> li
     elif cfg.is_cpu:
         lines.append(f"CPU timings: host clock (time.perf_counter) around runs of {calls} calls; "
                      f"latency = median per call over {over('runs')}")
+    if cfg.is_cpu:
+        lines.append(f"CPU threads: {torch.get_num_threads()} (PyTorch's CPU kernels; --threads "
+                     f"sets them, CPU timings depend on them)")
     elif cfg.measured_mode == "cudagraph":
         lines.append(f"timer: device: CUDA events around replays of one CUDA graph of {calls} "
                      f"calls; latency = median per call over {over('replays')}")
@@ -937,6 +1010,7 @@ def render(defn: OpBench, cfg: Config, env: Env, args, points: list, rows: list[
         "l2_bytes": env.l2_bytes, "copy_bw_gbps": env.copy_bw / 1e9, "copy_bytes": env.copy_bytes,
         "launch_floor_us": None if math.isnan(env.launch_floor) else env.launch_floor * 1e6,
         "implementations": cfg.implementations, "baseline": cfg.baseline, "kinds": cfg.kinds,
+        "threads": torch.get_num_threads(),
         "header": header, "notes": nts,
     }
     return "\n".join(lines), meta
@@ -959,9 +1033,9 @@ def main(defn: OpBench, argv: list[str], prog: str) -> int:
     except ValueError as e:  # a usage error, as argparse's own: one line, exit status 2
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if cfg.device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError("no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is "
-                         "False); pass --device cpu to run the torch implementation on the CPU")
+    check_gpu(cfg.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     reasons = {i: _cannot_run_anywhere(defn, cfg, i) for i in cfg.implementations}
     if all(r is not None for r in reasons.values()):
         raise BenchError(f"nothing can run on {cfg.device}: "
@@ -994,10 +1068,13 @@ def main(defn: OpBench, argv: list[str], prog: str) -> int:
         print(f"{prog}: interrupted (Ctrl-C) after {len(rows)} of {total} measurements; the "
               f"table above and the files written hold those", file=sys.stderr)
         return 130
+    if any(r.status.startswith(("mismatch", "error")) for r in rows):
+        return 1
     if not any(r.ok for r in rows):
         print(f"{prog}: nothing was measured: every point was unsupported or skipped (see the "
               f"notes above)", file=sys.stderr)
-    return 1 if any(r.status.startswith(("mismatch", "error")) for r in rows) else 0
+        return NOTHING_MEASURED
+    return 0
 
 
 def _cannot_run_anywhere(defn: OpBench, cfg: Config, impl: str) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["ModelPreset", "MODELS", "doublings", "get_model", "heads_per_rank", "ServingShape", "SERVING",
-           "serving_flags"]
+           "serving_flags", "model_cache_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,40 +27,56 @@ class ModelPreset:
     head_dim: int
     max_position: int  # the context window: max_position_embeddings
     source: str  # the config.json fields the numbers come from
+    num_q_heads: int = 0  # num_attention_heads
+    # The QK norm's weight convention, as an offset added to the weight: 0.0 (x * r * w, Qwen3),
+    # 1.0 (x * r * (1 + w), Gemma 3); None: the model has no QK norm.
+    qk_norm: float | None = None
 
 
 MODELS: dict[str, ModelPreset] = {p.name: p for p in (
     # hidden_size 4096 / num_attention_heads 32 = head_dim 128; num_key_value_heads 8.
     ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 8, 128, 131072,
                 "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
-                "max_position_embeddings=131072"),
+                "max_position_embeddings=131072", num_q_heads=32),
     # hidden_size 8192 / 64 heads = 128; num_key_value_heads 8.
     ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8, 128, 131072,
                 "num_key_value_heads=8, head_dim=128 (8192 / 64 heads), "
-                "max_position_embeddings=131072"),
+                "max_position_embeddings=131072", num_q_heads=64),
     # hidden_size 16384 / 128 heads = 128; num_key_value_heads 8.
     ModelPreset("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 8, 128, 131072,
                 "num_key_value_heads=8, head_dim=128 (16384 / 128 heads), "
-                "max_position_embeddings=131072"),
+                "max_position_embeddings=131072", num_q_heads=128),
     # hidden_size 4096 / 32 heads = 128; num_key_value_heads 8.
     ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", 8, 128, 32768,
                 "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
-                "max_position_embeddings=32768"),
+                "max_position_embeddings=32768", num_q_heads=32),
     # hidden_size 3584 / 28 heads = 128; num_key_value_heads 4.
     ModelPreset("qwen2.5-7b", "Qwen/Qwen2.5-7B", 4, 128, 131072,
                 "num_key_value_heads=4, head_dim=128 (3584 / 28 heads), "
-                "max_position_embeddings=131072"),
+                "max_position_embeddings=131072", num_q_heads=28),
     # head_dim 128 (explicit in the config); num_key_value_heads 8 (32 query heads).
     ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", 8, 128, 40960,
-                "num_key_value_heads=8, head_dim=128, max_position_embeddings=40960"),
+                "num_key_value_heads=8, head_dim=128, max_position_embeddings=40960",
+                num_q_heads=32, qk_norm=0.0),
+    # head_dim 128 (explicit); num_key_value_heads 4 (32 query heads); QK norm x * r * w.
+    ModelPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 4, 128, 40960,
+                "num_key_value_heads=4, head_dim=128, max_position_embeddings=40960",
+                num_q_heads=32, qk_norm=0.0),
+    # Gemma 3 (text_config): QK norm x * r * (1 + w).
+    ModelPreset("gemma-3-12b", "google/gemma-3-12b-pt", 8, 256, 131072,
+                "num_key_value_heads=8, head_dim=256, max_position_embeddings=131072",
+                num_q_heads=16, qk_norm=1.0),
+    ModelPreset("gemma-3-27b", "google/gemma-3-27b-pt", 16, 128, 131072,
+                "num_key_value_heads=16, head_dim=128, max_position_embeddings=131072",
+                num_q_heads=32, qk_norm=1.0),
     # head_dim 256 (explicit; not hidden_size / heads = 224); num_key_value_heads 8.
     ModelPreset("gemma-2-9b", "google/gemma-2-9b", 8, 256, 8192,
-                "num_key_value_heads=8, head_dim=256, max_position_embeddings=8192"),
+                "num_key_value_heads=8, head_dim=256, max_position_embeddings=8192", num_q_heads=16),
     # head_dim 64 (explicit); num_key_value_heads 8 (64 query heads); both gpt-oss sizes.
     ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", 8, 64, 131072,
-                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072"),
+                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072", num_q_heads=64),
     ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", 8, 64, 131072,
-                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072"),
+                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072", num_q_heads=64),
 )}
 
 
@@ -119,6 +135,18 @@ def serving_flags(model: str, kind: str, given: set[str], shape: ServingShape = 
     if "decode_fraction" in given:
         out.pop("decode_tokens", None)
     return out
+
+
+def model_cache_blocks(args) -> int:
+    """``--num-blocks`` where ``--model`` sets the sweep and the flag is not given: the
+    subcommand's default, raised so that every point's slot pattern fits
+    (:meth:`SlotPattern.cache_blocks` at the largest T: a decode or mixed batch needs a block per
+    sequence, which the default CPU cache does not hold). Reads ``args.pattern``,
+    ``args.num_tokens``, ``args.block_size`` and ``args.num_blocks``."""
+    from .engine import parse_num_tokens
+
+    counts = parse_num_tokens(str(args.num_tokens))
+    return max(args.pattern.cache_blocks(t, args.block_size, args.num_blocks) for t in counts)
 
 
 def doublings(lo: int, hi: int) -> list[int]:

@@ -1,7 +1,12 @@
 """Latency and bandwidth against num_tokens (log-log) for any op's rows: one line per series
 (implementation, or kind:implementation), one column of panels per combination of the point's
 other axes that varies over the rows (the layouts of the seed benchmark, say). Needs matplotlib
-(``pip install 'kvwrite[plot]'``)."""
+(``pip install 'kvwrite[plot]'``).
+
+Each series' latency line has its p20-p80 band (shaded) where the rows carry them; a point the
+series did not measure (unsupported, skipped, failed) is an ``x`` on the panel's bottom edge at
+its num_tokens, so a gap in a line is never silent. Tick labels are plain numbers in one format
+on both axes (``0.6``, ``1``, ``2``, never ``6e-01``)."""
 
 from __future__ import annotations
 
@@ -34,11 +39,28 @@ def pyplot():
     return plt
 
 
+def tick_label(v: float) -> str:
+    """One tick format for every axis: plain numbers without an exponent (0.6, 1, 2, 1024,
+    131072), at most three significant decimals below 1."""
+    if v >= 1 or v <= 0:
+        return f"{v:,.0f}".replace(",", "") if float(v).is_integer() else f"{v:.1f}"
+    return f"{v:.3g}" if "e" not in f"{v:.3g}" else f"{v:.6f}".rstrip("0")
+
+
 def _plain_numbers(ax) -> None:
-    """Tick labels like 40 and 0.5 instead of 4x10^1 on log axes spanning less than a decade."""
+    """Tick labels like 40 and 0.5 instead of 4x10^1 or 6e-01 on log axes: majors, and the
+    minors matplotlib labels on an axis spanning less than a decade, in one format
+    (:func:`tick_label`)."""
     from matplotlib.ticker import FuncFormatter, LogFormatter
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return tick_label(x)
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: tick_label(v)))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: tick_label(v)))
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False))
 
 
 _NOT_AXES = {"slot_params", "model", "tp"}
@@ -71,13 +93,27 @@ def plot_rows(rows: Sequence[Row], path: str, title: str | None = None) -> None:
     for col, (values, group) in enumerate(groups.items()):
         lat_ax, bw_ax = axes[0][col], axes[1][col]
         for s in series:
-            pts = sorted((r.num_tokens, r.latency_us, r.gbps) for r in group
-                         if series_label(r, multi_kind) == s and not math.isnan(r.latency_us))
-            if not pts:
-                continue
-            t, lat, gbps = zip(*pts, strict=True)
-            lat_ax.plot(t, lat, marker="o", markersize=3, label=s)
-            bw_ax.plot(t, gbps, marker="o", markersize=3, label=s)
+            mine = [r for r in group if series_label(r, multi_kind) == s]
+            pts = sorted((r.num_tokens, r.latency_us, r.gbps, r.p20_us, r.p80_us) for r in mine
+                         if not math.isnan(r.latency_us))
+            missed = sorted({r.num_tokens for r in mine if math.isnan(r.latency_us)})
+            color = None
+            if pts:
+                t, lat, gbps, p20, p80 = zip(*pts, strict=True)
+                (line,) = lat_ax.plot(t, lat, marker="o", markersize=3, label=s)
+                color = line.get_color()
+                bw_ax.plot(t, gbps, marker="o", markersize=3, label=s, color=color)
+                band = [(x, lo, hi) for x, lo, hi in zip(t, p20, p80, strict=True)
+                        if not (math.isnan(lo) or math.isnan(hi))]
+                if band:
+                    bt, lo, hi = zip(*band, strict=True)
+                    lat_ax.fill_between(bt, lo, hi, color=color, alpha=0.2, linewidth=0)
+            if missed:
+                # On the bottom edge (axes coordinates in y): where this series has no number.
+                for ax in (lat_ax, bw_ax):
+                    ax.scatter(missed, [0.02] * len(missed), marker="x", color=color,
+                               transform=ax.get_xaxis_transform(), clip_on=False,
+                               label=f"{s}: not measured" if ax is lat_ax else None)
         if not math.isnan(copy_bw):
             bw_ax.axhline(copy_bw, color="gray", linestyle="--", linewidth=1,
                           label=f"copy bandwidth ({copy_bw:.0f} GB/s)")
@@ -87,7 +123,7 @@ def plot_rows(rows: Sequence[Row], path: str, title: str | None = None) -> None:
             ax.grid(True, which="both", alpha=0.3)
             _plain_numbers(ax)
         lat_ax.set_title(textwrap.fill(" ".join(values) or rows[0].op, width=40), fontsize=9)
-        lat_ax.set_ylabel("latency per call (µs)")
+        lat_ax.set_ylabel("latency per call (µs; band: p20-p80)")
         bw_ax.set_ylabel("GB/s (bytes read + written)")
         bw_ax.set_xlabel("num_tokens")
         lat_ax.legend(fontsize=8)

@@ -6,8 +6,8 @@ point. The fields every op shares are attributes; the point's own axes (layout, 
 block size, slot pattern, ...) are ``params`` and are written flat beside them in JSON and CSV,
 so a file reads back into the same rows whatever op wrote it (:func:`read_json`).
 
-The console table is what vLLM's benchmarks print: ``tabulate`` with its defaults ("simple"
-format; numbers in ``g`` format, aligned on the decimal point).
+The console table is what vLLM's benchmarks print: ``tabulate``'s "simple" format, with the
+numbers fixed-point as formatted (never scientific notation), right-aligned.
 
 JSON: ``{"meta": {...}, "rows": [...]}``, with ``meta["command"]`` the command line that
 reproduces the run; NaN is written as null. CSV: one line per row (the union of the rows' keys
@@ -20,6 +20,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 
 from tabulate import tabulate
@@ -98,10 +99,27 @@ def series_label(row: Row, multi_kind: bool) -> str:
     return f"{row.kind}:{row.implementation}" if multi_kind else row.implementation
 
 
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+|nan|inf)x?$", re.I)
+
+
+def _cell(v) -> str:
+    """A cell's text: strings as given (the caller's fixed-point format), floats fixed-point
+    (``g`` where that has no exponent, else 3 decimals), never scientific notation."""
+    if isinstance(v, float):
+        text = f"{v:g}"
+        return f"{v:.3f}" if "e" in text else text
+    return str(v)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """``tabulate(rows, headers)`` with its defaults ("simple" format, numbers parsed): the format
-    vLLM's benchmark prints."""
-    return tabulate(rows, headers=list(headers))
+    """``tabulate``'s "simple" format (vLLM's benchmark prints it) with the numbers as the
+    caller formatted them: fixed-point, never re-read (tabulate would print 1005980.123 as
+    1.00598e+06). A column of numbers (or nan) is right-aligned, any other left-aligned."""
+    cells = [[_cell(v) for v in line] for line in rows]
+    ncols = max([len(headers)] + [len(line) for line in cells])
+    align = ["right" if cells and all(i >= len(line) or _NUMBER.match(line[i].strip())
+                                       for line in cells) else "left" for i in range(ncols)]
+    return tabulate(cells, headers=list(headers), disable_numparse=True, colalign=align)
 
 
 # --- files ---------------------------------------------------------------------------------------

@@ -148,6 +148,47 @@ class SlotPattern:
                       f"counted in bytes)")
         return f"{self.describe()}: {words}"
 
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """The fewest cache blocks :func:`make_slots` needs for a ``num_tokens`` point: random
+        ceil(N / block_size); decode one block per sequence (contexts are capped to the rest);
+        prefill each sequence's whole blocks; mixed one block per decode token plus the chunk's
+        blocks (the chunk's cached prefix is capped to the rest)."""
+        n = num_tokens - self.num_padding(num_tokens)
+        if self.kind == "random":
+            return -(-n // block_size)
+        if self.kind == "decode":
+            return n
+        if self.kind == "prefill":
+            full, rest = divmod(n, self.prefill_len)
+            return full * -(-self.prefill_len // block_size) + -(-rest // block_size)
+        decode = self.num_decode(n)
+        return decode + -(-(n - decode) // block_size)
+
+    def fit_reason(self, num_tokens: int, num_blocks: int, block_size: int) -> str | None:
+        """Why a ``num_tokens`` point of this pattern cannot be built in a cache of
+        ``num_blocks`` blocks (naming the flags to change), or None: the one check every op's
+        benchmark makes before its sweep (so that no point is skipped for it)."""
+        need = self.blocks_needed(num_tokens, block_size)
+        if need > num_blocks:
+            return (f"num_tokens {num_tokens} with --slots {self.kind} needs {need} cache blocks "
+                    f"of {block_size} slots and the cache has {num_blocks} "
+                    f"(num_blocks * block_size = {num_blocks * block_size} slots): raise "
+                    f"--num-blocks or lower --num-tokens")
+        if self.kind == "mixed" and self.max_position is not None:
+            n = num_tokens - self.num_padding(num_tokens)
+            chunk = n - self.num_decode(n)
+            if chunk > self.max_position:
+                return (f"num_tokens {num_tokens} with --slots mixed makes a prefill chunk of "
+                        f"{chunk} tokens, more than the {self.max_position} positions "
+                        f"(--max-position or the model's window): lower --num-tokens or raise "
+                        f"--decode-tokens")
+        return None
+
+    def cache_blocks(self, num_tokens: int, block_size: int, at_least: int) -> int:
+        """Blocks of a cache sized to fit a ``num_tokens`` point: ``at_least``, raised to twice
+        :meth:`blocks_needed` (room for decode contexts and for the random slots to scatter)."""
+        return max(at_least, 2 * self.blocks_needed(num_tokens, block_size))
+
     @property
     def id(self) -> str:
         """A short tag for case ids and file names."""

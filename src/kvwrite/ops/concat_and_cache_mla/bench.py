@@ -202,10 +202,7 @@ class ConcatAndCacheMlaBench(OpBench):
                            p.slots.num_padding(p.num_tokens))
 
     def skip_reason(self, p: Point) -> str | None:
-        slots = p.num_blocks * p.block_size
-        if p.num_tokens > slots:
-            return f"num_tokens {p.num_tokens} exceeds num_blocks * block_size = {slots}"
-        return None
+        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         try:

@@ -29,6 +29,7 @@ import torch
 
 from ... import fused_qk_norm_rope, reshape_and_cache_flash
 from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
+from ...bench.models import MODELS
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
 from ...testing.rope import cos_sin_table
@@ -42,14 +43,25 @@ __all__ = ["BENCH", "PRESETS"]
 
 SEED = 42
 EPS = 1e-6
-# name -> (query heads, KV heads, head dim, weight_offset), from each model's config.json
-# (num_attention_heads, num_key_value_heads, head_dim; Gemma 3 normalizes with (1 + w)).
-PRESETS = {
-    "qwen3-8b": (32, 8, 128, 0.0),
-    "qwen3-30b-a3b": (32, 4, 128, 0.0),
-    "gemma-3-12b": (16, 8, 256, 1.0),
-    "gemma-3-27b": (32, 16, 128, 1.0),
-}
+# name -> (query heads, KV heads, head dim, weight_offset): the presets of bench/models.py (every
+# subcommand's --model list) whose model has a QK norm; the others' shapes have no norm weight
+# convention, and --model refuses them naming these.
+PRESETS = {m.name: (m.num_q_heads, m.num_kv_heads, m.head_dim, m.qk_norm)
+           for m in MODELS.values() if m.qk_norm is not None}
+
+
+def parse_models(text: str) -> list[str]:
+    """``--model``: a comma list of the presets with a QK norm (ValueError names the flag)."""
+    def one(name: str) -> str:
+        name = name.lower()
+        if name in MODELS and name not in PRESETS:
+            raise ValueError(f"--model: {name} has no QK norm; qk-norm-rope takes "
+                             f"{', '.join(PRESETS)} (or --heads Hq,Hk,D)")
+        if name not in PRESETS:
+            raise ValueError(f"--model: expected a comma list of {', '.join(PRESETS)} (the "
+                             f"presets with a QK norm), got {name!r}")
+        return name
+    return parse_list(text, "--model", convert=one)
 KINDS = ("fused", "pair", "norm_rope")
 
 
@@ -119,11 +131,14 @@ class QkNormRopeBench(OpBench):
         g.add_argument("--max-position", type=int, default=4096,
                        help="rows of the cos/sin table (default: 4096)")
         g.add_argument("--num-blocks", type=int, default=2048,
-                       help="cache blocks, raised to 2*T/block_size where T needs more "
+                       help="cache blocks, raised at each T to twice the blocks its slot "
+                            "pattern needs where that is more "
                             "(default: 2048)")
         g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
 
     def configure(self, args, device) -> None:
+        if "model" in args.explicit and "heads" not in args.explicit:
+            args.heads = None  # the CPU's small default shape gives way to the model's
         if args.heads is not None:
             if "model" in args.explicit:
                 raise ValueError("--heads: sets the shape --model would; give one of them")
@@ -137,8 +152,7 @@ class QkNormRopeBench(OpBench):
                                  f"{args.heads!r}")
             args.shapes = [("", (hq, h, d, 0.0))]
         else:
-            args.shapes = [(m, PRESETS[m]) for m in parse_list(args.model, "--model",
-                                                                 list(PRESETS))]
+            args.shapes = [(m, PRESETS[m]) for m in parse_models(args.model)]
         for flag in ("max_position", "num_blocks", "block_size"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
@@ -151,7 +165,8 @@ class QkNormRopeBench(OpBench):
 
     def points(self, args) -> list:
         return [Point(args.dtype_t, kv, hq, h, d, wo, layout, t,
-                      max(args.num_blocks, -(-2 * t // args.block_size)), args.block_size,
+                      args.pattern.cache_blocks(t, args.block_size, args.num_blocks),
+                      args.block_size,
                       args.max_position, model, args.pattern)
                 for model, (hq, h, d, wo) in args.shapes for kv in args.kv_list
                 for layout in args.layout_list for t in args.token_counts]
@@ -170,7 +185,9 @@ class QkNormRopeBench(OpBench):
         shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
                            f"{' (1 + w)' if wo else ''}" for m, (hq, h, d, wo) in args.shapes)
         return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}",
-                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
+                "slots: " + args.pattern.explain(
+                    top, args.pattern.cache_blocks(top, args.block_size, args.num_blocks),
+                    args.block_size),
                 "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*4 + 16) + N*(Hv*D*e + 2*Hk*D*c); "
                 "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq + Hk)*D*e + D*4 + 8) (N = T less "
                 "the padding)"]

@@ -235,13 +235,16 @@ class FusedRopeBench(OpBench):
         g.add_argument("--layouts", default="NHD", help="comma list of NHD, HND, packed "
                                                         "(default: NHD)")
         g.add_argument("--num-blocks", type=int, default=None,
-                       help=f"cache blocks, raised to 2*T/block_size where T needs more "
+                       help=f"cache blocks, raised at each T to twice the blocks its slot "
+                            f"pattern needs where that is more "
                             f"(default: {NUM_BLOCKS}; {SERVING_NUM_BLOCKS} on a GPU with --model "
                             f"and a decode, prefill or mixed --slots)")
         g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
 
     def configure(self, args, device) -> None:
         if args.model:
+            if "heads" in args.explicit:
+                raise ValueError("--model: sets --heads; got --heads too")
             flags = serving_flags(args.model, args.slots, args.explicit)
             for dest, value in flags.items():
                 setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens" else value)
@@ -278,7 +281,7 @@ class FusedRopeBench(OpBench):
                 for hq, h, d in args.head_list:
                     for layout in args.layout_list:
                         for t in args.token_counts:
-                            nb = max(args.num_blocks, -(-2 * t // args.block_size))
+                            nb = args.pattern.cache_blocks(t, args.block_size, args.num_blocks)
                             pts.append(Point(dt, kv, hq, h, d, args.rot_dim or d, not args.gptj,
                                              layout, t, nb, args.block_size, args.max_position,
                                              args.model or "", args.pattern))
@@ -296,8 +299,8 @@ class FusedRopeBench(OpBench):
 
     def header(self, args, points) -> list[str]:
         top = max(p.num_tokens for p in points)
-        blocks = max(args.num_blocks, -(-2 * top // args.block_size))
         pattern = args.pattern
+        blocks = pattern.cache_blocks(top, args.block_size, args.num_blocks)
         return [f"shape: heads (Hq,H,D)={args.heads} rot_dim={args.rot_dim or 'D'} "
                 f"{'gptj' if args.gptj else 'neox'} block_size={args.block_size} "
                 f"num_blocks={args.num_blocks}",
@@ -309,7 +312,11 @@ class FusedRopeBench(OpBench):
                                  f"is rotated and cached, and checked"),
                 "bytes per call: fused = T*(2*Hq*D*e + 2*H*D*e + rot*4 + 16) + N*(H*D*e + "
                 "2*H*D*c); pair = fused + N*H*D*e; rotary = T*(2*(Hq+H)*D*e + rot*4 + 8) "
-                "(N = T less the padding)"]
+                "(N = T less the padding)",
+                "columns: best pair/fused = the fastest pair's latency / the fastest fused's; "
+                "bound = pair bytes / fused bytes, the most the fusion can gain once both are "
+                "bandwidth-bound; fused %BW and rotary %BW = the fastest one's GB/s as a "
+                "percentage of the copy bandwidth"]
 
     def kind_ops(self, kind: str) -> tuple[str, ...]:
         return {"fused": (FUSED,), "pair": (ROPE, WRITE), "rotary": (ROPE,)}[kind]

@@ -178,7 +178,8 @@ class GatherBench(OpBench):
     def skip_reason(self, p: Point) -> str | None:
         if p.blocks_needed() > p.num_blocks:
             return (f"the {len(p.lens())} requests' {p.num_tokens} rows need "
-                    f"{p.blocks_needed()} blocks, the cache has {p.num_blocks}")
+                    f"{p.blocks_needed()} blocks, the cache has {p.num_blocks}: raise "
+                    f"--num-blocks or lower --num-tokens")
         return None
 
     def _cache(self, p: Point, kind: str, device) -> tuple:

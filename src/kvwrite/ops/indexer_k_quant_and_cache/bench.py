@@ -127,10 +127,7 @@ class IndexerBench(OpBench):
         return p.num_tokens * (p.head_dim * p.dtype.itemsize + 8) + n * p.entry
 
     def skip_reason(self, p: Point) -> str | None:
-        slots = p.num_blocks * p.block_size
-        if p.num_tokens > slots:
-            return f"num_tokens {p.num_tokens} exceeds num_blocks * block_size = {slots}"
-        return None
+        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         random.seed(SEED)

@@ -21,7 +21,7 @@ from ... import registry
 from ...bench import timing
 from ...bench.check import SNAPSHOT_BYTES, check_point
 from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.models import get_model, heads_per_rank, serving_flags
+from ...bench.models import get_model, heads_per_rank, model_cache_blocks, serving_flags
 from ...bench.workload import (
     CHUNK_BYTES,
     LAYOUTS,
@@ -113,7 +113,12 @@ class ReshapeAndCacheFlashBench(OpBench):
                                  f"{getattr(args, flag)}")
         args.num_heads = heads_per_rank(args.num_heads, args.tp)
         args.layout_list = parse_list(args.layouts, "--layouts", list(LAYOUTS))
+        if args.per_head_scale and not args.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"--per-head-scale: scales an fp8 cache, and --kv-cache-dtype is "
+                             f"{args.kv_cache_dtype}")
         args.pattern = slot_pattern(args, args.max_position)
+        if args.model and "num_blocks" not in args.explicit:
+            args.num_blocks = model_cache_blocks(args)
 
     def points(self, args) -> list:
         return [Point(Case.named_layout(layout, num_tokens=t, num_heads=args.num_heads,
@@ -170,13 +175,10 @@ class ReshapeAndCacheFlashBench(OpBench):
 
     def skip_reason(self, p: Point) -> str | None:
         c = p.case
-        if c.num_tokens > c.num_slots:
-            return (f"num_tokens {c.num_tokens} exceeds the cache's num_blocks * block_size = "
-                    f"{c.num_slots} slots")
         if c.cache_dtype.is_fp8 and c.head_size % 16:
-            return (f"an fp8 cache needs head_size % 16 == 0 (vLLM's benchmark rule), got "
-                    f"{c.head_size}")
-        return None
+            return (f"--kv-cache-dtype {c.kv_cache_dtype}: an fp8 cache needs --head-size % 16 "
+                    f"== 0 (vLLM's benchmark rule), got --head-size {c.head_size}")
+        return c.slots.fit_reason(c.num_tokens, c.num_blocks, c.block_size)
 
     def prepare(self, p: Point, count: int, device):
         c = p.case

@@ -21,7 +21,7 @@ import torch
 
 from ... import registry
 from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.models import get_model, heads_per_rank, serving_flags
+from ...bench.models import get_model, heads_per_rank, model_cache_blocks, serving_flags
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
 from ...testing.per_token_head import (
@@ -125,6 +125,8 @@ class PerTokenHeadBench(OpBench):
                                      f"multiple of 4 as the packed and interleaved rows need "
                                      f"(use --kv-alloc separate)")
         args.pattern = slot_pattern(args)
+        if args.model and "num_blocks" not in args.explicit:
+            args.num_blocks = model_cache_blocks(args)
 
     def points(self, args) -> list:
         return [Point(t, mode, args.num_heads, args.head_size, args.block_size, args.num_blocks,
@@ -164,10 +166,7 @@ class PerTokenHeadBench(OpBench):
         return n * H * 2 * D * p.dtype.itemsize + n * H * 2 * (p.dq + 4) + p.num_tokens * 8
 
     def skip_reason(self, p: Point) -> str | None:
-        slots = p.num_blocks * p.block_size
-        if p.num_tokens > slots:
-            return f"num_tokens {p.num_tokens} exceeds num_blocks * block_size = {slots}"
-        return None
+        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         random.seed(SEED)
