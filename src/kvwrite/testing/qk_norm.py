@@ -461,7 +461,7 @@ def _fused_matrix() -> list[QkNormCase]:
         QkNormCase(num_tokens=9, head_size=64, head_pad=1, query_out="spare",
                    alloc=KVAlloc.PACKED, kv_cache_dtype="float32"),
         QkNormCase(num_tokens=9, head_size=128, head_pad=64, dtype=torch.bfloat16,
-                   kv_cache_dtype="fp8", query_out="fp8_e4m3"),
+                   kv_cache_dtype="fp8", per_head_scale=True),
     ]
     return cases
 
