@@ -495,7 +495,8 @@ def test_padded_heads_are_refused_where_they_are_not_heads():
     # The fused op's cache arguments are still named against padded heads.
     with pytest.raises(ValueError, match=r"key_cache: expected \[num_blocks, block_size, 2, 16\]"):
         kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
-            **{**fused, "key_cache": inp.key_cache[..., :8], "value_cache": inp.value_cache[..., :8]})
+            **{**fused, "key_cache": inp.key_cache[..., :8],
+               "value_cache": inp.value_cache[..., :8]})
     _assert_unchanged(inp, before)
 
 
@@ -1777,8 +1778,9 @@ for quant, qquant, per_head, has_w, in_place in (
                                       "max_position", "num_slots", "stride_b", "stride_s",
                                       "stride_h", "eps_bits", "offset_bits")})
     consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, HEAD_STRIDE=128, ROT=128,
-                  IS_NEOX=True, HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w, STORE_KEY=not in_place,
-                  QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant, Q_PER_HEAD_SCALE=per_head and
+                  IS_NEOX=True, HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w,
+                  STORE_KEY=not in_place, QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant,
+                  Q_PER_HEAD_SCALE=per_head and
                   qquant > 0, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=per_head and quant > 0,
                   Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
     for name, on in (("k_scale_ptr", quant), ("v_scale_ptr", quant), ("q_scale_ptr", qquant)):

@@ -9,11 +9,12 @@ small-call build (bfloat16 D=128: 16 lanes of 8 elements), two in the large-call
 of 16). Widths: each lane's elements are loaded and stored in chunks of V elements (the widest
 power of two dividing E and D, at most 16 bytes, with every pointer and stride aligned to it,
 qkv's token and head strides included: a head stride that breaks 16-byte alignment, such as 81
-elements, narrows the chunks; dense heads never do, :func:`vector_width`), its weights in chunks of VW, its table entries in chunks of VT. Where a
-lane holds more than one full 16-byte chunk and the rotation's partners then stay in the lane
-(neox: rot/2 a multiple of L * V; GPT-J: always), its chunks are interleaved with the other
-lanes' (segments of SEG = V elements, L * V apart: every warp access covers consecutive bytes,
-and the neox partner of a chunk is the lane's own chunk PS = rot / (2 * L * V) segments on);
+elements, narrows the chunks; dense heads never do, :func:`vector_width`), its weights in chunks
+of VW, its table entries in chunks of VT. Where a lane holds more than one full 16-byte chunk
+and the rotation's partners then stay in the lane (neox: rot/2 a multiple of L * V; GPT-J:
+always), its chunks are interleaved with the other lanes' (segments of SEG = V elements, L * V
+apart: every warp access covers consecutive bytes, and the neox partner of a chunk is the lane's
+own chunk PS = rot / (2 * L * V) segments on);
 otherwise a lane holds E consecutive elements (SEG = E) and neox partners come through shared
 memory. Variants (template arguments): row, table and weight dtypes, E, L, SEG, V, VW, VT,
 pairing, PS, the position index type, the CTA's threads and the register bound. Each call
@@ -301,9 +302,9 @@ def fixed_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float
     """The kernel's arguments from qkv_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set
     by the call signature: qkv's token and head strides, max_position, Hq, Hq + Hk, D, rot, the
     bits of float32(eps) and float32(weight_offset), whether the offset is added."""
-    return (qkv.stride(0), qkv.stride(1), cos_sin_cache.shape[0], num_heads_q, num_heads_q + num_heads_k,
-            qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps), float32_bits(weight_offset),
-            int(weight_offset != 0))
+    return (qkv.stride(0), qkv.stride(1), cos_sin_cache.shape[0], num_heads_q,
+            num_heads_q + num_heads_k, qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps),
+            float32_bits(weight_offset), int(weight_offset != 0))
 
 
 def bounded(build: Build, p: Plan, specialize: bool, q_weight, k_weight,

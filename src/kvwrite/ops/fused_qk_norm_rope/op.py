@@ -150,13 +150,13 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
 
     ``qkv``: ``[T_pad, (Hq + Hk + Hv) * D]`` or ``[T_pad, Hq + Hk + Hv, D]`` (float16, bfloat16 or
     float32; 2-D: dense heads; 3-D: any head stride, unit-stride head_dim; any token stride):
-    per token the query heads, the key heads, the value heads. Rows ``t < T_rot = position_ids.numel()`` whose position lies in
-    ``[0, max_position)`` are normalized and rotated; value heads and every other row keep their
-    bits. Per head, in float32 with every step rounded to nearest even and no fused
-    multiply-add: the squares summed in one fixed pairwise tree, ``r = RN(1 / RN(sqrt(RN(RN(ss /
-    D) + eps))))``, ``n = RN(RN(x * r) * g)`` with ``g = w`` (or ``RN(w + weight_offset)``; no
-    weight: ``n = RN(x * r)``), then the RoPE of :func:`kvwrite.rotary_embedding` on the float32
-    ``n`` and one rounding to qkv's dtype.
+    per token the query heads, the key heads, the value heads. Rows ``t < T_rot =
+    position_ids.numel()`` whose position lies in ``[0, max_position)`` are normalized and
+    rotated; value heads and every other row keep their bits. Per head, in float32 with every
+    step rounded to nearest even and no fused multiply-add: the squares summed in one fixed
+    pairwise tree, ``r = RN(1 / RN(sqrt(RN(RN(ss / D) + eps))))``, ``n = RN(RN(x * r) * g)``
+    with ``g = w`` (or ``RN(w + weight_offset)``; no weight: ``n = RN(x * r)``), then the RoPE
+    of :func:`kvwrite.rotary_embedding` on the float32 ``n`` and one rounding to qkv's dtype.
 
     ``q_weight``, ``k_weight``: ``[D]`` of any float dtype or None; ``cos_sin_cache``,
     ``is_neox`` as :func:`kvwrite.rotary_embedding`'s; ``forced_token_heads_per_warp`` is

@@ -67,8 +67,8 @@ if triton is not None:
         eps_bits, offset_bits,  # float32(eps), float32(weight_offset) as int32 bits
         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         HEAD_STRIDE: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr,
-        HAS_KW: tl.constexpr, ADD_OFFSET: tl.constexpr, Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        HAS_KW: tl.constexpr, ADD_OFFSET: tl.constexpr, Q_TILES: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -116,7 +116,8 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         position_ids, qkv, cos_sin_cache, q_weight, k_weight, num_rot, qkv.stride(0),
         cos_sin_cache.shape[0], signed_bits(eps), signed_bits(weight_offset),
         NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
-        HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox, HAS_QW=q_weight is not None,
+        HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
+        HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0, Q_TILES=nq,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
         PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,

@@ -192,8 +192,9 @@ def fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset,
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     qo_stride = 0 if query_out is None else query_out.stride(0)
     return (qkv.stride(0), qkv.stride(1), qo_stride, cos_sin_cache.shape[0], block_stride,
-            page_stride, head_stride, block_size, _log2_or_minus_1(block_size), num_blocks * block_size,
-            num_heads_q, num_heads_k, qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps),
+            page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            num_blocks * block_size, num_heads_q, num_heads_k, qkv.shape[2],
+            cos_sin_cache.shape[1], float32_bits(eps),
             float32_bits(weight_offset), int(weight_offset != 0), int(rotate_key_in_place))
 
 

@@ -8,8 +8,9 @@ compute-sanitizer. Each case runs in the build its call takes and, with the id's
 
 The cases: padding and out-of-range slots, positions out of range, T < T_rot and T = 0, rows
 past T_rot, head sizes whose rows are not 16-byte aligned (46, 6) or not a power of two (80),
-D = 512, odd token strides, padded heads (head strides of 81 and 192 elements), HND, interleaved and packed caches, a block size that is not a power
-of two, per-head fp8 scales, fp8 query_out with per-head scales, query_out in a spare region of
+D = 512, odd token strides, padded heads (head strides of 81 and 192 elements), HND,
+interleaved and packed caches, a block size that is not a power of two, per-head fp8 scales,
+fp8 query_out with per-head scales, query_out in a spare region of
 qkv's allocation, int32 slots and positions, and more tokens than one resident wave.
 """
 
