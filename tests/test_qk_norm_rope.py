@@ -1760,7 +1760,8 @@ for dt in ("bf16", "fp32"):
     consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=80, HEAD_STRIDE=144, ROT=64,
                   IS_NEOX=False, HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, STORE_KEY=True,
                   QUERY_IN_PLACE=False, QUERY_QUANT=0, Q_PER_HEAD_SCALE=False, BLOCK_SIZE=16,
-                  QUANT=0, PER_HEAD_SCALE=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128,
+                  QUANT=0, K_PER_HEAD=False, V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4,
+                  BLOCK_D=128,
                   k_scale_ptr=None, v_scale_ptr=None, q_scale_ptr=None)
     out["fused-" + dt] = count(ptx(fused._qk_norm_rope_cache_kernel, types, consts))
 # The other paths of both kernels compile (fp8 caches and queries with per-tensor and per-head
@@ -1781,7 +1782,8 @@ for quant, qquant, per_head, has_w, in_place in (
                   IS_NEOX=True, HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w,
                   STORE_KEY=not in_place, QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant,
                   Q_PER_HEAD_SCALE=per_head and
-                  qquant > 0, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=per_head and quant > 0,
+                  qquant > 0, BLOCK_SIZE=16, QUANT=quant, K_PER_HEAD=per_head and quant > 0,
+                  V_PER_HEAD=per_head and quant > 0,
                   Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
     for name, on in (("k_scale_ptr", quant), ("v_scale_ptr", quant), ("q_scale_ptr", qquant)):
         if on:
