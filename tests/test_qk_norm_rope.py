@@ -27,6 +27,7 @@ from kvwrite import registry
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops import fused_qk_norm_rope as norm_pkg
 from kvwrite.ops import fused_qk_norm_rope_and_reshape_cache_flash as fused_pkg
+from kvwrite.testing.compare import storage_bytes
 from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.qk_norm import (
     FUSED_CASES,
@@ -374,7 +375,11 @@ def test_gpu_reference_matches_the_cpu_reference(op, case):
                                              layout=Layout.HND, alloc=KVAlloc.PACKED),
                                   QkNormCase(num_tokens=5, head_size=512, num_q_heads=4,
                                              num_k_heads=2, kv_cache_dtype="fp8_e5m2",
-                                             per_head_scale=True, dtype=torch.bfloat16)],
+                                             per_head_scale=True, dtype=torch.bfloat16),
+                                  QkNormCase(num_tokens=9, head_size=80, head_pad=64,
+                                             num_q_heads=4, num_k_heads=2,
+                                             dtype=torch.bfloat16, kv_cache_dtype="fp8",
+                                             bad_positions=1)],
                          ids=lambda c: c.id)
 def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op, case):
     """KVWRITE_CUDA_SPECIALIZE=0 (CudaTuning.specialize=False): the kernels with their fixed
@@ -390,6 +395,109 @@ def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op,
     seen = record_builds(cuda_impl.SOURCE)
     (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")
     assert seen and all(f is None for f in seen), seen
+
+
+# --- padded heads: the same bytes as dense heads -------------------------------------------------
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (a copy through them is bit-exact, NaNs
+    included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _call(op: str, inp: QkNormInputs, impl: str) -> None:
+    if op == NORM:
+        kvwrite.fused_qk_norm_rope(*inp.norm_args(), **inp.norm_kwargs(), implementation=impl)
+    else:
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(),
+                                                           **inp.fused_kwargs(),
+                                                           implementation=impl)
+
+
+def _run_padded_as_dense(op: str, impl: str, case: QkNormCase, device) -> None:
+    """``impl`` on padded heads writes, into the heads, query_out and the caches, exactly what it
+    writes on a dense copy of the same heads, and leaves every other byte of qkv's allocation
+    (the padding between heads included) as it was."""
+    assert case.head_pad and not case.flat
+    inp = make_qk_norm_inputs(case, device)
+    assert inp.qkv.stride(1) == case.head_size + case.head_pad
+    _skip_unless_runs(op, impl, inp, device)
+    dense = clone_inputs(inp)
+    dense.qkv = inp.qkv.contiguous()  # a new allocation: [T_pad, H, D], dense heads
+    if inp.query_out is not None:
+        dense.query_out = inp.query_out.clone()  # apart from qkv even where inp's lies in it
+    assert dense.qkv.stride(1) == case.head_size
+    want = clone_inputs(inp)
+    _call(op, inp, impl)
+    _call(op, dense, impl)
+    _ints(want.qkv).copy_(_ints(dense.qkv))
+    if want.query_out is not None:
+        _ints(want.query_out).copy_(_ints(dense.query_out))
+    if op == FUSED:
+        for name in ("key_cache", "value_cache"):
+            storage_bytes(getattr(want, name)).copy_(storage_bytes(getattr(dense, name)))
+    assert_same(inp, want, _nan_equal(case), None if op == FUSED else _norm_names(inp))
+
+
+_PADDED = ([(NORM, c) for c in NORM_CASES if c.head_pad]
+           + [(FUSED, c) for c in FUSED_CASES if c.head_pad])
+_GPU_PADDED = ([(NORM, c) for c in GPU_NORM_CASES if c.head_pad]
+               + [(FUSED, c) for c in GPU_FUSED_CASES if c.head_pad])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("op, case", _PADDED, ids=[f"{o}-{c.id}" for o, c in _PADDED])
+def test_padded_heads_give_the_bytes_of_dense_heads(op, case, impl, device):
+    _run_padded_as_dense(op, impl, case, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["torch", "triton", "cuda", "cuda-large"])
+@pytest.mark.parametrize("op, case", _GPU_PADDED, ids=[f"{o}-{c.id}" for o, c in _GPU_PADDED])
+def test_gpu_padded_heads_give_the_bytes_of_dense_heads(monkeypatch, op, case, impl):
+    """The GPU's padded cases (model shapes, 16-byte alignment broken, large calls) for every
+    implementation; cuda-large: every call through the cuda large-call build (two chunks per
+    lane where the head stride keeps 16-byte alignment, the one-chunk plan where it breaks it)."""
+    if impl == "cuda-large":
+        if op == NORM:
+            from kvwrite.ops.fused_qk_norm_rope import cuda_impl
+        else:
+            from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
+        _force(monkeypatch, cuda_impl, large_call_bytes=0)
+        impl = "cuda"
+    _run_padded_as_dense(op, impl, case, "cuda")
+
+
+def test_padded_heads_are_refused_where_they_are_not_heads():
+    """A 3-D qkv needs a unit-stride head_dim (any head stride); heads that share memory are
+    refused where qkv is written; the 2-D form keeps dense heads (its width is the heads'). The
+    messages name qkv, and nothing changes."""
+    inp = make_qk_norm_inputs(dataclasses.replace(VCASE, head_pad=16))
+    before = _snapshot(inp)
+    norm = dict(zip(NORM_NAMES, inp.norm_args(), strict=True))
+    fused = {**dict(zip(FUSED_NAMES, inp.fused_args(), strict=True)), **inp.fused_kwargs()}
+    wide = inp.qkv.as_strided((5, 8, 32), inp.qkv.stride()[:2] + (1,))
+    bad = [
+        ({"qkv": wide[..., ::2]}, "qkv: expected a unit stride in dim 2 (head_dim), got strides "
+                                  "(256, 32, 2)"),
+        ({"qkv": inp.qkv.as_strided((5, 8, 16), (256, 8, 1))},
+         "qkv: expected every element in its own memory"),
+        ({"qkv": wide.flatten(1)}, "qkv: expected [num_tokens, (num_heads_q + "),
+    ]
+    for change, text in bad:
+        for fn, args in ((kvwrite.fused_qk_norm_rope, norm),
+                         (kvwrite.fused_qk_norm_rope_and_reshape_cache_flash, fused)):
+            with pytest.raises(ValueError) as e:
+                fn(**{**args, **change})
+            assert text in str(e.value), str(e.value)
+    _assert_unchanged(inp, before)
+    # The fused op's cache arguments are still named against padded heads.
+    with pytest.raises(ValueError, match=r"key_cache: expected \[num_blocks, block_size, 2, 16\]"):
+        kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
+            **{**fused, "key_cache": inp.key_cache[..., :8],
+               "value_cache": inp.value_cache[..., :8]})
+    _assert_unchanged(inp, before)
 
 
 def _force(monkeypatch, cuda_impl, **tuning) -> None:
@@ -695,7 +803,7 @@ COMMON_BAD = [
     ("qkv-strided-2d", lambda a: {"qkv": torch.zeros(5, 256, dtype=torch.float16)[:, ::2]},
      ValueError, "qkv: expected a unit stride in dim 1"),
     ("qkv-sparse-heads", lambda a: {"qkv": torch.zeros(5, 8, 32, dtype=torch.float16)[..., ::2]},
-     ValueError, "qkv: expected dense heads"),
+     ValueError, "qkv: expected a unit stride in dim 2 (head_dim)"),
     ("num-heads-q-bool", lambda a: {"num_heads_q": True}, TypeError,
      "num_heads_q: expected a Python int, got bool"),
     ("num-heads-k-float", lambda a: {"num_heads_k": 2.0}, TypeError,
@@ -953,6 +1061,13 @@ def test_matrices_cover_the_contract():
         assert any(c.bad_positions for c in cases)
         assert any(c.pos_dtype == torch.int32 for c in cases)
         assert any(c.flat for c in cases) and any(c.row_pad for c in cases)
+        # Padded heads: vLLM's D = 128 in rows of 192 and D = 80 in rows of 144, a head stride
+        # that breaks 16-byte alignment, partial rotary.
+        padded = {(c.head_size, c.head_size + c.head_pad) for c in cases if c.head_pad}
+        assert {(128, 192), (80, 144)} <= padded
+        assert any(c.head_pad and (c.head_size + c.head_pad) * c.dtype.itemsize % 16
+                   for c in cases)
+        assert any(c.head_pad and c.rot < c.head_size for c in cases)
         assert any(c.num_q_heads == c.num_k_heads for c in cases)
         assert any(c.num_q_heads != c.num_k_heads for c in cases)
     assert {c.head_size for c in gpu} >= {64, 80, 128, 256, 512}
@@ -1123,6 +1238,36 @@ def test_cuda_lane_plans():
     # Rows aligned to 2 bytes only: the one-chunk plan of 1-element chunks.
     odd = torch.zeros(4 * 48 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 48, 128)
     assert plan(odd, None, None, table, True, chunks=2) == Plan(8, 16, 8, 1, 8, 4, 0)
+    # Padded heads: the head stride counts for the chunks' alignment as the token stride does.
+    # D = 128 in rows of 192 keeps the dense plans; a head stride of 132 elements (264 bytes,
+    # 8-byte aligned) narrows the chunks to 4 elements (and large calls to the one-chunk plan),
+    # 129 to single elements.
+    def padded(hs):
+        return torch.zeros(4, 48 * hs, dtype=torch.bfloat16).view(4, 48, hs)[..., :128]
+
+    for chunks in (1, 2):
+        assert plan(padded(192), None, None, table, True, chunks=chunks) == plan(
+            qkv, None, None, table, True, chunks=chunks)
+    assert plan(padded(132), None, None, table, True) == Plan(8, 16, 8, 4, 8, 4, 0)
+    assert plan(padded(132), None, None, table, True, chunks=2) == Plan(8, 16, 8, 4, 8, 4, 0)
+    assert plan(padded(129), None, None, table, True, chunks=2) == Plan(8, 16, 8, 1, 8, 4, 0)
+
+
+@pytest.mark.parametrize("which", ["norm", "fused"])
+def test_cuda_padded_heads_take_the_dense_variant_with_their_head_stride(which):
+    """A call on padded heads whose head stride keeps the chunks aligned (D = 128 in rows of 192)
+    takes the variant of the dense call (same template arguments: widths, lane layout) with its
+    own token and head strides compiled in (fixed arguments 0 and 1: a dense call's head stride
+    is D); one that breaks 16-byte alignment (rows of 132) takes narrower chunks."""
+    base = QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
+                      kv_cache_dtype="fp8")
+    for build in ("small", "large"):
+        name, fixed = _specialized_build(which, base, build)
+        assert fixed[:2] == (48 * 128, 128)
+        pname, pfixed = _specialized_build(which, dataclasses.replace(base, head_pad=64), build)
+        assert pname == name and pfixed[:2] == (48 * 192, 192) and pfixed[2:] == fixed[2:]
+        nname, nfixed = _specialized_build(which, dataclasses.replace(base, head_pad=4), build)
+        assert _template_args(which, nname)["V"] == "4" and nfixed[:2] == (48 * 132, 132)
 
 
 def test_cuda_call_builds():
@@ -1167,7 +1312,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     assert set(names) <= set(obj.symbol_mapping)
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
     assert len(frames) >= len(names) and all(f == ("0", "0") for f in frames), frames
-    scalars = 10 if which == "norm" else 22
+    scalars = 11 if which == "norm" else 23
     for name in names:
         mangled = obj.symbol_mapping[name]
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
@@ -1298,10 +1443,11 @@ def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
     the generic variants, no instruction waits for a global load's result before the last row
     load is issued (the position and slot are loaded after the rows, sass.waits_before_loads),
     in the small-call and the large-call builds. The kinds of exception: generic builds
-    (KVWRITE_CUDA_SPECIALIZE=0) of float32 rows in chunks narrower than a lane's elements, or of
-    the fused op's large-call build with int32 positions, where ptxas issues the position's load
-    first and places its test among the chunks' and weights' address arithmetic (specialized,
-    the same variants do not)."""
+    (KVWRITE_CUDA_SPECIALIZE=0) of rows in chunks narrower than a lane's elements (float32 rows;
+    since qkv's head stride is a run-time argument of its own there, also the fused op's
+    bfloat16 rows in 2-element chunks with int32 slots), or of the fused op's large-call build
+    with int32 positions, where ptxas issues the position's load first and places its test among
+    the chunks' and weights' address arithmetic (specialized, the same variants do not)."""
     _cuda_modules()
     from kvwrite.kernels import nvrtc
     for which, cases in (("norm", NORM_CASES), ("fused", FUSED_CASES)):
@@ -1312,7 +1458,7 @@ def test_cuda_kernels_issue_the_row_loads_before_waiting_for_any_load(tmp_path):
         late = sass_tools.late_issues(_build_sass(which, names, tmp_path), _row_load)
         for symbol in late:
             args = _template_args(which, by_symbol[symbol])
-            assert (args["IN"] == "2" and int(args["V"]) < int(args["E"])) or (
+            assert int(args["V"]) < int(args["E"]) or (
                 args.get("VALUE_FIRST") == "true" and args["PosT"] == "int"), (
                 which, by_symbol[symbol], late[symbol])
         assert len(late) <= 2, late
@@ -1598,9 +1744,9 @@ for dt in ("bf16", "fp32"):
     types = {"positions_ptr": "*i64", "qkv_ptr": "*" + dt, "cos_sin_ptr": "*fp32",
              "q_weight_ptr": "*" + dt, "k_weight_ptr": "*fp32", "num_rot": "i32",
              "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32", "offset_bits": "i32"}
-    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
-                  HAS_QW=True, HAS_KW=True, ADD_OFFSET=True, Q_TILES=8, BLOCK_T=1, BLOCK_H=4,
-                  BLOCK_D=128)
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, HEAD_STRIDE=128, ROT=128,
+                  IS_NEOX=True, HAS_QW=True, HAS_KW=True, ADD_OFFSET=True, Q_TILES=8, BLOCK_T=1,
+                  BLOCK_H=4, BLOCK_D=128)
     out["norm-" + dt] = count(ptx(norm._qk_norm_rope_kernel, types, consts))
     if dt == "fp32":
         out["norm-fusion-on"] = count(ptx(norm._qk_norm_rope_kernel, types, consts, True))
@@ -1611,10 +1757,11 @@ for dt in ("bf16", "fp32"):
     types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
                                       "max_position", "num_slots", "stride_b", "stride_s",
                                       "stride_h", "eps_bits", "offset_bits")})
-    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=80, ROT=64, IS_NEOX=False,
-                  HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, STORE_KEY=True,
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=80, HEAD_STRIDE=144, ROT=64,
+                  IS_NEOX=False, HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, STORE_KEY=True,
                   QUERY_IN_PLACE=False, QUERY_QUANT=0, Q_PER_HEAD_SCALE=False, BLOCK_SIZE=16,
-                  QUANT=0, PER_HEAD_SCALE=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128,
+                  QUANT=0, K_PER_HEAD=False, V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4,
+                  BLOCK_D=128,
                   k_scale_ptr=None, v_scale_ptr=None, q_scale_ptr=None)
     out["fused-" + dt] = count(ptx(fused._qk_norm_rope_cache_kernel, types, consts))
 # The other paths of both kernels compile (fp8 caches and queries with per-tensor and per-head
@@ -1631,10 +1778,12 @@ for quant, qquant, per_head, has_w, in_place in (
     types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
                                       "max_position", "num_slots", "stride_b", "stride_s",
                                       "stride_h", "eps_bits", "offset_bits")})
-    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
-                  HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w, STORE_KEY=not in_place,
-                  QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant, Q_PER_HEAD_SCALE=per_head and
-                  qquant > 0, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=per_head and quant > 0,
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, HEAD_STRIDE=128, ROT=128,
+                  IS_NEOX=True, HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w,
+                  STORE_KEY=not in_place, QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant,
+                  Q_PER_HEAD_SCALE=per_head and
+                  qquant > 0, BLOCK_SIZE=16, QUANT=quant, K_PER_HEAD=per_head and quant > 0,
+                  V_PER_HEAD=per_head and quant > 0,
                   Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128)
     for name, on in (("k_scale_ptr", quant), ("v_scale_ptr", quant), ("q_scale_ptr", qquant)):
         if on:
@@ -1650,9 +1799,9 @@ for has_w, off in ((False, False),):
     types = {"positions_ptr": "*i32", "qkv_ptr": "*fp16", "cos_sin_ptr": "*fp16",
              "num_rot": "i32", "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32",
              "offset_bits": "i32"}
-    consts = dict(NUM_Q_HEADS=16, NUM_K_HEADS=16, HEAD_SIZE=80, ROT=32, IS_NEOX=False,
-                  HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=off, Q_TILES=4, BLOCK_T=2, BLOCK_H=4,
-                  BLOCK_D=128)
+    consts = dict(NUM_Q_HEADS=16, NUM_K_HEADS=16, HEAD_SIZE=80, HEAD_STRIDE=81, ROT=32,
+                  IS_NEOX=False, HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=off, Q_TILES=4,
+                  BLOCK_T=2, BLOCK_H=4, BLOCK_D=128)
     if has_w:
         types.update(q_weight_ptr="*bf16", k_weight_ptr="*bf16")
     else:
@@ -1691,12 +1840,14 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
 # --- CUDA graphs, torch.compile, sanitize --------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_pad", [0, 64, 4])
 @pytest.mark.parametrize("impl", ["triton", "cuda", "cuda-large"])
 @pytest.mark.parametrize("op", [NORM, FUSED])
-def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl):
+def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl, head_pad):
     """Capture once (the first call of the variant inside the capture), then change every input
     in place (rows, positions, weights, slots, cache and query scales): the replay writes what
-    the reference writes for the new values (cuda-large: the cuda large-call build)."""
+    the reference writes for the new values (cuda-large: the cuda large-call build), on dense
+    and padded heads (D = 128 in rows of 192; of 132, which breaks 16-byte alignment)."""
     if impl == "cuda-large":
         if op == NORM:
             from kvwrite.ops.fused_qk_norm_rope import cuda_impl
@@ -1711,7 +1862,8 @@ def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl):
                       layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3,
                       bad_positions=2, num_blocks=8, pos_dtype=torch.int32,
                       query_out="fp8_e4m3" if op == FUSED else None, q_scale_per_head=True,
-                      q_weight=torch.float32, weight_offset=1.0, max_position=4096)
+                      q_weight=torch.float32, weight_offset=1.0, max_position=4096,
+                      head_pad=head_pad)
     live = make_qk_norm_inputs(case, "cuda", seed=1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -1738,10 +1890,15 @@ def test_cuda_graph_replay_sees_new_inputs(monkeypatch, op, impl):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_pad", [0, 64])
 @pytest.mark.parametrize("impl", ["torch", "triton", "cuda"])
-def test_torch_compile_sees_mutating_custom_ops(impl, device):
+def test_torch_compile_sees_mutating_custom_ops(impl, head_pad, device):
+    """Both ops stay one opaque custom op under torch.compile, and through AOT autograd's
+    functionalization the mutations are kept, on dense and padded heads (the padding keeps its
+    bytes)."""
     case = QkNormCase(num_tokens=9, bad_positions=2, padding_slots=2, layout=Layout.HND,
-                      query_out="same", weight_offset=1.0, rotate_key_in_place=False)
+                      query_out="same", weight_offset=1.0, rotate_key_in_place=False,
+                      head_pad=head_pad)
     inp = make_qk_norm_inputs(case, device)
     for op in (NORM, FUSED):
         _skip_unless_runs(op, impl, inp, device)

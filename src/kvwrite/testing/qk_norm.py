@@ -53,6 +53,9 @@ class QkNormCase:
     flat: bool = False
     # Extra columns after each token's heads (a token stride wider than the heads).
     row_pad: int = 0
+    # Extra elements after each head (3-D qkv only): heads head_size + head_pad elements apart, as
+    # vLLM's wide[..., :head_size] slices; the padding holds random bits that must not change.
+    head_pad: int = 0
     special: str = ""
     # The cache write (as reshape_and_cache_flash's Case); fused op only.
     block_size: int = 16
@@ -121,6 +124,7 @@ class QkNormCase:
         for flag, name in ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
                            (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
                            (self.flat, "flat"), (self.row_pad, "rowpad"),
+                           (self.head_pad, f"headpad{self.head_pad}"),
                            (not self.rotate_key_in_place, "keyout"), (self.special, self.special)):
             if flag:
                 parts.append(name)
@@ -257,9 +261,12 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
     rows = T + case.extra_rows
     hq, hk, hv, d = case.num_q_heads, case.num_k_heads, case.num_values, case.head_size
     heads = hq + hk + hv
-    width = heads * d + case.row_pad + (hq * d if case.query_out == "spare" else 0)
+    if case.head_pad and case.flat:
+        raise ValueError("head_pad: padded heads need a 3-D qkv (flat=False)")
+    hs = d + case.head_pad  # the head stride
+    width = heads * hs + case.row_pad + (hq * d if case.query_out == "spare" else 0)
     x = torch.randn(rows, width, generator=gen)
-    hx = x[:, :heads * d].view(rows, heads, d)
+    hx = x[:, :heads * hs].view(rows, heads, hs)[..., :d]
     # Spread magnitudes: rows of different scales (the norm takes them out).
     hx.mul_(torch.exp2(torch.randint(-6, 7, (rows, heads, 1), generator=gen).float()))
     if case.cache_dtype.is_fp8:  # the value rows over the fp8 range
@@ -268,7 +275,7 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
     if case.special:
         _plant_specials(case, hx, gen)
     buf = x.to(case.dtype)
-    qkv = buf[:, :heads * d]
+    qkv = buf[:, :heads * hs]
     query_out = None
     q_scale = None
     if case.query_out == "spare":
@@ -307,7 +314,7 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
     if query_out is not None and not case.flat:
         query_out = query_out.unflatten(1, (hq, d))
     if not case.flat:
-        qkv = qkv.unflatten(1, (heads, d))
+        qkv = qkv.unflatten(1, (heads, hs))[..., :d]
     return QkNormInputs(
         qkv=qkv, num_heads_q=hq, num_heads_k=hk, num_heads_v=hv, head_dim=d, eps=case.eps,
         q_weight=q_weight, k_weight=k_weight, cos_sin_cache=cos_sin, is_neox=case.is_neox,
@@ -384,6 +391,17 @@ def _norm_matrix() -> list[QkNormCase]:
         QkNormCase(special="tiny", num_tokens=5, dtype=torch.float32),
         QkNormCase(special="tiny", num_tokens=5, eps=0),
     ]
+    # Padded heads (wide[..., :D] of vLLM's wider rows): D = 128 in rows of 192, D = 80 in rows
+    # of 144 with partial GPT-J rotary, head strides that break 16-byte alignment (66 float16
+    # elements: 4-byte chunks; 65 float32 elements: single elements) with partial neox rotary.
+    cases += [
+        QkNormCase(head_size=128, head_pad=64, num_tokens=5, bad_positions=1),
+        QkNormCase(head_size=80, head_pad=64, rot_dim=40, num_q_heads=3, num_k_heads=1,
+                   is_neox=False, dtype=torch.float32, weight_offset=1.0),
+        QkNormCase(head_size=64, head_pad=2, rot_dim=32, extra_rows=2),
+        QkNormCase(head_size=64, head_pad=1, dtype=torch.float32, row_pad=3, q_weight=None),
+        QkNormCase(head_size=128, head_pad=64, dtype=torch.bfloat16, num_tokens=5),
+    ]
     return cases
 
 
@@ -431,6 +449,20 @@ def _fused_matrix() -> list[QkNormCase]:
         QkNormCase(num_tokens=5, special="nan", kv_cache_dtype="fp8_e5m2", dtype=torch.float32),
         QkNormCase(num_tokens=5, special="inf"),
     ]
+    # Padded heads (see _norm_matrix): the value heads and the cache write through the head
+    # stride too, query_out (dense) in place and apart, a spare region after padded heads.
+    cases += [
+        QkNormCase(num_tokens=9, head_size=128, head_pad=64, layout=Layout.HND, bad_positions=2,
+                   padding_slots=2),
+        QkNormCase(num_tokens=5, head_size=80, head_pad=64, rot_dim=20, num_q_heads=3,
+                   num_k_heads=1, is_neox=False, dtype=torch.float32, kv_cache_dtype="fp8_e5m2"),
+        QkNormCase(num_tokens=9, head_size=64, head_pad=2, rot_dim=32, query_out="same",
+                   rotate_key_in_place=False, dtype=torch.float32, alloc=KVAlloc.INTERLEAVED),
+        QkNormCase(num_tokens=9, head_size=64, head_pad=1, query_out="spare",
+                   alloc=KVAlloc.PACKED, kv_cache_dtype="float32"),
+        QkNormCase(num_tokens=9, head_size=128, head_pad=64, dtype=torch.bfloat16,
+                   kv_cache_dtype="fp8", per_head_scale=True),
+    ]
     return cases
 
 
@@ -467,6 +499,21 @@ def _gpu_norm_matrix() -> list[QkNormCase]:
               QkNormCase(num_tokens=33, head_size=128, num_q_heads=32, num_k_heads=8,
                          cos_sin_dtype=torch.bfloat16, dtype=torch.bfloat16, flat=True,
                          row_pad=16, pos_dtype=torch.int32)]
+    # Padded heads: Qwen3-8B's D = 128 in rows of 192 (small and large calls), D = 80 in rows of
+    # 144, strides that break 16-byte alignment (8-byte and 2-byte chunks), partial rotary.
+    for hp, d, dtype, neox, rot in ((64, 128, torch.bfloat16, True, None),
+                                    (64, 128, torch.float16, False, 64),
+                                    (64, 80, torch.bfloat16, True, None),
+                                    (64, 80, torch.float32, False, 40),
+                                    (4, 128, torch.bfloat16, True, None),
+                                    (1, 128, torch.bfloat16, True, 64),
+                                    (2, 64, torch.float32, True, None)):
+        cases.append(QkNormCase(num_tokens=37, num_q_heads=32, num_k_heads=8, head_size=d,
+                                head_pad=hp, dtype=dtype, is_neox=neox, rot_dim=rot,
+                                bad_positions=2, max_position=4096))
+    cases.append(QkNormCase(num_tokens=3000, num_q_heads=32, num_k_heads=8, head_size=128,
+                            head_pad=64, dtype=torch.bfloat16, max_position=8192,
+                            bad_positions=5, extra_rows=3))
     return cases
 
 
@@ -522,6 +569,20 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
                    dtype=torch.bfloat16, block_size=12, num_blocks=3, slot_dtype=torch.int32,
                    pos_dtype=torch.int32, layout=Layout.HND, kv_cache_dtype="fp8_e5m2"),
     ]
+    # Padded heads (see _gpu_norm_matrix) against auto and fp8 caches and the query
+    # destinations, small and large calls.
+    for hp, d, kv, qo, rot in ((64, 128, "auto", None, None), (64, 128, "fp8", "fp8_e4m3", None),
+                               (64, 80, "auto", "same", 40), (64, 80, "fp8", None, None),
+                               (4, 128, "fp8", None, 64), (1, 128, "auto", "spare", None)):
+        cases.append(QkNormCase(num_tokens=21, num_q_heads=32, num_k_heads=8, head_size=d,
+                                head_pad=hp, dtype=torch.bfloat16, kv_cache_dtype=kv,
+                                query_out=qo, rot_dim=rot, rotate_key_in_place=qo is None,
+                                num_blocks=4, padding_slots=2, bad_positions=2,
+                                max_position=4096, alloc=KVAlloc.PACKED))
+    cases.append(QkNormCase(num_tokens=4000, cache_tokens=3900, num_q_heads=32, num_k_heads=8,
+                            head_size=128, head_pad=64, dtype=torch.bfloat16,
+                            kv_cache_dtype="fp8", num_blocks=260, bad_positions=5,
+                            max_position=8192))
     return cases
 
 

@@ -8,16 +8,18 @@ chunks * 16 bytes of the row's dtype)) (:func:`lane_layout`): one 16-byte chunk 
 small-call build (bfloat16 D=128: 16 lanes of 8 elements), two in the large-call build (8 lanes
 of 16). Widths: each lane's elements are loaded and stored in chunks of V elements (the widest
 power of two dividing E and D, at most 16 bytes, with every pointer and stride aligned to it,
-:func:`vector_width`), its weights in chunks of VW, its table entries in chunks of VT. Where a
-lane holds more than one full 16-byte chunk and the rotation's partners then stay in the lane
-(neox: rot/2 a multiple of L * V; GPT-J: always), its chunks are interleaved with the other
-lanes' (segments of SEG = V elements, L * V apart: every warp access covers consecutive bytes,
-and the neox partner of a chunk is the lane's own chunk PS = rot / (2 * L * V) segments on);
+qkv's token and head strides included: a head stride that breaks 16-byte alignment, such as 81
+elements, narrows the chunks; dense heads never do, :func:`vector_width`), its weights in chunks
+of VW, its table entries in chunks of VT. Where a lane holds more than one full 16-byte chunk
+and the rotation's partners then stay in the lane (neox: rot/2 a multiple of L * V; GPT-J:
+always), its chunks are interleaved with the other lanes' (segments of SEG = V elements, L * V
+apart: every warp access covers consecutive bytes, and the neox partner of a chunk is the lane's
+own chunk PS = rot / (2 * L * V) segments on);
 otherwise a lane holds E consecutive elements (SEG = E) and neox partners come through shared
 memory. Variants (template arguments): row, table and weight dtypes, E, L, SEG, V, VW, VT,
 pairing, PS, the position index type, the CTA's threads and the register bound. Each call
-signature takes its own build with the arguments it fixes (the token stride, the head counts, D,
-rot, eps, the weight offset) compiled in (``CudaTuning.specialize``). Calls of at least
+signature takes its own build with the arguments it fixes (the token and head strides, the head
+counts, D, rot, eps, the weight offset) compiled in (``CudaTuning.specialize``). Calls of at least
 ``CudaTuning.large_call_bytes`` of rows take the large-call build (two chunks per lane, narrower
 CTAs, a register bound, no early trigger of the next kernel). Launched on PyTorch's current
 stream; no allocation and no host sync per call (graph-safe).
@@ -221,13 +223,14 @@ def layout_plan(head_size: int, in_bytes: int, rot: int, is_neox: bool, chunks: 
 
 def plan(qkv: torch.Tensor, q_weight, k_weight, cos_sin_cache: torch.Tensor, is_neox: bool,
          extra_rows: tuple[tuple[int, int, tuple[int, ...]], ...] = (), chunks: int = 1) -> Plan:
-    """The layout and widths of a call on ``qkv`` (``[T_pad, H, D]``) with ``chunks`` 16-byte
-    chunks per lane; ``extra_rows``: (address, element size, strides) of other tensors the
-    kernel accesses in V-element chunks (the fused op's query_out and caches)."""
+    """The layout and widths of a call on ``qkv`` (``[T_pad, H, D]``, any token and head
+    strides: both count for the chunks' alignment) with ``chunks`` 16-byte chunks per lane;
+    ``extra_rows``: (address, element size, strides) of other tensors the kernel accesses in
+    V-element chunks (the fused op's query_out and caches)."""
     d = qkv.shape[2]
     es = qkv.element_size()
     rot = cos_sin_cache.shape[1]
-    strides = (qkv.stride(0),) if qkv.shape[0] > 1 else ()
+    strides = tuple(s for s, n in zip(qkv.stride()[:2], qkv.shape[:2], strict=True) if n > 1)
     rows = ((qkv.data_ptr(), es, strides),) + tuple(extra_rows)
     e, lanes = lane_layout(d, es, chunks)
     v = vector_width(d, e, rows, es)
@@ -297,11 +300,11 @@ def call_build(row_bytes: int, tuning: CudaTuning = TUNING) -> Build:
 def fixed_args(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
                cos_sin_cache: torch.Tensor, weight_offset: float) -> tuple[int, ...]:
     """The kernel's arguments from qkv_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set
-    by the call signature: qkv's token stride, max_position, Hq, Hq + Hk, D, rot, the bits of
-    float32(eps) and float32(weight_offset), whether the offset is added."""
-    return (qkv.stride(0), cos_sin_cache.shape[0], num_heads_q, num_heads_q + num_heads_k,
-            qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps), float32_bits(weight_offset),
-            int(weight_offset != 0))
+    by the call signature: qkv's token and head strides, max_position, Hq, Hq + Hk, D, rot, the
+    bits of float32(eps) and float32(weight_offset), whether the offset is added."""
+    return (qkv.stride(0), qkv.stride(1), cos_sin_cache.shape[0], num_heads_q,
+            num_heads_q + num_heads_k, qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps),
+            float32_bits(weight_offset), int(weight_offset != 0))
 
 
 def bounded(build: Build, p: Plan, specialize: bool, q_weight, k_weight,
@@ -377,7 +380,7 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     qw, kw = _ptr(q_weight), _ptr(k_weight)
     build = call_build(num_rot * (num_heads_q + num_heads_k) * qkv.shape[2] *
                        qkv.element_size(), tuning)
-    sig = (qkv.dtype, cos_sin_cache.dtype, position_ids.dtype, qkv.shape[1:], qkv.stride(0),
+    sig = (qkv.dtype, cos_sin_cache.dtype, position_ids.dtype, qkv.shape[1:], qkv.stride()[:2],
            num_heads_q, num_heads_k, eps, weight_offset, cos_sin_cache.shape,
            None if q_weight is None else q_weight.dtype,
            None if k_weight is None else k_weight.dtype,

@@ -16,16 +16,17 @@
 #include "kvw/rope.cuh"
 #include "kvw/qk_norm.cuh"
 
-// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the arguments
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v9) the arguments
 // from qkv_stride on are compile-time constants: none is read from the parameter bank, the
-// division by the heads per token and the one by D fold.
+// division by the heads per token and the one by D fold, and a head row's offset is the same
+// constant multiple whether the heads are dense (qkv_head_stride == head_size) or padded.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_QKN_FIXED_PROLOGUE()                                                                \
   {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(9);                                                                    \
-    qkv_stride = fixed[0]; max_position = fixed[1]; num_q_heads = fixed[2];                     \
-    units_per_token = fixed[3]; head_size = fixed[4]; rot = fixed[5]; eps_bits = fixed[6];      \
-    offset_bits = fixed[7]; add_offset = fixed[8];                                              \
+    KVW_FIXED_ARGS_ARRAY(10);                                                                   \
+    qkv_stride = fixed[0]; qkv_head_stride = fixed[1]; max_position = fixed[2];                 \
+    num_q_heads = fixed[3]; units_per_token = fixed[4]; head_size = fixed[5]; rot = fixed[6];   \
+    eps_bits = fixed[7]; offset_bits = fixed[8]; add_offset = fixed[9];                         \
   }
 #else
 #define KVW_QKN_FIXED_PROLOGUE()
@@ -35,14 +36,15 @@ template <int IN, int CS, int WQ, int WK, int E, int L, int SEG, int V, int VW, 
           int PS, typename PosT, int CTA, int MIN_BLOCKS>
 __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_kernel(
     const PosT* __restrict__ positions,   // [T_rot]
-    u8* qkv,                              // [T_pad, Hq + Hk + Hv, D]; token stride qkv_stride
+    u8* qkv,                              // [T_pad, Hq + Hk + Hv, D]; token stride qkv_stride,
+                                          // head stride qkv_head_stride (elements)
     const u8* __restrict__ cos_sin,       // [max_position, rot], elements of kind CS
     const u8* __restrict__ q_weight,      // [D] of kind WQ (unused for QKN_NO_WEIGHT)
     const u8* __restrict__ k_weight,      // [D] of kind WK
     i64 num_rot,
     // the fixed arguments (KVWRITE_FIXED_ARGS above)
-    i64 qkv_stride, i64 max_position, i64 num_q_heads, i64 units_per_token, i64 head_size,
-    i64 rot, i64 eps_bits, i64 offset_bits, i64 add_offset) {
+    i64 qkv_stride, i64 qkv_head_stride, i64 max_position, i64 num_q_heads, i64 units_per_token,
+    i64 head_size, i64 rot, i64 eps_bits, i64 offset_bits, i64 add_offset) {
   KVW_PDL_ENTRY();
   KVW_QKN_FIXED_PROLOGUE()
   using LY = QknLayout<E, L, SEG>;
@@ -54,7 +56,8 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_kernel(
   const u32 j = static_cast<u32>(grp - t * static_cast<u64>(units_per_token));
   const u32 i0 = (static_cast<u32>(thread) & (L - 1)) * SEG;
   const bool is_q = j < static_cast<u64>(num_q_heads);
-  u8* row = qkv + static_cast<i64>(t) * qkv_stride * IB + static_cast<i64>(j) * head_size * IB;
+  u8* row = qkv + static_cast<i64>(t) * qkv_stride * IB +
+            static_cast<i64>(j) * qkv_head_stride * IB;
   // The row first (volatile: not sunk below the position's test), then the position
   // (load_index: nothing computed from it placed before the row's loads), then the weights
   // (before the position, ptxas placed the position's test before the row's loads in some

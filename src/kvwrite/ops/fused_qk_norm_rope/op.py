@@ -59,7 +59,9 @@ def validate_norm(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_w
                   cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp,
                   weight_offset) -> tuple[torch.Tensor, float, float]:
     """Check the arguments both QK-norm ops share; return ``(qkv as [T_pad, Hq+Hk+Hv, D], eps,
-    weight_offset)`` (the two scalars as Python floats). Raises TypeError/ValueError naming the
+    weight_offset)`` (the two scalars as Python floats). qkv: 2-D ``[T_pad, (Hq+Hk+Hv)*D]`` with
+    ``stride(1) == 1`` (dense heads), or 3-D with ``stride(2) == 1`` and any head stride
+    (``stride(1)``); the token stride is free in both. Raises TypeError/ValueError naming the
     argument, before anything is written."""
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
@@ -95,10 +97,11 @@ def validate_norm(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_w
             raise ValueError(
                 f"qkv: expected [num_tokens, num_heads_q + num_heads_k + num_heads_v, head_dim] = "
                 f"[num_tokens, {heads}, {d}], got shape {_shape(qkv)}")
-        if qkv.stride(2) != 1 or qkv.stride(1) != d:
-            raise ValueError(
-                f"qkv: expected dense heads (stride(2) == 1, stride(1) == head_dim = {d}), got "
-                f"strides {tuple(qkv.stride())}")
+        # The head stride is free (heads of a wider buffer, e.g. wide[..., :head_dim]); heads
+        # that would share memory are refused where qkv is written (check_mutation_safe).
+        if qkv.stride(2) != 1:
+            raise ValueError(f"qkv: expected a unit stride in dim 2 (head_dim), got strides "
+                             f"{tuple(qkv.stride())}")
         view = qkv
     else:
         raise ValueError(
@@ -146,14 +149,14 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     in place; the contract is docs/ops/fused_qk_norm_rope.md.
 
     ``qkv``: ``[T_pad, (Hq + Hk + Hv) * D]`` or ``[T_pad, Hq + Hk + Hv, D]`` (float16, bfloat16 or
-    float32; dense inside a token, any token stride): per token the query heads, the key heads,
-    the value heads. Rows ``t < T_rot = position_ids.numel()`` whose position lies in
-    ``[0, max_position)`` are normalized and rotated; value heads and every other row keep their
-    bits. Per head, in float32 with every step rounded to nearest even and no fused
-    multiply-add: the squares summed in one fixed pairwise tree, ``r = RN(1 / RN(sqrt(RN(RN(ss /
-    D) + eps))))``, ``n = RN(RN(x * r) * g)`` with ``g = w`` (or ``RN(w + weight_offset)``; no
-    weight: ``n = RN(x * r)``), then the RoPE of :func:`kvwrite.rotary_embedding` on the float32
-    ``n`` and one rounding to qkv's dtype.
+    float32; 2-D: dense heads; 3-D: any head stride, unit-stride head_dim; any token stride):
+    per token the query heads, the key heads, the value heads. Rows ``t < T_rot =
+    position_ids.numel()`` whose position lies in ``[0, max_position)`` are normalized and
+    rotated; value heads and every other row keep their bits. Per head, in float32 with every
+    step rounded to nearest even and no fused multiply-add: the squares summed in one fixed
+    pairwise tree, ``r = RN(1 / RN(sqrt(RN(RN(ss / D) + eps))))``, ``n = RN(RN(x * r) * g)``
+    with ``g = w`` (or ``RN(w + weight_offset)``; no weight: ``n = RN(x * r)``), then the RoPE
+    of :func:`kvwrite.rotary_embedding` on the float32 ``n`` and one rounding to qkv's dtype.
 
     ``q_weight``, ``k_weight``: ``[D]`` of any float dtype or None; ``cos_sin_cache``,
     ``is_neox`` as :func:`kvwrite.rotary_embedding`'s; ``forced_token_heads_per_warp`` is

@@ -5,7 +5,8 @@ Every float32 step is its own tensor op (eager PyTorch never fuses them), so eac
 float32 as the contract says; the square root is taken in float64 and rounded once (PyTorch's
 float32 CPU square root is not correctly rounded; the float64 one rounded to float32 is). The
 RoPE is rotary_embedding's reference, applied to the float32 values. Works on CPU and CUDA
-tensors of any token stride.
+tensors of any token and head stride (it reads and writes through qkv's views: padding between
+heads is untouched).
 """
 
 from __future__ import annotations

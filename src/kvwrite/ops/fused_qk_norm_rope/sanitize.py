@@ -7,8 +7,9 @@ under compute-sanitizer. Each case runs in the build its call takes and, with th
 
 The cases: positions out of range (negative, past the table, the int32 extremes), rows past
 T_rot, head sizes whose rows are not 16-byte aligned (46, 6) or not a power of two (80), token
-strides of an odd number of elements, D = 512 (one warp per head), partial rotary down to one
-pair, int32 positions, no weights, and more tokens than one resident wave.
+strides of an odd number of elements, padded heads (head strides of 81 and 192 elements), D =
+512 (one warp per head), partial rotary down to one pair, int32 positions, no weights, and more
+tokens than one resident wave.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ CASES = [
                bad_positions=1, extra_rows=2),
     QkNormCase(num_tokens=20, head_size=128, num_q_heads=32, num_k_heads=8,
                dtype=torch.bfloat16, flat=True, bad_positions=2),
+    QkNormCase(num_tokens=13, head_size=80, head_pad=1, num_q_heads=5, num_k_heads=3,
+               dtype=torch.bfloat16, bad_positions=2),
+    QkNormCase(num_tokens=11, head_size=128, head_pad=64, num_q_heads=8, num_k_heads=2,
+               dtype=torch.bfloat16),
     QkNormCase(num_tokens=40_000, head_size=64, num_q_heads=4, num_k_heads=1, num_v_heads=1,
                dtype=torch.bfloat16, max_position=4096, bad_positions=50),
 ]

@@ -3,7 +3,9 @@ any weight dtypes.
 
 Grid (token tiles, query head tiles + key head tiles): a program normalizes and rotates a
 ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of query or key heads (kvwrite.kernels.triton_qk_norm) and
-stores whole rows back in place, only for tokens whose position is in the table. Tiles as
+stores whole rows back in place, only for tokens whose position is in the table. qkv's token
+stride is a run-time argument, its head stride a compile-time one (HEAD_STRIDE: a model has one,
+and dense heads, HEAD_STRIDE == HEAD_SIZE, compile to the code of a constant head size). Tiles as
 rotary_embedding's (its ``tiling``). Graph-safe: nothing is read on the host per call.
 
 Under Triton's interpreter (CPU) bfloat16 rows, tables and weights are refused (its bfloat16
@@ -56,7 +58,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rot", "eps_bits", "offset_bits"])
     def _qk_norm_rope_kernel(
         positions_ptr,  # [T_rot] int64 or int32
-        qkv_ptr,  # [T_pad, Hq + Hk + Hv, D], token stride qkv_stride, dense heads
+        qkv_ptr,  # [T_pad, Hq + Hk + Hv, D], token stride qkv_stride, head stride HEAD_STRIDE
         cos_sin_ptr,  # [max_position, ROT]: cos | sin
         q_weight_ptr, k_weight_ptr,  # [D] each (None where HAS_QW / HAS_KW is false)
         num_rot,  # T_rot
@@ -64,9 +66,9 @@ if triton is not None:
         max_position,
         eps_bits, offset_bits,  # float32(eps), float32(weight_offset) as int32 bits
         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-        ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
-        ADD_OFFSET: tl.constexpr, Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        HEAD_STRIDE: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr,
+        HAS_KW: tl.constexpr, ADD_OFFSET: tl.constexpr, Q_TILES: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -81,13 +83,13 @@ if triton is not None:
         if tile < Q_TILES:
             h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
             mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
-            row = (t64 * qkv_stride)[:, None, None] + h * HEAD_SIZE
+            row = (t64 * qkv_stride)[:, None, None] + h * HEAD_STRIDE
             out = norm_rope_tile(qkv_ptr, row, d, partner, mask, q_weight_ptr, eps, offset, c, s,
                                  first, is_rot, HEAD_SIZE, HAS_QW, ADD_OFFSET, BLOCK_D)
         else:
             h = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
             mask = valid[:, None, None] & (h < NUM_K_HEADS) & (d < HEAD_SIZE)
-            row = (t64 * qkv_stride)[:, None, None] + (NUM_Q_HEADS + h) * HEAD_SIZE
+            row = (t64 * qkv_stride)[:, None, None] + (NUM_Q_HEADS + h) * HEAD_STRIDE
             out = norm_rope_tile(qkv_ptr, row, d, partner, mask, k_weight_ptr, eps, offset, c, s,
                                  first, is_rot, HEAD_SIZE, HAS_KW, ADD_OFFSET, BLOCK_D)
         tl.store(qkv_ptr + row + d, out.to(qkv_ptr.dtype.element_ty), mask=mask)
@@ -114,7 +116,8 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         position_ids, qkv, cos_sin_cache, q_weight, k_weight, num_rot, qkv.stride(0),
         cos_sin_cache.shape[0], signed_bits(eps), signed_bits(weight_offset),
         NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
-        ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox, HAS_QW=q_weight is not None,
+        HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
+        HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0, Q_TILES=nq,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
         PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,

@@ -9,7 +9,8 @@ cast, fp8 e4m3 or e5m2), the query's destination (in place, query_out of qkv's d
 query_out), the lane layout and widths (E, L, SEG, V, VW, VT, PS), pairing, position and slot
 index types, the CTA's threads, the register bound and the value's order (VALUE_FIRST: the
 large-call build). Each call signature takes its own build with the arguments it fixes (strides,
-head counts, the caches' geometry, the table's shape, eps, the weight offset) compiled in
+head counts, the caches' geometry, the table's shape, eps, the weight offset; qkv's head stride
+among the strides, which also count for the chunks' alignment) compiled in
 (``fixed_args``, ``CudaTuning.specialize``); calls of at least ``CudaTuning.large_call_bytes``
 of query, key and value rows take the large-call build (fused_qk_norm_rope's, with the value
 converted before the table's entries are requested). Launched on PyTorch's current stream;
@@ -183,16 +184,17 @@ def call_build(row_bytes: int, fp8: bool, tuning: CudaTuning = TUNING) -> tuple[
 def fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset, key_cache,
                rotate_key_in_place, query_out) -> tuple[int, ...]:
     """The kernel's arguments from qkv_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set by
-    the call signature: qkv's and query_out's token strides, max_position, the caches' block,
-    page and head strides, block_size, log2(block_size) or -1, num_slots, Hq, Hk, D, rot, the
-    bits of float32(eps) and float32(weight_offset), whether the offset is added, whether the
-    key is stored back."""
+    the call signature: qkv's token and head strides, query_out's token stride, max_position,
+    the caches' block, page and head strides, block_size, log2(block_size) or -1, num_slots, Hq,
+    Hk, D, rot, the bits of float32(eps) and float32(weight_offset), whether the offset is
+    added, whether the key is stored back."""
     num_blocks, block_size = key_cache.shape[:2]
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     qo_stride = 0 if query_out is None else query_out.stride(0)
-    return (qkv.stride(0), qo_stride, cos_sin_cache.shape[0], block_stride, page_stride,
-            head_stride, block_size, _log2_or_minus_1(block_size), num_blocks * block_size,
-            num_heads_q, num_heads_k, qkv.shape[2], cos_sin_cache.shape[1], float32_bits(eps),
+    return (qkv.stride(0), qkv.stride(1), qo_stride, cos_sin_cache.shape[0], block_stride,
+            page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            num_blocks * block_size, num_heads_q, num_heads_k, qkv.shape[2],
+            cos_sin_cache.shape[1], float32_bits(eps),
             float32_bits(weight_offset), int(weight_offset != 0), int(rotate_key_in_place))
 
 
@@ -282,7 +284,7 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     build, value_first = call_build(num_rot * (num_heads_q + 2 * num_heads_k) * qkv.shape[2] *
                                     qkv.element_size(), fp8, tuning)
     sig = (qkv.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, position_ids.dtype,
-           slot_mapping.dtype, qkv.shape[1:], qkv.stride(0), num_heads_q, num_heads_k, eps,
+           slot_mapping.dtype, qkv.shape[1:], qkv.stride()[:2], num_heads_q, num_heads_k, eps,
            weight_offset, cos_sin_cache.shape, key_cache.shape, key_cache.stride(),
            None if q_weight is None else q_weight.dtype,
            None if k_weight is None else k_weight.dtype,

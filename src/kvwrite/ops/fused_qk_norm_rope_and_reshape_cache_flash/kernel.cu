@@ -22,19 +22,19 @@
 #include "kvw/rope.cuh"
 #include "kvw/qk_norm.cuh"
 
-// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v16) the arguments
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v17) the arguments
 // from qkv_stride on are compile-time constants: none is read from the parameter bank and the
 // index math (the division by the heads per token, the slot's block split) folds.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_QKN_CACHE_FIXED_PROLOGUE()                                                          \
   {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(17);                                                                   \
-    qkv_stride = fixed[0]; qo_stride = fixed[1]; max_position = fixed[2];                       \
-    block_stride = fixed[3]; page_stride = fixed[4]; head_stride = fixed[5];                    \
-    block_size = fixed[6]; block_shift = fixed[7]; num_slots = fixed[8];                        \
-    num_q_heads = fixed[9]; num_k_heads = fixed[10]; head_size = fixed[11]; rot = fixed[12];    \
-    eps_bits = fixed[13]; offset_bits = fixed[14]; add_offset = fixed[15];                      \
-    store_key = fixed[16];                                                                      \
+    KVW_FIXED_ARGS_ARRAY(18);                                                                   \
+    qkv_stride = fixed[0]; qkv_head_stride = fixed[1]; qo_stride = fixed[2];                    \
+    max_position = fixed[3]; block_stride = fixed[4]; page_stride = fixed[5];                   \
+    head_stride = fixed[6]; block_size = fixed[7]; block_shift = fixed[8];                      \
+    num_slots = fixed[9]; num_q_heads = fixed[10]; num_k_heads = fixed[11];                     \
+    head_size = fixed[12]; rot = fixed[13]; eps_bits = fixed[14]; offset_bits = fixed[15];      \
+    add_offset = fixed[16]; store_key = fixed[17];                                              \
   }
 #else
 #define KVW_QKN_CACHE_FIXED_PROLOGUE()
@@ -50,8 +50,10 @@ template <int IN, int CS, int WQ, int WK, int OUT, int QO, int E, int L, int SEG
           bool VALUE_FIRST>
 __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     const PosT* __restrict__ positions,   // [T_rot]
-    u8* qkv,                              // [T_pad, Hq + Hk + Hv, D]; token stride qkv_stride
-    u8* query_out,                        // [T_pad, Hq, D] of QO's kind; token stride qo_stride
+    u8* qkv,                              // [T_pad, Hq + Hk + Hv, D]; token stride qkv_stride,
+                                          // head stride qkv_head_stride (elements)
+    u8* query_out,                        // [T_pad, Hq, D] of QO's kind; token stride qo_stride,
+                                          // dense heads
     const u8* __restrict__ cos_sin,       // [max_position, rot], elements of kind CS
     const u8* __restrict__ q_weight,      // [D] of kind WQ
     const u8* __restrict__ k_weight,      // [D] of kind WK
@@ -63,10 +65,10 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     const float* __restrict__ q_scale,    // [1] or [Hq] (fp8 query_out only)
     i64 num_rot, i64 num_tokens, i64 k_scale_stride, i64 v_scale_stride, i64 q_scale_stride,
     // the fixed arguments (KVWRITE_FIXED_ARGS above)
-    i64 qkv_stride, i64 qo_stride, i64 max_position, i64 block_stride, i64 page_stride,
-    i64 head_stride, i64 block_size, i64 block_shift, i64 num_slots, i64 num_q_heads,
-    i64 num_k_heads, i64 head_size, i64 rot, i64 eps_bits, i64 offset_bits, i64 add_offset,
-    i64 store_key) {
+    i64 qkv_stride, i64 qkv_head_stride, i64 qo_stride, i64 max_position, i64 block_stride,
+    i64 page_stride, i64 head_stride, i64 block_size, i64 block_shift, i64 num_slots,
+    i64 num_q_heads, i64 num_k_heads, i64 head_size, i64 rot, i64 eps_bits, i64 offset_bits,
+    i64 add_offset, i64 store_key) {
   KVW_PDL_ENTRY();
   KVW_QKN_CACHE_FIXED_PROLOGUE()
   using LY = QknLayout<E, L, SEG>;
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   const u32 i0 = (static_cast<u32>(thread) & (L - 1)) * SEG;
   const bool is_q = j < static_cast<u64>(num_q_heads);
   const i64 h = static_cast<i64>(j) - (is_q ? 0 : num_q_heads);  // the head within its kind
-  u8* row = qkv + static_cast<i64>(t) * qkv_stride * IB + static_cast<i64>(j) * head_size * IB;
+  u8* row = qkv + static_cast<i64>(t) * qkv_stride * IB +
+            static_cast<i64>(j) * qkv_head_stride * IB;
   const bool cached = !is_q && t < static_cast<u64>(num_tokens);
   // The rows first (volatile: not sunk below the position's test; a key group's value row too,
   // Hk heads after its key), then the scales (volatile: used only after the rotation, but needed
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   // them placed before the rows' loads).
   const QknRow<IN, E, V> x = qkn_load_row<IN, LY, V>(row, i0, head_size);
   QknRow<IN, E, V> v = qkn_zero_row<IN, E, V>();
-  if (cached) v = qkn_load_row<IN, LY, V>(row + num_k_heads * head_size * IB, i0, head_size);
+  if (cached) v = qkn_load_row<IN, LY, V>(row + num_k_heads * qkv_head_stride * IB, i0, head_size);
   // The scales by every lane, branch-free (a query group reads head 0's k and v scales, a key
   // group head 0's q scale: always there).
   float k_s = 0.0f, v_s = 0.0f, q_s = 0.0f;

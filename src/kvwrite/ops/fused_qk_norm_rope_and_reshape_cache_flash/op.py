@@ -122,7 +122,7 @@ def validate(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight
                         inputs=(*read, ("key_cache", key_cache), ("value_cache", value_cache)))
     k, v = view[:, hq:hq + hk], view[:, hq + hk:]
     cache_dtype = validate_cache_write(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, free_head_stride=True)
     num_rot = position_ids.numel()
     if slot_mapping.numel() > num_rot:
         raise ValueError(

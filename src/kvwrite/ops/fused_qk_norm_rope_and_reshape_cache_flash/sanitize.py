@@ -8,8 +8,9 @@ compute-sanitizer. Each case runs in the build its call takes and, with the id's
 
 The cases: padding and out-of-range slots, positions out of range, T < T_rot and T = 0, rows
 past T_rot, head sizes whose rows are not 16-byte aligned (46, 6) or not a power of two (80),
-D = 512, odd token strides, HND, interleaved and packed caches, a block size that is not a power
-of two, per-head fp8 scales, fp8 query_out with per-head scales, query_out in a spare region of
+D = 512, odd token strides, padded heads (head strides of 81 and 192 elements), HND,
+interleaved and packed caches, a block size that is not a power of two, per-head fp8 scales,
+fp8 query_out with per-head scales, query_out in a spare region of
 qkv's allocation, int32 slots and positions, and more tokens than one resident wave.
 """
 
@@ -48,6 +49,11 @@ CASES = [
                kv_cache_dtype="bfloat16", bad_positions=1, num_blocks=1, query_out="same"),
     QkNormCase(num_tokens=9, cache_tokens=0, head_size=128, num_q_heads=32, num_k_heads=8,
                dtype=torch.bfloat16, kv_cache_dtype="fp8"),
+    QkNormCase(num_tokens=13, head_size=80, head_pad=1, num_q_heads=5, num_k_heads=3,
+               dtype=torch.bfloat16, kv_cache_dtype="fp8", num_blocks=2, query_out="spare",
+               bad_positions=2),
+    QkNormCase(num_tokens=11, head_size=128, head_pad=64, num_q_heads=8, num_k_heads=2,
+               dtype=torch.bfloat16, layout=Layout.HND, num_blocks=2),
     QkNormCase(num_tokens=40_000, head_size=64, num_q_heads=4, num_k_heads=1,
                dtype=torch.bfloat16, max_position=4096, bad_positions=50, block_size=16,
                num_blocks=2600, padding_slots=100, out_of_range_slots=100,

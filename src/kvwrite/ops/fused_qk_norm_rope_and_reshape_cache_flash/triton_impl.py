@@ -1,7 +1,8 @@
 """The Triton implementation of fused_qk_norm_rope_and_reshape_cache_flash: one launch normalizes
 and rotates query and key heads, stores them and writes the caches.
 
-Grid (token tiles, query head tiles + key head tiles), tiles as rotary_embedding's. A query
+Grid (token tiles, query head tiles + key head tiles), tiles as rotary_embedding's; qkv's head
+stride compiled in as fused_qk_norm_rope's kernel's (query_out keeps dense heads). A query
 program normalizes and rotates a ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of query heads
 (kvwrite.kernels.triton_qk_norm) and stores it in place, to query_out, or fp8-quantized to
 query_out (kvwrite.kernels.triton_fp8.store_quantized with q_scale's constants). A key program
@@ -70,7 +71,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rot", "num_tokens", "eps_bits", "offset_bits"])
     def _qk_norm_rope_cache_kernel(
         positions_ptr,  # [T_rot] int64 or int32
-        qkv_ptr,  # [T_pad, Hq + Hk + Hv, D], token stride qkv_stride, dense heads
+        qkv_ptr,  # [T_pad, Hq + Hk + Hv, D], token stride qkv_stride, head stride HEAD_STRIDE
         query_out_ptr,  # [T_pad, Hq, D], token stride qo_stride (qkv itself when in place)
         cos_sin_ptr,  # [max_position, ROT]: cos | sin
         q_weight_ptr, k_weight_ptr,  # [D] each (None where HAS_QW / HAS_KW is false)
@@ -85,8 +86,9 @@ if triton is not None:
         stride_b, stride_s, stride_h,  # cache strides in elements
         eps_bits, offset_bits,  # float32(eps), float32(weight_offset) as int32 bits
         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-        ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
-        ADD_OFFSET: tl.constexpr, STORE_KEY: tl.constexpr, QUERY_IN_PLACE: tl.constexpr,
+        HEAD_STRIDE: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr,
+        HAS_KW: tl.constexpr, ADD_OFFSET: tl.constexpr, STORE_KEY: tl.constexpr,
+        QUERY_IN_PLACE: tl.constexpr,
         QUERY_QUANT: tl.constexpr, Q_PER_HEAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,  # own kinds
         Q_TILES: tl.constexpr,
@@ -107,7 +109,7 @@ if triton is not None:
             hq = tile * BLOCK_H + tl.arange(0, BLOCK_H)
             h = hq[None, :, None]
             mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
-            row = (t64 * qkv_stride)[:, None, None] + h * HEAD_SIZE
+            row = (t64 * qkv_stride)[:, None, None] + h * HEAD_STRIDE
             q = norm_rope_tile(qkv_ptr, row, d, partner, mask, q_weight_ptr, eps, offset, c, s,
                                first, is_rot, HEAD_SIZE, HAS_QW, ADD_OFFSET, BLOCK_D)
             q = q.to(qkv_ptr.dtype.element_ty)
@@ -130,13 +132,13 @@ if triton is not None:
             h = hv[None, :, None]
             in_row = (h < NUM_K_HEADS) & (d < HEAD_SIZE)
             mask = valid[:, None, None] & in_row
-            row = (t64 * qkv_stride)[:, None, None] + (NUM_Q_HEADS + h) * HEAD_SIZE
+            row = (t64 * qkv_stride)[:, None, None] + (NUM_Q_HEADS + h) * HEAD_STRIDE
             cached = t < num_tokens
             slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
             k = norm_rope_tile(qkv_ptr, row, d, partner, mask, k_weight_ptr, eps, offset, c, s,
                                first, is_rot, HEAD_SIZE, HAS_KW, ADD_OFFSET, BLOCK_D)
             k = k.to(qkv_ptr.dtype.element_ty)
-            v = tl.load(qkv_ptr + row + NUM_K_HEADS * HEAD_SIZE + d,
+            v = tl.load(qkv_ptr + row + NUM_K_HEADS * HEAD_STRIDE + d,
                         mask=cached[:, None, None] & in_row)
             if STORE_KEY:
                 tl.store(qkv_ptr + row + d, k, mask=mask)
@@ -180,7 +182,8 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         num_blocks * block_size, *key_cache.stride()[:3], signed_bits(eps),
         signed_bits(weight_offset),
         NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
-        ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox, HAS_QW=q_weight is not None,
+        HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
+        HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0,
         STORE_KEY=rotate_key_in_place, QUERY_IN_PLACE=query_out is None,
         QUERY_QUANT=query_quant,
