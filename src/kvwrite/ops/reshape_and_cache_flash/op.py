@@ -25,8 +25,10 @@ OP = "reshape_and_cache_flash"
 
 
 def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale=None,
-             v_scale=None) -> CacheDType:
+             v_scale=None, *, free_head_stride: bool = False) -> CacheDType:
     """Check every argument of :func:`reshape_and_cache_flash`; return the parsed cache dtype.
+    ``free_head_stride``: key and value may have any head stride (a fused op's views of heads
+    its own validation accepts); their last dim stays unit-stride.
 
     Raises TypeError/ValueError naming the argument, what was expected and what came.
     """
@@ -35,7 +37,7 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(name, t)
 
-    _, num_heads, head_size = check_key_value(key, value)
+    _, num_heads, head_size = check_key_value(key, value, free_head_stride)
 
     if key_cache.dim() != 4:
         raise ValueError(
@@ -191,9 +193,9 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 # --- the checks shared with reshape_and_cache (the legacy layout) ----------------------------------
 
-def check_key_value(key, value) -> tuple[int, int, int]:
-    """``key``/``value`` ``[T_pad, H, D]`` of one input dtype with dense heads; returns
-    ``(T_pad, H, D)``."""
+def check_key_value(key, value, free_head_stride: bool = False) -> tuple[int, int, int]:
+    """``key``/``value`` ``[T_pad, H, D]`` of one input dtype with dense heads (with
+    ``free_head_stride``: any head stride, unit-stride last dim); returns ``(T_pad, H, D)``."""
     if key.dim() != 3:
         raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
     if value.shape != key.shape:
@@ -204,7 +206,8 @@ def check_key_value(key, value) -> tuple[int, int, int]:
         raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
     t_pad, num_heads, head_size = key.shape
     for name, t in (("key", key), ("value", value)):
-        if head_size > 1 and t.stride(2) != 1 or num_heads > 1 and t.stride(1) != head_size:
+        if head_size > 1 and t.stride(2) != 1 or (
+                num_heads > 1 and not free_head_stride and t.stride(1) != head_size):
             raise ValueError(
                 f"{name}: expected dense heads (stride(2) == 1, stride(1) == head_size = {head_size}), "
                 f"got strides {tuple(t.stride())}"
