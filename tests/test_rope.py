@@ -432,6 +432,37 @@ def test_cuda_unit_width_for_small_calls():
     assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, (2,), 8) == 2
 
 
+def test_cuda_unit_width_takes_every_head_stride():
+    """Each tensor's head stride bounds the unit width as its pointer and token stride do:
+    padding of 64 elements keeps 16-byte units, padding that breaks 16-byte alignment in any one
+    tensor (value's alone included) narrows them, and the stride of a single head (or token)
+    never counts; an odd head stride leaves GPT-J no unit (refused)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+
+    def widths(case):
+        inp = make_rope_inputs(case)
+        cs = inp.cos_sin_cache
+        q, k = rope_pkg.op.validate(inp.positions, inp.query, inp.key, case.head_size, cs,
+                                    case.is_neox)
+        q, k, v, qo, _ = fused_pkg.op.validate(*inp.fused_args(), **inp.fused_kwargs())
+        return (rope_cuda._width(q, k, cs, case.is_neox),
+                fused_cuda._width(q, k, v, inp.key_cache, inp.value_cache, qo, cs, case.is_neox))
+
+    base = RopeCase(num_tokens=3, num_q_heads=4, num_heads=2, head_size=80, dtype=torch.float16)
+    assert widths(base) == (8, 8)
+    assert widths(dataclasses.replace(base, head_pad=(64, 64, 64, 0))) == (8, 8)
+    assert widths(dataclasses.replace(base, head_pad=(0, 0, 4, 0))) == (8, 4)  # value's only
+    assert widths(dataclasses.replace(base, head_pad=(2, 0, 0, 0))) == (2, 2)
+    assert widths(dataclasses.replace(base, head_pad=(0, 1, 0, 0))) == (1, 1)
+    assert widths(dataclasses.replace(base, head_pad=(0, 0, 0, 6), query_out=True)) == (8, 2)
+    one = dataclasses.replace(base, num_tokens=1, num_q_heads=1, num_heads=1,
+                              head_pad=(3, 5, 7, 0))  # no stride moves: one token, one head
+    assert widths(one) == (8, 8)
+    assert widths(dataclasses.replace(one, num_q_heads=2)) == (1, 1)
+    gptj = dataclasses.replace(base, is_neox=False, head_pad=(1, 0, 0, 0))
+    assert widths(gptj) == (0, 0)
+
+
 def test_small_call_bounds_per_cache_format():
     """Where each RoPE kernel's small-call build ends (tuning-log change 50): bfloat16,
     GQA(32,8,128) and MHA(32,32,128) token counts either side of each bound."""
