@@ -1096,6 +1096,53 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
         assert {0x210, num_rot} <= reads["specialized"], sorted(map(hex, reads["specialized"]))
 
 
+# The kernels' uses of the head strides (patterns of the whole statements), and the statements
+# the kernels had there before head strides were arguments (their text, verbatim).
+_NO_HEAD_STRIDES = {
+    "rotary": [(r"const i64 head_stride = is_q \? q_head_stride : k_head_stride;",
+                "const i64 head_stride = head_size;")],
+    "fused": [(r"const i64 h_off = static_cast<i64>\(j\) \* q_head_stride \* IB;.*?"
+               r"u8\* out = query_out \+ t \* qo_stride \* IB \+ out_off;",
+               "const i64 h_off = static_cast<i64>(j) * head_size * IB;\n"
+               "    const u8* row = query + t * q_stride * IB + h_off;\n"
+               "    u8* out = query_out + t * qo_stride * IB + h_off;"),
+              (r"u8\* krow = key \+ t \* k_stride \* IB \+ h \* k_head_stride \* IB;\s*"
+               r"const u8\* vrow = value \+ t \* v_stride \* IB \+ h \* v_head_stride \* IB;",
+               "u8* krow = key + t * k_stride * IB + h * head_size * IB;\n"
+               "  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;")],
+}
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_cuda_dense_heads_build_the_code_of_kernels_without_head_strides(which, tmp_path):
+    """Dense heads pass head strides equal to head_size, compiled in: the specialized builds
+    (both unit widths; the fused op with query_out too) are instruction for instruction those of
+    the kernel that used head_size there (its statements kept here verbatim), so padded heads
+    cost dense calls nothing. Recomputing query_out's head offset from its own (equal) stride
+    changed the fused kernel's SASS: the kernel reuses query's offset where the strides agree."""
+    from kvwrite.kernels import nvrtc
+    mod = _cuda_modules()[0 if which == "rotary" else 1]
+    old = mod.SOURCE.text
+    for use, before in _NO_HEAD_STRIDES[which]:
+        old, n = re.subn(use, lambda m, b=before: b, old, flags=re.S)
+        assert n == 1, f"the kernel's use of head strides changed ({use}): check this test"
+    cases = [RopeCase(num_q_heads=32, num_heads=8, head_size=128)]
+    if which == "fused":
+        cases.append(RopeCase(num_q_heads=4, num_heads=2, head_size=80, query_out=True,
+                              rotate_key_in_place=False, kv_cache_dtype="fp8", layout=Layout.HND))
+    for case in cases:
+        for unit in (16, 8):
+            name, fixed = _specialized_build(which, case, unit)
+            listings = []
+            for text in (None, old):
+                macros = nvrtc.fixed_args_macros(fixed)
+                source = type("S", (), {"compile": lambda self, a, n, t=text, m=macros:
+                                        mod.SOURCE.compile(a, n, source=t, macros=m)})()
+                listings.append(re.findall(r"/\*[0-9a-f]{4}\*/\s*([^;]*);",
+                                           _sass(source, name, tmp_path)))
+            assert listings[0] == listings[1], (case.id, unit)
+
+
 def _sass(source, names, tmp_path) -> str:
     """The sm_90 SASS of ``names`` built from ``source`` (skip where there is no cuobjdump)."""
     if sass_tools.cuobjdump() is None:
