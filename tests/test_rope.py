@@ -915,8 +915,8 @@ for dt in ("bf16", "fp16", "fp32"):
                                           "k_stride", "v_stride", "max_position", "num_slots",
                                           "stride_b", "stride_s", "stride_h")})
         consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=64, IS_NEOX=False,
-                      **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=False,
-                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=False)
+                      **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant,
+                      K_PER_HEAD=False, V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=False)
         if quant:
             types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
         else:
@@ -952,8 +952,8 @@ for vf in (False, True):
                                       "k_stride", "v_stride", "max_position", "num_slots",
                                       "stride_b", "stride_s", "stride_h")})
     consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
-                  **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=1, PER_HEAD_SCALE=False, Q_TILES=8,
-                  BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=vf)
+                  **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=1, K_PER_HEAD=False,
+                  V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=vf)
     text = ptx(fused._fused_kernel, types, consts, False)
     key = text[text.index("bra.uni"):]
     out[f"fused-order-vf{int(vf)}"] = [key.index("ld.global.b32") < key.index("st.global"),
