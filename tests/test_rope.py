@@ -6,6 +6,7 @@ graphs and torch.compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -25,7 +26,15 @@ from kvwrite.ops.fused_rope_and_reshape_cache_flash import reference as fused_re
 from kvwrite.ops.rotary_embedding import reference as rope_ref
 from kvwrite.testing import assert_caches_equal
 from kvwrite.testing.compile import compiled_targets
-from kvwrite.testing.rope import FUSED_CASES, ROPE_CASES, RopeCase, RopeInputs, make_rope_inputs
+from kvwrite.testing.rope import (
+    FUSED_CASES,
+    PADDED_FUSED_CASES,
+    PADDED_ROPE_CASES,
+    ROPE_CASES,
+    RopeCase,
+    RopeInputs,
+    make_rope_inputs,
+)
 from oracle import oracle as cache_oracle
 
 ROPE = rope_pkg.OP
@@ -171,6 +180,75 @@ def test_fused_matches_oracle(impl, case, device):
     kvwrite.fused_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
                                                implementation=impl)
     assert_same_bytes(inp, _expected_fused(case))
+
+
+# --- padded heads: the bytes of dense heads ------------------------------------------------------
+
+def _dense(case: RopeCase) -> RopeCase:
+    return dataclasses.replace(case, head_pad=(0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(ROPE)])
+@pytest.mark.parametrize("case", PADDED_ROPE_CASES, ids=lambda c: c.id)
+def test_rotary_padded_heads_write_the_bytes_of_dense_heads(impl, case, device):
+    """Query and key as ``[..., :D]`` slices of wider rows (each its own head stride): the
+    implementation writes into them the bytes it writes into the same data with dense heads, and
+    no other byte of their allocations changes (the padding included)."""
+    inp = _impl_inputs(ROPE, impl, case, device)
+    dense = _impl_inputs(ROPE, impl, _dense(case), device)
+    kvwrite.rotary_embedding(*inp.rotary_args(), implementation=impl)
+    kvwrite.rotary_embedding(*dense.rotary_args(), implementation=impl)
+    want = make_rope_inputs(case, device)
+    for name in ("query", "key"):
+        if getattr(want, name) is not None:
+            getattr(want, name).copy_(getattr(dense, name))
+    assert_same_bytes(inp, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
+@pytest.mark.parametrize("case", PADDED_FUSED_CASES, ids=lambda c: c.id)
+def test_fused_padded_heads_write_the_bytes_of_dense_heads(impl, case, device):
+    """As for rotary_embedding: query (or query_out), key and both caches hold the bytes of the
+    dense call; value, and the padding of every row tensor, keep theirs."""
+    inp = _impl_inputs(FUSED, impl, case, device)
+    dense = _impl_inputs(FUSED, impl, _dense(case), device)
+    for i in (inp, dense):
+        kvwrite.fused_rope_and_reshape_cache_flash(*i.fused_args(), **i.fused_kwargs(),
+                                                   implementation=impl)
+    want = make_rope_inputs(case, device)
+    for name in ("query", "key", "query_out", "key_cache", "value_cache"):
+        if getattr(want, name) is not None:
+            getattr(want, name).copy_(getattr(dense, name))
+    assert_same_bytes(inp, want)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_padded_cases_pad_every_tensor_as_asked():
+    """The case model's padded heads: each tensor's head stride is D + its own padding, the
+    views hold the dense case's values, and the padding is not all zeros (a stray write of
+    zeros would show)."""
+    for case in PADDED_ROPE_CASES + PADDED_FUSED_CASES:
+        inp, dense = make_rope_inputs(case), make_rope_inputs(_dense(case))
+        for name, pad in zip(("query", "key", "value", "query_out"), case.head_pad, strict=True):
+            t, d = getattr(inp, name), getattr(dense, name)
+            if t is None:
+                continue
+            assert t.stride(1) == case.head_size + pad and t.stride(2) == 1, (case.id, name)
+            assert torch.equal(_bits(t), _bits(d)), (case.id, name)
+            if pad:
+                padding = t.as_strided((t.shape[0], t.shape[1], pad), t.stride(),
+                                       t.storage_offset() + case.head_size)
+                assert _bits(padding).any(), (case.id, name)
+    assert {p for c in PADDED_ROPE_CASES + PADDED_FUSED_CASES for p in c.head_pad} >= {1, 64}
+    assert any(c.head_size == 80 and c.head_pad[0] == 64 for c in PADDED_ROPE_CASES)
+    assert any(len(set(c.head_pad)) == 4 for c in PADDED_FUSED_CASES)
+    assert any(c.fused_qkv for c in PADDED_ROPE_CASES) and any(c.fused_qkv
+                                                               for c in PADDED_FUSED_CASES)
 
 
 @pytest.mark.gpu
@@ -352,6 +430,37 @@ def test_cuda_unit_width_for_small_calls():
     assert rope_cuda.unit_width(128, 128, False, 2, 4, 4096, ptrs, strides, 8) == 4  # GPT-J
     # alignment still narrows further: a row stride of 2 elements
     assert rope_cuda.unit_width(128, 128, True, 2, 4, 4096, ptrs, (2,), 8) == 2
+
+
+def test_cuda_unit_width_takes_every_head_stride():
+    """Each tensor's head stride bounds the unit width as its pointer and token stride do:
+    padding of 64 elements keeps 16-byte units, padding that breaks 16-byte alignment in any one
+    tensor (value's alone included) narrows them, and the stride of a single head (or token)
+    never counts; an odd head stride leaves GPT-J no unit (refused)."""
+    rope_cuda, fused_cuda = _cuda_modules()
+
+    def widths(case):
+        inp = make_rope_inputs(case)
+        cs = inp.cos_sin_cache
+        q, k = rope_pkg.op.validate(inp.positions, inp.query, inp.key, case.head_size, cs,
+                                    case.is_neox)
+        q, k, v, qo, _ = fused_pkg.op.validate(*inp.fused_args(), **inp.fused_kwargs())
+        return (rope_cuda._width(q, k, cs, case.is_neox),
+                fused_cuda._width(q, k, v, inp.key_cache, inp.value_cache, qo, cs, case.is_neox))
+
+    base = RopeCase(num_tokens=3, num_q_heads=4, num_heads=2, head_size=80, dtype=torch.float16)
+    assert widths(base) == (8, 8)
+    assert widths(dataclasses.replace(base, head_pad=(64, 64, 64, 0))) == (8, 8)
+    assert widths(dataclasses.replace(base, head_pad=(0, 0, 4, 0))) == (8, 4)  # value's only
+    assert widths(dataclasses.replace(base, head_pad=(2, 0, 0, 0))) == (2, 2)
+    assert widths(dataclasses.replace(base, head_pad=(0, 1, 0, 0))) == (1, 1)
+    assert widths(dataclasses.replace(base, head_pad=(0, 0, 0, 6), query_out=True)) == (8, 2)
+    one = dataclasses.replace(base, num_tokens=1, num_q_heads=1, num_heads=1,
+                              head_pad=(3, 5, 7, 0))  # no stride moves: one token, one head
+    assert widths(one) == (8, 8)
+    assert widths(dataclasses.replace(one, num_q_heads=2)) == (1, 1)
+    gptj = dataclasses.replace(base, is_neox=False, head_pad=(1, 0, 0, 0))
+    assert widths(gptj) == (0, 0)
 
 
 def test_small_call_bounds_per_cache_format():
@@ -582,12 +691,15 @@ COMMON_BAD = [
     ("query-int", lambda a: {"query": a["query"].int()}, ValueError,
      "query: expected dtype float16, bfloat16 or float32, got torch.int32"),
     ("query-dtype", lambda a: {"query": a["query"].half()}, ValueError, "the dtype of"),
-    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
-     "query: expected head size 16"),
-    ("query-flat-size", lambda a: {"query": a["query"].flatten(1)[:, :24]}, ValueError,
-     "query: expected [num_tokens, num_heads * 16]"),
     ("query-sparse-heads", lambda a: {"query": torch.cat([a["query"], a["query"]], -1)[..., ::2]},
-     ValueError, "query: expected dense heads"),
+     ValueError, "query: expected a unit-stride head dim, got strides (128, 32, 2)"),
+    ("query-flat-strided", lambda a: {"query": torch.cat([a["query"], a["query"]], -1)
+                                      .flatten(1)[:, ::2]},
+     ValueError, "query: expected a unit-stride row (the 2-D form has dense heads)"),
+    # Padded heads are valid, but not heads that share memory in a tensor the op writes.
+    ("query-overlapping-heads", lambda a: {"query": a["query"].as_strided((5, 4, 16),
+                                                                          (64, 8, 1))},
+     ValueError, "query: expected every element in its own memory"),
     ("table-1d", lambda a: {"cos_sin_cache": a["cos_sin_cache"][0]}, ValueError,
      "cos_sin_cache: expected 2 dims"),
     ("table-odd-rot", lambda a: {"cos_sin_cache": a["cos_sin_cache"][:, :15].contiguous()},
@@ -606,6 +718,19 @@ COMMON_BAD = [
 ]
 
 ROTARY_BAD = COMMON_BAD + [
+    # head_size sizes query first: a mismatch there is head_size's (#41.11), key's after.
+    ("head-size-vs-query", lambda a: {"head_size": 8}, ValueError,
+     "head_size: expected query's head size 16 (dim 2 of (5, 4, 16)), got 8"),
+    ("head-size-vs-flat-query", lambda a: {"query": a["query"].flatten(1), "head_size": 24},
+     ValueError, "head_size: expected a divisor of query's row width 64 (shape (5, 64)), got 24"),
+    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
+     "head_size: expected query's head size 8 (dim 2 of (5, 4, 8)), got 16"),
+    ("key-head-size", lambda a: {"key": a["key"][..., :8]}, ValueError,
+     "key: expected head size 16 in dim 2, got shape (5, 2, 8)"),
+    ("key-flat-size", lambda a: {"key": a["key"].flatten(1)[:, :24]}, ValueError,
+     "key: expected [num_tokens, num_heads * 16], got shape (5, 24)"),
+    ("key-sparse-heads", lambda a: {"key": torch.cat([a["key"], a["key"]], -1)[..., ::2]},
+     ValueError, "key: expected a unit-stride head dim"),
     ("head-size-float", lambda a: {"head_size": 16.0}, TypeError,
      "head_size: expected a positive int, got 16.0"),
     ("key-dtype", lambda a: {"key": a["key"].half()}, ValueError,
@@ -618,6 +743,22 @@ ROTARY_BAD = COMMON_BAD + [
 ]
 
 FUSED_BAD = COMMON_BAD + [
+    # The head size comes from key (3-D) or the caches: query's mismatch is query's.
+    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
+     "query: expected head size 16 in dim 2, got shape (5, 4, 8)"),
+    ("query-flat-size", lambda a: {"query": a["query"].flatten(1)[:, :24]}, ValueError,
+     "query: expected [num_tokens, num_heads * 16]"),
+    ("value-head-size", lambda a: {"value": a["value"][..., :8]}, ValueError,
+     "value: expected head size 16 in dim 2, got shape (5, 2, 8)"),
+    ("key-sparse-heads", lambda a: {"key": torch.cat([a["key"], a["key"]], -1)[..., ::2]},
+     ValueError, "key: expected a unit-stride head dim"),
+    ("value-sparse-heads", lambda a: {"value": torch.cat([a["value"], a["value"]], -1)[..., ::2]},
+     ValueError, "value: expected a unit-stride head dim"),
+    ("key-overlapping-heads", lambda a: {"key": a["key"].as_strided((5, 2, 16), (32, 8, 1))},
+     ValueError, "key: expected every element in its own memory"),
+    ("key-cache-head-size", lambda a: {"key_cache": a["key_cache"][..., :8],
+                                       "value_cache": a["value_cache"][..., :8]}, ValueError,
+     "key_cache: expected [num_blocks, block_size, 2, 16] to match key"),
     ("value-shape", lambda a: {"value": a["value"][:, :1]}, ValueError,
      "value: expected the shape of key"),
     ("key-cache-heads", lambda a: {"key_cache": a["key_cache"][:, :, :1],
@@ -642,6 +783,9 @@ FUSED_BAD = COMMON_BAD + [
      "query_out: expected the dtype of query (torch.bfloat16), got torch.float32"),
     ("query-out-is-query", lambda a: {"query_out": a["query"]}, ValueError,
      "query: expected memory apart from query_out's"),
+    ("query-out-sparse-heads", lambda a: {"query_out": torch.zeros(5, 4, 32,
+                                                                   dtype=torch.bfloat16)[..., ::2]},
+     ValueError, "query_out: expected a unit-stride head dim"),
     ("implementation", lambda a: {"implementation": "nope"}, ValueError,
      "implementation: expected one of"),
 ]
@@ -688,13 +832,15 @@ def test_check_positions():
 # --- torch.compile ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 @pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
-def test_torch_compile_sees_mutating_custom_ops(impl, device):
+def test_torch_compile_sees_mutating_custom_ops(impl, padded, device):
+    """Padded: D = 64 in rows of 128 (query, key) and 96 (value)."""
     for op in (ROPE, FUSED):
         if (reason := registry.get(op, impl).available(device)) is not None:
             pytest.skip(reason)
     case = RopeCase(num_tokens=9, dtype=torch.float16, bad_positions=2, padding_slots=2,
-                    layout=Layout.HND)
+                    layout=Layout.HND, head_pad=(64, 64, 32, 0) if padded else (0, 0, 0, 0))
 
     def rotary(positions, query, key, cos_sin):
         kvwrite.rotary_embedding(positions, query, key, case.head_size, cos_sin, True,
@@ -751,13 +897,15 @@ def ptx(kernel, types, consts, fusion, pdl=False):
         opts["launch_pdl"] = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
+# Dense heads of 128 elements (the fused kernel's four tensors).
+HEAD_STRIDES = dict(Q_HEAD_STRIDE=128, QO_HEAD_STRIDE=128, K_HEAD_STRIDE=128, V_HEAD_STRIDE=128)
 out = {}
 for dt in ("bf16", "fp16", "fp32"):
     out["rope-" + dt] = ptx(rope._rope_kernel, {
         "positions_ptr": "*i64", "query_ptr": "*" + dt, "key_ptr": "*" + dt,
         "cos_sin_ptr": "*fp32", "num_rot": "i32", "q_stride": "i32", "k_stride": "i32",
         "max_position": "i32"}, dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128,
-        IS_NEOX=True, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False).count("fma")
+        IS_NEOX=True, Q_HEAD_STRIDE=128, K_HEAD_STRIDE=128, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False).count("fma")
     for quant in (0, 1):
         types = {"positions_ptr": "*i64", "query_ptr": "*" + dt, "query_out_ptr": "*" + dt,
                  "key_ptr": "*" + dt, "value_ptr": "*" + dt, "cos_sin_ptr": "*" + dt,
@@ -767,8 +915,8 @@ for dt in ("bf16", "fp16", "fp32"):
                                           "k_stride", "v_stride", "max_position", "num_slots",
                                           "stride_b", "stride_s", "stride_h")})
         consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=64, IS_NEOX=False,
-                      STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant, PER_HEAD_SCALE=False,
-                      Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=False)
+                      **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=quant,
+                      K_PER_HEAD=False, V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=False)
         if quant:
             types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
         else:
@@ -777,7 +925,8 @@ for dt in ("bf16", "fp16", "fp32"):
 out["rope-fp32-fusion-on"] = ptx(rope._rope_kernel, {
     "positions_ptr": "*i64", "query_ptr": "*fp32", "key_ptr": "*fp32", "cos_sin_ptr": "*fp32",
     "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
-    dict(NUM_Q_HEADS=2, NUM_HEADS=2, HEAD_SIZE=64, ROT=64, IS_NEOX=True, Q_TILES=1, BLOCK_T=1,
+    dict(NUM_Q_HEADS=2, NUM_HEADS=2, HEAD_SIZE=64, ROT=64, IS_NEOX=True, Q_HEAD_STRIDE=64,
+         K_HEAD_STRIDE=64, Q_TILES=1, BLOCK_T=1,
          BLOCK_H=2, BLOCK_D=64), True).count("fma")
 # Programmatic dependent launch: the PDL build's first memory access comes after the wait.
 for pdl in (False, True):
@@ -785,7 +934,7 @@ for pdl in (False, True):
         "positions_ptr": "*i64", "query_ptr": "*bf16", "key_ptr": "*bf16", "cos_sin_ptr": "*fp32",
         "num_rot": "i32", "q_stride": "i32", "k_stride": "i32", "max_position": "i32"},
         dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True, Q_TILES=8,
-             BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False, pdl)
+             Q_HEAD_STRIDE=128, K_HEAD_STRIDE=128, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128), False, pdl)
     first_ld = text.index("ld.global")
     out[f"rope-pdl{int(pdl)}"] = [text.count("griddepcontrol.launch_dependents"),
                                   text.count("griddepcontrol.wait"),
@@ -803,8 +952,8 @@ for vf in (False, True):
                                       "k_stride", "v_stride", "max_position", "num_slots",
                                       "stride_b", "stride_s", "stride_h")})
     consts = dict(NUM_Q_HEADS=32, NUM_HEADS=8, HEAD_SIZE=128, ROT=128, IS_NEOX=True,
-                  STORE_KEY=True, BLOCK_SIZE=16, QUANT=1, PER_HEAD_SCALE=False, Q_TILES=8,
-                  BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=vf)
+                  **HEAD_STRIDES, STORE_KEY=True, BLOCK_SIZE=16, QUANT=1, K_PER_HEAD=False,
+                  V_PER_HEAD=False, Q_TILES=8, BLOCK_T=1, BLOCK_H=4, BLOCK_D=128, VALUE_FIRST=vf)
     text = ptx(fused._fused_kernel, types, consts, False)
     key = text[text.index("bra.uni"):]
     out[f"fused-order-vf{int(vf)}"] = [key.index("ld.global.b32") < key.index("st.global"),
@@ -858,19 +1007,19 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     assert len(bytes(obj.code)) > 0
     assert set(names) <= set(obj.symbol_mapping)
     # The launchers pass every scalar as a Python int (8 bytes): the kernels take int64s only,
-    # as many as the launchers pass (10 and 23), after the pointers; the fused kernel's names
+    # as many as the launchers pass (12 and 27), after the pointers; the fused kernel's names
     # carry its register bound (1, or the large-call build's).
     for name in names:
         mangled = obj.symbol_mapping[name]
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
         params = mangled.split("Ev", 1)[1]
-        assert params.endswith("x" * (10 if which == "rotary" else 23)), params
-        assert not params.endswith("x" * (11 if which == "rotary" else 24)), params
+        assert params.endswith("x" * (12 if which == "rotary" else 27)), params
+        assert not params.endswith("x" * (13 if which == "rotary" else 28)), params
     # ... and the last of them are the fixed arguments, after num_rot (and for the fused
     # kernel num_tokens and the two scale strides).
     for case in (ROPE_CASES if which == "rotary" else FUSED_CASES)[:3]:
         _, fixed = _specialized_build(which, case)
-        assert len(fixed) == (10 - 1 if which == "rotary" else 23 - 4)
+        assert len(fixed) == (12 - 1 if which == "rotary" else 27 - 4)
 
 
 def _specialized_build(which, case, max_unit_bytes=16):
@@ -945,6 +1094,53 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
         assert not any(first <= o < end for o in reads["specialized"]), \
             sorted(map(hex, reads["specialized"]))
         assert {0x210, num_rot} <= reads["specialized"], sorted(map(hex, reads["specialized"]))
+
+
+# The kernels' uses of the head strides (patterns of the whole statements), and the statements
+# the kernels had there before head strides were arguments (their text, verbatim).
+_NO_HEAD_STRIDES = {
+    "rotary": [(r"const i64 head_stride = is_q \? q_head_stride : k_head_stride;",
+                "const i64 head_stride = head_size;")],
+    "fused": [(r"const i64 h_off = static_cast<i64>\(j\) \* q_head_stride \* IB;.*?"
+               r"u8\* out = query_out \+ t \* qo_stride \* IB \+ out_off;",
+               "const i64 h_off = static_cast<i64>(j) * head_size * IB;\n"
+               "    const u8* row = query + t * q_stride * IB + h_off;\n"
+               "    u8* out = query_out + t * qo_stride * IB + h_off;"),
+              (r"u8\* krow = key \+ t \* k_stride \* IB \+ h \* k_head_stride \* IB;\s*"
+               r"const u8\* vrow = value \+ t \* v_stride \* IB \+ h \* v_head_stride \* IB;",
+               "u8* krow = key + t * k_stride * IB + h * head_size * IB;\n"
+               "  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;")],
+}
+
+
+@pytest.mark.parametrize("which", ["rotary", "fused"])
+def test_cuda_dense_heads_build_the_code_of_kernels_without_head_strides(which, tmp_path):
+    """Dense heads pass head strides equal to head_size, compiled in: the specialized builds
+    (both unit widths; the fused op with query_out too) are instruction for instruction those of
+    the kernel that used head_size there (its statements kept here verbatim), so padded heads
+    cost dense calls nothing. Recomputing query_out's head offset from its own (equal) stride
+    changed the fused kernel's SASS: the kernel reuses query's offset where the strides agree."""
+    from kvwrite.kernels import nvrtc
+    mod = _cuda_modules()[0 if which == "rotary" else 1]
+    old = mod.SOURCE.text
+    for use, before in _NO_HEAD_STRIDES[which]:
+        old, n = re.subn(use, lambda m, b=before: b, old, flags=re.S)
+        assert n == 1, f"the kernel's use of head strides changed ({use}): check this test"
+    cases = [RopeCase(num_q_heads=32, num_heads=8, head_size=128)]
+    if which == "fused":
+        cases.append(RopeCase(num_q_heads=4, num_heads=2, head_size=80, query_out=True,
+                              rotate_key_in_place=False, kv_cache_dtype="fp8", layout=Layout.HND))
+    for case in cases:
+        for unit in (16, 8):
+            name, fixed = _specialized_build(which, case, unit)
+            listings = []
+            for text in (None, old):
+                macros = nvrtc.fixed_args_macros(fixed)
+                source = type("S", (), {"compile": lambda self, a, n, t=text, m=macros:
+                                        mod.SOURCE.compile(a, n, source=t, macros=m)})()
+                listings.append(re.findall(r"/\*[0-9a-f]{4}\*/\s*([^;]*);",
+                                           _sass(source, name, tmp_path)))
+            assert listings[0] == listings[1], (case.id, unit)
 
 
 def _sass(source, names, tmp_path) -> str:
@@ -1133,17 +1329,20 @@ KVW_HD void naive_rotate(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
 # --- CUDA graphs --------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 @pytest.mark.parametrize("impl", ["triton", "cuda"])
 @pytest.mark.parametrize("op", [ROPE, FUSED])
-def test_cuda_graph_replay_sees_new_inputs(op, impl):
+def test_cuda_graph_replay_sees_new_inputs(op, impl, padded):
     """Capture once (the first call of the variant inside the capture), then change every input
-    in place: the replay rotates and caches the new values."""
+    in place (whole allocations, padding included): the replay rotates and caches the new
+    values. Padded: D = 128 in rows of 192 (query, key, value), as vLLM slices them."""
     if (reason := registry.get(op, impl).available("cuda")) is not None:
         pytest.skip(reason)
     case = RopeCase(num_tokens=40, num_q_heads=8, num_heads=2, head_size=128, dtype=torch.bfloat16,
                     kv_cache_dtype="fp8" if op == FUSED else "auto", per_head_scale=True,
                     layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
-                    num_blocks=8, pos_dtype=torch.int32)
+                    num_blocks=8, pos_dtype=torch.int32,
+                    head_pad=(64, 64, 64, 0) if padded else (0, 0, 0, 0))
     live = make_rope_inputs(case, "cuda", seed=1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -1155,7 +1354,7 @@ def test_cuda_graph_replay_sees_new_inputs(op, impl):
         new = make_rope_inputs(case, "cuda", seed=seed)
         want = make_rope_inputs(case, "cuda", seed=seed)
         for name, t in live.tensors().items():
-            t.copy_(new.tensors()[name])
+            t.untyped_storage().copy_(new.tensors()[name].untyped_storage())
         graph.replay()
         if op == ROPE:
             kvwrite.rotary_embedding(*want.rotary_args(), implementation="torch")

@@ -17,7 +17,7 @@ from ..layouts import KVAlloc, Layout
 from .cases import Case, make_inputs
 
 __all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
-           "FUSED_CASES"]
+           "FUSED_CASES", "PADDED_ROPE_CASES", "PADDED_FUSED_CASES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,15 @@ class RopeCase:
     no_key: bool = False
     rotate_key_in_place: bool = True
     query_out: bool = False
+    # Padded heads (3-D form only): elements after each head of query, key, value and query_out,
+    # so each is a [..., :D] slice of rows of heads (D + pad) apart, as vLLM passes them; the
+    # padding holds random bytes that no call may change. With fused_qkv, one buffer whose token
+    # row is Hq heads of (D + pad_q), then H of (D + pad_k), then H of (D + pad_v).
+    head_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def __post_init__(self):
+        if any(self.head_pad) and self.flat:
+            raise ValueError("head_pad: the 2-D (flat) form has dense heads")
 
     @property
     def rot(self) -> int:
@@ -90,6 +99,8 @@ class RopeCase:
                            (self.query_out, "qout")):
             if flag:
                 parts.append(name)
+        if any(self.head_pad):
+            parts.append("hpad" + "_".join(map(str, self.head_pad)))
         return "-".join(parts)
 
 
@@ -148,6 +159,23 @@ def _heads(t: torch.Tensor, flat: bool) -> torch.Tensor:
     return t.flatten(1) if flat else t
 
 
+def _padded(parts: list[torch.Tensor], pads: list[int], gen: torch.Generator) -> list[torch.Tensor]:
+    """``parts`` (``[rows, H_i, D]`` each) copied into one buffer of random bytes whose token row
+    holds each part's heads ``D + pads[i]`` apart, one part after another; the views of them."""
+    rows, d = parts[0].shape[0], parts[0].shape[2]
+    widths = [p.shape[1] * (d + pad) for p, pad in zip(parts, pads, strict=True)]
+    es = parts[0].element_size()
+    buf = torch.randint(0, 256, (rows, sum(widths) * es), dtype=torch.uint8, generator=gen)
+    buf = buf.view(parts[0].dtype)
+    views, at = [], 0
+    for p, pad, w in zip(parts, pads, widths, strict=True):
+        v = buf[:, at:at + w].unflatten(1, (p.shape[1], d + pad))[..., :d]
+        v.copy_(p)
+        views.append(v)
+        at += w
+    return views
+
+
 def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
                      seed: int = 0) -> RopeInputs:
     """The tensors of ``case`` on ``device``; the same seed gives the same bytes."""
@@ -177,6 +205,17 @@ def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
     query_out = None
     if case.query_out:
         query_out = torch.randn(rows, Hq, D, generator=gen).to(case.dtype)
+    if any(case.head_pad):
+        # The rows' values are those of the dense case (the padding draws from its own stream).
+        pad_gen = torch.Generator(device="cpu").manual_seed(seed + 2000)
+        pq, pk, pv, po = case.head_pad
+        if case.fused_qkv:
+            query, key, value = _padded([query, key, value], [pq, pk, pv], pad_gen)
+        else:
+            query, key, value = (_padded([t], [p], pad_gen)[0]
+                                 for t, p in ((query, pq), (key, pk), (value, pv)))
+        if query_out is not None:
+            query_out = _padded([query_out], [po], pad_gen)[0]
 
     pos = torch.randint(0, case.max_position, (T,), generator=gen)
     if case.bad_positions:
@@ -190,13 +229,10 @@ def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
     def dev(t):
         return None if t is None else t.to(device)
 
-    # Move each allocation once, so slices of one qkv tensor stay slices of one tensor.
-    if case.fused_qkv:
-        base = query._base if query._base is not None else query
-        moved = base.to(device)
-        query, key, value = moved[:, :Hq], moved[:, Hq:Hq + H], moved[:, Hq + H:]
-    else:
-        query, key, value = dev(query), dev(key), dev(value)
+    # Move each allocation whole (padding included), so views of one buffer stay views of one.
+    moved: dict[int, torch.Tensor] = {}
+    query, key, value, query_out = (_to_device(t, device, moved)
+                                    for t in (query, key, value, query_out))
     moved_cache = make_inputs(cache_case, device, seed)  # same bytes, caches' sharing kept
     return RopeInputs(
         query=_heads(query, case.flat), key=None if case.no_key else _heads(key, case.flat),
@@ -205,8 +241,55 @@ def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
         slot_mapping=moved_cache.slot_mapping, kv_cache_dtype=case.kv_cache_dtype,
         k_scale=moved_cache.k_scale if case.cache_dtype.is_fp8 else None,
         v_scale=moved_cache.v_scale if case.cache_dtype.is_fp8 else None,
-        query_out=None if query_out is None else _heads(dev(query_out), case.flat),
+        query_out=None if query_out is None else _heads(query_out, case.flat),
         rotate_key_in_place=case.rotate_key_in_place, is_neox=case.is_neox, head_size=D)
+
+
+def _to_device(t: torch.Tensor | None, device, moved: dict[int, torch.Tensor]
+               ) -> torch.Tensor | None:
+    """``t`` on ``device`` as the same view of a copy of its whole storage (bytes outside the
+    view included); ``moved`` holds the storages already copied, so that views of one storage
+    stay views of one."""
+    if t is None:
+        return None
+    st = t.untyped_storage()
+    if st.data_ptr() not in moved:
+        store = torch.empty(st.nbytes(), dtype=torch.uint8)
+        store.untyped_storage().copy_(st)
+        moved[st.data_ptr()] = store.to(device)
+    return moved[st.data_ptr()].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+# Padded heads (head_pad): vLLM's D = 80 in rows of 144, D = 128 in rows of 192, paddings that
+# break 16-byte alignment (odd ones: 2-byte; GPT-J needs even), each tensor its own padding.
+PADDED_ROPE_CASES: list[RopeCase] = [
+    RopeCase(num_tokens=7, num_q_heads=4, num_heads=2, head_size=80, head_pad=(64, 64, 0, 0),
+             dtype=torch.float16, bad_positions=1),
+    RopeCase(num_tokens=7, num_q_heads=4, num_heads=2, head_size=80, head_pad=(64, 64, 0, 0),
+             extra_rows=2),
+    RopeCase(num_tokens=5, num_q_heads=4, num_heads=2, head_size=128, head_pad=(64, 64, 0, 0),
+             is_neox=False, dtype=torch.float32),
+    RopeCase(num_tokens=6, num_q_heads=3, num_heads=2, rot_dim=32, head_pad=(1, 6, 0, 0),
+             dtype=torch.float16, pos_dtype=torch.int32),
+    RopeCase(num_tokens=6, num_q_heads=3, num_heads=2, head_pad=(2, 4, 0, 0), is_neox=False,
+             dtype=torch.float16),
+    RopeCase(num_tokens=9, num_q_heads=4, num_heads=2, head_pad=(16, 8, 24, 0), fused_qkv=True,
+             dtype=torch.float32),
+    RopeCase(num_tokens=5, num_q_heads=4, num_heads=2, head_pad=(3, 0, 0, 0), no_key=True,
+             dtype=torch.float16),
+]
+PADDED_FUSED_CASES: list[RopeCase] = [
+    RopeCase(num_tokens=7, num_q_heads=4, num_heads=2, head_size=80, head_pad=(64, 64, 64, 0),
+             dtype=torch.float16, kv_cache_dtype="fp8", bad_positions=1, padding_slots=1),
+    RopeCase(num_tokens=7, num_q_heads=4, num_heads=2, head_size=128, head_pad=(64, 64, 64, 0),
+             layout=Layout.HND),
+    RopeCase(num_tokens=6, num_q_heads=3, num_heads=2, head_pad=(1, 3, 5, 7), query_out=True,
+             rotate_key_in_place=False, dtype=torch.float16, alloc=KVAlloc.PACKED),
+    RopeCase(num_tokens=6, num_q_heads=3, num_heads=2, rot_dim=48, head_pad=(2, 6, 4, 10),
+             query_out=True, is_neox=False, dtype=torch.float32, cache_tokens=4),
+    RopeCase(num_tokens=9, num_q_heads=4, num_heads=2, head_pad=(8, 16, 24, 0), fused_qkv=True,
+             dtype=torch.float16, kv_cache_dtype="fp8", per_head_scale=True, layout=Layout.HND),
+]
 
 
 def _rope_matrix() -> list[RopeCase]:
@@ -231,6 +314,7 @@ def _rope_matrix() -> list[RopeCase]:
                  dtype=torch.float16, fused_qkv=True),
         RopeCase(num_tokens=17, head_size=128, num_q_heads=32, num_heads=8, bad_positions=3),
     ]
+    cases += PADDED_ROPE_CASES
     return cases
 
 
@@ -273,6 +357,7 @@ def _fused_matrix() -> list[RopeCase]:
         RopeCase(num_tokens=20, head_size=128, num_q_heads=32, num_heads=32, num_blocks=4,
                  dtype=torch.float16, bad_positions=2),
     ]
+    cases += PADDED_FUSED_CASES
     return cases
 
 

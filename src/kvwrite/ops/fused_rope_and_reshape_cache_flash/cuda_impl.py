@@ -8,8 +8,9 @@ e4m3 or e5m2), unit width W, pairing, position and slot index types, and the min
 resident CTAs that bounds the registers (``CudaTuning``: 1 for small calls, more for large, which
 also take narrower CTAs and convert the value before the key's rotation, storing it then or, where
 a head's cache row is 128 bytes, right after the key's chunks). W is
-chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width) with the
-caches' pointers and strides among the aligned ones. Each call signature takes its own build
+chosen as for rotary_embedding (kvwrite.ops.rotary_embedding.cuda_impl.unit_width): every row
+tensor's pointer, token stride and head stride (each its own) and the caches' pointers and
+strides among the aligned ones. Each call signature takes its own build
 with the arguments it fixes (strides, head counts, the caches' geometry, the table's shape)
 compiled in (``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream;
 scales are read on the device; no allocation and no host sync per call (graph-safe).
@@ -25,6 +26,7 @@ from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import nvrtc
 from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
 from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
+from ..rotary_embedding.op import head_stride as row_head_stride
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
            "kernel_name", "cta_shape", "call_build", "fixed_args", "CudaTuning", "TUNING"]
@@ -165,6 +167,7 @@ def _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, 
     ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
     ptrs += tuple((c.data_ptr(), c.element_size()) for c in (key_cache, value_cache))
     strides = tuple(t.stride(0) for t in rows if t.shape[0] > 1)
+    strides += tuple(row_head_stride(t) for t in rows)
     strides += tuple(s for s, n in zip(key_cache.stride()[:3], key_cache.shape[:3], strict=True)
                      if n > 1)
     return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
@@ -188,7 +191,8 @@ def fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_
     the call signature: the row strides of query, query_out, key and value, max_position, the
     caches' block, page and head strides, block_size, log2(block_size) or -1, num_slots,
     num_q_heads, head_size, rot, units_per_head, rot_units, units_per_token, whether the key is
-    stored back, whether the query is rotated in place."""
+    stored back, whether the query is rotated in place, and the head strides of query,
+    query_out, key and value (op.head_stride: head_size for dense heads)."""
     _, hq, d = query.shape
     rot = cos_sin_cache.shape[1]
     per_head, rot_units = units(d, rot, is_neox, w)
@@ -198,7 +202,9 @@ def fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_
     return (query.stride(0), qo.stride(0), key.stride(0), value.stride(0), cos_sin_cache.shape[0],
             block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
             num_blocks * block_size, hq, d, rot, per_head, rot_units,
-            (hq + key.shape[1]) * per_head, int(rotate_key_in_place), int(query_out is None))
+            (hq + key.shape[1]) * per_head, int(rotate_key_in_place), int(query_out is None),
+            row_head_stride(query), row_head_stride(qo), row_head_stride(key),
+            row_head_stride(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +270,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         align |= p
     sig = (query.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, positions.dtype,
            slot_mapping.dtype, query.shape[1:], key.shape[1:], query.stride(0), qo.stride(0),
-           key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
+           key.stride(0), value.stride(0), row_head_stride(query), row_head_stride(qo),
+           row_head_stride(key), row_head_stride(value), key_cache.shape, key_cache.stride(),
            cos_sin_cache.shape, align & 15, is_neox, query.get_device(), rotate_key_in_place,
            query_out is None, tuning.specialize)
     row_bytes = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \

@@ -20,19 +20,21 @@
 #include "kvw/slot.cuh"
 #include "kvw/rope.cuh"
 
-// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v18) the arguments
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v22) the arguments
 // from q_stride on are compile-time constants: none is read from the parameter bank and the
-// index math (the division by units_per_head, the slot's block split) folds.
+// index math (the division by units_per_head, the slot's block split) folds. Dense heads pass
+// head strides equal to head_size, so their builds fold to the code of a kernel without them.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_FUSED_FIXED_PROLOGUE()                                                              \
   {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(19);                                                                   \
+    KVW_FIXED_ARGS_ARRAY(23);                                                                   \
     q_stride = fixed[0]; qo_stride = fixed[1]; k_stride = fixed[2]; v_stride = fixed[3];        \
     max_position = fixed[4]; block_stride = fixed[5]; page_stride = fixed[6];                   \
     head_stride = fixed[7]; block_size = fixed[8]; block_shift = fixed[9];                      \
     num_slots = fixed[10]; num_q_heads = fixed[11]; head_size = fixed[12]; rot = fixed[13];     \
     units_per_head = fixed[14]; rot_units = fixed[15]; units_per_token = fixed[16];             \
-    store_key = fixed[17]; query_in_place = fixed[18];                                          \
+    store_key = fixed[17]; query_in_place = fixed[18]; q_head_stride = fixed[19];               \
+    qo_head_stride = fixed[20]; k_head_stride = fixed[21]; v_head_stride = fixed[22];           \
   }
 #else
 #define KVW_FUSED_FIXED_PROLOGUE()
@@ -44,10 +46,11 @@
 template <int IN, int CS, int OUT, int W, bool NEOX, typename PosT, typename SlotT, int MIN_BLOCKS>
 __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     const PosT* __restrict__ positions,   // [T_rot]
-    u8* query,                            // [T_pad, Hq, D]; token stride q_stride (elements)
-    u8* query_out,                        // [T_pad, Hq, D]; token stride qo_stride (may be query)
-    u8* key,                              // [T_pad, H, D]; token stride k_stride
-    const u8* __restrict__ value,         // [T_pad, H, D]; token stride v_stride
+    // Rows: token stride x_stride, head stride x_head_stride (elements), unit-stride last dim.
+    u8* query,                            // [T_pad, Hq, D]; q_stride, q_head_stride
+    u8* query_out,                        // [T_pad, Hq, D]; qo_stride, ... (may be query)
+    u8* key,                              // [T_pad, H, D]; k_stride, k_head_stride
+    const u8* __restrict__ value,         // [T_pad, H, D]; v_stride, v_head_stride
     const u8* __restrict__ cos_sin,       // [max_position, rot], elements of kind CS
     u8* __restrict__ key_cache,           // [num_blocks, block_size, H, D] via strides
     u8* __restrict__ value_cache,         // same strides as key_cache
@@ -59,7 +62,8 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
     i64 q_stride, i64 qo_stride, i64 k_stride, i64 v_stride, i64 max_position,
     i64 block_stride, i64 page_stride, i64 head_stride, i64 block_size, i64 block_shift,
     i64 num_slots, i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
-    i64 units_per_token, i64 store_key, i64 query_in_place) {
+    i64 units_per_token, i64 store_key, i64 query_in_place, i64 q_head_stride,
+    i64 qo_head_stride, i64 k_head_stride, i64 v_head_stride) {
   KVW_PDL_ENTRY();
   KVW_FUSED_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
@@ -104,9 +108,14 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
 
   if (j < static_cast<u64>(num_q_heads)) {
     if (!rotated && query_in_place) return;
-    const i64 h_off = static_cast<i64>(j) * head_size * IB;
+    const i64 h_off = static_cast<i64>(j) * q_head_stride * IB;
+    // query_out's head offset is query's where their head strides agree (in place, always): a
+    // build for such strides computes one offset, and dense heads the code they had before head
+    // strides were arguments (recomputed, the same product changed the SASS).
+    const i64 out_off =
+        qo_head_stride == q_head_stride ? h_off : static_cast<i64>(j) * qo_head_stride * IB;
     const u8* row = query + t * q_stride * IB + h_off;
-    u8* out = query_out + t * qo_stride * IB + h_off;
+    u8* out = query_out + t * qo_stride * IB + out_off;
     // Loaded before the position's test (volatile: ptxas may not sink them below it), so the
     // data's memory round trip overlaps the position's.
     Raw<W * IB> a = load_raw_volatile<W * IB>(row + ea), b{};
@@ -139,8 +148,8 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
           reinterpret_cast<const u8*>(v_scale + h * v_scale_stride)).w[0]);
     }
   }
-  u8* krow = key + t * k_stride * IB + h * head_size * IB;
-  const u8* vrow = value + t * v_stride * IB + h * head_size * IB;
+  u8* krow = key + t * k_stride * IB + h * k_head_stride * IB;
+  const u8* vrow = value + t * v_stride * IB + h * v_head_stride * IB;
   // Key and value chunks loaded before the position's and slot's tests (volatile, as above);
   // rows t < num_rot of key and value exist, whatever the slot. The value chunks start as zeros,
   // not copies of the key's: a copy made ptxas wait for the key's round trip before issuing the

@@ -49,8 +49,9 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
     if query.dtype != key.dtype:
         raise ValueError(f"query: expected the dtype of key ({key.dtype}), got {query.dtype}")
     require_same_device(key.device, "key", (("query", query),))
+    # key and value take any head stride here (as_heads), unlike reshape_and_cache_flash's own.
     cache_dtype = validate_cache_write(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, free_head_stride=True)
     check_rope_args(positions, q, cos_sin_cache, head_size)
     num_rot = positions.numel()
     if num_rot > k.shape[0]:
@@ -102,8 +103,9 @@ def fused_rope_and_reshape_cache_flash(
     and V) keep their bytes.
 
     Shapes: ``query`` ``[T_pad, Hq, D]`` or ``[T_pad, Hq*D]``; ``key``, ``value`` ``[T_pad, H, D]``
-    or ``[T_pad, H*D]`` (D from the caches for 2-D inputs; one dtype; dense rows, any token
-    stride); ``positions`` ``[T_rot]``; ``slot_mapping`` ``[T]`` with ``T <= T_rot``; the rest as
+    or ``[T_pad, H*D]`` (D from the caches for 2-D inputs; one dtype; unit-stride last dim, any
+    token stride, and in the 3-D form any head stride, each tensor its own: padded heads; the
+    2-D form has dense heads); ``positions`` ``[T_rot]``; ``slot_mapping`` ``[T]`` with ``T <= T_rot``; the rest as
     :func:`kvwrite.rotary_embedding` and :func:`kvwrite.reshape_and_cache_flash` say.
 
     ``rotate_key_in_place=False`` leaves ``key`` unchanged (the cache holds the only rotated copy);

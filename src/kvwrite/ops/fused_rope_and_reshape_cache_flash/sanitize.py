@@ -4,7 +4,7 @@ key, query_out and both caches compared byte for byte over their whole allocatio
 stress the bounds: bad positions and padding and out-of-range slots together, fewer cache tokens
 than rotated ones, rows past T, odd head sizes and partial rotation, HND, interleaved and packed
 caches, fp8 with per-head scales, query_out and rotate_key_in_place=False, more tokens than one
-wave (the large-call build)."""
+wave (the large-call build), padded heads."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ CASES = [
     RopeCase(num_tokens=12_000, num_q_heads=4, num_heads=1, head_size=64, num_blocks=1600,
              max_position=4096, bad_positions=4, padding_slots=50, out_of_range_slots=50,
              kv_cache_dtype="fp8_e5m2"),  # the large-call build, more tokens than one wave
+    # padded heads, each tensor its own padding (value's and query_out's break 16-byte alignment)
+    RopeCase(num_tokens=13, num_q_heads=4, num_heads=2, head_size=80, head_pad=(64, 64, 5, 7),
+             query_out=True, kv_cache_dtype="fp8", bad_positions=2, padding_slots=2,
+             dtype=torch.float16),
 ]
 
 

@@ -34,6 +34,7 @@ from ...kernels.triton_fp8 import (
 )
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
 from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+from ..rotary_embedding.op import head_stride
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
 from ..rotary_embedding.triton_impl import available as _available
 
@@ -63,10 +64,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rot", "num_tokens"])
     def _fused_kernel(
         positions_ptr,  # [T_rot] int64 or int32
-        query_ptr,  # [T_pad, Hq, D], token stride q_stride, dense heads
-        query_out_ptr,  # where rotated query rows go (query itself when in place)
-        key_ptr,  # [T_pad, H, D], token stride k_stride
-        value_ptr,  # [T_pad, H, D], token stride v_stride
+        query_ptr,  # [T_pad, Hq, D], token stride q_stride, head stride Q_HEAD_STRIDE
+        query_out_ptr,  # rotated query rows (query itself when in place): qo_stride, QO_HEAD_STRIDE
+        key_ptr,  # [T_pad, H, D], k_stride, K_HEAD_STRIDE
+        value_ptr,  # [T_pad, H, D], v_stride, V_HEAD_STRIDE
         cos_sin_ptr,  # [max_position, ROT]: cos | sin
         key_cache_ptr,  # [num_blocks, block_size, H, D] via (stride_b, stride_s, stride_h, 1)
         value_cache_ptr,  # same logical shape and strides, other base
@@ -76,6 +77,10 @@ if triton is not None:
         q_stride, qo_stride, k_stride, v_stride,  # token strides in elements
         max_position, num_slots,
         stride_b, stride_s, stride_h,  # cache strides in elements
+        # Head strides in elements, compiled in as HEAD_SIZE (op.head_stride: HEAD_SIZE for
+        # dense heads, whose kernel is then the one without head strides); the model fixes them.
+        Q_HEAD_STRIDE: tl.constexpr, QO_HEAD_STRIDE: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
+        V_HEAD_STRIDE: tl.constexpr,
         NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_KEY: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr,
@@ -94,10 +99,10 @@ if triton is not None:
         if tile < Q_TILES:
             h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
             mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
-            row = (t64 * q_stride)[:, None, None] + h * HEAD_SIZE
+            row = (t64 * q_stride)[:, None, None] + h * Q_HEAD_STRIDE
             x = tl.load(query_ptr + row + d, mask=mask)
             y = tl.load(query_ptr + row + partner, mask=mask)
-            out_row = (t64 * qo_stride)[:, None, None] + h * HEAD_SIZE
+            out_row = (t64 * qo_stride)[:, None, None] + h * QO_HEAD_STRIDE
             tl.store(query_out_ptr + out_row + d, rope_rotate(x, y, c, s, first, is_rot),
                      mask=mask)
         else:
@@ -115,10 +120,10 @@ if triton is not None:
                 # trip (tuning-log change 46).
                 ksc, vsc = load_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_HEADS, QUANT,
                                            K_PER_HEAD, V_PER_HEAD)
-            row = (t64 * k_stride)[:, None, None] + h * HEAD_SIZE
+            row = (t64 * k_stride)[:, None, None] + h * K_HEAD_STRIDE
             x = tl.load(key_ptr + row + d, mask=mask)
             y = tl.load(key_ptr + row + partner, mask=mask)
-            v_row = (t64 * v_stride)[:, None, None] + h * HEAD_SIZE
+            v_row = (t64 * v_stride)[:, None, None] + h * V_HEAD_STRIDE
             v = tl.load(value_ptr + v_row + d, mask=cached[:, None, None] & in_row)
             if VALUE_FIRST:
                 store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
@@ -187,6 +192,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
         key.stride(0), value.stride(0), cos_sin_cache.shape[0], num_blocks * block_size,
         *key_cache.stride()[:3],
+        Q_HEAD_STRIDE=head_stride(query), QO_HEAD_STRIDE=head_stride(qo),
+        K_HEAD_STRIDE=head_stride(key), V_HEAD_STRIDE=head_stride(value),
         NUM_Q_HEADS=hq, NUM_HEADS=h, HEAD_SIZE=d, ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         STORE_KEY=rotate_key_in_place, BLOCK_SIZE=block_size, QUANT=quant,
         K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),

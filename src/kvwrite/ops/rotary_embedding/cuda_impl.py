@@ -4,9 +4,10 @@
 Variants (template arguments): row dtype IN, table dtype CS, unit width W (elements per access),
 pairing (neox or GPT-J), position index type, and LINEAR, the large-call grid (``CudaTuning``).
 W is the widest of ``16 / element size`` down to 1 whose accesses are all aligned: W divides
-rot_dim/2 (neox) or rot_dim with W even (GPT-J), and head_size - rot_dim; data pointers and
-token strides are multiples of W elements, the table's pointer of its entries per unit. GPT-J
-rows that allow no even W (odd strides) are refused with that reason. Each call signature
+rot_dim/2 (neox) or rot_dim with W even (GPT-J), and head_size - rot_dim; data pointers, token
+strides and head strides (of tensors with more than one head: padded heads, docs/ops/
+rotary_embedding.md) are multiples of W elements, the table's pointer of its entries per unit.
+GPT-J rows that allow no even W (odd strides) are refused with that reason. Each call signature
 takes its own build with the arguments it fixes (strides, head counts, the table's shape)
 compiled in (``fixed_args``, ``CudaTuning.specialize``). Launched on PyTorch's current stream; no
 allocation and no host sync per call (graph-safe).
@@ -20,6 +21,7 @@ import functools
 import torch
 
 from ...kernels import nvrtc
+from .op import head_stride
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
            "kind", "all_kernel_names", "kernel_name", "int_type", "call_unit_bytes", "fixed_args",
@@ -52,7 +54,7 @@ def unit_width(head_size: int, rot: int, is_neox: bool, in_bytes: int, table_byt
                max_bytes: int = 16) -> int:
     """The widest unit W of at most ``max_bytes`` (see the module doc), or 0 where none fits
     (GPT-J with odd rows). ``ptrs``: (address, element size) of every row tensor and cache;
-    ``strides``: every stride in elements that moves (token strides, cache strides)."""
+    ``strides``: every stride in elements that moves (token and head strides, cache strides)."""
     w = max(min(16, max_bytes) // in_bytes, 1)
     while w >= 1:
         nc = w if is_neox else w // 2
@@ -163,13 +165,15 @@ def fixed_args(query: torch.Tensor, key: torch.Tensor | None, cos_sin_cache: tor
                is_neox: bool, w: int) -> tuple[int, ...]:
     """The kernel's arguments from q_stride on (kernel.cu's KVWRITE_FIXED_ARGS order), all set by
     the call signature: q_stride, k_stride, max_position, num_q_heads, head_size, rot,
-    units_per_head, rot_units, units_per_token."""
+    units_per_head, rot_units, units_per_token, q_head_stride, k_head_stride (op.head_stride:
+    head_size for dense heads)."""
     _, hq, d = query.shape
     h = 0 if key is None else key.shape[1]
     rot = cos_sin_cache.shape[1]
     per_head, rot_units = units(d, rot, is_neox, w)
     return (query.stride(0), 0 if key is None else key.stride(0), cos_sin_cache.shape[0], hq, d,
-            rot, per_head, rot_units, (hq + h) * per_head)
+            rot, per_head, rot_units, (hq + h) * per_head, head_stride(query),
+            d if key is None else head_stride(key))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +201,7 @@ def _width(query, key, cos_sin_cache, is_neox, max_bytes: int = 16) -> int:
     rows = (query,) if key is None else (query, key)
     ptrs = tuple((t.data_ptr(), t.element_size()) for t in rows)
     strides = tuple(t.stride(0) for t in rows if t.shape[0] > 1)
+    strides += tuple(head_stride(t) for t in rows)
     return unit_width(query.shape[2], cos_sin_cache.shape[1], is_neox, query.element_size(),
                       cos_sin_cache.element_size(), cos_sin_cache.data_ptr(), ptrs, strides,
                       max_bytes)
@@ -235,7 +240,8 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     kp = 0 if key is None else key.data_ptr()
     sig = (query.dtype, cos_sin_cache.dtype, positions.dtype, query.shape[1:],
            None if key is None else key.shape[1], query.stride(0),
-           None if key is None else key.stride(0), cos_sin_cache.shape,
+           None if key is None else key.stride(0), head_stride(query),
+           None if key is None else head_stride(key), cos_sin_cache.shape,
            (qp | kp | cos_sin_cache.data_ptr()) & 15, is_neox, query.get_device())
     heads = query.shape[1] + (0 if key is None else key.shape[1])
     row_bytes = num_rot * heads * query.shape[2] * query.element_size()

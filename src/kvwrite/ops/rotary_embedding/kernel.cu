@@ -13,16 +13,18 @@
 #include "kvw/vec_io.cuh"
 #include "kvw/rope.cuh"
 
-// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the arguments
+// In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v10) the arguments
 // from q_stride on are compile-time constants: none is read from the parameter bank and the
-// index math (the division by units_per_head included) folds.
+// index math (the division by units_per_head included) folds. Dense heads pass head strides equal
+// to head_size, so their builds fold to the code of a kernel without head strides.
 #ifdef KVWRITE_FIXED_ARGS
 #define KVW_ROPE_FIXED_PROLOGUE()                                                               \
   {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(9);                                                                    \
+    KVW_FIXED_ARGS_ARRAY(11);                                                                   \
     q_stride = fixed[0]; k_stride = fixed[1]; max_position = fixed[2];                          \
     num_q_heads = fixed[3]; head_size = fixed[4]; rot = fixed[5];                               \
     units_per_head = fixed[6]; rot_units = fixed[7]; units_per_token = fixed[8];                \
+    q_head_stride = fixed[9]; k_head_stride = fixed[10];                                        \
   }
 #else
 #define KVW_ROPE_FIXED_PROLOGUE()
@@ -31,12 +33,12 @@
 template <int IN, int CS, int W, bool NEOX, typename PosT, bool LINEAR>
 __global__ void __launch_bounds__(256) rotary_embedding_kernel(
     const PosT* __restrict__ positions,  // [T_rot]
-    u8* query,                 // [T_pad, Hq, D]; token stride q_stride (elements)
-    u8* key,                   // [T_pad, H, D]; token stride k_stride (unused when H == 0)
+    u8* query,                 // [T_pad, Hq, D]; token, head strides q_stride, q_head_stride
+    u8* key,                   // [T_pad, H, D]; k_stride, k_head_stride (unused when H == 0)
     const u8* __restrict__ cos_sin,  // [max_position, rot]: cos | sin, elements of kind CS
     i64 num_rot, i64 q_stride, i64 k_stride, i64 max_position,
     i64 num_q_heads, i64 head_size, i64 rot, i64 units_per_head, i64 rot_units,
-    i64 units_per_token) {
+    i64 units_per_token, i64 q_head_stride, i64 k_head_stride) {
   KVW_PDL_ENTRY();
   KVW_ROPE_FIXED_PROLOGUE()
   constexpr int IB = elem_bytes(IN);
@@ -60,7 +62,8 @@ __global__ void __launch_bounds__(256) rotary_embedding_kernel(
   if (!rope_unit_offsets<W, NEOX>(u, rot_units, half, rot, oa, ob)) return;
   const bool is_q = j < static_cast<u64>(num_q_heads);
   const i64 h = is_q ? j : j - num_q_heads;
-  u8* row = (is_q ? query + t * q_stride * IB : key + t * k_stride * IB) + h * head_size * IB;
+  const i64 head_stride = is_q ? q_head_stride : k_head_stride;
+  u8* row = (is_q ? query + t * q_stride * IB : key + t * k_stride * IB) + h * head_stride * IB;
   // Loaded before the position's test (volatile: ptxas may not sink them below it), so the
   // data's memory round trip overlaps the position's.
   Raw<W * IB> a = load_raw_volatile<W * IB>(row + static_cast<i64>(oa) * IB), b = a;

@@ -10,14 +10,17 @@ from ...dtypes import INPUT_DTYPES
 from ...validation import check_mutation_safe, require_same_device, require_tensor
 from ...validation import shape_str as _shape
 
-__all__ = ["OP", "rotary_embedding", "validate", "as_heads", "check_rope_args", "check_positions"]
+__all__ = ["OP", "rotary_embedding", "validate", "as_heads", "head_stride", "check_rope_args",
+           "check_positions"]
 
 OP = "rotary_embedding"
 
 
 def as_heads(name: str, t, head_size: int) -> torch.Tensor:
     """``t`` (``[T_pad, H, D]`` or ``[T_pad, H*D]``) as a ``[T_pad, H, D]`` view; checks its rank,
-    dtype and that each token's row is dense (any token stride)."""
+    dtype and strides: a unit-stride last dim, any token stride, and in the 3-D form any head
+    stride (heads of ``[..., :D]`` slices of wider rows lie more than ``D`` apart); the 2-D form
+    has dense heads. Elements that overlap are the caller's check (check_mutation_safe)."""
     require_tensor(name, t)
     if t.dim() == 3:
         if t.shape[2] != head_size:
@@ -38,12 +41,19 @@ def as_heads(name: str, t, head_size: int) -> torch.Tensor:
         raise ValueError(f"{name}: expected at least one head, got shape {_shape(t)}")
     if t.dtype not in INPUT_DTYPES:
         raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
-    num_heads = v.shape[1]
-    if head_size > 1 and v.stride(2) != 1 or num_heads > 1 and v.stride(1) != head_size:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        form = "head dim" if t.dim() == 3 else "row (the 2-D form has dense heads)"
         raise ValueError(
-            f"{name}: expected dense heads (unit-stride head dim, head stride == head_size = "
-            f"{head_size}), got strides {tuple(t.stride())}")
+            f"{name}: expected a unit-stride {form}, got strides {tuple(t.stride())} for shape "
+            f"{_shape(t)}")
     return v
+
+
+def head_stride(t: torch.Tensor) -> int:
+    """The head stride (elements) of a ``[T_pad, H, D]`` view from :func:`as_heads`, as the
+    kernels take it: ``stride(1)``, or ``D`` for a single head (whose stride is never used), so
+    that every call with dense heads passes ``D`` and takes the same build."""
+    return t.stride(1) if t.shape[1] > 1 else t.shape[2]
 
 
 def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: int, *,
@@ -84,6 +94,19 @@ def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: in
                                                    ("cos_sin_cache", cos_sin_cache)))
 
 
+def _check_head_size(query, head_size: int) -> None:
+    """``head_size`` against query's shape (the first tensor it sizes): a mismatch there is
+    head_size's error; key then is checked against head_size (a mismatch is key's)."""
+    if not isinstance(query, torch.Tensor):
+        return  # as_heads names query
+    if query.dim() == 3 and query.shape[2] != head_size:
+        raise ValueError(f"head_size: expected query's head size {query.shape[2]} (dim 2 of "
+                         f"{_shape(query)}), got {head_size}")
+    if query.dim() == 2 and query.shape[1] % head_size != 0:
+        raise ValueError(f"head_size: expected a divisor of query's row width {query.shape[1]} "
+                         f"(shape {_shape(query)}), got {head_size}")
+
+
 def validate(positions, query, key, head_size, cos_sin_cache, is_neox
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check every argument of :func:`rotary_embedding`; return ``[T_pad, H, D]`` views of query
@@ -92,6 +115,7 @@ def validate(positions, query, key, head_size, cos_sin_cache, is_neox
         raise TypeError(f"head_size: expected a positive int, got {head_size!r}")
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
+    _check_head_size(query, head_size)
     q = as_heads("query", query, head_size)
     k = None
     if key is not None:
@@ -115,7 +139,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     """Rotate ``query`` (and ``key``) rows ``t < T_rot = positions.numel()`` in place (RoPE).
 
     Shapes: ``query`` ``[T_pad, Hq, D]`` or ``[T_pad, Hq*D]``, ``key`` ``[T_pad, H, D]`` or
-    ``[T_pad, H*D]`` or None (float16/bfloat16/float32, one dtype; dense rows, any token stride);
+    ``[T_pad, H*D]`` or None (float16/bfloat16/float32, one dtype; unit-stride last dim, any token
+    stride, and in the 3-D form any head stride: padded heads; the 2-D form has dense heads);
     ``positions`` ``[T_rot]`` int64 or int32; ``cos_sin_cache`` ``[max_position, rot_dim]``
     (contiguous, float32/float16/bfloat16): cos in columns ``[0, rot_dim/2)``, sin in
     ``[rot_dim/2, rot_dim)``; rot_dim even and ``<= D``; dims ``>= rot_dim`` pass through.

@@ -2,7 +2,8 @@
 GPU against the torch reference on the CPU over the same inputs, query and key compared byte for
 byte over their whole allocations. The cases stress the bounds: positions outside the table
 (negative, at and past max_position, int32 extremes), rows past T_rot, partial rotation, odd head
-sizes, GPT-J pairing, key=None, 2-D inputs and slices of a fused qkv, more rows than one wave."""
+sizes, GPT-J pairing, key=None, 2-D inputs and slices of a fused qkv, padded heads, more rows
+than one wave."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ CASES = [
              dtype=torch.float32, cos_sin_dtype=torch.bfloat16),
     RopeCase(num_tokens=20_000, num_q_heads=4, num_heads=1, head_size=64, bad_positions=5,
              max_position=4096, num_blocks=1300),  # more rows than one resident wave
+    # padded heads (vLLM's D = 80 in rows of 144; key's padding breaking 16-byte alignment)
+    RopeCase(num_tokens=13, num_q_heads=4, num_heads=2, head_size=80, head_pad=(64, 3, 0, 0),
+             bad_positions=2, extra_rows=1, dtype=torch.float16),
 ]
 
 

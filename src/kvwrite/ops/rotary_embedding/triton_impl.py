@@ -2,7 +2,8 @@
 
 Grid (token tiles, query head tiles + key head tiles): a program rotates ``[BLOCK_T, BLOCK_H,
 BLOCK_D]`` of query or of key (kvwrite.kernels.triton_rope) and stores whole rows back in place,
-only for tokens whose position is in the table. Graph-safe: nothing is read on the host per call.
+only for tokens whose position is in the table. Each tensor's head stride is its own (padded
+heads: docs/ops/rotary_embedding.md). Graph-safe: nothing is read on the host per call.
 
 On CPU it runs under Triton's interpreter, whose float32->bfloat16 cast truncates and whose
 bfloat16->float32 cast mangles subnormals: :func:`unsupported` refuses bfloat16 rows and
@@ -21,6 +22,7 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
 from ...kernels.triton_support import next_pow2
+from .op import head_stride
 
 __all__ = ["RopeTuning", "TUNING", "available", "unsupported", "run", "tiling"]
 
@@ -130,14 +132,17 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rot"])
     def _rope_kernel(
         positions_ptr,  # [T_rot] int64 or int32
-        query_ptr,  # [T_pad, Hq, D], token stride q_stride, dense heads
-        key_ptr,  # [T_pad, H, D], token stride k_stride (query when there is no key)
+        query_ptr,  # [T_pad, Hq, D], token stride q_stride, head stride Q_HEAD_STRIDE
+        key_ptr,  # [T_pad, H, D], k_stride, K_HEAD_STRIDE (query when there is no key)
         cos_sin_ptr,  # [max_position, ROT]: cos | sin
         num_rot,  # T_rot
         q_stride, k_stride,  # token strides in elements
         max_position,
         NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         ROT: tl.constexpr, IS_NEOX: tl.constexpr,
+        # Compiled in, as HEAD_SIZE (op.head_stride: HEAD_SIZE for dense heads, whose kernel is
+        # then the one without head strides); the model fixes them.
+        Q_HEAD_STRIDE: tl.constexpr, K_HEAD_STRIDE: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
@@ -148,20 +153,20 @@ if triton is not None:
             positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
         if tile < Q_TILES:
             _rotate_tile(query_ptr, q_stride, t, valid, tile * BLOCK_H, c, s, partner, first,
-                         is_rot, NUM_Q_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+                         is_rot, NUM_Q_HEADS, HEAD_SIZE, Q_HEAD_STRIDE, BLOCK_H, BLOCK_D)
         else:
             _rotate_tile(key_ptr, k_stride, t, valid, (tile - Q_TILES) * BLOCK_H, c, s, partner,
-                         first, is_rot, NUM_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+                         first, is_rot, NUM_HEADS, HEAD_SIZE, K_HEAD_STRIDE, BLOCK_H, BLOCK_D)
 
     @triton.jit
     def _rotate_tile(ptr, stride, t, valid, h0, c, s, partner, first, is_rot,
-                     NH: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     NH: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_STRIDE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """Rotates heads [h0, h0 + BLOCK_H) of tokens t in place (valid tokens only)."""
         d = tl.arange(0, BLOCK_D)[None, None, :]
         h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
         mask = valid[:, None, None] & (h < NH) & (d < HEAD_SIZE)
-        row = (t.to(tl.int64) * stride)[:, None, None] + h * HEAD_SIZE
+        row = (t.to(tl.int64) * stride)[:, None, None] + h * HEAD_STRIDE
         x = tl.load(ptr + row + d, mask=mask)
         y = tl.load(ptr + row + partner, mask=mask)
         tl.store(ptr + row + d, rope_rotate(x, y, c, s, first, is_rot), mask=mask)
@@ -185,7 +190,8 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
         positions, query, query if key is None else key, cos_sin_cache, num_rot, query.stride(0),
         0 if key is None else key.stride(0), cos_sin_cache.shape[0],
         NUM_Q_HEADS=hq, NUM_HEADS=max(h, 1), HEAD_SIZE=d, ROT=cos_sin_cache.shape[1],
-        IS_NEOX=is_neox, Q_TILES=nq, BLOCK_T=block_t, BLOCK_H=block_h,
+        IS_NEOX=is_neox, Q_HEAD_STRIDE=head_stride(query),
+        K_HEAD_STRIDE=d if key is None else head_stride(key), Q_TILES=nq, BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger, launch_pdl=pdl,
         **LAUNCH_OPTIONS,
     )
