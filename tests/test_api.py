@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -463,6 +467,43 @@ def test_implementations_lists_every_one_with_a_reason():
         assert s.available == (s.reason is None) and s.description
     if not torch.cuda.is_available():
         assert not statuses["cuda"].available and statuses["cuda"].reason
+
+
+def test_implementations_print_as_a_table_and_stay_a_list():
+    table = kvwrite.implementations("cpu")
+    assert isinstance(table, list) and all(isinstance(s, kvwrite.registry.ImplStatus) for s in table)
+    lines = repr(table).splitlines()
+    assert str(table) == repr(table)
+    assert lines[0].split() == ["op", "implementation", "runs", "on", "cpu?"]
+    assert set(lines[1]) == {"-", " "}
+    rows = lines[2:]
+    assert len(rows) == len(table)  # one row per op and implementation, in the list's order
+    op = None
+    for row, s in zip(rows, table, strict=True):
+        if s.op != op:  # an op's name opens its first row only
+            assert row.startswith(s.op + " ")
+            op = s.op
+        else:
+            assert row.startswith(" ")
+        assert row.split()[0 if row.startswith(" ") else 1] == s.name
+        assert row.endswith("yes" if s.available else f"no: {s.reason}")
+
+
+def test_python_m_kvwrite_prints_the_version_and_the_table():
+    # The same environment (TRITON_INTERPRET included), so the same table as this process's.
+    env = {**os.environ, "PYTHONPATH": str(Path(kvwrite.__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "kvwrite"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    first, *rest = run.stdout.splitlines()
+    assert first.startswith(f"kvwrite {kvwrite.__version__} (torch {torch.__version__}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert "\n".join(rest).strip() == str(kvwrite.implementations(device))
+
+
+def test_version_is_the_packages():
+    import importlib.metadata
+    assert kvwrite.__version__ == importlib.metadata.version("kvwrite")
 
 
 # --- the write-safety rule is every op's -------------------------------------------------------------
