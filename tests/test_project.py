@@ -118,14 +118,63 @@ def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
     assert "needs a CUDA GPU" in marked.stdout
 
 
-def test_readme_example_runs_on_the_cpu():
-    # The README's Python example, on the CPU: the torch implementation where it names triton.
+def _run_readme_example(device: str) -> dict:
+    """The README's Python example run on ``device`` (its "cuda" replaced), its names returned,
+    after the checks of what it wrote: every cache written only at the valid slots (-1 padding
+    skipped, no two tokens in one slot), and the per-token-head rows read back ≈ the keys."""
+    import kvwrite
+
     text = (ROOT / "README.md").read_text()
     start = text.index("```python\n") + len("```python\n")
     code = text[start:text.index("```\n", start)]
     assert "concat_and_cache_mla" in code and "fused_rope_and_reshape_cache_flash" in code
-    code = code.replace('"cuda"', '"cpu"').replace('implementation="triton"', 'implementation="torch"')
-    exec(compile(code, "README.md", "exec"), {})
+    names: dict = {}
+    exec(compile(code.replace('"cuda"', f'"{device}"'), "README.md", "exec"), names)
+
+    slots = names["slot_mapping"].cpu()
+    valid = slots[slots >= 0]
+    assert valid.unique().numel() == valid.numel() == 4, slots  # the padding, no collisions
+    tokens = torch.nonzero(slots >= 0).flatten()
+
+    def untouched_outside(t, fresh, name):
+        # Rows [num_blocks, block_size, ...] -> [slots, ...]: no byte moved outside the valid slots.
+        assert t.shape[0] * t.shape[1] > valid.max(), (
+            f"{name}: {t.shape[0] * t.shape[1]} slots, but the example's slots go to "
+            f"{valid.max()}: every op takes slot_mapping as it is (no clamping into collisions)")
+        got = t.detach().cpu().reshape(-1, *t.shape[2:]).contiguous().view(torch.uint8)
+        want = fresh.detach().cpu().reshape(-1, *fresh.shape[2:]).contiguous().view(torch.uint8)
+        other = torch.ones(got.shape[0], dtype=torch.bool)
+        other[valid] = False
+        assert torch.equal(got[other], want[other]), f"{name}: written outside the valid slots"
+        assert not torch.equal(got[valid], want[valid]), f"{name}: the valid slots not written"
+
+    fresh = kvwrite.create_per_token_head_caches(*names["kc"].shape[:3], 128,
+                                                 "int8_per_token_head", device=device)
+    for name, fresh_t in zip(("kc", "vc", "ks", "vs"), fresh, strict=True):
+        untouched_outside(names[name], fresh_t, name)
+    untouched_outside(names["mla_cache"], torch.zeros_like(names["mla_cache"]), "mla_cache")
+    fresh_k, fresh_v = kvwrite.create_kv_caches_with_random_flash(
+        num_blocks=1024, block_size=16, num_layers=1, num_heads=8, head_size=128,
+        cache_dtype="fp8", seed=0, device=device, cache_layout="NHD")  # the example's
+    untouched_outside(names["key_caches"][0], fresh_k[0], "key_caches[0]")
+    untouched_outside(names["value_caches"][0], fresh_v[0], "value_caches[0]")
+
+    # int8 rows with one scale per (token, head): within half a step (amax / 127) of the key.
+    key = names["key"].float().cpu()[tokens]
+    step = key.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((names["rows"].cpu() - key).abs() <= step * 0.5001 + 1e-6)
+    return names
+
+
+def test_readme_example_runs_on_the_cpu():
+    _run_readme_example("cpu")
+
+
+@pytest.mark.gpu
+def test_readme_example_runs_as_written_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    _run_readme_example("cuda")
 
 
 def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
