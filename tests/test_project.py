@@ -190,3 +190,115 @@ def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
     assert main(["report", "--into", str(copy), *data]) == 0
     assert copy.read_text() == page
     assert len(page.splitlines()) <= 600
+
+
+# --- what Triton's interpreter (the CPU path for Triton) runs --------------------------------------
+
+ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLASH_MODES = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2")
+
+
+def _interpreter_calls():
+    """(op, mode, case_args for a row dtype) for every op and mode: each op's ``unsupported``
+    arguments, with tensors that carry only the device and dtypes it reads (rows of the given
+    dtype: the inputs of a write, the output of a read)."""
+    from kvwrite.dtypes import parse_kv_cache_dtype
+    from kvwrite.ops.concat_and_cache_mla import MlaMode
+    from kvwrite.ops.indexer_k_quant_and_cache.op import ScaleFormat
+    from kvwrite.ops.nvfp4.op import ScaleLayout
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import PerTokenHeadMode
+
+    def t(dtype):
+        return torch.empty(1, dtype=dtype)
+
+    def cache(mode, dtype):
+        c = parse_kv_cache_dtype(mode)
+        return t(torch.uint8 if c.is_fp8 else c.element_dtype(dtype))
+
+    u8, f32 = torch.uint8, torch.float32
+    calls = []
+    for mode in FLASH_MODES:
+        c = parse_kv_cache_dtype(mode)
+        for op in ("reshape_and_cache_flash", "reshape_and_cache"):
+            calls.append((op, mode, lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32))))
+        calls.append(("fused_rope_and_reshape_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), t(d), cache(m, d), c, t(d), True)))
+        calls.append(("fused_qk_norm_rope_and_reshape_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), t(d), t(d), t(d), True, cache(m, d), c, None)))
+    for mode in ("nvfp4", "nvfp4_4over6"):
+        c = parse_kv_cache_dtype(mode, nvfp4=True)
+        calls.append(("nvfp4_kv_write", mode, lambda d, c=c: (t(d), t(u8), c, ScaleLayout.LINEAR)))
+    calls.append(("rotary_embedding", "", lambda d: (t(d), t(d), t(d), True)))
+    calls.append(("fused_qk_norm_rope", "", lambda d: (t(d), t(d), t(d), t(d), True)))
+    for mode in MlaMode:
+        calls.append(("concat_and_cache_mla", mode.value,
+                      lambda d, m=mode: (t(d), t(d if m is MlaMode.AUTO else u8), m)))
+    for mode in PerTokenHeadMode:
+        calls.append(("reshape_and_cache_flash_per_token_head_quant", mode.value,
+                      lambda d, m=mode: (t(d), t(d), t(u8), t(u8), m)))
+    for fmt in ScaleFormat:
+        calls.append(("indexer_k_quant_and_cache", fmt.value, lambda d, f=fmt: (t(d), t(u8), f)))
+    for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_E5M2):
+        calls.append(("gather_and_maybe_dequant_cache", mode.value,
+                      lambda d, m=mode: (t(d if m is MlaMode.AUTO else u8), t(d), m)))
+    for mode in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        c = parse_kv_cache_dtype(mode)
+        calls.append(("gather_cache_flash", mode, lambda d, c=c, m=mode: (cache(m, d), t(d), c)))
+    calls.append(("cp_gather_cache", "", lambda d: (t(d), t(d))))
+    calls.append(("cp_gather_and_upconvert_fp8_kv_cache", "",
+                  lambda d: (t(u8), t(torch.bfloat16))))  # its output is always bfloat16
+    calls.append(("cp_gather_indexer_k_quant_cache", "", lambda d: (t(u8), t(u8), t(f32))))
+    return calls
+
+
+def interpreter_coverage() -> str:
+    """docs/testing.md's table of the calls Triton's interpreter refuses (its ``unsupported``), by
+    op, mode and row dtype, and the counts."""
+    from kvwrite import registry
+
+    calls = _interpreter_calls()
+    assert {op for op, _, _ in calls} == set(registry.ops())  # a new op needs its calls here
+    names = [str(d).removeprefix("torch.") for d in ROW_DTYPES]
+    modes: dict = {}  # op -> its modes, in order
+    refused: dict = {}  # (op, dtype name) -> refused modes
+    for op, mode, args in calls:
+        modes.setdefault(op, []).append(mode)
+        for d, name in zip(ROW_DTYPES, names, strict=True):
+            if registry.get(op, "triton").unsupported(*args(d)) is not None:
+                refused.setdefault((op, name), []).append(mode)
+
+    def cell(op, name):
+        got = refused.get((op, name), [])
+        if not got:
+            return "none"
+        return "all" if got == modes[op] else ", ".join(got)
+
+    rows: dict = {}  # ops with the same modes and cells share a row
+    for op in modes:
+        rows.setdefault((tuple(modes[op]), *(cell(op, n) for n in names)), []).append(op)
+    total = len(calls)
+    counts = [sum(len(refused.get((op, n), [])) for op in modes) for n in names]
+    lines = ["| op (modes) | " + " | ".join(f"{n} rows" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for (op_modes, *cells), ops in rows.items():
+        label = ", ".join(f"`{op}`" for op in ops)
+        if op_modes != ("",):
+            label += f" ({', '.join(op_modes)})"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| refused, of " + f"{total} calls | "
+                 + " | ".join(str(c) for c in counts) + " |")
+    return "\n".join(lines)
+
+
+def test_testing_md_counts_what_the_triton_interpreter_refuses():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's refusals are those of a machine without a GPU")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter is not on (conftest turns it on without a GPU)")
+    block = interpreter_coverage()
+    page = (ROOT / "docs" / "testing.md").read_text()
+    assert block in page, "docs/testing.md must hold, verbatim:\n" + block
+    total = block.splitlines()[-1].split("|")[1].split()[-2]
+    bf16 = block.splitlines()[-1].split("|")[3].strip()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"on bfloat16 rows it refuses {bf16} of {total} op × mode calls" in readme
