@@ -96,7 +96,12 @@ def test_gpu_packages_install_only_where_their_wheels_exist():
 
 def test_the_test_extra_has_what_the_tests_import():
     names = {re.split(r"[<>=;\[ ]", spec, maxsplit=1)[0] for spec in _dependencies("test")}
-    assert {"pytest", "tabulate", "matplotlib"} <= names
+    assert {"pytest", "pytest-xdist", "tabulate", "matplotlib"} <= names
+
+
+def test_the_test_command_runs_on_every_cpu():
+    # pytest-xdist's -n auto: tests/conftest.py's pytest_xdist_auto_num_workers picks the count.
+    assert _readme_commands()[1].endswith("python -m pytest -q -n auto")
 
 
 def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
@@ -116,6 +121,56 @@ def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
     marked = subprocess.run(run + ["-m", "gpu"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert "1 skipped, 1 deselected" in marked.stdout, marked.stdout
     assert "needs a CUDA GPU" in marked.stdout
+
+
+_SUMMARY_TESTS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(2))
+def test_skip_a(i):
+    pytest.skip("reason a")
+
+def test_skip_b():
+    pytest.skip("reason b")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "the failure, in full"
+
+@pytest.mark.gpu
+def test_on_a_gpu():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["plain", "xdist"])
+def test_skips_are_counted_by_reason_and_failures_shown_in_full(tmp_path, workers):
+    """The suite's conftest and addopts, on a few tests: skips as counts by reason (no SKIPPED
+    line each), a failure in full, the gpu line; also under pytest-xdist."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: no gpu test is deselected")
+    tomllib = pytest.importorskip("tomllib")
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = " + options["addopts"] + "\nmarkers =\n    "
+        + "\n    ".join(options["markers"]) + "\n")
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_summary.py").write_text(_SUMMARY_TESTS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *workers], cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = run.stdout
+    assert run.returncode == 1, out + run.stderr
+    assert "SKIPPED" not in out
+    assert "3 skipped, by reason" in out
+    lines = out.splitlines()
+    assert "    2  reason a" in lines and "    1  reason b" in lines
+    assert "FAILED test_summary.py::test_fails" in out and "the failure, in full" in out
+    assert ("1 gpu tests deselected: no CUDA GPU here (torch.cuda.is_available() is False); on a "
+            "GPU machine `python -m pytest -m gpu` runs them") in lines
+    assert "1 failed, 1 passed, 3 skipped" in out
 
 
 def _run_readme_example(device: str) -> dict:
