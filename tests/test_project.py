@@ -274,8 +274,9 @@ def _interpreter_calls():
     calls = []
     for mode in FLASH_MODES:
         c = parse_kv_cache_dtype(mode)
-        for op in ("reshape_and_cache_flash", "reshape_and_cache"):
-            calls.append((op, mode, lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32))))
+        calls.append(("reshape_and_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32), t(f32))))
+        calls.append(("reshape_and_cache", mode, lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32))))
         calls.append(("fused_rope_and_reshape_cache_flash", mode,
                       lambda d, c=c, m=mode: (t(d), t(d), cache(m, d), c, t(d), True)))
         calls.append(("fused_qk_norm_rope_and_reshape_cache_flash", mode,
