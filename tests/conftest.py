@@ -36,6 +36,21 @@ NO_GPU_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
 
 _deselected_gpu: list = []
+# Under pytest-xdist the workers collect and deselect; each reports its count here (the controller's
+# summary prints it; every worker collects the whole suite, so they agree).
+_worker_counts: list[int] = []
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the README's test command): one pytest-xdist worker per CPU this process may
+    use, none (the tests run in this process) on a single CPU or where PyTorch sees a GPU, so the
+    gpu tests do not share it. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it (xdist's rule)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    if HAS_CUDA:
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cpus if cpus > 1 else 0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,10 +71,39 @@ def pytest_collection_modifyitems(config, items):
         _deselected_gpu.extend(gone)
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in an xdist worker
+    if workeroutput is not None:
+        workeroutput["kvwrite_gpu_deselected"] = len(_deselected_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _worker_counts.append(getattr(node, "workeroutput", {}).get("kvwrite_gpu_deselected", 0))
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 def pytest_terminal_summary(terminalreporter):
-    if _deselected_gpu:
+    """Skips as counts by reason (the short summary, `-rfE` in pyproject's addopts, lists
+    failures and errors only), and how many gpu tests were deselected."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
+    if skipped:
+        counts: dict[str, int] = {}
+        for report in skipped:
+            reason = _skip_reason(report)
+            counts[reason] = counts.get(reason, 0) + 1
+        terminalreporter.write_sep("=", f"{len(skipped)} skipped, by reason")
+        for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            terminalreporter.write_line(f"{n:5d}  {reason}")
+    deselected = max([len(_deselected_gpu), *_worker_counts])
+    if deselected:
         terminalreporter.write_line(
-            f"{len(_deselected_gpu)} gpu tests deselected: no CUDA GPU here "
+            f"{deselected} gpu tests deselected: no CUDA GPU here "
             f"(torch.cuda.is_available() is False); on a GPU machine `python -m pytest -m gpu` "
             f"runs them")
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +104,56 @@ def test_bad_input_is_rejected_and_caches_are_untouched(name, change, exc, text)
     assert_caches_equal(args["key_cache"] if name not in CACHE_REPLACED else before_k, before_k)
     if name not in CACHE_REPLACED:
         assert_caches_equal(args["value_cache"], before_v)
+
+
+# One argument disagrees with all the others (the caches and the other input): the error names it.
+# (name, op, mode, change, the message's start)
+ODD_ONE = [
+    ("key-head-size", "flash", "auto", lambda a: {"key": a["key"][..., :8]},
+     "key: expected [num_tokens, 4, 16] (num_heads and head_size of key_cache and value)"),
+    ("key-heads", "flash", "fp8", lambda a: {"key": a["key"][:, :2]}, "key: expected [num_tokens, 4, 16]"),
+    ("key-dtype", "flash", "auto", lambda a: {"key": a["key"].half()},
+     "key: expected dtype torch.bfloat16 (that of value"),
+    ("key-cache-dtype", "flash", "auto", lambda a: {"key_cache": a["key_cache"].half()},
+     "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects a cache of dtype torch.bfloat16"),
+    ("value-head-size", "flash", "auto", lambda a: {"value": a["value"][..., :8]},
+     "value: expected the shape of key"),
+    ("value-dtype", "flash", "auto", lambda a: {"value": a["value"].half()}, "value: expected the dtype of key"),
+    ("value-cache-dtype", "flash", "auto", lambda a: {"value_cache": a["value_cache"].half()},
+     "value_cache: expected the dtype of key_cache"),
+    ("key-head-size", "legacy", "auto", lambda a: {"key": a["key"][..., :8]},
+     "key: expected [num_tokens, 4, 16] (num_heads and head_size of key_cache and value)"),
+    ("key-dtype", "legacy", "auto", lambda a: {"key": a["key"].half()},
+     "key: expected dtype torch.bfloat16 (that of value"),
+    ("key-cache-dtype", "legacy", "auto", lambda a: {"key_cache": a["key_cache"].half()},
+     "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects a cache of dtype torch.bfloat16"),
+    ("value-head-size", "legacy", "auto", lambda a: {"value": a["value"][..., :8]},
+     "value: expected the shape of key"),
+    ("value-cache-dtype", "legacy", "auto", lambda a: {"value_cache": a["value_cache"].half()},
+     "value_cache: expected the dtype of key_cache"),
+]
+
+
+def _odd_one_args(op: str, mode: str) -> dict:
+    if op == "flash":
+        return _args(dataclasses.replace(BASE, kv_cache_dtype=mode))
+    from kvwrite.testing.legacy import LegacyCase, make_legacy_inputs
+    inp = make_legacy_inputs(LegacyCase(kv_cache_dtype=mode, num_tokens=5, num_heads=4,
+                                        head_size=16, num_blocks=2, block_size=4))
+    return dict(key=inp.key, value=inp.value, key_cache=inp.key_cache,
+                value_cache=inp.value_cache, slot_mapping=inp.slot_mapping, kv_cache_dtype=mode,
+                k_scale=inp.k_scale, v_scale=inp.v_scale)
+
+
+@pytest.mark.parametrize("name, op, mode, change, text", ODD_ONE,
+                         ids=[f"{o[1]}-{o[0]}" for o in ODD_ONE])
+def test_the_one_argument_that_disagrees_is_named(name, op, mode, change, text):
+    args = _odd_one_args(op, mode)
+    args.update(change(args))
+    fn = kvwrite.reshape_and_cache_flash if op == "flash" else kvwrite.reshape_and_cache
+    with pytest.raises(ValueError) as err:
+        fn(**args)
+    assert str(err.value).startswith(text), str(err.value)
 
 
 def test_rejected_call_changes_no_byte():
@@ -413,6 +467,43 @@ def test_implementations_lists_every_one_with_a_reason():
         assert s.available == (s.reason is None) and s.description
     if not torch.cuda.is_available():
         assert not statuses["cuda"].available and statuses["cuda"].reason
+
+
+def test_implementations_print_as_a_table_and_stay_a_list():
+    table = kvwrite.implementations("cpu")
+    assert isinstance(table, list) and all(isinstance(s, kvwrite.registry.ImplStatus) for s in table)
+    lines = repr(table).splitlines()
+    assert str(table) == repr(table)
+    assert lines[0].split() == ["op", "implementation", "runs", "on", "cpu?"]
+    assert set(lines[1]) == {"-", " "}
+    rows = lines[2:]
+    assert len(rows) == len(table)  # one row per op and implementation, in the list's order
+    op = None
+    for row, s in zip(rows, table, strict=True):
+        if s.op != op:  # an op's name opens its first row only
+            assert row.startswith(s.op + " ")
+            op = s.op
+        else:
+            assert row.startswith(" ")
+        assert row.split()[0 if row.startswith(" ") else 1] == s.name
+        assert row.endswith("yes" if s.available else f"no: {s.reason}")
+
+
+def test_python_m_kvwrite_prints_the_version_and_the_table():
+    # The same environment (TRITON_INTERPRET included), so the same table as this process's.
+    env = {**os.environ, "PYTHONPATH": str(Path(kvwrite.__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "kvwrite"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    first, *rest = run.stdout.splitlines()
+    assert first.startswith(f"kvwrite {kvwrite.__version__} (torch {torch.__version__}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert "\n".join(rest).strip() == str(kvwrite.implementations(device))
+
+
+def test_version_is_the_packages():
+    import importlib.metadata
+    assert kvwrite.__version__ == importlib.metadata.version("kvwrite")
 
 
 # --- the write-safety rule is every op's -------------------------------------------------------------

@@ -96,7 +96,12 @@ def test_gpu_packages_install_only_where_their_wheels_exist():
 
 def test_the_test_extra_has_what_the_tests_import():
     names = {re.split(r"[<>=;\[ ]", spec, maxsplit=1)[0] for spec in _dependencies("test")}
-    assert {"pytest", "tabulate", "matplotlib"} <= names
+    assert {"pytest", "pytest-xdist", "tabulate", "matplotlib"} <= names
+
+
+def test_the_test_command_runs_on_every_cpu():
+    # pytest-xdist's -n auto: tests/conftest.py's pytest_xdist_auto_num_workers picks the count.
+    assert _readme_commands()[1].endswith("python -m pytest -q -n auto")
 
 
 def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
@@ -118,14 +123,113 @@ def test_gpu_tests_are_deselected_with_one_line_where_there_is_no_gpu(tmp_path):
     assert "needs a CUDA GPU" in marked.stdout
 
 
-def test_readme_example_runs_on_the_cpu():
-    # The README's Python example, on the CPU: the torch implementation where it names triton.
+_SUMMARY_TESTS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(2))
+def test_skip_a(i):
+    pytest.skip("reason a")
+
+def test_skip_b():
+    pytest.skip("reason b")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "the failure, in full"
+
+@pytest.mark.gpu
+def test_on_a_gpu():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["plain", "xdist"])
+def test_skips_are_counted_by_reason_and_failures_shown_in_full(tmp_path, workers):
+    """The suite's conftest and addopts, on a few tests: skips as counts by reason (no SKIPPED
+    line each), a failure in full, the gpu line; also under pytest-xdist."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: no gpu test is deselected")
+    tomllib = pytest.importorskip("tomllib")
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = " + options["addopts"] + "\nmarkers =\n    "
+        + "\n    ".join(options["markers"]) + "\n")
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_summary.py").write_text(_SUMMARY_TESTS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *workers], cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = run.stdout
+    assert run.returncode == 1, out + run.stderr
+    assert "SKIPPED" not in out
+    assert "3 skipped, by reason" in out
+    lines = out.splitlines()
+    assert "    2  reason a" in lines and "    1  reason b" in lines
+    assert "FAILED test_summary.py::test_fails" in out and "the failure, in full" in out
+    assert ("1 gpu tests deselected: no CUDA GPU here (torch.cuda.is_available() is False); on a "
+            "GPU machine `python -m pytest -m gpu` runs them") in lines
+    assert "1 failed, 1 passed, 3 skipped" in out
+
+
+def _run_readme_example(device: str) -> dict:
+    """The README's Python example run on ``device`` (its "cuda" replaced), its names returned,
+    after the checks of what it wrote: every cache written only at the valid slots (-1 padding
+    skipped, no two tokens in one slot), and the per-token-head rows read back ≈ the keys."""
+    import kvwrite
+
     text = (ROOT / "README.md").read_text()
     start = text.index("```python\n") + len("```python\n")
     code = text[start:text.index("```\n", start)]
     assert "concat_and_cache_mla" in code and "fused_rope_and_reshape_cache_flash" in code
-    code = code.replace('"cuda"', '"cpu"').replace('implementation="triton"', 'implementation="torch"')
-    exec(compile(code, "README.md", "exec"), {})
+    names: dict = {}
+    exec(compile(code.replace('"cuda"', f'"{device}"'), "README.md", "exec"), names)
+
+    slots = names["slot_mapping"].cpu()
+    valid = slots[slots >= 0]
+    assert valid.unique().numel() == valid.numel() == 4, slots  # the padding, no collisions
+    tokens = torch.nonzero(slots >= 0).flatten()
+
+    def untouched_outside(t, fresh, name):
+        # Rows [num_blocks, block_size, ...] -> [slots, ...]: no byte moved outside the valid slots.
+        assert t.shape[0] * t.shape[1] > valid.max(), (
+            f"{name}: {t.shape[0] * t.shape[1]} slots, but the example's slots go to "
+            f"{valid.max()}: every op takes slot_mapping as it is (no clamping into collisions)")
+        got = t.detach().cpu().reshape(-1, *t.shape[2:]).contiguous().view(torch.uint8)
+        want = fresh.detach().cpu().reshape(-1, *fresh.shape[2:]).contiguous().view(torch.uint8)
+        other = torch.ones(got.shape[0], dtype=torch.bool)
+        other[valid] = False
+        assert torch.equal(got[other], want[other]), f"{name}: written outside the valid slots"
+        assert not torch.equal(got[valid], want[valid]), f"{name}: the valid slots not written"
+
+    fresh = kvwrite.create_per_token_head_caches(*names["kc"].shape[:3], 128,
+                                                 "int8_per_token_head", device=device)
+    for name, fresh_t in zip(("kc", "vc", "ks", "vs"), fresh, strict=True):
+        untouched_outside(names[name], fresh_t, name)
+    untouched_outside(names["mla_cache"], torch.zeros_like(names["mla_cache"]), "mla_cache")
+    fresh_k, fresh_v = kvwrite.create_kv_caches_with_random_flash(
+        num_blocks=1024, block_size=16, num_layers=1, num_heads=8, head_size=128,
+        cache_dtype="fp8", seed=0, device=device, cache_layout="NHD")  # the example's
+    untouched_outside(names["key_caches"][0], fresh_k[0], "key_caches[0]")
+    untouched_outside(names["value_caches"][0], fresh_v[0], "value_caches[0]")
+
+    # int8 rows with one scale per (token, head): within half a step (amax / 127) of the key.
+    key = names["key"].float().cpu()[tokens]
+    step = key.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((names["rows"].cpu() - key).abs() <= step * 0.5001 + 1e-6)
+    return names
+
+
+def test_readme_example_runs_on_the_cpu():
+    _run_readme_example("cpu")
+
+
+@pytest.mark.gpu
+def test_readme_example_runs_as_written_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    _run_readme_example("cuda")
 
 
 def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
@@ -141,3 +245,116 @@ def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
     assert main(["report", "--into", str(copy), *data]) == 0
     assert copy.read_text() == page
     assert len(page.splitlines()) <= 600
+
+
+# --- what Triton's interpreter (the CPU path for Triton) runs --------------------------------------
+
+ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLASH_MODES = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2")
+
+
+def _interpreter_calls():
+    """(op, mode, case_args for a row dtype) for every op and mode: each op's ``unsupported``
+    arguments, with tensors that carry only the device and dtypes it reads (rows of the given
+    dtype: the inputs of a write, the output of a read)."""
+    from kvwrite.dtypes import parse_kv_cache_dtype
+    from kvwrite.ops.concat_and_cache_mla import MlaMode
+    from kvwrite.ops.indexer_k_quant_and_cache.op import ScaleFormat
+    from kvwrite.ops.nvfp4.op import ScaleLayout
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import PerTokenHeadMode
+
+    def t(dtype):
+        return torch.empty(1, dtype=dtype)
+
+    def cache(mode, dtype):
+        c = parse_kv_cache_dtype(mode)
+        return t(torch.uint8 if c.is_fp8 else c.element_dtype(dtype))
+
+    u8, f32 = torch.uint8, torch.float32
+    calls = []
+    for mode in FLASH_MODES:
+        c = parse_kv_cache_dtype(mode)
+        calls.append(("reshape_and_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32), t(f32))))
+        calls.append(("reshape_and_cache", mode, lambda d, c=c, m=mode: (t(d), cache(m, d), c, t(f32))))
+        calls.append(("fused_rope_and_reshape_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), t(d), cache(m, d), c, t(d), True)))
+        calls.append(("fused_qk_norm_rope_and_reshape_cache_flash", mode,
+                      lambda d, c=c, m=mode: (t(d), t(d), t(d), t(d), True, cache(m, d), c, None)))
+    for mode in ("nvfp4", "nvfp4_4over6"):
+        c = parse_kv_cache_dtype(mode, nvfp4=True)
+        calls.append(("nvfp4_kv_write", mode, lambda d, c=c: (t(d), t(u8), c, ScaleLayout.LINEAR)))
+    calls.append(("rotary_embedding", "", lambda d: (t(d), t(d), t(d), True)))
+    calls.append(("fused_qk_norm_rope", "", lambda d: (t(d), t(d), t(d), t(d), True)))
+    for mode in MlaMode:
+        calls.append(("concat_and_cache_mla", mode.value,
+                      lambda d, m=mode: (t(d), t(d if m is MlaMode.AUTO else u8), m)))
+    for mode in PerTokenHeadMode:
+        calls.append(("reshape_and_cache_flash_per_token_head_quant", mode.value,
+                      lambda d, m=mode: (t(d), t(d), t(u8), t(u8), m)))
+    for fmt in ScaleFormat:
+        calls.append(("indexer_k_quant_and_cache", fmt.value, lambda d, f=fmt: (t(d), t(u8), f)))
+    for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_E5M2):
+        calls.append(("gather_and_maybe_dequant_cache", mode.value,
+                      lambda d, m=mode: (t(d if m is MlaMode.AUTO else u8), t(d), m)))
+    for mode in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        c = parse_kv_cache_dtype(mode)
+        calls.append(("gather_cache_flash", mode, lambda d, c=c, m=mode: (cache(m, d), t(d), c)))
+    calls.append(("cp_gather_cache", "", lambda d: (t(d), t(d))))
+    calls.append(("cp_gather_and_upconvert_fp8_kv_cache", "",
+                  lambda d: (t(u8), t(torch.bfloat16))))  # its output is always bfloat16
+    calls.append(("cp_gather_indexer_k_quant_cache", "", lambda d: (t(u8), t(u8), t(f32))))
+    return calls
+
+
+def interpreter_coverage() -> str:
+    """docs/testing.md's table of the calls Triton's interpreter refuses (its ``unsupported``), by
+    op, mode and row dtype, and the counts."""
+    from kvwrite import registry
+
+    calls = _interpreter_calls()
+    assert {op for op, _, _ in calls} == set(registry.ops())  # a new op needs its calls here
+    names = [str(d).removeprefix("torch.") for d in ROW_DTYPES]
+    modes: dict = {}  # op -> its modes, in order
+    refused: dict = {}  # (op, dtype name) -> refused modes
+    for op, mode, args in calls:
+        modes.setdefault(op, []).append(mode)
+        for d, name in zip(ROW_DTYPES, names, strict=True):
+            if registry.get(op, "triton").unsupported(*args(d)) is not None:
+                refused.setdefault((op, name), []).append(mode)
+
+    def cell(op, name):
+        got = refused.get((op, name), [])
+        if not got:
+            return "none"
+        return "all" if got == modes[op] else ", ".join(got)
+
+    rows: dict = {}  # ops with the same modes and cells share a row
+    for op in modes:
+        rows.setdefault((tuple(modes[op]), *(cell(op, n) for n in names)), []).append(op)
+    total = len(calls)
+    counts = [sum(len(refused.get((op, n), [])) for op in modes) for n in names]
+    lines = ["| op (modes) | " + " | ".join(f"{n} rows" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for (op_modes, *cells), ops in rows.items():
+        label = ", ".join(f"`{op}`" for op in ops)
+        if op_modes != ("",):
+            label += f" ({', '.join(op_modes)})"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| refused, of " + f"{total} calls | "
+                 + " | ".join(str(c) for c in counts) + " |")
+    return "\n".join(lines)
+
+
+def test_testing_md_counts_what_the_triton_interpreter_refuses():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's refusals are those of a machine without a GPU")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter is not on (conftest turns it on without a GPU)")
+    block = interpreter_coverage()
+    page = (ROOT / "docs" / "testing.md").read_text()
+    assert block in page, "docs/testing.md must hold, verbatim:\n" + block
+    total = block.splitlines()[-1].split("|")[1].split()[-2]
+    bf16 = block.splitlines()[-1].split("|")[3].strip()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"on bfloat16 rows it refuses {bf16} of {total} op × mode calls" in readme

@@ -4,6 +4,8 @@ Ops live in :mod:`kvwrite.ops` (one package each), their implementations in the 
 (:func:`implementations`).
 """
 
+import importlib.metadata
+
 from . import registry
 from .dtypes import CacheDType
 from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
@@ -36,7 +38,10 @@ from .ops.reshape_and_cache_flash_per_token_head_quant import (
 from .ops.rotary_embedding import check_positions, rotary_embedding
 from .registry import implementations
 
-__version__ = "0.1.0"
+try:  # pyproject.toml's version, as installed
+    __version__ = importlib.metadata.version("kvwrite")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "unknown (not installed)"
 
 __all__ = [
     "CacheDType",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["OpSpec", "ImplInfo", "ImplStatus", "register_op", "register", "get", "get_op",
+__all__ = ["OpSpec", "ImplInfo", "ImplStatus", "ImplTable", "register_op", "register", "get", "get_op",
            "ops", "all_impls", "implementations", "select", "installed"]
 
 RunFn = Callable[..., None]
@@ -109,6 +109,32 @@ class ImplStatus:
     description: str
 
 
+class ImplTable(list):
+    """A list of :class:`ImplStatus` (what :func:`implementations` returns) that prints as a
+    table: one row per op and implementation, "yes" where it can run on ``device``, else why not."""
+
+    def __init__(self, statuses=(), device: str = ""):
+        super().__init__(statuses)
+        self.device = device
+
+    def __str__(self) -> str:
+        header = ("op", "implementation", f"runs on {self.device}?" if self.device else "runs?")
+        rows, last_op = [], None
+        for s in self:
+            rows.append(("" if s.op == last_op else s.op, s.name,
+                         "yes" if s.available else f"no: {s.reason}"))
+            last_op = s.op
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(2)]
+
+        def line(r):
+            return f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip()
+
+        return "\n".join([line(header), line(tuple("-" * w for w in (*widths, len(header[2])))),
+                          *map(line, rows)])
+
+    __repr__ = __str__
+
+
 _OPS: dict[str, OpSpec] = {}
 _REGISTRY: dict[tuple[str, str], ImplInfo] = {}
 
@@ -157,15 +183,15 @@ def all_impls(op: str) -> list[ImplInfo]:
 
 
 def implementations(device: torch.device | str | None = None,
-                    op: str | None = None) -> list[ImplStatus]:
+                    op: str | None = None) -> ImplTable:
     """Each registered implementation (of ``op``, or of every op, grouped by op), whether it can
-    run on ``device`` here, and why not.
+    run on ``device`` here, and why not: a list of :class:`ImplStatus` that prints as a table.
 
     ``device`` defaults to "cuda" when PyTorch sees a GPU, else "cpu".
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = []
+    out = ImplTable(device=str(device))
     for name in ([op] if op is not None else ops()):
         for info in all_impls(name):
             reason = info.available(device)

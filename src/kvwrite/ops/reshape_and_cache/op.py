@@ -33,7 +33,10 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(name, t)
-    _, num_heads, head_size = check_key_value(key, value)
+    rows = ((key_cache.shape[1], key_cache.shape[2] * key_cache.shape[4])
+            if key_cache.dim() == 5 else None)
+    _, num_heads, head_size = check_key_value(key, value, cache_rows=rows, cache_dtype=cache_dtype,
+                                              key_cache=key_cache)
 
     if key_cache.dim() != 5:
         raise ValueError(f"key_cache: expected 5 dims [num_blocks, num_heads, head_size / x, "
@@ -54,10 +57,11 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         raise ValueError(f"value_cache: expected [num_blocks, num_heads, head_size, block_size] = "
                          f"{want} (from key_cache {_shape(key_cache)} and key), got shape "
                          f"{_shape(value_cache)}")
+    # The key cache's dtype against the inputs' first: where only it is wrong, it is named.
+    check_cache_dtype(cache_dtype, key.dtype, key_cache)
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
                          f"{value_cache.dtype}")
-    check_cache_dtype(cache_dtype, key.dtype, key_cache)
 
     check_slots(slot_mapping, key)
     device = key.device

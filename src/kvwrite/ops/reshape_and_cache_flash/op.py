@@ -37,7 +37,9 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
                     ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         require_tensor(name, t)
 
-    _, num_heads, head_size = check_key_value(key, value, free_head_stride)
+    rows = tuple(key_cache.shape[2:]) if key_cache.dim() == 4 else None
+    _, num_heads, head_size = check_key_value(key, value, free_head_stride, cache_rows=rows,
+                                              cache_dtype=cache_dtype, key_cache=key_cache)
 
     if key_cache.dim() != 4:
         raise ValueError(
@@ -49,6 +51,8 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         )
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache: expected the shape of key_cache {_shape(key_cache)}, got {_shape(value_cache)}")
+    # The key cache's dtype against the inputs' first: where only it is wrong, it is named.
+    check_cache_dtype(cache_dtype, key.dtype, key_cache)
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got {value_cache.dtype}")
     if value_cache.stride() != key_cache.stride():
@@ -57,7 +61,6 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         )
     if head_size > 1 and key_cache.stride(3) != 1:
         raise ValueError(f"key_cache: expected a unit-stride last dim, got strides {tuple(key_cache.stride())}")
-    check_cache_dtype(cache_dtype, key.dtype, key_cache)
 
     check_slots(slot_mapping, key)
 
@@ -193,15 +196,39 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 # --- the checks shared with reshape_and_cache (the legacy layout) ----------------------------------
 
-def check_key_value(key, value, free_head_stride: bool = False) -> tuple[int, int, int]:
+def check_key_value(key, value, free_head_stride: bool = False, *,
+                    cache_rows: tuple[int, int] | None = None,
+                    cache_dtype: CacheDType | None = None, key_cache=None) -> tuple[int, int, int]:
     """``key``/``value`` ``[T_pad, H, D]`` of one input dtype with dense heads (with
-    ``free_head_stride``: any head stride, unit-stride last dim); returns ``(T_pad, H, D)``."""
+    ``free_head_stride``: any head stride, unit-stride last dim); returns ``(T_pad, H, D)``.
+
+    Where one argument disagrees with the others, the error names that one: the key is checked
+    against the cache first (its ``cache_rows`` ``(H, D)``, and ``key_cache``'s dtype under
+    ``cache_dtype``), and blamed there when the value agrees with the cache; then the value is
+    checked against the key. Where the key and the value agree and the cache does not, the caller's
+    cache checks name the cache."""
     if key.dim() != 3:
         raise ValueError(f"key: expected 3 dims [num_tokens, num_heads, head_size], got shape {_shape(key)}")
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
     if key.dtype not in INPUT_DTYPES:
         raise ValueError(f"key: expected dtype float16, bfloat16 or float32, got {key.dtype}")
+    if (cache_rows is not None and tuple(key.shape[1:]) != cache_rows and value.dim() == 3
+            and tuple(value.shape[1:]) == cache_rows):
+        raise ValueError(
+            f"key: expected [num_tokens, {cache_rows[0]}, {cache_rows[1]}] (num_heads and head_size "
+            f"of key_cache and value), got shape {_shape(key)}"
+        )
+    if cache_dtype is not None and key_cache is not None and value.dtype != key.dtype:
+        key_fits = key_cache.dtype in allowed_cache_dtypes(cache_dtype, key.dtype)
+        value_fits = (value.dtype in INPUT_DTYPES
+                      and key_cache.dtype in allowed_cache_dtypes(cache_dtype, value.dtype))
+        if value_fits and not key_fits:
+            raise ValueError(
+                f"key: expected dtype {value.dtype} (that of value, and what "
+                f"kv_cache_dtype={cache_dtype.value!r} with a {key_cache.dtype} key_cache takes), "
+                f"got {key.dtype}"
+            )
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
     if value.dtype != key.dtype:
         raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
     t_pad, num_heads, head_size = key.shape
