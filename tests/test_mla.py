@@ -1115,7 +1115,9 @@ def test_ue8m0_round_up_is_the_smallest_power_of_two_at_least_s():
     assert torch.isinf(ue8m0_round_up(big)).all()
 
 
-if kvwrite.ops.concat_and_cache_mla.triton_impl.triton is not None:
+from kvwrite.kernels.triton_fp8 import triton as _triton  # noqa: E402
+
+if _triton is not None:
     from kvwrite.kernels.triton_fp8 import tl, triton, ue8m0_round_up
 
     @triton.jit
