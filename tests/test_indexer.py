@@ -291,7 +291,7 @@ extern "C" {
 void kvw_indexer_scales(const float* amax, int ue8m0, float* s, float* rcp, long long n) {
   for (long long i = 0; i < n; ++i) {
     s[i] = indexer_scale(amax[i], ue8m0 != 0);
-    rcp[i] = ue8m0 ? indexer_pow2_reciprocal(s[i]) : 0.0f;
+    rcp[i] = ue8m0 ? pow2_reciprocal(s[i]) : 0.0f;
   }
 }
 void kvw_indexer_scale_words(const float* s, int fmt, unsigned* word, long long n) {

@@ -204,8 +204,13 @@ __global__ void __launch_bounds__(256) concat_and_cache_ds_mla_kernel(KVW_MLA_PA
   const float s0_hi = __shfl_sync(0xFFFFFFFFu, s0, 16);   // tile 1
   const float s1_hi = __shfl_sync(0xFFFFFFFFu, s1, 16);   // tile 3
   Raw<8> q0, q1;
-  fp8_quantize<DT_E4M3, 8, 1>(f0, q0.w, make_fp8_scale<true, BRACKET>(s0));
-  fp8_quantize<DT_E4M3, 8, 1>(f1, q1.w, make_fp8_scale<true, BRACKET>(s1));
+  if constexpr (POW2) {  // one multiplication an element, the same codes (kvw/fp8.cuh)
+    fp8_quantize_pow2<DT_E4M3, 8>(f0, q0.w, pow2_reciprocal(s0));
+    fp8_quantize_pow2<DT_E4M3, 8>(f1, q1.w, pow2_reciprocal(s1));
+  } else {
+    fp8_quantize<DT_E4M3, 8, 1>(f0, q0.w, make_fp8_scale<true, BRACKET>(s0));
+    fp8_quantize<DT_E4M3, 8, 1>(f1, q1.w, make_fp8_scale<true, BRACKET>(s1));
+  }
 
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;

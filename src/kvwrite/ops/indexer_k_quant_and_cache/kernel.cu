@@ -48,12 +48,6 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
   return ue8m0 ? ue8m0_round_up(s) : s;
 }
 
-// The exact reciprocal of a power-of-two scale s = 2^k (|k| <= 126 here) as a float, 0 for +inf.
-KVW_HD float indexer_pow2_reciprocal(float s) {
-  const u32 e = f32_bits(s) >> 23;  // s > 0: the biased exponent
-  return e >= 255u ? 0.0f : bits_f32((254u - e) << 23);
-}
-
 // The 4 scale bytes of a group (little-endian word): s's float32 bits, or for "mxfp8" its UE8M0
 // byte 4 times (s > 0 is a power of two or +inf: bits >> 23 is the biased exponent, 0xFF for
 // +inf). Host-testable.
@@ -107,14 +101,7 @@ template <int IN, int VEC>
 KVW_HD Raw<VEC> indexer_codes(const float (&x)[VEC], float s, bool ue8m0) {
   Raw<VEC> out;
   if (ue8m0) {
-    const float r = indexer_pow2_reciprocal(s);
-#pragma unroll
-    for (int j = 0; j < (VEC + 3) / 4; ++j) out.w[j] = 0;
-#pragma unroll
-    for (int i = 0; i < VEC; i += 2) {
-      const float x1 = i + 1 < VEC ? x[i + 1] : 0.0f;
-      out.w[i >> 2] |= fp8x2_from_f32<DT_E4M3>(mul_rn(x[i], r), mul_rn(x1, r)) << ((i & 2) * 8);
-    }
+    fp8_quantize_pow2<DT_E4M3, VEC>(x, out.w, pow2_reciprocal(s));
   } else {
     // 16-bit inputs need one correction step of the quotient, float32 two (kvw/fp8.cuh).
     fp8_quantize<DT_E4M3, VEC, IN == DT_F32 ? 2 : 1>(x, out.w, make_fp8_scale<true, false>(s));
