@@ -377,6 +377,19 @@ def test_cli_imports_no_op_and_no_engine_until_a_subcommand_runs():
     assert done.stdout.strip() == "['kvwrite.bench', 'kvwrite.bench.cli']", done.stdout
 
 
+def test_importing_the_command_line_imports_no_torch_and_version_needs_none():
+    """The console script imports kvwrite.bench.cli (and so kvwrite) before main() runs: neither
+    may import PyTorch, or Ctrl-C while it loads is a traceback and --version waits for it; the
+    first public name of kvwrite imports the ops (registering them)."""
+    code = ("import sys, kvwrite, kvwrite.bench.cli as c; t0 = 'torch' in sys.modules; "
+            "rc = c.main(['--version']); t1 = 'torch' in sys.modules; "
+            "n = len(kvwrite.implementations()); print(t0, t1, rc, n > 30, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-5:] == ["False", "False", "0", "True", "True"], done.stdout
+
+
 def test_ctrl_c_while_starting_is_one_line_and_130(monkeypatch, capsys):
     def interrupted(name):
         raise KeyboardInterrupt

@@ -2,41 +2,71 @@
 
 Ops live in :mod:`kvwrite.ops` (one package each), their implementations in the registry
 (:func:`implementations`).
+
+Importing kvwrite imports nothing else (not even PyTorch): the first public name used imports
+every op (registering them and their implementations) and then the name's module. So
+``kvwrite-bench --version`` answers at once, and Ctrl-C while PyTorch loads is the CLI's one line.
 """
 
+import importlib
 import importlib.metadata
 
-from . import registry
-from .dtypes import CacheDType
-from .layouts import KVAlloc, Layout, allocate_kv_cache, create_kv_caches_with_random_flash
-from .ops.concat_and_cache_mla import MlaMode, concat_and_cache_mla, create_mla_cache
-from .ops.cp_gather_and_upconvert_fp8_kv_cache import cp_gather_and_upconvert_fp8_kv_cache
-from .ops.cp_gather_cache import cp_gather_cache
-from .ops.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache
-from .ops.fused_qk_norm_rope import fused_qk_norm_rope
-from .ops.fused_qk_norm_rope_and_reshape_cache_flash import (
-    fused_qk_norm_rope_and_reshape_cache_flash,
-)
-from .ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
-from .ops.gather_and_maybe_dequant_cache import gather_and_maybe_dequant_cache
-from .ops.gather_cache_flash import gather_cache_flash
-from .ops.indexer_k_quant_and_cache import create_indexer_k_cache, indexer_k_quant_and_cache
-from .ops.nvfp4 import (
-    nvfp4_gather_cache,
-    nvfp4_kv_dequantize,
-    nvfp4_kv_quantize,
-    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
-)
-from .ops.reshape_and_cache import create_legacy_kv_cache, reshape_and_cache
-from .ops.reshape_and_cache_flash import check_slot_mapping, reshape_and_cache_flash
-from .ops.reshape_and_cache_flash_per_token_head_quant import (
-    PerTokenHeadMode,
-    create_per_token_head_caches,
-    dequantize_per_token_head,
-    reshape_and_cache_flash_per_token_head_quant,
-)
-from .ops.rotary_embedding import check_positions, rotary_embedding
-from .registry import implementations
+# Each public name and the module (relative to this package) that defines it.
+_EXPORTS = {
+    "CacheDType": ".dtypes",
+    "KVAlloc": ".layouts",
+    "Layout": ".layouts",
+    "allocate_kv_cache": ".layouts",
+    "create_kv_caches_with_random_flash": ".layouts",
+    "MlaMode": ".ops.concat_and_cache_mla",
+    "concat_and_cache_mla": ".ops.concat_and_cache_mla",
+    "create_mla_cache": ".ops.concat_and_cache_mla",
+    "cp_gather_and_upconvert_fp8_kv_cache": ".ops.cp_gather_and_upconvert_fp8_kv_cache",
+    "cp_gather_cache": ".ops.cp_gather_cache",
+    "cp_gather_indexer_k_quant_cache": ".ops.cp_gather_indexer_k_quant_cache",
+    "fused_qk_norm_rope": ".ops.fused_qk_norm_rope",
+    "fused_qk_norm_rope_and_reshape_cache_flash": ".ops.fused_qk_norm_rope_and_reshape_cache_flash",
+    "fused_rope_and_reshape_cache_flash": ".ops.fused_rope_and_reshape_cache_flash",
+    "gather_and_maybe_dequant_cache": ".ops.gather_and_maybe_dequant_cache",
+    "gather_cache_flash": ".ops.gather_cache_flash",
+    "create_indexer_k_cache": ".ops.indexer_k_quant_and_cache",
+    "indexer_k_quant_and_cache": ".ops.indexer_k_quant_and_cache",
+    "nvfp4_gather_cache": ".ops.nvfp4",
+    "nvfp4_kv_dequantize": ".ops.nvfp4",
+    "nvfp4_kv_quantize": ".ops.nvfp4",
+    "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping": ".ops.nvfp4",
+    "create_legacy_kv_cache": ".ops.reshape_and_cache",
+    "reshape_and_cache": ".ops.reshape_and_cache",
+    "check_slot_mapping": ".ops.reshape_and_cache_flash",
+    "reshape_and_cache_flash": ".ops.reshape_and_cache_flash",
+    "PerTokenHeadMode": ".ops.reshape_and_cache_flash_per_token_head_quant",
+    "create_per_token_head_caches": ".ops.reshape_and_cache_flash_per_token_head_quant",
+    "dequantize_per_token_head": ".ops.reshape_and_cache_flash_per_token_head_quant",
+    "reshape_and_cache_flash_per_token_head_quant": ".ops.reshape_and_cache_flash_per_token_head_quant",
+    "check_positions": ".ops.rotary_embedding",
+    "rotary_embedding": ".ops.rotary_embedding",
+    "implementations": ".registry",
+    # Submodules, as attributes.
+    "ops": ".ops",
+    "registry": ".registry",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".ops", __name__)  # every op and implementation registered first
+    value = importlib.import_module(module, __name__)
+    if name not in ("ops", "registry"):
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 try:  # pyproject.toml's version, as installed
     __version__ = importlib.metadata.version("kvwrite")
