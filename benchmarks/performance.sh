@@ -50,7 +50,7 @@ run 01_write-h8 --num-heads 8 --layouts NHD,HND,packed --num-tokens 2,32,1024,16
 run 02_rope rope --dtypes bfloat16 --kv-cache-dtypes auto,fp8_e4m3 --num-tokens 1,16,1024,4096,16384
 run 03_mla-auto mla --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-fp8 mla --kv-cache-dtype fp8 --num-tokens 1,16,1024,4096,16384,65536
-run 03_mla-ds mla --kv-cache-dtype fp8_ds_mla --ds-mla-scales pow2,amax \
+run 03_mla-ds mla --kv-cache-dtype fp8_ds_mla \
     --num-tokens 1,16,1024,4096,16384,65536
 run 04_qknorm qk-norm-rope --num-tokens 1,16,256,1024,4096,16384
 run 05_pth-h8 per-token-head --num-tokens 1,16,256,1024,4096,16384,65536

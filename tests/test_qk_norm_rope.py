@@ -1023,8 +1023,9 @@ def test_fused_rope_accepts_query_out_in_a_spare_region_of_qkv():
     want = make_rope_inputs(case)
     hq, h, d = 4, 2, 32
     buf = torch.zeros(9, hq + 2 * h + hq, d, dtype=torch.float16)
-    buf[:, :hq + 2 * h].copy_(inp.query._base if inp.query._base is not None else inp.query)
     q, k, v, qo = buf[:, :hq], buf[:, hq:hq + h], buf[:, hq + h:hq + 2 * h], buf[:, hq + 2 * h:]
+    for dst, src in ((q, inp.query), (k, inp.key), (v, inp.value)):
+        dst.copy_(src)
     kvwrite.fused_rope_and_reshape_cache_flash(q, k, v, inp.positions, inp.cos_sin_cache, True,
                                                inp.key_cache, inp.value_cache, inp.slot_mapping,
                                                None, None, "auto", query_out=qo,

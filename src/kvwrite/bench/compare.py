@@ -218,7 +218,9 @@ def _groups(points: list[Point]) -> tuple[list[Group], dict]:
             p.group = (op,) + tuple(d.get(k) for k in split)
             by_key.setdefault(p.group, []).append(p)
         for key, gpts in by_key.items():
-            label = " ".join(f"{k}={_plain(v)}" for k, v in zip(split, key[1:], strict=True))
+            # A field some of the op's runs do not have (an MLA mode's own parameter) is left out.
+            label = " ".join(f"{k}={_plain(v)}" for k, v in zip(split, key[1:], strict=True)
+                             if v is not None)
             groups.append(Group(key, op, label, gpts))
             for p in gpts:
                 labels[p.key] = label

@@ -68,6 +68,11 @@ class Package:
 
     @property
     def registry(self) -> types.ModuleType:
+        """The package's registry with its ops registered: a lazy package (kvwrite/__init__'s
+        __getattr__) registers them when its ``ops`` is imported; revisions before the op axis
+        have no ``ops`` and register on import."""
+        if importlib.util.find_spec(f"{self.name}.ops") is not None:
+            importlib.import_module(f"{self.name}.ops")
         return importlib.import_module(f"{self.name}.registry")
 
     def impl(self, impl: str) -> types.ModuleType:
