@@ -20,8 +20,8 @@ The defaults cover issue #42's configuration: Qwen3-8B, bf16 qkv ``[T, 48*128]``
 fp8_e4m3, the fused call and the pair, in NHD and vLLM's two default per-layer orders (packed =
 LBNHC, HND-packed = LBHNC); ``--hot-l2`` gives its L2 condition. The ops rewrite qkv in place and
 the timed calls reuse their input sets (one set with ``--hot-l2``), so later calls see qkv already
-normalized and rotated: no copy enters the timed region, and the kernels' work does not depend on
-the values (docs/benchmark.md).
+normalized and rotated: no copy enters the timed region, and what a call reads and writes does
+not depend on the values (docs/benchmark.md).
 
 Bytes per call (e = qkv's element size, c = the cache's, s = the table's, N = the real tokens):
 fused ``T*(2*(Hq + Hk)*D*e + D*s + 16) + N*(Hv*D*e + 2*Hk*D*c)`` (qkv's q and k read and
