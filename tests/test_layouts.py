@@ -133,3 +133,19 @@ def test_qk_norm_rope_defaults_cover_issue_42():
     _, _, points, _ = engine.configure(qk_bench.BENCH, ["--cos-sin-dtype", "float32",
                                                         "--max-position", "4096"], "qk")
     assert {(p.cos_sin_dtype, p.max_position) for p in points} == {(torch.float32, 4096)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("argv", WRITERS, ids=lambda a: a[0])
+def test_gpu_benchmarks_write_both_vllm_orders_exactly(tmp_path, argv):
+    """The same on the GPU: cuda and Triton, bf16 and fp8 caches too, every point checked."""
+    path = tmp_path / "r.json"
+    kv = ["--kv-cache-dtype", "fp8"] if argv[0] == "reshape_and_cache_flash" else []
+    for extra in ([], kv or ["--kv-cache-dtypes", "auto,fp8_e4m3"]):
+        rc = main([*argv, *extra, "--layouts", "LBNHC,LBHNC", "--implementation", "cuda,triton",
+                   "--num-blocks", "512", "--iters", "5", "--time-budget", "0.01",
+                   "--json", str(path)])
+        assert rc == 0
+        rows = json.loads(path.read_text())["rows"]
+        assert {r["layout"] for r in rows} == {"packed", "HND-packed"}
+        assert all(r["status"] == "ok" and r["check"] == "passed" for r in rows), rows
