@@ -43,18 +43,19 @@ run() {  # name, subcommand and flags...
         [ "$rc" = 0 ] || { failed+=("$name-$l2 (exit $rc)"); echo "!! $name-$l2: exit $rc"; }
     done
 }
-run 01_write-auto --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536
-run 01_write-fp8 --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
-run 01_write-h8 --num-heads 8 --layouts NHD,HND,packed --num-tokens 2,32,1024,16384,65536 \
+# all = NHD, HND, packed (vLLM's LBNHC), HND-packed (LBHNC)
+run 01_write-auto --layouts all --num-tokens 2,32,1024,16384,65536
+run 01_write-fp8 --layouts all --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
+run 01_write-h8 --num-heads 8 --layouts all --num-tokens 2,32,1024,16384,65536 \
     --kv-cache-dtype fp8
-run 02_rope rope --dtypes bfloat16 --kv-cache-dtypes auto,fp8_e4m3 --num-tokens 1,16,1024,4096,16384
+run 02_rope rope --layouts NHD --dtypes bfloat16 --kv-cache-dtypes auto,fp8_e4m3 --num-tokens 1,16,1024,4096,16384
 run 03_mla-auto mla --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-fp8 mla --kv-cache-dtype fp8 --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-ds mla --kv-cache-dtype fp8_ds_mla \
     --num-tokens 1,16,1024,4096,16384,65536
 run 04_qknorm qk-norm-rope --num-tokens 1,16,256,1024,4096,16384
-run 05_pth-h8 per-token-head --num-tokens 1,16,256,1024,4096,16384,65536
-run 05_pth-h128 per-token-head --num-heads 128 --num-tokens 1,16,256,1024,4096,16384 \
+run 05_pth-h8 per-token-head --layouts NHD --num-tokens 1,16,256,1024,4096,16384,65536
+run 05_pth-h128 per-token-head --layouts NHD --num-heads 128 --num-tokens 1,16,256,1024,4096,16384 \
     --modes int8,fp8
 run 06_nvfp4 nvfp4 --num-tokens 1,16,1024,16384,65536
 run 07_gather-auto gather --num-tokens 1024,8192,16384,65536

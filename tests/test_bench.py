@@ -555,7 +555,7 @@ GPU_SMALL = ["--num-heads", "8", "--num-blocks", "4096", "--iters", "20", "--tim
 @pytest.mark.gpu
 def test_gpu_all_implementations_check_and_time(tmp_path, capsys):
     js = tmp_path / "r.json"
-    argv = [*GPU_SMALL, "--implementation", "all", "--layouts", "NHD,HND,packed",
+    argv = [*GPU_SMALL, "--implementation", "all", "--layouts", "all",
             "--num-tokens", "2,64,4096", "--json", str(js), "--verbose"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
@@ -607,7 +607,7 @@ def test_gpu_run_benchmark():
                 benchmark_mode="cudagraph")
     for info in (i for i in registry.all_impls(OP) if i.available("cuda") is None):
         impl = info.name
-        for layout in ("NHD", "HND", "packed"):
+        for layout in ("NHD", "HND", "packed", "HND-packed", "LBHNC"):
             seconds = run_benchmark(**args, kv_cache_layout=layout, implementation=impl)
             if not info.graph_safe:  # torch, torch-compile: they sync with the host
                 assert math.isnan(seconds)

@@ -14,6 +14,13 @@ How K and V share memory (:class:`KVAlloc`): ``SEPARATE`` (two allocations, k=1,
 ``INTERLEAVED`` (one allocation ``[num_blocks, 2, ...]``, K and V blocks alternate: k=2, p=1;
 this is what :func:`create_kv_caches_with_random_flash` returns) and ``PACKED`` (one allocation
 whose last dim is ``2*D``; the key cache is ``[..., :D]`` and the value cache ``[..., D:]``: p=2).
+
+PACKED is vLLM's per-layer serving cache: a ``(num_blocks, H, block_size, 2*D)`` logical tensor
+whose callers pass ``kv.transpose(1, 2).split(D, -1)`` as (key_cache, value_cache), in one of its
+stride orders; the two a single layer's allocation takes by default are LBNHC (the default:
+physical ``[num_blocks, block_size, H, 2*D]``, NHD + PACKED, benchmark name "packed") and LBHNC
+(FlashInfer's order on SM100: physical ``[num_blocks, H, block_size, 2*D]``, HND + PACKED,
+benchmark name "HND-packed").
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ __all__ = [
     "KVAlloc",
     "parse_layout",
     "LAYOUT_NAMES",
+    "LAYOUT_ALIASES",
     "layout_alloc",
+    "parse_layout_names",
     "layout_name",
     "allocate_kv_cache",
     "fill_uniform",
@@ -49,17 +58,27 @@ class KVAlloc(enum.Enum):
 
 
 # The benchmark's layout names: NHD and HND with K and V blocks interleaved in one allocation (as
-# vLLM's benchmark allocates them), and vLLM's packed serving layout.
-LAYOUT_NAMES = ("NHD", "HND", "packed")
+# vLLM's benchmark allocates them), and vLLM's two default per-layer serving orders, K|V packed in
+# the last dim: "packed" (LBNHC) and "HND-packed" (LBHNC).
+LAYOUT_NAMES = ("NHD", "HND", "packed", "HND-packed")
+# Other accepted spellings -> the name results carry (vLLM's KVCacheLayout names among them).
+LAYOUT_ALIASES = {"LBNHC": "packed", "NHD-packed": "packed", "LBHNC": "HND-packed"}
+_ALLOCS = {"NHD": (Layout.NHD, KVAlloc.INTERLEAVED), "HND": (Layout.HND, KVAlloc.INTERLEAVED),
+           "packed": (Layout.NHD, KVAlloc.PACKED), "HND-packed": (Layout.HND, KVAlloc.PACKED)}
+
+
+def _expected(names) -> str:
+    return (f"{', '.join(names)} (or {', '.join(a for a, n in LAYOUT_ALIASES.items() if n in names)})"
+            if any(n in names for n in LAYOUT_ALIASES.values()) else ", ".join(names))
 
 
 def layout_alloc(name: str) -> tuple[Layout, KVAlloc]:
-    """The cache layout and allocation of a benchmark layout name (one of ``LAYOUT_NAMES``)."""
-    if name == "packed":
-        return Layout.NHD, KVAlloc.PACKED
-    if name in ("NHD", "HND"):
-        return Layout(name), KVAlloc.INTERLEAVED
-    raise ValueError(f"layout: expected one of {list(LAYOUT_NAMES)}, got {name!r}")
+    """The cache layout and allocation of a benchmark layout name (one of ``LAYOUT_NAMES`` or
+    ``LAYOUT_ALIASES``)."""
+    found = _ALLOCS.get(LAYOUT_ALIASES.get(name, name))
+    if found is None:
+        raise ValueError(f"layout: expected one of {_expected(LAYOUT_NAMES)}, got {name!r}")
+    return found
 
 
 def layout_name(layout: Layout, alloc: KVAlloc) -> str:
@@ -69,6 +88,27 @@ def layout_name(layout: Layout, alloc: KVAlloc) -> str:
     if alloc is KVAlloc.INTERLEAVED:
         return layout.value
     return f"{layout.value}-{alloc.value}"
+
+
+def parse_layout_names(text: str, flag: str, allowed=LAYOUT_NAMES, why: str = "") -> list[str]:
+    """A ``--layouts`` comma list: each item one of ``allowed`` (a subset of ``LAYOUT_NAMES``) or
+    an alias of one, or ``all`` (every allowed name); returns the names results carry, in the
+    order given, duplicates dropped. A layout the op cannot write (or an unknown name) raises
+    ValueError naming ``flag``, the names ``allowed`` and ``why`` (what the op writes instead)."""
+    raw = [x.strip() for x in str(text).split(",")]
+    if not all(raw):
+        raise ValueError(f"{flag}: expected a comma list without empty items, got {text!r}")
+    out: list[str] = []
+    for item in raw:
+        names = list(allowed) if item == "all" else [LAYOUT_ALIASES.get(item, item)]
+        for name in names:
+            if name not in allowed:
+                known = "" if name in LAYOUT_NAMES else "unknown "
+                raise ValueError(f"{flag}: expected a comma list of {_expected(allowed)} or all"
+                                 f"{why}, got {known}{item!r}")
+            if name not in out:
+                out.append(name)
+    return out
 
 
 def parse_layout(layout: str | Layout) -> Layout:

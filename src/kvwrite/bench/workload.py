@@ -10,7 +10,8 @@ slots; key and value are drawn as above.
 
 Caches are allocated as vLLM's benchmark does (one allocation per layer, K and V blocks
 interleaved) for the NHD and HND layouts, or as one packed allocation
-``[num_blocks, block_size, H, 2*D]`` (K = ``[..., :D]``, V = ``[..., D:]``) for "packed", and
+``[num_blocks, block_size, H, 2*D]`` (K = ``[..., :D]``, V = ``[..., D:]``) for "packed" and
+``[num_blocks, H, block_size, 2*D]`` for "HND-packed" (vLLM's LBNHC and LBHNC), and
 filled with uniform values in ``±head_size**-0.5`` (valid fp8 values for fp8 caches) by
 :func:`kvwrite.layouts.fill_uniform`, which needs no full-size temporary.
 """

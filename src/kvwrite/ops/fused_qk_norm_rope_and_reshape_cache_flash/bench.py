@@ -10,14 +10,24 @@ each checked against the torch reference's bytes (qkv and both caches) on fresh 
 Shapes come from ``--model`` (query heads, KV heads, head dim, the weight convention):
 qwen3-8b (32, 8, 128), qwen3-30b-a3b (32, 4, 128), gemma-3-12b (16, 8, 256, (1 + w)) and
 gemma-3-27b (32, 16, 128, (1 + w)), from their config.json; or ``--heads Hq,Hk,D``. Inputs:
-qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the float32 cos/sin
-table's rows (or the sequences' positions with a decode, prefill or mixed ``--slots``), weights
+qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the cos/sin table's rows
+(the model's context window by default; or the sequences' positions with a decode, prefill or
+mixed ``--slots``), the table in qkv's dtype by default (``--cos-sin-dtype``), weights
 ``1 + randn/8``, fp8 scales 0.05/0.04.
-Bytes per call (e = qkv's element size, c = the cache's, N = the real tokens): fused
-``T*(2*(Hq + Hk)*D*e + D*4 + 16) + N*(Hv*D*e + 2*Hk*D*c)`` (qkv's q and k read and written,
-a float32 table row of D, position and slot per token; v read and both cache rows written per
+
+The defaults cover issue #42's configuration: Qwen3-8B, bf16 qkv ``[T, 48*128]``, a bf16 table
+``[40960, 128]``, a cache of ``max(256, 2T/16)`` blocks of 16 with random unique slots, auto and
+fp8_e4m3, the fused call and the pair, in NHD and vLLM's two default per-layer orders (packed =
+LBNHC, HND-packed = LBHNC); ``--hot-l2`` gives its L2 condition. The ops rewrite qkv in place and
+the timed calls reuse their input sets (one set with ``--hot-l2``), so later calls see qkv already
+normalized and rotated: no copy enters the timed region, and what a call reads and writes does
+not depend on the values (docs/benchmark.md).
+
+Bytes per call (e = qkv's element size, c = the cache's, s = the table's, N = the real tokens):
+fused ``T*(2*(Hq + Hk)*D*e + D*s + 16) + N*(Hv*D*e + 2*Hk*D*c)`` (qkv's q and k read and
+written, a table row of D, position and slot per token; v read and both cache rows written per
 real token); pair = fused + ``N*Hk*D*e`` (the key read again); norm_rope
-``T*(2*(Hq + Hk)*D*e + D*4 + 8)``.
+``T*(2*(Hq + Hk)*D*e + D*s + 8)``.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
 from ...bench.models import MODELS
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
+from ...layouts import parse_layout_names
 from ...testing.rope import cos_sin_table
 from ..fused_qk_norm_rope import OP as NORM_ROPE
 from ..fused_rope_and_reshape_cache_flash.bench import make_caches
@@ -74,6 +85,7 @@ class Point:
     head_size: int
     weight_offset: float
     layout: str
+    cos_sin_dtype: torch.dtype
     num_tokens: int
     num_blocks: int
     block_size: int
@@ -87,12 +99,12 @@ class Point:
 
 
 def point_bytes(p: Point, kind: str) -> int:
-    e, c, D = p.dtype.itemsize, p.cache_bytes, p.head_size
+    e, c, D, s = p.dtype.itemsize, p.cache_bytes, p.head_size, p.cos_sin_dtype.itemsize
     T, Hq, H = p.num_tokens, p.num_q_heads, p.num_heads
     n = T - p.slots.num_padding(T)
     if kind == "norm_rope":
-        return T * (2 * (Hq + H) * D * e + D * 4 + 8)
-    fused = T * (2 * Hq * D * e + 2 * H * D * e + D * 4 + 16) + n * (H * D * e + 2 * H * D * c)
+        return T * (2 * (Hq + H) * D * e + D * s + 8)
+    fused = T * (2 * Hq * D * e + 2 * H * D * e + D * s + 16) + n * (H * D * e + 2 * H * D * c)
     return fused + (n * H * D * e if kind == "pair" else 0)
 
 
@@ -108,8 +120,10 @@ class QkNormRopeBench(OpBench):
     has_slots = True
     defaults = {"num_tokens": "1,16,256,1024,4096,16384", "implementation": "cuda",
                 "iters": 100, "time_budget": 0.25}
-    cpu_defaults = {"heads": "4,2,64", "num_tokens": "1,16,64", "iters": 5, "graph_calls": 2,
-                    "time_budget": 0.05, "kv_cache_dtypes": "auto"}
+    # One layout on the CPU, as before the vLLM orders joined the defaults: a small shape that
+    # runs in seconds.
+    cpu_defaults = {"layouts": "NHD", "heads": "4,2,64", "num_tokens": "1,16,64", "iters": 5,
+                    "graph_calls": 2, "time_budget": 0.05, "kv_cache_dtypes": "auto"}
     columns = (("model", "model"), ("kv_cache_dtype", "cache"), ("heads", "heads"),
                ("layout", "layout"), ("num_tokens", "N"))
     always_columns = ("kv_cache_dtype", "num_tokens")
@@ -126,14 +140,21 @@ class QkNormRopeBench(OpBench):
         g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3",
                        help="comma list of cache dtypes: auto, bfloat16, float16, float32, fp8, "
                             "fp8_e4m3, fp8_e5m2 (default: auto,fp8_e4m3)")
-        g.add_argument("--layouts", default="NHD", help="comma list of NHD, HND, packed "
-                                                        "(default: NHD)")
-        g.add_argument("--max-position", type=int, default=4096,
-                       help="rows of the cos/sin table (default: 4096)")
-        g.add_argument("--num-blocks", type=int, default=2048,
+        g.add_argument("--layouts", default="NHD,packed,HND-packed",
+                       help="comma list of NHD, HND, packed (alias LBNHC), HND-packed (alias "
+                            "LBHNC) or all (default: NHD,packed,HND-packed: NHD and vLLM's two "
+                            "default per-layer orders)")
+        g.add_argument("--max-position", type=int, default=None,
+                       help="rows of the cos/sin table (default: the model's context window, "
+                            "max_position_embeddings: 40960 for qwen3-8b; 4096 with --heads)")
+        g.add_argument("--cos-sin-dtype", choices=["float32", "bfloat16", "float16"],
+                       default=None,
+                       help="the cos/sin table's dtype (default: qkv's dtype, as vLLM's rotary "
+                            "embedding holds its table for a bf16 or fp16 model)")
+        g.add_argument("--num-blocks", type=int, default=256,
                        help="cache blocks, raised at each T to twice the blocks its slot "
                             "pattern needs where that is more "
-                            "(default: 2048)")
+                            "(default: 256: max(256, 2*T/16) blocks of 16 with random slots)")
         g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
 
     def configure(self, args, device) -> None:
@@ -153,26 +174,35 @@ class QkNormRopeBench(OpBench):
             args.shapes = [("", (hq, h, d, 0.0))]
         else:
             args.shapes = [(m, PRESETS[m]) for m in parse_models(args.model)]
+        if args.max_position is None:
+            args.max_position = (4096 if args.heads is not None
+                                 else min(MODELS[m].max_position for m, _ in args.shapes))
+            args.positions = {m: 4096 if args.heads is not None else MODELS[m].max_position
+                              for m, _ in args.shapes}
+        else:
+            args.positions = {m: args.max_position for m, _ in args.shapes}
         for flag in ("max_position", "num_blocks", "block_size"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(args, flag)}")
         args.dtype_t = parse_model_dtype(args.dtype, "--dtype")
+        args.cos_sin_t = (args.dtype_t if args.cos_sin_dtype is None
+                          else parse_model_dtype(args.cos_sin_dtype, "--cos-sin-dtype"))
         args.kv_list = parse_list(args.kv_cache_dtypes, "--kv-cache-dtypes",
                                   convert=parse_kv_cache_dtype)
-        args.layout_list = parse_list(args.layouts, "--layouts", ["NHD", "HND", "packed"])
+        args.layout_list = parse_layout_names(args.layouts, "--layouts")
         args.pattern = slot_pattern(args, None if args.slots == "random" else args.max_position)
 
     def points(self, args) -> list:
-        return [Point(args.dtype_t, kv, hq, h, d, wo, layout, t,
+        return [Point(args.dtype_t, kv, hq, h, d, wo, layout, args.cos_sin_t, t,
                       args.pattern.cache_blocks(t, args.block_size, args.num_blocks),
-                      args.block_size,
-                      args.max_position, model, args.pattern)
+                      args.block_size, args.positions[model], model, args.pattern)
                 for model, (hq, h, d, wo) in args.shapes for kv in args.kv_list
                 for layout in args.layout_list for t in args.token_counts]
 
     def params(self, p: Point) -> dict:
         return dict(model=p.model, layout=p.layout, dtype=str(p.dtype).removeprefix("torch."),
+                    cos_sin_dtype=str(p.cos_sin_dtype).removeprefix("torch."),
                     kv_cache_dtype=p.cache_dtype.value,
                     heads=f"({p.num_q_heads},{p.num_heads},{p.head_size})",
                     num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
@@ -184,13 +214,16 @@ class QkNormRopeBench(OpBench):
         top = max(p.num_tokens for p in points)
         shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
                            f"{' (1 + w)' if wo else ''}" for m, (hq, h, d, wo) in args.shapes)
-        return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}",
+        table = str(args.cos_sin_t).removeprefix("torch.")
+        rows = ", ".join(sorted({str(v) for v in args.positions.values()}))
+        return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}, cos/sin table "
+                f"{table} [{rows}, D]",
                 "slots: " + args.pattern.explain(
                     top, args.pattern.cache_blocks(top, args.block_size, args.num_blocks),
                     args.block_size),
-                "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*4 + 16) + N*(Hv*D*e + 2*Hk*D*c); "
-                "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq + Hk)*D*e + D*4 + 8) (N = T less "
-                "the padding)"]
+                "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*s + 16) + N*(Hv*D*e + 2*Hk*D*c); "
+                "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq + Hk)*D*e + D*s + 8) (s = the "
+                "table's element size; N = T less the padding)"]
 
     def kind_ops(self, kind: str) -> tuple[str, ...]:
         return {"fused": (FUSED,), "pair": (NORM_ROPE, WRITE), "norm_rope": (NORM_ROPE,)}[kind]
@@ -206,7 +239,7 @@ class QkNormRopeBench(OpBench):
         return 3 * 2 * p.block_size * p.num_heads * p.head_size * p.cache_bytes
 
     def temp_bytes(self, p: Point) -> int:
-        return p.max_position * p.head_size * 4
+        return p.max_position * p.head_size * p.cos_sin_dtype.itemsize
 
     def bytes(self, p: Point, kind: str) -> int:
         return point_bytes(p, kind)
@@ -232,7 +265,7 @@ class QkNormRopeBench(OpBench):
             sets = self._inputs(p, count, device, gen)
         except ValueError as e:  # the slot pattern does not fit the cache
             raise Skip(str(e)) from None
-        table = cos_sin_table(p.max_position, p.head_size, torch.float32, device=device)
+        table = cos_sin_table(p.max_position, p.head_size, p.cos_sin_dtype, device=device)
         w = [(1 + torch.randn(p.head_size, device=device, generator=gen) / 8).to(p.dtype)
              for _ in range(2)]
         scales = (None, None)

@@ -24,7 +24,7 @@ from ... import registry
 from ...bench.engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
 from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, CacheDType
-from ...layouts import create_kv_caches_with_random_flash
+from ...layouts import create_kv_caches_with_random_flash, parse_layout_names
 from ..reshape_and_cache_flash import OP as WRITE
 from . import OP, flash_run_args, page_bytes
 
@@ -97,7 +97,9 @@ class Nvfp4Bench(OpBench):
             raise ValueError(f"--v-scale-layouts: swizzled V scales need --head-size % 64 == 0 "
                              f"and --block-size % 4 == 0, got {args.head_size} and "
                              f"{args.block_size} (use linear)")
-        args.layout_list = parse_list(args.layouts, "--layouts", ["NHD", "HND"])
+        args.layout_list = parse_layout_names(
+            args.layouts, "--layouts", ("NHD", "HND"),
+            " (vLLM's NVFP4 pages interleave K and V blocks; there is no packed NVFP4 cache)")
         args.pattern = slot_pattern(args)
 
     def points(self, args) -> list:

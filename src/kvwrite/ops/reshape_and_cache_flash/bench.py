@@ -20,17 +20,17 @@ import torch
 from ... import registry
 from ...bench import timing
 from ...bench.check import SNAPSHOT_BYTES, check_point
-from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
+from ...bench.engine import OpBench, Skip, slot_pattern
 from ...bench.models import get_model, heads_per_rank, model_cache_blocks, serving_flags
 from ...bench.workload import (
     CHUNK_BYTES,
-    LAYOUTS,
     Case,
     fill_caches,
     make_caches,
     make_input_sets,
 )
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, parse_kv_cache_dtype, parse_model_dtype
+from ...layouts import layout_alloc, parse_layout_names
 from . import OP, validate
 
 __all__ = ["BENCH", "run_benchmark", "DTYPES", "HEAD_SIZES"]
@@ -86,8 +86,12 @@ class ReshapeAndCacheFlashBench(OpBench):
                        default="auto", help="fp8 = fp8_e4m3 (default: auto)")
         more = p.add_argument_group("kvwrite's flags")
         more.add_argument("--layouts", default="NHD,HND",
-                          help="comma list of NHD, HND, packed (one [num_blocks, block_size, H, "
-                               "2*D] allocation, K = [..., :D], V = [..., D:]) (default: NHD,HND)")
+                          help="comma list of NHD, HND (K and V blocks interleaved, as vLLM's "
+                               "benchmark allocates them), packed (alias LBNHC: vLLM's default "
+                               "per-layer cache, one [num_blocks, block_size, H, 2*D] allocation, "
+                               "K = [..., :D], V = [..., D:]), HND-packed (alias LBHNC: "
+                               "[num_blocks, H, block_size, 2*D], FlashInfer's order on SM100), "
+                               "or all (default: NHD,HND, vLLM's sweep)")
         more.add_argument("--per-head-scale", action="store_true",
                           help="fp8: one scale per head (its amax over tokens and dims / 64)")
 
@@ -112,7 +116,7 @@ class ReshapeAndCacheFlashBench(OpBench):
                 raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(args, flag)}")
         args.num_heads = heads_per_rank(args.num_heads, args.tp)
-        args.layout_list = parse_list(args.layouts, "--layouts", list(LAYOUTS))
+        args.layout_list = parse_layout_names(args.layouts, "--layouts")
         if args.per_head_scale and not args.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"--per-head-scale: scales an fp8 cache, and --kv-cache-dtype is "
                              f"{args.kv_cache_dtype}")
@@ -245,7 +249,7 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
     ``synchronize`` after it, 3 warm-up calls, the mean of ``num_iters``, the same inputs every
     call (warm L2). ``benchmark_mode="cudagraph"`` captures one call in a CUDA graph and times its
     replays. ``dtype`` is a torch dtype (or "half", "bfloat16", "float"); ``kv_cache_layout`` is
-    "NHD", "HND" or "packed"; ``implementation`` is any registered name. Returns NaN where the
+    "NHD", "HND", "packed" or "HND-packed" (or an alias: LBNHC, LBHNC); ``implementation`` is any registered name. Returns NaN where the
     implementation cannot run the case (as vLLM's returns NaN for Triton with HND); raises
     ValueError for an fp8 cache with ``head_size % 16 != 0`` and for more tokens than slots, as
     vLLM's does. The result is not checked against the reference: the command line does that.
@@ -262,9 +266,10 @@ def run_benchmark(num_tokens: int, num_heads: int, head_size: int, block_size: i
         raise ValueError(f"benchmark_mode: 'cudagraph' needs a CUDA device, got device={device!r}; "
                          "use 'no_graph'")
     dtype = parse_model_dtype(dtype)
-    if kv_cache_layout not in LAYOUTS:
-        raise ValueError(f"kv_cache_layout: expected one of {list(LAYOUTS)}, got "
-                         f"{kv_cache_layout!r}")
+    try:
+        layout_alloc(kv_cache_layout)
+    except ValueError as e:
+        raise ValueError(f"kv_cache_layout: {str(e).removeprefix('layout: ')}") from None
     shape = Case.named_layout(kv_cache_layout, num_tokens=num_tokens, num_heads=num_heads,
                               head_size=head_size, block_size=block_size, num_blocks=num_blocks,
                               dtype=dtype, kv_cache_dtype=kv_cache_dtype)
