@@ -553,3 +553,15 @@ def test_every_op_applies_the_write_safety_rule(unsafe):
             fn(*args, **kwargs)
         for t, b in zip(written, before, strict=True):
             assert torch.equal(t.detach().view(torch.uint8), b.view(torch.uint8)), fn.__name__
+
+
+def test_every_public_name_is_exported_lazily_and_resolves():
+    """kvwrite's lazy table (_EXPORTS) and __all__ name the same public names, and each resolves
+    (importing it registers the ops)."""
+    names = set(kvwrite._EXPORTS) - {"ops", "registry"}
+    assert names == set(kvwrite.__all__) - {"registry"}
+    for name in sorted(names):
+        assert getattr(kvwrite, name) is not None
+    assert kvwrite.registry.ops()  # every op registered
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kvwrite.nope  # noqa: B018
