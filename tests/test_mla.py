@@ -342,30 +342,35 @@ def _ignore_strides(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
                   mode, scale)
 
 
-def _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, amax_fn, floor: bool):
+def _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, tile_scales):
+    """fp8_ds_mla entries whose 4 tile scales are ``tile_scales(tiles)`` of the row's float32
+    tiles ``[4, 128]`` (the wrong writers below differ only there)."""
     nb, bs, _ = kv_cache.shape
     for t in range(slot_mapping.numel()):
         s = int(slot_mapping[t])
         if not 0 <= s < nb * bs:
             continue
         x = kv_c[t].float().view(4, 128)
-        sc = amax_fn(x) / 448.0
-        if floor:
-            sc = sc.clamp_min(2.0**-126)
+        sc = tile_scales(x)
         q = (x / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
         kv_cache[s // bs, s % bs] = torch.cat([q.view(-1), sc.view(torch.uint8),
                                                k_pe[t].contiguous().view(torch.uint8)])
 
 
+def _amax(x):
+    """Each tile's largest |x|, NaN ignored (the contract's amax)."""
+    return torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1)
+
+
 def _amax_with_nan(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
     """amax by torch.amax, which propagates NaN (the contract: NaN is ignored)."""
-    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, lambda x: x.abs().amax(dim=1), True)
+    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
+                  lambda x: (x.abs().amax(dim=1) / 448.0).clamp_min(2.0**-126))
 
 
 def _no_scale_floor(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
     """s_j = amax_j / 448 without the FLT_MIN floor."""
-    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping,
-                  lambda x: torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1), False)
+    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, lambda x: _amax(x) / 448.0)
 
 
 def _multiply_by_reciprocal(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
@@ -399,16 +404,7 @@ def _rule_ignored(rule):
 
 def _pow2_rows_with(kv_c, k_pe, kv_cache, slot_mapping, scale_fn):
     """"pow2" entries whose tile scales come from ``scale_fn(amax)``."""
-    nb, bs, _ = kv_cache.shape
-    for t in range(slot_mapping.numel()):
-        s = int(slot_mapping[t])
-        if not 0 <= s < nb * bs:
-            continue
-        x = kv_c[t].float().view(4, 128)
-        sc = scale_fn(torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1))
-        q = (x / sc[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        kv_cache[s // bs, s % bs] = torch.cat([q.view(-1), sc.view(torch.uint8),
-                                               k_pe[t].contiguous().view(torch.uint8)])
+    _ds_rows_with(kv_c, k_pe, kv_cache, slot_mapping, lambda x: scale_fn(_amax(x)))
 
 
 def _pow2_without_floor(kv_c, k_pe, kv_cache, slot_mapping, mode, scale):
