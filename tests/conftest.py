@@ -128,3 +128,16 @@ def record_builds(monkeypatch):
         return seen
 
     return start
+
+
+@pytest.fixture
+def no_bench_work(monkeypatch):
+    """The benchmark engine's sweep and environment probe raise if called: a CLI refusal must come
+    before any work."""
+    from kvwrite.bench import engine
+
+    def worked(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(engine, "sweep", worked)
+    monkeypatch.setattr(engine, "measure_env", worked)
