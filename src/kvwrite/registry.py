@@ -25,10 +25,22 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["OpSpec", "ImplInfo", "ImplStatus", "ImplTable", "register_op", "register", "get", "get_op",
+__all__ = ["OpSpec", "BenchCommand", "ImplInfo", "ImplStatus", "ImplTable", "register_op", "register", "get", "get_op",
            "ops", "all_impls", "implementations", "select", "installed"]
 
 RunFn = Callable[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCommand:
+    """An op's ``kvwrite-bench`` subcommand: its name, aliases, its definition
+    ("module:attribute", in the bench layer, imported only when the subcommand runs) and one line
+    for ``--help``."""
+
+    name: str
+    target: str
+    summary: str
+    aliases: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +51,8 @@ class OpSpec:
     # The shared signatures, as text (shown by docs and error messages).
     run_signature: str
     unsupported_signature: str
+    # The op's benchmark subcommand, where it has one (the CLI lists the registry's).
+    bench: BenchCommand | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,9 @@ registry.register_op(registry.OpSpec(
     run_signature=("run(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale, *, "
                    "ds_scale: DsMlaScale) -> None"),
     unsupported_signature="unsupported(kv_c, kv_cache, mode: MlaMode) -> str | None",
+    bench=registry.BenchCommand(
+        "concat_and_cache_mla", "kvwrite.bench.ops.concat_and_cache_mla:BENCH",
+        "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark", aliases=("mla",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

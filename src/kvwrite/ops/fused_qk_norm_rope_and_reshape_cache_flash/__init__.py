@@ -26,6 +26,9 @@ registry.register_op(registry.OpSpec(
                   "q_scale | None) -> None",
     unsupported_signature="unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, "
                           "key_cache, cache_dtype: CacheDType, query_out) -> str | None",
+    bench=registry.BenchCommand(
+        "fused_qk_norm_rope_and_reshape_cache_flash", "kvwrite.bench.ops.fused_qk_norm_rope_and_reshape_cache_flash:BENCH",
+        "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone", aliases=("qk-norm-rope",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

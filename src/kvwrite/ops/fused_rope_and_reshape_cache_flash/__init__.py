@@ -21,6 +21,9 @@ registry.register_op(registry.OpSpec(
                   "rotate_key_in_place: bool, query_out | None) -> None",
     unsupported_signature="unsupported(query, key, key_cache, cache_dtype: CacheDType, "
                           "cos_sin_cache, is_neox) -> str | None",
+    bench=registry.BenchCommand(
+        "fused_rope_and_reshape_cache_flash", "kvwrite.bench.ops.fused_rope_and_reshape_cache_flash:BENCH",
+        "RoPE + cache write, fused, against the unfused pair and rotary_embedding alone", aliases=("rope",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -21,6 +21,9 @@ registry.register_op(registry.OpSpec(
     run_signature=("run(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, "
                    "seq_starts, cache_dtype: CacheDType, k_scale, v_scale) -> None"),
     unsupported_signature="unsupported(key_cache, key_out, cache_dtype: CacheDType) -> str | None",
+    bench=registry.BenchCommand(
+        "gather", "kvwrite.bench.ops.gather:BENCH",
+        "reading caches back: the five gathers (dequant, cp, upconvert, flash, indexer)"),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

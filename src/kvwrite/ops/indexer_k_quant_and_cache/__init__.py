@@ -31,6 +31,9 @@ registry.register_op(registry.OpSpec(
     run_signature="run(k, kv_cache, slot_mapping, quant_block_size: int, fmt: ScaleFormat) "
                   "-> None",
     unsupported_signature="unsupported(k, kv_cache, fmt: ScaleFormat) -> str | None",
+    bench=registry.BenchCommand(
+        "indexer_k_quant_and_cache", "kvwrite.bench.ops.indexer:BENCH",
+        "DeepSeek-V3.2's indexer key write (e4m3 codes + group scales)", aliases=("indexer",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -41,6 +41,9 @@ registry.register_op(registry.OpSpec(
                   "cache_dtype: CacheDType, k_scale, v_scale, v_scale_layout: ScaleLayout) -> None",
     unsupported_signature="unsupported(key, k_data, cache_dtype: CacheDType, "
                           "v_scale_layout: ScaleLayout) -> str | None",
+    bench=registry.BenchCommand(
+        "nvfp4", "kvwrite.bench.ops.nvfp4:BENCH",
+        "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -24,6 +24,9 @@ registry.register_op(registry.OpSpec(
                   "k_scale, v_scale) -> None",
     unsupported_signature="unsupported(key, key_cache, cache_dtype: CacheDType, k_scale) "
                           "-> str | None",
+    bench=registry.BenchCommand(
+        "reshape_and_cache", "kvwrite.bench.ops.reshape_and_cache:BENCH",
+        "the legacy paged-attention cache write (x-packed key layout)", aliases=("legacy",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

@@ -21,6 +21,9 @@ registry.register_op(registry.OpSpec(
                   "k_scale, v_scale) -> None",
     unsupported_signature="unsupported(key, key_cache, cache_dtype: CacheDType, k_scale, "
                           "v_scale) -> str | None",
+    bench=registry.BenchCommand(
+        "reshape_and_cache_flash", "kvwrite.bench.ops.reshape_and_cache_flash:BENCH",
+        "the KV cache write: vLLM's benchmark (also the default: kvwrite-bench [flags])"),
 ))
 registry.register(registry.ImplInfo(
     op=OP,

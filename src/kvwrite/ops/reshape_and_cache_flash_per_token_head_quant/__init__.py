@@ -35,6 +35,9 @@ registry.register_op(registry.OpSpec(
                    "slot_mapping, mode: PerTokenHeadMode) -> None"),
     unsupported_signature=("unsupported(key, value, key_cache, value_cache, "
                            "mode: PerTokenHeadMode) -> str | None"),
+    bench=registry.BenchCommand(
+        "reshape_and_cache_flash_per_token_head_quant", "kvwrite.bench.ops.per_token_head:BENCH",
+        "the per-(token, head) quantized cache write: int8, fp8, int4", aliases=("per-token-head",)),
 ))
 registry.register(registry.ImplInfo(
     op=OP,
