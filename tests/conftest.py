@@ -1,8 +1,15 @@
 import importlib
 import os
+import sys
 
 import pytest
 import torch
+
+# The repository's tools (tools/: the probes and the memcheck cases) are not installed with
+# kvwrite; the tests import them from the checkout's root.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 # Without a GPU, run Triton kernels in Triton's interpreter so CI exercises their indexing. This
 # must happen before anything imports triton (triton.jit reads it when a kernel is defined).

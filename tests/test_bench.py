@@ -21,9 +21,9 @@ from kvwrite.bench import engine, run_benchmark
 from kvwrite.bench.cli import main
 from kvwrite.bench.engine import parse_num_tokens
 from kvwrite.bench.models import MODELS
+from kvwrite.bench.ops import reshape_and_cache_flash as seed_bench
 from kvwrite.bench.report import COMMON_FIELDS, Row
 from kvwrite.ops.reshape_and_cache_flash import OP
-from kvwrite.ops.reshape_and_cache_flash import bench as seed_bench
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import Case
 

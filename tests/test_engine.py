@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import tools.sanitize as sanitize
 from kvwrite import registry
 from kvwrite.bench import cli, engine
 from kvwrite.bench.cli import main
 from kvwrite.bench.models import MODELS
-from kvwrite.bench.probes import sanitize
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+ROOT = str(Path(__file__).resolve().parents[1])  # the checkout (its tools/ is not installed)
+SRC = str(Path(ROOT) / "src")
 
 # A tiny CPU run of each subcommand (torch implementation), a few seconds at most.
 TINY = {
@@ -68,15 +69,15 @@ def _sub_argv(sub: str) -> list[str]:
 def test_help_lists_every_subcommand_with_one_line(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name, (aliases, _, summary) in cli.SUBCOMMANDS.items():
-        assert re.search(rf"^  {name}\b.*{re.escape(summary)}$", out, re.M), name
-        for a in aliases:
+    for name, command in cli.subcommands().items():
+        assert re.search(rf"^  {name}\b.*{re.escape(command.summary)}$", out, re.M), name
+        for a in command.aliases:
             assert f"({a})" in out or f"{a}," in out
     for tool in cli.TOOLS:
         assert re.search(rf"^  {tool}\s", out, re.M), tool
 
 
-@pytest.mark.parametrize("sub", list(cli.SUBCOMMANDS))
+@pytest.mark.parametrize("sub", list(cli.subcommands()))
 def test_every_flag_of_every_subcommand_is_documented(sub):
     parser = engine.build_parser(_bench(sub), sub)
     for action in parser._actions:
@@ -213,7 +214,7 @@ def test_every_bad_flag_is_one_line_and_exit_2_before_any_work(no_bench_work, ca
 
 # --- issue 41: the walk-through on a CPU machine ---------------------------------------------------
 
-MODEL_SUBS = [s for s in cli.SUBCOMMANDS
+MODEL_SUBS = [s for s in cli.subcommands()
               if "--model" in engine.build_parser(_bench(s), s)._option_string_actions]
 
 
@@ -223,7 +224,7 @@ def test_every_model_subcommand_takes_the_one_model_list(sub, model):
     """Every preset of bench/models.py configures on the CPU's defaults (whose small --heads is
     no user input), or is refused in one line naming --model where the op cannot run its shape
     (qk-norm-rope: the models without a QK norm)."""
-    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.bench import PRESETS
+    from kvwrite.bench.ops.fused_qk_norm_rope_and_reshape_cache_flash import PRESETS
 
     argv = ["--device", "cpu", "--model", model]
     if sub == "fused_qk_norm_rope_and_reshape_cache_flash" and MODELS[model].qk_norm is None:
@@ -277,7 +278,7 @@ def test_nothing_measured_is_exit_status_3(monkeypatch, capsys):
 def test_model_serving_shapes_size_the_cache_for_every_point(sub, argv):
     """--model with a sequence pattern: every point's slots are built in its cache (the decode
     sequences' blocks counted), so no point is skipped; configure refuses any that would be."""
-    from kvwrite.bench.slots import make_slots
+    from kvwrite.testing.slots import make_slots
 
     defn = _bench(sub)
     _, _, points, _ = engine.configure(defn, ["--device", "cpu", *argv], sub)
@@ -496,6 +497,7 @@ sys.modules["triton"] = None  # `import triton` fails, as where it is not instal
 import torch, kvwrite
 from kvwrite.bench.cli import main
 from kvwrite.bench.models import MODELS
+from tools.probes import main as probe
 reasons = [s.reason for s in kvwrite.implementations("cpu") if s.name == "triton"]
 print("REASONS", reasons)
 try:
@@ -504,9 +506,9 @@ try:
         "auto", None, None, implementation="triton")
 except ValueError as e:
     print("CALL", e)
-print("PROBE", main(["probe", "variants"]))
+print("PROBE", probe(["variants"]))
 """
-    env = dict(os.environ, PYTHONPATH=SRC, TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, ROOT]), TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     out = done.stdout + done.stderr
@@ -535,7 +537,7 @@ def test_sanitize_cases_build_and_match_on_the_cpu(monkeypatch, module):
     """Each case's inputs are valid and the comparison passes for the reference itself; a
     deliberately wrong implementation (the last slot skipped) is caught."""
     import importlib
-    mod = importlib.import_module(f"kvwrite.ops.{module}.sanitize")
+    mod = importlib.import_module(f"tools.sanitize.{module}")
     small = [c for c in mod.CASES if c.num_tokens < 1000]
     for case in small:
         assert mod.run_case(case, "cpu", "torch") is None, case.id
@@ -567,7 +569,7 @@ def test_sanitize_cases_build_and_match_on_the_cpu(monkeypatch, module):
 def test_sanitize_without_a_gpu_is_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    assert main(["sanitize"]) == 2
+    assert sanitize.main([]) == 2
     assert capsys.readouterr().err.count("\n") == 1
-    assert main(["sanitize", "--ops", "nope"]) == 2
+    assert sanitize.main(["--ops", "nope"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

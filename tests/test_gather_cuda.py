@@ -741,13 +741,13 @@ def test_gpu_large_calls(op, impl):
 def test_gpu_sanitize_cases(op):
     """Each op's memcheck cases (``ops/<op>/sanitize.py``) pass without the memory checker too."""
     _gpu(op)
-    mod = importlib.import_module(f"kvwrite.ops.{op}.sanitize")
+    mod = importlib.import_module(f"tools.sanitize.{op}")
     failed = [(cid, msg) for cid, fn in mod.cases() if (msg := fn()) is not None]
     assert not failed, failed
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_sanitize_cases_are_listed(op):
-    mod = importlib.import_module(f"kvwrite.ops.{op}.sanitize")
+    mod = importlib.import_module(f"tools.sanitize.{op}")
     ids = [cid for cid, _ in mod.cases()]
     assert ids and len(ids) == len(set(ids))

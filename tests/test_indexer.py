@@ -889,14 +889,14 @@ def test_torch_compile_scale_fmt_none_raises():
 # --- memcheck cases -------------------------------------------------------------------------------
 
 def test_sanitize_cases_are_listed():
-    from kvwrite.ops.indexer_k_quant_and_cache import sanitize
+    from tools.sanitize import indexer_k_quant_and_cache as sanitize
     ids = [i for i, _ in sanitize.cases()]
     assert ids and len(ids) == len(set(ids))
 
 
 @pytest.mark.gpu
 def test_gpu_sanitize_cases_pass():
-    from kvwrite.ops.indexer_k_quant_and_cache import sanitize
+    from tools.sanitize import indexer_k_quant_and_cache as sanitize
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     failed = [(i, r) for i, f in sanitize.cases() if (r := f()) is not None]

@@ -13,6 +13,7 @@ import torch
 
 from kvwrite.bench import engine
 from kvwrite.bench.cli import main
+from kvwrite.bench.ops import fused_qk_norm_rope_and_reshape_cache_flash as qk_bench
 from kvwrite.layouts import (
     LAYOUT_NAMES,
     KVAlloc,
@@ -21,7 +22,6 @@ from kvwrite.layouts import (
     layout_alloc,
     parse_layout_names,
 )
-from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import bench as qk_bench
 from kvwrite.testing import Case
 
 NB, BS, H, D = 5, 16, 3, 8

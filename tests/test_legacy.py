@@ -561,7 +561,7 @@ def test_torch_compile_sees_a_mutating_custom_op(impl, device):
 # --- memcheck cases -------------------------------------------------------------------------------
 
 def test_sanitize_cases_are_listed():
-    from kvwrite.ops.reshape_and_cache import sanitize
+    from tools.sanitize import reshape_and_cache as sanitize
     ids = [i for i, _ in sanitize.cases()]
     assert ids and len(ids) == len(set(ids))
     assert all(callable(f) for _, f in sanitize.cases())
@@ -569,7 +569,7 @@ def test_sanitize_cases_are_listed():
 
 @pytest.mark.gpu
 def test_gpu_sanitize_cases_pass():
-    from kvwrite.ops.reshape_and_cache import sanitize
+    from tools.sanitize import reshape_and_cache as sanitize
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     failed = [(i, r) for i, f in sanitize.cases() if (r := f()) is not None]

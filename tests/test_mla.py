@@ -947,7 +947,7 @@ def test_bench_cli_cpu_table_json_csv_plot(tmp_path, capsys):
 
 def test_bench_check_catches_a_wrong_implementation(monkeypatch, capsys):
     from kvwrite.bench.cli import main
-    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
+    from kvwrite.bench.ops import concat_and_cache_mla as bench_mla
 
     class TrueReference:
         run = staticmethod(torch_ref.run)
@@ -1020,7 +1020,7 @@ def test_bench_script_runs_from_a_checkout(tmp_path):
 
 
 def test_bench_run_benchmark_on_cpu():
-    from kvwrite.ops.concat_and_cache_mla.bench import run_benchmark
+    from kvwrite.bench.ops.concat_and_cache_mla import run_benchmark
     us = run_benchmark(4, 512, 64, 16, 8, torch.bfloat16, "fp8", True, device="cpu",
                        implementation="torch")
     assert us > 0
@@ -1052,8 +1052,8 @@ def test_bench_slot_pattern_with_padding_runs_checks_and_rows_carry_it(tmp_path,
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_bench_sets_take_the_patterns_slots(kind):
-    from kvwrite.bench.slots import SlotPattern, make_slots
-    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
+    from kvwrite.bench.ops import concat_and_cache_mla as bench_mla
+    from kvwrite.testing.slots import SlotPattern, make_slots
     pat = SlotPattern(kind, pad_fraction=0.25, prefill_len=8, context_len=40)
     sets = bench_mla.make_sets(16, 512, 64, torch.bfloat16, True, 64, 16, 2, "cpu", pat)
     for i, s in enumerate(sets):
@@ -1063,7 +1063,7 @@ def test_bench_sets_take_the_patterns_slots(kind):
 
 def test_bench_check_catches_a_write_of_padding(monkeypatch, capsys):
     from kvwrite.bench.cli import main
-    from kvwrite.ops.concat_and_cache_mla import bench as bench_mla
+    from kvwrite.bench.ops import concat_and_cache_mla as bench_mla
 
     class TrueReference:
         run = staticmethod(torch_ref.run)

@@ -1473,7 +1473,7 @@ def test_cuda_unavailable_on_cpu_says_why():
 
 
 def test_sanitize_cases_are_listed():
-    from kvwrite.ops.nvfp4 import sanitize
+    from tools.sanitize import nvfp4 as sanitize
     ids = [i for i, _ in sanitize.cases()]
     assert ids and len(ids) == len(set(ids))
     assert all(callable(fn) for _, fn in sanitize.cases())
@@ -1772,7 +1772,7 @@ def test_torch_compile_sees_one_custom_op(impl, device, form):
 
 @pytest.mark.gpu
 def test_gpu_sanitize_cases():
-    from kvwrite.ops.nvfp4 import sanitize
+    from tools.sanitize import nvfp4 as sanitize
     _gpu_impl("cuda")
     failures = [f"{i}: {r}" for i, fn in sanitize.cases() if (r := fn()) is not None]
     assert not failures, failures

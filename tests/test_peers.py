@@ -14,13 +14,13 @@ import torch
 from kvwrite import registry
 from kvwrite.bench.check import check_point
 from kvwrite.bench.cli import main
-from kvwrite.bench.slots import SlotPattern, make_slots
 from kvwrite.bench.workload import fill_caches, make_caches, make_input_sets
 from kvwrite.dtypes import CacheDType
 from kvwrite.ops.reshape_and_cache_flash import OP
 from kvwrite.ops.reshape_and_cache_flash.peers import flashinfer as fi
 from kvwrite.ops.reshape_and_cache_flash.peers import vllm_cuda, vllm_triton
 from kvwrite.testing import Case
+from kvwrite.testing.slots import SlotPattern, make_slots
 
 PEERS = ("torch-compile", "vllm", "vllm-triton", "flashinfer")
 

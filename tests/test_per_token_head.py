@@ -1250,7 +1250,7 @@ def test_cuda_plan_large_calls_take_their_elements_per_lane_and_long_rows_are_re
 def test_cuda_plans_every_gpu_case_it_does_not_refuse():
     """Every case of the GPU matrix and the sanitize list gets a plan from the small-call and the
     large-call tuning alike, unless unsupported() refuses it up front (as select() asks)."""
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    from tools.sanitize import reshape_and_cache_flash_per_token_head_quant as sanitize
     c = _cuda_impl()
     refused = 0
     for case in PTH_GPU_CASES + sanitize.CASES:
@@ -1415,7 +1415,7 @@ def test_fast_path_64_elements_per_lane_machine_code(tmp_path):
 
 
 def test_sanitize_cases_are_listed():
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    from tools.sanitize import reshape_and_cache_flash_per_token_head_quant as sanitize
     found = sanitize.cases()
     ids = [i for i, _ in found]
     assert len(found) >= 6 and len(set(ids)) == len(ids)
@@ -1677,7 +1677,7 @@ def test_cuda_graph_replay_sees_new_inputs_and_slots(impl, mode):
 
 @pytest.mark.gpu
 def test_gpu_sanitize_cases_pass():
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import sanitize
+    from tools.sanitize import reshape_and_cache_flash_per_token_head_quant as sanitize
     if (reason := registry.get(OP, "cuda").available("cuda")) is not None:
         pytest.skip(reason)
     failed = {i: msg for i, f in sanitize.cases() if (msg := f()) is not None}

@@ -1,4 +1,5 @@
-"""kvwrite-bench's probe, report and sanitize subcommands: argument parsing, the --set parser, the
+"""The repository's tools (``python -m tools.probes``, ``python -m tools.sanitize``) and
+kvwrite-bench's report subcommand: argument parsing, the --set parser, the
 markdown report of a CPU benchmark's JSON, the A/B loader (an earlier revision as its own
 package), the probes' kernels compiled with NVRTC, and on a GPU the probes and the sanitizer
 cases themselves."""
@@ -14,17 +15,21 @@ import pytest
 import torch
 
 import kvwrite
+import tools
+import tools.sanitize as sanitize
 from kvwrite.bench import cli, markdown, timing
-from kvwrite.bench.probes import PROBES, ab, common, sanitize, small_t
 from kvwrite.bench.report import read_json
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
-from kvwrite.ops.reshape_and_cache_flash import sanitize as seed_sanitize
 from kvwrite.testing import Case, make_inputs
 from sass import needs_nvrtc
+from tools import probes
+from tools.probes import PROBES, ab, common, small_t
+from tools.sanitize import reshape_and_cache_flash as seed_sanitize
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(kvwrite.__file__)))
 PKG = os.path.dirname(os.path.abspath(kvwrite.__file__))
+ROOT = os.path.dirname(os.path.abspath(tools.__path__[0]))  # the checkout: tools/ is not installed
 BASE_REV = "b3301bf"  # the last revision before the op axis (kvwrite.impls, registry.get(name))
 
 
@@ -47,41 +52,76 @@ needs_history = pytest.mark.skipif(_git_reason(BASE_REV) is not None,
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 
 
+def tool(argv: list[str]) -> int:
+    """``python -m tools.<argv[0]> <argv[1:]>`` (``probes`` or ``sanitize``), in this process."""
+    return {"probes": probes.main, "sanitize": sanitize.main}[argv[0]](argv[1:])
+
+
 # ------------------------------------------------------------------------------------------
 # Argument parsing
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["probe", name, "--help"] for name in PROBES]
-                         + [["report", "--help"], ["sanitize", "--help"], ["probe", "--help"]])
-def test_every_subcommand_has_help(argv, capsys):
+@pytest.mark.parametrize("argv", [["probes", name, "--help"] for name in PROBES]
+                         + [["sanitize", "--help"], ["probes", "--help"]])
+def test_every_tool_has_help(argv, capsys):
     try:
-        rc = cli.main(argv)
+        rc = tool(argv)
     except SystemExit as e:  # argparse's --help
         rc = e.code
     assert rc == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: kvwrite-bench " + argv[0])
+    assert out.startswith("usage: python -m tools." + " ".join(argv[:-1]))
+
+
+def test_report_has_help(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse's --help
+        cli.main(["report", "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvwrite-bench report")
+
+
+@pytest.mark.parametrize("word, where", [("probe", "python -m tools.probes NAME"),
+                                         ("sanitize", "python -m tools.sanitize")])
+def test_moved_subcommands_say_where_they_went(word, where, capsys):
+    # Tools of the repository, not of kvwrite's users: kvwrite-bench names the command instead.
+    assert cli.main([word, "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and where in err, err
+    assert cli.main(["--help"]) == 0  # the help names the command too
+    assert where in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["tools.probes", "tools.sanitize"])
+def test_tools_run_as_documented_from_the_checkout(module):
+    # `python -m tools.probes NAME` / `python -m tools.sanitize` from the checkout's root, with
+    # kvwrite installed or on PYTHONPATH (CONTRIBUTING.md).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"usage: python -m {module}")
 
 
 def test_probe_without_a_name_lists_the_probes(capsys):
-    assert cli.main(["probe"]) == 2
+    assert tool(["probes"]) == 2
     out = capsys.readouterr().out
     assert all(name in out for name in PROBES)
 
 
 def test_unknown_probe_is_one_line_naming_it(capsys):
-    assert cli.main(["probe", "nope"]) == 2
+    assert tool(["probes", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'nope'" in err and "variants" in err
 
 
 @no_gpu
-@pytest.mark.parametrize("argv", [["probe", "variants"], ["probe", "pattern"],
-                                  ["probe", "small-t"], ["probe", "ab", "--base", "HEAD"],
-                                  ["probe", "l2-follow"], ["probe", "sanitize"], ["sanitize"],
-                                  ["probe", "mla"], ["probe", "mla-pattern"], ["probe", "chain"],
-                                  ["probe", "pdl-step"]])
+@pytest.mark.parametrize("argv", [["probes", "variants"], ["probes", "pattern"],
+                                  ["probes", "small-t"], ["probes", "ab", "--base", "HEAD"],
+                                  ["probes", "l2-follow"], ["sanitize"],
+                                  ["probes", "mla"], ["probes", "mla-pattern"],
+                                  ["probes", "chain"], ["probes", "pdl-step"]])
 def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
-    assert cli.main(argv) == 2
+    assert tool(argv) == 2
     cap = capsys.readouterr()
     err = cap.err.strip()
     assert "\n" not in err and "needs a CUDA GPU" in err, err
@@ -89,31 +129,31 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["probe", "small-t", "--heads", "8,x"], "--heads"),
-    (["probe", "small-t", "--layouts", "NHD,XYZ"], "--layouts"),
-    (["probe", "small-t", "--pad", "3"], "--pad"),
-    (["probe", "variants", "--impls", "cuda,nope"], "--impls"),
-    (["probe", "variants", "--impls", "cuda,torch"], "--impls: torch cannot be captured"),
-    (["probe", "small-t", "--impls", "torch"], "--impls: torch cannot be captured"),
-    (["probe", "variants", "--filter", "no-such-point"], "--filter"),
-    (["probe", "pattern", "--kinds", "plain,odd"], "--kinds"),
-    (["probe", "l2-follow", "--points", "8-XYZ-fp8-64"], "--points"),
-    (["probe", "ab", "--base", "HEAD", "--layouts", "NHD,nope"], "--layouts"),
-    (["probe", "ab", "--base", "HEAD", "--kv", "fp9"], "kv_cache_dtype"),
-    (["probe", "mla-pattern", "--tokens", "0"], "--tokens"),
-    (["probe", "mla-pattern", "--tokens", "200000"], "--tokens"),
-    (["probe", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
-    (["probe", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
-    (["probe", "chain", "--sets", "0"], "--sets"),
-    (["probe", "chain", "--sets", "21"], "--sets"),
-    (["probe", "pdl-step", "--tokens", "0"], "--tokens"),
-    (["probe", "pdl-step", "--tokens", "70000"], "--tokens"),
-    (["probe", "pdl-step", "--impls", "cuda,torch"], "--impls"),
-    (["probe", "pdl-step", "--replays", "0"], "--replays"),
+    (["probes", "small-t", "--heads", "8,x"], "--heads"),
+    (["probes", "small-t", "--layouts", "NHD,XYZ"], "--layouts"),
+    (["probes", "small-t", "--pad", "3"], "--pad"),
+    (["probes", "variants", "--impls", "cuda,nope"], "--impls"),
+    (["probes", "variants", "--impls", "cuda,torch"], "--impls: torch cannot be captured"),
+    (["probes", "small-t", "--impls", "torch"], "--impls: torch cannot be captured"),
+    (["probes", "variants", "--filter", "no-such-point"], "--filter"),
+    (["probes", "pattern", "--kinds", "plain,odd"], "--kinds"),
+    (["probes", "l2-follow", "--points", "8-XYZ-fp8-64"], "--points"),
+    (["probes", "ab", "--base", "HEAD", "--layouts", "NHD,nope"], "--layouts"),
+    (["probes", "ab", "--base", "HEAD", "--kv", "fp9"], "kv_cache_dtype"),
+    (["probes", "mla-pattern", "--tokens", "0"], "--tokens"),
+    (["probes", "mla-pattern", "--tokens", "200000"], "--tokens"),
+    (["probes", "mla-pattern", "--modes", "fp9"], "kv_cache_dtype"),
+    (["probes", "mla-pattern", "--impls", "cuda,torch"], "--impls"),
+    (["probes", "chain", "--sets", "0"], "--sets"),
+    (["probes", "chain", "--sets", "21"], "--sets"),
+    (["probes", "pdl-step", "--tokens", "0"], "--tokens"),
+    (["probes", "pdl-step", "--tokens", "70000"], "--tokens"),
+    (["probes", "pdl-step", "--impls", "cuda,torch"], "--impls"),
+    (["probes", "pdl-step", "--replays", "0"], "--replays"),
 ])
 def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     # Checked before anything needs a GPU, so the same on every machine.
-    assert cli.main(argv) == 2
+    assert tool(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flag in err, err
 
@@ -402,8 +442,8 @@ def test_gpu_sanitize_cases_under_compute_sanitizer():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
-           "--error-exitcode", "3", sys.executable, "-m", "kvwrite.bench", "sanitize"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540)
+           "--error-exitcode", "3", sys.executable, "-m", "tools.sanitize"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540, cwd=ROOT)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     n = _all_runs()
@@ -426,7 +466,7 @@ def test_gpu_sanitize_cases_under_compute_sanitizer():
 ], ids=lambda a: a[0])
 def test_gpu_probes_run_end_to_end(argv, tmp_path, capsys):
     path = str(tmp_path / "rows.json")
-    assert cli.main(["probe", *argv, "--json", path]) == 0
+    assert tool(["probes", *argv, "--json", path]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# ")
     with open(path) as f:
@@ -436,7 +476,7 @@ def test_gpu_probes_run_end_to_end(argv, tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_mla_pattern_probe_runs(capsys):
-    assert cli.main(["probe", "mla-pattern", "--tokens", "1024", "--modes", "auto,fp8_ds_mla"]) == 0
+    assert tool(["probes", "mla-pattern", "--tokens", "1024", "--modes", "auto,fp8_ds_mla"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# ")
     assert [ln.split()[3] for ln in lines[1:]] == ["random", "sorted", "consecutive"] * 2
@@ -449,7 +489,7 @@ def test_gpu_mla_pattern_probe_runs(capsys):
 def test_gpu_chain_probe_runs(capsys):
     from kvwrite.kernels import nvrtc
 
-    assert cli.main(["probe", "chain", "--sets", "4", "--replays", "3"]) == 0
+    assert tool(["probes", "chain", "--sets", "4", "--replays", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     launches = {"plain", "pdl"} if nvrtc.pdl_capable(torch.cuda.current_device()) else {"plain"}
     assert lines[0].startswith("# ") and len(lines) == 1 + 8 * len(launches)
@@ -462,7 +502,7 @@ def test_gpu_chain_probe_runs(capsys):
 def test_gpu_pdl_step_probe_runs(capsys):
     from kvwrite.kernels import nvrtc
 
-    assert cli.main(["probe", "pdl-step", "--tokens", "1,16", "--replays", "3"]) == 0
+    assert tool(["probes", "pdl-step", "--tokens", "1,16", "--replays", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# ") and len(lines) == 5
     assert all(ln.startswith("T=") and ln.count("->") == 2 for ln in lines[1:]), lines

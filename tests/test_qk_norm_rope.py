@@ -1948,8 +1948,8 @@ def test_torch_compile_sees_mutating_custom_ops(impl, head_pad, device):
 
 
 def test_sanitize_cases_are_listed():
-    from kvwrite.ops.fused_qk_norm_rope import sanitize as norm_san
-    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize as fused_san
+    from tools.sanitize import fused_qk_norm_rope as norm_san
+    from tools.sanitize import fused_qk_norm_rope_and_reshape_cache_flash as fused_san
     for mod in (norm_san, fused_san):
         listed = mod.cases()
         assert listed and len({i for i, _ in listed}) == len(listed)
@@ -1963,9 +1963,9 @@ def test_sanitize_cases_are_listed():
 @pytest.mark.parametrize("which", ["norm", "fused"])
 def test_gpu_sanitize_cases_pass(which):
     if which == "norm":
-        from kvwrite.ops.fused_qk_norm_rope import sanitize
+        from tools.sanitize import fused_qk_norm_rope as sanitize
     else:
-        from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize
+        from tools.sanitize import fused_qk_norm_rope_and_reshape_cache_flash as sanitize
     failed = {i: r for i, fn in sanitize.cases() if (r := fn()) is not None}
     assert not failed, failed
 
@@ -1980,8 +1980,8 @@ def test_case_ids_are_unique():
 # --- the builder is device-independent; comparisons take whole allocations -----------------------
 
 def _all_built_cases() -> list[QkNormCase]:
-    from kvwrite.ops.fused_qk_norm_rope import sanitize as norm_san
-    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import sanitize as fused_san
+    from tools.sanitize import fused_qk_norm_rope as norm_san
+    from tools.sanitize import fused_qk_norm_rope_and_reshape_cache_flash as fused_san
     cases = NORM_CASES + FUSED_CASES + [c for _, c in _GPU_SAMPLE] + norm_san.CASES + fused_san.CASES
     return [c for c in cases if c.num_tokens < 1000]
 

@@ -1367,7 +1367,7 @@ def test_cuda_graph_replay_sees_new_inputs(op, impl, padded):
 # --- the benchmark ------------------------------------------------------------------------------
 
 def _bench():
-    from kvwrite.ops.fused_rope_and_reshape_cache_flash import bench
+    from kvwrite.bench.ops import fused_rope_and_reshape_cache_flash as bench
     return bench
 
 
@@ -1403,7 +1403,7 @@ BENCH_CPU = ["rope", "--device", "cpu", "--implementation", "torch", "--iters", 
 
 
 def _bench_point(kind: str, T: int = 16, max_position: int = 4096, **pattern):
-    from kvwrite.bench.slots import SlotPattern
+    from kvwrite.testing.slots import SlotPattern
     slots = SlotPattern(kind, max_position=None if kind == "random" else max_position, **pattern)
     return _bench().Point(torch.float16, CacheDType.AUTO, 4, 2, 32, 32, True, "NHD", T, 64, 16,
                           max_position, "", slots)
@@ -1436,7 +1436,7 @@ def test_bench_rope_slot_pattern_runs_checks_and_rows_carry_it(tmp_path, capsys)
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_bench_rope_positions_are_the_sequences_positions(kind):
-    from kvwrite.bench.slots import make_slots
+    from kvwrite.testing.slots import make_slots
     # A 64-row table: decode contexts (up to 4096 asked) and the mixed chunk stay below it.
     p = _bench_point(kind, T=48, max_position=64, pad_fraction=0.25, prefill_len=40,
                      decode_tokens=8)

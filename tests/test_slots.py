@@ -1,4 +1,4 @@
-"""Slot patterns (kvwrite.bench.slots): what a decode, prefill or mixed batch writes, padding,
+"""Slot patterns (kvwrite.testing.slots): what a decode, prefill or mixed batch writes, padding,
 reproducibility, vLLM's random slots, and the benchmark's check on such batches."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvwrite.bench.check import check_point
-from kvwrite.bench.slots import BlockAllocator, SlotPattern, make_slots
 from kvwrite.bench.workload import fill_caches, make_caches, make_input_sets, seed_everything
 from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 from kvwrite.testing import Case, clone_caches
+from kvwrite.testing.slots import BlockAllocator, SlotPattern, make_slots
 
 BS = 16
 
@@ -198,7 +198,7 @@ def _config(*argv):
     import types
 
     from kvwrite.bench import engine
-    from kvwrite.ops.reshape_and_cache_flash.bench import BENCH
+    from kvwrite.bench.ops.reshape_and_cache_flash import BENCH
     args = engine.configure(BENCH, list(argv), "kvwrite-bench")[1]
     return types.SimpleNamespace(num_tokens=args.token_counts, slots=args.pattern)
 

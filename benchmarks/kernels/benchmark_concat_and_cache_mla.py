@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 try:
-    import kvwrite.ops.concat_and_cache_mla.bench  # noqa: F401
+    import kvwrite.bench.ops.concat_and_cache_mla  # noqa: F401
 except ImportError:  # a checkout without `pip install` (or an older kvwrite): use its src/
     for name in [m for m in sys.modules if m == "kvwrite" or m.startswith("kvwrite.")]:
         del sys.modules[name]
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from kvwrite.bench.cli import main  # noqa: E402
-from kvwrite.ops.concat_and_cache_mla.bench import run_benchmark  # noqa: E402, F401
+from kvwrite.bench.ops.concat_and_cache_mla import run_benchmark  # noqa: E402, F401
 
 if __name__ == "__main__":
     sys.exit(main(["concat_and_cache_mla", *sys.argv[1:]], prog=f"python {sys.argv[0]}"))

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 try:
-    import kvwrite.ops.fused_rope_and_reshape_cache_flash.bench  # noqa: F401
+    import kvwrite.bench.ops.fused_rope_and_reshape_cache_flash  # noqa: F401
 except ImportError:  # a checkout without `pip install` (or an older kvwrite): use its src/
     for name in [m for m in sys.modules if m == "kvwrite" or m.startswith("kvwrite.")]:
         del sys.modules[name]
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from kvwrite.ops.fused_rope_and_reshape_cache_flash.bench import vllm_main  # noqa: E402
+from kvwrite.bench.ops.fused_rope_and_reshape_cache_flash import vllm_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(vllm_main(prog=f"python {sys.argv[0]}"))

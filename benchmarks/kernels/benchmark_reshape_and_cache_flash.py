@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 try:
-    import kvwrite.ops.reshape_and_cache_flash.bench  # noqa: F401
+    import kvwrite.bench.ops.reshape_and_cache_flash  # noqa: F401
 except ImportError:  # a checkout without `pip install` (or an older kvwrite): use its src/
     for name in [m for m in sys.modules if m == "kvwrite" or m.startswith("kvwrite.")]:
         del sys.modules[name]

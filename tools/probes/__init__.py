@@ -1,19 +1,20 @@
-"""``kvwrite-bench probe ...``: development probes for tuning, built on :mod:`kvwrite.bench.timing`
-and the workload model (:mod:`kvwrite.bench.workload`).
+"""Development probes for tuning, built on :mod:`kvwrite.bench.timing` and the workload model
+(:mod:`kvwrite.bench.workload`): tools of this repository (not installed with kvwrite), run from
+the checkout's root (kvwrite installed, or ``PYTHONPATH=src``):
 
-    kvwrite-bench probe variants   [--impls ...] [--set IMPL.FIELD=V1|V2] ...  # tuning variants
-    kvwrite-bench probe pattern    [--kinds plain,evict_last] ...    # the access pattern's floor
-    kvwrite-bench probe small-t    [--heads 8,128 --tokens 2,64] ... # small calls vs a minimum
-    kvwrite-bench probe ab --base REV [...]         # an earlier revision's kernels vs this tree's
-    kvwrite-bench probe l2-follow  [...]            # what a call leaves in the L2
-    kvwrite-bench probe sanitize                    # every op's memcheck cases (= kvwrite-bench sanitize)
-    kvwrite-bench probe mla                         # concat_and_cache_mla's launch variants
-    kvwrite-bench probe mla-pattern                 # ... its slot patterns and entry alignment
-    kvwrite-bench probe chain                       # the floor of a small call's dependent loads
-    kvwrite-bench probe pdl-step                    # programmatic dependent launch in a GEMM step
+    python -m tools.probes variants   [--impls ...] [--set IMPL.FIELD=V1|V2] ...  # tuning variants
+    python -m tools.probes pattern    [--kinds plain,evict_last] ...    # the access pattern's floor
+    python -m tools.probes small-t    [--heads 8,128 --tokens 2,64] ... # small calls vs a minimum
+    python -m tools.probes ab --base REV [...]      # an earlier revision's kernels vs this tree's
+    python -m tools.probes l2-follow  [...]         # what a call leaves in the L2
+    python -m tools.probes mla                      # concat_and_cache_mla's launch variants
+    python -m tools.probes mla-pattern              # ... its slot patterns and entry alignment
+    python -m tools.probes chain                    # the floor of a small call's dependent loads
+    python -m tools.probes pdl-step                 # programmatic dependent launch in a GEMM step
 
-Each prints its table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed
-check, 2 for a usage error or where a probe cannot run (no GPU: one line on stderr).
+(Every op's memcheck cases: ``python -m tools.sanitize``, :mod:`tools.sanitize`.) Each prints its
+table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed check, 2 for a
+usage error or where a probe cannot run (no GPU: one line on stderr).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-from ...registry import installed as registry_installed
+from kvwrite.registry import installed as registry_installed
+
 from .common import ProbeError
 
-__all__ = ["PROBES", "main", "run_probe"]
+__all__ = ["PROBES", "PROG", "main", "run_probe", "guarded"]
+
+PROG = "python -m tools.probes"
 
 # subcommand -> (module, one-line description)
 PROBES = {
@@ -33,7 +37,6 @@ PROBES = {
     "small-t": ("small_t", "small calls next to a kernel doing only the unavoidable work"),
     "ab": ("ab", "an earlier revision's implementations next to this tree's, alternating"),
     "l2-follow": ("l2_follow", "a follower kernel's time right after a call (L2 effects)"),
-    "sanitize": ("sanitize", "every op's compute-sanitizer cases through its CUDA kernels"),
     "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
     "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
     "chain": ("chain", "the floor of a small call's dependent loads (slot, position -> table)"),
@@ -49,10 +52,16 @@ def _usage(prog: str) -> str:
 
 
 def run_probe(name: str, argv: list[str], prog: str) -> int:
-    """Run probe ``name``; a ProbeError or ValueError is one line on stderr and exit status 2."""
+    """Run probe ``name`` (:func:`guarded`)."""
+    return guarded(lambda: importlib.import_module(f"{__name__}.{PROBES[name][0]}").main(argv, prog),
+                   prog)
+
+
+def guarded(run, prog: str) -> int:
+    """``run()``'s exit status; a ProbeError or ValueError is one line on stderr and exit status
+    2, and so is an optional package it needs and cannot import (named with its pip command)."""
     try:
-        module = importlib.import_module(f"{__name__}.{PROBES[name][0]}")
-        return module.main(argv, prog)
+        return run()
     except (ProbeError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -65,7 +74,8 @@ def run_probe(name: str, argv: list[str], prog: str) -> int:
         return 2
 
 
-def main(argv: list[str], prog: str = "kvwrite-bench probe") -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(prog))
         return 0 if argv else 2

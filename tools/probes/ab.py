@@ -18,7 +18,7 @@ the figure is the mean over the sets. Small-T
 differences of a few hundredths of a microsecond show this way, where separate runs move by
 0.1-0.2 us.
 
-    kvwrite-bench probe ab --base b3301bf --impls cuda,triton --heads 8,128 --tokens 2,64,4096 \\
+    python -m tools.probes ab --base b3301bf --impls cuda,triton --heads 8,128 --tokens 2,64,4096 \\
         --kv auto,fp8
 """
 
@@ -43,12 +43,13 @@ from collections.abc import Callable
 
 import torch
 
-from ... import registry
-from ...ops.reshape_and_cache_flash import OP
-from ...testing.compare import differing_bytes
-from .. import report
-from ..engine import Parser
-from ..workload import LAYOUTS
+from kvwrite import registry
+from kvwrite.bench import report
+from kvwrite.bench.engine import Parser
+from kvwrite.bench.workload import LAYOUTS
+from kvwrite.ops.reshape_and_cache_flash import OP
+from kvwrite.testing.compare import differing_bytes
+
 from . import common
 
 __all__ = ["Package", "load_package", "written_rows", "check_same_bytes", "build_parser", "main"]

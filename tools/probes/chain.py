@@ -14,15 +14,16 @@ Each is timed with plain launches and, where the GPU takes it (compute capabilit
 programmatic dependent launch as the ops launch (the PDL build, which triggers the next call and
 then waits for the one before it; launch column ``pdl``).
 
-    kvwrite-bench probe chain [--sets 20] [--replays 30]
+    python -m tools.probes chain [--sets 20] [--replays 30]
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import timing
-from ..engine import Parser
+from kvwrite.bench import timing
+from kvwrite.bench.engine import Parser
+
 from . import common
 
 ROW = 128  # floats per table and cache row (one thread each)

@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ... import registry
-from ...dtypes import parse_kv_cache_dtype
-from ...kernels import nvrtc
-from ...ops.reshape_and_cache_flash import OP
-from .. import timing
-from ..workload import Case, InputSet, make_caches, make_input_sets
+from kvwrite import registry
+from kvwrite.bench import timing
+from kvwrite.bench.workload import Case, InputSet, make_caches, make_input_sets
+from kvwrite.dtypes import parse_kv_cache_dtype
+from kvwrite.kernels import nvrtc
+from kvwrite.ops.reshape_and_cache_flash import OP
 
 __all__ = ["CALLS", "ProbeError", "require_gpu", "time_call", "copy_bandwidth", "point_shape",
            "point_sets", "point_caches", "default_tunings", "parse_value", "parse_set", "Variant",
@@ -119,7 +119,7 @@ def point_sets(shape: Case, num_tokens: int, count: int = 1,
 # --------------------------------------------------------------------------------------------
 def default_tunings() -> dict[str, object]:
     """{implementation: its default tuning object} for the implementations that have one."""
-    from ...ops.reshape_and_cache_flash import cuda_impl, triton_impl
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
 
     return {"cuda": cuda_impl.TUNING, "triton": triton_impl.TUNING}
 
@@ -239,9 +239,9 @@ def pdl_launches() -> bool:
 
 def empty_kernel_floor(replays: int = 50) -> float:
     """Seconds per call of an empty NVRTC kernel (one thread), launched as the cuda
-    implementation launches its kernel (with programmatic dependent launch where it does)."""
-    pdl = pdl_launches()
-    return time_call(launch(kernel("kvw_empty", pdl), (1, 1), 1, pdl=pdl), replays)
+    implementation launches its kernel: the benchmark's launch floor
+    (:func:`kvwrite.bench.timing.empty_kernel_floor`), timed as :func:`time_call` times."""
+    return timing.empty_kernel_floor(replays, CALLS)
 
 
 def empty_triton_floor(replays: int = 50) -> float | None:

@@ -1,4 +1,4 @@
-// Minimal kernels of the probes (compiled with NVRTC by kvwrite.bench.probes.common): what a
+// Minimal kernels of the probes (compiled with NVRTC by tools.probes.common): what a
 // launch, the access pattern, or the unavoidable work of reshape_and_cache_flash costs alone.
 // Input rows are bfloat16, block size 16, head size a multiple of 16 elements. Scalar arguments
 // are 64-bit (cuda.core passes a Python int as 8 bytes).

@@ -7,7 +7,7 @@ For each column, three CUDA graphs of 20 back-to-back items: the call alone, a f
 call + follower. The follower's time after the call is (pair - call); against the follower
 alone it shows what the call did to the L2. Hot inputs (set 0 of the benchmark's recipe).
 
-    kvwrite-bench probe l2-follow --impls triton --set "triton.evict_first_max_bytes=-1|0x10000000000"
+    python -m tools.probes l2-follow --impls triton --set "triton.evict_first_max_bytes=-1|0x10000000000"
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import dataclasses
 
 import torch
 
-from ...dtypes import parse_kv_cache_dtype
-from .. import report
-from ..engine import Parser
-from ..workload import LAYOUTS
+from kvwrite.bench import report
+from kvwrite.bench.engine import Parser
+from kvwrite.bench.workload import LAYOUTS
+from kvwrite.dtypes import parse_kv_cache_dtype
+
 from . import common
 
 __all__ = ["parse_point", "build_parser", "main"]

@@ -3,7 +3,7 @@ timer, CUDA graph of 20 calls, median) for CudaTuning/TritonTuning variants, per
 and large T, hot L2 and rotated (input sets past 2x the L2), bfloat16, L=512, P=64, block 64,
 2048 blocks; and the copy bandwidth at each call's byte count against the 1 GiB copy's.
 
-    kvwrite-bench probe mla
+    python -m tools.probes mla
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import random
 
 import torch
 
-from ...ops.concat_and_cache_mla import MlaMode, create_mla_cache, cuda_impl, triton_impl
-from .. import timing
-from ..engine import Parser
+from kvwrite.bench import timing
+from kvwrite.bench.engine import Parser
+from kvwrite.ops.concat_and_cache_mla import MlaMode, create_mla_cache, cuda_impl, triton_impl
+
 from . import common
 
 VARIANTS = {

@@ -14,7 +14,7 @@ slots is timed too: another kernel's scatter of the same bytes. Inputs rotate pa
 (20 calls per CUDA graph, median per call); % is of the 1 GiB copy's bandwidth, the bytes
 counted as the benchmark counts them.
 
-    kvwrite-bench probe mla-pattern [--tokens 16384,65536] [--modes auto,fp8,fp8_ds_mla]
+    python -m tools.probes mla-pattern [--tokens 16384,65536] [--modes auto,fp8,fp8_ds_mla]
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import random
 
 import torch
 
-from ...ops.concat_and_cache_mla import MlaMode, cuda_impl, parse_mla_mode, triton_impl
-from ...ops.concat_and_cache_mla.op import entry_size
-from .. import timing
-from ..engine import Parser
+from kvwrite.bench import timing
+from kvwrite.bench.engine import Parser
+from kvwrite.ops.concat_and_cache_mla import MlaMode, cuda_impl, parse_mla_mode, triton_impl
+from kvwrite.ops.concat_and_cache_mla.op import entry_size
+
 from . import common
 
 L, P, BLOCK, BLOCKS = 512, 64, 64, 2048

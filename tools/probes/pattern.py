@@ -5,7 +5,7 @@ addresses as the op, with none of its work (fp8: each bfloat16's high byte inste
 quotient), at the issue's points, next to the implementations if asked; ``evict_last``: the same
 with evict-last loads.
 
-    kvwrite-bench probe pattern --kinds plain,evict_last --impls cuda --filter 8-128-HND
+    python -m tools.probes pattern --kinds plain,evict_last --impls cuda --filter 8-128-HND
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine import Parser
+from kvwrite.bench.engine import Parser
+
 from . import common
 from .variants import (
     Column,

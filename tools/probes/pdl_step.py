@@ -8,7 +8,7 @@ op back to back (the benchmarks' condition) and the op's share of a step (the st
 that of the same step without the op), without and with programmatic dependent launch
 (kvwrite.kernels.nvrtc.use_pdl; it is left on afterwards, as by default).
 
-    kvwrite-bench probe pdl-step [--tokens 1,16,256] [--impls cuda,triton] [--replays 50]
+    python -m tools.probes pdl-step [--tokens 1,16,256] [--impls cuda,triton] [--replays 50]
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import argparse
 
 import torch
 
-from ... import fused_rope_and_reshape_cache_flash, registry
-from ...kernels import nvrtc
-from ...layouts import KVAlloc, Layout, allocate_kv_cache
-from ...ops.fused_rope_and_reshape_cache_flash import OP
-from ...testing.rope import cos_sin_table
-from .. import timing
-from ..engine import Parser
+from kvwrite import fused_rope_and_reshape_cache_flash, registry
+from kvwrite.bench import timing
+from kvwrite.bench.engine import Parser
+from kvwrite.kernels import nvrtc
+from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
+from kvwrite.ops.fused_rope_and_reshape_cache_flash import OP
+from kvwrite.testing.rope import cos_sin_table
+
 from . import common
 
 HQ, H, D, HIDDEN, BLOCKS, BLOCK_SIZE, MAX_POSITION = 32, 8, 128, 4096, 4096, 16, 8192

@@ -10,7 +10,7 @@ i = slot set i of the benchmark's recipe) of the time per call (:func:`.common.t
 at these sizes the slots' addresses alone move a call by about 0.1-0.2 us. Head size 128,
 bfloat16 input, K and V blocks interleaved in one allocation per cache.
 
-    kvwrite-bench probe small-t --heads 8,128 --tokens 2,64
+    python -m tools.probes small-t --heads 8,128 --tokens 2,64
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import statistics
 
 import torch
 
-from ...testing.compare import differing_bytes
-from .. import report
-from ..engine import Parser
+from kvwrite.bench import report
+from kvwrite.bench.engine import Parser
+from kvwrite.testing.compare import differing_bytes
+
 from . import common
 
 __all__ = ["D", "LAYOUTS", "strides", "kernel_name", "small_caches", "build_parser", "main"]

@@ -1,7 +1,7 @@
 """``probe variants``: implementations and variants of their tuning at the performance issue's
 points, in one process, against the copy bandwidth measured in the same run.
 
-    kvwrite-bench probe variants --impls triton,cuda --set triton.tile_bytes=4096|8192
+    python -m tools.probes variants --impls triton,cuda --set triton.tile_bytes=4096|8192
 
 Per point and column: µs per call (:func:`.common.time_call`: 20 calls in one CUDA graph, median
 of replays, hot L2) and the share of the copy bandwidth (bytes read + written,
@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from ... import registry
-from ...ops.reshape_and_cache_flash import OP
-from .. import report
-from ..engine import Parser
-from ..workload import LAYOUTS, Case, InputSet
+from kvwrite import registry
+from kvwrite.bench import report
+from kvwrite.bench.engine import Parser
+from kvwrite.bench.workload import LAYOUTS, Case, InputSet
+from kvwrite.ops.reshape_and_cache_flash import OP
+
 from . import common
 
 __all__ = ["POINTS", "ProbeRow", "Column", "select_points", "measure", "build_parser", "main"]

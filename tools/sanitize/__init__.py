@@ -1,10 +1,10 @@
-"""``sanitize``: every op's bounds cases through its CUDA kernels, for the memory checker.
+"""Every op's bounds cases through its CUDA kernels, for the memory checker; a tool of this
+repository (not installed with kvwrite), run from the checkout's root:
 
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \\
-        kvwrite-bench sanitize
-    compute-sanitizer ... python -m kvwrite.bench sanitize     # from a checkout, PYTHONPATH=src
+        python -m tools.sanitize [--ops OP,...]
 
-Each op that has CUDA kernels keeps its cases in ``ops/<op>/sanitize.py`` (``cases()``: ids and
+Each op that has CUDA kernels keeps its cases in ``tools/sanitize/<op>.py`` (``cases()``: ids and
 functions that run the cuda implementation on the GPU and the torch reference on the CPU over
 the same bounds-stressing inputs and compare whole outputs byte for byte;
 :mod:`kvwrite.testing.sanitize`). This runs them all, or those of ``--ops``. Exit status 1 on a
@@ -16,29 +16,32 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 import torch
 
-from ... import registry
-from ..engine import Parser, parse_list
-from . import common
+import tools.probes as probes
+from kvwrite import registry
+from kvwrite.bench.engine import Parser, parse_list
+from tools.probes import common
 
 __all__ = ["op_cases", "run_cases", "build_parser", "main"]
 
 
-def _package(op: str) -> str:
-    """The package of ``op``'s cuda implementation (where its sanitize module lives)."""
-    return registry.get(op, "cuda").module.rpartition(".")[0]
+def _module(op: str) -> str:
+    """The module of ``op``'s cases: named as the package of its cuda implementation."""
+    package = registry.get(op, "cuda").module.rpartition(".")[0]
+    return f"{__name__}.{package.rpartition('.')[2]}"
 
 
 def op_cases(ops: list[str] | None = None) -> dict[str, list]:
     """{op: its cases}, for every registered op with a cuda implementation (or those of
-    ``ops``); an op whose package has no sanitize module maps to [] (a test refuses that)."""
+    ``ops``); an op without a module here maps to [] (a test refuses that)."""
     out: dict[str, list] = {}
     for op in ops or registry.ops():
         if not any(i.name == "cuda" for i in registry.all_impls(op)):
             continue
-        name = _package(op) + ".sanitize"
+        name = _module(op)
         out[op] = (importlib.import_module(name).cases()
                    if importlib.util.find_spec(name) is not None else [])
     return out
@@ -75,7 +78,13 @@ def build_parser(prog: str) -> Parser:
     return p
 
 
-def main(argv: list[str], prog: str) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m tools.sanitize") -> int:
+    """The command line; errors as :func:`tools.probes.guarded` prints them (exit status 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return probes.guarded(lambda: _main(argv, prog), prog)
+
+
+def _main(argv: list[str], prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
     ops = None
     if args.ops:

@@ -1,4 +1,4 @@
-"""concat_and_cache_mla's memcheck cases (``kvwrite-bench sanitize``): the cuda implementation on
+"""concat_and_cache_mla's memcheck cases (``python -m tools.sanitize``): the cuda implementation on
 the GPU against the torch reference on the CPU over the same inputs, the whole cache allocation
 compared byte for byte. The cases stress the bounds in every mode: padding and out-of-range
 slots, int32 slots, rows past T, k_pe a slice of the latent projection, padded and unaligned
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...testing.mla import MlaCase, make_mla_inputs, mla_differing_bytes
-from ...testing.sanitize import SanitizeCase
+from kvwrite.testing.mla import MlaCase, make_mla_inputs, mla_differing_bytes
+from kvwrite.testing.sanitize import SanitizeCase
 
 __all__ = ["CASES", "cases", "run_case"]
 
@@ -41,7 +41,7 @@ def run_case(case: MlaCase, device: str = "cuda",
              implementation: str = "cuda") -> str | None:
     """None when ``implementation`` on ``device`` writes the torch reference's bytes (on the
     CPU) for ``case``, else what differs."""
-    from . import concat_and_cache_mla
+    from kvwrite.ops.concat_and_cache_mla import concat_and_cache_mla
 
     gpu, cpu = make_mla_inputs(case, device), make_mla_inputs(case, "cpu")
     concat_and_cache_mla(*gpu.args(), **gpu.kwargs(), implementation=implementation)

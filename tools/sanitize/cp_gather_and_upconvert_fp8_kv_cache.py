@@ -1,7 +1,7 @@
 """Memcheck cases of cp_gather_and_upconvert_fp8_kv_cache: the cuda implementation on the GPU
 against the torch one on the CPU over inputs that stress the bounds (``kvwrite.testing.gather``'s
 SANITIZE_SEQS as workspace starts), unaligned entries and rows, and any tile scales.
-``kvwrite-bench sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
+``python -m tools.sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.gather import (
+from kvwrite.testing.gather import (
     SANITIZE_SEQS,
     Seqs,
     UpconvertCase,

@@ -1,7 +1,7 @@
 """Memcheck cases of cp_gather_cache: the cuda implementation on the GPU against the torch one on
 the CPU over inputs that stress the bounds (``kvwrite.testing.gather``'s SANITIZE_SEQS), entries
 of several dtypes and shapes with permuted and padded strides, and unaligned rows.
-``kvwrite-bench sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
+``python -m tools.sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.gather import SANITIZE_SEQS, EntryCase, cuda_against_reference, make_entry_inputs
+from kvwrite.testing.gather import (
+    SANITIZE_SEQS,
+    EntryCase,
+    cuda_against_reference,
+    make_entry_inputs,
+)
 
 __all__ = ["cases"]
 

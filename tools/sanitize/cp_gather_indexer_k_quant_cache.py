@@ -1,7 +1,7 @@
 """Memcheck cases of cp_gather_indexer_k_quant_cache: the cuda implementation on the GPU against
 the torch one on the CPU over inputs that stress the bounds (``kvwrite.testing.gather``'s
 SANITIZE_SEQS without seq_starts), padded and unaligned pages, strided outputs.
-``kvwrite-bench sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
+``python -m tools.sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.gather import (
+from kvwrite.testing.gather import (
     SANITIZE_SEQS,
     IndexerCase,
     cuda_against_reference,

@@ -2,7 +2,7 @@
 :func:`cases` lists ``(id, run)`` pairs; ``run()`` runs the cuda implementation on the GPU over a
 case that stresses its bounds and the torch reference on the CPU over the same inputs, and
 returns None when every tensor the call touches (qkv, query_out, both caches, whole allocations)
-holds the same bytes, else what differs. ``kvwrite-bench sanitize`` runs them under
+holds the same bytes, else what differs. ``python -m tools.sanitize`` runs them under
 compute-sanitizer. Each case runs in the build its call takes and, with the id's suffix
 "-large", in the large-call build (cuda_impl.CudaTuning: two chunks per lane, 64-thread CTAs).
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...layouts import KVAlloc, Layout
-from ...testing.qk_norm import (
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.testing.qk_norm import (
     QkNormCase,
     clone_inputs,
     differences,
@@ -64,8 +64,8 @@ CASES = [
 def run_case(case: QkNormCase, large: bool = False) -> str | None:
     """None when the cuda implementation writes the torch reference's bytes for ``case``; with
     ``large``, in its large-call build whatever the call's size."""
-    from . import cuda_impl, reference
-    from .op import validate
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl, reference
+    from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.op import validate
 
     tuning = dataclasses.replace(cuda_impl.TUNING, large_call_bytes=0) if large else \
         cuda_impl.TUNING

@@ -1,4 +1,4 @@
-"""fused_rope_and_reshape_cache_flash's memcheck cases (``kvwrite-bench sanitize``): the cuda
+"""fused_rope_and_reshape_cache_flash's memcheck cases (``python -m tools.sanitize``): the cuda
 implementation on the GPU against the torch reference on the CPU over the same inputs; query,
 key, query_out and both caches compared byte for byte over their whole allocations. The cases
 stress the bounds: bad positions and padding and out-of-range slots together, fewer cache tokens
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ...layouts import KVAlloc, Layout
-from ...testing.rope import RopeCase, make_rope_inputs
-from ...testing.sanitize import SanitizeCase, compare_outputs
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.testing.rope import RopeCase, make_rope_inputs
+from kvwrite.testing.sanitize import SanitizeCase, compare_outputs
 
 __all__ = ["CASES", "cases", "run_case"]
 
@@ -39,7 +39,7 @@ def run_case(case: RopeCase, device: str = "cuda",
              implementation: str = "cuda") -> str | None:
     """None when ``implementation`` on ``device`` writes the torch reference's bytes (on the
     CPU) for ``case``, else what differs."""
-    from . import fused_rope_and_reshape_cache_flash
+    from kvwrite.ops.fused_rope_and_reshape_cache_flash import fused_rope_and_reshape_cache_flash
 
     gpu, cpu = make_rope_inputs(case, device), make_rope_inputs(case, "cpu")
     fused_rope_and_reshape_cache_flash(*gpu.fused_args(), **gpu.fused_kwargs(),

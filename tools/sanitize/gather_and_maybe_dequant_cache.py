@@ -2,7 +2,7 @@
 the torch one on the CPU over inputs that stress the bounds (``kvwrite.testing.gather``'s
 SANITIZE_SEQS: out-of-range positions and block ids, rows no request owns, T_out below the total,
 more rows than a wave, batches past the shared memory), unaligned odd entries and padded rows.
-``kvwrite-bench sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
+``python -m tools.sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.gather import SANITIZE_SEQS, EntryCase, cuda_against_reference, make_entry_inputs
+from kvwrite.testing.gather import (
+    SANITIZE_SEQS,
+    EntryCase,
+    cuda_against_reference,
+    make_entry_inputs,
+)
 
 __all__ = ["cases"]
 

@@ -1,7 +1,7 @@
 """Memcheck cases of gather_cache_flash: the cuda implementation on the GPU against the torch one
 on the CPU over inputs that stress the bounds (``kvwrite.testing.gather``'s SANITIZE_SEQS), every
 layout, per-head fp8 scales, odd head sizes and padded outputs.
-``kvwrite-bench sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
+``python -m tools.sanitize`` runs every op's ``cases()`` under compute-sanitizer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from ...layouts import KVAlloc, Layout
-from ...testing.gather import SANITIZE_SEQS, FlashCase, cuda_against_reference, make_flash_inputs
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.testing.gather import (
+    SANITIZE_SEQS,
+    FlashCase,
+    cuda_against_reference,
+    make_flash_inputs,
+)
 
 __all__ = ["cases"]
 

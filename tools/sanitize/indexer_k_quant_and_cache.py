@@ -4,7 +4,7 @@ k rows, odd group sizes, one-slot blocks, k rows past T, more tokens than one wa
 scale bytes) and the torch reference on the CPU on the same inputs, and returns None when the
 whole caches are byte-equal, else what differs.
 
-    compute-sanitizer --tool memcheck ... kvwrite-bench sanitize   # runs every op's cases()
+    compute-sanitizer --tool memcheck ... python -m tools.sanitize   # runs every op's cases()
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["cases", "run_case"]
 
 
 def _cases():
-    from ...testing.indexer import IndexerCase
+    from kvwrite.testing.indexer import IndexerCase
     return [
         IndexerCase(num_tokens=9, padding_slots=3, out_of_range_slots=2, slot_dtype=torch.int32),
         IndexerCase(num_tokens=129, k_pad=1, page_pad=3, cache_offset=1, extra_rows=5,
@@ -39,8 +39,12 @@ def _cases():
 
 def run_case(case) -> str | None:
     """None when the cuda implementation (GPU) and the reference (CPU) write the same bytes."""
-    from ...testing.indexer import assert_indexer_caches_equal, clone_cache, make_indexer_inputs
-    from . import indexer_k_quant_and_cache
+    from kvwrite.ops.indexer_k_quant_and_cache import indexer_k_quant_and_cache
+    from kvwrite.testing.indexer import (
+        assert_indexer_caches_equal,
+        clone_cache,
+        make_indexer_inputs,
+    )
     gpu = make_indexer_inputs(case, "cuda")
     cpu = make_indexer_inputs(case, "cpu")
     indexer_k_quant_and_cache(*gpu.args(), implementation="cuda")

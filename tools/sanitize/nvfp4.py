@@ -1,4 +1,4 @@
-"""Bounds-stressing cases of the NVFP4 writes for the memory checker (``kvwrite-bench sanitize``
+"""Bounds-stressing cases of the NVFP4 writes for the memory checker (``python -m tools.sanitize``
 runs every op's :func:`cases` under compute-sanitizer).
 
 Each case runs the cuda implementation on the GPU and the torch reference on the CPU on the same
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.compare import storage_bytes
-from ...testing.nvfp4 import Nvfp4Case, clone_inputs, make_nvfp4_inputs
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.testing.nvfp4 import Nvfp4Case, clone_inputs, make_nvfp4_inputs
 
 __all__ = ["CASES", "cases", "run_case"]
 

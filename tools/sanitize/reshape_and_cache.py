@@ -4,7 +4,7 @@ key/value rows past T, strided and interleaved caches, an x-strided key cache, m
 one wave, H = 64 with D = 128) and the torch reference on the CPU on the same inputs, and returns
 None when both whole caches are byte-equal, else what differs.
 
-    compute-sanitizer --tool memcheck ... kvwrite-bench sanitize   # runs every op's cases()
+    compute-sanitizer --tool memcheck ... python -m tools.sanitize   # runs every op's cases()
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["cases", "run_case"]
 
 
 def _cases():
-    from ...testing.legacy import LegacyCase
+    from kvwrite.testing.legacy import LegacyCase
     return [
         LegacyCase(num_tokens=9, padding_slots=3, out_of_range_slots=2, slot_dtype=torch.int32),
         LegacyCase(num_tokens=129, num_heads=5, head_size=46, x=2, block_size=7, num_blocks=24,
@@ -38,8 +38,8 @@ def _cases():
 
 def run_case(case) -> str | None:
     """None when the cuda implementation (GPU) and the reference (CPU) write the same bytes."""
-    from ...testing.legacy import assert_legacy_caches_equal, clone_caches, make_legacy_inputs
-    from . import reshape_and_cache
+    from kvwrite.ops.reshape_and_cache import reshape_and_cache
+    from kvwrite.testing.legacy import assert_legacy_caches_equal, clone_caches, make_legacy_inputs
     gpu = make_legacy_inputs(case, "cuda")
     cpu = make_legacy_inputs(case, "cpu")
     reshape_and_cache(*gpu.args(), implementation="cuda")

@@ -1,4 +1,4 @@
-"""reshape_and_cache_flash's memcheck cases (``kvwrite-bench sanitize``): each runs the cuda
+"""reshape_and_cache_flash's memcheck cases (``python -m tools.sanitize``): each runs the cuda
 implementation on the GPU and the torch reference on the CPU over the same inputs
 (:func:`kvwrite.testing.make_inputs` is deterministic) and compares both whole caches byte for
 byte. The cases stress the bounds: padding and out-of-range slots, rows that are not 16-byte
@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from ...layouts import KVAlloc, Layout
-from ...testing import Case, clone_caches, make_inputs
-from ...testing.sanitize import SanitizeCase, compare_outputs
+from kvwrite.layouts import KVAlloc, Layout
+from kvwrite.testing import Case, clone_caches, make_inputs
+from kvwrite.testing.sanitize import SanitizeCase, compare_outputs
 
 __all__ = ["CASES", "KERNELS", "cases", "run_case"]
 
@@ -45,8 +45,8 @@ KERNELS = ("loop-free", "grid-stride")
 def run_case(case: Case, kernel: str) -> str | None:
     """None when the cuda implementation (``kernel``: loop-free or grid-stride) writes the torch
     reference's bytes over both whole caches for ``case``, else what differs."""
-    from . import cuda_impl, validate
-    from . import reference as torch_ref
+    from kvwrite.ops.reshape_and_cache_flash import cuda_impl, validate
+    from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 
     gpu = make_inputs(case, "cuda")
     cpu = make_inputs(case, "cpu")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...testing.per_token_head import (
+from kvwrite.testing.per_token_head import (
     FP8,
     INT4,
     INT8,
@@ -52,8 +52,8 @@ CASES: list[PthCase] = [
 
 def run_case(case: PthCase) -> str | None:
     """Run the case (cuda on the GPU, torch on the CPU); None when both allocations agree."""
-    from . import cuda_impl, reference
-    from .op import validate
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl, reference
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.op import validate
 
     gpu = make_pth_inputs(case, "cuda")
     cpu = make_pth_inputs(case, "cpu")

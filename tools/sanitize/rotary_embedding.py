@@ -1,4 +1,4 @@
-"""rotary_embedding's memcheck cases (``kvwrite-bench sanitize``): the cuda implementation on the
+"""rotary_embedding's memcheck cases (``python -m tools.sanitize``): the cuda implementation on the
 GPU against the torch reference on the CPU over the same inputs, query and key compared byte for
 byte over their whole allocations. The cases stress the bounds: positions outside the table
 (negative, at and past max_position, int32 extremes), rows past T_rot, partial rotation, odd head
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...testing.rope import RopeCase, make_rope_inputs
-from ...testing.sanitize import SanitizeCase, compare_outputs
+from kvwrite.testing.rope import RopeCase, make_rope_inputs
+from kvwrite.testing.sanitize import SanitizeCase, compare_outputs
 
 __all__ = ["CASES", "cases", "run_case"]
 
@@ -32,7 +32,7 @@ def run_case(case: RopeCase, device: str = "cuda",
              implementation: str = "cuda") -> str | None:
     """None when ``implementation`` on ``device`` writes the torch reference's bytes (on the
     CPU) for ``case``, else what differs."""
-    from . import rotary_embedding
+    from kvwrite.ops.rotary_embedding import rotary_embedding
 
     gpu, cpu = make_rope_inputs(case, device), make_rope_inputs(case, "cpu")
     rotary_embedding(*gpu.rotary_args(), implementation=implementation)

@@ -5,8 +5,6 @@
     kvwrite-bench plot RESULTS.json --out P.png # a plot of any subcommand's --json file
     kvwrite-bench report RESULTS.json...        # --json files as markdown tables
     kvwrite-bench compare OLD NEW               # two runs point by point (kvwrite.bench.compare)
-    kvwrite-bench probe NAME [...]              # development probes (kvwrite.bench.probes)
-    kvwrite-bench sanitize                      # every op's bounds cases, for compute-sanitizer
 
     kvwrite-bench --version
 
@@ -16,8 +14,14 @@ the device, or a point that does not fit; 3 when nothing was measured (every poi
 or skipped); 130 on Ctrl-C (after printing the table of what was measured and writing the files;
 during start-up: one line).
 
-Nothing here imports an op, the engine or PyTorch's extras at module level: ``--version`` and the
-subcommand list need none, a subcommand imports its own definition only.
+The subcommands are the registry's: each op's ``OpSpec.bench`` (a ``registry.BenchCommand``: name,
+aliases, one line for ``--help``, and its definition in :mod:`kvwrite.bench.ops`). The development
+probes and the memcheck cases are tools of the repository, not of this command:
+``python -m tools.probes NAME`` and ``python -m tools.sanitize`` from a checkout (tools/).
+
+Nothing here imports an op, the engine or PyTorch's extras at module level: ``--version`` needs
+none, the subcommand list imports the ops (registering them), a subcommand imports its own
+definition only.
 """
 
 from __future__ import annotations
@@ -25,54 +29,48 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["main", "SUBCOMMANDS", "TOOLS", "bench_of", "PROG"]
+__all__ = ["main", "subcommands", "TOOLS", "bench_of", "PROG", "DEFAULT"]
 
 PROG = "kvwrite-bench"
-
-# subcommand -> (aliases, the definition "module:attribute", one line for --help). Each
-# definition lives in its op's folder (ops/<op>/bench.py) and is imported only when used.
-SUBCOMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "reshape_and_cache_flash": (
-        (), "kvwrite.ops.reshape_and_cache_flash.bench:BENCH",
-        "the KV cache write: vLLM's benchmark (also the default: kvwrite-bench [flags])"),
-    "fused_rope_and_reshape_cache_flash": (
-        ("rope",), "kvwrite.ops.fused_rope_and_reshape_cache_flash.bench:BENCH",
-        "RoPE + cache write, fused, against the unfused pair and rotary_embedding alone"),
-    "fused_qk_norm_rope_and_reshape_cache_flash": (
-        ("qk-norm-rope",), "kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.bench:BENCH",
-        "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone"),
-    "concat_and_cache_mla": (
-        ("mla",), "kvwrite.ops.concat_and_cache_mla.bench:BENCH",
-        "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark"),
-    "reshape_and_cache_flash_per_token_head_quant": (
-        ("per-token-head",), "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.bench:BENCH",
-        "the per-(token, head) quantized cache write: int8, fp8, int4"),
-    "gather": (
-        (), "kvwrite.ops.gather_cache_flash.bench:BENCH",
-        "reading caches back: the five gathers (dequant, cp, upconvert, flash, indexer)"),
-    "nvfp4": (
-        (), "kvwrite.ops.nvfp4.bench:BENCH",
-        "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"),
-    "reshape_and_cache": (
-        ("legacy",), "kvwrite.ops.reshape_and_cache.bench:BENCH",
-        "the legacy paged-attention cache write (x-packed key layout)"),
-    "indexer_k_quant_and_cache": (
-        ("indexer",), "kvwrite.ops.indexer_k_quant_and_cache.bench:BENCH",
-        "DeepSeek-V3.2's indexer key write (e4m3 codes + group scales)"),
-}
+# The subcommand that runs without a subcommand word (vLLM's benchmark).
+DEFAULT = "reshape_and_cache_flash"
+# The order --help lists the subcommands in: the default first, then as they were added; a
+# registered subcommand not named here follows them in registration order.
+LISTED = ("reshape_and_cache_flash", "fused_rope_and_reshape_cache_flash",
+          "fused_qk_norm_rope_and_reshape_cache_flash", "concat_and_cache_mla",
+          "reshape_and_cache_flash_per_token_head_quant", "gather", "nvfp4", "reshape_and_cache",
+          "indexer_k_quant_and_cache")
 
 TOOLS = {
     "plot": "plot a --json file of any subcommand",
     "report": "--json files as the markdown tables of docs/performance.md",
     "compare": "two runs' --json files point by point: new/old, geometric means, a threshold",
-    "probe": "development probes (kvwrite-bench probe --help lists them)",
-    "sanitize": "every op's bounds cases through its CUDA kernels, for compute-sanitizer",
 }
+
+# Former subcommands that are tools of the repository now (tools/, not installed): where they went.
+MOVED = {"probe": "python -m tools.probes NAME", "sanitize": "python -m tools.sanitize"}
+
+
+def subcommands() -> dict:
+    """{subcommand: its ``registry.BenchCommand``}, every registered op's, in the order of
+    :data:`LISTED` (imports kvwrite.ops, which registers the ops)."""
+    from .. import (
+        ops,  # noqa: F401  (registers every op)
+        registry,
+    )
+
+    found = {}
+    for op in registry.ops():
+        command = registry.get_op(op).bench
+        if command is not None:
+            found[command.name] = command
+    rank = {name: i for i, name in enumerate(LISTED)}
+    return {name: found[name] for name in sorted(found, key=lambda n: rank.get(n, len(rank)))}
 
 
 def _resolve(name: str) -> str | None:
-    for canon, (aliases, _, _) in SUBCOMMANDS.items():
-        if name == canon or name in aliases:
+    for canon, command in subcommands().items():
+        if name == canon or name in command.aliases:
             return canon
     return None
 
@@ -81,17 +79,19 @@ def bench_of(name: str):
     """The :class:`~kvwrite.bench.engine.OpBench` of subcommand (or alias) ``name``."""
     canon = _resolve(name)
     if canon is None:
-        raise ValueError(f"expected a subcommand ({', '.join(SUBCOMMANDS)}), got {name!r}")
-    module, attr = SUBCOMMANDS[canon][1].split(":")
+        raise ValueError(f"expected a subcommand ({', '.join(subcommands())}), got {name!r}")
+    module, attr = subcommands()[canon].target.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
 def subcommand_help() -> str:
     lines = ["subcommands (kvwrite-bench SUBCOMMAND --help shows one's flags):"]
-    for canon, (aliases, _, summary) in SUBCOMMANDS.items():
-        name = canon + (f" ({', '.join(aliases)})" if aliases else "")
-        lines.append(f"  {name:<44} {summary}")
+    for canon, command in subcommands().items():
+        name = canon + (f" ({', '.join(command.aliases)})" if command.aliases else "")
+        lines.append(f"  {name:<44} {command.summary}")
     lines += [f"  {name:<44} {summary}" for name, summary in TOOLS.items()]
+    lines.append("\ndevelopment probes and memcheck cases (tools of the repository, from a "
+                 "checkout's root):\n  " + ", ".join(MOVED.values()))
     return "\n".join(lines)
 
 
@@ -127,13 +127,8 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
     if name == "report":
         from .markdown import main as report_main
         return report_main(argv, f"{prog} report")
-    if name == "compare":
-        from .compare import main as compare_main
-        return compare_main(argv, f"{prog} compare")
-    from . import probes
-    if name == "sanitize":
-        return probes.run_probe("sanitize", argv, f"{prog} sanitize")
-    return probes.main(argv, f"{prog} probe")
+    from .compare import main as compare_main
+    return compare_main(argv, f"{prog} compare")
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
@@ -160,16 +155,20 @@ def _main(argv: list[str], prog: str) -> int:
             return _tool_main(argv[0], argv[1:], prog)
         if argv[:1] and _resolve(argv[0]) is not None:
             return engine.main(bench_of(argv[0]), argv[1:], f"{prog} {argv[0]}")
+        if argv[:1] and argv[0] in MOVED:
+            print(f"{prog}: error: {argv[0]!r} is a tool of the kvwrite repository now: run "
+                  f"`{MOVED[argv[0]]}` from a checkout's root (tools/)", file=sys.stderr)
+            return 2
         if argv[:1] and not argv[0].startswith("-"):
-            print(f"{prog}: error: expected a subcommand ({', '.join(SUBCOMMANDS)}, "
+            print(f"{prog}: error: expected a subcommand ({', '.join(subcommands())}, "
                   f"{', '.join(TOOLS)}) or flags, got {argv[0]!r}", file=sys.stderr)
             return 2
         if "-h" in argv or "--help" in argv:
             # The default subcommand's help (its one op imported), with every subcommand listed.
-            engine.build_parser(bench_of("reshape_and_cache_flash"), prog).print_help()
+            engine.build_parser(bench_of(DEFAULT), prog).print_help()
             print("\n" + subcommand_help())
             return 0
-        return engine.main(bench_of("reshape_and_cache_flash"), argv, prog)
+        return engine.main(bench_of(DEFAULT), argv, prog)
     except (engine.BenchError, PlotError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

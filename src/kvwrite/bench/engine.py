@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import __version__, registry
+from ..testing.slots import PATTERNS, SlotPattern
 from . import report, timing
 from .models import MODELS
 from .report import Row, format_table, series_label
-from .slots import PATTERNS, SlotPattern
 
 __all__ = ["OpBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Parser", "main",
            "configure", "sweep", "render", "parse_num_tokens", "parse_list", "parse_device",

@@ -16,6 +16,7 @@ samples, each the duration of one run divided by its number of calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["Timing", "time_device", "time_host_sync", "time_cpu", "copy_bandwidth", "l2_bytes",
-           "l2_rotation", "launch_floor", "floor_line", "MIN_SAMPLES"]
+           "l2_rotation", "empty_kernel_floor", "launch_floor", "floor_line", "MIN_SAMPLES"]
 
 # Fewer samples than this make p20/p80 meaningless; below it the time budget is ignored.
 MIN_SAMPLES = 10
@@ -219,19 +220,39 @@ def l2_bytes(device: torch.device) -> int:
     return int(size) if size else DEFAULT_L2_BYTES
 
 
+def empty_kernel_floor(replays: int = 50, calls: int = 20) -> float:
+    """Seconds per call of an empty NVRTC kernel (``floor.cu``, one thread) on the current GPU,
+    launched as the cuda implementations launch (with programmatic dependent launch where it is
+    on and the GPU takes it): ``calls`` calls in one CUDA graph, the median over ``replays``."""
+    from ..kernels import nvrtc
+
+    index = torch.cuda.current_device()
+    nvrtc.cuda_core().Device(index).set_current()
+    arch, _ = nvrtc.device_arch(index)
+    pdl = nvrtc.pdl_on() and nvrtc.pdl_capable(index)
+    kernel = _floor_source().kernel(arch, "kvw_empty", (nvrtc.PDL_MACRO,) if pdl else ())
+    config = nvrtc.launch_config(1, 1, 1, 1, pdl)
+    return time_device(lambda i: nvrtc.launch(index, config, kernel), calls, replays,
+                       graph=True).median
+
+
+@functools.cache
+def _floor_source():
+    from ..kernels import nvrtc
+
+    return nvrtc.KernelSource(__package__, "floor.cu", "kvwrite_floor")
+
+
 def launch_floor(device: torch.device) -> float | None:
-    """Seconds per call of an empty NVRTC kernel launched as the cuda implementations launch on
-    ``device`` (with programmatic dependent launch where they take it), timed as the benchmarks
+    """Seconds per call of :func:`empty_kernel_floor` on ``device``, timed as the benchmarks
     time (20 calls per CUDA graph, median): the floor under any small call, measured in the same
     run. None off CUDA or where the cuda implementations cannot run."""
     from ..kernels import nvrtc
 
     if device.type != "cuda" or nvrtc.setup_reason() is not None:
         return None
-    from .probes import common
-
     with torch.cuda.device(device):
-        return common.empty_kernel_floor()
+        return empty_kernel_floor()
 
 
 def floor_line(floor: float | None) -> str:

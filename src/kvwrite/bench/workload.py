@@ -5,7 +5,7 @@ Input sets follow vLLM's benchmark recipe: after seeding every RNG with 42, ``ke
 are ``torch.randn`` rows, the slots are ``random.sample(range(num_blocks * block_size), T)``
 (unique), and ``k_scale = key.amax() / 64`` (same for v), a float32 tensor. Set 0 is exactly vLLM's
 set; further sets (for L2 rotation) continue the same random streams. Other slot patterns
-(``case.slots``: decode, prefill, mixed, padding; :mod:`kvwrite.bench.slots`) replace only the
+(``case.slots``: decode, prefill, mixed, padding; :mod:`kvwrite.testing.slots`) replace only the
 slots; key and value are drawn as above.
 
 Caches are allocated as vLLM's benchmark does (one allocation per layer, K and V blocks
@@ -27,7 +27,7 @@ import torch
 from ..dtypes import CacheDType
 from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
 from ..testing.cases import Case
-from .slots import make_slots
+from ..testing.slots import make_slots
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
            "make_input_sets", "SEED"]

@@ -14,10 +14,10 @@ import itertools
 
 import torch
 
-from ..bench.slots import SlotPattern
 from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
 from .compare import storage_bytes
+from .slots import SlotPattern
 
 __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
            "reciprocal_traps"]
@@ -46,7 +46,7 @@ class Case:
     out_of_range_slots: int = 0
     # fp8 special values (NaN, ±inf, ±0, subnormals, past the maximum) in the inputs.
     special_values: bool = False
-    # The benchmark's slot pattern (kvwrite.bench.slots): random (vLLM's), decode, prefill, mixed,
+    # The benchmark's slot pattern (kvwrite.testing.slots): random (vLLM's), decode, prefill, mixed,
     # with its padding fraction. make_inputs (the tests' recipe) uses padding_slots instead.
     slots: SlotPattern = SlotPattern()
 

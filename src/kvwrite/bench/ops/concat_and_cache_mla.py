@@ -21,14 +21,21 @@ import numpy as np
 import torch
 
 from ... import registry
-from ...bench import timing
-from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
+from ...ops.concat_and_cache_mla import (
+    OP,
+    DsMlaScale,
+    MlaMode,
+    create_mla_cache,
+    parse_mla_mode,
+    validate,
+)
+from ...ops.concat_and_cache_mla import reference as torch_ref
+from ...ops.concat_and_cache_mla.op import DEFAULT_DS_MLA_SCALE, parse_ds_mla_scale
 from ...testing.mla import mla_differing_bytes
-from . import OP, DsMlaScale, MlaMode, create_mla_cache, parse_mla_mode, validate
-from . import reference as torch_ref
-from .op import DEFAULT_DS_MLA_SCALE, parse_ds_mla_scale
+from ...testing.slots import SlotPattern, make_slots
+from .. import timing
+from ..engine import OpBench, Skip, parse_list, slot_pattern
 
 __all__ = ["BENCH", "run_benchmark", "make_sets", "bytes_moved"]
 

@@ -38,17 +38,19 @@ import random
 import torch
 
 from ... import fused_qk_norm_rope, reshape_and_cache_flash
-from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.models import MODELS
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
 from ...layouts import parse_layout_names
+from ...ops.fused_qk_norm_rope import OP as NORM_ROPE
+from ...ops.fused_qk_norm_rope_and_reshape_cache_flash import OP as FUSED
+from ...ops.fused_qk_norm_rope_and_reshape_cache_flash import (
+    fused_qk_norm_rope_and_reshape_cache_flash,
+)
+from ...ops.reshape_and_cache_flash import OP as WRITE
 from ...testing.rope import cos_sin_table
-from ..fused_qk_norm_rope import OP as NORM_ROPE
-from ..fused_rope_and_reshape_cache_flash.bench import make_caches
-from ..reshape_and_cache_flash import OP as WRITE
-from . import OP as FUSED
-from . import fused_qk_norm_rope_and_reshape_cache_flash
+from ...testing.slots import SlotPattern, make_slots
+from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ..models import MODELS
+from .fused_rope_and_reshape_cache_flash import make_caches
 
 __all__ = ["BENCH", "PRESETS"]
 

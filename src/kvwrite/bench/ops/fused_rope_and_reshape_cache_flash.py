@@ -30,16 +30,16 @@ import sys
 
 import torch
 
-from ...bench import engine, report
-from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.models import get_model, serving_flags
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
 from ...layouts import allocate_kv_cache, fill_uniform, layout_alloc, parse_layout_names
+from ...ops.fused_rope_and_reshape_cache_flash import OP as FUSED
+from ...ops.reshape_and_cache_flash import OP as WRITE
+from ...ops.rotary_embedding import OP as ROPE
 from ...testing.rope import cos_sin_table
-from ..reshape_and_cache_flash import OP as WRITE
-from ..rotary_embedding import OP as ROPE
-from . import OP as FUSED
+from ...testing.slots import SlotPattern, make_slots
+from .. import engine, report
+from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ..models import get_model, serving_flags
 
 __all__ = ["BENCH", "Point", "point_bytes", "set_footprint", "make_sets", "vllm_main"]
 

@@ -34,14 +34,14 @@ from ... import (
     gather_and_maybe_dequant_cache,
     gather_cache_flash,
 )
-from ...bench.engine import OpBench, compare_with_reference, parse_list
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
-from ..concat_and_cache_mla.op import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_PE_OFFSET
-from ..cp_gather_and_upconvert_fp8_kv_cache import OP as UPCONVERT
-from ..cp_gather_cache import OP as CP
-from ..cp_gather_indexer_k_quant_cache import OP as INDEXER
-from ..gather_and_maybe_dequant_cache import OP as DEQUANT
-from . import OP as FLASH
+from ...ops.concat_and_cache_mla.op import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_PE_OFFSET
+from ...ops.cp_gather_and_upconvert_fp8_kv_cache import OP as UPCONVERT
+from ...ops.cp_gather_cache import OP as CP
+from ...ops.cp_gather_indexer_k_quant_cache import OP as INDEXER
+from ...ops.gather_and_maybe_dequant_cache import OP as DEQUANT
+from ...ops.gather_cache_flash import OP as FLASH
+from ..engine import OpBench, compare_with_reference, parse_list
 
 __all__ = ["BENCH"]
 

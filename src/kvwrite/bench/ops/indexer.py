@@ -18,11 +18,17 @@ import numpy as np
 import torch
 
 from ... import registry
-from ...bench.engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
-from . import OP, create_indexer_k_cache, entry_size, parse_scale_fmt, validate
-from .op import ScaleFormat, check_group_size
+from ...ops.indexer_k_quant_and_cache import (
+    OP,
+    create_indexer_k_cache,
+    entry_size,
+    parse_scale_fmt,
+    validate,
+)
+from ...ops.indexer_k_quant_and_cache.op import ScaleFormat, check_group_size
+from ...testing.slots import SlotPattern, make_slots
+from ..engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
 
 __all__ = ["BENCH"]
 

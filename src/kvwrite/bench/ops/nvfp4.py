@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from ... import registry
-from ...bench.engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, CacheDType
 from ...layouts import create_kv_caches_with_random_flash, parse_layout_names
-from ..reshape_and_cache_flash import OP as WRITE
-from . import OP, flash_run_args, page_bytes
+from ...ops.nvfp4 import OP, flash_run_args, page_bytes
+from ...ops.reshape_and_cache_flash import OP as WRITE
+from ...testing.slots import SlotPattern, make_slots
+from ..engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
 
 __all__ = ["BENCH"]
 

@@ -20,17 +20,23 @@ import numpy as np
 import torch
 
 from ... import registry
-from ...bench.engine import OpBench, Skip, parse_list, slot_pattern
-from ...bench.models import get_model, heads_per_rank, model_cache_blocks, serving_flags
-from ...bench.slots import SlotPattern, make_slots
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
 from ...layouts import parse_layout_names
+from ...ops.reshape_and_cache_flash_per_token_head_quant import (
+    OP,
+    PerTokenHeadMode,
+    create_per_token_head_caches,
+    parse_kv_quant_mode,
+    validate,
+)
 from ...testing.per_token_head import (
     assert_pth_caches_equal,
     check_roundtrip,
     clone_pth_caches,
 )
-from . import OP, PerTokenHeadMode, create_per_token_head_caches, parse_kv_quant_mode, validate
+from ...testing.slots import SlotPattern, make_slots
+from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ..models import get_model, heads_per_rank, model_cache_blocks, serving_flags
 
 __all__ = ["BENCH"]
 

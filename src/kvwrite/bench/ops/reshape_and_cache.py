@@ -14,10 +14,10 @@ import dataclasses
 import torch
 
 from ... import registry
-from ...bench.engine import Skip, compare_with_reference
-from ...bench.workload import make_input_sets
-from ..reshape_and_cache_flash.bench import ReshapeAndCacheFlashBench
-from . import OP, create_legacy_kv_cache, validate
+from ...ops.reshape_and_cache import OP, create_legacy_kv_cache, validate
+from ..engine import Skip, compare_with_reference
+from ..workload import make_input_sets
+from .reshape_and_cache_flash import ReshapeAndCacheFlashBench
 
 __all__ = ["BENCH"]
 

@@ -18,20 +18,20 @@ import math
 import torch
 
 from ... import registry
-from ...bench import timing
-from ...bench.check import SNAPSHOT_BYTES, check_point
-from ...bench.engine import OpBench, Skip, slot_pattern
-from ...bench.models import get_model, heads_per_rank, model_cache_blocks, serving_flags
-from ...bench.workload import (
+from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, parse_kv_cache_dtype, parse_model_dtype
+from ...layouts import layout_alloc, parse_layout_names
+from ...ops.reshape_and_cache_flash import OP, validate
+from .. import timing
+from ..check import SNAPSHOT_BYTES, check_point
+from ..engine import OpBench, Skip, slot_pattern
+from ..models import get_model, heads_per_rank, model_cache_blocks, serving_flags
+from ..workload import (
     CHUNK_BYTES,
     Case,
     fill_caches,
     make_caches,
     make_input_sets,
 )
-from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, parse_kv_cache_dtype, parse_model_dtype
-from ...layouts import layout_alloc, parse_layout_names
-from . import OP, validate
 
 __all__ = ["BENCH", "run_benchmark", "DTYPES", "HEAD_SIZES"]
 

@@ -119,7 +119,7 @@ def one_request(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) ->
 
 
 def per_sequence(sequences, block_size: int, device: torch.device | str = "cpu") -> dict:
-    """FlashInfer's arguments for a slot pattern's sequences (``kvwrite.bench.slots.Sequence``:
+    """FlashInfer's arguments for a slot pattern's sequences (``kvwrite.testing.slots.Sequence``:
     block table, start, num_new), in token order: each sequence is one request."""
     batch, pos, indices, indptr, last = [], [], [], [0], []
     for b, s in enumerate(sequences):
