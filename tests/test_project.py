@@ -358,3 +358,69 @@ def test_testing_md_counts_what_the_triton_interpreter_refuses():
     bf16 = block.splitlines()[-1].split("|")[3].strip()
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"on bfloat16 rows it refuses {bf16} of {total} op × mode calls" in readme
+
+
+# --- layers (issue 43): one direction of imports -------------------------------------------------
+
+def test_ci_checks_the_import_layers():
+    # The layers are import-linter's contract in pyproject.toml ([tool.importlinter]); CI runs
+    # `lint-imports` after ruff, with import-linter from the test extra.
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ".venv/bin/lint-imports" in ci
+    assert "import-linter" in {re.split(r"[<>=;\[ ]", spec, maxsplit=1)[0]
+                               for spec in _dependencies("test")}
+
+
+def _other_op_privates(path: Path) -> list[str]:
+    """Names with a leading underscore that the module at ``path`` (under src/kvwrite/ops/<op>/)
+    takes from another op's package: imported (``from ..b.x import _y``, ``from ..b import _x``,
+    ``import kvwrite.ops.b._x``) or read off another op's module (``b._x``)."""
+    import ast
+
+    rel = path.relative_to(ROOT / "src").with_suffix("")
+    parts = list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    package = parts if rel.name == "__init__" else parts[:-1]
+    own = parts[2]  # kvwrite.ops.<own>...
+
+    def other_op(module: list[str]) -> str | None:
+        if module[:2] == ["kvwrite", "ops"] and len(module) > 2 and module[2] != own:
+            return module[2]
+        return None
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    tree = ast.parse(path.read_text(), str(path))
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                target = module + [alias.name]
+                op = other_op(module) or other_op(target)
+                if op is None:
+                    continue
+                if any(private(p) for p in target[3:]):
+                    found.append(f"{'.'.join(module)} import {alias.name}")
+                else:
+                    aliases[alias.asname or alias.name] = ".".join(target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                module = alias.name.split(".")
+                if other_op(module) and any(private(p) for p in module[3:]):
+                    found.append(f"import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and private(node.attr)):
+            found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_op_imports_another_ops_private_name():
+    # What two ops share moves down (core or kernels/); an op may use another op's public names
+    # only (CONTRIBUTING.md, "Layers").
+    ops = ROOT / "src" / "kvwrite" / "ops"
+    found = {f"{p.relative_to(ops)}: {name}" for p in sorted(ops.rglob("*.py"))
+             if p.parent != ops for name in _other_op_privates(p)}
+    assert not found, "\n".join(sorted(found))
