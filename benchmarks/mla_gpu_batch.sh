@@ -17,6 +17,6 @@ for kv in ${MODES:-auto fp8 fp8_e5m2 fp8_ds_mla}; do
     grep -h "wall\|Error\|error" "$OUT/mla_${kv}_${l2}.err" | tee -a "$OUT/bench.log"
   done
 done
-timeout 100 python3 -m kvwrite.bench probe mla 2>&1 | tee -a "$OUT/bench.log"
+timeout 100 python3 -m tools.probes mla 2>&1 | tee -a "$OUT/bench.log"
 # The run returns few files: the JSON files and the progress logs travel as one archive.
 (cd "$OUT" && tar -czf runs.tgz mla_*.json mla_*.err && rm -f mla_*.json mla_*.err)

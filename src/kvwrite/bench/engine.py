@@ -1,5 +1,5 @@
-"""The one benchmark engine: every op's benchmark is a short definition (:class:`OpBench`, in the
-op's folder as ``ops/<op>/bench.py``) run by this module.
+"""The one benchmark engine: every op's benchmark is a short definition (:class:`OpBench`, in
+:mod:`kvwrite.bench.ops`, one module per subcommand) run by this module.
 
 The engine owns everything that is the same for every op:
 
