@@ -27,7 +27,7 @@ from kvwrite.testing.qk_norm import (
     make_qk_norm_inputs,
 )
 
-__all__ = ["CASES", "cases", "run_case"]
+__all__ = ["CASES", "cases", "run_case", "sides", "with_large_builds"]
 
 CASES = [
     QkNormCase(num_tokens=9, bad_positions=4, extra_rows=5, pos_dtype=torch.int32),
@@ -50,21 +50,36 @@ CASES = [
 ]
 
 
+def sides(case: QkNormCase, cuda_impl, reference, large: bool) -> list[tuple]:
+    """``[(want, run), (got, run)]``: the torch reference on the CPU and the cuda implementation
+    on the GPU (with ``large``, in its large-call build whatever the call's size) over ``case``'s
+    inputs, built once on the CPU and moved whole (every allocation once, its views re-created),
+    so that the two sides have the same allocations, views and bytes to start from. For both
+    QK-norm ops."""
+    tuning = dataclasses.replace(cuda_impl.TUNING, large_call_bytes=0) if large else \
+        cuda_impl.TUNING
+    want = make_qk_norm_inputs(case, "cpu")
+    got = clone_inputs(want, "cuda")
+    return [(want, reference.run), (got, functools.partial(cuda_impl.run, tuning=tuning))]
+
+
+def with_large_builds(cases: list[QkNormCase], run_case) -> list[tuple[str, Callable]]:
+    """Each case in the build its call takes, and (but for those of more tokens than a wave,
+    which take it anyway) in the large-call build (id suffix "-large"). For both QK-norm ops."""
+    out = [(case.id, lambda case=case: run_case(case)) for case in cases]
+    out += [(case.id + "-large", lambda case=case: run_case(case, large=True)) for case in cases
+            if case.num_tokens < 10_000]
+    return out
+
+
 def run_case(case: QkNormCase, large: bool = False) -> str | None:
     """None when the cuda implementation writes the torch reference's bytes for ``case``; with
     ``large``, in its large-call build whatever the call's size."""
     from kvwrite.ops.fused_qk_norm_rope import cuda_impl, reference
     from kvwrite.ops.fused_qk_norm_rope.op import validate
 
-    tuning = dataclasses.replace(cuda_impl.TUNING, large_call_bytes=0) if large else \
-        cuda_impl.TUNING
-
-    # One build on the CPU, moved whole (every allocation once, its views re-created), so that
-    # the two sides have the same allocations, views and bytes to start from.
-    want = make_qk_norm_inputs(case, "cpu")
-    got = clone_inputs(want, "cuda")
-    for inp, run in ((want, reference.run),
-                     (got, functools.partial(cuda_impl.run, tuning=tuning))):
+    (want, _), (got, _) = pairs = sides(case, cuda_impl, reference, large)
+    for inp, run in pairs:
         view, eps, offset = validate(*inp.norm_args(), weight_offset=inp.weight_offset)
         if inp.position_ids.numel():
             run(view, inp.num_heads_q, inp.num_heads_k, eps, inp.q_weight, inp.k_weight,
@@ -74,9 +89,4 @@ def run_case(case: QkNormCase, large: bool = False) -> str | None:
 
 
 def cases() -> list[tuple[str, Callable[[], str | None]]]:
-    """Each case in the build its call takes, and (but for the one of more tokens than a wave,
-    which takes it anyway) in the large-call build."""
-    out = [(case.id, lambda case=case: run_case(case)) for case in CASES]
-    out += [(case.id + "-large", lambda case=case: run_case(case, large=True)) for case in CASES
-            if case.num_tokens < 10_000]
-    return out
+    return with_large_builds(CASES, run_case)

@@ -16,19 +16,14 @@ qkv's allocation, int32 slots and positions, and more tokens than one resident w
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 
 from kvwrite.layouts import KVAlloc, Layout
-from kvwrite.testing.qk_norm import (
-    QkNormCase,
-    clone_inputs,
-    differences,
-    make_qk_norm_inputs,
-)
+from kvwrite.testing.qk_norm import QkNormCase, differences
+
+from .fused_qk_norm_rope import sides, with_large_builds
 
 __all__ = ["CASES", "cases", "run_case"]
 
@@ -67,15 +62,8 @@ def run_case(case: QkNormCase, large: bool = False) -> str | None:
     from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl, reference
     from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.op import validate
 
-    tuning = dataclasses.replace(cuda_impl.TUNING, large_call_bytes=0) if large else \
-        cuda_impl.TUNING
-
-    # One build on the CPU, moved whole (every allocation once, its views re-created), so that
-    # the two sides have the same allocations, views and bytes to start from.
-    want = make_qk_norm_inputs(case, "cpu")
-    got = clone_inputs(want, "cuda")
-    for inp, run in ((want, reference.run),
-                     (got, functools.partial(cuda_impl.run, tuning=tuning))):
+    (want, _), (got, _) = pairs = sides(case, cuda_impl, reference, large)
+    for inp, run in pairs:
         view, eps, offset, cache_dtype, qo, qs = validate(*inp.fused_args(),
                                                           **inp.fused_kwargs())
         scales = (inp.k_scale, inp.v_scale) if cache_dtype.is_fp8 else (None, None)
@@ -89,9 +77,5 @@ def run_case(case: QkNormCase, large: bool = False) -> str | None:
 
 
 def cases() -> list[tuple[str, Callable[[], str | None]]]:
-    """Each case in the build its call takes, and (but for the one of more tokens than a wave,
-    which takes it anyway) in the large-call build."""
-    out = [(case.id, lambda case=case: run_case(case)) for case in CASES]
-    out += [(case.id + "-large", lambda case=case: run_case(case, large=True)) for case in CASES
-            if case.num_tokens < 10_000]
-    return out
+    """Each case in the build its call takes, and in the large-call build (as the norm op's)."""
+    return with_large_builds(CASES, run_case)

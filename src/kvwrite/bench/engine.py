@@ -46,7 +46,7 @@ from .report import Row, format_table, series_label
 __all__ = ["OpBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Parser", "main",
            "configure", "sweep", "render", "parse_num_tokens", "parse_list", "parse_device",
            "check_output_path", "given_flags", "normalize_flags", "add_slot_flags",
-           "slot_pattern", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
+           "slot_pattern", "point_sets", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
            "OutOfMemoryError", "compare_with_reference"]
 
 COPY_BYTES = 2**30
@@ -94,8 +94,9 @@ class OpBench:
     """
 
     name: str = ""                   # the subcommand
-    aliases: tuple[str, ...] = ()
-    summary: str = ""                # one line in `kvwrite-bench --help`
+    # The subcommand's aliases and its line in `kvwrite-bench --help` are the op's
+    # registry.BenchCommand (kvwrite.bench.cli lists the registry's).
+    summary: str = ""                # the parser's description where `description` is empty
     description: str = ""            # the subcommand's --help
     op: str = ""                     # the registry op whose implementations --implementation names
     kinds: tuple[str, ...] = ()      # () means one kind, named after the op
@@ -366,6 +367,17 @@ def add_slot_flags(parser: argparse.ArgumentParser) -> None:
 # does not read it is a usage error, never silently ignored.
 SLOT_FLAGS = {"random": (), "decode": ("context_len",), "prefill": ("prefill_len",),
               "mixed": ("context_len", "decode_fraction", "decode_tokens")}
+
+
+def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -> list[tuple]:
+    """:func:`kvwrite.bench.workload.slot_sets` for a point with ``slots`` (its pattern),
+    ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
+    from .workload import slot_sets
+
+    try:
+        return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)
+    except ValueError as e:  # the slot pattern does not fit the cache
+        raise Skip(str(e)) from None
 
 
 def slot_pattern(args: argparse.Namespace, max_position: int | None = None) -> SlotPattern:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from ..testing.cases import Case
 from ..testing.slots import make_slots
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
-           "make_input_sets", "SEED"]
+           "make_input_sets", "slot_sets", "key_value_rows", "seed_everything", "SEED"]
 
 SEED = 42
 LAYOUTS = LAYOUT_NAMES
@@ -72,6 +73,27 @@ def seed_everything(seed: int = SEED) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def key_value_rows(p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normal key and value rows ``[num_tokens, num_heads, head_size]`` of point ``p``'s dtype."""
+    key = torch.randn(p.num_tokens, p.num_heads, p.head_size, dtype=p.dtype, device=device)
+    return key, torch.randn_like(key)
+
+
+def slot_sets(pattern, num_tokens: int, num_blocks: int, block_size: int, count: int,
+              device: torch.device, rows: Callable[[], tuple]) -> list[tuple]:
+    """``count`` input sets: every generator seeded (:func:`seed_everything`), then set i =
+    ``(*rows(), slots)``, ``slots`` the int64 slots of ``pattern``'s set i on ``device`` (drawn
+    after the rows, so that set 0 of the random pattern is vLLM's). Raises ValueError where the
+    pattern does not fit the cache."""
+    seed_everything()
+    sets = []
+    for i in range(count):
+        tensors = rows()
+        batch = make_slots(pattern, num_tokens, num_blocks, block_size, set_index=i)
+        sets.append((*tensors, torch.from_numpy(batch.slots).to(device)))
+    return sets
 
 
 def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.device,

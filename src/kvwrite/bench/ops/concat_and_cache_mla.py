@@ -15,9 +15,7 @@ Bytes per call: ``n*(L+P)*in_bytes + n*entry_bytes + T*8`` (n = T less the paddi
 from __future__ import annotations
 
 import dataclasses
-import random
 
-import numpy as np
 import torch
 
 from ... import registry
@@ -33,13 +31,13 @@ from ...ops.concat_and_cache_mla import (
 from ...ops.concat_and_cache_mla import reference as torch_ref
 from ...ops.concat_and_cache_mla.op import DEFAULT_DS_MLA_SCALE, parse_ds_mla_scale
 from ...testing.mla import mla_differing_bytes
-from ...testing.slots import SlotPattern, make_slots
+from ...testing.slots import SlotPattern
 from .. import timing
 from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ..workload import slot_sets
 
 __all__ = ["BENCH", "run_benchmark", "make_sets", "bytes_moved"]
 
-SEED = 42
 SCALE = 0.1
 KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]
 
@@ -74,22 +72,17 @@ def make_sets(num_tokens: int, L: int, P: int, dtype: torch.dtype, strided: bool
     if num_tokens > num_slots:
         raise ValueError(f"num_tokens: expected at most num_blocks * block_size = {num_slots}, "
                          f"got {num_tokens}")
-    random.seed(SEED)
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
-    sets = []
-    for i in range(count):
+
+    def rows() -> tuple[torch.Tensor, torch.Tensor]:
         if strided:
             latent = torch.randn(num_tokens, L + P, dtype=dtype, device=device)
             kv_c = torch.randn(num_tokens, L, dtype=dtype, device=device)
-            k_pe = latent[:, L:]
-        else:
-            kv_c = torch.randn(num_tokens, L, dtype=dtype, device=device)
-            k_pe = torch.randn(num_tokens, P, dtype=dtype, device=device)
-        batch = make_slots(pattern or SlotPattern(), num_tokens, num_blocks, block_size,
-                           set_index=i)
-        sets.append(InputSet(kv_c, k_pe, torch.from_numpy(batch.slots).to(device)))
-    return sets
+            return kv_c, latent[:, L:]
+        return (torch.randn(num_tokens, L, dtype=dtype, device=device),
+                torch.randn(num_tokens, P, dtype=dtype, device=device))
+
+    return [InputSet(*s) for s in slot_sets(pattern or SlotPattern(), num_tokens, num_blocks,
+                                            block_size, count, device, rows)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +102,6 @@ class Point:
 
 class ConcatAndCacheMlaBench(OpBench):
     name = OP
-    aliases = ("mla",)
     summary = "the MLA latent cache write"
     description = ("Benchmark concat_and_cache_mla (the MLA latent cache write): vLLM's flags, "
                    "sweep and table, plus device timing, several implementations side by side, "

@@ -112,7 +112,6 @@ def point_bytes(p: Point, kind: str) -> int:
 
 class QkNormRopeBench(OpBench):
     name = FUSED
-    aliases = ("qk-norm-rope",)
     summary = "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone"
     description = ("Benchmark fused_qk_norm_rope_and_reshape_cache_flash against kvwrite's "
                    "unfused sequence (fused_qk_norm_rope, then reshape_and_cache_flash) and "

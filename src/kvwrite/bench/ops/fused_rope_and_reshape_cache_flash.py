@@ -200,7 +200,6 @@ def parse_heads(text: str) -> list[tuple[int, int, int]]:
 
 class FusedRopeBench(OpBench):
     name = FUSED
-    aliases = ("rope",)
     summary = "RoPE + cache write: fused, the unfused pair, rotary_embedding alone"
     description = ("Benchmark fused_rope_and_reshape_cache_flash against kvwrite's unfused pair "
                    "(rotary_embedding + reshape_and_cache_flash) and rotary_embedding alone.")

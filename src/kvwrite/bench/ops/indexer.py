@@ -12,9 +12,7 @@ written, the slots).
 from __future__ import annotations
 
 import dataclasses
-import random
 
-import numpy as np
 import torch
 
 from ... import registry
@@ -27,12 +25,11 @@ from ...ops.indexer_k_quant_and_cache import (
     validate,
 )
 from ...ops.indexer_k_quant_and_cache.op import ScaleFormat, check_group_size
-from ...testing.slots import SlotPattern, make_slots
-from ..engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
+from ...testing.slots import SlotPattern
+from ..engine import OpBench, compare_with_reference, parse_list, point_sets, slot_pattern
 
 __all__ = ["BENCH"]
 
-SEED = 42
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +50,6 @@ class Point:
 
 class IndexerBench(OpBench):
     name = OP
-    aliases = ("indexer",)
     summary = ("DeepSeek-V3.2's indexer key write (fp8 codes + group scales, ue8m0, mxfp8 or "
                "float32)")
     description = ("Benchmark indexer_k_quant_and_cache: the lightning indexer's key quantized to "
@@ -136,18 +132,8 @@ class IndexerBench(OpBench):
         return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
-        random.seed(SEED)
-        np.random.seed(SEED)
-        torch.manual_seed(SEED)
-        sets = []
-        for i in range(count):
-            k = torch.randn(p.num_tokens, p.head_dim, dtype=p.dtype, device=device)
-            try:
-                batch = make_slots(p.slots, p.num_tokens, p.num_blocks, p.block_size,
-                                   set_index=i)
-            except ValueError as e:  # the slot pattern does not fit the cache
-                raise Skip(str(e)) from None
-            sets.append((k, torch.from_numpy(batch.slots).to(device)))
+        sets = point_sets(p, count, device, lambda: (
+            torch.randn(p.num_tokens, p.head_dim, dtype=p.dtype, device=device),))
         cache = create_indexer_k_cache(p.num_blocks, p.block_size, p.head_dim,
                                        p.quant_block_size, device)
         validate(sets[0][0], cache, sets[0][1], p.quant_block_size, p.scale_fmt)

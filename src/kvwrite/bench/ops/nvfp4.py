@@ -15,9 +15,7 @@ Bytes per call: nvfp4 ``n*H*2*D*in_bytes + n*H*2*(D/2 + D/16) + T*8``; fp8
 from __future__ import annotations
 
 import dataclasses
-import random
 
-import numpy as np
 import torch
 
 from ... import registry
@@ -25,8 +23,9 @@ from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, CacheDType
 from ...layouts import create_kv_caches_with_random_flash, parse_layout_names
 from ...ops.nvfp4 import OP, flash_run_args, page_bytes
 from ...ops.reshape_and_cache_flash import OP as WRITE
-from ...testing.slots import SlotPattern, make_slots
-from ..engine import OpBench, Skip, compare_with_reference, parse_list, slot_pattern
+from ...testing.slots import SlotPattern
+from ..engine import OpBench, compare_with_reference, parse_list, point_sets, slot_pattern
+from ..workload import key_value_rows
 
 __all__ = ["BENCH"]
 
@@ -147,20 +146,7 @@ class Nvfp4Bench(OpBench):
         return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
-        random.seed(SEED)
-        np.random.seed(SEED)
-        torch.manual_seed(SEED)
-        sets = []
-        for i in range(count):
-            key = torch.randn(p.num_tokens, p.num_heads, p.head_size, dtype=p.dtype,
-                              device=device)
-            value = torch.randn_like(key)
-            try:
-                batch = make_slots(p.slots, p.num_tokens, p.num_blocks, p.block_size,
-                                   set_index=i)
-            except ValueError as e:  # the slot pattern does not fit the cache
-                raise Skip(str(e)) from None
-            sets.append((key, value, torch.from_numpy(batch.slots).to(device)))
+        sets = point_sets(p, count, device, lambda: key_value_rows(p, device))
         key, value, _ = sets[0]
         k4 = (key.abs().amax().float() / (6 * 448)).reshape(1)
         v4 = (value.abs().amax().float() / (6 * 448)).reshape(1)

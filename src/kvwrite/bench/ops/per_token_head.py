@@ -14,9 +14,7 @@ read, codes and one 4-byte scale per (token, head) written, K and V; the slots).
 from __future__ import annotations
 
 import dataclasses
-import random
 
-import numpy as np
 import torch
 
 from ... import registry
@@ -34,13 +32,13 @@ from ...testing.per_token_head import (
     check_roundtrip,
     clone_pth_caches,
 )
-from ...testing.slots import SlotPattern, make_slots
-from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ...testing.slots import SlotPattern
+from ..engine import OpBench, parse_list, point_sets, slot_pattern
 from ..models import get_model, heads_per_rank, model_cache_blocks, serving_flags
+from ..workload import key_value_rows
 
 __all__ = ["BENCH"]
 
-SEED = 42
 MODES = ("int8", "fp8", "int4")
 
 
@@ -65,7 +63,6 @@ class Point:
 
 class PerTokenHeadBench(OpBench):
     name = OP
-    aliases = ("per-token-head",)
     summary = "per-(token, head) quantized cache write: int8, fp8, int4 with scales beside rows"
     description = ("Benchmark reshape_and_cache_flash_per_token_head_quant: each (token, head) "
                    "row of K and V quantized with its own scale, computed in the kernel, codes "
@@ -182,20 +179,7 @@ class PerTokenHeadBench(OpBench):
         return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
-        random.seed(SEED)
-        np.random.seed(SEED)
-        torch.manual_seed(SEED)
-        sets = []
-        for i in range(count):
-            key = torch.randn(p.num_tokens, p.num_heads, p.head_size, dtype=p.dtype,
-                              device=device)
-            value = torch.randn_like(key)
-            try:
-                batch = make_slots(p.slots, p.num_tokens, p.num_blocks, p.block_size,
-                                   set_index=i)
-            except ValueError as e:  # the slot pattern does not fit the cache
-                raise Skip(str(e)) from None
-            sets.append((key, value, torch.from_numpy(batch.slots).to(device)))
+        sets = point_sets(p, count, device, lambda: key_value_rows(p, device))
         caches = create_per_token_head_caches(p.num_blocks, p.block_size, p.num_heads,
                                               p.head_size, p.mode, cache_layout=p.layout,
                                               kv_alloc=p.kv_alloc, device=device)

@@ -24,7 +24,6 @@ __all__ = ["BENCH"]
 
 class ReshapeAndCacheBench(ReshapeAndCacheFlashBench):
     name = OP
-    aliases = ("legacy",)
     summary = "the legacy paged-attention cache write (x-packed key layout)"
     description = ("Benchmark reshape_and_cache (the legacy paged-attention layout): the seed "
                    "benchmark's flags and points with key [num_blocks, H, D/x, block_size, x] and "
