@@ -739,7 +739,7 @@ def test_gpu_large_calls(op, impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_sanitize_cases(op):
-    """Each op's memcheck cases (``ops/<op>/sanitize.py``) pass without the memory checker too."""
+    """Each op's memcheck cases (``tools/sanitize/<op>.py``) pass without the memory checker too."""
     _gpu(op)
     mod = importlib.import_module(f"tools.sanitize.{op}")
     failed = [(cid, msg) for cid, fn in mod.cases() if (msg := fn()) is not None]

@@ -1825,8 +1825,9 @@ def test_roundtrip_reads_back_in_chunks(monkeypatch):
 def test_sanitize_case_runner_compares_whole_allocations(monkeypatch):
     """run_case's plumbing on the CPU: with the cuda kernel stood in for by the reference it
     reports nothing, with a writer that skips a token it reports the difference."""
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl, sanitize
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl
     from kvwrite.testing import per_token_head as pth
+    from tools.sanitize import reshape_and_cache_flash_per_token_head_quant as sanitize
     real = pth.make_pth_inputs
     monkeypatch.setattr(sanitize, "make_pth_inputs", lambda c, device: real(c, "cpu"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)

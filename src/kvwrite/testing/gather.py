@@ -660,7 +660,7 @@ def cuda_against_reference(op: str, build, args_of, outs_of, nan=False) -> str |
     inputs (``build(device)``; ``args_of(inputs)``, ``outs_of(inputs)``: the call's arguments and
     outputs); None when every output allocation is byte-equal (NaN-aware as
     :func:`assert_outputs_equal`'s ``nan_cols``), else what differs. For the sanitize cases of each
-    gather (``ops/<op>/sanitize.py``)."""
+    gather (``tools/sanitize/<op>.py``)."""
     from .. import ops
     fn = getattr(getattr(ops, op), op)
     gpu, cpu = build("cuda"), build("cpu")

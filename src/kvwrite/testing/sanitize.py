@@ -1,5 +1,5 @@
-"""What every op's memcheck cases share (``ops/<op>/sanitize.py``, run by ``kvwrite-bench
-sanitize`` under compute-sanitizer): a case is ``(id, run)``, where ``run()`` calls the op's cuda
+"""What every op's memcheck cases share (``tools/sanitize/<op>.py`` in the repository, run by
+``python -m tools.sanitize`` under compute-sanitizer): a case is ``(id, run)``, where ``run()`` calls the op's cuda
 implementation on the GPU over a bounds-stressing input and the torch reference on the CPU over
 the same input, and returns None when every output allocation holds the same bytes, else what
 differs (:func:`compare_outputs`)."""
