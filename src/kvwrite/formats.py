@@ -145,18 +145,6 @@ class Scale:
     group: int | None = None
     kind: object = None
 
-    def per_row(self, head_size: int, group: int | None = None) -> int:
-        """Bytes of this level's scales one row stores in the cache's memory."""
-        if self.placement is Placement.ARGUMENT:
-            return 0
-        if self.granularity is Granularity.TOKEN_HEAD:
-            return self.nbytes
-        n = self.group if self.group is not None else group
-        if n is None:
-            raise ValueError(f"group: {self.encoding} scales cover a block given by the writer's "
-                             f"argument; pass its size, got None")
-        return head_size // n * self.nbytes
-
 
 @dataclasses.dataclass(frozen=True)
 class Format:
@@ -176,28 +164,58 @@ class Format:
     entry_bytes: int | None = None
     head_size_multiple: int = 1
 
+    # Derived once (the writers ask per call): the element's bits (None: the input's), the bytes
+    # of stored per-row scales, and (bytes, elements) of each stored block scale.
+    _bits: int | None = dataclasses.field(init=False, repr=False, compare=False)
+    _row_scale_bytes: int = dataclasses.field(init=False, repr=False, compare=False)
+    _blocks: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stored = [s for s in self.scales if s.placement is not Placement.ARGUMENT]
+        derived = {
+            "_bits": self.element.bits,
+            "_row_scale_bytes": sum(s.nbytes for s in stored
+                                    if s.granularity is Granularity.TOKEN_HEAD),
+            "_blocks": tuple((s.nbytes, s.group) for s in stored
+                             if s.granularity is Granularity.BLOCK),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
     def storage_dtypes(self, input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         """The cache dtypes that fit this format for inputs of ``input_dtype``."""
         return (input_dtype,) if self.storage is None else self.storage
 
-    def element_bytes(self, input_dtype: torch.dtype | None = None) -> Fraction:
-        """Bytes of one element's code (1/2 for the 4-bit elements)."""
-        bits = self.element.bits
+    def element_bits(self, input_dtype: torch.dtype | None = None) -> int:
+        """Bits of one element's code (4 for the packed 4-bit elements)."""
+        bits = self._bits
         if bits is None:
             if input_dtype is None:
                 raise ValueError(f"input_dtype: format {self.name!r} stores the input's bits; "
                                  f"pass its dtype, got None")
             bits = 8 * input_dtype.itemsize
-        return Fraction(bits, 8)
+        return bits
+
+    def element_bytes(self, input_dtype: torch.dtype | None = None) -> Fraction:
+        """Bytes of one element's code (1/2 for the packed 4-bit elements)."""
+        return Fraction(self.element_bits(input_dtype), 8)
 
     def data_bytes(self, head_size: int, input_dtype: torch.dtype | None = None) -> int:
-        """Bytes of a row's codes."""
-        return int(head_size * self.element_bytes(input_dtype))
+        """Bytes of a row's codes (4-bit elements: an odd head size's last half byte is not
+        counted; the writers refuse odd head sizes there)."""
+        return head_size * self.element_bits(input_dtype) // 8
 
     def scale_bytes(self, head_size: int, group: int | None = None) -> int:
         """Bytes of the scales one row stores in the cache's memory (in the row, in its page or
         in a scale cache); ``group``: the writer's block size where the format takes one."""
-        return sum(s.per_row(head_size, group) for s in self.scales)
+        total = self._row_scale_bytes
+        for nbytes, n in self._blocks:
+            n = n if n is not None else group
+            if n is None:
+                raise ValueError(f"group: format {self.name!r} has a scale per block of the "
+                                 f"writer's size; pass it, got None")
+            total += head_size // n * nbytes
+        return total
 
     def row_bytes(self, head_size: int, input_dtype: torch.dtype | None = None,
                   group: int | None = None) -> int:
@@ -214,23 +232,14 @@ class Format:
             raise ValueError(f"row_bytes: format {self.name!r} has a fixed entry of "
                              f"{self.entry_bytes} bytes; its head size is not a function of it")
         per_element = self.element_bytes(input_dtype)
-        for s in self.scales:
-            if s.placement is Placement.ARGUMENT:
-                continue
-            if s.granularity is Granularity.BLOCK:
-                per_element += Fraction(s.nbytes, s.group if s.group is not None else group)
-        fixed = sum(s.nbytes for s in self.scales if s.granularity is Granularity.TOKEN_HEAD
-                    and s.placement is not Placement.ARGUMENT)
+        for nbytes, n in self._blocks:
+            per_element += Fraction(nbytes, n if n is not None else group)
+        fixed = self._row_scale_bytes
         d = (row_bytes - fixed) / per_element
         if d.denominator != 1 or d < 1 or d % self.head_size_multiple:
             return None
         d = int(d)
         return d if self.row_bytes(d, input_dtype, group) == row_bytes else None
-
-    @property
-    def scaled(self) -> bool:
-        """Whether the format has any scale."""
-        return bool(self.scales)
 
 
 # --- fp8_ds_mla's fixed geometry --------------------------------------------------------------

@@ -164,10 +164,8 @@ def fill_uniform(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: fl
 
 
 def _cache_torch_dtype(cache_dtype: CacheDType, model_dtype) -> torch.dtype:
-    if cache_dtype.is_fp8:
-        return torch.uint8
     if cache_dtype is not CacheDType.AUTO:
-        return cache_dtype.element_dtype(torch.float32)
+        return formats.lookup(cache_dtype.value).storage[0]  # vLLM's: uint8 for fp8
     if model_dtype is None:
         raise ValueError("model_dtype: required when cache_dtype is 'auto', got None")
     return parse_model_dtype(model_dtype, "model_dtype")

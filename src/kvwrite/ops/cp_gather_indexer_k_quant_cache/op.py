@@ -21,7 +21,8 @@ _SCALE_SLOT = formats.lookup("float32", formats.Family.INDEXER).scales[0].nbytes
 def scale_groups(dst_scale: torch.Tensor) -> int:
     """G, the scales per row: ``dst_scale.shape[1] / 4`` (uint8 bytes) or ``dst_scale.shape[1]``
     (float32)."""
-    return dst_scale.shape[1] // _SCALE_SLOT if dst_scale.dtype == torch.uint8 else dst_scale.shape[1]
+    g = dst_scale.shape[1]
+    return g // _SCALE_SLOT if dst_scale.dtype == torch.uint8 else g
 
 
 def validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> int:
@@ -41,7 +42,7 @@ def validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> int:
         raise ValueError(f"dst_scale: expected 2 dims [T_out, 4 * G] (uint8) or [T_out, G] "
                          f"(float32), got shape {_shape(dst_scale)}")
     if dst_scale.dtype == torch.uint8:
-        if dst_scale.shape[1] < 4 or dst_scale.shape[1] % 4:
+        if dst_scale.shape[1] < _SCALE_SLOT or dst_scale.shape[1] % _SCALE_SLOT:
             raise ValueError(f"dst_scale: expected [T_out, 4 * G] bytes with G >= 1 (uint8), got "
                              f"shape {_shape(dst_scale)}")
     elif dst_scale.dtype == torch.float32:

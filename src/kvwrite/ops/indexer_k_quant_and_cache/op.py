@@ -46,6 +46,11 @@ class ScaleFormat(enum.Enum):
         return self is not ScaleFormat.FLOAT32
 
     @property
+    def format(self) -> formats.Format:
+        """The scale format's cache format (kvwrite.formats): row bytes, scales, reader."""
+        return formats.lookup(self.value, formats.Family.INDEXER)
+
+    @property
     def exponent_bytes(self) -> bool:
         """Whether the 4 scale bytes hold the scale's UE8M0 exponent byte 4 times."""
         return self is ScaleFormat.MXFP8

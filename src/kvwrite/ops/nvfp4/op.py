@@ -335,10 +335,11 @@ def append_run_args(append_key, append_value, slot_mapping, paged_kv_cache, kv_c
     t_pad, num_heads, head_size = _check_inputs(append_key, append_value,
                                                 ("append_key", "append_value"), "NVFP4")
     order = "[P, page, H, {}]" if nhd else "[P, H, page, {}]"
-    k_data, v_data = _split_kv(paged_kv_cache, "paged_kv_cache", head_size // 2, torch.uint8,
-                               nhd, order.format(head_size // 2))
-    k_sf, v_sf = _split_kv(kv_cache_sf, "kv_cache_sf", head_size // GROUP, torch.float8_e4m3fn,
-                           nhd, order.format(head_size // GROUP))
+    row_data, row_scales = region_bytes(head_size)  # D/2 code bytes, D/16 scale bytes
+    k_data, v_data = _split_kv(paged_kv_cache, "paged_kv_cache", row_data, torch.uint8,
+                               nhd, order.format(row_data))
+    k_sf, v_sf = _split_kv(kv_cache_sf, "kv_cache_sf", row_scales, torch.float8_e4m3fn,
+                           nhd, order.format(row_scales))
     pages, page_size, heads = k_data.shape[:3]
     if heads != num_heads:
         raise ValueError(f"paged_kv_cache: expected {num_heads} heads (those of append_key), got "
