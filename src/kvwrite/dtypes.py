@@ -15,6 +15,9 @@ import enum
 
 import torch
 
+from . import formats
+from .formats import scale_is_per_head
+
 __all__ = [
     "CacheDType",
     "FP8_MAX",
@@ -82,10 +85,9 @@ class CacheDType(enum.Enum):
     @property
     def fp8_dtype(self) -> torch.dtype:
         """The torch float8 dtype whose bits the cache holds (fp8 modes only)."""
-        return {
-            CacheDType.FP8_E4M3: torch.float8_e4m3fn,
-            CacheDType.FP8_E5M2: torch.float8_e5m2,
-        }[self]
+        if not self.is_fp8:
+            raise KeyError(self)
+        return _FORMATS[self].element.dtype
 
     def element_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
         """The dtype of one cache element's value (float8 for fp8 modes, whatever the storage).
@@ -93,39 +95,23 @@ class CacheDType(enum.Enum):
         if self.is_nvfp4:
             raise ValueError(f"kv_cache_dtype={self.value!r} has no per-element dtype (4-bit codes "
                              f"and a scale byte per 16 elements in uint8 pages)")
-        if self is CacheDType.AUTO:
-            return input_dtype
-        if self.is_fp8:
-            return self.fp8_dtype
-        return _PLAIN[self]
+        return _FORMATS[self].element.dtype or input_dtype
 
     def element_size(self, input_dtype: torch.dtype) -> int:
-        return 1 if self.is_fp8 else self.element_dtype(input_dtype).itemsize
+        """Bytes of one cache element (its format's code bytes)."""
+        self.element_dtype(input_dtype)  # the NVFP4 modes have none
+        return _FORMATS[self].data_bytes(1, input_dtype)
 
 
-_PLAIN = {
-    CacheDType.FLOAT16: torch.float16,
-    CacheDType.BFLOAT16: torch.bfloat16,
-    CacheDType.FLOAT32: torch.float32,
-}
-
-# Every spelling the API accepts, including vLLM's aliases ("fp8", "half", "float").
-_ALIASES = {
-    "auto": CacheDType.AUTO,
-    "float16": CacheDType.FLOAT16,
-    "half": CacheDType.FLOAT16,
-    "bfloat16": CacheDType.BFLOAT16,
-    "float32": CacheDType.FLOAT32,
-    "float": CacheDType.FLOAT32,
-    "fp8": CacheDType.FP8_E4M3,
-    "fp8_e4m3": CacheDType.FP8_E4M3,
-    "fp8_e5m2": CacheDType.FP8_E5M2,
-}
+# Every spelling the API accepts, including vLLM's aliases ("fp8", "half", "float"): the flash
+# formats' spellings (kvwrite.formats).
+_ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.FLASH)
+            for s in f.spellings if not CacheDType(f.name).is_nvfp4}
 # The NVFP4 spellings, accepted only where the caller says it writes them (nvfp4=True).
-_NVFP4_ALIASES = {
-    "nvfp4": CacheDType.NVFP4,
-    "nvfp4_4over6": CacheDType.NVFP4_4OVER6,
-}
+_NVFP4_ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.FLASH)
+                  for s in f.spellings if CacheDType(f.name).is_nvfp4}
+# Each mode's format (the table's record: storage, scales, row bytes, reader).
+_FORMATS = {c: formats.lookup(c.value) for c in CacheDType}
 
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,
@@ -172,26 +158,9 @@ def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType, *, nvfp4: bool = Fals
 
 
 def allowed_cache_dtypes(cache_dtype: CacheDType, input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The cache tensor dtypes that fit `cache_dtype` for inputs of `input_dtype`."""
-    if cache_dtype is CacheDType.AUTO:
-        return (input_dtype,)
-    if cache_dtype.is_fp8:
-        return (torch.uint8, cache_dtype.fp8_dtype)
-    if cache_dtype.is_nvfp4:
-        return (torch.uint8,)
-    return (_PLAIN[cache_dtype],)
-
-
-def scale_is_per_head(scale: torch.Tensor | None) -> bool:
-    """Whether a validated fp8 scale (1 or H float32 values; None where there is none) is per
-    head: head h uses ``scale[h]``; else every head uses ``scale[0]``.
-
-    The one place that decides a scale's kind. Every launcher asks it of each scale tensor on its
-    own: the contract lets ``k_scale`` and ``v_scale`` (and ``q_scale``) each be per tensor or
-    per head, so one scale's kind never says another's. With H = 1 both kinds read the same
-    value, so a [1] scale is per tensor.
-    """
-    return scale is not None and scale.numel() > 1
+    """The cache tensor dtypes that fit `cache_dtype` for inputs of `input_dtype` (its format's
+    storage dtypes)."""
+    return _FORMATS[cache_dtype].storage_dtypes(input_dtype)
 
 
 def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | None,
@@ -206,7 +175,7 @@ def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | Non
     if cache_dtype is CacheDType.AUTO:
         return x
     if not cache_dtype.is_fp8:
-        return x.to(_PLAIN[cache_dtype])
+        return x.to(cache_dtype.element_dtype(x.dtype))
     fp8 = cache_dtype.fp8_dtype
     s = scale.reshape(1, -1, 1) if scale_is_per_head(scale) else scale.reshape(1, 1, 1)
     y = x.float() / s

@@ -29,6 +29,7 @@ import enum
 
 import torch
 
+from . import formats
 from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype, parse_model_dtype
 
 __all__ = [
@@ -163,10 +164,8 @@ def fill_uniform(cache: torch.Tensor, cache_dtype: CacheDType, lo: float, hi: fl
 
 
 def _cache_torch_dtype(cache_dtype: CacheDType, model_dtype) -> torch.dtype:
-    if cache_dtype.is_fp8:
-        return torch.uint8
     if cache_dtype is not CacheDType.AUTO:
-        return cache_dtype.element_dtype(torch.float32)
+        return formats.lookup(cache_dtype.value).storage[0]  # vLLM's: uint8 for fp8
     if model_dtype is None:
         raise ValueError("model_dtype: required when cache_dtype is 'auto', got None")
     return parse_model_dtype(model_dtype, "model_dtype")
@@ -221,7 +220,7 @@ def _nvfp4_caches(num_blocks: int, block_size: int, num_layers: int, num_heads: 
     if head_size < 16 or head_size % 16:
         raise ValueError(f"head_size: the NVFP4 cache dtypes need a positive multiple of 16, got "
                          f"{head_size}")
-    f = head_size // 2 + head_size // 16
+    f = formats.lookup("nvfp4").row_bytes(head_size)  # D/2 + D/16, both NVFP4 modes
     nb, bs, h = num_blocks, block_size, num_heads
     shape = (nb, 2, bs, h, f) if layout is Layout.NHD else (nb, 2, h, bs, f)
     perm = (0, 1, 2, 3, 4) if layout is Layout.NHD else (0, 1, 3, 2, 4)

@@ -43,9 +43,8 @@ KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]
 
 
 def entry_bytes(mode: MlaMode, L: int, P: int, dtype: torch.dtype) -> int:
-    if mode is MlaMode.AUTO:
-        return (L + P) * dtype.itemsize
-    return 656 if mode is MlaMode.FP8_DS_MLA else L + P
+    """Bytes of one cache entry: the mode's format's row for L + P values (kvwrite.formats)."""
+    return mode.format.row_bytes(L + P, dtype)
 
 
 def bytes_moved(num_tokens: int, L: int, P: int, dtype: torch.dtype, mode: MlaMode,

@@ -31,11 +31,12 @@ from ... import (
     cp_gather_and_upconvert_fp8_kv_cache,
     cp_gather_cache,
     cp_gather_indexer_k_quant_cache,
+    formats,
     gather_and_maybe_dequant_cache,
     gather_cache_flash,
 )
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
-from ...ops.concat_and_cache_mla.op import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_PE_OFFSET
+from ...formats import DS_MLA_L, DS_MLA_P, DS_MLA_PE_OFFSET
 from ...ops.cp_gather_and_upconvert_fp8_kv_cache import OP as UPCONVERT
 from ...ops.cp_gather_cache import OP as CP
 from ...ops.cp_gather_indexer_k_quant_cache import OP as INDEXER
@@ -77,14 +78,28 @@ class Point:
         return sum(-(-n // self.block_size) for n in self.lens())
 
 
+# The formats the gathers read (kvwrite.formats): fp8_ds_mla entries, and the indexer's rows of
+# one group of D codes (every scale_fmt's row has this size).
+_DS_MLA = formats.lookup("fp8_ds_mla", formats.Family.MLA)
+_INDEXER = formats.lookup("float32", formats.Family.INDEXER)
+
+
+def cache_row_bytes(p: Point) -> dict[str, int]:
+    """The bytes of one cache row each kind reads (a flash row is K and V of every head)."""
+    mla = formats.lookup(p.kv_cache_dtype, formats.Family.MLA).row_bytes(p.entry, p.dtype)
+    flash = formats.lookup(p.kv_cache_dtype).row_bytes(p.head_size, p.dtype)
+    return {"dequant": mla, "cp": mla, "upconvert": _DS_MLA.row_bytes(DS_MLA_L + DS_MLA_P),
+            "flash": 2 * p.num_heads * flash,
+            "indexer": _INDEXER.row_bytes(p.head_size, group=p.head_size)}
+
+
 def row_bytes(p: Point, kind: str) -> tuple[int, int]:
     """(bytes read from the cache, bytes written) per gathered row."""
-    c = 1 if p.fp8 else p.dtype.itemsize
-    e = p.dtype.itemsize
-    return {"dequant": (p.entry * c, p.entry * e), "cp": (p.entry * c, p.entry * c),
-            "upconvert": (DS_MLA_ENTRY, (DS_MLA_L + 64) * e),
-            "flash": (2 * p.num_heads * p.head_size * c, 2 * p.num_heads * p.head_size * e),
-            "indexer": (p.head_size + 4, p.head_size + 4)}[kind]
+    read, e = cache_row_bytes(p)[kind], p.dtype.itemsize
+    return {"dequant": (read, p.entry * e), "cp": (read, read),
+            "upconvert": (read, (DS_MLA_L + DS_MLA_P) * e),
+            "flash": (read, 2 * p.num_heads * p.head_size * e),
+            "indexer": (read, read)}[kind]
 
 
 class GatherBench(OpBench):
@@ -163,10 +178,9 @@ class GatherBench(OpBench):
         return p.num_blocks * self.block_bytes(p)
 
     def block_bytes(self, p: Point) -> int:
-        per_slot = (p.entry * (1 if p.fp8 else p.dtype.itemsize) + DS_MLA_ENTRY
-                    + 2 * p.num_heads * p.head_size * (1 if p.fp8 else p.dtype.itemsize)
-                    + p.head_size + 4)
-        return p.block_size * per_slot
+        rows = cache_row_bytes(p)  # a slot of each cache: dequant's and cp's is one
+        return p.block_size * (rows["dequant"] + rows["upconvert"] + rows["flash"]
+                               + rows["indexer"])
 
     def temp_bytes(self, p: Point) -> int:
         return 2 * max(self.set_bytes(p, k) for k in KINDS)  # the check's output copies
@@ -297,7 +311,7 @@ def _make_cache(p: Point, kind: str, device) -> tuple:
         scale = torch.tensor([0.37], dtype=torch.float32, device=device)
         return src, scale
     if kind == "upconvert":
-        src = _valid_fp8_bytes((nb, bs, DS_MLA_ENTRY), gen, "cpu")
+        src = _valid_fp8_bytes((nb, bs, _DS_MLA.entry_bytes), gen, "cpu")
         scales = torch.rand(nb, bs, 4, generator=gen) * 0.01 + 1e-4
         src[..., DS_MLA_L:DS_MLA_PE_OFFSET] = scales.view(torch.uint8)
         pe = torch.randn(nb, bs, 64, generator=gen).to(p.dtype)
@@ -313,7 +327,7 @@ def _make_cache(p: Point, kind: str, device) -> tuple:
         ks = torch.tensor([0.05], dtype=torch.float32, device=device)
         vs = torch.tensor([0.04], dtype=torch.float32, device=device)
         return kc, vc, ks, vs
-    width = p.head_size + 4
+    width = cache_row_bytes(p)["indexer"]
     return (torch.randint(0, 256, (nb, bs, width), dtype=torch.uint8, generator=gen)
             .to(device),)
 

@@ -18,10 +18,10 @@ import dataclasses
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, CacheDType
 from ...layouts import create_kv_caches_with_random_flash, parse_layout_names
-from ...ops.nvfp4 import OP, flash_run_args, page_bytes
+from ...ops.nvfp4 import OP, flash_run_args
 from ...ops.reshape_and_cache_flash import OP as WRITE
 from ...testing.slots import SlotPattern
 from ..engine import OpBench, compare_with_reference, parse_list, point_sets, slot_pattern
@@ -31,6 +31,11 @@ __all__ = ["BENCH"]
 
 SEED = 42
 KINDS = ("nvfp4", "fp8")
+
+
+def _row_bytes(kind: str, head_size: int) -> int:
+    """Bytes of one (token, head) of the kind's cache: its format's row (kvwrite.formats)."""
+    return formats.lookup("nvfp4" if kind == "nvfp4" else "fp8").row_bytes(head_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +138,13 @@ class Nvfp4Bench(OpBench):
 
     def block_bytes(self, p: Point) -> int:
         # Both caches of a block (nvfp4 and fp8), three times: the caches and the check's two.
-        per_slot = p.num_heads * 2 * (page_bytes(p.head_size) + p.head_size)
+        per_slot = p.num_heads * 2 * sum(_row_bytes(k, p.head_size) for k in KINDS)
         return 3 * p.block_size * per_slot
 
     def bytes(self, p: Point, kind: str) -> int:
         n = p.num_tokens - p.slots.num_padding(p.num_tokens)
         H, D, e = p.num_heads, p.head_size, p.dtype.itemsize
-        written = page_bytes(D) if kind == "nvfp4" else D
+        written = _row_bytes(kind, D)
         return n * H * 2 * D * e + n * H * 2 * written + p.num_tokens * 8
 
     def skip_reason(self, p: Point) -> str | None:

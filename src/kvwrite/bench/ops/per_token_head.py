@@ -60,6 +60,11 @@ class Point:
     def dq(self) -> int:
         return self.mode.quantized_size(self.head_size)
 
+    @property
+    def row(self) -> int:
+        """Bytes of a row with its scale: Dq + 4 (the mode's format, kvwrite.formats)."""
+        return self.mode.format.row_bytes(self.head_size)
+
 
 class PerTokenHeadBench(OpBench):
     name = OP
@@ -168,12 +173,12 @@ class PerTokenHeadBench(OpBench):
 
     def block_bytes(self, p: Point) -> int:
         # K and V rows of a block with their scales, three times: the caches and the check's two.
-        return 3 * p.block_size * p.num_heads * 2 * (p.dq + 4)
+        return 3 * p.block_size * p.num_heads * 2 * p.row
 
     def bytes(self, p: Point, kind: str) -> int:
         n = p.num_tokens - p.slots.num_padding(p.num_tokens)
         H, D = p.num_heads, p.head_size
-        return n * H * 2 * D * p.dtype.itemsize + n * H * 2 * (p.dq + 4) + p.num_tokens * 8
+        return n * H * 2 * D * p.dtype.itemsize + n * H * 2 * p.row + p.num_tokens * 8
 
     def skip_reason(self, p: Point) -> str | None:
         return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)

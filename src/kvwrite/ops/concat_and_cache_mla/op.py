@@ -7,8 +7,18 @@ import enum
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...dtypes import INPUT_DTYPES
+from ...formats import (  # noqa: F401  (re-exported: their home was here)
+    DS_MLA_ENTRY,
+    DS_MLA_L,
+    DS_MLA_P,
+    DS_MLA_PE_DIMS,
+    DS_MLA_PE_OFFSET,
+    DS_MLA_SCALES_OFFSET,
+    DS_MLA_TILE,
+    MlaMode,
+)
 from ...validation import (
     check_mutation_safe,
     check_slot_dtype,
@@ -24,49 +34,14 @@ __all__ = ["OP", "MlaMode", "parse_mla_mode", "DsMlaScale", "DEFAULT_DS_MLA_SCAL
 
 OP = "concat_and_cache_mla"
 
-# fp8_ds_mla's fixed geometry (docs/ops/concat_and_cache_mla.md): 4 tiles of 128 latent values as
-# e4m3, their 4 float32 scales, then the 64 rotary values' 16-bit patterns: 512 + 16 + 128 = 656
-# bytes per token. NoPE layers (k_pe [T, 0]) write the 128 rotary bytes as zeros.
-DS_MLA_L = 512
-DS_MLA_P = 64
-DS_MLA_PE_DIMS = (DS_MLA_P, 0)
-DS_MLA_TILE = 128
-DS_MLA_SCALES_OFFSET = DS_MLA_L
-DS_MLA_PE_OFFSET = DS_MLA_L + 4 * (DS_MLA_L // DS_MLA_TILE)
-DS_MLA_ENTRY = DS_MLA_PE_OFFSET + 2 * DS_MLA_P
-
-
-class MlaMode(enum.Enum):
-    """How a cache entry is written: ``AUTO`` copies, ``FP8_E4M3``/``FP8_E5M2`` quantize with the one
-    per-tensor scale (the fp8 rule), ``FP8_DS_MLA`` is DeepSeek's tiled format
-    (docs/ops/concat_and_cache_mla.md)."""
-
-    AUTO = "auto"
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-    FP8_DS_MLA = "fp8_ds_mla"
-
-    @property
-    def uses_scale(self) -> bool:
-        return self in (MlaMode.FP8_E4M3, MlaMode.FP8_E5M2)
-
-    @property
-    def fp8_dtype(self) -> torch.dtype | None:
-        """The float8 dtype of the quantized latent values (None for AUTO)."""
-        return {MlaMode.FP8_E4M3: torch.float8_e4m3fn, MlaMode.FP8_E5M2: torch.float8_e5m2,
-                MlaMode.FP8_DS_MLA: torch.float8_e4m3fn}.get(self)
-
-
-_ALIASES = {"auto": MlaMode.AUTO, "fp8": MlaMode.FP8_E4M3, "fp8_e4m3": MlaMode.FP8_E4M3,
-            "fp8_e5m2": MlaMode.FP8_E5M2, "fp8_ds_mla": MlaMode.FP8_DS_MLA}
+# The modes' formats: kvwrite.formats (fp8_ds_mla's fixed geometry, the DS_MLA_* constants and
+# MlaMode live there; imported here so their old names keep working).
 
 
 def parse_mla_mode(kv_cache_dtype: str | MlaMode) -> MlaMode:
     if isinstance(kv_cache_dtype, MlaMode):
         return kv_cache_dtype
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _ALIASES:
-        return _ALIASES[kv_cache_dtype]
-    raise ValueError(f"kv_cache_dtype: expected one of {sorted(_ALIASES)}, got {kv_cache_dtype!r}")
+    return MlaMode(formats.lookup(kv_cache_dtype, formats.Family.MLA).name)
 
 
 class DsMlaScale(enum.Enum):
@@ -101,16 +76,14 @@ def parse_ds_mla_scale(ds_mla_scale: str | DsMlaScale, mode: MlaMode) -> DsMlaSc
 
 
 def entry_size(mode: MlaMode, kv_lora_rank: int, pe_dim: int) -> int:
-    """The cache's last dim: ``L + P`` elements, or 656 bytes for fp8_ds_mla."""
-    return DS_MLA_ENTRY if mode is MlaMode.FP8_DS_MLA else kv_lora_rank + pe_dim
+    """The cache's last dim: ``L + P`` elements, or 656 bytes for fp8_ds_mla (the mode's format's
+    row, counted in cache elements)."""
+    f = mode.format
+    return f.entry_bytes if f.entry_bytes is not None else kv_lora_rank + pe_dim
 
 
 def _allowed_cache_dtypes(mode: MlaMode, input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    if mode is MlaMode.AUTO:
-        return (input_dtype,)
-    if mode is MlaMode.FP8_DS_MLA:
-        return (torch.uint8,)
-    return (torch.uint8, mode.fp8_dtype)
+    return mode.format.storage_dtypes(input_dtype)
 
 
 def create_mla_cache(num_blocks: int, block_size: int, kv_lora_rank: int, pe_dim: int,
@@ -130,7 +103,7 @@ def create_mla_cache(num_blocks: int, block_size: int, kv_lora_rank: int, pe_dim
         raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
     if mode is MlaMode.FP8_DS_MLA:
         _check_ds_geometry(kv_lora_rank, pe_dim, dtype)
-    cache_dtype = dtype if mode is MlaMode.AUTO else torch.uint8
+    cache_dtype = mode.format.storage_dtypes(dtype)[0]  # vLLM's storage: uint8 when quantized
     return torch.zeros(num_blocks, block_size, entry_size(mode, kv_lora_rank, pe_dim),
                        dtype=cache_dtype, device=device)
 

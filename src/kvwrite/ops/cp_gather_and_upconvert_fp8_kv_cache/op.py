@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ... import registry
+from ...formats import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_P
 from ...gather import check_count, check_requests
 from ...validation import check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
-from ..concat_and_cache_mla.op import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_P
 
 __all__ = ["OP", "cp_gather_and_upconvert_fp8_kv_cache", "validate", "select_implementation",
            "OUT_WIDTH"]

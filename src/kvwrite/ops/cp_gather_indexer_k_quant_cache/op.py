@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...gather import check_index, check_requests
 from ...validation import check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
@@ -14,12 +14,15 @@ __all__ = ["OP", "cp_gather_indexer_k_quant_cache", "validate", "select_implemen
            "scale_groups"]
 
 OP = "cp_gather_indexer_k_quant_cache"
+# Bytes of one group's scale slot in a row, whatever the scale_fmt (kvwrite.formats).
+_SCALE_SLOT = formats.lookup("float32", formats.Family.INDEXER).scales[0].nbytes
 
 
 def scale_groups(dst_scale: torch.Tensor) -> int:
     """G, the scales per row: ``dst_scale.shape[1] / 4`` (uint8 bytes) or ``dst_scale.shape[1]``
     (float32)."""
-    return dst_scale.shape[1] // 4 if dst_scale.dtype == torch.uint8 else dst_scale.shape[1]
+    g = dst_scale.shape[1]
+    return g // _SCALE_SLOT if dst_scale.dtype == torch.uint8 else g
 
 
 def validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> int:
@@ -39,7 +42,7 @@ def validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> int:
         raise ValueError(f"dst_scale: expected 2 dims [T_out, 4 * G] (uint8) or [T_out, G] "
                          f"(float32), got shape {_shape(dst_scale)}")
     if dst_scale.dtype == torch.uint8:
-        if dst_scale.shape[1] < 4 or dst_scale.shape[1] % 4:
+        if dst_scale.shape[1] < _SCALE_SLOT or dst_scale.shape[1] % _SCALE_SLOT:
             raise ValueError(f"dst_scale: expected [T_out, 4 * G] bytes with G >= 1 (uint8), got "
                              f"shape {_shape(dst_scale)}")
     elif dst_scale.dtype == torch.float32:
@@ -53,7 +56,7 @@ def validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> int:
         raise ValueError(f"dst_scale: expected {dst_k.shape[0]} rows (those of dst_k), got shape "
                          f"{_shape(dst_scale)}")
     head_dim, groups = dst_k.shape[1], scale_groups(dst_scale)
-    width = head_dim + 4 * groups
+    width = head_dim + _SCALE_SLOT * groups
     if kv_cache.dim() != 3 or kv_cache.shape[2] != width:
         raise ValueError(f"kv_cache: expected shape [num_blocks, block_size, {width}] (head_dim "
                          f"{head_dim} of dst_k + 4 * {groups} scale bytes of dst_scale), got "

@@ -7,10 +7,11 @@ import torch
 
 from ... import registry
 from ...dtypes import INPUT_DTYPES
+from ...formats import MlaMode
 from ...gather import check_count, check_index, check_requests, check_scale
 from ...validation import check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
-from ..concat_and_cache_mla.op import MlaMode, parse_mla_mode
+from ..concat_and_cache_mla.op import parse_mla_mode
 
 __all__ = ["OP", "gather_and_maybe_dequant_cache", "validate", "select_implementation"]
 
@@ -23,10 +24,9 @@ def validate(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
     num_tokens). Raises TypeError/ValueError naming the argument, what was expected and what came.
     """
     mode = parse_mla_mode(kv_cache_dtype)
-    if mode is MlaMode.FP8_DS_MLA:
-        raise ValueError("kv_cache_dtype: expected 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
-                         "'fp8_ds_mla' (its entries are read by "
-                         "cp_gather_and_upconvert_fp8_kv_cache)")
+    if mode.format.reader != OP:
+        raise ValueError(f"kv_cache_dtype: expected 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
+                         f"{mode.value!r} (its entries are read by {mode.format.reader})")
     for name, t in (("src_cache", src_cache), ("dst", dst), ("block_table", block_table),
                     ("cu_seq_lens", cu_seq_lens), ("token_to_seq", token_to_seq)):
         require_tensor(name, t)
@@ -49,7 +49,7 @@ def validate(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
         if src_cache.dtype != dst.dtype:
             raise ValueError(f"src_cache: kv_cache_dtype='auto' expects the dtype of dst "
                              f"({dst.dtype}), got {src_cache.dtype}")
-    elif src_cache.dtype not in (torch.uint8, mode.fp8_dtype):
+    elif src_cache.dtype not in mode.format.storage:  # (torch.uint8, the float8 dtype)
         raise ValueError(f"src_cache: kv_cache_dtype={mode.value!r} expects a cache of dtype "
                          f"torch.uint8 or {mode.fp8_dtype}, got {src_cache.dtype}")
     num_tokens = check_count("num_tokens", num_tokens)

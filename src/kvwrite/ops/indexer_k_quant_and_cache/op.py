@@ -8,7 +8,7 @@ import operator
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...dtypes import INPUT_DTYPES, SCALE_FLOOR_1E4_BITS
 from ...validation import (
     check_mutation_safe,
@@ -46,13 +46,18 @@ class ScaleFormat(enum.Enum):
         return self is not ScaleFormat.FLOAT32
 
     @property
+    def format(self) -> formats.Format:
+        """The scale format's cache format (kvwrite.formats): row bytes, scales, reader."""
+        return formats.lookup(self.value, formats.Family.INDEXER)
+
+    @property
     def exponent_bytes(self) -> bool:
         """Whether the 4 scale bytes hold the scale's UE8M0 exponent byte 4 times."""
         return self is ScaleFormat.MXFP8
 
 
 # "mxfp8" stores one UE8M0 byte per 32 elements of a group, 4 per slot: only groups of 128.
-MXFP8_GROUP = 128
+MXFP8_GROUP = formats.INDEXER_MXFP8_GROUP
 
 
 def parse_scale_fmt(scale_fmt: str | ScaleFormat) -> ScaleFormat:
@@ -93,8 +98,10 @@ def _check_quant_block_size(quant_block_size, head_dim: int) -> int:
 
 
 def entry_size(head_dim: int, quant_block_size: int) -> int:
-    """The cache's last dim: ``D`` code bytes and ``4 * G`` scale bytes per token slot."""
-    return head_dim + 4 * (head_dim // quant_block_size)
+    """The cache's last dim: ``D`` code bytes and ``4 * G`` scale bytes per token slot (every
+    scale_fmt's row: kvwrite.formats)."""
+    return formats.lookup("float32", formats.Family.INDEXER).row_bytes(head_dim,
+                                                                       group=quant_block_size)
 
 
 def create_indexer_k_cache(num_blocks: int, block_size: int, head_dim: int = 128,

@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...dtypes import INPUT_DTYPES, CacheDType, parse_kv_cache_dtype
 from ...validation import (
     check_mutation_safe,
@@ -31,6 +31,7 @@ from ...validation import shape_str as _shape
 from .rule import GROUP
 
 __all__ = ["OP", "ScaleLayout", "parse_scale_layout", "default_v_scale_layout", "page_bytes",
+           "region_bytes",
            "flash_run_args", "append_run_args", "write_flash",
            "nvfp4_quantize_append_paged_kv_cache_with_slot_mapping", "select_implementation",
            "float32_scale"]
@@ -73,9 +74,19 @@ def default_v_scale_layout(device: torch.device | str) -> ScaleLayout:
     return ScaleLayout.SWIZZLED
 
 
+# Both NVFP4 modes share one page geometry: the "nvfp4" format's (kvwrite.formats).
+_FORMAT = formats.lookup("nvfp4")
+
+
 def page_bytes(head_size: int) -> int:
     """F = D/2 + D/16: the bytes of one (token, head) in vLLM's NVFP4 page layout."""
-    return head_size // 2 + head_size // GROUP
+    return _FORMAT.row_bytes(head_size)
+
+
+def region_bytes(head_size: int) -> tuple[int, int]:
+    """(D/2, D/16): the bytes one (token, head) takes in a block side's data region and in its
+    scale region."""
+    return _FORMAT.data_bytes(head_size), _FORMAT.scale_bytes(head_size)
 
 
 def float32_scale(name: str, k) -> float | torch.Tensor:
@@ -243,11 +254,12 @@ def flash_run_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
     check_mutation_safe(outputs=(("key_cache", key_cache), ("value_cache", value_cache)),
                         inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping),
                                 ("k_scale", k_scale), ("v_scale", v_scale)))
-    data_bytes = block_size * num_heads * (head_size // 2)
+    row_data, row_scales = region_bytes(head_size)
+    data_bytes = block_size * num_heads * row_data
     views = []
     for c in (key_cache, value_cache):
-        views += [_region_view(c, nhd, head_size // 2, 0),
-                  _region_view(c, nhd, head_size // GROUP, data_bytes)]
+        views += [_region_view(c, nhd, row_data, 0),
+                  _region_view(c, nhd, row_scales, data_bytes)]
     return (key, value, *views, slot_mapping, cache_dtype, k_scale, v_scale, layout)
 
 
@@ -323,10 +335,11 @@ def append_run_args(append_key, append_value, slot_mapping, paged_kv_cache, kv_c
     t_pad, num_heads, head_size = _check_inputs(append_key, append_value,
                                                 ("append_key", "append_value"), "NVFP4")
     order = "[P, page, H, {}]" if nhd else "[P, H, page, {}]"
-    k_data, v_data = _split_kv(paged_kv_cache, "paged_kv_cache", head_size // 2, torch.uint8,
-                               nhd, order.format(head_size // 2))
-    k_sf, v_sf = _split_kv(kv_cache_sf, "kv_cache_sf", head_size // GROUP, torch.float8_e4m3fn,
-                           nhd, order.format(head_size // GROUP))
+    row_data, row_scales = region_bytes(head_size)  # D/2 code bytes, D/16 scale bytes
+    k_data, v_data = _split_kv(paged_kv_cache, "paged_kv_cache", row_data, torch.uint8,
+                               nhd, order.format(row_data))
+    k_sf, v_sf = _split_kv(kv_cache_sf, "kv_cache_sf", row_scales, torch.float8_e4m3fn,
+                           nhd, order.format(row_scales))
     pages, page_size, heads = k_data.shape[:3]
     if heads != num_heads:
         raise ValueError(f"paged_kv_cache: expected {num_heads} heads (those of append_key), got "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import formats
 from ...dtypes import INPUT_DTYPES
 from ...validation import check_slot_dtype, require_tensor
 from ...validation import shape_str as _shape
@@ -19,8 +20,8 @@ from .op import (
     _page_layout,
     _region_view,
     float32_scale,
-    page_bytes,
     parse_scale_layout,
+    region_bytes,
 )
 from .reference import swizzled_positions
 from .rule import GROUP, e2m1_values, e4m3_value, pack_codes, quantize_groups, scale_tensor
@@ -28,6 +29,7 @@ from .rule import unpack_codes as _unpack
 
 __all__ = ["nvfp4_gather_cache", "nvfp4_kv_quantize", "nvfp4_kv_dequantize", "dequantize_groups"]
 
+_FORMAT = formats.lookup("nvfp4")  # the page geometry of both NVFP4 modes
 _OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -68,8 +70,8 @@ def nvfp4_gather_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, scale, *
     if cache.dtype != torch.uint8:
         raise ValueError(f"cache: expected dtype torch.uint8, got {cache.dtype}")
     nb, bs, h, f = cache.shape
-    head_size = f * 16 // 9
-    if head_size < GROUP or head_size % GROUP or page_bytes(head_size) != f:
+    head_size = _FORMAT.head_size_of(f)
+    if head_size is None:
         raise ValueError(f"cache: expected a last dim F = D/2 + D/16 for a head_size D that is a "
                          f"multiple of 16 (F = 9, 18, 27, ...), got shape {_shape(cache)}")
     nhd = _page_layout(cache, "cache")
@@ -88,8 +90,9 @@ def nvfp4_gather_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, scale, *
     output_dtype = _output_dtype(output_dtype)
     k = _scale("scale", scale, cache.device)
     groups = head_size // GROUP
-    data = _region_view(cache, nhd, head_size // 2, 0)
-    sf = _region_view(cache, nhd, groups, bs * h * head_size // 2)
+    row_data, row_scales = region_bytes(head_size)
+    data = _region_view(cache, nhd, row_data, 0)
+    sf = _region_view(cache, nhd, row_scales, bs * h * row_data)
     slots = slot_mapping.long()
     keep = (slots >= 0) & (slots < nb * bs)
     s = torch.where(keep, slots, torch.zeros_like(slots))

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from ...formats import NVFP4_GROUP
+
 __all__ = ["GROUP", "E2M1_VALUES", "E4M3_MAX", "e2m1_codes", "e2m1_values", "e4m3_code",
            "e4m3_value", "quantize_groups", "pack_codes", "unpack_codes", "scale_tensor"]
 
-GROUP = 16
+GROUP = NVFP4_GROUP  # elements per E4M3 scale byte (kvwrite.formats)
 # value(c) of the E2M1 codes 0-7; bit 3 is the sign (0x8 is -0.0).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E4M3_MAX = 448.0

@@ -13,7 +13,6 @@ from .op import PerTokenHeadMode, parse_kv_quant_mode
 
 __all__ = ["create_per_token_head_caches", "dequantize_per_token_head", "parse_kv_alloc"]
 
-_SCALE_BYTES = 4
 _INT4_SCALE_MASK = -16  # 0xFFFFFFF0 as an int32
 
 
@@ -67,8 +66,9 @@ def create_per_token_head_caches(num_blocks: int, block_size: int, num_heads: in
     if mode.is_int4 and d % 2:
         raise ValueError(f"head_size: kv_quant_mode={mode.value!r} packs two elements per byte "
                          f"and needs an even head size, got {d}")
-    dq = mode.quantized_size(d)
-    dtype = mode.storage_dtype
+    fmt = mode.format  # the row: Dq code bytes, then (inline layouts) the float32 scale
+    dq = fmt.data_bytes(d)
+    dtype = fmt.storage[0]
     hnd = layout is Layout.HND
     if alloc is KVAlloc.SEPARATE:
         def data():
@@ -86,7 +86,7 @@ def create_per_token_head_caches(num_blocks: int, block_size: int, num_heads: in
         raise ValueError(f"head_size: kv_alloc={alloc.value!r} stores each float32 scale right "
                          f"after its row's {dq} code bytes and needs them to be a multiple of 4 "
                          f"(int4: head_size a multiple of 8), got head_size {d}")
-    row = dq + _SCALE_BYTES
+    row = fmt.row_bytes(d)
     if alloc is KVAlloc.PACKED:
         shape = (nb, h, bs, 2 * row) if hnd else (nb, bs, h, 2 * row)
         raw = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -139,7 +139,7 @@ def dequantize_per_token_head(cache: torch.Tensor, scale_cache: torch.Tensor,
         raise ValueError(f"scale_cache: expected shape [num_blocks, block_size, num_heads] = "
                          f"{[nb, bs, h]} (that of cache), got {_shape(scale_cache)}")
     if head_size is None:
-        head_size = 2 * e if mode.is_int4 else e
+        head_size = int(e / mode.format.element_bytes())  # E code bytes: E or 2 E elements
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         raise ValueError(f"head_size: expected a positive integer or None, got {head_size!r}")
     if mode.is_int4 and head_size % 2:

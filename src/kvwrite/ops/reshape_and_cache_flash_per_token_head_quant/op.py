@@ -7,7 +7,7 @@ import enum
 
 import torch
 
-from ... import registry
+from ... import formats, registry
 from ...dtypes import INPUT_DTYPES
 from ...validation import (
     check_mutation_safe,
@@ -45,26 +45,27 @@ class PerTokenHeadMode(enum.Enum):
     def is_int4(self) -> bool:
         return self is PerTokenHeadMode.INT4_PER_TOKEN_HEAD
 
+    @property
+    def format(self) -> formats.Format:
+        """The mode's format (kvwrite.formats): codes, storage, the scale cache, row bytes."""
+        return _FORMATS[self]
+
     def quantized_size(self, head_size: int) -> int:
         """Bytes of codes per row: ``D`` (int8, fp8) or ``D / 2`` (int4)."""
-        return head_size // 2 if self.is_int4 else head_size
+        return _FORMATS[self].data_bytes(head_size)
 
     @property
     def cache_dtypes(self) -> tuple[torch.dtype, ...]:
         """The data cache dtypes accepted (the first is the one the allocator makes)."""
-        return _CACHE_DTYPES[self]
+        return _FORMATS[self].storage
 
     @property
     def storage_dtype(self) -> torch.dtype:
         """The data caches' dtype in vLLM's storage (what the allocator makes)."""
-        return _CACHE_DTYPES[self][0]
+        return _FORMATS[self].storage[0]
 
 
-_CACHE_DTYPES = {
-    PerTokenHeadMode.INT8_PER_TOKEN_HEAD: (torch.int8,),
-    PerTokenHeadMode.FP8_PER_TOKEN_HEAD: (torch.uint8, torch.float8_e4m3fn),
-    PerTokenHeadMode.INT4_PER_TOKEN_HEAD: (torch.uint8, torch.int8),
-}
+_FORMATS = {m: formats.lookup(m.value, formats.Family.PER_TOKEN_HEAD) for m in PerTokenHeadMode}
 _BY_VALUE = {m.value: m for m in PerTokenHeadMode}
 _INFERRED = {torch.int8: PerTokenHeadMode.INT8_PER_TOKEN_HEAD,
              torch.float8_e4m3fn: PerTokenHeadMode.FP8_PER_TOKEN_HEAD}
