@@ -1,4 +1,10 @@
-"""One package per op; importing one registers the op and its implementations."""
+"""One package per op; importing one registers the op and its implementations.
+
+Each package holds :mod:`.op` (the public function, its validation and, through
+:func:`kvwrite.registry.custom_op`, the custom op torch.compile sees), the three implementations
+:func:`kvwrite.registry.define_op` finds by module name (``reference``: plain PyTorch, the oracle;
+``triton_impl``; ``cuda_impl`` with its ``kernel.cu``), and its ``__init__``: the op's declaration.
+"""
 
 from . import (  # noqa: E402
     concat_and_cache_mla,

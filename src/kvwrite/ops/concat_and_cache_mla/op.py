@@ -207,6 +207,7 @@ def select_implementation(kv_c, kv_cache, mode: MlaMode, implementation: str | N
     return registry.select(OP, (kv_c, kv_cache, mode), implementation)
 
 
+@registry.custom_op(OP, mutates=("kv_cache",))
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                          scale: torch.Tensor | None = None, *,
@@ -239,15 +240,6 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     int64 or int32; ``scale`` a 1-element float32 tensor on the device (fp8 modes), read there (no
     host sync), so a captured CUDA graph sees new values. :func:`create_mla_cache` allocates.
     """
-    if torch.compiler.is_compiling():
-        if isinstance(kv_cache_dtype, MlaMode):
-            kv_cache_dtype = kv_cache_dtype.value
-        if isinstance(ds_mla_scale, DsMlaScale):
-            ds_mla_scale = ds_mla_scale.value
-        torch.ops.kvwrite.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping,
-                                               str(kv_cache_dtype), scale, str(ds_mla_scale),
-                                               implementation or "")
-        return
     mode = validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
                     ds_mla_scale=ds_mla_scale)
     rule = parse_ds_mla_scale(ds_mla_scale, mode)
@@ -256,18 +248,3 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         return
     info.run(kv_c, k_pe, kv_cache, slot_mapping, mode, scale if mode.uses_scale else None,
              ds_scale=rule)
-
-
-@torch.library.custom_op("kvwrite::concat_and_cache_mla", mutates_args=("kv_cache",))
-def _custom_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-               slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None,
-               ds_mla_scale: str, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates the cache."""
-    concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
-                         ds_mla_scale=ds_mla_scale, implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, ds_mla_scale,
-      implementation) -> None:
-    return None

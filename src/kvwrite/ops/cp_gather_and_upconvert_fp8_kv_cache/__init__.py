@@ -1,48 +1,14 @@
-"""cp_gather_and_upconvert_fp8_kv_cache (docs/ops/gather.md): gather DeepSeek's fp8_ds_mla cache
-entries (656 bytes: 512 e4m3 codes in 4 tiles, their float32 scales, 64 16-bit rotary values) into
-16-bit latent rows of 576 values, dequantized by the fp8 read rule (sparse MLA).
-
-- :mod:`.op`: the public function, its validation and its torch.compile custom op;
-- :mod:`.reference`: the plain-PyTorch implementation (the reference oracle);
-- :mod:`.triton_impl`: the Triton kernel and its launcher;
-- :mod:`.cuda_impl` and ``kernel.cu``: the CUDA kernel (NVRTC) and its launcher;
-- :mod:`.sanitize`: bounds-stressing cases for compute-sanitizer.
-
-Importing this package registers the op and its three implementations.
-"""
+"""cp_gather_and_upconvert_fp8_kv_cache (docs/ops/gather.md): gather fp8_ds_mla cache entries
+into 16-bit latent rows of 576 values, dequantized by the fp8 read rule (sparse MLA)."""
 
 from ... import registry
-from .op import OP, OUT_WIDTH, cp_gather_and_upconvert_fp8_kv_cache, validate
+from .op import *  # noqa: F403  (the package exports op.__all__)
+from .op import OP
+from .op import __all__ as __all__
 
-__all__ = ["OP", "OUT_WIDTH", "cp_gather_and_upconvert_fp8_kv_cache", "validate"]
-
-registry.register_op(registry.OpSpec(
-    name=OP,
-    run_signature="run(src_cache, dst, block_table, workspace_starts, num_req, seq_starts) -> None",
-    unsupported_signature="unsupported(src_cache, dst) -> str | None",
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="torch",
-    description="plain PyTorch (the row rule by repeat_interleave, index_put_); the reference",
-    module=f"{__name__}.reference",
-    priority=0,
-    devices=("cpu", "cuda"),
-    # The row count of the rule syncs with the host.
-    graph_safe=False,
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="triton",
-    description="Triton kernel (exact e4m3 decode, tile scales read as bytes)",
-    module=f"{__name__}.triton_impl",
-    priority=10,
-    requires=("triton",),
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="cuda",
-    description="CUDA C++ kernel compiled at run time with NVRTC (cuda.core)",
-    module=f"{__name__}.cuda_impl",
-    priority=20,
-))
+registry.define_op(
+    OP, __name__, torch_syncs=registry.SYNCS_ROW_COUNT,
+    run="src_cache, dst, block_table, workspace_starts, num_req, seq_starts",
+    unsupported="src_cache, dst",
+    torch="plain PyTorch (the row rule by repeat_interleave, index_put_); the reference",
+    triton="Triton kernel (exact e4m3 decode, tile scales read as bytes)")

@@ -57,6 +57,7 @@ def select_implementation(src_cache, dst, implementation: str | None = None) -> 
     return registry.select(OP, (src_cache, dst), implementation)
 
 
+@registry.custom_op(OP, mutates=("dst",), args={"batch_size": registry.INT})
 def cp_gather_and_upconvert_fp8_kv_cache(src_cache: torch.Tensor, dst: torch.Tensor,
                                          block_table: torch.Tensor,
                                          workspace_starts: torch.Tensor, batch_size: int,
@@ -82,29 +83,8 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache: torch.Tensor, dst: torch.Ten
     ``block_table`` ``[>= B, max_blocks]``, ``workspace_starts`` ``[>= B]``, ``seq_starts``
     ``[>= B]``: int32 or int64, any strides, read on the device (CUDA-graph safe).
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.cp_gather_and_upconvert_fp8_kv_cache(
-            src_cache, dst, block_table, workspace_starts, int(batch_size), seq_starts,
-            implementation or "")
-        return
     num_req = validate(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts)
     info = select_implementation(src_cache, dst, implementation)
     if num_req == 0 or dst.shape[0] == 0:
         return
     info.run(src_cache, dst, block_table, workspace_starts, num_req, seq_starts)
-
-
-@torch.library.custom_op("kvwrite::cp_gather_and_upconvert_fp8_kv_cache", mutates_args=("dst",))
-def _custom_op(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
-               workspace_starts: torch.Tensor, batch_size: int, seq_starts: torch.Tensor | None,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates ``dst``."""
-    cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_starts,
-                                         batch_size, seq_starts,
-                                         implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts,
-      implementation) -> None:
-    return None

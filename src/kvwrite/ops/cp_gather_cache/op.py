@@ -53,6 +53,7 @@ def select_implementation(src_cache, dst, implementation: str | None = None) -> 
     return registry.select(OP, (src_cache, dst), implementation)
 
 
+@registry.custom_op(OP, mutates=("dst",), args={"batch_size": registry.INT})
 def cp_gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
                     cu_seq_lens: torch.Tensor, batch_size: int,
                     seq_starts: torch.Tensor | None = None, *,
@@ -72,26 +73,8 @@ def cp_gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: tor
     (any), any strides; ``block_table`` ``[>= B, max_blocks]``, ``cu_seq_lens`` ``[B + 1]``,
     ``seq_starts`` ``[>= B]``: int32 or int64, any strides, read on the device (CUDA-graph safe).
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.cp_gather_cache(src_cache, dst, block_table, cu_seq_lens,
-                                          int(batch_size), seq_starts, implementation or "")
-        return
     num_req = validate(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts)
     info = select_implementation(src_cache, dst, implementation)
     if num_req == 0 or dst.numel() == 0:
         return
     info.run(src_cache, dst, block_table, cu_seq_lens, seq_starts)
-
-
-@torch.library.custom_op("kvwrite::cp_gather_cache", mutates_args=("dst",))
-def _custom_op(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
-               cu_seq_lens: torch.Tensor, batch_size: int, seq_starts: torch.Tensor | None,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates ``dst``."""
-    cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts,
-                    implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts, implementation) -> None:
-    return None

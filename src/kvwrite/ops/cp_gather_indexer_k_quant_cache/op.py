@@ -87,6 +87,7 @@ def select_implementation(kv_cache, dst_k, dst_scale,
     return registry.select(OP, (kv_cache, dst_k, dst_scale), implementation)
 
 
+@registry.custom_op(OP, mutates=("dst_k", "dst_scale"))
 def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
                                     dst_scale: torch.Tensor, block_table: torch.Tensor,
                                     cu_seq_lens: torch.Tensor, *,
@@ -112,26 +113,8 @@ def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
     ``block_table`` ``[B, max_blocks]`` and ``cu_seq_lens`` ``[>= B + 1]``: int32 or int64, any
     strides, read on the device (CUDA-graph safe).
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table,
-                                                          cu_seq_lens, implementation or "")
-        return
     num_req = validate(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
     info = select_implementation(kv_cache, dst_k, dst_scale, implementation)
     if num_req == 0 or dst_k.shape[0] == 0:
         return
     info.run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-
-
-@torch.library.custom_op("kvwrite::cp_gather_indexer_k_quant_cache",
-                         mutates_args=("dst_k", "dst_scale"))
-def _custom_op(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
-               block_table: torch.Tensor, cu_seq_lens: torch.Tensor, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates both outputs."""
-    cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
-                                    implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, implementation) -> None:
-    return None

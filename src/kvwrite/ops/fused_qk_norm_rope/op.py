@@ -140,6 +140,7 @@ def validate(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight
     return view, eps, weight_offset
 
 
+@registry.custom_op(OP, mutates=("qkv",))
 def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
                        head_dim: int, eps: float, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool,
@@ -163,12 +164,6 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
     accepted and has no effect. ``implementation`` names a registered one; None picks the
     preferred one.
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.fused_qk_norm_rope(
-            qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, float(eps), q_weight, k_weight,
-            cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp,
-            float(weight_offset), implementation or "")
-        return
     view, eps, weight_offset = validate(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
         cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp, weight_offset)
@@ -177,23 +172,3 @@ def fused_qk_norm_rope(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, nu
         return
     info.run(view, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
              position_ids, weight_offset)
-
-
-@torch.library.custom_op("kvwrite::fused_qk_norm_rope", mutates_args=("qkv",))
-def _custom_op(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
-               head_dim: int, eps: float, q_weight: torch.Tensor | None,
-               k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool,
-               position_ids: torch.Tensor, forced_token_heads_per_warp: int,
-               weight_offset: float, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates qkv."""
-    fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
-                       k_weight, cos_sin_cache, is_neox, position_ids,
-                       forced_token_heads_per_warp, weight_offset=weight_offset,
-                       implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
-      cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp, weight_offset,
-      implementation) -> None:
-    return None

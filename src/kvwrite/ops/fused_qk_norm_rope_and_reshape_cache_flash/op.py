@@ -131,6 +131,7 @@ def validate(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight
     return view, eps, weight_offset, cache_dtype, qo, qs
 
 
+@registry.custom_op(OP, mutates=("qkv", "key_cache", "value_cache", "query_out"))
 def fused_qk_norm_rope_and_reshape_cache_flash(
         qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int, head_dim: int,
         eps: float, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -158,13 +159,6 @@ def fused_qk_norm_rope_and_reshape_cache_flash(
     ``q_scale`` float32 of 1 or Hq elements, read on the device. ``implementation`` names a
     registered one; None picks the preferred one.
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(
-            qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, float(eps), q_weight, k_weight,
-            cos_sin_cache, is_neox, position_ids, key_cache, value_cache, slot_mapping, k_scale,
-            v_scale, str(kv_cache_dtype), float(weight_offset), rotate_key_in_place, query_out,
-            q_scale, implementation or "")
-        return
     view, eps, weight_offset, cache_dtype, qo, qs = validate(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
         cos_sin_cache, is_neox, position_ids, key_cache, value_cache, slot_mapping, k_scale,
@@ -178,31 +172,3 @@ def fused_qk_norm_rope_and_reshape_cache_flash(
     info.run(view, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
              position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
              k_scale, v_scale, rotate_key_in_place, qo, qs)
-
-
-@torch.library.custom_op("kvwrite::fused_qk_norm_rope_and_reshape_cache_flash",
-                         mutates_args=("qkv", "key_cache", "value_cache", "query_out"))
-def _custom_op(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int,
-               head_dim: int, eps: float, q_weight: torch.Tensor | None,
-               k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool,
-               position_ids: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
-               v_scale: torch.Tensor | None, kv_cache_dtype: str, weight_offset: float,
-               rotate_key_in_place: bool, query_out: torch.Tensor | None,
-               q_scale: torch.Tensor | None, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates qkv (or query_out) and both
-    caches."""
-    fused_qk_norm_rope_and_reshape_cache_flash(
-        qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
-        cos_sin_cache, is_neox, position_ids, key_cache, value_cache, slot_mapping, k_scale,
-        v_scale, kv_cache_dtype, weight_offset=weight_offset,
-        rotate_key_in_place=rotate_key_in_place, query_out=query_out, q_scale=q_scale,
-        implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
-      cos_sin_cache, is_neox, position_ids, key_cache, value_cache, slot_mapping, k_scale,
-      v_scale, kv_cache_dtype, weight_offset, rotate_key_in_place, query_out, q_scale,
-      implementation) -> None:
-    return None

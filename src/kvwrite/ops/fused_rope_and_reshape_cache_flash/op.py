@@ -86,6 +86,7 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
     return q, k, v, qo, cache_dtype
 
 
+@registry.custom_op(OP, mutates=("query", "key", "key_cache", "value_cache", "query_out"))
 def fused_rope_and_reshape_cache_flash(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor,
@@ -112,12 +113,6 @@ def fused_rope_and_reshape_cache_flash(
     ``query_out`` (query's shape and dtype, other memory) receives the rotated query instead of
     ``query``. ``implementation`` names a registered one; None picks the preferred one.
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.fused_rope_and_reshape_cache_flash(
-            query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-            slot_mapping, k_scale, v_scale, str(kv_cache_dtype), rotate_key_in_place, query_out,
-            implementation or "")
-        return
     q, k, v, qo, cache_dtype = validate(query, key, value, positions, cos_sin_cache, is_neox,
                                         key_cache, value_cache, slot_mapping, k_scale, v_scale,
                                         kv_cache_dtype, rotate_key_in_place, query_out)
@@ -129,25 +124,3 @@ def fused_rope_and_reshape_cache_flash(
         k_scale = v_scale = None
     info.run(q, k, v, positions, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
              cache_dtype, k_scale, v_scale, rotate_key_in_place, qo)
-
-
-@torch.library.custom_op("kvwrite::fused_rope_and_reshape_cache_flash",
-                         mutates_args=("query", "key", "key_cache", "value_cache", "query_out"))
-def _custom_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
-               key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, kv_cache_dtype: str,
-               rotate_key_in_place: bool, query_out: torch.Tensor | None,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates query (or query_out), key
-    and both caches."""
-    fused_rope_and_reshape_cache_flash(
-        query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
-        slot_mapping, k_scale, v_scale, kv_cache_dtype, rotate_key_in_place=rotate_key_in_place,
-        query_out=query_out, implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
-      k_scale, v_scale, kv_cache_dtype, rotate_key_in_place, query_out, implementation) -> None:
-    return None

@@ -81,6 +81,7 @@ def select_implementation(src_cache, dst, mode: MlaMode, implementation: str | N
     return registry.select(OP, (src_cache, dst, mode), implementation)
 
 
+@registry.custom_op(OP, mutates=("dst",), args={"num_tokens": registry.INT})
 def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor,
                                    block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
                                    token_to_seq: torch.Tensor, num_tokens: int,
@@ -109,11 +110,6 @@ def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor,
     int64, any strides, read on the device (CUDA-graph safe). ``scale``: float32, 1 element, on
     the device (fp8 modes; may be None in "auto").
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.gather_and_maybe_dequant_cache(
-            src_cache, dst, block_table, cu_seq_lens, token_to_seq, int(num_tokens),
-            str(kv_cache_dtype), scale, seq_starts, implementation or "")
-        return
     mode, num_req, num_tokens = validate(src_cache, dst, block_table, cu_seq_lens, token_to_seq,
                                          num_tokens, kv_cache_dtype, scale, seq_starts)
     info = select_implementation(src_cache, dst, mode, implementation)
@@ -121,20 +117,3 @@ def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor,
         return
     info.run(src_cache, dst, block_table, cu_seq_lens, seq_starts, num_tokens, mode,
              scale if mode.uses_scale else None)
-
-
-@torch.library.custom_op("kvwrite::gather_and_maybe_dequant_cache", mutates_args=("dst",))
-def _custom_op(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
-               cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
-               kv_cache_dtype: str, scale: torch.Tensor | None, seq_starts: torch.Tensor | None,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates ``dst``."""
-    gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq,
-                                   num_tokens, kv_cache_dtype, scale, seq_starts,
-                                   implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype, scale,
-      seq_starts, implementation) -> None:
-    return None

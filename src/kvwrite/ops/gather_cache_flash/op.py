@@ -98,6 +98,7 @@ def select_implementation(key_cache, key_out, cache_dtype: CacheDType,
     return registry.select(OP, (key_cache, key_out, cache_dtype), implementation)
 
 
+@registry.custom_op(OP, mutates=("key_out", "value_out"))
 def gather_cache_flash(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
                        value_out: torch.Tensor, block_table: torch.Tensor,
                        cu_seq_lens: torch.Tensor, kv_cache_dtype: str = "auto",
@@ -128,11 +129,6 @@ def gather_cache_flash(key_cache: torch.Tensor, value_cache: torch.Tensor, key_o
     (CUDA-graph safe); ``k_scale``/``v_scale`` float32 ``[1]`` or ``[H]`` on the device (fp8 modes;
     may be None otherwise).
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.gather_cache_flash(key_cache, value_cache, key_out, value_out,
-                                             block_table, cu_seq_lens, str(kv_cache_dtype),
-                                             k_scale, v_scale, seq_starts, implementation or "")
-        return
     cache_dtype, num_req = validate(key_cache, value_cache, key_out, value_out, block_table,
                                     cu_seq_lens, kv_cache_dtype, k_scale, v_scale, seq_starts)
     info = select_implementation(key_cache, key_out, cache_dtype, implementation)
@@ -142,20 +138,3 @@ def gather_cache_flash(key_cache: torch.Tensor, value_cache: torch.Tensor, key_o
         k_scale = v_scale = None
     info.run(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, seq_starts,
              cache_dtype, k_scale, v_scale)
-
-
-@torch.library.custom_op("kvwrite::gather_cache_flash", mutates_args=("key_out", "value_out"))
-def _custom_op(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
-               value_out: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
-               kv_cache_dtype: str, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-               seq_starts: torch.Tensor | None, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates both outputs."""
-    gather_cache_flash(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
-                       kv_cache_dtype, k_scale, v_scale, seq_starts,
-                       implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, kv_cache_dtype,
-      k_scale, v_scale, seq_starts, implementation) -> None:
-    return None

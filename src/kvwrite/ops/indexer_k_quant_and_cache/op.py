@@ -177,6 +177,7 @@ def select_implementation(k, kv_cache, fmt: ScaleFormat, implementation: str | N
     return registry.select(OP, (k, kv_cache, fmt), implementation)
 
 
+@registry.custom_op(OP, mutates=("kv_cache",))
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               quant_block_size: int, scale_fmt: str | None, *,
                               implementation: str | None = None) -> None:
@@ -204,25 +205,8 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     of ``k`` past T are never read, T == 0 is a no-op, which of two tokens with one slot wins is
     undefined. The contract: docs/ops/indexer_k_quant_and_cache.md.
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size,
-                                                    scale_fmt, implementation or "")
-        return
     _, fmt = validate(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
     info = select_implementation(k, kv_cache, fmt, implementation)
     if slot_mapping.numel() == 0 or kv_cache.shape[0] * kv_cache.shape[1] == 0:
         return
     info.run(k, kv_cache, slot_mapping, operator.index(quant_block_size), fmt)
-
-
-@torch.library.custom_op("kvwrite::indexer_k_quant_and_cache", mutates_args=("kv_cache",))
-def _custom_op(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-               quant_block_size: int, scale_fmt: str | None, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates the cache."""
-    indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt,
-                              implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(k, kv_cache, slot_mapping, quant_block_size, scale_fmt, implementation) -> None:
-    return None

@@ -372,6 +372,47 @@ def append_run_args(append_key, append_value, slot_mapping, paged_kv_cache, kv_c
             k_scale, v_scale, ScaleLayout.LINEAR)
 
 
+def _pair(t):
+    """(k, v) of a pair, or (the 5-D tensor, None)."""
+    if isinstance(t, (tuple, list)) and len(t) == 2:
+        return t[0], t[1]
+    return t, None
+
+
+def _scale_parts(s):
+    return (s, 0.0) if isinstance(s, torch.Tensor) else (None, float(s))
+
+
+def _append_lower(append_key, append_value, slot_mapping, paged_kv_cache, kv_cache_sf, k_scale,
+                  v_scale, kv_layout, implementation) -> tuple:
+    """A call's arguments as the FlashInfer form's custom op takes them: each pair split (a 5-D
+    tensor and None where it is not a pair), each scale as a tensor or a number."""
+    k_data, v_data = _pair(paged_kv_cache)
+    k_sf, v_sf = _pair(kv_cache_sf)
+    kt, kf = _scale_parts(k_scale)
+    vt, vf = _scale_parts(v_scale)
+    return (append_key, append_value, slot_mapping, k_data, v_data, k_sf, v_sf,
+            isinstance(paged_kv_cache, (tuple, list)), isinstance(kv_cache_sf, (tuple, list)),
+            kt, kf, vt, vf, str(kv_layout), implementation or "")
+
+
+def _append_entry(append_key: torch.Tensor, append_value: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor | None,
+                  k_sf: torch.Tensor, v_sf: torch.Tensor | None, data_pair: bool, sf_pair: bool,
+                  k_scale: torch.Tensor | None, k_scale_value: float,
+                  v_scale: torch.Tensor | None, v_scale_value: float, kv_layout: str,
+                  implementation: str) -> None:
+    """The FlashInfer form as torch.compile sees it: an opaque call that mutates the caches."""
+    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
+        append_key, append_value, slot_mapping, (k_data, v_data) if data_pair else k_data,
+        (k_sf, v_sf) if sf_pair else k_sf, k_scale if k_scale is not None else k_scale_value,
+        v_scale if v_scale is not None else v_scale_value, kv_layout,
+        implementation=implementation or None)
+
+
+@registry.custom_op("nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
+                    mutates=("k_data", "v_data", "k_sf", "v_sf"), lower=_append_lower,
+                    entry=_append_entry)
 def nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
         append_key: torch.Tensor, append_value: torch.Tensor, slot_mapping: torch.Tensor,
         paged_kv_cache, kv_cache_sf, k_scale, v_scale, kv_layout: str = "NHD", *,
@@ -390,52 +431,9 @@ def nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
     sees new values). Data byte j holds codes 2j (low nibble) and 2j+1 (high); scale byte g holds
     group g's E4M3 scale; the rule is "nvfp4". No other byte changes; T == 0 is a no-op.
     """
-    if torch.compiler.is_compiling():
-        k_data, v_data = _pair(paged_kv_cache)
-        k_sf, v_sf = _pair(kv_cache_sf)
-        kt, kf = _scale_parts(k_scale)
-        vt, vf = _scale_parts(v_scale)
-        torch.ops.kvwrite.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
-            append_key, append_value, slot_mapping, k_data, v_data, k_sf, v_sf,
-            isinstance(paged_kv_cache, (tuple, list)), isinstance(kv_cache_sf, (tuple, list)),
-            kt, kf, vt, vf, str(kv_layout), implementation or "")
-        return
     args = append_run_args(append_key, append_value, slot_mapping, paged_kv_cache, kv_cache_sf,
                            k_scale, v_scale, kv_layout)
     info = select_implementation(args, implementation)
     if slot_mapping.numel() == 0:
         return
     info.run(*args)
-
-
-def _pair(t):
-    """(k, v) of a pair, or (the 5-D tensor, None)."""
-    if isinstance(t, (tuple, list)) and len(t) == 2:
-        return t[0], t[1]
-    return t, None
-
-
-def _scale_parts(s):
-    return (s, 0.0) if isinstance(s, torch.Tensor) else (None, float(s))
-
-
-@torch.library.custom_op("kvwrite::nvfp4_quantize_append_paged_kv_cache_with_slot_mapping",
-                         mutates_args=("k_data", "v_data", "k_sf", "v_sf"))
-def _append_custom_op(append_key: torch.Tensor, append_value: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_data: torch.Tensor,
-                      v_data: torch.Tensor | None, k_sf: torch.Tensor, v_sf: torch.Tensor | None,
-                      data_pair: bool, sf_pair: bool, k_scale: torch.Tensor | None,
-                      k_scale_value: float, v_scale: torch.Tensor | None, v_scale_value: float,
-                      kv_layout: str, implementation: str) -> None:
-    """The FlashInfer form as torch.compile sees it: an opaque call that mutates the caches."""
-    nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
-        append_key, append_value, slot_mapping, (k_data, v_data) if data_pair else k_data,
-        (k_sf, v_sf) if sf_pair else k_sf, k_scale if k_scale is not None else k_scale_value,
-        v_scale if v_scale is not None else v_scale_value, kv_layout,
-        implementation=implementation or None)
-
-
-@_append_custom_op.register_fake
-def _(append_key, append_value, slot_mapping, k_data, v_data, k_sf, v_sf, data_pair, sf_pair,
-      k_scale, k_scale_value, v_scale, v_scale_value, kv_layout, implementation) -> None:
-    return None

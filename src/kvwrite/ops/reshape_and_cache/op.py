@@ -113,6 +113,7 @@ def select_implementation(key, key_cache, cache_dtype: CacheDType, k_scale=None,
     return registry.select(OP, (key, key_cache, cache_dtype, k_scale), implementation)
 
 
+@registry.custom_op(OP, mutates=("key_cache", "value_cache"))
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
@@ -137,11 +138,6 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     caches as its logical ``[num_blocks, block_size, H, D]``. The contract:
     docs/ops/reshape_and_cache.md.
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                            str(kv_cache_dtype), k_scale, v_scale,
-                                            implementation or "")
-        return
     cache_dtype = validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                            k_scale, v_scale)
     info = select_implementation(key, key_cache, cache_dtype, k_scale, implementation)
@@ -150,19 +146,3 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if not cache_dtype.is_fp8:
         k_scale = v_scale = None
     info.run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
-
-
-@torch.library.custom_op("kvwrite::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
-def _custom_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates both caches."""
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
-                      v_scale, implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-      implementation) -> None:
-    return None

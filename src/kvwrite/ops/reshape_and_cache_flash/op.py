@@ -83,6 +83,8 @@ def select_implementation(key, value, key_cache, value_cache, slot_mapping, cach
     return registry.select(OP, (key, key_cache, cache_dtype, k_scale, v_scale), implementation)
 
 
+@registry.custom_op(OP, mutates=("key_cache", "value_cache"),
+                    args={"v_scale_layout": registry.NONE_AS_EMPTY})
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
@@ -123,13 +125,6 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     ``implementation`` names one of :func:`kvwrite.implementations`; None picks the preferred one
     that can run this call.
     """
-    if torch.compiler.is_compiling():
-        kv = kv_cache_dtype.value if isinstance(kv_cache_dtype, CacheDType) else str(kv_cache_dtype)
-        torch.ops.kvwrite.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
-                                                  kv, k_scale, v_scale,
-                                                  _layout_text(v_scale_layout),
-                                                  implementation or "")
-        return
     if parse_kv_cache_dtype(kv_cache_dtype, nvfp4=True).is_nvfp4:
         nvfp4_op.write_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                              k_scale, v_scale, v_scale_layout, implementation)
@@ -146,30 +141,6 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     if not cache_dtype.is_fp8:
         k_scale = v_scale = None
     info.run(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
-
-
-def _layout_text(v_scale_layout) -> str:
-    """v_scale_layout as the custom op's string ("" for None)."""
-    if v_scale_layout is None:
-        return ""
-    return getattr(v_scale_layout, "value", None) or str(v_scale_layout)
-
-
-@torch.library.custom_op("kvwrite::reshape_and_cache_flash", mutates_args=("key_cache", "value_cache"))
-def _custom_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
-               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, v_scale_layout: str,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates both caches."""
-    reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale, v_scale_layout=v_scale_layout or None,
-                            implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-      v_scale_layout, implementation) -> None:
-    return None
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:

@@ -204,6 +204,59 @@ def select_implementation(key, value, key_cache, value_cache, mode: PerTokenHead
     return registry.select(OP, (key, value, key_cache, value_cache, mode), implementation)
 
 
+# torch.compile: the four caches reach the custom op as uint8 views (the scales as
+# [num_blocks, block_size, H, 4] bytes). Functionalization loses writes through mutated arguments
+# that are views of one allocation with different dtypes (the packed caches' codes and float32
+# scales), so the op's arguments share one dtype; the op views them back.
+_DTYPE_NAMES = {torch.int8: "int8", torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def _byte_views(key_cache, value_cache, k_scale_cache, v_scale_cache):
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        require_tensor(name, t)
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: expected dtype int8, uint8 or float8_e4m3fn, got {c.dtype}")
+        if c.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [num_blocks, block_size, num_heads, E], "
+                             f"got shape {_shape(c)}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
+                         f"{value_cache.dtype}")
+    for name, s in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
+    return (key_cache.view(torch.uint8), value_cache.view(torch.uint8),
+            k_scale_cache.unsqueeze(-1).view(torch.uint8),
+            v_scale_cache.unsqueeze(-1).view(torch.uint8))
+
+
+def _lower(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
+           kv_quant_mode, implementation) -> tuple:
+    """A call's arguments as the custom op takes them: byte views, the parsed mode's name and
+    the caches' dtype name."""
+    mode = parse_kv_quant_mode(kv_quant_mode, key_cache.dtype)
+    return (key, value, *_byte_views(key_cache, value_cache, k_scale_cache, v_scale_cache),
+            slot_mapping, mode.value, _DTYPE_NAMES[key_cache.dtype], implementation or "")
+
+
+def _entry(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
+           slot_mapping: torch.Tensor, kv_quant_mode: str, cache_dtype: str,
+           implementation: str) -> None:
+    """The op as torch.compile sees it: an opaque call that mutates the four caches, given as
+    uint8 views (see _byte_views)."""
+    dt = _DTYPES[cache_dtype]
+    reshape_and_cache_flash_per_token_head_quant(
+        key, value, key_cache.view(dt), value_cache.view(dt),
+        k_scale_cache.view(torch.float32)[..., 0], v_scale_cache.view(torch.float32)[..., 0],
+        slot_mapping, kv_quant_mode, implementation=implementation or None)
+
+
+@registry.custom_op(OP, mutates=("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"),
+                    lower=_lower, entry=_entry)
 def reshape_and_cache_flash_per_token_head_quant(
         key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
@@ -239,66 +292,9 @@ def reshape_and_cache_flash_per_token_head_quant(
     ``[T]`` int64 or int32. The contract, with every special case:
     docs/ops/reshape_and_cache_flash_per_token_head_quant.md.
     """
-    if torch.compiler.is_compiling():
-        mode = parse_kv_quant_mode(kv_quant_mode, key_cache.dtype)
-        torch.ops.kvwrite.reshape_and_cache_flash_per_token_head_quant(
-            key, value, *_byte_views(key_cache, value_cache, k_scale_cache, v_scale_cache),
-            slot_mapping, mode.value, _DTYPE_NAMES[key_cache.dtype], implementation or "")
-        return
     mode = validate(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
                     slot_mapping, kv_quant_mode)
     info = select_implementation(key, value, key_cache, value_cache, mode, implementation)
     if slot_mapping.numel() == 0:
         return
     info.run(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode)
-
-
-# torch.compile: the four caches reach the custom op as uint8 views (the scales as
-# [num_blocks, block_size, H, 4] bytes). Functionalization loses writes through mutated arguments
-# that are views of one allocation with different dtypes (the packed caches' codes and float32
-# scales), so the op's arguments share one dtype; the op views them back.
-_DTYPE_NAMES = {torch.int8: "int8", torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-
-def _byte_views(key_cache, value_cache, k_scale_cache, v_scale_cache):
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
-                    ("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
-        require_tensor(name, t)
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"{name}: expected dtype int8, uint8 or float8_e4m3fn, got {c.dtype}")
-        if c.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims [num_blocks, block_size, num_heads, E], "
-                             f"got shape {_shape(c)}")
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
-                         f"{value_cache.dtype}")
-    for name, s in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
-        if s.dtype != torch.float32:
-            raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
-    return (key_cache.view(torch.uint8), value_cache.view(torch.uint8),
-            k_scale_cache.unsqueeze(-1).view(torch.uint8),
-            v_scale_cache.unsqueeze(-1).view(torch.uint8))
-
-
-@torch.library.custom_op("kvwrite::reshape_and_cache_flash_per_token_head_quant",
-                         mutates_args=("key_cache", "value_cache", "k_scale_cache",
-                                       "v_scale_cache"))
-def _custom_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, k_scale_cache: torch.Tensor,
-               v_scale_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_quant_mode: str,
-               cache_dtype: str, implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates the four caches, given as
-    uint8 views (see _byte_views)."""
-    dt = _DTYPES[cache_dtype]
-    reshape_and_cache_flash_per_token_head_quant(
-        key, value, key_cache.view(dt), value_cache.view(dt),
-        k_scale_cache.view(torch.float32)[..., 0], v_scale_cache.view(torch.float32)[..., 0],
-        slot_mapping, kv_quant_mode, implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
-      kv_quant_mode, cache_dtype, implementation) -> None:
-    return None

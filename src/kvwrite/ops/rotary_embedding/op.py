@@ -133,6 +133,7 @@ def validate(positions, query, key, head_size, cos_sin_cache, is_neox
     return q, k
 
 
+@registry.custom_op(OP, mutates=("query", "key"))
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
                      head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool, *,
                      implementation: str | None = None) -> None:
@@ -151,29 +152,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     multiply-add), then rounded to nearest even in the tensor's dtype. A token whose position is
     outside ``[0, max_position)`` is left as it was (and the table is never read outside).
     """
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.rotary_embedding(positions, query, key, head_size, cos_sin_cache,
-                                           is_neox, implementation or "")
-        return
     q, k = validate(positions, query, key, head_size, cos_sin_cache, is_neox)
     info = registry.select(OP, (q, k, cos_sin_cache, is_neox), implementation)
     if positions.numel() == 0:
         return
     info.run(positions, q, k, cos_sin_cache, is_neox)
 
-
-@torch.library.custom_op("kvwrite::rotary_embedding", mutates_args=("query", "key"))
-def _custom_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
-               head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool,
-               implementation: str) -> None:
-    """The op as torch.compile sees it: an opaque call that mutates query and key."""
-    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
-                     implementation=implementation or None)
-
-
-@_custom_op.register_fake
-def _(positions, query, key, head_size, cos_sin_cache, is_neox, implementation) -> None:
-    return None
 
 
 def check_positions(positions: torch.Tensor, max_position: int) -> None:
