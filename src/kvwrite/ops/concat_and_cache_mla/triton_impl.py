@@ -43,7 +43,7 @@ from ...kernels.triton_fp8 import (
     triton,
     ue8m0_round_up,
 )
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import (
     DEFAULT_DS_MLA_SCALE,
     DS_MLA_L,
@@ -75,7 +75,7 @@ def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> st
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
 
     # Input bytes per program (BLOCK_T tokens of kv_c + k_pe), as for reshape_and_cache_flash's
@@ -101,15 +101,6 @@ class TritonTuning:
     large_tile_bytes: int = 8192
     large_tile_bytes_ds: int = 4096
     large_bytes_per_warp: int = 2304
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it (kvwrite.kernels.triton_support.pdl_launch); those of at
-    # most pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's
-    # TRIGGER). Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off / with the
-    # trigger / without it, us: auto T=16 1.47 / 1.16 / 1.33, T=2048 (1024 programs) 2.95 / 2.60
-    # / 2.76, T=65536 40.6 / 41.1 / 40.0; fp8_ds_mla T=256 2.03 / 1.62 / 1.89, T=2048 (2048
-    # programs) 3.08 / 3.49 / 3.11, T=8192 6.60 / 6.78 / 5.99, T=65536 36.0 / 40.0 / 35.4.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()

@@ -27,7 +27,7 @@ import torch
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton, ue8m0_round_up
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
@@ -46,7 +46,7 @@ def unsupported(k: torch.Tensor, kv_cache: torch.Tensor, fmt: ScaleFormat) -> st
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one. Not
     measured yet: concat_and_cache_mla's fp8_ds_mla tiles (2 KiB of input per program, 512 bytes
     per warp), whose per-token work is the same."""
@@ -54,12 +54,6 @@ class TritonTuning:
     tile_bytes: int = 2048
     bytes_per_warp: int = 512
     max_warps: int = 8
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it (triton_support.pdl_launch); those of at most
-    # pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's TRIGGER),
-    # as concat_and_cache_mla's values.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()

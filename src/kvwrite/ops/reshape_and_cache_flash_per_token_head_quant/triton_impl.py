@@ -33,7 +33,7 @@ import torch
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling",
@@ -57,7 +57,7 @@ def unsupported(key, value, key_cache, value_cache, mode: PerTokenHeadMode) -> s
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one.
     Not measured yet beyond the first figures (H200, H=8, D=128, bfloat16, packed: T=1 3.4-4.3
     us, T=16384 57-72 us before the small-grid tiling, the wide stores and the roundings
@@ -74,9 +74,6 @@ class TritonTuning:
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
-    # Programmatic dependent launch, as the other ops' Triton kernels (tuning-log change 44).
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
