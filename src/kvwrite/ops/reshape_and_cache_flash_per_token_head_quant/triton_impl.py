@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from ...kernels import triton_support
+from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
 from ...kernels.triton_support import PdlTuning, next_pow2
@@ -108,14 +108,6 @@ def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
     if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
         return tiling(num_heads, dk, dv, tuning, True)
     return block_t, block_h, warps
-
-
-def _align(values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in values:
-        v |= int(b)
-    return v & -v
 
 
 if triton is not None:
@@ -346,7 +338,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                                              tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
     kc, vc = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    align = _align([kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], *vc.stride()[:3]])
+    align = gather_cuda.align([kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], *vc.stride()[:3]])
     _pth_kernel[grid](
         key, value, kc, vc, k_scale_cache, v_scale_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
