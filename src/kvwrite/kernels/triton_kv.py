@@ -7,6 +7,8 @@ and the flash layout's cache addressing.
   addresses differ).
 - :func:`load_kv_tile`: a program's ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of K and of V, its
   slots and scales' constants, and which of its elements are stored.
+- :func:`token_prologue`: the first statements of a kernel with one program per ``BLOCK_T``
+  tokens (concat_and_cache_mla's, the indexer's).
 - :func:`cache_offsets`: the store mask and the element offsets into a ``[num_blocks,
   block_size, H, D]`` cache of the fused RoPE writers (strides as arguments).
 - :func:`interpreter_reason`: why Triton's interpreter cannot write a call's bytes exactly.
@@ -26,7 +28,7 @@ from .triton_fp8 import fp8_scale_pair, pdl_entry, tl, triton
 from .triton_support import PdlTuning, inexact_cast_reason, next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "tiling", "interpreter_reason", "load_kv_tile",
-           "cache_offsets"]
+           "token_prologue", "cache_offsets"]
 
 
 def interpreter_reason(key: torch.Tensor, cache_dtype: CacheDType) -> str | None:
@@ -135,10 +137,11 @@ if triton is not None:
                      PDL_TRIGGER: tl.constexpr):
         """The first part of a K/V write kernel (a tile ``[BLOCK_T tokens, BLOCK_H heads,
         BLOCK_D]`` of K and of V per program, grid (token tiles, head tiles)), up to the stores'
-        addresses: (h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, block, o): the heads
-        ``[BLOCK_H]``, the elements ``[BLOCK_D]``, both tiles as loaded, the scales' constants
-        (fp8_scale_pair), which elements are stored, and each token's cache block and offset in
-        it (int64). Arguments as the kernels' own."""
+        addresses: (h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block): the
+        heads ``[BLOCK_H]``, the elements ``[BLOCK_D]``, both tiles as loaded, the scales'
+        constants (fp8_scale_pair), which elements are stored, and each token's slot and cache
+        block ``slot // BLOCK_SIZE`` (int64; the offset in the block is left to the caller, whose
+        order of the address arithmetic it keeps). Arguments as the kernels' own."""
         pdl_entry(PDL, PDL_TRIGGER)
         # Grid (token tiles, head tiles): programs are dispatched token tile fastest, so the
         # programs in flight write the same heads of many tokens, and no index needs a division.
@@ -172,8 +175,18 @@ if triton is not None:
         # Padding (slot < 0) and out-of-range slots are not stored.
         store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
         block = slot // BLOCK_SIZE
-        o = slot - block * BLOCK_SIZE
-        return h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, block, o
+        return h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block
+
+    @triton.jit
+    def token_prologue(num_tokens, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+                       PDL_TRIGGER: tl.constexpr):
+        """``pdl_entry``, then (t, t_in, t64): the program's ``[BLOCK_T]`` tokens, which of them
+        are below ``num_tokens``, and ``t`` as int64."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_in = t < num_tokens
+        t64 = t.to(tl.int64)
+        return t, t_in, t64
 
     @triton.jit
     def cache_offsets(slot, cached_valid, in_row, h, d, num_slots, BLOCK_SIZE: tl.constexpr,

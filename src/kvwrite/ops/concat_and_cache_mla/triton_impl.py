@@ -37,12 +37,12 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import (
     fp8_quotient,
     fp8_scale,
-    pdl_entry,
     store_quantized,
     tl,
     triton,
     ue8m0_round_up,
 )
+from ...kernels.triton_kv import token_prologue
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import (
     DEFAULT_DS_MLA_SCALE,
@@ -156,10 +156,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_in = t < num_tokens
-        t64 = t.to(tl.int64)
+        t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
         # Padding (slot < 0) and out-of-range slots are not stored.
         valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)

@@ -26,7 +26,8 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton, ue8m0_round_up
+from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, tl, triton, ue8m0_round_up
+from ...kernels.triton_kv import token_prologue
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
@@ -94,10 +95,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_in = t < num_tokens
-        t64 = t.to(tl.int64)
+        t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         g = tl.arange(0, BLOCK_G)
         j = tl.arange(0, BLOCK_Q)
         col = (g * Q)[None, :, None] + j[None, None, :]  # [1, BLOCK_G, BLOCK_Q]

@@ -79,10 +79,11 @@ if triton is not None:
     ):
         # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, block, o = load_kv_tile(
+        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block = load_kv_tile(
             key_ptr, value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
             KEY_STRIDE, VALUE_STRIDE, NUM_SLOTS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, QUANT,
             K_PER_HEAD, V_PER_HEAD, BLOCK_T, BLOCK_H, BLOCK_D, LOAD_EVICT, PDL, PDL_TRIGGER)
+        o = slot - block * BLOCK_SIZE
         h64 = h.to(tl.int64)
         d64 = offs_d.to(tl.int64)
         kc_row = block * KC_B + o * KC_S  # int64

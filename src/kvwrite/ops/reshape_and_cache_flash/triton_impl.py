@@ -89,11 +89,11 @@ if triton is not None:
     ):
         # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, block, o = load_kv_tile(
+        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block = load_kv_tile(
             key_ptr, value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
             KEY_STRIDE, VALUE_STRIDE, NUM_SLOTS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, QUANT,
             K_PER_HEAD, V_PER_HEAD, BLOCK_T, BLOCK_H, BLOCK_D, LOAD_EVICT, PDL, PDL_TRIGGER)
-        cache_row = block * STRIDE_B + o * STRIDE_S  # int64
+        cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
         cache_col = h.to(tl.int64) * STRIDE_H
         c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
         store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
