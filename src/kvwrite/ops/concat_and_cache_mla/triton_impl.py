@@ -17,7 +17,7 @@ slots and scale.
   view), so any cache row alignment works; with ``P = 0`` (NoPE) the rotary bytes are zeros.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
+differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
 :func:`unsupported` refuses the fp8 modes there; "auto" (a copy) is exact.
 """
 

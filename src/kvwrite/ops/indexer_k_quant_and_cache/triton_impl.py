@@ -12,7 +12,7 @@ block_size*D + 4*(o*G + g)``). Offsets are 64-bit; strides and the geometry are 
 constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
+differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
 :func:`unsupported` refuses the CPU there (every code is an fp8 cast); the tests call :func:`run`
 directly on inputs whose quotients are fp8 values, where any rounding agrees.
 """
