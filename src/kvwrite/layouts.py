@@ -33,6 +33,7 @@ from . import formats
 from .dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype, parse_model_dtype
 
 __all__ = [
+    "written_slots",
     "Layout",
     "KVAlloc",
     "parse_layout",
@@ -231,3 +232,16 @@ def _nvfp4_caches(num_blocks: int, block_size: int, num_layers: int, num_heads: 
         key_caches.append(kv[:, 0])
         value_caches.append(kv[:, 1])
     return key_caches, value_caches
+
+
+def written_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The write ops' slot rule, for the torch references: (tokens, blocks, offsets) of the
+    tokens whose slot is in ``[0, num_blocks * block_size)`` (padding, slot < 0, and
+    out-of-range slots are not written), their cache block ``slot // block_size`` and offset in
+    it ``slot % block_size`` (int64). Syncs with the host (the count of written tokens)."""
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < num_blocks * block_size)
+    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
+    slots = slots[keep]
+    return tokens, slots // block_size, slots % block_size

@@ -10,6 +10,8 @@
   (``.to``, round to nearest even, overflow to ±inf).
 - :func:`byte_storage`: the storage behind a tensor as a flat tensor of 1-, 2-, 4- or 8-byte
   integers (copies move bits of any element type through it).
+- :func:`row_prologue` and :func:`launch_rows`: a gather kernel's first statements (its rows and
+  their rule) and its launch (grid, rows per program, the rule's constants, PDL, warps).
 
 ``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
 """
@@ -21,12 +23,13 @@ import functools
 
 import torch
 
-from .triton_fp8 import IMPORT_ERROR, tl, triton
+from .triton_fp8 import IMPORT_ERROR, pdl_entry, tl, triton
+from .triton_support import PdlTuning, pdl_launch
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "gather_rows", "fp8_decode", "fp8_dequant",
            "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
            "TritonTuning", "TUNING", "rows_per_program", "interpreter_reason", "chunk_width",
-           "native_fp8"]
+           "native_fp8", "row_prologue", "launch_rows"]
 
 # FMT codes of fp8_decode (as triton_fp8's E4M3 and E5M2).
 E4M3, E5M2 = 1, 2
@@ -72,6 +75,22 @@ if triton is not None:
         blk = tl.load(bt_ptr + owner * BT_S0 + bi * BT_S1, mask=ok, other=-1).to(tl.int64)
         ok = ok & (blk >= 0) & (blk < NUM_BLOCKS)
         return ok, blk, p - bi * BLOCK_SIZE
+
+    @triton.jit
+    def row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T: tl.constexpr,
+                     ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
+                     BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr,
+                     BLOCK_B: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+        """A gather kernel's first statements (grid: one program per ``BLOCK_T`` output rows):
+        ``pdl_entry``, then (t, valid, block, offset): the program's rows (int64) and
+        :func:`gather_rows` of them."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
+                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
+                                   HAS_SS, WS, BLOCK_B)
+        return t, ok, blk, off
 
     @triton.jit
     def fp8_decode(c, FMT: tl.constexpr):
@@ -152,7 +171,7 @@ def byte_storage(t: torch.Tensor, unit: int = 1) -> tuple[torch.Tensor, int]:
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes of every gather's Triton kernel. ``TUNING`` is what every call uses unless a
     caller passes another one."""
 
@@ -162,9 +181,6 @@ class TritonTuning:
     block_t_large: int = 32
     large_rows: int = 4096
     num_warps: int = 4
-    # Programmatic dependent launch (kvwrite.kernels.triton_support.pdl_launch), as the write ops.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
@@ -188,6 +204,24 @@ def chunk_width(n: int, cap: int = 128) -> int:
     while p < min(n, cap):
         p *= 2
     return p
+
+
+def launch_rows(kernel, device: torch.device, t_out: int, args: tuple, starts: torch.Tensor,
+                seq_starts: torch.Tensor | None, block_table: torch.Tensor, block_size: int,
+                num_blocks: int, num_req: int, tuning: TritonTuning, workspace: bool = False,
+                **constants) -> None:
+    """Launch a gather ``kernel`` writing ``t_out`` rows on PyTorch's current stream: grid
+    ``(cdiv(t_out, BLOCK_T),)``, the positional ``args``, the kernel's own ``constants``, then
+    ``BLOCK_T`` (:func:`rows_per_program`), :func:`gather_rows`'s constants
+    (:func:`row_constants` of the index tensors), PDL and ``tuning.num_warps``."""
+    block_t = rows_per_program(t_out, tuning)
+    grid = (triton.cdiv(t_out, block_t),)
+    pdl, trigger = pdl_launch(device, grid[0], tuning.pdl_max_programs,
+                              tuning.pdl_trigger_max_programs)
+    kernel[grid](*args, **constants, BLOCK_T=block_t,
+                 **row_constants(starts, seq_starts, block_table, block_size, num_blocks, num_req,
+                                 workspace),
+                 PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl)
 
 
 def native_fp8(device: torch.device) -> bool:

@@ -34,24 +34,10 @@ if triton is not None:
     def tree_sum(sq, BLOCK_D: tl.constexpr):
         """The contract's pairwise tree over the last axis of ``sq`` (``[BT, BH, BLOCK_D]``, a
         power of two up to 512): ``[BT, BH]``."""
-        if BLOCK_D >= 512:
-            sq = pair_sum(sq, 512)
-        if BLOCK_D >= 256:
-            sq = pair_sum(sq, 256)
-        if BLOCK_D >= 128:
-            sq = pair_sum(sq, 128)
-        if BLOCK_D >= 64:
-            sq = pair_sum(sq, 64)
-        if BLOCK_D >= 32:
-            sq = pair_sum(sq, 32)
-        if BLOCK_D >= 16:
-            sq = pair_sum(sq, 16)
-        if BLOCK_D >= 8:
-            sq = pair_sum(sq, 8)
-        if BLOCK_D >= 4:
-            sq = pair_sum(sq, 4)
-        if BLOCK_D >= 2:
-            sq = pair_sum(sq, 2)
+        # Widths 512, 256, ..., 2 (unrolled at compile time): each level halves the axis.
+        for i in tl.static_range(9):
+            if (512 >> i) <= BLOCK_D:
+                sq = pair_sum(sq, 512 >> i)
         return tl.reshape(sq, [sq.shape[0], sq.shape[1]])
 
     @triton.jit

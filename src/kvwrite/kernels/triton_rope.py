@@ -15,14 +15,28 @@ tests/test_rope.py checks the PTX of the rotation's kernels for ``fma``.
 
 from __future__ import annotations
 
-from .triton_fp8 import tl, triton
+from .triton_fp8 import pdl_entry, tl, triton
 
-__all__ = ["rope_tables", "rope_rotate", "LAUNCH_OPTIONS"]
+__all__ = ["rope_prologue", "rope_tables", "rope_rotate", "LAUNCH_OPTIONS"]
 
 # Keyword arguments of every launch of a kernel that rotates (see the module doc).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 if triton is not None:
+
+    @triton.jit
+    def rope_prologue(positions_ptr, cos_sin_ptr, num_rot, max_position, ROT: tl.constexpr,
+                      IS_NEOX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+        """The first statements of every RoPE kernel (grid (token tiles, head tiles)):
+        ``pdl_entry``, then (t, tile, valid, c, s, partner, first, is_rot): the program's
+        ``[BLOCK_T]`` tokens, its head tile, and :func:`rope_tables` of those tokens."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)
+        valid, c, s, partner, first, is_rot = rope_tables(
+            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        return t, tile, valid, c, s, partner, first, is_rot
 
     @triton.jit
     def rope_tables(positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT: tl.constexpr,

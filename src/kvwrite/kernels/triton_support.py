@@ -1,9 +1,11 @@
 """What every op's Triton implementation shares besides the fp8 rule: whether Triton can run a
-kernel on a device here, the power-of-two rounding of tile sizes, and whether a launch takes
-programmatic dependent launch."""
+kernel on a device here, which casts its interpreter rounds differently from the GPU, the
+power-of-two rounding of tile sizes, and whether a launch takes programmatic dependent launch (and
+the tuning field that bounds it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -12,7 +14,8 @@ import torch
 
 from . import nvrtc
 
-__all__ = ["available", "next_pow2", "pdl_launch"]
+__all__ = ["available", "interpreter_inexact", "inexact_cast_reason", "next_pow2", "pdl_launch",
+           "PdlTuning"]
 
 
 def available(device: torch.device, triton, kernel: Callable[[], object],
@@ -32,6 +35,37 @@ def available(device: torch.device, triton, kernel: Callable[[], object],
                     "imported; set it before importing triton")
         return None
     return f"triton runs on CUDA devices (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+# Casts that Triton's interpreter (TRITON_INTERPRET=1, checked with Triton 3.9) rounds differently
+# from the GPU, as (input dtype, cache element dtype). Established by running
+# reshape_and_cache_flash's kernel under the interpreter against the torch reference on all 65536
+# patterns of each 16-bit input dtype and on 2^20 random float32 bit patterns plus rounding ties
+# and overflow edges (tests/test_triton.py keeps checking the exact ones): its float32->bfloat16
+# cast truncates instead of rounding to nearest even (float16->bfloat16 goes through it), its
+# bfloat16->float32 cast mangles bfloat16 subnormals, and its float32->fp8 cast rounds ties away
+# from zero and mishandles mantissa carries, subnormals and NaN. Exact there (NaN payloads aside):
+# copies, float16->float32, bfloat16->float16 and float32->float16.
+def interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -> bool:
+    if element_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    if element_dtype == torch.bfloat16:
+        return input_dtype != torch.bfloat16
+    return input_dtype == torch.bfloat16 and element_dtype == torch.float32
+
+
+def inexact_cast_reason(input_dtype: torch.dtype, element_dtype: torch.dtype,
+                        short_names: bool = True) -> str | None:
+    """Why the interpreter cannot write ``input_dtype`` -> ``element_dtype`` casts exactly
+    (:func:`interpreter_inexact`), or None; the dtypes named without ``torch.`` unless
+    ``short_names`` is false (the fused ops' messages)."""
+    if not interpreter_inexact(input_dtype, element_dtype):
+        return None
+    src, dst = str(input_dtype), str(element_dtype)
+    if short_names:
+        src, dst = src.removeprefix("torch."), dst.removeprefix("torch.")
+    return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {src}->{dst} casts differently "
+            "from the GPU; run on a CUDA device")
 
 
 def next_pow2(n: int) -> int:
@@ -61,3 +95,24 @@ def _pdl_device(index: int) -> bool:
         return False
     return (torch.cuda.get_device_capability(index)[0] >= 9
             and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class PdlTuning:
+    """The programmatic-dependent-launch fields of every Triton tuning class (a base of each):
+    launches of at most ``pdl_max_programs`` programs take programmatic dependent launch where it
+    is on and the device allows it (:func:`pdl_launch`); those of at most
+    ``pdl_trigger_max_programs`` also let the next kernel be scheduled early (``pdl_entry``'s
+    TRIGGER). A tuning whose own measurements say otherwise redeclares a default, with its
+    figures (reshape_and_cache_flash's and the RoPE kernels' do)."""
+
+    # Every launch (reshape_and_cache_flash: faster at small T, equal at T=65536).
+    pdl_max_programs: int = 1 << 30
+    # concat_and_cache_mla's measurement, taken by the kernels not measured on their own (the
+    # indexer's, NVFP4's, per-token-head's, the gathers'). H200, bfloat16, rotated L2
+    # (docs/tuning-log.md change 44), off / with the trigger / without it, us: auto T=16 1.47 /
+    # 1.16 / 1.33, T=2048 (1024 programs) 2.95 / 2.60 / 2.76, T=65536 40.6 / 41.1 / 40.0;
+    # fp8_ds_mla T=256 2.03 / 1.62 / 1.89, T=2048 (2048 programs) 3.08 / 3.49 / 3.11, T=8192 6.60
+    # / 6.78 / 5.99, T=65536 36.0 / 40.0 / 35.4.
+    pdl_trigger_max_programs: int = 1024

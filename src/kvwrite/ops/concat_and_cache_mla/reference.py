@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import FP8_MAX, SCALE_FLOOR_1E4_BITS, ue8m0_round_up
+from ...layouts import written_slots
 from .op import DEFAULT_DS_MLA_SCALE, DS_MLA_L, DS_MLA_P, DS_MLA_TILE, DsMlaScale, MlaMode
 
 __all__ = ["available", "unsupported", "run", "ds_mla_rows", "ds_mla_scales", "FLT_MIN"]
@@ -66,11 +67,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
         mode: MlaMode, scale: torch.Tensor | None, *,
         ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE) -> None:
     num_blocks, block_size = kv_cache.shape[:2]
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
     c, pe = kv_c[tokens], k_pe[tokens]
     if mode is MlaMode.AUTO:
         rows = torch.cat([c, pe], dim=1)

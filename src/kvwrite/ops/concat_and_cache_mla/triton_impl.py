@@ -17,7 +17,7 @@ slots and scale.
   view), so any cache row alignment works; with ``P = 0`` (NoPE) the rotary bytes are zeros.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
+differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
 :func:`unsupported` refuses the fp8 modes there; "auto" (a copy) is exact.
 """
 
@@ -37,13 +37,13 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import (
     fp8_quotient,
     fp8_scale,
-    pdl_entry,
     store_quantized,
     tl,
     triton,
     ue8m0_round_up,
 )
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_kv import token_prologue
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import (
     DEFAULT_DS_MLA_SCALE,
     DS_MLA_L,
@@ -75,7 +75,7 @@ def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> st
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
 
     # Input bytes per program (BLOCK_T tokens of kv_c + k_pe), as for reshape_and_cache_flash's
@@ -101,15 +101,6 @@ class TritonTuning:
     large_tile_bytes: int = 8192
     large_tile_bytes_ds: int = 4096
     large_bytes_per_warp: int = 2304
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it (kvwrite.kernels.triton_support.pdl_launch); those of at
-    # most pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's
-    # TRIGGER). Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off / with the
-    # trigger / without it, us: auto T=16 1.47 / 1.16 / 1.33, T=2048 (1024 programs) 2.95 / 2.60
-    # / 2.76, T=65536 40.6 / 41.1 / 40.0; fp8_ds_mla T=256 2.03 / 1.62 / 1.89, T=2048 (2048
-    # programs) 3.08 / 3.49 / 3.11, T=8192 6.60 / 6.78 / 5.99, T=65536 36.0 / 40.0 / 35.4.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
@@ -165,10 +156,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_in = t < num_tokens
-        t64 = t.to(tl.int64)
+        t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
         # Padding (slot < 0) and out-of-range slots are not stored.
         valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)

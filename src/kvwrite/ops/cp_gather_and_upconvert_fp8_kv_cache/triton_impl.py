@@ -19,17 +19,15 @@ import torch
 
 from ...gather import bits_view
 from ...kernels import gather_cuda, triton_support
-from ...kernels.triton_fp8 import pdl_entry
 from ...kernels.triton_gather import (
     IMPORT_ERROR,
     TUNING,
     TritonTuning,
     fp8_dequant,
-    gather_rows,
     interpreter_reason,
+    launch_rows,
     native_fp8,
-    row_constants,
-    rows_per_program,
+    row_prologue,
     tl,
     triton,
 )
@@ -64,11 +62,9 @@ if triton is not None:
         NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
+                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
+                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
         entry = blk * CBS + off * CPS
         row = t * DRS
         col = tl.arange(0, 128)
@@ -123,15 +119,11 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     align = min(4, gather_cuda.align([src.data_ptr(), src.stride(0), src.stride(1)]))
     src16 = src.view(torch.int16) if align >= 2 else src
     src32 = src.view(torch.int32) if align >= 4 else src
-    block_t = rows_per_program(t_out, tuning)
-    grid = (triton.cdiv(t_out, block_t),)
-    pdl, trigger = triton_support.pdl_launch(dst.device, grid[0], tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _kernel[grid](
-        src, src16, src32, dst, bits_view(dst), block_table, workspace_starts, seq_starts, t_out,
-        num_req, CBS=cbs, CPS=cps, DRS=dst.stride(0) if t_out > 1 else 0, BLOCK_T=block_t,
-        ALIGN=align, NATIVE=native_fp8(dst.device),
-        **row_constants(workspace_starts, seq_starts, block_table, block_size, num_blocks,
-                        num_req, workspace=True),
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+    launch_rows(
+        _kernel, dst.device, t_out,
+        (src, src16, src32, dst, bits_view(dst), block_table, workspace_starts, seq_starts, t_out,
+         num_req),
+        workspace_starts, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
+        workspace=True, CBS=cbs, CPS=cps, DRS=dst.stride(0) if t_out > 1 else 0, ALIGN=align,
+        NATIVE=native_fp8(dst.device),
     )

@@ -19,16 +19,14 @@ from __future__ import annotations
 import torch
 
 from ...kernels import gather_cuda, triton_support
-from ...kernels.triton_fp8 import pdl_entry
 from ...kernels.triton_gather import (
     IMPORT_ERROR,
     TUNING,
     TritonTuning,
     byte_storage,
     chunk_width,
-    gather_rows,
-    row_constants,
-    rows_per_program,
+    launch_rows,
+    row_prologue,
     tl,
     triton,
 )
@@ -64,11 +62,9 @@ if triton is not None:
         NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
+                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
+                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
         src_row = src_base + blk * CBS + off * CPS
         dst_row = dst_base + t * DRS
         if RUN_MAJOR:
@@ -127,15 +123,11 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     # a step, as gather_and_maybe_dequant_cache's copies).
     chunk = (max(1, chunk_width(run_units * unit) // unit) if run_major
              else chunk_width(run_units * u[0][0] * u[1][0] * u[2][0]))
-    block_t = rows_per_program(t_out, tuning)
-    grid = (triton.cdiv(t_out, block_t),)
-    pdl, trigger = triton_support.pdl_launch(dst.device, grid[0], tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _kernel[grid](
-        src, src_base, out, dst_base, block_table, cu_seq_lens, seq_starts, t_out, num_req,
+    launch_rows(
+        _kernel, dst.device, t_out,
+        (src, src_base, out, dst_base, block_table, cu_seq_lens, seq_starts, t_out, num_req),
+        cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         CBS=cbs // unit, CPS=cps // unit, DRS=drs // unit, RUN=run_units,
         N0=u[0][0], N1=u[1][0], N2=u[2][0], S0=u[0][1], S1=u[1][1], S2=u[2][1],
-        D0=u[0][2], D1=u[1][2], D2=u[2][2], RUN_MAJOR=run_major, CHUNK=chunk, BLOCK_T=block_t,
-        **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+        D0=u[0][2], D1=u[1][2], D2=u[2][2], RUN_MAJOR=run_major, CHUNK=chunk,
     )

@@ -14,14 +14,12 @@ import torch
 
 from ...gather import bits_view
 from ...kernels import triton_support
-from ...kernels.triton_fp8 import pdl_entry
 from ...kernels.triton_gather import (
     IMPORT_ERROR,
     TUNING,
     TritonTuning,
-    gather_rows,
-    row_constants,
-    rows_per_program,
+    launch_rows,
+    row_prologue,
     tl,
     triton,
 )
@@ -56,11 +54,9 @@ if triton is not None:
         NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, None, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, None, bt_ptr, BLOCK_T,
+                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
+                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
         page = blk * CBS
         i = tl.arange(0, BLOCK_D)
         mk = ok[:, None] & (i < D)[None, :]
@@ -94,17 +90,12 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     floats = dst_scale.dtype == torch.float32
     s = bits_view(dst_scale)
     rows = t_out > 1
-    block_t = rows_per_program(t_out, tuning)
-    grid = (triton.cdiv(t_out, block_t),)
-    pdl, trigger = triton_support.pdl_launch(dst_k.device, grid[0], tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _kernel[grid](
-        kv_cache, k, s, block_table, cu_seq_lens, t_out, num_req,
+    launch_rows(
+        _kernel, dst_k.device, t_out, (kv_cache, k, s, block_table, cu_seq_lens, t_out, num_req),
+        cu_seq_lens, None, block_table, block_size, num_blocks, num_req, tuning,
         CBS=kv_cache.stride(0) if num_blocks > 1 else 0, BS=block_size, D=head_dim,
         SB=width - head_dim, KRS=k.stride(0) if rows else 0,
         KCS=k.stride(1) if head_dim > 1 else 0, SRS=s.stride(0) if rows else 0,
         SCS=s.stride(1) if s.shape[1] > 1 else 0, FLOAT_SCALES=floats,
-        BLOCK_D=next_pow2(head_dim), BLOCK_S=next_pow2(s.shape[1]), BLOCK_T=block_t,
-        **row_constants(cu_seq_lens, None, block_table, block_size, num_blocks, num_req),
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+        BLOCK_D=next_pow2(head_dim), BLOCK_S=next_pow2(s.shape[1]),
     )

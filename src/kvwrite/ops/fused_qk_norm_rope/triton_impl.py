@@ -23,9 +23,8 @@ from ...kernels.triton_rope import LAUNCH_OPTIONS
 from .op import float32_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
-    from ...kernels.triton_fp8 import pdl_entry
     from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-    from ...kernels.triton_rope import rope_tables
+    from ...kernels.triton_rope import rope_prologue
     from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
 
 __all__ = ["available", "unsupported", "run", "interpreter_dtypes", "signed_bits"]
@@ -71,11 +70,9 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tile = tl.program_id(1)
-        valid, c, s, partner, first, is_rot = rope_tables(
-            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
+            PDL, PDL_TRIGGER)
         eps = f32_from_bits(eps_bits)
         offset = f32_from_bits(offset_bits)
         d = tl.arange(0, BLOCK_D)[None, None, :]

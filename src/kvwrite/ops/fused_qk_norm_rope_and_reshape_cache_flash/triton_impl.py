@@ -29,14 +29,14 @@ from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS
+from ...kernels.triton_support import inexact_cast_reason
 from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, signed_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
-    from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, scale_constants, store_quantized
+    from ...kernels.triton_fp8 import fp8_scale_pair, scale_constants, store_quantized
+    from ...kernels.triton_kv import cache_offsets
     from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-    from ...kernels.triton_rope import rope_tables
-    from ..fused_rope_and_reshape_cache_flash.triton_impl import _cache_offsets
-    from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+    from ...kernels.triton_rope import rope_prologue
     from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
 
 __all__ = ["available", "unsupported", "run"]
@@ -55,14 +55,11 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
                 cache_dtype: CacheDType, query_out) -> str | None:
     if qkv.device.type == "cuda":
         return None
-    reason = interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
-    if reason is None and _interpreter_inexact(qkv.dtype, cache_dtype.element_dtype(qkv.dtype)):
-        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {qkv.dtype}->"
-                  f"{cache_dtype.element_dtype(qkv.dtype)} casts differently from the GPU; run "
-                  "on a CUDA device")
+    reason = (interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
+              or inexact_cast_reason(qkv.dtype, cache_dtype.element_dtype(qkv.dtype), False))
     if reason is None and query_out is not None and query_out.dtype in _QUERY_QUANT:
-        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {qkv.dtype}->"
-                  f"{query_out.dtype} casts differently from the GPU; run on a CUDA device")
+        # fp8: every cast into it is inexact there
+        reason = inexact_cast_reason(qkv.dtype, query_out.dtype, False)
     return reason
 
 
@@ -95,11 +92,9 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tile = tl.program_id(1)
-        valid, c, s, partner, first, is_rot = rope_tables(
-            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
+            PDL, PDL_TRIGGER)
         eps = f32_from_bits(eps_bits)
         offset = f32_from_bits(offset_bits)
         d = tl.arange(0, BLOCK_D)[None, None, :]
@@ -144,8 +139,8 @@ if triton is not None:
                 tl.store(qkv_ptr + row + d, k, mask=mask)
             km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_K_HEADS,
                                                       QUANT, K_PER_HEAD, V_PER_HEAD, False)
-            store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
-                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
+            store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                              BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
             store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
 

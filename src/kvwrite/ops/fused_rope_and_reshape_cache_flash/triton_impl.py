@@ -26,14 +26,14 @@ from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import (
     fp8_scale_pair,
     load_scale_pair,
-    pdl_entry,
     scale_constants,
     store_quantized,
     tl,
     triton,
 )
-from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
-from ..reshape_and_cache_flash.triton_impl import _interpreter_inexact
+from ...kernels.triton_kv import cache_offsets
+from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_prologue, rope_rotate
+from ...kernels.triton_support import inexact_cast_reason
 from ..rotary_embedding.op import head_stride
 from ..rotary_embedding.triton_impl import TUNING, RopeTuning, interpreter_reason, tiling
 from ..rotary_embedding.triton_impl import available as _available
@@ -49,12 +49,8 @@ def unsupported(query, key, key_cache, cache_dtype: CacheDType, cos_sin_cache,
                 is_neox) -> str | None:
     if query.device.type == "cuda":
         return None
-    reason = interpreter_reason(query.dtype, cos_sin_cache.dtype)
-    if reason is None and _interpreter_inexact(key.dtype, cache_dtype.element_dtype(key.dtype)):
-        reason = (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {key.dtype}->"
-                  f"{cache_dtype.element_dtype(key.dtype)} casts differently from the GPU; run "
-                  "on a CUDA device")
-    return reason
+    return (interpreter_reason(query.dtype, cos_sin_cache.dtype)
+            or inexact_cast_reason(key.dtype, cache_dtype.element_dtype(key.dtype), False))
 
 
 _QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
@@ -89,11 +85,9 @@ if triton is not None:
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
         VALUE_FIRST: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tile = tl.program_id(1)
-        valid, c, s, partner, first, is_rot = rope_tables(
-            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
+            PDL, PDL_TRIGGER)
         d = tl.arange(0, BLOCK_D)[None, None, :]
         t64 = t.to(tl.int64)
         if tile < Q_TILES:
@@ -126,8 +120,8 @@ if triton is not None:
             v_row = (t64 * v_stride)[:, None, None] + h * V_HEAD_STRIDE
             v = tl.load(value_ptr + v_row + d, mask=cached[:, None, None] & in_row)
             if VALUE_FIRST:
-                store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
-                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
+                store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                                  BLOCK_SIZE, stride_b, stride_s, stride_h)
                 vm, vs2, vy = scale_constants(vsc, QUANT, V_PER_HEAD)
                 store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
                 km, ks2, ky = scale_constants(ksc, QUANT, K_PER_HEAD)
@@ -141,22 +135,11 @@ if triton is not None:
                 km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv,
                                                           NUM_HEADS, QUANT, K_PER_HEAD, V_PER_HEAD,
                                                           False)
-                store_mask, c_off = _cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
-                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
+                store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
+                                                  BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
             if not VALUE_FIRST:
                 store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
-
-    @triton.jit
-    def _cache_offsets(slot, cached_valid, in_row, h, d, num_slots, BLOCK_SIZE: tl.constexpr,
-                       stride_b, stride_s, stride_h):
-        """The store mask (a cached token with a valid position and a slot in [0, num_slots), an
-        element of the row) and the element offsets into either cache."""
-        ok = cached_valid & (slot >= 0) & (slot < num_slots)
-        store_mask = ok[:, None, None] & in_row
-        block = slot // BLOCK_SIZE
-        cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
-        return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
 
 
 def takes_value_first(programs: int, fp8: bool, tuning: RopeTuning = TUNING) -> bool:

@@ -26,9 +26,8 @@ from ...kernels.triton_gather import (
     fp8_dequant,
     gather_rows,
     interpreter_reason,
+    launch_rows,
     native_fp8,
-    row_constants,
-    rows_per_program,
     tl,
     triton,
 )
@@ -96,15 +95,11 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         src, out = bits_view(src_cache), bits_view(dst)
     else:
         src, out = src_cache.view(torch.uint8), dst
-    block_t = rows_per_program(num_tokens, tuning)
-    grid = (triton.cdiv(num_tokens, block_t),)
-    pdl, trigger = triton_support.pdl_launch(dst.device, grid[0], tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _kernel[grid](
-        src, out, scale, block_table, cu_seq_lens, seq_starts, num_tokens, num_req,
+    launch_rows(
+        _kernel, dst.device, num_tokens,
+        (src, out, scale, block_table, cu_seq_lens, seq_starts, num_tokens, num_req),
+        cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         CBS=src.stride(0) if num_blocks > 1 else 0, CPS=src.stride(1) if block_size > 1 else 0,
         DRS=out.stride(0) if dst.shape[0] > 1 else 0, E=entry, CHUNK=chunk_width(entry),
-        FMT=_FMT[mode], NATIVE=native_fp8(dst.device), BLOCK_T=block_t,
-        **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+        FMT=_FMT[mode], NATIVE=native_fp8(dst.device),
     )

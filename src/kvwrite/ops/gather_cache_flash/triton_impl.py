@@ -17,18 +17,16 @@ import torch
 from ...dtypes import CacheDType, scale_is_per_head
 from ...gather import bits_view
 from ...kernels import triton_support
-from ...kernels.triton_fp8 import pdl_entry
 from ...kernels.triton_gather import (
     IMPORT_ERROR,
     TUNING,
     TritonTuning,
     chunk_width,
     fp8_dequant,
-    gather_rows,
     interpreter_reason,
+    launch_rows,
     native_fp8,
-    row_constants,
-    rows_per_program,
+    row_prologue,
     tl,
     triton,
 )
@@ -87,11 +85,9 @@ if triton is not None:
         NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
+                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
+                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
         src_row = blk * CBS + off * CPS
         _gather_heads(k_ptr, ko_ptr, ks_ptr, ok, src_row, t * KRS, H, D, HS, KHS, CHUNK, FMT,
                       K_PER_HEAD, NATIVE)
@@ -113,13 +109,11 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
             value_out
     else:
         kc, vc, ko, vo = (bits_view(x) for x in (key_cache, value_cache, key_out, value_out))
-    block_t = rows_per_program(t_out, tuning)
-    grid = (triton.cdiv(t_out, block_t),)
-    pdl, trigger = triton_support.pdl_launch(key_out.device, grid[0], tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
     rows = t_out > 1
-    _kernel[grid](
-        kc, vc, ko, vo, k_scale, v_scale, block_table, cu_seq_lens, seq_starts, t_out, num_req,
+    launch_rows(
+        _kernel, key_out.device, t_out,
+        (kc, vc, ko, vo, k_scale, v_scale, block_table, cu_seq_lens, seq_starts, t_out, num_req),
+        cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         CBS=kc.stride(0) if num_blocks > 1 else 0, CPS=kc.stride(1) if block_size > 1 else 0,
         HS=kc.stride(2) if num_heads > 1 else 0,
         KRS=ko.stride(0) if rows else 0, KHS=ko.stride(1) if num_heads > 1 else 0,
@@ -127,7 +121,4 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
         H=num_heads, D=head_size, CHUNK=chunk_width(num_heads * head_size),
         FMT=_FMT.get(cache_dtype, 0), NATIVE=native_fp8(key_out.device),
         K_PER_HEAD=fp8 and scale_is_per_head(k_scale), V_PER_HEAD=fp8 and scale_is_per_head(v_scale),
-        BLOCK_T=block_t,
-        **row_constants(cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req),
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import ue8m0_round_up
+from ...layouts import written_slots
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
 __all__ = ["available", "unsupported", "run", "group_scales", "quantize_rows", "page_views",
@@ -71,11 +72,7 @@ def page_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, tor
 def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
         quant_block_size: int, fmt: ScaleFormat) -> None:
     num_blocks, block_size, _ = kv_cache.shape
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
     codes, scales = quantize_rows(k[tokens], quant_block_size, fmt)
     code_view, scale_view = page_views(kv_cache, k.shape[1])
     code_view[blocks, offsets] = codes

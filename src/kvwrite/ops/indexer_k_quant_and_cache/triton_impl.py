@@ -12,7 +12,7 @@ block_size*D + 4*(o*G + g)``). Offsets are 64-bit; strides and the geometry are 
 constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``reshape_and_cache_flash.triton_impl._interpreter_inexact``):
+differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
 :func:`unsupported` refuses the CPU there (every code is an fp8 cast); the tests call :func:`run`
 directly on inputs whose quotients are fp8 values, where any rounding agrees.
 """
@@ -26,8 +26,9 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, pdl_entry, tl, triton, ue8m0_round_up
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, tl, triton, ue8m0_round_up
+from ...kernels.triton_kv import token_prologue
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
@@ -46,7 +47,7 @@ def unsupported(k: torch.Tensor, kv_cache: torch.Tensor, fmt: ScaleFormat) -> st
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one. Not
     measured yet: concat_and_cache_mla's fp8_ds_mla tiles (2 KiB of input per program, 512 bytes
     per warp), whose per-token work is the same."""
@@ -54,12 +55,6 @@ class TritonTuning:
     tile_bytes: int = 2048
     bytes_per_warp: int = 512
     max_warps: int = 8
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it (triton_support.pdl_launch); those of at most
-    # pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's TRIGGER),
-    # as concat_and_cache_mla's values.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
@@ -100,10 +95,7 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_in = t < num_tokens
-        t64 = t.to(tl.int64)
+        t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         g = tl.arange(0, BLOCK_G)
         j = tl.arange(0, BLOCK_Q)
         col = (g * Q)[None, :, None] + j[None, None, :]  # [1, BLOCK_G, BLOCK_Q]

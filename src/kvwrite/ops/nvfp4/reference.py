@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import CacheDType
+from ...layouts import written_slots
 from .op import ScaleLayout
 from .rule import GROUP, pack_codes, quantize_groups
 
@@ -40,12 +41,8 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
     num_blocks, block_size, num_heads = k_data.shape[:3]
     head_size = key.shape[2]
     groups = head_size // GROUP
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
-    slots = slots[keep]
-    n = slots.numel()
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
+    n = tokens.numel()
     four_over_six = cache_dtype is CacheDType.NVFP4_4OVER6
     for src, data, sf, scale, swizzled in (
             (key, k_data, k_sf, k_scale, False),

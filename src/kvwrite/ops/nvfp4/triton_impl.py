@@ -28,7 +28,7 @@ from ...dtypes import CacheDType
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import ScaleLayout
 from .rule import GROUP
 
@@ -45,7 +45,7 @@ def unsupported(key, k_data, cache_dtype, v_scale_layout) -> str | None:
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
 
     # Input bytes of K per program (as many of V), as for reshape_and_cache_flash's 4 KiB tiles.
@@ -54,11 +54,6 @@ class TritonTuning:
     # Input bytes of K per warp: 1 KiB is 32 groups of 16-bit input, one a thread.
     bytes_per_warp: int = 1024
     max_warps: int = 8
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it; those of at most pdl_trigger_max_programs also let the next
-    # kernel be scheduled early (as the other ops' Triton tunings).
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()

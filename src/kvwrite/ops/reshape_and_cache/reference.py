@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import CacheDType, quantize
+from ...layouts import written_slots
 
 
 def available(device: torch.device) -> str | None:
@@ -27,11 +28,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None) -> None:
     num_blocks, num_heads, dx, block_size, x = key_cache.shape
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
     rows = quantize(key[tokens], cache_dtype, k_scale, key_cache.dtype)
     key_cache.permute(0, 3, 1, 2, 4)[blocks, offsets] = rows.reshape(-1, num_heads, dx, x)
     rows = quantize(value[tokens], cache_dtype, v_scale, value_cache.dtype)

@@ -2,7 +2,8 @@
 and cache strides.
 
 One program writes a tile ``[BLOCK_T tokens, BLOCK_H heads, BLOCK_D]`` of K and the same tile of
-V, as reshape_and_cache_flash's kernel does (and with its tiling, ``_tiling``): it reads each
+V, as reshape_and_cache_flash's kernel does (and with its tiling,
+``kvwrite.kernels.triton_kv``): it reads each
 token's slot once, loads both input tiles (masked by the token and head bounds only, so the loads
 do not wait for the slot), converts them (``kvwrite.kernels.triton_fp8.store_quantized``: a copy,
 a float cast, or the fp8 rule exactly) and stores them through the legacy layout's strides: the
@@ -25,14 +26,13 @@ from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, store_quantized, tl, triton
-from ..reshape_and_cache_flash import triton_impl as _flash
+from ...kernels.triton_fp8 import store_quantized, tl, triton
+from ...kernels.triton_kv import TritonTuning, interpreter_reason, load_kv_tile, tiling
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 # The tiles and launch shapes of reshape_and_cache_flash's kernel: the same loads and conversions
 # per program; only the stores' addresses differ.
-TritonTuning = _flash.TritonTuning
 TUNING = TritonTuning()
 
 
@@ -42,7 +42,7 @@ def available(device: torch.device) -> str | None:
 
 def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
                 k_scale: torch.Tensor | None) -> str | None:
-    return _flash.interpreter_reason(key, cache_dtype)
+    return interpreter_reason(key, cache_dtype)
 
 
 if triton is not None:
@@ -77,33 +77,12 @@ if triton is not None:
         LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
         # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-        t = tl.program_id(0) * BLOCK_T + offs_t  # [BLOCK_T]
-        h = tl.program_id(1) * BLOCK_H + offs_h  # [BLOCK_H]
-        t_in = t < num_tokens
-        # Loads masked by the token and head bounds only (not the slot): issued with the slot's.
-        load_mask = t_in[:, None, None]
-        if NUM_HEADS % BLOCK_H != 0:
-            load_mask = load_mask & (h < NUM_HEADS)[None, :, None]
-        if BLOCK_D != HEAD_SIZE:
-            load_mask = load_mask & (offs_d < HEAD_SIZE)[None, None, :]
-        t64 = t.to(tl.int64)
-        in_hd = (h * HEAD_SIZE)[None, :, None] + offs_d[None, None, :]  # < H * D: 32-bit
-        k_off = (t64 * KEY_STRIDE)[:, None, None] + in_hd
-        v_off = (t64 * VALUE_STRIDE)[:, None, None] + in_hd
-        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
-        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy=LOAD_EVICT)
-        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy=LOAD_EVICT)
-        km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
-                                                  K_PER_HEAD, V_PER_HEAD, True)
-        # Padding (slot < 0) and out-of-range slots are not stored.
-        store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
-        block = slot // BLOCK_SIZE
+        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block = load_kv_tile(
+            key_ptr, value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
+            KEY_STRIDE, VALUE_STRIDE, NUM_SLOTS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, QUANT,
+            K_PER_HEAD, V_PER_HEAD, BLOCK_T, BLOCK_H, BLOCK_D, LOAD_EVICT, PDL, PDL_TRIGGER)
         o = slot - block * BLOCK_SIZE
         h64 = h.to(tl.int64)
         d64 = offs_d.to(tl.int64)
@@ -129,7 +108,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     t_pad, num_heads, head_size = key.shape
     num_blocks, _, _, block_size, x = key_cache.shape
     quant = _QUANT.get(cache_dtype, _COPY)
-    block_t, block_h, block_d, num_warps, grid, evict = _flash._tiling(
+    block_t, block_h, block_d, num_warps, grid, evict = tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != _COPY, tuning)
     k_per_head = quant != _COPY and scale_is_per_head(k_scale)
     v_per_head = quant != _COPY and scale_is_per_head(v_scale)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import CacheDType, quantize
+from ...layouts import written_slots
 
 
 def available(device: torch.device) -> str | None:
@@ -23,12 +24,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
         slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None) -> None:
     num_blocks, block_size = key_cache.shape[:2]
-    num_tokens = slot_mapping.numel()
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(num_tokens, device=slots.device)[keep]
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
     for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         rows = quantize(src[tokens], cache_dtype, scale, cache.dtype)
         cache[blocks, offsets] = rows

@@ -20,13 +20,10 @@ the round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for 
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which rounds some float casts
 differently from the GPU; :func:`unsupported` refuses those cases there
-(see ``_interpreter_inexact``).
+(``kvwrite.kernels.triton_support.interpreter_inexact``).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 
@@ -36,8 +33,9 @@ from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, store_quantized, tl, triton
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_fp8 import store_quantized, tl, triton
+from ...kernels.triton_kv import TUNING, TritonTuning, interpreter_reason, load_kv_tile
+from ...kernels.triton_kv import tiling as _tiling
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
@@ -46,129 +44,9 @@ def available(device: torch.device) -> str | None:
     return triton_support.available(device, triton, lambda: _kvwrite_kernel, _IMPORT_ERROR)
 
 
-# Casts that Triton's interpreter (TRITON_INTERPRET=1, checked with Triton 3.9) rounds differently
-# from the GPU, as (input dtype, cache element dtype). Established by running this kernel under
-# the interpreter against the torch reference on all 65536 patterns of each 16-bit input dtype and
-# on 2^20 random float32 bit patterns plus rounding ties and overflow edges (tests/test_triton.py
-# keeps checking the exact ones): its float32->bfloat16 cast truncates instead of rounding to
-# nearest even (float16->bfloat16 goes through it), its bfloat16->float32 cast mangles bfloat16
-# subnormals, and its float32->fp8 cast rounds ties away from zero and mishandles mantissa carries,
-# subnormals and NaN. Exact there (NaN payloads aside): copies, float16->float32,
-# bfloat16->float16 and float32->float16.
-def _interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -> bool:
-    if element_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return True
-    if element_dtype == torch.bfloat16:
-        return input_dtype != torch.bfloat16
-    return input_dtype == torch.bfloat16 and element_dtype == torch.float32
-
-
 def unsupported(key: torch.Tensor, key_cache: torch.Tensor, cache_dtype: CacheDType,
                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
     return interpreter_reason(key, cache_dtype)
-
-
-def interpreter_reason(key: torch.Tensor, cache_dtype: CacheDType) -> str | None:
-    """Why Triton's interpreter cannot write this call's bytes exactly (None on CUDA devices, or
-    where it can); reshape_and_cache's Triton launcher asks it too."""
-    if key.device.type == "cuda":
-        return None
-    element = cache_dtype.element_dtype(key.dtype)
-    if _interpreter_inexact(key.dtype, element):
-        src = str(key.dtype).removeprefix("torch.")
-        dst = str(element).removeprefix("torch.")
-        return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {src}->{dst} casts differently "
-                "from the GPU; run on a CUDA device")
-    return None
-
-
-# --------------------------------------------------------------------------------------------
-# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
-@dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
-    """The only place launch shapes are chosen. ``TUNING`` is what every call uses unless a caller
-    passes another one to :func:`run`. The bandwidth targets want 16 B vectors and enough bytes in
-    flight per SM, the small-T target few programs and no wasted lanes. Figures: H200, 20-call
-    CUDA graphs, hot L2, bfloat16 input, unless said otherwise; history in docs/tuning-log.md."""
-
-    # Input bytes of K per program (as many of V). 4 KiB, "auto", T=65536: H=128 2192 us (92.5%
-    # of copy bandwidth) vs 2268 us (89.4%) at 8 KiB and 2291 us (88.5%) at 16 KiB; H=8 139 vs
-    # 144 us.
-    tile_bytes: int = 4096
-    # Input bytes of K per warp, i.e. 16 B of K and of V per thread for copies and casts, 32 B
-    # for fp8. T=65536: copies at 512 vs 2048: H=8 139 vs 144 us, T=2 1.46 vs 1.69 us; fp8 at 1024
-    # vs 512 vs 2048: H=128 NHD 1674 vs 1875 vs 1717 us, H=8 NHD 106 vs 123 vs 109 us.
-    bytes_per_warp_copy: int = 512
-    bytes_per_warp_fp8: int = 1024
-    max_warps: int = 8
-    # Calls whose grid would have fewer programs than small_grid use smaller tiles and more
-    # threads per byte: with few programs, the latency of each thread's chain of work is the
-    # call's time. 1 KiB tiles at 128 B per warp vs the large-T tiling: fp8 T=2 H=128 NHD 1.55 vs
-    # 1.91 us, HND 1.92 vs 2.06 us, H=8 NHD 1.72 vs 1.96 us; copies T=2 H=8 NHD 1.45 vs 1.59 us,
-    # H=128 HND 1.60 vs 1.74 us (small-T figures move by about 0.1 us between runs). 0: never.
-    small_grid_copy: int = 128
-    small_grid_fp8: int = 128
-    tile_bytes_small_grid: int = 1024
-    bytes_per_warp_small_grid: int = 128
-    # The data loads of calls whose K and V inputs together are at most evict_first_max_bytes
-    # (about the L2's size) carry the evict-first hint (the inputs are read once); larger calls
-    # load without a hint. No hint vs evict-first: every point from H=128 T=4096 and H=8 T=32768
-    # up 1.7-7.4% faster (H=128 T=65536 copies 2145 vs 2190 us, fp8 NHD 1558 vs 1612 us, HND 1683
-    # vs 1768 us); small calls mostly slower (H=8 T=2 HND fp8 1.46 vs 1.39 us, H=128 T=2 HND fp8
-    # 1.57 vs 1.50 us); at H=128 T=1024 (64 MiB of input) fp8 slower (29.6 vs 28.8 us) and copies
-    # faster (35.8 vs 36.6 us). -1: never.
-    evict_first_max_bytes: int = 64 << 20
-    # Launches of at most pdl_max_programs programs take programmatic dependent launch where it
-    # is on and the device allows it (kvwrite.kernels.triton_support.pdl_launch); those of at
-    # most pdl_trigger_max_programs also let the next kernel be scheduled early (pdl_entry's
-    # TRIGGER). Measured, H=128, bfloat16, rotated L2 (tuning-log change 44), off -> on: NHD T=2
-    # 1.66 -> 1.31 us, HND 1.99 -> 1.32, fp8 HND T=16 2.96 -> 2.04, T=1024 2-3% less, T=65536
-    # equal; without the trigger fp8 HND T=2 1.64 (1.49 with it), T=1024 29.95 (29.73). Every
-    # call, with the trigger.
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1 << 30
-
-    def bytes_per_warp(self, fp8: bool) -> int:
-        return self.bytes_per_warp_fp8 if fp8 else self.bytes_per_warp_copy
-
-    def small_grid(self, fp8: bool) -> int:
-        return self.small_grid_fp8 if fp8 else self.small_grid_copy
-
-
-TUNING = TritonTuning()
-
-
-@functools.lru_cache(maxsize=512)
-def _tiling(num_tokens: int, num_heads: int, head_size: int, in_bytes: int, fp8: bool = False,
-            tuning: TritonTuning = TUNING) -> tuple[int, int, int, int, tuple[int, int], str]:
-    """(BLOCK_T, BLOCK_H, BLOCK_D, num_warps, grid, load eviction policy) for one shape; the grid
-    is ``(cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))`` programs (token tiles, head tiles).
-
-    Large rows (H*D) are split into chunks of heads, one token per program; small rows take
-    several tokens per program. BLOCK_T never exceeds T rounded up to a power of two, so small
-    calls do not launch idle lanes.
-    """
-    block_d = next_pow2(head_size)
-
-    def tiles(tile_bytes: int) -> tuple[int, int, tuple[int, int]]:
-        tile_elems = max(1, tile_bytes // in_bytes)
-        block_h = min(next_pow2(num_heads), max(1, tile_elems // block_d))
-        block_t = 1
-        if block_h >= num_heads:
-            block_t = min(next_pow2(num_tokens), max(1, tile_elems // (block_h * block_d)))
-        return block_t, block_h, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
-
-    block_t, block_h, grid = tiles(tuning.tile_bytes)
-    per_warp = tuning.bytes_per_warp(fp8)
-    if grid[0] * grid[1] < tuning.small_grid(fp8):
-        # Few programs: the latency of each thread's chain of work is the call's time, so
-        # spread the work over more programs and threads.
-        block_t, block_h, grid = tiles(tuning.tile_bytes_small_grid)
-        per_warp = tuning.bytes_per_warp_small_grid
-    tile_bytes = block_t * block_h * block_d * in_bytes
-    num_warps = min(tuning.max_warps, max(1, tile_bytes // per_warp))
-    small = 2 * num_tokens * num_heads * head_size * in_bytes <= tuning.evict_first_max_bytes
-    return block_t, block_h, block_d, num_warps, grid, "evict_first" if small else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,47 +87,17 @@ if triton is not None:
         LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        # Grid (token tiles, head tiles): programs are dispatched token tile fastest, so the
-        # programs in flight write the same heads of many tokens, and no index needs a division.
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
         # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
         STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
-        t = tl.program_id(0) * BLOCK_T + offs_t  # [BLOCK_T]
-        h = tl.program_id(1) * BLOCK_H + offs_h  # [BLOCK_H]
-        t_in = t < num_tokens
-        # The data loads are masked by the token and head bounds only, not by the slot, so they
-        # are issued together with the slot's load instead of one memory round trip after it
-        # (rows past num_tokens are never read; a padded token's row is read and not stored).
-        load_mask = t_in[:, None, None]
-        if NUM_HEADS % BLOCK_H != 0:
-            load_mask = load_mask & (h < NUM_HEADS)[None, :, None]
-        if BLOCK_D != HEAD_SIZE:
-            load_mask = load_mask & (offs_d < HEAD_SIZE)[None, None, :]
-        t64 = t.to(tl.int64)
-        in_hd = (h * HEAD_SIZE)[None, :, None] + offs_d[None, None, :]  # < H * D: 32-bit
-        k_off = (t64 * KEY_STRIDE)[:, None, None] + in_hd
-        v_off = (t64 * VALUE_STRIDE)[:, None, None] + in_hd
-        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
-        # Both loads before either store, so K and V are in flight together.
-        k = tl.load(key_ptr + k_off, mask=load_mask, eviction_policy=LOAD_EVICT)
-        v = tl.load(value_ptr + v_off, mask=load_mask, eviction_policy=LOAD_EVICT)
-        # The scales are read and prepared here, after the data loads are issued: placed
-        # before them, the scale's load and division would add a memory round trip to each
-        # program's critical path (the data loads cannot move above the division's branch).
-        km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, h, NUM_HEADS, QUANT,
-                                                  K_PER_HEAD, V_PER_HEAD, True)
-        # Padding (slot < 0) and out-of-range slots are not stored.
-        store_mask = load_mask & ((slot >= 0) & (slot < NUM_SLOTS))[:, None, None]
-        block = slot // BLOCK_SIZE
+        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block = load_kv_tile(
+            key_ptr, value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
+            KEY_STRIDE, VALUE_STRIDE, NUM_SLOTS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, QUANT,
+            K_PER_HEAD, V_PER_HEAD, BLOCK_T, BLOCK_H, BLOCK_D, LOAD_EVICT, PDL, PDL_TRIGGER)
         cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
         cache_col = h.to(tl.int64) * STRIDE_H
         c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
         store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
         store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
-
 
 
 _QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}

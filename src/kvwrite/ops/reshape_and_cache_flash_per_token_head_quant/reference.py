@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ...layouts import written_slots
 from .op import SCALE_FLOOR, PerTokenHeadMode
 
 __all__ = ["available", "unsupported", "run", "quantize_rows", "rhaz", "rhu"]
@@ -85,11 +86,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
         slot_mapping: torch.Tensor, mode: PerTokenHeadMode) -> None:
     num_blocks, block_size = key_cache.shape[:2]
-    slots = slot_mapping.long()
-    keep = (slots >= 0) & (slots < num_blocks * block_size)
-    tokens = torch.arange(slots.numel(), device=slots.device)[keep]
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
+    tokens, blocks, offsets = written_slots(slot_mapping, num_blocks, block_size)
     for src, cache, scale_cache in ((key, key_cache, k_scale_cache),
                                     (value, value_cache, v_scale_cache)):
         codes, entries = quantize_rows(src[tokens], mode)

@@ -30,10 +30,10 @@ import functools
 
 import torch
 
-from ...kernels import triton_support
+from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling",
@@ -57,7 +57,7 @@ def unsupported(key, value, key_cache, value_cache, mode: PerTokenHeadMode) -> s
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning:
+class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one.
     Not measured yet beyond the first figures (H200, H=8, D=128, bfloat16, packed: T=1 3.4-4.3
     us, T=16384 57-72 us before the small-grid tiling, the wide stores and the roundings
@@ -74,9 +74,6 @@ class TritonTuning:
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
-    # Programmatic dependent launch, as the other ops' Triton kernels (tuning-log change 44).
-    pdl_max_programs: int = 1 << 30
-    pdl_trigger_max_programs: int = 1024
 
 
 TUNING = TritonTuning()
@@ -111,14 +108,6 @@ def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
     if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
         return tiling(num_heads, dk, dv, tuning, True)
     return block_t, block_h, warps
-
-
-def _align(values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in values:
-        v |= int(b)
-    return v & -v
 
 
 if triton is not None:
@@ -349,7 +338,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                                              tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
     kc, vc = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    align = _align([kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], *vc.stride()[:3]])
+    align = gather_cuda.align([kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], *vc.stride()[:3]])
     _pth_kernel[grid](
         key, value, kc, vc, k_scale_cache, v_scale_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

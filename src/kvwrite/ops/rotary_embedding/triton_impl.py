@@ -19,9 +19,9 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import pdl_entry, tl, triton
-from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_rotate, rope_tables
-from ...kernels.triton_support import next_pow2
+from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_rope import LAUNCH_OPTIONS, rope_prologue, rope_rotate
+from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import head_stride
 
 __all__ = ["RopeTuning", "TUNING", "available", "unsupported", "run", "tiling"]
@@ -47,7 +47,7 @@ def unsupported(query, key, cos_sin_cache, is_neox) -> str | None:
 
 # eq=False: hashed by identity (a key of the tiling cache).
 @dataclasses.dataclass(frozen=True, eq=False)
-class RopeTuning:
+class RopeTuning(PdlTuning):
     """Launch shapes of the RoPE kernels (this op's and the fused op's)."""
 
     # Input bytes of one tensor per program (one tile of query, or of key (and value)).
@@ -68,16 +68,12 @@ class RopeTuning:
     large_call_bytes: int = 4 << 20
     large_tile_bytes: int = 2048
     large_bytes_per_warp: int = 2048
-    # Launches of at most pdl_max_programs programs (rotary_embedding's and the fused op's) take
-    # programmatic dependent launch where it is on and the device allows it
-    # (kvwrite.kernels.triton_support.pdl_launch); those of at most pdl_trigger_max_programs also
-    # let the next kernel be scheduled early (pdl_entry's TRIGGER). Measured, H200, bfloat16,
-    # rotated L2 (tuning-log change 44), off / with the trigger / without it, us: rotary
-    # GQA(32,8,128) T=16 (160 programs) 2.89 / 2.21 / 2.75, T=256 (768) 3.73 / 3.57 / 3.14, T=4096
-    # 23.69 / 25.17 / 23.05, T=16384 86.9 / 99.0 / 86.3; MHA(32,32,128) T=16384 138.2 / 158.1 /
-    # 137.6; fused GQA auto T=16 3.30 / 2.59 / 3.13, T=256 4.59 / 4.36 / 3.98, T=16384 115.1 /
-    # 123.3 / 114.5.
-    pdl_max_programs: int = 1 << 30
+    # The trigger bound of rotary_embedding's and the fused ops' launches (PdlTuning). Measured,
+    # H200, bfloat16, rotated L2 (tuning-log change 44), off / with the trigger /
+    # without it, us: rotary GQA(32,8,128) T=16 (160 programs) 2.89 / 2.21 / 2.75, T=256 (768)
+    # 3.73 / 3.57 / 3.14, T=4096 23.69 / 25.17 / 23.05, T=16384 86.9 / 99.0 / 86.3; MHA(32,32,128)
+    # T=16384 138.2 / 158.1 / 137.6; fused GQA auto T=16 3.30 / 2.59 / 3.13, T=256 4.59 / 4.36 /
+    # 3.98, T=16384 115.1 / 123.3 / 114.5.
     pdl_trigger_max_programs: int = 256
     # The fused op's key programs store the value into its cache before they rotate the key in
     # launches of at most fused_value_first_max_programs programs (fp8 caches:
@@ -146,11 +142,9 @@ if triton is not None:
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        pdl_entry(PDL, PDL_TRIGGER)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tile = tl.program_id(1)
-        valid, c, s, partner, first, is_rot = rope_tables(
-            positions_ptr, cos_sin_ptr, t, num_rot, max_position, ROT, IS_NEOX, BLOCK_D)
+        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
+            PDL, PDL_TRIGGER)
         if tile < Q_TILES:
             _rotate_tile(query_ptr, q_stride, t, valid, tile * BLOCK_H, c, s, partner, first,
                          is_rot, NUM_Q_HEADS, HEAD_SIZE, Q_HEAD_STRIDE, BLOCK_H, BLOCK_D)
