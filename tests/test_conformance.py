@@ -43,10 +43,10 @@ def _params(kind: str, with_impls=lambda info: True, gpu: bool = False):
     return out
 
 
-def _runnable(p, info, case, device: str, args: tuple) -> None:
+def _runnable(p, info, case, device: str, args: tuple, graph: bool = False) -> None:
     if (reason := info.available(device)) is not None:
         pytest.skip(reason)
-    if (reason := p.why_not(info, case, args)) is not None:
+    if (reason := p.why_not(info, case, args, graph)) is not None:
         pytest.skip(reason)
 
 
@@ -109,7 +109,7 @@ def test_cuda_graph_replay_sees_new_inputs(p, ex, impl):
     the new ones."""
     info = registry.get(p.op, impl)
     first = p.build(ex.case, "cuda", 1)
-    _runnable(p, info, ex.case, "cuda", first)
+    _runnable(p, info, ex.case, "cuda", first, graph=True)
     p.call(*first, implementation=impl)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -75,6 +75,8 @@ class Provider:
     mutated_names: tuple[str, ...]
     check: Callable[[Any, Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
     skip: Callable[[registry.ImplInfo, Any, tuple], str | None] | None = None
+    # For CUDA-graph replay, where it refuses more (default: ``skip``).
+    graph_skip: Callable[[registry.ImplInfo, Any, tuple], str | None] | None = None
     reference: str = "torch"
     cases: tuple[Example, ...] = ()
     graph_cases: tuple[Example, ...] = ()
@@ -88,8 +90,10 @@ class Provider:
     def compare(self, case, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
         (self.check or _default_check(self.mutated_names))(case, got, want)
 
-    def why_not(self, info: registry.ImplInfo, case, args: tuple) -> str | None:
-        return None if self.skip is None else self.skip(info, case, args)
+    def why_not(self, info: registry.ImplInfo, case, args: tuple, graph: bool = False
+                ) -> str | None:
+        skip = (self.graph_skip or self.skip) if graph else self.skip
+        return None if skip is None else skip(info, case, args)
 
     @property
     def compiled_targets(self) -> list[str]:
