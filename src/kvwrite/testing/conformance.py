@@ -78,6 +78,11 @@ class Provider:
     # For CUDA-graph replay, where it refuses more (default: ``skip``).
     graph_skip: Callable[[registry.ImplInfo, Any, tuple], str | None] | None = None
     reference: str = "torch"
+    # The public function as users call it (bad input's keyword calls; default ``call``).
+    public: Callable[..., Any] | None = None
+    # The case of the new inputs a graph replay copies in (default: the captured case; e.g. other
+    # scale values where the case fixes them).
+    replay_case: Callable[[Any], Any] | None = None
     cases: tuple[Example, ...] = ()
     graph_cases: tuple[Example, ...] = ()
     compile_cases: tuple[Example, ...] = ()
