@@ -27,19 +27,22 @@ from kvwrite.testing.compile import compiled_targets
 from sass import needs_nvrtc
 
 PROVIDERS = conformance.providers()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _params(kind: str, with_impls=lambda info: True, gpu: bool = False):
+    """(provider, example, implementation, device) for every example of ``kind``: on the CPU
+    and the GPU, or (``gpu`` or the example's own ``gpu``) on the GPU only, with the marker."""
     out = []
     for p in PROVIDERS:
         for ex in getattr(p, kind):
+            devices = ["cuda"] if gpu or ex.gpu else ["cpu", "cuda"]
             for info in registry.all_impls(p.op):
                 if not with_impls(info):
                     continue
-                marks = (*ex.marks, *((pytest.mark.gpu,) if gpu else ()))
-                out.append(pytest.param(p, ex, info.name, marks=marks,
-                                        id=f"{p.op}-{ex.id}-{info.name}"))
+                for device in devices:
+                    marks = (pytest.mark.gpu,) if device == "cuda" else ()
+                    out.append(pytest.param(p, ex, info.name, device, marks=marks,
+                                            id=f"{p.op}-{ex.id}-{info.name}-{device}"))
     return out
 
 
@@ -58,8 +61,7 @@ def test_every_registered_op_has_a_provider():
 
 # --- bytes against the reference -----------------------------------------------------------------
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("p, ex, impl", _params("cases"))
+@pytest.mark.parametrize("p, ex, impl, device", _params("cases"))
 def test_bytes_match_the_reference(p, ex, impl, device):
     info = registry.get(p.op, impl)
     args = p.build(ex.case, device, 0)
@@ -101,9 +103,9 @@ def test_bad_input_is_rejected_and_nothing_changes(p, bad):
 
 # --- CUDA graphs ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("p, ex, impl", _params("graph_cases", lambda info: info.graph_safe,
-                                                gpu=True))
-def test_cuda_graph_replay_sees_new_inputs(p, ex, impl):
+@pytest.mark.parametrize("p, ex, impl, device", _params("graph_cases",
+                                                        lambda info: info.graph_safe, gpu=True))
+def test_cuda_graph_replay_sees_new_inputs(p, ex, impl, device):
     """Capture once, then change every tensor argument (inputs, slots, scales, and the caches'
     starting bytes) in place to another seed's: the replay writes what the reference writes for
     the new ones."""
@@ -123,12 +125,13 @@ def test_cuda_graph_replay_sees_new_inputs(p, ex, impl):
     graph.replay()
     torch.cuda.synchronize()
     p.compare(ex.case, conformance.written(p, first), want)
+    if p.graph_check is not None:
+        p.graph_check(first)
 
 
 # --- torch.compile -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("p, ex, impl", _params("compile_cases"))
+@pytest.mark.parametrize("p, ex, impl, device", _params("compile_cases"))
 def test_torch_compile_sees_one_mutating_custom_op(p, ex, impl, device):
     info = registry.get(p.op, impl)
     args = p.build(ex.case, device, 0)

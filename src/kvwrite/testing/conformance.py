@@ -25,10 +25,10 @@ __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "provid
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One case of a test kind: ``id`` names it in the test id, ``case`` is what ``build`` takes;
-    ``marks`` (pytest marks) go on its test items."""
+    ``gpu``: run it on CUDA devices only (its test items carry the ``gpu`` marker)."""
     id: str
     case: Any
-    marks: tuple = ()
+    gpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,8 @@ class Provider:
     # The case of the new inputs a graph replay copies in (default: the captured case; e.g. other
     # scale values where the case fixes them).
     replay_case: Callable[[Any], Any] | None = None
+    # More to check of the arguments after a replay (beyond the bytes against the reference).
+    graph_check: Callable[[tuple], None] | None = None
     cases: tuple[Example, ...] = ()
     graph_cases: tuple[Example, ...] = ()
     compile_cases: tuple[Example, ...] = ()
