@@ -97,7 +97,7 @@ def test_bad_input_is_rejected_and_nothing_changes(p, bad):
     args, kwargs = bad.make()
     before = conformance.snapshot(args, kwargs)
     with pytest.raises(bad.exc, match=re.escape(bad.text)):
-        (p.public or p.call)(*args, **kwargs)
+        (bad.call or p.public or p.call)(*args, **kwargs)
     assert conformance.unchanged(before)
 
 
@@ -118,9 +118,9 @@ def test_cuda_graph_replay_sees_new_inputs(p, ex, impl, device):
     with torch.cuda.graph(graph):
         p.call(*first, implementation=impl)
     second = p.build(ex.case if p.replay_case is None else p.replay_case(ex.case), "cuda", 2)
-    for dst, src in zip(first, second, strict=True):
-        if isinstance(dst, torch.Tensor):
-            storage_bytes(dst).copy_(storage_bytes(src))
+    for dst, src in zip(conformance.tensors(p, first), conformance.tensors(p, second),
+                        strict=True):
+        storage_bytes(dst).copy_(storage_bytes(src))
     want = conformance.run_reference(p, second)
     graph.replay()
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from .. import registry
 from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
-           "missing_providers", "written", "snapshot", "unchanged", "run_reference"]
+           "missing_providers", "tensors", "written", "snapshot", "unchanged", "run_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class BadInput:
     make: Callable[[], tuple[tuple, dict]]
     exc: type
     text: str
+    # The function called (default: the provider's ``public``, else its ``call``).
+    call: Callable[..., Any] | None = None
 
 
 def _default_check(names: Sequence[str]):
@@ -93,6 +95,12 @@ class Provider:
     bad_inputs: tuple[BadInput, ...] = ()
     # Compiles every CUDA variant of the op with NVRTC (no GPU needed); raises if one fails.
     compile_variants: Callable[[], None] | None = None
+    # Where ``build`` returns something other than the public function's arguments (e.g. one
+    # inputs object of several entry points): every tensor of a call, the written ones, and
+    # the call with the written ones replaced (defaults: by position, from ``mutates``).
+    tensors_of: Callable[[tuple], list[torch.Tensor]] | None = None
+    written_of: Callable[[tuple], list[torch.Tensor]] | None = None
+    with_written: Callable[[tuple, list[torch.Tensor]], tuple] | None = None
 
     def compare(self, case, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
         (self.check or _default_check(self.mutated_names))(case, got, want)
@@ -137,35 +145,43 @@ def providers() -> list[Provider]:
     return [provider(op) for op in registry.ops() if op not in gone]
 
 
+def tensors(p: Provider, args: tuple) -> list[torch.Tensor]:
+    """Every tensor of a call (inputs, slots, scales, written arguments)."""
+    if p.tensors_of is not None:
+        return p.tensors_of(args)
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
 def written(p: Provider, args: tuple) -> list[torch.Tensor]:
+    """The tensors the call writes."""
+    if p.written_of is not None:
+        return p.written_of(args)
     return [args[i] for i in p.mutates]
 
 
-def run_reference(p: Provider, args: tuple, device: str | torch.device | None = None
-                  ) -> list[torch.Tensor]:
-    """The reference implementation's writes for ``args``, into copies (on ``device``, default
-    theirs) of the whole allocations of the mutated arguments; the arguments are unchanged."""
-    mutated = written(p, args)
-    copies = copy_allocations(mutated, device)
-    moved = list(args)
-    if device is not None:
-        inputs = copy_allocations([a for i, a in enumerate(args)
-                                   if isinstance(a, torch.Tensor) and i not in p.mutates], device)
-        it = iter(inputs)
-        moved = [next(it) if isinstance(a, torch.Tensor) and i not in p.mutates else a
-                 for i, a in enumerate(args)]
-    for i, c in zip(p.mutates, copies, strict=True):
-        moved[i] = c
+def run_reference(p: Provider, args: tuple) -> list[torch.Tensor]:
+    """The reference implementation's writes for ``args``, into copies of the whole allocations
+    of the written tensors; ``args`` are unchanged."""
+    copies = copy_allocations(written(p, args))
+    if p.with_written is not None:
+        moved = p.with_written(args, copies)
+    else:
+        moved = list(args)
+        for i, c in zip(p.mutates, copies, strict=True):
+            moved[i] = c
     p.call(*moved, implementation=p.reference)
     return copies
 
 
 def snapshot(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every tensor given (not on the meta device) with a copy of its allocation's bytes."""
+    """Every tensor given, in tuples too (not on the meta device), with a copy of its
+    allocation's bytes."""
     from .compare import storage_bytes
-    tensors = [t for t in (*args, *kwargs.values())
-               if isinstance(t, torch.Tensor) and t.device.type != "meta"]
-    return [(t, storage_bytes(t).clone()) for t in tensors]
+    given = []
+    for a in (*args, *kwargs.values()):
+        given += list(a) if isinstance(a, tuple) else [a]
+    return [(t, storage_bytes(t).clone()) for t in given
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"]
 
 
 def unchanged(snap: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
