@@ -19,7 +19,7 @@ from .. import registry
 from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
-           "missing_providers", "tensors", "written", "snapshot", "unchanged", "run_reference"]
+           "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged", "run_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,8 @@ class Provider:
     # The case of the new inputs a graph replay copies in (default: the captured case; e.g. other
     # scale values where the case fixes them).
     replay_case: Callable[[Any], Any] | None = None
+    # The seeds of the captured call's inputs and of the new ones copied in before the replay.
+    graph_seeds: tuple[int, int] = (1, 2)
     # More to check of the arguments after a replay (beyond the bytes against the reference).
     graph_check: Callable[[tuple], None] | None = None
     cases: tuple[Example, ...] = ()
@@ -162,15 +164,21 @@ def written(p: Provider, args: tuple) -> list[torch.Tensor]:
 def run_reference(p: Provider, args: tuple) -> list[torch.Tensor]:
     """The reference implementation's writes for ``args``, into copies of the whole allocations
     of the written tensors; ``args`` are unchanged."""
-    copies = copy_allocations(written(p, args))
-    if p.with_written is not None:
-        moved = p.with_written(args, copies)
-    else:
-        moved = list(args)
-        for i, c in zip(p.mutates, copies, strict=True):
-            moved[i] = c
+    moved, copies = with_copies(p, args)
     p.call(*moved, implementation=p.reference)
     return copies
+
+
+def with_copies(p: Provider, args: tuple) -> tuple[tuple, list[torch.Tensor]]:
+    """``args`` with the written tensors replaced by copies of their whole allocations, and the
+    copies."""
+    copies = copy_allocations(written(p, args))
+    if p.with_written is not None:
+        return p.with_written(args, copies), copies
+    moved = list(args)
+    for i, c in zip(p.mutates, copies, strict=True):
+        moved[i] = c
+    return tuple(moved), copies
 
 
 def snapshot(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:

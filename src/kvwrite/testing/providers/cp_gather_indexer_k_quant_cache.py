@@ -1,0 +1,118 @@
+"""cp_gather_indexer_k_quant_cache for the conformance suite (its row rule against the independent oracle:
+tests/test_gather.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import kvwrite
+from kvwrite.ops.cp_gather_indexer_k_quant_cache import reference as torch_ref
+
+from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..gather import IndexerCase, Seqs, assert_outputs_equal, graph_seqs, make_indexer_inputs
+
+OP = "cp_gather_indexer_k_quant_cache"
+
+
+def _case(case, seed: int):
+    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
+    return case(seed) if callable(case) else case
+
+
+def _build(case, device, seed):
+    case = _case(case, seed)
+    inp = make_indexer_inputs(case, device)
+    return inp.args()
+
+
+def _check(case, got, want) -> None:
+    for name, g, w in zip(("dst_k", "dst_scale"), got, want, strict=True):
+        assert_outputs_equal(g, w, f"{OP} {name}", False)
+
+
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
+
+_real_run = torch_ref.run
+
+
+def _via_reference(broken):
+    def write(*args):
+        torch_ref.run = broken
+        try:
+            kvwrite.cp_gather_indexer_k_quant_cache(*args, implementation="torch")
+        finally:
+            torch_ref.run = _real_run
+    return write
+
+
+def _table_bounds_unchecked(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
+    """Reads block ids modulo num_blocks (a kernel that wraps instead of skipping)."""
+    _real_run(kv_cache, dst_k, dst_scale, block_table.remainder(kv_cache.shape[0]),
+                  cu_seq_lens)
+
+
+def _whole_rows(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
+    """Reads the scales from the entry's own row (the [bs, D + 4G] shape) instead of the page's
+    scale region."""
+    nb, bs, width = kv_cache.shape
+    d = dst_k.shape[1]
+    from kvwrite.gather import request_rows
+    t, blk, off = request_rows(cu_seq_lens, None, block_table, block_table.shape[0],
+                               dst_k.shape[0], bs, nb)
+    dst_k.view(torch.uint8)[t] = kv_cache[blk, off, :d]
+    dst_scale.view(torch.uint8)[t] = kv_cache[blk, off, d:].reshape(-1, *dst_scale.view(
+        torch.uint8).shape[1:])
+
+
+WRONG = (WrongWriter("wraps-block-ids", _via_reference(_table_bounds_unchecked),
+                     IndexerCase(seqs=Seqs(bad_blocks=(-1, 12, 100, -7)))),
+          WrongWriter("row-layout", _via_reference(_whole_rows), IndexerCase()))
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def _ix(**changes):
+    def make():
+        inp = make_indexer_inputs(IndexerCase(scale_dtype=torch.float32))
+        names = ("kv_cache", "dst_k", "dst_scale", "block_table", "cu_seq_lens")
+        args = dict(zip(names, inp.args(), strict=True))
+        for k, f in changes.items():
+            args[k] = f(args)
+        return (), args
+    return make
+
+
+BAD = tuple(BadInput(*b) for b in [
+    ("ix width", _ix(kv_cache=lambda a: a["kv_cache"][:, :, :-4]), ValueError, "kv_cache: expected shape [num_blocks, block_size, 132]"),
+    ("ix pages", _ix(kv_cache=lambda a: a["kv_cache"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "kv_cache: expected dense pages"),
+    ("ix k dtype", _ix(dst_k=lambda a: a["dst_k"].float()), ValueError, "dst_k: expected dtype torch.uint8 or torch.float8_e4m3fn"),
+    ("ix scale dtype", _ix(dst_scale=lambda a: a["dst_scale"].half()), ValueError, "dst_scale: expected dtype torch.uint8 or torch.float32"),
+    ("ix scale bytes", _ix(dst_scale=lambda a: torch.zeros(a["dst_k"].shape[0], 3, dtype=torch.uint8)), ValueError, "dst_scale: expected [T_out, 4 * G] bytes"),
+    ("ix scale rows", _ix(dst_scale=lambda a: a["dst_scale"][:-1]), ValueError, "dst_scale: expected"),
+    ("ix cu short", _ix(cu_seq_lens=lambda a: a["cu_seq_lens"][:-1]), ValueError, "cu_seq_lens: expected at least 6 entries"),
+    ("ix cache dtype", _ix(kv_cache=lambda a: a["kv_cache"].view(torch.int8)), ValueError, "kv_cache: expected dtype torch.uint8"),
+])
+
+
+# --- CUDA graphs (new lengths, starts, block ids and scales between the seeds) --------------------
+
+def _graph_case(seed: int) -> IndexerCase:
+    s = dataclasses.replace(graph_seqs(seed), starts=None)
+    return IndexerCase(seqs=s, seed=seed, scale_dtype=torch.float32)
+
+
+PROVIDER = Provider(
+    op=OP,
+    call=kvwrite.cp_gather_indexer_k_quant_cache,
+    build=_build,
+    mutates=(1, 2),
+    mutated_names=("dst_k", "dst_scale"),
+    check=_check,
+    graph_seeds=(0, 1),
+    graph_cases=(Example("float32-scales", _graph_case),),
+    compile_cases=(Example("default", IndexerCase(seqs=Seqs(starts=None))),),
+    wrong_writers=WRONG,
+    bad_inputs=BAD,
+)
