@@ -121,25 +121,27 @@ def test_cuda_graph_replay_sees_new_inputs(p, ex, impl, device):
     starting bytes) in place to another seed's: the replay writes what the reference writes for
     the new ones."""
     info = registry.get(p.op, impl)
-    seed, new_seed = p.graph_seeds
+    seed, *new_seeds = p.graph_seeds
     first = p.build(ex.case, "cuda", seed)
     _runnable(p, info, ex.case, "cuda", first, graph=True)
-    _call(p, first, impl)  # compile outside capture
+    if p.graph_warmup:
+        _call(p, first, impl)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         p.call(*first, implementation=impl)
-    second = p.build(ex.case if p.replay_case is None else p.replay_case(ex.case), "cuda",
-                     new_seed)
-    for dst, src in zip(conformance.tensors(p, first), conformance.tensors(p, second),
-                        strict=True):
-        storage_bytes(dst).copy_(storage_bytes(src))
-    want = conformance.run_reference(p, second)
-    graph.replay()
-    torch.cuda.synchronize()
-    p.compare(ex.case, conformance.written(p, first), want)
-    if p.graph_check is not None:
-        p.graph_check(first)
+    for new_seed in new_seeds:
+        second = p.build(ex.case if p.replay_case is None else p.replay_case(ex.case), "cuda",
+                         new_seed)
+        for dst, src in zip(conformance.tensors(p, first), conformance.tensors(p, second),
+                            strict=True):
+            storage_bytes(dst).copy_(storage_bytes(src))
+        want = conformance.run_reference(p, second)
+        graph.replay()
+        torch.cuda.synchronize()
+        p.compare(ex.case, conformance.written(p, first), want)
+        if p.graph_check is not None:
+            p.graph_check(first)
 
 
 # --- torch.compile -------------------------------------------------------------------------------

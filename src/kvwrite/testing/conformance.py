@@ -85,8 +85,11 @@ class Provider:
     # The case of the new inputs a graph replay copies in (default: the captured case; e.g. other
     # scale values where the case fixes them).
     replay_case: Callable[[Any], Any] | None = None
-    # The seeds of the captured call's inputs and of the new ones copied in before the replay.
-    graph_seeds: tuple[int, int] = (1, 2)
+    # The seed of the captured call's inputs, then those of the new ones copied in before each
+    # replay.
+    graph_seeds: tuple[int, ...] = (1, 2)
+    # Run the call once before the capture (False: the variant's first call is in the capture).
+    graph_warmup: bool = True
     # More to check of the arguments after a replay (beyond the bytes against the reference).
     graph_check: Callable[[tuple], None] | None = None
     cases: tuple[Example, ...] = ()
