@@ -1,48 +1,22 @@
-"""cp_gather_and_upconvert_fp8_kv_cache for the conformance suite (its row rule against the independent oracle:
-tests/test_gather.py)."""
+"""cp_gather_and_upconvert_fp8_kv_cache for the conformance suite (its row rule against the
+independent oracle: tests/test_gather.py)."""
 
 from __future__ import annotations
 
 import torch
 
-import kvwrite
 from kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
-from ..gather import Seqs, UpconvertCase, assert_outputs_equal, graph_seqs, make_upconvert_inputs
+from ..conformance import BadInput, Example, WrongWriter
+from ..gather import Seqs, UpconvertCase, graph_seqs, make_upconvert_inputs
+from .gather_common import gather_provider, reference_run, via_reference
 
 OP = "cp_gather_and_upconvert_fp8_kv_cache"
 
 
-def _case(case, seed: int):
-    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
-    return case(seed) if callable(case) else case
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call ---------------------
 
-
-def _build(case, device, seed):
-    case = _case(case, seed)
-    inp = make_upconvert_inputs(case, device)
-    return inp.args()
-
-
-def _check(case, got, want) -> None:
-    for name, g, w in zip(("dst",), got, want, strict=True):
-        assert_outputs_equal(g, w, f"{OP} {name}", slice(0, 512))
-
-
-# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
-
-_real_run = torch_ref.run
-
-
-def _via_reference(broken):
-    def write(*args):
-        torch_ref.run = broken
-        try:
-            kvwrite.cp_gather_and_upconvert_fp8_kv_cache(*args, implementation="torch")
-        finally:
-            torch_ref.run = _real_run
-    return write
+_real_run = reference_run(OP)
 
 
 def _tile_scales_shifted(src_cache, dst, block_table, ws, num_req, seq_starts):
@@ -59,7 +33,7 @@ def _tile_scales_shifted(src_cache, dst, block_table, ws, num_req, seq_starts):
         ref.fp8_dequant = real
 
 
-WRONG = (WrongWriter("tile-scales", _via_reference(_tile_scales_shifted), UpconvertCase()),)
+WRONG = (WrongWriter("tile-scales", via_reference(OP, _tile_scales_shifted), UpconvertCase()),)
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -93,16 +67,9 @@ def _graph_case(seed: int) -> UpconvertCase:
     return UpconvertCase(seqs=graph_seqs(seed), seed=seed)
 
 
-PROVIDER = Provider(
-    op=OP,
-    call=kvwrite.cp_gather_and_upconvert_fp8_kv_cache,
-    build=_build,
-    mutates=(1,),
-    mutated_names=("dst",),
-    check=_check,
-    graph_seeds=(0, 1),
-    graph_cases=(Example("default", _graph_case),),
-    compile_cases=(Example("default", UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)))),),
-    wrong_writers=WRONG,
-    bad_inputs=BAD,
-)
+GRAPH_CASES = (Example("default", _graph_case),)
+COMPILE_CASES = (Example("default", UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)))),)
+
+PROVIDER = gather_provider(OP, make_upconvert_inputs, lambda inp, case: inp.args(), mutates=(1,),
+                           names=("dst",), nan=slice(0, 512), wrong=WRONG, bad=BAD,
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)

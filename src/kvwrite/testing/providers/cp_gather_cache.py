@@ -1,55 +1,27 @@
-"""cp_gather_cache for the conformance suite (its row rule against the independent oracle:
-tests/test_gather.py)."""
+"""cp_gather_cache for the conformance suite (its row rule against the
+independent oracle: tests/test_gather.py)."""
 
 from __future__ import annotations
 
 import torch
 
-import kvwrite
-from kvwrite.ops.cp_gather_cache import reference as torch_ref
-
-from ..conformance import BadInput, Example, Provider, WrongWriter
-from ..gather import EntryCase, Seqs, assert_outputs_equal, graph_seqs, make_entry_inputs
+from ..conformance import BadInput, Example, WrongWriter
+from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
+from .gather_common import gather_provider, reference_run, via_reference
 
 OP = "cp_gather_cache"
 
 
-def _case(case, seed: int):
-    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
-    return case(seed) if callable(case) else case
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call ---------------------
 
-
-def _build(case, device, seed):
-    case = _case(case, seed)
-    inp = make_entry_inputs(case, device)
-    return inp.cp_args()
-
-
-def _check(case, got, want) -> None:
-    for name, g, w in zip(("dst",), got, want, strict=True):
-        assert_outputs_equal(g, w, f"{OP} {name}", False)
-
-
-# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
-
-_real_run = torch_ref.run
-
-
-def _via_reference(broken):
-    def write(*args):
-        torch_ref.run = broken
-        try:
-            kvwrite.cp_gather_cache(*args, implementation="torch")
-        finally:
-            torch_ref.run = _real_run
-    return write
+_real_run = reference_run(OP)
 
 
 def _ignores_seq_starts(src_cache, dst, block_table, cu_seq_lens, seq_starts):
     _real_run(src_cache, dst, block_table, cu_seq_lens, None)
 
 
-WRONG = (WrongWriter("ignores-seq-starts", _via_reference(_ignores_seq_starts), EntryCase(seqs=Seqs(starts=(3, 0, 40, 15, 2)), seed=2)),)
+WRONG = (WrongWriter("ignores-seq-starts", via_reference(OP, _ignores_seq_starts), EntryCase(seqs=Seqs(starts=(3, 0, 40, 15, 2)), seed=2)),)
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -82,16 +54,9 @@ def _graph_case(seed: int) -> EntryCase:
     return EntryCase(seqs=graph_seqs(seed), seed=seed, entry=(8, 24), entry_perm=(1, 0))
 
 
-PROVIDER = Provider(
-    op=OP,
-    call=kvwrite.cp_gather_cache,
-    build=_build,
-    mutates=(1,),
-    mutated_names=("dst",),
-    check=_check,
-    graph_seeds=(0, 1),
-    graph_cases=(Example("entry-8x24-hnd", _graph_case),),
-    compile_cases=(Example("auto", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="auto")),),
-    wrong_writers=WRONG,
-    bad_inputs=BAD,
-)
+GRAPH_CASES = (Example("entry-8x24-hnd", _graph_case),)
+COMPILE_CASES = (Example("auto", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="auto")),)
+
+PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.cp_args(), mutates=(1,),
+                           names=("dst",), nan=False, wrong=WRONG, bad=BAD,
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)

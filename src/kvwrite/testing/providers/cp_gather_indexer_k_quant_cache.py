@@ -1,5 +1,5 @@
-"""cp_gather_indexer_k_quant_cache for the conformance suite (its row rule against the independent oracle:
-tests/test_gather.py)."""
+"""cp_gather_indexer_k_quant_cache for the conformance suite (its row rule against the
+independent oracle: tests/test_gather.py)."""
 
 from __future__ import annotations
 
@@ -7,44 +7,16 @@ import dataclasses
 
 import torch
 
-import kvwrite
-from kvwrite.ops.cp_gather_indexer_k_quant_cache import reference as torch_ref
-
-from ..conformance import BadInput, Example, Provider, WrongWriter
-from ..gather import IndexerCase, Seqs, assert_outputs_equal, graph_seqs, make_indexer_inputs
+from ..conformance import BadInput, Example, WrongWriter
+from ..gather import IndexerCase, Seqs, graph_seqs, make_indexer_inputs
+from .gather_common import gather_provider, reference_run, via_reference
 
 OP = "cp_gather_indexer_k_quant_cache"
 
 
-def _case(case, seed: int):
-    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
-    return case(seed) if callable(case) else case
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call ---------------------
 
-
-def _build(case, device, seed):
-    case = _case(case, seed)
-    inp = make_indexer_inputs(case, device)
-    return inp.args()
-
-
-def _check(case, got, want) -> None:
-    for name, g, w in zip(("dst_k", "dst_scale"), got, want, strict=True):
-        assert_outputs_equal(g, w, f"{OP} {name}", False)
-
-
-# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
-
-_real_run = torch_ref.run
-
-
-def _via_reference(broken):
-    def write(*args):
-        torch_ref.run = broken
-        try:
-            kvwrite.cp_gather_indexer_k_quant_cache(*args, implementation="torch")
-        finally:
-            torch_ref.run = _real_run
-    return write
+_real_run = reference_run(OP)
 
 
 def _table_bounds_unchecked(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
@@ -66,9 +38,9 @@ def _whole_rows(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
         torch.uint8).shape[1:])
 
 
-WRONG = (WrongWriter("wraps-block-ids", _via_reference(_table_bounds_unchecked),
+WRONG = (WrongWriter("wraps-block-ids", via_reference(OP, _table_bounds_unchecked),
                      IndexerCase(seqs=Seqs(bad_blocks=(-1, 12, 100, -7)))),
-          WrongWriter("row-layout", _via_reference(_whole_rows), IndexerCase()))
+          WrongWriter("row-layout", via_reference(OP, _whole_rows), IndexerCase()))
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -103,16 +75,9 @@ def _graph_case(seed: int) -> IndexerCase:
     return IndexerCase(seqs=s, seed=seed, scale_dtype=torch.float32)
 
 
-PROVIDER = Provider(
-    op=OP,
-    call=kvwrite.cp_gather_indexer_k_quant_cache,
-    build=_build,
-    mutates=(1, 2),
-    mutated_names=("dst_k", "dst_scale"),
-    check=_check,
-    graph_seeds=(0, 1),
-    graph_cases=(Example("float32-scales", _graph_case),),
-    compile_cases=(Example("default", IndexerCase(seqs=Seqs(starts=None))),),
-    wrong_writers=WRONG,
-    bad_inputs=BAD,
-)
+GRAPH_CASES = (Example("float32-scales", _graph_case),)
+COMPILE_CASES = (Example("default", IndexerCase(seqs=Seqs(starts=None))),)
+
+PROVIDER = gather_provider(OP, make_indexer_inputs, lambda inp, case: inp.args(), mutates=(1, 2),
+                           names=("dst_k", "dst_scale"), nan=False, wrong=WRONG, bad=BAD,
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)

@@ -1,5 +1,5 @@
-"""gather_and_maybe_dequant_cache for the conformance suite (its row rule against the independent oracle:
-tests/test_gather.py)."""
+"""gather_and_maybe_dequant_cache for the conformance suite (its row rule against the
+independent oracle: tests/test_gather.py)."""
 
 from __future__ import annotations
 
@@ -7,44 +7,16 @@ import functools
 
 import torch
 
-import kvwrite
-from kvwrite.ops.gather_and_maybe_dequant_cache import reference as torch_ref
-
-from ..conformance import BadInput, Example, Provider, WrongWriter
-from ..gather import EntryCase, Seqs, assert_outputs_equal, graph_seqs, make_entry_inputs
+from ..conformance import BadInput, Example, WrongWriter
+from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
+from .gather_common import gather_provider, reference_run, via_reference
 
 OP = "gather_and_maybe_dequant_cache"
 
 
-def _case(case, seed: int):
-    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
-    return case(seed) if callable(case) else case
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call ---------------------
 
-
-def _build(case, device, seed):
-    case = _case(case, seed)
-    inp = make_entry_inputs(case, device)
-    return inp.dequant_args(case)
-
-
-def _check(case, got, want) -> None:
-    for name, g, w in zip(("dst",), got, want, strict=True):
-        assert_outputs_equal(g, w, f"{OP} {name}", None)
-
-
-# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
-
-_real_run = torch_ref.run
-
-
-def _via_reference(broken):
-    def write(*args):
-        torch_ref.run = broken
-        try:
-            kvwrite.gather_and_maybe_dequant_cache(*args, implementation="torch")
-        finally:
-            torch_ref.run = _real_run
-    return write
+_real_run = reference_run(OP)
 
 
 def _skip_last_request(src_cache, dst, block_table, cu_seq_lens, seq_starts, num_tokens, mode,
@@ -53,7 +25,7 @@ def _skip_last_request(src_cache, dst, block_table, cu_seq_lens, seq_starts, num
                   scale)
 
 
-WRONG = (WrongWriter("skips-last-request", _via_reference(_skip_last_request), EntryCase(seqs=Seqs(starts=(3, 0, 40, 15, 2)))),)
+WRONG = (WrongWriter("skips-last-request", via_reference(OP, _skip_last_request), EntryCase(seqs=Seqs(starts=(3, 0, 40, 15, 2)))),)
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -112,16 +84,9 @@ def _graph_case(kv: str, seed: int) -> EntryCase:
                      scale=0.37 if seed == 0 else 2.5)
 
 
-PROVIDER = Provider(
-    op=OP,
-    call=kvwrite.gather_and_maybe_dequant_cache,
-    build=_build,
-    mutates=(1,),
-    mutated_names=("dst",),
-    check=_check,
-    graph_seeds=(0, 1),
-    graph_cases=(*(Example(kv, functools.partial(_graph_case, kv)) for kv in ("auto", "fp8")),),
-    compile_cases=(Example("fp8", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="fp8")),),
-    wrong_writers=WRONG,
-    bad_inputs=BAD,
-)
+GRAPH_CASES = (*(Example(kv, functools.partial(_graph_case, kv)) for kv in ("auto", "fp8")),)
+COMPILE_CASES = (Example("fp8", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="fp8")),)
+
+PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.dequant_args(case), mutates=(1,),
+                           names=("dst",), nan=None, wrong=WRONG, bad=BAD,
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)

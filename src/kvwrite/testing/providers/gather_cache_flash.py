@@ -1,5 +1,5 @@
-"""gather_cache_flash for the conformance suite (its row rule against the independent oracle:
-tests/test_gather.py)."""
+"""gather_cache_flash for the conformance suite (its row rule against the
+independent oracle: tests/test_gather.py)."""
 
 from __future__ import annotations
 
@@ -7,45 +7,18 @@ import functools
 
 import torch
 
-import kvwrite
 from kvwrite.layouts import KVAlloc, Layout
-from kvwrite.ops.gather_cache_flash import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
-from ..gather import FlashCase, Seqs, assert_outputs_equal, graph_seqs, make_flash_inputs
+from ..conformance import BadInput, Example, WrongWriter
+from ..gather import FlashCase, Seqs, graph_seqs, make_flash_inputs
+from .gather_common import gather_provider, reference_run, via_reference
 
 OP = "gather_cache_flash"
 
 
-def _case(case, seed: int):
-    """A graph case is a function of the seed (new lengths, starts and block ids), else fixed."""
-    return case(seed) if callable(case) else case
+# --- deliberately wrong writers: the reference's ``run`` replaced for one call ---------------------
 
-
-def _build(case, device, seed):
-    case = _case(case, seed)
-    inp = make_flash_inputs(case, device)
-    return inp.args(case)
-
-
-def _check(case, got, want) -> None:
-    for name, g, w in zip(("key_out", "value_out"), got, want, strict=True):
-        assert_outputs_equal(g, w, f"{OP} {name}", None)
-
-
-# --- deliberately wrong writers: the reference's ``run`` replaced for one call --------------------
-
-_real_run = torch_ref.run
-
-
-def _via_reference(broken):
-    def write(*args):
-        torch_ref.run = broken
-        try:
-            kvwrite.gather_cache_flash(*args, implementation="torch")
-        finally:
-            torch_ref.run = _real_run
-    return write
+_real_run = reference_run(OP)
 
 
 def _saturates(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens, seq_starts,
@@ -58,7 +31,7 @@ def _saturates(key_cache, value_cache, key_out, value_out, block_table, cu_seq_l
         out.copy_(out.clamp(-fin, fin))
 
 
-WRONG = (WrongWriter("saturates", _via_reference(_saturates), FlashCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float16)),)
+WRONG = (WrongWriter("saturates", via_reference(OP, _saturates), FlashCase(kv_cache_dtype="fp8_e5m2", dtype=torch.float16)),)
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -99,16 +72,9 @@ def _graph_case(kv: str, seed: int) -> FlashCase:
                      layout=Layout.HND, alloc=KVAlloc.PACKED)
 
 
-PROVIDER = Provider(
-    op=OP,
-    call=kvwrite.gather_cache_flash,
-    build=_build,
-    mutates=(2, 3),
-    mutated_names=("key_out", "value_out"),
-    check=_check,
-    graph_seeds=(0, 1),
-    graph_cases=(*(Example(kv, functools.partial(_graph_case, kv)) for kv in ("auto", "fp8_e5m2")),),
-    compile_cases=(Example("fp8-per-head", FlashCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="fp8", per_head_scale=True)),),
-    wrong_writers=WRONG,
-    bad_inputs=BAD,
-)
+GRAPH_CASES = (*(Example(kv, functools.partial(_graph_case, kv)) for kv in ("auto", "fp8_e5m2")),)
+COMPILE_CASES = (Example("fp8-per-head", FlashCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_cache_dtype="fp8", per_head_scale=True)),)
+
+PROVIDER = gather_provider(OP, make_flash_inputs, lambda inp, case: inp.args(case), mutates=(2, 3),
+                           names=("key_out", "value_out"), nan=None, wrong=WRONG, bad=BAD,
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
