@@ -17,6 +17,7 @@ import torch
 from ..bench.slots import SlotPattern
 from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
+from .build import flag_parts, make_slot_mapping
 from .compare import storage_bytes
 
 __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
@@ -122,11 +123,10 @@ class Case:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
+        flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        flag_parts(parts, flags)
         if not self.slots.is_default:
             parts.append(self.slots.id)
         return "-".join(parts)
@@ -230,15 +230,10 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
         if case.special_values:
             _plant_special_values(case, key, value)
 
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1] * case.padding_slots
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen,
+                                     distinct_padding=False)
 
     key_cache, value_cache = allocate_kv_cache(case.num_blocks, case.block_size, H, D,
                                                case.cache_tensor_dtype, case.layout, case.alloc, "cpu")

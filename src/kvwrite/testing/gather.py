@@ -18,6 +18,7 @@ import torch
 from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache
 from ..ops.concat_and_cache_mla.op import DS_MLA_ENTRY
+from .build import flag_parts
 from .compare import differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["Seqs", "Requests", "make_requests", "mixed_seqs", "graph_seqs", "EntryCase",
@@ -290,15 +291,14 @@ class EntryCase:
                  self.kv_cache_dtype]
         if self.fp8:
             parts.append(self.fp8_storage)
-        for flag, name in ((self.cache_pad, f"cpad{self.cache_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.cache_transposed, "transposed"),
-                           (self.entry_perm, f"perm{self.entry_perm}".replace(" ", "")),
-                           (self.dst_pad, f"dpad{self.dst_pad}"),
-                           (self.dst_offset, f"doff{self.dst_offset}"),
-                           (self.dst_rows_extra, f"extra{self.dst_rows_extra}")):
-            if flag:
-                parts.append(name)
+        flags = ((self.cache_pad, f"cpad{self.cache_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.cache_transposed, "transposed"),
+                 (self.entry_perm, f"perm{self.entry_perm}".replace(" ", "")),
+                 (self.dst_pad, f"dpad{self.dst_pad}"),
+                 (self.dst_offset, f"doff{self.dst_offset}"),
+                 (self.dst_rows_extra, f"extra{self.dst_rows_extra}"))
+        flag_parts(parts, flags)
         if self.seed:
             parts.append(f"seed{self.seed}")
         return "-".join(parts)
@@ -458,14 +458,12 @@ class UpconvertCase:
     @property
     def id(self) -> str:
         parts = [self.seqs.id, str(self.dtype)[6:], self.fp8_storage, self.scales]
-        for flag, name in ((self.cache_pad, f"cpad{self.cache_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.cache_transposed, "transposed"),
-                           (self.dst_pad, f"dpad{self.dst_pad}"),
-                           (self.dst_offset, f"doff{self.dst_offset}")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.cache_pad, f"cpad{self.cache_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.cache_transposed, "transposed"),
+                 (self.dst_pad, f"dpad{self.dst_pad}"),
+                 (self.dst_offset, f"doff{self.dst_offset}"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ import itertools
 import torch
 
 from ..dtypes import CacheDType, parse_kv_cache_dtype
+from .build import flag_parts, make_slot_mapping
 from .cases import reciprocal_traps, special_values
 from .compare import differing_bytes, storage_bytes
 
@@ -82,12 +83,10 @@ class LegacyCase:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass
@@ -184,15 +183,9 @@ def make_legacy_inputs(case: LegacyCase, device: str | torch.device = "cpu",
     else:
         k_scale = v_scale = torch.ones(1)
 
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1 - i for i in range(case.padding_slots)]
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen)
     key_cache, value_cache = _allocate(case, gen)
 
     moved: dict[int, torch.Tensor] = {}
