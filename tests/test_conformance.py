@@ -72,7 +72,7 @@ def test_every_registered_op_has_a_provider():
 
 # --- bytes against the reference -----------------------------------------------------------------
 
-@pytest.mark.parametrize("p, ex, impl, device", _params("cases"))
+@pytest.mark.parametrize("p, ex, impl, device", _params("byte_cases"))
 def test_bytes_match_the_reference(p, ex, impl, device):
     info = registry.get(p.op, impl)
     args = p.build(ex.case, device, 0)

@@ -116,6 +116,15 @@ class Provider:
         return None if skip is None else skip(info, case, args)
 
     @property
+    def byte_cases(self) -> tuple[Example, ...]:
+        """The cases of the bytes-against-the-reference test: ``cases`` where given, else the
+        torch.compile cases and (on the GPU) the graph cases."""
+        if self.cases:
+            return self.cases
+        return (*self.compile_cases,
+                *(dataclasses.replace(ex, gpu=True) for ex in self.graph_cases))
+
+    @property
     def compiled_targets(self) -> list[str]:
         return list(self.compiled) if self.compiled is not None else [f"kvwrite.{self.op}"]
 
