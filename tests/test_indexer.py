@@ -42,7 +42,7 @@ from kvwrite.testing.indexer import (
     pow2_boundary_amaxes,
 )
 from oracle import fp8_round
-from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
+from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -590,19 +590,8 @@ def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
 def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     """As tests/test_pdl.py checks the other ops: in every variant's PDL build PREEXIT and
     ACQBULK come before the first global access; the plain build has neither."""
-    from kvwrite.kernels import nvrtc
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    sass_tools = cuobjdump_or_skip()
-    names = cuda_impl.all_kernel_names()[::5]
-    pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
-    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
-    assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
-    plain, _ = cuda_impl.SOURCE.compile("sm_90", names[:4])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    assert_pdl_builds_wait_first(cuda_impl.SOURCE, cuda_impl.all_kernel_names()[::5], tmp_path)
 
 
 # --- the GPU: builds and launch shapes, graphs, torch.compile -----------------------------------

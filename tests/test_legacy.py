@@ -32,7 +32,7 @@ from kvwrite.testing.legacy import (
     make_legacy_inputs,
 )
 from oracle import _convert_row
-from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
+from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -312,19 +312,8 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     """As tests/test_pdl.py checks the other ops: in the PDL build PREEXIT and ACQBULK come before
     the first global access, the plain build has neither (every 13th variant: the entry is the
     same code in each)."""
-    from kvwrite.kernels import nvrtc
     from kvwrite.ops.reshape_and_cache import cuda_impl
-    sass_tools = cuobjdump_or_skip()
-    names = cuda_impl.all_kernel_names()[::13]
-    pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
-    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
-    assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
-    plain, _ = cuda_impl.SOURCE.compile("sm_90", names[:4])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    assert_pdl_builds_wait_first(cuda_impl.SOURCE, cuda_impl.all_kernel_names()[::13], tmp_path)
 
 
 # --- Triton and the CUDA kernel's launch shapes on the GPU ------------------------------------------
