@@ -153,3 +153,20 @@ def round_window(sass: str, is_row_load, is_store=lambda text: text.startswith("
             if wb is not None:
                 pending.add(wb)
     return issued, issued if before is None else before, waits
+
+
+def assert_pdl_builds_wait_first(source, names, tmp_path) -> None:
+    """The PDL build (nvrtc.PDL_MACRO) of each of ``names`` triggers the next kernel (PREEXIT)
+    and waits for the previous one (ACQBULK) before its first global access; the plain build of
+    the first four has neither. ``source``: the op's KernelSource."""
+    from kvwrite.kernels import nvrtc
+    cuobjdump_or_skip()
+    pdl, _ = source.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    funcs = functions(dump_sass(bytes(pdl.code), tmp_path))
+    assert len(funcs) == len(names)
+    for name, ops in funcs.items():
+        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
+        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    plain, _ = source.compile("sm_90", names[:4])
+    text = dump_sass(bytes(plain.code), tmp_path)
+    assert "ACQBULK" not in text and "PREEXIT" not in text

@@ -2,8 +2,9 @@
 independent per-token NumPy oracle of the page layout and the scale rule (CPU), every registered
 implementation byte for byte over whole caches (Triton's interpreter on exact quotients on the
 CPU; all three on the GPU over a large matrix), the scale rule's C code compiled for the host,
-"mxfp8"'s exponent bytes and the round trip through the gather, validation, deliberately wrong
-writers caught, NVRTC compiles, CUDA graphs and torch.compile.
+"mxfp8"'s exponent bytes and the round trip through the gather, validation specifics, NVRTC
+builds. Wrong writers, bad input, CUDA graphs, torch.compile and the NVRTC compile of every
+variant: tests/test_conformance.py (kvwrite.testing.providers.indexer_k_quant_and_cache).
 
 A failure names the cache, the number of differing bytes and the first ones by block, slot and
 code or scale byte.
@@ -28,7 +29,6 @@ from kvwrite import registry
 from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
 from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
 from kvwrite.testing.compare import storage_bytes
-from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.indexer import (
     INDEXER_CASES,
     INDEXER_GPU_CASES,
@@ -42,7 +42,7 @@ from kvwrite.testing.indexer import (
     pow2_boundary_amaxes,
 )
 from oracle import fp8_round
-from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
+from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -430,167 +430,7 @@ def test_round_trip_through_the_gather(case, scale_dtype, impl, gather_impl, dev
     assert torch.isnan(y[torch.isnan(x)]).all()
 
 
-# --- the checker can fail -------------------------------------------------------------------------
-
-def _skip_last_token(k, kv_cache, slots, q, fmt):
-    torch_ref.run(k, kv_cache, slots[:-1], q, fmt)
-
-
-def _amax_with_nan(k, kv_cache, slots, q, fmt):
-    """amax by torch.amax, which propagates NaN (the rule ignores it)."""
-    real = torch_ref.group_scales
-    try:
-        torch_ref.group_scales = lambda x, f: real(torch.where(
-            torch.isnan(x).any(dim=2, keepdim=True), float("nan"), x), f)
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.group_scales = real
-
-
-def _no_floor(k, kv_cache, slots, q, fmt):
-    """s = amax / 448 without the 1e-4 floor (zero groups: NaN codes, zero scales)."""
-    real = torch_ref.SCALE_FLOOR_BITS
-    try:
-        torch_ref.SCALE_FLOOR_BITS = 0
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.SCALE_FLOOR_BITS = real
-
-
-def _log2_ue8m0(k, kv_cache, slots, q, fmt):
-    """ue8m0 as exp2f(ceilf(log2f(s))) in float32."""
-    real = torch_ref.ue8m0
-    try:
-        torch_ref.ue8m0 = lambda s: torch.exp2(torch.ceil(torch.log2(s)))
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.ue8m0 = real
-
-
-def _scales_beside_codes(k, kv_cache, slots, q, fmt):
-    """Each slot as [D codes, 4G scale bytes] (a per-token entry), not the page layout."""
-    nb, bs, _ = kv_cache.shape
-    d = k.shape[1]
-    for t in range(slots.numel()):
-        s = int(slots[t])
-        if 0 <= s < nb * bs:
-            codes, scales = torch_ref.quantize_rows(k[t:t + 1], q, fmt)
-            kv_cache[s // bs, s % bs, :d] = codes[0]
-            kv_cache[s // bs, s % bs, d:] = scales[0].contiguous().view(torch.uint8)
-
-
-def _one_group_amax(k, kv_cache, slots, q, fmt):
-    """vLLM's kernel: the amax always spans the first 128 elements (every group gets one scale)."""
-    real = torch_ref.group_scales
-    try:
-        torch_ref.group_scales = lambda x, f: real(x.reshape(x.shape[0], 1, -1), f).expand(
-            x.shape[0], x.shape[1])
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.group_scales = real
-
-
-def _mxfp8_float_bits(k, kv_cache, slots, q, fmt):
-    """"mxfp8" storing the power-of-two scale's float32 bits ("ue8m0"'s bytes)."""
-    torch_ref.run(k, kv_cache, slots, q, ScaleFormat.UE8M0)
-
-
-def _mxfp8_one_byte(k, kv_cache, slots, q, fmt):
-    """"mxfp8" writing the exponent into the first byte of each group's slot only."""
-    before = clone_cache(kv_cache)
-    torch_ref.run(k, kv_cache, slots, q, fmt)
-    _, got = torch_ref.page_views(kv_cache, k.shape[1])
-    _, old = torch_ref.page_views(before, k.shape[1])
-    n = got.shape[0]
-    got.view(n, -1, 4)[..., 1:] = old.view(n, -1, 4)[..., 1:]
-
-
-@pytest.mark.parametrize("broken, case", [
-    (_skip_last_token, IndexerCase()),
-    (_mxfp8_float_bits, IndexerCase(scale_fmt="mxfp8")),
-    (_mxfp8_one_byte, IndexerCase(scale_fmt="mxfp8", head_dim=256)),
-    (_amax_with_nan, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
-    (_no_floor, IndexerCase(special_values=True, num_tokens=12, num_blocks=8)),
-    (_log2_ue8m0, IndexerCase(special_values=True, num_tokens=96, num_blocks=8,
-                              dtype=torch.float32)),
-    (_scales_beside_codes, IndexerCase(head_dim=64, quant_block_size=32)),
-    (_one_group_amax, IndexerCase(quant_block_size=64)),
-], ids=["skip-last-token", "mxfp8-float-bits", "mxfp8-one-byte", "amax-propagates-nan", "no-floor", "log2-ue8m0", "per-token-entries",
-        "one-group-amax"])
-def test_checker_rejects_wrong_implementations(broken, case):
-    inp = make_indexer_inputs(case)
-    broken(inp.k, inp.kv_cache, inp.slot_mapping, case.quant_block_size,
-           parse_scale_fmt(case.scale_fmt))
-    with pytest.raises(AssertionError, match="bytes differ"):
-        assert_indexer_caches_equal(inp.kv_cache, expected_cache(case), case.head_dim)
-
-
 # --- validation -----------------------------------------------------------------------------------
-
-def _base():
-    return make_indexer_inputs(IndexerCase(num_tokens=5, num_blocks=4, block_size=4))
-
-
-def _bad(**changes):
-    def make():
-        inp = _base()
-        args = dict(k=inp.k, kv_cache=inp.kv_cache, slot_mapping=inp.slot_mapping,
-                    quant_block_size=128, scale_fmt="ue8m0")
-        for key, f in changes.items():
-            args[key] = f(inp)
-        return inp, args
-    return make
-
-
-def _mxfp8_group(head_dim: int, q: int):
-    """"mxfp8" with a group size other than 128 and a cache of the right entry size for it."""
-    def make():
-        inp = make_indexer_inputs(IndexerCase(num_tokens=5, num_blocks=4, block_size=4,
-                                              head_dim=head_dim, quant_block_size=q))
-        return inp, dict(k=inp.k, kv_cache=inp.kv_cache, slot_mapping=inp.slot_mapping,
-                         quant_block_size=q, scale_fmt="mxfp8")
-    return make
-
-
-BAD = [
-    ("mxfp8 q64", _mxfp8_group(128, 64), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8' (4 UE8M0 bytes a group, one per 32 elements), got 64"),
-    ("mxfp8 q32", _mxfp8_group(128, 32), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8'"),
-    ("mxfp8 q256", _mxfp8_group(256, 256), ValueError, "quant_block_size: expected 128 with scale_fmt 'mxfp8'"),
-    ("k type", _bad(k=lambda i: i.k.tolist()), TypeError, "k: expected a torch.Tensor"),
-    ("k dims", _bad(k=lambda i: i.k[None]), ValueError, "k: expected 2 dims"),
-    ("k dtype", _bad(k=lambda i: i.k.double()), ValueError, "k: expected dtype"),
-    ("k stride", _bad(k=lambda i: i.k.repeat(1, 2)[:, ::2]), ValueError, "k: expected a unit-stride last dim"),
-    ("q not dividing", _bad(quant_block_size=lambda i: 48), ValueError, "quant_block_size: expected a positive divisor of the head dim k.shape[1] = 128, got 48"),
-    ("q zero", _bad(quant_block_size=lambda i: 0), ValueError, "quant_block_size: expected a positive divisor"),
-    ("q float", _bad(quant_block_size=lambda i: 128.0), TypeError, "quant_block_size: expected a positive int"),
-    ("q bool", _bad(quant_block_size=lambda i: True), TypeError, "quant_block_size: expected a positive int dividing the head dim, got bool"),
-    ("scale_fmt None", _bad(scale_fmt=lambda i: None), ValueError, "scale_fmt: expected a string ('ue8m0' for power-of-two scales"),
-    ("scale_fmt int", _bad(scale_fmt=lambda i: 8), TypeError, "scale_fmt: expected a string, got int"),
-    ("cache dims", _bad(kv_cache=lambda i: i.kv_cache[0]), ValueError, "kv_cache: expected 3 dims"),
-    ("cache dtype", _bad(kv_cache=lambda i: i.kv_cache.view(torch.float8_e4m3fn)), ValueError, "kv_cache: expected dtype torch.uint8"),
-    ("cache entry", _bad(quant_block_size=lambda i: 64), ValueError, "kv_cache: expected a last dim of head_dim + 4 * head_dim / quant_block_size = 128 + 4 * 2 = 136"),
-    ("cache entry short", _bad(kv_cache=lambda i: i.kv_cache[..., :-1]), ValueError, "kv_cache: expected a last dim of"),
-    ("page not dense", _bad(kv_cache=lambda i: torch.zeros(2, 4, 264, dtype=torch.uint8)[..., :132]), ValueError, "kv_cache: expected dense pages (stride(2) == 1, stride(1) == 132)"),
-    ("slot dtype", _bad(slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
-    ("slot dims", _bad(slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
-    ("slot count", _bad(slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most k.shape[0] = 5 entries, got 10"),
-    ("slot stride", _bad(slot_mapping=lambda i: i.slot_mapping.repeat(2)[::2]), ValueError, "slot_mapping: expected a contiguous tensor"),
-    ("slot device", _bad(slot_mapping=lambda i: i.slot_mapping.to("meta")), ValueError, "slot_mapping: expected device cpu (that of k), got meta"),
-    ("k in the cache", _bad(k=lambda i: i.kv_cache.view(-1)[:1280].view(torch.bfloat16).view(5, 128)), ValueError, "k: expected memory apart from kv_cache's"),
-    ("k requires grad", _bad(k=lambda i: i.k.float().requires_grad_()), ValueError, "k: expected a tensor that does not require grad"),
-]
-
-
-@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
-    inp, args = make()
-    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
-    before = [storage_bytes(t).clone() for t in tensors]
-    with pytest.raises(exc, match=re.escape(text)):
-        kvwrite.indexer_k_quant_and_cache(**args)
-    for t, b in zip(tensors, before, strict=True):
-        assert torch.equal(storage_bytes(t), b)
-
 
 def test_any_other_scale_fmt_means_float32_scales():
     case = IndexerCase(num_tokens=6, scale_fmt="float32")
@@ -632,14 +472,6 @@ def _plan(case: IndexerCase, **tuning):
     t = cuda_impl.CudaTuning(**tuning) if tuning else cuda_impl.TUNING
     return cuda_impl.plan(inp.k, inp.kv_cache, inp.slot_mapping, case.quant_block_size,
                           parse_scale_fmt(case.scale_fmt), t)
-
-
-@needs_nvrtc
-def test_nvrtc_compiles_every_cuda_variant_for_sm90():
-    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
 
 
 MXFP8_PLANS = [
@@ -758,19 +590,8 @@ def test_cuda_main_build_issues_the_row_load_before_any_wait(tmp_path):
 def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     """As tests/test_pdl.py checks the other ops: in every variant's PDL build PREEXIT and
     ACQBULK come before the first global access; the plain build has neither."""
-    from kvwrite.kernels import nvrtc
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    sass_tools = cuobjdump_or_skip()
-    names = cuda_impl.all_kernel_names()[::5]
-    pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
-    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
-    assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
-    plain, _ = cuda_impl.SOURCE.compile("sm_90", names[:4])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    assert_pdl_builds_wait_first(cuda_impl.SOURCE, cuda_impl.all_kernel_names()[::5], tmp_path)
 
 
 # --- the GPU: builds and launch shapes, graphs, torch.compile -----------------------------------
@@ -821,55 +642,6 @@ def test_gpu_every_16_bit_input(impl, fmt, dtype):
     kvwrite.indexer_k_quant_and_cache(k, want, slots, 128, fmt, implementation="torch")
     kvwrite.indexer_k_quant_and_cache(k, cache, slots, 128, fmt, implementation=impl)
     assert_indexer_caches_equal(cache, want, 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
-@pytest.mark.parametrize("fmt", ["ue8m0", "mxfp8", "float32"])
-def test_cuda_graph_replay_sees_new_inputs(impl, fmt):
-    """Capture once, then change k and the slots in place: the replay uses them."""
-    info = registry.get(OP, impl)
-    if (reason := info.available("cuda")) is not None:
-        pytest.skip(reason)
-    case = IndexerCase(num_tokens=300, scale_fmt=fmt, padding_slots=3, out_of_range_slots=2,
-                       k_pad=8, page_pad=16, num_blocks=32, special_values=True)
-    first = make_indexer_inputs(case, "cuda", seed=1)
-    kvwrite.indexer_k_quant_and_cache(*first.args(), implementation=impl)  # compile outside
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kvwrite.indexer_k_quant_and_cache(*first.args(), implementation=impl)
-    second = make_indexer_inputs(case, "cuda", seed=2)
-    first.k.copy_(second.k)
-    first.slot_mapping.copy_(second.slot_mapping)
-    storage_bytes(first.kv_cache).copy_(storage_bytes(second.kv_cache))
-    want = clone_cache(second.kv_cache)
-    kvwrite.indexer_k_quant_and_cache(second.k, want, *second.args()[2:], implementation="torch")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_indexer_caches_equal(first.kv_cache, want, case.head_dim)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_torch_compile_sees_a_mutating_custom_op(impl, device):
-    info = registry.get(OP, impl)
-    if (reason := info.available(device)) is not None:
-        pytest.skip(reason)
-    case = IndexerCase(num_tokens=9, padding_slots=2, k_pad=8)
-    inp = make_indexer_inputs(case, device)
-    if (reason := info.unsupported(inp.k, inp.kv_cache, ScaleFormat.UE8M0)) is not None:
-        pytest.skip(reason)
-
-    def step(k, kv_cache, slot_mapping):
-        kvwrite.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, 128, "ue8m0",
-                                          implementation=impl)
-
-    assert compiled_targets(step, *inp.args()[:3]) == ["kvwrite.indexer_k_quant_and_cache"]
-    inp = make_indexer_inputs(case, device)
-    torch._dynamo.reset()
-    torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:3])
-    assert_indexer_caches_equal(clone_cache(inp.kv_cache, "cpu"), expected_cache(case), 128)
 
 
 def test_torch_compile_scale_fmt_none_raises():

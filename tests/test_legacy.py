@@ -1,7 +1,8 @@
 """reshape_and_cache (the legacy paged-attention layout): every registered implementation byte for
 byte against an independent per-token oracle of the layout (CPU) and against the reference over a
-large matrix (GPU); the logical views equal reshape_and_cache_flash's caches; validation;
-deliberately wrong writers caught; NVRTC compiles; CUDA graphs and torch.compile.
+large matrix (GPU); the logical views equal reshape_and_cache_flash's caches; CUDA launch plans
+and builds. Wrong writers, bad input, CUDA graphs, torch.compile and the NVRTC compile of every
+variant: tests/test_conformance.py (kvwrite.testing.providers.reshape_and_cache).
 
 The whole allocation behind each cache is compared, so stray writes are caught as well as wrong
 ones; a failure names the tensor, the number of differing bytes and the first ones by index.
@@ -9,7 +10,6 @@ ones; a failure names the tensor, the number of differing bytes and the first on
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -21,9 +21,7 @@ from kvwrite import registry
 from kvwrite.dtypes import CacheDType
 from kvwrite.layouts import allocate_kv_cache
 from kvwrite.ops.reshape_and_cache import OP, logical_views
-from kvwrite.ops.reshape_and_cache import reference as torch_ref
 from kvwrite.testing.compare import storage_bytes
-from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.legacy import (
     CACHE_STRIDES,
     LEGACY_CASES,
@@ -34,7 +32,7 @@ from kvwrite.testing.legacy import (
     make_legacy_inputs,
 )
 from oracle import _convert_row
-from sass import MEMORY_OPS, cuobjdump_or_skip, needs_nvrtc
+from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
 IMPLS = [info.name for info in registry.all_impls(OP)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -180,122 +178,11 @@ def test_logical_views_are_the_flash_layout(kv, cache_strides):
     assert torch.equal(v_after.contiguous().view(torch.uint8), fv.contiguous().view(torch.uint8))
 
 
-# --- the checker can fail -------------------------------------------------------------------------
-
-def _skip_last_token(key, value, kc, vc, slots, cdt, ks, vs):
-    torch_ref.run(key, value, kc, vc, slots[:-1], cdt, ks, vs)
-
-
-def _heads_past_512_threads(key, value, kc, vc, slots, cdt, ks, vs):
-    """vLLM's launch: min(H * D / x, 512) threads and no loop, so heads past 512 * x / D stay."""
-    x, d = kc.shape[4], key.shape[2]
-    h = max(1, 512 * x // d)
-    torch_ref.run(key[:, :h], value[:, :h], kc[:, :h], vc[:, :h], slots, cdt,
-                  None if ks is None else ks[:h], None if vs is None else vs[:h])
-
-
-def _first_scale_only(key, value, kc, vc, slots, cdt, ks, vs):
-    """vLLM reads k_scale[0] only."""
-    torch_ref.run(key, value, kc, vc, slots, cdt, ks[:1], vs[:1])
-
-
-def _contiguous_strides(key, value, kc, vc, slots, cdt, ks, vs):
-    """Writes as if both caches were contiguous."""
-    torch_ref.run(key, value, kc.as_strided(kc.shape, torch.empty(kc.shape).stride()),
-                  vc.as_strided(vc.shape, torch.empty(vc.shape).stride()), slots, cdt, ks, vs)
-
-
-def _value_as_key_layout(key, value, kc, vc, slots, cdt, ks, vs):
-    """The value written with the key's x-split: value_cache's memory as [nb, H, D/x, bs, x]."""
-    torch_ref.run(key, value, kc, torch.empty_like(vc), slots, cdt, ks, vs)
-    nb, h, d, bs = vc.shape
-    x = kc.shape[4]
-    torch_ref.run(value, value, vc.view(nb, h, d // x, bs, x), torch.empty_like(vc), slots, cdt,
-                  vs, vs)
-
-
-@pytest.mark.parametrize("broken, case", [
-    (_skip_last_token, LegacyCase()),
-    (_heads_past_512_threads, LegacyCase(num_heads=64, head_size=128, num_tokens=3,
-                                         kv_cache_dtype="bfloat16", dtype=torch.float32)),
-    (_first_scale_only, LegacyCase(kv_cache_dtype="fp8", per_head_scale=True)),
-    (_contiguous_strides, LegacyCase(cache_strides="padded")),
-    (_contiguous_strides, LegacyCase(cache_strides="slot-major", kv_cache_dtype="fp8")),
-    (_value_as_key_layout, LegacyCase(x=4)),
-], ids=["skip-last-token", "heads-past-512-threads", "first-scale-only", "padded-as-contiguous",
-        "slot-major-as-contiguous", "value-x-split"])
-def test_checker_rejects_wrong_implementations(broken, case):
-    inp = make_legacy_inputs(case)
-    broken(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping, case.cache_dtype,
-           inp.k_scale if case.cache_dtype.is_fp8 else None,
-           inp.v_scale if case.cache_dtype.is_fp8 else None)
-    with pytest.raises(AssertionError, match="bytes differ"):
-        check(case, inp.key_cache, inp.value_cache, expected_caches(case))
-
-
 # --- validation -----------------------------------------------------------------------------------
 
 def _base(kv="auto", dtype=torch.bfloat16):
     return make_legacy_inputs(LegacyCase(kv_cache_dtype=kv, dtype=dtype, num_tokens=5,
                                          num_heads=2, head_size=32, num_blocks=2, block_size=4))
-
-
-def _bad(kv, **changes):
-    def make():
-        inp = _base(kv)
-        args = dict(key=inp.key, value=inp.value, key_cache=inp.key_cache,
-                    value_cache=inp.value_cache, slot_mapping=inp.slot_mapping,
-                    kv_cache_dtype=kv, k_scale=inp.k_scale, v_scale=inp.v_scale)
-        for k, f in changes.items():
-            args[k] = f(inp)
-        return inp, args
-    return make
-
-
-def _x_not_dividing(i):
-    nb, h, _, bs, _ = i.key_cache.shape
-    return torch.zeros(nb, h, 10, bs, 3, dtype=i.key_cache.dtype)
-
-
-BAD = [
-    ("kv_cache_dtype", _bad("auto", kv_cache_dtype=lambda i: "int8"), ValueError, "kv_cache_dtype: expected one of"),
-    ("key type", _bad("auto", key=lambda i: i.key.tolist()), TypeError, "key: expected a torch.Tensor"),
-    ("key dims", _bad("auto", key=lambda i: i.key[0]), ValueError, "key: expected 3 dims"),
-    ("key dtype", _bad("auto", key=lambda i: i.key.double()), ValueError, "key: expected dtype"),
-    ("value dtype", _bad("auto", value=lambda i: i.value.half()), ValueError, "value: expected the dtype of key"),
-    ("value shape", _bad("auto", value=lambda i: i.value[:, :1]), ValueError, "value: expected the shape of key"),
-    ("key heads", _bad("auto", key=lambda i: i.key.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "key: expected dense heads"),
-    ("key_cache dims", _bad("auto", key_cache=lambda i: i.key_cache[0]), ValueError, "key_cache: expected 5 dims"),
-    ("x not dividing D", _bad("auto", key_cache=_x_not_dividing), ValueError, "key_cache: expected x = key_cache.size(4) dividing head_size 32"),
-    ("key_cache heads", _bad("auto", key_cache=lambda i: i.key_cache[:, :1]), ValueError, "key_cache: expected [num_blocks, 2, 4, block_size, 8]"),
-    ("key_cache D/x", _bad("auto", key_cache=lambda i: i.key_cache[:, :, :3]), ValueError, "key_cache: expected [num_blocks, 2, 4, block_size, 8]"),
-    ("value_cache dims", _bad("auto", value_cache=lambda i: i.value_cache[..., None]), ValueError, "value_cache: expected 4 dims"),
-    ("value_cache block size", _bad("auto", value_cache=lambda i: i.value_cache[..., :3]), ValueError, "value_cache: expected [num_blocks, num_heads, head_size, block_size] = (2, 2, 32, 4)"),
-    ("value_cache head size", _bad("auto", value_cache=lambda i: i.value_cache[:, :, :16]), ValueError, "value_cache: expected [num_blocks, num_heads, head_size, block_size]"),
-    ("value_cache dtype", _bad("auto", value_cache=lambda i: i.value_cache.half()), ValueError, "value_cache: expected the dtype of key_cache"),
-    ("cache dtype auto", _bad("auto", key_cache=lambda i: i.key_cache.half(), value_cache=lambda i: i.value_cache.half()), ValueError, "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects"),
-    ("cache dtype fp8", _bad("fp8", key_cache=lambda i: i.key_cache.view(torch.float8_e5m2), value_cache=lambda i: i.value_cache.view(torch.float8_e5m2)), ValueError, "key_cache: kv_cache_dtype='fp8_e4m3'"),
-    ("slot dtype", _bad("auto", slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
-    ("slot dims", _bad("auto", slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
-    ("slot count", _bad("auto", slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most key.shape[0] = 5"),
-    ("slot device", _bad("auto", slot_mapping=lambda i: i.slot_mapping.to("meta")), ValueError, "slot_mapping: expected device cpu"),
-    ("scale missing", _bad("fp8", k_scale=lambda i: None), ValueError, "k_scale: kv_cache_dtype='fp8_e4m3' needs"),
-    ("scale dtype", _bad("fp8", v_scale=lambda i: i.v_scale.double()), ValueError, "v_scale: expected dtype float32"),
-    ("scale numel", _bad("fp8", k_scale=lambda i: i.k_scale.repeat(3)), ValueError, "k_scale: expected 1 (per tensor) or 2 (per head)"),
-    ("caches overlap", _bad("auto", value_cache=lambda i: i.key_cache.view(2, 2, 32, 4)), ValueError, "expected memory apart from key_cache's"),
-    ("key in the cache", _bad("auto", key=lambda i: i.key_cache.view(-1)[:320].view(5, 2, 32)), ValueError, "key: expected memory apart from key_cache's"),
-]
-
-
-@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
-    inp, args = make()
-    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
-    before = [storage_bytes(t).clone() for t in tensors]
-    with pytest.raises(exc, match=re.escape(text)):
-        kvwrite.reshape_and_cache(**args)
-    for t, b in zip(tensors, before, strict=True):
-        assert torch.equal(storage_bytes(t), b)
 
 
 def test_scales_are_ignored_outside_fp8():
@@ -343,14 +230,6 @@ def _plan(case: LegacyCase, **tuning):
     t = cuda_impl.CudaTuning(**tuning) if tuning else cuda_impl.TUNING
     return cuda_impl.plan(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.slot_mapping,
                           case.cache_dtype, t)
-
-
-@needs_nvrtc
-def test_nvrtc_compiles_every_cuda_variant_for_sm90():
-    from kvwrite.ops.reshape_and_cache import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 192 and len(bytes(obj.code)) > 0
 
 
 @pytest.mark.parametrize("case, name", [
@@ -433,19 +312,8 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     """As tests/test_pdl.py checks the other ops: in the PDL build PREEXIT and ACQBULK come before
     the first global access, the plain build has neither (every 13th variant: the entry is the
     same code in each)."""
-    from kvwrite.kernels import nvrtc
     from kvwrite.ops.reshape_and_cache import cuda_impl
-    sass_tools = cuobjdump_or_skip()
-    names = cuda_impl.all_kernel_names()[::13]
-    pdl, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
-    funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
-    assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
-    plain, _ = cuda_impl.SOURCE.compile("sm_90", names[:4])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    assert_pdl_builds_wait_first(cuda_impl.SOURCE, cuda_impl.all_kernel_names()[::13], tmp_path)
 
 
 # --- Triton and the CUDA kernel's launch shapes on the GPU ------------------------------------------
@@ -497,65 +365,6 @@ def test_gpu_every_16_bit_input_fp8_per_head(impl, kv, dtype):
         fp8 = CacheDType(kv).fp8_dtype
         assert_legacy_caches_equal(kc, want[0], f"key_cache (scales {scales})", fp8)
         assert_legacy_caches_equal(vc, want[1], f"value_cache (scales {scales})", fp8)
-
-
-# --- CUDA graphs and torch.compile ------------------------------------------------------------------
-
-GRAPH_CASE = LegacyCase(num_tokens=40, num_heads=4, head_size=64, kv_cache_dtype="fp8",
-                        per_head_scale=True, cache_strides="padded", padding_slots=3,
-                        out_of_range_slots=2, num_blocks=8)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
-@pytest.mark.parametrize("kv", ["auto", "fp8", "float32"])
-def test_cuda_graph_replay_sees_new_inputs(impl, kv):
-    """Capture once, then change key, value, slots and scales in place: the replay uses them."""
-    info = registry.get(OP, impl)
-    if (reason := info.available("cuda")) is not None:
-        pytest.skip(reason)
-    case = dataclasses.replace(GRAPH_CASE, kv_cache_dtype=kv)
-    first = make_legacy_inputs(case, "cuda", seed=1)
-    kvwrite.reshape_and_cache(*first.args(), implementation=impl)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kvwrite.reshape_and_cache(*first.args(), implementation=impl)
-    second = make_legacy_inputs(case, "cuda", seed=2)
-    for dst, src in ((first.key, second.key), (first.value, second.value),
-                     (first.slot_mapping, second.slot_mapping), (first.k_scale, second.k_scale),
-                     (first.v_scale, second.v_scale)):
-        dst.copy_(src)
-    for dst, src in ((first.key_cache, second.key_cache), (first.value_cache, second.value_cache)):
-        storage_bytes(dst).copy_(storage_bytes(src))
-    ek, ev = clone_caches(second)
-    kvwrite.reshape_and_cache(second.key, second.value, ek, ev, *second.args()[4:],
-                              implementation="torch")
-    graph.replay()
-    torch.cuda.synchronize()
-    check(case, first.key_cache, first.value_cache, (ek, ev))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_torch_compile_sees_a_mutating_custom_op(impl, device):
-    info = registry.get(OP, impl)
-    if (reason := info.available(device)) is not None:
-        pytest.skip(reason)
-    case = LegacyCase(num_tokens=9, padding_slots=2, cache_strides="padded")
-    inp = make_legacy_inputs(case, device)
-    if (reason := info.unsupported(inp.key, inp.key_cache, case.cache_dtype, None)) is not None:
-        pytest.skip(reason)
-
-    def step(key, value, key_cache, value_cache, slot_mapping):
-        kvwrite.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, "auto",
-                                  implementation=impl)
-
-    assert compiled_targets(step, *inp.args()[:5]) == ["kvwrite.reshape_and_cache"]
-    inp = make_legacy_inputs(case, device)
-    torch._dynamo.reset()
-    torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args()[:5])
-    check(case, *clone_caches(inp, "cpu"), expected_caches(case))
 
 
 # --- memcheck cases -------------------------------------------------------------------------------

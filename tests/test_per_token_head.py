@@ -2,10 +2,12 @@
 create_per_token_head_caches: the reference against an independent per-row oracle (exact
 rational arithmetic for every rounding decision) over the CPU matrix; every implementation byte
 for byte against the reference over whole allocations (the four tensors, one allocation or
-four); the kernel's row arithmetic compiled as host C++ against the reference; validation that
-changes nothing; wrong writers caught; the round trip and an attention consumer; the allocator's
-strides; NVRTC compiles and machine code of the CUDA kernel; on the GPU the full matrix for the
-three implementations, CUDA graphs, torch.compile and the sanitize cases."""
+four); the kernel's row arithmetic compiled as host C++ against the reference; validation
+specifics; the round trip and an attention consumer; the allocator's strides; NVRTC builds and
+machine code of the CUDA kernel; on the GPU the full matrix for the three implementations,
+torch.compile of packed views and the sanitize cases. Wrong writers, bad input, CUDA graphs,
+torch.compile and the NVRTC compile of every variant: tests/test_conformance.py
+(kvwrite.testing.providers.reshape_and_cache_flash_per_token_head_quant)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from kvwrite import registry
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import OP, PerTokenHeadMode
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import reference as torch_ref
 from kvwrite.testing.compare import storage_bytes
-from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.per_token_head import (
     FP8,
     INT4,
@@ -702,115 +703,6 @@ def test_tie_rows_catch_inexact_roundings(monkeypatch):
 
 # --- the checker can fail --------------------------------------------------------------------------
 
-def _rows_writer(quantize):
-    """A writer with the reference's addressing and another row quantizer."""
-    def run(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode):
-        nb, bs = key_cache.shape[:2]
-        slots = slot_mapping.long()
-        keep = (slots >= 0) & (slots < nb * bs)
-        tokens = torch.nonzero(keep).flatten()
-        slots = slots[keep]
-        for src, cache, scales in ((key, key_cache, k_scale_cache),
-                                   (value, value_cache, v_scale_cache)):
-            codes, entries = quantize(src[tokens], mode)
-            cache[..., :codes.shape[-1]].view(torch.uint8)[slots // bs, slots % bs] = codes
-            scales[slots // bs, slots % bs] = entries
-    return run
-
-
-def _skip_last_token(key, value, kc, vc, ks, vs, slot_mapping, mode):
-    torch_ref.run(key, value, kc, vc, ks, vs, slot_mapping[:-1], mode)
-
-
-def _clobber_row_tail(key, value, kc, vc, ks, vs, slot_mapping, mode):
-    """Writes whole rows [..., :E] (codes then zeros), over vLLM's inline scale bytes."""
-    torch_ref.run(key, value, kc, vc, ks, vs, slot_mapping, mode)
-    nb, bs = kc.shape[:2]
-    for s in slot_mapping.tolist():
-        if 0 <= s < nb * bs:
-            dq = mode.quantized_size(key.shape[2])
-            kc[s // bs, s % bs, :, dq:].view(torch.uint8).zero_()
-
-
-def _half_to_even(x, mode):
-    codes, entries = torch_ref.quantize_rows(x, mode)
-    if mode is PerTokenHeadMode.INT8_PER_TOKEN_HEAD:
-        q = (x.float() / entries[..., None]).nan_to_num(0.0).clamp(-200, 200)
-        codes = torch.round(q).clamp(-128, 127).to(torch.int8).view(torch.uint8)
-    return codes, entries
-
-
-def _nibbles_swapped(x, mode):
-    codes, entries = torch_ref.quantize_rows(x, mode)
-    return (codes >> 4) | (codes << 4), entries
-
-
-def _zero_point_not_stored(x, mode):
-    codes, entries = torch_ref.quantize_rows(x, mode)
-    return codes, (entries.view(torch.int32) & -16).view(torch.float32)
-
-
-def _amax_with_nan(x, mode):
-    """amax by torch.amax, which propagates NaN (the contract ignores NaN)."""
-    codes, entries = torch_ref.quantize_rows(x, mode)
-    nan_rows = torch.isnan(x.float()).any(dim=-1)
-    return codes, torch.where(nan_rows, float("nan"), entries)
-
-
-def _reciprocal(x, mode):
-    """Codes from x * (1 / s) instead of x / s."""
-    codes, s = torch_ref.quantize_rows(x, mode)
-    y = x.float() * (1.0 / s[..., None])
-    if mode is PerTokenHeadMode.FP8_PER_TOKEN_HEAD:
-        codes = y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        codes = torch_ref.rhaz(y.nan_to_num(0.0).clamp(-200, 200)).clamp(-128, 127).to(
-            torch.int8).view(torch.uint8)
-    return codes, s
-
-
-def _no_floor(x, mode):
-    codes, s = torch_ref.quantize_rows(x, mode)
-    amax = torch.where(torch.isnan(x.float()), 0.0, x.float().abs()).amax(-1)
-    return codes, amax / torch.full_like(amax, 127.0)
-
-
-def _layout_ignored(key, value, kc, vc, ks, vs, slot_mapping, mode):
-    """Writes an HND cache as if it were NHD (contiguous strides)."""
-    nb, bs, h, e = kc.shape
-    torch_ref.run(key, value, kc.as_strided((nb, bs, h, e), (kc.stride(0), h * e, e, 1)), vc, ks,
-                  vs, slot_mapping, mode)
-
-
-def _scales_swapped(key, value, kc, vc, ks, vs, slot_mapping, mode):
-    torch_ref.run(key, value, kc, vc, vs, ks, slot_mapping, mode)
-
-
-_SPECIAL = dict(special_values=True, num_tokens=8, num_heads=4, head_size=16,
-                dtype=torch.float32)
-
-
-@pytest.mark.parametrize("broken, case", [
-    (_skip_last_token, PthCase(num_tokens=7)),
-    (_clobber_row_tail, PthCase(vllm_rows=True, kv_quant_mode=INT4)),
-    (_rows_writer(_half_to_even), PthCase(**_SPECIAL)),
-    (_rows_writer(_nibbles_swapped), PthCase(kv_quant_mode=INT4)),
-    (_rows_writer(_zero_point_not_stored), PthCase(kv_quant_mode=INT4)),
-    (_rows_writer(_amax_with_nan), PthCase(**_SPECIAL, kv_quant_mode=FP8)),
-    (_rows_writer(_reciprocal), PthCase(**_SPECIAL)),
-    (_rows_writer(_no_floor), PthCase(**_SPECIAL)),
-    (_layout_ignored, PthCase(layout="HND", alloc="separate")),
-    (_scales_swapped, PthCase(kv_quant_mode=FP8)),
-], ids=["skip-last-token", "clobber-inline-scale", "int8-half-to-even", "int4-nibbles-swapped",
-        "int4-zero-point-missing", "amax-propagates-nan", "reciprocal-quotient", "no-floor",
-        "hnd-as-nhd", "k-v-scales-swapped"])
-def test_checker_rejects_wrong_implementations(broken, case):
-    inp = make_pth_inputs(case)
-    broken(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
-    with pytest.raises(AssertionError, match="bytes differ"):
-        assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
-
-
 def test_mismatch_message_names_the_tensor_and_element():
     case = PthCase(num_tokens=3, head_size=16, num_heads=2, alloc="packed")
     inp = make_pth_inputs(case)
@@ -835,77 +727,6 @@ def test_fp8_nan_codes_equal_only_within_the_codes():
 
 
 # --- validation -----------------------------------------------------------------------------------
-
-def _bad(mode=INT8, **changes):
-    def make():
-        inp = make_pth_inputs(PthCase(kv_quant_mode=mode, num_tokens=5, num_heads=2,
-                                      head_size=16, alloc="packed", vllm_rows=True))
-        args = dict(key=inp.key, value=inp.value, key_cache=inp.key_cache,
-                    value_cache=inp.value_cache, k_scale_cache=inp.k_scale_cache,
-                    v_scale_cache=inp.v_scale_cache, slot_mapping=inp.slot_mapping,
-                    kv_quant_mode=mode)
-        for k, f in changes.items():
-            args[k] = f(inp)
-        return args
-    return make
-
-
-def _overlapping_scale(i):
-    """A float32 view of the key codes' first 4 bytes of every row."""
-    kc = i.key_cache
-    return storage_bytes(kc).view(torch.float32).as_strided(
-        i.k_scale_cache.shape, tuple(s // 4 for s in kc.stride()[:3]), 0)
-
-
-BAD = [
-    ("mode", _bad(kv_quant_mode=lambda i: "int8"), ValueError, "kv_quant_mode: expected one of"),
-    ("mode none int4", _bad(INT4, kv_quant_mode=lambda i: None), ValueError, "kv_quant_mode: None infers the mode from key_cache.dtype"),
-    ("mode enum", _bad(kv_quant_mode=lambda i: kvwrite.MlaMode.AUTO), ValueError, "kv_quant_mode: expected one of"),
-    ("key type", _bad(key=lambda i: i.key.tolist()), TypeError, "key: expected a torch.Tensor"),
-    ("scale type", _bad(k_scale_cache=lambda i: 1.0), TypeError, "k_scale_cache: expected a torch.Tensor"),
-    ("key dims", _bad(key=lambda i: i.key[0]), ValueError, "key: expected 3 dims"),
-    ("key dtype", _bad(key=lambda i: i.key.double(), value=lambda i: i.value.double()), ValueError, "key: expected dtype float16, bfloat16 or float32"),
-    ("value dtype", _bad(value=lambda i: i.value.half()), ValueError, "value: expected the dtype of key"),
-    ("value heads", _bad(value=lambda i: i.value[:, :1]), ValueError, "value: expected 2 heads (those of key)"),
-    ("key stride", _bad(key=lambda i: i.key.repeat(1, 1, 2)[..., ::2]), ValueError, "key: expected a unit-stride last dim"),
-    ("int4 odd", _bad(INT4, key=lambda i: i.key[..., :15]), ValueError, "key: kv_quant_mode='int4_per_token_head' packs two elements per byte"),
-    ("cache dims", _bad(key_cache=lambda i: i.key_cache[0]), ValueError, "key_cache: expected 4 dims"),
-    ("cache E", _bad(key_cache=lambda i: i.key_cache[..., :15]), ValueError, "key_cache: expected a last dim E >= Dq = 16"),
-    ("value cache E", _bad(INT4, value_cache=lambda i: i.value_cache[..., :7]), ValueError, "value_cache: expected a last dim E >= Dq = 8"),
-    ("cache stride", _bad(key_cache=lambda i: i.key_cache.repeat(1, 1, 1, 2)[..., ::2]), ValueError, "key_cache: expected a unit-stride last dim"),
-    ("cache dtype", _bad(key_cache=lambda i: i.key_cache.view(torch.uint8)), ValueError, "key_cache: kv_quant_mode='int8_per_token_head' expects a cache of dtype torch.int8, got torch.uint8"),
-    ("fp8 e5m2", _bad(FP8, key_cache=lambda i: i.key_cache.view(torch.float8_e5m2)), ValueError, "key_cache: kv_quant_mode='fp8_per_token_head' expects a cache of dtype torch.uint8 or torch.float8_e4m3fn"),
-    ("value cache dtype", _bad(INT4, value_cache=lambda i: i.value_cache.view(torch.int8)), ValueError, "value_cache: expected the dtype of key_cache (torch.uint8)"),
-    ("cache heads", _bad(key_cache=lambda i: i.key_cache[:, :, :1], value_cache=lambda i: i.value_cache[:, :, :1]), ValueError, "key_cache: expected 2 heads (those of key)"),
-    ("value cache blocks", _bad(value_cache=lambda i: i.value_cache[:2]), ValueError, "value_cache: expected [num_blocks, block_size, num_heads] = [4, 16, 2] (those of key_cache)"),
-    ("scale dtype", _bad(k_scale_cache=lambda i: i.k_scale_cache.double()), ValueError, "k_scale_cache: expected dtype float32"),
-    ("scale shape", _bad(v_scale_cache=lambda i: i.v_scale_cache[:, :8]), ValueError, "v_scale_cache: expected shape [num_blocks, block_size, num_heads] = [4, 16, 2]"),
-    ("slot dtype", _bad(slot_mapping=lambda i: i.slot_mapping.float()), ValueError, "slot_mapping: expected dtype int64 or int32"),
-    ("slot dims", _bad(slot_mapping=lambda i: i.slot_mapping[None]), ValueError, "slot_mapping: expected 1 dim"),
-    ("slot stride", _bad(slot_mapping=lambda i: i.slot_mapping.repeat(2)[::2]), ValueError, "slot_mapping: expected a contiguous tensor"),
-    ("slots > key rows", _bad(slot_mapping=lambda i: torch.cat([i.slot_mapping, i.slot_mapping])), ValueError, "slot_mapping: expected at most key.shape[0] = 5"),
-    ("slots > value rows", _bad(value=lambda i: i.value[:3]), ValueError, "slot_mapping: expected at most value.shape[0] = 3"),
-    ("scale over codes", _bad(k_scale_cache=_overlapping_scale), ValueError, "k_scale_cache: expected memory apart from key_cache's"),
-    ("same cache", _bad(value_cache=lambda i: i.key_cache), ValueError, "value_cache: expected memory apart from key_cache's"),
-    ("scales alias", _bad(v_scale_cache=lambda i: i.k_scale_cache), ValueError, "v_scale_cache: expected memory apart from k_scale_cache's"),
-    ("key in cache", _bad(key=lambda i: storage_bytes(i.key_cache)[:5 * 2 * 16 * 2].view(torch.bfloat16).view(5, 2, 16)), ValueError, "key: expected memory apart from key_cache's"),
-    ("grad", _bad(k_scale_cache=lambda i: i.k_scale_cache.clone().requires_grad_()), ValueError, "k_scale_cache: expected a tensor that does not require grad"),
-    ("meta", _bad(value_cache=lambda i: torch.empty(i.value_cache.shape, dtype=torch.int8, device="meta")), ValueError, "device"),
-    ("implementation", _bad(implementation=lambda i: "nope"), ValueError, "implementation: expected one of"),
-    ("cuda on cpu", _bad(implementation=lambda i: "cuda"), ValueError, "implementation='cuda' cannot run this call"),
-]
-
-
-@pytest.mark.parametrize("name, make, exc, text", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_rejected_and_nothing_changes(name, make, exc, text):
-    args = make()
-    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
-    before = [storage_bytes(t).clone() for t in tensors]
-    with pytest.raises(exc, match=re.escape(text)):
-        kvwrite.reshape_and_cache_flash_per_token_head_quant(**args)
-    for t, b in zip(tensors, before, strict=True):
-        assert torch.equal(storage_bytes(t), b)
-
 
 @pytest.mark.parametrize("arg, want", [
     ("int8_per_token_head", PerTokenHeadMode.INT8_PER_TOKEN_HEAD),
@@ -1140,14 +961,6 @@ def _plan(case: PthCase, tuning=None):
     inp = make_pth_inputs(case)
     args = (inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode)
     return c.plan(*args) if tuning is None else c.plan(*args, tuning)
-
-
-@needs_nvrtc
-def test_nvrtc_compiles_every_cuda_variant_for_sm90():
-    c = _cuda_impl()
-    names = c.all_kernel_names()
-    obj, _ = c.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 132 and len(set(names)) == 132 and len(bytes(obj.code)) > 0
 
 
 @needs_nvrtc
@@ -1423,17 +1236,17 @@ def test_sanitize_cases_are_listed():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_torch_compile_sees_one_mutating_custom_op_cpu(impl):
+def test_torch_compile_of_packed_views_cpu(impl):
     _compile_case(impl, "cpu", INT4)
 
 
 # --- torch.compile, CUDA graphs and the GPU matrix ---------------------------------------------------
 
 def _compile_case(impl: str, device: str, mode: str):
-    """The op under torch.compile stays one custom op and writes the reference's bytes: with
-    separate caches passed in, and with a packed allocation passed in and its four views taken
+    """The op under torch.compile with a packed allocation passed in and its four views taken
     inside the compiled function (aot_autograd refuses mutated graph inputs that are views of
-    one allocation with different dtypes, as the packed caches' codes and float32 scales are)."""
+    one allocation with different dtypes, as the packed caches' codes and float32 scales are);
+    separate caches passed in: tests/test_conformance.py."""
     info = registry.get(OP, impl)
     if (reason := info.available(device)) is not None:
         pytest.skip(reason)
@@ -1443,19 +1256,6 @@ def _compile_case(impl: str, device: str, mode: str):
     if (reason := info.unsupported(inp.key, inp.value, inp.key_cache, inp.value_cache,
                                    case.mode)) is not None:
         pytest.skip(reason)
-
-    def step(key, value, kc, vc, ks, vs, slots):
-        kvwrite.reshape_and_cache_flash_per_token_head_quant(key, value, kc, vc, ks, vs, slots,
-                                                             mode, implementation=impl)
-
-    args = (inp.key, inp.value, *inp.caches, inp.slot_mapping)
-    assert compiled_targets(step, *args) == ["kvwrite.reshape_and_cache_flash_per_token_head_quant"]
-    inp = make_pth_inputs(case, device)
-    torch._dynamo.reset()
-    torch.compile(step, fullgraph=True, backend="aot_eager")(
-        inp.key, inp.value, *inp.caches, inp.slot_mapping)
-    assert_pth_caches_equal(clone_pth_caches(inp.caches, "cpu"), expected_caches(case),
-                            case.mode, _dq(case))
 
     # A packed allocation, its views taken inside.
     pm = PerTokenHeadMode(mode)
@@ -1483,7 +1283,7 @@ def _compile_case(impl: str, device: str, mode: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_gpu_torch_compile(impl, mode):
+def test_gpu_torch_compile_of_packed_views(impl, mode):
     _compile_case(impl, "cuda", mode)
 
 
@@ -1642,37 +1442,6 @@ def test_gpu_cuda_row_sweep_rows_of_128(mode, dtype, plan):
     torch.cuda.synchronize()
     dq = 64 if mode == INT4 else 128
     assert_pth_caches_equal(caches, want, pmode, (dq, dq), f"cuda {plan}: ")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(OP) if i.graph_safe])
-@pytest.mark.parametrize("mode", MODES)
-def test_cuda_graph_replay_sees_new_inputs_and_slots(impl, mode):
-    """Capture once, then change key, value and the slots in place: the replay quantizes the new
-    rows into the new slots (and nothing else changes)."""
-    info = registry.get(OP, impl)
-    if (reason := info.available("cuda")) is not None:
-        pytest.skip(reason)
-    case = PthCase(kv_quant_mode=mode, num_tokens=40, num_heads=8, head_size=128,
-                   fused_qkv=True, padding_slots=3, out_of_range_slots=2, alloc="packed",
-                   vllm_rows=True, num_blocks=8, special_values=True)
-    first = make_pth_inputs(case, "cuda", seed=1)
-    kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kvwrite.reshape_and_cache_flash_per_token_head_quant(*first.args(), implementation=impl)
-    second = make_pth_inputs(case, "cuda", seed=2)
-    for dst, src in ((first.key, second.key), (first.value, second.value),
-                     (first.slot_mapping, second.slot_mapping)):
-        dst.copy_(src)
-    storage_bytes(first.key_cache).copy_(storage_bytes(second.key_cache))
-    want = clone_pth_caches(second.caches)
-    torch_ref.run(second.key, second.value, *want, second.slot_mapping, case.mode)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_pth_caches_equal(first.caches, want, case.mode, _dq(case), f"{impl} replay: ")
-    assert check_roundtrip(*first.args()) is None
 
 
 @pytest.mark.gpu

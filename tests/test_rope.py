@@ -1,8 +1,9 @@
 """rotary_embedding and fused_rope_and_reshape_cache_flash (docs/ops/rotary_embedding.md): every
 registered implementation over the case matrices, byte-exact against an independent oracle (NumPy
 float32, one token and head at a time, pairs picked by explicit index lists), every byte of every
-tensor the call touches compared; validation; the checker failing on wrong implementations; CUDA
-graphs and torch.compile."""
+tensor the call touches compared; validation specifics; NVRTC builds and machine code. Wrong
+writers, bad input, CUDA graphs and torch.compile: tests/test_conformance.py
+(kvwrite.testing.providers.rotary_embedding, .fused_rope_and_reshape_cache_flash)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,7 @@ from kvwrite.dtypes import CacheDType
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops import fused_rope_and_reshape_cache_flash as fused_pkg
 from kvwrite.ops import rotary_embedding as rope_pkg
-from kvwrite.ops.fused_rope_and_reshape_cache_flash import reference as fused_ref
-from kvwrite.ops.rotary_embedding import reference as rope_ref
 from kvwrite.testing import assert_caches_equal
-from kvwrite.testing.compile import compiled_targets
 from kvwrite.testing.rope import (
     FUSED_CASES,
     PADDED_FUSED_CASES,
@@ -570,84 +568,6 @@ def test_fused_equals_the_unfused_pair(impl, case, device):
     assert_same_bytes(inp, pair)
 
 
-# --- the checker can fail ------------------------------------------------------------------------
-
-def _fma_rotation(positions, q, k, cos_sin, neox):
-    """Rotation with x*c - y*s fused (one rounding): differs from the contract on float32 rows."""
-    for x in (q, k):
-        n = positions.numel()
-        half = cos_sin.shape[1] // 2
-        cs = cos_sin[positions.long()].double()
-        c, s = cs[:, None, :half], cs[:, None, half:]
-        xf = x[:n].double()
-        a, b = (xf[..., :half], xf[..., half:2 * half]) if neox else (xf[..., 0::2], xf[..., 1::2])
-        a2 = (a.float().double() * c - (b * s).float().double()).float()
-        b2 = (b.float().double() * c + (a * s).float().double()).float()
-        if neox:
-            x[:n, :, :half], x[:n, :, half:2 * half] = a2.to(x.dtype), b2.to(x.dtype)
-        else:
-            x[:n, :, 0::2], x[:n, :, 1::2] = a2.to(x.dtype), b2.to(x.dtype)
-
-
-def _swapped_pairing(positions, q, k, cos_sin, neox):
-    rope_ref.run(positions, q, k, cos_sin, not neox)
-
-
-def _clamped_positions(positions, q, k, cos_sin, neox):
-    rope_ref.run(positions.clamp(0, cos_sin.shape[0] - 1), q, k, cos_sin, neox)
-
-
-def _float_table_as_model_dtype(positions, q, k, cos_sin, neox):
-    rope_ref.run(positions, q, k, cos_sin.to(q.dtype), neox)
-
-
-@pytest.mark.parametrize("broken, case", [
-    (_fma_rotation, RopeCase(dtype=torch.float32, num_tokens=9)),
-    (_swapped_pairing, RopeCase(num_tokens=5)),
-    (_clamped_positions, RopeCase(num_tokens=9, bad_positions=3)),
-    (_float_table_as_model_dtype, RopeCase(num_tokens=9, dtype=torch.bfloat16)),
-], ids=["fma", "swapped-pairing", "clamped-positions", "table-rounded-to-bf16"])
-def test_checker_rejects_wrong_rotations(broken, case):
-    inp = make_rope_inputs(case)
-    d = case.head_size
-    broken(inp.positions, _heads(inp.query, d), _heads(inp.key, d), inp.cos_sin_cache,
-           case.is_neox)
-    with pytest.raises(AssertionError, match="bytes differ"):
-        assert_same_bytes(inp, expected_rotary(case))
-
-
-def _unrotated_key_cached(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
-    fused_ref.cache_write.run(k, v, kc, vc, slots, cdt, ks, vs)
-    rope_ref.run(pos, q, k if in_place else None, cs, neox)
-
-
-def _bad_position_cached(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
-    """Caches the unrotated key of a token whose position is out of range (the pair's effect)."""
-    rope_ref.run(pos, q, k, cs, neox)
-    fused_ref.cache_write.run(k, v, kc, vc, slots, cdt, ks, vs)
-
-
-def _query_in_place_too(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo):
-    fused_ref.run(q, k, v, pos, cs, neox, kc, vc, slots, cdt, ks, vs, in_place, qo)
-    rope_ref.run(pos, q, None, cs, neox)
-
-
-@pytest.mark.parametrize("broken, case", [
-    (_unrotated_key_cached, RopeCase(num_tokens=9, kv_cache_dtype="fp8")),
-    (_bad_position_cached, RopeCase(num_tokens=9, bad_positions=3)),
-    (_query_in_place_too, RopeCase(num_tokens=9, query_out=True)),
-], ids=["unrotated-key-cached", "bad-position-cached", "query-out-and-in-place"])
-def test_checker_rejects_wrong_fused_implementations(broken, case):
-    inp = make_rope_inputs(case)
-    d = case.head_size
-    broken(_heads(inp.query, d), _heads(inp.key, d), _heads(inp.value, d), inp.positions,
-           inp.cos_sin_cache, case.is_neox, inp.key_cache, inp.value_cache, inp.slot_mapping,
-           case.cache_dtype, inp.k_scale, inp.v_scale, case.rotate_key_in_place,
-           _heads(inp.query_out, d))
-    with pytest.raises(AssertionError, match="bytes differ"):
-        assert_same_bytes(inp, expected_fused(case))
-
-
 def test_oracle_rounds_bfloat16_to_nearest_even():
     vals = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -0.0, 3e38],
                     dtype=np.float32)
@@ -656,221 +576,12 @@ def test_oracle_rounds_bfloat16_to_nearest_even():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-# --- validation: errors name the argument; nothing changes ---------------------------------------
-
-VCASE = RopeCase(num_tokens=5, num_q_heads=4, num_heads=2, head_size=16, kv_cache_dtype="fp8",
-                 num_blocks=4)
-
-
-def _fused_kwargs(inp: RopeInputs) -> dict:
-    names = ("query", "key", "value", "positions", "cos_sin_cache", "is_neox", "key_cache",
-             "value_cache", "slot_mapping", "k_scale", "v_scale", "kv_cache_dtype")
-    return dict(zip(names, inp.fused_args(), strict=True))
-
-
-def _meta(t):
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-# (name, change, exception, text the message must contain); shared by both ops where the
-# argument exists in both.
-COMMON_BAD = [
-    ("positions-not-tensor", lambda a: {"positions": a["positions"].tolist()}, TypeError,
-     "positions: expected a torch.Tensor, got list"),
-    ("positions-2d", lambda a: {"positions": a["positions"][None]}, ValueError,
-     "positions: expected 1 dim"),
-    ("positions-float", lambda a: {"positions": a["positions"].float()}, ValueError,
-     "positions: expected dtype int64 or int32, got torch.float32"),
-    ("positions-strided", lambda a: {"positions": a["positions"].repeat(2)[::2]}, ValueError,
-     "positions: expected a contiguous tensor"),
-    ("positions-too-many", lambda a: {"positions": torch.zeros(6, dtype=torch.long)}, ValueError,
-     "positions: expected at most"),
-    ("positions-device", lambda a: {"positions": _meta(a["positions"])}, ValueError,
-     "positions: expected device cpu (that of query), got meta"),
-    ("query-4d", lambda a: {"query": a["query"][None]}, ValueError, "query: expected 2 dims"),
-    ("query-int", lambda a: {"query": a["query"].int()}, ValueError,
-     "query: expected dtype float16, bfloat16 or float32, got torch.int32"),
-    ("query-dtype", lambda a: {"query": a["query"].half()}, ValueError, "the dtype of"),
-    ("query-sparse-heads", lambda a: {"query": torch.cat([a["query"], a["query"]], -1)[..., ::2]},
-     ValueError, "query: expected a unit-stride head dim, got strides (128, 32, 2)"),
-    ("query-flat-strided", lambda a: {"query": torch.cat([a["query"], a["query"]], -1)
-                                      .flatten(1)[:, ::2]},
-     ValueError, "query: expected a unit-stride row (the 2-D form has dense heads)"),
-    # Padded heads are valid, but not heads that share memory in a tensor the op writes.
-    ("query-overlapping-heads", lambda a: {"query": a["query"].as_strided((5, 4, 16),
-                                                                          (64, 8, 1))},
-     ValueError, "query: expected every element in its own memory"),
-    ("table-1d", lambda a: {"cos_sin_cache": a["cos_sin_cache"][0]}, ValueError,
-     "cos_sin_cache: expected 2 dims"),
-    ("table-odd-rot", lambda a: {"cos_sin_cache": a["cos_sin_cache"][:, :15].contiguous()},
-     ValueError, "cos_sin_cache: expected an even rot_dim in [2, head_size = 16]"),
-    ("table-too-wide", lambda a: {"cos_sin_cache": torch.zeros(8, 18)}, ValueError,
-     "cos_sin_cache: expected an even rot_dim"),
-    ("table-empty", lambda a: {"cos_sin_cache": torch.zeros(0, 16)}, ValueError,
-     "cos_sin_cache: expected at least one position"),
-    ("table-dtype", lambda a: {"cos_sin_cache": a["cos_sin_cache"].double()}, ValueError,
-     "cos_sin_cache: expected dtype float32, float16 or bfloat16, got torch.float64"),
-    ("table-strided", lambda a: {"cos_sin_cache": torch.zeros(8, 32)[:, ::2]}, ValueError,
-     "cos_sin_cache: expected a contiguous tensor"),
-    ("table-device", lambda a: {"cos_sin_cache": _meta(a["cos_sin_cache"])}, ValueError,
-     "cos_sin_cache: expected device cpu"),
-    ("is-neox-int", lambda a: {"is_neox": 1}, TypeError, "is_neox: expected a bool, got int"),
-]
-
-ROTARY_BAD = COMMON_BAD + [
-    # head_size sizes query first: a mismatch there is head_size's (#41.11), key's after.
-    ("head-size-vs-query", lambda a: {"head_size": 8}, ValueError,
-     "head_size: expected query's head size 16 (dim 2 of (5, 4, 16)), got 8"),
-    ("head-size-vs-flat-query", lambda a: {"query": a["query"].flatten(1), "head_size": 24},
-     ValueError, "head_size: expected a divisor of query's row width 64 (shape (5, 64)), got 24"),
-    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
-     "head_size: expected query's head size 8 (dim 2 of (5, 4, 8)), got 16"),
-    ("key-head-size", lambda a: {"key": a["key"][..., :8]}, ValueError,
-     "key: expected head size 16 in dim 2, got shape (5, 2, 8)"),
-    ("key-flat-size", lambda a: {"key": a["key"].flatten(1)[:, :24]}, ValueError,
-     "key: expected [num_tokens, num_heads * 16], got shape (5, 24)"),
-    ("key-sparse-heads", lambda a: {"key": torch.cat([a["key"], a["key"]], -1)[..., ::2]},
-     ValueError, "key: expected a unit-stride head dim"),
-    ("head-size-float", lambda a: {"head_size": 16.0}, TypeError,
-     "head_size: expected a positive int, got 16.0"),
-    ("key-dtype", lambda a: {"key": a["key"].half()}, ValueError,
-     "key: expected the dtype of query (torch.bfloat16), got torch.float16"),
-    ("key-short", lambda a: {"key": a["key"][:3]}, ValueError,
-     "positions: expected at most key.shape[0] = 3 entries, got 5"),
-    ("key-device", lambda a: {"key": _meta(a["key"])}, ValueError, "key: expected device cpu"),
-    ("implementation", lambda a: {"implementation": "nope"}, ValueError,
-     "implementation: expected one of"),
-]
-
-FUSED_BAD = COMMON_BAD + [
-    # The head size comes from key (3-D) or the caches: query's mismatch is query's.
-    ("query-head-size", lambda a: {"query": a["query"][..., :8]}, ValueError,
-     "query: expected head size 16 in dim 2, got shape (5, 4, 8)"),
-    ("query-flat-size", lambda a: {"query": a["query"].flatten(1)[:, :24]}, ValueError,
-     "query: expected [num_tokens, num_heads * 16]"),
-    ("value-head-size", lambda a: {"value": a["value"][..., :8]}, ValueError,
-     "value: expected head size 16 in dim 2, got shape (5, 2, 8)"),
-    ("key-sparse-heads", lambda a: {"key": torch.cat([a["key"], a["key"]], -1)[..., ::2]},
-     ValueError, "key: expected a unit-stride head dim"),
-    ("value-sparse-heads", lambda a: {"value": torch.cat([a["value"], a["value"]], -1)[..., ::2]},
-     ValueError, "value: expected a unit-stride head dim"),
-    ("key-overlapping-heads", lambda a: {"key": a["key"].as_strided((5, 2, 16), (32, 8, 1))},
-     ValueError, "key: expected every element in its own memory"),
-    ("key-cache-head-size", lambda a: {"key_cache": a["key_cache"][..., :8],
-                                       "value_cache": a["value_cache"][..., :8]}, ValueError,
-     "key_cache: expected [num_blocks, block_size, 2, 16] to match key"),
-    ("value-shape", lambda a: {"value": a["value"][:, :1]}, ValueError,
-     "value: expected the shape of key"),
-    ("key-cache-heads", lambda a: {"key_cache": a["key_cache"][:, :, :1],
-                                   "value_cache": a["value_cache"][:, :, :1]}, ValueError,
-     "key_cache: expected [num_blocks, block_size, 2, 16] to match key"),
-    ("auto-with-uint8-cache", lambda a: {"kv_cache_dtype": "auto"}, ValueError,
-     "key_cache: kv_cache_dtype='auto' with torch.bfloat16 input expects a cache of dtype"),
-    ("no-scale", lambda a: {"k_scale": None}, ValueError, "k_scale: kv_cache_dtype='fp8_e4m3' needs"),
-    ("slots-more-than-positions", lambda a: {"positions": a["positions"][:3]}, ValueError,
-     "slot_mapping: expected at most positions.numel() = 3 entries, got 5"),
-    ("slots-float", lambda a: {"slot_mapping": a["slot_mapping"].float()}, ValueError,
-     "slot_mapping: expected dtype int64 or int32"),
-    ("key-2d-no-cache", lambda a: {"key": a["key"].flatten(1), "key_cache": None}, TypeError,
-     "key_cache: expected a torch.Tensor, got NoneType"),
-    ("rotate-key-int", lambda a: {"rotate_key_in_place": 0}, TypeError,
-     "rotate_key_in_place: expected a bool, got int"),
-    ("query-out-shape", lambda a: {"query_out": torch.zeros(5, 4, 8, dtype=torch.bfloat16)},
-     ValueError, "query_out: expected head size 16"),
-    ("query-out-rows", lambda a: {"query_out": torch.zeros(4, 4, 16, dtype=torch.bfloat16)},
-     ValueError, "query_out: expected the shape of query (5, 4, 16), got (4, 4, 16)"),
-    ("query-out-dtype", lambda a: {"query_out": torch.zeros(5, 4, 16)}, ValueError,
-     "query_out: expected the dtype of query (torch.bfloat16), got torch.float32"),
-    ("query-out-is-query", lambda a: {"query_out": a["query"]}, ValueError,
-     "query: expected memory apart from query_out's"),
-    ("query-out-sparse-heads", lambda a: {"query_out": torch.zeros(5, 4, 32,
-                                                                   dtype=torch.bfloat16)[..., ::2]},
-     ValueError, "query_out: expected a unit-stride head dim"),
-    ("implementation", lambda a: {"implementation": "nope"}, ValueError,
-     "implementation: expected one of"),
-]
-
-
-def _snapshot(inp: RopeInputs) -> dict:
-    return {n: t.clone() for n, t in inp.tensors().items()}
-
-
-@pytest.mark.parametrize("name, change, exc, text", ROTARY_BAD, ids=[b[0] for b in ROTARY_BAD])
-def test_rotary_rejects_bad_arguments(name, change, exc, text):
-    inp = make_rope_inputs(VCASE)
-    args = dict(zip(("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
-                    inp.rotary_args(), strict=True))
-    before = _snapshot(inp)
-    with pytest.raises(exc) as e:
-        kvwrite.rotary_embedding(**{**args, **change(args)})
-    assert text in str(e.value), str(e.value)
-    for n, t in inp.tensors().items():
-        assert torch.equal(t.view(torch.uint8) if t.dtype.is_floating_point else t,
-                           before[n].view(torch.uint8) if t.dtype.is_floating_point else before[n]), n
-
-
-@pytest.mark.parametrize("name, change, exc, text", FUSED_BAD, ids=[b[0] for b in FUSED_BAD])
-def test_fused_rejects_bad_arguments(name, change, exc, text):
-    inp = make_rope_inputs(VCASE)
-    args = _fused_kwargs(inp)
-    before = _snapshot(inp)
-    with pytest.raises(exc) as e:
-        kvwrite.fused_rope_and_reshape_cache_flash(**{**args, **change(args)})
-    assert text in str(e.value), str(e.value)
-    for n, t in inp.tensors().items():
-        assert torch.equal(t.view(torch.uint8), before[n].view(torch.uint8)), n
-
-
 def test_check_positions():
     kvwrite.check_positions(torch.tensor([0, 5, 7]), 8)
     with pytest.raises(ValueError, match=r"2 out of range at indices \[1, 3\] with values \[-1, 8\]"):
         kvwrite.check_positions(torch.tensor([0, -1, 7, 8], dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="positions: expected dtype int64 or int32"):
         kvwrite.check_positions(torch.tensor([0.0]), 8)
-
-
-# --- torch.compile ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-@pytest.mark.parametrize("impl", [i.name for i in registry.all_impls(FUSED)])
-def test_torch_compile_sees_mutating_custom_ops(impl, padded, device):
-    """Padded: D = 64 in rows of 128 (query, key) and 96 (value)."""
-    for op in (ROPE, FUSED):
-        if (reason := registry.get(op, impl).available(device)) is not None:
-            pytest.skip(reason)
-    case = RopeCase(num_tokens=9, dtype=torch.float16, bad_positions=2, padding_slots=2,
-                    layout=Layout.HND, head_pad=(64, 64, 32, 0) if padded else (0, 0, 0, 0))
-
-    def rotary(positions, query, key, cos_sin):
-        kvwrite.rotary_embedding(positions, query, key, case.head_size, cos_sin, True,
-                                 implementation=impl)
-
-    def fused(query, key, value, positions, cos_sin, kc, vc, slots):
-        kvwrite.fused_rope_and_reshape_cache_flash(query, key, value, positions, cos_sin, True,
-                                                   kc, vc, slots, None, None, "auto",
-                                                   implementation=impl)
-
-    inp = make_rope_inputs(case, device)
-    assert compiled_targets(rotary, inp.positions, inp.query, inp.key,
-                             inp.cos_sin_cache) == ["kvwrite.rotary_embedding"]
-    inp = make_rope_inputs(case, device)
-    fargs = (inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
-             inp.value_cache, inp.slot_mapping)
-    assert compiled_targets(fused, *fargs) == ["kvwrite.fused_rope_and_reshape_cache_flash"]
-
-    # Through AOT autograd's functionalization, on fresh inputs: the mutations are kept.
-    inp = make_rope_inputs(case, device)
-    torch._dynamo.reset()
-    torch.compile(rotary, fullgraph=True, backend="aot_eager")(
-        inp.positions, inp.query, inp.key, inp.cos_sin_cache)
-    assert_same_bytes(inp, _expected_rotary(case))
-    inp = make_rope_inputs(case, device)
-    torch._dynamo.reset()
-    torch.compile(fused, fullgraph=True, backend="aot_eager")(
-        inp.query, inp.key, inp.value, inp.positions, inp.cos_sin_cache, inp.key_cache,
-        inp.value_cache, inp.slot_mapping)
-    assert_same_bytes(inp, _expected_fused(case))
 
 
 # --- Triton: the compiled rotation has no fused multiply-add (CPU: Triton compiles for sm_90) ----
@@ -1324,44 +1035,6 @@ KVW_HD void naive_rotate(Raw<W * elem_bytes(IN)>& a, Raw<W * elem_bytes(IN)>& b,
     path.write_bytes(bytes(obj.code))
     assert "FFMA" in _sass(type("S", (), {"compile": lambda self, a, n: (obj, "")})(), name,
                            tmp_path)
-
-
-# --- CUDA graphs --------------------------------------------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-@pytest.mark.parametrize("impl", ["triton", "cuda"])
-@pytest.mark.parametrize("op", [ROPE, FUSED])
-def test_cuda_graph_replay_sees_new_inputs(op, impl, padded):
-    """Capture once (the first call of the variant inside the capture), then change every input
-    in place (whole allocations, padding included): the replay rotates and caches the new
-    values. Padded: D = 128 in rows of 192 (query, key, value), as vLLM slices them."""
-    if (reason := registry.get(op, impl).available("cuda")) is not None:
-        pytest.skip(reason)
-    case = RopeCase(num_tokens=40, num_q_heads=8, num_heads=2, head_size=128, dtype=torch.bfloat16,
-                    kv_cache_dtype="fp8" if op == FUSED else "auto", per_head_scale=True,
-                    layout=Layout.HND, alloc=KVAlloc.PACKED, padding_slots=3, bad_positions=2,
-                    num_blocks=8, pos_dtype=torch.int32,
-                    head_pad=(64, 64, 64, 0) if padded else (0, 0, 0, 0))
-    live = make_rope_inputs(case, "cuda", seed=1)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        if op == ROPE:
-            kvwrite.rotary_embedding(*live.rotary_args(), implementation=impl)
-        else:
-            kvwrite.fused_rope_and_reshape_cache_flash(*live.fused_args(), implementation=impl)
-    for seed in (2, 3):
-        new = make_rope_inputs(case, "cuda", seed=seed)
-        want = make_rope_inputs(case, "cuda", seed=seed)
-        for name, t in live.tensors().items():
-            t.untyped_storage().copy_(new.tensors()[name].untyped_storage())
-        graph.replay()
-        if op == ROPE:
-            kvwrite.rotary_embedding(*want.rotary_args(), implementation="torch")
-        else:
-            kvwrite.fused_rope_and_reshape_cache_flash(*want.fused_args(), implementation="torch")
-        torch.cuda.synchronize()
-        assert_same_bytes(live, want)
 
 
 # --- the benchmark ------------------------------------------------------------------------------

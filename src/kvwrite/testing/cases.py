@@ -16,6 +16,7 @@ import torch
 
 from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
+from .build import fill_random_bytes, flag_parts, make_slot_mapping
 from .compare import storage_bytes
 from .slots import SlotPattern
 
@@ -122,11 +123,10 @@ class Case:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
+        flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        flag_parts(parts, flags)
         if not self.slots.is_default:
             parts.append(self.slots.id)
         return "-".join(parts)
@@ -189,20 +189,53 @@ def reciprocal_traps(fp8: torch.dtype, scale: float) -> list[float]:
 _SPECIAL_SCALES = (0.37, 2.7, 1.3)  # each has reciprocal traps for e4m3 and e5m2
 
 
-def _special_scales(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    n = case.num_heads if case.per_head_scale else 1
+def special_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_scale and v_scale of ``n`` elements for special-value cases (v_scale: k's reversed)."""
     k = torch.tensor([_SPECIAL_SCALES[h % 3] for h in range(n)], dtype=torch.float32)
     return k, k.flip(0).clone()
 
 
-def _plant_special_values(case: Case, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Per head: the special values, then the reciprocal traps for that head's scale."""
-    fp8 = case.cache_dtype.fp8_dtype
-    T, D = case.num_tokens, case.head_size
-    for t, scales in zip((key, value), _special_scales(case), strict=True):
-        for h in range(case.num_heads):
-            s = float(scales[h if scales.numel() > 1 else 0])
-            vals = torch.tensor(special_values(case.cache_dtype) + reciprocal_traps(fp8, s))
+def random_scales(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_scale and v_scale of ``n`` elements that are not powers of two, so division and
+    reciprocal-multiply can differ."""
+    k_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 3.0
+    v_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.37
+    return k_scale, v_scale
+
+
+def key_value_rows(num_tokens: int, extra_rows: int, num_heads: int, head_size: int,
+                   dtype: torch.dtype, fused_qkv: bool, gen: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random key and value rows ``[num_tokens + extra_rows, H, D]``; with ``fused_qkv`` slices of
+    one ``[rows, 2H + 2H, D]`` qkv tensor."""
+    rows = num_tokens + extra_rows
+    if fused_qkv:
+        hq = 2 * num_heads
+        qkv = torch.randn(rows, hq + 2 * num_heads, head_size, generator=gen).to(dtype)
+        return qkv[:, hq:hq + num_heads], qkv[:, hq + num_heads:]
+    key = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
+    return key, value
+
+
+def spread_fp8_magnitudes(tensors, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Scale each element by a random power of two over the whole fp8 range (subnormals,
+    normals and saturation)."""
+    for t in tensors:
+        mag = torch.exp2(torch.randint(-20, 12, t.shape, generator=gen).float())
+        t.mul_(mag.to(dtype))
+
+
+def plant_special_values(cache_dtype: CacheDType, key: torch.Tensor, value: torch.Tensor,
+                         scales: tuple[torch.Tensor, torch.Tensor], num_tokens: int) -> None:
+    """Per head of key and value: the fp8 rule's special values, then the reciprocal traps of
+    that head's scale."""
+    fp8 = cache_dtype.fp8_dtype
+    T, H, D = num_tokens, key.shape[1], key.shape[2]
+    for t, sc in zip((key, value), scales, strict=True):
+        for h in range(H):
+            s = float(sc[h if sc.numel() > 1 else 0])
+            vals = torch.tensor(special_values(cache_dtype) + reciprocal_traps(fp8, s))
             row = t[:T, h].reshape(-1).clone()
             n = min(vals.numel(), row.numel())
             row[:n] = vals[:n].to(t.dtype)
@@ -213,48 +246,29 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     """Build the tensors of `case` on `device`; the caches' allocations hold random bits."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     T, H, D = case.num_tokens, case.num_heads, case.head_size
-    rows = T + case.extra_rows
-    if case.fused_qkv:
-        hq = 2 * H
-        qkv = torch.randn(rows, hq + 2 * H, D, generator=gen).to(case.dtype)
-        key, value = qkv[:, hq:hq + H], qkv[:, hq + H:]
-    else:
-        key = torch.randn(rows, H, D, generator=gen).to(case.dtype)
-        value = torch.randn(rows, H, D, generator=gen).to(case.dtype)
+    key, value = key_value_rows(T, case.extra_rows, H, D, case.dtype, case.fused_qkv, gen)
     cdt = case.cache_dtype
+    n = H if case.per_head_scale else 1
     if cdt.is_fp8:
-        # Spread magnitudes over the whole fp8 range: subnormals, normals and saturation.
-        for t in (key, value):
-            mag = torch.exp2(torch.randint(-20, 12, t.shape, generator=gen).float())
-            t.mul_(mag.to(case.dtype))
+        spread_fp8_magnitudes((key, value), case.dtype, gen)
         if case.special_values:
-            _plant_special_values(case, key, value)
+            plant_special_values(cdt, key, value, special_scales(n), T)
 
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1] * case.padding_slots
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen,
+                                     distinct_padding=False)
 
     key_cache, value_cache = allocate_kv_cache(case.num_blocks, case.block_size, H, D,
                                                case.cache_tensor_dtype, case.layout, case.alloc, "cpu")
     # Random bits over the whole allocation (the other half of a packed cache too, NaN patterns
     # included), so that a stray or a missing write shows.
-    for c in (key_cache, value_cache):
-        b = storage_bytes(c)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+    fill_random_bytes((key_cache, value_cache), gen)
 
     if cdt.is_fp8 and case.special_values:
-        k_scale, v_scale = _special_scales(case)
+        k_scale, v_scale = special_scales(n)
     elif cdt.is_fp8:
-        n = H if case.per_head_scale else 1
-        # Scales that are not powers of two, so division and reciprocal-multiply can differ.
-        k_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 3.0
-        v_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.37
+        k_scale, v_scale = random_scales(n, gen)
     else:
         k_scale = v_scale = torch.ones(1)
 

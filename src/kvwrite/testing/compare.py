@@ -6,13 +6,33 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["storage_bytes", "nan_mask", "differing_bytes", "assert_caches_equal"]
+__all__ = ["storage_bytes", "copy_allocations", "nan_mask", "differing_bytes",
+           "assert_caches_equal"]
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole allocation behind `t` as a flat uint8 tensor (a view, not a copy)."""
     s = t.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),))
+
+
+def copy_allocations(tensors, device: str | torch.device | None = None,
+                     copy: bool = True) -> list[torch.Tensor | None]:
+    """Each tensor (None stays None) rebuilt on a copy of its whole allocation (on ``device``,
+    default its own), with its shape, strides and offset: bytes outside the view come along, and
+    tensors that share one allocation share one copy. ``copy=False`` moves without copying where
+    the device is already right."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def rebuild(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in copies:
+            copies[key] = storage_bytes(t).to(t.device if device is None else device, copy=copy)
+        return copies[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return [rebuild(t) for t in tensors]
 
 
 def nan_mask(bytes_: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,10 +18,11 @@ import torch
 from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout, allocate_kv_cache
 from ..ops.concat_and_cache_mla.op import DS_MLA_ENTRY
+from .build import flag_parts
 from .compare import differing_bytes, nan_mask, storage_bytes
 
-__all__ = ["Seqs", "Requests", "make_requests", "mixed_seqs", "EntryCase", "EntryInputs",
-           "make_entry_inputs", "FlashCase", "FlashInputs", "make_flash_inputs", "UpconvertCase",
+__all__ = ["Seqs", "Requests", "make_requests", "mixed_seqs", "graph_seqs", "EntryCase",
+           "EntryInputs", "make_entry_inputs", "FlashCase", "FlashInputs", "make_flash_inputs", "UpconvertCase",
            "UpconvertInputs", "make_upconvert_inputs", "IndexerCase", "IndexerInputs",
            "make_indexer_inputs", "random_bytes", "clone_tensor", "clone_tensors", "element_region",
            "assert_outputs_equal", "assert_all_outputs_equal", "SPECIAL_SCALES", "indexer_cache",
@@ -104,6 +105,15 @@ class Seqs:
         if self.strided:
             parts.append("strided")
         return "-".join(parts)
+
+
+def graph_seqs(seed: int) -> Seqs:
+    """Requests of the same shapes for seeds 0 and 1 with other values (lengths, starts, block
+    ids): the inputs a CUDA-graph replay changes in place."""
+    lens = (7, 0, 30, 2, 11) if seed == 0 else (1, 25, 3, 0, 12)
+    starts = (2, 0, 13, 40, 5) if seed == 0 else (30, 1, -2, 7, 0)
+    return Seqs(lens=lens, starts=starts, rows_past=3 if seed == 0 else 12, num_blocks=20,
+                max_blocks=4, bad_blocks=(-1,) if seed == 0 else (20, 99))
 
 
 def mixed_seqs(long: tuple[int, ...] = (300, 131), short: int = 40, max_short: int = 9,
@@ -281,15 +291,14 @@ class EntryCase:
                  self.kv_cache_dtype]
         if self.fp8:
             parts.append(self.fp8_storage)
-        for flag, name in ((self.cache_pad, f"cpad{self.cache_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.cache_transposed, "transposed"),
-                           (self.entry_perm, f"perm{self.entry_perm}".replace(" ", "")),
-                           (self.dst_pad, f"dpad{self.dst_pad}"),
-                           (self.dst_offset, f"doff{self.dst_offset}"),
-                           (self.dst_rows_extra, f"extra{self.dst_rows_extra}")):
-            if flag:
-                parts.append(name)
+        flags = ((self.cache_pad, f"cpad{self.cache_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.cache_transposed, "transposed"),
+                 (self.entry_perm, f"perm{self.entry_perm}".replace(" ", "")),
+                 (self.dst_pad, f"dpad{self.dst_pad}"),
+                 (self.dst_offset, f"doff{self.dst_offset}"),
+                 (self.dst_rows_extra, f"extra{self.dst_rows_extra}"))
+        flag_parts(parts, flags)
         if self.seed:
             parts.append(f"seed{self.seed}")
         return "-".join(parts)
@@ -449,14 +458,12 @@ class UpconvertCase:
     @property
     def id(self) -> str:
         parts = [self.seqs.id, str(self.dtype)[6:], self.fp8_storage, self.scales]
-        for flag, name in ((self.cache_pad, f"cpad{self.cache_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.cache_transposed, "transposed"),
-                           (self.dst_pad, f"dpad{self.dst_pad}"),
-                           (self.dst_offset, f"doff{self.dst_offset}")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.cache_pad, f"cpad{self.cache_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.cache_transposed, "transposed"),
+                 (self.dst_pad, f"dpad{self.dst_pad}"),
+                 (self.dst_offset, f"doff{self.dst_offset}"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass

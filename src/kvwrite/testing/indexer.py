@@ -20,6 +20,7 @@ from ..ops.indexer_k_quant_and_cache.op import (
     entry_size,
     parse_scale_fmt,
 )
+from .build import flag_parts, make_slot_mapping
 from .compare import differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["IndexerCase", "IndexerInputs", "INDEXER_CASES", "INDEXER_GPU_CASES",
@@ -72,14 +73,12 @@ class IndexerCase:
                  f"bs{self.block_size}", str(self.dtype).removeprefix("torch."), self.scale_fmt]
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.k_pad, f"kpad{self.k_pad}"),
-                           (self.page_pad, f"ppad{self.page_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.extra_rows, "extra"), (self.k_pad, f"kpad{self.k_pad}"),
+                 (self.page_pad, f"ppad{self.page_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass
@@ -172,15 +171,9 @@ def make_indexer_inputs(case: IndexerCase, device: str | torch.device = "cpu",
     if case.special_values:
         _plant_specials(k[:T], case)
 
-    num_slots = case.num_slots
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1 - i for i in range(case.padding_slots)]
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_slots,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen)
 
     E, bs = case.entry, case.block_size
     page = bs * E + case.page_pad

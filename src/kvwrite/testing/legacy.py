@@ -13,8 +13,15 @@ import itertools
 import torch
 
 from ..dtypes import CacheDType, parse_kv_cache_dtype
-from .cases import reciprocal_traps, special_values
-from .compare import differing_bytes, storage_bytes
+from .build import fill_random_bytes, flag_parts, make_slot_mapping
+from .cases import (
+    key_value_rows,
+    plant_special_values,
+    random_scales,
+    special_scales,
+    spread_fp8_magnitudes,
+)
+from .compare import copy_allocations, differing_bytes, storage_bytes
 
 __all__ = ["LegacyCase", "LegacyInputs", "LEGACY_CASES", "LEGACY_GPU_CASES", "CACHE_STRIDES",
            "make_legacy_inputs", "clone_caches", "assert_legacy_caches_equal"]
@@ -82,12 +89,10 @@ class LegacyCase:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass
@@ -104,9 +109,6 @@ class LegacyInputs:
     def args(self) -> tuple:
         return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
                 self.kv_cache_dtype, self.k_scale, self.v_scale)
-
-
-_SPECIAL_SCALES = (0.37, 2.7, 1.3)  # each has reciprocal traps for e4m3 and e5m2
 
 
 def _allocate(case: LegacyCase, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,25 +135,8 @@ def _allocate(case: LegacyCase, gen: torch.Generator) -> tuple[torch.Tensor, tor
     else:
         raise ValueError(f"cache_strides: expected one of {CACHE_STRIDES}, got {layout!r}")
     # Random bits over the whole allocations, so that a stray or a missing write shows.
-    for c in (kc, vc):
-        b = storage_bytes(c)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+    fill_random_bytes((kc, vc), gen)
     return kc, vc
-
-
-def _plant_special_values(case: LegacyCase, key: torch.Tensor, value: torch.Tensor,
-                          scales: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Per head: the fp8 rule's special values, then the reciprocal traps of that head's scale."""
-    fp8 = case.cache_dtype.fp8_dtype
-    T, D = case.num_tokens, case.head_size
-    for t, sc in zip((key, value), scales, strict=True):
-        for h in range(case.num_heads):
-            s = float(sc[h if sc.numel() > 1 else 0])
-            vals = torch.tensor(special_values(case.cache_dtype) + reciprocal_traps(fp8, s))
-            row = t[:T, h].reshape(-1).clone()
-            n = min(vals.numel(), row.numel())
-            row[:n] = vals[:n].to(t.dtype)
-            t[:T, h].copy_(row.view(T, D))
 
 
 def make_legacy_inputs(case: LegacyCase, device: str | torch.device = "cpu",
@@ -159,52 +144,28 @@ def make_legacy_inputs(case: LegacyCase, device: str | torch.device = "cpu",
     """Build the tensors of ``case`` on ``device``; the caches' allocations hold random bits."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     T, H, D = case.num_tokens, case.num_heads, case.head_size
-    rows = T + case.extra_rows
-    if case.fused_qkv:
-        hq = 2 * H
-        qkv = torch.randn(rows, hq + 2 * H, D, generator=gen).to(case.dtype)
-        key, value = qkv[:, hq:hq + H], qkv[:, hq + H:]
-    else:
-        key = torch.randn(rows, H, D, generator=gen).to(case.dtype)
-        value = torch.randn(rows, H, D, generator=gen).to(case.dtype)
+    key, value = key_value_rows(T, case.extra_rows, H, D, case.dtype, case.fused_qkv, gen)
     cdt = case.cache_dtype
     if cdt.is_fp8:
-        # Magnitudes over the whole fp8 range: subnormals, normals and saturation.
-        for t in (key, value):
-            t.mul_(torch.exp2(torch.randint(-20, 12, t.shape, generator=gen).float()).to(case.dtype))
+        spread_fp8_magnitudes((key, value), case.dtype, gen)
     n = H if case.per_head_scale else 1
     if cdt.is_fp8 and case.special_values:
-        k_scale = torch.tensor([_SPECIAL_SCALES[h % 3] for h in range(n)], dtype=torch.float32)
-        v_scale = k_scale.flip(0).clone()
-        _plant_special_values(case, key, value, (k_scale, v_scale))
+        k_scale, v_scale = special_scales(n)
+        plant_special_values(cdt, key, value, (k_scale, v_scale), T)
     elif cdt.is_fp8:
-        # Scales that are not powers of two, so division and reciprocal-multiply can differ.
-        k_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 3.0
-        v_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.37
+        k_scale, v_scale = random_scales(n, gen)
     else:
         k_scale = v_scale = torch.ones(1)
 
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1 - i for i in range(case.padding_slots)]
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen)
     key_cache, value_cache = _allocate(case, gen)
 
-    moved: dict[int, torch.Tensor] = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        k = t.untyped_storage().data_ptr()
-        if k not in moved:
-            moved[k] = storage_bytes(t).to(device)
-        return moved[k].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return LegacyInputs(move(key), move(value), move(key_cache), move(value_cache),
-                        move(slot_mapping), case.kv_cache_dtype, move(k_scale), move(v_scale))
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale = copy_allocations(
+        (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale), device, copy=False)
+    return LegacyInputs(key, value, key_cache, value_cache, slot_mapping, case.kv_cache_dtype,
+                        k_scale, v_scale)
 
 
 def clone_caches(inp: LegacyInputs, device: str | torch.device | None = None,

@@ -20,6 +20,7 @@ from ..ops.concat_and_cache_mla.op import (
     entry_size,
     parse_mla_mode,
 )
+from .build import flag_parts, make_slot_mapping
 from .cases import reciprocal_traps
 from .compare import differing_bytes, nan_mask, storage_bytes
 
@@ -87,16 +88,14 @@ class MlaCase:
             parts.append(self.fp8_storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.extra_rows, "extra"), (self.latent_slices, "latent"),
-                           (self.latent_pad, f"lpad{self.latent_pad}"),
-                           (self.cache_pad, f"cpad{self.cache_pad}"),
-                           (self.cache_offset, f"coff{self.cache_offset}"),
-                           (self.cache_transposed, "transposed"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.extra_rows, "extra"), (self.latent_slices, "latent"),
+                 (self.latent_pad, f"lpad{self.latent_pad}"),
+                 (self.cache_pad, f"cpad{self.cache_pad}"),
+                 (self.cache_offset, f"coff{self.cache_offset}"),
+                 (self.cache_transposed, "transposed"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass
@@ -220,15 +219,9 @@ def make_mla_inputs(case: MlaCase, device: str | torch.device = "cpu", seed: int
             flat[:n] = vals[:n].to(t.dtype)
             t[:T].copy_(flat.view(T, -1))
 
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1 - i for i in range(case.padding_slots)]
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen)
 
     E = case.entry
     width = case.cache_offset + E + case.cache_pad

@@ -17,6 +17,7 @@ from ..ops.nvfp4 import (
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
     page_bytes,
 )
+from .build import flag_parts
 from .compare import storage_bytes
 
 __all__ = ["Nvfp4Case", "Nvfp4Inputs", "NVFP4_CASES", "NVFP4_GPU_CASES", "FORMS",
@@ -66,16 +67,14 @@ class Nvfp4Case:
                  str(self.dtype).removeprefix("torch."), self.kv_cache_dtype]
         if self.form == "vllm":
             parts.append(f"v-{self.v_scale_layout or 'default'}")
-        for flag, name in ((self.pad, f"pad{self.pad}"), (self.extra_rows, "extra"),
-                           (self.qkv_slices, "qkv"), (self.misaligned, "misaligned"),
-                           (self.padding_slots, f"padslots{self.padding_slots}"),
-                           (self.out_of_range_slots, f"oor{self.out_of_range_slots}"),
-                           (self.special_values, "special"),
-                           (self.scale_as_number, "pyscale"),
-                           (self.slot_dtype == torch.int32, "i32")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.pad, f"pad{self.pad}"), (self.extra_rows, "extra"),
+                 (self.qkv_slices, "qkv"), (self.misaligned, "misaligned"),
+                 (self.padding_slots, f"padslots{self.padding_slots}"),
+                 (self.out_of_range_slots, f"oor{self.out_of_range_slots}"),
+                 (self.special_values, "special"),
+                 (self.scale_as_number, "pyscale"),
+                 (self.slot_dtype == torch.int32, "i32"))
+        return "-".join(flag_parts(parts, flags))
 
 
 def _f32(v: float) -> float:

@@ -23,6 +23,7 @@ from ..ops.reshape_and_cache_flash_per_token_head_quant.op import (
     PerTokenHeadMode,
     parse_kv_quant_mode,
 )
+from .build import flag_parts, make_slot_mapping
 from .compare import storage_bytes
 
 __all__ = ["PthCase", "PthInputs", "PTH_CASES", "PTH_GPU_CASES", "make_pth_inputs",
@@ -109,15 +110,13 @@ class PthCase:
             parts.append(self.storage)
         if self.slot_dtype == torch.int32:
             parts.append("i32")
-        for flag, name in ((self.vllm_rows, "vllmrows"), (self.row_pad, f"rpad{self.row_pad}"),
-                           (self.via_allocator, "alloc"), (self.extra_rows, "extra"),
-                           (self.fused_qkv, "qkv"), (self.head_pad, f"hpad{self.head_pad}"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.special_values, "special"),
-                           (self.mode_arg != "str", f"mode-{self.mode_arg}")):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.vllm_rows, "vllmrows"), (self.row_pad, f"rpad{self.row_pad}"),
+                 (self.via_allocator, "alloc"), (self.extra_rows, "extra"),
+                 (self.fused_qkv, "qkv"), (self.head_pad, f"hpad{self.head_pad}"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.special_values, "special"),
+                 (self.mode_arg != "str", f"mode-{self.mode_arg}"))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass
@@ -364,15 +363,9 @@ def make_pth_inputs(case: PthCase, device: str | torch.device = "cpu", seed: int
     key, value = _inputs(case, gen)
     caches = _allocate(case, gen)
     T = case.num_tokens
-    num_slots = case.num_blocks * case.block_size
-    n_valid = T - case.padding_slots - case.out_of_range_slots
-    if n_valid < 0 or n_valid > num_slots:
-        raise ValueError(f"case {case.id}: cannot place {n_valid} tokens in {num_slots} slots")
-    slots = torch.randperm(num_slots, generator=gen)[:n_valid].tolist()
-    slots += [-1 - i for i in range(case.padding_slots)]
-    slots += [num_slots + i * 7 for i in range(case.out_of_range_slots)]
-    order = torch.randperm(T, generator=gen).tolist()
-    slot_mapping = torch.tensor([slots[i] for i in order], dtype=case.slot_dtype)
+    slot_mapping = make_slot_mapping(case.id, T, case.num_blocks * case.block_size,
+                                     case.padding_slots, case.out_of_range_slots,
+                                     case.slot_dtype, gen)
 
     moved = {}
 

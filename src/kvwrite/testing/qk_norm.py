@@ -16,6 +16,7 @@ import torch
 
 from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
+from .build import flag_parts
 from .cases import Case, make_inputs
 from .compare import storage_bytes
 from .rope import cos_sin_table
@@ -121,14 +122,12 @@ class QkNormCase:
             parts.append("slot32")
         if self.query_out:
             parts.append("qout-" + self.query_out + ("-perhead" if self.q_scale_per_head else ""))
-        for flag, name in ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.flat, "flat"), (self.row_pad, "rowpad"),
-                           (self.head_pad, f"headpad{self.head_pad}"),
-                           (not self.rotate_key_in_place, "keyout"), (self.special, self.special)):
-            if flag:
-                parts.append(name)
-        return "-".join(parts)
+        flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.flat, "flat"), (self.row_pad, "rowpad"),
+                 (self.head_pad, f"headpad{self.head_pad}"),
+                 (not self.rotate_key_in_place, "keyout"), (self.special, self.special))
+        return "-".join(flag_parts(parts, flags))
 
 
 @dataclasses.dataclass

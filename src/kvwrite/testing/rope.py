@@ -14,6 +14,7 @@ import torch
 
 from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
+from .build import flag_parts
 from .cases import Case, make_inputs
 
 __all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
@@ -92,13 +93,12 @@ class RopeCase:
             parts.append("pos32")
         if self.slot_dtype == torch.int32:
             parts.append("slot32")
-        for flag, name in ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
-                           (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
-                           (self.fused_qkv, "qkv"), (self.flat, "flat"), (self.no_key, "nokey"),
-                           (not self.rotate_key_in_place, "keyout"),
-                           (self.query_out, "qout")):
-            if flag:
-                parts.append(name)
+        flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
+                 (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
+                 (self.fused_qkv, "qkv"), (self.flat, "flat"), (self.no_key, "nokey"),
+                 (not self.rotate_key_in_place, "keyout"),
+                 (self.query_out, "qout"))
+        flag_parts(parts, flags)
         if any(self.head_pad):
             parts.append("hpad" + "_".join(map(str, self.head_pad)))
         return "-".join(parts)

@@ -1,0 +1,179 @@
+"""One conformance suite over the registry: every registered op × its cases × every
+implementation, from the op's provider (``kvwrite.testing.providers.<op>``, see
+:mod:`kvwrite.testing.conformance`):
+
+- the whole allocation of every written argument byte for byte against the reference;
+- deliberately wrong writers are caught by that comparison;
+- bad input raises a clear error and changes no byte of any tensor given;
+- a captured CUDA graph replayed after every input (scales included) changed in place writes
+  what the reference writes for the new inputs (GPU);
+- ``torch.compile`` captures the op as one mutating custom op and writes the reference's bytes;
+- NVRTC compiles every CUDA variant of the op (no GPU needed).
+
+Per-op test files keep what is specific to an op's arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvwrite import registry
+from kvwrite.testing import conformance
+from kvwrite.testing.compare import copy_allocations, storage_bytes
+from kvwrite.testing.compile import compiled_targets
+from sass import needs_nvrtc
+
+PROVIDERS = conformance.providers()
+
+
+def _params(kind: str, with_impls=lambda info: True, gpu: bool = False):
+    """(provider, example, implementation, device) for every example of ``kind``: on the CPU
+    and the GPU, or (``gpu`` or the example's own ``gpu``) on the GPU only, with the marker."""
+    out = []
+    for p in PROVIDERS:
+        for ex in getattr(p, kind):
+            devices = ["cuda"] if gpu or ex.gpu else ["cpu", "cuda"]
+            for info in registry.all_impls(p.op):
+                if not with_impls(info):
+                    continue
+                for device in devices:
+                    marks = (pytest.mark.gpu,) if device == "cuda" else ()
+                    out.append(pytest.param(p, ex, info.name, device, marks=marks,
+                                            id=f"{p.op}-{ex.id}-{info.name}-{device}"))
+    return out
+
+
+def _runnable(p, info, case, device: str, args: tuple, graph: bool = False) -> None:
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    if (reason := p.why_not(info, case, args, graph)) is not None:
+        pytest.skip(reason)
+
+
+def _call(p, args: tuple, impl: str) -> None:
+    """``impl`` on ``args``; a skip where the registry says it cannot run this call (what its
+    ``unsupported`` refuses, e.g. a cast Triton's interpreter rounds otherwise)."""
+    try:
+        p.call(*args, implementation=impl)
+    except ValueError as e:
+        if "cannot run this call" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+def test_every_registered_op_has_a_provider():
+    """A new op must declare its cases for this suite (kvwrite.testing.providers.<op>)."""
+    assert conformance.missing_providers() == []
+    assert [p.op for p in PROVIDERS] == registry.ops()
+
+
+# --- bytes against the reference -----------------------------------------------------------------
+
+@pytest.mark.parametrize("p, ex, impl, device", _params("byte_cases"))
+def test_bytes_match_the_reference(p, ex, impl, device):
+    info = registry.get(p.op, impl)
+    args = p.build(ex.case, device, 0)
+    _runnable(p, info, ex.case, device, args)
+    want = conformance.run_reference(p, p.build(ex.case, "cpu", 0))
+    _call(p, args, impl)
+    p.compare(ex.case, copy_allocations(conformance.written(p, args), "cpu"), want)
+
+
+# --- the checker can fail ------------------------------------------------------------------------
+
+def _wrong_params():
+    return [pytest.param(p, w, id=f"{p.op}-{w.id}") for p in PROVIDERS for w in p.wrong_writers]
+
+
+@pytest.mark.parametrize("p, wrong", _wrong_params())
+def test_wrong_writer_is_caught(p, wrong):
+    args = p.build(wrong.case, "cpu", 0)
+    want = conformance.run_reference(p, args)
+    wrong.write(*args)
+    with pytest.raises(AssertionError, match="differ"):
+        p.compare(wrong.case, conformance.written(p, args), want)
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+def _bad_params():
+    return [pytest.param(p, b, id=f"{p.op}-{b.id}") for p in PROVIDERS for b in p.bad_inputs]
+
+
+@pytest.mark.parametrize("p, bad", _bad_params())
+def test_bad_input_is_rejected_and_nothing_changes(p, bad):
+    args, kwargs = bad.make()
+    before = conformance.snapshot(args, kwargs)
+    with pytest.raises(bad.exc, match=re.escape(bad.text)):
+        (bad.call or p.public or p.call)(*args, **kwargs)
+    assert conformance.unchanged(before)
+
+
+# --- CUDA graphs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, ex, impl, device", _params("graph_cases",
+                                                        lambda info: info.graph_safe, gpu=True))
+def test_cuda_graph_replay_sees_new_inputs(p, ex, impl, device):
+    """Capture once, then change every tensor argument (inputs, slots, scales, and the caches'
+    starting bytes) in place to another seed's: the replay writes what the reference writes for
+    the new ones."""
+    info = registry.get(p.op, impl)
+    seed, *new_seeds = p.graph_seeds
+    first = p.build(ex.case, "cuda", seed)
+    _runnable(p, info, ex.case, "cuda", first, graph=True)
+    if p.graph_warmup:
+        _call(p, first, impl)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.call(*first, implementation=impl)
+    for new_seed in new_seeds:
+        second = p.build(ex.case if p.replay_case is None else p.replay_case(ex.case), "cuda",
+                         new_seed)
+        for dst, src in zip(conformance.tensors(p, first), conformance.tensors(p, second),
+                            strict=True):
+            storage_bytes(dst).copy_(storage_bytes(src))
+        want = conformance.run_reference(p, second)
+        graph.replay()
+        torch.cuda.synchronize()
+        p.compare(ex.case, conformance.written(p, first), want)
+        if p.graph_check is not None:
+            p.graph_check(first)
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, ex, impl, device", _params("compile_cases"))
+def test_torch_compile_sees_one_mutating_custom_op(p, ex, impl, device):
+    info = registry.get(p.op, impl)
+    args = p.build(ex.case, device, 0)
+    _runnable(p, info, ex.case, device, args)
+    _call(p, conformance.with_copies(p, args)[0], impl)  # eagerly first: can it run the call?
+    at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def step(*tensors):
+        full = list(args)
+        for i, t in zip(at, tensors, strict=True):
+            full[i] = t
+        p.call(*full, implementation=impl)
+
+    assert compiled_targets(step, *[args[i] for i in at]) == p.compiled_targets
+
+    # Through AOT autograd's functionalization too, on fresh arguments.
+    args = p.build(ex.case, device, 0)
+    want = conformance.run_reference(p, p.build(ex.case, "cpu", 0))
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*[args[i] for i in at])
+    p.compare(ex.case, copy_allocations(conformance.written(p, args), "cpu"), want)
+
+
+# --- NVRTC -----------------------------------------------------------------------------------------
+
+@needs_nvrtc
+@pytest.mark.parametrize("p", [pytest.param(p, id=p.op) for p in PROVIDERS
+                               if p.compile_variants is not None])
+def test_nvrtc_compiles_every_variant(p):
+    p.compile_variants()
