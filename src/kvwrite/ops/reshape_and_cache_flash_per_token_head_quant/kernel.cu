@@ -46,7 +46,6 @@
 // Additions rounded toward zero (rz) and toward -inf (rm). The host build (tests) derives them
 // from the round-to-nearest sum and its exact error (TwoSum, -ffp-contract=off).
 #ifdef KVWRITE_HOST_TEST
-KVW_HD float sub_rn(float a, float b) { return a - b; }
 KVW_HD float add_err(float a, float b, float s) {
   const float bb = s - a;
   return (a - (s - bb)) + (b - bb);  // a + b - s, exactly
@@ -60,21 +59,8 @@ KVW_HD float add_rm(float a, float b) {
   return e < 0.0f ? nextafterf(s, -INFINITY) : s;
 }
 #else
-KVW_HD float sub_rn(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float add_rz(float a, float b) {
-  float r;
-  asm("add.rz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float add_rm(float a, float b) {
-  float r;
-  asm("add.rm.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+KVW_F32_ASM2(add_rz, "add.rz.f32")
+KVW_F32_ASM2(add_rm, "add.rm.f32")
 #endif
 
 KVW_HD float nan_to_zero(float v) { return v == v ? v : 0.0f; }
