@@ -24,6 +24,7 @@ from .launch import (
     DT_F32,
     KIND,
     Launchable,
+    LaunchCache,
     PdlPolicy,
     align,
     log2_or_minus_1,
@@ -35,7 +36,8 @@ __all__ = ["THREADS", "SMEM_ROWS", "CudaTuning", "TUNING", "row_fixed", "uses_sm
            "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY", "OUT_KIND",
            "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name", "entry_kernel_names",
            "ENTRY_UNROLL", "UPCONVERT_ROWS", "INDEXER_UNROLL", "entry_round_rows",
-           "indexer_round_rows", "tuning_macros", "launch_shape", "WARP_REQS", "LaunchArgs"]
+           "indexer_round_rows", "tuning_macros", "launch_shape", "WARP_REQS", "LaunchArgs", "run",
+           "upconvert_round_rows"]
 
 # kvw/gather.cuh's KVW_GATHER_THREADS and KVW_GATHER_SMEM_ROWS.
 THREADS = 128
@@ -280,6 +282,25 @@ def launch(lau: Launchable, tuning: CudaTuning, pointers: tuple[int, ...], t_out
     kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     nvrtc.launch(lau.device_index, _config(grid, shmem, pdl), kernel, *pointers, t_out, num_req,
                  smem_rows, rpw, *lau.fixed)
+
+
+def upconvert_round_rows(fixed: tuple[int, ...], tuning: CudaTuning = TUNING) -> int:
+    """Rows of one round of the upconvert kernel: ``tuning.upconvert_rows`` whatever the call."""
+    return tuning.upconvert_rows
+
+
+def run(cache: LaunchCache, sig: tuple, source: nvrtc.KernelSource, tuning: CudaTuning,
+        round_rows, plan, plan_args: tuple, pointers: tuple[int, ...], t_out: int, num_req: int,
+        has_seq_starts: bool) -> None:
+    """A gather's call: its launchable ``cache[sig]`` (on a miss: ``plan(*plan_args)`` gives the
+    variant's name and fixed arguments, ``round_rows(fixed, tuning)`` the rows of one round per
+    warp, built for the device of ``plan_args[0]``), then :func:`launch`."""
+    lau = cache.get(sig)
+    if lau is None:
+        name, fixed = plan(*plan_args)
+        lau = cache[sig] = build(source, name, fixed, plan_args[0].get_device(), tuning,
+                                 round_rows=round_rows(fixed, tuning))
+    launch(lau, tuning, pointers, t_out, num_req, has_seq_starts)
 
 
 def signature(*tensors) -> tuple:

@@ -22,16 +22,29 @@ import dataclasses
 
 import torch
 
-from ..dtypes import scale_is_per_head
+from ..dtypes import CacheDType, scale_is_per_head
 from . import nvrtc
 
 __all__ = ["Launchable", "LaunchCache", "PdlPolicy", "require_setup", "load", "align", "aligned",
            "log2_or_minus_1", "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY",
-           "KIND", "kind", "int_type", "ptr", "scale_args"]
+           "KIND", "kind", "int_type", "ptr", "scale_args", "FP8_KIND", "cache_kind"]
 
 # Element kinds, as DT_* in kvw/common.cuh (template arguments of every op's kernels).
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
 KIND = {torch.float16: DT_F16, torch.bfloat16: DT_BF16, torch.float32: DT_F32}
+
+
+FP8_KIND = {CacheDType.FP8_E4M3: DT_E4M3, CacheDType.FP8_E5M2: DT_E5M2}
+
+
+def cache_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
+    """The element kind a write op stores: the fp8 format of an fp8 ``cache_dtype``, DT_COPY
+    where the cache tensor holds the input's own dtype, else the cache tensor's float kind."""
+    if cache_dtype.is_fp8:
+        return FP8_KIND[cache_dtype]
+    if cache_tensor == in_dtype:
+        return DT_COPY
+    return KIND[cache_tensor]
 
 
 def kind(dtype: torch.dtype) -> int:

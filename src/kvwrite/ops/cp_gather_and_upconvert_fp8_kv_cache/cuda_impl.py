@@ -80,11 +80,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     sig = (gather_cuda.signature(src_cache, dst, block_table, workspace_starts, seq_starts),
            src_cache.get_device(), tuning)
-    lau = LAUNCHES.get(sig)
-    if lau is None:
-        name, fixed = plan(src_cache, dst, block_table, workspace_starts, seq_starts)
-        lau = LAUNCHES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, src_cache.get_device(), tuning,
-            round_rows=tuning.upconvert_rows)
-    ptrs = _pointers(src_cache, dst, workspace_starts, seq_starts, block_table)
-    gather_cuda.launch(lau, tuning, ptrs, dst.shape[0], num_req, seq_starts is not None)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.upconvert_round_rows, plan,
+                    (src_cache, dst, block_table, workspace_starts, seq_starts),
+                    _pointers(src_cache, dst, workspace_starts, seq_starts, block_table),
+                    dst.shape[0], num_req, seq_starts is not None)

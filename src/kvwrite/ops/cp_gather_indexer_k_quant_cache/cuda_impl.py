@@ -101,11 +101,6 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     sig = (gather_cuda.signature(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens),
            kv_cache.get_device(), tuning)
-    lau = LAUNCHES.get(sig)
-    if lau is None:
-        name, fixed = plan(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-        lau = LAUNCHES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, kv_cache.get_device(), tuning,
-            round_rows=gather_cuda.indexer_round_rows(fixed, tuning))
-    ptrs = _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-    gather_cuda.launch(lau, tuning, ptrs, dst_k.shape[0], block_table.shape[0], False)
+    args = (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.indexer_round_rows, plan, args,
+                    _pointers(*args), dst_k.shape[0], block_table.shape[0], False)

@@ -39,7 +39,8 @@ from .op import float32_bits
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "THREADS", "NO_WEIGHT",
            "lane_layout", "vector_width", "weight_width", "table_width", "weight_kind",
            "kernel_name", "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "Plan",
-           "plan", "layout_plan", "Build", "SMALL", "bounded", "call_build", "call_kernel"]
+           "plan", "layout_plan", "Build", "SMALL", "bounded", "call_build", "load_build",
+           "call_kernel"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope")
 KERNEL = "qk_norm_rope_kernel"
@@ -331,17 +332,23 @@ def call_kernel(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: floa
 LAUNCHES = launch.LaunchCache()
 
 
+def load_build(source: nvrtc.KernelSource, name: str, fixed: tuple, p: Plan, build: Build,
+               heads: int, index: int, specialize: bool) -> launch.Launchable:
+    """Variant ``name`` of ``source`` loaded for device ``index`` (``build``'s PDL twin
+    triggering the next kernel or not) with ``heads`` heads of ``p.lanes`` lanes a token: its
+    plan is (threads per token, CTA threads). fused_qk_norm_rope_and_reshape_cache_flash's too."""
+    kernel, pdl_kernel = launch.load(source, name, fixed, index, specialize, trigger=build.trigger)
+    return launch.Launchable(kernel, pdl_kernel, index, fixed, (heads * p.lanes, build.cta))
+
+
 def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
                 position_ids, weight_offset, specialize, build) -> launch.Launchable:
     launch.require_setup()
     name, p, fixed, build = call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight,
                                         cos_sin_cache, is_neox, position_ids, weight_offset,
                                         build, specialize)
-    index = qkv.get_device()
-    kernel, pdl_kernel = launch.load(SOURCE, name, fixed, index, specialize, trigger=build.trigger)
-    # plan: (threads per token, CTA threads).
-    return launch.Launchable(kernel, pdl_kernel, index, fixed,
-                             ((num_heads_q + num_heads_k) * p.lanes, build.cta))
+    return load_build(SOURCE, name, fixed, p, build, num_heads_q + num_heads_k,
+                      qkv.get_device(), specialize)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,

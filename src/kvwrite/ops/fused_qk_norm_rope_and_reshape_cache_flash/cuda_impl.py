@@ -26,6 +26,7 @@ import torch
 from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import launch, nvrtc
 from ...kernels.launch import int_type, kind
+from ..fused_qk_norm_rope import cuda_impl as norm_cuda
 from ..fused_qk_norm_rope.cuda_impl import (
     NO_WEIGHT,
     SMALL,
@@ -47,7 +48,6 @@ SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope_cach
 KERNEL = "qk_norm_rope_cache_kernel"
 _COPY, _E4M3, _E5M2 = 5, 3, 4
 IN_PLACE = 7  # kvw/qk_norm.cuh's QKN_IN_PLACE
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 _QUERY_FP8_KIND = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -58,13 +58,7 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache, cach
     return None
 
 
-def out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    """The caches' element kind: DT_COPY where they hold qkv's own dtype."""
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return kind(cache_tensor)
+out_kind = launch.cache_kind  # the caches' element kind (DT_COPY: qkv's own dtype)
 
 
 def query_kind(query_out: torch.Tensor | None) -> int:
@@ -126,39 +120,19 @@ def all_kernel_names() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning(launch.PdlPolicy):
-    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`. The
-    large-call fields are fused_qk_norm_rope's (see its CudaTuning) plus the value's order:
-    predictions, not measured on this kernel yet."""
+class CudaTuning(norm_cuda.CudaTuning):
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`:
+    fused_qk_norm_rope's (its ``specialize`` and large-call fields, the same predictions, not
+    measured on this kernel yet) plus the cache's."""
 
-    # One build per call signature with the arguments from qkv_stride on compiled in
-    # (kernel.cu's KVWRITE_FIXED_ARGS); KVWRITE_CUDA_SPECIALIZE=0: one generic build per variant.
-    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # The large-call build (not measured): for calls of at least large_call_bytes of query, key
-    # and value rows, large_call_chunks 16-byte chunks per lane (interleaved where the rotation's
-    # partners stay in the lane), CTAs of large_call_cta_threads, __launch_bounds__(cta,
-    # large_call_min_blocks) (48 registers; with an fp8 cache or query_out
-    # large_call_min_blocks_fp8: 56, where 48 spilled 40 bytes), a PDL twin that triggers the next kernel early only with
-    # large_call_pdl_trigger; with large_call_value_first a key group converts its value before
-    # it requests the table's entries and stores it then (or, where a head's cache row is 128
-    # bytes, right after the key's chunks), so it never holds the value's input and the entries
-    # at once (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
-    large_call_bytes: int = 4 << 20
-    large_call_chunks: int = 2
-    large_call_cta_threads: int = 64
-    large_call_min_blocks: int = 20
+    # With an fp8 cache or query_out the large-call build's __launch_bounds__ takes
+    # large_call_min_blocks_fp8 (56 registers, where 48 spilled 40 bytes). With
+    # large_call_value_first a key group of the large-call build converts its value before it
+    # requests the table's entries and stores it then (or, where a head's cache row is 128 bytes,
+    # right after the key's chunks), so it never holds the value's input and the entries at once
+    # (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
     large_call_min_blocks_fp8: int = 18
-    large_call_pdl_trigger: bool = False
     large_call_value_first: bool = True
-
-    def __post_init__(self):
-        c = self.large_call_cta_threads
-        if not (isinstance(c, int) and 32 <= c <= 1024 and c % 32 == 0):
-            raise ValueError(f"large_call_cta_threads: expected a multiple of 32 in [32, 1024], "
-                             f"got {c!r}")
-        if self.large_call_chunks not in (1, 2, 4):
-            raise ValueError(f"large_call_chunks: expected 1, 2 or 4, got "
-                             f"{self.large_call_chunks!r}")
 
     def large_build(self, fp8: bool = False) -> Build:
         return Build(self.large_call_chunks, self.large_call_cta_threads,
@@ -239,11 +213,8 @@ def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_
                                         key_cache, value_cache, slot_mapping, cache_dtype,
                                         rotate_key_in_place, query_out, build, value_first,
                                         specialize)
-    index = qkv.get_device()
-    kernel, pdl_kernel = launch.load(SOURCE, name, fixed, index, specialize, trigger=build.trigger)
-    # plan: (threads per token, CTA threads).
-    return launch.Launchable(kernel, pdl_kernel, index, fixed,
-                             ((num_heads_q + num_heads_k) * p.lanes, build.cta))
+    return norm_cuda.load_build(SOURCE, name, fixed, p, build, num_heads_q + num_heads_k,
+                                qkv.get_device(), specialize)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,

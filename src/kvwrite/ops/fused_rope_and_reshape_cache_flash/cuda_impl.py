@@ -34,7 +34,6 @@ __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_na
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
 _COPY, _E4M3, _E5M2 = 5, 3, 4
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,12 +111,7 @@ def cta_shape(units_per_token: int, cta_threads: int | None) -> tuple[int, int, 
 TUNING = CudaTuning()
 
 
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return kind(cache_tensor)
+_out_kind = launch.cache_kind
 
 
 def kernel_name(in_kind: int, cs_kind: int, out_kind: int, w: int, neox: bool,

@@ -17,13 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import gather_cuda, launch, nvrtc
-from ...kernels.gather_cuda import (
-    DT_COPY,
-    DT_E4M3,
-    DT_E5M2,
-    TUNING,
-    CudaTuning,
-)
+from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
 from ..concat_and_cache_mla.op import MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
@@ -101,12 +95,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     sig = (gather_cuda.signature(src_cache, dst, block_table, cu_seq_lens, seq_starts), mode,
            src_cache.get_device(), tuning)
-    lau = LAUNCHES.get(sig)
-    if lau is None:
-        name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts, mode)
-        lau = LAUNCHES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, src_cache.get_device(), tuning,
-            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
-    ptrs = _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale)
-    gather_cuda.launch(lau, tuning, ptrs, num_tokens, cu_seq_lens.shape[0] - 1,
-                       seq_starts is not None)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+                    (src_cache, dst, block_table, cu_seq_lens, seq_starts, mode),
+                    _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale),
+                    num_tokens, cu_seq_lens.shape[0] - 1, seq_starts is not None)

@@ -18,13 +18,7 @@ import torch
 
 from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import gather_cuda, launch, nvrtc
-from ...kernels.gather_cuda import (
-    DT_COPY,
-    DT_E4M3,
-    DT_E5M2,
-    TUNING,
-    CudaTuning,
-)
+from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
            "all_kernel_names", "compile_kernel", "launch_args"]
@@ -119,14 +113,9 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
     sig = (gather_cuda.signature(key_cache, value_cache, key_out, value_out, block_table,
                                  cu_seq_lens, seq_starts, k_scale, v_scale),
            cache_dtype, key_cache.get_device(), tuning)
-    lau = LAUNCHES.get(sig)
-    if lau is None:
-        name, fixed = plan(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
-                           seq_starts, cache_dtype, k_scale, v_scale)
-        lau = LAUNCHES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, key_cache.get_device(), tuning,
-            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
-    ptrs = _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
-                     block_table, k_scale, v_scale)
-    gather_cuda.launch(lau, tuning, ptrs, key_out.shape[0], cu_seq_lens.shape[0] - 1,
-                       seq_starts is not None)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+                    (key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
+                     seq_starts, cache_dtype, k_scale, v_scale),
+                    _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
+                              block_table, k_scale, v_scale),
+                    key_out.shape[0], cu_seq_lens.shape[0] - 1, seq_starts is not None)

@@ -36,7 +36,6 @@ KERNEL = "reshape_and_cache_kernel"
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
 _KIND = launch.KIND
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 _OUT_BYTES = {_F16: 2, _BF16: 2, _F32: 4, _E4M3: 1, _E5M2: 1}
 
 
@@ -130,14 +129,6 @@ def _pairs(out_kind: int, vec: int) -> bool:
     return out_kind in (_E4M3, _E5M2) and vec == 8
 
 
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return _KIND[cache_tensor]
-
-
 def token_lanes(num_tokens: int, tuning: CudaTuning = TUNING) -> int:
     """blockDim.x: ``tuning.token_lanes``, or T rounded up to a power of two where smaller."""
     return min(tuning.token_lanes, 1 << max(0, num_tokens - 1).bit_length())
@@ -151,7 +142,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     num_blocks, _, _, block_size, x = key_cache.shape
     ib = key.element_size()
     in_kind = _KIND[key.dtype]
-    out_kind = _out_kind(cache_dtype, key.dtype, key_cache.dtype)
+    out_kind = launch.cache_kind(cache_dtype, key.dtype, key_cache.dtype)
     ob = ib if out_kind == _COPY else _OUT_BYTES[out_kind]
     # Only strides along dims of size > 1 ever multiply a nonzero index.
     in_al = launch.align([key.data_ptr(), value.data_ptr()]

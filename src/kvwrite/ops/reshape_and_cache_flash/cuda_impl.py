@@ -48,7 +48,6 @@ GRID_STRIDE_KERNEL = "reshape_and_cache_flash_grid_stride_kernel"  # rows too lo
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
 _KIND = launch.KIND
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 
 class CallSize(enum.Enum):
@@ -226,14 +225,6 @@ class Plan:
     loop_free: bool = False  # the loop-free kernel: one token per thread, grid_x = rows
 
 
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return _KIND[cache_tensor]
-
-
 def _widest_vec(in_bytes: int, out_bytes: int, fp8: bool, size: CallSize = CallSize.LARGE,
                 tuning: CudaTuning = TUNING) -> int:
     """The widest VEC of a variant: ``tuning.chunk_input_bytes(fp8, size)`` of input per chunk
@@ -266,7 +257,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
     num_blocks, block_size = key_cache.shape[:2]
     in_dtype = key.dtype
     in_kind = _KIND[in_dtype]
-    out_kind = _out_kind(cache_dtype, in_dtype, key_cache.dtype)
+    out_kind = launch.cache_kind(cache_dtype, in_dtype, key_cache.dtype)
     out_bytes = 1 if cache_dtype.is_fp8 else key_cache.element_size()
     # Only strides along dims of size > 1 ever multiply a nonzero index.
     in_strides = tuple(t.stride(0) for t in (key, value) if t_pad > 1)
