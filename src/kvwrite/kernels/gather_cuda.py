@@ -289,12 +289,15 @@ def upconvert_round_rows(fixed: tuple[int, ...], tuning: CudaTuning = TUNING) ->
     return tuning.upconvert_rows
 
 
-def run(cache: LaunchCache, sig: tuple, source: nvrtc.KernelSource, tuning: CudaTuning,
+def run(cache: LaunchCache, sig: tuple | None, source: nvrtc.KernelSource, tuning: CudaTuning,
         round_rows, plan, plan_args: tuple, pointers: tuple[int, ...], t_out: int, num_req: int,
         has_seq_starts: bool) -> None:
     """A gather's call: its launchable ``cache[sig]`` (on a miss: ``plan(*plan_args)`` gives the
     variant's name and fixed arguments, ``round_rows(fixed, tuning)`` the rows of one round per
-    warp, built for the device of ``plan_args[0]``), then :func:`launch`."""
+    warp, built for the device of ``plan_args[0]``), then :func:`launch`. ``sig`` None: the
+    :func:`signature` of ``plan_args`` (all tensors or None), their device and ``tuning``."""
+    if sig is None:
+        sig = (signature(*plan_args), plan_args[0].get_device(), tuning)
     lau = cache.get(sig)
     if lau is None:
         name, fixed = plan(*plan_args)

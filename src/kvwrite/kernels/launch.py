@@ -27,7 +27,8 @@ from . import nvrtc
 
 __all__ = ["Launchable", "LaunchCache", "PdlPolicy", "require_setup", "load", "align", "aligned",
            "log2_or_minus_1", "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY",
-           "KIND", "kind", "int_type", "ptr", "scale_args", "FP8_KIND", "cache_kind"]
+           "KIND", "kind", "int_type", "ptr", "scale_args", "FP8_KIND", "cache_kind",
+           "thread_grid"]
 
 # Element kinds, as DT_* in kvw/common.cuh (template arguments of every op's kernels).
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
@@ -114,6 +115,17 @@ class Launchable:
 class LaunchCache(dict):
     """:class:`Launchable` by call signature, one cache per op and process (a plain dict: a
     lookup is the C one; tests swap in a fresh one or read ``values()``)."""
+
+
+def thread_grid(num_tokens: int, per_token: int, threads: int, rows: str) -> int:
+    """CTAs of ``threads`` threads for ``per_token`` threads a token: ValueError naming
+    slot_mapping where the call's threads do not fit the kernels' 32-bit thread index (``rows``
+    says what sets ``per_token``, e.g. "with this row length")."""
+    total = num_tokens * per_token
+    if total >= 2**32:
+        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // per_token} tokens per call "
+                         f"{rows}, got {num_tokens}")
+    return -(-total // threads)
 
 
 def require_setup() -> None:

@@ -244,11 +244,7 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     if p.ds:
         grid = -(-num_tokens // p.per_cta)
     else:
-        total = num_tokens * p.fixed[8]
-        if total >= 2**32:
-            raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.fixed[8]} tokens per call "
-                             f"with this row length, got {num_tokens}")
-        grid = -(-total // p.threads)
+        grid = launch.thread_grid(num_tokens, p.fixed[8], p.threads, "with this row length")
     kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
     sp = scale.data_ptr() if scale is not None else 0

@@ -78,9 +78,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         workspace_starts: torch.Tensor, num_req: int, seq_starts: torch.Tensor | None, *,
         tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
-    sig = (gather_cuda.signature(src_cache, dst, block_table, workspace_starts, seq_starts),
-           src_cache.get_device(), tuning)
-    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.upconvert_round_rows, plan,
+    gather_cuda.run(LAUNCHES, None, SOURCE, tuning, gather_cuda.upconvert_round_rows, plan,
                     (src_cache, dst, block_table, workspace_starts, seq_starts),
                     _pointers(src_cache, dst, workspace_starts, seq_starts, block_table),
                     dst.shape[0], num_req, seq_starts is not None)

@@ -98,9 +98,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         cu_seq_lens: torch.Tensor, seq_starts: torch.Tensor | None, *,
         tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
-    sig = (gather_cuda.signature(src_cache, dst, block_table, cu_seq_lens, seq_starts),
-           src_cache.get_device(), tuning)
-    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+    gather_cuda.run(LAUNCHES, None, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
                     (src_cache, dst, block_table, cu_seq_lens, seq_starts),
                     _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table),
                     dst.shape[0], cu_seq_lens.shape[0] - 1, seq_starts is not None)

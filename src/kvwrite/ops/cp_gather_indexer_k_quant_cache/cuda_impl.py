@@ -99,8 +99,6 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
         block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
         tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
-    sig = (gather_cuda.signature(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens),
-           kv_cache.get_device(), tuning)
     args = (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.indexer_round_rows, plan, args,
+    gather_cuda.run(LAUNCHES, None, SOURCE, tuning, gather_cuda.indexer_round_rows, plan, args,
                     _pointers(*args), dst_k.shape[0], block_table.shape[0], False)

@@ -254,12 +254,8 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
         lau = LAUNCHES[sig] = _launchable(
             (key, value, *views, slot_mapping, cache_dtype, v_scale_layout), tuning)
     p = lau.plan
-    total = num_tokens * p.per_token
-    if total >= 2**32:
-        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.per_token} tokens per call "
-                         f"with this row length, got {num_tokens}")
-    threads = cta_threads(p, total, tuning)
-    grid = -(-total // threads)
+    threads = cta_threads(p, num_tokens * p.per_token, tuning)
+    grid = launch.thread_grid(num_tokens, p.per_token, threads, "with this row length")
     kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, threads, 1, pdl)
     kp, kb = _scale_args(k_scale)

@@ -256,11 +256,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         args = (key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
         lau = LAUNCHES[sig] = _launchable(args, mode, tuning)
     p = lau.plan
-    total = num_tokens * key.shape[1] * 2 * p.lanes
-    if total >= 2**32:
-        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // (key.shape[1] * 2 * p.lanes)} "
-                         f"tokens per call with these heads, got {num_tokens}")
-    grid = -(-total // tuning.threads)
+    grid = launch.thread_grid(num_tokens, key.shape[1] * 2 * p.lanes, tuning.threads,
+                              "with these heads")
     kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, tuning.threads, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel, *ptrs,

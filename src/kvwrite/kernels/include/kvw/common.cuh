@@ -63,15 +63,11 @@ KVW_HD float fma_rn(float a, float b, float c) {
 }
 // RZ(a * b): rounded toward zero (fp8_quantize's bracket).
 KVW_F32_ASM2(mul_rz, "mul.rz.f32")
-KVW_HD float min_nan(float a, float b) {
 #if __CUDA_ARCH__ >= 800
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
+KVW_F32_ASM2(min_nan, "min.NaN.f32")
 #else
-  return a > b ? b : a;
+KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 #endif
-}
 #endif
 
 // Programmatic dependent launch (a build with -DKVWRITE_PDL, launched with programmatic stream
