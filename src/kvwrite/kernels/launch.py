@@ -33,8 +33,6 @@ __all__ = ["Launchable", "LaunchCache", "PdlPolicy", "require_setup", "load", "a
 # Element kinds, as DT_* in kvw/common.cuh (template arguments of every op's kernels).
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
 KIND = {torch.float16: DT_F16, torch.bfloat16: DT_BF16, torch.float32: DT_F32}
-
-
 FP8_KIND = {CacheDType.FP8_E4M3: DT_E4M3, CacheDType.FP8_E5M2: DT_E5M2}
 
 
