@@ -630,14 +630,15 @@ def test_gpu_persistent_grid_walks_every_token(block_size, slot_dtype, monkeypat
     # 120k tokens of 8 chunks with the grid capped at one resident wave: threads loop over
     # many tokens (two a step).
     tuning = dataclasses.replace(GRID_STRIDE, max_waves=1)
-    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl, "LAUNCHES", {})
     case = Case(num_tokens=120_001, num_heads=1, head_size=64, block_size=block_size,
                 num_blocks=-(-130_000 // block_size), padding_slots=500, out_of_range_slots=500,
                 slot_dtype=slot_dtype)
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp, tuning)
-    (lau,) = cuda_impl._LAUNCHABLES.values()
-    assert lau.max_grid_x * lau.plan.tokens_per_cta < case.num_tokens  # the loop really runs
+    (lau,) = cuda_impl.LAUNCHES.values()
+    max_grid_x = lau.bounds[1]
+    assert max_grid_x * lau.plan.tokens_per_cta < case.num_tokens  # the loop really runs
     _check(inp, ref_k, ref_v, case.cache_dtype)
 
 
@@ -724,12 +725,12 @@ def test_gpu_case_matrix_with_generic_kernels(record_builds, case, small_limit):
 @pytest.mark.gpu
 @gpu
 def test_gpu_specialized_build_is_the_default(monkeypatch, record_builds):
-    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl, "LAUNCHES", {})
     seen = record_builds(cuda_impl.SOURCE)
     case = CASES[0]
     inp = make_inputs(case, "cuda")
     ref_k, ref_v = _run_both(inp)
     _check(inp, ref_k, ref_v, case.cache_dtype)
-    (lau,) = cuda_impl._LAUNCHABLES.values()
+    (lau,) = cuda_impl.LAUNCHES.values()
     # One build, and its programmatic-dependent-launch twin where the device takes those.
-    assert seen == [lau.tail] * (1 if lau.pdl_kernel is None else 2)
+    assert seen == [lau.fixed] * (1 if lau.pdl_kernel is None else 2)

@@ -248,11 +248,11 @@ def test_pdl_call_after_a_late_writer(impl, waits):
                  rows.data_ptr(), src.numel() // 2, 0)
     kvwrite.rotary_embedding(pos, rows[:, :32], rows[:, 32:], 128, table, True,
                              implementation=impl)  # compiles the kernel, creates the launchable
-    saved = dict(cuda_impl._LAUNCHABLES)
+    saved = dict(cuda_impl.LAUNCHES)
     try:
         if not waits:
             for key, lau in saved.items():
-                cuda_impl._LAUNCHABLES[key] = dataclasses.replace(lau, pdl_kernel=lau.kernel)
+                cuda_impl.LAUNCHES[key] = dataclasses.replace(lau, pdl_kernel=lau.kernel)
             # The plain build's first launch loads it (lazily), which must not fall between the
             # two either.
             kvwrite.rotary_embedding(pos, rows[:, :32], rows[:, 32:], 128, table, True,
@@ -268,8 +268,8 @@ def test_pdl_call_after_a_late_writer(impl, waits):
                                  implementation=impl)
         torch.cuda.synchronize()
     finally:
-        cuda_impl._LAUNCHABLES.clear()
-        cuda_impl._LAUNCHABLES.update(saved)
+        cuda_impl.LAUNCHES.clear()
+        cuda_impl.LAUNCHES.update(saved)
     # Without the wait the call rotated the zeros and the writer then stored src unrotated.
     assert torch.equal(rows.view(torch.int16), want.view(torch.int16)) == waits
 

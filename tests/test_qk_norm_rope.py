@@ -392,7 +392,7 @@ def test_gpu_cuda_generic_builds_match_reference(monkeypatch, record_builds, op,
     else:
         from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import cuda_impl
     monkeypatch.setattr(cuda_impl, "TUNING", cuda_impl.CudaTuning(specialize=False))
-    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl, "LAUNCHES", {})
     monkeypatch.setattr(cuda_impl.run, "__kwdefaults__", {"tuning": cuda_impl.TUNING})
     seen = record_builds(cuda_impl.SOURCE)
     (_run_norm if op == NORM else _run_fused)("cuda", case, "cuda")

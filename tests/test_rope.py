@@ -320,7 +320,7 @@ def test_cuda_generic_builds_match_oracle(monkeypatch, record_builds, op, case, 
                                       small_call_bytes_fp8=small,
                                       large_call_bytes=0 if build == "large" else huge)
     seen = record_builds(cuda_impl.SOURCE)
-    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl, "LAUNCHES", {})
     inp = _impl_inputs(ROPE if rotary else FUSED, "cuda", case, "cuda")
     if rotary:
         q, k = validate(*inp.rotary_args())
@@ -349,7 +349,7 @@ def test_cuda_specialized_build_is_the_default(monkeypatch, record_builds, which
     else:
         from kvwrite.ops.fused_rope_and_reshape_cache_flash import cuda_impl
     seen = record_builds(cuda_impl.SOURCE)
-    monkeypatch.setattr(cuda_impl, "_LAUNCHABLES", {})
+    monkeypatch.setattr(cuda_impl, "LAUNCHES", {})
     case = RopeCase(num_q_heads=32, num_heads=8, head_size=128, kv_cache_dtype="fp8")
     inp = _impl_inputs(ROPE if rotary else FUSED, "cuda", case, "cuda")
     if rotary:
@@ -359,7 +359,7 @@ def test_cuda_specialized_build_is_the_default(monkeypatch, record_builds, which
         kvwrite.fused_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
                                                    implementation="cuda")
         assert_same_bytes(inp, _expected_fused(case))
-    (lau,) = cuda_impl._LAUNCHABLES.values()
+    (lau,) = cuda_impl.LAUNCHES.values()
     assert seen == [lau.fixed] * (1 if lau.pdl_kernel is None else 2)
 
 

@@ -15,13 +15,29 @@ import functools
 import torch
 
 from . import nvrtc
+from .launch import (
+    DT_BF16,
+    DT_COPY,
+    DT_E4M3,
+    DT_E5M2,
+    DT_F16,
+    DT_F32,
+    KIND,
+    Launchable,
+    LaunchCache,
+    PdlPolicy,
+    align,
+    log2_or_minus_1,
+    require_setup,
+)
 
 __all__ = ["THREADS", "SMEM_ROWS", "CudaTuning", "TUNING", "row_fixed", "uses_smem",
            "rows_per_warp", "align", "EntryPlan", "entry_plan", "Launchable", "build", "launch",
            "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY", "OUT_KIND",
-           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name", "ENTRY_UNROLL",
-           "UPCONVERT_ROWS", "INDEXER_UNROLL", "entry_round_rows", "indexer_round_rows",
-           "tuning_macros", "launch_shape", "WARP_REQS", "LaunchArgs"]
+           "ENTRY_FIXED", "ROW_FIXED", "signature", "entry_kernel_name", "entry_kernel_names",
+           "ENTRY_UNROLL", "UPCONVERT_ROWS", "INDEXER_UNROLL", "entry_round_rows",
+           "indexer_round_rows", "tuning_macros", "launch_shape", "WARP_REQS", "LaunchArgs", "run",
+           "upconvert_round_rows"]
 
 # kvw/gather.cuh's KVW_GATHER_THREADS and KVW_GATHER_SMEM_ROWS.
 THREADS = 128
@@ -38,8 +54,7 @@ UPCONVERT_ROWS = 4
 INDEXER_UNROLL = (8, 1)
 
 # Element kinds, as DT_* in kvw/common.cuh.
-DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
-OUT_KIND = {torch.float16: DT_F16, torch.bfloat16: DT_BF16, torch.float32: DT_F32}
+OUT_KIND = KIND  # the output dtypes of the dequantizing gathers
 
 # kvw/gather.cuh's flags.
 _STARTS64, _SS64, _BT64, _HAS_SS, _WS = 1, 2, 4, 8, 16
@@ -47,7 +62,7 @@ _STARTS64, _SS64, _BT64, _HAS_SS, _WS = 1, 2, 4, 8, 16
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(PdlPolicy):
     """The launch constants of every gather kernel. ``TUNING`` is what every call uses unless a
     caller passes another one (tests forcing a path)."""
 
@@ -71,9 +86,6 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in (NVRTC once per signature
     # and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Launches of at most pdl_max_ctas CTAs take the KVWRITE_PDL build with programmatic stream
-    # serialization where the device allows it (as the write ops do for every call).
-    pdl_max_ctas: int = 1 << 30
 
 
 TUNING = CudaTuning()
@@ -94,9 +106,9 @@ def row_fixed(starts: torch.Tensor, seq_starts: torch.Tensor | None, block_table
     if seq_starts is not None:
         flags |= _HAS_SS | (_SS64 if seq_starts.dtype == torch.int64 else 0)
         ss_stride = _dim_stride(seq_starts, 0)
-    shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
     return (_dim_stride(starts, 0), ss_stride, _dim_stride(block_table, 0),
-            _dim_stride(block_table, 1), block_table.shape[1], block_size, shift, num_blocks, flags)
+            _dim_stride(block_table, 1), block_table.shape[1], block_size,
+            log2_or_minus_1(block_size), num_blocks, flags)
 
 
 def uses_smem(num_req: int, tuning: CudaTuning = TUNING) -> bool:
@@ -147,14 +159,6 @@ def tuning_macros(tuning: CudaTuning) -> tuple:
     return tuple(out)
 
 
-def align(values) -> int:
-    """The largest power of two, at most 16, dividing every value."""
-    v = 16
-    for b in values:
-        v |= int(b)
-    return v & -v
-
-
 @dataclasses.dataclass(frozen=True)
 class EntryPlan:
     """A call of the entry kernel (kvw/gather_entry.cuh): its variant and its 20 entry arguments."""
@@ -172,6 +176,15 @@ class EntryPlan:
 def entry_kernel_name(kernel: str, conv: int, out: int, vb: int, ndim: int) -> str:
     """The name expression of an entry-kernel variant."""
     return f"{kernel}<{conv}, {out}, {vb}, {ndim}>"
+
+
+def entry_kernel_names(kernel: str, ndim: int) -> list[str]:
+    """Every variant of an entry kernel with ``ndim`` outer dims that copies (every chunk width)
+    or dequantizes fp8 codes (e4m3 or e5m2: a fixed argument) to each output dtype."""
+    names = [entry_kernel_name(kernel, DT_COPY, 0, vb, ndim) for vb in (16, 8, 4, 2, 1)]
+    for out in (0, 1, 2):
+        names += [entry_kernel_name(kernel, DT_E4M3, out, vb, ndim) for vb in (8, 4, 2, 1)]
+    return names
 
 
 def entry_plan(*, conv: int, out_dtype: torch.dtype | None, in_es: int, run: int,
@@ -211,31 +224,19 @@ def entry_plan(*, conv: int, out_dtype: torch.dtype | None, in_es: int, run: int
     return EntryPlan(DT_E4M3 if conv == DT_E5M2 else conv, out, vb, ndim, fixed)
 
 
-@dataclasses.dataclass(frozen=True)
-class Launchable:
-    name: str
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
-    sm_count: int
-    fixed: tuple[int, ...]  # the trailing int64 arguments
-    round_rows: int = 32    # rows of one round per warp (rows_per_warp's cap)
-
-
 def build(source: nvrtc.KernelSource, name: str, fixed: tuple[int, ...], index: int,
           tuning: CudaTuning, macros: tuple = (), round_rows: int = 32) -> Launchable:
     """Load (compile or read from the kernel cache) variant ``name`` for device ``index``: the
     specialized build with ``fixed`` compiled in where ``tuning.specialize``, and its PDL twin;
-    ``tuning``'s round sizes as macros (:func:`tuning_macros`)."""
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+    ``tuning``'s round sizes as macros (:func:`tuning_macros`). The launchable's ``plan`` is
+    ``name``, its ``bounds`` (SM count, rows of one round per warp: rows_per_warp's cap)."""
+    require_setup()
     macros = tuple(macros) + tuning_macros(tuning)
     if tuning.specialize:
         macros = macros + nvrtc.fixed_args_macros(fixed)
     kernel, pdl_kernel = nvrtc.load_kernels(source, name, macros, index)
     sms = nvrtc.device_arch(index)[1]
-    return Launchable(name, kernel, pdl_kernel, index, sms, tuple(fixed), round_rows)
+    return Launchable(kernel, pdl_kernel, index, tuple(fixed), name, (sms, round_rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +277,33 @@ def launch(lau: Launchable, tuning: CudaTuning, pointers: tuple[int, ...], t_out
     """Launch a gather kernel on PyTorch's current stream: ``pointers`` (the kernel's leading
     pointer arguments), then T_out, B, the shared-memory rows, the rows per warp and the fixed
     arguments."""
-    grid, shmem, smem_rows, rpw = launch_shape(t_out, num_req, has_seq_starts, lau.sm_count,
-                                               lau.round_rows, tuning)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
-    nvrtc.launch(lau.device_index, _config(grid, shmem, pdl), lau.pdl_kernel if pdl else lau.kernel,
-                 *pointers, t_out, num_req, smem_rows, rpw, *lau.fixed)
+    grid, shmem, smem_rows, rpw = launch_shape(t_out, num_req, has_seq_starts, *lau.bounds,
+                                               tuning)
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
+    nvrtc.launch(lau.device_index, _config(grid, shmem, pdl), kernel, *pointers, t_out, num_req,
+                 smem_rows, rpw, *lau.fixed)
+
+
+def upconvert_round_rows(fixed: tuple[int, ...], tuning: CudaTuning = TUNING) -> int:
+    """Rows of one round of the upconvert kernel: ``tuning.upconvert_rows`` whatever the call."""
+    return tuning.upconvert_rows
+
+
+def run(cache: LaunchCache, sig: tuple | None, source: nvrtc.KernelSource, tuning: CudaTuning,
+        round_rows, plan, plan_args: tuple, pointers: tuple[int, ...], t_out: int, num_req: int,
+        has_seq_starts: bool) -> None:
+    """A gather's call: its launchable ``cache[sig]`` (on a miss: ``plan(*plan_args)`` gives the
+    variant's name and fixed arguments, ``round_rows(fixed, tuning)`` the rows of one round per
+    warp, built for the device of ``plan_args[0]``), then :func:`launch`. ``sig`` None: the
+    :func:`signature` of ``plan_args`` (all tensors or None), their device and ``tuning``."""
+    if sig is None:
+        sig = (signature(*plan_args), plan_args[0].get_device(), tuning)
+    lau = cache.get(sig)
+    if lau is None:
+        name, fixed = plan(*plan_args)
+        lau = cache[sig] = build(source, name, fixed, plan_args[0].get_device(), tuning,
+                                 round_rows=round_rows(fixed, tuning))
+    launch(lau, tuning, pointers, t_out, num_req, has_seq_starts)
 
 
 def signature(*tensors) -> tuple:

@@ -160,6 +160,16 @@ class KernelSource:
             program.close()
         return obj, "".join(log.parts).replace("\x00", "")
 
+    def compile_fixed(self, arch: str, names: str | Sequence[str], *, source: str | None = None,
+                      fixed: Sequence[int] | None = None, macros: Sequence = (),
+                      ptxas_verbose: bool = False):
+        """:meth:`compile` of the build with ``fixed`` (the kernels' trailing scalar arguments,
+        :data:`FIXED_ARGS_MACRO`) compiled in after ``macros``; the generic build where
+        ``fixed`` is None. Each op's ``compile_kernel`` (tests and probes)."""
+        return self.compile(arch, names, source=source,
+                            macros=tuple(macros) + fixed_args_macros(fixed),
+                            ptxas_verbose=ptxas_verbose)
+
     def kernel(self, arch: str, name: str, macros: tuple = ()):
         """The loaded kernel ``name`` built with ``macros``: once per process, from
         :meth:`cubin` (the disk cache, or NVRTC)."""

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
 from .op import DEFAULT_DS_MLA_SCALE, DsMlaScale, MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "all_kernel_names",
@@ -39,14 +39,14 @@ DS_KERNEL = "concat_and_cache_ds_mla_kernel"
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_KIND = launch.KIND
 _OUT = {MlaMode.AUTO: _COPY, MlaMode.FP8_E4M3: _E4M3, MlaMode.FP8_E5M2: _E5M2}
 _ALIGNS = (16, 8, 4, 2, 1)
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path)."""
 
@@ -78,38 +78,25 @@ class CudaTuning:
     # one rounded multiplication (KVWRITE_PROBE_INEXACT_QUOTIENT, as reshape_and_cache_flash's
     # CudaTuning.inexact_quotient); a test shows the fp8_ds_mla boundary tiles catch it.
     inexact_quotient: bool = False
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0:
-    # never. Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off -> on: auto T=1 1.38
-    # -> 1.08 us, T=16 1.92 -> 1.27, T=4096 4.55 -> 4.07, T=65536 41.08 -> 40.40; fp8 T=16 1.99
-    # -> 1.35; fp8_ds_mla T=16 1.56 -> 1.24; no point slower, so every call.
-    pdl_max_ctas: int = 1 << 30
 
 
 TUNING = CudaTuning()
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   ptxas_verbose: bool = False):
-    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 9 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = nvrtc.fixed_args_macros(fixed)
-    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
-
-
-def _slot_type(slot_dtype: torch.dtype) -> str:
-    return "long long" if slot_dtype == torch.int64 else "int"
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 9 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def kernel_name(in_kind: int, out_kind: int, vec: int, slot_dtype: torch.dtype) -> str:
-    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {_slot_type(slot_dtype)}>"
+    return f"{KERNEL}<{in_kind}, {out_kind}, {vec}, {launch.int_type(slot_dtype)}>"
 
 
 def ds_kernel_name(in_kind: int, align: int, slot_dtype: torch.dtype, bracket: bool,
                    ds_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE) -> str:
     pow2 = ds_scale is DsMlaScale.POW2
-    return (f"{DS_KERNEL}<{in_kind}, {align}, {_slot_type(slot_dtype)}, {str(bracket).lower()}, "
-            f"{str(pow2).lower()}>")
+    return (f"{DS_KERNEL}<{in_kind}, {align}, {launch.int_type(slot_dtype)}, "
+            f"{str(bracket).lower()}, {str(pow2).lower()}>")
 
 
 def _widest_vec(in_bytes: int, fp8: bool, tuning: CudaTuning = TUNING, small: bool = False) -> int:
@@ -169,16 +156,6 @@ class Plan:
     fixed: tuple[int, ...]  # kv_c_stride .. chunks (the 9 trailing kernel arguments)
 
 
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
-
-
-def _align(byte_values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in byte_values:
-        v |= int(b)
-    return v & -v
 
 
 def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -200,9 +177,9 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     common = (kv_c.stride(0) if t_pad > 1 else 0, k_pe.stride(0) if t_pad > 1 and pe_read else 0,
               kv_cache.stride(0) if num_blocks > 1 else 0,
               kv_cache.stride(1) if block_size > 1 else 0, block_size,
-              _log2_or_minus_1(block_size), num_blocks * block_size)
+              launch.log2_or_minus_1(block_size), num_blocks * block_size)
     if mode is MlaMode.FP8_DS_MLA:
-        align = _align(in_strides + cache_strides + in_ptrs + [kv_cache.data_ptr()])
+        align = launch.align(in_strides + cache_strides + in_ptrs + [kv_cache.data_ptr()])
         warps = tuning.ds_warps
         bracket = ds_uses_bracket(slot_mapping.numel(), L, P, ib, tuning)
         pe_lanes = 2 * P // 16  # 8 lanes of 16 bytes, or 0 (NoPE)
@@ -215,8 +192,8 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
         in_kind = _F16  # a 2-byte copy: one compiled variant for float16 and bfloat16
     small = is_small_call(slot_mapping.numel(), L, P, ib, tuning)
     vec = _widest_vec(ib, out_kind != _COPY, tuning, small)
-    in_al = _align(in_strides + in_ptrs)
-    out_al = _align(cache_strides + [kv_cache.data_ptr()])
+    in_al = launch.align(in_strides + in_ptrs)
+    out_al = launch.align(cache_strides + [kv_cache.data_ptr()])
     while vec > 1:
         if (L % vec == 0 and P % vec == 0 and in_al % min(vec * ib, 16) == 0
                 and out_al % min(vec * ob, 16) == 0):
@@ -227,29 +204,17 @@ def plan(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                 tuning.threads, tuning.threads, common + (L // vec, chunks))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
-    tail: tuple  # the 9 trailing int64 arguments
+LAUNCHES = launch.LaunchCache()
 
 
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
-
-
-def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning, ds_scale) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+def _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning, ds_scale) -> launch.Launchable:
+    launch.require_setup()
     p = plan(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning, ds_scale)
     index = kv_c.get_device()
-    macros = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
-    if tuning.specialize:
-        macros += nvrtc.fixed_args_macros(p.fixed)
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
-    return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
+    probe = ("KVWRITE_PROBE_INEXACT_QUOTIENT",) if tuning.inexact_quotient else ()
+    kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize,
+                                     before=probe)
+    return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)
 
 
 def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -271,21 +236,17 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
            is_small_call(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            ds_uses_bracket(num_tokens, kv_c.shape[1], k_pe.shape[1], kv_c.element_size(), tuning),
            tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning,
-                                              ds_scale)
+        lau = LAUNCHES[sig] = _launchable(kv_c, k_pe, kv_cache, slot_mapping, mode, tuning,
+                                          ds_scale)
     p = lau.plan
     if p.ds:
         grid = -(-num_tokens // p.per_cta)
     else:
-        total = num_tokens * p.fixed[8]
-        if total >= 2**32:
-            raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.fixed[8]} tokens per call "
-                             f"with this row length, got {num_tokens}")
-        grid = -(-total // p.threads)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+        grid = launch.thread_grid(num_tokens, p.fixed[8], p.threads, "with this row length")
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
     sp = scale.data_ptr() if scale is not None else 0
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, pp, cp,
-                 slot_mapping.data_ptr(), sp, num_tokens, *lau.tail)
+    nvrtc.launch(lau.device_index, config, kernel, kp, pp, cp,
+                 slot_mapping.data_ptr(), sp, num_tokens, *lau.fixed)

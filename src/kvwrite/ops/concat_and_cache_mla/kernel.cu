@@ -61,48 +61,6 @@
 #define KVW_MLA_FIXED_PROLOGUE()
 #endif
 
-// N bytes at an A-byte aligned address (A a power of two), as the widest accesses A allows.
-template <int N, int A>
-KVW_HD Raw<N> load_aligned(const u8* p) {
-  if constexpr (A >= 16 || A >= N) {
-    return load_raw<N>(p);
-  } else {
-    Raw<N> r;
-#pragma unroll
-    for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      const Raw<A> piece = load_raw<A>(p + i * A);
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
-      } else {
-        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
-      }
-    }
-    return r;
-  }
-}
-
-template <int N, int A>
-KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
-  if constexpr (A >= 16 || A >= N) {
-    store_raw<N>(p, r);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      Raw<A> piece;
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) piece.w[k] = r.w[i * A / 4 + k];
-      } else {
-        piece.w[0] = (r.w[(i * A) / 4] >> (8 * ((i * A) & 3))) & ((1u << (8 * A)) - 1u);
-      }
-      store_raw<A>(p + i * A, piece);
-    }
-  }
-}
-
 // Whether a kernel loads its token's slot before its row (int64 slots, a plain read-only load)
 // or after it (int32 slots, load_index). Loaded first, an int32 slot's sign extension was placed
 // before the row's load in 17 of the 55 generic int32 variants, which so waited for the slot's
@@ -136,14 +94,8 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
   const bool pe = c >= static_cast<u32>(l_chunks);
   const u8* src = pe ? k_pe + (t * k_pe_stride + static_cast<i64>(c - l_chunks) * VEC) * IB
                      : kv_c + (t * kv_c_stride + static_cast<i64>(c) * VEC) * IB;
-  // Copies load with ld.volatile, which ptxas may not move below the slot's test (a plain load
-  // whose only use is the store under the test would wait for the slot's load).
-  Raw<IN_BYTES> in;
-  if constexpr (OUT == DT_COPY) {
-    in = load_raw_volatile<IN_BYTES>(src);
-  } else {
-    in = load_raw<IN_BYTES>(src);
-  }
+  // Copies load with ld.volatile (load_raw_for), loads ptxas may not move below the slot's test.
+  Raw<IN_BYTES> in = load_raw_for<IN_BYTES, OUT == DT_COPY>(src);
   if constexpr (!SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;

@@ -116,9 +116,9 @@ __global__ void __launch_bounds__(KVW_GATHER_THREADS) cp_gather_and_upconvert_fp
           hi.w[2 * w - 3] = p1;
         }
       }
-      gather_store<16, DST_ALIGN>(out + 32u * lane, lo);
-      gather_store<16, DST_ALIGN>(out + 32u * lane + 16u, hi);
-      if (pe_lane) gather_store<16, DST_ALIGN>(out + 1024u + 16u * lane, pe[i]);
+      store_aligned<16, DST_ALIGN>(out + 32u * lane, lo);
+      store_aligned<16, DST_ALIGN>(out + 32u * lane + 16u, hi);
+      if (pe_lane) store_aligned<16, DST_ALIGN>(out + 1024u + 16u * lane, pe[i]);
     }
   }
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...gather import entry_dims
-from ...kernels import gather_cuda, nvrtc
+from ...kernels import gather_cuda, launch, nvrtc
 from ...kernels.gather_cuda import DT_COPY, TUNING, CudaTuning, entry_kernel_name
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
@@ -49,13 +49,9 @@ def all_kernel_names() -> list[str]:
             for vb in (16, 8, 4, 2, 1)]
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   macros: tuple = (), ptxas_verbose: bool = False):
-    """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    return SOURCE.compile(arch, names, source=source,
-                          macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
-                          ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 29 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def plan(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
@@ -95,21 +91,14 @@ def _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table) -> tuple[int
             0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
 
 
-_LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         cu_seq_lens: torch.Tensor, seq_starts: torch.Tensor | None, *,
         tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
-    sig = (gather_cuda.signature(src_cache, dst, block_table, cu_seq_lens, seq_starts),
-           src_cache.get_device(), tuning)
-    lau = _LAUNCHABLES.get(sig)
-    if lau is None:
-        name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, src_cache.get_device(), tuning,
-            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
-    ptrs = _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table)
-    gather_cuda.launch(lau, tuning, ptrs, dst.shape[0], cu_seq_lens.shape[0] - 1,
-                       seq_starts is not None)
+    gather_cuda.run(LAUNCHES, None, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+                    (src_cache, dst, block_table, cu_seq_lens, seq_starts),
+                    _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table),
+                    dst.shape[0], cu_seq_lens.shape[0] - 1, seq_starts is not None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gather_cuda, nvrtc
+from ...kernels import gather_cuda, launch, nvrtc
 from ...kernels.gather_cuda import TUNING, CudaTuning
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
@@ -38,13 +38,9 @@ def all_kernel_names() -> list[str]:
     return [f"{KERNEL}<{vk}, {vs}>" for vk in _WIDTHS for vs in _SCALE_WIDTHS]
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   macros: tuple = (), ptxas_verbose: bool = False):
-    """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    20 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    return SOURCE.compile(arch, names, source=source,
-                          macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
-                          ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 20 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def plan(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
@@ -96,20 +92,13 @@ def _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> tuple[int
             block_table.data_ptr())
 
 
-_LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
         block_table: torch.Tensor, cu_seq_lens: torch.Tensor, *,
         tuning: CudaTuning = TUNING) -> None:
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
-    sig = (gather_cuda.signature(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens),
-           kv_cache.get_device(), tuning)
-    lau = _LAUNCHABLES.get(sig)
-    if lau is None:
-        name, fixed = plan(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, kv_cache.get_device(), tuning,
-            round_rows=gather_cuda.indexer_round_rows(fixed, tuning))
-    ptrs = _pointers(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
-    gather_cuda.launch(lau, tuning, ptrs, dst_k.shape[0], block_table.shape[0], False)
+    args = (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+    gather_cuda.run(LAUNCHES, None, SOURCE, tuning, gather_cuda.indexer_round_rows, plan, args,
+                    _pointers(*args), dst_k.shape[0], block_table.shape[0], False)

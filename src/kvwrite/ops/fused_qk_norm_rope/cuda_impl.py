@@ -31,15 +31,16 @@ import dataclasses
 
 import torch
 
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
+from ...kernels.launch import int_type, kind
 from ...kernels.triton_support import next_pow2
-from ..rotary_embedding.cuda_impl import int_type, kind
 from .op import float32_bits
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "THREADS", "NO_WEIGHT",
            "lane_layout", "vector_width", "weight_width", "table_width", "weight_kind",
            "kernel_name", "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "Plan",
-           "plan", "layout_plan", "Build", "SMALL", "bounded", "call_build", "call_kernel"]
+           "plan", "layout_plan", "Build", "SMALL", "bounded", "call_build", "load_build",
+           "call_kernel"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope")
 KERNEL = "qk_norm_rope_kernel"
@@ -58,10 +59,6 @@ def weight_kind(w: torch.Tensor | None) -> int:
     return NO_WEIGHT if w is None else kind(w.dtype)
 
 
-def _aligned(ptr: int, nbytes: int) -> bool:
-    return ptr % min(nbytes, 16) == 0
-
-
 def lane_layout(head_size: int, in_bytes: int, chunks: int = 1) -> tuple[int, int]:
     """(E, L): elements per lane and lanes per head group for ``chunks`` 16-byte chunks of the
     row per lane (see the module doc)."""
@@ -77,7 +74,7 @@ def vector_width(head_size: int, e: int, rows: tuple[tuple[int, int, tuple[int, 
     v = min(e, max(1, 16 // in_bytes))
     while v > 1:
         ok = head_size % v == 0 and e % v == 0
-        ok = ok and all(_aligned(p, v * es) and all(s % v == 0 for s in strides)
+        ok = ok and all(launch.aligned(p, v * es) and all(s % v == 0 for s in strides)
                         for p, es, strides in rows)
         if ok:
             return v
@@ -92,8 +89,8 @@ def weight_width(head_size: int, e: int, weights) -> int:
     v = e
     while v > 1:
         ok = head_size % v == 0 and e % v == 0
-        ok = ok and all(v * w.element_size() <= 16 and _aligned(w.data_ptr(), v * w.element_size())
-                        for w in present)
+        ok = ok and all(v * w.element_size() <= 16
+                        and launch.aligned(w.data_ptr(), v * w.element_size()) for w in present)
         if ok:
             return v
         v //= 2
@@ -108,7 +105,7 @@ def table_width(e: int, rot: int, is_neox: bool, table: torch.Tensor) -> int:
     es = table.element_size()
     v = max(1, min(per_lane, 16 // es))
     while v > 1:
-        if half % v == 0 and per_lane % v == 0 and _aligned(table.data_ptr(), v * es):
+        if half % v == 0 and per_lane % v == 0 and launch.aligned(table.data_ptr(), v * es):
             return v
         v //= 2
     return 1
@@ -243,16 +240,12 @@ def plan(qkv: torch.Tensor, q_weight, k_weight, cos_sin_cache: torch.Tensor, is_
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`. The
     large-call fields are predictions from the kernel's machine code and from what made
     fused_rope_and_reshape_cache_flash's kernel fast (tuning-log changes 34-36, 44, 53): not
     measured on this kernel yet."""
 
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0:
-    # never.
-    pdl_max_ctas: int = 1 << 30
     # One build per call signature with the arguments from qkv_stride on compiled in
     # (kernel.cu's KVWRITE_FIXED_ARGS), as the other ops; KVWRITE_CUDA_SPECIALIZE=0: one generic
     # build per variant.
@@ -336,37 +329,26 @@ def call_kernel(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: floa
     return name, p, fixed, build
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    lanes: int
-    cta: int
-    units_per_token: int
-    device_index: int
-    fixed: tuple
+LAUNCHES = launch.LaunchCache()
 
 
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+def load_build(source: nvrtc.KernelSource, name: str, fixed: tuple, p: Plan, build: Build,
+               heads: int, index: int, specialize: bool) -> launch.Launchable:
+    """Variant ``name`` of ``source`` loaded for device ``index`` (``build``'s PDL twin
+    triggering the next kernel or not) with ``heads`` heads of ``p.lanes`` lanes a token: its
+    plan is (threads per token, CTA threads). fused_qk_norm_rope_and_reshape_cache_flash's too."""
+    kernel, pdl_kernel = launch.load(source, name, fixed, index, specialize, trigger=build.trigger)
+    return launch.Launchable(kernel, pdl_kernel, index, fixed, (heads * p.lanes, build.cta))
 
 
 def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
-                position_ids, weight_offset, specialize, build) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                position_ids, weight_offset, specialize, build) -> launch.Launchable:
+    launch.require_setup()
     name, p, fixed, build = call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight,
                                         cos_sin_cache, is_neox, position_ids, weight_offset,
                                         build, specialize)
-    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
-    index = qkv.get_device()
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index, trigger=build.trigger)
-    return _Launchable(kernel, pdl_kernel, p.lanes, build.cta, num_heads_q + num_heads_k, index,
-                       fixed)
-
-
-def _ptr(w: torch.Tensor | None) -> int:
-    return 0 if w is None else w.data_ptr()
+    return load_build(SOURCE, name, fixed, p, build, num_heads_q + num_heads_k,
+                      qkv.get_device(), specialize)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
@@ -377,7 +359,7 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     num_rot = position_ids.numel()
     if num_rot == 0:
         return
-    qw, kw = _ptr(q_weight), _ptr(k_weight)
+    qw, kw = launch.ptr(q_weight), launch.ptr(k_weight)
     build = call_build(num_rot * (num_heads_q + num_heads_k) * qkv.shape[2] *
                        qkv.element_size(), tuning)
     sig = (qkv.dtype, cos_sin_cache.dtype, position_ids.dtype, qkv.shape[1:], qkv.stride()[:2],
@@ -386,15 +368,15 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
            None if k_weight is None else k_weight.dtype,
            qkv.data_ptr() & 15, cos_sin_cache.data_ptr() & 15, qw & 15, kw & 15, is_neox,
            qkv.get_device(), tuning.specialize, build)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight,
-                                              k_weight, cos_sin_cache, is_neox, position_ids,
-                                              weight_offset, tuning.specialize, build)
-    threads = num_rot * lau.units_per_token * lau.lanes
-    ctas = -(-threads // lau.cta)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, lau.cta, 1, pdl)
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+        lau = LAUNCHES[sig] = _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight,
+                                          k_weight, cos_sin_cache, is_neox, position_ids,
+                                          weight_offset, tuning.specialize, build)
+    per_token, cta = lau.plan
+    ctas = -(-(num_rot * per_token) // cta)
+    kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(ctas, 1, cta, 1, pdl)
+    nvrtc.launch(lau.device_index, config, kernel,
                  position_ids.data_ptr(), qkv.data_ptr(), cos_sin_cache.data_ptr(), qw, kw,
                  num_rot, *lau.fixed)

@@ -24,7 +24,9 @@ import dataclasses
 import torch
 
 from ...dtypes import CacheDType, scale_is_per_head
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
+from ...kernels.launch import int_type, kind
+from ..fused_qk_norm_rope import cuda_impl as norm_cuda
 from ..fused_qk_norm_rope.cuda_impl import (
     NO_WEIGHT,
     SMALL,
@@ -37,8 +39,6 @@ from ..fused_qk_norm_rope.cuda_impl import (
     weight_kind,
 )
 from ..fused_qk_norm_rope.op import float32_bits
-from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
-from ..rotary_embedding.cuda_impl import int_type, kind
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "kernel_name",
            "all_kernel_names", "fixed_args", "CudaTuning", "TUNING", "IN_PLACE", "out_kind",
@@ -48,7 +48,6 @@ SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope_cach
 KERNEL = "qk_norm_rope_cache_kernel"
 _COPY, _E4M3, _E5M2 = 5, 3, 4
 IN_PLACE = 7  # kvw/qk_norm.cuh's QKN_IN_PLACE
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 _QUERY_FP8_KIND = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -59,13 +58,7 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache, cach
     return None
 
 
-def out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    """The caches' element kind: DT_COPY where they hold qkv's own dtype."""
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return kind(cache_tensor)
+out_kind = launch.cache_kind  # the caches' element kind (DT_COPY: qkv's own dtype)
 
 
 def query_kind(query_out: torch.Tensor | None) -> int:
@@ -127,42 +120,19 @@ def all_kernel_names() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
-    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`. The
-    large-call fields are fused_qk_norm_rope's (see its CudaTuning) plus the value's order:
-    predictions, not measured on this kernel yet."""
+class CudaTuning(norm_cuda.CudaTuning):
+    """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`:
+    fused_qk_norm_rope's (its ``specialize`` and large-call fields, the same predictions, not
+    measured on this kernel yet) plus the cache's."""
 
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (as the fused RoPE op's); 0: never.
-    pdl_max_ctas: int = 1 << 30
-    # One build per call signature with the arguments from qkv_stride on compiled in
-    # (kernel.cu's KVWRITE_FIXED_ARGS); KVWRITE_CUDA_SPECIALIZE=0: one generic build per variant.
-    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # The large-call build (not measured): for calls of at least large_call_bytes of query, key
-    # and value rows, large_call_chunks 16-byte chunks per lane (interleaved where the rotation's
-    # partners stay in the lane), CTAs of large_call_cta_threads, __launch_bounds__(cta,
-    # large_call_min_blocks) (48 registers; with an fp8 cache or query_out
-    # large_call_min_blocks_fp8: 56, where 48 spilled 40 bytes), a PDL twin that triggers the next kernel early only with
-    # large_call_pdl_trigger; with large_call_value_first a key group converts its value before
-    # it requests the table's entries and stores it then (or, where a head's cache row is 128
-    # bytes, right after the key's chunks), so it never holds the value's input and the entries
-    # at once (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
-    large_call_bytes: int = 4 << 20
-    large_call_chunks: int = 2
-    large_call_cta_threads: int = 64
-    large_call_min_blocks: int = 20
+    # With an fp8 cache or query_out the large-call build's __launch_bounds__ takes
+    # large_call_min_blocks_fp8 (56 registers, where 48 spilled 40 bytes). With
+    # large_call_value_first a key group of the large-call build converts its value before it
+    # requests the table's entries and stores it then (or, where a head's cache row is 128 bytes,
+    # right after the key's chunks), so it never holds the value's input and the entries at once
+    # (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
     large_call_min_blocks_fp8: int = 18
-    large_call_pdl_trigger: bool = False
     large_call_value_first: bool = True
-
-    def __post_init__(self):
-        c = self.large_call_cta_threads
-        if not (isinstance(c, int) and 32 <= c <= 1024 and c % 32 == 0):
-            raise ValueError(f"large_call_cta_threads: expected a multiple of 32 in [32, 1024], "
-                             f"got {c!r}")
-        if self.large_call_chunks not in (1, 2, 4):
-            raise ValueError(f"large_call_chunks: expected 1, 2 or 4, got "
-                             f"{self.large_call_chunks!r}")
 
     def large_build(self, fp8: bool = False) -> Build:
         return Build(self.large_call_chunks, self.large_call_cta_threads,
@@ -192,7 +162,7 @@ def fixed_args(qkv, num_heads_q, num_heads_k, eps, cos_sin_cache, weight_offset,
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     qo_stride = 0 if query_out is None else query_out.stride(0)
     return (qkv.stride(0), qkv.stride(1), qo_stride, cos_sin_cache.shape[0], block_stride,
-            page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            page_stride, head_stride, block_size, launch.log2_or_minus_1(block_size),
             num_blocks * block_size, num_heads_q, num_heads_k, qkv.shape[2],
             cos_sin_cache.shape[1], float32_bits(eps),
             float32_bits(weight_offset), int(weight_offset != 0), int(rotate_key_in_place))
@@ -230,40 +200,21 @@ def call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_
     return name, p, fixed, build
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    lanes: int
-    cta: int
-    units_per_token: int
-    device_index: int
-    fixed: tuple
-
-
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def _launchable(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
                 position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
-                rotate_key_in_place, query_out, specialize, build, value_first) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                rotate_key_in_place, query_out, specialize, build,
+                value_first) -> launch.Launchable:
+    launch.require_setup()
     name, p, fixed, build = call_kernel(qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight,
                                         cos_sin_cache, is_neox, position_ids, weight_offset,
                                         key_cache, value_cache, slot_mapping, cache_dtype,
                                         rotate_key_in_place, query_out, build, value_first,
                                         specialize)
-    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
-    index = qkv.get_device()
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index, trigger=build.trigger)
-    return _Launchable(kernel, pdl_kernel, p.lanes, build.cta, num_heads_q + num_heads_k, index,
-                       fixed)
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+    return norm_cuda.load_build(SOURCE, name, fixed, p, build, num_heads_q + num_heads_k,
+                                qkv.get_device(), specialize)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
@@ -278,7 +229,7 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     num_rot = position_ids.numel()
     if num_rot == 0:
         return
-    qw, kw, qo = _ptr(q_weight), _ptr(k_weight), _ptr(query_out)
+    qw, kw, qo = launch.ptr(q_weight), launch.ptr(k_weight), launch.ptr(query_out)
     kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
     fp8 = cache_dtype.is_fp8 or query_kind(query_out) in (_E4M3, _E5M2)
     build, value_first = call_build(num_rot * (num_heads_q + 2 * num_heads_k) * qkv.shape[2] *
@@ -292,22 +243,23 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
            qkv.data_ptr() & 15, cos_sin_cache.data_ptr() & 15, qw & 15, kw & 15, qo & 15,
            kc & 15, vc & 15, is_neox, rotate_key_in_place, qkv.get_device(), tuning.specialize,
            build, value_first)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(
+        lau = LAUNCHES[sig] = _launchable(
             qkv, num_heads_q, num_heads_k, eps, q_weight, k_weight, cos_sin_cache, is_neox,
             position_ids, weight_offset, key_cache, value_cache, slot_mapping, cache_dtype,
             rotate_key_in_place, query_out, tuning.specialize, build, value_first)
-    threads = num_rot * lau.units_per_token * lau.lanes
-    ctas = -(-threads // lau.cta)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, lau.cta, 1, pdl)
+    per_token, cta = lau.plan
+    ctas = -(-(num_rot * per_token) // cta)
+    kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(ctas, 1, cta, 1, pdl)
     kss = vss = qss = 0
     if k_scale is not None:
         kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
     if q_scale is not None:
         qss = int(scale_is_per_head(q_scale))
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+    nvrtc.launch(lau.device_index, config, kernel,
                  position_ids.data_ptr(), qkv.data_ptr(), qo, cos_sin_cache.data_ptr(), qw, kw,
-                 kc, vc, slot_mapping.data_ptr(), _ptr(k_scale), _ptr(v_scale), _ptr(q_scale),
+                 kc, vc, slot_mapping.data_ptr(), launch.ptr(k_scale), launch.ptr(v_scale),
+                 launch.ptr(q_scale),
                  num_rot, slot_mapping.numel(), kss, vss, qss, *lau.fixed)

@@ -22,10 +22,10 @@ import dataclasses
 
 import torch
 
-from ...dtypes import CacheDType, scale_is_per_head
-from ...kernels import nvrtc
-from ..reshape_and_cache_flash.cuda_impl import _log2_or_minus_1
-from ..rotary_embedding.cuda_impl import available, int_type, kind, launch_shape, unit_width, units
+from ...dtypes import CacheDType
+from ...kernels import launch, nvrtc
+from ...kernels.launch import int_type, kind
+from ..rotary_embedding.cuda_impl import available, launch_shape, unit_width, units
 from ..rotary_embedding.op import head_stride as row_head_stride
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_names",
@@ -34,11 +34,10 @@ __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "all_kernel_na
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_fused_rope_cache")
 KERNEL = "fused_rope_cache_kernel"
 _COPY, _E4M3, _E5M2 = 5, 3, 4
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a build)."""
 
@@ -81,15 +80,6 @@ class CudaTuning:
     small_call_bytes: int = 3 << 20
     small_call_bytes_fp8: int = 1 << 20
     small_call_unit_bytes: int = 8
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (as rotary_embedding's CudaTuning); 0: never.
-    # The large-call build waits but does not trigger the next kernel early (nvrtc's
-    # PDL_NO_TRIGGER_MACRO). Measured, H200, bfloat16, rotated L2 (tuning-log change 44), off ->
-    # on: GQA(32,8,128) auto T=1 2.85 -> 2.19 us (hot 1.89 -> 1.43), T=16 3.17 -> 2.51, T=1024
-    # 9.38 -> 8.78; with the trigger the large-call build lost at T >= 4096 (GQA T=16384 114.8 ->
-    # 123.6), without it T=4096 GQA auto 30.40 -> 29.75, fp8 28.32 -> 27.70, MHA fp8 53.66 ->
-    # 53.03, T=16384 equal or less (GQA fp8 105.7 -> 104.8).
-    pdl_max_ctas: int = 1 << 30
     # One build per call signature with the arguments from q_stride on compiled in (kernel.cu's
     # KVWRITE_FIXED_ARGS), as reshape_and_cache_flash's; KVWRITE_CUDA_SPECIALIZE=0: one generic
     # build per variant. sm_90, GQA(32,8,128) bfloat16, small-call build: auto 624 -> 352
@@ -121,12 +111,7 @@ def cta_shape(units_per_token: int, cta_threads: int | None) -> tuple[int, int, 
 TUNING = CudaTuning()
 
 
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return kind(cache_tensor)
+_out_kind = launch.cache_kind
 
 
 def kernel_name(in_kind: int, cs_kind: int, out_kind: int, w: int, neox: bool,
@@ -200,31 +185,20 @@ def fixed_args(query, key, value, cos_sin_cache, is_neox, key_cache, rotate_key_
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     qo = query if query_out is None else query_out
     return (query.stride(0), qo.stride(0), key.stride(0), value.stride(0), cos_sin_cache.shape[0],
-            block_stride, page_stride, head_stride, block_size, _log2_or_minus_1(block_size),
+            block_stride, page_stride, head_stride, block_size, launch.log2_or_minus_1(block_size),
             num_blocks * block_size, hq, d, rot, per_head, rot_units,
             (hq + key.shape[1]) * per_head, int(rotate_key_in_place), int(query_out is None),
             row_head_stride(query), row_head_stride(qo), row_head_stride(key),
             row_head_stride(value))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    config: tuple
-    device_index: int
-    fixed: tuple  # the arguments from q_stride on (fixed_args)
-
-
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
                 slot_mapping, cache_dtype, rotate_key_in_place, query_out, min_blocks,
-                cta_threads, max_unit_bytes, specialize) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                cta_threads, max_unit_bytes, specialize) -> launch.Launchable:
+    launch.require_setup()
     w = _width(query, key, value, key_cache, value_cache, query_out, cos_sin_cache, is_neox,
                max_unit_bytes)
     if w == 0:
@@ -235,11 +209,11 @@ def _launchable(query, key, value, positions, cos_sin_cache, is_neox, key_cache,
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype),
                        _out_kind(cache_dtype, query.dtype, key_cache.dtype), w, is_neox,
                        positions.dtype, slot_mapping.dtype, min_blocks)
-    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
     index = query.get_device()
     # The large-call build waits without triggering the next kernel early (CudaTuning).
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index, trigger=min_blocks == 1)
-    return _Launchable(kernel, pdl_kernel, (row, tpc, parts), index, fixed)
+    kernel, pdl_kernel = launch.load(SOURCE, name, fixed, index, specialize,
+                                     trigger=min_blocks == 1)
+    return launch.Launchable(kernel, pdl_kernel, index, fixed, (row, tpc, parts))
 
 
 def call_build(row_bytes: int, cache_dtype: CacheDType, tuning: CudaTuning = TUNING) -> tuple:
@@ -277,22 +251,18 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     row_bytes = num_rot * (query.shape[1] + 2 * key.shape[1]) * query.shape[2] * \
         query.element_size()
     build = call_build(row_bytes, cache_dtype, tuning)
-    lau = _LAUNCHABLES.get((sig, build))
+    lau = LAUNCHES.get((sig, build))
     if lau is None:
-        lau = _LAUNCHABLES[sig, build] = _launchable(
+        lau = LAUNCHES[sig, build] = _launchable(
             query, key, value, positions, cos_sin_cache, is_neox, key_cache, value_cache,
             slot_mapping, cache_dtype, rotate_key_in_place, query_out, *build,
             tuning.specialize)
-    row, tpc, parts = lau.config
+    row, tpc, parts = lau.plan
     gx = -(-num_rot // tpc)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * parts, tuning.pdl_max_ctas)
+    kernel, pdl = lau.pick(gx * parts, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(gx, parts, row, tpc, pdl)
-    if k_scale is None:
-        ksp = vsp = kss = vss = 0
-    else:
-        ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+    ksp, vsp, kss, vss = launch.scale_args(k_scale, v_scale)
+    nvrtc.launch(lau.device_index, config, kernel,
                  positions.data_ptr(), ptrs[0], ptrs[1],
                  ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], slot_mapping.data_ptr(), ksp, vsp,
                  num_rot, slot_mapping.numel(), kss, vss, *lau.fixed)

@@ -16,15 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gather_cuda, nvrtc
-from ...kernels.gather_cuda import (
-    DT_COPY,
-    DT_E4M3,
-    DT_E5M2,
-    TUNING,
-    CudaTuning,
-    entry_kernel_name,
-)
+from ...kernels import gather_cuda, launch, nvrtc
+from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
 from ..concat_and_cache_mla.op import MlaMode
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
@@ -46,19 +39,12 @@ def unsupported(src_cache, dst, mode) -> str | None:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    names = [entry_kernel_name(KERNEL, DT_COPY, 0, vb, NDIM) for vb in (16, 8, 4, 2, 1)]
-    for out in (0, 1, 2):  # fp8 (e4m3 or e5m2: a fixed argument)
-        names += [entry_kernel_name(KERNEL, DT_E4M3, out, vb, NDIM) for vb in (8, 4, 2, 1)]
-    return names
+    return gather_cuda.entry_kernel_names(KERNEL, NDIM)
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   macros: tuple = (), ptxas_verbose: bool = False):
-    """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    return SOURCE.compile(arch, names, source=source,
-                          macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
-                          ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 29 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def plan(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
@@ -100,7 +86,7 @@ def _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale) -> tu
             block_table.data_ptr())
 
 
-_LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
@@ -109,12 +95,7 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     """Launch on PyTorch's current stream (arguments validated by the public op)."""
     sig = (gather_cuda.signature(src_cache, dst, block_table, cu_seq_lens, seq_starts), mode,
            src_cache.get_device(), tuning)
-    lau = _LAUNCHABLES.get(sig)
-    if lau is None:
-        name, fixed = plan(src_cache, dst, block_table, cu_seq_lens, seq_starts, mode)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, src_cache.get_device(), tuning,
-            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
-    ptrs = _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale)
-    gather_cuda.launch(lau, tuning, ptrs, num_tokens, cu_seq_lens.shape[0] - 1,
-                       seq_starts is not None)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+                    (src_cache, dst, block_table, cu_seq_lens, seq_starts, mode),
+                    _pointers(src_cache, dst, cu_seq_lens, seq_starts, block_table, scale),
+                    num_tokens, cu_seq_lens.shape[0] - 1, seq_starts is not None)

@@ -17,15 +17,8 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import CacheDType, scale_is_per_head
-from ...kernels import gather_cuda, nvrtc
-from ...kernels.gather_cuda import (
-    DT_COPY,
-    DT_E4M3,
-    DT_E5M2,
-    TUNING,
-    CudaTuning,
-    entry_kernel_name,
-)
+from ...kernels import gather_cuda, launch, nvrtc
+from ...kernels.gather_cuda import DT_COPY, DT_E4M3, DT_E5M2, TUNING, CudaTuning
 
 __all__ = ["CudaTuning", "TUNING", "SOURCE", "KERNEL", "available", "unsupported", "run", "plan",
            "all_kernel_names", "compile_kernel", "launch_args"]
@@ -45,19 +38,12 @@ def unsupported(key_cache, key_out, cache_dtype) -> str | None:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests)."""
-    names = [entry_kernel_name(KERNEL, DT_COPY, 0, vb, NDIM) for vb in (16, 8, 4, 2, 1)]
-    for out in (0, 1, 2):  # fp8 (e4m3 or e5m2: a fixed argument)
-        names += [entry_kernel_name(KERNEL, DT_E4M3, out, vb, NDIM) for vb in (8, 4, 2, 1)]
-    return names
+    return gather_cuda.entry_kernel_names(KERNEL, NDIM)
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   macros: tuple = (), ptxas_verbose: bool = False):
-    """Compile kernel variants with NVRTC to one cubin for ``arch``; needs no GPU. ``fixed``: the
-    29 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    return SOURCE.compile(arch, names, source=source,
-                          macros=tuple(macros) + nvrtc.fixed_args_macros(fixed),
-                          ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 29 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def plan(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
@@ -116,7 +102,7 @@ def _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_start
             0 if seq_starts is None else seq_starts.data_ptr(), block_table.data_ptr())
 
 
-_LAUNCHABLES: dict[tuple, gather_cuda.Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tensor,
@@ -127,14 +113,9 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
     sig = (gather_cuda.signature(key_cache, value_cache, key_out, value_out, block_table,
                                  cu_seq_lens, seq_starts, k_scale, v_scale),
            cache_dtype, key_cache.get_device(), tuning)
-    lau = _LAUNCHABLES.get(sig)
-    if lau is None:
-        name, fixed = plan(key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
-                           seq_starts, cache_dtype, k_scale, v_scale)
-        lau = _LAUNCHABLES[sig] = gather_cuda.build(
-            SOURCE, name, fixed, key_cache.get_device(), tuning,
-            round_rows=gather_cuda.entry_round_rows(fixed, tuning))
-    ptrs = _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
-                     block_table, k_scale, v_scale)
-    gather_cuda.launch(lau, tuning, ptrs, key_out.shape[0], cu_seq_lens.shape[0] - 1,
-                       seq_starts is not None)
+    gather_cuda.run(LAUNCHES, sig, SOURCE, tuning, gather_cuda.entry_round_rows, plan,
+                    (key_cache, value_cache, key_out, value_out, block_table, cu_seq_lens,
+                     seq_starts, cache_dtype, k_scale, v_scale),
+                    _pointers(key_cache, value_cache, key_out, value_out, cu_seq_lens, seq_starts,
+                              block_table, k_scale, v_scale),
+                    key_out.shape[0], cu_seq_lens.shape[0] - 1, seq_starts is not None)

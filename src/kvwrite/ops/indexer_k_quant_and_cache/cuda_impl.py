@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
 from .op import ScaleFormat
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
@@ -32,7 +32,7 @@ KERNEL = "indexer_k_quant_and_cache_kernel"
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_KIND = launch.KIND
 # The scale format as the kernel's last fixed argument scale_fmt (KVW_INDEXER_FMT_* in kernel.cu):
 # a macro in specialized builds, a kernel argument in the generic ones.
 _FMT_CODE = {ScaleFormat.FLOAT32: 0, ScaleFormat.UE8M0: 1, ScaleFormat.MXFP8: 2}
@@ -40,7 +40,7 @@ _FMT_CODE = {ScaleFormat.FLOAT32: 0, ScaleFormat.UE8M0: 1, ScaleFormat.MXFP8: 2}
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
     values follow concat_and_cache_mla's fp8_ds_mla kernel (32 input bytes a lane, 256-thread
@@ -59,21 +59,14 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with
-    # programmatic stream serialization where the device allows it (as the other ops; every
-    # call: no other op measured a point slower with it).
-    pdl_max_ctas: int = 1 << 30
 
 
 TUNING = CudaTuning()
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   ptxas_verbose: bool = False):
-    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 11 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = nvrtc.fixed_args_macros(fixed)
-    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 11 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def kernel_name(in_kind: int, vec: int, slot_dtype: torch.dtype, one: bool) -> str:
@@ -124,16 +117,6 @@ class Plan:
     fixed: tuple[int, ...]  # k_stride .. scale_fmt (the 11 trailing kernel arguments)
 
 
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
-
-
-def _align(byte_values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in byte_values:
-        v |= int(b)
-    return v & -v
 
 
 def plan(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -147,8 +130,8 @@ def plan(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     q = quant_block_size
     ib = k.element_size()
     # Only strides along dims of size > 1 ever multiply a nonzero index.
-    in_al = _align([k.data_ptr()] + ([k.stride(0) * ib] if t_pad > 1 else []))
-    out_al = _align([kv_cache.data_ptr()] + ([kv_cache.stride(0)] if num_blocks > 1 else [])
+    in_al = launch.align([k.data_ptr()] + ([k.stride(0) * ib] if t_pad > 1 else []))
+    out_al = launch.align([kv_cache.data_ptr()] + ([kv_cache.stride(0)] if num_blocks > 1 else [])
                     + ([head_dim] if block_size > 1 else []))
     vec = _widest_vec(ib, tuning, is_small_call(slot_mapping.numel(), head_dim, ib, tuning))
     while vec > 1:
@@ -160,34 +143,22 @@ def plan(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     groups = head_dim // q
     tpt = groups * lanes
     fixed = (k.stride(0) if t_pad > 1 else 0, kv_cache.stride(0) if num_blocks > 1 else 0,
-             block_size, _log2_or_minus_1(block_size), num_blocks * block_size, head_dim, q,
+             block_size, launch.log2_or_minus_1(block_size), num_blocks * block_size, head_dim, q,
              groups, lanes, tpt, _FMT_CODE[fmt])
     one = lanes == chunks
     return Plan(kernel_name(_KIND[k.dtype], vec, slot_mapping.dtype, one), vec, lanes, one, tpt,
                 tuning.threads, fixed)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
-    tail: tuple  # the 11 trailing int64 arguments
+LAUNCHES = launch.LaunchCache()
 
 
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
-
-
-def _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt, tuning) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+def _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt, tuning) -> launch.Launchable:
+    launch.require_setup()
     p = plan(k, kv_cache, slot_mapping, quant_block_size, fmt, tuning)
     index = k.get_device()
-    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
-    return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
+    kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize)
+    return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)
 
 
 def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -201,17 +172,17 @@ def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     sig = (k.dtype, slot_mapping.dtype, k.shape[1], k.shape[0] > 1, k.stride(0), quant_block_size,
            fmt, kv_cache.shape, kv_cache.stride(), kp & 15, cp & 15, k.get_device(),
            is_small_call(num_tokens, k.shape[1], k.element_size(), tuning), tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt,
-                                              tuning)
+        lau = LAUNCHES[sig] = _launchable(k, kv_cache, slot_mapping, quant_block_size, fmt,
+                                          tuning)
     p = lau.plan
     grid = -(-(num_tokens * p.threads_per_token) // p.threads)
     if grid * p.threads >= 2**32:  # the kernel's thread index is 32-bit
         most = (2**32 - p.threads) // p.threads_per_token
         raise ValueError(f"slot_mapping: at most {most} tokens per call with this head dim and "
                          f"group size, got {num_tokens}")
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, p.threads, 1, pdl)
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, cp,
-                 slot_mapping.data_ptr(), num_tokens, *lau.tail)
+    nvrtc.launch(lau.device_index, config, kernel, kp, cp,
+                 slot_mapping.data_ptr(), num_tokens, *lau.fixed)

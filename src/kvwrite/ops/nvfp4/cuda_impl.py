@@ -28,7 +28,7 @@ import struct
 import torch
 
 from ...dtypes import CacheDType
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
 from .op import ScaleLayout
 from .rule import GROUP
 
@@ -48,7 +48,7 @@ SMALL_ELEMS = (4, 8)  # nvfp4_small_kernel's E
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_KIND = launch.KIND
 
 
 def _env_int(name: str, default: int) -> int:
@@ -57,7 +57,7 @@ def _env_int(name: str, default: int) -> int:
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
     values follow the other ops' kernels. The four environment variables below let a benchmark
@@ -95,9 +95,6 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (as the other ops); 0: never.
-    pdl_max_ctas: int = 1 << 30
 
     def __post_init__(self):
         if self.small_elems not in (0, *SMALL_ELEMS):
@@ -109,24 +106,18 @@ class CudaTuning:
 TUNING = CudaTuning()
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   ptxas_verbose: bool = False):
-    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 20 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = nvrtc.fixed_args_macros(fixed)
-    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
-
-
-def _slot_type(slot_dtype: torch.dtype) -> str:
-    return "long long" if slot_dtype == torch.int64 else "int"
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 20 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def kernel_name(in_kind: int, mode: int, slot_dtype: torch.dtype, four_over_six: bool) -> str:
-    return f"{KERNEL}<{in_kind}, {mode}, {_slot_type(slot_dtype)}, {str(four_over_six).lower()}>"
+    slot = launch.int_type(slot_dtype)
+    return f"{KERNEL}<{in_kind}, {mode}, {slot}, {str(four_over_six).lower()}>"
 
 
 def small_kernel_name(in_kind: int, slot_dtype: torch.dtype, elems: int) -> str:
-    return f"{SMALL_KERNEL}<{in_kind}, {_slot_type(slot_dtype)}, {elems}>"
+    return f"{SMALL_KERNEL}<{in_kind}, {launch.int_type(slot_dtype)}, {elems}>"
 
 
 def all_kernel_names() -> list[str]:
@@ -162,16 +153,6 @@ class Plan:
     fixed: tuple[int, ...]  # key_stride .. v_swizzle (the 20 trailing kernel arguments)
 
 
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
-
-
-def _align(byte_values, most: int) -> int:
-    """The largest power of two (at most ``most``) dividing every value."""
-    v = most
-    for b in byte_values:
-        v |= int(b)
-    return v & -v
 
 
 def _strides(view: torch.Tensor) -> tuple[int, int, int]:
@@ -196,13 +177,13 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
     groups = num_heads * head_groups
     in_strides = [t.stride(0) * ib for t in (key, value)] if t_pad > 1 else []
     kd, ks, vd, vs = (_strides(x) for x in (k_data, k_sf, v_data, v_sf))
-    in_aligned = _align(in_strides + [key.data_ptr(), value.data_ptr()], 16) == 16
-    data_align = _align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 16)
+    in_aligned = launch.align(in_strides + [key.data_ptr(), value.data_ptr()], 16) == 16
+    data_align = launch.align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 16)
     fos = cache_dtype is CacheDType.NVFP4_4OVER6
     kind = _KIND[key.dtype]
     small = is_small_call(slot_mapping.numel(), groups, tuning)
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0, groups,
-             head_groups, *kd, *ks, *vd, *vs, block_size, _log2_or_minus_1(block_size),
+             head_groups, *kd, *ks, *vd, *vs, block_size, launch.log2_or_minus_1(block_size),
              num_blocks * block_size, int(v_scale_layout is ScaleLayout.SWIZZLED))
     threads = tuning.small_threads if small else tuning.threads
     if not in_aligned or data_align < 8:
@@ -230,28 +211,19 @@ def cta_threads(p: Plan, total: int, tuning: CudaTuning = TUNING) -> int:
     return threads
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
+LAUNCHES = launch.LaunchCache()
 
 
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
-
-
-def _launchable(args, tuning) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+def _launchable(args, tuning) -> launch.Launchable:
+    launch.require_setup()
     p = plan(*args, tuning=tuning)
     index = args[0].get_device()
-    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
+    after = ()
     if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
-        macros += (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
-    return _Launchable(p, kernel, pdl_kernel, index)
+        after = (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
+    kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize,
+                                     after=after)
+    return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)
 
 
 def _scale_args(s) -> tuple[int, int]:
@@ -277,22 +249,18 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
            v_scale_layout, k_data.shape, *(x.stride() for x in views),
            k_data.data_ptr() & 15, v_data.data_ptr() & 15, key.get_device(),
            is_small_call(num_tokens, groups, tuning), tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(
+        lau = LAUNCHES[sig] = _launchable(
             (key, value, *views, slot_mapping, cache_dtype, v_scale_layout), tuning)
     p = lau.plan
-    total = num_tokens * p.per_token
-    if total >= 2**32:
-        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // p.per_token} tokens per call "
-                         f"with this row length, got {num_tokens}")
-    threads = cta_threads(p, total, tuning)
-    grid = -(-total // threads)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    threads = cta_threads(p, num_tokens * p.per_token, tuning)
+    grid = launch.thread_grid(num_tokens, p.per_token, threads, "with this row length")
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, threads, 1, pdl)
     kp, kb = _scale_args(k_scale)
     vp, vb = _scale_args(v_scale)
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+    nvrtc.launch(lau.device_index, config, kernel,
                  key.data_ptr(), value.data_ptr(), k_data.data_ptr(), k_sf.data_ptr(),
                  v_data.data_ptr(), v_sf.data_ptr(), slot_mapping.data_ptr(), kp, vp, kb, vb,
                  num_tokens, *p.fixed)

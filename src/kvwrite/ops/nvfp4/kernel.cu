@@ -72,20 +72,7 @@ KVW_HD Raw<N> nvfp4_load(const u8* p) {
   if constexpr (A >= 16 || A >= N) {
     return load_raw<N>(p);
   } else {
-    Raw<N> r;
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) r.w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      const Raw<A> piece = load_raw_volatile<A>(p + i * A);
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
-      } else {
-        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
-      }
-    }
-    return r;
+    return load_pieces<N, A>(p, [](const u8* q) { return load_raw_volatile<A>(q); });
   }
 }
 

@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from ...dtypes import CacheDType, scale_is_per_head
-from ...kernels import nvrtc
+from ...dtypes import CacheDType
+from ...kernels import launch, nvrtc
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
            "all_kernel_names", "compile_kernel", "SOURCE", "kernel_name", "token_lanes"]
@@ -35,14 +35,13 @@ KERNEL = "reshape_and_cache_kernel"
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+_KIND = launch.KIND
 _OUT_BYTES = {_F16: 2, _BF16: 2, _F32: 4, _E4M3: 1, _E5M2: 1}
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path); docs/tuning-log.md
     change 64 measured ``small_call_threads`` and ``pair_lanes``."""
@@ -64,21 +63,15 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in.
     # KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with
-    # programmatic stream serialization where the device allows it (as the other ops).
-    pdl_max_ctas: int = 1 << 30
     max_grid_y: int = 65535
 
 
 TUNING = CudaTuning()
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   ptxas_verbose: bool = False):
-    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 17 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = nvrtc.fixed_args_macros(fixed)
-    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 17 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def kernel_name(in_kind: int, out_kind: int, vec: int, kp: int, pair: bool,
@@ -129,29 +122,11 @@ class Plan:
     fixed: tuple[int, ...]  # key_stride .. chunks (the 17 trailing kernel arguments)
 
 
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
-
-
-def _align(byte_values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in byte_values:
-        v |= int(b)
-    return v & -v
 
 
 def _pairs(out_kind: int, vec: int) -> bool:
     """Whether the kernel has a PAIR build for these: 1-byte cache elements, 8 a chunk."""
     return out_kind in (_E4M3, _E5M2) and vec == 8
-
-
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return _KIND[cache_tensor]
 
 
 def token_lanes(num_tokens: int, tuning: CudaTuning = TUNING) -> int:
@@ -167,17 +142,18 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     num_blocks, _, _, block_size, x = key_cache.shape
     ib = key.element_size()
     in_kind = _KIND[key.dtype]
-    out_kind = _out_kind(cache_dtype, key.dtype, key_cache.dtype)
+    out_kind = launch.cache_kind(cache_dtype, key.dtype, key_cache.dtype)
     ob = ib if out_kind == _COPY else _OUT_BYTES[out_kind]
     # Only strides along dims of size > 1 ever multiply a nonzero index.
-    in_al = _align([key.data_ptr(), value.data_ptr()]
+    in_al = launch.align([key.data_ptr(), value.data_ptr()]
                    + ([key.stride(0) * ib, value.stride(0) * ib] if t_pad > 1 else []))
     vec = max(1, tuning.chunk_bytes // ib)
     while vec > 1 and (head_size % vec or in_al % min(vec * ib, 16)):
         vec //= 2
     ks = key_cache.stride()
-    kc_al = _align([key_cache.data_ptr()] + [s * ob for s, n in zip(ks[:4], key_cache.shape[:4],
-                                                                 strict=True) if n > 1])
+    kc_al = launch.align([key_cache.data_ptr()] + [s * ob for s, n in zip(ks[:4],
+                                                                          key_cache.shape[:4],
+                                                                          strict=True) if n > 1])
     kp = math.gcd(vec, x) if (x == 1 or ks[4] == 1) else 1
     while kp > 1 and kc_al % min(kp * ob, 16):
         kp //= 2
@@ -202,34 +178,22 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0,
              ks[0] if num_blocks > 1 else 0, ks[1], ks[2], ks[3] if block_size > 1 else 0,
              ks[4] if x > 1 else 0, vs[0] if num_blocks > 1 else 0, vs[1], vs[2],
-             vs[3] if block_size > 1 else 0, block_size, _log2_or_minus_1(block_size),
+             vs[3] if block_size > 1 else 0, block_size, launch.log2_or_minus_1(block_size),
              num_blocks * block_size, x, cph, chunks)
     return Plan(kernel_name(in_kind, out_kind, vec, kp, pair, slot_mapping.dtype), vec, kp, lanes,
                 rows, grid_y, fixed)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
-    tail: tuple  # the 17 trailing int64 arguments
-
-
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
-                tuning) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                tuning) -> launch.Launchable:
+    launch.require_setup()
     p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype, tuning)
     index = key.get_device()
-    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
-    return _Launchable(p, kernel, pdl_kernel, index, p.fixed)
+    kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize)
+    return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -246,21 +210,17 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
            key.shape[0] > 1, key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
            value_cache.stride(), (kp | vp) & 15, kcp & 15, key.get_device(),
            token_lanes(num_tokens, tuning), tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
-                                              cache_dtype, tuning)
+        lau = LAUNCHES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
+                                          cache_dtype, tuning)
     p = lau.plan
     grid_x = -(-num_tokens // p.token_lanes)
     if grid_x >= 2**31:
         raise ValueError(f"slot_mapping: at most {(2**31 - 1) * p.token_lanes} tokens per call, "
                          f"got {num_tokens}")
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid_x * p.grid_y, tuning.pdl_max_ctas)
+    kernel, pdl = lau.pick(grid_x * p.grid_y, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid_x, p.grid_y, p.token_lanes, p.rows, pdl)
-    if k_scale is None:
-        ksp = vsp = kss = vss = 0
-    else:
-        ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, vp, kcp,
-                 vcp, slot_mapping.data_ptr(), ksp, vsp, num_tokens, kss, vss, *lau.tail)
+    ksp, vsp, kss, vss = launch.scale_args(k_scale, v_scale)
+    nvrtc.launch(lau.device_index, config, kernel, kp, vp, kcp,
+                 vcp, slot_mapping.data_ptr(), ksp, vsp, num_tokens, kss, vss, *lau.fixed)

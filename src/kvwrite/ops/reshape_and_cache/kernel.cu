@@ -128,16 +128,10 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
     k_s = k_scale[h * k_scale_stride];
     v_s = v_scale[h * v_scale_stride];
   }
-  // Copies load with ld.volatile, which ptxas may not move below the slot's test (a plain load
-  // whose only use is a store under the test would wait for the slot's load).
-  Raw<IN_BYTES> kin, vin;
-  if constexpr (OUT == DT_COPY) {
-    kin = load_raw_volatile<IN_BYTES>(key + t * key_stride * IB + in_off);
-    vin = load_raw_volatile<IN_BYTES>(value + t * value_stride * IB + in_off);
-  } else {
-    kin = load_raw<IN_BYTES>(key + t * key_stride * IB + in_off);
-    vin = load_raw<IN_BYTES>(value + t * value_stride * IB + in_off);
-  }
+  // Copies load with ld.volatile (load_raw_for), loads ptxas may not move below the slot's test.
+  Raw<IN_BYTES> kin = load_raw_for<IN_BYTES, OUT == DT_COPY>(key + t * key_stride * IB + in_off);
+  Raw<IN_BYTES> vin =
+      load_raw_for<IN_BYTES, OUT == DT_COPY>(value + t * value_stride * IB + in_off);
   if constexpr (!LEGACY_SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;

@@ -35,8 +35,8 @@ import enum
 
 import torch
 
-from ...dtypes import CacheDType, scale_is_per_head
-from ...kernels import nvrtc
+from ...dtypes import CacheDType
+from ...kernels import launch, nvrtc
 
 __all__ = ["CallSize", "CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "fixed_args",
            "kernel_source", "compile_kernel", "SOURCE"]
@@ -47,8 +47,7 @@ GRID_STRIDE_KERNEL = "reshape_and_cache_flash_grid_stride_kernel"  # rows too lo
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32, _E4M3, _E5M2, _COPY = range(6)
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
-_FP8_KIND = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
+_KIND = launch.KIND
 
 
 class CallSize(enum.Enum):
@@ -61,7 +60,7 @@ class CallSize(enum.Enum):
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants of the CUDA kernel. ``TUNING`` is what every call uses unless a
     caller passes another one to :func:`run` (probes comparing variants, tests forcing a path).
     Figures: H200, 20-call CUDA graphs, hot L2, bfloat16 input, unless said otherwise; the history
@@ -125,13 +124,6 @@ class CudaTuning:
     # one rounded multiplication, as an approximate division computes it; `probe variants
     # --set cuda.inexact_quotient=True` uses it to time what the exact quotient costs.
     inexact_quotient: bool = False
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it (kernels/nvrtc.py): scheduled while the
-    # kernel before them still runs, they wait for it before reading anything. 0: never.
-    # Measured, H200, H=128 D=128 bfloat16, rotated L2 (tuning-log change 44), off -> on: NHD
-    # T=2 1.75 -> 1.45 us, HND 2.12 -> 1.51; fp8 T=16 2.63 -> 2.04; T=1024 1.8-2.4% less; T=65536
-    # equal; no point slower, so every call.
-    pdl_max_ctas: int = 1 << 30
 
     def tokens_per_thread(self, fp8: bool) -> int:
         return self.tokens_per_thread_fp8 if fp8 else self.tokens_per_thread_copy
@@ -233,14 +225,6 @@ class Plan:
     loop_free: bool = False  # the loop-free kernel: one token per thread, grid_x = rows
 
 
-def _out_kind(cache_dtype: CacheDType, in_dtype: torch.dtype, cache_tensor: torch.dtype) -> int:
-    if cache_dtype.is_fp8:
-        return _FP8_KIND[cache_dtype]
-    if cache_tensor == in_dtype:
-        return _COPY
-    return _KIND[cache_tensor]
-
-
 def _widest_vec(in_bytes: int, out_bytes: int, fp8: bool, size: CallSize = CallSize.LARGE,
                 tuning: CudaTuning = TUNING) -> int:
     """The widest VEC of a variant: ``tuning.chunk_input_bytes(fp8, size)`` of input per chunk
@@ -273,7 +257,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
     num_blocks, block_size = key_cache.shape[:2]
     in_dtype = key.dtype
     in_kind = _KIND[in_dtype]
-    out_kind = _out_kind(cache_dtype, in_dtype, key_cache.dtype)
+    out_kind = launch.cache_kind(cache_dtype, in_dtype, key_cache.dtype)
     out_bytes = 1 if cache_dtype.is_fp8 else key_cache.element_size()
     # Only strides along dims of size > 1 ever multiply a nonzero index.
     in_strides = tuple(t.stride(0) for t in (key, value) if t_pad > 1)
@@ -299,7 +283,7 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
         parts = -(-chunks // tuning.max_threads)
         row, tokens_per_cta = -(-chunks // parts), 1
         grid_y = min(parts, tuning.max_grid_y)  # the grid-stride kernel loops over the rest
-    shift = _log2_or_minus_1(block_size)
+    shift = launch.log2_or_minus_1(block_size)
     loop_free = tuning.loop_free and grid_y * row >= chunks
     return Plan(name=kernel_name(in_kind, out_kind, vec, slot_mapping.dtype, loop_free), vec=vec,
                 vec_bytes=vec * in_dtype.itemsize, threads=row * tokens_per_cta,
@@ -307,23 +291,9 @@ def plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_
                 chunks_per_token=chunks, block_shift=shift, loop_free=loop_free)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    min_grid_x: int
-    max_grid_x: int
-    tokens_per_thread: int
-    device_index: int
-    tail: tuple  # fixed_args(...)
-
-
 def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype, size: CallSize,
-                tuning: CudaTuning) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                tuning: CudaTuning) -> launch.Launchable:
+    launch.require_setup()
     p = plan(key, value, key_cache, value_cache, slot_mapping, cache_dtype, size, tuning)
     index = key.get_device()
     with nvrtc.capture_relaxed():
@@ -336,9 +306,11 @@ def _launchable(key, value, key_cache, value_cache, slot_mapping, cache_dtype, s
         pdl_kernel = nvrtc.pdl_twin(SOURCE, arch, p.name, macros, index)
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(p.threads, 0)
     wave = sm_count * max(1, per_sm)  # resident CTAs, over grid_x * grid_y
-    return _Launchable(p, kernel, pdl_kernel, max(1, wave * tuning.min_waves // p.grid_y),
-                       max(1, wave * tuning.max_waves // p.grid_y),
-                       tuning.tokens_per_thread(cache_dtype.is_fp8), index, tail)
+    # bounds: the grid-stride kernel's (min grid_x, max grid_x, tokens per thread).
+    return launch.Launchable(kernel, pdl_kernel, index, tail, p,
+                             (max(1, wave * tuning.min_waves // p.grid_y),
+                              max(1, wave * tuning.max_waves // p.grid_y),
+                              tuning.tokens_per_thread(cache_dtype.is_fp8)))
 
 
 def fixed_args(key, value, key_cache, p: Plan) -> tuple[int, ...]:
@@ -347,15 +319,11 @@ def fixed_args(key, value, key_cache, p: Plan) -> tuple[int, ...]:
     block_stride, page_stride, head_stride = key_cache.stride()[:3]
     return (key.stride(0), value.stride(0), block_stride, page_stride, head_stride, block_size,
             p.block_shift, num_blocks * block_size, p.chunks_per_head, p.chunks_per_token,
-            _log2_or_minus_1(p.chunks_per_head))
+            launch.log2_or_minus_1(p.chunks_per_head))
 
 
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
 
-
-# Launchables per call signature (which includes the tuning).
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,10 +344,10 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
     sig = (key.dtype, key_cache.dtype, cache_dtype, slot_mapping.dtype, key.shape[1:],
            key.shape[0] > 1, key.stride(0), value.stride(0), key_cache.shape, key_cache.stride(),
            (kp | vp) & 15, (kcp | vcp) & 15, key.get_device(), size, tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
-        lau = _LAUNCHABLES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
-                                              cache_dtype, size, tuning)
+        lau = LAUNCHES[sig] = _launchable(key, value, key_cache, value_cache, slot_mapping,
+                                          cache_dtype, size, tuning)
     p = lau.plan
     rows = -(-num_tokens // p.tokens_per_cta)  # grid_x with one token per thread
     if p.loop_free:  # every thread one token
@@ -388,17 +356,13 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_c
                              f"tokens per call with this cache shape, got {num_tokens}")
         grid_x = rows
     else:
-        grid_x = min(rows, lau.max_grid_x,
-                     max(lau.min_grid_x, -(-rows // lau.tokens_per_thread)))
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid_x * p.grid_y, tuning.pdl_max_ctas)
+        min_grid_x, max_grid_x, tokens_per_thread = lau.bounds
+        grid_x = min(rows, max_grid_x, max(min_grid_x, -(-rows // tokens_per_thread)))
+    kernel, pdl = lau.pick(grid_x * p.grid_y, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid_x, p.grid_y, p.threads // p.tokens_per_cta,
                                  p.tokens_per_cta, pdl)
-    if k_scale is None:
-        ksp = vsp = kss = vss = 0
-    else:
-        ksp, vsp = k_scale.data_ptr(), v_scale.data_ptr()
-        kss, vss = int(scale_is_per_head(k_scale)), int(scale_is_per_head(v_scale))
+    ksp, vsp, kss, vss = launch.scale_args(k_scale, v_scale)
     # The kernel's arguments: 7 pointers, then int64s: num_tokens, the two scale strides and
     # fixed_args (test_cuda checks this against the compiled signature).
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, kp, vp, kcp,
-                 vcp, slot_mapping.data_ptr(), ksp, vsp, num_tokens, kss, vss, *lau.tail)
+    nvrtc.launch(lau.device_index, config, kernel, kp, vp, kcp,
+                 vcp, slot_mapping.data_ptr(), ksp, vsp, num_tokens, kss, vss, *lau.fixed)

@@ -190,17 +190,10 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(KVW_KERNEL
     v_s = v_scale[h * v_scale_stride];
   }
   // The chunks must be loaded before the slot's test, not after it (that would make them wait
-  // for the slot's load, a memory round trip). Conversions come before the test, which keeps
-  // their loads above it; a copy's only use of the chunk is the store under the test, and ptxas
-  // moves plain loads below it, so copies load with ld.volatile, which it may not move there.
-  Raw<IN_BYTES> kin, vin;
-  if constexpr (OUT == DT_COPY) {
-    kin = load_raw_volatile<IN_BYTES>(key + t * key_stride * IB + in_off);
-    vin = load_raw_volatile<IN_BYTES>(value + t * value_stride * IB + in_off);
-  } else {
-    kin = load_raw<IN_BYTES>(key + t * key_stride * IB + in_off);
-    vin = load_raw<IN_BYTES>(value + t * value_stride * IB + in_off);
-  }
+  // for the slot's load, a memory round trip): copies load with ld.volatile (load_raw_for).
+  Raw<IN_BYTES> kin = load_raw_for<IN_BYTES, OUT == DT_COPY>(key + t * key_stride * IB + in_off);
+  Raw<IN_BYTES> vin =
+      load_raw_for<IN_BYTES, OUT == DT_COPY>(value + t * value_stride * IB + in_off);
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   const i64 d = static_cast<i64>(c - h * static_cast<u32>(chunks_per_head)) * VEC;
   const i64 off = (slot_offset(s, block_stride, page_stride, block_size, block_shift,

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
 from .op import PerTokenHeadMode
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "Plan",
@@ -45,7 +45,7 @@ KERNEL = "pth_quant_kernel"
 
 # Element kinds, as DT_* in kvw/common.cuh; modes as PTH_* in kernel.cu.
 _F16, _BF16, _F32 = 0, 1, 2
-_KIND = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
+_KIND = launch.KIND
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: 0, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: 1,
          PerTokenHeadMode.INT4_PER_TOKEN_HEAD: 2}
 _CPLS = (1, 2, 4, 8)
@@ -59,7 +59,7 @@ FAST_ONLY_MACRO = "KVWRITE_PTH_FAST_ONLY"
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path).
 
@@ -88,10 +88,6 @@ class CudaTuning:
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    # Calls of at most pdl_max_ctas CTAs take the KVWRITE_PDL build and launch with programmatic
-    # stream serialization where the device allows it, as every other op's (tuning-log change
-    # 44: no call slower with it); 0: never.
-    pdl_max_ctas: int = 1 << 30
     # Tests only: every row down the kernel's general path (KVWRITE_PTH_GENERAL_ONLY), which
     # otherwise runs only rows with NaN or infinite values (int4: also rows of one sign).
     general_path_only: bool = False
@@ -100,12 +96,9 @@ class CudaTuning:
 TUNING = CudaTuning()
 
 
-def compile_kernel(arch: str, names, *, source: str | None = None, fixed=None,
-                   macros: tuple = (), ptxas_verbose: bool = False):
-    """Compile kernel variants (name expressions) with NVRTC to one cubin for ``arch``; needs no
-    GPU. ``fixed``: the 25 trailing arguments compiled in. Returns ``(object_code, log)``."""
-    macros = tuple(macros) + nvrtc.fixed_args_macros(fixed)
-    return SOURCE.compile(arch, names, source=source, macros=macros, ptxas_verbose=ptxas_verbose)
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 25 trailing arguments compiled in (KernelSource.compile_fixed); tests and probes.
+compile_kernel = SOURCE.compile_fixed
 
 
 def kernel_name(in_kind: int, mode: int, vec: int, cpl: int) -> str:
@@ -151,16 +144,6 @@ class Plan:
     fixed: tuple[int, ...]  # slot64 .. store_shift (the 25 trailing kernel arguments)
 
 
-def _align(byte_values) -> int:
-    """The largest power of two (at most 16) dividing every value."""
-    v = 16
-    for b in byte_values:
-        v |= int(b)
-    return v & -v
-
-
-def _log2_or_minus_1(n: int) -> int:
-    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
 def _next_pow2(n: int) -> int:
@@ -195,8 +178,9 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
 
     kc, vc = cache_strides(key_cache), cache_strides(value_cache)
     ks, vs = cache_strides(k_scale_cache), cache_strides(v_scale_cache)
-    in_al = _align([key.data_ptr(), value.data_ptr()] + [s * ib for s in (k_tok, v_tok, k_head, v_head)])
-    out_al = _align([key_cache.data_ptr(), value_cache.data_ptr()] + list(kc) + list(vc))
+    in_al = launch.align([key.data_ptr(), value.data_ptr()]
+                         + [s * ib for s in (k_tok, v_tok, k_head, v_head)])
+    out_al = launch.align([key_cache.data_ptr(), value_cache.data_ptr()] + list(kc) + list(vc))
     vec = 16 // ib
     while vec > 1:
         if dk % vec == 0 and dv % vec == 0 and in_al % (vec * ib) == 0:
@@ -218,7 +202,7 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
                 f"lane; the cuda kernel holds at most {MAX_ELEMS_PER_LANE} elements and "
                 f"{_CPLS[-1]} chunks per lane (torch and triton run it)")
     fixed = (int(slot_mapping.dtype == torch.int64), h, dk, dv, lanes.bit_length() - 1, k_tok, k_head, v_tok, v_head, *kc, *vc, *ks, *vs,
-             bs, _log2_or_minus_1(bs), nb * bs, sw.bit_length() - 1)
+             bs, launch.log2_or_minus_1(bs), nb * bs, sw.bit_length() - 1)
     assert len(fixed) == NUM_FIXED
     return Plan(kernel_name(_KIND[key.dtype], _MODE[mode], vec, cpl), vec, cpl, sw, lanes, fixed)
 
@@ -236,30 +220,19 @@ def unsupported(key, value, key_cache, value_cache, mode) -> str | None:
     return p if isinstance(p, str) else None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    plan: Plan
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    device_index: int
+LAUNCHES = launch.LaunchCache()
 
 
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
-
-
-def _launchable(args, mode, tuning) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+def _launchable(args, mode, tuning) -> launch.Launchable:
+    launch.require_setup()
     p = plan(*args, mode, tuning)
     if isinstance(p, str):
         raise ValueError(f"implementation='cuda' cannot run this call: {p}")
     index = args[0].get_device()
-    macros = nvrtc.fixed_args_macros(p.fixed) if tuning.specialize else ()
-    if tuning.general_path_only:
-        macros += (GENERAL_ONLY_MACRO,)
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, p.name, macros, index)
-    return _Launchable(p, kernel, pdl_kernel, index)
+    after = (GENERAL_ONLY_MACRO,) if tuning.general_path_only else ()
+    kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize,
+                                     after=after)
+    return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -278,17 +251,14 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
            key_cache.shape[:3], key_cache.stride(), value_cache.stride(), k_scale_cache.stride(),
            v_scale_cache.stride(), ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15,
            key.get_device(), is_large_call(num_tokens, key, value, tuning), tuning)
-    lau = _LAUNCHABLES.get(sig)
+    lau = LAUNCHES.get(sig)
     if lau is None:
         args = (key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
-        lau = _LAUNCHABLES[sig] = _launchable(args, mode, tuning)
+        lau = LAUNCHES[sig] = _launchable(args, mode, tuning)
     p = lau.plan
-    total = num_tokens * key.shape[1] * 2 * p.lanes
-    if total >= 2**32:
-        raise ValueError(f"slot_mapping: at most {(2**32 - 1) // (key.shape[1] * 2 * p.lanes)} "
-                         f"tokens per call with these heads, got {num_tokens}")
-    grid = -(-total // tuning.threads)
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, grid, tuning.pdl_max_ctas)
+    grid = launch.thread_grid(num_tokens, key.shape[1] * 2 * p.lanes, tuning.threads,
+                              "with these heads")
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(grid, 1, tuning.threads, 1, pdl)
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel, *ptrs,
+    nvrtc.launch(lau.device_index, config, kernel, *ptrs,
                  slot_mapping.data_ptr(), num_tokens, *p.fixed)

@@ -46,7 +46,6 @@
 // Additions rounded toward zero (rz) and toward -inf (rm). The host build (tests) derives them
 // from the round-to-nearest sum and its exact error (TwoSum, -ffp-contract=off).
 #ifdef KVWRITE_HOST_TEST
-KVW_HD float sub_rn(float a, float b) { return a - b; }
 KVW_HD float add_err(float a, float b, float s) {
   const float bb = s - a;
   return (a - (s - bb)) + (b - bb);  // a + b - s, exactly
@@ -60,21 +59,8 @@ KVW_HD float add_rm(float a, float b) {
   return e < 0.0f ? nextafterf(s, -INFINITY) : s;
 }
 #else
-KVW_HD float sub_rn(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float add_rz(float a, float b) {
-  float r;
-  asm("add.rz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float add_rm(float a, float b) {
-  float r;
-  asm("add.rm.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+KVW_F32_ASM2(add_rz, "add.rz.f32")
+KVW_F32_ASM2(add_rm, "add.rm.f32")
 #endif
 
 KVW_HD float nan_to_zero(float v) { return v == v ? v : 0.0f; }
@@ -353,24 +339,13 @@ KVW_HD bool fast_int4_row(float mn, float mx) {
 
 // NaN-propagating min and max of float32 values (the fast path's row test: a NaN anywhere in
 // the row reaches the result).
-KVW_HD float nmax(float a, float b) {
 #if __CUDA_ARCH__ >= 800
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
+KVW_F32_ASM2(nmax, "max.NaN.f32")
+KVW_F32_ASM2(nmin, "min.NaN.f32")
 #else
-  return a != a || b != b ? a + b : fmaxf(a, b);
+KVW_HD float nmax(float a, float b) { return a != a || b != b ? a + b : fmaxf(a, b); }
+KVW_HD float nmin(float a, float b) { return a != a || b != b ? a + b : fminf(a, b); }
 #endif
-}
-KVW_HD float nmin(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a != a || b != b ? a + b : fminf(a, b);
-#endif
-}
 
 // The same on pairs of 16-bit elements in a 32-bit word (sm_80 on: one instruction per pair).
 // pk_max_abs: max(|a|, |b|) per half; its sign bits are not part of the result (xorsign).

@@ -20,7 +20,8 @@ import functools
 
 import torch
 
-from ...kernels import nvrtc
+from ...kernels import launch, nvrtc
+from ...kernels.launch import int_type, kind
 from .op import head_stride
 
 __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", "launch_shape",
@@ -30,23 +31,7 @@ __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "unit_width", 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_rotary_embedding")
 KERNEL = "rotary_embedding_kernel"
 
-# Element kinds, as DT_* in kvw/common.cuh.
-_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-
-def kind(dtype: torch.dtype) -> int:
-    return _KIND[dtype]
-
-
-def int_type(dtype: torch.dtype) -> str:
-    return "long long" if dtype == torch.int64 else "int"
-
-
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
-
-
-def _align(ptr: int) -> int:
-    return (ptr | 16) & -(ptr | 16)
 
 
 def unit_width(head_size: int, rot: int, is_neox: bool, in_bytes: int, table_bytes: int,
@@ -60,9 +45,9 @@ def unit_width(head_size: int, rot: int, is_neox: bool, in_bytes: int, table_byt
         nc = w if is_neox else w // 2
         ok = ((rot // 2) % w == 0 if is_neox else (w % 2 == 0 and rot % w == 0))
         ok = ok and (head_size - rot) % w == 0 and head_size % w == 0
-        ok = ok and all(_align(p) % min(w * e, 16) == 0 for p, e in ptrs)
+        ok = ok and all(launch.align((p,)) % min(w * e, 16) == 0 for p, e in ptrs)
         ok = ok and all(s % w == 0 for s in strides)
-        ok = ok and _align(table_ptr) % min(max(nc, 1) * table_bytes, 16) == 0
+        ok = ok and launch.align((table_ptr,)) % min(max(nc, 1) * table_bytes, 16) == 0
         if ok:
             return w
         w //= 2
@@ -105,8 +90,8 @@ def kernel_name(in_kind: int, cs_kind: int, w: int, neox: bool, pos: torch.dtype
 def all_kernel_names() -> list[str]:
     """The variants the tests and the benchmark launch (for the NVRTC compile test)."""
     names = []
-    for in_dt, in_kind in _KIND.items():
-        for cs_kind in sorted({_KIND[torch.float32], in_kind}):
+    for in_dt, in_kind in launch.KIND.items():
+        for cs_kind in sorted({launch.KIND[torch.float32], in_kind}):
             w = 16 // in_dt.itemsize
             while w >= 1:
                 for neox in (True, False):
@@ -121,7 +106,7 @@ def all_kernel_names() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CudaTuning:
+class CudaTuning(launch.PdlPolicy):
     """The launch constants; ``TUNING`` unless a caller passes another to :func:`run`."""
 
     # Calls with at least linear_grid_bytes of query and key rows, one token per CTA, launch a
@@ -143,13 +128,6 @@ class CudaTuning:
     # 2.86 / 2.75 -> 2.87).
     small_call_bytes: int = 3 << 20
     small_call_unit_bytes: int = 8
-    # Calls of at most pdl_max_ctas CTAs take the build that starts with KVW_PDL_ENTRY and launch
-    # with programmatic stream serialization where the device allows it (kernels/nvrtc.py):
-    # scheduled while the kernel before them still runs, they wait for it before reading
-    # anything. 0: never. Measured, H200, bfloat16, rotated L2, 20-call graphs (tuning-log change
-    # 44): GQA(32,8,128) T=1 2.26 -> 1.59 us, T=16 2.50 -> 1.80 (hot 1.66 -> 1.20), T=1024 7.46 ->
-    # 6.71, T=16384 84.8 -> 84.1; MHA alike; no point slower, so every call.
-    pdl_max_ctas: int = 1 << 30
     # One build per call signature with the arguments from q_stride on compiled in (kernel.cu's
     # KVWRITE_FIXED_ARGS), as reshape_and_cache_flash's; KVWRITE_CUDA_SPECIALIZE=0: one generic
     # build per variant. sm_90, GQA(32,8,128) bfloat16: 208 -> 152 instructions, 16 -> 6
@@ -176,16 +154,7 @@ def fixed_args(query: torch.Tensor, key: torch.Tensor | None, cos_sin_cache: tor
             d if key is None else head_stride(key))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Launchable:
-    kernel: object
-    pdl_kernel: object  # the KVWRITE_PDL build, None where the device cannot take it
-    config: object
-    device_index: int
-    fixed: tuple  # the arguments from q_stride on (fixed_args)
-
-
-_LAUNCHABLES: dict[tuple, _Launchable] = {}
+LAUNCHES = launch.LaunchCache()
 
 
 def unsupported(query, key, cos_sin_cache, is_neox) -> str | None:
@@ -208,10 +177,8 @@ def _width(query, key, cos_sin_cache, is_neox, max_bytes: int = 16) -> int:
 
 
 def _launchable(positions, query, key, cos_sin_cache, is_neox, linear, max_unit_bytes,
-                specialize) -> _Launchable:
-    reason = nvrtc.setup_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+                specialize) -> launch.Launchable:
+    launch.require_setup()
     w = _width(query, key, cos_sin_cache, is_neox, max_unit_bytes)
     fixed = fixed_args(query, key, cos_sin_cache, is_neox, w)
     row, tpc, parts = launch_shape(fixed[8])
@@ -219,9 +186,8 @@ def _launchable(positions, query, key, cos_sin_cache, is_neox, linear, max_unit_
     linear = linear and tpc == 1
     name = kernel_name(kind(query.dtype), kind(cos_sin_cache.dtype), w, is_neox, positions.dtype,
                        linear)
-    macros = nvrtc.fixed_args_macros(fixed if specialize else None)
-    kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, macros, index)
-    return _Launchable(kernel, pdl_kernel, (row, tpc, parts, linear), index, fixed)
+    kernel, pdl_kernel = launch.load(SOURCE, name, fixed, index, specialize)
+    return launch.Launchable(kernel, pdl_kernel, index, fixed, (row, tpc, parts, linear))
 
 
 def call_unit_bytes(row_bytes: int, tuning: CudaTuning = TUNING) -> int:
@@ -248,15 +214,15 @@ def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
     large = row_bytes >= tuning.linear_grid_bytes
     unit_bytes = call_unit_bytes(row_bytes, tuning)
     build = (large, unit_bytes, tuning.specialize)
-    lau = _LAUNCHABLES.get((sig, build))
+    lau = LAUNCHES.get((sig, build))
     if lau is None:
-        lau = _LAUNCHABLES[sig, build] = _launchable(positions, query, key, cos_sin_cache,
-                                                     is_neox, *build)
-    row, tpc, parts, linear = lau.config
+        lau = LAUNCHES[sig, build] = _launchable(positions, query, key, cos_sin_cache,
+                                                 is_neox, *build)
+    row, tpc, parts, linear = lau.plan
     gx, gy, bx, by = ((num_rot * parts, 1, row, 1) if linear
                       else (-(-num_rot // tpc), parts, row, tpc))
-    pdl = nvrtc.takes_pdl(lau.pdl_kernel, gx * gy, tuning.pdl_max_ctas)
+    kernel, pdl = lau.pick(gx * gy, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(gx, gy, bx, by, pdl)
-    nvrtc.launch(lau.device_index, config, lau.pdl_kernel if pdl else lau.kernel,
+    nvrtc.launch(lau.device_index, config, kernel,
                  positions.data_ptr(), qp, kp or qp, cos_sin_cache.data_ptr(), num_rot,
                  *lau.fixed)

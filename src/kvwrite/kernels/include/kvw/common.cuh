@@ -36,43 +36,38 @@ KVW_HD u32 f32_bits(float f) { u32 u; __builtin_memcpy(&u, &f, 4); return u; }
 KVW_HD float bits_f32(u32 u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 // Host builds use -ffp-contract=off; x86-64 SSE arithmetic is IEEE round-to-nearest-even.
 KVW_HD float div_rn(float a, float b) { return a / b; }
+KVW_HD float add_rn(float a, float b) { return a + b; }
+KVW_HD float sub_rn(float a, float b) { return a - b; }
 KVW_HD float mul_rn(float a, float b) { return a * b; }
 KVW_HD float fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 // min(a, b) that returns NaN when a is NaN (b is a constant here).
 KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 #else
+// float name(a, b): the one PTX instruction `op` (its rounding named in it) on a and b.
+#define KVW_F32_ASM2(name, op)                                                                  \
+  KVW_HD float name(float a, float b) {                                                         \
+    float r;                                                                                    \
+    asm(op " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                                          \
+    return r;                                                                                   \
+  }
 KVW_HD u32 f32_bits(float f) { return __float_as_uint(f); }
 KVW_HD float bits_f32(u32 u) { return __uint_as_float(u); }
-KVW_HD float div_rn(float a, float b) {
-  float q;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
-  return q;
-}
-KVW_HD float mul_rn(float a, float b) {
-  float p;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
-  return p;
-}
+KVW_F32_ASM2(div_rn, "div.rn.f32")
+KVW_F32_ASM2(mul_rn, "mul.rn.f32")
+KVW_F32_ASM2(add_rn, "add.rn.f32")
+KVW_F32_ASM2(sub_rn, "sub.rn.f32")
 KVW_HD float fma_rn(float a, float b, float c) {
   float r;
   asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
   return r;
 }
 // RZ(a * b): rounded toward zero (fp8_quantize's bracket).
-KVW_HD float mul_rz(float a, float b) {
-  float p;
-  asm("mul.rz.f32 %0, %1, %2;" : "=f"(p) : "f"(a), "f"(b));
-  return p;
-}
-KVW_HD float min_nan(float a, float b) {
+KVW_F32_ASM2(mul_rz, "mul.rz.f32")
 #if __CUDA_ARCH__ >= 800
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
+KVW_F32_ASM2(min_nan, "min.NaN.f32")
 #else
-  return a > b ? b : a;
+KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 #endif
-}
 #endif
 
 // Programmatic dependent launch (a build with -DKVWRITE_PDL, launched with programmatic stream

@@ -435,69 +435,14 @@ __device__ __forceinline__ void gather_cta(const GatherRowArgs& g, i64 rpw, cons
 // Chunk helpers
 // ------------------------------------------------------------------------------------------
 
-// N bytes at an A-byte aligned address (A a power of two <= N), as the widest accesses A allows.
-template <int N, int A>
-KVW_HD Raw<N> gather_load(const u8* p) {
-  if constexpr (A >= 16 || A >= N) {
-    return load_raw<N>(p);
-  } else {
-    Raw<N> r;
-#pragma unroll
-    for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      const Raw<A> piece = load_raw<A>(p + i * A);
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
-      } else {
-        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
-      }
-    }
-    return r;
-  }
-}
-
-template <int N, int A>
-KVW_HD void gather_store(u8* p, const Raw<N>& r) {
-  if constexpr (A >= 16 || A >= N) {
-    store_raw<N>(p, r);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      Raw<A> piece;
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) piece.w[k] = r.w[i * A / 4 + k];
-      } else {
-        piece.w[0] = (r.w[(i * A) / 4] >> (8 * ((i * A) & 3))) & ((1u << (8 * A)) - 1u);
-      }
-      store_raw<A>(p + i * A, piece);
-    }
-  }
-}
-
-// gather_load where `pred` holds, else zeros: N bytes at an A-byte aligned address as the widest
+// load_aligned where `pred` holds, else zeros: N bytes at an A-byte aligned address as the widest
 // predicated loads A allows (load_raw_if pieces).
 template <int N, int A>
 KVW_HD Raw<N> gather_load_if(const u8* p, bool pred) {
   if constexpr (A >= 16 || A >= N) {
     return load_raw_if<N>(p, pred);
   } else {
-    Raw<N> r;
-#pragma unroll
-    for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < N / A; ++i) {
-      const Raw<A> piece = load_raw_if<A>(p + i * A, pred);
-      if constexpr (A >= 4) {
-#pragma unroll
-        for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
-      } else {
-        r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
-      }
-    }
-    return r;
+    return load_pieces<N, A>(p, [pred](const u8* q) { return load_raw_if<A>(q, pred); });
   }
 }
 

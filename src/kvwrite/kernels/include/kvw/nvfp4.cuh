@@ -28,21 +28,9 @@
 #include "kvw/fp8.cuh"
 
 #ifdef KVWRITE_HOST_TEST
-KVW_HD float add_rn(float a, float b) { return a + b; }
-KVW_HD float sub_rn(float a, float b) { return a - b; }
 KVW_HD float min_num(float a, float b) { return __builtin_fminf(a, b); }
 KVW_HD float max_num(float a, float b) { return __builtin_fmaxf(a, b); }
 #else
-KVW_HD float add_rn(float a, float b) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float sub_rn(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 KVW_HD float min_num(float a, float b) { return fminf(a, b); }
 KVW_HD float max_num(float a, float b) { return fmaxf(a, b); }
 #endif

@@ -53,7 +53,6 @@ KVW_HD float rcp_rn(float a) {
 }
 #else
 #include <math.h>
-KVW_HD float add_rn(float a, float b) { return a + b; }
 // The float64 root rounded once to float32 is the correctly rounded float32 root.
 KVW_HD float sqrt_rn(float a) { return static_cast<float>(sqrt(static_cast<double>(a))); }
 KVW_HD float rcp_rn(float a) { return 1.0f / a; }

@@ -16,16 +16,6 @@
 #include "kvw/vec_io.cuh"
 
 #ifndef KVWRITE_HOST_TEST
-KVW_HD float add_rn(float a, float b) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-KVW_HD float sub_rn(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 // float32 -> the bits of one element of kind IN (nearest even).
 template <int IN>

@@ -109,6 +109,69 @@ KVW_HD void store_raw(u8* p, const Raw<N>& r) {
   }
 }
 
+// load_raw_volatile where VOLATILE, else load_raw: a copy's chunk, whose only use is its store
+// under the slot's test, is loaded volatile, as ptxas moves a plain load whose only use is under
+// a branch below the branch (there it would wait for the slot's load, a memory round trip); a
+// converted chunk's arithmetic before the test keeps its plain load above it.
+template <int N, bool VOLATILE>
+KVW_HD Raw<N> load_raw_for(const u8* p) {
+  if constexpr (VOLATILE) {
+    return load_raw_volatile<N>(p);
+  } else {
+    return load_raw<N>(p);
+  }
+}
+
+// N bytes at an A-byte aligned address p (A a power of two below N and 16) as N / A pieces of A
+// bytes, piece i being load_piece(p + i * A) (a Raw<A>: load_raw, load_raw_volatile, a
+// predicated load), assembled little endian into whole words.
+template <int N, int A, typename LoadPiece>
+KVW_HD Raw<N> load_pieces(const u8* p, LoadPiece load_piece) {
+  Raw<N> r;
+#pragma unroll
+  for (int i = 0; i < (N >= 4 ? N / 4 : 1); ++i) r.w[i] = 0;
+#pragma unroll
+  for (int i = 0; i < N / A; ++i) {
+    const Raw<A> piece = load_piece(p + i * A);
+    if constexpr (A >= 4) {
+#pragma unroll
+      for (int k = 0; k < A / 4; ++k) r.w[i * A / 4 + k] = piece.w[k];
+    } else {
+      r.w[(i * A) / 4] |= piece.w[0] << (8 * ((i * A) & 3));
+    }
+  }
+  return r;
+}
+
+// N bytes at an A-byte aligned address (A a power of two), as the widest accesses A allows.
+template <int N, int A>
+KVW_HD Raw<N> load_aligned(const u8* p) {
+  if constexpr (A >= 16 || A >= N) {
+    return load_raw<N>(p);
+  } else {
+    return load_pieces<N, A>(p, [](const u8* q) { return load_raw<A>(q); });
+  }
+}
+
+template <int N, int A>
+KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
+  if constexpr (A >= 16 || A >= N) {
+    store_raw<N>(p, r);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / A; ++i) {
+      Raw<A> piece;
+      if constexpr (A >= 4) {
+#pragma unroll
+        for (int k = 0; k < A / 4; ++k) piece.w[k] = r.w[i * A / 4 + k];
+      } else {
+        piece.w[0] = (r.w[(i * A) / 4] >> (8 * ((i * A) & 3))) & ((1u << (8 * A)) - 1u);
+      }
+      store_raw<A>(p + i * A, piece);
+    }
+  }
+}
+
 // Element i of a chunk of IN elements, as float32 (exact).
 template <int IN, int N>
 KVW_HD float elem_f32(const Raw<N>& r, int i) {
