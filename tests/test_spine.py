@@ -72,6 +72,20 @@ def test_define_op_registers_the_op_and_three_implementations(toy_package):
     assert [s.name for s in registry.implementations("cpu", op=name)] == ["cuda", "triton", "torch"]
 
 
+def test_a_detail_continues_the_standard_description(toy_package):
+    """A description opening with "(", "," or ":" continues the implementation's standard one;
+    any other replaces it; cuda's standard one stands where none is given."""
+    name = _name("detail")
+    _declare(name, toy_package.name, torch="(toy rows)", triton=": a tile of rows",
+             cuda=", a lane group per row")
+    assert [i.description for i in registry.all_impls(name)] == [
+        registry.NVRTC_KERNEL + ", a lane group per row", "Triton kernel: a tile of rows",
+        "plain PyTorch (toy rows); the reference"]
+    assert registry.bench("toy", "a toy", module="toys", aliases=("t",)) == registry.BenchCommand(
+        "toy", "kvwrite.bench.ops.toys:BENCH", "a toy", ("t",))
+    assert registry.bench("toy", "a toy").target == "kvwrite.bench.ops.toy:BENCH"
+
+
 def test_dispatch_picks_the_preferred_implementation_that_can_run(toy_package):
     name = _name("select")
     _declare(name, toy_package.name)

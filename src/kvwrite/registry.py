@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["OpSpec", "BenchCommand", "ImplInfo", "ImplStatus", "ImplTable", "register_op", "register", "get", "get_op",
            "ops", "all_impls", "implementations", "select", "installed",
-           "define_op", "StandardImpl", "STANDARD_IMPLS", "NVRTC_KERNEL", "SYNCS_MASKING", "SYNCS_ROW_COUNT",
+           "define_op", "bench", "StandardImpl", "STANDARD_IMPLS", "NVRTC_KERNEL", "SYNCS_MASKING", "SYNCS_ROW_COUNT",
            "custom_op", "NAMESPACE", "OpArg", "TENSOR", "OPTIONAL_TENSOR", "BOOL", "SAME_INT", "INT", "FLOAT",
            "TEXT", "OPTIONAL_TEXT", "NONE_AS_EMPTY"]
 
@@ -52,6 +52,13 @@ class BenchCommand:
     target: str
     summary: str
     aliases: tuple[str, ...] = ()
+
+
+def bench(name: str, summary: str, *, module: str | None = None,
+          aliases: tuple[str, ...] = ()) -> BenchCommand:
+    """The :class:`BenchCommand` ``name`` whose definition is ``BENCH`` in the bench layer's
+    ``kvwrite.bench.ops.<module>`` (``module`` defaults to ``name``)."""
+    return BenchCommand(name, f"kvwrite.bench.ops.{module or name}:BENCH", summary, aliases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,26 +257,42 @@ def select(op: str, case_args: tuple, implementation: str | None = None) -> Impl
 @dataclasses.dataclass(frozen=True)
 class StandardImpl:
     """One of the implementations every op has: its name, its module under the op's package,
-    its priority, the devices a call that names no implementation picks it on, and the optional
-    packages it needs."""
+    its priority, the devices a call that names no implementation picks it on, the optional
+    packages it needs, and its standard description (``{}``: where an op's detail goes)."""
 
     name: str
     module: str
     priority: int
     devices: tuple[str, ...] = ("cuda",)
     requires: tuple[str, ...] = ()
+    description: str = "{}"
+
+    def describe(self, text: str | None) -> str:
+        """The description of this implementation of an op: ``text`` where it opens a sentence
+        of its own; where it opens with "(" (after a space), "," or ":" (directly), the standard
+        description continued by it; None: the standard description alone."""
+        if text is None:
+            return self.description.format("")
+        if text[:1] == "(":
+            return self.description.format(" " + text)
+        if text[:1] in (",", ":"):
+            return self.description.format(text)
+        return text
 
 
+# The CUDA implementation's standard description.
+NVRTC_KERNEL = "CUDA C++ kernel compiled at run time with NVRTC (cuda.core)"
 # Every op has these three, found by module name under its package: the plain-PyTorch reference
 # (the oracle; it also runs on the CPU), the Triton kernel and the CUDA kernel (NVRTC), preferred
 # in that rising order where several can run a call.
 STANDARD_IMPLS = (
-    StandardImpl("torch", "reference", 0, devices=("cpu", "cuda")),
-    StandardImpl("triton", "triton_impl", 10, requires=("triton",)),
-    StandardImpl("cuda", "cuda_impl", 20),
+    StandardImpl("torch", "reference", 0, devices=("cpu", "cuda"),
+                 description="plain PyTorch{}; the reference"),
+    StandardImpl("triton", "triton_impl", 10, requires=("triton",), description="Triton kernel{}"),
+    StandardImpl("cuda", "cuda_impl", 20, description=NVRTC_KERNEL + "{}"),
 )
-# The CUDA implementation's description where the op says nothing more about it.
-NVRTC_KERNEL = "CUDA C++ kernel compiled at run time with NVRTC (cuda.core)"
+# Implementations an op must describe (the others have a standard description of their own).
+_DESCRIBED = ("torch", "triton")
 # Why a reference syncs with the host, where several share the reason: the writes mask padding
 # and out-of-range slots with a boolean index; the gathers size their rows by the row rule.
 SYNCS_MASKING = "boolean masking of padding/out-of-range slots"
@@ -284,18 +307,19 @@ def define_op(name: str, package: str, *, run: str, unsupported: str,
 
     ``run`` and ``unsupported``: the arguments of the implementations' ``run`` and
     ``unsupported`` (the text inside the parentheses of ``OpSpec.run_signature`` and
-    ``OpSpec.unsupported_signature``). ``descriptions``: one per implementation, by name
-    (``torch=...``, ``triton=...``; ``cuda`` defaults to :data:`NVRTC_KERNEL`).
+    ``OpSpec.unsupported_signature``). ``descriptions``: one per implementation, by name, as
+    :meth:`StandardImpl.describe` takes it: ``torch=`` and ``triton=`` are required (usually a
+    detail, ``torch="(index_put_ ...)"`` giving "plain PyTorch (index_put_ ...); the
+    reference"), ``cuda=`` is optional (:data:`NVRTC_KERNEL`, continued by a detail if given).
     ``torch_syncs``: why the reference syncs with the host, where it does (it is then not
     graph-safe); None where it does not. ``bench``: the op's benchmark subcommand, if any.
     """
     names = [impl.name for impl in STANDARD_IMPLS]
-    descriptions.setdefault("cuda", NVRTC_KERNEL)
     unknown = sorted(set(descriptions) - set(names))
     if unknown:
         raise ValueError(f"define_op({name!r}): descriptions: expected implementation names "
                          f"{names}, got {unknown}")
-    missing = [n for n in names if n not in descriptions]
+    missing = [n for n in _DESCRIBED if n not in descriptions]
     if missing:
         raise ValueError(f"define_op({name!r}): expected a description of each implementation "
                          f"{names}, got none for {missing}")
@@ -303,7 +327,7 @@ def define_op(name: str, package: str, *, run: str, unsupported: str,
                               unsupported_signature=f"unsupported({unsupported}) -> str | None",
                               bench=bench))
     for impl in STANDARD_IMPLS:
-        register(ImplInfo(op=name, name=impl.name, description=descriptions[impl.name],
+        register(ImplInfo(op=name, name=impl.name, description=impl.describe(descriptions.get(impl.name)),
                           module=f"{package}.{impl.module}", priority=impl.priority,
                           devices=impl.devices, requires=impl.requires,
                           graph_safe=impl.name != "torch" or torch_syncs is None))

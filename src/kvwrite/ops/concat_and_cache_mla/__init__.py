@@ -9,9 +9,8 @@ from .op import __all__ as __all__
 registry.define_op(
     OP, __name__, torch_syncs=registry.SYNCS_MASKING,
     run="kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale, *, ds_scale: DsMlaScale",
-    unsupported="kv_c, kv_cache, mode: MlaMode",
-    torch="plain PyTorch (index_put_ with padding and bounds masked); the reference",
-    triton="Triton kernel, every mode (fp8_ds_mla tile scales in the kernel)",
+    unsupported="kv_c, kv_cache, mode: MlaMode", torch="(index_put_ with padding and bounds masked)",
+    triton=", every mode (fp8_ds_mla tile scales in the kernel)",
     cuda="CUDA C++ kernels compiled at run time with NVRTC (cuda.core)",
-    bench=registry.BenchCommand("concat_and_cache_mla", "kvwrite.bench.ops.concat_and_cache_mla:BENCH",
-        "the MLA latent cache write (auto, fp8, fp8_ds_mla): vLLM's benchmark", aliases=("mla",)))
+    bench=registry.bench("concat_and_cache_mla", "the MLA latent cache write (auto, fp8, "
+                         "fp8_ds_mla): vLLM's benchmark", aliases=("mla",)))

@@ -6,9 +6,7 @@ from .op import *  # noqa: F403  (the package exports op.__all__)
 from .op import OP
 from .op import __all__ as __all__
 
-registry.define_op(
-    OP, __name__, torch_syncs=registry.SYNCS_ROW_COUNT,
-    run="src_cache, dst, block_table, workspace_starts, num_req, seq_starts",
-    unsupported="src_cache, dst",
-    torch="plain PyTorch (the row rule by repeat_interleave, index_put_); the reference",
-    triton="Triton kernel (exact e4m3 decode, tile scales read as bytes)")
+registry.define_op(OP, __name__, torch_syncs=registry.SYNCS_ROW_COUNT, unsupported="src_cache, dst",
+                   run="src_cache, dst, block_table, workspace_starts, num_req, seq_starts",
+                   torch="(the row rule by repeat_interleave, index_put_)",
+                   triton="(exact e4m3 decode, tile scales read as bytes)")

@@ -7,10 +7,8 @@ from .op import OP
 from .op import __all__ as __all__
 
 registry.define_op(
-    OP, __name__,
-    run="qkv [T_pad, Hq+Hk+Hv, D], num_heads_q, num_heads_k, eps: float, q_weight, k_weight, "
-        "cos_sin_cache, is_neox, position_ids, weight_offset: float",
+    OP, __name__, run="qkv [T_pad, Hq+Hk+Hv, D], num_heads_q, num_heads_k, eps: float, q_weight, "
+                      "k_weight, cos_sin_cache, is_neox, position_ids, weight_offset: float",
     unsupported="qkv, q_weight, k_weight, cos_sin_cache, is_neox",
-    torch="plain PyTorch (float32 tensor ops, each rounded; float64 root); the reference",
-    triton="Triton kernel: norm and rotation of a tile of heads, neox and GPT-J",
-    cuda="CUDA C++ kernel compiled at run time with NVRTC (cuda.core), a lane group per head")
+    torch="(float32 tensor ops, each rounded; float64 root)", cuda=", a lane group per head",
+    triton=": norm and rotation of a tile of heads, neox and GPT-J")

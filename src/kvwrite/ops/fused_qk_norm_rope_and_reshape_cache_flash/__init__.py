@@ -14,8 +14,7 @@ registry.define_op(
         "query_out [T_pad, Hq, D] | None, q_scale | None",
     unsupported="qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache, "
                 "cache_dtype: CacheDType, query_out",
-    torch="plain PyTorch: fused_qk_norm_rope's reference, then the cache write's; the reference",
-    triton="Triton kernel: norm, rotation, query/key stores and cache write in one launch",
-    cuda="CUDA C++ kernel compiled at run time with NVRTC (cuda.core), a lane group per head",
-    bench=registry.BenchCommand("fused_qk_norm_rope_and_reshape_cache_flash", "kvwrite.bench.ops.fused_qk_norm_rope_and_reshape_cache_flash:BENCH",
-        "QK-norm + RoPE + cache write: fused, the unfused sequence, norm+rope alone", aliases=("qk-norm-rope",)))
+    torch=": fused_qk_norm_rope's reference, then the cache write's", cuda=", a lane group per head",
+    triton=": norm, rotation, query/key stores and cache write in one launch",
+    bench=registry.bench("fused_qk_norm_rope_and_reshape_cache_flash", "QK-norm + RoPE + cache "
+                         "write: fused, the unfused sequence, norm+rope alone", aliases=("qk-norm-rope",)))

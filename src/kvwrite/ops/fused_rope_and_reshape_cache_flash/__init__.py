@@ -12,7 +12,7 @@ registry.define_op(
         "slot_mapping, cache_dtype: CacheDType, k_scale, v_scale, rotate_key_in_place: bool, "
         "query_out | None",
     unsupported="query, key, key_cache, cache_dtype: CacheDType, cos_sin_cache, is_neox",
-    torch="plain PyTorch: the rotation's reference, then the cache write's; the reference",
-    triton="Triton kernel: rotation, query/key stores and cache write in one launch",
-    bench=registry.BenchCommand("fused_rope_and_reshape_cache_flash", "kvwrite.bench.ops.fused_rope_and_reshape_cache_flash:BENCH",
-        "RoPE + cache write, fused, against the unfused pair and rotary_embedding alone", aliases=("rope",)))
+    torch=": the rotation's reference, then the cache write's",
+    triton=": rotation, query/key stores and cache write in one launch",
+    bench=registry.bench("fused_rope_and_reshape_cache_flash", "RoPE + cache write, fused, "
+                         "against the unfused pair and rotary_embedding alone", aliases=("rope",)))

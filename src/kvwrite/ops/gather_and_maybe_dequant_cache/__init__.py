@@ -7,8 +7,7 @@ from .op import OP
 from .op import __all__ as __all__
 
 registry.define_op(
-    OP, __name__, torch_syncs=registry.SYNCS_ROW_COUNT,
-    run="src_cache, dst, block_table, cu_seq_lens, seq_starts, num_tokens, mode: MlaMode, scale",
-    unsupported="src_cache, dst, mode: MlaMode",
-    torch="plain PyTorch (the row rule by repeat_interleave, index_put_); the reference",
-    triton="Triton kernel (owners by comparison with every request, exact fp8 decode)")
+    OP, __name__, run="src_cache, dst, block_table, cu_seq_lens, seq_starts, num_tokens, mode: MlaMode, "
+                      "scale", unsupported="src_cache, dst, mode: MlaMode",
+    torch_syncs=registry.SYNCS_ROW_COUNT, torch="(the row rule by repeat_interleave, index_put_)",
+    triton="(owners by comparison with every request, exact fp8 decode)")

@@ -7,10 +7,8 @@ from .op import OP
 from .op import __all__ as __all__
 
 registry.define_op(
-    OP, __name__, torch_syncs=registry.SYNCS_MASKING,
+    OP, __name__, torch_syncs=registry.SYNCS_MASKING, unsupported="k, kv_cache, fmt: ScaleFormat",
     run="k, kv_cache, slot_mapping, quant_block_size: int, fmt: ScaleFormat",
-    unsupported="k, kv_cache, fmt: ScaleFormat",
-    torch="plain PyTorch (index_put_ with padding and bounds masked); the reference",
-    triton="Triton kernel (group amax, scales and codes in the kernel)",
-    bench=registry.BenchCommand("indexer_k_quant_and_cache", "kvwrite.bench.ops.indexer:BENCH",
-        "DeepSeek-V3.2's indexer key write (e4m3 codes + group scales)", aliases=("indexer",)))
+    torch="(index_put_ with padding and bounds masked)", triton="(group amax, scales and codes in the kernel)",
+    bench=registry.bench("indexer_k_quant_and_cache", "DeepSeek-V3.2's indexer key write (e4m3 codes + "
+                         "group scales)", module="indexer", aliases=("indexer",)))

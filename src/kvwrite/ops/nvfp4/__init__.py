@@ -12,7 +12,6 @@ registry.define_op(
     run="key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: CacheDType, k_scale, "
         "v_scale, v_scale_layout: ScaleLayout",
     unsupported="key, k_data, cache_dtype: CacheDType, v_scale_layout: ScaleLayout",
-    torch="plain PyTorch (the group rule on float32 tensors, index_put_); the reference",
-    triton="Triton kernel, both rules, every layout",
-    bench=registry.BenchCommand("nvfp4", "kvwrite.bench.ops.nvfp4:BENCH",
-        "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"))
+    torch="(the group rule on float32 tensors, index_put_)", triton=", both rules, every layout",
+    bench=registry.bench("nvfp4", "the NVFP4 cache write (vLLM's page layout), beside the fp8 write "
+                         "of the same shape"))

@@ -7,10 +7,9 @@ from .op import OP
 from .op import __all__ as __all__
 
 registry.define_op(
-    OP, __name__, torch_syncs=registry.SYNCS_MASKING,
+    OP, __name__, torch_syncs=registry.SYNCS_MASKING, unsupported="key, key_cache, cache_dtype: CacheDType, k_scale",
     run="key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType, k_scale, v_scale",
-    unsupported="key, key_cache, cache_dtype: CacheDType, k_scale",
-    torch="plain PyTorch (index_put_ through permuted views, padding and bounds masked); the reference",
-    triton="Triton kernel, every cache dtype, per-head scales, any cache strides",
-    bench=registry.BenchCommand("reshape_and_cache", "kvwrite.bench.ops.reshape_and_cache:BENCH",
-        "the legacy paged-attention cache write (x-packed key layout)", aliases=("legacy",)))
+    torch="(index_put_ through permuted views, padding and bounds masked)",
+    triton=", every cache dtype, per-head scales, any cache strides",
+    bench=registry.bench("reshape_and_cache", "the legacy paged-attention cache write (x-packed key "
+                         "layout)", aliases=("legacy",)))

@@ -10,9 +10,8 @@ registry.define_op(
     OP, __name__, torch_syncs=registry.SYNCS_MASKING,
     run="key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType, k_scale, v_scale",
     unsupported="key, key_cache, cache_dtype: CacheDType, k_scale, v_scale",
-    torch="plain PyTorch (index_put_ with padding and bounds masked); the reference",
-    triton="Triton kernel, every layout and fp8 mode",
-    bench=registry.BenchCommand("reshape_and_cache_flash", "kvwrite.bench.ops.reshape_and_cache_flash:BENCH",
-        "the KV cache write: vLLM's benchmark (also the default: kvwrite-bench [flags])"))
+    torch="(index_put_ with padding and bounds masked)", triton=", every layout and fp8 mode",
+    bench=registry.bench("reshape_and_cache_flash", "the KV cache write: vLLM's benchmark (also the "
+                         "default: kvwrite-bench [flags])"))
 
 from . import peers  # noqa: E402, F401  (registers the peers: torch-compile, vllm, vllm-triton, flashinfer)

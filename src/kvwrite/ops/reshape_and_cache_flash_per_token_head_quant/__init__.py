@@ -10,10 +10,9 @@ __all__ = [*op.__all__, *caches.__all__]
 registry.define_op(
     op.OP, __name__, torch_syncs=registry.SYNCS_MASKING,
     run="key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, "
-        "mode: PerTokenHeadMode",
-    unsupported="key, value, key_cache, value_cache, mode: PerTokenHeadMode",
-    torch="plain PyTorch (row reductions, exact roundings, index_put_); the reference",
-    triton="Triton kernel, the three modes (row reductions in the tile)",
-    cuda="CUDA C++ kernel compiled at run time with NVRTC (cuda.core), a lane group per row",
-    bench=registry.BenchCommand("reshape_and_cache_flash_per_token_head_quant", "kvwrite.bench.ops.per_token_head:BENCH",
-        "the per-(token, head) quantized cache write: int8, fp8, int4", aliases=("per-token-head",)))
+        "mode: PerTokenHeadMode", unsupported="key, value, key_cache, value_cache, mode: PerTokenHeadMode",
+    torch="(row reductions, exact roundings, index_put_)", cuda=", a lane group per row",
+    triton=", the three modes (row reductions in the tile)",
+    bench=registry.bench("reshape_and_cache_flash_per_token_head_quant", "the per-(token, head) "
+                         "quantized cache write: int8, fp8, int4", module="per_token_head",
+                         aliases=("per-token-head",)))

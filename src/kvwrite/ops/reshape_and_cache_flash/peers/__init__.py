@@ -14,34 +14,16 @@ names no implementation never picks one.
 from .... import registry
 from ..op import OP
 
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="torch-compile",
-    description="the torch reference under torch.compile (inductor)",
-    module=f"{__name__}.torch_compile",
-    priority=-10,
-    devices=("cpu", "cuda"),
-    # The reference's boolean masks have data-dependent sizes: a graph break and a host sync.
-    graph_safe=False,
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="vllm",
-    description="vLLM's CUDA kernel (vllm._custom_ops.reshape_and_cache_flash)",
-    module=f"{__name__}.vllm_cuda",
-    priority=-20,
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="vllm-triton",
-    description="vLLM's Triton kernel (triton_reshape_and_cache_flash)",
-    module=f"{__name__}.vllm_triton",
-    priority=-21,
-))
-registry.register(registry.ImplInfo(
-    op=OP,
-    name="flashinfer",
-    description="FlashInfer's append_paged_kv_cache (slots as one request owning every block)",
-    module=f"{__name__}.flashinfer",
-    priority=-30,
-))
+
+def _peer(name: str, module: str, priority: int, description: str, **kw) -> None:
+    registry.register(registry.ImplInfo(op=OP, name=name, description=description,
+                                        module=f"{__name__}.{module}", priority=priority, **kw))
+
+
+# The reference's boolean masks have data-dependent sizes: a graph break and a host sync.
+_peer("torch-compile", "torch_compile", -10, "the torch reference under torch.compile (inductor)",
+      devices=("cpu", "cuda"), graph_safe=False)
+_peer("vllm", "vllm_cuda", -20, "vLLM's CUDA kernel (vllm._custom_ops.reshape_and_cache_flash)")
+_peer("vllm-triton", "vllm_triton", -21, "vLLM's Triton kernel (triton_reshape_and_cache_flash)")
+_peer("flashinfer", "flashinfer", -30,
+      "FlashInfer's append_paged_kv_cache (slots as one request owning every block)")
