@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_num_slots", "check_mutation_safe"]
+           "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -33,6 +33,26 @@ def require_same_device(device: torch.device, what: str, named: tuple) -> None:
 def check_slot_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name}: expected dtype int64 or int32, got {t.dtype}")
+
+
+def check_at_most(name: str, t: torch.Tensor, rows: int, rows_of: str) -> None:
+    """``t`` has at most ``rows`` entries (``rows_of``: what bounds them, as the message names it,
+    e.g. "key.shape[0]")."""
+    if t.numel() > rows:
+        raise ValueError(f"{name}: expected at most {rows_of} = {rows} entries, got {t.numel()}")
+
+
+def check_token_indices(name: str, t: torch.Tensor, rows: int | None = None,
+                        rows_of: str = "") -> None:
+    """``t`` (slots, positions): 1 dim ``[num_tokens]``, int64 or int32, contiguous, and where
+    ``rows`` is given at most that many entries (:func:`check_at_most`)."""
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected 1 dim [num_tokens], got shape {shape_str(t)}")
+    check_slot_dtype(name, t)
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
+    if rows is not None:
+        check_at_most(name, t, rows, rows_of)
 
 
 def check_num_slots(name: str, n) -> int:

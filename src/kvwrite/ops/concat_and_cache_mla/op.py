@@ -21,7 +21,7 @@ from ...formats import (  # noqa: F401  (re-exported: their home was here)
 )
 from ...validation import (
     check_mutation_safe,
-    check_slot_dtype,
+    check_token_indices,
     require_same_device,
     require_tensor,
 )
@@ -173,14 +173,7 @@ def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None, *,
         raise ValueError(f"kv_cache: kv_cache_dtype={mode.value!r} with {kv_c.dtype} input expects "
                          f"a cache of dtype {names}, got {kv_cache.dtype}")
 
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
-    if slot_mapping.numel() > t_pad:
-        raise ValueError(f"slot_mapping: expected at most kv_c.shape[0] = {t_pad} entries, got "
-                         f"{slot_mapping.numel()}")
+    check_token_indices("slot_mapping", slot_mapping, t_pad, "kv_c.shape[0]")
     device = kv_c.device
     require_same_device(device, "kv_c", (("k_pe", k_pe), ("kv_cache", kv_cache),
                                          ("slot_mapping", slot_mapping)))

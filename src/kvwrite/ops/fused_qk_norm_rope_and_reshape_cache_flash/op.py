@@ -7,7 +7,7 @@ import torch
 
 from ... import registry
 from ...dtypes import CacheDType
-from ...validation import check_mutation_safe, require_same_device, require_tensor
+from ...validation import check_at_most, check_mutation_safe, require_same_device, require_tensor
 from ...validation import shape_str as _shape
 from ..fused_qk_norm_rope.op import validate_norm
 from ..reshape_and_cache_flash.op import validate as validate_cache_write
@@ -123,11 +123,7 @@ def validate(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight
     k, v = view[:, hq:hq + hk], view[:, hq + hk:]
     cache_dtype = validate_cache_write(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                        k_scale, v_scale, free_head_stride=True)
-    num_rot = position_ids.numel()
-    if slot_mapping.numel() > num_rot:
-        raise ValueError(
-            f"slot_mapping: expected at most position_ids.numel() = {num_rot} entries, got "
-            f"{slot_mapping.numel()}")
+    check_at_most("slot_mapping", slot_mapping, position_ids.numel(), "position_ids.numel()")
     return view, eps, weight_offset, cache_dtype, qo, qs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry
-from ...validation import check_mutation_safe, require_same_device, require_tensor
+from ...validation import check_at_most, check_mutation_safe, require_same_device, require_tensor
 from ...validation import shape_str as _shape
 from ..reshape_and_cache_flash.op import validate as validate_cache_write
 from ..rotary_embedding.op import as_heads, check_rope_args
@@ -53,14 +53,8 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
     cache_dtype = validate_cache_write(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                        k_scale, v_scale, free_head_stride=True)
     check_rope_args(positions, q, cos_sin_cache, head_size)
-    num_rot = positions.numel()
-    if num_rot > k.shape[0]:
-        raise ValueError(
-            f"positions: expected at most key.shape[0] = {k.shape[0]} entries, got {num_rot}")
-    if slot_mapping.numel() > num_rot:
-        raise ValueError(
-            f"slot_mapping: expected at most positions.numel() = {num_rot} entries, got "
-            f"{slot_mapping.numel()}")
+    check_at_most("positions", positions, k.shape[0], "key.shape[0]")
+    check_at_most("slot_mapping", slot_mapping, positions.numel(), "positions.numel()")
     qo = None
     if query_out is not None:
         qo = as_heads("query_out", query_out, head_size)

@@ -12,7 +12,7 @@ from ... import formats, registry
 from ...dtypes import INPUT_DTYPES, SCALE_FLOOR_1E4_BITS
 from ...validation import (
     check_mutation_safe,
-    check_slot_dtype,
+    check_token_indices,
     require_same_device,
     require_tensor,
 )
@@ -155,16 +155,7 @@ def validate(k, kv_cache, slot_mapping, quant_block_size, scale_fmt) -> tuple[in
         raise ValueError(f"kv_cache: expected dense pages (stride(2) == 1, stride(1) == {entry}), "
                          f"got strides {tuple(kv_cache.stride())}")
 
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape "
-                         f"{_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride "
-                         f"{slot_mapping.stride(0)}")
-    if slot_mapping.numel() > t_pad:
-        raise ValueError(f"slot_mapping: expected at most k.shape[0] = {t_pad} entries, got "
-                         f"{slot_mapping.numel()}")
+    check_token_indices("slot_mapping", slot_mapping, t_pad, "k.shape[0]")
     require_same_device(k.device, "k", (("kv_cache", kv_cache), ("slot_mapping", slot_mapping)))
     check_mutation_safe(outputs=(("kv_cache", kv_cache),),
                         inputs=(("k", k), ("slot_mapping", slot_mapping)))

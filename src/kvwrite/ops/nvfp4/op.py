@@ -23,7 +23,7 @@ from ... import formats, registry
 from ...dtypes import INPUT_DTYPES, CacheDType, parse_kv_cache_dtype
 from ...validation import (
     check_mutation_safe,
-    check_slot_dtype,
+    check_token_indices,
     require_same_device,
     require_tensor,
 )
@@ -139,16 +139,7 @@ def _check_inputs(key, value, names: tuple[str, str], head_what: str) -> tuple[i
 
 def _check_slots(slot_mapping, t_pad: int, kn: str) -> None:
     require_tensor("slot_mapping", slot_mapping)
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape "
-                         f"{_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride "
-                         f"{slot_mapping.stride(0)}")
-    if slot_mapping.numel() > t_pad:
-        raise ValueError(f"slot_mapping: expected at most {kn}.shape[0] = {t_pad} entries, got "
-                         f"{slot_mapping.numel()}")
+    check_token_indices("slot_mapping", slot_mapping, t_pad, f"{kn}.shape[0]")
 
 
 def _check_scale_tensor(name: str, s, device: torch.device, what: str) -> None:

@@ -11,6 +11,7 @@ from ...validation import (
     check_mutation_safe,
     check_num_slots,
     check_slot_dtype,
+    check_token_indices,
     require_same_device,
     require_tensor,
 )
@@ -226,15 +227,7 @@ def check_cache_dtype(cache_dtype: CacheDType, input_dtype: torch.dtype, key_cac
 
 def check_slots(slot_mapping, key) -> None:
     """``slot_mapping`` ``[T]`` int64/int32, contiguous, ``T <= key.shape[0]``."""
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
-    if slot_mapping.numel() > key.shape[0]:
-        raise ValueError(
-            f"slot_mapping: expected at most key.shape[0] = {key.shape[0]} entries, got {slot_mapping.numel()}"
-        )
+    check_token_indices("slot_mapping", slot_mapping, key.shape[0], "key.shape[0]")
 
 
 def check_scales(cache_dtype: CacheDType, k_scale, v_scale, num_heads: int,

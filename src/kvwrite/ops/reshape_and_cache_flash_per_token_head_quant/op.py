@@ -11,7 +11,7 @@ from ... import formats, registry
 from ...dtypes import INPUT_DTYPES
 from ...validation import (
     check_mutation_safe,
-    check_slot_dtype,
+    check_token_indices,
     require_same_device,
     require_tensor,
 )
@@ -175,11 +175,7 @@ def validate(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, s
             raise ValueError(f"{name}: expected shape [num_blocks, block_size, num_heads] = "
                              f"{list(geometry)} (that of key_cache), got {_shape(s)}")
 
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape {_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}")
+    check_token_indices("slot_mapping", slot_mapping)
     for name, t in (("key", key), ("value", value)):
         if slot_mapping.numel() > t.shape[0]:
             raise ValueError(f"slot_mapping: expected at most {name}.shape[0] = {t.shape[0]} "

@@ -7,7 +7,13 @@ import torch
 
 from ... import registry
 from ...dtypes import INPUT_DTYPES
-from ...validation import check_mutation_safe, require_same_device, require_tensor
+from ...validation import (
+    check_at_most,
+    check_mutation_safe,
+    check_token_indices,
+    require_same_device,
+    require_tensor,
+)
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "rotary_embedding", "validate", "as_heads", "head_stride", "check_rope_args",
@@ -63,16 +69,7 @@ def check_rope_args(positions, query: torch.Tensor, cos_sin_cache, head_size: in
     pn = positions_name
     require_tensor(pn, positions)
     require_tensor("cos_sin_cache", cos_sin_cache)
-    if positions.dim() != 1:
-        raise ValueError(f"{pn}: expected 1 dim [num_tokens], got shape {_shape(positions)}")
-    if positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{pn}: expected dtype int64 or int32, got {positions.dtype}")
-    if positions.numel() > 1 and positions.stride(0) != 1:
-        raise ValueError(f"{pn}: expected a contiguous tensor, got stride {positions.stride(0)}")
-    if positions.numel() > query.shape[0]:
-        raise ValueError(
-            f"{pn}: expected at most {query_name}.shape[0] = {query.shape[0]} entries, got "
-            f"{positions.numel()}")
+    check_token_indices(pn, positions, query.shape[0], f"{query_name}.shape[0]")
     if cos_sin_cache.dim() != 2:
         raise ValueError(
             f"cos_sin_cache: expected 2 dims [max_position, rot_dim], got shape {_shape(cos_sin_cache)}")
@@ -124,9 +121,8 @@ def validate(positions, query, key, head_size, cos_sin_cache, is_neox
             raise ValueError(f"key: expected the dtype of query ({query.dtype}), got {key.dtype}")
         require_same_device(query.device, "query", (("key", key),))
     check_rope_args(positions, q, cos_sin_cache, head_size)
-    if k is not None and positions.numel() > k.shape[0]:
-        raise ValueError(
-            f"positions: expected at most key.shape[0] = {k.shape[0]} entries, got {positions.numel()}")
+    if k is not None:
+        check_at_most("positions", positions, k.shape[0], "key.shape[0]")
     check_mutation_safe(outputs=(("query", query), ("key", key)) if key is not None
                         else (("query", query),),
                         inputs=(("positions", positions), ("cos_sin_cache", cos_sin_cache)))
