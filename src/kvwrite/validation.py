@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
+           "check_like", "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -28,6 +28,20 @@ def require_same_device(device: torch.device, what: str, named: tuple) -> None:
     for name, t in named:
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} (that of {what}), got {t.device}")
+
+
+def check_like(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor, *props: str) -> None:
+    """``t`` has the ``props`` ("shape", "dtype", "strides") of ``like``, checked in that order."""
+    for prop in props:
+        if prop == "shape" and t.shape != like.shape:
+            raise ValueError(f"{name}: expected the shape of {like_name} {shape_str(like)}, got "
+                             f"{shape_str(t)}")
+        if prop == "dtype" and t.dtype != like.dtype:
+            raise ValueError(f"{name}: expected the dtype of {like_name} ({like.dtype}), got "
+                             f"{t.dtype}")
+        if prop == "strides" and t.stride() != like.stride():
+            raise ValueError(f"{name}: expected the strides of {like_name} {tuple(like.stride())}, "
+                             f"got {tuple(t.stride())}")
 
 
 def check_slot_dtype(name: str, t: torch.Tensor) -> None:

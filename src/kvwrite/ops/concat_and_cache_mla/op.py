@@ -20,6 +20,7 @@ from ...formats import (  # noqa: F401  (re-exported: their home was here)
     MlaMode,
 )
 from ...validation import (
+    check_like,
     check_mutation_safe,
     check_token_indices,
     require_same_device,
@@ -138,8 +139,7 @@ def validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale=None, *,
         raise ValueError(f"k_pe: expected 2 dims [num_tokens, pe_dim], got shape {_shape(k_pe)}")
     if kv_c.dtype not in INPUT_DTYPES:
         raise ValueError(f"kv_c: expected dtype float16, bfloat16 or float32, got {kv_c.dtype}")
-    if k_pe.dtype != kv_c.dtype:
-        raise ValueError(f"k_pe: expected the dtype of kv_c ({kv_c.dtype}), got {k_pe.dtype}")
+    check_like("k_pe", k_pe, "kv_c", kv_c, "dtype")
     t_pad, kv_lora_rank = kv_c.shape
     pe_dim = k_pe.shape[1]
     if k_pe.shape[0] != t_pad:

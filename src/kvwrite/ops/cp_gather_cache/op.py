@@ -7,7 +7,7 @@ import torch
 
 from ... import registry
 from ...gather import check_count, check_index, check_requests
-from ...validation import check_mutation_safe, require_tensor
+from ...validation import check_like, check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "cp_gather_cache", "validate", "select_implementation"]
@@ -28,9 +28,7 @@ def validate(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=No
         raise ValueError(f"dst: expected shape [T_out, {', '.join(map(str, src_cache.shape[2:]))}]"
                          f" (an entry of src_cache {_shape(src_cache)} per row), got "
                          f"{_shape(dst)}")
-    if dst.dtype != src_cache.dtype:
-        raise ValueError(f"dst: expected the dtype of src_cache ({src_cache.dtype}), got "
-                         f"{dst.dtype}")
+    check_like("dst", dst, "src_cache", src_cache, "dtype")
     device = src_cache.device
     if dst.device != device:
         raise ValueError(f"dst: expected device {device} (that of src_cache), got {dst.device}")

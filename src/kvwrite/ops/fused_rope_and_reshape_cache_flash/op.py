@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from ... import registry
-from ...validation import check_at_most, check_mutation_safe, require_same_device, require_tensor
+from ...validation import (
+    check_at_most,
+    check_like,
+    check_mutation_safe,
+    require_same_device,
+    require_tensor,
+)
 from ...validation import shape_str as _shape
 from ..reshape_and_cache_flash.op import validate as validate_cache_write
 from ..rotary_embedding.op import as_heads, check_rope_args
@@ -46,8 +52,7 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
     k = as_heads("key", key, head_size)
     v = as_heads("value", value, head_size)
     q = as_heads("query", query, head_size)
-    if query.dtype != key.dtype:
-        raise ValueError(f"query: expected the dtype of key ({key.dtype}), got {query.dtype}")
+    check_like("query", query, "key", key, "dtype")
     require_same_device(key.device, "key", (("query", query),))
     # key and value take any head stride here (as_heads), unlike reshape_and_cache_flash's own.
     cache_dtype = validate_cache_write(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype,
@@ -61,9 +66,7 @@ def validate(query, key, value, positions, cos_sin_cache, is_neox, key_cache, va
         if qo.shape != q.shape:
             raise ValueError(
                 f"query_out: expected the shape of query {_shape(query)}, got {_shape(query_out)}")
-        if query_out.dtype != query.dtype:
-            raise ValueError(
-                f"query_out: expected the dtype of query ({query.dtype}), got {query_out.dtype}")
+        check_like("query_out", query_out, "query", query, "dtype")
         require_same_device(query.device, "query", (("query_out", query_out),))
     # The caches themselves, and against key, value, slots and scales, were checked with the
     # cache arguments; here what this op writes besides them (the rotated query, the key in

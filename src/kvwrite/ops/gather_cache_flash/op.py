@@ -8,7 +8,7 @@ import torch
 from ... import registry
 from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
 from ...gather import check_index, check_requests, check_scale
-from ...validation import check_mutation_safe, require_tensor
+from ...validation import check_like, check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "gather_cache_flash", "validate", "select_implementation"]
@@ -28,15 +28,7 @@ def validate(key_cache, value_cache, key_out, value_out, block_table, cu_seq_len
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache: expected 4 dims [num_blocks, block_size, num_heads, "
                          f"head_size], got shape {_shape(key_cache)}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: expected the shape of key_cache {_shape(key_cache)}, got "
-                         f"{_shape(value_cache)}")
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
-                         f"{value_cache.dtype}")
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache: expected the strides of key_cache "
-                         f"{tuple(key_cache.stride())}, got {tuple(value_cache.stride())}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "shape", "dtype", "strides")
     num_heads, head_size = key_cache.shape[2:]
     if head_size > 1 and key_cache.stride(3) != 1:
         raise ValueError(f"key_cache: expected a unit-stride last dim, got strides "
@@ -44,12 +36,7 @@ def validate(key_cache, value_cache, key_out, value_out, block_table, cu_seq_len
     if key_out.dim() != 3 or key_out.shape[1:] != key_cache.shape[2:]:
         raise ValueError(f"key_out: expected shape [T_out, {num_heads}, {head_size}] (the heads "
                          f"of key_cache), got {_shape(key_out)}")
-    if value_out.shape != key_out.shape:
-        raise ValueError(f"value_out: expected the shape of key_out {_shape(key_out)}, got "
-                         f"{_shape(value_out)}")
-    if value_out.dtype != key_out.dtype:
-        raise ValueError(f"value_out: expected the dtype of key_out ({key_out.dtype}), got "
-                         f"{value_out.dtype}")
+    check_like("value_out", value_out, "key_out", key_out, "shape", "dtype")
     for name, t in (("key_out", key_out), ("value_out", value_out)):
         if head_size > 1 and t.stride(2) != 1:
             raise ValueError(f"{name}: expected a unit-stride last dim, got strides "

@@ -22,6 +22,7 @@ import torch
 from ... import formats, registry
 from ...dtypes import INPUT_DTYPES, CacheDType, parse_kv_cache_dtype
 from ...validation import (
+    check_like,
     check_mutation_safe,
     check_token_indices,
     require_same_device,
@@ -118,12 +119,10 @@ def _check_inputs(key, value, names: tuple[str, str], head_what: str) -> tuple[i
     if key.dim() != 3:
         raise ValueError(f"{kn}: expected 3 dims [num_tokens, num_heads, head_size], got shape "
                          f"{_shape(key)}")
-    if value.shape != key.shape:
-        raise ValueError(f"{vn}: expected the shape of {kn} {_shape(key)}, got {_shape(value)}")
+    check_like(vn, value, kn, key, "shape")
     if key.dtype not in INPUT_DTYPES:
         raise ValueError(f"{kn}: expected dtype float16, bfloat16 or float32, got {key.dtype}")
-    if value.dtype != key.dtype:
-        raise ValueError(f"{vn}: expected the dtype of {kn} ({key.dtype}), got {value.dtype}")
+    check_like(vn, value, kn, key, "dtype")
     t_pad, num_heads, head_size = key.shape
     if head_size < GROUP or head_size % GROUP:
         raise ValueError(f"{kn}: {head_what} needs head_size a positive multiple of {GROUP}, got "
@@ -215,12 +214,7 @@ def flash_run_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
     if key_cache.shape[0] < 1 or key_cache.shape[1] < 1:
         raise ValueError(f"key_cache: expected num_blocks >= 1 and block_size >= 1, got shape "
                          f"{_shape(key_cache)}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: expected the shape of key_cache {_shape(key_cache)}, got "
-                         f"{_shape(value_cache)}")
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache: expected the strides of key_cache "
-                         f"{tuple(key_cache.stride())}, got {tuple(value_cache.stride())}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "shape", "strides")
     nhd = _page_layout(key_cache, "key_cache")
     _check_slots(slot_mapping, t_pad, "key")
     device = key.device
@@ -290,9 +284,7 @@ def _split_kv(t, name: str, per_head: int, dtype: torch.dtype, nhd: bool, want: 
         for n, x in parts:
             if x.dim() != 4:
                 raise ValueError(f"{n}: expected 4 dims {want}, got shape {_shape(x)}")
-        if v.shape != k.shape:
-            raise ValueError(f"{name}[1]: expected the shape of {name}[0] {_shape(k)}, got "
-                             f"{_shape(v)}")
+        check_like(f"{name}[1]", v, f"{name}[0]", k, "shape")
     else:
         require_tensor(name, t)
         if t.dim() != 5 or t.shape[1] != 2:

@@ -8,7 +8,7 @@ import torch
 
 from ... import registry
 from ...dtypes import CacheDType, parse_kv_cache_dtype
-from ...validation import check_mutation_safe, require_same_device, require_tensor
+from ...validation import check_like, check_mutation_safe, require_same_device, require_tensor
 from ...validation import shape_str as _shape
 from ..reshape_and_cache_flash.op import (
     check_cache_dtype,
@@ -59,9 +59,7 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
                          f"{_shape(value_cache)}")
     # The key cache's dtype against the inputs' first: where only it is wrong, it is named.
     check_cache_dtype(cache_dtype, key.dtype, key_cache)
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
-                         f"{value_cache.dtype}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "dtype")
 
     check_slots(slot_mapping, key)
     device = key.device

@@ -8,6 +8,7 @@ import torch
 from ... import registry
 from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
 from ...validation import (
+    check_like,
     check_mutation_safe,
     check_num_slots,
     check_slot_dtype,
@@ -50,16 +51,10 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
         raise ValueError(
             f"key_cache: expected [num_blocks, block_size, {num_heads}, {head_size}] to match key, got shape {_shape(key_cache)}"
         )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: expected the shape of key_cache {_shape(key_cache)}, got {_shape(value_cache)}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "shape")
     # The key cache's dtype against the inputs' first: where only it is wrong, it is named.
     check_cache_dtype(cache_dtype, key.dtype, key_cache)
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got {value_cache.dtype}")
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(
-            f"value_cache: expected the strides of key_cache {tuple(key_cache.stride())}, got {tuple(value_cache.stride())}"
-        )
+    check_like("value_cache", value_cache, "key_cache", key_cache, "dtype", "strides")
     if head_size > 1 and key_cache.stride(3) != 1:
         raise ValueError(f"key_cache: expected a unit-stride last dim, got strides {tuple(key_cache.stride())}")
 
@@ -199,10 +194,7 @@ def check_key_value(key, value, free_head_stride: bool = False, *,
                 f"kv_cache_dtype={cache_dtype.value!r} with a {key_cache.dtype} key_cache takes), "
                 f"got {key.dtype}"
             )
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
-    if value.dtype != key.dtype:
-        raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    check_like("value", value, "key", key, "shape", "dtype")
     t_pad, num_heads, head_size = key.shape
     for name, t in (("key", key), ("value", value)):
         if head_size > 1 and t.stride(2) != 1 or (

@@ -10,6 +10,7 @@ import torch
 from ... import formats, registry
 from ...dtypes import INPUT_DTYPES
 from ...validation import (
+    check_like,
     check_mutation_safe,
     check_token_indices,
     require_same_device,
@@ -148,8 +149,7 @@ def validate(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, s
 
     _check_input("key", key, mode)
     _check_input("value", value, mode)
-    if value.dtype != key.dtype:
-        raise ValueError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    check_like("value", value, "key", key, "dtype")
     num_heads = key.shape[1]
     if value.shape[1] != num_heads:
         raise ValueError(f"value: expected {num_heads} heads (those of key) in dim 1, got shape "
@@ -165,9 +165,7 @@ def validate(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, s
     if tuple(value_cache.shape[:3]) != geometry:
         raise ValueError(f"value_cache: expected [num_blocks, block_size, num_heads] = "
                          f"{list(geometry)} (those of key_cache), got shape {_shape(value_cache)}")
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
-                         f"{value_cache.dtype}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "dtype")
     for name, s in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         if s.dtype != torch.float32:
             raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")
@@ -218,9 +216,7 @@ def _byte_views(key_cache, value_cache, k_scale_cache, v_scale_cache):
         if c.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims [num_blocks, block_size, num_heads, E], "
                              f"got shape {_shape(c)}")
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
-                         f"{value_cache.dtype}")
+    check_like("value_cache", value_cache, "key_cache", key_cache, "dtype")
     for name, s in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         if s.dtype != torch.float32:
             raise ValueError(f"{name}: expected dtype float32, got {s.dtype}")

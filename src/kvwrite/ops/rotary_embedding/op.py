@@ -9,6 +9,7 @@ from ... import registry
 from ...dtypes import INPUT_DTYPES
 from ...validation import (
     check_at_most,
+    check_like,
     check_mutation_safe,
     check_token_indices,
     require_same_device,
@@ -117,8 +118,7 @@ def validate(positions, query, key, head_size, cos_sin_cache, is_neox
     k = None
     if key is not None:
         k = as_heads("key", key, head_size)
-        if key.dtype != query.dtype:
-            raise ValueError(f"key: expected the dtype of query ({query.dtype}), got {key.dtype}")
+        check_like("key", key, "query", query, "dtype")
         require_same_device(query.device, "query", (("key", key),))
     check_rope_args(positions, q, cos_sin_cache, head_size)
     if k is not None:
