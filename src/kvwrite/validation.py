@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_like", "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
+           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -67,6 +67,20 @@ def check_token_indices(name: str, t: torch.Tensor, rows: int | None = None,
         raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
     if rows is not None:
         check_at_most(name, t, rows, rows_of)
+
+
+def check_in_range(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str,
+                   at: str = "positions") -> None:
+    """Raise ValueError naming the entries of ``t`` where the boolean ``bad`` holds (the first
+    16: their indices and values): "``name``: ``expected``; N out of range at ``at`` [...] with
+    values [...]". Reads them on the host (a sync): for debugging and tests, not the hot path."""
+    where = torch.nonzero(bad).flatten().cpu()
+    if where.numel():
+        shown = where[:16].tolist()
+        values = t.cpu()[where[:16]].tolist()
+        more = f" (and {where.numel() - len(shown)} more)" if where.numel() > len(shown) else ""
+        raise ValueError(f"{name}: {expected}; {where.numel()} out of range at {at} {shown} with "
+                         f"values {values}{more}")
 
 
 def check_num_slots(name: str, n) -> int:

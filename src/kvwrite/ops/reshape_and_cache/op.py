@@ -8,13 +8,12 @@ import torch
 
 from ... import registry
 from ...dtypes import CacheDType, parse_kv_cache_dtype
-from ...validation import check_like, check_mutation_safe, require_same_device, require_tensor
+from ...validation import check_like, require_tensor
 from ...validation import shape_str as _shape
 from ..reshape_and_cache_flash.op import (
     check_cache_dtype,
     check_key_value,
-    check_scales,
-    check_slots,
+    check_slots_devices_scales,
 )
 
 __all__ = ["OP", "reshape_and_cache", "validate", "select_implementation", "logical_views",
@@ -60,16 +59,8 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
     # The key cache's dtype against the inputs' first: where only it is wrong, it is named.
     check_cache_dtype(cache_dtype, key.dtype, key_cache)
     check_like("value_cache", value_cache, "key_cache", key_cache, "dtype")
-
-    check_slots(slot_mapping, key)
-    device = key.device
-    require_same_device(device, "key", (("value", value), ("key_cache", key_cache),
-                                        ("value_cache", value_cache),
-                                        ("slot_mapping", slot_mapping)))
-    scales = check_scales(cache_dtype, k_scale, v_scale, num_heads, device)
-    check_mutation_safe(outputs=(("key_cache", key_cache), ("value_cache", value_cache)),
-                        inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping),
-                                *scales))
+    check_slots_devices_scales(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
+                               k_scale, v_scale)
     return cache_dtype
 
 

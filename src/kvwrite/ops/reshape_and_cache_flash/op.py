@@ -8,6 +8,7 @@ import torch
 from ... import registry
 from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
 from ...validation import (
+    check_in_range,
     check_like,
     check_mutation_safe,
     check_num_slots,
@@ -21,7 +22,7 @@ from ..nvfp4 import op as nvfp4_op
 
 __all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
            "select_implementation", "check_key_value", "check_cache_dtype", "check_slots",
-           "check_scales"]
+           "check_scales", "check_slots_devices_scales"]
 
 OP = "reshape_and_cache_flash"
 
@@ -58,18 +59,25 @@ def validate(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k
     if head_size > 1 and key_cache.stride(3) != 1:
         raise ValueError(f"key_cache: expected a unit-stride last dim, got strides {tuple(key_cache.stride())}")
 
-    check_slots(slot_mapping, key)
+    check_slots_devices_scales(key, value, key_cache, value_cache, slot_mapping, cache_dtype,
+                               k_scale, v_scale)
+    return cache_dtype
 
+
+def check_slots_devices_scales(key, value, key_cache, value_cache, slot_mapping,
+                               cache_dtype: CacheDType, k_scale, v_scale) -> None:
+    """The checks of a write after the caches' own, the same in every cache layout: the slots
+    against ``key``, every tensor on ``key``'s device, the scales against the cache dtype and
+    ``key``'s heads, and no written cache overlapping another argument."""
+    check_slots(slot_mapping, key)
     device = key.device
     require_same_device(device, "key", (("value", value), ("key_cache", key_cache),
                                         ("value_cache", value_cache),
                                         ("slot_mapping", slot_mapping)))
-
-    scales = check_scales(cache_dtype, k_scale, v_scale, num_heads, device)
+    scales = check_scales(cache_dtype, k_scale, v_scale, key.shape[1], device)
     check_mutation_safe(outputs=(("key_cache", key_cache), ("value_cache", value_cache)),
                         inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping),
                                 *scales))
-    return cache_dtype
 
 
 def select_implementation(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType,
@@ -150,15 +158,8 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"slot_mapping: expected 1 dim, got shape {_shape(slot_mapping)}")
     check_slot_dtype("slot_mapping", slot_mapping)
     num_slots = check_num_slots("num_slots", num_slots)
-    bad = torch.nonzero(slot_mapping >= num_slots).flatten().cpu()
-    if bad.numel():
-        shown = bad[:16].tolist()
-        values = slot_mapping.cpu()[bad[:16]].tolist()
-        more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
-        raise ValueError(
-            f"slot_mapping: expected slots < num_slots = {num_slots} (or negative for padding); "
-            f"{bad.numel()} out of range at positions {shown} with values {values}{more}"
-        )
+    check_in_range("slot_mapping", slot_mapping, slot_mapping >= num_slots,
+                   f"expected slots < num_slots = {num_slots} (or negative for padding)")
 
 
 # --- the checks shared with reshape_and_cache (the legacy layout) ----------------------------------

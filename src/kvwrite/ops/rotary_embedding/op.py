@@ -9,6 +9,7 @@ from ... import registry
 from ...dtypes import INPUT_DTYPES
 from ...validation import (
     check_at_most,
+    check_in_range,
     check_like,
     check_mutation_safe,
     check_token_indices,
@@ -166,11 +167,5 @@ def check_positions(positions: torch.Tensor, max_position: int) -> None:
         raise ValueError(f"positions: expected 1 dim, got shape {_shape(positions)}")
     if positions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"positions: expected dtype int64 or int32, got {positions.dtype}")
-    bad = torch.nonzero((positions < 0) | (positions >= max_position)).flatten().cpu()
-    if bad.numel():
-        shown = bad[:16].tolist()
-        values = positions.cpu()[bad[:16]].tolist()
-        more = f" (and {bad.numel() - len(shown)} more)" if bad.numel() > len(shown) else ""
-        raise ValueError(
-            f"positions: expected values in [0, max_position = {max_position}); {bad.numel()} out "
-            f"of range at indices {shown} with values {values}{more}")
+    check_in_range("positions", positions, (positions < 0) | (positions >= max_position),
+                   f"expected values in [0, max_position = {max_position})", at="indices")
