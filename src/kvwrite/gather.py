@@ -15,14 +15,12 @@ once, round to nearest even to the output dtype (overflow gives ±inf).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from .validation import check_slot_dtype, require_tensor
 from .validation import shape_str as _shape
 
-__all__ = ["INDEX_DTYPES", "check_index", "check_requests", "check_count", "request_rows",
+__all__ = ["INDEX_DTYPES", "check_index", "check_requests", "request_rows",
            "fp8_dequant", "bits_view", "FP8_CODE_DTYPES", "check_scale", "entry_dims"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -30,19 +28,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # float8 dtype itself.
 FP8_CODE_DTYPES = {torch.float8_e4m3fn: (torch.uint8, torch.float8_e4m3fn),
                    torch.float8_e5m2: (torch.uint8, torch.float8_e5m2)}
-
-
-def check_count(name: str, n) -> int:
-    """``n`` as a non-negative int (any integer type; not bool, float or str)."""
-    if isinstance(n, bool):
-        raise TypeError(f"{name}: expected a non-negative int, got bool")
-    try:
-        value = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {value}")
-    return value
 
 
 def check_index(name: str, t, dims: int, min_len: int, what: str, device: torch.device,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_num_slots", "check_mutation_safe"]
+           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_count", "check_mutation_safe"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -83,7 +83,7 @@ def check_in_range(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str,
                          f"values {values}{more}")
 
 
-def check_num_slots(name: str, n) -> int:
+def check_count(name: str, n) -> int:
     """``n`` as a non-negative int (any integer type; not bool, float or str)."""
     if isinstance(n, bool):
         raise TypeError(f"{name}: expected a non-negative int, got bool")

@@ -7,8 +7,8 @@ import torch
 
 from ... import registry
 from ...formats import DS_MLA_ENTRY, DS_MLA_L, DS_MLA_P
-from ...gather import check_count, check_requests
-from ...validation import check_mutation_safe, require_tensor
+from ...gather import check_requests
+from ...validation import check_count, check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "cp_gather_and_upconvert_fp8_kv_cache", "validate", "select_implementation",

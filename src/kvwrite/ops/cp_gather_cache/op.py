@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ... import registry
-from ...gather import check_count, check_index, check_requests
-from ...validation import check_like, check_mutation_safe, require_tensor
+from ...gather import check_index, check_requests
+from ...validation import check_count, check_like, check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
 
 __all__ = ["OP", "cp_gather_cache", "validate", "select_implementation"]

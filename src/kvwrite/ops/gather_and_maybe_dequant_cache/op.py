@@ -8,8 +8,8 @@ import torch
 from ... import registry
 from ...dtypes import INPUT_DTYPES
 from ...formats import MlaMode
-from ...gather import check_count, check_index, check_requests, check_scale
-from ...validation import check_mutation_safe, require_tensor
+from ...gather import check_index, check_requests, check_scale
+from ...validation import check_count, check_mutation_safe, require_tensor
 from ...validation import shape_str as _shape
 from ..concat_and_cache_mla.op import parse_mla_mode
 

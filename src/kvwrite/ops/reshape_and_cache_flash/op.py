@@ -8,10 +8,10 @@ import torch
 from ... import registry
 from ...dtypes import INPUT_DTYPES, CacheDType, allowed_cache_dtypes, parse_kv_cache_dtype
 from ...validation import (
+    check_count,
     check_in_range,
     check_like,
     check_mutation_safe,
-    check_num_slots,
     check_slot_dtype,
     check_token_indices,
     require_same_device,
@@ -157,7 +157,7 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected 1 dim, got shape {_shape(slot_mapping)}")
     check_slot_dtype("slot_mapping", slot_mapping)
-    num_slots = check_num_slots("num_slots", num_slots)
+    num_slots = check_count("num_slots", num_slots)
     check_in_range("slot_mapping", slot_mapping, slot_mapping >= num_slots,
                    f"expected slots < num_slots = {num_slots} (or negative for padding)")
 
