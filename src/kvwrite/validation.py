@@ -33,6 +33,8 @@ def require_same_device(device: torch.device, what: str, named: tuple) -> None:
 def check_like(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor, *props: str) -> None:
     """``t`` has the ``props`` ("shape", "dtype", "strides") of ``like``, checked in that order."""
     for prop in props:
+        if prop not in ("shape", "dtype", "strides"):
+            raise ValueError(f"check_like: expected props among shape, dtype, strides, got {prop!r}")
         if prop == "shape" and t.shape != like.shape:
             raise ValueError(f"{name}: expected the shape of {like_name} {shape_str(like)}, got "
                              f"{shape_str(t)}")
