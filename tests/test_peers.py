@@ -249,6 +249,19 @@ def test_torch_compile_passes_the_check_on_cpu():
     assert check_point(info.run, *caches, inp, case) is None
 
 
+def test_torch_compile_refuses_views_of_a_larger_allocation_on_cuda():
+    """AOTAutograd cannot mutate two views of one allocation: a K|V-interleaved key cache is not
+    offered on CUDA (it raised there), a whole or permuted allocation is."""
+    from kvwrite.ops.reshape_and_cache_flash.peers import torch_compile as tc
+
+    kv = torch.zeros(4, 16, 2, 8, 64)
+    assert not tc._spans_its_allocation(kv[:, :, 0])
+    assert not tc._spans_its_allocation(kv[:, :, 1])
+    assert tc._spans_its_allocation(kv)
+    assert tc._spans_its_allocation(torch.zeros(4, 8, 16, 64).transpose(1, 2))
+    assert tc._spans_its_allocation(torch.zeros(0, 16, 8, 64))
+
+
 def test_flashinfer_writes_nothing_for_zero_tokens(fake_flashinfer):
     case, caches, inp = _point("NHD")
     empty = inp.slot_mapping[:0]
