@@ -17,15 +17,20 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 
 import torch
 
 import tools.probes as probes
 from kvwrite import registry
 from kvwrite.bench.engine import Parser, parse_list
+from kvwrite.testing import gather
 from tools.probes import common
 
-__all__ = ["op_cases", "run_cases", "build_parser", "main"]
+__all__ = ["op_cases", "run_cases", "build_parser", "main", "Cases", "gather_cases"]
+
+# What a module's cases() returns: (id, run), run() None when the outputs match, else what differs.
+Cases = list[tuple[str, Callable[[], "str | None"]]]
 
 
 def _module(op: str) -> str:
@@ -45,6 +50,19 @@ def op_cases(ops: list[str] | None = None) -> dict[str, list]:
         out[op] = (importlib.import_module(name).cases()
                    if importlib.util.find_spec(name) is not None else [])
     return out
+
+
+def gather_cases(op: str, make_inputs, args_of, outs_of, cases: dict, nan=lambda case: False
+                 ) -> Cases:
+    """The memcheck cases of a gather (``tools/sanitize/<op>.py``): for each ``{id: case}``, a
+    check of ``op``'s cuda implementation on the GPU against the torch one on the CPU
+    (:func:`kvwrite.testing.gather.cuda_against_reference`) over ``make_inputs(case, device)``:
+    the call's arguments ``args_of(case, inputs)``, its outputs ``outs_of(inputs)``, compared
+    NaN-aware as ``nan(case)`` says."""
+    def check(case) -> Callable[[], str | None]:
+        return lambda: gather.cuda_against_reference(
+            op, lambda d: make_inputs(case, d), lambda i: args_of(case, i), outs_of, nan(case))
+    return [(case_id, check(case)) for case_id, case in cases.items()]
 
 
 def run_cases(ops: list[str] | None = None, out=print) -> tuple[int, int]:

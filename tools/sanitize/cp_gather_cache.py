@@ -5,36 +5,24 @@ of several dtypes and shapes with permuted and padded strides, and unaligned row
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvwrite.testing.gather import (
-    SANITIZE_SEQS,
-    EntryCase,
-    cuda_against_reference,
-    make_entry_inputs,
-)
+from kvwrite.testing.gather import SANITIZE_SEQS, EntryCase, make_entry_inputs
+from tools.sanitize import Cases, gather_cases
 
 __all__ = ["cases"]
 
 
-def _case(case: EntryCase) -> Callable[[], str | None]:
-    return lambda: cuda_against_reference("cp_gather_cache", lambda d: make_entry_inputs(case, d),
-                                          lambda i: i.cp_args(), lambda i: (i.dst,))
-
-
-def cases() -> list[tuple[str, Callable[[], str | None]]]:
-    out = [(name, _case(EntryCase(seqs=seqs))) for name, seqs in SANITIZE_SEQS.items()]
+def cases() -> Cases:
     s = SANITIZE_SEQS["bounds"]
-    out += [
-        ("3-dims-permuted", _case(EntryCase(seqs=s, entry=(3, 5, 7), dtype=torch.float16,
-                                            entry_perm=(2, 0, 1)))),
-        ("hnd-entry", _case(EntryCase(seqs=s, entry=(8, 24), dtype=torch.float32,
-                                      entry_perm=(1, 0)))),
-        ("odd-bytes-unaligned", _case(EntryCase(seqs=s, entry=(13,), dtype=torch.uint8,
-                                                cache_pad=1, cache_offset=1, dst_pad=2,
-                                                dst_offset=3))),
-        ("complex128", _case(EntryCase(seqs=s, entry=(3,), dtype=torch.complex128))),
-    ]
-    return out
+    by_id = {
+        **{name: EntryCase(seqs=seqs) for name, seqs in SANITIZE_SEQS.items()},
+        "3-dims-permuted": EntryCase(seqs=s, entry=(3, 5, 7), dtype=torch.float16,
+                                     entry_perm=(2, 0, 1)),
+        "hnd-entry": EntryCase(seqs=s, entry=(8, 24), dtype=torch.float32, entry_perm=(1, 0)),
+        "odd-bytes-unaligned": EntryCase(seqs=s, entry=(13,), dtype=torch.uint8, cache_pad=1,
+                                         cache_offset=1, dst_pad=2, dst_offset=3),
+        "complex128": EntryCase(seqs=s, entry=(3,), dtype=torch.complex128),
+    }
+    return gather_cases("cp_gather_cache", make_entry_inputs, lambda c, i: i.cp_args(),
+                        lambda i: (i.dst,), by_id)

@@ -6,37 +6,24 @@ SANITIZE_SEQS without seq_starts), padded and unaligned pages, strided outputs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
-from kvwrite.testing.gather import (
-    SANITIZE_SEQS,
-    IndexerCase,
-    cuda_against_reference,
-    make_indexer_inputs,
-)
+from kvwrite.testing.gather import SANITIZE_SEQS, IndexerCase, make_indexer_inputs
+from tools.sanitize import Cases, gather_cases
 
 __all__ = ["cases"]
 
 
-def _case(case: IndexerCase) -> Callable[[], str | None]:
-    return lambda: cuda_against_reference(
-        "cp_gather_indexer_k_quant_cache", lambda d: make_indexer_inputs(case, d),
-        lambda i: i.args(), lambda i: (i.dst_k, i.dst_scale))
-
-
-def cases() -> list[tuple[str, Callable[[], str | None]]]:
+def cases() -> Cases:
     seqs = {k: dataclasses.replace(s, starts=None) for k, s in SANITIZE_SEQS.items()}
-    out = [(name, _case(IndexerCase(seqs=s, scale_dtype=torch.float32)))
-           for name, s in seqs.items()]
     s = seqs["bounds"]
-    out += [
-        ("strided-unaligned", _case(IndexerCase(seqs=s, k_layout="strided",
-                                                scale_layout="strided",
-                                                scale_dtype=torch.float32, page_pad=3,
-                                                cache_offset=1))),
-        ("odd-dims", _case(IndexerCase(seqs=s, head_dim=24, groups=3, page_pad=1,
-                                       cache_offset=2, k_layout="padded"))),
-    ]
-    return out
+    by_id = {
+        **{name: IndexerCase(seqs=q, scale_dtype=torch.float32) for name, q in seqs.items()},
+        "strided-unaligned": IndexerCase(seqs=s, k_layout="strided", scale_layout="strided",
+                                         scale_dtype=torch.float32, page_pad=3, cache_offset=1),
+        "odd-dims": IndexerCase(seqs=s, head_dim=24, groups=3, page_pad=1, cache_offset=2,
+                                k_layout="padded"),
+    }
+    return gather_cases("cp_gather_indexer_k_quant_cache", make_indexer_inputs,
+                        lambda c, i: i.args(), lambda i: (i.dst_k, i.dst_scale), by_id)

@@ -24,6 +24,7 @@ its check, and a few header lines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -38,16 +39,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import __version__, registry
+from ..dtypes import BENCH_DTYPES
 from ..testing.slots import PATTERNS, SlotPattern
 from . import report, timing
 from .models import MODELS
 from .report import Row, format_table, series_label
 
-__all__ = ["OpBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Parser", "main",
+__all__ = ["OpBench", "SlotsBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Parser", "main",
            "configure", "sweep", "render", "parse_num_tokens", "parse_list", "parse_device",
            "check_output_path", "given_flags", "normalize_flags", "add_slot_flags",
            "slot_pattern", "point_sets", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
-           "OutOfMemoryError", "compare_with_reference"]
+           "OutOfMemoryError", "compare_with_reference", "ENGINE_DEFAULTS", "CPU_TIMING",
+           "require_positive", "add_cache_flags", "slots_line", "slot_params", "skip_unless_fits"]
 
 COPY_BYTES = 2**30
 # The exit status of a run that measured nothing (every row unsupported or skipped): not 0, and
@@ -58,6 +61,11 @@ CPU_COPY_BYTES = 64 * 2**20
 MARGIN_BYTES = 512 * 2**20
 GiB = 2**30
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# The engine's flag defaults (dest -> value); an op's OpBench.defaults overrides some of them.
+ENGINE_DEFAULTS = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100,
+                   "time_budget": 0.5, "graph_calls": 20}
+# The timing part of most ops' cpu_defaults: few short samples, for runs of seconds on two cores.
+CPU_TIMING = {"iters": 5, "graph_calls": 2, "time_budget": 0.05}
 
 
 class BenchError(RuntimeError):
@@ -100,11 +108,14 @@ class OpBench:
     description: str = ""            # the subcommand's --help
     op: str = ""                     # the registry op whose implementations --implementation names
     kinds: tuple[str, ...] = ()      # () means one kind, named after the op
+    # The registry ops each kind calls where not just `op` (kind -> ops; see kind_ops).
+    ops_of_kind: dict[str, tuple[str, ...]] = {}
     has_slots: bool = False          # the slot-pattern flags (--slots, --pad-fraction, ...)
     has_model: bool = False          # --model (and --tp, where tp_flag)
     tp_flag: bool = False
-    # Defaults of the engine's flags for this op (dest -> value), and their values on the CPU
-    # where not given (dest -> value: a shape that runs in seconds on two cores).
+    # Defaults of the engine's flags for this op where they differ from ENGINE_DEFAULTS (dest ->
+    # value), and the values of any flags on the CPU where not given (dest -> value: a shape that
+    # runs in seconds on two cores; CPU_TIMING for the timing flags).
     defaults: dict = {}
     cpu_defaults: dict = {}
     # The table's point columns: (param, header), in order; a column shows when its value
@@ -141,7 +152,7 @@ class OpBench:
 
     def kind_ops(self, kind: str) -> tuple[str, ...]:
         """The registry ops a kind calls (their implementations must all be available)."""
-        return (self.op,)
+        return self.ops_of_kind.get(kind, (self.op,))
 
     # -- memory and bytes
     def set_bytes(self, point, kind: str) -> int:
@@ -149,8 +160,10 @@ class OpBench:
         raise NotImplementedError
 
     def state_bytes(self, point) -> int:
-        """Device bytes of a point's state, sized by ``--num-blocks`` where the op has caches."""
-        return 0
+        """Device bytes of a point's state, sized by ``--num-blocks`` where the op has caches:
+        by default ``num_blocks`` blocks of :meth:`block_bytes` (none where that is None)."""
+        block = self.block_bytes(point)
+        return 0 if block is None else point.num_blocks * block
 
     def temp_bytes(self, point) -> int:
         """Other device bytes a point needs besides its state and input sets (the check's
@@ -199,6 +212,17 @@ class OpBench:
     @property
     def kind_names(self) -> tuple[str, ...]:
         return self.kinds or (self.name,)
+
+
+class SlotsBench(OpBench):
+    """An op whose points write ``num_tokens`` rows through a slot pattern (the point's
+    ``slots``) into a cache of ``num_blocks`` blocks of ``block_size``: a point whose pattern
+    does not fit that cache is not run."""
+
+    has_slots = True
+
+    def skip_reason(self, point) -> str | None:
+        return point.slots.fit_reason(point.num_tokens, point.num_blocks, point.block_size)
 
 
 # --- configuration ---------------------------------------------------------------------------------
@@ -338,6 +362,51 @@ def positive(flag: str, value, *, zero: bool = False) -> None:
         raise ValueError(f"{flag}: expected {what} number, got {value}")
 
 
+def require_positive(args: argparse.Namespace, dests: Sequence[str]) -> None:
+    """Raise ValueError naming the flag of the first of ``dests`` whose value is below 1."""
+    for dest in dests:
+        if getattr(args, dest) < 1:
+            raise ValueError(f"--{dest.replace('_', '-')}: expected a positive integer, got "
+                             f"{getattr(args, dest)}")
+
+
+def add_cache_flags(g, *, block_size: int, num_blocks: int, dtype_help: str,
+                    dtypes: Sequence[str] = BENCH_DTYPES) -> None:
+    """The paged cache's shape flags of most ops, in this order: --block-size, --num-blocks and
+    --dtype (the inputs' dtype, bfloat16 by default; ``dtype_help`` says which inputs)."""
+    g.add_argument("--block-size", type=int, default=block_size,
+                   help=f"(default: {block_size})")
+    g.add_argument("--num-blocks", type=int, default=num_blocks, help=f"(default: {num_blocks})")
+    g.add_argument("--dtype", choices=list(dtypes), default="bfloat16",
+                   help=f"{dtype_help} (default: bfloat16)")
+
+
+def slots_line(pattern: SlotPattern, points: list, num_blocks: int, block_size: int, *,
+               grown: bool = False) -> str:
+    """The header's line that says which slots the largest point's tokens write, in a cache of
+    ``num_blocks`` (``grown``: as :meth:`SlotPattern.cache_blocks` raises it at that T)."""
+    top = max(p.num_tokens for p in points)
+    if grown:
+        num_blocks = pattern.cache_blocks(top, block_size, num_blocks)
+    return "slots: " + pattern.explain(top, num_blocks, block_size)
+
+
+def slot_params(pattern: SlotPattern) -> dict:
+    """A row's slot-pattern params (the last of an op's :meth:`OpBench.params`, in this order)."""
+    return dict(slots=pattern.kind, slot_params=pattern.describe(),
+                pad_fraction=pattern.pad_fraction)
+
+
+@contextlib.contextmanager
+def skip_unless_fits():
+    """Around building a point's input sets: the ValueError of a slot pattern that does not fit
+    the cache becomes :class:`Skip` (the row says why)."""
+    try:
+        yield
+    except ValueError as e:
+        raise Skip(str(e)) from None
+
+
 def add_slot_flags(parser: argparse.ArgumentParser) -> None:
     """The slot-pattern flags as one group (ops whose benchmark has slots)."""
     g = parser.add_argument_group("slot patterns (which cache slots the T tokens write)")
@@ -374,10 +443,8 @@ def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -
     ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
     from .workload import slot_sets
 
-    try:
+    with skip_unless_fits():
         return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)
-    except ValueError as e:  # the slot pattern does not fit the cache
-        raise Skip(str(e)) from None
 
 
 def slot_pattern(args: argparse.Namespace, max_position: int | None = None) -> SlotPattern:
@@ -471,8 +538,7 @@ def check_plot_format(flag: str, path: str) -> None:
 
 def build_parser(defn: OpBench, prog: str) -> Parser:
     """The subcommand's parser: the op's own flags, then the engine's."""
-    d = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100, "time_budget": 0.5,
-         "graph_calls": 20, **defn.defaults}
+    d = {**ENGINE_DEFAULTS, **defn.defaults}
     p = Parser(prog=prog, description=defn.description or defn.summary)
     defn.add_flags(p)
     g = p.add_argument_group("the benchmark engine's flags (every subcommand)")
@@ -603,10 +669,7 @@ def configure(defn: OpBench, argv: list[str], prog: str
         args.mode = "no_graph"
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads: expected a positive integer, got {args.threads}")
-    for flag in ("graph_calls", "iters"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                             f"{getattr(args, flag)}")
+    require_positive(args, ("graph_calls", "iters"))
     positive("--time-budget", args.time_budget)
     defn.configure(args, device)
     args.token_counts = parse_num_tokens(str(args.num_tokens))

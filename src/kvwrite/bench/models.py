@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["ModelPreset", "MODELS", "doublings", "get_model", "heads_per_rank", "ServingShape", "SERVING",
-           "serving_flags", "model_cache_blocks"]
+           "serving_flags", "apply_serving_flags", "apply_model", "model_cache_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,57 +26,42 @@ class ModelPreset:
     num_kv_heads: int
     head_dim: int
     max_position: int  # the context window: max_position_embeddings
-    source: str  # the config.json fields the numbers come from
     num_q_heads: int = 0  # num_attention_heads
     # The QK norm's weight convention, as an offset added to the weight: 0.0 (x * r * w, Qwen3),
     # 1.0 (x * r * (1 + w), Gemma 3); None: the model has no QK norm.
     qk_norm: float | None = None
+    # Where the config has no head_dim: its hidden_size (head_dim = hidden_size / num_q_heads).
+    hidden_size: int | None = None
+
+    @property
+    def source(self) -> str:
+        """The config.json fields the numbers come from."""
+        derived = f" ({self.hidden_size} / {self.num_q_heads} heads)" if self.hidden_size else ""
+        return (f"num_key_value_heads={self.num_kv_heads}, head_dim={self.head_dim}{derived}, "
+                f"max_position_embeddings={self.max_position}")
 
 
+# name, Hugging Face id, num_key_value_heads, head_dim, max_position_embeddings, num_attention_heads
+# (and the QK norm's convention, or the hidden_size head_dim is derived from where the config has
+# no head_dim).
 MODELS: dict[str, ModelPreset] = {p.name: p for p in (
-    # hidden_size 4096 / num_attention_heads 32 = head_dim 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 8, 128, 131072,
-                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
-                "max_position_embeddings=131072", num_q_heads=32),
-    # hidden_size 8192 / 64 heads = 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8, 128, 131072,
-                "num_key_value_heads=8, head_dim=128 (8192 / 64 heads), "
-                "max_position_embeddings=131072", num_q_heads=64),
-    # hidden_size 16384 / 128 heads = 128; num_key_value_heads 8.
-    ModelPreset("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 8, 128, 131072,
-                "num_key_value_heads=8, head_dim=128 (16384 / 128 heads), "
-                "max_position_embeddings=131072", num_q_heads=128),
-    # hidden_size 4096 / 32 heads = 128; num_key_value_heads 8.
-    ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", 8, 128, 32768,
-                "num_key_value_heads=8, head_dim=128 (4096 / 32 heads), "
-                "max_position_embeddings=32768", num_q_heads=32),
-    # hidden_size 3584 / 28 heads = 128; num_key_value_heads 4.
-    ModelPreset("qwen2.5-7b", "Qwen/Qwen2.5-7B", 4, 128, 131072,
-                "num_key_value_heads=4, head_dim=128 (3584 / 28 heads), "
-                "max_position_embeddings=131072", num_q_heads=28),
-    # head_dim 128 (explicit in the config); num_key_value_heads 8 (32 query heads).
-    ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", 8, 128, 40960,
-                "num_key_value_heads=8, head_dim=128, max_position_embeddings=40960",
-                num_q_heads=32, qk_norm=0.0),
-    # head_dim 128 (explicit); num_key_value_heads 4 (32 query heads); QK norm x * r * w.
-    ModelPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 4, 128, 40960,
-                "num_key_value_heads=4, head_dim=128, max_position_embeddings=40960",
-                num_q_heads=32, qk_norm=0.0),
+    ModelPreset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 8, 128, 131072, 32, hidden_size=4096),
+    ModelPreset("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8, 128, 131072, 64, hidden_size=8192),
+    ModelPreset("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 8, 128, 131072, 128,
+                hidden_size=16384),
+    ModelPreset("mistral-7b", "mistralai/Mistral-7B-v0.1", 8, 128, 32768, 32, hidden_size=4096),
+    ModelPreset("qwen2.5-7b", "Qwen/Qwen2.5-7B", 4, 128, 131072, 28, hidden_size=3584),
+    # Qwen3: QK norm x * r * w.
+    ModelPreset("qwen3-8b", "Qwen/Qwen3-8B", 8, 128, 40960, 32, qk_norm=0.0),
+    ModelPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 4, 128, 40960, 32, qk_norm=0.0),
     # Gemma 3 (text_config): QK norm x * r * (1 + w).
-    ModelPreset("gemma-3-12b", "google/gemma-3-12b-pt", 8, 256, 131072,
-                "num_key_value_heads=8, head_dim=256, max_position_embeddings=131072",
-                num_q_heads=16, qk_norm=1.0),
-    ModelPreset("gemma-3-27b", "google/gemma-3-27b-pt", 16, 128, 131072,
-                "num_key_value_heads=16, head_dim=128, max_position_embeddings=131072",
-                num_q_heads=32, qk_norm=1.0),
-    # head_dim 256 (explicit; not hidden_size / heads = 224); num_key_value_heads 8.
-    ModelPreset("gemma-2-9b", "google/gemma-2-9b", 8, 256, 8192,
-                "num_key_value_heads=8, head_dim=256, max_position_embeddings=8192", num_q_heads=16),
-    # head_dim 64 (explicit); num_key_value_heads 8 (64 query heads); both gpt-oss sizes.
-    ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", 8, 64, 131072,
-                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072", num_q_heads=64),
-    ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", 8, 64, 131072,
-                "num_key_value_heads=8, head_dim=64, max_position_embeddings=131072", num_q_heads=64),
+    ModelPreset("gemma-3-12b", "google/gemma-3-12b-pt", 8, 256, 131072, 16, qk_norm=1.0),
+    ModelPreset("gemma-3-27b", "google/gemma-3-27b-pt", 16, 128, 131072, 32, qk_norm=1.0),
+    # head_dim 256 (explicit; not hidden_size / heads = 224).
+    ModelPreset("gemma-2-9b", "google/gemma-2-9b", 8, 256, 8192, 16),
+    # Both gpt-oss sizes.
+    ModelPreset("gpt-oss-20b", "openai/gpt-oss-20b", 8, 64, 131072, 64),
+    ModelPreset("gpt-oss-120b", "openai/gpt-oss-120b", 8, 64, 131072, 64),
 )}
 
 
@@ -135,6 +120,29 @@ def serving_flags(model: str, kind: str, given: set[str], shape: ServingShape = 
     if "decode_fraction" in given:
         out.pop("decode_tokens", None)
     return out
+
+
+def apply_serving_flags(args) -> dict:
+    """Set :func:`serving_flags` of ``args.model`` and ``args.slots`` on ``args``, each that the
+    subcommand has (``num_tokens`` as a comma list); return them all."""
+    flags = serving_flags(args.model, args.slots, args.explicit)
+    for dest, value in flags.items():
+        if hasattr(args, dest):
+            setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens" else value)
+    return flags
+
+
+def apply_model(args) -> None:
+    """``--model`` of a subcommand with ``--num-heads`` and ``--head-size``: refuse those given
+    too, set the serving flags (:func:`apply_serving_flags`) and the preset's KV heads and head
+    size."""
+    given = [f"--{f.replace('_', '-')}" for f in ("num_heads", "head_size") if f in args.explicit]
+    if given:
+        raise ValueError(f"--model: sets --num-heads and --head-size; got {' and '.join(given)} "
+                         f"too")
+    apply_serving_flags(args)
+    preset = get_model(args.model)
+    args.num_heads, args.head_size = preset.num_kv_heads, preset.head_dim
 
 
 def model_cache_blocks(args) -> int:

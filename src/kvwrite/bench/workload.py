@@ -29,6 +29,7 @@ from ..dtypes import CacheDType
 from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
 from ..testing.cases import Case
 from ..testing.slots import make_slots
+from .engine import SlotsBench, slots_line
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
            "make_input_sets", "slot_sets", "key_value_rows", "seed_everything", "SEED"]
@@ -79,6 +80,25 @@ def key_value_rows(p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     """Normal key and value rows ``[num_tokens, num_heads, head_size]`` of point ``p``'s dtype."""
     key = torch.randn(p.num_tokens, p.num_heads, p.head_size, dtype=p.dtype, device=device)
     return key, torch.randn_like(key)
+
+
+class KeyValueBench(SlotsBench):
+    """A write of key and value rows (:func:`key_value_rows` of the point's ``num_tokens``,
+    ``num_heads``, ``head_size``, ``dtype``) through a slot pattern: the header (shape, slots and
+    the op's ``bytes_formula``) and an input set's bytes."""
+
+    bytes_formula = ""
+
+    def header(self, args, points) -> list[str]:
+        model = f" ({args.model}, tp={args.tp})" if getattr(args, "model", None) else ""
+        return [f"shape: num_heads={args.num_heads}{model} head_size={args.head_size} "
+                f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype}",
+                slots_line(args.pattern, points, args.num_blocks, args.block_size),
+                self.bytes_formula]
+
+    def set_bytes(self, p, kind: str) -> int:
+        """The key and value rows and the int64 slots."""
+        return p.num_tokens * (2 * p.num_heads * p.head_size * p.dtype.itemsize + 8)
 
 
 def slot_sets(pattern, num_tokens: int, num_blocks: int, block_size: int, count: int,

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from ... import registry
-from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
+from ...dtypes import MODEL_DTYPES
 from ...ops.concat_and_cache_mla import (
     OP,
     DsMlaScale,
@@ -32,8 +32,8 @@ from ...ops.concat_and_cache_mla import reference as torch_ref
 from ...ops.concat_and_cache_mla.op import DEFAULT_DS_MLA_SCALE, parse_ds_mla_scale
 from ...testing.mla import mla_differing_bytes
 from ...testing.slots import SlotPattern
-from .. import timing
-from ..engine import OpBench, Skip, parse_list, slot_pattern
+from .. import engine, timing
+from ..engine import SlotsBench, parse_list, slot_pattern
 from ..workload import slot_sets
 
 __all__ = ["BENCH", "run_benchmark", "make_sets", "bytes_moved"]
@@ -99,18 +99,15 @@ class Point:
     ds_mla_scale: DsMlaScale = DEFAULT_DS_MLA_SCALE
 
 
-class ConcatAndCacheMlaBench(OpBench):
+class ConcatAndCacheMlaBench(SlotsBench):
     name = OP
     summary = "the MLA latent cache write"
     description = ("Benchmark concat_and_cache_mla (the MLA latent cache write): vLLM's flags, "
                    "sweep and table, plus device timing, several implementations side by side, "
                    "bandwidth, a check before timing, JSON/CSV and plots.")
     op = OP
-    has_slots = True
-    defaults = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.25}
-    cpu_defaults = {"num_blocks": 16, "block_size": 16, "num_tokens": "1:64", "iters": 5,
-                    "graph_calls": 2, "time_budget": 0.05}
+    defaults = {"time_budget": 0.25}
+    cpu_defaults = {"num_blocks": 16, "block_size": 16, "num_tokens": "1:64", **engine.CPU_TIMING}
     columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "kv_cache_dtype"),
                ("ds_mla_scale", "ds_mla_scale"))
 
@@ -120,10 +117,7 @@ class ConcatAndCacheMlaBench(OpBench):
         g.add_argument("--kv-lora-rank", type=int, default=512, help="L (default: 512)")
         g.add_argument("--pe-dim", type=int, default=64,
                        help="P (default: 64; 0 with fp8_ds_mla: NoPE layers)")
-        g.add_argument("--block-size", type=int, default=64, help="(default: 64)")
-        g.add_argument("--num-blocks", type=int, default=2048, help="(default: 2048)")
-        g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
-                       help="kv_c/k_pe dtype (default: bfloat16)")
+        engine.add_cache_flags(g, block_size=64, num_blocks=2048, dtype_help="kv_c/k_pe dtype")
         g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="(default: auto)")
         g.add_argument("--strided", action="store_true",
@@ -134,12 +128,9 @@ class ConcatAndCacheMlaBench(OpBench):
 
     def configure(self, args, device) -> None:
         mode = parse_mla_mode(args.kv_cache_dtype)
-        for flag in ("kv_lora_rank", "pe_dim", "block_size", "num_blocks"):
-            if flag == "pe_dim" and mode is MlaMode.FP8_DS_MLA and args.pe_dim == 0:
-                continue  # NoPE
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        nope = mode is MlaMode.FP8_DS_MLA and args.pe_dim == 0  # --pe-dim 0: NoPE layers
+        engine.require_positive(args, ("kv_lora_rank", *(() if nope else ("pe_dim",)), "block_size",
+                                "num_blocks"))
         if mode is MlaMode.FP8_DS_MLA and (args.kv_lora_rank != 512 or args.pe_dim not in (64, 0)):
             raise ValueError(f"--kv-cache-dtype fp8_ds_mla: needs --kv-lora-rank 512 and --pe-dim "
                              f"64 (or 0: NoPE), got {args.kv_lora_rank} and {args.pe_dim}")
@@ -164,20 +155,18 @@ class ConcatAndCacheMlaBench(OpBench):
         return dict(layout="strided" if p.strided else "contiguous",
                     dtype=str(p.dtype).removeprefix("torch."), kv_cache_dtype=p.kv_cache_dtype,
                     kv_lora_rank=p.kv_lora_rank, pe_dim=p.pe_dim, block_size=p.block_size,
-                    num_blocks=p.num_blocks, slots=p.slots.kind, slot_params=p.slots.describe(),
-                    pad_fraction=p.slots.pad_fraction,
+                    num_blocks=p.num_blocks, **engine.slot_params(p.slots),
                     # fp8_ds_mla's tile scale rule (no other mode has one)
                     **({"ds_mla_scale": p.ds_mla_scale.value}
                        if p.mode is MlaMode.FP8_DS_MLA else {}))
 
     def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
         return [f"shape: kv_lora_rank={args.kv_lora_rank} pe_dim={args.pe_dim} "
                 f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype} "
                 f"kv_cache_dtype={args.kv_cache_dtype} strided={args.strided}"
                 + (f" ds_mla_scales={args.ds_mla_scales}"
                    if parse_mla_mode(args.kv_cache_dtype) is MlaMode.FP8_DS_MLA else ""),
-                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
+                engine.slots_line(args.pattern, points, args.num_blocks, args.block_size),
                 "bytes per call = n*(L+P)*in_bytes + n*entry_bytes + T*8 (n = T less the "
                 "padding)"]
 
@@ -188,9 +177,6 @@ class ConcatAndCacheMlaBench(OpBench):
     def set_bytes(self, p: Point, kind: str) -> int:
         return p.num_tokens * ((p.kv_lora_rank + p.pe_dim) * p.dtype.itemsize + 8)
 
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
-
     def block_bytes(self, p: Point) -> int:
         # The cache and the check's two copies of it.
         return 3 * p.block_size * entry_bytes(p.mode, p.kv_lora_rank, p.pe_dim, p.dtype)
@@ -199,15 +185,10 @@ class ConcatAndCacheMlaBench(OpBench):
         return bytes_moved(p.num_tokens, p.kv_lora_rank, p.pe_dim, p.dtype, p.mode,
                            p.slots.num_padding(p.num_tokens))
 
-    def skip_reason(self, p: Point) -> str | None:
-        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
-
     def prepare(self, p: Point, count: int, device):
-        try:
+        with engine.skip_unless_fits():
             sets = make_sets(p.num_tokens, p.kv_lora_rank, p.pe_dim, p.dtype, p.strided,
                              p.num_blocks, p.block_size, count, device, p.slots)
-        except ValueError as e:  # the slot pattern does not fit the cache
-            raise Skip(str(e)) from None
         cache = create_mla_cache(p.num_blocks, p.block_size, p.kv_lora_rank, p.pe_dim, p.mode,
                                  p.dtype, device)
         scale = torch.tensor([SCALE], dtype=torch.float32, device=device)

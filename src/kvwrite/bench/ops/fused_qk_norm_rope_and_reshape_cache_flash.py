@@ -38,7 +38,7 @@ import random
 import torch
 
 from ... import fused_qk_norm_rope, reshape_and_cache_flash
-from ...dtypes import CacheDType, parse_kv_cache_dtype, parse_model_dtype
+from ...dtypes import parse_kv_cache_dtype, parse_model_dtype
 from ...layouts import parse_layout_names
 from ...ops.fused_qk_norm_rope import OP as NORM_ROPE
 from ...ops.fused_qk_norm_rope_and_reshape_cache_flash import OP as FUSED
@@ -47,10 +47,20 @@ from ...ops.fused_qk_norm_rope_and_reshape_cache_flash import (
 )
 from ...ops.reshape_and_cache_flash import OP as WRITE
 from ...testing.rope import cos_sin_table
-from ...testing.slots import SlotPattern, make_slots
-from ..engine import OpBench, Skip, parse_list, slot_pattern
+from ...testing.slots import SlotPattern
+from .. import engine
+from ..engine import OpBench, parse_list, slot_pattern
 from ..models import MODELS
-from .fused_rope_and_reshape_cache_flash import make_caches
+from .fused_rope_and_reshape_cache_flash import (
+    HeadsPoint,
+    add_cache_dtypes_flag,
+    add_layouts_flag,
+    first_difference,
+    fp8_scales,
+    make_caches,
+    positions_and_slots,
+    rope_write_bytes,
+)
 
 __all__ = ["BENCH", "PRESETS"]
 
@@ -79,12 +89,7 @@ KINDS = ("fused", "pair", "norm_rope")
 
 
 @dataclasses.dataclass(frozen=True)
-class Point:
-    dtype: torch.dtype
-    cache_dtype: CacheDType
-    num_q_heads: int
-    num_heads: int           # KV heads (= value heads)
-    head_size: int
+class Point(HeadsPoint):
     weight_offset: float
     layout: str
     cos_sin_dtype: torch.dtype
@@ -95,19 +100,10 @@ class Point:
     model: str
     slots: SlotPattern
 
-    @property
-    def cache_bytes(self) -> int:
-        return self.cache_dtype.element_size(self.dtype)
-
 
 def point_bytes(p: Point, kind: str) -> int:
-    e, c, D, s = p.dtype.itemsize, p.cache_bytes, p.head_size, p.cos_sin_dtype.itemsize
-    T, Hq, H = p.num_tokens, p.num_q_heads, p.num_heads
-    n = T - p.slots.num_padding(T)
-    if kind == "norm_rope":
-        return T * (2 * (Hq + H) * D * e + D * s + 8)
-    fused = T * (2 * Hq * D * e + 2 * H * D * e + D * s + 16) + n * (H * D * e + 2 * H * D * c)
-    return fused + (n * H * D * e if kind == "pair" else 0)
+    """:func:`rope_write_bytes` with a table row of D in the table's dtype."""
+    return rope_write_bytes(p, kind, p.head_size * p.cos_sin_dtype.itemsize)
 
 
 class QkNormRopeBench(OpBench):
@@ -118,13 +114,13 @@ class QkNormRopeBench(OpBench):
                    "fused_qk_norm_rope alone.")
     op = FUSED
     kinds = KINDS
+    ops_of_kind = {"fused": (FUSED,), "pair": (NORM_ROPE, WRITE), "norm_rope": (NORM_ROPE,)}
     has_slots = True
-    defaults = {"num_tokens": "1,16,256,1024,4096,16384", "implementation": "cuda",
-                "iters": 100, "time_budget": 0.25}
+    defaults = {"num_tokens": "1,16,256,1024,4096,16384", "time_budget": 0.25}
     # One layout on the CPU, as before the vLLM orders joined the defaults: a small shape that
     # runs in seconds.
-    cpu_defaults = {"layouts": "NHD", "heads": "4,2,64", "num_tokens": "1,16,64", "iters": 5,
-                    "graph_calls": 2, "time_budget": 0.05, "kv_cache_dtypes": "auto"}
+    cpu_defaults = {"layouts": "NHD", "heads": "4,2,64", "num_tokens": "1,16,64",
+                    **engine.CPU_TIMING, "kv_cache_dtypes": "auto"}
     columns = (("model", "model"), ("kv_cache_dtype", "cache"), ("heads", "heads"),
                ("layout", "layout"), ("num_tokens", "N"))
     always_columns = ("kv_cache_dtype", "num_tokens")
@@ -138,13 +134,8 @@ class QkNormRopeBench(OpBench):
         g.add_argument("--heads", default=None,
                        help="Hq,Hk,D instead of --model (the (x r) w norm)")
         g.add_argument("--dtype", default="bfloat16", help="qkv's dtype (default: bfloat16)")
-        g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3",
-                       help="comma list of cache dtypes: auto, bfloat16, float16, float32, fp8, "
-                            "fp8_e4m3, fp8_e5m2 (default: auto,fp8_e4m3)")
-        g.add_argument("--layouts", default="NHD,packed,HND-packed",
-                       help="comma list of NHD, HND, packed (alias LBNHC), HND-packed (alias "
-                            "LBHNC) or all (default: NHD,packed,HND-packed: NHD and vLLM's two "
-                            "default per-layer orders)")
+        add_cache_dtypes_flag(g)
+        add_layouts_flag(g)
         g.add_argument("--max-position", type=int, default=None,
                        help="rows of the cos/sin table (default: the model's context window, "
                             "max_position_embeddings: 40960 for qwen3-8b; 4096 with --heads)")
@@ -182,10 +173,7 @@ class QkNormRopeBench(OpBench):
                               for m, _ in args.shapes}
         else:
             args.positions = {m: args.max_position for m, _ in args.shapes}
-        for flag in ("max_position", "num_blocks", "block_size"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        engine.require_positive(args, ("max_position", "num_blocks", "block_size"))
         args.dtype_t = parse_model_dtype(args.dtype, "--dtype")
         args.cos_sin_t = (args.dtype_t if args.cos_sin_dtype is None
                           else parse_model_dtype(args.cos_sin_dtype, "--cos-sin-dtype"))
@@ -208,33 +196,25 @@ class QkNormRopeBench(OpBench):
                     heads=f"({p.num_q_heads},{p.num_heads},{p.head_size})",
                     num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
                     weight_offset=p.weight_offset, num_blocks=p.num_blocks,
-                    block_size=p.block_size, max_position=p.max_position, slots=p.slots.kind,
-                    slot_params=p.slots.describe(), pad_fraction=p.slots.pad_fraction)
+                    block_size=p.block_size, max_position=p.max_position,
+                    **engine.slot_params(p.slots))
 
     def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
         shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
                            f"{' (1 + w)' if wo else ''}" for m, (hq, h, d, wo) in args.shapes)
         table = str(args.cos_sin_t).removeprefix("torch.")
         rows = ", ".join(sorted({str(v) for v in args.positions.values()}))
         return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}, cos/sin table "
                 f"{table} [{rows}, D]",
-                "slots: " + args.pattern.explain(
-                    top, args.pattern.cache_blocks(top, args.block_size, args.num_blocks),
-                    args.block_size),
+                engine.slots_line(args.pattern, points, args.num_blocks, args.block_size,
+                                  grown=True),
                 "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*s + 16) + N*(Hv*D*e + 2*Hk*D*c); "
                 "pair = fused + N*Hk*D*e; norm_rope = T*(2*(Hq + Hk)*D*e + D*s + 8) (s = the "
                 "table's element size; N = T less the padding)"]
 
-    def kind_ops(self, kind: str) -> tuple[str, ...]:
-        return {"fused": (FUSED,), "pair": (NORM_ROPE, WRITE), "norm_rope": (NORM_ROPE,)}[kind]
-
     def set_bytes(self, p: Point, kind: str) -> int:
         rows = p.num_q_heads + p.num_heads + (0 if kind == "norm_rope" else p.num_heads)
         return p.num_tokens * (rows * p.head_size * p.dtype.itemsize + 16)
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
 
     def block_bytes(self, p: Point) -> int:
         return 3 * 2 * p.block_size * p.num_heads * p.head_size * p.cache_bytes
@@ -252,27 +232,17 @@ class QkNormRopeBench(OpBench):
         for i in range(count):
             qkv = torch.randn(p.num_tokens, H3 * p.head_size, device=device, generator=gen,
                               dtype=torch.float32).to(p.dtype)
-            batch = make_slots(p.slots, p.num_tokens, p.num_blocks, p.block_size, set_index=i)
-            pos = batch.positions()
-            positions = (torch.randint(0, p.max_position, (p.num_tokens,), device=device,
-                                       generator=gen) if pos is None
-                         else torch.from_numpy(pos).to(device))
-            sets.append((qkv, positions, torch.from_numpy(batch.slots).to(device)))
+            sets.append((qkv, *positions_and_slots(p, i, device, gen)))
         return sets
 
     def prepare(self, p: Point, count: int, device):
         gen = torch.Generator(device=device).manual_seed(SEED)
-        try:
+        with engine.skip_unless_fits():
             sets = self._inputs(p, count, device, gen)
-        except ValueError as e:  # the slot pattern does not fit the cache
-            raise Skip(str(e)) from None
         table = cos_sin_table(p.max_position, p.head_size, p.cos_sin_dtype, device=device)
         w = [(1 + torch.randn(p.head_size, device=device, generator=gen) / 8).to(p.dtype)
              for _ in range(2)]
-        scales = (None, None)
-        if p.cache_dtype.is_fp8:
-            scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
-        return p, sets, make_caches(p, device, gen), table, w, scales, device
+        return p, sets, make_caches(p, device, gen), table, w, fp8_scales(p, device), device
 
     def _caller(self, ctx, kind: str, impl: str, sets=None, caches=None):
         p, default_sets, default_caches, table, (qw, kw), (ks, vs), _ = ctx
@@ -306,13 +276,9 @@ class QkNormRopeBench(OpBench):
             caches = make_caches(p, device, gen)
             self._caller(ctx, kind, name, sets, caches)(0)
             outs.append([sets[0][0], *caches])
-        for what, a, b in zip(("qkv", "key_cache", "value_cache"), *outs, strict=True):
-            if kind == "norm_rope" and what != "qkv":
-                continue
-            ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-            if not torch.equal(ab, bb):
-                return f"{what}: {int((ab != bb).sum())} bytes differ from the torch reference"
-        return None
+        keep = 1 if kind == "norm_rope" else 3  # norm_rope alone writes no cache
+        got, want = (o[:keep] for o in outs)
+        return first_difference(("qkv", "key_cache", "value_cache")[:keep], got, want)
 
     def call(self, ctx, kind, impl):
         return self._caller(ctx, kind, impl)

@@ -38,10 +38,13 @@ from ...ops.rotary_embedding import OP as ROPE
 from ...testing.rope import cos_sin_table
 from ...testing.slots import SlotPattern, make_slots
 from .. import engine, report
-from ..engine import OpBench, Skip, parse_list, slot_pattern
-from ..models import get_model, serving_flags
+from ..engine import OpBench, parse_list, slot_pattern
+from ..models import apply_serving_flags, get_model
 
-__all__ = ["BENCH", "Point", "point_bytes", "set_footprint", "make_sets", "vllm_main"]
+# The names after vllm_main are shared with qk-norm-rope's benchmark.
+__all__ = ["BENCH", "Point", "point_bytes", "set_footprint", "make_sets", "vllm_main", "HeadsPoint",
+           "rope_write_bytes", "positions_and_slots", "fp8_scales", "first_difference",
+           "add_cache_dtypes_flag", "add_layouts_flag"]
 
 SEED = 42
 NUM_BLOCKS = 256
@@ -52,12 +55,22 @@ KINDS = ("fused", "pair", "rotary")
 
 
 @dataclasses.dataclass(frozen=True)
-class Point:
+class HeadsPoint:
+    """The fields that lead a point of the RoPE + cache write benchmarks (this one's and
+    qk-norm-rope's): the dtypes and the heads."""
     dtype: torch.dtype
     cache_dtype: CacheDType
     num_q_heads: int
-    num_heads: int
+    num_heads: int           # KV heads (= value heads)
     head_size: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_dtype.element_size(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point(HeadsPoint):
     rot_dim: int
     is_neox: bool
     layout: str
@@ -68,22 +81,26 @@ class Point:
     model: str = ""
     slots: SlotPattern = SlotPattern()
 
-    @property
-    def cache_bytes(self) -> int:
-        return self.cache_dtype.element_size(self.dtype)
+
+def rope_write_bytes(p, kind: str, table_row: int, key_in_place: bool = True) -> int:
+    """Bytes one call of a RoPE + cache write benchmark must move (``p``: a :class:`HeadsPoint`
+    with ``num_tokens`` and ``slots``; ``table_row``: the bytes of a cos/sin table row read per
+    token): ``fused``, ``pair`` (the key read once more) or any other kind, the rotation alone.
+    Every token is rotated; the value read and the cache writes (and the pair's second key read)
+    are the n real tokens' only (padding slots write nothing)."""
+    e, c = p.dtype.itemsize, p.cache_bytes
+    T, Hq, H, D = p.num_tokens, p.num_q_heads, p.num_heads, p.head_size
+    n = T - p.slots.num_padding(T)
+    if kind not in ("fused", "pair"):
+        return T * (2 * (Hq + H) * D * e + table_row + 8)
+    fused = (T * (2 * Hq * D * e + (1 + int(key_in_place)) * H * D * e + table_row + 8 + 8)
+             + n * (H * D * e + 2 * H * D * c))
+    return fused + (n * H * D * e if kind == "pair" else 0)
 
 
 def point_bytes(p: Point, kind: str, key_in_place: bool = True) -> int:
-    """Bytes one call must move. Every token is rotated; the value read and the cache writes (and
-    the pair's second key read) are the n real tokens' only (padding slots write nothing)."""
-    e, c, t = p.dtype.itemsize, p.cache_bytes, 4  # float32 table
-    T, Hq, H, D = p.num_tokens, p.num_q_heads, p.num_heads, p.head_size
-    n = T - p.slots.num_padding(T)
-    if kind == "rotary":
-        return T * (2 * (Hq + H) * D * e + p.rot_dim * t + 8)
-    fused = (T * (2 * Hq * D * e + (1 + int(key_in_place)) * H * D * e + p.rot_dim * t + 8 + 8)
-             + n * (H * D * e + 2 * H * D * c))
-    return fused + (n * H * D * e if kind == "pair" else 0)
+    """Bytes one call must move (:func:`rope_write_bytes`, a float32 table of ``rot_dim``)."""
+    return rope_write_bytes(p, kind, p.rot_dim * 4, key_in_place)
 
 
 def set_footprint(p: Point, kind: str) -> int:
@@ -104,6 +121,20 @@ class InputSet:
     slots: torch.Tensor
 
 
+def positions_and_slots(p, set_index: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input set ``set_index``'s positions and slots: ``p.slots``'s slots (make_slots), the
+    positions the sequences' (random: uniform below ``p.max_position``, drawn from ``gen``).
+    Raises ValueError where the pattern does not fit the cache."""
+    T = p.num_tokens
+    batch = make_slots(p.slots, T, p.num_blocks, p.block_size, set_index=set_index)
+    pos = batch.positions()
+    if pos is None:
+        positions = torch.randint(0, p.max_position, (T,), device=device, generator=gen)
+    else:
+        positions = torch.from_numpy(pos).to(device)
+    return positions, torch.from_numpy(batch.slots).to(device)
+
+
 def make_sets(p: Point, count: int, device, gen) -> list[InputSet]:
     """``count`` input sets; the slots are ``p.slots``'s, the positions the sequences' (random:
     uniform in the table). Raises ValueError where the pattern does not fit the cache."""
@@ -114,15 +145,26 @@ def make_sets(p: Point, count: int, device, gen) -> list[InputSet]:
         qkv = torch.randn(T, p.num_q_heads + 2 * p.num_heads, p.head_size, device=device,
                           generator=gen, dtype=torch.float32).to(p.dtype)
         hq, h = p.num_q_heads, p.num_heads
-        batch = make_slots(p.slots, T, p.num_blocks, p.block_size, set_index=i)
-        pos = batch.positions()
-        if pos is None:
-            positions = torch.randint(0, p.max_position, (T,), device=device, generator=gen)
-        else:
-            positions = torch.from_numpy(pos).to(device)
-        sets.append(InputSet(qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:], positions,
-                             torch.from_numpy(batch.slots).to(device)))
+        sets.append(InputSet(qkv[:, :hq], qkv[:, hq:hq + h], qkv[:, hq + h:],
+                             *positions_and_slots(p, i, device, gen)))
     return sets
+
+
+def fp8_scales(p, device) -> tuple:
+    """(k_scale, v_scale) of the benchmark's fp8 caches (0.05, 0.04); (None, None) otherwise."""
+    if not p.cache_dtype.is_fp8:
+        return None, None
+    return torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device)
+
+
+def first_difference(names, got, want) -> str | None:
+    """None when each pair of tensors holds the same bytes, else the first that differs, named
+    by ``names``."""
+    for what, a, b in zip(names, got, want, strict=True):
+        ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        if not torch.equal(ab, bb):
+            return f"{what}: {int((ab != bb).sum())} bytes differ from the torch reference"
+    return None
 
 
 def make_caches(p: Point, device, gen):
@@ -174,13 +216,24 @@ def check(p: Point, impl: str, kind: str, device, table, scales, caller=kind_cal
         caller(p, name, kind, sets, caches, table, scales)(0)
         s = sets[0]
         outs.append([s.query, s.key, *caches])
-    for what, a, b in zip(("query", "key", "key_cache", "value_cache"), *outs, strict=True):
-        if kind == "rotary" and what.endswith("cache"):
-            continue
-        ab, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-        if not torch.equal(ab, bb):
-            return f"{what}: {int((ab != bb).sum())} bytes differ from the torch reference"
-    return None
+    keep = 2 if kind == "rotary" else 4  # rotary alone writes no cache
+    got, want = (o[:keep] for o in outs)
+    return first_difference(("query", "key", "key_cache", "value_cache")[:keep], got, want)
+
+
+def add_cache_dtypes_flag(g) -> None:
+    """--kv-cache-dtypes of the RoPE + cache write benchmarks (this one's and qk-norm-rope's)."""
+    g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3",
+                   help="comma list of cache dtypes: auto, bfloat16, float16, float32, fp8, "
+                        "fp8_e4m3, fp8_e5m2 (default: auto,fp8_e4m3)")
+
+
+def add_layouts_flag(g, see: str = "") -> None:
+    """--layouts of the RoPE + cache write benchmarks; ``see``: a reference in its help."""
+    g.add_argument("--layouts", default="NHD,packed,HND-packed",
+                   help=f"comma list of NHD, HND, packed (alias LBNHC), HND-packed (alias LBHNC) "
+                        f"or all{see} (default: NHD,packed,HND-packed: NHD and vLLM's two "
+                        f"default per-layer orders)")
 
 
 def parse_heads(text: str) -> list[tuple[int, int, int]]:
@@ -205,6 +258,7 @@ class FusedRopeBench(OpBench):
                    "(rotary_embedding + reshape_and_cache_flash) and rotary_embedding alone.")
     op = FUSED
     kinds = KINDS
+    ops_of_kind = {"fused": (FUSED,), "pair": (ROPE, WRITE), "rotary": (ROPE,)}
     has_slots = True
     has_model = True
     defaults = {"num_tokens": "1,8,128,2048", "implementation": "all", "iters": 200,
@@ -222,9 +276,7 @@ class FusedRopeBench(OpBench):
         g = p.add_argument_group("the points")
         g.add_argument("--dtypes", default="bfloat16,float16",
                        help="comma list of query/key/value dtypes (default: bfloat16,float16)")
-        g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3",
-                       help="comma list of cache dtypes: auto, bfloat16, float16, float32, fp8, "
-                            "fp8_e4m3, fp8_e5m2 (default: auto,fp8_e4m3)")
+        add_cache_dtypes_flag(g)
         g.add_argument("--heads", default="32,32,128;32,8,128",
                        help="semicolon list of Hq,H,D (default: MHA(32,32,128) and GQA(32,8,128))")
         g.add_argument("--rot-dim", type=int, default=None,
@@ -233,10 +285,7 @@ class FusedRopeBench(OpBench):
         g.add_argument("--max-position", type=int, default=4096,
                        help="rows of the cos/sin table; positions stay below it (default: 4096; "
                             "the model's context window with --model and a sequence --slots)")
-        g.add_argument("--layouts", default="NHD,packed,HND-packed",
-                       help="comma list of NHD, HND, packed (alias LBNHC), HND-packed (alias "
-                            "LBHNC) or all (docs/benchmark.md) (default: NHD,packed,HND-packed: "
-                            "NHD and vLLM's two default per-layer orders)")
+        add_layouts_flag(g, " (docs/benchmark.md)")
         g.add_argument("--num-blocks", type=int, default=None,
                        help=f"cache blocks, raised at each T to twice the blocks its slot "
                             f"pattern needs where that is more "
@@ -248,19 +297,14 @@ class FusedRopeBench(OpBench):
         if args.model:
             if "heads" in args.explicit:
                 raise ValueError("--model: sets --heads; got --heads too")
-            flags = serving_flags(args.model, args.slots, args.explicit)
-            for dest, value in flags.items():
-                setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens" else value)
+            flags = apply_serving_flags(args)
             if flags and args.num_blocks is None and device.type == "cuda":
                 args.num_blocks = SERVING_NUM_BLOCKS
             m = get_model(args.model)
             args.heads = f"{m.num_kv_heads * 4},{m.num_kv_heads},{m.head_dim}"
         if args.num_blocks is None:
             args.num_blocks = NUM_BLOCKS
-        for flag in ("num_blocks", "block_size", "max_position"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        engine.require_positive(args, ("num_blocks", "block_size", "max_position"))
         args.head_list = parse_heads(args.heads)
         if args.rot_dim is not None:
             if args.rot_dim < 2 or args.rot_dim % 2:
@@ -296,18 +340,15 @@ class FusedRopeBench(OpBench):
                     heads=f"({p.num_q_heads},{p.num_heads},{p.head_size})",
                     num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
                     rot_dim=p.rot_dim, is_neox=p.is_neox, model=p.model,
-                    slots=p.slots.kind, slot_params=p.slots.describe(),
-                    pad_fraction=p.slots.pad_fraction, max_position=p.max_position,
+                    **engine.slot_params(p.slots), max_position=p.max_position,
                     num_blocks=p.num_blocks, block_size=p.block_size)
 
     def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
         pattern = args.pattern
-        blocks = pattern.cache_blocks(top, args.block_size, args.num_blocks)
         return [f"shape: heads (Hq,H,D)={args.heads} rot_dim={args.rot_dim or 'D'} "
                 f"{'gptj' if args.gptj else 'neox'} block_size={args.block_size} "
                 f"num_blocks={args.num_blocks}",
-                "slots: " + pattern.explain(top, blocks, args.block_size),
+                engine.slots_line(pattern, points, args.num_blocks, args.block_size, grown=True),
                 "positions: " + (f"uniform random in [0, {args.max_position})"
                                  if pattern.kind == "random" else
                                  f"each token's position in its sequence (padding: 0), all below "
@@ -321,14 +362,8 @@ class FusedRopeBench(OpBench):
                 "bandwidth-bound; fused %BW and rotary %BW = the fastest one's GB/s as a "
                 "percentage of the copy bandwidth"]
 
-    def kind_ops(self, kind: str) -> tuple[str, ...]:
-        return {"fused": (FUSED,), "pair": (ROPE, WRITE), "rotary": (ROPE,)}[kind]
-
     def set_bytes(self, p: Point, kind: str) -> int:
         return set_footprint(p, kind)
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
 
     def temp_bytes(self, p: Point) -> int:
         return p.max_position * p.rot_dim * 4
@@ -343,13 +378,9 @@ class FusedRopeBench(OpBench):
     def prepare(self, p: Point, count: int, device):
         gen = torch.Generator(device=device).manual_seed(SEED)
         table = cos_sin_table(p.max_position, p.rot_dim, torch.float32, device=device)
-        scales = (None, None)
-        if p.cache_dtype.is_fp8:
-            scales = (torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device))
-        try:
+        scales = fp8_scales(p, device)
+        with engine.skip_unless_fits():
             sets = make_sets(p, count, device, gen)
-        except ValueError as e:  # the slot pattern does not fit the cache
-            raise Skip(str(e)) from None
         return p, sets, make_caches(p, device, gen), table, scales, device
 
     def check(self, ctx, kind, impl) -> str | None:

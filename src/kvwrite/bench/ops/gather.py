@@ -42,6 +42,7 @@ from ...ops.cp_gather_cache import OP as CP
 from ...ops.cp_gather_indexer_k_quant_cache import OP as INDEXER
 from ...ops.gather_and_maybe_dequant_cache import OP as DEQUANT
 from ...ops.gather_cache_flash import OP as FLASH
+from .. import engine
 from ..engine import OpBench, compare_with_reference, parse_list
 
 __all__ = ["BENCH"]
@@ -111,10 +112,9 @@ class GatherBench(OpBench):
                    "cp_gather_indexer_k_quant_cache, for MLA chunked prefill's sequence sets.")
     op = FLASH
     kinds = KINDS
-    defaults = {"num_tokens": "1024,8192,16384,65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.25}
-    cpu_defaults = {"num_blocks": 64, "num_tokens": "16,256", "iters": 5, "graph_calls": 2,
-                    "time_budget": 0.05, "num_heads": 2}
+    ops_of_kind = {kind: (op,) for kind, op in _OPS.items()}
+    defaults = {"num_tokens": "1024,8192,16384,65536", "time_budget": 0.25}
+    cpu_defaults = {"num_blocks": 64, "num_tokens": "16,256", **engine.CPU_TIMING, "num_heads": 2}
     columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "cache"), ("mix", "mix"))
     always_columns = ("num_tokens",)
 
@@ -133,19 +133,15 @@ class GatherBench(OpBench):
                             "(default: even)")
         g.add_argument("--entry", type=int, default=576,
                        help="MLA entry elements of dequant and cp (default: 576)")
-        g.add_argument("--block-size", type=int, default=64, help="(default: 64)")
-        g.add_argument("--num-blocks", type=int, default=2048, help="(default: 2048)")
-        g.add_argument("--dtype", choices=[d for d in BENCH_DTYPES if d != "float"],
-                       default="bfloat16", help="the 16-bit rows (default: bfloat16)")
+        engine.add_cache_flags(g, block_size=64, num_blocks=2048, dtype_help="the 16-bit rows",
+                        dtypes=[d for d in BENCH_DTYPES if d != "float"])
         g.add_argument("--num-heads", type=int, default=8, help="flash: KV heads (default: 8)")
         g.add_argument("--head-size", type=int, default=128,
                        help="flash's D and the indexer's D (default: 128)")
 
     def configure(self, args, device) -> None:
-        for flag in ("num_seqs", "entry", "block_size", "num_blocks", "num_heads", "head_size"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        engine.require_positive(args, ("num_seqs", "entry", "block_size", "num_blocks", "num_heads",
+                                "head_size"))
         args.kv_list = parse_list(args.kv_cache_dtypes, "--kv-cache-dtypes", ["auto", "fp8"])
         args.mix_list = parse_list(args.mix, "--mix", ["even", "chunked"])
 
@@ -168,14 +164,8 @@ class GatherBench(OpBench):
                 "bytes per call = T*(cache row bytes + output row bytes) + the block-table "
                 "entries and sequence starts read"]
 
-    def kind_ops(self, kind: str) -> tuple[str, ...]:
-        return (_OPS[kind],)
-
     def set_bytes(self, p: Point, kind: str) -> int:
         return p.num_tokens * sum(row_bytes(p, kind))
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
 
     def block_bytes(self, p: Point) -> int:
         rows = cache_row_bytes(p)  # a slot of each cache: dequant's and cp's is one

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from ... import registry
-from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
+from ...dtypes import MODEL_DTYPES
 from ...ops.indexer_k_quant_and_cache import (
     OP,
     create_indexer_k_cache,
@@ -26,10 +26,10 @@ from ...ops.indexer_k_quant_and_cache import (
 )
 from ...ops.indexer_k_quant_and_cache.op import ScaleFormat, check_group_size
 from ...testing.slots import SlotPattern
-from ..engine import OpBench, compare_with_reference, parse_list, point_sets, slot_pattern
+from .. import engine
+from ..engine import SlotsBench, compare_with_reference, parse_list, point_sets, slot_pattern
 
 __all__ = ["BENCH"]
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Point:
         return entry_size(self.head_dim, self.quant_block_size)
 
 
-class IndexerBench(OpBench):
+class IndexerBench(SlotsBench):
     name = OP
     summary = ("DeepSeek-V3.2's indexer key write (fp8 codes + group scales, ue8m0, mxfp8 or "
                "float32)")
@@ -56,11 +56,8 @@ class IndexerBench(OpBench):
                    "e4m3 with one scale per group, written into its paged cache (all codes of a "
                    "page, then all scales).")
     op = OP
-    has_slots = True
-    defaults = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.25}
-    cpu_defaults = {"num_blocks": 16, "num_tokens": "1:256", "iters": 5, "graph_calls": 2,
-                    "time_budget": 0.05}
+    defaults = {"time_budget": 0.25}
+    cpu_defaults = {"num_blocks": 16, "num_tokens": "1:256", **engine.CPU_TIMING}
     columns = (("num_tokens", "num_tokens"), ("scale_fmt", "scale_fmt"))
 
     def add_flags(self, p) -> None:
@@ -68,20 +65,14 @@ class IndexerBench(OpBench):
         g.add_argument("--head-dim", type=int, default=128, help="D (default: 128)")
         g.add_argument("--quant-block-size", type=int, default=128,
                        help="elements per scale group, dividing D (default: 128)")
-        g.add_argument("--block-size", type=int, default=64, help="(default: 64)")
-        g.add_argument("--num-blocks", type=int, default=2048, help="(default: 2048)")
-        g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
-                       help="k's dtype (default: bfloat16)")
+        engine.add_cache_flags(g, block_size=64, num_blocks=2048, dtype_help="k's dtype")
         g.add_argument("--scale-fmts", default="ue8m0",
                        help="comma list of ue8m0 (power-of-two scales), mxfp8 (the same scales "
                             "as 4 UE8M0 exponent bytes, vLLM 0.33; --quant-block-size 128) and "
                             "float32 (default: ue8m0)")
 
     def configure(self, args, device) -> None:
-        for flag in ("head_dim", "quant_block_size", "block_size", "num_blocks"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        engine.require_positive(args, ("head_dim", "quant_block_size", "block_size", "num_blocks"))
         if args.head_dim % args.quant_block_size:
             raise ValueError(f"--quant-block-size: expected a divisor of --head-dim "
                              f"{args.head_dim}, got {args.quant_block_size}")
@@ -104,22 +95,17 @@ class IndexerBench(OpBench):
     def params(self, p: Point) -> dict:
         return dict(dtype=str(p.dtype).removeprefix("torch."), scale_fmt=p.scale_fmt,
                     head_dim=p.head_dim, quant_block_size=p.quant_block_size,
-                    block_size=p.block_size, num_blocks=p.num_blocks, slots=p.slots.kind,
-                    slot_params=p.slots.describe(), pad_fraction=p.slots.pad_fraction)
+                    block_size=p.block_size, num_blocks=p.num_blocks, **engine.slot_params(p.slots))
 
     def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
         return [f"shape: head_dim={args.head_dim} quant_block_size={args.quant_block_size} "
                 f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype} "
                 f"(cache [{args.num_blocks}, {args.block_size}, {points[0].entry}] uint8)",
-                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
+                engine.slots_line(args.pattern, points, args.num_blocks, args.block_size),
                 "bytes per call = T*D*in_bytes + n*(D + 4*G) + T*8 (n = T less the padding)"]
 
     def set_bytes(self, p: Point, kind: str) -> int:
         return p.num_tokens * (p.head_dim * p.dtype.itemsize + 8)
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
 
     def block_bytes(self, p: Point) -> int:
         return 3 * p.block_size * p.entry  # the cache and the check's two copies
@@ -127,9 +113,6 @@ class IndexerBench(OpBench):
     def bytes(self, p: Point, kind: str) -> int:
         n = p.num_tokens - p.slots.num_padding(p.num_tokens)
         return p.num_tokens * (p.head_dim * p.dtype.itemsize + 8) + n * p.entry
-
-    def skip_reason(self, p: Point) -> str | None:
-        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         sets = point_sets(p, count, device, lambda: (

@@ -19,13 +19,14 @@ import dataclasses
 import torch
 
 from ... import formats, registry
-from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, CacheDType
+from ...dtypes import MODEL_DTYPES, CacheDType
 from ...layouts import create_kv_caches_with_random_flash, parse_layout_names
 from ...ops.nvfp4 import OP, flash_run_args
 from ...ops.reshape_and_cache_flash import OP as WRITE
 from ...testing.slots import SlotPattern
-from ..engine import OpBench, compare_with_reference, parse_list, point_sets, slot_pattern
-from ..workload import key_value_rows
+from .. import engine
+from ..engine import compare_with_reference, parse_list, point_sets, slot_pattern
+from ..workload import KeyValueBench, key_value_rows
 
 __all__ = ["BENCH"]
 
@@ -52,7 +53,7 @@ class Point:
     slots: SlotPattern
 
 
-class Nvfp4Bench(OpBench):
+class Nvfp4Bench(KeyValueBench):
     name = "nvfp4"
     summary = "the NVFP4 cache write (vLLM's page layout), beside the fp8 write of the same shape"
     description = ("Benchmark reshape_and_cache_flash's NVFP4 modes (E2M1 codes, an E4M3 scale "
@@ -60,15 +61,15 @@ class Nvfp4Bench(OpBench):
                    "fp8 write of the same shape beside it.")
     op = OP
     kinds = KINDS
-    has_slots = True
-    defaults = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.25}
-    cpu_defaults = {"num_blocks": 16, "num_tokens": "1:256", "iters": 5, "graph_calls": 2,
-                    "time_budget": 0.05}
+    ops_of_kind = {"nvfp4": (OP,), "fp8": (WRITE,)}
+    defaults = {"time_budget": 0.25}
+    cpu_defaults = {"num_blocks": 16, "num_tokens": "1:256", **engine.CPU_TIMING}
     columns = (("num_tokens", "num_tokens"), ("kv_cache_dtype", "mode"),
                ("v_scale_layout", "v scales"),
                ("layout", "layout"))
     always_columns = ("num_tokens", "layout")
+    bytes_formula = ("bytes per call: nvfp4 = n*H*2*D*in_bytes + n*H*2*(D/2 + D/16) + T*8; fp8 = "
+                     "n*H*2*D*(in_bytes + 1) + T*8 (n = T less the padding)")
 
     def add_flags(self, p) -> None:
         g = p.add_argument_group("the points")
@@ -82,16 +83,10 @@ class Nvfp4Bench(OpBench):
         g.add_argument("--num-heads", type=int, default=8, help="KV heads (default: 8)")
         g.add_argument("--head-size", type=int, default=128,
                        help="a multiple of 16; 64 with swizzled V scales (default: 128)")
-        g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
-        g.add_argument("--num-blocks", type=int, default=4096, help="(default: 4096)")
-        g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
-                       help="key/value dtype (default: bfloat16)")
+        engine.add_cache_flags(g, block_size=16, num_blocks=4096, dtype_help="key/value dtype")
 
     def configure(self, args, device) -> None:
-        for flag in ("num_heads", "head_size", "block_size", "num_blocks"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+        engine.require_positive(args, ("num_heads", "head_size", "block_size", "num_blocks"))
         if args.head_size % 16:
             raise ValueError(f"--head-size: NVFP4 needs a multiple of 16, got {args.head_size}")
         args.mode_list = parse_list(args.modes, "--modes", ["nvfp4", "nvfp4_4over6"])
@@ -116,25 +111,7 @@ class Nvfp4Bench(OpBench):
         return dict(kv_cache_dtype=p.mode, v_scale_layout=p.v_scale_layout, layout=p.layout,
                     dtype=str(p.dtype).removeprefix("torch."), num_heads=p.num_heads,
                     head_size=p.head_size, block_size=p.block_size, num_blocks=p.num_blocks,
-                    slots=p.slots.kind, slot_params=p.slots.describe(),
-                    pad_fraction=p.slots.pad_fraction)
-
-    def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
-        return [f"shape: num_heads={args.num_heads} head_size={args.head_size} "
-                f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype}",
-                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
-                "bytes per call: nvfp4 = n*H*2*D*in_bytes + n*H*2*(D/2 + D/16) + T*8; fp8 = "
-                "n*H*2*D*(in_bytes + 1) + T*8 (n = T less the padding)"]
-
-    def kind_ops(self, kind: str) -> tuple[str, ...]:
-        return (OP,) if kind == "nvfp4" else (WRITE,)
-
-    def set_bytes(self, p: Point, kind: str) -> int:
-        return p.num_tokens * (2 * p.num_heads * p.head_size * p.dtype.itemsize + 8)
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
+                    **engine.slot_params(p.slots))
 
     def block_bytes(self, p: Point) -> int:
         # Both caches of a block (nvfp4 and fp8), three times: the caches and the check's two.
@@ -146,9 +123,6 @@ class Nvfp4Bench(OpBench):
         H, D, e = p.num_heads, p.head_size, p.dtype.itemsize
         written = _row_bytes(kind, D)
         return n * H * 2 * D * e + n * H * 2 * written + p.num_tokens * 8
-
-    def skip_reason(self, p: Point) -> str | None:
-        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         sets = point_sets(p, count, device, lambda: key_value_rows(p, device))

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from ... import registry
-from ...dtypes import BENCH_DTYPES, MODEL_DTYPES
+from ...dtypes import MODEL_DTYPES
 from ...layouts import parse_layout_names
 from ...ops.reshape_and_cache_flash_per_token_head_quant import (
     OP,
@@ -33,9 +33,10 @@ from ...testing.per_token_head import (
     clone_pth_caches,
 )
 from ...testing.slots import SlotPattern
-from ..engine import OpBench, parse_list, point_sets, slot_pattern
-from ..models import get_model, heads_per_rank, model_cache_blocks, serving_flags
-from ..workload import key_value_rows
+from .. import engine
+from ..engine import parse_list, point_sets, slot_pattern
+from ..models import apply_model, heads_per_rank, model_cache_blocks
+from ..workload import KeyValueBench, key_value_rows
 
 __all__ = ["BENCH"]
 
@@ -66,25 +67,24 @@ class Point:
         return self.mode.format.row_bytes(self.head_size)
 
 
-class PerTokenHeadBench(OpBench):
+class PerTokenHeadBench(KeyValueBench):
     name = OP
     summary = "per-(token, head) quantized cache write: int8, fp8, int4 with scales beside rows"
     description = ("Benchmark reshape_and_cache_flash_per_token_head_quant: each (token, head) "
                    "row of K and V quantized with its own scale, computed in the kernel, codes "
                    "and scale written into vLLM's cache rows.")
     op = OP
-    has_slots = True
     has_model = True
     tp_flag = True
-    defaults = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.25}
+    defaults = {"time_budget": 0.25}
     # One layout on the CPU, as before the vLLM orders joined the defaults: a small shape that
     # runs in seconds.
-    cpu_defaults = {"layouts": "NHD", "num_blocks": 32, "num_tokens": "1:256", "iters": 5,
-                    "graph_calls": 2, "time_budget": 0.05}
+    cpu_defaults = {"layouts": "NHD", "num_blocks": 32, "num_tokens": "1:256", **engine.CPU_TIMING}
     columns = (("num_tokens", "num_tokens"), ("kv_quant_mode", "mode"), ("layout", "layout"),
                ("kv_alloc", "kv_alloc"), ("num_heads", "H"))
     always_columns = ("num_tokens", "kv_quant_mode")
+    bytes_formula = ("bytes per call = n*H*2*D*in_bytes + n*H*2*(Dq + 4) + T*8 (Dq = D, or D/2 "
+                     "for int4; n = T less the padding)")
 
     def add_flags(self, p) -> None:
         g = p.add_argument_group("the points")
@@ -93,10 +93,7 @@ class PerTokenHeadBench(OpBench):
                             "(default: int8,fp8,int4)")
         g.add_argument("--num-heads", type=int, default=8, help="KV heads (default: 8)")
         g.add_argument("--head-size", type=int, default=128, help="(default: 128; int4: even)")
-        g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
-        g.add_argument("--num-blocks", type=int, default=4096, help="(default: 4096)")
-        g.add_argument("--dtype", choices=list(BENCH_DTYPES), default="bfloat16",
-                       help="key/value dtype (default: bfloat16)")
+        engine.add_cache_flags(g, block_size=16, num_blocks=4096, dtype_help="key/value dtype")
         g.add_argument("--layouts", default="NHD,HND",
                        help="comma list of NHD, HND: the order of (slot, head); with --kv-alloc "
                             "packed these are vLLM's two default per-layer orders, LBNHC and "
@@ -107,21 +104,8 @@ class PerTokenHeadBench(OpBench):
 
     def configure(self, args, device) -> None:
         if args.model:
-            given = [f"--{f.replace('_', '-')}" for f in ("num_heads", "head_size")
-                     if f in args.explicit]
-            if given:
-                raise ValueError(f"--model: sets --num-heads and --head-size; got "
-                                 f"{' and '.join(given)} too")
-            for dest, value in serving_flags(args.model, args.slots, args.explicit).items():
-                if dest != "max_position":
-                    setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens"
-                            else value)
-            preset = get_model(args.model)
-            args.num_heads, args.head_size = preset.num_kv_heads, preset.head_dim
-        for flag in ("num_heads", "head_size", "block_size", "num_blocks"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+            apply_model(args)
+        engine.require_positive(args, ("num_heads", "head_size", "block_size", "num_blocks"))
         args.num_heads = heads_per_rank(args.num_heads, args.tp)
         args.mode_list = [parse_kv_quant_mode(f"{m}_per_token_head")
                           for m in parse_list(args.modes, "--modes", MODES)]
@@ -153,23 +137,7 @@ class PerTokenHeadBench(OpBench):
         return dict(kv_quant_mode=p.mode.short, layout=p.layout, kv_alloc=p.kv_alloc,
                     dtype=str(p.dtype).removeprefix("torch."), num_heads=p.num_heads,
                     head_size=p.head_size, block_size=p.block_size, num_blocks=p.num_blocks,
-                    model=p.model, slots=p.slots.kind, slot_params=p.slots.describe(),
-                    pad_fraction=p.slots.pad_fraction)
-
-    def header(self, args, points) -> list[str]:
-        top = max(p.num_tokens for p in points)
-        model = f" ({args.model}, tp={args.tp})" if args.model else ""
-        return [f"shape: num_heads={args.num_heads}{model} head_size={args.head_size} "
-                f"block_size={args.block_size} num_blocks={args.num_blocks} dtype={args.dtype}",
-                "slots: " + args.pattern.explain(top, args.num_blocks, args.block_size),
-                "bytes per call = n*H*2*D*in_bytes + n*H*2*(Dq + 4) + T*8 (Dq = D, or D/2 for "
-                "int4; n = T less the padding)"]
-
-    def set_bytes(self, p: Point, kind: str) -> int:
-        return p.num_tokens * (2 * p.num_heads * p.head_size * p.dtype.itemsize + 8)
-
-    def state_bytes(self, p: Point) -> int:
-        return p.num_blocks * self.block_bytes(p)
+                    model=p.model, **engine.slot_params(p.slots))
 
     def block_bytes(self, p: Point) -> int:
         # K and V rows of a block with their scales, three times: the caches and the check's two.
@@ -179,9 +147,6 @@ class PerTokenHeadBench(OpBench):
         n = p.num_tokens - p.slots.num_padding(p.num_tokens)
         H, D = p.num_heads, p.head_size
         return n * H * 2 * D * p.dtype.itemsize + n * H * 2 * p.row + p.num_tokens * 8
-
-    def skip_reason(self, p: Point) -> str | None:
-        return p.slots.fit_reason(p.num_tokens, p.num_blocks, p.block_size)
 
     def prepare(self, p: Point, count: int, device):
         sets = point_sets(p, count, device, lambda: key_value_rows(p, device))

@@ -15,7 +15,8 @@ import torch
 
 from ... import registry
 from ...ops.reshape_and_cache import OP, create_legacy_kv_cache, validate
-from ..engine import Skip, compare_with_reference
+from .. import engine
+from ..engine import compare_with_reference
 from ..workload import make_input_sets
 from .reshape_and_cache_flash import ReshapeAndCacheFlashBench
 
@@ -29,8 +30,7 @@ class ReshapeAndCacheBench(ReshapeAndCacheFlashBench):
                    "benchmark's flags and points with key [num_blocks, H, D/x, block_size, x] and "
                    "value [num_blocks, H, D, block_size] caches.")
     op = OP
-    cpu_defaults = {"num_heads": 8, "num_blocks": 16, "num_tokens": "2:64", "iters": 5,
-                    "graph_calls": 2, "time_budget": 0.05}
+    cpu_defaults = {"num_heads": 8, "num_blocks": 16, "num_tokens": "2:64", **engine.CPU_TIMING}
     columns = (("num_tokens", "num_tokens"),)
     always_columns = ("num_tokens",)
 
@@ -55,10 +55,8 @@ class ReshapeAndCacheBench(ReshapeAndCacheFlashBench):
 
     def prepare(self, p, count: int, device):
         c = p.case
-        try:
+        with engine.skip_unless_fits():
             sets = make_input_sets(c, c.num_tokens, count, device)
-        except ValueError as e:
-            raise Skip(str(e)) from None
         caches = self._legacy_caches(c, c.num_blocks, device)
         s0 = sets[0]
         validate(s0.key, s0.value, *caches, s0.slot_mapping, c.kv_cache_dtype, s0.k_scale,

@@ -21,10 +21,10 @@ from ... import registry
 from ...dtypes import BENCH_DTYPES, MODEL_DTYPES, parse_kv_cache_dtype, parse_model_dtype
 from ...layouts import layout_alloc, parse_layout_names
 from ...ops.reshape_and_cache_flash import OP, validate
-from .. import timing
+from .. import engine, timing
 from ..check import SNAPSHOT_BYTES, check_point
-from ..engine import OpBench, Skip, slot_pattern
-from ..models import get_model, heads_per_rank, model_cache_blocks, serving_flags
+from ..engine import OpBench, slot_pattern
+from ..models import apply_model, get_model, heads_per_rank, model_cache_blocks
 from ..workload import (
     CHUNK_BYTES,
     Case,
@@ -60,8 +60,7 @@ class ReshapeAndCacheFlashBench(OpBench):
     has_slots = True
     has_model = True
     tp_flag = True
-    defaults = {"num_tokens": "2:65536", "implementation": "cuda", "iters": 100,
-                "time_budget": 0.5}
+    defaults = {"num_tokens": "2:65536"}
     # vLLM's shape (128 heads, 65536 blocks) needs a 64 GiB cache; this one runs its 16 points
     # in seconds on 2 cores with the torch reference.
     cpu_defaults = {"num_heads": 8, "num_blocks": 16, "num_tokens": "2:256", "iters": 10,
@@ -100,21 +99,8 @@ class ReshapeAndCacheFlashBench(OpBench):
             args.num_heads = get_model(args.model).num_kv_heads
         args.max_position = None
         if args.model:
-            given = [f"--{f.replace('_', '-')}" for f in ("num_heads", "head_size")
-                     if f in args.explicit]
-            if given:
-                raise ValueError(f"--model: sets --num-heads and --head-size; got "
-                                 f"{' and '.join(given)} too")
-            flags = serving_flags(args.model, args.slots, args.explicit)
-            args.max_position = flags.pop("max_position", None)
-            for dest, value in flags.items():
-                setattr(args, dest, ",".join(map(str, value)) if dest == "num_tokens" else value)
-            preset = get_model(args.model)
-            args.num_heads, args.head_size = preset.num_kv_heads, preset.head_dim
-        for flag in ("num_heads", "num_blocks"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}: expected a positive integer, got "
-                                 f"{getattr(args, flag)}")
+            apply_model(args)  # sets args.max_position with a sequence --slots
+        engine.require_positive(args, ("num_heads", "num_blocks"))
         args.num_heads = heads_per_rank(args.num_heads, args.tp)
         args.layout_list = parse_layout_names(args.layouts, "--layouts")
         if args.per_head_scale and not args.kv_cache_dtype.startswith("fp8"):
@@ -138,20 +124,19 @@ class ReshapeAndCacheFlashBench(OpBench):
         return dict(layout=c.layout_name, dtype=str(c.dtype).removeprefix("torch."),
                     kv_cache_dtype=c.kv_cache_dtype, num_heads=c.num_heads,
                     head_size=c.head_size, block_size=c.block_size, num_blocks=c.num_blocks,
-                    per_head_scale=c.per_head_scale, model=p.model, tp=p.tp, slots=c.slots.kind,
-                    slot_params=c.slots.describe(), pad_fraction=c.slots.pad_fraction)
+                    per_head_scale=c.per_head_scale, model=p.model, tp=p.tp,
+                    **engine.slot_params(c.slots))
 
     def header(self, args, points) -> list[str]:
         c = points[0].case
         model = (f" ({args.model}, tp={args.tp})" if args.model
                  else (f" (tp={args.tp})" if args.tp > 1 else ""))
         scale = ", per-head scales" if c.per_head_scale and c.cache_dtype.is_fp8 else ""
-        top = max(p.num_tokens for p in points)
         return [f"shape: num_heads={c.num_heads}{model} head_size={c.head_size} "
                 f"block_size={c.block_size} num_blocks={c.num_blocks} "
                 f"dtype={str(c.dtype).removeprefix('torch.')} "
                 f"kv_cache_dtype={c.kv_cache_dtype}{scale}",
-                "slots: " + c.slots.explain(top, c.num_blocks, c.block_size),
+                engine.slots_line(c.slots, points, c.num_blocks, c.block_size),
                 "bytes per call = 2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes "
                 "(N = T less the padding)"]
 
@@ -195,10 +180,8 @@ class ReshapeAndCacheFlashBench(OpBench):
             self._caches = (key, make_caches(c, device))
         caches = self._caches[1]
         fill_caches(*caches, c)
-        try:
+        with engine.skip_unless_fits():
             sets = make_input_sets(c, c.num_tokens, count, device)
-        except ValueError as e:  # the slot pattern does not fit the cache
-            raise Skip(str(e)) from None
         s0 = sets[0]
         validate(s0.key, s0.value, *caches, s0.slot_mapping, c.kv_cache_dtype, s0.k_scale,
                  s0.v_scale)
