@@ -58,3 +58,14 @@ def oracle(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheD
                 if cache_dtype.is_fp8:
                     s = float(scale[h] if scale.numel() > 1 else scale[0])
                 cache[b, o, h] = _convert_row(src[t, h], cache_dtype, s, cache.dtype)
+
+
+def oracle_valid_tokens(key, value, inp, valid, cache_dtype: CacheDType) -> None:
+    """:func:`oracle` into ``inp``'s caches (its slots and scales) for the tokens ``t`` with
+    ``valid[t]``; the others (a position out of range) write nothing, as a padding slot."""
+    slots = inp.slot_mapping.clone()
+    for t in range(slots.numel()):
+        if not valid[t]:
+            slots[t] = -1
+    oracle(key, value, inp.key_cache, inp.value_cache, slots, cache_dtype, inp.k_scale,
+           inp.v_scale)

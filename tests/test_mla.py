@@ -33,10 +33,10 @@ from kvwrite.testing.mla import (
     make_mla_inputs,
 )
 from oracle import fp8_round
+from params import DEVICES, impl_names
 from sass import needs_nvrtc
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = impl_names(OP)
 
 
 # --- the independent oracle -----------------------------------------------------------------------
@@ -387,11 +387,6 @@ def test_create_mla_cache_errors():
         kvwrite.create_mla_cache(0, 16, 512, 64, "auto", torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         kvwrite.create_mla_cache(1, 16, 512, 64, "int4", torch.float32, "cpu")
-
-
-def test_implementations_are_registered():
-    names = {s.name for s in kvwrite.implementations("cpu", OP)}
-    assert names == {"torch", "triton", "cuda"}
 
 
 # --- Triton's interpreter on exactly representable quotients -------------------------------------
