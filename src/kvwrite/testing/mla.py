@@ -20,7 +20,7 @@ from ..ops.concat_and_cache_mla.op import (
     entry_size,
     parse_mla_mode,
 )
-from .build import flag_parts, make_slot_mapping
+from .build import WriteCase, flag_parts, make_slot_mapping
 from .cases import reciprocal_traps
 from .compare import differing_bytes, nan_mask, storage_bytes
 
@@ -30,21 +30,14 @@ __all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache"
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaCase:
-    num_tokens: int = 7
+class MlaCase(WriteCase):
     kv_lora_rank: int = 512
     pe_dim: int = 64
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     kv_cache_dtype: str = "auto"
     # fp8_ds_mla's tile scale rule ("pow2" or "amax"); the default in every other mode.
     ds_mla_scale: str = DEFAULT_DS_MLA_SCALE.value
     # fp8 modes: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
     fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    # kv_c/k_pe rows past num_tokens (CUDA-graph padding); never read.
-    extra_rows: int = 0
     # kv_c and k_pe as slices of one latent projection [T, L + P] (token stride L + P), with
     # latent_pad more elements per row after them.
     latent_slices: bool = False
@@ -54,8 +47,6 @@ class MlaCase:
     cache_pad: int = 0
     cache_offset: int = 0
     cache_transposed: bool = False
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # NaN, ±inf, ±0, subnormals, saturating values; for fp8_ds_mla zero, NaN, all-NaN, inf and
     # tiny tiles too.
     special_values: bool = False

@@ -23,7 +23,7 @@ from ..ops.reshape_and_cache_flash_per_token_head_quant.op import (
     PerTokenHeadMode,
     parse_kv_quant_mode,
 )
-from .build import flag_parts, make_slot_mapping
+from .build import WriteCase, flag_parts, make_slot_mapping
 from .compare import storage_bytes
 
 __all__ = ["PthCase", "PthInputs", "PTH_CASES", "PTH_GPU_CASES", "make_pth_inputs",
@@ -45,14 +45,10 @@ class _ForeignMode(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class PthCase:
-    num_tokens: int = 7
+class PthCase(WriteCase):
     num_heads: int = 4
     head_size: int = 64
     head_size_v: int | None = None  # None: head_size
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     kv_quant_mode: str = INT8
     # Data cache dtype: "" vLLM's storage (int8; uint8 for fp8 and int4), "float8" (fp8 as
     # float8_e4m3fn), "int8" (int4 bytes as int8).
@@ -67,14 +63,10 @@ class PthCase:
     row_pad: int = 0
     # Build the caches with create_per_token_head_caches (needs Dk == Dv, no padding).
     via_allocator: bool = False
-    slot_dtype: torch.dtype = torch.int64
-    extra_rows: int = 0  # key/value rows past num_tokens (never read)
     # key and value as slices of one fused qkv [T, (2H + H) Dk + H Dv] (token stride free).
     fused_qkv: bool = False
     # key/value heads spaced head_size + head_pad elements apart (head stride free).
     head_pad: int = 0
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     special_values: bool = False
     # How kv_quant_mode is passed: "str", "enum" (the op's enum), "foreign" (another package's
     # enum of the same names) or "none" (inferred from the cache dtype; int8 and fp8 only).

@@ -14,9 +14,9 @@ import itertools
 
 import torch
 
-from ..dtypes import CacheDType, parse_kv_cache_dtype
+from ..dtypes import parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
-from .build import flag_parts
+from .build import FlashWriteCase, flag_parts
 from .cases import Case, make_inputs
 from .compare import storage_bytes
 from .rope import cos_sin_table
@@ -30,10 +30,10 @@ SPECIALS = ("", "zeros", "nan", "inf", "huge", "tiny")
 
 
 @dataclasses.dataclass(frozen=True)
-class QkNormCase:
-    num_tokens: int = 7              # T_rot = position_ids.numel()
+class QkNormCase(FlashWriteCase):
+    """num_tokens: T_rot = position_ids.numel() (extra_rows: rows past T_rot); the cache write's
+    fields (the fused op only) are reshape_and_cache_flash's Case's."""
     cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
-    extra_rows: int = 0              # rows past T_rot (CUDA-graph padding); never read
     num_q_heads: int = 4
     num_k_heads: int = 2
     num_v_heads: int | None = None   # None: num_k_heads
@@ -58,17 +58,7 @@ class QkNormCase:
     # vLLM's wide[..., :head_size] slices; the padding holds random bits that must not change.
     head_pad: int = 0
     special: str = ""
-    # The cache write (as reshape_and_cache_flash's Case); fused op only.
-    block_size: int = 16
     num_blocks: int = 8
-    kv_cache_dtype: str = "auto"
-    layout: Layout = Layout.NHD
-    alloc: KVAlloc = KVAlloc.SEPARATE
-    per_head_scale: bool = False
-    fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     rotate_key_in_place: bool = True
     # query_out: None, "same" (qkv's dtype), "fp8_e4m3" or "fp8_e5m2"; "spare": a region of
     # qkv's own allocation past the heads (qkv's dtype).
@@ -86,10 +76,6 @@ class QkNormCase:
     @property
     def num_cache_tokens(self) -> int:
         return self.num_tokens if self.cache_tokens is None else self.cache_tokens
-
-    @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
 
     def weight_dtype(self, which: str) -> torch.dtype | None:
         w = self.q_weight if which == "q" else self.k_weight
@@ -112,10 +98,7 @@ class QkNormCase:
             parts.append(f"eps{self.eps:g}")
         if self.cache_tokens is not None:
             parts.append(f"Tc{self.cache_tokens}")
-        parts += [self.kv_cache_dtype, self.layout.value, self.alloc.value]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
+        parts += self.cache_id_parts()
         if self.pos_dtype == torch.int32:
             parts.append("pos32")
         if self.slot_dtype == torch.int32:

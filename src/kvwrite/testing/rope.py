@@ -12,9 +12,8 @@ import itertools
 
 import torch
 
-from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
-from .build import flag_parts
+from .build import FlashWriteCase, flag_parts
 from .cases import Case, make_inputs
 
 __all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
@@ -22,10 +21,10 @@ __all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeCase:
-    num_tokens: int = 7            # T_rot = positions.numel()
+class RopeCase(FlashWriteCase):
+    """num_tokens: T_rot = positions.numel() (extra_rows: rows past T_rot); the cache write's
+    fields are reshape_and_cache_flash's Case's."""
     cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
-    extra_rows: int = 0            # rows past T_rot (CUDA-graph padding); never read
     num_q_heads: int = 8
     num_heads: int = 2             # KV heads
     head_size: int = 64
@@ -36,17 +35,7 @@ class RopeCase:
     max_position: int = 64
     bad_positions: int = 0         # positions outside [0, max_position)
     pos_dtype: torch.dtype = torch.int64
-    # The cache write (as reshape_and_cache_flash's Case).
-    block_size: int = 16
     num_blocks: int = 12
-    kv_cache_dtype: str = "auto"
-    layout: Layout = Layout.NHD
-    alloc: KVAlloc = KVAlloc.SEPARATE
-    per_head_scale: bool = False
-    fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # query, key and value as slices of one [T_pad, Hq + 2H, D] qkv tensor.
     fused_qkv: bool = False
     # 2-D inputs [T_pad, H * D].
@@ -74,10 +63,6 @@ class RopeCase:
         return self.num_tokens if self.cache_tokens is None else self.cache_tokens
 
     @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
-
-    @property
     def id(self) -> str:
         parts = [f"T{self.num_tokens}", f"Hq{self.num_q_heads}", f"H{self.num_heads}",
                  f"D{self.head_size}", f"rot{self.rot}", "neox" if self.is_neox else "gptj",
@@ -85,10 +70,7 @@ class RopeCase:
                  "cs" + str(self.cos_sin_dtype).removeprefix("torch.")]
         if self.cache_tokens is not None:
             parts.append(f"Tc{self.cache_tokens}")
-        parts += [self.kv_cache_dtype, self.layout.value, self.alloc.value]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
+        parts += self.cache_id_parts()
         if self.pos_dtype == torch.int32:
             parts.append("pos32")
         if self.slot_dtype == torch.int32:
