@@ -83,8 +83,9 @@ def _calls():
 
 @pytest.fixture(scope="module")
 def every_variant(tmp_path_factory):
-    """{op: (names, {name: SASS listing})}: every variant of each kernel compiled in one NVRTC
-    program for sm_90 (compiled once for the tests below)."""
+    """{op: (names, {name: SASS listing}, cubin size)}: every variant of each kernel compiled in
+    one NVRTC program for sm_90 (compiled once for the tests below; that each compiles, and how
+    many there are: the conformance suite, kvwrite.testing.providers)."""
     if nvrtc_reason() is not None:
         pytest.skip(nvrtc_reason())
     out = {}
@@ -101,18 +102,6 @@ def every_variant(tmp_path_factory):
                                  else obj.symbol_mapping[n]] for n in names}
         out[op] = (names, listings, len(bytes(obj.code)))
     return out
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("op", OPS)
-def test_nvrtc_compiles_every_variant_for_sm90(op, every_variant):
-    names, listings, size = every_variant[op]
-    assert size > 0 and len(set(names)) == len(names)
-    assert len(names) == {"gather_and_maybe_dequant_cache": 17, "cp_gather_cache": 20,
-                          "cp_gather_and_upconvert_fp8_kv_cache": 10, "gather_cache_flash": 17,
-                          "cp_gather_indexer_k_quant_cache": 15}[op]
-    if listings:
-        assert len(listings) == len(names)
 
 
 @needs_nvrtc

@@ -16,10 +16,10 @@ import torch
 
 from ..dtypes import parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
-from .build import FlashWriteCase, flag_parts
+from .build import flag_parts
 from .cases import Case, make_inputs
 from .compare import storage_bytes
-from .rope import cos_sin_table
+from .rope import RotaryWriteCase, cos_sin_table
 
 __all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "geometry",
            "differences", "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES",
@@ -30,26 +30,17 @@ SPECIALS = ("", "zeros", "nan", "inf", "huge", "tiny")
 
 
 @dataclasses.dataclass(frozen=True)
-class QkNormCase(FlashWriteCase):
-    """num_tokens: T_rot = position_ids.numel() (extra_rows: rows past T_rot); the cache write's
-    fields (the fused op only) are reshape_and_cache_flash's Case's."""
-    cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
+class QkNormCase(RotaryWriteCase):
+    """(T_rot = position_ids.numel(); the cache write: the fused op only.)"""
     num_q_heads: int = 4
     num_k_heads: int = 2
     num_v_heads: int | None = None   # None: num_k_heads
-    head_size: int = 64
-    rot_dim: int | None = None       # None: head_size
-    is_neox: bool = True
     dtype: torch.dtype = torch.float16
-    cos_sin_dtype: torch.dtype = torch.float32
     # The weights' dtypes: "same" (qkv's), a torch dtype, or None (no weight).
     q_weight: torch.dtype | str | None = "same"
     k_weight: torch.dtype | str | None = "same"
     weight_offset: float = 0.0
     eps: float = 1e-6
-    max_position: int = 64
-    bad_positions: int = 0
-    pos_dtype: torch.dtype = torch.int64
     # 2-D qkv [T_pad, (Hq+Hk+Hv)*D] instead of [T_pad, Hq+Hk+Hv, D].
     flat: bool = False
     # Extra columns after each token's heads (a token stride wider than the heads).
@@ -59,23 +50,14 @@ class QkNormCase(FlashWriteCase):
     head_pad: int = 0
     special: str = ""
     num_blocks: int = 8
-    rotate_key_in_place: bool = True
     # query_out: None, "same" (qkv's dtype), "fp8_e4m3" or "fp8_e5m2"; "spare": a region of
     # qkv's own allocation past the heads (qkv's dtype).
     query_out: str | None = None
     q_scale_per_head: bool = False
 
     @property
-    def rot(self) -> int:
-        return self.head_size if self.rot_dim is None else self.rot_dim
-
-    @property
     def num_values(self) -> int:
         return self.num_k_heads if self.num_v_heads is None else self.num_v_heads
-
-    @property
-    def num_cache_tokens(self) -> int:
-        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
 
     def weight_dtype(self, which: str) -> torch.dtype | None:
         w = self.q_weight if which == "q" else self.k_weight

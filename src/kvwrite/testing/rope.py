@@ -16,25 +16,38 @@ from ..layouts import KVAlloc, Layout
 from .build import FlashWriteCase, flag_parts
 from .cases import Case, make_inputs
 
-__all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
+__all__ = ["RotaryWriteCase", "RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
            "FUSED_CASES", "PADDED_ROPE_CASES", "PADDED_FUSED_CASES"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeCase(FlashWriteCase):
-    """num_tokens: T_rot = positions.numel() (extra_rows: rows past T_rot); the cache write's
-    fields are reshape_and_cache_flash's Case's."""
+class RotaryWriteCase(FlashWriteCase):
+    """The fields of a rotary embedding's case, then of its cache write (the fused ops':
+    reshape_and_cache_flash's Case's); num_tokens is T_rot = positions.numel() (extra_rows: rows
+    past T_rot)."""
     cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
-    num_q_heads: int = 8
-    num_heads: int = 2             # KV heads
     head_size: int = 64
     rot_dim: int | None = None     # None: head_size
     is_neox: bool = True
-    dtype: torch.dtype = torch.bfloat16
     cos_sin_dtype: torch.dtype = torch.float32
     max_position: int = 64
     bad_positions: int = 0         # positions outside [0, max_position)
     pos_dtype: torch.dtype = torch.int64
+    rotate_key_in_place: bool = True
+
+    @property
+    def rot(self) -> int:
+        return self.head_size if self.rot_dim is None else self.rot_dim
+
+    @property
+    def num_cache_tokens(self) -> int:
+        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeCase(RotaryWriteCase):
+    num_q_heads: int = 8
+    num_heads: int = 2             # KV heads
     num_blocks: int = 12
     # query, key and value as slices of one [T_pad, Hq + 2H, D] qkv tensor.
     fused_qkv: bool = False
@@ -42,7 +55,6 @@ class RopeCase(FlashWriteCase):
     flat: bool = False
     # rotary_embedding with key=None.
     no_key: bool = False
-    rotate_key_in_place: bool = True
     query_out: bool = False
     # Padded heads (3-D form only): elements after each head of query, key, value and query_out,
     # so each is a [..., :D] slice of rows of heads (D + pad) apart, as vLLM passes them; the
@@ -53,14 +65,6 @@ class RopeCase(FlashWriteCase):
     def __post_init__(self):
         if any(self.head_pad) and self.flat:
             raise ValueError("head_pad: the 2-D (flat) form has dense heads")
-
-    @property
-    def rot(self) -> int:
-        return self.head_size if self.rot_dim is None else self.rot_dim
-
-    @property
-    def num_cache_tokens(self) -> int:
-        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
 
     @property
     def id(self) -> str:

@@ -72,4 +72,5 @@ COMPILE_CASES = (Example("default", UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 
 
 PROVIDER = gather_provider(OP, make_upconvert_inputs, lambda inp, case: inp.args(), mutates=(1,),
                            names=("dst",), nan=slice(0, 512), wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=10)

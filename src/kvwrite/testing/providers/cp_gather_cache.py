@@ -59,4 +59,5 @@ COMPILE_CASES = (Example("auto", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv
 
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.cp_args(), mutates=(1,),
                            names=("dst",), nan=False, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=20)

@@ -80,4 +80,5 @@ COMPILE_CASES = (Example("default", IndexerCase(seqs=Seqs(starts=None))),)
 
 PROVIDER = gather_provider(OP, make_indexer_inputs, lambda inp, case: inp.args(), mutates=(1, 2),
                            names=("dst_k", "dst_scale"), nan=False, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=15)

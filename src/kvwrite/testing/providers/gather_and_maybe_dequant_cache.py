@@ -89,4 +89,5 @@ COMPILE_CASES = (Example("fp8", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_
 
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.dequant_args(case), mutates=(1,),
                            names=("dst",), nan=None, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=17)

@@ -77,4 +77,5 @@ COMPILE_CASES = (Example("fp8-per-head", FlashCase(seqs=Seqs(starts=(1, 2, 3, 4,
 
 PROVIDER = gather_provider(OP, make_flash_inputs, lambda inp, case: inp.args(case), mutates=(2, 3),
                            names=("key_out", "value_out"), nan=None, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=17)

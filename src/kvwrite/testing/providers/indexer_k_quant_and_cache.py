@@ -9,7 +9,7 @@ import kvwrite
 from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
 from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..indexer import IndexerCase, assert_indexer_caches_equal, clone_cache, make_indexer_inputs
 
 
@@ -174,13 +174,6 @@ BAD = tuple(BadInput(*b) for b in [
 
 # --- CUDA graphs, torch.compile, NVRTC ---------------------------------------------------------------
 
-def _compile_variants() -> None:
-    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
-
-
 PROVIDER = Provider(
     op=OP,
     call=kvwrite.indexer_k_quant_and_cache,
@@ -196,5 +189,5 @@ PROVIDER = Provider(
     compile_cases=(Example("ue8m0", IndexerCase(num_tokens=9, padding_slots=2, k_pad=8)),),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    compile_variants=_compile_variants,
+    compile_variants=compile_every_variant("kvwrite.ops.indexer_k_quant_and_cache", 56),
 )

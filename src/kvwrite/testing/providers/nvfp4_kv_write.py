@@ -14,7 +14,7 @@ import kvwrite
 from kvwrite.ops.nvfp4 import OP, ScaleLayout
 from kvwrite.ops.nvfp4 import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..nvfp4 import Nvfp4Case, assert_storages_equal, make_nvfp4_inputs
 
 
@@ -267,4 +267,7 @@ PROVIDER = Provider(
                                    padding_slots=2))),
     wrong_writers=WRONG,
     bad_inputs=BAD,
+    # nvfp4_kernel by dtype x MODE x slot type x rule (28), nvfp4_small_kernel by dtype x slot
+    # type x 4 or 8 elements a thread (12).
+    compile_variants=compile_every_variant("kvwrite.ops.nvfp4", 40),
 )
