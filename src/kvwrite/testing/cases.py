@@ -17,7 +17,7 @@ import torch
 from ..dtypes import FP8_MAX, CacheDType
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
 from .build import FlashWriteCase, fill_random_bytes, flag_parts, make_slot_mapping
-from .compare import storage_bytes
+from .compare import copy_allocations
 from .slots import SlotPattern
 
 __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
@@ -114,14 +114,6 @@ class Inputs:
     def args(self) -> tuple:
         return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
                 self.kv_cache_dtype, self.k_scale, self.v_scale)
-
-
-def _rebuild(storages: dict[int, torch.Tensor], t: torch.Tensor, copy) -> torch.Tensor:
-    """`t`'s view over copy(its allocation); allocations shared by several tensors are copied once."""
-    key = t.untyped_storage().data_ptr()
-    if key not in storages:
-        storages[key] = copy(storage_bytes(t))
-    return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def special_values(cache_dtype: CacheDType) -> list[float]:
@@ -240,9 +232,8 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     else:
         k_scale = v_scale = torch.ones(1)
 
-    storages: dict[int, torch.Tensor] = {}
-    moved = [_rebuild(storages, t, lambda b: b.to(device))
-             for t in (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)]
+    moved = copy_allocations((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+                             device, copy=False)
     return Inputs(*moved[:5], case.kv_cache_dtype, *moved[5:])
 
 
@@ -250,10 +241,8 @@ def clone_caches(inp: Inputs, device: str | torch.device | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of both caches (on `device`, default theirs) with their whole allocations, so bytes
     outside the logical views and the sharing of one allocation by K and V are kept."""
-    storages: dict[int, torch.Tensor] = {}
-    device = inp.key_cache.device if device is None else device
-    return (_rebuild(storages, inp.key_cache, lambda b: b.to(device, copy=True)),
-            _rebuild(storages, inp.value_cache, lambda b: b.to(device, copy=True)))
+    key_cache, value_cache = copy_allocations((inp.key_cache, inp.value_cache), device)
+    return key_cache, value_cache
 
 
 def _matrix() -> list[Case]:

@@ -21,7 +21,7 @@ from ..ops.indexer_k_quant_and_cache.op import (
     parse_scale_fmt,
 )
 from .build import WriteCase, flag_parts, make_slot_mapping
-from .compare import differing_bytes, nan_mask, storage_bytes
+from .compare import copy_allocations, differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["IndexerCase", "IndexerInputs", "INDEXER_CASES", "INDEXER_GPU_CASES",
            "make_indexer_inputs", "clone_cache", "assert_indexer_caches_equal",
@@ -168,22 +168,13 @@ def make_indexer_inputs(case: IndexerCase, device: str | torch.device = "cpu",
                          generator=gen)
     kv_cache = base.as_strided((case.num_blocks, bs, E), (page, E, 1), case.cache_offset)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in moved:
-            moved[key] = storage_bytes(t).to(device)
-        return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return IndexerInputs(move(k), move(kv_cache), move(slot_mapping), q, case.scale_fmt)
+    k, kv_cache, slot_mapping = copy_allocations((k, kv_cache, slot_mapping), device, copy=False)
+    return IndexerInputs(k, kv_cache, slot_mapping, q, case.scale_fmt)
 
 
 def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
     """A copy of ``cache`` (on ``device``, default its own) with its whole allocation."""
-    device = cache.device if device is None else device
-    copy = storage_bytes(cache).to(device, copy=True)
-    return copy.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+    return copy_allocations([cache], device)[0]
 
 
 def _code_region(cache: torch.Tensor, head_dim: int) -> torch.Tensor:

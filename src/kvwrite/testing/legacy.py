@@ -135,16 +135,8 @@ def clone_caches(inp: LegacyInputs, device: str | torch.device | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of both caches (on ``device``, default theirs) with their whole allocations (one
     copy where K and V share one)."""
-    device = inp.key_cache.device if device is None else device
-    copies: dict[int, torch.Tensor] = {}
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        k = t.untyped_storage().data_ptr()
-        if k not in copies:
-            copies[k] = storage_bytes(t).to(device, copy=True)
-        return copies[k].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return copy(inp.key_cache), copy(inp.value_cache)
+    key_cache, value_cache = copy_allocations((inp.key_cache, inp.value_cache), device)
+    return key_cache, value_cache
 
 
 def _where(cache: torch.Tensor, elem: int) -> str:

@@ -22,7 +22,7 @@ from ..ops.concat_and_cache_mla.op import (
 )
 from .build import WriteCase, flag_parts, make_slot_mapping
 from .cases import reciprocal_traps
-from .compare import differing_bytes, nan_mask, storage_bytes
+from .compare import copy_allocations, differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache",
            "assert_mla_caches_equal", "mla_differing_bytes", "every_16_bit_pattern_tiles",
@@ -226,23 +226,15 @@ def make_mla_inputs(case: MlaCase, device: str | torch.device = "cpu", seed: int
     kv_cache = base[:, :, case.cache_offset:case.cache_offset + E]
     scale = torch.tensor([case.scale], dtype=torch.float32)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in moved:
-            moved[key] = storage_bytes(t).to(device)
-        return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return MlaInputs(move(kv_c), move(k_pe), move(kv_cache), move(slot_mapping),
-                     case.kv_cache_dtype, move(scale), case.ds_mla_scale)
+    kv_c, k_pe, kv_cache, slot_mapping, scale = copy_allocations(
+        (kv_c, k_pe, kv_cache, slot_mapping, scale), device, copy=False)
+    return MlaInputs(kv_c, k_pe, kv_cache, slot_mapping, case.kv_cache_dtype, scale,
+                     case.ds_mla_scale)
 
 
 def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
     """A copy of ``cache`` (on ``device``, default its own) with its whole allocation."""
-    device = cache.device if device is None else device
-    copy = storage_bytes(cache).to(device, copy=True)
-    return copy.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+    return copy_allocations([cache], device)[0]
 
 
 def _code_region(cache: torch.Tensor, mode: MlaMode) -> torch.Tensor:

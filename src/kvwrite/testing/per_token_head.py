@@ -24,7 +24,7 @@ from ..ops.reshape_and_cache_flash_per_token_head_quant.op import (
     parse_kv_quant_mode,
 )
 from .build import WriteCase, flag_parts, make_slot_mapping
-from .compare import storage_bytes
+from .compare import copy_allocations, storage_bytes
 
 __all__ = ["PthCase", "PthInputs", "PTH_CASES", "PTH_GPU_CASES", "make_pth_inputs",
            "clone_pth_caches", "pth_differing_bytes", "assert_pth_caches_equal",
@@ -359,30 +359,14 @@ def make_pth_inputs(case: PthCase, device: str | torch.device = "cpu", seed: int
                                      case.padding_slots, case.out_of_range_slots,
                                      case.slot_dtype, gen)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key_ = t.untyped_storage().data_ptr()
-        if key_ not in moved:
-            moved[key_] = storage_bytes(t).to(device)
-        return moved[key_].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return PthInputs(move(key), move(value), *(move(c) for c in caches), move(slot_mapping),
+    return PthInputs(*copy_allocations((key, value, *caches, slot_mapping), device, copy=False),
                      _mode_arg(case))
 
 
 def clone_pth_caches(caches, device: str | torch.device | None = None) -> tuple:
     """Copies of the four cache tensors (on ``device``, default their own) with their whole
     allocations, tensors that shared an allocation sharing the copy."""
-    copies = {}
-    out = []
-    for c in caches:
-        dev = c.device if device is None else device
-        k = c.untyped_storage().data_ptr()
-        if k not in copies:
-            copies[k] = storage_bytes(c).to(dev, copy=True)
-        out.append(copies[k].view(c.dtype).as_strided(c.shape, c.stride(), c.storage_offset()))
-    return tuple(out)
+    return tuple(copy_allocations(caches, device))
 
 
 # --- comparison --------------------------------------------------------------------------------
