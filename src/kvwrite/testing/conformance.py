@@ -20,7 +20,7 @@ from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
            "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged", "run_reference",
-           "bad_inputs", "compile_every_variant"]
+           "bad_inputs", "replaced", "compile_every_variant"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,19 @@ def bad_inputs(table, valid_args: Callable[[], dict]) -> tuple[BadInput, ...]:
             return (), {**args, **change(args)}
         return call
     return tuple(BadInput(name, make(change), exc, text) for name, change, exc, text in table)
+
+
+def replaced(valid_args: Callable[[], dict], changes: dict[str, Callable[[dict], Any]]
+             ) -> Callable[[], tuple[tuple, dict]]:
+    """A :class:`BadInput`'s ``make``: the valid call's keyword arguments (``valid_args()``, new
+    tensors each time) with ``change(args)`` in place of each argument that ``changes`` names, in
+    its order."""
+    def make():
+        args = valid_args()
+        for name, change in changes.items():
+            args[name] = change(args)
+        return (), args
+    return make
 
 
 def compile_every_variant(op_package: str, count: int) -> Callable[[], None]:

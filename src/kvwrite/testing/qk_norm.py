@@ -78,13 +78,7 @@ class QkNormCase(RotaryWriteCase):
             parts.append(f"off{self.weight_offset:g}")
         if self.eps != 1e-6:
             parts.append(f"eps{self.eps:g}")
-        if self.cache_tokens is not None:
-            parts.append(f"Tc{self.cache_tokens}")
-        parts += self.cache_id_parts()
-        if self.pos_dtype == torch.int32:
-            parts.append("pos32")
-        if self.slot_dtype == torch.int32:
-            parts.append("slot32")
+        parts += self.write_id_parts()
         if self.query_out:
             parts.append("qout-" + self.query_out + ("-perhead" if self.q_scale_per_head else ""))
         flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),

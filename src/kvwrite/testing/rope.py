@@ -43,6 +43,17 @@ class RotaryWriteCase(FlashWriteCase):
     def num_cache_tokens(self) -> int:
         return self.num_tokens if self.cache_tokens is None else self.cache_tokens
 
+    def write_id_parts(self) -> list[str]:
+        """The case id's parts of the cache write: its tokens, the cache, the positions' and the
+        slots' dtypes."""
+        parts = [] if self.cache_tokens is None else [f"Tc{self.cache_tokens}"]
+        parts += self.cache_id_parts()
+        if self.pos_dtype == torch.int32:
+            parts.append("pos32")
+        if self.slot_dtype == torch.int32:
+            parts.append("slot32")
+        return parts
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeCase(RotaryWriteCase):
@@ -72,13 +83,7 @@ class RopeCase(RotaryWriteCase):
                  f"D{self.head_size}", f"rot{self.rot}", "neox" if self.is_neox else "gptj",
                  str(self.dtype).removeprefix("torch."),
                  "cs" + str(self.cos_sin_dtype).removeprefix("torch.")]
-        if self.cache_tokens is not None:
-            parts.append(f"Tc{self.cache_tokens}")
-        parts += self.cache_id_parts()
-        if self.pos_dtype == torch.int32:
-            parts.append("pos32")
-        if self.slot_dtype == torch.int32:
-            parts.append("slot32")
+        parts += self.write_id_parts()
         flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
                  (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
                  (self.fused_qkv, "qkv"), (self.flat, "flat"), (self.no_key, "nokey"),
