@@ -19,8 +19,8 @@ from .. import registry
 from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
-           "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged", "run_reference",
-           "bad_inputs", "replaced", "compile_every_variant"]
+           "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged",
+           "run_reference", "bad_inputs", "replaced", "compile_every_variant"]
 
 
 @dataclasses.dataclass(frozen=True)

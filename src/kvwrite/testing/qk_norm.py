@@ -19,7 +19,7 @@ from ..layouts import KVAlloc, Layout
 from .build import flag_parts
 from .cases import Case, make_inputs
 from .compare import storage_bytes
-from .rope import RotaryWriteCase, cos_sin_table
+from .rope import RotaryWriteCase, cos_sin_table, draw_positions
 
 __all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "geometry",
            "differences", "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES",
@@ -248,13 +248,7 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
         q_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.02
     q_weight, k_weight = _weight(case, "q", gen), _weight(case, "k", gen)
 
-    pos = torch.randint(0, case.max_position, (T,), generator=gen)
-    if case.bad_positions:
-        where = torch.randperm(T, generator=gen)[:case.bad_positions]
-        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
-        for i, w in enumerate(where.tolist()):
-            pos[w] = bad[i % len(bad)]
-    positions = pos.to(case.pos_dtype)
+    positions = draw_positions(case, T, gen)
     cos_sin = _table(case.max_position, case.rot, case.cos_sin_dtype).clone()
 
     # The caches, slots and scales from the cache write's model (its key and value unused), with

@@ -16,8 +16,9 @@ from ..layouts import KVAlloc, Layout
 from .build import FlashWriteCase, flag_parts
 from .cases import Case, make_inputs
 
-__all__ = ["RotaryWriteCase", "RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
-           "FUSED_CASES", "PADDED_ROPE_CASES", "PADDED_FUSED_CASES"]
+__all__ = ["RotaryWriteCase", "RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table",
+           "draw_positions", "ROPE_CASES", "FUSED_CASES", "PADDED_ROPE_CASES",
+           "PADDED_FUSED_CASES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,18 @@ def cos_sin_table(max_position: int, rot_dim: int, dtype: torch.dtype = torch.fl
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype).to(device).contiguous()
 
 
+def draw_positions(case: RotaryWriteCase, num: int, gen: torch.Generator) -> torch.Tensor:
+    """``num`` random positions in ``[0, max_position)`` of the case's dtype, ``bad_positions``
+    of them (at random indices) out of range: -1, max_position, the int32 extremes, ..."""
+    pos = torch.randint(0, case.max_position, (num,), generator=gen)
+    if case.bad_positions:
+        where = torch.randperm(num, generator=gen)[:case.bad_positions]
+        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
+        for i, w in enumerate(where.tolist()):
+            pos[w] = bad[i % len(bad)]
+    return pos.to(case.pos_dtype)
+
+
 def _heads(t: torch.Tensor, flat: bool) -> torch.Tensor:
     return t.flatten(1) if flat else t
 
@@ -208,13 +221,7 @@ def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
         if query_out is not None:
             query_out = _padded([query_out], [po], pad_gen)[0]
 
-    pos = torch.randint(0, case.max_position, (T,), generator=gen)
-    if case.bad_positions:
-        where = torch.randperm(T, generator=gen)[:case.bad_positions]
-        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
-        for i, w in enumerate(where.tolist()):
-            pos[w] = bad[i % len(bad)]
-    positions = pos.to(case.pos_dtype)
+    positions = draw_positions(case, T, gen)
     cos_sin = cos_sin_table(case.max_position, case.rot, case.cos_sin_dtype)
 
     def dev(t):

@@ -241,5 +241,6 @@ PROVIDER = Provider(
                    Example(INT4, _compile_case(INT4))),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_flash_per_token_head_quant", 132),
+    compile_variants=compile_every_variant(
+        "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant", 132),
 )
