@@ -36,6 +36,38 @@ def build_host_lib(tmp_path_factory, harness: str, name: str, what: str,
     return ctypes.CDLL(str(lib))
 
 
+def run_c(tmp_path, name: str, source: str) -> str:
+    """What the C program ``source`` prints, built for the host (``-ffp-contract=off``: x * y
+    stays a rounded product; fmaf is the C library's exact fma). Skips where there is no host C
+    compiler."""
+    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no host C compiler (gcc, cc or clang) to build the check")
+    (tmp_path / f"{name}.c").write_text(source)
+    exe = tmp_path / name
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / f"{name}.c"),
+                    "-o", str(exe), "-lm"], check=True)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+# The start of a C check of the reciprocal: float32 <-> bits (f, u), and rcp_rn_s2_steps(b, r),
+# what kvw/fp8.cuh's rcp_rn_s2 computes from the hardware's approximation r of 1/b.
+RCP_RN_S2_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
+static float rcp_rn_s2_steps(float b, float r) {
+  r = fmaf(r, fmaf(-b, r, 1.0f), r);
+  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
+  uint32_t bb = u(b);
+  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
+}
+"""
+
+
 def run_triton_script(script: str, env_defaults: dict[str, str] | None = None):
     """The JSON that the last output line of ``script`` holds, run by a fresh Python outside
     Triton's interpreter (TRITON_INTERPRET unset; this checkout's src first on the path; the

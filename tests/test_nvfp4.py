@@ -19,15 +19,13 @@ import importlib
 import importlib.resources
 import math
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 import kvwrite
-from host import build_host_lib, run_triton_script
+from host import RCP_RN_S2_C, build_host_lib, run_c, run_triton_script
 from kvwrite import registry
 from kvwrite.dtypes import CacheDType, parse_kv_cache_dtype
 from kvwrite.ops.nvfp4 import OP, ScaleLayout, page_bytes
@@ -437,25 +435,13 @@ def test_host_amax16_equals_the_float_amax(host_lib):
 # device's rcp_rn_s2 arithmetic applied to d itself, from every approximation within 4 ulp of
 # 1/d, on every binade of d in [2^-109, 2^109) (every 997th significand, the all-ones one and
 # 1.0), against the host's 1.0f / d (IEEE RN).
-_RCP_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
-static float steps(float b, float r) {  /* kvw/fp8.cuh rcp_rn_s2 after the approximation */
-  r = fmaf(r, fmaf(-b, r, 1.0f), r);
-  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
-  uint32_t bb = u(b);
-  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
-}
+_RCP_C = RCP_RN_S2_C + r"""
 static long n, bad, raw_bad;
 static void check(float d) {
   const float want = 1.0f / d;
   for (int k = -4; k <= 4; ++k) {
     const float r0 = f(u(want) + k);
-    bad += u(steps(d, r0)) != u(want);
+    bad += u(rcp_rn_s2_steps(d, r0)) != u(want);
     const float r = fmaf(r0, fmaf(-d, r0, 1.0f), r0);
     raw_bad += u(fmaf(r, fmaf(-d, r, 1.0f), r)) != u(want);
     ++n;
@@ -476,15 +462,7 @@ def test_reciprocal_steps_on_every_binade_of_d(tmp_path):
     """nvfp4_rcp_rn applies rcp_rn_s2's steps to d itself: RN(1/d) from every approximation
     within 4 ulp on every binade d can take; without the all-ones fix the steps miss (so the
     check can fail)."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    (tmp_path / "rcp.c").write_text(_RCP_C)
-    exe = tmp_path / "rcp"
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / "rcp.c"),
-                    "-o", str(exe), "-lm"], check=True)
-    n, bad, raw_bad = (int(v) for v in subprocess.run(
-        [str(exe)], check=True, capture_output=True, text=True).stdout.split())
+    n, bad, raw_bad = (int(v) for v in run_c(tmp_path, "rcp", _RCP_C).split())
     assert n == 9 * 218 * (-(-(2**23) // 997) + 1)
     assert bad == 0
     assert raw_bad > 0
