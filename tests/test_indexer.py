@@ -38,7 +38,7 @@ from kvwrite.testing.indexer import (
     make_indexer_inputs,
     pow2_boundary_amaxes,
 )
-from oracle import fp8_round
+from oracle import cache_slots, fp8_round
 from params import DEVICES, impl_names
 from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
@@ -89,11 +89,7 @@ def indexer_oracle(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt) 
     mxfp8 = scale_fmt == "mxfp8"
     ue8m0 = scale_fmt == "ue8m0" or mxfp8
     mem = storage_bytes(kv_cache)
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         page = kv_cache.storage_offset() + b * kv_cache.stride(0)
         x = k[t].float().numpy().astype(np.float32)
         for g in range(g_count):

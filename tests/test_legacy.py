@@ -30,7 +30,7 @@ from kvwrite.testing.legacy import (
     clone_caches,
     make_legacy_inputs,
 )
-from oracle import _convert_row
+from oracle import _convert_row, cache_slots
 from params import DEVICES, impl_names
 from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
@@ -48,11 +48,7 @@ def legacy_oracle(key, value, key_cache, value_cache, slot_mapping, cache_dtype:
     ks, vs = key_cache.stride(), value_cache.stride()
     kflat = storage_bytes(key_cache).view(key_cache.dtype)
     vflat = storage_bytes(value_cache).view(value_cache.dtype)
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         for h in range(num_heads):
             k_at = (key_cache.storage_offset() + b * ks[0] + h * ks[1] + (d // x) * ks[2]
                     + o * ks[3] + (d % x) * ks[4])

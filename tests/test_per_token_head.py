@@ -45,7 +45,7 @@ from kvwrite.testing.per_token_head import (
     roundtrip_error,
     special_rows,
 )
-from oracle import fp8_round
+from oracle import cache_slots, fp8_round
 from params import impl_names
 from sass import needs_nvrtc
 
@@ -137,11 +137,7 @@ def pth_oracle(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
                mode: str) -> None:
     """Writes into CPU caches, one (token, head, K or V) row at a time."""
     nb, bs, num_heads, _ = key_cache.shape
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         for src, cache, scales in ((key, key_cache, k_scale_cache),
                                    (value, value_cache, v_scale_cache)):
             for h in range(num_heads):
