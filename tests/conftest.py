@@ -148,3 +148,22 @@ def no_bench_work(monkeypatch):
 
     monkeypatch.setattr(engine, "sweep", worked)
     monkeypatch.setattr(engine, "measure_env", worked)
+
+
+@pytest.fixture
+def ctrl_c_at_third_measurement(monkeypatch) -> list:
+    """The benchmark engine's measurements, with a KeyboardInterrupt (as Ctrl-C) in place of the
+    third; returns the list that counts those started (extend it to bring the interrupt nearer)."""
+    from kvwrite.bench import engine
+
+    real = engine._measure
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_measure", measure)
+    return calls

@@ -43,18 +43,34 @@ def _convert_row(row: torch.Tensor, cache_dtype: CacheDType, scale: float | None
     return codes if out_dtype == torch.uint8 else codes.view(cache_dtype.fp8_dtype)
 
 
+def cache_slots(slot_mapping, num_blocks: int, block_size: int):
+    """(token, block, offset) of each token whose slot is in the cache, in token order; padding
+    (negative) and out-of-range slots write nothing."""
+    for t in range(slot_mapping.numel()):
+        slot = int(slot_mapping[t])
+        if 0 <= slot < num_blocks * block_size:
+            yield t, *divmod(slot, block_size)
+
+
 def oracle(key, value, key_cache, value_cache, slot_mapping, cache_dtype: CacheDType,
            k_scale, v_scale) -> None:
     """Writes into CPU caches, one token and head at a time."""
     num_blocks, block_size, num_heads, _ = key_cache.shape
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= num_blocks * block_size:
-            continue
-        b, o = divmod(slot, block_size)
+    for t, b, o in cache_slots(slot_mapping, num_blocks, block_size):
         for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
             for h in range(num_heads):
                 s = None
                 if cache_dtype.is_fp8:
                     s = float(scale[h] if scale.numel() > 1 else scale[0])
                 cache[b, o, h] = _convert_row(src[t, h], cache_dtype, s, cache.dtype)
+
+
+def oracle_valid_tokens(key, value, inp, valid, cache_dtype: CacheDType) -> None:
+    """:func:`oracle` into ``inp``'s caches (its slots and scales) for the tokens ``t`` with
+    ``valid[t]``; the others (a position out of range) write nothing, as a padding slot."""
+    slots = inp.slot_mapping.clone()
+    for t in range(slots.numel()):
+        if not valid[t]:
+            slots[t] = -1
+    oracle(key, value, inp.key_cache, inp.value_cache, slots, cache_dtype, inp.k_scale,
+           inp.v_scale)

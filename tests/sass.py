@@ -155,6 +155,86 @@ def round_window(sass: str, is_row_load, is_store=lambda text: text.startswith("
     return issued, issued if before is None else before, waits
 
 
+def param_reads(sass: str) -> set[int]:
+    """The offsets of constant bank 0 that a SASS listing reads (sm_90 kernels find their
+    parameters there from 0x210 on, 8 bytes a pointer or int64)."""
+    return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
+
+
+def compiled_param_reads(compile_kernel, name: str, fixed, tmp_path) -> set[int]:
+    """:func:`param_reads` of the sm_90 build ``compile_kernel("sm_90", name, fixed=fixed)`` (an
+    op's cuda_impl.compile_kernel; ``fixed=None``: the generic build)."""
+    obj, _ = compile_kernel("sm_90", name, fixed=fixed)
+    return param_reads(dump_sass(bytes(obj.code), tmp_path))
+
+
+def source_param_reads(source, name: str, fixed, tmp_path) -> set[int]:
+    """:func:`param_reads` of the sm_90 build of ``name`` from ``source`` (an op's KernelSource)
+    with the fixed arguments ``fixed`` compiled in (None: the generic build)."""
+    from kvwrite.kernels import nvrtc
+    obj, _ = source.compile("sm_90", name, macros=nvrtc.fixed_args_macros(fixed))
+    return param_reads(dump_sass(bytes(obj.code), tmp_path))
+
+
+def assert_source_fixed_args_compiled_in(source, name: str, fixed, leading: int,
+                                         tmp_path) -> set[int]:
+    """:func:`assert_fixed_args_compiled_in` for kernel ``name`` of ``source`` (an op's
+    KernelSource) whose fixed arguments ``fixed`` follow its first ``leading`` parameters (8
+    bytes each, from 0x210 on); returns the offsets the specialized build reads."""
+    generic, special = (source_param_reads(source, name, f, tmp_path) for f in (None, fixed))
+    first = 0x210 + 8 * leading
+    assert_fixed_args_compiled_in(generic, special, first, first + 8 * len(fixed), name)
+    return special
+
+
+def assert_fixed_args_compiled_in(generic: set[int], special: set[int], first: int, end: int,
+                                  what=None) -> None:
+    """The generic build reads a fixed argument (a parameter at [first, end): so the check can
+    fail), the build with the fixed arguments compiled in reads none of them."""
+    assert any(first <= o < end for o in generic), (what, sorted(map(hex, generic)))
+    assert not any(first <= o < end for o in special), (what, sorted(map(hex, special)))
+
+
+def assert_specialized_builds_read_no_fixed_argument(compile_kernel, builds, first: int, end: int,
+                                                     count: int, tmp_path) -> None:
+    """For each (what, kernel name, fixed arguments) of ``builds``: the generic sm_90 build of
+    ``compile_kernel`` (an op's cuda_impl.compile_kernel) reads a fixed argument (at [first,
+    end)), the specialized one none; a build given other than ``count`` fixed values is refused
+    (by the compiler, saying how many it takes)."""
+    for what, name, fixed in builds:
+        generic, special = (compiled_param_reads(compile_kernel, name, f, tmp_path)
+                            for f in (None, fixed))
+        assert_fixed_args_compiled_in(generic, special, first, end, what)
+    with pytest.raises(RuntimeError, match=f"{count} values"):
+        compile_kernel("sm_90", name, fixed=(1, 2, 3))
+
+
+def kernel_params(obj, name: str) -> str:
+    """The parameter types of kernel ``name`` of a compiled program, from its mangled name: what
+    follows the template arguments and the void return (``x``: an int64)."""
+    mangled = obj.symbol_mapping[name]
+    mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
+    return mangled.split("Ev", 1)[1]
+
+
+def assert_waits_first(funcs: dict[str, list[str]], trigger: bool = True,
+                       memory_ops: tuple[str, ...] = MEMORY_OPS) -> None:
+    """Each PDL build of ``funcs`` (opcodes by function, :func:`functions`) waits for the kernel
+    before it (ACQBULK) before its first access of ``memory_ops``; with ``trigger`` it lets the
+    next kernel start (PREEXIT) before that access too, without it has no trigger at all."""
+    for name, ops in funcs.items():
+        first = next(i for i, o in enumerate(ops) if o.startswith(memory_ops))
+        if trigger:
+            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+        else:
+            assert "ACQBULK" in ops[:first] and "PREEXIT" not in ops, (name, ops[:40])
+
+
+def assert_no_pdl(sass: str) -> None:
+    """A plain (not PDL) build neither waits (ACQBULK) nor triggers (PREEXIT)."""
+    assert "ACQBULK" not in sass and "PREEXIT" not in sass
+
+
 def assert_pdl_builds_wait_first(source, names, tmp_path) -> None:
     """The PDL build (nvrtc.PDL_MACRO) of each of ``names`` triggers the next kernel (PREEXIT)
     and waits for the previous one (ACQBULK) before its first global access; the plain build of
@@ -164,9 +244,6 @@ def assert_pdl_builds_wait_first(source, names, tmp_path) -> None:
     pdl, _ = source.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
     funcs = functions(dump_sass(bytes(pdl.code), tmp_path))
     assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    assert_waits_first(funcs)
     plain, _ = source.compile("sm_90", names[:4])
-    text = dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    assert_no_pdl(dump_sass(bytes(plain.code), tmp_path))

@@ -459,17 +459,9 @@ def test_plot_out_path_and_a_file_that_is_not_json_are_named(capsys, tmp_path):
     assert "--out: the folder" in capsys.readouterr().err
 
 
-def test_ctrl_c_prints_and_writes_what_was_measured(monkeypatch, capsys, tmp_path):
-    real = engine._measure
-    calls = []
-
-    def measure(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_measure", measure)
+def test_ctrl_c_prints_and_writes_what_was_measured(ctrl_c_at_third_measurement, capsys,
+                                                    tmp_path):
+    calls = ctrl_c_at_third_measurement
     js, cs = tmp_path / "r.json", tmp_path / "r.csv"
     argv = [*CPU_TINY, "--json", str(js), "--csv", str(cs)]  # 2 layouts x 2 token counts
     assert main(argv) == 130

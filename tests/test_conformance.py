@@ -70,6 +70,17 @@ def test_every_registered_op_has_a_provider():
     assert [p.op for p in PROVIDERS] == registry.ops()
 
 
+@pytest.mark.parametrize("p", PROVIDERS, ids=lambda p: p.op)
+def test_every_op_registers_its_three_implementations(p):
+    """kvwrite's own implementations of the op (peers, ``ops/<op>/peers/``, aside): the CUDA
+    kernel, Triton's and the torch reference, in that order of preference; the CUDA kernel
+    says it runs on CUDA devices only."""
+    own = [i.name for i in registry.all_impls(p.op) if ".peers." not in i.module]
+    assert own == ["cuda", "triton", "torch"]
+    assert {s.name for s in registry.implementations("cpu", p.op)} >= set(own)
+    assert "CUDA devices only" in registry.get(p.op, "cuda").available("cpu")
+
+
 # --- bytes against the reference -----------------------------------------------------------------
 
 @pytest.mark.parametrize("p, ex, impl, device", _params("byte_cases"))

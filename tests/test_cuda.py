@@ -12,8 +12,6 @@ import ctypes
 import dataclasses
 import importlib.resources
 import re
-import shutil
-import subprocess
 import threading
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 
 import kvwrite
 import sass as sass_tools
+from host import build_host_lib
 from kvwrite.dtypes import FP8_MAX, CacheDType
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl
@@ -98,9 +97,7 @@ def test_compile_kernel_signature_matches_the_launch_arguments():
     kc, vc = allocate_kv_cache(4, 16, 8, 128, torch.bfloat16, device="cpu")
     p = cuda_impl.plan(key, key, kc, vc, torch.zeros(4, dtype=torch.int32), CacheDType.AUTO)
     obj, _ = cuda_impl.compile_kernel("sm_90", p.name)
-    mangled = obj.symbol_mapping[p.name]
-    mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
-    params = mangled.split("Ev", 1)[1]  # after the template arguments and the void return
+    params = sass_tools.kernel_params(obj, p.name)
     # 4 byte pointers (PKh S1_ Ph S2_), the int slots (PKi / PKT2_), 2 float pointers, int64s.
     assert re.fullmatch(r"PKhS1_PhS2_PKT2_PKfS7_(x+)", params), params
     num_int64 = len(re.fullmatch(r".*?(x+)", params).group(1))
@@ -177,8 +174,7 @@ def _h8_call(cache_dtype: CacheDType, layout: Layout, tokens: int):
 
 
 def _param_bank_reads(tmp_path, name: str, fixed) -> set[int]:
-    sass = _sass(tmp_path, name, fixed)
-    return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
+    return sass_tools.param_reads(_sass(tmp_path, name, fixed))
 
 
 @needs_nvrtc
@@ -194,8 +190,7 @@ def test_compile_specialized_build_reads_no_fixed_argument(tmp_path, cache_dtype
     first, end = 0x210 + 8 * 10, 0x210 + 8 * (10 + len(fixed))
     generic = _param_bank_reads(tmp_path, p.name, None)
     special = _param_bank_reads(tmp_path, p.name, fixed)
-    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
-    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    sass_tools.assert_fixed_args_compiled_in(generic, special, first, end)
     assert 0x210 in special and 0x248 in special  # the key pointer and num_tokens still are
 
 
@@ -376,18 +371,7 @@ void kvw_fp8_quantize(int fmt, int steps, const float* x, float s, unsigned char
 
 @pytest.fixture(scope="module")
 def host_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the conversion harness")
-    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    d = tmp_path_factory.mktemp("fp8host")
-    (d / "harness.cpp").write_text(_HARNESS)
-    lib = d / "libkvwfp8.so"
-    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f"-I{include}", str(d / "harness.cpp"), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
+    so = build_host_lib(tmp_path_factory, _HARNESS, "kvwfp8", "conversion harness")
     so.kvw_fp8_quantize.restype = None
     return so
 

@@ -361,16 +361,22 @@ def test_plot_marks_skipped_points_draws_the_band_and_plain_ticks(monkeypatch):
     assert labels and not any("e" in t or "\\times" in t or "^" in t for t in labels), labels
 
 
+def _python(code: str) -> str:
+    """What ``code`` prints, run by a fresh Python that imports this checkout's kvwrite."""
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_cli_imports_no_op_and_no_engine_until_a_subcommand_runs():
     """What makes --help and --version quick and Ctrl-C during start-up one line: importing the
     command line imports no op's benchmark and not the engine."""
     code = ("import sys, kvwrite.bench.cli as c; "
             "print(sorted(m for m in sys.modules if m.startswith('kvwrite.bench.') or "
             "m.endswith('.bench')))")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['kvwrite.bench', 'kvwrite.bench.cli']", done.stdout
+    out = _python(code)
+    assert out.strip() == "['kvwrite.bench', 'kvwrite.bench.cli']", out
 
 
 def test_importing_the_command_line_imports_no_torch_and_version_needs_none():
@@ -380,10 +386,8 @@ def test_importing_the_command_line_imports_no_torch_and_version_needs_none():
     code = ("import sys, kvwrite, kvwrite.bench.cli as c; t0 = 'torch' in sys.modules; "
             "rc = c.main(['--version']); t1 = 'torch' in sys.modules; "
             "n = len(kvwrite.implementations()); print(t0, t1, rc, n > 30, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-5:] == ["False", "False", "0", "True", "True"], done.stdout
+    out = _python(code)
+    assert out.split()[-5:] == ["False", "False", "0", "True", "True"], out
 
 
 def test_ctrl_c_while_starting_is_one_line_and_130(monkeypatch, capsys):
@@ -417,17 +421,8 @@ def test_output_paths_are_really_created_then_removed(tmp_path):
 
 
 @pytest.mark.parametrize("sub", SUBS)
-def test_ctrl_c_keeps_what_was_measured_in_every_subcommand(monkeypatch, capsys, tmp_path, sub):
-    real = engine._measure
-    calls = []
-
-    def measure(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_measure", measure)
+def test_ctrl_c_keeps_what_was_measured_in_every_subcommand(ctrl_c_at_third_measurement, capsys,
+                                                           tmp_path, sub):
     js, cs = tmp_path / "r.json", tmp_path / "r.csv"
     assert main([*TINY[sub], "--json", str(js), "--csv", str(cs)]) == 130
     out, err = capsys.readouterr()

@@ -20,13 +20,11 @@ too).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 import torch
 
 import kvwrite
+from host import RCP_RN_S2_C, run_c
 from kvwrite.dtypes import FP8_MAX, CacheDType
 from kvwrite.kernels import nvrtc, triton_fp8
 from kvwrite.ops.reshape_and_cache_flash import cuda_impl, triton_impl
@@ -89,20 +87,8 @@ int main(void) {
 """
 
 
-def _run_c(tmp_path, name: str, source: str) -> str:
-    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no host C compiler (gcc, cc or clang) to build the check")
-    (tmp_path / f"{name}.c").write_text(source)
-    exe = tmp_path / name
-    # -ffp-contract=off: x * y stays a rounded product; fmaf is the C library's exact fma.
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / f"{name}.c"),
-                    "-o", str(exe), "-lm"], check=True)
-    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
-
-
 def test_division_identity_in_c(tmp_path):
-    out = _run_c(tmp_path, "identity", _IDENTITY_C).split("\n")
+    out = run_c(tmp_path, "identity", _IDENTITY_C).split("\n")
     counts = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out if line}
     assert counts["bfloat16"] == [2**31, 0]
     assert counts["float16"] == [2**28, 0]
@@ -111,19 +97,7 @@ def test_division_identity_in_c(tmp_path):
 
 # The reciprocal, in C: what the CUDA kernel's rcp_rn_s2 computes from the hardware's
 # approximation r0 of 1/b (rcp.approx.ftz: within 2 ulp for b in [2^-22, 4)).
-_RECIPROCAL_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
-static float refine(float b, float r) {  /* rcp_rn_s2 after the approximation */
-  r = fmaf(r, fmaf(-b, r, 1.0f), r);
-  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
-  uint32_t bb = u(b);
-  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
-}
+_RECIPROCAL_C = RCP_RN_S2_C + r"""
 static long n, bad, steps_miss;
 static void check(float b) {
   const float want = 1.0f / b;
@@ -131,7 +105,7 @@ static void check(float b) {
     float r0 = f(u(want) + k), r = fmaf(r0, fmaf(-b, r0, 1.0f), r0);
     float y = fmaf(r, fmaf(-b, r, 1.0f), r);
     steps_miss += u(y) != u(want);
-    bad += u(refine(b, r0)) != u(want);
+    bad += u(rcp_rn_s2_steps(b, r0)) != u(want);
     ++n;
   }
 }
@@ -149,7 +123,7 @@ int main(void) {
 
 
 def test_reciprocal_refinement_in_c(tmp_path):
-    n, bad, steps_miss = (int(v) for v in _run_c(tmp_path, "reciprocal", _RECIPROCAL_C).split())
+    n, bad, steps_miss = (int(v) for v in run_c(tmp_path, "reciprocal", _RECIPROCAL_C).split())
     assert n == 9 * (2 * 2**23 + 22 * (-(-(2**23) // 61) + 1))
     assert bad == 0
     # The fixed significand is needed: without it the Newton steps miss (all-ones significands,

@@ -29,6 +29,7 @@ from gather_oracle import (
     oracle_rows,
     oracle_upconvert,
 )
+from host import run_triton_script
 from kvwrite import registry
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.testing.gather import (
@@ -46,6 +47,7 @@ from kvwrite.testing.gather import (
     make_upconvert_inputs,
     mixed_seqs,
 )
+from params import DEVICES, impl_names
 
 DEQUANT = "gather_and_maybe_dequant_cache"
 CP = "cp_gather_cache"
@@ -53,8 +55,7 @@ UPCONVERT = "cp_gather_and_upconvert_fp8_kv_cache"
 FLASH = "gather_cache_flash"
 INDEXER = "cp_gather_indexer_k_quant_cache"
 OPS = (DEQUANT, CP, UPCONVERT, FLASH, INDEXER)
-IMPLS = {op: [i.name for i in registry.all_impls(op)] for op in OPS}
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = {op: impl_names(op) for op in OPS}
 
 
 def impl_device_cases(op: str, cases: list, cpu_step: int = 1) -> list:
@@ -533,11 +534,6 @@ def test_named_implementation_that_cannot_run_says_why():
         kvwrite.gather_and_maybe_dequant_cache(*inp.dequant_args(case), implementation="nope")
 
 
-def test_implementations_are_registered():
-    for op in OPS:
-        assert {s.name for s in kvwrite.implementations("cpu", op)} == {"torch", "triton", "cuda"}
-
-
 # --- Triton: the machine code of the benchmark's calls (CPU: Triton compiles for sm_90) ---------
 
 _TRITON_PTX_SCRIPT = r"""
@@ -591,20 +587,7 @@ def test_triton_benchmark_calls_move_rows_in_16_byte_accesses():
     bytes) and its scales 4 (4 bytes assembled), and decodes with the hardware conversion; the
     fp8 dequant decodes with it too (compiled kernels; the interpreter keeps the integer
     decode, its float8 conversion is not exact)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    ptx = run_triton_script(_TRITON_PTX_SCRIPT, {"TRITON_DEFAULT_FP_FUSION": "1"})
 
     def ops(text):
         return re.findall(r"\b((?:ld|st)\.global[\w.]*)", text)

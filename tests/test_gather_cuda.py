@@ -13,8 +13,6 @@ import dataclasses
 import importlib
 import importlib.resources
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ import torch
 
 import kvwrite
 import sass as sass_tools
+from host import build_host_lib
 from kvwrite.kernels import gather_cuda
 from kvwrite.testing.gather import (
     SPECIAL_SCALES,
@@ -84,8 +83,9 @@ def _calls():
 
 @pytest.fixture(scope="module")
 def every_variant(tmp_path_factory):
-    """{op: (names, {name: SASS listing})}: every variant of each kernel compiled in one NVRTC
-    program for sm_90 (compiled once for the tests below)."""
+    """{op: (names, {name: SASS listing}, cubin size)}: every variant of each kernel compiled in
+    one NVRTC program for sm_90 (compiled once for the tests below; that each compiles, and how
+    many there are: the conformance suite, kvwrite.testing.providers)."""
     if nvrtc_reason() is not None:
         pytest.skip(nvrtc_reason())
     out = {}
@@ -106,22 +106,6 @@ def every_variant(tmp_path_factory):
 
 @needs_nvrtc
 @pytest.mark.parametrize("op", OPS)
-def test_nvrtc_compiles_every_variant_for_sm90(op, every_variant):
-    names, listings, size = every_variant[op]
-    assert size > 0 and len(set(names)) == len(names)
-    assert len(names) == {"gather_and_maybe_dequant_cache": 17, "cp_gather_cache": 20,
-                          "cp_gather_and_upconvert_fp8_kv_cache": 10, "gather_cache_flash": 17,
-                          "cp_gather_indexer_k_quant_cache": 15}[op]
-    if listings:
-        assert len(listings) == len(names)
-
-
-def _param_reads(listing: str) -> set[int]:
-    return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", listing)}
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("op", OPS)
 def test_specialized_build_reads_no_fixed_argument(op, every_variant, tmp_path):
     """sm_90 kernels find their parameters at c[0x0][0x210] on: the pointers, T_out, B, the
     shared rows and the rows per warp, then the fixed arguments. The build with them compiled in
@@ -132,12 +116,11 @@ def test_specialized_build_reads_no_fixed_argument(op, every_variant, tmp_path):
     name, fixed = _calls()[op]()
     mod = _cuda(op)
     obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed)
-    special = _param_reads(sass_tools.dump_sass(bytes(obj.code), tmp_path))
-    generic = _param_reads(every_variant[op][1][name])
+    special = sass_tools.param_reads(sass_tools.dump_sass(bytes(obj.code), tmp_path))
+    generic = sass_tools.param_reads(every_variant[op][1][name])
     t_out = 0x210 + 8 * POINTERS[op]
     first, end = t_out + 8 * 4, t_out + 8 * (4 + len(fixed))
-    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
-    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    sass_tools.assert_fixed_args_compiled_in(generic, special, first, end)
     assert t_out in special, sorted(map(hex, special))
     with pytest.raises(RuntimeError, match=f"{len(fixed)} values"):
         mod.compile_kernel("sm_90", name, fixed=fixed[:-1])
@@ -159,12 +142,9 @@ def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
         obj, _ = mod.compile_kernel("sm_90", ns, fixed=fx, macros=(nvrtc.PDL_MACRO,))
         funcs = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path))
         assert len(funcs) == len(ns)
-        for fn, ops in funcs.items():
-            first = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (fn, ops[:40])
+        sass_tools.assert_waits_first(funcs, memory_ops=MEMORY_OPS)
     obj, _ = mod.compile_kernel("sm_90", name, fixed=fixed)
-    text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    sass_tools.assert_no_pdl(sass_tools.dump_sass(bytes(obj.code), tmp_path))
 
 
 # --- stores of converted values: whole elements, no float-to-integer conversion ---------------
@@ -441,18 +421,7 @@ void kvw_fp8_dequant_any(int e5m2, const unsigned char* c, float s, float* out, 
 
 @pytest.fixture(scope="module")
 def read_rule_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the read-rule harness")
-    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    d = tmp_path_factory.mktemp("fp8read")
-    (d / "harness.cpp").write_text(_HARNESS)
-    lib = d / "libkvwfp8read.so"
-    # -ffp-contract=off: a*b stays one rounded product, as mul.rn.f32 on the GPU.
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f"-I{include}", str(d / "harness.cpp"), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
+    so = build_host_lib(tmp_path_factory, _HARNESS, "kvwfp8read", "read-rule harness")
     for f in (so.kvw_fp8_dequant, so.kvw_fp8_dequant_any):
         f.restype = None
         f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,

@@ -27,10 +27,10 @@ from kvwrite.gather import fp8_dequant
 from kvwrite.layouts import KVAlloc, Layout, allocate_kv_cache
 from kvwrite.ops.concat_and_cache_mla import reference as mla_ref
 from kvwrite.testing.compare import storage_bytes
+from params import DEVICES
 
 LENS = (37, 5, 64, 1, 20)  # tokens per sequence
 BLOCK = 16
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # The largest relative error of one element through the format (half an ulp of the fp8 format's
 # 3 or 2 mantissa bits); _bound turns it into one on attention.
 REL = {"auto": 0.0, "fp8": 2.0**-4, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.resources
 import math
-import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 import kvwrite
+from host import build_host_lib
 from kvwrite import registry
 from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
 from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
@@ -41,11 +38,11 @@ from kvwrite.testing.indexer import (
     make_indexer_inputs,
     pow2_boundary_amaxes,
 )
-from oracle import fp8_round
+from oracle import cache_slots, fp8_round
+from params import DEVICES, impl_names
 from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = impl_names(OP)
 
 
 # --- the independent oracle -----------------------------------------------------------------------
@@ -92,11 +89,7 @@ def indexer_oracle(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt) 
     mxfp8 = scale_fmt == "mxfp8"
     ue8m0 = scale_fmt == "ue8m0" or mxfp8
     mem = storage_bytes(kv_cache)
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         page = kv_cache.storage_offset() + b * kv_cache.stride(0)
         x = k[t].float().numpy().astype(np.float32)
         for g in range(g_count):
@@ -303,19 +296,8 @@ void kvw_indexer_scale_words(const float* s, int fmt, unsigned* word, long long 
 
 @pytest.fixture(scope="module")
 def scale_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the scale harness")
-    kernels = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    here = importlib.resources.files("kvwrite.ops.indexer_k_quant_and_cache")
-    d = tmp_path_factory.mktemp("indexerhost")
-    (d / "harness.cpp").write_text(_HARNESS)
-    lib = d / "libkvwindexer.so"
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f"-I{kernels}", f"-I{here}", str(d / "harness.cpp"), "-o", str(lib)],
-                   check=True)
-    return ctypes.CDLL(str(lib))
+    return build_host_lib(tmp_path_factory, _HARNESS, "kvwindexer", "scale harness",
+                          ("kvwrite.ops.indexer_k_quant_and_cache",))
 
 
 def _host_scales(lib, amax: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,12 +439,6 @@ def test_create_indexer_k_cache():
         kvwrite.create_indexer_k_cache(1, 0, device="cpu")
 
 
-def test_implementations_are_registered():
-    names = {s.name for s in kvwrite.implementations("cpu", OP)}
-    assert names == {"torch", "triton", "cuda"}
-    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
-
-
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans, machine code -------------------------------
 
 
@@ -550,20 +526,12 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
     from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
     sass_tools = cuobjdump_or_skip()
     first, end = 0x230, 0x230 + 8 * 11
-    for case in (IndexerCase(), IndexerCase(head_dim=512, quant_block_size=512, scale_fmt=""),
-                 IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3),
-                 IndexerCase(head_dim=256, scale_fmt="mxfp8", page_pad=1)):
-        p = _plan(case)
-        reads = {}
-        for fixed in (p.fixed, None):
-            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
-            text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-            reads[fixed is None] = {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]",
-                                                                   text)}
-        assert any(first <= o < end for o in reads[True]), case.id
-        assert not any(first <= o < end for o in reads[False]), (case.id, sorted(reads[False]))
-    with pytest.raises(RuntimeError, match="11 values"):
-        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+    cases = (IndexerCase(), IndexerCase(head_dim=512, quant_block_size=512, scale_fmt=""),
+             IndexerCase(head_dim=80, quant_block_size=16, block_size=7, page_pad=3),
+             IndexerCase(head_dim=256, scale_fmt="mxfp8", page_pad=1))
+    builds = [(c.id, p.name, p.fixed) for c in cases for p in (_plan(c),)]
+    sass_tools.assert_specialized_builds_read_no_fixed_argument(
+        cuda_impl.compile_kernel, builds, first, end, 11, tmp_path)
 
 
 @needs_nvrtc

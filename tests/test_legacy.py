@@ -11,7 +11,6 @@ ones; a failure names the tensor, the number of differing bytes and the first on
 from __future__ import annotations
 
 import functools
-import re
 
 import pytest
 import torch
@@ -31,11 +30,11 @@ from kvwrite.testing.legacy import (
     clone_caches,
     make_legacy_inputs,
 )
-from oracle import _convert_row
+from oracle import _convert_row, cache_slots
+from params import DEVICES, impl_names
 from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip, needs_nvrtc
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = impl_names(OP)
 
 
 # --- the independent oracle -----------------------------------------------------------------------
@@ -49,11 +48,7 @@ def legacy_oracle(key, value, key_cache, value_cache, slot_mapping, cache_dtype:
     ks, vs = key_cache.stride(), value_cache.stride()
     kflat = storage_bytes(key_cache).view(key_cache.dtype)
     vflat = storage_bytes(value_cache).view(value_cache.dtype)
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         for h in range(num_heads):
             k_at = (key_cache.storage_offset() + b * ks[0] + h * ks[1] + (d // x) * ks[2]
                     + o * ks[3] + (d % x) * ks[4])
@@ -215,12 +210,6 @@ def test_create_legacy_kv_cache():
         kvwrite.create_legacy_kv_cache(1, 4, 0, 6, torch.float32, device="cpu")
 
 
-def test_implementations_are_registered():
-    names = {s.name for s in kvwrite.implementations("cpu", OP)}
-    assert names == {"torch", "triton", "cuda"}
-    assert "CUDA devices only" in registry.get(OP, "cuda").available("cpu")
-
-
 # --- CUDA: NVRTC compiles (no GPU needed), launch plans ---------------------------------------------
 
 
@@ -292,19 +281,11 @@ def test_nvrtc_compiles_specialized_builds_and_reads_no_fixed_argument(tmp_path)
     from kvwrite.ops.reshape_and_cache import cuda_impl
     sass_tools = cuobjdump_or_skip()
     first, end = 0x210 + 8 * 10, 0x210 + 8 * 27
-    for case in (LegacyCase(), LegacyCase(kv_cache_dtype="fp8", cache_strides="padded"),
-                 LegacyCase(num_heads=13, head_size=80, block_size=7, x=2)):
-        p = _plan(case)
-        reads = {}
-        for fixed in (p.fixed, None):
-            obj, _ = cuda_impl.compile_kernel("sm_90", p.name, fixed=fixed)
-            text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-            reads[fixed is None] = {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]",
-                                                                   text)}
-        assert any(first <= o < end for o in reads[True]), case.id
-        assert not any(first <= o < end for o in reads[False]), (case.id, sorted(reads[False]))
-    with pytest.raises(RuntimeError, match="17 values"):
-        cuda_impl.compile_kernel("sm_90", p.name, fixed=(1, 2, 3))
+    cases = (LegacyCase(), LegacyCase(kv_cache_dtype="fp8", cache_strides="padded"),
+             LegacyCase(num_heads=13, head_size=80, block_size=7, x=2))
+    builds = [(c.id, p.name, p.fixed) for c in cases for p in (_plan(c),)]
+    sass_tools.assert_specialized_builds_read_no_fixed_argument(
+        cuda_impl.compile_kernel, builds, first, end, 17, tmp_path)
 
 
 @needs_nvrtc

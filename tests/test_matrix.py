@@ -19,12 +19,12 @@ from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops.reshape_and_cache_flash import OP
 from kvwrite.testing import CASES, Case, assert_caches_equal, clone_caches, make_inputs
 from oracle import oracle
+from params import DEVICES, impl_names
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
+IMPLS = impl_names(OP)
 # torch-compile compiles once per case signature (minutes over the whole matrix); its bytes are
 # checked by tests/test_peers.py and, before timing, by the benchmark.
 MATRIX_IMPLS = [name for name in IMPLS if name != "torch-compile"]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @functools.cache

@@ -32,11 +32,11 @@ from kvwrite.testing import Case, assert_caches_equal, make_inputs, storage_byte
 from kvwrite.testing.legacy import LegacyCase, make_legacy_inputs
 from kvwrite.testing.qk_norm import QkNormCase, make_qk_norm_inputs
 from kvwrite.testing.rope import RopeCase, make_rope_inputs
+from params import DEVICES
 
 FP8 = ["fp8", "fp8_e5m2"]
 # Which scale is per head; the other is per tensor.
 MIXES = ["k-per-head", "v-per-head"]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,11 +32,11 @@ from kvwrite.testing.mla import (
     every_16_bit_pattern_tiles,
     make_mla_inputs,
 )
-from oracle import fp8_round
+from oracle import cache_slots, fp8_round
+from params import DEVICES, impl_names
 from sass import needs_nvrtc
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = impl_names(OP)
 
 
 # --- the independent oracle -----------------------------------------------------------------------
@@ -85,10 +85,7 @@ def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale,
                ds_mla_scale: str = "pow2") -> None:
     """Writes into a CPU cache, one token at a time."""
     num_blocks, block_size, _ = kv_cache.shape
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= num_blocks * block_size:
-            continue
+    for t, b, o in cache_slots(slot_mapping, num_blocks, block_size):
         if mode is MlaMode.AUTO:
             entry = np.concatenate([_bytes(kv_c[t]), _bytes(k_pe[t])])
         elif mode is MlaMode.FP8_DS_MLA:
@@ -98,7 +95,7 @@ def mla_oracle(kv_c, k_pe, kv_cache, slot_mapping, mode: MlaMode, scale,
             with np.errstate(all="ignore"):
                 q = row / np.float32(float(scale[0]))
             entry = fp8_round(q, mode.fp8_dtype)
-        dst = kv_cache[slot // block_size, slot % block_size].view(torch.uint8)
+        dst = kv_cache[b, o].view(torch.uint8)
         dst.copy_(torch.from_numpy(np.ascontiguousarray(entry)))
 
 
@@ -387,11 +384,6 @@ def test_create_mla_cache_errors():
         kvwrite.create_mla_cache(0, 16, 512, 64, "auto", torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         kvwrite.create_mla_cache(1, 16, 512, 64, "int4", torch.float32, "cpu")
-
-
-def test_implementations_are_registered():
-    names = {s.name for s in kvwrite.implementations("cpu", OP)}
-    assert names == {"torch", "triton", "cuda"}
 
 
 # --- Triton's interpreter on exactly representable quotients -------------------------------------

@@ -19,14 +19,13 @@ import importlib
 import importlib.resources
 import math
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 import kvwrite
+from host import RCP_RN_S2_C, build_host_lib, run_c, run_triton_script
 from kvwrite import registry
 from kvwrite.dtypes import CacheDType, parse_kv_cache_dtype
 from kvwrite.ops.nvfp4 import OP, ScaleLayout, page_bytes
@@ -44,9 +43,10 @@ from kvwrite.testing.nvfp4 import (
     special_groups,
     tie_group_6_5,
 )
+from params import impl_names
 from sass import MEMORY_OPS, needs_nvrtc, nvrtc_reason
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
+IMPLS = impl_names(OP)
 
 # --- the independent oracle -----------------------------------------------------------------------
 # Python floats and NumPy float32 scalars, step by step; E2M1 and E4M3 by their own tables.
@@ -331,18 +331,7 @@ long long kvw_nvfp4_sweep(unsigned lo, unsigned hi, float one, unsigned* first_b
 
 @pytest.fixture(scope="module")
 def host_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the rule harness")
-    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    d = tmp_path_factory.mktemp("nvfp4host")
-    (d / "harness.cpp").write_text(_HARNESS)
-    lib = d / "libkvwnvfp4.so"
-    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f"-I{include}", str(d / "harness.cpp"), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
+    so = build_host_lib(tmp_path_factory, _HARNESS, "kvwnvfp4", "rule harness")
     so.kvw_nvfp4_groups.restype = None
     so.kvw_nvfp4_sweep.restype = ctypes.c_longlong
     so.kvw_nvfp4_parts.restype = ctypes.c_longlong
@@ -446,25 +435,13 @@ def test_host_amax16_equals_the_float_amax(host_lib):
 # device's rcp_rn_s2 arithmetic applied to d itself, from every approximation within 4 ulp of
 # 1/d, on every binade of d in [2^-109, 2^109) (every 997th significand, the all-ones one and
 # 1.0), against the host's 1.0f / d (IEEE RN).
-_RCP_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-static float f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-static uint32_t u(float x) { uint32_t v; memcpy(&v, &x, 4); return v; }
-static float steps(float b, float r) {  /* kvw/fp8.cuh rcp_rn_s2 after the approximation */
-  r = fmaf(r, fmaf(-b, r, 1.0f), r);
-  float y = fmaf(r, fmaf(-b, r, 1.0f), r);
-  uint32_t bb = u(b);
-  return (bb & 0x7FFFFFu) == 0x7FFFFFu ? f(((253u - (bb >> 23)) << 23) | 1u) : y;
-}
+_RCP_C = RCP_RN_S2_C + r"""
 static long n, bad, raw_bad;
 static void check(float d) {
   const float want = 1.0f / d;
   for (int k = -4; k <= 4; ++k) {
     const float r0 = f(u(want) + k);
-    bad += u(steps(d, r0)) != u(want);
+    bad += u(rcp_rn_s2_steps(d, r0)) != u(want);
     const float r = fmaf(r0, fmaf(-d, r0, 1.0f), r0);
     raw_bad += u(fmaf(r, fmaf(-d, r, 1.0f), r)) != u(want);
     ++n;
@@ -485,15 +462,7 @@ def test_reciprocal_steps_on_every_binade_of_d(tmp_path):
     """nvfp4_rcp_rn applies rcp_rn_s2's steps to d itself: RN(1/d) from every approximation
     within 4 ulp on every binade d can take; without the all-ones fix the steps miss (so the
     check can fail)."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    (tmp_path / "rcp.c").write_text(_RCP_C)
-    exe = tmp_path / "rcp"
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-fno-fast-math", str(tmp_path / "rcp.c"),
-                    "-o", str(exe), "-lm"], check=True)
-    n, bad, raw_bad = (int(v) for v in subprocess.run(
-        [str(exe)], check=True, capture_output=True, text=True).stdout.split())
+    n, bad, raw_bad = (int(v) for v in run_c(tmp_path, "rcp", _RCP_C).split())
     assert n == 9 * 218 * (-(-(2**23) // 997) + 1)
     assert bad == 0
     assert raw_bad > 0
@@ -944,12 +913,6 @@ def test_named_implementation_and_zero_tokens():
                                                                  strict=True))
 
 
-def test_implementations_are_registered():
-    names = {s.name for s in kvwrite.implementations("cpu", OP)}
-    assert names == {"torch", "triton", "cuda"}
-    assert OP in registry.ops()
-
-
 def test_default_v_scale_layout_rule():
     assert nvfp4_op.default_v_scale_layout("cpu") is ScaleLayout.SWIZZLED
     nvfp4_op._capability_major.cache_clear()
@@ -1000,9 +963,7 @@ def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
     assert len(names) == 40
     funcs = sass_tools.functions(text)
     assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    sass_tools.assert_waits_first(funcs)
 
 
 def _row_load(text: str) -> bool:
@@ -1129,7 +1090,7 @@ def test_specialized_builds_compile_and_read_no_fixed_argument(tmp_path):
     def reads(name, fixed):
         obj, _ = cuda_impl.compile_kernel("sm_90", name, fixed=fixed)
         text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-        return {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text)}, text
+        return sass_tools.param_reads(text), text
 
     first, end = 0x270, 0x270 + 8 * 20
     for case in (Nvfp4Case(num_heads=8, head_size=128), Nvfp4Case(layout="HND", block_size=12,
@@ -1247,8 +1208,7 @@ def test_plain_build_has_no_pdl_and_other_architectures_compile(tmp_path):
     cuda_impl = _cuda_impl()
     names = cuda_impl.all_kernel_names()[:2]
     plain, _ = cuda_impl.compile_kernel("sm_90", names)
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    sass_tools.assert_no_pdl(sass_tools.dump_sass(bytes(plain.code), tmp_path))
     old, _ = cuda_impl.SOURCE.compile("sm_80", names[:1], macros=(nvrtc.PDL_MACRO,))
     text = sass_tools.dump_sass(bytes(old.code), tmp_path)
     assert "ACQBULK" not in text and "LDG" in text
@@ -1325,18 +1285,7 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     the rule's steps and 4over6's error sums are rounded one by one), the two quotients per group
     as div.rn.f32 (K and V: 2 x 64 groups; 4over6 both candidates), and the PDL build's wait
     before its first load."""
-    import json
-    import os
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_triton_script(_TRITON_PTX_SCRIPT)
     other, two, half, div = out["*i16-False"]
     assert other == 0 and two == half > 0 and div == 64, out
     other, two, half, div = out["*fp32-True"]

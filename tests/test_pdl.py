@@ -47,19 +47,14 @@ def test_pdl_builds_wait_before_any_memory_access(op, tmp_path):
     pdl, _ = mod.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
     assert len(funcs) == len(set(names)), (len(funcs), len(set(names)))
-    for name, ops in funcs.items():
-        first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-        assert "PREEXIT" in ops[:first_mem] and "ACQBULK" in ops[:first_mem], (name, ops[:40])
+    sass_tools.assert_waits_first(funcs)
     if op == "fused_rope_and_reshape_cache_flash":
         wait_only, _ = mod.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,
                                                                   nvrtc.PDL_NO_TRIGGER_MACRO))
-        for name, ops in sass_tools.functions(
-                sass_tools.dump_sass(bytes(wait_only.code), tmp_path)).items():
-            first_mem = next(i for i, o in enumerate(ops) if o.startswith(MEMORY_OPS))
-            assert "ACQBULK" in ops[:first_mem] and "PREEXIT" not in ops, (name, ops[:40])
+        sass_tools.assert_waits_first(sass_tools.functions(
+            sass_tools.dump_sass(bytes(wait_only.code), tmp_path)), trigger=False)
     plain, _ = mod.SOURCE.compile("sm_90", names[:8])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    sass_tools.assert_no_pdl(sass_tools.dump_sass(bytes(plain.code), tmp_path))
     old, _ = mod.SOURCE.compile("sm_80", names[:4], macros=(nvrtc.PDL_MACRO,))
     text = sass_tools.dump_sass(bytes(old.code), tmp_path)
     assert "ACQBULK" not in text and "PREEXIT" not in text and "LDG" in text

@@ -15,12 +15,9 @@ import collections
 import ctypes
 import dataclasses
 import functools
-import importlib.resources
 import math
 import re
-import shutil
 import struct
-import subprocess
 from fractions import Fraction
 
 import numpy as np
@@ -28,6 +25,7 @@ import pytest
 import torch
 
 import kvwrite
+from host import build_host_lib, run_triton_script
 from kvwrite import registry
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import OP, PerTokenHeadMode
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import reference as torch_ref
@@ -47,11 +45,11 @@ from kvwrite.testing.per_token_head import (
     roundtrip_error,
     special_rows,
 )
-from oracle import fp8_round
+from oracle import cache_slots, fp8_round
+from params import impl_names
 from sass import needs_nvrtc
 
-IMPLS = [info.name for info in registry.all_impls(OP)]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IMPLS = impl_names(OP)
 MODES = [INT8, FP8, INT4]
 
 
@@ -139,11 +137,7 @@ def pth_oracle(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache,
                mode: str) -> None:
     """Writes into CPU caches, one (token, head, K or V) row at a time."""
     nb, bs, num_heads, _ = key_cache.shape
-    for t in range(slot_mapping.numel()):
-        slot = int(slot_mapping[t])
-        if slot < 0 or slot >= nb * bs:
-            continue
-        b, o = divmod(slot, bs)
+    for t, b, o in cache_slots(slot_mapping, nb, bs):
         for src, cache, scales in ((key, key_cache, k_scale_cache),
                                    (value, value_cache, v_scale_cache)):
             for h in range(num_heads):
@@ -469,20 +463,8 @@ void pth_code_check(long long* out) {
 
 @pytest.fixture(scope="module")
 def host_lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the row harness")
-    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    op_dir = importlib.resources.files("kvwrite.ops.reshape_and_cache_flash_per_token_head_quant")
-    d = tmp_path_factory.mktemp("pthhost")
-    (d / "harness.cpp").write_text(_HARNESS)
-    lib = d / "libpth.so"
-    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-DKVWRITE_HOST_TEST",
-                    f"-I{include}", f"-I{op_dir}", str(d / "harness.cpp"), "-o", str(lib)],
-                   check=True)
-    so = ctypes.CDLL(str(lib))
+    so = build_host_lib(tmp_path_factory, _HARNESS, "pth", "row harness",
+                        ("kvwrite.ops.reshape_and_cache_flash_per_token_head_quant",))
     so.pth_rows.restype = None
     return so
 
@@ -529,16 +511,10 @@ def _sweep_rows(dtype: torch.dtype, d: int, seed: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
-    """kernel.cu's scale, quotient (kvw/fp8.cuh's division-free one) and roundings, compiled as
-    host C++, on every 16-bit pattern and on random, tie and special rows, against the
-    reference's torch arithmetic: codes and scale entries bit for bit (fp8 NaN codes: any)."""
-    d = 32
-    x = _sweep_rows(dtype, d, seed=MODES.index(mode))
-    steps = 2 if dtype == torch.float32 else 1
-    codes, entries = _host_rows(host_lib, x, mode, steps)
+def _assert_rows_match_reference(x: torch.Tensor, mode: str, codes: torch.Tensor,
+                                 entries: torch.Tensor) -> None:
+    """The host rows' codes and scale entries are the reference's bit for bit (fp8 NaN codes:
+    any NaN)."""
     want_codes, want_entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
     bad_e = torch.nonzero(entries != want_entries.view(torch.int32)).flatten()
     assert bad_e.numel() == 0, (f"{bad_e.numel()} scale entries differ; first row "
@@ -549,9 +525,23 @@ def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
         diff &= ~(torch.isnan(codes.view(torch.float8_e4m3fn).float())
                   & torch.isnan(want_codes.view(torch.float8_e4m3fn).float()))
     bad = torch.nonzero(diff)
-    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} element "
-                              f"{int(bad[0, 1])}: got {int(codes[tuple(bad[0])])}, want "
+    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} "
+                              f"{x[int(bad[0, 0])].tolist()} element {int(bad[0, 1])}: got "
+                              f"{int(codes[tuple(bad[0])])}, want "
                               f"{int(want_codes[tuple(bad[0])])}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_row_arithmetic_on_host_matches_reference(host_lib, mode, dtype):
+    """kernel.cu's scale, quotient (kvw/fp8.cuh's division-free one) and roundings, compiled as
+    host C++, on every 16-bit pattern and on random, tie and special rows, against the
+    reference's torch arithmetic: codes and scale entries bit for bit (fp8 NaN codes: any)."""
+    d = 32
+    x = _sweep_rows(dtype, d, seed=MODES.index(mode))
+    steps = 2 if dtype == torch.float32 else 1
+    codes, entries = _host_rows(host_lib, x, mode, steps)
+    _assert_rows_match_reference(x, mode, codes, entries)
 
 
 def _fast_rows_check(host_lib, x: torch.Tensor, mode: str, steps: int,
@@ -570,20 +560,7 @@ def _fast_rows_check(host_lib, x: torch.Tensor, mode: str, steps: int,
                                      ctypes.c_void_p(entries.data_ptr()), ctypes.byref(n_clamped))
     if clamped is not None:
         clamped.append(n_clamped.value)
-    want_codes, want_entries = torch_ref.quantize_rows(x, PerTokenHeadMode(mode))
-    bad_e = torch.nonzero(entries != want_entries.view(torch.int32)).flatten()
-    assert bad_e.numel() == 0, (f"{bad_e.numel()} scale entries differ; first row "
-                                f"{x[bad_e[0]].tolist()}: got {int(entries[bad_e[0]]):#x}, want "
-                                f"{int(want_entries.view(torch.int32)[bad_e[0]]):#x}")
-    diff = codes != want_codes
-    if mode == FP8:
-        diff &= ~(torch.isnan(codes.view(torch.float8_e4m3fn).float())
-                  & torch.isnan(want_codes.view(torch.float8_e4m3fn).float()))
-    bad = torch.nonzero(diff)
-    assert bad.numel() == 0, (f"{bad.shape[0]} codes differ; first row {int(bad[0, 0])} "
-                              f"{x[int(bad[0, 0])].tolist()} element {int(bad[0, 1])}: got "
-                              f"{int(codes[tuple(bad[0])])}, want "
-                              f"{int(want_codes[tuple(bad[0])])}")
+    _assert_rows_match_reference(x, mode, codes, entries)
     return int(n_fast)
 
 
@@ -1102,12 +1079,9 @@ def test_pdl_builds_wait_before_any_memory_access(tmp_path):
     pdl, _ = c.compile_kernel("sm_90", names, macros=(nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(pdl.code), tmp_path))
     assert len(funcs) == len(names)
-    for name, ops in funcs.items():
-        first = next(i for i, o in enumerate(ops) if o.startswith(_MEMORY_OPS))
-        assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+    sass_tools.assert_waits_first(funcs, memory_ops=_MEMORY_OPS)
     plain, _ = c.compile_kernel("sm_90", names[:4])
-    text = sass_tools.dump_sass(bytes(plain.code), tmp_path)
-    assert "ACQBULK" not in text and "PREEXIT" not in text
+    sass_tools.assert_no_pdl(sass_tools.dump_sass(bytes(plain.code), tmp_path))
 
 
 @needs_nvrtc
@@ -1127,13 +1101,12 @@ def test_specialized_build_reads_no_fixed_argument_and_loads_rows_first(tmp_path
     def reads(fixed):
         obj, _ = c.compile_kernel("sm_90", p.name, fixed=fixed)
         text = sass_tools.dump_sass(bytes(obj.code), tmp_path)
-        return text, {int(m, 16) for m in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text)}
+        return text, sass_tools.param_reads(text)
 
     first, end = 0x250, 0x250 + 8 * c.NUM_FIXED
     generic_text, generic = reads(None)
     special_text, special = reads(p.fixed)
-    assert any(first <= o < end for o in generic), sorted(map(hex, generic))
-    assert not any(first <= o < end for o in special), sorted(map(hex, special))
+    sass_tools.assert_fixed_args_compiled_in(generic, special, first, end)
     for text in (special_text, generic_text):
         assert not sass_tools.late_issues(text, lambda t: ".128" in t.split()[0])
 
@@ -1532,18 +1505,7 @@ def test_triton_kernel_compiles_for_sm90_with_wide_code_stores():
     alignment in bytes (the check can fail); no float-to-integer rounding conversion (the exact
     roundings take additions) and no 64-bit division (the block size is a constant), in the
     large calls' tiling and the small grids'."""
-    import json
-    import os
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _TRITON_PTX_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_triton_script(_TRITON_PTX_SCRIPT)
     for key, (b8, b32, cvt, div) in out.items():
         mode, align, _ = key.split("-")
         if align == "4":

@@ -23,6 +23,7 @@ import torch
 
 import kvwrite
 import sass as sass_tools
+from host import TRITON_PTX_PRELUDE, run_triton_script
 from kvwrite import registry
 from kvwrite.layouts import KVAlloc, Layout
 from kvwrite.ops import fused_qk_norm_rope as norm_pkg
@@ -42,13 +43,11 @@ from kvwrite.testing.qk_norm import (
     differences,
     make_qk_norm_inputs,
 )
-from oracle import fp8_round
-from oracle import oracle as cache_oracle
-from sass import MEMORY_OPS
+from oracle import fp8_round, oracle_valid_tokens
+from params import DEVICES
 
 NORM = norm_pkg.OP
 FUSED = fused_pkg.OP
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _nan_equal(case: QkNormCase) -> bool:
@@ -189,12 +188,7 @@ def expected_fused(case: QkNormCase) -> QkNormInputs:
             for h in range(hq):
                 s = float(inp.q_scale.reshape(-1)[h if inp.q_scale.numel() > 1 else 0])
                 qo[t, h] = _quantize_query(rows[t, h], s, qo.dtype)
-    slots = inp.slot_mapping.clone()
-    for t in range(slots.numel()):
-        if not valid[t]:
-            slots[t] = -1
-    cache_oracle(key, value, inp.key_cache, inp.value_cache, slots, case.cache_dtype, inp.k_scale,
-                 inp.v_scale)
+    oracle_valid_tokens(key, value, inp, valid, case.cache_dtype)
     return inp
 
 
@@ -1007,9 +1001,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     assert len(frames) >= len(names) and all(f == ("0", "0") for f in frames), frames
     scalars = 11 if which == "norm" else 23
     for name in names:
-        mangled = obj.symbol_mapping[name]
-        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
-        params = mangled.split("Ev", 1)[1]
+        params = sass_tools.kernel_params(obj, name)
         assert params.endswith("x" * scalars) and not params.endswith("x" * (scalars + 1))
 
 
@@ -1179,7 +1171,7 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
     kernel: num_tokens and three scale strides too), then the fixed arguments. The specialized
     build reads none of the fixed ones; the generic build does (the check can fail)."""
     norm_cuda, fused_cuda = _cuda_modules()
-    from kvwrite.kernels import nvrtc
+    sass_tools.cuobjdump_or_skip()
     mod = norm_cuda if which == "norm" else fused_cuda
     pointers, leading = (5, 1) if which == "norm" else (12, 5)
     case = (QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16)
@@ -1187,16 +1179,8 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
             QkNormCase(num_q_heads=32, num_k_heads=8, head_size=128, dtype=torch.bfloat16,
                        kv_cache_dtype="fp8", per_head_scale=True, query_out="fp8_e4m3"))
     name, fixed = _specialized_build(which, case)
-    first = 0x210 + 8 * (pointers + leading)
-    end = first + 8 * len(fixed)
-    reads = {}
-    for build in ("generic", "specialized"):
-        macros = nvrtc.fixed_args_macros(fixed if build == "specialized" else None)
-        sass = _sass(mod.SOURCE, name, tmp_path, macros=macros)
-        reads[build] = {int(o, 16) for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
-    assert any(first <= o < end for o in reads["generic"]), sorted(map(hex, reads["generic"]))
-    assert not any(first <= o < end for o in reads["specialized"]), \
-        sorted(map(hex, reads["specialized"]))
+    sass_tools.assert_source_fixed_args_compiled_in(mod.SOURCE, name, fixed, pointers + leading,
+                                                    tmp_path)
 
 
 _MODEL_LARGE = [  # (op, case): the models' shapes in the large-call build
@@ -1275,17 +1259,13 @@ def test_cuda_pdl_build_waits_before_any_global_access(tmp_path):
         names = _all_names(which)[::4]
         pdl = sass_tools.functions(_build_sass(which, names, tmp_path, (nvrtc.PDL_MACRO,)))
         assert len(pdl) == len(names)
-        for name, ops in pdl.items():
-            first = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))
-            assert "PREEXIT" in ops[:first] and "ACQBULK" in ops[:first], (name, ops[:40])
+        sass_tools.assert_waits_first(pdl)
     for which, case in _MODEL_LARGE[:3]:
         name, fixed = _specialized_build(which, case, "large")
         macros = nvrtc.fixed_args_macros(fixed) + (nvrtc.PDL_MACRO, nvrtc.PDL_NO_TRIGGER_MACRO)
         ops = sass_tools.opcodes(_build_sass(which, (name,), tmp_path, macros))
-        first = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))
-        assert "ACQBULK" in ops[:first] and "PREEXIT" not in ops, name
-        plain = _build_sass(which, _all_names(which), tmp_path)
-        assert "ACQBULK" not in plain and "PREEXIT" not in plain
+        sass_tools.assert_waits_first({name: ops}, trigger=False)
+        sass_tools.assert_no_pdl(_build_sass(which, _all_names(which), tmp_path))
 
 
 _HOST_HARNESS = r'''
@@ -1408,25 +1388,9 @@ def test_header_arithmetic_on_the_host(tmp_path):
 
 # --- Triton: the compiled kernels have no fused multiply-add and no flush to zero ---------------
 
-_PTX_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
 from kvwrite.ops.fused_qk_norm_rope import triton_impl as norm
 from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import triton_impl as fused
-
-def ptx(kernel, types, consts, fusion=False):
-    consts = {**consts, "PDL": False, "PDL_TRIGGER": False}
-    sig = dict(types)
-    sig.update({n: "constexpr" for n in consts})
-    src = ASTSource(fn=kernel, signature=sig,
-                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    opts = {"num_warps": 4, **LAUNCH_OPTIONS}
-    if fusion:
-        opts["enable_fp_fusion"] = True
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 def count(text):
     return [text.count("fma.rn.f32"), text.count(".ftz"), text.count("sqrt.rn.f32"),
@@ -1510,18 +1474,7 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
     """The Triton kernels compiled for sm_90 (on the CPU): no fma (the quotient's are in fp8
     builds only, none here), no .ftz, the correctly rounded root and true divisions, no
     approximate root; with fusion allowed the same kernel gets fmas (the check can fail)."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = run_triton_script(_PTX_SCRIPT)
     assert counts.pop("compiled") == 4
     fusion = counts.pop("norm-fusion-on")
     for name, (fma, ftz, sqrt_rn, div_rn, sqrt_approx, rsqrt) in counts.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 import kvwrite
 import sass as sass_tools
+from host import TRITON_PTX_PRELUDE, run_triton_script
 from kvwrite import registry
 from kvwrite.dtypes import CacheDType
 from kvwrite.layouts import KVAlloc, Layout
@@ -33,11 +33,11 @@ from kvwrite.testing.rope import (
     RopeInputs,
     make_rope_inputs,
 )
-from oracle import oracle as cache_oracle
+from oracle import oracle_valid_tokens
+from params import DEVICES
 
 ROPE = rope_pkg.OP
 FUSED = fused_pkg.OP
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 # --- the oracle ----------------------------------------------------------------------------------
@@ -121,12 +121,7 @@ def expected_fused(case: RopeCase) -> RopeInputs:
     valid = oracle_rotate(k.clone(), inp.positions, inp.cos_sin_cache, case.is_neox, rk)
     if case.rotate_key_in_place:
         k.copy_(rk)
-    slots = inp.slot_mapping.clone()
-    for t in range(slots.numel()):
-        if not valid[t]:
-            slots[t] = -1
-    cache_oracle(rk, v, inp.key_cache, inp.value_cache, slots, case.cache_dtype, inp.k_scale,
-                 inp.v_scale)
+    oracle_valid_tokens(rk, v, inp, valid, case.cache_dtype)
     return inp
 
 
@@ -586,27 +581,10 @@ def test_check_positions():
 
 # --- Triton: the compiled rotation has no fused multiply-add (CPU: Triton compiles for sm_90) ----
 
-_PTX_SCRIPT = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
+import sys
 from kvwrite.ops.rotary_embedding import triton_impl as rope
 from kvwrite.ops.fused_rope_and_reshape_cache_flash import triton_impl as fused
-
-def ptx(kernel, types, consts, fusion, pdl=False):
-    consts = {**consts, "PDL": pdl, "PDL_TRIGGER": pdl}
-    sig = dict(types)
-    sig.update({n: "constexpr" for n in consts})
-    src = ASTSource(fn=kernel, signature=sig,
-                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    opts = {"num_warps": 4, **LAUNCH_OPTIONS}
-    if fusion:
-        opts["enable_fp_fusion"] = True
-    if pdl:
-        opts["launch_pdl"] = True
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 # Dense heads of 128 elements (the fused kernel's four tensors).
 HEAD_STRIDES = dict(Q_HEAD_STRIDE=128, QO_HEAD_STRIDE=128, K_HEAD_STRIDE=128, V_HEAD_STRIDE=128)
@@ -675,18 +653,7 @@ print(json.dumps(out))
 
 def test_triton_kernels_compile_for_sm90_without_fma_in_the_rotation_and_wait_first_with_pdl():
     """Also: the fused kernel's order of loads and stores in its key programs."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = run_triton_script(_PTX_SCRIPT)
     # The fp8 variants keep the quotient's deliberate FMAs (kvwrite.kernels.triton_fp8); every
     # other variant has none, and with fusion allowed the rotation gets some (the check can fail).
     pdl = {k: counts.pop(k) for k in ("rope-pdl0", "rope-pdl1")}
@@ -721,9 +688,7 @@ def test_nvrtc_compiles_every_cuda_variant_for_sm90(which):
     # as many as the launchers pass (12 and 27), after the pointers; the fused kernel's names
     # carry its register bound (1, or the large-call build's).
     for name in names:
-        mangled = obj.symbol_mapping[name]
-        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
-        params = mangled.split("Ev", 1)[1]
+        params = sass_tools.kernel_params(obj, name)
         assert params.endswith("x" * (12 if which == "rotary" else 27)), params
         assert not params.endswith("x" * (13 if which == "rotary" else 28)), params
     # ... and the last of them are the fixed arguments, after num_rot (and for the fused
@@ -785,26 +750,16 @@ def test_cuda_specialized_builds_read_no_fixed_argument(which, tmp_path):
     fail); both read the positions' pointer and num_rot."""
     rope_cuda, fused_cuda = _cuda_modules()
     mod = rope_cuda if which == "rotary" else fused_cuda
-    from kvwrite.kernels import nvrtc
+    sass_tools.cuobjdump_or_skip()
     cases = ROPE_CASES if which == "rotary" else FUSED_CASES
     pointers, leading = (4, 1) if which == "rotary" else (11, 4)
     num_rot = 0x210 + 8 * pointers
     for case in (cases[0], next(c for c in cases if c.kv_cache_dtype == "fp8"
                                 and c.per_head_scale) if which == "fused" else cases[1]):
         name, fixed = _specialized_build(which, case)
-        first = 0x210 + 8 * (pointers + leading)
-        end = first + 8 * len(fixed)
-        reads = {}
-        for build in ("generic", "specialized"):
-            macros = nvrtc.fixed_args_macros(fixed if build == "specialized" else None)
-            source = type("S", (), {"compile": lambda self, a, n, m=macros: mod.SOURCE.compile(
-                a, n, macros=m)})()
-            sass = _sass(source, name, tmp_path)
-            reads[build] = {int(o, 16) for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", sass)}
-        assert any(first <= o < end for o in reads["generic"]), sorted(map(hex, reads["generic"]))
-        assert not any(first <= o < end for o in reads["specialized"]), \
-            sorted(map(hex, reads["specialized"]))
-        assert {0x210, num_rot} <= reads["specialized"], sorted(map(hex, reads["specialized"]))
+        special = sass_tools.assert_source_fixed_args_compiled_in(mod.SOURCE, name, fixed,
+                                                                  pointers + leading, tmp_path)
+        assert {0x210, num_rot} <= special, sorted(map(hex, special))
 
 
 # The kernels' uses of the head strides (patterns of the whole statements), and the statements

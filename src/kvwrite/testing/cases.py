@@ -14,10 +14,10 @@ import itertools
 
 import torch
 
-from ..dtypes import FP8_MAX, CacheDType, parse_kv_cache_dtype
+from ..dtypes import FP8_MAX, CacheDType
 from ..layouts import KVAlloc, Layout, allocate_kv_cache, layout_alloc, layout_name
-from .build import fill_random_bytes, flag_parts, make_slot_mapping
-from .compare import storage_bytes
+from .build import FlashWriteCase, fill_random_bytes, flag_parts, make_slot_mapping
+from .compare import copy_allocations
 from .slots import SlotPattern
 
 __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_values",
@@ -25,26 +25,12 @@ __all__ = ["Case", "Inputs", "CASES", "make_inputs", "clone_caches", "special_va
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    num_tokens: int = 7
+class Case(FlashWriteCase):
     num_heads: int = 8
     head_size: int = 64
-    block_size: int = 16
     num_blocks: int = 12
-    dtype: torch.dtype = torch.bfloat16
-    kv_cache_dtype: str = "auto"
-    layout: Layout = Layout.NHD
-    alloc: KVAlloc = KVAlloc.SEPARATE
-    per_head_scale: bool = False
-    # fp8 caches: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
-    fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    # key/value rows past num_tokens (CUDA-graph padding); never read.
-    extra_rows: int = 0
     # key/value as slices of one fused [T, Hq + 2H, D] qkv tensor (token stride (Hq + 2H) * D).
     fused_qkv: bool = False
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # fp8 special values (NaN, ±inf, ±0, subnormals, past the maximum) in the inputs.
     special_values: bool = False
     # The benchmark's slot pattern (kvwrite.testing.slots): random (vLLM's), decode, prefill, mixed,
@@ -64,27 +50,12 @@ class Case:
         return layout_name(self.layout, self.alloc)
 
     @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
-
-    @property
-    def cache_tensor_dtype(self) -> torch.dtype:
-        cdt = self.cache_dtype
-        if cdt.is_fp8:
-            return torch.uint8 if self.fp8_storage == "uint8" else cdt.fp8_dtype
-        return cdt.element_dtype(self.dtype)
-
-    @property
     def in_bytes(self) -> int:
         return self.dtype.itemsize
 
     @property
     def cache_elem_bytes(self) -> int:
         return self.cache_dtype.element_size(self.dtype)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
 
     @property
     def block_bytes(self) -> int:
@@ -116,11 +87,8 @@ class Case:
     @property
     def id(self) -> str:
         parts = [f"T{self.num_tokens}", f"H{self.num_heads}", f"D{self.head_size}",
-                 f"bs{self.block_size}", str(self.dtype).replace("torch.", ""), self.kv_cache_dtype,
-                 self.layout.value, self.alloc.value]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
+                 f"bs{self.block_size}", str(self.dtype).replace("torch.", ""),
+                 *self.cache_id_parts()]
         if self.slot_dtype == torch.int32:
             parts.append("i32")
         flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
@@ -146,14 +114,6 @@ class Inputs:
     def args(self) -> tuple:
         return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
                 self.kv_cache_dtype, self.k_scale, self.v_scale)
-
-
-def _rebuild(storages: dict[int, torch.Tensor], t: torch.Tensor, copy) -> torch.Tensor:
-    """`t`'s view over copy(its allocation); allocations shared by several tensors are copied once."""
-    key = t.untyped_storage().data_ptr()
-    if key not in storages:
-        storages[key] = copy(storage_bytes(t))
-    return storages[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def special_values(cache_dtype: CacheDType) -> list[float]:
@@ -272,9 +232,8 @@ def make_inputs(case: Case, device: str | torch.device = "cpu", seed: int = 0) -
     else:
         k_scale = v_scale = torch.ones(1)
 
-    storages: dict[int, torch.Tensor] = {}
-    moved = [_rebuild(storages, t, lambda b: b.to(device))
-             for t in (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)]
+    moved = copy_allocations((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+                             device, copy=False)
     return Inputs(*moved[:5], case.kv_cache_dtype, *moved[5:])
 
 
@@ -282,10 +241,8 @@ def clone_caches(inp: Inputs, device: str | torch.device | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of both caches (on `device`, default theirs) with their whole allocations, so bytes
     outside the logical views and the sharing of one allocation by K and V are kept."""
-    storages: dict[int, torch.Tensor] = {}
-    device = inp.key_cache.device if device is None else device
-    return (_rebuild(storages, inp.key_cache, lambda b: b.to(device, copy=True)),
-            _rebuild(storages, inp.value_cache, lambda b: b.to(device, copy=True)))
+    key_cache, value_cache = copy_allocations((inp.key_cache, inp.value_cache), device)
+    return key_cache, value_cache
 
 
 def _matrix() -> list[Case]:

@@ -19,7 +19,8 @@ from .. import registry
 from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
-           "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged", "run_reference"]
+           "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged",
+           "run_reference", "bad_inputs", "replaced", "compile_every_variant"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,43 @@ class BadInput:
     text: str
     # The function called (default: the provider's ``public``, else its ``call``).
     call: Callable[..., Any] | None = None
+
+
+def bad_inputs(table, valid_args: Callable[[], dict]) -> tuple[BadInput, ...]:
+    """The :class:`BadInput` of each ``(id, change, exc, text)`` of ``table``: the valid call's
+    keyword arguments (``valid_args()``, new tensors each time) with those of ``change(args)``
+    in their place."""
+    def make(change):
+        def call():
+            args = valid_args()
+            return (), {**args, **change(args)}
+        return call
+    return tuple(BadInput(name, make(change), exc, text) for name, change, exc, text in table)
+
+
+def replaced(valid_args: Callable[[], dict], changes: dict[str, Callable[[dict], Any]]
+             ) -> Callable[[], tuple[tuple, dict]]:
+    """A :class:`BadInput`'s ``make``: the valid call's keyword arguments (``valid_args()``, new
+    tensors each time) with ``change(args)`` in place of each argument that ``changes`` names, in
+    its order."""
+    def make():
+        args = valid_args()
+        for name, change in changes.items():
+            args[name] = change(args)
+        return (), args
+    return make
+
+
+def compile_every_variant(op_package: str, count: int) -> Callable[[], None]:
+    """A provider's ``compile_variants`` for an op whose ``cuda_impl`` lists its variants
+    (``all_kernel_names()``, ``count`` distinct ones) and compiles several as one program: all
+    of them for sm_90 (raises where one fails)."""
+    def compile_variants() -> None:
+        cuda_impl = importlib.import_module(f"{op_package}.cuda_impl")
+        names = cuda_impl.all_kernel_names()
+        obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
+        assert len(names) == len(set(names)) == count and len(bytes(obj.code)) > 0
+    return compile_variants
 
 
 def _default_check(names: Sequence[str]):

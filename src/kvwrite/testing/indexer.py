@@ -20,8 +20,8 @@ from ..ops.indexer_k_quant_and_cache.op import (
     entry_size,
     parse_scale_fmt,
 )
-from .build import flag_parts, make_slot_mapping
-from .compare import differing_bytes, nan_mask, storage_bytes
+from .build import WriteCase, flag_parts, make_slot_mapping
+from .compare import copy_allocations, differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["IndexerCase", "IndexerInputs", "INDEXER_CASES", "INDEXER_GPU_CASES",
            "make_indexer_inputs", "clone_cache", "assert_indexer_caches_equal",
@@ -30,25 +30,16 @@ __all__ = ["IndexerCase", "IndexerInputs", "INDEXER_CASES", "INDEXER_GPU_CASES",
 
 
 @dataclasses.dataclass(frozen=True)
-class IndexerCase:
-    num_tokens: int = 7
+class IndexerCase(WriteCase):
     head_dim: int = 128
     quant_block_size: int = 128
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     scale_fmt: str = "ue8m0"
-    slot_dtype: torch.dtype = torch.int64
-    # k rows past num_tokens (CUDA-graph padding); never read.
-    extra_rows: int = 0
     # k as a slice of a wider [T, D + k_pad] tensor (token stride D + k_pad).
     k_pad: int = 0
     # Pages page_pad bytes apart beyond their size (kv_cache.stride(0) free), the first one
     # cache_offset bytes into the allocation (unaligned pages when odd).
     page_pad: int = 0
     cache_offset: int = 0
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # Groups that exercise every branch of the scale: all zero (the 1e-4 floor), tiny, one NaN,
     # all NaN, ±inf, the largest finite values, and (float32 input) amaxes whose scale is exactly
     # or a few ulps above a power of two.
@@ -62,10 +53,6 @@ class IndexerCase:
     @property
     def entry(self) -> int:
         return entry_size(self.head_dim, self.quant_block_size)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
 
     @property
     def id(self) -> str:
@@ -181,22 +168,13 @@ def make_indexer_inputs(case: IndexerCase, device: str | torch.device = "cpu",
                          generator=gen)
     kv_cache = base.as_strided((case.num_blocks, bs, E), (page, E, 1), case.cache_offset)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in moved:
-            moved[key] = storage_bytes(t).to(device)
-        return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return IndexerInputs(move(k), move(kv_cache), move(slot_mapping), q, case.scale_fmt)
+    k, kv_cache, slot_mapping = copy_allocations((k, kv_cache, slot_mapping), device, copy=False)
+    return IndexerInputs(k, kv_cache, slot_mapping, q, case.scale_fmt)
 
 
 def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
     """A copy of ``cache`` (on ``device``, default its own) with its whole allocation."""
-    device = cache.device if device is None else device
-    copy = storage_bytes(cache).to(device, copy=True)
-    return copy.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+    return copy_allocations([cache], device)[0]
 
 
 def _code_region(cache: torch.Tensor, head_dim: int) -> torch.Tensor:

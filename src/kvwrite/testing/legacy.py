@@ -12,9 +12,9 @@ import itertools
 
 import torch
 
-from ..dtypes import CacheDType, parse_kv_cache_dtype
-from .build import fill_random_bytes, flag_parts, make_slot_mapping
+from .build import Fp8WriteCase, fill_random_bytes, flag_parts, make_slot_mapping
 from .cases import (
+    Inputs,
     key_value_rows,
     plant_special_values,
     random_scales,
@@ -36,41 +36,18 @@ CACHE_STRIDES = ("contiguous", "padded", "slot-major", "x-strided", "interleaved
 
 
 @dataclasses.dataclass(frozen=True)
-class LegacyCase:
-    num_tokens: int = 7
+class LegacyCase(Fp8WriteCase):
     num_heads: int = 8
     head_size: int = 64
-    block_size: int = 16
     num_blocks: int = 8
-    dtype: torch.dtype = torch.bfloat16
-    kv_cache_dtype: str = "auto"
-    # fp8 caches: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
-    fp8_storage: str = "uint8"
     # key_cache.size(4); None: 16 bytes / the cache element size (vLLM's).
     x: int | None = None
     cache_strides: str = "contiguous"
-    per_head_scale: bool = False
-    slot_dtype: torch.dtype = torch.int64
-    # key/value rows past num_tokens (CUDA-graph padding); never read.
-    extra_rows: int = 0
     # key/value as slices of one fused [T, Hq + 2H, D] qkv tensor.
     fused_qkv: bool = False
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # fp8: NaN, ±inf, ±0, subnormals, past the maximum, and the reciprocal traps of each head's
     # scale; the value input's key-cache counterpart too.
     special_values: bool = False
-
-    @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
-
-    @property
-    def cache_tensor_dtype(self) -> torch.dtype:
-        cdt = self.cache_dtype
-        if cdt.is_fp8:
-            return torch.uint8 if self.fp8_storage == "uint8" else cdt.fp8_dtype
-        return cdt.element_dtype(self.dtype)
 
     @property
     def xx(self) -> int:
@@ -83,10 +60,7 @@ class LegacyCase:
     def id(self) -> str:
         parts = [f"T{self.num_tokens}", f"H{self.num_heads}", f"D{self.head_size}",
                  f"bs{self.block_size}", f"x{self.xx}", str(self.dtype).removeprefix("torch."),
-                 self.kv_cache_dtype, self.cache_strides]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
+                 self.kv_cache_dtype, self.cache_strides, *self.scale_id_parts()]
         if self.slot_dtype == torch.int32:
             parts.append("i32")
         flags = ((self.extra_rows, "extra"), (self.fused_qkv, "qkv"),
@@ -96,19 +70,8 @@ class LegacyCase:
 
 
 @dataclasses.dataclass
-class LegacyInputs:
-    key: torch.Tensor
-    value: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    kv_cache_dtype: str
-    k_scale: torch.Tensor | None
-    v_scale: torch.Tensor | None
-
-    def args(self) -> tuple:
-        return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
-                self.kv_cache_dtype, self.k_scale, self.v_scale)
+class LegacyInputs(Inputs):
+    """reshape_and_cache's arguments: reshape_and_cache_flash's, in the legacy layout's caches."""
 
 
 def _allocate(case: LegacyCase, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,16 +135,8 @@ def clone_caches(inp: LegacyInputs, device: str | torch.device | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of both caches (on ``device``, default theirs) with their whole allocations (one
     copy where K and V share one)."""
-    device = inp.key_cache.device if device is None else device
-    copies: dict[int, torch.Tensor] = {}
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        k = t.untyped_storage().data_ptr()
-        if k not in copies:
-            copies[k] = storage_bytes(t).to(device, copy=True)
-        return copies[k].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return copy(inp.key_cache), copy(inp.value_cache)
+    key_cache, value_cache = copy_allocations((inp.key_cache, inp.value_cache), device)
+    return key_cache, value_cache
 
 
 def _where(cache: torch.Tensor, elem: int) -> str:

@@ -20,9 +20,9 @@ from ..ops.concat_and_cache_mla.op import (
     entry_size,
     parse_mla_mode,
 )
-from .build import flag_parts, make_slot_mapping
+from .build import WriteCase, flag_parts, make_slot_mapping
 from .cases import reciprocal_traps
-from .compare import differing_bytes, nan_mask, storage_bytes
+from .compare import copy_allocations, differing_bytes, nan_mask, storage_bytes
 
 __all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache",
            "assert_mla_caches_equal", "mla_differing_bytes", "every_16_bit_pattern_tiles",
@@ -30,21 +30,14 @@ __all__ = ["MlaCase", "MlaInputs", "MLA_CASES", "make_mla_inputs", "clone_cache"
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaCase:
-    num_tokens: int = 7
+class MlaCase(WriteCase):
     kv_lora_rank: int = 512
     pe_dim: int = 64
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     kv_cache_dtype: str = "auto"
     # fp8_ds_mla's tile scale rule ("pow2" or "amax"); the default in every other mode.
     ds_mla_scale: str = DEFAULT_DS_MLA_SCALE.value
     # fp8 modes: "uint8" (vLLM's storage) or "float8" (torch's float8 dtype).
     fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    # kv_c/k_pe rows past num_tokens (CUDA-graph padding); never read.
-    extra_rows: int = 0
     # kv_c and k_pe as slices of one latent projection [T, L + P] (token stride L + P), with
     # latent_pad more elements per row after them.
     latent_slices: bool = False
@@ -54,8 +47,6 @@ class MlaCase:
     cache_pad: int = 0
     cache_offset: int = 0
     cache_transposed: bool = False
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # NaN, ±inf, ±0, subnormals, saturating values; for fp8_ds_mla zero, NaN, all-NaN, inf and
     # tiny tiles too.
     special_values: bool = False
@@ -235,23 +226,15 @@ def make_mla_inputs(case: MlaCase, device: str | torch.device = "cpu", seed: int
     kv_cache = base[:, :, case.cache_offset:case.cache_offset + E]
     scale = torch.tensor([case.scale], dtype=torch.float32)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in moved:
-            moved[key] = storage_bytes(t).to(device)
-        return moved[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return MlaInputs(move(kv_c), move(k_pe), move(kv_cache), move(slot_mapping),
-                     case.kv_cache_dtype, move(scale), case.ds_mla_scale)
+    kv_c, k_pe, kv_cache, slot_mapping, scale = copy_allocations(
+        (kv_c, k_pe, kv_cache, slot_mapping, scale), device, copy=False)
+    return MlaInputs(kv_c, k_pe, kv_cache, slot_mapping, case.kv_cache_dtype, scale,
+                     case.ds_mla_scale)
 
 
 def clone_cache(cache: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
     """A copy of ``cache`` (on ``device``, default its own) with its whole allocation."""
-    device = cache.device if device is None else device
-    copy = storage_bytes(cache).to(device, copy=True)
-    return copy.view(cache.dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+    return copy_allocations([cache], device)[0]
 
 
 def _code_region(cache: torch.Tensor, mode: MlaMode) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..ops.nvfp4 import (
     nvfp4_quantize_append_paged_kv_cache_with_slot_mapping,
     page_bytes,
 )
-from .build import flag_parts
+from .build import WriteCase, flag_parts
 from .compare import storage_bytes
 
 __all__ = ["Nvfp4Case", "Nvfp4Inputs", "NVFP4_CASES", "NVFP4_GPU_CASES", "FORMS",
@@ -31,13 +31,9 @@ FORMS = ("vllm", "tuple", "stacked", "padded")
 
 
 @dataclasses.dataclass(frozen=True)
-class Nvfp4Case:
-    num_tokens: int = 7
+class Nvfp4Case(WriteCase):
     num_heads: int = 2
     head_size: int = 64
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     kv_cache_dtype: str = "nvfp4"      # FlashInfer's forms: "nvfp4" only (their one rule)
     layout: str = "NHD"                 # NHD or HND (FlashInfer's kv_layout)
     v_scale_layout: str | None = "linear"  # vllm form: None (the device's default), linear, swizzled
@@ -45,12 +41,8 @@ class Nvfp4Case:
     # vllm form: extra bytes after each block's K and V sides (s0 > bs*H*F); padded form: extra
     # bytes per entry row (data and scales).
     pad: int = 0
-    slot_dtype: torch.dtype = torch.int64
-    extra_rows: int = 0                 # input rows past num_tokens (graph padding; never read)
     qkv_slices: bool = False            # key/value are slices of a fused [T, Hq + 2H, D] qkv
     misaligned: bool = False            # inputs start 1 element past a 16-byte boundary
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     special_values: bool = False        # the special groups of docs/ops/nvfp4.md in the rows
     k_scale: float = 2.0**-5  # a power of two: the special groups' ties are exact ties
     v_scale: float = 0.003

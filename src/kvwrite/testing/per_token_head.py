@@ -23,8 +23,8 @@ from ..ops.reshape_and_cache_flash_per_token_head_quant.op import (
     PerTokenHeadMode,
     parse_kv_quant_mode,
 )
-from .build import flag_parts, make_slot_mapping
-from .compare import storage_bytes
+from .build import WriteCase, flag_parts, make_slot_mapping
+from .compare import copy_allocations, storage_bytes
 
 __all__ = ["PthCase", "PthInputs", "PTH_CASES", "PTH_GPU_CASES", "make_pth_inputs",
            "clone_pth_caches", "pth_differing_bytes", "assert_pth_caches_equal",
@@ -45,14 +45,10 @@ class _ForeignMode(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class PthCase:
-    num_tokens: int = 7
+class PthCase(WriteCase):
     num_heads: int = 4
     head_size: int = 64
     head_size_v: int | None = None  # None: head_size
-    block_size: int = 16
-    num_blocks: int = 4
-    dtype: torch.dtype = torch.bfloat16
     kv_quant_mode: str = INT8
     # Data cache dtype: "" vLLM's storage (int8; uint8 for fp8 and int4), "float8" (fp8 as
     # float8_e4m3fn), "int8" (int4 bytes as int8).
@@ -67,14 +63,10 @@ class PthCase:
     row_pad: int = 0
     # Build the caches with create_per_token_head_caches (needs Dk == Dv, no padding).
     via_allocator: bool = False
-    slot_dtype: torch.dtype = torch.int64
-    extra_rows: int = 0  # key/value rows past num_tokens (never read)
     # key and value as slices of one fused qkv [T, (2H + H) Dk + H Dv] (token stride free).
     fused_qkv: bool = False
     # key/value heads spaced head_size + head_pad elements apart (head stride free).
     head_pad: int = 0
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     special_values: bool = False
     # How kv_quant_mode is passed: "str", "enum" (the op's enum), "foreign" (another package's
     # enum of the same names) or "none" (inferred from the cache dtype; int8 and fp8 only).
@@ -367,30 +359,14 @@ def make_pth_inputs(case: PthCase, device: str | torch.device = "cpu", seed: int
                                      case.padding_slots, case.out_of_range_slots,
                                      case.slot_dtype, gen)
 
-    moved = {}
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        key_ = t.untyped_storage().data_ptr()
-        if key_ not in moved:
-            moved[key_] = storage_bytes(t).to(device)
-        return moved[key_].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    return PthInputs(move(key), move(value), *(move(c) for c in caches), move(slot_mapping),
+    return PthInputs(*copy_allocations((key, value, *caches, slot_mapping), device, copy=False),
                      _mode_arg(case))
 
 
 def clone_pth_caches(caches, device: str | torch.device | None = None) -> tuple:
     """Copies of the four cache tensors (on ``device``, default their own) with their whole
     allocations, tensors that shared an allocation sharing the copy."""
-    copies = {}
-    out = []
-    for c in caches:
-        dev = c.device if device is None else device
-        k = c.untyped_storage().data_ptr()
-        if k not in copies:
-            copies[k] = storage_bytes(c).to(dev, copy=True)
-        out.append(copies[k].view(c.dtype).as_strided(c.shape, c.stride(), c.storage_offset()))
-    return tuple(out)
+    return tuple(copy_allocations(caches, device))
 
 
 # --- comparison --------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ import itertools
 
 import torch
 
-from ..dtypes import CacheDType, parse_kv_cache_dtype
+from ..dtypes import parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
 from .build import flag_parts
 from .cases import Case, make_inputs
 from .compare import storage_bytes
-from .rope import cos_sin_table
+from .rope import RotaryWriteCase, cos_sin_table, draw_positions
 
 __all__ = ["QkNormCase", "QkNormInputs", "make_qk_norm_inputs", "clone_inputs", "geometry",
            "differences", "NORM_CASES", "FUSED_CASES", "GPU_NORM_CASES", "GPU_FUSED_CASES",
@@ -30,26 +30,17 @@ SPECIALS = ("", "zeros", "nan", "inf", "huge", "tiny")
 
 
 @dataclasses.dataclass(frozen=True)
-class QkNormCase:
-    num_tokens: int = 7              # T_rot = position_ids.numel()
-    cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
-    extra_rows: int = 0              # rows past T_rot (CUDA-graph padding); never read
+class QkNormCase(RotaryWriteCase):
+    """(T_rot = position_ids.numel(); the cache write: the fused op only.)"""
     num_q_heads: int = 4
     num_k_heads: int = 2
     num_v_heads: int | None = None   # None: num_k_heads
-    head_size: int = 64
-    rot_dim: int | None = None       # None: head_size
-    is_neox: bool = True
     dtype: torch.dtype = torch.float16
-    cos_sin_dtype: torch.dtype = torch.float32
     # The weights' dtypes: "same" (qkv's), a torch dtype, or None (no weight).
     q_weight: torch.dtype | str | None = "same"
     k_weight: torch.dtype | str | None = "same"
     weight_offset: float = 0.0
     eps: float = 1e-6
-    max_position: int = 64
-    bad_positions: int = 0
-    pos_dtype: torch.dtype = torch.int64
     # 2-D qkv [T_pad, (Hq+Hk+Hv)*D] instead of [T_pad, Hq+Hk+Hv, D].
     flat: bool = False
     # Extra columns after each token's heads (a token stride wider than the heads).
@@ -58,38 +49,15 @@ class QkNormCase:
     # vLLM's wide[..., :head_size] slices; the padding holds random bits that must not change.
     head_pad: int = 0
     special: str = ""
-    # The cache write (as reshape_and_cache_flash's Case); fused op only.
-    block_size: int = 16
     num_blocks: int = 8
-    kv_cache_dtype: str = "auto"
-    layout: Layout = Layout.NHD
-    alloc: KVAlloc = KVAlloc.SEPARATE
-    per_head_scale: bool = False
-    fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
-    rotate_key_in_place: bool = True
     # query_out: None, "same" (qkv's dtype), "fp8_e4m3" or "fp8_e5m2"; "spare": a region of
     # qkv's own allocation past the heads (qkv's dtype).
     query_out: str | None = None
     q_scale_per_head: bool = False
 
     @property
-    def rot(self) -> int:
-        return self.head_size if self.rot_dim is None else self.rot_dim
-
-    @property
     def num_values(self) -> int:
         return self.num_k_heads if self.num_v_heads is None else self.num_v_heads
-
-    @property
-    def num_cache_tokens(self) -> int:
-        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
-
-    @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
 
     def weight_dtype(self, which: str) -> torch.dtype | None:
         w = self.q_weight if which == "q" else self.k_weight
@@ -110,16 +78,7 @@ class QkNormCase:
             parts.append(f"off{self.weight_offset:g}")
         if self.eps != 1e-6:
             parts.append(f"eps{self.eps:g}")
-        if self.cache_tokens is not None:
-            parts.append(f"Tc{self.cache_tokens}")
-        parts += [self.kv_cache_dtype, self.layout.value, self.alloc.value]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
-        if self.pos_dtype == torch.int32:
-            parts.append("pos32")
-        if self.slot_dtype == torch.int32:
-            parts.append("slot32")
+        parts += self.write_id_parts()
         if self.query_out:
             parts.append("qout-" + self.query_out + ("-perhead" if self.q_scale_per_head else ""))
         flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
@@ -289,13 +248,7 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
         q_scale = (torch.rand(n, generator=gen) * 0.9 + 0.1) * 0.02
     q_weight, k_weight = _weight(case, "q", gen), _weight(case, "k", gen)
 
-    pos = torch.randint(0, case.max_position, (T,), generator=gen)
-    if case.bad_positions:
-        where = torch.randperm(T, generator=gen)[:case.bad_positions]
-        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
-        for i, w in enumerate(where.tolist()):
-            pos[w] = bad[i % len(bad)]
-    positions = pos.to(case.pos_dtype)
+    positions = draw_positions(case, T, gen)
     cos_sin = _table(case.max_position, case.rot, case.cos_sin_dtype).clone()
 
     # The caches, slots and scales from the cache write's model (its key and value unused), with

@@ -12,48 +12,61 @@ import itertools
 
 import torch
 
-from ..dtypes import CacheDType, parse_kv_cache_dtype
 from ..layouts import KVAlloc, Layout
-from .build import flag_parts
+from .build import FlashWriteCase, flag_parts
 from .cases import Case, make_inputs
 
-__all__ = ["RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table", "ROPE_CASES",
-           "FUSED_CASES", "PADDED_ROPE_CASES", "PADDED_FUSED_CASES"]
+__all__ = ["RotaryWriteCase", "RopeCase", "RopeInputs", "make_rope_inputs", "cos_sin_table",
+           "draw_positions", "ROPE_CASES", "FUSED_CASES", "PADDED_ROPE_CASES",
+           "PADDED_FUSED_CASES"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeCase:
-    num_tokens: int = 7            # T_rot = positions.numel()
+class RotaryWriteCase(FlashWriteCase):
+    """The fields of a rotary embedding's case, then of its cache write (the fused ops':
+    reshape_and_cache_flash's Case's); num_tokens is T_rot = positions.numel() (extra_rows: rows
+    past T_rot)."""
     cache_tokens: int | None = None  # T = slot_mapping.numel() (<= T_rot); None: T_rot
-    extra_rows: int = 0            # rows past T_rot (CUDA-graph padding); never read
-    num_q_heads: int = 8
-    num_heads: int = 2             # KV heads
     head_size: int = 64
     rot_dim: int | None = None     # None: head_size
     is_neox: bool = True
-    dtype: torch.dtype = torch.bfloat16
     cos_sin_dtype: torch.dtype = torch.float32
     max_position: int = 64
     bad_positions: int = 0         # positions outside [0, max_position)
     pos_dtype: torch.dtype = torch.int64
-    # The cache write (as reshape_and_cache_flash's Case).
-    block_size: int = 16
+    rotate_key_in_place: bool = True
+
+    @property
+    def rot(self) -> int:
+        return self.head_size if self.rot_dim is None else self.rot_dim
+
+    @property
+    def num_cache_tokens(self) -> int:
+        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
+
+    def write_id_parts(self) -> list[str]:
+        """The case id's parts of the cache write: its tokens, the cache, the positions' and the
+        slots' dtypes."""
+        parts = [] if self.cache_tokens is None else [f"Tc{self.cache_tokens}"]
+        parts += self.cache_id_parts()
+        if self.pos_dtype == torch.int32:
+            parts.append("pos32")
+        if self.slot_dtype == torch.int32:
+            parts.append("slot32")
+        return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeCase(RotaryWriteCase):
+    num_q_heads: int = 8
+    num_heads: int = 2             # KV heads
     num_blocks: int = 12
-    kv_cache_dtype: str = "auto"
-    layout: Layout = Layout.NHD
-    alloc: KVAlloc = KVAlloc.SEPARATE
-    per_head_scale: bool = False
-    fp8_storage: str = "uint8"
-    slot_dtype: torch.dtype = torch.int64
-    padding_slots: int = 0
-    out_of_range_slots: int = 0
     # query, key and value as slices of one [T_pad, Hq + 2H, D] qkv tensor.
     fused_qkv: bool = False
     # 2-D inputs [T_pad, H * D].
     flat: bool = False
     # rotary_embedding with key=None.
     no_key: bool = False
-    rotate_key_in_place: bool = True
     query_out: bool = False
     # Padded heads (3-D form only): elements after each head of query, key, value and query_out,
     # so each is a [..., :D] slice of rows of heads (D + pad) apart, as vLLM passes them; the
@@ -66,33 +79,12 @@ class RopeCase:
             raise ValueError("head_pad: the 2-D (flat) form has dense heads")
 
     @property
-    def rot(self) -> int:
-        return self.head_size if self.rot_dim is None else self.rot_dim
-
-    @property
-    def num_cache_tokens(self) -> int:
-        return self.num_tokens if self.cache_tokens is None else self.cache_tokens
-
-    @property
-    def cache_dtype(self) -> CacheDType:
-        return parse_kv_cache_dtype(self.kv_cache_dtype)
-
-    @property
     def id(self) -> str:
         parts = [f"T{self.num_tokens}", f"Hq{self.num_q_heads}", f"H{self.num_heads}",
                  f"D{self.head_size}", f"rot{self.rot}", "neox" if self.is_neox else "gptj",
                  str(self.dtype).removeprefix("torch."),
                  "cs" + str(self.cos_sin_dtype).removeprefix("torch.")]
-        if self.cache_tokens is not None:
-            parts.append(f"Tc{self.cache_tokens}")
-        parts += [self.kv_cache_dtype, self.layout.value, self.alloc.value]
-        if self.cache_dtype.is_fp8:
-            parts.append("perhead" if self.per_head_scale else "pertensor")
-            parts.append(self.fp8_storage)
-        if self.pos_dtype == torch.int32:
-            parts.append("pos32")
-        if self.slot_dtype == torch.int32:
-            parts.append("slot32")
+        parts += self.write_id_parts()
         flags = ((self.extra_rows, "extra"), (self.bad_positions, "badpos"),
                  (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
                  (self.fused_qkv, "qkv"), (self.flat, "flat"), (self.no_key, "nokey"),
@@ -153,6 +145,18 @@ def cos_sin_table(max_position: int, rot_dim: int, dtype: torch.dtype = torch.fl
     inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
     freqs = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype).to(device).contiguous()
+
+
+def draw_positions(case: RotaryWriteCase, num: int, gen: torch.Generator) -> torch.Tensor:
+    """``num`` random positions in ``[0, max_position)`` of the case's dtype, ``bad_positions``
+    of them (at random indices) out of range: -1, max_position, the int32 extremes, ..."""
+    pos = torch.randint(0, case.max_position, (num,), generator=gen)
+    if case.bad_positions:
+        where = torch.randperm(num, generator=gen)[:case.bad_positions]
+        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
+        for i, w in enumerate(where.tolist()):
+            pos[w] = bad[i % len(bad)]
+    return pos.to(case.pos_dtype)
 
 
 def _heads(t: torch.Tensor, flat: bool) -> torch.Tensor:
@@ -217,13 +221,7 @@ def make_rope_inputs(case: RopeCase, device: str | torch.device = "cpu",
         if query_out is not None:
             query_out = _padded([query_out], [po], pad_gen)[0]
 
-    pos = torch.randint(0, case.max_position, (T,), generator=gen)
-    if case.bad_positions:
-        where = torch.randperm(T, generator=gen)[:case.bad_positions]
-        bad = [-1, case.max_position, -(2**31), case.max_position + 17, -7, 2**31 - 1]
-        for i, w in enumerate(where.tolist()):
-            pos[w] = bad[i % len(bad)]
-    positions = pos.to(case.pos_dtype)
+    positions = draw_positions(case, T, gen)
     cos_sin = cos_sin_table(case.max_position, case.rot, case.cos_sin_dtype)
 
     def dev(t):

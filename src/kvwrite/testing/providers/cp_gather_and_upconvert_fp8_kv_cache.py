@@ -7,7 +7,7 @@ import torch
 
 from kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, WrongWriter
+from ..conformance import BadInput, Example, WrongWriter, replaced
 from ..gather import Seqs, UpconvertCase, graph_seqs, make_upconvert_inputs
 from .gather_common import gather_provider, reference_run, via_reference
 
@@ -38,16 +38,15 @@ WRONG = (WrongWriter("tile-scales", via_reference(OP, _tile_scales_shifted), Upc
 
 # --- bad input -------------------------------------------------------------------------------------
 
+def _up_args() -> dict:
+    inp = make_upconvert_inputs(UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 5))))
+    names = ("src_cache", "dst", "block_table", "workspace_starts", "batch_size",
+             "seq_starts")
+    return dict(zip(names, inp.args(), strict=True))
+
+
 def _up(**changes):
-    def make():
-        inp = make_upconvert_inputs(UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 5))))
-        names = ("src_cache", "dst", "block_table", "workspace_starts", "batch_size",
-                 "seq_starts")
-        args = dict(zip(names, inp.args(), strict=True))
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(_up_args, changes)
 
 
 BAD = tuple(BadInput(*b) for b in [
@@ -72,4 +71,5 @@ COMPILE_CASES = (Example("default", UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 
 
 PROVIDER = gather_provider(OP, make_upconvert_inputs, lambda inp, case: inp.args(), mutates=(1,),
                            names=("dst",), nan=slice(0, 512), wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter
+from ..conformance import BadInput, Example, WrongWriter, replaced
 from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
 from .gather_common import gather_provider, reference_run, via_reference
 
@@ -26,16 +26,15 @@ WRONG = (WrongWriter("ignores-seq-starts", via_reference(OP, _ignores_seq_starts
 
 # --- bad input -------------------------------------------------------------------------------------
 
+def _cpv_args() -> dict:
+    case = EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), entry=(4, 8), dtype=torch.float32)
+    inp = make_entry_inputs(case)
+    names = ("src_cache", "dst", "block_table", "cu_seq_lens", "batch_size", "seq_starts")
+    return dict(zip(names, inp.cp_args(), strict=True))
+
+
 def _cpv(**changes):
-    def make():
-        case = EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), entry=(4, 8), dtype=torch.float32)
-        inp = make_entry_inputs(case)
-        names = ("src_cache", "dst", "block_table", "cu_seq_lens", "batch_size", "seq_starts")
-        args = dict(zip(names, inp.cp_args(), strict=True))
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(_cpv_args, changes)
 
 
 BAD = tuple(BadInput(*b) for b in [
@@ -59,4 +58,5 @@ COMPILE_CASES = (Example("auto", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv
 
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.cp_args(), mutates=(1,),
                            names=("dst",), nan=False, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=20)

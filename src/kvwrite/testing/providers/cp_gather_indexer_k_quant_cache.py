@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter
+from ..conformance import BadInput, Example, WrongWriter, replaced
 from ..gather import IndexerCase, Seqs, graph_seqs, make_indexer_inputs
 from .gather_common import gather_provider, reference_run, via_reference
 
@@ -45,15 +45,14 @@ WRONG = (WrongWriter("wraps-block-ids", via_reference(OP, _table_bounds_unchecke
 
 # --- bad input -------------------------------------------------------------------------------------
 
+def _ix_args() -> dict:
+    inp = make_indexer_inputs(IndexerCase(scale_dtype=torch.float32))
+    names = ("kv_cache", "dst_k", "dst_scale", "block_table", "cu_seq_lens")
+    return dict(zip(names, inp.args(), strict=True))
+
+
 def _ix(**changes):
-    def make():
-        inp = make_indexer_inputs(IndexerCase(scale_dtype=torch.float32))
-        names = ("kv_cache", "dst_k", "dst_scale", "block_table", "cu_seq_lens")
-        args = dict(zip(names, inp.args(), strict=True))
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(_ix_args, changes)
 
 
 BAD = tuple(BadInput(*b) for b in [
@@ -80,4 +79,5 @@ COMPILE_CASES = (Example("default", IndexerCase(seqs=Seqs(starts=None))),)
 
 PROVIDER = gather_provider(OP, make_indexer_inputs, lambda inp, case: inp.args(), mutates=(1, 2),
                            names=("dst_k", "dst_scale"), nan=False, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=15)

@@ -9,7 +9,7 @@ import torch
 import kvwrite
 from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import OP
 
-from ..conformance import BadInput, Provider, WrongWriter
+from ..conformance import Provider, WrongWriter, bad_inputs
 from ..qk_norm import QkNormCase, QkNormInputs, make_qk_norm_inputs
 from .qk_norm_common import (
     COMMON_BAD,
@@ -160,16 +160,13 @@ FUSED_BAD = COMMON_BAD + [
 
 
 
-def _bad(change):
-    """The valid call on VCASE's inputs (its keyword arguments too) with ``change`` applied."""
-    def make():
-        inp = make_qk_norm_inputs(VCASE)
-        args = {**dict(zip(FUSED_NAMES, inp.fused_args(), strict=True)), **inp.fused_kwargs()}
-        return (), {**args, **change(args)}
-    return make
+def _valid_args() -> dict:
+    """The valid call on VCASE's inputs, its keyword arguments too."""
+    inp = make_qk_norm_inputs(VCASE)
+    return {**dict(zip(FUSED_NAMES, inp.fused_args(), strict=True)), **inp.fused_kwargs()}
 
 
-BAD = tuple(BadInput(name, _bad(change), exc, text) for name, change, exc, text in FUSED_BAD)
+BAD = bad_inputs(FUSED_BAD, _valid_args)
 
 PROVIDER = Provider(
     op=OP,

@@ -12,9 +12,9 @@ from kvwrite.ops.fused_rope_and_reshape_cache_flash import reference as fused_re
 from kvwrite.ops.rotary_embedding import reference as rope_ref
 
 from ..compare import assert_caches_equal
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import Provider, WrongWriter, bad_inputs
 from ..rope import RopeCase, make_rope_inputs
-from .rope_common import COMMON_BAD, VCASE, compile_case, graph_case, heads
+from .rope_common import COMMON_BAD, VCASE, graph_and_compile_cases, heads
 
 NAMES = ("query", "key", "value", "positions", "cos_sin_cache", "is_neox", "key_cache",
          "value_cache", "slot_mapping", "k_scale", "v_scale", "kv_cache_dtype",
@@ -133,14 +133,8 @@ FUSED_BAD = COMMON_BAD + [
 ]
 
 
-def _bad(change):
-    def make():
-        args = dict(zip(NAMES[:12], make_rope_inputs(VCASE).fused_args(), strict=True))
-        return (), {**args, **change(args)}
-    return make
-
-
-BAD = tuple(BadInput(name, _bad(change), exc, text) for name, change, exc, text in FUSED_BAD)
+BAD = bad_inputs(FUSED_BAD,
+                 lambda: dict(zip(NAMES[:12], make_rope_inputs(VCASE).fused_args(), strict=True)))
 
 PROVIDER = Provider(
     op=OP,
@@ -151,13 +145,7 @@ PROVIDER = Provider(
     mutated_names=tuple(NAMES[i] for i in TENSORS),
     check=_check,
     skip=_skip,
-    # The variant's first call is in the capture; two replays with new inputs.
-    graph_warmup=False,
-    graph_seeds=(1, 2, 3),
-    graph_cases=tuple(Example(n, graph_case(True, padded))
-                      for n, padded in (("dense", False), ("padded", True))),
-    compile_cases=tuple(Example(n, compile_case(padded))
-                        for n, padded in (("dense", False), ("padded", True))),
+    **graph_and_compile_cases(fused=True),
     wrong_writers=WRONG,
     bad_inputs=BAD,
 )

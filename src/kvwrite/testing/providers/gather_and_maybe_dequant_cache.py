@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter
+from ..conformance import BadInput, Example, WrongWriter, replaced
 from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
 from .gather_common import gather_provider, reference_run, via_reference
 
@@ -34,17 +34,17 @@ def _entry_base(kv="auto"):
     case = EntryCase(kv_cache_dtype=kv, seqs=Seqs(starts=(1, 2, 3, 4, 5)), entry=(32,))
     return case, make_entry_inputs(case)
 
+
+def _dq_args(kv="auto") -> dict:
+    case, inp = _entry_base(kv)
+    a = inp.dequant_args(case)
+    names = ("src_cache", "dst", "block_table", "cu_seq_lens", "token_to_seq", "num_tokens",
+             "kv_cache_dtype", "scale", "seq_starts")
+    return dict(zip(names, a, strict=True))
+
+
 def _dq(kv="auto", **changes):
-    def make():
-        case, inp = _entry_base(kv)
-        a = inp.dequant_args(case)
-        names = ("src_cache", "dst", "block_table", "cu_seq_lens", "token_to_seq", "num_tokens",
-                 "kv_cache_dtype", "scale", "seq_starts")
-        args = dict(zip(names, a, strict=True))
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(lambda: _dq_args(kv), changes)
 
 
 BAD = tuple(BadInput(*b) for b in [
@@ -89,4 +89,5 @@ COMPILE_CASES = (Example("fp8", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_
 
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.dequant_args(case), mutates=(1,),
                            names=("dst",), nan=None, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=17)

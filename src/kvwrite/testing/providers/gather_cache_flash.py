@@ -9,7 +9,7 @@ import torch
 
 from kvwrite.layouts import KVAlloc, Layout
 
-from ..conformance import BadInput, Example, WrongWriter
+from ..conformance import BadInput, Example, WrongWriter, replaced
 from ..gather import FlashCase, Seqs, graph_seqs, make_flash_inputs
 from .gather_common import gather_provider, reference_run, via_reference
 
@@ -36,17 +36,16 @@ WRONG = (WrongWriter("saturates", via_reference(OP, _saturates), FlashCase(kv_ca
 
 # --- bad input -------------------------------------------------------------------------------------
 
+def _fl_args(kv="fp8") -> dict:
+    case = FlashCase(kv_cache_dtype=kv, per_head_scale=True, seqs=Seqs(starts=(1, 2, 3, 4, 5)))
+    inp = make_flash_inputs(case)
+    names = ("key_cache", "value_cache", "key_out", "value_out", "block_table", "cu_seq_lens",
+             "kv_cache_dtype", "k_scale", "v_scale", "seq_starts")
+    return dict(zip(names, inp.args(case), strict=True))
+
+
 def _fl(kv="fp8", **changes):
-    def make():
-        case = FlashCase(kv_cache_dtype=kv, per_head_scale=True, seqs=Seqs(starts=(1, 2, 3, 4, 5)))
-        inp = make_flash_inputs(case)
-        names = ("key_cache", "value_cache", "key_out", "value_out", "block_table", "cu_seq_lens",
-                 "kv_cache_dtype", "k_scale", "v_scale", "seq_starts")
-        args = dict(zip(names, inp.args(case), strict=True))
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(lambda: _fl_args(kv), changes)
 
 
 BAD = tuple(BadInput(*b) for b in [
@@ -77,4 +76,5 @@ COMPILE_CASES = (Example("fp8-per-head", FlashCase(seqs=Seqs(starts=(1, 2, 3, 4,
 
 PROVIDER = gather_provider(OP, make_flash_inputs, lambda inp, case: inp.args(case), mutates=(2, 3),
                            names=("key_out", "value_out"), nan=None, wrong=WRONG, bad=BAD,
-                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES)
+                           graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
+                           variants=17)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import kvwrite
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..gather import assert_outputs_equal
 
 __all__ = ["gather_provider", "via_reference", "reference_run"]
@@ -39,11 +39,11 @@ def via_reference(op: str, broken: Callable) -> Callable[..., None]:
 def gather_provider(op: str, make: Callable, args_of: Callable, mutates: tuple[int, ...],
                     names: tuple[str, ...], nan, wrong: tuple[WrongWriter, ...],
                     bad: tuple[BadInput, ...], graph_cases: tuple[Example, ...],
-                    compile_cases: tuple[Example, ...]) -> Provider:
+                    compile_cases: tuple[Example, ...], variants: int) -> Provider:
     """``make(case, device)`` builds a case's inputs, ``args_of(inputs, case)`` the call's
     arguments; ``nan``: which output columns may hold any NaN (assert_outputs_equal's
     ``nan_cols``). A graph case is a function of the seed (0 and 1: new lengths, starts, block
-    ids and scales between them)."""
+    ids and scales between them). ``variants``: how many CUDA variants the op compiles."""
     def build(case, device, seed):
         case = case(seed) if callable(case) else case
         return args_of(make(case, device), case)
@@ -55,4 +55,5 @@ def gather_provider(op: str, make: Callable, args_of: Callable, mutates: tuple[i
     return Provider(op=op, call=getattr(kvwrite, op), build=build, mutates=mutates,
                     mutated_names=names, check=check, graph_seeds=(0, 1),
                     graph_cases=graph_cases, compile_cases=compile_cases, wrong_writers=wrong,
-                    bad_inputs=bad)
+                    bad_inputs=bad,
+                    compile_variants=compile_every_variant(f"kvwrite.ops.{op}", variants))

@@ -9,7 +9,7 @@ import kvwrite
 from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
 from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..indexer import IndexerCase, assert_indexer_caches_equal, clone_cache, make_indexer_inputs
 
 
@@ -33,35 +33,26 @@ def _skip_last_token(k, kv_cache, slots, q, fmt):
     torch_ref.run(k, kv_cache, slots[:-1], q, fmt)
 
 
-def _amax_with_nan(k, kv_cache, slots, q, fmt):
-    """amax by torch.amax, which propagates NaN (the rule ignores it)."""
-    real = torch_ref.group_scales
-    try:
-        torch_ref.group_scales = lambda x, f: real(torch.where(
-            torch.isnan(x).any(dim=2, keepdim=True), float("nan"), x), f)
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.group_scales = real
+def _reference_with(name: str, replacement):
+    """The reference with its ``<name>`` replaced by ``replacement(the real one)`` for the call."""
+    def write(k, kv_cache, slots, q, fmt):
+        real = getattr(torch_ref, name)
+        try:
+            setattr(torch_ref, name, replacement(real))
+            torch_ref.run(k, kv_cache, slots, q, fmt)
+        finally:
+            setattr(torch_ref, name, real)
+    return write
 
 
-def _no_floor(k, kv_cache, slots, q, fmt):
-    """s = amax / 448 without the 1e-4 floor (zero groups: NaN codes, zero scales)."""
-    real = torch_ref.SCALE_FLOOR_BITS
-    try:
-        torch_ref.SCALE_FLOOR_BITS = 0
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.SCALE_FLOOR_BITS = real
-
-
-def _log2_ue8m0(k, kv_cache, slots, q, fmt):
-    """ue8m0 as exp2f(ceilf(log2f(s))) in float32."""
-    real = torch_ref.ue8m0
-    try:
-        torch_ref.ue8m0 = lambda s: torch.exp2(torch.ceil(torch.log2(s)))
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.ue8m0 = real
+# amax by torch.amax, which propagates NaN (the rule ignores it).
+_amax_with_nan = _reference_with("group_scales", lambda real: lambda x, f: real(torch.where(
+    torch.isnan(x).any(dim=2, keepdim=True), float("nan"), x), f))
+# s = amax / 448 without the 1e-4 floor (zero groups: NaN codes, zero scales).
+_no_floor = _reference_with("SCALE_FLOOR_BITS", lambda real: 0)
+# ue8m0 as exp2f(ceilf(log2f(s))) in float32.
+_log2_ue8m0 = _reference_with("ue8m0",
+                              lambda real: lambda s: torch.exp2(torch.ceil(torch.log2(s))))
 
 
 def _scales_beside_codes(k, kv_cache, slots, q, fmt):
@@ -76,15 +67,9 @@ def _scales_beside_codes(k, kv_cache, slots, q, fmt):
             kv_cache[s // bs, s % bs, d:] = scales[0].contiguous().view(torch.uint8)
 
 
-def _one_group_amax(k, kv_cache, slots, q, fmt):
-    """vLLM's kernel: the amax always spans the first 128 elements (every group gets one scale)."""
-    real = torch_ref.group_scales
-    try:
-        torch_ref.group_scales = lambda x, f: real(x.reshape(x.shape[0], 1, -1), f).expand(
-            x.shape[0], x.shape[1])
-        torch_ref.run(k, kv_cache, slots, q, fmt)
-    finally:
-        torch_ref.group_scales = real
+# vLLM's kernel: the amax always spans the first 128 elements (every group gets one scale).
+_one_group_amax = _reference_with("group_scales", lambda real: lambda x, f: real(
+    x.reshape(x.shape[0], 1, -1), f).expand(x.shape[0], x.shape[1]))
 
 
 def _mxfp8_float_bits(k, kv_cache, slots, q, fmt):
@@ -174,13 +159,6 @@ BAD = tuple(BadInput(*b) for b in [
 
 # --- CUDA graphs, torch.compile, NVRTC ---------------------------------------------------------------
 
-def _compile_variants() -> None:
-    from kvwrite.ops.indexer_k_quant_and_cache import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 56 and len(bytes(obj.code)) > 0
-
-
 PROVIDER = Provider(
     op=OP,
     call=kvwrite.indexer_k_quant_and_cache,
@@ -196,5 +174,5 @@ PROVIDER = Provider(
     compile_cases=(Example("ue8m0", IndexerCase(num_tokens=9, padding_slots=2, k_pad=8)),),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    compile_variants=_compile_variants,
+    compile_variants=compile_every_variant("kvwrite.ops.indexer_k_quant_and_cache", 56),
 )

@@ -14,7 +14,7 @@ import kvwrite
 from kvwrite.ops.nvfp4 import OP, ScaleLayout
 from kvwrite.ops.nvfp4 import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant, replaced
 from ..nvfp4 import Nvfp4Case, assert_storages_equal, make_nvfp4_inputs
 
 
@@ -126,18 +126,17 @@ WRONG = tuple(WrongWriter(i, _broken(r, t), c) for i, c, r, t in [
 
 # --- bad input: vLLM's form (reshape_and_cache_flash) and FlashInfer's --------------------------
 
+def _vllm_args() -> dict:
+    """A valid vLLM-form call (H=2, D=64, bs=16); bad input replaces some of its arguments."""
+    inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5))
+    kc, vc = inp.caches
+    return dict(key=inp.key, value=inp.value, key_cache=kc, value_cache=vc,
+                slot_mapping=inp.slot_mapping, kv_cache_dtype="nvfp4", k_scale=inp.k_scale,
+                v_scale=inp.v_scale, v_scale_layout="linear")
+
+
 def _vllm(**changes):
-    """A valid vLLM-form call (H=2, D=64, bs=16) with some arguments replaced."""
-    def make():
-        inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5))
-        kc, vc = inp.caches
-        args = dict(key=inp.key, value=inp.value, key_cache=kc, value_cache=vc,
-                    slot_mapping=inp.slot_mapping, kv_cache_dtype="nvfp4", k_scale=inp.k_scale,
-                    v_scale=inp.v_scale, v_scale_layout="linear")
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(_vllm_args, changes)
 
 
 def _strided(c: torch.Tensor, stride) -> torch.Tensor:
@@ -184,17 +183,17 @@ def _d80(v_layout):
                 v_scale=inp.v_scale, v_scale_layout=v_layout)
 
 
+def _fi_args() -> dict:
+    """A valid FlashInfer-form call (tuple, NHD, H=2, D=64); bad input replaces some of its
+    arguments."""
+    inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5, form="tuple"))
+    return dict(append_key=inp.key, append_value=inp.value, slot_mapping=inp.slot_mapping,
+                paged_kv_cache=inp.caches[0], kv_cache_sf=inp.caches[1],
+                k_scale=inp.k_scale, v_scale=inp.v_scale, kv_layout="NHD")
+
+
 def _fi(**changes):
-    """A valid FlashInfer-form call (tuple, NHD, H=2, D=64) with some arguments replaced."""
-    def make():
-        inp = make_nvfp4_inputs(Nvfp4Case(num_tokens=5, form="tuple"))
-        args = dict(append_key=inp.key, append_value=inp.value, slot_mapping=inp.slot_mapping,
-                    paged_kv_cache=inp.caches[0], kv_cache_sf=inp.caches[1],
-                    k_scale=inp.k_scale, v_scale=inp.v_scale, kv_layout="NHD")
-        for k, f in changes.items():
-            args[k] = f(args)
-        return (), args
-    return make
+    return replaced(_fi_args, changes)
 
 
 BAD_FI = [
@@ -267,4 +266,7 @@ PROVIDER = Provider(
                                    padding_slots=2))),
     wrong_writers=WRONG,
     bad_inputs=BAD,
+    # nvfp4_kernel by dtype x MODE x slot type x rule (28), nvfp4_small_kernel by dtype x slot
+    # type x 4 or 8 elements a thread (12).
+    compile_variants=compile_every_variant("kvwrite.ops.nvfp4", 40),
 )

@@ -11,7 +11,7 @@ from kvwrite.dtypes import parse_kv_cache_dtype
 from kvwrite.ops.reshape_and_cache import OP
 from kvwrite.ops.reshape_and_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..legacy import LegacyCase, assert_legacy_caches_equal, make_legacy_inputs
 
 
@@ -143,13 +143,6 @@ GRAPH_CASE = LegacyCase(num_tokens=40, num_heads=4, head_size=64, kv_cache_dtype
                         out_of_range_slots=2, num_blocks=8)
 
 
-def _compile_variants() -> None:
-    from kvwrite.ops.reshape_and_cache import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == len(set(names)) == 192 and len(bytes(obj.code)) > 0
-
-
 PROVIDER = Provider(
     op=OP,
     call=kvwrite.reshape_and_cache,
@@ -166,5 +159,5 @@ PROVIDER = Provider(
                                                 cache_strides="padded")),),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    compile_variants=_compile_variants,
+    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache", 192),
 )

@@ -10,7 +10,7 @@ from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import OP, PerToke
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import reference as torch_ref
 
 from ..compare import storage_bytes
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..per_token_head import (
     FP8,
     INT4,
@@ -225,13 +225,6 @@ def _compile_case(mode):
                    alloc="separate", head_size=32)
 
 
-def _compile_variants() -> None:
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import cuda_impl
-    names = cuda_impl.all_kernel_names()
-    obj, _ = cuda_impl.compile_kernel("sm_90", names)  # one program: raises if any fails
-    assert len(names) == 132 and len(set(names)) == 132 and len(bytes(obj.code)) > 0
-
-
 PROVIDER = Provider(
     op=OP,
     call=kvwrite.reshape_and_cache_flash_per_token_head_quant,
@@ -248,5 +241,6 @@ PROVIDER = Provider(
                    Example(INT4, _compile_case(INT4))),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    compile_variants=_compile_variants,
+    compile_variants=compile_every_variant(
+        "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant", 132),
 )

@@ -9,9 +9,11 @@ import torch
 
 from kvwrite.layouts import KVAlloc, Layout
 
+from ..conformance import Example
 from ..rope import RopeCase
 
-__all__ = ["VCASE", "COMMON_BAD", "graph_case", "compile_case", "meta", "heads"]
+__all__ = ["VCASE", "COMMON_BAD", "graph_case", "compile_case", "graph_and_compile_cases", "meta",
+           "heads"]
 
 
 def heads(t, d):
@@ -87,3 +89,12 @@ def compile_case(padded: bool) -> RopeCase:
     """Padded: D = 64 in rows of 128 (query, key) and 96 (value)."""
     return RopeCase(num_tokens=9, dtype=torch.float16, bad_positions=2, padding_slots=2,
                     layout=Layout.HND, head_pad=(64, 64, 32, 0) if padded else (0, 0, 0, 0))
+
+
+def graph_and_compile_cases(fused: bool) -> dict:
+    """The Provider fields of both ops' CUDA-graph and torch.compile cases, dense and padded
+    heads: the variant's first call is in the capture; two replays with new inputs."""
+    padded = (("dense", False), ("padded", True))
+    return dict(graph_warmup=False, graph_seeds=(1, 2, 3),
+                graph_cases=tuple(Example(n, graph_case(fused, p)) for n, p in padded),
+                compile_cases=tuple(Example(n, compile_case(p)) for n, p in padded))

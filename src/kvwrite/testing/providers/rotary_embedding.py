@@ -11,9 +11,9 @@ from kvwrite.ops.rotary_embedding import OP
 from kvwrite.ops.rotary_embedding import reference as rope_ref
 
 from ..compare import assert_caches_equal
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import Provider, WrongWriter, bad_inputs
 from ..rope import RopeCase, make_rope_inputs
-from .rope_common import COMMON_BAD, VCASE, compile_case, graph_case, heads, meta
+from .rope_common import COMMON_BAD, VCASE, graph_and_compile_cases, heads, meta
 
 NAMES = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox")
 TENSORS = (0, 1, 2, 4)
@@ -105,14 +105,8 @@ ROTARY_BAD = COMMON_BAD + [
 ]
 
 
-def _bad(change):
-    def make():
-        args = dict(zip(NAMES, make_rope_inputs(VCASE).rotary_args(), strict=True))
-        return (), {**args, **change(args)}
-    return make
-
-
-BAD = tuple(BadInput(name, _bad(change), exc, text) for name, change, exc, text in ROTARY_BAD)
+BAD = bad_inputs(ROTARY_BAD,
+                 lambda: dict(zip(NAMES, make_rope_inputs(VCASE).rotary_args(), strict=True)))
 
 PROVIDER = Provider(
     op=OP,
@@ -122,13 +116,7 @@ PROVIDER = Provider(
     mutated_names=tuple(NAMES[i] for i in TENSORS),
     check=_check,
     skip=_skip,
-    # The variant's first call is in the capture; two replays with new inputs.
-    graph_warmup=False,
-    graph_seeds=(1, 2, 3),
-    graph_cases=tuple(Example(n, graph_case(False, padded))
-                      for n, padded in (("dense", False), ("padded", True))),
-    compile_cases=tuple(Example(n, compile_case(padded))
-                        for n, padded in (("dense", False), ("padded", True))),
+    **graph_and_compile_cases(fused=False),
     wrong_writers=WRONG,
     bad_inputs=BAD,
 )
