@@ -98,10 +98,39 @@ KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v<N-1>): `fixed`,
 // the N values as a constexpr array, and a compile error unless there are exactly N. Each op's
-// kernel.cu assigns them to its trailing scalar arguments (cuda_impl.fixed_args' order).
+// kernel.cu assigns them to its trailing scalar arguments (cuda_impl.fixed_args' order), with
+// KVW_ASSIGN_FIXED_ARGS or (the gathers, whose rule shares its first values) by index.
 #define KVW_FIXED_ARGS_ARRAY(N)                   \
   constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS}; \
   static_assert(sizeof(fixed) / sizeof(fixed[0]) == N, "KVWRITE_FIXED_ARGS: " #N " values")
+
+// The number of a macro's arguments (1 to 32).
+#define KVW_NARGS(...)                                                                          \
+  KVW_NARGS_(__VA_ARGS__, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,  \
+             15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define KVW_NARGS_(a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17,  \
+                   a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32,  \
+                   n, ...)                                                                      \
+  n
+
+// KVW_ASSIGN_FIXED_ARGS(a, b, ...): in a specialized build, the values of KVWRITE_FIXED_ARGS
+// assigned to the named arguments in order (a compile error unless there is one value per name);
+// nothing in a generic build.
+#ifdef KVWRITE_FIXED_ARGS
+template <typename... T>
+KVW_HD void kvw_assign_fixed(const i64* values, T&... args) {
+  int i = 0;
+  ((args = static_cast<T>(values[i++])), ...);
+}
+#define KVW_ASSIGN_FIXED_ARGS(...) KVW_ASSIGN_FIXED_ARGS_(KVW_NARGS(__VA_ARGS__), __VA_ARGS__)
+#define KVW_ASSIGN_FIXED_ARGS_(N, ...)  \
+  {                                     \
+    KVW_FIXED_ARGS_ARRAY(N);            \
+    kvw_assign_fixed(fixed, __VA_ARGS__); \
+  }
+#else
+#define KVW_ASSIGN_FIXED_ARGS(...)
+#endif
 
 // float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
 KVW_HD u32 bf16_from_f32_soft(float x) {
