@@ -12,6 +12,7 @@
   integers (copies move bits of any element type through it).
 - :func:`row_prologue` and :func:`launch_rows`: a gather kernel's first statements (its rows and
   their rule) and its launch (grid, rows per program, the rule's constants, PDL, warps).
+- :func:`availability`: a gather op's ``available``.
 
 ``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
 """
@@ -20,16 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 
+from . import triton_support
 from .triton_fp8 import IMPORT_ERROR, pdl_entry, tl, triton
 from .triton_support import PdlTuning, pdl_launch
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "gather_rows", "fp8_decode", "fp8_dequant",
            "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
            "TritonTuning", "TUNING", "rows_per_program", "interpreter_reason", "chunk_width",
-           "native_fp8", "row_prologue", "launch_rows"]
+           "native_fp8", "row_prologue", "launch_rows", "availability"]
 
 # FMT codes of fp8_decode (as triton_fp8's E4M3 and E5M2).
 E4M3, E5M2 = 1, 2
@@ -237,3 +240,13 @@ def interpreter_reason(device: torch.device, out_dtype: torch.dtype | None) -> s
         return None
     return ("Triton's interpreter (TRITON_INTERPRET=1) does not round float32 -> bfloat16 casts to "
             "nearest even, so an fp8 read into bfloat16 is not exact there; run on a CUDA device")
+
+
+def availability(kernel: Callable[[], object]) -> Callable[[torch.device], str | None]:
+    """A gather op's ``available(device)``: :func:`kvwrite.kernels.triton_support.available` of
+    ``kernel()`` (its ``triton.jit`` function, looked up at each call)."""
+
+    def available(device: torch.device) -> str | None:
+        return triton_support.available(device, triton, kernel, IMPORT_ERROR)
+
+    return available

@@ -18,29 +18,17 @@ from __future__ import annotations
 import torch
 
 from ...gather import bits_view
-from ...kernels import gather_cuda, triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    fp8_dequant,
-    interpreter_reason,
-    launch_rows,
-    native_fp8,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import gather_cuda, triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, fp8_dequant, row_prologue, tl, triton
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(src_cache, dst) -> str | None:
-    return interpreter_reason(dst.device, dst.dtype)
+    return triton_gather.interpreter_reason(dst.device, dst.dtype)
 
 
 if triton is not None:
@@ -119,11 +107,11 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     align = min(4, gather_cuda.align([src.data_ptr(), src.stride(0), src.stride(1)]))
     src16 = src.view(torch.int16) if align >= 2 else src
     src32 = src.view(torch.int32) if align >= 4 else src
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, dst.device, t_out,
         (src, src16, src32, dst, bits_view(dst), block_table, workspace_starts, seq_starts, t_out,
          num_req),
         workspace_starts, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         workspace=True, CBS=cbs, CPS=cps, DRS=dst.stride(0) if t_out > 1 else 0, ALIGN=align,
-        NATIVE=native_fp8(dst.device),
+        NATIVE=triton_gather.native_fp8(dst.device),
     )

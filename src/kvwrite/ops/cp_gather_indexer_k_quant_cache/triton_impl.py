@@ -13,23 +13,14 @@ from __future__ import annotations
 import torch
 
 from ...gather import bits_view
-from ...kernels import triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    launch_rows,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, row_prologue, tl, triton
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(kv_cache, dst_k, dst_scale) -> str | None:
@@ -90,7 +81,7 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     floats = dst_scale.dtype == torch.float32
     s = bits_view(dst_scale)
     rows = t_out > 1
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, dst_k.device, t_out, (kv_cache, k, s, block_table, cu_seq_lens, t_out, num_req),
         cu_seq_lens, None, block_table, block_size, num_blocks, num_req, tuning,
         CBS=kv_cache.stride(0) if num_blocks > 1 else 0, BS=block_size, D=head_dim,
