@@ -40,14 +40,11 @@ if triton is not None:
         KRS: tl.constexpr, KCS: tl.constexpr, SRS: tl.constexpr, SCS: tl.constexpr,
         FLOAT_SCALES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, None, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, None, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         page = blk * CBS
         i = tl.arange(0, BLOCK_D)
         mk = ok[:, None] & (i < D)[None, :]

@@ -47,18 +47,14 @@ if triton is not None:
         FMT: tl.constexpr,  # 0 copy, 1 e4m3, 2 e5m2
         NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         if FMT != 0:
             s = tl.load(scale_ptr)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ROW)
         src_row = blk * CBS + off * CPS
         dst_row = t * DRS
         for c0 in tl.range(0, E, CHUNK):

@@ -69,14 +69,11 @@ if triton is not None:
         H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, FMT: tl.constexpr,
         NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         src_row = blk * CBS + off * CPS
         _gather_heads(k_ptr, ko_ptr, ks_ptr, ok, src_row, t * KRS, H, D, HS, KHS, CHUNK, FMT,
                       K_PER_HEAD, NATIVE)
