@@ -113,20 +113,50 @@ KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
                    n, ...)                                                                      \
   n
 
-// KVW_ASSIGN_FIXED_ARGS(a, b, ...): in a specialized build, the values of KVWRITE_FIXED_ARGS
-// assigned to the named arguments in order (a compile error unless there is one value per name);
-// nothing in a generic build.
+// KVW_ASSIGN_FIXED_ARGS(a, b, ...): in a specialized build, `a = fixed[0]; b = fixed[1]; ...`
+// written out by the preprocessor (KVW_FIXED_n assigns n names from index i on), with a
+// compile error unless there is one value per name; nothing in a generic build. (Text, not a
+// function taking the arguments by reference: that changed some kernels' code.)
 #ifdef KVWRITE_FIXED_ARGS
-template <typename... T>
-KVW_HD void kvw_assign_fixed(const i64* values, T&... args) {
-  int i = 0;
-  ((args = static_cast<T>(values[i++])), ...);
-}
+#define KVW_CAT_(a, b) a##b
+#define KVW_CAT(a, b) KVW_CAT_(a, b)
+#define KVW_FIXED_1(i, a) a = fixed[i];
+#define KVW_FIXED_2(i, a, ...) a = fixed[i]; KVW_FIXED_1(i + 1, __VA_ARGS__)
+#define KVW_FIXED_3(i, a, ...) a = fixed[i]; KVW_FIXED_2(i + 1, __VA_ARGS__)
+#define KVW_FIXED_4(i, a, ...) a = fixed[i]; KVW_FIXED_3(i + 1, __VA_ARGS__)
+#define KVW_FIXED_5(i, a, ...) a = fixed[i]; KVW_FIXED_4(i + 1, __VA_ARGS__)
+#define KVW_FIXED_6(i, a, ...) a = fixed[i]; KVW_FIXED_5(i + 1, __VA_ARGS__)
+#define KVW_FIXED_7(i, a, ...) a = fixed[i]; KVW_FIXED_6(i + 1, __VA_ARGS__)
+#define KVW_FIXED_8(i, a, ...) a = fixed[i]; KVW_FIXED_7(i + 1, __VA_ARGS__)
+#define KVW_FIXED_9(i, a, ...) a = fixed[i]; KVW_FIXED_8(i + 1, __VA_ARGS__)
+#define KVW_FIXED_10(i, a, ...) a = fixed[i]; KVW_FIXED_9(i + 1, __VA_ARGS__)
+#define KVW_FIXED_11(i, a, ...) a = fixed[i]; KVW_FIXED_10(i + 1, __VA_ARGS__)
+#define KVW_FIXED_12(i, a, ...) a = fixed[i]; KVW_FIXED_11(i + 1, __VA_ARGS__)
+#define KVW_FIXED_13(i, a, ...) a = fixed[i]; KVW_FIXED_12(i + 1, __VA_ARGS__)
+#define KVW_FIXED_14(i, a, ...) a = fixed[i]; KVW_FIXED_13(i + 1, __VA_ARGS__)
+#define KVW_FIXED_15(i, a, ...) a = fixed[i]; KVW_FIXED_14(i + 1, __VA_ARGS__)
+#define KVW_FIXED_16(i, a, ...) a = fixed[i]; KVW_FIXED_15(i + 1, __VA_ARGS__)
+#define KVW_FIXED_17(i, a, ...) a = fixed[i]; KVW_FIXED_16(i + 1, __VA_ARGS__)
+#define KVW_FIXED_18(i, a, ...) a = fixed[i]; KVW_FIXED_17(i + 1, __VA_ARGS__)
+#define KVW_FIXED_19(i, a, ...) a = fixed[i]; KVW_FIXED_18(i + 1, __VA_ARGS__)
+#define KVW_FIXED_20(i, a, ...) a = fixed[i]; KVW_FIXED_19(i + 1, __VA_ARGS__)
+#define KVW_FIXED_21(i, a, ...) a = fixed[i]; KVW_FIXED_20(i + 1, __VA_ARGS__)
+#define KVW_FIXED_22(i, a, ...) a = fixed[i]; KVW_FIXED_21(i + 1, __VA_ARGS__)
+#define KVW_FIXED_23(i, a, ...) a = fixed[i]; KVW_FIXED_22(i + 1, __VA_ARGS__)
+#define KVW_FIXED_24(i, a, ...) a = fixed[i]; KVW_FIXED_23(i + 1, __VA_ARGS__)
+#define KVW_FIXED_25(i, a, ...) a = fixed[i]; KVW_FIXED_24(i + 1, __VA_ARGS__)
+#define KVW_FIXED_26(i, a, ...) a = fixed[i]; KVW_FIXED_25(i + 1, __VA_ARGS__)
+#define KVW_FIXED_27(i, a, ...) a = fixed[i]; KVW_FIXED_26(i + 1, __VA_ARGS__)
+#define KVW_FIXED_28(i, a, ...) a = fixed[i]; KVW_FIXED_27(i + 1, __VA_ARGS__)
+#define KVW_FIXED_29(i, a, ...) a = fixed[i]; KVW_FIXED_28(i + 1, __VA_ARGS__)
+#define KVW_FIXED_30(i, a, ...) a = fixed[i]; KVW_FIXED_29(i + 1, __VA_ARGS__)
+#define KVW_FIXED_31(i, a, ...) a = fixed[i]; KVW_FIXED_30(i + 1, __VA_ARGS__)
+#define KVW_FIXED_32(i, a, ...) a = fixed[i]; KVW_FIXED_31(i + 1, __VA_ARGS__)
 #define KVW_ASSIGN_FIXED_ARGS(...) KVW_ASSIGN_FIXED_ARGS_(KVW_NARGS(__VA_ARGS__), __VA_ARGS__)
-#define KVW_ASSIGN_FIXED_ARGS_(N, ...)  \
-  {                                     \
-    KVW_FIXED_ARGS_ARRAY(N);            \
-    kvw_assign_fixed(fixed, __VA_ARGS__); \
+#define KVW_ASSIGN_FIXED_ARGS_(N, ...)             \
+  {                                                \
+    KVW_FIXED_ARGS_ARRAY(N);                       \
+    KVW_CAT(KVW_FIXED_, N)(0, __VA_ARGS__)         \
   }
 #else
 #define KVW_ASSIGN_FIXED_ARGS(...)
