@@ -558,8 +558,8 @@ def ptx(kernel, types, consts, div=()):
                           options={"num_warps": 4}).asm["ptx"]
 
 # The benchmark's geometry: 8 requests, blocks of 64 slots, int32 index tensors, 32 rows a program.
-row = dict(ST_STRIDE=1, SS_STRIDE=0, BT_S0=256, BT_S1=1, MAX_BLOCKS=256, BLOCK_SIZE=64,
-           NUM_BLOCKS=2048, HAS_SS=False, WS=False, BLOCK_B=8, BLOCK_T=32)
+# ROW: (ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS, HAS_SS, WS, BLOCK_B).
+row = dict(ROW=(1, 0, 256, 1, 256, 64, 2048, False, False, 8), BLOCK_T=32)
 idx = {"bt_ptr": "*i32", "starts_ptr": "*i32", "t_out": "i32", "num_req": "i32"}
 out = {}
 out["cp"] = ptx(cp._kernel, {"src_ptr": "*i64", "src_base": "i64", "dst_ptr": "*i64",
@@ -570,7 +570,7 @@ out["cp"] = ptx(cp._kernel, {"src_ptr": "*i64", "src_base": "i64", "dst_ptr": "*
 out["upconvert"] = ptx(up._kernel, {"src_ptr": "*u8", "src16_ptr": "*i16", "src32_ptr": "*i32",
                                     "dst_ptr": "*bf16", "dst_bits_ptr": "*i16", **idx},
                        dict(ss_ptr=None, CBS=64 * 656, CPS=656, DRS=576, ALIGN=4, NATIVE=True,
-                            **{**row, "WS": True}))
+                            **{**row, "ROW": (1, 0, 256, 1, 256, 64, 2048, False, True, 8)}))
 out["dequant-fp8"] = ptx(dq._kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "scale_ptr": "*fp32",
                                       **idx},
                          dict(ss_ptr=None, CBS=64 * 576, CPS=576, DRS=576, E=576, CHUNK=64, FMT=1,

@@ -12,6 +12,7 @@
   integers (copies move bits of any element type through it).
 - :func:`row_prologue` and :func:`launch_rows`: a gather kernel's first statements (its rows and
   their rule) and its launch (grid, rows per program, the rule's constants, PDL, warps).
+- :func:`availability`: a gather op's ``available``.
 
 ``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
 """
@@ -20,16 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 
+from . import triton_support
 from .triton_fp8 import IMPORT_ERROR, pdl_entry, tl, triton
 from .triton_support import PdlTuning, pdl_launch
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "gather_rows", "fp8_decode", "fp8_dequant",
            "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
            "TritonTuning", "TUNING", "rows_per_program", "interpreter_reason", "chunk_width",
-           "native_fp8", "row_prologue", "launch_rows"]
+           "native_fp8", "row_prologue", "launch_rows", "availability"]
 
 # FMT codes of fp8_decode (as triton_fp8's E4M3 and E5M2).
 E4M3, E5M2 = 1, 2
@@ -37,15 +40,22 @@ E4M3, E5M2 = 1, 2
 if triton is not None:
 
     @triton.jit
-    def gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr,
-                    ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-                    BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr,
-                    BLOCK_B: tl.constexpr):
+    def gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ROW: tl.constexpr):
         """(valid, block, offset) of output rows ``t`` (int64 vectors; block and offset are
         meaningful where valid). ``starts_ptr``: cu_seq_lens (B + 1 entries) or, with WS,
         workspace_starts (B entries, the last request ending at ``t_out``); ``ss_ptr``:
-        seq_starts when HAS_SS; ``bt_ptr``: the block table. Strides in elements."""
+        seq_starts when HAS_SS; ``bt_ptr``: the block table. ``ROW``: the rule's constants
+        (:func:`row_constants`), strides in elements."""
+        ST_STRIDE: tl.constexpr = ROW[0]
+        SS_STRIDE: tl.constexpr = ROW[1]
+        BT_S0: tl.constexpr = ROW[2]
+        BT_S1: tl.constexpr = ROW[3]
+        MAX_BLOCKS: tl.constexpr = ROW[4]
+        BLOCK_SIZE: tl.constexpr = ROW[5]
+        NUM_BLOCKS: tl.constexpr = ROW[6]
+        HAS_SS: tl.constexpr = ROW[7]
+        WS: tl.constexpr = ROW[8]
+        BLOCK_B: tl.constexpr = ROW[9]
         t = t.to(tl.int64)
         owner = tl.full(t.shape, -1, tl.int64)
         a_own = tl.zeros(t.shape, tl.int64)
@@ -78,18 +88,13 @@ if triton is not None:
 
     @triton.jit
     def row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T: tl.constexpr,
-                     ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-                     BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr,
-                     BLOCK_B: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+                     ROW: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
         """A gather kernel's first statements (grid: one program per ``BLOCK_T`` output rows):
         ``pdl_entry``, then (t, valid, block, offset): the program's rows (int64) and
         :func:`gather_rows` of them."""
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ROW)
         return t, ok, blk, off
 
     @triton.jit
@@ -136,13 +141,14 @@ def index_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 def row_constants(starts: torch.Tensor, seq_starts: torch.Tensor | None, block_table: torch.Tensor,
                   block_size: int, num_blocks: int, num_req: int, workspace: bool = False) -> dict:
-    """:func:`gather_rows`'s constexpr arguments for these index tensors."""
+    """:func:`gather_rows`'s constexpr argument ``ROW`` for these index tensors (a gather
+    kernel's ``ROW=``): (ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
+    HAS_SS, WS, BLOCK_B), in gather_rows' order."""
     bt = index_strides(block_table)
-    return dict(ST_STRIDE=index_strides(starts)[0],
-                SS_STRIDE=0 if seq_starts is None else index_strides(seq_starts)[0],
-                BT_S0=bt[0], BT_S1=bt[1], MAX_BLOCKS=block_table.shape[1],
-                BLOCK_SIZE=block_size, NUM_BLOCKS=num_blocks, HAS_SS=seq_starts is not None,
-                WS=workspace, BLOCK_B=_block_b(num_req))
+    return dict(ROW=(index_strides(starts)[0],
+                     0 if seq_starts is None else index_strides(seq_starts)[0],
+                     bt[0], bt[1], block_table.shape[1], block_size, num_blocks,
+                     seq_starts is not None, workspace, _block_b(num_req)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -237,3 +243,13 @@ def interpreter_reason(device: torch.device, out_dtype: torch.dtype | None) -> s
         return None
     return ("Triton's interpreter (TRITON_INTERPRET=1) does not round float32 -> bfloat16 casts to "
             "nearest even, so an fp8 read into bfloat16 is not exact there; run on a CUDA device")
+
+
+def availability(kernel: Callable[[], object]) -> Callable[[torch.device], str | None]:
+    """A gather op's ``available(device)``: :func:`kvwrite.kernels.triton_support.available` of
+    ``kernel()`` (its ``triton.jit`` function, looked up at each call)."""
+
+    def available(device: torch.device) -> str | None:
+        return triton_support.available(device, triton, kernel, IMPORT_ERROR)
+
+    return available

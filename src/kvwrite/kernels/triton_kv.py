@@ -7,6 +7,9 @@ and the flash layout's cache addressing.
   addresses differ).
 - :func:`load_kv_tile`: a program's ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of K and of V, its
   slots and scales' constants, and which of its elements are stored.
+- :func:`kv_write_kernel`, :func:`write_kv`: the kernel of reshape_and_cache_flash and
+  reshape_and_cache (one tile of K and of V a program, stored through either layout's strides)
+  and its launch.
 - :func:`token_prologue`: the first statements of a kernel with one program per ``BLOCK_T``
   tokens (concat_and_cache_mla's, the indexer's).
 - :func:`cache_offsets`: the store mask and the element offsets into a ``[num_blocks,
@@ -23,12 +26,12 @@ import functools
 
 import torch
 
-from ..dtypes import CacheDType
-from .triton_fp8 import fp8_scale_pair, pdl_entry, tl, triton
-from .triton_support import PdlTuning, inexact_cast_reason, next_pow2
+from ..dtypes import CacheDType, scale_is_per_head
+from .triton_fp8 import COPY, E4M3, E5M2, fp8_scale_pair, pdl_entry, store_quantized, tl, triton
+from .triton_support import PdlTuning, inexact_cast_reason, next_pow2, pdl_launch
 
 __all__ = ["TritonTuning", "TUNING", "tiling", "interpreter_reason", "load_kv_tile",
-           "token_prologue", "cache_offsets"]
+           "kv_write_kernel", "write_kv", "token_prologue", "cache_offsets"]
 
 
 def interpreter_reason(key: torch.Tensor, cache_dtype: CacheDType) -> str | None:
@@ -177,6 +180,79 @@ if triton is not None:
         block = slot // BLOCK_SIZE
         return h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block
 
+    # num_tokens only bounds masks: specializing on it (divisibility, == 1) would compile a new
+    # variant for many token counts without making any access wider.
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def kv_write_kernel(
+        key_ptr,  # [T_pad, H, D], token stride KEY_STRIDE, dense heads
+        value_ptr,  # [T_pad, H, D], token stride VALUE_STRIDE, dense heads
+        key_cache_ptr,  # flash: [num_blocks, block_size, H, D]; legacy: [num_blocks, H, D / X,
+        value_cache_ptr,  # block_size, X] and [num_blocks, H, D, block_size]; strides CACHE
+        slot_mapping_ptr,  # [T] int64 or int32
+        k_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        v_scale_ptr,  # [1] or [H] float32 (fp8 only; None otherwise)
+        num_tokens,  # T
+        # Fixed by the caches and the inputs' layout, so compiled in: the index math folds and
+        # nothing but the pointers and T is read from the parameter bank.
+        KEY_STRIDE: tl.constexpr,  # token strides of key and value, in elements
+        VALUE_STRIDE: tl.constexpr,
+        NUM_SLOTS: tl.constexpr,  # num_blocks * block_size
+        NUM_HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        QUANT: tl.constexpr,
+        K_PER_HEAD: tl.constexpr,  # each scale's own kind (scale_is_per_head)
+        V_PER_HEAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        LEGACY: tl.constexpr,  # reshape_and_cache's layout (else the flash layout)
+        # The caches' strides in elements. Flash (both caches): (block, slot in block, head).
+        # Legacy: key (block, head, d // X, slot, d % X), value (block, head, d, slot), then X.
+        CACHE: tl.constexpr,
+    ):
+        # 16-bit inputs need one correction step of the fp8 division, float32 two (fp8_quotient).
+        STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+        h, offs_d, k, v, km, ks2, ky, vm, vs2, vy, store_mask, slot, block = load_kv_tile(
+            key_ptr, value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
+            KEY_STRIDE, VALUE_STRIDE, NUM_SLOTS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, QUANT,
+            K_PER_HEAD, V_PER_HEAD, BLOCK_T, BLOCK_H, BLOCK_D, LOAD_EVICT, PDL, PDL_TRIGGER)
+        if LEGACY:
+            # The key element d of head h at key_cache[b, h, d // X, o, d % X], the value
+            # element at value_cache[b, h, d, o].
+            KC_B: tl.constexpr = CACHE[0]
+            KC_H: tl.constexpr = CACHE[1]
+            KC_G: tl.constexpr = CACHE[2]
+            KC_S: tl.constexpr = CACHE[3]
+            KC_X: tl.constexpr = CACHE[4]
+            VC_B: tl.constexpr = CACHE[5]
+            VC_H: tl.constexpr = CACHE[6]
+            VC_D: tl.constexpr = CACHE[7]
+            VC_S: tl.constexpr = CACHE[8]
+            X: tl.constexpr = CACHE[9]
+            o = slot - block * BLOCK_SIZE
+            h64 = h.to(tl.int64)
+            d64 = offs_d.to(tl.int64)
+            kc_row = block * KC_B + o * KC_S  # int64
+            kc_col = (d64 // X) * KC_G + (d64 % X) * KC_X
+            kc_off = kc_row[:, None, None] + (h64 * KC_H)[None, :, None] + kc_col[None, None, :]
+            vc_row = block * VC_B + o * VC_S
+            vc_off = (vc_row[:, None, None] + (h64 * VC_H)[None, :, None]
+                      + (d64 * VC_D)[None, None, :])
+            store_quantized(key_cache_ptr, kc_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+            store_quantized(value_cache_ptr, vc_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+        else:
+            STRIDE_B: tl.constexpr = CACHE[0]
+            STRIDE_S: tl.constexpr = CACHE[1]
+            STRIDE_H: tl.constexpr = CACHE[2]
+            cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
+            cache_col = h.to(tl.int64) * STRIDE_H
+            c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+
     @triton.jit
     def token_prologue(num_tokens, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
                        PDL_TRIGGER: tl.constexpr):
@@ -198,3 +274,37 @@ if triton is not None:
         block = slot // BLOCK_SIZE
         cache_row = block * stride_b + (slot - block * BLOCK_SIZE) * stride_s
         return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
+
+
+_QUANT = {CacheDType.FP8_E4M3: E4M3, CacheDType.FP8_E5M2: E5M2}
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
+             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, tuning: TritonTuning,
+             block_size: int, legacy: bool, cache_strides: tuple[int, ...]) -> None:
+    """Launch :func:`kv_write_kernel` on PyTorch's current stream (arguments as validated by the
+    public op; ``legacy``, ``cache_strides``: its LEGACY and CACHE, ``block_size``: the caches')."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    t_pad, num_heads, head_size = key.shape
+    quant = _QUANT.get(cache_dtype, COPY)
+    block_t, block_h, block_d, num_warps, grid, evict = tiling(
+        num_tokens, num_heads, head_size, key.element_size(), quant != COPY, tuning)
+    k_per_head = quant != COPY and scale_is_per_head(k_scale)
+    v_per_head = quant != COPY and scale_is_per_head(v_scale)
+    pdl, trigger = pdl_launch(key.device, grid[0] * grid[1], tuning.pdl_max_programs,
+                              tuning.pdl_trigger_max_programs)
+    # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
+    # not compile another variant (the callers' cache_strides follow the same rule).
+    kv_write_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+        KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
+        VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
+        NUM_SLOTS=key_cache.shape[0] * block_size, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+        BLOCK_SIZE=block_size, QUANT=quant, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, LOAD_EVICT=evict, PDL=pdl,
+        PDL_TRIGGER=trigger, LEGACY=legacy, CACHE=cache_strides, num_warps=num_warps,
+        launch_pdl=pdl,
+    )

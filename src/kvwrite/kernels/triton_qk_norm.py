@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from .triton_fp8 import tl, triton
 
-__all__ = ["pair_sum", "tree_sum", "inv_rms", "norm_rope_tile", "f32_from_bits"]
+__all__ = ["pair_sum", "tree_sum", "inv_rms", "norm_rope_tile", "f32_from_bits",
+           "qk_norm_prologue"]
 
 if triton is not None:
-    from .triton_rope import rope_rotate
+    from .triton_rope import rope_prologue, rope_rotate
 
     @triton.jit
     def pair_sum(x, N: tl.constexpr):
@@ -76,3 +77,19 @@ if triton is not None:
             n = n * w
             ny = ny * wy
         return rope_rotate(n, ny, c, s, first, is_rot)
+
+    @triton.jit
+    def qk_norm_prologue(positions_ptr, cos_sin_ptr, num_rot, max_position, eps_bits, offset_bits,
+                         ROT: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+        """The first statements of both QK-norm kernels: ``rope_prologue``'s (t, tile, valid, c,
+        s, partner, first, is_rot), then eps and weight_offset from their bits, the elements
+        ``d`` (``[1, 1, BLOCK_D]``) and ``t`` as int64."""
+        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
+            PDL, PDL_TRIGGER)
+        eps = f32_from_bits(eps_bits)
+        offset = f32_from_bits(offset_bits)
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        t64 = t.to(tl.int64)
+        return t, tile, valid, c, s, partner, first, is_rot, eps, offset, d, t64

@@ -48,29 +48,8 @@
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v8) the
 // arguments from kv_c_stride on are compile-time constants: none is read from the parameter
 // bank and the index math (the division by `chunks` included) folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_MLA_FIXED_PROLOGUE()                                                                \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(9);                                                                    \
-    kv_c_stride = fixed[0]; k_pe_stride = fixed[1];                                             \
-    block_stride = fixed[2]; page_stride = fixed[3];                                            \
-    block_size = fixed[4]; block_shift = fixed[5]; num_slots = fixed[6];                        \
-    l_chunks = fixed[7]; chunks = fixed[8];                                                     \
-  }
-#else
-#define KVW_MLA_FIXED_PROLOGUE()
-#endif
-
-// Whether a kernel loads its token's slot before its row (int64 slots, a plain read-only load)
-// or after it (int32 slots, load_index). Loaded first, an int32 slot's sign extension was placed
-// before the row's load in 17 of the 55 generic int32 variants, which so waited for the slot's
-// round trip before requesting their chunk: H200, generic build (KVWRITE_CUDA_SPECIALIZE=0),
-// bfloat16 L=512 P=64, rotated L2, auto T=1 / 16 / 256 1.40 / 1.63 / 1.96 -> 1.08 / 1.33 / 1.62
-// us, fp8 1.50 / 1.73 / 2.05 -> 1.18 / 1.41 / 1.72; the specialized builds had no such wait and
-// measured the same either way. int64 slots keep the first order: load_index measured 0-2% slower
-// with them (tuning-log changes 52 and 57).
-template <typename SlotT>
-constexpr bool SLOT_FIRST = sizeof(SlotT) == 8;
+#define KVW_MLA_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(kv_c_stride, k_pe_stride, block_stride,  \
+    page_stride, block_size, block_shift, num_slots, l_chunks, chunks)
 
 template <int IN, int OUT, int VEC, typename SlotT>
 __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAMS) {
@@ -87,7 +66,7 @@ __global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(KVW_MLA_PARAM
   if (t32 >= num_tokens) return;
   const u32 c = gid - t32 * static_cast<u32>(chunks);
   const i64 t = t32;
-  // The slot: here (int64) or after the row's load (int32; SLOT_FIRST above).
+  // The slot: here (int64) or after the row's load (int32; SLOT_FIRST, kvw/slot.cuh).
   i64 s = SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;
   float sv = 0.0f;
   if constexpr (FP8) sv = scale[0];

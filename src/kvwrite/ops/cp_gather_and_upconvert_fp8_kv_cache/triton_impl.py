@@ -18,29 +18,17 @@ from __future__ import annotations
 import torch
 
 from ...gather import bits_view
-from ...kernels import gather_cuda, triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    fp8_dequant,
-    interpreter_reason,
-    launch_rows,
-    native_fp8,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import gather_cuda, triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, fp8_dequant, row_prologue, tl, triton
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(src_cache, dst) -> str | None:
-    return interpreter_reason(dst.device, dst.dtype)
+    return triton_gather.interpreter_reason(dst.device, dst.dtype)
 
 
 if triton is not None:
@@ -57,14 +45,11 @@ if triton is not None:
         CBS: tl.constexpr, CPS: tl.constexpr, DRS: tl.constexpr, BLOCK_T: tl.constexpr,
         ALIGN: tl.constexpr,  # 4, 2 or 1: what every entry start is aligned to (bytes)
         NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         entry = blk * CBS + off * CPS
         row = t * DRS
         col = tl.arange(0, 128)
@@ -119,11 +104,11 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     align = min(4, gather_cuda.align([src.data_ptr(), src.stride(0), src.stride(1)]))
     src16 = src.view(torch.int16) if align >= 2 else src
     src32 = src.view(torch.int32) if align >= 4 else src
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, dst.device, t_out,
         (src, src16, src32, dst, bits_view(dst), block_table, workspace_starts, seq_starts, t_out,
          num_req),
         workspace_starts, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         workspace=True, CBS=cbs, CPS=cps, DRS=dst.stride(0) if t_out > 1 else 0, ALIGN=align,
-        NATIVE=native_fp8(dst.device),
+        NATIVE=triton_gather.native_fp8(dst.device),
     )

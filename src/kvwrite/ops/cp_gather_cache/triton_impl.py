@@ -18,25 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import gather_cuda, triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    byte_storage,
-    chunk_width,
-    launch_rows,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import gather_cuda, triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, row_prologue, tl, triton
 from . import cuda_impl
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 unsupported = cuda_impl.unsupported  # at most 3 outer dims, as the CUDA kernel
@@ -57,14 +46,11 @@ if triton is not None:
         D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,  # their dst strides (units)
         RUN_MAJOR: tl.constexpr,  # step through each run (else through the flattened entry)
         CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         src_row = src_base + blk * CBS + off * CPS
         dst_row = dst_base + t * DRS
         if RUN_MAJOR:
@@ -114,16 +100,16 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
     drs = dst.stride(0) * es if t_out > 1 else 0
     unit = min(8, gather_cuda.align([run_elems * es, src_first, dst_first, cbs, cps, drs,
                                      *(d[1] for d in dims), *(d[2] for d in dims)]))
-    src, src_base = byte_storage(src_cache, unit)
-    out, dst_base = byte_storage(dst, unit)
+    src, src_base = triton_gather.byte_storage(src_cache, unit)
+    out, dst_base = triton_gather.byte_storage(dst, unit)
     run_units = run_elems * es // unit
     u = [(n, s // unit, d // unit) for n, s, d in dims]
     run_major = len(outer) == 0 or run_units >= 16
     # Run-major: steps of at most 128 bytes of a run (16-byte accesses, 32 rows a program: 4 KiB
     # a step, as gather_and_maybe_dequant_cache's copies).
-    chunk = (max(1, chunk_width(run_units * unit) // unit) if run_major
-             else chunk_width(run_units * u[0][0] * u[1][0] * u[2][0]))
-    launch_rows(
+    chunk = (max(1, triton_gather.chunk_width(run_units * unit) // unit) if run_major
+             else triton_gather.chunk_width(run_units * u[0][0] * u[1][0] * u[2][0]))
+    triton_gather.launch_rows(
         _kernel, dst.device, t_out,
         (src, src_base, out, dst_base, block_table, cu_seq_lens, seq_starts, t_out, num_req),
         cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,

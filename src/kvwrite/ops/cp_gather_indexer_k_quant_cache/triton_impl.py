@@ -13,23 +13,14 @@ from __future__ import annotations
 import torch
 
 from ...gather import bits_view
-from ...kernels import triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    launch_rows,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, row_prologue, tl, triton
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(kv_cache, dst_k, dst_scale) -> str | None:
@@ -49,14 +40,11 @@ if triton is not None:
         KRS: tl.constexpr, KCS: tl.constexpr, SRS: tl.constexpr, SCS: tl.constexpr,
         FLOAT_SCALES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, None, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, None, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         page = blk * CBS
         i = tl.arange(0, BLOCK_D)
         mk = ok[:, None] & (i < D)[None, :]
@@ -90,7 +78,7 @@ def run(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
     floats = dst_scale.dtype == torch.float32
     s = bits_view(dst_scale)
     rows = t_out > 1
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, dst_k.device, t_out, (kv_cache, k, s, block_table, cu_seq_lens, t_out, num_req),
         cu_seq_lens, None, block_table, block_size, num_blocks, num_req, tuning,
         CBS=kv_cache.stride(0) if num_blocks > 1 else 0, BS=block_size, D=head_dim,

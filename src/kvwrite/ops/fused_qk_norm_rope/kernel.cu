@@ -20,17 +20,9 @@
 // from qkv_stride on are compile-time constants: none is read from the parameter bank, the
 // division by the heads per token and the one by D fold, and a head row's offset is the same
 // constant multiple whether the heads are dense (qkv_head_stride == head_size) or padded.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_QKN_FIXED_PROLOGUE()                                                                \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(10);                                                                   \
-    qkv_stride = fixed[0]; qkv_head_stride = fixed[1]; max_position = fixed[2];                 \
-    num_q_heads = fixed[3]; units_per_token = fixed[4]; head_size = fixed[5]; rot = fixed[6];   \
-    eps_bits = fixed[7]; offset_bits = fixed[8]; add_offset = fixed[9];                         \
-  }
-#else
-#define KVW_QKN_FIXED_PROLOGUE()
-#endif
+#define KVW_QKN_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(qkv_stride, qkv_head_stride,             \
+    max_position, num_q_heads, units_per_token, head_size, rot, eps_bits, offset_bits,          \
+    add_offset)
 
 template <int IN, int CS, int WQ, int WK, int E, int L, int SEG, int V, int VW, int VT, bool NEOX,
           int PS, typename PosT, int CTA, int MIN_BLOCKS>

@@ -14,6 +14,8 @@ casts differ from the GPU's).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...kernels import triton_support
@@ -23,11 +25,11 @@ from ...kernels.triton_rope import LAUNCH_OPTIONS
 from .op import float32_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
-    from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-    from ...kernels.triton_rope import rope_prologue
+    from ...kernels.triton_qk_norm import norm_rope_tile, qk_norm_prologue
     from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
 
-__all__ = ["available", "unsupported", "run", "interpreter_dtypes", "signed_bits"]
+__all__ = ["available", "unsupported", "run", "interpreter_dtypes", "signed_bits", "QkLaunch",
+           "qk_launch"]
 
 
 def available(device: torch.device) -> str | None:
@@ -52,6 +54,39 @@ def signed_bits(x: float) -> int:
     return b - (1 << 32) if b >= 1 << 31 else b
 
 
+
+class QkLaunch(NamedTuple):
+    """A QK-norm kernel's launch: its tuning, tiles, warps, grid and PDL (:func:`qk_launch`)."""
+
+    tuning: object  # a RopeTuning
+    block_t: int
+    block_h: int
+    block_d: int
+    warps: int
+    q_tiles: int
+    grid: tuple[int, int]
+    pdl: bool
+    trigger: bool
+
+
+def qk_launch(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, position_ids: torch.Tensor,
+              tuning) -> QkLaunch | None:
+    """The launch of this op's kernel and of fused_qk_norm_rope_and_reshape_cache_flash's for a
+    call (``tuning`` None: rotary_embedding's ``TUNING``): rotary_embedding's tiling of the
+    rotated tokens' q and k heads, grid (token tiles, q tiles + k tiles); None where no token is
+    rotated (nothing to launch)."""
+    num_rot = position_ids.numel()
+    if num_rot == 0:
+        return None
+    tuning = TUNING if tuning is None else tuning
+    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k,
+                                                      qkv.shape[2], qkv.element_size(), tuning)
+    grid = (triton.cdiv(num_rot, block_t), nq + nk)
+    pdl, trigger = triton_support.pdl_launch(qkv.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    return QkLaunch(tuning, block_t, block_h, block_d, warps, nq, grid, pdl, trigger)
+
 if triton is not None:
 
     @triton.jit(do_not_specialize=["num_rot", "eps_bits", "offset_bits"])
@@ -70,13 +105,9 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
-        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
-            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
-            PDL, PDL_TRIGGER)
-        eps = f32_from_bits(eps_bits)
-        offset = f32_from_bits(offset_bits)
-        d = tl.arange(0, BLOCK_D)[None, None, :]
-        t64 = t.to(tl.int64)
+        t, tile, valid, c, s, partner, first, is_rot, eps, offset, d, t64 = qk_norm_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, eps_bits, offset_bits, ROT,
+            IS_NEOX, BLOCK_T, BLOCK_D, PDL, PDL_TRIGGER)
         if tile < Q_TILES:
             h = tile * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
             mask = valid[:, None, None] & (h < NUM_Q_HEADS) & (d < HEAD_SIZE)
@@ -98,24 +129,16 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         weight_offset: float, *, tuning=None) -> None:
     """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
     a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
-    num_rot = position_ids.numel()
-    if num_rot == 0:
+    q = qk_launch(qkv, num_heads_q, num_heads_k, position_ids, tuning)
+    if q is None:
         return
-    tuning = TUNING if tuning is None else tuning
-    d = qkv.shape[2]
-    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k, d,
-                                                      qkv.element_size(), tuning)
-    grid = (triton.cdiv(num_rot, block_t), nq + nk)
-    pdl, trigger = triton_support.pdl_launch(qkv.device, grid[0] * grid[1],
-                                             tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _qk_norm_rope_kernel[grid](
-        position_ids, qkv, cos_sin_cache, q_weight, k_weight, num_rot, qkv.stride(0),
+    _qk_norm_rope_kernel[q.grid](
+        position_ids, qkv, cos_sin_cache, q_weight, k_weight, position_ids.numel(), qkv.stride(0),
         cos_sin_cache.shape[0], signed_bits(eps), signed_bits(weight_offset),
-        NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
+        NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=qkv.shape[2],
         HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         HAS_QW=q_weight is not None,
-        HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0, Q_TILES=nq,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
-        PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,
+        HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0, Q_TILES=q.q_tiles,
+        BLOCK_T=q.block_t, BLOCK_H=q.block_h, BLOCK_D=q.block_d, num_warps=q.warps, PDL=q.pdl,
+        PDL_TRIGGER=q.trigger, launch_pdl=q.pdl, **LAUNCH_OPTIONS,
     )

@@ -25,20 +25,10 @@
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v17) the arguments
 // from qkv_stride on are compile-time constants: none is read from the parameter bank and the
 // index math (the division by the heads per token, the slot's block split) folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_QKN_CACHE_FIXED_PROLOGUE()                                                          \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(18);                                                                   \
-    qkv_stride = fixed[0]; qkv_head_stride = fixed[1]; qo_stride = fixed[2];                    \
-    max_position = fixed[3]; block_stride = fixed[4]; page_stride = fixed[5];                   \
-    head_stride = fixed[6]; block_size = fixed[7]; block_shift = fixed[8];                      \
-    num_slots = fixed[9]; num_q_heads = fixed[10]; num_k_heads = fixed[11];                     \
-    head_size = fixed[12]; rot = fixed[13]; eps_bits = fixed[14]; offset_bits = fixed[15];      \
-    add_offset = fixed[16]; store_key = fixed[17];                                              \
-  }
-#else
-#define KVW_QKN_CACHE_FIXED_PROLOGUE()
-#endif
+#define KVW_QKN_CACHE_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(qkv_stride, qkv_head_stride,       \
+    qo_stride, max_position, block_stride, page_stride, head_stride, block_size, block_shift,   \
+    num_slots, num_q_heads, num_k_heads, head_size, rot, eps_bits, offset_bits, add_offset,     \
+    store_key)
 
 // IN: qkv's element kind; CS: the table's; WQ, WK: the weights' (QKN_NO_WEIGHT: none); OUT: the
 // caches' element (DT_COPY: qkv's own dtype); QO: the query's destination (QKN_IN_PLACE, DT_COPY:

@@ -30,14 +30,13 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS
 from ...kernels.triton_support import inexact_cast_reason
-from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, signed_bits
+from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, qk_launch, signed_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
     from ...kernels.triton_fp8 import fp8_scale_pair, scale_constants, store_quantized
     from ...kernels.triton_kv import cache_offsets
-    from ...kernels.triton_qk_norm import f32_from_bits, norm_rope_tile
-    from ...kernels.triton_rope import rope_prologue
-    from ..rotary_embedding.triton_impl import TUNING, interpreter_reason, tiling
+    from ...kernels.triton_qk_norm import norm_rope_tile, qk_norm_prologue
+    from ..rotary_embedding.triton_impl import interpreter_reason
 
 __all__ = ["available", "unsupported", "run"]
 
@@ -92,13 +91,9 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
-        t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
-            positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
-            PDL, PDL_TRIGGER)
-        eps = f32_from_bits(eps_bits)
-        offset = f32_from_bits(offset_bits)
-        d = tl.arange(0, BLOCK_D)[None, None, :]
-        t64 = t.to(tl.int64)
+        t, tile, valid, c, s, partner, first, is_rot, eps, offset, d, t64 = qk_norm_prologue(
+            positions_ptr, cos_sin_ptr, num_rot, max_position, eps_bits, offset_bits, ROT,
+            IS_NEOX, BLOCK_T, BLOCK_D, PDL, PDL_TRIGGER)
         STEPS: tl.constexpr = 2 if qkv_ptr.dtype.element_ty == tl.float32 else 1
         if tile < Q_TILES:
             hq = tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -155,28 +150,20 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         tuning=None) -> None:
     """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
     a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
-    num_rot = position_ids.numel()
-    if num_rot == 0:
+    q = qk_launch(qkv, num_heads_q, num_heads_k, position_ids, tuning)
+    if q is None:
         return
-    tuning = TUNING if tuning is None else tuning
-    d = qkv.shape[2]
-    block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, num_heads_q, num_heads_k, d,
-                                                      qkv.element_size(), tuning)
     quant = _QUANT.get(cache_dtype, _COPY)
     query_quant = 0 if query_out is None else _QUERY_QUANT.get(query_out.dtype, 0)
     num_blocks, block_size = key_cache.shape[:2]
     qo = qkv if query_out is None else query_out
-    grid = (triton.cdiv(num_rot, block_t), nq + nk)
-    pdl, trigger = triton_support.pdl_launch(qkv.device, grid[0] * grid[1],
-                                             tuning.pdl_max_programs,
-                                             tuning.pdl_trigger_max_programs)
-    _qk_norm_rope_cache_kernel[grid](
+    _qk_norm_rope_cache_kernel[q.grid](
         position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
-        slot_mapping, k_scale, v_scale, q_scale if query_quant else None, num_rot,
+        slot_mapping, k_scale, v_scale, q_scale if query_quant else None, position_ids.numel(),
         slot_mapping.numel(), qkv.stride(0), qo.stride(0), cos_sin_cache.shape[0],
         num_blocks * block_size, *key_cache.stride()[:3], signed_bits(eps),
         signed_bits(weight_offset),
-        NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=d,
+        NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=qkv.shape[2],
         HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
         HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0,
@@ -185,7 +172,7 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         Q_PER_HEAD_SCALE=bool(query_quant) and scale_is_per_head(q_scale),
         BLOCK_SIZE=block_size, QUANT=quant,
         K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
-        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=nq,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl,
-        PDL_TRIGGER=trigger, launch_pdl=pdl, **LAUNCH_OPTIONS,
+        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=q.q_tiles,
+        BLOCK_T=q.block_t, BLOCK_H=q.block_h, BLOCK_D=q.block_d, num_warps=q.warps, PDL=q.pdl,
+        PDL_TRIGGER=q.trigger, launch_pdl=q.pdl, **LAUNCH_OPTIONS,
     )

@@ -24,21 +24,10 @@
 // from q_stride on are compile-time constants: none is read from the parameter bank and the
 // index math (the division by units_per_head, the slot's block split) folds. Dense heads pass
 // head strides equal to head_size, so their builds fold to the code of a kernel without them.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_FUSED_FIXED_PROLOGUE()                                                              \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(23);                                                                   \
-    q_stride = fixed[0]; qo_stride = fixed[1]; k_stride = fixed[2]; v_stride = fixed[3];        \
-    max_position = fixed[4]; block_stride = fixed[5]; page_stride = fixed[6];                   \
-    head_stride = fixed[7]; block_size = fixed[8]; block_shift = fixed[9];                      \
-    num_slots = fixed[10]; num_q_heads = fixed[11]; head_size = fixed[12]; rot = fixed[13];     \
-    units_per_head = fixed[14]; rot_units = fixed[15]; units_per_token = fixed[16];             \
-    store_key = fixed[17]; query_in_place = fixed[18]; q_head_stride = fixed[19];               \
-    qo_head_stride = fixed[20]; k_head_stride = fixed[21]; v_head_stride = fixed[22];           \
-  }
-#else
-#define KVW_FUSED_FIXED_PROLOGUE()
-#endif
+#define KVW_FUSED_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(q_stride, qo_stride, k_stride,         \
+    v_stride, max_position, block_stride, page_stride, head_stride, block_size, block_shift,    \
+    num_slots, num_q_heads, head_size, rot, units_per_head, rot_units, units_per_token,         \
+    store_key, query_in_place, q_head_stride, qo_head_stride, k_head_stride, v_head_stride)
 
 // MIN_BLOCKS: __launch_bounds__'s minimum of resident CTAs (of at most 256 threads) per SM, 1 (the
 // small-call build) or the large-call build's (cuda_impl.CudaTuning). Unbounded, a key thread

@@ -16,21 +16,9 @@ from __future__ import annotations
 import torch
 
 from ...gather import bits_view
-from ...kernels import triton_support
+from ...kernels import triton_gather
 from ...kernels.triton_fp8 import pdl_entry
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    chunk_width,
-    fp8_dequant,
-    gather_rows,
-    interpreter_reason,
-    launch_rows,
-    native_fp8,
-    tl,
-    triton,
-)
+from ...kernels.triton_gather import TUNING, TritonTuning, fp8_dequant, gather_rows, tl, triton
 from ..concat_and_cache_mla.op import MlaMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
@@ -38,12 +26,11 @@ __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 _FMT = {MlaMode.AUTO: 0, MlaMode.FP8_E4M3: 1, MlaMode.FP8_E5M2: 2}
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(src_cache, dst, mode: MlaMode) -> str | None:
-    return None if mode is MlaMode.AUTO else interpreter_reason(dst.device, dst.dtype)
+    return None if mode is MlaMode.AUTO else triton_gather.interpreter_reason(dst.device, dst.dtype)
 
 
 if triton is not None:
@@ -60,18 +47,14 @@ if triton is not None:
         FMT: tl.constexpr,  # 0 copy, 1 e4m3, 2 e5m2
         NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         if FMT != 0:
             s = tl.load(scale_ptr)
-        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ST_STRIDE,
-                                   SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE, NUM_BLOCKS,
-                                   HAS_SS, WS, BLOCK_B)
+        ok, blk, off = gather_rows(t, t_out, num_req, starts_ptr, ss_ptr, bt_ptr, ROW)
         src_row = blk * CBS + off * CPS
         dst_row = t * DRS
         for c0 in tl.range(0, E, CHUNK):
@@ -95,11 +78,12 @@ def run(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
         src, out = bits_view(src_cache), bits_view(dst)
     else:
         src, out = src_cache.view(torch.uint8), dst
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, dst.device, num_tokens,
         (src, out, scale, block_table, cu_seq_lens, seq_starts, num_tokens, num_req),
         cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
         CBS=src.stride(0) if num_blocks > 1 else 0, CPS=src.stride(1) if block_size > 1 else 0,
-        DRS=out.stride(0) if dst.shape[0] > 1 else 0, E=entry, CHUNK=chunk_width(entry),
-        FMT=_FMT[mode], NATIVE=native_fp8(dst.device),
+        DRS=out.stride(0) if dst.shape[0] > 1 else 0, E=entry,
+        CHUNK=triton_gather.chunk_width(entry), FMT=_FMT[mode],
+        NATIVE=triton_gather.native_fp8(dst.device),
     )

@@ -16,32 +16,21 @@ import torch
 
 from ...dtypes import CacheDType, scale_is_per_head
 from ...gather import bits_view
-from ...kernels import triton_support
-from ...kernels.triton_gather import (
-    IMPORT_ERROR,
-    TUNING,
-    TritonTuning,
-    chunk_width,
-    fp8_dequant,
-    interpreter_reason,
-    launch_rows,
-    native_fp8,
-    row_prologue,
-    tl,
-    triton,
-)
+from ...kernels import triton_gather
+from ...kernels.triton_gather import TUNING, TritonTuning, fp8_dequant, row_prologue, tl, triton
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 _FMT = {CacheDType.FP8_E4M3: 1, CacheDType.FP8_E5M2: 2}
 
 
-def available(device: torch.device) -> str | None:
-    return triton_support.available(device, triton, lambda: _kernel, IMPORT_ERROR)
+available = triton_gather.availability(lambda: _kernel)
 
 
 def unsupported(key_cache, key_out, cache_dtype: CacheDType) -> str | None:
-    return interpreter_reason(key_out.device, key_out.dtype) if cache_dtype.is_fp8 else None
+    if not cache_dtype.is_fp8:
+        return None
+    return triton_gather.interpreter_reason(key_out.device, key_out.dtype)
 
 
 if triton is not None:
@@ -80,14 +69,11 @@ if triton is not None:
         H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, FMT: tl.constexpr,
         NATIVE: tl.constexpr,  # fp8_dequant's (compiled kernels)
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-        ST_STRIDE: tl.constexpr, SS_STRIDE: tl.constexpr, BT_S0: tl.constexpr,
-        BT_S1: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_BLOCKS: tl.constexpr, HAS_SS: tl.constexpr, WS: tl.constexpr, BLOCK_B: tl.constexpr,
+        ROW: tl.constexpr,  # the row rule's constants (triton_gather.row_constants)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
-        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T,
-                                       ST_STRIDE, SS_STRIDE, BT_S0, BT_S1, MAX_BLOCKS, BLOCK_SIZE,
-                                       NUM_BLOCKS, HAS_SS, WS, BLOCK_B, PDL, PDL_TRIGGER)
+        t, ok, blk, off = row_prologue(t_out, num_req, starts_ptr, ss_ptr, bt_ptr, BLOCK_T, ROW,
+                                       PDL, PDL_TRIGGER)
         src_row = blk * CBS + off * CPS
         _gather_heads(k_ptr, ko_ptr, ks_ptr, ok, src_row, t * KRS, H, D, HS, KHS, CHUNK, FMT,
                       K_PER_HEAD, NATIVE)
@@ -110,7 +96,7 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
     else:
         kc, vc, ko, vo = (bits_view(x) for x in (key_cache, value_cache, key_out, value_out))
     rows = t_out > 1
-    launch_rows(
+    triton_gather.launch_rows(
         _kernel, key_out.device, t_out,
         (kc, vc, ko, vo, k_scale, v_scale, block_table, cu_seq_lens, seq_starts, t_out, num_req),
         cu_seq_lens, seq_starts, block_table, block_size, num_blocks, num_req, tuning,
@@ -118,7 +104,7 @@ def run(key_cache: torch.Tensor, value_cache: torch.Tensor, key_out: torch.Tenso
         HS=kc.stride(2) if num_heads > 1 else 0,
         KRS=ko.stride(0) if rows else 0, KHS=ko.stride(1) if num_heads > 1 else 0,
         VRS=vo.stride(0) if rows else 0, VHS=vo.stride(1) if num_heads > 1 else 0,
-        H=num_heads, D=head_size, CHUNK=chunk_width(num_heads * head_size),
-        FMT=_FMT.get(cache_dtype, 0), NATIVE=native_fp8(key_out.device),
+        H=num_heads, D=head_size, CHUNK=triton_gather.chunk_width(num_heads * head_size),
+        FMT=_FMT.get(cache_dtype, 0), NATIVE=triton_gather.native_fp8(key_out.device),
         K_PER_HEAD=fp8 and scale_is_per_head(k_scale), V_PER_HEAD=fp8 and scale_is_per_head(v_scale),
     )

@@ -77,24 +77,9 @@ KVW_HD u32 indexer_scale_word(float s, bool mxfp8) {
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v10) the
 // arguments from k_stride on are compile-time constants: none is read from the parameter bank
 // and the index math (the divisions by threads_per_token and lanes included) folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_INDEXER_FIXED_PROLOGUE()                                                            \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(11);                                                                   \
-    k_stride = fixed[0]; block_stride = fixed[1]; block_size = fixed[2];                        \
-    block_shift = fixed[3]; num_slots = fixed[4]; head_dim = fixed[5];                          \
-    group_size = fixed[6]; num_groups = fixed[7]; lanes = fixed[8];                             \
-    threads_per_token = fixed[9]; scale_fmt = fixed[10];                                        \
-  }
-#else
-#define KVW_INDEXER_FIXED_PROLOGUE()
-#endif
-
-// As concat_and_cache_mla's kernels: an int64 slot is loaded before the row (a plain read-only
-// load), an int32 slot after it (load_index), so that no build waits for the slot's round trip
-// before requesting the row (tuning-log changes 52 and 57).
-template <typename SlotT>
-constexpr bool INDEXER_SLOT_FIRST = sizeof(SlotT) == 8;
+#define KVW_INDEXER_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(k_stride, block_stride, block_size,  \
+    block_shift, num_slots, head_dim, group_size, num_groups, lanes, threads_per_token,         \
+    scale_fmt)
 
 // The VEC codes of one chunk of VEC elements under scale s.
 template <int IN, int VEC>
@@ -136,7 +121,7 @@ __global__ void __launch_bounds__(256) indexer_k_quant_and_cache_kernel(KVW_INDE
   const i64 chunks = group_size / VEC;  // per group
   const u8* grp = k + (t * k_stride + static_cast<i64>(g) * group_size) * IB;
   i64 s = -1;
-  if (INDEXER_SLOT_FIRST<SlotT> && live) s = static_cast<i64>(slot_mapping[t]);
+  if (SLOT_FIRST<SlotT> && live) s = static_cast<i64>(slot_mapping[t]);
 
   float x[VEC];
   float amax = 0.0f;
@@ -145,14 +130,14 @@ __global__ void __launch_bounds__(256) indexer_k_quant_and_cache_kernel(KVW_INDE
 #pragma unroll
     for (int i = 0; i < (IN_BYTES >= 4 ? IN_BYTES / 4 : 1); ++i) in.w[i] = 0;
     if (live) in = load_raw<IN_BYTES>(grp + static_cast<i64>(lane) * IN_BYTES);
-    if (!INDEXER_SLOT_FIRST<SlotT> && live) s = static_cast<i64>(load_index(slot_mapping + t));
+    if (!SLOT_FIRST<SlotT> && live) s = static_cast<i64>(load_index(slot_mapping + t));
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       x[i] = elem_f32<IN>(in, i);
       amax = fmaxf(amax, fabsf(x[i]));  // fmaxf returns the other operand for a NaN
     }
   } else {
-    if (!INDEXER_SLOT_FIRST<SlotT> && live) s = static_cast<i64>(load_index(slot_mapping + t));
+    if (!SLOT_FIRST<SlotT> && live) s = static_cast<i64>(load_index(slot_mapping + t));
     if (live) {
       for (i64 c = lane; c < chunks; c += lanes) {
         const Raw<IN_BYTES> in = load_raw<IN_BYTES>(grp + c * IN_BYTES);

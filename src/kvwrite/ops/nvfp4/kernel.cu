@@ -45,21 +45,9 @@
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v19) the arguments
 // from key_stride on are compile-time constants: none is read from the parameter bank and the
 // index math (the divisions by groups and head_groups included) folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_NVFP4_FIXED_PROLOGUE()                                                              \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(20);                                                                   \
-    key_stride = fixed[0]; value_stride = fixed[1]; groups = fixed[2]; head_groups = fixed[3];  \
-    kd_sb = fixed[4]; kd_ss = fixed[5]; kd_sh = fixed[6];                                       \
-    ks_sb = fixed[7]; ks_ss = fixed[8]; ks_sh = fixed[9];                                       \
-    vd_sb = fixed[10]; vd_ss = fixed[11]; vd_sh = fixed[12];                                    \
-    vs_sb = fixed[13]; vs_ss = fixed[14]; vs_sh = fixed[15];                                    \
-    block_size = fixed[16]; block_shift = fixed[17]; num_slots = fixed[18];                     \
-    v_swizzle = fixed[19];                                                                      \
-  }
-#else
-#define KVW_NVFP4_FIXED_PROLOGUE()
-#endif
+#define KVW_NVFP4_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(key_stride, value_stride, groups,      \
+    head_groups, kd_sb, kd_ss, kd_sh, ks_sb, ks_ss, ks_sh, vd_sb, vd_ss, vd_sh, vs_sb, vs_ss,   \
+    vs_sh, block_size, block_shift, num_slots, v_swizzle)
 
 // N bytes at an A-byte aligned address, as the widest accesses A allows (A a power of two).
 // Whole chunks: plain loads of a const __restrict__ row (LDG.CONSTANT, cached in L1, so a

@@ -61,25 +61,9 @@
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v16) the
 // arguments from key_stride on are compile-time constants: none is read from the parameter bank
 // and the index math (the divisions by chunks_per_head and x included) folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_LEGACY_FIXED_PROLOGUE()                                                             \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(17);                                                                   \
-    key_stride = fixed[0]; value_stride = fixed[1];                                             \
-    kc_block = fixed[2]; kc_head = fixed[3]; kc_group = fixed[4]; kc_slot = fixed[5];           \
-    kc_elem = fixed[6]; vc_block = fixed[7]; vc_head = fixed[8]; vc_dim = fixed[9];             \
-    vc_slot = fixed[10]; block_size = fixed[11]; block_shift = fixed[12];                       \
-    num_slots = fixed[13]; x = fixed[14]; chunks_per_head = fixed[15]; chunks = fixed[16];      \
-  }
-#else
-#define KVW_LEGACY_FIXED_PROLOGUE()
-#endif
-
-// As the other ops' kernels: an int64 slot is loaded before the rows (a plain read-only load),
-// an int32 slot after them (load_index), so that no build waits for the slot's round trip before
-// requesting the rows (tuning-log changes 52 and 57).
-template <typename SlotT>
-constexpr bool LEGACY_SLOT_FIRST = sizeof(SlotT) == 8;
+#define KVW_LEGACY_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(key_stride, value_stride, kc_block,   \
+    kc_head, kc_group, kc_slot, kc_elem, vc_block, vc_head, vc_dim, vc_slot, block_size,        \
+    block_shift, num_slots, x, chunks_per_head, chunks)
 
 // Bytes [j * P, j * P + P) of a chunk (P = 1, 2 or a multiple of 4).
 template <int P, int N>
@@ -122,7 +106,7 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
   const u32 h = u / static_cast<u32>(chunks_per_head);
   const i64 d0 = static_cast<i64>(u - h * static_cast<u32>(chunks_per_head)) * VEC;
   const i64 in_off = static_cast<i64>(u) * VEC * IB;  // heads are dense: h * D + d0
-  i64 s = LEGACY_SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;
+  i64 s = SLOT_FIRST<SlotT> ? static_cast<i64>(slot_mapping[t]) : 0;
   float k_s = 0.0f, v_s = 0.0f;
   if constexpr (FP8) {
     k_s = k_scale[h * k_scale_stride];
@@ -132,7 +116,7 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(KVW_LEGACY_PARAM
   Raw<IN_BYTES> kin = load_raw_for<IN_BYTES, OUT == DT_COPY>(key + t * key_stride * IB + in_off);
   Raw<IN_BYTES> vin =
       load_raw_for<IN_BYTES, OUT == DT_COPY>(value + t * value_stride * IB + in_off);
-  if constexpr (!LEGACY_SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
+  if constexpr (!SLOT_FIRST<SlotT>) s = static_cast<i64>(load_index(slot_mapping + t));
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0
   const bool slots_fit_u32 = (static_cast<u64>(num_slots) >> 32) == 0;
   const i64 kbase = slot_offset(s, kc_block, kc_slot, block_size, block_shift, slots_fit_u32) +

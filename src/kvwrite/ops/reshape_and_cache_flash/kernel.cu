@@ -66,18 +66,9 @@
 // changes 28 and 31. The wider chunks also quantize by kvw/fp8.cuh's bracket (make_fp8_scale's
 // BRACKET = !FAST_SCALE), where the GPU converts to fp8 in hardware; div_rn then serves only
 // the threads whose bracket holds a rounding boundary (change 33).
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_FIXED_ARGS_PROLOGUE()                                                               \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(11);                                                                   \
-    key_stride = fixed[0]; value_stride = fixed[1];                                             \
-    block_stride = fixed[2]; page_stride = fixed[3]; head_stride = fixed[4];                    \
-    block_size = fixed[5]; block_shift = fixed[6]; num_slots = fixed[7];                        \
-    chunks_per_head = fixed[8]; chunks_per_token = fixed[9]; head_shift = fixed[10];            \
-  }
-#else
-#define KVW_FIXED_ARGS_PROLOGUE()
-#endif
+#define KVW_FIXED_ARGS_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(key_stride, value_stride,               \
+    block_stride, page_stride, head_stride, block_size, block_shift, num_slots,                 \
+    chunks_per_head, chunks_per_token, head_shift)
 #define KVW_KERNEL_PROLOGUE()                                                                   \
   constexpr int IB = elem_bytes(IN);                                                            \
   constexpr int OB = OUT == DT_COPY ? IB : elem_bytes(OUT);                                     \

@@ -319,23 +319,9 @@ KVW_HD bool fast_int4_row(float mn, float mx) {
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v24) the
 // arguments from slot64 on are compile-time constants: none is read from the parameter bank,
 // the shuffles unroll and the index math folds.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_PTH_FIXED_PROLOGUE()                                                                 \
-  {                                                                                              \
-    KVW_FIXED_ARGS_ARRAY(25);                                                                    \
-    slot64 = fixed[0];                                                                           \
-    num_heads = fixed[1]; dk = fixed[2]; dv = fixed[3]; lane_shift = fixed[4];                   \
-    k_tok = fixed[5]; k_head = fixed[6]; v_tok = fixed[7]; v_head = fixed[8];                    \
-    kc_b = fixed[9]; kc_s = fixed[10]; kc_h = fixed[11];                                         \
-    vc_b = fixed[12]; vc_s = fixed[13]; vc_h = fixed[14];                                        \
-    ks_b = fixed[15]; ks_s = fixed[16]; ks_h = fixed[17];                                        \
-    vs_b = fixed[18]; vs_s = fixed[19]; vs_h = fixed[20];                                        \
-    block_size = fixed[21]; block_shift = fixed[22]; num_slots = fixed[23];                      \
-    store_shift = fixed[24];                                                                     \
-  }
-#else
-#define KVW_PTH_FIXED_PROLOGUE()
-#endif
+#define KVW_PTH_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(slot64, num_heads, dk, dv, lane_shift,   \
+    k_tok, k_head, v_tok, v_head, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, ks_b, ks_s, ks_h, vs_b,   \
+    vs_s, vs_h, block_size, block_shift, num_slots, store_shift)
 
 // NaN-propagating min and max of float32 values (the fast path's row test: a NaN anywhere in
 // the row reaches the result).

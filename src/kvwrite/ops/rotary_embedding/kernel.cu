@@ -17,18 +17,9 @@
 // from q_stride on are compile-time constants: none is read from the parameter bank and the
 // index math (the division by units_per_head included) folds. Dense heads pass head strides equal
 // to head_size, so their builds fold to the code of a kernel without head strides.
-#ifdef KVWRITE_FIXED_ARGS
-#define KVW_ROPE_FIXED_PROLOGUE()                                                               \
-  {                                                                                             \
-    KVW_FIXED_ARGS_ARRAY(11);                                                                   \
-    q_stride = fixed[0]; k_stride = fixed[1]; max_position = fixed[2];                          \
-    num_q_heads = fixed[3]; head_size = fixed[4]; rot = fixed[5];                               \
-    units_per_head = fixed[6]; rot_units = fixed[7]; units_per_token = fixed[8];                \
-    q_head_stride = fixed[9]; k_head_stride = fixed[10];                                        \
-  }
-#else
-#define KVW_ROPE_FIXED_PROLOGUE()
-#endif
+#define KVW_ROPE_FIXED_PROLOGUE() KVW_ASSIGN_FIXED_ARGS(q_stride, k_stride, max_position,       \
+    num_q_heads, head_size, rot, units_per_head, rot_units, units_per_token, q_head_stride,     \
+    k_head_stride)
 
 template <int IN, int CS, int W, bool NEOX, typename PosT, bool LINEAR>
 __global__ void __launch_bounds__(256) rotary_embedding_kernel(

@@ -98,10 +98,69 @@ KVW_HD float min_nan(float a, float b) { return a > b ? b : a; }
 
 // In a build specialized for one call signature (-D KVWRITE_FIXED_ARGS=v0,...,v<N-1>): `fixed`,
 // the N values as a constexpr array, and a compile error unless there are exactly N. Each op's
-// kernel.cu assigns them to its trailing scalar arguments (cuda_impl.fixed_args' order).
+// kernel.cu assigns them to its trailing scalar arguments (cuda_impl.fixed_args' order), with
+// KVW_ASSIGN_FIXED_ARGS or (the gathers, whose rule shares its first values) by index.
 #define KVW_FIXED_ARGS_ARRAY(N)                   \
   constexpr i64 fixed[] = {KVWRITE_FIXED_ARGS}; \
   static_assert(sizeof(fixed) / sizeof(fixed[0]) == N, "KVWRITE_FIXED_ARGS: " #N " values")
+
+// The number of a macro's arguments (1 to 32).
+#define KVW_NARGS(...)                                                                          \
+  KVW_NARGS_(__VA_ARGS__, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,  \
+             15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define KVW_NARGS_(a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17,  \
+                   a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32,  \
+                   n, ...)                                                                      \
+  n
+
+// KVW_ASSIGN_FIXED_ARGS(a, b, ...): in a specialized build, `a = fixed[0]; b = fixed[1]; ...`
+// written out by the preprocessor (KVW_FIXED_n assigns n names from index i on), with a
+// compile error unless there is one value per name; nothing in a generic build. (Text, not a
+// function taking the arguments by reference: that changed some kernels' code.)
+#ifdef KVWRITE_FIXED_ARGS
+#define KVW_CAT_(a, b) a##b
+#define KVW_CAT(a, b) KVW_CAT_(a, b)
+#define KVW_FIXED_1(i, a) a = fixed[i];
+#define KVW_FIXED_2(i, a, ...) a = fixed[i]; KVW_FIXED_1(i + 1, __VA_ARGS__)
+#define KVW_FIXED_3(i, a, ...) a = fixed[i]; KVW_FIXED_2(i + 1, __VA_ARGS__)
+#define KVW_FIXED_4(i, a, ...) a = fixed[i]; KVW_FIXED_3(i + 1, __VA_ARGS__)
+#define KVW_FIXED_5(i, a, ...) a = fixed[i]; KVW_FIXED_4(i + 1, __VA_ARGS__)
+#define KVW_FIXED_6(i, a, ...) a = fixed[i]; KVW_FIXED_5(i + 1, __VA_ARGS__)
+#define KVW_FIXED_7(i, a, ...) a = fixed[i]; KVW_FIXED_6(i + 1, __VA_ARGS__)
+#define KVW_FIXED_8(i, a, ...) a = fixed[i]; KVW_FIXED_7(i + 1, __VA_ARGS__)
+#define KVW_FIXED_9(i, a, ...) a = fixed[i]; KVW_FIXED_8(i + 1, __VA_ARGS__)
+#define KVW_FIXED_10(i, a, ...) a = fixed[i]; KVW_FIXED_9(i + 1, __VA_ARGS__)
+#define KVW_FIXED_11(i, a, ...) a = fixed[i]; KVW_FIXED_10(i + 1, __VA_ARGS__)
+#define KVW_FIXED_12(i, a, ...) a = fixed[i]; KVW_FIXED_11(i + 1, __VA_ARGS__)
+#define KVW_FIXED_13(i, a, ...) a = fixed[i]; KVW_FIXED_12(i + 1, __VA_ARGS__)
+#define KVW_FIXED_14(i, a, ...) a = fixed[i]; KVW_FIXED_13(i + 1, __VA_ARGS__)
+#define KVW_FIXED_15(i, a, ...) a = fixed[i]; KVW_FIXED_14(i + 1, __VA_ARGS__)
+#define KVW_FIXED_16(i, a, ...) a = fixed[i]; KVW_FIXED_15(i + 1, __VA_ARGS__)
+#define KVW_FIXED_17(i, a, ...) a = fixed[i]; KVW_FIXED_16(i + 1, __VA_ARGS__)
+#define KVW_FIXED_18(i, a, ...) a = fixed[i]; KVW_FIXED_17(i + 1, __VA_ARGS__)
+#define KVW_FIXED_19(i, a, ...) a = fixed[i]; KVW_FIXED_18(i + 1, __VA_ARGS__)
+#define KVW_FIXED_20(i, a, ...) a = fixed[i]; KVW_FIXED_19(i + 1, __VA_ARGS__)
+#define KVW_FIXED_21(i, a, ...) a = fixed[i]; KVW_FIXED_20(i + 1, __VA_ARGS__)
+#define KVW_FIXED_22(i, a, ...) a = fixed[i]; KVW_FIXED_21(i + 1, __VA_ARGS__)
+#define KVW_FIXED_23(i, a, ...) a = fixed[i]; KVW_FIXED_22(i + 1, __VA_ARGS__)
+#define KVW_FIXED_24(i, a, ...) a = fixed[i]; KVW_FIXED_23(i + 1, __VA_ARGS__)
+#define KVW_FIXED_25(i, a, ...) a = fixed[i]; KVW_FIXED_24(i + 1, __VA_ARGS__)
+#define KVW_FIXED_26(i, a, ...) a = fixed[i]; KVW_FIXED_25(i + 1, __VA_ARGS__)
+#define KVW_FIXED_27(i, a, ...) a = fixed[i]; KVW_FIXED_26(i + 1, __VA_ARGS__)
+#define KVW_FIXED_28(i, a, ...) a = fixed[i]; KVW_FIXED_27(i + 1, __VA_ARGS__)
+#define KVW_FIXED_29(i, a, ...) a = fixed[i]; KVW_FIXED_28(i + 1, __VA_ARGS__)
+#define KVW_FIXED_30(i, a, ...) a = fixed[i]; KVW_FIXED_29(i + 1, __VA_ARGS__)
+#define KVW_FIXED_31(i, a, ...) a = fixed[i]; KVW_FIXED_30(i + 1, __VA_ARGS__)
+#define KVW_FIXED_32(i, a, ...) a = fixed[i]; KVW_FIXED_31(i + 1, __VA_ARGS__)
+#define KVW_ASSIGN_FIXED_ARGS(...) KVW_ASSIGN_FIXED_ARGS_(KVW_NARGS(__VA_ARGS__), __VA_ARGS__)
+#define KVW_ASSIGN_FIXED_ARGS_(N, ...)             \
+  {                                                \
+    KVW_FIXED_ARGS_ARRAY(N);                       \
+    KVW_CAT(KVW_FIXED_, N)(0, __VA_ARGS__)         \
+  }
+#else
+#define KVW_ASSIGN_FIXED_ARGS(...)
+#endif
 
 // float32 -> bfloat16, round to nearest even (NaN -> 0x7FFF, as cvt.rn.bf16.f32 does).
 KVW_HD u32 bf16_from_f32_soft(float x) {
