@@ -371,6 +371,16 @@ def test_ci_checks_the_import_layers():
                                for spec in _dependencies("test")}
 
 
+def test_no_import_cycle():
+    """No module of kvwrite imports, directly or through others, a module that imports it (a
+    deferred import inside a function counts too)."""
+    grimp = pytest.importorskip("grimp")  # import-linter's graph builder (the test extra)
+    graph = grimp.build_graph("kvwrite")
+    cycles = sorted((m, d) for m in graph.modules for d in graph.find_modules_directly_imported_by(m)
+                    if graph.find_shortest_chain(importer=d, imported=m))
+    assert cycles == []
+
+
 def _other_op_privates(path: Path) -> list[str]:
     """Names with a leading underscore that the module at ``path`` (under src/kvwrite/ops/<op>/)
     takes from another op's package: imported (``from ..b.x import _y``, ``from ..b import _x``,

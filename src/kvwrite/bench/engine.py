@@ -30,7 +30,6 @@ import datetime
 import importlib.metadata
 import math
 import os
-import re
 import shlex
 import sys
 import time
@@ -42,13 +41,13 @@ from .. import __version__, registry
 from ..dtypes import BENCH_DTYPES
 from ..testing.slots import PATTERNS, SlotPattern
 from . import report, timing
-from .models import MODELS
+from .models import MODELS, parse_num_tokens
 from .report import Row, format_table, series_label
 
 __all__ = ["OpBench", "SlotsBench", "Config", "Env", "BenchError", "Skip", "Interrupted", "Parser", "main",
            "configure", "sweep", "render", "parse_num_tokens", "parse_list", "parse_device",
            "check_output_path", "given_flags", "normalize_flags", "add_slot_flags",
-           "slot_pattern", "point_sets", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
+           "slot_pattern", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
            "OutOfMemoryError", "compare_with_reference", "ENGINE_DEFAULTS", "CPU_TIMING",
            "require_positive", "add_cache_flags", "slots_line", "slot_params", "skip_unless_fits"]
 
@@ -297,29 +296,6 @@ def available_memory(device: torch.device) -> int | None:
 
 # --- the shared flags ------------------------------------------------------------------------------
 
-def parse_num_tokens(text: str, flag: str = "--num-tokens") -> list[int]:
-    """``"1,2,64"`` (or ``"1 2 64"``) -> [1, 2, 64]; ``"LO:HI"`` -> LO, 2*LO, 4*LO, ... up to HI."""
-    bad = ValueError(f"{flag}: expected a list like 1,2,64 or a range LO:HI of doublings like "
-                     f"2:65536 (positive integers), got {text!r}")
-    text = re.sub(r"\s*,\s*|\s+", ",", text.strip())
-    try:
-        if ":" in text:
-            lo, hi = (int(x) for x in text.split(":"))
-            if lo < 1 or hi < lo:
-                raise bad
-            out = []
-            while lo <= hi:
-                out.append(lo)
-                lo *= 2
-            return out
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise bad from None
-    if not values or min(values) < 1:
-        raise bad
-    return list(dict.fromkeys(values))
-
-
 def parse_list(text: str, flag: str, choices: Sequence[str] | None = None,
                convert: Callable[[str], object] | None = None) -> list:
     """A comma list (duplicates dropped); each item one of ``choices`` (case as given) and/or
@@ -436,15 +412,6 @@ def add_slot_flags(parser: argparse.ArgumentParser) -> None:
 # does not read it is a usage error, never silently ignored.
 SLOT_FLAGS = {"random": (), "decode": ("context_len",), "prefill": ("prefill_len",),
               "mixed": ("context_len", "decode_fraction", "decode_tokens")}
-
-
-def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -> list[tuple]:
-    """:func:`kvwrite.bench.workload.slot_sets` for a point with ``slots`` (its pattern),
-    ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
-    from .workload import slot_sets
-
-    with skip_unless_fits():
-        return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)
 
 
 def slot_pattern(args: argparse.Namespace, max_position: int | None = None) -> SlotPattern:

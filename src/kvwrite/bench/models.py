@@ -14,6 +14,7 @@ A preset's batch shapes come from the serving engine's scheduler limits, the sam
 from __future__ import annotations
 
 import dataclasses
+import re
 
 __all__ = ["ModelPreset", "MODELS", "doublings", "get_model", "heads_per_rank", "ServingShape", "SERVING",
            "serving_flags", "apply_serving_flags", "apply_model", "model_cache_blocks"]
@@ -151,7 +152,6 @@ def model_cache_blocks(args) -> int:
     (:meth:`SlotPattern.cache_blocks` at the largest T: a decode or mixed batch needs a block per
     sequence, which the default CPU cache does not hold). Reads ``args.pattern``,
     ``args.num_tokens``, ``args.block_size`` and ``args.num_blocks``."""
-    from .engine import parse_num_tokens
 
     counts = parse_num_tokens(str(args.num_tokens))
     return max(args.pattern.cache_blocks(t, args.block_size, args.num_blocks) for t in counts)
@@ -194,3 +194,26 @@ def heads_per_rank(num_kv_heads: int, tp: int) -> int:
             f"--tp: expected a divisor of the {num_kv_heads} KV heads (or a multiple of it), got {tp}"
         )
     return 1
+
+
+def parse_num_tokens(text: str, flag: str = "--num-tokens") -> list[int]:
+    """``"1,2,64"`` (or ``"1 2 64"``) -> [1, 2, 64]; ``"LO:HI"`` -> LO, 2*LO, 4*LO, ... up to HI."""
+    bad = ValueError(f"{flag}: expected a list like 1,2,64 or a range LO:HI of doublings like "
+                     f"2:65536 (positive integers), got {text!r}")
+    text = re.sub(r"\s*,\s*|\s+", ",", text.strip())
+    try:
+        if ":" in text:
+            lo, hi = (int(x) for x in text.split(":"))
+            if lo < 1 or hi < lo:
+                raise bad
+            out = []
+            while lo <= hi:
+                out.append(lo)
+                lo *= 2
+            return out
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise bad from None
+    if not values or min(values) < 1:
+        raise bad
+    return list(dict.fromkeys(values))

@@ -29,10 +29,10 @@ from ..dtypes import CacheDType
 from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
 from ..testing.cases import Case
 from ..testing.slots import make_slots
-from .engine import SlotsBench, slots_line
+from .engine import SlotsBench, skip_unless_fits, slots_line
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
-           "make_input_sets", "slot_sets", "key_value_rows", "seed_everything", "SEED"]
+           "make_input_sets", "slot_sets", "point_sets", "key_value_rows", "seed_everything", "SEED"]
 
 SEED = 42
 LAYOUTS = LAYOUT_NAMES
@@ -147,3 +147,10 @@ def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.devic
             v_scale = (value.amax() / 64.0).to(torch.float32)
         sets.append(InputSet(key, value, slots, k_scale, v_scale))
     return sets
+
+
+def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -> list[tuple]:
+    """:func:`slot_sets` for a point with ``slots`` (its pattern),
+    ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
+    with skip_unless_fits():
+        return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)

@@ -27,7 +27,8 @@ from ...ops.indexer_k_quant_and_cache import (
 from ...ops.indexer_k_quant_and_cache.op import ScaleFormat, check_group_size
 from ...testing.slots import SlotPattern
 from .. import engine
-from ..engine import SlotsBench, compare_with_reference, parse_list, point_sets, slot_pattern
+from ..engine import SlotsBench, compare_with_reference, parse_list, slot_pattern
+from ..workload import point_sets
 
 __all__ = ["BENCH"]
 

@@ -25,8 +25,8 @@ from ...ops.nvfp4 import OP, flash_run_args
 from ...ops.reshape_and_cache_flash import OP as WRITE
 from ...testing.slots import SlotPattern
 from .. import engine
-from ..engine import compare_with_reference, parse_list, point_sets, slot_pattern
-from ..workload import KeyValueBench, key_value_rows
+from ..engine import compare_with_reference, parse_list, slot_pattern
+from ..workload import KeyValueBench, key_value_rows, point_sets
 
 __all__ = ["BENCH"]
 

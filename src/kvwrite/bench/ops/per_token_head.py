@@ -34,9 +34,9 @@ from ...testing.per_token_head import (
 )
 from ...testing.slots import SlotPattern
 from .. import engine
-from ..engine import parse_list, point_sets, slot_pattern
+from ..engine import parse_list, slot_pattern
 from ..models import apply_model, heads_per_rank, model_cache_blocks
-from ..workload import KeyValueBench, key_value_rows
+from ..workload import KeyValueBench, key_value_rows, point_sets
 
 __all__ = ["BENCH"]
 
