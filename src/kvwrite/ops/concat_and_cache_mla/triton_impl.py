@@ -83,7 +83,7 @@ class TritonTuning(PdlTuning):
     tile_bytes: int = 4096
     # fp8_ds_mla: 2 KiB (one token of 16-bit input per program, 2 warps) vs 4 KiB (2 tokens, 4
     # warps), H100, 20-call graphs, rotated L2: T=65536 47.8 vs 52.9 us, T=16384 13.6 vs 14.8
-    # us, T=16 2.15 us both (kvwrite-bench probe mla).
+    # us, T=16 2.15 us both (python -m tools.probes mla).
     tile_bytes_ds: int = 2048
     # Input bytes per warp: 16-byte accesses for 16-bit copies, 32 B per thread for fp8.
     bytes_per_warp: int = 512
