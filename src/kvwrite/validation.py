@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_count", "check_mutation_safe"]
+           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_count", "check_mutation_safe",
+           "spans_its_storage"]
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -138,6 +139,16 @@ def _layout(shape: tuple, stride: tuple, es: int) -> tuple[_Dims, int, int]:
 
 def _extent(dims: _Dims, run: int) -> int:
     return sum((n - 1) * s for n, s in dims) + run
+
+
+def spans_its_storage(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements reach from the first byte of its storage to the last (no other
+    view can share the storage without overlapping ``t``); an empty tensor does."""
+    if t.numel() == 0:
+        return True
+    dims, run, shift = _layout(tuple(t.shape), tuple(t.stride()), t.element_size())
+    return (t.storage_offset() * t.element_size() + shift == 0
+            and _extent(dims, run) == t.untyped_storage().nbytes())
 
 
 def _offsets(base: int, dims: _Dims) -> torch.Tensor:

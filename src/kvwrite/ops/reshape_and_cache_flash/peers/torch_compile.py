@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from ....validation import spans_its_storage
 from .. import reference
 
 
@@ -26,21 +27,11 @@ def available(device: torch.device) -> str | None:
     return None
 
 
-def _spans_its_allocation(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements reach from the start to the end of its storage (no other view
-    can share it without overlapping)."""
-    if t.numel() == 0:
-        return True
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() == 0
-            and (last + 1) * t.element_size() == t.untyped_storage().nbytes())
-
-
 def unsupported(key, key_cache, cache_dtype, k_scale, v_scale) -> str | None:
     # AOTAutograd refuses to mutate two views of one allocation ("does not yet handle
     # non-differentiable view input mutations"; H200, torch 2.11, a K|V-interleaved cache); a key
     # cache that is part of a larger allocation may be such a view, so it is not offered.
-    if key.device.type == "cuda" and not _spans_its_allocation(key_cache):
+    if key.device.type == "cuda" and not spans_its_storage(key_cache):
         return ("torch.compile cannot write two views of one allocation (key_cache is part of "
                 "a larger allocation, e.g. K|V-interleaved)")
     # Inductor fuses the reference's `x.float() / scale` into a Triton kernel whose float32 `/` is
