@@ -21,14 +21,30 @@ def _has_transfer_ops() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _has_transfer_ops(), reason="needs the transfer ops")
-@pytest.mark.parametrize("script", ["offload_roundtrip.py", "tp_exchange.py"])
-def test_example_runs_on_the_cpu(script):
-    # The CPU path: no GPU visible, so the script picks the torch implementation (host to host).
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+SCRIPTS = ["offload_roundtrip.py", "tp_exchange.py"]
+needs_transfer_ops = pytest.mark.skipif(not _has_transfer_ops(), reason="needs the transfer ops")
+
+
+def _run(script: str, env: dict) -> None:
+    env = {**os.environ, **env,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(EXAMPLES / script)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(script.removesuffix(".py") + ":"), done.stdout
+
+
+@needs_transfer_ops
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs_on_the_cpu(script):
+    # No GPU visible: the script takes the torch implementation, both sides on the host.
+    _run(script, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.gpu
+@needs_transfer_ops
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs_on_the_gpu(script):
+    # The GPU path: pinned host pool, SM and copy engines (offload), GPU pages and mapping (TP).
+    _run(script, {})
