@@ -387,7 +387,8 @@ class TransferBench(OpBench):
 
     def unsupported(self, ctx, kind, impl) -> str | None:
         p: Point = ctx["point"]
-        self._host.pop(p, None)
+        self._host.pop(p, None)      # what a series before this one measured
+        self._overlap.pop(p, None)
         if p.engine != "sm":
             # ce and the peers do not run the implementation: timed once, in the first column.
             if ctx["owner"] is None:
