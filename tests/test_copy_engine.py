@@ -309,3 +309,22 @@ def test_gpu_batch_and_loop_of_many_layers(direction):
     torch.cuda.synchronize()
     for (_, d), w in zip(layers, wants, strict=True):
         assert_caches_equal(d, w, "loop")
+
+
+@pytest.mark.gpu
+def test_gpu_capture_refuses_ce_and_auto_keeps_sms():
+    """Under a real CUDA-graph capture: "ce" raises naming engine, "auto" takes SMs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    src, dst = gpu_views("d2h", "same")
+    big = [job(src, dst)]
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            with pytest.raises(ValueError, match="^engine: 'ce' cannot be captured"):
+                copy_engine.resolve(plan(big, PAIRS, engine="ce", device=GPU))
+            auto = copy_engine.resolve(plan(big, PAIRS, engine="auto", device=GPU))
+        finally:
+            graph.capture_end()
+    assert auto == "sm"
