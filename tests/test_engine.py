@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvwrite
 import tools.sanitize as sanitize
 from kvwrite import registry
 from kvwrite.bench import cli, engine
@@ -52,6 +53,14 @@ TINY = {
                 "--num-tokens", "2,8,16", "--iters", "3", "--time-budget", "0.01",
                 "--graph-calls", "2"],
 }
+# The transfer ops (SPEC §9) and the subcommand their declaration registers.
+HAS_TRANSFER = hasattr(kvwrite, "swap_blocks_multi_layer")
+if HAS_TRANSFER:
+    TINY["transfer"] = ["transfer", "--device", "cpu", "--model", "llama3-8b", "--layers", "2",
+                        "--op", "swap,pack", "--direction", "d2h", "--page-format", "raw,fp8",
+                        "--num-tokens", "2,16", "--engine", "sm", "--max-ctas", "all",
+                        "--peers", "torch", "--iters", "3", "--time-budget", "0.01",
+                        "--graph-calls", "2"]
 SUBS = sorted(TINY)
 
 
@@ -188,6 +197,14 @@ OWN_BAD = {
         (["--dtype", "x"], "--dtype"), (["--scale-fmts", "ue8m0,x"], "--scale-fmts"),
         (["--scale-fmts", "ue8m0,mxfp8", "--quant-block-size", "64"], "--quant-block-size"),
         (["--slots", "bogus"], "--slots"), (["--num-tokens", "128"], "--num-blocks")],
+    "transfer": [
+        (["--model", "llama-3.1-8b"], "--model"), (["--model", "llama3-8b,"], "--model"),
+        (["--direction", "up"], "--direction"), (["--op", "swap,x"], "--op"),
+        (["--page-format", "fp4"], "--page-format"), (["--engine", "gpu"], "--engine"),
+        (["--max-ctas", "0"], "--max-ctas"), (["--max-ctas", "two"], "--max-ctas"),
+        (["--peers", "vllm"], "--peers"), (["--layers", "0"], "--layers"),
+        (["--blocks", "4"], "--blocks"), (["--mode", "cudagraph"], "--mode"),
+        (["--op", "relayout", "--direction", "d2h"], "--direction")],
 }
 
 
@@ -214,8 +231,9 @@ def test_every_bad_flag_is_one_line_and_exit_2_before_any_work(no_bench_work, ca
 
 # --- issue 41: the walk-through on a CPU machine ---------------------------------------------------
 
-MODEL_SUBS = [s for s in cli.subcommands()
-              if "--model" in engine.build_parser(_bench(s), s)._option_string_actions]
+# transfer's --model names SPEC §9.6's presets (layers, rows), not bench/models.py's.
+MODEL_SUBS = [s for s in cli.subcommands() if s != "transfer"
+              and "--model" in engine.build_parser(_bench(s), s)._option_string_actions]
 
 
 @pytest.mark.parametrize("sub", MODEL_SUBS)
@@ -237,6 +255,21 @@ def test_every_model_subcommand_takes_the_one_model_list(sub, model):
     m = MODELS[model]
     assert {(p.num_heads if hasattr(p, "num_heads") else p.case.num_heads) for p in points} == {
         m.num_kv_heads}
+
+
+@pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)
+def test_transfer_tiny_run_checks_every_series(capsys, tmp_path):
+    """Every point of the tiny run is checked against the torch reference and measured; the rows
+    carry the limit of their direction and the call's host time."""
+    js = tmp_path / "t.json"
+    assert main([*TINY["transfer"], "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert rows and all(r["status"] == "ok" and r["check"] == "passed" for r in rows)
+    assert {(r["operation"], r["engine"]) for r in rows} == {("swap", "sm"), ("swap", "torch"),
+                                                            ("pack", "sm")}
+    assert all(r["limit"] == "d2h" and r["limit_gbps"] > 0 and r["host_us"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "% limit" in out and "host (µs)" in out
 
 
 def test_qk_norm_rope_model_on_the_cpu_runs(capsys):

@@ -935,6 +935,7 @@ def table(defn: OpBench, rows: Sequence[Row], cfg: Config) -> str:
         if cfg.verbose:
             headers += [f"{s} % copy BW" for s in labels]
     body = []
+    single_extra: list[str] = []
     for pr in points.values():
         r0 = pr[0]
         line = [getattr(r0, k) for k, _ in cols]
@@ -943,6 +944,10 @@ def table(defn: OpBench, rows: Sequence[Row], cfg: Config) -> str:
             if cfg.verbose:
                 line += [_us(r0.p20_us), _us(r0.p80_us), f"{r0.gbps:.1f}",
                          f"{r0.pct_copy_bw:.1f}", r0.status.split(":")[0]]
+            extra = defn.extra_columns(pr)  # an op's columns (none for most ops' one series)
+            if extra and not single_extra:
+                single_extra = [h for h, _ in extra]
+            line += [c for _, c in extra]
         else:
             by = {series_label(r, multi_kind): r for r in pr}
             lat = {s: by[s].latency_us if s in by else math.nan for s in labels}
@@ -956,6 +961,8 @@ def table(defn: OpBench, rows: Sequence[Row], cfg: Config) -> str:
             if cfg.verbose:
                 line += [f"{by[s].pct_copy_bw:.1f}" if s in by else "nan" for s in labels]
         body.append(line)
+    if single and single_extra:
+        headers += single_extra
     if not single and extra_headers:
         at = len(cols) + len(labels) + (len(others) if vs else 0)
         headers[at:at] = extra_headers

@@ -1,0 +1,308 @@
+"""The ``"ce"`` engine of the transfer ops (SPEC §9.5): copy engines instead of SMs.
+
+A raw transfer (:class:`kvwrite.transfer.TransferPlan` of :class:`CopyJob`\\ s, a CPU mapping) is
+the list of its contiguous runs (:func:`runs`): the byte ranges both sides share, so a layout
+change splits a block into rows. :func:`run` submits every run of the call as one
+``cuMemcpyBatchAsync`` (driver >= 12.8), or one ``cuMemcpyAsync`` per run where the driver has no
+batched copies, on PyTorch's current stream of the plan's device; sources are read in stream
+order (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: never ``ANY``, whose DMA may read a source before
+earlier work on the stream has written it). Nothing waits for the host.
+
+:func:`resolve` is the one rule that picks ``"sm"`` or ``"ce"`` for every op; :func:`copy_loop`
+and :func:`copy_batch` submit given runs (the benchmark's peers: vLLM's ``swap_blocks``, one
+copy per tensor and block, and ``swap_blocks_batch``, one batch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ..transfer import CopyJob, TransferPlan
+
+__all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run",
+           "copy_loop", "copy_batch", "stream_handle", "AUTO_MIN_RUN", "BATCH_DRIVER"]
+
+# "auto" takes the copy engines only where every run is at least this long: shorter runs are
+# bound by the engines' per-copy cost, and an SM copy keeps up with PCIe there (SPEC §9.5).
+AUTO_MIN_RUN = 64 * 1024
+# cuMemcpyBatchAsync came with CUDA 12.8 (cuDriverGetVersion's encoding: 1000*major + 10*minor).
+BATCH_DRIVER = 12080
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _bindings_version() -> str:
+    try:
+        import cuda.bindings
+
+        return str(getattr(cuda.bindings, "__version__", "?"))
+    except ImportError:
+        return ""
+
+
+@functools.cache
+def loop_reason(device: torch.device) -> str | None:
+    """None where single copies (``cuMemcpyAsync``) can be submitted on ``device``, else why."""
+    if device.type != "cuda":
+        return f"copy engines need a CUDA device, got {device.type!r}"
+    try:
+        _driver()
+    except ImportError:
+        return "the copy-engine path needs cuda.bindings (pip install cuda-bindings)"
+    return None
+
+
+@functools.cache
+def batch_reason(device: torch.device) -> str | None:
+    """None where ``cuMemcpyBatchAsync`` is usable on ``device`` (a driver of CUDA 12.8 or later
+    and a cuda.bindings that has it), else why not."""
+    reason = loop_reason(device)
+    if reason is not None:
+        return reason
+    driver = _driver()
+    version = _bindings_version()
+    if not hasattr(driver, "cuMemcpyBatchAsync"):
+        return (f"cuda.bindings {version} has no cuMemcpyBatchAsync (12.8 or later has it: pip "
+                f"install -U cuda-bindings)")
+    try:
+        err, v = driver.cuDriverGetVersion()
+    except Exception as e:  # no driver library at all
+        return f"no CUDA driver ({str(e).splitlines()[0]})"
+    if int(err) != 0:
+        return f"cuDriverGetVersion returned {err}"
+    shown = f"{v // 1000}.{v % 1000 // 10}"
+    if v < BATCH_DRIVER:
+        return f"the driver supports CUDA {shown}; cuMemcpyBatchAsync needs 12.8 or later"
+    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+    if major >= 13 and v < 13000:
+        # CUDA 13 changed cuMemcpyBatchAsync (no failIdx): 13.x bindings call the new entry point,
+        # which a 12.x driver does not have.
+        return (f"cuda.bindings {version} calls CUDA 13's cuMemcpyBatchAsync and the driver "
+                f"supports CUDA {shown} (install cuda-bindings 12.x, or a CUDA 13 driver)")
+    return None
+
+
+# --- the runs ------------------------------------------------------------------------------------
+
+def _adjacent(job: CopyJob) -> tuple[bool, bool]:
+    """(tokens merge, heads merge): whether consecutive rows of a dense-row job are adjacent on
+    both sides across tokens, and then also across heads (so a pair's rows are one run)."""
+    rb = job.row_bytes
+    s, d = job.src.strides, job.dst.strides
+    tok = job.tokens == 1 or (s[2] == rb and d[2] == rb)
+    head = tok and (job.heads == 1 or (s[1] == job.tokens * rb and d[1] == job.tokens * rb))
+    return tok, head
+
+
+def run_bytes(job: CopyJob) -> int:
+    """The bytes of each run of ``job`` (every run of a job has the same length)."""
+    if not job.dense_rows:
+        return job.elem_bytes
+    tok, head = _adjacent(job)
+    if head:
+        return job.heads * job.tokens * job.row_bytes
+    return (job.tokens if tok else 1) * job.row_bytes
+
+
+def _offsets(job: CopyJob) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets of a pair's runs from its source and destination blocks (same order)."""
+    s, d = job.src.strides, job.dst.strides
+    if job.dense_rows:
+        tok, head = _adjacent(job)
+        h = np.arange(1 if head else job.heads, dtype=np.int64)
+        t = np.arange(1 if tok else job.tokens, dtype=np.int64)
+        c = np.zeros(1, dtype=np.int64)
+    else:
+        h = np.arange(job.heads, dtype=np.int64)
+        t = np.arange(job.tokens, dtype=np.int64)
+        c = np.arange(job.elems, dtype=np.int64)
+
+    def grid(st) -> np.ndarray:
+        return (h[:, None, None] * st[1] + t[None, :, None] * st[2]
+                + c[None, None, :] * st[3]).reshape(-1)
+    return grid(s), grid(d)
+
+
+def job_runs(job: CopyJob, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst_ptrs, src_ptrs, sizes) of ``job`` for the pairs ``(src_ids[m], dst_ids[m])``, pair
+    by pair, uint64."""
+    i = np.asarray(src_ids, dtype=np.int64)
+    j = np.asarray(dst_ids, dtype=np.int64)
+    if job.heads * job.tokens * job.elems == 0 or i.size == 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty.copy(), empty.copy()
+    so, do = _offsets(job)
+    src = (job.src.ptr + i * job.src.strides[0])[:, None] + so[None, :]
+    dst = (job.dst.ptr + j * job.dst.strides[0])[:, None] + do[None, :]
+    sizes = np.full(src.size, run_bytes(job), dtype=np.uint64)
+    return dst.reshape(-1).astype(np.uint64), src.reshape(-1).astype(np.uint64), sizes
+
+
+def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst_ptrs, src_ptrs, sizes): every contiguous run common to both sides of every job of
+    ``plan`` for every pair of its CPU mapping (job by job, pair by pair), as uint64 arrays.
+
+    A dense-row job whose rows are also adjacent on both sides gives one run per pair; rows
+    adjacent across tokens only, one per (pair, head); else one per (pair, head, token) row. A job
+    whose elements are not adjacent on a side gives one run per element. Runs are not merged
+    across pairs (a pair is vLLM's unit: one block of one tensor)."""
+    if plan.host_mapping is None:
+        raise ValueError("block_mapping: the copy engines take a CPU mapping only (the runs are "
+                         "read on the host)")
+    m = plan.host_mapping.to(torch.int64).numpy()
+    parts = [job_runs(job, m[:, 0], m[:, 1]) for job in plan.jobs]
+    if not parts:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty.copy(), empty.copy()
+    return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+
+
+# --- the rule ----------------------------------------------------------------------------------
+
+def _capturing(device: torch.device | None) -> bool:
+    return (device is not None and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
+
+
+def resolve(plan: TransferPlan) -> str:
+    """``"sm"`` or ``"ce"`` for ``plan`` (SPEC §9.5).
+
+    ``"ce"`` as requested (a CUDA graph cannot capture it: ValueError naming ``engine``);
+    ``"auto"``: ``"ce"`` for a raw host<->device call with a CPU mapping, outside capture, whose
+    runs are all at least :data:`AUTO_MIN_RUN` bytes, on a driver with batched copies; else
+    ``"sm"``. A host-to-host call (``plan.device`` None) is the torch reference's: ``"sm"``."""
+    if plan.engine not in ("auto", "sm", "ce"):
+        raise ValueError(f"engine: expected 'auto', 'sm' or 'ce', got {plan.engine!r}")
+    if plan.device is None or plan.engine == "sm":
+        return "sm"
+    if plan.engine == "ce":
+        if _capturing(plan.device):
+            raise ValueError("engine: 'ce' cannot be captured in a CUDA graph (copy engines "
+                             "need the mapping on the host at every call); use 'sm' or 'auto'")
+        # The op's validation refuses these first (naming engine): the copy engines move raw
+        # bytes between addresses read on the host.
+        assert plan.page_job is None and plan.host_mapping is not None, plan
+        reason = loop_reason(plan.device)
+        if reason is not None:
+            raise ValueError(f"engine: 'ce' cannot run here: {reason}")
+        return "ce"
+    if (plan.page_job is not None or plan.host_mapping is None or plan.pairs == 0
+            or not plan.jobs or _capturing(plan.device)):
+        return "sm"
+    if not all(job.src.on_host != job.dst.on_host for job in plan.jobs):
+        return "sm"  # device to device: copy engines are far slower than SMs (SPEC §9.7)
+    if any(run_bytes(job) < AUTO_MIN_RUN for job in plan.jobs):
+        return "sm"
+    return "ce" if batch_reason(plan.device) is None else "sm"
+
+
+# --- submitting --------------------------------------------------------------------------------
+
+@functools.cache
+def _primary_context(index: int):
+    driver = _driver()
+    _check(driver.cuInit(0), "cuInit")
+    err, dev = driver.cuDeviceGet(index)
+    _check((err,), "cuDeviceGet")
+    err, ctx = driver.cuDevicePrimaryCtxRetain(dev)  # PyTorch's context; kept for the process
+    _check((err,), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+def _check(result, what: str) -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+def stream_handle(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _check(_driver().cuCtxSetCurrent(_primary_context(index)), "cuCtxSetCurrent")
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def copy_loop(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
+    """One ``cuMemcpyAsync`` per run on the stream handle ``stream`` (vLLM's ``swap_blocks``:
+    one ``cudaMemcpyAsync`` per tensor and block). PyTorch's primary context must be current
+    (:func:`run` makes it so; the benchmark calls it after :func:`stream_handle`)."""
+    driver = _driver()
+    s = driver.CUstream(stream)
+    ptr = driver.CUdeviceptr
+    for d, src, n in zip(np.asarray(dst_ptrs).tolist(), np.asarray(src_ptrs).tolist(),
+                         np.asarray(sizes).tolist(), strict=True):
+        _check(driver.cuMemcpyAsync(ptr(d), ptr(src), n, s), "cuMemcpyAsync")
+
+
+@functools.cache
+def _attributes():
+    driver = _driver()
+    a = driver.CUmemcpyAttributes()
+    # Stream order: a source is read after the work enqueued before it (never ANY, SPEC §9.7).
+    a.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    # A hint: transfers run beside attention, which should keep its SMs and bandwidth.
+    a.flags = int(driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+    return a
+
+
+def _batch(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
+    driver = _driver()
+    ptr = driver.CUdeviceptr
+    dsts = [ptr(x) for x in np.asarray(dst_ptrs).tolist()]
+    srcs = [ptr(x) for x in np.asarray(src_ptrs).tolist()]
+    n = [int(x) for x in np.asarray(sizes).tolist()]
+    # The driver reads these host arrays during the call only (the bindings copy them into C
+    # arrays that live until it returns); they are held here until then. CUDA 12.x's bindings
+    # return (err, failIdx), CUDA 13's (err,): the failing index is reported where there is one.
+    result = driver.cuMemcpyBatchAsync(dsts, srcs, n, len(n), [_attributes()], [0], 1,
+                                       driver.CUstream(stream))
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        where = (f" at copy {result[1]}" if isinstance(result, tuple) and len(result) > 1
+                 else "")
+        raise RuntimeError(f"cuMemcpyBatchAsync failed{where}: {err}")
+
+
+_SIDE: dict[int, tuple] = {}
+
+
+def copy_batch(dst_ptrs, src_ptrs, sizes, stream: int, device: torch.device) -> None:
+    """One ``cuMemcpyBatchAsync`` of the runs, in stream order with ``stream`` (vLLM's
+    ``swap_blocks_batch``). The legacy default stream (handle 0) is refused by the driver
+    (vllm#46379): there the batch runs on a side stream between two events, so it still starts
+    after the work before it and the work after it waits for it."""
+    if len(sizes) == 0:
+        return
+    if stream != 0:
+        _batch(dst_ptrs, src_ptrs, sizes, stream)
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = (torch.cuda.Stream(index), torch.cuda.Event(), torch.cuda.Event())
+    side, before, after = _SIDE[index]
+    main = torch.cuda.current_stream(index)
+    before.record(main)
+    side.wait_event(before)
+    _batch(dst_ptrs, src_ptrs, sizes, side.cuda_stream)
+    after.record(side)
+    main.wait_event(after)
+
+
+def run(plan: TransferPlan) -> None:
+    """Submit every run of ``plan`` (:func:`runs`) on PyTorch's current stream of its device:
+    one batch where the driver has batched copies, else one copy per run. No host sync."""
+    assert plan.page_job is None and plan.host_mapping is not None and plan.device is not None
+    dst, src, sizes = runs(plan)
+    if sizes.size == 0:
+        return
+    stream = stream_handle(plan.device)
+    if batch_reason(plan.device) is None:
+        copy_batch(dst, src, sizes, stream, plan.device)
+    else:
+        copy_loop(dst, src, sizes, stream)
