@@ -247,3 +247,15 @@ def test_gpu_sanitize_cases(op):
 def test_sanitize_cases_are_listed(op):
     ids = [i for i, _ in importlib.import_module(f"tools.sanitize.{op}").cases()]
     assert ids and len(set(ids)) == len(ids)
+
+
+def test_magic_division_constants():
+    """transfer.cu's fdiv: floor(n * magic / 2^64) == n // d for n, d < 2^32."""
+    import random
+    rng = random.Random(5)
+    for d in [1, 2, 3, 5, 7, 16, 125, 4096, 2**31, 2**32 - 1] + [rng.randrange(1, 2**32)
+                                                                  for _ in range(200)]:
+        m = tc.magic(d) % (1 << 64)
+        assert -(1 << 63) <= tc.magic(d) < 1 << 63
+        for n in [0, 1, d - 1, d, 2**32 - 1, (2**32 - 1) // d * d, rng.randrange(2**32)]:
+            assert (n if m == 0 else (n * m) >> 64) == n // d, (n, d)

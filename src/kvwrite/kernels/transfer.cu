@@ -35,6 +35,15 @@ KVW_HD u64 udiv(u64 a, u64 b) {
                               : a / b;
 }
 
+// n / d for n, d < 2^32 by one high multiply: magic = ceil(2^64 / d) for d >= 2 (then
+// n * magic / 2^64 exceeds n / d by less than 2^-32 <= 1/d, never reaching the next integer), 0
+// for d == 1 (transfer_cuda.magic). Where the launch's count of vectors is 2^32 or more
+// (`small` false) the division itself.
+KVW_HD u64 fdiv(u64 n, u64 d, u64 magic, bool small) {
+  if (small) return magic == 0 ? n : __umul64hi(n, magic);
+  return n / d;
+}
+
 template <typename IDX>
 KVW_HD void read_pair(const IDX* mapping, i64 ms0, i64 ms1, u64 m, i64* i, i64* j) {
   const IDX* row = mapping + static_cast<i64>(m) * ms0;
@@ -73,10 +82,12 @@ __global__ void transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i
                                      KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh,
                                      i64 sst, i64 ssc, i64 dsb, i64 dsh, i64 dst_, i64 dsc,
                                      i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec,
-                                     i64 ppe) {
+                                     i64 ppe, u64 m_nvec, u64 m_tokens, u64 m_heads,
+                                     u64 m_pairs, u64 m_ppe) {
   KVW_PDL_ENTRY();
   const u64 per_pair = static_cast<u64>(heads) * tokens * nvec;
   const u64 total = static_cast<u64>(njobs) * pairs * per_pair;
+  const bool small = total < (1ull << 32);  // every count and quotient below 2^32: fdiv
   const u64 nt = static_cast<u64>(gridDim.x) * blockDim.x;
   // The job's pointers, looked up where the job changes (a switch over the parameter slots).
   i64 cur = -1;
@@ -91,13 +102,13 @@ __global__ void transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i
       ok[k] = v < total;
       sp[k] = dp[k] = 0;
       if (ok[k]) {
-        u64 r = udiv(v, nvec);
+        u64 r = fdiv(v, nvec, m_nvec, small);
         const u64 vi = v - r * nvec;
-        u64 q = udiv(r, tokens);
+        u64 q = fdiv(r, tokens, m_tokens, small);
         const u64 t = r - q * tokens;
-        r = udiv(q, heads);
+        r = fdiv(q, heads, m_heads, small);
         const u64 h = q - r * heads;
-        q = udiv(r, pairs);
+        q = fdiv(r, pairs, m_pairs, small);
         const u64 m = r - q * pairs;
         i64 i, j;
         read_pair(mapping, ms0, ms1, m, &i, &j);
@@ -108,7 +119,7 @@ __global__ void transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i
         }
         u64 c = vi, piece = 0;
         if (ppe != 1) {
-          c = udiv(vi, ppe);
+          c = fdiv(vi, ppe, m_ppe, small);
           piece = vi - c * ppe;
         }
         sp[k] = s + i * ssb + static_cast<i64>(h) * ssh + static_cast<i64>(t) * sst +

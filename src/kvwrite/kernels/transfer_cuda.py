@@ -32,7 +32,7 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name"]
+           "page_name", "magic"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -221,6 +221,14 @@ def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
     nvrtc.launch(index, nvrtc.launch_config(grid, 1, threads, 1, pdl), kernel, *args)
 
 
+def magic(d: int) -> int:
+    """transfer.cu's fdiv constant of divisor ``d`` >= 1: ceil(2^64 / d), 0 for d == 1, as the
+    signed 64-bit integer of its bits (a launch argument is a signed 64-bit int: d == 2 gives
+    2^63)."""
+    m = 0 if d == 1 else ((1 << 64) - 1) // d + 1
+    return m - (1 << 64) if m >= 1 << 63 else m
+
+
 def _mapping_args(plan: TransferPlan) -> tuple[int, int, int, int]:
     m = plan.mapping
     return m.data_ptr(), m.stride(0), m.stride(1), plan.pairs
@@ -238,9 +246,12 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
         work = len(cl.pointers) * plan.pairs * cl.vectors_per_pair
+        heads, tokens, nvec, ppe = cl.geometry[10:]
+        magics = (magic(nvec), magic(tokens), magic(heads), magic(plan.pairs), magic(ppe))
         _launch(copy_name(cl.vb, mdt, tuning.loads_in_flight), index, work,
                 tuning.copy_threads * tuning.loads_in_flight, tuning.copy_threads,
-                plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots, len(cl.pointers), *cl.geometry)
+                plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots, len(cl.pointers),
+                *cl.geometry, *magics)
     pj = plan.page_job
     if pj is not None:
         _run_pages(plan, pj, index, margs, tuning)
