@@ -1,0 +1,279 @@
+"""The CUDA implementation of every transfer op (SPEC §9): ``transfer.cu`` compiled at run time
+with NVRTC, launched on PyTorch's current stream. The ops' ``cuda_impl`` modules re-export
+:func:`available`, :func:`unsupported` and :func:`run`.
+
+A :class:`~kvwrite.transfer.TransferPlan` runs as:
+
+- its raw copies (``plan.jobs``): ``transfer_copy_kernel<VB, IDX, U>``, one launch per group of
+  at most :data:`SLOTS` jobs of one geometry (strides, counts, block counts and vector width VB;
+  the jobs of a multi-layer call of one layout form one group, so 64 layers take two launches).
+  The jobs' pointers are scalar arguments in fixed slots: cuda.core's launch takes scalars only,
+  and a pointer table on the device would need an allocation and a host copy each call, which a
+  CUDA graph captured without a warm-up call cannot hold.
+- its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX>`` or
+  ``transfer_unpack_kernel<FMT, OUT, IDX>``, one launch per run of at most :data:`SLOTS`
+  consecutive layers with equal strides (layer pointers in slots as above); the first pack launch
+  also writes every chunk's scales and zero tail.
+
+Every kernel is a persistent grid-stride loop: at most ``plan.max_ctas`` CTAs per launch where
+set, else enough to cover the work up to ``ctas_per_sm`` CTAs per SM. Graph-safe: no
+allocation, no host synchronization, no host copy; the mapping and ``scale`` are read on the
+device (a pair with an id outside a side's ``[0, blocks)`` is skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..transfer import CopyJob, PageJob, TransferPlan
+from . import launch, nvrtc
+
+__all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
+           "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
+           "page_name", "magic"]
+
+SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
+# Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
+# pointers of a page launch. 32: a 64-layer call (Qwen3-32B's K and V) in two launches, with
+# 64 + 20 eight-byte parameters (far below the 4 KiB parameter limit).
+SLOTS = 32
+# The page kernels' FMT (transfer.cu: DT_E4M3, DT_E5M2, KVW_NVFP4).
+_FMT = {"fp8_e4m3": launch.DT_E4M3, "fp8_e5m2": launch.DT_E5M2, "nvfp4": 6}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransferTuning(launch.PdlPolicy):
+    """The launch constants of the transfer kernels. ``TUNING`` is what every call uses unless a
+    caller passes another one (tests forcing a path)."""
+
+    # Threads per CTA of the copy kernel. Unmeasured: 512 so that a few CTAs (max_ctas=4) hold
+    # 2048 threads' loads in flight over PCIe (DESIGN: > 100 KB in flight for zero-copy).
+    copy_threads: int = 512
+    # Vectors each copy thread loads before its stores (U, compiled in). Unmeasured: 8 x 16 B x
+    # 512 threads = 64 KiB in flight per CTA, 256 KiB at 4 CTAs (PCIe ~1-2 us x ~55 GB/s).
+    loads_in_flight: int = 8
+    # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
+    jobs_per_launch: int = SLOTS
+    # Threads per CTA of the page kernels (one group of 16 elements a thread). Unmeasured.
+    page_threads: int = 256
+    # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU). Unmeasured: the
+    # copy kernel takes 84-112 registers a thread at U = 8 (ptxas, sm_90), so one CTA of 512
+    # threads is what an SM's 64 K registers hold; the page kernels (48-56 registers, 256
+    # threads) take page_ctas_per_sm.
+    ctas_per_sm: int = 1
+    # CTAs per SM of the page kernels where max_ctas is None. Unmeasured: 4 x 256 threads at up to
+    # 56 registers (ptxas, sm_90) fit an SM's registers.
+    page_ctas_per_sm: int = 4
+
+
+TUNING = TransferTuning()
+
+
+def available(device: torch.device) -> str | None:
+    """None on a CUDA device with cuda.core and NVRTC, else why not (what to install)."""
+    return nvrtc.available(device)
+
+
+def unsupported(plan: TransferPlan) -> str | None:
+    """Every plan with a GPU side runs; two host sides are the torch implementation's."""
+    if plan.device is None:
+        return "both sides in host memory (the torch implementation copies those)"
+    return None
+
+
+def _idx(mapping: torch.Tensor) -> str:
+    return launch.int_type(mapping.dtype)
+
+
+def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
+    """The name expression of a copy kernel variant."""
+    return f"transfer_copy_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}>"
+
+
+def page_name(direction: str, page_format: str, cache_dtype: torch.dtype,
+              mapping_dtype: torch.dtype) -> str:
+    """The name expression of a page kernel variant."""
+    kern = "transfer_pack_kernel" if direction == "pack" else "transfer_unpack_kernel"
+    return (f"{kern}<{_FMT[page_format]}, {launch.kind(cache_dtype)}, "
+            f"{launch.int_type(mapping_dtype)}>")
+
+
+def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
+    """Every variant :func:`run` can launch with ``tuning`` (for compile tests)."""
+    names = [copy_name(vb, dt, tuning.loads_in_flight) for vb in (1, 2, 4, 8, 16)
+             for dt in (torch.int32, torch.int64)]
+    names += [page_name(d, f, c, dt) for d in ("pack", "unpack") for f in _FMT
+              for c in (torch.float16, torch.bfloat16, torch.float32)
+              for dt in (torch.int32, torch.int64)]
+    return names
+
+
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed): tests and probes.
+compile_kernel = SOURCE.compile
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyLaunch:
+    """One copy launch: its variant, the (src, dst) pointers of its jobs, and the geometry that
+    follows them in the kernel's parameters, and the vectors it moves per pair."""
+
+    vb: int
+    pointers: tuple[tuple[int, int], ...]
+    geometry: tuple[int, ...]   # ssb, ssh, sst, ssc, dsb, dsh, dst, dsc, sblocks, dblocks,
+    #                             heads, tokens, nvec, ppe
+    vectors_per_pair: int
+
+
+def _job_launch_key(job: CopyJob) -> tuple[int, tuple[int, ...]] | None:
+    """(VB, geometry) of a job, None where it moves nothing. A stride over a dim of one index
+    never moves an address: it counts as 0 (neither in the vector width nor in the grouping)."""
+    if job.heads * job.tokens * job.elems == 0:
+        return None
+    src, dst = job.src, job.dst
+
+    def strides(side):
+        sb, sh, st, sc = side.strides
+        return (sb, sh if job.heads > 1 else 0, st if job.tokens > 1 else 0,
+                sc if job.elems > 1 else 0)
+
+    ss, ds = strides(src), strides(dst)
+    if job.dense_rows:
+        vb = launch.align((src.ptr, dst.ptr, *ss[:3], *ds[:3], job.row_bytes))
+        nvec, ppe = job.row_bytes // vb, 1
+        ss, ds = ss[:3] + (vb,), ds[:3] + (vb,)
+    else:
+        vb = launch.align((src.ptr, dst.ptr, *ss, *ds, job.elem_bytes))
+        ppe = job.elem_bytes // vb
+        nvec = job.elems * ppe
+    return vb, (*ss, *ds, src.blocks, dst.blocks, job.heads, job.tokens, nvec, ppe)
+
+
+def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
+                  ) -> list[CopyLaunch]:
+    """The copy launches of ``jobs``: grouped by (VB, geometry) in their first job's order, each
+    group cut into launches of at most ``tuning.jobs_per_launch`` jobs. No GPU needed."""
+    per = max(1, min(SLOTS, tuning.jobs_per_launch))
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for job in jobs:
+        key = _job_launch_key(job)
+        if key is not None:
+            groups.setdefault(key, []).append((job.src.ptr, job.dst.ptr))
+    out = []
+    for (vb, geometry), ptrs in groups.items():
+        vpp = geometry[10] * geometry[11] * geometry[12]
+        for i in range(0, len(ptrs), per):
+            out.append(CopyLaunch(vb, tuple(ptrs[i:i + per]), geometry, vpp))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLaunch:
+    """One page launch: its first layer, its layer pointers, the cache strides they share."""
+
+    l0: int
+    pointers: tuple[int, ...]
+    strides: tuple[int, int, int, int]
+
+
+def page_launches(pj: PageJob) -> list[PageLaunch]:
+    """Runs of at most :data:`SLOTS` consecutive layers with equal strides. No GPU needed."""
+    out: list[PageLaunch] = []
+    l0, ptrs, strides = 0, [], None
+    for layer, side in enumerate(pj.caches):
+        if ptrs and (side.strides != strides or len(ptrs) == SLOTS):
+            out.append(PageLaunch(l0, tuple(ptrs), strides))
+            l0, ptrs = layer, []
+        strides = side.strides
+        ptrs.append(side.ptr)
+    if ptrs:
+        out.append(PageLaunch(l0, tuple(ptrs), strides))
+    return out
+
+
+LAUNCHES = launch.LaunchCache()
+
+
+def _launchable(name: str, index: int) -> launch.Launchable:
+    lau = LAUNCHES.get((name, index))
+    if lau is None:
+        launch.require_setup()
+        kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, (), index)
+        lau = LAUNCHES[(name, index)] = launch.Launchable(kernel, pdl_kernel, index, ())
+    return lau
+
+
+def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
+          ctas_per_sm: int) -> int:
+    """CTAs of a launch: enough for the work, at most ctas_per_sm per SM, at most max_ctas."""
+    grid = min(-(-work_items // per_cta), nvrtc.device_arch(index)[1] * ctas_per_sm)
+    if max_ctas is not None:
+        grid = min(grid, max_ctas)
+    return max(1, grid)
+
+
+def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
+            max_ctas: int | None, ctas_per_sm: int, tuning: TransferTuning, *args) -> None:
+    lau = _launchable(name, index)
+    grid = _grid(work_items, per_cta, index, max_ctas, ctas_per_sm)
+    kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
+    nvrtc.launch(index, nvrtc.launch_config(grid, 1, threads, 1, pdl), kernel, *args)
+
+
+def magic(d: int) -> int:
+    """transfer.cu's fdiv constant of divisor ``d`` >= 1: ceil(2^64 / d), 0 for d == 1, as the
+    signed 64-bit integer of its bits (a launch argument is a signed 64-bit int: d == 2 gives
+    2^63)."""
+    m = 0 if d == 1 else ((1 << 64) - 1) // d + 1
+    return m - (1 << 64) if m >= 1 << 63 else m
+
+
+def _mapping_args(plan: TransferPlan) -> tuple[int, int, int, int]:
+    m = plan.mapping
+    return m.data_ptr(), m.stride(0), m.stride(1), plan.pairs
+
+
+def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
+    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
+    if plan.pairs == 0:
+        return
+    index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+    margs = _mapping_args(plan)
+    mdt = plan.mapping.dtype
+    for cl in copy_launches(plan.jobs, tuning):
+        slots = [0] * (2 * SLOTS)
+        for i, (s, d) in enumerate(cl.pointers):
+            slots[2 * i], slots[2 * i + 1] = s, d
+        work = len(cl.pointers) * plan.pairs * cl.vectors_per_pair
+        heads, tokens, nvec, ppe = cl.geometry[10:]
+        magics = (magic(nvec), magic(tokens), magic(heads), magic(plan.pairs), magic(ppe))
+        _launch(copy_name(cl.vb, mdt, tuning.loads_in_flight), index, work,
+                tuning.copy_threads * tuning.loads_in_flight, tuning.copy_threads,
+                plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots, len(cl.pointers),
+                *cl.geometry, *magics)
+    pj = plan.page_job
+    if pj is not None:
+        _run_pages(plan, pj, index, margs, tuning)
+
+
+def _run_pages(plan: TransferPlan, pj: PageJob, index: int, margs: tuple,
+               tuning: TransferTuning) -> None:
+    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype)
+    L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
+    groups = -(-E // 16)
+    cblocks = min(side.blocks for side in pj.caches)
+    pages = pj.pages
+    page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
+    pack = pj.direction == "pack"
+    if pack:
+        scale_args = (pj.scale.data_ptr() + 4 * pj.scale_offset, *pj.scale_strides)
+    for pl in page_launches(pj):
+        slots = list(pl.pointers) + [0] * (SLOTS - len(pl.pointers))
+        nl = len(pl.pointers)
+        items = nl * S * N * groups + (L * S if pack and pl.l0 == 0 else 0)
+        work = plan.pairs * K * items
+        geometry = (pl.l0, nl, L, S, N, E, K, *pl.strides, cblocks, *page_args)
+        head = (*margs, *scale_args) if pack else margs
+        _launch(name, index, work, tuning.page_threads, tuning.page_threads, plan.max_ctas,
+                tuning.page_ctas_per_sm, tuning, *head, *slots, *geometry)

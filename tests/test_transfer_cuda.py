@@ -1,0 +1,261 @@
+"""The CUDA transfer kernels (kvwrite.kernels.transfer_cuda, transfer.cu; SPEC §9) on plans built
+by hand: NVRTC compiles of every variant and the launch planning on the CPU; on the GPU, raw
+copies against a per-pair torch loop over whole allocations (dense and element-by-element rows,
+odd strides and pointers, int32/int64 strided mappings, out-of-range ids, max_ctas, pinned host
+sides, graph capture of a first call, 40 jobs in one call) and quantized pages against the torch
+rules (tools/sanitize/transfer_plans.py holds the plans and oracles)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kvwrite.kernels import launch, nvrtc
+from kvwrite.kernels import transfer_cuda as tc
+from kvwrite.testing.compare import storage_bytes
+from kvwrite.transfer import CopyJob, Side
+from sass import needs_nvrtc
+from tools.sanitize import transfer_plans as tp
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ------------------------------------------------------------------------------------------
+# Compiles and launch planning (no GPU needed)
+# ------------------------------------------------------------------------------------------
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", ["copy", "pack", "unpack"])
+def test_nvrtc_compile_every_variant(arch, family):
+    names = [n for n in tc.all_kernel_names() if n.startswith(f"transfer_{family}_kernel<")]
+    assert names
+    obj, _ = tc.compile_kernel(arch, names)
+    assert len(bytes(obj.code)) > 0
+    assert set(names) <= set(obj.symbol_mapping)
+
+
+def test_kernel_source_ships_as_package_data():
+    import importlib.resources
+    res = importlib.resources.files(tc.SOURCE.package).joinpath(tc.SOURCE.filename)
+    assert res.is_file() and "transfer_copy_kernel" in res.read_text(encoding="utf-8")
+    assert f"#define KVW_SLOTS {tc.SLOTS}" in tc.SOURCE.text
+
+
+def _cpu_job(shape=(4, 2, 3, 8), dtype=torch.bfloat16, offset=0, src=None, dst=None):
+    src = torch.zeros(shape, dtype=dtype) if src is None else src
+    dst = torch.zeros(shape, dtype=dtype) if dst is None else dst
+    job = tp.copy_job(src, dst)
+    if offset:
+        job = CopyJob(Side(job.src.tensor, offset, job.src.strides, job.src.blocks), job.dst,
+                      job.heads, job.tokens, job.elems, job.elem_bytes)
+    return job
+
+
+def test_copy_launches_group_forty_jobs_into_two():
+    jobs = tuple(_cpu_job() for _ in range(40))
+    ls = tc.copy_launches(jobs)
+    assert [len(x.pointers) for x in ls] == [tc.SLOTS, 40 - tc.SLOTS]
+    assert all(x.vb == 16 for x in ls)
+    assert ls[0].pointers[3] == (jobs[3].src.ptr, jobs[3].dst.ptr)
+
+
+def test_copy_launches_split_by_geometry_and_alignment():
+    jobs = (_cpu_job(), _cpu_job(shape=(4, 2, 3, 16)), _cpu_job(offset=2), _cpu_job())
+    ls = tc.copy_launches(jobs)
+    assert [(x.vb, len(x.pointers)) for x in ls] == [(16, 2), (16, 1), (2, 1)]
+
+
+def test_copy_launch_vector_width_and_pieces():
+    # Rows of 5 float16 (10 bytes): 2-byte vectors, 5 a row.
+    base = torch.zeros(4, 2, 3, 7, dtype=torch.float16)
+    (x,) = tc.copy_launches((tp.copy_job(base[..., :5], base[..., :5].clone()),))
+    assert x.vb == 2 and x.geometry[12:] == (5, 1)
+    # Every other float32 (non-dense rows): 4-byte pieces, one an element.
+    f = torch.zeros(4, 2, 3, 8, dtype=torch.float32)
+    (x,) = tc.copy_launches((tp.copy_job(f[..., ::2], f[..., ::2].clone()),))
+    assert x.vb == 4 and x.geometry[12:] == (4, 1) and x.geometry[3] == 8
+    # 4-argument form: one long row of 1000 bytes (8-byte vectors).
+    t = torch.zeros(6, 128, dtype=torch.float64)
+    v = tp.block_bytes_view(t, 1000)
+    (x,) = tc.copy_launches((tp.copy_job(v, tp.block_bytes_view(t.clone(), 1000)),))
+    assert x.vb == 8 and x.vectors_per_pair == 125
+
+
+def test_copy_launches_skip_empty_jobs_and_respect_jobs_per_launch():
+    empty = tp.copy_job(torch.zeros(4, 2, 0, 8), torch.zeros(4, 2, 0, 8))
+    assert tc.copy_launches((empty,)) == []
+    tuning = tc.TransferTuning(jobs_per_launch=3)
+    assert [len(x.pointers) for x in tc.copy_launches((_cpu_job(),) * 7, tuning)] == [3, 3, 1]
+
+
+def test_page_launches_runs_of_equal_strides():
+    case = tp.PageCase("pack", "fp8_e4m3", torch.bfloat16, L=35)
+    caches = [torch.zeros(5, 3, 4, 35, dtype=torch.bfloat16)[..., :32] for _ in range(35)]
+    caches[2] = torch.zeros(5, 3, 4, 32, dtype=torch.bfloat16)
+    pages = torch.zeros(4, 4 * case.hb, dtype=torch.uint8)
+    pj = case.page_job(caches, pages, torch.ones(1))
+    ls = tc.page_launches(pj)
+    assert [(x.l0, len(x.pointers)) for x in ls] == [(0, 2), (2, 1), (3, 32)]
+
+
+def test_unsupported_and_available_without_a_gpu():
+    t = torch.zeros(2, 1, 1, 4)
+    plan = tp.make_plan("swap_blocks", [tp.copy_job(t, t.clone())], torch.zeros(0, 2), 0, None)
+    assert "host" in tc.unsupported(plan)
+    if not torch.cuda.is_available():
+        assert tc.available(torch.device("cpu")) is not None
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: raw copies
+# ------------------------------------------------------------------------------------------
+PAIRS, KINDS = tp.PAIRS, tp.COPY_KINDS
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mapping_dtype,strided", [(torch.int64, False), (torch.int32, True)])
+@pytest.mark.parametrize("max_ctas", [1, 2, 4, None])
+def test_gpu_copy_matches_the_loop(kind, mapping_dtype, strided, max_ctas):
+    views = tp.copy_views(kind, "cuda")
+    assert tp.run_copy_case("swap_blocks", views, PAIRS, tc.run, mapping_dtype=mapping_dtype,
+                            strided_mapping=strided, max_ctas=max_ctas) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["dense", "relayout", "odd", "block_bytes", "long_rows"])
+@pytest.mark.parametrize("pinned", ["src", "dst"])
+@pytest.mark.parametrize("max_ctas", [4, None])
+def test_gpu_copy_pinned_host_side(kind, pinned, max_ctas):
+    views = tp.copy_views(kind, "cuda", pinned)
+    assert tp.run_copy_case("swap_blocks", views, PAIRS, tc.run, max_ctas=max_ctas) is None
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_forty_jobs_in_one_call_take_two_launches(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    views = []
+    for n in range(40):  # layers of two block counts: every job skips by its own sides
+        blocks = 6 if n % 2 else 5
+        src = torch.randn(blocks, 2, 4, 8, generator=g).to(torch.bfloat16).cuda()
+        views.append((src, torch.randn(6, 2, 4, 8, generator=g).to(torch.bfloat16).cuda()))
+    calls = []
+    real = nvrtc.launch
+    monkeypatch.setattr(nvrtc, "launch", lambda *a: (calls.append(a), real(*a))[1])
+    assert tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, tc.run) is None
+    assert len(calls) == 2  # two geometries (block counts 5 and 6), 20 jobs each: one launch each
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_forty_jobs_of_one_geometry_take_two_launches(monkeypatch):
+    views = [(torch.randn(6, 2, 4, 8, device="cuda").to(torch.float16),
+              torch.randn(6, 2, 4, 8, device="cuda").to(torch.float16)) for _ in range(40)]
+    calls = []
+    real = nvrtc.launch
+    monkeypatch.setattr(nvrtc, "launch", lambda *a: (calls.append(a), real(*a))[1])
+    assert tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, tc.run,
+                            max_ctas=2) is None
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pinned", [None, "dst"])
+def test_gpu_graph_capture_of_a_first_call_and_replay(monkeypatch, pinned):
+    """The variant is first loaded inside the capture; replays read the mapping's new values."""
+    monkeypatch.setattr(tc, "LAUNCHES", launch.LaunchCache())
+    views = tp.copy_views("relayout", "cuda", pinned)
+    (src, dst), = views
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cuda", strided=True)
+    plan = tp.make_plan("relayout_kv_cache", [tp.copy_job(src, dst)], mapping, len(PAIRS),
+                        src.device, 4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tc.run(plan)
+    for new in ([(1, 2), (0, 0), (3, 3), (2, 9), (5, 4), (-3, 1)], PAIRS):
+        want = tp.raw_oracle(views, new)
+        mapping.copy_(tp.mapping_tensor(new, torch.int32, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(storage_bytes(dst).cpu(), storage_bytes(want[0]))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_empty_mapping_writes_nothing():
+    views = tp.copy_views("dense", "cuda")
+    assert tp.run_copy_case("swap_blocks", views, [], tc.run) is None
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: quantized pages
+# ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mapping_dtype", [torch.int32, torch.int64])
+def test_gpu_pages_match_the_torch_rules(direction, page_format, cache_dtype, mapping_dtype):
+    case = tp.PageCase(direction, page_format, cache_dtype)
+    assert tp.run_page_case(case, tc.run, mapping_dtype=mapping_dtype,
+                            strided_mapping=mapping_dtype == torch.int32) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format,C,S", [("fp8_e4m3", 10, 2), ("fp8_e5m2", 40, 1),
+                                             ("nvfp4", 64, 2), ("nvfp4", 16, 1)])
+@pytest.mark.parametrize("max_ctas", [1, 3, None])
+def test_gpu_pages_row_shapes_and_ctas(direction, page_format, C, S, max_ctas):
+    case = tp.PageCase(direction, page_format, torch.bfloat16, C=C, S=S, N=3, Hc=2, Hp=2, K=2,
+                       hc0=0, hp0=0, row_pad=0, pad=0, scale_shape="head")
+    assert tp.run_page_case(case, tc.run, max_ctas=max_ctas) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "nvfp4"])
+def test_gpu_pages_more_layers_than_slots_and_pinned_pages(direction, page_format):
+    case = tp.PageCase(direction, page_format, torch.float16, L=tc.SLOTS + 3, N=2, C=16, S=1,
+                       pages_pinned=True, scale_shape="tensor")
+    assert tp.run_page_case(case, tc.run, max_ctas=4) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("op", ["swap_blocks", "swap_blocks_multi_layer", "relayout_kv_cache",
+                                "pack_kv_pages", "unpack_kv_pages"])
+def test_gpu_sanitize_cases(op):
+    """Each transfer op's memcheck cases pass without the memory checker too."""
+    mod = importlib.import_module(f"tools.sanitize.{op}")
+    for case_id, run in mod.cases():
+        assert run() is None, case_id
+
+
+@pytest.mark.parametrize("op", ["swap_blocks", "swap_blocks_multi_layer", "relayout_kv_cache",
+                                "pack_kv_pages", "unpack_kv_pages"])
+def test_sanitize_cases_are_listed(op):
+    ids = [i for i, _ in importlib.import_module(f"tools.sanitize.{op}").cases()]
+    assert ids and len(set(ids)) == len(ids)
+
+
+def test_magic_division_constants():
+    """transfer.cu's fdiv: floor(n * magic / 2^64) == n // d for n, d < 2^32."""
+    import random
+    rng = random.Random(5)
+    for d in [1, 2, 3, 5, 7, 16, 125, 4096, 2**31, 2**32 - 1] + [rng.randrange(1, 2**32)
+                                                                  for _ in range(200)]:
+        m = tc.magic(d) % (1 << 64)
+        assert -(1 << 63) <= tc.magic(d) < 1 << 63
+        for n in [0, 1, d - 1, d, 2**32 - 1, (2**32 - 1) // d * d, rng.randrange(2**32)]:
+            assert (n if m == 0 else (n * m) >> 64) == n // d, (n, d)
