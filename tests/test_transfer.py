@@ -17,7 +17,7 @@ import kvwrite
 from kvwrite import transfer
 from kvwrite.ops.nvfp4.rule import e2m1_codes, e4m3_code
 from kvwrite.testing import conformance
-from kvwrite.testing.compare import assert_caches_equal, storage_bytes
+from kvwrite.testing.compare import storage_bytes
 from kvwrite.testing.transfer import mapping, random_values, random_view
 
 # --- the oracles: explicit byte offsets ----------------------------------------------------------
@@ -47,7 +47,7 @@ def oracle_swap(src, dst, pairs, src_heads=None, dst_heads=None):
 
 
 def _assert_bytes(t: torch.Tensor, want: torch.Tensor, name: str) -> None:
-    got = storage_bytes(t)
+    got = storage_bytes(t).cpu()
     diff = torch.nonzero(got != want).flatten()
     assert diff.numel() == 0, f"{name}: {diff.numel()} bytes differ, first at {diff[:8].tolist()}"
 
@@ -562,9 +562,7 @@ def test_gpu_mapping_skips_out_of_range_pairs():
     want = oracle_swap(src.cpu(), dst.cpu(), [[1, 0], [3, 4]])
     kvwrite.swap_blocks(src, dst, mapping(pairs, torch.int32, device="cuda"),
                         implementation="torch")
-    assert_caches_equal(dst.cpu(), torch.empty(0, dtype=torch.uint8).set_(
-        want.untyped_storage()).view(torch.bfloat16).as_strided(dst.shape, dst.stride(),
-                                                                 dst.storage_offset()))
+    _assert_bytes(dst, want, "dst")
 
 
 @pytest.mark.gpu
@@ -585,3 +583,45 @@ def test_cpu_mapping_under_capture_is_refused():
     g = torch.cuda.CUDAGraph()
     with pytest.raises(ValueError, match="block_mapping: expected a mapping on the GPU under CUDA graph capture"), torch.cuda.graph(g):
         kvwrite.swap_blocks(src, dst, mapping([[0, 0]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make, exc, text", [
+    (lambda: ((torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8, device="cuda"),
+               mapping([[0, 0]], device="cuda")), {"engine": "ce"}),
+     ValueError, "engine: 'ce' reads the mapping on the host"),
+    (lambda: ((torch.zeros(4, 8), torch.zeros(4, 8), mapping([[0, 0]], device="cuda")), {}),
+     ValueError, "block_mapping: expected host memory (that of the sides), got cuda:0"),
+    (lambda: ((torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8).pin_memory(),
+               mapping([[0, 0]])), {"max_ctas": 2.0}),
+     TypeError, "max_ctas: expected None or an int >= 1, got float"),
+    (lambda: (([torch.zeros(2, 1, 2, 32, device="cuda")], torch.zeros(2, 48, dtype=torch.uint8,
+                                                                       device="cuda"),
+               mapping([[0, 0]])), {"page_format": "fp8", "scale": torch.ones(1)}),
+     ValueError, "scale: expected device cuda:0 (that of the caches), got cpu"),
+])
+def test_gpu_argument_rules(make, exc, text):
+    args, kwargs = make()
+    fn = kvwrite.pack_kv_pages if isinstance(args[0], list) else kvwrite.swap_blocks
+    before = conformance.snapshot(tuple(a for a in args if not isinstance(a, list)), kwargs)
+    with pytest.raises(exc, match=re.escape(text)):
+        fn(*args, **kwargs)
+    assert conformance.unchanged(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_pinned_host_side_matches_the_oracle(direction):
+    src, dst = _swap_pair("padded", torch.bfloat16)
+    pairs = [[6, 0], [2, 5]]
+    want = oracle_swap(src, dst, pairs)
+
+    def place(t, pinned):
+        raw = storage_bytes(t)
+        raw = raw.pin_memory() if pinned else raw.cuda()
+        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    src, dst = place(src, direction == "h2d"), place(dst, direction == "d2h")
+    kvwrite.swap_blocks(src, dst, mapping(pairs), implementation="torch")
+    torch.cuda.synchronize()
+    _assert_bytes(dst, want, "dst")

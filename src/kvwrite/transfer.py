@@ -506,14 +506,13 @@ def _one_device(named: Sequence[tuple[str, torch.Tensor]]) -> None:
                              f"{t.device}")
 
 
-def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False,
-                    extra=()):
+def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False):
     """Types, the mapping's form, devices and the engine keywords shared by every builder:
     returns (device, n, max_ctas, engine)."""
     n = check_mapping(mapping)
     for side in (src, dst):
         _one_device(side)
-    device = call_device([*src, *dst, *extra])
+    device = call_device([*src, *dst])
     check_mapping_device(mapping, device)
     max_ctas, engine = _check_common(max_ctas, engine, quantized, mapping)
     return device, n, max_ctas, engine
@@ -701,14 +700,18 @@ def _page_geometry(caches_named, pages, kv_split, head_range, page_format):
     return fmt, S, hb, hc, hp, k
 
 
-def _scale_strides(scale, L, S, Hc, hc, device_of: torch.Tensor):
-    """``scale``: float32, broadcastable to [L, S, H_c], on the caches' device."""
+def _scale_strides(scale, L, S, Hc, hc, device_of: torch.Tensor, device):
+    """``scale``: float32, broadcastable to [L, S, H_c], on the caches' device (pinned there
+    when that is the host beside a GPU: the kernels read it)."""
     require_tensor("scale", scale)
     if scale.dtype != torch.float32:
         raise ValueError(f"scale: expected dtype float32, got {scale.dtype}")
     if scale.device != device_of.device:
         raise ValueError(f"scale: expected device {device_of.device} (that of the caches), got "
                          f"{scale.device}")
+    if device is not None and scale.device.type == "cpu" and not scale.is_pinned():
+        raise ValueError(f"scale: expected pinned host memory (the caches' memory, read by the "
+                         f"kernels of {device}), got pageable host memory")
     try:
         b = torch.broadcast_to(scale, (L, S, Hc))
     except RuntimeError:
@@ -747,11 +750,10 @@ def build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, pag
         raise ValueError(f"scale: page_format={fmt!r} needs a float32 tensor broadcastable to "
                          f"[L, S, H_c], got None")
     device, n, max_ctas, engine = _validate_sides(src, dst, block_mapping, max_ctas, engine,
-                                                  quantized, extra)
+                                                  quantized)
     scale_strides, scale_offset = (0, 0, 0), 0
     if extra:
-        _one_device([c[0], *extra])
-        scale_strides, scale_offset = _scale_strides(scale, L, S, Hc, hc, c0)
+        scale_strides, scale_offset = _scale_strides(scale, L, S, Hc, hc, c0, device)
     others = [("block_mapping", block_mapping), *extra]
     check_destinations(dst, [] if unpack else src, [*others, *(src if unpack else [])])
     if block_mapping.device.type == "cpu":
