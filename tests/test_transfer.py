@@ -555,11 +555,20 @@ def test_an_error_in_the_last_layer_writes_no_layer():
 
 # --- the GPU ---------------------------------------------------------------------------------------
 
+def _place(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """``t``'s whole allocation on the GPU (or pinned), the same view of it."""
+    raw = storage_bytes(t)
+    raw = raw.pin_memory() if pinned else raw.cuda()
+    return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 @pytest.mark.gpu
 def test_gpu_mapping_skips_out_of_range_pairs():
-    src, dst = (t.cuda() for t in _swap_pair("padded", torch.bfloat16))
+    """A GPU mapping is not checked: a pair with an id out of range (-1 pads) is skipped."""
+    src, dst = _swap_pair("padded", torch.bfloat16)
+    want = oracle_swap(src, dst, [[1, 0], [3, 4]])
+    src, dst = _place(src), _place(dst)
     pairs = [[1, 0], [-1, 2], [2, 6], [3, 4]]
-    want = oracle_swap(src.cpu(), dst.cpu(), [[1, 0], [3, 4]])
     kvwrite.swap_blocks(src, dst, mapping(pairs, torch.int32, device="cuda"),
                         implementation="torch")
     _assert_bytes(dst, want, "dst")
@@ -616,12 +625,7 @@ def test_pinned_host_side_matches_the_oracle(direction):
     pairs = [[6, 0], [2, 5]]
     want = oracle_swap(src, dst, pairs)
 
-    def place(t, pinned):
-        raw = storage_bytes(t)
-        raw = raw.pin_memory() if pinned else raw.cuda()
-        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    src, dst = place(src, direction == "h2d"), place(dst, direction == "d2h")
+    src, dst = _place(src, direction == "h2d"), _place(dst, direction == "d2h")
     kvwrite.swap_blocks(src, dst, mapping(pairs), implementation="torch")
     torch.cuda.synchronize()
     _assert_bytes(dst, want, "dst")
