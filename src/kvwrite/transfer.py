@@ -407,7 +407,9 @@ def _mapping_plan(mapping: torch.Tensor, device: torch.device | None
         raise ValueError("block_mapping: expected a mapping on the GPU under CUDA graph capture "
                          "(a CPU mapping's checks and values would be frozen into the graph), "
                          "got a CPU tensor")
-    staged = mapping if mapping.is_pinned() else mapping.pin_memory()
+    # One contiguous pinned copy (a strided one would make .to() stage through pageable memory).
+    staged = torch.empty(tuple(mapping.shape), dtype=mapping.dtype, pin_memory=True)
+    staged.copy_(mapping)
     return staged.to(device, non_blocking=True), mapping
 
 
