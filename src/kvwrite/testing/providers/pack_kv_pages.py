@@ -14,7 +14,7 @@ OP = "pack_kv_pages"
 
 
 def _args() -> dict:
-    caches, pages, m, hr, fmt, scale = build(TransferCase("pack", page_format="fp8"), "cpu", 0)
+    caches, pages, m, hr, fmt, scale, _ = build(TransferCase("pack", page_format="fp8"), "cpu", 0)
     return {"caches": tuple(caches), "pages": pages, "block_mapping": m, "kv_split": 2,
             "head_range": hr, "page_format": fmt, "scale": scale}
 

@@ -12,7 +12,7 @@ OP = "relayout_kv_cache"
 
 
 def _args() -> dict:
-    src, dst, m, hr = build(TransferCase("relayout", head_range=(1, 3)), "cpu", 0)
+    src, dst, m, hr, _ = build(TransferCase("relayout", head_range=(1, 3)), "cpu", 0)
     return {"src": src, "dst": dst, "block_mapping": m, "head_range": hr}
 
 

@@ -15,7 +15,7 @@ OP = "swap_blocks"
 
 
 def _args() -> dict:
-    src, dst, m = build(TransferCase("swap"), "cpu", 0)
+    src, dst, m, _ = build(TransferCase("swap"), "cpu", 0)
     return {"src": src, "dst": dst, "block_mapping": m}
 
 

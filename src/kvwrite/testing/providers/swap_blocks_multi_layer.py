@@ -10,7 +10,7 @@ OP = "swap_blocks_multi_layer"
 
 
 def _args() -> dict:
-    src, dst, m = build(TransferCase("multi"), "cpu", 0)
+    src, dst, m, _ = build(TransferCase("multi"), "cpu", 0)
     return {"src_caches": src, "dst_caches": tuple(dst), "block_mapping": m}
 
 

@@ -27,7 +27,8 @@ class TransferCase:
     "unpack". ``host``: on a GPU run, the side ("src" or "dst": for pack the caches are the
     source, for unpack the pages) in pinned host memory (None: both on the GPU). ``gpu_mapping``:
     on a GPU run, the mapping on the GPU (else on the host). ``map_dtype``: its dtype, given as
-    a transposed, strided view."""
+    a transposed, strided view. ``max_ctas``: the SM budget keyword (the last argument ``build``
+    returns)."""
     op: str
     dtype: torch.dtype = torch.bfloat16
     host: str | None = None
@@ -36,6 +37,7 @@ class TransferCase:
     page_format: str = "raw"
     head_range: tuple[int, int] | None = None
     layers: int = 2
+    max_ctas: int | None = None
 
 
 # Blocks of each side, and the pairs a seed maps (distinct destinations, a repeated source).
@@ -71,7 +73,12 @@ def _cache(blocks: int, heads: int, layer: int, dtype, seed: int, values: bool, 
 
 
 def build(case: TransferCase, device: str, seed: int) -> tuple:
-    """The op's positional arguments (keywords of pack/unpack: see ``call``)."""
+    """The arguments of the provider's ``call``: the op's positional ones (pack/unpack: then
+    ``head_range``, ``page_format`` and pack's ``scale``), then ``max_ctas``."""
+    return (*_build(case, device, seed), case.max_ctas)
+
+
+def _build(case: TransferCase, device: str, seed: int) -> tuple:
     src_host = device != "cpu" and case.host == "src"
     dst_host = device != "cpu" and case.host == "dst"
     m = mapping(_pairs(seed), case.map_dtype, odd_strides=True)
@@ -130,18 +137,21 @@ def build(case: TransferCase, device: str, seed: int) -> tuple:
 
 
 def _call(op: str) -> Callable:
+    """The op called on ``build``'s arguments (its keywords from their positions)."""
     fn = getattr(kvwrite, op)
     if op == "pack_kv_pages":
-        def call(caches, pages, m, head_range, page_format, scale, implementation=None):
+        def call(caches, pages, m, head_range, page_format, scale, max_ctas,
+                 implementation=None):
             fn(caches, pages, m, kv_split=2, head_range=head_range, page_format=page_format,
-               scale=scale, implementation=implementation)
-        return call
-    if op == "unpack_kv_pages":
-        def call(pages, caches, m, head_range, page_format, implementation=None):
+               scale=scale, max_ctas=max_ctas, implementation=implementation)
+    elif op == "unpack_kv_pages":
+        def call(pages, caches, m, head_range, page_format, max_ctas, implementation=None):
             fn(pages, caches, m, kv_split=2, head_range=head_range, page_format=page_format,
-               implementation=implementation)
-        return call
-    return fn
+               max_ctas=max_ctas, implementation=implementation)
+    else:
+        def call(*args, implementation=None):
+            fn(*args[:-1], max_ctas=args[-1], implementation=implementation)
+    return call
 
 
 def _flat(args: tuple) -> list[torch.Tensor]:
@@ -214,8 +224,9 @@ def cases_of(op: str, **extra) -> tuple[Example, ...]:
     GPU (int32), d2h and h2d through pinned host memory (GPU runs; host to host on the CPU)."""
     base = TransferCase(op, **extra)
     return (Example("d2d", base),
+            Example("d2d-1-cta", dataclasses.replace(base, max_ctas=1), gpu=True),
             Example("d2d-gpu-mapping", dataclasses.replace(base, gpu_mapping=True,
                                                            map_dtype=torch.int32)),
-            Example("d2h", dataclasses.replace(base, host="dst"), gpu=True),
+            Example("d2h-4-ctas", dataclasses.replace(base, host="dst", max_ctas=4), gpu=True),
             Example("h2d", dataclasses.replace(base, host="src", gpu_mapping=True), gpu=True))
 

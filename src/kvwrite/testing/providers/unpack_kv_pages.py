@@ -14,7 +14,7 @@ OP = "unpack_kv_pages"
 
 
 def _args() -> dict:
-    pages, caches, m, hr, fmt = build(TransferCase("unpack", page_format="nvfp4"), "cpu", 0)
+    pages, caches, m, hr, fmt, _ = build(TransferCase("unpack", page_format="nvfp4"), "cpu", 0)
     return {"pages": pages, "caches": tuple(caches), "block_mapping": m, "kv_split": 2,
             "head_range": hr, "page_format": fmt}
 
