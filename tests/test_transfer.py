@@ -443,7 +443,7 @@ ERRORS = [
     ("negative id", SWAP, _swap(block_mapping=lambda a: mapping([[0, 0], [1, -1]])), ValueError,
      "block_mapping: expected ids in [0, 6) in column 1 (the block count of dst), got -1 at row 1"),
     ("duplicate destination", SWAP, _swap(block_mapping=lambda a: mapping([[0, 2], [1, 2]])),
-     ValueError, "block_mapping: expected distinct destination ids (column 1), got 2 2 times"),
+     ValueError, "block_mapping: expected distinct destination ids (column 1), got id 2 2 times"),
     ("in-place conflict", SWAP, _swap(dst=lambda a: a["src"],
                                       block_mapping=lambda a: mapping([[0, 1], [1, 2]])),
      ValueError, "block_mapping: expected no id both a source and a destination"),

@@ -349,7 +349,7 @@ def check_host_mapping(mapping: torch.Tensor, sources: Sequence[tuple[str, int]]
     uniq, counts = torch.unique(dst, return_counts=True)
     if bool((counts > 1).any()):
         dup = int(uniq[counts > 1][0])
-        raise ValueError(f"{name}: expected distinct destination ids (column 1), got {dup} "
+        raise ValueError(f"{name}: expected distinct destination ids (column 1), got id {dup} "
                          f"{int(counts[counts > 1][0])} times")
     if in_place:
         both = torch.isin(m[:, 0], dst)
@@ -445,11 +445,6 @@ def coalesce(dims: Sequence[_Dim], elem_bytes: int) -> list[_Dim]:
         else:
             out.append(d)
     return list(reversed(out))
-
-
-def _tensor_side(t: torch.Tensor, offset: int, strides: Sequence[int]) -> Side:
-    """``t`` as a Side: ``offset`` bytes past its first element, ``strides`` in bytes."""
-    return Side(t, offset, tuple(int(s) for s in strides), t.shape[0])
 
 
 def _jobs(src: torch.Tensor, dst: torch.Tensor, dims: Sequence[_Dim], es: int,
