@@ -46,6 +46,12 @@ _EXPORTS = {
     "check_positions": ".ops.rotary_embedding",
     "rotary_embedding": ".ops.rotary_embedding",
     "implementations": ".registry",
+    "swap_blocks": ".ops.swap_blocks",
+    "swap_blocks_multi_layer": ".ops.swap_blocks_multi_layer",
+    "relayout_kv_cache": ".ops.relayout_kv_cache",
+    "pack_kv_pages": ".ops.pack_kv_pages",
+    "unpack_kv_pages": ".ops.unpack_kv_pages",
+    "kv_page_bytes": ".transfer",
     # Submodules, as attributes.
     "ops": ".ops",
     "registry": ".registry",
@@ -108,4 +114,10 @@ __all__ = [
     "create_per_token_head_caches",
     "dequantize_per_token_head",
     "reshape_and_cache_flash_per_token_head_quant",
+    "swap_blocks",
+    "swap_blocks_multi_layer",
+    "relayout_kv_cache",
+    "pack_kv_pages",
+    "unpack_kv_pages",
+    "kv_page_bytes",
 ]

@@ -16,10 +16,22 @@ Addresses are bytes: a :class:`Side` is one tensor's storage seen as a 4-D grid
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS"]
+from . import registry
+from .validation import check_mutation_safe, require_tensor, shape_str
+
+__all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS",
+           "QUANTIZED_CACHE_DTYPES", "kv_page_bytes", "chunk_bytes", "parse_page_format",
+           "check_kv_split", "check_max_ctas", "check_engine", "check_mapping",
+           "check_head_range", "same_view", "call_device", "check_mapping_device",
+           "check_host_mapping", "check_destinations", "capturing", "coalesce", "build_swap",
+           "build_swap_bytes", "build_relayout", "build_pack", "build_unpack", "select", "byte_blocks",
+           "mapped_pairs", "TENSORS_ARG", "HEAD_RANGE_ARG", "MAX_CTAS_ARG"]
 
 ENGINES = ("auto", "sm", "ce")
 # Page formats by spelling -> canonical name ("fp8" is "fp8_e4m3").
@@ -133,3 +145,691 @@ class TransferPlan:
     max_ctas: int | None
     engine: str                     # as requested: "auto", "sm" or "ce" (the op resolves it)
     args: dict
+
+
+# --- the page: its size (SPEC §9.4) ---------------------------------------------------------------
+
+# Cache dtypes the quantized page formats read (pack) and write (unpack).
+QUANTIZED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NVFP4_GROUP = 16  # elements per E4M3 scale byte (SPEC §6.1)
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1 (any integer type; not bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int >= 1, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__}") from None
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return int(value)
+
+
+def parse_page_format(page_format) -> str:
+    """The canonical name of a page format (:data:`PAGE_FORMATS`); ValueError naming
+    ``page_format`` otherwise."""
+    if not isinstance(page_format, str) or page_format not in PAGE_FORMATS:
+        raise ValueError(f"page_format: expected one of {sorted(PAGE_FORMATS)}, got "
+                         f"{page_format!r}")
+    return PAGE_FORMATS[page_format]
+
+
+def check_kv_split(kv_split, row_width: int, row_name: str = "C") -> int:
+    """``kv_split`` S as an int >= 1 dividing the row width ``C``."""
+    s = _positive_int("kv_split", kv_split)
+    if row_width % s:
+        raise ValueError(f"kv_split: expected an int dividing {row_name} = {row_width}, got {s}")
+    return s
+
+
+def _check_quantized(fmt: str, dtype: torch.dtype, dtype_name: str, part_elems: int) -> None:
+    if fmt == "raw":
+        return
+    if dtype not in QUANTIZED_CACHE_DTYPES:
+        raise ValueError(f"{dtype_name}: page_format={fmt!r} expects caches of dtype "
+                         f"torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    if fmt == "nvfp4" and part_elems % NVFP4_GROUP:
+        raise ValueError(f"page_format: 'nvfp4' expects E = C / kv_split a multiple of "
+                         f"{NVFP4_GROUP}, got E = {part_elems}")
+
+
+def chunk_bytes(page_format: str, layers: int, parts: int, tokens: int, row_elems: int,
+                elem_bytes: int) -> int:
+    """``hb``: the bytes of one head chunk of a page (SPEC §9.4's table; ``page_format``
+    canonical, arguments already validated)."""
+    L, S, N, C = layers, parts, tokens, row_elems
+    if page_format == "raw":
+        return L * N * C * elem_bytes
+    if page_format in ("fp8_e4m3", "fp8_e5m2"):
+        return 16 * -(-(4 * L * S + L * N * C) // 16)
+    return 16 * -(-(4 * L * S + L * N * C // 2 + L * N * C // NVFP4_GROUP) // 16)
+
+
+def kv_page_bytes(num_layers, num_heads, block_size, row_width, dtype, *, kv_split=1,
+                  page_format="raw") -> int:
+    """``P``, the bytes of one transfer page (SPEC §9.4): ``num_heads`` head chunks of ``hb``
+    bytes, each holding one block of ``num_layers`` layers of ``block_size`` tokens of
+    ``row_width`` elements of ``dtype`` (the caches' dtype) in ``page_format``."""
+    L = _positive_int("num_layers", num_layers)
+    H = _positive_int("num_heads", num_heads)
+    N = _positive_int("block_size", block_size)
+    C = _positive_int("row_width", row_width)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    fmt = parse_page_format(page_format)
+    S = check_kv_split(kv_split, C, "row_width")
+    _check_quantized(fmt, dtype, "dtype", C // S)
+    es = torch.empty(0, dtype=dtype).element_size()
+    return H * chunk_bytes(fmt, L, S, N, C, es)
+
+
+# --- validation every transfer op shares (SPEC §9.1, §9.5) ---------------------------------------
+
+def check_max_ctas(max_ctas) -> int | None:
+    if max_ctas is None:
+        return None
+    if isinstance(max_ctas, bool) or not isinstance(max_ctas, int):
+        raise TypeError(f"max_ctas: expected None or an int >= 1, got "
+                        f"{type(max_ctas).__name__}")
+    if max_ctas < 1:
+        raise ValueError(f"max_ctas: expected None or an int >= 1, got {max_ctas}")
+    return int(max_ctas)
+
+
+def check_engine(engine) -> str:
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {list(ENGINES)}, got {engine!r}")
+    return engine
+
+
+def check_mapping(mapping, name: str = "block_mapping") -> int:
+    """``mapping``: an ``[n, 2]`` int32/int64 tensor, any strides; returns n."""
+    require_tensor(name, mapping)
+    if mapping.dim() != 2 or mapping.shape[1] != 2:
+        raise ValueError(f"{name}: expected shape [n, 2], got {shape_str(mapping)}")
+    if mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name}: expected dtype int64 or int32, got {mapping.dtype}")
+    return mapping.shape[0]
+
+
+def check_head_range(head_range, heads: Sequence[tuple[str, int]]) -> tuple[list[int], int]:
+    """SPEC §9.3's rule for the head counts ``heads`` ((name, H) of each side): returns each
+    side's first head and K, the heads moved. None: every side has one H, every head."""
+    if head_range is None:
+        (first, h), *rest = heads
+        for name, other in rest:
+            if other != h:
+                raise ValueError(f"{name}: expected {h} heads (those of {first}; or pass "
+                                 f"head_range), got {other}")
+        return [0] * len(heads), h
+    if (not isinstance(head_range, (tuple, list)) or len(head_range) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in head_range)):
+        raise TypeError(f"head_range: expected None or two Python ints (h0, h1), got "
+                        f"{head_range!r}")
+    h0, h1 = int(head_range[0]), int(head_range[1])
+    if not 0 <= h0 < h1:
+        raise ValueError(f"head_range: expected 0 <= h0 < h1, got ({h0}, {h1})")
+    k = h1 - h0
+    firsts = []
+    for name, h in heads:
+        if h == k:
+            firsts.append(0)       # the side holding the slice, indexed by k
+        elif h >= h1:
+            firsts.append(h0)      # a full side, indexed by h0 + k
+        else:
+            raise ValueError(f"head_range: ({h0}, {h1}) expects {name} with {k} heads (the "
+                             f"slice) or at least {h1} (full), got {h}")
+    return firsts, k
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same storage, offset, dtype, shape and strides (SPEC §9.2's in-place form)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+def call_device(sides: Sequence[tuple[str, torch.Tensor]]) -> torch.device | None:
+    """The GPU of a call whose tensors are ``sides`` ((name, tensor), every tensor of both sides
+    and of tensors read where the sides are, e.g. scale), or None where all are in host memory.
+    Refused: meta tensors, devices other than CUDA and the host, two GPUs, pageable host memory
+    beside a GPU (SPEC §9.1)."""
+    gpu = None
+    for name, t in sides:
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with memory (a CUDA device or the "
+                             f"host), got a meta tensor")
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{name}: expected a CUDA device or host memory, got {t.device}")
+        if t.device.type == "cuda":
+            if gpu is None:
+                gpu = (name, t.device)
+            elif t.device != gpu[1]:
+                raise ValueError(f"{name}: expected the device of {gpu[0]} ({gpu[1]}) or "
+                                 f"pinned host memory (one GPU per call), got {t.device}")
+    if gpu is None:
+        return None
+    for name, t in sides:
+        if t.device.type == "cpu" and not t.is_pinned():
+            raise ValueError(f"{name}: expected pinned host memory (pin_memory=True or "
+                             f"cudaHostRegister) beside a GPU side ({gpu[0]} on {gpu[1]}), got "
+                             f"pageable host memory")
+    return gpu[1]
+
+
+def check_mapping_device(mapping: torch.Tensor, device: torch.device | None,
+                         name: str = "block_mapping") -> None:
+    """A mapping lies on the host, or on the call's GPU (``device``)."""
+    if mapping.device.type == "cpu":
+        return
+    if device is None or mapping.device != device:
+        where = "host memory" if device is None else f"host memory or {device}"
+        raise ValueError(f"{name}: expected {where} (that of the sides), got {mapping.device}")
+
+
+def check_host_mapping(mapping: torch.Tensor, sources: Sequence[tuple[str, int]],
+                       destinations: Sequence[tuple[str, int]], in_place: bool,
+                       name: str = "block_mapping") -> None:
+    """A CPU mapping, read now (SPEC §9.1): every source id below the block count of every
+    source (``(name, blocks)``), every destination id below that of every destination, distinct
+    destination ids; ``in_place``: no id both a source and a destination."""
+    if mapping.shape[0] == 0:
+        return
+    m = mapping.to(torch.int64)
+    for col, side in ((0, sources), (1, destinations)):
+        ids = m[:, col]
+        for side_name, blocks in side:
+            bad = (ids < 0) | (ids >= blocks)
+            if bool(bad.any()):
+                at = int(torch.nonzero(bad)[0, 0])
+                raise ValueError(f"{name}: expected ids in [0, {blocks}) in column {col} (the "
+                                 f"block count of {side_name}), got {int(ids[at])} at row {at}")
+    dst = m[:, 1]
+    uniq, counts = torch.unique(dst, return_counts=True)
+    if bool((counts > 1).any()):
+        dup = int(uniq[counts > 1][0])
+        raise ValueError(f"{name}: expected distinct destination ids (column 1), got id {dup} "
+                         f"{int(counts[counts > 1][0])} times")
+    if in_place:
+        both = torch.isin(m[:, 0], dst)
+        if bool(both.any()):
+            raise ValueError(f"{name}: expected no id both a source and a destination (src and "
+                             f"dst are the same view), got {int(m[torch.nonzero(both)[0, 0], 0])}")
+
+
+def check_destinations(destinations: Sequence[tuple[str, torch.Tensor]],
+                       sources: Sequence[tuple[str, torch.Tensor]],
+                       others: Sequence[tuple[str, torch.Tensor | None]] = ()) -> bool:
+    """SPEC §9.5's rules on what a call writes: no destination with a zero stride over a dim of
+    size > 1 or requiring grad, no two destinations the same view, and no input (``sources``,
+    ``others``: the mapping, scale) sharing memory with a destination, unless every source is
+    the same view as its destination (``sources[i]`` pairs with ``destinations[i]``; returns
+    whether that in-place form holds). Overlaps between distinct destination views are not
+    checked (their result is undefined)."""
+    for name, t in destinations:
+        for size, st in zip(t.shape, t.stride(), strict=True):
+            if size > 1 and st == 0:
+                raise ValueError(f"{name}: expected every element in its own memory, got stride "
+                                 f"0 over a dim of size {size} (strides {tuple(t.stride())}, "
+                                 f"shape {shape_str(t)})")
+        if t.requires_grad:
+            raise ValueError(f"{name}: expected a tensor that does not require grad (it is "
+                             f"written in place), got requires_grad=True")
+    for i, (name, t) in enumerate(destinations):
+        for other, u in destinations[:i]:
+            if same_view(t, u):
+                raise ValueError(f"{name}: expected a destination apart from {other}, got the "
+                                 f"same view")
+    in_place = len(sources) == len(destinations) and all(
+        same_view(s, d) for (_, s), (_, d) in zip(sources, destinations, strict=True))
+    inputs = list(others) if in_place else [*sources, *others]
+    for dst in destinations:
+        check_mutation_safe(outputs=(dst,), inputs=inputs)
+    return in_place
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _mapping_plan(mapping: torch.Tensor, device: torch.device | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the mapping where the kernels read it, the caller's host mapping or None). A CPU mapping
+    beside a GPU side is copied to that GPU through pinned memory (non_blocking: no host sync);
+    under graph capture it is refused (its checks and values would be frozen into the graph)."""
+    if mapping.device.type != "cpu":
+        return mapping, None
+    if device is None:
+        return mapping, mapping
+    if capturing():
+        raise ValueError("block_mapping: expected a mapping on the GPU under CUDA graph capture "
+                         "(a CPU mapping's checks and values would be frozen into the graph), "
+                         "got a CPU tensor")
+    # One contiguous pinned copy (a strided one would make .to() stage through pageable memory).
+    staged = torch.empty(tuple(mapping.shape), dtype=mapping.dtype, pin_memory=True)
+    staged.copy_(mapping)
+    return staged.to(device, non_blocking=True), mapping
+
+
+def _check_common(max_ctas, engine, quantized: bool, mapping: torch.Tensor) -> tuple:
+    max_ctas = check_max_ctas(max_ctas)
+    engine = check_engine(engine)
+    if engine == "ce" and quantized:
+        raise ValueError("engine: 'ce' copies raw bytes only: expected 'auto' or 'sm' with a "
+                         "quantized page_format, got 'ce'")
+    if engine == "ce" and mapping.device.type != "cpu":
+        raise ValueError(f"engine: 'ce' reads the mapping on the host: expected 'auto' or 'sm' "
+                         f"with a mapping on {mapping.device}, got 'ce'")
+    return max_ctas, engine
+
+
+# --- coalescing ------------------------------------------------------------------------------------
+
+_Dim = tuple[int, int, int]  # (size, src stride, dst stride), bytes
+
+
+def coalesce(dims: Sequence[_Dim], elem_bytes: int) -> list[_Dim]:
+    """The dims of a copy (outermost first) with size-1 dims dropped, reordered outermost by the
+    destination's stride (any order copies the same elements: each goes to its own index), and
+    merged from the inside out wherever both sides are dense across a pair (outer stride ==
+    inner size * inner stride on both sides). An innermost dim dense on both sides stays a dim of
+    ``elem_bytes`` elements (the kernel picks the vector width)."""
+    kept = sorted((d for d in dims if d[0] != 1), key=lambda d: (d[2], d[1]), reverse=True)
+    out: list[_Dim] = []
+    for d in reversed(kept):  # innermost first
+        if out and d[1] == out[-1][0] * out[-1][1] and d[2] == out[-1][0] * out[-1][2]:
+            n, s, t = out[-1]
+            out[-1] = (n * d[0], s, t)
+        else:
+            out.append(d)
+    return list(reversed(out))
+
+
+def _jobs(src: torch.Tensor, dst: torch.Tensor, dims: Sequence[_Dim], es: int,
+          src_offset: int = 0, dst_offset: int = 0) -> list[CopyJob]:
+    """The coalesced CopyJobs of one (src, dst) pair of ``es``-byte elements whose block steps
+    are the tensors' stride(0) and whose other dims are ``dims`` ((size, src stride, dst stride)
+    in bytes); more than three dims after coalescing: one job per index of the outer ones (their
+    offsets added)."""
+    if any(n == 0 for n, _, _ in dims):
+        return []
+    c = coalesce(dims, es)
+    outer, inner = c[:-3] if len(c) > 3 else [], c[-3:]
+    inner = [(1, 0, 0)] * (3 - len(inner)) + inner
+    if inner[2][0] == 1:  # a single element
+        inner[2] = (1, es, es)
+    sb, db = src.stride(0) * src.element_size(), dst.stride(0) * dst.element_size()
+    jobs = []
+    for idx in itertools.product(*(range(n) for n, _, _ in outer)):
+        so = src_offset + sum(i * s for i, (_, s, _) in zip(idx, outer, strict=True))
+        do = dst_offset + sum(i * d for i, (_, _, d) in zip(idx, outer, strict=True))
+        s = Side(src, so, (sb, inner[0][1], inner[1][1], inner[2][1]), src.shape[0])
+        d = Side(dst, do, (db, inner[0][2], inner[1][2], inner[2][2]), dst.shape[0])
+        jobs.append(CopyJob(s, d, inner[0][0], inner[1][0], inner[2][0], es))
+    return jobs
+
+
+def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args) -> TransferPlan:
+    kernel_mapping, host_mapping = _mapping_plan(mapping, device)
+    return TransferPlan(op=op, jobs=tuple(jobs), page_job=page_job, mapping=kernel_mapping,
+                        host_mapping=host_mapping, pairs=mapping.shape[0], device=device,
+                        max_ctas=max_ctas, engine=engine, args=args)
+
+
+def _tensors(name: str, value, listed: bool) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a side given as one tensor (``listed`` False) or a list/tuple of L >= 1."""
+    if not listed:
+        require_tensor(name, value)
+        return [(name, value)]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}: expected a list or tuple of tensors, got "
+                        f"{type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name}: expected at least one tensor, got none")
+    out = [(f"{name}[{i}]", t) for i, t in enumerate(value)]
+    for n, t in out:
+        require_tensor(n, t)
+    return out
+
+
+def _one_device(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor of a side's list lies on one device (that of its first)."""
+    first, t0 = named[0]
+    for name, t in named[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"{name}: expected device {t0.device} (that of {first}), got "
+                             f"{t.device}")
+
+
+def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False):
+    """Types, the mapping's form, devices and the engine keywords shared by every builder:
+    returns (device, n, max_ctas, engine)."""
+    n = check_mapping(mapping)
+    for side in (src, dst):
+        _one_device(side)
+    device = call_device([*src, *dst])
+    check_mapping_device(mapping, device)
+    max_ctas, engine = _check_common(max_ctas, engine, quantized, mapping)
+    return device, n, max_ctas, engine
+
+
+# --- the plan builders -----------------------------------------------------------------------------
+
+def build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
+               names: tuple[str, str] = ("src", "dst"), listed: bool = False, max_ctas=None,
+               engine="auto") -> TransferPlan:
+    """Validate and plan :func:`kvwrite.swap_blocks` (one pair, ``listed`` False) or
+    :func:`kvwrite.swap_blocks_multi_layer` (two lists, ``listed`` True, ``names`` theirs):
+    SPEC §9.2. Jobs: each pair's coalesced copy of its whole block shape (several jobs where more
+    than three dims remain). ``args``: ``src``, ``dst`` (tuples)."""
+    s = _tensors(names[0], src, listed)
+    d = _tensors(names[1], dst, listed)
+    if len(s) != len(d):
+        raise ValueError(f"{names[1]}: expected {len(s)} tensors (as many as {names[0]}), got "
+                         f"{len(d)}")
+    for (sn, a), (dn, b) in zip(s, d, strict=True):
+        if a.dim() < 1:
+            raise ValueError(f"{sn}: expected at least 1 dim [num_blocks, ...], got shape "
+                             f"{shape_str(a)}")
+        if b.dtype != a.dtype:
+            raise ValueError(f"{dn}: expected the dtype of {sn} ({a.dtype}), got {b.dtype}")
+        if b.shape[1:] != a.shape[1:]:
+            raise ValueError(f"{dn}: expected the block shape of {sn} {tuple(a.shape[1:])}, got "
+                             f"{tuple(b.shape[1:])} (shape {shape_str(b)})")
+    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    in_place = check_destinations(d, s, (("block_mapping", block_mapping),))
+    if block_mapping.device.type == "cpu":
+        check_host_mapping(block_mapping, [(nm, t.shape[0]) for nm, t in s],
+                           [(nm, t.shape[0]) for nm, t in d], in_place)
+    jobs = []
+    for (_, a), (_, b) in zip(s, d, strict=True):
+        es = a.element_size()
+        jobs += _jobs(a, b, [(size, sa * es, sb * es) for size, sa, sb
+                             in zip(a.shape[1:], a.stride()[1:], b.stride()[1:], strict=True)],
+                      es)
+    args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d)}
+    return _plan(op, jobs, None, block_mapping, device, max_ctas, engine, args)
+
+
+def build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=None,
+                     engine="auto") -> TransferPlan:
+    """Validate and plan vLLM's four-argument form of :func:`kvwrite.swap_blocks` (SPEC §9.2):
+    block ``i`` is the ``block_size_in_bytes`` bytes ``i * stride(0) * element_size()`` bytes
+    after ``data_ptr()``. One job: heads = tokens = 1, elems = block_size_in_bytes bytes.
+    ``args``: ``src``, ``dst`` (1-tuples), ``block_size_in_bytes``."""
+    require_tensor("src", src)
+    require_tensor("dst", dst)
+    if isinstance(block_size_in_bytes, bool) or not isinstance(block_size_in_bytes, int):
+        raise TypeError(f"block_size_in_bytes: expected an int, got "
+                        f"{type(block_size_in_bytes).__name__}")
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dim() < 1:
+            raise ValueError(f"{name}: expected at least 1 dim [num_blocks, ...], got shape "
+                             f"{shape_str(t)}")
+    for name, t in (("src", src), ("dst", dst)):
+        step = t.stride(0) * t.element_size()
+        if not 0 < block_size_in_bytes <= step:
+            raise ValueError(f"block_size_in_bytes: expected 0 < block_size_in_bytes <= "
+                             f"{name}.stride(0) * element_size() = {step}, got "
+                             f"{block_size_in_bytes}")
+        if t.shape[0]:
+            last = (t.storage_offset() * t.element_size() + (t.shape[0] - 1) * step
+                    + block_size_in_bytes)
+            if last > t.untyped_storage().nbytes():
+                raise ValueError(f"block_size_in_bytes: expected every byte of {name}'s "
+                                 f"{t.shape[0]} blocks in its storage ({t.untyped_storage().nbytes()} "
+                                 f"bytes), got {block_size_in_bytes} bytes reaching byte {last}")
+    s, d = [("src", src)], [("dst", dst)]
+    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    # The destination is its blocks' bytes, whatever its dims: checked as a byte view.
+    dst_bytes = byte_blocks(dst, block_size_in_bytes)
+    src_bytes = byte_blocks(src, block_size_in_bytes)
+    in_place = check_destinations([("dst", dst_bytes)], [("src", src_bytes)],
+                                  (("block_mapping", block_mapping),))
+    if dst.requires_grad:
+        raise ValueError("dst: expected a tensor that does not require grad (it is written in "
+                         "place), got requires_grad=True")
+    if block_mapping.device.type == "cpu":
+        check_host_mapping(block_mapping, [("src", src.shape[0])], [("dst", dst.shape[0])],
+                           in_place)
+    job = CopyJob(Side(src, 0, (src.stride(0) * src.element_size(), 0, 0, 1), src.shape[0]),
+                  Side(dst, 0, (dst.stride(0) * dst.element_size(), 0, 0, 1), dst.shape[0]),
+                  1, 1, block_size_in_bytes, 1)
+    args = {"src": (src,), "dst": (dst,), "block_size_in_bytes": block_size_in_bytes}
+    return _plan("swap_blocks", [job], None, block_mapping, device, max_ctas, engine, args)
+
+
+def byte_blocks(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The four-argument form's blocks of ``t`` as a uint8 ``[num_blocks, nbytes]`` view."""
+    es = t.element_size()
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), 0, (t.untyped_storage().nbytes(),))
+    return storage.as_strided((t.shape[0], nbytes), (t.stride(0) * es, 1),
+                              t.storage_offset() * es)
+
+
+def _check_4d(named, what: str) -> None:
+    for name, t in named:
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims {what}, got shape {shape_str(t)}")
+
+
+def build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
+                   engine="auto") -> TransferPlan:
+    """Validate and plan :func:`kvwrite.relayout_kv_cache` (SPEC §9.3): ``src``/``dst`` 4-D
+    ``(num_blocks, H, N, C)`` views or two lists of them. Jobs: one per layer, dims (K heads,
+    N, C), coalesced. ``args``: ``src``, ``dst`` (tuples), ``src_head``, ``dst_head`` (first
+    head of each side), ``heads`` (K)."""
+    listed = not isinstance(src, torch.Tensor)
+    s = _tensors("src", src, listed)
+    d = _tensors("dst", dst, listed)
+    if len(s) != len(d):
+        raise ValueError(f"dst: expected {len(s)} tensors (as many as src), got {len(d)}")
+    _check_4d(s, "(num_blocks, H, N, C)")
+    _check_4d(d, "(num_blocks, H, N, C)")
+    (sn0, a0), (dn0, _) = s[0], d[0]
+    for name, t in [*s[1:], *d]:
+        if t.dtype != a0.dtype:
+            raise ValueError(f"{name}: expected the dtype of {sn0} ({a0.dtype}), got {t.dtype}")
+    for (sn, a), (dn, b) in zip(s, d, strict=True):
+        if b.shape[2:] != a.shape[2:]:
+            raise ValueError(f"{dn}: expected the N and C of {sn} {tuple(a.shape[2:])}, got "
+                             f"{tuple(b.shape[2:])}")
+    firsts, k = None, None
+    for (sn, a), (dn, b) in zip(s, d, strict=True):
+        f, kk = check_head_range(head_range, [(sn, a.shape[1]), (dn, b.shape[1])])
+        if firsts is not None and (f, kk) != (firsts, k):
+            raise ValueError(f"{sn}: expected the head counts of {sn0} and {dn0} for every "
+                             f"layer, got {a.shape[1]} and {b.shape[1]}")
+        firsts, k = f, kk
+    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    in_place = check_destinations(d, s, (("block_mapping", block_mapping),))
+    if block_mapping.device.type == "cpu":
+        check_host_mapping(block_mapping, [(nm, t.shape[0]) for nm, t in s],
+                           [(nm, t.shape[0]) for nm, t in d], in_place)
+    hs, hd = firsts
+    jobs = []
+    for (_, a), (_, b) in zip(s, d, strict=True):
+        es = a.element_size()
+        dims = [(k, a.stride(1) * es, b.stride(1) * es)] + [
+            (size, sa * es, sb * es) for size, sa, sb
+            in zip(a.shape[2:], a.stride()[2:], b.stride()[2:], strict=True)]
+        jobs += _jobs(a, b, dims, es, hs * a.stride(1) * es, hd * b.stride(1) * es)
+    args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d), "src_head": hs,
+            "dst_head": hd, "heads": k}
+    return _plan("relayout_kv_cache", jobs, None, block_mapping, device, max_ctas, engine, args)
+
+
+def _page_geometry(caches_named, pages, kv_split, head_range, page_format):
+    """What pack and unpack share: (fmt, S, hb, cache first head, page first head, K)."""
+    _check_4d(caches_named, "(num_blocks, H_c, N, C)")
+    first, c0 = caches_named[0]
+    for name, t in caches_named[1:]:
+        if t.dtype != c0.dtype:
+            raise ValueError(f"{name}: expected the dtype of {first} ({c0.dtype}), got {t.dtype}")
+        if t.shape[1:] != c0.shape[1:]:
+            raise ValueError(f"{name}: expected the H_c, N, C of {first} {tuple(c0.shape[1:])}, "
+                             f"got {tuple(t.shape[1:])}")
+    fmt = parse_page_format(page_format)
+    L = len(caches_named)
+    _, Hc, N, C = c0.shape
+    S = check_kv_split(kv_split, C)
+    _check_quantized(fmt, c0.dtype, first, C // S)
+    require_tensor("pages", pages)
+    if pages.dtype != torch.uint8:
+        raise ValueError(f"pages: expected dtype uint8, got {pages.dtype}")
+    if pages.dim() != 2:
+        raise ValueError(f"pages: expected 2 dims [num_pages, P], got shape {shape_str(pages)}")
+    P = pages.shape[1]
+    if P > 1 and pages.stride(1) != 1:
+        raise ValueError(f"pages: expected a unit last stride, got strides {tuple(pages.stride())}")
+    if pages.shape[0] > 1 and pages.stride(0) < P:
+        raise ValueError(f"pages: expected a row stride >= P = {P}, got strides "
+                         f"{tuple(pages.stride())}")
+    hb = chunk_bytes(fmt, L, S, N, C, c0.element_size())
+    if P == 0 or P % hb:
+        raise ValueError(f"pages: expected P a positive multiple of the head chunk "
+                         f"({hb} bytes for page_format={fmt!r}, L={L}, kv_split={S}, N={N}, "
+                         f"C={C}), got P = {P}")
+    (hc, hp), k = check_head_range(head_range, [(first, Hc), ("pages", P // hb)])
+    return fmt, S, hb, hc, hp, k
+
+
+def _scale_strides(scale, L, S, Hc, hc, device_of: torch.Tensor, device):
+    """``scale``: float32, broadcastable to [L, S, H_c], on the caches' device (pinned there
+    when that is the host beside a GPU: the kernels read it)."""
+    require_tensor("scale", scale)
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale: expected dtype float32, got {scale.dtype}")
+    if scale.device != device_of.device:
+        raise ValueError(f"scale: expected device {device_of.device} (that of the caches), got "
+                         f"{scale.device}")
+    if device is not None and scale.device.type == "cpu" and not scale.is_pinned():
+        raise ValueError(f"scale: expected pinned host memory (the caches' memory, read by the "
+                         f"kernels of {device}), got pageable host memory")
+    try:
+        b = torch.broadcast_to(scale, (L, S, Hc))
+    except RuntimeError:
+        raise ValueError(f"scale: expected a shape broadcastable to [L, S, H_c] = "
+                         f"[{L}, {S}, {Hc}], got {shape_str(scale)}") from None
+    st = tuple(int(x) for x in b.stride())
+    return st, hc * st[2]  # elements past scale.data_ptr(): broadcast_to keeps the offset
+
+
+def build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, page_format="raw",
+               scale=None, max_ctas=None, engine="auto", unpack: bool = False) -> TransferPlan:
+    """Validate and plan :func:`kvwrite.pack_kv_pages` (or, ``unpack``, unpack_kv_pages, whose
+    arguments are the same but ``scale``): SPEC §9.4.
+
+    Raw: one CopyJob per layer ``l`` and part ``s`` (caches[l]'s part s, heads hc(k), against
+    the pages seen as (row stride, hb, E*es, es) from byte ``hp0*hb + (l*S + s)*N*E*es``);
+    quantized: one PageJob. ``args``: ``caches`` (tuple), ``pages``, ``kv_split``,
+    ``page_format`` (canonical), ``scale``, ``cache_head``, ``page_head``, ``heads`` (K),
+    ``chunk_bytes`` (hb)."""
+    c = _tensors("caches", caches, True)
+    fmt, S, hb, hc, hp, k = _page_geometry(c, pages, kv_split, head_range, page_format)
+    c0 = c[0][1]
+    L = len(c)
+    _, Hc, N, C = c0.shape
+    E = C // S
+    quantized = fmt != "raw"
+    if unpack:
+        src, dst = [("pages", pages)], c
+    else:
+        src, dst = c, [("pages", pages)]
+    extra = []
+    if not unpack and scale is not None:
+        require_tensor("scale", scale)
+        extra = [("scale", scale)]
+    elif not unpack and quantized:
+        raise ValueError(f"scale: page_format={fmt!r} needs a float32 tensor broadcastable to "
+                         f"[L, S, H_c], got None")
+    device, n, max_ctas, engine = _validate_sides(src, dst, block_mapping, max_ctas, engine,
+                                                  quantized)
+    scale_strides, scale_offset = (0, 0, 0), 0
+    if extra:
+        scale_strides, scale_offset = _scale_strides(scale, L, S, Hc, hc, c0, device)
+    others = [("block_mapping", block_mapping), *extra]
+    check_destinations(dst, [] if unpack else src, [*others, *(src if unpack else [])])
+    if block_mapping.device.type == "cpu":
+        cache_blocks = [(nm, t.shape[0]) for nm, t in c]
+        page_rows = [("pages", pages.shape[0])]
+        check_host_mapping(block_mapping, page_rows if unpack else cache_blocks,
+                           cache_blocks if unpack else page_rows, False)
+    es = c0.element_size()
+    jobs, page_job = [], None
+    if not quantized:
+        for l_, (_, t) in enumerate(c):
+            tes = t.element_size()
+            for s in range(S):
+                cache_off = (s * E * t.stride(3) + hc * t.stride(1)) * tes
+                page_off = hp * hb + (l_ * S + s) * N * E * es
+                dims = [(k, t.stride(1) * tes, hb), (N, t.stride(2) * tes, E * es),
+                        (E, t.stride(3) * tes, es)]
+                if unpack:
+                    dims = [(size, b, a) for size, a, b in dims]
+                    jobs += _jobs(pages, t, dims, tes, page_off, cache_off)
+                else:
+                    jobs += _jobs(t, pages, dims, tes, cache_off, page_off)
+    else:
+        sides = tuple(Side(t, hc * t.stride(1) * es,
+                           (t.stride(0) * es, t.stride(1) * es, t.stride(2) * es,
+                            t.stride(3) * es), t.shape[0]) for _, t in c)
+        page_side = Side(pages, hp * hb, (pages.stride(0), hb, 0, 1), pages.shape[0])
+        page_job = PageJob(direction="unpack" if unpack else "pack", page_format=fmt,
+                           caches=sides, cache_dtype=c0.dtype, pages=page_side, heads=k,
+                           layers=L, parts=S, tokens=N, row_elems=C, chunk_bytes=hb,
+                           scale=None if unpack else scale, scale_strides=scale_strides,
+                           scale_offset=scale_offset)
+    args = {"caches": tuple(t for _, t in c), "pages": pages, "kv_split": S, "page_format": fmt,
+            "scale": None if unpack else scale, "cache_head": hc, "page_head": hp, "heads": k,
+            "chunk_bytes": hb}
+    op = "unpack_kv_pages" if unpack else "pack_kv_pages"
+    return _plan(op, jobs, page_job, block_mapping, device, max_ctas, engine, args)
+
+
+def build_unpack(pages, caches, block_mapping, *, kv_split=1, head_range=None,
+                 page_format="raw", max_ctas=None, engine="auto") -> TransferPlan:
+    """Validate and plan :func:`kvwrite.unpack_kv_pages` (SPEC §9.4): as :func:`build_pack`
+    with the sides swapped (raw jobs' src the pages) and no scale."""
+    return build_pack(caches, pages, block_mapping, kv_split=kv_split, head_range=head_range,
+                      page_format=page_format, max_ctas=max_ctas, engine=engine, unpack=True)
+
+
+def select(op: str, plan: TransferPlan, implementation: str | None = None) -> registry.ImplInfo:
+    """The implementation that runs ``plan``: the named one or the preferred one that can
+    (:func:`kvwrite.registry.select` with ``(plan,)``); both sides on the host: the torch
+    implementation only (SPEC §9.1)."""
+    if plan.device is not None:
+        return registry.select(op, (plan,), implementation)
+    info = registry.get(op, "torch" if implementation is None else implementation)
+    if info.name != "torch":
+        raise ValueError(f"implementation={implementation!r} cannot run this call: both sides "
+                         f"are in host memory (the torch implementation only)")
+    return info
+
+
+def mapped_pairs(plan: TransferPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source ids, destination ids) of the pairs a plan copies, int64 on the host: a GPU
+    mapping's pairs with an id outside ``[0, blocks)`` of any tensor of its side skipped (a CPU
+    mapping's are all in range). Reads the mapping on the host (a sync): for the references."""
+    m = (plan.host_mapping if plan.host_mapping is not None else plan.mapping).cpu()
+    m = m.to(torch.int64)
+    i, j = m[:, 0], m[:, 1]
+    ok = torch.ones_like(i, dtype=torch.bool)
+    for ids, counts in ((i, src_blocks), (j, dst_blocks)):
+        for blocks in counts:
+            ok &= (ids >= 0) & (ids < blocks)
+    return i[ok], j[ok]
+
+
+# How the transfer ops' arguments cross into their torch.compile custom ops
+# (kvwrite.registry.custom_op): lists of tensors as lists, a head range as a list of two ints
+# (back to a tuple), max_ctas as given (None or an int: validated by the op itself).
+TENSORS_ARG = registry.OpArg(list[torch.Tensor], list)
+HEAD_RANGE_ARG = registry.OpArg(list[int] | None, lambda h: None if h is None else list(h),
+                                lambda h: None if h is None else tuple(h))
+MAX_CTAS_ARG = registry.OpArg(int | None)

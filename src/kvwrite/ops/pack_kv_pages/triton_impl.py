@@ -1,0 +1,6 @@
+"""pack_kv_pages's Triton implementation: the shared transfer kernels (kernels/triton_transfer.py) run
+the plan."""
+
+from ...kernels.triton_transfer import available, run, unsupported
+
+__all__ = ["available", "unsupported", "run"]
