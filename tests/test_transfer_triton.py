@@ -11,7 +11,11 @@ rounds differently. The gpu-marked tests add pinned host sides, CUDA graphs and 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -432,6 +436,76 @@ def test_unpack_ties_to_even(device, fmt, dtype):
     the even one."""
     check_unpack(Pages(fmt, dtype, device, C=64), [[0, 1], [2, 4], [3, 0]], device,
                  random_codes=True, ties=True)
+
+
+# --- compiled for the GPU, without one ----------------------------------------------------------
+
+# Run in a process without TRITON_INTERPRET (whose kernels are compiled ones): every launch of a
+# few plans is compiled for sm_90 by Triton (ASTSource, the launch's own arguments and
+# constants: tensors 16-byte aligned as Triton specializes them) and its PTX's vector accesses
+# are counted.
+_COMPILE = r"""
+import dataclasses, inspect, json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path.insert(0, sys.argv[1])
+from kvwrite.kernels import triton_transfer as tt
+import test_transfer_triton as T
+TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.int16: "*i16", torch.uint8: "*u8",
+      torch.int32: "*i32", torch.int64: "*i64"}
+out = []
+class Compile:
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            params = list(inspect.signature(self.fn.fn).parameters)
+            sig, consts, attrs, opts = {}, {}, {}, {}
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    sig[params[i]] = TY[a.dtype]
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+                else:
+                    sig[params[i]] = "i64" if abs(a) >= 2**31 else "i32"
+            for n, v in kw.items():
+                if n in params:
+                    sig[n] = "constexpr"
+                    consts[(params.index(n),)] = v
+                elif n in ("num_warps", "enable_fp_fusion"):
+                    opts[n] = v
+            src = ASTSource(fn=self.fn, signature=sig, constexprs=consts, attrs=attrs)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+            out.append([self.fn.__name__, len(re.findall(r"ld\.global\.v4", ptx)),
+                        len(re.findall(r"st\.global\.v4", ptx))])
+        return call
+for name in ("_copy_kernel", "_pack_kernel", "_unpack_kernel"):
+    setattr(tt, name, Compile(getattr(tt, name)))
+src = T.alloc((5, 2, 4, 128), torch.bfloat16, "cpu", 1)
+dst = T.alloc((6, 4, 2, 128), torch.bfloat16, "cpu", 2).transpose(1, 2)
+tt.run(T.make_plan(T.mapping_tensor([[0, 1]] * 64, torch.int32, "cpu"), [T.copy_job(src, dst)]))
+for fmt in T.FORMATS:
+    g = T.Pages(fmt, torch.bfloat16, "cpu", L=1)
+    m = T.mapping_tensor([[0, 1]], torch.int64, "cpu")
+    tt.run(T.make_plan(m, page_job=g.job("pack")))
+    tt.run(T.make_plan(m, page_job=g.job("unpack")))
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_the_gpu():
+    """Every kernel compiles for sm_90 (no GPU needed), and a copy of 256-byte rows moves
+    16-byte vectors, several loads before their stores."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(tt.__file__), "..", ".."),
+                                         env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [name for name, *_ in got] == ["_copy_kernel"] + ["_pack_kernel", "_unpack_kernel"] * 3
+    assert got[0][1] >= 2 and got[0][2] >= 2, got
 
 
 # --- GPU only: pinned host sides, graphs, larger shapes ------------------------------------------

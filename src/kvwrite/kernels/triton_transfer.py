@@ -138,7 +138,10 @@ if triton is not None:
             so = (src_off + i * S_SB + h * S_SH + t * S_ST + c * S_SC) * VEC
             do = (dst_off + j * D_SB + h * D_SH + t * D_ST + c * D_SC) * VEC
             col = ch * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = ok[:, None] & (col < RUN)[None, :]
+            if RUN % BLOCK_C == 0:  # no column mask: the compiler sees whole vectors
+                mask = tl.broadcast_to(ok[:, None], (BLOCK_R, BLOCK_C))
+            else:
+                mask = ok[:, None] & (col < RUN)[None, :]
             x = tl.load(src_ptr + so[:, None] + col[None, :], mask=mask)
             tl.store(dst_ptr + do[:, None] + col[None, :], x, mask=mask)
 
@@ -398,7 +401,13 @@ def _launch_copy(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> None
         S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1], D_ST=ds[2],
         D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run, VEC=vec,
         BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl, PDL_TRIGGER=trigger,
-        num_warps=tuning.copy_warps, launch_pdl=pdl)
+        num_warps=_copy_warps(block_r * block_c * (w // vec), tuning), launch_pdl=pdl)
+
+
+def _copy_warps(tile_bytes: int, tuning: TritonTuning) -> int:
+    """Warps of a copy tile: 64 bytes (four 16-B vectors) a thread, at most ``copy_warps`` (a
+    smaller tile spread over more threads would give each less than a vector)."""
+    return max(1, min(tuning.copy_warps, tile_bytes // (32 * 64)))
 
 
 def _cache_storage(side: Side, dtype: torch.dtype) -> tuple[torch.Tensor, int, tuple]:
