@@ -92,6 +92,12 @@ def mapping_tensor(pairs, dtype, device, layout="plain") -> torch.Tensor:
     return m.to(device)
 
 
+def finish(device: str) -> None:
+    """Wait for the kernels: a pinned host result is read without a device copy."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def in_range(i, j, src_blocks, dst_blocks) -> bool:
     return 0 <= i < src_blocks and 0 <= j < dst_blocks
 
@@ -116,6 +122,7 @@ def check_copies(pairs_list, views, device, max_ctas=None, map_dtype=torch.int64
                 bits(exp_dst)[j] = src_now[i]
     tt.run(make_plan(mapping, [copy_job(s, d) for s, d in views], max_ctas=max_ctas),
            tuning=tuning)
+    finish(device)
     for t, raw in want.values():
         got = storage_bytes(t).cpu()
         diff = (got != raw).nonzero().flatten()
@@ -191,6 +198,7 @@ def test_long_rows_split_across_programs(device, max_ctas):
             want_d[j * 6200:j * 6200 + nbytes] = want_s[i * 6000:i * 6000 + nbytes]
     tt.run(make_plan(mapping, [job], max_ctas=max_ctas),
            tuning=tt.TritonTuning(copy_tile_bytes=1024))
+    finish(device)
     assert torch.equal(storage_bytes(dst).cpu(), want_d)
     assert torch.equal(storage_bytes(src).cpu(), want_s)
 
@@ -241,7 +249,7 @@ class Pages:
     def __init__(self, fmt, dtype, device, L=2, S=2, N=3, C=32, B=5, R=4, Hc=3, Hp=3, hc0=1,
                  hp0=0, K=2, seed=0, pin_pages=False, ties=False):
         self.fmt, self.dtype, self.L, self.S, self.N, self.C, self.K = fmt, dtype, L, S, N, C, K
-        self.E, self.hc0, self.hp0 = C // S, hc0, hp0
+        self.E, self.hc0, self.hp0, self.Hc = C // S, hc0, hp0, Hc
         self.hb = chunk_bytes(fmt, L, S, N, C)
         # Layers of one cache each, strides free per tensor: layer 1 is token-major (LBNHC).
         self.caches = []
@@ -333,6 +341,7 @@ def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None) -> None:
                 at = (g.hp0 + k) * g.hb
                 exp[p, at:at + g.hb] = g.packed_chunk(b, k, scale)
     tt.run(make_plan(mapping, page_job=g.job("pack", scale), max_ctas=max_ctas))
+    finish(device)
     got = storage_bytes(g.pages).cpu()
     diff = (got != want_pages).nonzero().flatten()
     assert diff.numel() == 0, f"{diff.numel()} page bytes differ, first at {diff[:8].tolist()}"
@@ -344,7 +353,7 @@ def check_unpack(g: Pages, pairs_list, device, max_ctas=None, random_codes=False
                  ties=False) -> None:
     mapping = mapping_tensor(pairs_list, torch.int32, device)
     # Pages holding the torch rules' chunks of the caches (another seed), or random codes.
-    src = Pages(g.fmt, g.dtype, "cpu", L=g.L, S=g.S, N=g.N, C=g.C, K=g.K, hc0=g.hc0,
+    src = Pages(g.fmt, g.dtype, "cpu", L=g.L, S=g.S, N=g.N, C=g.C, K=g.K, Hc=g.Hc, hc0=g.hc0,
                 hp0=g.hp0, seed=77, ties=ties)
     rows = g.pages.cpu().clone()
     for p in range(rows.shape[0]):
@@ -375,6 +384,7 @@ def check_unpack(g: Pages, pairs_list, device, max_ctas=None, random_codes=False
                         exp[layer][b, g.hc0 + k, :, s * g.E:(s + 1) * g.E] = \
                             g.unpacked(chunk, layer, s)
     tt.run(make_plan(mapping, page_job=g.job("unpack"), max_ctas=max_ctas))
+    finish(device)
     for layer, (c, w) in enumerate(zip(g.caches, want, strict=True)):
         got = storage_bytes(c).cpu()
         diff = (got != w).nonzero().flatten()
