@@ -35,7 +35,8 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.cp_gather_indexer_k_quant_cache.triton_impl",
                     "kvwrite.kernels.triton_qk_norm",
                     "kvwrite.ops.fused_qk_norm_rope.triton_impl",
-                    "kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.triton_impl"):
+                    "kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash.triton_impl",
+                    "kvwrite.kernels.triton_transfer"):
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()

@@ -9,12 +9,11 @@ count and the geometry are compile-time constants (one compiled variant per cach
 input layout); nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay
 sees new inputs, slots and scale tensors.
 
-The group rule (docs/ops/nvfp4.md) step by step, each one IEEE float32 operation rounded to
-nearest even: ``tl.math.div_rn`` for the two quotients, FMA contraction off
-(``enable_fp_fusion=False``: the error sums of "nvfp4_4over6" are rounded products and sums).
-E4M3 and E2M1 are computed with integer and comparison operations, never by a float8 cast, and
-bfloat16 inputs are widened from their bits: so Triton's interpreter (``TRITON_INTERPRET=1``)
-writes the GPU's bytes, and the CPU tests compare it in full.
+The group rule (docs/ops/nvfp4.md) is kvwrite.kernels.triton_nvfp4's (shared with the transfer
+pages): each step one IEEE float32 operation rounded to nearest even, launched here with FMA
+contraction off (``enable_fp_fusion=False``), no float8 cast, bfloat16 widened from its bits: so
+Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes, and the CPU tests compare
+it in full.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from ...dtypes import CacheDType
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
+from ...kernels.triton_nvfp4 import group_rule, widen
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import ScaleLayout
 from .rule import GROUP
@@ -75,126 +75,6 @@ def _tiling(num_tokens: int, groups: int, in_bytes: int, tuning: TritonTuning = 
 
 
 if triton is not None:
-
-    @triton.jit
-    def _e2m1(v):
-        """E2M1 codes (int32, 0-15) of float32 ``v``: NaN -> 7; bit 3 = signbit; bits 0-2 the
-        number of thresholds |v| passes (nearest, ties to the even code, saturating at 6).
-
-        As the CUDA kernel computes it (kvw/nvfp4.cuh, nvfp4_e2m1_t and nvfp4_split): with
-        m = min(|v|, 6), the code is RNE(min(2m, m + 2, m/2 + 4)), each line plus 2^23 rounded
-        once (an fma of an exact product: 2m and m/2 are exact, so fused or not gives the same
-        bits), the smallest of the three (positive floats: the order of their bits) and its low
-        bits. tl.minimum returns the number for a NaN (minnum, on the GPU and in the
-        interpreter), so NaN takes m = 6 (code 7) and min(v, 6) = 6, whose sign bit is the
-        code's bit 3 (none for NaN; -0 and negative values keep theirs). About eight
-        instructions an element instead of seven comparisons, their sum and the selects."""
-        m = tl.minimum(tl.abs(v), 6.0)
-        l1 = tl.fma(m, 2.0, 8388608.0).to(tl.int32, bitcast=True)
-        l2 = (m + 8388610.0).to(tl.int32, bitcast=True)
-        l3 = tl.fma(m, 0.5, 8388612.0).to(tl.int32, bitcast=True)
-        c = tl.minimum(tl.minimum(l1, l2), l3) & 7
-        return c | ((tl.minimum(v, 6.0).to(tl.int32, bitcast=True) >> 28) & 8)
-
-    @triton.jit
-    def _e2m1_value(c):
-        """value(c) as float32 (code 8 is -0.0)."""
-        mag = c & 7
-        val = tl.where(mag < 5, mag.to(tl.float32) * 0.5,
-                       tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
-        return tl.where(c >= 8, -val, val)
-
-    @triton.jit
-    def _e4m3(s):
-        """(code int32, float32 value) of E4M3(s) for s >= 0: nearest even, subnormals rounded,
-        s >= 448 (and +inf) saturating to 448 (0x7E); NaN (a scale outside its range) -> 0x7F."""
-        b = s.to(tl.int32, bitcast=True)
-        # Normal: the float32 bits rounded to 3 mantissa bits, the exponent rebiased 127 -> 7.
-        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
-        # Below 2^-6: RN(s / 2^-9) is the last bits of s + 2^14 (whose ulp is 2^-9).
-        sub = (s + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-        code = tl.where(s < 0.015625, sub, normal)
-        code = tl.where(s >= 448.0, 0x7E, code)
-        code = tl.where(s != s, 0x7F, code)
-        val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
-                       ((code + (120 << 3)) << 20).to(tl.float32, bitcast=True))
-        return code, val
-
-    @triton.jit
-    def _candidate(x, a, k, C: tl.constexpr):
-        """(S code, E2M1 codes, d) of groups ``x`` [BT, BQ, 16] with amax ``a`` [BT, BQ] for the
-        denominator C (6, or 4 for 4over6's other candidate)."""
-        den = tl.zeros_like(a) + k * C                      # RN(C * k)
-        s = tl.math.div_rn(a, den)                          # RN(a / RN(C * k))
-        S, Sf = _e4m3(s)
-        d = Sf * k                                          # RN(float(S) * k)
-        nz = d != 0.0
-        r = tl.where(nz, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nz, d, 1.0)),
-                     0.0)
-        return S, _e2m1(x * r[:, :, None]), d
-
-    @triton.jit
-    def _halves(x, BT: tl.constexpr, BQ: tl.constexpr, N: tl.constexpr):
-        """[BT, BQ, N] -> (elements 0, 2, 4, ..., elements 1, 3, 5, ...), each [BT, BQ, N/2]."""
-        return tl.split(tl.reshape(x, (BT, BQ, N // 2, 2)))
-
-    @triton.jit
-    def _quarters(x, BT: tl.constexpr, BQ: tl.constexpr):
-        """[BT, BQ, 4] -> its four columns [BT, BQ], in order."""
-        e, o = _halves(x, BT, BQ, 4)  # (0, 2), (1, 3)
-        c0, c2 = tl.split(e)
-        c1, c3 = tl.split(o)
-        return c0, c1, c2, c3
-
-    @triton.jit
-    def _error(x, code, d, BT: tl.constexpr, BQ: tl.constexpr):
-        """sum over i = 0..15 in order of RN(delta_i^2), delta_i = RN(RN(value(c_i) * d) - x_i);
-        each addition rounded (the columns are taken apart by splits, which move no bits)."""
-        delta = _e2m1_value(code) * d[:, :, None] - x
-        sq = delta * delta
-        e, o = _halves(sq, BT, BQ, 16)     # even / odd i
-        ee, eo = _halves(e, BT, BQ, 8)     # i = 0, 4, 8, 12 / 2, 6, 10, 14
-        oe, oo = _halves(o, BT, BQ, 8)     # i = 1, 5, 9, 13 / 3, 7, 11, 15
-        s0, s4, s8, s12 = _quarters(ee, BT, BQ)
-        s2, s6, s10, s14 = _quarters(eo, BT, BQ)
-        s1, s5, s9, s13 = _quarters(oe, BT, BQ)
-        s3, s7, s11, s15 = _quarters(oo, BT, BQ)
-        acc = s0 + s1
-        acc = acc + s2
-        acc = acc + s3
-        acc = acc + s4
-        acc = acc + s5
-        acc = acc + s6
-        acc = acc + s7
-        acc = acc + s8
-        acc = acc + s9
-        acc = acc + s10
-        acc = acc + s11
-        acc = acc + s12
-        acc = acc + s13
-        acc = acc + s14
-        acc = acc + s15
-        return acc
-
-    @triton.jit
-    def _group_rule(x, k, FOUR_OVER_SIX: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
-        """(S codes [BT, BQ], packed code bytes [BT, BQ, 8]) of groups ``x`` [BT, BQ, 16]."""
-        a = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=2)  # NaN skipped, from 0
-        S, code, d = _candidate(x, a, k, 6.0)
-        if FOUR_OVER_SIX:
-            S4, code4, d4 = _candidate(x, a, k, 4.0)
-            use4 = _error(x, code4, d4, BT, BQ) < _error(x, code, d, BT, BQ)
-            S = tl.where(use4, S4, S)
-            code = tl.where(use4[:, :, None], code4, code)
-        lo, hi = _halves(code, BT, BQ, 16)
-        return S, (lo | (hi << 4)).to(tl.uint8)
-
-    @triton.jit
-    def _widen(x, BF16_BITS: tl.constexpr):
-        """Input elements as float32 (bfloat16 arrives as its int16 bits)."""
-        if BF16_BITS:
-            return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        return x.to(tl.float32)
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _nvfp4_kernel(
@@ -245,14 +125,14 @@ if triton is not None:
         ok3 = ok2[:, :, None]
         j = tl.arange(0, 8)
 
-        sk, ck = _group_rule(_widen(xk, BF16_BITS), k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        sk, ck = group_rule(widen(xk, BF16_BITS), k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
         kd = (blk * KD_SB + pg * KD_SS)[:, None, None] + (h * KD_SH + g * 8)[None, :, None] \
             + j[None, None, :]
         tl.store(k_data_ptr + kd, ck, mask=ok3)
         ks = (blk * KS_SB + pg * KS_SS)[:, None] + (h * KS_SH + g)[None, :]
         tl.store(k_sf_ptr + ks, sk.to(tl.uint8), mask=ok2)
 
-        sv, cv = _group_rule(_widen(xv, BF16_BITS), v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        sv, cv = group_rule(widen(xv, BF16_BITS), v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
         vd = (blk * VD_SB + pg * VD_SS)[:, None, None] + (h * VD_SH + g * 8)[None, :, None] \
             + j[None, None, :]
         tl.store(v_data_ptr + vd, cv, mask=ok3)

@@ -1,0 +1,144 @@
+"""Triton parts of the NVFP4 group rule (docs/ops/nvfp4.md, "One group of 16 elements") shared by
+every kernel that writes or reads NVFP4 groups: the NVFP4 writes (kvwrite.ops.nvfp4) and the
+transfer pages (kvwrite.kernels.triton_transfer).
+
+- :func:`group_rule`: (S codes, packed code bytes) of groups of 16 float32 elements with the
+  per-tensor scale ``k`` (a scalar or a tensor broadcast against the groups' amax);
+- :func:`e2m1`, :func:`e2m1_value`, :func:`e4m3`: the E2M1 and E4M3 codes and values;
+- :func:`widen`: input elements as float32 (bfloat16 from its bits).
+
+Each step is one IEEE float32 operation rounded to nearest even: ``tl.math.div_rn`` for the two
+quotients, and a kernel using these launches with FMA contraction off (``enable_fp_fusion=False``:
+the error sums of "nvfp4_4over6" are rounded products and sums). E4M3 and E2M1 are computed with
+integer and comparison operations, never by a float8 cast, and bfloat16 inputs are widened from
+their bits: so Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes.
+``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
+"""
+
+from __future__ import annotations
+
+from .triton_fp8 import IMPORT_ERROR, tl, triton
+
+__all__ = ["triton", "tl", "IMPORT_ERROR", "e2m1", "e2m1_value", "e4m3", "group_rule", "widen"]
+
+if triton is not None:
+
+    @triton.jit
+    def e2m1(v):
+        """E2M1 codes (int32, 0-15) of float32 ``v``: NaN -> 7; bit 3 = signbit; bits 0-2 the
+        number of thresholds |v| passes (nearest, ties to the even code, saturating at 6).
+
+        As the CUDA kernel computes it (kvw/nvfp4.cuh, nvfp4_e2m1_t and nvfp4_split): with
+        m = min(|v|, 6), the code is RNE(min(2m, m + 2, m/2 + 4)), each line plus 2^23 rounded
+        once (an fma of an exact product: 2m and m/2 are exact, so fused or not gives the same
+        bits), the smallest of the three (positive floats: the order of their bits) and its low
+        bits. tl.minimum returns the number for a NaN (minnum, on the GPU and in the
+        interpreter), so NaN takes m = 6 (code 7) and min(v, 6) = 6, whose sign bit is the
+        code's bit 3 (none for NaN; -0 and negative values keep theirs). About eight
+        instructions an element instead of seven comparisons, their sum and the selects."""
+        m = tl.minimum(tl.abs(v), 6.0)
+        l1 = tl.fma(m, 2.0, 8388608.0).to(tl.int32, bitcast=True)
+        l2 = (m + 8388610.0).to(tl.int32, bitcast=True)
+        l3 = tl.fma(m, 0.5, 8388612.0).to(tl.int32, bitcast=True)
+        c = tl.minimum(tl.minimum(l1, l2), l3) & 7
+        return c | ((tl.minimum(v, 6.0).to(tl.int32, bitcast=True) >> 28) & 8)
+
+    @triton.jit
+    def e2m1_value(c):
+        """value(c) as float32 (code 8 is -0.0)."""
+        mag = c & 7
+        val = tl.where(mag < 5, mag.to(tl.float32) * 0.5,
+                       tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
+        return tl.where(c >= 8, -val, val)
+
+    @triton.jit
+    def e4m3(s):
+        """(code int32, float32 value) of E4M3(s) for s >= 0: nearest even, subnormals rounded,
+        s >= 448 (and +inf) saturating to 448 (0x7E); NaN (a scale outside its range) -> 0x7F."""
+        b = s.to(tl.int32, bitcast=True)
+        # Normal: the float32 bits rounded to 3 mantissa bits, the exponent rebiased 127 -> 7.
+        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2^-6: RN(s / 2^-9) is the last bits of s + 2^14 (whose ulp is 2^-9).
+        sub = (s + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        code = tl.where(s < 0.015625, sub, normal)
+        code = tl.where(s >= 448.0, 0x7E, code)
+        code = tl.where(s != s, 0x7F, code)
+        val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
+                       ((code + (120 << 3)) << 20).to(tl.float32, bitcast=True))
+        return code, val
+
+    @triton.jit
+    def candidate(x, a, k, C: tl.constexpr):
+        """(S code, E2M1 codes, d) of groups ``x`` [BT, BQ, 16] with amax ``a`` [BT, BQ] for the
+        denominator C (6, or 4 for 4over6's other candidate)."""
+        den = tl.zeros_like(a) + k * C                      # RN(C * k)
+        s = tl.math.div_rn(a, den)                          # RN(a / RN(C * k))
+        S, Sf = e4m3(s)
+        d = Sf * k                                          # RN(float(S) * k)
+        nz = d != 0.0
+        r = tl.where(nz, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nz, d, 1.0)),
+                     0.0)
+        return S, e2m1(x * r[:, :, None]), d
+
+    @triton.jit
+    def halves(x, BT: tl.constexpr, BQ: tl.constexpr, N: tl.constexpr):
+        """[BT, BQ, N] -> (elements 0, 2, 4, ..., elements 1, 3, 5, ...), each [BT, BQ, N/2]."""
+        return tl.split(tl.reshape(x, (BT, BQ, N // 2, 2)))
+
+    @triton.jit
+    def quarters(x, BT: tl.constexpr, BQ: tl.constexpr):
+        """[BT, BQ, 4] -> its four columns [BT, BQ], in order."""
+        e, o = halves(x, BT, BQ, 4)  # (0, 2), (1, 3)
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def error_sum(x, code, d, BT: tl.constexpr, BQ: tl.constexpr):
+        """sum over i = 0..15 in order of RN(delta_i^2), delta_i = RN(RN(value(c_i) * d) - x_i);
+        each addition rounded (the columns are taken apart by splits, which move no bits)."""
+        delta = e2m1_value(code) * d[:, :, None] - x
+        sq = delta * delta
+        e, o = halves(sq, BT, BQ, 16)     # even / odd i
+        ee, eo = halves(e, BT, BQ, 8)     # i = 0, 4, 8, 12 / 2, 6, 10, 14
+        oe, oo = halves(o, BT, BQ, 8)     # i = 1, 5, 9, 13 / 3, 7, 11, 15
+        s0, s4, s8, s12 = quarters(ee, BT, BQ)
+        s2, s6, s10, s14 = quarters(eo, BT, BQ)
+        s1, s5, s9, s13 = quarters(oe, BT, BQ)
+        s3, s7, s11, s15 = quarters(oo, BT, BQ)
+        acc = s0 + s1
+        acc = acc + s2
+        acc = acc + s3
+        acc = acc + s4
+        acc = acc + s5
+        acc = acc + s6
+        acc = acc + s7
+        acc = acc + s8
+        acc = acc + s9
+        acc = acc + s10
+        acc = acc + s11
+        acc = acc + s12
+        acc = acc + s13
+        acc = acc + s14
+        acc = acc + s15
+        return acc
+
+    @triton.jit
+    def group_rule(x, k, FOUR_OVER_SIX: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
+        """(S codes [BT, BQ], packed code bytes [BT, BQ, 8]) of groups ``x`` [BT, BQ, 16]."""
+        a = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=2)  # NaN skipped, from 0
+        S, code, d = candidate(x, a, k, 6.0)
+        if FOUR_OVER_SIX:
+            S4, code4, d4 = candidate(x, a, k, 4.0)
+            use4 = error_sum(x, code4, d4, BT, BQ) < error_sum(x, code, d, BT, BQ)
+            S = tl.where(use4, S4, S)
+            code = tl.where(use4[:, :, None], code4, code)
+        lo, hi = halves(code, BT, BQ, 16)
+        return S, (lo | (hi << 4)).to(tl.uint8)
+
+    @triton.jit
+    def widen(x, BF16_BITS: tl.constexpr):
+        """Input elements as float32 (bfloat16 arrives as its int16 bits)."""
+        if BF16_BITS:
+            return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return x.to(tl.float32)
