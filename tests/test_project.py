@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,15 @@ def _interpreter_calls():
     calls.append(("cp_gather_and_upconvert_fp8_kv_cache", "",
                   lambda d: (t(u8), t(torch.bfloat16))))  # its output is always bfloat16
     calls.append(("cp_gather_indexer_k_quant_cache", "", lambda d: (t(u8), t(u8), t(f32))))
+    # The transfer ops take a plan; the interpreter runs their kernels on plans with a device
+    # side (tests/test_transfer_triton.py): what they refuse depends on the sides, not the rows.
+    def plan(d):
+        return (types.SimpleNamespace(device=torch.device("cuda"), jobs=(), page_job=None),)
+    for op in ("swap_blocks", "swap_blocks_multi_layer", "relayout_kv_cache"):
+        calls.append((op, "", plan))
+    for op in ("pack_kv_pages", "unpack_kv_pages"):
+        for fmt in ("raw", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
+            calls.append((op, fmt, plan))
     return calls
 
 
