@@ -22,7 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import registry
+from .registry import ImplInfo, OpArg
+from .registry import get as get_impl
+from .registry import select as select_impl
 from .validation import check_mutation_safe, require_tensor, shape_str
 
 __all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS",
@@ -798,13 +800,13 @@ def build_unpack(pages, caches, block_mapping, *, kv_split=1, head_range=None,
                       page_format=page_format, max_ctas=max_ctas, engine=engine, unpack=True)
 
 
-def select(op: str, plan: TransferPlan, implementation: str | None = None) -> registry.ImplInfo:
+def select(op: str, plan: TransferPlan, implementation: str | None = None) -> ImplInfo:
     """The implementation that runs ``plan``: the named one or the preferred one that can
     (:func:`kvwrite.registry.select` with ``(plan,)``); both sides on the host: the torch
     implementation only (SPEC §9.1)."""
     if plan.device is not None:
-        return registry.select(op, (plan,), implementation)
-    info = registry.get(op, "torch" if implementation is None else implementation)
+        return select_impl(op, (plan,), implementation)
+    info = get_impl(op, "torch" if implementation is None else implementation)
     if info.name != "torch":
         raise ValueError(f"implementation={implementation!r} cannot run this call: both sides "
                          f"are in host memory (the torch implementation only)")
@@ -829,7 +831,7 @@ def mapped_pairs(plan: TransferPlan, src_blocks: Sequence[int], dst_blocks: Sequ
 # How the transfer ops' arguments cross into their torch.compile custom ops
 # (kvwrite.registry.custom_op): lists of tensors as lists, a head range as a list of two ints
 # (back to a tuple), max_ctas as given (None or an int: validated by the op itself).
-TENSORS_ARG = registry.OpArg(list[torch.Tensor], list)
-HEAD_RANGE_ARG = registry.OpArg(list[int] | None, lambda h: None if h is None else list(h),
+TENSORS_ARG = OpArg(list[torch.Tensor], list)
+HEAD_RANGE_ARG = OpArg(list[int] | None, lambda h: None if h is None else list(h),
                                 lambda h: None if h is None else tuple(h))
-MAX_CTAS_ARG = registry.OpArg(int | None)
+MAX_CTAS_ARG = OpArg(int | None)
