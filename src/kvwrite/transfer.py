@@ -286,10 +286,14 @@ def check_head_range(head_range, heads: Sequence[tuple[str, int]]) -> tuple[list
     return firsts, k
 
 
+def _view_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same view: device, dtype, address, shape and strides."""
+    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same storage, offset, dtype, shape and strides (SPEC §9.2's in-place form)."""
-    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
-            and a.shape == b.shape and a.stride() == b.stride())
+    return _view_key(a) == _view_key(b)
 
 
 def call_device(sides: Sequence[tuple[str, torch.Tensor]]) -> torch.device | None:
@@ -338,26 +342,28 @@ def check_host_mapping(mapping: torch.Tensor, sources: Sequence[tuple[str, int]]
     destination ids; ``in_place``: no id both a source and a destination."""
     if mapping.shape[0] == 0:
         return
-    m = mapping.to(torch.int64)
+    # Plain Python over the ids: a few small torch ops would cost more host time than the copy.
+    rows = mapping.tolist()
     for col, side in ((0, sources), (1, destinations)):
-        ids = m[:, col]
+        ids = [r[col] for r in rows]
+        lo, hi = min(ids), max(ids)
         for side_name, blocks in side:
-            bad = (ids < 0) | (ids >= blocks)
-            if bool(bad.any()):
-                at = int(torch.nonzero(bad)[0, 0])
+            if lo < 0 or hi >= blocks:
+                at = next(i for i, v in enumerate(ids) if v < 0 or v >= blocks)
                 raise ValueError(f"{name}: expected ids in [0, {blocks}) in column {col} (the "
-                                 f"block count of {side_name}), got {int(ids[at])} at row {at}")
-    dst = m[:, 1]
-    uniq, counts = torch.unique(dst, return_counts=True)
-    if bool((counts > 1).any()):
-        dup = int(uniq[counts > 1][0])
-        raise ValueError(f"{name}: expected distinct destination ids (column 1), got id {dup} "
-                         f"{int(counts[counts > 1][0])} times")
+                                 f"block count of {side_name}), got {ids[at]} at row {at}")
+    dst = [r[1] for r in rows]
+    seen: set[int] = set()
+    for i in dst:
+        if i in seen:
+            raise ValueError(f"{name}: expected distinct destination ids (column 1), got id {i} "
+                             f"{dst.count(i)} times")
+        seen.add(i)
     if in_place:
-        both = torch.isin(m[:, 0], dst)
-        if bool(both.any()):
+        both = [r[0] for r in rows if r[0] in seen]
+        if both:
             raise ValueError(f"{name}: expected no id both a source and a destination (src and "
-                             f"dst are the same view), got {int(m[torch.nonzero(both)[0, 0], 0])}")
+                             f"dst are the same view), got {both[0]}")
 
 
 def check_destinations(destinations: Sequence[tuple[str, torch.Tensor]],
@@ -378,17 +384,31 @@ def check_destinations(destinations: Sequence[tuple[str, torch.Tensor]],
         if t.requires_grad:
             raise ValueError(f"{name}: expected a tensor that does not require grad (it is "
                              f"written in place), got requires_grad=True")
-    for i, (name, t) in enumerate(destinations):
-        for other, u in destinations[:i]:
-            if same_view(t, u):
-                raise ValueError(f"{name}: expected a destination apart from {other}, got the "
-                                 f"same view")
+    views: dict[tuple, str] = {}
+    for name, t in destinations:
+        key = _view_key(t)
+        if key in views:
+            raise ValueError(f"{name}: expected a destination apart from {views[key]}, got the "
+                             f"same view")
+        views[key] = name
     in_place = len(sources) == len(destinations) and all(
         same_view(s, d) for (_, s), (_, d) in zip(sources, destinations, strict=True))
-    inputs = list(others) if in_place else [*sources, *others]
+    inputs = [(n, t) for n, t in (others if in_place else (*sources, *others)) if t is not None]
+    # Only inputs whose allocation meets a destination's can share memory with it: the byte
+    # geometry is compared for those alone (a multi-layer call has 2L tensors: all pairs would
+    # cost milliseconds of host time per call).
+    spans = [(n, t, _span(t)) for n, t in inputs]
     for dst in destinations:
-        check_mutation_safe(outputs=(dst,), inputs=inputs)
+        lo, hi, dev = _span(dst[1])
+        near = [(n, t) for n, t, (a, b, d) in spans if d == dev and a < hi and lo < b]
+        check_mutation_safe(outputs=(dst,), inputs=near)
     return in_place
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, torch.device]:
+    """The byte range of ``t``'s allocation and its device."""
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes(), t.device
 
 
 def capturing() -> bool:

@@ -29,7 +29,10 @@ def copy_allocations(tensors, device: str | torch.device | None = None,
             return None
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in copies:
-            copies[key] = storage_bytes(t).to(t.device if device is None else device, copy=copy)
+            c = storage_bytes(t).to(t.device if device is None else device, copy=copy)
+            # A copy in host memory of a pinned allocation is pinned too (a GPU op may take it
+            # beside a device side only so).
+            copies[key] = c.pin_memory() if c.device.type == "cpu" and t.is_pinned() else c
         return copies[key].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
     return [rebuild(t) for t in tensors]
