@@ -453,6 +453,25 @@ def test_unpack_ties_to_even(device, fmt, dtype):
                  random_codes=True, ties=True)
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_negative_zero_with_old_unary_minus(monkeypatch, dtype):
+    """Triton releases before triton-lang/triton#10270 compile a float's ``-x`` as ``0 - x``
+    (-(+0.0) is +0.0 there, the GPU machine's release among them): NVFP4's code 8 and negative
+    codes under a zero scale byte still unpack to -0.0. The interpreter is made to negate that
+    way."""
+    from triton.language.semantic import TritonSemantic
+
+    def minus(self, x):
+        zero = self.make_tensor(self.builder.get_null_value(x.type.scalar.to_ir(self.builder)),
+                                x.type.scalar)
+        return self.sub(zero, x, True)
+
+    monkeypatch.setattr(TritonSemantic, "minus", minus)
+    check_unpack(Pages("nvfp4", dtype, "cpu", C=64), [[0, 1], [2, 4], [3, 0]], "cpu",
+                 random_codes=True)
+
+
 # --- compiled for the GPU, without one ----------------------------------------------------------
 
 # Run in a process without TRITON_INTERPRET (whose kernels are compiled ones): every launch of a
