@@ -71,7 +71,10 @@ def alloc(shape, dtype, device, seed, pin=False) -> torch.Tensor:
 
 
 def rebuilt(view: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """``view``'s geometry over the flat byte copy ``raw`` of its allocation."""
+    """``view``'s geometry (shape, strides, storage offset) over the flat byte copy ``raw`` of
+    its allocation. Pass the view itself, not ``view.cpu()``: a device view's ``.cpu()`` is a
+    new tensor at offset 0 (compact strides where the view is not dense), so its geometry is
+    not the view's."""
     es = view.element_size()
     flat = raw.view(view.dtype) if es > 1 else raw
     return flat.as_strided(view.shape, view.stride(), view.storage_offset())
@@ -115,7 +118,7 @@ def check_copies(pairs_list, views, device, max_ctas=None, map_dtype=torch.int64
             key = t.untyped_storage().data_ptr()
             want.setdefault(key, (t, storage_bytes(t).cpu().clone()))
     for src, dst in views:
-        exp_dst = rebuilt(dst.cpu(), want[dst.untyped_storage().data_ptr()][1])
+        exp_dst = rebuilt(dst, want[dst.untyped_storage().data_ptr()][1])
         src_now = bits(src.cpu())
         for i, j in mapping.cpu().tolist():
             if in_range(i, j, src.shape[0], dst.shape[0]):
@@ -266,7 +269,9 @@ class Pages:
                 vals = midpoints(fmt, t.shape, g)
             t.copy_(vals.to(dtype))
             self.caches.append(t)
-        pool = alloc((R, Hp * self.hb + 24), torch.uint8, device, seed + 9, pin=pin_pages)
+        # Pinned pages are host memory: pin_memory applies to CPU tensors only.
+        pool = alloc((R, Hp * self.hb + 24), torch.uint8, "cpu" if pin_pages else device,
+                     seed + 9, pin=pin_pages)
         self.pages = pool[:, 8:8 + Hp * self.hb]
         g = torch.Generator().manual_seed(seed + 99)
         self.scale = (torch.rand((L, S, Hc), generator=g) * 4 + 0.01).to(device)
@@ -332,7 +337,7 @@ def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None) -> None:
     scale = g.scale if scale is None else scale
     mapping = mapping_tensor(pairs_list, torch.int64, device)
     want_pages = storage_bytes(g.pages).cpu().clone()
-    exp = rebuilt(g.pages.cpu(), want_pages)
+    exp = rebuilt(g.pages, want_pages)
     caches_before = [storage_bytes(c).cpu().clone() for c in g.caches]
     blocks = min(c.shape[0] for c in g.caches)
     for b, p in pairs_list:
@@ -373,7 +378,7 @@ def check_unpack(g: Pages, pairs_list, device, max_ctas=None, random_codes=False
     g.pages.copy_(rows.to(g.pages.device))
     pages_before = storage_bytes(g.pages).cpu().clone()
     want = [storage_bytes(c).cpu().clone() for c in g.caches]
-    exp = [rebuilt(c.cpu(), w) for c, w in zip(g.caches, want, strict=True)]
+    exp = [rebuilt(c, w) for c, w in zip(g.caches, want, strict=True)]
     blocks = min(c.shape[0] for c in g.caches)
     for p, b in pairs_list:
         if in_range(p, b, g.pages.shape[0], blocks):
@@ -446,6 +451,25 @@ def test_unpack_ties_to_even(device, fmt, dtype):
     the even one."""
     check_unpack(Pages(fmt, dtype, device, C=64), [[0, 1], [2, 4], [3, 0]], device,
                  random_codes=True, ties=True)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_negative_zero_with_old_unary_minus(monkeypatch, dtype):
+    """Triton releases before triton-lang/triton#10270 compile a float's ``-x`` as ``0 - x``
+    (-(+0.0) is +0.0 there, the GPU machine's release among them): NVFP4's code 8 and negative
+    codes under a zero scale byte still unpack to -0.0. The interpreter is made to negate that
+    way."""
+    from triton.language.semantic import TritonSemantic
+
+    def minus(self, x):
+        zero = self.make_tensor(self.builder.get_null_value(x.type.scalar.to_ir(self.builder)),
+                                x.type.scalar)
+        return self.sub(zero, x, True)
+
+    monkeypatch.setattr(TritonSemantic, "minus", minus)
+    check_unpack(Pages("nvfp4", dtype, "cpu", C=64), [[0, 1], [2, 4], [3, 0]], "cpu",
+                 random_codes=True)
 
 
 # --- compiled for the GPU, without one ----------------------------------------------------------
@@ -531,7 +555,7 @@ def test_pinned_host_copies(direction, max_ctas):
     pairs = [[i, (i * 7) % 40] for i in range(40)] + [[-1, 3], [5, 1000]]
     mapping = mapping_tensor(pairs, torch.int32, "cuda")
     want = storage_bytes(dst).cpu().clone()
-    exp = rebuilt(dst.cpu(), want)
+    exp = rebuilt(dst, want)
     for i, j in pairs:
         if in_range(i, j, src.shape[0], dst.shape[0]):
             bits(exp)[j] = bits(src.cpu())[i]
@@ -571,14 +595,14 @@ def test_cuda_graph_first_call_captured(kind):
     mapping.copy_(torch.tensor([[4, 0], [1, 3]], device="cuda"))
     if kind == "copy":
         want = storage_bytes(dst).cpu().clone()
-        exp = rebuilt(dst.cpu(), want)
+        exp = rebuilt(dst, want)
         exp[0], exp[3] = src.cpu()[4], src.cpu()[1]
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(storage_bytes(dst).cpu(), want)
     else:
         want = storage_bytes(g.pages).cpu().clone()
-        exp = rebuilt(g.pages.cpu(), want)
+        exp = rebuilt(g.pages, want)
         for b, p in [[4, 0], [1, 3]]:
             for k in range(g.K):
                 exp[p, k * g.hb:(k + 1) * g.hb] = g.packed_chunk(b, k, g.scale)

@@ -45,11 +45,14 @@ if triton is not None:
 
     @triton.jit
     def e2m1_value(c):
-        """value(c) as float32 (code 8 is -0.0)."""
+        """value(c) as float32 (code 8 is -0.0). The sign is bit 3 moved to the float's sign
+        bit, not a negation: Triton releases before triton-lang/triton#10270 compile ``-x`` as
+        ``0 - x``, which turns -(+0.0) into +0.0 on the GPU (the interpreter and later releases
+        negate)."""
         mag = c & 7
         val = tl.where(mag < 5, mag.to(tl.float32) * 0.5,
                        tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
-        return tl.where(c >= 8, -val, val)
+        return (val.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def e4m3(s):
