@@ -604,7 +604,7 @@ def test_cpu_mapping_under_capture_is_refused():
     (lambda: ((torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8).pin_memory(),
                mapping([[0, 0]])), {"max_ctas": 2.0}),
      TypeError, "max_ctas: expected None or an int >= 1, got float"),
-    (lambda: (([torch.zeros(2, 1, 2, 32, device="cuda")], torch.zeros(2, 48, dtype=torch.uint8,
+    (lambda: (([torch.zeros(2, 1, 2, 32, device="cuda")], torch.zeros(2, 80, dtype=torch.uint8,
                                                                        device="cuda"),
                mapping([[0, 0]])), {"page_format": "fp8", "scale": torch.ones(1)}),
      ValueError, "scale: expected device cuda:0 (that of the caches), got cpu"),
