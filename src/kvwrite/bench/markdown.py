@@ -19,6 +19,9 @@ from .report import ReportError, Row, read_json, series_label
 __all__ = ["markdown_tables", "main", "MARKER"]
 
 _QUIET = {"slot_params", "model", "tp"}
+# Params a benchmark measures beside the time (transfer's host time and overlap figures): a row's
+# values, not an axis of the tables.
+_MEASURED = {"host_us", "attention_us", "attention_overlapped_us", "transfer_overlapped_us"}
 MARKER = "<!-- generated:"
 
 
@@ -31,7 +34,7 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
     """The markdown tables of one file's ``meta`` and ``rows``."""
     if not rows:
         raise ReportError("rows: expected at least one measurement, got none")
-    keys = list(dict.fromkeys(k for r in rows for k in r.params))
+    keys = list(dict.fromkeys(k for r in rows for k in r.params if k not in _MEASURED))
     varying = [k for k in keys if len({str(r.params.get(k)) for r in rows}) > 1]
 
     def follows_t(k: str) -> bool:  # one value per num_tokens (a cache sized for T): no split
