@@ -127,6 +127,19 @@ def test_gpu_copy_matches_the_loop(kind, mapping_dtype, strided, max_ctas):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("most", [1, 2, 4, 8])
+def test_gpu_copy_every_segment_length(kind, most):
+    """Every U the launcher can pick (a warp's segment of 32 * U vectors, masked at a row's end),
+    forced as the largest, on every layout kind."""
+    views = tp.copy_views(kind, "cuda")
+    tuning = tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
+    assert tp.run_copy_case("swap_blocks", views, PAIRS,
+                            lambda plan: tc.run(plan, tuning=tuning)) is None
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("kind", ["dense", "relayout", "odd", "block_bytes", "long_rows"])
 @pytest.mark.parametrize("pinned", ["src", "dst"])
 @pytest.mark.parametrize("max_ctas", [4, None])
@@ -259,3 +272,31 @@ def test_magic_division_constants():
         assert -(1 << 63) <= tc.magic(d) < 1 << 63
         for n in [0, 1, d - 1, d, 2**32 - 1, (2**32 - 1) // d * d, rng.randrange(2**32)]:
             assert (n if m == 0 else (n * m) >> 64) == n // d, (n, d)
+
+
+def test_copy_unroll_fills_a_warp_segment():
+    """U is the largest power of two up to the most whose segment (32 * U vectors) the row fills:
+    rows shorter than two warps' vectors take U = 1."""
+    assert [tc.copy_unroll(n, 8) for n in (1, 32, 63, 64, 127, 128, 255, 256, 4096)] == \
+        [1, 1, 1, 2, 2, 4, 4, 8, 8]
+    assert tc.copy_unroll(4096, 2) == 2
+    assert tc.copy_unroll(4096, 1) == 1
+
+
+@needs_nvrtc
+def test_copy_kernel_fits_1024_threads(tmp_path):
+    """The copy kernel's launch bounds hold it to 64 registers a thread at every U and vector
+    width, so TUNING's 1024-thread CTA launches (cuobjdump -res-usage of the sm_90 builds)."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    import re
+    import subprocess
+    for vb in (1, 16):
+        for u in (1, 2, 8):
+            cubin, _ = tc.SOURCE.cubin("sm_90", tc.copy_name(vb, torch.int64, u), ())
+            path = tmp_path / "k.cubin"
+            path.write_bytes(cubin)
+            out = subprocess.run([sass.cuobjdump(), "-res-usage", str(path)], capture_output=True,
+                                 text=True, check=True).stdout
+            regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
+            assert regs and max(regs) <= 64, (vb, u, regs)
+    assert tc.TUNING.copy_threads * 64 <= 65536

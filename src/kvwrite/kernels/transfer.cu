@@ -55,20 +55,22 @@ KVW_HD void read_pair(const IDX* mapping, i64 ms0, i64 ms1, u64 m, i64* i, i64* 
 // Raw copies: transfer_copy_kernel<VB, IDX, U>
 //
 // One launch copies up to KVW_SLOTS jobs of one geometry (the launcher groups a plan's CopyJobs by
-// their strides, counts and vector width): job q's pair m, head h, token t, vector v of a row.
-// A row is `nvec` vectors of VB bytes: a dense row (both sides' elements adjacent) is its
-// row_bytes as row_bytes / VB vectors (sc = VB, ppe = 1); a non-dense row is elems elements of
-// ppe = elem_bytes / VB pieces each (vector v: element v / ppe, piece v % ppe). VB is the widest
-// of 16/8/4/2/1 dividing both pointers of every job and every byte stride and size that
-// moves an address (kernels.launch.align).
+// their strides, counts and vector width): job q's pair m, head h, token t, a row of `nvec`
+// vectors of VB bytes. A dense row (both sides' elements adjacent) is its row_bytes as
+// row_bytes / VB vectors (sc = VB); a non-dense row is elems elements of 2^ppe_shift pieces of VB
+// bytes each (vector v: element v >> ppe_shift, piece v & (2^ppe_shift - 1)). VB is the widest of
+// 16/8/4/2/1 dividing both pointers of every job and every byte stride and size that moves an
+// address (kernels.launch.align).
 //
-// The flattened vectors (job, pair, head, token, vector; the vector fastest) are walked by the
-// grid, each thread taking U vectors per step, blockDim apart (a warp's lanes read adjacent
-// vectors: whole lines, also over PCIe from pinned host memory): the U mapping reads, then the U
-// loads (ld.volatile, issued before any store: U * VB bytes in flight per thread, which a copy to
-// or from pinned host memory at a few CTAs needs to cover the PCIe round trip), then the U
-// stores. A long row (a whole block of the 4-argument swap_blocks) spreads over every CTA as
-// any other run of vectors does.
+// The unit of work is a warp's segment: 32 * U consecutive vectors of one row (the last segment
+// of a row masked at its end). The grid's warps walk the segments (job, pair, head, token,
+// segment; the segment fastest); a warp decomposes its segment's index and reads its mapping
+// pair once (warp-uniform), then each lane loads its U vectors, 32 apart (a warp's lanes read
+// adjacent vectors: whole lines, also over PCIe from pinned host memory), all before its U stores
+// (ld.volatile: U * VB bytes in flight per lane). Measured (H200, Llama-3-8B pages, 32 layers):
+// a decomposition and mapping read per vector, as a first version did, held a 1024-thread CTA to
+// 82% of a device copy's bandwidth; the launcher picks U per launch so that a segment fits the
+// row (docs/tuning-log.md).
 // ------------------------------------------------------------------------------------------
 #define KVW_COPY_SLOT_PARAMS(n) u64 src##n, u64 dst##n,
 #define KVW_COPY_SLOT_CASE(n) \
@@ -77,64 +79,51 @@ KVW_HD void read_pair(const IDX* mapping, i64 ms0, i64 ms1, u64 m, i64* i, i64* 
     d = dst##n;               \
     break;
 
+// At most 64 registers a thread (launch bounds of 1024 threads): one CTA of TransferTuning's
+// 1024 threads per SM at every U.
 template <int VB, typename IDX, int U>
-__global__ void transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
+__global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
                                      KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh,
                                      i64 sst, i64 ssc, i64 dsb, i64 dsh, i64 dst_, i64 dsc,
                                      i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec,
-                                     i64 ppe, u64 m_nvec, u64 m_tokens, u64 m_heads,
-                                     u64 m_pairs, u64 m_ppe) {
+                                     i64 ppe_shift, i64 segs, u64 m_segs, u64 m_tokens,
+                                     u64 m_heads, u64 m_pairs) {
   KVW_PDL_ENTRY();
-  const u64 per_pair = static_cast<u64>(heads) * tokens * nvec;
-  const u64 total = static_cast<u64>(njobs) * pairs * per_pair;
+  constexpr int SEG = 32 * U;
+  const u64 total = static_cast<u64>(njobs) * pairs * heads * tokens * segs;
   const bool small = total < (1ull << 32);  // every count and quotient below 2^32: fdiv
-  const u64 nt = static_cast<u64>(gridDim.x) * blockDim.x;
-  // The job's pointers, looked up where the job changes (a switch over the parameter slots).
-  i64 cur = -1;
-  u64 s = 0, d = 0;
-  for (u64 base = static_cast<u64>(blockIdx.x) * blockDim.x * U + threadIdx.x; base < total;
-       base += nt * U) {
-    u64 sp[U], dp[U];
-    bool ok[U];
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const u64 v = base + static_cast<u64>(k) * blockDim.x;
-      ok[k] = v < total;
-      sp[k] = dp[k] = 0;
-      if (ok[k]) {
-        u64 r = fdiv(v, nvec, m_nvec, small);
-        const u64 vi = v - r * nvec;
-        u64 q = fdiv(r, tokens, m_tokens, small);
-        const u64 t = r - q * tokens;
-        r = fdiv(q, heads, m_heads, small);
-        const u64 h = q - r * heads;
-        q = fdiv(r, pairs, m_pairs, small);
-        const u64 m = r - q * pairs;
-        i64 i, j;
-        read_pair(mapping, ms0, ms1, m, &i, &j);
-        ok[k] = i >= 0 && i < sblocks && j >= 0 && j < dblocks;
-        if (static_cast<i64>(q) != cur) {
-          cur = static_cast<i64>(q);
-          switch (static_cast<int>(cur)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
-        }
-        u64 c = vi, piece = 0;
-        if (ppe != 1) {
-          c = fdiv(vi, ppe, m_ppe, small);
-          piece = vi - c * ppe;
-        }
-        sp[k] = s + i * ssb + static_cast<i64>(h) * ssh + static_cast<i64>(t) * sst +
-                static_cast<i64>(c) * ssc + static_cast<i64>(piece) * VB;
-        dp[k] = d + j * dsb + static_cast<i64>(h) * dsh + static_cast<i64>(t) * dst_ +
-                static_cast<i64>(c) * dsc + static_cast<i64>(piece) * VB;
-      }
-    }
+  const int lane = threadIdx.x & 31;
+  const u64 warps = blockDim.x >> 5;
+  const i64 piece_mask = (1ll << ppe_shift) - 1;
+  for (u64 g = static_cast<u64>(blockIdx.x) * warps + (threadIdx.x >> 5); g < total;
+       g += static_cast<u64>(gridDim.x) * warps) {
+    u64 r = fdiv(g, segs, m_segs, small);
+    const i64 sg = static_cast<i64>(g - r * segs);
+    u64 q = fdiv(r, tokens, m_tokens, small);
+    const i64 t = static_cast<i64>(r - q * tokens);
+    r = fdiv(q, heads, m_heads, small);
+    const i64 h = static_cast<i64>(q - r * heads);
+    q = fdiv(r, pairs, m_pairs, small);
+    i64 i, j;
+    read_pair(mapping, ms0, ms1, r - q * pairs, &i, &j);
+    if (i < 0 || i >= sblocks || j < 0 || j >= dblocks) continue;
+    u64 s = 0, d = 0;
+    switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+    const u8* srow = reinterpret_cast<const u8*>(s + i * ssb + h * ssh + t * sst);
+    u8* drow = reinterpret_cast<u8*>(d + j * dsb + h * dsh + t * dst_);
+    const i64 v0 = sg * SEG + lane;
     Raw<VB> x[U];
 #pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (ok[k]) x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sp[k]));
+    for (int k = 0; k < U; ++k) {
+      const i64 v = v0 + 32 * k;
+      if (v < nvec)
+        x[k] = load_raw_volatile<VB>(srow + (v >> ppe_shift) * ssc + (v & piece_mask) * VB);
+    }
 #pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (ok[k]) store_raw<VB>(reinterpret_cast<u8*>(dp[k]), x[k]);
+    for (int k = 0; k < U; ++k) {
+      const i64 v = v0 + 32 * k;
+      if (v < nvec) store_raw<VB>(drow + (v >> ppe_shift) * dsc + (v & piece_mask) * VB, x[k]);
+    }
   }
 }
 

@@ -48,20 +48,26 @@ class TransferTuning(launch.PdlPolicy):
     """The launch constants of the transfer kernels. ``TUNING`` is what every call uses unless a
     caller passes another one (tests forcing a path)."""
 
-    # Threads per CTA of the copy kernel. Unmeasured: 512 so that a few CTAs (max_ctas=4) hold
-    # 2048 threads' loads in flight over PCIe (DESIGN: > 100 KB in flight for zero-copy).
-    copy_threads: int = 512
-    # Vectors each copy thread loads before its stores (U, compiled in). Unmeasured: 8 x 16 B x
-    # 512 threads = 64 KiB in flight per CTA, 256 KiB at 4 CTAs (PCIe ~1-2 us x ~55 GB/s).
-    loads_in_flight: int = 8
+    # Threads per CTA of the copy kernel: 1024, the most a CTA takes. Measured (H200, Llama-3-8B
+    # pages, 32 layers, docs/tuning-log.md change 72): a budget of max_ctas CTAs moves more the
+    # more warps each holds (d2h at 4 CTAs: 512 threads 43 GB/s, 1024 threads 50).
+    copy_threads: int = 1024
+    # The most vectors a lane loads before its stores (U, compiled in): a warp's segment is 32 * U
+    # vectors of one row, U the largest power of two up to this whose segment the row fills (see
+    # copy_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers, 128 random blocks,
+    # all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s (the device copy:
+    # 2086).
+    loads_in_flight: int = 2
+    # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
+    # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
+    loads_in_flight_host: int = 8
     # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
     jobs_per_launch: int = SLOTS
     # Threads per CTA of the page kernels (one group of 16 elements a thread). Unmeasured.
     page_threads: int = 256
-    # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU). Unmeasured: the
-    # copy kernel takes 84-112 registers a thread at U = 8 (ptxas, sm_90), so one CTA of 512
-    # threads is what an SM's 64 K registers hold; the page kernels (48-56 registers, 256
-    # threads) take page_ctas_per_sm.
+    # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
+    # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
+    # tests/test_transfer_cuda.py), leave no room for a second).
     ctas_per_sm: int = 1
     # CTAs per SM of the page kernels where max_ctas is None. Unmeasured: 4 x 256 threads at up to
     # 56 registers (ptxas, sm_90) fit an SM's registers.
@@ -87,6 +93,15 @@ def _idx(mapping: torch.Tensor) -> str:
     return launch.int_type(mapping.dtype)
 
 
+def copy_unroll(nvec: int, most: int) -> int:
+    """U of a launch whose rows have ``nvec`` vectors: the largest power of two up to ``most``
+    whose warp segment (32 * U vectors) the row fills, 1 for rows shorter than a warp's 32."""
+    u = 1
+    while u * 2 <= most and 64 * u <= nvec:
+        u *= 2
+    return u
+
+
 def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
     """The name expression of a copy kernel variant."""
     return f"transfer_copy_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}>"
@@ -102,8 +117,10 @@ def page_name(direction: str, page_format: str, cache_dtype: torch.dtype,
 
 def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     """Every variant :func:`run` can launch with ``tuning`` (for compile tests)."""
-    names = [copy_name(vb, dt, tuning.loads_in_flight) for vb in (1, 2, 4, 8, 16)
-             for dt in (torch.int32, torch.int64)]
+    most = max(tuning.loads_in_flight, tuning.loads_in_flight_host)
+    unrolls = [u for u in (1, 2, 4, 8, 16, 32) if u <= most]
+    names = [copy_name(vb, dt, u) for vb in (1, 2, 4, 8, 16)
+             for dt in (torch.int32, torch.int64) for u in unrolls]
     names += [page_name(d, f, c, dt) for d in ("pack", "unpack") for f in _FMT
               for c in (torch.float16, torch.bfloat16, torch.float32)
               for dt in (torch.int32, torch.int64)]
@@ -241,17 +258,20 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
     margs = _mapping_args(plan)
     mdt = plan.mapping.dtype
+    host = any(j.src.on_host or j.dst.on_host for j in plan.jobs)
+    most = tuning.loads_in_flight_host if host else tuning.loads_in_flight
     for cl in copy_launches(plan.jobs, tuning):
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
-        work = len(cl.pointers) * plan.pairs * cl.vectors_per_pair
         heads, tokens, nvec, ppe = cl.geometry[10:]
-        magics = (magic(nvec), magic(tokens), magic(heads), magic(plan.pairs), magic(ppe))
-        _launch(copy_name(cl.vb, mdt, tuning.loads_in_flight), index, work,
-                tuning.copy_threads * tuning.loads_in_flight, tuning.copy_threads,
-                plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots, len(cl.pointers),
-                *cl.geometry, *magics)
+        u = copy_unroll(nvec, most)
+        segs = -(-nvec // (32 * u))
+        work = len(cl.pointers) * plan.pairs * heads * tokens * segs  # warp segments
+        magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
+        _launch(copy_name(cl.vb, mdt, u), index, work, tuning.copy_threads // 32,
+                tuning.copy_threads, plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots,
+                len(cl.pointers), *cl.geometry[:12], nvec, ppe.bit_length() - 1, segs, *magics)
     pj = plan.page_job
     if pj is not None:
         _run_pages(plan, pj, index, margs, tuning)
