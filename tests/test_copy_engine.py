@@ -133,6 +133,23 @@ def test_runs_refuse_a_gpu_mapping():
         copy_engine.runs(plan([job(src, dst)], PAIRS, gpu_mapping=True))
 
 
+def test_runs_of_many_jobs_of_mixed_layouts_match_the_element_loop():
+    """Many jobs, their geometries interleaved (so each geometry's runs are placed among the
+    others'), an empty job among them, more pairs: the runs (built per geometry at once) are the
+    element-by-element oracle's, in job then pair order."""
+    names = list(LAYOUTS)
+    views = [LAYOUTS[names[k % len(names)]]() for k in range(17)]
+    pairs = [(i, (i * 2 + 1) % B) for i in range(B)] + [(0, 0)]
+    jobs = [job(s, d) for s, d in views]
+    src, dst = LAYOUTS["same layout: one run a pair"]()
+    jobs.insert(5, CopyJob(side(src), side(dst), H, N, 0, 2))  # no elements: no runs
+    assert got(plan(jobs, pairs)) == oracle(pairs, views)
+    alone = [copy_engine.job_runs(j, [i for i, _ in pairs], [d for _, d in pairs]) for j in jobs]
+    d, s, n = copy_engine.runs(plan(jobs, pairs))
+    for k, whole in enumerate((d, s, n)):
+        assert whole.tolist() == np.concatenate([a[k] for a in alone]).tolist()
+
+
 # --- the rule --------------------------------------------------------------------------------------
 
 GPU = torch.device("cuda", 0)

@@ -91,58 +91,112 @@ def batch_reason(device: torch.device) -> str | None:
 
 # --- the runs ------------------------------------------------------------------------------------
 
-def _adjacent(job: CopyJob) -> tuple[bool, bool]:
-    """(tokens merge, heads merge): whether consecutive rows of a dense-row job are adjacent on
-    both sides across tokens, and then also across heads (so a pair's rows are one run)."""
-    rb = job.row_bytes
-    s, d = job.src.strides, job.dst.strides
-    tok = job.tokens == 1 or (s[2] == rb and d[2] == rb)
-    head = tok and (job.heads == 1 or (s[1] == job.tokens * rb and d[1] == job.tokens * rb))
+def _geometry(job: CopyJob) -> tuple:
+    """What a job's runs depend on besides its pointers and block strides: jobs of one geometry
+    have the same runs per pair at the same offsets from their blocks (a swap's layers)."""
+    return (job.heads, job.tokens, job.elems, job.elem_bytes, job.src.strides[1:],
+            job.dst.strides[1:])
+
+
+def _adjacent(heads, tokens, elems, elem_bytes, s, d) -> tuple[bool, bool]:
+    """(tokens merge, heads merge) of a dense-row geometry (:func:`_geometry`; ``s``, ``d``: the
+    head, token and element strides): whether consecutive rows are adjacent on both sides across
+    tokens, and then also across heads (so a pair's rows are one run)."""
+    rb = elems * elem_bytes
+    tok = tokens == 1 or (s[1] == rb and d[1] == rb)
+    head = tok and (heads == 1 or (s[0] == tokens * rb and d[0] == tokens * rb))
     return tok, head
+
+
+def _run_bytes(heads, tokens, elems, elem_bytes, s, d) -> int:
+    if not (s[2] == elem_bytes and d[2] == elem_bytes):  # CopyJob.dense_rows
+        return elem_bytes
+    tok, head = _adjacent(heads, tokens, elems, elem_bytes, s, d)
+    if head:
+        return heads * tokens * elems * elem_bytes
+    return (tokens if tok else 1) * elems * elem_bytes
 
 
 def run_bytes(job: CopyJob) -> int:
     """The bytes of each run of ``job`` (every run of a job has the same length)."""
-    if not job.dense_rows:
-        return job.elem_bytes
-    tok, head = _adjacent(job)
-    if head:
-        return job.heads * job.tokens * job.row_bytes
-    return (job.tokens if tok else 1) * job.row_bytes
+    return _run_bytes(*_geometry(job))
 
 
-def _offsets(job: CopyJob) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets of a pair's runs from its source and destination blocks (same order)."""
-    s, d = job.src.strides, job.dst.strides
-    if job.dense_rows:
-        tok, head = _adjacent(job)
-        h = np.arange(1 if head else job.heads, dtype=np.int64)
-        t = np.arange(1 if tok else job.tokens, dtype=np.int64)
+@functools.lru_cache(maxsize=16)
+def _pattern(heads, tokens, elems, elem_bytes, s, d) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets of a pair's runs from its source and destination blocks (same order: h, t,
+    c), for a geometry (:func:`_geometry`; cached: a call's layers share one, and so do the calls
+    of an engine). Read-only: shared by every call."""
+    if s[2] == elem_bytes and d[2] == elem_bytes:
+        tok, head = _adjacent(heads, tokens, elems, elem_bytes, s, d)
+        h = np.arange(1 if head else heads, dtype=np.int64)
+        t = np.arange(1 if tok else tokens, dtype=np.int64)
         c = np.zeros(1, dtype=np.int64)
     else:
-        h = np.arange(job.heads, dtype=np.int64)
-        t = np.arange(job.tokens, dtype=np.int64)
-        c = np.arange(job.elems, dtype=np.int64)
+        h = np.arange(heads, dtype=np.int64)
+        t = np.arange(tokens, dtype=np.int64)
+        c = np.arange(elems, dtype=np.int64)
 
     def grid(st) -> np.ndarray:
-        return (h[:, None, None] * st[1] + t[None, :, None] * st[2]
-                + c[None, None, :] * st[3]).reshape(-1)
+        out = (h[:, None, None] * st[0] + t[None, :, None] * st[1]
+               + c[None, None, :] * st[2]).reshape(-1)
+        out.flags.writeable = False
+        return out
     return grid(s), grid(d)
+
+
+def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.zeros(0, dtype=np.uint64) for _ in range(3))
+
+
+def _grouped_runs(jobs, src_ids: np.ndarray, dst_ids: np.ndarray):
+    """The runs of ``jobs`` for the pairs ``(src_ids[m], dst_ids[m])``, job by job, pair by pair,
+    as uint64 (dst, src, sizes). Vectorized per geometry: the runs of the jobs of one geometry
+    are one broadcast sum (job base + id * block stride) + run offset, placed at each job's
+    position of the output; the Python loop is over jobs for their pointers only."""
+    pairs = src_ids.size
+    if pairs == 0 or not jobs:
+        return _empty()
+    groups: dict[tuple, list[int]] = {}
+    # Per job: source ptr, source block stride, destination ptr, destination block stride.
+    rows = []
+    for k, job in enumerate(jobs):
+        rows.append((job.src.ptr, job.src.strides[0], job.dst.ptr, job.dst.strides[0]))
+        if job.heads * job.tokens * job.elems:
+            groups.setdefault(_geometry(job), []).append(k)
+    base = np.array(rows, dtype=np.int64)
+    count = np.zeros(len(jobs), dtype=np.int64)  # runs per pair of each job (0: no elements)
+    size = np.zeros(len(jobs), dtype=np.int64)
+    for g, ks in groups.items():
+        count[ks] = _pattern(*g)[0].size
+        size[ks] = _run_bytes(*g)
+    per_job = count * pairs
+    total = int(per_job.sum())
+    if total == 0:
+        return _empty()
+    start = np.cumsum(per_job) - per_job
+    dst = np.empty(total, dtype=np.int64)
+    src = np.empty(total, dtype=np.int64)
+    for g, ks in groups.items():
+        so, do = _pattern(*g)
+        b = base[ks]  # [K, 4]
+        # [K, pairs, runs]: the block of each pair of each job, then the run in the block.
+        s = (b[:, 0, None] + src_ids[None, :] * b[:, 1, None])[:, :, None] + so[None, None, :]
+        d = (b[:, 2, None] + dst_ids[None, :] * b[:, 3, None])[:, :, None] + do[None, None, :]
+        if len(groups) == 1 and len(ks) == len(jobs):  # every job, in order: no scatter
+            src[:], dst[:] = s.reshape(-1), d.reshape(-1)
+            continue
+        at = (start[ks][:, None] + np.arange(pairs * so.size, dtype=np.int64)[None, :]).reshape(-1)
+        src[at], dst[at] = s.reshape(-1), d.reshape(-1)
+    sizes = np.repeat(size, per_job).astype(np.uint64)
+    return dst.astype(np.uint64), src.astype(np.uint64), sizes
 
 
 def job_runs(job: CopyJob, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst_ptrs, src_ptrs, sizes) of ``job`` for the pairs ``(src_ids[m], dst_ids[m])``, pair
     by pair, uint64."""
-    i = np.asarray(src_ids, dtype=np.int64)
-    j = np.asarray(dst_ids, dtype=np.int64)
-    if job.heads * job.tokens * job.elems == 0 or i.size == 0:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty.copy(), empty.copy()
-    so, do = _offsets(job)
-    src = (job.src.ptr + i * job.src.strides[0])[:, None] + so[None, :]
-    dst = (job.dst.ptr + j * job.dst.strides[0])[:, None] + do[None, :]
-    sizes = np.full(src.size, run_bytes(job), dtype=np.uint64)
-    return dst.reshape(-1).astype(np.uint64), src.reshape(-1).astype(np.uint64), sizes
+    return _grouped_runs((job,), np.asarray(src_ids, dtype=np.int64).reshape(-1),
+                         np.asarray(dst_ids, dtype=np.int64).reshape(-1))
 
 
 def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -157,11 +211,7 @@ def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError("block_mapping: the copy engines take a CPU mapping only (the runs are "
                          "read on the host)")
     m = plan.host_mapping.to(torch.int64).numpy()
-    parts = [job_runs(job, m[:, 0], m[:, 1]) for job in plan.jobs]
-    if not parts:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty.copy(), empty.copy()
-    return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+    return _grouped_runs(plan.jobs, m[:, 0], m[:, 1])
 
 
 # --- the rule ----------------------------------------------------------------------------------
