@@ -6,7 +6,9 @@ change splits a block into rows. :func:`run` submits every run of the call as on
 ``cuMemcpyBatchAsync`` (driver >= 12.8), or one ``cuMemcpyAsync`` per run where the driver has no
 batched copies, on PyTorch's current stream of the plan's device; sources are read in stream
 order (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: never ``ANY``, whose DMA may read a source before
-earlier work on the stream has written it). Nothing waits for the host.
+earlier work on the stream has written it). Nothing waits for the host. The host's work per
+call is a few numpy operations per job geometry (the runs) and one foreign call with the arrays
+(no Python object per run).
 
 :func:`resolve` is the one rule that picks ``"sm"`` or ``"ce"`` for every op; :func:`copy_loop`
 and :func:`copy_batch` submit given runs (the benchmark's peers: vLLM's ``swap_blocks``, one
@@ -15,6 +17,8 @@ copy per tensor and block, and ``swap_blocks_batch``, one batch).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 
 import numpy as np
@@ -38,15 +42,6 @@ def _driver():
     return driver
 
 
-def _bindings_version() -> str:
-    try:
-        import cuda.bindings
-
-        return str(getattr(cuda.bindings, "__version__", "?"))
-    except ImportError:
-        return ""
-
-
 @functools.cache
 def loop_reason(device: torch.device) -> str | None:
     """None where single copies (``cuMemcpyAsync``) can be submitted on ``device``, else why."""
@@ -61,31 +56,25 @@ def loop_reason(device: torch.device) -> str | None:
 
 @functools.cache
 def batch_reason(device: torch.device) -> str | None:
-    """None where ``cuMemcpyBatchAsync`` is usable on ``device`` (a driver of CUDA 12.8 or later
-    and a cuda.bindings that has it), else why not."""
+    """None where ``cuMemcpyBatchAsync`` is usable on ``device`` (a driver of CUDA 12.8 or later,
+    whose library exports it: :func:`_batch_entry`), else why not."""
     reason = loop_reason(device)
     if reason is not None:
         return reason
     driver = _driver()
-    version = _bindings_version()
-    if not hasattr(driver, "cuMemcpyBatchAsync"):
-        return (f"cuda.bindings {version} has no cuMemcpyBatchAsync (12.8 or later has it: pip "
-                f"install -U cuda-bindings)")
     try:
         err, v = driver.cuDriverGetVersion()
     except Exception as e:  # no driver library at all
         return f"no CUDA driver ({str(e).splitlines()[0]})"
     if int(err) != 0:
         return f"cuDriverGetVersion returned {err}"
-    shown = f"{v // 1000}.{v % 1000 // 10}"
     if v < BATCH_DRIVER:
+        shown = f"{v // 1000}.{v % 1000 // 10}"
         return f"the driver supports CUDA {shown}; cuMemcpyBatchAsync needs 12.8 or later"
-    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
-    if major >= 13 and v < 13000:
-        # CUDA 13 changed cuMemcpyBatchAsync (no failIdx): 13.x bindings call the new entry point,
-        # which a 12.x driver does not have.
-        return (f"cuda.bindings {version} calls CUDA 13's cuMemcpyBatchAsync and the driver "
-                f"supports CUDA {shown} (install cuda-bindings 12.x, or a CUDA 13 driver)")
+    try:
+        _batch_entry()
+    except (OSError, AttributeError) as e:
+        return f"the driver library has no cuMemcpyBatchAsync ({str(e).splitlines()[0]})"
     return None
 
 
@@ -301,21 +290,51 @@ def _attributes():
     return a
 
 
+# The driver's cuMemcpyBatchAsync as CUDA 12.8 defined it:
+#   CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+#       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,
+#       CUstream hStream)
+# called through ctypes with the runs' uint64 arrays as they are. cuda.bindings' wrapper takes
+# lists of CUdeviceptr objects and of Python ints (numpy arrays are refused), so a call of n runs
+# built 2n objects and converted 3n items back: ~0.2 us a run on the host, before the driver
+# starts the first copy. A driver keeps every entry point under the name and signature of the
+# release that introduced it (CUDA 13 added its failIdx-less form as cuMemcpyBatchAsync_v2), so
+# this one is the same on every driver >= 12.8 whichever cuda.bindings is installed.
+_ENTRY_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+               ctypes.c_void_p)
+_ATTRIBUTE_STARTS = np.zeros(1, dtype=np.uint64)  # attrsIdxs: one attribute set from copy 0
+_NO_INDEX = 2**64 - 1                             # failIdx where no copy is at fault (SIZE_MAX)
+
+
+@functools.cache
+def _batch_entry():
+    """The driver library's ``cuMemcpyBatchAsync`` (the CUDA 12.8 signature above); OSError or
+    AttributeError where the library or the symbol is missing."""
+    entry = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync  # the library PyTorch has loaded
+    entry.argtypes = _ENTRY_ARGS
+    entry.restype = ctypes.c_int
+    return entry
+
+
 def _batch(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
-    driver = _driver()
-    ptr = driver.CUdeviceptr
-    dsts = [ptr(x) for x in np.asarray(dst_ptrs).tolist()]
-    srcs = [ptr(x) for x in np.asarray(src_ptrs).tolist()]
-    n = [int(x) for x in np.asarray(sizes).tolist()]
-    # The driver reads these host arrays during the call only (the bindings copy them into C
-    # arrays that live until it returns); they are held here until then. CUDA 12.x's bindings
-    # return (err, failIdx), CUDA 13's (err,): the failing index is reported where there is one.
-    result = driver.cuMemcpyBatchAsync(dsts, srcs, n, len(n), [_attributes()], [0], 1,
-                                       driver.CUstream(stream))
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        where = (f" at copy {result[1]}" if isinstance(result, tuple) and len(result) > 1
-                 else "")
+    n = np.ascontiguousarray(sizes, dtype=np.uint64)
+    dsts = np.ascontiguousarray(dst_ptrs, dtype=np.uint64)
+    srcs = np.ascontiguousarray(src_ptrs, dtype=np.uint64)
+    if not dsts.size == srcs.size == n.size:
+        raise ValueError(f"copy_batch: expected as many destinations, sources and sizes, got "
+                         f"{dsts.size}, {srcs.size} and {n.size}")
+    attributes = _attributes()
+    fail = ctypes.c_size_t(_NO_INDEX)
+    # The driver reads these host arrays during the call only; they are held here until it
+    # returns (CUdeviceptr and size_t are 64-bit: the uint64 arrays are the C arrays).
+    err = _batch_entry()(dsts.ctypes.data, srcs.ctypes.data, n.ctypes.data, n.size,
+                         attributes.getPtr(), _ATTRIBUTE_STARTS.ctypes.data, 1,
+                         ctypes.addressof(fail), stream)
+    if err != 0:
+        where = f" at copy {fail.value}" if fail.value < n.size else ""
+        with contextlib.suppress(ValueError):  # a code this cuda.bindings does not name
+            err = _driver().CUresult(err)
         raise RuntimeError(f"cuMemcpyBatchAsync failed{where}: {err}")
 
 
