@@ -133,6 +133,114 @@ def test_runs_refuse_a_gpu_mapping():
         copy_engine.runs(plan([job(src, dst)], PAIRS, gpu_mapping=True))
 
 
+def test_runs_of_many_jobs_of_mixed_layouts_match_the_element_loop():
+    """Many jobs, their geometries interleaved (so each geometry's runs are placed among the
+    others'), an empty job among them, more pairs: the runs (built per geometry at once) are the
+    element-by-element oracle's, in job then pair order."""
+    names = list(LAYOUTS)
+    views = [LAYOUTS[names[k % len(names)]]() for k in range(17)]
+    pairs = [(i, (i * 2 + 1) % B) for i in range(B)] + [(0, 0)]
+    jobs = [job(s, d) for s, d in views]
+    src, dst = LAYOUTS["same layout: one run a pair"]()
+    jobs.insert(5, CopyJob(side(src), side(dst), H, N, 0, 2))  # no elements: no runs
+    assert got(plan(jobs, pairs)) == oracle(pairs, views)
+    alone = [copy_engine.job_runs(j, [i for i, _ in pairs], [d for _, d in pairs]) for j in jobs]
+    d, s, n = copy_engine.runs(plan(jobs, pairs))
+    for k, whole in enumerate((d, s, n)):
+        assert whole.tolist() == np.concatenate([a[k] for a in alone]).tolist()
+
+
+# --- the submission (the driver's entry point replaced by a recorder) -----------------------------
+
+class Recorder:
+    """A C function of cuMemcpyBatchAsync's CUDA 12.8 signature that records what it was given,
+    read through its pointers, and returns ``result`` (writing ``fail`` into failIdx)."""
+
+    def __init__(self, result=0, fail=None):
+        self.calls, self.result, self.fail = [], result, fail
+        import ctypes
+
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, *copy_engine._ENTRY_ARGS)
+
+        def entry(dsts, srcs, sizes, count, attrs, idxs, num_attrs, fail_idx, stream):
+            def u64(ptr, n):
+                return list((ctypes.c_uint64 * n).from_address(ptr)) if n else []
+            self.calls.append(dict(
+                dsts=u64(dsts, count), srcs=u64(srcs, count), sizes=u64(sizes, count),
+                count=count, attrs=bytes((ctypes.c_ubyte * 24).from_address(attrs)),
+                idxs=u64(idxs, num_attrs), num_attrs=num_attrs, stream=stream,
+                fail_idx=ctypes.c_size_t.from_address(fail_idx).value))
+            if self.fail is not None:
+                ctypes.c_size_t.from_address(fail_idx).value = self.fail
+            return self.result
+        self.fn = proto(entry)
+
+
+def test_batch_passes_the_arrays_and_stream_order_to_the_driver(monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    rec = Recorder()
+    monkeypatch.setattr(copy_engine, "_batch_entry", lambda: rec.fn)
+    src, dst = LAYOUTS["LBNHC -> LBHNC: one run a row"]()
+    d, s, n = copy_engine.runs(plan([job(src, dst)] * 3, PAIRS))
+    copy_engine.copy_batch(d, s, n, 0x1234, GPU)
+    (call,) = rec.calls
+    assert (call["dsts"], call["srcs"], call["sizes"]) == (d.tolist(), s.tolist(), n.tolist())
+    assert call["count"] == n.size == 3 * len(PAIRS) * H * N and call["stream"] == 0x1234
+    # CUmemcpyAttributes: srcAccessOrder STREAM (1), no location hints, flags
+    # PREFER_OVERLAP_WITH_COMPUTE (1); one set, from copy 0.
+    order, hints, flags = (int.from_bytes(call["attrs"][a:b], "little")
+                           for a, b in ((0, 4), (4, 20), (20, 24)))
+    assert (order, hints, flags) == (1, 0, 1)
+    assert call["idxs"] == [0] and call["num_attrs"] == 1
+    assert call["fail_idx"] == 2**64 - 1
+    # Lists of ints are taken too (the benchmark's peers pass arrays; any sequence works).
+    copy_engine.copy_batch(d.tolist(), s.tolist(), n.tolist(), 7, GPU)
+    assert rec.calls[1]["dsts"] == d.tolist() and rec.calls[1]["stream"] == 7
+
+
+@pytest.mark.parametrize("fail", [3, None])
+def test_batch_failure_names_the_copy_and_the_error(monkeypatch, fail):
+    pytest.importorskip("cuda.bindings")
+    monkeypatch.setattr(copy_engine, "_batch_entry", lambda: Recorder(1, fail).fn)
+    where = " at copy 3" if fail is not None else ""
+    with pytest.raises(RuntimeError, match=f"^cuMemcpyBatchAsync failed{where}: "
+                                           f".*CUDA_ERROR_INVALID_VALUE"):
+        copy_engine.copy_batch([1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1], 7, GPU)
+
+
+def test_batch_refuses_arrays_of_different_lengths_before_the_driver(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(copy_engine, "_batch_entry", lambda: rec.fn)
+    with pytest.raises(ValueError, match="^copy_batch: expected as many destinations, sources "
+                                         "and sizes, got 2, 3 and 3"):
+        copy_engine.copy_batch([1, 2], [5, 6, 7], [1, 1, 1], 7, GPU)
+    assert rec.calls == []
+
+
+class FakeDriver:
+    def __init__(self, version):
+        self.version = version
+
+    def cuDriverGetVersion(self):  # noqa: N802 (the driver's name)
+        return 0, self.version
+
+
+@pytest.mark.parametrize("version, symbol, want", [
+    (12040, True, "the driver supports CUDA 12.4; cuMemcpyBatchAsync needs 12.8 or later"),
+    (12080, False, "the driver library has no cuMemcpyBatchAsync (undefined symbol)"),
+    (12080, True, None), (13000, True, None)])
+def test_batch_reason_needs_a_12_8_driver_that_exports_the_batch(monkeypatch, version, symbol,
+                                                                 want):
+    def entry():
+        if not symbol:
+            raise AttributeError("undefined symbol")
+        return None
+    monkeypatch.setattr(copy_engine, "loop_reason", lambda device: None)
+    monkeypatch.setattr(copy_engine, "_driver", lambda: FakeDriver(version))
+    monkeypatch.setattr(copy_engine, "_batch_entry", entry)
+    assert copy_engine.batch_reason.__wrapped__(GPU) == want
+
+
 # --- the rule --------------------------------------------------------------------------------------
 
 GPU = torch.device("cuda", 0)
@@ -309,6 +417,20 @@ def test_gpu_batch_and_loop_of_many_layers(direction):
     torch.cuda.synchronize()
     for (_, d), w in zip(layers, wants, strict=True):
         assert_caches_equal(d, w, "loop")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_gpu_run_of_interleaved_layouts_writes_what_torch_copies(direction):
+    """Jobs of three geometries interleaved (each geometry's runs placed among the others')."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    layers = [gpu_views(direction, ("same", "rows", "elements")[k % 3]) for k in range(9)]
+    wants = [expected(s, d, PAIRS) for s, d in layers]
+    copy_engine.run(plan([job(s, d) for s, d in layers], PAIRS, device=GPU))
+    torch.cuda.synchronize()
+    for k, ((_, d), w) in enumerate(zip(layers, wants, strict=True)):
+        assert_caches_equal(d, w, f"layer {k}")
 
 
 @pytest.mark.gpu

@@ -6,7 +6,9 @@ change splits a block into rows. :func:`run` submits every run of the call as on
 ``cuMemcpyBatchAsync`` (driver >= 12.8), or one ``cuMemcpyAsync`` per run where the driver has no
 batched copies, on PyTorch's current stream of the plan's device; sources are read in stream
 order (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: never ``ANY``, whose DMA may read a source before
-earlier work on the stream has written it). Nothing waits for the host.
+earlier work on the stream has written it). Nothing waits for the host. The host's work per
+call is a few numpy operations per job geometry (the runs) and one foreign call with the arrays
+(no Python object per run).
 
 :func:`resolve` is the one rule that picks ``"sm"`` or ``"ce"`` for every op; :func:`copy_loop`
 and :func:`copy_batch` submit given runs (the benchmark's peers: vLLM's ``swap_blocks``, one
@@ -15,6 +17,8 @@ copy per tensor and block, and ``swap_blocks_batch``, one batch).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 
 import numpy as np
@@ -38,15 +42,6 @@ def _driver():
     return driver
 
 
-def _bindings_version() -> str:
-    try:
-        import cuda.bindings
-
-        return str(getattr(cuda.bindings, "__version__", "?"))
-    except ImportError:
-        return ""
-
-
 @functools.cache
 def loop_reason(device: torch.device) -> str | None:
     """None where single copies (``cuMemcpyAsync``) can be submitted on ``device``, else why."""
@@ -61,88 +56,136 @@ def loop_reason(device: torch.device) -> str | None:
 
 @functools.cache
 def batch_reason(device: torch.device) -> str | None:
-    """None where ``cuMemcpyBatchAsync`` is usable on ``device`` (a driver of CUDA 12.8 or later
-    and a cuda.bindings that has it), else why not."""
+    """None where ``cuMemcpyBatchAsync`` is usable on ``device`` (a driver of CUDA 12.8 or later,
+    whose library exports it: :func:`_batch_entry`), else why not."""
     reason = loop_reason(device)
     if reason is not None:
         return reason
     driver = _driver()
-    version = _bindings_version()
-    if not hasattr(driver, "cuMemcpyBatchAsync"):
-        return (f"cuda.bindings {version} has no cuMemcpyBatchAsync (12.8 or later has it: pip "
-                f"install -U cuda-bindings)")
     try:
         err, v = driver.cuDriverGetVersion()
     except Exception as e:  # no driver library at all
         return f"no CUDA driver ({str(e).splitlines()[0]})"
     if int(err) != 0:
         return f"cuDriverGetVersion returned {err}"
-    shown = f"{v // 1000}.{v % 1000 // 10}"
     if v < BATCH_DRIVER:
+        shown = f"{v // 1000}.{v % 1000 // 10}"
         return f"the driver supports CUDA {shown}; cuMemcpyBatchAsync needs 12.8 or later"
-    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
-    if major >= 13 and v < 13000:
-        # CUDA 13 changed cuMemcpyBatchAsync (no failIdx): 13.x bindings call the new entry point,
-        # which a 12.x driver does not have.
-        return (f"cuda.bindings {version} calls CUDA 13's cuMemcpyBatchAsync and the driver "
-                f"supports CUDA {shown} (install cuda-bindings 12.x, or a CUDA 13 driver)")
+    try:
+        _batch_entry()
+    except (OSError, AttributeError) as e:
+        return f"the driver library has no cuMemcpyBatchAsync ({str(e).splitlines()[0]})"
     return None
 
 
 # --- the runs ------------------------------------------------------------------------------------
 
-def _adjacent(job: CopyJob) -> tuple[bool, bool]:
-    """(tokens merge, heads merge): whether consecutive rows of a dense-row job are adjacent on
-    both sides across tokens, and then also across heads (so a pair's rows are one run)."""
-    rb = job.row_bytes
-    s, d = job.src.strides, job.dst.strides
-    tok = job.tokens == 1 or (s[2] == rb and d[2] == rb)
-    head = tok and (job.heads == 1 or (s[1] == job.tokens * rb and d[1] == job.tokens * rb))
+def _geometry(job: CopyJob) -> tuple:
+    """What a job's runs depend on besides its pointers and block strides: jobs of one geometry
+    have the same runs per pair at the same offsets from their blocks (a swap's layers)."""
+    return (job.heads, job.tokens, job.elems, job.elem_bytes, job.src.strides[1:],
+            job.dst.strides[1:])
+
+
+def _adjacent(heads, tokens, elems, elem_bytes, s, d) -> tuple[bool, bool]:
+    """(tokens merge, heads merge) of a dense-row geometry (:func:`_geometry`; ``s``, ``d``: the
+    head, token and element strides): whether consecutive rows are adjacent on both sides across
+    tokens, and then also across heads (so a pair's rows are one run)."""
+    rb = elems * elem_bytes
+    tok = tokens == 1 or (s[1] == rb and d[1] == rb)
+    head = tok and (heads == 1 or (s[0] == tokens * rb and d[0] == tokens * rb))
     return tok, head
+
+
+def _run_bytes(heads, tokens, elems, elem_bytes, s, d) -> int:
+    if not (s[2] == elem_bytes and d[2] == elem_bytes):  # CopyJob.dense_rows
+        return elem_bytes
+    tok, head = _adjacent(heads, tokens, elems, elem_bytes, s, d)
+    if head:
+        return heads * tokens * elems * elem_bytes
+    return (tokens if tok else 1) * elems * elem_bytes
 
 
 def run_bytes(job: CopyJob) -> int:
     """The bytes of each run of ``job`` (every run of a job has the same length)."""
-    if not job.dense_rows:
-        return job.elem_bytes
-    tok, head = _adjacent(job)
-    if head:
-        return job.heads * job.tokens * job.row_bytes
-    return (job.tokens if tok else 1) * job.row_bytes
+    return _run_bytes(*_geometry(job))
 
 
-def _offsets(job: CopyJob) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets of a pair's runs from its source and destination blocks (same order)."""
-    s, d = job.src.strides, job.dst.strides
-    if job.dense_rows:
-        tok, head = _adjacent(job)
-        h = np.arange(1 if head else job.heads, dtype=np.int64)
-        t = np.arange(1 if tok else job.tokens, dtype=np.int64)
+@functools.lru_cache(maxsize=16)
+def _pattern(heads, tokens, elems, elem_bytes, s, d) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets of a pair's runs from its source and destination blocks (same order: h, t,
+    c), for a geometry (:func:`_geometry`; cached: a call's layers share one, and so do the calls
+    of an engine). Read-only: shared by every call."""
+    if s[2] == elem_bytes and d[2] == elem_bytes:
+        tok, head = _adjacent(heads, tokens, elems, elem_bytes, s, d)
+        h = np.arange(1 if head else heads, dtype=np.int64)
+        t = np.arange(1 if tok else tokens, dtype=np.int64)
         c = np.zeros(1, dtype=np.int64)
     else:
-        h = np.arange(job.heads, dtype=np.int64)
-        t = np.arange(job.tokens, dtype=np.int64)
-        c = np.arange(job.elems, dtype=np.int64)
+        h = np.arange(heads, dtype=np.int64)
+        t = np.arange(tokens, dtype=np.int64)
+        c = np.arange(elems, dtype=np.int64)
 
     def grid(st) -> np.ndarray:
-        return (h[:, None, None] * st[1] + t[None, :, None] * st[2]
-                + c[None, None, :] * st[3]).reshape(-1)
+        out = (h[:, None, None] * st[0] + t[None, :, None] * st[1]
+               + c[None, None, :] * st[2]).reshape(-1)
+        out.flags.writeable = False
+        return out
     return grid(s), grid(d)
+
+
+def _empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.zeros(0, dtype=np.uint64) for _ in range(3))
+
+
+def _grouped_runs(jobs, src_ids: np.ndarray, dst_ids: np.ndarray):
+    """The runs of ``jobs`` for the pairs ``(src_ids[m], dst_ids[m])``, job by job, pair by pair,
+    as uint64 (dst, src, sizes). Vectorized per geometry: the runs of the jobs of one geometry
+    are one broadcast sum (job base + id * block stride) + run offset, placed at each job's
+    position of the output; the Python loop is over jobs for their pointers only."""
+    pairs = src_ids.size
+    if pairs == 0 or not jobs:
+        return _empty()
+    groups: dict[tuple, list[int]] = {}
+    # Per job: source ptr, source block stride, destination ptr, destination block stride.
+    rows = []
+    for k, job in enumerate(jobs):
+        rows.append((job.src.ptr, job.src.strides[0], job.dst.ptr, job.dst.strides[0]))
+        if job.heads * job.tokens * job.elems:
+            groups.setdefault(_geometry(job), []).append(k)
+    base = np.array(rows, dtype=np.int64)
+    count = np.zeros(len(jobs), dtype=np.int64)  # runs per pair of each job (0: no elements)
+    size = np.zeros(len(jobs), dtype=np.int64)
+    for g, ks in groups.items():
+        count[ks] = _pattern(*g)[0].size
+        size[ks] = _run_bytes(*g)
+    per_job = count * pairs
+    total = int(per_job.sum())
+    if total == 0:
+        return _empty()
+    start = np.cumsum(per_job) - per_job
+    dst = np.empty(total, dtype=np.int64)
+    src = np.empty(total, dtype=np.int64)
+    for g, ks in groups.items():
+        so, do = _pattern(*g)
+        b = base[ks]  # [K, 4]
+        # [K, pairs, runs]: the block of each pair of each job, then the run in the block.
+        s = (b[:, 0, None] + src_ids[None, :] * b[:, 1, None])[:, :, None] + so[None, None, :]
+        d = (b[:, 2, None] + dst_ids[None, :] * b[:, 3, None])[:, :, None] + do[None, None, :]
+        if len(groups) == 1 and len(ks) == len(jobs):  # every job, in order: no scatter
+            src[:], dst[:] = s.reshape(-1), d.reshape(-1)
+            continue
+        at = (start[ks][:, None] + np.arange(pairs * so.size, dtype=np.int64)[None, :]).reshape(-1)
+        src[at], dst[at] = s.reshape(-1), d.reshape(-1)
+    sizes = np.repeat(size, per_job).astype(np.uint64)
+    return dst.astype(np.uint64), src.astype(np.uint64), sizes
 
 
 def job_runs(job: CopyJob, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst_ptrs, src_ptrs, sizes) of ``job`` for the pairs ``(src_ids[m], dst_ids[m])``, pair
     by pair, uint64."""
-    i = np.asarray(src_ids, dtype=np.int64)
-    j = np.asarray(dst_ids, dtype=np.int64)
-    if job.heads * job.tokens * job.elems == 0 or i.size == 0:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty.copy(), empty.copy()
-    so, do = _offsets(job)
-    src = (job.src.ptr + i * job.src.strides[0])[:, None] + so[None, :]
-    dst = (job.dst.ptr + j * job.dst.strides[0])[:, None] + do[None, :]
-    sizes = np.full(src.size, run_bytes(job), dtype=np.uint64)
-    return dst.reshape(-1).astype(np.uint64), src.reshape(-1).astype(np.uint64), sizes
+    return _grouped_runs((job,), np.asarray(src_ids, dtype=np.int64).reshape(-1),
+                         np.asarray(dst_ids, dtype=np.int64).reshape(-1))
 
 
 def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -157,11 +200,7 @@ def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError("block_mapping: the copy engines take a CPU mapping only (the runs are "
                          "read on the host)")
     m = plan.host_mapping.to(torch.int64).numpy()
-    parts = [job_runs(job, m[:, 0], m[:, 1]) for job in plan.jobs]
-    if not parts:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty.copy(), empty.copy()
-    return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+    return _grouped_runs(plan.jobs, m[:, 0], m[:, 1])
 
 
 # --- the rule ----------------------------------------------------------------------------------
@@ -251,21 +290,51 @@ def _attributes():
     return a
 
 
+# The driver's cuMemcpyBatchAsync as CUDA 12.8 defined it:
+#   CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+#       CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,
+#       CUstream hStream)
+# called through ctypes with the runs' uint64 arrays as they are. cuda.bindings' wrapper takes
+# lists of CUdeviceptr objects and of Python ints (numpy arrays are refused), so a call of n runs
+# built 2n objects and converted 3n items back: ~0.2 us a run on the host, before the driver
+# starts the first copy. A driver keeps every entry point under the name and signature of the
+# release that introduced it (CUDA 13 added its failIdx-less form as cuMemcpyBatchAsync_v2), so
+# this one is the same on every driver >= 12.8 whichever cuda.bindings is installed.
+_ENTRY_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+               ctypes.c_void_p)
+_ATTRIBUTE_STARTS = np.zeros(1, dtype=np.uint64)  # attrsIdxs: one attribute set from copy 0
+_NO_INDEX = 2**64 - 1                             # failIdx where no copy is at fault (SIZE_MAX)
+
+
+@functools.cache
+def _batch_entry():
+    """The driver library's ``cuMemcpyBatchAsync`` (the CUDA 12.8 signature above); OSError or
+    AttributeError where the library or the symbol is missing."""
+    entry = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync  # the library PyTorch has loaded
+    entry.argtypes = _ENTRY_ARGS
+    entry.restype = ctypes.c_int
+    return entry
+
+
 def _batch(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
-    driver = _driver()
-    ptr = driver.CUdeviceptr
-    dsts = [ptr(x) for x in np.asarray(dst_ptrs).tolist()]
-    srcs = [ptr(x) for x in np.asarray(src_ptrs).tolist()]
-    n = [int(x) for x in np.asarray(sizes).tolist()]
-    # The driver reads these host arrays during the call only (the bindings copy them into C
-    # arrays that live until it returns); they are held here until then. CUDA 12.x's bindings
-    # return (err, failIdx), CUDA 13's (err,): the failing index is reported where there is one.
-    result = driver.cuMemcpyBatchAsync(dsts, srcs, n, len(n), [_attributes()], [0], 1,
-                                       driver.CUstream(stream))
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        where = (f" at copy {result[1]}" if isinstance(result, tuple) and len(result) > 1
-                 else "")
+    n = np.ascontiguousarray(sizes, dtype=np.uint64)
+    dsts = np.ascontiguousarray(dst_ptrs, dtype=np.uint64)
+    srcs = np.ascontiguousarray(src_ptrs, dtype=np.uint64)
+    if not dsts.size == srcs.size == n.size:
+        raise ValueError(f"copy_batch: expected as many destinations, sources and sizes, got "
+                         f"{dsts.size}, {srcs.size} and {n.size}")
+    attributes = _attributes()
+    fail = ctypes.c_size_t(_NO_INDEX)
+    # The driver reads these host arrays during the call only; they are held here until it
+    # returns (CUdeviceptr and size_t are 64-bit: the uint64 arrays are the C arrays).
+    err = _batch_entry()(dsts.ctypes.data, srcs.ctypes.data, n.ctypes.data, n.size,
+                         attributes.getPtr(), _ATTRIBUTE_STARTS.ctypes.data, 1,
+                         ctypes.addressof(fail), stream)
+    if err != 0:
+        where = f" at copy {fail.value}" if fail.value < n.size else ""
+        with contextlib.suppress(ValueError):  # a code this cuda.bindings does not name
+            err = _driver().CUresult(err)
         raise RuntimeError(f"cuMemcpyBatchAsync failed{where}: {err}")
 
 
