@@ -272,6 +272,92 @@ def test_transfer_tiny_run_checks_every_series(capsys, tmp_path):
     assert "% limit" in out and "host (µs)" in out
 
 
+class _Clock:
+    """A fake device timeline for the overlap's events: every stub call advances it."""
+
+    now = 0.0  # ms
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = _Clock.now
+
+        def elapsed_time(self, end) -> float:
+            return end.t - self.t
+
+        def synchronize(self):
+            pass
+
+
+def test_transfer_overlap_reports_attention_per_call(monkeypatch):
+    """The overlapped attention is the repeated sequence over its repeat count, so it compares
+    with one call alone: alone 1 ms, a 6.5 ms transfer -> 7 repeats; overlapped at 1.1 ms a call
+    the row says 1100 µs (not 7700) and a slowdown of 1.10. Overlap needs CUDA: the events,
+    streams and attention are stubbed by a fake timeline."""
+    import contextlib
+
+    from kvwrite.bench.ops import transfer as tr
+
+    defn = tr.TransferBench()
+    p = tr.Point(16, "llama3-8b", "bf16", "d2h", "swap", "", "", "sm", 4, True, False, 2)
+    alone = iter([1e-3, 6.5e-3])  # _event_time: the attention alone, then the transfer alone
+    monkeypatch.setattr(tr, "_event_time", lambda fn: next(alone))
+    monkeypatch.setattr(torch.cuda, "Event", _Clock.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        wait_stream=lambda other: None))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def attention(q, k, v, is_causal):
+        _Clock.now += 1.1
+
+    def transfer(i):
+        _Clock.now += 6.5
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention)
+    side = types.SimpleNamespace(wait_stream=lambda other: None)
+    defn._attention = ((None, None, None), side)
+    call = defn._overlapped({"point": p, "device": torch.device("cpu")}, transfer)
+    for i in range(3):
+        call(i)
+    got = defn.params(p)
+    assert got["attention_repeat"] == 7
+    assert got["attention_us"] == pytest.approx(1000)
+    assert got["attention_overlapped_us"] == pytest.approx(1100)
+    assert got["attention_slowdown"] == pytest.approx(1.1)
+    assert got["transfer_overlapped_us"] == pytest.approx(6500)
+
+
+@pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)
+def test_transfer_report_is_one_line_per_point_against_the_limit(capsys, tmp_path):
+    """The report of a transfer JSON: a table per model, cache and limit, one line per point
+    (the block counts and series are columns, not tables), every figure GB/s with its % of the
+    direction's limit (not of the device copy bandwidth) and the host time."""
+    js = tmp_path / "t.json"
+    assert main([*TINY["transfer"], "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    capsys.readouterr()
+    assert main(["report", str(js)]) == 0
+    md = capsys.readouterr().out
+    assert "copy bandwidth" not in md
+    command, head, table = md.strip().split("\n\n")  # one table: one model, cache and limit
+    assert head.startswith("**transfer: model=llama3-8b") and "limit=d2h" in head
+    body = table.splitlines()
+    points = {(r["operation"], r["page_format"], r["engine"]) for r in rows}
+    lines = body[2:]
+    assert len(lines) == len(points) == 4  # swap sm, swap torch, pack raw sm, pack fp8 sm
+    cols = [c.strip() for c in body[0].strip("|").split("|")]
+    for r in rows:
+        line = next(ln for ln in lines if [c.strip() for c in ln.strip("|").split("|")][:3] == [
+            r["operation"], r["page_format"], r["engine"]])
+        cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        at = f"blocks {r['num_tokens']} {r['implementation']}"
+        pct = 100 * r["gbps"] / r["limit_gbps"]
+        assert cells[f"{at} GB/s (% limit)"] == f"{r['gbps']:.1f} ({pct:.0f}%)"
+        assert cells[f"{at} host µs"] == f"{r['host_us']:.0f}"
+
+
 def test_qk_norm_rope_model_on_the_cpu_runs(capsys):
     argv = ["qk-norm-rope", "--device", "cpu", "--model", "qwen3-30b-a3b", "--num-tokens", "2",
             "--kinds", "fused", "--iters", "2", "--graph-calls", "1", "--time-budget", "0.01"]
@@ -473,8 +559,11 @@ def test_report_and_plot_read_every_subcommands_json(capsys, tmp_path, sub):
     assert main(["report", str(js)]) == 0
     md = capsys.readouterr().out
     command = re.sub(r" --json \S+", "", json.loads(js.read_text())["meta"]["command"])
-    assert md.startswith(f"`{command}`\n\n**{_bench(sub).name}: ") and "| T |" in md
-    assert re.search(r"^\| 16 \| [0-9.]+ \(", md, re.M)
+    assert md.startswith(f"`{command}`\n\n**{_bench(sub).name}: ")
+    if _bench(sub).report_split is None:
+        assert "| T |" in md and re.search(r"^\| 16 \| [0-9.]+ \(", md, re.M)
+    else:  # a line per point, the block counts as columns (test_transfer_report_...)
+        assert re.search(r"^\| .* \| [0-9.]+ \([0-9]+%\) \|", md, re.M)
     pytest.importorskip("matplotlib")
     png = tmp_path / "r.png"
     assert main(["plot", str(js), "--out", str(png)]) == 0

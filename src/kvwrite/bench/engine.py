@@ -123,6 +123,11 @@ class OpBench:
     always_columns: tuple[str, ...] = ("num_tokens",)
     # The report's table columns are split by this param (one column per value and series).
     report_axis: str | None = None
+    # `kvwrite-bench report`: None tabulates the rows as every op's (a table per combination of
+    # the varying params, a line per num_tokens, "µs (% of copy bandwidth)" per series). A tuple
+    # of params: a table per combination of their values, a line per point (its other varying
+    # `columns`), and per num_tokens and series the cells of report_columns.
+    report_split: tuple[str, ...] | None = None
 
     # -- flags and points
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
@@ -207,6 +212,11 @@ class OpBench:
     def extra_columns(self, point_rows: list[Row]) -> list[tuple[str, str]]:
         """(header, cell) pairs appended to a point's line of a multi-series table."""
         return []
+
+    def report_columns(self, rows: list[Row]) -> list[tuple[str, Callable[[Row], str]]]:
+        """Where ``report_split`` is set: the (header, cell of a measured row) pairs of each
+        num_tokens and series of a report table holding ``rows``."""
+        return [("µs", lambda r: f"{r.latency_us:.2f}")]
 
     @property
     def kind_names(self) -> tuple[str, ...]:

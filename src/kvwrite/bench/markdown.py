@@ -5,7 +5,10 @@ tables (docs/performance.md's tables are this command's output over the committe
 A file's rows are split into tables by the axes that vary over them (all but num_tokens and the
 layout); a table has a row per num_tokens and, for each layout and series (implementation, or
 kind:implementation), the latency in µs and the percentage of the copy bandwidth measured in
-that run (``n/a`` where a row was not measured).
+that run (``n/a`` where a row was not measured). A benchmark whose definition sets
+``report_split`` (transfer: figures against the limit of each row's direction) is tabulated as it
+says instead: a table per value of those params, a line per point, and per num_tokens and series
+the cells of its ``report_columns``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ __all__ = ["markdown_tables", "main", "MARKER"]
 _QUIET = {"slot_params", "model", "tp"}
 # Params a benchmark measures beside the time (transfer's host time and overlap figures): a row's
 # values, not an axis of the tables.
-_MEASURED = {"host_us", "attention_us", "attention_overlapped_us", "transfer_overlapped_us"}
+_MEASURED = {"host_us", "attention_us", "attention_overlapped_us", "attention_repeat",
+             "attention_slowdown", "transfer_overlapped_us"}
 MARKER = "<!-- generated:"
 
 
@@ -30,10 +34,23 @@ def _fmt(params: dict) -> str:
                     if k not in _QUIET and v not in ("", None, False))
 
 
+def _definition(name: str):
+    """The benchmark definition of subcommand ``name``, or None (a file of an unknown one)."""
+    from .cli import bench_of
+
+    try:
+        return bench_of(name)
+    except ValueError:
+        return None
+
+
 def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
     """The markdown tables of one file's ``meta`` and ``rows``."""
     if not rows:
         raise ReportError("rows: expected at least one measurement, got none")
+    defn = _definition(meta.get("op", rows[0].op))
+    if defn is not None and defn.report_split is not None:
+        return _point_tables(defn, meta, rows)
     keys = list(dict.fromkeys(k for r in rows for k in r.params if k not in _MEASURED))
     varying = [k for k in keys if len({str(r.params.get(k)) for r in rows}) > 1]
 
@@ -73,6 +90,53 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
                              else f"{r.median_us:.2f} ({r.pct_copy_bw:.0f}%)")
             lines.append(f"| {t} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def _value(v) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def _point_tables(defn, meta: dict, rows: Sequence[Row]) -> str:
+    """``defn.report_split``'s tables: a table per value of the split params (a heading with
+    every param that is one value over it), a line per point (the definition's point columns
+    that vary over the table) and, per num_tokens and series, ``defn.report_columns``' cells."""
+    multi_kind = len({r.kind for r in rows}) > 1
+    series = list(dict.fromkeys(series_label(r, multi_kind) for r in rows))
+    tokens = sorted({r.num_tokens for r in rows})
+    t_head = dict(defn.columns).get("num_tokens", "T")
+    r0 = rows[0]
+    device = meta.get("device_name", r0.device)
+    command = re.sub(r" --json \S+", "", meta.get("command", ""))
+    out = [f"`{command}`"] if command else []
+    labels = [k for k, _ in defn.columns if k != "num_tokens" and k not in defn.report_split]
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.params.get(k)) for k in defn.report_split), []).append(r)
+    for group in groups.values():
+        shown = [k for k in labels if len({str(r.params.get(k)) for r in group}) > 1]
+        fixed = {k: v for k, v in group[0].params.items()
+                 if k not in _MEASURED and k not in shown and v not in ("", None, False)
+                 and all(str(r.params.get(k)) == str(v) for r in group)}
+        cols = defn.report_columns(group)
+        lines: dict[tuple, dict] = {}
+        for r in group:
+            key = tuple(str(r.params.get(k)) for k in shown)
+            lines.setdefault(key, {})[(r.num_tokens, series_label(r, multi_kind))] = r
+        heads = [h for _, h in defn.columns if _ in shown]
+        heads += [f"{t_head} {t} {s} {h}" for t in tokens for s in series for h, _ in cols]
+        text = [f"**{defn.name}: {' '.join(f'{k}={_value(v)}' for k, v in fixed.items())}** "
+                f"({device}, {r0.timer} timer, L2 {r0.l2})", "",
+                "| " + " | ".join(heads) + " |",
+                "|" + ":---|" * len(shown) + "---:|" * (len(heads) - len(shown))]
+        for key, by in lines.items():
+            cells = list(key)
+            for t in tokens:
+                for s in series:
+                    r = by.get((t, s))
+                    cells += [fn(r) if r is not None and r.ok else "n/a" for _, fn in cols]
+            text.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(text))
     return "\n\n".join(out)
 
 
