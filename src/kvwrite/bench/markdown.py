@@ -35,13 +35,19 @@ def _fmt(params: dict) -> str:
 
 
 def _definition(name: str):
-    """The benchmark definition of subcommand ``name``, or None (a file of an unknown one)."""
-    from .cli import bench_of
+    """The benchmark definition of subcommand ``name`` (an op's registered BenchCommand, by name or
+    alias), or None (a file of an unknown one)."""
+    import importlib
 
-    try:
-        return bench_of(name)
-    except ValueError:
-        return None
+    from .. import ops  # noqa: F401  (every op registered)
+    from .. import registry
+
+    for op in registry.ops():
+        command = registry.get_op(op).bench
+        if command is not None and name in (command.name, *command.aliases):
+            module, attr = command.target.split(":")
+            return getattr(importlib.import_module(module), attr)
+    return None
 
 
 def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:

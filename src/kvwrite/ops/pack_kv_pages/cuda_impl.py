@@ -1,6 +1,6 @@
 """pack_kv_pages's CUDA implementation: the shared transfer kernels (kernels/transfer_cuda.py, NVRTC)
 run the plan."""
 
-from ...kernels.transfer_cuda import available, run, unsupported
+from ...kernels.transfer_cuda import LAUNCHES, available, run, unsupported
 
-__all__ = ["available", "unsupported", "run"]
+__all__ = ["available", "unsupported", "run", "LAUNCHES"]
