@@ -839,6 +839,7 @@ def test_plan_cache_memoizes_the_cuda_launches():
     plan = transfer.build_swap(src, dst, mapping([[0, 1]]), listed=True)
     want = transfer_cuda.copy_launches(tuple(plan.jobs))
     assert transfer_cuda.copy_launches(plan.jobs) == want
+    assert transfer_cuda._MEMO[(plan.jobs.launch_key, transfer_cuda.TUNING)] == tuple(want)
     assert transfer_cuda.copy_launches(transfer.build_swap(
         src, dst, mapping([[1, 1]]), listed=True).jobs) == want
     a = _pack_args()
@@ -846,3 +847,4 @@ def test_plan_cache_memoizes_the_cuda_launches():
                              page_format="fp8", scale=a["scale"]).page_job
     want = transfer_cuda.page_launches(dataclasses.replace(pj, caches=tuple(pj.caches)))
     assert transfer_cuda.page_launches(pj) == want == transfer_cuda.page_launches(pj)
+    assert transfer_cuda._MEMO[(pj.caches.launch_key, "pages")] == tuple(want)

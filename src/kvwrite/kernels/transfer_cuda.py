@@ -172,9 +172,9 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
 
     Memoized for job tuples of a cached plan (``jobs.launch_key``, kvwrite.transfer's plan
     cache: the same key means the same jobs, pointers included)."""
-    key = getattr(jobs, "launch_key", None)
-    if key is not None:
-        hit = _memo_get((key, tuning))
+    memo = getattr(jobs, "launch_key", None)
+    if memo is not None:
+        hit = _memo_get((memo, tuning))
         if hit is not None:
             return list(hit)
     per = max(1, min(SLOTS, tuning.jobs_per_launch))
@@ -188,8 +188,8 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
         vpp = geometry[10] * geometry[11] * geometry[12]
         for i in range(0, len(ptrs), per):
             out.append(CopyLaunch(vb, tuple(ptrs[i:i + per]), geometry, vpp))
-    if key is not None:
-        _memo_put((key, tuning), tuple(out))
+    if memo is not None:
+        _memo_put((memo, tuning), tuple(out))
     return out
 
 
@@ -205,9 +205,9 @@ class PageLaunch:
 def page_launches(pj: PageJob) -> list[PageLaunch]:
     """Runs of at most :data:`SLOTS` consecutive layers with equal strides. No GPU needed.
     Memoized as :func:`copy_launches` (``pj.caches.launch_key``)."""
-    key = getattr(pj.caches, "launch_key", None)
-    if key is not None:
-        hit = _memo_get((key, "pages"))
+    memo = getattr(pj.caches, "launch_key", None)
+    if memo is not None:
+        hit = _memo_get((memo, "pages"))
         if hit is not None:
             return list(hit)
     out: list[PageLaunch] = []
@@ -220,8 +220,8 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
         ptrs.append(side.ptr)
     if ptrs:
         out.append(PageLaunch(l0, tuple(ptrs), strides))
-    if key is not None:
-        _memo_put((key, "pages"), tuple(out))
+    if memo is not None:
+        _memo_put((memo, "pages"), tuple(out))
     return out
 
 
