@@ -848,3 +848,32 @@ def test_plan_cache_memoizes_the_cuda_launches():
     want = transfer_cuda.page_launches(dataclasses.replace(pj, caches=tuple(pj.caches)))
     assert transfer_cuda.page_launches(pj) == want == transfer_cuda.page_launches(pj)
     assert transfer_cuda._MEMO[(pj.caches.launch_key, "pages")] == tuple(want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    and kvwrite.kernels.triton_transfer.available(torch.device("cpu")) is not None,
+                    reason="Triton's interpreter (TRITON_INTERPRET=1) or a GPU")
+def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
+    """triton_transfer.run of cached plans (its per-job shapes memoized) with new mappings writes
+    what the same jobs in a plain tuple (nothing memoized) write."""
+    from kvwrite.kernels import triton_transfer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(memo: bool):
+        src, dst = _layers(seed=7)
+        src, dst = [t.to(device) for t in src], [t.to(device) for t in dst]
+        transfer.clear_plan_cache()
+        for pairs in ([[0, 1], [2, 0]], [[4, 5]], [[3, 2], [1, 4], [0, 0]]):
+            m = mapping(pairs, device=device)
+            plan = transfer.build_swap(src, dst, m, listed=True)
+            plan = dataclasses.replace(plan, device=device,
+                                       jobs=plan.jobs if memo else tuple(plan.jobs))
+            triton_transfer.run(plan)
+            if memo:
+                key = (plan.jobs.launch_key, triton_transfer.TUNING, len(pairs), None, device)
+                assert key in triton_transfer._SHAPES
+        return [storage_bytes(t).cpu() for t in dst]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)
