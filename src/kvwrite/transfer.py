@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -528,6 +529,7 @@ def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args,
 
 PLAN_CACHE_SIZE = 8
 _PLANS: OrderedDict[tuple, _Recipe] = OrderedDict()   # least recently used first
+_PLANS_LOCK = threading.Lock()
 
 
 class _Keyed(tuple):
@@ -674,10 +676,11 @@ def _side(new, tensors, i: int, fields: dict) -> Side:
 
 
 def _remember(key: tuple, recipe: _Recipe) -> None:
-    _PLANS[key] = recipe
-    _PLANS.move_to_end(key)
-    while len(_PLANS) > PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+    with _PLANS_LOCK:
+        _PLANS[key] = recipe
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
 
 
 def _cached(miss: _Miss | None, mapping, max_ctas, engine) -> TransferPlan | None:
@@ -699,13 +702,16 @@ def _cached(miss: _Miss | None, mapping, max_ctas, engine) -> TransferPlan | Non
         return None
     if mapping.device.type == "cpu":
         check_host_mapping(mapping, c.sources, c.destinations, c.in_place)
-    _PLANS.move_to_end(miss.key)  # most recently used last
+    with _PLANS_LOCK:  # most recently used last (another thread may have dropped it)
+        if miss.key in _PLANS:
+            _PLANS.move_to_end(miss.key)
     return recipe.plan(miss.tensors, mapping, max_ctas, engine)
 
 
 def clear_plan_cache() -> None:
-    """Forget every cached plan (tests; a process that frees and re-pins host memory in place)."""
-    _PLANS.clear()
+    """Forget every cached plan (tests; a process that unpins host memory in place)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
 
 
 def _listed(value, listed: bool):
