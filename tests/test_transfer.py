@@ -6,6 +6,7 @@ implementation against the reference: tests/test_conformance.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import struct
@@ -629,3 +630,250 @@ def test_pinned_host_side_matches_the_oracle(direction):
     kvwrite.swap_blocks(src, dst, mapping(pairs), implementation="torch")
     torch.cuda.synchronize()
     _assert_bytes(dst, want, "dst")
+
+
+# --- the plan cache: a hit is a miss --------------------------------------------------------------
+
+def _plan_fields(plan: transfer.TransferPlan) -> dict:
+    """Every field of a plan, tensors by identity (a hit's plan and a miss's hold the same ones)."""
+    out = {f: getattr(plan, f) for f in ("op", "page_job", "pairs", "device", "max_ctas", "engine",
+                                         "jobs")}
+    out["args"] = {k: tuple(map(id, v)) if isinstance(v, tuple) else
+                   id(v) if isinstance(v, torch.Tensor) else v for k, v in plan.args.items()}
+    out["mapping"] = plan.mapping
+    return out
+
+
+def _miss_then_hit(build, *args, **kwargs):
+    """(a miss's plan, a hit's plan) of one call."""
+    transfer.clear_plan_cache()
+    miss = build(*args, **kwargs)
+    hit = build(*args, **kwargs)
+    assert hit.jobs.launch_key is miss.jobs.launch_key, "the second call missed"
+    return miss, hit
+
+
+def _layers(L=3, seed=0):
+    src = [random_view((5, 4, 2, 8), (96, 8, 48, 1), seed=seed + i) for i in range(L)]
+    dst = [random_view((6, 4, 2, 8), seed=seed + 10 + i) for i in range(L)]
+    return src, dst
+
+
+PLAN_CALLS = {
+    "swap": lambda: (transfer.build_swap, _swap_pair("padded", torch.bfloat16), {}),
+    "multi layer": lambda: (transfer.build_swap, _layers(),
+                            {"op": "swap_blocks_multi_layer", "listed": True,
+                             "names": ("src_caches", "dst_caches")}),
+    "four arguments": lambda: (lambda s, d, m: transfer.build_swap_bytes(s, d, 64, m),
+                               _swap_pair("padded", torch.bfloat16), {}),
+    "relayout": lambda: (transfer.build_relayout, ([_cache("BHNC", 3, 4)], [_cache("BNHC", 4, 2)]),
+                         {"head_range": (1, 3)}),
+    "pack raw": lambda: (transfer.build_pack, (_pack_args("raw")["caches"],
+                                               _pack_args("raw")["pages"]), {"kv_split": 2}),
+    "pack fp8": lambda: (transfer.build_pack, (_pack_args()["caches"], _pack_args()["pages"]),
+                         {"kv_split": 2, "page_format": "fp8", "scale": torch.tensor([0.5, 2.0])}),
+    "unpack nvfp4": lambda: (transfer.build_unpack, (_pack_args("nvfp4")["pages"],
+                                                     _pack_args("nvfp4")["caches"]),
+                             {"kv_split": 2, "page_format": "nvfp4"}),
+}
+
+
+@pytest.mark.parametrize("call", list(PLAN_CALLS))
+def test_plan_cache_hit_is_the_plan_of_a_miss(call):
+    """A second call with the same tensors reuses the first's record and gets the plan a miss
+    makes: every field equal, the same tensors, the mapping of this call."""
+    build, (a, b), kw = PLAN_CALLS[call]()
+    m1 = mapping([[0, 1], [2, 0]])
+    miss, hit = _miss_then_hit(build, a, b, m1, **kw)
+    assert _plan_fields(hit) == _plan_fields(miss)
+    assert hit.jobs == miss.jobs and all(type(j) is transfer.CopyJob for j in hit.jobs)
+    for x, y in zip(hit.jobs, miss.jobs, strict=True):
+        assert x.src.tensor is y.src.tensor and x.dst.tensor is y.dst.tensor
+    m2 = mapping([[1, 2]])
+    again = build(a, b, m2, **kw)
+    assert again.mapping is m2 and again.host_mapping is m2 and again.pairs == 1
+    assert again.jobs == miss.jobs and again.page_job == miss.page_job
+
+
+def test_plan_cache_hit_writes_the_bytes_of_a_miss():
+    """swap_blocks_multi_layer and pack_kv_pages called again with the same tensors and new
+    mappings write what fresh tensors (a miss) get."""
+    def run(cached: bool):
+        src, dst = _layers(seed=5)
+        pack = _pack_args("fp8")
+        for pairs in ([[0, 1], [2, 0]], [[4, 5], [1, 1]], [[3, 2]]):
+            if not cached:
+                transfer.clear_plan_cache()
+            kvwrite.swap_blocks_multi_layer(src, dst, mapping(pairs))
+            kvwrite.pack_kv_pages(pack["caches"], pack["pages"],
+                                  mapping([[i % 5, j % 3] for i, j in pairs[:2]]),
+                                  kv_split=2, page_format="fp8", scale=pack["scale"])
+        return [storage_bytes(t).clone() for t in (*dst, pack["pages"])]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("change", ["as_strided_", "set_", "resize_", "requires_grad_"])
+def test_plan_cache_misses_a_tensor_changed_in_place(change):
+    """A tensor whose view changes in place (same Python object) gets the plan of its new view,
+    and its new errors."""
+    src, dst = _swap_pair("padded", torch.bfloat16)
+    m = mapping([[0, 1]])
+    transfer.clear_plan_cache()
+    first = transfer.build_swap(src, dst, m)
+    if change == "as_strided_":
+        dst.as_strided_((5, *dst.shape[1:]), dst.stride(), dst.storage_offset())
+    elif change == "set_":
+        other = torch.zeros(6 * 128, dtype=torch.bfloat16)
+        dst.set_(other.untyped_storage(), 4, dst.shape, dst.stride())
+    elif change == "resize_":
+        dst.resize_(4, 4, 2, 8)
+    if change == "requires_grad_":
+        dst.requires_grad_()
+        with pytest.raises(ValueError, match=re.escape("dst: expected a tensor that does not "
+                                                       "require grad")):
+            transfer.build_swap(src, dst, m)
+        return
+    got = transfer.build_swap(src, dst, m)
+    assert got.jobs.launch_key is not first.jobs.launch_key
+    transfer.clear_plan_cache()
+    assert _plan_fields(got) == _plan_fields(transfer.build_swap(src, dst, m))
+    # A change that makes the call wrong raises on the next call.
+    dst.as_strided_((6, 4, 2, 8), (0, 16, 8, 1))
+    with pytest.raises(ValueError, match=re.escape("dst: expected every element in its own memory")):
+        transfer.build_swap(src, dst, m)
+
+
+def test_plan_cache_keeps_no_tensor_alive():
+    """A cached call's tensors are freed when the caller drops them (the record holds weak
+    references only), and a new tensor at a freed one's id and address misses."""
+    import gc
+    import weakref
+
+    transfer.clear_plan_cache()
+    src, dst = _layers()
+    plan = transfer.build_swap(src, dst, mapping([[0, 1]]), listed=True)
+    refs = [weakref.ref(t) for t in (*src, *dst)]
+    assert transfer.build_swap(src, dst, mapping([[0, 1]]), listed=True).jobs.launch_key is \
+        plan.jobs.launch_key
+    del src, dst, plan
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(transfer._PLANS) == 1  # the record stays (bounded), holding nothing
+
+
+def test_plan_cache_is_bounded():
+    transfer.clear_plan_cache()
+    keep = [_swap_pair("dense", torch.bfloat16, seed=i) for i in range(transfer.PLAN_CACHE_SIZE + 3)]
+    for src, dst in keep:
+        transfer.build_swap(src, dst, mapping([[0, 0]]))
+    assert len(transfer._PLANS) == transfer.PLAN_CACHE_SIZE
+    # Least recently used first out: the first calls are gone, the last ones hit.
+    last = transfer.build_swap(*keep[-1], mapping([[0, 0]]))
+    assert last.jobs.launch_key is transfer.build_swap(*keep[-1], mapping([[0, 0]])).jobs.launch_key
+
+
+# Per-call arguments checked on a hit as on a miss: (name, the call's changes, exception, text).
+HIT_ERRORS = [
+    ("mapping list", {"block_mapping": lambda a: [[1, 0]]}, TypeError,
+     "block_mapping: expected a torch.Tensor, got list"),
+    ("mapping shape", {"block_mapping": lambda a: mapping([[1, 0]]).reshape(-1)}, ValueError,
+     "block_mapping: expected shape [n, 2]"),
+    ("mapping dtype", {"block_mapping": lambda a: mapping([[1, 0]], torch.int16)}, ValueError,
+     "block_mapping: expected dtype int64 or int32"),
+    ("source id", {"block_mapping": lambda a: mapping([[7, 0]])}, ValueError,
+     "block_mapping: expected ids in [0, 7) in column 0 (the block count of src), got 7 at row 0"),
+    ("duplicate destination", {"block_mapping": lambda a: mapping([[0, 2], [1, 2]])}, ValueError,
+     "block_mapping: expected distinct destination ids"),
+    ("mapping in a destination", {"block_mapping": lambda a: a["dst"].view(torch.int64)[:2, :2]
+                                  .as_strided((1, 2), (1, 1))},
+     ValueError, "block_mapping: expected memory apart from dst's"),
+    ("max_ctas", {"max_ctas": lambda a: 0}, ValueError, "max_ctas: expected None or an int >= 1"),
+    ("engine", {"engine": lambda a: "dma"}, ValueError, "engine: expected one of"),
+]
+
+
+@pytest.mark.parametrize("name, change, exc, text", HIT_ERRORS, ids=[e[0] for e in HIT_ERRORS])
+def test_plan_cache_hit_raises_the_errors_of_a_miss(name, change, exc, text):
+    """With the record of a valid call cached, a call with the same tensors and a bad mapping,
+    max_ctas or engine raises the miss's error, message for message, and writes nothing."""
+    a = _swap_args()
+    a["dst"] = random_view((6, 4, 2, 8), (128, 16, 8, 1), torch.int64)  # a mapping can live there
+    a["src"] = random_view((7, 4, 2, 8), (96, 16, 8, 1), torch.int64, seed=2)
+    bad = {**a, **{k: f(a) for k, f in change.items()}}
+    errors = []
+    for cached in (False, True):
+        transfer.clear_plan_cache()
+        if cached:
+            kvwrite.swap_blocks(**a)
+            assert len(transfer._PLANS) == 1
+        before = conformance.snapshot((), bad)
+        with pytest.raises(exc, match=re.escape(text)) as e:
+            kvwrite.swap_blocks(**bad)
+        assert conformance.unchanged(before)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
+def test_plan_cache_pack_errors_on_a_hit():
+    """Pack's per-call checks on a hit: page rows of a CPU mapping, 'ce' with a quantized
+    format."""
+    a = _pack_args()
+    transfer.clear_plan_cache()
+    kvwrite.pack_kv_pages(**a)
+    with pytest.raises(ValueError, match=re.escape("block_mapping: expected ids in [0, 3) in "
+                                                   "column 1 (the block count of pages), got 3")):
+        kvwrite.pack_kv_pages(**{**a, "block_mapping": mapping([[0, 3]])})
+    with pytest.raises(ValueError, match=re.escape("engine: 'ce' copies raw bytes only")):
+        kvwrite.pack_kv_pages(**{**a, "engine": "ce"})
+
+
+def test_plan_cache_memoizes_the_cuda_launches():
+    """copy_launches / page_launches of a cached plan's jobs are those of the same jobs in a plain
+    tuple (no GPU needed)."""
+    from kvwrite.kernels import transfer_cuda
+
+    src, dst = _layers()
+    transfer.clear_plan_cache()
+    plan = transfer.build_swap(src, dst, mapping([[0, 1]]), listed=True)
+    want = transfer_cuda.copy_launches(tuple(plan.jobs))
+    assert transfer_cuda.copy_launches(plan.jobs) == want
+    assert transfer_cuda._MEMO[(plan.jobs.launch_key, transfer_cuda.TUNING)] == tuple(want)
+    assert transfer_cuda.copy_launches(transfer.build_swap(
+        src, dst, mapping([[1, 1]]), listed=True).jobs) == want
+    a = _pack_args()
+    pj = transfer.build_pack(a["caches"], a["pages"], a["block_mapping"], kv_split=2,
+                             page_format="fp8", scale=a["scale"]).page_job
+    want = transfer_cuda.page_launches(dataclasses.replace(pj, caches=tuple(pj.caches)))
+    assert transfer_cuda.page_launches(pj) == want == transfer_cuda.page_launches(pj)
+    assert transfer_cuda._MEMO[(pj.caches.launch_key, "pages")] == tuple(want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    and kvwrite.kernels.triton_transfer.available(torch.device("cpu")) is not None,
+                    reason="Triton's interpreter (TRITON_INTERPRET=1) or a GPU")
+def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
+    """triton_transfer.run of cached plans (its per-job shapes memoized) with new mappings writes
+    what the same jobs in a plain tuple (nothing memoized) write."""
+    from kvwrite.kernels import triton_transfer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(memo: bool):
+        src, dst = _layers(seed=7)
+        src, dst = [t.to(device) for t in src], [t.to(device) for t in dst]
+        transfer.clear_plan_cache()
+        for pairs in ([[0, 1], [2, 0]], [[4, 5]], [[3, 2], [1, 4], [0, 0]]):
+            m = mapping(pairs, device=device)
+            plan = transfer.build_swap(src, dst, m, listed=True)
+            plan = dataclasses.replace(plan, device=device,
+                                       jobs=plan.jobs if memo else tuple(plan.jobs))
+            triton_transfer.run(plan)
+            if memo:
+                key = (plan.jobs.launch_key, triton_transfer.TUNING, len(pairs), None, device)
+                assert key in triton_transfer._SHAPES
+        return [storage_bytes(t).cpu() for t in dst]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, want)

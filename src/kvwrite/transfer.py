@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +35,7 @@ __all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMAT
            "check_kv_split", "check_max_ctas", "check_engine", "check_mapping",
            "check_head_range", "same_view", "call_device", "check_mapping_device",
            "check_host_mapping", "check_destinations", "capturing", "coalesce", "build_swap",
+           "clear_plan_cache", "PLAN_CACHE_SIZE",
            "build_swap_bytes", "build_relayout", "build_pack", "build_unpack", "select", "byte_blocks",
            "mapped_pairs", "TENSORS_ARG", "HEAD_RANGE_ARG", "MAX_CTAS_ARG"]
 
@@ -493,11 +497,241 @@ def _jobs(src: torch.Tensor, dst: torch.Tensor, dims: Sequence[_Dim], es: int,
     return jobs
 
 
-def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args) -> TransferPlan:
+def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args,
+          cache: _Miss | None = None, checks=None) -> TransferPlan:
+    """The plan of a validated call. ``cache`` (a call whose plan may be reused, :func:`_cached`):
+    its geometry is remembered (``checks()``: what a reuse must still check) and the plan is
+    made from that record, as every later call with the same tensors makes it."""
+    if cache is not None:
+        recipe = _Recipe.of(cache, op, jobs, page_job, device, args, checks())
+        _remember(cache.key, recipe)
+        return recipe.plan(cache.tensors, mapping, max_ctas, engine)
     kernel_mapping, host_mapping = _mapping_plan(mapping, device)
     return TransferPlan(op=op, jobs=tuple(jobs), page_job=page_job, mapping=kernel_mapping,
                         host_mapping=host_mapping, pairs=mapping.shape[0], device=device,
                         max_ctas=max_ctas, engine=engine, args=args)
+
+
+# --- the plan cache --------------------------------------------------------------------------------
+#
+# vLLM-style offloading calls a transfer op every step with the same cache tensors and a new small
+# mapping: validating and planning 2L tensors costs far more host time than the copy. A call's
+# geometry (jobs, page job, device, in-place form, the block counts its CPU mapping is checked
+# against) depends only on its tensors (identity, address, shape, strides, storage offset, dtype,
+# device, requires_grad), the grad and inference modes and its other arguments, so it is kept,
+# keyed on exactly those, for a few calls (LRU). A hit still checks, as a miss would and in the
+# same order, everything else: the mapping (form, device, its values where it is on the host, its
+# memory against the destinations'), max_ctas and engine. The record holds weak references only
+# (never a tensor: a cached call keeps no memory alive) and the hit's plan is made from the call's
+# own tensors by the same code that makes a miss's, so a hit returns the plan a miss would.
+# Assumed fixed for an allocation: whether host memory is pinned (a tensor whose memory is
+# unregistered with cudaHostUnregister in place must not be passed again).
+
+PLAN_CACHE_SIZE = 8
+_PLANS: OrderedDict[tuple, _Recipe] = OrderedDict()   # least recently used first
+_PLANS_LOCK = threading.Lock()
+
+
+class _Keyed(tuple):
+    """A tuple (a plan's ``jobs``, a page job's ``caches``) carrying ``launch_key``: an object
+    (compared by identity) that is the same for every plan made from one cached record, so the
+    launchers may memoize their per-call planning on it."""
+
+    launch_key: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Miss:
+    """A call that may be cached: its key and its tensors in key order."""
+
+    key: tuple
+    view: tuple
+    tensors: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checks:
+    """What a reuse checks per call beyond the mapping's form, max_ctas and engine."""
+
+    quantized: bool
+    sources: list                     # (name, blocks) of check_host_mapping
+    destinations: list
+    in_place: bool
+    spans: list                       # (lo, hi, device) of every destination's allocation
+
+
+def _blocks(named) -> list[tuple[str, int]]:
+    return [(n, t.shape[0]) for n, t in named]
+
+
+def _spans(named) -> list:
+    return [_span(t) for _, t in named]
+
+
+def _key(head: tuple, tensors) -> _Miss | None:
+    """The cache key of a call: ``head`` (its non-tensor arguments, already of plain types), the
+    modes and the identity of every tensor (what the cache is indexed by: cheap to hash), and
+    ``view``, every tensor's view (compared on a hit); None where the call is not cached (not
+    plain strided tensors)."""
+    # Subclasses (fake tensors under torch.compile, parameters) and tensors without an address
+    # (sparse layouts) take the full path every time.
+    if {*map(type, tensors)} != {torch.Tensor}:
+        return None
+    try:
+        view = tuple([(t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+                       t.requires_grad) for t in tensors])
+    except RuntimeError:
+        return None
+    ids = tuple(map(id, tensors))
+    key = (head, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ids)
+    return _Miss(key, view, tuple(tensors))
+
+
+class _Recipe:
+    """A cached call: its plan with every tensor replaced by its index in the key's tensors."""
+
+    __slots__ = ("view", "refs", "op", "jobs", "page", "device", "args", "checks")
+
+    @classmethod
+    def of(cls, miss: _Miss, op, jobs, page_job, device, args, checks: _Checks) -> _Recipe:
+        r = cls()
+        index: dict[int, int] = {}
+        for i, t in enumerate(miss.tensors):
+            index.setdefault(id(t), i)
+
+        def side(x: Side) -> tuple[int, dict]:
+            return index[id(x.tensor)], {**vars(x), "tensor": None}
+
+        def arg(v):
+            if isinstance(v, torch.Tensor):
+                return 1, index[id(v)]
+            if isinstance(v, tuple) and v and all(isinstance(x, torch.Tensor) for x in v):
+                return 2, tuple(index[id(x)] for x in v)
+            return 0, v
+
+        r.view = miss.view
+        r.refs = tuple(weakref.ref(t) for t in miss.tensors)
+        r.op, r.device, r.checks = op, device, checks
+        r.jobs = tuple((*side(j.src), *side(j.dst), {**vars(j), "src": None, "dst": None})
+                       for j in jobs)
+        r.page = None
+        if page_job is not None:
+            fields = {f.name: getattr(page_job, f.name) for f in dataclasses.fields(page_job)}
+            fields["caches"] = tuple(side(x) for x in page_job.caches)
+            fields["pages"] = side(page_job.pages)
+            fields["scale"] = None if page_job.scale is None else index[id(page_job.scale)]
+            r.page = fields
+        r.args = tuple((name, *arg(v)) for name, v in args.items())
+        return r
+
+    def plan(self, tensors, mapping, max_ctas, engine) -> TransferPlan:
+        """The plan of a call with ``tensors`` (those of the key), validated ``max_ctas`` and
+        ``engine`` and a checked ``mapping``.
+
+        Its Sides and CopyJobs are made as their constructors would (each field set, the
+        tensors those of this call) without running them: a multi-layer call makes 3L of them
+        per call, and a frozen dataclass's __init__ costs twice the host time. Neither class has
+        a __post_init__ or __slots__ (test_transfer's plan-cache tests compare with a miss)."""
+        new = object.__new__
+        jobs = _Keyed(self._jobs(tensors, new))
+        jobs.launch_key = self
+        page_job = None
+        if self.page is not None:
+            p = self.page
+            caches = _Keyed(_side(new, tensors, i, f) for i, f in p["caches"])
+            caches.launch_key = self
+            page_job = PageJob(**{**p, "caches": caches, "pages": _side(new, tensors, *p["pages"]),
+                                  "scale": None if p["scale"] is None else tensors[p["scale"]]})
+        args = {}
+        for name, kind, v in self.args:
+            args[name] = (v if kind == 0 else tensors[v] if kind == 1
+                          else tuple(tensors[i] for i in v))
+        kernel_mapping, host_mapping = _mapping_plan(mapping, self.device)
+        return TransferPlan(op=self.op, jobs=jobs, page_job=page_job, mapping=kernel_mapping,
+                            host_mapping=host_mapping, pairs=mapping.shape[0], device=self.device,
+                            max_ctas=max_ctas, engine=engine, args=args)
+
+    def _jobs(self, tensors, new):
+        for si, sf, di, df, jf in self.jobs:
+            s = new(Side)
+            f = s.__dict__
+            f.update(sf)
+            f["tensor"] = tensors[si]
+            d = new(Side)
+            f = d.__dict__
+            f.update(df)
+            f["tensor"] = tensors[di]
+            j = new(CopyJob)
+            f = j.__dict__
+            f.update(jf)
+            f["src"], f["dst"] = s, d
+            yield j
+
+
+def _side(new, tensors, i: int, fields: dict) -> Side:
+    s = new(Side)
+    s.__dict__.update(fields)
+    s.__dict__["tensor"] = tensors[i]
+    return s
+
+
+def _remember(key: tuple, recipe: _Recipe) -> None:
+    with _PLANS_LOCK:
+        _PLANS[key] = recipe
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+
+
+def _cached(miss: _Miss | None, mapping, max_ctas, engine) -> TransferPlan | None:
+    """The plan of a call whose tensors match a cached record, after the checks a miss makes of
+    the other arguments (in a miss's order; every tensor check passed when the record was made);
+    None: not cached, or the mapping's memory meets a destination's (the full path names it)."""
+    if miss is None:
+        return None
+    recipe = _PLANS.get(miss.key)
+    if recipe is None or recipe.view != miss.view or not all(
+            r() is t for r, t in zip(recipe.refs, miss.tensors, strict=True)):
+        return None
+    c = recipe.checks
+    check_mapping(mapping)
+    check_mapping_device(mapping, recipe.device)
+    max_ctas, engine = _check_common(max_ctas, engine, c.quantized, mapping)
+    lo, hi, dev = _span(mapping)
+    if any(d == dev and a < hi and lo < b for a, b, d in c.spans):
+        return None
+    if mapping.device.type == "cpu":
+        check_host_mapping(mapping, c.sources, c.destinations, c.in_place)
+    with _PLANS_LOCK:  # most recently used last (another thread may have dropped it)
+        if miss.key in _PLANS:
+            _PLANS.move_to_end(miss.key)
+    return recipe.plan(miss.tensors, mapping, max_ctas, engine)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (tests; a process that unpins host memory in place)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
+def _listed(value, listed: bool):
+    """A side's tensors for the key: ``value`` itself, or the list/tuple's items; None where the
+    argument is not of that form (the full path names the error)."""
+    if not listed:
+        return (value,)
+    return tuple(value) if type(value) in (list, tuple) else None
+
+
+def _plain_ints(*values) -> bool:
+    return all(type(v) is int for v in values)
+
+
+def _head_key(head_range):
+    if head_range is None:
+        return None
+    if type(head_range) in (tuple, list) and len(head_range) == 2 and _plain_ints(*head_range):
+        return tuple(head_range)
+    return False  # not cached
 
 
 def _tensors(name: str, value, listed: bool) -> list[tuple[str, torch.Tensor]]:
@@ -539,9 +773,9 @@ def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False):
 
 # --- the plan builders -----------------------------------------------------------------------------
 
-def build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
-               names: tuple[str, str] = ("src", "dst"), listed: bool = False, max_ctas=None,
-               engine="auto") -> TransferPlan:
+def _build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
+                names: tuple[str, str] = ("src", "dst"), listed: bool = False, max_ctas=None,
+                engine="auto", cache: _Miss | None = None) -> TransferPlan:
     """Validate and plan :func:`kvwrite.swap_blocks` (one pair, ``listed`` False) or
     :func:`kvwrite.swap_blocks_multi_layer` (two lists, ``listed`` True, ``names`` theirs):
     SPEC §9.2. Jobs: each pair's coalesced copy of its whole block shape (several jobs where more
@@ -572,11 +806,12 @@ def build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
                              in zip(a.shape[1:], a.stride()[1:], b.stride()[1:], strict=True)],
                       es)
     args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d)}
-    return _plan(op, jobs, None, block_mapping, device, max_ctas, engine, args)
+    return _plan(op, jobs, None, block_mapping, device, max_ctas, engine, args, cache,
+                 lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
-def build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=None,
-                     engine="auto") -> TransferPlan:
+def _build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=None,
+                      engine="auto", cache: _Miss | None = None) -> TransferPlan:
     """Validate and plan vLLM's four-argument form of :func:`kvwrite.swap_blocks` (SPEC §9.2):
     block ``i`` is the ``block_size_in_bytes`` bytes ``i * stride(0) * element_size()`` bytes
     after ``data_ptr()``. One job: heads = tokens = 1, elems = block_size_in_bytes bytes.
@@ -620,7 +855,8 @@ def build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=N
                   Side(dst, 0, (dst.stride(0) * dst.element_size(), 0, 0, 1), dst.shape[0]),
                   1, 1, block_size_in_bytes, 1)
     args = {"src": (src,), "dst": (dst,), "block_size_in_bytes": block_size_in_bytes}
-    return _plan("swap_blocks", [job], None, block_mapping, device, max_ctas, engine, args)
+    return _plan("swap_blocks", [job], None, block_mapping, device, max_ctas, engine, args, cache,
+                 lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
 def byte_blocks(t: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -638,8 +874,8 @@ def _check_4d(named, what: str) -> None:
             raise ValueError(f"{name}: expected 4 dims {what}, got shape {shape_str(t)}")
 
 
-def build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
-                   engine="auto") -> TransferPlan:
+def _build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
+                    engine="auto", cache: _Miss | None = None) -> TransferPlan:
     """Validate and plan :func:`kvwrite.relayout_kv_cache` (SPEC §9.3): ``src``/``dst`` 4-D
     ``(num_blocks, H, N, C)`` views or two lists of them. Jobs: one per layer, dims (K heads,
     N, C), coalesced. ``args``: ``src``, ``dst`` (tuples), ``src_head``, ``dst_head`` (first
@@ -681,7 +917,8 @@ def build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
         jobs += _jobs(a, b, dims, es, hs * a.stride(1) * es, hd * b.stride(1) * es)
     args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d), "src_head": hs,
             "dst_head": hd, "heads": k}
-    return _plan("relayout_kv_cache", jobs, None, block_mapping, device, max_ctas, engine, args)
+    return _plan("relayout_kv_cache", jobs, None, block_mapping, device, max_ctas, engine, args,
+                 cache, lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
 def _page_geometry(caches_named, pages, kv_split, head_range, page_format):
@@ -740,8 +977,9 @@ def _scale_strides(scale, L, S, Hc, hc, device_of: torch.Tensor, device):
     return st, hc * st[2]  # elements past scale.data_ptr(): broadcast_to keeps the offset
 
 
-def build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, page_format="raw",
-               scale=None, max_ctas=None, engine="auto", unpack: bool = False) -> TransferPlan:
+def _build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, page_format="raw",
+                scale=None, max_ctas=None, engine="auto", unpack: bool = False,
+                cache: _Miss | None = None) -> TransferPlan:
     """Validate and plan :func:`kvwrite.pack_kv_pages` (or, ``unpack``, unpack_kv_pages, whose
     arguments are the same but ``scale``): SPEC §9.4.
 
@@ -809,7 +1047,80 @@ def build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, pag
             "scale": None if unpack else scale, "cache_head": hc, "page_head": hp, "heads": k,
             "chunk_bytes": hb}
     op = "unpack_kv_pages" if unpack else "pack_kv_pages"
-    return _plan(op, jobs, page_job, block_mapping, device, max_ctas, engine, args)
+    cache_blocks, page_rows = _blocks(c), [("pages", pages.shape[0])]
+    return _plan(op, jobs, page_job, block_mapping, device, max_ctas, engine, args, cache,
+                 lambda: _Checks(quantized, page_rows if unpack else cache_blocks,
+                         cache_blocks if unpack else page_rows, False, _spans(dst)))
+
+
+# --- the public builders: the plan cache first, the full path on a miss ----------------------------
+
+def build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
+               names: tuple[str, str] = ("src", "dst"), listed: bool = False, max_ctas=None,
+               engine="auto") -> TransferPlan:
+    """Validate and plan :func:`kvwrite.swap_blocks` (one pair, ``listed`` False) or
+    :func:`kvwrite.swap_blocks_multi_layer` (two lists, ``listed`` True, ``names`` theirs):
+    SPEC §9.2. Jobs: each pair's coalesced copy of its whole block shape (several jobs where more
+    than three dims remain). ``args``: ``src``, ``dst`` (tuples). Cached (see the plan cache)."""
+    a, b = _listed(src, listed), _listed(dst, listed)
+    miss = None if a is None or b is None else _key(("swap", op, names, listed, len(a)), a + b)
+    return _cached(miss, block_mapping, max_ctas, engine) or _build_swap(
+        src, dst, block_mapping, op=op, names=names, listed=listed, max_ctas=max_ctas,
+        engine=engine, cache=miss)
+
+
+def build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=None,
+                     engine="auto") -> TransferPlan:
+    """Validate and plan vLLM's four-argument form of :func:`kvwrite.swap_blocks` (SPEC §9.2):
+    block ``i`` is the ``block_size_in_bytes`` bytes ``i * stride(0) * element_size()`` bytes
+    after ``data_ptr()``. One job: heads = tokens = 1, elems = block_size_in_bytes bytes.
+    ``args``: ``src``, ``dst`` (1-tuples), ``block_size_in_bytes``. Cached (see the plan cache:
+    the storages' sizes, which this form checks, are part of the key)."""
+    miss = None
+    if (_plain_ints(block_size_in_bytes) and type(src) is torch.Tensor
+            and type(dst) is torch.Tensor):
+        miss = _key(("bytes", block_size_in_bytes, src.untyped_storage().nbytes(),
+                     dst.untyped_storage().nbytes()), (src, dst))
+    return _cached(miss, block_mapping, max_ctas, engine) or _build_swap_bytes(
+        src, dst, block_size_in_bytes, block_mapping, max_ctas=max_ctas, engine=engine,
+        cache=miss)
+
+
+def build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
+                   engine="auto") -> TransferPlan:
+    """Validate and plan :func:`kvwrite.relayout_kv_cache` (SPEC §9.3): ``src``/``dst`` 4-D
+    ``(num_blocks, H, N, C)`` views or two lists of them. Jobs: one per layer, dims (K heads,
+    N, C), coalesced. ``args``: ``src``, ``dst`` (tuples), ``src_head``, ``dst_head`` (first
+    head of each side), ``heads`` (K). Cached (see the plan cache)."""
+    listed = not isinstance(src, torch.Tensor)
+    a, b, h = _listed(src, listed), _listed(dst, listed), _head_key(head_range)
+    miss = None
+    if a is not None and b is not None and h is not False:
+        miss = _key(("relayout", listed, len(a), h), a + b)
+    return _cached(miss, block_mapping, max_ctas, engine) or _build_relayout(
+        src, dst, block_mapping, head_range, max_ctas=max_ctas, engine=engine, cache=miss)
+
+
+def build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, page_format="raw",
+               scale=None, max_ctas=None, engine="auto", unpack: bool = False) -> TransferPlan:
+    """Validate and plan :func:`kvwrite.pack_kv_pages` (or, ``unpack``, unpack_kv_pages, whose
+    arguments are the same but ``scale``): SPEC §9.4.
+
+    Raw: one CopyJob per layer ``l`` and part ``s`` (caches[l]'s part s, heads hc(k), against
+    the pages seen as (row stride, hb, E*es, es) from byte ``hp0*hb + (l*S + s)*N*E*es``);
+    quantized: one PageJob. ``args``: ``caches`` (tuple), ``pages``, ``kv_split``,
+    ``page_format`` (canonical), ``scale``, ``cache_head``, ``page_head``, ``heads`` (K),
+    ``chunk_bytes`` (hb). Cached (see the plan cache)."""
+    c, h = _listed(caches, True), _head_key(head_range)
+    miss = None
+    if (c is not None and h is not False and _plain_ints(kv_split) and type(page_format) is str
+            and type(unpack) is bool):
+        tensors = c + (pages,) + (() if scale is None else (scale,))
+        miss = _key(("pack", unpack, len(c), kv_split, h, page_format, scale is None), tensors)
+    return _cached(miss, block_mapping, max_ctas, engine) or _build_pack(
+        caches, pages, block_mapping, kv_split=kv_split, head_range=head_range,
+        page_format=page_format, scale=scale, max_ctas=max_ctas, engine=engine, unpack=unpack,
+        cache=miss)
 
 
 def build_unpack(pages, caches, block_mapping, *, kv_split=1, head_range=None,

@@ -143,6 +143,21 @@ class CopyLaunch:
     vectors_per_pair: int
 
 
+# The launches of the last few cached plans (their keys hold no tensor: weak references only).
+_MEMO: dict[tuple, tuple] = {}
+_MEMO_SIZE = 16
+
+
+def _memo_get(key: tuple) -> tuple | None:
+    return _MEMO.get(key)
+
+
+def _memo_put(key: tuple, launches: tuple) -> None:
+    _MEMO[key] = launches
+    while len(_MEMO) > _MEMO_SIZE:
+        del _MEMO[next(iter(_MEMO))]
+
+
 def _job_launch_key(job: CopyJob) -> tuple[int, tuple[int, ...]] | None:
     """(VB, geometry) of a job, None where it moves nothing. A stride over a dim of one index
     never moves an address: it counts as 0 (neither in the vector width nor in the grouping)."""
@@ -170,7 +185,15 @@ def _job_launch_key(job: CopyJob) -> tuple[int, tuple[int, ...]] | None:
 def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
                   ) -> list[CopyLaunch]:
     """The copy launches of ``jobs``: grouped by (VB, geometry) in their first job's order, each
-    group cut into launches of at most ``tuning.jobs_per_launch`` jobs. No GPU needed."""
+    group cut into launches of at most ``tuning.jobs_per_launch`` jobs. No GPU needed.
+
+    Memoized for job tuples of a cached plan (``jobs.launch_key``, kvwrite.transfer's plan
+    cache: the same key means the same jobs, pointers included)."""
+    memo = getattr(jobs, "launch_key", None)
+    if memo is not None:
+        hit = _memo_get((memo, tuning))
+        if hit is not None:
+            return list(hit)
     per = max(1, min(SLOTS, tuning.jobs_per_launch))
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for job in jobs:
@@ -182,6 +205,8 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
         vpp = geometry[10] * geometry[11] * geometry[12]
         for i in range(0, len(ptrs), per):
             out.append(CopyLaunch(vb, tuple(ptrs[i:i + per]), geometry, vpp))
+    if memo is not None:
+        _memo_put((memo, tuning), tuple(out))
     return out
 
 
@@ -195,7 +220,13 @@ class PageLaunch:
 
 
 def page_launches(pj: PageJob) -> list[PageLaunch]:
-    """Runs of at most :data:`SLOTS` consecutive layers with equal strides. No GPU needed."""
+    """Runs of at most :data:`SLOTS` consecutive layers with equal strides. No GPU needed.
+    Memoized as :func:`copy_launches` (``pj.caches.launch_key``)."""
+    memo = getattr(pj.caches, "launch_key", None)
+    if memo is not None:
+        hit = _memo_get((memo, "pages"))
+        if hit is not None:
+            return list(hit)
     out: list[PageLaunch] = []
     l0, ptrs, strides = 0, [], None
     for layer, side in enumerate(pj.caches):
@@ -206,6 +237,8 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
         ptrs.append(side.ptr)
     if ptrs:
         out.append(PageLaunch(l0, tuple(ptrs), strides))
+    if memo is not None:
+        _memo_put((memo, "pages"), tuple(out))
     return out
 
 

@@ -369,13 +369,32 @@ def _used(stride: int, size: int) -> int:
     return stride if size > 1 else 0
 
 
-def _launch_copy(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> None:
+def _launch_copy(job: CopyJob, plan: TransferPlan, tuning: TritonTuning, shape=None) -> None:
+    """Launch one job; ``shape``: its :func:`_copy_shape` where the caller has it (memoized)."""
+    shape = _copy_shape(job, plan, tuning) if shape is None else shape
+    if not shape:
+        return
+    lane_dtype, grid, src_base, dst_base, consts = shape
+    pdl, trigger = pdl_launch(plan.device, grid[0], tuning.pdl_max_programs,
+                              tuning.pdl_trigger_max_programs)
+    mapping = plan.mapping
+    _copy_kernel[grid](
+        storage_view(job.src.tensor, lane_dtype), storage_view(job.dst.tensor, lane_dtype),
+        mapping, plan.pairs, consts["tiles"], mapping.stride(0), mapping.stride(1),
+        job.src.blocks, job.dst.blocks, src_base, dst_base, **consts["kw"], PDL=pdl,
+        PDL_TRIGGER=trigger, launch_pdl=pdl)
+
+
+def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple:
+    """What a job's launch computes from its geometry, ``plan.pairs``, ``plan.max_ctas`` and
+    ``plan.device`` alone (no tensor: memoizable): (lane dtype, grid, first vectors of both
+    sides, constants); ``()`` where the job moves nothing."""
     dense = job.dense_rows
     run_bytes = job.row_bytes if dense else job.elem_bytes
     elems = 1 if dense else job.elems
     rows = job.heads * job.tokens * elems
     if rows == 0 or run_bytes == 0:
-        return
+        return ()
     sides = (job.src, job.dst)
     strides = [(_used(s.strides[0], s.blocks), _used(s.strides[1], job.heads),
                 _used(s.strides[2], job.tokens), _used(s.strides[3], elems)) for s in sides]
@@ -390,18 +409,31 @@ def _launch_copy(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> None
     tiles = triton.cdiv(total, block_r) * triton.cdiv(run, block_c)
     assert tiles < 2**31, tiles
     grid = (_programs(plan.device, tiles, plan.max_ctas, tuning),)
-    pdl, trigger = pdl_launch(plan.device, grid[0], tuning.pdl_max_programs,
-                              tuning.pdl_trigger_max_programs)
-    mapping = plan.mapping
     (ss, ds) = ([x // w for x in st] for st in strides)
-    _copy_kernel[grid](
-        storage_view(job.src.tensor, lane_dtype), storage_view(job.dst.tensor, lane_dtype),
-        mapping, plan.pairs, tiles, mapping.stride(0), mapping.stride(1), job.src.blocks,
-        job.dst.blocks, _base(job.src) // w, _base(job.dst) // w,
-        S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1], D_ST=ds[2],
-        D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run, VEC=vec,
-        BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl, PDL_TRIGGER=trigger,
-        num_warps=_copy_warps(block_r * block_c * (w // vec), tuning), launch_pdl=pdl)
+    kw = dict(S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1],
+              D_ST=ds[2], D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run,
+              VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
+              num_warps=_copy_warps(block_r * block_c * (w // vec), tuning))
+    return lane_dtype, grid, _base(job.src) // w, _base(job.dst) // w, {"tiles": tiles, "kw": kw}
+
+
+# The copy shapes of the last few cached plans (kvwrite.transfer's plan cache: ``jobs.launch_key``
+# is the same for the same jobs, pointers included), by (key, tuning, pairs, max_ctas, device).
+_SHAPES: dict[tuple, tuple] = {}
+_SHAPES_SIZE = 16
+
+
+def _copy_shapes(plan: TransferPlan, tuning: TritonTuning) -> tuple:
+    memo = getattr(plan.jobs, "launch_key", None)
+    if memo is None or plan.device.index is None and plan.device.type == "cuda":
+        return tuple(_copy_shape(job, plan, tuning) for job in plan.jobs)
+    key = (memo, tuning, plan.pairs, plan.max_ctas, plan.device)
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        shapes = _SHAPES[key] = tuple(_copy_shape(job, plan, tuning) for job in plan.jobs)
+        while len(_SHAPES) > _SHAPES_SIZE:
+            del _SHAPES[next(iter(_SHAPES))]
+    return shapes
 
 
 def _copy_warps(tile_bytes: int, tuning: TritonTuning) -> int:
@@ -475,7 +507,7 @@ def run(plan: TransferPlan, *, tuning: TritonTuning = TUNING) -> None:
     on_gpu = plan.device.type == "cuda"
     with (torch.cuda.device(plan.device) if on_gpu else contextlib.nullcontext(),
           nvrtc.capture_relaxed() if on_gpu else contextlib.nullcontext()):
-        for job in plan.jobs:
-            _launch_copy(job, plan, tuning)
+        for job, shape in zip(plan.jobs, _copy_shapes(plan, tuning), strict=True):
+            _launch_copy(job, plan, tuning, shape)
         if plan.page_job is not None:
             _launch_pages(plan.page_job, plan, tuning)
