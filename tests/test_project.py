@@ -245,7 +245,7 @@ def test_performance_page_is_the_report_of_the_committed_runs(tmp_path):
     copy.write_text(page)
     assert main(["report", "--into", str(copy), *data]) == 0
     assert copy.read_text() == page
-    assert len(page.splitlines()) <= 600
+    assert len(page.splitlines()) <= 800  # the method and one compact section per op family
 
 
 # --- what Triton's interpreter (the CPU path for Triton) runs --------------------------------------
