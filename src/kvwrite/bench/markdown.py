@@ -39,8 +39,10 @@ def _definition(name: str):
     alias), or None (a file of an unknown one)."""
     import importlib
 
-    from .. import ops  # noqa: F401  (every op registered)
-    from .. import registry
+    from .. import (
+        ops,  # noqa: F401  (every op registered)
+        registry,
+    )
 
     for op in registry.ops():
         command = registry.get_op(op).bench
