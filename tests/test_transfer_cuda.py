@@ -300,3 +300,11 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
             regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
             assert regs and max(regs) <= 64, (vb, u, regs)
     assert tc.TUNING.copy_threads * 64 <= 65536
+
+
+def test_copy_threads_share_a_host_budget():
+    """Copies between device buffers take whole 1024-thread CTAs; with a pinned host side the
+    budget's CTAs share 512 threads, at least 128 each (room left on their SMs)."""
+    assert tc.copy_threads(False, 4) == tc.TUNING.copy_threads == 1024
+    assert [tc.copy_threads(True, m) for m in (1, 2, 3, 4, 8, None)] == [512, 256, 160, 128,
+                                                                          128, 128]

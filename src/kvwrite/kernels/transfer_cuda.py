@@ -61,6 +61,13 @@ class TransferTuning(launch.PdlPolicy):
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
     loads_in_flight_host: int = 8
+    # Threads of a copy launch with a pinned host side, over its CTA budget (copy_threads): 512,
+    # at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, eager, beside bf16
+    # causal SDPA [1, 32, 8192, 128], change 72): 1024-thread CTAs 48.0 / 51.5 GB/s at 16 / 128
+    # blocks and the attention 1.14 / 1.28 of its time alone (a CTA that fills its SM keeps the
+    # attention's CTAs off it); 128-thread CTAs 48.4 / 49.9 GB/s and 1.03 / 0.98.
+    host_threads: int = 512
+    host_cta_threads: int = 128
     # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
     jobs_per_launch: int = SLOTS
     # Threads per CTA of the page kernels (one group of 16 elements a thread). Unmeasured.
@@ -284,6 +291,18 @@ def _mapping_args(plan: TransferPlan) -> tuple[int, int, int, int]:
     return m.data_ptr(), m.stride(0), m.stride(1), plan.pairs
 
 
+def copy_threads(host: bool, max_ctas: int | None, tuning: TransferTuning = TUNING) -> int:
+    """Threads per CTA of a copy launch: ``tuning.copy_threads`` between device buffers; where a
+    side is in pinned host memory, ``tuning.host_threads`` spread over the CTA budget (at least
+    ``tuning.host_cta_threads`` a CTA, a multiple of 32), so that a budget of a few CTAs leaves
+    room on their SMs for the kernels it overlaps."""
+    if not host:
+        return tuning.copy_threads
+    ctas = max_ctas if max_ctas is not None else 1 << 30
+    share = tuning.host_threads // ctas // 32 * 32
+    return max(tuning.host_cta_threads, min(tuning.copy_threads, share))
+
+
 def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
     if plan.pairs == 0:
@@ -293,6 +312,8 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     mdt = plan.mapping.dtype
     host = any(j.src.on_host or j.dst.on_host for j in plan.jobs)
     most = tuning.loads_in_flight_host if host else tuning.loads_in_flight
+    threads = copy_threads(host, plan.max_ctas, tuning)
+    ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
     for cl in copy_launches(plan.jobs, tuning):
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
@@ -302,8 +323,8 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
         segs = -(-nvec // (32 * u))
         work = len(cl.pointers) * plan.pairs * heads * tokens * segs  # warp segments
         magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
-        _launch(copy_name(cl.vb, mdt, u), index, work, tuning.copy_threads // 32,
-                tuning.copy_threads, plan.max_ctas, tuning.ctas_per_sm, tuning, *margs, *slots,
+        _launch(copy_name(cl.vb, mdt, u), index, work, threads // 32, threads, plan.max_ctas,
+                ctas_per_sm, tuning, *margs, *slots,
                 len(cl.pointers), *cl.geometry[:12], nvec, ppe.bit_length() - 1, segs, *magics)
     pj = plan.page_job
     if pj is not None:
