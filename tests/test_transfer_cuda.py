@@ -303,8 +303,9 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
 
 
 def test_copy_threads_share_a_host_budget():
-    """Copies between device buffers take whole 1024-thread CTAs; with a pinned host side the
-    budget's CTAs share 512 threads, at least 128 each (room left on their SMs)."""
+    """Copies that read device memory and write pinned host memory share 512 threads over the
+    budget's CTAs, at least 128 each (room left on their SMs); the others (device buffers, reads
+    of host memory) take whole 1024-thread CTAs."""
     assert tc.copy_threads(False, 4) == tc.TUNING.copy_threads == 1024
     assert [tc.copy_threads(True, m) for m in (1, 2, 3, 4, 8, None)] == [512, 256, 160, 128,
                                                                           128, 128]

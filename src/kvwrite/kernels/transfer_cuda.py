@@ -61,11 +61,12 @@ class TransferTuning(launch.PdlPolicy):
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
     loads_in_flight_host: int = 8
-    # Threads of a copy launch with a pinned host side, over its CTA budget (copy_threads): 512,
-    # at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, eager, beside bf16
-    # causal SDPA [1, 32, 8192, 128], change 72): 1024-thread CTAs 48.0 / 51.5 GB/s at 16 / 128
-    # blocks and the attention 1.14 / 1.28 of its time alone (a CTA that fills its SM keeps the
-    # attention's CTAs off it); 128-thread CTAs 48.4 / 49.9 GB/s and 1.03 / 0.98.
+    # Threads of a copy launch to pinned host memory (d2h), over its CTA budget (copy_threads):
+    # 512, at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, beside bf16
+    # causal SDPA [1, 32, 8192, 128], change 72): 1024-thread CTAs 51.9 / 52.2 GB/s at 16 / 128
+    # blocks and the attention 1.06 / 1.39 of its time alone (a CTA that fills its SM keeps the
+    # attention's CTAs off it); 128-thread CTAs 51.7 / 50.7 GB/s and 0.91 / 0.96. The same split
+    # of h2d took it from 50.7 to 25.9 GB/s (reads wait a round trip): h2d keeps 1024.
     host_threads: int = 512
     host_cta_threads: int = 128
     # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
@@ -291,12 +292,14 @@ def _mapping_args(plan: TransferPlan) -> tuple[int, int, int, int]:
     return m.data_ptr(), m.stride(0), m.stride(1), plan.pairs
 
 
-def copy_threads(host: bool, max_ctas: int | None, tuning: TransferTuning = TUNING) -> int:
-    """Threads per CTA of a copy launch: ``tuning.copy_threads`` between device buffers; where a
-    side is in pinned host memory, ``tuning.host_threads`` spread over the CTA budget (at least
-    ``tuning.host_cta_threads`` a CTA, a multiple of 32), so that a budget of a few CTAs leaves
-    room on their SMs for the kernels it overlaps."""
-    if not host:
+def copy_threads(to_host: bool, max_ctas: int | None, tuning: TransferTuning = TUNING) -> int:
+    """Threads per CTA of a copy launch: ``tuning.copy_threads``, but where the copy writes pinned
+    host memory and reads device memory only (``to_host``), ``tuning.host_threads`` spread over
+    the CTA budget (at least ``tuning.host_cta_threads`` a CTA, a multiple of 32), so that a
+    budget of a few CTAs leaves room on their SMs for the kernels it overlaps. Reads of host
+    memory keep whole CTAs: each load waits a PCIe round trip, and only many of them in flight
+    keep the link busy."""
+    if not to_host:
         return tuning.copy_threads
     ctas = max_ctas if max_ctas is not None else 1 << 30
     share = tuning.host_threads // ctas // 32 * 32
@@ -310,9 +313,10 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
     margs = _mapping_args(plan)
     mdt = plan.mapping.dtype
-    host = any(j.src.on_host or j.dst.on_host for j in plan.jobs)
-    most = tuning.loads_in_flight_host if host else tuning.loads_in_flight
-    threads = copy_threads(host, plan.max_ctas, tuning)
+    reads_host = any(j.src.on_host for j in plan.jobs)
+    writes_host = any(j.dst.on_host for j in plan.jobs)
+    most = tuning.loads_in_flight_host if reads_host or writes_host else tuning.loads_in_flight
+    threads = copy_threads(writes_host and not reads_host, plan.max_ctas, tuning)
     ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
     for cl in copy_launches(plan.jobs, tuning):
         slots = [0] * (2 * SLOTS)
