@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -28,7 +27,7 @@ import torch
 from .registry import ImplInfo, OpArg
 from .registry import get as get_impl
 from .registry import select as select_impl
-from .validation import check_mutation_safe, require_tensor, shape_str
+from .validation import check_int, check_mutation_safe, require_tensor, shape_str
 
 __all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS",
            "QUANTIZED_CACHE_DTYPES", "kv_page_bytes", "chunk_bytes", "parse_page_format",
@@ -160,19 +159,6 @@ QUANTIZED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NVFP4_GROUP = 16  # elements per E4M3 scale byte (SPEC §6.1)
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1 (any integer type; not bool)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int >= 1, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__}") from None
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value}")
-    return int(value)
-
-
 def parse_page_format(page_format) -> str:
     """The canonical name of a page format (:data:`PAGE_FORMATS`); ValueError naming
     ``page_format`` otherwise."""
@@ -184,7 +170,7 @@ def parse_page_format(page_format) -> str:
 
 def check_kv_split(kv_split, row_width: int, row_name: str = "C") -> int:
     """``kv_split`` S as an int >= 1 dividing the row width ``C``."""
-    s = _positive_int("kv_split", kv_split)
+    s = check_int("kv_split", kv_split, 1)
     if row_width % s:
         raise ValueError(f"kv_split: expected an int dividing {row_name} = {row_width}, got {s}")
     return s
@@ -218,10 +204,10 @@ def kv_page_bytes(num_layers, num_heads, block_size, row_width, dtype, *, kv_spl
     """``P``, the bytes of one transfer page (SPEC §9.4): ``num_heads`` head chunks of ``hb``
     bytes, each holding one block of ``num_layers`` layers of ``block_size`` tokens of
     ``row_width`` elements of ``dtype`` (the caches' dtype) in ``page_format``."""
-    L = _positive_int("num_layers", num_layers)
-    H = _positive_int("num_heads", num_heads)
-    N = _positive_int("block_size", block_size)
-    C = _positive_int("row_width", row_width)
+    L = check_int("num_layers", num_layers, 1)
+    H = check_int("num_heads", num_heads, 1)
+    N = check_int("block_size", block_size, 1)
+    C = check_int("row_width", row_width, 1)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     fmt = parse_page_format(page_format)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["shape_str", "require_tensor", "require_same_device", "check_slot_dtype",
-           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_count", "check_mutation_safe",
+           "check_like", "check_in_range", "check_at_most", "check_token_indices", "check_count", "check_int", "check_mutation_safe",
            "spans_its_storage"]
 
 
@@ -86,17 +86,23 @@ def check_in_range(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str,
                          f"values {values}{more}")
 
 
-def check_count(name: str, n) -> int:
-    """``n`` as a non-negative int (any integer type; not bool, float or str)."""
+def check_int(name: str, n, least: int = 0) -> int:
+    """``n`` as an int >= ``least`` (any integer type; not bool, float or str)."""
+    what = "a non-negative int" if least == 0 else f"an int >= {least}"
     if isinstance(n, bool):
-        raise TypeError(f"{name}: expected a non-negative int, got bool")
+        raise TypeError(f"{name}: expected {what}, got bool")
     try:
         value = operator.index(n)
     except TypeError:
-        raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {value}")
-    return value
+        raise TypeError(f"{name}: expected {what}, got {type(n).__name__}") from None
+    if value < least:
+        raise ValueError(f"{name}: expected {what}, got {value}")
+    return int(value)
+
+
+def check_count(name: str, n) -> int:
+    """``n`` as a non-negative int (any integer type; not bool, float or str)."""
+    return check_int(name, n)
 
 
 # --- writes in place: what every op checks of the tensors it writes and reads -------------------
