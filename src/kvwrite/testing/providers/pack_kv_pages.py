@@ -3,12 +3,10 @@ a rank's slice, d2h; the page layout by hand: tests/test_transfer.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..conformance import BadInput, Example, WrongWriter, replaced
-from .transfer_common import TransferCase, build, cases_of, skipping_last_pair, transfer_provider
+from .transfer_common import TransferCase, build, page_cases, skipping_last_pair, transfer_provider
 
 OP = "pack_kv_pages"
 
@@ -34,9 +32,7 @@ BAD = tuple(BadInput(*b) for b in [
 
 
 def _cases():
-    out = []
-    for fmt in ("raw", "fp8", "fp8_e5m2", "nvfp4"):
-        out += [dataclasses.replace(ex, id=f"{fmt}-{ex.id}") for ex in cases_of("pack", page_format=fmt)]
+    out = page_cases("pack")
     out.append(Example("fp8-slice", TransferCase("pack", page_format="fp8", head_range=(1, 3))))
     out.append(Example("nvfp4-float32-slice", TransferCase("pack", page_format="nvfp4",
                                                           dtype=torch.float32, head_range=(0, 2))))

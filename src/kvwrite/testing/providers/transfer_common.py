@@ -18,7 +18,8 @@ from ..compare import assert_caches_equal
 from ..conformance import BadInput, Example, Provider, WrongWriter
 from ..transfer import mapping, random_values, random_view
 
-__all__ = ["TransferCase", "build", "transfer_provider", "skipping_last_pair", "cases_of"]
+__all__ = ["TransferCase", "build", "transfer_provider", "skipping_last_pair", "cases_of",
+           "page_cases"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,4 +230,15 @@ def cases_of(op: str, **extra) -> tuple[Example, ...]:
                                                            map_dtype=torch.int32)),
             Example("d2h-4-ctas", dataclasses.replace(base, host="dst", max_ctas=4), gpu=True),
             Example("h2d", dataclasses.replace(base, host="src", gpu_mapping=True), gpu=True))
+
+
+# Every page format the transfer pages take (SPEC §9.4), as the page ops' cases spell them.
+PAGE_FORMATS = ("raw", "fp8", "fp8_e5m2", "nvfp4")
+
+
+def page_cases(op: str) -> list[Example]:
+    """:func:`cases_of` for each page format of pack (``op`` "pack") or unpack, ids prefixed
+    with the format."""
+    return [dataclasses.replace(ex, id=f"{fmt}-{ex.id}") for fmt in PAGE_FORMATS
+            for ex in cases_of(op, page_format=fmt)]
 

@@ -3,12 +3,10 @@ head or a rank's slice, h2d; the decodes by hand: tests/test_transfer.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..conformance import BadInput, Example, WrongWriter, replaced
-from .transfer_common import TransferCase, build, cases_of, skipping_last_pair, transfer_provider
+from .transfer_common import TransferCase, build, page_cases, skipping_last_pair, transfer_provider
 
 OP = "unpack_kv_pages"
 
@@ -32,9 +30,7 @@ BAD = tuple(BadInput(*b) for b in [
 
 
 def _cases():
-    out = []
-    for fmt in ("raw", "fp8", "fp8_e5m2", "nvfp4"):
-        out += [dataclasses.replace(ex, id=f"{fmt}-{ex.id}") for ex in cases_of("unpack", page_format=fmt)]
+    out = page_cases("unpack")
     out.append(Example("nvfp4-slice", TransferCase("unpack", page_format="nvfp4", head_range=(2, 4))))
     out.append(Example("fp8-float16-slice", TransferCase("unpack", page_format="fp8",
                                                         dtype=torch.float16, head_range=(1, 2))))
