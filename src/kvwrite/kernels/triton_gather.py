@@ -27,7 +27,7 @@ import torch
 
 from . import triton_support
 from .triton_fp8 import IMPORT_ERROR, pdl_entry, tl, triton
-from .triton_support import PdlTuning, pdl_launch
+from .triton_support import PdlTuning, pdl_launch, storage_view
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "gather_rows", "fp8_decode", "fp8_dequant",
            "index_strides", "row_constants", "byte_storage", "E4M3", "E5M2",
@@ -167,12 +167,9 @@ def byte_storage(t: torch.Tensor, unit: int = 1) -> tuple[torch.Tensor, int]:
     """(the whole storage behind ``t`` as a flat tensor of ``unit``-byte integers, ``t``'s first
     byte in it, in units): a view, no copy and no allocation on the device. ``unit`` must divide
     ``t``'s first byte (the storage's trailing bytes past a whole unit are not in the view)."""
-    s = t.untyped_storage()
     first = t.storage_offset() * t.element_size()
     assert first % unit == 0, (first, unit)
-    flat = torch.empty(0, dtype=_UNIT_DTYPES[unit], device=t.device).set_(
-        s, 0, (s.nbytes() // unit,))
-    return flat, first // unit
+    return storage_view(t, _UNIT_DTYPES[unit]), first // unit
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.

@@ -15,7 +15,7 @@ import torch
 from . import nvrtc
 
 __all__ = ["available", "interpreter_inexact", "inexact_cast_reason", "next_pow2", "pdl_launch",
-           "PdlTuning"]
+           "PdlTuning", "storage_view"]
 
 
 def available(device: torch.device, triton, kernel: Callable[[], object],
@@ -116,3 +116,13 @@ class PdlTuning:
     # fp8_ds_mla T=256 2.03 / 1.62 / 1.89, T=2048 (2048 programs) 3.08 / 3.49 / 3.11, T=8192 6.60
     # / 6.78 / 5.99, T=65536 36.0 / 40.0 / 35.4.
     pdl_trigger_max_programs: int = 1024
+
+
+def storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole storage behind ``t`` as a flat tensor of ``dtype`` (its trailing bytes past a
+    whole element left out): a view, nothing allocated or copied, on ``t``'s device (pinned
+    host memory stays pinned host memory). Triton kernels address a tensor's storage through it
+    with byte or element offsets of their own."""
+    s = t.untyped_storage()
+    n = s.nbytes() // dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=t.device).set_(s, 0, (n,))

@@ -49,12 +49,12 @@ from .launch import align
 from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
 from .triton_gather import fp8_decode, fp8_dequant
 from .triton_nvfp4 import e2m1_value, e4m3, group_rule, widen
-from .triton_support import PdlTuning, next_pow2, pdl_launch
+from .triton_support import PdlTuning, next_pow2, pdl_launch, storage_view
 
 if TYPE_CHECKING:
     from ..transfer import CopyJob, PageJob, Side, TransferPlan
 
-__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "storage_view"]
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
 # FMT codes of the page kernels.
 _FMT = {"fp8_e4m3": 1, "fp8_e5m2": 2, "nvfp4": 3}
@@ -80,15 +80,6 @@ class TritonTuning(PdlTuning):
 
 
 TUNING = TritonTuning()
-
-
-def storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole storage behind ``t`` as a flat tensor of ``dtype`` (its trailing bytes past a
-    whole element left out): a view, nothing allocated or copied, on ``t``'s device (pinned
-    host memory stays pinned host memory)."""
-    s = t.untyped_storage()
-    n = s.nbytes() // dtype.itemsize
-    return torch.empty(0, dtype=dtype, device=t.device).set_(s, 0, (n,))
 
 
 def _base(side: Side) -> int:
