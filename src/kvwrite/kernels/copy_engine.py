@@ -24,9 +24,9 @@ import functools
 import numpy as np
 import torch
 
-from ..transfer import CopyJob, TransferPlan
+from ..transfer import CopyJob, TransferPlan, select
 
-__all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run",
+__all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run", "execute",
            "copy_loop", "copy_batch", "stream_handle", "AUTO_MIN_RUN", "BATCH_DRIVER"]
 
 # "auto" takes the copy engines only where every run is at least this long: shorter runs are
@@ -375,3 +375,17 @@ def run(plan: TransferPlan) -> None:
         copy_batch(dst, src, sizes, stream, plan.device)
     else:
         copy_loop(dst, src, sizes, stream)
+
+
+def execute(op: str, plan: TransferPlan, implementation: str | None) -> None:
+    """Run a validated plan (what every transfer op does last): pick the implementation (it
+    raises where none can run the call), resolve the engine, then run nothing where no pair is
+    mapped, else the copy engines' path or the implementation's ``run``."""
+    info = select(op, plan, implementation)
+    engine = "sm" if plan.device is None else resolve(plan)
+    if plan.pairs == 0:
+        return
+    if engine == "ce":
+        run(plan)
+    else:
+        info.run(plan)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry, transfer
-from ..swap_blocks import execute
+from ...kernels import copy_engine
 
 __all__ = ["OP", "pack_kv_pages"]
 
@@ -35,4 +35,4 @@ def pack_kv_pages(caches, pages: torch.Tensor, block_mapping: torch.Tensor, *, k
     plan = transfer.build_pack(caches, pages, block_mapping, kv_split=kv_split,
                                head_range=head_range, page_format=page_format, scale=scale,
                                max_ctas=max_ctas, engine=engine)
-    execute(OP, plan, implementation)
+    copy_engine.execute(OP, plan, implementation)

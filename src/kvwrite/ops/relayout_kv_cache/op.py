@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry, transfer
-from ..swap_blocks import execute
+from ...kernels import copy_engine
 
 __all__ = ["OP", "relayout_kv_cache"]
 
@@ -46,4 +46,4 @@ def relayout_kv_cache(src, dst, block_mapping: torch.Tensor, head_range=None, *,
     (SPEC §9.3, §9.5)."""
     plan = transfer.build_relayout(src, dst, block_mapping, head_range, max_ctas=max_ctas,
                                    engine=engine)
-    execute(OP, plan, implementation)
+    copy_engine.execute(OP, plan, implementation)

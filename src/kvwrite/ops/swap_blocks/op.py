@@ -8,23 +8,9 @@ import torch
 from ... import registry, transfer
 from ...kernels import copy_engine
 
-__all__ = ["OP", "swap_blocks", "execute"]
+__all__ = ["OP", "swap_blocks"]
 
 OP = "swap_blocks"
-
-
-def execute(op: str, plan: transfer.TransferPlan, implementation: str | None) -> None:
-    """Run a validated plan (what every transfer op does last): pick the implementation (it
-    raises where none can run the call), resolve the engine, then run nothing where no pair is
-    mapped, else the copy engines' path or the implementation's ``run``."""
-    info = transfer.select(op, plan, implementation)
-    engine = "sm" if plan.device is None else copy_engine.resolve(plan)
-    if plan.pairs == 0:
-        return
-    if engine == "ce":
-        copy_engine.run(plan)
-    else:
-        info.run(plan)
 
 
 def _lower(src, dst, block_mapping, sized_block_mapping, max_ctas, engine, implementation
@@ -79,4 +65,4 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping, sized_block
                             f"block_mapping) expects an int third argument, got "
                             f"{type(block_mapping).__name__}")
         plan = transfer.build_swap(src, dst, block_mapping, max_ctas=max_ctas, engine=engine)
-    execute(OP, plan, implementation)
+    copy_engine.execute(OP, plan, implementation)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry, transfer
-from ..swap_blocks import execute
+from ...kernels import copy_engine
 
 __all__ = ["OP", "swap_blocks_multi_layer"]
 
@@ -26,4 +26,4 @@ def swap_blocks_multi_layer(src_caches, dst_caches, block_mapping: torch.Tensor,
     plan = transfer.build_swap(src_caches, dst_caches, block_mapping, op=OP,
                                names=("src_caches", "dst_caches"), listed=True,
                                max_ctas=max_ctas, engine=engine)
-    execute(OP, plan, implementation)
+    copy_engine.execute(OP, plan, implementation)

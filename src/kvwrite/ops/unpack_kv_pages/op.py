@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry, transfer
-from ..swap_blocks import execute
+from ...kernels import copy_engine
 
 __all__ = ["OP", "unpack_kv_pages"]
 
@@ -29,4 +29,4 @@ def unpack_kv_pages(pages: torch.Tensor, caches, block_mapping: torch.Tensor, *,
     plan = transfer.build_unpack(pages, caches, block_mapping, kv_split=kv_split,
                                  head_range=head_range, page_format=page_format,
                                  max_ctas=max_ctas, engine=engine)
-    execute(OP, plan, implementation)
+    copy_engine.execute(OP, plan, implementation)
