@@ -877,3 +877,17 @@ def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
 
     for got, want in zip(run(True), run(False), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_sides_jobs_share_its_least_block_count():
+    """A GPU mapping's pair out of range of any tensor of a side is skipped whole (SPEC §9.1, as
+    the reference skips it): the kernels read each job's block counts, so every job of a side
+    carries the least of them (layers of a hybrid model with different block counts)."""
+    src = [torch.zeros(n, 2, 4) for n in (5, 3, 7)]
+    dst = [torch.zeros(n, 2, 4) for n in (6, 4, 2)]
+    plan = transfer.build_swap(src, dst, torch.tensor([[0, 1]]), op="swap_blocks_multi_layer",
+                               names=("src_caches", "dst_caches"), listed=True)
+    assert {(j.src.blocks, j.dst.blocks) for j in plan.jobs} == {(3, 2)}
+    again = transfer.build_swap(src, dst, torch.tensor([[1, 0]]), op="swap_blocks_multi_layer",
+                                names=("src_caches", "dst_caches"), listed=True)
+    assert {(j.src.blocks, j.dst.blocks) for j in again.jobs} == {(3, 2)}

@@ -488,6 +488,7 @@ def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args,
     """The plan of a validated call. ``cache`` (a call whose plan may be reused, :func:`_cached`):
     its geometry is remembered (``checks()``: what a reuse must still check) and the plan is
     made from that record, as every later call with the same tensors makes it."""
+    jobs = _shared_block_counts(jobs)
     if cache is not None:
         recipe = _Recipe.of(cache, op, jobs, page_job, device, args, checks())
         _remember(cache.key, recipe)
@@ -496,6 +497,20 @@ def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args,
     return TransferPlan(op=op, jobs=tuple(jobs), page_job=page_job, mapping=kernel_mapping,
                         host_mapping=host_mapping, pairs=mapping.shape[0], device=device,
                         max_ctas=max_ctas, engine=engine, args=args)
+
+
+def _shared_block_counts(jobs):
+    """``jobs`` with each side's block count the least over the jobs (SPEC §9.1: a GPU mapping's
+    pair with an id out of range of any tensor of its side is skipped whole, as the reference
+    and the page kernels skip it; the copy kernels check a job's own count)."""
+    if not jobs:
+        return jobs
+    src = min(j.src.blocks for j in jobs)
+    dst = min(j.dst.blocks for j in jobs)
+    if all(j.src.blocks == src and j.dst.blocks == dst for j in jobs):
+        return jobs
+    return [dataclasses.replace(j, src=dataclasses.replace(j.src, blocks=src),
+                                dst=dataclasses.replace(j.dst, blocks=dst)) for j in jobs]
 
 
 # --- the plan cache --------------------------------------------------------------------------------
