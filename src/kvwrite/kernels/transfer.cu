@@ -128,6 +128,87 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 }
 
 // ------------------------------------------------------------------------------------------
+// Rows no longer than a warp: transfer_copy_rows_kernel<VB, IDX, U, LANES>
+//
+// The parameters and the copy of transfer_copy_kernel (segs 1, m_segs unused), for launches whose
+// rows have nvec <= LANES vectors (LANES a power of two up to 32; the launcher takes the least
+// power of two >= nvec, transfer_cuda.copy_lanes). A warp's lanes form 32 / LANES groups of LANES
+// lanes, group k of a warp's step owning one row; lane l moves vector l % LANES (masked where
+// >= nvec) of each of its U rows. The unit of work is a warp's step of 32 / LANES * U consecutive
+// rows of the (job, pair, head, token) index: row base + k * (32 / LANES) + l / LANES of lane l
+// at k < U, so each of the U loads of the warp covers 32 / LANES whole consecutive rows. Each
+// lane decomposes each of its rows and reads its mapping pair itself (the lanes of a group read
+// the same pair: one broadcast load; consecutive rows mostly share their pair, L1 hits), all U
+// mapping reads before the first row load (a row's load waits for its pair, and an asm volatile
+// load stays in order: a pair read between two row loads would serialize the round trips), then
+// the U row loads (ld.volatile), then the U stores: U * VB bytes in flight per lane, as the
+// segment kernel's. Measured (H200, change 72): rows of 512 B (nvec 32) moved as one segment
+// per warp (U = 1) ran at 74% of a device copy, rows of 256 B (16 vectors, half the warp idle)
+// at 41%.
+// ------------------------------------------------------------------------------------------
+template <int VB, typename IDX, int U, int LANES>
+__global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
+    const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
+    KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh, i64 sst, i64 ssc, i64 dsb, i64 dsh,
+    i64 dst_, i64 dsc, i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec, i64 ppe_shift,
+    i64 segs, u64 m_segs, u64 m_tokens, u64 m_heads, u64 m_pairs) {
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0,
+                "LANES: a power of two up to 32");
+  KVW_PDL_ENTRY();
+  constexpr int ROWS = 32 / LANES;  // rows a warp's load covers
+  const u64 total = static_cast<u64>(njobs) * pairs * heads * tokens;  // rows
+  const bool small = total < (1ull << 32);  // every count and quotient below 2^32: fdiv
+  const int lane = threadIdx.x & 31;
+  const i64 v = lane & (LANES - 1);  // the lane's vector of each of its rows
+  const bool active = v < nvec;
+  const i64 piece_mask = (1ll << ppe_shift) - 1;
+  const i64 vs = (v >> ppe_shift) * ssc + (v & piece_mask) * VB;
+  const i64 vd = (v >> ppe_shift) * dsc + (v & piece_mask) * VB;
+  const u64 warps = blockDim.x >> 5;
+  for (u64 g = static_cast<u64>(blockIdx.x) * warps + (threadIdx.x >> 5); g * (ROWS * U) < total;
+       g += static_cast<u64>(gridDim.x) * warps) {
+    const u64 r0 = g * (ROWS * U) + lane / LANES;
+    // Each row's position (its job's pointers, head and token folded into a row address on each
+    // side) and mapping pair; a row past the launch's end or a masked lane reads no pair and
+    // takes ids (-1, -1), outside every side.
+    u64 sb[U], db[U];
+    i64 i[U], j[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const u64 r = r0 + static_cast<u64>(k) * ROWS;
+      i[k] = -1;
+      j[k] = -1;
+      sb[k] = 0;
+      db[k] = 0;
+      if (active && r < total) {
+        u64 q = fdiv(r, tokens, m_tokens, small);
+        const i64 t = static_cast<i64>(r - q * tokens);
+        u64 p = fdiv(q, heads, m_heads, small);
+        const i64 h = static_cast<i64>(q - p * heads);
+        q = fdiv(p, pairs, m_pairs, small);
+        read_pair(mapping, ms0, ms1, p - q * pairs, &i[k], &j[k]);
+        u64 s = 0, d = 0;
+        switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+        sb[k] = s + h * ssh + t * sst + vs;
+        db[k] = d + h * dsh + t * dst_ + vd;
+      }
+    }
+    Raw<VB> x[U];
+    bool ok[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      ok[k] = i[k] >= 0 && i[k] < sblocks && j[k] >= 0 && j[k] < dblocks;
+      if (ok[k]) x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[k] + i[k] * ssb));
+      db[k] += j[k] * dsb;
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (ok[k]) store_raw<VB>(reinterpret_cast<u8*>(db[k]), x[k]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // Quantized pages (SPEC §9.4). Head chunk k of page row p starts at
 // page + p*prs + k*hb; in it: float32 sigma(l, s) at 4*(l*S + s), then the codes from 4*L*S
 // (fp8: element q = r*E + e at q; nvfp4: element q's nibble in byte q / 2, low nibble when e is

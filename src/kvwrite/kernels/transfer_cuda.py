@@ -4,9 +4,12 @@ with NVRTC, launched on PyTorch's current stream. The ops' ``cuda_impl`` modules
 
 A :class:`~kvwrite.transfer.TransferPlan` runs as:
 
-- its raw copies (``plan.jobs``): ``transfer_copy_kernel<VB, IDX, U>``, one launch per group of
-  at most :data:`SLOTS` jobs of one geometry (strides, counts, block counts and vector width VB;
-  the jobs of a multi-layer call of one layout form one group, so 64 layers take two launches).
+- its raw copies (``plan.jobs``): ``transfer_copy_kernel<VB, IDX, U>`` (rows longer than a warp
+  covers: a warp's segment of 32 * U vectors of one row) or ``transfer_copy_rows_kernel<VB, IDX,
+  U, LANES>`` (rows of at most 32 vectors: LANES lanes a row, U rows a lane, :func:`copy_lanes`),
+  one launch per group of at most :data:`SLOTS` jobs of one geometry (strides, counts, block
+  counts and vector width VB; the jobs of a multi-layer call of one layout form one group, so 64
+  layers take two launches).
   The jobs' pointers are scalar arguments in fixed slots: cuda.core's launch takes scalars only,
   and a pointer table on the device would need an allocation and a host copy each call, which a
   CUDA graph captured without a warm-up call cannot hold.
@@ -32,7 +35,8 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name", "magic"]
+           "page_name", "magic", "copy_lanes", "copy_rows_unroll", "copy_calls", "CopyCall",
+           "ROWS_MOST", "grid_size"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -54,9 +58,10 @@ class TransferTuning(launch.PdlPolicy):
     copy_threads: int = 1024
     # The most vectors a lane loads before its stores (U, compiled in): a warp's segment is 32 * U
     # vectors of one row, U the largest power of two up to this whose segment the row fills (see
-    # copy_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers, 128 random blocks,
-    # all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s (the device copy:
-    # 2086).
+    # copy_unroll); rows of at most 32 vectors: one vector of each of U rows, U this up to
+    # ROWS_MOST (copy_rows_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers,
+    # 128 random blocks, all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s
+    # (the device copy: 2086).
     loads_in_flight: int = 2
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
@@ -110,8 +115,43 @@ def copy_unroll(nvec: int, most: int) -> int:
     return u
 
 
-def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
-    """The name expression of a copy kernel variant."""
+# The most rows a lane of transfer_copy_rows_kernel moves at once: each row holds two addresses
+# and a pair of ids (8 registers) until its load, then its vector until its store. 2: at 4, the
+# launch bounds' 64 registers spill (ptxas, sm_90, VB 16: 8-16 bytes of stack at LANES < 32);
+# at 2, 46-50 registers and no stack (tests/test_transfer_cuda.py). Two rows of 16 B a lane are
+# 32 KiB in flight a 1024-thread CTA: a device copy needs about 11 KiB an SM (2 TB/s over 132
+# SMs at ~0.7 us), a pinned host side at 4 CTAs 128 KiB over the grid (~55 GB/s at ~2 us).
+ROWS_MOST = 2
+
+
+def copy_lanes(nvec: int) -> int:
+    """Lanes a row of ``nvec`` vectors takes in transfer_copy_rows_kernel: the least power of two
+    >= nvec where nvec <= 32 (a warp then moves 32 // lanes rows a load instead of one row, whose
+    segment left 32 - nvec lanes idle), else 0: segments of one row (transfer_copy_kernel).
+    Rows of 17-31 vectors keep 32 lanes (as a segment would), but U of them a lane."""
+    if nvec > 32:
+        return 0
+    lanes = 1
+    while lanes < nvec:
+        lanes *= 2
+    return lanes
+
+
+def copy_rows_unroll(most: int) -> int:
+    """U of a rows launch (rows a lane loads before its stores): ``most`` up to :data:`ROWS_MOST`,
+    a power of two."""
+    u = 1
+    while u * 2 <= min(most, ROWS_MOST):
+        u *= 2
+    return u
+
+
+def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int, lanes: int = 0) -> str:
+    """The name expression of a copy kernel variant: segments of one row (``lanes`` 0) or
+    ``lanes`` lanes a row."""
+    if lanes:
+        return (f"transfer_copy_rows_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}, "
+                f"{lanes}>")
     return f"transfer_copy_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}>"
 
 
@@ -129,6 +169,11 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     unrolls = [u for u in (1, 2, 4, 8, 16, 32) if u <= most]
     names = [copy_name(vb, dt, u) for vb in (1, 2, 4, 8, 16)
              for dt in (torch.int32, torch.int64) for u in unrolls]
+    row_unrolls = sorted({copy_rows_unroll(tuning.loads_in_flight),
+                          copy_rows_unroll(tuning.loads_in_flight_host)})
+    names += [copy_name(vb, dt, u, lanes) for vb in (1, 2, 4, 8, 16)
+              for dt in (torch.int32, torch.int64) for u in row_unrolls
+              for lanes in (1, 2, 4, 8, 16, 32)]
     names += [page_name(d, f, c, dt) for d in ("pack", "unpack") for f in _FMT
               for c in (torch.float16, torch.bfloat16, torch.float32)
               for dt in (torch.int32, torch.int64)]
@@ -262,13 +307,19 @@ def _launchable(name: str, index: int) -> launch.Launchable:
     return lau
 
 
-def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
-          ctas_per_sm: int) -> int:
-    """CTAs of a launch: enough for the work, at most ctas_per_sm per SM, at most max_ctas."""
-    grid = min(-(-work_items // per_cta), nvrtc.device_arch(index)[1] * ctas_per_sm)
+def grid_size(work_items: int, per_cta: int, sms: int, max_ctas: int | None,
+              ctas_per_sm: int) -> int:
+    """CTAs of a launch: enough for the work, at most ctas_per_sm per SM of ``sms``, at most
+    max_ctas."""
+    grid = min(-(-work_items // per_cta), sms * ctas_per_sm)
     if max_ctas is not None:
         grid = min(grid, max_ctas)
     return max(1, grid)
+
+
+def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
+          ctas_per_sm: int) -> int:
+    return grid_size(work_items, per_cta, nvrtc.device_arch(index)[1], max_ctas, ctas_per_sm)
 
 
 def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
@@ -306,11 +357,23 @@ def copy_threads(to_host: bool, max_ctas: int | None, tuning: TransferTuning = T
     return max(tuning.host_cta_threads, min(tuning.copy_threads, share))
 
 
-def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
-    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
-    if plan.pairs == 0:
-        return
-    index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+@dataclasses.dataclass(frozen=True)
+class CopyCall:
+    """One copy kernel launch as :func:`run` makes it: the variant, its units of work (warp
+    segments, or rows), the units a warp takes a step, threads per CTA, CTAs per SM where
+    max_ctas is None, and the kernel's arguments."""
+
+    name: str
+    work: int
+    per_warp: int
+    threads: int
+    ctas_per_sm: int
+    args: tuple
+
+
+def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[CopyCall]:
+    """The copy launches of ``plan`` (no GPU needed: the CPU emulation of the kernel,
+    tests/test_transfer_emu.py, runs exactly these)."""
     margs = _mapping_args(plan)
     mdt = plan.mapping.dtype
     reads_host = any(j.src.on_host for j in plan.jobs)
@@ -318,18 +381,37 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     most = tuning.loads_in_flight_host if reads_host or writes_host else tuning.loads_in_flight
     threads = copy_threads(writes_host and not reads_host, plan.max_ctas, tuning)
     ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
+    out = []
     for cl in copy_launches(plan.jobs, tuning):
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
         heads, tokens, nvec, ppe = cl.geometry[10:]
-        u = copy_unroll(nvec, most)
-        segs = -(-nvec // (32 * u))
-        work = len(cl.pointers) * plan.pairs * heads * tokens * segs  # warp segments
+        rows = len(cl.pointers) * plan.pairs * heads * tokens
+        lanes = copy_lanes(nvec)
+        if lanes:
+            u = copy_rows_unroll(most)
+            segs, work, per_warp = 1, rows, 32 // lanes * u
+        else:
+            u = copy_unroll(nvec, most)
+            segs = -(-nvec // (32 * u))
+            work, per_warp = rows * segs, 1  # warp segments
         magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
-        _launch(copy_name(cl.vb, mdt, u), index, work, threads // 32, threads, plan.max_ctas,
-                ctas_per_sm, tuning, *margs, *slots,
-                len(cl.pointers), *cl.geometry[:12], nvec, ppe.bit_length() - 1, segs, *magics)
+        out.append(CopyCall(copy_name(cl.vb, mdt, u, lanes), work, per_warp, threads, ctas_per_sm,
+                            (*margs, *slots, len(cl.pointers), *cl.geometry[:12], nvec,
+                             ppe.bit_length() - 1, segs, *magics)))
+    return out
+
+
+def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
+    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
+    if plan.pairs == 0:
+        return
+    index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+    margs = _mapping_args(plan)
+    for c in copy_calls(plan, tuning):
+        _launch(c.name, index, c.work, c.threads // 32 * c.per_warp, c.threads, plan.max_ctas,
+                c.ctas_per_sm, tuning, *c.args)
     pj = plan.page_job
     if pj is not None:
         _run_pages(plan, pj, index, margs, tuning)
