@@ -27,7 +27,8 @@ from kvwrite.testing.compare import copy_allocations, storage_bytes
 from kvwrite.testing.sanitize import compare_outputs
 from kvwrite.transfer import CopyJob, PageJob, Side, TransferPlan
 
-__all__ = ["PAIRS", "COPY_KINDS", "copy_views", "side", "block_bytes_view", "copy_job", "make_plan", "mapping_tensor", "raw_oracle",
+__all__ = ["PAIRS", "COPY_KINDS", "ROW_LAYOUTS", "row_views", "copy_views", "side",
+           "block_bytes_view", "copy_job", "make_plan", "mapping_tensor", "raw_oracle",
            "run_copy_case", "PageCase", "page_chunk_bytes", "pack_oracle", "unpack_oracle",
            "run_page_case", "FP8"]
 
@@ -94,15 +95,20 @@ def raw_oracle(views: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple
 
 def run_copy_case(op: str, views: list[tuple[torch.Tensor, torch.Tensor]],
                   pairs: list[tuple[int, int]], run, *, mapping_dtype=torch.int64,
-                  strided_mapping: bool = False, max_ctas: int | None = None) -> str | None:
-    """``run(plan)`` (a cuda ``run``) over the copy jobs of ``views`` against :func:`raw_oracle`:
-    None where every destination allocation and every source allocation holds the expected
-    bytes, else the first difference."""
-    device = next(t.device for pair in views for t in pair if t.device.type == "cuda")
+                  strided_mapping: bool = False, max_ctas: int | None = None,
+                  jobs: list[CopyJob] | None = None) -> str | None:
+    """``run(plan)`` (a cuda ``run``, or the CPU emulation of the kernels where every view is on
+    the host) over the copy jobs of ``views`` (``jobs`` where given, else :func:`copy_job` of
+    each pair) against :func:`raw_oracle`: None where every destination allocation and every
+    source allocation holds the expected bytes, else the first difference."""
+    device = next((t.device for pair in views for t in pair if t.device.type == "cuda"),
+                  torch.device("cpu"))
     want = raw_oracle(views, pairs)
     src_before = copy_allocations([s for s, _ in views], "cpu")
     mapping = mapping_tensor(pairs, mapping_dtype, device, strided_mapping)
-    run(make_plan(op, [copy_job(s, d) for s, d in views], mapping, len(pairs), device, max_ctas))
+    if jobs is None:
+        jobs = [copy_job(s, d) for s, d in views]
+    run(make_plan(op, jobs, mapping, len(pairs), device, max_ctas))
     got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
     got.update({f"src{n}": s for n, (s, _) in enumerate(views)})
     expected = {f"dst{n}": w for n, w in enumerate(want)}
@@ -155,6 +161,56 @@ def copy_views(kind: str, device, pinned: str | None = None):
 
 
 COPY_KINDS = ["dense", "relayout", "odd", "strided", "bytes", "heads", "block_bytes", "long_rows"]
+
+# Row layouts of row_views: (vector width the kernels take, vectors of a row of n).
+ROW_LAYOUTS = {"dense16": (16, lambda n: n), "relayout16": (16, lambda n: n),
+               "odd2": (2, lambda n: n), "bytes1": (1, lambda n: n),
+               "pieces4": (4, lambda n: 2 * -(-n // 2))}
+
+
+def row_views(layout: str, n: int, device, seed: int = 0, pinned: str | None = None):
+    """(views, jobs): two (src, dst) view pairs of one geometry (two jobs of one launch) whose rows
+    have ``n`` vectors of ROW_LAYOUTS[layout] (pieces4: 2 * ceil(n / 2)), 6 blocks a side, 2 heads,
+    3 tokens, random bytes; ``pinned`` "src" or "dst": that side in pinned host memory.
+    dense16 / relayout16: int32 rows of 16 * n bytes, the relayout's destination (B, N, H, C);
+    odd2: float16 rows inside padded rows; bytes1: uint8 rows at odd offsets; pieces4: 8-byte
+    elements, every other one on the source, both sides 4-aligned (non-dense rows, 2 pieces an
+    element)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def buf(nbytes, where):
+        x = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+        return x.pin_memory() if where == pinned else x.to(device)
+
+    views, jobs = [], []
+    for _ in range(2):
+        if layout in ("dense16", "relayout16"):
+            src = buf(6 * 2 * 3 * 16 * n, "src").view(torch.int32).view(6, 2, 3, 4 * n)
+            dst = buf(6 * 2 * 3 * 16 * n, "dst").view(torch.int32)
+            dst = (dst.view(6, 2, 3, 4 * n) if layout == "dense16"
+                   else dst.view(6, 3, 2, 4 * n).transpose(1, 2))
+        elif layout == "odd2":
+            src = buf(6 * 2 * 3 * 2 * (n + 3), "src").view(torch.float16).view(6, 2, 3, n + 3)
+            dst = buf(6 * 2 * 3 * 2 * (n + 1), "dst").view(torch.float16).view(6, 2, 3, n + 1)
+            src, dst = src[..., 1:n + 1], dst[..., :n]
+        elif layout == "bytes1":
+            src = buf(6 * 2 * 3 * (n + 2), "src").view(6, 2, 3, n + 2)[..., 1:n + 1]
+            dst = buf(6 * 2 * 3 * (n + 1), "dst").view(6, 2, 3, n + 1)[..., 1:]
+        elif layout == "pieces4":
+            e = -(-n // 2)
+            src = buf(6 * 2 * 3 * 16 * e + 4, "src")[4:].as_strided(
+                (6, 2, 3, e, 8), (96 * e, 48 * e, 16 * e, 16, 1))
+            dst = buf(6 * 2 * 3 * 8 * e + 12, "dst")[12:].as_strided(
+                (6, 2, 3, e, 8), (48 * e, 24 * e, 8 * e, 8, 1))
+            views.append((src, dst))
+            jobs.append(CopyJob(Side(src, 0, src.stride()[:4], 6),
+                                Side(dst, 0, dst.stride()[:4], 6), 2, 3, e, 8))
+            continue
+        else:
+            raise ValueError(layout)
+        views.append((src, dst))
+        jobs.append(copy_job(src, dst))
+    return views, jobs
 
 
 # ------------------------------------------------------------------------------------------
