@@ -36,6 +36,16 @@ def test_nvrtc_compile_every_variant(arch, family):
     assert set(names) <= set(obj.symbol_mapping)
 
 
+@needs_nvrtc
+def test_nvrtc_compile_rows_variants_of_one_load():
+    """The rows kernel at U = 1 (a tuning of one load in flight) compiles too, every LANES."""
+    tuning = tc.TransferTuning(loads_in_flight=1, loads_in_flight_host=1)
+    names = [n for n in tc.all_kernel_names(tuning) if n.startswith("transfer_copy_rows_kernel<")]
+    assert len(names) == 5 * 2 * 6 and all(", 1, " in n for n in names)
+    obj, _ = tc.compile_kernel("sm_90", names)
+    assert set(names) <= set(obj.symbol_mapping)
+
+
 def test_kernel_source_ships_as_package_data():
     import importlib.resources
     res = importlib.resources.files(tc.SOURCE.package).joinpath(tc.SOURCE.filename)
@@ -136,6 +146,43 @@ def test_gpu_copy_every_segment_length(kind, most):
     tuning = tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
     assert tp.run_copy_case("swap_blocks", views, PAIRS,
                             lambda plan: tc.run(plan, tuning=tuning)) is None
+
+
+ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", list(tp.ROW_LAYOUTS))
+@pytest.mark.parametrize("most", [1, 2, 8])
+def test_gpu_copy_rows_of_every_length(layout, most):
+    """Rows of 1..40 vectors (the rows kernel at every LANES, U 1 and 2) and a few long ones (the
+    segments), two jobs a launch, each length at one of max_ctas 1 / 3 / None and int64 or
+    strided int32 mappings (rotating), as tests/test_transfer_emu.py runs them on the CPU."""
+    tuning = tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
+    failures = []
+    for k, n in enumerate(ROW_VECTORS):
+        views, jobs = tp.row_views(layout, n, "cuda", seed=k)
+        mdt, strided = ((torch.int64, False), (torch.int32, True))[k % 2]
+        err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS,
+                               lambda plan: tc.run(plan, tuning=tuning), mapping_dtype=mdt,
+                               strided_mapping=strided, max_ctas=(1, 3, None)[k % 3], jobs=jobs)
+        if err is not None:
+            failures.append(f"n={n}: {err}")
+    assert not failures, "\n".join(failures[:6])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [1, 5, 16, 24, 32])
+@pytest.mark.parametrize("pinned", ["src", "dst"])
+@pytest.mark.parametrize("max_ctas", [1, 4, None])
+def test_gpu_copy_rows_pinned_host_side(n, pinned, max_ctas):
+    """Short rows from and to pinned host memory (raw pack to host pages, unpack from them): the
+    rows kernel at the host's U, a d2h launch's split threads."""
+    views, jobs = tp.row_views("relayout16", n, "cuda", pinned=pinned)
+    assert tp.run_copy_case("pack_kv_pages", views, PAIRS, tc.run, max_ctas=max_ctas,
+                            jobs=jobs) is None
 
 
 @pytest.mark.gpu
@@ -300,6 +347,71 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
             regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
             assert regs and max(regs) <= 64, (vb, u, regs)
     assert tc.TUNING.copy_threads * 64 <= 65536
+
+
+@needs_nvrtc
+def test_copy_rows_kernel_fits_1024_threads_without_spills(tmp_path):
+    """The rows kernel at every U the launcher picks (up to ROWS_MOST) and every LANES: at most
+    64 registers and no stack (each of a lane's rows holds its addresses and ids until its load:
+    at U = 4 ptxas spills, hence ROWS_MOST)."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    import re
+    import subprocess
+    for vb in (1, 4, 16):
+        for dt in (torch.int32, torch.int64):
+            for u in range(1, tc.ROWS_MOST + 1):
+                if u & (u - 1):
+                    continue
+                for lanes in (1, 2, 4, 8, 16, 32):
+                    cubin, _ = tc.SOURCE.cubin("sm_90", tc.copy_name(vb, dt, u, lanes), ())
+                    path = tmp_path / "k.cubin"
+                    path.write_bytes(cubin)
+                    out = subprocess.run([sass.cuobjdump(), "-res-usage", str(path)],
+                                         capture_output=True, text=True, check=True).stdout
+                    regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
+                    stack = [int(r) for r in re.findall(r"STACK:(\d+)", out)]
+                    assert regs and max(regs) <= 64 and stack == [0], (vb, dt, u, lanes, out)
+
+
+def test_copy_lanes_group_short_rows():
+    """Rows of at most 32 vectors take the rows kernel with the least power of two lanes that
+    holds them; longer rows the segments (0)."""
+    assert [tc.copy_lanes(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 4096)] == \
+        [1, 2, 4, 8, 8, 16, 16, 32, 32, 32, 0, 0, 0]
+    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8)] == [1, 2, 2, 2, 2]
+    assert tc.ROWS_MOST == 2
+
+
+@pytest.mark.parametrize("row_bytes,name", [
+    (256, "transfer_copy_rows_kernel<16, int, 2, 16>"),    # raw pack/unpack: E * es = 256 B
+    (512, "transfer_copy_rows_kernel<16, int, 2, 32>"),    # relayout LBNHC -> LBHNC rows
+    (1024, "transfer_copy_kernel<16, int, 2>"),            # 64 vectors: segments of 2 loads
+    (65536, "transfer_copy_kernel<16, int, 2>"),           # swap's whole blocks
+    (48, "transfer_copy_rows_kernel<16, int, 2, 4>"),
+])
+def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
+    """copy_calls (what run launches): the variant by the rows' vectors, the units of work (rows
+    for the rows kernel: 32 / LANES * U a warp's step; warp segments else) and the arguments."""
+    src = torch.zeros(5, 2, 3, row_bytes, dtype=torch.uint8)
+    jobs = [tp.copy_job(src, src.clone()) for _ in range(3)]
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cpu")
+    plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(PAIRS), torch.device("cuda"))
+    # CPU tensors stand for device ones: their sides count as host memory, whose U is set here
+    # to the device's.
+    tuning = tc.TransferTuning(loads_in_flight_host=tc.TUNING.loads_in_flight)
+    (c,) = tc.copy_calls(plan, tuning)
+    assert c.name == name and c.threads == 1024
+    nvec = row_bytes // 16
+    rows = 3 * len(PAIRS) * 2 * 3
+    lanes = tc.copy_lanes(nvec)
+    if lanes:
+        assert (c.work, c.per_warp) == (rows, 32 // lanes * 2)
+        assert c.args[-5:-4] == (1,)  # segs
+    else:
+        segs = -(-nvec // 64)
+        assert (c.work, c.per_warp) == (rows * segs, 1) and c.args[-5] == segs
+    assert c.args[0] == mapping.data_ptr() and c.args[4:6] == (jobs[0].src.ptr, jobs[0].dst.ptr)
+    assert c.args[68] == 3 and c.args[81] == nvec  # njobs, nvec
 
 
 def test_copy_threads_share_a_host_budget():
