@@ -10,10 +10,11 @@ A :class:`~kvwrite.transfer.TransferPlan` runs as:
   The jobs' pointers are scalar arguments in fixed slots: cuda.core's launch takes scalars only,
   and a pointer table on the device would need an allocation and a host copy each call, which a
   CUDA graph captured without a warm-up call cannot hold.
-- its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX>`` or
-  ``transfer_unpack_kernel<FMT, OUT, IDX>``, one launch per run of at most :data:`SLOTS`
-  consecutive layers with equal strides (layer pointers in slots as above); the first pack launch
-  also writes every chunk's scales and zero tail.
+- its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX, ALIGNED, U>`` or
+  ``transfer_unpack_kernel<FMT, OUT, IDX, ALIGNED, U>``, one launch per run of at most
+  :data:`SLOTS` consecutive layers with equal strides (layer pointers in slots as above); the
+  first pack launch also writes every chunk's scales and zero tail. ALIGNED (vector accesses,
+  U groups a lane in flight) where :func:`page_aligned` holds, else the general variant (U = 1).
 
 Every kernel is a persistent grid-stride loop: at most ``plan.max_ctas`` CTAs per launch where
 set, else enough to cover the work up to ``ctas_per_sm`` CTAs per SM. Graph-safe: no
@@ -32,7 +33,7 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name", "magic"]
+           "page_name", "page_aligned", "page_unroll", "page_launch_args", "magic"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -71,15 +72,22 @@ class TransferTuning(launch.PdlPolicy):
     host_cta_threads: int = 128
     # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
     jobs_per_launch: int = SLOTS
-    # Threads per CTA of the page kernels (one group of 16 elements a thread). Unmeasured.
-    page_threads: int = 256
+    # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
+    # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
+    # registers a thread, tests/test_transfer_cuda.py). Unmeasured for the pages.
+    page_threads: int = 1024
+    # The most groups a lane loads before their arithmetic (U of the aligned page variants, the
+    # largest power of two up to this whose warp item (32 * U groups) the segment fills). 2:
+    # a 1024-thread CTA then holds 64 KiB of bfloat16 reads in flight (pack), twice the copy
+    # kernel's at its measured best (U = 2 vectors of 16 bytes). Unmeasured for the pages.
+    page_unroll: int = 2
     # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
     # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
     # tests/test_transfer_cuda.py), leave no room for a second).
     ctas_per_sm: int = 1
-    # CTAs per SM of the page kernels where max_ctas is None. Unmeasured: 4 x 256 threads at up to
-    # 56 registers (ptxas, sm_90) fit an SM's registers.
-    page_ctas_per_sm: int = 4
+    # CTAs per SM of the page kernels where max_ctas is None: one of 1024 threads (64 registers a
+    # thread fill the SM's 65536).
+    page_ctas_per_sm: int = 1
 
 
 TUNING = TransferTuning()
@@ -116,11 +124,12 @@ def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
 
 
 def page_name(direction: str, page_format: str, cache_dtype: torch.dtype,
-              mapping_dtype: torch.dtype) -> str:
-    """The name expression of a page kernel variant."""
+              mapping_dtype: torch.dtype, aligned: bool = False, unroll: int = 1) -> str:
+    """The name expression of a page kernel variant (``aligned``: the vector variant, see
+    :func:`page_aligned`; ``unroll``: its U, 1 for the general one)."""
     kern = "transfer_pack_kernel" if direction == "pack" else "transfer_unpack_kernel"
     return (f"{kern}<{_FMT[page_format]}, {launch.kind(cache_dtype)}, "
-            f"{launch.int_type(mapping_dtype)}>")
+            f"{launch.int_type(mapping_dtype)}, {'true' if aligned else 'false'}, {unroll}>")
 
 
 def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
@@ -129,9 +138,12 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     unrolls = [u for u in (1, 2, 4, 8, 16, 32) if u <= most]
     names = [copy_name(vb, dt, u) for vb in (1, 2, 4, 8, 16)
              for dt in (torch.int32, torch.int64) for u in unrolls]
-    names += [page_name(d, f, c, dt) for d in ("pack", "unpack") for f in _FMT
-              for c in (torch.float16, torch.bfloat16, torch.float32)
-              for dt in (torch.int32, torch.int64)]
+    for d in ("pack", "unpack"):
+        for c in (torch.float16, torch.bfloat16, torch.float32):
+            most = page_unroll(d, c, 1 << 30, tuning.page_unroll)
+            variants = [(False, 1)] + [(True, u) for u in (1, 2, 4, 8, 16) if u <= most]
+            names += [page_name(d, f, c, dt, a, u) for f in _FMT
+                      for dt in (torch.int32, torch.int64) for a, u in variants]
     return names
 
 
@@ -250,6 +262,96 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
     return out
 
 
+def page_aligned(pj: PageJob) -> bool:
+    """Whether the aligned page variant serves ``pj`` (transfer.cu's ALIGNED): every group whole
+    (``E % 16 == 0``), every layer's parts dense (element stride the element size) with their
+    pointer and every byte stride that moves an address (block; head where ``K > 1``; token
+    where ``N > 1``) multiples of 16, so each group's cache bytes are one 16-byte aligned run;
+    and the page's chunk start 16-byte aligned (its pointer, the row stride where there are two
+    rows or more, ``hb``) with the codes from ``4*L*S`` at a multiple of 16 (fp8: 16-byte code
+    groups) or 8 (nvfp4: 8-byte code groups), so the header floats are 4-byte aligned too. A
+    stride of a dim of one index never moves an address and is not counted (as for copies)."""
+    E, L, S = pj.part_elems, pj.layers, pj.parts
+    if E % 16:
+        return False
+    es = pj.cache_dtype.itemsize
+    for side in pj.caches:
+        sb, sh, st, sc = side.strides
+        moving = (sb if side.blocks > 1 else 0, sh if pj.heads > 1 else 0,
+                  st if pj.tokens > 1 else 0)
+        if sc != es or (side.ptr | _or(moving)) % 16:
+            return False
+    prs = pj.pages.strides[0] if pj.pages.blocks > 1 else 0
+    code_align = 8 if pj.page_format == "nvfp4" else 16
+    return (pj.pages.ptr | prs | pj.chunk_bytes) % 16 == 0 and (4 * L * S) % code_align == 0
+
+
+def _or(values) -> int:
+    """The bitwise or of integers (an alignment test of all of them at once)."""
+    out = 0
+    for v in values:
+        out |= v
+    return out
+
+
+def page_unroll(direction: str, cache_dtype: torch.dtype, groups: int, most: int) -> int:
+    """U of an aligned page launch whose segments hold ``groups`` groups: the largest power of two
+    up to ``most`` whose warp item (32 * U groups) the segment fills, 1 below 64 groups. A pack of
+    float32 caches takes 1: two groups' 128 bytes of loads a lane spill at 64 registers (ptxas,
+    sm_90: 16-48 bytes of stack), and one group already holds 64 bytes in flight."""
+    if direction == "pack" and cache_dtype.itemsize == 4:
+        most = 1
+    return copy_unroll(groups, most)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLaunchArgs:
+    """One page launch as :func:`run` makes it: variant, grid, threads and every argument."""
+
+    name: str
+    grid: int
+    threads: int
+    args: tuple[int, ...]
+
+
+def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
+                     sm_count: int | None = None) -> list[PageLaunchArgs]:
+    """The launches of ``plan.page_job`` (no GPU needed where ``sm_count`` is given: the SMs a
+    grid without ``max_ctas`` may fill; else the plan's device's)."""
+    pj = plan.page_job
+    if sm_count is None:
+        index = plan.device.index if plan.device.index is not None else \
+            torch.cuda.current_device()
+        sm_count = nvrtc.device_arch(index)[1]
+    aligned = page_aligned(pj)
+    L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
+    G = -(-E // 16)
+    u = page_unroll(pj.direction, pj.cache_dtype, N * G, tuning.page_unroll) if aligned else 1
+    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, aligned, u)
+    segs = -(-(N * G) // (32 * u))
+    cblocks = min(side.blocks for side in pj.caches)
+    pages = pj.pages
+    page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
+    pack = pj.direction == "pack"
+    m = plan.mapping
+    head = (m.data_ptr(), m.stride(0), m.stride(1), plan.pairs)
+    if pack:
+        head += (pj.scale.data_ptr() + 4 * pj.scale_offset, *pj.scale_strides)
+    threads = tuning.page_threads
+    out = []
+    for pl in page_launches(pj):
+        slots = list(pl.pointers) + [0] * (SLOTS - len(pl.pointers))
+        nl = len(pl.pointers)
+        per_chunk = nl * S * segs + (1 if pack and pl.l0 == 0 else 0)
+        work = plan.pairs * K * per_chunk  # warp items
+        small = int(work < 1 << 32 and N * G < 1 << 32)
+        geometry = (pl.l0, nl, L, S, N, E, K, *pl.strides, cblocks, *page_args, segs,
+                    magic(per_chunk), magic(K), magic(segs), magic(S), magic(G), small)
+        grid = _grid_of(work, threads // 32, sm_count, plan.max_ctas, tuning.page_ctas_per_sm)
+        out.append(PageLaunchArgs(name, grid, threads, (*head, *slots, *geometry)))
+    return out
+
+
 LAUNCHES = launch.LaunchCache()
 
 
@@ -262,13 +364,18 @@ def _launchable(name: str, index: int) -> launch.Launchable:
     return lau
 
 
-def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
-          ctas_per_sm: int) -> int:
+def _grid_of(work_items: int, per_cta: int, sm_count: int, max_ctas: int | None,
+             ctas_per_sm: int) -> int:
     """CTAs of a launch: enough for the work, at most ctas_per_sm per SM, at most max_ctas."""
-    grid = min(-(-work_items // per_cta), nvrtc.device_arch(index)[1] * ctas_per_sm)
+    grid = min(-(-work_items // per_cta), sm_count * ctas_per_sm)
     if max_ctas is not None:
         grid = min(grid, max_ctas)
     return max(1, grid)
+
+
+def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
+          ctas_per_sm: int) -> int:
+    return _grid_of(work_items, per_cta, nvrtc.device_arch(index)[1], max_ctas, ctas_per_sm)
 
 
 def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
@@ -337,21 +444,8 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
 
 def _run_pages(plan: TransferPlan, pj: PageJob, index: int, margs: tuple,
                tuning: TransferTuning) -> None:
-    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype)
-    L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
-    groups = -(-E // 16)
-    cblocks = min(side.blocks for side in pj.caches)
-    pages = pj.pages
-    page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
-    pack = pj.direction == "pack"
-    if pack:
-        scale_args = (pj.scale.data_ptr() + 4 * pj.scale_offset, *pj.scale_strides)
-    for pl in page_launches(pj):
-        slots = list(pl.pointers) + [0] * (SLOTS - len(pl.pointers))
-        nl = len(pl.pointers)
-        items = nl * S * N * groups + (L * S if pack and pl.l0 == 0 else 0)
-        work = plan.pairs * K * items
-        geometry = (pl.l0, nl, L, S, N, E, K, *pl.strides, cblocks, *page_args)
-        head = (*margs, *scale_args) if pack else margs
-        _launch(name, index, work, tuning.page_threads, tuning.page_threads, plan.max_ctas,
-                tuning.page_ctas_per_sm, tuning, *head, *slots, *geometry)
+    for pa in page_launch_args(plan, tuning, nvrtc.device_arch(index)[1]):
+        lau = _launchable(pa.name, index)
+        kernel, pdl = lau.pick(pa.grid, tuning.pdl_max_ctas)
+        nvrtc.launch(index, nvrtc.launch_config(pa.grid, 1, pa.threads, 1, pdl), kernel,
+                     *pa.args)
