@@ -259,6 +259,24 @@ KVW_HD Raw<16 * (IN == DT_F32 ? 4 : 2)> load_group(const u8* p, i64 sc, int n) {
   return raw;
 }
 
+// lo and hi rounded to OUT (DT_F16 / DT_BF16) to nearest even, as one word (lo in the low half):
+// on sm_80 and later one paired conversion (cvt.rn.{f16,bf16}x2.f32: the same rounding as two
+// single ones, NaN to the same canonical NaN), else two.
+template <int OUT>
+KVW_HD u32 f16ish2_from_f32(float lo, float hi) {
+#if !defined(KVWRITE_HOST_TEST) && __CUDA_ARCH__ >= 800
+  u32 r;
+  if constexpr (OUT == DT_F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
+#endif
+}
+
 // 16 float32 values rounded to OUT, as the group's raw cache bytes.
 template <int OUT>
 KVW_HD Raw<16 * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[16]) {
@@ -268,10 +286,46 @@ KVW_HD Raw<16 * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[16]) {
     if constexpr (OUT == DT_F32) {
       r.w[i] = f32_bits(y[i]);
     } else if ((i & 1) == 0) {
-      r.w[i >> 1] = f16ish_from_f32<OUT>(y[i]) | (f16ish_from_f32<OUT>(y[i + 1]) << 16);
+      r.w[i >> 1] = f16ish2_from_f32<OUT>(y[i], y[i + 1]);
     }
   }
   return r;
+}
+
+// __byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of y:x.
+KVW_HD u32 byte_perm(u32 x, u32 y, u32 sel) {
+#ifdef KVWRITE_HOST_TEST
+  const u64 xy = (static_cast<u64>(y) << 32) | x;
+  u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<u32>((xy >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#else
+  return __byte_perm(x, y, sel);
+#endif
+}
+
+// SPEC §6.4's decode of an nvfp4 group: y[i] = RN(RN(value(c_i) * S) * sigma), from its 16 codes
+// (w: element 2j in the low nibble of byte j) and sv64 = S * 64 (exact). E2M1's magnitude m =
+// c & 7 is the e4m3 code m << 2 times 2^6 (e4m3(m << 2) = value(m) * 2^-6 for every m: 0, 2^-7
+// (subnormal), 2^-6, ..., 6 * 2^-6), its sign bit (8) e4m3's (0x80); so the codes become e4m3 pairs
+// in a few bit operations a word, decoded by fp8x2_dequant (sm_89 and later: the hardware
+// conversion, two codes at once), and value(c) * S = e4m3 * sv64 exactly (at most 7 significant
+// bits, at least 2^-10: never rounded), as the rule's product is.
+KVW_HD void nvfp4_group_values(const u32 (&w)[4], float sv64, float sigma, float (&y)[16]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 lo = w[h] & 0x0F0F0F0Fu, hi = (w[h] >> 4) & 0x0F0F0F0Fu;  // byte j: 2j, 2j + 1
+    const u32 el = ((lo & 0x08080808u) << 4) | ((lo & 0x07070707u) << 2);
+    const u32 eh = ((hi & 0x08080808u) << 4) | ((hi & 0x07070707u) << 2);
+    const u32 pairs[2] = {byte_perm(el, eh, 0x5140u), byte_perm(el, eh, 0x7362u)};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v0, v1;
+      fp8x2_dequant(pairs[q >> 1] >> (16 * (q & 1)), sv64, false, v0, v1);
+      y[8 * h + 2 * q] = mul_rn(v0, sigma);
+      y[8 * h + 2 * q + 1] = mul_rn(v1, sigma);
+    }
+  }
 }
 
 // The n (<= 16) cache elements y[i] (float32) rounded to OUT, stored at p (element stride sc).
@@ -550,14 +604,7 @@ __global__ void __launch_bounds__(1024)
       }
       float y[16];
       if constexpr (FMT == KVW_NVFP4) {
-        const float sv = fp8_decode<DT_E4M3>(s8[u]);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const u32 c = (raw[u].w[i >> 3] >> (4 * (i & 7))) & 0xFu;
-          const float mag = nvfp4_value_mag(bits_f32(0x4B000000u | (c & 7u)));
-          const float v = bits_f32(f32_bits(mag) | ((c & 8u) << 28));
-          y[i] = mul_rn(mul_rn(v, sv), sigma);
-        }
+        nvfp4_group_values(raw[u].w, mul_rn(fp8_decode<DT_E4M3>(s8[u]), 64.0f), sigma, y);
       } else {
 #pragma unroll
         for (int i = 0; i < 16; i += 2)
