@@ -125,7 +125,8 @@ def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     a segment, one header item a chunk (pack), one launch, 1024-thread CTAs, one per SM."""
     case, plan = _llama_pages(direction, page_format, blocks=4)
     (pa,) = tc.page_launch_args(plan, sm_count=132)
-    assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, True, 2)
+    align = 8 if page_format == "nvfp4" else 16  # codes at 4*L*S = 256
+    assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align, 2)
     assert pa.threads == 1024
     items = 4 * 8 * (32 * 2 * 2 + (direction == "pack"))
     assert pa.grid == min(132, -(-items // 32))
@@ -144,7 +145,7 @@ def test_page_launch_args_grid_and_max_ctas():
     (pa,) = tc.page_launch_args(dataclasses.replace(plan, max_ctas=4), sm_count=132)
     assert pa.grid == 4
     (pa,) = tc.page_launch_args(plan, tc.TransferTuning(page_unroll=1), sm_count=132)
-    assert pa.name.endswith(", true, 1>")
+    assert pa.name.endswith(", 16, 1>")
 
 
 @needs_nvrtc
@@ -319,16 +320,17 @@ def test_gpu_pages_more_layers_than_slots_and_pinned_pages(direction, page_forma
 @pytest.mark.parametrize("page_format", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N,C,S", [(5, 64, 2), (16, 256, 2), (9, 128, 2), (10, 128, 1)])
+@pytest.mark.parametrize("L", [2, 3])
 @pytest.mark.parametrize("max_ctas", [3, None])
 def test_gpu_aligned_pages_match_the_torch_rules(direction, page_format, cache_dtype, N, C, S,
-                                                 max_ctas):
-    """The aligned variant (dense caches, 16-byte aligned chunks): U = 1 and 2, items masked at a
-    segment's end, the fp8 bracket of its GPU build."""
-    L = 4 if S == 1 else 2
+                                                 L, max_ctas):
+    """The aligned variants (dense caches, 16-byte aligned chunks; codes at 4*L*S = 8, 12, 16,
+    24: ALIGN 8, 4, 16, 8): U = 1 and 2, items masked at a segment's end, the fp8 bracket of
+    their GPU build."""
     case = tp.PageCase(direction, page_format, cache_dtype, L=L, S=S, N=N, C=C, pad=0,
                        row_pad=16, page_offset=32)
     caches, pages, scale = case.make("cpu")
-    assert tc.page_aligned(case.page_job(caches, pages, scale))
+    assert tc.page_align(case.page_job(caches, pages, scale)) > 0
     assert tp.run_page_case(case, tc.run, max_ctas=max_ctas) is None
 
 
@@ -355,12 +357,16 @@ def test_gpu_pack_special_values(page_format, cache_dtype, aligned, scale_value)
 @gpu
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("page_format", ["fp8_e4m3", "nvfp4"])
-def test_gpu_pages_of_the_benchmark_shape(direction, page_format):
-    """32 Llama-3-8B layers, 8 heads, 6 blocks: the benchmark's launch."""
-    case = tp.PageCase(direction, page_format, torch.bfloat16, L=32, S=2, N=16, C=256, Hc=8,
-                       Hp=8, K=8, hc0=0, hp0=0, num_blocks=6, num_pages=8, pad=0, row_pad=0,
+@pytest.mark.parametrize("model", ["llama3-8b", "deepseek-v3"])
+def test_gpu_pages_of_the_benchmark_shape(direction, page_format, model):
+    """The benchmark's launches: 32 Llama-3-8B layers of 8 heads (ALIGN 16 / 8, U = 2), 61
+    DeepSeek-V3 latent layers (ALIGN 4, U = 2), 6 blocks."""
+    L, H, N, C, S = (32, 8, 16, 256, 2) if model == "llama3-8b" else (61, 1, 64, 576, 1)
+    case = tp.PageCase(direction, page_format, torch.bfloat16, L=L, S=S, N=N, C=C, Hc=H,
+                       Hp=H, K=H, hc0=0, hp0=0, num_blocks=6, num_pages=8, pad=0, row_pad=0,
                        page_offset=0, scale_shape="full",
                        pairs=((0, 7), (5, 0), (2, 3), (-1, 4), (3, 8), (1, 1)))
+    assert tc.page_align(case.page_job(*case.make("cpu"))) > 0
     assert tp.run_page_case(case, tc.run) is None
 
 

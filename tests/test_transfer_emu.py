@@ -96,15 +96,23 @@ def emu(tmp_path_factory):
     return Emulated(tmp_path_factory.mktemp("transfer_emu"))
 
 
-def _check(emu, case, *, aligned: bool, unroll: int | None = None, **kw):
+def _align_unroll(name: str) -> tuple[int, int]:
+    """(ALIGN, U) of a page variant's name."""
+    *_, align, unroll = name.rstrip(">").split(",")
+    return int(align), int(unroll)
+
+
+def _check(emu, case, *, aligned: bool, unroll: int | None = None, align: int | None = None,
+           **kw):
     emu.launched.clear()
     err = tp.run_page_case(case, emu.run, device=torch.device("cpu"), **kw)
     assert err is None, err
     assert emu.launched, "nothing launched"
     for pa in emu.launched:
-        assert (", true," in pa.name) == aligned, pa.name
-        if unroll is not None:
-            assert pa.name.endswith(f", {unroll}>"), pa.name
+        a, u = _align_unroll(pa.name)
+        assert (a > 0) == aligned, pa.name
+        assert unroll is None or u == unroll, pa.name
+        assert align is None or a == align, pa.name
 
 
 def _aligned(case: tp.PageCase) -> tp.PageCase:
@@ -128,12 +136,15 @@ def test_general_variant_every_format(emu, direction, page_format, cache_dtype, 
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("page_format", _FMTS)
 @pytest.mark.parametrize("cache_dtype", _DTYPES, ids=_id)
-def test_aligned_variant_every_format(emu, direction, page_format, cache_dtype):
-    """Dense caches, aligned chunks, 4*L*S a multiple of 16: the aligned variant, U = 1 (a
-    segment of 2 * 5 groups: one item, lanes past its end masked). (L = 3 keeps the general
-    variant: 4*L*S = 24, codes not 16-byte aligned; the test below checks that too.)"""
-    case = _aligned(tp.PageCase(direction, page_format, cache_dtype, L=2, N=5, C=64))
-    _check(emu, case, aligned=True, unroll=1, mapping_dtype=torch.int32,
+@pytest.mark.parametrize("L,S", [(2, 2), (3, 2), (3, 1)])
+def test_aligned_variant_every_format(emu, direction, page_format, cache_dtype, L, S):
+    """Dense caches, aligned chunks: the aligned variants, codes at 4*L*S = 16, 24 and 12 (ALIGN
+    16 / 8 / 4; nvfp4 at most 8), U = 1 (a segment of 5 * 2 or 5 * 4 groups: one item, lanes past
+    its end masked)."""
+    case = _aligned(tp.PageCase(direction, page_format, cache_dtype, L=L, S=S, N=5, C=64))
+    codes_at = 4 * L * S
+    want = min(8 if page_format == "nvfp4" else 16, codes_at & -codes_at)
+    _check(emu, case, aligned=True, unroll=1, align=want, mapping_dtype=torch.int32,
            strided_mapping=True)
 
 
@@ -165,7 +176,7 @@ def test_row_shapes_and_grids(emu, direction, page_format, C, S, max_ctas):
     whose parts are not whole groups (general variant) and aligned ones."""
     case = tp.PageCase(direction, page_format, torch.bfloat16, C=C, S=S, N=3, Hc=2, Hp=2, K=2,
                        hc0=0, hp0=0, row_pad=0, pad=0, scale_shape="head")
-    aligned = tc.page_aligned(case.page_job(*case.make("cpu")))
+    aligned = tc.page_align(case.page_job(*case.make("cpu"))) > 0
     _check(emu, case, aligned=aligned, max_ctas=max_ctas)
 
 
@@ -219,29 +230,43 @@ def test_emulation_catches_a_wrong_kernel(tmp_path):
     assert err is not None and "pages" in err
 
 
-def test_page_aligned_decides_by_every_address():
-    """The aligned variant only where every group's accesses are aligned: a 24-byte header
-    (4*L*S, fp8), a misaligned pool, padded cache rows, a cache offset by one element and a
-    row stride not a multiple of 16 each give the general one; nvfp4 needs 8 (4*L*S = 24 is)."""
-    def aligned(case, cache=None):
+def test_page_align_decides_by_every_address():
+    """The aligned variants only where every group's accesses are aligned: a misaligned pool,
+    padded rows whose stride is not a multiple of 16, a cache offset by one element, every other
+    element, partial groups give the general one (0); the codes' offset 4*L*S gives ALIGN."""
+    def align(case, cache=None):
         caches, pages, scale = case.make("cpu")
         if cache is not None:
             caches = [cache(c) for c in caches]
-        return tc.page_aligned(case.page_job(caches, pages, scale))
+        return tc.page_align(case.page_job(caches, pages, scale))
 
     base = _aligned(tp.PageCase("pack", "fp8_e4m3", torch.bfloat16, L=2, N=5, C=64))
-    assert aligned(base)
-    assert not aligned(dataclasses.replace(base, L=3))
-    assert aligned(dataclasses.replace(base, L=3, page_format="nvfp4"))
-    assert not aligned(dataclasses.replace(base, page_offset=8))
-    assert not aligned(dataclasses.replace(base, row_pad=8))
-    assert aligned(dataclasses.replace(base, row_pad=8, num_pages=1, pairs=((0, 0),)))
-    assert not aligned(dataclasses.replace(base, pad=4))  # token stride 136 bytes
-    assert aligned(dataclasses.replace(base, pad=8))  # 144 bytes
-    assert not aligned(dataclasses.replace(base, C=40))  # E = 20: partial groups
+    assert align(base) == 16
+    assert align(dataclasses.replace(base, L=3)) == 8
+    assert align(dataclasses.replace(base, L=3, S=1, C=32)) == 4
+    assert align(dataclasses.replace(base, L=4, page_format="nvfp4")) == 8
+    assert align(dataclasses.replace(base, L=61, S=1, C=32)) == 4  # DeepSeek-V3's 61 layers
+    assert align(dataclasses.replace(base, page_offset=8)) == 0
+    assert align(dataclasses.replace(base, row_pad=8)) == 0
+    assert align(dataclasses.replace(base, row_pad=8, num_pages=1, pairs=((0, 0),))) == 16
+    assert align(dataclasses.replace(base, pad=4)) == 0  # token stride 136 bytes
+    assert align(dataclasses.replace(base, pad=8)) == 16  # 144 bytes
+    assert align(dataclasses.replace(base, C=40)) == 0  # E = 20: partial groups
     # (views only looked at, never run: one element further, every other element)
-    assert not aligned(base, lambda c: c[:-1].as_strided(c[:-1].shape, c.stride(),
-                                                         c.storage_offset() + 1))
-    assert not aligned(base, lambda c: c[:-1].as_strided(c[:-1].shape, (*c.stride()[:3], 2)))
-    assert aligned(base, lambda c: c[:-1].as_strided(c[:-1].shape, c.stride(),
-                                                     c.storage_offset() + 8))
+    assert align(base, lambda c: c[:-1].as_strided(c[:-1].shape, c.stride(),
+                                                   c.storage_offset() + 1)) == 0
+    assert align(base, lambda c: c[:-1].as_strided(c[:-1].shape, (*c.stride()[:3], 2))) == 0
+    assert align(base, lambda c: c[:-1].as_strided(c[:-1].shape, c.stride(),
+                                                   c.storage_offset() + 8)) == 16
+
+
+@needs_cxx
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", _FMTS)
+def test_deepseek_latent_rows(emu, direction, page_format):
+    """61 latent layers of 576 elements (DeepSeek-V3; 8 tokens a block here): codes at 4*61 = 244,
+    ALIGN 4; 36 groups a row, 288 a segment: U = 2, five items a segment, the last masked."""
+    case = tp.PageCase(direction, page_format, torch.bfloat16, L=61, S=1, N=8, C=576, Hc=1,
+                       Hp=1, K=1, hc0=0, hp0=0, pad=0, row_pad=0, page_offset=0,
+                       scale_shape="full")
+    _check(emu, case, aligned=True, unroll=2, align=4)

@@ -152,13 +152,15 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 // mapping read per group, and page accesses of a width chosen at run time (local memory) moved
 // 36% (fp8) and 19% (NVFP4) of a device copy's bandwidth in page bytes.
 //
-// ALIGNED (transfer_cuda.page_aligned decides at launch): every group is whole, its cache bytes
-// are dense at a 16-byte aligned address, its codes at a 16- (fp8) or 8-byte (nvfp4) aligned
-// page address and the header floats at 4: fixed-width vector accesses, all U groups' loads
-// issued before their arithmetic. Otherwise (any alignment, partial groups, strided parts) U = 1
-// and each group's accesses take the widest width its addresses allow at run time.
+// ALIGN (transfer_cuda.page_align decides at launch): 0 is the general variant (any alignment,
+// partial groups, strided parts: U = 1, each group's accesses the widest its addresses allow at
+// run time); else every group is whole, its cache bytes dense at a 16-byte aligned address, the
+// chunk starts 16-byte aligned and every group's codes lie ALIGN-aligned (4, 8 or 16: the power
+// of two of 4*L*S, the codes' offset in the chunk, at most a group's code bytes, 16 fp8 and 8
+// nvfp4): fixed-width accesses (a group's codes as 16 / ALIGN pieces: DeepSeek-V3's 61 layers give
+// ALIGN 4), all U groups' loads issued before their arithmetic.
 //
-// fp8 quantizes through kvw/fp8.cuh's fp8_quantize, in ALIGNED builds with its bracket (two
+// fp8 quantizes through kvw/fp8.cuh's fp8_quantize, in aligned builds with its bracket (two
 // products an element; the exact quotient only for a group with an element within 2^-20 of an
 // fp8 rounding boundary), as the flash write does for its wide chunks; nvfp4 through
 // kvw/nvfp4.cuh's nvfp4_part_rule (the nvfp4 write's fast pack: no clamp where there is no NaN
@@ -419,16 +421,17 @@ KVW_HD void page_segment(u64 rest, i64 segs, i64 S, u64 m_segs, u64 m_S, bool sm
   *li = static_cast<i64>(q);
 }
 
-// transfer_pack_kernel<FMT, IN, IDX, ALIGNED, U>: caches of kind IN (DT_F16/DT_BF16/DT_F32) ->
+// transfer_pack_kernel<FMT, IN, IDX, ALIGN, U>: caches of kind IN (DT_F16/DT_BF16/DT_F32) ->
 // chunks of format FMT (DT_E4M3, DT_E5M2, KVW_NVFP4). Pair m = (cache block b, page row p).
 // scale: float32, sigma(l, s) of chunk k at scale[l*ss0 + s*ss1 + k*ss2] (the launcher's pointer
 // includes the scale's offset). At most 64 registers a thread (1024-thread CTAs).
-template <int FMT, int IN, typename IDX, bool ALIGNED, int U>
+template <int FMT, int IN, typename IDX, int ALIGN, int U>
 __global__ void __launch_bounds__(1024)
     transfer_pack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
                          const float* __restrict__ scale, i64 ss0, i64 ss1, i64 ss2,
                          KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
+  constexpr bool ALIGNED = ALIGN != 0;
   static_assert(ALIGNED || U == 1, "the general variant takes one group a lane");
   constexpr int ES = IN == DT_F32 ? 4 : 2;
   const bool small = small_ != 0;
@@ -507,7 +510,7 @@ __global__ void __launch_bounds__(1024)
           Raw<8> c;
           c.w[0] = out[0];
           c.w[1] = out[1];
-          store_raw<8>(codes, c);
+          store_aligned<8, ALIGN>(codes, c);
         } else {
           store_bytes(codes, 8, out);
         }
@@ -518,7 +521,7 @@ __global__ void __launch_bounds__(1024)
           Raw<16> c;
 #pragma unroll
           for (int i = 0; i < 4; ++i) c.w[i] = out[i];
-          store_raw<16>(codes, c);
+          store_aligned<16, ALIGN>(codes, c);
         } else {
           store_bytes(codes, n, out);
         }
@@ -527,16 +530,17 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// transfer_unpack_kernel<FMT, OUT, IDX, ALIGNED, U>: chunks of format FMT -> caches of kind OUT.
+// transfer_unpack_kernel<FMT, OUT, IDX, ALIGN, U>: chunks of format FMT -> caches of kind OUT.
 // Pair m = (page row p, cache block b). fp8: D(code, sigma) = RN(decode(code) * sigma) (SPEC
 // §8.2; fp8x2_dequant, the hardware decode on sm_89 and later), then OUT; nvfp4:
 // RN(value(c) * float(S) * sigma) (value(c) * float(S) exact, SPEC §6.4), then OUT. At most 64
 // registers a thread (1024-thread CTAs).
-template <int FMT, int OUT, typename IDX, bool ALIGNED, int U>
+template <int FMT, int OUT, typename IDX, int ALIGN, int U>
 __global__ void __launch_bounds__(1024)
     transfer_unpack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
                            KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
+  constexpr bool ALIGNED = ALIGN != 0;
   static_assert(ALIGNED || U == 1, "the general variant takes one group a lane");
   constexpr int ES = OUT == DT_F32 ? 4 : 2;
   constexpr int CB = FMT == KVW_NVFP4 ? 8 : 16;  // code bytes of a whole group
@@ -573,12 +577,12 @@ __global__ void __launch_bounds__(1024)
         const i64 j = j0 + 32 * u;
         if (j < NG) {
           if constexpr (FMT == KVW_NVFP4) {
-            const Raw<8> c = load_raw<8>(codes + j * CB);
+            const Raw<8> c = load_aligned<8, ALIGN>(codes + j * CB);
             raw[u].w[0] = c.w[0];
             raw[u].w[1] = c.w[1];
             s8[u] = scales[j];
           } else {
-            raw[u] = load_raw<16>(codes + j * CB);
+            raw[u] = load_aligned<16, ALIGN>(codes + j * CB);
           }
         }
       }

@@ -13,8 +13,9 @@ A :class:`~kvwrite.transfer.TransferPlan` runs as:
 - its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX, ALIGNED, U>`` or
   ``transfer_unpack_kernel<FMT, OUT, IDX, ALIGNED, U>``, one launch per run of at most
   :data:`SLOTS` consecutive layers with equal strides (layer pointers in slots as above); the
-  first pack launch also writes every chunk's scales and zero tail. ALIGNED (vector accesses,
-  U groups a lane in flight) where :func:`page_aligned` holds, else the general variant (U = 1).
+  first pack launch also writes every chunk's scales and zero tail. ALIGN > 0 (fixed-width
+  accesses, U groups a lane in flight) where :func:`page_align` allows, else the general variant
+  (ALIGN = 0, U = 1).
 
 Every kernel is a persistent grid-stride loop: at most ``plan.max_ctas`` CTAs per launch where
 set, else enough to cover the work up to ``ctas_per_sm`` CTAs per SM. Graph-safe: no
@@ -33,7 +34,7 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name", "page_aligned", "page_unroll", "page_launch_args", "magic"]
+           "page_name", "page_align", "page_aligns", "page_unroll", "page_launch_args", "magic"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -124,12 +125,17 @@ def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
 
 
 def page_name(direction: str, page_format: str, cache_dtype: torch.dtype,
-              mapping_dtype: torch.dtype, aligned: bool = False, unroll: int = 1) -> str:
-    """The name expression of a page kernel variant (``aligned``: the vector variant, see
-    :func:`page_aligned`; ``unroll``: its U, 1 for the general one)."""
+              mapping_dtype: torch.dtype, align: int = 0, unroll: int = 1) -> str:
+    """The name expression of a page kernel variant (``align``: its ALIGN, 0 for the general
+    variant, see :func:`page_align`; ``unroll``: its U, 1 for the general one)."""
     kern = "transfer_pack_kernel" if direction == "pack" else "transfer_unpack_kernel"
     return (f"{kern}<{_FMT[page_format]}, {launch.kind(cache_dtype)}, "
-            f"{launch.int_type(mapping_dtype)}, {'true' if aligned else 'false'}, {unroll}>")
+            f"{launch.int_type(mapping_dtype)}, {align}, {unroll}>")
+
+
+def page_aligns(page_format: str) -> tuple[int, ...]:
+    """The ALIGN values of a page format's aligned variants (up to a group's code bytes)."""
+    return (4, 8) if page_format == "nvfp4" else (4, 8, 16)
 
 
 def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
@@ -141,9 +147,11 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     for d in ("pack", "unpack"):
         for c in (torch.float16, torch.bfloat16, torch.float32):
             most = page_unroll(d, c, 1 << 30, tuning.page_unroll)
-            variants = [(False, 1)] + [(True, u) for u in (1, 2, 4, 8, 16) if u <= most]
-            names += [page_name(d, f, c, dt, a, u) for f in _FMT
-                      for dt in (torch.int32, torch.int64) for a, u in variants]
+            for f in _FMT:
+                variants = [(0, 1)] + [(a, u) for a in page_aligns(f)
+                                       for u in (1, 2, 4, 8, 16) if u <= most]
+                names += [page_name(d, f, c, dt, a, u) for dt in (torch.int32, torch.int64)
+                          for a, u in variants]
     return names
 
 
@@ -262,28 +270,31 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
     return out
 
 
-def page_aligned(pj: PageJob) -> bool:
-    """Whether the aligned page variant serves ``pj`` (transfer.cu's ALIGNED): every group whole
-    (``E % 16 == 0``), every layer's parts dense (element stride the element size) with their
-    pointer and every byte stride that moves an address (block; head where ``K > 1``; token
-    where ``N > 1``) multiples of 16, so each group's cache bytes are one 16-byte aligned run;
-    and the page's chunk start 16-byte aligned (its pointer, the row stride where there are two
-    rows or more, ``hb``) with the codes from ``4*L*S`` at a multiple of 16 (fp8: 16-byte code
-    groups) or 8 (nvfp4: 8-byte code groups), so the header floats are 4-byte aligned too. A
+def page_align(pj: PageJob) -> int:
+    """transfer.cu's ALIGN for ``pj``: 0 (the general variant) unless every group is whole
+    (``E % 16 == 0``), every layer's parts are dense (element stride the element size) with their
+    pointer and every byte stride that moves an address (block; head where ``K > 1``; token where
+    ``N > 1``) multiples of 16, so each group's cache bytes are one 16-byte aligned run, and the
+    page's chunks start 16-byte aligned (its pointer, the row stride where there are two rows or
+    more, ``hb``); then the alignment of every group's codes: the largest power of two dividing
+    ``4*L*S`` (their offset in the chunk), at most a group's code bytes (16 fp8, 8 nvfp4). A
     stride of a dim of one index never moves an address and is not counted (as for copies)."""
     E, L, S = pj.part_elems, pj.layers, pj.parts
     if E % 16:
-        return False
+        return 0
     es = pj.cache_dtype.itemsize
     for side in pj.caches:
         sb, sh, st, sc = side.strides
         moving = (sb if side.blocks > 1 else 0, sh if pj.heads > 1 else 0,
                   st if pj.tokens > 1 else 0)
         if sc != es or (side.ptr | _or(moving)) % 16:
-            return False
+            return 0
     prs = pj.pages.strides[0] if pj.pages.blocks > 1 else 0
-    code_align = 8 if pj.page_format == "nvfp4" else 16
-    return (pj.pages.ptr | prs | pj.chunk_bytes) % 16 == 0 and (4 * L * S) % code_align == 0
+    if (pj.pages.ptr | prs | pj.chunk_bytes) % 16:
+        return 0
+    most = 8 if pj.page_format == "nvfp4" else 16
+    codes_at = 4 * L * S
+    return min(most, codes_at & -codes_at)
 
 
 def _or(values) -> int:
@@ -323,11 +334,11 @@ def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
         index = plan.device.index if plan.device.index is not None else \
             torch.cuda.current_device()
         sm_count = nvrtc.device_arch(index)[1]
-    aligned = page_aligned(pj)
+    align = page_align(pj)
     L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
     G = -(-E // 16)
-    u = page_unroll(pj.direction, pj.cache_dtype, N * G, tuning.page_unroll) if aligned else 1
-    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, aligned, u)
+    u = page_unroll(pj.direction, pj.cache_dtype, N * G, tuning.page_unroll) if align else 1
+    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, align, u)
     segs = -(-(N * G) // (32 * u))
     cblocks = min(side.blocks for side in pj.caches)
     pages = pj.pages
