@@ -170,6 +170,35 @@ def test_page_kernels_fit_1024_threads_without_spills(tmp_path):
     assert tc.TUNING.page_threads * 64 <= 65536
 
 
+@needs_nvrtc
+def test_benchmark_page_variants_machine_code(tmp_path):
+    """The variants of the benchmark's pages (bfloat16, ALIGN 16 / 8 / 4, U = 2, sm_90): the
+    cache side in 16-byte accesses, fp8 codes in 16-byte stores at ALIGN 16 and 4-byte ones at 4,
+    NVFP4 codes in 8-byte stores, the fp8 bracket (FMUL.RZ) in the pack, the hardware fp8 decode
+    in the unpack, no local memory."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    bf16, i64 = torch.bfloat16, torch.int64
+    want = {
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 2): ("LD.E.128", "ST.E.128", "FMUL.RZ"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 2): ("LD.E.128", "FMUL.RZ"),
+        tc.page_name("pack", "nvfp4", bf16, i64, 8, 2): ("LD.E.128", "ST.E.64", "VIMNMX3"),
+        tc.page_name("unpack", "fp8_e4m3", bf16, i64, 16, 2): ("LD.E.128", "ST.E.128",
+                                                               "F2FP.F16.E4M3.UNPACK_B",
+                                                               "F2FP.BF16.F32.PACK_AB"),
+        tc.page_name("unpack", "nvfp4", bf16, i64, 8, 2): ("LD.E.64", "ST.E.128",
+                                                           "F2FP.F16.E4M3.UNPACK_B"),
+    }
+    for name, ops in want.items():
+        cubin, _ = tc.SOURCE.cubin("sm_90", name, ())
+        text = sass.dump_sass(cubin, tmp_path)
+        for op in ops:
+            assert op in text, (name, op)
+        assert "LDL" not in text and "STL" not in text, name
+    text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16, i64,
+                                                                4, 2), ())[0], tmp_path)
+    assert "ST.E.128" not in text  # codes 4-byte aligned: four 4-byte stores a group
+
+
 def test_unsupported_and_available_without_a_gpu():
     t = torch.zeros(2, 1, 1, 4)
     plan = tp.make_plan("swap_blocks", [tp.copy_job(t, t.clone())], torch.zeros(0, 2), 0, None)

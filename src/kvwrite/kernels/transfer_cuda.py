@@ -448,13 +448,11 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
         _launch(copy_name(cl.vb, mdt, u), index, work, threads // 32, threads, plan.max_ctas,
                 ctas_per_sm, tuning, *margs, *slots,
                 len(cl.pointers), *cl.geometry[:12], nvec, ppe.bit_length() - 1, segs, *magics)
-    pj = plan.page_job
-    if pj is not None:
-        _run_pages(plan, pj, index, margs, tuning)
+    if plan.page_job is not None:
+        _run_pages(plan, index, tuning)
 
 
-def _run_pages(plan: TransferPlan, pj: PageJob, index: int, margs: tuple,
-               tuning: TransferTuning) -> None:
+def _run_pages(plan: TransferPlan, index: int, tuning: TransferTuning) -> None:
     for pa in page_launch_args(plan, tuning, nvrtc.device_arch(index)[1]):
         lau = _launchable(pa.name, index)
         kernel, pdl = lau.pick(pa.grid, tuning.pdl_max_ctas)
