@@ -120,13 +120,17 @@ def _llama_pages(direction="pack", page_format="fp8_e4m3", blocks=4, pairs=None)
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("page_format", ["fp8_e4m3", "nvfp4"])
 def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
-    """The benchmark's pages (32 Llama-3-8B layers) take the aligned variant with U = 2: a warp
-    item is 64 groups of a (pair, head, layer, part) segment of 16 tokens x 8 groups, so two items
-    a segment, one header item a chunk (pack), one launch, 1024-thread CTAs, one per SM."""
+    """The benchmark's pages (32 Llama-3-8B layers) take the aligned variant: fp8 in units of one
+    16-byte cache vector (8 elements: 16 a row part, 256 a (pair, head, layer, part) segment of 16
+    tokens) with U = 4, nvfp4 in groups (8 a row part, 128 a segment) with U = 2: two warp items
+    a segment either way, one header item a chunk (pack), one launch, 1024-thread CTAs, one per
+    SM."""
     case, plan = _llama_pages(direction, page_format, blocks=4)
     (pa,) = tc.page_launch_args(plan, sm_count=132)
-    align = 8 if page_format == "nvfp4" else 16  # codes at 4*L*S = 256
-    assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align, 2)
+    fp8 = page_format != "nvfp4"
+    align, unroll, units = (16, 4, 16) if fp8 else (8, 2, 8)  # codes at 4*L*S = 256
+    assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align,
+                                   unroll)
     assert pa.threads == 1024
     items = 4 * 8 * (32 * 2 * 2 + (direction == "pack"))
     assert pa.grid == min(132, -(-items // 32))
@@ -135,7 +139,7 @@ def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     segs, small = geometry[16], geometry[22]
     assert segs == 2 and small == 1
     assert geometry[17:22] == (tc.magic(32 * 2 * segs + (direction == "pack")), tc.magic(8),
-                               tc.magic(2), tc.magic(2), tc.magic(8))
+                               tc.magic(2), tc.magic(2), tc.magic(units))
 
 
 def test_page_launch_args_grid_and_max_ctas():
@@ -144,7 +148,7 @@ def test_page_launch_args_grid_and_max_ctas():
     assert pa.grid == 132
     (pa,) = tc.page_launch_args(dataclasses.replace(plan, max_ctas=4), sm_count=132)
     assert pa.grid == 4
-    (pa,) = tc.page_launch_args(plan, tc.TransferTuning(page_unroll=1), sm_count=132)
+    (pa,) = tc.page_launch_args(plan, tc.TransferTuning(page_bytes_in_flight=16), sm_count=132)
     assert pa.name.endswith(", 16, 1>")
 
 
@@ -172,17 +176,17 @@ def test_page_kernels_fit_1024_threads_without_spills(tmp_path):
 
 @needs_nvrtc
 def test_benchmark_page_variants_machine_code(tmp_path):
-    """The variants of the benchmark's pages (bfloat16, ALIGN 16 / 8 / 4, U = 2, sm_90): the
-    cache side in 16-byte accesses, fp8 codes in 16-byte stores at ALIGN 16 and 4-byte ones at 4,
-    NVFP4 codes in 8-byte stores, the fp8 bracket (FMUL.RZ) in the pack, the hardware fp8 decode
-    in the unpack, no local memory."""
+    """The variants of the benchmark's pages (bfloat16, sm_90): the cache side in 16-byte
+    accesses, fp8 codes in 8-byte accesses (a unit's 8 codes) at ALIGN 16 and 4-byte ones at 4,
+    NVFP4 codes in 8-byte ones, the fp8 bracket (FMUL.RZ) in the pack, the hardware fp8 decode
+    and paired rounding in the unpack, no local memory."""
     sass = importlib.import_module("sass").cuobjdump_or_skip()
     bf16, i64 = torch.bfloat16, torch.int64
     want = {
-        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 2): ("LD.E.128", "ST.E.128", "FMUL.RZ"),
-        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 2): ("LD.E.128", "FMUL.RZ"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.128", "ST.E.64", "FMUL.RZ"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 4): ("LD.E.128", "FMUL.RZ"),
         tc.page_name("pack", "nvfp4", bf16, i64, 8, 2): ("LD.E.128", "ST.E.64", "VIMNMX3"),
-        tc.page_name("unpack", "fp8_e4m3", bf16, i64, 16, 2): ("LD.E.128", "ST.E.128",
+        tc.page_name("unpack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.64", "ST.E.128",
                                                                "F2FP.F16.E4M3.UNPACK_B",
                                                                "F2FP.BF16.F32.PACK_AB"),
         tc.page_name("unpack", "nvfp4", bf16, i64, 8, 2): ("LD.E.64", "ST.E.128",
@@ -195,8 +199,8 @@ def test_benchmark_page_variants_machine_code(tmp_path):
             assert op in text, (name, op)
         assert "LDL" not in text and "STL" not in text, name
     text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16, i64,
-                                                                4, 2), ())[0], tmp_path)
-    assert "ST.E.128" not in text  # codes 4-byte aligned: four 4-byte stores a group
+                                                                4, 4), ())[0], tmp_path)
+    assert "ST.E.64" not in text  # codes 4-byte aligned: two 4-byte stores a unit
 
 
 def test_unsupported_and_available_without_a_gpu():

@@ -115,6 +115,17 @@ def _check(emu, case, *, aligned: bool, unroll: int | None = None, align: int | 
         assert align is None or a == align, pa.name
 
 
+def _unroll(page_format, cache_dtype, N, E) -> int:
+    """U of an aligned launch by TUNING: units of 16 cache bytes (fp8) or 16 elements (nvfp4),
+    64 cache bytes a lane at most, doubled while the segment fills two items of 32 * U."""
+    es = cache_dtype.itemsize
+    unit = 16 if page_format == "nvfp4" else 16 // es
+    units, most, u = N * -(-E // unit), 64 // (unit * es), 1
+    while 2 * u <= most and 64 * u <= units:
+        u *= 2
+    return u
+
+
 def _aligned(case: tp.PageCase) -> tp.PageCase:
     """``case`` with dense caches and a page pool whose chunks start 16-byte aligned."""
     return dataclasses.replace(case, pad=0, row_pad=16, page_offset=32)
@@ -139,13 +150,12 @@ def test_general_variant_every_format(emu, direction, page_format, cache_dtype, 
 @pytest.mark.parametrize("L,S", [(2, 2), (3, 2), (3, 1)])
 def test_aligned_variant_every_format(emu, direction, page_format, cache_dtype, L, S):
     """Dense caches, aligned chunks: the aligned variants, codes at 4*L*S = 16, 24 and 12 (ALIGN
-    16 / 8 / 4; nvfp4 at most 8), U = 1 (a segment of 5 * 2 or 5 * 4 groups: one item, lanes past
-    its end masked)."""
+    16 / 8 / 4; nvfp4 at most 8), segments of 5 rows of 2 to 16 units (one or two items, lanes
+    past their end masked)."""
     case = _aligned(tp.PageCase(direction, page_format, cache_dtype, L=L, S=S, N=5, C=64))
     codes_at = 4 * L * S
     want = min(8 if page_format == "nvfp4" else 16, codes_at & -codes_at)
-    _check(emu, case, aligned=True, unroll=1, align=want, mapping_dtype=torch.int32,
-           strided_mapping=True)
+    _check(emu, case, aligned=True, align=want, mapping_dtype=torch.int32, strided_mapping=True)
 
 
 @needs_cxx
@@ -154,15 +164,14 @@ def test_aligned_variant_every_format(emu, direction, page_format, cache_dtype, 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32], ids=_id)
 @pytest.mark.parametrize("N,C,S", [(16, 256, 2), (10, 128, 1), (9, 128, 2)])
 def test_aligned_variant_long_segments(emu, direction, page_format, cache_dtype, N, C, S):
-    """Segments of 128, 80 and 36 groups: U = 2 (bfloat16 packs and every unpack; float32 packs
-    take 1) with whole and masked items, U = 1 over two items."""
+    """Longer segments (16, 10 and 9 rows of 64 or 128 elements): U = 1, 2 and 4, whole and
+    masked items."""
     case = _aligned(tp.PageCase(direction, page_format, cache_dtype, L=2, S=S, N=N, C=C, Hc=2,
                                 Hp=3, K=2, hc0=0, hp0=1, scale_shape="full"))
     if S == 1:
         case = dataclasses.replace(case, L=4)
-    groups = N * C // S // 16
-    want = 2 if groups >= 64 and not (direction == "pack" and cache_dtype == torch.float32) else 1
-    _check(emu, case, aligned=True, unroll=want, max_ctas=3)
+    _check(emu, case, aligned=True, unroll=_unroll(page_format, cache_dtype, N, C // S),
+           max_ctas=3)
 
 
 @needs_cxx
@@ -265,8 +274,9 @@ def test_page_align_decides_by_every_address():
 @pytest.mark.parametrize("page_format", _FMTS)
 def test_deepseek_latent_rows(emu, direction, page_format):
     """61 latent layers of 576 elements (DeepSeek-V3; 8 tokens a block here): codes at 4*61 = 244,
-    ALIGN 4; 36 groups a row, 288 a segment: U = 2, five items a segment, the last masked."""
+    ALIGN 4; fp8: 72 vectors a row, 576 a segment, U = 4 (five items, the last masked); nvfp4: 36
+    groups a row, 288 a segment, U = 2 (five items, the last masked)."""
     case = tp.PageCase(direction, page_format, torch.bfloat16, L=61, S=1, N=8, C=576, Hc=1,
                        Hp=1, K=1, hc0=0, hp0=0, pad=0, row_pad=0, page_offset=0,
                        scale_shape="full")
-    _check(emu, case, aligned=True, unroll=2, align=4)
+    _check(emu, case, aligned=True, unroll=2 if page_format == "nvfp4" else 4, align=4)

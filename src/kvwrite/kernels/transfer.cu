@@ -279,12 +279,12 @@ KVW_HD u32 f16ish2_from_f32(float lo, float hi) {
 #endif
 }
 
-// 16 float32 values rounded to OUT, as the group's raw cache bytes.
-template <int OUT>
-KVW_HD Raw<16 * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[16]) {
-  Raw<16 * (OUT == DT_F32 ? 4 : 2)> r;
+// M (even) float32 values rounded to OUT, as their raw cache bytes.
+template <int OUT, int M>
+KVW_HD Raw<M * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[M]) {
+  Raw<M * (OUT == DT_F32 ? 4 : 2)> r;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < M; ++i) {
     if constexpr (OUT == DT_F32) {
       r.w[i] = f32_bits(y[i]);
     } else if ((i & 1) == 0) {
@@ -334,7 +334,7 @@ KVW_HD void nvfp4_group_values(const u32 (&w)[4], float sv64, float sigma, float
 template <int OUT>
 KVW_HD void store_group(u8* p, i64 sc, int n, const float (&y)[16]) {
   constexpr int ES = OUT == DT_F32 ? 4 : 2;
-  const Raw<16 * ES> w = round_group<OUT>(y);
+  const Raw<16 * ES> w = round_group<OUT, 16>(y);
   const u64 a = reinterpret_cast<u64>(p);
   if (sc == ES && n == 16 && (a & 15) == 0) {
     store_wide<16 * ES>(p, w);
@@ -360,25 +360,27 @@ KVW_HD float page_amax_nan(const Raw<16 * (IN == DT_F32 ? 4 : 2)>& raw, const fl
   return nvfp4_amax_nan(x);
 }
 
-// The codes of one group (16 elements x, n <= 16 of them live) in `out` (fp8: n bytes; nvfp4:
-// 8 bytes) and, nvfp4, its scale byte in *s8.
-template <int FMT, int IN>
+// The nvfp4 codes of one group (16 elements x; raw: their cache words) in out[0..1] and its
+// scale byte in *s8.
+template <int IN>
 KVW_HD void quantize_group(const Raw<16 * (IN == DT_F32 ? 4 : 2)>& raw, const float (&x)[16],
-                           const Fp8Scale& fs, float sigma, const Nvfp4Den& den6, u32 (&out)[4],
-                           u32* s8) {
+                           float sigma, const Nvfp4Den& den6, u32 (&out)[4], u32* s8) {
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
-  if constexpr (FMT == KVW_NVFP4) {
-    const float a = page_amax_nan<IN>(raw, x);
-    const float a_num = a != a ? nvfp4_amax_num(x) : 0.0f;  // rare: NaN skipped
-    u32 codes[2];
-    *s8 = nvfp4_part_rule<16, STEPS>(x, a, a_num, sigma, den6, codes);
-    out[0] = codes[0];
-    out[1] = codes[1];
-    out[2] = out[3] = 0u;
-  } else {
-    fp8_quantize<FMT, 16, STEPS>(x, out, fs);
-    *s8 = 0u;
-  }
+  const float a = page_amax_nan<IN>(raw, x);
+  const float a_num = a != a ? nvfp4_amax_num(x) : 0.0f;  // rare: NaN skipped
+  u32 codes[2];
+  *s8 = nvfp4_part_rule<16, STEPS>(x, a, a_num, sigma, den6, codes);
+  out[0] = codes[0];
+  out[1] = codes[1];
+  out[2] = out[3] = 0u;
+}
+
+// Elements of a lane's unit: a group of 16, but in the aligned fp8 variants one 16-byte cache
+// vector (16 / ES elements: fp8 codes are per element), so that a warp's loads (pack) and stores
+// (unpack) of the cache are 512 contiguous bytes an instruction, not halves of 32-byte sectors
+// (transfer_cuda.page_unit_elems says the same).
+__host__ __device__ constexpr int page_unit_elems(int fmt, bool aligned, int es) {
+  return aligned && fmt != KVW_NVFP4 ? 16 / es : 16;
 }
 
 #define KVW_LAYER_SLOT_PARAMS(n) u64 layer##n,
@@ -432,10 +434,12 @@ __global__ void __launch_bounds__(1024)
                          KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
   constexpr bool ALIGNED = ALIGN != 0;
-  static_assert(ALIGNED || U == 1, "the general variant takes one group a lane");
+  static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
   constexpr int ES = IN == DT_F32 ? 4 : 2;
+  constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
+  constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
   const bool small = small_ != 0;
-  const i64 G = (E + 15) / 16;
+  const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
   const u64 X = static_cast<u64>(nl) * S * segs;  // group items a chunk
   const u64 per_chunk = X + (l0 == 0 ? 1 : 0);    // and the header item
@@ -476,35 +480,39 @@ __global__ void __launch_bounds__(1024)
                                                 s * E * csc);
     const float sigma = scale[l * ss0 + s * ss1 + k * ss2];
     const i64 j0 = seg * (32 * U) + lane;
-    Raw<16 * ES> raw[U];
+    Raw<UE * ES> raw[U];
     if constexpr (ALIGNED) {  // every load first
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const i64 j = j0 + 32 * u;
         if (j < NG) {
           const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
-          raw[u] = load_wide<16 * ES>(src + t * cst + (j - t * G) * (16 * ES));
+          raw[u] = load_wide<UE * ES>(src + t * cst + (j - t * G) * (UE * ES));
         }
       }
     }
-    const Fp8Scale fs = make_fp8_scale<true, ALIGNED>(sigma);
+    Fp8Scale fs;
     Nvfp4Den den6;
-    if constexpr (FMT == KVW_NVFP4) den6 = nvfp4_den(mul_rn(sigma, 6.0f));
+    if constexpr (FMT == KVW_NVFP4) {
+      den6 = nvfp4_den(mul_rn(sigma, 6.0f));
+    } else {
+      fs = make_fp8_scale<true, ALIGNED>(sigma);
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const i64 j = j0 + 32 * u;
       if (j >= NG) break;
       const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
-      const i64 e0 = 16 * (j - t * G);
-      const int n = static_cast<int>(E - e0 < 16 ? E - e0 : 16);
+      const i64 e0 = UE * (j - t * G);
+      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
       if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
-      float x[16];
+      float x[UE];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) x[i] = elem_f32<IN>(raw[u], i);
-      u32 out[4], s8;
-      quantize_group<FMT, IN>(raw[u], x, fs, sigma, den6, out, &s8);
-      const i64 r = r0 + t;
+      for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
       if constexpr (FMT == KVW_NVFP4) {
+        u32 out[4], s8;
+        quantize_group<IN>(raw[u], x, sigma, den6, out, &s8);
+        const i64 r = r0 + t;
         u8* codes = cbase + codes_at + (r * E + e0) / 2;
         if constexpr (ALIGNED) {
           Raw<8> c;
@@ -516,14 +524,14 @@ __global__ void __launch_bounds__(1024)
         }
         cbase[codes_at + lnc / 2 + r * (E / 16) + e0 / 16] = static_cast<u8>(s8);
       } else {
+        Raw<UE> c;  // the unit's UE codes
+        fp8_quantize<FMT, UE, STEPS>(x, c.w, fs);
+        const i64 r = r0 + t;
         u8* codes = cbase + codes_at + r * E + e0;
         if constexpr (ALIGNED) {
-          Raw<16> c;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) c.w[i] = out[i];
-          store_aligned<16, ALIGN>(codes, c);
+          store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c);
         } else {
-          store_bytes(codes, n, out);
+          store_bytes(codes, n, c.w);
         }
       }
     }
@@ -541,11 +549,13 @@ __global__ void __launch_bounds__(1024)
                            KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
   constexpr bool ALIGNED = ALIGN != 0;
-  static_assert(ALIGNED || U == 1, "the general variant takes one group a lane");
+  static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
   constexpr int ES = OUT == DT_F32 ? 4 : 2;
-  constexpr int CB = FMT == KVW_NVFP4 ? 8 : 16;  // code bytes of a whole group
+  constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
+  constexpr int CB = FMT == KVW_NVFP4 ? 8 : UE;  // code bytes of a whole unit
+  constexpr int CA = ALIGN < CB ? ALIGN : CB;     // their alignment (aligned variants)
   const bool small = small_ != 0;
-  const i64 G = (E + 15) / 16;
+  const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
   const u64 per_chunk = static_cast<u64>(nl) * S * segs;
   const u64 total = static_cast<u64>(pairs) * K * per_chunk;
@@ -576,14 +586,10 @@ __global__ void __launch_bounds__(1024)
       for (int u = 0; u < U; ++u) {
         const i64 j = j0 + 32 * u;
         if (j < NG) {
-          if constexpr (FMT == KVW_NVFP4) {
-            const Raw<8> c = load_aligned<8, ALIGN>(codes + j * CB);
-            raw[u].w[0] = c.w[0];
-            raw[u].w[1] = c.w[1];
-            s8[u] = scales[j];
-          } else {
-            raw[u] = load_aligned<16, ALIGN>(codes + j * CB);
-          }
+          const Raw<CB> c = load_aligned<CB, CA>(codes + j * CB);
+#pragma unroll
+          for (int i = 0; i < CB / 4; ++i) raw[u].w[i] = c.w[i];
+          if constexpr (FMT == KVW_NVFP4) s8[u] = scales[j];
         }
       }
     }
@@ -596,8 +602,8 @@ __global__ void __launch_bounds__(1024)
       if (j >= NG) break;
       const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
       const i64 g = j - t * G;
-      const i64 e0 = 16 * g;
-      const int n = static_cast<int>(E - e0 < 16 ? E - e0 : 16);
+      const i64 e0 = UE * g;
+      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
       if constexpr (!ALIGNED) {
         if constexpr (FMT == KVW_NVFP4) {
           load_bytes(codes + (t * E + e0) / 2, 8, raw[u].w);
@@ -606,18 +612,18 @@ __global__ void __launch_bounds__(1024)
           load_bytes(codes + t * E + e0, n, raw[u].w);
         }
       }
-      float y[16];
+      float y[UE];
       if constexpr (FMT == KVW_NVFP4) {
         nvfp4_group_values(raw[u].w, mul_rn(fp8_decode<DT_E4M3>(s8[u]), 64.0f), sigma, y);
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; i += 2)
+        for (int i = 0; i < UE; i += 2)
           fp8x2_dequant(raw[u].w[i >> 2] >> (8 * (i & 2)), sigma, FMT == DT_E5M2, y[i],
                         y[i + 1]);
       }
       u8* at = dst + t * cst + e0 * csc;
       if constexpr (ALIGNED) {
-        store_wide<16 * ES>(at, round_group<OUT>(y));
+        store_wide<UE * ES>(at, round_group<OUT>(y));
       } else {
         store_group<OUT>(at, csc, n, y);
       }

@@ -34,7 +34,7 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name", "page_align", "page_aligns", "page_unroll", "page_launch_args", "magic"]
+           "page_name", "page_align", "page_aligns", "page_unit_elems", "page_unroll", "page_launch_args", "magic"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -77,11 +77,13 @@ class TransferTuning(launch.PdlPolicy):
     # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
     # registers a thread, tests/test_transfer_cuda.py). Unmeasured for the pages.
     page_threads: int = 1024
-    # The most groups a lane loads before their arithmetic (U of the aligned page variants, the
-    # largest power of two up to this whose warp item (32 * U groups) the segment fills). 2:
-    # a 1024-thread CTA then holds 64 KiB of bfloat16 reads in flight (pack), twice the copy
-    # kernel's at its measured best (U = 2 vectors of 16 bytes). Unmeasured for the pages.
-    page_unroll: int = 2
+    # The most cache bytes a lane's units cover in a warp item of the aligned page variants (U
+    # units of page_unit_elems elements: fp8 16-byte vectors, nvfp4 groups of 16; U the largest
+    # power of two within this whose item of 32 * U units the segment fills). 64: a pack's
+    # 1024-thread CTA holds 64 KiB of reads in flight, twice the copy kernel's at its measured
+    # best (U = 2 vectors of 16 bytes), within 64 registers (bfloat16 groups: U = 2; float32
+    # groups: 1; fp8 vectors: 4). Unmeasured for the pages.
+    page_bytes_in_flight: int = 64
     # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
     # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
     # tests/test_transfer_cuda.py), leave no room for a second).
@@ -146,8 +148,8 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
              for dt in (torch.int32, torch.int64) for u in unrolls]
     for d in ("pack", "unpack"):
         for c in (torch.float16, torch.bfloat16, torch.float32):
-            most = page_unroll(d, c, 1 << 30, tuning.page_unroll)
             for f in _FMT:
+                most = page_unroll(f, c, 1 << 30, tuning.page_bytes_in_flight)
                 variants = [(0, 1)] + [(a, u) for a in page_aligns(f)
                                        for u in (1, 2, 4, 8, 16) if u <= most]
                 names += [page_name(d, f, c, dt, a, u) for dt in (torch.int32, torch.int64)
@@ -305,14 +307,20 @@ def _or(values) -> int:
     return out
 
 
-def page_unroll(direction: str, cache_dtype: torch.dtype, groups: int, most: int) -> int:
-    """U of an aligned page launch whose segments hold ``groups`` groups: the largest power of two
-    up to ``most`` whose warp item (32 * U groups) the segment fills, 1 below 64 groups. A pack of
-    float32 caches takes 1: two groups' 128 bytes of loads a lane spill at 64 registers (ptxas,
-    sm_90: 16-48 bytes of stack), and one group already holds 64 bytes in flight."""
-    if direction == "pack" and cache_dtype.itemsize == 4:
-        most = 1
-    return copy_unroll(groups, most)
+def page_unit_elems(page_format: str, align: int, cache_dtype: torch.dtype) -> int:
+    """Elements of a lane's unit in a page variant (transfer.cu's page_unit_elems): a group of 16,
+    but in the aligned fp8 variants one 16-byte cache vector (fp8 codes are per element), so that
+    a warp's cache accesses are whole sectors."""
+    return 16 // cache_dtype.itemsize if align and page_format != "nvfp4" else 16
+
+
+def page_unroll(page_format: str, cache_dtype: torch.dtype, units: int,
+                bytes_in_flight: int) -> int:
+    """U of an aligned page launch whose segments hold ``units`` units: the largest power of two
+    whose units' cache bytes fit ``bytes_in_flight`` (at least 1) and whose warp item (32 * U
+    units) the segment fills."""
+    unit_bytes = page_unit_elems(page_format, 16, cache_dtype) * cache_dtype.itemsize
+    return copy_unroll(units, max(1, bytes_in_flight // unit_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +344,9 @@ def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
         sm_count = nvrtc.device_arch(index)[1]
     align = page_align(pj)
     L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
-    G = -(-E // 16)
-    u = page_unroll(pj.direction, pj.cache_dtype, N * G, tuning.page_unroll) if align else 1
+    G = -(-E // page_unit_elems(pj.page_format, align, pj.cache_dtype))  # units a row part
+    u = page_unroll(pj.page_format, pj.cache_dtype, N * G, tuning.page_bytes_in_flight) \
+        if align else 1
     name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, align, u)
     segs = -(-(N * G) // (32 * u))
     cblocks = min(side.blocks for side in pj.caches)
