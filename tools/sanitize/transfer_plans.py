@@ -416,6 +416,13 @@ def page_cases(direction: str, run=None) -> list:
         "nvfp4-bf16-many-layers-pinned": PageCase(direction, "nvfp4", torch.bfloat16, L=35, N=2,
                                                   C=16, S=1, pages_pinned=True,
                                                   scale_shape="tensor"),
+        # the aligned variants (transfer_cuda.page_align): ALIGN 16 with U = 4, ALIGN 4 (codes at
+        # 4*L*S = 12) with U = 2
+        "fp8_e4m3-bf16-aligned": PageCase(direction, "fp8_e4m3", torch.bfloat16, L=2, N=16,
+                                          C=256, pad=0, row_pad=16, page_offset=32),
+        "nvfp4-f16-aligned-codes-at-12": PageCase(direction, "nvfp4", torch.float16, L=3, S=1,
+                                                  N=16, C=128, pad=0, row_pad=16,
+                                                  page_offset=32),
     }
 
     def check(case):
