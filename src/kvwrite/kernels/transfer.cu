@@ -581,7 +581,7 @@ __global__ void __launch_bounds__(1024)
     const i64 j0 = seg * (32 * U) + lane;
     Raw<16> raw[U];
     u32 s8[U];
-    if constexpr (ALIGNED) {  // every load first: group j's codes at j * CB
+    if constexpr (ALIGNED) {  // every load first: unit j's codes at j * CB
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const i64 j = j0 + 32 * u;
