@@ -249,6 +249,9 @@ class PageCase:
     scale_shape: str = "full"      # "full" [L, S, Hc], "tensor" [1], "head" [Hc]
     pages_pinned: bool = False
     pairs: tuple = ((0, 2), (3, 0), (-1, 1), (4, 3), (2, 9))
+    page_offset: int = 5           # bytes of the pool before the first page row
+    scale_value: float | None = None  # every scale this value (else random, positive)
+    special: bool = False          # caches of special values (SPECIAL_VALUES * scale, cyclic)
 
     @property
     def E(self) -> int:
@@ -270,19 +273,26 @@ class PageCase:
             pick = torch.randint(0, flat.numel(), (6,), generator=g)
             flat[pick[0]], flat[pick[1]] = float("nan"), float("inf")
             flat[pick[2]], flat[pick[3]] = -1e4, 1e-6
+            if self.special:
+                vals = special_values(self.page_format) * (self.scale_value or 1.0)
+                vals = vals[torch.randperm(vals.numel(), generator=g)]
+                full = vals.repeat(-(-full.numel() // vals.numel()))[:full.numel()].view_as(full)
             caches.append(full.to(self.cache_dtype).to(device)[..., :self.C])
         rows = self.Hp * self.hb + self.row_pad
-        pool = torch.randint(0, 256, (self.num_pages * rows + 5,), dtype=torch.uint8,
+        at0 = self.page_offset
+        pool = torch.randint(0, 256, (self.num_pages * rows + at0,), dtype=torch.uint8,
                              generator=g)
         if self.direction == "unpack":
             for p in range(self.num_pages):
                 for h in range(self.Hp):
-                    at = 5 + p * rows + h * self.hb
+                    at = at0 + p * rows + h * self.hb
                     sig = torch.exp(torch.rand(self.L * self.S, generator=g) * 6 - 3)
                     pool[at:at + 4 * self.L * self.S] = sig.view(torch.uint8)
         pool = pool.pin_memory() if self.pages_pinned else pool.to(device)
-        pages = pool[5:].as_strided((self.num_pages, self.Hp * self.hb), (rows, 1))
+        pages = pool[at0:].as_strided((self.num_pages, self.Hp * self.hb), (rows, 1))
         full_scale = torch.exp(torch.rand(self.L, self.S, self.Hc, generator=g) * 4 - 2)
+        if self.scale_value is not None:
+            full_scale.fill_(self.scale_value)
         scale = {"full": full_scale, "tensor": full_scale[0, 0, :1],
                  "head": full_scale[0, 0]}[self.scale_shape].contiguous().to(device)
         return caches, pages, scale
@@ -303,6 +313,29 @@ class PageCase:
                        layers=self.L, parts=self.S, tokens=self.N, row_elems=self.C,
                        chunk_bytes=self.hb, scale=sc, scale_strides=strides,
                        scale_offset=offset)
+
+
+def special_values(page_format: str) -> torch.Tensor:
+    """float32 values that test a page format's rounding at scale 1: every finite value of the
+    fp8 format (or of E2M1 times a few scales), the midpoints between neighbours (ties), values
+    past the largest (saturation), +-inf, NaN, +-0 and tiny values. Each is a bfloat16 and a
+    float16 value too (at most 5 significant bits, exponents within float16's range), so the
+    cache holds it exactly."""
+    if page_format == "nvfp4":
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        vals = torch.cat([grid * s for s in (1.0, 0.25, 8.0, 2.0 ** -6)])
+        vals = torch.cat([vals, (vals[1:] + vals[:-1]) / 2])
+    else:
+        fp8 = FP8[page_format]
+        codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+        fin = codes[torch.isfinite(codes)].unique()           # sorted, -max .. max
+        vals = torch.cat([fin, (fin[1:] + fin[:-1]) / 2])
+        big = fin.abs().max().item()
+        vals = torch.cat([vals, torch.tensor([big * 1.25, -big * 1.5, big * 4])])
+    extra = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 2.0 ** -14,
+                          -(2.0 ** -14), 65504.0 / 2])
+    vals = torch.cat([vals, -vals, extra])
+    return vals
 
 
 def _in_range(case: PageCase, cache_id: int, page_id: int) -> bool:
@@ -381,11 +414,13 @@ def unpack_oracle(case: PageCase, pages, caches) -> list[torch.Tensor]:
 
 def run_page_case(case: PageCase, run, *, mapping_dtype=torch.int64,
                   strided_mapping: bool = False, max_ctas: int | None = None,
-                  seed: int = 0) -> str | None:
-    """``run(plan)`` (a cuda ``run``) over ``case`` on the GPU against its oracle: every page
-    and cache allocation compared whole (fp8 pages: NaN codes of either sign equal; unpacked
-    caches: NaN of any payload equal)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+                  seed: int = 0, device=None) -> str | None:
+    """``run(plan)`` (a cuda ``run``) over ``case`` on ``device`` (default: the current GPU; the
+    CPU for an emulated kernel) against its oracle: every page and cache allocation compared
+    whole (fp8 pages: NaN codes of either sign equal; unpacked caches: NaN of any payload
+    equal)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     caches, pages, scale = case.make(device, seed)
     pj = case.page_job(caches, pages, scale)
     mapping = mapping_tensor(list(case.pairs), mapping_dtype, device, strided_mapping)
@@ -437,6 +472,13 @@ def page_cases(direction: str, run=None) -> list:
         "nvfp4-bf16-many-layers-pinned": PageCase(direction, "nvfp4", torch.bfloat16, L=35, N=2,
                                                   C=16, S=1, pages_pinned=True,
                                                   scale_shape="tensor"),
+        # the aligned variants (transfer_cuda.page_align): ALIGN 16 with U = 4, ALIGN 4 (codes at
+        # 4*L*S = 12) with U = 2
+        "fp8_e4m3-bf16-aligned": PageCase(direction, "fp8_e4m3", torch.bfloat16, L=2, N=16,
+                                          C=256, pad=0, row_pad=16, page_offset=32),
+        "nvfp4-f16-aligned-codes-at-12": PageCase(direction, "nvfp4", torch.float16, L=3, S=1,
+                                                  N=16, C=128, pad=0, row_pad=16,
+                                                  page_offset=32),
     }
 
     def check(case):

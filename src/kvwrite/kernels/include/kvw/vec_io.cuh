@@ -190,6 +190,12 @@ KVW_HD float elem_f32(const Raw<N>& r, int i) {
     if constexpr (IN == DT_BF16) {
       return bits_f32(h << 16);
     } else {
+#ifdef KVWRITE_EMU
+      const u16 b = static_cast<u16>(h);
+      _Float16 x;
+      __builtin_memcpy(&x, &b, 2);
+      return static_cast<float>(x);  // exact
+#endif
       float f;
       asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
       return f;
