@@ -39,6 +39,12 @@ struct EmuDim {
   unsigned x = 0, y = 0, z = 0;
 };
 inline thread_local EmuDim threadIdx, blockIdx;
+// The launch's shape (emu_launch sets them; read by kernels with grid-stride loops).
+inline EmuDim blockDim, gridDim;
+
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
 
 constexpr int kEmuThreads = 128;  // KVW_GATHER_THREADS
 
@@ -102,6 +108,8 @@ inline long long kvw_gather_smem[1 << 16];
 template <typename F>
 void emu_launch(unsigned grid, F body) {
   EmuCta cta;
+  blockDim.x = kEmuThreads;
+  gridDim.x = grid;
   std::vector<std::thread> threads;
   threads.reserve(kEmuThreads);
   for (int t = 0; t < kEmuThreads; ++t) {

@@ -7,6 +7,7 @@ rules (tools/sanitize/transfer_plans.py holds the plans and oracles)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -33,6 +34,16 @@ def test_nvrtc_compile_every_variant(arch, family):
     assert names
     obj, _ = tc.compile_kernel(arch, names)
     assert len(bytes(obj.code)) > 0
+    assert set(names) <= set(obj.symbol_mapping)
+
+
+@needs_nvrtc
+def test_nvrtc_compile_rows_variants_of_one_load():
+    """The rows kernel at U = 1 (a tuning of one load in flight) compiles too, every LANES."""
+    tuning = tc.TransferTuning(loads_in_flight=1, loads_in_flight_host=1)
+    names = [n for n in tc.all_kernel_names(tuning) if n.startswith("transfer_copy_rows_kernel<")]
+    assert len(names) == 5 * 2 * 6 and all(", 1, " in n for n in names)
+    obj, _ = tc.compile_kernel("sm_90", names)
     assert set(names) <= set(obj.symbol_mapping)
 
 
@@ -100,6 +111,108 @@ def test_page_launches_runs_of_equal_strides():
     assert [(x.l0, len(x.pointers)) for x in ls] == [(0, 2), (2, 1), (3, 32)]
 
 
+def _llama_pages(direction="pack", page_format="fp8_e4m3", blocks=4, pairs=None):
+    """A PageJob of the benchmark's shape on the CPU (32 layers of (blocks, 8, 16, 256) bfloat16,
+    kv_split 2, 8 heads), and a plan over ``pairs`` (default: every block)."""
+    L, H, N, C = 32, 8, 16, 256
+    case = tp.PageCase(direction, page_format, torch.bfloat16, L=L, S=2, N=N, C=C, Hc=H, Hp=H,
+                       K=H, hc0=0, hp0=0, num_blocks=blocks, num_pages=blocks, pad=0, row_pad=0,
+                       page_offset=0, scale_shape="tensor",
+                       pairs=tuple(pairs or [(i, i) for i in range(blocks)]))
+    caches = [torch.zeros(blocks, H, N, C, dtype=torch.bfloat16) for _ in range(L)]
+    pages = torch.zeros(blocks, H * case.hb, dtype=torch.uint8)
+    pj = case.page_job(caches, pages, torch.ones(1))
+    mapping = tp.mapping_tensor(list(case.pairs), torch.int64, "cpu")
+    plan = tp.make_plan(f"{direction}_kv_pages", [], mapping, len(case.pairs), None, None, pj)
+    return case, plan
+
+
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "nvfp4"])
+def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
+    """The benchmark's pages (32 Llama-3-8B layers) take the aligned variant: fp8 in units of one
+    16-byte cache vector (8 elements: 16 a row part, 256 a (pair, head, layer, part) segment of 16
+    tokens) with U = 4, nvfp4 in groups (8 a row part, 128 a segment) with U = 2: two warp items
+    a segment either way, one header item a chunk (pack), one launch, 1024-thread CTAs, one per
+    SM."""
+    case, plan = _llama_pages(direction, page_format, blocks=4)
+    (pa,) = tc.page_launch_args(plan, sm_count=132)
+    fp8 = page_format != "nvfp4"
+    align, unroll, units = (16, 4, 16) if fp8 else (8, 2, 8)  # codes at 4*L*S = 256
+    assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align,
+                                   unroll)
+    assert pa.threads == 1024
+    items = 4 * 8 * (32 * 2 * 2 + (direction == "pack"))
+    assert pa.grid == min(132, -(-items // 32))
+    geometry = pa.args[-23:]
+    assert geometry[:7] == (0, 32, 32, 2, 16, 128, 8)
+    segs, small = geometry[16], geometry[22]
+    assert segs == 2 and small == 1
+    assert geometry[17:22] == (tc.magic(32 * 2 * segs + (direction == "pack")), tc.magic(8),
+                               tc.magic(2), tc.magic(2), tc.magic(units))
+
+
+def test_page_launch_args_grid_and_max_ctas():
+    _, plan = _llama_pages(blocks=128)
+    (pa,) = tc.page_launch_args(plan, sm_count=132)
+    assert pa.grid == 132
+    (pa,) = tc.page_launch_args(dataclasses.replace(plan, max_ctas=4), sm_count=132)
+    assert pa.grid == 4
+    (pa,) = tc.page_launch_args(plan, tc.TransferTuning(page_bytes_in_flight=16), sm_count=132)
+    assert pa.name.endswith(", 16, 1>")
+
+
+@needs_nvrtc
+def test_page_kernels_fit_1024_threads_without_spills(tmp_path):
+    """Every page variant run can launch (sm_90) within the launch bounds' 64 registers a thread
+    (TUNING's 1024-thread CTAs) and without local memory (cuobjdump -res-usage)."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    import re
+    import subprocess
+    for family in ("pack", "unpack"):
+        names = [n for n in tc.all_kernel_names() if n.startswith(f"transfer_{family}_kernel<")]
+        obj, _ = tc.compile_kernel("sm_90", names)
+        path = tmp_path / "k.cubin"
+        path.write_bytes(bytes(obj.code))
+        out = subprocess.run([sass.cuobjdump(), "-res-usage", str(path)], capture_output=True,
+                             text=True, check=True).stdout
+        usage = re.findall(r"Function (\S+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)",
+                           out)
+        assert len(usage) == len(names), out
+        for fn, reg, stack, local in usage:
+            assert int(reg) <= 64 and int(stack) == 0 and int(local) == 0, (fn, reg, stack)
+    assert tc.TUNING.page_threads * 64 <= 65536
+
+
+@needs_nvrtc
+def test_benchmark_page_variants_machine_code(tmp_path):
+    """The variants of the benchmark's pages (bfloat16, sm_90): the cache side in 16-byte
+    accesses, fp8 codes in 8-byte accesses (a unit's 8 codes) at ALIGN 16 and 4-byte ones at 4,
+    NVFP4 codes in 8-byte ones, the fp8 bracket (FMUL.RZ) in the pack, the hardware fp8 decode
+    and paired rounding in the unpack, no local memory."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    bf16, i64 = torch.bfloat16, torch.int64
+    want = {
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.128", "ST.E.64", "FMUL.RZ"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 4): ("LD.E.128", "FMUL.RZ"),
+        tc.page_name("pack", "nvfp4", bf16, i64, 8, 2): ("LD.E.128", "ST.E.64", "VIMNMX3"),
+        tc.page_name("unpack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.64", "ST.E.128",
+                                                               "F2FP.F16.E4M3.UNPACK_B",
+                                                               "F2FP.BF16.F32.PACK_AB"),
+        tc.page_name("unpack", "nvfp4", bf16, i64, 8, 2): ("LD.E.64", "ST.E.128",
+                                                           "F2FP.F16.E4M3.UNPACK_B"),
+    }
+    for name, ops in want.items():
+        cubin, _ = tc.SOURCE.cubin("sm_90", name, ())
+        text = sass.dump_sass(cubin, tmp_path)
+        for op in ops:
+            assert op in text, (name, op)
+        assert "LDL" not in text and "STL" not in text, name
+    text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16, i64,
+                                                                4, 4), ())[0], tmp_path)
+    assert "ST.E.64" not in text  # codes 4-byte aligned: two 4-byte stores a unit
+
+
 def test_unsupported_and_available_without_a_gpu():
     t = torch.zeros(2, 1, 1, 4)
     plan = tp.make_plan("swap_blocks", [tp.copy_job(t, t.clone())], torch.zeros(0, 2), 0, None)
@@ -136,6 +249,43 @@ def test_gpu_copy_every_segment_length(kind, most):
     tuning = tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
     assert tp.run_copy_case("swap_blocks", views, PAIRS,
                             lambda plan: tc.run(plan, tuning=tuning)) is None
+
+
+ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", list(tp.ROW_LAYOUTS))
+@pytest.mark.parametrize("most", [1, 2, 8])
+def test_gpu_copy_rows_of_every_length(layout, most):
+    """Rows of 1..40 vectors (the rows kernel at every LANES, U 1 and 2) and a few long ones (the
+    segments), two jobs a launch, each length at one of max_ctas 1 / 3 / None and int64 or
+    strided int32 mappings (rotating), as tests/test_transfer_emu.py runs them on the CPU."""
+    tuning = tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
+    failures = []
+    for k, n in enumerate(ROW_VECTORS):
+        views, jobs = tp.row_views(layout, n, "cuda", seed=k)
+        mdt, strided = ((torch.int64, False), (torch.int32, True))[k % 2]
+        err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS,
+                               lambda plan: tc.run(plan, tuning=tuning), mapping_dtype=mdt,
+                               strided_mapping=strided, max_ctas=(1, 3, None)[k % 3], jobs=jobs)
+        if err is not None:
+            failures.append(f"n={n}: {err}")
+    assert not failures, "\n".join(failures[:6])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [1, 5, 16, 24, 32])
+@pytest.mark.parametrize("pinned", ["src", "dst"])
+@pytest.mark.parametrize("max_ctas", [1, 4, None])
+def test_gpu_copy_rows_pinned_host_side(n, pinned, max_ctas):
+    """Short rows from and to pinned host memory (raw pack to host pages, unpack from them): the
+    rows kernel at the host's U, a d2h launch's split threads."""
+    views, jobs = tp.row_views("relayout16", n, "cuda", pinned=pinned)
+    assert tp.run_copy_case("pack_kv_pages", views, PAIRS, tc.run, max_ctas=max_ctas,
+                            jobs=jobs) is None
 
 
 @pytest.mark.gpu
@@ -246,6 +396,62 @@ def test_gpu_pages_more_layers_than_slots_and_pinned_pages(direction, page_forma
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,C,S", [(5, 64, 2), (16, 256, 2), (9, 128, 2), (10, 128, 1)])
+@pytest.mark.parametrize("L", [2, 3])
+@pytest.mark.parametrize("max_ctas", [3, None])
+def test_gpu_aligned_pages_match_the_torch_rules(direction, page_format, cache_dtype, N, C, S,
+                                                 L, max_ctas):
+    """The aligned variants (dense caches, 16-byte aligned chunks; codes at 4*L*S = 8, 12, 16,
+    24: ALIGN 8, 4, 16, 8): U = 1 and 2, items masked at a segment's end, the fp8 bracket of
+    their GPU build."""
+    case = tp.PageCase(direction, page_format, cache_dtype, L=L, S=S, N=N, C=C, pad=0,
+                       row_pad=16, page_offset=32)
+    caches, pages, scale = case.make("cpu")
+    assert tc.page_align(case.page_job(caches, pages, scale)) > 0
+    assert tp.run_page_case(case, tc.run, max_ctas=max_ctas) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("scale_value", [1.0, 0.125, 3.0, 1e-30, 2.0 ** -101, 2.0 ** 101])
+def test_gpu_pack_special_values(page_format, cache_dtype, aligned, scale_value):
+    """Every fp8 value and tie (times sigma), saturation, +-inf, NaN, +-0, tiny values; sigma
+    inside and outside the bracket's [2^-100, 2^100] (fp8; nvfp4's contract stops there)."""
+    if page_format == "nvfp4" and not 2.0 ** -100 <= scale_value <= 2.0 ** 100:
+        pytest.skip("nvfp4 chunks of a sigma outside [2^-100, 2^100] are unspecified")
+    case = tp.PageCase("pack", page_format, cache_dtype, L=2, S=2, N=16, C=64, Hc=2, Hp=2, K=2,
+                       hc0=0, hp0=0, special=True, scale_value=scale_value,
+                       scale_shape="tensor")
+    if aligned:
+        case = dataclasses.replace(case, pad=0, row_pad=16, page_offset=32)
+    assert tp.run_page_case(case, tc.run) is None
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("page_format", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("model", ["llama3-8b", "deepseek-v3"])
+def test_gpu_pages_of_the_benchmark_shape(direction, page_format, model):
+    """The benchmark's launches: 32 Llama-3-8B layers of 8 heads (ALIGN 16 / 8, U = 2), 61
+    DeepSeek-V3 latent layers (ALIGN 4, U = 2), 6 blocks."""
+    L, H, N, C, S = (32, 8, 16, 256, 2) if model == "llama3-8b" else (61, 1, 64, 576, 1)
+    case = tp.PageCase(direction, page_format, torch.bfloat16, L=L, S=S, N=N, C=C, Hc=H,
+                       Hp=H, K=H, hc0=0, hp0=0, num_blocks=6, num_pages=8, pad=0, row_pad=0,
+                       page_offset=0, scale_shape="full",
+                       pairs=((0, 7), (5, 0), (2, 3), (-1, 4), (3, 8), (1, 1)))
+    assert tc.page_align(case.page_job(*case.make("cpu"))) > 0
+    assert tp.run_page_case(case, tc.run) is None
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("op", ["swap_blocks", "swap_blocks_multi_layer", "relayout_kv_cache",
                                 "pack_kv_pages", "unpack_kv_pages"])
 def test_gpu_sanitize_cases(op):
@@ -300,6 +506,71 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
             regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
             assert regs and max(regs) <= 64, (vb, u, regs)
     assert tc.TUNING.copy_threads * 64 <= 65536
+
+
+@needs_nvrtc
+def test_copy_rows_kernel_fits_1024_threads_without_spills(tmp_path):
+    """The rows kernel at every U the launcher picks (up to ROWS_MOST) and every LANES: at most
+    64 registers and no stack (each of a lane's rows holds its addresses and ids until its load:
+    at U = 4 ptxas spills, hence ROWS_MOST)."""
+    sass = importlib.import_module("sass").cuobjdump_or_skip()
+    import re
+    import subprocess
+    for vb in (1, 4, 16):
+        for dt in (torch.int32, torch.int64):
+            for u in range(1, tc.ROWS_MOST + 1):
+                if u & (u - 1):
+                    continue
+                for lanes in (1, 2, 4, 8, 16, 32):
+                    cubin, _ = tc.SOURCE.cubin("sm_90", tc.copy_name(vb, dt, u, lanes), ())
+                    path = tmp_path / "k.cubin"
+                    path.write_bytes(cubin)
+                    out = subprocess.run([sass.cuobjdump(), "-res-usage", str(path)],
+                                         capture_output=True, text=True, check=True).stdout
+                    regs = [int(r) for r in re.findall(r"REG:(\d+)", out)]
+                    stack = [int(r) for r in re.findall(r"STACK:(\d+)", out)]
+                    assert regs and max(regs) <= 64 and stack == [0], (vb, dt, u, lanes, out)
+
+
+def test_copy_lanes_group_short_rows():
+    """Rows of at most 32 vectors take the rows kernel with the least power of two lanes that
+    holds them; longer rows the segments (0)."""
+    assert [tc.copy_lanes(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 4096)] == \
+        [1, 2, 4, 8, 8, 16, 16, 32, 32, 32, 0, 0, 0]
+    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8)] == [1, 2, 2, 2, 2]
+    assert tc.ROWS_MOST == 2
+
+
+@pytest.mark.parametrize("row_bytes,name", [
+    (256, "transfer_copy_rows_kernel<16, int, 2, 16>"),    # raw pack/unpack: E * es = 256 B
+    (512, "transfer_copy_rows_kernel<16, int, 2, 32>"),    # relayout LBNHC -> LBHNC rows
+    (1024, "transfer_copy_kernel<16, int, 2>"),            # 64 vectors: segments of 2 loads
+    (65536, "transfer_copy_kernel<16, int, 2>"),           # swap's whole blocks
+    (48, "transfer_copy_rows_kernel<16, int, 2, 4>"),
+])
+def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
+    """copy_calls (what run launches): the variant by the rows' vectors, the units of work (rows
+    for the rows kernel: 32 / LANES * U a warp's step; warp segments else) and the arguments."""
+    src = torch.zeros(5, 2, 3, row_bytes, dtype=torch.uint8)
+    jobs = [tp.copy_job(src, src.clone()) for _ in range(3)]
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cpu")
+    plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(PAIRS), torch.device("cuda"))
+    # CPU tensors stand for device ones: their sides count as host memory, whose U is set here
+    # to the device's.
+    tuning = tc.TransferTuning(loads_in_flight_host=tc.TUNING.loads_in_flight)
+    (c,) = tc.copy_calls(plan, tuning)
+    assert c.name == name and c.threads == 1024
+    nvec = row_bytes // 16
+    rows = 3 * len(PAIRS) * 2 * 3
+    lanes = tc.copy_lanes(nvec)
+    if lanes:
+        assert (c.work, c.per_warp) == (rows, 32 // lanes * 2)
+        assert c.args[-5:-4] == (1,)  # segs
+    else:
+        segs = -(-nvec // 64)
+        assert (c.work, c.per_warp) == (rows * segs, 1) and c.args[-5] == segs
+    assert c.args[0] == mapping.data_ptr() and c.args[4:6] == (jobs[0].src.ptr, jobs[0].dst.ptr)
+    assert c.args[68] == 3 and c.args[81] == nvec  # njobs, nvec
 
 
 def test_copy_threads_share_a_host_budget():

@@ -27,7 +27,8 @@ from kvwrite.testing.compare import copy_allocations, storage_bytes
 from kvwrite.testing.sanitize import compare_outputs
 from kvwrite.transfer import CopyJob, PageJob, Side, TransferPlan
 
-__all__ = ["PAIRS", "COPY_KINDS", "copy_views", "side", "block_bytes_view", "copy_job", "make_plan", "mapping_tensor", "raw_oracle",
+__all__ = ["PAIRS", "COPY_KINDS", "ROW_LAYOUTS", "row_views", "copy_views", "side",
+           "block_bytes_view", "copy_job", "make_plan", "mapping_tensor", "raw_oracle",
            "run_copy_case", "PageCase", "page_chunk_bytes", "pack_oracle", "unpack_oracle",
            "run_page_case", "FP8"]
 
@@ -94,15 +95,20 @@ def raw_oracle(views: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple
 
 def run_copy_case(op: str, views: list[tuple[torch.Tensor, torch.Tensor]],
                   pairs: list[tuple[int, int]], run, *, mapping_dtype=torch.int64,
-                  strided_mapping: bool = False, max_ctas: int | None = None) -> str | None:
-    """``run(plan)`` (a cuda ``run``) over the copy jobs of ``views`` against :func:`raw_oracle`:
-    None where every destination allocation and every source allocation holds the expected
-    bytes, else the first difference."""
-    device = next(t.device for pair in views for t in pair if t.device.type == "cuda")
+                  strided_mapping: bool = False, max_ctas: int | None = None,
+                  jobs: list[CopyJob] | None = None) -> str | None:
+    """``run(plan)`` (a cuda ``run``, or the CPU emulation of the kernels where every view is on
+    the host) over the copy jobs of ``views`` (``jobs`` where given, else :func:`copy_job` of
+    each pair) against :func:`raw_oracle`: None where every destination allocation and every
+    source allocation holds the expected bytes, else the first difference."""
+    device = next((t.device for pair in views for t in pair if t.device.type == "cuda"),
+                  torch.device("cpu"))
     want = raw_oracle(views, pairs)
     src_before = copy_allocations([s for s, _ in views], "cpu")
     mapping = mapping_tensor(pairs, mapping_dtype, device, strided_mapping)
-    run(make_plan(op, [copy_job(s, d) for s, d in views], mapping, len(pairs), device, max_ctas))
+    if jobs is None:
+        jobs = [copy_job(s, d) for s, d in views]
+    run(make_plan(op, jobs, mapping, len(pairs), device, max_ctas))
     got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
     got.update({f"src{n}": s for n, (s, _) in enumerate(views)})
     expected = {f"dst{n}": w for n, w in enumerate(want)}
@@ -156,6 +162,56 @@ def copy_views(kind: str, device, pinned: str | None = None):
 
 COPY_KINDS = ["dense", "relayout", "odd", "strided", "bytes", "heads", "block_bytes", "long_rows"]
 
+# Row layouts of row_views: (vector width the kernels take, vectors of a row of n).
+ROW_LAYOUTS = {"dense16": (16, lambda n: n), "relayout16": (16, lambda n: n),
+               "odd2": (2, lambda n: n), "bytes1": (1, lambda n: n),
+               "pieces4": (4, lambda n: 2 * -(-n // 2))}
+
+
+def row_views(layout: str, n: int, device, seed: int = 0, pinned: str | None = None):
+    """(views, jobs): two (src, dst) view pairs of one geometry (two jobs of one launch) whose rows
+    have ``n`` vectors of ROW_LAYOUTS[layout] (pieces4: 2 * ceil(n / 2)), 6 blocks a side, 2 heads,
+    3 tokens, random bytes; ``pinned`` "src" or "dst": that side in pinned host memory.
+    dense16 / relayout16: int32 rows of 16 * n bytes, the relayout's destination (B, N, H, C);
+    odd2: float16 rows inside padded rows; bytes1: uint8 rows at odd offsets; pieces4: 8-byte
+    elements, every other one on the source, both sides 4-aligned (non-dense rows, 2 pieces an
+    element)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def buf(nbytes, where):
+        x = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+        return x.pin_memory() if where == pinned else x.to(device)
+
+    views, jobs = [], []
+    for _ in range(2):
+        if layout in ("dense16", "relayout16"):
+            src = buf(6 * 2 * 3 * 16 * n, "src").view(torch.int32).view(6, 2, 3, 4 * n)
+            dst = buf(6 * 2 * 3 * 16 * n, "dst").view(torch.int32)
+            dst = (dst.view(6, 2, 3, 4 * n) if layout == "dense16"
+                   else dst.view(6, 3, 2, 4 * n).transpose(1, 2))
+        elif layout == "odd2":
+            src = buf(6 * 2 * 3 * 2 * (n + 3), "src").view(torch.float16).view(6, 2, 3, n + 3)
+            dst = buf(6 * 2 * 3 * 2 * (n + 1), "dst").view(torch.float16).view(6, 2, 3, n + 1)
+            src, dst = src[..., 1:n + 1], dst[..., :n]
+        elif layout == "bytes1":
+            src = buf(6 * 2 * 3 * (n + 2), "src").view(6, 2, 3, n + 2)[..., 1:n + 1]
+            dst = buf(6 * 2 * 3 * (n + 1), "dst").view(6, 2, 3, n + 1)[..., 1:]
+        elif layout == "pieces4":
+            e = -(-n // 2)
+            src = buf(6 * 2 * 3 * 16 * e + 4, "src")[4:].as_strided(
+                (6, 2, 3, e, 8), (96 * e, 48 * e, 16 * e, 16, 1))
+            dst = buf(6 * 2 * 3 * 8 * e + 12, "dst")[12:].as_strided(
+                (6, 2, 3, e, 8), (48 * e, 24 * e, 8 * e, 8, 1))
+            views.append((src, dst))
+            jobs.append(CopyJob(Side(src, 0, src.stride()[:4], 6),
+                                Side(dst, 0, dst.stride()[:4], 6), 2, 3, e, 8))
+            continue
+        else:
+            raise ValueError(layout)
+        views.append((src, dst))
+        jobs.append(copy_job(src, dst))
+    return views, jobs
+
 
 # ------------------------------------------------------------------------------------------
 # Quantized pages
@@ -193,6 +249,9 @@ class PageCase:
     scale_shape: str = "full"      # "full" [L, S, Hc], "tensor" [1], "head" [Hc]
     pages_pinned: bool = False
     pairs: tuple = ((0, 2), (3, 0), (-1, 1), (4, 3), (2, 9))
+    page_offset: int = 5           # bytes of the pool before the first page row
+    scale_value: float | None = None  # every scale this value (else random, positive)
+    special: bool = False          # caches of special values (SPECIAL_VALUES * scale, cyclic)
 
     @property
     def E(self) -> int:
@@ -214,19 +273,26 @@ class PageCase:
             pick = torch.randint(0, flat.numel(), (6,), generator=g)
             flat[pick[0]], flat[pick[1]] = float("nan"), float("inf")
             flat[pick[2]], flat[pick[3]] = -1e4, 1e-6
+            if self.special:
+                vals = special_values(self.page_format) * (self.scale_value or 1.0)
+                vals = vals[torch.randperm(vals.numel(), generator=g)]
+                full = vals.repeat(-(-full.numel() // vals.numel()))[:full.numel()].view_as(full)
             caches.append(full.to(self.cache_dtype).to(device)[..., :self.C])
         rows = self.Hp * self.hb + self.row_pad
-        pool = torch.randint(0, 256, (self.num_pages * rows + 5,), dtype=torch.uint8,
+        at0 = self.page_offset
+        pool = torch.randint(0, 256, (self.num_pages * rows + at0,), dtype=torch.uint8,
                              generator=g)
         if self.direction == "unpack":
             for p in range(self.num_pages):
                 for h in range(self.Hp):
-                    at = 5 + p * rows + h * self.hb
+                    at = at0 + p * rows + h * self.hb
                     sig = torch.exp(torch.rand(self.L * self.S, generator=g) * 6 - 3)
                     pool[at:at + 4 * self.L * self.S] = sig.view(torch.uint8)
         pool = pool.pin_memory() if self.pages_pinned else pool.to(device)
-        pages = pool[5:].as_strided((self.num_pages, self.Hp * self.hb), (rows, 1))
+        pages = pool[at0:].as_strided((self.num_pages, self.Hp * self.hb), (rows, 1))
         full_scale = torch.exp(torch.rand(self.L, self.S, self.Hc, generator=g) * 4 - 2)
+        if self.scale_value is not None:
+            full_scale.fill_(self.scale_value)
         scale = {"full": full_scale, "tensor": full_scale[0, 0, :1],
                  "head": full_scale[0, 0]}[self.scale_shape].contiguous().to(device)
         return caches, pages, scale
@@ -247,6 +313,29 @@ class PageCase:
                        layers=self.L, parts=self.S, tokens=self.N, row_elems=self.C,
                        chunk_bytes=self.hb, scale=sc, scale_strides=strides,
                        scale_offset=offset)
+
+
+def special_values(page_format: str) -> torch.Tensor:
+    """float32 values that test a page format's rounding at scale 1: every finite value of the
+    fp8 format (or of E2M1 times a few scales), the midpoints between neighbours (ties), values
+    past the largest (saturation), +-inf, NaN, +-0 and tiny values. Each is a bfloat16 and a
+    float16 value too (at most 5 significant bits, exponents within float16's range), so the
+    cache holds it exactly."""
+    if page_format == "nvfp4":
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        vals = torch.cat([grid * s for s in (1.0, 0.25, 8.0, 2.0 ** -6)])
+        vals = torch.cat([vals, (vals[1:] + vals[:-1]) / 2])
+    else:
+        fp8 = FP8[page_format]
+        codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+        fin = codes[torch.isfinite(codes)].unique()           # sorted, -max .. max
+        vals = torch.cat([fin, (fin[1:] + fin[:-1]) / 2])
+        big = fin.abs().max().item()
+        vals = torch.cat([vals, torch.tensor([big * 1.25, -big * 1.5, big * 4])])
+    extra = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 2.0 ** -14,
+                          -(2.0 ** -14), 65504.0 / 2])
+    vals = torch.cat([vals, -vals, extra])
+    return vals
 
 
 def _in_range(case: PageCase, cache_id: int, page_id: int) -> bool:
@@ -325,11 +414,13 @@ def unpack_oracle(case: PageCase, pages, caches) -> list[torch.Tensor]:
 
 def run_page_case(case: PageCase, run, *, mapping_dtype=torch.int64,
                   strided_mapping: bool = False, max_ctas: int | None = None,
-                  seed: int = 0) -> str | None:
-    """``run(plan)`` (a cuda ``run``) over ``case`` on the GPU against its oracle: every page
-    and cache allocation compared whole (fp8 pages: NaN codes of either sign equal; unpacked
-    caches: NaN of any payload equal)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+                  seed: int = 0, device=None) -> str | None:
+    """``run(plan)`` (a cuda ``run``) over ``case`` on ``device`` (default: the current GPU; the
+    CPU for an emulated kernel) against its oracle: every page and cache allocation compared
+    whole (fp8 pages: NaN codes of either sign equal; unpacked caches: NaN of any payload
+    equal)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     caches, pages, scale = case.make(device, seed)
     pj = case.page_job(caches, pages, scale)
     mapping = mapping_tensor(list(case.pairs), mapping_dtype, device, strided_mapping)
@@ -381,6 +472,13 @@ def page_cases(direction: str, run=None) -> list:
         "nvfp4-bf16-many-layers-pinned": PageCase(direction, "nvfp4", torch.bfloat16, L=35, N=2,
                                                   C=16, S=1, pages_pinned=True,
                                                   scale_shape="tensor"),
+        # the aligned variants (transfer_cuda.page_align): ALIGN 16 with U = 4, ALIGN 4 (codes at
+        # 4*L*S = 12) with U = 2
+        "fp8_e4m3-bf16-aligned": PageCase(direction, "fp8_e4m3", torch.bfloat16, L=2, N=16,
+                                          C=256, pad=0, row_pad=16, page_offset=32),
+        "nvfp4-f16-aligned-codes-at-12": PageCase(direction, "nvfp4", torch.float16, L=3, S=1,
+                                                  N=16, C=128, pad=0, row_pad=16,
+                                                  page_offset=32),
     }
 
     def check(case):

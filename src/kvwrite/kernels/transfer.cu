@@ -128,25 +128,124 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 }
 
 // ------------------------------------------------------------------------------------------
-// Quantized pages (SPEC §9.4). Head chunk k of page row p starts at
-// page + p*prs + k*hb; in it: float32 sigma(l, s) at 4*(l*S + s), then the codes from 4*L*S
-// (fp8: element q = r*E + e at q; nvfp4: element q's nibble in byte q / 2, low nibble when e is
-// even, then the scale byte of group g of row r at L*N*C/2 + r*E/16 + g), zeros to hb.
-// Row r = (l*S + s)*N + t; cache element (l, t, s*E + e) of cache head k.
+// Rows no longer than a warp: transfer_copy_rows_kernel<VB, IDX, U, LANES>
 //
-// A work item is one group of 16 elements of a row part (fp8: the last group of a part may be
-// shorter, E % 16 elements; nvfp4: E % 16 == 0). One launch covers the layers of its slots
-// (layers l0 .. l0 + nl - 1, one set of cache strides: the launcher splits the layers into runs
-// of equal strides of at most KVW_SLOTS); the pack launch with l0 == 0 also writes each chunk's
-// sigma header (L*S items a chunk) and zero tail (with the header's first float), so those bytes
-// are written once whatever the number of launches.
+// The parameters and the copy of transfer_copy_kernel (segs 1, m_segs unused), for launches whose
+// rows have nvec <= LANES vectors (LANES a power of two up to 32; the launcher takes the least
+// power of two >= nvec, transfer_cuda.copy_lanes). A warp's lanes form 32 / LANES groups of LANES
+// lanes, group k of a warp's step owning one row; lane l moves vector l % LANES (masked where
+// >= nvec) of each of its U rows. The unit of work is a warp's step of 32 / LANES * U consecutive
+// rows of the (job, pair, head, token) index: row base + k * (32 / LANES) + l / LANES of lane l
+// at k < U, so each of the U loads of the warp covers 32 / LANES whole consecutive rows. Each
+// lane decomposes each of its rows and reads its mapping pair itself (the lanes of a group read
+// the same pair: one broadcast load; consecutive rows mostly share their pair, L1 hits), all U
+// mapping reads before the first row load (a row's load waits for its pair, and an asm volatile
+// load stays in order: a pair read between two row loads would serialize the round trips), then
+// the U row loads (ld.volatile), then the U stores: U * VB bytes in flight per lane, as the
+// segment kernel's. Measured (H200, change 72): rows of 512 B (nvec 32) moved as one segment
+// per warp (U = 1) ran at 74% of a device copy, rows of 256 B (16 vectors, half the warp idle)
+// at 41%.
+// ------------------------------------------------------------------------------------------
+template <int VB, typename IDX, int U, int LANES>
+__global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
+    const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
+    KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh, i64 sst, i64 ssc, i64 dsb, i64 dsh,
+    i64 dst_, i64 dsc, i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec, i64 ppe_shift,
+    i64 segs, u64 m_segs, u64 m_tokens, u64 m_heads, u64 m_pairs) {
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0,
+                "LANES: a power of two up to 32");
+  KVW_PDL_ENTRY();
+  constexpr int ROWS = 32 / LANES;  // rows a warp's load covers
+  const u64 total = static_cast<u64>(njobs) * pairs * heads * tokens;  // rows
+  const bool small = total < (1ull << 32);  // every count and quotient below 2^32: fdiv
+  const int lane = threadIdx.x & 31;
+  const i64 v = lane & (LANES - 1);  // the lane's vector of each of its rows
+  const bool active = v < nvec;
+  const i64 piece_mask = (1ll << ppe_shift) - 1;
+  const i64 vs = (v >> ppe_shift) * ssc + (v & piece_mask) * VB;
+  const i64 vd = (v >> ppe_shift) * dsc + (v & piece_mask) * VB;
+  const u64 warps = blockDim.x >> 5;
+  for (u64 g = static_cast<u64>(blockIdx.x) * warps + (threadIdx.x >> 5); g * (ROWS * U) < total;
+       g += static_cast<u64>(gridDim.x) * warps) {
+    const u64 r0 = g * (ROWS * U) + lane / LANES;
+    // Each row's position (its job's pointers, head and token folded into a row address on each
+    // side) and mapping pair; a row past the launch's end or a masked lane reads no pair and
+    // takes ids (-1, -1), outside every side.
+    u64 sb[U], db[U];
+    i64 i[U], j[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const u64 r = r0 + static_cast<u64>(k) * ROWS;
+      i[k] = -1;
+      j[k] = -1;
+      sb[k] = 0;
+      db[k] = 0;
+      if (active && r < total) {
+        u64 q = fdiv(r, tokens, m_tokens, small);
+        const i64 t = static_cast<i64>(r - q * tokens);
+        u64 p = fdiv(q, heads, m_heads, small);
+        const i64 h = static_cast<i64>(q - p * heads);
+        q = fdiv(p, pairs, m_pairs, small);
+        read_pair(mapping, ms0, ms1, p - q * pairs, &i[k], &j[k]);
+        u64 s = 0, d = 0;
+        switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+        sb[k] = s + h * ssh + t * sst + vs;
+        db[k] = d + h * dsh + t * dst_ + vd;
+      }
+    }
+    Raw<VB> x[U];
+    bool ok[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      ok[k] = i[k] >= 0 && i[k] < sblocks && j[k] >= 0 && j[k] < dblocks;
+      if (ok[k]) x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[k] + i[k] * ssb));
+      db[k] += j[k] * dsb;
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (ok[k]) store_raw<VB>(reinterpret_cast<u8*>(db[k]), x[k]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Quantized pages (SPEC §9.4). Head chunk k of page row p starts at page + p*prs + k*hb; in it:
+// float32 sigma(l, s) at 4*(l*S + s), then the codes from codes_at = 4*L*S (fp8: element
+// q = r*E + e at q; nvfp4: element q's nibble in byte q / 2, low nibble when e is even, then the
+// scale byte of group g of row r at L*N*C/2 + r*E/16 + g), zeros to hb. Row r = (l*S + s)*N + t;
+// cache element (l, t, s*E + e) of cache head k.
 //
-// The page side's addresses have any alignment (the row stride is free): page accesses take the
-// widest of 16/4/1 bytes their address allows at run time. Cache elements are read (written) as
-// one vector where the part is dense (sc == element size) and the address allows, else one by one.
+// A group is 16 consecutive elements of a row part (fp8: the last one of a part may be shorter,
+// E % 16 elements; nvfp4: E % 16 == 0), G = ceil(E / 16) a row part. A segment is (pair, chunk
+// k, layer l, part s): N*G groups whose codes are one contiguous range of the chunk. The unit of
+// work is a warp's item: 32*U consecutive groups of one segment (lane i takes groups i, i + 32,
+// ..., masked at the segment's end), or, in the pack launch with l0 == 0, one header item per
+// chunk (the L*S sigma floats, lanes over them, and the zero tail, at most 15 bytes, a lane a
+// byte): so those bytes are written once whatever the number of launches. A warp decomposes its
+// item's index once (divisions by launch constants as high multiplies: fdiv) and reads its
+// mapping pair, layer pointer and sigma once; a lane's group then takes one more (by G).
+// Measured before (H200, tuning-log change 72): a thread per group, the decomposition and the
+// mapping read per group, and page accesses of a width chosen at run time (local memory) moved
+// 36% (fp8) and 19% (NVFP4) of a device copy's bandwidth in page bytes.
+//
+// ALIGN (transfer_cuda.page_align decides at launch): 0 is the general variant (any alignment,
+// partial groups, strided parts: U = 1, each group's accesses the widest its addresses allow at
+// run time); else every group is whole, its cache bytes dense at a 16-byte aligned address, the
+// chunk starts 16-byte aligned and every group's codes lie ALIGN-aligned (4, 8 or 16: the power
+// of two of 4*L*S, the codes' offset in the chunk, at most a group's code bytes, 16 fp8 and 8
+// nvfp4): fixed-width accesses (a group's codes as 16 / ALIGN pieces: DeepSeek-V3's 61 layers give
+// ALIGN 4), all U groups' loads issued before their arithmetic.
+//
+// fp8 quantizes through kvw/fp8.cuh's fp8_quantize, in aligned builds with its bracket (two
+// products an element; the exact quotient only for a group with an element within 2^-20 of an
+// fp8 rounding boundary), as the flash write does for its wide chunks; nvfp4 through
+// kvw/nvfp4.cuh's nvfp4_part_rule (the nvfp4 write's fast pack: no clamp where there is no NaN
+// and no product of 7 or more, else the general pack), the same bytes as nvfp4_group.
 // ------------------------------------------------------------------------------------------
 
-// n bytes (n <= 16) at p into / from little-endian words w[4].
+// n bytes (n <= 16) at p into / from little-endian words w[4]: one 16-byte access where n == 16
+// and p allows, 4-byte words where p and n allow, else bytes (every array index a constant: no
+// local memory).
 KVW_HD void load_bytes(const u8* p, int n, u32 (&w)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = 0;
@@ -156,9 +255,13 @@ KVW_HD void load_bytes(const u8* p, int n, u32 (&w)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = r.w[i];
   } else if ((a & 3) == 0 && (n & 3) == 0) {
-    for (int i = 0; i < n / 4; ++i) w[i] = reinterpret_cast<const u32*>(p)[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (4 * i < n) w[i] = reinterpret_cast<const u32*>(p)[i];
   } else {
-    for (int i = 0; i < n; ++i) w[i >> 2] |= static_cast<u32>(p[i]) << (8 * (i & 3));
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (i < n) w[i >> 2] |= static_cast<u32>(p[i]) << (8 * (i & 3));
   }
 }
 
@@ -170,9 +273,13 @@ KVW_HD void store_bytes(u8* p, int n, const u32 (&w)[4]) {
     for (int i = 0; i < 4; ++i) r.w[i] = w[i];
     store_raw<16>(p, r);
   } else if ((a & 3) == 0 && (n & 3) == 0) {
-    for (int i = 0; i < n / 4; ++i) reinterpret_cast<u32*>(p)[i] = w[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (4 * i < n) reinterpret_cast<u32*>(p)[i] = w[i];
   } else {
-    for (int i = 0; i < n; ++i) p[i] = static_cast<u8>(w[i >> 2] >> (8 * (i & 3)));
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (i < n) p[i] = static_cast<u8>(w[i >> 2] >> (8 * (i & 3)));
   }
 }
 
@@ -182,85 +289,174 @@ KVW_HD float load_f32_any(const u8* p) {
   return bits_f32(w[0]);
 }
 
-// Element i (i < 16) of a 16-element chunk of ES-byte elements held as 16 * ES / 4 words.
-template <int ES>
-KVW_HD u32 chunk_elem(const u32 (&w)[4 * ES], int i) {
-  if constexpr (ES == 4) {
-    return w[i];
-  } else {
-    return (w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
+// N bytes (a multiple of 16) at a 16-byte aligned p, as N / 16 16-byte accesses.
+template <int N>
+KVW_HD Raw<N> load_wide(const u8* p) {
+  Raw<N> r;
+#pragma unroll
+  for (int v = 0; v < N / 16; ++v) {
+    const Raw<16> x = load_raw<16>(p + 16 * v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[4 * v + i] = x.w[i];
+  }
+  return r;
+}
+
+template <int N>
+KVW_HD void store_wide(u8* p, const Raw<N>& r) {
+#pragma unroll
+  for (int v = 0; v < N / 16; ++v) {
+    Raw<16> x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.w[i] = r.w[4 * v + i];
+    store_raw<16>(p + 16 * v, x);
   }
 }
 
-// The n (<= 16) cache elements of a group: x[i] as float32 (0 past n).
+// The n (<= 16) cache elements of a group at p (element stride sc bytes), raw (zero past n): one
+// vector where the group is whole, dense and 16-byte aligned, else element by element.
 template <int IN>
-KVW_HD void load_group(const u8* p, i64 sc, int n, float (&x)[16]) {
+KVW_HD Raw<16 * (IN == DT_F32 ? 4 : 2)> load_group(const u8* p, i64 sc, int n) {
   constexpr int ES = IN == DT_F32 ? 4 : 2;
-  u32 w[4 * ES];
-#pragma unroll
-  for (int i = 0; i < 4 * ES; ++i) w[i] = 0;
   const u64 a = reinterpret_cast<u64>(p);
-  if (sc == ES && n == 16 && (a & 15) == 0) {
+  if (sc == ES && n == 16 && (a & 15) == 0) return load_wide<16 * ES>(p);
+  Raw<16 * ES> raw;
 #pragma unroll
-    for (int v = 0; v < ES; ++v) {
-      const Raw<16> r = load_raw<16>(p + 16 * v);
+  for (int i = 0; i < 4 * ES; ++i) raw.w[i] = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[4 * v + i] = r.w[i];
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i < n) {
-        const Raw<ES> r = load_raw<ES>(p + i * sc);
-        if constexpr (ES == 4) {
-          w[i] = r.w[0];
-        } else {
-          w[i >> 1] |= r.w[0] << (16 * (i & 1));
-        }
+  for (int i = 0; i < 16; ++i) {
+    if (i < n) {
+      const Raw<ES> r = load_raw<ES>(p + i * sc);
+      if constexpr (ES == 4) {
+        raw.w[i] = r.w[0];
+      } else {
+        raw.w[i >> 1] |= r.w[0] << (16 * (i & 1));
       }
     }
   }
-  Raw<4 * ES * 4> raw;
-#pragma unroll
-  for (int i = 0; i < 4 * ES; ++i) raw.w[i] = w[i];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) x[i] = elem_f32<IN>(raw, i);
+  return raw;
 }
 
-// The n (<= 16) cache elements y[i] (float32) rounded to OUT, stored.
+// lo and hi rounded to OUT (DT_F16 / DT_BF16) to nearest even, as one word (lo in the low half):
+// on sm_80 and later one paired conversion (cvt.rn.{f16,bf16}x2.f32: the same rounding as two
+// single ones, NaN to the same canonical NaN), else two.
+template <int OUT>
+KVW_HD u32 f16ish2_from_f32(float lo, float hi) {
+#if !defined(KVWRITE_HOST_TEST) && __CUDA_ARCH__ >= 800
+  u32 r;
+  if constexpr (OUT == DT_F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
+#endif
+}
+
+// M (even) float32 values rounded to OUT, as their raw cache bytes.
+template <int OUT, int M>
+KVW_HD Raw<M * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[M]) {
+  Raw<M * (OUT == DT_F32 ? 4 : 2)> r;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    if constexpr (OUT == DT_F32) {
+      r.w[i] = f32_bits(y[i]);
+    } else if ((i & 1) == 0) {
+      r.w[i >> 1] = f16ish2_from_f32<OUT>(y[i], y[i + 1]);
+    }
+  }
+  return r;
+}
+
+// __byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of y:x.
+KVW_HD u32 byte_perm(u32 x, u32 y, u32 sel) {
+#ifdef KVWRITE_HOST_TEST
+  const u64 xy = (static_cast<u64>(y) << 32) | x;
+  u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<u32>((xy >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#else
+  return __byte_perm(x, y, sel);
+#endif
+}
+
+// SPEC §6.4's decode of an nvfp4 group: y[i] = RN(RN(value(c_i) * S) * sigma), from its 16 codes
+// (w: element 2j in the low nibble of byte j) and sv64 = S * 64 (exact). E2M1's magnitude m =
+// c & 7 is the e4m3 code m << 2 times 2^6 (e4m3(m << 2) = value(m) * 2^-6 for every m: 0, 2^-7
+// (subnormal), 2^-6, ..., 6 * 2^-6), its sign bit (8) e4m3's (0x80); so the codes become e4m3 pairs
+// in a few bit operations a word, decoded by fp8x2_dequant (sm_89 and later: the hardware
+// conversion, two codes at once), and value(c) * S = e4m3 * sv64 exactly (at most 7 significant
+// bits, at least 2^-10: never rounded), as the rule's product is.
+KVW_HD void nvfp4_group_values(const u32 (&w)[4], float sv64, float sigma, float (&y)[16]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 lo = w[h] & 0x0F0F0F0Fu, hi = (w[h] >> 4) & 0x0F0F0F0Fu;  // byte j: 2j, 2j + 1
+    const u32 el = ((lo & 0x08080808u) << 4) | ((lo & 0x07070707u) << 2);
+    const u32 eh = ((hi & 0x08080808u) << 4) | ((hi & 0x07070707u) << 2);
+    const u32 pairs[2] = {byte_perm(el, eh, 0x5140u), byte_perm(el, eh, 0x7362u)};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v0, v1;
+      fp8x2_dequant(pairs[q >> 1] >> (16 * (q & 1)), sv64, false, v0, v1);
+      y[8 * h + 2 * q] = mul_rn(v0, sigma);
+      y[8 * h + 2 * q + 1] = mul_rn(v1, sigma);
+    }
+  }
+}
+
+// The n (<= 16) cache elements y[i] (float32) rounded to OUT, stored at p (element stride sc).
 template <int OUT>
 KVW_HD void store_group(u8* p, i64 sc, int n, const float (&y)[16]) {
   constexpr int ES = OUT == DT_F32 ? 4 : 2;
-  u32 w[4 * ES];
-#pragma unroll
-  for (int i = 0; i < 4 * ES; ++i) w[i] = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if constexpr (ES == 4) {
-      w[i] = f32_bits(y[i]);
-    } else {
-      w[i >> 1] |= f16ish_from_f32<OUT>(y[i]) << (16 * (i & 1));
-    }
-  }
+  const Raw<16 * ES> w = round_group<OUT, 16>(y);
   const u64 a = reinterpret_cast<u64>(p);
   if (sc == ES && n == 16 && (a & 15) == 0) {
-#pragma unroll
-    for (int v = 0; v < ES; ++v) {
-      Raw<16> r;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r.w[i] = w[4 * v + i];
-      store_raw<16>(p + 16 * v, r);
-    }
+    store_wide<16 * ES>(p, w);
   } else {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       if (i < n) {
         Raw<ES> r;
-        r.w[0] = chunk_elem<ES>(w, i);
+        r.w[0] = ES == 4 ? w.w[i] : (w.w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
         store_raw<ES>(p + i * sc, r);
       }
     }
   }
+}
+
+// The rule's amax of a group with NaN propagated (nvfp4_part_rule's first argument): on sm_90,
+// 16-bit inputs from their raw words (the 16-bit SIMD maximum), else from the floats.
+template <int IN>
+KVW_HD float page_amax_nan(const Raw<16 * (IN == DT_F32 ? 4 : 2)>& raw, const float (&x)[16]) {
+#if !defined(KVWRITE_HOST_TEST) && __CUDA_ARCH__ >= 900
+  if constexpr (IN != DT_F32) return nvfp4_amax_nan16<IN == DT_BF16>(raw.w);
+#endif
+  return nvfp4_amax_nan(x);
+}
+
+// The nvfp4 codes of one group (16 elements x; raw: their cache words) in out[0..1] and its
+// scale byte in *s8.
+template <int IN>
+KVW_HD void quantize_group(const Raw<16 * (IN == DT_F32 ? 4 : 2)>& raw, const float (&x)[16],
+                           float sigma, const Nvfp4Den& den6, u32 (&out)[4], u32* s8) {
+  constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
+  const float a = page_amax_nan<IN>(raw, x);
+  const float a_num = a != a ? nvfp4_amax_num(x) : 0.0f;  // rare: NaN skipped
+  u32 codes[2];
+  *s8 = nvfp4_part_rule<16, STEPS>(x, a, a_num, sigma, den6, codes);
+  out[0] = codes[0];
+  out[1] = codes[1];
+  out[2] = out[3] = 0u;
+}
+
+// Elements of a lane's unit: a group of 16, but in the aligned fp8 variants one 16-byte cache
+// vector (16 / ES elements: fp8 codes are per element), so that a warp's loads (pack) and stores
+// (unpack) of the cache are 512 contiguous bytes an instruction, not halves of 32-byte sectors
+// (transfer_cuda.page_unit_elems says the same).
+__host__ __device__ constexpr int page_unit_elems(int fmt, bool aligned, int es) {
+  return aligned && fmt != KVW_NVFP4 ? 16 / es : 16;
 }
 
 #define KVW_LAYER_SLOT_PARAMS(n) u64 layer##n,
@@ -268,10 +464,14 @@ KVW_HD void store_group(u8* p, i64 sc, int n, const float (&y)[16]) {
   case n:                      \
     return layer##n;
 
-// The geometry every page launch shares (after the layer slots).
+// The geometry every page launch shares (after the layer slots), then the item decomposition's
+// constants: segs = ceil(N*G / (32*U)) items a segment, fdiv's magic numbers of the item count
+// of a chunk, K, segs, S and G (transfer_cuda.magic), and `small` (every item index and group
+// index below 2^32: the magic numbers serve).
 #define KVW_PAGE_PARAMS                                                                         \
   i64 l0, i64 nl, i64 L, i64 S, i64 N, i64 E, i64 K, i64 csb, i64 csh, i64 cst, i64 csc,        \
-      i64 cblocks, u64 page, i64 prs, i64 hb, i64 pblocks
+      i64 cblocks, u64 page, i64 prs, i64 hb, i64 pblocks, i64 segs, u64 m_chunk, u64 m_K,      \
+      u64 m_segs, u64 m_S, u64 m_G, i64 small_
 
 #define KVW_LAYER_PTR(li)                                                    \
   [&]() -> u64 {                                                             \
@@ -279,131 +479,230 @@ KVW_HD void store_group(u8* p, i64 sc, int n, const float (&y)[16]) {
     return 0;                                                                \
   }()
 
-// transfer_pack_kernel<FMT, IN, IDX>: caches of kind IN (DT_F16/DT_BF16/DT_F32) -> chunks of
-// format FMT (DT_E4M3, DT_E5M2, KVW_NVFP4). Pair m = (cache block b, page row p). scale: float32,
-// sigma(l, s) of chunk k at scale[l*ss0 + s*ss1 + k*ss2] (the launcher's pointer includes the
-// scale's offset).
-template <int FMT, int IN, typename IDX>
-__global__ void transfer_pack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1,
-                                     i64 pairs, const float* scale, i64 ss0, i64 ss1, i64 ss2,
-                                     KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
+// Item w of a page launch (per_chunk items a chunk): pair m, chunk k, and the item's index
+// within its chunk.
+KVW_HD void page_item(u64 w, u64 per_chunk, i64 K, u64 m_chunk, u64 m_K, bool small, u64* m,
+                      i64* k, u64* rest) {
+  const u64 chunk = fdiv(w, per_chunk, m_chunk, small);
+  *rest = w - chunk * per_chunk;
+  *m = fdiv(chunk, K, m_K, small);
+  *k = static_cast<i64>(chunk - *m * K);
+}
+
+// A group item's layer slot li, part s and item within the segment.
+KVW_HD void page_segment(u64 rest, i64 segs, i64 S, u64 m_segs, u64 m_S, bool small, i64* li,
+                         i64* s, i64* seg) {
+  const u64 x = fdiv(rest, segs, m_segs, small);
+  *seg = static_cast<i64>(rest - x * segs);
+  const u64 q = fdiv(x, S, m_S, small);
+  *s = static_cast<i64>(x - q * S);
+  *li = static_cast<i64>(q);
+}
+
+// transfer_pack_kernel<FMT, IN, IDX, ALIGN, U>: caches of kind IN (DT_F16/DT_BF16/DT_F32) ->
+// chunks of format FMT (DT_E4M3, DT_E5M2, KVW_NVFP4). Pair m = (cache block b, page row p).
+// scale: float32, sigma(l, s) of chunk k at scale[l*ss0 + s*ss1 + k*ss2] (the launcher's pointer
+// includes the scale's offset). At most 64 registers a thread (1024-thread CTAs).
+template <int FMT, int IN, typename IDX, int ALIGN, int U>
+__global__ void __launch_bounds__(1024)
+    transfer_pack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
+                         const float* __restrict__ scale, i64 ss0, i64 ss1, i64 ss2,
+                         KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
+  constexpr bool ALIGNED = ALIGN != 0;
+  static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
+  constexpr int ES = IN == DT_F32 ? 4 : 2;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
-  const i64 G = (E + 15) / 16;                  // groups a row part
-  const u64 X = static_cast<u64>(nl) * S * N * G;
-  const u64 H = l0 == 0 ? static_cast<u64>(L) * S : 0;
-  const u64 per_chunk = X + H;
+  constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
+  const bool small = small_ != 0;
+  const i64 G = (E + UE - 1) / UE;  // units a row part
+  const i64 NG = N * G;
+  const u64 X = static_cast<u64>(nl) * S * segs;  // group items a chunk
+  const u64 per_chunk = X + (l0 == 0 ? 1 : 0);    // and the header item
   const u64 total = static_cast<u64>(pairs) * K * per_chunk;
   const i64 codes_at = 4 * L * S;
   const i64 lnc = L * N * S * E;
   const i64 used = FMT == KVW_NVFP4 ? codes_at + lnc / 2 + lnc / 16 : codes_at + lnc;
-  for (u64 u = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; u < total;
-       u += static_cast<u64>(gridDim.x) * blockDim.x) {
-    const u64 chunk = udiv(u, per_chunk);
-    const u64 w = u - chunk * per_chunk;
-    const u64 m = udiv(chunk, K);
-    const i64 k = static_cast<i64>(chunk - m * K);
+  const i64 lane = threadIdx.x & 31;
+  const u64 warps = blockDim.x >> 5;
+  for (u64 w = static_cast<u64>(blockIdx.x) * warps + (threadIdx.x >> 5); w < total;
+       w += static_cast<u64>(gridDim.x) * warps) {
+    u64 m, rest;
+    i64 k;
+    page_item(w, per_chunk, K, m_chunk, m_K, small, &m, &k, &rest);
     i64 b, p;
     read_pair(mapping, ms0, ms1, m, &b, &p);
     if (b < 0 || b >= cblocks || p < 0 || p >= pblocks) continue;
     u8* cbase = reinterpret_cast<u8*>(page + p * prs + k * hb);
-    if (w >= X) {  // the header: sigma(l, s); with the first, the zero tail
-      const i64 h = static_cast<i64>(w - X);
-      const i64 l = h / S, s = h - (h / S) * S;
-      u32 word[4] = {f32_bits(scale[l * ss0 + s * ss1 + k * ss2]), 0u, 0u, 0u};
-      store_bytes(cbase + 4 * h, 4, word);
-      if (h == 0) {
-        const u32 zero[4] = {0u, 0u, 0u, 0u};
-        store_bytes(cbase + used, static_cast<int>(hb - used), zero);
+    if (rest >= X) {  // the header: sigma(l, s), lanes over them; the zero tail, a lane a byte
+      for (i64 h = lane; h < L * S; h += 32) {
+        const i64 l = static_cast<i64>(fdiv(h, S, m_S, small));
+        const u32 v = f32_bits(scale[l * ss0 + (h - l * S) * ss1 + k * ss2]);
+        if constexpr (ALIGNED) {
+          *reinterpret_cast<u32*>(cbase + 4 * h) = v;
+        } else {
+          const u32 word[4] = {v, 0u, 0u, 0u};
+          store_bytes(cbase + 4 * h, 4, word);
+        }
       }
+      if (lane < hb - used) cbase[used + lane] = 0;
       continue;
     }
-    u64 q = udiv(w, G);
-    const i64 g = static_cast<i64>(w - q * G);
-    u64 r2 = udiv(q, N);
-    const i64 t = static_cast<i64>(q - r2 * N);
-    q = udiv(r2, S);
-    const i64 s = static_cast<i64>(r2 - q * S);
-    const i64 li = static_cast<i64>(q), l = l0 + li;
-    const i64 e0 = 16 * g;
-    const int n = static_cast<int>(E - e0 < 16 ? E - e0 : 16);
-    const u64 lp = KVW_LAYER_PTR(li);
-    float x[16];
-    load_group<IN>(reinterpret_cast<const u8*>(lp + b * csb + k * csh + t * cst +
-                                               (s * E + e0) * csc),
-                   csc, n, x);
+    i64 li, s, seg;
+    page_segment(rest, segs, S, m_segs, m_S, small, &li, &s, &seg);
+    const i64 l = l0 + li;
+    const i64 r0 = (l * S + s) * N;  // the segment's first row
+    const u8* src = reinterpret_cast<const u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh +
+                                                s * E * csc);
     const float sigma = scale[l * ss0 + s * ss1 + k * ss2];
-    const i64 row = (l * S + s) * N + t;
+    const i64 j0 = seg * (32 * U) + lane;
+    Raw<UE * ES> raw[U];
+    if constexpr (ALIGNED) {  // every load first
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + 32 * u;
+        if (j < NG) {
+          const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
+          raw[u] = load_wide<UE * ES>(src + t * cst + (j - t * G) * (UE * ES));
+        }
+      }
+    }
+    Fp8Scale fs;
+    Nvfp4Den den6;
     if constexpr (FMT == KVW_NVFP4) {
-      const Nvfp4Den den6 = nvfp4_den(mul_rn(sigma, 6.0f));
-      u32 out[2];
-      const u32 S8 = nvfp4_group<false, STEPS>(x, sigma, den6, den6, out);
-      u32 word[4] = {out[0], out[1], 0u, 0u};
-      store_bytes(cbase + codes_at + (row * E + e0) / 2, 8, word);
-      cbase[codes_at + lnc / 2 + row * (E / 16) + g] = static_cast<u8>(S8);
+      den6 = nvfp4_den(mul_rn(sigma, 6.0f));
     } else {
-      const Fp8Scale sc = make_fp8_scale<true, false>(sigma);
-      u32 out[4];
-      fp8_quantize<FMT, 16, STEPS>(x, out, sc);
-      store_bytes(cbase + codes_at + row * E + e0, n, out);
+      fs = make_fp8_scale<true, ALIGNED>(sigma);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + 32 * u;
+      if (j >= NG) break;
+      const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
+      const i64 e0 = UE * (j - t * G);
+      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
+      if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
+      float x[UE];
+#pragma unroll
+      for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
+      if constexpr (FMT == KVW_NVFP4) {
+        u32 out[4], s8;
+        quantize_group<IN>(raw[u], x, sigma, den6, out, &s8);
+        const i64 r = r0 + t;
+        u8* codes = cbase + codes_at + (r * E + e0) / 2;
+        if constexpr (ALIGNED) {
+          Raw<8> c;
+          c.w[0] = out[0];
+          c.w[1] = out[1];
+          store_aligned<8, ALIGN>(codes, c);
+        } else {
+          store_bytes(codes, 8, out);
+        }
+        cbase[codes_at + lnc / 2 + r * (E / 16) + e0 / 16] = static_cast<u8>(s8);
+      } else {
+        Raw<UE> c;  // the unit's UE codes
+        fp8_quantize<FMT, UE, STEPS>(x, c.w, fs);
+        const i64 r = r0 + t;
+        u8* codes = cbase + codes_at + r * E + e0;
+        if constexpr (ALIGNED) {
+          store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c);
+        } else {
+          store_bytes(codes, n, c.w);
+        }
+      }
     }
   }
 }
 
-// transfer_unpack_kernel<FMT, OUT, IDX>: chunks of format FMT -> caches of kind OUT. Pair m =
-// (page row p, cache block b). fp8: D(code, sigma) = RN(decode(code) * sigma) (SPEC §8.2), then
-// OUT; nvfp4: RN(value(c) * float(S) * sigma) (value(c) * float(S) exact, SPEC §6.4), then OUT.
-template <int FMT, int OUT, typename IDX>
-__global__ void transfer_unpack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1,
-                                       i64 pairs, KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
+// transfer_unpack_kernel<FMT, OUT, IDX, ALIGN, U>: chunks of format FMT -> caches of kind OUT.
+// Pair m = (page row p, cache block b). fp8: D(code, sigma) = RN(decode(code) * sigma) (SPEC
+// §8.2; fp8x2_dequant, the hardware decode on sm_89 and later), then OUT; nvfp4:
+// RN(value(c) * float(S) * sigma) (value(c) * float(S) exact, SPEC §6.4), then OUT. At most 64
+// registers a thread (1024-thread CTAs).
+template <int FMT, int OUT, typename IDX, int ALIGN, int U>
+__global__ void __launch_bounds__(1024)
+    transfer_unpack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
+                           KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
-  const i64 G = (E + 15) / 16;
-  const u64 per_chunk = static_cast<u64>(nl) * S * N * G;
+  constexpr bool ALIGNED = ALIGN != 0;
+  static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
+  constexpr int ES = OUT == DT_F32 ? 4 : 2;
+  constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
+  constexpr int CB = FMT == KVW_NVFP4 ? 8 : UE;  // code bytes of a whole unit
+  constexpr int CA = ALIGN < CB ? ALIGN : CB;     // their alignment (aligned variants)
+  const bool small = small_ != 0;
+  const i64 G = (E + UE - 1) / UE;  // units a row part
+  const i64 NG = N * G;
+  const u64 per_chunk = static_cast<u64>(nl) * S * segs;
   const u64 total = static_cast<u64>(pairs) * K * per_chunk;
   const i64 codes_at = 4 * L * S;
   const i64 lnc = L * N * S * E;
-  for (u64 u = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; u < total;
-       u += static_cast<u64>(gridDim.x) * blockDim.x) {
-    const u64 chunk = udiv(u, per_chunk);
-    const u64 w = u - chunk * per_chunk;
-    const u64 m = udiv(chunk, K);
-    const i64 k = static_cast<i64>(chunk - m * K);
+  const i64 lane = threadIdx.x & 31;
+  const u64 warps = blockDim.x >> 5;
+  for (u64 w = static_cast<u64>(blockIdx.x) * warps + (threadIdx.x >> 5); w < total;
+       w += static_cast<u64>(gridDim.x) * warps) {
+    u64 m, rest;
+    i64 k;
+    page_item(w, per_chunk, K, m_chunk, m_K, small, &m, &k, &rest);
     i64 p, b;
     read_pair(mapping, ms0, ms1, m, &p, &b);
     if (b < 0 || b >= cblocks || p < 0 || p >= pblocks) continue;
     const u8* cbase = reinterpret_cast<const u8*>(page + p * prs + k * hb);
-    u64 q = udiv(w, G);
-    const i64 g = static_cast<i64>(w - q * G);
-    u64 r2 = udiv(q, N);
-    const i64 t = static_cast<i64>(q - r2 * N);
-    q = udiv(r2, S);
-    const i64 s = static_cast<i64>(r2 - q * S);
-    const i64 li = static_cast<i64>(q), l = l0 + li;
-    const i64 e0 = 16 * g;
-    const int n = static_cast<int>(E - e0 < 16 ? E - e0 : 16);
-    const i64 row = (l * S + s) * N + t;
-    const float sigma = load_f32_any(cbase + 4 * (l * S + s));
-    float y[16];
-    if constexpr (FMT == KVW_NVFP4) {
-      u32 word[4];
-      load_bytes(cbase + codes_at + (row * E + e0) / 2, 8, word);
-      const float sv = fp8_decode<DT_E4M3>(cbase[codes_at + lnc / 2 + row * (E / 16) + g]);
+    i64 li, s, seg;
+    page_segment(rest, segs, S, m_segs, m_S, small, &li, &s, &seg);
+    const i64 l = l0 + li;
+    const i64 r0 = (l * S + s) * N;  // the segment's first row
+    const u8* codes = FMT == KVW_NVFP4 ? cbase + codes_at + r0 * E / 2 : cbase + codes_at + r0 * E;
+    const u8* scales = cbase + codes_at + lnc / 2 + r0 * (E / 16);  // nvfp4
+    const i64 j0 = seg * (32 * U) + lane;
+    Raw<16> raw[U];
+    u32 s8[U];
+    if constexpr (ALIGNED) {  // every load first: unit j's codes at j * CB
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const u32 c = (word[i >> 3] >> (4 * (i & 7))) & 0xFu;
-        const float mag = nvfp4_value_mag(bits_f32(0x4B000000u | (c & 7u)));
-        const float v = bits_f32(f32_bits(mag) | ((c & 8u) << 28));
-        y[i] = mul_rn(mul_rn(v, sv), sigma);
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + 32 * u;
+        if (j < NG) {
+          const Raw<CB> c = load_aligned<CB, CA>(codes + j * CB);
+#pragma unroll
+          for (int i = 0; i < CB / 4; ++i) raw[u].w[i] = c.w[i];
+          if constexpr (FMT == KVW_NVFP4) s8[u] = scales[j];
+        }
       }
-    } else {
-      u32 word[4];
-      load_bytes(cbase + codes_at + row * E + e0, n, word);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = fp8_dequant<FMT>((word[i >> 2] >> (8 * (i & 3))) & 0xFFu,
-                                                          sigma);
     }
-    const u64 lp = KVW_LAYER_PTR(li);
-    store_group<OUT>(reinterpret_cast<u8*>(lp + b * csb + k * csh + t * cst + (s * E + e0) * csc),
-                     csc, n, y);
+    const u8* sig_at = cbase + 4 * (l * S + s);
+    const float sigma = ALIGNED ? bits_f32(load_raw<4>(sig_at).w[0]) : load_f32_any(sig_at);
+    u8* dst = reinterpret_cast<u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh + s * E * csc);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + 32 * u;
+      if (j >= NG) break;
+      const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
+      const i64 g = j - t * G;
+      const i64 e0 = UE * g;
+      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
+      if constexpr (!ALIGNED) {
+        if constexpr (FMT == KVW_NVFP4) {
+          load_bytes(codes + (t * E + e0) / 2, 8, raw[u].w);
+          s8[u] = scales[t * (E / 16) + g];
+        } else {
+          load_bytes(codes + t * E + e0, n, raw[u].w);
+        }
+      }
+      float y[UE];
+      if constexpr (FMT == KVW_NVFP4) {
+        nvfp4_group_values(raw[u].w, mul_rn(fp8_decode<DT_E4M3>(s8[u]), 64.0f), sigma, y);
+      } else {
+#pragma unroll
+        for (int i = 0; i < UE; i += 2)
+          fp8x2_dequant(raw[u].w[i >> 2] >> (8 * (i & 2)), sigma, FMT == DT_E5M2, y[i],
+                        y[i + 1]);
+      }
+      u8* at = dst + t * cst + e0 * csc;
+      if constexpr (ALIGNED) {
+        store_wide<UE * ES>(at, round_group<OUT>(y));
+      } else {
+        store_group<OUT>(at, csc, n, y);
+      }
+    }
   }
 }

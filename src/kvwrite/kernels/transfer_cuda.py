@@ -4,16 +4,21 @@ with NVRTC, launched on PyTorch's current stream. The ops' ``cuda_impl`` modules
 
 A :class:`~kvwrite.transfer.TransferPlan` runs as:
 
-- its raw copies (``plan.jobs``): ``transfer_copy_kernel<VB, IDX, U>``, one launch per group of
-  at most :data:`SLOTS` jobs of one geometry (strides, counts, block counts and vector width VB;
-  the jobs of a multi-layer call of one layout form one group, so 64 layers take two launches).
+- its raw copies (``plan.jobs``): ``transfer_copy_kernel<VB, IDX, U>`` (rows longer than a warp
+  covers: a warp's segment of 32 * U vectors of one row) or ``transfer_copy_rows_kernel<VB, IDX,
+  U, LANES>`` (rows of at most 32 vectors: LANES lanes a row, U rows a lane, :func:`copy_lanes`),
+  one launch per group of at most :data:`SLOTS` jobs of one geometry (strides, counts, block
+  counts and vector width VB; the jobs of a multi-layer call of one layout form one group, so 64
+  layers take two launches).
   The jobs' pointers are scalar arguments in fixed slots: cuda.core's launch takes scalars only,
   and a pointer table on the device would need an allocation and a host copy each call, which a
   CUDA graph captured without a warm-up call cannot hold.
-- its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX>`` or
-  ``transfer_unpack_kernel<FMT, OUT, IDX>``, one launch per run of at most :data:`SLOTS`
-  consecutive layers with equal strides (layer pointers in slots as above); the first pack launch
-  also writes every chunk's scales and zero tail.
+- its quantized pages (``plan.page_job``): ``transfer_pack_kernel<FMT, IN, IDX, ALIGNED, U>`` or
+  ``transfer_unpack_kernel<FMT, OUT, IDX, ALIGNED, U>``, one launch per run of at most
+  :data:`SLOTS` consecutive layers with equal strides (layer pointers in slots as above); the
+  first pack launch also writes every chunk's scales and zero tail. ALIGN > 0 (fixed-width
+  accesses, U groups a lane in flight) where :func:`page_align` allows, else the general variant
+  (ALIGN = 0, U = 1).
 
 Every kernel is a persistent grid-stride loop: at most ``plan.max_ctas`` CTAs per launch where
 set, else enough to cover the work up to ``ctas_per_sm`` CTAs per SM. Graph-safe: no
@@ -32,7 +37,9 @@ from . import launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
-           "page_name", "magic"]
+           "page_name", "page_align", "page_aligns", "page_unit_elems", "page_unroll",
+           "page_launch_args", "PageLaunchArgs", "magic", "copy_lanes", "copy_rows_unroll",
+           "copy_calls", "CopyCall", "ROWS_MOST", "grid_size"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -54,9 +61,10 @@ class TransferTuning(launch.PdlPolicy):
     copy_threads: int = 1024
     # The most vectors a lane loads before its stores (U, compiled in): a warp's segment is 32 * U
     # vectors of one row, U the largest power of two up to this whose segment the row fills (see
-    # copy_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers, 128 random blocks,
-    # all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s (the device copy:
-    # 2086).
+    # copy_unroll); rows of at most 32 vectors: one vector of each of U rows, U this up to
+    # ROWS_MOST (copy_rows_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers,
+    # 128 random blocks, all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s
+    # (the device copy: 2086).
     loads_in_flight: int = 2
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
@@ -71,15 +79,24 @@ class TransferTuning(launch.PdlPolicy):
     host_cta_threads: int = 128
     # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
     jobs_per_launch: int = SLOTS
-    # Threads per CTA of the page kernels (one group of 16 elements a thread). Unmeasured.
-    page_threads: int = 256
+    # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
+    # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
+    # registers a thread, tests/test_transfer_cuda.py). Unmeasured for the pages.
+    page_threads: int = 1024
+    # The most cache bytes a lane's units cover in a warp item of the aligned page variants (U
+    # units of page_unit_elems elements: fp8 16-byte vectors, nvfp4 groups of 16; U the largest
+    # power of two within this whose item of 32 * U units the segment fills). 64: a pack's
+    # 1024-thread CTA holds 64 KiB of reads in flight, twice the copy kernel's at its measured
+    # best (U = 2 vectors of 16 bytes), within 64 registers (bfloat16 groups: U = 2; float32
+    # groups: 1; fp8 vectors: 4). Unmeasured for the pages.
+    page_bytes_in_flight: int = 64
     # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
     # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
     # tests/test_transfer_cuda.py), leave no room for a second).
     ctas_per_sm: int = 1
-    # CTAs per SM of the page kernels where max_ctas is None. Unmeasured: 4 x 256 threads at up to
-    # 56 registers (ptxas, sm_90) fit an SM's registers.
-    page_ctas_per_sm: int = 4
+    # CTAs per SM of the page kernels where max_ctas is None: one of 1024 threads (64 registers a
+    # thread fill the SM's 65536).
+    page_ctas_per_sm: int = 1
 
 
 TUNING = TransferTuning()
@@ -110,17 +127,58 @@ def copy_unroll(nvec: int, most: int) -> int:
     return u
 
 
-def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int) -> str:
-    """The name expression of a copy kernel variant."""
+# The most rows a lane of transfer_copy_rows_kernel moves at once: each row holds two addresses
+# and a pair of ids (8 registers) until its load, then its vector until its store. 2: at 4, the
+# launch bounds' 64 registers spill (ptxas, sm_90, VB 16: 8-16 bytes of stack at LANES < 32);
+# at 2, 46-50 registers and no stack (tests/test_transfer_cuda.py). Two rows of 16 B a lane are
+# 32 KiB in flight a 1024-thread CTA: a device copy needs about 11 KiB an SM (2 TB/s over 132
+# SMs at ~0.7 us), a pinned host side at 4 CTAs 128 KiB over the grid (~55 GB/s at ~2 us).
+ROWS_MOST = 2
+
+
+def copy_lanes(nvec: int) -> int:
+    """Lanes a row of ``nvec`` vectors takes in transfer_copy_rows_kernel: the least power of two
+    >= nvec where nvec <= 32 (a warp then moves 32 // lanes rows a load instead of one row, whose
+    segment left 32 - nvec lanes idle), else 0: segments of one row (transfer_copy_kernel).
+    Rows of 17-31 vectors keep 32 lanes (as a segment would), but U of them a lane."""
+    if nvec > 32:
+        return 0
+    lanes = 1
+    while lanes < nvec:
+        lanes *= 2
+    return lanes
+
+
+def copy_rows_unroll(most: int) -> int:
+    """U of a rows launch (rows a lane loads before its stores): ``most`` up to :data:`ROWS_MOST`,
+    a power of two."""
+    u = 1
+    while u * 2 <= min(most, ROWS_MOST):
+        u *= 2
+    return u
+
+
+def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int, lanes: int = 0) -> str:
+    """The name expression of a copy kernel variant: segments of one row (``lanes`` 0) or
+    ``lanes`` lanes a row."""
+    if lanes:
+        return (f"transfer_copy_rows_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}, "
+                f"{lanes}>")
     return f"transfer_copy_kernel<{vb}, {launch.int_type(mapping_dtype)}, {unroll}>"
 
 
 def page_name(direction: str, page_format: str, cache_dtype: torch.dtype,
-              mapping_dtype: torch.dtype) -> str:
-    """The name expression of a page kernel variant."""
+              mapping_dtype: torch.dtype, align: int = 0, unroll: int = 1) -> str:
+    """The name expression of a page kernel variant (``align``: its ALIGN, 0 for the general
+    variant, see :func:`page_align`; ``unroll``: its U, 1 for the general one)."""
     kern = "transfer_pack_kernel" if direction == "pack" else "transfer_unpack_kernel"
     return (f"{kern}<{_FMT[page_format]}, {launch.kind(cache_dtype)}, "
-            f"{launch.int_type(mapping_dtype)}>")
+            f"{launch.int_type(mapping_dtype)}, {align}, {unroll}>")
+
+
+def page_aligns(page_format: str) -> tuple[int, ...]:
+    """The ALIGN values of a page format's aligned variants (up to a group's code bytes)."""
+    return (4, 8) if page_format == "nvfp4" else (4, 8, 16)
 
 
 def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
@@ -129,9 +187,19 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     unrolls = [u for u in (1, 2, 4, 8, 16, 32) if u <= most]
     names = [copy_name(vb, dt, u) for vb in (1, 2, 4, 8, 16)
              for dt in (torch.int32, torch.int64) for u in unrolls]
-    names += [page_name(d, f, c, dt) for d in ("pack", "unpack") for f in _FMT
-              for c in (torch.float16, torch.bfloat16, torch.float32)
-              for dt in (torch.int32, torch.int64)]
+    row_unrolls = sorted({copy_rows_unroll(tuning.loads_in_flight),
+                          copy_rows_unroll(tuning.loads_in_flight_host)})
+    names += [copy_name(vb, dt, u, lanes) for vb in (1, 2, 4, 8, 16)
+              for dt in (torch.int32, torch.int64) for u in row_unrolls
+              for lanes in (1, 2, 4, 8, 16, 32)]
+    for d in ("pack", "unpack"):
+        for c in (torch.float16, torch.bfloat16, torch.float32):
+            for f in _FMT:
+                most = page_unroll(f, c, 1 << 30, tuning.page_bytes_in_flight)
+                variants = [(0, 1)] + [(a, u) for a in page_aligns(f)
+                                       for u in (1, 2, 4, 8, 16) if u <= most]
+                names += [page_name(d, f, c, dt, a, u) for dt in (torch.int32, torch.int64)
+                          for a, u in variants]
     return names
 
 
@@ -250,6 +318,105 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
     return out
 
 
+def page_align(pj: PageJob) -> int:
+    """transfer.cu's ALIGN for ``pj``: 0 (the general variant) unless every group is whole
+    (``E % 16 == 0``), every layer's parts are dense (element stride the element size) with their
+    pointer and every byte stride that moves an address (block; head where ``K > 1``; token where
+    ``N > 1``) multiples of 16, so each group's cache bytes are one 16-byte aligned run, and the
+    page's chunks start 16-byte aligned (its pointer, the row stride where there are two rows or
+    more, ``hb``); then the alignment of every group's codes: the largest power of two dividing
+    ``4*L*S`` (their offset in the chunk), at most a group's code bytes (16 fp8, 8 nvfp4). A
+    stride of a dim of one index never moves an address and is not counted (as for copies)."""
+    E, L, S = pj.part_elems, pj.layers, pj.parts
+    if E % 16:
+        return 0
+    es = pj.cache_dtype.itemsize
+    for side in pj.caches:
+        sb, sh, st, sc = side.strides
+        moving = (sb if side.blocks > 1 else 0, sh if pj.heads > 1 else 0,
+                  st if pj.tokens > 1 else 0)
+        if sc != es or (side.ptr | _or(moving)) % 16:
+            return 0
+    prs = pj.pages.strides[0] if pj.pages.blocks > 1 else 0
+    if (pj.pages.ptr | prs | pj.chunk_bytes) % 16:
+        return 0
+    most = 8 if pj.page_format == "nvfp4" else 16
+    codes_at = 4 * L * S
+    return min(most, codes_at & -codes_at)
+
+
+def _or(values) -> int:
+    """The bitwise or of integers (an alignment test of all of them at once)."""
+    out = 0
+    for v in values:
+        out |= v
+    return out
+
+
+def page_unit_elems(page_format: str, align: int, cache_dtype: torch.dtype) -> int:
+    """Elements of a lane's unit in a page variant (transfer.cu's page_unit_elems): a group of 16,
+    but in the aligned fp8 variants one 16-byte cache vector (fp8 codes are per element), so that
+    a warp's cache accesses are whole sectors."""
+    return 16 // cache_dtype.itemsize if align and page_format != "nvfp4" else 16
+
+
+def page_unroll(page_format: str, cache_dtype: torch.dtype, units: int,
+                bytes_in_flight: int) -> int:
+    """U of an aligned page launch whose segments hold ``units`` units: the largest power of two
+    whose units' cache bytes fit ``bytes_in_flight`` (at least 1) and whose warp item (32 * U
+    units) the segment fills."""
+    unit_bytes = page_unit_elems(page_format, 16, cache_dtype) * cache_dtype.itemsize
+    return copy_unroll(units, max(1, bytes_in_flight // unit_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLaunchArgs:
+    """One page launch as :func:`run` makes it: variant, grid, threads and every argument."""
+
+    name: str
+    grid: int
+    threads: int
+    args: tuple[int, ...]
+
+
+def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
+                     sm_count: int | None = None) -> list[PageLaunchArgs]:
+    """The launches of ``plan.page_job`` (no GPU needed where ``sm_count`` is given: the SMs a
+    grid without ``max_ctas`` may fill; else the plan's device's)."""
+    pj = plan.page_job
+    if sm_count is None:
+        index = plan.device.index if plan.device.index is not None else \
+            torch.cuda.current_device()
+        sm_count = nvrtc.device_arch(index)[1]
+    align = page_align(pj)
+    L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
+    G = -(-E // page_unit_elems(pj.page_format, align, pj.cache_dtype))  # units a row part
+    u = page_unroll(pj.page_format, pj.cache_dtype, N * G, tuning.page_bytes_in_flight) \
+        if align else 1
+    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, align, u)
+    segs = -(-(N * G) // (32 * u))
+    cblocks = min(side.blocks for side in pj.caches)
+    pages = pj.pages
+    page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
+    pack = pj.direction == "pack"
+    head = _mapping_args(plan)
+    if pack:
+        head += (pj.scale.data_ptr() + 4 * pj.scale_offset, *pj.scale_strides)
+    threads = tuning.page_threads
+    out = []
+    for pl in page_launches(pj):
+        slots = list(pl.pointers) + [0] * (SLOTS - len(pl.pointers))
+        nl = len(pl.pointers)
+        per_chunk = nl * S * segs + (1 if pack and pl.l0 == 0 else 0)
+        work = plan.pairs * K * per_chunk  # warp items
+        small = int(work < 1 << 32 and N * G < 1 << 32)
+        geometry = (pl.l0, nl, L, S, N, E, K, *pl.strides, cblocks, *page_args, segs,
+                    magic(per_chunk), magic(K), magic(segs), magic(S), magic(G), small)
+        grid = grid_size(work, threads // 32, sm_count, plan.max_ctas, tuning.page_ctas_per_sm)
+        out.append(PageLaunchArgs(name, grid, threads, (*head, *slots, *geometry)))
+    return out
+
+
 LAUNCHES = launch.LaunchCache()
 
 
@@ -262,13 +429,19 @@ def _launchable(name: str, index: int) -> launch.Launchable:
     return lau
 
 
-def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
-          ctas_per_sm: int) -> int:
-    """CTAs of a launch: enough for the work, at most ctas_per_sm per SM, at most max_ctas."""
-    grid = min(-(-work_items // per_cta), nvrtc.device_arch(index)[1] * ctas_per_sm)
+def grid_size(work_items: int, per_cta: int, sms: int, max_ctas: int | None,
+              ctas_per_sm: int) -> int:
+    """CTAs of a launch: enough for the work, at most ctas_per_sm per SM of ``sms``, at most
+    max_ctas."""
+    grid = min(-(-work_items // per_cta), sms * ctas_per_sm)
     if max_ctas is not None:
         grid = min(grid, max_ctas)
     return max(1, grid)
+
+
+def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
+          ctas_per_sm: int) -> int:
+    return grid_size(work_items, per_cta, nvrtc.device_arch(index)[1], max_ctas, ctas_per_sm)
 
 
 def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
@@ -306,11 +479,23 @@ def copy_threads(to_host: bool, max_ctas: int | None, tuning: TransferTuning = T
     return max(tuning.host_cta_threads, min(tuning.copy_threads, share))
 
 
-def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
-    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
-    if plan.pairs == 0:
-        return
-    index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+@dataclasses.dataclass(frozen=True)
+class CopyCall:
+    """One copy kernel launch as :func:`run` makes it: the variant, its units of work (warp
+    segments, or rows), the units a warp takes a step, threads per CTA, CTAs per SM where
+    max_ctas is None, and the kernel's arguments."""
+
+    name: str
+    work: int
+    per_warp: int
+    threads: int
+    ctas_per_sm: int
+    args: tuple
+
+
+def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[CopyCall]:
+    """The copy launches of ``plan`` (no GPU needed: the CPU emulation of the kernel,
+    tests/test_transfer_emu.py, runs exactly these)."""
     margs = _mapping_args(plan)
     mdt = plan.mapping.dtype
     reads_host = any(j.src.on_host for j in plan.jobs)
@@ -318,40 +503,43 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     most = tuning.loads_in_flight_host if reads_host or writes_host else tuning.loads_in_flight
     threads = copy_threads(writes_host and not reads_host, plan.max_ctas, tuning)
     ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
+    out = []
     for cl in copy_launches(plan.jobs, tuning):
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
         heads, tokens, nvec, ppe = cl.geometry[10:]
-        u = copy_unroll(nvec, most)
-        segs = -(-nvec // (32 * u))
-        work = len(cl.pointers) * plan.pairs * heads * tokens * segs  # warp segments
+        rows = len(cl.pointers) * plan.pairs * heads * tokens
+        lanes = copy_lanes(nvec)
+        if lanes:
+            u = copy_rows_unroll(most)
+            segs, work, per_warp = 1, rows, 32 // lanes * u
+        else:
+            u = copy_unroll(nvec, most)
+            segs = -(-nvec // (32 * u))
+            work, per_warp = rows * segs, 1  # warp segments
         magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
-        _launch(copy_name(cl.vb, mdt, u), index, work, threads // 32, threads, plan.max_ctas,
-                ctas_per_sm, tuning, *margs, *slots,
-                len(cl.pointers), *cl.geometry[:12], nvec, ppe.bit_length() - 1, segs, *magics)
-    pj = plan.page_job
-    if pj is not None:
-        _run_pages(plan, pj, index, margs, tuning)
+        out.append(CopyCall(copy_name(cl.vb, mdt, u, lanes), work, per_warp, threads, ctas_per_sm,
+                            (*margs, *slots, len(cl.pointers), *cl.geometry[:12], nvec,
+                             ppe.bit_length() - 1, segs, *magics)))
+    return out
 
 
-def _run_pages(plan: TransferPlan, pj: PageJob, index: int, margs: tuple,
-               tuning: TransferTuning) -> None:
-    name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype)
-    L, S, N, E, K = pj.layers, pj.parts, pj.tokens, pj.part_elems, pj.heads
-    groups = -(-E // 16)
-    cblocks = min(side.blocks for side in pj.caches)
-    pages = pj.pages
-    page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
-    pack = pj.direction == "pack"
-    if pack:
-        scale_args = (pj.scale.data_ptr() + 4 * pj.scale_offset, *pj.scale_strides)
-    for pl in page_launches(pj):
-        slots = list(pl.pointers) + [0] * (SLOTS - len(pl.pointers))
-        nl = len(pl.pointers)
-        items = nl * S * N * groups + (L * S if pack and pl.l0 == 0 else 0)
-        work = plan.pairs * K * items
-        geometry = (pl.l0, nl, L, S, N, E, K, *pl.strides, cblocks, *page_args)
-        head = (*margs, *scale_args) if pack else margs
-        _launch(name, index, work, tuning.page_threads, tuning.page_threads, plan.max_ctas,
-                tuning.page_ctas_per_sm, tuning, *head, *slots, *geometry)
+def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
+    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
+    if plan.pairs == 0:
+        return
+    index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+    for c in copy_calls(plan, tuning):
+        _launch(c.name, index, c.work, c.threads // 32 * c.per_warp, c.threads, plan.max_ctas,
+                c.ctas_per_sm, tuning, *c.args)
+    if plan.page_job is not None:
+        _run_pages(plan, index, tuning)
+
+
+def _run_pages(plan: TransferPlan, index: int, tuning: TransferTuning) -> None:
+    for pa in page_launch_args(plan, tuning, nvrtc.device_arch(index)[1]):
+        lau = _launchable(pa.name, index)
+        kernel, pdl = lau.pick(pa.grid, tuning.pdl_max_ctas)
+        nvrtc.launch(index, nvrtc.launch_config(pa.grid, 1, pa.threads, 1, pdl), kernel,
+                     *pa.args)

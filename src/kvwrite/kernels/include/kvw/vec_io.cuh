@@ -47,6 +47,9 @@ KVW_HD Raw<N> load_raw(const u8* p) {
 // below a branch (used where the only consumer of a chunk is a store under the slot's test).
 template <int N>
 KVW_HD Raw<N> load_raw_volatile(const u8* p) {
+#ifdef KVWRITE_EMU
+  return load_raw<N>(p);  // the emulation: the same bytes
+#else
   Raw<N> r;
   if constexpr (N == 32 || N == 16) {
 #pragma unroll
@@ -69,6 +72,7 @@ KVW_HD Raw<N> load_raw_volatile(const u8* p) {
     r.w[0] = b & 0xFFu;
   }
   return r;
+#endif
 }
 
 // *p, a 4- or 8-byte integer of a read-only index array (a position, a slot), loaded where it
@@ -82,6 +86,9 @@ KVW_HD Raw<N> load_raw_volatile(const u8* p) {
 template <typename T>
 KVW_HD T load_index(const T* p) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 4- or 8-byte integer");
+#ifdef KVWRITE_EMU
+  return *p;  // the emulation: the same value
+#else
   T x;
   if constexpr (sizeof(T) == 8) {
     asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(x) : "l"(p));
@@ -89,6 +96,7 @@ KVW_HD T load_index(const T* p) {
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(x) : "l"(p));
   }
   return x;
+#endif
 }
 
 template <int N>
@@ -182,6 +190,12 @@ KVW_HD float elem_f32(const Raw<N>& r, int i) {
     if constexpr (IN == DT_BF16) {
       return bits_f32(h << 16);
     } else {
+#ifdef KVWRITE_EMU
+      const u16 b = static_cast<u16>(h);
+      _Float16 x;
+      __builtin_memcpy(&x, &b, 2);
+      return static_cast<float>(x);  // exact
+#endif
       float f;
       asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
       return f;

@@ -1,0 +1,187 @@
+"""The raw copy kernels of transfer.cu (``transfer_copy_kernel``: segments of one row;
+``transfer_copy_rows_kernel``: several rows a warp) run on the CPU (no GPU needed): the source
+compiled with g++ over the SIMT emulation of ``tests/gather_emu.h`` (one thread per CUDA thread,
+CTAs of 128 threads one after the other), launched with exactly the arguments the cuda
+implementation computes (``transfer_cuda.copy_calls``), against ``raw_oracle`` of
+tools/sanitize/transfer_plans.py on whole allocations (sources unchanged too).
+
+Covered: every copy kind of the sanitize plans, and rows of 1..40 vectors and a few long ones in
+five layouts (dense 16-byte vectors, a relayout, 2-byte vectors in padded rows, 1-byte vectors at
+odd offsets, non-dense rows of 8-byte elements in 4-byte pieces), two jobs a launch, int64 and
+strided int32 mappings with out-of-range ids, every U the launcher picks (loads in flight 1, 2,
+8), grids of 1 CTA, 3 and as many as the work fills. What the emulation cannot run is the GPU's
+own loads (ld.volatile, ld.global.nc): with KVWRITE_EMU they are plain C++ loads of the same
+bytes; the GPU tests (test_transfer_cuda.py) cover those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kvwrite.kernels import transfer_cuda as tc
+from kvwrite.testing.sanitize import compare_outputs
+from tools.sanitize import transfer_plans as tp
+
+EMU_H = pathlib.Path(__file__).with_name("gather_emu.h")
+EMU_THREADS = 128  # gather_emu.h's kEmuThreads
+SMS = 16           # the "many CTAs" grid: up to 16 CTAs (the work's, where fewer)
+PAIRS = tp.PAIRS   # (-1, 2) and (1, 7) skipped (blocks 6)
+MOST = [1, 2, 8]   # loads in flight: rows U 1, 2; segment U up to 1, 2, 8
+GRIDS = [1, 3, None]  # max_ctas
+ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
+
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler (g++)")
+
+
+def _tuning(most: int) -> tc.TransferTuning:
+    return tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
+
+
+def _all_names() -> list[str]:
+    names = set()
+    for most in MOST:
+        names |= {n for n in tc.all_kernel_names(_tuning(most)) if "copy" in n}
+    return sorted(names)
+
+
+def _driver(names: list[str], src) -> str:
+    lines = ['#include "gather_emu.h"', f'#include "{src}"']
+    n_args = 4 + 2 * tc.SLOTS + 1 + 12 + 3 + 4
+    for i, name in enumerate(names):
+        idx = name.split(", ")[1]
+        args = [f"(const {idx}*)a[0]"] + [f"a[{k}]" for k in range(1, n_args)]
+        lines.append(f'extern "C" void kvw_emu_{i}(unsigned grid, const long long* a) {{\n'
+                     f'  emu_launch(grid, [&] {{ {name}({", ".join(args)}); }});\n}}')
+    return "\n".join(lines) + "\n"
+
+
+def _build(d: pathlib.Path, src=None):
+    """(library, names): every copy variant the tested tunings launch, emulated (``src``: the
+    kernel source's path, transfer.cu where None)."""
+    if src is None:
+        src = importlib.resources.files(tc.SOURCE.package).joinpath(tc.SOURCE.filename)
+    names = _all_names()
+    (d / "copy.cpp").write_text(_driver(names, src))
+    include = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
+                    f"-I{include}", f"-I{EMU_H.parent}", str(d / "copy.cpp"), "-o",
+                    str(d / "libcopy.so")], check=True, capture_output=True, text=True)
+    so = ctypes.CDLL(str(d / "libcopy.so"))
+    for i in range(len(names)):
+        f = getattr(so, f"kvw_emu_{i}")
+        f.restype = None
+        f.argtypes = [ctypes.c_uint, ctypes.c_void_p]
+    return so, names
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("no host C++ compiler (g++)")
+    return _build(tmp_path_factory.mktemp("transfer_emu"))
+
+
+def emu_run(emu, tuning: tc.TransferTuning, launched: list | None = None):
+    """A ``run(plan)`` that runs the plan's copy launches (copy_calls) on the emulated kernels,
+    each at the grid run would take on a GPU of SMS SMs and CTAs of EMU_THREADS threads."""
+    so, names = emu
+
+    def run(plan):
+        for c in tc.copy_calls(plan, tuning):
+            grid = tc.grid_size(c.work, EMU_THREADS // 32 * c.per_warp, SMS, plan.max_ctas, 1)
+            a = (ctypes.c_longlong * len(c.args))(*[x - (1 << 64) if x >= 1 << 63 else x
+                                                    for x in c.args])
+            getattr(so, f"kvw_emu_{names.index(c.name)}")(grid, a)
+            if launched is not None:
+                launched.append((c.name, grid))
+    return run
+
+
+@needs_cxx
+@pytest.mark.parametrize("most", MOST)
+@pytest.mark.parametrize("layout", list(tp.ROW_LAYOUTS))
+def test_emulated_rows_of_every_length(emu, layout, most):
+    """Rows of 1..40 vectors and a few long ones: every grouping (lanes 1..32 a row) and the
+    segments, each length at one of the grids and mapping kinds (rotating), two jobs a launch."""
+    tuning = _tuning(most)
+    failures = []
+    for k, n in enumerate(ROW_VECTORS):
+        views, jobs = tp.row_views(layout, n, "cpu", seed=k)
+        (cl,) = tc.copy_launches(tuple(jobs), tuning)
+        vb, nvec = tp.ROW_LAYOUTS[layout]
+        assert (cl.vb, cl.geometry[12]) == (vb, nvec(n)), (layout, n)
+        launched = []
+        max_ctas = GRIDS[k % 3]
+        mdt, strided = ((torch.int64, False), (torch.int32, True))[k % 2]
+        err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS,
+                               emu_run(emu, tuning, launched), mapping_dtype=mdt,
+                               strided_mapping=strided, max_ctas=max_ctas, jobs=jobs)
+        lanes = tc.copy_lanes(cl.geometry[12])
+        u = tc.copy_rows_unroll(most) if lanes else tc.copy_unroll(cl.geometry[12], most)
+        assert [name for name, _ in launched] == [tc.copy_name(cl.vb, mdt, u, lanes)]
+        if err is not None:
+            failures.append(f"n={n} {launched}: {err}")
+    assert not failures, "\n".join(failures[:6])
+
+
+@needs_cxx
+@pytest.mark.parametrize("kind", tp.COPY_KINDS)
+@pytest.mark.parametrize("most", MOST)
+def test_emulated_copy_kinds(emu, kind, most):
+    """Every copy kind of the sanitize plans, at every grid and both mapping kinds."""
+    tuning = _tuning(most)
+    for max_ctas in GRIDS:
+        for mdt, strided in ((torch.int64, False), (torch.int32, True)):
+            err = tp.run_copy_case("swap_blocks", tp.copy_views(kind, "cpu"), PAIRS,
+                                   emu_run(emu, tuning), mapping_dtype=mdt,
+                                   strided_mapping=strided, max_ctas=max_ctas)
+            assert err is None, (kind, max_ctas, mdt, err)
+
+
+@needs_cxx
+def test_emulated_rows_many_warps_and_ctas(emu):
+    """A launch of many rows (32 jobs of 6 heads x 5 tokens of 16-vector rows, 41 pairs with
+    repeated sources and out-of-range ids): every warp of several CTAs takes steps, the
+    grid-stride loop wraps, rows of one step span pairs and jobs."""
+    g = torch.Generator().manual_seed(11)
+    views = []
+    for _ in range(32):
+        src = torch.randint(-2**31, 2**31, (6, 6, 5, 64), generator=g, dtype=torch.int32)
+        views.append((src, torch.randint(-2**31, 2**31, (40, 6, 5, 64), generator=g,
+                                         dtype=torch.int32)))
+    jobs = [tp.copy_job(s, d) for s, d in views]
+    pairs = [(m % 7 - 1, m) for m in range(40)] + [(2, 40)]  # m % 7 == 0, j 40: skipped
+    tuning = _tuning(2)
+    for max_ctas in (2, None):
+        launched = []
+        want = tp.raw_oracle(views, pairs)
+        mapping = tp.mapping_tensor(pairs, torch.int32, "cpu", strided=True)
+        emu_run(emu, tuning, launched)(tp.make_plan("swap_blocks_multi_layer", jobs, mapping,
+                                                    len(pairs), torch.device("cuda"), max_ctas))
+        assert launched == [(tc.copy_name(16, torch.int32, 2, 16),
+                             2 if max_ctas else SMS)]
+        got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
+        assert compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)}) is None
+
+
+@needs_cxx
+def test_emulation_catches_a_wrong_rows_kernel(tmp_path):
+    """The check can fail: with a lane's rows one apart instead of a warp's load of rows apart
+    (the kernel's source altered), rows of 16 vectors (2 rows a load) no longer match."""
+    text = tc.SOURCE.text
+    bad = text.replace("const u64 r = r0 + static_cast<u64>(k) * ROWS;",
+                       "const u64 r = r0 + static_cast<u64>(k);")
+    assert bad != text
+    (tmp_path / "transfer.cu").write_text(bad)
+    wrong = _build(tmp_path, tmp_path / "transfer.cu")
+    views, jobs = tp.row_views("dense16", 16, "cpu")
+    err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(wrong, _tuning(2)),
+                           jobs=jobs)
+    assert err is not None and "dst" in err
