@@ -49,6 +49,7 @@ __all__ = [
     "DS_MLA_PE_OFFSET",
     "DS_MLA_ENTRY",
     "NVFP4_GROUP",
+    "MX_GROUP",
     "INDEXER_MXFP8_GROUP",
 ]
 
@@ -94,7 +95,7 @@ class Element(enum.Enum):
     FP8_E5M2 = ("e5m2", 8)
     INT8 = ("int8", 8)
     INT4 = ("int4", 4)      # two a byte, even element in the low nibble
-    E2M1 = ("e2m1", 4)      # NVFP4's codes, two a byte, even element in the low nibble
+    E2M1 = ("e2m1", 4)      # NVFP4's and MXFP4's codes, two a byte, even element in the low nibble
 
     @property
     def bits(self) -> int | None:
@@ -256,6 +257,8 @@ DS_MLA_ENTRY = DS_MLA_PE_OFFSET + 2 * DS_MLA_P
 
 # NVFP4: one E4M3 scale byte per 16 elements.
 NVFP4_GROUP = 16
+# MXFP8/MXFP4 (OCP microscaling): one E8M0 scale byte per 32 elements, in a scale cache.
+MX_GROUP = 32
 # The indexer's "mxfp8" stores one UE8M0 byte per 32 elements of a group, 4 per slot: only
 # groups of 128.
 INDEXER_MXFP8_GROUP = 128
@@ -300,6 +303,7 @@ _PTH_INT4_SCALE = Scale(Placement.SCALE_CACHE, Granularity.TOKEN_HEAD,
                         "float32, zero point in its low 4 bits", 4)
 _NVFP4_SCALES = (Scale(Placement.IN_PAGE, Granularity.BLOCK, "e4m3fn", 1, NVFP4_GROUP),
                  Scale(Placement.ARGUMENT, Granularity.TENSOR, "float32 multiplier"))
+_MX_SCALE = Scale(Placement.SCALE_CACHE, Granularity.BLOCK, "E8M0", 1, MX_GROUP)
 _GATHER_FLASH = "gather_cache_flash"
 _GATHER_MLA = "gather_and_maybe_dequant_cache"
 
@@ -320,6 +324,12 @@ FORMATS: tuple[Format, ...] = (
            head_size_multiple=NVFP4_GROUP),
     Format("nvfp4_4over6", _F, ("nvfp4_4over6",), Element.E2M1, (_U8,), _NVFP4_SCALES,
            "nvfp4_gather_cache", head_size_multiple=NVFP4_GROUP),
+    # SGLang's microscaling caches: E4M3 or E2M1 codes in the data caches, one E8M0 byte per 32
+    # elements in separate scale caches (which may view an inline row's tail).
+    Format("mxfp8", _F, ("mxfp8",), Element.FP8_E4M3, (_U8, torch.float8_e4m3fn), (_MX_SCALE,),
+           "mx_gather_cache", head_size_multiple=MX_GROUP),
+    Format("mxfp4", _F, ("mxfp4",), Element.E2M1, (_U8,), (_MX_SCALE,), "mx_gather_cache",
+           head_size_multiple=MX_GROUP),
     # reshape_and_cache_flash_per_token_head_quant's kv_quant_mode. vLLM's inline rows are the
     # codes then the 4 scale bytes (the scale cache views them); "separate" keeps them apart.
     Format("int8_per_token_head", _PTH, ("int8_per_token_head",), Element.INT8, (torch.int8,),
