@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import Format
+from ...kernels import nvrtc
 
 __all__ = ["available", "unsupported", "run"]
 
@@ -13,7 +14,7 @@ _NOT_YET = "not written yet"
 
 
 def available(device: torch.device) -> str | None:
-    return _NOT_YET
+    return nvrtc.available(torch.device(device)) or _NOT_YET
 
 
 def unsupported(key, key_cache, mode: Format, scale_layout: str) -> str | None:

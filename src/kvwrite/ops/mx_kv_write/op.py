@@ -157,7 +157,7 @@ def _check_scale_caches(k_scale_cache, v_scale_cache, layout: str, num_blocks: i
     if tuple(k_scale_cache.shape) != want:
         dims = ("[num_blocks, block_size, H, D/32]" if layout == "linear"
                 else "[num_blocks, H, block_size/128, 32, 4, 4]")
-        raise ValueError(f"k_scale_cache: expected {dims} = {list(want)} (scale_layout="
+        raise ValueError(f"k_scale_cache: expected {dims} = {want} (scale_layout="
                          f"{layout!r}, those of key_cache and key), got shape "
                          f"{_shape(k_scale_cache)}")
     check_like("v_scale_cache", v_scale_cache, "k_scale_cache", k_scale_cache, "shape", "dtype")

@@ -56,7 +56,7 @@ def mx_gather_cache(cache: torch.Tensor, scale_cache: torch.Tensor, slot_mapping
                          f"128 == 0, got head_size {head_size} and block_size {bs}")
     want = scale_cache_shape(layout, nb, bs, h, head_size)
     if tuple(scale_cache.shape) != want:
-        raise ValueError(f"scale_cache: expected shape {list(want)} (scale_layout={layout!r}, "
+        raise ValueError(f"scale_cache: expected shape {want} (scale_layout={layout!r}, "
                          f"that of cache), got {_shape(scale_cache)}")
     if scale_cache.device != cache.device:
         raise ValueError(f"scale_cache: expected device {cache.device} (that of cache), got "
