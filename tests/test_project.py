@@ -258,6 +258,7 @@ def _interpreter_calls():
     """(op, mode, case_args for a row dtype) for every op and mode: each op's ``unsupported``
     arguments, with tensors that carry only the device and dtypes it reads (rows of the given
     dtype: the inputs of a write, the output of a read)."""
+    from kvwrite import formats
     from kvwrite.dtypes import parse_kv_cache_dtype
     from kvwrite.ops.concat_and_cache_mla import MlaMode
     from kvwrite.ops.indexer_k_quant_and_cache.op import ScaleFormat
@@ -285,6 +286,11 @@ def _interpreter_calls():
     for mode in ("nvfp4", "nvfp4_4over6"):
         c = parse_kv_cache_dtype(mode, nvfp4=True)
         calls.append(("nvfp4_kv_write", mode, lambda d, c=c: (t(d), t(u8), c, ScaleLayout.LINEAR)))
+    for mode in ("mxfp8", "mxfp4"):
+        fmt = formats.lookup(mode)
+        for layout in ("linear", "interleaved128"):
+            calls.append(("mx_kv_write", f"{mode} {layout}",
+                          lambda d, f=fmt, lay=layout: (t(d), t(u8), f, lay)))
     calls.append(("rotary_embedding", "", lambda d: (t(d), t(d), t(d), True)))
     calls.append(("fused_qk_norm_rope", "", lambda d: (t(d), t(d), t(d), t(d), True)))
     for mode in MlaMode:
