@@ -8,13 +8,15 @@ internal op :data:`OP`, whose implementations all take the same arguments (``run
     run(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode,
         scale_rule, scale_layout)
 
-``key_cache``/``value_cache``: the data caches as given (logical ``[num_blocks, block_size, H,
-F]``, uint8 or float8_e4m3fn, any strides with a unit last one; F = D for mxfp8, D/2 for
-mxfp4); ``k_scale_cache``/``v_scale_cache``: uint8 views of the scale caches (logical ``[num_blocks,
-block_size, H, D/32]`` for "linear", ``[num_blocks, H, block_size/128, 32, 4, 4]`` for
-"interleaved128", any strides); ``mode``: the format record (:func:`kvwrite.formats.lookup`) of
-"mxfp8" or "mxfp4"; ``scale_rule``: "ceil" or "floor"; ``scale_layout``: "linear" or
-"interleaved128".
+``key_cache``/``value_cache``: uint8 views of the data caches (logical ``[num_blocks,
+block_size, H, F]``, any strides with a unit last one, the same for K and V; F = D for mxfp8,
+D/2 for mxfp4; a float8_e4m3fn cache is viewed as its bytes); ``k_scale_cache``/
+``v_scale_cache``: uint8 views of the scale caches (logical ``[num_blocks, block_size, H, D/32]``
+for "linear", ``[num_blocks, H, block_size/128, 32, 4, 4]`` for "interleaved128", any strides,
+K's and V's may differ); ``mode``: the format record (:func:`kvwrite.formats.lookup`) of "mxfp8"
+or "mxfp4" (``mode.element``: ``Element.FP8_E4M3`` or ``Element.E2M1``; ``mode.data_bytes(D)``:
+F; the rule's constants: ``rule.LIMITS[mode.element]``); ``scale_rule``: "ceil" or "floor";
+``scale_layout``: "linear" or "interleaved128".
 """
 
 from __future__ import annotations
@@ -188,8 +190,9 @@ def flash_run_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
                                  ("k_scale_cache", k_scale_cache),
                                  ("v_scale_cache", v_scale_cache)),
                         inputs=(("key", key), ("value", value), ("slot_mapping", slot_mapping)))
-    return (key, value, key_cache, value_cache, k_scale_cache.view(torch.uint8),
-            v_scale_cache.view(torch.uint8), slot_mapping, mode, rule, layout)
+    return (key, value, key_cache.view(torch.uint8), value_cache.view(torch.uint8),
+            k_scale_cache.view(torch.uint8), v_scale_cache.view(torch.uint8), slot_mapping, mode,
+            rule, layout)
 
 
 def select_implementation(run_args: tuple, implementation: str | None = None

@@ -36,7 +36,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     for src, data, sc in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
         x = src[tokens].reshape(n * num_heads * groups, GROUP)
         codes, s = encode_groups(x, mode.element, scale_rule)
-        data.view(torch.uint8)[blocks, offsets] = codes.reshape(n, num_heads, f)
+        data[blocks, offsets] = codes.reshape(n, num_heads, f)
         s = s.reshape(n, num_heads, groups)
         if scale_layout == "linear":
             sc[blocks, offsets] = s

@@ -68,6 +68,8 @@ def scale_exponent(a: torch.Tensor, element: Element, rule: str) -> torch.Tensor
     field = bits >> 23
     mant = bits & 0x7FFFFF
     # Subnormals (field 0): a = mant * 2^-149 = 1.f * 2^(p - 149) with p = bit_length(mant) - 1.
+    # (Both rules then give E = -127: k <= -127 and e_M >= 2. Normalized as SPEC §10.3 writes
+    # it; a kernel may take -127 for every amax below 2^-126.)
     p = _bit_length(mant) - 1
     sub = field == 0
     k = torch.where(sub, p - 149, field - 127)

@@ -53,7 +53,7 @@ def _hnd_as_nhd(a):
 
 def _e2m1_for_e4m3(a):
     a[7] = dataclasses.replace(a[7], element=kvwrite.formats.Element.E2M1)
-    a[2], a[3] = (c.view(torch.uint8)[..., : c.shape[-1] // 2] for c in (a[2], a[3]))
+    a[2], a[3] = (c[..., : c.shape[-1] // 2] for c in (a[2], a[3]))
     return a
 
 
