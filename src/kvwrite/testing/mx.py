@@ -17,9 +17,11 @@ from ..layouts import allocate_kv_cache, layout_alloc
 from ..ops.mx_kv_write import flash_run_args, scale_cache_shape
 from ..ops.reshape_and_cache_flash import reshape_and_cache_flash
 from .build import WriteCase, fill_random_bytes, flag_parts, make_slot_mapping
+from .compare import storage_bytes
 
 __all__ = ["MxCase", "MX_CASES", "MX_GPU_CASES", "DATA_LAYOUTS", "SCALE_ALLOCS", "MUTATES",
-           "make_mx_inputs", "call_mx", "special_groups", "run_args"]
+           "NAMES", "make_mx_inputs", "call_mx", "special_groups", "run_args", "mx_differences",
+           "assert_mx_caches_equal"]
 
 # §1.2's data cache layouts (kvwrite.layouts' names) and SGLang's inline rows ("inline": each row
 # [F data bytes | D/32 scale bytes], the scale caches viewing the tails; linear scales only).
@@ -29,6 +31,9 @@ DATA_LAYOUTS = ("NHD", "HND", "packed", "HND-packed", "inline")
 SCALE_ALLOCS = ("separate", "interleaved", "permuted")
 # The positions call_mx's arguments write: key_cache, value_cache, k_scale_cache, v_scale_cache.
 MUTATES = (2, 3, 6, 7)
+NAMES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+# The e4m3fn NaN codes: which one an mxfp8 NaN element stores is unspecified (SPEC §10.3).
+_E4M3_NAN = (0x7F, 0xFF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,3 +191,46 @@ def call_mx(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_
 def run_args(args: tuple) -> tuple:
     """The internal op's validated ``run`` arguments of :func:`call_mx`'s ``args``."""
     return flash_run_args(*args)
+
+
+def _view_mask(t: torch.Tensor) -> torch.Tensor:
+    """Bool per byte of ``t``'s allocation: does a byte of the view ``t`` hold it."""
+    marks = torch.zeros_like(storage_bytes(t))
+    es = t.element_size()
+    marks.as_strided(t.shape + (es,), tuple(es * st for st in t.stride()) + (1,),
+                     es * t.storage_offset()).fill_(1)
+    return marks.bool()
+
+
+def mx_differences(case_mode: str, got, want) -> str | None:
+    """None where the four written tensors' allocations (key_cache, value_cache, k_scale_cache,
+    v_scale_cache, in that order) hold the same bytes, else what differs: every byte exact, but
+    for mxfp8 data-cache bytes where both hold an e4m3fn NaN code (which one is unspecified)."""
+    nan_ok = {}
+    if case_mode == "mxfp8":
+        for g, w in zip(got[:2], want[:2], strict=True):
+            a, e = storage_bytes(g).cpu(), storage_bytes(w).cpu()
+            both = (torch.isin(a, torch.tensor(_E4M3_NAN, dtype=torch.uint8))
+                    & torch.isin(e, torch.tensor(_E4M3_NAN, dtype=torch.uint8)))
+            key = (g.device, g.untyped_storage().data_ptr())
+            nan_ok[key] = nan_ok.get(key, torch.zeros_like(both)) | (both & _view_mask(g).cpu())
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        a, e = storage_bytes(g).cpu(), storage_bytes(w).cpu()
+        if a.numel() != e.numel():
+            return f"{name}: allocation sizes differ ({a.numel()} vs {e.numel()} bytes)"
+        diff = a != e
+        ok = nan_ok.get((g.device, g.untyped_storage().data_ptr()))
+        if ok is not None:
+            diff &= ~ok
+        where = torch.nonzero(diff).flatten()
+        if where.numel():
+            first = where[:8].tolist()
+            return (f"{name}: {where.numel()} bytes differ; first at byte offsets {first}: got "
+                    f"{a[where[:8]].tolist()}, expected {e[where[:8]].tolist()}")
+    return None
+
+
+def assert_mx_caches_equal(case: MxCase, got, want) -> None:
+    why = mx_differences(case.kv_cache_dtype, list(got), list(want))
+    if why is not None:
+        raise AssertionError(why)

@@ -13,10 +13,17 @@ from kvwrite.ops.mx_kv_write import OP
 from kvwrite.ops.mx_kv_write import reference as torch_ref
 
 from ..conformance import BadInput, Example, Provider, WrongWriter, replaced
-from ..mx import MUTATES, MX_CASES, MX_GPU_CASES, MxCase, call_mx, make_mx_inputs, run_args
-
-_NAMES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
-
+from ..mx import (
+    MUTATES,
+    MX_CASES,
+    MX_GPU_CASES,
+    NAMES,
+    MxCase,
+    assert_mx_caches_equal,
+    call_mx,
+    make_mx_inputs,
+    run_args,
+)
 
 # --- deliberately wrong writers: the reference on wrong arguments --------------------------------
 
@@ -187,7 +194,8 @@ PROVIDER = Provider(
     call=call_mx,
     build=lambda case, device, seed: make_mx_inputs(case, device, seed),
     mutates=MUTATES,
-    mutated_names=_NAMES,
+    mutated_names=NAMES,
+    check=assert_mx_caches_equal,
     public=kvwrite.reshape_and_cache_flash,
     cases=(*(Example(c.id, c) for c in MX_CASES),
            *(Example(f"gpu-{c.id}", c, gpu=True) for c in MX_GPU_CASES)),
