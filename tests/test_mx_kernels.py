@@ -443,19 +443,64 @@ def test_zero_tokens_write_nothing():
 
 # --- CUDA: compiles on the CPU ---------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def pdl_sass(tmp_path_factory):
+    """sm_90 SASS of the PDL build of every variant, compiled as one NVRTC program."""
+    from kvwrite.kernels import nvrtc
+    from sass import cuobjdump, dump_sass, nvrtc_reason
+    if nvrtc_reason() is not None:
+        pytest.skip(nvrtc_reason())
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    cuda_impl = _impl("cuda")
+    names = cuda_impl.all_kernel_names()
+    obj, _ = cuda_impl.SOURCE.compile("sm_90", names, macros=(nvrtc.PDL_MACRO,))
+    return names, dump_sass(bytes(obj.code), tmp_path_factory.mktemp("mxsass"))
+
+
 @needs_nvrtc
-def test_every_cuda_variant_compiles(tmp_path):
+def test_every_cuda_variant_compiles_for_sm80():
     """Every variant (input dtype x format x alignment x slot type: 24) compiles with NVRTC for
-    sm_90 and sm_80 (the software e4m3 path); where cuobjdump is available, each PDL build waits
-    before its first global access."""
-    import sass as sass_tools
+    sm_80 too (the software e4m3 conversion: no cvt.satfinite.e4m3x2 before sm_89)."""
     cuda_impl = _impl("cuda")
     names = cuda_impl.all_kernel_names()
     assert len(names) == 24 == len(set(names))
-    for arch in ("sm_90", "sm_80"):
-        cuda_impl.compile_kernel(arch, names)
-    if sass_tools.cuobjdump() is not None:
-        sass_tools.assert_pdl_builds_wait_first(cuda_impl.SOURCE, names, tmp_path)
+    cuda_impl.compile_kernel("sm_80", names)
+
+
+def test_every_cuda_variant_waits_first_and_loads_before_any_wait(pdl_sass):
+    """Each variant's PDL build triggers and waits (PREEXIT, ACQBULK) before its first global
+    access, and no variant waits for a load's result before it has issued its last load (the
+    rows and the slot: one memory round trip; sass.waits_before_loads)."""
+    import sass as sass_tools
+    names, text = pdl_sass
+    funcs = sass_tools.functions(text)
+    assert len(funcs) == len(names) == 24
+    sass_tools.assert_waits_first(funcs)
+    late = sass_tools.late_issues(text, lambda op: True)
+    assert not late, {k: v[:3] for k, v in late.items()}
+
+
+@needs_nvrtc
+def test_load_order_check_catches_an_early_slot_test(tmp_path):
+    """The order the check above guards: with the slot loaded before the rows and tested before
+    the rule, ptxas loads the rows after the test."""
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
+    cuda_impl = _impl("cuda")
+    src = cuda_impl.SOURCE.text
+    test = "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0\n"
+    rule = "  const bool fl = floor_rule != 0;\n"
+    slot = "  const i64 s = static_cast<i64>(load_index(slot_mapping + t));\n"
+    rows = "  float xk[KVW_MX_GROUP], xv[KVW_MX_GROUP];\n"
+    assert all(src.count(x) == 1 for x in (test, rule, slot, rows))
+    early = src.replace(test, "").replace(rule, test + rule).replace(slot, "").replace(
+        rows, slot + rows)
+    name = "mx_kernel<1, false, true, long long>"
+    obj, _ = cuda_impl.SOURCE.compile("sm_90", [name], source=early)
+    assert sass_tools.late_issues(sass_tools.dump_sass(bytes(obj.code), tmp_path),
+                                  lambda op: True)
 
 
 def _plan(case: MxCase):

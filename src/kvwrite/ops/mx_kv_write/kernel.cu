@@ -98,8 +98,11 @@ KVW_HD void mx_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, i
 // data stores are contiguous where a token's heads are adjacent (NHD).
 // ALIGNED: inputs 16-byte aligned (rows and token strides), data 16-byte aligned with a unit
 //   byte stride: 16-byte loads and stores. Else element loads and byte stores.
-// Order: the slot's load, the rows', the amax (the rows' first use, before the slot's test, so
-// the loads are all issued before the first wait), the slot's test, the rule, the stores.
+// Order (one memory round trip; tests/test_mx_kernels.py reads the machine code): the rows'
+// loads, the slot's (kernel notes: the index after the rows), the whole rule, then the slot's
+// test (a skipped slot, rare padding, computes codes it does not store), the stores. With the
+// slot loaded first and tested after the amax (E and the codes after the test), ptxas sank the
+// row loads and the amax below the test: every variant waited for the slot before loading.
 template <int IN, bool FP4, bool ALIGNED, typename SlotT>
 __global__ void __launch_bounds__(256) mx_kernel(KVW_MX_PARAMS) {
   KVW_PDL_ENTRY();
@@ -113,20 +116,18 @@ __global__ void __launch_bounds__(256) mx_kernel(KVW_MX_PARAMS) {
   if (t32 >= num_tokens) return;
   const u32 q = gid - t32 * static_cast<u32>(groups);
   const i64 t = t32;
-  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
   float xk[KVW_MX_GROUP], xv[KVW_MX_GROUP];
   mx_load_group<IN, IN_ALIGN>(key + (t * key_stride + static_cast<i64>(q) * KVW_MX_GROUP) * IB,
                               xk);
   mx_load_group<IN, IN_ALIGN>(
       value + (t * value_stride + static_cast<i64>(q) * KVW_MX_GROUP) * IB, xv);
-  const float ak = mx_amax(xk), av = mx_amax(xv);
-  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
-
+  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
   const bool fl = floor_rule != 0;
-  const int ek = mx_scale_exp<FP4>(ak, fl), ev = mx_scale_exp<FP4>(av, fl);
+  const int ek = mx_scale_exp<FP4>(mx_amax(xk), fl), ev = mx_scale_exp<FP4>(mx_amax(xv), fl);
   u32 ck[NB / 4], cv[NB / 4];
   mx_codes<FP4>(xk, mx_rcp(ek), ck);
   mx_codes<FP4>(xv, mx_rcp(ev), cv);
+  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
 
   i64 blk, pg;
   mx_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
