@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from host import build_host_lib
+from host import build_host_lib, run_triton_script
 from kvwrite.testing.compare import assert_caches_equal, copy_allocations
 from sass import needs_nvrtc
 
@@ -543,6 +543,54 @@ def test_specialized_builds_compile():
                  MxCase(qkv=True, head_size=32, num_heads=5, block_size=5)):
         p = _plan(case)
         cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+
+
+_TRITON_PTX_SCRIPT = r"""
+import json
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.ops.mx_kv_write import triton_impl as mx
+
+def ptx(in_ty, fp4, floor, slot):
+    k = mx._mx_kernel
+    types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "v_data_ptr": "*u8",
+             "k_sf_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot, "num_tokens": "i32"}
+    f = 64 if fp4 else 128
+    consts = dict(KEY_STRIDE=1024, VALUE_STRIDE=1024, KD_SB=16 * 8 * f, KD_SS=8 * f, KD_SH=f,
+                  KD_SE=1, VD_SB=16 * 8 * f, VD_SS=8 * f, VD_SH=f, VD_SE=1, KS_SB=512,
+                  KS_SH=4, KS_128=4096, KS_32=32, KS_4=1024, KS_G=1, VS_SB=512, VS_SH=4,
+                  VS_128=4096, VS_32=32, VS_4=1024, VS_G=1, NUM_SLOTS=1024, BLOCK_SIZE=16, G=4,
+                  NUM_GROUPS=32, FP4=fp4, FLOOR=floor, BF16_BITS=in_ty == "*i16", BLOCK_T=2,
+                  BLOCK_Q=32, PDL=False, PDL_TRIGGER=False)
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": 4, "enable_fp_fusion": False}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+out = {}
+for in_ty, fp4, floor, slot in (("*fp16", False, False, "*i64"), ("*i16", True, True, "*i32"),
+                                 ("*fp32", True, False, "*i64"), ("*i16", False, True, "*i64")):
+    text = ptx(in_ty, fp4, floor, slot)
+    out[f"{in_ty}-{fp4}-{floor}"] = [len(re.findall(r"\.ftz", text)),
+                                     len(re.findall(r"cvt[.\w]*e4m3", text)),
+                                     len(re.findall(r"mul(\.rn)?\.f32", text))]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_flush_or_float8_cast():
+    """The Triton kernel compiles for sm_90 (outside the interpreter, whose type rules are
+    looser) in both formats, rules and every input kind; its PTX flushes no subnormal (no .ftz:
+    the products by 2^127 of bfloat16 subnormals, as the interpreter computes them), converts
+    nothing to float8 (the codes are integer work) and multiplies the elements."""
+    out = run_triton_script(_TRITON_PTX_SCRIPT)
+    assert len(out) == 4, out
+    for variant, (ftz, cvt, mul) in out.items():
+        assert ftz == 0 and cvt == 0 and mul > 0, (variant, out)
 
 
 # --- GPU: both implementations on whole allocations ------------------------------------------
