@@ -534,15 +534,23 @@ def test_cuda_plan(case, aligned):
 
 
 @needs_nvrtc
-def test_specialized_builds_compile():
-    """A build with a call signature's 28 trailing arguments compiled in compiles (linear and
-    interleaved scales, aligned and not)."""
+def test_specialized_builds_read_no_fixed_argument(tmp_path):
+    """A build with a call signature's 28 trailing arguments compiled in (linear and
+    interleaved scales, aligned and not) reads none of them from the parameter bank (sm_90: 7
+    pointers from 0x210, num_tokens at 0x248, the fixed arguments from 0x250); the generic build
+    reads them; a build given another count is refused."""
+    import sass as sass_tools
+    if sass_tools.cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
     cuda_impl = _impl("cuda")
+    builds = []
     for case in (MxCase(), MxCase(fmt="mxfp4", scales="interleaved128", head_size=128,
                                   block_size=128, rule="floor"),
                  MxCase(qkv=True, head_size=32, num_heads=5, block_size=5)):
         p = _plan(case)
-        cuda_impl.compile_kernel("sm_90", p.name, fixed=p.fixed)
+        builds.append((case.id, p.name, p.fixed))
+    sass_tools.assert_specialized_builds_read_no_fixed_argument(
+        cuda_impl.compile_kernel, builds, 0x250, 0x250 + 8 * 28, 28, tmp_path)
 
 
 _TRITON_PTX_SCRIPT = r"""
