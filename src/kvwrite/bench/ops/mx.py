@@ -23,8 +23,6 @@ import dataclasses
 
 import torch
 
-import kvwrite
-
 from ... import formats
 from ...dtypes import MODEL_DTYPES
 from ...layouts import create_kv_caches_with_random_flash
@@ -179,15 +177,17 @@ class MxBench(KeyValueBench):
 
     def _writer(self, ctx, kind: str, impl: str, i: int, caches=None):
         """A call of ``kind`` on input set ``i`` writing into ``caches`` (default the point's)."""
+        from ... import reshape_and_cache_flash  # at call time: a test may replace it
+
         key, value, slots = ctx["sets"][i]
         caches = caches or ctx["caches"][kind]
         if kind == "fp8":
             k8, v8 = ctx["fp8_scales"]
-            return lambda: kvwrite.reshape_and_cache_flash(
+            return lambda: reshape_and_cache_flash(
                 key, value, caches[0], caches[1], slots, "fp8", k8, v8, implementation=impl)
         p: Point = ctx["point"]
         kd, vd, ks, vs = caches
-        return lambda: kvwrite.reshape_and_cache_flash(
+        return lambda: reshape_and_cache_flash(
             key, value, kd, vd, slots, p.mode, None, None, k_scale_cache=ks, v_scale_cache=vs,
             scale_rule=p.scale_rule, scale_layout=p.scale_layout, implementation=impl)
 

@@ -23,8 +23,6 @@ import dataclasses
 
 import torch
 
-import kvwrite
-
 from ... import formats
 from ...dtypes import MODEL_DTYPES
 from ...layouts import create_kv_caches_with_random_flash
@@ -33,7 +31,7 @@ from .. import engine
 from ..engine import parse_list, slot_pattern
 from ..workload import KeyValueBench, check_caches, key_value_rows, point_sets
 
-__all__ = ["BENCH", "PRESETS", "OP", "vllm_store"]
+__all__ = ["BENCH", "PRESETS", "OP", "vllm_store", "layout_of"]
 
 SEED = 42
 OP = "reshape_and_cache_turboquant"
@@ -56,7 +54,15 @@ class Point:
 
 def _layout(p: Point):
     """The preset's slot sizes (SPEC §10.1), from the op: the one place they are decided."""
-    return kvwrite.turboquant_layout(p.head_size, p.preset)
+    return layout_of(p.head_size, p.preset)
+
+
+def layout_of(head_size: int, preset: str):
+    """``kvwrite.turboquant_layout(head_size, preset)``, looked up when called (as every public
+    function here: a test may replace the package's)."""
+    from ... import turboquant_layout
+
+    return turboquant_layout(head_size, preset)
 
 
 def vllm_store():
@@ -109,10 +115,12 @@ class TurboQuantBench(KeyValueBench):
             # The op decides which head sizes a preset takes, and turboquant_tables which have
             # tables: asked here, so a bad --head-size is refused before any work.
             try:
-                layout = kvwrite.turboquant_layout(args.head_size, preset)
+                from ... import turboquant_tables
+
+                layout = layout_of(args.head_size, preset)
                 if layout.key_bits != 8 and (args.head_size, preset) not in self._tables:
-                    self._tables[(args.head_size, preset)] = kvwrite.turboquant_tables(
-                        args.head_size, preset)
+                    self._tables[(args.head_size, preset)] = turboquant_tables(args.head_size,
+                                                                               preset)
             except ValueError as e:
                 raise ValueError(f"--head-size: {preset} cannot take {args.head_size}: {e}") \
                     from None
@@ -130,7 +138,7 @@ class TurboQuantBench(KeyValueBench):
 
     def header(self, args, points) -> list[str]:
         lines = super().header(args, points)
-        sizes = ", ".join(f"{preset} {kvwrite.turboquant_layout(args.head_size, preset).slot_size}"
+        sizes = ", ".join(f"{preset} {layout_of(args.head_size, preset).slot_size}"
                           for preset in args.preset_list)
         lines.insert(1, f"cache: vLLM's, uint8 (num_blocks, H, block_size, slot_size_aligned) "
                         f"passed transposed; slot_size: {sizes}")
@@ -183,16 +191,18 @@ class TurboQuantBench(KeyValueBench):
 
     def _writer(self, ctx, kind: str, impl: str, i: int, caches=None):
         """A call of ``kind`` on input set ``i`` writing into ``caches`` (default the point's)."""
+        from ... import reshape_and_cache_flash, reshape_and_cache_turboquant
+
         key, value, slots = ctx["sets"][i]
         caches = caches or ctx["caches"][kind]
         if kind == "turboquant":
             PiT, midpoints = ctx["tables"]
             preset = ctx["point"].preset
-            return lambda: kvwrite.reshape_and_cache_turboquant(
+            return lambda: reshape_and_cache_turboquant(
                 key, value, caches[0], slots, preset, PiT, midpoints, implementation=impl)
         if kind == "fp8":
             k8, v8 = ctx["fp8_scales"]
-            return lambda: kvwrite.reshape_and_cache_flash(
+            return lambda: reshape_and_cache_flash(
                 key, value, caches[0], caches[1], slots, "fp8", k8, v8, implementation=impl)
         store, _ = vllm_store()
         layout, (PiT, midpoints) = ctx["layout"], ctx["tables"]
