@@ -358,6 +358,20 @@ def test_mx_tiny_run_checks_every_mode_rule_and_layout_and_counts_its_bytes(tmp_
     assert len(seen) == 2 * 2 * 2 * 2
 
 
+def test_a_kind_the_definition_does_not_compare_is_timed_with_check_skipped(monkeypatch,
+                                                                          tmp_path):
+    """engine.UNCHECKED (turboquant's vllm kind: another library's bytes) is neither a mismatch
+    nor a pass: the row is measured and says check "skipped"."""
+    defn = _bench("nvfp4")
+    monkeypatch.setattr(defn, "check", lambda ctx, kind, impl: (
+        engine.UNCHECKED if kind == "fp8" else None))
+    js = tmp_path / "u.json"
+    assert main([*TINY["nvfp4"], "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    assert {r["kind"]: r["check"] for r in rows} == {"fp8": "skipped", "nvfp4": "passed"}
+
+
 def _wrong_writes(monkeypatch, name: str):
     """``kvwrite.<name>`` as the reference, but implementation "wrong" also flips one byte of
     the last cache argument's allocation (a byte no correct write changes, or one it wrote)."""
