@@ -1,0 +1,376 @@
+"""The Triton and CUDA kernels of reshape_and_cache_turboquant against an oracle of SPEC §10.2
+written here: per (token, head), one float32 torch operation per step (each an IEEE
+round-to-nearest-even result), the sums by the padded pairwise tree level by level, rhu in
+float64 (exact), the fields packed through one Python integer per field.
+
+CPU: Triton under its interpreter on small shapes (every preset, input dtype and slot dtype;
+special rows), NVRTC compiles of every CUDA variant. GPU (``gpu`` marker): both implementations
+on larger shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kvwrite.testing.compare import storage_bytes
+from sass import needs_nvrtc
+
+PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+_BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
+         "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
+EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """The fields of the op's preset record that the implementations read (SPEC §10.1)."""
+
+    name: str
+    key_bits: int
+    value_bits: int
+    mse: bool
+    norm_correction: bool
+    key_packed_size: int
+    value_data_bytes: int
+    slot_size: int
+    slot_size_aligned: int
+
+
+def make_preset(name: str, d: int) -> Preset:
+    kb, vb = _BITS[name]
+    mse = kb != 8
+    kps = -(-d * kb // 8) + 2 if mse else d
+    vdb = -(-d * vb // 8)
+    size = kps + vdb + 4
+    return Preset(name, kb, vb, mse, mse, kps, vdb, size, size + size % 2)
+
+
+def test_preset_sizes_match_the_spec_table():
+    assert [make_preset(p, 128).slot_size for p in PRESETS] == [196, 134, 118, 102]
+
+
+# ------------------------------------------------------------------------------------------
+# The oracle
+# ------------------------------------------------------------------------------------------
+def _f32(v) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _tree(x: torch.Tensor) -> torch.Tensor:
+    """§7.1's tree over dim 0 of float32 ``x``: padded with +0 to a power of two, neighbours
+    added level by level (each addition one float32 RN)."""
+    n = x.shape[0]
+    p = 1 << max(0, n - 1).bit_length()
+    x = torch.cat([x, torch.zeros((p - n,) + tuple(x.shape[1:]), dtype=torch.float32)])
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _fp16_bytes(v: torch.Tensor) -> list[int]:
+    b = int(v.reshape(1).to(torch.float16).view(torch.int16).item()) & 0xFFFF
+    return [b & 255, b >> 8]
+
+
+def _pack(codes: list[int], bits: int) -> list[int]:
+    w = 0
+    for i, c in enumerate(codes):
+        assert 0 <= c < (1 << bits)
+        w |= c << (bits * i)
+    nbytes = -(-len(codes) * bits // 8)
+    return list(w.to_bytes(nbytes, "little"))
+
+
+def oracle_slot(k: torch.Tensor, v: torch.Tensor, preset: Preset, pit, mids
+                ) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the slot_size bytes, the NaN fields as (offset, width) whose encoding is free) of one
+    (token, head); k, v: the input rows (any float dtype)."""
+    x = k.float()
+    out: list[int] = []
+    nan_fields: list[tuple[int, int]] = []
+    if not preset.mse:
+        c = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+        nan_fields += [(i, 1) for i in range(x.numel()) if math.isnan(x[i].item())]
+        out += c
+    else:
+        ss = _tree(x * x)
+        n = _f32(math.sqrt(ss.item()))  # the float64 root rounded once: RN(sqrt(ss))
+        den = n + _f32(EPS)
+        u = x / den
+        y = _tree(u[:, None] * pit)  # [D]: y_j = tree over i of RN(u_i * PiT[i, j])
+        idx = (y[:, None] >= mids[None, :]).sum(1).tolist()
+        out += _pack(idx, preset.key_bits)
+        if math.isnan(n.item()):
+            nan_fields.append((len(out), 2))
+        out += _fp16_bytes(n)
+    vv = v.float()
+    ok = ~torch.isnan(vv)
+    if ok.any():
+        mn, mx = vv[ok].min(), vv[ok].max()
+    else:
+        mn, mx = _f32(0.0), _f32(0.0)
+    if mn.item() == 0.0:
+        mn = _f32(0.0)
+    L = (1 << preset.value_bits) - 1
+    s = (mx - mn) / _f32(L)
+    if not (s.item() > _f32(EPS).item()):
+        s = _f32(EPS)
+    q = ((vv - mn) / s).double()
+    codes = []
+    for qi in q.tolist():
+        c = 0 if math.isnan(qi) else math.floor(qi + 0.5) if not math.isinf(qi) else (
+            L if qi > 0 else 0)
+        codes.append(min(max(c, 0), L))
+    out += _pack(codes, preset.value_bits)
+    out += _fp16_bytes(s) + _fp16_bytes(mn)
+    assert len(out) == preset.slot_size
+    return out, nan_fields
+
+
+def oracle_write(key, value, kv_cache, slot_mapping, preset, pit, mids):
+    """The expected cache (a copy of kv_cache's allocation, as uint8 [nb, bs, H, S]) and a mask of
+    the bytes whose value is free (NaN encodings) — both over the whole allocation."""
+    exp = kv_cache.clone()  # same strides? no: compare through byte offsets below
+    nb, bs, h, _ = kv_cache.shape
+    base = storage_bytes(kv_cache).clone()
+    free = torch.zeros_like(base, dtype=torch.bool)
+    st = kv_cache.stride()
+    off0 = kv_cache.storage_offset()
+    del exp
+    pitf = pit.float() if pit is not None else None
+    midf = mids.float() if mids is not None else None
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0 or slot >= nb * bs:
+            continue
+        b, p = divmod(slot, bs)
+        for hh in range(h):
+            data, nan_fields = oracle_slot(key[t, hh], value[t, hh], preset, pitf, midf)
+            o = off0 + b * st[0] + p * st[1] + hh * st[2]
+            base[o:o + len(data)] = torch.tensor(data, dtype=torch.uint8)
+            for fo, w in nan_fields:
+                free[o + fo:o + fo + w] = True
+    return base, free
+
+
+def assert_written(kv_cache, expected, free, preset, what):
+    got = storage_bytes(kv_cache).cpu()
+    diff = (got != expected) & ~free
+    if diff.any():
+        i = int(diff.nonzero()[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} bytes differ, first at byte {i}: got "
+                             f"{int(got[i])}, expected {int(expected[i])}")
+    # The free bytes hold NaN encodings: e4m3 codes with all exponent and mantissa bits set, fp16
+    # with an all-ones exponent and a nonzero mantissa (checked per field: the byte pairs).
+    idx = free.nonzero().flatten().tolist()
+    if not preset.mse:
+        assert all(int(got[i]) & 0x7F == 0x7F for i in idx), what
+    else:
+        for i in idx[0::2]:
+            hbits = int(got[i]) | (int(got[i + 1]) << 8)
+            assert hbits & 0x7C00 == 0x7C00 and hbits & 0x3FF, what
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+def hadamard(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(d)
+
+
+def make_case(preset_name, dtype, slot_dtype, d, *, t=5, h=2, nb=4, bs=4, extra=3, seed=0,
+              device="cpu", special=True, pit_kind="random", vllm_alloc=True):
+    g = torch.Generator().manual_seed(seed)
+    preset = make_preset(preset_name, d)
+    t_pad = t + 2
+    key = (torch.randn(t_pad, h, d + 2, generator=g) * 3).to(dtype)[:, :, :d]
+    value = (torch.randn(t_pad, h, d + 2, generator=g) * 3 + 1).to(dtype)[:, :, :d]
+    if special:
+        rows = [0.0, float("nan"), float("inf"), -float("inf"), 7.0, 1e-30, -0.0, 65504.0 * 4]
+        key[0, 0] = 0.0
+        key[1, 0, 1] = float("nan")
+        key[1, 1, 0] = float("inf")
+        key[2, 0] = -0.0
+        key[2, 1, : d // 2] = 3e19 if dtype != torch.float16 else 60000.0
+        value[0, 0] = 7.0  # a constant row
+        value[0, 1] = float("nan")  # no non-NaN value
+        value[1, 0, 2] = float("inf")
+        value[1, 1, 3] = -float("inf")
+        value[2, 0] = torch.tensor(rows[: d] * (d // len(rows[:d]) + 1))[:d].to(dtype)
+        value[2, 1] = float("inf")  # all +inf: s = FL
+        value[3, 1, 0] = float("nan")
+        value[3, 0] = -0.0
+        # Ties of the rounding (4-bit: s = 1, quotients x.5 round up).
+        ties = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 7.5, 14.5, 3.0] * (d // 8 + 1))[:d]
+        value[4, 0] = ties.to(dtype)
+    if pit_kind == "hadamard":
+        pit = hadamard(d)
+    elif pit_kind == "identity":
+        pit = torch.eye(d)
+    else:
+        pit = torch.randn(d, d, generator=g) / math.sqrt(d)
+    pit = pit.t().contiguous().t() if seed % 2 else pit  # strides free
+    nm = (1 << preset.key_bits) - 1 if preset.mse else 0
+    mids = (torch.sort(torch.randn(nm, generator=g)).values / math.sqrt(d)) if nm else None
+    if mids is not None and pit_kind == "identity":
+        # Midpoints equal to some y_j = u_j: the ties take the upper centroid.
+        x = key[4, 0].float()
+        den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
+        mids = torch.sort((x / den)[:nm]).values
+    s = preset.slot_size_aligned + (0 if vllm_alloc else 3)
+    if vllm_alloc:
+        kv_cache = torch.randint(0, 256, (nb, h, bs, s), generator=g, dtype=torch.uint8)
+        kv_cache = kv_cache.transpose(1, 2)
+    else:
+        kv_cache = torch.randint(0, 256, (nb, bs, h, s), generator=g, dtype=torch.uint8)
+    n = nb * bs
+    slots = torch.randperm(n, generator=g)[:t].tolist()
+    slots[1] = -1
+    if t > 3:
+        slots[3] = n + 5  # out of range: skipped
+    slot_mapping = torch.tensor(slots, dtype=slot_dtype)
+    mv = mids.to(device) if mids is not None else None
+    return preset, (key.to(device), value.to(device), kv_cache.to(device),
+                    slot_mapping.to(device), pit.to(device) if preset.mse else None, mv)
+
+
+def _check(impl, preset_name, dtype, slot_dtype, d, **kw):
+    preset, (key, value, kv_cache, slots, pit, mids) = make_case(
+        preset_name, dtype, slot_dtype, d, **kw)
+    expected, free = oracle_write(key.cpu(), value.cpu(), kv_cache.cpu(), slots.cpu(), preset,
+                                  None if pit is None else pit.cpu(),
+                                  None if mids is None else mids.cpu())
+    assert impl.unsupported(key, kv_cache, preset) is None
+    impl.run(key, value, kv_cache, slots, preset, pit, mids)
+    if key.is_cuda:
+        torch.cuda.synchronize()
+    assert_written(kv_cache, expected, free, preset,
+                   f"{preset_name} {dtype} {slot_dtype} D={d}")
+
+
+def _triton():
+    from kvwrite.ops.reshape_and_cache_turboquant import triton_impl
+    reason = triton_impl.available(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    return triton_impl
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: the oracle itself, Triton's interpreter, NVRTC
+# ------------------------------------------------------------------------------------------
+def test_oracle_special_rows_follow_the_spec():
+    p = make_preset("turboquant_4bit_nc", 8)
+    pit, mids = torch.eye(8), torch.linspace(-0.7, 0.7, 15)
+    zero, _ = oracle_slot(torch.zeros(8), torch.full((8,), 7.0), p, pit, mids)
+    # A zero row: norm 0, idx = #{m_k <= 0} = 8 (0 is the middle midpoint); a constant value
+    # row: codes 0, scale 0x0000 (fp16(1e-8)), zero fp16(7) = 0x4700.
+    assert zero[4:6] == [0, 0] and zero[0] == 8 | (8 << 4)
+    assert zero[6:10] == [0] * 4 and zero[10:14] == [0, 0, 0x00, 0x47]
+    nan_row, free = oracle_slot(torch.tensor([1.0, float("nan")] + [0.0] * 6), torch.zeros(8), p,
+                                pit, mids)
+    assert nan_row[:4] == [0] * 4 and free == [(4, 2)]
+    inf_row, _ = oracle_slot(torch.tensor([float("inf")] + [1.0] * 7), torch.zeros(8), p, pit,
+                             mids)
+    assert inf_row[:6] == [0, 0, 0, 0, 0x00, 0x7C]  # indices 0, norm +inf
+    v, _ = oracle_slot(torch.zeros(8), torch.tensor([0.0, 15.0, 7.5, 7.4999995] + [0.0] * 4),
+                       p, pit, mids)
+    assert v[6:8] == [0xF0, 0x78]  # s = 1: 7.5 -> 8 (half up), 7.4999995 -> 7
+
+
+PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+          for sd in (torch.int32, torch.int64) for d in (8, 16, 64)]
+
+
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_matches_oracle_on_cpu(preset_name, dtype, slot_dtype, d):
+    _check(_triton(), preset_name, dtype, slot_dtype, d, seed=d + (slot_dtype == torch.int64))
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+@pytest.mark.parametrize("pit_kind", ["hadamard", "identity"])
+def test_triton_rotations_and_midpoint_ties_on_cpu(preset_name, pit_kind):
+    _check(_triton(), preset_name, torch.float32, torch.int64, 16, pit_kind=pit_kind,
+           vllm_alloc=False)
+
+
+@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_triton_odd_byte_fields_on_cpu(preset_name):
+    """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets."""
+    _check(_triton(), preset_name, torch.float16, torch.int32, 10)
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_variant():
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    names = c.all_kernel_names()
+    assert len(names) == 3 * 4 * 2
+    obj, _ = c.compile_kernel("sm_90", names)
+    assert len(bytes(obj.code)) > 0
+    # The software fp8 conversion (before sm_89) and a newer architecture, k8v4 and an MSE one.
+    few = [n for n in names if ", 4, int>" in n or ", 3, long long>" in n][:4]
+    for arch in ("sm_80", "sm_100"):
+        obj, _ = c.compile_kernel(arch, few)
+        assert len(bytes(obj.code)) > 0
+
+
+def test_unsupported_head_sizes():
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
+    p = make_preset("turboquant_4bit_nc", 1024)
+    key = torch.empty(1, 1, 1024)
+    assert cuda_impl.unsupported(key, None, p) is None
+    assert "1024 > 512" in triton_impl.unsupported(key, None, p)
+    assert "2048 > 1024" in cuda_impl.unsupported(torch.empty(1, 1, 2048), None, p)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------
+def _gpu_impl(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
+    impl = {"cuda": cuda_impl, "triton": triton_impl}[name]
+    reason = impl.available(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    return impl
+
+
+GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+              for sd in (torch.int32, torch.int64) for d in (16, 64, 128, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", GPU_PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_gpu_matches_oracle(impl, preset_name, dtype, slot_dtype, d):
+    _check(_gpu_impl(impl), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
+           device="cuda", seed=d, pit_kind="hadamard" if d % 2 == 0 and d != 64 else "random")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", PRESETS)
+@pytest.mark.parametrize("d, pit_kind", [(8, "identity"), (40, "random"), (512, "hadamard"),
+                                         (10, "random")])
+def test_gpu_shapes_and_ties(impl, preset_name, d, pit_kind):
+    if d % 8 and _BITS[preset_name][0] == 3 or d % 8 and _BITS[preset_name][1] == 3:
+        pytest.skip("3-bit fields need D % 8 == 0")
+    _check(_gpu_impl(impl), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
+           device="cuda", seed=d + 1, pit_kind=pit_kind, vllm_alloc=d % 3 == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_long_rows():
+    """D = 1024 (the CUDA kernel's largest; Triton refuses it)."""
+    _check(_gpu_impl("cuda"), "turboquant_4bit_nc", torch.float16, torch.int64, 1024, t=4, h=2,
+           device="cuda", pit_kind="hadamard")
