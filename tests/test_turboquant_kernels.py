@@ -10,8 +10,13 @@ on larger shapes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import importlib.resources
 import math
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -219,8 +224,9 @@ def make_case(preset_name, dtype, slot_dtype, d, *, t=5, h=2, nb=4, bs=4, extra=
     nm = (1 << preset.key_bits) - 1 if preset.mse else 0
     mids = (torch.sort(torch.randn(nm, generator=g)).values / math.sqrt(d)) if nm else None
     if mids is not None and pit_kind == "identity":
-        # Midpoints equal to some y_j = u_j: the ties take the upper centroid.
-        x = key[4, 0].float()
+        # Midpoints equal to some y_j = u_j of token 0, head 1 (a written row): the ties take
+        # the upper centroid.
+        x = key[0, 1].float()
         den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
         mids = torch.sort((x / den)[:nm]).values
     s = preset.slot_size_aligned + (0 if vllm_alloc else 3)
@@ -241,8 +247,34 @@ def make_case(preset_name, dtype, slot_dtype, d, *, t=5, h=2, nb=4, bs=4, extra=
 
 
 def _check(impl, preset_name, dtype, slot_dtype, d, **kw):
-    preset, (key, value, kv_cache, slots, pit, mids) = make_case(
-        preset_name, dtype, slot_dtype, d, **kw)
+    preset, inputs = make_case(preset_name, dtype, slot_dtype, d, **kw)
+    _check_inputs(impl, preset, inputs, f"{preset_name} {dtype} {slot_dtype} D={d}")
+
+
+def tree_order_case(preset_name: str, device="cpu"):
+    """A row whose rotation sums differ between the contract's tree and a sum in order: x = 1 at
+    i = 0, 8, 16, 24 (D = 64), so u = 0.5 there (n = 2, den = RN(2 + 1e-8) = 2), and PiT rows
+    2^25, 2, 2, -2^25 there: the leaves 2^24, 1, 1, -2^24 in four chunks of 8. The tree gives
+    (RN(2^24 + 1) + RN(1 - 2^24)) = 2^24 - (2^24 - 1) = 1; in order, 0. A midpoint at 0.5 tells
+    them apart."""
+    d = 64
+    preset = make_preset(preset_name, d)
+    key = torch.zeros(1, 2, d)
+    key[0, :, [0, 8, 16, 24]] = 1.0
+    value = torch.linspace(-1, 1, 2 * d).reshape(1, 2, d)
+    pit = torch.zeros(d, d)
+    pit[0], pit[8], pit[16], pit[24] = 2.0**25, 2.0, 2.0, -(2.0**25)
+    nm = (1 << preset.key_bits) - 1
+    mids = torch.linspace(-3.0, 3.0, nm + 1)[1:] - 0.5 * 6.0 / nm
+    mids[nm // 2] = 0.5
+    mids = torch.sort(mids).values
+    kv_cache = torch.zeros(2, 2, 2, preset.slot_size_aligned, dtype=torch.uint8)
+    slots = torch.tensor([3], dtype=torch.int64)
+    return preset, tuple(x.to(device) for x in (key, value, kv_cache, slots, pit, mids))
+
+
+def _check_inputs(impl, preset, inputs, what):
+    key, value, kv_cache, slots, pit, mids = inputs
     expected, free = oracle_write(key.cpu(), value.cpu(), kv_cache.cpu(), slots.cpu(), preset,
                                   None if pit is None else pit.cpu(),
                                   None if mids is None else mids.cpu())
@@ -250,8 +282,7 @@ def _check(impl, preset_name, dtype, slot_dtype, d, **kw):
     impl.run(key, value, kv_cache, slots, preset, pit, mids)
     if key.is_cuda:
         torch.cuda.synchronize()
-    assert_written(kv_cache, expected, free, preset,
-                   f"{preset_name} {dtype} {slot_dtype} D={d}")
+    assert_written(kv_cache, expected, free, preset, what)
 
 
 def _triton():
@@ -305,6 +336,129 @@ def test_triton_rotations_and_midpoint_ties_on_cpu(preset_name, pit_kind):
 def test_triton_odd_byte_fields_on_cpu(preset_name):
     """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets."""
     _check(_triton(), preset_name, torch.float16, torch.int32, 10)
+
+
+# The CUDA kernel on the CPU: kernel.cu compiled with g++ over tests/gather_emu.h's SIMT
+# emulation (one std::thread per CUDA thread, barriers and shuffles emulated; shared arrays as
+# function statics: one CTA runs at a time), launched with cuda_impl.launch_args. Not emulated:
+# the GPU's own conversions (the satfinite fp8 one, cvt to float16 and back), which take the
+# headers' host paths; the GPU tests cover those.
+_EMU_HARNESS = r"""
+#include "gather_emu.h"
+#undef __shared__
+#define __shared__ static
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  u = __shfl_sync(0xFFFFFFFFu, u, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+#include "kernel.cu"
+#define TQ_EMU(IN, KB, VB, ST, NAME)                                                        \
+  extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
+                       const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
+                       i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
+                       i64 p1, i64 ms, i64 grid) {                                          \
+    emu_launch(static_cast<unsigned>(grid), [&] {                                           \
+      tq_kernel<IN, KB, VB, ST>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp, ch,  \
+                                bs, bsh, ns, p0, p1, ms);                                   \
+    });                                                                                     \
+  }
+"""
+
+
+def _emu_name(kind: int, kb: int, vb: int, slot_dtype) -> str:
+    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}"
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    from kvwrite.kernels import launch
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
+    lines = [_EMU_HARNESS]
+    for kind in launch.KIND.values():
+        for kb, vb in _BITS.values():
+            for sd, st in ((torch.int32, "int"), (torch.int64, "long long")):
+                lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {_emu_name(kind, kb, vb, sd)})")
+    d = tmp_path_factory.mktemp("tq_emu")
+    (d / "harness.cpp").write_text("\n".join(lines) + "\n")
+    lib = d / "libtqemu.so"
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    op = pathlib.Path(cuda_impl.__file__).parent
+    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
+                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(d / "harness.cpp"),
+                    "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+class _Emulated:
+    """cuda_impl's run, the kernel emulated on the CPU."""
+
+    def __init__(self, lib):
+        from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+        self.lib, self.c = lib, cuda_impl
+
+    def unsupported(self, key, kv_cache, preset):
+        return self.c.unsupported(key, kv_cache, preset)
+
+    def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
+        from kvwrite.kernels import launch
+        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
+        fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
+                                         preset.value_bits, slot_mapping.dtype))
+        grid = slot_mapping.numel() * key.shape[1]
+        fn(*(ctypes.c_void_p(a) for a in args[:6]),
+           *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
+
+
+EMU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+              for sd in (torch.int32, torch.int64) for d in (8, 16)]
+
+
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", EMU_PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cuda_kernel_emulated_matches_oracle(emu_lib, preset_name, dtype, slot_dtype, d):
+    _check(_Emulated(emu_lib), preset_name, dtype, slot_dtype, d,
+           seed=d + (slot_dtype == torch.int64), t=4, h=2)
+
+
+@pytest.mark.parametrize("preset_name, d, pit_kind", [
+    ("turboquant_4bit_nc", 64, "random"), ("turboquant_3bit_nc", 24, "random"), ("turboquant_3bit_nc", 32, "hadamard"),
+    ("turboquant_k3v4_nc", 16, "identity"), ("turboquant_4bit_nc", 10, "random"),
+    ("turboquant_k8v4", 10, "random"), ("turboquant_4bit_nc", 4, "random"),
+    ("turboquant_4bit_nc", 2, "random")])
+def test_cuda_kernel_emulated_shapes_and_ties(emu_lib, preset_name, d, pit_kind):
+    """Trees of one to 8 chunks of leaves, odd-byte fields, padded head sizes, midpoint ties."""
+    _check(_Emulated(emu_lib), preset_name, torch.float32, torch.int64, d, t=4, h=2,
+           pit_kind=pit_kind, vllm_alloc=False, special=d >= 8)
+
+
+def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
+    preset, (key, value, kv_cache, slots, pit, mids) = tree_order_case("turboquant_4bit_nc")
+    data, _ = oracle_slot(key[0, 0], value[0, 0], preset, pit, mids)
+    leaves = torch.zeros(64)
+    leaves[[0, 8, 16, 24]] = torch.tensor([2.0**24, 1.0, 1.0, -(2.0**24)])
+    in_order = _f32(0.0)
+    for v in leaves:
+        in_order = in_order + v  # one float32 RN each
+    assert _tree(leaves).item() == 1.0 and in_order.item() == 0.0
+    assert data[0] & 15 == int((mids <= 1.0).sum()) != int((mids <= 0.0).sum())
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_triton_sums_by_the_tree_on_cpu(preset_name):
+    _check_inputs(_triton(), *tree_order_case(preset_name), "tree order")
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_cuda_kernel_emulated_sums_by_the_tree(emu_lib, preset_name):
+    _check_inputs(_Emulated(emu_lib), *tree_order_case(preset_name), "tree order")
 
 
 @needs_nvrtc
@@ -374,3 +528,10 @@ def test_gpu_cuda_long_rows():
     """D = 1024 (the CUDA kernel's largest; Triton refuses it)."""
     _check(_gpu_impl("cuda"), "turboquant_4bit_nc", torch.float16, torch.int64, 1024, t=4, h=2,
            device="cuda", pit_kind="hadamard")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_gpu_sums_by_the_tree(impl, preset_name):
+    _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda"), "tree order")

@@ -24,7 +24,7 @@ from ...kernels import launch, nvrtc
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
-           "all_kernel_names", "compile_kernel", "SOURCE", "THREADS", "MAX_HEAD_SIZE"]
+           "all_kernel_names", "compile_kernel", "launch_args", "SOURCE", "THREADS", "MAX_HEAD_SIZE"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
@@ -78,7 +78,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         return
     h, d = key.shape[1], key.shape[2]
     if d > MAX_HEAD_SIZE:
-        raise ValueError(f"implementation='cuda' cannot run this call: {unsupported(key, kv_cache, preset)}")
+        raise ValueError("implementation='cuda' cannot run this call: "
+                         f"{unsupported(key, kv_cache, preset)}")
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, key.get_device(), tuning)
     lau = LAUNCHES.get(sig)
@@ -94,13 +95,20 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          f"heads, got {num_tokens}")
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    nvrtc.launch(lau.device_index, config, kernel,
+                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints))
+
+
+def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints) -> tuple[int, ...]:
+    """The kernel's arguments (addresses and int64 scalars, kernel.cu's order) of a call; tests
+    launch the SIMT emulation with them."""
+    h, d = key.shape[1], key.shape[2]
     nb, bs = kv_cache.shape[:2]
-    mse = kb != 8
+    mse = int(preset.key_bits) != 8
     pit_args = (PiT.data_ptr(), PiT.stride(0), PiT.stride(1)) if mse else (0, 0, 0)
     mid_args = (midpoints.data_ptr(), midpoints.stride(0)) if mse else (0, 0)
-    nvrtc.launch(lau.device_index, config, kernel,
-                 key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-                 pit_args[0], mid_args[0], h, d, next_pow2(d),
-                 key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                 *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
-                 pit_args[1], pit_args[2], mid_args[1])
+    return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            pit_args[0], mid_args[0], h, d, next_pow2(d),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
+            pit_args[1], pit_args[2], mid_args[1])

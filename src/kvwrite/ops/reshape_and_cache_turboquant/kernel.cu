@@ -27,6 +27,8 @@
 //   codes 2B (low nibble) and 2B + 1.
 // Only the slot's slot_size bytes are written (the pad byte of slot_size_aligned never is).
 // Shapes the launcher checks: D even, D <= TQ_MAXP (3-bit fields: D % 8 == 0).
+// With KVWRITE_HOST_TEST (tests/test_turboquant_kernels.py's SIMT emulation, tests/gather_emu.h)
+// the kernel runs on the CPU as written, the float16 widening in software.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/qk_norm.cuh"
@@ -48,9 +50,15 @@ KVW_HD float tq_elem(const u8* p, i64 i) {
     if constexpr (IN == DT_BF16) {
       return bits_f32(h << 16);
     } else {
+#ifdef KVWRITE_HOST_TEST
+      _Float16 f;  // the SIMT emulation's host build (tests): exact
+      __builtin_memcpy(&f, &h, 2);
+      return static_cast<float>(f);
+#else
       float f;
       asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
       return f;
+#endif
     }
   }
 }
@@ -183,7 +191,7 @@ __global__ void __launch_bounds__(TQ_THREADS) tq_kernel(
 
   // ---- values ----
   constexpr float L = static_cast<float>((1 << VB) - 1);
-  float mn = __int_as_float(0x7F800000), mx = -mn;  // +inf, -inf: no value yet
+  float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
   for (u32 i = tid; i < d; i += TQ_THREADS) {
     const float v = tq_elem<IN>(vrow, i);
     s_sq[i] = v;  // s_sq is free again (the key's last read was before a barrier)
