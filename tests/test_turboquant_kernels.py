@@ -21,6 +21,7 @@ import subprocess
 import pytest
 import torch
 
+from host import TRITON_PTX_PRELUDE, run_triton_script
 from kvwrite.testing.compare import storage_bytes
 from sass import needs_nvrtc
 
@@ -473,6 +474,35 @@ def test_nvrtc_compiles_every_variant():
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
         assert len(bytes(obj.code)) > 0
+
+
+_TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
+from kvwrite.ops.reshape_and_cache_turboquant import triton_impl as tq
+out = {}
+for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
+    for in_ty in ("*fp16", "*i16", "*fp32"):
+        types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
+                 "slot_mapping_ptr": "*i32", "pit_ptr": "*fp32" if kb != 8 else "*u8",
+                 "mid_ptr": "*fp32" if kb != 8 else "*u8"}
+        for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "P_0", "P_1",
+                  "MID_S", "NUM_SLOTS", "H"):
+            types[n] = "i32"
+        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_J=32, KB=kb, VB=vb,
+                      KPS=128 if kb == 8 else 16 * kb + 2, BF16_BITS=in_ty == "*i16")
+        text = ptx(tq._tq_kernel, types, consts)
+        out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
+                                   text.count("sqrt.rn.f32")]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_fma():
+    """Every preset and input kind compiles for the GPU (outside the interpreter): no fused
+    multiply-add, true divisions, the correctly rounded root where the preset needs it."""
+    out = run_triton_script(_TRITON_PTX_SCRIPT)
+    assert len(out) == 12
+    for name, (fma, div, sqrt) in out.items():
+        assert fma == 0 and div > 0 and sqrt == (0 if name.startswith("8") else 1), (name, out)
 
 
 def test_unsupported_head_sizes():
