@@ -333,10 +333,13 @@ def test_triton_rotations_and_midpoint_ties_on_cpu(preset_name, pit_kind):
            vllm_alloc=False)
 
 
-@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc"])
-def test_triton_odd_byte_fields_on_cpu(preset_name):
-    """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets."""
-    _check(_triton(), preset_name, torch.float16, torch.int32, 10)
+@pytest.mark.parametrize("preset_name, d", [("turboquant_k8v4", 10), ("turboquant_4bit_nc", 10),
+                                             ("turboquant_4bit_nc", 2), ("turboquant_3bit_nc", 24),
+                                             ("turboquant_k3v4_nc", 40)])
+def test_triton_odd_byte_fields_and_padded_rows_on_cpu(preset_name, d):
+    """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets; D = 2
+    (a tree of two leaves), 24 and 40 (rows padded to 32 and 64)."""
+    _check(_triton(), preset_name, torch.float16, torch.int32, d, special=d >= 8)
 
 
 # The CUDA kernel on the CPU: kernel.cu compiled with g++ over tests/gather_emu.h's SIMT
