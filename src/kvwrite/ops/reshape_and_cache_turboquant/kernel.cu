@@ -113,8 +113,10 @@ KVW_HD u32 tq_field_byte(const u8* codes, u32 byte) {
   }
 }
 
+// fp16(v) little-endian at p; a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
+// one fixed pattern makes every implementation's bytes equal).
 KVW_HD void tq_store_f16(u8* p, float v) {
-  const u32 h = f16ish_from_f32<DT_F16>(v);
+  const u32 h = v == v ? f16ish_from_f32<DT_F16>(v) : 0x7E00u;
   p[0] = static_cast<u8>(h & 0xFFu);  // little-endian; the field may be at an odd byte
   p[1] = static_cast<u8>(h >> 8);
 }
@@ -156,8 +158,11 @@ __global__ void __launch_bounds__(TQ_THREADS) tq_kernel(
   constexpr u32 KF = KB == 8 ? 0 : (KB * 1u);  // MSE field bits
   u32 kps;  // the key part's bytes
   if constexpr (KB == 8) {
-    for (u32 i = tid; i < d; i += TQ_THREADS)
-      dst[i] = static_cast<u8>(fp8x2_from_f32<DT_E4M3>(tq_elem<IN>(krow, i), 0.0f) & 0xFFu);
+    for (u32 i = tid; i < d; i += TQ_THREADS) {
+      // A NaN's code 0x7F whatever its sign (the contract leaves it free; one pattern for all).
+      const float x = tq_elem<IN>(krow, i);
+      dst[i] = x == x ? static_cast<u8>(fp8x2_from_f32<DT_E4M3>(x, 0.0f) & 0xFFu) : 0x7F;
+    }
     kps = d;
   } else {
     constexpr u32 NM = (1u << KF) - 1u;

@@ -13,7 +13,7 @@ D) and computes SPEC §10.2 step by step with one IEEE float32 operation per ste
   leaves), then for blocks of ``BLOCK_J`` outputs the products ``u_i * PiT[i, j]`` ``[BLOCK_J,
   BLOCK_D]`` summed over i by the same tree, ``idx_j`` the count of midpoints ``<= y_j``, packed
   (4-bit: element 2j in the low nibble of byte j; 3-bit: 8 codes in 3 bytes, little-endian bit
-  order), ``fp16(n)`` after the field.
+  order), ``fp16(n)`` after the field (a NaN norm as 0x7E00, the CUDA kernel's).
 - values: min and max over the non-NaN elements, ``s = div_rn(mx - mn, L)`` floored to 1e-8,
   ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (``kvwrite.kernels.triton_round.rhu`` after a clamp
   to ``L + 1``, NaN -> 0), ``fp16(s)``, ``fp16(mn)``.
@@ -74,8 +74,10 @@ if triton is not None:
 
     @triton.jit
     def _f16_bytes(ptr, v, mask):
-        """Store fp16(v) (nearest even, overflow to inf, subnormals kept) little-endian at ptr."""
+        """Store fp16(v) (nearest even, overflow to inf, subnormals kept) little-endian at ptr; a
+        NaN as 0x7E00 (as the CUDA kernel: the contract leaves its encoding free)."""
         b = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = tl.where(v == v, b, 0x7E00)
         tl.store(ptr, (b & 255).to(tl.uint8), mask=mask)
         tl.store(ptr + 1, (b >> 8).to(tl.uint8), mask=mask)
 
