@@ -24,6 +24,7 @@ from . import (  # noqa: E402
     reshape_and_cache,
     reshape_and_cache_flash,
     reshape_and_cache_flash_per_token_head_quant,
+    reshape_and_cache_turboquant,
     rotary_embedding,
     swap_blocks,
     swap_blocks_multi_layer,
@@ -36,4 +37,5 @@ __all__ = ["reshape_and_cache_flash", "rotary_embedding", "fused_rope_and_reshap
            "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache", "gather_cache_flash",
            "cp_gather_indexer_k_quant_cache", "fused_qk_norm_rope",
            "fused_qk_norm_rope_and_reshape_cache_flash", "swap_blocks", "swap_blocks_multi_layer",
-           "relayout_kv_cache", "pack_kv_pages", "unpack_kv_pages"]
+           "relayout_kv_cache", "pack_kv_pages", "unpack_kv_pages",
+           "reshape_and_cache_turboquant"]
