@@ -93,7 +93,7 @@ def special_rows(d: int, dtype: torch.dtype) -> list[torch.Tensor]:
     rows = []
 
     def row(vals) -> None:
-        r = torch.zeros(d)
+        r = torch.zeros(d)  # the rest of a short row: zeros
         v = torch.as_tensor(vals, dtype=torch.float32).flatten()[:d]
         r[:v.numel()] = v
         rows.append(r)
@@ -119,6 +119,11 @@ def special_rows(d: int, dtype: torch.dtype) -> list[torch.Tensor]:
     # values: a range of 15 from 0 (s = 1, zero 0): every k + 1/2.
     row(rep([0.0, 15.0, 0.5, 1.5, 2.5, 7.5, 14.5, 3.5, 12.5, 6.5, 9.5, 13.5]))
     row(rep([0.0, 7.0, 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 6.0]))         # range 7
+    # A rotated coordinate that cancels: only the tree's order leaves -2^-29 (a sum in order
+    # gives 0, the upper side of the 4-bit codebook's midpoint 0).
+    row([-2.0**-30, -2.0**-30, 1.0, -1.0])
+    if dtype == torch.float32:
+        row(_reciprocal_trap_row(15))                      # values: x / s, not x * (1 / s)
     row(1000.0 + torch.linspace(0, 1, d))                                  # far from zero
     row(-3000.0 - torch.linspace(0, 3, d))
     row(torch.linspace(-3, 3, d) * finfo.tiny)                             # subnormal / tiny
@@ -129,6 +134,25 @@ def special_rows(d: int, dtype: torch.dtype) -> list[torch.Tensor]:
     else:
         row(torch.where(ar % 2 == 0, 65504.0, -65504.0))                   # fp16 scale: inf
     return [r.to(dtype).float() for r in rows]
+
+
+def _reciprocal_trap_row(levels: int) -> torch.Tensor:
+    """A float32 value row of range 45 from 0 (s = RN(45 / levels)), then values beside the
+    code ties whose code from RN(x / s) differs from that of RN(x * RN(1 / s))."""
+    s = torch.tensor(45.0) / torch.tensor(float(levels))
+    r = torch.tensor(1.0) / s
+    ties = ((torch.arange(levels, dtype=torch.float64) + 0.5) * s.double()).float()
+    near = torch.cat([ties, torch.nextafter(ties, torch.tensor(0.0)),
+                      torch.nextafter(ties, torch.tensor(64.0))])
+    exact = near / s
+    approx = near * r
+
+    def code(q):
+        f = q.floor()
+        return torch.where(q - f >= 0.5, f + 1, f)
+
+    traps = near[code(exact) != code(approx)]
+    return torch.cat([torch.tensor([0.0, 45.0]), traps])
 
 
 def _random_rows(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
