@@ -15,6 +15,7 @@ from kvwrite.ops.concat_and_cache_mla import op as mla_op
 from kvwrite.ops.indexer_k_quant_and_cache.op import parse_scale_fmt
 from kvwrite.ops.mx_kv_write import create_mx_caches
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.op import parse_kv_quant_mode
+from kvwrite.testing.turboquant import TqCase, make_tq_inputs
 
 NB, BS, H = 3, 8, 2
 HEAD_SIZES = (16, 64, 128, 256)
@@ -42,6 +43,11 @@ def spec_row_bytes(f: formats.Format, d: int, input_dtype: torch.dtype, group: i
         (Family.INDEXER, "ue8m0"): d + 4 * (d // g),                           # §8.6
         (Family.INDEXER, "mxfp8"): d + 4 * (d // 128),
         (Family.INDEXER, "float32"): d + 4 * (d // g),
+        # §10.1: key part (KPS), value codes, fp16 scale and zero.
+        (Family.TURBOQUANT, "turboquant_k8v4"): d + d // 2 + 4,
+        (Family.TURBOQUANT, "turboquant_4bit_nc"): d // 2 + 2 + d // 2 + 4,
+        (Family.TURBOQUANT, "turboquant_k3v4_nc"): 3 * d // 8 + 2 + d // 2 + 4,
+        (Family.TURBOQUANT, "turboquant_3bit_nc"): 3 * d // 8 + 2 + 3 * d // 8 + 4,
     }[key]
 
 
@@ -89,6 +95,10 @@ def allocated_row_bytes(f: formats.Format, d: int, input_dtype: torch.dtype, gro
         cache = kvwrite.create_mla_cache(NB, BS, L, P, f.name, input_dtype, device="cpu")
         assert cache.stride(1) == cache.shape[2]
         return cache.shape[2] * cache.element_size()
+    if f.family is Family.TURBOQUANT:  # vLLM's allocation, rows of slot_size_aligned bytes
+        inp = make_tq_inputs(TqCase(kv_cache_dtype=f.name, head_size=d, num_heads=H,
+                                    num_blocks=NB, block_size=BS, layout="HND"))
+        return inp.kv_cache.stride(1)
     cache = kvwrite.create_indexer_k_cache(NB, BS, d, group, device="cpu")
     return cache.stride(1) * cache.element_size()
 
@@ -147,6 +157,8 @@ SPELLINGS = {
     Family.PER_TOKEN_HEAD: ["fp8_per_token_head", "int4_per_token_head", "int8_per_token_head"],
     Family.MLA: ["auto", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2"],
     Family.INDEXER: ["float32", "mxfp8", "ue8m0"],
+    Family.TURBOQUANT: ["turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                        "turboquant_k8v4"],
 }
 # What each writer's own parser returns for a spelling (its enum's value is the format's name).
 PARSERS = {
@@ -154,6 +166,7 @@ PARSERS = {
     Family.PER_TOKEN_HEAD: lambda s: parse_kv_quant_mode(s).value,
     Family.MLA: lambda s: mla_op.parse_mla_mode(s).value,
     Family.INDEXER: lambda s: parse_scale_fmt(s).value,
+    Family.TURBOQUANT: lambda s: formats.turboquant_preset(s).name,
 }
 
 

@@ -260,6 +260,7 @@ def _interpreter_calls():
     dtype: the inputs of a write, the output of a read)."""
     from kvwrite import formats
     from kvwrite.dtypes import parse_kv_cache_dtype
+    from kvwrite.formats import TURBOQUANT_PRESETS
     from kvwrite.ops.concat_and_cache_mla import MlaMode
     from kvwrite.ops.indexer_k_quant_and_cache.op import ScaleFormat
     from kvwrite.ops.nvfp4.op import ScaleLayout
@@ -301,6 +302,9 @@ def _interpreter_calls():
                       lambda d, m=mode: (t(d), t(d), t(u8), t(u8), m)))
     for fmt in ScaleFormat:
         calls.append(("indexer_k_quant_and_cache", fmt.value, lambda d, f=fmt: (t(d), t(u8), f)))
+    for preset in TURBOQUANT_PRESETS:
+        calls.append(("reshape_and_cache_turboquant", preset.name,
+                      lambda d, p=preset: (t(d), t(u8), p.at(128))))
     for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_E5M2):
         calls.append(("gather_and_maybe_dequant_cache", mode.value,
                       lambda d, m=mode: (t(d if m is MlaMode.AUTO else u8), t(d), m)))
