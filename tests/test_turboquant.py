@@ -592,3 +592,23 @@ def test_turboquant_store_takes_other_group_sizes():
                                  inp.midpoints, layout.key_bits if layout.key_bits != 8 else 3,
                                  layout.key_packed_size, layout.value_bits,
                                  layout.key_bits == 8, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_reader_on_the_gpu_reads_the_cpu_bits(preset):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case = TqCase(kv_cache_dtype=preset, head_size=128, dtype=torch.float32,
+                  special_values=True, num_tokens=40, num_heads=4)
+    inp = make_tq_inputs(case, seed=9)
+    kvwrite.reshape_and_cache_turboquant(*inp.args())
+    slots = torch.arange(case.num_slots)
+    want = kvwrite.turboquant_gather_cache(inp.kv_cache, slots, preset, 128, inp.centroids,
+                                           inp.PiT)
+    cuda = [None if t is None else t.cuda() for t in (inp.kv_cache, inp.centroids, inp.PiT)]
+    got = kvwrite.turboquant_gather_cache(cuda[0], slots.cuda(), preset, 128, cuda[1], cuda[2])
+    for g, w in zip(got, want, strict=True):
+        g = g.cpu()
+        assert bool(((g.view(torch.int32) == w.view(torch.int32)) |
+                     (torch.isnan(g) & torch.isnan(w))).all())

@@ -186,6 +186,9 @@ def make_tables(case: TqCase, gen: torch.Generator | None = None
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
         pit = q.float()
         centroids = torch.tensor(lloyd_max_centroids(d, slot.key_bits), dtype=torch.float32)
+        # Another codebook for each seed (a graph replay must read the new one), still sorted.
+        jitter = 1 + 0.05 * (torch.rand(centroids.shape, generator=gen) - 0.5)
+        centroids = (centroids * jitter).sort().values
         pair = centroids[:-1] + centroids[1:]
         midpoints = pair / torch.full_like(pair, 2.0)
     if case.pit_strided:

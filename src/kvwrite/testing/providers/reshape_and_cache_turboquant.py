@@ -257,8 +257,10 @@ GPU_CASES = tuple(Example(c.id, c, gpu=True) for c in [
 
 
 def _graph_case(preset):
+    """Tables of another rotation and codebook for each seed: the replay reads the new ones."""
     return TqCase(kv_cache_dtype=preset, head_size=128, num_heads=4, num_tokens=40,
-                  num_blocks=8, padding_slots=3, out_of_range_slots=2, special_values=True)
+                  num_blocks=8, padding_slots=3, out_of_range_slots=2, special_values=True,
+                  own_tables=True)
 
 
 PROVIDER = Provider(
