@@ -304,7 +304,7 @@ def _interpreter_calls():
         calls.append(("indexer_k_quant_and_cache", fmt.value, lambda d, f=fmt: (t(d), t(u8), f)))
     for preset in TURBOQUANT_PRESETS:
         calls.append(("reshape_and_cache_turboquant", preset.name,
-                      lambda d, p=preset: (t(d), t(u8), p.at(128))))
+                      lambda d, p=preset: (torch.empty(1, 1, 128, dtype=d), t(u8), p.at(128))))
     for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_E5M2):
         calls.append(("gather_and_maybe_dequant_cache", mode.value,
                       lambda d, m=mode: (t(d if m is MlaMode.AUTO else u8), t(d), m)))

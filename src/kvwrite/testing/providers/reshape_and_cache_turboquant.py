@@ -12,7 +12,7 @@ from kvwrite.ops.reshape_and_cache_turboquant import OP
 from kvwrite.ops.reshape_and_cache_turboquant import reference as torch_ref
 
 from ..compare import storage_bytes
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
 from ..turboquant import (
     K3V4,
     K8V4,
@@ -280,4 +280,6 @@ PROVIDER = Provider(
                                        padding_slots=2), gpu=True) for p in (K8V4, K3V4, NC3))),
     wrong_writers=WRONG,
     bad_inputs=BAD,
+    # The input kinds (3) x presets (4) x slot types (2).
+    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 24),
 )
