@@ -26,6 +26,8 @@ if not torch.cuda.is_available():
                     "kvwrite.ops.indexer_k_quant_and_cache.triton_impl",
                     "kvwrite.ops.reshape_and_cache.triton_impl",
                     "kvwrite.ops.nvfp4.triton_impl",
+                    "kvwrite.kernels.triton_mx",
+                    "kvwrite.ops.mx_kv_write.triton_impl",
                     "kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_impl",
                     "kvwrite.kernels.triton_gather",
                     "kvwrite.ops.gather_and_maybe_dequant_cache.triton_impl",

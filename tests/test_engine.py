@@ -61,6 +61,18 @@ if HAS_TRANSFER:
                         "--num-tokens", "2,16", "--engine", "sm", "--max-ctas", "all",
                         "--peers", "torch", "--iters", "3", "--time-budget", "0.01",
                         "--graph-calls", "2"]
+# The TurboQuant and MX writes (SPEC §10) and the subcommands their declarations register.
+HAS_TURBOQUANT = hasattr(kvwrite, "reshape_and_cache_turboquant")
+HAS_MX = hasattr(kvwrite, "mx_gather_cache")
+NEEDS_45 = "needs the issue-45 ops"
+if HAS_TURBOQUANT:
+    TINY["turboquant"] = ["turboquant", "--device", "cpu", "--num-blocks", "4", "--block-size",
+                          "16", "--num-heads", "2", "--head-size", "128", "--num-tokens", "2,16",
+                          "--iters", "3", "--time-budget", "0.01", "--graph-calls", "2"]
+if HAS_MX:
+    TINY["mx"] = ["mx", "--device", "cpu", "--num-blocks", "4", "--block-size", "16",
+                  "--num-heads", "2", "--head-size", "64", "--num-tokens", "2,16", "--iters", "3",
+                  "--time-budget", "0.01", "--graph-calls", "2"]
 SUBS = sorted(TINY)
 
 
@@ -205,6 +217,24 @@ OWN_BAD = {
         (["--peers", "vllm"], "--peers"), (["--layers", "0"], "--layers"),
         (["--blocks", "4"], "--blocks"), (["--mode", "cudagraph"], "--mode"),
         (["--op", "relayout", "--direction", "d2h"], "--direction")],
+    "turboquant": [
+        (["--presets", "turboquant_2bit"], "--presets"), (["--presets", "turboquant_k8v4,"],
+                                                          "--presets"),
+        # Not a power of two: the MSE presets have no tables (turboquant_tables raises).
+        (["--head-size", "96"], "--head-size"),
+        (["--head-size", "12", "--presets", "turboquant_3bit_nc"], "--head-size"),
+        (["--head-size", "7", "--presets", "turboquant_k8v4"], "--head-size"),
+        (["--kinds", "fp4"], "--kinds"), (["--kinds", "turboquant,,fp8"], "--kinds"),
+        (["--num-heads", "0"], "--num-heads"), (["--block-size", "0"], "--block-size"),
+        (["--dtype", "int8"], "--dtype"), (["--num-tokens", "128"], "--num-blocks")],
+    "mx": [
+        (["--modes", "mxfp6"], "--modes"), (["--modes", "mxfp8,"], "--modes"),
+        (["--head-size", "48"], "--head-size"), (["--scale-rules", "round"], "--scale-rules"),
+        (["--scale-layouts", "swizzled"], "--scale-layouts"),
+        # interleaved128 needs D = 128 and block_size % 128 == 0 (here 64 and 16).
+        (["--scale-layouts", "interleaved128"], "--scale-layouts"),
+        (["--kinds", "nvfp4"], "--kinds"), (["--block-size", "0"], "--block-size"),
+        (["--num-tokens", "128"], "--num-blocks")],
 }
 
 
@@ -270,6 +300,109 @@ def test_transfer_tiny_run_checks_every_series(capsys, tmp_path):
     assert all(r["limit"] == "d2h" and r["limit_gbps"] > 0 and r["host_us"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "% limit" in out and "host (µs)" in out
+
+
+# --- issue 45: turboquant and mx -------------------------------------------------------------------
+
+# SPEC §10.1's slot sizes at D = 128 and key bits, the oracle of the bytes formula.
+TQ_SLOT_128 = {"turboquant_k8v4": (196, 8), "turboquant_4bit_nc": (134, 4),
+               "turboquant_k3v4_nc": (118, 3), "turboquant_3bit_nc": (102, 3)}
+
+
+@pytest.mark.skipif(not HAS_TURBOQUANT, reason=NEEDS_45)
+def test_turboquant_tiny_run_checks_every_preset_and_counts_its_bytes(capsys, tmp_path):
+    """Every preset and the fp8 write are checked against the torch reference and measured; the
+    bytes are SPEC §10.6's formulas; vLLM's store is a row of its own, unsupported without vLLM
+    (or timed once where it runs)."""
+    js = tmp_path / "t.json"
+    assert main([*TINY["turboquant"], "--kinds", "turboquant,fp8,vllm", "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    H, D, e = 2, 128, 2  # bfloat16 inputs; the random pattern has no padding (n = T)
+    seen = set()
+    for r in rows:
+        preset, T = r["kv_cache_dtype"], r["num_tokens"]
+        if r["kind"] == "vllm":
+            assert r["status"].startswith("unsupported: ") or r["status"] == "ok", r
+            continue
+        assert r["status"] == "ok" and r["check"] == "passed", r
+        slot, b = TQ_SLOT_128[preset]
+        tables = 4 * D * D + 4 * (2**b - 1) if b != 8 else 0
+        want = (T * H * 2 * D * e + T * H * slot + T * 8 + tables if r["kind"] == "turboquant"
+                else T * H * 2 * D * (e + 1) + T * 8)
+        assert r["bytes"] == want, r
+        seen.add((r["kind"], preset))
+    assert seen == {(k, p) for k in ("turboquant", "fp8") for p in TQ_SLOT_128}
+    out = capsys.readouterr().out
+    assert "slot_size: turboquant_k8v4 196, turboquant_4bit_nc 134" in out
+    assert "its bytes are not checked" in out
+
+
+@pytest.mark.skipif(not HAS_MX, reason=NEEDS_45)
+def test_mx_tiny_run_checks_every_mode_rule_and_layout_and_counts_its_bytes(tmp_path):
+    js = tmp_path / "m.json"
+    argv = [*TINY["mx"], "--head-size", "128", "--block-size", "128", "--num-blocks", "2",
+            "--scale-rules", "ceil,floor", "--scale-layouts", "linear,interleaved128", "--json",
+            str(js)]
+    assert main(argv) == 0
+    rows = json.loads(js.read_text())["rows"]
+    H, D, e = 2, 128, 2
+    row = {"mxfp8": D + D // 32, "mxfp4": D // 2 + D // 32}
+    seen = set()
+    for r in rows:
+        assert r["status"] == "ok" and r["check"] == "passed", r
+        T, mode = r["num_tokens"], r["kv_cache_dtype"]
+        want = (T * H * 2 * D * e + T * H * 2 * row[mode] + T * 8 if r["kind"] == "mx"
+                else T * H * 2 * D * (e + 1) + T * 8)
+        assert r["bytes"] == want, r
+        seen.add((r["kind"], mode, r["scale_rule"], r["scale_layout"]))
+    assert len(seen) == 2 * 2 * 2 * 2
+
+
+def test_a_kind_the_definition_does_not_compare_is_timed_with_check_skipped(monkeypatch,
+                                                                          tmp_path):
+    """engine.UNCHECKED (turboquant's vllm kind: another library's bytes) is neither a mismatch
+    nor a pass: the row is measured and says check "skipped"."""
+    defn = _bench("nvfp4")
+    monkeypatch.setattr(defn, "check", lambda ctx, kind, impl: (
+        engine.UNCHECKED if kind == "fp8" else None))
+    js = tmp_path / "u.json"
+    assert main([*TINY["nvfp4"], "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    assert {r["kind"]: r["check"] for r in rows} == {"fp8": "skipped", "nvfp4": "passed"}
+
+
+def _wrong_writes(monkeypatch, name: str):
+    """``kvwrite.<name>`` as the reference, but implementation "wrong" also flips one byte of
+    the last cache argument's allocation (a byte no correct write changes, or one it wrote)."""
+    real = getattr(kvwrite, name)
+
+    def wrong(*args, implementation=None, **kwargs):
+        real(*args, implementation="torch", **kwargs)
+        if implementation == "wrong":
+            caches = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                      and a.dtype == torch.uint8]
+            last = caches[-1]
+            idx = (last.dim() - 1) * (-1,) + (0,)
+            last[idx] = torch.bitwise_not(last[idx])
+    monkeypatch.setattr(kvwrite, name, wrong)
+
+
+@pytest.mark.skipif(not (HAS_TURBOQUANT and HAS_MX), reason=NEEDS_45)
+@pytest.mark.parametrize("sub, kind", [("turboquant", "turboquant"), ("mx", "mx"),
+                                       ("turboquant", "fp8")])
+def test_new_checks_catch_a_byte_written_wrong(monkeypatch, sub, kind):
+    """The check compares whole allocations: one byte flipped anywhere in the cache (or, for mx,
+    the last scale cache) fails it; the reference itself passes."""
+    defn = _bench(sub)
+    _, _, points, _ = engine.configure(defn, TINY[sub][1:], sub)
+    point = [p for p in points if p.num_tokens == 16][-1]
+    ctx = defn.prepare(point, 1, torch.device("cpu"))
+    assert defn.check(ctx, kind, "torch") is None
+    name = "reshape_and_cache_flash" if kind in ("fp8", "mx") else "reshape_and_cache_turboquant"
+    _wrong_writes(monkeypatch, name)
+    assert defn.check(ctx, kind, "wrong") is not None
+    assert defn.check(ctx, kind, "torch") is None
 
 
 class _Clock:

@@ -258,7 +258,9 @@ def _interpreter_calls():
     """(op, mode, case_args for a row dtype) for every op and mode: each op's ``unsupported``
     arguments, with tensors that carry only the device and dtypes it reads (rows of the given
     dtype: the inputs of a write, the output of a read)."""
+    from kvwrite import formats
     from kvwrite.dtypes import parse_kv_cache_dtype
+    from kvwrite.formats import TURBOQUANT_PRESETS
     from kvwrite.ops.concat_and_cache_mla import MlaMode
     from kvwrite.ops.indexer_k_quant_and_cache.op import ScaleFormat
     from kvwrite.ops.nvfp4.op import ScaleLayout
@@ -285,6 +287,11 @@ def _interpreter_calls():
     for mode in ("nvfp4", "nvfp4_4over6"):
         c = parse_kv_cache_dtype(mode, nvfp4=True)
         calls.append(("nvfp4_kv_write", mode, lambda d, c=c: (t(d), t(u8), c, ScaleLayout.LINEAR)))
+    for mode in ("mxfp8", "mxfp4"):
+        fmt = formats.lookup(mode)
+        for layout in ("linear", "interleaved128"):
+            calls.append(("mx_kv_write", f"{mode} {layout}",
+                          lambda d, f=fmt, lay=layout: (t(d), t(u8), f, lay)))
     calls.append(("rotary_embedding", "", lambda d: (t(d), t(d), t(d), True)))
     calls.append(("fused_qk_norm_rope", "", lambda d: (t(d), t(d), t(d), t(d), True)))
     for mode in MlaMode:
@@ -295,6 +302,9 @@ def _interpreter_calls():
                       lambda d, m=mode: (t(d), t(d), t(u8), t(u8), m)))
     for fmt in ScaleFormat:
         calls.append(("indexer_k_quant_and_cache", fmt.value, lambda d, f=fmt: (t(d), t(u8), f)))
+    for preset in TURBOQUANT_PRESETS:
+        calls.append(("reshape_and_cache_turboquant", preset.name,
+                      lambda d, p=preset: (torch.empty(1, 1, 128, dtype=d), t(u8), p.at(128))))
     for mode in (MlaMode.AUTO, MlaMode.FP8_E4M3, MlaMode.FP8_E5M2):
         calls.append(("gather_and_maybe_dequant_cache", mode.value,
                       lambda d, m=mode: (t(d if m is MlaMode.AUTO else u8), t(d), m)))

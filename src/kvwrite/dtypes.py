@@ -73,6 +73,10 @@ class CacheDType(enum.Enum):
     # vLLM's page layout; reshape_and_cache_flash only (parse_kv_cache_dtype(..., nvfp4=True)).
     NVFP4 = "nvfp4"
     NVFP4_4OVER6 = "nvfp4_4over6"
+    # MXFP8/MXFP4 (SPEC §10.3): E4M3/E2M1 codes with an E8M0 scale per 32 elements in scale
+    # caches; reshape_and_cache_flash only (parse_kv_cache_dtype(..., mx=True)).
+    MXFP8 = "mxfp8"
+    MXFP4 = "mxfp4"
 
     @property
     def is_fp8(self) -> bool:
@@ -81,6 +85,10 @@ class CacheDType(enum.Enum):
     @property
     def is_nvfp4(self) -> bool:
         return self in (CacheDType.NVFP4, CacheDType.NVFP4_4OVER6)
+
+    @property
+    def is_mx(self) -> bool:
+        return self in (CacheDType.MXFP8, CacheDType.MXFP4)
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -95,21 +103,28 @@ class CacheDType(enum.Enum):
         if self.is_nvfp4:
             raise ValueError(f"kv_cache_dtype={self.value!r} has no per-element dtype (4-bit codes "
                              f"and a scale byte per 16 elements in uint8 pages)")
+        if self.is_mx:
+            raise ValueError(f"kv_cache_dtype={self.value!r} has no per-element dtype (codes "
+                             f"scaled by an E8M0 byte per 32 elements in scale caches)")
         return _FORMATS[self].element.dtype or input_dtype
 
     def element_size(self, input_dtype: torch.dtype) -> int:
         """Bytes of one cache element (its format's code bytes)."""
-        self.element_dtype(input_dtype)  # the NVFP4 modes have none
+        self.element_dtype(input_dtype)  # the NVFP4 and MX modes have none
         return _FORMATS[self].data_bytes(1, input_dtype)
 
 
 # Every spelling the API accepts, including vLLM's aliases ("fp8", "half", "float"): the flash
 # formats' spellings (kvwrite.formats).
 _ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.FLASH)
-            for s in f.spellings if not CacheDType(f.name).is_nvfp4}
+            for s in f.spellings
+            if not (CacheDType(f.name).is_nvfp4 or CacheDType(f.name).is_mx)}
 # The NVFP4 spellings, accepted only where the caller says it writes them (nvfp4=True).
 _NVFP4_ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.FLASH)
                   for s in f.spellings if CacheDType(f.name).is_nvfp4}
+# The MX spellings, accepted only where the caller says it writes them (mx=True).
+_MX_ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.FLASH)
+               for s in f.spellings if CacheDType(f.name).is_mx}
 # Each mode's format (the table's record: storage, scales, row bytes, reader).
 _FORMATS = {c: formats.lookup(c.value) for c in CacheDType}
 
@@ -136,22 +151,27 @@ def ue8m0_round_up(s: torch.Tensor) -> torch.Tensor:
     return torch.where((bits & 0x7FFFFF) != 0, up, bits).view(torch.float32)
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType, *, nvfp4: bool = False) -> CacheDType:
+def parse_kv_cache_dtype(kv_cache_dtype: str | CacheDType, *, nvfp4: bool = False,
+                         mx: bool = False) -> CacheDType:
     """The :class:`CacheDType` of a spelling (or the enum itself). The NVFP4 modes ("nvfp4",
     "nvfp4_4over6") only with ``nvfp4=True`` (reshape_and_cache_flash and the allocator write
-    them; every other op and the benchmark's per-element modes refuse them here)."""
-    names = {**_ALIASES, **_NVFP4_ALIASES} if nvfp4 else _ALIASES
+    them; every other op and the benchmark's per-element modes refuse them here); the MX modes
+    ("mxfp8", "mxfp4") only with ``mx=True`` (reshape_and_cache_flash writes them)."""
+    names = {**_ALIASES, **(_NVFP4_ALIASES if nvfp4 else {}), **(_MX_ALIASES if mx else {})}
+    gated = ((nvfp4, _NVFP4_ALIASES, "the NVFP4 modes"), (mx, _MX_ALIASES, "the MX modes"))
     if isinstance(kv_cache_dtype, CacheDType):
-        if kv_cache_dtype.is_nvfp4 and not nvfp4:
-            raise ValueError(f"kv_cache_dtype: expected one of {sorted(names)}, got "
-                             f"{kv_cache_dtype.value!r} (the NVFP4 modes are written by "
-                             f"reshape_and_cache_flash only)")
+        for allowed, spelled, what in gated:
+            if kv_cache_dtype.value in spelled and not allowed:
+                raise ValueError(f"kv_cache_dtype: expected one of {sorted(names)}, got "
+                                 f"{kv_cache_dtype.value!r} ({what} are written by "
+                                 f"reshape_and_cache_flash only)")
         return kv_cache_dtype
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype in names:
         return names[kv_cache_dtype]
     hint = ""
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in _NVFP4_ALIASES:
-        hint = " (the NVFP4 modes are written by reshape_and_cache_flash only)"
+    for _, spelled, what in gated:
+        if isinstance(kv_cache_dtype, str) and kv_cache_dtype in spelled:
+            hint = f" ({what} are written by reshape_and_cache_flash only)"
     raise ValueError(
         f"kv_cache_dtype: expected one of {sorted(names)}, got {kv_cache_dtype!r}{hint}"
     )
@@ -172,6 +192,9 @@ def quantize(x: torch.Tensor, cache_dtype: CacheDType, scale: torch.Tensor | Non
     if cache_dtype.is_nvfp4:
         raise ValueError(f"kv_cache_dtype={cache_dtype.value!r}: not a per-element rule (see "
                          f"kvwrite.ops.nvfp4)")
+    if cache_dtype.is_mx:
+        raise ValueError(f"kv_cache_dtype={cache_dtype.value!r}: not a per-element rule (see "
+                         f"kvwrite.ops.mx_kv_write)")
     if cache_dtype is CacheDType.AUTO:
         return x
     if not cache_dtype.is_fp8:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +51,13 @@ __all__ = [
     "DS_MLA_PE_OFFSET",
     "DS_MLA_ENTRY",
     "NVFP4_GROUP",
+    "MX_GROUP",
     "INDEXER_MXFP8_GROUP",
+    "TurboQuantLayout",
+    "TurboQuantPreset",
+    "TurboQuantSlot",
+    "TURBOQUANT_PRESETS",
+    "turboquant_preset",
 ]
 
 
@@ -73,6 +81,7 @@ class Family(enum.Enum):
     PER_TOKEN_HEAD = ("reshape_and_cache_flash_per_token_head_quant", "kv_quant_mode")
     MLA = ("concat_and_cache_mla", "kv_cache_dtype")
     INDEXER = ("indexer_k_quant_and_cache", "scale_fmt")
+    TURBOQUANT = ("reshape_and_cache_turboquant", "kv_cache_dtype")
 
     @property
     def writer(self) -> str:
@@ -94,7 +103,13 @@ class Element(enum.Enum):
     FP8_E5M2 = ("e5m2", 8)
     INT8 = ("int8", 8)
     INT4 = ("int4", 4)      # two a byte, even element in the low nibble
-    E2M1 = ("e2m1", 4)      # NVFP4's codes, two a byte, even element in the low nibble
+    E2M1 = ("e2m1", 4)      # NVFP4's and MXFP4's codes, two a byte, even element in the low nibble
+    # TurboQuant's slot holds one coordinate's key code and value code (SPEC §10.1): the bits
+    # of both, each packed in its own field of the slot.
+    TQ_E4M3_U4 = ("e4m3fn key, 4-bit value", 12)
+    TQ_I4_U4 = ("4-bit key index, 4-bit value", 8)
+    TQ_I3_U4 = ("3-bit key index, 4-bit value", 7)
+    TQ_I3_U3 = ("3-bit key index, 3-bit value", 6)
 
     @property
     def bits(self) -> int | None:
@@ -256,6 +271,8 @@ DS_MLA_ENTRY = DS_MLA_PE_OFFSET + 2 * DS_MLA_P
 
 # NVFP4: one E4M3 scale byte per 16 elements.
 NVFP4_GROUP = 16
+# MXFP8/MXFP4 (OCP microscaling): one E8M0 scale byte per 32 elements, in a scale cache.
+MX_GROUP = 32
 # The indexer's "mxfp8" stores one UE8M0 byte per 32 elements of a group, 4 per slot: only
 # groups of 128.
 INDEXER_MXFP8_GROUP = 128
@@ -300,6 +317,12 @@ _PTH_INT4_SCALE = Scale(Placement.SCALE_CACHE, Granularity.TOKEN_HEAD,
                         "float32, zero point in its low 4 bits", 4)
 _NVFP4_SCALES = (Scale(Placement.IN_PAGE, Granularity.BLOCK, "e4m3fn", 1, NVFP4_GROUP),
                  Scale(Placement.ARGUMENT, Granularity.TENSOR, "float32 multiplier"))
+_MX_SCALE = Scale(Placement.SCALE_CACHE, Granularity.BLOCK, "E8M0", 1, MX_GROUP)
+_TQ = Family.TURBOQUANT
+_TQ_NORM = Scale(Placement.IN_ROW, Granularity.TOKEN_HEAD, "float16 key norm", 2)
+_TQ_VALUE_SCALES = (Scale(Placement.IN_ROW, Granularity.TOKEN_HEAD, "float16 value scale", 2),
+                    Scale(Placement.IN_ROW, Granularity.TOKEN_HEAD, "float16 value zero", 2))
+_TQ_READER = "turboquant_gather_cache"
 _GATHER_FLASH = "gather_cache_flash"
 _GATHER_MLA = "gather_and_maybe_dequant_cache"
 
@@ -320,6 +343,12 @@ FORMATS: tuple[Format, ...] = (
            head_size_multiple=NVFP4_GROUP),
     Format("nvfp4_4over6", _F, ("nvfp4_4over6",), Element.E2M1, (_U8,), _NVFP4_SCALES,
            "nvfp4_gather_cache", head_size_multiple=NVFP4_GROUP),
+    # SGLang's microscaling caches: E4M3 or E2M1 codes in the data caches, one E8M0 byte per 32
+    # elements in separate scale caches (which may view an inline row's tail).
+    Format("mxfp8", _F, ("mxfp8",), Element.FP8_E4M3, (_U8, torch.float8_e4m3fn), (_MX_SCALE,),
+           "mx_gather_cache", head_size_multiple=MX_GROUP),
+    Format("mxfp4", _F, ("mxfp4",), Element.E2M1, (_U8,), (_MX_SCALE,), "mx_gather_cache",
+           head_size_multiple=MX_GROUP),
     # reshape_and_cache_flash_per_token_head_quant's kv_quant_mode. vLLM's inline rows are the
     # codes then the 4 scale bytes (the scale cache views them); "separate" keeps them apart.
     Format("int8_per_token_head", _PTH, ("int8_per_token_head",), Element.INT8, (torch.int8,),
@@ -349,6 +378,17 @@ FORMATS: tuple[Format, ...] = (
     Format("float32", _IDX, ("float32",), Element.FP8_E4M3, (_U8,),
            (Scale(Placement.IN_PAGE, Granularity.BLOCK, "float32", 4),),
            "cp_gather_indexer_k_quant_cache"),
+    # reshape_and_cache_turboquant's kv_cache_dtype: one slot per (token, head) holds K and V
+    # (SPEC §10.1): the key codes (and the MSE presets' fp16 norm), the value codes, then the
+    # values' fp16 scale and zero. TurboQuantPreset has the slot's fields and offsets.
+    Format("turboquant_k8v4", _TQ, ("turboquant_k8v4",), Element.TQ_E4M3_U4, (_U8,),
+           _TQ_VALUE_SCALES, _TQ_READER, head_size_multiple=2),
+    Format("turboquant_4bit_nc", _TQ, ("turboquant_4bit_nc",), Element.TQ_I4_U4, (_U8,),
+           (_TQ_NORM, *_TQ_VALUE_SCALES), _TQ_READER, head_size_multiple=2),
+    Format("turboquant_k3v4_nc", _TQ, ("turboquant_k3v4_nc",), Element.TQ_I3_U4, (_U8,),
+           (_TQ_NORM, *_TQ_VALUE_SCALES), _TQ_READER, head_size_multiple=8),
+    Format("turboquant_3bit_nc", _TQ, ("turboquant_3bit_nc",), Element.TQ_I3_U3, (_U8,),
+           (_TQ_NORM, *_TQ_VALUE_SCALES), _TQ_READER, head_size_multiple=8),
 )
 
 _BY_SPELLING = {(f.family, s): f for f in FORMATS for s in f.spellings}
@@ -384,3 +424,139 @@ def lookup(spelling, family: Family = Family.FLASH) -> Format:
         if found is not None:
             return found
     raise ValueError(f"{family.argument}: expected one of {spellings(family)}, got {spelling!r}")
+
+
+# --- TurboQuant's presets (SPEC §10.1) -------------------------------------------------------------
+
+class TurboQuantLayout(NamedTuple):
+    """The slot of a TurboQuant preset at one head size (SPEC §10.1): ``key_bits`` (8 for
+    k8v4's e4m3fn codes, else the MSE index bits), ``value_bits``, ``norm_correction`` (the
+    reader renormalizes the centroids), ``key_packed_size`` (KPS: key bytes, the MSE norm
+    included), ``value_data_bytes`` (VDB), ``slot_size = KPS + VDB + 4`` and
+    ``slot_size_aligned`` (rounded up to even: what vLLM allocates)."""
+
+    key_bits: int
+    value_bits: int
+    norm_correction: bool
+    key_packed_size: int
+    value_data_bytes: int
+    slot_size: int
+    slot_size_aligned: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantSlot:
+    """A preset at one head size: what the implementations' ``run`` receives as ``preset``.
+
+    Byte offsets in the slot: the key codes at 0 (``key_index_bytes`` of them: D e4m3fn codes,
+    or the MSE indices packed at ``key_bits`` each), the MSE presets' fp16 norm at
+    ``norm_offset``, the value codes at ``value_offset`` (``value_data_bytes``, packed at
+    ``value_bits``), the fp16 scale at ``scale_offset`` and the fp16 zero at ``zero_offset``.
+    ``num_midpoints`` (2^b - 1, MSE presets; 0 for k8v4) and ``value_levels`` (L = 2^bv - 1)."""
+
+    name: str
+    head_size: int
+    key_bits: int
+    value_bits: int
+    mse: bool
+    norm_correction: bool
+    key_index_bytes: int
+    key_packed_size: int
+    value_data_bytes: int
+    slot_size: int
+    slot_size_aligned: int
+    num_midpoints: int
+    value_levels: int
+
+    @property
+    def norm_offset(self) -> int:
+        return self.key_index_bytes
+
+    @property
+    def value_offset(self) -> int:
+        return self.key_packed_size
+
+    @property
+    def scale_offset(self) -> int:
+        return self.key_packed_size + self.value_data_bytes
+
+    @property
+    def zero_offset(self) -> int:
+        return self.scale_offset + 2
+
+    @property
+    def layout(self) -> TurboQuantLayout:
+        return TurboQuantLayout(self.key_bits, self.value_bits, self.norm_correction,
+                                self.key_packed_size, self.value_data_bytes, self.slot_size,
+                                self.slot_size_aligned)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantPreset:
+    """One ``kv_cache_dtype`` of ``reshape_and_cache_turboquant``: key bits (8: k8v4's e4m3fn
+    codes; 3 or 4: MSE indices with an fp16 norm), value bits, whether the reader renormalizes
+    (the ``_nc`` presets). :meth:`at` gives its slot at a head size."""
+
+    name: str
+    key_bits: int
+    value_bits: int
+    norm_correction: bool
+
+    @property
+    def mse(self) -> bool:
+        """Whether the keys are rotated and quantized to a codebook (all but k8v4)."""
+        return self.key_bits != 8
+
+    @property
+    def format(self) -> Format:
+        return lookup(self.name, Family.TURBOQUANT)
+
+    def head_size_error(self, head_size: int) -> str | None:
+        """Why the preset cannot take ``head_size`` (None: it can): 4-bit fields need D even,
+        3-bit fields D % 8 == 0 (SPEC §10.1)."""
+        m = self.format.head_size_multiple
+        if head_size < 1 or head_size % m:
+            what = "3-bit fields need head_size % 8 == 0" if m == 8 else \
+                "4-bit fields need an even head_size"
+            return f"kv_cache_dtype={self.name!r}: {what}, got {head_size}"
+        return None
+
+    def at(self, head_size: int) -> TurboQuantSlot:
+        """The slot at ``head_size`` (ValueError naming ``head_size`` where the bit packing
+        cannot take it)."""
+        return _slot(self, head_size)
+
+
+@functools.cache
+def _slot(preset: TurboQuantPreset, head_size: int) -> TurboQuantSlot:
+    why = preset.head_size_error(head_size)
+    if why is not None:
+        raise ValueError(f"head_size: {why}")
+    d = head_size
+    index_bytes = -(-d * preset.key_bits // 8)
+    kps = index_bytes + (2 if preset.mse else 0)
+    vdb = -(-d * preset.value_bits // 8)
+    slot = kps + vdb + 4
+    return TurboQuantSlot(preset.name, d, preset.key_bits, preset.value_bits, preset.mse,
+                          preset.norm_correction, index_bytes, kps, vdb, slot, slot + slot % 2,
+                          (1 << preset.key_bits) - 1 if preset.mse else 0,
+                          (1 << preset.value_bits) - 1)
+
+
+TURBOQUANT_PRESETS: tuple[TurboQuantPreset, ...] = (
+    TurboQuantPreset("turboquant_k8v4", 8, 4, False),
+    TurboQuantPreset("turboquant_4bit_nc", 4, 4, True),
+    TurboQuantPreset("turboquant_k3v4_nc", 3, 4, True),
+    TurboQuantPreset("turboquant_3bit_nc", 3, 3, True),
+)
+_TQ_PRESETS = {p.name: p for p in TURBOQUANT_PRESETS}
+
+
+def turboquant_preset(kv_cache_dtype) -> TurboQuantPreset:
+    """The preset a ``kv_cache_dtype`` string (or a preset, or its slot) names; ValueError naming
+    ``kv_cache_dtype`` otherwise."""
+    if isinstance(kv_cache_dtype, TurboQuantPreset):
+        return kv_cache_dtype
+    if isinstance(kv_cache_dtype, TurboQuantSlot):
+        return _TQ_PRESETS[kv_cache_dtype.name]
+    return _TQ_PRESETS[lookup(kv_cache_dtype, Family.TURBOQUANT).name]

@@ -39,7 +39,7 @@ DEFAULT = "reshape_and_cache_flash"
 LISTED = ("reshape_and_cache_flash", "fused_rope_and_reshape_cache_flash",
           "fused_qk_norm_rope_and_reshape_cache_flash", "concat_and_cache_mla",
           "reshape_and_cache_flash_per_token_head_quant", "gather", "nvfp4", "reshape_and_cache",
-          "indexer_k_quant_and_cache", "transfer")
+          "indexer_k_quant_and_cache", "transfer", "turboquant", "mx")
 
 TOOLS = {
     "plot": "plot a --json file of any subcommand",

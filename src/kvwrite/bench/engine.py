@@ -49,7 +49,8 @@ __all__ = ["OpBench", "SlotsBench", "Config", "Env", "BenchError", "Skip", "Inte
            "check_output_path", "given_flags", "normalize_flags", "add_slot_flags",
            "slot_pattern", "launch_line", "COPY_BYTES", "MARGIN_BYTES", "available_memory",
            "OutOfMemoryError", "compare_with_reference", "ENGINE_DEFAULTS", "CPU_TIMING",
-           "require_positive", "add_cache_flags", "slots_line", "slot_params", "skip_unless_fits"]
+           "require_positive", "add_cache_flags", "slots_line", "slot_params", "skip_unless_fits",
+           "UNCHECKED"]
 
 COPY_BYTES = 2**30
 # The exit status of a run that measured nothing (every row unsupported or skipped): not 0, and
@@ -65,6 +66,11 @@ ENGINE_DEFAULTS = {"num_tokens": "1:65536", "implementation": "cuda", "iters": 1
                    "time_budget": 0.5, "graph_calls": 20}
 # The timing part of most ops' cpu_defaults: few short samples, for runs of seconds on two cores.
 CPU_TIMING = {"iters": 5, "graph_calls": 2, "time_budget": 0.05}
+
+
+# What OpBench.check returns for a kind it does not compare (another library's call whose bytes
+# differ from the reference by design): the row's check stays "skipped".
+UNCHECKED = "unchecked"
 
 
 class BenchError(RuntimeError):
@@ -198,7 +204,8 @@ class OpBench:
 
     def check(self, ctx, kind: str, impl: str) -> str | None:
         """Run ``impl`` once and compare what it writes with the torch reference; None when
-        equal, else what differs."""
+        equal, else what differs (:data:`UNCHECKED` for a kind whose bytes are not compared: its
+        rows say check "skipped")."""
         raise NotImplementedError
 
     def call(self, ctx, kind: str, impl: str) -> Callable[[int], None]:
@@ -767,10 +774,11 @@ def _measure(defn: OpBench, cfg: Config, env: Env, point, ctx, kind: str, impl: 
     try:
         if cfg.check:
             bad = defn.check(ctx, kind, impl)
-            if bad is not None:
+            if bad is not None and bad is not UNCHECKED:
                 return _row(defn, cfg, env, point, kind, impl, check="failed",
                             status=f"mismatch: {bad}", **row)
-            row["check"] = "passed"
+            if bad is None:
+                row["check"] = "passed"
         call = defn.call(ctx, kind, impl)
         graph = cfg.measured_mode == "cudagraph"
         if cfg.timer == "host-sync":

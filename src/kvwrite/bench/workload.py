@@ -28,11 +28,13 @@ import torch
 from ..dtypes import CacheDType
 from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
 from ..testing.cases import Case
+from ..testing.compare import storage_bytes
 from ..testing.slots import make_slots
-from .engine import SlotsBench, skip_unless_fits, slots_line
+from .engine import SlotsBench, compare_with_reference, skip_unless_fits, slots_line
 
 __all__ = ["LAYOUTS", "Case", "InputSet", "layout_alloc", "make_caches", "fill_caches",
-           "make_input_sets", "slot_sets", "point_sets", "key_value_rows", "seed_everything", "SEED"]
+           "make_input_sets", "slot_sets", "point_sets", "key_value_rows", "seed_everything", "SEED",
+           "check_caches"]
 
 SEED = 42
 LAYOUTS = LAYOUT_NAMES
@@ -154,3 +156,27 @@ def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -
     ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
     with skip_unless_fits():
         return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)
+
+
+def check_caches(run, impl: str, caches: tuple, nan_dtypes: tuple = ()) -> str | None:
+    """``run(implementation, caches)`` by ``impl`` and by the torch reference, each into copies
+    of the whole allocations behind ``caches`` (uint8 views; the caches that share one allocation
+    share its copy): None when every copy holds the same bytes, else the first difference.
+    ``nan_dtypes[i]`` (where given and not None): in the allocation of ``caches[i]``, two NaN
+    codes of that element dtype count as equal (fp8 elements: SPEC §1.1 leaves which NaN code
+    unspecified)."""
+    names: dict[int, str] = {}
+    base, nan = {}, {}
+    for i, c in enumerate(caches):
+        name = names.setdefault(c.untyped_storage().data_ptr(), f"allocation {len(names)}")
+        base[name] = storage_bytes(c)
+        if i < len(nan_dtypes) and nan_dtypes[i] is not None:
+            nan[name] = nan_dtypes[i]
+
+    def writer(implementation):
+        def write(out):
+            views = tuple(out[names[c.untyped_storage().data_ptr()]].as_strided(
+                c.shape, c.stride(), c.storage_offset()) for c in caches)
+            run(implementation, views)
+        return write
+    return compare_with_reference(writer(impl), writer("torch"), base, nan)

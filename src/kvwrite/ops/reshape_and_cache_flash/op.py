@@ -18,6 +18,7 @@ from ...validation import (
     require_tensor,
 )
 from ...validation import shape_str as _shape
+from ..mx_kv_write import op as mx_op
 from ..nvfp4 import op as nvfp4_op
 
 __all__ = ["OP", "reshape_and_cache_flash", "validate", "check_slot_mapping",
@@ -87,13 +88,16 @@ def select_implementation(key, value, key_cache, value_cache, slot_mapping, cach
     return registry.select(OP, (key, key_cache, cache_dtype, k_scale, v_scale), implementation)
 
 
-@registry.custom_op(OP, mutates=("key_cache", "value_cache"),
+@registry.custom_op(OP, mutates=("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"),
                     args={"v_scale_layout": registry.NONE_AS_EMPTY})
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             kv_cache_dtype: str = "auto", k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, *,
                             v_scale_layout: str | None = None,
+                            k_scale_cache: torch.Tensor | None = None,
+                            v_scale_cache: torch.Tensor | None = None,
+                            scale_rule: str = "ceil", scale_layout: str = "linear",
                             implementation: str | None = None) -> None:
     """Write ``key``/``value`` rows into the paged caches; mutates ``key_cache`` and ``value_cache``.
 
@@ -126,10 +130,29 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     (None: vLLM's rule for the device). The contract of those modes is docs/ops/nvfp4.md; their
     implementations are those of ``kvwrite.implementations(op="nvfp4_kv_write")``.
 
+    ``kv_cache_dtype`` "mxfp8" and "mxfp4" (SPEC §10.3, SGLang's caches) write E4M3 or E2M1
+    codes into the data caches (logical ``[num_blocks, block_size, H, F]``, F = D or D/2) and one
+    E8M0 byte per 32 elements into ``k_scale_cache``/``v_scale_cache`` (required there, uint8 or
+    float8_e8m0fnu, laid out by ``scale_layout``: "linear" or "interleaved128"); ``scale_rule``
+    ("ceil" or "floor") picks the exponent; ``k_scale``/``v_scale`` are not read. Other modes
+    refuse scale caches and non-default rules and layouts. Their implementations are those of
+    ``kvwrite.implementations(op="mx_kv_write")``.
+
     ``implementation`` names one of :func:`kvwrite.implementations`; None picks the preferred one
     that can run this call.
     """
-    if parse_kv_cache_dtype(kv_cache_dtype, nvfp4=True).is_nvfp4:
+    cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, nvfp4=True, mx=True)
+    if cache_dtype.is_mx:
+        if v_scale_layout is not None:
+            raise ValueError(f"v_scale_layout: only the NVFP4 modes lay out V scales; expected "
+                             f"None with kv_cache_dtype={kv_cache_dtype!r}, got "
+                             f"{v_scale_layout!r}")
+        mx_op.write_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                          k_scale_cache, v_scale_cache, scale_rule, scale_layout, implementation)
+        return
+    mx_op.refuse_mx_arguments(kv_cache_dtype, k_scale_cache, v_scale_cache, scale_rule,
+                              scale_layout)
+    if cache_dtype.is_nvfp4:
         nvfp4_op.write_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                              k_scale, v_scale, v_scale_layout, implementation)
         return

@@ -34,6 +34,7 @@
 // the tests compare with the reference on the CPU.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
+#include "kvw/round.cuh"
 #include "kvw/vec_io.cuh"
 
 #define PTH_INT8 0
@@ -42,29 +43,6 @@
 
 // The scale floor float32(1e-6): bits 0x358637BD.
 #define PTH_FLOOR 1e-6f
-
-// Additions rounded toward zero (rz) and toward -inf (rm). The host build (tests) derives them
-// from the round-to-nearest sum and its exact error (TwoSum, -ffp-contract=off).
-#ifdef KVWRITE_HOST_TEST
-KVW_HD float add_err(float a, float b, float s) {
-  const float bb = s - a;
-  return (a - (s - bb)) + (b - bb);  // a + b - s, exactly
-}
-KVW_HD float add_rz(float a, float b) {
-  const float s = a + b, e = add_err(a, b, s);
-  return (s > 0.0f && e < 0.0f) || (s < 0.0f && e > 0.0f) ? nextafterf(s, 0.0f) : s;
-}
-KVW_HD float add_rm(float a, float b) {
-  const float s = a + b, e = add_err(a, b, s);
-  return e < 0.0f ? nextafterf(s, -INFINITY) : s;
-}
-#else
-KVW_F32_ASM2(add_rz, "add.rz.f32")
-KVW_F32_ASM2(add_rm, "add.rm.f32")
-#endif
-
-KVW_HD float nan_to_zero(float v) { return v == v ? v : 0.0f; }
-KVW_HD float clampf(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
 
 // The row reductions' steps, NaN ignored: the GPU's min and max return the other operand of any
 // NaN (signaling ones too). C's fmaxf returns NaN for a signaling NaN operand (a 16-bit NaN
@@ -79,17 +57,8 @@ KVW_HD float min_step(float lo, float v) { return fminf(lo, v); }
 KVW_HD float max_step(float hi, float v) { return fmaxf(hi, v); }
 #endif
 
-// Integer rounding in float32 arithmetic only, exactly (never floor(v + 0.5) rounded to nearest,
-// which takes 0.49999997 to 1), and without conversion instructions (a quarter of the issue
-// rate): for y in [0, 2^23), RM(y + 2^23) = RZ(y + 2^23) = 2^23 + floor(y) (the float32 step is 1
-// there), whose bits are 0x4B000000 + floor(y). And floor(RZ(y)) = floor(RM(y)) = floor(y) for
-// the exact sum y of two floats: a directed rounding never passes the integer below y, which is a
-// float. So rhaz(q) = sign(q) floor(|q| + 1/2) and rhu(q) = floor(q + 1/2) take two additions.
-#define PTH_2P23 8388608.0f  // 2^23
-
-// The bits of 2^23 + floor(y) for y in [0, 2^23): 0x4B000000 + floor(y), whose low byte is
-// floor(y)'s (0x4B000000 ends with a zero byte).
-KVW_HD u32 floor_bits(float y) { return f32_bits(add_rm(y, PTH_2P23)); }
+// Integer roundings: kvw/round.cuh (add_rz, add_rm, floor_bits, rhu_clamp_code).
+#define PTH_2P23 KVW_2P23  // 2^23
 
 // The exact quotient RN(x / s) of int8 rows, from kvw/fp8.cuh's per-scale constants: fp8_quotient
 // without its clamp and its sign fix-up, which int8 needs neither of. |x / s| <= 127.00001 for
@@ -118,9 +87,7 @@ KVW_HD u32 int8_code(float q) {
 // clamp(rhu(q) + zp, 0, 15) = floor(clamp(q + zp + 1/2, 0, 15.5)): zp + 1/2 is exact, the sum
 // rounds toward -inf (its floor is the exact one), and floor is monotone. q from fp8_quotient:
 // |q| <= 2^20.
-KVW_HD u32 int4_code(float q, float zp) {
-  return floor_bits(clampf(add_rm(nan_to_zero(q), zp + 0.5f), 0.0f, 15.5f)) & 0xFu;
-}
+KVW_HD u32 int4_code(float q, float zp) { return rhu_clamp_code(q, zp + 0.5f, 15.0f); }
 
 // The scale of int8 (div 127) and fp8 (div 448) rows from their amax (NaN ignored, 0 if none).
 KVW_HD float amax_scale(float amax, float div) { return fmaxf(div_rn(amax, div), PTH_FLOOR); }

@@ -33,6 +33,7 @@ import torch
 from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
+from ...kernels.triton_round import rhu, rne
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
@@ -119,23 +120,11 @@ if triton is not None:
     _Y15 = tl.constexpr(float.fromhex("0x1.111112p-2"))
 
     @triton.jit
-    def _rne(q):
-        """Round half to even, exactly, for |q| < 2^22: the sum with 1.5 * 2^23 (step 1 there)
-        rounds q to the nearest integer, ties to even; the difference is exact."""
-        return (q + 12582912.0) - 12582912.0
-
-    @triton.jit
     def _rhaz_mag(a):
         """floor(a + 1/2) for 0 <= a < 2^22 (|q|'s rhaz), exactly: a - RNE(a) is exact, and RNE
         differs from rounding half up only on the ties it takes down."""
-        n = _rne(a)
+        n = rne(a)
         return tl.where(a - n == 0.5, n + 1.0, n)
-
-    @triton.jit
-    def _rhu(q):
-        """Round half up, exactly, for |q| < 2^22 (as _rhaz_mag, both signs)."""
-        n = _rne(q)
-        return tl.where(q - n == 0.5, n + 1.0, n)
 
     @triton.jit
     def _nan0(q):
@@ -213,10 +202,10 @@ if triton is not None:
             # 15 = 3.75 * 2^2; RN(mx - mn) is a float32 dividend: two steps.
             s = _fmax_floor(_div_const(mx - mn, 0.25, 3.75, _Y15, 2))
             m, s2, y = fp8_scale(s)
-            zp = _rhu(_nan0(_signed_quotient(-mn, m, s2, y, STEPS)))
+            zp = rhu(_nan0(_signed_quotient(-mn, m, s2, y, STEPS)))
             zp = tl.minimum(tl.maximum(zp, 0.0), 15.0)
             q = _signed_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], STEPS)
-            c = tl.minimum(tl.maximum(_rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0)
+            c = tl.minimum(tl.maximum(rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0)
             c = _bits_low(c + 8388608.0) & 15  # 2^23 + c: c in the low bits
             BT: tl.constexpr = c.shape[0]
             BH: tl.constexpr = c.shape[1]

@@ -1,0 +1,188 @@
+"""The Triton implementation of the MX writes (SPEC §10.3): one kernel for both formats, both
+scale rules and both scale layouts.
+
+One program quantizes ``BLOCK_T`` tokens x ``BLOCK_Q`` groups of 32 elements (a flat group index
+over the token's ``H * D/32`` groups: heads are dense in the input), for K and for V: it loads
+the rows (masked by the token and group bounds only), then the slots, runs the group rule
+(kernels.triton_mx) and stores 32 (mxfp8) or 16 (mxfp4) code bytes and one scale byte per group
+through the views' strides. Offsets are 64-bit. The scale byte's address takes six strides
+(block, head, offset // 128, offset % 32, (offset % 128) // 32, group): the interleaved128
+layout's own, the linear layout's derived (cuda_impl.scale_strides). Strides, the slot count and
+the geometry are compile-time constants; nothing is read on the host per call, so ``run`` is
+CUDA-graph safe.
+
+Every step is exact (integer work on bits, products by powers of two, no float8 cast, bfloat16
+widened from its bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ...kernels import triton_support
+from ...kernels.mx_views import (
+    GROUP,
+    as_bytes,
+    data_strides,
+    is_floor,
+    is_fp4,
+    is_interleaved,
+    scale_strides,
+)
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import pdl_entry, tl, triton
+from ...kernels.triton_mx import mx_rule
+from ...kernels.triton_nvfp4 import widen
+from ...kernels.triton_support import PdlTuning, next_pow2
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _mx_kernel, _IMPORT_ERROR)
+
+
+def unsupported(key, key_cache, mode, scale_layout) -> str | None:
+    return None
+
+
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TritonTuning(PdlTuning):
+    """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
+
+    # Input bytes of K per program (as many of V), as for reshape_and_cache_flash's 4 KiB tiles.
+    # Not measured for this kernel yet.
+    tile_bytes: int = 4096
+    # Input bytes of K per warp: 2 KiB is 32 groups of 16-bit input, one a thread.
+    bytes_per_warp: int = 2048
+    max_warps: int = 8
+
+
+TUNING = TritonTuning()
+
+
+@functools.lru_cache(maxsize=256)
+def _tiling(num_tokens: int, groups: int, in_bytes: int, tuning: TritonTuning = TUNING
+            ) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_Q, num_warps): BLOCK_Q groups of a token's ``groups`` (its whole row when
+    it fits the tile), BLOCK_T tokens (at most T rounded up to a power of two)."""
+    group_bytes = GROUP * in_bytes
+    per_tile = max(1, tuning.tile_bytes // group_bytes)
+    block_q = min(next_pow2(groups), next_pow2(per_tile))
+    block_t = 1
+    while block_t * 2 * block_q <= per_tile and block_t < next_pow2(num_tokens):
+        block_t *= 2
+    warps = min(tuning.max_warps, max(1, block_t * block_q * group_bytes // tuning.bytes_per_warp))
+    return block_t, block_q, 1 << (warps.bit_length() - 1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_group(data_ptr, sf_ptr, x, blk, pg, h, g, ok2,
+                     D_SB: tl.constexpr, D_SS: tl.constexpr, D_SH: tl.constexpr,
+                     D_SE: tl.constexpr, S_SB: tl.constexpr, S_SH: tl.constexpr,
+                     S_128: tl.constexpr, S_32: tl.constexpr, S_4: tl.constexpr,
+                     S_G: tl.constexpr, FP4: tl.constexpr, FLOOR: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """The rule of groups ``x`` [BLOCK_T, BLOCK_Q, 32] and their stores where ``ok2``."""
+        sc, codes = mx_rule(x, FP4, FLOOR, BLOCK_T, BLOCK_Q)
+        if FP4:
+            NB: tl.constexpr = 16
+        else:
+            NB: tl.constexpr = 32
+        j = tl.arange(0, NB)
+        d = (blk * D_SB + pg * D_SS)[:, None, None] + (h * D_SH + g * (NB * D_SE))[None, :, None] \
+            + (j * D_SE)[None, None, :]
+        tl.store(data_ptr + d, codes, mask=ok2[:, :, None])
+        o = (blk * S_SB + (pg // 128) * S_128 + (pg % 32) * S_32 + ((pg // 32) % 4) * S_4)
+        s = o[:, None] + (h * S_SH + g * S_G)[None, :]
+        tl.store(sf_ptr + s, sc, mask=ok2)
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _mx_kernel(
+        key_ptr, value_ptr,  # [T_pad, H, D]; token strides KEY_STRIDE / VALUE_STRIDE (elements)
+        k_data_ptr, v_data_ptr,  # uint8 [num_blocks, block_size, H, F] via strides
+        k_sf_ptr, v_sf_ptr,  # uint8 scale bytes via six strides each
+        slot_mapping_ptr,  # [T] int64 or int32
+        num_tokens,  # T
+        KEY_STRIDE: tl.constexpr, VALUE_STRIDE: tl.constexpr,
+        KD_SB: tl.constexpr, KD_SS: tl.constexpr, KD_SH: tl.constexpr, KD_SE: tl.constexpr,
+        VD_SB: tl.constexpr, VD_SS: tl.constexpr, VD_SH: tl.constexpr, VD_SE: tl.constexpr,
+        KS_SB: tl.constexpr, KS_SH: tl.constexpr, KS_128: tl.constexpr, KS_32: tl.constexpr,
+        KS_4: tl.constexpr, KS_G: tl.constexpr,
+        VS_SB: tl.constexpr, VS_SH: tl.constexpr, VS_128: tl.constexpr, VS_32: tl.constexpr,
+        VS_4: tl.constexpr, VS_G: tl.constexpr,
+        NUM_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        G: tl.constexpr,  # groups per head, D / 32
+        NUM_GROUPS: tl.constexpr,  # groups per token, H * G
+        FP4: tl.constexpr, FLOOR: tl.constexpr, BF16_BITS: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        e = tl.arange(0, 32)
+        t_in = t < num_tokens
+        q_in = q < NUM_GROUPS
+        t64 = t.to(tl.int64)
+        in3 = t_in[:, None, None] & q_in[None, :, None]
+        col = (q * 32)[None, :, None] + e[None, None, :]
+        xk = tl.load(key_ptr + (t64 * KEY_STRIDE)[:, None, None] + col, mask=in3, other=0)
+        xv = tl.load(value_ptr + (t64 * VALUE_STRIDE)[:, None, None] + col, mask=in3, other=0)
+        slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)
+        blk = slot // BLOCK_SIZE
+        pg = slot - blk * BLOCK_SIZE
+        h = (q // G).to(tl.int64)
+        g = (q - (q // G) * G).to(tl.int64)
+        ok2 = valid[:, None] & q_in[None, :]
+        _store_group(k_data_ptr, k_sf_ptr, widen(xk, BF16_BITS), blk, pg, h, g, ok2,
+                     KD_SB, KD_SS, KD_SH, KD_SE, KS_SB, KS_SH, KS_128, KS_32, KS_4, KS_G,
+                     FP4, FLOOR, BLOCK_T, BLOCK_Q)
+        _store_group(v_data_ptr, v_sf_ptr, widen(xv, BF16_BITS), blk, pg, h, g, ok2,
+                     VD_SB, VD_SS, VD_SH, VD_SE, VS_SB, VS_SH, VS_128, VS_32, VS_4, VS_G,
+                     FP4, FLOOR, BLOCK_T, BLOCK_Q)
+
+
+def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+        value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, mode, scale_rule, scale_layout, *,
+        tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    t_pad, num_heads, head_size = key.shape
+    groups = head_size // GROUP
+    num_blocks, block_size = key_cache.shape[:2]
+    block_t, block_q, warps = _tiling(num_tokens, num_heads * groups, key.element_size(), tuning)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads * groups, block_q))
+    pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    bf16 = key.dtype == torch.bfloat16
+    if bf16:
+        key, value = key.view(torch.int16), value.view(torch.int16)
+    kc, vc, ksc, vsc = (as_bytes(x) for x in (key_cache, value_cache, k_scale_cache, v_scale_cache))
+    kd, vd = data_strides(kc), data_strides(vc)
+    inter = is_interleaved(scale_layout)
+    ks, vs = scale_strides(ksc, inter), scale_strides(vsc, inter)
+    _mx_kernel[grid](
+        key, value, kc, vc, ksc, vsc, slot_mapping, num_tokens,
+        KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
+        VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
+        KD_SB=kd[0], KD_SS=kd[1], KD_SH=kd[2], KD_SE=kd[3],
+        VD_SB=vd[0], VD_SS=vd[1], VD_SH=vd[2], VD_SE=vd[3],
+        KS_SB=ks[0], KS_SH=ks[1], KS_128=ks[2], KS_32=ks[3], KS_4=ks[4], KS_G=ks[5],
+        VS_SB=vs[0], VS_SH=vs[1], VS_128=vs[2], VS_32=vs[3], VS_4=vs[4], VS_G=vs[5],
+        NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, G=groups,
+        NUM_GROUPS=num_heads * groups, FP4=is_fp4(mode), FLOOR=is_floor(scale_rule),
+        BF16_BITS=bf16, BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl, PDL_TRIGGER=trigger,
+        num_warps=warps, launch_pdl=pdl, enable_fp_fusion=False,
+    )

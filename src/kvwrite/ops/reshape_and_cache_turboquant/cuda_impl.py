@@ -1,0 +1,114 @@
+"""The CUDA implementation of reshape_and_cache_turboquant: ``kernel.cu`` compiled at run time with
+NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
+
+One kernel, ``tq_kernel<IN, KB, VB, SlotT>`` (see ``kernel.cu``): one CTA of ``THREADS``
+threads per (token, head), the preset's key bits KB (8 for k8v4's e4m3fn codes) and value bits
+VB, the slot type. Every step of SPEC §10.2 is one explicitly rounded PTX instruction (no
+contraction, no flush), the sums by the padded pairwise tree, so the bytes are the reference's.
+Head sizes up to ``MAX_HEAD_SIZE`` (the kernel's shared rows); longer ones are unsupported here
+(torch runs them).
+
+``run`` takes the arguments the public op validated and the preset's record (any object with the
+fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
+``slot_size``). Graph-safe: no allocation and no host sync per call. Not tuned yet (written
+without a GPU): one build per variant, the geometry passed at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels import launch, nvrtc
+from ...kernels.triton_support import next_pow2
+
+__all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
+           "all_kernel_names", "compile_kernel", "launch_args", "SOURCE", "THREADS", "MAX_HEAD_SIZE"]
+
+SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
+KERNEL = "tq_kernel"
+THREADS = 128  # kernel.cu's TQ_THREADS
+MAX_HEAD_SIZE = 1024  # kernel.cu's TQ_MAXP
+# (key bits, value bits) of the four presets (SPEC §10.1).
+BITS = ((8, 4), (4, 4), (3, 4), (3, 3))
+
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed); tests.
+compile_kernel = SOURCE.compile_fixed
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaTuning(launch.PdlPolicy):
+    """The launch constants (PDL policy only: the CTA shape is the kernel's)."""
+
+
+TUNING = CudaTuning()
+
+
+def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.dtype) -> str:
+    return f"{KERNEL}<{in_kind}, {key_bits}, {value_bits}, {launch.int_type(slot_dtype)}>"
+
+
+def all_kernel_names() -> list[str]:
+    """Every variant `run` can launch (for compile tests)."""
+    return [kernel_name(kind, kb, vb, sd) for kind in launch.KIND.values() for kb, vb in BITS
+            for sd in (torch.int32, torch.int64)]
+
+
+available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
+
+
+def unsupported(key, kv_cache, preset) -> str | None:
+    d = key.shape[2]
+    if d > MAX_HEAD_SIZE:
+        return (f"head size {d} > {MAX_HEAD_SIZE}: the cuda kernel holds a row in shared memory "
+                f"of at most {MAX_HEAD_SIZE} elements (torch runs it)")
+    return None
+
+
+LAUNCHES = launch.LaunchCache()
+
+
+def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, preset, PiT: torch.Tensor | None,
+        midpoints: torch.Tensor | None, *, tuning: CudaTuning = TUNING) -> None:
+    """Launch on PyTorch's current stream (arguments validated by the public op)."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    h, d = key.shape[1], key.shape[2]
+    if d > MAX_HEAD_SIZE:
+        raise ValueError("implementation='cuda' cannot run this call: "
+                         f"{unsupported(key, kv_cache, preset)}")
+    kb, vb = int(preset.key_bits), int(preset.value_bits)
+    sig = (key.dtype, kb, vb, slot_mapping.dtype, key.get_device(), tuning)
+    lau = LAUNCHES.get(sig)
+    if lau is None:
+        launch.require_setup()
+        index = key.get_device()
+        name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype)
+        k, pk = launch.load(SOURCE, name, (), index, False)
+        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, ())
+    ctas = num_tokens * h
+    if ctas >= 2**31:
+        raise ValueError(f"slot_mapping: at most {(2**31 - 1) // h} tokens per call with {h} "
+                         f"heads, got {num_tokens}")
+    kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    nvrtc.launch(lau.device_index, config, kernel,
+                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints))
+
+
+def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints) -> tuple[int, ...]:
+    """The kernel's arguments (addresses and int64 scalars, kernel.cu's order) of a call; tests
+    launch the SIMT emulation with them."""
+    h, d = key.shape[1], key.shape[2]
+    nb, bs = kv_cache.shape[:2]
+    mse = int(preset.key_bits) != 8
+    pit_args = (PiT.data_ptr(), PiT.stride(0), PiT.stride(1)) if mse else (0, 0, 0)
+    mid_args = (midpoints.data_ptr(), midpoints.stride(0)) if mse else (0, 0)
+    return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            pit_args[0], mid_args[0], h, d, next_pow2(d),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
+            pit_args[1], pit_args[2], mid_args[1])

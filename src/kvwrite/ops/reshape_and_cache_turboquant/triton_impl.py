@@ -1,0 +1,215 @@
+"""The Triton implementation of reshape_and_cache_turboquant: one kernel for the four presets.
+
+A program writes one (token, head): it loads the slot (a negative or out-of-range one masks
+every store), the key and value rows ``[BLOCK_D]`` (``BLOCK_D`` the power of two >= D, +0 past
+D) and computes SPEC §10.2 step by step with one IEEE float32 operation per step, launched with
+``enable_fp_fusion=False`` (no product is contracted into an FMA):
+
+- keys, k8v4: e4m3fn codes of ``x`` by ``kvwrite.kernels.triton_nvfp4.e4m3`` on ``|x|`` (integer
+  encoded: nearest even, saturating at 448, subnormals) with the sign bit put back; a NaN's code
+  is 0x7F (the GPU's satfinite conversion's).
+- keys, MSE: ``ss`` by ``kvwrite.kernels.triton_qk_norm.tree_sum`` (§7.1's padded pairwise tree),
+  ``n = sqrt_rn(ss)``, ``den = n + 1e-8``, ``u = div_rn(x, den)`` (+0 past D: the tree's padding
+  leaves), then for blocks of ``BLOCK_J`` outputs the products ``u_i * PiT[i, j]`` ``[BLOCK_J,
+  BLOCK_D]`` summed over i by the same tree, ``idx_j`` the count of midpoints ``<= y_j``, packed
+  (4-bit: element 2j in the low nibble of byte j; 3-bit: 8 codes in 3 bytes, little-endian bit
+  order), ``fp16(n)`` after the field (a NaN norm as 0x7E00, the CUDA kernel's).
+- values: min and max over the non-NaN elements, ``s = div_rn(mx - mn, L)`` floored to 1e-8,
+  ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (``kvwrite.kernels.triton_round.rhu`` after a clamp
+  to ``L + 1``, NaN -> 0), ``fp16(s)``, ``fp16(mn)``.
+
+Every byte goes out in a byte store (the slot's fields are at any byte offset). bfloat16 inputs
+arrive as their int16 bits and are widened by a shift (the interpreter's bfloat16 cast mangles
+subnormals). On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``); its
+float32 -> float16 cast is exact, and no float8 cast is used, so every preset and input dtype is
+exact there. Head sizes up to 512 (the tree helper's width).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels import triton_support
+from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
+from ...kernels.triton_fp8 import pdl_entry, tl, triton
+from ...kernels.triton_support import PdlTuning, next_pow2
+
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "MAX_HEAD_SIZE"]
+
+MAX_HEAD_SIZE = 512  # triton_qk_norm.tree_sum's widest tree
+
+if triton is not None:
+    from ...kernels.triton_nvfp4 import e4m3, widen
+    from ...kernels.triton_qk_norm import tree_sum
+    from ...kernels.triton_round import rhu
+
+
+def available(device: torch.device) -> str | None:
+    return triton_support.available(device, triton, lambda: _tq_kernel, _IMPORT_ERROR)
+
+
+def unsupported(key, kv_cache, preset) -> str | None:
+    d = key.shape[2]
+    if d > MAX_HEAD_SIZE:
+        return f"head size {d} > {MAX_HEAD_SIZE}: the triton kernel's widest tree (torch runs it)"
+    return None
+
+
+# eq=False: hashed and compared by identity.
+@dataclasses.dataclass(frozen=True, eq=False)
+class TritonTuning(PdlTuning):
+    """Launch constants (not measured yet: written without a GPU)."""
+
+    num_warps: int = 4
+    # Elements of one block of rotation products [BLOCK_J, BLOCK_D].
+    product_elems: int = 4096
+
+
+TUNING = TritonTuning()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _f16_bytes(ptr, v, mask):
+        """Store fp16(v) (nearest even, overflow to inf, subnormals kept) little-endian at ptr; a
+        NaN as 0x7E00 (as the CUDA kernel: the contract leaves its encoding free)."""
+        b = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = tl.where(v == v, b, 0x7E00)
+        tl.store(ptr, (b & 255).to(tl.uint8), mask=mask)
+        tl.store(ptr + 1, (b >> 8).to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _store_field(ptr, codes, first, n, BITS: tl.constexpr, BJ: tl.constexpr, valid):
+        """Store the b-bit codes ``[BJ]`` of elements first .. first + BJ of a field of ``n``
+        elements (first a multiple of 8 for 3-bit fields, of 2 for 4-bit ones)."""
+        if BITS == 4:
+            lo, hi = tl.split(tl.reshape(codes, [BJ // 2, 2]))
+            byte = first // 2 + tl.arange(0, BJ // 2)
+            tl.store(ptr + byte, (lo | (hi << 4)).to(tl.uint8), mask=valid & (byte < n // 2))
+        else:
+            g = tl.reshape(codes, [BJ // 8, 8])
+            shift = 3 * tl.arange(0, 8)
+            w = tl.sum(g << shift[None, :], axis=1)
+            grp = first // 8 + tl.arange(0, BJ // 8)
+            ok = valid & (grp < n // 8)
+            tl.store(ptr + 3 * grp, (w & 255).to(tl.uint8), mask=ok)
+            tl.store(ptr + 3 * grp + 1, ((w >> 8) & 255).to(tl.uint8), mask=ok)
+            tl.store(ptr + 3 * grp + 2, ((w >> 16) & 255).to(tl.uint8), mask=ok)
+
+    @triton.jit(do_not_specialize=["NUM_SLOTS", "H"])
+    def _tq_kernel(
+        key_ptr,  # [T_pad, H, D] via (K_TOK, K_HEAD, 1); bfloat16 as int16 bits
+        value_ptr,  # via (V_TOK, V_HEAD, 1)
+        cache_ptr,  # uint8 [nb, bs, H, S] via (C_B, C_S, C_H, 1)
+        slot_mapping_ptr,  # [T] int32 or int64
+        pit_ptr,  # MSE: float32 [D, D] via (P_0, P_1)
+        mid_ptr,  # MSE: float32 [2^KB - 1] via MID_S
+        K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1, MID_S,
+        NUM_SLOTS, H,
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+        KB: tl.constexpr,  # key bits: 8 (k8v4), 4 or 3
+        VB: tl.constexpr,  # value bits: 4 or 3
+        KPS: tl.constexpr,  # key part bytes
+        BF16_BITS: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, BLOCK_D)
+        im = i < D
+        xk = widen(tl.load(key_ptr + t * K_TOK + h * K_HEAD + i, mask=im, other=0), BF16_BITS)
+        xv = widen(tl.load(value_ptr + t * V_TOK + h * V_HEAD + i, mask=im, other=0), BF16_BITS)
+        slot = tl.load(slot_mapping_ptr + t + tl.arange(0, 1)).to(tl.int64)  # [1]: masks broadcast
+        valid = (slot >= 0) & (slot < NUM_SLOTS)
+        blk = slot // BLOCK_SIZE
+        dst = cache_ptr + blk * C_B + (slot - blk * BLOCK_SIZE) * C_S + h * C_H
+
+        # ---- keys ----
+        if KB == 8:
+            code, _ = e4m3(tl.abs(xk))
+            sign = (xk.to(tl.int32, bitcast=True) >> 24) & 0x80
+            code = tl.where(xk != xk, 0x7F, code | sign)
+            tl.store(dst + i, code.to(tl.uint8), mask=valid & im)
+        else:
+            NM: tl.constexpr = (1 << KB) - 1
+            k = tl.arange(0, NM + 1)
+            mids = tl.load(mid_ptr + k * MID_S, mask=k < NM, other=float("inf"))
+            ss = tl.reshape(tree_sum((xk * xk)[None, None, :], BLOCK_D), [1])
+            n = tl.sqrt_rn(ss)
+            den = n + 1e-8
+            u = tl.where(im, tl.math.div_rn(xk, tl.broadcast_to(den, [BLOCK_D])), 0.0)
+            for jb in range(0, BLOCK_D // BLOCK_J):
+                j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+                pm = (j < D)[:, None] & im[None, :]
+                pit = tl.load(pit_ptr + i[None, :].to(tl.int64) * P_0 + j[:, None].to(tl.int64) * P_1,
+                              mask=pm, other=0.0)
+                prod = tl.where(im[None, :], u[None, :] * pit, 0.0)  # [BLOCK_J, BLOCK_D]
+                y = tl.reshape(tree_sum(prod[:, None, :], BLOCK_D), [BLOCK_J])
+                # The +inf padding midpoint never counts (y >= inf only for y = inf: excluded).
+                cnt = tl.sum(((y[:, None] >= mids[None, :]) & (k < NM)[None, :]).to(tl.int32),
+                             axis=1)
+                _store_field(dst, cnt, jb * BLOCK_J, D, KB, BLOCK_J, valid)
+            KF_BYTES: tl.constexpr = D * KB // 8
+            _f16_bytes(dst + KF_BYTES + tl.arange(0, 1), n, valid)
+
+        # ---- values ----
+        L: tl.constexpr = (1 << VB) - 1
+        ok = im & (xv == xv)
+        mn = tl.min(tl.where(ok, xv, float("inf")), axis=0)
+        mx = tl.max(tl.where(ok, xv, -float("inf")), axis=0)
+        none = ~(mn <= mx)
+        mn = tl.where(none | (mn == 0.0), 0.0, mn)  # both 0 if no value; a zero mn is +0
+        mx = tl.where(none, 0.0, mx)
+        s = tl.math.div_rn(tl.full([1], 0.0, tl.float32) + (mx - mn), tl.full([1], L, tl.float32))
+        s = tl.where(s > 1e-8, s, 1e-8)
+        q = tl.math.div_rn(xv - mn, tl.broadcast_to(s, [BLOCK_D]))
+        q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), L + 1.0)
+        c = tl.minimum(rhu(q), L).to(tl.int32)
+        vdst = dst + KPS
+        _store_field(vdst, c, 0, D, VB, BLOCK_D, valid)
+        VDB: tl.constexpr = D * VB // 8
+        _f16_bytes(vdst + VDB + tl.arange(0, 1), s, valid)
+        _f16_bytes(vdst + VDB + 2 + tl.arange(0, 1), tl.broadcast_to(mn, [1]), valid)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, preset, PiT: torch.Tensor | None,
+        midpoints: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
+    """Launch the kernel on PyTorch's current stream; arguments as validated by the public op."""
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    h, d = key.shape[1], key.shape[2]
+    nb, bs = kv_cache.shape[:2]
+    kb, vb = int(preset.key_bits), int(preset.value_bits)
+    block_d = next_pow2(d)
+    # At most BLOCK_D, at least 8 where BLOCK_D allows (3-bit fields pack 8 codes at a time).
+    block_j = min(block_d, max(8, tuning.product_elems // block_d))
+    mse = kb != 8
+    pit = PiT if mse else kv_cache  # any pointer: never read for k8v4
+    mid = midpoints if mse else kv_cache
+    grid = (num_tokens, h)
+    pdl, trigger = triton_support.pdl_launch(key.device, num_tokens * h,
+                                             tuning.pdl_max_programs,
+                                             tuning.pdl_trigger_max_programs)
+    _tq_kernel[grid](
+        _bits(key), _bits(value), kv_cache, slot_mapping, pit, mid,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *kv_cache.stride()[:3], *(PiT.stride() if mse else (0, 0)),
+        midpoints.stride(0) if mse else 0, nb * bs, h,
+        BLOCK_SIZE=bs, D=d, BLOCK_D=block_d, BLOCK_J=block_j, KB=kb, VB=vb,
+        KPS=int(preset.key_packed_size), BF16_BITS=key.dtype == torch.bfloat16,
+        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
+        enable_fp_fusion=False,
+    )

@@ -1,0 +1,572 @@
+"""The Triton and CUDA kernels of reshape_and_cache_turboquant against an oracle of SPEC §10.2
+written here: per (token, head), one float32 torch operation per step (each an IEEE
+round-to-nearest-even result), the sums by the padded pairwise tree level by level, rhu in
+float64 (exact), the fields packed through one Python integer per field.
+
+CPU: Triton under its interpreter on small shapes (every preset, input dtype and slot dtype;
+special rows), NVRTC compiles of every CUDA variant. GPU (``gpu`` marker): both implementations
+on larger shapes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.resources
+import math
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from host import TRITON_PTX_PRELUDE, run_triton_script
+from kvwrite.testing.compare import storage_bytes
+from sass import needs_nvrtc
+
+PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+_BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
+         "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
+EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """The fields of the op's preset record that the implementations read (SPEC §10.1)."""
+
+    name: str
+    key_bits: int
+    value_bits: int
+    mse: bool
+    norm_correction: bool
+    key_packed_size: int
+    value_data_bytes: int
+    slot_size: int
+    slot_size_aligned: int
+
+
+def make_preset(name: str, d: int) -> Preset:
+    kb, vb = _BITS[name]
+    mse = kb != 8
+    kps = -(-d * kb // 8) + 2 if mse else d
+    vdb = -(-d * vb // 8)
+    size = kps + vdb + 4
+    return Preset(name, kb, vb, mse, mse, kps, vdb, size, size + size % 2)
+
+
+def test_preset_sizes_match_the_spec_table():
+    assert [make_preset(p, 128).slot_size for p in PRESETS] == [196, 134, 118, 102]
+
+
+# ------------------------------------------------------------------------------------------
+# The oracle
+# ------------------------------------------------------------------------------------------
+def _f32(v) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _tree(x: torch.Tensor) -> torch.Tensor:
+    """§7.1's tree over dim 0 of float32 ``x``: padded with +0 to a power of two, neighbours
+    added level by level (each addition one float32 RN)."""
+    n = x.shape[0]
+    p = 1 << max(0, n - 1).bit_length()
+    x = torch.cat([x, torch.zeros((p - n,) + tuple(x.shape[1:]), dtype=torch.float32)])
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _fp16_bytes(v: torch.Tensor) -> list[int]:
+    b = int(v.reshape(1).to(torch.float16).view(torch.int16).item()) & 0xFFFF
+    b = 0x7E00 if math.isnan(v.item()) else b
+    return [b & 255, b >> 8]
+
+
+def _pack(codes: list[int], bits: int) -> list[int]:
+    w = 0
+    for i, c in enumerate(codes):
+        assert 0 <= c < (1 << bits)
+        w |= c << (bits * i)
+    nbytes = -(-len(codes) * bits // 8)
+    return list(w.to_bytes(nbytes, "little"))
+
+
+def oracle_slot(k: torch.Tensor, v: torch.Tensor, preset: Preset, pit, mids
+                ) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the slot_size bytes, the NaN fields as (offset, width)) of one (token, head); k, v: the
+    input rows (any float dtype). The NaN encodings the contract leaves free are the kernels'
+    fixed ones: e4m3 0x7F, float16 0x7E00."""
+    x = k.float()
+    out: list[int] = []
+    nan_fields: list[tuple[int, int]] = []
+    if not preset.mse:
+        c = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+        nan_fields += [(i, 1) for i in range(x.numel()) if math.isnan(x[i].item())]
+        out += [0x7F if math.isnan(xi) else ci for xi, ci in zip(x.tolist(), c, strict=True)]
+    else:
+        ss = _tree(x * x)
+        n = _f32(math.sqrt(ss.item()))  # the float64 root rounded once: RN(sqrt(ss))
+        den = n + _f32(EPS)
+        u = x / den
+        y = _tree(u[:, None] * pit)  # [D]: y_j = tree over i of RN(u_i * PiT[i, j])
+        idx = (y[:, None] >= mids[None, :]).sum(1).tolist()
+        out += _pack(idx, preset.key_bits)
+        if math.isnan(n.item()):
+            nan_fields.append((len(out), 2))
+        out += _fp16_bytes(n)
+    vv = v.float()
+    ok = ~torch.isnan(vv)
+    if ok.any():
+        mn, mx = vv[ok].min(), vv[ok].max()
+    else:
+        mn, mx = _f32(0.0), _f32(0.0)
+    if mn.item() == 0.0:
+        mn = _f32(0.0)
+    L = (1 << preset.value_bits) - 1
+    s = (mx - mn) / _f32(L)
+    if not (s.item() > _f32(EPS).item()):
+        s = _f32(EPS)
+    q = ((vv - mn) / s).double()
+    codes = []
+    for qi in q.tolist():
+        c = 0 if math.isnan(qi) else math.floor(qi + 0.5) if not math.isinf(qi) else (
+            L if qi > 0 else 0)
+        codes.append(min(max(c, 0), L))
+    out += _pack(codes, preset.value_bits)
+    out += _fp16_bytes(s) + _fp16_bytes(mn)
+    assert len(out) == preset.slot_size
+    return out, nan_fields
+
+
+def oracle_write(key, value, kv_cache, slot_mapping, preset, pit, mids) -> torch.Tensor:
+    """The expected bytes of kv_cache's whole allocation (uint8, flat) after the call."""
+    nb, bs, h, _ = kv_cache.shape
+    base = storage_bytes(kv_cache).clone()
+    st = kv_cache.stride()
+    off0 = kv_cache.storage_offset()
+    pitf = pit.float() if pit is not None else None
+    midf = mids.float() if mids is not None else None
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0 or slot >= nb * bs:
+            continue
+        b, p = divmod(slot, bs)
+        for hh in range(h):
+            data, _ = oracle_slot(key[t, hh], value[t, hh], preset, pitf, midf)
+            o = off0 + b * st[0] + p * st[1] + hh * st[2]
+            base[o:o + len(data)] = torch.tensor(data, dtype=torch.uint8)
+    return base
+
+
+def assert_written(kv_cache, expected, what):
+    """Every byte of the allocation (the slots' pad bytes and the unwritten slots included)."""
+    got = storage_bytes(kv_cache).cpu()
+    diff = got != expected
+    if diff.any():
+        i = int(diff.nonzero()[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} bytes differ, first at byte {i}: got "
+                             f"{int(got[i])}, expected {int(expected[i])}")
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+def hadamard(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(d)
+
+
+def make_case(preset_name, dtype, slot_dtype, d, *, t=7, h=2, nb=4, bs=4, extra=3, seed=0,
+              device="cpu", special=True, pit_kind="random", vllm_alloc=True):
+    g = torch.Generator().manual_seed(seed)
+    preset = make_preset(preset_name, d)
+    t_pad = t + 2
+    key = (torch.randn(t_pad, h, d + 2, generator=g) * 3).to(dtype)[:, :, :d]
+    value = (torch.randn(t_pad, h, d + 2, generator=g) * 3 + 1).to(dtype)[:, :, :d]
+    if special:
+        rows = [0.0, float("nan"), float("inf"), -float("inf"), 7.0, 1e-30, -0.0, 65504.0 * 4]
+        key[0, 0] = 0.0
+        key[1, 0, 1] = float("nan")
+        key[1, 1, 0] = float("inf")
+        key[2, 0] = -0.0
+        key[2, 1, : d // 2] = 3e19 if dtype != torch.float16 else 60000.0
+        value[0, 0] = 7.0  # a constant row
+        value[0, 1] = float("nan")  # no non-NaN value
+        value[1, 0, 2] = float("inf")
+        value[1, 1, 3] = -float("inf")
+        value[2, 0] = torch.tensor(rows[: d] * (d // len(rows[:d]) + 1))[:d].to(dtype)
+        value[2, 1] = float("inf")  # all +inf: s = FL
+        value[3, 1, 0] = float("nan")
+        value[3, 0] = -0.0
+        # Ties of the rounding (4-bit: s = 1, quotients x.5 round up).
+        ties = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 7.5, 14.5, 3.0] * (d // 8 + 1))[:d]
+        value[4, 0] = ties.to(dtype)
+    if pit_kind == "hadamard":
+        pit = hadamard(d)
+    elif pit_kind == "identity":
+        pit = torch.eye(d)
+    else:
+        pit = torch.randn(d, d, generator=g) / math.sqrt(d)
+    pit = pit.t().contiguous().t() if seed % 2 else pit  # strides free
+    nm = (1 << preset.key_bits) - 1 if preset.mse else 0
+    mids = (torch.sort(torch.randn(nm, generator=g)).values / math.sqrt(d)) if nm else None
+    if mids is not None and pit_kind == "identity":
+        # Midpoints equal to some y_j = u_j of token 0, head 1 (a written row): the ties take
+        # the upper centroid.
+        x = key[0, 1].float()
+        den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
+        mids = torch.sort((x / den)[:nm]).values
+    s = preset.slot_size_aligned + (0 if vllm_alloc else 3)
+    if vllm_alloc:
+        kv_cache = torch.randint(0, 256, (nb, h, bs, s), generator=g, dtype=torch.uint8)
+        kv_cache = kv_cache.transpose(1, 2)
+    else:
+        kv_cache = torch.randint(0, 256, (nb, bs, h, s), generator=g, dtype=torch.uint8)
+    n = nb * bs
+    # The last two tokens skipped (padding, out of range): the special rows (tokens 0-4) are
+    # all written.
+    slots = torch.randperm(n, generator=g)[:t].tolist()
+    slots[-1] = -1
+    if t > 6:
+        slots[-2] = n + 5
+    slot_mapping = torch.tensor(slots, dtype=slot_dtype)
+    mv = mids.to(device) if mids is not None else None
+    return preset, (key.to(device), value.to(device), kv_cache.to(device),
+                    slot_mapping.to(device), pit.to(device) if preset.mse else None, mv)
+
+
+def _check(impl, preset_name, dtype, slot_dtype, d, **kw):
+    preset, inputs = make_case(preset_name, dtype, slot_dtype, d, **kw)
+    _check_inputs(impl, preset, inputs, f"{preset_name} {dtype} {slot_dtype} D={d}")
+
+
+def tree_order_case(preset_name: str, device="cpu"):
+    """A row whose rotation sums differ between the contract's tree and a sum in order: x = 1 at
+    i = 0, 8, 16, 24 (D = 64), so u = 0.5 there (n = 2, den = RN(2 + 1e-8) = 2), and PiT rows
+    2^25, 2, 2, -2^25 there: the leaves 2^24, 1, 1, -2^24 in four chunks of 8. The tree gives
+    (RN(2^24 + 1) + RN(1 - 2^24)) = 2^24 - (2^24 - 1) = 1; in order, 0. A midpoint at 0.5 tells
+    them apart."""
+    d = 64
+    preset = make_preset(preset_name, d)
+    key = torch.zeros(1, 2, d)
+    key[0, :, [0, 8, 16, 24]] = 1.0
+    value = torch.linspace(-1, 1, 2 * d).reshape(1, 2, d)
+    pit = torch.zeros(d, d)
+    pit[0], pit[8], pit[16], pit[24] = 2.0**25, 2.0, 2.0, -(2.0**25)
+    nm = (1 << preset.key_bits) - 1
+    mids = torch.linspace(-3.0, 3.0, nm + 1)[1:] - 0.5 * 6.0 / nm
+    mids[nm // 2] = 0.5
+    mids = torch.sort(mids).values
+    kv_cache = torch.zeros(2, 2, 2, preset.slot_size_aligned, dtype=torch.uint8)
+    slots = torch.tensor([3], dtype=torch.int64)
+    return preset, tuple(x.to(device) for x in (key, value, kv_cache, slots, pit, mids))
+
+
+def _check_inputs(impl, preset, inputs, what):
+    key, value, kv_cache, slots, pit, mids = inputs
+    expected = oracle_write(key.cpu(), value.cpu(), kv_cache.cpu(), slots.cpu(), preset,
+                                  None if pit is None else pit.cpu(),
+                                  None if mids is None else mids.cpu())
+    assert impl.unsupported(key, kv_cache, preset) is None
+    impl.run(key, value, kv_cache, slots, preset, pit, mids)
+    if key.is_cuda:
+        torch.cuda.synchronize()
+    assert_written(kv_cache, expected, what)
+
+
+def _triton():
+    from kvwrite.ops.reshape_and_cache_turboquant import triton_impl
+    reason = triton_impl.available(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    return triton_impl
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: the oracle itself, Triton's interpreter, NVRTC
+# ------------------------------------------------------------------------------------------
+def test_oracle_special_rows_follow_the_spec():
+    p = make_preset("turboquant_4bit_nc", 8)
+    pit, mids = torch.eye(8), torch.linspace(-0.7, 0.7, 15)
+    zero, _ = oracle_slot(torch.zeros(8), torch.full((8,), 7.0), p, pit, mids)
+    # A zero row: norm 0, idx = #{m_k <= 0} = 8 (0 is the middle midpoint); a constant value
+    # row: codes 0, scale 0x0000 (fp16(1e-8)), zero fp16(7) = 0x4700.
+    assert zero[4:6] == [0, 0] and zero[0] == 8 | (8 << 4)
+    assert zero[6:10] == [0] * 4 and zero[10:14] == [0, 0, 0x00, 0x47]
+    nan_row, free = oracle_slot(torch.tensor([1.0, float("nan")] + [0.0] * 6), torch.zeros(8), p,
+                                pit, mids)
+    assert nan_row[:6] == [0] * 4 + [0x00, 0x7E] and free == [(4, 2)]
+    inf_row, _ = oracle_slot(torch.tensor([float("inf")] + [1.0] * 7), torch.zeros(8), p, pit,
+                             mids)
+    assert inf_row[:6] == [0, 0, 0, 0, 0x00, 0x7C]  # indices 0, norm +inf
+    v, _ = oracle_slot(torch.zeros(8), torch.tensor([0.0, 15.0, 7.5, 7.4999995] + [0.0] * 4),
+                       p, pit, mids)
+    assert v[6:8] == [0xF0, 0x78]  # s = 1: 7.5 -> 8 (half up), 7.4999995 -> 7
+
+
+def test_cases_write_their_special_rows():
+    """The special rows lie on written tokens: a NaN norm, an infinite one, a NaN key code."""
+    for name in ("turboquant_4bit_nc", "turboquant_k8v4"):
+        preset, (key, value, _, slots, pit, mids) = make_case(name, torch.float32, torch.int64, 8)
+        assert (slots[:5] >= 0).all() and (slots[:5] < 16).all() and slots[-1] == -1
+        _, nan_fields = oracle_slot(key[1, 0], value[1, 0], preset, pit, mids)
+        assert nan_fields
+    inf_norm, _ = oracle_slot(key[1, 1], value[1, 1], make_preset("turboquant_4bit_nc", 8),
+                              torch.eye(8), torch.zeros(15))
+    assert inf_norm[4:6] == [0x00, 0x7C]
+
+
+PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+          for sd in (torch.int32, torch.int64) for d in (8, 16, 64)]
+
+
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_matches_oracle_on_cpu(preset_name, dtype, slot_dtype, d):
+    _check(_triton(), preset_name, dtype, slot_dtype, d, seed=d + (slot_dtype == torch.int64))
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+@pytest.mark.parametrize("pit_kind", ["hadamard", "identity"])
+def test_triton_rotations_and_midpoint_ties_on_cpu(preset_name, pit_kind):
+    _check(_triton(), preset_name, torch.float32, torch.int64, 16, pit_kind=pit_kind,
+           vllm_alloc=False)
+
+
+@pytest.mark.parametrize("preset_name, d", [("turboquant_k8v4", 10), ("turboquant_4bit_nc", 10),
+                                             ("turboquant_4bit_nc", 2), ("turboquant_3bit_nc", 24),
+                                             ("turboquant_k3v4_nc", 40)])
+def test_triton_odd_byte_fields_and_padded_rows_on_cpu(preset_name, d):
+    """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets; D = 2
+    (a tree of two leaves), 24 and 40 (rows padded to 32 and 64)."""
+    _check(_triton(), preset_name, torch.float16, torch.int32, d, special=d >= 8)
+
+
+# The CUDA kernel on the CPU: kernel.cu compiled with g++ over tests/gather_emu.h's SIMT
+# emulation (one std::thread per CUDA thread, barriers and shuffles emulated; shared arrays as
+# function statics: one CTA runs at a time), launched with cuda_impl.launch_args. Not emulated:
+# the GPU's own conversions (the satfinite fp8 one, cvt to float16 and back), which take the
+# headers' host paths; the GPU tests cover those.
+_EMU_HARNESS = r"""
+#include "gather_emu.h"
+#undef __shared__
+#define __shared__ static
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  u = __shfl_sync(0xFFFFFFFFu, u, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+#include "kernel.cu"
+#define TQ_EMU(IN, KB, VB, ST, NAME)                                                        \
+  extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
+                       const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
+                       i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
+                       i64 p1, i64 ms, i64 grid) {                                          \
+    emu_launch(static_cast<unsigned>(grid), [&] {                                           \
+      tq_kernel<IN, KB, VB, ST>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp, ch,  \
+                                bs, bsh, ns, p0, p1, ms);                                   \
+    });                                                                                     \
+  }
+"""
+
+
+def _emu_name(kind: int, kb: int, vb: int, slot_dtype) -> str:
+    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}"
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    from kvwrite.kernels import launch
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
+    lines = [_EMU_HARNESS]
+    for kind in launch.KIND.values():
+        for kb, vb in _BITS.values():
+            for sd, st in ((torch.int32, "int"), (torch.int64, "long long")):
+                lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {_emu_name(kind, kb, vb, sd)})")
+    d = tmp_path_factory.mktemp("tq_emu")
+    (d / "harness.cpp").write_text("\n".join(lines) + "\n")
+    lib = d / "libtqemu.so"
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    op = pathlib.Path(cuda_impl.__file__).parent
+    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
+                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(d / "harness.cpp"),
+                    "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+class _Emulated:
+    """cuda_impl's run, the kernel emulated on the CPU."""
+
+    def __init__(self, lib):
+        from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+        self.lib, self.c = lib, cuda_impl
+
+    def unsupported(self, key, kv_cache, preset):
+        return self.c.unsupported(key, kv_cache, preset)
+
+    def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
+        from kvwrite.kernels import launch
+        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
+        fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
+                                         preset.value_bits, slot_mapping.dtype))
+        grid = slot_mapping.numel() * key.shape[1]
+        fn(*(ctypes.c_void_p(a) for a in args[:6]),
+           *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
+
+
+EMU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+              for sd in (torch.int32, torch.int64) for d in (8, 16)]
+
+
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", EMU_PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cuda_kernel_emulated_matches_oracle(emu_lib, preset_name, dtype, slot_dtype, d):
+    _check(_Emulated(emu_lib), preset_name, dtype, slot_dtype, d,
+           seed=d + (slot_dtype == torch.int64), h=2)
+
+
+@pytest.mark.parametrize("preset_name, d, pit_kind", [
+    ("turboquant_4bit_nc", 64, "random"), ("turboquant_3bit_nc", 24, "random"), ("turboquant_3bit_nc", 32, "hadamard"),
+    ("turboquant_k3v4_nc", 16, "identity"), ("turboquant_4bit_nc", 10, "random"),
+    ("turboquant_k8v4", 10, "random"), ("turboquant_4bit_nc", 4, "random"),
+    ("turboquant_4bit_nc", 2, "random")])
+def test_cuda_kernel_emulated_shapes_and_ties(emu_lib, preset_name, d, pit_kind):
+    """Trees of one to 8 chunks of leaves, odd-byte fields, padded head sizes, midpoint ties."""
+    _check(_Emulated(emu_lib), preset_name, torch.float32, torch.int64, d, h=2,
+           pit_kind=pit_kind, vllm_alloc=False, special=d >= 8)
+
+
+def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
+    preset, (key, value, kv_cache, slots, pit, mids) = tree_order_case("turboquant_4bit_nc")
+    data, _ = oracle_slot(key[0, 0], value[0, 0], preset, pit, mids)
+    leaves = torch.zeros(64)
+    leaves[[0, 8, 16, 24]] = torch.tensor([2.0**24, 1.0, 1.0, -(2.0**24)])
+    in_order = _f32(0.0)
+    for v in leaves:
+        in_order = in_order + v  # one float32 RN each
+    assert _tree(leaves).item() == 1.0 and in_order.item() == 0.0
+    assert data[0] & 15 == int((mids <= 1.0).sum()) != int((mids <= 0.0).sum())
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_triton_sums_by_the_tree_on_cpu(preset_name):
+    _check_inputs(_triton(), *tree_order_case(preset_name), "tree order")
+
+
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_cuda_kernel_emulated_sums_by_the_tree(emu_lib, preset_name):
+    _check_inputs(_Emulated(emu_lib), *tree_order_case(preset_name), "tree order")
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_variant():
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    names = c.all_kernel_names()
+    assert len(names) == 3 * 4 * 2
+    obj, _ = c.compile_kernel("sm_90", names)
+    assert len(bytes(obj.code)) > 0
+    # The software fp8 conversion (before sm_89) and a newer architecture, k8v4 and an MSE one.
+    few = [n for n in names if ", 4, int>" in n or ", 3, long long>" in n][:4]
+    for arch in ("sm_80", "sm_100"):
+        obj, _ = c.compile_kernel(arch, few)
+        assert len(bytes(obj.code)) > 0
+
+
+_TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
+from kvwrite.ops.reshape_and_cache_turboquant import triton_impl as tq
+out = {}
+for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
+    for in_ty in ("*fp16", "*i16", "*fp32"):
+        types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
+                 "slot_mapping_ptr": "*i32", "pit_ptr": "*fp32" if kb != 8 else "*u8",
+                 "mid_ptr": "*fp32" if kb != 8 else "*u8"}
+        for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "P_0", "P_1",
+                  "MID_S", "NUM_SLOTS", "H"):
+            types[n] = "i32"
+        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_J=32, KB=kb, VB=vb,
+                      KPS=128 if kb == 8 else 16 * kb + 2, BF16_BITS=in_ty == "*i16")
+        text = ptx(tq._tq_kernel, types, consts)
+        out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
+                                   text.count("sqrt.rn.f32")]
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_fma():
+    """Every preset and input kind compiles for the GPU (outside the interpreter): no fused
+    multiply-add, true divisions, the correctly rounded root where the preset needs it."""
+    out = run_triton_script(_TRITON_PTX_SCRIPT)
+    assert len(out) == 12
+    for name, (fma, div, sqrt) in out.items():
+        assert fma == 0 and div > 0 and sqrt == (0 if name.startswith("8") else 1), (name, out)
+
+
+def test_unsupported_head_sizes():
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
+    p = make_preset("turboquant_4bit_nc", 1024)
+    key = torch.empty(1, 1, 1024)
+    assert cuda_impl.unsupported(key, None, p) is None
+    assert "1024 > 512" in triton_impl.unsupported(key, None, p)
+    assert "2048 > 1024" in cuda_impl.unsupported(torch.empty(1, 1, 2048), None, p)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------
+def _gpu_impl(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
+    impl = {"cuda": cuda_impl, "triton": triton_impl}[name]
+    reason = impl.available(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    return impl
+
+
+GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
+              for sd in (torch.int32, torch.int64) for d in (16, 64, 128, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", GPU_PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_gpu_matches_oracle(impl, preset_name, dtype, slot_dtype, d):
+    _check(_gpu_impl(impl), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
+           device="cuda", seed=d, pit_kind="hadamard" if d % 2 == 0 and d != 64 else "random")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", PRESETS)
+@pytest.mark.parametrize("d, pit_kind", [(8, "identity"), (40, "random"), (512, "hadamard"),
+                                         (10, "random")])
+def test_gpu_shapes_and_ties(impl, preset_name, d, pit_kind):
+    if d % 8 and _BITS[preset_name][0] == 3 or d % 8 and _BITS[preset_name][1] == 3:
+        pytest.skip("3-bit fields need D % 8 == 0")
+    _check(_gpu_impl(impl), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
+           device="cuda", seed=d + 1, pit_kind=pit_kind, vllm_alloc=d % 3 == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_long_rows():
+    """D = 1024 (the CUDA kernel's largest; Triton refuses it)."""
+    _check(_gpu_impl("cuda"), "turboquant_4bit_nc", torch.float16, torch.int64, 1024, h=2,
+           device="cuda", pit_kind="hadamard")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", PRESETS[1:])
+def test_gpu_sums_by_the_tree(impl, preset_name):
+    _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda"), "tree order")
