@@ -1514,7 +1514,8 @@ def test_triton_rows_launch_picks_by_tokens_and_shape():
     """Calls of at most 16 tokens keep the tile kernel's launch (its small-call shapes were
     measured); larger ones with rot_dim == head_size == a power of two take the whole-row
     kernel, at the benchmark's Qwen3-8B shape 8 heads x 8 tokens (16 KiB) per program, 4
-    warps; partial rotary and head sizes that are not powers of two keep the tile kernel."""
+    warps, from 1024 tokens (fewer tokens per program below, RowsTuning.min_programs); partial
+    rotary and head sizes that are not powers of two keep the tile kernel."""
     pytest.importorskip("triton")
     from kvwrite.ops.fused_qk_norm_rope import triton_impl as ti
 
@@ -1524,12 +1525,16 @@ def test_triton_rows_launch_picks_by_tokens_and_shape():
                               ti.ROWS_TUNING)
 
     assert launch(1) is None and launch(16) is None
-    r = launch(16384)
-    assert (r.block_t, r.block_h, r.warps, r.q_tiles, r.grid) == (8, 8, 4, 4, (2048, 5))
+    for t in (1024, 16384):
+        r = launch(t)
+        assert (r.block_t, r.block_h, r.warps, r.q_tiles, r.grid) == (8, 8, 4, 4, (t // 8, 5))
+    # fewer than 264 programs of 8 tokens: fewer tokens per program, a warp per 4 KiB
+    r = launch(256)
+    assert (r.block_t, r.block_h, r.warps, r.grid) == (4, 8, 2, (64, 5))
     r = launch(17)
-    assert (r.block_t, r.block_h, r.q_tiles, r.grid) == (8, 8, 4, (3, 5))
+    assert (r.block_t, r.block_h, r.warps, r.grid) == (1, 8, 1, (17, 5))
     r = launch(1024, hq=32, hk=32)
-    assert (r.block_t, r.block_h, r.q_tiles, r.grid) == (2, 32, 1, (512, 2))
+    assert (r.block_t, r.block_h, r.warps, r.q_tiles, r.grid) == (2, 32, 4, 1, (512, 2))
     assert launch(1024, rot=64) is None and launch(1024, d=80, rot=80) is None
 
 

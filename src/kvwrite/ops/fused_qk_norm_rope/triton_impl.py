@@ -125,9 +125,15 @@ class RowsTuning:
     # Calls of fewer rotated tokens keep the tile kernel and its small-call launch shapes
     # (their latency was measured with them: rotary_embedding's RopeTuning).
     min_tokens: int = 17
-    # Input bytes of query or key rows per program, and warps per program.
+    # Input bytes of query or key rows per program, and the most warps per program.
     tile_bytes: int = 16384
     warps: int = 4
+    # Smaller calls halve the tokens per program (down to one) until the grid has at least
+    # min_programs programs (2 per SM of an H200), with a warp per bytes_per_warp of rows (128
+    # bytes, eight 16-byte loads, per thread), so that a mid-size call is not a handful of long
+    # programs.
+    min_programs: int = 264
+    bytes_per_warp: int = 4096
 
 
 ROWS_TUNING = RowsTuning()
@@ -157,23 +163,28 @@ def rows_launch(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int,
     if (num_rot == 0 or num_rot < rows_tuning.min_tokens or cos_sin_cache.shape[1] != head_size
             or head_size != next_pow2(head_size) or head_size < 2):
         return None
-    block_t, block_h, q_tiles, k_tiles = _rows_tiling(num_rot, num_heads_q, num_heads_k,
-                                                      head_size * qkv.element_size(), rows_tuning)
+    block_t, block_h, warps, q_tiles, k_tiles = _rows_tiling(
+        num_rot, num_heads_q, num_heads_k, head_size * qkv.element_size(), rows_tuning)
     grid = (triton.cdiv(num_rot, block_t), q_tiles + k_tiles)
     tuning = TUNING
     pdl, trigger = triton_support.pdl_launch(qkv.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
-    return RowsLaunch(block_t, block_h, rows_tuning.warps, q_tiles, grid, pdl, trigger)
+    return RowsLaunch(block_t, block_h, warps, q_tiles, grid, pdl, trigger)
 
 
 @functools.lru_cache(maxsize=512)
 def _rows_tiling(num_rot: int, num_heads_q: int, num_heads_k: int, row_bytes: int,
-                 rows_tuning: RowsTuning) -> tuple[int, int, int, int]:
+                 rows_tuning: RowsTuning) -> tuple[int, int, int, int, int]:
     rows = max(1, rows_tuning.tile_bytes // row_bytes)
     block_h = min(next_pow2(min(num_heads_q, num_heads_k)), next_pow2(rows))
+    q_tiles, k_tiles = -(-num_heads_q // block_h), -(-num_heads_k // block_h)
     block_t = min(next_pow2(num_rot), max(1, rows // block_h))
-    return block_t, block_h, -(-num_heads_q // block_h), -(-num_heads_k // block_h)
+    while block_t > 1 and -(-num_rot // block_t) * (q_tiles + k_tiles) < rows_tuning.min_programs:
+        block_t //= 2
+    tile = block_t * block_h * row_bytes
+    warps = max(1, min(rows_tuning.warps, tile // rows_tuning.bytes_per_warp))
+    return block_t, block_h, warps, q_tiles, k_tiles
 
 
 if triton is not None:
