@@ -1483,6 +1483,204 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
     assert fusion[0] > 0
 
 
+# --- Triton: the whole-row kernels (large calls) -------------------------------------------------
+
+def _rows_tuning(monkeypatch, tile_bytes: int):
+    """Every call with rot_dim == head_size == a power of two takes the whole-row kernels
+    (RowsTuning.min_tokens 1), with tiles of ``tile_bytes``."""
+    ti = pytest.importorskip("kvwrite.ops.fused_qk_norm_rope.triton_impl")
+    monkeypatch.setattr(ti, "ROWS_TUNING", ti.RowsTuning(min_tokens=1, tile_bytes=tile_bytes))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile_bytes", [512, 16384])
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: c.id)
+def test_triton_rows_kernel_norm_matches_reference(monkeypatch, case, tile_bytes, device):
+    """The whole-row kernel at every size (the default takes it from 17 tokens): one head or
+    token per program (512 bytes) or many, the same bytes as the reference."""
+    _rows_tuning(monkeypatch, tile_bytes)
+    _run_norm("triton", case, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile_bytes", [512, 16384])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_triton_rows_kernel_fused_matches_reference(monkeypatch, case, tile_bytes, device):
+    _rows_tuning(monkeypatch, tile_bytes)
+    _run_fused("triton", case, device)
+
+
+def test_triton_rows_launch_picks_by_tokens_and_shape():
+    """Calls of at most 16 tokens keep the tile kernel's launch (its small-call shapes were
+    measured); larger ones with rot_dim == head_size == a power of two take the whole-row
+    kernel, at the benchmark's Qwen3-8B shape 8 heads x 8 tokens (16 KiB) per program, 4
+    warps, from 1024 tokens (fewer tokens per program below, RowsTuning.min_programs); partial
+    rotary and head sizes that are not powers of two keep the tile kernel."""
+    pytest.importorskip("triton")
+    from kvwrite.ops.fused_qk_norm_rope import triton_impl as ti
+
+    def launch(t, hq=32, hk=8, d=128, rot=128, dtype=torch.bfloat16):
+        qkv = torch.empty(t, hq + 2 * hk, d, dtype=dtype)
+        return ti.rows_launch(qkv, hq, hk, torch.empty(4, rot), torch.zeros(t, dtype=torch.long),
+                              ti.ROWS_TUNING)
+
+    assert launch(1) is None and launch(16) is None
+    for t in (1024, 16384):
+        r = launch(t)
+        assert (r.block_t, r.block_h, r.warps, r.q_tiles, r.grid) == (8, 8, 4, 4, (t // 8, 5))
+    # fewer than 264 programs of 8 tokens: fewer tokens per program, a warp per 4 KiB
+    r = launch(256)
+    assert (r.block_t, r.block_h, r.warps, r.grid) == (4, 8, 2, (64, 5))
+    r = launch(17)
+    assert (r.block_t, r.block_h, r.warps, r.grid) == (1, 8, 1, (17, 5))
+    r = launch(1024, hq=32, hk=32)
+    assert (r.block_t, r.block_h, r.warps, r.q_tiles, r.grid) == (2, 32, 4, 1, (512, 2))
+    assert launch(1024, rot=64) is None and launch(1024, d=80, rot=80) is None
+
+
+_ROWS_PTX_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
+from kvwrite.ops.fused_qk_norm_rope import triton_impl as norm
+from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import triton_impl as fused
+
+STRIDES = ("qkv_stride", "qo_stride", "stride_b", "stride_s", "stride_h")
+
+def ptx(kernel, types, consts, warps):
+    # The specialization Triton's JIT gives a call whose pointers are 16-byte aligned and
+    # whose strides are multiples of 16 (the benchmark's tensors): tt.divisibility 16.
+    consts = {**consts, "PDL": False, "PDL_TRIGGER": False}
+    sig = dict(types)
+    sig.update({n: "constexpr" for n in consts})
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in types.items()
+             if ty.startswith("*") or n in STRIDES}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    opts = {"num_warps": warps, **LAUNCH_OPTIONS}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+def count(text):
+    ops = {}
+    for line in text.splitlines():
+        op = line.strip().split(" ")[0].split("\t")[0]
+        if op.startswith("@"):
+            op = line.strip().split()[1]
+        if op.startswith(("ld.global", "st.global", "div.", "rem.", "fma.", "sqrt.")) or ".ftz" in op:
+            ops[op] = ops.get(op, 0) + 1
+    return ops
+
+q_tiles = 32 // 8
+out = {}
+for dt, neox in (("bf16", True), ("bf16", False), ("fp32", True)):
+    tag = f"{dt}-{'neox' if neox else 'gptj'}"
+    types = {"positions_ptr": "*i64", "qkv_ptr": "*" + dt, "cos_sin_ptr": "*bf16",
+             "q_weight_ptr": "*" + dt, "k_weight_ptr": "*" + dt}
+    types.update({n: "i32" for n in ("num_rot", "qkv_stride", "max_position", "eps_bits",
+                                      "offset_bits")})
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, HEAD_STRIDE=128, IS_NEOX=neox,
+                  HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, Q_TILES=q_tiles, BLOCK_T=8,
+                  BLOCK_H=8)
+    out["norm-" + tag] = count(ptx(norm._qk_norm_rope_rows_kernel, types, consts, 4))
+    for quant in (0, 1):
+        types = {"positions_ptr": "*i64", "qkv_ptr": "*" + dt, "query_out_ptr": "*" + dt,
+                 "cos_sin_ptr": "*bf16", "q_weight_ptr": "*" + dt, "k_weight_ptr": "*" + dt,
+                 "key_cache_ptr": "*u8" if quant else "*" + dt,
+                 "value_cache_ptr": "*u8" if quant else "*" + dt, "slot_mapping_ptr": "*i64"}
+        types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
+                                          "max_position", "num_slots", "stride_b", "stride_s",
+                                          "stride_h", "eps_bits", "offset_bits")})
+        consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_SIZE=128, HEAD_STRIDE=128,
+                      IS_NEOX=neox, HAS_QW=True, HAS_KW=True, ADD_OFFSET=False, STORE_KEY=True,
+                      QUERY_IN_PLACE=True, QUERY_QUANT=0, Q_PER_HEAD_SCALE=False, BLOCK_SIZE=16,
+                      QUANT=quant, K_PER_HEAD=False, V_PER_HEAD=False, Q_TILES=q_tiles,
+                      BLOCK_T=8, BLOCK_H=8, q_scale_ptr=None)
+        if quant:
+            types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        else:
+            consts.update(k_scale_ptr=None, v_scale_ptr=None)
+        out[f"fused-{tag}-{'fp8' if quant else 'auto'}"] = count(
+            ptx(fused._qk_norm_rope_cache_rows_kernel, types, consts, 4))
+# The other paths compile (fp8 queries with per-head scales, no weights, the query to
+# query_out, the key not stored, int32 indices, padded heads, float16, one warp): the GPU runs
+# them, the interpreter only those with exact casts.
+compiled = 0
+for qquant, per_head, has_w, in_place, neox in ((1, True, False, False, True),
+                                                (2, False, True, False, False),
+                                                (0, False, True, False, True)):
+    types = {"positions_ptr": "*i32", "qkv_ptr": "*fp16",
+             "query_out_ptr": "*fp8e4nv" if qquant == 1 else "*fp8e5" if qquant == 2 else "*fp16",
+             "cos_sin_ptr": "*fp32", "q_weight_ptr": "*bf16", "k_weight_ptr": "*fp32",
+             "key_cache_ptr": "*u8", "value_cache_ptr": "*u8", "slot_mapping_ptr": "*i32",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    types.update({n: "i32" for n in ("num_rot", "num_tokens", "qkv_stride", "qo_stride",
+                                      "max_position", "num_slots", "stride_b", "stride_s",
+                                      "stride_h", "eps_bits", "offset_bits")})
+    consts = dict(NUM_Q_HEADS=16, NUM_K_HEADS=4, HEAD_SIZE=64, HEAD_STRIDE=72, IS_NEOX=neox,
+                  HAS_QW=has_w, HAS_KW=has_w, ADD_OFFSET=has_w, STORE_KEY=in_place,
+                  QUERY_IN_PLACE=in_place, QUERY_QUANT=qquant,
+                  Q_PER_HEAD_SCALE=per_head and qquant > 0, BLOCK_SIZE=16, QUANT=2,
+                  K_PER_HEAD=per_head, V_PER_HEAD=not per_head, Q_TILES=4, BLOCK_T=2, BLOCK_H=4)
+    if qquant:
+        types["q_scale_ptr"] = "*fp32"
+    else:
+        consts["q_scale_ptr"] = None
+    if not has_w:
+        consts.update(q_weight_ptr=None, k_weight_ptr=None)
+        del types["q_weight_ptr"], types["k_weight_ptr"]
+    ptx(fused._qk_norm_rope_cache_rows_kernel, types, consts, 1)
+    compiled += 1
+types = {"positions_ptr": "*i32", "qkv_ptr": "*fp16", "cos_sin_ptr": "*fp16", "num_rot": "i32",
+         "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32", "offset_bits": "i32"}
+consts = dict(NUM_Q_HEADS=12, NUM_K_HEADS=2, HEAD_SIZE=256, HEAD_STRIDE=257, IS_NEOX=False,
+              HAS_QW=False, HAS_KW=False, ADD_OFFSET=False, Q_TILES=6, BLOCK_T=4, BLOCK_H=2,
+              q_weight_ptr=None, k_weight_ptr=None)
+ptx(norm._qk_norm_rope_rows_kernel, types, consts, 2)
+compiled += 1
+out["compiled"] = compiled
+print(json.dumps(out))
+"""
+
+
+def test_triton_rows_kernels_ptx_for_sm90():
+    """The whole-row kernels compiled for sm_90 at the benchmark's shape (Qwen3-8B: Hq=32,
+    Hk=Hv=8, D=128, RowsTuning's 8 heads x 8 tokens, 4 warps): every row access is 16 bytes
+    (bfloat16 and float32: ``ld/st.global.v4.b32``; no 2-byte access of a row: the tile kernel
+    at its large-call tiles had only those; GPT-J's weights aside), no 64-bit division or remainder, no fma (the fp8
+    quotient's aside), no .ftz, the correctly rounded root and true divisions. Per thread and
+    program: 64 rows of 256 bytes (bfloat16) over 128 threads, so 8 row loads of 16 bytes
+    (neox: 2 halves x 4 rows) and as many stores; the fused op loads the value too and stores
+    key and value into the caches."""
+    counts = run_triton_script(_ROWS_PTX_SCRIPT)
+    assert counts.pop("compiled") == 4
+    for name, ops in counts.items():
+        narrow = {op: n for op, n in ops.items() if op.startswith(("ld.global", "st.global"))
+                  and not op.endswith((".v4.b32", ".b64", ".v2.b32", ".b32"))}
+        # GPT-J loads each weight vector (D elements, split into pairs) with one element per
+        # thread: 2 loads, once per program; every row access is wide
+        assert narrow == ({"ld.global.b16": 2} if "bf16-gptj" in name else {}), (name, ops)
+        assert not any(op.startswith(("div.s64", "div.u64", "rem.s64", "rem.u64")) for op in ops), \
+            (name, ops)
+        assert not any(".ftz" in op or op.startswith(("sqrt.approx", "rsqrt")) for op in ops), \
+            (name, ops)
+        assert ops.get("sqrt.rn.f32", 0) > 0 and ops.get("div.rn.f32", 0) >= 2 * ops["sqrt.rn.f32"]
+        if not name.endswith("fp8"):
+            assert not any(op.startswith("fma") for op in ops), (name, ops)
+        stores = {op: n for op, n in ops.items() if op.startswith("st.global")}
+        row_bytes = 256 if "bf16" in name else 512
+        per_thread = 64 * row_bytes // 128 // 16  # 16-byte stores of one kind of row per thread
+        if name.startswith("norm"):
+            assert stores == {"st.global.v4.b32": per_thread}, (name, ops)
+            assert ops.get("ld.global.v4.b32", 0) >= per_thread, (name, ops)
+        elif name.endswith("auto"):
+            # query or key in place, then key and value into the caches (the query program's
+            # stores and the key program's share no code)
+            assert stores == {"st.global.v4.b32": 4 * per_thread}, (name, ops)
+            assert ops.get("ld.global.v4.b32", 0) >= 3 * per_thread, (name, ops)
+
+
 # --- CUDA graphs, torch.compile, sanitize --------------------------------------------------------
 
 @pytest.mark.gpu

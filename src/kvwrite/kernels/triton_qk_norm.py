@@ -20,9 +20,11 @@ from __future__ import annotations
 from .triton_fp8 import tl, triton
 
 __all__ = ["pair_sum", "tree_sum", "inv_rms", "norm_rope_tile", "f32_from_bits",
-           "qk_norm_prologue"]
+           "qk_norm_prologue", "row_tree", "row_weights", "load_row_pairs", "store_row_pairs",
+           "norm_rope_pairs", "pair_tables", "store_pairs_quantized"]
 
 if triton is not None:
+    from .triton_fp8 import store_quantized
     from .triton_rope import rope_prologue, rope_rotate
 
     @triton.jit
@@ -93,3 +95,127 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)[None, None, :]
         t64 = t.to(tl.int64)
         return t, tile, valid, c, s, partner, first, is_rot, eps, offset, d, t64
+
+
+# --- Whole-row tiles (the large-call kernels) ----------------------------------------------------
+#
+# The tile above gathers each element's rotation partner and sums the squares with reshapes of a
+# [BT, BH, BLOCK_D] tile whose layout the compiler picks for the gather: for D = 128 in bfloat16
+# it held every element of the tile in every lane (2064 float adds and 512 shared-memory loads per
+# thread, scalar 2-byte loads and stores). The functions below keep a head row's elements where
+# the 16-byte loads put them: the row is loaded as its two halves (neox: the pairs are (j,
+# j + D/2)) or as [.., D/2, 2] pairs split in the thread (GPT-J), so no element moves between
+# lanes except in the reduction's last levels; the cos/sin entries are loaded once per token and
+# broadcast over its heads. They need rot_dim == head_size == a power of two (the tree's top
+# level then adds the halves' sums: tree(x) = tree(lo) + tree(hi)).
+
+if triton is not None:
+
+    @triton.jit
+    def row_tree(sq, N: tl.constexpr):
+        """The contract's pairwise tree over the last axis of ``sq`` (``[BT, BH, N]``, N a power
+        of two up to 512): ``[BT, BH]``, neighbours added level by level. Each level is a
+        ``tl.sum`` over an axis of 2 (one addition, the same bits in either order): the compiler
+        adds in the thread while a pair is there and with one shuffle once it spans two lanes,
+        where :func:`pair_sum`'s split made it move the tile between layouts."""
+        for i in tl.static_range(9):
+            if (512 >> i) <= N:
+                sq = tl.sum(tl.reshape(sq, [sq.shape[0], sq.shape[1], (512 >> i) // 2, 2]), 3)
+        return tl.reshape(sq, [sq.shape[0], sq.shape[1]])
+
+    @triton.jit
+    def row_weights(w_ptr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, HAS_W: tl.constexpr,
+                    ADD_OFFSET: tl.constexpr, offset):
+        """The weights of the two members of each pair (``[1, 1, HALF]`` float32 each), plus
+        ``offset`` where ``ADD_OFFSET``; (1, 1) without ``HAS_W`` (not applied)."""
+        if HAS_W:
+            if IS_NEOX:
+                j = tl.arange(0, HALF)
+                wa = tl.load(w_ptr + j).to(tl.float32)
+                wb = tl.load(w_ptr + HALF + j).to(tl.float32)
+            else:
+                w = tl.load(w_ptr + tl.arange(0, 2 * HALF)).to(tl.float32)
+                wa, wb = tl.split(tl.reshape(w, [HALF, 2]))
+            if ADD_OFFSET:
+                wa = wa + offset
+                wb = wb + offset
+            return wa[None, None, :], wb[None, None, :]
+        else:
+            return 1.0, 1.0
+
+    @triton.jit
+    def load_row_pairs(ptr, row, j, mask, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+        """A tile of head rows at ``ptr + row`` (``row``: ``[BT, BH, 1]`` element offsets) as the
+        two members of each rotation pair, in the rows' dtype (``[BT, BH, HALF]`` each); ``mask``
+        ``[BT, BH, 1]``; masked rows load as +0."""
+        if IS_NEOX:
+            a = tl.load(ptr + row + j, mask=mask, other=0.0)
+            b = tl.load(ptr + row + HALF + j, mask=mask, other=0.0)
+        else:
+            d = tl.arange(0, 2 * HALF)[None, None, :]
+            x = tl.load(ptr + row + d, mask=mask, other=0.0)
+            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], HALF, 2]))
+        return a, b
+
+    @triton.jit
+    def store_row_pairs(ptr, row, j, mask, a, b, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+        """Stores the pairs (``a``, ``b``) of :func:`load_row_pairs` back as whole rows."""
+        if IS_NEOX:
+            tl.store(ptr + row + j, a, mask=mask)
+            tl.store(ptr + row + HALF + j, b, mask=mask)
+        else:
+            d = tl.arange(0, 2 * HALF)[None, None, :]
+            x = tl.reshape(tl.join(a, b), [a.shape[0], a.shape[1], 2 * HALF])
+            tl.store(ptr + row + d, x, mask=mask)
+
+    @triton.jit
+    def norm_rope_pairs(a, b, wa, wb, eps, c, s, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+                        HAS_W: tl.constexpr):
+        """7.1 on the pairs of :func:`load_row_pairs` (any float dtype; ``c``, ``s``: float32
+        ``[BT, 1, HALF]``): the rotated float32 pairs. The tree: neox, the halves' trees then
+        their sum (the top level); GPT-J, the pairs' sums (the first level), then their tree."""
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if IS_NEOX:
+            ss = row_tree(a * a, HALF) + row_tree(b * b, HALF)
+        else:
+            ss = row_tree(a * a + b * b, HALF)
+        r = inv_rms(ss, eps, 2 * HALF)[:, :, None]
+        na = a * r
+        nb = b * r
+        if HAS_W:
+            na = na * wa
+            nb = nb * wb
+        # rope_rotate's formula: first RN(RN(x*c) - RN(y*s)), second RN(RN(y*c) + RN(x*s))
+        return na * c - nb * s, nb * c + na * s
+
+    @triton.jit
+    def pair_tables(positions_ptr, cos_sin_ptr, t, num_rot, max_position, HALF: tl.constexpr):
+        """For a ``[BT]`` vector of token indices: ``valid`` (rotated, position in the table) and
+        the float32 cos and sin of each pair, ``[BT, 1, HALF]`` (1 and 0 for tokens not valid),
+        read once per token. The positions are read only for ``t < num_rot``, the table only for
+        valid tokens."""
+        t_in = t < num_rot
+        pos = tl.load(positions_ptr + t, mask=t_in, other=-1).to(tl.int64)
+        valid = t_in & (pos >= 0) & (pos < max_position)
+        j = tl.arange(0, HALF)[None, None, :]
+        base = (tl.where(valid, pos, 0) * (2 * HALF))[:, None, None]
+        m = valid[:, None, None]
+        c = tl.load(cos_sin_ptr + base + j, mask=m, other=1.0).to(tl.float32)
+        s = tl.load(cos_sin_ptr + base + HALF + j, mask=m, other=0.0).to(tl.float32)
+        return valid, c, s
+
+    @triton.jit
+    def store_pairs_quantized(ptr, row, mask, a, b, m, s2, y, QUANT: tl.constexpr,
+                              STEPS: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+        """:func:`store_row_pairs` through triton_fp8's ``store_quantized`` (a cache row or an
+        fp8 query row at ``ptr + row``, unit element stride; ``m, s2, y`` its scale's
+        constants)."""
+        j = tl.arange(0, HALF)[None, None, :]
+        if IS_NEOX:
+            store_quantized(ptr, row + j, mask, a, m, s2, y, QUANT, STEPS)
+            store_quantized(ptr, row + HALF + j, mask, b, m, s2, y, QUANT, STEPS)
+        else:
+            d = tl.arange(0, 2 * HALF)[None, None, :]
+            x = tl.reshape(tl.join(a, b), [a.shape[0], a.shape[1], 2 * HALF])
+            store_quantized(ptr, row + d, mask, x, m, s2, y, QUANT, STEPS)

@@ -11,7 +11,9 @@ the same tile of value heads and stores key and value into the caches through th
 (every layout) with the cache write's conversion (copies, casts, fp8 with per-tensor or
 per-head scales read on the device). Tokens whose position is outside the table are not
 touched; tokens ``t >= T`` are normalized and rotated but not cached; padding and out-of-range
-slots are skipped. Graph-safe.
+slots are skipped. Graph-safe. Large calls with rot_dim == head_size == a power of two take
+``_qk_norm_rope_cache_rows_kernel``, the same program on fused_qk_norm_rope's whole-row tiles
+(its ``rows_launch`` and ``RowsTuning`` decide).
 
 Under Triton's interpreter (CPU) the cases whose casts it rounds differently from the GPU are
 refused (bfloat16 rows, tables or weights, fp8 and the cache write's inexact casts).
@@ -30,12 +32,23 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS
 from ...kernels.triton_support import inexact_cast_reason
+from ..fused_qk_norm_rope import triton_impl as _norm
 from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, qk_launch, signed_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
-    from ...kernels.triton_fp8 import fp8_scale_pair, scale_constants, store_quantized
+    from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, scale_constants, store_quantized
     from ...kernels.triton_kv import cache_offsets
-    from ...kernels.triton_qk_norm import norm_rope_tile, qk_norm_prologue
+    from ...kernels.triton_qk_norm import (
+        f32_from_bits,
+        load_row_pairs,
+        norm_rope_pairs,
+        norm_rope_tile,
+        pair_tables,
+        qk_norm_prologue,
+        row_weights,
+        store_pairs_quantized,
+        store_row_pairs,
+    )
     from ..rotary_embedding.triton_impl import interpreter_reason
 
 __all__ = ["available", "unsupported", "run"]
@@ -140,6 +153,87 @@ if triton is not None:
             store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
 
 
+    @triton.jit(do_not_specialize=["num_rot", "num_tokens", "eps_bits", "offset_bits"])
+    def _qk_norm_rope_cache_rows_kernel(
+        positions_ptr, qkv_ptr, query_out_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+        key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
+        num_rot, num_tokens, qkv_stride, qo_stride, max_position, num_slots, stride_b, stride_s,
+        stride_h, eps_bits, offset_bits,  # all as the kernel above
+        NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+        HEAD_STRIDE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QW: tl.constexpr,
+        HAS_KW: tl.constexpr, ADD_OFFSET: tl.constexpr, STORE_KEY: tl.constexpr,
+        QUERY_IN_PLACE: tl.constexpr,
+        QUERY_QUANT: tl.constexpr, Q_PER_HEAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+        Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr,
+    ):
+        """The large-call kernel (rot_dim == head_size == a power of two; fused_qk_norm_rope's
+        RowsTuning): the kernel above with kvwrite.kernels.triton_qk_norm's whole-row tiles of
+        BLOCK_H heads of BLOCK_T tokens, the same stores in the same order."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        HALF: tl.constexpr = HEAD_SIZE // 2
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)
+        valid, c, s = pair_tables(positions_ptr, cos_sin_ptr, t, num_rot, max_position, HALF)
+        eps = f32_from_bits(eps_bits)
+        offset = f32_from_bits(offset_bits)
+        j = tl.arange(0, HALF)[None, None, :]
+        t64 = t.to(tl.int64)
+        tok = (t64 * qkv_stride)[:, None, None]
+        STEPS: tl.constexpr = 2 if qkv_ptr.dtype.element_ty == tl.float32 else 1
+        ty = qkv_ptr.dtype.element_ty
+        if tile < Q_TILES:
+            hq = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            h = hq[None, :, None]
+            mask = valid[:, None, None] & (h < NUM_Q_HEADS)
+            row = tok + h * HEAD_STRIDE
+            wa, wb = row_weights(q_weight_ptr, HALF, IS_NEOX, HAS_QW, ADD_OFFSET, offset)
+            a, b = load_row_pairs(qkv_ptr, row, j, mask, HALF, IS_NEOX)
+            a, b = norm_rope_pairs(a, b, wa, wb, eps, c, s, HALF, IS_NEOX, HAS_QW)
+            a = a.to(ty)
+            b = b.to(ty)
+            if QUERY_IN_PLACE:
+                store_row_pairs(qkv_ptr, row, j, mask, a, b, HALF, IS_NEOX)
+            else:
+                q_row = (t64 * qo_stride)[:, None, None] + h * HEAD_SIZE
+                if QUERY_QUANT == 0:
+                    store_row_pairs(query_out_ptr, q_row, j, mask, a, b, HALF, IS_NEOX)
+                else:
+                    if Q_PER_HEAD_SCALE:
+                        qsc = tl.load(q_scale_ptr + hq, mask=hq < NUM_Q_HEADS, other=1.0)
+                    else:
+                        qsc = tl.load(q_scale_ptr)
+                    qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
+                    store_pairs_quantized(query_out_ptr, q_row, mask, a, b, qm, qs2, qy,
+                                          QUERY_QUANT, STEPS, HALF, IS_NEOX)
+        else:
+            hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+            h = hv[None, :, None]
+            in_row = h < NUM_K_HEADS
+            mask = valid[:, None, None] & in_row
+            row = tok + (NUM_Q_HEADS + h) * HEAD_STRIDE
+            cached = t < num_tokens
+            slot = tl.load(slot_mapping_ptr + t, mask=cached, other=-1).to(tl.int64)
+            wa, wb = row_weights(k_weight_ptr, HALF, IS_NEOX, HAS_KW, ADD_OFFSET, offset)
+            a, b = load_row_pairs(qkv_ptr, row, j, mask, HALF, IS_NEOX)
+            a, b = norm_rope_pairs(a, b, wa, wb, eps, c, s, HALF, IS_NEOX, HAS_KW)
+            a = a.to(ty)
+            b = b.to(ty)
+            va, vb = load_row_pairs(qkv_ptr, row + NUM_K_HEADS * HEAD_STRIDE, j,
+                                    cached[:, None, None] & in_row, HALF, IS_NEOX)
+            if STORE_KEY:
+                store_row_pairs(qkv_ptr, row, j, mask, a, b, HALF, IS_NEOX)
+            km, ks2, ky, vm, vs2, vy = fp8_scale_pair(k_scale_ptr, v_scale_ptr, hv, NUM_K_HEADS,
+                                                      QUANT, K_PER_HEAD, V_PER_HEAD, False)
+            store_mask, c_row = cache_offsets(slot, cached & valid, in_row, h, 0, num_slots,
+                                              BLOCK_SIZE, stride_b, stride_s, stride_h)
+            store_pairs_quantized(key_cache_ptr, c_row, store_mask, a, b, km, ks2, ky, QUANT,
+                                  STEPS, HALF, IS_NEOX)
+            store_pairs_quantized(value_cache_ptr, c_row, store_mask, va, vb, vm, vs2, vy, QUANT,
+                                  STEPS, HALF, IS_NEOX)
+
+
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
         cos_sin_cache: torch.Tensor, is_neox: bool, position_ids: torch.Tensor,
@@ -147,32 +241,41 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         slot_mapping: torch.Tensor, cache_dtype: CacheDType, k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None, rotate_key_in_place: bool,
         query_out: torch.Tensor | None, q_scale: torch.Tensor | None, *,
-        tuning=None) -> None:
+        tuning=None, rows_tuning=None) -> None:
     """Launch on PyTorch's current stream; arguments as validated by the public op. ``tuning``:
-    a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``)."""
-    q = qk_launch(qkv, num_heads_q, num_heads_k, position_ids, tuning)
-    if q is None:
-        return
+    a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``) for the tile kernel;
+    ``rows_tuning``: fused_qk_norm_rope's ``RowsTuning`` (None: its ``ROWS_TUNING``, read per
+    call), which calls take the whole-row kernel."""
     quant = _QUANT.get(cache_dtype, _COPY)
     query_quant = 0 if query_out is None else _QUERY_QUANT.get(query_out.dtype, 0)
     num_blocks, block_size = key_cache.shape[:2]
     qo = qkv if query_out is None else query_out
-    _qk_norm_rope_cache_kernel[q.grid](
-        position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
-        slot_mapping, k_scale, v_scale, q_scale if query_quant else None, position_ids.numel(),
-        slot_mapping.numel(), qkv.stride(0), qo.stride(0), cos_sin_cache.shape[0],
-        num_blocks * block_size, *key_cache.stride()[:3], signed_bits(eps),
-        signed_bits(weight_offset),
+    args = (position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
+            slot_mapping, k_scale, v_scale, q_scale if query_quant else None,
+            position_ids.numel(), slot_mapping.numel(), qkv.stride(0), qo.stride(0),
+            cos_sin_cache.shape[0], num_blocks * block_size, *key_cache.stride()[:3],
+            signed_bits(eps), signed_bits(weight_offset))
+    consts = dict(
         NUM_Q_HEADS=num_heads_q, NUM_K_HEADS=num_heads_k, HEAD_SIZE=qkv.shape[2],
-        HEAD_STRIDE=qkv.stride(1), ROT=cos_sin_cache.shape[1], IS_NEOX=is_neox,
-        HAS_QW=q_weight is not None,
+        HEAD_STRIDE=qkv.stride(1), IS_NEOX=is_neox, HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, ADD_OFFSET=weight_offset != 0,
         STORE_KEY=rotate_key_in_place, QUERY_IN_PLACE=query_out is None,
         QUERY_QUANT=query_quant,
         Q_PER_HEAD_SCALE=bool(query_quant) and scale_is_per_head(q_scale),
         BLOCK_SIZE=block_size, QUANT=quant,
         K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
-        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=q.q_tiles,
-        BLOCK_T=q.block_t, BLOCK_H=q.block_h, BLOCK_D=q.block_d, num_warps=q.warps, PDL=q.pdl,
-        PDL_TRIGGER=q.trigger, launch_pdl=q.pdl, **LAUNCH_OPTIONS,
-    )
+        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), **LAUNCH_OPTIONS)
+    r = _norm.rows_launch(qkv, num_heads_q, num_heads_k, cos_sin_cache, position_ids,
+                          _norm.ROWS_TUNING if rows_tuning is None else rows_tuning)
+    if r is not None:
+        _qk_norm_rope_cache_rows_kernel[r.grid](
+            *args, **consts, Q_TILES=r.q_tiles, BLOCK_T=r.block_t, BLOCK_H=r.block_h,
+            num_warps=r.warps, PDL=r.pdl, PDL_TRIGGER=r.trigger, launch_pdl=r.pdl)
+        return
+    q = qk_launch(qkv, num_heads_q, num_heads_k, position_ids, tuning)
+    if q is None:
+        return
+    _qk_norm_rope_cache_kernel[q.grid](
+        *args, **consts, ROT=cos_sin_cache.shape[1], Q_TILES=q.q_tiles, BLOCK_T=q.block_t,
+        BLOCK_H=q.block_h, BLOCK_D=q.block_d, num_warps=q.warps, PDL=q.pdl,
+        PDL_TRIGGER=q.trigger, launch_pdl=q.pdl)
