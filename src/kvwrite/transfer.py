@@ -16,6 +16,7 @@ Addresses are bytes: a :class:`Side` is one tensor's storage seen as a 4-D grid
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import weakref
@@ -32,7 +33,7 @@ from .validation import check_int, check_mutation_safe, require_tensor, shape_st
 __all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS",
            "QUANTIZED_CACHE_DTYPES", "kv_page_bytes", "chunk_bytes", "parse_page_format",
            "check_kv_split", "check_max_ctas", "check_engine", "check_mapping",
-           "check_head_range", "same_view", "call_device", "check_mapping_device",
+           "check_head_range", "same_view", "call_device", "call_devices", "check_mapping_device",
            "check_host_mapping", "check_destinations", "capturing", "coalesce", "build_swap",
            "clear_plan_cache", "PLAN_CACHE_SIZE",
            "build_swap_bytes", "build_relayout", "build_pack", "build_unpack", "select", "byte_blocks",
@@ -135,7 +136,9 @@ class TransferPlan:
     ``mapping``: the ``[n, 2]`` block mapping where the kernels read it (on ``device``, int32
     or int64, any strides: column 0 the source id, 1 the destination's, as the caller gave it);
     ``host_mapping``: the caller's CPU mapping (None for a GPU mapping), already checked (ids in
-    range, distinct destinations). ``device``: the GPU of the call (None: both sides on the host).
+    range, distinct destinations). ``device``: the GPU of the call (None: both sides on the host;
+    a call across two GPUs: the destination's, where its work runs). ``peer``: the source's GPU
+    of a call across two GPUs (the kernels read it through peer addressing), else None.
     ``args``: the op's validated arguments by name (what the torch reference reads: it works on
     the tensors, not on the jobs).
     """
@@ -150,6 +153,7 @@ class TransferPlan:
     max_ctas: int | None
     engine: str                     # as requested: "auto", "sm" or "ce" (the op resolves it)
     args: dict
+    peer: torch.device | None = None
 
 
 # --- the page: its size (SPEC §9.4) ---------------------------------------------------------------
@@ -287,41 +291,101 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def call_device(sides: Sequence[tuple[str, torch.Tensor]]) -> torch.device | None:
-    """The GPU of a call whose tensors are ``sides`` ((name, tensor), every tensor of both sides
-    and of tensors read where the sides are, e.g. scale), or None where all are in host memory.
-    Refused: meta tensors, devices other than CUDA and the host, two GPUs, pageable host memory
-    beside a GPU (SPEC §9.1)."""
-    gpu = None
-    for name, t in sides:
+    """The GPU of a call whose tensors are ``sides`` ((name, tensor)) that runs on one GPU, or
+    None where all are in host memory: :func:`call_devices` with every tensor a source and no
+    peer (SPEC §9.1)."""
+    return call_devices(sides, (), one_gpu="one GPU per call")[0]
+
+
+def call_devices(sources: Sequence[tuple[str, torch.Tensor]],
+                 destinations: Sequence[tuple[str, torch.Tensor]], *,
+                 one_gpu: str | None = None) -> tuple[torch.device | None, torch.device | None]:
+    """(the call's device, its peer): where a transfer's work runs and the other GPU it reads.
+
+    ``sources``, ``destinations``: (name, tensor) of every tensor of each side (and of tensors
+    read where a side is). The call's device is their GPU, or None where all are in host memory;
+    the peer is None but for a call across two GPUs of the host (refused where ``one_gpu``, the
+    reason an op takes one GPU, is given): the sources on one GPU, the destinations on
+    another that can access it as a peer (NVLink or PCIe P2P). Such a call runs on the
+    DESTINATION's device, which reads the source through peer addressing; its mapping lies on
+    the host or on that device.
+
+    Refused (ValueError naming the argument, before anything is enqueued): meta tensors,
+    devices other than CUDA and the host, pageable host memory beside a GPU, two GPUs where the
+    op takes one, three GPUs, a side on both GPUs, host memory beside two GPUs, two GPUs
+    without peer access (naming the source)."""
+    gpus: dict[torch.device, str] = {}
+    named = [*sources, *destinations]
+    for name, t in named:
         if t.device.type == "meta":
             raise ValueError(f"{name}: expected a tensor with memory (a CUDA device or the "
                              f"host), got a meta tensor")
         if t.device.type not in ("cuda", "cpu"):
             raise ValueError(f"{name}: expected a CUDA device or host memory, got {t.device}")
-        if t.device.type == "cuda":
-            if gpu is None:
-                gpu = (name, t.device)
-            elif t.device != gpu[1]:
-                raise ValueError(f"{name}: expected the device of {gpu[0]} ({gpu[1]}) or "
-                                 f"pinned host memory (one GPU per call), got {t.device}")
-    if gpu is None:
-        return None
-    for name, t in sides:
-        if t.device.type == "cpu" and not t.is_pinned():
-            raise ValueError(f"{name}: expected pinned host memory (pin_memory=True or "
-                             f"cudaHostRegister) beside a GPU side ({gpu[0]} on {gpu[1]}), got "
-                             f"pageable host memory")
-    return gpu[1]
+        if t.device.type == "cuda" and t.device not in gpus:
+            if gpus and one_gpu is not None:
+                (first, dev), = ((n, d) for d, n in gpus.items())
+                raise ValueError(f"{name}: expected the device of {first} ({dev}) or pinned "
+                                 f"host memory ({one_gpu}), got {t.device}")
+            if len(gpus) == 2:
+                listed = " and ".join(f"{d} ({n})" for d, n in gpus.items())
+                raise ValueError(f"{name}: expected the device of the sources or of the "
+                                 f"destinations ({listed}: at most two GPUs a call), got "
+                                 f"{t.device}")
+            gpus[t.device] = name
+    if not gpus:
+        return None, None
+    if len(gpus) == 1:
+        (device, first), = gpus.items()
+        for name, t in named:
+            if t.device.type == "cpu" and not t.is_pinned():
+                raise ValueError(f"{name}: expected pinned host memory (pin_memory=True or "
+                                 f"cudaHostRegister) beside a GPU side ({first} on {device}), "
+                                 f"got pageable host memory")
+        return device, None
+    # Two GPUs: one side's each (a side on both GPUs and host memory beside them are refused).
+    src_name, src_dev = next(((n, t.device) for n, t in sources if t.device.type == "cuda"),
+                             (None, None))
+    dst_name, dst_dev = next(((n, t.device) for n, t in destinations if t.device.type == "cuda"),
+                             (None, None))
+    for side, (first, dev) in ((sources, (src_name, src_dev)), (destinations, (dst_name, dst_dev))):
+        for name, t in side:
+            if t.device.type == "cpu":
+                raise ValueError(f"{name}: expected a GPU (a call across two GPUs, {src_dev} "
+                                 f"and {dst_dev}, takes no host memory), got "
+                                 f"{'pinned' if t.is_pinned() else 'pageable'} host memory")
+            if dev is not None and t.device != dev:
+                raise ValueError(f"{name}: expected the device of {first} ({dev}): a call "
+                                 f"across two GPUs has its sources on one and its destinations "
+                                 f"on the other, got {t.device}")
+    if src_dev is None or dst_dev is None:  # unreachable: the loops above name the tensor
+        raise ValueError(f"{src_name or dst_name}: expected the sources on one GPU and the "
+                         f"destinations on the other")
+    if not _can_access_peer(dst_dev.index, src_dev.index):
+        raise ValueError(f"{src_name}: expected a GPU that {dst_dev} (the device of "
+                         f"{dst_name}) can access as a peer, got {src_dev}: peer access "
+                         f"between {src_dev} and {dst_dev} is unavailable")
+    return dst_dev, src_dev
+
+
+@functools.cache
+def _can_access_peer(device: int, peer: int) -> bool:
+    """Whether GPU ``device``'s kernels can address GPU ``peer``'s memory (cudaDeviceCanAccessPeer:
+    NVLink or PCIe P2P between two GPUs of the host)."""
+    return torch.cuda.can_device_access_peer(device, peer)
 
 
 def check_mapping_device(mapping: torch.Tensor, device: torch.device | None,
-                         name: str = "block_mapping") -> None:
-    """A mapping lies on the host, or on the call's GPU (``device``)."""
+                         peer: torch.device | None = None, name: str = "block_mapping") -> None:
+    """A mapping lies on the host, or on the call's GPU (``device``; a call across two GPUs:
+    the destination's, ``peer`` the source's)."""
     if mapping.device.type == "cpu":
         return
     if device is None or mapping.device != device:
         where = "host memory" if device is None else f"host memory or {device}"
-        raise ValueError(f"{name}: expected {where} (that of the sides), got {mapping.device}")
+        why = ("the destination's device: a call across two GPUs runs there" if peer is not None
+               else "that of the sides")
+        raise ValueError(f"{name}: expected {where} ({why}), got {mapping.device}")
 
 
 def check_host_mapping(mapping: torch.Tensor, sources: Sequence[tuple[str, int]],
@@ -483,20 +547,22 @@ def _jobs(src: torch.Tensor, dst: torch.Tensor, dims: Sequence[_Dim], es: int,
     return jobs
 
 
-def _plan(op: str, jobs, page_job, mapping, device, max_ctas, engine, args,
+def _plan(op: str, jobs, page_job, mapping, devices, max_ctas, engine, args,
           cache: _Miss | None = None, checks=None) -> TransferPlan:
-    """The plan of a validated call. ``cache`` (a call whose plan may be reused, :func:`_cached`):
-    its geometry is remembered (``checks()``: what a reuse must still check) and the plan is
-    made from that record, as every later call with the same tensors makes it."""
+    """The plan of a validated call (``devices``: (the call's device, its peer)). ``cache`` (a
+    call whose plan may be reused, :func:`_cached`): its geometry is remembered (``checks()``:
+    what a reuse must still check) and the plan is made from that record, as every later call
+    with the same tensors makes it."""
     jobs = _shared_block_counts(jobs)
+    device, peer = devices
     if cache is not None:
-        recipe = _Recipe.of(cache, op, jobs, page_job, device, args, checks())
+        recipe = _Recipe.of(cache, op, jobs, page_job, device, peer, args, checks())
         _remember(cache.key, recipe)
         return recipe.plan(cache.tensors, mapping, max_ctas, engine)
     kernel_mapping, host_mapping = _mapping_plan(mapping, device)
     return TransferPlan(op=op, jobs=tuple(jobs), page_job=page_job, mapping=kernel_mapping,
                         host_mapping=host_mapping, pairs=mapping.shape[0], device=device,
-                        max_ctas=max_ctas, engine=engine, args=args)
+                        max_ctas=max_ctas, engine=engine, args=args, peer=peer)
 
 
 def _shared_block_counts(jobs):
@@ -591,10 +657,11 @@ def _key(head: tuple, tensors) -> _Miss | None:
 class _Recipe:
     """A cached call: its plan with every tensor replaced by its index in the key's tensors."""
 
-    __slots__ = ("view", "refs", "op", "jobs", "page", "device", "args", "checks")
+    __slots__ = ("view", "refs", "op", "jobs", "page", "device", "peer", "args", "checks")
 
     @classmethod
-    def of(cls, miss: _Miss, op, jobs, page_job, device, args, checks: _Checks) -> _Recipe:
+    def of(cls, miss: _Miss, op, jobs, page_job, device, peer, args, checks: _Checks
+           ) -> _Recipe:
         r = cls()
         index: dict[int, int] = {}
         for i, t in enumerate(miss.tensors):
@@ -612,7 +679,7 @@ class _Recipe:
 
         r.view = miss.view
         r.refs = tuple(weakref.ref(t) for t in miss.tensors)
-        r.op, r.device, r.checks = op, device, checks
+        r.op, r.device, r.peer, r.checks = op, device, peer, checks
         r.jobs = tuple((*side(j.src), *side(j.dst), {**vars(j), "src": None, "dst": None})
                        for j in jobs)
         r.page = None
@@ -650,7 +717,7 @@ class _Recipe:
         kernel_mapping, host_mapping = _mapping_plan(mapping, self.device)
         return TransferPlan(op=self.op, jobs=jobs, page_job=page_job, mapping=kernel_mapping,
                             host_mapping=host_mapping, pairs=mapping.shape[0], device=self.device,
-                            max_ctas=max_ctas, engine=engine, args=args)
+                            max_ctas=max_ctas, engine=engine, args=args, peer=self.peer)
 
     def _jobs(self, tensors, new):
         for si, sf, di, df, jf in self.jobs:
@@ -696,7 +763,7 @@ def _cached(miss: _Miss | None, mapping, max_ctas, engine) -> TransferPlan | Non
         return None
     c = recipe.checks
     check_mapping(mapping)
-    check_mapping_device(mapping, recipe.device)
+    check_mapping_device(mapping, recipe.device, recipe.peer)
     max_ctas, engine = _check_common(max_ctas, engine, c.quantized, mapping)
     lo, hi, dev = _span(mapping)
     if any(d == dev and a < hi and lo < b for a, b, d in c.spans):
@@ -760,16 +827,18 @@ def _one_device(named: Sequence[tuple[str, torch.Tensor]]) -> None:
                              f"{t.device}")
 
 
-def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False):
+def _validate_sides(src, dst, mapping, max_ctas, engine, quantized=False,
+                    one_gpu: str | None = None):
     """Types, the mapping's form, devices and the engine keywords shared by every builder:
-    returns (device, n, max_ctas, engine)."""
+    returns ((device, peer device), n, max_ctas, engine). ``one_gpu``: :func:`call_devices`'
+    (the reason an op takes one GPU; None: it takes two, a peer call)."""
     n = check_mapping(mapping)
     for side in (src, dst):
         _one_device(side)
-    device = call_device([*src, *dst])
-    check_mapping_device(mapping, device)
+    devices = call_devices(src, dst, one_gpu=one_gpu)
+    check_mapping_device(mapping, *devices)
     max_ctas, engine = _check_common(max_ctas, engine, quantized, mapping)
-    return device, n, max_ctas, engine
+    return devices, n, max_ctas, engine
 
 
 # --- the plan builders -----------------------------------------------------------------------------
@@ -795,7 +864,7 @@ def _build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
         if b.shape[1:] != a.shape[1:]:
             raise ValueError(f"{dn}: expected the block shape of {sn} {tuple(a.shape[1:])}, got "
                              f"{tuple(b.shape[1:])} (shape {shape_str(b)})")
-    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    devices, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
     in_place = check_destinations(d, s, (("block_mapping", block_mapping),))
     if block_mapping.device.type == "cpu":
         check_host_mapping(block_mapping, [(nm, t.shape[0]) for nm, t in s],
@@ -807,7 +876,7 @@ def _build_swap(src, dst, block_mapping, *, op: str = "swap_blocks",
                              in zip(a.shape[1:], a.stride()[1:], b.stride()[1:], strict=True)],
                       es)
     args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d)}
-    return _plan(op, jobs, None, block_mapping, device, max_ctas, engine, args, cache,
+    return _plan(op, jobs, None, block_mapping, devices, max_ctas, engine, args, cache,
                  lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
@@ -840,7 +909,7 @@ def _build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=
                                  f"{t.shape[0]} blocks in its storage ({t.untyped_storage().nbytes()} "
                                  f"bytes), got {block_size_in_bytes} bytes reaching byte {last}")
     s, d = [("src", src)], [("dst", dst)]
-    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    devices, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
     # The destination is its blocks' bytes, whatever its dims: checked as a byte view.
     dst_bytes = byte_blocks(dst, block_size_in_bytes)
     src_bytes = byte_blocks(src, block_size_in_bytes)
@@ -856,7 +925,7 @@ def _build_swap_bytes(src, dst, block_size_in_bytes, block_mapping, *, max_ctas=
                   Side(dst, 0, (dst.stride(0) * dst.element_size(), 0, 0, 1), dst.shape[0]),
                   1, 1, block_size_in_bytes, 1)
     args = {"src": (src,), "dst": (dst,), "block_size_in_bytes": block_size_in_bytes}
-    return _plan("swap_blocks", [job], None, block_mapping, device, max_ctas, engine, args, cache,
+    return _plan("swap_blocks", [job], None, block_mapping, devices, max_ctas, engine, args, cache,
                  lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
@@ -903,7 +972,7 @@ def _build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
             raise ValueError(f"{sn}: expected the head counts of {sn0} and {dn0} for every "
                              f"layer, got {a.shape[1]} and {b.shape[1]}")
         firsts, k = f, kk
-    device, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
+    devices, n, max_ctas, engine = _validate_sides(s, d, block_mapping, max_ctas, engine)
     in_place = check_destinations(d, s, (("block_mapping", block_mapping),))
     if block_mapping.device.type == "cpu":
         check_host_mapping(block_mapping, [(nm, t.shape[0]) for nm, t in s],
@@ -918,7 +987,7 @@ def _build_relayout(src, dst, block_mapping, head_range=None, *, max_ctas=None,
         jobs += _jobs(a, b, dims, es, hs * a.stride(1) * es, hd * b.stride(1) * es)
     args = {"src": tuple(t for _, t in s), "dst": tuple(t for _, t in d), "src_head": hs,
             "dst_head": hd, "heads": k}
-    return _plan("relayout_kv_cache", jobs, None, block_mapping, device, max_ctas, engine, args,
+    return _plan("relayout_kv_cache", jobs, None, block_mapping, devices, max_ctas, engine, args,
                  cache, lambda: _Checks(False, _blocks(s), _blocks(d), in_place, _spans(d)))
 
 
@@ -1007,11 +1076,15 @@ def _build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, pa
     elif not unpack and quantized:
         raise ValueError(f"scale: page_format={fmt!r} needs a float32 tensor broadcastable to "
                          f"[L, S, H_c], got None")
-    device, n, max_ctas, engine = _validate_sides(src, dst, block_mapping, max_ctas, engine,
-                                                  quantized)
+    # One GPU a call: pages move between GPUs through a transport (docs/ops/transfer.md).
+    op = "unpack_kv_pages" if unpack else "pack_kv_pages"
+    devices, n, max_ctas, engine = _validate_sides(
+        src, dst, block_mapping, max_ctas, engine, quantized,
+        one_gpu=f"one GPU per call of {op}: pages move between GPUs through a transport such "
+                f"as torch.distributed")
     scale_strides, scale_offset = (0, 0, 0), 0
     if extra:
-        scale_strides, scale_offset = _scale_strides(scale, L, S, Hc, hc, c0, device)
+        scale_strides, scale_offset = _scale_strides(scale, L, S, Hc, hc, c0, devices[0])
     others = [("block_mapping", block_mapping), *extra]
     check_destinations(dst, [] if unpack else src, [*others, *(src if unpack else [])])
     if block_mapping.device.type == "cpu":
@@ -1047,9 +1120,8 @@ def _build_pack(caches, pages, block_mapping, *, kv_split=1, head_range=None, pa
     args = {"caches": tuple(t for _, t in c), "pages": pages, "kv_split": S, "page_format": fmt,
             "scale": None if unpack else scale, "cache_head": hc, "page_head": hp, "heads": k,
             "chunk_bytes": hb}
-    op = "unpack_kv_pages" if unpack else "pack_kv_pages"
     cache_blocks, page_rows = _blocks(c), [("pages", pages.shape[0])]
-    return _plan(op, jobs, page_job, block_mapping, device, max_ctas, engine, args, cache,
+    return _plan(op, jobs, page_job, block_mapping, devices, max_ctas, engine, args, cache,
                  lambda: _Checks(quantized, page_rows if unpack else cache_blocks,
                          cache_blocks if unpack else page_rows, False, _spans(dst)))
 
