@@ -25,11 +25,12 @@ def job(src: torch.Tensor, dst: torch.Tensor) -> CopyJob:
     return CopyJob(side(src), side(dst), H, N, C, src.element_size())
 
 
-def plan(jobs, mapping, *, engine="ce", device=None, page_job=None, gpu_mapping=False):
+def plan(jobs, mapping, *, engine="ce", device=None, page_job=None, gpu_mapping=False,
+         peer=None):
     mapping = torch.as_tensor(mapping, dtype=torch.int64).reshape(-1, 2)
     return TransferPlan("swap_blocks_multi_layer", tuple(jobs), page_job, mapping,
                         None if gpu_mapping else mapping, mapping.size(0), device, None, engine,
-                        {})
+                        {}, peer)
 
 
 def oracle(pairs, views) -> list[tuple[int, int, int]]:
@@ -281,7 +282,7 @@ def test_auto_takes_copy_engines_for_long_host_device_runs(batched, d2h):
 
 @pytest.mark.parametrize("case", ["short runs", "one job's short runs", "rows", "d2d",
                                   "gpu mapping", "no pairs", "no batch", "capture", "page job",
-                                  "host to host", "sm"])
+                                  "host to host", "sm", "peer"])
 def test_auto_keeps_sms_otherwise(batched, monkeypatch, case):
     jobs, kw = [big_job(RUN64K)], dict(engine="auto", device=GPU)
     pairs = PAIRS
@@ -307,6 +308,8 @@ def test_auto_keeps_sms_otherwise(batched, monkeypatch, case):
         kw["device"] = None
     elif case == "sm":
         kw["engine"] = "sm"
+    elif case == "peer":  # a call across two GPUs: "sm" whatever its runs (SPEC §9.5)
+        kw["peer"] = torch.device("cuda", 1)
     assert copy_engine.resolve(plan(jobs, pairs, **kw)) == "sm"
 
 

@@ -632,6 +632,126 @@ def test_pinned_host_side_matches_the_oracle(direction):
     _assert_bytes(dst, want, "dst")
 
 
+# --- two GPUs: the call's device and the peer rules (kvwrite.transfer.call_devices) -------------
+#
+# call_devices reads each tensor's device and is_pinned() only: stand-ins with a CUDA device test
+# its rules on a machine without GPUs (tests/test_transfer_peer.py runs the ops on two).
+
+@dataclasses.dataclass
+class _On:
+    """A stand-in tensor on ``device`` (pinned where it is host memory and ``pinned``)."""
+
+    device: torch.device
+    pinned: bool = False
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+
+def _on(spec: str) -> _On:
+    return _On(torch.device("cpu"), True) if spec == "pinned" else _On(torch.device(spec))
+
+
+@pytest.fixture
+def peers(monkeypatch):
+    """Peer access between every two GPUs; records the (device, peer) pairs asked."""
+    asked = []
+
+    def can(device, peer):
+        asked.append((device, peer))
+        return True
+    monkeypatch.setattr(transfer, "_can_access_peer", can)
+    return asked
+
+
+@pytest.mark.parametrize("src, dst", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"),
+                                      ("cuda:3", "cuda:2")])
+def test_a_call_across_two_gpus_runs_on_the_destination(peers, src, dst):
+    sources = [("src[0]", _on(src)), ("src[1]", _on(src))]
+    destinations = [("dst[0]", _on(dst)), ("dst[1]", _on(dst))]
+    assert transfer.call_devices(sources, destinations) == (torch.device(dst), torch.device(src))
+    assert peers == [(torch.device(dst).index, torch.device(src).index)]  # dst reads src
+
+
+@pytest.mark.parametrize("sides, device", [
+    ((["cuda:1"], ["cuda:1"]), "cuda:1"),
+    ((["cuda:1"], ["pinned"]), "cuda:1"),
+    ((["pinned"], ["cuda:0"]), "cuda:0"),
+    ((["cpu"], ["cpu"]), None),
+])
+def test_one_gpu_calls_have_no_peer(peers, sides, device):
+    named = [[(f"{n}[{i}]", _on(x)) for i, x in enumerate(side)]
+             for n, side in zip(("src", "dst"), sides, strict=True)]
+    want = None if device is None else torch.device(device)
+    assert transfer.call_devices(*named) == (want, None)
+    assert transfer.call_devices(*named, one_gpu="one GPU per call") == (want, None)
+    assert peers == []
+
+
+@pytest.mark.parametrize("sources, destinations, one_gpu, text", [
+    (["cuda:0"], ["cuda:1"], "one GPU per call of pack_kv_pages: pages move between GPUs "
+     "through a transport such as torch.distributed",
+     "dst[0]: expected the device of src[0] (cuda:0) or pinned host memory (one GPU per call "
+     "of pack_kv_pages: pages move between GPUs through a transport such as torch.distributed)"
+     ", got cuda:1"),
+    (["cuda:0", "pinned"], ["cuda:1"], None,
+     "src[1]: expected a GPU (a call across two GPUs, cuda:0 and cuda:1, takes no host memory), "
+     "got pinned host memory"),
+    (["cuda:0"], ["cuda:1", "cpu"], None,
+     "dst[1]: expected a GPU (a call across two GPUs, cuda:0 and cuda:1, takes no host memory), "
+     "got pageable host memory"),
+    (["cuda:0", "cuda:1"], ["cuda:1"], None,
+     "src[1]: expected the device of src[0] (cuda:0): a call across two GPUs has its sources on "
+     "one and its destinations on the other, got cuda:1"),
+    (["cuda:0"], ["cuda:1", "cuda:0"], None,
+     "dst[1]: expected the device of dst[0] (cuda:1): a call across two GPUs has its sources on "
+     "one and its destinations on the other, got cuda:0"),
+    (["cuda:0"], ["cuda:1", "cuda:2"], None,
+     "dst[1]: expected the device of the sources or of the destinations (cuda:0 (src[0]) and "
+     "cuda:1 (dst[0]): at most two GPUs a call), got cuda:2"),
+    (["cuda:0"], ["meta"], None, "dst[0]: expected a tensor with memory"),
+])
+def test_two_gpu_calls_refused(peers, sources, destinations, one_gpu, text):
+    named = [[(f"{n}[{i}]", _on(x)) for i, x in enumerate(side)]
+             for n, side in (("src", sources), ("dst", destinations))]
+    with pytest.raises(ValueError, match="^" + re.escape(text)):
+        transfer.call_devices(*named, one_gpu=one_gpu)
+
+
+def test_two_gpus_without_peer_access_name_the_source(monkeypatch):
+    asked = []
+    monkeypatch.setattr(transfer, "_can_access_peer", lambda d, p: asked.append((d, p)))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "src_caches[0]: expected a GPU that cuda:0 (the device of dst_caches[0]) can access "
+            "as a peer, got cuda:1: peer access between cuda:1 and cuda:0 is unavailable")):
+        transfer.call_devices([("src_caches[0]", _on("cuda:1"))],
+                              [("dst_caches[0]", _on("cuda:0"))])
+    assert asked == [(0, 1)]
+
+
+def test_call_device_keeps_one_gpu_per_call(peers):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "dst: expected the device of src (cuda:0) or pinned host memory (one GPU per call), "
+            "got cuda:1")):
+        transfer.call_device([("src", _on("cuda:0")), ("dst", _on("cuda:1"))])
+    assert peers == []
+
+
+@pytest.mark.parametrize("where, peer, text", [
+    ("cuda:0", "cuda:0", "block_mapping: expected host memory or cuda:1 (the destination's "
+     "device: a call across two GPUs runs there), got cuda:0"),
+    ("cuda:0", None, "block_mapping: expected host memory or cuda:1 (that of the sides), got "
+     "cuda:0"),
+])
+def test_a_mapping_lies_on_the_call_device(where, peer, text):
+    m = _on(where)
+    with pytest.raises(ValueError, match="^" + re.escape(text)):
+        transfer.check_mapping_device(m, torch.device("cuda:1"),
+                                      None if peer is None else torch.device(peer))
+    transfer.check_mapping_device(_on("cuda:1"), torch.device("cuda:1"), torch.device("cuda:0"))
+    transfer.check_mapping_device(_on("pinned"), torch.device("cuda:1"), torch.device("cuda:0"))
+
+
 # --- the plan cache: a hit is a miss --------------------------------------------------------------
 
 def _plan_fields(plan: transfer.TransferPlan) -> dict:

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 from ..transfer import CopyJob, TransferPlan, select
+from . import nvrtc
 
 __all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run", "execute",
-           "copy_loop", "copy_batch", "stream_handle", "AUTO_MIN_RUN", "BATCH_DRIVER"]
+           "copy_loop", "copy_batch", "stream_handle", "enable_peer_access", "AUTO_MIN_RUN",
+           "BATCH_DRIVER"]
 
 # "auto" takes the copy engines only where every run is at least this long: shorter runs are
 # bound by the engines' per-copy cost, and an SM copy keeps up with PCIe there (SPEC §9.5).
@@ -216,7 +218,10 @@ def resolve(plan: TransferPlan) -> str:
     ``"ce"`` as requested (a CUDA graph cannot capture it: ValueError naming ``engine``);
     ``"auto"``: ``"ce"`` for a raw host<->device call with a CPU mapping, outside capture, whose
     runs are all at least :data:`AUTO_MIN_RUN` bytes, on a driver with batched copies; else
-    ``"sm"``. A host-to-host call (``plan.device`` None) is the torch reference's: ``"sm"``."""
+    ``"sm"``. A host-to-host call (``plan.device`` None) is the torch reference's: ``"sm"``; so
+    is a call across two GPUs (``plan.peer``) under ``"auto"``: device to device, where an SM
+    copy outruns the copy engines (unmeasured across NVLink: ``kvwrite-bench transfer
+    --direction p2p`` times both)."""
     if plan.engine not in ("auto", "sm", "ce"):
         raise ValueError(f"engine: expected 'auto', 'sm' or 'ce', got {plan.engine!r}")
     if plan.device is None or plan.engine == "sm":
@@ -233,7 +238,7 @@ def resolve(plan: TransferPlan) -> str:
             raise ValueError(f"engine: 'ce' cannot run here: {reason}")
         return "ce"
     if (plan.page_job is not None or plan.host_mapping is None or plan.pairs == 0
-            or not plan.jobs or _capturing(plan.device)):
+            or not plan.jobs or plan.peer is not None or _capturing(plan.device)):
         return "sm"
     if not all(job.src.on_host != job.dst.on_host for job in plan.jobs):
         return "sm"  # device to device: copy engines are far slower than SMs (SPEC §9.7)
@@ -265,6 +270,32 @@ def stream_handle(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     _check(_driver().cuCtxSetCurrent(_primary_context(index)), "cuCtxSetCurrent")
     return torch.cuda.current_stream(index).cuda_stream
+
+
+# (device, peer) index pairs whose peer access this process has enabled (or found enabled).
+_PEERS: set[tuple[int, int]] = set()
+
+
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Let work on ``device`` (a call's device: its destination's) address ``peer``'s memory
+    (its source's): ``cuCtxEnablePeerAccess`` in ``device``'s primary context (PyTorch's), once
+    per pair and process. Access enabled before, by PyTorch's own cross-device copies or anyone
+    else, is fine. Kernels need it to read the peer's memory (Triton's launcher also checks
+    each pointer with cuPointerGetAttribute in the current context, which fails for a peer
+    pointer without it); copy engines move the bytes without host staging with it. The
+    transfer ops validated that ``device`` can access ``peer`` (kvwrite.transfer.call_devices).
+    Under graph capture it runs in relaxed capture mode (it enqueues nothing)."""
+    key = (device.index, peer.index)
+    if key in _PEERS:
+        return
+    driver = _driver()
+    with nvrtc.capture_relaxed():
+        _check(driver.cuCtxSetCurrent(_primary_context(device.index)), "cuCtxSetCurrent")
+        err, = driver.cuCtxEnablePeerAccess(_primary_context(peer.index), 0)
+    if err not in (driver.CUresult.CUDA_SUCCESS,
+                   driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+        raise RuntimeError(f"cuCtxEnablePeerAccess ({device} reading {peer}) failed: {err}")
+    _PEERS.add(key)
 
 
 def copy_loop(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
@@ -364,12 +395,15 @@ def copy_batch(dst_ptrs, src_ptrs, sizes, stream: int, device: torch.device) -> 
 
 
 def run(plan: TransferPlan) -> None:
-    """Submit every run of ``plan`` (:func:`runs`) on PyTorch's current stream of its device:
+    """Submit every run of ``plan`` (:func:`runs`) on PyTorch's current stream of its device
+    (a call across two GPUs: the destination's, the source read through unified addressing):
     one batch where the driver has batched copies, else one copy per run. No host sync."""
     assert plan.page_job is None and plan.host_mapping is not None and plan.device is not None
     dst, src, sizes = runs(plan)
     if sizes.size == 0:
         return
+    if plan.peer is not None:
+        enable_peer_access(plan.device, plan.peer)
     stream = stream_handle(plan.device)
     if batch_reason(plan.device) is None:
         copy_batch(dst, src, sizes, stream, plan.device)

@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from ..transfer import CopyJob, PageJob, TransferPlan
-from . import launch, nvrtc
+from . import copy_engine, launch, nvrtc
 
 __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsupported", "run",
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
@@ -526,15 +526,24 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
 
 
 def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
-    """Launch ``plan``'s kernels on PyTorch's current stream (validated by the public op)."""
+    """Launch ``plan``'s kernels on PyTorch's current stream of ``plan.device`` (validated by
+    the public op). A call across two GPUs runs on the destination's device (``plan.device``):
+    its kernels read the source (``plan.peer``) through unified addressing once peer access is
+    enabled; nothing here depends on where a pointer lies (no pointer attribute is read, the
+    launch device and stream are ``plan.device``'s)."""
     if plan.pairs == 0:
         return
     index = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-    for c in copy_calls(plan, tuning):
-        _launch(c.name, index, c.work, c.threads // 32 * c.per_warp, c.threads, plan.max_ctas,
-                c.ctas_per_sm, tuning, *c.args)
-    if plan.page_job is not None:
-        _run_pages(plan, index, tuning)
+    if plan.peer is not None:
+        copy_engine.enable_peer_access(torch.device("cuda", index), plan.peer)
+    # The call's device current: its context is the one the kernels are loaded into and its
+    # stream's, whichever device the caller had current.
+    with torch.cuda.device(index):
+        for c in copy_calls(plan, tuning):
+            _launch(c.name, index, c.work, c.threads // 32 * c.per_warp, c.threads,
+                    plan.max_ctas, c.ctas_per_sm, tuning, *c.args)
+        if plan.page_job is not None:
+            _run_pages(plan, index, tuning)
 
 
 def _run_pages(plan: TransferPlan, index: int, tuning: TransferTuning) -> None:

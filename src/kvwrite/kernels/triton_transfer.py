@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import nvrtc, triton_support
+from . import copy_engine, nvrtc, triton_support
 from .launch import align
 from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
 from .triton_gather import fp8_decode, fp8_dequant
@@ -496,6 +496,11 @@ def run(plan: TransferPlan, *, tuning: TritonTuning = TUNING) -> None:
     # A variant's first launch loads its module: inside torch.cuda.graph that needs relaxed
     # capture mode (nvrtc.capture_relaxed), so a first call can be the captured one.
     on_gpu = plan.device.type == "cuda"
+    if plan.peer is not None:
+        # A call across two GPUs runs on the destination's device (plan.device), reading the
+        # source through peer addressing: Triton's launcher accepts a peer pointer
+        # (cuPointerGetAttribute in the current context) once peer access is enabled.
+        copy_engine.enable_peer_access(plan.device, plan.peer)
     with (torch.cuda.device(plan.device) if on_gpu else contextlib.nullcontext(),
           nvrtc.capture_relaxed() if on_gpu else contextlib.nullcontext()):
         for job, shape in zip(plan.jobs, _copy_shapes(plan, tuning), strict=True):
