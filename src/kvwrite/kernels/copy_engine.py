@@ -289,7 +289,8 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     if key in _PEERS:
         return
     driver = _driver()
-    with nvrtc.capture_relaxed():
+    # The device current (so capture_relaxed sees a capture on its stream) and its context.
+    with torch.cuda.device(device.index), nvrtc.capture_relaxed():
         _check(driver.cuCtxSetCurrent(_primary_context(device.index)), "cuCtxSetCurrent")
         err, = driver.cuCtxEnablePeerAccess(_primary_context(peer.index), 0)
     if err not in (driver.CUresult.CUDA_SUCCESS,

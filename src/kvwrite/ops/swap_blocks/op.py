@@ -41,7 +41,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping, sized_block
     ``dst`` only (SPEC §9.2).
 
     ``src``, ``dst``: one dtype, ``src.shape[1:] == dst.shape[1:]``, any strides; on one GPU, one
-    on the GPU and the other in pinned host memory, or both on the host. They may be the same
+    on the GPU and the other in pinned host memory, on two GPUs of the host with peer access
+    (the work runs on ``dst``'s, on its current stream), or both on the host. They may be the same
     view (a copy inside one cache: then no id may be both a source and a destination).
 
     vLLM's form ``swap_blocks(src, dst, block_size_in_bytes, block_mapping)`` (an ``int`` third

@@ -1,7 +1,7 @@
 """swap_blocks in plain PyTorch (the reference; also the only implementation of host-to-host
 calls): each layer's mapped blocks gathered with ``index_select`` and scattered with
-``index_copy_`` on integer views of the elements' bits, moved between the host and the GPU
-with ``.to()``."""
+``index_copy_`` on integer views of the elements' bits, moved between the host and the GPU, or
+between two GPUs, with ``.to()``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, i: torch.Tensor, j: torch.
     """``dst[j[m]] = src[i[m]]`` bit for bit, for every m (ids int64 on the host)."""
     if i.numel() == 0:
         return
+    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+        # A call across two GPUs is ordered by the destination's current stream (the caller
+        # makes it wait for the source's writers): the gather, which runs on the source's
+        # current stream, waits for it too. PyTorch's copy between the devices then orders the
+        # destination's stream after the gather.
+        torch.cuda.current_stream(src.device).wait_stream(torch.cuda.current_stream(dst.device))
     vals = bits_view(src).index_select(0, i.to(src.device))
     bits_view(dst).index_copy_(0, j.to(dst.device), vals.to(dst.device))
 
