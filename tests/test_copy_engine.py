@@ -30,7 +30,7 @@ def plan(jobs, mapping, *, engine="ce", device=None, page_job=None, gpu_mapping=
     mapping = torch.as_tensor(mapping, dtype=torch.int64).reshape(-1, 2)
     return TransferPlan("swap_blocks_multi_layer", tuple(jobs), page_job, mapping,
                         None if gpu_mapping else mapping, mapping.size(0), device, None, engine,
-                        {}, peer)
+                        {}, **({} if peer is None else {"peer": peer}))
 
 
 def oracle(pairs, views) -> list[tuple[int, int, int]]:
