@@ -253,6 +253,7 @@ def test_peer_copy_work_lands_on_the_destinations_current_stream(src_dev, dst_de
         with torch.cuda.stream(side), torch.cuda.device(src_dev):
             assert torch.cuda.current_device() == src_dev
             op(src, dst, *pre, mp, *post, **kw)
+            assert torch.cuda.current_device() == src_dev  # the caller's device is kept
         for d in (src_dev, dst_dev):
             torch.cuda.current_stream(d).synchronize()
             torch.cuda.default_stream(d).synchronize()

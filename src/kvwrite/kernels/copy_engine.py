@@ -405,11 +405,13 @@ def run(plan: TransferPlan) -> None:
         return
     if plan.peer is not None:
         enable_peer_access(plan.device, plan.peer)
-    stream = stream_handle(plan.device)
-    if batch_reason(plan.device) is None:
-        copy_batch(dst, src, sizes, stream, plan.device)
-    else:
-        copy_loop(dst, src, sizes, stream)
+    # stream_handle makes the device's context current: the caller's device comes back after.
+    with torch.cuda.device(plan.device):
+        stream = stream_handle(plan.device)
+        if batch_reason(plan.device) is None:
+            copy_batch(dst, src, sizes, stream, plan.device)
+        else:
+            copy_loop(dst, src, sizes, stream)
 
 
 def execute(op: str, plan: TransferPlan, implementation: str | None) -> None:
