@@ -308,7 +308,7 @@ def test_auto_keeps_sms_otherwise(batched, monkeypatch, case):
         kw["device"] = None
     elif case == "sm":
         kw["engine"] = "sm"
-    elif case == "peer":  # a call across two GPUs: "sm" whatever its runs (SPEC §9.5)
+    elif case == "peer":  # a call across two GPUs: "sm" whatever its runs (docs/ops/transfer.md)
         kw["peer"] = torch.device("cuda", 1)
     assert copy_engine.resolve(plan(jobs, pairs, **kw)) == "sm"
 
