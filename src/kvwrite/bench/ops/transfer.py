@@ -365,7 +365,7 @@ class TransferBench(OpBench):
                          "destination's current stream, bracketed by the events of cuda:0's "
                          "stream (two cross-device stream waits per call); handoff = "
                          "pack_kv_pages on the source GPU, torch.cuda.nccl.broadcast of the "
-                         "pages, unpack_kv_pages on the other (GB/s of page bytes)")
+                         "pages, unpack_kv_pages on the other (GB/s of page bytes; eager calls, sm included)")
         if self._past:
             lines.append(f"skipped: blocks {', '.join(map(str, self._past))} of some points "
                          f"(past 4 GiB a call)")
