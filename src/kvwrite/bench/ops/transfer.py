@@ -21,6 +21,13 @@ beside an attention stand-in on the main stream (bf16 causal scaled_dot_product_
 ``[1, 32, 8192, 128]``, repeated to cover the transfer): the row's time is the pair's, and its
 params say the attention's time per call alone and overlapped (the repeated sequence over its
 repeat count), their ratio, the repeat count and the transfer's time overlapped.
+
+``--direction p2p`` (issue #46; two GPUs, not in the default list): the source on cuda:0 and the
+destination on cuda:1 (``p2p:0to1``), and back (``p2p:1to0``), for swap, relayout and
+``handoff`` (pack_kv_pages on the source GPU, ``torch.cuda.nccl.broadcast`` of the pages, then
+unpack_kv_pages on the other); its limits are a 1 GiB ``copy_`` between the GPUs each way, with
+NCCL's broadcast of the same bytes beside them. Each call is bridged to cuda:0's stream, where
+the engine records its events (:func:`_bridged`).
 """
 
 from __future__ import annotations
@@ -181,11 +188,12 @@ def _ctas(text: str):
 
 class TransferBench(OpBench):
     name = "transfer"
-    summary = "moving caches: swap, relayout, pack, unpack (d2h, h2d, d2d)"
+    summary = "moving caches: swap, relayout, pack, unpack (d2h, h2d, d2d; p2p between GPUs)"
     description = ("Benchmark the transfer ops (SPEC §9): swap_blocks_multi_layer, "
                    "relayout_kv_cache, pack_kv_pages and unpack_kv_pages between GPU caches, "
                    "pinned host memory and GPU buffers, by SMs under a CTA budget or by copy "
-                   "engines, beside vLLM's block copies, one batched copy and PyTorch, each "
+                   "engines (and between two GPUs: --direction p2p, with an NCCL handoff), "
+                   "beside vLLM's block copies, one batched copy and PyTorch, each "
                    "against the bandwidth limit of its direction measured in the same run, and "
                    "beside attention on another stream.")
     op = OP
