@@ -216,7 +216,10 @@ OWN_BAD = {
         (["--max-ctas", "0"], "--max-ctas"), (["--max-ctas", "two"], "--max-ctas"),
         (["--peers", "vllm"], "--peers"), (["--layers", "0"], "--layers"),
         (["--blocks", "4"], "--blocks"), (["--mode", "cudagraph"], "--mode"),
-        (["--op", "relayout", "--direction", "d2h"], "--direction")],
+        (["--op", "relayout", "--direction", "d2h"], "--direction"),
+        # Between cuda:0 and cuda:1: --device cpu (and no 2 GPUs here) is a usage error.
+        (["--direction", "p2p"], "--direction"), (["--direction", "d2h,p2p:1to0"], "--direction"),
+        (["--op", "handoff", "--direction", "d2d"], "--direction")],
     "turboquant": [
         (["--presets", "turboquant_2bit"], "--presets"), (["--presets", "turboquant_k8v4,"],
                                                           "--presets"),
@@ -823,3 +826,65 @@ def test_sanitize_without_a_gpu_is_one_line(capsys):
     assert capsys.readouterr().err.count("\n") == 1
     assert sanitize.main(["--ops", "nope"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+# --- issue 46: --direction p2p (cuda:0 <-> cuda:1) -------------------------------------------------
+
+P2P_ARGV = ["transfer", "--model", "llama3-8b", "--layers", "2", "--direction", "p2p",
+            "--num-tokens", "2,16", "--engine", "sm,ce", "--max-ctas", "4,all"]
+
+
+@pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_p2p_with_fewer_than_two_gpus_is_one_line_and_exit_2(no_bench_work, capsys, monkeypatch,
+                                                             gpus):
+    # The default --device cuda: refused before the no-GPU check and before any work, naming
+    # --direction and how many GPUs PyTorch sees.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit) as e:
+        main(P2P_ARGV)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvwrite-bench transfer: error: --direction "
+                                                   "p2p:"), lines
+    assert f"needs 2 CUDA GPUs; PyTorch sees {gpus}" in lines[0], lines
+
+
+@pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)
+def test_p2p_from_another_device_is_refused(no_bench_work, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as e:
+        main([*P2P_ARGV, "--device", "cuda:1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--direction p2p" in err and "cuda:1" in err
+
+
+@pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)
+def test_p2p_points_both_ways(monkeypatch):
+    # With 2 GPUs: swap and relayout (each target) and the handoff (each page format), both ways;
+    # the SM budget sweep and ce (raw only), the peers of swap; no overlap points; every row's
+    # limit is the peer copy of its own way.
+    import argparse
+
+    from kvwrite.bench.ops import transfer as tb
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    parser = engine.build_parser(tb.BENCH, "t")
+    args = parser.parse_args(engine.normalize_flags(P2P_ARGV[1:]))
+    assert isinstance(args, argparse.Namespace)
+    args.explicit = engine.given_flags(parser, P2P_ARGV[1:])
+    args.num_tokens = " ".join(args.num_tokens)
+    tb.BENCH.configure(args, torch.device("cuda"))
+    args.token_counts = engine.parse_num_tokens(args.num_tokens)
+    points = tb.BENCH.points(args)
+    assert {p.direction for p in points} == {"p2p:0to1", "p2p:1to0"}
+    assert {p.op for p in points} == {"swap", "relayout", "handoff"}
+    assert not any(p.overlap for p in points)
+    assert {p.limit for p in points if p.direction == "p2p:1to0"} == {"p2p:1to0"}
+    swap = {(p.engine, p.max_ctas) for p in points if p.op == "swap"}
+    assert swap == {("sm", 4), ("sm", None), ("ce", None), ("vllm-loop", None),
+                    ("batch", None), ("torch", None)}
+    assert {p.page_format for p in points if p.op == "handoff" and p.engine == "ce"} == {"raw"}
+    assert tb._side_devices(points[0], torch.device("cuda")) == (
+        torch.device("cuda", 0), torch.device("cuda", 1))

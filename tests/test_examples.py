@@ -21,7 +21,7 @@ def _has_transfer_ops() -> bool:
         return False
 
 
-SCRIPTS = ["offload_roundtrip.py", "tp_exchange.py"]
+SCRIPTS = ["offload_roundtrip.py", "tp_exchange.py", "pd_handoff.py"]
 needs_transfer_ops = pytest.mark.skipif(not _has_transfer_ops(), reason="needs the transfer ops")
 
 

@@ -21,6 +21,13 @@ beside an attention stand-in on the main stream (bf16 causal scaled_dot_product_
 ``[1, 32, 8192, 128]``, repeated to cover the transfer): the row's time is the pair's, and its
 params say the attention's time per call alone and overlapped (the repeated sequence over its
 repeat count), their ratio, the repeat count and the transfer's time overlapped.
+
+``--direction p2p`` (issue #46; two GPUs, not in the default list): the source on cuda:0 and the
+destination on cuda:1 (``p2p:0to1``), and back (``p2p:1to0``), for swap, relayout and
+``handoff`` (pack_kv_pages on the source GPU, ``torch.cuda.nccl.broadcast`` of the pages, then
+unpack_kv_pages on the other); its limits are a 1 GiB ``copy_`` between the GPUs each way, with
+NCCL's broadcast of the same bytes beside them. Each call is bridged to cuda:0's stream, where
+the engine records its events (:func:`_bridged`).
 """
 
 from __future__ import annotations
@@ -75,15 +82,21 @@ MODELS = {m.name: m for m in (
     Model("deepseek-v3", 61, 1, 64, 576, 1, ("bf16", "fp8")),  # rows of 1152 and 576 bytes
 )}
 DIRECTIONS = ("d2h", "h2d", "d2d", "relayout")
-OPS = ("swap", "relayout", "pack", "unpack")
+# Between two GPUs of the host (peer access): cuda:0 -> cuda:1 and back. ``--direction p2p``
+# names both; they are not in the default list (a one-GPU machine could not run it).
+P2P = ("p2p:0to1", "p2p:1to0")
+P2P_DEVICES = {"p2p:0to1": (0, 1), "p2p:1to0": (1, 0)}  # (source GPU, destination GPU)
+OPS = ("swap", "relayout", "pack", "unpack", "handoff")
 FORMATS = ("raw", "fp8", "nvfp4")
 TARGETS = ("LBHNC", "page_first_direct")
 ENGINES = ("sm", "ce")
 PEERS = ("vllm-loop", "batch", "torch")
 # Which directions each op runs in (the side on the host: pack's pages, unpack's pages).
-OP_DIRECTIONS = {"swap": ("d2h", "h2d", "d2d"), "relayout": ("relayout",),
-                 "pack": ("d2h", "d2d"), "unpack": ("h2d", "d2d")}
-PEERS_OF = {"swap": PEERS, "relayout": ("torch",), "pack": (), "unpack": ()}
+# handoff: pack on the source GPU, NCCL's broadcast of the pages to the other, unpack there.
+OP_DIRECTIONS = {"swap": ("d2h", "h2d", "d2d", *P2P), "relayout": ("relayout", *P2P),
+                 "pack": ("d2h", "d2d"), "unpack": ("h2d", "d2d"), "handoff": P2P}
+PAGE_OPS = ("pack", "unpack", "handoff")
+PEERS_OF = {"swap": PEERS, "relayout": ("torch",), "pack": (), "unpack": (), "handoff": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +123,10 @@ class Point:
         return MODELS[self.model]
 
     @property
+    def p2p(self) -> bool:
+        return self.direction in P2P
+
+    @property
     def elem(self) -> int:
         return 2 if self.cache == "bf16" else 1
 
@@ -127,8 +144,8 @@ class Point:
                                      kv_split=m.kv_split, page_format=self.page_format)
 
     def dst_bytes(self) -> int:
-        """Destination bytes of one call (the page side for pack and unpack)."""
-        if self.op in ("pack", "unpack"):
+        """Destination bytes of one call (the page side for pack, unpack and handoff)."""
+        if self.op in PAGE_OPS:
             return self.blocks * self.page_bytes()
         return self.blocks * self.layers * self.layer_block_bytes()
 
@@ -139,7 +156,22 @@ class Point:
 
     @property
     def limit(self) -> str:
+        if self.p2p:
+            return self.direction  # the peer copy of that way
         return {"d2h": "d2h", "h2d": "h2d"}.get(self.direction, "d2d")
+
+
+def _check_p2p(device) -> None:
+    """``--direction p2p`` runs between cuda:0 and cuda:1: a usage error (ValueError naming
+    --direction and the GPU count) before any work where PyTorch sees fewer than 2 GPUs, and
+    --device must be the first of them (the engine's events and memory plan are on it)."""
+    count = torch.cuda.device_count()  # 0 on a build or machine without CUDA
+    if count < 2:
+        raise ValueError(f"--direction p2p: copies between cuda:0 and cuda:1 and needs 2 CUDA "
+                         f"GPUs; PyTorch sees {count}")
+    if device.type != "cuda" or device.index not in (None, 0):
+        raise ValueError(f"--direction p2p: runs from --device cuda (or cuda:0) and copies "
+                         f"between cuda:0 and cuda:1 ({count} GPUs seen), got --device {device}")
 
 
 def _ctas(text: str):
@@ -156,11 +188,12 @@ def _ctas(text: str):
 
 class TransferBench(OpBench):
     name = "transfer"
-    summary = "moving caches: swap, relayout, pack, unpack (d2h, h2d, d2d)"
+    summary = "moving caches: swap, relayout, pack, unpack (d2h, h2d, d2d; p2p between GPUs)"
     description = ("Benchmark the transfer ops (SPEC §9): swap_blocks_multi_layer, "
                    "relayout_kv_cache, pack_kv_pages and unpack_kv_pages between GPU caches, "
                    "pinned host memory and GPU buffers, by SMs under a CTA budget or by copy "
-                   "engines, beside vLLM's block copies, one batched copy and PyTorch, each "
+                   "engines (and between two GPUs: --direction p2p, with an NCCL handoff), "
+                   "beside vLLM's block copies, one batched copy and PyTorch, each "
                    "against the bandwidth limit of its direction measured in the same run, and "
                    "beside attention on another stream.")
     op = OP
@@ -176,6 +209,9 @@ class TransferBench(OpBench):
     def __init__(self) -> None:
         self._state: tuple | None = None        # (key, tensors) of the last point's sides
         self._limits: dict[str, float] = {}     # direction -> bytes/s
+        self._nccl: dict[str, float] = {}       # p2p direction -> NCCL broadcast bytes/s
+        self._nccl_note = ""                    # why there is no NCCL figure, if there is none
+        self._any_p2p = False
         self._host: dict = {}                   # point -> host seconds of the last series
         self._overlap: dict = {}                # point -> the last series' overlap events
         self._attention = None
@@ -193,11 +229,13 @@ class TransferBench(OpBench):
                        help="the first N layers of each model only (default: all)")
         g.add_argument("--direction", default=",".join(DIRECTIONS),
                        help="comma list of d2h (GPU cache -> pinned host), h2d, d2d (GPU -> "
-                            "GPU buffer), relayout (GPU, LBNHC -> LBHNC and -> page-first) "
-                            "(default: all)")
+                            "GPU buffer), relayout (GPU, LBNHC -> LBHNC and -> page-first), p2p "
+                            "(cuda:0 -> cuda:1 and back: swap, relayout, handoff; or one way: "
+                            "p2p:0to1, p2p:1to0; needs 2 GPUs) (default: d2h,h2d,d2d,relayout)")
         g.add_argument("--op", default=",".join(OPS),
                        help="comma list of swap (swap_blocks_multi_layer, one layout), relayout, "
-                            "pack, unpack (pack_kv_pages, unpack_kv_pages) (default: all)")
+                            "pack, unpack (pack_kv_pages, unpack_kv_pages), handoff (p2p only: "
+                            "pack, NCCL broadcast of the pages, unpack) (default: all)")
         g.add_argument("--page-format", default=",".join(FORMATS),
                        help="pack, unpack: comma list of raw, fp8, nvfp4 (default: all)")
         g.add_argument("--blocks", default=None,
@@ -231,7 +269,11 @@ class TransferBench(OpBench):
         args.model_list = parse_list(args.model, "--model", list(MODELS))
         if args.layers is not None and args.layers < 1:
             raise ValueError(f"--layers: expected a positive integer, got {args.layers}")
-        args.direction_list = parse_list(args.direction, "--direction", DIRECTIONS)
+        given = parse_list(args.direction, "--direction", (*DIRECTIONS, "p2p", *P2P))
+        args.direction_list = list(dict.fromkeys(
+            d for g in given for d in (P2P if g == "p2p" else (g,))))
+        if any(d in P2P for d in args.direction_list):
+            _check_p2p(device)
         args.op_list = parse_list(args.op, "--op", OPS)
         args.format_list = parse_list(args.page_format, "--page-format", FORMATS)
         args.engine_list = parse_list(args.engine, "--engine", ENGINES)
@@ -241,8 +283,8 @@ class TransferBench(OpBench):
         args.on_gpu = device.type == "cuda"
         if not any(d in OP_DIRECTIONS[o] for o in args.op_list for d in args.direction_list):
             raise ValueError(f"--direction: none of {args.direction} is a direction of --op "
-                             f"{args.op} (swap: d2h, h2d, d2d; relayout: relayout; pack: d2h, "
-                             f"d2d; unpack: h2d, d2d)")
+                             f"{args.op} (swap: d2h, h2d, d2d, p2p; relayout: relayout, p2p; "
+                             f"pack: d2h, d2d; unpack: h2d, d2d; handoff: p2p)")
 
     def points(self, args) -> list:
         self._past: list[int] = []
@@ -256,11 +298,12 @@ class TransferBench(OpBench):
                         out += self._group(args, name, cache, op, direction, layers)
         kept = [p for p in out if p.dst_bytes() <= MAX_POINT_BYTES]
         self._any_overlap = any(p.overlap for p in kept)
+        self._any_p2p = any(p.p2p for p in kept)
         self._past = sorted({p.num_tokens for p in out} - {p.num_tokens for p in kept})
         return kept
 
     def _group(self, args, model, cache, op, direction, layers) -> list[Point]:
-        formats = args.format_list if op in ("pack", "unpack") else [""]
+        formats = args.format_list if op in PAGE_OPS else [""]
         targets = list(TARGETS) if op == "relayout" else [""]
         out = []
         for fmt in formats:
@@ -296,6 +339,9 @@ class TransferBench(OpBench):
         limit = self._limits.get(p.limit)
         if limit is not None:
             out.update(limit=p.limit, limit_gbps=limit / 1e9)
+        nccl = self._nccl.get(p.direction)
+        if nccl is not None:
+            out["nccl_gbps"] = nccl / 1e9
         host = self._host.get(p)
         if host:
             out["host_us"] = statistics.median(host) * 1e6
@@ -314,8 +360,20 @@ class TransferBench(OpBench):
                  "GB/s = destination bytes (the page side for pack and unpack) / device time; "
                  "% limit against the limit of its direction (limit column)"]
         if self._limits:
-            lines.append("limits (one 1 GiB cudaMemcpyAsync, best of 5): " + ", ".join(
-                f"{k} {v / 1e9:.1f} GB/s" for k, v in self._limits.items()))
+            lines.append("limits (one 1 GiB cudaMemcpyAsync, best of 5; p2p: a 1 GiB copy_ "
+                         "between the GPUs, peer access on): " + ", ".join(
+                             f"{k} {v / 1e9:.1f} GB/s" for k, v in self._limits.items()))
+        if self._nccl or self._nccl_note:
+            lines.append("NCCL (torch.cuda.nccl.broadcast of 1 GiB from the source GPU to the "
+                         "other, one process, best of 5): " + (", ".join(
+                             f"{k} {v / 1e9:.1f} GB/s" for k, v in self._nccl.items())
+                             or self._nccl_note))
+        if any(p.p2p for p in points):
+            lines.append("p2p: source on cuda:a, destination on cuda:b; the call runs on the "
+                         "destination's current stream, bracketed by the events of cuda:0's "
+                         "stream (two cross-device stream waits per call); handoff = "
+                         "pack_kv_pages on the source GPU, torch.cuda.nccl.broadcast of the "
+                         "pages, unpack_kv_pages on the other (GB/s of page bytes; eager calls, sm included)")
         if self._past:
             lines.append(f"skipped: blocks {', '.join(map(str, self._past))} of some points "
                          f"(past 4 GiB a call)")
@@ -339,15 +397,16 @@ class TransferBench(OpBench):
         return p.src_bytes() + p.dst_bytes()
 
     def _gpu_sides(self, p: Point) -> tuple[bool, bool]:
-        src_gpu = p.direction in ("d2h", "d2d", "relayout")
-        dst_gpu = p.direction in ("h2d", "d2d", "relayout")
+        src_gpu = p.p2p or p.direction in ("d2h", "d2d", "relayout")
+        dst_gpu = p.p2p or p.direction in ("h2d", "d2d", "relayout")
         return src_gpu, dst_gpu
 
     def _side_bytes(self, p: Point) -> tuple[int, int]:
         nb = self._num_blocks(p)
         cache = nb * p.layers * p.layer_block_bytes()
-        pages = nb * p.page_bytes() if p.op in ("pack", "unpack") else cache
-        return {"pack": (cache, pages), "unpack": (pages, cache)}.get(p.op, (cache, cache))
+        pages = nb * p.page_bytes() if p.op in PAGE_OPS else cache
+        return {"pack": (cache, pages), "unpack": (pages, cache),
+                "handoff": (cache + pages, pages + cache)}.get(p.op, (cache, cache))
 
     def state_bytes(self, p: Point) -> int:
         src_gpu, dst_gpu = self._gpu_sides(p)
@@ -372,12 +431,14 @@ class TransferBench(OpBench):
         self._state = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        self._state = (key, _make_sides(p, device, self._num_blocks(p)))
+        self._state = (key, _make_sides(p, _side_devices(p, device), self._num_blocks(p)))
         return self._state[1]
 
     def prepare(self, p: Point, count: int, device):
         if device.type == "cuda":
             self._measure_limits(device)
+            if self._any_p2p:
+                self._measure_p2p_limits()
         elif not self._limits:
             self._limits = _cpu_limits()
         sides = self._sides(p, device)
@@ -393,8 +454,13 @@ class TransferBench(OpBench):
             maps.append(torch.stack([src, dst], 1).to(torch.int64))
         self._host.pop(p, None)
         self._overlap.pop(p, None)
+        src_dev, dst_dev = _side_devices(p, device)
+        # "run": the call's device (the destination GPU of a p2p call: its current stream takes
+        # the work); "gpus": every GPU the call touches (synchronized, bridged when timed).
+        run = dst_dev if dst_dev.type == "cuda" else src_dev
+        gpus = list(dict.fromkeys(d for d in (src_dev, dst_dev) if d.type == "cuda"))
         return {"point": p, "sides": sides, "maps": maps, "device": device, "reference": None,
-                "owner": None, "peer_runs": {}}
+                "owner": None, "peer_runs": {}, "run": run, "gpus": gpus}
 
     def unsupported(self, ctx, kind, impl) -> str | None:
         p: Point = ctx["point"]
@@ -422,13 +488,13 @@ class TransferBench(OpBench):
         if ctx["reference"] is None:
             _fill(outs)
             self._writer(ctx, "torch", 0, reference=True)()
-            _sync(ctx["device"])
+            _sync_all(ctx)
             ctx["reference"] = [storage_bytes(t).clone() for t in outs]
         _fill(outs)
         self._writer(ctx, impl, 0)()
-        _sync(ctx["device"])
-        nan = (ctx["sides"]["dtype"] if p.op == "unpack" and p.page_format in ("fp8", "nvfp4")
-               else None)
+        _sync_all(ctx)
+        nan = (ctx["sides"]["dtype"]
+               if p.op in ("unpack", "handoff") and p.page_format in ("fp8", "nvfp4") else None)
         for n, (t, want) in enumerate(zip(outs, ctx["reference"], strict=True)):
             diff = differing_bytes(storage_bytes(t), want, nan)
             if bool(diff.any()):
@@ -443,13 +509,14 @@ class TransferBench(OpBench):
         host = self._host.setdefault(p, [])
         host.clear()
 
-        def timed(i: int) -> None:
+        def eager(i: int) -> None:
             t0 = time.perf_counter()
             writers[i % len(writers)]()
             host.append(time.perf_counter() - t0)
             del host[:-SAMPLES_KEPT]
 
-        if p.engine == "sm" and ctx["device"].type == "cuda":
+        timed = _bridged(ctx, eager) if p.p2p else eager
+        if p.engine == "sm" and ctx["device"].type == "cuda" and p.op != "handoff":
             # The kernels' device time: each input set's call captured once into a CUDA graph
             # with its mapping on the GPU, and replayed (eager calls with a CPU mapping would
             # time the host's validation and launches whenever they outlast the copy). The host
@@ -460,8 +527,11 @@ class TransferBench(OpBench):
             replays = self._graphs(ctx, impl)
 
             def replay(i: int) -> None:
-                replays[i % len(replays)].replay()
+                with torch.cuda.device(ctx["run"]):
+                    replays[i % len(replays)].replay()
 
+            if p.p2p:
+                replay = _bridged(ctx, replay)
             return self._overlapped(ctx, replay) if p.overlap else replay
         if not p.overlap:
             return timed
@@ -469,17 +539,20 @@ class TransferBench(OpBench):
 
     def _graphs(self, ctx, impl: str) -> list:
         """One CUDA graph per input set: the series' call with that set's mapping on the GPU."""
-        device = ctx["device"]
+        device = ctx["run"]  # a p2p call's mapping and capture: on the destination GPU
         graphs = []
-        for i, m in enumerate(ctx["maps"]):
-            write = self._writer(ctx, impl, i, mapping=m.to(device))
-            write()  # outside capture first: kernels built and loaded
-            _sync(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                write()
-            graphs.append(g)
-        _sync(device)
+        with torch.cuda.device(device):
+            for i, m in enumerate(ctx["maps"]):
+                write = self._writer(ctx, impl, i, mapping=m.to(device))
+                write()  # outside capture first: kernels built and loaded
+                _sync_all(ctx)
+                g = torch.cuda.CUDAGraph()
+                # A capture stream of this device (torch.cuda.graph's default one lives on the
+                # device current when it was first made).
+                with torch.cuda.graph(g, stream=torch.cuda.Stream(device)):
+                    write()
+                graphs.append(g)
+        _sync_all(ctx)
         return graphs
 
     def release(self) -> None:
@@ -531,6 +604,8 @@ class TransferBench(OpBench):
             return lambda: kvwrite.swap_blocks_multi_layer(s["src"], s["dst"], mapping, **kw)
         if p.op == "relayout":
             return lambda: kvwrite.relayout_kv_cache(s["src"], s["dst"], mapping, **kw)
+        if p.op == "handoff":
+            return _handoff(p, s, mapping, kw)
         if p.op == "pack":
             return lambda: kvwrite.pack_kv_pages(s["src"], s["dst"][0], mapping,
                                                  kv_split=m.kv_split, page_format=p.page_format,
@@ -543,7 +618,7 @@ class TransferBench(OpBench):
         p: Point = ctx["point"]
         s = ctx["sides"]
         mapping = ctx["maps"][i]
-        device = ctx["device"]
+        device = ctx["run"]  # a p2p peer copies on the destination GPU's stream (peer pointers)
         if peer == "torch":
             src_i = mapping[:, 0].to(s["src"][0].device)
             dst_j = mapping[:, 1].to(s["dst"][0].device)
@@ -559,7 +634,7 @@ class TransferBench(OpBench):
 
         if peer == "vllm-loop":
             vllm = _vllm_swap_blocks()
-            if vllm is not None and p.op == "swap":
+            if vllm is not None and p.op == "swap" and not p.p2p:  # vLLM's wants one device
                 size = [a.stride(0) * a.element_size() for a in s["src"]]
                 return lambda: [vllm(a, b, n, mapping)
                                 for a, b, n in zip(s["src"], s["dst"], size, strict=True)]
@@ -591,6 +666,44 @@ class TransferBench(OpBench):
                 best = min(best, a.elapsed_time(b) / 1e3)
             self._limits[name] = LIMIT_BYTES / best
         del dev, dev2, host
+
+    def _measure_p2p_limits(self) -> None:
+        """The p2p limits: one 1 GiB copy_ from one GPU to the other each way (PyTorch enables
+        peer access and issues one cudaMemcpyAsync on the source's stream between two barriers
+        with the destination's stream, so events on the destination's stream bracket it), best
+        of LIMIT_REPS; and NCCL's broadcast of the same bytes in this process
+        (torch.cuda.nccl.broadcast from the source GPU, on each GPU's current stream)."""
+        if any(d in self._limits for d in P2P):
+            return
+        bufs = {i: torch.empty(LIMIT_BYTES, dtype=torch.uint8, device=f"cuda:{i}")
+                for i in (0, 1)}
+        for name, (a, b) in P2P_DEVICES.items():
+            dst_stream = torch.cuda.current_stream(b)
+            best = math.inf
+            for _ in range(LIMIT_REPS):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(dst_stream)
+                bufs[b].copy_(bufs[a], non_blocking=True)
+                e1.record(dst_stream)
+                e1.synchronize()
+                best = min(best, e0.elapsed_time(e1) / 1e3)
+            self._limits[name] = LIMIT_BYTES / best
+        try:
+            from torch.cuda import nccl
+
+            if not nccl.is_available([bufs[0], bufs[1]]):
+                raise RuntimeError("torch.cuda.nccl.is_available() is False for these buffers")
+            for name, (a, b) in P2P_DEVICES.items():
+                pair = [bufs[a], bufs[b]]
+                nccl.broadcast(pair, root=0)  # creates the communicators
+                torch.cuda.synchronize(a)
+                torch.cuda.synchronize(b)
+                self._nccl[name] = LIMIT_BYTES / min(
+                    _bridged_time(lambda pair=pair: nccl.broadcast(pair, root=0), (a, b))
+                    for _ in range(LIMIT_REPS))
+        except Exception as e:  # no NCCL in this build, or it cannot run here: the header says
+            self._nccl_note = f"not measured ({type(e).__name__}: {str(e).splitlines()[0]})"
+        del bufs
 
     def _overlapped(self, ctx, transfer):
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -677,47 +790,73 @@ def _random_fill(t: torch.Tensor, gen: torch.Generator, float_values: bool) -> N
                                                 dtype=torch.uint8))
 
 
-def _make_sides(p: Point, device, nb: int) -> dict:
+def _side_devices(p: Point, device) -> tuple[torch.device, torch.device]:
+    """(source device, destination device) of a point: the host for a pinned side (on the CPU
+    every side is the host), the run's GPU, or a p2p direction's two GPUs."""
+    if p.p2p:
+        a, b = P2P_DEVICES[p.direction]
+        return torch.device("cuda", a), torch.device("cuda", b)
+    host = torch.device("cpu")
+    src_gpu = p.direction in ("d2h", "d2d", "relayout")
+    dst_gpu = p.direction in ("h2d", "d2d", "relayout")
+    if p.op == "pack":
+        src_gpu = True  # the caches; the pages are the direction's destination
+    if p.op == "unpack":
+        dst_gpu = True
+    return (device if src_gpu else host), (device if dst_gpu else host)
+
+
+def _make_sides(p: Point, devices, nb: int) -> dict:
     import kvwrite
 
     m = p.spec
     dtype = torch.bfloat16 if p.cache == "bf16" else torch.uint8
-    pin = device.type == "cuda"
-    src_gpu = p.direction in ("d2h", "d2d", "relayout")
-    dst_gpu = p.direction in ("h2d", "d2d", "relayout")
+    src_dev, dst_dev = devices
+    run = dst_dev if dst_dev.type == "cuda" else src_dev
+    pin = run.type == "cuda"
+    src_gpu = p.p2p or p.direction in ("d2h", "d2d", "relayout")
+    dst_gpu = p.p2p or p.direction in ("h2d", "d2d", "relayout")
 
-    def where(gpu: bool) -> dict:
-        return dict(device=device) if gpu else dict(pin_memory=pin)
+    def where(gpu: bool, dev: torch.device) -> dict:
+        return dict(device=dev) if gpu else dict(pin_memory=pin)
 
-    gen = torch.Generator(device=device).manual_seed(SEED)  # host sides: made on the GPU
+    gen = torch.Generator(device=src_dev if src_dev.type == "cuda" else run).manual_seed(SEED)
 
-    def lbnhc(gpu: bool) -> list[torch.Tensor]:
+    def lbnhc(gpu: bool, dev: torch.device) -> list[torch.Tensor]:
         """vLLM's per-layer caches [nb, N, H, C] as logical [nb, H, N, C] views."""
-        return [torch.empty(nb, m.tokens, m.heads, m.row, dtype=dtype, **where(gpu))
+        return [torch.empty(nb, m.tokens, m.heads, m.row, dtype=dtype, **where(gpu, dev))
                 .permute(0, 2, 1, 3) for _ in range(p.layers)]
 
     float_values = dtype == torch.bfloat16
     out: dict = {"dtype": dtype, "scale": None}
+    quantized = p.page_format in ("fp8", "nvfp4")
     if p.op == "swap":
-        out["src"] = [t.permute(0, 2, 1, 3) for t in lbnhc(src_gpu)]  # physical [nb, N, H, C]
-        out["dst"] = [t.permute(0, 2, 1, 3) for t in lbnhc(dst_gpu)]
+        out["src"] = [t.permute(0, 2, 1, 3) for t in lbnhc(src_gpu, src_dev)]  # [nb, N, H, C]
+        out["dst"] = [t.permute(0, 2, 1, 3) for t in lbnhc(dst_gpu, dst_dev)]
     elif p.op == "relayout":
-        out["src"] = lbnhc(True)
+        out["src"] = lbnhc(True, src_dev)
         if p.target == "LBHNC":
-            out["dst"] = [torch.empty(nb, m.heads, m.tokens, m.row, dtype=dtype, device=device)
+            out["dst"] = [torch.empty(nb, m.heads, m.tokens, m.row, dtype=dtype, device=dst_dev)
                           for _ in range(p.layers)]
         else:  # one page-first buffer [nb, L, H, N, C]: a block of every layer together
             buf = torch.empty(nb, p.layers, m.heads, m.tokens, m.row, dtype=dtype,
-                              device=device)
+                              device=dst_dev)
             out["dst"] = [buf[:, layer] for layer in range(p.layers)]
+    elif p.op == "handoff":  # caches and pages on each GPU; the pages travel by NCCL
+        P = p.page_bytes()
+        out["src"], out["dst"] = lbnhc(True, src_dev), lbnhc(True, dst_dev)
+        out["pages"] = [torch.empty(nb, P, dtype=torch.uint8, device=d)
+                        for d in (src_dev, dst_dev)]
+        if quantized:
+            out["scale"] = torch.full((1,), 0.01, dtype=torch.float32, device=src_dev)
     else:
         P = p.page_bytes()
-        caches_gpu = True
+        caches_dev = src_dev if p.op == "pack" else dst_dev
         pages_gpu = dst_gpu if p.op == "pack" else src_gpu
-        caches = lbnhc(caches_gpu)
-        pages = torch.empty(nb, P, dtype=torch.uint8, **where(pages_gpu))
-        if p.page_format != "raw":
-            out["scale"] = torch.full((1,), 0.01, dtype=torch.float32, device=device)
+        caches = lbnhc(True, caches_dev)
+        pages = torch.empty(nb, P, dtype=torch.uint8, **where(pages_gpu, caches_dev))
+        if quantized:
+            out["scale"] = torch.full((1,), 0.01, dtype=torch.float32, device=caches_dev)
         if p.op == "pack":
             out["src"], out["dst"] = caches, [pages]
         else:
@@ -726,15 +865,17 @@ def _make_sides(p: Point, device, nb: int) -> dict:
         for t in _unique(out["src"]):
             _random_fill(t, gen, float_values)
     if p.op == "unpack":  # pages worth decoding: every block of the caches packed
-        src = lbnhc(True)
+        src = lbnhc(True, dst_dev)
         for t in src:
             _random_fill(t, gen, float_values)
         ids = torch.arange(nb)
         kvwrite.pack_kv_pages(src, out["src"][0], torch.stack([ids, ids], 1),
                               kv_split=m.kv_split, page_format=p.page_format,
                               scale=None if p.page_format == "raw"
-                              else torch.full((1,), 0.01, dtype=torch.float32, device=device))
-        _sync(device)
+                              else torch.full((1,), 0.01, dtype=torch.float32, device=dst_dev))
+        _sync(dst_dev)
+    for d in devices:
+        _sync(d)
     return out
 
 
@@ -759,6 +900,69 @@ def _fill(tensors) -> None:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _sync_all(ctx) -> None:
+    for d in ctx["gpus"]:
+        _sync(d)
+
+
+def _bridged(ctx, fn):
+    """``fn`` (a call of a p2p point) ordered with the current stream of the run's device
+    (cuda:0), on which the engine records its events: every other GPU's current stream waits
+    for it before the call, and it waits for them after, so the events bracket the work
+    enqueued on either GPU (two cross-device stream waits per call)."""
+    main_dev = torch.device("cuda", torch.cuda.current_device())
+    others = [d for d in ctx["gpus"] if d != main_dev]
+
+    def call(i: int) -> None:
+        main = torch.cuda.current_stream(main_dev)
+        for d in others:
+            torch.cuda.current_stream(d).wait_stream(main)
+        fn(i)
+        for d in others:
+            main.wait_stream(torch.cuda.current_stream(d))
+    return call
+
+
+def _bridged_time(fn, gpus) -> float:
+    """Seconds of ``fn`` (work on the current streams of ``gpus``, indices) between two events of
+    the first GPU's stream, the others bridged to it."""
+    main = torch.cuda.current_stream(gpus[0])
+    others = [torch.cuda.current_stream(g) for g in gpus[1:]]
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record(main)
+    for o in others:
+        o.wait_stream(main)
+    fn()
+    for o in others:
+        main.wait_stream(o)
+    e1.record(main)
+    e1.synchronize()
+    return e0.elapsed_time(e1) / 1e3
+
+
+def _handoff(p: Point, s: dict, mapping, kw: dict):
+    """A handoff call: pack the mapped blocks of every layer into page rows 0..n-1 on the source
+    GPU, NCCL's broadcast of those rows to the other GPU's pages (in this process), unpack them
+    into the mapped destination blocks there."""
+    from torch.cuda import nccl
+
+    import kvwrite
+
+    m = p.spec
+    n = mapping.shape[0]
+    rows = torch.arange(n, dtype=mapping.dtype, device=mapping.device)
+    pack_map = torch.stack([mapping[:, 0], rows], 1)
+    unpack_map = torch.stack([rows, mapping[:, 1]], 1)
+    src_pages, dst_pages = (t[:n] for t in s["pages"])  # leading rows: contiguous
+    fmt = dict(kv_split=m.kv_split, page_format=p.page_format)
+
+    def handoff() -> None:
+        kvwrite.pack_kv_pages(s["src"], src_pages, pack_map, scale=s["scale"], **fmt, **kw)
+        nccl.broadcast([src_pages, dst_pages], root=0)
+        kvwrite.unpack_kv_pages(dst_pages, s["dst"], unpack_map, **fmt, **kw)
+    return handoff
 
 
 def _block_runs(src, dst, mapping):
