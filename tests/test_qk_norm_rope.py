@@ -1475,7 +1475,7 @@ def test_triton_kernels_compile_for_sm90_without_fma_or_flush():
     builds only, none here), no .ftz, the correctly rounded root and true divisions, no
     approximate root; with fusion allowed the same kernel gets fmas (the check can fail)."""
     counts = run_triton_script(_PTX_SCRIPT)
-    assert counts.pop("compiled") == 4
+    assert counts.pop("compiled") == 8
     fusion = counts.pop("norm-fusion-on")
     for name, (fma, ftz, sqrt_rn, div_rn, sqrt_approx, rsqrt) in counts.items():
         assert (fma, ftz, sqrt_approx, rsqrt) == (0, 0, 0, 0), (name, counts[name])
@@ -1639,6 +1639,26 @@ consts = dict(NUM_Q_HEADS=12, NUM_K_HEADS=2, HEAD_SIZE=256, HEAD_STRIDE=257, IS_
               q_weight_ptr=None, k_weight_ptr=None)
 ptx(norm._qk_norm_rope_rows_kernel, types, consts, 2)
 compiled += 1
+# Weights on one side only (q or k): the q and k tiles take either branch of one runtime `if`,
+# which Triton compiles only when both give the weights one type (the interpreter never checks).
+for has_qw in (True, False):
+    types = {"positions_ptr": "*i64", "qkv_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+             "num_rot": "i32", "qkv_stride": "i32", "max_position": "i32", "eps_bits": "i32",
+             "offset_bits": "i32", ("k_weight_ptr", "q_weight_ptr")[has_qw]: "*fp16"}
+    consts = dict(NUM_Q_HEADS=4, NUM_K_HEADS=2, HEAD_SIZE=64, HEAD_STRIDE=64, IS_NEOX=True,
+                  HAS_QW=has_qw, HAS_KW=not has_qw, ADD_OFFSET=False, Q_TILES=2, BLOCK_T=2,
+                  BLOCK_H=2)
+    consts[("q_weight_ptr", "k_weight_ptr")[has_qw]] = None
+    ptx(norm._qk_norm_rope_rows_kernel, types, consts, 1)
+    types = {**types, "query_out_ptr": "*fp32", "key_cache_ptr": "*fp32",
+             "value_cache_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+             **{n: "i32" for n in ("num_tokens", "qo_stride", "num_slots", "stride_b",
+                                   "stride_s", "stride_h")}}
+    consts.update(STORE_KEY=True, QUERY_IN_PLACE=True, QUERY_QUANT=0, Q_PER_HEAD_SCALE=False,
+                  BLOCK_SIZE=16, QUANT=0, K_PER_HEAD=False, V_PER_HEAD=False, q_scale_ptr=None,
+                  k_scale_ptr=None, v_scale_ptr=None)
+    ptx(fused._qk_norm_rope_cache_rows_kernel, types, consts, 1)
+    compiled += 2
 out["compiled"] = compiled
 print(json.dumps(out))
 """
@@ -1654,7 +1674,7 @@ def test_triton_rows_kernels_ptx_for_sm90():
     (neox: 2 halves x 4 rows) and as many stores; the fused op loads the value too and stores
     key and value into the caches."""
     counts = run_triton_script(_ROWS_PTX_SCRIPT)
-    assert counts.pop("compiled") == 4
+    assert counts.pop("compiled") == 8
     for name, ops in counts.items():
         narrow = {op: n for op, n in ops.items() if op.startswith(("ld.global", "st.global"))
                   and not op.endswith((".v4.b32", ".b64", ".v2.b32", ".b32"))}

@@ -127,7 +127,7 @@ if triton is not None:
     def row_weights(w_ptr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, HAS_W: tl.constexpr,
                     ADD_OFFSET: tl.constexpr, offset):
         """The weights of the two members of each pair (``[1, 1, HALF]`` float32 each), plus
-        ``offset`` where ``ADD_OFFSET``; (1, 1) without ``HAS_W`` (not applied)."""
+        ``offset`` where ``ADD_OFFSET``; ones without ``HAS_W`` (not applied)."""
         if HAS_W:
             if IS_NEOX:
                 j = tl.arange(0, HALF)
@@ -141,7 +141,11 @@ if triton is not None:
                 wb = wb + offset
             return wa[None, None, :], wb[None, None, :]
         else:
-            return 1.0, 1.0
+            # Tensors of the weighted shape (never applied): a call's q and k tiles take either
+            # branch of one runtime `if`, and Triton's compiler requires one type for wa and wb
+            # after it (scalars here failed to compile with q weights but no k weights).
+            one = tl.full([1, 1, HALF], 1.0, tl.float32)
+            return one, one
 
     @triton.jit
     def load_row_pairs(ptr, row, j, mask, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
