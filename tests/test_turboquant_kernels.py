@@ -217,7 +217,10 @@ def make_case(preset_name, dtype, slot_dtype, d, *, t=7, h=2, nb=4, bs=4, extra=
         # the upper centroid.
         x = key[0, 1].float()
         den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
-        mids = torch.sort((x / den)[:nm]).values
+        ties = (x / den)[:nm]
+        # D < 2^b - 1 (D = 8, 4 bits): the ties, completed by the random midpoints to 2^b - 1
+        mids = torch.sort(torch.cat([ties, mids[:nm - ties.numel()]])).values
+    assert mids is None or mids.numel() == nm, "midpoints: 2^b - 1 of them, as the op validates"
     s = preset.slot_size_aligned + (0 if vllm_alloc else 3)
     if vllm_alloc:
         kv_cache = torch.randint(0, 256, (nb, h, bs, s), generator=g, dtype=torch.uint8)
