@@ -63,6 +63,8 @@ run 07_gather-fp8 gather --kinds dequant,cp,flash --kv-cache-dtypes fp8 \
     --num-tokens 1024,8192,16384,65536
 run 08_indexer indexer --scale-fmts ue8m0,mxfp8,float32 --num-tokens 1,1024,16384,65536
 run 09_legacy legacy --num-heads 8 --num-tokens 2,1024,16384 --kv-cache-dtype fp8
+run 11_turboquant turboquant --num-tokens 1,16,1024,16384,65536
+run 12_mx mx --scale-rules ceil,floor --num-tokens 1,16,1024,16384,65536
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed: ${failed[*]} (see $out/*.err)" >&2
