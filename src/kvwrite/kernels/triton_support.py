@@ -118,6 +118,36 @@ class PdlTuning:
     pdl_trigger_max_programs: int = 1024
 
 
+# eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupTuning(PdlTuning):
+    """Launch shapes of a Triton write that quantizes each row in groups (NVFP4's 16 elements,
+    the MX formats' 32), for :func:`group_tiling`; each op's ``TritonTuning`` derives from it and
+    sets its defaults beside its reasons."""
+
+    # Input bytes of K per program (as many of V).
+    tile_bytes: int = 4096
+    # Input bytes of K per warp.
+    bytes_per_warp: int = 1024
+    max_warps: int = 8
+
+
+@functools.lru_cache(maxsize=512)
+def group_tiling(num_tokens: int, groups: int, group_bytes: int, tuning: GroupTuning
+                 ) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_Q, num_warps) of a group-quantizing write: BLOCK_Q of a token's ``groups``
+    groups of ``group_bytes`` input bytes (its whole row when it fits ``tuning.tile_bytes``),
+    BLOCK_T tokens (at most T rounded up to a power of two), a warp per
+    ``tuning.bytes_per_warp`` of the tile, a power of two up to ``tuning.max_warps``."""
+    per_tile = max(1, tuning.tile_bytes // group_bytes)
+    block_q = min(next_pow2(groups), next_pow2(per_tile))
+    block_t = 1
+    while block_t * 2 * block_q <= per_tile and block_t < next_pow2(num_tokens):
+        block_t *= 2
+    warps = min(tuning.max_warps, max(1, block_t * block_q * group_bytes // tuning.bytes_per_warp))
+    return block_t, block_q, 1 << (warps.bit_length() - 1)
+
+
 def storage_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole storage behind ``t`` as a flat tensor of ``dtype`` (its trailing bytes past a
     whole element left out): a view, nothing allocated or copied, on ``t``'s device (pinned

@@ -18,7 +18,6 @@ widened from its bits), so the interpreter (``TRITON_INTERPRET=1``) writes the G
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -36,7 +35,7 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
 from ...kernels.triton_mx import mx_rule
 from ...kernels.triton_nvfp4 import widen
-from ...kernels.triton_support import PdlTuning, next_pow2
+from ...kernels.triton_support import GroupTuning, group_tiling
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
 
@@ -51,7 +50,7 @@ def unsupported(key, key_cache, mode, scale_layout) -> str | None:
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
-class TritonTuning(PdlTuning):
+class TritonTuning(GroupTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one."""
 
     # Input bytes of K per program (as many of V), as for reshape_and_cache_flash's 4 KiB tiles.
@@ -63,21 +62,6 @@ class TritonTuning(PdlTuning):
 
 
 TUNING = TritonTuning()
-
-
-@functools.lru_cache(maxsize=256)
-def _tiling(num_tokens: int, groups: int, in_bytes: int, tuning: TritonTuning = TUNING
-            ) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_Q, num_warps): BLOCK_Q groups of a token's ``groups`` (its whole row when
-    it fits the tile), BLOCK_T tokens (at most T rounded up to a power of two)."""
-    group_bytes = GROUP * in_bytes
-    per_tile = max(1, tuning.tile_bytes // group_bytes)
-    block_q = min(next_pow2(groups), next_pow2(per_tile))
-    block_t = 1
-    while block_t * 2 * block_q <= per_tile and block_t < next_pow2(num_tokens):
-        block_t *= 2
-    warps = min(tuning.max_warps, max(1, block_t * block_q * group_bytes // tuning.bytes_per_warp))
-    return block_t, block_q, 1 << (warps.bit_length() - 1)
 
 
 if triton is not None:
@@ -161,7 +145,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     t_pad, num_heads, head_size = key.shape
     groups = head_size // GROUP
     num_blocks, block_size = key_cache.shape[:2]
-    block_t, block_q, warps = _tiling(num_tokens, num_heads * groups, key.element_size(), tuning)
+    block_t, block_q, warps = group_tiling(num_tokens, num_heads * groups,
+                                           GROUP * key.element_size(), tuning)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads * groups, block_q))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
