@@ -72,6 +72,17 @@ def check_token_indices(name: str, t: torch.Tensor, rows: int | None = None,
         check_at_most(name, t, rows, rows_of)
 
 
+def check_reader_slots(name: str, t, device: torch.device, device_of: str) -> None:
+    """A reader's slot list: a tensor of 1 dim ``[num_tokens]``, int64 or int32, on ``device``
+    (that of ``device_of``, the cache it reads); any stride."""
+    require_tensor(name, t)
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected 1 dim [num_tokens], got shape {shape_str(t)}")
+    check_slot_dtype(name, t)
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of {device_of}), got {t.device}")
+
+
 def check_in_range(name: str, t: torch.Tensor, bad: torch.Tensor, expected: str,
                    at: str = "positions") -> None:
     """Raise ValueError naming the entries of ``t`` where the boolean ``bad`` holds (the first

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...dtypes import parse_kv_cache_dtype
-from ...validation import check_in_range, check_slot_dtype, require_tensor
+from ...validation import check_in_range, check_reader_slots, require_tensor
 from ...validation import shape_str as _shape
 from .op import SCALE_DTYPES, mode_of, parse_scale_layout, scale_cache_shape
 from .rule import GROUP, decode_groups, scale_positions
@@ -61,14 +61,7 @@ def mx_gather_cache(cache: torch.Tensor, scale_cache: torch.Tensor, slot_mapping
     if scale_cache.device != cache.device:
         raise ValueError(f"scale_cache: expected device {cache.device} (that of cache), got "
                          f"{scale_cache.device}")
-    require_tensor("slot_mapping", slot_mapping)
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape "
-                         f"{_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.device != cache.device:
-        raise ValueError(f"slot_mapping: expected device {cache.device} (that of cache), got "
-                         f"{slot_mapping.device}")
+    check_reader_slots("slot_mapping", slot_mapping, cache.device, "cache")
     if output_dtype not in _OUTPUT_DTYPES:
         raise ValueError(f"output_dtype: expected torch.float32, torch.bfloat16 or "
                          f"torch.float16, got {output_dtype!r}")

@@ -12,7 +12,7 @@ import torch
 
 from ... import formats
 from ...dtypes import INPUT_DTYPES
-from ...validation import check_slot_dtype, require_tensor
+from ...validation import check_reader_slots, require_tensor
 from ...validation import shape_str as _shape
 from .op import (
     ScaleLayout,
@@ -79,14 +79,7 @@ def nvfp4_gather_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, scale, *
     if layout is ScaleLayout.SWIZZLED and (bs % 4 or head_size % 64):
         raise ValueError(f"scale_layout: 'swizzled' needs block_size % 4 == 0 and head_size % 64 "
                          f"== 0, got block_size {bs} and head_size {head_size}")
-    require_tensor("slot_mapping", slot_mapping)
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected 1 dim [num_tokens], got shape "
-                         f"{_shape(slot_mapping)}")
-    check_slot_dtype("slot_mapping", slot_mapping)
-    if slot_mapping.device != cache.device:
-        raise ValueError(f"slot_mapping: expected device {cache.device} (that of cache), got "
-                         f"{slot_mapping.device}")
+    check_reader_slots("slot_mapping", slot_mapping, cache.device, "cache")
     output_dtype = _output_dtype(output_dtype)
     k = _scale("scale", scale, cache.device)
     groups = head_size // GROUP
