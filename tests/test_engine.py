@@ -888,3 +888,28 @@ def test_p2p_points_both_ways(monkeypatch):
     assert {p.page_format for p in points if p.op == "handoff" and p.engine == "ce"} == {"raw"}
     assert tb._side_devices(points[0], torch.device("cuda")) == (
         torch.device("cuda", 0), torch.device("cuda", 1))
+
+
+def test_sigterm_keeps_what_was_measured(monkeypatch, capsys, tmp_path):
+    """SIGTERM (`timeout`'s, a scheduler's) mid-sweep stops the run as Ctrl-C does: the points
+    measured so far are printed and written; the caller's SIGTERM handler comes back after."""
+    import os
+    import signal
+
+    real = engine._measure
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_measure", measure)
+    before = signal.getsignal(signal.SIGTERM)
+    js = tmp_path / "r.json"
+    assert main([*TINY[SUBS[0]], "--json", str(js)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C) after 2 of" in err and "Traceback" not in err
+    assert len(json.loads(js.read_text())["rows"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -27,7 +27,9 @@ definition only.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
 __all__ = ["main", "subcommands", "TOOLS", "bench_of", "PROG", "DEFAULT"]
 
@@ -131,8 +133,16 @@ def _tool_main(name: str, argv: list[str], prog: str) -> int:
     return compare_main(argv, f"{prog} compare")
 
 
+def _sigterm_as_ctrl_c(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM (`timeout`, a job scheduler's time limit) stops a run as Ctrl-C does: the points
+    # measured until then are printed and written, not lost with the process.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
     try:
         return _main(argv, prog)
     except KeyboardInterrupt:
@@ -140,6 +150,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         # The sweep's own Ctrl-C is the engine's (the table of what was measured, then 130).
         print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str], prog: str) -> int:
