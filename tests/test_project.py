@@ -454,3 +454,12 @@ def test_no_op_imports_another_ops_private_name():
     found = {f"{p.relative_to(ops)}: {name}" for p in sorted(ops.rglob("*.py"))
              if p.parent != ops for name in _other_op_privates(p)}
     assert not found, "\n".join(sorted(found))
+
+
+def test_testing_md_lists_every_test_file():
+    """docs/testing.md has a row for each tests/test_*.py (what it checks, with and without a
+    GPU), so a new file cannot go unexplained."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
+               if f"`tests/{p.name}`" not in page]
+    assert not missing, f"docs/testing.md lacks a row for {missing}"
