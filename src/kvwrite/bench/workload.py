@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from ..dtypes import CacheDType
-from ..layouts import LAYOUT_NAMES, allocate_kv_cache, fill_uniform, layout_alloc
+from ..layouts import (
+    LAYOUT_NAMES,
+    allocate_kv_cache,
+    create_kv_caches_with_random_flash,
+    fill_uniform,
+    layout_alloc,
+)
 from ..testing.cases import Case
 from ..testing.compare import storage_bytes
 from ..testing.slots import make_slots
@@ -156,6 +162,34 @@ def point_sets(p, count: int, device: torch.device, rows: Callable[[], tuple]) -
     ``num_tokens``, ``num_blocks`` and ``block_size``: Skip where the pattern does not fit."""
     with skip_unless_fits():
         return slot_sets(p.slots, p.num_tokens, p.num_blocks, p.block_size, count, device, rows)
+
+
+def fp8_beside(p, sets: list[tuple], device: torch.device) -> tuple[tuple, tuple]:
+    """The fp8 write of point ``p``'s shape, the series a new format is timed beside: its
+    per-tensor scales (the first input set's amax / 448, float32 ``[1]`` each) and vLLM's NHD fp8
+    caches of random bytes (``p.num_blocks`` blocks of ``p.block_size``, ``p.num_heads`` heads of
+    ``p.head_size``)."""
+    key, value, _ = sets[0]
+    scales = tuple((x.abs().amax().float() / 448).reshape(1) for x in (key, value))
+    (k, ), (v, ) = create_kv_caches_with_random_flash(
+        p.num_blocks, p.block_size, 1, p.num_heads, p.head_size, "fp8", seed=SEED,
+        device=device, cache_layout="NHD")
+    return scales, (k, v)
+
+
+def fp8_write(key, value, slots, caches: tuple, scales: tuple, impl: str) -> Callable[[], None]:
+    """A call of the fp8 write of :func:`fp8_beside` into ``caches`` by ``impl``."""
+    from .. import reshape_and_cache_flash  # at call time: a test may replace it
+
+    return lambda: reshape_and_cache_flash(key, value, caches[0], caches[1], slots, "fp8",
+                                           *scales, implementation=impl)
+
+
+def cycling(calls: list[Callable[[], None]]) -> Callable[[int], None]:
+    """The engine's ``call(i)`` over prepared calls, one per input set, in turn."""
+    def call(i: int) -> None:
+        calls[i % len(calls)]()
+    return call
 
 
 def check_caches(run, impl: str, caches: tuple, nan_dtypes: tuple = ()) -> str | None:

@@ -25,15 +25,22 @@ import torch
 
 from ... import formats
 from ...dtypes import MODEL_DTYPES
-from ...layouts import create_kv_caches_with_random_flash
 from ...testing.slots import SlotPattern
 from .. import engine
 from ..engine import parse_list, slot_pattern
-from ..workload import KeyValueBench, check_caches, key_value_rows, point_sets
+from ..workload import (
+    SEED,
+    KeyValueBench,
+    check_caches,
+    cycling,
+    fp8_beside,
+    fp8_write,
+    key_value_rows,
+    point_sets,
+)
 
 __all__ = ["BENCH", "MODES", "OP"]
 
-SEED = 42
 # The hidden op behind reshape_and_cache_flash's MX modes (its implementations are timed).
 OP = "mx_kv_write"
 WRITE = "reshape_and_cache_flash"
@@ -166,14 +173,9 @@ class MxBench(KeyValueBench):
                                 dtype=torch.uint8, device=device, generator=gen).view(shape)
                   for _ in range(2))
         ks, vs = scale_cache(p, device, gen), scale_cache(p, device, gen)
-        key, value, _ = sets[0]
-        k8 = (key.abs().amax().float() / 448).reshape(1)
-        v8 = (value.abs().amax().float() / 448).reshape(1)
-        (k8c,), (v8c,) = create_kv_caches_with_random_flash(
-            p.num_blocks, p.block_size, 1, p.num_heads, p.head_size, "fp8", seed=SEED,
-            device=device, cache_layout="NHD")
-        return {"point": p, "sets": sets, "fp8_scales": (k8, v8),
-                "caches": {"mx": (kd, vd, ks, vs), "fp8": (k8c, v8c)}}
+        fp8_scales, fp8_caches = fp8_beside(p, sets, device)
+        return {"point": p, "sets": sets, "fp8_scales": fp8_scales,
+                "caches": {"mx": (kd, vd, ks, vs), "fp8": fp8_caches}}
 
     def _writer(self, ctx, kind: str, impl: str, i: int, caches=None):
         """A call of ``kind`` on input set ``i`` writing into ``caches`` (default the point's)."""
@@ -182,9 +184,7 @@ class MxBench(KeyValueBench):
         key, value, slots = ctx["sets"][i]
         caches = caches or ctx["caches"][kind]
         if kind == "fp8":
-            k8, v8 = ctx["fp8_scales"]
-            return lambda: reshape_and_cache_flash(
-                key, value, caches[0], caches[1], slots, "fp8", k8, v8, implementation=impl)
+            return fp8_write(key, value, slots, caches, ctx["fp8_scales"], impl)
         p: Point = ctx["point"]
         kd, vd, ks, vs = caches
         return lambda: reshape_and_cache_flash(
@@ -199,11 +199,7 @@ class MxBench(KeyValueBench):
                             impl, ctx["caches"][kind], (torch.float8_e4m3fn,) * 2 if e4m3 else ())
 
     def call(self, ctx, kind, impl):
-        calls = [self._writer(ctx, kind, impl, i) for i in range(len(ctx["sets"]))]
-
-        def call(i: int) -> None:
-            calls[i % len(calls)]()
-        return call
+        return cycling([self._writer(ctx, kind, impl, i) for i in range(len(ctx["sets"]))])
 
 
 BENCH = MxBench()

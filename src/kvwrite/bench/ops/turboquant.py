@@ -25,15 +25,22 @@ import torch
 
 from ... import formats
 from ...dtypes import MODEL_DTYPES
-from ...layouts import create_kv_caches_with_random_flash
 from ...testing.slots import SlotPattern
 from .. import engine
 from ..engine import parse_list, slot_pattern
-from ..workload import KeyValueBench, check_caches, key_value_rows, point_sets
+from ..workload import (
+    SEED,
+    KeyValueBench,
+    check_caches,
+    cycling,
+    fp8_beside,
+    fp8_write,
+    key_value_rows,
+    point_sets,
+)
 
 __all__ = ["BENCH", "PRESETS", "OP", "vllm_store", "layout_of"]
 
-SEED = 42
 OP = "reshape_and_cache_turboquant"
 WRITE = "reshape_and_cache_flash"
 PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
@@ -179,19 +186,14 @@ class TurboQuantBench(KeyValueBench):
         PiT = midpoints = None
         if layout.key_bits != 8:
             PiT, _, midpoints = (t.to(device) for t in self._tables[(p.head_size, p.preset)])
-        key, value, _ = sets[0]
-        k8 = (key.abs().amax().float() / 448).reshape(1)
-        v8 = (value.abs().amax().float() / 448).reshape(1)
-        (k8c,), (v8c,) = create_kv_caches_with_random_flash(
-            p.num_blocks, p.block_size, 1, p.num_heads, p.head_size, "fp8", seed=SEED,
-            device=device, cache_layout="NHD")
+        fp8_scales, fp8_caches = fp8_beside(p, sets, device)
         return {"point": p, "layout": layout, "sets": sets, "caches":
-                {"turboquant": (kv_cache,), "fp8": (k8c, v8c), "vllm": (kv_cache,)},
-                "tables": (PiT, midpoints), "fp8_scales": (k8, v8), "owner": None}
+                {"turboquant": (kv_cache,), "fp8": fp8_caches, "vllm": (kv_cache,)},
+                "tables": (PiT, midpoints), "fp8_scales": fp8_scales, "owner": None}
 
     def _writer(self, ctx, kind: str, impl: str, i: int, caches=None):
         """A call of ``kind`` on input set ``i`` writing into ``caches`` (default the point's)."""
-        from ... import reshape_and_cache_flash, reshape_and_cache_turboquant
+        from ... import reshape_and_cache_turboquant
 
         key, value, slots = ctx["sets"][i]
         caches = caches or ctx["caches"][kind]
@@ -201,9 +203,7 @@ class TurboQuantBench(KeyValueBench):
             return lambda: reshape_and_cache_turboquant(
                 key, value, caches[0], slots, preset, PiT, midpoints, implementation=impl)
         if kind == "fp8":
-            k8, v8 = ctx["fp8_scales"]
-            return lambda: reshape_and_cache_flash(
-                key, value, caches[0], caches[1], slots, "fp8", k8, v8, implementation=impl)
+            return fp8_write(key, value, slots, caches, ctx["fp8_scales"], impl)
         store, _ = vllm_store()
         layout, (PiT, midpoints) = ctx["layout"], ctx["tables"]
         mse = layout.key_bits != 8
@@ -232,11 +232,7 @@ class TurboQuantBench(KeyValueBench):
                             impl, caches, (torch.float8_e4m3fn,) * 2 if kind == "fp8" else ())
 
     def call(self, ctx, kind, impl):
-        calls = [self._writer(ctx, kind, impl, i) for i in range(len(ctx["sets"]))]
-
-        def call(i: int) -> None:
-            calls[i % len(calls)]()
-        return call
+        return cycling([self._writer(ctx, kind, impl, i) for i in range(len(ctx["sets"]))])
 
 
 BENCH = TurboQuantBench()
