@@ -126,6 +126,15 @@ def thread_grid(num_tokens: int, per_token: int, threads: int, rows: str) -> int
     return -(-total // threads)
 
 
+def spread_threads(threads: int, total: int, min_ctas: int) -> int:
+    """Threads per CTA for a call of ``total`` threads: ``threads``, halved down to 64 while the
+    call would have fewer than ``min_ctas`` CTAs (a mid-sized call's threads spread over more
+    SMs; the NVFP4 and MX writes' policy)."""
+    while threads > 64 and -(-total // threads) < min_ctas:
+        threads //= 2
+    return threads
+
+
 def require_setup() -> None:
     """RuntimeError saying what is missing where cuda.core, NVRTC or a GPU is not usable
     (:func:`nvrtc.setup_reason`): the first step of loading a variant."""

@@ -124,12 +124,9 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
 
 
 def cta_threads(p: Plan, total: int, tuning: CudaTuning = TUNING) -> int:
-    """Threads per CTA for a call of ``total`` threads: the plan's, halved down to 64 while
-    there would be fewer than ``tuning.min_ctas`` CTAs."""
-    threads = p.threads
-    while threads > 64 and -(-total // threads) < tuning.min_ctas:
-        threads //= 2
-    return threads
+    """Threads per CTA for a call of ``total`` threads: the plan's, spread
+    (:func:`launch.spread_threads`) while there would be fewer than ``tuning.min_ctas`` CTAs."""
+    return launch.spread_threads(p.threads, total, tuning.min_ctas)
 
 
 LAUNCHES = launch.LaunchCache()

@@ -202,13 +202,11 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
 
 
 def cta_threads(p: Plan, total: int, tuning: CudaTuning = TUNING) -> int:
-    """Threads per CTA for a call of ``total`` threads: the plan's, halved down to 64 for
-    nvfp4_kernel while there would be fewer than ``tuning.min_ctas`` CTAs."""
-    threads = p.threads
-    if p.mode >= 0:
-        while threads > 64 and -(-total // threads) < tuning.min_ctas:
-            threads //= 2
-    return threads
+    """Threads per CTA for a call of ``total`` threads: the plan's, for nvfp4_kernel spread
+    (:func:`launch.spread_threads`) while there would be fewer than ``tuning.min_ctas`` CTAs."""
+    if p.mode < 0:
+        return p.threads
+    return launch.spread_threads(p.threads, total, tuning.min_ctas)
 
 
 LAUNCHES = launch.LaunchCache()
