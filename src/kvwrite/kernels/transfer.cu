@@ -337,24 +337,6 @@ KVW_HD Raw<16 * (IN == DT_F32 ? 4 : 2)> load_group(const u8* p, i64 sc, int n) {
   return raw;
 }
 
-// lo and hi rounded to OUT (DT_F16 / DT_BF16) to nearest even, as one word (lo in the low half):
-// on sm_80 and later one paired conversion (cvt.rn.{f16,bf16}x2.f32: the same rounding as two
-// single ones, NaN to the same canonical NaN), else two.
-template <int OUT>
-KVW_HD u32 f16ish2_from_f32(float lo, float hi) {
-#if !defined(KVWRITE_HOST_TEST) && __CUDA_ARCH__ >= 800
-  u32 r;
-  if constexpr (OUT == DT_F16) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
-#else
-  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
-#endif
-}
-
 // M (even) float32 values rounded to OUT, as their raw cache bytes.
 template <int OUT, int M>
 KVW_HD Raw<M * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[M]) {
@@ -364,7 +346,7 @@ KVW_HD Raw<M * (OUT == DT_F32 ? 4 : 2)> round_group(const float (&y)[M]) {
     if constexpr (OUT == DT_F32) {
       r.w[i] = f32_bits(y[i]);
     } else if ((i & 1) == 0) {
-      r.w[i >> 1] = f16ish2_from_f32<OUT>(y[i], y[i + 1]);
+      r.w[i >> 1] = f16ish_x2_from_f32<OUT>(y[i], y[i + 1]);
     }
   }
   return r;

@@ -446,24 +446,6 @@ KVW_HD Raw<N> gather_load_if(const u8* p, bool pred) {
   }
 }
 
-// Two float32 values rounded to nearest even to a 16-bit OUT (DT_F16 or DT_BF16), packed: lo in
-// the low half. One cvt.rn.{f16,bf16}x2.f32 (overflow gives infinity, as the single
-// conversions); bfloat16 before sm_80 element by element.
-template <int OUT>
-KVW_HD u32 f16ish_x2_from_f32(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
-  u32 r;
-  if constexpr (OUT == DT_F16) {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  }
-  return r;
-#else
-  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
-#endif
-}
-
 // N fp8 codes (byte i of `codes`) -> N elements of OUT (DT_F16, DT_BF16, DT_F32) by the read rule
 // with the one scale s; e4m3 codes, or e5m2 where `e5m2`. Two codes at a time (fp8x2_dequant:
 // the hardware decode on sm_89 and later), two 16-bit results packed by one conversion.

@@ -230,6 +230,24 @@ KVW_HD u32 f16ish_from_f32(float f) {
   }
 }
 
+// Two float32 values rounded to nearest even to a 16-bit OUT (DT_F16 or DT_BF16), packed: lo in
+// the low half. One cvt.rn.{f16,bf16}x2.f32 (overflow gives infinity, as the single
+// conversions); bfloat16 before sm_80 element by element.
+template <int OUT>
+KVW_HD u32 f16ish_x2_from_f32(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+  u32 r;
+  if constexpr (OUT == DT_F16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return f16ish_from_f32<OUT>(lo) | (f16ish_from_f32<OUT>(hi) << 16);
+#endif
+}
+
 // One chunk of VEC input elements -> VEC cache elements.
 template <int IN, int OUT, int VEC>
 KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>& in,
