@@ -47,6 +47,16 @@ def _check_input(name: str, t: torch.Tensor, preset: TurboQuantPreset) -> None:
         raise ValueError(f"{name}: {why} (shape {_shape(t)})")
 
 
+def check_slot_cache(kv_cache: torch.Tensor) -> None:
+    """The slot cache of the write and the reader: uint8, 4 dims
+    ``[num_blocks, block_size, num_heads, S]``."""
+    if kv_cache.dim() != 4:
+        raise ValueError(f"kv_cache: expected 4 dims [num_blocks, block_size, num_heads, S], got "
+                         f"shape {_shape(kv_cache)}")
+    if kv_cache.dtype != torch.uint8:
+        raise ValueError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+
+
 def check_tables(slot: TurboQuantSlot, device: torch.device, **tables) -> None:
     """The MSE presets' tables, each given by its name (``PiT``: float32 ``[D, D]``;
     ``midpoints``: float32 ``[2^b - 1]``; ``centroids``: float32 ``[2^b]``; any strides), on
@@ -86,11 +96,7 @@ def validate(key, value, kv_cache, slot_mapping, kv_cache_dtype, PiT=None, midpo
     num_heads, head_size = key.shape[1], key.shape[2]
     slot = preset.at(head_size)
 
-    if kv_cache.dim() != 4:
-        raise ValueError(f"kv_cache: expected 4 dims [num_blocks, block_size, num_heads, S], got "
-                         f"shape {_shape(kv_cache)}")
-    if kv_cache.dtype != torch.uint8:
-        raise ValueError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+    check_slot_cache(kv_cache)
     if kv_cache.shape[2] != num_heads:
         raise ValueError(f"kv_cache: expected {num_heads} heads (those of key) in dim 2, got "
                          f"shape {_shape(kv_cache)}")

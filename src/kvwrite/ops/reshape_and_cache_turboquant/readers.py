@@ -8,7 +8,7 @@ import torch
 from ...formats import turboquant_preset
 from ...validation import check_in_range, check_token_indices, require_same_device, require_tensor
 from ...validation import shape_str as _shape
-from .op import check_tables
+from .op import check_slot_cache, check_tables
 from .reference import correctly_rounded_sqrt, tree_sum, unpack_codes
 
 __all__ = ["turboquant_gather_cache", "NORM_EPS"]
@@ -41,11 +41,7 @@ def turboquant_gather_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, 
     if isinstance(head_size, bool) or not isinstance(head_size, int):
         raise TypeError(f"head_size: expected an int, got {type(head_size).__name__}")
     slot = preset.at(head_size)
-    if kv_cache.dim() != 4:
-        raise ValueError(f"kv_cache: expected 4 dims [num_blocks, block_size, num_heads, S], got "
-                         f"shape {_shape(kv_cache)}")
-    if kv_cache.dtype != torch.uint8:
-        raise ValueError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+    check_slot_cache(kv_cache)
     if kv_cache.shape[3] < slot.slot_size:
         raise ValueError(f"kv_cache: expected a last dim S >= slot_size = {slot.slot_size} "
                          f"(kv_cache_dtype={slot.name!r}, head_size {head_size}), got shape "
