@@ -65,12 +65,14 @@ KVW_HD void mx_widen(const Raw<16> (&r)[C], float (&x)[C * 16 / elem_bytes(IN)])
   }
 }
 
-// The NaN-propagating amax (nvfp4_amax_nan) of a group's chunks: 16-bit inputs by the 16-bit
-// SIMD maximum on their words (kvw/nvfp4.cuh's nvfp4_amax_nan16, two halves of 16: 8 VIMNMX.U16x2
-// and 16 LOP3 for 32 elements where the float tree takes 31 FMNMX), float32 from the floats.
-template <int IN>
+// The NaN-propagating amax (nvfp4_amax_nan) of a group's chunks: 16-bit inputs loaded whole
+// (WORDS) by the 16-bit SIMD maximum on their words (kvw/nvfp4.cuh's nvfp4_amax_nan16, two halves
+// of 16: 8 VIMNMX.U16x2 and 16 LOP3 for 32 elements where the float tree takes 31 FMNMX), else
+// from the floats (element loads: with the words' assembly ahead of the amax, ptxas issued the
+// int32 slot's load after it had begun waiting for the rows' pieces).
+template <int IN, bool WORDS>
 KVW_HD float mx_amax_nan(const Raw<16> (&r)[2 * elem_bytes(IN)], const float (&x)[KVW_MX_GROUP]) {
-  if constexpr (IN == DT_F32) {
+  if constexpr (IN == DT_F32 || !WORDS) {
     return nvfp4_amax_nan(x);
   } else {
     u32 lo[8], hi[8];
@@ -122,11 +124,16 @@ KVW_HD void mx_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, i
 // data stores are contiguous where a token's heads are adjacent (NHD).
 // ALIGNED: inputs 16-byte aligned (rows and token strides), data 16-byte aligned with a unit
 //   byte stride: 16-byte loads and stores. Else element loads and byte stores.
-// Order (one memory round trip; tests/test_mx_kernels.py reads the machine code): the rows'
-// loads, the slot's (kernel notes: the index after the rows), the whole rule, then the slot's
-// test (a skipped slot, rare padding, computes codes it does not store), the stores. With the
-// slot loaded first and tested after the amax (E and the codes after the test), ptxas sank the
-// row loads and the amax below the test: every variant waited for the slot before loading.
+// Order (one memory round trip; tests/test_mx_kernels.py reads the machine code): the slot's
+// load, the rows', the whole rule, then the slot's test (a skipped slot, rare padding, computes
+// codes it does not store), the stores. With the slot loaded after the rows, ptxas issued the
+// int32 slot's load after it had begun the 16-bit amax on the rows' words; with the slot tested
+// right after its load, it sank the row loads below the test.
+// The rule: the NaN-propagating amax (mx_amax_nan), the rule's amax from it (the NaN-skipping
+// tree only for a group with a NaN: a cold branch), E, and mxfp4's fast E2M1 path where mx_fast
+// allows (every finite group under "ceil"). sm_90, bfloat16, aligned, the benchmark's fixed
+// arguments: 64 registers (92-96 before: 4 CTAs of 256 an SM, not 2), about 360 (mxfp8) and 720
+// (mxfp4) instructions on the common path, 472 and 960 before.
 template <int IN, bool FP4, bool ALIGNED, typename SlotT>
 __global__ void __launch_bounds__(256) mx_kernel(KVW_MX_PARAMS) {
   KVW_PDL_ENTRY();
@@ -141,17 +148,17 @@ __global__ void __launch_bounds__(256) mx_kernel(KVW_MX_PARAMS) {
   const u32 q = gid - t32 * static_cast<u32>(groups);
   const i64 t = t32;
   constexpr int C = 2 * IB;  // 16-byte chunks a group
+  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
   Raw<16> rk[C], rv[C];
   mx_load_group<IN, IN_ALIGN>(key + (t * key_stride + static_cast<i64>(q) * KVW_MX_GROUP) * IB,
                               rk);
   mx_load_group<IN, IN_ALIGN>(
       value + (t * value_stride + static_cast<i64>(q) * KVW_MX_GROUP) * IB, rv);
-  const i64 s = static_cast<i64>(load_index(slot_mapping + t));
   float xk[KVW_MX_GROUP], xv[KVW_MX_GROUP];
   mx_widen<IN>(rk, xk);
   mx_widen<IN>(rv, xv);
   const bool fl = floor_rule != 0;
-  const float nk = mx_amax_nan<IN>(rk, xk), nv = mx_amax_nan<IN>(rv, xv);
+  const float nk = mx_amax_nan<IN, ALIGNED>(rk, xk), nv = mx_amax_nan<IN, ALIGNED>(rv, xv);
   const int ek = mx_scale_exp<FP4>(mx_amax_from(nk, xk), fl);
   const int ev = mx_scale_exp<FP4>(mx_amax_from(nv, xv), fl);
   const float rck = mx_rcp(ek), rcv = mx_rcp(ev);
