@@ -693,7 +693,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvwrite.ops.mx_kv_write import triton_impl as mx
 
-def ptx(in_ty, fp4, floor, slot):
+def ptx(in_ty, fp4, floor, slot, native=False):
     k = mx._mx_kernel
     types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "v_data_ptr": "*u8",
              "k_sf_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot, "num_tokens": "i32"}
@@ -703,7 +703,7 @@ def ptx(in_ty, fp4, floor, slot):
                   KS_SH=4, KS_128=4096, KS_32=32, KS_4=1024, KS_G=1, VS_SB=512, VS_SH=4,
                   VS_128=4096, VS_32=32, VS_4=1024, VS_G=1, NUM_SLOTS=1024, BLOCK_SIZE=16, G=4,
                   NUM_GROUPS=32, FP4=fp4, FLOOR=floor, BF16_BITS=in_ty == "*i16", BLOCK_T=2,
-                  BLOCK_Q=32, PDL=False, PDL_TRIGGER=False)
+                  BLOCK_Q=32, PDL=False, PDL_TRIGGER=False, NATIVE=native)
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     src = ASTSource(fn=k, signature=sig,
@@ -718,6 +718,10 @@ for in_ty, fp4, floor, slot in (("*fp16", False, False, "*i64"), ("*i16", True, 
     out[f"{in_ty}-{fp4}-{floor}"] = [len(re.findall(r"\.ftz", text)),
                                      len(re.findall(r"cvt[.\w]*e4m3", text)),
                                      len(re.findall(r"mul(\.rn)?\.f32", text))]
+text = ptx("*i16", False, False, "*i64", native=True)
+out["native"] = [len(re.findall(r"\.ftz", text)),
+                 len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", text)),
+                 len(re.findall(r"mul(\.rn)?\.f32", text))]
 print(json.dumps(out))
 """
 
@@ -725,12 +729,17 @@ print(json.dumps(out))
 def test_triton_kernel_compiles_for_sm90_without_flush_or_float8_cast():
     """The Triton kernel compiles for sm_90 (outside the interpreter, whose type rules are
     looser) in both formats, rules and every input kind; its PTX flushes no subnormal (no .ftz:
-    the products by 2^127 of bfloat16 subnormals, as the interpreter computes them), converts
-    nothing to float8 (the codes are integer work) and multiplies the elements."""
+    the products by 2^127 of bfloat16 subnormals and by the subnormal 2^-127, as the
+    interpreter computes them), converts nothing to float8 where NATIVE is off (the codes are
+    integer work, what the interpreter runs) and multiplies the elements."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    assert len(out) == 4, out
+    assert len(out) == 5, out
+    native = out.pop("native")
     for variant, (ftz, cvt, mul) in out.items():
         assert ftz == 0 and cvt == 0 and mul > 0, (variant, out)
+    # NATIVE (compiled mxfp8 on sm_89 and later): the codes by cvt.rn.satfinite.e4m3x2.f32,
+    # the CUDA kernel's conversion (32 a thread here: 64 elements, two an instruction).
+    assert native[0] == 0 and native[1] > 0 and native[2] > 0, native
 
 
 # --- GPU: both implementations on whole allocations ------------------------------------------
