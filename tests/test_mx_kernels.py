@@ -431,6 +431,19 @@ def test_triton_interpreter_matches_oracle(case):
     assert_all_equal(inp.tensors(), expected(case), case)
 
 
+def test_triton_small_calls_spread_groups_over_more_warps():
+    """Small calls (T * H * D/32 <= small_call_groups) tile with small_bytes_per_warp: at the
+    benchmark's H=8, D=128, bfloat16, T=1, four warps (8 groups a warp) where the large tiling
+    has one; tile shapes (BLOCK_T, BLOCK_Q) are the same, so the interpreter's results are."""
+    from kvwrite.kernels.triton_support import group_tiling
+    m = _impl("triton")
+    small = m._small_tuning(m.TUNING)
+    assert small is m._small_tuning(m.TUNING)  # cached: one tiling cache entry per tuning
+    assert group_tiling(1, 32, 64, m.TUNING) == (1, 32, 1)
+    assert group_tiling(1, 32, 64, small) == (1, 32, 4)
+    assert group_tiling(16, 32, 64, small)[:2] == group_tiling(16, 32, 64, m.TUNING)[:2]
+
+
 def test_zero_tokens_write_nothing():
     impl = _impl("triton")
     if (reason := impl.available(torch.device("cpu"))) is not None:

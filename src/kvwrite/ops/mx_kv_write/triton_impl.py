@@ -11,8 +11,12 @@ layout's own, the linear layout's derived (cuda_impl.scale_strides). Strides, th
 the geometry are compile-time constants; nothing is read on the host per call, so ``run`` is
 CUDA-graph safe.
 
-Every step is exact (integer work on bits, products by powers of two, no float8 cast, bfloat16
-widened from its bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes.
+Every step is exact (integer work on bits, products by powers of two, bfloat16 widened from its
+bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes. The one exception in
+form, not in bytes: compiled mxfp8 kernels on sm_89 and later (``native_e4m3``) take the E4M3
+codes from Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32, the CUDA kernel's), about
+half the instructions of the integer steps the interpreter runs; the GPU tests compare them.
+Small calls (``TritonTuning.small_call_groups``) spread a group over 4 threads.
 """
 
 from __future__ import annotations
