@@ -131,7 +131,7 @@ KVW_HD void mx_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, i
 // right after its load, it sank the row loads below the test.
 // The rule: the NaN-propagating amax (mx_amax_nan), the rule's amax from it (the NaN-skipping
 // tree only for a group with a NaN: a cold branch), E, and mxfp4's fast E2M1 path where mx_fast
-// allows (every finite group under "ceil"). sm_90, bfloat16, aligned, the benchmark's fixed
+// allows (every finite group under "ceil"; never under "floor"). sm_90, bfloat16, aligned, the benchmark's fixed
 // arguments: 64 registers (92-96 before: 4 CTAs of 256 an SM, not 2), about 360 (mxfp8) and 720
 // (mxfp4) instructions on the common path, 472 and 960 before.
 template <int IN, bool FP4, bool ALIGNED, typename SlotT>
@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(256) mx_kernel(KVW_MX_PARAMS) {
   const int ev = mx_scale_exp<FP4>(mx_amax_from(nv, xv), fl);
   const float rck = mx_rcp(ek), rcv = mx_rcp(ev);
   u32 ck[NB / 4], cv[NB / 4];
-  mx_codes_n<FP4, KVW_MX_GROUP>(xk, rck, FP4 && mx_fast(nk, rck), ck);
-  mx_codes_n<FP4, KVW_MX_GROUP>(xv, rcv, FP4 && mx_fast(nv, rcv), cv);
+  mx_codes_n<FP4, KVW_MX_GROUP>(xk, rck, FP4 && mx_fast(nk, rck, fl), ck);
+  mx_codes_n<FP4, KVW_MX_GROUP>(xv, rcv, FP4 && mx_fast(nv, rcv, fl), cv);
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
 
   i64 blk, pg;
@@ -238,10 +238,11 @@ __global__ void __launch_bounds__(256) mx_small_kernel(KVW_MX_PARAMS) {
     for (int o = 1; o < P; o <<= 1) b = max_num(b, __shfl_xor_sync(0xFFFFFFFFu, b, o));
     if (an != an) a = b;
   }
-  const int ex = mx_scale_exp<FP4>(a, floor_rule != 0);
+  const bool fl = floor_rule != 0;
+  const int ex = mx_scale_exp<FP4>(a, fl);
   const float rc = mx_rcp(ex);
   u32 codes[CB / 4];
-  mx_codes_n<FP4, E>(x, rc, FP4 && mx_fast(an, rc), codes);
+  mx_codes_n<FP4, E>(x, rc, FP4 && mx_fast(an, rc, fl), codes);
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0 and !live
 
   i64 blk, pg;

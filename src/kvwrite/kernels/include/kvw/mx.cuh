@@ -83,12 +83,16 @@ KVW_HD void mx_codes_n(const float (&x)[N], float r, bool fast, u32 (&out)[FP4 ?
   }
 }
 
-// Whether the mxfp4 codes of a group may take the fast E2M1 path: a_nan, the group's amax with
-// NaN propagated (nvfp4_amax_nan), times r = 2^-E is below 7 (kvw/nvfp4.cuh's nvfp4_pack_fast
-// condition: no NaN element, every RN(x_i * r) <= RN(a * r) < 7 since r > 0 and rounding is
-// monotone). Under "ceil" every finite group passes (RN(a * r) <= 6); an inf or NaN never does
-// (inf * r = inf; NaN compares false).
-KVW_HD bool mx_fast(float a_nan, float r) { return mul_rn(a_nan, r) < 7.0f; }
+// Whether the mxfp4 codes of a group take the fast E2M1 path: the "ceil" rule and a_nan, the
+// group's amax with NaN propagated (nvfp4_amax_nan), times r = 2^-E below 7 (kvw/nvfp4.cuh's
+// nvfp4_pack_fast condition: no NaN element, every RN(x_i * r) <= RN(a * r) < 7 since r > 0 and
+// rounding is monotone). Under "ceil" every finite group passes (RN(a * r) <= 6); an inf or NaN
+// never does (inf * r = inf; NaN compares false). Under "floor" RN(a * r) = 4m lies in [4, 8),
+// so about a fifth of random groups would fail: a warp would run both paths, so "floor" keeps
+// the general one (floor_rule is compiled in: no test at run time in a specialized build).
+KVW_HD bool mx_fast(float a_nan, float r, bool floor_rule) {
+  return !floor_rule && mul_rn(a_nan, r) < 7.0f;
+}
 
 // The rule's amax from the NaN-propagating one of the same elements: a_nan where it is a
 // number, else the NaN-skipping tree (rare).
@@ -111,6 +115,6 @@ KVW_HD u32 mx_group(const float (&x)[KVW_MX_GROUP], bool floor_rule, u32 (&out)[
   const float a_nan = nvfp4_amax_nan(x);
   const int E = mx_scale_exp<FP4>(mx_amax_from(a_nan, x), floor_rule);
   const float r = mx_rcp(E);
-  mx_codes_n<FP4, KVW_MX_GROUP>(x, r, FP4 && mx_fast(a_nan, r), out);
+  mx_codes_n<FP4, KVW_MX_GROUP>(x, r, FP4 && mx_fast(a_nan, r, floor_rule), out);
   return static_cast<u32>(E + 127);
 }
