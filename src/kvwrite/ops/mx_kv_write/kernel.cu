@@ -238,11 +238,10 @@ __global__ void __launch_bounds__(256) mx_small_kernel(KVW_MX_PARAMS) {
     for (int o = 1; o < P; o <<= 1) b = max_num(b, __shfl_xor_sync(0xFFFFFFFFu, b, o));
     if (an != an) a = b;
   }
-  const bool fl = floor_rule != 0;
-  const int ex = mx_scale_exp<FP4>(a, fl);
+  const int ex = mx_scale_exp<FP4>(a, floor_rule != 0);
   const float rc = mx_rcp(ex);
   u32 codes[CB / 4];
-  mx_codes_n<FP4, E>(x, rc, FP4 && mx_fast(an, rc, fl), codes);
+  mx_codes_n<FP4, E>(x, rc, FP4 && mx_fast(an, rc, floor_rule != 0), codes);
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0 and !live
 
   i64 blk, pg;
