@@ -431,6 +431,19 @@ def test_triton_interpreter_matches_oracle(case):
     assert_all_equal(inp.tensors(), expected(case), case)
 
 
+def test_triton_small_calls_spread_groups_over_more_warps():
+    """Small calls (T * H * D/32 <= small_call_groups) tile with small_bytes_per_warp: at the
+    benchmark's H=8, D=128, bfloat16, T=1, four warps (8 groups a warp) where the large tiling
+    has one; tile shapes (BLOCK_T, BLOCK_Q) are the same, so the interpreter's results are."""
+    from kvwrite.kernels.triton_support import group_tiling
+    m = _impl("triton")
+    small = m._small_tuning(m.TUNING)
+    assert small is m._small_tuning(m.TUNING)  # cached: one tiling cache entry per tuning
+    assert group_tiling(1, 32, 64, m.TUNING) == (1, 32, 1)
+    assert group_tiling(1, 32, 64, small) == (1, 32, 4)
+    assert group_tiling(16, 32, 64, small)[:2] == group_tiling(16, 32, 64, m.TUNING)[:2]
+
+
 def test_zero_tokens_write_nothing():
     impl = _impl("triton")
     if (reason := impl.available(torch.device("cpu"))) is not None:
@@ -439,6 +452,125 @@ def test_zero_tokens_write_nothing():
     before = [t.clone() for t in inp.tensors()]
     inp.run(impl)
     assert_all_equal(inp.tensors(), before, inp.case)
+
+
+# --- CUDA: the kernels emulated on the CPU ----------------------------------------------------
+# kernel.cu compiled with g++ over tests/gather_emu.h's SIMT emulation (one std::thread per CUDA
+# thread of a 128-thread CTA, shuffles and ballots emulated), launched as cuda_impl.run launches
+# it (the plan's kernel and fixed arguments, the generic build). Not emulated: the GPU's own
+# instructions (the satfinite e4m3 conversion, cvt.f32.f16, the 16-bit SIMD maximum), which take
+# the headers' host paths; the GPU tests cover those.
+
+_EMU_HEAD = r"""
+#include <cstring>
+#include "gather_emu.h"
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  u = __shfl_sync(0xFFFFFFFFu, u, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+#include "kernel.cu"
+"""
+
+
+def _emu_symbol(name: str) -> str:
+    return "emu_" + "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    import importlib.resources
+    import pathlib
+    import shutil
+    import subprocess
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
+    cuda_impl = _impl("cuda")
+    lines = [_EMU_HEAD]
+    fixed = ", ".join(f"f[{i}]" for i in range(len(cuda_impl.FIXED_ARGS)))
+    for name in cuda_impl.all_kernel_names():
+        st = name.rsplit(",", 1)[1].strip(" >")
+        lines.append(
+            f'extern "C" void {_emu_symbol(name)}(const u8* k, const u8* v, u8* kd, u8* vd, '
+            f"u8* ks, u8* vs, const {st}* sl, i64 n, const i64* f, i64 grid) {{\n"
+            f"  emu_launch(static_cast<unsigned>(grid), [&] {{ {name}(k, v, kd, vd, ks, vs, sl, "
+            f"n, {fixed}); }});\n}}")
+    d = tmp_path_factory.mktemp("mx_emu")
+    (d / "harness.cpp").write_text("\n".join(lines) + "\n")
+    lib = d / "libmxemu.so"
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    op = pathlib.Path(cuda_impl.__file__).parent
+    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
+                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(d / "harness.cpp"),
+                    "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def run_emulated(lib, inp: MxInputs, small: bool) -> str:
+    """cuda_impl.run's launch of ``inp`` with the kernel emulated: mx_small_kernel where
+    ``small`` and the call is aligned, else mx_kernel. Returns the kernel's name."""
+    from kvwrite.kernels.mx_views import as_bytes
+    cuda_impl = _impl("cuda")
+    c = inp.case
+    tuning = cuda_impl.CudaTuning(small_call_groups=(1 << 40) if small else 0)
+    views = [as_bytes(x) for x in (inp.key_cache, inp.value_cache, inp.k_scale_cache,
+                                   inp.v_scale_cache)]
+    p = cuda_impl.plan(inp.key, inp.value, *views, inp.slot_mapping, Mode(c.fmt), c.rule,
+                       "interleaved128" if c.scales == "interleaved128" else "linear", tuning)
+    n = inp.slot_mapping.numel()
+    fixed = (ctypes.c_longlong * len(p.fixed))(*p.fixed)
+    grid = -(-n * p.per_token // 128)
+    ptr = [ctypes.c_void_p(x.data_ptr()) for x in (inp.key, inp.value, *views, inp.slot_mapping)]
+    getattr(lib, _emu_symbol(p.name))(*ptr, ctypes.c_longlong(n), fixed, ctypes.c_longlong(grid))
+    return p.name
+
+
+# The small kernel's shapes past CASES: the benchmark's (H=8, D=128, block 16) at T = 1 and 16,
+# a head of one group, every mode, rule and input dtype, both scale layouts.
+EMU_CASES = CASES + [
+    MxCase(fmt=fmt, rule=rule, dtype=dtype, num_tokens=t, num_heads=8, head_size=128,
+           block_size=16, num_blocks=4, seed=60 + t)
+    for fmt in ("mxfp8", "mxfp4") for rule in ("ceil", "floor")
+    for dtype, t in ((torch.bfloat16, 1), (torch.bfloat16, 16), (torch.float32, 3),
+                     (torch.float16, 5))
+] + [MxCase(fmt=fmt, num_heads=3, head_size=32, num_tokens=11, block_size=8, seed=70)
+     for fmt in ("mxfp8", "mxfp4")]
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["mx_kernel", "small"])
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: c.id)
+def test_cuda_kernels_emulated_match_oracle(emu_lib, case, small):
+    """Both CUDA kernels, run by the SIMT emulation, write the oracle's bytes (whole
+    allocations): mx_kernel on every case, mx_small_kernel on every aligned one (the others
+    take mx_kernel in both runs)."""
+    inp = make_inputs(case)
+    name = run_emulated(emu_lib, inp, small)
+    aligned = name.split("<")[0] == "mx_small_kernel" or name.split(",")[2].strip() == "true"
+    assert name.startswith("mx_small_kernel") == (small and aligned), name
+    assert_all_equal(inp.tensors(), expected(case), case)
+
+
+def test_emulated_cases_reach_the_small_kernel():
+    """The emulated cases run mx_small_kernel in every mode, rule and input dtype."""
+    cuda_impl = _impl("cuda")
+    tuning = cuda_impl.CudaTuning(small_call_groups=1 << 40)
+    seen = set()
+    for c in EMU_CASES:
+        inp = make_inputs(c)
+        p = cuda_impl.plan(*inp.tensors(), Mode(c.fmt), c.rule,
+                           "interleaved128" if c.scales == "interleaved128" else "linear",
+                           tuning)
+        if p.name.startswith("mx_small_kernel"):
+            seen.add((c.fmt, c.rule, c.dtype, c.scales))
+    assert {(f, r, d) for f, r, d, _ in seen} == {
+        (f, r, d) for f in ("mxfp8", "mxfp4") for r in ("ceil", "floor")
+        for d in (torch.bfloat16, torch.float16, torch.float32)}
+    assert {sc for *_, sc in seen} == {"linear", "interleaved128"}
 
 
 # --- CUDA: compiles on the CPU ---------------------------------------------------------------
@@ -460,11 +592,12 @@ def pdl_sass(tmp_path_factory):
 
 @needs_nvrtc
 def test_every_cuda_variant_compiles_for_sm80():
-    """Every variant (input dtype x format x alignment x slot type: 24) compiles with NVRTC for
-    sm_80 too (the software e4m3 conversion: no cvt.satfinite.e4m3x2 before sm_89)."""
+    """Every variant (mx_kernel: input dtype x format x alignment x slot type, 24;
+    mx_small_kernel: input dtype x format x slot type, 12) compiles with NVRTC for sm_80 too
+    (the software e4m3 conversion: no cvt.satfinite.e4m3x2 before sm_89)."""
     cuda_impl = _impl("cuda")
     names = cuda_impl.all_kernel_names()
-    assert len(names) == 24 == len(set(names))
+    assert len(names) == 36 == len(set(names))
     cuda_impl.compile_kernel("sm_80", names)
 
 
@@ -475,7 +608,7 @@ def test_every_cuda_variant_waits_first_and_loads_before_any_wait(pdl_sass):
     import sass as sass_tools
     names, text = pdl_sass
     funcs = sass_tools.functions(text)
-    assert len(funcs) == len(names) == 24
+    assert len(funcs) == len(names) == 36
     sass_tools.assert_waits_first(funcs)
     late = sass_tools.late_issues(text, lambda op: True)
     assert not late, {k: v[:3] for k, v in late.items()}
@@ -493,7 +626,7 @@ def test_load_order_check_catches_an_early_slot_test(tmp_path):
     test = "  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0\n"
     rule = "  const bool fl = floor_rule != 0;\n"
     slot = "  const i64 s = static_cast<i64>(load_index(slot_mapping + t));\n"
-    rows = "  float xk[KVW_MX_GROUP], xv[KVW_MX_GROUP];\n"
+    rows = "  Raw<16> rk[C], rv[C];\n"
     assert all(src.count(x) == 1 for x in (test, rule, slot, rows))
     early = src.replace(test, "").replace(rule, test + rule).replace(slot, "").replace(
         rows, slot + rows)
@@ -503,11 +636,14 @@ def test_load_order_check_catches_an_early_slot_test(tmp_path):
                                   lambda op: True)
 
 
-def _plan(case: MxCase):
+def _plan(case: MxCase, small_call_groups: int = 0):
+    """cuda_impl.plan of the case; mx_kernel unless small_call_groups lets the call be small."""
     inp = make_inputs(case)
     c = case
-    return _impl("cuda").plan(*inp.tensors(), Mode(c.fmt), c.rule,
-                              "interleaved128" if c.scales == "interleaved128" else "linear")
+    cuda_impl = _impl("cuda")
+    return cuda_impl.plan(*inp.tensors(), Mode(c.fmt), c.rule,
+                          "interleaved128" if c.scales == "interleaved128" else "linear",
+                          cuda_impl.CudaTuning(small_call_groups=small_call_groups))
 
 
 @pytest.mark.parametrize("case, aligned", [
@@ -525,6 +661,14 @@ def test_cuda_plan(case, aligned):
     assert len(p.fixed) == len(cuda_impl.FIXED_ARGS) == 28
     fx = dict(zip(cuda_impl.FIXED_ARGS, p.fixed, strict=True))
     assert fx["floor_rule"] == int(case.rule == "floor")
+    # A small call (T * H * D/32 <= small_call_groups) takes mx_small_kernel where aligned.
+    groups = case.num_heads * case.head_size // GROUP
+    for limit, small in ((case.num_tokens * groups, aligned), (case.num_tokens * groups - 1,
+                                                                False)):
+        ps = _plan(case, limit)
+        assert ps.name.startswith("mx_small_kernel") == small, (limit, ps.name)
+        assert ps.name in cuda_impl.all_kernel_names() and ps.fixed == p.fixed
+        assert ps.per_token == (8 * groups if small else groups)
     if case.scales == "linear":
         inp = make_inputs(case)
         sc = inp.k_scale_cache
@@ -544,11 +688,12 @@ def test_specialized_builds_read_no_fixed_argument(tmp_path):
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's copy) to read the SASS")
     cuda_impl = _impl("cuda")
     builds = []
-    for case in (MxCase(), MxCase(fmt="mxfp4", scales="interleaved128", head_size=128,
-                                  block_size=128, rule="floor"),
-                 MxCase(qkv=True, head_size=32, num_heads=5, block_size=5)):
-        p = _plan(case)
-        builds.append((case.id, p.name, p.fixed))
+    for case, small in ((MxCase(), False), (MxCase(), True),
+                        (MxCase(fmt="mxfp4", scales="interleaved128", head_size=128,
+                                block_size=128, rule="floor"), True),
+                        (MxCase(qkv=True, head_size=32, num_heads=5, block_size=5), False)):
+        p = _plan(case, 1 << 40 if small else 0)
+        builds.append((case.id + ("-small" if small else ""), p.name, p.fixed))
     sass_tools.assert_specialized_builds_read_no_fixed_argument(
         cuda_impl.compile_kernel, builds, 0x250, 0x250 + 8 * 28, 28, tmp_path)
 
@@ -561,7 +706,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvwrite.ops.mx_kv_write import triton_impl as mx
 
-def ptx(in_ty, fp4, floor, slot):
+def ptx(in_ty, fp4, floor, slot, native=False):
     k = mx._mx_kernel
     types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "v_data_ptr": "*u8",
              "k_sf_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot, "num_tokens": "i32"}
@@ -571,7 +716,7 @@ def ptx(in_ty, fp4, floor, slot):
                   KS_SH=4, KS_128=4096, KS_32=32, KS_4=1024, KS_G=1, VS_SB=512, VS_SH=4,
                   VS_128=4096, VS_32=32, VS_4=1024, VS_G=1, NUM_SLOTS=1024, BLOCK_SIZE=16, G=4,
                   NUM_GROUPS=32, FP4=fp4, FLOOR=floor, BF16_BITS=in_ty == "*i16", BLOCK_T=2,
-                  BLOCK_Q=32, PDL=False, PDL_TRIGGER=False)
+                  BLOCK_Q=32, PDL=False, PDL_TRIGGER=False, NATIVE=native)
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     src = ASTSource(fn=k, signature=sig,
@@ -586,6 +731,10 @@ for in_ty, fp4, floor, slot in (("*fp16", False, False, "*i64"), ("*i16", True, 
     out[f"{in_ty}-{fp4}-{floor}"] = [len(re.findall(r"\.ftz", text)),
                                      len(re.findall(r"cvt[.\w]*e4m3", text)),
                                      len(re.findall(r"mul(\.rn)?\.f32", text))]
+text = ptx("*i16", False, False, "*i64", native=True)
+out["native"] = [len(re.findall(r"\.ftz", text)),
+                 len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", text)),
+                 len(re.findall(r"mul(\.rn)?\.f32", text))]
 print(json.dumps(out))
 """
 
@@ -593,12 +742,17 @@ print(json.dumps(out))
 def test_triton_kernel_compiles_for_sm90_without_flush_or_float8_cast():
     """The Triton kernel compiles for sm_90 (outside the interpreter, whose type rules are
     looser) in both formats, rules and every input kind; its PTX flushes no subnormal (no .ftz:
-    the products by 2^127 of bfloat16 subnormals, as the interpreter computes them), converts
-    nothing to float8 (the codes are integer work) and multiplies the elements."""
+    the products by 2^127 of bfloat16 subnormals and by the subnormal 2^-127, as the
+    interpreter computes them), converts nothing to float8 where NATIVE is off (the codes are
+    integer work, what the interpreter runs) and multiplies the elements."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    assert len(out) == 4, out
+    assert len(out) == 5, out
+    native = out.pop("native")
     for variant, (ftz, cvt, mul) in out.items():
         assert ftz == 0 and cvt == 0 and mul > 0, (variant, out)
+    # NATIVE (compiled mxfp8 on sm_89 and later): the codes by cvt.rn.satfinite.e4m3x2.f32,
+    # the CUDA kernel's conversion (32 a thread here: 64 elements, two an instruction).
+    assert native[0] == 0 and native[1] > 0 and native[2] > 0, native
 
 
 # --- GPU: both implementations on whole allocations ------------------------------------------
@@ -612,29 +766,50 @@ GPU_CASES = CASES + [
             num_blocks=6, num_tokens=600, seed=41) for fmt in ("mxfp8", "mxfp4")]
 
 
+def _gpu_impl(impl: str):
+    """(module, run keywords): "cuda-small" / "cuda-large" force mx_small_kernel (aligned
+    calls) / mx_kernel through the tuning; "cuda" takes the default choice."""
+    m = _impl(impl.split("-")[0])
+    if impl == "cuda-small":
+        return m, {"tuning": m.CudaTuning(small_call_groups=1 << 40)}
+    if impl == "cuda-large":
+        return m, {"tuning": m.CudaTuning(small_call_groups=0)}
+    return m, {}
+
+
+# The benchmark's shape at the small kernel's sizes (T = 1, 16), every mode and rule.
+GPU_SMALL_CASES = [
+    MxCase(fmt=fmt, rule=rule, dtype=torch.bfloat16, num_tokens=t, num_heads=8, head_size=128,
+           block_size=16, num_blocks=8, seed=80 + t)
+    for fmt in ("mxfp8", "mxfp4") for rule in ("ceil", "floor") for t in (1, 16)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl", ["cuda", "cuda-small", "cuda-large", "triton"])
+@pytest.mark.parametrize("case", GPU_CASES + GPU_SMALL_CASES, ids=lambda c: c.id)
 def test_gpu_matches_oracle(case, impl):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    m = _impl(impl)
+    m, kw = _gpu_impl(impl)
     if (reason := m.available(torch.device("cuda"))) is not None:
         pytest.skip(reason)
     inp = make_inputs(case).to("cuda")
-    inp.run(m)
+    c = inp.case
+    m.run(inp.key, inp.value, inp.key_cache, inp.value_cache, inp.k_scale_cache,
+          inp.v_scale_cache, inp.slot_mapping, Mode(c.fmt), c.rule,
+          "interleaved128" if c.scales == "interleaved128" else "linear", **kw)
     torch.cuda.synchronize()
     assert_all_equal(inp.tensors(), expected(case), case)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "cuda-small", "triton"])
 def test_gpu_every_16bit_pattern(impl):
     """Every bfloat16 and float16 bit pattern, each in a group with random neighbours, both
     formats and rules, against the oracle: the amax, E and element paths of every input."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    m = _impl(impl)
+    m, kw = _gpu_impl(impl)
     if (reason := m.available(torch.device("cuda"))) is not None:
         pytest.skip(reason)
     gen = torch.Generator().manual_seed(9)
@@ -651,7 +826,7 @@ def test_gpu_every_16bit_pattern(impl):
                 args = [key, key.flip(0).contiguous(), kc, kc.clone(), ksc, ksc.clone(),
                         torch.arange(2048)]
                 dev = copy_allocations(args, "cuda")
-                m.run(*dev, Mode(fmt), rule, "linear")
+                m.run(*dev, Mode(fmt), rule, "linear", **kw)
                 s, c = oracle_groups(key.float(), fmt == "mxfp4", rule == "floor")
                 got_c, got_s = dev[2].cpu().view(2048, 32, f), dev[4].cpu().view(2048, 32)
                 if fmt == "mxfp8":

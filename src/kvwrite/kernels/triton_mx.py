@@ -42,26 +42,33 @@ if triton is not None:
 
     @triton.jit
     def mx_scaled(x, E):
-        """RN(x / 2^E) for ``x`` [..., 32] and E [...] in [-127, 127]: x * 2^-E as two products by
-        normal powers of two, (x * 2^-63) * 2^-64 for E = 127 (2^-127 is subnormal: a build that
-        flushed subnormal operands would make inf * 0 a NaN), else (x * 2^-E) * 1. The first
-        product is exact wherever the result is at least 2^-126; below that both give results
-        that code to a signed zero."""
-        big = E == 127
-        r1 = tl.where(big, 64 << 23, (127 - E) << 23).to(tl.float32, bitcast=True)
-        r2 = tl.where(big, 63 << 23, 127 << 23).to(tl.float32, bitcast=True)
-        return (x * r1[:, :, None]) * r2[:, :, None]
+        """RN(x / 2^E) for ``x`` [..., 32] and E [...] in [-127, 127]: one product by 2^-E,
+        2^127 .. 2^-126 normal and 2^-127 the subnormal 0x00400000 (kvw/mx.cuh's mx_rcp): exact
+        wherever the result is at least 2^-126 (mul.f32 without .ftz keeps subnormal operands
+        and results: the kernel's PTX has no .ftz, tests/test_mx_kernels.py checks it); below
+        that it rounds to codes of a signed zero."""
+        r = tl.where(E == 127, 0x00400000, (127 - E) << 23).to(tl.float32, bitcast=True)
+        return x * r[:, :, None]
 
     @triton.jit
-    def mx_rule(x, FP4: tl.constexpr, FLOOR: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
+    def mx_rule(x, FP4: tl.constexpr, FLOOR: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
+                NATIVE: tl.constexpr = False):
         """(scale bytes [BT, BQ] uint8, code bytes uint8: [BT, BQ, 16] for FP4, element 2j in
-        byte j's low nibble, else [BT, BQ, 32] E4M3) of groups ``x`` [BT, BQ, 32] float32."""
+        byte j's low nibble, else [BT, BQ, 32] E4M3) of groups ``x`` [BT, BQ, 32] float32.
+        NATIVE (compiled kernels on sm_89 and later, not the interpreter): the E4M3 codes by
+        Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32, two elements an instruction:
+        nearest even, subnormals rounded, +-inf and past 448 saturating to +-448, NaN a NaN
+        code), the same bytes as the integer steps (but which NaN code: unspecified) in a fraction
+        of their instructions; the interpreter's conversion rounds differently, so it keeps
+        them."""
         a = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=2)  # NaN skipped, from 0
         E = mx_scale_exp(a, FP4, FLOOR)
         v = mx_scaled(x, E)
         if FP4:
             lo, hi = halves(e2m1(v), BT, BQ, 32)
             codes = (lo | (hi << 4)).to(tl.uint8)
+        elif NATIVE:
+            codes = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         else:
             code, _ = e4m3(tl.abs(v))  # saturating at 448 (inf too), NaN -> 0x7F
             codes = (code | ((v.to(tl.int32, bitcast=True) >> 24) & 128)).to(tl.uint8)

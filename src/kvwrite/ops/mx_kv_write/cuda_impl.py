@@ -1,8 +1,10 @@
 """The CUDA implementation of the MX writes (SPEC §10.3): ``kernel.cu`` compiled at run time with
 NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
 
-One kernel, ``mx_kernel<IN, FP4, ALIGNED, SlotT>``: one thread per group of 32 elements, K and V
-together (see ``kernel.cu``). ALIGNED takes 16-byte aligned inputs and 16-byte aligned data with a
+Two kernels (see ``kernel.cu``): ``mx_kernel<IN, FP4, ALIGNED, SlotT>``, one thread per group of
+32 elements, K and V together; ``mx_small_kernel<IN, FP4, SlotT>``, small calls
+(``CudaTuning.small_call_groups``) with aligned inputs and data, a group of one side over 4
+threads (8 elements each). ALIGNED takes 16-byte aligned inputs and 16-byte aligned data with a
 unit byte stride (16-byte loads and stores); the rest takes element loads and byte stores. The
 scale rule and both scale layouts are arguments (the layouts as six strides each: the linear
 layout's address is the interleaved formula with derived strides). By default each call
@@ -15,6 +17,7 @@ Graph-safe: a call does no allocation and no host sync; slots are read on the de
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -34,6 +37,7 @@ __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "plan", "a
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_mx")
 KERNEL = "mx_kernel"
+SMALL_KERNEL = "mx_small_kernel"
 # The kernel's trailing arguments that a specialized build compiles in, in order.
 FIXED_ARGS = ("key_stride", "value_stride", "groups", "head_groups",
               "kd_sb", "kd_ss", "kd_sh", "kd_se", "vd_sb", "vd_ss", "vd_sh", "vd_se",
@@ -46,6 +50,10 @@ _F16, _BF16, _F32 = range(3)
 _KIND = launch.KIND
 
 
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, str(default)).strip() or default)
+
+
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning(launch.PdlPolicy):
@@ -56,6 +64,15 @@ class CudaTuning(launch.PdlPolicy):
     # have fewer than min_ctas CTAs: a mid-sized call's threads spread over more SMs.
     threads: int = 256
     min_ctas: int = 264
+    # Calls of at most small_call_groups groups of K (T * H * D/32; 2048: 64 tokens of H=8,
+    # D=128) with aligned inputs and data take mx_small_kernel (8 threads a group's K and V
+    # where mx_kernel has one). Estimated from the instruction counts, not measured: the small
+    # kernel issues about 2x mx_kernel's instructions per token (the per-thread index math and
+    # E repeated over 8 threads) but each thread's chain is about a fifth as long; below ~100
+    # tokens of that shape the chain (latency) is the call's time, above it the issue rate.
+    # KVWRITE_MX_SMALL_CALL_GROUPS sets the default (0: mx_kernel always).
+    small_call_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_MX_SMALL_CALL_GROUPS", 2048))
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
@@ -73,12 +90,19 @@ def kernel_name(in_kind: int, fp4: bool, aligned: bool, slot_dtype: torch.dtype)
             f"{launch.int_type(slot_dtype)}>")
 
 
+def small_kernel_name(in_kind: int, fp4: bool, slot_dtype: torch.dtype) -> str:
+    return f"{SMALL_KERNEL}<{in_kind}, {str(fp4).lower()}, {launch.int_type(slot_dtype)}>"
+
+
 def all_kernel_names() -> list[str]:
-    """Every variant `run` can launch (for compile tests): input dtype x format x alignment x
-    slot type, 24."""
+    """Every variant `run` can launch (for compile tests): mx_kernel's input dtype x format x
+    alignment x slot type (24), then mx_small_kernel's input dtype x format x slot type (12)."""
     return [kernel_name(kind, fp4, aligned, slot)
             for slot in (torch.int32, torch.int64) for kind in (_F16, _BF16, _F32)
-            for fp4 in (False, True) for aligned in (False, True)]
+            for fp4 in (False, True) for aligned in (False, True)] + [
+        small_kernel_name(kind, fp4, slot)
+        for slot in (torch.int32, torch.int64) for kind in (_F16, _BF16, _F32)
+        for fp4 in (False, True)]
 
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -94,14 +118,18 @@ def unsupported(key, key_cache, mode, scale_layout) -> str | None:
 class Plan:
     name: str
     threads: int  # per CTA
-    per_token: int  # threads per token: H * D/32
+    per_token: int  # threads per token: H * D/32 (mx_kernel), 8 * H * D/32 (mx_small_kernel)
     fixed: tuple[int, ...]  # key_stride .. floor_rule (the 28 trailing kernel arguments)
+
+
+def is_small_call(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> bool:
+    return num_tokens * groups <= tuning.small_call_groups
 
 
 def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode,
          scale_rule, scale_layout, tuning: CudaTuning = TUNING) -> Plan:
-    """The kernel, CTA size and fixed arguments for these (validated) arguments; no GPU
-    needed."""
+    """The kernel, CTA size and fixed arguments for these (validated) arguments (the kernel
+    depends on the call's size: ``is_small_call``); no GPU needed."""
     t_pad, num_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[:2]
     ib = key.element_size()
@@ -118,8 +146,11 @@ def plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_
              head_groups, *kd, *vd, *ks, *vs, block_size,
              launch.log2_or_minus_1(block_size), num_blocks * block_size,
              int(is_floor(scale_rule)))
-    name = kernel_name(_KIND[key.dtype], is_fp4(mode), in_aligned and data_aligned,
-                       slot_mapping.dtype)
+    aligned = in_aligned and data_aligned
+    if aligned and is_small_call(slot_mapping.numel(), groups, tuning):
+        return Plan(small_kernel_name(_KIND[key.dtype], is_fp4(mode), slot_mapping.dtype),
+                    tuning.threads, 8 * groups, fixed)
+    name = kernel_name(_KIND[key.dtype], is_fp4(mode), aligned, slot_mapping.dtype)
     return Plan(name, tuning.threads, groups, fixed)
 
 
@@ -154,7 +185,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
            key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.dtype, mode.name,
            is_floor(scale_rule), is_interleaved(scale_layout), *(x.shape for x in views),
            *(x.stride() for x in views), views[0].data_ptr() & 15, views[1].data_ptr() & 15,
-           key.get_device(), tuning)
+           key.get_device(), is_small_call(num_tokens, key.shape[1] * key.shape[2] // GROUP,
+                                           tuning), tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
         lau = LAUNCHES[sig] = _launchable(

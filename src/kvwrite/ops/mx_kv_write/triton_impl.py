@@ -11,13 +11,18 @@ layout's own, the linear layout's derived (cuda_impl.scale_strides). Strides, th
 the geometry are compile-time constants; nothing is read on the host per call, so ``run`` is
 CUDA-graph safe.
 
-Every step is exact (integer work on bits, products by powers of two, no float8 cast, bfloat16
-widened from its bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes.
+Every step is exact (integer work on bits, products by powers of two, bfloat16 widened from its
+bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes. The one exception in
+form, not in bytes: compiled mxfp8 kernels on sm_89 and later (``native_e4m3``) take the E4M3
+codes from Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32, the CUDA kernel's), about
+half the instructions of the integer steps the interpreter runs; the GPU tests compare them.
+Small calls (``TritonTuning.small_call_groups``) spread a group over 4 threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -59,9 +64,33 @@ class TritonTuning(GroupTuning):
     # Input bytes of K per warp: 2 KiB is 32 groups of 16-bit input, one a thread.
     bytes_per_warp: int = 2048
     max_warps: int = 8
+    # Calls of at most small_call_groups groups of K (T * H * D/32; 2048: 64 tokens of H=8,
+    # D=128) take small_bytes_per_warp: 512 B is 8 groups of 16-bit input a warp, a group over 4
+    # threads (Triton's layout spreads the 32 elements over the lanes; the amax is a shuffle
+    # reduction). sm_90 PTX, bfloat16, H=8, D=128, T=1: one warp of 1863 (mxfp8) / 1722 (mxfp4)
+    # instructions a thread before, four warps of 558 / 506 (302 mxfp8 with NATIVE) after: the
+    # per-thread chain is the small call's time, as in the CUDA small-call kernel. Estimated
+    # from those counts, not measured.
+    small_call_groups: int = 2048
+    small_bytes_per_warp: int = 512
 
 
 TUNING = TritonTuning()
+
+_NATIVE: dict[torch.device, bool] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _small_tuning(tuning: TritonTuning) -> TritonTuning:
+    """``tuning`` with small_bytes_per_warp as its bytes_per_warp (small calls' tiling)."""
+    return dataclasses.replace(tuning, bytes_per_warp=tuning.small_bytes_per_warp)
+
+
+def _native(device: torch.device) -> bool:
+    found = _NATIVE.get(device)
+    if found is None:
+        found = _NATIVE[device] = native_e4m3(device)
+    return found
 
 
 if triton is not None:
@@ -72,9 +101,9 @@ if triton is not None:
                      D_SE: tl.constexpr, S_SB: tl.constexpr, S_SH: tl.constexpr,
                      S_128: tl.constexpr, S_32: tl.constexpr, S_4: tl.constexpr,
                      S_G: tl.constexpr, FP4: tl.constexpr, FLOOR: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, NATIVE: tl.constexpr):
         """The rule of groups ``x`` [BLOCK_T, BLOCK_Q, 32] and their stores where ``ok2``."""
-        sc, codes = mx_rule(x, FP4, FLOOR, BLOCK_T, BLOCK_Q)
+        sc, codes = mx_rule(x, FP4, FLOOR, BLOCK_T, BLOCK_Q, NATIVE)
         if FP4:
             NB: tl.constexpr = 16
         else:
@@ -107,6 +136,7 @@ if triton is not None:
         FP4: tl.constexpr, FLOOR: tl.constexpr, BF16_BITS: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
+        NATIVE: tl.constexpr = False,  # E4M3 by Triton's float8 conversion (native_e4m3)
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -128,10 +158,16 @@ if triton is not None:
         ok2 = valid[:, None] & q_in[None, :]
         _store_group(k_data_ptr, k_sf_ptr, widen(xk, BF16_BITS), blk, pg, h, g, ok2,
                      KD_SB, KD_SS, KD_SH, KD_SE, KS_SB, KS_SH, KS_128, KS_32, KS_4, KS_G,
-                     FP4, FLOOR, BLOCK_T, BLOCK_Q)
+                     FP4, FLOOR, BLOCK_T, BLOCK_Q, NATIVE)
         _store_group(v_data_ptr, v_sf_ptr, widen(xv, BF16_BITS), blk, pg, h, g, ok2,
                      VD_SB, VD_SS, VD_SH, VD_SE, VS_SB, VS_SH, VS_128, VS_32, VS_4, VS_G,
-                     FP4, FLOOR, BLOCK_T, BLOCK_Q)
+                     FP4, FLOOR, BLOCK_T, BLOCK_Q, NATIVE)
+
+
+def native_e4m3(device: torch.device) -> bool:
+    """The kernel's NATIVE: compiled kernels on sm_89 and later (cvt.rn.satfinite.e4m3x2.f32),
+    not Triton's interpreter (CPU tensors) nor older GPUs."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -145,8 +181,10 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     t_pad, num_heads, head_size = key.shape
     groups = head_size // GROUP
     num_blocks, block_size = key_cache.shape[:2]
+    tiling = _small_tuning(tuning) if num_tokens * num_heads * groups <= \
+        tuning.small_call_groups else tuning
     block_t, block_q, warps = group_tiling(num_tokens, num_heads * groups,
-                                           GROUP * key.element_size(), tuning)
+                                           GROUP * key.element_size(), tiling)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads * groups, block_q))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
@@ -169,5 +207,6 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, G=groups,
         NUM_GROUPS=num_heads * groups, FP4=is_fp4(mode), FLOOR=is_floor(scale_rule),
         BF16_BITS=bf16, BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl, PDL_TRIGGER=trigger,
-        num_warps=warps, launch_pdl=pdl, enable_fp_fusion=False,
+        NATIVE=not is_fp4(mode) and _native(key.device), num_warps=warps, launch_pdl=pdl,
+        enable_fp_fusion=False,
     )

@@ -59,16 +59,23 @@ KVW_HD float mx_amax(const float (&x)[N]) {
   return max_num(t[0], 0.0f);
 }
 
-// The codes of a group for the multiplier r = 2^-E as little-endian words: mxfp8 32 bytes (8
-// words, element i in byte i), mxfp4 16 bytes (4 words, element 2j in the low nibble of byte j,
-// 2j + 1 in the high one).
-template <bool FP4>
-KVW_HD void mx_codes(const float (&x)[KVW_MX_GROUP], float r, u32 (&out)[FP4 ? 4 : 8]) {
+// The codes of N elements (a group, N = 32, or a part of one, N a multiple of 8) for the
+// multiplier r = 2^-E as little-endian words: mxfp8 N bytes (N/4 words, element i in byte i),
+// mxfp4 N/2 bytes (N/8 words, element 2j in the low nibble of byte j, 2j + 1 in the high one).
+// fast (mxfp4 only, mx_fast): kvw/nvfp4.cuh's fast E2M1 path (no clamp at 6, v's own sign: 7
+// instructions an element, 9 on the general path), exact under mx_fast's condition.
+template <bool FP4, int N>
+KVW_HD void mx_codes_n(const float (&x)[N], float r, bool fast, u32 (&out)[FP4 ? N / 8 : N / 4]) {
+  static_assert(N % 8 == 0, "whole words of codes");
   if constexpr (FP4) {
-    nvfp4_pack_n<KVW_MX_GROUP, false>(x, r, out);
+    if (fast) {
+      nvfp4_pack_n<N, true>(x, r, out);
+    } else {
+      nvfp4_pack_n<N, false>(x, r, out);
+    }
   } else {
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
+    for (int w = 0; w < N / 4; ++w) {
       const u32 lo = fp8x2_from_f32<DT_E4M3>(mul_rn(x[4 * w], r), mul_rn(x[4 * w + 1], r));
       const u32 hi = fp8x2_from_f32<DT_E4M3>(mul_rn(x[4 * w + 2], r), mul_rn(x[4 * w + 3], r));
       out[w] = (lo & 0xFFFFu) | (hi << 16);
@@ -76,10 +83,38 @@ KVW_HD void mx_codes(const float (&x)[KVW_MX_GROUP], float r, u32 (&out)[FP4 ? 4
   }
 }
 
-// The whole rule for one group: the codes in `out`, the scale byte E + 127 returned.
+// Whether the mxfp4 codes of a group take the fast E2M1 path: the "ceil" rule and a_nan, the
+// group's amax with NaN propagated (nvfp4_amax_nan), times r = 2^-E below 7 (kvw/nvfp4.cuh's
+// nvfp4_pack_fast condition: no NaN element, every RN(x_i * r) <= RN(a * r) < 7 since r > 0 and
+// rounding is monotone). Under "ceil" every finite group passes (RN(a * r) <= 6); an inf or NaN
+// never does (inf * r = inf; NaN compares false). Under "floor" RN(a * r) = 4m lies in [4, 8),
+// so about a fifth of random groups would fail: a warp would run both paths, so "floor" keeps
+// the general one (floor_rule is compiled in: no test at run time in a specialized build).
+KVW_HD bool mx_fast(float a_nan, float r, bool floor_rule) {
+  return !floor_rule && mul_rn(a_nan, r) < 7.0f;
+}
+
+// The rule's amax from the NaN-propagating one of the same elements: a_nan where it is a
+// number, else the NaN-skipping tree (rare).
+template <int N>
+KVW_HD float mx_amax_from(float a_nan, const float (&x)[N]) {
+  return a_nan == a_nan ? a_nan : mx_amax(x);
+}
+
+// The codes of a group for the multiplier r = 2^-E (mx_codes_n of 32, the general E2M1 path).
+template <bool FP4>
+KVW_HD void mx_codes(const float (&x)[KVW_MX_GROUP], float r, u32 (&out)[FP4 ? 4 : 8]) {
+  mx_codes_n<FP4, KVW_MX_GROUP>(x, r, false, out);
+}
+
+// The whole rule for one group: the codes in `out`, the scale byte E + 127 returned. The
+// kernels' path: the NaN-propagating amax, the rule's amax from it, E, then the fast or general
+// E2M1 path (mx_fast).
 template <bool FP4>
 KVW_HD u32 mx_group(const float (&x)[KVW_MX_GROUP], bool floor_rule, u32 (&out)[FP4 ? 4 : 8]) {
-  const int E = mx_scale_exp<FP4>(mx_amax(x), floor_rule);
-  mx_codes<FP4>(x, mx_rcp(E), out);
+  const float a_nan = nvfp4_amax_nan(x);
+  const int E = mx_scale_exp<FP4>(mx_amax_from(a_nan, x), floor_rule);
+  const float r = mx_rcp(E);
+  mx_codes_n<FP4, KVW_MX_GROUP>(x, r, FP4 && mx_fast(a_nan, r, floor_rule), out);
   return static_cast<u32>(E + 127);
 }
