@@ -356,6 +356,8 @@ _EMU_HARNESS = r"""
 #include "gather_emu.h"
 #undef __shared__
 #define __shared__ static
+#define TQ_CTA_FIXED 128  // gather_emu.h's CTA size
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
   unsigned u;
   std::memcpy(&u, &v, 4);
@@ -365,21 +367,21 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   return r;
 }
 #include "kernel.cu"
-#define TQ_EMU(IN, KB, VB, ST, NAME)                                                        \
+#define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
                        const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
                        i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
-                       i64 p1, i64 ms, i64 grid) {                                          \
+                       i64 p1, i64 ms, i64 nt, i64 grid) {                                  \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_kernel<IN, KB, VB, ST>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp, ch,  \
-                                bs, bsh, ns, p0, p1, ms);                                   \
+      tq_kernel<IN, KB, VB, ST, E>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp,   \
+                                   ch, bs, bsh, ns, p0, p1, ms, nt);                        \
     });                                                                                     \
   }
 """
 
 
-def _emu_name(kind: int, kb: int, vb: int, slot_dtype) -> str:
-    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}"
+def _emu_name(kind: int, kb: int, vb: int, slot_dtype, e: int) -> str:
+    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}_{e}"
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +394,11 @@ def emu_lib(tmp_path_factory):
     for kind in launch.KIND.values():
         for kb, vb in _BITS.values():
             for sd, st in ((torch.int32, "int"), (torch.int64, "long long")):
-                lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {_emu_name(kind, kb, vb, sd)})")
+                for e in _EMU_ELEMS:
+                    if e < 8 and 3 in (kb, vb):
+                        continue
+                    lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {e}, "
+                                 f"{_emu_name(kind, kb, vb, sd, e)})")
     d = tmp_path_factory.mktemp("tq_emu")
     (d / "harness.cpp").write_text("\n".join(lines) + "\n")
     lib = d / "libtqemu.so"
@@ -406,12 +412,22 @@ def emu_lib(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-class _Emulated:
-    """cuda_impl's run, the kernel emulated on the CPU."""
+# The emulated E variants: every one a head size up to 64 picks with lane_elems 16, and 8 (the
+# tuning's lane_elems is overridden per test to put more lanes on a row).
+_EMU_ELEMS = (2, 4, 8, 16)
+_EMU_CTA = 128  # gather_emu.h's CTA size
 
-    def __init__(self, lib):
+
+class _Emulated:
+    """cuda_impl's run, the kernel emulated on the CPU: ``lane_elems`` the tuning's (fewer
+    elements a lane: more lanes a row, more shuffle levels), ``sm_count`` the grid's bound (1: one
+    CTA strides over every row)."""
+
+    def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
+        self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems, threads_per_sm=_EMU_CTA)
+        self.sm_count = sm_count
 
     def unsupported(self, key, kv_cache, preset):
         return self.c.unsupported(key, kv_cache, preset)
@@ -419,9 +435,12 @@ class _Emulated:
     def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
         from kvwrite.kernels import launch
         args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
+        d = key.shape[2]
+        e, _ = self.c.lanes(d, self.tuning)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
-                                         preset.value_bits, slot_mapping.dtype))
-        grid = slot_mapping.numel() * key.shape[1]
+                                         preset.value_bits, slot_mapping.dtype, e))
+        grid = self.c.grid(slot_mapping.numel() * key.shape[1], d, self.sm_count, self.tuning,
+                           threads=_EMU_CTA)
         fn(*(ctypes.c_void_p(a) for a in args[:6]),
            *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
 
@@ -446,6 +465,109 @@ def test_cuda_kernel_emulated_shapes_and_ties(emu_lib, preset_name, d, pit_kind)
     """Trees of one to 8 chunks of leaves, odd-byte fields, padded head sizes, midpoint ties."""
     _check(_Emulated(emu_lib), preset_name, torch.float32, torch.int64, d, h=2,
            pit_kind=pit_kind, vllm_alloc=False, special=d >= 8)
+
+
+# The kernel's two rotation paths (the Hadamard table by the fast Walsh-Hadamard transform, any
+# other by the products' trees) and its two midpoint counts (a binary search where the midpoints
+# ascend), chosen per CTA from the tables' values.
+def table_variant(d: int, preset_name: str, pit_kind: str, mids_kind: str, seed: int = 0):
+    """(PiT, midpoints) of a kind: pit_kind "tables" (turboquant_tables': the Hadamard path),
+    "negated" (-PiT: h < 0, still Hadamard), "strided" (the same values column-major: read one by
+    one), "offset" (a view one float off 16-byte alignment), "zero" (±0 in the Sylvester signs),
+    "ulp" / "sign" / "corner" (one entry one ulp off, its sign flipped, PiT[D-1, D-1] off: the
+    generic path), "random"; mids_kind "tables", "unsorted", "nan" (a NaN midpoint), "dup" (equal
+    neighbours)."""
+    from kvwrite import turboquant_tables
+    g = torch.Generator().manual_seed(seed)
+    pit, _, mids = turboquant_tables(d, preset_name)
+    if pit_kind == "negated":
+        pit = -pit
+    elif pit_kind == "strided":
+        pit = pit.t().contiguous().t()
+    elif pit_kind == "offset":
+        buf = torch.empty(d * d + 1)
+        buf[1:] = pit.flatten()
+        pit = buf[1:].view(d, d)
+    elif pit_kind == "zero":
+        pit = pit * 0.0  # +0 where the sign is +, -0 where it is -
+    elif pit_kind in ("ulp", "sign", "corner"):
+        pit = pit.clone()
+        i, j = (d - 1, d - 1) if pit_kind == "corner" else torch.randint(0, d, (2,), generator=g)
+        if pit_kind == "sign":
+            pit[i, j] = -pit[i, j]
+        else:
+            pit.view(torch.int32)[i, j] += 1
+    elif pit_kind == "random":
+        pit = torch.randn(d, d, generator=g) / math.sqrt(d)
+    if mids_kind == "unsorted":
+        mids = mids[torch.randperm(mids.numel(), generator=g)]
+    elif mids_kind == "nan":
+        mids = mids.clone()
+        mids[mids.numel() // 2] = float("nan")
+    elif mids_kind == "dup":
+        mids = mids.clone()
+        mids[1] = mids[2]
+        mids[-1] = mids[-2]
+    return pit, mids
+
+
+def table_case(preset_name, d, pit_kind="tables", mids_kind="tables", *, dtype=torch.float32,
+               t=7, h=2, seed=0, device="cpu"):
+    """make_case's rows (special ones included) with table_variant's tables and rows whose
+    butterflies cancel exactly (constant, alternating, one-hot, two equal entries), in written
+    tokens 3 and 4."""
+    preset, (key, value, kv_cache, slots, _, _) = make_case(
+        preset_name, dtype, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed, special=d >= 8,
+        vllm_alloc=seed % 2 == 0)
+    pit = mids = None
+    if preset.mse:
+        pit, mids = table_variant(d, preset_name, pit_kind, mids_kind, seed)
+    key[3, 0] = 1.0
+    key[3, 1] = torch.tensor([1.0, -1.0] * (d // 2)).to(dtype)
+    key[4, 1] = 0.0
+    key[4, 1, d // 2] = -2.5
+    key[4, 1, 0] = 2.5
+    key[4, 0, : d // 2] = -0.0
+    pit, mids = (None if x is None else x.to(device) for x in (pit, mids))
+    return preset, (key.to(device), value.to(device), kv_cache.to(device), slots.to(device),
+                    pit, mids)
+
+
+MSE_PRESETS = PRESETS[1:]
+HADAMARD_PARAMS = ([(p, d, le) for p in MSE_PRESETS for d in (16, 32, 64, 128, 256) for le in (16, 8)]
+                   + [("turboquant_4bit_nc", d, 16) for d in (2, 4, 8)])
+
+
+@pytest.mark.parametrize("preset_name, d, lane_elems", HADAMARD_PARAMS)
+def test_cuda_kernel_emulated_hadamard_path(emu_lib, preset_name, d, lane_elems):
+    """turboquant_tables' PiT (the butterflies) at D = 2 ... 256, 1 to 32 lanes a row."""
+    preset, inputs = table_case(preset_name, d, seed=d)
+    _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
+                  f"{preset_name} D={d} E<={lane_elems}")
+
+
+TABLE_KINDS = [("negated", "tables"), ("strided", "unsorted"), ("offset", "dup"),
+               ("zero", "tables"), ("ulp", "tables"), ("sign", "nan"), ("corner", "dup"),
+               ("random", "unsorted"), ("tables", "nan"), ("tables", "unsorted")]
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+def test_cuda_kernel_emulated_table_variants(emu_lib, preset_name, pit_kind, mids_kind):
+    """Tables near the Hadamard (the generic path) or the Hadamard read another way, midpoints
+    out of order (the count itself), D = 64 over 8 lanes."""
+    preset, inputs = table_case(preset_name, 64, pit_kind, mids_kind, seed=3)
+    _check_inputs(_Emulated(emu_lib, lane_elems=8), preset, inputs,
+                  f"{preset_name} {pit_kind} {mids_kind}")
+
+
+@pytest.mark.parametrize("preset_name, pit_kind", [("turboquant_k8v4", "tables"),
+                                                   ("turboquant_4bit_nc", "tables"),
+                                                   ("turboquant_3bit_nc", "random")])
+def test_cuda_kernel_emulated_grid_strides(emu_lib, preset_name, pit_kind):
+    """One CTA striding over 300 tokens x 2 heads (several passes of its warps; bf16 rows)."""
+    preset, inputs = table_case(preset_name, 32, pit_kind, dtype=torch.bfloat16, t=300, seed=4)
+    _check_inputs(_Emulated(emu_lib, sm_count=1), preset, inputs, f"{preset_name} strided grid")
 
 
 def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
@@ -474,14 +596,26 @@ def test_cuda_kernel_emulated_sums_by_the_tree(emu_lib, preset_name):
 def test_nvrtc_compiles_every_variant():
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
-    assert len(names) == 3 * 4 * 2
+    # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones).
+    assert len(names) == 3 * 2 * (4 * 5 - 2 * 2)
     obj, _ = c.compile_kernel("sm_90", names)
     assert len(bytes(obj.code)) > 0
     # The software fp8 conversion (before sm_89) and a newer architecture, k8v4 and an MSE one.
-    few = [n for n in names if ", 4, int>" in n or ", 3, long long>" in n][:4]
+    few = [n for n in names if ", 4, int, 16>" in n or ", 3, long long, 32>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
         assert len(bytes(obj.code)) > 0
+
+
+def test_lanes_and_grid():
+    """E and the lanes a row for each head size (E = 16 where P allows, P / E <= 32), and the
+    grid: the rows' CTAs, at most the resident ones."""
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    assert [c.lanes(d) for d in (2, 8, 10, 16, 24, 128, 256, 512, 1024)] == [
+        (2, 1), (8, 1), (16, 1), (16, 1), (16, 2), (16, 8), (16, 16), (16, 32), (32, 32)]
+    assert c.grid(8, 128, 132) == 1 and c.grid(64 * 5 + 1, 128, 132) == 6
+    assert c.grid(16384 * 8, 128, 132) == 132 * 2
+    assert c.grid(10**9, 1024, 132) == 132 * 4
 
 
 _TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
