@@ -592,6 +592,68 @@ def test_cuda_kernel_emulated_sums_by_the_tree(emu_lib, preset_name):
     _check_inputs(_Emulated(emu_lib), *tree_order_case(preset_name), "tree order")
 
 
+_DIV_CHECK = r"""
+#include "gather_emu.h"
+#undef __shared__
+#define __shared__ static
+#define TQ_CTA_FIXED 128
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
+inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+#include "kernel.cu"
+#include <cstdio>
+#include <random>
+// kernel.cu's tq_div against the host's IEEE division: random significands, exponents over the
+// fast path's range and past it, divisors with all-ones or all-zero significands, the kernel's
+// own pairs (|a| <= b, b near 1 .. 1e4). Prints "mismatches fast_taken".
+int main() {
+  std::mt19937_64 g(12345);
+  long bad = 0, fast = 0;
+  auto f = [](u32 bits) { return bits_f32(bits); };
+  for (long it = 0; it < 6000000; ++it) {
+    const u32 r1 = static_cast<u32>(g()), r2 = static_cast<u32>(g()), kind = it % 6;
+    u32 ea = 127 + static_cast<int>(r1 >> 24) % 130 - 65, eb = 127 + static_cast<int>(r2 >> 24) % 130 - 65;
+    u32 ma = r1 & 0x7FFFFFu, mb = r2 & 0x7FFFFFu;
+    if (kind == 1) mb = 0x7FFFFFu;
+    if (kind == 2) mb = 0;
+    if (kind == 3) ma = 0x7FFFFFu - (r2 & 7u);
+    if (kind == 4) { eb = 127 + static_cast<int>(r2 >> 28) % 14; ea = eb - static_cast<int>(r1 >> 27) % 30; }
+    if (kind == 5) { eb = 127 + static_cast<int>(r2 >> 28) % 14 - 27; ea = eb - static_cast<int>(r1 >> 27) % 30 + 1; }
+    const float a = f(((r1 >> 23) & 1u) << 31 | ea << 23 | ma), b = f(eb << 23 | mb);
+    const bool fb = tq_div_fast(b);
+    const float aa = a < 0 ? -a : a;
+    fast += fb && aa >= f(0x21800000u) && aa <= f(0x5D800000u);
+    const float want = a / b, got = tq_div(a, b, 1.0f / b, fb);
+    if (f32_bits(want) != f32_bits(got) && !(want != want && got != got)) {
+      if (bad < 5) std::printf("a=%a b=%a want=%a got=%a\n", a, b, want, got);
+      ++bad;
+    }
+  }
+  std::printf("%ld %ld\n", bad, fast);
+}
+"""
+
+
+def test_kernel_division_is_correctly_rounded(tmp_path):
+    """kernel.cu's row-reciprocal division (tq_div) gives the correctly rounded quotient on
+    6 * 10^6 pairs, 4/5 of them on its fast path."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++)")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    op = pathlib.Path(cuda_impl.__file__).parent
+    (tmp_path / "div.cpp").write_text(_DIV_CHECK)
+    exe = tmp_path / "div"
+    subprocess.run([cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-pthread", f"-I{inc}", f"-I{op}",
+                    f"-I{pathlib.Path(__file__).parent}", str(tmp_path / "div.cpp"), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    bad, fast = map(int, out.split()[-2:])
+    assert bad == 0, out
+    assert fast > 6000000 * 0.6, out
+
+
 @needs_nvrtc
 def test_nvrtc_compiles_every_variant():
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c

@@ -232,6 +232,34 @@ KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
   if (start < total) tq_store_bytes<NB>(field + start, f.w, total - start < NB ? total - start : NB);
 }
 
+// RN(a / b) for a row's divisor b with yb = RN(1 / b) (rcp.rn, once a row) where `fast` (b in
+// [2^-60, 2^60]) and |a| in [2^-60, 2^60]: q0 = RN(a * yb) (within 1.5 ulp of a / b), one
+// correction q1 = RN(q0 + RN(a - b*q0) * yb) (within 1 ulp: the remainder's own rounding is far
+// below it), then Markstein's step q2 = RN(q1 + r1 * yb) with r1 = a - b*q1, exact by the FMA
+// (the remainder of a quotient within 1 ulp is a float; where it would be below 2^-126, q1 is
+// already within 2^-40 ulp of a / b and the step cannot move it): with yb within half an ulp of
+// 1 / b and q1 within 1 ulp, q2 = RN(a / b) (Markstein 1990; Muller et al., Handbook of
+// Floating-Point Arithmetic, the division theorems). Quotients and remainders stay normal in
+// those ranges. Everything else (a zero, subnormal, huge, inf or NaN a; b outside the range)
+// takes div.rn. tests/test_turboquant_kernels.py compares it with the host's division on 10^7
+// pairs.
+KVW_HD float tq_div(float a, float b, float yb, bool fast) {
+  const float aa = fabsf(a);
+  if (fast && aa >= bits_f32(0x21800000u) && aa <= bits_f32(0x5D800000u)) {  // 2^-60, 2^60
+    float q = mul_rn(a, yb);
+    float r = fma_rn(-b, q, a);
+    q = fma_rn(r, yb, q);
+    r = fma_rn(-b, q, a);
+    return fma_rn(r, yb, q);
+  }
+  return div_rn(a, b);
+}
+
+// The row-level half of tq_div's condition: b in [2^-60, 2^60] (a NaN b fails it).
+KVW_HD bool tq_div_fast(float b) {
+  return b >= bits_f32(0x21800000u) && b <= bits_f32(0x5D800000u);
+}
+
 // fp16(v) little-endian at p; a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
 // one fixed pattern makes every implementation's bytes equal).
 KVW_HD void tq_store_f16(u8* p, float v) {
@@ -356,10 +384,12 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
       for (u32 m = 1; m < lpr; m <<= 1) ss = add_rn(ss, tq_shfl_xor(ss, static_cast<int>(m)));
       const float n = sqrt_rn(ss);
       const float den = add_rn(n, TQ_EPS);
+      const bool kfast = tq_div_fast(den);
+      const float yd = rcp_rn(den);
       float y[E];
       if (hadamard) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) y[e] = mul_rn(div_rn(x[e], den), h);
+        for (int e = 0; e < E; ++e) y[e] = mul_rn(tq_div(x[e], den, yd, kfast), h);
 #pragma unroll
         for (int st = 1; st < E; st <<= 1) {
 #pragma unroll
@@ -371,18 +401,21 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
           }
         }
         for (u32 m = 1; m < lpr; m <<= 1) {
-          const bool upper = (r & m) != 0;
+          // (a, b) -> (a + b, a - b): the lower lane adds its partner's value, the upper one
+          // adds its own negated (RN(o + (-y)) is RN(o - y), IEEE's subtraction).
+          const u32 neg = (r & m) != 0 ? 0x80000000u : 0u;
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             const float o = tq_shfl_xor(y[e], static_cast<int>(m));
-            y[e] = upper ? sub_rn(o, y[e]) : add_rn(y[e], o);  // (a, b) -> a + b | a - b
+            y[e] = add_rn(bits_f32(f32_bits(y[e]) ^ neg), o);
           }
         }
       } else {
         float* urow = s_u + (warp * rpw + sub) * (p + 1u);
         __syncwarp();  // the warp's rows of the last pass are read
 #pragma unroll
-        for (int e = 0; e < E; ++e) urow[i0 + e] = i0 + e < d ? div_rn(x[e], den) : 0.0f;
+        for (int e = 0; e < E; ++e)
+          urow[i0 + e] = i0 + e < d ? tq_div(x[e], den, yd, kfast) : 0.0f;
         __syncwarp();
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -438,10 +471,12 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
     if (mn == 0.0f) mn = 0.0f;        // a zero mn is +0
     float s = div_rn(sub_rn(mx, mn), L);
     if (!(s > TQ_EPS)) s = TQ_EPS;
+    const bool vfast = tq_div_fast(s);
+    const float ys = rcp_rn(s);
     u32 q[E];
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      q[e] = i0 + e < d ? rhu_clamp_code(div_rn(sub_rn(v[e], mn), s), 0.5f, L) : 0u;
+      q[e] = i0 + e < d ? rhu_clamp_code(tq_div(sub_rn(v[e], mn), s, ys, vfast), 0.5f, L) : 0u;
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
