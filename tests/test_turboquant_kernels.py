@@ -769,3 +769,115 @@ def test_gpu_cuda_long_rows():
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
 def test_gpu_sums_by_the_tree(impl, preset_name):
     _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda"), "tree order")
+
+
+class _Tuned:
+    """An implementation module's run with a tuning (the CUDA kernel's lanes a row)."""
+
+    def __init__(self, impl, tuning):
+        self.impl, self.tuning = impl, tuning
+
+    def unsupported(self, key, kv_cache, preset):
+        return self.impl.unsupported(key, kv_cache, preset)
+
+    def run(self, *args):
+        self.impl.run(*args, tuning=self.tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, d, lane_elems", HADAMARD_PARAMS)
+def test_gpu_hadamard_path(impl, preset_name, d, lane_elems):
+    """The emulated Hadamard-path cases on the GPU (the CUDA kernel with its lanes a row set by
+    lane_elems; Triton once per case)."""
+    mod = _gpu_impl(impl)
+    if impl == "cuda":
+        mod = _Tuned(mod, mod.CudaTuning(lane_elems=lane_elems))
+    elif lane_elems != 16:
+        pytest.skip("lane_elems is the CUDA kernel's")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        preset, inputs = table_case(preset_name, d, dtype=dtype, seed=d, device="cuda")
+        _check_inputs(mod, preset, inputs, f"{preset_name} D={d} {dtype} E<={lane_elems}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_table_variants(impl, preset_name, pit_kind, mids_kind, d):
+    preset, inputs = table_case(preset_name, d, pit_kind, mids_kind, dtype=torch.bfloat16,
+                                t=40, h=3, seed=3, device="cuda")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} {pit_kind} {mids_kind}")
+
+
+def _reference_write(inp):
+    """The cache's allocation after the torch reference's write of ``inp`` (a copy)."""
+    import kvwrite
+    from kvwrite.testing.compare import copy_allocations
+    want = copy_allocations((inp.kv_cache,))[0]
+    args = list(inp.args())
+    args[2] = want
+    kvwrite.reshape_and_cache_turboquant(*args, implementation="torch")
+    return want
+
+
+def _tq_case(preset_name, t, pit_kind, **kw):
+    from kvwrite.testing.turboquant import TqCase
+    return TqCase(kv_cache_dtype=preset_name, num_tokens=t, num_heads=8, head_size=128,
+                  dtype=torch.bfloat16, block_size=16, num_blocks=t // 16 + 3,
+                  special_values=True, padding_slots=1 if t > 2 else 0,
+                  out_of_range_slots=1 if t > 4 else 0, own_tables=pit_kind == "random", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, pit_kind", [(p, k) for p in PRESETS
+                                                   for k in ("hadamard", "random")
+                                                   if p != "turboquant_k8v4" or k == "hadamard"])
+@pytest.mark.parametrize("t", [1, 7, 300, 5000])
+def test_gpu_rotation_paths_against_the_reference(impl, preset_name, pit_kind, t):
+    """turboquant_tables' Hadamard (the butterflies) and a random orthogonal table (the products'
+    trees) against reference.py, whole allocations, H = 8, D = 128, bf16 (as the benchmark)."""
+    import kvwrite
+    from kvwrite.testing.turboquant import assert_tq_caches_equal, make_tq_inputs
+    _gpu_impl(impl)
+    case = _tq_case(preset_name, t, pit_kind)
+    inp = make_tq_inputs(case, "cuda", seed=t)
+    want = _reference_write(inp)
+    kvwrite.reshape_and_cache_turboquant(*inp.args(), implementation=impl)
+    torch.cuda.synchronize()
+    assert_tq_caches_equal(inp.kv_cache, want, case.slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+def test_gpu_graph_replay_switches_rotation_paths(impl, preset_name):
+    """Captured with vLLM's tables, replayed after new rows, cache bytes and tables were copied
+    in: a random table (the generic path), the Hadamard again, one a ulp off with midpoints out of
+    order, the negated Hadamard; each replay writes the reference's bytes."""
+    import kvwrite
+    from kvwrite.testing.compare import storage_bytes
+    from kvwrite.testing.turboquant import assert_tq_caches_equal, make_tq_inputs
+    _gpu_impl(impl)
+    case = _tq_case(preset_name, 300, "hadamard")
+    first = make_tq_inputs(case, "cuda", seed=1)
+    kvwrite.reshape_and_cache_turboquant(*first.args(), implementation=impl)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.reshape_and_cache_turboquant(*first.args(), implementation=impl)
+    for i, (pit_kind, mids_kind) in enumerate([("random", "tables"), ("tables", "tables"),
+                                               ("ulp", "unsorted"), ("negated", "tables")]):
+        new = make_tq_inputs(case, "cuda", seed=10 + i)
+        for dst, src in ((first.key, new.key), (first.value, new.value),
+                         (first.kv_cache, new.kv_cache), (first.slot_mapping, new.slot_mapping)):
+            storage_bytes(dst).copy_(storage_bytes(src))
+        pit, mids = table_variant(128, preset_name, pit_kind, mids_kind, seed=i)
+        first.PiT.copy_(pit)
+        first.midpoints.copy_(mids)
+        want = _reference_write(first)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_tq_caches_equal(first.kv_cache, want, case.slot, f"replay {pit_kind} {mids_kind}")
