@@ -43,11 +43,12 @@ compile_kernel = SOURCE.compile_fixed
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning(launch.PdlPolicy):
     """The launch constants: ``lane_elems`` the elements a lane holds where the row allows
-    (16: 32-byte bf16 chunks, 8 lanes a row at D = 128); ``threads_per_sm`` the resident threads
-    the grid is sized for (grid = min(CTAs the rows need, SMs * threads_per_sm / CTA threads))."""
+    (16: 32-byte bf16 chunks, 8 lanes a row at D = 128); ``waves`` the CTAs of the grid at most,
+    in resident CTAs (SMs times the measured occupancy): each CTA checks the rotation table once,
+    so more CTAs than resident ones only repeat that check."""
 
     lane_elems: int = 16
-    threads_per_sm: int = 1024
+    waves: int = 1
 
 
 TUNING = CudaTuning()
@@ -72,15 +73,15 @@ def cta_threads(elems: int) -> int:
     return 256 if elems >= 32 else 512
 
 
-def grid(num_rows: int, head_size: int, sm_count: int, tuning: CudaTuning = TUNING,
+def grid(num_rows: int, head_size: int, resident: int, tuning: CudaTuning = TUNING,
          threads: int | None = None) -> int:
-    """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most the resident ones
-    (``threads``: the CTA size, kernel.cu's by default; the emulation's differs)."""
+    """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most ``waves`` times the
+    ``resident`` CTAs (``threads``: the CTA size, kernel.cu's by default; the emulation's
+    differs)."""
     e, lpr = lanes(head_size, tuning)
     threads = threads or cta_threads(e)
     rows_per_cta = threads // lpr
-    resident = max(1, sm_count * max(1, tuning.threads_per_sm // threads))
-    return max(1, min(-(-num_rows // rows_per_cta), resident))
+    return max(1, min(-(-num_rows // rows_per_cta), max(1, resident) * max(1, tuning.waves)))
 
 
 def all_kernel_names() -> list[str]:
@@ -125,8 +126,12 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         index = key.get_device()
         name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, e)
         k, pk = launch.load(SOURCE, name, (), index, False)
-        _, sm_count = nvrtc.device_arch(index)
-        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (), bounds=(sm_count,))
+        with nvrtc.capture_relaxed():
+            nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context
+            _, sm_count = nvrtc.device_arch(index)
+            per_sm = k.occupancy.max_active_blocks_per_multiprocessor(cta_threads(e), 0)
+        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
+                                                bounds=(sm_count * max(1, per_sm),))
     ctas = grid(num_tokens * h, d, lau.bounds[0], tuning)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, cta_threads(e), 1, pdl)

@@ -66,7 +66,9 @@
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
 
 // Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
-// defines its own (its CTAs have a fixed size).
+// defines its own (its CTAs have a fixed size). One CTA per SM at least (__launch_bounds__'s
+// second argument 1: ptxas may take up to 128 registers a thread rather than spill; the launcher
+// sizes the grid by the measured occupancy).
 #ifndef TQ_CTA_FIXED
 template <int E>
 __host__ __device__ constexpr int tq_cta() { return E >= 32 ? 256 : 512; }
@@ -128,10 +130,10 @@ KVW_HD float tq_half(u32 w) {
   }
 }
 
-// x[e] = element i0 + e of the row at p (kind IN) for i0 + e < d, else +0: 16-byte loads where
-// the chunk is whole and 16-byte aligned, else one element at a time.
+// x[e] = element i0 + e of the row at p (kind IN) for i0 + e < d, else `pad`: 16-byte loads
+// where the chunk is whole and 16-byte aligned, else one element at a time.
 template <int IN, int E>
-KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float (&x)[E]) {
+KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float pad, float (&x)[E]) {
   constexpr int EB = elem_bytes(IN);
   constexpr int NB = E * EB;
   const u8* p = row + static_cast<i64>(i0) * EB;
@@ -155,7 +157,7 @@ KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float (&x)[E]) {
     }
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) x[e] = i0 + e < d ? tq_elem<IN>(p, e) : 0.0f;
+  for (int e = 0; e < E; ++e) x[e] = i0 + e < d ? tq_elem<IN>(p, e) : pad;
 }
 
 // y_j = the tree over i < P of RN(u_i * PiT[i, j]) (+0 for i >= D): chunks of CH leaves (CH =
@@ -232,30 +234,41 @@ KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
   if (start < total) tq_store_bytes<NB>(field + start, f.w, total - start < NB ? total - start : NB);
 }
 
-// RN(a / b) for a row's divisor b with yb = RN(1 / b) (rcp.rn, once a row) where `fast` (b in
-// [2^-60, 2^60]) and |a| in [2^-60, 2^60]: q0 = RN(a * yb) (within 1.5 ulp of a / b), one
-// correction q1 = RN(q0 + RN(a - b*q0) * yb) (within 1 ulp: the remainder's own rounding is far
-// below it), then Markstein's step q2 = RN(q1 + r1 * yb) with r1 = a - b*q1, exact by the FMA
-// (the remainder of a quotient within 1 ulp is a float; where it would be below 2^-126, q1 is
-// already within 2^-40 ulp of a / b and the step cannot move it): with yb within half an ulp of
-// 1 / b and q1 within 1 ulp, q2 = RN(a / b) (Markstein 1990; Muller et al., Handbook of
-// Floating-Point Arithmetic, the division theorems). Quotients and remainders stay normal in
-// those ranges. Everything else (a zero, subnormal, huge, inf or NaN a; b outside the range)
-// takes div.rn. tests/test_turboquant_kernels.py compares it with the host's division on 10^7
-// pairs.
-KVW_HD float tq_div(float a, float b, float yb, bool fast) {
-  const float aa = fabsf(a);
-  if (fast && aa >= bits_f32(0x21800000u) && aa <= bits_f32(0x5D800000u)) {  // 2^-60, 2^60
-    float q = mul_rn(a, yb);
-    float r = fma_rn(-b, q, a);
-    q = fma_rn(r, yb, q);
-    r = fma_rn(-b, q, a);
-    return fma_rn(r, yb, q);
+// q[e] = RN(a[e] / b) for a row's divisor b > 0, with yb = RN(1 / b) (rcp.rn, once a row).
+// Where b is in [2^-60, 2^60] (`fast`, the row's) and every |a[e]| is 0 or in [2^-60, 2^60]:
+// q0 = RN(a * yb) (within 1.5 ulp of a / b), one correction q1 = RN(q0 + RN(a - b*q0) * yb)
+// (within 1 ulp: the remainder's own rounding is far below it), then Markstein's step
+// q2 = RN(q1 + r1 * yb) with r1 = a - b*q1, exact by the FMA (the remainder of a quotient within
+// 1 ulp is a float; where it would be below 2^-126, q1 is already within 2^-40 ulp of a / b and
+// the step cannot move it): with yb within half an ulp of 1 / b and q1 within 1 ulp,
+// q2 = RN(a / b) (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, the
+// division theorems). Quotients and remainders stay normal in those ranges. The sign is then
+// a's (b > 0; the FMAs would turn a -0 quotient into +0). Otherwise (a subnormal, tiny, huge,
+// inf or NaN element; b out of range) the lane takes div.rn for all E. One predicate and one
+// branch a lane, not one a division. tests/test_turboquant_kernels.py compares it with the
+// host's division on 6 * 10^6 pairs.
+template <int E>
+KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bool fast) {
+  const float lo = bits_f32(0x21800000u), hi = bits_f32(0x5D800000u);  // 2^-60, 2^60
+  bool ok = fast;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float aa = fabsf(a[e]);
+    ok = ok && aa <= hi && !(aa < lo && aa > 0.0f);  // a NaN fails aa <= hi
+    float x = mul_rn(a[e], yb);
+    float r = fma_rn(-b, x, a[e]);
+    x = fma_rn(r, yb, x);
+    r = fma_rn(-b, x, a[e]);
+    x = fma_rn(r, yb, x);
+    q[e] = bits_f32((f32_bits(x) & 0x7FFFFFFFu) | (f32_bits(a[e]) & 0x80000000u));
   }
-  return div_rn(a, b);
+  if (!ok) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = div_rn(a[e], b);
+  }
 }
 
-// The row-level half of tq_div's condition: b in [2^-60, 2^60] (a NaN b fails it).
+// The row-level half of tq_div_row's condition: b in [2^-60, 2^60] (a NaN b fails it).
 KVW_HD bool tq_div_fast(float b) {
   return b >= bits_f32(0x21800000u) && b <= bits_f32(0x5D800000u);
 }
@@ -269,7 +282,7 @@ KVW_HD void tq_store_f16(u8* p, float v) {
 }
 
 template <int IN, int KB, int VB, typename SlotT, int E>
-__global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
+__global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     const u8* __restrict__ key,    // [T_pad, H, D] of kind IN via (k_tok, k_head, 1) elements
     const u8* __restrict__ value,  // [T_pad, H, D] via (v_tok, v_head, 1)
     u8* __restrict__ cache,        // [num_blocks, block_size, H, S] bytes via (c_blk, c_page, c_head, 1)
@@ -321,13 +334,25 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
       const bool vec = pit_s1 == 1 && pit_s0 == d && dd % 4 == 0 &&
                        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
       if (vec) {
-        for (u32 q = tid; q < dd / 4; q += CTA) {
-          const uint4 w4 = reinterpret_cast<const uint4*>(pit)[q];
-          const u32 w[4] = {w4.x, w4.y, w4.z, w4.w};
+        // Eight 16-byte loads in flight per thread before any compare (at T = 1 this check is
+        // on the critical path: one round trip, not eight).
+        const uint4* p4 = reinterpret_cast<const uint4*>(pit);
+        const u32 n4 = dd / 4;
+        for (u32 q0 = tid; q0 < n4; q0 += 8 * CTA) {
+          uint4 w4[8];
 #pragma unroll
-          for (u32 c = 0; c < 4; ++c) {
-            const u32 k = 4 * q + c, i = k >> lg_d, j = k & (d - 1u);
-            bad |= w[c] != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
+          for (u32 k = 0; k < 8; ++k)
+            if (q0 + k * CTA < n4) w4[k] = p4[q0 + k * CTA];
+#pragma unroll
+          for (u32 k = 0; k < 8; ++k) {
+            const u32 q = q0 + k * CTA;
+            if (q >= n4) continue;
+            const u32 w[4] = {w4[k].x, w4[k].y, w4[k].z, w4[k].w};
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c) {
+              const u32 kk = 4 * q + c, i = kk >> lg_d, j = kk & (d - 1u);
+              bad |= w[c] != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
+            }
           }
         }
       } else {
@@ -354,8 +379,11 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
     const bool write = slot >= 0 && slot < num_slots;
     float x[E], v[E];
     if (in) {
-      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, x);
-      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d, v);
+      // Past D: key +0 (the trees' padding leaves), value NaN (min and max skip it; its codes
+      // land in no stored byte).
+      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
+      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
+                           bits_f32(0x7FC00000u), v);
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
@@ -386,10 +414,11 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
       const float den = add_rn(n, TQ_EPS);
       const bool kfast = tq_div_fast(den);
       const float yd = rcp_rn(den);
-      float y[E];
+      float y[E], u[E];
+      tq_div_row<E>(u, x, den, yd, kfast);
       if (hadamard) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) y[e] = mul_rn(tq_div(x[e], den, yd, kfast), h);
+        for (int e = 0; e < E; ++e) y[e] = mul_rn(u[e], h);
 #pragma unroll
         for (int st = 1; st < E; st <<= 1) {
 #pragma unroll
@@ -415,7 +444,7 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
         __syncwarp();  // the warp's rows of the last pass are read
 #pragma unroll
         for (int e = 0; e < E; ++e)
-          urow[i0 + e] = i0 + e < d ? tq_div(x[e], den, yd, kfast) : 0.0f;
+          urow[i0 + e] = u[e];  // +0 past D (0 / den)
         __syncwarp();
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -443,8 +472,7 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
           c[e] = idx;
         }
       }
-#pragma unroll
-      for (int e = 0; e < E; ++e) c[e] = i0 + e < d ? c[e] : 0u;
+      // (Codes past D land in no stored byte: the field ends with element D - 1's bits.)
       const u32 nb = d * KB / 8;
       if (write) {
         tq_store_field<KB, E>(dst, c, r, d);
@@ -458,10 +486,8 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
     float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      if (i0 + e < d) {
-        mn = fminf(mn, v[e]);  // NaN ignored
-        mx = fmaxf(mx, v[e]);
-      }
+      mn = fminf(mn, v[e]);  // NaN (and the NaN padding) ignored
+      mx = fmaxf(mx, v[e]);
     }
     for (u32 m = 1; m < lpr; m <<= 1) {
       mn = fminf(mn, tq_shfl_xor(mn, static_cast<int>(m)));
@@ -473,10 +499,14 @@ __global__ void __launch_bounds__(tq_cta<E>()) tq_kernel(
     if (!(s > TQ_EPS)) s = TQ_EPS;
     const bool vfast = tq_div_fast(s);
     const float ys = rcp_rn(s);
+    float w[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
+    float qv[E];
+    tq_div_row<E>(qv, w, s, ys, vfast);
     u32 q[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      q[e] = i0 + e < d ? rhu_clamp_code(tq_div(sub_rn(v[e], mn), s, ys, vfast), 0.5f, L) : 0u;
+    for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
