@@ -63,6 +63,7 @@
 #include "kvw/vec_io.cuh"
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
+#define TQ_BATCH 4     // the table check's loads in flight per thread
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
 
 // Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
@@ -314,6 +315,34 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   const u32 rpw = 32u >> lg_lpr;    // rows per warp
   const u32 i0 = r * E;             // the lane's first element
 
+  // A row's slot (-1 past the rows) and its key and value chunks. Past D: key +0 (the trees'
+  // padding leaves), value NaN (min and max skip it; its codes land in no stored byte).
+  const i64 rows = num_tokens * num_heads;
+  const bool rows_fit_u32 = rows <= 0xFFFFFFFFll;
+  auto load_row = [&](i64 row, float (&x)[E], float (&v)[E], i64& slot, i64& hh) {
+    if (row < rows) {
+      const i64 t = rows_fit_u32 ? static_cast<i64>(static_cast<u32>(row) /
+                                                    static_cast<u32>(num_heads))
+                                 : row / num_heads;
+      hh = row - t * num_heads;
+      slot = static_cast<i64>(slot_mapping[t]);
+      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
+      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
+                           bits_f32(0x7FC00000u), v);
+    } else {
+      slot = -1;
+      hh = 0;
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
+    }
+  };
+  // The first pass's rows are loaded before the setup's table check, so that at a few tokens
+  // the two round trips overlap.
+  const i64 first = (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw;
+  float x[E], v[E];
+  i64 slot, hh;
+  load_row(first + sub, x, v, slot, hh);
+
   // ---- the CTA's setup (MSE): the midpoints, their order, the table's structure ----
   bool hadamard = false;
   float h = 0.0f;
@@ -334,17 +363,17 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
       const bool vec = pit_s1 == 1 && pit_s0 == d && dd % 4 == 0 &&
                        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
       if (vec) {
-        // Eight 16-byte loads in flight per thread before any compare (at T = 1 this check is
-        // on the critical path: one round trip, not eight).
+        // TQ_BATCH 16-byte loads in flight per thread before any compare (at T = 1 this check is
+        // on the critical path: D = 128 takes 8 a thread, two round trips, not eight).
         const uint4* p4 = reinterpret_cast<const uint4*>(pit);
         const u32 n4 = dd / 4;
-        for (u32 q0 = tid; q0 < n4; q0 += 8 * CTA) {
-          uint4 w4[8];
+        for (u32 q0 = tid; q0 < n4; q0 += TQ_BATCH * CTA) {
+          uint4 w4[TQ_BATCH];
 #pragma unroll
-          for (u32 k = 0; k < 8; ++k)
+          for (u32 k = 0; k < TQ_BATCH; ++k)
             if (q0 + k * CTA < n4) w4[k] = p4[q0 + k * CTA];
 #pragma unroll
-          for (u32 k = 0; k < 8; ++k) {
+          for (u32 k = 0; k < TQ_BATCH; ++k) {
             const u32 q = q0 + k * CTA;
             if (q >= n4) continue;
             const u32 w[4] = {w4[k].x, w4[k].y, w4[k].z, w4[k].w};
@@ -368,26 +397,11 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   }
   const bool sorted = MSE && s_sorted != 0;
 
-  const i64 rows = num_tokens * num_heads;
   const i64 rows_per_pass = static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
-  for (i64 base = (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw; base < rows;
-       base += rows_per_pass) {  // warp-uniform
+  for (i64 base = first; base < rows; base += rows_per_pass) {  // warp-uniform
     const i64 row = base + sub;
-    const bool in = row < rows;
-    const i64 t = in ? row / num_heads : 0, hh = in ? row - t * num_heads : 0;
-    const i64 slot = in ? static_cast<i64>(slot_mapping[t]) : -1;
+    if (base != first) load_row(row, x, v, slot, hh);  // the first pass's: before the setup
     const bool write = slot >= 0 && slot < num_slots;
-    float x[E], v[E];
-    if (in) {
-      // Past D: key +0 (the trees' padding leaves), value NaN (min and max skip it; its codes
-      // land in no stored byte).
-      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
-      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
-                           bits_f32(0x7FC00000u), v);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
-    }
     u8* dst = cache + (write ? slot_offset(slot, c_blk, c_page, block_size, block_shift,
                                            num_slots <= 0xFFFFFFFFll) + hh * c_head : 0);
 
