@@ -594,6 +594,59 @@ def test_triton_programs_stride_on_cpu(preset_name, pit_kind):
     _check_inputs(_triton(), preset, inputs, f"{preset_name} strided grid")
 
 
+def stress_case(preset_name, d, t=150, h=2, seed=0, device="cpu"):
+    """Rows made to cancel and tie: small integers, a few special values (±0, ±inf, NaN, 1e-30,
+    1e30, 65504) sprinkled in, some plain normal rows; vLLM's Hadamard table; midpoints taken
+    from the y_j of written rows (so some y_j equal a midpoint exactly), ascending."""
+    g = torch.Generator().manual_seed(seed)
+    preset, (key, value, kv_cache, slots, _, _) = make_case(
+        preset_name, torch.float32, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed,
+        special=False)
+    n = key.shape[0] * h
+    kind = torch.randint(0, 4, (n,), generator=g)
+    ints = torch.randint(-3, 4, (n, d), generator=g).float()
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-30, 1e30,
+                             65504.0, 1.0, -1.0, 0.5])
+    pick = specials[torch.randint(0, specials.numel(), (n, d), generator=g)]
+    sprinkle = torch.rand(n, d, generator=g) < 0.02
+    rows = torch.where((kind == 0)[:, None], ints,
+                       torch.where((kind == 1)[:, None], torch.where(sprinkle, pick, ints),
+                                   torch.where((kind == 2)[:, None], ints.sign() * 0.0,
+                                               torch.randn(n, d, generator=g))))
+    key = rows.reshape(key.shape[0], h, d).clone()
+    value = torch.where(sprinkle, pick, ints).reshape(key.shape[0], h, d).clone()
+    from kvwrite import turboquant_tables
+    pit, _, _ = turboquant_tables(d, preset_name)
+    nm = (1 << preset.key_bits) - 1
+    ys = []
+    for r in range(4):
+        x = key[r // h, r % h]
+        den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
+        y = _tree((x / den)[:, None] * pit)
+        ys += [v for v in y.tolist() if math.isfinite(v)]
+    mids = torch.tensor(sorted(set(ys))[:: max(1, len(set(ys)) // nm)][:nm])
+    if mids.numel() < nm:
+        mids = torch.cat([mids, torch.linspace(1.0, 2.0, nm - mids.numel())])
+    mids = mids.sort().values
+    return preset, tuple(x.to(device) for x in (key, value, kv_cache, slots, pit, mids))
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("d, lane_elems", [(64, 8), (32, 16), (16, 16)])
+def test_cuda_kernel_emulated_hadamard_stress(emu_lib, preset_name, d, lane_elems):
+    """The butterflies against the tree on rows that cancel exactly (signed zeros), carry
+    specials, and land on midpoints."""
+    preset, inputs = stress_case(preset_name, d, seed=d)
+    _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
+                  f"{preset_name} D={d} stress")
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+def test_triton_hadamard_stress_on_cpu(preset_name):
+    preset, inputs = stress_case(preset_name, 32, seed=5)
+    _check_inputs(_triton(), preset, inputs, f"{preset_name} stress")
+
+
 def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
     preset, (key, value, kv_cache, slots, pit, mids) = tree_order_case("turboquant_4bit_nc")
     data, _ = oracle_slot(key[0, 0], value[0, 0], preset, pit, mids)
