@@ -412,9 +412,9 @@ def emu_lib(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-# The emulated E variants: every one a head size up to 64 picks with lane_elems 16, and 8 (the
-# tuning's lane_elems is overridden per test to put more lanes on a row).
-_EMU_ELEMS = (2, 4, 8, 16)
+# The emulated E variants: every one run picks (the tuning's lane_elems is overridden per test
+# to put more lanes on a row).
+_EMU_ELEMS = (2, 4, 8, 16, 32)
 _EMU_CTA = 128  # gather_emu.h's CTA size
 
 
@@ -639,6 +639,25 @@ def test_cuda_kernel_emulated_hadamard_stress(emu_lib, preset_name, d, lane_elem
     preset, inputs = stress_case(preset_name, d, seed=d)
     _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
                   f"{preset_name} D={d} stress")
+
+
+@pytest.mark.parametrize("preset_name, d, pit_kind", [
+    ("turboquant_4bit_nc", 512, "tables"), ("turboquant_3bit_nc", 1024, "tables"),
+    ("turboquant_k3v4_nc", 1024, "random"), ("turboquant_k8v4", 1024, "tables")])
+def test_cuda_kernel_emulated_long_rows(emu_lib, preset_name, d, pit_kind):
+    """32 lanes a row: E = 16 at D = 512, E = 32 at D = 1024 (the CTA's shared rows at their
+    largest), both rotation paths."""
+    preset, inputs = table_case(preset_name, d, pit_kind, t=4, h=2, seed=1)
+    _check_inputs(_Emulated(emu_lib), preset, inputs, f"{preset_name} D={d} {pit_kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_gpu_hadamard_stress(impl, preset_name, d):
+    preset, inputs = stress_case(preset_name, d, t=400, h=4, seed=d, device="cuda")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} D={d} stress")
 
 
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
