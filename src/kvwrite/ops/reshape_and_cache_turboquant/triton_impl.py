@@ -190,7 +190,7 @@ if triton is not None:
         if KB != 8:
             mids = tl.load(mid_ptr + k * MID_S, mask=k < NM, other=float("inf"))
             if D == BLOCK_D:
-                hadamard = _is_hadamard(pit_ptr, P_0, P_1, D, min(D, max(1, 2048 // D)))
+                hadamard = _is_hadamard(pit_ptr, P_0, P_1, D, min(D, max(1, 8192 // D)))
             else:
                 hadamard = False
             h0 = tl.load(pit_ptr)
