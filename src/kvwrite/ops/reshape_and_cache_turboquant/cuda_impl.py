@@ -12,8 +12,9 @@ unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
-``slot_size``). Graph-safe: no allocation and no host sync per call. Not tuned yet (written
-without a GPU): one build per variant, the geometry passed at run time.
+``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
+the GPU at every launch). Not tuned yet (written without a GPU): one build per variant, the
+geometry passed at run time.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, e
 def unsupported(key, kv_cache, preset) -> str | None:
     d = key.shape[2]
     if d > MAX_HEAD_SIZE:
-        return (f"head size {d} > {MAX_HEAD_SIZE}: the cuda kernel holds a row in shared memory "
-                f"of at most {MAX_HEAD_SIZE} elements (torch runs it)")
+        return (f"head size {d} > {MAX_HEAD_SIZE}: the cuda kernel holds a row in at most 32 "
+                f"lanes of 32 elements (torch runs it)")
     return None
 
 
