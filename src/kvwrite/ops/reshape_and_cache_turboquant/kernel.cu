@@ -9,14 +9,16 @@
 //
 // Layout: a row (token, head) is LPR neighbouring lanes of one warp, lane r of the row holding
 // elements [r*E, r*E + E) of the key and the value rows in registers (loaded as 16-byte vectors
-// where the chunk is whole and aligned; elements >= D are +0 and never read). A warp holds
-// 32 / LPR rows; the CTAs (TQ_CTA threads) stride over the rows (grid sized by the launcher to
-// the resident CTAs: the per-CTA setup below is paid once per CTA, not once per row). A row whose
+// where the chunk is whole and aligned; elements >= D are never read: +0 in the key, NaN in the
+// value). A warp holds 32 / LPR rows; the CTAs (tq_cta<E>() threads) stride over the rows (grid
+// sized by the launcher to the resident CTAs: the per-CTA setup below is paid once per CTA, not
+// once per row; the first pass's rows are loaded before it). A row whose
 // slot is negative or out of range computes on but stores nothing (its lanes still take part in
 // the warp's shuffles).
 //
 // Every float32 step is one explicitly rounded PTX instruction (common.cuh's add_rn, sub_rn,
-// mul_rn, div_rn; qk_norm.cuh's sqrt_rn), so no compiler flag can contract or flush anything.
+// mul_rn, div_rn, fma_rn; qk_norm.cuh's sqrt_rn, rcp_rn), so no compiler flag can contract or
+// flush anything; the divisions by a row's den and s are tq_div_row's (RN(a / b) exactly).
 // Every sum of §10.2 is the padded pairwise tree (§7.1): the lane's E leaves by qkn_tree (E a
 // power of two: neighbours at every level), then the lanes' sums by shuffle-xor at distances
 // 1, 2, 4, ... (at distance m the two sums added are the subtrees of lanes r and r ^ m: the same
