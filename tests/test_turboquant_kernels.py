@@ -356,6 +356,8 @@ _EMU_HARNESS = r"""
 #include "gather_emu.h"
 #undef __shared__
 #define __shared__ static
+#define TQ_CTA_FIXED 128  // gather_emu.h's CTA size
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
   unsigned u;
   std::memcpy(&u, &v, 4);
@@ -365,21 +367,21 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   return r;
 }
 #include "kernel.cu"
-#define TQ_EMU(IN, KB, VB, ST, NAME)                                                        \
+#define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
                        const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
                        i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
-                       i64 p1, i64 ms, i64 grid) {                                          \
+                       i64 p1, i64 ms, i64 nt, i64 grid) {                                  \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_kernel<IN, KB, VB, ST>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp, ch,  \
-                                bs, bsh, ns, p0, p1, ms);                                   \
+      tq_kernel<IN, KB, VB, ST, E>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp,   \
+                                   ch, bs, bsh, ns, p0, p1, ms, nt);                        \
     });                                                                                     \
   }
 """
 
 
-def _emu_name(kind: int, kb: int, vb: int, slot_dtype) -> str:
-    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}"
+def _emu_name(kind: int, kb: int, vb: int, slot_dtype, e: int) -> str:
+    return f"tq_{kind}_{kb}_{vb}_{64 if slot_dtype == torch.int64 else 32}_{e}"
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +394,11 @@ def emu_lib(tmp_path_factory):
     for kind in launch.KIND.values():
         for kb, vb in _BITS.values():
             for sd, st in ((torch.int32, "int"), (torch.int64, "long long")):
-                lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {_emu_name(kind, kb, vb, sd)})")
+                for e in _EMU_ELEMS:
+                    if e < 8 and 3 in (kb, vb):
+                        continue
+                    lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {e}, "
+                                 f"{_emu_name(kind, kb, vb, sd, e)})")
     d = tmp_path_factory.mktemp("tq_emu")
     (d / "harness.cpp").write_text("\n".join(lines) + "\n")
     lib = d / "libtqemu.so"
@@ -406,12 +412,22 @@ def emu_lib(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-class _Emulated:
-    """cuda_impl's run, the kernel emulated on the CPU."""
+# The emulated E variants: every one run picks (the tuning's lane_elems is overridden per test
+# to put more lanes on a row).
+_EMU_ELEMS = (2, 4, 8, 16, 32)
+_EMU_CTA = 128  # gather_emu.h's CTA size
 
-    def __init__(self, lib):
+
+class _Emulated:
+    """cuda_impl's run, the kernel emulated on the CPU: ``lane_elems`` the tuning's (fewer
+    elements a lane: more lanes a row, more shuffle levels), ``sm_count`` the resident CTAs, the
+    grid's bound (1: one CTA strides over every row)."""
+
+    def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
+        self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems)
+        self.sm_count = sm_count
 
     def unsupported(self, key, kv_cache, preset):
         return self.c.unsupported(key, kv_cache, preset)
@@ -419,9 +435,12 @@ class _Emulated:
     def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
         from kvwrite.kernels import launch
         args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
+        d = key.shape[2]
+        e, _ = self.c.lanes(d, self.tuning)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
-                                         preset.value_bits, slot_mapping.dtype))
-        grid = slot_mapping.numel() * key.shape[1]
+                                         preset.value_bits, slot_mapping.dtype, e))
+        grid = self.c.grid(slot_mapping.numel() * key.shape[1], d, self.sm_count, self.tuning,
+                           threads=_EMU_CTA)
         fn(*(ctypes.c_void_p(a) for a in args[:6]),
            *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
 
@@ -448,6 +467,205 @@ def test_cuda_kernel_emulated_shapes_and_ties(emu_lib, preset_name, d, pit_kind)
            pit_kind=pit_kind, vllm_alloc=False, special=d >= 8)
 
 
+# The kernel's two rotation paths (the Hadamard table by the fast Walsh-Hadamard transform, any
+# other by the products' trees) and its two midpoint counts (a binary search where the midpoints
+# ascend), chosen per CTA from the tables' values.
+def table_variant(d: int, preset_name: str, pit_kind: str, mids_kind: str, seed: int = 0):
+    """(PiT, midpoints) of a kind: pit_kind "tables" (turboquant_tables': the Hadamard path),
+    "negated" (-PiT: h < 0, still Hadamard), "strided" (the same values column-major: read one by
+    one), "offset" (a view one float off 16-byte alignment), "zero" (±0 in the Sylvester signs),
+    "ulp" / "sign" / "corner" (one entry one ulp off, its sign flipped, PiT[D-1, D-1] off: the
+    generic path), "random"; mids_kind "tables", "unsorted", "nan" (a NaN midpoint), "dup" (equal
+    neighbours)."""
+    from kvwrite import turboquant_tables
+    g = torch.Generator().manual_seed(seed)
+    pit, _, mids = turboquant_tables(d, preset_name)
+    if pit_kind == "negated":
+        pit = -pit
+    elif pit_kind == "strided":
+        pit = pit.t().contiguous().t()
+    elif pit_kind == "offset":
+        buf = torch.empty(d * d + 1)
+        buf[1:] = pit.flatten()
+        pit = buf[1:].view(d, d)
+    elif pit_kind == "zero":
+        pit = pit * 0.0  # +0 where the sign is +, -0 where it is -
+    elif pit_kind in ("ulp", "sign", "corner"):
+        pit = pit.clone()
+        i, j = (d - 1, d - 1) if pit_kind == "corner" else torch.randint(0, d, (2,), generator=g)
+        if pit_kind == "sign":
+            pit[i, j] = -pit[i, j]
+        else:
+            pit.view(torch.int32)[i, j] += 1
+    elif pit_kind == "random":
+        pit = torch.randn(d, d, generator=g) / math.sqrt(d)
+    if mids_kind == "unsorted":
+        mids = mids[torch.randperm(mids.numel(), generator=g)]
+    elif mids_kind == "nan":
+        mids = mids.clone()
+        mids[mids.numel() // 2] = float("nan")
+    elif mids_kind == "dup":
+        mids = mids.clone()
+        mids[1] = mids[2]
+        mids[-1] = mids[-2]
+    return pit, mids
+
+
+def table_case(preset_name, d, pit_kind="tables", mids_kind="tables", *, dtype=torch.float32,
+               t=7, h=2, seed=0, device="cpu"):
+    """make_case's rows (special ones included) with table_variant's tables and rows whose
+    butterflies cancel exactly (constant, alternating, one-hot, two equal entries), in written
+    tokens 3 and 4."""
+    preset, (key, value, kv_cache, slots, _, _) = make_case(
+        preset_name, dtype, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed, special=d >= 8,
+        vllm_alloc=seed % 2 == 0)
+    pit = mids = None
+    if preset.mse:
+        pit, mids = table_variant(d, preset_name, pit_kind, mids_kind, seed)
+    key[3, 0] = 1.0
+    key[3, 1] = torch.tensor([1.0, -1.0] * (d // 2)).to(dtype)
+    key[4, 1] = 0.0
+    key[4, 1, d // 2] = -2.5
+    key[4, 1, 0] = 2.5
+    key[4, 0, : d // 2] = -0.0
+    pit, mids = (None if x is None else x.to(device) for x in (pit, mids))
+    return preset, (key.to(device), value.to(device), kv_cache.to(device), slots.to(device),
+                    pit, mids)
+
+
+MSE_PRESETS = PRESETS[1:]
+HADAMARD_PARAMS = ([(p, d, le) for p in MSE_PRESETS for d in (16, 32, 64, 128, 256) for le in (16, 8)]
+                   + [("turboquant_4bit_nc", d, 16) for d in (2, 4, 8)])
+
+
+@pytest.mark.parametrize("preset_name, d, lane_elems", HADAMARD_PARAMS)
+def test_cuda_kernel_emulated_hadamard_path(emu_lib, preset_name, d, lane_elems):
+    """turboquant_tables' PiT (the butterflies) at D = 2 ... 256, 1 to 32 lanes a row."""
+    preset, inputs = table_case(preset_name, d, seed=d)
+    _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
+                  f"{preset_name} D={d} E<={lane_elems}")
+
+
+TABLE_KINDS = [("negated", "tables"), ("strided", "unsorted"), ("offset", "dup"),
+               ("zero", "tables"), ("ulp", "tables"), ("sign", "nan"), ("corner", "dup"),
+               ("random", "unsorted"), ("tables", "nan"), ("tables", "unsorted")]
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+def test_cuda_kernel_emulated_table_variants(emu_lib, preset_name, pit_kind, mids_kind):
+    """Tables near the Hadamard (the generic path) or the Hadamard read another way, midpoints
+    out of order (the count itself), D = 64 over 8 lanes."""
+    preset, inputs = table_case(preset_name, 64, pit_kind, mids_kind, seed=3)
+    _check_inputs(_Emulated(emu_lib, lane_elems=8), preset, inputs,
+                  f"{preset_name} {pit_kind} {mids_kind}")
+
+
+@pytest.mark.parametrize("preset_name, pit_kind", [("turboquant_k8v4", "tables"),
+                                                   ("turboquant_4bit_nc", "tables"),
+                                                   ("turboquant_3bit_nc", "random")])
+def test_cuda_kernel_emulated_grid_strides(emu_lib, preset_name, pit_kind):
+    """One CTA striding over 300 tokens x 2 heads (several passes of its warps; bf16 rows)."""
+    preset, inputs = table_case(preset_name, 32, pit_kind, dtype=torch.bfloat16, t=300, seed=4)
+    _check_inputs(_Emulated(emu_lib, sm_count=1), preset, inputs, f"{preset_name} strided grid")
+
+
+@pytest.mark.parametrize("preset_name, d", [(p, d) for p in MSE_PRESETS for d in (16, 32, 64, 128)]
+                         + [("turboquant_4bit_nc", d) for d in (2, 4, 8, 256)])
+def test_triton_hadamard_path_on_cpu(preset_name, d):
+    """turboquant_tables' PiT (the butterflies) under the interpreter."""
+    preset, inputs = table_case(preset_name, d, seed=d)
+    _check_inputs(_triton(), preset, inputs, f"{preset_name} D={d}")
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+def test_triton_table_variants_on_cpu(preset_name, pit_kind, mids_kind):
+    preset, inputs = table_case(preset_name, 32, pit_kind, mids_kind, seed=3)
+    _check_inputs(_triton(), preset, inputs, f"{preset_name} {pit_kind} {mids_kind}")
+
+
+@pytest.mark.parametrize("preset_name, pit_kind", [("turboquant_k8v4", "tables"),
+                                                   ("turboquant_4bit_nc", "tables"),
+                                                   ("turboquant_3bit_nc", "random")])
+def test_triton_programs_stride_on_cpu(preset_name, pit_kind):
+    """The interpreter's few programs striding over 300 tokens x 2 heads (bf16 rows)."""
+    preset, inputs = table_case(preset_name, 32, pit_kind, dtype=torch.bfloat16, t=300, seed=4)
+    _check_inputs(_triton(), preset, inputs, f"{preset_name} strided grid")
+
+
+def stress_case(preset_name, d, t=150, h=2, seed=0, device="cpu"):
+    """Rows made to cancel and tie: small integers, a few special values (±0, ±inf, NaN, 1e-30,
+    1e30, 65504) sprinkled in, some plain normal rows; vLLM's Hadamard table; midpoints taken
+    from the y_j of written rows (so some y_j equal a midpoint exactly), ascending."""
+    g = torch.Generator().manual_seed(seed)
+    preset, (key, value, kv_cache, slots, _, _) = make_case(
+        preset_name, torch.float32, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed,
+        special=False)
+    n = key.shape[0] * h
+    kind = torch.randint(0, 4, (n,), generator=g)
+    ints = torch.randint(-3, 4, (n, d), generator=g).float()
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-30, 1e30,
+                             65504.0, 1.0, -1.0, 0.5])
+    pick = specials[torch.randint(0, specials.numel(), (n, d), generator=g)]
+    sprinkle = torch.rand(n, d, generator=g) < 0.02
+    rows = torch.where((kind == 0)[:, None], ints,
+                       torch.where((kind == 1)[:, None], torch.where(sprinkle, pick, ints),
+                                   torch.where((kind == 2)[:, None], ints.sign() * 0.0,
+                                               torch.randn(n, d, generator=g))))
+    key = rows.reshape(key.shape[0], h, d).clone()
+    value = torch.where(sprinkle, pick, ints).reshape(key.shape[0], h, d).clone()
+    from kvwrite import turboquant_tables
+    pit, _, _ = turboquant_tables(d, preset_name)
+    nm = (1 << preset.key_bits) - 1
+    ys = []
+    for r in range(4):
+        x = key[r // h, r % h]
+        den = _f32(math.sqrt(_tree(x * x).item())) + _f32(EPS)
+        y = _tree((x / den)[:, None] * pit)
+        ys += [v for v in y.tolist() if math.isfinite(v)]
+    mids = torch.tensor(sorted(set(ys))[:: max(1, len(set(ys)) // nm)][:nm])
+    if mids.numel() < nm:
+        mids = torch.cat([mids, torch.linspace(1.0, 2.0, nm - mids.numel())])
+    mids = mids.sort().values
+    return preset, tuple(x.to(device) for x in (key, value, kv_cache, slots, pit, mids))
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("d, lane_elems", [(64, 8), (32, 16), (16, 16)])
+def test_cuda_kernel_emulated_hadamard_stress(emu_lib, preset_name, d, lane_elems):
+    """The butterflies against the tree on rows that cancel exactly (signed zeros), carry
+    specials, and land on midpoints."""
+    preset, inputs = stress_case(preset_name, d, seed=d)
+    _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
+                  f"{preset_name} D={d} stress")
+
+
+@pytest.mark.parametrize("preset_name, d, pit_kind", [
+    ("turboquant_4bit_nc", 512, "tables"), ("turboquant_3bit_nc", 1024, "tables"),
+    ("turboquant_k3v4_nc", 1024, "random"), ("turboquant_k8v4", 1024, "tables")])
+def test_cuda_kernel_emulated_long_rows(emu_lib, preset_name, d, pit_kind):
+    """32 lanes a row: E = 16 at D = 512, E = 32 at D = 1024 (the CTA's shared rows at their
+    largest), both rotation paths."""
+    preset, inputs = table_case(preset_name, d, pit_kind, t=4, h=2, seed=1)
+    _check_inputs(_Emulated(emu_lib), preset, inputs, f"{preset_name} D={d} {pit_kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_gpu_hadamard_stress(impl, preset_name, d):
+    preset, inputs = stress_case(preset_name, d, t=400, h=4, seed=d, device="cuda")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} D={d} stress")
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+def test_triton_hadamard_stress_on_cpu(preset_name):
+    preset, inputs = stress_case(preset_name, 32, seed=5)
+    _check_inputs(_triton(), preset, inputs, f"{preset_name} stress")
+
+
 def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
     preset, (key, value, kv_cache, slots, pit, mids) = tree_order_case("turboquant_4bit_nc")
     data, _ = oracle_slot(key[0, 0], value[0, 0], preset, pit, mids)
@@ -470,18 +688,100 @@ def test_cuda_kernel_emulated_sums_by_the_tree(emu_lib, preset_name):
     _check_inputs(_Emulated(emu_lib), *tree_order_case(preset_name), "tree order")
 
 
+_DIV_CHECK = r"""
+#include "gather_emu.h"
+#undef __shared__
+#define __shared__ static
+#define TQ_CTA_FIXED 128
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
+inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+#include "kernel.cu"
+#include <cstdio>
+#include <random>
+// kernel.cu's tq_div_row (one element a call) against the host's IEEE division: random
+// significands, exponents over the fast path's range and past it, divisors with all-ones or
+// all-zero significands, the kernel's own pairs (|a| <= b, b near 1 .. 1e4), signed zeros.
+// Prints "mismatches fast_taken".
+int main() {
+  std::mt19937_64 g(12345);
+  long bad = 0, fast = 0;
+  auto f = [](u32 bits) { return bits_f32(bits); };
+  for (long it = 0; it < 6000000; ++it) {
+    const u32 r1 = static_cast<u32>(g()), r2 = static_cast<u32>(g()), kind = it % 6;
+    u32 ea = 127 + static_cast<int>(r1 >> 24) % 130 - 65, eb = 127 + static_cast<int>(r2 >> 24) % 130 - 65;
+    u32 ma = r1 & 0x7FFFFFu, mb = r2 & 0x7FFFFFu;
+    if (kind == 1) mb = 0x7FFFFFu;
+    if (kind == 2) mb = 0;
+    if (kind == 3) ma = 0x7FFFFFu - (r2 & 7u);
+    if (kind == 4) { eb = 127 + static_cast<int>(r2 >> 28) % 14; ea = eb - static_cast<int>(r1 >> 27) % 30; }
+    if (kind == 5) { eb = 127 + static_cast<int>(r2 >> 28) % 14 - 27; ea = eb - static_cast<int>(r1 >> 27) % 30 + 1; }
+    if (it % 1000 == 999) ea = ma = 0;  // +-0
+    const float a = f(((r1 >> 23) & 1u) << 31 | ea << 23 | ma), b = f(eb << 23 | mb);
+    const bool fb = tq_div_fast(b);
+    const float aa = a < 0 ? -a : a;
+    fast += fb && (aa == 0 || (aa >= f(0x21800000u) && aa <= f(0x5D800000u)));
+    const float av[1] = {a};
+    float q[1];
+    tq_div_row<1>(q, av, b, 1.0f / b, fb);
+    const float want = a / b, got = q[0];
+    if (f32_bits(want) != f32_bits(got) && !(want != want && got != got)) {
+      if (bad < 5) std::printf("a=%a b=%a want=%a got=%a\n", a, b, want, got);
+      ++bad;
+    }
+  }
+  std::printf("%ld %ld\n", bad, fast);
+}
+"""
+
+
+def test_kernel_division_is_correctly_rounded(tmp_path):
+    """kernel.cu's row-reciprocal division (tq_div_row) gives the correctly rounded quotient,
+    signed zeros included, on 6 * 10^6 pairs, most of them on its fast path."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++)")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    op = pathlib.Path(cuda_impl.__file__).parent
+    (tmp_path / "div.cpp").write_text(_DIV_CHECK)
+    exe = tmp_path / "div"
+    subprocess.run([cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-pthread", f"-I{inc}", f"-I{op}",
+                    f"-I{pathlib.Path(__file__).parent}", str(tmp_path / "div.cpp"), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    bad, fast = map(int, out.split()[-2:])
+    assert bad == 0, out
+    assert fast > 6000000 * 0.6, out
+
+
 @needs_nvrtc
 def test_nvrtc_compiles_every_variant():
+    """Every preset and E for bf16 inputs on sm_90 (test_conformance compiles all of
+    all_kernel_names there), a few on sm_80 (the software fp8 conversion) and sm_100."""
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
-    assert len(names) == 3 * 4 * 2
-    obj, _ = c.compile_kernel("sm_90", names)
+    # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones).
+    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2)
+    bf16 = [n for n in names if n.startswith("tq_kernel<1, ") and "long long" in n]
+    assert len(bf16) == 16
+    obj, _ = c.compile_kernel("sm_90", bf16)
     assert len(bytes(obj.code)) > 0
-    # The software fp8 conversion (before sm_89) and a newer architecture, k8v4 and an MSE one.
-    few = [n for n in names if ", 4, int>" in n or ", 3, long long>" in n][:4]
+    few = [n for n in names if ", 4, int, 16>" in n or ", 3, long long, 32>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
         assert len(bytes(obj.code)) > 0
+
+
+def test_lanes_and_grid():
+    """E and the lanes a row for each head size (E = 16 where P allows, P / E <= 32), and the
+    grid: the rows' CTAs, at most the resident ones."""
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    assert [c.lanes(d) for d in (2, 8, 10, 16, 24, 128, 256, 512, 1024)] == [
+        (2, 1), (8, 1), (16, 1), (16, 1), (16, 2), (16, 8), (16, 16), (16, 32), (32, 32)]
+    assert c.grid(8, 128, 132) == 1 and c.grid(64 * 5 + 1, 128, 132) == 6
+    assert c.grid(16384 * 8, 128, 132) == 132
+    assert c.grid(16384 * 8, 128, 132, c.CudaTuning(waves=2)) == 264
 
 
 _TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
@@ -493,9 +793,9 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
                  "slot_mapping_ptr": "*i32", "pit_ptr": "*fp32" if kb != 8 else "*u8",
                  "mid_ptr": "*fp32" if kb != 8 else "*u8"}
         for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "P_0", "P_1",
-                  "MID_S", "NUM_SLOTS", "H"):
+                  "MID_S", "NUM_SLOTS", "H", "NUM_ROWS"):
             types[n] = "i32"
-        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_J=32, KB=kb, VB=vb,
+        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_J=8, ROWS=8, KB=kb, VB=vb,
                       KPS=128 if kb == 8 else 16 * kb + 2, BF16_BITS=in_ty == "*i16")
         text = ptx(tq._tq_kernel, types, consts)
         out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
@@ -510,7 +810,7 @@ def test_triton_kernel_compiles_for_sm90_without_fma():
     out = run_triton_script(_TRITON_PTX_SCRIPT)
     assert len(out) == 12
     for name, (fma, div, sqrt) in out.items():
-        assert fma == 0 and div > 0 and sqrt == (0 if name.startswith("8") else 1), (name, out)
+        assert fma == 0 and div > 0 and (sqrt > 0) == (not name.startswith("8")), (name, out)
 
 
 def test_unsupported_head_sizes():
@@ -573,3 +873,115 @@ def test_gpu_cuda_long_rows():
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
 def test_gpu_sums_by_the_tree(impl, preset_name):
     _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda"), "tree order")
+
+
+class _Tuned:
+    """An implementation module's run with a tuning (the CUDA kernel's lanes a row)."""
+
+    def __init__(self, impl, tuning):
+        self.impl, self.tuning = impl, tuning
+
+    def unsupported(self, key, kv_cache, preset):
+        return self.impl.unsupported(key, kv_cache, preset)
+
+    def run(self, *args):
+        self.impl.run(*args, tuning=self.tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, d, lane_elems", HADAMARD_PARAMS)
+def test_gpu_hadamard_path(impl, preset_name, d, lane_elems):
+    """The emulated Hadamard-path cases on the GPU (the CUDA kernel with its lanes a row set by
+    lane_elems; Triton once per case)."""
+    mod = _gpu_impl(impl)
+    if impl == "cuda":
+        mod = _Tuned(mod, mod.CudaTuning(lane_elems=lane_elems))
+    elif lane_elems != 16:
+        pytest.skip("lane_elems is the CUDA kernel's")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        preset, inputs = table_case(preset_name, d, dtype=dtype, seed=d, device="cuda")
+        _check_inputs(mod, preset, inputs, f"{preset_name} D={d} {dtype} E<={lane_elems}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_table_variants(impl, preset_name, pit_kind, mids_kind, d):
+    preset, inputs = table_case(preset_name, d, pit_kind, mids_kind, dtype=torch.bfloat16,
+                                t=40, h=3, seed=3, device="cuda")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} {pit_kind} {mids_kind}")
+
+
+def _reference_write(inp):
+    """The cache's allocation after the torch reference's write of ``inp`` (a copy)."""
+    import kvwrite
+    from kvwrite.testing.compare import copy_allocations
+    want = copy_allocations((inp.kv_cache,))[0]
+    args = list(inp.args())
+    args[2] = want
+    kvwrite.reshape_and_cache_turboquant(*args, implementation="torch")
+    return want
+
+
+def _tq_case(preset_name, t, pit_kind, **kw):
+    from kvwrite.testing.turboquant import TqCase
+    return TqCase(kv_cache_dtype=preset_name, num_tokens=t, num_heads=8, head_size=128,
+                  dtype=torch.bfloat16, block_size=16, num_blocks=t // 16 + 3,
+                  special_values=True, padding_slots=1 if t > 2 else 0,
+                  out_of_range_slots=1 if t > 4 else 0, own_tables=pit_kind == "random", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name, pit_kind", [(p, k) for p in PRESETS
+                                                   for k in ("hadamard", "random")
+                                                   if p != "turboquant_k8v4" or k == "hadamard"])
+@pytest.mark.parametrize("t", [1, 7, 300, 5000])
+def test_gpu_rotation_paths_against_the_reference(impl, preset_name, pit_kind, t):
+    """turboquant_tables' Hadamard (the butterflies) and a random orthogonal table (the products'
+    trees) against reference.py, whole allocations, H = 8, D = 128, bf16 (as the benchmark)."""
+    import kvwrite
+    from kvwrite.testing.turboquant import assert_tq_caches_equal, make_tq_inputs
+    _gpu_impl(impl)
+    case = _tq_case(preset_name, t, pit_kind)
+    inp = make_tq_inputs(case, "cuda", seed=t)
+    want = _reference_write(inp)
+    kvwrite.reshape_and_cache_turboquant(*inp.args(), implementation=impl)
+    torch.cuda.synchronize()
+    assert_tq_caches_equal(inp.kv_cache, want, case.slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+def test_gpu_graph_replay_switches_rotation_paths(impl, preset_name):
+    """Captured with vLLM's tables, replayed after new rows, cache bytes and tables were copied
+    in: a random table (the generic path), the Hadamard again, one a ulp off with midpoints out of
+    order, the negated Hadamard; each replay writes the reference's bytes."""
+    import kvwrite
+    from kvwrite.testing.compare import storage_bytes
+    from kvwrite.testing.turboquant import assert_tq_caches_equal, make_tq_inputs
+    _gpu_impl(impl)
+    case = _tq_case(preset_name, 300, "hadamard")
+    first = make_tq_inputs(case, "cuda", seed=1)
+    kvwrite.reshape_and_cache_turboquant(*first.args(), implementation=impl)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.reshape_and_cache_turboquant(*first.args(), implementation=impl)
+    for i, (pit_kind, mids_kind) in enumerate([("random", "tables"), ("tables", "tables"),
+                                               ("ulp", "unsorted"), ("negated", "tables")]):
+        new = make_tq_inputs(case, "cuda", seed=10 + i)
+        for dst, src in ((first.key, new.key), (first.value, new.value),
+                         (first.kv_cache, new.kv_cache), (first.slot_mapping, new.slot_mapping)):
+            storage_bytes(dst).copy_(storage_bytes(src))
+        pit, mids = table_variant(128, preset_name, pit_kind, mids_kind, seed=i)
+        first.PiT.copy_(pit)
+        first.midpoints.copy_(mids)
+        want = _reference_write(first)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_tq_caches_equal(first.kv_cache, want, case.slot, f"replay {pit_kind} {mids_kind}")

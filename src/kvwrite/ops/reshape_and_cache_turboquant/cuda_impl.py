@@ -1,17 +1,20 @@
 """The CUDA implementation of reshape_and_cache_turboquant: ``kernel.cu`` compiled at run time with
 NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
 
-One kernel, ``tq_kernel<IN, KB, VB, SlotT>`` (see ``kernel.cu``): one CTA of ``THREADS``
-threads per (token, head), the preset's key bits KB (8 for k8v4's e4m3fn codes) and value bits
-VB, the slot type. Every step of SPEC §10.2 is one explicitly rounded PTX instruction (no
-contraction, no flush), the sums by the padded pairwise tree, so the bytes are the reference's.
-Head sizes up to ``MAX_HEAD_SIZE`` (the kernel's shared rows); longer ones are unsupported here
-(torch runs them).
+One kernel, ``tq_kernel<IN, KB, VB, SlotT, E>`` (see ``kernel.cu``): a row (token, head) is
+``P / E`` neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the CTAs of
+``cta_threads(E)`` threads striding over the rows (a grid of at most the resident CTAs: each CTA
+reads the rotation table once to see whether it is the Sylvester Hadamard, whose product it then
+takes by the fast Walsh-Hadamard transform, bit-exact with the tree). Every step of SPEC §10.2 is
+one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded pairwise
+tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
+unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
-``slot_size``). Graph-safe: no allocation and no host sync per call. Not tuned yet (written
-without a GPU): one build per variant, the geometry passed at run time.
+``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
+the GPU at every launch). Not tuned yet (written without a GPU): one build per variant, the
+geometry passed at run time.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from ...kernels import launch, nvrtc
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
-           "all_kernel_names", "compile_kernel", "launch_args", "SOURCE", "THREADS", "MAX_HEAD_SIZE"]
+           "all_kernel_names", "compile_kernel", "launch_args", "lanes", "cta_threads", "grid",
+           "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
-THREADS = 128  # kernel.cu's TQ_THREADS
 MAX_HEAD_SIZE = 1024  # kernel.cu's TQ_MAXP
+LANE_ELEMS = (2, 4, 8, 16, 32)  # the kernel's E variants
 # (key bits, value bits) of the four presets (SPEC §10.1).
 BITS = ((8, 4), (4, 4), (3, 4), (3, 3))
 
@@ -39,20 +43,54 @@ compile_kernel = SOURCE.compile_fixed
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning(launch.PdlPolicy):
-    """The launch constants (PDL policy only: the CTA shape is the kernel's)."""
+    """The launch constants: ``lane_elems`` the elements a lane holds where the row allows
+    (16: 32-byte bf16 chunks, 8 lanes a row at D = 128); ``waves`` the CTAs of the grid at most,
+    in resident CTAs (SMs times the measured occupancy): each CTA checks the rotation table once,
+    so more CTAs than resident ones only repeat that check."""
+
+    lane_elems: int = 16
+    waves: int = 1
 
 
 TUNING = CudaTuning()
 
 
-def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.dtype) -> str:
-    return f"{KERNEL}<{in_kind}, {key_bits}, {value_bits}, {launch.int_type(slot_dtype)}>"
+def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.dtype,
+                elems: int) -> str:
+    return (f"{KERNEL}<{in_kind}, {key_bits}, {value_bits}, {launch.int_type(slot_dtype)}, "
+            f"{elems}>")
+
+
+def lanes(head_size: int, tuning: CudaTuning = TUNING) -> tuple[int, int]:
+    """(E, lanes per row) at a head size: E = min(P, max(lane_elems, P / 32)) elements a lane,
+    P / E <= 32 lanes a row (P the power of two >= D)."""
+    p = next_pow2(head_size)
+    e = min(p, max(tuning.lane_elems, p // 32))
+    return e, p // e
+
+
+def cta_threads(elems: int) -> int:
+    """kernel.cu's tq_cta<E>()."""
+    return 256 if elems >= 32 else 512
+
+
+def grid(num_rows: int, head_size: int, resident: int, tuning: CudaTuning = TUNING,
+         threads: int | None = None) -> int:
+    """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most ``waves`` times the
+    ``resident`` CTAs (``threads``: the CTA size, kernel.cu's by default; the emulation's
+    differs)."""
+    e, lpr = lanes(head_size, tuning)
+    threads = threads or cta_threads(e)
+    rows_per_cta = threads // lpr
+    return max(1, min(-(-num_rows // rows_per_cta), max(1, resident) * max(1, tuning.waves)))
 
 
 def all_kernel_names() -> list[str]:
-    """Every variant `run` can launch (for compile tests)."""
-    return [kernel_name(kind, kb, vb, sd) for kind in launch.KIND.values() for kb, vb in BITS
-            for sd in (torch.int32, torch.int64)]
+    """Every variant `run` can launch (for compile tests): 3-bit fields need D % 8 == 0, so
+    E >= 8 there."""
+    return [kernel_name(kind, kb, vb, sd, e) for kind in launch.KIND.values() for kb, vb in BITS
+            for sd in (torch.int32, torch.int64) for e in LANE_ELEMS
+            if e >= 8 or (kb != 3 and vb != 3)]
 
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -61,8 +99,8 @@ available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, e
 def unsupported(key, kv_cache, preset) -> str | None:
     d = key.shape[2]
     if d > MAX_HEAD_SIZE:
-        return (f"head size {d} > {MAX_HEAD_SIZE}: the cuda kernel holds a row in shared memory "
-                f"of at most {MAX_HEAD_SIZE} elements (torch runs it)")
+        return (f"head size {d} > {MAX_HEAD_SIZE}: the cuda kernel holds a row in at most 32 "
+                f"lanes of 32 elements (torch runs it)")
     return None
 
 
@@ -81,20 +119,23 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("implementation='cuda' cannot run this call: "
                          f"{unsupported(key, kv_cache, preset)}")
     kb, vb = int(preset.key_bits), int(preset.value_bits)
-    sig = (key.dtype, kb, vb, slot_mapping.dtype, key.get_device(), tuning)
+    e, _ = lanes(d, tuning)
+    sig = (key.dtype, kb, vb, slot_mapping.dtype, e, key.get_device(), tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
         launch.require_setup()
         index = key.get_device()
-        name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype)
+        name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, e)
         k, pk = launch.load(SOURCE, name, (), index, False)
-        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, ())
-    ctas = num_tokens * h
-    if ctas >= 2**31:
-        raise ValueError(f"slot_mapping: at most {(2**31 - 1) // h} tokens per call with {h} "
-                         f"heads, got {num_tokens}")
+        with nvrtc.capture_relaxed():
+            nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context
+            _, sm_count = nvrtc.device_arch(index)
+            per_sm = k.occupancy.max_active_blocks_per_multiprocessor(cta_threads(e), 0)
+        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
+                                                bounds=(sm_count * max(1, per_sm),))
+    ctas = grid(num_tokens * h, d, lau.bounds[0], tuning)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, THREADS, 1, pdl)
+    config = nvrtc.launch_config(ctas, 1, cta_threads(e), 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
                  *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints))
 
@@ -111,4 +152,4 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints) -> t
             pit_args[0], mid_args[0], h, d, next_pow2(d),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
-            pit_args[1], pit_args[2], mid_args[1])
+            pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel())

@@ -2,31 +2,59 @@
 // TurboQuant slot of a paged byte cache (SPEC 10.1-10.2).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py), one module per variant
-// tq_kernel<IN, KB, VB, SlotT>: IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's bits
+// tq_kernel<IN, KB, VB, SlotT, E>: IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's bits
 // (8: k8v4's e4m3fn codes; 4 or 3: MSE indices), VB the value's bits (4 or 3), SlotT the slot
-// type (int or long long).
+// type (int or long long), E the elements of a row each lane holds (a power of two; the launcher
+// picks E for the padded head size P, the power of two >= D: LPR = P / E <= 32 lanes per row).
 //
-// One CTA of TQ_THREADS threads per (token, head), blockIdx.x = token * H + head. The slot is
-// read first (a negative or out-of-range slot returns the whole CTA before anything is read or
-// written); thread k holds elements k, k + TQ_THREADS, ... of the rows. Every float32 step is one
-// explicitly rounded PTX instruction (common.cuh's add_rn, mul_rn, div_rn; qk_norm.cuh's
-// sqrt_rn), so no compiler flag can contract or flush anything:
+// Layout: a row (token, head) is LPR neighbouring lanes of one warp, lane r of the row holding
+// elements [r*E, r*E + E) of the key and the value rows in registers (loaded as 16-byte vectors
+// where the chunk is whole and aligned; elements >= D are never read: +0 in the key, NaN in the
+// value). A warp holds 32 / LPR rows; the CTAs (tq_cta<E>() threads) stride over the rows (grid
+// sized by the launcher to the resident CTAs: the per-CTA setup below is paid once per CTA, not
+// once per row; the first pass's rows are loaded before it). A row whose
+// slot is negative or out of range computes on but stores nothing (its lanes still take part in
+// the warp's shuffles).
+//
+// Every float32 step is one explicitly rounded PTX instruction (common.cuh's add_rn, sub_rn,
+// mul_rn, div_rn, fma_rn; qk_norm.cuh's sqrt_rn, rcp_rn), so no compiler flag can contract or
+// flush anything; the divisions by a row's den and s are tq_div_row's (RN(a / b) exactly).
+// Every sum of §10.2 is the padded pairwise tree (§7.1): the lane's E leaves by qkn_tree (E a
+// power of two: neighbours at every level), then the lanes' sums by shuffle-xor at distances
+// 1, 2, 4, ... (at distance m the two sums added are the subtrees of lanes r and r ^ m: the same
+// neighbours the tree joins; RN(a + b) = RN(b + a), so both lanes hold the node).
 // - keys, k8v4: code_i = e4m3fn(x_i) by the satfinite conversion with no scale (fp8.cuh).
-// - keys, MSE: ss = the padded pairwise tree (§7.1) of RN(x_i^2) in shared memory (level by
-//   level, each node the sum of its left and right subtrees: the contract's tree);
-//   n = RN(sqrt(ss)); den = RN(n + 1e-8f); u_i = RN(x_i / den) (u_i = +0 for i >= D, the padding
-//   leaves); then thread j computes y_j = the same tree over i of RN(u_i * PiT[i, j]): subtrees
-//   of 8 leaves in registers (qkn_tree) combined by a binary counter (the subtree of chunks c and
-//   c + 1 is formed when chunk c + 1 ends: the same neighbours at every level); idx_j = the count
-//   of midpoints m_k <= y_j (NaN: 0); the fields packed (below); fp16(n) after them.
-// - values: mn, mx over the non-NaN elements (the GPU's min and max ignore NaN), both 0 if none,
-//   a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL; q_i = clamp(rhu(RN(RN(v_i - mn) /
-//   s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0); fp16(s), fp16(mn) after the codes.
+// - keys, MSE: ss = the tree of RN(x_i^2); n = RN(sqrt(ss)); den = RN(n + 1e-8f);
+//   u_i = RN(x_i / den); y_j = the tree over i of RN(u_i * PiT[i, j]) by one of two paths, the
+//   CTA's choice (a flag all its threads compute together from the table's values, every call):
+//   * Hadamard (D a power of two and PiT[i, j] = (-1)^popcount(i & j) * PiT[0, 0] bit for bit):
+//     p_i = RN(u_i * h), h = PiT[0, 0], then the fast Walsh-Hadamard transform of p, strides
+//     1, 2, 4, ... (lane-local strides < E, then shuffles), each butterfly (a, b) -> (RN(a + b),
+//     RN(a - b)). Why it is the tree: RN is sign-symmetric (RN(-a) = -RN(a), RN(-a - b) =
+//     -RN(a + b)), so the leaf RN(u_i * PiT[i, j]) is sigma(i & j) * p_i (sigma(x) =
+//     (-1)^popcount(x)), and by induction on the level L the tree's node over leaves
+//     [m*2^L, (m+1)*2^L) for output j is sigma(m*2^L & j) times the butterfly's value at position
+//     m*2^L + (j mod 2^L) after L stages (joining blocks 2m and 2m + 1 multiplies by
+//     sigma(2m*2^L & j) a sum or a difference as bit L of j says: the stage's butterfly). The
+//     two agree as real numbers; only a zero's sign may differ (RN(a - a) = +0 whatever the
+//     sign outside), and a NaN stays a NaN; the count of step 4 reads nothing else of y_j.
+//   * generic (any other table): u in shared memory, lane r computes its E outputs, each the
+//     tree over i of RN(u_i * PiT[i, j]) read from global memory: chunks of 8 leaves by qkn_tree,
+//     the chunks joined by a binary counter (tq_rotate_one).
+//   idx_j = #{k : y_j >= m_k} (NaN: 0): a binary search over the midpoints when they ascend
+//   (m_k <= m_{k+1} for all k, a NaN failing it; then {k : m_k <= y_j} is a prefix and the search
+//   finds its length), else the count itself; the CTA checks the order once. fp16(n) after the
+//   field.
+// - values: mn, mx over the non-NaN elements (the GPU's min and max ignore NaN; lane-local, then
+//   shuffles), both 0 if none, a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL;
+//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0);
+//   fp16(s), fp16(mn) after the codes.
 // - b-bit fields: code i in bits [b*i, b*i + b) of the field read as one little-endian integer;
-//   byte B of a 3-bit field is byte B % 3 of the 24-bit group B / 3 (8 codes), of a 4-bit field
-//   codes 2B (low nibble) and 2B + 1.
+//   lane r's E codes are the field's bytes [r*E*b/8, (r+1)*E*b/8) (E*b a multiple of 8: 3-bit
+//   fields need D % 8 == 0, so E >= 8 there), stored with the widest accesses their address
+//   allows.
 // Only the slot's slot_size bytes are written (the pad byte of slot_size_aligned never is).
-// Shapes the launcher checks: D even, D <= TQ_MAXP (3-bit fields: D % 8 == 0).
+// Shapes the launcher checks: D even, D <= TQ_MAXP (3-bit fields: D % 8 == 0), P / E <= 32.
 // With KVWRITE_HOST_TEST (tests/test_turboquant_kernels.py's SIMT emulation, tests/gather_emu.h)
 // the kernel runs on the CPU as written, the float16 widening in software.
 #include "kvw/common.cuh"
@@ -36,9 +64,31 @@
 #include "kvw/slot.cuh"
 #include "kvw/vec_io.cuh"
 
-#define TQ_THREADS 128
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
+#define TQ_BATCH 4     // the table check's loads in flight per thread
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
+
+// Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
+// defines its own (its CTAs have a fixed size). One CTA per SM at least (__launch_bounds__'s
+// second argument 1: ptxas may take up to 128 registers a thread rather than spill; the launcher
+// sizes the grid by the measured occupancy).
+#ifndef TQ_CTA_FIXED
+template <int E>
+__host__ __device__ constexpr int tq_cta() { return E >= 32 ? 256 : 512; }
+#else
+template <int E>
+__host__ __device__ constexpr int tq_cta() { return TQ_CTA_FIXED; }
+#endif
+
+KVW_HD u32 tq_popc(u32 x) {
+#ifdef KVWRITE_HOST_TEST
+  return static_cast<u32>(__builtin_popcount(x));
+#else
+  return static_cast<u32>(__popc(x));
+#endif
+}
+
+KVW_HD float tq_shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m); }
 
 // Element i of a row of kind IN at p, as float32 (exact).
 template <int IN>
@@ -63,15 +113,54 @@ KVW_HD float tq_elem(const u8* p, i64 i) {
   }
 }
 
-// In place, the tree over buf[0 .. P) (P a power of two): at stride st, node i*2st becomes
-// RN(left + right) of its two subtrees. The CTA's threads; buf[0] ends with the sum.
-KVW_HD void tq_tree_shared(float* buf, u32 p) {
-  for (u32 st = 1; st < p; st <<= 1) {
-    __syncthreads();
-    for (u32 i = threadIdx.x; i * 2 * st < p; i += TQ_THREADS)
-      buf[i * 2 * st] = add_rn(buf[i * 2 * st], buf[i * 2 * st + st]);
+// The 16-bit element in the low (HI = 0) or high half of word w, as float32 (exact).
+template <int IN, int HI>
+KVW_HD float tq_half(u32 w) {
+  const u32 h = HI ? w >> 16 : w & 0xFFFFu;
+  if constexpr (IN == DT_BF16) {
+    return bits_f32(h << 16);
+  } else {
+#ifdef KVWRITE_HOST_TEST
+    const u16 b = static_cast<u16>(h);
+    _Float16 f;
+    __builtin_memcpy(&f, &b, 2);
+    return static_cast<float>(f);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
+    return f;
+#endif
   }
-  __syncthreads();
+}
+
+// x[e] = element i0 + e of the row at p (kind IN) for i0 + e < d, else `pad`: 16-byte loads
+// where the chunk is whole and 16-byte aligned, else one element at a time.
+template <int IN, int E>
+KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float pad, float (&x)[E]) {
+  constexpr int EB = elem_bytes(IN);
+  constexpr int NB = E * EB;
+  const u8* p = row + static_cast<i64>(i0) * EB;
+  if constexpr (NB % 16 == 0) {
+    if (i0 + E <= d && (reinterpret_cast<unsigned long long>(p) & 15u) == 0) {
+#pragma unroll
+      for (int c = 0; c < NB / 16; ++c) {
+        const uint4 q = reinterpret_cast<const uint4*>(p)[c];
+        const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (IN == DT_F32) {
+            x[c * 4 + k] = bits_f32(w[k]);
+          } else {
+            x[c * 8 + 2 * k] = tq_half<IN, 0>(w[k]);
+            x[c * 8 + 2 * k + 1] = tq_half<IN, 1>(w[k]);
+          }
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = i0 + e < d ? tq_elem<IN>(p, e) : pad;
 }
 
 // y_j = the tree over i < P of RN(u_i * PiT[i, j]) (+0 for i >= D): chunks of CH leaves (CH =
@@ -99,18 +188,92 @@ KVW_HD float tq_rotate_one(const float* u, const float* pit, i64 s0, i64 s1, u32
   return stk[top];
 }
 
-// Byte B of a field of b-bit codes (b = 3 or 4) held one per byte in `codes`.
-template <int B>
-KVW_HD u32 tq_field_byte(const u8* codes, u32 byte) {
-  if constexpr (B == 4) {
-    return codes[2 * byte] | (static_cast<u32>(codes[2 * byte + 1]) << 4);
-  } else {
-    const u32 g = byte / 3;
-    u32 w = 0;
+// The E codes c (each below 2^B) as a field of E*B/8 bytes in 32-bit words (little endian).
+template <int B, int E>
+struct TqField {
+  static constexpr int NB = E * B / 8;
+  u32 w[(NB + 3) / 4];
+};
+template <int B, int E>
+KVW_HD TqField<B, E> tq_pack(const u32 (&c)[E]) {
+  TqField<B, E> f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) w |= static_cast<u32>(codes[8 * g + k]) << (3 * k);
-    return (w >> (8 * (byte - 3 * g))) & 0xFFu;
+  for (int k = 0; k < (TqField<B, E>::NB + 3) / 4; ++k) f.w[k] = 0;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int bit = B * e;
+    f.w[bit / 32] |= c[e] << (bit % 32);
+    if (bit % 32 + B > 32) f.w[bit / 32 + 1] |= c[e] >> (32 - bit % 32);
   }
+  return f;
+}
+
+// The first n (<= NB) bytes of words w (little endian) at p: whole words or halves where the
+// address allows, else bytes.
+template <int NB>
+KVW_HD void tq_store_bytes(u8* p, const u32* w, u32 n) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+  if (n == NB && NB % 4 == 0 && (a & 3u) == 0) {
+#pragma unroll
+    for (int k = 0; k < NB / 4; ++k) reinterpret_cast<u32*>(p)[k] = w[k];
+  } else if (n == NB && NB % 2 == 0 && (a & 1u) == 0) {
+#pragma unroll
+    for (int k = 0; k < NB / 2; ++k)
+      reinterpret_cast<u16*>(p)[k] = static_cast<u16>(w[k / 2] >> (16 * (k % 2)));
+  } else {
+#pragma unroll
+    for (int k = 0; k < NB; ++k)
+      if (static_cast<u32>(k) < n) p[k] = static_cast<u8>(w[k / 4] >> (8 * (k % 4)));
+  }
+}
+
+// Lane r's part of a field of B-bit codes (d codes in all): its bytes [r*E*B/8, ...) that lie
+// in the field's ceil(d*B/8).
+template <int B, int E>
+KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
+  constexpr u32 NB = E * B / 8;
+  const TqField<B, E> f = tq_pack<B, E>(c);
+  const u32 total = (d * B + 7) / 8, start = r * NB;
+  if (start < total) tq_store_bytes<NB>(field + start, f.w, total - start < NB ? total - start : NB);
+}
+
+// q[e] = RN(a[e] / b) for a row's divisor b > 0, with yb = RN(1 / b) (rcp.rn, once a row).
+// Where b is in [2^-60, 2^60] (`fast`, the row's) and every |a[e]| is 0 or in [2^-60, 2^60]:
+// q0 = RN(a * yb) (within 1.5 ulp of a / b), one correction q1 = RN(q0 + RN(a - b*q0) * yb)
+// (within 1 ulp: the remainder's own rounding is far below it), then Markstein's step
+// q2 = RN(q1 + r1 * yb) with r1 = a - b*q1, exact by the FMA (the remainder of a quotient within
+// 1 ulp is a float; where it would be below 2^-126, q1 is already within 2^-40 ulp of a / b and
+// the step cannot move it): with yb within half an ulp of 1 / b and q1 within 1 ulp,
+// q2 = RN(a / b) (Markstein 1990; Muller et al., Handbook of Floating-Point Arithmetic, the
+// division theorems). Quotients and remainders stay normal in those ranges. The sign is then
+// a's (b > 0; the FMAs would turn a -0 quotient into +0). Otherwise (a subnormal, tiny, huge,
+// inf or NaN element; b out of range) the lane takes div.rn for all E. One predicate and one
+// branch a lane, not one a division. tests/test_turboquant_kernels.py compares it with the
+// host's division on 6 * 10^6 pairs.
+template <int E>
+KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bool fast) {
+  const float lo = bits_f32(0x21800000u), hi = bits_f32(0x5D800000u);  // 2^-60, 2^60
+  bool ok = fast;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float aa = fabsf(a[e]);
+    ok = ok && aa <= hi && !(aa < lo && aa > 0.0f);  // a NaN fails aa <= hi
+    float x = mul_rn(a[e], yb);
+    float r = fma_rn(-b, x, a[e]);
+    x = fma_rn(r, yb, x);
+    r = fma_rn(-b, x, a[e]);
+    x = fma_rn(r, yb, x);
+    q[e] = bits_f32((f32_bits(x) & 0x7FFFFFFFu) | (f32_bits(a[e]) & 0x80000000u));
+  }
+  if (!ok) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = div_rn(a[e], b);
+  }
+}
+
+// The row-level half of tq_div_row's condition: b in [2^-60, 2^60] (a NaN b fails it).
+KVW_HD bool tq_div_fast(float b) {
+  return b >= bits_f32(0x21800000u) && b <= bits_f32(0x5D800000u);
 }
 
 // fp16(v) little-endian at p; a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
@@ -121,8 +284,8 @@ KVW_HD void tq_store_f16(u8* p, float v) {
   p[1] = static_cast<u8>(h >> 8);
 }
 
-template <int IN, int KB, int VB, typename SlotT>
-__global__ void __launch_bounds__(TQ_THREADS) tq_kernel(
+template <int IN, int KB, int VB, typename SlotT, int E>
+__global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     const u8* __restrict__ key,    // [T_pad, H, D] of kind IN via (k_tok, k_head, 1) elements
     const u8* __restrict__ value,  // [T_pad, H, D] via (v_tok, v_head, 1)
     u8* __restrict__ cache,        // [num_blocks, block_size, H, S] bytes via (c_blk, c_page, c_head, 1)
@@ -132,104 +295,242 @@ __global__ void __launch_bounds__(TQ_THREADS) tq_kernel(
     i64 num_heads, i64 head_size, i64 p2,  // H, D, P (the power of two >= D)
     i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
     i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
-    i64 pit_s0, i64 pit_s1, i64 mid_s) {
+    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens) {
   KVW_PDL_ENTRY();
   static_assert(KB == 8 || KB == 4 || KB == 3, "key bits");
   static_assert(VB == 4 || VB == 3, "value bits");
-  __shared__ float s_x[TQ_MAXP];   // the key row (then u)
-  __shared__ float s_sq[TQ_MAXP];  // the squares' tree
-  __shared__ u8 s_kc[TQ_MAXP];     // key indices
-  __shared__ u8 s_vc[TQ_MAXP];     // value codes
+  static_assert(E >= 2 && E <= 32 && (E & (E - 1)) == 0, "elements per lane");
+  constexpr int CTA = tq_cta<E>();
+  constexpr bool MSE = KB != 8;
+  constexpr u32 NM = MSE ? (1u << KB) - 1u : 1u;  // midpoints
+  // The generic rotation's u rows (row stride P + 1: the warp's rows in different banks).
+  __shared__ float s_u[MSE ? CTA * (E + 1) : 1];
   __shared__ float s_mid[16];
-  __shared__ float s_mn[TQ_THREADS / 32], s_mx[TQ_THREADS / 32];
+  __shared__ int s_sorted;
 
-  const i64 row = blockIdx.x;
-  const i64 t = row / num_heads, h = row - t * num_heads;
-  const i64 slot = static_cast<i64>(slot_mapping[t]);
-  if (slot < 0 || slot >= num_slots) return;  // padding: the whole CTA leaves
   const u32 d = static_cast<u32>(head_size), p = static_cast<u32>(p2);
-  const u32 tid = threadIdx.x;
-  u8* dst = cache + slot_offset(slot, c_blk, c_page, block_size, block_shift,
-                                num_slots <= 0xFFFFFFFFll) + h * c_head;
-  const u8* krow = key + (t * k_tok + h * k_head) * elem_bytes(IN);
-  const u8* vrow = value + (t * v_tok + h * v_head) * elem_bytes(IN);
+  const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+  const u32 lpr = p / E;  // lanes per row, a power of two <= 32
+  const u32 lg_lpr = 31u - static_cast<u32>(__clz(lpr));
+  const u32 r = lane & (lpr - 1u);  // the lane's place in its row
+  const u32 sub = lane >> lg_lpr;   // the row's place in the warp
+  const u32 rpw = 32u >> lg_lpr;    // rows per warp
+  const u32 i0 = r * E;             // the lane's first element
 
-  // ---- keys ----
-  constexpr u32 KF = KB == 8 ? 0 : (KB * 1u);  // MSE field bits
-  u32 kps;  // the key part's bytes
-  if constexpr (KB == 8) {
-    for (u32 i = tid; i < d; i += TQ_THREADS) {
-      // A NaN's code 0x7F whatever its sign (the contract leaves it free; one pattern for all).
-      const float x = tq_elem<IN>(krow, i);
-      dst[i] = x == x ? static_cast<u8>(fp8x2_from_f32<DT_E4M3>(x, 0.0f) & 0xFFu) : 0x7F;
+  // A row's slot (-1 past the rows) and its key and value chunks. Past D: key +0 (the trees'
+  // padding leaves), value NaN (min and max skip it; its codes land in no stored byte).
+  const i64 rows = num_tokens * num_heads;
+  const bool rows_fit_u32 = rows <= 0xFFFFFFFFll;
+  auto load_row = [&](i64 row, float (&x)[E], float (&v)[E], i64& slot, i64& hh) {
+    if (row < rows) {
+      const i64 t = rows_fit_u32 ? static_cast<i64>(static_cast<u32>(row) /
+                                                    static_cast<u32>(num_heads))
+                                 : row / num_heads;
+      hh = row - t * num_heads;
+      slot = static_cast<i64>(slot_mapping[t]);
+      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
+      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
+                           bits_f32(0x7FC00000u), v);
+    } else {
+      slot = -1;
+      hh = 0;
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
     }
-    kps = d;
-  } else {
-    constexpr u32 NM = (1u << KF) - 1u;
+  };
+  // The first pass's rows are loaded before the setup's table check, so that at a few tokens
+  // the two round trips overlap.
+  const i64 first = (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw;
+  float x[E], v[E];
+  i64 slot, hh;
+  load_row(first + sub, x, v, slot, hh);
+
+  // ---- the CTA's setup (MSE): the midpoints, their order, the table's structure ----
+  bool hadamard = false;
+  float h = 0.0f;
+  if constexpr (MSE) {
     if (tid < NM) s_mid[tid] = mid[static_cast<i64>(tid) * mid_s];
-    for (u32 i = tid; i < p; i += TQ_THREADS) {
-      const float x = i < d ? tq_elem<IN>(krow, i) : 0.0f;
-      s_x[i] = x;
-      s_sq[i] = i < d ? mul_rn(x, x) : 0.0f;
-    }
-    tq_tree_shared(s_sq, p);
-    const float n = sqrt_rn(s_sq[0]);
-    const float den = add_rn(n, TQ_EPS);
-    for (u32 i = tid; i < p; i += TQ_THREADS) s_x[i] = i < d ? div_rn(s_x[i], den) : 0.0f;
     __syncthreads();
-    for (u32 j = tid; j < d; j += TQ_THREADS) {
-      float y;
-      if (p >= 8) y = tq_rotate_one<8>(s_x, pit, pit_s0, pit_s1, j, d, p);
-      else if (p == 4) y = tq_rotate_one<4>(s_x, pit, pit_s0, pit_s1, j, d, p);
-      else y = tq_rotate_one<2>(s_x, pit, pit_s0, pit_s1, j, d, p);
-      u32 idx = 0;
+    if (tid == 0) {
+      int sorted = 1;
+      for (u32 k = 0; k + 1 < NM; ++k) sorted &= s_mid[k] <= s_mid[k + 1] ? 1 : 0;
+      s_sorted = sorted;
+    }
+    int bad = 1;
+    if (d == p) {  // a power of two: compare every entry with its Sylvester sign times PiT[0, 0]
+      bad = 0;
+      const u32 hb = f32_bits(pit[0]);
+      const u32 lg_d = 31u - static_cast<u32>(__clz(d));
+      const u32 dd = d * d;
+      const bool vec = pit_s1 == 1 && pit_s0 == d && dd % 4 == 0 &&
+                       (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
+      if (vec) {
+        // TQ_BATCH 16-byte loads in flight per thread before any compare (at T = 1 this check is
+        // on the critical path: D = 128 takes 8 a thread, two round trips, not eight).
+        const uint4* p4 = reinterpret_cast<const uint4*>(pit);
+        const u32 n4 = dd / 4;
+        for (u32 q0 = tid; q0 < n4; q0 += TQ_BATCH * CTA) {
+          uint4 w4[TQ_BATCH];
 #pragma unroll
-      for (u32 k = 0; k < NM; ++k) idx += y >= s_mid[k] ? 1u : 0u;
-      s_kc[j] = static_cast<u8>(idx);
+          for (u32 k = 0; k < TQ_BATCH; ++k)
+            if (q0 + k * CTA < n4) w4[k] = p4[q0 + k * CTA];
+#pragma unroll
+          for (u32 k = 0; k < TQ_BATCH; ++k) {
+            const u32 q = q0 + k * CTA;
+            if (q >= n4) continue;
+            const u32 w[4] = {w4[k].x, w4[k].y, w4[k].z, w4[k].w};
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c) {
+              const u32 kk = 4 * q + c, i = kk >> lg_d, j = kk & (d - 1u);
+              bad |= w[c] != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
+            }
+          }
+        }
+      } else {
+        for (u32 k = tid; k < dd; k += CTA) {
+          const u32 i = k >> lg_d, j = k & (d - 1u);
+          const u32 w = f32_bits(pit[static_cast<i64>(i) * pit_s0 + static_cast<i64>(j) * pit_s1]);
+          bad |= w != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
+        }
+      }
+      h = bits_f32(hb);
     }
-    __syncthreads();
-    const u32 nb = d * KF / 8;
-    for (u32 b = tid; b < nb; b += TQ_THREADS) dst[b] = static_cast<u8>(tq_field_byte<KF>(s_kc, b));
-    if (tid == 0) tq_store_f16(dst + nb, n);
-    kps = nb + 2;
+    hadamard = __syncthreads_or(bad) == 0;  // CTA-uniform (s_sorted is visible after it too)
   }
+  const bool sorted = MSE && s_sorted != 0;
 
-  // ---- values ----
-  constexpr float L = static_cast<float>((1 << VB) - 1);
-  float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
-  for (u32 i = tid; i < d; i += TQ_THREADS) {
-    const float v = tq_elem<IN>(vrow, i);
-    s_sq[i] = v;  // s_sq is free again (the key's last read was before a barrier)
-    mn = fminf(mn, v);  // NaN ignored
-    mx = fmaxf(mx, v);
-  }
+  const i64 rows_per_pass = static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
+  for (i64 base = first; base < rows; base += rows_per_pass) {  // warp-uniform
+    const i64 row = base + sub;
+    if (base != first) load_row(row, x, v, slot, hh);  // the first pass's: before the setup
+    const bool write = slot >= 0 && slot < num_slots;
+    u8* dst = cache + (write ? slot_offset(slot, c_blk, c_page, block_size, block_shift,
+                                           num_slots <= 0xFFFFFFFFll) + hh * c_head : 0);
+
+    // ---- keys ----
+    u32 kps;  // the key part's bytes
+    if constexpr (!MSE) {
+      u32 c[E];
 #pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) {
-    mn = fminf(mn, __shfl_xor_sync(0xFFFFFFFFu, mn, m));
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, m));
-  }
-  if ((tid & 31u) == 0) {
-    s_mn[tid >> 5] = mn;
-    s_mx[tid >> 5] = mx;
-  }
-  __syncthreads();
+      for (int e = 0; e < E; e += 2) {
+        // A NaN's code 0x7F whatever its sign (the contract leaves it free; one pattern for all).
+        const u32 two = fp8x2_from_f32<DT_E4M3>(x[e], x[e + 1]);
+        c[e] = x[e] == x[e] ? two & 0xFFu : 0x7Fu;
+        c[e + 1] = x[e + 1] == x[e + 1] ? (two >> 8) & 0xFFu : 0x7Fu;
+      }
+      if (write) tq_store_field<8, E>(dst, c, r, d);
+      kps = d;
+    } else {
+      float sq[E];
 #pragma unroll
-  for (int w = 0; w < TQ_THREADS / 32; ++w) {
-    mn = fminf(mn, s_mn[w]);
-    mx = fmaxf(mx, s_mx[w]);
-  }
-  if (!(mn <= mx)) mn = mx = 0.0f;  // no non-NaN value
-  if (mn == 0.0f) mn = 0.0f;        // a zero mn is +0
-  float s = div_rn(sub_rn(mx, mn), L);
-  if (!(s > TQ_EPS)) s = TQ_EPS;
-  for (u32 i = tid; i < d; i += TQ_THREADS)
-    s_vc[i] = static_cast<u8>(rhu_clamp_code(div_rn(sub_rn(s_sq[i], mn), s), 0.5f, L));
-  __syncthreads();
-  const u32 vdb = d * VB / 8;
-  u8* vdst = dst + kps;
-  for (u32 b = tid; b < vdb; b += TQ_THREADS) vdst[b] = static_cast<u8>(tq_field_byte<VB>(s_vc, b));
-  if (tid == 0) {
-    tq_store_f16(vdst + vdb, s);
-    tq_store_f16(vdst + vdb + 2, mn);
+      for (int e = 0; e < E; ++e) sq[e] = mul_rn(x[e], x[e]);  // padding: +0 * +0 = +0
+      float ss = qkn_tree<E>(sq);
+      for (u32 m = 1; m < lpr; m <<= 1) ss = add_rn(ss, tq_shfl_xor(ss, static_cast<int>(m)));
+      const float n = sqrt_rn(ss);
+      const float den = add_rn(n, TQ_EPS);
+      const bool kfast = tq_div_fast(den);
+      const float yd = rcp_rn(den);
+      float y[E], u[E];
+      tq_div_row<E>(u, x, den, yd, kfast);
+      if (hadamard) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) y[e] = mul_rn(u[e], h);
+#pragma unroll
+        for (int st = 1; st < E; st <<= 1) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            if (e & st) continue;
+            const float a = y[e], b = y[e + st];
+            y[e] = add_rn(a, b);
+            y[e + st] = sub_rn(a, b);
+          }
+        }
+        for (u32 m = 1; m < lpr; m <<= 1) {
+          // (a, b) -> (a + b, a - b): the lower lane adds its partner's value, the upper one
+          // adds its own negated (RN(o + (-y)) is RN(o - y), IEEE's subtraction).
+          const u32 neg = (r & m) != 0 ? 0x80000000u : 0u;
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const float o = tq_shfl_xor(y[e], static_cast<int>(m));
+            y[e] = add_rn(bits_f32(f32_bits(y[e]) ^ neg), o);
+          }
+        }
+      } else {
+        float* urow = s_u + (warp * rpw + sub) * (p + 1u);
+        __syncwarp();  // the warp's rows of the last pass are read
+#pragma unroll
+        for (int e = 0; e < E; ++e)
+          urow[i0 + e] = u[e];  // +0 past D (0 / den)
+        __syncwarp();
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const u32 j = i0 + e;
+          // Chunks of min(8, E) leaves (E < 8 only where P = E).
+          y[e] = j < d ? tq_rotate_one<(E < 8 ? E : 8)>(urow, pit, pit_s0, pit_s1, j, d, p) : 0.0f;
+        }
+      }
+      u32 c[E];
+      if (sorted) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          u32 idx = 0;
+#pragma unroll
+          for (u32 step = (NM + 1) / 2; step; step >>= 1)
+            idx += y[e] >= s_mid[idx + step - 1] ? step : 0u;
+          c[e] = idx;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          u32 idx = 0;
+#pragma unroll
+          for (u32 k = 0; k < NM; ++k) idx += y[e] >= s_mid[k] ? 1u : 0u;
+          c[e] = idx;
+        }
+      }
+      // (Codes past D land in no stored byte: the field ends with element D - 1's bits.)
+      const u32 nb = d * KB / 8;
+      if (write) {
+        tq_store_field<KB, E>(dst, c, r, d);
+        if (r == 0) tq_store_f16(dst + nb, n);
+      }
+      kps = nb + 2;
+    }
+
+    // ---- values ----
+    constexpr float L = static_cast<float>((1 << VB) - 1);
+    float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      mn = fminf(mn, v[e]);  // NaN (and the NaN padding) ignored
+      mx = fmaxf(mx, v[e]);
+    }
+    for (u32 m = 1; m < lpr; m <<= 1) {
+      mn = fminf(mn, tq_shfl_xor(mn, static_cast<int>(m)));
+      mx = fmaxf(mx, tq_shfl_xor(mx, static_cast<int>(m)));
+    }
+    if (!(mn <= mx)) mn = mx = 0.0f;  // no non-NaN value
+    if (mn == 0.0f) mn = 0.0f;        // a zero mn is +0
+    float s = div_rn(sub_rn(mx, mn), L);
+    if (!(s > TQ_EPS)) s = TQ_EPS;
+    const bool vfast = tq_div_fast(s);
+    const float ys = rcp_rn(s);
+    float w[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
+    float qv[E];
+    tq_div_row<E>(qv, w, s, ys, vfast);
+    u32 q[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
+    if (write) {
+      const u32 vdb = d * VB / 8;
+      u8* vdst = dst + kps;
+      tq_store_field<VB, E>(vdst, q, r, d);
+      if (r == 0) {
+        tq_store_f16(vdst + vdb, s);
+        tq_store_f16(vdst + vdb + 2, mn);
+      }
+    }
   }
 }

@@ -281,5 +281,5 @@ PROVIDER = Provider(
     wrong_writers=WRONG,
     bad_inputs=BAD,
     # The input kinds (3) x presets (4) x slot types (2).
-    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 24),
+    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 96),
 )
