@@ -215,3 +215,21 @@ def test_the_committed_run_against_itself_is_all_ones(capsys, tmp_path):
     table = out.split("per point:\n")[1].split("\n\n")[0].splitlines()[2:]
     assert len(table) == rows and {line.split()[-1] for line in table} == {"1.000"}
     assert (tmp_path / "cmp.csv").read_text().count("\n") == rows + 1
+
+
+def test_measured_params_are_not_part_of_a_points_identity(capsys, tmp_path):
+    """Transfer rows carry the run's limit and host time as params: two runs' rows of the same
+    point differ there and must still match."""
+    def rows(limit, host):
+        return [_row(t, us, op="swap_blocks", kind="swap_blocks", limit_gbps=limit, host_us=host)
+                for t, us in ((16, 10.0), (128, 80.0))]
+
+    def _row(t, us, **kw):
+        r = globals()["_row"](t, us, op=kw.pop("op"), kind=kw.pop("kind"))
+        r.params.update(kw)
+        return r
+
+    rc, doc, _ = _compare_json(capsys, tmp_path, _write(tmp_path / "old.json", rows(1993.4, 931.6)),
+                               _write(tmp_path / "new.json", rows(2115.3, 1003.9)))
+    assert rc == 0 and len(doc["points"]) == 2 and not doc["only_in_new"]
+    assert {p["ratio"] for p in doc["points"]} == {1.0}

@@ -7,8 +7,9 @@ with the committed one, whatever files the rows were split into).
 A point is matched by its identity: every field of a row that says *what* was measured — op,
 kind, implementation, num_tokens, the timer, the mode, the L2 condition, the calls per sample,
 and every param (layout, dtypes, shape, model, slots, variant, ...) — never by its position. The
-rest (:data:`MEASURED`) is the measurement and where it ran. Rows whose status is not ``ok`` (or
-with no median) are skipped and counted; identities found on one side only are listed.
+rest (:data:`MEASURED`, and the params in ``report.MEASURED_PARAMS``) is the measurement and
+where it ran. Rows whose status is not ``ok`` (or with no median) are skipped and counted;
+identities found on one side only are listed.
 
 Printed: a table of every matched point (old and new median µs per call, new/old), the geometric
 mean of new/old per group (the points of one op and configuration: the identity less num_tokens
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 
 from tabulate import tabulate
 
-from .report import COMMON_FIELDS, ReportError, Row, read_json
+from .report import COMMON_FIELDS, MEASURED_PARAMS, ReportError, Row, read_json
 
 __all__ = ["main", "compare", "Comparison", "CompareError", "MEASURED", "identity"]
 
@@ -55,7 +56,7 @@ class CompareError(ValueError):
 def identity(row: Row) -> tuple:
     """The point ``row`` measured: ((field, value as JSON), ...) over every identifying field."""
     fields = {f: getattr(row, f) for f in _ID_FIELDS}
-    fields.update(row.params)
+    fields.update((k, v) for k, v in row.params.items() if k not in MEASURED_PARAMS)
     return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in fields.items()))
 
 

@@ -17,15 +17,11 @@ import re
 import sys
 from collections.abc import Sequence
 
-from .report import ReportError, Row, read_json, series_label
+from .report import MEASURED_PARAMS, ReportError, Row, read_json, series_label
 
 __all__ = ["markdown_tables", "main", "MARKER"]
 
 _QUIET = {"slot_params", "model", "tp"}
-# Params a benchmark measures beside the time (transfer's host time and overlap figures): a row's
-# values, not an axis of the tables.
-_MEASURED = {"host_us", "attention_us", "attention_overlapped_us", "attention_repeat",
-             "attention_slowdown", "transfer_overlapped_us"}
 MARKER = "<!-- generated:"
 
 
@@ -59,7 +55,7 @@ def markdown_tables(meta: dict, rows: Sequence[Row]) -> str:
     defn = _definition(meta.get("op", rows[0].op))
     if defn is not None and defn.report_split is not None:
         return _point_tables(defn, meta, rows)
-    keys = list(dict.fromkeys(k for r in rows for k in r.params if k not in _MEASURED))
+    keys = list(dict.fromkeys(k for r in rows for k in r.params if k not in MEASURED_PARAMS))
     varying = [k for k in keys if len({str(r.params.get(k)) for r in rows}) > 1]
 
     def follows_t(k: str) -> bool:  # one value per num_tokens (a cache sized for T): no split
@@ -124,7 +120,7 @@ def _point_tables(defn, meta: dict, rows: Sequence[Row]) -> str:
     for group in groups.values():
         shown = [k for k in labels if len({str(r.params.get(k)) for r in group}) > 1]
         fixed = {k: v for k, v in group[0].params.items()
-                 if k not in _MEASURED and k not in shown and v not in ("", None, False)
+                 if k not in MEASURED_PARAMS and k not in shown and v not in ("", None, False)
                  and all(str(r.params.get(k)) == str(v) for r in group)}
         cols = defn.report_columns(group)
         lines: dict[tuple, dict] = {}

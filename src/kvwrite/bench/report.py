@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 from tabulate import tabulate
 
-__all__ = ["Row", "COMMON_FIELDS", "format_table", "write_json", "write_csv", "read_json",
-           "row_dicts", "series_label", "ReportError"]
+__all__ = ["Row", "COMMON_FIELDS", "MEASURED_PARAMS", "format_table", "write_json", "write_csv",
+           "read_json", "row_dicts", "series_label", "ReportError"]
 
 NAN = float("nan")
 
@@ -90,6 +90,10 @@ class Row:
 
 
 COMMON_FIELDS = [f.name for f in dataclasses.fields(Row) if f.name != "params"]
+# Params a benchmark measures beside the time (transfer's limit of the run, host time and overlap
+# figures): a row's values, never what was measured (not a table axis, not a point's identity).
+MEASURED_PARAMS = frozenset({"limit_gbps", "host_us", "attention_us", "attention_overlapped_us",
+                             "attention_repeat", "attention_slowdown", "transfer_overlapped_us"})
 _FLOATS = {f.name for f in dataclasses.fields(Row) if f.type in ("float", float)}
 
 
