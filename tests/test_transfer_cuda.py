@@ -580,3 +580,19 @@ def test_copy_threads_share_a_host_budget():
     assert tc.copy_threads(False, 4) == tc.TUNING.copy_threads == 1024
     assert [tc.copy_threads(True, m) for m in (1, 2, 3, 4, 8, None)] == [512, 256, 160, 128,
                                                                           128, 128]
+
+
+def test_copy_calls_read_a_peer_source_with_the_remote_unroll(monkeypatch):
+    """A peer source (another GPU, read over NVLink a round trip away) takes the loads in flight
+    of a pinned host side, not the device copy's: the unroll compiled into the launch differs
+    only by ``plan.peer``."""
+    monkeypatch.setattr(Side, "on_host", property(lambda self: False))  # stand-ins as GPU sides
+    src = torch.zeros(5, 2, 3, 65536, dtype=torch.uint8)
+    jobs = [tp.copy_job(src, src.clone())]
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cpu")
+    plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(PAIRS), torch.device("cuda", 1))
+    tuning = tc.TransferTuning(loads_in_flight=1, loads_in_flight_host=4)
+    (local,) = tc.copy_calls(plan, tuning)
+    (peer,) = tc.copy_calls(dataclasses.replace(plan, peer=torch.device("cuda", 0)), tuning)
+    assert local.name == "transfer_copy_kernel<16, int, 1>"
+    assert peer.name == "transfer_copy_kernel<16, int, 4>"

@@ -68,6 +68,9 @@ class TransferTuning(launch.PdlPolicy):
     loads_in_flight: int = 2
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
+    # Peer reads (a source on another GPU) too: at U = 2 a pair of H200s (NVLink) moved 72 / 140
+    # / 374 GB/s at 4 / 8 / all CTAs (32 Llama-3-8B layers, 16-1024 blocks, change 73), bound
+    # by the bytes in flight per CTA.
     loads_in_flight_host: int = 8
     # Threads of a copy launch to pinned host memory (d2h), over its CTA budget (copy_threads):
     # 512, at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, beside bf16
@@ -500,7 +503,10 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
     mdt = plan.mapping.dtype
     reads_host = any(j.src.on_host for j in plan.jobs)
     writes_host = any(j.dst.on_host for j in plan.jobs)
-    most = tuning.loads_in_flight_host if reads_host or writes_host else tuning.loads_in_flight
+    # A peer source (another GPU's memory over NVLink) is read a round trip away, as pinned host
+    # memory is: its loads in flight too.
+    remote = reads_host or writes_host or plan.peer is not None
+    most = tuning.loads_in_flight_host if remote else tuning.loads_in_flight
     threads = copy_threads(writes_host and not reads_host, plan.max_ctas, tuning)
     ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
     out = []
