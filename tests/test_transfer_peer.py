@@ -186,13 +186,16 @@ def test_peer_copy_plan_runs_on_the_destination(src_dev, dst_dev):
 @pytest.mark.parametrize("name", ["swap", "multi", "relayout-heads"])
 def test_peer_copy_graph_capture_and_replay(monkeypatch, name, src_dev, dst_dev, implementation,
                                             engine):
-    """Captured on a stream of the destination's device (the first call of the process's pair:
-    peer access is enabled inside the capture); each replay reads the mapping's new values."""
-    monkeypatch.setattr(copy_engine, "_PEERS", set())
+    """Captured on a stream of the destination's device after one eager call (CUDA refuses to
+    enable peer access inside a capture: the eager call enables it; the capture finds it on,
+    with the process's record of enabled pairs emptied); each replay reads the mapping's new
+    values."""
     op, src, dst, pre, post = _on_gpus(name, src_dev, dst_dev)
     initial = [storage_bytes(t).clone() for t in _flat(dst)]
     m = mapping(GPU_PAIRS, torch.int32, device=f"cuda:{dst_dev}")
-    _sync(dst_dev)
+    op(src, dst, *pre, m, *post, max_ctas=2, engine=engine, implementation=implementation)
+    monkeypatch.setattr(copy_engine, "_PEERS", set())
+    _sync(src_dev, dst_dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.device(dst_dev), torch.cuda.graph(graph):
         op(src, dst, *pre, m, *post, max_ctas=2, engine=engine, implementation=implementation)
