@@ -17,7 +17,6 @@ Graph-safe: a call does no allocation and no host sync; slots are read on the de
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -50,29 +49,24 @@ _F16, _BF16, _F32 = range(3)
 _KIND = launch.KIND
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, str(default)).strip() or default)
-
-
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
-    one to :func:`run`. Not measured yet: the values follow nvfp4_kv_write's kernel."""
+    one to :func:`run`. ``threads`` and ``min_ctas`` follow nvfp4_kv_write's kernel (not
+    measured for this one); ``small_call_groups`` is measured."""
 
     # Threads per CTA (a multiple of 32, at most 256), halved (down to 64) while the call would
     # have fewer than min_ctas CTAs: a mid-sized call's threads spread over more SMs.
     threads: int = 256
     min_ctas: int = 264
-    # Calls of at most small_call_groups groups of K (T * H * D/32; 2048: 64 tokens of H=8,
-    # D=128) with aligned inputs and data take mx_small_kernel (8 threads a group's K and V
-    # where mx_kernel has one). Estimated from the instruction counts, not measured: the small
-    # kernel issues about 2x mx_kernel's instructions per token (the per-thread index math and
-    # E repeated over 8 threads) but each thread's chain is about a fifth as long; below ~100
-    # tokens of that shape the chain (latency) is the call's time, above it the issue rate.
-    # KVWRITE_MX_SMALL_CALL_GROUPS sets the default (0: mx_kernel always).
-    small_call_groups: int = dataclasses.field(
-        default_factory=lambda: _env_int("KVWRITE_MX_SMALL_CALL_GROUPS", 2048))
+    # Calls of at most small_call_groups groups of K (T * H * D/32; 8192: 256 tokens of H=8,
+    # D=128) with aligned inputs and data take mx_small_kernel (a group of one side over 4
+    # threads; mx_kernel: one thread a group's K and V). Measured (H200, H=8 D=128 bf16, cold L2, scale_rule ceil, µs at
+    # T = 1 / 128 / 256, small kernel up to 2048 groups vs never vs up to 16384): mxfp4 1.49 vs
+    # 1.84 at T=1, 2.29 / 2.30 / 2.01 at T=128, 2.46 / 2.46 / 2.22 at T=256; mxfp8 1.98 / 1.98 /
+    # 1.94 at T=128, 2.15 / 2.15 / 2.11 at T=256. Above 256 tokens not measured.
+    small_call_groups: int = 8192
     # One build per call signature with the fixed arguments compiled in (NVRTC once per
     # signature and process). KVWRITE_CUDA_SPECIALIZE=0 builds one generic kernel per variant.
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
