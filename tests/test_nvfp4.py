@@ -237,55 +237,47 @@ void kvw_nvfp4_groups(const float* x, float k, long long n, int fos, int pair,
     }
   }
 }
-// n groups of 16 through the small calls' kernel's rule: each group as 16 / e parts of e elements
+// n groups of 16 through the small calls' kernel's rule: each group as 16 / E parts of E elements
 // (nvfp4_part_rule), their amax combined as the kernel's shuffles combine them (max_nan, and
-// max_num where that is NaN). Returns the number of groups whose parts disagree on S.
-long long kvw_nvfp4_parts(const float* x, float k, long long n, int e, unsigned char* data,
-                          unsigned char* scales) {
+// max_num where that is NaN; E = 16: the group's own). Returns the number of groups whose parts
+// disagree on S.
+}  // extern "C"
+template <int E>
+static long long parts(const float* x, float k, long long n, unsigned char* data,
+                       unsigned char* scales) {
   const Nvfp4Den d6 = nvfp4_den(mul_rn(k, 6.0f));
   long long disagree = 0;
   for (long long g = 0; g < n; ++g) {
     const float* gx = x + 16 * g;
     float a = 0.0f, a_num = 0.0f;
-    for (int p = 0; p < 16 / e; ++p) {
-      float pa, pn;
-      if (e == 4) {
-        float v[4];
-        for (int i = 0; i < 4; ++i) v[i] = gx[4 * p + i];
-        pa = nvfp4_amax_nan(v);
-        pn = nvfp4_amax_num(v);
-      } else {
-        float v[8];
-        for (int i = 0; i < 8; ++i) v[i] = gx[8 * p + i];
-        pa = nvfp4_amax_nan(v);
-        pn = nvfp4_amax_num(v);
-      }
+    for (int p = 0; p < 16 / E; ++p) {
+      float v[E];
+      for (int i = 0; i < E; ++i) v[i] = gx[E * p + i];
+      const float pa = nvfp4_amax_nan(v), pn = nvfp4_amax_num(v);
       a = p ? max_nan(a, pa) : pa;
       a_num = p ? max_num(a_num, pn) : pn;
     }
     u32 S0 = 0;
-    for (int p = 0; p < 16 / e; ++p) {
-      u32 S;
-      if (e == 4) {
-        float v[4];
-        u32 w[1];
-        for (int i = 0; i < 4; ++i) v[i] = gx[4 * p + i];
-        S = nvfp4_part_rule<4, 2>(v, a, a != a ? a_num : 0.0f, k, d6, w);
-        data[8 * g + 2 * p] = w[0] & 0xFF;
-        data[8 * g + 2 * p + 1] = (w[0] >> 8) & 0xFF;
-      } else {
-        float v[8];
-        u32 w[1];
-        for (int i = 0; i < 8; ++i) v[i] = gx[8 * p + i];
-        S = nvfp4_part_rule<8, 2>(v, a, a != a ? a_num : 0.0f, k, d6, w);
-        __builtin_memcpy(data + 8 * g + 4 * p, w, 4);
-      }
+    for (int p = 0; p < 16 / E; ++p) {
+      float v[E];
+      u32 w[(E + 7) / 8];
+      for (int i = 0; i < E; ++i) v[i] = gx[E * p + i];
+      const u32 S = nvfp4_part_rule<E, 2>(v, a, a != a ? a_num : 0.0f, k, d6, w);
+      __builtin_memcpy(data + 8 * g + (E / 2) * p, w, E / 2);
       if (p == 0) S0 = S;
       else if (S != S0) ++disagree;
     }
     scales[g] = S0;
   }
   return disagree;
+}
+extern "C" {
+// The small calls' kernel's rule for n groups of 16 (parts<E> above) with e = 4, 8 or 16.
+long long kvw_nvfp4_parts(const float* x, float k, long long n, int e, unsigned char* data,
+                          unsigned char* scales) {
+  if (e == 4) return parts<4>(x, k, n, data, scales);
+  if (e == 8) return parts<8>(x, k, n, data, scales);
+  return parts<16>(x, k, n, data, scales);
 }
 // nvfp4_amax_nan16 (bfloat16 words) against nvfp4_amax_nan of the widened floats for n groups of
 // 8 words: the number that differ (NaN equals NaN), the first in *first_bad.
@@ -384,11 +376,12 @@ def test_host_c_rule_matches_reference(host_lib, fos):
                 f"want {want[bad[0]].tolist()} S {int(S[bad[0]]):#x}")
 
 
-@pytest.mark.parametrize("e", [4, 8])
+@pytest.mark.parametrize("e", [4, 8, 16])
 def test_host_c_part_rule_matches_reference(host_lib, e):
-    """The small calls' kernel's rule (kvw/nvfp4.cuh's nvfp4_part_rule: a group as 16 / e parts,
-    their amax combined as the kernel's shuffles do) against the reference, random and special
-    groups, many scales; every part computes the same S."""
+    """The small and mid-sized calls' kernel's rule (kvw/nvfp4.cuh's nvfp4_part_rule: a group as
+    16 / e parts, their amax combined as the kernel's shuffles do; e = 16, the mid-sized calls'
+    default: the whole group in one thread) against the reference, random and special groups,
+    many scales; every part computes the same S."""
     for k in SCALES:
         k = torch.tensor(k, dtype=torch.float32).item()
         x = torch.cat([_rule_groups(2000, 2), _groups_tensor(special_groups(k))]).float()
@@ -954,13 +947,13 @@ def pdl_sass(tmp_path_factory):
 
 
 def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
-    """Every variant compiles with NVRTC for sm_90 (40: nvfp4_kernel by dtype x MODE x slot type
+    """Every variant compiles with NVRTC for sm_90 (46: nvfp4_kernel by dtype x MODE x slot type
     x rule, 28, MODE 2 only for "nvfp4" with 16-bit inputs; nvfp4_small_kernel by dtype x slot
-    type x 4 or 8 elements a thread, 12); in its PDL build the trigger and the wait (PREEXIT,
+    type x 4, 8 or 16 elements a thread, 18); in its PDL build the trigger and the wait (PREEXIT,
     ACQBULK) come before the first global access."""
     import sass as sass_tools
     names, text = pdl_sass
-    assert len(names) == 40
+    assert len(names) == 46
     funcs = sass_tools.functions(text)
     assert len(funcs) == len(names)
     sass_tools.assert_waits_first(funcs)
@@ -1008,7 +1001,8 @@ def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
 def _tuning(**kw):
     """A CudaTuning with the kernel shapes fixed (not the environment's defaults)."""
     return _cuda_impl().CudaTuning(**{"small_elems": 4, "pair_groups": True, "pair_min_ctas": 4,
-                                      "small_call_groups": 4096, **kw})
+                                      "small_call_groups": 4096, "mid_call_groups": 1 << 18,
+                                      "mid_elems": 16, **kw})
 
 
 def _plan_of(case: Nvfp4Case, **kw):
@@ -1038,15 +1032,32 @@ _BIG = dict(num_tokens=300, num_heads=8, head_size=128, num_blocks=20)
     (Nvfp4Case(misaligned=True), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),
     (Nvfp4Case(form="padded", pad=3), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),
     (Nvfp4Case(pad=4), {}, "nvfp4_kernel<1, 0, long long, false>", 64, 8),  # s0 % 8 == 4
-    # Large calls: two groups a thread where the data is 16-byte aligned, D % 32 == 0 and the
-    # inputs 16-bit; else one.
-    (Nvfp4Case(**_BIG), {}, "nvfp4_kernel<1, 2, long long, false>", 256, 32),
-    (Nvfp4Case(**_BIG, form="tuple", layout="HND"), {}, "nvfp4_kernel<1, 2, long long, false>",
-     256, 32),
-    (Nvfp4Case(**_BIG), {"pair_groups": False}, "nvfp4_kernel<1, 1, long long, false>", 256, 64),
-    (Nvfp4Case(**{**_BIG, "head_size": 48}), {}, "nvfp4_kernel<1, 1, long long, false>", 256, 24),
-    (Nvfp4Case(**_BIG, dtype=torch.float32), {}, "nvfp4_kernel<2, 1, long long, false>", 256, 64),
-    (Nvfp4Case(**_BIG, pad=8), {}, "nvfp4_kernel<1, 1, long long, false>", 256, 64),
+    # Mid-sized calls (19200 groups of K) of "nvfp4" with aligned inputs and data: one thread a
+    # group of one side (mid_elems 16), or two (8); 4over6 and unaligned ones: nvfp4_kernel.
+    (Nvfp4Case(**_BIG), {}, "nvfp4_small_kernel<1, long long, 16>", 256, 128),
+    (Nvfp4Case(**_BIG, form="tuple", layout="HND"), {}, "nvfp4_small_kernel<1, long long, 16>",
+     256, 128),
+    (Nvfp4Case(**_BIG), {"mid_elems": 8}, "nvfp4_small_kernel<1, long long, 8>", 256, 256),
+    (Nvfp4Case(**_BIG, dtype=torch.float32), {}, "nvfp4_small_kernel<2, long long, 16>", 256,
+     128),
+    (Nvfp4Case(**_BIG, pad=8), {}, "nvfp4_small_kernel<1, long long, 16>", 256, 128),
+    (Nvfp4Case(**_BIG), {"mid_elems": 0}, "nvfp4_kernel<1, 2, long long, false>", 256, 32),
+    (Nvfp4Case(**_BIG, kv_cache_dtype="nvfp4_4over6"), {}, "nvfp4_kernel<1, 1, long long, true>",
+     256, 64),
+    (Nvfp4Case(**_BIG, misaligned=True), {}, "nvfp4_kernel<1, 0, long long, false>", 256, 64),
+    # Large calls (mid_call_groups 0 here): two groups a thread where the data is 16-byte
+    # aligned, D % 32 == 0 and the inputs 16-bit; else one.
+    (Nvfp4Case(**_BIG), {"mid_call_groups": 0}, "nvfp4_kernel<1, 2, long long, false>", 256, 32),
+    (Nvfp4Case(**_BIG, form="tuple", layout="HND"), {"mid_call_groups": 0},
+     "nvfp4_kernel<1, 2, long long, false>", 256, 32),
+    (Nvfp4Case(**_BIG), {"pair_groups": False, "mid_call_groups": 0},
+     "nvfp4_kernel<1, 1, long long, false>", 256, 64),
+    (Nvfp4Case(**{**_BIG, "head_size": 48}), {"mid_call_groups": 0},
+     "nvfp4_kernel<1, 1, long long, false>", 256, 24),
+    (Nvfp4Case(**_BIG, dtype=torch.float32), {"mid_call_groups": 0},
+     "nvfp4_kernel<2, 1, long long, false>", 256, 64),
+    (Nvfp4Case(**_BIG, pad=8), {"mid_call_groups": 0}, "nvfp4_kernel<1, 1, long long, false>",
+     256, 64),
 ])
 def test_cuda_plan(case, kw, name, threads, per_token):
     p = _plan_of(case, **kw)
@@ -1057,20 +1068,27 @@ def test_cuda_plan(case, kw, name, threads, per_token):
 
 
 def test_cuda_cta_size_shrinks_for_few_ctas():
-    """nvfp4_kernel's CTAs halve (down to 64 threads) while a call would have fewer than
-    min_ctas of them; the small calls' kernel keeps its size."""
+    """The CTAs of mid-sized and large calls halve (down to 64 threads) while a call would have
+    fewer than min_ctas of them; the small calls' keep their size."""
     cuda_impl = _cuda_impl()
-    big = _plan_of(Nvfp4Case(**_BIG))  # 32 threads a token
     t = _tuning()
+    big = _plan_of(Nvfp4Case(**_BIG), mid_call_groups=0)  # 32 threads a token
     assert [cuda_impl.cta_threads(big, n * 32, t) for n in (64, 1024, 2000, 2112, 16384)] == [
         64, 64, 128, 256, 256]
+    mid = _plan_of(Nvfp4Case(**_BIG))  # nvfp4_small_kernel, 128 threads a token
+    assert mid.mode == -1 and mid.threads == 256
+    assert [cuda_impl.cta_threads(mid, n * 128, t) for n in (256, 512, 528, 4096)] == [
+        64, 128, 256, 256]
     small = _plan_of(Nvfp4Case())
     assert cuda_impl.cta_threads(small, 64, t) == 64
+    assert cuda_impl.cta_threads(_plan_of(Nvfp4Case(), small_threads=256), 64, t) == 256
 
 
 def test_cuda_tuning_rejects_bad_values():
-    with pytest.raises(ValueError, match="small_elems: expected 0, 4 or 8, got 2"):
+    with pytest.raises(ValueError, match="small_elems: expected 0, 4, 8 or 16, got 2"):
         _tuning(small_elems=2)
+    with pytest.raises(ValueError, match="mid_elems: expected 0, 4, 8 or 16, got 32"):
+        _tuning(mid_elems=32)
     with pytest.raises(ValueError, match="pair_min_ctas: expected 0 to 8, got 9"):
         _tuning(pair_min_ctas=9)
 
@@ -1156,7 +1174,8 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
       under 260 instructions in all;
     and in every one of these builds (and the HND and int32-slot ones) all loads are issued
     before the first wait."""
-    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path)
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       mid_call_groups=0)
     assert p.name == "nvfp4_kernel<1, 2, long long, false>"
     assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
     assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 8, "LDG.E.64.CONSTANT": 1,
@@ -1169,19 +1188,35 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
 
     # pair_min_ctas=0 (no register bound): no spill, 3 CTAs of 256 an SM.
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
-                                       extra_macros=[("KVW_NVFP4_PAIR_MIN_CTAS", "0")])
+                                       extra_macros=[("KVW_NVFP4_PAIR_MIN_CTAS", "0")],
+                                       mid_call_groups=0)
     assert p.name == "nvfp4_kernel<1, 2, long long, false>"
     assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
     assert 64 < regs <= 85 and spill == 0, (regs, spill)
 
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
-                                       pair_groups=False)
+                                       pair_groups=False, mid_call_groups=0)
     assert p.name == "nvfp4_kernel<1, 1, long long, false>"
     assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
     assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 4, "LDG.E.64.CONSTANT": 1,
                                   "LDG.E.CONSTANT": 2}
     assert regs <= 64 and spill == 0, (regs, spill)
     assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 64}
+
+    # Mid-sized calls (the same 300 tokens under the default mid_call_groups): one thread a group
+    # of one side, its two 16-byte row loads, one 8-byte store of codes and the scale byte; the
+    # amax by the 16-bit SIMD maximum, no shuffle or vote; 32 registers (64 warps an SM), about
+    # 450 instructions in all (about 290 on the fast path).
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path)
+    assert p.name == "nvfp4_small_kernel<1, long long, 16>"
+    assert _count(ops, "STG") == {"STG.E.64": 1, "STG.E.U8": 1}
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 2, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 1}  # row, slot, k or v
+    assert not _count(ops, "SHFL", "VOTE", "MATCH", "WARPSYNC", "BRA.DIV", "REDUX"), ops
+    assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 32}
+    assert sum(_count(ops, "VIMNMX.U16x2", "VIMNMX3.U16x2").values()) >= 4
+    assert regs <= 32 and spill == 0, (regs, spill)
+    assert len(ops) <= 470, len(ops)
 
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=16, **_BENCH), tmp_path)
     assert p.name == "nvfp4_small_kernel<1, long long, 4>"
@@ -1193,9 +1228,11 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
     assert len(ops) <= 260, len(ops)
     # The other layouts and slot type of the benchmark: the same kernels, loads first.
     for layout, slot in (("HND", torch.int64), ("NHD", torch.int32)):
-        for t, name in ((300, "nvfp4_kernel<1, 2, "), (16, "nvfp4_small_kernel<1, ")):
+        for t, kw, name in ((300, {"mid_call_groups": 0}, "nvfp4_kernel<1, 2, "),
+                            (300, {}, "nvfp4_small_kernel<1, "),
+                            (16, {}, "nvfp4_small_kernel<1, ")):
             p, ops, regs, spill = _build_shape(
-                Nvfp4Case(num_tokens=t, layout=layout, slot_dtype=slot, **_BENCH), tmp_path)
+                Nvfp4Case(num_tokens=t, layout=layout, slot_dtype=slot, **_BENCH), tmp_path, **kw)
             assert p.name.startswith(name), p.name
 
 
@@ -1345,13 +1382,16 @@ def _every_16_bit_groups(dtype: torch.dtype) -> torch.Tensor:
 
 # Kernel shapes the GPU tests force (cuda_impl.CudaTuning fields): the default plan, the large
 # calls' kernel on every call with two groups a thread and with one, the small calls' kernel on
-# every call with 4 and 8 elements a thread, and the large calls' kernel with small CTAs.
+# every call with 4 and 8 elements a thread, the mid-sized calls' shape (spread CTAs) with 16 and
+# 8, and the large calls' kernel with small CTAs.
 _SHAPES = {
     "default": {},
     "generic": {"specialize": False},
-    "big-pair": {"small_call_groups": 0},
-    "big-pair-unbounded": {"small_call_groups": 0, "pair_min_ctas": 0},
-    "big-single": {"small_call_groups": 0, "pair_groups": False},
+    "big-pair": {"small_call_groups": 0, "mid_call_groups": 0},
+    "big-pair-unbounded": {"small_call_groups": 0, "mid_call_groups": 0, "pair_min_ctas": 0},
+    "big-single": {"small_call_groups": 0, "mid_call_groups": 0, "pair_groups": False},
+    "mid-e16": {"small_call_groups": 0, "mid_call_groups": 1 << 40, "mid_elems": 16},
+    "mid-e8": {"small_call_groups": 0, "mid_call_groups": 1 << 40, "mid_elems": 8},
     "small-e4": {"small_call_groups": 1 << 40, "small_elems": 4, "small_threads": 32},
     "small-e8": {"small_call_groups": 1 << 40, "small_elems": 8},
     "small-ctas": {"small_call_groups": 1 << 40, "small_elems": 0, "small_threads": 32},

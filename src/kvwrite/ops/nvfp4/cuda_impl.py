@@ -7,9 +7,9 @@ Two kernels (see ``kernel.cu``), both with the same arguments:
   together, or per two adjacent groups of one head (MODE 2: 16-byte stores of codes, the
   per-thread setup paid once for two groups). MODE 0 takes inputs that are not 16-byte aligned
   or data that is not 8-byte aligned (element loads, byte stores); MODE 1 the rest.
-- ``nvfp4_small_kernel<IN, SlotT, E>``: small calls (``CudaTuning.small_call_groups``) of the
-  "nvfp4" rule with MODE 1's alignment: each group of one side spread over 16 / E threads of E
-  elements, for a short chain per thread.
+- ``nvfp4_small_kernel<IN, SlotT, E>``: small and mid-sized calls (``CudaTuning``'s
+  ``small_call_groups`` and ``mid_call_groups``) of the "nvfp4" rule with MODE 1's alignment:
+  each group of one side spread over 16 / E threads of E elements, for a short chain per thread.
 
 Whether V's scales are swizzled is an argument. By default each call signature gets its own build
 with the arguments fixed by the views and the inputs' layout compiled in
@@ -44,7 +44,7 @@ FIXED_ARGS = ("key_stride", "value_stride", "groups", "head_groups", "kd_sb", "k
               "block_size", "block_shift", "num_slots", "v_swizzle")
 # nvfp4_kernel's MODE: element accesses; 16-byte loads and 8-byte stores; two groups a thread.
 MODE_UNALIGNED, MODE_ALIGNED, MODE_PAIR = 0, 1, 2
-SMALL_ELEMS = (4, 8)  # nvfp4_small_kernel's E
+SMALL_ELEMS = (4, 8, 16)  # nvfp4_small_kernel's E
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
@@ -60,7 +60,7 @@ def _env_int(name: str, default: int) -> int:
 class CudaTuning(launch.PdlPolicy):
     """The launch constants. ``TUNING`` is what every call uses unless a caller passes another
     one to :func:`run` (probes comparing variants, tests forcing a path). Not measured yet: the
-    values follow the other ops' kernels. The four environment variables below let a benchmark
+    values follow the other ops' kernels. The environment variables below let a benchmark
     run (``kvwrite-bench nvfp4``) compare the kernel shapes without code."""
 
     # Threads per CTA (a multiple of 32, at most 256) of nvfp4_kernel, halved (down to 64)
@@ -82,6 +82,23 @@ class CudaTuning(launch.PdlPolicy):
     # sets the default.
     small_elems: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_SMALL_ELEMS", 4))
+    # Mid-sized calls (more than small_call_groups groups of K, at most mid_call_groups: 4096
+    # tokens of H=8, D=128, 256 of H=128) take CTAs of `threads` threads, spread as
+    # nvfp4_kernel's, and, for "nvfp4" with aligned inputs and data, nvfp4_small_kernel with
+    # mid_elems elements a thread (4, 8 or 16; 0: nvfp4_kernel for those too). Not measured:
+    # nvfp4_kernel's MODE 2 (two groups of K and V, about 900 instructions a thread) was 1.25 to
+    # 1.56 times the fp8 write's time at T = 256 to 4096 (H200, hot L2) and 0.93-0.97 from T =
+    # 16384, where several CTAs an SM in turn overlap one's loads with another's arithmetic; at
+    # mid sizes it has one wave of few warps (T = 1024: 8 an SM), each waiting for all its rows
+    # and then running a long chain. With 16 elements a thread (one group of one side; sm_90,
+    # bfloat16, the benchmark's shape: 32 registers, so 64 warps an SM, and about 290
+    # instructions on the fast path where MODE 2 issues about 850 for four groups of a side) the
+    # call issues about 1.4 times the instructions over four times the warps, each chain a third
+    # as long. KVWRITE_NVFP4_MID_CALL_GROUPS and KVWRITE_NVFP4_MID_ELEMS set the defaults.
+    mid_call_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_CALL_GROUPS", 1 << 18))
+    mid_elems: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_ELEMS", 16))
     # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
     # the data is 16-byte aligned and D % 32 == 0; False: one. KVWRITE_NVFP4_PAIR_GROUPS=0 sets
     # False.
@@ -97,8 +114,9 @@ class CudaTuning(launch.PdlPolicy):
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
 
     def __post_init__(self):
-        if self.small_elems not in (0, *SMALL_ELEMS):
-            raise ValueError(f"small_elems: expected 0, 4 or 8, got {self.small_elems}")
+        for name in ("small_elems", "mid_elems"):
+            if getattr(self, name) not in (0, *SMALL_ELEMS):
+                raise ValueError(f"{name}: expected 0, 4, 8 or 16, got {getattr(self, name)}")
         if not 0 <= self.pair_min_ctas <= 8:
             raise ValueError(f"pair_min_ctas: expected 0 to 8, got {self.pair_min_ctas}")
 
@@ -122,8 +140,8 @@ def small_kernel_name(in_kind: int, slot_dtype: torch.dtype, elems: int) -> str:
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests): nvfp4_kernel in MODE 0 and 1 for both
-    rules and MODE 2 for "nvfp4" with 16-bit inputs, nvfp4_small_kernel with 4 and 8 elements a
-    thread."""
+    rules and MODE 2 for "nvfp4" with 16-bit inputs, nvfp4_small_kernel with 4, 8 and 16
+    elements a thread."""
     names = []
     for slot in (torch.int32, torch.int64):
         for kind in (_F16, _BF16, _F32):
@@ -151,6 +169,7 @@ class Plan:
     threads: int  # per CTA
     per_token: int  # threads per token
     fixed: tuple[int, ...]  # key_stride .. v_swizzle (the 20 trailing kernel arguments)
+    spread: bool = True  # CTAs halved while few (cta_threads); small calls keep theirs
 
 
 
@@ -164,6 +183,14 @@ def _strides(view: torch.Tensor) -> tuple[int, int, int]:
 
 def is_small_call(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> bool:
     return num_tokens * groups <= tuning.small_call_groups
+
+
+def call_size(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> int:
+    """0: a small call (``is_small_call``), 1: a mid-sized one (at most ``mid_call_groups``
+    groups of K), 2: a large one."""
+    if is_small_call(num_tokens, groups, tuning):
+        return 0
+    return 1 if num_tokens * groups <= tuning.mid_call_groups else 2
 
 
 def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: CacheDType,
@@ -181,30 +208,33 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
     data_align = launch.align([*kd, *vd, k_data.data_ptr(), v_data.data_ptr()], 16)
     fos = cache_dtype is CacheDType.NVFP4_4OVER6
     kind = _KIND[key.dtype]
-    small = is_small_call(slot_mapping.numel(), groups, tuning)
+    size = call_size(slot_mapping.numel(), groups, tuning)
+    small = size == 0
+    elems = tuning.small_elems if small else tuning.mid_elems if size == 1 else 0
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0, groups,
              head_groups, *kd, *ks, *vd, *vs, block_size, launch.log2_or_minus_1(block_size),
              num_blocks * block_size, int(v_scale_layout is ScaleLayout.SWIZZLED))
     threads = tuning.small_threads if small else tuning.threads
     if not in_aligned or data_align < 8:
         mode = MODE_UNALIGNED
-    elif small and not fos and tuning.small_elems:
-        e = tuning.small_elems
-        return Plan(small_kernel_name(kind, slot_mapping.dtype, e), -1, threads,
-                    2 * groups * (GROUP // e), fixed)
+    elif elems and not fos:
+        return Plan(small_kernel_name(kind, slot_mapping.dtype, elems), -1, threads,
+                    2 * groups * (GROUP // elems), fixed, spread=not small)
     elif (data_align == 16 and head_groups % 2 == 0 and ib == 2 and not fos
           and tuning.pair_groups):
         mode = MODE_PAIR
     else:
         mode = MODE_ALIGNED
     per_token = groups // 2 if mode == MODE_PAIR else groups
-    return Plan(kernel_name(kind, mode, slot_mapping.dtype, fos), mode, threads, per_token, fixed)
+    return Plan(kernel_name(kind, mode, slot_mapping.dtype, fos), mode, threads, per_token, fixed,
+                spread=not small)
 
 
 def cta_threads(p: Plan, total: int, tuning: CudaTuning = TUNING) -> int:
-    """Threads per CTA for a call of ``total`` threads: the plan's, for nvfp4_kernel spread
-    (:func:`launch.spread_threads`) while there would be fewer than ``tuning.min_ctas`` CTAs."""
-    if p.mode < 0:
+    """Threads per CTA for a call of ``total`` threads: the plan's, for mid-sized and large calls
+    spread (:func:`launch.spread_threads`) while there would be fewer than ``tuning.min_ctas``
+    CTAs."""
+    if not p.spread:
         return p.threads
     return launch.spread_threads(p.threads, total, tuning.min_ctas)
 
@@ -246,7 +276,7 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
            key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.dtype, cache_dtype,
            v_scale_layout, k_data.shape, *(x.stride() for x in views),
            k_data.data_ptr() & 15, v_data.data_ptr() & 15, key.get_device(),
-           is_small_call(num_tokens, groups, tuning), tuning)
+           call_size(num_tokens, groups, tuning), tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
         lau = LAUNCHES[sig] = _launchable(

@@ -8,11 +8,12 @@
 // default, per call signature, with the arguments fixed by the views and the inputs' layout
 // compiled in (KVWRITE_FIXED_ARGS).
 //
-// Two kernels take the same arguments: nvfp4_kernel (every call but the small ones: one thread
-// per one or two groups, K and V together) and nvfp4_small_kernel (small calls of the "nvfp4"
-// rule: a group of one side spread over 2 or 4 threads); see each below. Slots < 0 (padding) or
-// >= num_slots are skipped; rows past num_tokens are never read. v_swizzle: V's scale byte of
-// group g at offset t goes to row 4*(t/4) + g/(G/4), byte 4*(g % (G/4)) + t % 4 (G = D/16).
+// Two kernels take the same arguments: nvfp4_kernel (large calls, and every call of the other
+// shapes: one thread per one or two groups, K and V together) and nvfp4_small_kernel (small and
+// mid-sized calls of the "nvfp4" rule: a group of one side over 1, 2 or 4 threads); see each
+// below. Slots < 0 (padding) or >= num_slots are skipped; rows past num_tokens are never read.
+// v_swizzle: V's scale byte of group g at offset t goes to row 4*(t/4) + g/(G/4), byte
+// 4*(g % (G/4)) + t % 4 (G = D/16).
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/nvfp4.cuh"
@@ -264,18 +265,22 @@ nvfp4_kernel(KVW_NVFP4_PARAMS) {
   }
 }
 
-// nvfp4_small_kernel<IN, SlotT, E>: small calls (cuda_impl.CudaTuning.small_call_groups) of the
-// "nvfp4" rule with aligned inputs and data (MODE 1's conditions). A group's rule for one side
-// spread over P = 16 / E adjacent lanes of a warp, E elements each: a thread's chain from its
-// rows' arrival to its stores is the scale's (amax, quotient, reciprocal) plus E elements, not
-// 32 (nvfp4_kernel's thread issues about 470 instructions, which at T <= 16 is the call's time
-// past the memory round trip). Thread order: token, side (K, V), group, part; a warp's loads are
-// 32 * E * IB contiguous bytes and its code stores 32 * E / 2 contiguous bytes (NHD). The parts'
-// amax are combined by xor shuffles of the whole warp, so every lane of it reaches them: lanes
-// past the last token load nothing and leave after them, as do the lanes of a skipped slot
-// (a group's lanes share its token and slot). Every part computes the group's scale; part 0
-// stores it. Order as nvfp4_kernel's: the slot, the row part, the scale, the scale's constants
-// (they wait only for the scale), the amax, then the slot's test.
+// nvfp4_small_kernel<IN, SlotT, E>: small and mid-sized calls (cuda_impl.CudaTuning's
+// small_call_groups and mid_call_groups) of the "nvfp4" rule with aligned inputs and data (MODE 1's
+// conditions). A group's rule for one side spread over P = 16 / E adjacent lanes of a warp, E
+// elements each (E = 16: one lane a group of one side): a thread's chain from its rows' arrival
+// to its stores is the scale's (amax, quotient, reciprocal) plus E elements, not 32 or 64
+// (nvfp4_kernel's thread issues about 470 instructions in MODE 1 and 900 in MODE 2, which at
+// T <= 16 is the call's time past the memory round trip, and at mid sizes leaves an SM few warps,
+// each with a long chain: H=8 D=128 T=1024 in MODE 2 is 1024 warps, 8 an SM). Thread order:
+// token, side (K, V), group, part; a warp's loads are 32 * E * IB contiguous bytes and its code
+// stores 32 * E / 2 contiguous bytes (NHD). Where P > 1 the parts' amax are combined by xor
+// shuffles of the whole warp, so every lane of it reaches them: lanes past the last token load
+// nothing and leave after them, as do the lanes of a skipped slot (a group's lanes share its
+// token and slot). Every part computes the group's scale; part 0 stores it. E = 16 takes the
+// amax of 16-bit inputs from the raw words (nvfp4_group_amax) and needs no lane's help. Order as
+// nvfp4_kernel's: the slot, the row part, the scale, the scale's constants (they wait only for
+// the scale), the amax, then the slot's test.
 template <int IN, typename SlotT, int E>
 __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
   KVW_PDL_ENTRY();
@@ -283,7 +288,7 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
   constexpr int IB = elem_bytes(IN);
   constexpr int P = 16 / E;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;
-  static_assert(E == 4 || E == 8, "4 or 8 elements a thread");
+  static_assert(E == 4 || E == 8 || E == 16, "4, 8 or 16 elements a thread");
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   const u32 part = gid % P;
   const u32 unit = gid / P;                                      // (token, side, group)
@@ -306,14 +311,22 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
   const Nvfp4Den den = nvfp4_den(mul_rn(k, 6.0f));
   float x[E];
   nvfp4_widen<IN, E>(w, x);
-  float a = nvfp4_amax_nan(x);
-#pragma unroll
-  for (int o = 1; o < P; o <<= 1) a = max_nan(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   float a_num = 0.0f;
-  if (__any_sync(0xFFFFFFFFu, a != a)) {  // rare: the rule's amax, NaN skipped, where needed
-    a_num = nvfp4_amax_num(x);
+  float a;
+  if constexpr (P == 1) {  // the whole group: no lane's help
+    a = nvfp4_group_amax<IN>(w);
+    if (a != a) a_num = nvfp4_amax_num(x);  // rare: the rule's amax, NaN skipped
+  } else {
+    a = nvfp4_amax_nan(x);
 #pragma unroll
-    for (int o = 1; o < P; o <<= 1) a_num = max_num(a_num, __shfl_xor_sync(0xFFFFFFFFu, a_num, o));
+    for (int o = 1; o < P; o <<= 1) a = max_nan(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+    if (__any_sync(0xFFFFFFFFu, a != a)) {  // rare: the rule's amax, NaN skipped, where needed
+      a_num = nvfp4_amax_num(x);
+#pragma unroll
+      for (int o = 1; o < P; o <<= 1) {
+        a_num = max_num(a_num, __shfl_xor_sync(0xFFFFFFFFu, a_num, o));
+      }
+    }
   }
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0 and !live
 
