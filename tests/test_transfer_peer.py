@@ -184,17 +184,14 @@ def test_peer_copy_plan_runs_on_the_destination(src_dev, dst_dev):
 @pytest.mark.parametrize("implementation", ["triton", "cuda"])
 @pytest.mark.parametrize("src_dev, dst_dev", DIRECTIONS)
 @pytest.mark.parametrize("name", ["swap", "multi", "relayout-heads"])
-def test_peer_copy_graph_capture_and_replay(monkeypatch, name, src_dev, dst_dev, implementation,
-                                            engine):
-    """Captured on a stream of the destination's device after one eager call (CUDA refuses to
-    enable peer access inside a capture: the eager call enables it; the capture finds it on,
-    with the process's record of enabled pairs emptied); each replay reads the mapping's new
-    values."""
+def test_peer_copy_graph_capture_and_replay(name, src_dev, dst_dev, implementation, engine):
+    """Captured on a stream of the destination's device after one eager call of the pair (CUDA
+    refuses to enable peer access inside a capture; the eager call enables it); each replay
+    reads the mapping's new values."""
     op, src, dst, pre, post = _on_gpus(name, src_dev, dst_dev)
     initial = [storage_bytes(t).clone() for t in _flat(dst)]
     m = mapping(GPU_PAIRS, torch.int32, device=f"cuda:{dst_dev}")
     op(src, dst, *pre, m, *post, max_ctas=2, engine=engine, implementation=implementation)
-    monkeypatch.setattr(copy_engine, "_PEERS", set())
     _sync(src_dev, dst_dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.device(dst_dev), torch.cuda.graph(graph):
@@ -210,6 +207,25 @@ def test_peer_copy_graph_capture_and_replay(monkeypatch, name, src_dev, dst_dev,
         _assert_bytes(dst, want_dst, "dst")
         _assert_bytes(src, want_src, "src")
 
+
+@pytest.mark.parametrize("implementation", ["triton", "cuda"])
+@pytest.mark.parametrize("src_dev, dst_dev", DIRECTIONS)
+def test_a_pairs_first_call_under_capture_is_refused(monkeypatch, src_dev, dst_dev,
+                                                     implementation):
+    """A pair's first call inside a capture raises saying to call once before (CUDA would
+    refuse to enable peer access there and invalidate the capture); nothing is written."""
+    monkeypatch.setattr(copy_engine, "_PEERS", set())
+    op, src, dst, pre, post = _on_gpus("multi", src_dev, dst_dev)
+    before = [storage_bytes(t).clone() for t in _flat(dst)]
+    m = mapping(GPU_PAIRS, torch.int32, device=f"cuda:{dst_dev}")
+    _sync(src_dev, dst_dev)
+    graph = torch.cuda.CUDAGraph()
+    refused = pytest.raises(RuntimeError, match="not enabled by an earlier call.*before capturing")
+    with refused, torch.cuda.device(dst_dev), torch.cuda.graph(graph):
+        op(src, dst, *pre, m, *post, max_ctas=2, engine="sm", implementation=implementation)
+    _sync(src_dev, dst_dev)
+    for t, b in zip(_flat(dst), before, strict=True):
+        assert torch.equal(storage_bytes(t), b)
 
 # --- streams ----------------------------------------------------------------------------------------
 

@@ -25,11 +25,10 @@ import numpy as np
 import torch
 
 from ..transfer import CopyJob, TransferPlan, select
-from . import nvrtc
 
 __all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run", "execute",
-           "copy_loop", "copy_batch", "stream_handle", "enable_peer_access", "peer_access_error",
-           "AUTO_MIN_RUN", "BATCH_DRIVER"]
+           "copy_loop", "copy_batch", "stream_handle", "enable_peer_access", "AUTO_MIN_RUN",
+           "BATCH_DRIVER"]
 
 # "auto" takes the copy engines only where every run is at least this long: shorter runs are
 # bound by the engines' per-copy cost, and an SM copy keeps up with PCIe there (SPEC §9.5).
@@ -284,36 +283,33 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     each pointer with cuPointerGetAttribute in the current context, which fails for a peer
     pointer without it); copy engines move the bytes without host staging with it. The
     transfer ops validated that ``device`` can access ``peer`` (kvwrite.transfer.call_devices).
-    Under graph capture it runs in relaxed capture mode (it enqueues nothing): access enabled
-    before is found so, but CUDA refuses to enable it during a capture (measured on two H200s:
-    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture is invalidated), so a pair's first
-    call must run outside capture; that refusal raises naming what to do."""
+
+    Never during a graph capture: CUDA refuses ``cuCtxEnablePeerAccess`` then, even in relaxed
+    capture mode and even for access already on (two H200s:
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture is invalidated). A captured call of a
+    pair this process has not enabled raises, before any driver call, saying what to do."""
     key = (device.index, peer.index)
     if key in _PEERS:
         return
+    if _capturing_on(device):
+        raise RuntimeError(
+            f"peer access from {device} to {peer} was not enabled by an earlier call, and CUDA "
+            f"refuses to enable it while a graph is captured: make one call across these GPUs "
+            f"before capturing")
     driver = _driver()
-    # The device current (so capture_relaxed sees a capture on its stream) and its context.
-    with torch.cuda.device(device.index), nvrtc.capture_relaxed():
+    with torch.cuda.device(device.index):
         _check(driver.cuCtxSetCurrent(_primary_context(device.index)), "cuCtxSetCurrent")
         err, = driver.cuCtxEnablePeerAccess(_primary_context(peer.index), 0)
-    failure = peer_access_error(err, device, peer)
-    if failure is not None:
-        raise failure
+    if err not in (driver.CUresult.CUDA_SUCCESS,
+                   driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+        raise RuntimeError(f"cuCtxEnablePeerAccess ({device} reading {peer}) failed: {err}")
     _PEERS.add(key)
 
 
-def peer_access_error(err, device: torch.device, peer: torch.device) -> RuntimeError | None:
-    """What ``cuCtxEnablePeerAccess``'s result ``err`` means for :func:`enable_peer_access`:
-    None where access is on (enabled now or before), else the error to raise."""
-    results = _driver().CUresult
-    if err in (results.CUDA_SUCCESS, results.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-        return None
-    if err == results.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
-        return RuntimeError(
-            f"peer access from {device} to {peer} is not enabled yet, and CUDA refuses to "
-            f"enable it while a graph is captured: make one call across these GPUs (or any "
-            f"copy between them) before capturing")
-    return RuntimeError(f"cuCtxEnablePeerAccess ({device} reading {peer}) failed: {err}")
+def _capturing_on(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def copy_loop(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
