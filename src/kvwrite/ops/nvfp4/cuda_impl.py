@@ -82,21 +82,22 @@ class CudaTuning(launch.PdlPolicy):
     # sets the default.
     small_elems: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_SMALL_ELEMS", 4))
-    # Mid-sized calls (more than small_call_groups groups of K, at most mid_call_groups: 4096
-    # tokens of H=8, D=128, 256 of H=128) take CTAs of `threads` threads, spread as
+    # Mid-sized calls (more than small_call_groups groups of K, at most mid_call_groups: 1024
+    # tokens of H=8, D=128, 64 of H=128) take CTAs of `threads` threads, spread as
     # nvfp4_kernel's, and, for "nvfp4" with aligned inputs and data, nvfp4_small_kernel with
-    # mid_elems elements a thread (4, 8 or 16; 0: nvfp4_kernel for those too). Not measured:
-    # nvfp4_kernel's MODE 2 (two groups of K and V, about 900 instructions a thread) was 1.25 to
-    # 1.56 times the fp8 write's time at T = 256 to 4096 (H200, hot L2) and 0.93-0.97 from T =
-    # 16384, where several CTAs an SM in turn overlap one's loads with another's arithmetic; at
-    # mid sizes it has one wave of few warps (T = 1024: 8 an SM), each waiting for all its rows
-    # and then running a long chain. With 16 elements a thread (one group of one side; sm_90,
-    # bfloat16, the benchmark's shape: 32 registers, so 64 warps an SM, and about 290
-    # instructions on the fast path where MODE 2 issues about 850 for four groups of a side) the
-    # call issues about 1.4 times the instructions over four times the warps, each chain a third
-    # as long. KVWRITE_NVFP4_MID_CALL_GROUPS and KVWRITE_NVFP4_MID_ELEMS set the defaults.
+    # mid_elems elements a thread (4, 8 or 16; 0: nvfp4_kernel for those too). nvfp4_kernel's
+    # MODE 2 (two groups of K and V, about 850 instructions a thread) has one wave of few warps
+    # at mid sizes (T = 1024: 8 an SM), each waiting for all its rows and then running a long
+    # chain; 16 elements a thread (one group of one side: 32 registers, about 290 instructions
+    # on the fast path, sm_90 bfloat16) gives four times the warps, each chain a third as long.
+    # Measured (H200, H=8 D=128 bf16 NHD, hot L2, µs; tuning-log 79): T = 256 / 1024 / 4096,
+    # 16 elements 1.59 / 2.74 / 6.35, 8 elements 1.81 / 3.04 / 9.42, MODE 2 2.02 / 3.83 / 6.08,
+    # one group of K and V a thread 1.69 / 2.99 / 5.98, the fp8 write 1.65-1.73 / 3.10 / 5.07;
+    # H=128 T=256 (2^18 groups, as H=8 T=4096): 16 elements 6.35, MODE 2 6.10. So up to 2^16
+    # groups (measured at 2^16 and below; 2^17 not measured). KVWRITE_NVFP4_MID_CALL_GROUPS and
+    # KVWRITE_NVFP4_MID_ELEMS set the defaults.
     mid_call_groups: int = dataclasses.field(
-        default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_CALL_GROUPS", 1 << 18))
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_CALL_GROUPS", 1 << 16))
     mid_elems: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_ELEMS", 16))
     # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
