@@ -218,16 +218,14 @@ def test_the_committed_run_against_itself_is_all_ones(capsys, tmp_path):
 
 
 def test_measured_params_are_not_part_of_a_points_identity(capsys, tmp_path):
-    """Transfer rows carry the run's limit and host time as params: two runs' rows of the same
+    """Transfer rows carry the run's limit, NCCL figure and host time as params: two runs' rows of the same
     point differ there and must still match."""
     def rows(limit, host):
-        return [_row(t, us, op="swap_blocks", kind="swap_blocks", limit_gbps=limit, host_us=host)
-                for t, us in ((16, 10.0), (128, 80.0))]
-
-    def _row(t, us, **kw):
-        r = globals()["_row"](t, us, op=kw.pop("op"), kind=kw.pop("kind"))
-        r.params.update(kw)
-        return r
+        out = [_row(t, us, op="swap_blocks", kind="swap_blocks") for t, us in ((16, 10.0),
+                                                                               (128, 80.0))]
+        for r in out:
+            r.params.update(limit_gbps=limit, nccl_gbps=0.9 * limit, host_us=host)
+        return out
 
     rc, doc, _ = _compare_json(capsys, tmp_path, _write(tmp_path / "old.json", rows(1993.4, 931.6)),
                                _write(tmp_path / "new.json", rows(2115.3, 1003.9)))

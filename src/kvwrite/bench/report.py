@@ -90,10 +90,12 @@ class Row:
 
 
 COMMON_FIELDS = [f.name for f in dataclasses.fields(Row) if f.name != "params"]
-# Params a benchmark measures beside the time (transfer's limit of the run, host time and overlap
-# figures): a row's values, never what was measured (not a table axis, not a point's identity).
-MEASURED_PARAMS = frozenset({"limit_gbps", "host_us", "attention_us", "attention_overlapped_us",
-                             "attention_repeat", "attention_slowdown", "transfer_overlapped_us"})
+# Params a benchmark measures beside the time (transfer's limit and NCCL figure of the run, host
+# time and overlap figures): a row's values, never what was measured (not a table axis, not a
+# point's identity).
+MEASURED_PARAMS = frozenset({"limit_gbps", "nccl_gbps", "host_us", "attention_us",
+                             "attention_overlapped_us", "attention_repeat", "attention_slowdown",
+                             "transfer_overlapped_us"})
 _FLOATS = {f.name for f in dataclasses.fields(Row) if f.type in ("float", float)}
 
 
