@@ -172,11 +172,23 @@ if triton is not None:
         return sum8(delta1 * delta1, acc, False, BT, BQ)
 
     @triton.jit
-    def scale_of(a, k, C: tl.constexpr):
+    def scale_of(a, k, C: tl.constexpr, NATIVE: tl.constexpr):
         """(S code, r, d) of groups with amax ``a`` [BT, BQ] for the denominator C: s = RN(a /
-        RN(C * k)), S = E4M3(s), d = RN(float(S) * k), r = RN(1 / d) (0 for d = 0)."""
+        RN(C * k)), S = E4M3(s), d = RN(float(S) * k), r = RN(1 / d) (0 for d = 0). NATIVE
+        (compiled for sm_89 and later, never the interpreter: triton_support.native_fp8): S by
+        Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32: nearest even, subnormals
+        rounded, +inf and past 448 saturating to 448) and float(S) by its widening (exact), the
+        bytes of :func:`e4m3` for every s >= 0 (s is never NaN for k in the contract's [2^-100,
+        2^100]: RN(C * k) is a positive normal float) in a few instructions instead of about
+        sixteen."""
         den = tl.zeros_like(a) + k * C                      # RN(C * k)
-        S, Sf = e4m3(tl.math.div_rn(a, den))
+        s = tl.math.div_rn(a, den)
+        if NATIVE:
+            s8 = s.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            S = s8.to(tl.uint8, bitcast=True).to(tl.int32)
+            Sf = s8.to(tl.float32)
+        else:
+            S, Sf = e4m3(s)
         d = Sf * k
         nz = d != 0.0
         r = tl.where(nz, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nz, d, 1.0)),
@@ -184,22 +196,29 @@ if triton is not None:
         return S, r, d
 
     @triton.jit
-    def code_step(acc, x, r):
+    def code_step(acc, x, r, NATIVE: tl.constexpr):
         """Horner's step of :func:`packed_half` for the element column ``x`` [BT, BQ]: with v =
         RN(x * r), acc * 16 + sign * 8 + (2^23 + E2M1(|v|)'s bits), mod 2^32 (uint32). The three
         lines and their minimum are :func:`e2m1`'s; the sign is bit 31 of min(v, 6) (none for
-        NaN), shifted in below acc's bits ((acc << 1) | bit: one funnel shift on the GPU)."""
+        NaN), shifted in below acc's bits: (acc << 1) | (bits >> 31), which NATIVE (compiled
+        kernels) writes as the one funnel shift it is (shf.l.wrap.b32; from the integer form
+        LLVM reassociates the steps and ptxas spends three instructions a step, not two)."""
         v = x * r
         m = tl.minimum(tl.abs(v), 6.0)
         l1 = tl.fma(m, 2.0, 8388608.0).to(tl.int32, bitcast=True)
         l2 = (m + 8388610.0).to(tl.int32, bitcast=True)
         l3 = tl.fma(m, 0.5, 8388612.0).to(tl.int32, bitcast=True)
         t = tl.minimum(tl.minimum(l1, l2), l3).to(tl.uint32, bitcast=True)
-        sgn = tl.minimum(v, 6.0).to(tl.uint32, bitcast=True) >> 31
-        return ((acc << 1) | sgn) * 8 + t
+        sgn = tl.minimum(v, 6.0).to(tl.uint32, bitcast=True)
+        if NATIVE:
+            acc = tl.inline_asm_elementwise("shf.l.wrap.b32 $0, $1, $2, 1;", "=r,r,r",
+                                            [sgn, acc], dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            acc = (acc << 1) | (sgn >> 31)
+        return (acc << 3) + t
 
     @triton.jit
-    def packed_half(x, r, BT: tl.constexpr, BQ: tl.constexpr):
+    def packed_half(x, r, BT: tl.constexpr, BQ: tl.constexpr, NATIVE: tl.constexpr):
         """The 8 codes of half a group ``x`` [BT, BQ, 8] scaled by ``r`` [BT, BQ] as one
         little-endian uint32 word [BT, BQ] (element 2j in byte j's low nibble): Horner's scheme
         over the columns from the last one down (kvw/nvfp4.cuh's nvfp4_pack_n, the same
@@ -211,34 +230,36 @@ if triton is not None:
         x0, x2, x4, x6 = quarters(e, BT, BQ)
         x1, x3, x5, x7 = quarters(o, BT, BQ)
         acc = tl.zeros(r.shape, tl.uint32)
-        acc = code_step(acc, x7, r)
-        acc = code_step(acc, x6, r)
-        acc = code_step(acc, x5, r)
-        acc = code_step(acc, x4, r)
-        acc = code_step(acc, x3, r)
-        acc = code_step(acc, x2, r)
-        acc = code_step(acc, x1, r)
-        acc = code_step(acc, x0, r)
+        acc = code_step(acc, x7, r, NATIVE)
+        acc = code_step(acc, x6, r, NATIVE)
+        acc = code_step(acc, x5, r, NATIVE)
+        acc = code_step(acc, x4, r, NATIVE)
+        acc = code_step(acc, x3, r, NATIVE)
+        acc = code_step(acc, x2, r, NATIVE)
+        acc = code_step(acc, x1, r, NATIVE)
+        acc = code_step(acc, x0, r, NATIVE)
         return acc + 0x05000000
 
     @triton.jit
     def group_rule_halves(x0, x1, k, FOUR_OVER_SIX: tl.constexpr, BT: tl.constexpr,
-                          BQ: tl.constexpr):
+                          BQ: tl.constexpr, NATIVE: tl.constexpr = False):
         """:func:`group_rule` of groups given as their halves ``x0`` (elements 0-7) and ``x1``
         (8-15), each [BT, BQ, 8] float32: (S codes [BT, BQ], code bytes 0-3 and 4-7 of each
         group, each [BT, BQ, 4]). A kernel loading a group as two such halves (each 8 contiguous
         16-bit elements: one 16-byte access) gets a whole group in one thread's registers, so
         the amax, scale and codes take no shuffles and are computed once per group. The amax is
         the NaN-skipping maximum of tl.max (max.f32 on the GPU, a NaN-skipping maximum in the
-        interpreter) of |x|, then tl.maximum with 0 (a group of NaNs alone: 0)."""
+        interpreter) of |x|, then tl.maximum with 0 (a group of NaNs alone: 0). NATIVE: compiled
+        for sm_89 and later (triton_support.native_fp8; see :func:`scale_of` and
+        :func:`code_step`), the same bytes."""
         a = tl.maximum(tl.maximum(tl.max(tl.abs(x0), axis=2), tl.max(tl.abs(x1), axis=2)), 0.0)
-        S, r, d = scale_of(a, k, 6.0)
+        S, r, d = scale_of(a, k, 6.0, NATIVE)
         if FOUR_OVER_SIX:
-            S4, r4, d4 = scale_of(a, k, 4.0)
+            S4, r4, d4 = scale_of(a, k, 4.0, NATIVE)
             use4 = half_error(x0, x1, r4, d4, BT, BQ) < half_error(x0, x1, r, d, BT, BQ)
             S = tl.where(use4, S4, S)
             r = tl.where(use4, r4, r)
-        return S, packed_half(x0, r, BT, BQ), packed_half(x1, r, BT, BQ)
+        return S, packed_half(x0, r, BT, BQ, NATIVE), packed_half(x1, r, BT, BQ, NATIVE)
 
     @triton.jit
     def widen(x, BF16_BITS: tl.constexpr):

@@ -123,6 +123,7 @@ if triton is not None:
         SCALE_IN_MEMORY: tl.constexpr,
         IN_WORDS: tl.constexpr,  # 16-bit rows loaded as int32 words (rows 4-byte aligned)
         DATA_WORDS: tl.constexpr,  # code words stored as uint32 (data 4-byte aligned)
+        NATIVE: tl.constexpr,  # compiled for sm_89 and later (triton_support.native_fp8)
         BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
     ):
@@ -152,13 +153,13 @@ if triton is not None:
         ok2 = valid[:, None] & q_in[None, :]
         ok3 = ok2[:, :, None]
 
-        sk, ck0, ck1 = group_rule_halves(xk0, xk1, k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        sk, ck0, ck1 = group_rule_halves(xk0, xk1, k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q, NATIVE)
         kd = (blk * KD_SB + pg * KD_SS)[:, None, None] + (h * KD_SH + g * 8)[None, :, None]
         _store_words(k_data_ptr + kd, ck0, ck1, ok3, DATA_WORDS)
         ks = (blk * KS_SB + pg * KS_SS)[:, None] + (h * KS_SH + g)[None, :]
         tl.store(k_sf_ptr + ks, sk.to(tl.uint8), mask=ok2)
 
-        sv, cv0, cv1 = group_rule_halves(xv0, xv1, v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q)
+        sv, cv0, cv1 = group_rule_halves(xv0, xv1, v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q, NATIVE)
         vd = (blk * VD_SB + pg * VD_SS)[:, None, None] + (h * VD_SH + g * 8)[None, :, None]
         _store_words(v_data_ptr + vd, cv0, cv1, ok3, DATA_WORDS)
         if V_SWIZZLE:
@@ -225,6 +226,7 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, G=groups,
         NUM_GROUPS=num_heads * groups, FOUR_OVER_SIX=cache_dtype is CacheDType.NVFP4_4OVER6,
         V_SWIZZLE=v_scale_layout is ScaleLayout.SWIZZLED, BF16_BITS=bf16,
-        SCALE_IN_MEMORY=in_memory, IN_WORDS=in_words, DATA_WORDS=data_words, BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl,
+        SCALE_IN_MEMORY=in_memory, IN_WORDS=in_words, DATA_WORDS=data_words,
+        NATIVE=triton_support.native_fp8(key.device), BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl,
         PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=False,
     )
