@@ -1247,7 +1247,7 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64, words=True
                   VS_SB=18432, VS_SS=64, VS_SH=8, NUM_SLOTS=1024, BLOCK_SIZE=16, G=8,
                   NUM_GROUPS=64, FOUR_OVER_SIX=fos, V_SWIZZLE=swz, BF16_BITS=in_ty == "*i16",
                   SCALE_IN_MEMORY=in_mem, IN_WORDS=words and in_ty != "*fp32",
-                  DATA_WORDS=words, NATIVE=native, BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
+                  DATA_WORDS=words, NATIVE=native, F32=in_ty == "*fp32", BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
     if in_mem:
         types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_scale_value="fp32",
                      v_scale_value="fp32")
@@ -1293,9 +1293,9 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
     and int32 slots. No fma in their PTX but E2M1's two exact-product lines (contraction off:
     the rule's steps and 4over6's error sums are rounded one by one), and the PDL build's wait
-    before its first load. The bfloat16 build with aligned tensors holds whole groups in each
-    thread (the two halves of one group of K and one of V, four 16-byte loads): the two
-    quotients per group as div.rn.f32 once per thread and group (2 x 2), no shuffle and no
+    before its first load. With aligned tensors each thread holds whole groups (one of K and one
+    of V: bfloat16 as four 16-byte loads, float32 as eight): the two quotients per group as
+    div.rn.f32 once per thread and group (2 x 2; 4over6 both candidates), no shuffle and no
     barrier (no amax across threads, no layout change through shared memory). The NATIVE build
     (sm_89 and later) takes each side's scale code by one float8 conversion and packs each
     element's code with one funnel shift (16 a side)."""
@@ -1303,7 +1303,7 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     other, two, half, div, v4, sync = out["*i16-False"]
     assert other == 0 and two == half > 0 and div == 4 and v4 == 4 and sync == 0, out
     other, two, half, div, v4, sync = out["*fp32-True"]
-    assert other == 0 and two == half > 0 and div > 0, out
+    assert other == 0 and two == half > 0 and div == 8 and v4 == 8 and sync == 0, out
     assert out["native"] == [0, 2, 32, 4], out
     assert out["pdl"] == [1, True], out
 

@@ -5,8 +5,8 @@ over the token's ``H * D/16`` groups: heads are dense in the input), for K and f
 the rows (masked by the token and group bounds only) as each group's two halves of 8 elements,
 then the slots, runs the group rule and stores 8 code bytes and one scale byte per group through
 the four byte views' strides (vLLM's page layout and FlashInfer's tensors are the same code).
-Offsets are 64-bit. A 16-bit input's half is one 16-byte access, so each thread holds whole
-groups: the amax, the scale and the codes' packing take no shuffles and no shared memory, and
+Offsets are 64-bit. A 16-bit input's half is one 16-byte access (float32's two, concatenated in
+registers), so each thread holds whole groups: the amax, the scale and the codes' packing take no shuffles and no shared memory, and
 each group's scale is computed once (a group spread over 16 or 2 threads computed it in each).
 Where the rows and the data are 4-byte aligned (``run`` checks the pointers and strides), 16-bit
 rows are loaded as int32 words (two elements a word) and the codes stored as words; else element
@@ -68,7 +68,8 @@ if triton is not None:
 
     @triton.jit
     def _load_halves(ptr, t64, q, in3, STRIDE: tl.constexpr, IN_WORDS: tl.constexpr,
-                     BF16_BITS: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
+                     BF16_BITS: tl.constexpr, F32: tl.constexpr, BT: tl.constexpr,
+                     BQ: tl.constexpr):
         """The groups ``q`` of tokens ``t64`` as their halves (elements 0-7, 8-15), each
         [BT, BQ, 8] float32 (masked-off groups read as zeros). A 16-bit input's half is 16
         contiguous bytes, one access: Triton gives each thread whole groups (group_rule_halves
@@ -80,6 +81,15 @@ if triton is not None:
                 + ((q * 8)[None, :, None] + w[None, None, :])
             x0 = widen_words(tl.load(row, mask=in3, other=0), BF16_BITS, BT, BQ)
             x1 = widen_words(tl.load(row + 4, mask=in3, other=0), BF16_BITS, BT, BQ)
+        elif F32:
+            # float32: a half is 32 bytes, two 16-byte quarters, concatenated in registers.
+            e = tl.arange(0, 4)
+            row = ptr + (t64 * STRIDE)[:, None, None] + ((q * 16)[None, :, None]
+                                                         + e[None, None, :])
+            x0 = _concat4(tl.load(row, mask=in3, other=0), tl.load(row + 4, mask=in3, other=0),
+                          BT, BQ)
+            x1 = _concat4(tl.load(row + 8, mask=in3, other=0),
+                          tl.load(row + 12, mask=in3, other=0), BT, BQ)
         else:
             e = tl.arange(0, 8)
             row = ptr + (t64 * STRIDE)[:, None, None] + ((q * 16)[None, :, None]
@@ -87,6 +97,11 @@ if triton is not None:
             x0 = widen(tl.load(row, mask=in3, other=0), BF16_BITS)
             x1 = widen(tl.load(row + 8, mask=in3, other=0), BF16_BITS)
         return x0, x1
+
+    @triton.jit
+    def _concat4(a, b, BT: tl.constexpr, BQ: tl.constexpr):
+        """[BT, BQ, 4] ``a`` then ``b`` as [BT, BQ, 8] (a's columns 0-3, b's 4-7)."""
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), (BT, BQ, 8))
 
     @triton.jit
     def _store_words(ptr, c0, c1, ok3, DATA_WORDS: tl.constexpr):
@@ -124,6 +139,7 @@ if triton is not None:
         IN_WORDS: tl.constexpr,  # 16-bit rows loaded as int32 words (rows 4-byte aligned)
         DATA_WORDS: tl.constexpr,  # code words stored as uint32 (data 4-byte aligned)
         NATIVE: tl.constexpr,  # compiled for sm_89 and later (triton_support.native_fp8)
+        F32: tl.constexpr,  # float32 input
         BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
     ):
@@ -134,9 +150,9 @@ if triton is not None:
         q_in = q < NUM_GROUPS
         t64 = t.to(tl.int64)
         in3 = t_in[:, None, None] & q_in[None, :, None]
-        xk0, xk1 = _load_halves(key_ptr, t64, q, in3, KEY_STRIDE, IN_WORDS, BF16_BITS, BLOCK_T,
-                                BLOCK_Q)
-        xv0, xv1 = _load_halves(value_ptr, t64, q, in3, VALUE_STRIDE, IN_WORDS, BF16_BITS,
+        xk0, xk1 = _load_halves(key_ptr, t64, q, in3, KEY_STRIDE, IN_WORDS, BF16_BITS, F32,
+                                BLOCK_T, BLOCK_Q)
+        xv0, xv1 = _load_halves(value_ptr, t64, q, in3, VALUE_STRIDE, IN_WORDS, BF16_BITS, F32,
                                 BLOCK_T, BLOCK_Q)
         if SCALE_IN_MEMORY:
             k = tl.load(k_scale_ptr)
@@ -227,6 +243,7 @@ def run(key: torch.Tensor, value: torch.Tensor, k_data: torch.Tensor, k_sf: torc
         NUM_GROUPS=num_heads * groups, FOUR_OVER_SIX=cache_dtype is CacheDType.NVFP4_4OVER6,
         V_SWIZZLE=v_scale_layout is ScaleLayout.SWIZZLED, BF16_BITS=bf16,
         SCALE_IN_MEMORY=in_memory, IN_WORDS=in_words, DATA_WORDS=data_words,
-        NATIVE=triton_support.native_fp8(key.device), BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl,
+        NATIVE=triton_support.native_fp8(key.device), F32=key.dtype == torch.float32,
+        BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl,
         PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=False,
     )
