@@ -4,14 +4,18 @@ transfer pages (kvwrite.kernels.triton_transfer).
 
 - :func:`group_rule`: (S codes, packed code bytes) of groups of 16 float32 elements with the
   per-tensor scale ``k`` (a scalar or a tensor broadcast against the groups' amax);
+- :func:`group_rule_halves`: the same rule on groups given as two halves of 8 elements (the
+  NVFP4 writes: a thread's whole groups), the codes packed into little-endian words;
 - :func:`e2m1`, :func:`e2m1_value`, :func:`e4m3`: the E2M1 and E4M3 codes and values;
-- :func:`widen`: input elements as float32 (bfloat16 from its bits).
+- :func:`widen`, :func:`widen_words`: input elements as float32 (bfloat16 from its bits).
 
 Each step is one IEEE float32 operation rounded to nearest even: ``tl.math.div_rn`` for the two
 quotients, and a kernel using these launches with FMA contraction off (``enable_fp_fusion=False``:
 the error sums of "nvfp4_4over6" are rounded products and sums). E4M3 and E2M1 are computed with
 integer and comparison operations, never by a float8 cast, and bfloat16 inputs are widened from
-their bits: so Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes.
+their bits: so Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes. The one
+exception in form, not in bytes: group_rule_halves's NATIVE (compiled kernels on sm_89 and later)
+takes E4M3 by the float8 conversion and packs codes with a funnel shift in inline PTX.
 ``triton`` is optional at import time, as in :mod:`kvwrite.kernels.triton_fp8`.
 """
 
