@@ -1237,7 +1237,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvwrite.ops.nvfp4 import triton_impl as nv
 
-def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64, words=True, native=False):
+def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64, words=True,
+        native=False):
     k = nv._nvfp4_kernel
     types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "k_sf_ptr": "*u8",
              "v_data_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot,
@@ -1247,7 +1248,8 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64, words=True
                   VS_SB=18432, VS_SS=64, VS_SH=8, NUM_SLOTS=1024, BLOCK_SIZE=16, G=8,
                   NUM_GROUPS=64, FOUR_OVER_SIX=fos, V_SWIZZLE=swz, BF16_BITS=in_ty == "*i16",
                   SCALE_IN_MEMORY=in_mem, IN_WORDS=words and in_ty != "*fp32",
-                  DATA_WORDS=words, NATIVE=native, F32=in_ty == "*fp32", BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
+                  DATA_WORDS=words, NATIVE=native, F32=in_ty == "*fp32", BLOCK_T=bt,
+                  BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
     if in_mem:
         types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_scale_value="fp32",
                      v_scale_value="fp32")

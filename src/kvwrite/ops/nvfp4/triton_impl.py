@@ -6,20 +6,22 @@ the rows (masked by the token and group bounds only) as each group's two halves 
 then the slots, runs the group rule and stores 8 code bytes and one scale byte per group through
 the four byte views' strides (vLLM's page layout and FlashInfer's tensors are the same code).
 Offsets are 64-bit. A 16-bit input's half is one 16-byte access (float32's two, concatenated in
-registers), so each thread holds whole groups: the amax, the scale and the codes' packing take no shuffles and no shared memory, and
-each group's scale is computed once (a group spread over 16 or 2 threads computed it in each).
-Where the rows and the data are 4-byte aligned (``run`` checks the pointers and strides), 16-bit
-rows are loaded as int32 words (two elements a word) and the codes stored as words; else element
-loads and byte stores. Strides, the slot
-count and the geometry are compile-time constants (one compiled variant per cache geometry and
-input layout); nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay
-sees new inputs, slots and scale tensors.
+registers), so each thread holds whole groups: the amax, the scale and the codes' packing take
+no shuffles and no shared memory, and each group's scale is computed once (a group spread over
+16 or 2 threads computed it in each). Where the rows and the data are 4-byte aligned (``run``
+checks the pointers and strides), 16-bit rows are loaded as int32 words (two elements a word)
+and the codes stored as words; else element loads and byte stores. Strides, the slot count and
+the geometry are compile-time constants (one compiled variant per cache geometry and input
+layout); nothing is read on the host per call, so ``run`` is CUDA-graph safe: a replay sees new
+inputs, slots and scale tensors.
 
-The group rule (docs/ops/nvfp4.md) is kvwrite.kernels.triton_nvfp4's (group_rule_halves; the
-transfer pages take its group_rule): each step one IEEE float32 operation rounded to nearest even, launched here with FMA
-contraction off (``enable_fp_fusion=False``), no float8 cast, bfloat16 widened from its bits: so
-Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes, and the CPU tests compare
-it in full.
+The group rule (docs/ops/nvfp4.md) is kvwrite.kernels.triton_nvfp4's group_rule_halves (the
+transfer pages take its group_rule): each step one IEEE float32 operation rounded to nearest
+even, launched here with FMA contraction off (``enable_fp_fusion=False``), no float8 cast,
+bfloat16 widened from its bits: so Triton's interpreter (``TRITON_INTERPRET=1``) writes the
+GPU's bytes, and the CPU tests compare it in full. Compiled for sm_89 and later (NATIVE), the
+scale codes come from Triton's float8 conversion and the packing's shift-in from a funnel shift:
+the same bytes in fewer instructions (the GPU tests compare them).
 """
 
 from __future__ import annotations
