@@ -1274,7 +1274,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvwrite.ops.nvfp4 import triton_impl as nv
 
-def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
+def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64, words=True,
+        native=False):
     k = nv._nvfp4_kernel
     types = {"key_ptr": in_ty, "value_ptr": in_ty, "k_data_ptr": "*u8", "k_sf_ptr": "*u8",
              "v_data_ptr": "*u8", "v_sf_ptr": "*u8", "slot_mapping_ptr": slot,
@@ -1283,7 +1284,9 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
                   KS_SB=18432, KS_SS=64, KS_SH=8, VD_SB=18432, VD_SS=512, VD_SH=64,
                   VS_SB=18432, VS_SS=64, VS_SH=8, NUM_SLOTS=1024, BLOCK_SIZE=16, G=8,
                   NUM_GROUPS=64, FOUR_OVER_SIX=fos, V_SWIZZLE=swz, BF16_BITS=in_ty == "*i16",
-                  SCALE_IN_MEMORY=in_mem, BLOCK_T=bt, BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
+                  SCALE_IN_MEMORY=in_mem, IN_WORDS=words and in_ty != "*fp32",
+                  DATA_WORDS=words, NATIVE=native, F32=in_ty == "*fp32", BLOCK_T=bt,
+                  BLOCK_Q=bq, PDL=pdl, PDL_TRIGGER=pdl)
     if in_mem:
         types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_scale_value="fp32",
                      v_scale_value="fp32")
@@ -1292,7 +1295,10 @@ def ptx(in_ty, fos, swz, in_mem, pdl=False, slot="*i64", bt=2, bq=64):
         types.update(k_scale_value="fp32", v_scale_value="fp32")
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
-    src = ASTSource(fn=k, signature=sig,
+    # Pointers 16-byte aligned where the words are (as Triton specializes aligned tensors).
+    attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in types.items()
+             if words and ty.startswith("*")}
+    src = ASTSource(fn=k, signature=sig, attrs=attrs,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
     opts = {"num_warps": 4, "enable_fp_fusion": False}
     if pdl:
@@ -1307,8 +1313,14 @@ for in_ty, fos in (("*i16", False), ("*fp32", True)):
     two = len(re.findall(LINE + r"0f40000000,\s*0f4B000000;", text))
     half = len(re.findall(LINE + r"0f3F000000,\s*0f4B000004;", text))
     out[f"{in_ty}-{fos}"] = [text.count("fma.") - two - half, two, half,
-                             text.count("div.rn.f32")]
-text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8)
+                             text.count("div.rn.f32"), text.count("ld.global.v4.b32"),
+                             text.count("shfl.sync") + text.count("bar.sync")]
+text = ptx("*i16", False, True, True, native=True)
+out["native"] = [text.count("fma.") - len(re.findall(LINE + r"0f40000000,\s*0f4B000000;", text))
+                 - len(re.findall(LINE + r"0f3F000000,\s*0f4B000004;", text)),
+                 text.count("cvt.rn.satfinite.e4m3x2.f32"), text.count("shf.l.wrap.b32"),
+                 text.count("div.rn.f32")]
+text = ptx("*i16", False, False, False, pdl=True, slot="*i32", bt=1, bq=8, words=False)
 first_ld = text.index("ld.global")
 out["pdl"] = [text.count("griddepcontrol.wait"), text.find("griddepcontrol.wait") < first_ld]
 print(json.dumps(out))
@@ -1319,14 +1331,19 @@ def test_triton_kernel_compiles_for_sm90_without_fma_and_waits_first_with_pdl():
     """The Triton kernel compiled for sm_90 (no GPU needed): bfloat16 bits and float32 4over6
     builds with swizzled V scales and scale tensors, and a PDL build with Python-number scales
     and int32 slots. No fma in their PTX but E2M1's two exact-product lines (contraction off:
-    the rule's steps and 4over6's error sums are rounded one by one), the two quotients per group
-    as div.rn.f32 (K and V: 2 x 64 groups; 4over6 both candidates), and the PDL build's wait
-    before its first load."""
+    the rule's steps and 4over6's error sums are rounded one by one), and the PDL build's wait
+    before its first load. With aligned tensors each thread holds whole groups (one of K and one
+    of V: bfloat16 as four 16-byte loads, float32 as eight): the two quotients per group as
+    div.rn.f32 once per thread and group (2 x 2; 4over6 both candidates), no shuffle and no
+    barrier (no amax across threads, no layout change through shared memory). The NATIVE build
+    (sm_89 and later) takes each side's scale code by one float8 conversion and packs each
+    element's code with one funnel shift (16 a side)."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    other, two, half, div = out["*i16-False"]
-    assert other == 0 and two == half > 0 and div == 64, out
-    other, two, half, div = out["*fp32-True"]
-    assert other == 0 and two == half > 0 and div == 128, out
+    other, two, half, div, v4, sync = out["*i16-False"]
+    assert other == 0 and two == half > 0 and div == 4 and v4 == 4 and sync == 0, out
+    other, two, half, div, v4, sync = out["*fp32-True"]
+    assert other == 0 and two == half > 0 and div == 8 and v4 == 8 and sync == 0, out
+    assert out["native"] == [0, 2, 32, 4], out
     assert out["pdl"] == [1, True], out
 
 

@@ -14,8 +14,8 @@ import torch
 
 from . import nvrtc
 
-__all__ = ["available", "interpreter_inexact", "inexact_cast_reason", "next_pow2", "pdl_launch",
-           "PdlTuning", "storage_view"]
+__all__ = ["available", "interpreter_inexact", "inexact_cast_reason", "native_fp8", "next_pow2",
+           "pdl_launch", "PdlTuning", "storage_view"]
 
 
 def available(device: torch.device, triton, kernel: Callable[[], object],
@@ -66,6 +66,23 @@ def inexact_cast_reason(input_dtype: torch.dtype, element_dtype: torch.dtype,
         src, dst = src.removeprefix("torch."), dst.removeprefix("torch.")
     return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds {src}->{dst} casts differently "
             "from the GPU; run on a CUDA device")
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether a Triton kernel on ``device`` is compiled for a GPU with float32 -> float8
+    conversion instructions (sm_89 and later: cvt.rn.satfinite.e4m3x2.f32): true on such CUDA
+    devices; false on older ones and on the CPU, where Triton's interpreter rounds those casts
+    differently (:func:`interpreter_inexact`). Kernels whose integer steps write the same bytes as
+    the conversion take it where this holds (fewer instructions)."""
+    if device.type != "cuda":
+        return False
+    return _native_fp8_device(device.index if device.index is not None
+                              else torch.cuda.current_device())
+
+
+@functools.cache
+def _native_fp8_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def next_pow2(n: int) -> int:
