@@ -13,9 +13,9 @@ CUDA-graph safe.
 
 Every step is exact (integer work on bits, products by powers of two, bfloat16 widened from its
 bits), so the interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes. The one exception in
-form, not in bytes: compiled mxfp8 kernels on sm_89 and later (``native_e4m3``) take the E4M3
-codes from Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32, the CUDA kernel's), about
-half the instructions of the integer steps the interpreter runs; the GPU tests compare them.
+form, not in bytes: compiled mxfp8 kernels on sm_89 and later (``triton_support.native_fp8``)
+take the E4M3 codes from Triton's float8 conversion (cvt.rn.satfinite.e4m3x2.f32, the CUDA
+kernel's), about half the instructions of the integer steps the interpreter runs; the GPU tests compare them.
 Small calls (``TritonTuning.small_call_groups``) spread a group over 4 threads.
 """
 
@@ -77,20 +77,10 @@ class TritonTuning(GroupTuning):
 
 TUNING = TritonTuning()
 
-_NATIVE: dict[torch.device, bool] = {}
-
-
 @functools.lru_cache(maxsize=64)
 def _small_tuning(tuning: TritonTuning) -> TritonTuning:
     """``tuning`` with small_bytes_per_warp as its bytes_per_warp (small calls' tiling)."""
     return dataclasses.replace(tuning, bytes_per_warp=tuning.small_bytes_per_warp)
-
-
-def _native(device: torch.device) -> bool:
-    found = _NATIVE.get(device)
-    if found is None:
-        found = _NATIVE[device] = native_e4m3(device)
-    return found
 
 
 if triton is not None:
@@ -136,7 +126,7 @@ if triton is not None:
         FP4: tl.constexpr, FLOOR: tl.constexpr, BF16_BITS: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch
-        NATIVE: tl.constexpr = False,  # E4M3 by Triton's float8 conversion (native_e4m3)
+        NATIVE: tl.constexpr = False,  # E4M3 by Triton's float8 conversion (native_fp8)
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -162,12 +152,6 @@ if triton is not None:
         _store_group(v_data_ptr, v_sf_ptr, widen(xv, BF16_BITS), blk, pg, h, g, ok2,
                      VD_SB, VD_SS, VD_SH, VD_SE, VS_SB, VS_SH, VS_128, VS_32, VS_4, VS_G,
                      FP4, FLOOR, BLOCK_T, BLOCK_Q, NATIVE)
-
-
-def native_e4m3(device: torch.device) -> bool:
-    """The kernel's NATIVE: compiled kernels on sm_89 and later (cvt.rn.satfinite.e4m3x2.f32),
-    not Triton's interpreter (CPU tensors) nor older GPUs."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -207,6 +191,6 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, G=groups,
         NUM_GROUPS=num_heads * groups, FP4=is_fp4(mode), FLOOR=is_floor(scale_rule),
         BF16_BITS=bf16, BLOCK_T=block_t, BLOCK_Q=block_q, PDL=pdl, PDL_TRIGGER=trigger,
-        NATIVE=not is_fp4(mode) and _native(key.device), num_warps=warps, launch_pdl=pdl,
+        NATIVE=not is_fp4(mode) and triton_support.native_fp8(key.device), num_warps=warps, launch_pdl=pdl,
         enable_fp_fusion=False,
     )
