@@ -119,8 +119,9 @@ def _point_tables(defn, meta: dict, rows: Sequence[Row]) -> str:
         groups.setdefault(tuple(str(r.params.get(k)) for k in defn.report_split), []).append(r)
     for group in groups.values():
         shown = [k for k in labels if len({str(r.params.get(k)) for r in group}) > 1]
+        # The group's constant params, a measured one too (the run's limit of its direction).
         fixed = {k: v for k, v in group[0].params.items()
-                 if k not in MEASURED_PARAMS and k not in shown and v not in ("", None, False)
+                 if k not in shown and v not in ("", None, False)
                  and all(str(r.params.get(k)) == str(v) for r in group)}
         cols = defn.report_columns(group)
         lines: dict[tuple, dict] = {}
