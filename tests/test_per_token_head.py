@@ -184,6 +184,69 @@ def test_triton_matches_oracle_on_cpu(case):
     assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
 
 
+def _int4_top_clamped(x: np.ndarray) -> bool:
+    """Whether an int4 row's largest value's code rhu(RN(mx / s)) + zp passes 15 (the top clamp
+    decides it: both quotients on a half)."""
+    mn, mx = float(x.min()), float(x.max())
+    s = _fmax(_div(float(np.float32(mx) - np.float32(mn)), 15.0), float(_FLOOR))
+    return _round_half_up(_div(mx, s)) + _round_half_up(_div(-mn, s)) > 15
+
+
+def _int4_fast_rows(d: int, dtype: torch.dtype) -> tuple[list, list]:
+    """special_rows' rows of the int4 fast path (finite values, mn <= 0 <= mx, a finite range):
+    those whose codes all stay below 16 unclamped, and those that need the top clamp."""
+    fast, top = [], []
+    for r in special_rows(d, dtype):
+        x = r.numpy().astype(np.float32)
+        with np.errstate(all="ignore"):
+            rng = np.float32(x.max()) - np.float32(x.min())
+        if np.isfinite(x).all() and x.min() <= 0 <= x.max() and np.isfinite(rng):
+            (top if _int4_top_clamped(x) else fast).append(r)
+    return fast, top
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d, num_heads, num_tokens, small_grid", [
+    (16, 4, 37, 128), (24, 3, 21, 128), (128, 8, 9, 0)])
+@pytest.mark.parametrize("with_top", [False, True])
+def test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu(dtype, d, num_heads,
+                                                                    num_tokens, small_grid,
+                                                                    with_top):
+    """The Triton kernel's int4 fast path, which a program takes only when every row of its
+    tiles is finite, holds zero in its range and needs no top clamp: calls made of special_rows'
+    rows of that kind only (ties of the codes and of the zero point, values beside them, tiny
+    and subnormal ones, the dtype's extremes), so that whole tiles take it, byte for byte
+    against the reference (itself checked against the oracle on those rows); ``with_top``: one
+    token's rows need the top clamp (their tile goes the rule's way). Head sizes of a power of
+    two and not (padding), the small-grid tiling and the large one (small_grid=0: the
+    benchmark's 2 x 8 x 128 tiles), a partial last tile."""
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    info = registry.get(OP, "triton")
+    if (reason := info.available("cpu")) is not None:
+        pytest.skip(reason)
+    fast, top = _int4_fast_rows(d, dtype)
+    assert len(fast) >= 8 and (top or not with_top)
+    case = PthCase(kv_quant_mode=INT4, dtype=dtype, head_size=d, num_heads=num_heads,
+                   num_tokens=num_tokens, num_blocks=-(-num_tokens // 16) + 2)
+    inp = make_pth_inputs(case)
+    for t in range(num_tokens):
+        for h in range(num_heads):
+            i = t * num_heads + h
+            inp.key[t, h] = fast[i % len(fast)].to(dtype)
+            inp.value[t, h] = fast[(i * 7 + 3) % len(fast)].to(dtype)
+    if with_top:
+        t = num_tokens // 2
+        for h in range(num_heads):
+            inp.key[t, h] = top[h % len(top)].to(dtype)
+    want = clone_pth_caches(inp.caches)
+    kvwrite.reshape_and_cache_flash_per_token_head_quant(
+        inp.key, inp.value, *want, inp.slot_mapping, INT4, implementation="torch")
+    triton_impl.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode,
+                    tuning=triton_impl.TritonTuning(small_grid=small_grid))
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case))
+
+
 def test_oracle_writes_the_documented_bytes():
     """Hand-checked rows: int8 ties away from zero, int4 nibble order and the zero point in the
     scale's low bits, fp8 codes, the floor."""
