@@ -255,9 +255,9 @@ if triton is not None:
         finite values, a range that holds zero (mn <= 0 <= mx) and no code past 15, or does not
         exist (``rows``). The caller takes _int4_general for the whole tile unless every row is
         (the rows of real data all are). On those rows (kernel.cu's "The fast path"): s is
-        finite and normal, m = 2^(128 - its exponent field) a normal power of two (the CUDA
-        kernel's fast_rcp), so yf = RN(1 / s) = m RN(1 / (s m)) exactly and the quotient RN(x /
-        s) takes one product and STEPS corrections by it (_fast_quotient); zp = rhu(RN(-mn / s))
+        finite and normal (1e-6 <= s <= 2^125), and so is yf = RN(1 / s) (the CUDA kernel's
+        fast_rcp, here a division), and the quotient RN(x / s) takes one product and STEPS
+        corrections by it (_fast_quotient); zp = rhu(RN(-mn / s))
         <= 15 needs no clamp, rhu(q) + zp >= 0 none either, and the top clamp is left out when
         the largest value's code is at most 15 (the codes are monotone in x: the row's test).
         rhu(q) + zp as the float C + zp + rhu(q), C = 1.5 * 2^23 (_plus_rhu): its bits are
@@ -277,8 +277,7 @@ if triton is not None:
         for _ in tl.static_range(2):
             s = tl.fma(tl.fma(-3.75, s, am), _Y15, s)
         s = tl.maximum(s, 1e-6)
-        m = ((255 - (s.to(tl.int32, bitcast=True) >> 23)) << 23).to(tl.float32, bitcast=True)
-        yf = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * m) * m
+        yf = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # normal: s <= 2^125
         czp = _plus_rhu(_fast_quotient(-lo, s, yf, STEPS), 12582912.0)  # C + zp
         top = _plus_rhu(_fast_quotient(hi, s, yf, STEPS), czp)  # C + the largest value's code
         fast = (lo <= 0.0) & (hi >= 0.0) & (hi - lo < float("inf")) & (top <= 12582927.0)
