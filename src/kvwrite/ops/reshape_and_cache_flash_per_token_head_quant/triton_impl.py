@@ -385,8 +385,16 @@ if triton is not None:
         # The slots after the rows, which do not depend on them.
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
         valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)
-        blk = slot // BLOCK_SIZE
-        pg = slot - blk * BLOCK_SIZE
+        if NUM_SLOTS.dtype == tl.int32:
+            # Every valid slot is below 2^31 (the others are never stored to: their addresses
+            # do not matter): the block and the page in 32 bits, widened by the products.
+            s32 = slot.to(tl.int32)
+            blk = (s32.to(tl.uint32, bitcast=True) // BLOCK_SIZE).to(tl.int32, bitcast=True)
+            pg = (s32 - blk * BLOCK_SIZE).to(tl.int64)
+            blk = blk.to(tl.int64)
+        else:
+            blk = slot // BLOCK_SIZE
+            pg = slot - blk * BLOCK_SIZE
         write = valid[:, None] & (h < H)[None, :]
         if MODE == 2:
             # The fast path for both tiles, the rule step by step for both (_quantize) unless
