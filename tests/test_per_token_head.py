@@ -1660,6 +1660,16 @@ def test_triton_call_tiling_spreads_small_grids():
     assert triton_impl.call_tiling(1, 8, 128, 128, none) == large
 
 
+def test_triton_int4_elems_per_warp_sets_int4_large_tiles_only():
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    tuning = triton_impl.TritonTuning(int4_elems_per_warp=2048)
+    assert triton_impl.call_tiling(4096, 8, 128, 128, tuning, True) == (2, 8, 2)  # 64 a thread
+    assert triton_impl.call_tiling(4096, 8, 128, 128, tuning) == (2, 8, 4)
+    assert triton_impl.call_tiling(16, 8, 128, 128, tuning, True) == (1, 8, 8)
+    none = triton_impl.TritonTuning(int4_elems_per_warp=None)
+    assert triton_impl.call_tiling(4096, 8, 128, 128, none, True) == (2, 8, 4)
+
+
 def test_triton_tiling_is_powers_of_two_within_the_tile():
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     for h, dk, dv in ((8, 128, 128), (1, 64, 64), (32, 256, 256), (5, 13, 7), (4, 16, 48),

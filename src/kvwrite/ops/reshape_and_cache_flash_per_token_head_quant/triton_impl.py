@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -79,6 +80,16 @@ class TritonTuning(PdlTuning):
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
+    # int4's large tiles' elements per warp (None: elems_per_warp). Each thread of a row
+    # computes the row's scale, zero point and test, and the program its addresses, so the
+    # instructions per element fall with more elements per thread (static sm_90 path of the
+    # rows of real data, packed H=8 D=128 bf16: 875 SASS instructions a thread at 32 elements,
+    # 1551 at 64 with 2 warps a program), but the registers rise (95 -> 168) and the warps per
+    # SM fall. Not measured yet: KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP=2048 sets it (an A/B).
+    int4_elems_per_warp: int | None = dataclasses.field(
+        default_factory=lambda: (int(os.environ["KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP"])
+                                 if os.environ.get("KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP")
+                                 else None))
 
 
 TUNING = TritonTuning()
@@ -91,14 +102,17 @@ def _floor_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
-           small: bool = False) -> tuple[int, int, int]:
+           small: bool = False, int4: bool = False) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, num_warps): whole rows, as many heads (at most H rounded up) and then
     tokens as fit the tile (powers of two). BLOCK_T does not follow T, so that one compiled
     variant serves every call size of a tiling (a short call masks the tile's other tokens);
-    ``small``: the small-grid tiling (:func:`call_tiling` says when)."""
+    ``small``: the small-grid tiling (:func:`call_tiling` says when); ``int4``: the int4 mode's
+    (``tuning.int4_elems_per_warp``)."""
     row = next_pow2(dk) + next_pow2(dv)
     tile, per_warp = ((tuning.tile_elems_small_grid, tuning.elems_per_warp_small_grid) if small
                       else (tuning.tile_elems, tuning.elems_per_warp))
+    if int4 and not small and tuning.int4_elems_per_warp:
+        per_warp = tuning.int4_elems_per_warp
     block_h = min(next_pow2(num_heads), _floor_pow2(tile // row))
     block_t = _floor_pow2(tile // (block_h * row))
     warps = min(tuning.max_warps, max(1, block_t * block_h * row // per_warp))
@@ -106,10 +120,10 @@ def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
 
 
 def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
-                tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
+                tuning: TritonTuning = TUNING, int4: bool = False) -> tuple[int, int, int]:
     """The tiling of a call: the small-grid one where the large one would launch fewer than
     ``tuning.small_grid`` programs."""
-    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning)
+    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning, False, int4)
     if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
         return tiling(num_heads, dk, dv, tuning, True)
     return block_t, block_h, warps
@@ -424,7 +438,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         return
     h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
     nb, bs = key_cache.shape[:2]
-    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning)
+    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning,
+                                          mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(h, block_h))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
