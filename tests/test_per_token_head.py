@@ -205,10 +205,39 @@ def _int4_fast_rows(d: int, dtype: torch.dtype) -> tuple[list, list]:
     return fast, top
 
 
+_FAST_TILES = pytest.mark.parametrize("d, num_heads, num_tokens, small_grid", [
+    (16, 4, 37, 128), (24, 3, 21, 128), (128, 8, 9, 0)])
+
+
+def _int4_fast_tiles(device: str, dtype, d, num_heads, num_tokens, small_grid, with_top):
+    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
+    info = registry.get(OP, "triton")
+    if (reason := info.available(device)) is not None:
+        pytest.skip(reason)
+    fast, top = _int4_fast_rows(d, dtype)
+    assert len(fast) >= 8 and (top or not with_top)
+    case = PthCase(kv_quant_mode=INT4, dtype=dtype, head_size=d, num_heads=num_heads,
+                   num_tokens=num_tokens, num_blocks=-(-num_tokens // 16) + 2)
+    inp = make_pth_inputs(case, device)
+    for t in range(num_tokens):
+        for h in range(num_heads):
+            i = t * num_heads + h
+            inp.key[t, h] = fast[i % len(fast)].to(dtype)
+            inp.value[t, h] = fast[(i * 7 + 3) % len(fast)].to(dtype)
+    if with_top:
+        t = num_tokens // 2
+        for h in range(num_heads):
+            inp.key[t, h] = top[h % len(top)].to(dtype)
+    want = clone_pth_caches(inp.caches)
+    torch_ref.run(inp.key, inp.value, *want, inp.slot_mapping, case.mode)
+    triton_impl.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode,
+                    tuning=triton_impl.TritonTuning(small_grid=small_grid))
+    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("d, num_heads, num_tokens, small_grid", [
-    (16, 4, 37, 128), (24, 3, 21, 128), (128, 8, 9, 0)])
+@_FAST_TILES
 @pytest.mark.parametrize("with_top", [False, True])
 def test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu(dtype, d, num_heads,
                                                                     num_tokens, small_grid,
@@ -221,30 +250,19 @@ def test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu(dtype, d, nu
     token's rows need the top clamp (their tile goes the rule's way). Head sizes of a power of
     two and not (padding), the small-grid tiling and the large one (small_grid=0: the
     benchmark's 2 x 8 x 128 tiles), a partial last tile."""
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
-    info = registry.get(OP, "triton")
-    if (reason := info.available("cpu")) is not None:
-        pytest.skip(reason)
-    fast, top = _int4_fast_rows(d, dtype)
-    assert len(fast) >= 8 and (top or not with_top)
-    case = PthCase(kv_quant_mode=INT4, dtype=dtype, head_size=d, num_heads=num_heads,
-                   num_tokens=num_tokens, num_blocks=-(-num_tokens // 16) + 2)
-    inp = make_pth_inputs(case)
-    for t in range(num_tokens):
-        for h in range(num_heads):
-            i = t * num_heads + h
-            inp.key[t, h] = fast[i % len(fast)].to(dtype)
-            inp.value[t, h] = fast[(i * 7 + 3) % len(fast)].to(dtype)
-    if with_top:
-        t = num_tokens // 2
-        for h in range(num_heads):
-            inp.key[t, h] = top[h % len(top)].to(dtype)
-    want = clone_pth_caches(inp.caches)
-    kvwrite.reshape_and_cache_flash_per_token_head_quant(
-        inp.key, inp.value, *want, inp.slot_mapping, INT4, implementation="torch")
-    triton_impl.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode,
-                    tuning=triton_impl.TritonTuning(small_grid=small_grid))
-    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case))
+    _int4_fast_tiles("cpu", dtype, d, num_heads, num_tokens, small_grid, with_top)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@_FAST_TILES
+@pytest.mark.parametrize("with_top", [False, True])
+def test_gpu_triton_int4_tiles_of_fast_path_rows_match_reference(dtype, d, num_heads,
+                                                                 num_tokens, small_grid,
+                                                                 with_top):
+    """As test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu, compiled for the
+    GPU (its fused multiply-adds, divisions and branch)."""
+    _int4_fast_tiles("cuda", dtype, d, num_heads, num_tokens, small_grid, with_top)
 
 
 def test_oracle_writes_the_documented_bytes():
