@@ -184,87 +184,6 @@ def test_triton_matches_oracle_on_cpu(case):
     assert_pth_caches_equal(inp.caches, expected_caches(case), case.mode, _dq(case))
 
 
-def _int4_top_clamped(x: np.ndarray) -> bool:
-    """Whether an int4 row's largest value's code rhu(RN(mx / s)) + zp passes 15 (the top clamp
-    decides it: both quotients on a half)."""
-    mn, mx = float(x.min()), float(x.max())
-    s = _fmax(_div(float(np.float32(mx) - np.float32(mn)), 15.0), float(_FLOOR))
-    return _round_half_up(_div(mx, s)) + _round_half_up(_div(-mn, s)) > 15
-
-
-def _int4_fast_rows(d: int, dtype: torch.dtype) -> tuple[list, list]:
-    """special_rows' rows of the int4 fast path (finite values, mn <= 0 <= mx, a finite range):
-    those whose codes all stay below 16 unclamped, and those that need the top clamp."""
-    fast, top = [], []
-    for r in special_rows(d, dtype):
-        x = r.numpy().astype(np.float32)
-        with np.errstate(all="ignore"):
-            rng = np.float32(x.max()) - np.float32(x.min())
-        if np.isfinite(x).all() and x.min() <= 0 <= x.max() and np.isfinite(rng):
-            (top if _int4_top_clamped(x) else fast).append(r)
-    return fast, top
-
-
-_FAST_TILES = pytest.mark.parametrize("d, num_heads, num_tokens, small_grid", [
-    (16, 4, 37, 128), (24, 3, 21, 128), (128, 8, 9, 0)])
-
-
-def _int4_fast_tiles(device: str, dtype, d, num_heads, num_tokens, small_grid, with_top):
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
-    info = registry.get(OP, "triton")
-    if (reason := info.available(device)) is not None:
-        pytest.skip(reason)
-    fast, top = _int4_fast_rows(d, dtype)
-    assert len(fast) >= 8 and (top or not with_top)
-    case = PthCase(kv_quant_mode=INT4, dtype=dtype, head_size=d, num_heads=num_heads,
-                   num_tokens=num_tokens, num_blocks=-(-num_tokens // 16) + 2)
-    inp = make_pth_inputs(case, device)
-    for t in range(num_tokens):
-        for h in range(num_heads):
-            i = t * num_heads + h
-            inp.key[t, h] = fast[i % len(fast)].to(dtype)
-            inp.value[t, h] = fast[(i * 7 + 3) % len(fast)].to(dtype)
-    if with_top:
-        t = num_tokens // 2
-        for h in range(num_heads):
-            inp.key[t, h] = top[h % len(top)].to(dtype)
-    want = clone_pth_caches(inp.caches)
-    torch_ref.run(inp.key, inp.value, *want, inp.slot_mapping, case.mode)
-    triton_impl.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode,
-                    tuning=triton_impl.TritonTuning(small_grid=small_grid))
-    assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case))
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@_FAST_TILES
-@pytest.mark.parametrize("with_top", [False, True])
-def test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu(dtype, d, num_heads,
-                                                                    num_tokens, small_grid,
-                                                                    with_top):
-    """The Triton kernel's int4 fast path, which a program takes only when every row of its
-    tiles is finite, holds zero in its range and needs no top clamp: calls made of special_rows'
-    rows of that kind only (ties of the codes and of the zero point, values beside them, tiny
-    and subnormal ones, the dtype's extremes), so that whole tiles take it, byte for byte
-    against the reference (itself checked against the oracle on those rows); ``with_top``: one
-    token's rows need the top clamp (their tile goes the rule's way). Head sizes of a power of
-    two and not (padding), the small-grid tiling and the large one (small_grid=0: the
-    benchmark's 2 x 8 x 128 tiles), a partial last tile."""
-    _int4_fast_tiles("cpu", dtype, d, num_heads, num_tokens, small_grid, with_top)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@_FAST_TILES
-@pytest.mark.parametrize("with_top", [False, True])
-def test_gpu_triton_int4_tiles_of_fast_path_rows_match_reference(dtype, d, num_heads,
-                                                                 num_tokens, small_grid,
-                                                                 with_top):
-    """As test_triton_int4_tiles_of_fast_path_rows_match_reference_on_cpu, compiled for the
-    GPU (its fused multiply-adds, divisions and branch)."""
-    _int4_fast_tiles("cuda", dtype, d, num_heads, num_tokens, small_grid, with_top)
-
-
 def test_oracle_writes_the_documented_bytes():
     """Hand-checked rows: int8 ties away from zero, int4 nibble order and the zero point in the
     scale's low bits, fp8 codes, the floor."""
@@ -1595,76 +1514,6 @@ def test_triton_kernel_compiles_for_sm90_with_wide_code_stores():
     assert out["0-1-False"][0] > 0, out
 
 
-_TRITON_PATH_SCRIPT = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl as ti
-
-def ptx(mode):
-    # The benchmark's call (H=8, D=128, bfloat16 NHD, vLLM's packed int4 or int8 caches, the
-    # large tiling) as the launcher specializes it: the arguments that are multiples of 16 marked
-    # so (the V rows and the V scales start 4 bytes into a 16-byte unit: not theirs).
-    k = ti._pth_kernel
-    bt, bh, warps = ti.tiling(8, 128, 128)
-    types = {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8",
-             "ks_ptr": "*fp32", "vs_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
-    for n in ("num_tokens", "K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "KC_B", "KC_S", "KC_H", "VC_B",
-              "VC_S", "VC_H", "KS_B", "KS_S", "KS_H", "VS_B", "VS_S", "VS_H", "NUM_SLOTS", "H"):
-        types[n] = "i32"
-    consts = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, BLOCK_T=bt, BLOCK_H=bh, MODE=mode,
-                  PDL=False, PDL_TRIGGER=False, BLOCK_SIZE=16, ALIGN=4)
-    div16 = ("key_ptr", "value_ptr", "kc_ptr", "ks_ptr", "slot_mapping_ptr", "K_TOK", "K_HEAD",
-             "V_TOK", "V_HEAD", "KC_B", "KC_S", "VC_B", "VC_S", "KS_B", "KS_S", "VS_B", "VS_S",
-             "NUM_SLOTS")
-    sig = {n: ("constexpr" if n in consts else types[n]) for n in k.arg_names}
-    src = ASTSource(fn=k, signature=sig,
-                    constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
-                    attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps}).asm["ptx"]
-
-print(json.dumps({"int4": ptx(2), "int8": ptx(0)}))
-"""
-
-
-def _ptx_path_length(ptx: str, skip: int = 200) -> int:
-    """PTX instructions a thread executes from the kernel's entry to its return, every forward
-    branch over more than ``skip`` instructions taken (the int4 kernel's general path: the rows
-    of real data skip it) and every other conditional branch not."""
-    body = ptx[ptx.index("{", ptx.index(".entry")) + 1:]
-    ins, labels = [], {}
-    for line in (x.strip() for x in body.splitlines()):
-        if not line or line.startswith(("//", ".", "{", "}")):
-            continue
-        if m := re.match(r"^(\$\w+):", line):
-            labels[m.group(1)] = len(ins)
-        else:
-            ins.append(line)
-    i = n = 0
-    while i < len(ins) and not ins[i].startswith("ret"):
-        n += 1
-        m = re.match(r"^(@%p\d+ )?bra(?:\.uni)?\s+(\$\w+);", ins[i])
-        if m and (not m.group(1) or labels[m.group(2)] - i > skip):
-            i = labels[m.group(2)]
-        else:
-            i += 1
-    return n + 1
-
-
-def test_triton_int4_rows_of_real_data_take_a_short_path():
-    """The Triton kernel compiled for sm_90 as the benchmark's call (no GPU needed): on the path
-    of rows of real data (the int4 fast path; its general path skipped) a thread of the int4
-    kernel executes fewer PTX instructions than one of the int8 kernel (the time of large calls
-    goes with them on the H200); 1268 and 946 before the int4 fast path, 832 and 934 with it
-    and the 32-bit slot arithmetic."""
-    out = run_triton_script(_TRITON_PATH_SCRIPT, {"TRITON_DEFAULT_FP_FUSION": "1"})
-    int4, int8 = _ptx_path_length(out["int4"]), _ptx_path_length(out["int8"])
-    assert "max.NaN.f32" in out["int4"] and "div.rn.f32" in out["int4"], "no fast path"
-    assert int4 <= 880 and int4 < 0.92 * int8, (int4, int8)
-
-
 def test_triton_call_tiling_spreads_small_grids():
     """Calls of few programs take the small-grid tiling: fewer elements per thread (8 at H=8,
     D=128), one token per program."""
@@ -1676,16 +1525,6 @@ def test_triton_call_tiling_spreads_small_grids():
     assert triton_impl.call_tiling(4096, 8, 128, 128) == large
     none = triton_impl.TritonTuning(small_grid=0)
     assert triton_impl.call_tiling(1, 8, 128, 128, none) == large
-
-
-def test_triton_int4_elems_per_warp_sets_int4_large_tiles_only():
-    from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
-    tuning = triton_impl.TritonTuning(int4_elems_per_warp=2048)
-    assert triton_impl.call_tiling(4096, 8, 128, 128, tuning, True) == (2, 8, 2)  # 64 a thread
-    assert triton_impl.call_tiling(4096, 8, 128, 128, tuning) == (2, 8, 4)
-    assert triton_impl.call_tiling(16, 8, 128, 128, tuning, True) == (1, 8, 8)
-    none = triton_impl.TritonTuning(int4_elems_per_warp=None)
-    assert triton_impl.call_tiling(4096, 8, 128, 128, none, True) == (2, 8, 4)
 
 
 def test_triton_tiling_is_powers_of_two_within_the_tile():

@@ -11,10 +11,6 @@ per element (``kvwrite.kernels.triton_fp8.fp8_quotient``: a product and one or t
 corrections). The integer roundings are exact and need no conversion instruction: round half to
 even by the 1.5 * 2^23 sum, corrected on the ties (``q - n`` is exact), and the codes' bits from
 a second exact sum; int4 codes are paired with ``tl.split`` (even element in the low nibble).
-int4 takes the CUDA kernel's fast path (NaN-propagating reductions, RN(x / s) from RN(1 / s),
-rhu(q) + zp in three additions and a maximum, no clamps) for a program's key and value tiles
-unless one of their rows is not of its kind (a NaN or an infinity, a range without zero, a code
-past 15: one uniform branch), and the rule step by step for both tiles otherwise.
 Codes are stored as bytes through a uint8 view of each data cache, in accesses as wide as the
 rows' alignment allows (``ALIGN``, a hint Triton cannot derive from the 4-byte-aligned V rows of
 vLLM's packed layout), scales as float32. Strides are run-time arguments; head sizes, the block
@@ -31,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
@@ -80,16 +75,6 @@ class TritonTuning(PdlTuning):
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
-    # int4's large tiles' elements per warp (None: elems_per_warp). Each thread of a row
-    # computes the row's scale, zero point and test, and the program its addresses, so the
-    # instructions per element fall with more elements per thread (static sm_90 path of the
-    # rows of real data, packed H=8 D=128 bf16: 875 SASS instructions a thread at 32 elements,
-    # 1551 at 64 with 2 warps a program), but the registers rise (95 -> 168) and the warps per
-    # SM fall. Not measured yet: KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP=2048 sets it (an A/B).
-    int4_elems_per_warp: int | None = dataclasses.field(
-        default_factory=lambda: (int(os.environ["KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP"])
-                                 if os.environ.get("KVWRITE_PTH_TRITON_INT4_ELEMS_PER_WARP")
-                                 else None))
 
 
 TUNING = TritonTuning()
@@ -102,17 +87,14 @@ def _floor_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
-           small: bool = False, int4: bool = False) -> tuple[int, int, int]:
+           small: bool = False) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, num_warps): whole rows, as many heads (at most H rounded up) and then
     tokens as fit the tile (powers of two). BLOCK_T does not follow T, so that one compiled
     variant serves every call size of a tiling (a short call masks the tile's other tokens);
-    ``small``: the small-grid tiling (:func:`call_tiling` says when); ``int4``: the int4 mode's
-    (``tuning.int4_elems_per_warp``)."""
+    ``small``: the small-grid tiling (:func:`call_tiling` says when)."""
     row = next_pow2(dk) + next_pow2(dv)
     tile, per_warp = ((tuning.tile_elems_small_grid, tuning.elems_per_warp_small_grid) if small
                       else (tuning.tile_elems, tuning.elems_per_warp))
-    if int4 and not small and tuning.int4_elems_per_warp:
-        per_warp = tuning.int4_elems_per_warp
     block_h = min(next_pow2(num_heads), _floor_pow2(tile // row))
     block_t = _floor_pow2(tile // (block_h * row))
     warps = min(tuning.max_warps, max(1, block_t * block_h * row // per_warp))
@@ -120,10 +102,10 @@ def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
 
 
 def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
-                tuning: TritonTuning = TUNING, int4: bool = False) -> tuple[int, int, int]:
+                tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
     """The tiling of a call: the small-grid one where the large one would launch fewer than
     ``tuning.small_grid`` programs."""
-    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning, False, int4)
+    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning)
     if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
         return tiling(num_heads, dk, dv, tuning, True)
     return block_t, block_h, warps
@@ -198,123 +180,41 @@ if triton is not None:
         return v.to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _nan_min(a, b):
-        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit
-    def _nan_max(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit
-    def _fast_quotient(x, s, yf, STEPS: tl.constexpr):
-        """RN(x / s) for the int4 fast path's rows (yf = RN(1 / s)): the CUDA kernel's
-        fast_quotient, one product and STEPS corrections, the same codes as the scaled quotient
-        there (kernel.cu's "The fast path")."""
-        q = x * yf
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s, q, x), yf, q)
-        return q
-
-    @triton.jit
-    def _plus_rhu(q, a):
-        """a + rhu(q), exactly, for an integer a in [1.5 * 2^23, 1.5 * 2^23 + 16] and |q| <= 16:
-        both sums below lie in [2^23, 2^24) (step 1), so each rounds q to an integer, ties to
-        even: X = RN(q + a) and Y = RN(q + (a - 1)) are a + rhu(q) and a - 1 + rhu(q) off the
-        ties, and on a tie (q = k + 1/2) they take opposite directions (a + k and a - 1 + k
-        differ in parity), so max(X, Y + 1) = a + k + 1."""
-        return tl.maximum(q + a, (q + (a - 1.0)) + 1.0)
-
-    @triton.jit
-    def _int4_pack(c, BLOCK_D: tl.constexpr):
-        """Codes ``[BT, BH, BLOCK_D]`` (each in the low 4 bits of its int32, anything above)
-        paired into bytes (the even element in the low nibble): the low byte of lo + 16 hi,
-        when the bits above the nibbles are 0 mod 2^8 after the sum (both paths' are)."""
-        BT: tl.constexpr = c.shape[0]
-        BH: tl.constexpr = c.shape[1]
-        lo, hi = tl.split(tl.reshape(c, [BT, BH, BLOCK_D // 2, 2]))
-        return lo + (hi << 4)
-
-    @triton.jit
-    def _int4_general(xf, ok, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """(codes, entries) of int4 rows by the rule step by step (any row: NaN, infinities,
-        rows of one sign): the NaN-ignoring min and max (minnum/maxnum; the interpreter's
-        nanmin/nanmax: a row of NaN only gives NaN), the padding past the head size left out;
-        the scale's division by 15 as RN(mx - mn) / (3.75 * 2^2) with two steps (a float32
-        dividend), the quotients scaled and clamped (_signed_quotient), rhu, the zero point and
-        both clamps."""
-        if BLOCK_D == D:
-            mn = tl.min(xf, axis=2)
-            mx = tl.max(xf, axis=2)
-        else:
-            mn = tl.min(tl.where(ok, xf, float("inf")), axis=2)
-            mx = tl.max(tl.where(ok, xf, -float("inf")), axis=2)
-        none = ~(mn <= mx)  # no value (or none but NaN)
-        mn = tl.where(none, 0.0, mn)
-        mx = tl.where(none, 0.0, mx)
-        s = _fmax_floor(_div_const(mx - mn, 0.25, 3.75, _Y15, 2))
-        m, s2, y = fp8_scale(s)
-        zp = rhu(_nan0(_signed_quotient(-mn, m, s2, y, STEPS)))
-        zp = tl.minimum(tl.maximum(zp, 0.0), 15.0)
-        q = _signed_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], STEPS)
-        c = tl.minimum(tl.maximum(rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0)
-        codes = _int4_pack(_bits_low(c + 8388608.0) & 15, BLOCK_D)  # 2^23 + c: c in the low bits
-        zbits = _bits_low(zp + 8388608.0) & 15
-        entry = ((s.to(tl.int32, bitcast=True) & -16) | zbits).to(tl.float32, bitcast=True)
-        return codes, entry
-
-    @triton.jit
-    def _int4_fast(xf, ok, rows, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """(codes, entries, fast) of int4 rows ``[BT, BH, BLOCK_D]`` by the CUDA kernel's fast
-        path; ``fast`` ``[BT, BH]``: whether a row's codes and entry are right, i.e. it has
-        finite values, a range that holds zero (mn <= 0 <= mx) and no code past 15, or does not
-        exist (``rows``). The caller takes _int4_general for the whole tile unless every row is
-        (the rows of real data all are). On those rows (kernel.cu's "The fast path"): s is
-        finite and normal (1e-6 <= s <= 2^125), and so is yf = RN(1 / s) (the CUDA kernel's
-        fast_rcp, here a division), and the quotient RN(x / s) takes one product and STEPS
-        corrections by it (_fast_quotient); zp = rhu(RN(-mn / s))
-        <= 15 needs no clamp, rhu(q) + zp >= 0 none either, and the top clamp is left out when
-        the largest value's code is at most 15 (the codes are monotone in x: the row's test).
-        rhu(q) + zp as the float C + zp + rhu(q), C = 1.5 * 2^23 (_plus_rhu): its bits are
-        0x4B400000 + the code, 0 mod 2^8 above the nibble, so _int4_pack's byte is the pair's.
-        The row's test takes NaN-propagating reductions (a NaN fails every comparison); the
-        padding past the head size is left out of them."""
-        if BLOCK_D == D:
-            lo = tl.reduce(xf, 2, _nan_min)
-            hi = tl.reduce(xf, 2, _nan_max)
-        else:
-            lo = tl.reduce(tl.where(ok, xf, float("inf")), 2, _nan_min)
-            hi = tl.reduce(tl.where(ok, xf, -float("inf")), 2, _nan_max)
-        # RN(RN(hi - lo) / 15) (15 = 3.75 * 2^2, a float32 dividend: two steps), floored; an
-        # infinite or NaN range fails the test.
-        am = (hi - lo) * 0.25
-        s = am * _Y15
-        for _ in tl.static_range(2):
-            s = tl.fma(tl.fma(-3.75, s, am), _Y15, s)
-        s = tl.maximum(s, 1e-6)
-        yf = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # normal: s <= 2^125
-        czp = _plus_rhu(_fast_quotient(-lo, s, yf, STEPS), 12582912.0)  # C + zp
-        top = _plus_rhu(_fast_quotient(hi, s, yf, STEPS), czp)  # C + the largest value's code
-        fast = (lo <= 0.0) & (hi >= 0.0) & (hi - lo < float("inf")) & (top <= 12582927.0)
-        if BLOCK_D != D:  # rows that do not exist (all padding) fail the test; masked as 0
-            fast = fast | ~rows
-        q = _fast_quotient(xf, s[:, :, None], yf[:, :, None], STEPS)
-        codes = _int4_pack(_bits_low(_plus_rhu(q, czp[:, :, None])), BLOCK_D)
-        entry = ((s.to(tl.int32, bitcast=True) & -16) | (_bits_low(czp) & 15)).to(
-            tl.float32, bitcast=True)
-        return codes, entry, fast
-
-    @triton.jit
     def _quantize(x, ok, MODE: tl.constexpr, STEPS: tl.constexpr, DSTEPS: tl.constexpr,
                   D: tl.constexpr, BLOCK_D: tl.constexpr):
         """(codes, entries) of rows x ``[BT, BH, BLOCK_D]`` (``ok``: the row's elements): the
-        stored bytes ``[BT, BH, BLOCK_D]`` (int4:
-        ``[BT, BH, BLOCK_D // 2]``) as int32 (their low byte) and the scale cache entries
-        ``[BT, BH]`` as float32."""
+        stored bytes ``[BT, BH, BLOCK_D]`` (int4: ``[BT, BH, BLOCK_D // 2]``) as int32 (their
+        low byte) and the scale cache entries ``[BT, BH]`` as float32."""
         xf = x.to(tl.float32)
+        # tl.min and tl.max ignore NaN (minnum/maxnum; the interpreter's nanmin/nanmax): a row
+        # of NaN only gives NaN. Elements past the head size (masked loads: 0) are left out of
+        # int4's min and max; the amax takes their zeros.
         if MODE == 2:
-            codes, entry = _int4_general(xf, ok, STEPS, D, BLOCK_D)
+            if BLOCK_D == D:
+                mn = tl.min(xf, axis=2)
+                mx = tl.max(xf, axis=2)
+            else:
+                mn = tl.min(tl.where(ok, xf, float("inf")), axis=2)
+                mx = tl.max(tl.where(ok, xf, -float("inf")), axis=2)
+            none = ~(mn <= mx)  # no value (or none but NaN)
+            mn = tl.where(none, 0.0, mn)
+            mx = tl.where(none, 0.0, mx)
+            # 15 = 3.75 * 2^2; RN(mx - mn) is a float32 dividend: two steps.
+            s = _fmax_floor(_div_const(mx - mn, 0.25, 3.75, _Y15, 2))
+            m, s2, y = fp8_scale(s)
+            zp = rhu(_nan0(_signed_quotient(-mn, m, s2, y, STEPS)))
+            zp = tl.minimum(tl.maximum(zp, 0.0), 15.0)
+            q = _signed_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], STEPS)
+            c = tl.minimum(tl.maximum(rhu(_nan0(q)) + zp[:, :, None], 0.0), 15.0)
+            c = _bits_low(c + 8388608.0) & 15  # 2^23 + c: c in the low bits
+            BT: tl.constexpr = c.shape[0]
+            BH: tl.constexpr = c.shape[1]
+            lo, hi = tl.split(tl.reshape(c, [BT, BH, BLOCK_D // 2, 2]))
+            codes = lo | (hi << 4)
+            zbits = _bits_low(zp + 8388608.0) & 15
+            bits = (s.to(tl.int32, bitcast=True) & -16) | zbits
+            entry = bits.to(tl.float32, bitcast=True)
         else:
-            # tl.max ignores NaN (maxnum; the interpreter's nanmax): a row of NaN only gives NaN.
             amax = tl.max(tl.abs(xf), axis=2)  # NaN for a row of NaN: the floor below
             if MODE == 0:  # 127 = 3.96875 * 2^5
                 s = _fmax_floor(_div_const(amax, 0.03125, 3.96875, _Y127, DSTEPS))
@@ -399,28 +299,11 @@ if triton is not None:
         # The slots after the rows, which do not depend on them.
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
         valid = t_in & (slot >= 0) & (slot < NUM_SLOTS)
-        if NUM_SLOTS.dtype == tl.int32:
-            # Every valid slot is below 2^31 (the others are never stored to: their addresses
-            # do not matter): the block and the page in 32 bits, widened by the products.
-            s32 = slot.to(tl.int32)
-            blk = (s32.to(tl.uint32, bitcast=True) // BLOCK_SIZE).to(tl.int32, bitcast=True)
-            pg = (s32 - blk * BLOCK_SIZE).to(tl.int64)
-            blk = blk.to(tl.int64)
-        else:
-            blk = slot // BLOCK_SIZE
-            pg = slot - blk * BLOCK_SIZE
+        blk = slot // BLOCK_SIZE
+        pg = slot - blk * BLOCK_SIZE
         write = valid[:, None] & (h < H)[None, :]
-        if MODE == 2:
-            # The fast path for both tiles, the rule step by step for both (_quantize) unless
-            # every row of them took it rightly (the rows of real data do).
-            ck, ek, fk = _int4_fast(xk.to(tl.float32), k_ok, th_ok, STEPS, DK, BLOCK_DK)
-            cv, ev, fv = _int4_fast(xv.to(tl.float32), v_ok, th_ok, STEPS, DV, BLOCK_DV)
-            if tl.min((fk & fv).to(tl.int32)) == 0:
-                ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK)
-                cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV)
-        else:
-            ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK)
-            cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV)
+        ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK)
+        cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV)
         PACK: tl.constexpr = 2 if MODE == 2 else 1  # elements per code byte
         _store_rows(ck, ek, kc_ptr, ks_ptr, blk, pg, h64, write, KC_B, KC_S, KC_H, KS_B, KS_S,
                     KS_H, DK // PACK, BLOCK_DK // PACK, ALIGN)
@@ -438,8 +321,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         return
     h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
     nb, bs = key_cache.shape[:2]
-    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning,
-                                          mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD)
+    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(h, block_h))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
