@@ -125,33 +125,29 @@ class CudaTuning(norm_cuda.CudaTuning):
     fused_qk_norm_rope's (its ``specialize`` and large-call fields, the same predictions, not
     measured on this kernel yet) plus the cache's."""
 
-    # With an fp8 query_out the large-call build's __launch_bounds__ takes
-    # large_call_min_blocks_fp8_query (56 registers: the query's quotient spilled 20-32 bytes
-    # under 48). An fp8 cache takes the auto cache's large_call_min_blocks (48 registers, none
-    # spilled, 21 resident CTAs a multiprocessor; with 18 CTAs and 56 registers Qwen3-8B's fp8
-    # call at T = 1024 ran 8.27 us hot against the auto cache's 5.54). With
-    # large_call_value_first a key group of the large-call build converts and stores its value
-    # before it requests the table's entries, so it never holds the value's input and the
-    # entries at once (the fused RoPE kernel's large build: tuning-log change 35), and prepares
-    # the key's fp8 scale after the rotation.
-    large_call_min_blocks_fp8_query: int = 18
+    # With an fp8 cache or query_out the large-call build's __launch_bounds__ takes
+    # large_call_min_blocks_fp8 (56 registers, where 48 spilled 40 bytes). With
+    # large_call_value_first a key group of the large-call build converts its value before it
+    # requests the table's entries and stores it then (or, where a head's cache row is 128 bytes,
+    # right after the key's chunks), so it never holds the value's input and the entries at once
+    # (the fused RoPE kernel's large build: tuning-log changes 35 and 53).
+    large_call_min_blocks_fp8: int = 18
     large_call_value_first: bool = True
 
-    def large_build(self, fp8_query: bool = False) -> Build:
+    def large_build(self, fp8: bool = False) -> Build:
         return Build(self.large_call_chunks, self.large_call_cta_threads,
-                     self.large_call_min_blocks_fp8_query if fp8_query
-                     else self.large_call_min_blocks, self.large_call_pdl_trigger)
+                     self.large_call_min_blocks_fp8 if fp8 else self.large_call_min_blocks,
+                     self.large_call_pdl_trigger)
 
 
 TUNING = CudaTuning()
 
 
-def call_build(row_bytes: int, fp8_query: bool,
-               tuning: CudaTuning = TUNING) -> tuple[Build, bool]:
+def call_build(row_bytes: int, fp8: bool, tuning: CudaTuning = TUNING) -> tuple[Build, bool]:
     """(build, value first) of a call that moves ``row_bytes`` of query, key and value rows;
-    ``fp8_query``: an fp8 query_out (the query's quotient's registers: a looser bound)."""
+    ``fp8``: an fp8 cache or query_out (the quotients' registers: a looser bound)."""
     if row_bytes >= tuning.large_call_bytes:
-        return tuning.large_build(fp8_query), tuning.large_call_value_first
+        return tuning.large_build(fp8), tuning.large_call_value_first
     return SMALL, False
 
 
@@ -235,9 +231,9 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         return
     qw, kw, qo = launch.ptr(q_weight), launch.ptr(k_weight), launch.ptr(query_out)
     kc, vc = key_cache.data_ptr(), value_cache.data_ptr()
+    fp8 = cache_dtype.is_fp8 or query_kind(query_out) in (_E4M3, _E5M2)
     build, value_first = call_build(num_rot * (num_heads_q + 2 * num_heads_k) * qkv.shape[2] *
-                                    qkv.element_size(), query_kind(query_out) in (_E4M3, _E5M2),
-                                    tuning)
+                                    qkv.element_size(), fp8, tuning)
     sig = (qkv.dtype, cos_sin_cache.dtype, key_cache.dtype, cache_dtype, position_ids.dtype,
            slot_mapping.dtype, qkv.shape[1:], qkv.stride()[:2], num_heads_q, num_heads_k, eps,
            weight_offset, cos_sin_cache.shape, key_cache.shape, key_cache.stride(),

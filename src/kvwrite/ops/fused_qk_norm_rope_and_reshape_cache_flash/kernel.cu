@@ -11,10 +11,10 @@
 // key's (tokens t < num_tokens), and for a slot in [0, num_slots) stores Q(key as rounded to
 // qkv's dtype) and Q(value) chunk by chunk (kvw/vec_io.cuh's convert_chunk: copies, casts, fp8
 // by the contract's rule with scales read on the device). A token whose position is outside the
-// table is not touched at all. The large-call build (VALUE_FIRST) converts and stores the value
-// before it requests the table's entries, and prepares the key's fp8 scale after the rotation;
-// the small-call build requests the table's entries first, converts the value and prepares both
-// scales while they are in flight, and stores the value with the key's chunks.
+// table is not touched at all. The large-call build (VALUE_FIRST) converts the value before it
+// requests the table's entries and stores it then, or right after the key's chunks where a
+// head's cache row is 128 bytes (value_after below); the small-call build requests the table's
+// entries first and converts the value while they are in flight.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/vec_io.cuh"
@@ -106,14 +106,13 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   if (static_cast<u64>(pos) >= static_cast<u64>(max_position)) return;  // also pos < 0
   const u32 half = static_cast<u32>(rot) / 2;
   const bool valid = static_cast<u64>(s) < static_cast<u64>(num_slots);  // also s < 0: a query
-  // The large-call build holds nothing of the value or the key's scale across the rotation (the
-  // value stored before the table's entries are requested, only the key's scale itself kept):
-  // so an fp8 cache fits the auto cache's register bound, 48 registers with 64-thread CTAs, and
-  // as many resident CTAs (21 a multiprocessor, not 18: Qwen3-8B at T = 1024 is 5120 CTAs, two
-  // rounds instead of three). Holding the converted value's chunks and the key's Fp8Scale (its
-  // K and V written together, as fused_rope_and_reshape_cache_flash's change 53) took 56
-  // registers, or spilled 40 bytes under 48. The small-call build stores the value with the
-  // key's chunks.
+  // value_after: the value's chunks are stored right after the key's (the small-call build,
+  // and the large-call one where a head's cache row is 128 bytes of fp8: D = 128), so that K
+  // and V of a (slot, head), adjacent in the packed layout, are written together (as
+  // fused_rope_and_reshape_cache_flash's kernel, tuning-log change 53). Not for 16-bit caches
+  // with D = 64 (the fused RoPE kernel holds those too): the 32 bytes held per lane spilled 40
+  // bytes under the large-call build's 48 registers.
+  const bool value_after = !VALUE_FIRST || (OB == 1 && head_size == 128);
   i64 coff = 0;  // the (slot, head) row's element offset in either cache
   Fp8Scale ks{}, vs{}, qs{};
   Raw<V * OB> cv[E / V];  // the value's chunks converted to the cache's kind
@@ -129,7 +128,7 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     coff = slot_offset(s, block_stride, page_stride, block_size, block_shift,
                        (static_cast<u64>(num_slots) >> 32) == 0) + h * head_stride;
     if constexpr (FP8) {
-      if constexpr (!VALUE_FIRST) ks = make_fp8_scale<true>(k_s);
+      ks = make_fp8_scale<true>(k_s);
       vs = make_fp8_scale<true>(v_s);
     }
 #pragma unroll
@@ -144,11 +143,11 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     }
   };
   if constexpr (VALUE_FIRST) {
-    // A key group converts and stores its value before it requests the table's entries, so
-    // that it does not hold the value's input (or its codes) and the entries at once.
+    // A key group converts its value (and stores it, unless value_after) before it requests
+    // the table's entries, so that it does not hold the value's input and the entries at once.
     if (valid) {
       prepare_value();
-      store_value();
+      if (!value_after) store_value();
     }
   }
   const auto tb = qkn_load_table<CS, LY, VT, NEOX, PS>(cos_sin + pos * rot * elem_bytes(CS), i0,
@@ -187,13 +186,12 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   }
   if (store_key) qkn_store_row<IN, LY, V>(row, out, i0, head_size);
   if (!valid) return;
-  if constexpr (FP8 && VALUE_FIRST) ks = make_fp8_scale<true>(k_s);
 #pragma unroll
   for (int k = 0; k < E / V; ++k) {
     const u32 b = LY::off(i0, k * V);
     if (b >= static_cast<u64>(head_size)) continue;
     const i64 c = (coff + b) * OB;
     store_raw<V * OB>(key_cache + c, converted(out.c[k], ks));
-    if constexpr (!VALUE_FIRST) store_raw<V * OB>(value_cache + c, cv[k]);
+    if (value_after) store_raw<V * OB>(value_cache + c, cv[k]);
   }
 }
