@@ -180,6 +180,13 @@ def test_peer_copy_plan_runs_on_the_destination(src_dev, dst_dev):
 
 # --- CUDA graphs ------------------------------------------------------------------------------------
 
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """A capture stream on ``device``: torch.cuda.graph's default is one stream per process, made
+    on the device current at the first capture (two H200s: a later capture meant for the other
+    device recorded an empty graph while the call ran eagerly on its device's stream)."""
+    return torch.cuda.Stream(device)
+
+
 @pytest.mark.parametrize("engine", ["sm", "auto"])
 @pytest.mark.parametrize("implementation", ["triton", "cuda"])
 @pytest.mark.parametrize("src_dev, dst_dev", DIRECTIONS)
@@ -194,7 +201,7 @@ def test_peer_copy_graph_capture_and_replay(name, src_dev, dst_dev, implementati
     op(src, dst, *pre, m, *post, max_ctas=2, engine=engine, implementation=implementation)
     _sync(src_dev, dst_dev)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(dst_dev), torch.cuda.graph(graph):
+    with torch.cuda.device(dst_dev), torch.cuda.graph(graph, stream=_capture_stream(dst_dev)):
         op(src, dst, *pre, m, *post, max_ctas=2, engine=engine, implementation=implementation)
     for pairs in (NEW_PAIRS, GPU_PAIRS):
         with torch.cuda.device(dst_dev):
@@ -221,7 +228,8 @@ def test_a_pairs_first_call_under_capture_is_refused(monkeypatch, src_dev, dst_d
     _sync(src_dev, dst_dev)
     graph = torch.cuda.CUDAGraph()
     refused = pytest.raises(RuntimeError, match="not enabled by an earlier call.*before capturing")
-    with refused, torch.cuda.device(dst_dev), torch.cuda.graph(graph):
+    with refused, torch.cuda.device(dst_dev), torch.cuda.graph(graph,
+                                                               stream=_capture_stream(dst_dev)):
         op(src, dst, *pre, m, *post, max_ctas=2, engine="sm", implementation=implementation)
     _sync(src_dev, dst_dev)
     for t, b in zip(_flat(dst), before, strict=True):
