@@ -68,9 +68,9 @@ class TransferTuning(launch.PdlPolicy):
     loads_in_flight: int = 2
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
-    # Peer reads (a source on another GPU) too: at U = 2 a pair of H200s (NVLink) moved 72 / 140
-    # / 374 GB/s at 4 / 8 / all CTAs (32 Llama-3-8B layers, 16-1024 blocks, change 73), bound
-    # by the bytes in flight per CTA.
+    # Peer reads (a source on another GPU) too, measured on a pair of H200s (NVLink, 32
+    # Llama-3-8B layers, 128-1024 blocks, tuning-log 78), GB/s at 4 / 8 / all CTAs: U = 2 72 /
+    # 140 / 374, U = 8 169 / 334 / 375, U = 16 78 / 155 at 4 / 8.
     loads_in_flight_host: int = 8
     # Threads of a copy launch to pinned host memory (d2h), over its CTA budget (copy_threads):
     # 512, at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, beside bf16
@@ -136,6 +136,8 @@ def copy_unroll(nvec: int, most: int) -> int:
 # at 2, 46-50 registers and no stack (tests/test_transfer_cuda.py). Two rows of 16 B a lane are
 # 32 KiB in flight a 1024-thread CTA: a device copy needs about 11 KiB an SM (2 TB/s over 132
 # SMs at ~0.7 us), a pinned host side at 4 CTAs 128 KiB over the grid (~55 GB/s at ~2 us).
+# Peer reads at 4 would move more (H200 pair, relayout to LBHNC at 4 / 8 CTAs: 61 / 121 GB/s
+# against 53 / 105, tuning-log 78), still far from the link (393), with the spill.
 ROWS_MOST = 2
 
 
