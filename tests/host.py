@@ -36,6 +36,26 @@ def build_host_lib(tmp_path_factory, harness: str, name: str, what: str,
     return ctypes.CDLL(str(lib))
 
 
+def build_emu_lib(tmp_path_factory, harness: str, name: str, op_dir) -> ctypes.CDLL:
+    """``harness`` (C++ source over an op's kernel.cu and the SIMT emulation header in tests/)
+    built as a shared library and loaded: include paths kvwrite/kernels/include, ``op_dir`` (the
+    op's folder) and tests/; C++20 and threads for the emulated CTAs. Skips where there is no
+    host C++ compiler."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    d = tmp_path_factory.mktemp(name)
+    (d / "harness.cpp").write_text(harness)
+    lib = d / f"lib{name}.so"
+    # -ffp-contract=off: a*b stays a rounded product (no FMA), as mul.rn.f32 on the GPU.
+    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
+                    f"-I{op_dir}", f"-I{os.path.dirname(os.path.abspath(__file__))}",
+                    str(d / "harness.cpp"), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
 def run_c(tmp_path, name: str, source: str) -> str:
     """What the C program ``source`` prints, built for the host (``-ffp-contract=off``: x * y
     stays a rounded product; fmaf is the C library's exact fma). Skips where there is no host C

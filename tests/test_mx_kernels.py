@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from host import build_host_lib, run_triton_script
+from host import build_emu_lib, build_host_lib, run_triton_script
 from kvwrite.testing.compare import assert_caches_equal, copy_allocations
 from sass import needs_nvrtc
 
@@ -482,13 +482,7 @@ def _emu_symbol(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
-    import importlib.resources
     import pathlib
-    import shutil
-    import subprocess
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
     cuda_impl = _impl("cuda")
     lines = [_EMU_HEAD]
     fixed = ", ".join(f"f[{i}]" for i in range(len(cuda_impl.FIXED_ARGS)))
@@ -499,16 +493,8 @@ def emu_lib(tmp_path_factory):
             f"u8* ks, u8* vs, const {st}* sl, i64 n, const i64* f, i64 grid) {{\n"
             f"  emu_launch(static_cast<unsigned>(grid), [&] {{ {name}(k, v, kd, vd, ks, vs, sl, "
             f"n, {fixed}); }});\n}}")
-    d = tmp_path_factory.mktemp("mx_emu")
-    (d / "harness.cpp").write_text("\n".join(lines) + "\n")
-    lib = d / "libmxemu.so"
-    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    op = pathlib.Path(cuda_impl.__file__).parent
-    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
-                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(d / "harness.cpp"),
-                    "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_emu_lib(tmp_path_factory, "\n".join(lines) + "\n", "mxemu",
+                         pathlib.Path(cuda_impl.__file__).parent)
 
 
 def run_emulated(lib, inp: MxInputs, small: bool) -> str:

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from host import TRITON_PTX_PRELUDE, run_triton_script
+from host import TRITON_PTX_PRELUDE, build_emu_lib, run_triton_script
 from kvwrite.testing.compare import storage_bytes
 from sass import needs_nvrtc
 
@@ -387,9 +387,6 @@ def _emu_name(kind: int, kb: int, vb: int, slot_dtype, e: int) -> str:
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
     from kvwrite.kernels import launch
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++) to build the SIMT emulation")
     lines = [_EMU_HARNESS]
     for kind in launch.KIND.values():
         for kb, vb in _BITS.values():
@@ -399,17 +396,9 @@ def emu_lib(tmp_path_factory):
                         continue
                     lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {e}, "
                                  f"{_emu_name(kind, kb, vb, sd, e)})")
-    d = tmp_path_factory.mktemp("tq_emu")
-    (d / "harness.cpp").write_text("\n".join(lines) + "\n")
-    lib = d / "libtqemu.so"
-    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
-    op = pathlib.Path(cuda_impl.__file__).parent
-    subprocess.run([cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-pthread", f"-I{inc}",
-                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(d / "harness.cpp"),
-                    "-o", str(lib)], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_emu_lib(tmp_path_factory, "\n".join(lines) + "\n", "tqemu",
+                         pathlib.Path(cuda_impl.__file__).parent)
 
 
 # The emulated E variants: every one run picks (the tuning's lane_elems is overridden per test
