@@ -70,6 +70,20 @@ inline unsigned __shfl_sync(unsigned, unsigned v, int src) {
   return r;
 }
 
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) {
+  return __shfl_sync(0xFFFFFFFFu, v, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
+}
+
+// A float's xor shuffle (the kernels' maxima and tree sums), moved as its bits.
+inline float __shfl_xor_sync(unsigned mask, float v, int m) {
+  unsigned u;
+  std::memcpy(&u, &v, 4);
+  u = __shfl_xor_sync(mask, u, m);
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
 // A lane past the warp's end (lane + delta > 31) keeps its own value, as on the GPU.
 inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned delta) {
   const unsigned lane = threadIdx.x & 31u;

@@ -462,16 +462,7 @@ def test_zero_tokens_write_nothing():
 # the headers' host paths; the GPU tests cover those.
 
 _EMU_HEAD = r"""
-#include <cstring>
 #include "gather_emu.h"
-inline float __shfl_xor_sync(unsigned, float v, int m) {
-  unsigned u;
-  std::memcpy(&u, &v, 4);
-  u = __shfl_sync(0xFFFFFFFFu, u, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
 #include "kernel.cu"
 """
 

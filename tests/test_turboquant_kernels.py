@@ -358,14 +358,6 @@ _EMU_HARNESS = r"""
 #define __shared__ static
 #define TQ_CTA_FIXED 128  // gather_emu.h's CTA size
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int m) {
-  unsigned u;
-  std::memcpy(&u, &v, 4);
-  u = __shfl_sync(0xFFFFFFFFu, u, static_cast<int>((threadIdx.x & 31u) ^ static_cast<unsigned>(m)));
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
 #include "kernel.cu"
 #define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
@@ -683,7 +675,6 @@ _DIV_CHECK = r"""
 #define __shared__ static
 #define TQ_CTA_FIXED 128
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
-inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 #include "kernel.cu"
 #include <cstdio>
 #include <random>
