@@ -96,40 +96,7 @@ KVW_HD float tq_elem(const u8* p, i64 i) {
   if constexpr (IN == DT_F32) {
     return reinterpret_cast<const float*>(p)[i];
   } else {
-    const u32 h = reinterpret_cast<const u16*>(p)[i];
-    if constexpr (IN == DT_BF16) {
-      return bits_f32(h << 16);
-    } else {
-#ifdef KVWRITE_HOST_TEST
-      _Float16 f;  // the SIMT emulation's host build (tests): exact
-      __builtin_memcpy(&f, &h, 2);
-      return static_cast<float>(f);
-#else
-      float f;
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
-      return f;
-#endif
-    }
-  }
-}
-
-// The 16-bit element in the low (HI = 0) or high half of word w, as float32 (exact).
-template <int IN, int HI>
-KVW_HD float tq_half(u32 w) {
-  const u32 h = HI ? w >> 16 : w & 0xFFFFu;
-  if constexpr (IN == DT_BF16) {
-    return bits_f32(h << 16);
-  } else {
-#ifdef KVWRITE_HOST_TEST
-    const u16 b = static_cast<u16>(h);
-    _Float16 f;
-    __builtin_memcpy(&f, &b, 2);
-    return static_cast<float>(f);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
-    return f;
-#endif
+    return half_f32<IN>(reinterpret_cast<const u16*>(p)[i]);
   }
 }
 
@@ -151,8 +118,8 @@ KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float pad, float (&x)[E]
           if constexpr (IN == DT_F32) {
             x[c * 4 + k] = bits_f32(w[k]);
           } else {
-            x[c * 8 + 2 * k] = tq_half<IN, 0>(w[k]);
-            x[c * 8 + 2 * k + 1] = tq_half<IN, 1>(w[k]);
+            x[c * 8 + 2 * k] = half_f32<IN>(w[k] & 0xFFFFu);
+            x[c * 8 + 2 * k + 1] = half_f32<IN>(w[k] >> 16);
           }
         }
       }

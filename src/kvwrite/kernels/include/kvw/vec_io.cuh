@@ -180,26 +180,33 @@ KVW_HD void store_aligned(u8* p, const Raw<N>& r) {
   }
 }
 
+// The 16-bit element h (bits 0-15; IN is DT_BF16 or DT_F16) as float32 (exact). The host
+// builds (tests' SIMT emulation) convert float16 through the compiler's _Float16.
+template <int IN>
+KVW_HD float half_f32(u32 h) {
+  if constexpr (IN == DT_BF16) {
+    return bits_f32(h << 16);
+  } else {
+#ifdef KVWRITE_HOST_TEST
+    const u16 b = static_cast<u16>(h);
+    _Float16 x;
+    __builtin_memcpy(&x, &b, 2);
+    return static_cast<float>(x);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
+    return f;
+#endif
+  }
+}
+
 // Element i of a chunk of IN elements, as float32 (exact).
 template <int IN, int N>
 KVW_HD float elem_f32(const Raw<N>& r, int i) {
   if constexpr (IN == DT_F32) {
     return bits_f32(r.w[i]);
   } else {
-    const u32 h = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
-    if constexpr (IN == DT_BF16) {
-      return bits_f32(h << 16);
-    } else {
-#ifdef KVWRITE_EMU
-      const u16 b = static_cast<u16>(h);
-      _Float16 x;
-      __builtin_memcpy(&x, &b, 2);
-      return static_cast<float>(x);  // exact
-#endif
-      float f;
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<u16>(h)));
-      return f;
-    }
+    return half_f32<IN>((r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu);
   }
 }
 
