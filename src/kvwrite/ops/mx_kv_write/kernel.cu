@@ -203,15 +203,8 @@ __global__ void __launch_bounds__(256) mx_small_kernel(KVW_MX_PARAMS) {
   constexpr int E = 8, P = KVW_MX_GROUP / E;
   constexpr int C = E * IB / 16;            // 16-byte chunks a part: 1 (16-bit) or 2 (float32)
   constexpr int CB = FP4 ? E / 2 : E;       // code bytes a part
-  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  const u32 part = gid % P;
-  const u32 unit = gid / P;                          // (token, side, group)
-  const u32 ts = unit / static_cast<u32>(groups);    // token * 2 + side
-  const u32 q = unit - ts * static_cast<u32>(groups);
-  const u32 t32 = ts >> 1;
-  const bool live = t32 < num_tokens;
-  const bool is_v = ts & 1;
-  const i64 t = t32;
+  const auto [part, q, live, is_v, t] =
+      group_part<P>(blockIdx.x * blockDim.x + threadIdx.x, groups, num_tokens);
   i64 s = -1;
   Raw<16> r[C];
 #pragma unroll

@@ -289,15 +289,8 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
   constexpr int P = 16 / E;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;
   static_assert(E == 4 || E == 8 || E == 16, "4, 8 or 16 elements a thread");
-  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  const u32 part = gid % P;
-  const u32 unit = gid / P;                                      // (token, side, group)
-  const u32 ts = unit / static_cast<u32>(groups);                // token * 2 + side
-  const u32 q = unit - ts * static_cast<u32>(groups);
-  const u32 t32 = ts >> 1;
-  const bool live = t32 < num_tokens;
-  const bool is_v = ts & 1;
-  const i64 t = t32;
+  const auto [part, q, live, is_v, t] =
+      group_part<P>(blockIdx.x * blockDim.x + threadIdx.x, groups, num_tokens);
   i64 s = -1;
   u32 w[E * IB / 4];
 #pragma unroll

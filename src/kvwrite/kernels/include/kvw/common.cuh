@@ -168,3 +168,21 @@ KVW_HD u32 bf16_from_f32_soft(float x) {
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
+
+// A thread's part of the small-call kernels (NVFP4, MX): thread gid of the grid takes part
+// `part` (of P) of group q of one side (is_v) of token t, in the order token, side (K, V),
+// group, part; `groups` groups a side a token. live: t < num_tokens (a thread past the last
+// token loads nothing).
+struct GroupPart {
+  u32 part, q;
+  bool live, is_v;
+  i64 t;
+};
+
+template <int P>
+KVW_HD GroupPart group_part(u32 gid, i64 groups, i64 num_tokens) {
+  const u32 unit = gid / P;                          // (token, side, group)
+  const u32 ts = unit / static_cast<u32>(groups);    // token * 2 + side
+  const u32 t32 = ts >> 1;
+  return {gid % P, unit - ts * static_cast<u32>(groups), t32 < num_tokens, (ts & 1) != 0, t32};
+}
