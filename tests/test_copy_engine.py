@@ -266,7 +266,7 @@ def big_job(n_bytes_per_pair: int, d2h=True, rows=False) -> CopyJob:
 def batched(monkeypatch):
     monkeypatch.setattr(copy_engine, "batch_reason", lambda device: None)
     monkeypatch.setattr(copy_engine, "loop_reason", lambda device: None)
-    monkeypatch.setattr(copy_engine, "_capturing", lambda device: False)
+    monkeypatch.setattr(copy_engine, "capturing", lambda device: False)
 
 
 RUN64K = 64 * 1024
@@ -301,7 +301,7 @@ def test_auto_keeps_sms_otherwise(batched, monkeypatch, case):
     elif case == "no batch":
         monkeypatch.setattr(copy_engine, "batch_reason", lambda device: "driver 12.4")
     elif case == "capture":
-        monkeypatch.setattr(copy_engine, "_capturing", lambda device: True)
+        monkeypatch.setattr(copy_engine, "capturing", lambda device: True)
     elif case == "page job":
         kw["page_job"] = object.__new__(PageJob)
     elif case == "host to host":
@@ -320,7 +320,7 @@ def test_ce_is_taken_as_asked_but_never_captured(batched, monkeypatch):
     d2d = plan([job(device_side((B, 2, 4, c)), device_side((B, 2, 4, c)))], PAIRS, engine="ce",
                device=GPU)
     assert copy_engine.resolve(d2d) == "ce"
-    monkeypatch.setattr(copy_engine, "_capturing", lambda device: True)
+    monkeypatch.setattr(copy_engine, "capturing", lambda device: True)
     with pytest.raises(ValueError, match="^engine: 'ce' cannot be captured"):
         copy_engine.resolve(short)
     assert copy_engine.resolve(plan([big_job(1024)], PAIRS, engine="ce", device=None)) == "sm"
@@ -351,7 +351,7 @@ def test_peer_access_is_never_enabled_under_capture(monkeypatch):
             raise AssertionError(f"driver call {name} under capture")
 
     monkeypatch.setattr(copy_engine, "_driver", NoDriver)
-    monkeypatch.setattr(copy_engine, "_capturing_on", lambda device: True)
+    monkeypatch.setattr(copy_engine, "capturing", lambda device: True)
     monkeypatch.setattr(copy_engine, "_PEERS", set())
     a, b = torch.device("cuda", 1), torch.device("cuda", 0)
     with pytest.raises(RuntimeError, match="from cuda:1 to cuda:0 was not enabled by an earlier "

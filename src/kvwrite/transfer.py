@@ -465,9 +465,16 @@ def _span(t: torch.Tensor) -> tuple[int, int, torch.device]:
     return st.data_ptr(), st.data_ptr() + st.nbytes(), t.device
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def capturing(device: torch.device | None = None) -> bool:
+    """Whether the current CUDA stream of ``device`` (None: the current device) is being captured
+    into a graph; False for a host device. A call's device need not be the current one (a call
+    across two GPUs runs on its destination's)."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return False
+    if device is None or device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _mapping_plan(mapping: torch.Tensor, device: torch.device | None
@@ -479,7 +486,7 @@ def _mapping_plan(mapping: torch.Tensor, device: torch.device | None
         return mapping, None
     if device is None:
         return mapping, mapping
-    if capturing():
+    if capturing(device):
         raise ValueError("block_mapping: expected a mapping on the GPU under CUDA graph capture "
                          "(a CPU mapping's checks and values would be frozen into the graph), "
                          "got a CPU tensor")

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import torch
 
-from ..transfer import CopyJob, TransferPlan, select
+from ..transfer import CopyJob, TransferPlan, capturing, select
 
 __all__ = ["batch_reason", "loop_reason", "runs", "job_runs", "run_bytes", "resolve", "run", "execute",
            "copy_loop", "copy_batch", "stream_handle", "enable_peer_access", "AUTO_MIN_RUN",
@@ -206,11 +206,6 @@ def runs(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # --- the rule ----------------------------------------------------------------------------------
 
-def _capturing(device: torch.device | None) -> bool:
-    return (device is not None and device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing())
-
-
 def resolve(plan: TransferPlan) -> str:
     """``"sm"`` or ``"ce"`` for ``plan`` (SPEC §9.5).
 
@@ -226,7 +221,7 @@ def resolve(plan: TransferPlan) -> str:
     if plan.device is None or plan.engine == "sm":
         return "sm"
     if plan.engine == "ce":
-        if _capturing(plan.device):
+        if capturing(plan.device):
             raise ValueError("engine: 'ce' cannot be captured in a CUDA graph (copy engines "
                              "need the mapping on the host at every call); use 'sm' or 'auto'")
         # The op's validation refuses these first (naming engine): the copy engines move raw
@@ -237,7 +232,7 @@ def resolve(plan: TransferPlan) -> str:
             raise ValueError(f"engine: 'ce' cannot run here: {reason}")
         return "ce"
     if (plan.page_job is not None or plan.host_mapping is None or plan.pairs == 0
-            or not plan.jobs or plan.peer is not None or _capturing(plan.device)):
+            or not plan.jobs or plan.peer is not None or capturing(plan.device)):
         return "sm"
     if not all(job.src.on_host != job.dst.on_host for job in plan.jobs):
         return "sm"  # device to device: copy engines are far slower than SMs (SPEC §9.7)
@@ -291,7 +286,7 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     key = (device.index, peer.index)
     if key in _PEERS:
         return
-    if _capturing_on(device):
+    if capturing(device):
         raise RuntimeError(
             f"peer access from {device} to {peer} was not enabled by an earlier call, and CUDA "
             f"refuses to enable it while a graph is captured: make one call across these GPUs "
@@ -304,12 +299,6 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
                    driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
         raise RuntimeError(f"cuCtxEnablePeerAccess ({device} reading {peer}) failed: {err}")
     _PEERS.add(key)
-
-
-def _capturing_on(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph."""
-    with torch.cuda.device(device.index):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def copy_loop(dst_ptrs, src_ptrs, sizes, stream: int) -> None:
