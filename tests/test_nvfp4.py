@@ -997,14 +997,14 @@ def pdl_sass(tmp_path_factory):
 
 
 def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
-    """Every variant compiles with NVRTC for sm_90 (62: nvfp4_kernel by dtype x MODE x slot type
+    """Every variant compiles with NVRTC for sm_90 (70: nvfp4_kernel by dtype x MODE x slot type
     x rule, 28, MODE 2 only for "nvfp4" with 16-bit inputs; nvfp4_small_kernel by dtype x slot
     type x 4, 8 or 16 elements a thread, 18; nvfp4_kv_kernel by 16-bit dtype x slot type x 32- or
-    64-bit offsets x table, 16); in its PDL build the trigger and the wait (PREEXIT, ACQBULK) come
-    before the first global access."""
+    64-bit offsets x (table with one or two groups of each side, or neither), 24); in its PDL
+    build the trigger and the wait (PREEXIT, ACQBULK) come before the first global access."""
     import sass as sass_tools
     names, text = pdl_sass
-    assert len(names) == 62
+    assert len(names) == 70
     funcs = sass_tools.functions(text)
     assert len(funcs) == len(names)
     sass_tools.assert_waits_first(funcs)
@@ -1056,7 +1056,7 @@ def _tuning(**kw):
                                       "small_call_groups": 4096, "mid_call_groups": 1 << 18,
                                       "mid_elems": 16, "wide_call_groups": 0,
                                       "wide_elems": 32, "kv_min_ctas": 0, "kv_table": True,
-                                      **kw})
+                                      "kv_groups": 1, **kw})
 
 
 def _plan_of(case: Nvfp4Case, **kw):
@@ -1116,19 +1116,29 @@ _WIDE = {"mid_call_groups": 0, "wide_call_groups": 1 << 40}  # a 300-token call 
     # Wide calls (mid_call_groups 0, wide_call_groups past the call): one thread a group of K
     # and V for "nvfp4" with 16-bit inputs and MODE 1's alignment, 256-thread CTAs with the
     # table; 32-bit offsets where the views fit them.
-    (Nvfp4Case(**_BIG), _WIDE, "nvfp4_kv_kernel<1, long long, true, true>", 256, 64),
+    (Nvfp4Case(**_BIG), _WIDE, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),
     (Nvfp4Case(**_BIG, dtype=torch.float16, slot_dtype=torch.int32, layout="HND"), _WIDE,
-     "nvfp4_kv_kernel<0, int, true, true>", 256, 64),
-    (Nvfp4Case(**_BIG, pad=8), _WIDE, "nvfp4_kv_kernel<1, long long, true, true>", 256, 64),
+     "nvfp4_kv_kernel<0, int, true, true, 1>", 256, 64),
+    (Nvfp4Case(**_BIG, pad=8), _WIDE, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),
     (Nvfp4Case(**_BIG), {**_WIDE, "kv_table": False, "threads": 128},
-     "nvfp4_kv_kernel<1, long long, true, false>", 128, 64),
+     "nvfp4_kv_kernel<1, long long, true, false, 1>", 128, 64),
     (Nvfp4Case(**_BIG), {**_WIDE, "kv_off32": False},
-     "nvfp4_kv_kernel<1, long long, false, true>", 256, 64),
+     "nvfp4_kv_kernel<1, long long, false, true, 1>", 256, 64),
     (Nvfp4Case(**_BIG), {**_WIDE, "wide_elems": 0}, "nvfp4_kernel<1, 2, long long, false>", 256,
      32),  # wide_elems=0: the large calls' kernel, as before the wide tier
     (Nvfp4Case(**_BIG), {**_WIDE, "wide_elems": 16}, "nvfp4_small_kernel<1, long long, 16>", 256,
      128),
-    (Nvfp4Case(**_BIG), {"mid_elems": 32}, "nvfp4_kv_kernel<1, long long, true, true>", 256, 64),
+    (Nvfp4Case(**_BIG), {"mid_elems": 32}, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256,
+     64),
+    # kv_groups=2: two adjacent groups of each side a thread where MODE 2 could take them.
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_groups": 2}, "nvfp4_kv_kernel<1, long long, true, true, 2>",
+     256, 32),
+    (Nvfp4Case(**{**_BIG, "head_size": 48}), {**_WIDE, "kv_groups": 2},
+     "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 24),
+    (Nvfp4Case(**_BIG, pad=8), {**_WIDE, "kv_groups": 2},
+     "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),  # data 8-byte aligned only
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_groups": 2, "kv_table": False},
+     "nvfp4_kv_kernel<1, long long, true, false, 1>", 256, 64),  # two groups: the table's
     # ... float32 inputs: one group of one side a thread; 4over6 and unaligned: nvfp4_kernel.
     (Nvfp4Case(**_BIG, dtype=torch.float32), _WIDE, "nvfp4_small_kernel<2, long long, 16>", 256,
      128),
@@ -1177,6 +1187,8 @@ def test_cuda_tuning_rejects_bad_values():
         _tuning(pair_min_ctas=9)
     with pytest.raises(ValueError, match="kv_min_ctas: expected 0 to 8, got -1"):
         _tuning(kv_min_ctas=-1)
+    with pytest.raises(ValueError, match="kv_groups: expected 1 or 2, got 4"):
+        _tuning(kv_groups=4)
 
 
 @needs_nvrtc
@@ -1333,9 +1345,9 @@ def test_machine_code_shape_of_the_wide_builds(tmp_path):
     reciprocals loaded (2 LDS.128 + 2 LDS, and 2 more LDS in the general path), MUFU only in
     the entry (2), at most 48 registers and no spill; all loads before the first wait. Without
     the table, 64-bit offsets and a bound of 6 CTAs: every thread's scale constants and
-    reciprocals (6 MUFU), at most 40 registers."""
+    reciprocals (6 MUFU), at most 40 registers. Two groups of each side a thread: see below."""
     p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path, **_WIDE)
-    assert p.name == "nvfp4_kv_kernel<1, long long, true, true>"
+    assert p.name == "nvfp4_kv_kernel<1, long long, true, true, 1>"
     assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 4, "LDG.E.64.CONSTANT": 1,
                                   "LDG.E.CONSTANT": 2}
     assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
@@ -1350,11 +1362,21 @@ def test_machine_code_shape_of_the_wide_builds(tmp_path):
         Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
         extra_macros=[("KVW_NVFP4_KV_MIN_CTAS", "6")],
         **{**_WIDE, "kv_table": False, "kv_off32": False})
-    assert p.name == "nvfp4_kv_kernel<1, long long, false, false>"
+    assert p.name == "nvfp4_kv_kernel<1, long long, false, false, 1>"
     assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
     assert not _count(ops, "LDS", "STS", "BAR")
     assert _count(ops, "MUFU") == {"MUFU.RCP": 6}
     assert regs <= 40, regs
+    # kv_groups=2: two groups of each side, one 16-byte store of codes a side and four scale
+    # bytes; eight row loads; at most 64 registers (4 CTAs) and no spill.
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       **{**_WIDE, "kv_groups": 2})
+    assert p.name == "nvfp4_kv_kernel<1, long long, true, true, 2>"
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 8, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 2}
+    assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
+    assert _count(ops, "HMNMX2") == {"HMNMX2.BF16_V2.NAN.XORSIGN": 32}
+    assert regs <= 64 and spill == 0, (regs, spill)
 
 
 def test_wide_kernel_offsets_fit_32_bits_by_the_views_spans():
@@ -1559,6 +1581,10 @@ _SHAPES = {
     "wide-kv": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40},
     "wide-kv-plain": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
                       "kv_table": False, "kv_off32": False, "kv_min_ctas": 6, "threads": 64},
+    "wide-kv2": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
+                 "kv_groups": 2},
+    "wide-kv2-off64": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
+                       "kv_groups": 2, "kv_off32": False},
     "small-e4": {"small_call_groups": 1 << 40, "small_elems": 4, "small_threads": 32},
     "small-e8": {"small_call_groups": 1 << 40, "small_elems": 8},
     "small-ctas": {"small_call_groups": 1 << 40, "small_elems": 0, "small_threads": 32},

@@ -109,12 +109,13 @@ class CudaTuning(launch.PdlPolicy):
         default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_ELEMS", 16))
     # Wide calls (more than mid_call_groups groups of K, at most wide_call_groups: 4096 tokens of
     # H=8, D=128, 256 of H=128) take wide_elems: 32 (16 elements of K and 16 of V), for "nvfp4"
-    # with 16-bit inputs and aligned inputs and data, nvfp4_kv_kernel (one thread a group of K
-    # and V, 40 registers: 48 warps an SM); 4, 8 or 16 nvfp4_small_kernel as mid_elems (which
-    # also takes 32); 0: nvfp4_kernel as the large calls. Estimated from the sm_90 machine code
-    # (not measured): at 2^18 groups (H=8 T=4096, H=128 T=256) MODE 2 issues ~212 instructions
-    # a group of one side with 32 warps an SM and one wave (6.08 µs, fp8 5.07), 16 elements a
-    # thread ~290 (6.35); nvfp4_kv_kernel ~195 with 48 warps an SM.
+    # with 16-bit inputs and aligned inputs and data, nvfp4_kv_kernel (a group of K and V a
+    # thread, or two: kv_groups); 4, 8 or 16 nvfp4_small_kernel as mid_elems (which also takes
+    # 32); 0: nvfp4_kernel as the large calls (before the wide tier). At 2^18 groups (H=8
+    # T=4096, H=128 T=256) the measured shapes (tuning-log 79) issue, a group of one side on the
+    # fast path (sm_90 bfloat16): MODE 2 ~220 (32 warps an SM, one wave; 6.08 µs), one group of
+    # K and V a thread ~234 (64 registers; 5.98), 16 elements ~293 (6.35); fp8 5.07.
+    # nvfp4_kv_kernel: ~224 with 40 warps an SM, ~193 with kv_groups=2 (32 warps). Not measured.
     # KVWRITE_NVFP4_WIDE_CALL_GROUPS and KVWRITE_NVFP4_WIDE_ELEMS set the defaults.
     wide_call_groups: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_WIDE_CALL_GROUPS", 1 << 18))
@@ -133,6 +134,14 @@ class CudaTuning(launch.PdlPolicy):
     # nvfp4_kv_kernel's OFF32 where the views' byte offsets fit 32 bits; False: 64-bit offsets
     # always (tests force that build, which large caches take).
     kv_off32: bool = True
+    # nvfp4_kv_kernel's groups of each side a thread: 1, or 2 (adjacent groups of one head, one
+    # 16-byte store of codes a side, as MODE 2, where the data is 16-byte aligned, D % 32 == 0
+    # and kv_table is set; the rule of each group in turn). KVWRITE_NVFP4_KV_GROUPS sets the
+    # default. sm_90 bfloat16, the benchmark's layout, fast path: 1: ~447 instructions a thread
+    # (~224 a group of one side), 48 registers (40 warps an SM); 2: ~771 (~193), 64 registers
+    # (32 warps), no spill (MODE 2: ~859, ~215, 8 bytes spilled). Not measured.
+    kv_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_KV_GROUPS", 1))
     # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
     # the data is 16-byte aligned and D % 32 == 0; False: one. KVWRITE_NVFP4_PAIR_GROUPS=0 sets
     # False.
@@ -154,6 +163,8 @@ class CudaTuning(launch.PdlPolicy):
             if getattr(self, name) not in (0, *SMALL_ELEMS, KV_ELEMS):
                 raise ValueError(f"{name}: expected 0, 4, 8, 16 or 32, got "
                                  f"{getattr(self, name)}")
+        if self.kv_groups not in (1, 2):
+            raise ValueError(f"kv_groups: expected 1 or 2, got {self.kv_groups}")
         for name in ("pair_min_ctas", "kv_min_ctas"):
             if not 0 <= getattr(self, name) <= 8:
                 raise ValueError(f"{name}: expected 0 to 8, got {getattr(self, name)}")
@@ -176,9 +187,10 @@ def small_kernel_name(in_kind: int, slot_dtype: torch.dtype, elems: int) -> str:
     return f"{SMALL_KERNEL}<{in_kind}, {launch.int_type(slot_dtype)}, {elems}>"
 
 
-def kv_kernel_name(in_kind: int, slot_dtype: torch.dtype, off32: bool, table: bool) -> str:
+def kv_kernel_name(in_kind: int, slot_dtype: torch.dtype, off32: bool, table: bool,
+                   ng: int) -> str:
     return (f"{KV_KERNEL}<{in_kind}, {launch.int_type(slot_dtype)}, {str(off32).lower()}, "
-            f"{str(table).lower()}>")
+            f"{str(table).lower()}, {ng}>")
 
 
 def all_kernel_names() -> list[str]:
@@ -194,8 +206,8 @@ def all_kernel_names() -> list[str]:
                 names += [kernel_name(kind, mode, slot, fos) for mode in modes]
             names += [small_kernel_name(kind, slot, e) for e in SMALL_ELEMS]
             if kind != _F32:
-                names += [kv_kernel_name(kind, slot, off32, table) for off32 in (False, True)
-                          for table in (False, True)]
+                names += [kv_kernel_name(kind, slot, off32, table, ng) for off32 in (False, True)
+                          for table in (False, True) for ng in ((1, 2) if table else (1,))]
     return names
 
 
@@ -273,10 +285,15 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
     elif elems == KV_ELEMS and not fos and ib == 2:
         off32 = (tuning.kv_off32 and _fits_32_bits(k_data, k_sf, v_data, v_sf)
                  and num_blocks * block_size < 1 << 32)
-        # TABLE: CTAs of 256 threads, one entry of the per-CTA table each (kernel.cu).
+        # TABLE: CTAs of 256 threads, one entry of the per-CTA table each (kernel.cu). Two
+        # groups of each side a thread where MODE 2 could take them, with the table only (the
+        # builds without it waited for the scales before some row loads).
         table = tuning.kv_table
-        return Plan(kv_kernel_name(kind, slot_mapping.dtype, off32, table), MODE_KV,
-                    KV_TABLE_THREADS if table else threads, groups, fixed, spread=not table)
+        ng = 2 if (tuning.kv_groups == 2 and table and data_align == 16
+                   and head_groups % 2 == 0) else 1
+        return Plan(kv_kernel_name(kind, slot_mapping.dtype, off32, table, ng), MODE_KV,
+                    KV_TABLE_THREADS if table else threads, groups // ng, fixed,
+                    spread=not table)
     elif elems and not fos:
         e = min(elems, GROUP)  # 32 (K and V a thread) for float32 inputs: one side a thread
         return Plan(small_kernel_name(kind, slot_mapping.dtype, e), MODE_SMALL, threads,
