@@ -425,7 +425,9 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     k = nvfp4_scale(k_scale, k_scale_bits);
     v = nvfp4_scale(v_scale, v_scale_bits);
   }
-  __shared__ float rcp_tab[2][128];  // [side][S]; S = 0x7F (never a code): unused
+  // [side][S]; S = 0x7F, the code of a NaN amax's quotient (nvfp4_group_rule), holds 0: the
+  // rare path recomputes such a group.
+  __shared__ float rcp_tab[2][128];
   __shared__ float4 den_tab[2];      // [side]: (m, s2, y)
   if constexpr (TABLE) {  // CTAs of 256 threads (cuda_impl.py): one entry each
     const u32 j = threadIdx.x;
@@ -433,6 +435,7 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     if ((j & 127) == 127) {
       const Nvfp4Den d = nvfp4_den(mul_rn(ks, 6.0f));
       den_tab[j >> 7] = make_float4(d.m, d.s2, d.y, 0.0f);
+      rcp_tab[j >> 7][127] = 0.0f;
     } else {
       rcp_tab[j >> 7][j & 127] = nvfp4_scale_rcp(j & 127, ks);
     }
