@@ -13,8 +13,8 @@ gemma-3-27b (32, 16, 128, (1 + w)), from their config.json; or ``--heads Hq,Hk,D
 qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the cos/sin table's rows
 (the model's context window by default; or the sequences' positions with a decode, prefill or
 mixed ``--slots``), the table in qkv's dtype by default (``--cos-sin-dtype``), weights
-``1 + randn/8``, fp8 scales 0.05/0.04 (``--fp8-scales K,V`` sets others, e.g. vLLM's usual 1,1:
-powers of two take the CUDA kernels' one-product path, kvw/fp8.cuh's fp8_scale_is_pow2).
+``1 + randn/8``, fp8 scales 0.05/0.04 (``--fp8-scales K,V`` sets others, e.g. vLLM's usual 1,1;
+on an H200 the fused call's time did not depend on them: tuning-log 83).
 
 The defaults cover issue #42's configuration: Qwen3-8B, bf16 qkv ``[T, 48*128]``, a bf16 table
 ``[40960, 128]``, a cache of ``max(256, 2T/16)`` blocks of 16 with random unique slots, auto and
