@@ -1119,7 +1119,8 @@ def test_cuda_sass_has_ffma_only_in_the_root_and_divisions(tmp_path):
 
 
 def _row_load(text: str) -> bool:
-    """A row's load: the volatile loads of qkv's chunks (and the fp8 scales)."""
+    """A row's load: the volatile loads of qkv's chunks (the fp8 scales are read-only loads,
+    kvw/vec_io.cuh's load_scale)."""
     return "STRONG.SYS" in text
 
 
