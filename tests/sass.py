@@ -29,6 +29,15 @@ def nvrtc_reason() -> str | None:
         return f"cuda.core/NVRTC unavailable: {e}"
 
 
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor): the machine code some tests pin is the compiler's."""
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return major, minor
+
+
 needs_nvrtc = pytest.mark.skipif(nvrtc_reason() is not None, reason=str(nvrtc_reason()))
 
 

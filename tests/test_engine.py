@@ -197,7 +197,8 @@ OWN_BAD = {
                                              "--heads"),
         (["--dtype", "int8"], "--dtype"), (["--kv-cache-dtypes", "x"], "--kv-cache-dtypes"),
         (["--layouts", "Y"], "--layouts"), (["--max-position", "0"], "--max-position"),
-        (["--kinds", "fused,x"], "--kinds"), (["--kinds", "fused,,pair"], "--kinds")],
+        (["--kinds", "fused,x"], "--kinds"), (["--kinds", "fused,,pair"], "--kinds"),
+        (["--fp8-scales", "1"], "--fp8-scales")],
     "gather": [
         (["--kv-cache-dtypes", "fp4"], "--kv-cache-dtypes"), (["--mix", "x"], "--mix"),
         (["--num-seqs", "0"], "--num-seqs"), (["--entry", "0"], "--entry"),
@@ -499,6 +500,21 @@ def test_qk_norm_rope_model_on_the_cpu_runs(capsys):
             "--kinds", "fused", "--iters", "2", "--graph-calls", "1", "--time-budget", "0.01"]
     assert main(argv) == 0
     assert "qwen3-30b-a3b (Hq,Hk,D)=(32,4,128)" in capsys.readouterr().out
+
+
+def test_qk_norm_rope_fp8_scales_are_a_param_where_asked_for(tmp_path):
+    """--fp8-scales sets the fp8 caches' k_scale and v_scale (powers of two take the CUDA
+    kernels' one-product path): a param of the fp8 rows then, none of the auto rows' nor of a
+    run at the defaults (0.05, 0.04), whose rows keep the committed identity."""
+    base = ["qk-norm-rope", "--device", "cpu", "--heads", "4,2,32", "--num-tokens", "2",
+            "--kinds", "fused", "--iters", "2", "--graph-calls", "1", "--time-budget", "0.01",
+            "--kv-cache-dtypes", "fp8_e4m3,auto"]
+    for extra, want in (([], None), (["--fp8-scales", "1,0.5"], [1.0, 0.5])):
+        out = tmp_path / f"{len(extra)}.json"
+        assert main(base + extra + ["--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert {r["kv_cache_dtype"]: r.get("fp8_scales") for r in rows} == {
+            "fp8_e4m3": want, "auto": None}, rows
 
 
 @pytest.mark.parametrize("argv", [["--implementation", "all"], ["rope"], []])

@@ -279,6 +279,29 @@ long long kvw_nvfp4_parts(const float* x, float k, long long n, int e, unsigned 
   if (e == 8) return parts<8>(x, k, n, data, scales);
   return parts<16>(x, k, n, data, scales);
 }
+// n groups of 16 (16-bit values) through nvfp4_kv_kernel's rule: nvfp4_group_rule<1> from the
+// group's nvfp4_amax_nan, its reciprocals computed (table = 0) or looked up in a table built as
+// the kernel's TABLE build builds it (S = 0..0x7E; the entry 0x7F, a NaN amax's, holds a value
+// here that would show in the bytes if a group kept it).
+long long kvw_nvfp4_kv_groups(const float* x, float k, long long n, int table,
+                              unsigned char* data, unsigned char* scales) {
+  float tab[128];
+  for (u32 S = 0; S < 127; ++S) tab[S] = nvfp4_scale_rcp(S, k);
+  tab[127] = 1e30f;
+  const Nvfp4Den d6 = nvfp4_den(mul_rn(k, 6.0f));
+  for (long long g = 0; g < n; ++g) {
+    float v[16];
+    u32 w[2];
+    for (int i = 0; i < 16; ++i) v[i] = x[16 * g + i];
+    const float a = nvfp4_amax_nan(v);
+    const u32 S = table ? nvfp4_group_rule<1>(v, a, d6, [&](u32 c) { return tab[c & 127]; }, w)
+                        : nvfp4_group_rule<1>(v, a, d6,
+                                              [k](u32 c) { return nvfp4_scale_rcp(c, k); }, w);
+    __builtin_memcpy(data + 8 * g, w, 8);
+    scales[g] = S;
+  }
+  return 0;
+}
 // nvfp4_amax_nan16 (bfloat16 words) against nvfp4_amax_nan of the widened floats for n groups of
 // 8 words: the number that differ (NaN equals NaN), the first in *first_bad.
 long long kvw_nvfp4_amax16(const unsigned* w, long long n, long long* first_bad) {
@@ -328,6 +351,7 @@ def host_lib(tmp_path_factory):
     so.kvw_nvfp4_sweep.restype = ctypes.c_longlong
     so.kvw_nvfp4_parts.restype = ctypes.c_longlong
     so.kvw_nvfp4_amax16.restype = ctypes.c_longlong
+    so.kvw_nvfp4_kv_groups.restype = ctypes.c_longlong
     return so
 
 
@@ -399,6 +423,32 @@ def test_host_c_part_rule_matches_reference(host_lib, e):
         bad = torch.nonzero((data != want).any(1) | (sc != S)).flatten()
         assert bad.numel() == 0, (
             f"k={k} e={e}: {bad.numel()} groups differ; first {x[bad[0]].tolist()}: got "
+            f"{data[bad[0]].tolist()} S {int(sc[bad[0]]):#x}, want {want[bad[0]].tolist()} S "
+            f"{int(S[bad[0]]):#x}")
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["computed", "table"])
+def test_host_c_kv_rule_matches_reference(host_lib, table):
+    """The wide calls' kernel's rule (nvfp4_kv_kernel: kvw/nvfp4.cuh's nvfp4_group_rule, the fast
+    path first and one rare branch; one quotient correction, as for 16-bit inputs) with its
+    reciprocals computed or from the per-CTA table, against the reference: random and special
+    bfloat16 groups, many scales."""
+    for k in SCALES:
+        k = torch.tensor(k, dtype=torch.float32).item()
+        x = torch.cat([_rule_groups(2000, 3), _groups_tensor(special_groups(k))])
+        x = x.to(torch.bfloat16).float().contiguous()
+        codes, S = quantize_groups(x, k, False)
+        want = pack_codes(codes)
+        n = x.shape[0]
+        data = torch.zeros(n, 8, dtype=torch.uint8)
+        sc = torch.zeros(n, dtype=torch.uint8)
+        host_lib.kvw_nvfp4_kv_groups(ctypes.c_void_p(x.data_ptr()), ctypes.c_float(k),
+                                     ctypes.c_longlong(n), int(table),
+                                     ctypes.c_void_p(data.data_ptr()),
+                                     ctypes.c_void_p(sc.data_ptr()))
+        bad = torch.nonzero((data != want).any(1) | (sc != S)).flatten()
+        assert bad.numel() == 0, (
+            f"k={k} table={table}: {bad.numel()} groups differ; first {x[bad[0]].tolist()}: got "
             f"{data[bad[0]].tolist()} S {int(sc[bad[0]]):#x}, want {want[bad[0]].tolist()} S "
             f"{int(S[bad[0]]):#x}")
 
@@ -947,13 +997,14 @@ def pdl_sass(tmp_path_factory):
 
 
 def test_every_cuda_variant_compiles_and_its_pdl_build_waits_first(pdl_sass):
-    """Every variant compiles with NVRTC for sm_90 (46: nvfp4_kernel by dtype x MODE x slot type
+    """Every variant compiles with NVRTC for sm_90 (70: nvfp4_kernel by dtype x MODE x slot type
     x rule, 28, MODE 2 only for "nvfp4" with 16-bit inputs; nvfp4_small_kernel by dtype x slot
-    type x 4, 8 or 16 elements a thread, 18); in its PDL build the trigger and the wait (PREEXIT,
-    ACQBULK) come before the first global access."""
+    type x 4, 8 or 16 elements a thread, 18; nvfp4_kv_kernel by 16-bit dtype x slot type x 32- or
+    64-bit offsets x (table with one or two groups of each side, or neither), 24); in its PDL
+    build the trigger and the wait (PREEXIT, ACQBULK) come before the first global access."""
     import sass as sass_tools
     names, text = pdl_sass
-    assert len(names) == 46
+    assert len(names) == 70
     funcs = sass_tools.functions(text)
     assert len(funcs) == len(names)
     sass_tools.assert_waits_first(funcs)
@@ -999,10 +1050,13 @@ def test_every_cuda_variant_issues_its_loads_before_any_wait(pdl_sass):
 
 
 def _tuning(**kw):
-    """A CudaTuning with the kernel shapes fixed (not the environment's defaults)."""
+    """A CudaTuning with the kernel shapes fixed (not the environment's defaults; no wide tier
+    unless asked: mid_call_groups=0 makes a call large)."""
     return _cuda_impl().CudaTuning(**{"small_elems": 4, "pair_groups": True, "pair_min_ctas": 4,
                                       "small_call_groups": 4096, "mid_call_groups": 1 << 18,
-                                      "mid_elems": 16, **kw})
+                                      "mid_elems": 16, "wide_call_groups": 0,
+                                      "wide_elems": 32, "kv_min_ctas": 0, "kv_table": True,
+                                      "kv_groups": 1, **kw})
 
 
 def _plan_of(case: Nvfp4Case, **kw):
@@ -1012,6 +1066,7 @@ def _plan_of(case: Nvfp4Case, **kw):
 
 
 _BIG = dict(num_tokens=300, num_heads=8, head_size=128, num_blocks=20)
+_WIDE = {"mid_call_groups": 0, "wide_call_groups": 1 << 40}  # a 300-token call is a wide one
 
 
 @pytest.mark.parametrize("case, kw, name, threads, per_token", [
@@ -1058,6 +1113,41 @@ _BIG = dict(num_tokens=300, num_heads=8, head_size=128, num_blocks=20)
      "nvfp4_kernel<2, 1, long long, false>", 256, 64),
     (Nvfp4Case(**_BIG, pad=8), {"mid_call_groups": 0}, "nvfp4_kernel<1, 1, long long, false>",
      256, 64),
+    # Wide calls (mid_call_groups 0, wide_call_groups past the call): one thread a group of K
+    # and V for "nvfp4" with 16-bit inputs and MODE 1's alignment, 256-thread CTAs with the
+    # table; 32-bit offsets where the views fit them.
+    (Nvfp4Case(**_BIG), _WIDE, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),
+    (Nvfp4Case(**_BIG, dtype=torch.float16, slot_dtype=torch.int32, layout="HND"), _WIDE,
+     "nvfp4_kv_kernel<0, int, true, true, 1>", 256, 64),
+    (Nvfp4Case(**_BIG, pad=8), _WIDE, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_table": False, "threads": 128},
+     "nvfp4_kv_kernel<1, long long, true, false, 1>", 128, 64),
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_off32": False},
+     "nvfp4_kv_kernel<1, long long, false, true, 1>", 256, 64),
+    (Nvfp4Case(**_BIG), {**_WIDE, "wide_elems": 0}, "nvfp4_kernel<1, 2, long long, false>", 256,
+     32),  # wide_elems=0: the large calls' kernel, as before the wide tier
+    (Nvfp4Case(**_BIG), {**_WIDE, "wide_elems": 16}, "nvfp4_small_kernel<1, long long, 16>", 256,
+     128),
+    (Nvfp4Case(**_BIG), {"mid_elems": 32}, "nvfp4_kv_kernel<1, long long, true, true, 1>", 256,
+     64),
+    # kv_groups=2: two adjacent groups of each side a thread where MODE 2 could take them.
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_groups": 2}, "nvfp4_kv_kernel<1, long long, true, true, 2>",
+     256, 32),
+    (Nvfp4Case(**{**_BIG, "head_size": 48}), {**_WIDE, "kv_groups": 2},
+     "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 24),
+    (Nvfp4Case(**_BIG, pad=8), {**_WIDE, "kv_groups": 2},
+     "nvfp4_kv_kernel<1, long long, true, true, 1>", 256, 64),  # data 8-byte aligned only
+    (Nvfp4Case(**_BIG), {**_WIDE, "kv_groups": 2, "kv_table": False},
+     "nvfp4_kv_kernel<1, long long, true, false, 1>", 256, 64),  # two groups: the table's
+    # ... float32 inputs: one group of one side a thread; 4over6 and unaligned: nvfp4_kernel.
+    (Nvfp4Case(**_BIG, dtype=torch.float32), _WIDE, "nvfp4_small_kernel<2, long long, 16>", 256,
+     128),
+    (Nvfp4Case(**_BIG, kv_cache_dtype="nvfp4_4over6"), _WIDE,
+     "nvfp4_kernel<1, 1, long long, true>", 256, 64),
+    (Nvfp4Case(**_BIG, misaligned=True), _WIDE, "nvfp4_kernel<1, 0, long long, false>", 256, 64),
+    # Past wide_call_groups: the large calls' kernel.
+    (Nvfp4Case(**_BIG), {"mid_call_groups": 0, "wide_call_groups": 19199},
+     "nvfp4_kernel<1, 2, long long, false>", 256, 32),
 ])
 def test_cuda_plan(case, kw, name, threads, per_token):
     p = _plan_of(case, **kw)
@@ -1087,10 +1177,18 @@ def test_cuda_cta_size_shrinks_for_few_ctas():
 def test_cuda_tuning_rejects_bad_values():
     with pytest.raises(ValueError, match="small_elems: expected 0, 4, 8 or 16, got 2"):
         _tuning(small_elems=2)
-    with pytest.raises(ValueError, match="mid_elems: expected 0, 4, 8 or 16, got 32"):
-        _tuning(mid_elems=32)
+    with pytest.raises(ValueError, match="small_elems: expected 0, 4, 8 or 16, got 32"):
+        _tuning(small_elems=32)
+    with pytest.raises(ValueError, match="mid_elems: expected 0, 4, 8, 16 or 32, got 24"):
+        _tuning(mid_elems=24)
+    with pytest.raises(ValueError, match="wide_elems: expected 0, 4, 8, 16 or 32, got 2"):
+        _tuning(wide_elems=2)
     with pytest.raises(ValueError, match="pair_min_ctas: expected 0 to 8, got 9"):
         _tuning(pair_min_ctas=9)
+    with pytest.raises(ValueError, match="kv_min_ctas: expected 0 to 8, got -1"):
+        _tuning(kv_min_ctas=-1)
+    with pytest.raises(ValueError, match="kv_groups: expected 1 or 2, got 4"):
+        _tuning(kv_groups=4)
 
 
 @needs_nvrtc
@@ -1164,8 +1262,9 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
       (a warp's store 512 contiguous bytes) and four scale bytes; eight 16-byte L1-cached row
       loads (LDG.CONSTANT, not volatile: a group's two halves are one sector fetch); at most 64
       registers (4 CTAs of 256 threads an SM) with at most 8 bytes spilled; the amax of the raw
-      bfloat16 words by the 16-bit SIMD maximum; the E2M1 lines' minimum as one VIMNMX3 an
-      element (64 fast, 64 in the general path); about 420 instructions a group on the fast
+      bfloat16 words by the 16-bit SIMD maximum of magnitudes (HMNMX2); the E2M1 lines' minimum
+      as one VIMNMX3 an element (64 fast, 64 in the general path); about 420 instructions a
+      group on the fast
       path (nvfp4_kernel before: about 550, 63 registers, two 8-byte stores, volatile loads);
     - the same with pair_groups=False (MODE 1): one group a thread, two 8-byte stores;
     - small calls (nvfp4_small_kernel, 4 elements a thread): one 8-byte row load, one 2-byte
@@ -1182,8 +1281,7 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
                                   "LDG.E.CONSTANT": 2}
     assert regs <= 64 and spill <= 8, (regs, spill)
     assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 128}
-    simd = sum(_count(ops, "VIMNMX.U16x2", "VIMNMX3.U16x2").values())
-    assert simd >= 4 * 4, _count(ops, "VIMNMX")  # 4 groups, 8 words each
+    assert _count(ops, "HMNMX2") == {"HMNMX2.BF16_V2.NAN.XORSIGN": 4 * 8}  # 4 groups, 7 + 1
     assert len(ops) <= 1600, len(ops)
 
     # pair_min_ctas=0 (no register bound): no spill, 3 CTAs of 256 an SM.
@@ -1214,7 +1312,7 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
                                   "LDG.E.CONSTANT": 1}  # row, slot, k or v
     assert not _count(ops, "SHFL", "VOTE", "MATCH", "WARPSYNC", "BRA.DIV", "REDUX"), ops
     assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 32}
-    assert sum(_count(ops, "VIMNMX.U16x2", "VIMNMX3.U16x2").values()) >= 4
+    assert _count(ops, "HMNMX2") == {"HMNMX2.BF16_V2.NAN.XORSIGN": 8}
     assert regs <= 32 and spill == 0, (regs, spill)
     assert len(ops) <= 470, len(ops)
 
@@ -1234,6 +1332,76 @@ def test_machine_code_shape_of_the_benchmark_builds(tmp_path):
             p, ops, regs, spill = _build_shape(
                 Nvfp4Case(num_tokens=t, layout=layout, slot_dtype=slot, **_BENCH), tmp_path, **kw)
             assert p.name.startswith(name), p.name
+
+
+@needs_nvrtc
+def test_machine_code_shape_of_the_wide_builds(tmp_path):
+    """The wide calls' kernel (nvfp4_kv_kernel) for the benchmark shape, sm_90 bfloat16: a thread
+    loads its group of K and of V (four 16-byte L1-cached loads) and the slot, stores two 8-byte
+    code words and two scale bytes; the amax of each group by the 16-bit SIMD maximum of
+    magnitudes (HMNMX2 max.NaN.xorsign.abs: 7 + 1 a group, no mask of each word); one VIMNMX3 an
+    element on the fast path and one in the general path. With its table: one entry stored per
+    thread (STS, or STS.128 and an STS for the scale constants), one barrier, the two sides' constants and
+    reciprocals loaded (2 LDS.128 + 2 LDS, and 2 more LDS in the general path), MUFU only in
+    the entry (2), at most 48 registers and no spill; all loads before the first wait. Without
+    the table, 64-bit offsets and a bound of 6 CTAs: every thread's scale constants and
+    reciprocals (6 MUFU), at most 40 registers. Two groups of each side a thread: see below."""
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path, **_WIDE)
+    assert p.name == "nvfp4_kv_kernel<1, long long, true, true, 1>"
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 4, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 2}
+    assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
+    assert _count(ops, "HMNMX2") == {"HMNMX2.BF16_V2.NAN.XORSIGN": 16}
+    assert _count(ops, "VIMNMX3.U32") == {"VIMNMX3.U32": 64}
+    assert _count(ops, "LDS", "STS", "BAR", "MUFU") == {
+        "LDS": 4, "LDS.128": 2, "STS": 2, "STS.128": 1, "BAR.SYNC.DEFER_BLOCKING": 1,
+        "MUFU.RCP": 2}
+    assert regs <= 48 and spill == 0, (regs, spill)
+    assert len(ops) <= 850, len(ops)
+    p, ops, regs, spill = _build_shape(
+        Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+        extra_macros=[("KVW_NVFP4_KV_MIN_CTAS", "6")],
+        **{**_WIDE, "kv_table": False, "kv_off32": False})
+    assert p.name == "nvfp4_kv_kernel<1, long long, false, false, 1>"
+    assert _count(ops, "STG") == {"STG.E.64": 2, "STG.E.U8": 2}
+    assert not _count(ops, "LDS", "STS", "BAR")
+    assert _count(ops, "MUFU") == {"MUFU.RCP": 6}
+    assert regs <= 40, regs
+    # kv_groups=2: two groups of each side, one 16-byte store of codes a side and four scale
+    # bytes; eight row loads; at most 64 registers (4 CTAs) and no spill.
+    p, ops, regs, spill = _build_shape(Nvfp4Case(num_tokens=300, **_BENCH), tmp_path,
+                                       **{**_WIDE, "kv_groups": 2})
+    assert p.name == "nvfp4_kv_kernel<1, long long, true, true, 2>"
+    assert _count(ops, "LDG") == {"LDG.E.128.CONSTANT": 8, "LDG.E.64.CONSTANT": 1,
+                                  "LDG.E.CONSTANT": 2}
+    assert _count(ops, "STG") == {"STG.E.128": 2, "STG.E.U8": 4}
+    assert _count(ops, "HMNMX2") == {"HMNMX2.BF16_V2.NAN.XORSIGN": 32}
+    assert regs <= 64 and spill == 0, (regs, spill)
+
+
+def test_wide_kernel_offsets_fit_32_bits_by_the_views_spans():
+    """nvfp4_kv_kernel's OFF32 is planned where every byte offset into each view (from its own
+    pointer) is below 2^32."""
+    import types
+    cuda_impl = _cuda_impl()
+
+    def view(shape, stride):
+        return types.SimpleNamespace(shape=shape, stride=lambda: stride)
+
+    small = view((4, 16, 8, 64), (18432, 512, 64, 1))
+    assert cuda_impl._fits_32_bits(small, small)
+    edge = view((2, 2), (1 << 31, 1))  # largest offset 2^31 + 1
+    assert cuda_impl._fits_32_bits(edge)
+    over = view((3, 16, 8, 64), ((1 << 31) - 1, 512, 64, 1))  # 2 * (2^31 - 1) + 8191 >= 2^32
+    assert not cuda_impl._fits_32_bits(small, over)
+
+
+def test_call_size_tiers():
+    """Small, mid-sized, wide and large calls by groups of K (H=8, D=128: 64 groups a token)."""
+    cuda_impl = _cuda_impl()
+    t = _tuning(mid_call_groups=1 << 16, wide_call_groups=1 << 18)
+    assert [cuda_impl.call_size(n, 64, t) for n in (64, 65, 1024, 1025, 4096, 4097)] == [
+        0, 1, 1, 3, 3, 2]
 
 
 @needs_nvrtc
@@ -1400,7 +1568,8 @@ def _every_16_bit_groups(dtype: torch.dtype) -> torch.Tensor:
 # Kernel shapes the GPU tests force (cuda_impl.CudaTuning fields): the default plan, the large
 # calls' kernel on every call with two groups a thread and with one, the small calls' kernel on
 # every call with 4 and 8 elements a thread, the mid-sized calls' shape (spread CTAs) with 16 and
-# 8, and the large calls' kernel with small CTAs.
+# 8, the wide calls' kernel (K and V a thread) with its table and 32-bit offsets and without
+# either (64-thread CTAs, 40 registers), and the large calls' kernel with small CTAs.
 _SHAPES = {
     "default": {},
     "generic": {"specialize": False},
@@ -1409,6 +1578,13 @@ _SHAPES = {
     "big-single": {"small_call_groups": 0, "mid_call_groups": 0, "pair_groups": False},
     "mid-e16": {"small_call_groups": 0, "mid_call_groups": 1 << 40, "mid_elems": 16},
     "mid-e8": {"small_call_groups": 0, "mid_call_groups": 1 << 40, "mid_elems": 8},
+    "wide-kv": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40},
+    "wide-kv-plain": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
+                      "kv_table": False, "kv_off32": False, "kv_min_ctas": 6, "threads": 64},
+    "wide-kv2": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
+                 "kv_groups": 2},
+    "wide-kv2-off64": {"small_call_groups": 0, "mid_call_groups": 0, "wide_call_groups": 1 << 40,
+                       "kv_groups": 2, "kv_off32": False},
     "small-e4": {"small_call_groups": 1 << 40, "small_elems": 4, "small_threads": 32},
     "small-e8": {"small_call_groups": 1 << 40, "small_elems": 8},
     "small-ctas": {"small_call_groups": 1 << 40, "small_elems": 0, "small_threads": 32},

@@ -823,9 +823,10 @@ def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_ca
     """The small-call builds (units of 8 and 4 elements) use the fp8 scales only after the
     rotation; their loads must still be issued before the table's, not sunk to that use (a
     memory round trip more per call). ptxas sank plain loads there in the build with the fixed
-    arguments compiled in (tuning-log change 48), so they are volatile loads: the first 4-byte
-    load comes before the first 16-byte read-only load (the table's), in the generic and the
-    specialized build."""
+    arguments compiled in (tuning-log change 48), so they are loaded where they stand
+    (kvw/vec_io.cuh's load_scale, an asm volatile ld.global.nc): the first 4-byte load comes
+    before the first 16-byte read-only load (the table's), in the generic and the specialized
+    build."""
     rope_cuda, fused_cuda = _cuda_modules()
     from kvwrite.kernels import nvrtc
     case = RopeCase(num_tokens=16, num_q_heads=32, num_heads=8, head_size=128,
@@ -846,8 +847,8 @@ def test_cuda_fused_small_call_build_loads_the_fp8_scales_before_the_table(kv_ca
 
 
 def _row_load(text: str) -> bool:
-    """A row's load in the RoPE kernels: the volatile loads of query, key and value chunks (and
-    the fp8 scales), which must not wait for the position's or slot's load."""
+    """A row's load in the RoPE kernels: the volatile loads of query, key and value chunks, which
+    must not wait for the position's or slot's load."""
     return "STRONG.SYS" in text
 
 

@@ -7,8 +7,9 @@ of the written allocations: padding and out-of-range slots, inputs and pages tha
 8-byte aligned (the element-wise build), HND pages with swizzled V scales, FlashInfer's padded
 and stacked tensors with Python-number scales, input rows past T, slices of a fused qkv, block
 sizes that are not powers of two, the 4over6 rule, more tokens than one resident wave, the
-small calls' kernel with a partial last warp, the mid-sized calls' one group of one side a thread
-and the large calls' two groups a thread.
+small calls' kernel with a partial last warp, the mid-sized calls' one group of one side a thread,
+the wide calls' group of K and V a thread (with its per-CTA table and threads past the last
+token) and the large calls' two groups a thread.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ CASES = [
     # A mid-sized call (12600 groups of K): one group of one side a thread (HND, D/16 = 6).
     Nvfp4Case(num_tokens=700, num_heads=3, head_size=96, layout="HND", num_blocks=50,
               padding_slots=5, out_of_range_slots=7, special_values=True),
+    # A wide call (2^16 < 127360 <= 2^18 groups of K: 1990 tokens of 64): a group of K and V a
+    # thread, the last CTA part past the last token; swizzled V scales, special values.
+    Nvfp4Case(num_tokens=1990, num_heads=8, head_size=128, num_blocks=130,
+              v_scale_layout="swizzled", padding_slots=20, out_of_range_slots=30,
+              special_values=True),
     # A large call (360000 groups of K): two groups a thread, out-of-range and padding slots.
     Nvfp4Case(num_tokens=20_000, num_heads=3, head_size=96, layout="HND", num_blocks=1300,
               padding_slots=50, out_of_range_slots=70, special_values=True),

@@ -13,7 +13,8 @@ gemma-3-27b (32, 16, 128, (1 + w)), from their config.json; or ``--heads Hq,Hk,D
 qkv from ``torch.randn`` (RNGs seeded with 42), random positions below the cos/sin table's rows
 (the model's context window by default; or the sequences' positions with a decode, prefill or
 mixed ``--slots``), the table in qkv's dtype by default (``--cos-sin-dtype``), weights
-``1 + randn/8``, fp8 scales 0.05/0.04.
+``1 + randn/8``, fp8 scales 0.05/0.04 (``--fp8-scales K,V`` sets others, e.g. vLLM's usual 1,1;
+on an H200 the fused call's time did not depend on them: tuning-log 83).
 
 The defaults cover issue #42's configuration: Qwen3-8B, bf16 qkv ``[T, 48*128]``, a bf16 table
 ``[40960, 128]``, a cache of ``max(256, 2T/16)`` blocks of 16 with random unique slots, auto and
@@ -86,6 +87,7 @@ def parse_models(text: str) -> list[str]:
         return name
     return parse_list(text, "--model", convert=one)
 KINDS = ("fused", "pair", "norm_rope")
+DEFAULT_FP8_SCALES = (0.05, 0.04)  # fused_rope_and_reshape_cache_flash's bench's (fp8_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Point(HeadsPoint):
     max_position: int
     model: str
     slots: SlotPattern
+    fp8_scales: tuple[float, float] = DEFAULT_FP8_SCALES
 
 
 def point_bytes(p: Point, kind: str) -> int:
@@ -148,6 +151,9 @@ class QkNormRopeBench(OpBench):
                             "pattern needs where that is more "
                             "(default: 256: max(256, 2*T/16) blocks of 16 with random slots)")
         g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
+        g.add_argument("--fp8-scales", default="0.05,0.04",
+                       help="K,V: the fp8 caches' k_scale and v_scale (default: 0.05,0.04; "
+                            "other values are a param of the rows)")
 
     def configure(self, args, device) -> None:
         if "model" in args.explicit and "heads" not in args.explicit:
@@ -181,11 +187,18 @@ class QkNormRopeBench(OpBench):
                                   convert=parse_kv_cache_dtype)
         args.layout_list = parse_layout_names(args.layouts, "--layouts")
         args.pattern = slot_pattern(args, None if args.slots == "random" else args.max_position)
+        try:
+            k_s, v_s = (float(x) for x in args.fp8_scales.split(","))
+        except ValueError:
+            raise ValueError(f"--fp8-scales: expected K,V (two numbers), got "
+                             f"{args.fp8_scales!r}") from None
+        args.fp8_scale_pair = (k_s, v_s)
 
     def points(self, args) -> list:
         return [Point(args.dtype_t, kv, hq, h, d, wo, layout, args.cos_sin_t, t,
                       args.pattern.cache_blocks(t, args.block_size, args.num_blocks),
-                      args.block_size, args.positions[model], model, args.pattern)
+                      args.block_size, args.positions[model], model, args.pattern,
+                      args.fp8_scale_pair)
                 for model, (hq, h, d, wo) in args.shapes for kv in args.kv_list
                 for layout in args.layout_list for t in args.token_counts]
 
@@ -197,7 +210,10 @@ class QkNormRopeBench(OpBench):
                     num_q_heads=p.num_q_heads, num_heads=p.num_heads, head_size=p.head_size,
                     weight_offset=p.weight_offset, num_blocks=p.num_blocks,
                     block_size=p.block_size, max_position=p.max_position,
-                    **engine.slot_params(p.slots))
+                    **engine.slot_params(p.slots),
+                    # Only where asked for: the committed rows (0.05, 0.04) keep their identity.
+                    **({"fp8_scales": list(p.fp8_scales)} if p.cache_dtype.is_fp8 and
+                       p.fp8_scales != DEFAULT_FP8_SCALES else {}))
 
     def header(self, args, points) -> list[str]:
         shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
@@ -205,7 +221,9 @@ class QkNormRopeBench(OpBench):
         table = str(args.cos_sin_t).removeprefix("torch.")
         rows = ", ".join(sorted({str(v) for v in args.positions.values()}))
         return [f"shape: {shapes}, neox, eps={EPS}, block_size={args.block_size}, cos/sin table "
-                f"{table} [{rows}, D]",
+                f"{table} [{rows}, D]" + (
+                    f", fp8 scales k={args.fp8_scale_pair[0]} v={args.fp8_scale_pair[1]}"
+                    if any(kv.is_fp8 for kv in args.kv_list) else ""),
                 engine.slots_line(args.pattern, points, args.num_blocks, args.block_size,
                                   grown=True),
                 "bytes per call: fused = T*(2*(Hq + Hk)*D*e + D*s + 16) + N*(Hv*D*e + 2*Hk*D*c); "
@@ -242,7 +260,10 @@ class QkNormRopeBench(OpBench):
         table = cos_sin_table(p.max_position, p.head_size, p.cos_sin_dtype, device=device)
         w = [(1 + torch.randn(p.head_size, device=device, generator=gen) / 8).to(p.dtype)
              for _ in range(2)]
-        return p, sets, make_caches(p, device, gen), table, w, fp8_scales(p, device), device
+        scales = fp8_scales(p, device)
+        if scales[0] is not None:
+            scales = tuple(torch.full((1,), s, device=device) for s in p.fp8_scales)
+        return p, sets, make_caches(p, device, gen), table, w, scales, device
 
     def _caller(self, ctx, kind: str, impl: str, sets=None, caches=None):
         p, default_sets, default_caches, table, (qw, kw), (ks, vs), _ = ctx

@@ -80,9 +80,9 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
             static_cast<i64>(j) * qkv_head_stride * IB;
   const bool cached = !is_q && t < static_cast<u64>(num_tokens);
   // The rows first (volatile: not sunk below the position's test; a key group's value row too,
-  // Hk heads after its key), then the scales (volatile: used only after the rotation, but needed
-  // in flight now), the weights, and the position and slot (load_index: nothing computed from
-  // them placed before the rows' loads).
+  // Hk heads after its key), then the scales (load_scale: used only after the rotation, but
+  // needed in flight now), the weights, and the position and slot (load_index: nothing computed
+  // from them placed before the rows' loads).
   const QknRow<IN, E, V> x = qkn_load_row<IN, LY, V>(row, i0, head_size);
   QknRow<IN, E, V> v = qkn_zero_row<IN, E, V>();
   if (cached) v = qkn_load_row<IN, LY, V>(row + num_k_heads * qkv_head_stride * IB, i0, head_size);
@@ -91,14 +91,11 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   float k_s = 0.0f, v_s = 0.0f, q_s = 0.0f;
   if constexpr (FP8) {
     const i64 hk = is_q ? 0 : h;
-    k_s = __uint_as_float(load_raw_volatile<4>(
-        reinterpret_cast<const u8*>(k_scale + hk * k_scale_stride)).w[0]);
-    v_s = __uint_as_float(load_raw_volatile<4>(
-        reinterpret_cast<const u8*>(v_scale + hk * v_scale_stride)).w[0]);
+    k_s = load_scale(k_scale + hk * k_scale_stride);
+    v_s = load_scale(v_scale + hk * v_scale_stride);
   }
   if constexpr (QFP8) {
-    q_s = __uint_as_float(load_raw_volatile<4>(
-        reinterpret_cast<const u8*>(q_scale + (is_q ? h : 0) * q_scale_stride)).w[0]);
+    q_s = load_scale(q_scale + (is_q ? h : 0) * q_scale_stride);
   }
   const i64 pos = static_cast<i64>(load_index(positions + t));
   const i64 s = cached ? static_cast<i64>(load_index(slot_mapping + t)) : -1;

@@ -130,11 +130,9 @@ __global__ void __launch_bounds__(256, MIN_BLOCKS) fused_rope_cache_kernel(
       // The small-call build uses the scales only after the rotation. With plain loads ptxas
       // may sink them to that use, a memory round trip after the table's: it did in the build
       // with the fixed arguments compiled in (GQA(32,8,128) fp8 T=1, hot, 1.62 -> 1.66 us
-      // instead of faster; tuning-log change 48). ld.volatile keeps them here.
-      k_s = __uint_as_float(load_raw_volatile<4>(
-          reinterpret_cast<const u8*>(k_scale + h * k_scale_stride)).w[0]);
-      v_s = __uint_as_float(load_raw_volatile<4>(
-          reinterpret_cast<const u8*>(v_scale + h * v_scale_stride)).w[0]);
+      // instead of faster; tuning-log change 48). load_scale keeps them here.
+      k_s = load_scale(k_scale + h * k_scale_stride);
+      v_s = load_scale(v_scale + h * v_scale_stride);
     }
   }
   u8* krow = key + t * k_stride * IB + h * k_head_stride * IB;

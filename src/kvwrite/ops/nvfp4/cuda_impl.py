@@ -10,6 +10,9 @@ Two kernels (see ``kernel.cu``), both with the same arguments:
 - ``nvfp4_small_kernel<IN, SlotT, E>``: small and mid-sized calls (``CudaTuning``'s
   ``small_call_groups`` and ``mid_call_groups``) of the "nvfp4" rule with MODE 1's alignment:
   each group of one side spread over 16 / E threads of E elements, for a short chain per thread.
+- ``nvfp4_kv_kernel<IN, SlotT, OFF32>``: wide calls (``CudaTuning.wide_call_groups``) of the
+  "nvfp4" rule with 16-bit inputs and MODE 1's alignment: one thread a group of K and of V, each
+  side's rule in turn, at most 40 registers; OFF32: the views' byte offsets fit 32 bits.
 
 Whether V's scales are swizzled is an argument. By default each call signature gets its own build
 with the arguments fixed by the views and the inputs' layout compiled in
@@ -45,6 +48,10 @@ FIXED_ARGS = ("key_stride", "value_stride", "groups", "head_groups", "kd_sb", "k
 # nvfp4_kernel's MODE: element accesses; 16-byte loads and 8-byte stores; two groups a thread.
 MODE_UNALIGNED, MODE_ALIGNED, MODE_PAIR = 0, 1, 2
 SMALL_ELEMS = (4, 8, 16)  # nvfp4_small_kernel's E
+KV_KERNEL = "nvfp4_kv_kernel"
+KV_TABLE_THREADS = 256  # nvfp4_kv_kernel's CTA size with its per-CTA table
+KV_ELEMS = 32  # the *_elems value that selects nvfp4_kv_kernel (16 elements of K and 16 of V)
+MODE_SMALL, MODE_KV = -1, -2  # Plan.mode of nvfp4_small_kernel and nvfp4_kv_kernel
 
 # Element kinds, as DT_* in kvw/common.cuh.
 _F16, _BF16, _F32 = range(3)
@@ -100,6 +107,41 @@ class CudaTuning(launch.PdlPolicy):
         default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_CALL_GROUPS", 1 << 16))
     mid_elems: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_MID_ELEMS", 16))
+    # Wide calls (more than mid_call_groups groups of K, at most wide_call_groups: 4096 tokens of
+    # H=8, D=128, 256 of H=128) take wide_elems: 32 (16 elements of K and 16 of V), for "nvfp4"
+    # with 16-bit inputs and aligned inputs and data, nvfp4_kv_kernel (a group of K and V a
+    # thread, or two: kv_groups); 4, 8 or 16 nvfp4_small_kernel as mid_elems (which also takes
+    # 32); 0: nvfp4_kernel as the large calls (before the wide tier). At 2^18 groups (H=8
+    # T=4096, H=128 T=256) the measured shapes (tuning-log 79) issue, a group of one side on the
+    # fast path (sm_90 bfloat16): MODE 2 ~220 (32 warps an SM, one wave; 6.08 µs), one group of
+    # K and V a thread ~234 (64 registers; 5.98), 16 elements ~293 (6.35); fp8 5.07.
+    # nvfp4_kv_kernel: ~224 with 40 warps an SM, ~193 with kv_groups=2 (32 warps). Not measured.
+    # KVWRITE_NVFP4_WIDE_CALL_GROUPS and KVWRITE_NVFP4_WIDE_ELEMS set the defaults.
+    wide_call_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_WIDE_CALL_GROUPS", 1 << 18))
+    wide_elems: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_WIDE_ELEMS", KV_ELEMS))
+    # nvfp4_kv_kernel's minimum of resident 256-thread CTAs an SM (__launch_bounds__): 0, no
+    # bound (48 registers in the bfloat16 build: 5 CTAs, 40 warps an SM); 6 caps it at 40 (48
+    # warps, 8-12 bytes spilled). KVWRITE_NVFP4_KV_MIN_CTAS sets the default. Not measured.
+    kv_min_ctas: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_KV_MIN_CTAS", 0))
+    # nvfp4_kv_kernel's TABLE: the scale constants and reciprocals once per CTA in shared memory
+    # (about 25 instructions a thread less); False: each thread computes its own.
+    # KVWRITE_NVFP4_KV_TABLE=0 sets False.
+    kv_table: bool = dataclasses.field(
+        default_factory=lambda: nvrtc.env_flag("KVWRITE_NVFP4_KV_TABLE", "1"))
+    # nvfp4_kv_kernel's OFF32 where the views' byte offsets fit 32 bits; False: 64-bit offsets
+    # always (tests force that build, which large caches take).
+    kv_off32: bool = True
+    # nvfp4_kv_kernel's groups of each side a thread: 1, or 2 (adjacent groups of one head, one
+    # 16-byte store of codes a side, as MODE 2, where the data is 16-byte aligned, D % 32 == 0
+    # and kv_table is set; the rule of each group in turn). KVWRITE_NVFP4_KV_GROUPS sets the
+    # default. sm_90 bfloat16, the benchmark's layout, fast path: 1: ~447 instructions a thread
+    # (~224 a group of one side), 48 registers (40 warps an SM); 2: ~771 (~193), 64 registers
+    # (32 warps), no spill (MODE 2: ~859, ~215, 8 bytes spilled). Not measured.
+    kv_groups: int = dataclasses.field(
+        default_factory=lambda: _env_int("KVWRITE_NVFP4_KV_GROUPS", 1))
     # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
     # the data is 16-byte aligned and D % 32 == 0; False: one. KVWRITE_NVFP4_PAIR_GROUPS=0 sets
     # False.
@@ -115,11 +157,17 @@ class CudaTuning(launch.PdlPolicy):
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
 
     def __post_init__(self):
-        for name in ("small_elems", "mid_elems"):
-            if getattr(self, name) not in (0, *SMALL_ELEMS):
-                raise ValueError(f"{name}: expected 0, 4, 8 or 16, got {getattr(self, name)}")
-        if not 0 <= self.pair_min_ctas <= 8:
-            raise ValueError(f"pair_min_ctas: expected 0 to 8, got {self.pair_min_ctas}")
+        if self.small_elems not in (0, *SMALL_ELEMS):
+            raise ValueError(f"small_elems: expected 0, 4, 8 or 16, got {self.small_elems}")
+        for name in ("mid_elems", "wide_elems"):
+            if getattr(self, name) not in (0, *SMALL_ELEMS, KV_ELEMS):
+                raise ValueError(f"{name}: expected 0, 4, 8, 16 or 32, got "
+                                 f"{getattr(self, name)}")
+        if self.kv_groups not in (1, 2):
+            raise ValueError(f"kv_groups: expected 1 or 2, got {self.kv_groups}")
+        for name in ("pair_min_ctas", "kv_min_ctas"):
+            if not 0 <= getattr(self, name) <= 8:
+                raise ValueError(f"{name}: expected 0 to 8, got {getattr(self, name)}")
 
 
 TUNING = CudaTuning()
@@ -139,10 +187,16 @@ def small_kernel_name(in_kind: int, slot_dtype: torch.dtype, elems: int) -> str:
     return f"{SMALL_KERNEL}<{in_kind}, {launch.int_type(slot_dtype)}, {elems}>"
 
 
+def kv_kernel_name(in_kind: int, slot_dtype: torch.dtype, off32: bool, table: bool,
+                   ng: int) -> str:
+    return (f"{KV_KERNEL}<{in_kind}, {launch.int_type(slot_dtype)}, {str(off32).lower()}, "
+            f"{str(table).lower()}, {ng}>")
+
+
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests): nvfp4_kernel in MODE 0 and 1 for both
     rules and MODE 2 for "nvfp4" with 16-bit inputs, nvfp4_small_kernel with 4, 8 and 16
-    elements a thread."""
+    elements a thread, nvfp4_kv_kernel for 16-bit inputs with 32- and 64-bit offsets."""
     names = []
     for slot in (torch.int32, torch.int64):
         for kind in (_F16, _BF16, _F32):
@@ -151,6 +205,9 @@ def all_kernel_names() -> list[str]:
                 modes = (MODE_UNALIGNED, MODE_ALIGNED) + pair
                 names += [kernel_name(kind, mode, slot, fos) for mode in modes]
             names += [small_kernel_name(kind, slot, e) for e in SMALL_ELEMS]
+            if kind != _F32:
+                names += [kv_kernel_name(kind, slot, off32, table, ng) for off32 in (False, True)
+                          for table in (False, True) for ng in ((1, 2) if table else (1,))]
     return names
 
 
@@ -166,7 +223,7 @@ def unsupported(key, k_data, cache_dtype, v_scale_layout) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     name: str
-    mode: int  # nvfp4_kernel's MODE, or -1 for nvfp4_small_kernel
+    mode: int  # nvfp4_kernel's MODE, or MODE_SMALL / MODE_KV
     threads: int  # per CTA
     per_token: int  # threads per token
     fixed: tuple[int, ...]  # key_stride .. v_swizzle (the 20 trailing kernel arguments)
@@ -188,10 +245,17 @@ def is_small_call(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> 
 
 def call_size(num_tokens: int, groups: int, tuning: CudaTuning = TUNING) -> int:
     """0: a small call (``is_small_call``), 1: a mid-sized one (at most ``mid_call_groups``
-    groups of K), 2: a large one."""
+    groups of K), 3: a wide one (at most ``wide_call_groups``), 2: a large one."""
     if is_small_call(num_tokens, groups, tuning):
         return 0
-    return 1 if num_tokens * groups <= tuning.mid_call_groups else 2
+    n = num_tokens * groups
+    return 1 if n <= tuning.mid_call_groups else 3 if n <= tuning.wide_call_groups else 2
+
+
+def _fits_32_bits(*views: torch.Tensor) -> bool:
+    """Whether every byte offset into each byte view (from its own pointer) is below 2^32."""
+    return all(sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True)) < 1 << 32
+               for v in views)
 
 
 def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: CacheDType,
@@ -211,16 +275,29 @@ def plan(key, value, k_data, k_sf, v_data, v_sf, slot_mapping, cache_dtype: Cach
     kind = _KIND[key.dtype]
     size = call_size(slot_mapping.numel(), groups, tuning)
     small = size == 0
-    elems = tuning.small_elems if small else tuning.mid_elems if size == 1 else 0
+    elems = (tuning.small_elems, tuning.mid_elems, 0, tuning.wide_elems)[size]
     fixed = (key.stride(0) if t_pad > 1 else 0, value.stride(0) if t_pad > 1 else 0, groups,
              head_groups, *kd, *ks, *vd, *vs, block_size, launch.log2_or_minus_1(block_size),
              num_blocks * block_size, int(v_scale_layout is ScaleLayout.SWIZZLED))
     threads = tuning.small_threads if small else tuning.threads
     if not in_aligned or data_align < 8:
         mode = MODE_UNALIGNED
+    elif elems == KV_ELEMS and not fos and ib == 2:
+        off32 = (tuning.kv_off32 and _fits_32_bits(k_data, k_sf, v_data, v_sf)
+                 and num_blocks * block_size < 1 << 32)
+        # TABLE: CTAs of 256 threads, one entry of the per-CTA table each (kernel.cu). Two
+        # groups of each side a thread where MODE 2 could take them, with the table only (the
+        # builds without it waited for the scales before some row loads).
+        table = tuning.kv_table
+        ng = 2 if (tuning.kv_groups == 2 and table and data_align == 16
+                   and head_groups % 2 == 0) else 1
+        return Plan(kv_kernel_name(kind, slot_mapping.dtype, off32, table, ng), MODE_KV,
+                    KV_TABLE_THREADS if table else threads, groups // ng, fixed,
+                    spread=not table)
     elif elems and not fos:
-        return Plan(small_kernel_name(kind, slot_mapping.dtype, elems), -1, threads,
-                    2 * groups * (GROUP // elems), fixed, spread=not small)
+        e = min(elems, GROUP)  # 32 (K and V a thread) for float32 inputs: one side a thread
+        return Plan(small_kernel_name(kind, slot_mapping.dtype, e), MODE_SMALL, threads,
+                    2 * groups * (GROUP // e), fixed, spread=not small)
     elif (data_align == 16 and head_groups % 2 == 0 and ib == 2 and not fos
           and tuning.pair_groups):
         mode = MODE_PAIR
@@ -250,6 +327,8 @@ def _launchable(args, tuning) -> launch.Launchable:
     after = ()
     if p.mode == MODE_PAIR and tuning.pair_min_ctas != 4:
         after = (("KVW_NVFP4_PAIR_MIN_CTAS", str(tuning.pair_min_ctas)),)
+    if p.mode == MODE_KV and tuning.kv_min_ctas != 0:
+        after = (("KVW_NVFP4_KV_MIN_CTAS", str(tuning.kv_min_ctas)),)
     kernel, pdl_kernel = launch.load(SOURCE, p.name, p.fixed, index, tuning.specialize,
                                      after=after)
     return launch.Launchable(kernel, pdl_kernel, index, p.fixed, p)

@@ -341,4 +341,174 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
     sf[scol] = static_cast<u8>(S);
   }
 }
+
+// nvfp4_kv_kernel<IN, SlotT, OFF32, TABLE, NG>: wide calls (cuda_impl.CudaTuning's
+// wide_call_groups: about 2^18 groups of K, where nvfp4_small_kernel's one group of one side a
+// thread issues ~290 instructions a group and nvfp4_kernel's MODE 2, ~212 a group in one wave of
+// 32 warps an SM, waits for all its rows before a long chain) of the "nvfp4" rule with 16-bit
+// inputs and MODE 1's alignment: one thread a group of K and of V (thread order: token, group),
+// each side's rule in turn from its raw words (nvfp4_small_kernel's E = 16 rule: the amax by the
+// 16-bit SIMD maximum, nvfp4_part_rule), so that the token's slot, the rows' addresses and the
+// stores' block and offset are paid once for two groups while only the raw words of both are
+// held (48 registers in the bfloat16 build: 5 CTAs of 256 threads an SM); one rare branch a side
+// (nvfp4_group_rule). sm_90, bfloat16, the benchmark's layout, the fast path: ~447 instructions a
+// thread (~224 a group of one side; nvfp4_small_kernel's E = 16 ~288, MODE 1 ~229, MODE 2 ~215).
+// NG = 2: two adjacent groups of each side (MODE 2's conditions, and TABLE), each group's rule in
+// turn: ~771 (~193), 64 registers, no spill.
+// OFF32: every byte offset into the four views fits 32 bits (cuda_impl.py checks their spans):
+//   the stores' offsets are 32-bit products added to each view's pointer.
+// TABLE: the scale's constants (nvfp4_den of RN(6k), RN(6v)) and the reciprocal of every scale
+//   code (nvfp4_scale_rcp, S = 0..0x7E, per side) are computed once per CTA into shared memory,
+//   the CTA's threads one entry each, and looked up (a thread's 2 x 12 instructions of constants
+//   and 2 x 15 of reciprocal become 4 shared loads and its share of the table). Every thread
+//   reaches the barrier: those past the last token leave after it.
+// Order: the scales (TABLE), the slot, the rows, the scales (else; all issued before any wait),
+// the table, the amax, then the slot's test.
+#ifndef KVW_NVFP4_KV_MIN_CTAS
+#define KVW_NVFP4_KV_MIN_CTAS 0  // cuda_impl.CudaTuning.kv_min_ctas
+#endif
+template <bool OFF32>
+struct Nvfp4Off {
+  using T = i64;
+};
+template <>
+struct Nvfp4Off<true> {
+  using T = u32;
+};
+
+// One side's rule of nvfp4_kv_kernel from its raw words and amax (nvfp4_group_amax): the codes
+// (two words) and S.
+template <int IN, typename RcpOf>
+KVW_HD u32 nvfp4_kv_side(const u32 (&w)[4 * elem_bytes(IN)], float a, const Nvfp4Den& den,
+                         RcpOf rcp_of, u32 (&codes)[2]) {
+  float x[16];
+  nvfp4_widen<IN, 16>(w, x);
+  return nvfp4_group_rule<1>(x, a, den, rcp_of, codes);
+}
+
+template <int IN, typename SlotT, bool OFF32, bool TABLE, int NG>
+__global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KVW_NVFP4_PARAMS) {
+  KVW_PDL_ENTRY();
+  KVW_NVFP4_FIXED_PROLOGUE()
+  static_assert(IN != DT_F32, "16-bit inputs");
+  static_assert(NG == 1 || NG == 2, "one or two groups of each side");
+  using Off = typename Nvfp4Off<OFF32>::T;
+  constexpr int IB = elem_bytes(IN);
+  // 32-bit: the host launches at most 2^32 - 1 threads, so num_tokens < 2^32 here.
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 units = static_cast<u32>(groups) / NG;
+  const u32 t32 = gid / units;
+  const bool live = t32 < static_cast<u32>(num_tokens);
+  if (!TABLE && !live) return;
+  const u32 q = (gid - t32 * units) * NG;  // the first group
+  const i64 t = t32;
+  // TABLE: the scales first (loaded after the live lanes' slot, they waited for its sign
+  // extension); else after the rows (loaded first, the scale constants' steps waited for them
+  // before the rows' loads).
+  float k = 0.0f, v = 0.0f;
+  if constexpr (TABLE) {
+    k = nvfp4_scale(k_scale, k_scale_bits);
+    v = nvfp4_scale(v_scale, v_scale_bits);
+  }
+  i64 s = -1;
+  u32 wk[NG][4 * IB], wv[NG][4 * IB];
+  if (live) {
+    s = static_cast<i64>(load_index(slot_mapping + t));
+    const u8* krow = key + (t * key_stride + static_cast<i64>(q) * 16) * IB;
+    const u8* vrow = value + (t * value_stride + static_cast<i64>(q) * 16) * IB;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) nvfp4_load_raw<IN, 16, 16>(krow + j * 16 * IB, wk[j]);
+#pragma unroll
+    for (int j = 0; j < NG; ++j) nvfp4_load_raw<IN, 16, 16>(vrow + j * 16 * IB, wv[j]);
+  }
+  if constexpr (!TABLE) {
+    k = nvfp4_scale(k_scale, k_scale_bits);
+    v = nvfp4_scale(v_scale, v_scale_bits);
+  }
+  // [side][S]; S = 0x7F, the code of a NaN amax's quotient (nvfp4_group_rule), holds 0: the
+  // rare path recomputes such a group.
+  __shared__ float rcp_tab[2][128];
+  __shared__ float4 den_tab[2];      // [side]: (m, s2, y)
+  if constexpr (TABLE) {  // CTAs of 256 threads (cuda_impl.py): one entry each
+    const u32 j = threadIdx.x;
+    const float ks = j >= 128 ? v : k;
+    if ((j & 127) == 127) {
+      const Nvfp4Den d = nvfp4_den(mul_rn(ks, 6.0f));
+      den_tab[j >> 7] = make_float4(d.m, d.s2, d.y, 0.0f);
+      rcp_tab[j >> 7][127] = 0.0f;
+    } else {
+      rcp_tab[j >> 7][j & 127] = nvfp4_scale_rcp(j & 127, ks);
+    }
+    __syncthreads();
+    if (!live) return;
+  }
+  float ak[NG], av[NG];
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    ak[j] = nvfp4_group_amax<IN>(wk[j]);
+    av[j] = nvfp4_group_amax<IN>(wv[j]);
+  }
+  if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
+
+  u32 ck[2 * NG], cv[2 * NG], sk[NG], sv[NG];
+  Nvfp4Den dk, dv;
+  if constexpr (TABLE) {
+    const float4 tk = den_tab[0], tv = den_tab[1];
+    dk = Nvfp4Den{tk.x, tk.y, tk.z};
+    dv = Nvfp4Den{tv.x, tv.y, tv.z};
+  } else {
+    dk = nvfp4_den(mul_rn(k, 6.0f));
+    dv = nvfp4_den(mul_rn(v, 6.0f));
+  }
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    u32 a[2], b[2];
+    if constexpr (TABLE) {
+      sk[j] = nvfp4_kv_side<IN>(wk[j], ak[j], dk, [](u32 S) { return rcp_tab[0][S & 127]; }, a);
+      sv[j] = nvfp4_kv_side<IN>(wv[j], av[j], dv, [](u32 S) { return rcp_tab[1][S & 127]; }, b);
+    } else {
+      sk[j] = nvfp4_kv_side<IN>(wk[j], ak[j], dk, [k](u32 S) { return nvfp4_scale_rcp(S, k); },
+                                a);
+      sv[j] = nvfp4_kv_side<IN>(wv[j], av[j], dv, [v](u32 S) { return nvfp4_scale_rcp(S, v); },
+                                b);
+    }
+    ck[2 * j] = a[0];
+    ck[2 * j + 1] = a[1];
+    cv[2 * j] = b[0];
+    cv[2 * j + 1] = b[1];
+  }
+  Off blk, pg;
+  if constexpr (OFF32) {  // s < num_slots < 2^32
+    const u32 s32 = static_cast<u32>(s);
+    if (block_shift >= 0) {
+      blk = s32 >> block_shift;
+      pg = s32 & static_cast<u32>(block_size - 1);
+    } else {
+      blk = s32 / static_cast<u32>(block_size);
+      pg = s32 - blk * static_cast<u32>(block_size);
+    }
+  } else {
+    nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
+  }
+  const u32 h = q / static_cast<u32>(head_groups);
+  const u32 g = q - h * static_cast<u32>(head_groups);
+  const Off hh = h, gg = g;
+  // NG = 2: the groups are adjacent in one head (head_groups even) and the data 16-byte aligned
+  // (cuda_impl.py): one 16-byte store of codes a side.
+  nvfp4_store<8 * NG, 8 * NG>(k_data + (blk * static_cast<Off>(kd_sb)
+                                        + pg * static_cast<Off>(kd_ss)
+                                        + hh * static_cast<Off>(kd_sh) + gg * 8), ck);
+  nvfp4_store<8 * NG, 8 * NG>(v_data + (blk * static_cast<Off>(vd_sb)
+                                        + pg * static_cast<Off>(vd_ss)
+                                        + hh * static_cast<Off>(vd_sh) + gg * 8), cv);
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    k_sf[blk * static_cast<Off>(ks_sb) + pg * static_cast<Off>(ks_ss)
+         + hh * static_cast<Off>(ks_sh) + gg + j] = static_cast<u8>(sk[j]);
+    i64 row, col;
+    nvfp4_v_scale_at(pg, g + j, head_groups, v_swizzle, &row, &col);
+    v_sf[blk * static_cast<Off>(vs_sb) + static_cast<Off>(row) * static_cast<Off>(vs_ss)
+         + hh * static_cast<Off>(vs_sh) + static_cast<Off>(col)] = static_cast<u8>(sv[j]);
+  }
+}
 #endif  // KVWRITE_HOST_TEST

@@ -268,5 +268,5 @@ PROVIDER = Provider(
     bad_inputs=BAD,
     # nvfp4_kernel by dtype x MODE x slot type x rule (28), nvfp4_small_kernel by dtype x slot
     # type x 4 or 8 elements a thread (12).
-    compile_variants=compile_every_variant("kvwrite.ops.nvfp4", 46),
+    compile_variants=compile_every_variant("kvwrite.ops.nvfp4", 70),
 )

@@ -138,6 +138,12 @@ KVW_HD u32 nvfp4_scale_code(float a, const Nvfp4Den& den) {
   return fp8x2_from_f32<DT_E4M3>(nvfp4_quotient<STEPS>(a, den), 0.0f) & 0xFFu;
 }
 
+// r = RN(1 / RN(float(S) * k)) (0 where that product is 0) for a scale code S: the rule's
+// reciprocal, a function of S and k only (nvfp4_kv_kernel tabulates it per CTA).
+KVW_HD float nvfp4_scale_rcp(u32 S, float k) {
+  return nvfp4_rcp_rn(mul_rn(nvfp4_e4m3_value(S), k));
+}
+
 // One candidate: the scale code S and the reciprocal r of d = RN(float(S) * k); d itself in *d.
 template <int STEPS>
 KVW_HD u32 nvfp4_candidate(float a, float k, const Nvfp4Den& den, float* r, float* d) {
@@ -271,18 +277,34 @@ KVW_HD float nvfp4_amax_nan(const float (&x)[N]) {
 // NaN: only its being NaN is used). The kernel keeps a group's raw words until the rule needs
 // its floats, so a thread holding several groups does not hold them widened (float32) through
 // the scale's chain.
+#if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Per 16-bit lane: NaN where either lane is NaN, else the larger magnitude (its sign bit the xor
+// of the lanes': unspecified to the caller, which clears it). One HMNMX2 (max.NaN.xorsign.abs,
+// sm_86+) where the VIMNMX path took a mask of each word first.
+template <bool IN16_BF16>
+KVW_HD u32 nvfp4_max_abs16(u32 a, u32 b) {
+  u32 r;
+  if constexpr (IN16_BF16) {
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  } else {
+    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  }
+  return r;
+}
+#endif
+
 template <bool IN16_BF16>
 KVW_HD float nvfp4_amax_nan16(const u32 (&w)[8]) {
 #if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   u32 m[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) m[i] = w[i] & 0x7FFF7FFFu;
+  for (int i = 0; i < 8; ++i) m[i] = w[i];
 #pragma unroll
   for (int n = 4; n >= 1; n >>= 1) {
 #pragma unroll
-    for (int i = 0; i < n; ++i) m[i] = __vmaxu2(m[i], m[i + n]);
+    for (int i = 0; i < n; ++i) m[i] = nvfp4_max_abs16<IN16_BF16>(m[i], m[i + n]);
   }
-  const u32 a = __vmaxu2(m[0], m[0] >> 16) & 0xFFFFu;
+  const u32 a = nvfp4_max_abs16<IN16_BF16>(m[0], m[0] >> 16) & 0x7FFFu;
 #else
   u32 a = 0;
 #pragma unroll
@@ -382,14 +404,45 @@ KVW_HD void nvfp4_group_pair(const float (&xa)[16], const float (&xb)[16], float
 // nvfp4_amax_nan combined by max_nan) and, where that is NaN, the rule's amax (nvfp4_amax_num
 // combined by max_num), which the caller passes in `amax_num`: the part's codes (N / 2 bytes,
 // little endian) and the group's S (every part computes it). The same bytes as nvfp4_group.
-template <int N, int STEPS>
-KVW_HD u32 nvfp4_part_rule(const float (&x)[N], float amax_nan, float amax_num, float k,
-                           const Nvfp4Den& den6, u32 (&out)[(N + 7) / 8]) {
+// rcp_of(S): nvfp4_scale_rcp(S, k), computed or looked up (S <= 0x7E: the quotient is >= +0 and
+// its conversion saturates).
+template <int N, int STEPS, typename RcpOf>
+KVW_HD u32 nvfp4_part_rule_by(const float (&x)[N], float amax_nan, float amax_num,
+                              const Nvfp4Den& den6, RcpOf rcp_of, u32 (&out)[(N + 7) / 8]) {
   const bool nan_in = amax_nan != amax_nan;
   const float a = nan_in ? amax_num : amax_nan;
   const u32 S = nvfp4_scale_code<STEPS>(a, den6);
-  const float r = nvfp4_rcp_rn(mul_rn(nvfp4_e4m3_value(S), k));
+  const float r = rcp_of(S);
   nvfp4_pack_n<N, true>(x, r, out);
   if (nan_in || !(mul_rn(a, r) < 7.0f)) nvfp4_pack_n<N, false>(x, r, out);  // rare, as above
   return S;
+}
+
+// The "nvfp4" rule for a whole group (N = 16) from its NaN-propagating amax (nvfp4_amax_nan):
+// the fast path first, on amax_nan as it is; where its condition fails (amax_nan is NaN, so that
+// RN(a * r) < 7 is false, or a product of 7 or more) the general path from the rule's amax (NaN
+// skipped). The same bytes as nvfp4_part_rule<16> (the fast path's S and r are the general
+// path's wherever amax_nan is a number), with one rare branch instead of two (a group of one
+// thread needs no lane's help for its amax, so the branch may diverge). rcp_of as
+// nvfp4_part_rule_by's; it also gets the code of a NaN quotient, 0x7F, whose value is unused.
+template <int STEPS, typename RcpOf>
+KVW_HD u32 nvfp4_group_rule(const float (&x)[16], float amax_nan, const Nvfp4Den& den6,
+                            RcpOf rcp_of, u32 (&out)[2]) {
+  u32 S = nvfp4_scale_code<STEPS>(amax_nan, den6);
+  float r = rcp_of(S);
+  nvfp4_pack_n<16, true>(x, r, out);
+  if (!(mul_rn(amax_nan, r) < 7.0f)) {  // rare
+    const float a = amax_nan != amax_nan ? nvfp4_amax_num(x) : amax_nan;
+    S = nvfp4_scale_code<STEPS>(a, den6);
+    r = rcp_of(S);
+    nvfp4_pack_n<16, false>(x, r, out);
+  }
+  return S;
+}
+
+template <int N, int STEPS>
+KVW_HD u32 nvfp4_part_rule(const float (&x)[N], float amax_nan, float amax_num, float k,
+                           const Nvfp4Den& den6, u32 (&out)[(N + 7) / 8]) {
+  return nvfp4_part_rule_by<N, STEPS>(x, amax_nan, amax_num, den6,
+                                      [k](u32 S) { return nvfp4_scale_rcp(S, k); }, out);
 }

@@ -99,6 +99,22 @@ KVW_HD T load_index(const T* p) {
 #endif
 }
 
+// *p, a float32 scale that every warp of a call may read (a per-tensor k_scale, v_scale or
+// q_scale), loaded where it stands (asm volatile: issued with the rows though used only after
+// the rotation) through the read-only path, as load_index: ld.global.nc is served by L1 after
+// a CTA's first warp, where ld.volatile sent every warp's load to the one L2 slice holding the
+// scale (the fused QK-norm write with an fp8 cache, 2 such loads a warp: 1.4x its auto cache's
+// time at T = 16384 on an H200, tuning-log change 83).
+KVW_HD float load_scale(const float* p) {
+#ifdef KVWRITE_EMU
+  return *p;  // the emulation: the same value
+#else
+  float x;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(x) : "l"(p));
+  return x;
+#endif
+}
+
 template <int N>
 KVW_HD void store_raw(u8* p, const Raw<N>& r) {
   if constexpr (N == 32) {  // two 16-byte stores
