@@ -78,14 +78,8 @@ if triton is not None:
     @triton.jit
     def candidate(x, a, k, C: tl.constexpr):
         """(S code, E2M1 codes, d) of groups ``x`` [BT, BQ, 16] with amax ``a`` [BT, BQ] for the
-        denominator C (6, or 4 for 4over6's other candidate)."""
-        den = tl.zeros_like(a) + k * C                      # RN(C * k)
-        s = tl.math.div_rn(a, den)                          # RN(a / RN(C * k))
-        S, Sf = e4m3(s)
-        d = Sf * k                                          # RN(float(S) * k)
-        nz = d != 0.0
-        r = tl.where(nz, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(nz, d, 1.0)),
-                     0.0)
+        denominator C (6, or 4 for 4over6's other candidate): :func:`scale_of`'s S, r, d."""
+        S, r, d = scale_of(a, k, C, False)
         return S, e2m1(x * r[:, :, None]), d
 
     @triton.jit
