@@ -137,10 +137,21 @@ KVW_HD float nvfp4_group_amax(const u32 (&w)[4 * elem_bytes(IN)]) {
   return nvfp4_amax_nan(x);
 }
 
-// (block, offset in block) of slot s (0 <= s < num_slots).
-KVW_HD void nvfp4_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, i64* blk,
-                           i64* pg) {
-  if (block_shift >= 0) {
+// (block, offset in block) of slot s (0 <= s < num_slots), as Off: i64, or u32 where every
+// byte offset into the views fits 32 bits (nvfp4_kv_kernel's OFF32; then s < num_slots < 2^32).
+template <typename Off>
+KVW_HD void nvfp4_block_of(i64 s, i64 block_size, i64 block_shift, i64 num_slots, Off* blk,
+                           Off* pg) {
+  if constexpr (sizeof(Off) == 4) {
+    const u32 s32 = static_cast<u32>(s);
+    if (block_shift >= 0) {
+      *blk = s32 >> block_shift;
+      *pg = s32 & static_cast<u32>(block_size - 1);
+    } else {
+      *blk = s32 / static_cast<u32>(block_size);
+      *pg = s32 - *blk * static_cast<u32>(block_size);
+    }
+  } else if (block_shift >= 0) {
     *blk = s >> block_shift;
     *pg = s & (block_size - 1);
   } else if ((static_cast<u64>(num_slots) >> 32) == 0) {
@@ -478,18 +489,7 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     cv[2 * j + 1] = b[1];
   }
   Off blk, pg;
-  if constexpr (OFF32) {  // s < num_slots < 2^32
-    const u32 s32 = static_cast<u32>(s);
-    if (block_shift >= 0) {
-      blk = s32 >> block_shift;
-      pg = s32 & static_cast<u32>(block_size - 1);
-    } else {
-      blk = s32 / static_cast<u32>(block_size);
-      pg = s32 - blk * static_cast<u32>(block_size);
-    }
-  } else {
-    nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
-  }
+  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
   const u32 h = q / static_cast<u32>(head_groups);
   const u32 g = q - h * static_cast<u32>(head_groups);
   const Off hh = h, gg = g;
