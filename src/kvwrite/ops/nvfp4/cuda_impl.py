@@ -10,9 +10,10 @@ Two kernels (see ``kernel.cu``), both with the same arguments:
 - ``nvfp4_small_kernel<IN, SlotT, E>``: small and mid-sized calls (``CudaTuning``'s
   ``small_call_groups`` and ``mid_call_groups``) of the "nvfp4" rule with MODE 1's alignment:
   each group of one side spread over 16 / E threads of E elements, for a short chain per thread.
-- ``nvfp4_kv_kernel<IN, SlotT, OFF32>``: wide calls (``CudaTuning.wide_call_groups``) of the
-  "nvfp4" rule with 16-bit inputs and MODE 1's alignment: one thread a group of K and of V, each
-  side's rule in turn, at most 40 registers; OFF32: the views' byte offsets fit 32 bits.
+- ``nvfp4_kv_kernel<IN, SlotT, OFF32, TABLE, NG>``: wide calls (``CudaTuning.wide_call_groups``)
+  of the "nvfp4" rule with 16-bit inputs and MODE 1's alignment: one thread a group of K and of V
+  (NG = 2: two of each), each side's rule in turn; OFF32: the views' byte offsets fit 32 bits;
+  TABLE: the scale constants and reciprocals once per CTA in shared memory.
 
 Whether V's scales are swizzled is an argument. By default each call signature gets its own build
 with the arguments fixed by the views and the inputs' layout compiled in
@@ -115,7 +116,9 @@ class CudaTuning(launch.PdlPolicy):
     # T=4096, H=128 T=256) the measured shapes (tuning-log 79) issue, a group of one side on the
     # fast path (sm_90 bfloat16): MODE 2 ~220 (32 warps an SM, one wave; 6.08 µs), one group of
     # K and V a thread ~234 (64 registers; 5.98), 16 elements ~293 (6.35); fp8 5.07.
-    # nvfp4_kv_kernel: ~224 with 40 warps an SM, ~193 with kv_groups=2 (32 warps). Not measured.
+    # nvfp4_kv_kernel: ~224 with 40 warps an SM, ~193 with kv_groups=2 (32 warps). Measured
+    # (H200, hot, tuning-log 84), T = 2048 / 4096: 4.08 / 5.78 µs (MODE 2 before: 4.69 / 6.09;
+    # kv_groups=2 4.88 / 6.05; without kv_table 4.36 / 6.02); H=128 T=256 5.79 (6.09).
     # KVWRITE_NVFP4_WIDE_CALL_GROUPS and KVWRITE_NVFP4_WIDE_ELEMS set the defaults.
     wide_call_groups: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_WIDE_CALL_GROUPS", 1 << 18))
@@ -139,7 +142,8 @@ class CudaTuning(launch.PdlPolicy):
     # and kv_table is set; the rule of each group in turn). KVWRITE_NVFP4_KV_GROUPS sets the
     # default. sm_90 bfloat16, the benchmark's layout, fast path: 1: ~447 instructions a thread
     # (~224 a group of one side), 48 registers (40 warps an SM); 2: ~771 (~193), 64 registers
-    # (32 warps), no spill (MODE 2: ~859, ~215, 8 bytes spilled). Not measured.
+    # (32 warps), no spill (MODE 2: ~859, ~215, 8 bytes spilled). Measured slower: see
+    # wide_call_groups.
     kv_groups: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_KV_GROUPS", 1))
     # Two groups a thread (nvfp4_kernel's MODE 2) for the "nvfp4" rule with 16-bit inputs where
