@@ -53,6 +53,7 @@ from .. import engine
 from ..engine import OpBench, parse_list, slot_pattern
 from ..models import MODELS
 from .fused_rope_and_reshape_cache_flash import (
+    FP8_SCALES,
     HeadsPoint,
     add_cache_dtypes_flag,
     add_layouts_flag,
@@ -87,7 +88,6 @@ def parse_models(text: str) -> list[str]:
         return name
     return parse_list(text, "--model", convert=one)
 KINDS = ("fused", "pair", "norm_rope")
-DEFAULT_FP8_SCALES = (0.05, 0.04)  # fused_rope_and_reshape_cache_flash's bench's (fp8_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Point(HeadsPoint):
     max_position: int
     model: str
     slots: SlotPattern
-    fp8_scales: tuple[float, float] = DEFAULT_FP8_SCALES
+    fp8_scales: tuple[float, float] = FP8_SCALES
 
 
 def point_bytes(p: Point, kind: str) -> int:
@@ -151,8 +151,9 @@ class QkNormRopeBench(OpBench):
                             "pattern needs where that is more "
                             "(default: 256: max(256, 2*T/16) blocks of 16 with random slots)")
         g.add_argument("--block-size", type=int, default=16, help="(default: 16)")
-        g.add_argument("--fp8-scales", default="0.05,0.04",
-                       help="K,V: the fp8 caches' k_scale and v_scale (default: 0.05,0.04; "
+        default = ",".join(str(x) for x in FP8_SCALES)
+        g.add_argument("--fp8-scales", default=default,
+                       help=f"K,V: the fp8 caches' k_scale and v_scale (default: {default}; "
                             "other values are a param of the rows)")
 
     def configure(self, args, device) -> None:
@@ -213,7 +214,7 @@ class QkNormRopeBench(OpBench):
                     **engine.slot_params(p.slots),
                     # Only where asked for: the committed rows (0.05, 0.04) keep their identity.
                     **({"fp8_scales": list(p.fp8_scales)} if p.cache_dtype.is_fp8 and
-                       p.fp8_scales != DEFAULT_FP8_SCALES else {}))
+                       p.fp8_scales != FP8_SCALES else {}))
 
     def header(self, args, points) -> list[str]:
         shapes = "; ".join(f"{m or 'heads'} (Hq,Hk,D)=({hq},{h},{d})"
@@ -260,10 +261,8 @@ class QkNormRopeBench(OpBench):
         table = cos_sin_table(p.max_position, p.head_size, p.cos_sin_dtype, device=device)
         w = [(1 + torch.randn(p.head_size, device=device, generator=gen) / 8).to(p.dtype)
              for _ in range(2)]
-        scales = fp8_scales(p, device)
-        if scales[0] is not None:
-            scales = tuple(torch.full((1,), s, device=device) for s in p.fp8_scales)
-        return p, sets, make_caches(p, device, gen), table, w, scales, device
+        return (p, sets, make_caches(p, device, gen), table, w,
+                fp8_scales(p, device, p.fp8_scales), device)
 
     def _caller(self, ctx, kind: str, impl: str, sets=None, caches=None):
         p, default_sets, default_caches, table, (qw, kw), (ks, vs), _ = ctx

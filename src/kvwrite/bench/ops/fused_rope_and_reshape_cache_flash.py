@@ -43,7 +43,7 @@ from ..models import apply_serving_flags, get_model
 
 # The names after vllm_main are shared with qk-norm-rope's benchmark.
 __all__ = ["BENCH", "Point", "point_bytes", "set_footprint", "make_sets", "vllm_main", "HeadsPoint",
-           "rope_write_bytes", "positions_and_slots", "fp8_scales", "first_difference",
+           "rope_write_bytes", "positions_and_slots", "FP8_SCALES", "fp8_scales", "first_difference",
            "add_cache_dtypes_flag", "add_layouts_flag"]
 
 SEED = 42
@@ -150,11 +150,16 @@ def make_sets(p: Point, count: int, device, gen) -> list[InputSet]:
     return sets
 
 
-def fp8_scales(p, device) -> tuple:
-    """(k_scale, v_scale) of the benchmark's fp8 caches (0.05, 0.04); (None, None) otherwise."""
+# The benchmarks' fp8 cache scales (k, v), unless a run sets others (qk-norm-rope --fp8-scales).
+FP8_SCALES = (0.05, 0.04)
+
+
+def fp8_scales(p, device, values: tuple[float, float] = FP8_SCALES) -> tuple:
+    """(k_scale, v_scale) tensors of ``values`` for the point's fp8 caches; (None, None) for
+    other caches."""
     if not p.cache_dtype.is_fp8:
         return None, None
-    return torch.full((1,), 0.05, device=device), torch.full((1,), 0.04, device=device)
+    return tuple(torch.full((1,), x, device=device) for x in values)
 
 
 def first_difference(names, got, want) -> str | None:
