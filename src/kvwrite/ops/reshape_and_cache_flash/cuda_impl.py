@@ -100,8 +100,10 @@ class CudaTuning(launch.PdlPolicy):
     # mid_chunk_bytes: one 16-byte load per tensor and thread, between the small calls' 8 and the
     # large calls' 32 bytes (mid_call_bytes == small_call_bytes: no mid-sized calls). fp8 H=128
     # T=32 (1 MiB; H200, hot L2), 16 vs 32 bytes: NHD 2.11 vs 2.25 us, HND 2.12 vs 2.22, packed
-    # 2.09 vs 2.25; at T=64 (2 MiB) 2.72 either way, at T=128 (4 MiB) 3.84 vs 3.65.
-    mid_call_bytes: int = 1024 * 1024
+    # 2.09 vs 2.25; at T=64 (2 MiB) 2.72 either way, at T=128 (4 MiB) 3.84 vs 3.65. The limit,
+    # 2 MiB vs 1 MiB: fp8 H=8 T=1024 (2 MiB) 2.28 vs 2.48 us; 4 MiB made T=2048 slower (3.39 vs
+    # 2.81 us); copies unchanged (H=8 T=1024 2.19 us; tuning-log 86).
+    mid_call_bytes: int = 2 * 1024 * 1024
     mid_chunk_bytes_copy: int = 16
     mid_chunk_bytes_fp8: int = 16
     # The loop-free kernel for every call whose row fits its grid (at most max_grid_y CTAs per
