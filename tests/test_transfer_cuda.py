@@ -511,8 +511,8 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
 @needs_nvrtc
 def test_copy_rows_kernel_fits_1024_threads_without_spills(tmp_path):
     """The rows kernel at every U the launcher picks (up to ROWS_MOST) and every LANES: at most
-    64 registers and no stack (each of a lane's rows holds its addresses and ids until its load:
-    at U = 4 ptxas spills, hence ROWS_MOST)."""
+    64 registers and no stack (each of a lane's rows holds its two addresses until its load: at
+    U = 8 ptxas spills, hence ROWS_MOST)."""
     sass = importlib.import_module("sass").cuobjdump_or_skip()
     import re
     import subprocess
@@ -537,8 +537,8 @@ def test_copy_lanes_group_short_rows():
     holds them; longer rows the segments (0)."""
     assert [tc.copy_lanes(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 4096)] == \
         [1, 2, 4, 8, 8, 16, 16, 32, 32, 32, 0, 0, 0]
-    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8)] == [1, 2, 2, 2, 2]
-    assert tc.ROWS_MOST == 2
+    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8, 16)] == [1, 2, 2, 4, 4, 4]
+    assert tc.ROWS_MOST == 4
 
 
 @pytest.mark.parametrize("row_bytes,name", [

@@ -33,7 +33,7 @@ EMU_H = pathlib.Path(__file__).with_name("gather_emu.h")
 EMU_THREADS = 128  # gather_emu.h's kEmuThreads
 SMS = 16           # the "many CTAs" grid: up to 16 CTAs (the work's, where fewer)
 PAIRS = tp.PAIRS   # (-1, 2) and (1, 7) skipped (blocks 6)
-MOST = [1, 2, 8]   # loads in flight: rows U 1, 2; segment U up to 1, 2, 8
+MOST = [1, 2, 8]   # loads in flight: rows U 1, 2, 4 (ROWS_MOST); segment U up to 1, 2, 8
 GRIDS = [1, 3, None]  # max_ctas
 ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
 

@@ -130,15 +130,16 @@ def copy_unroll(nvec: int, most: int) -> int:
     return u
 
 
-# The most rows a lane of transfer_copy_rows_kernel moves at once: each row holds two addresses
-# and a pair of ids (8 registers) until its load, then its vector until its store. 2: at 4, the
-# launch bounds' 64 registers spill (ptxas, sm_90, VB 16: 8-16 bytes of stack at LANES < 32);
-# at 2, 46-50 registers and no stack (tests/test_transfer_cuda.py). Two rows of 16 B a lane are
-# 32 KiB in flight a 1024-thread CTA: a device copy needs about 11 KiB an SM (2 TB/s over 132
-# SMs at ~0.7 us), a pinned host side at 4 CTAs 128 KiB over the grid (~55 GB/s at ~2 us).
-# Peer reads at 4 would move more (H200 pair, relayout to LBHNC at 4 / 8 CTAs: 61 / 121 GB/s
-# against 53 / 105, tuning-log 78), still far from the link (393), with the spill.
-ROWS_MOST = 2
+# The most rows a lane of transfer_copy_rows_kernel moves at once: at U > 2 each row holds its two
+# addresses (4 registers; its ids folded in, transfer.cu's FOLD) until its load, then its vector
+# until its store. 4: at 8, the launch bounds' 64 registers spill (ptxas, sm_90, VB 16: 104-128
+# bytes of stack); at 4, 54-64 registers and no stack (tests/test_transfer_cuda.py). A device copy takes U = 2 of them
+# (loads_in_flight: two rows of 16 B a lane are 32 KiB in flight a 1024-thread CTA, where a
+# device copy needs about 11 KiB an SM, 2 TB/s over 132 SMs at ~0.7 us); a remote side (pinned
+# host, a peer) takes 4 (loads_in_flight_host capped here): 64 KiB a CTA. Measured (H200 pair,
+# 32 Llama-3-8B layers, tuning-log 86), U = 4 vs 2: peer relayout to LBHNC at 4 / 8 CTAs 62 / 122
+# vs 53 / 105 GB/s; raw pages d2h at 4 CTAs 16.5 vs 15.0, h2d at 1 CTA 13.8 vs 11.8.
+ROWS_MOST = 4
 
 
 def copy_lanes(nvec: int) -> int:
