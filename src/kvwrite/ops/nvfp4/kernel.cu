@@ -177,6 +177,40 @@ KVW_HD void nvfp4_v_scale_at(i64 pg, u32 g, i64 head_groups, i64 v_swizzle, i64*
   }
 }
 
+// The stores of nvfp4_kernel and nvfp4_kv_kernel: NG adjacent groups of K and of V from group q
+// (of H * D/16) of slot s (0 <= s < num_slots), their codes (ck, cv: 8 * NG bytes a side, one
+// access of ALIGN bytes or narrower, nvfp4_store) and scale bytes (sk, sv; V's in its swizzle).
+// Byte offsets as Off (nvfp4_block_of's: i64, or u32 where every offset fits 32 bits).
+#define KVW_NVFP4_STORE_ARGS                                                                     \
+    k_data, k_sf, v_data, v_sf, head_groups, kd_sb, kd_ss, kd_sh, ks_sb, ks_ss, ks_sh, vd_sb,    \
+    vd_ss, vd_sh, vs_sb, vs_ss, vs_sh, block_size, block_shift, num_slots, v_swizzle
+template <typename Off, int NG, int ALIGN>
+KVW_HD void nvfp4_store_kv(i64 s, u32 q, const u32 (&ck)[2 * NG], const u32 (&cv)[2 * NG],
+                           const u32 (&sk)[NG], const u32 (&sv)[NG], u8* k_data, u8* k_sf,
+                           u8* v_data, u8* v_sf, i64 head_groups, i64 kd_sb, i64 kd_ss,
+                           i64 kd_sh, i64 ks_sb, i64 ks_ss, i64 ks_sh, i64 vd_sb, i64 vd_ss,
+                           i64 vd_sh, i64 vs_sb, i64 vs_ss, i64 vs_sh, i64 block_size,
+                           i64 block_shift, i64 num_slots, i64 v_swizzle) {
+  Off blk, pg;
+  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
+  const u32 h = q / static_cast<u32>(head_groups);
+  const u32 g = q - h * static_cast<u32>(head_groups);
+  const Off hh = h, gg = g;
+  nvfp4_store<8 * NG, ALIGN>(k_data + (blk * static_cast<Off>(kd_sb) + pg * static_cast<Off>(kd_ss)
+                                       + hh * static_cast<Off>(kd_sh) + gg * 8), ck);
+  nvfp4_store<8 * NG, ALIGN>(v_data + (blk * static_cast<Off>(vd_sb) + pg * static_cast<Off>(vd_ss)
+                                       + hh * static_cast<Off>(vd_sh) + gg * 8), cv);
+#pragma unroll
+  for (int j = 0; j < NG; ++j) {
+    k_sf[blk * static_cast<Off>(ks_sb) + pg * static_cast<Off>(ks_ss)
+         + hh * static_cast<Off>(ks_sh) + gg + j] = static_cast<u8>(sk[j]);
+    i64 row, col;
+    nvfp4_v_scale_at(pg, g + j, head_groups, v_swizzle, &row, &col);
+    v_sf[blk * static_cast<Off>(vs_sb) + static_cast<Off>(row) * static_cast<Off>(vs_ss)
+         + hh * static_cast<Off>(vs_sh) + static_cast<Off>(col)] = static_cast<u8>(sv[j]);
+  }
+}
+
 // nvfp4_kernel<IN, MODE, SlotT, FOUR_OVER_SIX>: every call but the small ones (nvfp4_small_kernel
 // below). A flat grid of threads, each taking NG consecutive groups of a token's H * D/16, K and
 // V together (MODE 2: NG = 2, in one head; else NG = 1). Consecutive threads take consecutive
@@ -260,20 +294,7 @@ nvfp4_kernel(KVW_NVFP4_PARAMS) {
     cv[2 * j + 1] = b[1];
   }
 
-  i64 blk, pg;
-  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
-  const u32 h = q / static_cast<u32>(head_groups);
-  const u32 g = q - h * static_cast<u32>(head_groups);
-  const i64 hh = h, gg = g;
-  nvfp4_store<8 * NG, OUT_ALIGN>(k_data + blk * kd_sb + pg * kd_ss + hh * kd_sh + gg * 8, ck);
-  nvfp4_store<8 * NG, OUT_ALIGN>(v_data + blk * vd_sb + pg * vd_ss + hh * vd_sh + gg * 8, cv);
-#pragma unroll
-  for (int j = 0; j < NG; ++j) {
-    k_sf[blk * ks_sb + pg * ks_ss + hh * ks_sh + gg + j] = static_cast<u8>(sk[j]);
-    i64 row, col;
-    nvfp4_v_scale_at(pg, g + j, head_groups, v_swizzle, &row, &col);
-    v_sf[blk * vs_sb + row * vs_ss + hh * vs_sh + col] = static_cast<u8>(sv[j]);
-  }
+  nvfp4_store_kv<i64, NG, OUT_ALIGN>(s, q, ck, cv, sk, sv, KVW_NVFP4_STORE_ARGS);
 }
 
 // nvfp4_small_kernel<IN, SlotT, E>: small and mid-sized calls (cuda_impl.CudaTuning's
@@ -488,27 +509,8 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     cv[2 * j] = b[0];
     cv[2 * j + 1] = b[1];
   }
-  Off blk, pg;
-  nvfp4_block_of(s, block_size, block_shift, num_slots, &blk, &pg);
-  const u32 h = q / static_cast<u32>(head_groups);
-  const u32 g = q - h * static_cast<u32>(head_groups);
-  const Off hh = h, gg = g;
   // NG = 2: the groups are adjacent in one head (head_groups even) and the data 16-byte aligned
   // (cuda_impl.py): one 16-byte store of codes a side.
-  nvfp4_store<8 * NG, 8 * NG>(k_data + (blk * static_cast<Off>(kd_sb)
-                                        + pg * static_cast<Off>(kd_ss)
-                                        + hh * static_cast<Off>(kd_sh) + gg * 8), ck);
-  nvfp4_store<8 * NG, 8 * NG>(v_data + (blk * static_cast<Off>(vd_sb)
-                                        + pg * static_cast<Off>(vd_ss)
-                                        + hh * static_cast<Off>(vd_sh) + gg * 8), cv);
-#pragma unroll
-  for (int j = 0; j < NG; ++j) {
-    k_sf[blk * static_cast<Off>(ks_sb) + pg * static_cast<Off>(ks_ss)
-         + hh * static_cast<Off>(ks_sh) + gg + j] = static_cast<u8>(sk[j]);
-    i64 row, col;
-    nvfp4_v_scale_at(pg, g + j, head_groups, v_swizzle, &row, &col);
-    v_sf[blk * static_cast<Off>(vs_sb) + static_cast<Off>(row) * static_cast<Off>(vs_ss)
-         + hh * static_cast<Off>(vs_sh) + static_cast<Off>(col)] = static_cast<u8>(sv[j]);
-  }
+  nvfp4_store_kv<Off, NG, 8 * NG>(s, q, ck, cv, sk, sv, KVW_NVFP4_STORE_ARGS);
 }
 #endif  // KVWRITE_HOST_TEST
