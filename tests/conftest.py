@@ -42,6 +42,14 @@ if not torch.cuda.is_available():
         importlib.import_module(_module)
 
 HAS_CUDA = torch.cuda.is_available()
+
+# A CUDA graph left in a reference cycle (an earlier test's frame, held by the traceback that a
+# pytest.raises keeps) is destroyed whenever Python's cyclic collector next runs. Inside another
+# test's capture that cudaGraphDestroy is refused and invalidates the capture, which then fails
+# with "operation failed due to a previous error during capture" although it captured nothing
+# wrong (seen under pytest-xdist on two GPUs). With this set, torch.cuda.graph collects the
+# garbage before each capture begins.
+torch.compiler.config.force_cudagraph_gc = True
 NO_GPU_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
 
