@@ -40,7 +40,7 @@ def test_nvrtc_compile_every_variant(arch, family):
 @needs_nvrtc
 def test_nvrtc_compile_rows_variants_of_one_load():
     """The rows kernel at U = 1 (a tuning of one load in flight) compiles too, every LANES."""
-    tuning = tc.TransferTuning(loads_in_flight=1, loads_in_flight_host=1)
+    tuning = tc.TransferTuning(loads_in_flight=1, loads_in_flight_host=1, host_read_rows=1)
     names = [n for n in tc.all_kernel_names(tuning) if n.startswith("transfer_copy_rows_kernel<")]
     assert len(names) == 5 * 2 * 6 and all(", 1, " in n for n in names)
     obj, _ = tc.compile_kernel("sm_90", names)
@@ -511,8 +511,8 @@ def test_copy_kernel_fits_1024_threads(tmp_path):
 @needs_nvrtc
 def test_copy_rows_kernel_fits_1024_threads_without_spills(tmp_path):
     """The rows kernel at every U the launcher picks (up to ROWS_MOST) and every LANES: at most
-    64 registers and no stack (each of a lane's rows holds its two addresses until its load: at
-    U = 8 ptxas spills, hence ROWS_MOST)."""
+    64 registers and no stack (at U = 8 a step's rows that leave row 0's block are moved two at
+    a time: with four, ptxas spilled)."""
     sass = importlib.import_module("sass").cuobjdump_or_skip()
     import re
     import subprocess
@@ -537,8 +537,8 @@ def test_copy_lanes_group_short_rows():
     holds them; longer rows the segments (0)."""
     assert [tc.copy_lanes(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 4096)] == \
         [1, 2, 4, 8, 8, 16, 16, 32, 32, 32, 0, 0, 0]
-    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8, 16)] == [1, 2, 2, 4, 4, 4]
-    assert tc.ROWS_MOST == 4
+    assert [tc.copy_rows_unroll(m) for m in (1, 2, 3, 4, 8, 16)] == [1, 2, 2, 4, 8, 8]
+    assert tc.ROWS_MOST == 8
 
 
 @pytest.mark.parametrize("row_bytes,name", [
@@ -557,7 +557,8 @@ def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
     plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(PAIRS), torch.device("cuda"))
     # CPU tensors stand for device ones: their sides count as host memory, whose U is set here
     # to the device's.
-    tuning = tc.TransferTuning(loads_in_flight_host=tc.TUNING.loads_in_flight)
+    tuning = tc.TransferTuning(loads_in_flight_host=tc.TUNING.loads_in_flight,
+                               host_read_rows=tc.TUNING.loads_in_flight)
     (c,) = tc.copy_calls(plan, tuning)
     assert c.name == name and c.threads == 1024
     nvec = row_bytes // 16
@@ -571,6 +572,28 @@ def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
         assert (c.work, c.per_warp) == (rows * segs, 1) and c.args[-5] == segs
     assert c.args[0] == mapping.data_ptr() and c.args[4:6] == (jobs[0].src.ptr, jobs[0].dst.ptr)
     assert c.args[68] == 3 and c.args[81] == nvec  # njobs, nvec
+
+
+@pytest.mark.parametrize("src_on, dst_on, peer, u", [
+    ("meta", "meta", False, 2),   # device to device: loads_in_flight
+    ("meta", "cpu", False, 8),    # d2h: loads_in_flight_host
+    ("cpu", "meta", False, 4),    # h2d: host_read_rows
+    ("meta", "meta", True, 8),    # a peer's source: loads_in_flight_host
+])
+def test_rows_launches_take_u_by_where_their_sides_are(src_on, dst_on, peer, u):
+    """A rows launch's U (rows a lane loads before its stores): the device's, the remote sides',
+    or the smaller one of reads from pinned host memory (meta tensors stand for device ones)."""
+    src = torch.empty(5, 2, 16, 256, dtype=torch.uint8, device=src_on)
+    dst = torch.empty(5, 2, 16, 256, dtype=torch.uint8, device=dst_on)
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cpu")
+    plan = tp.make_plan("swap_blocks_multi_layer", [tp.copy_job(src, dst)], mapping, len(PAIRS),
+                        torch.device("cuda"))
+    if peer:
+        plan = dataclasses.replace(plan, peer=torch.device("cuda", 1))
+    (c,) = tc.copy_calls(plan)
+    assert c.name == tc.copy_name(16, torch.int32, u, 16)
+    assert (tc.TUNING.loads_in_flight, tc.TUNING.loads_in_flight_host,
+            tc.TUNING.host_read_rows) == (2, 8, 4)
 
 
 def test_copy_threads_share_a_host_budget():

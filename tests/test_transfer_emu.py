@@ -17,6 +17,7 @@ bytes; the GPU tests (test_transfer_cuda.py) cover those.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.resources
 import pathlib
 import shutil
@@ -33,7 +34,7 @@ EMU_H = pathlib.Path(__file__).with_name("gather_emu.h")
 EMU_THREADS = 128  # gather_emu.h's kEmuThreads
 SMS = 16           # the "many CTAs" grid: up to 16 CTAs (the work's, where fewer)
 PAIRS = tp.PAIRS   # (-1, 2) and (1, 7) skipped (blocks 6)
-MOST = [1, 2, 8]   # loads in flight: rows U 1, 2, 4 (ROWS_MOST); segment U up to 1, 2, 8
+MOST = [1, 2, 8]   # loads in flight: rows U 1, 2, 8 (ROWS_MOST); segment U up to 1, 2, 8
 GRIDS = [1, 3, None]  # max_ctas
 ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
 
@@ -41,7 +42,7 @@ needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ 
 
 
 def _tuning(most: int) -> tc.TransferTuning:
-    return tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most)
+    return tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most, host_read_rows=most)
 
 
 def _all_names() -> list[str]:
@@ -171,17 +172,114 @@ def test_emulated_rows_many_warps_and_ctas(emu):
         assert compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)}) is None
 
 
+def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> str | None:
+    """Rows of ``int32_per_row`` int32 (16-byte vectors) in blocks of ``tokens`` tokens, 3 heads,
+    4 jobs, 9 pairs (repeated sources, out-of-range ids); the destination (B, N, H, C) where
+    ``relayout``. None where ``run`` copied exactly what the oracle says."""
+    g = torch.Generator().manual_seed(tokens * 100 + int32_per_row)
+    views = []
+    for _ in range(4):
+        src = torch.randint(-2**31, 2**31, (5, 3, tokens, int32_per_row), generator=g,
+                            dtype=torch.int32)
+        dst = torch.randint(-2**31, 2**31, (7, tokens, 3, int32_per_row), generator=g,
+                            dtype=torch.int32)
+        views.append((src, dst.transpose(1, 2) if relayout else dst.view(7, 3, tokens, -1)))
+    jobs = [tp.copy_job(s, d) for s, d in views]
+    pairs = [(0, 6), (4, 0), (1, 3), (-1, 2), (2, 5), (4, 1), (3, 7), (0, 4), (5, 2)]
+    want = tp.raw_oracle(views, pairs)
+    mapping = tp.mapping_tensor(pairs, torch.int64, "cpu")
+    run(tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(pairs), torch.device("cuda"),
+                     3))
+    got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
+    return compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)})
+
+
 @needs_cxx
-def test_emulation_catches_a_wrong_rows_kernel(tmp_path):
-    """The check can fail: with a lane's rows one apart instead of a warp's load of rows apart
-    (the kernel's source altered), rows of 16 vectors (2 rows a load) no longer match."""
+@pytest.mark.parametrize("tokens", [16, 20, 7])
+@pytest.mark.parametrize("vectors", [4, 16, 32])
+def test_emulated_rows_of_whole_blocks_at_u8(emu, tokens, vectors):
+    """U = 8 (a remote side's loads in flight): rows of 4, 16 and 32 vectors (8, 2 and 1 rows a
+    warp's load) in blocks of 16 tokens (a step's rows all in one block: the path that takes
+    them from the lane's first row), 20 (some steps cross a block's end) and 7 (every step
+    does), copied and relayout."""
+    launched = []
+    for relayout in (False, True):
+        err = _whole_block_case(emu_run(emu, _tuning(8), launched), tokens, 4 * vectors,
+                                relayout)
+        assert err is None, (tokens, vectors, relayout, err)
+    lanes = tc.copy_lanes(vectors)
+    assert {name for name, _ in launched} == {tc.copy_name(16, torch.int64, 8, lanes)}
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape, cut", [
+    ((6, 1, 1, 1536), True),    # a whole block one row of 384 vectors: 12 rows of 32
+    ((6, 1, 5, 256), True),     # 5 tokens of 64 vectors: the tokens become heads
+    ((6, 3, 1, 512), True),     # 3 heads of 128 vectors
+    ((6, 2, 3, 256), False),    # heads and tokens: segments
+    ((6, 1, 1, 1000), False),   # 250 vectors, not a multiple of 32: segments
+])
+def test_emulated_peer_copies_of_long_rows(emu, shape, cut):
+    """A copy from a peer cuts long dense rows into rows of 32 vectors for the rows kernel
+    (TransferTuning.peer_row_vectors) where they are a multiple of 32 and heads or tokens is 1;
+    the same bytes land. Without a peer (or where it cannot cut) the launch is unchanged."""
+    g = torch.Generator().manual_seed(sum(shape))
+    views = [(torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int32),
+              torch.randint(-2**31, 2**31, (7, *shape[1:]), generator=g, dtype=torch.int32))
+             for _ in range(3)]
+    jobs = [tp.copy_job(s, d) for s, d in views]
+    pairs = [(0, 6), (4, 0), (1, 3), (-1, 2), (2, 5), (5, 1), (3, 9)]
+    want = tp.raw_oracle(views, pairs)
+    mapping = tp.mapping_tensor(pairs, torch.int32, "cpu")
+    plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(pairs),
+                        torch.device("cuda"), 2)
+    tuning = _tuning(8)
+    (alone,) = tc.copy_calls(plan, tuning)
+    assert alone.name.startswith("transfer_copy_kernel<")
+    launched = []
+    emu_run(emu, tuning, launched)(dataclasses.replace(plan, peer=torch.device("cuda", 1)))
+    want_name = tc.copy_name(16, torch.int32, 8, 32) if cut else alone.name
+    assert [name for name, _ in launched] == [want_name]
+    got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
+    assert compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)}) is None
+
+
+@needs_cxx
+@pytest.mark.parametrize("right, wrong", [
+    ("const i64 ss = ROWS * sst, ds = ROWS * dst_;", "const i64 ss = sst, ds = ROWS * dst_;"),
+    ("if (room > (U - 1) * ROWS) {", "if (room >= (U - 1) * ROWS) {"),
+])
+def test_emulation_catches_a_wrong_whole_block_step(tmp_path, right, wrong):
+    """The check of the U = 8 whole-block path can fail: a lane's rows one token apart on the
+    source, or a step whose last row is its block's next one taken as whole, no longer match."""
     text = tc.SOURCE.text
-    bad = text.replace("const u64 r = r0 + static_cast<u64>(k) * ROWS;",
-                       "const u64 r = r0 + static_cast<u64>(k);")
+    bad = text.replace(right, wrong)
     assert bad != text
     (tmp_path / "transfer.cu").write_text(bad)
-    wrong = _build(tmp_path, tmp_path / "transfer.cu")
+    broken = _build(tmp_path, tmp_path / "transfer.cu")
+    errs = [_whole_block_case(emu_run(broken, _tuning(8)), t, 64, False) for t in (16, 15)]
+    assert any(e is not None and "dst" in e for e in errs), errs
+
+
+@needs_cxx
+@pytest.mark.parametrize("right, wrong", [
+    # a lane's rows one apart instead of a warp's load of rows apart (the rows past their
+    # block's last token, decomposed in full)
+    ("const u64 r = r0 + static_cast<u64>(k) * ROWS;", "const u64 r = r0 + static_cast<u64>(k);"),
+    # later tokens of row 0's block moved by one token instead of k * ROWS (the source side)
+    ("sb[kk] = s0 + static_cast<i64>(k * ROWS) * sst;", "sb[kk] = s0 + static_cast<i64>(k) * sst;"),
+    # a row one token past its block taken as the block's (the destination side's next block)
+    ("if (k * ROWS < room) {", "if (k * ROWS <= room) {"),
+])
+def test_emulation_catches_a_wrong_rows_kernel(tmp_path, right, wrong):
+    """The check can fail: with the kernel's source altered in how a lane's rows follow its
+    first (rows of 16 vectors: 2 rows a load, 3 tokens a block), the copies no longer match."""
+    text = tc.SOURCE.text
+    bad = text.replace(right, wrong)
+    assert bad != text
+    (tmp_path / "transfer.cu").write_text(bad)
+    broken = _build(tmp_path, tmp_path / "transfer.cu")
     views, jobs = tp.row_views("dense16", 16, "cpu")
-    err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(wrong, _tuning(2)),
+    err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(broken, _tuning(2)),
                            jobs=jobs)
     assert err is not None and "dst" in err

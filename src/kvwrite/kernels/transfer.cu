@@ -137,14 +137,18 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 // >= nvec) of each of its U rows. The unit of work is a warp's step of 32 / LANES * U consecutive
 // rows of the (job, pair, head, token) index: row base + k * (32 / LANES) + l / LANES of lane l
 // at k < U, so each of the U loads of the warp covers 32 / LANES whole consecutive rows. Each
-// lane decomposes each of its rows and reads its mapping pair itself (the lanes of a group read
-// the same pair: one broadcast load; consecutive rows mostly share their pair, L1 hits), all U
-// mapping reads before the first row load (a row's load waits for its pair, and an asm volatile
-// load stays in order: a pair read between two row loads would serialize the round trips), then
-// the U row loads (ld.volatile), then the U stores: U * VB bytes in flight per lane, as the
-// segment kernel's. Measured (H200, change 72): rows of 512 B (nvec 32) moved as one segment
-// per warp (U = 1) ran at 74% of a device copy, rows of 256 B (16 vectors, half the warp idle)
-// at 41%.
+// lane decomposes its first row and reads its mapping pair itself (the lanes of a group read the
+// same pair: one broadcast load); its later rows that are the same block's later tokens take
+// that row's pair and addresses, and a row past its block's last token is decomposed and its
+// pair read as the first, all before the first row load (a row's load waits for its pair, and
+// an asm volatile load stays in order: a pair read between two row loads would serialize the
+// round trips); then the U row loads (ld.volatile), then the U stores: U * VB bytes in flight
+// per lane, as the segment kernel's. Measured (H200, change 72): rows of 512 B (nvec 32) moved as
+// one segment per warp (U = 1) ran at 74% of a device copy, rows of 256 B (16 vectors, half the
+// warp idle) at 41%; each row decomposed and its pair read (before change 87) held relayout and
+// raw pages to 0.90-0.94 of what they move now device to device and half from a peer. A copy
+// from a peer also cuts its long rows (whole blocks) into rows of 32 vectors for this kernel
+// (transfer_cuda.TransferTuning.peer_row_vectors).
 // ------------------------------------------------------------------------------------------
 template <int VB, typename IDX, int U, int LANES>
 __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
@@ -170,63 +174,118 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     const u64 r0 = g * (ROWS * U) + lane / LANES;
     // Each row's position (its job's pointers, head and token folded into a row address on each
     // side) and mapping pair; a row past the launch's end or a masked lane reads no pair and
-    // takes ids (-1, -1), outside every side. FOLD (U > 2, the remote sides' U): the ids are
-    // folded into the addresses at once, so only the two addresses and the flag stay live until
-    // the row's load (held with the ids, U = 4 spilled past 64 registers). At U <= 2 (device
-    // copies) the ids are folded after the loads are issued: folding them at once moved 3% less
-    // (H200, Llama-3-8B raw pack and unpack, 1024 blocks, all SMs: 1691 vs 1750 GB/s;
-    // tuning-log 86).
+    // takes ids (-1, -1), outside every side. The lane's first row is decomposed and its pair
+    // read; row k (r0 + k * ROWS) whose token t0 + k * ROWS is still below `tokens` is the same
+    // job, pair and head (later tokens of the same block), so it takes row 0's pair and
+    // addresses moved by k * ROWS tokens: one decomposition and one pair read a lane a step
+    // where a block's tokens are a multiple of the step's rows, the full decomposition only for
+    // a row past its block's last token. FOLD (U > 2, the remote sides' U): the ids are folded
+    // into the addresses at once, so only the two addresses and the flag stay live until the
+    // row's load. At U <= 2 (device copies) the ids are folded after the loads are issued.
     constexpr bool FOLD = U > 2;
-    u64 sb[U], db[U];
-    i64 i[U], j[U];
-    bool ok[U];
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const u64 r = r0 + static_cast<u64>(k) * ROWS;
+    // Rows a lane holds addresses for at once where a step's rows leave row 0's block (U = 8:
+    // two groups of 4; with all 8 rows' addresses live ptxas spills past 64 registers).
+    constexpr int GU = U > 4 ? 2 : U;
+    // Tokens of row 0's block from row 0 on (capped: a 32-bit count); 0: no row continues it.
+    int room = 0;
+    u64 s0 = 0, d0 = 0;
+    i64 i0 = -1, j0 = -1;
+    bool ok0 = false;
+    if (active && r0 < total) {
+      u64 q = fdiv(r0, tokens, m_tokens, small);
+      const i64 t0 = static_cast<i64>(r0 - q * tokens);
+      const i64 left = tokens - t0;
+      room = static_cast<int>(left < (1ll << 30) ? left : (1ll << 30));
+      u64 p = fdiv(q, heads, m_heads, small);
+      const i64 h = static_cast<i64>(q - p * heads);
+      q = fdiv(p, pairs, m_pairs, small);
+      read_pair(mapping, ms0, ms1, p - q * pairs, &i0, &j0);
+      u64 s = 0, d = 0;
+      switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+      s0 = s + h * ssh + t0 * sst + vs;
+      d0 = d + h * dsh + t0 * dst_ + vd;
       if constexpr (FOLD) {
-        ok[k] = false;
-      } else {
-        i[k] = -1;
-        j[k] = -1;
+        ok0 = i0 >= 0 && i0 < sblocks && j0 >= 0 && j0 < dblocks;
+        s0 += i0 * ssb;
+        d0 += j0 * dsb;
       }
-      sb[k] = 0;
-      db[k] = 0;
-      if (active && r < total) {
-        u64 q = fdiv(r, tokens, m_tokens, small);
-        const i64 t = static_cast<i64>(r - q * tokens);
-        u64 p = fdiv(q, heads, m_heads, small);
-        const i64 h = static_cast<i64>(q - p * heads);
-        q = fdiv(p, pairs, m_pairs, small);
-        i64 fi, fj;  // FOLD: the pair, folded below; else held in i[k], j[k] until the loads
-        i64& pi = FOLD ? fi : i[k];
-        i64& pj = FOLD ? fj : j[k];
-        read_pair(mapping, ms0, ms1, p - q * pairs, &pi, &pj);
-        u64 s = 0, d = 0;
-        switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+    }
+    if constexpr (U > GU) {
+      // Every row of the step in row 0's block (the common case): the U loads from row 0's
+      // addresses, nothing else held.
+      if (room > (U - 1) * ROWS) {
+        if (ok0) {
+          Raw<VB> x[U];
+          const i64 ss = ROWS * sst, ds = ROWS * dst_;
+#pragma unroll
+          for (int k = 0; k < U; ++k, s0 += ss)
+            x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(s0));
+#pragma unroll
+          for (int k = 0; k < U; ++k, d0 += ds) store_raw<VB>(reinterpret_cast<u8*>(d0), x[k]);
+        }
+        continue;
+      }
+    }
+#pragma unroll
+    for (int k1 = 0; k1 < U; k1 += GU) {
+      u64 sb[GU], db[GU];
+      i64 i[GU], j[GU];
+      bool ok[GU];
+#pragma unroll
+      for (int kk = 0; kk < GU; ++kk) {
+        const int k = k1 + kk;
+        const u64 r = r0 + static_cast<u64>(k) * ROWS;
+        if (k * ROWS < room) {  // row 0's job, pair and head
+          sb[kk] = s0 + static_cast<i64>(k * ROWS) * sst;
+          db[kk] = d0 + static_cast<i64>(k * ROWS) * dst_;
+          if constexpr (FOLD) {
+            ok[kk] = ok0;
+          } else {
+            i[kk] = i0;
+            j[kk] = j0;
+          }
+          continue;
+        }
+        i64 pi = -1, pj = -1;
+        sb[kk] = 0;
+        db[kk] = 0;
+        if (active && r < total) {
+          u64 q = fdiv(r, tokens, m_tokens, small);
+          const i64 t = static_cast<i64>(r - q * tokens);
+          u64 p = fdiv(q, heads, m_heads, small);
+          const i64 h = static_cast<i64>(q - p * heads);
+          q = fdiv(p, pairs, m_pairs, small);
+          read_pair(mapping, ms0, ms1, p - q * pairs, &pi, &pj);
+          u64 s = 0, d = 0;
+          switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+          sb[kk] = s + h * ssh + t * sst + vs;
+          db[kk] = d + h * dsh + t * dst_ + vd;
+        }
         if constexpr (FOLD) {
-          ok[k] = pi >= 0 && pi < sblocks && pj >= 0 && pj < dblocks;
-          sb[k] = s + pi * ssb + h * ssh + t * sst + vs;
-          db[k] = d + pj * dsb + h * dsh + t * dst_ + vd;
+          ok[kk] = pi >= 0 && pi < sblocks && pj >= 0 && pj < dblocks;
+          sb[kk] += pi * ssb;
+          db[kk] += pj * dsb;
         } else {
-          sb[k] = s + h * ssh + t * sst + vs;
-          db[k] = d + h * dsh + t * dst_ + vd;
+          i[kk] = pi;
+          j[kk] = pj;
         }
       }
-    }
-    Raw<VB> x[U];
+      Raw<VB> x[GU];
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      if constexpr (FOLD) {
-        if (ok[k]) x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[k]));
-      } else {
-        ok[k] = i[k] >= 0 && i[k] < sblocks && j[k] >= 0 && j[k] < dblocks;
-        if (ok[k]) x[k] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[k] + i[k] * ssb));
-        db[k] += j[k] * dsb;
+      for (int kk = 0; kk < GU; ++kk) {
+        if constexpr (FOLD) {
+          if (ok[kk]) x[kk] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[kk]));
+        } else {
+          ok[kk] = i[kk] >= 0 && i[kk] < sblocks && j[kk] >= 0 && j[kk] < dblocks;
+          if (ok[kk])
+            x[kk] = load_raw_volatile<VB>(reinterpret_cast<const u8*>(sb[kk] + i[kk] * ssb));
+          db[kk] += j[kk] * dsb;
+        }
       }
-    }
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      if (ok[k]) store_raw<VB>(reinterpret_cast<u8*>(db[k]), x[k]);
+      for (int kk = 0; kk < GU; ++kk) {
+        if (ok[kk]) store_raw<VB>(reinterpret_cast<u8*>(db[kk]), x[kk]);
+      }
     }
   }
 }

@@ -64,7 +64,9 @@ class TransferTuning(launch.PdlPolicy):
     # copy_unroll); rows of at most 32 vectors: one vector of each of U rows, U this up to
     # ROWS_MOST (copy_rows_unroll). Device to device: 2, measured (H200, 32 Llama-3-8B layers,
     # 128 random blocks, all SMs, change 72): U 2 / 4 / 8 at 1024 threads 1923 / 1865 / 1809 GB/s
-    # (the device copy: 2086).
+    # (the device copy: 2086). The rows kernel with each step's rows taken from its first
+    # (tuning-log 87), relayout and raw pages, 128 / 1024 blocks: U = 2 1825-1854 / 1896-1930,
+    # U = 4 1784-1840 / 1919-1936 (the device copy: 2111): 2 kept.
     loads_in_flight: int = 2
     # The same where a side is in pinned host memory: 8, measured (change 72): d2h at 1 CTA,
     # U 2 / 4 / 8: 25 / 38 / 38 GB/s; at 2 and 4 CTAs every U gives 50-52 (the link: 55).
@@ -72,6 +74,16 @@ class TransferTuning(launch.PdlPolicy):
     # Llama-3-8B layers, 128-1024 blocks, tuning-log 78), GB/s at 4 / 8 / all CTAs: U = 2 72 /
     # 140 / 374, U = 8 169 / 334 / 375, U = 16 78 / 155 at 4 / 8.
     loads_in_flight_host: int = 8
+    # U of a rows launch that reads pinned host memory (h2d: unpacking raw pages, a relayout from
+    # the host): 4. Measured (H200, 32 Llama-3-8B layers, raw unpack of 16-128 blocks, tuning-log
+    # 87), GB/s at 1 / 2 / 4 CTAs: U = 4 24.8 / 46.7 / 50.3, U = 8 13.6 / 26.2 / 47.7 (the link:
+    # 55), where d2h packing gained from 8 (1 CTA 41.6 vs 27.7, 2-4 CTAs 51.5-52.2 vs 28.9-33.9).
+    host_read_rows: int = 4
+    # A peer's long rows (a swap's whole blocks: more than 32 vectors) moved as rows of this many
+    # vectors by the rows kernel (U = loads_in_flight_host rows a lane, each step's rows taken
+    # from its first's address) where their vectors are dense and a multiple of it; 0: warp
+    # segments (transfer_copy_kernel). Measured: tuning-log 87.
+    peer_row_vectors: int = 32
     # Threads of a copy launch to pinned host memory (d2h), over its CTA budget (copy_threads):
     # 512, at least 128 a CTA. Measured (H200, 32 Llama-3-8B layers d2h, max_ctas=4, beside bf16
     # causal SDPA [1, 32, 8192, 128], change 72): 1024-thread CTAs 51.9 / 52.2 GB/s at 16 / 128
@@ -130,16 +142,17 @@ def copy_unroll(nvec: int, most: int) -> int:
     return u
 
 
-# The most rows a lane of transfer_copy_rows_kernel moves at once: at U > 2 each row holds its two
-# addresses (4 registers; its ids folded in, transfer.cu's FOLD) until its load, then its vector
-# until its store. 4: at 8, the launch bounds' 64 registers spill (ptxas, sm_90, VB 16: 104-128
-# bytes of stack); at 4, 54-64 registers and no stack (tests/test_transfer_cuda.py). A device copy takes U = 2 of them
-# (loads_in_flight: two rows of 16 B a lane are 32 KiB in flight a 1024-thread CTA, where a
-# device copy needs about 11 KiB an SM, 2 TB/s over 132 SMs at ~0.7 us); a remote side (pinned
-# host, a peer) takes 4 (loads_in_flight_host capped here): 64 KiB a CTA. Measured (H200 pair,
-# 32 Llama-3-8B layers, tuning-log 86), U = 4 vs 2: peer relayout to LBHNC at 4 / 8 CTAs 62 / 122
-# vs 53 / 105 GB/s; raw pages d2h at 4 CTAs 16.5 vs 15.0, h2d at 1 CTA 13.8 vs 11.8.
-ROWS_MOST = 4
+# The most rows a lane of transfer_copy_rows_kernel moves at once. A lane decomposes its first row
+# of a step and takes the next ones (the same block's later tokens) from its address, so only
+# the loaded vectors grow with U; at U = 8 a step whose rows leave that block moves them two at a
+# time (all eight rows' addresses held spilled past the launch bounds' 64 registers; as it is,
+# 40-62 registers and no stack, tests/test_transfer_cuda.py). A device copy takes U = 2
+# (loads_in_flight), a peer's source or a pinned host destination 8 (loads_in_flight_host), a
+# pinned host source 4 (host_read_rows). Measured (H200 pair, 32 Llama-3-8B layers, tuning-log
+# 87), GB/s: peer relayout to LBHNC at 4 / 8 CTAs U = 8 191 / 364, U = 4 123 / 244 (the rows
+# decomposed one by one, as before: U = 4 62 / 122); raw pages d2h at 4 CTAs U = 8 52.2, U = 4
+# 30.5 (before: 15.9).
+ROWS_MOST = 8
 
 
 def copy_lanes(nvec: int) -> int:
@@ -194,7 +207,8 @@ def all_kernel_names(tuning: TransferTuning = TUNING) -> list[str]:
     names = [copy_name(vb, dt, u) for vb in (1, 2, 4, 8, 16)
              for dt in (torch.int32, torch.int64) for u in unrolls]
     row_unrolls = sorted({copy_rows_unroll(tuning.loads_in_flight),
-                          copy_rows_unroll(tuning.loads_in_flight_host)})
+                          copy_rows_unroll(tuning.loads_in_flight_host),
+                          copy_rows_unroll(tuning.host_read_rows)})
     names += [copy_name(vb, dt, u, lanes) for vb in (1, 2, 4, 8, 16)
               for dt in (torch.int32, torch.int64) for u in row_unrolls
               for lanes in (1, 2, 4, 8, 16, 32)]
@@ -517,11 +531,14 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
-        heads, tokens, nvec, ppe = cl.geometry[10:]
+        geometry = cl.geometry
+        if plan.peer is not None:
+            geometry = _short_rows(geometry, tuning.peer_row_vectors)
+        heads, tokens, nvec, ppe = geometry[10:]
         rows = len(cl.pointers) * plan.pairs * heads * tokens
         lanes = copy_lanes(nvec)
         if lanes:
-            u = copy_rows_unroll(most)
+            u = copy_rows_unroll(tuning.host_read_rows if reads_host else most)
             segs, work, per_warp = 1, rows, 32 // lanes * u
         else:
             u = copy_unroll(nvec, most)
@@ -529,9 +546,23 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
             work, per_warp = rows * segs, 1  # warp segments
         magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
         out.append(CopyCall(copy_name(cl.vb, mdt, u, lanes), work, per_warp, threads, ctas_per_sm,
-                            (*margs, *slots, len(cl.pointers), *cl.geometry[:12], nvec,
+                            (*margs, *slots, len(cl.pointers), *geometry[:12], nvec,
                              ppe.bit_length() - 1, segs, *magics)))
     return out
+
+
+def _short_rows(geometry: tuple, vectors: int) -> tuple:
+    """``geometry`` (a CopyLaunch's) with its rows cut into rows of ``vectors`` vectors (the
+    pieces of a row become its tokens) where its rows are longer than that, their vectors dense
+    (one piece an element) and a multiple of it, and heads or tokens 1 (so the cut rows keep one
+    stride); else ``geometry``."""
+    ssb, ssh, sst, ssc, dsb, dsh, dst_, dsc, sblocks, dblocks, heads, tokens, nvec, ppe = geometry
+    if not vectors or nvec <= vectors or nvec % vectors or ppe != 1 or min(heads, tokens) != 1:
+        return geometry
+    if tokens != 1:  # the tokens become the heads
+        heads, ssh, dsh = tokens, sst, dst_
+    return (ssb, ssh, vectors * ssc, ssc, dsb, dsh, vectors * dsc, dsc, sblocks, dblocks, heads,
+            nvec // vectors, vectors, ppe)
 
 
 def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
