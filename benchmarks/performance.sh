@@ -7,7 +7,12 @@
 #   benchmarks/performance.sh [--l2 cold|hot|both] [--skip NAME]... OUT_DIR [NAME...]
 # NAME (run only these) and --skip take a run's name (05_pth-h128) or its prefix (05_pth: both
 # per-token-head runs). benchmarks/regression.sh runs this list too (one list of commands).
-# Exit status: 0; 1 when a command failed (its stderr is OUT_DIR/NAME-L2.err); 2 for bad usage.
+# The transfer sweeps (10_transfer-*) run once, with the cold condition (their timer rotates
+# inputs; there is no hot file), into OUT_DIR/NAME.json; the two p2p ones only where two GPUs
+# are visible (else a line says they were left out). On H200s 10_transfer-gpu took 3.2 minutes
+# and 10_transfer-p2p 5.5.
+# Exit status: 0; 1 when a command failed (its stderr is OUT_DIR/NAME-L2.err or NAME.err); 2 for
+# bad usage.
 set -u
 usage="usage: benchmarks/performance.sh [--l2 cold|hot|both] [--skip NAME]... OUT_DIR [NAME...]"
 l2s=(cold hot); skip=" "
@@ -44,6 +49,17 @@ run() {  # name, subcommand and flags...
     done
 }
 # all = NHD, HND, packed (vLLM's LBNHC), HND-packed (LBHNC)
+run_once() {  # name, subcommand and flags...: one run under its own timer flags (cold only)
+    local name=$1; shift
+    [ "$only" != "  " ] && ! picked "$name" "$only" && return
+    picked "$name" "$skip" && return
+    [[ " ${l2s[*]} " == *" cold "* ]] || return
+    echo "== kvwrite-bench $*"
+    timeout 600 python3 -m kvwrite.bench "$@" --json "$out/$name.json" 2>"$out/$name.err" \
+        | tail -n +2 | grep -v "^#"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || { failed+=("$name (exit $rc)"); echo "!! $name: exit $rc"; }
+}
 run 01_write-auto --layouts all --num-tokens 2,32,1024,16384,65536
 run 01_write-fp8 --layouts all --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
 run 01_write-h8 --num-heads 8 --layouts all --num-tokens 2,32,1024,16384,65536 \
@@ -63,6 +79,25 @@ run 07_gather-fp8 gather --kinds dequant,cp,flash --kv-cache-dtypes fp8 \
     --num-tokens 1024,8192,16384,65536
 run 08_indexer indexer --scale-fmts ue8m0,mxfp8,float32 --num-tokens 1,1024,16384,65536
 run 09_legacy legacy --num-heads 8 --num-tokens 2,1024,16384 --kv-cache-dtype fp8
+run_once 10_transfer-gpu transfer --time-budget 0.1 --iters 20 --model llama3-8b,deepseek-v3 \
+    --direction d2d,relayout --op swap,relayout,pack,unpack --blocks 16,128 --max-ctas 4,all \
+    --engine sm --peers torch --no-overlap --implementation cuda,triton
+run_once 10_transfer-swap transfer --time-budget 0.1 --iters 20 --model llama3-8b \
+    --direction d2h,h2d --op swap --blocks 16,128 --max-ctas 1,2,4,8,all --implementation cuda,triton
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${gpus:-0}" -ge 2 ]; then
+    run_once 10_transfer-p2p transfer --direction p2p --model llama3-8b \
+        --op swap,relayout,handoff --blocks 16,128,1024 --engine sm --max-ctas 1,2,4,8,all \
+        --time-budget 0.1 --iters 20 --no-overlap
+    run_once 10_transfer-p2p-ce transfer --direction p2p --model llama3-8b --op swap \
+        --blocks 16,128,1024 --engine ce --peers vllm-loop,batch,torch --time-budget 0.1 \
+        --iters 10 --no-overlap
+else
+    for name in 10_transfer-p2p 10_transfer-p2p-ce; do
+        { [ "$only" = "  " ] || picked "$name" "$only"; } && ! picked "$name" "$skip" &&
+            echo "-- $name left out: it needs two GPUs (this machine shows ${gpus:-0})"
+    done
+fi
 run 11_turboquant turboquant --num-tokens 1,16,1024,16384,65536
 run 12_mx mx --scale-rules ceil,floor --num-tokens 1,16,1024,16384,65536
 

@@ -9,9 +9,11 @@
 # which prints every point's new/old, each op and configuration's geometric mean and the worst
 # points. Defaults: cold L2 only (docs/performance.md's first condition) and --threshold 10: a
 # point near the launch floor (1-2 us) moves a few % from run to run, so rerun a flagged sweep
-# (NAME) before believing one point; a group's geometric mean is steadier. Without --all the
-# slowest sweep, 05_pth-h128, is left out (per-token-head stays covered by 05_pth-h8). NAME runs
-# only those sweeps (a name, e.g. 01_write-h8, or a prefix, e.g. 01_write).
+# (NAME) before believing one point; a group's geometric mean is steadier. Without --all or a
+# NAME the slowest sweeps are left out: 05_pth-h128 (per-token-head stays covered by 05_pth-h8)
+# and the transfer sweeps (10_transfer: 3-6 minutes each; name them for a change to the transfer
+# kernels). NAME runs exactly those sweeps (a name, e.g. 01_write-h8, or a prefix, e.g.
+# 01_write), --all or not.
 # Time on an H200, from the committed run (each file's meta.created is written as its command
 # ends): the default is about 5 minutes (cold commands 4.7 min, 05_pth-h128 cold another 2),
 # --all about 7, --l2 both --all about 11.
@@ -19,7 +21,7 @@
 # 2 for bad usage or input (compare's one-line message).
 set -u
 usage="usage: benchmarks/regression.sh [--l2 cold|hot|both] [--threshold PCT] [--all] OUT_DIR [NAME...]"
-l2=cold; threshold=10; skip=(--skip 05_pth-h128)
+l2=cold; threshold=10; skip=(--skip 05_pth-h128 --skip 10_transfer)
 while [ $# -gt 0 ]; do
     case $1 in
         --l2) l2=${2:-}; shift 2 || { echo "$usage" >&2; exit 2; } ;;
@@ -33,6 +35,7 @@ case $l2 in cold|hot|both) ;; *) echo "$usage (--l2: expected cold, hot or both,
 [[ $threshold =~ ^[0-9]+([.][0-9]*)?$ ]] ||
     { echo "$usage (--threshold: expected a percentage >= 0, got '$threshold')" >&2; exit 2; }
 out=${1:?$usage}; shift
+[ $# -gt 0 ] && skip=()  # named sweeps run whatever the default leaves out
 here=$(dirname "$0")
 data="$here/../docs/data"
 rm -rf "$out/new" "$out/old"
