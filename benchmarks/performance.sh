@@ -31,35 +31,44 @@ out=${1:?$usage}; shift
 mkdir -p "$out"
 only=" $* "
 failed=()
+gpus=  # GPUs visible, probed by the first p2p run
 common=(--implementation cuda,triton --iters 50 --time-budget 0.15)
 picked() {  # is run $1 named (by its name or its prefix) in the list $2?
     [[ "$2" == *" $1 "* || "$2" == *" ${1%%-*} "* ]]
 }
-run() {  # name, subcommand and flags...
-    local name=$1; shift
-    [ "$only" != "  " ] && ! picked "$name" "$only" && return
-    picked "$name" "$skip" && return
-    for l2 in "${l2s[@]}"; do
-        local flag=(); [ "$l2" = hot ] && flag=(--hot-l2)
-        echo "== kvwrite-bench $* ${common[*]} ${flag[*]}"
-        timeout 300 python3 -m kvwrite.bench "$@" "${common[@]}" "${flag[@]}" \
-            --json "$out/$name-$l2.json" 2>"$out/$name-$l2.err" | tail -n +2 | grep -v "^#"
-        local rc=${PIPESTATUS[0]}
-        [ "$rc" = 0 ] || { failed+=("$name-$l2 (exit $rc)"); echo "!! $name-$l2: exit $rc"; }
-    done
+selected() {  # is run $1 asked for (named, or no names given) and not skipped?
+    { [ "$only" = "  " ] || picked "$1" "$only"; } && ! picked "$1" "$skip"
 }
-# all = NHD, HND, packed (vLLM's LBNHC), HND-packed (LBHNC)
-run_once() {  # name, subcommand and flags...: one run under its own timer flags (cold only)
-    local name=$1; shift
-    [ "$only" != "  " ] && ! picked "$name" "$only" && return
-    picked "$name" "$skip" && return
-    [[ " ${l2s[*]} " == *" cold "* ]] || return
+bench() {  # timeout, output stem, subcommand and flags...: one command into $out/STEM.json
+    local limit=$1 stem=$2; shift 2
     echo "== kvwrite-bench $*"
-    timeout 600 python3 -m kvwrite.bench "$@" --json "$out/$name.json" 2>"$out/$name.err" \
+    timeout "$limit" python3 -m kvwrite.bench "$@" --json "$out/$stem.json" 2>"$out/$stem.err" \
         | tail -n +2 | grep -v "^#"
     local rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || { failed+=("$name (exit $rc)"); echo "!! $name: exit $rc"; }
+    [ "$rc" = 0 ] || { failed+=("$stem (exit $rc)"); echo "!! $stem: exit $rc"; }
 }
+run() {  # name, subcommand and flags...: each L2 condition, the common flags
+    local name=$1; shift
+    selected "$name" || return
+    for l2 in "${l2s[@]}"; do
+        local flag=(); [ "$l2" = hot ] && flag=(--hot-l2)
+        bench 300 "$name-$l2" "$@" "${common[@]}" "${flag[@]}"
+    done
+}
+run_once() {  # name, subcommand and flags...: one run under its own timer flags (cold only); a
+    # p2p run only where two GPUs are visible
+    local name=$1; shift
+    selected "$name" || return
+    [[ " ${l2s[*]} " == *" cold "* ]] || return
+    if [[ " $* " == *" --direction p2p "* ]]; then
+        [ -n "$gpus" ] ||
+            gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+        [ "$gpus" -ge 2 ] ||
+            { echo "-- $name left out: it needs two GPUs (this machine shows $gpus)"; return; }
+    fi
+    bench 600 "$name" "$@"
+}
+# all = NHD, HND, packed (vLLM's LBNHC), HND-packed (LBHNC)
 run 01_write-auto --layouts all --num-tokens 2,32,1024,16384,65536
 run 01_write-fp8 --layouts all --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
 run 01_write-h8 --num-heads 8 --layouts all --num-tokens 2,32,1024,16384,65536 \
@@ -84,20 +93,12 @@ run_once 10_transfer-gpu transfer --time-budget 0.1 --iters 20 --model llama3-8b
     --engine sm --peers torch --no-overlap --implementation cuda,triton
 run_once 10_transfer-swap transfer --time-budget 0.1 --iters 20 --model llama3-8b \
     --direction d2h,h2d --op swap --blocks 16,128 --max-ctas 1,2,4,8,all --implementation cuda,triton
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "${gpus:-0}" -ge 2 ]; then
-    run_once 10_transfer-p2p transfer --direction p2p --model llama3-8b \
-        --op swap,relayout,handoff --blocks 16,128,1024 --engine sm --max-ctas 1,2,4,8,all \
-        --time-budget 0.1 --iters 20 --no-overlap
-    run_once 10_transfer-p2p-ce transfer --direction p2p --model llama3-8b --op swap \
-        --blocks 16,128,1024 --engine ce --peers vllm-loop,batch,torch --time-budget 0.1 \
-        --iters 10 --no-overlap
-else
-    for name in 10_transfer-p2p 10_transfer-p2p-ce; do
-        { [ "$only" = "  " ] || picked "$name" "$only"; } && ! picked "$name" "$skip" &&
-            echo "-- $name left out: it needs two GPUs (this machine shows ${gpus:-0})"
-    done
-fi
+run_once 10_transfer-p2p transfer --direction p2p --model llama3-8b \
+    --op swap,relayout,handoff --blocks 16,128,1024 --engine sm --max-ctas 1,2,4,8,all \
+    --time-budget 0.1 --iters 20 --no-overlap
+run_once 10_transfer-p2p-ce transfer --direction p2p --model llama3-8b --op swap \
+    --blocks 16,128,1024 --engine ce --peers vllm-loop,batch,torch --time-budget 0.1 \
+    --iters 10 --no-overlap
 run 11_turboquant turboquant --num-tokens 1,16,1024,16384,65536
 run 12_mx mx --scale-rules ceil,floor --num-tokens 1,16,1024,16384,65536
 
