@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     // row's load. At U <= 2 (device copies) the ids are folded after the loads are issued.
     constexpr bool FOLD = U > 2;
     // Rows a lane holds addresses for at once where a step's rows leave row 0's block (U = 8:
-    // two groups of 4; with all 8 rows' addresses live ptxas spills past 64 registers).
+    // four groups of 2; with groups of 4, ptxas spilled past the 64 registers).
     constexpr int GU = U > 4 ? 2 : U;
     // Tokens of row 0's block from row 0 on (capped: a 32-bit count); 0: no row continues it.
     int room = 0;
