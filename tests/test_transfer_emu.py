@@ -174,8 +174,9 @@ def test_emulated_rows_many_warps_and_ctas(emu):
 
 def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> str | None:
     """Rows of ``int32_per_row`` int32 (16-byte vectors) in blocks of ``tokens`` tokens, 3 heads,
-    4 jobs, 9 pairs (repeated sources, out-of-range ids); the destination (B, N, H, C) where
-    ``relayout``. None where ``run`` copied exactly what the oracle says."""
+    4 jobs, 9 pairs (repeated sources, out-of-range ids), 3 CTAs; the destination (B, N, H, C)
+    where ``relayout``. None where ``run`` copied exactly what the oracle says
+    (tp.run_copy_case)."""
     g = torch.Generator().manual_seed(tokens * 100 + int32_per_row)
     views = []
     for _ in range(4):
@@ -184,14 +185,8 @@ def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> s
         dst = torch.randint(-2**31, 2**31, (7, tokens, 3, int32_per_row), generator=g,
                             dtype=torch.int32)
         views.append((src, dst.transpose(1, 2) if relayout else dst.view(7, 3, tokens, -1)))
-    jobs = [tp.copy_job(s, d) for s, d in views]
     pairs = [(0, 6), (4, 0), (1, 3), (-1, 2), (2, 5), (4, 1), (3, 7), (0, 4), (5, 2)]
-    want = tp.raw_oracle(views, pairs)
-    mapping = tp.mapping_tensor(pairs, torch.int64, "cpu")
-    run(tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(pairs), torch.device("cuda"),
-                     3))
-    got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
-    return compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)})
+    return tp.run_copy_case("swap_blocks_multi_layer", views, pairs, run, max_ctas=3)
 
 
 @needs_cxx
@@ -227,21 +222,21 @@ def test_emulated_peer_copies_of_long_rows(emu, shape, cut):
     views = [(torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int32),
               torch.randint(-2**31, 2**31, (7, *shape[1:]), generator=g, dtype=torch.int32))
              for _ in range(3)]
-    jobs = [tp.copy_job(s, d) for s, d in views]
-    pairs = [(0, 6), (4, 0), (1, 3), (-1, 2), (2, 5), (5, 1), (3, 9)]
-    want = tp.raw_oracle(views, pairs)
-    mapping = tp.mapping_tensor(pairs, torch.int32, "cpu")
-    plan = tp.make_plan("swap_blocks_multi_layer", jobs, mapping, len(pairs),
-                        torch.device("cuda"), 2)
     tuning = _tuning(8)
-    (alone,) = tc.copy_calls(plan, tuning)
-    assert alone.name.startswith("transfer_copy_kernel<")
-    launched = []
-    emu_run(emu, tuning, launched)(dataclasses.replace(plan, peer=torch.device("cuda", 1)))
-    want_name = tc.copy_name(16, torch.int32, 8, 32) if cut else alone.name
+    alone, launched = [], []
+
+    def from_peer(plan):
+        (c,) = tc.copy_calls(plan, tuning)
+        alone.append(c.name)
+        emu_run(emu, tuning, launched)(dataclasses.replace(plan, peer=torch.device("cuda", 1)))
+
+    err = tp.run_copy_case("swap_blocks_multi_layer", views,
+                           [(0, 6), (4, 0), (1, 3), (-1, 2), (2, 5), (5, 1), (3, 9)], from_peer,
+                           mapping_dtype=torch.int32, max_ctas=2)
+    assert alone[0].startswith("transfer_copy_kernel<")
+    want_name = tc.copy_name(16, torch.int32, 8, 32) if cut else alone[0]
     assert [name for name, _ in launched] == [want_name]
-    got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
-    assert compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)}) is None
+    assert err is None, err
 
 
 @needs_cxx
