@@ -163,10 +163,11 @@ def test_aligned_variant_every_format(emu, direction, page_format, cache_dtype, 
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("page_format", _FMTS)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32], ids=_id)
-@pytest.mark.parametrize("N,C,S", [(16, 256, 2), (10, 128, 1), (9, 128, 2)])
+@pytest.mark.parametrize("N,C,S", [(16, 256, 2), (10, 128, 1), (9, 128, 2), (32, 96, 2)])
 def test_aligned_variant_long_segments(emu, direction, page_format, cache_dtype, N, C, S):
-    """Longer segments (16, 10 and 9 rows of 64 or 128 elements): U = 1, 2 and 4, whole and
-    masked items."""
+    """Longer segments (16, 10, 9 and 32 rows of 48 to 128 elements): U = 1, 2 and 4, whole and
+    masked items; a lane's units 32 apart cross rows by carries: rows of 48 elements hold 6 fp8
+    units (bfloat16; 12 float32) or 3 nvfp4 groups, none a divisor of 32."""
     case = _aligned(tp.PageCase(direction, page_format, cache_dtype, L=2, S=S, N=N, C=C, Hc=2,
                                 Hp=3, K=2, hc0=0, hp0=1, scale_shape="full"))
     if S == 1:
@@ -262,6 +263,11 @@ def test_page_align_decides_by_every_address():
     assert align(dataclasses.replace(base, pad=4)) == 0  # token stride 136 bytes
     assert align(dataclasses.replace(base, pad=8)) == 16  # 144 bytes
     assert align(dataclasses.replace(base, C=40)) == 0  # E = 20: partial groups
+    # (page jobs only looked at: a row part's elements of all tokens, N * E, from 2^32 on take
+    # the general variant, whose unit indices are 64-bit)
+    pj = base.page_job(*base.make("cpu"))
+    assert tc.page_align(dataclasses.replace(pj, tokens=(1 << 27) - 1)) == 16  # E = 32
+    assert tc.page_align(dataclasses.replace(pj, tokens=1 << 27)) == 0
     # (views only looked at, never run: one element further, every other element)
     assert align(base, lambda c: c[:-1].as_strided(c[:-1].shape, c.stride(),
                                                    c.storage_offset() + 1)) == 0

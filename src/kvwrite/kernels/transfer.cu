@@ -563,6 +563,29 @@ KVW_HD void page_segment(u64 rest, i64 segs, i64 S, u64 m_segs, u64 m_S, bool sm
   *li = static_cast<i64>(q);
 }
 
+// A lane's units of a segment, j0, j0 + 32, j0 + 64, ..., each as (token t, unit g of its row
+// part of G units): the first by one division (first), each later one 32 units on by adding
+// (32 / G, 32 % G) and carrying where g passes G (next): no division or multiply a unit. UI
+// (IndexType): u32 in the aligned variants (transfer_cuda.page_align takes them only where
+// N * E < 2^32, so t < N and g < G fit), i64 in the general one (one unit a lane: first only).
+template <typename UI>
+struct UnitWalk {
+  UI t, g;
+  KVW_HD void first(i64 j0, i64 G, u64 m_G, bool small) {
+    const u64 q = fdiv(static_cast<u64>(j0), G, m_G, small);
+    t = static_cast<UI>(q);
+    g = static_cast<UI>(static_cast<u64>(j0) - q * G);
+  }
+  KVW_HD void next(UI G, int dt, int dg) {
+    g += dg;
+    t += dt;
+    if (g >= G) {
+      g -= G;
+      ++t;
+    }
+  }
+};
+
 // transfer_pack_kernel<FMT, IN, IDX, ALIGN, U>: caches of kind IN (DT_F16/DT_BF16/DT_F32) ->
 // chunks of format FMT (DT_E4M3, DT_E5M2, KVW_NVFP4). Pair m = (cache block b, page row p).
 // scale: float32, sigma(l, s) of chunk k at scale[l*ss0 + s*ss1 + k*ss2] (the launcher's pointer
@@ -581,6 +604,8 @@ __global__ void __launch_bounds__(1024)
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
+  using UI = typename IndexType<ALIGNED>::type;
+  const int dt = G > 32 ? 0 : 32 / static_cast<int>(G), dg = 32 - dt * static_cast<int>(G);
   const u64 X = static_cast<u64>(nl) * S * segs;  // group items a chunk
   const u64 per_chunk = X + (l0 == 0 ? 1 : 0);    // and the header item
   const u64 total = static_cast<u64>(pairs) * K * per_chunk;
@@ -620,16 +645,14 @@ __global__ void __launch_bounds__(1024)
                                                 s * E * csc);
     const float sigma = scale[l * ss0 + s * ss1 + k * ss2];
     const i64 j0 = seg * (32 * U) + lane;
+    UnitWalk<UI> w0;
+    w0.first(j0, G, m_G, small);
     Raw<UE * ES> raw[U];
     if constexpr (ALIGNED) {  // every load first
+      UnitWalk<UI> at = w0;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 j = j0 + 32 * u;
-        if (j < NG) {
-          const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
-          raw[u] = load_wide<UE * ES>(src + t * cst + (j - t * G) * (UE * ES));
-        }
-      }
+      for (int u = 0; u < U; ++u, at.next(G, dt, dg))
+        if (at.t < N) raw[u] = load_wide<UE * ES>(src + at.t * cst + at.g * (UE * ES));
     }
     Fp8Scale fs;
     Nvfp4Den den6;
@@ -638,12 +661,11 @@ __global__ void __launch_bounds__(1024)
     } else {
       fs = make_fp8_scale<true, ALIGNED>(sigma);
     }
+    UnitWalk<UI> at = w0;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 j = j0 + 32 * u;
-      if (j >= NG) break;
-      const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
-      const i64 e0 = UE * (j - t * G);
+    for (int u = 0; u < U; ++u, at.next(G, dt, dg)) {
+      if (at.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
+      const i64 t = at.t, e0 = UE * static_cast<i64>(at.g);
       const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
       if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
       float x[UE];
@@ -697,6 +719,8 @@ __global__ void __launch_bounds__(1024)
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
+  using UI = typename IndexType<ALIGNED>::type;
+  const int dt = G > 32 ? 0 : 32 / static_cast<int>(G), dg = 32 - dt * static_cast<int>(G);
   const u64 per_chunk = static_cast<u64>(nl) * S * segs;
   const u64 total = static_cast<u64>(pairs) * K * per_chunk;
   const i64 codes_at = 4 * L * S;
@@ -736,13 +760,12 @@ __global__ void __launch_bounds__(1024)
     const u8* sig_at = cbase + 4 * (l * S + s);
     const float sigma = ALIGNED ? bits_f32(load_raw<4>(sig_at).w[0]) : load_f32_any(sig_at);
     u8* dst = reinterpret_cast<u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh + s * E * csc);
+    UnitWalk<UI> wk;
+    wk.first(j0, G, m_G, small);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 j = j0 + 32 * u;
-      if (j >= NG) break;
-      const i64 t = static_cast<i64>(fdiv(j, G, m_G, small));
-      const i64 g = j - t * G;
-      const i64 e0 = UE * g;
+    for (int u = 0; u < U; ++u, wk.next(G, dt, dg)) {
+      if (wk.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
+      const i64 t = wk.t, g = wk.g, e0 = UE * g;
       const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
       if constexpr (!ALIGNED) {
         if constexpr (FMT == KVW_NVFP4) {

@@ -96,14 +96,20 @@ class TransferTuning(launch.PdlPolicy):
     jobs_per_launch: int = SLOTS
     # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
     # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
-    # registers a thread, tests/test_transfer_cuda.py). Unmeasured for the pages.
+    # registers a thread, tests/test_transfer_cuda.py). Measured (H200, 32 Llama-3-8B layers,
+    # 128 / 1024 blocks, every SM, tuning-log 88), GB/s of page bytes: 1024 threads fp8 pack
+    # 936 / 1000, NVFP4 pack 616 / 658, unpack fp8 1183 / 1248, NVFP4 718 / 749; 512 threads, two
+    # CTAs an SM: 901 / 942, 588 / 618, 1208 / 1262, 743 / 750; before the unit walk one CTA of
+    # 512 threads lost 18% (fp8 pack 639 vs 776), four of 256 6%.
     page_threads: int = 1024
     # The most cache bytes a lane's units cover in a warp item of the aligned page variants (U
     # units of page_unit_elems elements: fp8 16-byte vectors, nvfp4 groups of 16; U the largest
     # power of two within this whose item of 32 * U units the segment fills). 64: a pack's
     # 1024-thread CTA holds 64 KiB of reads in flight, twice the copy kernel's at its measured
     # best (U = 2 vectors of 16 bytes), within 64 registers (bfloat16 groups: U = 2; float32
-    # groups: 1; fp8 vectors: 4). Unmeasured for the pages.
+    # groups: 1; fp8 vectors: 4). Measured before the unit walk (tuning-log 88; 128 / 1024
+    # blocks, bfloat16): 32 bytes fp8 pack 604 / 629 GB/s, 64 776 / 823, 128 817 / 881 (NVFP4
+    # unpack 613 / 667 against 674 / 733); with the walk, 128 bytes spill the pack's registers.
     page_bytes_in_flight: int = 64
     # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
     # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
@@ -346,9 +352,11 @@ def page_align(pj: PageJob) -> int:
     page's chunks start 16-byte aligned (its pointer, the row stride where there are two rows or
     more, ``hb``); then the alignment of every group's codes: the largest power of two dividing
     ``4*L*S`` (their offset in the chunk), at most a group's code bytes (16 fp8, 8 nvfp4). A
-    stride of a dim of one index never moves an address and is not counted (as for copies)."""
+    stride of a dim of one index never moves an address and is not counted (as for copies). The
+    aligned variants walk a segment's units in 32-bit indices (transfer.cu's UnitWalk): a row
+    part's elements of all N tokens (``N * E``) below 2^32, else the general variant."""
     E, L, S = pj.part_elems, pj.layers, pj.parts
-    if E % 16:
+    if E % 16 or pj.tokens * E >= 1 << 32:
         return 0
     es = pj.cache_dtype.itemsize
     for side in pj.caches:

@@ -399,14 +399,6 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
 #ifndef KVW_NVFP4_KV_MIN_CTAS
 #define KVW_NVFP4_KV_MIN_CTAS 0  // cuda_impl.CudaTuning.kv_min_ctas
 #endif
-template <bool OFF32>
-struct Nvfp4Off {
-  using T = i64;
-};
-template <>
-struct Nvfp4Off<true> {
-  using T = u32;
-};
 
 // One side's rule of nvfp4_kv_kernel from its raw words and amax (nvfp4_group_amax): the codes
 // (two words) and S.
@@ -424,7 +416,7 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
   KVW_NVFP4_FIXED_PROLOGUE()
   static_assert(IN != DT_F32, "16-bit inputs");
   static_assert(NG == 1 || NG == 2, "one or two groups of each side");
-  using Off = typename Nvfp4Off<OFF32>::T;
+  using Off = typename IndexType<OFF32>::type;
   constexpr int IB = elem_bytes(IN);
   // 32-bit: the host launches at most 2^32 - 1 threads, so num_tokens < 2^32 here.
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;

@@ -18,6 +18,17 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// The integer type of a kernel's offsets or indices: u32 where NARROW (its launcher has checked
+// that every one stays below 2^32: fewer registers and instructions), else i64.
+template <bool NARROW>
+struct IndexType {
+  using type = i64;
+};
+template <>
+struct IndexType<true> {
+  using type = u32;
+};
+
 // Element kinds: template arguments IN (input) and OUT (cache). DT_COPY moves the input bits
 // unchanged (kv_cache_dtype "auto", or a cache of the input's own dtype).
 #define DT_F16 0
