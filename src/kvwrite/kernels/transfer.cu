@@ -38,9 +38,17 @@ KVW_HD u64 udiv(u64 a, u64 b) {
 // n / d for n, d < 2^32 by one high multiply: magic = ceil(2^64 / d) for d >= 2 (then
 // n * magic / 2^64 exceeds n / d by less than 2^-32 <= 1/d, never reaching the next integer), 0
 // for d == 1 (transfer_cuda.magic). Where the launch's count of vectors is 2^32 or more
-// (`small` false) the division itself.
+// (`small` false) the division itself. With n < 2^32 the high word of n * magic is
+// (n * hi(magic) + hi(n * lo(magic))) / 2^32 (the dropped low word of n * lo(magic) is below
+// 2^32 and cannot carry into it; the sum stays below 2^64): two 32-bit multiplies, where a
+// 64 x 64 high product takes four and their carries.
 KVW_HD u64 fdiv(u64 n, u64 d, u64 magic, bool small) {
-  if (small) return magic == 0 ? n : __umul64hi(n, magic);
+  if (small) {
+    if (magic == 0) return n;
+    const u64 n32 = static_cast<u32>(n);
+    const u64 low = (n32 * static_cast<u32>(magic)) >> 32;
+    return (n32 * static_cast<u32>(magic >> 32) + low) >> 32;
+  }
   return n / d;
 }
 
