@@ -132,9 +132,9 @@ def _llama_pages(direction="pack", page_format="fp8_e4m3", blocks=4, pairs=None)
 def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     """The benchmark's pages (32 Llama-3-8B layers) take the aligned variant: fp8 in units of one
     16-byte cache vector (8 elements: 16 a row part, 256 a (pair, head, layer, part) segment of 16
-    tokens) with U = 4, nvfp4 in groups (8 a row part, 128 a segment) with U = 2: two warp items
-    a segment either way, one header item a chunk (pack), one launch, 1024-thread CTAs, one per
-    SM."""
+    tokens) with U = 4, nvfp4 in groups (8 a row part, 128 a segment) with U = 2: two batches of
+    32 * U units a segment either way, fp8's in one warp item (page_batches 2), nvfp4's in two
+    (1); one header item a chunk (pack), one launch, 1024-thread CTAs, one per SM."""
     case, plan = _llama_pages(direction, page_format, blocks=4)
     (pa,) = tc.page_launch_args(plan, sm_count=132)
     fp8 = page_format != "nvfp4"
@@ -142,14 +142,15 @@ def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align,
                                    unroll)
     assert pa.threads == 1024
-    items = 4 * 8 * (32 * 2 * 2 + (direction == "pack"))
+    segs_want = 1 if fp8 else 2  # page_batches 2 (fp8), 1 (nvfp4)
+    items = 4 * 8 * (32 * 2 * segs_want + (direction == "pack"))
     assert pa.grid == min(132, -(-items // 32))
     geometry = pa.args[-23:]
     assert geometry[:7] == (0, 32, 32, 2, 16, 128, 8)
     segs, small = geometry[16], geometry[22]
-    assert segs == 2 and small == 1
+    assert segs == segs_want and small == 1
     assert geometry[17:22] == (tc.magic(32 * 2 * segs + (direction == "pack")), tc.magic(8),
-                               tc.magic(2), tc.magic(2), tc.magic(units))
+                               tc.magic(segs), tc.magic(2), tc.magic(units))
 
 
 def test_page_launch_args_grid_and_max_ctas():

@@ -22,6 +22,12 @@
 // The page format of the page kernels' FMT beside DT_E4M3 / DT_E5M2.
 #define KVW_NVFP4 6
 
+// Batches of 32 * U units a warp item of the page kernels moves one after the other (the item's
+// decomposition, pair, addresses and scale once for all; transfer_cuda.page_batches): 2, but 1
+// for nvfp4 (with a second batch ptxas spilled 16 bytes of the pack's registers at U = 2, and
+// the unpack measured 0.73-0.79 of its one-batch rate: tuning-log 90).
+__host__ __device__ constexpr int page_batches(int fmt) { return fmt == KVW_NVFP4 ? 1 : 2; }
+
 // Slots per launch (transfer_cuda.SLOTS says the same).
 #define KVW_SLOTS 32
 #define KVW_X32(X)                                                                              \
@@ -537,9 +543,9 @@ __host__ __device__ constexpr int page_unit_elems(int fmt, bool aligned, int es)
     return layer##n;
 
 // The geometry every page launch shares (after the layer slots), then the item decomposition's
-// constants: segs = ceil(N*G / (32*U)) items a segment, fdiv's magic numbers of the item count
-// of a chunk, K, segs, S and G (transfer_cuda.magic), and `small` (every item index and group
-// index below 2^32: the magic numbers serve).
+// constants: segs = ceil(N*G / (32*U*B)) items a segment (B: page_batches), fdiv's magic numbers
+// of the item count of a chunk, K, segs, S and G (transfer_cuda.magic), and `small` (every item
+// index and group index below 2^32: the magic numbers serve).
 #define KVW_PAGE_PARAMS                                                                         \
   i64 l0, i64 nl, i64 L, i64 S, i64 N, i64 E, i64 K, i64 csb, i64 csh, i64 cst, i64 csc,        \
       i64 cblocks, u64 page, i64 prs, i64 hb, i64 pblocks, i64 segs, u64 m_chunk, u64 m_K,      \
@@ -609,6 +615,7 @@ __global__ void __launch_bounds__(1024)
   constexpr int ES = IN == DT_F32 ? 4 : 2;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
   constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
+  constexpr int B = page_batches(FMT);
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
@@ -652,56 +659,62 @@ __global__ void __launch_bounds__(1024)
     const u8* src = reinterpret_cast<const u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh +
                                                 s * E * csc);
     const float sigma = scale[l * ss0 + s * ss1 + k * ss2];
-    const i64 j0 = seg * (32 * U) + lane;
-    UnitWalk<UI> w0;
-    w0.first(j0, G, m_G, small);
-    Raw<UE * ES> raw[U];
-    if constexpr (ALIGNED) {  // every load first
-      UnitWalk<UI> at = w0;
-#pragma unroll
-      for (int u = 0; u < U; ++u, at.next(G, dt, dg))
-        if (at.t < N) raw[u] = load_wide<UE * ES>(src + at.t * cst + at.g * (UE * ES));
-    }
     Fp8Scale fs;
     Nvfp4Den den6;
-    if constexpr (FMT == KVW_NVFP4) {
-      den6 = nvfp4_den(mul_rn(sigma, 6.0f));
-    } else {
-      fs = make_fp8_scale<true, ALIGNED>(sigma);
-    }
-    UnitWalk<UI> at = w0;
+#pragma unroll 1
+    for (int bt = 0; bt < B; ++bt) {  // the item's batches of 32 * U units
+      const i64 j0 = (seg * B + bt) * (32 * U) + lane;
+      if (B > 1 && j0 - lane >= NG) break;  // (one batch: never past the segment)
+      UnitWalk<UI> w0;
+      w0.first(j0, G, m_G, small);
+      Raw<UE * ES> raw[U];
+      if constexpr (ALIGNED) {  // every load first
+        UnitWalk<UI> at = w0;
 #pragma unroll
-    for (int u = 0; u < U; ++u, at.next(G, dt, dg)) {
-      if (at.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
-      const i64 t = at.t, e0 = UE * static_cast<i64>(at.g);
-      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
-      if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
-      float x[UE];
-#pragma unroll
-      for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
-      if constexpr (FMT == KVW_NVFP4) {
-        u32 out[4], s8;
-        quantize_group<IN>(raw[u], x, sigma, den6, out, &s8);
-        const i64 r = r0 + t;
-        u8* codes = cbase + codes_at + (r * E + e0) / 2;
-        if constexpr (ALIGNED) {
-          Raw<8> c;
-          c.w[0] = out[0];
-          c.w[1] = out[1];
-          store_aligned<8, ALIGN>(codes, c);
+        for (int u = 0; u < U; ++u, at.next(G, dt, dg))
+          if (at.t < N) raw[u] = load_wide<UE * ES>(src + at.t * cst + at.g * (UE * ES));
+      }
+      if (bt == 0) {  // the scale's constants, while the first batch's loads are in flight
+        if constexpr (FMT == KVW_NVFP4) {
+          den6 = nvfp4_den(mul_rn(sigma, 6.0f));
         } else {
-          store_bytes(codes, 8, out);
+          fs = make_fp8_scale<true, ALIGNED>(sigma);
         }
-        cbase[codes_at + lnc / 2 + r * (E / 16) + e0 / 16] = static_cast<u8>(s8);
-      } else {
-        Raw<UE> c;  // the unit's UE codes
-        fp8_quantize<FMT, UE, STEPS>(x, c.w, fs);
-        const i64 r = r0 + t;
-        u8* codes = cbase + codes_at + r * E + e0;
-        if constexpr (ALIGNED) {
-          store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c);
+      }
+      UnitWalk<UI> at = w0;
+#pragma unroll
+      for (int u = 0; u < U; ++u, at.next(G, dt, dg)) {
+        if (at.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
+        const i64 t = at.t, e0 = UE * static_cast<i64>(at.g);
+        const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
+        if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
+        float x[UE];
+#pragma unroll
+        for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
+        if constexpr (FMT == KVW_NVFP4) {
+          u32 out[4], s8;
+          quantize_group<IN>(raw[u], x, sigma, den6, out, &s8);
+          const i64 r = r0 + t;
+          u8* codes = cbase + codes_at + (r * E + e0) / 2;
+          if constexpr (ALIGNED) {
+            Raw<8> c;
+            c.w[0] = out[0];
+            c.w[1] = out[1];
+            store_aligned<8, ALIGN>(codes, c);
+          } else {
+            store_bytes(codes, 8, out);
+          }
+          cbase[codes_at + lnc / 2 + r * (E / 16) + e0 / 16] = static_cast<u8>(s8);
         } else {
-          store_bytes(codes, n, c.w);
+          Raw<UE> c;  // the unit's UE codes
+          fp8_quantize<FMT, UE, STEPS>(x, c.w, fs);
+          const i64 r = r0 + t;
+          u8* codes = cbase + codes_at + r * E + e0;
+          if constexpr (ALIGNED) {
+            store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c);
+          } else {
+            store_bytes(codes, n, c.w);
+          }
         }
       }
     }
@@ -724,6 +737,7 @@ __global__ void __launch_bounds__(1024)
   constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
   constexpr int CB = FMT == KVW_NVFP4 ? 8 : UE;  // code bytes of a whole unit
   constexpr int CA = ALIGN < CB ? ALIGN : CB;     // their alignment (aligned variants)
+  constexpr int B = page_batches(FMT);
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
@@ -750,53 +764,66 @@ __global__ void __launch_bounds__(1024)
     const i64 r0 = (l * S + s) * N;  // the segment's first row
     const u8* codes = FMT == KVW_NVFP4 ? cbase + codes_at + r0 * E / 2 : cbase + codes_at + r0 * E;
     const u8* scales = cbase + codes_at + lnc / 2 + r0 * (E / 16);  // nvfp4
-    const i64 j0 = seg * (32 * U) + lane;
-    Raw<16> raw[U];
-    u32 s8[U];
-    if constexpr (ALIGNED) {  // every load first: unit j's codes at j * CB
+    // The cache side's address: before the batches where there are several, else after the
+    // batch's loads (each placement the build measured: tuning-log 90).
+    u8* dst = nullptr;
+    if constexpr (B > 1)
+      dst = reinterpret_cast<u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh + s * E * csc);
+    float sigma;
+#pragma unroll 1
+    for (int bt = 0; bt < B; ++bt) {  // the item's batches of 32 * U units
+      const i64 j0 = (seg * B + bt) * (32 * U) + lane;
+      if (B > 1 && j0 - lane >= NG) break;  // (one batch: never past the segment)
+      Raw<16> raw[U];
+      u32 s8[U];
+      if constexpr (ALIGNED) {  // every load first: unit j's codes at j * CB
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 j = j0 + 32 * u;
-        if (j < NG) {
-          const Raw<CB> c = load_aligned<CB, CA>(codes + j * CB);
+        for (int u = 0; u < U; ++u) {
+          const i64 j = j0 + 32 * u;
+          if (j < NG) {
+            const Raw<CB> c = load_aligned<CB, CA>(codes + j * CB);
 #pragma unroll
-          for (int i = 0; i < CB / 4; ++i) raw[u].w[i] = c.w[i];
-          if constexpr (FMT == KVW_NVFP4) s8[u] = scales[j];
+            for (int i = 0; i < CB / 4; ++i) raw[u].w[i] = c.w[i];
+            if constexpr (FMT == KVW_NVFP4) s8[u] = scales[j];
+          }
         }
       }
-    }
-    const u8* sig_at = cbase + 4 * (l * S + s);
-    const float sigma = ALIGNED ? bits_f32(load_raw<4>(sig_at).w[0]) : load_f32_any(sig_at);
-    u8* dst = reinterpret_cast<u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh + s * E * csc);
-    UnitWalk<UI> wk;
-    wk.first(j0, G, m_G, small);
+      if (bt == 0) {  // the chunk's sigma, after the first batch's loads
+        const u8* sig_at = cbase + 4 * (l * S + s);
+        sigma = ALIGNED ? bits_f32(load_raw<4>(sig_at).w[0]) : load_f32_any(sig_at);
+        if constexpr (B == 1)
+          dst = reinterpret_cast<u8*>(KVW_LAYER_PTR(li) + b * csb + k * csh + s * E * csc);
+      }
+      UnitWalk<UI> wk;
+      wk.first(j0, G, m_G, small);
 #pragma unroll
-    for (int u = 0; u < U; ++u, wk.next(G, dt, dg)) {
-      if (wk.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
-      const i64 t = wk.t, g = wk.g, e0 = UE * g;
-      const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
-      if constexpr (!ALIGNED) {
+      for (int u = 0; u < U; ++u, wk.next(G, dt, dg)) {
+        if (wk.t >= N) break;  // unit j0 + 32 * u past the segment's N * G
+        const i64 t = wk.t, g = wk.g, e0 = UE * g;
+        const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
+        if constexpr (!ALIGNED) {
+          if constexpr (FMT == KVW_NVFP4) {
+            load_bytes(codes + (t * E + e0) / 2, 8, raw[u].w);
+            s8[u] = scales[t * (E / 16) + g];
+          } else {
+            load_bytes(codes + t * E + e0, n, raw[u].w);
+          }
+        }
+        float y[UE];
         if constexpr (FMT == KVW_NVFP4) {
-          load_bytes(codes + (t * E + e0) / 2, 8, raw[u].w);
-          s8[u] = scales[t * (E / 16) + g];
+          nvfp4_group_values(raw[u].w, mul_rn(fp8_decode<DT_E4M3>(s8[u]), 64.0f), sigma, y);
         } else {
-          load_bytes(codes + t * E + e0, n, raw[u].w);
-        }
-      }
-      float y[UE];
-      if constexpr (FMT == KVW_NVFP4) {
-        nvfp4_group_values(raw[u].w, mul_rn(fp8_decode<DT_E4M3>(s8[u]), 64.0f), sigma, y);
-      } else {
 #pragma unroll
-        for (int i = 0; i < UE; i += 2)
-          fp8x2_dequant(raw[u].w[i >> 2] >> (8 * (i & 2)), sigma, FMT == DT_E5M2, y[i],
-                        y[i + 1]);
-      }
-      u8* at = dst + t * cst + e0 * csc;
-      if constexpr (ALIGNED) {
-        store_wide<UE * ES>(at, round_group<OUT>(y));
-      } else {
-        store_group<OUT>(at, csc, n, y);
+          for (int i = 0; i < UE; i += 2)
+            fp8x2_dequant(raw[u].w[i >> 2] >> (8 * (i & 2)), sigma, FMT == DT_E5M2, y[i],
+                          y[i + 1]);
+        }
+        u8* at = dst + t * cst + e0 * csc;
+        if constexpr (ALIGNED) {
+          store_wide<UE * ES>(at, round_group<OUT>(y));
+        } else {
+          store_group<OUT>(at, csc, n, y);
+        }
       }
     }
   }

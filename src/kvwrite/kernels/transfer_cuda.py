@@ -388,6 +388,14 @@ def page_unit_elems(page_format: str, align: int, cache_dtype: torch.dtype) -> i
     return 16 // cache_dtype.itemsize if align and page_format != "nvfp4" else 16
 
 
+def page_batches(page_format: str) -> int:
+    """Batches of 32 * U units a page kernel's warp item moves one after the other (transfer.cu's
+    page_batches): its decomposition, mapping pair, addresses and scale once for all of them. 2,
+    but 1 for nvfp4 (two spilled the pack's registers and slowed the unpack). Measured:
+    tuning-log 90."""
+    return 1 if page_format == "nvfp4" else 2
+
+
 def page_unroll(page_format: str, cache_dtype: torch.dtype, units: int,
                 bytes_in_flight: int) -> int:
     """U of an aligned page launch whose segments hold ``units`` units: the largest power of two
@@ -422,7 +430,7 @@ def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
     u = page_unroll(pj.page_format, pj.cache_dtype, N * G, tuning.page_bytes_in_flight) \
         if align else 1
     name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, align, u)
-    segs = -(-(N * G) // (32 * u))
+    segs = -(-(N * G) // (32 * u * page_batches(pj.page_format)))  # items a segment
     cblocks = min(side.blocks for side in pj.caches)
     pages = pj.pages
     page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
