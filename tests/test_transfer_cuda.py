@@ -52,6 +52,11 @@ def test_kernel_source_ships_as_package_data():
     res = importlib.resources.files(tc.SOURCE.package).joinpath(tc.SOURCE.filename)
     assert res.is_file() and "transfer_copy_kernel" in res.read_text(encoding="utf-8")
     assert f"#define KVW_SLOTS {tc.SLOTS}" in tc.SOURCE.text
+    # page_batches, written twice (transfer.cu's constexpr and transfer_cuda's): the same
+    batches = (tc.page_batches("nvfp4"), tc.page_batches("fp8_e4m3"), tc.page_batches("fp8_e5m2"))
+    assert batches[1] == batches[2]
+    assert (f"page_batches(int fmt) {{ return fmt == KVW_NVFP4 ? {batches[0]} : {batches[1]}; }}"
+            in tc.SOURCE.text)
 
 
 def _cpu_job(shape=(4, 2, 3, 8), dtype=torch.bfloat16, offset=0, src=None, dst=None):
