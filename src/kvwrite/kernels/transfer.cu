@@ -164,6 +164,25 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 // from a peer also cuts its long rows (whole blocks) into rows of 32 vectors for this kernel
 // (transfer_cuda.TransferTuning.peer_row_vectors).
 // ------------------------------------------------------------------------------------------
+// Row r of a rows launch: its token T, the ids I, J of its mapping pair and its row's addresses
+// S, D on each side (the ids not folded in); WITH_T runs once T is known (the first row's room
+// there, the sm_90 cubins are the measured ones). The rows kernel decomposes its lanes' first
+// rows and rows past their block's last token by it.
+#define KVW_ROW_POSITION(r, T, I, J, S, D, WITH_T)                                  \
+  do {                                                                              \
+    u64 q_ = fdiv(r, tokens, m_tokens, small);                                      \
+    T = static_cast<i64>(r - q_ * tokens);                                          \
+    WITH_T;                                                                         \
+    u64 p_ = fdiv(q_, heads, m_heads, small);                                       \
+    const i64 h_ = static_cast<i64>(q_ - p_ * heads);                               \
+    q_ = fdiv(p_, pairs, m_pairs, small);                                           \
+    read_pair(mapping, ms0, ms1, p_ - q_ * pairs, &I, &J);                          \
+    u64 s = 0, d = 0;                                                               \
+    switch (static_cast<int>(q_)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }  \
+    S = s + h_ * ssh + T * sst + vs;                                                \
+    D = d + h_ * dsh + T * dst_ + vd;                                               \
+  } while (0)
+
 template <int VB, typename IDX, int U, int LANES>
 __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
@@ -206,18 +225,10 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     i64 i0 = -1, j0 = -1;
     bool ok0 = false;
     if (active && r0 < total) {
-      u64 q = fdiv(r0, tokens, m_tokens, small);
-      const i64 t0 = static_cast<i64>(r0 - q * tokens);
-      const i64 left = tokens - t0;
-      room = static_cast<int>(left < (1ll << 30) ? left : (1ll << 30));
-      u64 p = fdiv(q, heads, m_heads, small);
-      const i64 h = static_cast<i64>(q - p * heads);
-      q = fdiv(p, pairs, m_pairs, small);
-      read_pair(mapping, ms0, ms1, p - q * pairs, &i0, &j0);
-      u64 s = 0, d = 0;
-      switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
-      s0 = s + h * ssh + t0 * sst + vs;
-      d0 = d + h * dsh + t0 * dst_ + vd;
+      i64 t0;
+      KVW_ROW_POSITION(r0, t0, i0, j0, s0, d0,
+                       room = static_cast<int>(tokens - t0 < (1ll << 30) ? tokens - t0
+                                                                         : (1ll << 30)));
       if constexpr (FOLD) {
         ok0 = i0 >= 0 && i0 < sblocks && j0 >= 0 && j0 < dblocks;
         s0 += i0 * ssb;
@@ -264,16 +275,8 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
         sb[kk] = 0;
         db[kk] = 0;
         if (active && r < total) {
-          u64 q = fdiv(r, tokens, m_tokens, small);
-          const i64 t = static_cast<i64>(r - q * tokens);
-          u64 p = fdiv(q, heads, m_heads, small);
-          const i64 h = static_cast<i64>(q - p * heads);
-          q = fdiv(p, pairs, m_pairs, small);
-          read_pair(mapping, ms0, ms1, p - q * pairs, &pi, &pj);
-          u64 s = 0, d = 0;
-          switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
-          sb[kk] = s + h * ssh + t * sst + vs;
-          db[kk] = d + h * dsh + t * dst_ + vd;
+          i64 t;
+          KVW_ROW_POSITION(r, t, pi, pj, sb[kk], db[kk], (void)0);
         }
         if constexpr (FOLD) {
           ok[kk] = pi >= 0 && pi < sblocks && pj >= 0 && pj < dblocks;
