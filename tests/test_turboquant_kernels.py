@@ -641,6 +641,99 @@ def test_gpu_hadamard_stress(impl, preset_name, d):
     _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} D={d} stress")
 
 
+def value_boundary_case(preset_name, d, t=24, h=4, seed=0, device="cpu"):
+    """Value rows whose quotients (v - mn) / s lie within a few ulps of the code boundaries
+    n + 1/2 (the kernels' fast path, a product by RN(1 / s), must give way to the exact
+    quotient there): per row a random mn, a range that is not a power of two, s as the contract
+    rounds it; each element RN(mn + RN((n + 1/2) s)) moved by -3..3 ulps (n random below L), the
+    row's min and max among them. Keys: normal rows."""
+    g = torch.Generator().manual_seed(seed)
+    preset, (key, value, kv_cache, slots, pit, mids) = make_case(
+        preset_name, torch.float32, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed,
+        special=False, device=device)
+    big_l = float((1 << preset.value_bits) - 1)
+    n_rows = value.shape[0] * h
+    mn = (torch.randn(n_rows, 1, generator=g) * 4).float()
+    rng = (torch.rand(n_rows, 1, generator=g) * 30 + 0.01).float()
+    mx = (mn + rng).float()
+    s = ((mx - mn) / big_l).float()  # float32 ops, each correctly rounded
+    n = torch.randint(0, int(big_l), (n_rows, d), generator=g).float()
+    v = (mn + ((n + 0.5) * s).float()).float()
+    for _ in range(3):  # up to 3 ulps either way, each element its own
+        step = torch.randint(-1, 2, (n_rows, d), generator=g)
+        v = torch.where(step > 0, torch.nextafter(v, torch.tensor(math.inf)),
+                        torch.where(step < 0, torch.nextafter(v, torch.tensor(-math.inf)), v))
+    v = torch.minimum(torch.maximum(v, mn), mx)
+    v[:, 0], v[:, 1] = mn[:, 0], mx[:, 0]
+    value = v.reshape(value.shape[0], h, d).to(device)
+    return preset, (key, value, kv_cache, slots, pit, mids)
+
+
+def test_value_boundary_case_lands_near_the_boundaries():
+    """The case does what it says: most quotients within 8 ulps of an n + 1/2."""
+    preset, (key, value, *_) = value_boundary_case("turboquant_k8v4", 16)
+    big_l = 15.0
+    v = value.reshape(-1, 16).double()
+    mn, mx = v.min(1, keepdim=True).values, v.max(1, keepdim=True).values
+    s = ((mx.float() - mn.float()) / big_l).float().double()
+    q = (v.float() - mn.float()).double() / s
+    off = (q - q.floor() - 0.5).abs() / (2.0**-20)
+    assert (off[:, 2:] <= 8).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("preset_name", PRESETS)
+@pytest.mark.parametrize("d, lane_elems", [(16, 16), (128, 16), (64, 4)])
+def test_cuda_kernel_emulated_value_boundaries(emu_lib, preset_name, d, lane_elems):
+    preset, inputs = value_boundary_case(preset_name, d, seed=d + lane_elems)
+    if 3 in (preset.key_bits, preset.value_bits):
+        lane_elems = max(lane_elems, 8)  # 3-bit fields: whole bytes a lane
+    _check_inputs(_Emulated(emu_lib, lane_elems=lane_elems), preset, inputs,
+                  f"{preset_name} D={d} value boundaries")
+
+
+def signed_nan_key_case(dtype, d=16, device="cpu"):
+    """k8v4 keys with NaNs of both signs (and ±inf, ±448's neighbours, ±0) at every position
+    of a lane's words: every code must be e4m3fn's, a NaN 0x7F whatever its sign."""
+    preset, (key, value, kv_cache, slots, pit, mids) = make_case(
+        "turboquant_k8v4", dtype, torch.int64, d, t=8, h=2, special=False)
+    pattern = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 464.0,
+                            -500.0, -0.0, 1.0]).to(dtype)
+    n = key.shape[0] * 2
+    for r in range(n):
+        key[r // 2, r % 2] = pattern.roll(r)[torch.arange(d) % 8]
+    bits = key.view(torch.int16 if dtype != torch.float32 else torch.int32)
+    assert (bits < 0).logical_and(key.isnan()).any(), "a NaN with its sign bit set"
+    return preset, (key.to(device), value.to(device), kv_cache.to(device), slots.to(device),
+                    pit, mids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cuda_kernel_emulated_signed_nan_keys(emu_lib, dtype):
+    _check_inputs(_Emulated(emu_lib), *signed_nan_key_case(dtype), f"{dtype} signed NaN keys")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v)[6:])
+def test_gpu_signed_nan_keys(impl, dtype):
+    _check_inputs(_gpu_impl(impl), *signed_nan_key_case(dtype, d=128, device="cuda"),
+                  "signed NaN keys")
+
+
+@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_3bit_nc"])
+def test_triton_value_boundaries_on_cpu(preset_name):
+    _check_inputs(_triton(), *value_boundary_case(preset_name, 16, t=8), "value boundaries")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_gpu_value_boundaries(impl, preset_name):
+    preset, inputs = value_boundary_case(preset_name, 128, t=300, seed=3, device="cuda")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} value boundaries")
+
+
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 def test_triton_hadamard_stress_on_cpu(preset_name):
     preset, inputs = stress_case(preset_name, 32, seed=5)

@@ -13,8 +13,8 @@ unsupported here (torch runs them).
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
-the GPU at every launch). Not tuned yet (written without a GPU): one build per variant, the
-geometry passed at run time.
+the GPU at every launch). One build per variant, the geometry passed at run time; measured in
+docs/tuning-log.md (changes 80 and 91).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 // where the chunk is whole and aligned; elements >= D are never read: +0 in the key, NaN in the
 // value). A warp holds 32 / LPR rows; the CTAs (tq_cta<E>() threads) stride over the rows (grid
 // sized by the launcher to the resident CTAs: the per-CTA setup below is paid once per CTA, not
-// once per row; the first pass's rows are loaded before it). A row whose
+// once per row; the first pass's rows are loaded before it, each later pass's row while the lane
+// quantizes the one before: TqRaw). A row whose
 // slot is negative or out of range computes on but stores nothing (its lanes still take part in
 // the warp's shuffles).
 //
@@ -47,7 +48,9 @@
 //   field.
 // - values: mn, mx over the non-NaN elements (the GPU's min and max ignore NaN; lane-local, then
 //   shuffles), both 0 if none, a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL;
-//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0);
+//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0), by a
+//   product with RN(1 / s) where no element of the lane lies near a code boundary
+//   (tq_value_codes);
 //   fp16(s), fp16(mn) after the codes.
 // - b-bit fields: code i in bits [b*i, b*i + b) of the field read as one little-endian integer;
 //   lane r's E codes are the field's bytes [r*E*b/8, (r+1)*E*b/8) (E*b a multiple of 8: 3-bit
@@ -100,18 +103,51 @@ KVW_HD float tq_elem(const u8* p, i64 i) {
   }
 }
 
-// x[e] = element i0 + e of the row at p (kind IN) for i0 + e < d, else `pad`: 16-byte loads
-// where the chunk is whole and 16-byte aligned, else one element at a time.
+// The raw bytes of a lane's chunk (E elements of kind IN from element i0 of a row), fetched one
+// pass ahead where they fit in 32 bytes (TqRaw<IN, E>::PF): the 16-byte loads of the next row are
+// in flight while the lane quantizes this one. `vec`: the chunk is whole and 16-byte aligned (else
+// tq_unpack_chunk reads it element by element, unfetched).
 template <int IN, int E>
-KVW_HD void tq_load_chunk(const u8* row, u32 i0, u32 d, float pad, float (&x)[E]) {
-  constexpr int EB = elem_bytes(IN);
-  constexpr int NB = E * EB;
-  const u8* p = row + static_cast<i64>(i0) * EB;
+struct TqRaw {
+  static constexpr int NB = E * elem_bytes(IN);
+  static constexpr bool PF = NB % 16 == 0 && NB <= 32;
+  uint4 q[PF ? NB / 16 : 1];
+  const u8* p;
+  bool vec;
+};
+
+template <int IN, int E>
+KVW_HD void tq_fetch_chunk(const u8* row, u32 i0, u32 d, TqRaw<IN, E>& raw) {
+  raw.p = row + static_cast<i64>(i0) * elem_bytes(IN);
+  raw.vec = false;
+  if constexpr (TqRaw<IN, E>::PF) {
+    raw.vec = i0 + E <= d && (reinterpret_cast<unsigned long long>(raw.p) & 15u) == 0;
+    // Every word assigned on both sides (zeros where not loaded): the last pass's words are dead
+    // here, so the compiler keeps no copy of them across the loop.
+#pragma unroll
+    for (int c = 0; c < TqRaw<IN, E>::NB / 16; ++c)
+      raw.q[c] = raw.vec ? reinterpret_cast<const uint4*>(raw.p)[c] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// x[e] = element i0 + e of the row (kind IN) for i0 + e < d, else `pad`: from the fetched words
+// where raw.vec, else 16-byte loads where the chunk is whole and aligned, else one element at a
+// time (exact either way).
+template <int IN, int E>
+KVW_HD void tq_unpack_chunk(const TqRaw<IN, E>& raw, u32 i0, u32 d, float pad, float (&x)[E]) {
+  constexpr int NB = TqRaw<IN, E>::NB;
+  const u8* p = raw.p;
   if constexpr (NB % 16 == 0) {
-    if (i0 + E <= d && (reinterpret_cast<unsigned long long>(p) & 15u) == 0) {
+    if (raw.vec || (!TqRaw<IN, E>::PF && i0 + E <= d &&
+                    (reinterpret_cast<unsigned long long>(p) & 15u) == 0)) {
 #pragma unroll
       for (int c = 0; c < NB / 16; ++c) {
-        const uint4 q = reinterpret_cast<const uint4*>(p)[c];
+        uint4 q;
+        if constexpr (TqRaw<IN, E>::PF) {
+          q = raw.q[c];
+        } else {
+          q = reinterpret_cast<const uint4*>(p)[c];
+        }
         const u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -197,11 +233,34 @@ KVW_HD void tq_store_bytes(u8* p, const u32* w, u32 n) {
 // Lane r's part of a field of B-bit codes (d codes in all): its bytes [r*E*B/8, ...) that lie
 // in the field's ceil(d*B/8).
 template <int B, int E>
-KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
+KVW_HD void tq_store_field(u8* field, const TqField<B, E>& f, u32 r, u32 d) {
   constexpr u32 NB = E * B / 8;
-  const TqField<B, E> f = tq_pack<B, E>(c);
   const u32 total = (d * B + 7) / 8, start = r * NB;
   if (start < total) tq_store_bytes<NB>(field + start, f.w, total - start < NB ? total - start : NB);
+}
+template <int B, int E>
+KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
+  tq_store_field<B, E>(field, tq_pack<B, E>(c), r, d);
+}
+
+// k8v4's key field: e4m3fn(x_e) by the satfinite conversion, two a conversion, in little-endian
+// words; a NaN's code 0x7F whatever its sign (the contract leaves it free; one pattern for all).
+// The conversion gives a NaN one of e4m3fn's two NaN codes, 0x7F or 0xFF, and nothing else
+// 0xFF (satfinite takes ±inf to ±448), so each 0xFF byte loses its sign bit: with t = ~w, the
+// bytes of ~((t & 0x7F..) + 0x7F.. | t | 0x7F..) are 0x80 exactly where t's byte is 0.
+template <int E>
+KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
+  TqField<8, E> f;
+#pragma unroll
+  for (int k = 0; k < (E + 3) / 4; ++k) f.w[k] = 0;
+#pragma unroll
+  for (int e = 0; e < E; e += 2) f.w[e / 4] |= fp8x2_from_f32<DT_E4M3>(x[e], x[e + 1]) << (8 * (e % 4));
+#pragma unroll
+  for (int k = 0; k < (E + 3) / 4; ++k) {
+    const u32 t = ~f.w[k];
+    f.w[k] ^= ~(((t & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | t | 0x7F7F7F7Fu);
+  }
+  return f;
 }
 
 // q[e] = RN(a[e] / b) for a row's divisor b > 0, with yb = RN(1 / b) (rcp.rn, once a row).
@@ -235,6 +294,38 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
   if (!ok) {
 #pragma unroll
     for (int e = 0; e < E; ++e) q[e] = div_rn(a[e], b);
+  }
+}
+
+// The value codes q[e] = clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is R = RN(mx - mn):
+// w[e] = RN(v[e] - mn) in [0, R] or NaN, s >= RN(R / L) (the row's scale, floored), ys =
+// RN(1 / s); without the quotient where it cannot matter. With Q = w / s <= L (1 + 2^-24),
+// q0 = RN(w * ys) is within 2^-23 Q (+ 2^-150 below the normal range) of Q where s is in
+// [2^-60, 2^60] (`fast`), so q0 < L + 2^-17, t = RN(q0 + 1/2) < L + 1 and t lies within 2^-20 of
+// q0 + 1/2: t and RN(Q) + 1/2 lie within 2^-18 of each other and the code needs no upper clamp.
+// tc = max(t, 1/2) (w >= 0, so t >= 1/2 but for a NaN w, whose code 0 this gives without a
+// detour); floor(tc) is the code unless tc lies within 2^-15 of an integer (the test:
+// |frac(tc) - 1/2| <= 1/2 - 2^-15), where its floor could differ from the reference's
+// floor(RM(RN(Q) + 1/2)). A lane with any element near an integer, or a row not `fast`, takes
+// tq_div_row and rhu_clamp_code for all E (exact). One predicate and one branch a lane.
+// tests/test_turboquant_kernels.py puts values within ulps of every code boundary.
+template <int E>
+KVW_HD void tq_value_codes(u32 (&q)[E], const float (&w)[E], float s, float ys, bool fast,
+                           float L) {
+  bool ok = fast;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float tc = fmaxf(add_rn(mul_rn(w[e], ys), 0.5f), 0.5f);
+    const float g = add_rm(tc, KVW_2P23);  // 2^23 + floor(tc), exactly
+    const float fr = sub_rn(tc, sub_rn(g, KVW_2P23));  // frac(tc), exactly
+    ok = ok && fabsf(sub_rn(fr, 0.5f)) <= 0.5f - bits_f32(0x38000000u);  // 2^-15
+    q[e] = f32_bits(g) & 0xFFu;
+  }
+  if (!ok) {
+    float qv[E];
+    tq_div_row<E>(qv, w, s, ys, fast);
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
   }
 }
 
@@ -284,33 +375,45 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   const u32 rpw = 32u >> lg_lpr;    // rows per warp
   const u32 i0 = r * E;             // the lane's first element
 
-  // A row's slot (-1 past the rows) and its key and value chunks. Past D: key +0 (the trees'
-  // padding leaves), value NaN (min and max skip it; its codes land in no stored byte).
+  // A lane's rows: first + sub, then rows_per_pass apart, each a (token t, head hh): the first
+  // by one division, each later one by a step of (rows_per_pass / H, rows_per_pass % H) with
+  // one carry. A row is fetched a pass ahead (TqRaw): its slot and, where they fit, its chunks'
+  // bytes. Past D: key +0 (the trees' padding leaves), value NaN (min and max skip it; its codes
+  // land in no stored byte); a row past the rows (t >= T) has slot -1 and zeros.
   const i64 rows = num_tokens * num_heads;
-  const bool rows_fit_u32 = rows <= 0xFFFFFFFFll;
-  auto load_row = [&](i64 row, float (&x)[E], float (&v)[E], i64& slot, i64& hh) {
-    if (row < rows) {
-      const i64 t = rows_fit_u32 ? static_cast<i64>(static_cast<u32>(row) /
-                                                    static_cast<u32>(num_heads))
-                                 : row / num_heads;
-      hh = row - t * num_heads;
-      slot = static_cast<i64>(slot_mapping[t]);
-      tq_load_chunk<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
-      tq_load_chunk<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
-                           bits_f32(0x7FC00000u), v);
+  const i64 rows_per_pass = static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
+  const bool small = rows + rows_per_pass <= 0xFFFFFFFFll;  // every row index and the step fit
+  auto divmod_heads = [&](i64 n, i64& q, i64& m) {
+    q = small ? static_cast<i64>(static_cast<u32>(n) / static_cast<u32>(num_heads))
+              : n / num_heads;
+    m = n - q * num_heads;
+  };
+  struct Row {
+    i64 t, hh, slot;
+    TqRaw<IN, E> k, v;
+  };
+  auto fetch = [&](Row& w) {
+    if (w.t < num_tokens) {
+      w.slot = static_cast<i64>(slot_mapping[w.t]);
+      tq_fetch_chunk<IN, E>(key + (w.t * k_tok + w.hh * k_head) * elem_bytes(IN), i0, d, w.k);
+      tq_fetch_chunk<IN, E>(value + (w.t * v_tok + w.hh * v_head) * elem_bytes(IN), i0, d, w.v);
     } else {
-      slot = -1;
-      hh = 0;
+      w.slot = -1;
+      if constexpr (TqRaw<IN, E>::PF) {  // zeros, unpacked as a whole chunk: no branch a pass
+        w.k.vec = w.v.vec = true;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
+        for (int c = 0; c < TqRaw<IN, E>::NB / 16; ++c) w.k.q[c] = w.v.q[c] = make_uint4(0, 0, 0, 0);
+      }
     }
   };
-  // The first pass's rows are loaded before the setup's table check, so that at a few tokens
-  // the two round trips overlap.
   const i64 first = (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw;
-  float x[E], v[E];
-  i64 slot, hh;
-  load_row(first + sub, x, v, slot, hh);
+  i64 step_t, step_h;
+  divmod_heads(rows_per_pass, step_t, step_h);
+  Row cur;
+  divmod_heads(first + sub, cur.t, cur.hh);
+  // The first pass's rows are fetched before the setup's table check, so that at a few tokens
+  // the two round trips overlap.
+  fetch(cur);
 
   // ---- the CTA's setup (MSE): the midpoints, their order, the table's structure ----
   bool hadamard = false;
@@ -366,10 +469,24 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   }
   const bool sorted = MSE && s_sorted != 0;
 
-  const i64 rows_per_pass = static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
   for (i64 base = first; base < rows; base += rows_per_pass) {  // warp-uniform
-    const i64 row = base + sub;
-    if (base != first) load_row(row, x, v, slot, hh);  // the first pass's: before the setup
+    float x[E], v[E];
+    if (TqRaw<IN, E>::PF || cur.t < num_tokens) {
+      tq_unpack_chunk<IN, E>(cur.k, i0, d, 0.0f, x);
+      tq_unpack_chunk<IN, E>(cur.v, i0, d, bits_f32(0x7FC00000u), v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = v[e] = 0.0f;
+    }
+    const i64 slot = cur.slot, hh = cur.hh;
+    // The next pass's row, fetched while this one is quantized.
+    cur.hh += step_h;
+    cur.t += step_t;
+    if (cur.hh >= num_heads) {
+      cur.hh -= num_heads;
+      ++cur.t;
+    }
+    if (base + rows_per_pass < rows) fetch(cur);  // warp-uniform
     const bool write = slot >= 0 && slot < num_slots;
     u8* dst = cache + (write ? slot_offset(slot, c_blk, c_page, block_size, block_shift,
                                            num_slots <= 0xFFFFFFFFll) + hh * c_head : 0);
@@ -377,15 +494,7 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     // ---- keys ----
     u32 kps;  // the key part's bytes
     if constexpr (!MSE) {
-      u32 c[E];
-#pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        // A NaN's code 0x7F whatever its sign (the contract leaves it free; one pattern for all).
-        const u32 two = fp8x2_from_f32<DT_E4M3>(x[e], x[e + 1]);
-        c[e] = x[e] == x[e] ? two & 0xFFu : 0x7Fu;
-        c[e + 1] = x[e + 1] == x[e + 1] ? (two >> 8) & 0xFFu : 0x7Fu;
-      }
-      if (write) tq_store_field<8, E>(dst, c, r, d);
+      if (write) tq_store_field<8, E>(dst, tq_e4m3_field<E>(x), r, d);
       kps = d;
     } else {
       float sq[E];
@@ -438,11 +547,17 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
       }
       u32 c[E];
       if (sorted) {
+        // The search's first two levels from registers (their three midpoints read once a
+        // row), the rest from shared memory.
+        constexpr u32 H1 = (NM + 1) / 2, H2 = H1 / 2;
+        const float m1 = s_mid[H1 - 1], m2lo = s_mid[H2 - 1], m2hi = s_mid[H1 + H2 - 1];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          u32 idx = 0;
+          const bool up = y[e] >= m1;
+          u32 idx = up ? H1 : 0u;
+          idx += y[e] >= (up ? m2hi : m2lo) ? H2 : 0u;
 #pragma unroll
-          for (u32 step = (NM + 1) / 2; step; step >>= 1)
+          for (u32 step = H2 / 2; step; step >>= 1)
             idx += y[e] >= s_mid[idx + step - 1] ? step : 0u;
           c[e] = idx;
         }
@@ -485,11 +600,8 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     float w[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
-    float qv[E];
-    tq_div_row<E>(qv, w, s, ys, vfast);
     u32 q[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
+    tq_value_codes<E>(q, w, s, ys, vfast, L);
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
