@@ -665,6 +665,23 @@ def value_boundary_case(preset_name, d, t=24, h=4, seed=0, device="cpu"):
                         torch.where(step < 0, torch.nextafter(v, torch.tensor(-math.inf)), v))
     v = torch.minimum(torch.maximum(v, mn), mx)
     v[:, 0], v[:, 1] = mn[:, 0], mx[:, 0]
+    # Every fourth row: min 0, and a ladder of the floats within 16 ulps either side of s / 2
+    # (quotients on both sides of 1/2's rounding interval, whose lower end is half the gap
+    # below 1/2: the one boundary whose gap below differs from the gap above); every eighth with
+    # s a power of two (range 15 * 2^j), the one case where a quotient, pred(1/2), falls between
+    # pred(1/2) and that lower end.
+    for r in range(0, n_rows, 4):
+        if r % 8 == 0:
+            s[r, 0] = 2.0 ** torch.round(torch.log2(s[r, 0]))
+            mx[r, 0], mn[r, 0] = s[r, 0] * big_l, 0.0
+        half = (s[r, 0] * 0.5).float()
+        ladder = [half]
+        for _ in range(16):
+            ladder = [torch.nextafter(ladder[0], torch.tensor(-math.inf))] + ladder + \
+                     [torch.nextafter(ladder[-1], torch.tensor(math.inf))]
+        rungs = torch.stack(ladder)
+        v[r] = rungs[torch.arange(d) % rungs.numel()]
+        v[r, 0], v[r, 1] = 0.0, mx[r, 0] - mn[r, 0]
     value = v.reshape(value.shape[0], h, d).to(device)
     return preset, (key, value, kv_cache, slots, pit, mids)
 

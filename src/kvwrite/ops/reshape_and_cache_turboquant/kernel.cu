@@ -48,9 +48,8 @@
 //   field.
 // - values: mn, mx over the non-NaN elements (the GPU's min and max ignore NaN; lane-local, then
 //   shuffles), both 0 if none, a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL;
-//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0), by a
-//   product with RN(1 / s) where no element of the lane lies near a code boundary
-//   (tq_value_codes);
+//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0), from
+//   a product with RN(1 / s) and one exact FMA against the code boundary (tq_value_codes);
 //   fp16(s), fp16(mn) after the codes.
 // - b-bit fields: code i in bits [b*i, b*i + b) of the field read as one little-endian integer;
 //   lane r's E codes are the field's bytes [r*E*b/8, (r+1)*E*b/8) (E*b a multiple of 8: 3-bit
@@ -299,31 +298,35 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
 
 // The value codes q[e] = clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is R = RN(mx - mn):
 // w[e] = RN(v[e] - mn) in [0, R] or NaN, s >= RN(R / L) (the row's scale, floored), ys =
-// RN(1 / s); without the quotient where it cannot matter. With Q = w / s <= L (1 + 2^-24),
-// q0 = RN(w * ys) is within 2^-23 Q (+ 2^-150 below the normal range) of Q where s is in
-// [2^-60, 2^60] (`fast`), so q0 < L + 2^-17, t = RN(q0 + 1/2) < L + 1 and t lies within 2^-20 of
-// q0 + 1/2: t and RN(Q) + 1/2 lie within 2^-18 of each other and the code needs no upper clamp.
-// tc = max(t, 1/2) (w >= 0, so t >= 1/2 but for a NaN w, whose code 0 this gives without a
-// detour); floor(tc) is the code unless tc lies within 2^-15 of an integer (the test:
-// |frac(tc) - 1/2| <= 1/2 - 2^-15), where its floor could differ from the reference's
-// floor(RM(RN(Q) + 1/2)). A lane with any element near an integer, or a row not `fast`, takes
-// tq_div_row and rhu_clamp_code for all E (exact). One predicate and one branch a lane.
-// tests/test_turboquant_kernels.py puts values within ulps of every code boundary.
+// RN(1 / s); without the quotient. With Q = w / s <= L (1 + 2^-24): q0 = RN(w * ys) lies within
+// 2^-23 Q of Q where s is in [2^-60, 2^60] (`fast`), so the code, floor(RN(Q) + 1/2), is k or
+// k + 1 for k = floor(q0) (< L + 2^-17): k + 1 exactly where RN(Q) >= B = k + 1/2. B has at most
+// five significant bits (an even significand), so RN(Q) >= B iff Q >= B - d, d half the gap
+// between B and the float below it (2^(e - 24) for B in (2^e, 2^(e+1)), 2^-26 for B = 1/2; no
+// quotient of two floats lies on that midpoint), iff w - s B + s d >= 0. r = RN(w - s B) (one
+// FMA) is exact where |Q - B| <= 2^-14 (w - s B is then a multiple of ulp(s) / 4 below 2^13 of
+// them), and elsewhere has the sign of w - s B with |r| far above s d (<= 2^-21 s); s d is exact,
+// and RN(r + s d) has the sign of r + s d. So the code is k + [RN(r + s d) >= 0], exactly, for
+// every element, and never above L (Q < L + 1/2). A NaN w: k = 0 (the max), r NaN, code 0.
+// Rows not `fast` (s huge, inf or NaN) take tq_div_row and rhu_clamp_code. tests/
+// test_turboquant_kernels.py puts values within ulps of every code boundary.
 template <int E>
 KVW_HD void tq_value_codes(u32 (&q)[E], const float (&w)[E], float s, float ys, bool fast,
                            float L) {
-  bool ok = fast;
+  if (fast) {
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float tc = fmaxf(add_rn(mul_rn(w[e], ys), 0.5f), 0.5f);
-    const float g = add_rm(tc, KVW_2P23);  // 2^23 + floor(tc), exactly
-    const float fr = sub_rn(tc, sub_rn(g, KVW_2P23));  // frac(tc), exactly
-    ok = ok && fabsf(sub_rn(fr, 0.5f)) <= 0.5f - bits_f32(0x38000000u);  // 2^-15
-    q[e] = f32_bits(g) & 0xFFu;
-  }
-  if (!ok) {
+    for (int e = 0; e < E; ++e) {
+      const float k = add_rm(fmaxf(mul_rn(w[e], ys), 0.0f), KVW_2P23);  // 2^23 + floor(q0)
+      const float B = sub_rn(k, 8388607.5f);  // floor(q0) + 1/2, exactly (2^23 - 1/2 is a float)
+      const float r = fma_rn(-s, B, w[e]);
+      // d: the exponent of the float below B, less 24 (B >= 1/2: no underflow)
+      const float d = bits_f32(((f32_bits(B) - 1u) & 0x7F800000u) - (24u << 23));
+      const float t = add_rn(r, mul_rn(s, d));
+      q[e] = f32_bits(k) - 0x4B000000u + (t >= 0.0f ? 1u : 0u);
+    }
+  } else {
     float qv[E];
-    tq_div_row<E>(qv, w, s, ys, fast);
+    tq_div_row<E>(qv, w, s, ys, false);
 #pragma unroll
     for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
   }
