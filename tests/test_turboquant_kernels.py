@@ -643,10 +643,10 @@ def test_gpu_hadamard_stress(impl, preset_name, d):
 
 def value_boundary_case(preset_name, d, t=24, h=4, seed=0, device="cpu"):
     """Value rows whose quotients (v - mn) / s lie within a few ulps of the code boundaries
-    n + 1/2 (the kernels' fast path, a product by RN(1 / s), must give way to the exact
-    quotient there): per row a random mn, a range that is not a power of two, s as the contract
-    rounds it; each element RN(mn + RN((n + 1/2) s)) moved by -3..3 ulps (n random below L), the
-    row's min and max among them. Keys: normal rows."""
+    n + 1/2 (where a product by RN(1 / s) alone would round to the wrong code; the CUDA kernel
+    decides them by an FMA against the boundary): per row a random mn, a range that is not a
+    power of two, s as the contract rounds it; each element RN(mn + RN((n + 1/2) s)) moved by
+    -3..3 ulps (n random below L), the row's min and max among them. Keys: normal rows."""
     g = torch.Generator().manual_seed(seed)
     preset, (key, value, kv_cache, slots, pit, mids) = make_case(
         preset_name, torch.float32, torch.int64, d, t=t, h=h, nb=t // 4 + 2, seed=seed,
