@@ -29,6 +29,8 @@ PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turbo
 _BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
          "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
 EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
+# Every launch path on the GPU (_gpu_impl): both CUDA lane widths, Triton's k8v4 rows kernel.
+GPU_PATHS = ["cuda", "cuda-wide", "triton", "triton-rows", "triton-row1"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +349,56 @@ def test_triton_odd_byte_fields_and_padded_rows_on_cpu(preset_name, d):
     _check(_triton(), preset_name, torch.float16, torch.int32, d, special=d >= 8)
 
 
+class _TritonRows:
+    """triton_impl's run with every k8v4 call on the rows kernel, ``rows_elems`` elements a
+    program (BLOCK_R = rows_elems // BLOCK_D rows: rows_programs 1 lifts the programs' floor)."""
+
+    def __init__(self, rows_elems: int):
+        self.tq = _triton()
+        self.tuning = dataclasses.replace(self.tq.TUNING, k8v4_rows_min=0, rows_elems=rows_elems,
+                                          rows_programs=1)
+
+    def unsupported(self, key, kv_cache, preset):
+        return self.tq.unsupported(key, kv_cache, preset)
+
+    def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
+        self.tq.run(key, value, kv_cache, slot_mapping, preset, pit, mids, tuning=self.tuning)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("d, rows_elems", [(8, 32), (16, 64), (10, 256), (64, 64)])
+def test_triton_rows_kernel_matches_oracle_on_cpu(dtype, slot_dtype, d, rows_elems):
+    """The k8v4 rows kernel: 14 rows in programs of 1 to 16 rows (a last one part empty), the
+    special rows (NaN, ±inf, ±0, ties), padded rows (D = 10), vLLM's transposed slot cache."""
+    _check(_TritonRows(rows_elems), "turboquant_k8v4", dtype, slot_dtype, d,
+           seed=d + (slot_dtype == torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_rows_kernel_signed_nan_keys_on_cpu(dtype):
+    _check_inputs(_TritonRows(64), *signed_nan_key_case(dtype), "rows kernel, signed NaN keys")
+
+
+def test_triton_rows_per_program():
+    """BLOCK_R: the widest power of two within rows_elems while rows_programs programs remain
+    (the H200's measured choice: 1 row up to 4095 rows at D = 128, 2 below 8192, then 4)."""
+    tq = _triton()
+    t = dataclasses.replace(tq.TUNING, rows_elems=512, rows_programs=2048)
+    assert [tq.rows_per_program(r, 128, t) for r in (1, 512, 4095, 4096, 8191, 8192, 1 << 20)] == [
+        1, 1, 1, 2, 2, 4, 4]
+    assert tq.rows_per_program(1 << 20, 16, t) == 32
+    assert tq.rows_per_program(1 << 20, 1024, t) == 1
+    assert tq.rows_per_program(64, 16, dataclasses.replace(t, rows_programs=1)) == 32
+
+
+def test_triton_rows_kernel_value_boundaries_on_cpu():
+    _check_inputs(_TritonRows(128), *value_boundary_case("turboquant_k8v4", 16, t=8),
+                  "rows kernel, value boundaries")
+
+
 # The CUDA kernel on the CPU: kernel.cu compiled with g++ over tests/gather_emu.h's SIMT
 # emulation (one std::thread per CUDA thread, barriers and shuffles emulated; shared arrays as
 # function statics: one CTA runs at a time), launched with cuda_impl.launch_args. Not emulated:
@@ -404,10 +456,13 @@ class _Emulated:
     elements a lane: more lanes a row, more shuffle levels), ``sm_count`` the resident CTAs, the
     grid's bound (1: one CTA strides over every row)."""
 
-    def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2):
+    def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2, small_rows: int = 0,
+                 small_lane_elems: int = 4):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
-        self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems)
+        # small_rows 0: every call takes lane_elems (the small-call choice has its own test)
+        self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems, small_rows=small_rows,
+                                           small_lane_elems=small_lane_elems)
         self.sm_count = sm_count
 
     def unsupported(self, key, kv_cache, preset):
@@ -416,12 +471,11 @@ class _Emulated:
     def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
         from kvwrite.kernels import launch
         args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
-        d = key.shape[2]
-        e, _ = self.c.lanes(d, self.tuning)
+        d, rows, least = key.shape[2], slot_mapping.numel() * key.shape[1], self.c.min_elems(preset)
+        e, _ = self.c.lanes(d, self.tuning, rows, least)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
                                          preset.value_bits, slot_mapping.dtype, e))
-        grid = self.c.grid(slot_mapping.numel() * key.shape[1], d, self.sm_count, self.tuning,
-                           threads=_EMU_CTA)
+        grid = self.c.grid(rows, d, self.sm_count, self.tuning, threads=_EMU_CTA, least=least)
         fn(*(ctypes.c_void_p(a) for a in args[:6]),
            *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
 
@@ -446,6 +500,15 @@ def test_cuda_kernel_emulated_shapes_and_ties(emu_lib, preset_name, d, pit_kind)
     """Trees of one to 8 chunks of leaves, odd-byte fields, padded head sizes, midpoint ties."""
     _check(_Emulated(emu_lib), preset_name, torch.float32, torch.int64, d, h=2,
            pit_kind=pit_kind, vllm_alloc=False, special=d >= 8)
+
+
+@pytest.mark.parametrize("preset_name", PRESETS)
+@pytest.mark.parametrize("d, small_lane_elems", [(16, 8), (128, 8), (128, 4)])
+def test_cuda_kernel_emulated_small_call_lanes(emu_lib, preset_name, d, small_lane_elems):
+    """Small calls with small_lane_elems a lane (8: 16 lanes a row at D = 128; 4: 32, but 8
+    for 3-bit fields), as the launcher picks them at most small_rows rows."""
+    _check(_Emulated(emu_lib, small_rows=1 << 20, small_lane_elems=small_lane_elems),
+           preset_name, torch.bfloat16, torch.int64, d, h=2, seed=d + 1)
 
 
 # The kernel's two rotation paths (the Hadamard table by the fast Walsh-Hadamard transform, any
@@ -633,7 +696,7 @@ def test_cuda_kernel_emulated_long_rows(emu_lib, preset_name, d, pit_kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "cuda-wide", "triton"])
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_gpu_hadamard_stress(impl, preset_name, d):
@@ -731,7 +794,7 @@ def test_cuda_kernel_emulated_signed_nan_keys(emu_lib, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", GPU_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda v: str(v)[6:])
 def test_gpu_signed_nan_keys(impl, dtype):
     _check_inputs(_gpu_impl(impl), *signed_nan_key_case(dtype, d=128, device="cuda"),
@@ -744,11 +807,11 @@ def test_triton_value_boundaries_on_cpu(preset_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", GPU_PATHS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_gpu_value_boundaries(impl, preset_name):
     preset, inputs = value_boundary_case(preset_name, 128, t=300, seed=3, device="cuda")
-    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} value boundaries")
+    _check_inputs(_gpu_path(impl, preset_name), preset, inputs, f"{preset_name} value boundaries")
 
 
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
@@ -869,7 +932,20 @@ def test_lanes_and_grid():
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     assert [c.lanes(d) for d in (2, 8, 10, 16, 24, 128, 256, 512, 1024)] == [
         (2, 1), (8, 1), (16, 1), (16, 1), (16, 2), (16, 8), (16, 16), (16, 32), (32, 32)]
-    assert c.grid(8, 128, 132) == 1 and c.grid(64 * 5 + 1, 128, 132) == 6
+    # Small calls: small_lane_elems a lane, at least P / 32 and min_elems (8 for 3-bit).
+    t = c.CudaTuning(small_lane_elems=4)
+    assert c.lanes(128, t, rows=t.small_rows) == (4, 32)
+    assert c.lanes(128, t, rows=t.small_rows + 1) == (16, 8)
+    assert c.lanes(128, t, rows=8, min_elems=8) == (8, 16)
+    assert c.lanes(1024, t, rows=8) == (32, 32)
+    assert c.lanes(128, rows=c.TUNING.small_rows) == (c.TUNING.small_lane_elems,
+                                                      128 // c.TUNING.small_lane_elems)
+    assert c.min_elems(make_preset("turboquant_k3v4_nc", 16)) == 8
+    assert c.min_elems(make_preset("turboquant_4bit_nc", 16)) == 2
+    # 64 rows a CTA of 512 threads at E = 16, 32 at E = 8 (the small calls'), 16 at E = 4
+    assert c.grid(8, 128, 132) == 1 and c.grid(t.small_rows + 1, 128, 1000) == 65
+    assert c.grid(64 * 5 + 1, 128, 132, c.CudaTuning(small_rows=0)) == 6
+    assert c.grid(32 * 5 + 1, 128, 132) == 6 and c.grid(16 * 5 + 1, 128, 132, t) == 6
     assert c.grid(16384 * 8, 128, 132) == 132
     assert c.grid(16384 * 8, 128, 132, c.CudaTuning(waves=2)) == 264
 
@@ -890,17 +966,34 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
         text = ptx(tq._tq_kernel, types, consts)
         out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
                                    text.count("sqrt.rn.f32")]
+    if kb == 8:  # the k8v4 rows kernel
+        for in_ty in ("*fp16", "*i16", "*fp32"):
+            types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
+                     "slot_mapping_ptr": "*i64"}
+            for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "NUM_SLOTS",
+                      "H", "ROWS"):
+                types[n] = "i32"
+            consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, KPS=128,
+                          BF16_BITS=in_ty == "*i16")
+            text = ptx(tq._tq_k8v4_rows_kernel, types, consts)
+            out[f"rows{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
+                                   text.count("sqrt.rn.f32")]
 print(json.dumps(out))
 """
 
 
 def test_triton_kernel_compiles_for_sm90_without_fma():
-    """Every preset and input kind compiles for the GPU (outside the interpreter): no fused
+    """Every preset and input kind (and the k8v4 rows kernel) compiles for the GPU (outside the
+    interpreter): no fused
     multiply-add, true divisions, the correctly rounded root where the preset needs it."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    assert len(out) == 12
+    assert len(out) == 15
     for name, (fma, div, sqrt) in out.items():
-        assert fma == 0 and div > 0 and sqrt == (0 if name.startswith("8") else 1), (name, out)
+        k8v4 = name.startswith(("8", "rows"))
+        # The rows kernel's value codes take one explicit FMA an element (tl.fma); nothing else
+        # contracts.
+        assert (fma > 0) == name.startswith("rows") and div > 0, (name, out)
+        assert sqrt == (0 if k8v4 else 1), (name, out)
 
 
 def test_unsupported_head_sizes():
@@ -916,14 +1009,31 @@ def test_unsupported_head_sizes():
 # GPU
 # ------------------------------------------------------------------------------------------
 def _gpu_impl(name):
+    """An implementation on the GPU by name: "cuda" and "triton" as the launchers choose;
+    "cuda-wide" the CUDA kernel with lane_elems a lane at every call size (the large-call
+    path; the small tests' calls otherwise take small_lane_elems), "triton-rows" / "triton-row1"
+    every k8v4 call on the Triton rows kernel, BLOCK_R its widest / 1."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
-    impl = {"cuda": cuda_impl, "triton": triton_impl}[name]
+    base = name.split("-")[0]
+    impl = {"cuda": cuda_impl, "triton": triton_impl}[base]
     reason = impl.available(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
+    if name == "cuda-wide":
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0))
+    if name.startswith("triton-row"):  # "-rows": BLOCK_R as wide as rows_elems allows, "-row1": 1
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, k8v4_rows_min=0, rows_programs=(
+            1 if name == "triton-rows" else 1 << 30)))
     return impl
+
+
+
+def _gpu_path(name, preset_name):
+    if name.startswith("triton-row") and preset_name != "turboquant_k8v4":
+        pytest.skip("the rows kernel is k8v4's")
+    return _gpu_impl(name)
 
 
 GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
@@ -931,24 +1041,40 @@ GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", GPU_PATHS)
 @pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", GPU_PARAMS,
                          ids=lambda v: str(v).replace("torch.", ""))
 def test_gpu_matches_oracle(impl, preset_name, dtype, slot_dtype, d):
-    _check(_gpu_impl(impl), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
+    _check(_gpu_path(impl, preset_name), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
            device="cuda", seed=d, pit_kind="hadamard" if d % 2 == 0 and d != 64 else "random")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", GPU_PATHS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 @pytest.mark.parametrize("d, pit_kind", [(8, "identity"), (40, "random"), (512, "hadamard"),
                                          (10, "random")])
 def test_gpu_shapes_and_ties(impl, preset_name, d, pit_kind):
     if d % 8 and _BITS[preset_name][0] == 3 or d % 8 and _BITS[preset_name][1] == 3:
         pytest.skip("3-bit fields need D % 8 == 0")
-    _check(_gpu_impl(impl), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
+    _check(_gpu_path(impl, preset_name), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
            device="cuda", seed=d + 1, pit_kind=pit_kind, vllm_alloc=d % 3 == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [8, 10, 16, 64])
+@pytest.mark.parametrize("block_r", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("special", [True, False], ids=["special", "plain"])
+def test_gpu_triton_rows_kernel_block_rows(d, block_r, special):
+    """The k8v4 rows kernel at each BLOCK_R, one warp a program: the fp16 scale and minimum
+    stores of BLOCK_R rows (Triton 3.6 wrote wrong bytes at D = 8, BLOCK_R = 16 and D = 10,
+    BLOCK_R = 8 and 16 with two [BLOCK_R] stores a value)."""
+    mod = _gpu_impl("triton")
+    block_d = 1 << (d - 1).bit_length()
+    tuning = dataclasses.replace(mod.TUNING, k8v4_rows_min=0, rows_elems=block_r * block_d,
+                                 rows_programs=0, rows_warps=1)
+    _check(_Tuned(mod, tuning), "turboquant_k8v4", torch.bfloat16, torch.int32, d, t=9, h=3,
+           nb=3, bs=5, device="cuda", seed=d + 1, vllm_alloc=d % 3 == 0, special=special)
 
 
 @pytest.mark.gpu

@@ -27,8 +27,8 @@ from ...kernels import launch, nvrtc
 from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
-           "all_kernel_names", "compile_kernel", "launch_args", "lanes", "cta_threads", "grid",
-           "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
+           "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
+           "cta_threads", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
@@ -50,6 +50,13 @@ class CudaTuning(launch.PdlPolicy):
 
     lane_elems: int = 16
     waves: int = 1
+    # Calls of at most small_rows (token, head) rows give a lane small_lane_elems elements
+    # (more lanes a row: a shorter chain of instructions a lane, where one pass is all there is).
+    # Measured on an H200 (H = 8, D = 128, cold; tuning-log 94): E = 8 against 16 at T = 1..512
+    # k8v4 0.79-1.005, the MSE presets 0.76-0.98; equal at T = 1024 (8192 rows); E = 4 slower
+    # than 8 for k8v4 at every T (one more shuffle level a reduction).
+    small_rows: int = 4096
+    small_lane_elems: int = 8
 
 
 TUNING = CudaTuning()
@@ -61,12 +68,22 @@ def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.
             f"{elems}>")
 
 
-def lanes(head_size: int, tuning: CudaTuning = TUNING) -> tuple[int, int]:
-    """(E, lanes per row) at a head size: E = min(P, max(lane_elems, P / 32)) elements a lane,
-    P / E <= 32 lanes a row (P the power of two >= D)."""
+def lanes(head_size: int, tuning: CudaTuning = TUNING, rows: int | None = None,
+          min_elems: int = 2) -> tuple[int, int]:
+    """(E, lanes per row) at a head size for a call of ``rows`` rows (None: a large one): E =
+    min(P, max(le, P / 32, min_elems)) elements a lane, le the tuning's lane_elems (its
+    small_lane_elems at most small_rows rows), P / E <= 32 lanes a row (P the power of two >= D;
+    ``min_elems`` 8 where a field has 3-bit codes: whole bytes a lane)."""
     p = next_pow2(head_size)
-    e = min(p, max(tuning.lane_elems, p // 32))
+    small = rows is not None and rows <= tuning.small_rows
+    le = tuning.small_lane_elems if small else tuning.lane_elems
+    e = min(p, max(le, p // 32, min_elems))
     return e, p // e
+
+
+def min_elems(preset) -> int:
+    """The fewest elements a lane holds for ``preset``: 8 where a field has 3-bit codes."""
+    return 8 if 3 in (int(preset.key_bits), int(preset.value_bits)) else 2
 
 
 def cta_threads(elems: int) -> int:
@@ -75,11 +92,11 @@ def cta_threads(elems: int) -> int:
 
 
 def grid(num_rows: int, head_size: int, resident: int, tuning: CudaTuning = TUNING,
-         threads: int | None = None) -> int:
+         threads: int | None = None, least: int = 2) -> int:
     """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most ``waves`` times the
     ``resident`` CTAs (``threads``: the CTA size, kernel.cu's by default; the emulation's
-    differs)."""
-    e, lpr = lanes(head_size, tuning)
+    differs; ``least``: :func:`min_elems`)."""
+    e, lpr = lanes(head_size, tuning, num_rows, least)
     threads = threads or cta_threads(e)
     rows_per_cta = threads // lpr
     return max(1, min(-(-num_rows // rows_per_cta), max(1, resident) * max(1, tuning.waves)))
@@ -119,7 +136,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("implementation='cuda' cannot run this call: "
                          f"{unsupported(key, kv_cache, preset)}")
     kb, vb = int(preset.key_bits), int(preset.value_bits)
-    e, _ = lanes(d, tuning)
+    least = min_elems(preset)
+    e, _ = lanes(d, tuning, num_tokens * h, least)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, e, key.get_device(), tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
@@ -133,7 +151,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             per_sm = k.occupancy.max_active_blocks_per_multiprocessor(cta_threads(e), 0)
         lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
                                                 bounds=(sm_count * max(1, per_sm),))
-    ctas = grid(num_tokens * h, d, lau.bounds[0], tuning)
+    ctas = grid(num_tokens * h, d, lau.bounds[0], tuning, least=least)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, cta_threads(e), 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,

@@ -36,7 +36,8 @@ from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
 from ...kernels.triton_support import PdlTuning, next_pow2
 
-__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "MAX_HEAD_SIZE"]
+__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "rows_per_program",
+           "MAX_HEAD_SIZE"]
 
 MAX_HEAD_SIZE = 512  # triton_qk_norm.tree_sum's widest tree
 
@@ -60,11 +61,21 @@ def unsupported(key, kv_cache, preset) -> str | None:
 # eq=False: hashed and compared by identity.
 @dataclasses.dataclass(frozen=True, eq=False)
 class TritonTuning(PdlTuning):
-    """Launch constants (not measured yet: written without a GPU)."""
+    """Launch constants (the rows kernel's measured; the rest not measured yet)."""
 
     num_warps: int = 4
     # Elements of one block of rotation products [BLOCK_J, BLOCK_D].
     product_elems: int = 4096
+    # k8v4 calls of at least k8v4_rows_min (token, head) rows take the rows kernel: a program
+    # of rows_warps warps for BLOCK_R rows (rows_per_program: at most rows_elems elements, and
+    # at least rows_programs programs while BLOCK_R > 1); smaller calls a program a row.
+    # Measured on an H200 (k8v4, H = 8, D = 128, cold; tuning-log 94): against a program a row
+    # 0.90 at T = 64, 0.55 at T = 1024, 0.39 at T = 16384; BLOCK_R 4 fastest from T = 1024,
+    # 2 at T = 512, 1 below; 2 or 4 warps a program slower.
+    k8v4_rows_min: int = 512
+    rows_elems: int = 512
+    rows_programs: int = 2048
+    rows_warps: int = 1
 
 
 TUNING = TritonTuning()
@@ -73,13 +84,38 @@ TUNING = TritonTuning()
 if triton is not None:
 
     @triton.jit
-    def _f16_bytes(ptr, v, mask):
-        """Store fp16(v) (nearest even, overflow to inf, subnormals kept) little-endian at ptr; a
-        NaN as 0x7E00 (as the CUDA kernel: the contract leaves its encoding free)."""
+    def _value_range(xv, ok, AXIS: tl.constexpr):
+        """A value row's least and greatest elements where ``ok`` (not NaN, inside the row)
+        along AXIS: both 0 where there is none, a zero minimum +0."""
+        mn = tl.min(tl.where(ok, xv, float("inf")), axis=AXIS)
+        mx = tl.max(tl.where(ok, xv, -float("inf")), axis=AXIS)
+        none = ~(mn <= mx)
+        return tl.where(none | (mn == 0.0), 0.0, mn), tl.where(none, 0.0, mx)
+
+    @triton.jit
+    def _f16_bits(v):
+        """fp16(v)'s bits (nearest even, overflow to inf, subnormals kept); a NaN as 0x7E00 (as
+        the CUDA kernel: the contract leaves its encoding free)."""
         b = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        b = tl.where(v == v, b, 0x7E00)
+        return tl.where(v == v, b, 0x7E00)
+
+    @triton.jit
+    def _f16_bytes(ptr, v, mask):
+        """Store fp16(v) little-endian at ptr (a scalar)."""
+        b = _f16_bits(v)
         tl.store(ptr, (b & 255).to(tl.uint8), mask=mask)
         tl.store(ptr + 1, (b >> 8).to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _f16_bytes_rows(ptr, v, mask):
+        """Store fp16(v[r]) little-endian at ptr[r] for a [BLOCK_R] vector, as one [BLOCK_R, 2]
+        store. Measured on an H200 (Triton 3.6): _f16_bytes' two [BLOCK_R] stores of a row's
+        reduced values wrote wrong bytes for some rows in programs of one warp with BLOCK_D <= 16
+        and BLOCK_R * BLOCK_D of 128 or 256 (right under the interpreter, with two warps, and as
+        here)."""
+        two = tl.arange(0, 2)
+        b = (_f16_bits(v)[:, None] >> (8 * two)[None, :]) & 255
+        tl.store(ptr[:, None] + two[None, :], b.to(tl.uint8), mask=mask[:, None])
 
     @triton.jit
     def _store_field(ptr, codes, first, n, BITS: tl.constexpr, BJ: tl.constexpr, valid):
@@ -161,12 +197,7 @@ if triton is not None:
 
         # ---- values ----
         L: tl.constexpr = (1 << VB) - 1
-        ok = im & (xv == xv)
-        mn = tl.min(tl.where(ok, xv, float("inf")), axis=0)
-        mx = tl.max(tl.where(ok, xv, -float("inf")), axis=0)
-        none = ~(mn <= mx)
-        mn = tl.where(none | (mn == 0.0), 0.0, mn)  # both 0 if no value; a zero mn is +0
-        mx = tl.where(none, 0.0, mx)
+        mn, mx = _value_range(xv, im & (xv == xv), 0)
         s = tl.math.div_rn(tl.full([1], 0.0, tl.float32) + (mx - mn), tl.full([1], L, tl.float32))
         s = tl.where(s > 1e-8, s, 1e-8)
         q = tl.math.div_rn(xv - mn, tl.broadcast_to(s, [BLOCK_D]))
@@ -179,8 +210,89 @@ if triton is not None:
         _f16_bytes(vdst + VDB + 2 + tl.arange(0, 1), tl.broadcast_to(mn, [1]), valid)
 
 
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["NUM_SLOTS", "H", "ROWS"])
+    def _tq_k8v4_rows_kernel(
+        key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,  # as _tq_kernel's
+        K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H,
+        NUM_SLOTS, H, ROWS,  # ROWS = T * H
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,  # rows a program
+        KPS: tl.constexpr,
+        BF16_BITS: tl.constexpr,
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    ):
+        """turboquant_k8v4 for BLOCK_R (token, head) rows a program (row r = t * H + h): the
+        steps of _tq_kernel's k8v4 keys and 4-bit values, each row's reductions along axis 1."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < ROWS
+        t = r // H
+        h = r - t * H
+        i = tl.arange(0, BLOCK_D)
+        im = i < D
+        m2 = rm[:, None] & im[None, :]
+        xk = widen(tl.load(key_ptr + (t * K_TOK + h * K_HEAD)[:, None] + i[None, :], mask=m2,
+                           other=0), BF16_BITS)
+        xv = widen(tl.load(value_ptr + (t * V_TOK + h * V_HEAD)[:, None] + i[None, :], mask=m2,
+                           other=0), BF16_BITS)
+        slot = tl.load(slot_mapping_ptr + t, mask=rm, other=-1).to(tl.int64)
+        valid = rm & (slot >= 0) & (slot < NUM_SLOTS)
+        blk = slot // BLOCK_SIZE
+        dst = cache_ptr + blk * C_B + (slot - blk * BLOCK_SIZE) * C_S + h * C_H  # [BLOCK_R]
+
+        # ---- keys: e4m3fn codes, a NaN's 0x7F ----
+        code, _ = e4m3(tl.abs(xk))
+        sign = (xk.to(tl.int32, bitcast=True) >> 24) & 0x80
+        code = tl.where(xk != xk, 0x7F, code | sign)
+        tl.store(dst[:, None] + i[None, :], code.to(tl.uint8), mask=valid[:, None] & im[None, :])
+
+        # ---- values: 4-bit codes, fp16(s), fp16(mn) ----
+        mn, mx = _value_range(xv, m2 & (xv == xv), 1)
+        s = tl.math.div_rn(mx - mn, tl.full([BLOCK_R], 15.0, tl.float32))
+        s = tl.where(s > 1e-8, s, 1e-8)
+        w = xv - mn[:, None]
+        # The codes as the CUDA kernel's tq_value_codes takes them (its comment has the proof):
+        # k = floor(RN(w * RN(1/s))), then k + [RN(RN(w - s B) + s d) >= 0] for B = k + 1/2, d
+        # half the gap below B; rows whose s is out of [2^-60, 2^60] divide (div_rn).
+        ys = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s)
+        k = tl.floor(tl.maximum(w * ys[:, None], 0.0))
+        B = k + 0.5
+        sb = tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])
+        r = tl.fma(-sb, B, w)
+        d = (((B.to(tl.int32, bitcast=True) - 1) & 0x7F800000) - (24 << 23)).to(
+            tl.float32, bitcast=True)
+        c = k.to(tl.int32) + ((r + sb * d) >= 0.0).to(tl.int32)
+        fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
+        if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
+            q = tl.math.div_rn(w, sb)
+            q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), 16.0)
+            c = tl.where(fast[:, None], c, tl.minimum(rhu(q), 15.0).to(tl.int32))
+        lo, hi = tl.split(tl.reshape(c, [BLOCK_R, BLOCK_D // 2, 2]))
+        byte = tl.arange(0, BLOCK_D // 2)
+        vdst = dst + KPS
+        tl.store(vdst[:, None] + byte[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=valid[:, None] & (byte < D // 2)[None, :])
+        VDB: tl.constexpr = D // 2
+        _f16_bytes_rows(vdst + VDB, s, valid)
+        _f16_bytes_rows(vdst + VDB + 2, mn, valid)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def rows_per_program(rows: int, block_d: int, tuning: TritonTuning = TUNING) -> int:
+    """BLOCK_R of the k8v4 rows kernel for a call of ``rows`` rows: the largest power of two
+    with BLOCK_R * BLOCK_D <= rows_elems and rows / BLOCK_R >= rows_programs (at least 1)."""
+    block_r = 1
+    while (2 * block_r * block_d <= tuning.rows_elems
+           and rows // (2 * block_r) >= tuning.rows_programs):
+        block_r *= 2
+    return block_r
 
 
 def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -197,6 +309,22 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     # At most BLOCK_D, at least 8 where BLOCK_D allows (3-bit fields pack 8 codes at a time).
     block_j = min(block_d, max(8, tuning.product_elems // block_d))
     mse = kb != 8
+    if not mse and num_tokens * h >= tuning.k8v4_rows_min:
+        rows = num_tokens * h
+        block_r = rows_per_program(rows, block_d, tuning)
+        programs = -(-rows // block_r)
+        pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
+                                                 tuning.pdl_trigger_max_programs)
+        _tq_k8v4_rows_kernel[(programs,)](
+            _bits(key), _bits(value), kv_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], nb * bs, h, rows,
+            BLOCK_SIZE=bs, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
+            KPS=int(preset.key_packed_size), BF16_BITS=key.dtype == torch.bfloat16,
+            PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.rows_warps, launch_pdl=pdl,
+            enable_fp_fusion=False,
+        )
+        return
     pit = PiT if mse else kv_cache  # any pointer: never read for k8v4
     mid = midpoints if mse else kv_cache
     grid = (num_tokens, h)
