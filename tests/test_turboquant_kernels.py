@@ -936,7 +936,7 @@ def test_lanes_and_grid():
     t = c.CudaTuning(small_lane_elems=4)
     assert c.lanes(128, t, rows=t.small_rows) == (4, 32)
     assert c.lanes(128, t, rows=t.small_rows + 1) == (16, 8)
-    assert c.lanes(128, t, rows=8, min_elems=8) == (8, 16)
+    assert c.lanes(128, t, rows=8, least=8) == (8, 16)
     assert c.lanes(1024, t, rows=8) == (32, 32)
     assert c.lanes(128, rows=c.TUNING.small_rows) == (c.TUNING.small_lane_elems,
                                                       128 // c.TUNING.small_lane_elems)

@@ -69,15 +69,15 @@ def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.
 
 
 def lanes(head_size: int, tuning: CudaTuning = TUNING, rows: int | None = None,
-          min_elems: int = 2) -> tuple[int, int]:
+          least: int = 2) -> tuple[int, int]:
     """(E, lanes per row) at a head size for a call of ``rows`` rows (None: a large one): E =
-    min(P, max(le, P / 32, min_elems)) elements a lane, le the tuning's lane_elems (its
+    min(P, max(le, P / 32, least)) elements a lane, le the tuning's lane_elems (its
     small_lane_elems at most small_rows rows), P / E <= 32 lanes a row (P the power of two >= D;
-    ``min_elems`` 8 where a field has 3-bit codes: whole bytes a lane)."""
+    ``least``: :func:`min_elems`, 8 where a field has 3-bit codes: whole bytes a lane)."""
     p = next_pow2(head_size)
     small = rows is not None and rows <= tuning.small_rows
     le = tuning.small_lane_elems if small else tuning.lane_elems
-    e = min(p, max(le, p // 32, min_elems))
+    e = min(p, max(le, p // 32, least))
     return e, p // e
 
 

@@ -93,6 +93,26 @@ if triton is not None:
         return tl.where(none | (mn == 0.0), 0.0, mn), tl.where(none, 0.0, mx)
 
     @triton.jit
+    def _e4m3_key_codes(xk):
+        """k8v4's key codes: e4m3fn of each element, a NaN's 0x7F whatever its sign."""
+        code, _ = e4m3(tl.abs(xk))
+        sign = (xk.to(tl.int32, bitcast=True) >> 24) & 0x80
+        return tl.where(xk != xk, 0x7F, code | sign)
+
+    @triton.jit
+    def _value_scale(rng, L: tl.constexpr):
+        """s = RN(rng / L), FL (1e-8) unless s > FL (a NaN rng gives FL)."""
+        s = tl.math.div_rn(rng, tl.full(rng.shape, L, tl.float32))
+        return tl.where(s > 1e-8, s, 1e-8)
+
+    @triton.jit
+    def _value_codes_by_division(w, s, L: tl.constexpr):
+        """The contract's value codes: clamp(rhu(RN(w / s)), 0, L), a NaN quotient 0."""
+        q = tl.math.div_rn(w, s)
+        q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), L + 1.0)
+        return tl.minimum(rhu(q), L).to(tl.int32)
+
+    @triton.jit
     def _f16_bits(v):
         """fp16(v)'s bits (nearest even, overflow to inf, subnormals kept); a NaN as 0x7E00 (as
         the CUDA kernel: the contract leaves its encoding free)."""
@@ -169,10 +189,7 @@ if triton is not None:
 
         # ---- keys ----
         if KB == 8:
-            code, _ = e4m3(tl.abs(xk))
-            sign = (xk.to(tl.int32, bitcast=True) >> 24) & 0x80
-            code = tl.where(xk != xk, 0x7F, code | sign)
-            tl.store(dst + i, code.to(tl.uint8), mask=valid & im)
+            tl.store(dst + i, _e4m3_key_codes(xk).to(tl.uint8), mask=valid & im)
         else:
             NM: tl.constexpr = (1 << KB) - 1
             k = tl.arange(0, NM + 1)
@@ -198,11 +215,8 @@ if triton is not None:
         # ---- values ----
         L: tl.constexpr = (1 << VB) - 1
         mn, mx = _value_range(xv, im & (xv == xv), 0)
-        s = tl.math.div_rn(tl.full([1], 0.0, tl.float32) + (mx - mn), tl.full([1], L, tl.float32))
-        s = tl.where(s > 1e-8, s, 1e-8)
-        q = tl.math.div_rn(xv - mn, tl.broadcast_to(s, [BLOCK_D]))
-        q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), L + 1.0)
-        c = tl.minimum(rhu(q), L).to(tl.int32)
+        s = _value_scale(tl.full([1], 0.0, tl.float32) + (mx - mn), L)
+        c = _value_codes_by_division(xv - mn, tl.broadcast_to(s, [BLOCK_D]), L)
         vdst = dst + KPS
         _store_field(vdst, c, 0, D, VB, BLOCK_D, valid)
         VDB: tl.constexpr = D * VB // 8
@@ -245,15 +259,12 @@ if triton is not None:
         dst = cache_ptr + blk * C_B + (slot - blk * BLOCK_SIZE) * C_S + h * C_H  # [BLOCK_R]
 
         # ---- keys: e4m3fn codes, a NaN's 0x7F ----
-        code, _ = e4m3(tl.abs(xk))
-        sign = (xk.to(tl.int32, bitcast=True) >> 24) & 0x80
-        code = tl.where(xk != xk, 0x7F, code | sign)
-        tl.store(dst[:, None] + i[None, :], code.to(tl.uint8), mask=valid[:, None] & im[None, :])
+        tl.store(dst[:, None] + i[None, :], _e4m3_key_codes(xk).to(tl.uint8),
+                 mask=valid[:, None] & im[None, :])
 
         # ---- values: 4-bit codes, fp16(s), fp16(mn) ----
         mn, mx = _value_range(xv, m2 & (xv == xv), 1)
-        s = tl.math.div_rn(mx - mn, tl.full([BLOCK_R], 15.0, tl.float32))
-        s = tl.where(s > 1e-8, s, 1e-8)
+        s = _value_scale(mx - mn, 15)
         w = xv - mn[:, None]
         # The codes as the CUDA kernel's tq_value_codes takes them (its comment has the proof):
         # k = floor(RN(w * RN(1/s))), then k + [RN(RN(w - s B) + s d) >= 0] for B = k + 1/2, d
@@ -262,15 +273,13 @@ if triton is not None:
         k = tl.floor(tl.maximum(w * ys[:, None], 0.0))
         B = k + 0.5
         sb = tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])
-        r = tl.fma(-sb, B, w)
+        rem = tl.fma(-sb, B, w)
         d = (((B.to(tl.int32, bitcast=True) - 1) & 0x7F800000) - (24 << 23)).to(
             tl.float32, bitcast=True)
-        c = k.to(tl.int32) + ((r + sb * d) >= 0.0).to(tl.int32)
+        c = k.to(tl.int32) + ((rem + sb * d) >= 0.0).to(tl.int32)
         fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
         if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
-            q = tl.math.div_rn(w, sb)
-            q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), 16.0)
-            c = tl.where(fast[:, None], c, tl.minimum(rhu(q), 15.0).to(tl.int32))
+            c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, 15))
         lo, hi = tl.split(tl.reshape(c, [BLOCK_R, BLOCK_D // 2, 2]))
         byte = tl.arange(0, BLOCK_D // 2)
         vdst = dst + KPS
@@ -309,8 +318,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     # At most BLOCK_D, at least 8 where BLOCK_D allows (3-bit fields pack 8 codes at a time).
     block_j = min(block_d, max(8, tuning.product_elems // block_d))
     mse = kb != 8
-    if not mse and num_tokens * h >= tuning.k8v4_rows_min:
-        rows = num_tokens * h
+    rows = num_tokens * h
+    if not mse and rows >= tuning.k8v4_rows_min:
         block_r = rows_per_program(rows, block_d, tuning)
         programs = -(-rows // block_r)
         pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
