@@ -8,13 +8,18 @@ implementation, from the op's provider (``kvwrite.testing.providers.<op>``, see
 - a captured CUDA graph replayed after every input (scales included) changed in place writes
   what the reference writes for the new inputs (GPU);
 - ``torch.compile`` captures the op as one mutating custom op and writes the reference's bytes;
-- NVRTC compiles every CUDA variant of the op (no GPU needed).
+- NVRTC compiles every CUDA variant of the op (no GPU needed);
+- the Triton implementation with every launch forced to 1 and to 2 warps writes the reference's
+  bytes (GPU; Triton 3.6 miscompiled one-warp programs on small tiles), and the forcing reaches
+  every kernel kvwrite launches (under the interpreter).
 
 Per-op test files keep what is specific to an op's arithmetic.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 
 import pytest
@@ -24,7 +29,9 @@ from kvwrite import registry
 from kvwrite.testing import conformance
 from kvwrite.testing.compare import copy_allocations, storage_bytes
 from kvwrite.testing.compile import compiled_targets
+from kvwrite.transfer import TransferPlan
 from sass import needs_nvrtc
+from triton_warps import forced_warps, kernel_name, launched_kernels
 
 PROVIDERS = conformance.providers()
 
@@ -192,3 +199,121 @@ def test_torch_compile_sees_one_mutating_custom_op(p, ex, impl, device):
                                if p.compile_variants is not None])
 def test_nvrtc_compiles_every_variant(p):
     p.compile_variants()
+
+
+# --- Triton at forced warps ------------------------------------------------------------------------
+
+# Byte cases of each op run at forced warps: at most this many, spread over its list (its formats
+# and call sizes, not every layout of each), since each case and warp count is a Triton compile
+# on the GPU; with the small tiles, about 300 GPU items.
+FORCED_BYTE_CASES = 6
+
+
+def _spread(examples: tuple, n: int) -> list:
+    """``n`` of ``examples`` evenly spread over them, the first and the last among them."""
+    if len(examples) <= n:
+        return list(examples)
+    return [examples[round(i * (len(examples) - 1) / (n - 1))] for i in range(n)]
+
+
+def _forced_params():
+    return [pytest.param(p, ex, warps, marks=pytest.mark.gpu, id=f"{p.op}-{ex.id}-w{warps}")
+            for p in PROVIDERS
+            for ex in (*_spread(p.byte_cases, FORCED_BYTE_CASES), *p.small_tile_cases)
+            for warps in (1, 2)]
+
+
+def test_every_op_has_small_tiles():
+    """The forced-warps tests run each op's small tiles (kvwrite.testing.conformance.Provider)."""
+    assert [p.op for p in PROVIDERS if not p.small_tile_cases] == []
+
+
+def test_forced_warps_restores_triton_on_an_exception():
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def runs():
+        return [cls.__dict__.get("run") for cls in (JITFunction, InterpretedFunction)]
+    before = runs()
+    with pytest.raises(RuntimeError, match="inside"), forced_warps(1):
+        assert all(a is not b for a, b in zip(runs(), before, strict=True))
+        raise RuntimeError("inside")
+    assert runs() == before
+
+
+def _run_calls(p, args: tuple, monkeypatch) -> list[tuple[tuple, dict]]:
+    """The arguments of each ``run`` the op calls for ``args`` on the CPU, recorded from its
+    torch implementation's (every implementation's ``run`` takes the same)."""
+    module = importlib.import_module(registry.get(p.op, "torch").module)
+    calls, real = [], module.run
+
+    def record(*a, **k):
+        calls.append((a, k))
+        real(*a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(module, "run", record)
+        p.call(*args, implementation="torch")
+    return calls
+
+
+def _on_the_cpu(a):
+    """A host-to-host transfer plan (the torch implementation's alone: no device) as the Triton
+    kernels take the CPU's under the interpreter (tests/test_transfer_triton.py's plans)."""
+    if isinstance(a, TransferPlan) and a.device is None:
+        return dataclasses.replace(a, device=torch.device("cpu"))
+    return a
+
+
+def test_forced_warps_reach_every_triton_launch(monkeypatch):
+    """Every op's Triton implementation on each of its small tiles under the interpreter, inside
+    ``forced_warps(1)``: every launch the interpreter is handed (``GridExecutor``, past the
+    kernel object that forced_warps patches) has ``num_warps=1``, and the kernels launched are
+    every kernel kvwrite launches (``launched_kernels``, read from the source: a new kernel that
+    no small tile reaches fails here). Only the launches are checked, not the bytes, so the
+    implementation's ``run`` takes the op's run arguments directly, past the calls the
+    interpreter refuses (its casts) and the host-to-host transfers only the torch
+    implementation runs."""
+    if (reason := registry.get(PROVIDERS[0].op, "triton").available("cpu")) is not None:
+        pytest.skip(reason)
+    from triton.runtime.interpreter import GridExecutor
+
+    handed: list[tuple[str, int | None]] = []
+    real = GridExecutor.__call__
+
+    def spy(self, *args, **kwargs):
+        handed.append((kernel_name(self), kwargs.get("num_warps")))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(GridExecutor, "__call__", spy)
+    for p in PROVIDERS:
+        run = registry.get(p.op, "triton").run
+        for ex in p.small_tile_cases:
+            for a, k in _run_calls(p, p.build(ex.case, "cpu", 0), monkeypatch):
+                before = len(handed)
+                with forced_warps(1) as launches:
+                    run(*map(_on_the_cpu, a), **k)
+                # Each launch the interpreter was handed went through forced_warps.
+                assert len(launches) == len(handed) - before, (p.op, ex.id)
+
+    assert handed
+    other = sorted({f"{kernel} at {warps}" for kernel, warps in handed if warps != 1})
+    assert other == [], "launches forced_warps(1) did not reach"
+    kernels = {kernel for kernel, _ in handed}
+    assert sorted(launched_kernels() - kernels) == [], "kernels no op's small tile launches"
+    assert sorted(kernels - launched_kernels()) == [], "launched, but not in launched_kernels()"
+
+
+@pytest.mark.parametrize("p, ex, warps", _forced_params())
+def test_triton_at_forced_warps_matches_the_reference(p, ex, warps):
+    """The Triton implementation with every launch at ``warps`` warps, whatever its tuning says:
+    the whole allocation of every written argument byte for byte against the reference, and
+    every kernel compiled at ``warps`` (the compiled kernels' own record)."""
+    info = registry.get(p.op, "triton")
+    args = p.build(ex.case, "cuda", 0)
+    _runnable(p, info, ex.case, "cuda", args)
+    want = conformance.run_reference(p, p.build(ex.case, "cpu", 0))
+    with forced_warps(warps) as launches:
+        _call(p, args, "triton")
+    # A case that launched nothing would check nothing.
+    assert launches and {launch.num_warps for launch in launches} == {warps}, launches
+    p.compare(ex.case, copy_allocations(conformance.written(p, args), "cpu"), want)

@@ -2,9 +2,9 @@
 in ``kvwrite.testing.providers.<op name>`` as ``PROVIDER``. It says how to build the op's
 arguments for a case, which of them the op writes, how to compare what it wrote, and lists the
 op's cases for each test kind of ``tests/test_conformance.py`` (bytes against the reference,
-deliberately wrong writers, bad input, CUDA-graph replay, ``torch.compile``) and its NVRTC
-compile of every variant. An op registered without a provider module fails the suite, so a new
-op cannot be left out of it."""
+deliberately wrong writers, bad input, CUDA-graph replay, ``torch.compile``, Triton at forced
+warps) and its NVRTC compile of every variant. An op registered without a provider module fails
+the suite, so a new op cannot be left out of it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .compare import assert_caches_equal, copy_allocations
 
 __all__ = ["Provider", "Example", "BadInput", "WrongWriter", "provider", "providers",
            "missing_providers", "tensors", "written", "with_copies", "snapshot", "unchanged",
-           "run_reference", "bad_inputs", "replaced", "compile_every_variant"]
+           "run_reference", "bad_inputs", "replaced", "compile_every_variant", "small_tiles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,13 @@ def compile_every_variant(op_package: str, count: int) -> Callable[[], None]:
     return compile_variants
 
 
+def small_tiles(base, *changes: dict) -> tuple[Example, ...]:
+    """A provider's ``small_tile_cases``: ``base`` (a case dataclass with an ``id``) with each of
+    ``changes`` (``dataclasses.replace`` keywords), named by the new case's ``id``."""
+    cases = [dataclasses.replace(base, **change) for change in changes]
+    return tuple(Example(c.id, c) for c in cases)
+
+
 def _default_check(names: Sequence[str]):
     def check(case, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
         for name, g, w in zip(names, got, want, strict=True):
@@ -131,6 +138,12 @@ class Provider:
     # More to check of the arguments after a replay (beyond the bytes against the reference).
     graph_check: Callable[[tuple], None] | None = None
     cases: tuple[Example, ...] = ()
+    # Small tiles for the Triton implementation at forced warps: the op's calls at small head
+    # sizes (8, 10, 16 where the op takes them) and few tokens, and the smallest call that
+    # reaches each of its kernels (Triton 3.6 wrote wrong bytes in one-warp programs on small
+    # tiles only). Run on the GPU at 1 and 2 warps, and once under the interpreter to show that
+    # they launch every kernel.
+    small_tile_cases: tuple[Example, ...] = ()
     graph_cases: tuple[Example, ...] = ()
     compile_cases: tuple[Example, ...] = ()
     compiled: tuple[str, ...] | None = None

@@ -11,7 +11,7 @@ import kvwrite
 from kvwrite.ops.concat_and_cache_mla import OP
 from kvwrite.ops.concat_and_cache_mla import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter
+from ..conformance import BadInput, Example, Provider, WrongWriter, small_tiles
 from ..mla import MlaCase, assert_mla_caches_equal, make_mla_inputs
 
 
@@ -272,6 +272,11 @@ PROVIDER = Provider(
     compile_cases=tuple(Example(i, MlaCase(num_tokens=9, kv_cache_dtype=kv, padding_slots=2,
                                            latent_slices=True, ds_mla_scale=rule, pe_dim=pe))
                         for i, (kv, rule, pe) in zip(COMPILE_IDS, COMPILE, strict=True)),
+    # fp8_ds_mla's entry is fixed (kv_lora_rank 512, pe_dim 64): the other modes.
+    small_tile_cases=small_tiles(
+        MlaCase(num_tokens=3, padding_slots=1), dict(kv_lora_rank=8, pe_dim=8),
+        dict(num_tokens=2, kv_lora_rank=10, pe_dim=2, kv_cache_dtype="fp8", padding_slots=0),
+        dict(kv_lora_rank=16, pe_dim=8, kv_cache_dtype="fp8_e5m2")),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     compile_variants=_compile_variants,

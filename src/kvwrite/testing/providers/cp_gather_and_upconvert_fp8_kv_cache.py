@@ -7,9 +7,9 @@ import torch
 
 from kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, WrongWriter, replaced
+from ..conformance import BadInput, Example, WrongWriter, replaced, small_tiles
 from ..gather import Seqs, UpconvertCase, graph_seqs, make_upconvert_inputs
-from .gather_common import gather_provider, reference_run, via_reference
+from .gather_common import SMALL_SEQS, gather_provider, reference_run, via_reference
 
 OP = "cp_gather_and_upconvert_fp8_kv_cache"
 
@@ -72,4 +72,6 @@ COMPILE_CASES = (Example("default", UpconvertCase(seqs=Seqs(starts=(1, 2, 3, 4, 
 PROVIDER = gather_provider(OP, make_upconvert_inputs, lambda inp, case: inp.args(), mutates=(1,),
                            names=("dst",), nan=slice(0, 512), wrong=WRONG, bad=BAD,
                            graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
-                           variants=10)
+                           variants=10,
+                           # Its entry is fixed (656 bytes to 576 elements): few rows only.
+                           small_tile_cases=small_tiles(UpconvertCase(), dict(seqs=SMALL_SEQS)))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter, replaced
+from ..conformance import BadInput, Example, WrongWriter, replaced, small_tiles
 from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
-from .gather_common import gather_provider, reference_run, via_reference
+from .gather_common import SMALL_SEQS, gather_provider, reference_run, via_reference
 
 OP = "cp_gather_cache"
 
@@ -59,4 +59,7 @@ COMPILE_CASES = (Example("auto", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.cp_args(), mutates=(1,),
                            names=("dst",), nan=False, wrong=WRONG, bad=BAD,
                            graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
-                           variants=20)
+                           variants=20,
+                           small_tile_cases=small_tiles(
+                               EntryCase(seqs=SMALL_SEQS), dict(entry=(8,)),
+                               dict(entry=(10,), dtype=torch.float16), dict(entry=(2, 8))))

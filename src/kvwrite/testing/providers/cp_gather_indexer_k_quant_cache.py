@@ -7,9 +7,9 @@ import dataclasses
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter, replaced
+from ..conformance import BadInput, Example, WrongWriter, replaced, small_tiles
 from ..gather import IndexerCase, Seqs, graph_seqs, make_indexer_inputs
-from .gather_common import gather_provider, reference_run, via_reference
+from .gather_common import SMALL_SEQS, gather_provider, reference_run, via_reference
 
 OP = "cp_gather_indexer_k_quant_cache"
 
@@ -80,4 +80,7 @@ COMPILE_CASES = (Example("default", IndexerCase(seqs=Seqs(starts=None))),)
 PROVIDER = gather_provider(OP, make_indexer_inputs, lambda inp, case: inp.args(), mutates=(1, 2),
                            names=("dst_k", "dst_scale"), nan=False, wrong=WRONG, bad=BAD,
                            graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
-                           variants=15)
+                           variants=15,
+                           small_tile_cases=small_tiles(
+                               IndexerCase(seqs=dataclasses.replace(SMALL_SEQS, starts=None)),
+                               dict(head_dim=16), dict(head_dim=8, groups=2)))

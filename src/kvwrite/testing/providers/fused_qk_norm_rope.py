@@ -18,6 +18,7 @@ from .qk_norm_common import (
     bad,
     build,
     check_all,
+    small_tile_cases,
     tensors_of,
     with_written,
 )
@@ -102,6 +103,7 @@ PROVIDER = Provider(
     tensors_of=tensors_of,
     written_of=tensors_of,
     with_written=with_written,
+    small_tile_cases=small_tile_cases(),
     wrong_writers=WRONG,
     bad_inputs=BAD,
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import kvwrite
+from kvwrite.layouts import Layout
 from kvwrite.ops.fused_qk_norm_rope_and_reshape_cache_flash import OP
 
 from ..conformance import Provider, WrongWriter, bad_inputs
@@ -18,6 +19,7 @@ from .qk_norm_common import (
     build,
     check_all,
     meta,
+    small_tile_cases,
     tensors_of,
     with_written,
 )
@@ -179,6 +181,7 @@ PROVIDER = Provider(
     tensors_of=tensors_of,
     written_of=tensors_of,
     with_written=with_written,
+    small_tile_cases=small_tile_cases(kv_cache_dtype="fp8", layout=Layout.HND),
     wrong_writers=WRONG,
     bad_inputs=BAD,
 )

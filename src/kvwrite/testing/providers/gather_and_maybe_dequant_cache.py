@@ -7,9 +7,9 @@ import functools
 
 import torch
 
-from ..conformance import BadInput, Example, WrongWriter, replaced
+from ..conformance import BadInput, Example, WrongWriter, replaced, small_tiles
 from ..gather import EntryCase, Seqs, graph_seqs, make_entry_inputs
-from .gather_common import gather_provider, reference_run, via_reference
+from .gather_common import SMALL_SEQS, gather_provider, reference_run, via_reference
 
 OP = "gather_and_maybe_dequant_cache"
 
@@ -90,4 +90,8 @@ COMPILE_CASES = (Example("fp8", EntryCase(seqs=Seqs(starts=(1, 2, 3, 4, 5)), kv_
 PROVIDER = gather_provider(OP, make_entry_inputs, lambda inp, case: inp.dequant_args(case), mutates=(1,),
                            names=("dst",), nan=None, wrong=WRONG, bad=BAD,
                            graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
-                           variants=17)
+                           variants=17,
+                           small_tile_cases=small_tiles(
+                               EntryCase(seqs=SMALL_SEQS), dict(entry=(8,), kv_cache_dtype="fp8"),
+                               dict(entry=(10,), dtype=torch.float16, kv_cache_dtype="fp8_e5m2"),
+                               dict(entry=(16,))))

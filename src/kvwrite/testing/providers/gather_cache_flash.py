@@ -9,9 +9,9 @@ import torch
 
 from kvwrite.layouts import KVAlloc, Layout
 
-from ..conformance import BadInput, Example, WrongWriter, replaced
+from ..conformance import BadInput, Example, WrongWriter, replaced, small_tiles
 from ..gather import FlashCase, Seqs, graph_seqs, make_flash_inputs
-from .gather_common import gather_provider, reference_run, via_reference
+from .gather_common import SMALL_SEQS, gather_provider, reference_run, via_reference
 
 OP = "gather_cache_flash"
 
@@ -77,4 +77,9 @@ COMPILE_CASES = (Example("fp8-per-head", FlashCase(seqs=Seqs(starts=(1, 2, 3, 4,
 PROVIDER = gather_provider(OP, make_flash_inputs, lambda inp, case: inp.args(case), mutates=(2, 3),
                            names=("key_out", "value_out"), nan=None, wrong=WRONG, bad=BAD,
                            graph_cases=GRAPH_CASES, compile_cases=COMPILE_CASES,
-                           variants=17)
+                           variants=17,
+                           small_tile_cases=small_tiles(
+                               FlashCase(seqs=SMALL_SEQS), dict(num_heads=1, head_size=8),
+                               dict(num_heads=2, head_size=10, kv_cache_dtype="fp8"),
+                               dict(num_heads=1, head_size=16, kv_cache_dtype="fp8_e5m2",
+                                    dtype=torch.float16)))

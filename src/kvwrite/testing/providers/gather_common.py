@@ -11,9 +11,12 @@ from collections.abc import Callable
 import kvwrite
 
 from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
-from ..gather import assert_outputs_equal
+from ..gather import Seqs, assert_outputs_equal
 
-__all__ = ["gather_provider", "via_reference", "reference_run"]
+__all__ = ["gather_provider", "via_reference", "reference_run", "SMALL_SEQS"]
+
+# The small tiles' requests: three of at most 3 rows (one empty) over blocks of 4.
+SMALL_SEQS = Seqs(lens=(2, 0, 3), starts=(1, 0, 2), block_size=4, num_blocks=4)
 
 
 def reference_run(op: str) -> Callable:
@@ -39,7 +42,8 @@ def via_reference(op: str, broken: Callable) -> Callable[..., None]:
 def gather_provider(op: str, make: Callable, args_of: Callable, mutates: tuple[int, ...],
                     names: tuple[str, ...], nan, wrong: tuple[WrongWriter, ...],
                     bad: tuple[BadInput, ...], graph_cases: tuple[Example, ...],
-                    compile_cases: tuple[Example, ...], variants: int) -> Provider:
+                    compile_cases: tuple[Example, ...], variants: int,
+                    small_tile_cases: tuple[Example, ...] = ()) -> Provider:
     """``make(case, device)`` builds a case's inputs, ``args_of(inputs, case)`` the call's
     arguments; ``nan``: which output columns may hold any NaN (assert_outputs_equal's
     ``nan_cols``). A graph case is a function of the seed (0 and 1: new lengths, starts, block
@@ -54,6 +58,7 @@ def gather_provider(op: str, make: Callable, args_of: Callable, mutates: tuple[i
 
     return Provider(op=op, call=getattr(kvwrite, op), build=build, mutates=mutates,
                     mutated_names=names, check=check, graph_seeds=(0, 1),
-                    graph_cases=graph_cases, compile_cases=compile_cases, wrong_writers=wrong,
+                    graph_cases=graph_cases, compile_cases=compile_cases,
+                    small_tile_cases=small_tile_cases, wrong_writers=wrong,
                     bad_inputs=bad,
                     compile_variants=compile_every_variant(f"kvwrite.ops.{op}", variants))

@@ -9,7 +9,14 @@ import kvwrite
 from kvwrite.ops.indexer_k_quant_and_cache import OP, ScaleFormat, parse_scale_fmt
 from kvwrite.ops.indexer_k_quant_and_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
+from ..conformance import (
+    BadInput,
+    Example,
+    Provider,
+    WrongWriter,
+    compile_every_variant,
+    small_tiles,
+)
 from ..indexer import IndexerCase, assert_indexer_caches_equal, clone_cache, make_indexer_inputs
 
 
@@ -172,6 +179,11 @@ PROVIDER = Provider(
                                                num_blocks=32, special_values=True))
                       for fmt in ("ue8m0", "mxfp8", "float32")),
     compile_cases=(Example("ue8m0", IndexerCase(num_tokens=9, padding_slots=2, k_pad=8)),),
+    # mxfp8 takes groups of 128 only.
+    small_tile_cases=small_tiles(
+        IndexerCase(num_tokens=3, padding_slots=1), dict(head_dim=16, quant_block_size=16),
+        dict(num_tokens=2, head_dim=6, quant_block_size=3, scale_fmt="float32", padding_slots=0),
+        dict(head_dim=8, quant_block_size=8, dtype=torch.float16)),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     compile_variants=compile_every_variant("kvwrite.ops.indexer_k_quant_and_cache", 56),

@@ -12,7 +12,7 @@ import kvwrite
 from kvwrite.ops.mx_kv_write import OP
 from kvwrite.ops.mx_kv_write import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter, replaced
+from ..conformance import BadInput, Example, Provider, WrongWriter, replaced, small_tiles
 from ..mx import (
     MUTATES,
     MX_CASES,
@@ -209,6 +209,11 @@ PROVIDER = Provider(
                                                           block_size=128, num_blocks=2,
                                                           scale_layout="interleaved128",
                                                           num_tokens=4))),
+    # Groups of 32: D = 32.
+    small_tile_cases=small_tiles(
+        MxCase(num_tokens=3, num_heads=1, head_size=32, padding_slots=1), dict(),
+        dict(num_tokens=2, num_heads=2, kv_cache_dtype="mxfp4", layout="HND",
+             out_of_range_slots=0)),
     compiled=("kvwrite.reshape_and_cache_flash",),
     wrong_writers=WRONG,
     bad_inputs=BAD,

@@ -14,7 +14,15 @@ import kvwrite
 from kvwrite.ops.nvfp4 import OP, ScaleLayout
 from kvwrite.ops.nvfp4 import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant, replaced
+from ..conformance import (
+    BadInput,
+    Example,
+    Provider,
+    WrongWriter,
+    compile_every_variant,
+    replaced,
+    small_tiles,
+)
 from ..nvfp4 import Nvfp4Case, assert_storages_equal, make_nvfp4_inputs
 
 
@@ -264,6 +272,10 @@ PROVIDER = Provider(
                  Example("tuple-python-number-scales",
                          Nvfp4Case(form="tuple", num_tokens=32, scale_as_number=True,
                                    padding_slots=2))),
+    # Groups of 16: D = 16 and 32.
+    small_tile_cases=small_tiles(
+        Nvfp4Case(num_tokens=3, num_heads=1, head_size=16, padding_slots=1),
+        dict(), dict(num_tokens=2, num_heads=2, head_size=32, form="stacked")),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     # nvfp4_kernel by dtype x MODE x slot type x rule (28), nvfp4_small_kernel by dtype x slot

@@ -45,5 +45,10 @@ PROVIDER = transfer_provider(
                                                  host="dst")),
                  Example("nvfp4", TransferCase("pack", page_format="nvfp4", gpu_mapping=True))),
     compile_cases=(Example("fp8", TransferCase("pack", page_format="fp8")),),
+    small_tile_cases=(
+        Example("small-fp8-one-head",
+                TransferCase("pack", page_format="fp8", head_range=(1, 2), layers=1)),
+        Example("small-nvfp4-float16",
+                TransferCase("pack", page_format="nvfp4", dtype=torch.float16, layers=1))),
     wrong=(WrongWriter("skips a pair", skipping_last_pair(OP), TransferCase("pack")),),
     bad=BAD)

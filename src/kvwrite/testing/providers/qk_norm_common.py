@@ -9,10 +9,11 @@ import dataclasses
 
 import torch
 
+from ..conformance import Example, small_tiles
 from ..qk_norm import QkNormCase, differences, make_qk_norm_inputs
 
 __all__ = ["VCASE", "NORM_NAMES", "FUSED_NAMES", "COMMON_BAD", "meta", "nan_equal", "tensors_of",
-           "with_written", "check_all", "build", "bad"]
+           "with_written", "check_all", "build", "bad", "small_tile_cases"]
 
 
 def nan_equal(case: QkNormCase) -> bool:
@@ -46,6 +47,14 @@ def check_all(names_of):
         if diff is not None:
             raise AssertionError(f"bytes differ: {diff}")
     return check
+
+
+def small_tile_cases(**last) -> tuple[Example, ...]:
+    """Both ops' small tiles: D = 8, 10 (partial GPT-J rotary), and 16 at 20 tokens, the whole-row
+    kernel's smallest call (RowsTuning.min_tokens 17), with ``last``'s fields."""
+    return small_tiles(QkNormCase(num_tokens=3, num_q_heads=2, num_k_heads=1), dict(head_size=8),
+                       dict(num_tokens=2, head_size=10, rot_dim=4, is_neox=False),
+                       dict(num_tokens=20, head_size=16, **last))
 
 
 VCASE = QkNormCase(num_tokens=5, num_q_heads=4, num_k_heads=2, head_size=16,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..conformance import BadInput, Example, WrongWriter, replaced
 from .transfer_common import TransferCase, build, cases_of, skipping_last_pair, transfer_provider
 
@@ -32,5 +34,8 @@ PROVIDER = transfer_provider(
     cases=(*_FULL, *(dataclasses.replace(ex, id="slice-" + ex.id) for ex in _SLICE)),
     graph_cases=(Example("slice", TransferCase("relayout", gpu_mapping=True, head_range=(1, 3))),),
     compile_cases=(Example("slice", TransferCase("relayout", head_range=(2, 4))),),
+    small_tile_cases=(
+        Example("small-one-head-uint8",
+                TransferCase("relayout", dtype=torch.uint8, head_range=(1, 2), layers=1)),),
     wrong=(WrongWriter("skips a pair", skipping_last_pair(OP), TransferCase("relayout")),),
     bad=BAD)

@@ -11,7 +11,14 @@ from kvwrite.dtypes import parse_kv_cache_dtype
 from kvwrite.ops.reshape_and_cache import OP
 from kvwrite.ops.reshape_and_cache import reference as torch_ref
 
-from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
+from ..conformance import (
+    BadInput,
+    Example,
+    Provider,
+    WrongWriter,
+    compile_every_variant,
+    small_tiles,
+)
 from ..legacy import LegacyCase, assert_legacy_caches_equal, make_legacy_inputs
 
 
@@ -157,6 +164,10 @@ PROVIDER = Provider(
                       for kv in ("auto", "fp8", "float32")),
     compile_cases=(Example("padded", LegacyCase(num_tokens=9, padding_slots=2,
                                                 cache_strides="padded")),),
+    small_tile_cases=small_tiles(
+        LegacyCase(num_tokens=3, num_heads=1, padding_slots=1), dict(head_size=8),
+        dict(num_tokens=2, num_heads=2, head_size=10, x=2, dtype=torch.float16, padding_slots=0),
+        dict(head_size=16, kv_cache_dtype="fp8")),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache", 192),

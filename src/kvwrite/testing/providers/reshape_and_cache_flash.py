@@ -16,7 +16,7 @@ from kvwrite.ops.reshape_and_cache_flash import reference as torch_ref
 
 from ..cases import Case, make_inputs
 from ..compare import assert_caches_equal
-from ..conformance import Example, Provider, WrongWriter
+from ..conformance import Example, Provider, WrongWriter, small_tiles
 
 
 def _check(case: Case, got, want) -> None:
@@ -110,5 +110,10 @@ PROVIDER = Provider(
                       for kv in ("auto", "fp8")),
     compile_cases=(Example("hnd-padding", Case(num_tokens=9, kv_cache_dtype="auto",
                                                layout=Layout.HND, padding_slots=2)),),
+    small_tile_cases=small_tiles(
+        Case(num_tokens=3, num_heads=1, padding_slots=1), dict(head_size=8),
+        dict(num_tokens=2, num_heads=2, head_size=10, dtype=torch.float16, layout=Layout.HND,
+             padding_slots=0),
+        dict(head_size=16, kv_cache_dtype="fp8")),
     wrong_writers=WRONG,
 )

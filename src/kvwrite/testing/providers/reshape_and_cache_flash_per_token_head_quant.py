@@ -10,7 +10,14 @@ from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import OP, PerToke
 from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import reference as torch_ref
 
 from ..compare import storage_bytes
-from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
+from ..conformance import (
+    BadInput,
+    Example,
+    Provider,
+    WrongWriter,
+    compile_every_variant,
+    small_tiles,
+)
 from ..per_token_head import (
     FP8,
     INT4,
@@ -239,6 +246,10 @@ PROVIDER = Provider(
     compile_cases=(Example(INT8, _compile_case(INT8), gpu=True),
                    Example(FP8, _compile_case(FP8), gpu=True),
                    Example(INT4, _compile_case(INT4))),
+    small_tile_cases=small_tiles(
+        PthCase(num_tokens=3, num_heads=1, padding_slots=1), dict(head_size=8),
+        dict(num_tokens=2, num_heads=2, head_size=10, kv_quant_mode=INT4, padding_slots=0),
+        dict(head_size=16, kv_quant_mode=FP8)),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     compile_variants=compile_every_variant(

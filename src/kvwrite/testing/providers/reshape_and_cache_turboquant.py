@@ -12,7 +12,14 @@ from kvwrite.ops.reshape_and_cache_turboquant import OP
 from kvwrite.ops.reshape_and_cache_turboquant import reference as torch_ref
 
 from ..compare import storage_bytes
-from ..conformance import BadInput, Example, Provider, WrongWriter, compile_every_variant
+from ..conformance import (
+    BadInput,
+    Example,
+    Provider,
+    WrongWriter,
+    compile_every_variant,
+    small_tiles,
+)
 from ..turboquant import (
     K3V4,
     K8V4,
@@ -278,6 +285,15 @@ PROVIDER = Provider(
                                        padding_slots=2)),
                    *(Example(p, TqCase(kv_cache_dtype=p, head_size=32, num_tokens=9,
                                        padding_slots=2), gpu=True) for p in (K8V4, K3V4, NC3))),
+    # 3-bit fields need D % 8 == 0. Last: the k8v4 rows kernel's smallest call (512 rows,
+    # TritonTuning.k8v4_rows_min) at D = 8.
+    small_tile_cases=small_tiles(
+        TqCase(num_tokens=3, num_heads=1), dict(head_size=8, kv_cache_dtype=K3V4),
+        dict(num_tokens=2, num_heads=2, head_size=10, kv_cache_dtype=NC4, padding_slots=0),
+        dict(head_size=16, kv_cache_dtype=NC3),
+        dict(num_heads=2, head_size=10, kv_cache_dtype=K8V4),
+        dict(num_tokens=64, num_heads=8, num_blocks=8, head_size=8, kv_cache_dtype=K8V4,
+             special_values=True)),
     wrong_writers=WRONG,
     bad_inputs=BAD,
     # The input kinds (3) x presets (4) x slot types (2).

@@ -9,7 +9,7 @@ import torch
 
 from kvwrite.layouts import KVAlloc, Layout
 
-from ..conformance import Example
+from ..conformance import Example, small_tiles
 from ..rope import RopeCase
 
 __all__ = ["VCASE", "COMMON_BAD", "graph_case", "compile_case", "graph_and_compile_cases", "meta",
@@ -93,8 +93,14 @@ def compile_case(padded: bool) -> RopeCase:
 
 def graph_and_compile_cases(fused: bool) -> dict:
     """The Provider fields of both ops' CUDA-graph and torch.compile cases, dense and padded
-    heads: the variant's first call is in the capture; two replays with new inputs."""
+    heads: the variant's first call is in the capture; two replays with new inputs; and their
+    small tiles (D = 8, 10 with partial GPT-J rotary, 16)."""
     padded = (("dense", False), ("padded", True))
     return dict(graph_warmup=False, graph_seeds=(1, 2, 3),
                 graph_cases=tuple(Example(n, graph_case(fused, p)) for n, p in padded),
-                compile_cases=tuple(Example(n, compile_case(p)) for n, p in padded))
+                compile_cases=tuple(Example(n, compile_case(p)) for n, p in padded),
+                small_tile_cases=small_tiles(
+                    RopeCase(num_tokens=3, num_q_heads=2, num_heads=1, dtype=torch.float16),
+                    dict(head_size=8), dict(num_tokens=2, head_size=10, rot_dim=4, is_neox=False),
+                    dict(head_size=16, num_q_heads=1, dtype=torch.bfloat16,
+                         kv_cache_dtype="fp8" if fused else "auto")))

@@ -38,5 +38,8 @@ PROVIDER = transfer_provider(
     graph_cases=(Example("gpu-mapping", TransferCase("swap", gpu_mapping=True)),
                  Example("bytes-d2h", TransferCase("swap_bytes", gpu_mapping=True, host="dst"))),
     compile_cases=(Example("swap", TransferCase("swap")),),
+    small_tile_cases=(Example("small-uint8", TransferCase("swap", dtype=torch.uint8)),
+                      Example("small-bytes-float32", TransferCase("swap_bytes",
+                                                                  dtype=torch.float32))),
     wrong=(WrongWriter("skips a pair", skipping_last_pair(OP), TransferCase("swap")),),
     bad=BAD)

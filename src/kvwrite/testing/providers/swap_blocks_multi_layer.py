@@ -3,6 +3,8 @@ dtype-sized strides; its rule against a byte-offset oracle: tests/test_transfer.
 
 from __future__ import annotations
 
+import torch
+
 from ..conformance import BadInput, Example, WrongWriter, replaced
 from .transfer_common import TransferCase, build, cases_of, skipping_last_pair, transfer_provider
 
@@ -28,5 +30,7 @@ PROVIDER = transfer_provider(
     graph_cases=(Example("gpu-mapping", TransferCase("multi", gpu_mapping=True)),
                  Example("h2d", TransferCase("multi", gpu_mapping=True, host="src"))),
     compile_cases=(Example("two-layers", TransferCase("multi")),),
+    small_tile_cases=(Example("small-one-layer-uint8",
+                              TransferCase("multi", dtype=torch.uint8, layers=1)),),
     wrong=(WrongWriter("skips a pair", skipping_last_pair(OP), TransferCase("multi")),),
     bad=BAD)

@@ -191,6 +191,7 @@ def _skip(info, case: TransferCase, args: tuple) -> str | None:
 def transfer_provider(op: str, *, mutates: int, cases: tuple[Example, ...],
                       graph_cases: tuple[Example, ...] = (),
                       compile_cases: tuple[Example, ...] = (),
+                      small_tile_cases: tuple[Example, ...] = (),
                       wrong: tuple[WrongWriter, ...] = (),
                       bad: tuple[BadInput, ...] = ()) -> Provider:
     """``mutates``: the position of the written argument (a tensor or a list of them)."""
@@ -215,8 +216,8 @@ def transfer_provider(op: str, *, mutates: int, cases: tuple[Example, ...],
     return Provider(op=op, call=_call(op), build=build, mutates=(mutates,),
                     mutated_names=(names[op],), check=check, skip=_skip, public=getattr(kvwrite, op),
                     cases=cases, graph_cases=graph_cases, compile_cases=compile_cases,
-                    graph_warmup=False, graph_seeds=(1, 2), wrong_writers=wrong,
-                    bad_inputs=bad, tensors_of=_flat, written_of=written_of,
+                    small_tile_cases=small_tile_cases, graph_warmup=False, graph_seeds=(1, 2),
+                    wrong_writers=wrong, bad_inputs=bad, tensors_of=_flat, written_of=written_of,
                     with_written=with_written)
 
 

@@ -43,5 +43,10 @@ PROVIDER = transfer_provider(
                                                  host="src")),
                  Example("raw", TransferCase("unpack", gpu_mapping=True))),
     compile_cases=(Example("nvfp4", TransferCase("unpack", page_format="nvfp4")),),
+    small_tile_cases=(
+        Example("small-fp8-one-head",
+                TransferCase("unpack", page_format="fp8", head_range=(1, 2), layers=1)),
+        Example("small-nvfp4-float16",
+                TransferCase("unpack", page_format="nvfp4", dtype=torch.float16, layers=1))),
     wrong=(WrongWriter("skips a pair", skipping_last_pair(OP), TransferCase("unpack")),),
     bad=BAD)
