@@ -1,13 +1,14 @@
 """Exact integer roundings of float32 values in Triton (no conversion instruction), shared by the
 ops that quantize to small integer codes: per-token-head int8/int4 and TurboQuant's values
-(§5's ``rhu``, round half up). As kvw/round.cuh for the CUDA kernels.
+(§5's ``rhu``, round half up), and the sum rounded toward -inf that the fast paths floor with.
+As kvw/round.cuh for the CUDA kernels.
 """
 
 from __future__ import annotations
 
 from .triton_fp8 import tl, triton
 
-__all__ = ["rne", "rhu"]
+__all__ = ["rne", "rhu", "add_rm"]
 
 if triton is not None:
 
@@ -23,3 +24,22 @@ if triton is not None:
         rounding half up only on the ties it takes down."""
         n = rne(q)
         return tl.where(q - n == 0.5, n + 1.0, n)
+
+    @triton.jit
+    def add_rm(a, b, COMPILED: tl.constexpr):
+        """RM(a + b): the sum rounded toward -inf (kvw/round.cuh's add_rm), for sums that neither
+        overflow nor are zero (a zero sum's sign is RN's here). COMPILED (a kernel compiled for
+        a GPU): the one add.rm.f32. Under Triton's interpreter, which has no directed rounding:
+        the rounded sum s and its exact error e (TwoSum: s + e = a + b); where e < 0 the exact
+        sum lies below s, and RM is the float below s."""
+        if COMPILED:
+            return tl.inline_asm_elementwise("add.rm.f32 $0, $1, $2;", "=f,f,f",
+                                             [a, tl.zeros_like(a) + b],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            s = a + b
+            bb = s - a
+            e = (a - (s - bb)) + (b - bb)
+            bits = s.to(tl.int32, bitcast=True)
+            below = tl.where(s > 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)
+            return tl.where(e < 0, below, s)

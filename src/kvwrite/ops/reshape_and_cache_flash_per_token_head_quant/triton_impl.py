@@ -18,6 +18,12 @@ size and the head and token tiles are compile-time constants. Calls of few progr
 smaller tiles spread over more threads (a thread's chain of work is the call's latency there).
 Nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
+int4 calls in the large calls' tiling (:func:`int4_fast`) take the cuda kernel's fast path in
+programs whose rows all allow it (finite values, a range holding zero: every row of ordinary
+data): each element's code from two additions rounded toward -inf and one clamp, eight codes a
+word by Horner's scheme, the rows loaded as halves so that a row lies on 8 threads; a program
+with any other row takes the general path above (tuning-log 96: 0.65 of the time at T = 16384).
+
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
 differently from the GPU: :func:`unsupported` refuses the fp8 mode there; int8 and int4 are
 exact.
@@ -33,12 +39,13 @@ import torch
 from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
-from ...kernels.triton_round import rhu, rne
+from ...kernels.triton_nvfp4 import halves, quarters
+from ...kernels.triton_round import add_rm, rhu, rne
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling",
-           "call_tiling"]
+           "call_tiling", "small_call", "int4_fast"]
 
 _INT8, _FP8, _INT4 = 0, 1, 2
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: _INT8, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: _FP8,
@@ -60,9 +67,10 @@ def unsupported(key, value, key_cache, value_cache, mode: PerTokenHeadMode) -> s
 @dataclasses.dataclass(frozen=True, eq=False)
 class TritonTuning(PdlTuning):
     """Launch shapes. ``TUNING`` is what every call uses unless a caller passes another one.
-    Not measured yet beyond the first figures (H200, H=8, D=128, bfloat16, packed: T=1 3.4-4.3
-    us, T=16384 57-72 us before the small-grid tiling, the wide stores and the roundings
-    without conversions)."""
+    The tiles not measured beyond the first figures (H200, H=8, D=128, bfloat16, packed: T=1
+    3.4-4.3 us, T=16384 57-72 us before the small-grid tiling, the wide stores and the roundings
+    without conversions); for int4 before its fast path, tiles of 2048-8192 elements at 256-1024
+    a warp measured 0.98-1.6x of these at T >= 4096 (tuning-log 96)."""
 
     # Elements (key + value, padded to powers of two) per program, and per warp (32 per thread).
     tile_elems: int = 4096
@@ -75,6 +83,9 @@ class TritonTuning(PdlTuning):
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
+    # int4: programs whose rows all take the fast path (see _int4_fast_rows) quantize them with
+    # directed roundings and store whole words; False: every program takes the general path.
+    int4_fast: bool = True
 
 
 TUNING = TritonTuning()
@@ -101,14 +112,18 @@ def tiling(num_heads: int, dk: int, dv: int, tuning: TritonTuning = TUNING,
     return block_t, block_h, 1 << (warps.bit_length() - 1)
 
 
+def small_call(num_tokens: int, num_heads: int, dk: int, dv: int,
+               tuning: TritonTuning = TUNING) -> bool:
+    """Whether a call takes the small-grid tiling: the large one would launch fewer than
+    ``tuning.small_grid`` programs."""
+    block_t, block_h, _ = tiling(num_heads, dk, dv, tuning)
+    return -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid
+
+
 def call_tiling(num_tokens: int, num_heads: int, dk: int, dv: int,
                 tuning: TritonTuning = TUNING) -> tuple[int, int, int]:
-    """The tiling of a call: the small-grid one where the large one would launch fewer than
-    ``tuning.small_grid`` programs."""
-    block_t, block_h, warps = tiling(num_heads, dk, dv, tuning)
-    if -(-num_tokens // block_t) * -(-num_heads // block_h) < tuning.small_grid:
-        return tiling(num_heads, dk, dv, tuning, True)
-    return block_t, block_h, warps
+    """The tiling of a call: the small-grid one where :func:`small_call` says so."""
+    return tiling(num_heads, dk, dv, tuning, small_call(num_tokens, num_heads, dk, dv, tuning))
 
 
 if triton is not None:
@@ -253,33 +268,142 @@ if triton is not None:
         srow = (blk * S_B + pg * S_S)[:, None] + h[None, :] * S_H
         tl.store(scale_ptr + srow, entry, mask=write)
 
-    @triton.jit(do_not_specialize=["num_tokens", "NUM_SLOTS", "H"])
-    def _pth_kernel(
-        key_ptr,  # [T_pad, H, DK] via (K_TOK, K_HEAD, 1)
-        value_ptr,  # [T_pad', H, DV] via (V_TOK, V_HEAD, 1)
-        kc_ptr,  # uint8 view of key_cache [nb, bs, H, E] via (KC_B, KC_S, KC_H, 1)
-        vc_ptr,  # uint8 view of value_cache, via (VC_B, VC_S, VC_H, 1)
-        ks_ptr,  # float32 k_scale_cache [nb, bs, H] via (KS_B, KS_S, KS_H)
-        vs_ptr,  # float32 v_scale_cache via (VS_B, VS_S, VS_H)
-        slot_mapping_ptr,  # [T] int64 or int32
-        num_tokens,  # T
-        K_TOK, K_HEAD, V_TOK, V_HEAD,
-        KC_B, KC_S, KC_H, VC_B, VC_S, VC_H,
-        KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
-        NUM_SLOTS,  # num_blocks * block_size
-        H,
-        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-        DK: tl.constexpr,
-        DV: tl.constexpr,
-        BLOCK_DK: tl.constexpr,  # DK and DV rounded up to powers of two (masked)
-        BLOCK_DV: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        MODE: tl.constexpr,  # 0 int8, 1 fp8, 2 int4
-        ALIGN: tl.constexpr,  # bytes: a power of two dividing both caches' rows' addresses
-        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
-    ):
-        pdl_entry(PDL, PDL_TRIGGER)
+    @triton.jit
+    def _min_nan(a, b):
+        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _fast_quotient(x, s, y, STEPS: tl.constexpr):
+        """RN(x / s) for a finite normal s with y = RN(1 / s), x / s finite: the product and STEPS
+        fused corrections (the cuda kernel's fast_quotient; kernel.cu's "The fast path" says
+        where this is the general path's scaled quotient, bit for bit)."""
+        q = x * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-s, q, x), y, q)
+        return q
+
+    @triton.jit
+    def _load_half(ptr, row, row_ok, C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Half C (0 or 1) of rows at element offsets ``row`` ``[R]``: ``[R, BLOCK_D // 2]``
+        (element j is the row's element C * BLOCK_D / 2 + j) and its mask. Loaded by halves, a
+        thread holds 8 elements of each half of one row (the two tiles share a layout) and 8
+        threads share a row, where a [R, BLOCK_D] tile spreads a row over 16 threads, each
+        doing the row's reductions' shuffles and its per-row work."""
+        HALF: tl.constexpr = BLOCK_D // 2
+        d = C * HALF + tl.arange(0, HALF)
+        ok = row_ok[:, None] & (d < D)[None, :]
+        return tl.load(ptr + row[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32), ok
+
+    @triton.jit
+    def _row_min_max(x, ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """NaN-propagating min and max ``[R]`` of a half ``[R, BLOCK_D // 2]`` (the elements past
+        the head size left out)."""
+        if BLOCK_D == D:
+            return tl.reduce(x, 1, _min_nan), tl.reduce(x, 1, _max_nan)
+        else:
+            return (tl.reduce(tl.where(ok, x, float("inf")), 1, _min_nan),
+                    tl.reduce(tl.where(ok, x, -float("inf")), 1, _max_nan))
+
+    @triton.jit
+    def _int4_fast_rows(x0, ok0, x1, ok1, STEPS: tl.constexpr, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+        """The fast path's values of int4 rows given as halves ``x0``, ``x1`` ``[R, BLOCK_D // 2]``
+        (float32, ``_load_half``; ``ok*``: the row's elements): (fast, s, y, zc, entry), each
+        ``[R]``. A row is ``fast`` where its values are finite and its range holds zero (min
+        and max NaN-propagating: a NaN fails every test). There, as in the cuda kernel's fast
+        path (kernel.cu), zp = rhu(RN(-mn / s)) needs no clamp, each code is floor(min(RM(RN(x /
+        s) + zc), 15.5)) with zc = zp + 1/2 (exact; no lower clamp), and y = RN(1 / s). The top
+        clamp stays: rows of 16-bit values reach 16 (RN(mx / s) and RN(-mn / s) both on halves)
+        once in tens of rows. The other values mean nothing where ``fast`` is false."""
+        mn0, mx0 = _row_min_max(x0, ok0, D, BLOCK_D)
+        mn1, mx1 = _row_min_max(x1, ok1, D, BLOCK_D)
+        mn = _min_nan(mn0, mn1)
+        mx = _max_nan(mx0, mx1)
+        rng = mx - mn
+        s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
+        zbits = add_rm(add_rm(_fast_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
+                       COMPILED).to(tl.int32, bitcast=True)
+        zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
+        fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
+        entry = ((s.to(tl.int32, bitcast=True) & -16) | (zbits & 15)).to(tl.float32,
+                                                                         bitcast=True)
+        return fast, s, y, zc, entry
+
+    @triton.jit
+    def _int4_fast_words(x, s, y, zc, STEPS: tl.constexpr, COMPILED: tl.constexpr):
+        """The codes of a half ``x`` ``[R, HALF]`` of fast rows (``_int4_fast_rows``' s, y, zc)
+        as little-endian uint32 words ``[R, HALF // 8]`` (element 2j in byte j's low nibble):
+        each element's bits of RM(min(RM(q + zc), 15.5) + 2^23) = 2^23 + code, eight packed by
+        Horner's scheme from the last down, less the 2^23 parts' 0x4B000000 * (1 + 16) =
+        0xFB000000 (mod 2^32; the rest shift out), as the cuda kernel's fast_int4_pack. The
+        columns are taken apart by splits (each thread holds whole groups of eight)."""
+        q = _fast_quotient(x, s[:, None], y[:, None], STEPS)
+        t = add_rm(tl.minimum(add_rm(q, zc[:, None], COMPILED), 15.5), 8388608.0, COMPILED)
+        R: tl.constexpr = x.shape[0]
+        NW: tl.constexpr = x.shape[1] // 8
+        e, o = halves(tl.reshape(t.to(tl.uint32, bitcast=True), [R, NW, 8]), R, NW, 8)
+        t0, t2, t4, t6 = quarters(e, R, NW)
+        t1, t3, t5, t7 = quarters(o, R, NW)
+        w = ((((((t7 * 16 + t6) * 16 + t5) * 16 + t4) * 16 + t3) * 16 + t2) * 16 + t1) * 16 + t0
+        return w + 0x05000000
+
+    @triton.jit
+    def _store_words(words, cache_ptr, row, write, C: tl.constexpr, DW: tl.constexpr):
+        """Store half C's words ``[R, NW]`` (``_int4_fast_words``; the row's first DW = D / 8
+        words in all) at the rows' byte offsets ``row`` ``[R]`` (4-byte aligned), where
+        ``write``."""
+        NW: tl.constexpr = words.shape[1]
+        wi = C * NW + tl.arange(0, NW)
+        base = (cache_ptr + row).to(tl.pointer_type(tl.uint32))
+        # One word a thread: the hint of 4-byte alignment only (a wider one, the rows', makes
+        # Triton move the words between threads through shared memory first, Triton 3.6 and
+        # 3.9; a contiguity of 1 does that in 3.6).
+        ptrs = tl.multiple_of(base[:, None] + wi[None, :], [1, 4])
+        tl.store(ptrs, words, mask=write[:, None] & (wi < DW)[None, :])
+
+    @triton.jit
+    def _store_entries(entry, scale_ptr, srow, write, like):
+        """Store the entries ``[R]`` at ``srow`` where ``write``, by the thread of each row's
+        first element of ``like`` ``[R, N]`` and in its layout (a store of the [R] vector makes
+        Triton move it between threads through shared memory first)."""
+        first = tl.arange(0, like.shape[1]) == 0
+        tl.store(tl.broadcast_to(scale_ptr + srow[:, None], like.shape),
+                 tl.broadcast_to(entry[:, None], like.shape), mask=write[:, None] & first[None, :])
+
+    @triton.jit
+    def _int4_fast_side(x0, x1, s, y, zc, entry, cache_ptr, scale_ptr, row, srow, write,
+                        STEPS: tl.constexpr, D: tl.constexpr, COMPILED: tl.constexpr):
+        """One side's fast rows: both halves' words, then the entries."""
+        w0 = _int4_fast_words(x0, s, y, zc, STEPS, COMPILED)
+        w1 = _int4_fast_words(x1, s, y, zc, STEPS, COMPILED)
+        _store_words(w0, cache_ptr, row, write, 0, D // 8)
+        _store_words(w1, cache_ptr, row, write, 1, D // 8)
+        _store_entries(entry, scale_ptr, srow, write, w0)
+
+    @triton.jit
+    def _int4_row_offsets(slot, rh, C_B, C_S, C_H, S_B, S_S, S_H, BLOCK_SIZE: tl.constexpr):
+        """The byte offsets of rows (slot, head rh) ``[R]`` in a code cache and their scale
+        entries' offsets (valid slots)."""
+        blk = slot // BLOCK_SIZE
+        pg = slot - blk * BLOCK_SIZE
+        h = rh.to(tl.int64)
+        return blk * C_B + pg * C_S + h * C_H, blk * S_B + pg * S_S + h * S_H
+
+    @triton.jit
+    def _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_mapping_ptr,
+                         num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD, KC_B, KC_S, KC_H, VC_B, VC_S,
+                         VC_H, KS_B, KS_S, KS_H, VS_B, VS_S, VS_H, NUM_SLOTS, H,
+                         BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_H: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr):
+        """A program's tile by the general path (every mode, any row): the rows, then the slots,
+        then each side's quantization and stores."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         t_in = t < num_tokens
@@ -310,6 +434,91 @@ if triton is not None:
         _store_rows(cv, ev, vc_ptr, vs_ptr, blk, pg, h64, write, VC_B, VC_S, VC_H, VS_B, VS_S,
                     VS_H, DV // PACK, BLOCK_DV // PACK, ALIGN)
 
+    @triton.jit(do_not_specialize=["num_tokens", "NUM_SLOTS", "H"])
+    def _pth_kernel(
+        key_ptr,  # [T_pad, H, DK] via (K_TOK, K_HEAD, 1)
+        value_ptr,  # [T_pad', H, DV] via (V_TOK, V_HEAD, 1)
+        kc_ptr,  # uint8 view of key_cache [nb, bs, H, E] via (KC_B, KC_S, KC_H, 1)
+        vc_ptr,  # uint8 view of value_cache, via (VC_B, VC_S, VC_H, 1)
+        ks_ptr,  # float32 k_scale_cache [nb, bs, H] via (KS_B, KS_S, KS_H)
+        vs_ptr,  # float32 v_scale_cache via (VS_B, VS_S, VS_H)
+        slot_mapping_ptr,  # [T] int64 or int32
+        num_tokens,  # T
+        K_TOK, K_HEAD, V_TOK, V_HEAD,
+        KC_B, KC_S, KC_H, VC_B, VC_S, VC_H,
+        KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
+        NUM_SLOTS,  # num_blocks * block_size
+        H,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_DK: tl.constexpr,  # DK and DV rounded up to powers of two (masked)
+        BLOCK_DV: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        MODE: tl.constexpr,  # 0 int8, 1 fp8, 2 int4
+        ALIGN: tl.constexpr,  # bytes: a power of two dividing both caches' rows' addresses
+        INT4_FAST: tl.constexpr,  # int4 programs take the fast path where all their rows can
+        COMPILED: tl.constexpr,  # compiled for a GPU (not Triton's interpreter): add_rm's form
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+    ):
+        pdl_entry(PDL, PDL_TRIGGER)
+        if INT4_FAST:
+            # The tile's rows by halves (_load_half), one decision for the program (a uniform
+            # branch): the fast path where every row it writes can take it, else the general
+            # path (which loads the rows again, from the caches' lines).
+            R: tl.constexpr = BLOCK_T * BLOCK_H
+            r = tl.arange(0, R)
+            rt = tl.program_id(0) * BLOCK_T + r // BLOCK_H
+            rh = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+            STEPS: tl.constexpr = 2 if key_ptr.dtype.element_ty == tl.float32 else 1
+            row_ok = (rt < num_tokens) & (rh < H)
+            k_row = rt.to(tl.int64) * K_TOK + rh.to(tl.int64) * K_HEAD
+            v_row = rt.to(tl.int64) * V_TOK + rh.to(tl.int64) * V_HEAD
+            xk0, k_ok0 = _load_half(key_ptr, k_row, row_ok, 0, DK, BLOCK_DK)
+            xk1, k_ok1 = _load_half(key_ptr, k_row, row_ok, 1, DK, BLOCK_DK)
+            xv0, v_ok0 = _load_half(value_ptr, v_row, row_ok, 0, DV, BLOCK_DV)
+            xv1, v_ok1 = _load_half(value_ptr, v_row, row_ok, 1, DV, BLOCK_DV)
+            slot = tl.load(slot_mapping_ptr + rt, mask=rt < num_tokens, other=-1).to(tl.int64)
+            write = row_ok & (slot >= 0) & (slot < NUM_SLOTS)
+            fk, sk, yk, zck, ek = _int4_fast_rows(xk0, k_ok0, xk1, k_ok1, STEPS, DK, BLOCK_DK,
+                                                  COMPILED)
+            fv, sv, yv, zcv, ev = _int4_fast_rows(xv0, v_ok0, xv1, v_ok1, STEPS, DV, BLOCK_DV,
+                                                  COMPILED)
+            if tl.min(((fk & fv) | ~write).to(tl.int32)) == 1:
+                kr, ksr = _int4_row_offsets(slot, rh, KC_B, KC_S, KC_H, KS_B, KS_S, KS_H,
+                                            BLOCK_SIZE)
+                vr, vsr = _int4_row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H,
+                                            BLOCK_SIZE)
+                _int4_fast_side(xk0, xk1, sk, yk, zck, ek, kc_ptr, ks_ptr, kr, ksr, write, STEPS,
+                                DK, COMPILED)
+                _int4_fast_side(xv0, xv1, sv, yv, zcv, ev, vc_ptr, vs_ptr, vr, vsr, write, STEPS,
+                                DV, COMPILED)
+            else:
+                _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                 slot_mapping_ptr, num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD,
+                                 KC_B, KC_S, KC_H, VC_B, VC_S, VC_H, KS_B, KS_S, KS_H, VS_B,
+                                 VS_S, VS_H, NUM_SLOTS, H, BLOCK_SIZE, DK, DV, BLOCK_DK,
+                                 BLOCK_DV, BLOCK_T, BLOCK_H, MODE, ALIGN)
+        else:
+            _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                             slot_mapping_ptr, num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD, KC_B,
+                             KC_S, KC_H, VC_B, VC_S, VC_H, KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
+                             NUM_SLOTS, H, BLOCK_SIZE, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_T,
+                             BLOCK_H, MODE, ALIGN)
+
+
+def int4_fast(mode: PerTokenHeadMode, num_tokens: int, num_heads: int, dk: int, dv: int,
+              align: int, tuning: TritonTuning = TUNING) -> bool:
+    """Whether a call's kernel has the int4 fast path: whole words of codes in each half row
+    (head sizes multiples of 8, at least 16; rows 4-byte aligned), the large calls' tiling (in
+    the small grids' the fast path's per-row division and the program's decision lengthen the
+    chain that is the call's latency: 2.03 against 1.65 us at T = 1, H = 8, D = 128, H200) and
+    ``tuning.int4_fast``."""
+    return (mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD and tuning.int4_fast
+            and all(d % 8 == 0 and d >= 16 for d in (dk, dv)) and align >= 4
+            and not small_call(num_tokens, num_heads, dk, dv, tuning))
+
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         value_cache: torch.Tensor, k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
@@ -334,7 +543,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         *kc.stride()[:3], *vc.stride()[:3], *k_scale_cache.stride(), *v_scale_cache.stride(),
         nb * bs, h, BLOCK_SIZE=bs,
         DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
-        BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align, PDL=pdl,
-        PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
+        BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align,
+        INT4_FAST=int4_fast(mode, num_tokens, h, dk, dv, align, tuning), COMPILED=key.device.type == "cuda",
+        PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
 
