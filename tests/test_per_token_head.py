@@ -681,28 +681,32 @@ def test_tie_rows_catch_inexact_roundings(monkeypatch):
 
 # --- the Triton kernel's int4 fast path -------------------------------------------------------------
 
-def _tie_neighbour_rows(d: int) -> torch.Tensor:
-    """float32 int4 rows whose scale is a power of two 2^k (min -7 * 2^k, max 8 * 2^k) and
-    whose other elements lie on the halves (j + 1/2) 2^k and one float below and above them:
-    RN(q + zc) rounds the ones below up to the next integer where RM does not (a fast path
-    whose floor took a nearest sum writes codes one too high there)."""
+def _tie_neighbour_rows(d: int, mode: str = INT4) -> torch.Tensor:
+    """float32 rows whose scale is a power of two 2^k (int4: min -7 * 2^k, max 8 * 2^k; int8:
+    amax 127 * 2^k) and whose other elements lie on the halves (j + 1/2) 2^k and one float
+    below and above them: RN(q + zc) (int4) or RN(|q| + 1/2) (int8) rounds the ones below up
+    to the next integer where RM does not (a fast path whose floor took a nearest sum writes
+    codes one too high there)."""
     rows = []
+    top = 8 if mode == INT4 else 127
+    head = [-7.0, 8.0] if mode == INT4 else [127.0]
     for k in (-3, 0, 5):
-        halves = torch.arange(-7, 8, dtype=torch.float64) + 0.5
+        halves = torch.arange(-(top - 1), top, dtype=torch.float64) + 0.5
         vals = torch.cat([halves, -halves]).float() * 2.0 ** k
         body = torch.cat([vals, torch.nextafter(vals, torch.full_like(vals, -math.inf)),
                           torch.nextafter(vals, torch.full_like(vals, math.inf))])
-        for start in range(0, body.numel(), d - 2):
-            chunk = body[start:start + d - 2]
-            chunk = torch.cat([chunk, chunk.new_zeros(d - 2 - chunk.numel())])
-            rows.append(torch.cat([torch.tensor([-7.0, 8.0]) * 2.0 ** k, chunk]))
+        n = d - len(head)
+        for start in range(0, body.numel(), n):
+            chunk = body[start:start + n]
+            chunk = torch.cat([chunk, chunk.new_zeros(n - chunk.numel())])
+            rows.append(torch.cat([torch.tensor(head) * 2.0 ** k, chunk]))
     return torch.stack(rows)
 
 
-def _triton_int4_call(key, value, tuning=None):
-    """Triton's run on fresh packed caches (random bytes) against the reference's bytes."""
+def _triton_call(key, value, mode: str, tuning=None):
+    """Triton's run on fresh packed caches (random bytes) and the reference's caches."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
-    mode = PerTokenHeadMode.INT4_PER_TOKEN_HEAD
+    mode = PerTokenHeadMode(mode)
     t, h, d = key.shape
     bs = 16
     nb = -(-t // bs) + 1
@@ -721,92 +725,100 @@ def _triton_int4_call(key, value, tuning=None):
 
 
 def _count_fast_programs(monkeypatch) -> list:
-    """Under Triton's interpreter, count the programs that take the int4 fast path (each calls
-    _int4_fast_side once per side)."""
+    """Under Triton's interpreter, count the programs that take the fast path (each calls
+    _fast_side once per side)."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     calls = []
-    inner = triton_impl._int4_fast_side.fn
+    inner = triton_impl._fast_side.fn
 
     def counted(*args, **kwargs):
         calls.append(1)
         return inner(*args, **kwargs)
 
-    monkeypatch.setitem(triton_impl._pth_kernel.fn.__globals__, "_int4_fast_side", counted)
+    monkeypatch.setitem(triton_impl._pth_kernel.fn.__globals__, "_fast_side", counted)
     return calls
 
 
-def test_triton_int4_fast_path_runs_where_every_row_can(monkeypatch):
+@pytest.mark.parametrize("mode", [INT8, INT4])
+def test_triton_fast_path_runs_where_every_row_can(monkeypatch, mode):
     """Triton's interpreter (the large calls' tiling forced: small calls take the general path):
-    programs whose rows are all finite with a range holding zero take the fast path, a program
-    with a NaN, an infinity or a one-signed row takes the general path; both write the
-    reference's bytes (so does the kernel with the fast path turned off)."""
+    programs whose rows are all finite (int4: with a range holding zero) take the fast path, a
+    program with a NaN, an infinity (or an int4 row of one sign) takes the general path; both
+    write the reference's bytes (so does the kernel with the fast path turned off)."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     if (reason := triton_impl.available(torch.device("cpu"))) is not None:
         pytest.skip(reason)
     calls = _count_fast_programs(monkeypatch)
     large = triton_impl.TritonTuning(small_grid=0)
     assert triton_impl.call_tiling(8, 8, 128, 128, large)[:2] == (2, 8)  # 4 programs
-    assert not triton_impl.int4_fast(PerTokenHeadMode.INT4_PER_TOKEN_HEAD, 8, 8, 128, 128, 16)
+    assert not triton_impl.fast_path(PerTokenHeadMode(mode), 8, 8, 128, 128, 16)
+    dq = (128 // (2 if mode == INT4 else 1),) * 2
     g = torch.Generator().manual_seed(3)
     key = torch.randn(8, 8, 128, generator=g).bfloat16()
     value = torch.randn(8, 8, 128, generator=g).bfloat16()
-    caches, want = _triton_int4_call(key, value, large)
-    assert_pth_caches_equal(caches, want, PerTokenHeadMode.INT4_PER_TOKEN_HEAD, (64, 64))
+    caches, want = _triton_call(key, value, mode, large)
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), dq)
     assert len(calls) == 2 * 4
     calls.clear()
     key[1, 3, 5] = float("nan")  # program 0
     value[2, 0, 7] = float("-inf")  # program 1
-    key[3, 7] = key[3, 7].abs() + 1  # one sign, program 1
-    caches, want = _triton_int4_call(key, value, large)
-    assert_pth_caches_equal(caches, want, PerTokenHeadMode.INT4_PER_TOKEN_HEAD, (64, 64))
-    assert len(calls) == 2 * 2
+    key[5, 7] = key[5, 7].abs() + 1  # one sign, program 2
+    caches, want = _triton_call(key, value, mode, large)
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), dq)
+    assert len(calls) == 2 * (1 if mode == INT4 else 2)
     calls.clear()
-    caches, want = _triton_int4_call(key, value, triton_impl.TritonTuning(small_grid=0,
-                                                                          int4_fast=False))
-    assert_pth_caches_equal(caches, want, PerTokenHeadMode.INT4_PER_TOKEN_HEAD, (64, 64))
+    caches, want = _triton_call(key, value, mode,
+                                triton_impl.TritonTuning(small_grid=0, fast_path=False))
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), dq)
     assert not calls
 
 
-def test_triton_int4_fast_path_floors_sums_below_integers(monkeypatch):
+@pytest.mark.parametrize("mode", [INT8, INT4])
+def test_triton_fast_path_floors_sums_below_integers(monkeypatch, mode):
     """Triton's interpreter (the large calls' tiling forced): rows whose quotients lie one float
     below halves take the fast path and write the reference's codes (the interpreter's RM sum
-    is add_rm's TwoSum form; the compiled add.rm.f32 runs in test_gpu_triton_int4_fast_rows)."""
+    is add_rm's TwoSum form; the compiled add.rm.f32 runs in test_gpu_triton_fast_rows)."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     if (reason := triton_impl.available(torch.device("cpu"))) is not None:
         pytest.skip(reason)
     calls = _count_fast_programs(monkeypatch)
-    rows = _tie_neighbour_rows(32)
+    rows = _tie_neighbour_rows(32, mode)
     n = rows.shape[0] // 2 * 2
     key = rows[:n].view(-1, 2, 32)
     value = rows[:n].flip(0).reshape(-1, 2, 32)
-    caches, want = _triton_int4_call(key, value, triton_impl.TritonTuning(small_grid=0))
-    assert_pth_caches_equal(caches, want, PerTokenHeadMode.INT4_PER_TOKEN_HEAD, (16, 16))
+    caches, want = _triton_call(key, value, mode, triton_impl.TritonTuning(small_grid=0))
+    dq = (32 // (2 if mode == INT4 else 1),) * 2
+    assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), dq)
     assert calls
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_gpu_triton_int4_fast_rows(dtype):
-    """The sweep's rows that the Triton kernel's int4 fast path takes (finite, range holding
-    zero: every 16-bit pattern's rows of mixed sign, random rows, ties) and the tie neighbours
-    (float32), as rows of 128 in vLLM's packed layout, so that whole programs take the fast
-    path; against the reference, and the same rows with the fast path turned off."""
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_triton_fast_rows(mode, dtype):
+    """The sweep's rows that the Triton kernel's fast path takes (finite; int4: with a range
+    holding zero: every 16-bit pattern's finite rows, random rows, ties) and the tie
+    neighbours (float32), as rows of 128 in vLLM's packed layout, so that whole programs take
+    the fast path; against the reference, and the same rows with the fast path turned off."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     if (reason := triton_impl.available(torch.device("cuda"))) is not None:
         pytest.skip(reason)
     x = _sweep_rows(dtype, 128, seed=7).float()
-    ok = torch.isfinite(x).all(1) & (x.amin(1) <= 0) & (x.amax(1) >= 0)
+    ok = torch.isfinite(x).all(1)
+    if mode == INT4:
+        ok &= (x.amin(1) <= 0) & (x.amax(1) >= 0)
     x = x[ok].to(dtype)
-    if dtype == torch.float32:
-        x = torch.cat([x, _tie_neighbour_rows(128)])
+    if dtype == torch.float32 and mode != FP8:
+        x = torch.cat([x, _tie_neighbour_rows(128, mode)])
     n = x.shape[0] // 16 * 16
     key = x[:n].view(-1, 8, 128).cuda()
     value = x[:n].flip(0).reshape(-1, 8, 128).cuda()
+    dq = (128 // (2 if mode == INT4 else 1),) * 2
     for tuning in (triton_impl.TritonTuning(small_grid=0),
-                   triton_impl.TritonTuning(small_grid=0, int4_fast=False)):
-        caches, want = _triton_int4_call(key, value, tuning)
-        assert_pth_caches_equal(caches, want, PerTokenHeadMode.INT4_PER_TOKEN_HEAD, (64, 64),
-                                f"triton {tuning}: ")
+                   triton_impl.TritonTuning(small_grid=0, fast_path=False)):
+        caches, want = _triton_call(key, value, mode, tuning)
+        assert_pth_caches_equal(caches, want, PerTokenHeadMode(mode), dq, f"triton {tuning}: ")
+
 
 # --- the checker can fail --------------------------------------------------------------------------
 
@@ -1448,21 +1460,20 @@ def test_gpu_cpu_matrix_against_oracle(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast", [True, False], ids=["int4-fast", "int4-general"])
-@pytest.mark.parametrize("case", [c for c in PTH_GPU_CASES if c.kv_quant_mode == INT4],
-                         ids=lambda c: c.id)
-def test_gpu_triton_int4_large_tiling(case, fast):
-    """The GPU matrix's int4 cases through the Triton kernel in the large calls' tiling, where
-    its fast path runs (most cases are small calls, which take the small grids' tiling and the
-    general path), and with the fast path turned off: every shape, layout and allocation, odd
-    head sizes (masked halves), special values; whole allocations against the reference."""
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+@pytest.mark.parametrize("case", PTH_GPU_CASES, ids=lambda c: c.id)
+def test_gpu_triton_large_tiling(case, fast):
+    """The GPU matrix through the Triton kernel in the large calls' tiling, where its fast path
+    runs (most cases are small calls, which take the small grids' tiling and the general path),
+    and with the fast path turned off: every mode, shape, layout and allocation, odd head sizes
+    (masked halves), special values; whole allocations against the reference."""
     from kvwrite.ops.reshape_and_cache_flash_per_token_head_quant import triton_impl
     if (reason := triton_impl.available(torch.device("cuda"))) is not None:
         pytest.skip(reason)
     inp, want = _gpu_reference(case)
     if inp.slot_mapping.numel():
         triton_impl.run(inp.key, inp.value, *inp.caches, inp.slot_mapping, case.mode,
-                        tuning=triton_impl.TritonTuning(small_grid=0, int4_fast=fast))
+                        tuning=triton_impl.TritonTuning(small_grid=0, fast_path=fast))
     torch.cuda.synchronize()
     assert_pth_caches_equal(inp.caches, want, case.mode, _dq(case), f"triton fast={fast}: ")
 
@@ -1630,7 +1641,7 @@ def ptx(mode, align, small):
         types[n] = "i32"
     consts = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, BLOCK_T=bt, BLOCK_H=bh, MODE=mode,
                   PDL=False, PDL_TRIGGER=False, BLOCK_SIZE=16, ALIGN=align, COMPILED=True,
-                  INT4_FAST=mode == 2 and not small)
+                  FAST=not small)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
@@ -1656,15 +1667,15 @@ def test_triton_kernel_compiles_for_sm90_with_wide_code_stores():
     4-byte aligned (ALIGN, vLLM's packed layout) the codes go out in 4-byte stores, with no
     alignment in bytes (the check can fail); no float-to-integer rounding conversion (the exact
     roundings take additions) and no 64-bit division (the block size is a constant), in the
-    large calls' tiling and the small grids'; int4's large calls with its fast path's directed
-    additions."""
+    large calls' tiling and the small grids'; int8's and int4's large calls with their fast
+    path's directed additions."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
     for key, (b8, b32, cvt, div, add_rm) in out.items():
         mode, align, small = key.split("-")
         if align == "4":
             assert b8 == 0 and b32 > 0 and div == 0, (key, out)
             assert cvt == 0 or mode == "1", (key, out)
-            assert (add_rm > 0) == (mode == "2" and small == "False"), (key, out)
+            assert (add_rm > 0) == (mode != "1" and small == "False"), (key, out)
     assert out["0-1-False"][0] > 0, out
 
 

@@ -18,11 +18,12 @@ size and the head and token tiles are compile-time constants. Calls of few progr
 smaller tiles spread over more threads (a thread's chain of work is the call's latency there).
 Nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
-int4 calls in the large calls' tiling (:func:`int4_fast`) take the cuda kernel's fast path in
-programs whose rows all allow it (finite values, a range holding zero: every row of ordinary
-data): each element's code from two additions rounded toward -inf and one clamp, eight codes a
-word by Horner's scheme, the rows loaded as halves so that a row lies on 8 threads; a program
-with any other row takes the general path above (tuning-log 96: 0.65 of the time at T = 16384).
+Calls in the large calls' tiling (:func:`fast_path`) take the cuda kernel's fast path in
+programs whose rows all allow it (finite values; int4: a range holding zero; every row of
+ordinary data): int8 and int4 codes from two additions rounded toward -inf (int4: and one
+clamp, eight codes a word by Horner's scheme), fp8 codes by the conversion with no clamp, the
+rows loaded as halves so that a row lies on 8 threads; a program with any other row takes the
+general path above (tuning-log 96, 97).
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
 differently from the GPU: :func:`unsupported` refuses the fp8 mode there; int8 and int4 are
@@ -45,7 +46,7 @@ from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "tiling",
-           "call_tiling", "small_call", "int4_fast"]
+           "call_tiling", "small_call", "fast_path"]
 
 _INT8, _FP8, _INT4 = 0, 1, 2
 _MODE = {PerTokenHeadMode.INT8_PER_TOKEN_HEAD: _INT8, PerTokenHeadMode.FP8_PER_TOKEN_HEAD: _FP8,
@@ -83,9 +84,9 @@ class TritonTuning(PdlTuning):
     small_grid: int = 128
     tile_elems_small_grid: int = 2048
     elems_per_warp_small_grid: int = 256
-    # int4: programs whose rows all take the fast path (see _int4_fast_rows) quantize them with
-    # directed roundings and store whole words; False: every program takes the general path.
-    int4_fast: bool = True
+    # Programs whose rows all take the fast path (see _fast_rows) quantize them with directed
+    # roundings (int4: and store whole words); False: every program takes the general path.
+    fast_path: bool = True
 
 
 TUNING = TritonTuning()
@@ -309,35 +310,49 @@ if triton is not None:
                     tl.reduce(tl.where(ok, x, -float("inf")), 1, _max_nan))
 
     @triton.jit
-    def _int4_fast_rows(x0, ok0, x1, ok1, STEPS: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
-        """The fast path's values of int4 rows given as halves ``x0``, ``x1`` ``[R, BLOCK_D // 2]``
+    def _fast_rows(x0, ok0, x1, ok1, MODE: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+        """The fast path's values of rows given as halves ``x0``, ``x1`` ``[R, BLOCK_D // 2]``
         (float32, ``_load_half``; ``ok*``: the row's elements): (fast, s, y, zc, entry), each
-        ``[R]``. A row is ``fast`` where its values are finite and its range holds zero (min
-        and max NaN-propagating: a NaN fails every test). There, as in the cuda kernel's fast
-        path (kernel.cu), zp = rhu(RN(-mn / s)) needs no clamp, each code is floor(min(RM(RN(x /
-        s) + zc), 15.5)) with zc = zp + 1/2 (exact; no lower clamp), and y = RN(1 / s). The top
-        clamp stays: rows of 16-bit values reach 16 (RN(mx / s) and RN(-mn / s) both on halves)
-        once in tens of rows. The other values mean nothing where ``fast`` is false."""
-        mn0, mx0 = _row_min_max(x0, ok0, D, BLOCK_D)
-        mn1, mx1 = _row_min_max(x1, ok1, D, BLOCK_D)
-        mn = _min_nan(mn0, mn1)
-        mx = _max_nan(mx0, mx1)
-        rng = mx - mn
-        s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
-        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
-        zbits = add_rm(add_rm(_fast_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
-                       COMPILED).to(tl.int32, bitcast=True)
-        zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
-        fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
-        entry = ((s.to(tl.int32, bitcast=True) & -16) | (zbits & 15)).to(tl.float32,
-                                                                         bitcast=True)
+        ``[R]``, as in the cuda kernel's fast path (kernel.cu), with y = RN(1 / s). A row is
+        ``fast`` where its values are finite (NaN-propagating reductions: a NaN fails every
+        test), int4's also where their range holds zero. int8 and fp8: |x / s| <= 127.00001
+        or 448.0001, so no clamp and no NaN. int4: zp = rhu(RN(-mn / s)) needs no clamp, each
+        code is floor(min(RM(RN(x / s) + zc), 15.5)) with zc = zp + 1/2 (exact; no lower clamp;
+        the top clamp stays: rows of 16-bit values reach 16, RN(mx / s) and RN(-mn / s) both on
+        halves, once in tens of rows). The other values mean nothing where ``fast`` is false."""
+        if MODE == 2:
+            mn0, mx0 = _row_min_max(x0, ok0, D, BLOCK_D)
+            mn1, mx1 = _row_min_max(x1, ok1, D, BLOCK_D)
+            mn = _min_nan(mn0, mn1)
+            mx = _max_nan(mx0, mx1)
+            rng = mx - mn
+            s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
+            y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
+            zbits = add_rm(add_rm(_fast_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
+                           COMPILED).to(tl.int32, bitcast=True)
+            zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
+            fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
+            entry = ((s.to(tl.int32, bitcast=True) & -16) | (zbits & 15)).to(tl.float32,
+                                                                             bitcast=True)
+        else:
+            # The padding's zeros (masked loads) leave the amax as it is.
+            amax = _max_nan(tl.reduce(tl.abs(x0), 1, _max_nan),
+                            tl.reduce(tl.abs(x1), 1, _max_nan))
+            if MODE == 0:  # the general path's s for these rows
+                s = _fmax_floor(_div_const(amax, 0.03125, 3.96875, _Y127, STEPS))
+            else:
+                s = _fmax_floor(_div_const(amax, 0.0078125, 3.5, _Y448, STEPS))
+            y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            zc = s
+            fast = amax < float("inf")
+            entry = s
         return fast, s, y, zc, entry
 
     @triton.jit
     def _int4_fast_words(x, s, y, zc, STEPS: tl.constexpr, COMPILED: tl.constexpr):
-        """The codes of a half ``x`` ``[R, HALF]`` of fast rows (``_int4_fast_rows``' s, y, zc)
+        """The int4 codes of a half ``x`` ``[R, HALF]`` of fast rows (``_fast_rows``' s, y, zc)
         as little-endian uint32 words ``[R, HALF // 8]`` (element 2j in byte j's low nibble):
         each element's bits of RM(min(RM(q + zc), 15.5) + 2^23) = 2^23 + code, eight packed by
         Horner's scheme from the last down, less the 2^23 parts' 0x4B000000 * (1 + 16) =
@@ -354,6 +369,25 @@ if triton is not None:
         return w + 0x05000000
 
     @triton.jit
+    def _fast_bytes(x, s, y, MODE: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.constexpr):
+        """The int8 or fp8 codes of a half ``x`` ``[R, HALF]`` of fast rows as uint8. int8:
+        rhaz(q) = sign(q) floor(|q| + 1/2) by two sums rounded toward -inf, the sign folded into
+        the second: u = RM(|q| + 1/2) (a positive sum: RM is RZ), then RM(u + C) = C + floor(u)
+        for q >= 0 and RM(u - C) = -(C - floor(u)) for q < 0, C = 2^23 + 256, whose low byte
+        is floor(u) or its two's complement (the cuda kernel's fast_int8_code). fp8: the
+        quotient with x's sign (a zero's comes back), converted."""
+        q = _fast_quotient(x, s[:, None], y[:, None], STEPS)
+        if MODE == 0:
+            u = add_rm(tl.abs(q), 0.5, COMPILED)
+            c = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x4B000100).to(tl.float32,
+                                                                             bitcast=True)
+            return add_rm(u, c, COMPILED).to(tl.int32, bitcast=True).to(tl.uint8)
+        else:
+            sign = x.to(tl.int32, bitcast=True) & -2147483648
+            v = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+            return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+    @triton.jit
     def _store_words(words, cache_ptr, row, write, C: tl.constexpr, DW: tl.constexpr):
         """Store half C's words ``[R, NW]`` (``_int4_fast_words``; the row's first DW = D / 8
         words in all) at the rows' byte offsets ``row`` ``[R]`` (4-byte aligned), where
@@ -368,6 +402,17 @@ if triton is not None:
         tl.store(ptrs, words, mask=write[:, None] & (wi < DW)[None, :])
 
     @triton.jit
+    def _store_bytes(codes, cache_ptr, row, write, C: tl.constexpr, DQ: tl.constexpr,
+                     VEC: tl.constexpr):
+        """Store half C's bytes ``[R, HALF]`` (the row's first DQ in all) at the rows' byte
+        offsets ``row`` ``[R]``, where ``write``; VEC: the alignment hint, at most one thread's 8
+        bytes (a wider one moves them between threads first, as ``_store_words`` says)."""
+        HALF: tl.constexpr = codes.shape[1]
+        j = C * HALF + tl.arange(0, HALF)
+        ptrs = tl.multiple_of(cache_ptr + row[:, None] + j[None, :], [1, VEC])
+        tl.store(ptrs, codes, mask=write[:, None] & (j < DQ)[None, :])
+
+    @triton.jit
     def _store_entries(entry, scale_ptr, srow, write, like):
         """Store the entries ``[R]`` at ``srow`` where ``write``, by the thread of each row's
         first element of ``like`` ``[R, N]`` and in its layout (a store of the [R] vector makes
@@ -377,17 +422,24 @@ if triton is not None:
                  tl.broadcast_to(entry[:, None], like.shape), mask=write[:, None] & first[None, :])
 
     @triton.jit
-    def _int4_fast_side(x0, x1, s, y, zc, entry, cache_ptr, scale_ptr, row, srow, write,
-                        STEPS: tl.constexpr, D: tl.constexpr, COMPILED: tl.constexpr):
-        """One side's fast rows: both halves' words, then the entries."""
-        w0 = _int4_fast_words(x0, s, y, zc, STEPS, COMPILED)
-        w1 = _int4_fast_words(x1, s, y, zc, STEPS, COMPILED)
-        _store_words(w0, cache_ptr, row, write, 0, D // 8)
-        _store_words(w1, cache_ptr, row, write, 1, D // 8)
-        _store_entries(entry, scale_ptr, srow, write, w0)
+    def _fast_side(x0, x1, s, y, zc, entry, cache_ptr, scale_ptr, row, srow, write,
+                   MODE: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, VEC: tl.constexpr,
+                   COMPILED: tl.constexpr):
+        """One side's fast rows: both halves' codes (int4: words), then the entries."""
+        if MODE == 2:
+            c0 = _int4_fast_words(x0, s, y, zc, STEPS, COMPILED)
+            c1 = _int4_fast_words(x1, s, y, zc, STEPS, COMPILED)
+            _store_words(c0, cache_ptr, row, write, 0, D // 8)
+            _store_words(c1, cache_ptr, row, write, 1, D // 8)
+        else:
+            c0 = _fast_bytes(x0, s, y, MODE, STEPS, COMPILED)
+            c1 = _fast_bytes(x1, s, y, MODE, STEPS, COMPILED)
+            _store_bytes(c0, cache_ptr, row, write, 0, D, VEC)
+            _store_bytes(c1, cache_ptr, row, write, 1, D, VEC)
+        _store_entries(entry, scale_ptr, srow, write, c0)
 
     @triton.jit
-    def _int4_row_offsets(slot, rh, C_B, C_S, C_H, S_B, S_S, S_H, BLOCK_SIZE: tl.constexpr):
+    def _row_offsets(slot, rh, C_B, C_S, C_H, S_B, S_S, S_H, BLOCK_SIZE: tl.constexpr):
         """The byte offsets of rows (slot, head rh) ``[R]`` in a code cache and their scale
         entries' offsets (valid slots)."""
         blk = slot // BLOCK_SIZE
@@ -458,12 +510,12 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         MODE: tl.constexpr,  # 0 int8, 1 fp8, 2 int4
         ALIGN: tl.constexpr,  # bytes: a power of two dividing both caches' rows' addresses
-        INT4_FAST: tl.constexpr,  # int4 programs take the fast path where all their rows can
+        FAST: tl.constexpr,  # programs take the fast path where all their rows can
         COMPILED: tl.constexpr,  # compiled for a GPU (not Triton's interpreter): add_rm's form
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
     ):
         pdl_entry(PDL, PDL_TRIGGER)
-        if INT4_FAST:
+        if FAST:
             # The tile's rows by halves (_load_half), one decision for the program (a uniform
             # branch): the fast path where every row it writes can take it, else the general
             # path (which loads the rows again, from the caches' lines).
@@ -481,19 +533,20 @@ if triton is not None:
             xv1, v_ok1 = _load_half(value_ptr, v_row, row_ok, 1, DV, BLOCK_DV)
             slot = tl.load(slot_mapping_ptr + rt, mask=rt < num_tokens, other=-1).to(tl.int64)
             write = row_ok & (slot >= 0) & (slot < NUM_SLOTS)
-            fk, sk, yk, zck, ek = _int4_fast_rows(xk0, k_ok0, xk1, k_ok1, STEPS, DK, BLOCK_DK,
-                                                  COMPILED)
-            fv, sv, yv, zcv, ev = _int4_fast_rows(xv0, v_ok0, xv1, v_ok1, STEPS, DV, BLOCK_DV,
-                                                  COMPILED)
+            fk, sk, yk, zck, ek = _fast_rows(xk0, k_ok0, xk1, k_ok1, MODE, STEPS, DK, BLOCK_DK,
+                                             COMPILED)
+            fv, sv, yv, zcv, ev = _fast_rows(xv0, v_ok0, xv1, v_ok1, MODE, STEPS, DV, BLOCK_DV,
+                                             COMPILED)
             if tl.min(((fk & fv) | ~write).to(tl.int32)) == 1:
-                kr, ksr = _int4_row_offsets(slot, rh, KC_B, KC_S, KC_H, KS_B, KS_S, KS_H,
+                kr, ksr = _row_offsets(slot, rh, KC_B, KC_S, KC_H, KS_B, KS_S, KS_H,
                                             BLOCK_SIZE)
-                vr, vsr = _int4_row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H,
+                vr, vsr = _row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H,
                                             BLOCK_SIZE)
-                _int4_fast_side(xk0, xk1, sk, yk, zck, ek, kc_ptr, ks_ptr, kr, ksr, write, STEPS,
-                                DK, COMPILED)
-                _int4_fast_side(xv0, xv1, sv, yv, zcv, ev, vc_ptr, vs_ptr, vr, vsr, write, STEPS,
-                                DV, COMPILED)
+                VEC: tl.constexpr = 8 if ALIGN > 8 else ALIGN
+                _fast_side(xk0, xk1, sk, yk, zck, ek, kc_ptr, ks_ptr, kr, ksr, write, MODE, STEPS,
+                           DK, VEC, COMPILED)
+                _fast_side(xv0, xv1, sv, yv, zcv, ev, vc_ptr, vs_ptr, vr, vsr, write, MODE, STEPS,
+                           DV, VEC, COMPILED)
             else:
                 _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                  slot_mapping_ptr, num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD,
@@ -508,16 +561,18 @@ if triton is not None:
                              BLOCK_H, MODE, ALIGN)
 
 
-def int4_fast(mode: PerTokenHeadMode, num_tokens: int, num_heads: int, dk: int, dv: int,
+def fast_path(mode: PerTokenHeadMode, num_tokens: int, num_heads: int, dk: int, dv: int,
               align: int, tuning: TritonTuning = TUNING) -> bool:
-    """Whether a call's kernel has the int4 fast path: whole words of codes in each half row
-    (head sizes multiples of 8, at least 16; rows 4-byte aligned), the large calls' tiling (in
-    the small grids' the fast path's per-row division and the program's decision lengthen the
-    chain that is the call's latency: 2.03 against 1.65 us at T = 1, H = 8, D = 128, H200) and
-    ``tuning.int4_fast``."""
-    return (mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD and tuning.int4_fast
-            and all(d % 8 == 0 and d >= 16 for d in (dk, dv)) and align >= 4
-            and not small_call(num_tokens, num_heads, dk, dv, tuning))
+    """Whether a call's kernel has the fast path: the large calls' tiling (in the small grids'
+    the fast path's per-row division and the program's decision lengthen the chain that is the
+    call's latency: 2.03 against 1.65 us at T = 1, H = 8, D = 128, int4, H200), head sizes of
+    at least 16 (halves of 8 or more), int4's whole words of codes in each half (head sizes
+    multiples of 8, rows 4-byte aligned), and ``tuning.fast_path``."""
+    if not tuning.fast_path or min(dk, dv) < 16:
+        return False
+    if mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD and (dk % 8 or dv % 8 or align < 4):
+        return False
+    return not small_call(num_tokens, num_heads, dk, dv, tuning)
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -544,7 +599,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         nb * bs, h, BLOCK_SIZE=bs,
         DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
         BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align,
-        INT4_FAST=int4_fast(mode, num_tokens, h, dk, dv, align, tuning), COMPILED=key.device.type == "cuda",
+        FAST=fast_path(mode, num_tokens, h, dk, dv, align, tuning), COMPILED=key.device.type == "cuda",
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
 
