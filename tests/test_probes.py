@@ -525,3 +525,50 @@ def test_the_pdl_builds_of_the_floor_kernels_wait_before_any_memory_access(tmp_p
         wait = ops.index("ACQBULK")
         assert "PREEXIT" in ops[:wait], name
         assert not [o for o in ops[:wait] if o.startswith(("LDG", "STG", "LD.", "ST."))], (name, ops)
+
+
+# ------------------------------------------------------------------------------------------
+# triton-code: a Triton kernel's sm_90 code, compiled without a GPU
+# ------------------------------------------------------------------------------------------
+_PTH_ARGS = ["kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_impl:_pth_kernel",
+             *(f"--arg={n}=*bf16" for n in ("key_ptr", "value_ptr")),
+             *(f"--arg={n}=*u8" for n in ("kc_ptr", "vc_ptr")),
+             *(f"--arg={n}=*fp32" for n in ("ks_ptr", "vs_ptr")), "--arg=slot_mapping_ptr=*i64",
+             *(f"--const={n}={v}" for n, v in (
+                 ("BLOCK_SIZE", 16), ("DK", 128), ("DV", 128), ("BLOCK_DK", 128),
+                 ("BLOCK_DV", 128), ("BLOCK_T", 2), ("BLOCK_H", 8), ("MODE", 2), ("ALIGN", 16),
+                 ("COMPILED", True), ("PDL", False), ("PDL_TRIGGER", False)))]
+
+
+def _triton_code(argv: list[str], tmp_path):
+    """``python -m tools.probes triton-code ARGV --json`` outside Triton's interpreter:
+    (exit status, stderr, the JSON or None)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "code.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([SRC] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-m", "tools.probes", "triton-code", *argv,
+                          f"--json={out}"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    return res.returncode, res.stderr, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_triton_code_counts_a_kernels_sm90_instructions(tmp_path):
+    """The per-token-head kernel's int4 build with and without its fast path: the directed sums
+    (FADD.RM) only with it; registers read from the cubin; totals by opcode and by pipe agree."""
+    rc, err, fast = _triton_code([*_PTH_ARGS, "--const=FAST=True"], tmp_path)
+    assert rc == 0, err[-2000:]
+    rc, err, general = _triton_code([*_PTH_ARGS, "--const=FAST=False"], tmp_path)
+    assert rc == 0, err[-2000:]
+    assert fast["opcodes"].get("FADD.RM", 0) > 0 and "FADD.RM" not in general["opcodes"]
+    for r in (fast, general):
+        assert r["instructions"] == sum(r["opcodes"].values()) == sum(r["pipes"].values())
+        assert r["registers"] > 0 and r["pipes"]["fma"] > 0 and r["pipes"]["alu"] > 0
+
+
+def test_triton_code_names_what_is_missing(tmp_path):
+    """A constexpr left out is one line naming it, exit status 2, no JSON."""
+    rc, err, got = _triton_code(_PTH_ARGS, tmp_path)
+    assert rc == 2 and got is None
+    assert err.strip().count("\n") == 0 and "FAST" in err and "--const" in err, err

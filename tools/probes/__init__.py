@@ -11,10 +11,12 @@ the checkout's root (kvwrite installed, or ``PYTHONPATH=src``):
     python -m tools.probes mla-pattern              # ... its slot patterns and entry alignment
     python -m tools.probes chain                    # the floor of a small call's dependent loads
     python -m tools.probes pdl-step                 # programmatic dependent launch in a GEMM step
+    python -m tools.probes triton-code MODULE:KERNEL --arg ... --const ...  # sm_90 code, no GPU
 
 (Every op's memcheck cases: ``python -m tools.sanitize``, :mod:`tools.sanitize`.) Each prints its
 table on stdout; ``--json PATH`` writes its rows. Exit status 0, 1 for a failed check, 2 for a
-usage error or where a probe cannot run (no GPU: one line on stderr).
+usage error or where a probe cannot run (no GPU: one line on stderr; ``triton-code`` needs
+none).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ PROBES = {
     "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
     "chain": ("chain", "the floor of a small call's dependent loads (slot, position -> table)"),
     "pdl-step": ("pdl_step", "the fused op after a GEMM, with and without dependent launch"),
+    "triton-code": ("triton_code", "a Triton kernel's sm_90 machine code, compiled here: counts"),
 }
 
 
