@@ -751,7 +751,8 @@ def test_triton_fast_path_runs_where_every_row_can(monkeypatch, mode):
     calls = _count_fast_programs(monkeypatch)
     large = triton_impl.TritonTuning(small_grid=0)
     assert triton_impl.call_tiling(8, 8, 128, 128, large)[:2] == (2, 8)  # 4 programs
-    assert not triton_impl.fast_path(PerTokenHeadMode(mode), 8, 8, 128, 128, 16)
+    assert not triton_impl.fast_path(PerTokenHeadMode(mode), 128, 128, 16,
+                                     triton_impl.small_call(8, 8, 128, 128))
     dq = (128 // (2 if mode == INT4 else 1),) * 2
     g = torch.Generator().manual_seed(3)
     key = torch.randn(8, 8, 128, generator=g).bfloat16()

@@ -152,6 +152,18 @@ if triton is not None:
         return tl.where(s > 1e-6, s, 1e-6)
 
     @triton.jit
+    def _quotient(a, d, y, STEPS: tl.constexpr):
+        """RN(a / d) from y = RN(1 / d): the product a * y and STEPS fused corrections q +
+        RN(a - d q) y, as the cuda kernel's fast_quotient. Exact where each caller says: the
+        scaled dividends below (d in [2, 4)), and the fast path's unscaled ones (d a finite
+        normal scale, a / d finite: kernel.cu's "The fast path" shows it is the scaled quotient,
+        bit for bit)."""
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-d, q, a), y, q)
+        return q
+
+    @triton.jit
     def _div_const(a, M: tl.constexpr, S2: tl.constexpr, Y: tl.constexpr,
                    STEPS: tl.constexpr):
         """RN(a / D) for a >= 0 (or NaN) and a constant divisor D = S2 / M (M a power of two,
@@ -159,11 +171,7 @@ if triton is not None:
         exact for 16-bit dividends with one step and for float32 ones with two (as the CUDA
         kernel's fast_div_const); a * M below 2^-126 only where the result is floored anyway; an
         infinite a gives inf."""
-        am = a * M
-        q = am * Y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-S2, q, am), Y, q)
-        return tl.where(a == float("inf"), a, q)
+        return tl.where(a == float("inf"), a, _quotient(a * M, S2, Y, STEPS))
 
     @triton.jit
     def _mag_quotient(xf, m, s2, y, STEPS: tl.constexpr):
@@ -171,11 +179,7 @@ if triton is not None:
         a power of two) and at most 4 * 448.0001 (s >= RN(amax / 448), or / 127; an infinite s
         makes m 0: the product is 0, or NaN for an infinite x), so fp8_quotient's clamp and its
         sign are not needed here; the corrections as in fp8_quotient."""
-        a = tl.abs(xf) * m
-        q = a * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s2, q, a), y, q)
-        return q
+        return _quotient(tl.abs(xf) * m, s2, y, STEPS)
 
     @triton.jit
     def _signed_quotient(xf, m, s2, y, STEPS: tl.constexpr):
@@ -184,9 +188,7 @@ if triton is not None:
         reaches (int4: past 2^4 every code saturates)."""
         xs = xf * m
         a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
-        q = a * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s2, q, a), y, q)
+        q = _quotient(a, s2, y, STEPS)
         sign = xs.to(tl.int32, bitcast=True) & -2147483648
         return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -278,16 +280,6 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
-    def _fast_quotient(x, s, y, STEPS: tl.constexpr):
-        """RN(x / s) for a finite normal s with y = RN(1 / s), x / s finite: the product and STEPS
-        fused corrections (the cuda kernel's fast_quotient; kernel.cu's "The fast path" says
-        where this is the general path's scaled quotient, bit for bit)."""
-        q = x * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s, q, x), y, q)
-        return q
-
-    @triton.jit
     def _load_half(ptr, row, row_ok, C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
         """Half C (0 or 1) of rows at element offsets ``row`` ``[R]``: ``[R, BLOCK_D // 2]``
         (element j is the row's element C * BLOCK_D / 2 + j) and its mask. Loaded by halves, a
@@ -330,7 +322,7 @@ if triton is not None:
             s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
-            zbits = add_rm(add_rm(_fast_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
+            zbits = add_rm(add_rm(_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
                            COMPILED).to(tl.int32, bitcast=True)
             zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
             fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
@@ -345,7 +337,7 @@ if triton is not None:
             else:
                 s = _fmax_floor(_div_const(amax, 0.0078125, 3.5, _Y448, STEPS))
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            zc = s
+            zc = s  # int4's alone: any [R] value
             fast = amax < float("inf")
             entry = s
         return fast, s, y, zc, entry
@@ -358,7 +350,7 @@ if triton is not None:
         Horner's scheme from the last down, less the 2^23 parts' 0x4B000000 * (1 + 16) =
         0xFB000000 (mod 2^32; the rest shift out), as the cuda kernel's fast_int4_pack. The
         columns are taken apart by splits (each thread holds whole groups of eight)."""
-        q = _fast_quotient(x, s[:, None], y[:, None], STEPS)
+        q = _quotient(x, s[:, None], y[:, None], STEPS)
         t = add_rm(tl.minimum(add_rm(q, zc[:, None], COMPILED), 15.5), 8388608.0, COMPILED)
         R: tl.constexpr = x.shape[0]
         NW: tl.constexpr = x.shape[1] // 8
@@ -376,7 +368,7 @@ if triton is not None:
         for q >= 0 and RM(u - C) = -(C - floor(u)) for q < 0, C = 2^23 + 256, whose low byte
         is floor(u) or its two's complement (the cuda kernel's fast_int8_code). fp8: the
         quotient with x's sign (a zero's comes back), converted."""
-        q = _fast_quotient(x, s[:, None], y[:, None], STEPS)
+        q = _quotient(x, s[:, None], y[:, None], STEPS)
         if MODE == 0:
             u = add_rm(tl.abs(q), 0.5, COMPILED)
             c = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x4B000100).to(tl.float32,
@@ -538,10 +530,8 @@ if triton is not None:
             fv, sv, yv, zcv, ev = _fast_rows(xv0, v_ok0, xv1, v_ok1, MODE, STEPS, DV, BLOCK_DV,
                                              COMPILED)
             if tl.min(((fk & fv) | ~write).to(tl.int32)) == 1:
-                kr, ksr = _row_offsets(slot, rh, KC_B, KC_S, KC_H, KS_B, KS_S, KS_H,
-                                            BLOCK_SIZE)
-                vr, vsr = _row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H,
-                                            BLOCK_SIZE)
+                kr, ksr = _row_offsets(slot, rh, KC_B, KC_S, KC_H, KS_B, KS_S, KS_H, BLOCK_SIZE)
+                vr, vsr = _row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H, BLOCK_SIZE)
                 VEC: tl.constexpr = 8 if ALIGN > 8 else ALIGN
                 _fast_side(xk0, xk1, sk, yk, zck, ek, kc_ptr, ks_ptr, kr, ksr, write, MODE, STEPS,
                            DK, VEC, COMPILED)
@@ -561,18 +551,17 @@ if triton is not None:
                              BLOCK_H, MODE, ALIGN)
 
 
-def fast_path(mode: PerTokenHeadMode, num_tokens: int, num_heads: int, dk: int, dv: int,
-              align: int, tuning: TritonTuning = TUNING) -> bool:
-    """Whether a call's kernel has the fast path: the large calls' tiling (in the small grids'
-    the fast path's per-row division and the program's decision lengthen the chain that is the
-    call's latency: 2.03 against 1.65 us at T = 1, H = 8, D = 128, int4, H200), head sizes of
-    at least 16 (halves of 8 or more), int4's whole words of codes in each half (head sizes
-    multiples of 8, rows 4-byte aligned), and ``tuning.fast_path``."""
-    if not tuning.fast_path or min(dk, dv) < 16:
+def fast_path(mode: PerTokenHeadMode, dk: int, dv: int, align: int, small: bool,
+              tuning: TritonTuning = TUNING) -> bool:
+    """Whether a call's kernel has the fast path: the large calls' tiling (``small``: the call
+    takes the small grids', :func:`small_call`; there the fast path's per-row division and the
+    program's decision lengthen the chain that is the call's latency: 2.03 against 1.65 us at
+    T = 1, H = 8, D = 128, int4, H200), head sizes of at least 16 (halves of 8 or more), int4's
+    whole words of codes in each half (head sizes multiples of 8, rows 4-byte aligned), and
+    ``tuning.fast_path``."""
+    if small or not tuning.fast_path or min(dk, dv) < 16:
         return False
-    if mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD and (dk % 8 or dv % 8 or align < 4):
-        return False
-    return not small_call(num_tokens, num_heads, dk, dv, tuning)
+    return not (mode is PerTokenHeadMode.INT4_PER_TOKEN_HEAD and (dk % 8 or dv % 8 or align < 4))
 
 
 def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -585,7 +574,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         return
     h, dk, dv = key.shape[1], key.shape[2], value.shape[2]
     nb, bs = key_cache.shape[:2]
-    block_t, block_h, warps = call_tiling(num_tokens, h, dk, dv, tuning)
+    small = small_call(num_tokens, h, dk, dv, tuning)
+    block_t, block_h, warps = tiling(h, dk, dv, tuning, small)  # call_tiling's
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(h, block_h))
     pdl, trigger = triton_support.pdl_launch(key.device, grid[0] * grid[1],
                                              tuning.pdl_max_programs,
@@ -599,7 +589,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         nb * bs, h, BLOCK_SIZE=bs,
         DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
         BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align,
-        FAST=fast_path(mode, num_tokens, h, dk, dv, align, tuning), COMPILED=key.device.type == "cuda",
+        FAST=fast_path(mode, dk, dv, align, small, tuning),
+        COMPILED=key.device.type == "cuda",
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
 
