@@ -540,14 +540,14 @@ _PTH_ARGS = ["kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_im
                  ("COMPILED", True), ("PDL", False), ("PDL_TRIGGER", False)))]
 
 
-def _triton_code(argv: list[str], tmp_path):
-    """``python -m tools.probes triton-code ARGV --json`` outside Triton's interpreter:
-    (exit status, stderr, the JSON or None)."""
+def _triton_code(argv: list[str], tmp_path, path: tuple[str, ...] = ()):
+    """``python -m tools.probes triton-code ARGV --json`` outside Triton's interpreter, with
+    ``path`` first on PYTHONPATH: (exit status, stderr, the JSON or None)."""
     pytest.importorskip("triton")
     out = tmp_path / "code.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([SRC] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([*path, SRC] + [p for p in env.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])
     res = subprocess.run([sys.executable, "-m", "tools.probes", "triton-code", *argv,
                           f"--json={out}"], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
@@ -572,3 +572,26 @@ def test_triton_code_names_what_is_missing(tmp_path):
     rc, err, got = _triton_code(_PTH_ARGS, tmp_path)
     assert rc == 2 and got is None
     assert err.strip().count("\n") == 0 and "FAST" in err and "--const" in err, err
+
+
+def test_triton_code_counts_past_address_ffff():
+    """Instructions at five-digit addresses count (the listing's 4097th instruction on)."""
+    from tools.probes.triton_code import opcodes
+    sass = ("        /*0000*/                   LDC R1, c[0x0][0x28] ;\n"
+            "        /*fff0*/              @!P0 FADD R2, R3, R4 ;\n"
+            "        /*10000*/                  FADD R5, R6, R7 ;\n"
+            "        /*1a2b0*/             @UP1 EXIT ;\n")
+    assert opcodes(sass) == {"LDC": 1, "FADD": 2, "EXIT": 1}
+
+
+def test_triton_code_names_a_nested_compile_error(tmp_path):
+    """A kernel whose helper does not compile: one line naming where (the call's line in the
+    kernel) and what (the innermost error), exit status 2."""
+    (tmp_path / "bad_kernel.py").write_text(
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef helper(x):\n"
+        "    for i in tl.static_range(2):\n        C: tl.constexpr = i\n    return x\n\n\n"
+        "@triton.jit\ndef kernel(p):\n    tl.store(p, helper(tl.load(p)))\n")
+    rc, err, got = _triton_code(["bad_kernel:kernel", "--arg=p=*fp32"], tmp_path,
+                                (str(tmp_path),))
+    assert rc == 2 and got is None and err.strip().count("\n") == 0, err
+    assert "did not compile: at 2:16: " in err and "reassigned" in err, err

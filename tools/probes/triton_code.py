@@ -114,9 +114,15 @@ def compile_sm90(kernel, types: dict[str, str], consts: dict, warps: int = 4,
         options["enable_fp_fusion"] = True
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except Exception as e:  # Triton's compile errors: their first line
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ProbeError(f"{kernel.__name__} did not compile: {first}") from e
+    except Exception as e:  # Triton's compile errors: where (each nested call's first line)
+        where, cause = [], e  # and what (the innermost cause's last line)
+        while cause is not None:
+            lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+            where.append((lines[0] if lines else type(cause).__name__).rstrip(":"))
+            what = lines[-1] if lines else type(cause).__name__
+            cause = cause.__cause__
+        raise ProbeError(f"{kernel.__name__} did not compile: {' > '.join(where[:-1] or where)}: "
+                         f"{what}") from e
 
 
 def _tool(name: str) -> str:
@@ -134,6 +140,13 @@ def _run(cmd: list[str]) -> str:
     return done.stdout
 
 
+def opcodes(sass: str) -> collections.Counter:
+    """Each instruction's opcode (predicate dropped) in nvdisasm's listing, counted: the lines
+    whose address comment is /*0000*/, /*10a0*/ ... (any number of hex digits)."""
+    return collections.Counter(m.group(1) for m in re.finditer(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+
+
 def report(compiled) -> dict:
     """Counts of ``compiled``'s SASS: instructions (total, by opcode, by pipe), barriers, layout
     conversions and shared-memory buffers in its TTGIR, shared bytes, registers."""
@@ -143,9 +156,7 @@ def report(compiled) -> dict:
             f.write(compiled.asm["cubin"])
         sass = _run([_tool("nvdisasm"), "-c", cubin])
         usage = _run([_tool("cuobjdump"), "--dump-resource-usage", cubin])
-    ops = collections.Counter(
-        m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)",
-                                        sass))
+    ops = opcodes(sass)
     pipes = collections.Counter()
     for op, n in ops.items():
         base = op.split(".")[0]
