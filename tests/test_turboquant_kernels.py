@@ -26,11 +26,12 @@ from kvwrite.testing.compare import storage_bytes
 from sass import needs_nvrtc
 
 PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+MSE_PRESETS = PRESETS[1:]
 _BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
          "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
 EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
 # Every launch path on the GPU (_gpu_impl): both CUDA lane widths, Triton's k8v4 rows kernel.
-GPU_PATHS = ["cuda", "cuda-wide", "triton", "triton-rows", "triton-row1"]
+GPU_PATHS = ["cuda", "cuda-wide", "triton", "triton-rows", "triton-row1", "triton-program-a-row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +290,33 @@ def _triton():
     return triton_impl
 
 
+# The Triton kernels' launches: "rows" every call on the rows kernel, 64 elements a pass (4
+# rows of D = 16, 1 of D >= 64; the k8v4 launch's programs floor lifted), two programs striding
+# over the passes (MSE); "program-a-row" every call on _tq_kernel.
+TRITON_LAUNCHES = ["rows", "program-a-row"]
+
+
+def _triton_launch(name, rows_elems=64, programs=2):
+    tq = _triton()
+    tuning = (dataclasses.replace(tq.TUNING, k8v4_rows_min=0, mse_rows_min=0,
+                                  rows_elems=rows_elems, rows_programs=1,
+                                  mse_rows_elems=rows_elems, mse_programs_per_sm=programs)
+              if name == "rows" else
+              dataclasses.replace(tq.TUNING, k8v4_rows_min=1 << 62, mse_rows_min=1 << 62))
+    return _Tuned(tq, tuning)
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("d, rows_elems, pit_kind", [(16, 16, "tables"), (16, 256, "tables"),
+                                                     (32, 128, "random")])
+def test_triton_mse_rows_kernel_block_rows_on_cpu(preset_name, d, rows_elems, pit_kind):
+    """The MSE rows kernel at 1 to 16 rows a pass (a last pass part empty), three programs: the
+    butterflies (turboquant_tables'), the dense products (a random table)."""
+    preset, inputs = table_case(preset_name, d, pit_kind, dtype=torch.float16, t=37, seed=d)
+    _check_inputs(_triton_launch("rows", rows_elems, programs=3), preset, inputs,
+                  f"{preset_name} D={d} rows_elems={rows_elems}")
+
+
 # ------------------------------------------------------------------------------------------
 # CPU: the oracle itself, Triton's interpreter, NVRTC
 # ------------------------------------------------------------------------------------------
@@ -333,20 +361,22 @@ def test_triton_matches_oracle_on_cpu(preset_name, dtype, slot_dtype, d):
     _check(_triton(), preset_name, dtype, slot_dtype, d, seed=d + (slot_dtype == torch.int64))
 
 
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
 @pytest.mark.parametrize("pit_kind", ["hadamard", "identity"])
-def test_triton_rotations_and_midpoint_ties_on_cpu(preset_name, pit_kind):
-    _check(_triton(), preset_name, torch.float32, torch.int64, 16, pit_kind=pit_kind,
+def test_triton_rotations_and_midpoint_ties_on_cpu(launch, preset_name, pit_kind):
+    _check(_triton_launch(launch), preset_name, torch.float32, torch.int64, 16, pit_kind=pit_kind,
            vllm_alloc=False)
 
 
 @pytest.mark.parametrize("preset_name, d", [("turboquant_k8v4", 10), ("turboquant_4bit_nc", 10),
                                              ("turboquant_4bit_nc", 2), ("turboquant_3bit_nc", 24),
                                              ("turboquant_k3v4_nc", 40)])
-def test_triton_odd_byte_fields_and_padded_rows_on_cpu(preset_name, d):
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
+def test_triton_odd_byte_fields_and_padded_rows_on_cpu(launch, preset_name, d):
     """D = 10: the 4-bit field ends at an odd byte, the norm and scales sit at odd offsets; D = 2
     (a tree of two leaves), 24 and 40 (rows padded to 32 and 64)."""
-    _check(_triton(), preset_name, torch.float16, torch.int32, d, special=d >= 8)
+    _check(_triton_launch(launch), preset_name, torch.float16, torch.int32, d, special=d >= 8)
 
 
 class _TritonRows:
@@ -577,7 +607,6 @@ def table_case(preset_name, d, pit_kind="tables", mids_kind="tables", *, dtype=t
                     pit, mids)
 
 
-MSE_PRESETS = PRESETS[1:]
 HADAMARD_PARAMS = ([(p, d, le) for p in MSE_PRESETS for d in (16, 32, 64, 128, 256) for le in (16, 8)]
                    + [("turboquant_4bit_nc", d, 16) for d in (2, 4, 8)])
 
@@ -616,26 +645,30 @@ def test_cuda_kernel_emulated_grid_strides(emu_lib, preset_name, pit_kind):
 
 @pytest.mark.parametrize("preset_name, d", [(p, d) for p in MSE_PRESETS for d in (16, 32, 64, 128)]
                          + [("turboquant_4bit_nc", d) for d in (2, 4, 8, 256)])
-def test_triton_hadamard_path_on_cpu(preset_name, d):
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
+def test_triton_hadamard_path_on_cpu(launch, preset_name, d):
     """turboquant_tables' PiT (the butterflies) under the interpreter."""
     preset, inputs = table_case(preset_name, d, seed=d)
-    _check_inputs(_triton(), preset, inputs, f"{preset_name} D={d}")
+    _check_inputs(_triton_launch(launch), preset, inputs, f"{preset_name} D={d}")
 
 
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 @pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
-def test_triton_table_variants_on_cpu(preset_name, pit_kind, mids_kind):
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
+def test_triton_table_variants_on_cpu(launch, preset_name, pit_kind, mids_kind):
     preset, inputs = table_case(preset_name, 32, pit_kind, mids_kind, seed=3)
-    _check_inputs(_triton(), preset, inputs, f"{preset_name} {pit_kind} {mids_kind}")
+    _check_inputs(_triton_launch(launch), preset, inputs, f"{preset_name} {pit_kind} {mids_kind}")
 
 
 @pytest.mark.parametrize("preset_name, pit_kind", [("turboquant_k8v4", "tables"),
                                                    ("turboquant_4bit_nc", "tables"),
                                                    ("turboquant_3bit_nc", "random")])
-def test_triton_programs_stride_on_cpu(preset_name, pit_kind):
-    """The interpreter's few programs striding over 300 tokens x 2 heads (bf16 rows)."""
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
+def test_triton_programs_stride_on_cpu(launch, preset_name, pit_kind):
+    """300 tokens x 2 heads (bf16 rows): the rows kernel's two programs striding over 300
+    passes, or a program a row."""
     preset, inputs = table_case(preset_name, 32, pit_kind, dtype=torch.bfloat16, t=300, seed=4)
-    _check_inputs(_triton(), preset, inputs, f"{preset_name} strided grid")
+    _check_inputs(_triton_launch(launch), preset, inputs, f"{preset_name} strided grid")
 
 
 def stress_case(preset_name, d, t=150, h=2, seed=0, device="cpu"):
@@ -801,9 +834,10 @@ def test_gpu_signed_nan_keys(impl, dtype):
                   "signed NaN keys")
 
 
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
 @pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_3bit_nc"])
-def test_triton_value_boundaries_on_cpu(preset_name):
-    _check_inputs(_triton(), *value_boundary_case(preset_name, 16, t=8), "value boundaries")
+def test_triton_value_boundaries_on_cpu(launch, preset_name):
+    _check_inputs(_triton_launch(launch), *value_boundary_case(preset_name, 16, t=8), "value boundaries")
 
 
 @pytest.mark.gpu
@@ -811,13 +845,14 @@ def test_triton_value_boundaries_on_cpu(preset_name):
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_gpu_value_boundaries(impl, preset_name):
     preset, inputs = value_boundary_case(preset_name, 128, t=300, seed=3, device="cuda")
-    _check_inputs(_gpu_path(impl, preset_name), preset, inputs, f"{preset_name} value boundaries")
+    _check_inputs(_gpu_impl(impl), preset, inputs, f"{preset_name} value boundaries")
 
 
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
-def test_triton_hadamard_stress_on_cpu(preset_name):
+def test_triton_hadamard_stress_on_cpu(launch, preset_name):
     preset, inputs = stress_case(preset_name, 32, seed=5)
-    _check_inputs(_triton(), preset, inputs, f"{preset_name} stress")
+    _check_inputs(_triton_launch(launch), preset, inputs, f"{preset_name} stress")
 
 
 def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
@@ -832,9 +867,10 @@ def test_tree_order_case_separates_the_tree_from_a_sum_in_order():
     assert data[0] & 15 == int((mids <= 1.0).sum()) != int((mids <= 0.0).sum())
 
 
+@pytest.mark.parametrize("launch", TRITON_LAUNCHES)
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
-def test_triton_sums_by_the_tree_on_cpu(preset_name):
-    _check_inputs(_triton(), *tree_order_case(preset_name), "tree order")
+def test_triton_sums_by_the_tree_on_cpu(launch, preset_name):
+    _check_inputs(_triton_launch(launch), *tree_order_case(preset_name), "tree order")
 
 
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
@@ -966,34 +1002,35 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
         text = ptx(tq._tq_kernel, types, consts)
         out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
                                    text.count("sqrt.rn.f32")]
-    if kb == 8:  # the k8v4 rows kernel
-        for in_ty in ("*fp16", "*i16", "*fp32"):
-            types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
-                     "slot_mapping_ptr": "*i64"}
-            for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "NUM_SLOTS",
-                      "H", "ROWS"):
-                types[n] = "i32"
-            consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, KPS=128,
-                          BF16_BITS=in_ty == "*i16")
-            text = ptx(tq._tq_k8v4_rows_kernel, types, consts)
-            out[f"rows{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
-                                   text.count("sqrt.rn.f32")]
+    for in_ty in ("*fp16", "*i16", "*fp32"):  # the rows kernel
+        types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
+                 "slot_mapping_ptr": "*i64", "pit_ptr": "*fp32", "mid_ptr": "*fp32",
+                 "flags_ptr": "*i32"}
+        for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "P_0", "P_1",
+                  "MID_S", "NUM_SLOTS", "H", "ROWS"):
+            types[n] = "i32"
+        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, BLOCK_J=8, NUM_FLAGS=8,
+                      KB=kb, VB=vb, KPS=128 if kb == 8 else 16 * kb + 2,
+                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8)
+        text = ptx(tq._tq_rows_kernel, types, consts)
+        out[f"rows{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
+                                       text.count("sqrt.rn.f32")]
 print(json.dumps(out))
 """
 
 
 def test_triton_kernel_compiles_for_sm90_without_fma():
-    """Every preset and input kind (and the k8v4 rows kernel) compiles for the GPU (outside the
-    interpreter): no fused
-    multiply-add, true divisions, the correctly rounded root where the preset needs it."""
+    """Every preset and input kind compiles for the GPU (outside the interpreter), on both
+    kernels: no fused multiply-add, true divisions, the correctly rounded root where the preset
+    needs it."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    assert len(out) == 15
+    assert len(out) == 24
     for name, (fma, div, sqrt) in out.items():
-        k8v4 = name.startswith(("8", "rows"))
+        k8v4 = name.startswith(("8", "rows8"))
         # The rows kernel's value codes take one explicit FMA an element (tl.fma); nothing else
         # contracts.
         assert (fma > 0) == name.startswith("rows") and div > 0, (name, out)
-        assert sqrt == (0 if k8v4 else 1), (name, out)
+        assert (sqrt > 0) != k8v4, (name, out)  # one a row (BLOCK_R rows: replicated)
 
 
 def test_unsupported_head_sizes():
@@ -1012,7 +1049,8 @@ def _gpu_impl(name):
     """An implementation on the GPU by name: "cuda" and "triton" as the launchers choose;
     "cuda-wide" the CUDA kernel with lane_elems a lane at every call size (the large-call
     path; the small tests' calls otherwise take small_lane_elems), "triton-rows" / "triton-row1"
-    every k8v4 call on the Triton rows kernel, BLOCK_R its widest / 1."""
+    every call on the Triton rows kernel, BLOCK_R its widest / 1 (MSE: one program an SM,
+    striding), "triton-program-a-row" every call on _tq_kernel."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl, triton_impl
@@ -1024,16 +1062,15 @@ def _gpu_impl(name):
     if name == "cuda-wide":
         return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0))
     if name.startswith("triton-row"):  # "-rows": BLOCK_R as wide as rows_elems allows, "-row1": 1
-        return _Tuned(impl, dataclasses.replace(impl.TUNING, k8v4_rows_min=0, rows_programs=(
-            1 if name == "triton-rows" else 1 << 30)))
+        wide = name == "triton-rows"
+        return _Tuned(impl, dataclasses.replace(
+            impl.TUNING, k8v4_rows_min=0, rows_programs=1 if wide else 1 << 30, mse_rows_min=0,
+            mse_rows_elems=impl.TUNING.mse_rows_elems if wide else 1, mse_programs_per_sm=1))
+    if name == "triton-program-a-row":
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, k8v4_rows_min=1 << 62,
+                                                mse_rows_min=1 << 62))
     return impl
 
-
-
-def _gpu_path(name, preset_name):
-    if name.startswith("triton-row") and preset_name != "turboquant_k8v4":
-        pytest.skip("the rows kernel is k8v4's")
-    return _gpu_impl(name)
 
 
 GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
@@ -1045,7 +1082,7 @@ GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bf
 @pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", GPU_PARAMS,
                          ids=lambda v: str(v).replace("torch.", ""))
 def test_gpu_matches_oracle(impl, preset_name, dtype, slot_dtype, d):
-    _check(_gpu_path(impl, preset_name), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
+    _check(_gpu_impl(impl), preset_name, dtype, slot_dtype, d, t=24, h=4, nb=8, bs=16,
            device="cuda", seed=d, pit_kind="hadamard" if d % 2 == 0 and d != 64 else "random")
 
 
@@ -1057,7 +1094,7 @@ def test_gpu_matches_oracle(impl, preset_name, dtype, slot_dtype, d):
 def test_gpu_shapes_and_ties(impl, preset_name, d, pit_kind):
     if d % 8 and _BITS[preset_name][0] == 3 or d % 8 and _BITS[preset_name][1] == 3:
         pytest.skip("3-bit fields need D % 8 == 0")
-    _check(_gpu_path(impl, preset_name), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
+    _check(_gpu_impl(impl), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3, nb=3, bs=5,
            device="cuda", seed=d + 1, pit_kind=pit_kind, vllm_alloc=d % 3 == 0)
 
 
@@ -1065,16 +1102,21 @@ def test_gpu_shapes_and_ties(impl, preset_name, d, pit_kind):
 @pytest.mark.parametrize("d", [8, 10, 16, 64])
 @pytest.mark.parametrize("block_r", [1, 2, 4, 8, 16, 32])
 @pytest.mark.parametrize("special", [True, False], ids=["special", "plain"])
-def test_gpu_triton_rows_kernel_block_rows(d, block_r, special):
-    """The k8v4 rows kernel at each BLOCK_R, one warp a program: the fp16 scale and minimum
-    stores of BLOCK_R rows (Triton 3.6 wrote wrong bytes at D = 8, BLOCK_R = 16 and D = 10,
-    BLOCK_R = 8 and 16 with two [BLOCK_R] stores a value)."""
+@pytest.mark.parametrize("preset_name, warps", [("turboquant_k8v4", 1), ("turboquant_4bit_nc", 1),
+                                                ("turboquant_4bit_nc", 4)])
+def test_gpu_triton_rows_kernel_block_rows(d, block_r, special, preset_name, warps):
+    """The rows kernel at each BLOCK_R: the fp16 scale and minimum stores of BLOCK_R rows
+    (Triton 3.6 wrote wrong bytes at D = 8, BLOCK_R = 16 and D = 10, BLOCK_R = 8 and 16 with two
+    [BLOCK_R] stores a value in programs of one warp); MSE rows at one program an SM."""
     mod = _gpu_impl("triton")
     block_d = 1 << (d - 1).bit_length()
     tuning = dataclasses.replace(mod.TUNING, k8v4_rows_min=0, rows_elems=block_r * block_d,
-                                 rows_programs=0, rows_warps=1)
-    _check(_Tuned(mod, tuning), "turboquant_k8v4", torch.bfloat16, torch.int32, d, t=9, h=3,
-           nb=3, bs=5, device="cuda", seed=d + 1, vllm_alloc=d % 3 == 0, special=special)
+                                 rows_programs=0, rows_warps=warps, mse_rows_min=0,
+                                 mse_rows_elems=block_r * block_d, mse_warps=warps,
+                                 mse_programs_per_sm=1)
+    _check(_Tuned(mod, tuning), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3,
+           nb=3, bs=5, device="cuda", seed=d + 1, vllm_alloc=d % 3 == 0, special=special,
+           pit_kind="hadamard" if d in (8, 16, 64) else "random")
 
 
 @pytest.mark.gpu

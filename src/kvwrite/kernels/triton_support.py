@@ -90,6 +90,20 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def programs_to_fill(device: torch.device, programs_per_sm: int) -> int:
+    """Programs of a persistent launch that fill ``device``: its SMs x ``programs_per_sm`` (off
+    the GPU, under the interpreter, one SM)."""
+    if device.type != "cuda":
+        return programs_per_sm
+    return _sm_count(device.index if device.index is not None
+                     else torch.cuda.current_device()) * programs_per_sm
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def pdl_launch(device: torch.device, programs: int, max_programs: int,
                trigger_max_programs: int) -> tuple[bool, bool]:
     """(PDL, TRIGGER) of a Triton launch of ``programs`` programs: programmatic dependent launch

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -331,22 +330,12 @@ def unsupported(plan: TransferPlan) -> str | None:
     return None
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs(device: torch.device, tiles: int, max_ctas: int | None,
               tuning: TritonTuning) -> int:
     """Programs of a launch over ``tiles`` tiles: at most ``max_ctas``, else enough to fill the
     GPU (SMs x ``programs_per_sm``; the interpreter counts one SM)."""
-    if max_ctas is not None:
-        cap = max_ctas
-    elif device.type == "cuda":
-        cap = _sm_count(device.index if device.index is not None
-                        else torch.cuda.current_device()) * tuning.programs_per_sm
-    else:
-        cap = tuning.programs_per_sm
+    cap = max_ctas if max_ctas is not None else triton_support.programs_to_fill(
+        device, tuning.programs_per_sm)
     return max(1, min(tiles, cap))
 
 

@@ -1,22 +1,29 @@
-"""The Triton implementation of reshape_and_cache_turboquant: one kernel for the four presets.
+"""The Triton implementation of reshape_and_cache_turboquant: two kernels for the four presets.
 
-A program writes one (token, head): it loads the slot (a negative or out-of-range one masks
-every store), the key and value rows ``[BLOCK_D]`` (``BLOCK_D`` the power of two >= D, +0 past
-D) and computes SPEC §10.2 step by step with one IEEE float32 operation per step, launched with
-``enable_fp_fusion=False`` (no product is contracted into an FMA):
+``_tq_rows_kernel`` (every MSE call; k8v4 calls of k8v4_rows_min rows and more) writes BLOCK_R
+(token, head) rows a pass, the rows as ``[BLOCK_R, BLOCK_D]`` tiles (``BLOCK_D`` the power of two
+>= D, +0 past D), each row's reductions along axis 1; ``_tq_kernel`` (k8v4's smaller calls)
+writes one row a program. Both compute SPEC §10.2 step by step with one IEEE float32 operation
+per step, launched with ``enable_fp_fusion=False`` (no product is contracted into an FMA; the
+few ``tl.fma`` are explicit):
 
 - keys, k8v4: e4m3fn codes of ``x`` by ``kvwrite.kernels.triton_nvfp4.e4m3`` on ``|x|`` (integer
   encoded: nearest even, saturating at 448, subnormals) with the sign bit put back; a NaN's code
   is 0x7F (the GPU's satfinite conversion's).
-- keys, MSE: ``ss`` by ``kvwrite.kernels.triton_qk_norm.tree_sum`` (§7.1's padded pairwise tree),
-  ``n = sqrt_rn(ss)``, ``den = n + 1e-8``, ``u = div_rn(x, den)`` (+0 past D: the tree's padding
-  leaves), then for blocks of ``BLOCK_J`` outputs the products ``u_i * PiT[i, j]`` ``[BLOCK_J,
-  BLOCK_D]`` summed over i by the same tree, ``idx_j`` the count of midpoints ``<= y_j``, packed
-  (4-bit: element 2j in the low nibble of byte j; 3-bit: 8 codes in 3 bytes, little-endian bit
-  order), ``fp16(n)`` after the field (a NaN norm as 0x7E00, the CUDA kernel's).
+- keys, MSE: ``ss`` by §7.1's padded pairwise tree, ``n = sqrt_rn(ss)``, ``den = n + 1e-8``,
+  ``u = RN(x / den)`` (+0 past D; the rows kernel by the product with RN(1 / den) and two
+  fused corrections, as the CUDA kernel's tq_div_row), then ``y_j`` = the tree over i of
+  ``RN(u_i * PiT[i, j])``: in the rows kernel by the butterflies of ``RN(u * PiT[0, 0])`` where
+  D is a power of two and ``_tq_table_kernel`` found PiT to be PiT[0, 0] times Sylvester's
+  signs bit for bit (checked on every call, before the rows kernel, which reads its flags),
+  else by the products ``[BLOCK_J, BLOCK_D]`` summed by the tree (a row at a time in the rows
+  kernel); ``idx_j`` the count of midpoints ``<= y_j`` (a binary search where the midpoints
+  ascend, each program checking that once), packed (4-bit: element 2j in the low nibble of byte
+  j; 3-bit: 8 codes in 3 bytes, little-endian bit order), ``fp16(n)`` after the field (a NaN
+  norm as 0x7E00, the CUDA kernel's).
 - values: min and max over the non-NaN elements, ``s = div_rn(mx - mn, L)`` floored to 1e-8,
-  ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (``kvwrite.kernels.triton_round.rhu`` after a clamp
-  to ``L + 1``, NaN -> 0), ``fp16(s)``, ``fp16(mn)``.
+  ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (the rows kernel without the quotient: the CUDA
+  kernel's FMA decision against the code boundary), ``fp16(s)``, ``fp16(mn)``.
 
 Every byte goes out in a byte store (the slot's fields are at any byte offset). bfloat16 inputs
 arrive as their int16 bits and are widened by a shift (the interpreter's bfloat16 cast mangles
@@ -43,7 +50,7 @@ MAX_HEAD_SIZE = 512  # triton_qk_norm.tree_sum's widest tree
 
 if triton is not None:
     from ...kernels.triton_nvfp4 import e4m3, widen
-    from ...kernels.triton_qk_norm import tree_sum
+    from ...kernels.triton_qk_norm import row_tree, tree_sum
     from ...kernels.triton_round import rhu
 
 
@@ -76,6 +83,22 @@ class TritonTuning(PdlTuning):
     rows_elems: int = 512
     rows_programs: int = 2048
     rows_warps: int = 1
+    # MSE calls of at least mse_rows_min rows take the rows kernel: BLOCK_R rows a pass (the
+    # largest power of two within mse_rows_elems elements), programs of mse_warps warps, at
+    # most mse_programs_per_sm an SM striding over the passes. Where D is a power of two a
+    # table kernel checks PiT first (check_elems entries a program of check_warps warps); the
+    # dense rotation takes dense_elems products a thread a step. Measured on an H200
+    # (4bit_nc, H = 8, D = 128, bf16, cold; tuning-log 98), µs at T = 1 / 1024 / 16384: BLOCK_R
+    # 2, one warp, 16 programs an SM 5.20 / 12.7 / 147; BLOCK_R 4: 7.01 / 14.7 / 185 (8 an SM:
+    # 223); two warps 4.84 / 18.2 / 227; four warps 4.84 / 18.4 / 233 (BLOCK_R 8: 262). The
+    # program-a-row kernel: 8.37 / 244 / 3759, so every MSE call takes the rows kernel.
+    mse_rows_min: int = 0
+    mse_rows_elems: int = 256
+    mse_warps: int = 1
+    mse_programs_per_sm: int = 16
+    check_elems: int = 2048
+    check_warps: int = 4
+    dense_elems: int = 32
 
 
 TUNING = TritonTuning()
@@ -226,45 +249,139 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["NUM_SLOTS", "H", "ROWS"])
-    def _tq_k8v4_rows_kernel(
-        key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,  # as _tq_kernel's
-        K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H,
-        NUM_SLOTS, H, ROWS,  # ROWS = T * H
-        BLOCK_SIZE: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_R: tl.constexpr,  # rows a program
-        KPS: tl.constexpr,
-        BF16_BITS: tl.constexpr,
-        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
-    ):
-        """turboquant_k8v4 for BLOCK_R (token, head) rows a program (row r = t * H + h): the
-        steps of _tq_kernel's k8v4 keys and 4-bit values, each row's reductions along axis 1."""
+    @triton.jit
+    def _parity(x):
+        """popcount(x) & 1 of a non-negative int32 below 2^16."""
+        x = x ^ (x >> 8)
+        x = x ^ (x >> 4)
+        x = x ^ (x >> 2)
+        x = x ^ (x >> 1)
+        return x & 1
+
+    @triton.jit
+    def _tq_table_kernel(pit_ptr, P_0, P_1, flags_ptr, D: tl.constexpr,
+                         CHECK_ROWS: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+        """flags[p] = 0 where rows [p * CHECK_ROWS, (p + 1) * CHECK_ROWS) of PiT are
+        (-1)^popcount(i & j) * PiT[0, 0] bit for bit (D a power of two), else 1: the table the
+        butterflies compute, checked once a call (the rows kernel reads every flag)."""
         pdl_entry(PDL, PDL_TRIGGER)
-        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rm = r < ROWS
-        t = r // H
-        h = r - t * H
-        i = tl.arange(0, BLOCK_D)
-        im = i < D
-        m2 = rm[:, None] & im[None, :]
-        xk = widen(tl.load(key_ptr + (t * K_TOK + h * K_HEAD)[:, None] + i[None, :], mask=m2,
-                           other=0), BF16_BITS)
-        xv = widen(tl.load(value_ptr + (t * V_TOK + h * V_HEAD)[:, None] + i[None, :], mask=m2,
-                           other=0), BF16_BITS)
-        slot = tl.load(slot_mapping_ptr + t, mask=rm, other=-1).to(tl.int64)
-        valid = rm & (slot >= 0) & (slot < NUM_SLOTS)
-        blk = slot // BLOCK_SIZE
-        dst = cache_ptr + blk * C_B + (slot - blk * BLOCK_SIZE) * C_S + h * C_H  # [BLOCK_R]
+        p = tl.program_id(0)
+        hb = tl.load(pit_ptr).to(tl.int32, bitcast=True)
+        i = p * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
+        j = tl.arange(0, D)
+        w = tl.load(pit_ptr + i[:, None].to(tl.int64) * P_0 + j[None, :].to(tl.int64) * P_1)
+        want = hb ^ (_parity(i[:, None] & j[None, :]) << 31)
+        bad = tl.max(tl.max((w.to(tl.int32, bitcast=True) != want).to(tl.int32), axis=1), axis=0)
+        tl.store(flags_ptr + p, bad)
 
-        # ---- keys: e4m3fn codes, a NaN's 0x7F ----
-        tl.store(dst[:, None] + i[None, :], _e4m3_key_codes(xk).to(tl.uint8),
-                 mask=valid[:, None] & im[None, :])
+    @triton.jit
+    def _ascending(mid_ptr, MID_S, NM: tl.constexpr):
+        """True where m_k <= m_{k+1} for every k (a NaN midpoint fails): the midpoints a search
+        may take instead of the count."""
+        k = tl.arange(0, NM + 1)
+        inner = k < NM - 1
+        a = tl.load(mid_ptr + k * MID_S, mask=inner, other=0.0)
+        b = tl.load(mid_ptr + (k + 1) * MID_S, mask=inner, other=0.0)
+        return tl.min(((a <= b) | ~inner).to(tl.int32), axis=0) == 1
 
-        # ---- values: 4-bit codes, fp16(s), fp16(mn) ----
+    @triton.jit
+    def _mid(mid_ptr, MID_S, K: tl.constexpr):
+        return tl.load(mid_ptr + K * MID_S)
+
+    @triton.jit
+    def _searched_codes(y, mid_ptr, MID_S, KB: tl.constexpr):
+        """idx = #{k : y >= m_k} for ascending midpoints (then a prefix of them counts): a binary
+        search whose thresholds are selected by the bits found so far (a NaN y fails every
+        compare: 0)."""
+        if KB == 4:
+            b3 = y >= _mid(mid_ptr, MID_S, 7)
+            b2 = y >= tl.where(b3, _mid(mid_ptr, MID_S, 11), _mid(mid_ptr, MID_S, 3))
+            b1 = y >= tl.where(b3, tl.where(b2, _mid(mid_ptr, MID_S, 13), _mid(mid_ptr, MID_S, 9)),
+                               tl.where(b2, _mid(mid_ptr, MID_S, 5), _mid(mid_ptr, MID_S, 1)))
+            t_hi = tl.where(b2, tl.where(b1, _mid(mid_ptr, MID_S, 14), _mid(mid_ptr, MID_S, 12)),
+                            tl.where(b1, _mid(mid_ptr, MID_S, 10), _mid(mid_ptr, MID_S, 8)))
+            t_lo = tl.where(b2, tl.where(b1, _mid(mid_ptr, MID_S, 6), _mid(mid_ptr, MID_S, 4)),
+                            tl.where(b1, _mid(mid_ptr, MID_S, 2), _mid(mid_ptr, MID_S, 0)))
+            b0 = y >= tl.where(b3, t_hi, t_lo)
+            idx = (b3.to(tl.int32) * 8 + b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2
+                   + b0.to(tl.int32))
+        else:
+            b2 = y >= _mid(mid_ptr, MID_S, 3)
+            b1 = y >= tl.where(b2, _mid(mid_ptr, MID_S, 5), _mid(mid_ptr, MID_S, 1))
+            b0 = y >= tl.where(b2, tl.where(b1, _mid(mid_ptr, MID_S, 6), _mid(mid_ptr, MID_S, 4)),
+                               tl.where(b1, _mid(mid_ptr, MID_S, 2), _mid(mid_ptr, MID_S, 0)))
+            idx = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+        return idx
+
+    @triton.jit
+    def _counted_codes(y, mid_ptr, MID_S, NM: tl.constexpr):
+        """idx = #{k : y >= m_k}, counted (midpoints in any order)."""
+        idx = tl.zeros(y.shape, tl.int32)
+        for k in tl.static_range(NM):
+            idx += (y >= _mid(mid_ptr, MID_S, k)).to(tl.int32)
+        return idx
+
+    @triton.jit
+    def _mse_codes(y, mid_ptr, MID_S, ascending, KB: tl.constexpr):
+        """The MSE key indices of rotated coordinates y (a program-uniform choice of method)."""
+        if ascending:
+            c = _searched_codes(y, mid_ptr, MID_S, KB)
+        else:
+            c = _counted_codes(y, mid_ptr, MID_S, (1 << KB) - 1)
+        return c
+
+    @triton.jit
+    def _butterflies(p, R: tl.constexpr, N: tl.constexpr):
+        """The fast Walsh-Hadamard transform of rows p [R, N] (N a power of two), strides 1, 2,
+        4, ...: each butterfly (a, b) -> (RN(a + b), RN(a - b)), the contract's tree over i of
+        RN(u_i * PiT[i, j]) for PiT = PiT[0, 0] * Sylvester's signs when p = RN(u * PiT[0, 0])
+        (kernel.cu's "Hadamard" has the proof; zeros' signs may differ, which no count reads).
+        Each stage is two tl.sum over an axis of 2 (one addition each; a shuffle where the pair
+        spans two lanes), so no stage moves the tile between layouts."""
+        for lvl in tl.static_range(10):
+            if (1 << lvl) < N:
+                p = _butterfly_stage(p, R, N, lvl)
+        return p
+
+    @triton.jit
+    def _butterfly_stage(p, R: tl.constexpr, N: tl.constexpr, LVL: tl.constexpr):
+        """One stage of _butterflies: elements i and i + 2^LVL (bit LVL of i clear) paired."""
+        S: tl.constexpr = 1 << LVL
+        y4 = tl.reshape(p, [R, N // (2 * S), 2, S])
+        upper = (tl.arange(0, 2) == 1)[None, None, :, None]
+        add = tl.sum(y4, axis=2)[:, :, None, :]
+        sub = tl.sum(tl.where(upper, -y4, y4), axis=2)[:, :, None, :]
+        return tl.reshape(tl.where(upper, sub, add), [R, N])
+
+    @triton.jit
+    def _store_field_rows(ptr, codes, first, n, BITS: tl.constexpr, R: tl.constexpr,
+                          BJ: tl.constexpr, valid):
+        """Store the b-bit codes ``[R, BJ]`` of elements first .. first + BJ of each row's field
+        of ``n`` elements at ``ptr`` ``[R]`` (first a multiple of 8 for 3-bit fields, of 2 for
+        4-bit ones); rows not ``valid`` store nothing."""
+        if BITS == 4:
+            lo, hi = tl.split(tl.reshape(codes, [R, BJ // 2, 2]))
+            byte = first // 2 + tl.arange(0, BJ // 2)
+            tl.store(ptr[:, None] + byte[None, :], (lo | (hi << 4)).to(tl.uint8),
+                     mask=valid[:, None] & (byte < n // 2)[None, :])
+        else:
+            g = tl.reshape(codes, [R, BJ // 8, 8])
+            w = tl.sum(g << (3 * tl.arange(0, 8))[None, None, :], axis=2)  # [R, BJ // 8]
+            grp = first // 8 + tl.arange(0, BJ // 8)
+            k = tl.arange(0, 4)
+            b = (w[:, :, None] >> (8 * k)[None, None, :]) & 255
+            ok = (valid[:, None] & (grp < n // 8)[None, :])[:, :, None] & (k < 3)[None, None, :]
+            tl.store(ptr[:, None, None] + (3 * grp)[None, :, None] + k[None, None, :],
+                     b.to(tl.uint8), mask=ok)
+
+    @triton.jit
+    def _rows_values(vdst, xv, m2, valid, VB: tl.constexpr, D: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The value part of rows xv [BLOCK_R, BLOCK_D] (m2: inside the row and the call):
+        VB-bit codes, fp16(s), fp16(mn) at vdst [BLOCK_R]."""
+        L: tl.constexpr = (1 << VB) - 1
         mn, mx = _value_range(xv, m2 & (xv == xv), 1)
-        s = _value_scale(mx - mn, 15)
+        s = _value_scale(mx - mn, L)
         w = xv - mn[:, None]
         # The codes as the CUDA kernel's tq_value_codes takes them (its comment has the proof):
         # k = floor(RN(w * RN(1/s))), then k + [RN(RN(w - s B) + s d) >= 0] for B = k + 1/2, d
@@ -279,15 +396,162 @@ if triton is not None:
         c = k.to(tl.int32) + ((rem + sb * d) >= 0.0).to(tl.int32)
         fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
         if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
-            c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, 15))
-        lo, hi = tl.split(tl.reshape(c, [BLOCK_R, BLOCK_D // 2, 2]))
-        byte = tl.arange(0, BLOCK_D // 2)
-        vdst = dst + KPS
-        tl.store(vdst[:, None] + byte[None, :], (lo | (hi << 4)).to(tl.uint8),
-                 mask=valid[:, None] & (byte < D // 2)[None, :])
-        VDB: tl.constexpr = D // 2
+            c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, L))
+        _store_field_rows(vdst, c, 0, D, VB, BLOCK_R, BLOCK_D, valid)
+        VDB: tl.constexpr = D * VB // 8
         _f16_bytes_rows(vdst + VDB, s, valid)
         _f16_bytes_rows(vdst + VDB + 2, mn, valid)
+
+    @triton.jit
+    def _row_quotients(x, den, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """RN(x / den) for rows x [BLOCK_R, BLOCK_D] and their divisors den [BLOCK_R] (> 0): as
+        kernel.cu's tq_div_row (its comment has the proof), the product with RN(1 / den) and two
+        fused corrections, the sign x's, where every den is in [2^-60, 2^60] and every |x| is 0
+        or in it; otherwise (a decision for the whole tile) true division."""
+        LO: tl.constexpr = 8.673617379884035e-19  # 2^-60
+        HI: tl.constexpr = 1.152921504606847e18  # 2^60
+        db = tl.broadcast_to(den[:, None], [BLOCK_R, BLOCK_D])
+        yd = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), den)[:, None]
+        q = x * yd
+        q = tl.fma(tl.fma(-db, q, x), yd, q)
+        q = tl.fma(tl.fma(-db, q, x), yd, q)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
+        ax = tl.abs(x)
+        ok = (ax <= HI) & ~((ax < LO) & (ax > 0.0)) & (db >= LO) & (db <= HI)
+        if tl.min(tl.min(ok.to(tl.int32), axis=1), axis=0) == 0:
+            q = tl.math.div_rn(x, db)
+        return q
+
+    @triton.jit
+    def _dense_rotation_codes(cache_ptr, off, u, valid, pit_ptr, P_0, P_1, mid_ptr, MID_S,
+                              ascending, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, KB: tl.constexpr):
+        """Any table, a row at a time (its u, slot offset and validity taken out of the tile by
+        masked sums: a -0 of u may come out +0, which changes no y_j but a zero's sign): for
+        blocks of BLOCK_J outputs, y_j = the tree over i of RN(u_i * PiT[i, j]) from the
+        products [BLOCK_J, BLOCK_D], then their codes stored at cache_ptr + off."""
+        i = tl.arange(0, BLOCK_D)
+        im = i < D
+        rows = tl.arange(0, BLOCK_R)
+        for r in tl.static_range(BLOCK_R):
+            here = rows == r
+            ur = tl.sum(tl.where(here[:, None], u, 0.0), axis=0)
+            off_r = tl.sum(tl.where(here, off, 0), axis=0)
+            valid_r = (tl.zeros([1], tl.int32)  # [1]: broadcast by the masks
+                       + tl.max(tl.where(here, valid, False).to(tl.int32), axis=0)) != 0
+            for jb in range(0, BLOCK_D // BLOCK_J):
+                j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+                pit = tl.load(pit_ptr + i[None, :].to(tl.int64) * P_0
+                              + j[:, None].to(tl.int64) * P_1,
+                              mask=(j < D)[:, None] & im[None, :], other=0.0)
+                prod = tl.where(im[None, :], ur[None, :] * pit, 0.0)  # [BLOCK_J, BLOCK_D]
+                y = tl.reshape(tree_sum(prod[:, None, :], BLOCK_D), [BLOCK_J])
+                _store_field(cache_ptr + off_r, _mse_codes(y, mid_ptr, MID_S, ascending, KB),
+                             jb * BLOCK_J, D, KB, BLOCK_J, valid_r)
+
+    @triton.jit
+    def _rows_pass(rb, key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr, mid_ptr,
+                   K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1, MID_S, NUM_SLOTS, H,
+                   ROWS, ascending, hadamard, h0, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+                   KB: tl.constexpr, VB: tl.constexpr, KPS: tl.constexpr,
+                   BF16_BITS: tl.constexpr):
+        """Pass rb of _tq_rows_kernel: rows rb * BLOCK_R .. + BLOCK_R, with the program's
+        table decisions (ascending, hadamard, h0 = PiT[0, 0])."""
+        MSE: tl.constexpr = KB != 8
+        BUTTERFLY: tl.constexpr = MSE and D == BLOCK_D
+        i = tl.arange(0, BLOCK_D)
+        im = i < D
+        r = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # ROWS < 2^31
+        rm = r < ROWS
+        t = r // H
+        h = r - t * H
+        m2 = rm[:, None] & im[None, :]
+        xk = widen(tl.load(key_ptr + (t * K_TOK + h * K_HEAD)[:, None] + i[None, :], mask=m2,
+                           other=0), BF16_BITS)
+        xv = widen(tl.load(value_ptr + (t * V_TOK + h * V_HEAD)[:, None] + i[None, :],
+                           mask=m2, other=0), BF16_BITS)
+        slot = tl.load(slot_mapping_ptr + t, mask=rm, other=-1).to(tl.int64)
+        valid = rm & (slot >= 0) & (slot < NUM_SLOTS)
+        blk = slot // BLOCK_SIZE
+        off = blk * C_B + (slot - blk * BLOCK_SIZE) * C_S + h * C_H  # [BLOCK_R]
+        dst = cache_ptr + off
+
+        # ---- keys ----
+        if KB == 8:  # e4m3fn codes, a NaN's 0x7F
+            tl.store(dst[:, None] + i[None, :], _e4m3_key_codes(xk).to(tl.uint8),
+                     mask=valid[:, None] & im[None, :])
+        else:
+            ss = tl.reshape(row_tree((xk * xk)[:, None, :], BLOCK_D), [BLOCK_R])
+            n = tl.sqrt_rn(ss)
+            den = n + 1e-8
+            u = tl.where(im[None, :], _row_quotients(xk, den, BLOCK_R, BLOCK_D), 0.0)
+            if BUTTERFLY:
+                # Outside the branch: its shuffles would be collective ones inside it.
+                y = _butterflies(u * h0, BLOCK_R, BLOCK_D)
+                if hadamard:
+                    _store_field_rows(dst, _mse_codes(y, mid_ptr, MID_S, ascending, KB), 0,
+                                      D, KB, BLOCK_R, BLOCK_D, valid)
+                else:
+                    _dense_rotation_codes(cache_ptr, off, u, valid, pit_ptr, P_0, P_1,
+                                          mid_ptr, MID_S, ascending, D, BLOCK_D, BLOCK_R,
+                                          BLOCK_J, KB)
+            else:
+                _dense_rotation_codes(cache_ptr, off, u, valid, pit_ptr, P_0, P_1, mid_ptr,
+                                      MID_S, ascending, D, BLOCK_D, BLOCK_R, BLOCK_J, KB)
+            KF_BYTES: tl.constexpr = D * KB // 8
+            _f16_bytes_rows(dst + KF_BYTES, n, valid)
+
+        # ---- values ----
+        _rows_values(dst + KPS, xv, m2, valid, VB, D, BLOCK_R, BLOCK_D)
+
+    @triton.jit(do_not_specialize=["NUM_SLOTS", "H", "ROWS"])
+    def _tq_rows_kernel(
+        key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr, mid_ptr,  # as _tq_kernel's
+        flags_ptr,  # int32 [NUM_FLAGS]: _tq_table_kernel's (where D is a power of two)
+        K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1, MID_S,
+        NUM_SLOTS, H, ROWS,  # ROWS = T * H
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,  # rows a pass of a program
+        BLOCK_J: tl.constexpr,  # outputs a block of the dense rotation
+        NUM_FLAGS: tl.constexpr,
+        KB: tl.constexpr,
+        VB: tl.constexpr,
+        KPS: tl.constexpr,
+        BF16_BITS: tl.constexpr,
+        STRIDE: tl.constexpr,  # the programs stride over the passes (else a program a pass)
+        PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    ):
+        """Every preset, BLOCK_R (token, head) rows a pass (row r = t * H + h), a program a pass
+        or (STRIDE) the programs striding over them: _tq_kernel's steps with each row's
+        reductions along axis 1.
+        MSE presets: each program first reads the table check's flags and the midpoints once
+        (the rotation by butterflies where PiT is the scaled Sylvester Hadamard and D a power
+        of two, else the dense products; the codes by a search where the midpoints ascend, else
+        counted), then every row it writes takes those (program-uniform) paths."""
+        pdl_entry(PDL, PDL_TRIGGER)
+        ascending = False
+        hadamard = False
+        h0 = 0.0
+        if KB != 8:
+            ascending = _ascending(mid_ptr, MID_S, (1 << KB) - 1)
+            if D == BLOCK_D:
+                hadamard = tl.max(tl.load(flags_ptr + tl.arange(0, NUM_FLAGS)), axis=0) == 0
+                h0 = tl.load(pit_ptr)
+        if STRIDE:
+            for rb in range(tl.program_id(0), tl.cdiv(ROWS, BLOCK_R), tl.num_programs(0)):
+                _rows_pass(rb, key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr,
+                           mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1,
+                           MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0, BLOCK_SIZE, D,
+                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS)
+        else:
+            _rows_pass(tl.program_id(0).to(tl.int64), key_ptr, value_ptr, cache_ptr,
+                       slot_mapping_ptr, pit_ptr, mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B,
+                       C_S, C_H, P_0, P_1, MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0,
+                       BLOCK_SIZE, D, BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -304,6 +568,25 @@ def rows_per_program(rows: int, block_d: int, tuning: TritonTuning = TUNING) -> 
     return block_r
 
 
+def rows_launch(rows: int, block_d: int, mse: bool, device: torch.device,
+                tuning: TritonTuning = TUNING) -> tuple[int, int, int, bool] | None:
+    """(BLOCK_R, programs, warps, STRIDE) of the rows kernel for a call of ``rows`` rows, or
+    None where the call takes the program-a-row kernel. k8v4: from k8v4_rows_min rows,
+    rows_per_program's BLOCK_R, a program a pass. MSE: from mse_rows_min rows, BLOCK_R the
+    largest power of two within mse_rows_elems, at most mse_programs_per_sm programs an SM
+    (1 SM off the GPU) striding over the passes."""
+    if not mse:
+        if rows < tuning.k8v4_rows_min:
+            return None
+        block_r = rows_per_program(rows, block_d, tuning)
+        return block_r, -(-rows // block_r), tuning.rows_warps, False
+    if rows < tuning.mse_rows_min:
+        return None
+    block_r = max(1, tuning.mse_rows_elems // block_d)
+    cap = triton_support.programs_to_fill(device, tuning.mse_programs_per_sm)
+    return block_r, max(1, min(-(-rows // block_r), cap)), tuning.mse_warps, True
+
+
 def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor, preset, PiT: torch.Tensor | None,
         midpoints: torch.Tensor | None, *, tuning: TritonTuning = TUNING) -> None:
@@ -315,38 +598,46 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     nb, bs = kv_cache.shape[:2]
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     block_d = next_pow2(d)
-    # At most BLOCK_D, at least 8 where BLOCK_D allows (3-bit fields pack 8 codes at a time).
-    block_j = min(block_d, max(8, tuning.product_elems // block_d))
     mse = kb != 8
-    rows = num_tokens * h
-    if not mse and rows >= tuning.k8v4_rows_min:
-        block_r = rows_per_program(rows, block_d, tuning)
-        programs = -(-rows // block_r)
-        pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
-                                                 tuning.pdl_trigger_max_programs)
-        _tq_k8v4_rows_kernel[(programs,)](
-            _bits(key), _bits(value), kv_cache, slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            *kv_cache.stride()[:3], nb * bs, h, rows,
-            BLOCK_SIZE=bs, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
-            KPS=int(preset.key_packed_size), BF16_BITS=key.dtype == torch.bfloat16,
-            PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.rows_warps, launch_pdl=pdl,
-            enable_fp_fusion=False,
-        )
-        return
     pit = PiT if mse else kv_cache  # any pointer: never read for k8v4
     mid = midpoints if mse else kv_cache
-    grid = (num_tokens, h)
-    pdl, trigger = triton_support.pdl_launch(key.device, num_tokens * h,
-                                             tuning.pdl_max_programs,
+    tables = (*(PiT.stride() if mse else (0, 0)), midpoints.stride(0) if mse else 0)
+    common = dict(BLOCK_SIZE=bs, D=d, BLOCK_D=block_d, KB=kb, VB=vb,
+                  KPS=int(preset.key_packed_size), BF16_BITS=key.dtype == torch.bfloat16,
+                  enable_fp_fusion=False)
+    rows = num_tokens * h
+    launch = rows_launch(rows, block_d, mse, key.device, tuning)
+    if launch is not None:
+        block_r, programs, warps, stride = launch
+        flags, num_flags = kv_cache, 1  # any pointer: read only for the butterflies' check
+        if mse and block_d == d:
+            check_rows = max(1, min(d, tuning.check_elems // d))
+            num_flags = d // check_rows
+            flags = torch.empty(num_flags, dtype=torch.int32, device=key.device)
+            pdl, trigger = triton_support.pdl_launch(key.device, num_flags,
+                                                     tuning.pdl_max_programs,
+                                                     tuning.pdl_trigger_max_programs)
+            _tq_table_kernel[(num_flags,)](PiT, *PiT.stride(), flags, D=d, CHECK_ROWS=check_rows,
+                                           PDL=pdl, PDL_TRIGGER=trigger, launch_pdl=pdl,
+                                           num_warps=tuning.check_warps)
+        # The dense rotation's outputs a block: dense_elems a thread, at least 8 where BLOCK_D
+        # allows (3-bit fields pack 8 codes at a time), at most BLOCK_D.
+        block_j = min(block_d, max(8, tuning.dense_elems * 32 * warps // block_d))
+        pdl, trigger = triton_support.pdl_launch(key.device, programs, tuning.pdl_max_programs,
+                                                 tuning.pdl_trigger_max_programs)
+        _tq_rows_kernel[(programs,)](
+            _bits(key), _bits(value), kv_cache, slot_mapping, pit, mid, flags,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], *tables, nb * bs, h, rows,
+            BLOCK_R=block_r, BLOCK_J=block_j, NUM_FLAGS=num_flags, STRIDE=stride,
+            PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, **common)
+        return
+    block_j = min(block_d, max(8, tuning.product_elems // block_d))
+    pdl, trigger = triton_support.pdl_launch(key.device, rows, tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
-    _tq_kernel[grid](
+    _tq_kernel[(num_tokens, h)](
         _bits(key), _bits(value), kv_cache, slot_mapping, pit, mid,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *kv_cache.stride()[:3], *(PiT.stride() if mse else (0, 0)),
-        midpoints.stride(0) if mse else 0, nb * bs, h,
-        BLOCK_SIZE=bs, D=d, BLOCK_D=block_d, BLOCK_J=block_j, KB=kb, VB=vb,
-        KPS=int(preset.key_packed_size), BF16_BITS=key.dtype == torch.bfloat16,
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps, launch_pdl=pdl,
-        enable_fp_fusion=False,
-    )
+        *kv_cache.stride()[:3], *tables, nb * bs, h,
+        BLOCK_J=block_j, PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.num_warps,
+        launch_pdl=pdl, **common)
