@@ -300,7 +300,8 @@ def _triton_launch(name, rows_elems=64, programs=2):
     tq = _triton()
     tuning = (dataclasses.replace(tq.TUNING, k8v4_rows_min=0, mse_rows_min=0,
                                   rows_elems=rows_elems, rows_programs=1,
-                                  mse_rows_elems=rows_elems, mse_programs_per_sm=programs)
+                                  mse_rows_elems=rows_elems, mse_small_rows=0,
+                                  mse_programs_per_sm=programs)
               if name == "rows" else
               dataclasses.replace(tq.TUNING, k8v4_rows_min=1 << 62, mse_rows_min=1 << 62))
     return _Tuned(tq, tuning)
@@ -422,6 +423,24 @@ def test_triton_rows_per_program():
     assert tq.rows_per_program(1 << 20, 16, t) == 32
     assert tq.rows_per_program(1 << 20, 1024, t) == 1
     assert tq.rows_per_program(64, 16, dataclasses.replace(t, rows_programs=1)) == 32
+
+
+def test_triton_rows_launch():
+    """The rows kernel's launch: k8v4 a program a pass from k8v4_rows_min rows; MSE one row a
+    pass up to mse_small_rows rows, then BLOCK_R within mse_rows_elems, at most
+    mse_programs_per_sm programs an SM striding (the interpreter: one SM)."""
+    tq = _triton()
+    t = dataclasses.replace(tq.TUNING, k8v4_rows_min=512, rows_elems=512, rows_programs=2048,
+                            rows_warps=1, mse_rows_min=0, mse_rows_elems=256,
+                            mse_small_rows=512, mse_warps=1, mse_programs_per_sm=16)
+    cpu = torch.device("cpu")
+    assert tq.rows_launch(511, 128, False, cpu, t) is None
+    assert tq.rows_launch(1 << 20, 128, False, cpu, t) == (4, 1 << 18, 1, False)
+    assert tq.rows_launch(8, 128, True, cpu, t) == (1, 8, 1, True)
+    assert tq.rows_launch(512, 128, True, cpu, t) == (1, 16, 1, True)
+    assert tq.rows_launch(513, 128, True, cpu, t) == (2, 16, 1, True)
+    assert tq.rows_launch(513, 32, True, cpu, t) == (8, 16, 1, True)
+    assert tq.rows_launch(1, 128, True, cpu, dataclasses.replace(t, mse_rows_min=2)) is None
 
 
 def test_triton_rows_kernel_value_boundaries_on_cpu():
@@ -1065,7 +1084,8 @@ def _gpu_impl(name):
         wide = name == "triton-rows"
         return _Tuned(impl, dataclasses.replace(
             impl.TUNING, k8v4_rows_min=0, rows_programs=1 if wide else 1 << 30, mse_rows_min=0,
-            mse_rows_elems=impl.TUNING.mse_rows_elems if wide else 1, mse_programs_per_sm=1))
+            mse_rows_elems=impl.TUNING.mse_rows_elems if wide else 1, mse_small_rows=0,
+            mse_programs_per_sm=1))
     if name == "triton-program-a-row":
         return _Tuned(impl, dataclasses.replace(impl.TUNING, k8v4_rows_min=1 << 62,
                                                 mse_rows_min=1 << 62))
@@ -1112,7 +1132,8 @@ def test_gpu_triton_rows_kernel_block_rows(d, block_r, special, preset_name, war
     block_d = 1 << (d - 1).bit_length()
     tuning = dataclasses.replace(mod.TUNING, k8v4_rows_min=0, rows_elems=block_r * block_d,
                                  rows_programs=0, rows_warps=warps, mse_rows_min=0,
-                                 mse_rows_elems=block_r * block_d, mse_warps=warps,
+                                 mse_rows_elems=block_r * block_d, mse_small_rows=0,
+                                 mse_warps=warps,
                                  mse_programs_per_sm=1)
     _check(_Tuned(mod, tuning), preset_name, torch.bfloat16, torch.int32, d, t=9, h=3,
            nb=3, bs=5, device="cuda", seed=d + 1, vllm_alloc=d % 3 == 0, special=special,

@@ -84,16 +84,20 @@ class TritonTuning(PdlTuning):
     rows_programs: int = 2048
     rows_warps: int = 1
     # MSE calls of at least mse_rows_min rows take the rows kernel: BLOCK_R rows a pass (the
-    # largest power of two within mse_rows_elems elements), programs of mse_warps warps, at
-    # most mse_programs_per_sm an SM striding over the passes. Where D is a power of two a
-    # table kernel checks PiT first (check_elems entries a program of check_warps warps); the
-    # dense rotation takes dense_elems products a thread a step. Measured on an H200
-    # (4bit_nc, H = 8, D = 128, bf16, cold; tuning-log 98), µs at T = 1 / 1024 / 16384: BLOCK_R
-    # 2, one warp, 16 programs an SM 5.20 / 12.7 / 147; BLOCK_R 4: 7.01 / 14.7 / 185 (8 an SM:
-    # 223); two warps 4.84 / 18.2 / 227; four warps 4.84 / 18.4 / 233 (BLOCK_R 8: 262). The
-    # program-a-row kernel: 8.37 / 244 / 3759, so every MSE call takes the rows kernel.
+    # largest power of two within mse_rows_elems elements; one row for calls of at most
+    # mse_small_rows rows), programs of mse_warps warps, at most mse_programs_per_sm an SM
+    # striding over the passes. Where D is a power of two a table kernel checks PiT first
+    # (check_elems entries a program of check_warps warps); the dense rotation takes
+    # dense_elems products a thread a step. Measured on an H200 (4bit_nc, H = 8, D = 128, bf16,
+    # cold; tuning-log 98), µs at T = 1 / 1024 / 16384: BLOCK_R 2, one warp, 16 programs an SM
+    # 5.20 / 12.7 / 147; BLOCK_R 4: 7.01 / 14.7 / 185 (8 an SM: 223); two warps 4.84 / 18.2 /
+    # 227; four warps 4.84 / 18.4 / 233 (BLOCK_R 8: 262). BLOCK_R 1 against 2 at T = 1 / 16 /
+    # 64 / 256 / 1024: 4bit_nc 3.78 / 3.96 / 4.18 / 5.98 / 13.0 against 5.21 / 5.38 / 5.66 /
+    # 6.71 / 12.9, 3bit_nc 4.28 / 4.47 / 4.71 / 6.52 / 15.0 against 4.75 / 4.80 / 5.08 / 5.96 /
+    # 11.3. The program-a-row kernel: 8.37 / 244 / 3759, so every MSE call takes the rows kernel.
     mse_rows_min: int = 0
     mse_rows_elems: int = 256
+    mse_small_rows: int = 512
     mse_warps: int = 1
     mse_programs_per_sm: int = 16
     check_elems: int = 2048
@@ -573,8 +577,8 @@ def rows_launch(rows: int, block_d: int, mse: bool, device: torch.device,
     """(BLOCK_R, programs, warps, STRIDE) of the rows kernel for a call of ``rows`` rows, or
     None where the call takes the program-a-row kernel. k8v4: from k8v4_rows_min rows,
     rows_per_program's BLOCK_R, a program a pass. MSE: from mse_rows_min rows, BLOCK_R the
-    largest power of two within mse_rows_elems, at most mse_programs_per_sm programs an SM
-    (1 SM off the GPU) striding over the passes."""
+    largest power of two within mse_rows_elems (1 for calls of at most mse_small_rows rows),
+    at most mse_programs_per_sm programs an SM (1 SM off the GPU) striding over the passes."""
     if not mse:
         if rows < tuning.k8v4_rows_min:
             return None
@@ -582,7 +586,7 @@ def rows_launch(rows: int, block_d: int, mse: bool, device: torch.device,
         return block_r, -(-rows // block_r), tuning.rows_warps, False
     if rows < tuning.mse_rows_min:
         return None
-    block_r = max(1, tuning.mse_rows_elems // block_d)
+    block_r = 1 if rows <= tuning.mse_small_rows else max(1, tuning.mse_rows_elems // block_d)
     cap = triton_support.programs_to_fill(device, tuning.mse_programs_per_sm)
     return block_r, max(1, min(-(-rows // block_r), cap)), tuning.mse_warps, True
 
