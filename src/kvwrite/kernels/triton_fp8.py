@@ -32,6 +32,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
+           "corrected_quotient",
            "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
            "pdl_entry", "ue8m0_round_up"]
 
@@ -74,6 +75,17 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def corrected_quotient(a, d, y, STEPS: tl.constexpr):
+        """RN(a / d) from y = RN(1 / d) without a division: the product a * y and STEPS fused
+        corrections q + RN(a - d q) y (kvw's fast quotients). Exact where each caller shows it:
+        fp8_quotient's scaled dividends below, the per-token-head fast path's, TurboQuant's rows
+        (kernel.cu's tq_div_row). Signs and zeros are the caller's to fix."""
+        q = a * y
+        for _ in tl.static_range(STEPS):
+            q = tl.fma(tl.fma(-d, q, a), y, q)
+        return q
+
+    @triton.jit
     def fp8_quotient(x, m, s2, y, FMAX: tl.constexpr, STEPS: tl.constexpr):
         """RN_f32(x / s) clamped to ±FMAX (NaN kept), without a division per element; (m, s2, y)
         from `fp8_scale(s)`.
@@ -90,10 +102,7 @@ if triton is not None:
         """
         xs = x.to(tl.float32) * m
         a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
-        q = a * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-s2, q, a), y, q)
-        q = tl.minimum(q, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(corrected_quotient(a, s2, y, STEPS), FMAX, propagate_nan=tl.PropagateNan.ALL)
         sign = xs.to(tl.int32, bitcast=True) & -2147483648
         return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

@@ -39,7 +39,7 @@ import torch
 
 from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_scale, pdl_entry, tl, triton
+from ...kernels.triton_fp8 import corrected_quotient, fp8_scale, pdl_entry, tl, triton
 from ...kernels.triton_nvfp4 import halves, quarters
 from ...kernels.triton_round import add_rm, rhu, rne
 from ...kernels.triton_support import PdlTuning, next_pow2
@@ -152,18 +152,6 @@ if triton is not None:
         return tl.where(s > 1e-6, s, 1e-6)
 
     @triton.jit
-    def _quotient(a, d, y, STEPS: tl.constexpr):
-        """RN(a / d) from y = RN(1 / d): the product a * y and STEPS fused corrections q +
-        RN(a - d q) y, as the cuda kernel's fast_quotient. Exact where each caller says: the
-        scaled dividends below (d in [2, 4)), and the fast path's unscaled ones (d a finite
-        normal scale, a / d finite: kernel.cu's "The fast path" shows it is the scaled quotient,
-        bit for bit)."""
-        q = a * y
-        for _ in tl.static_range(STEPS):
-            q = tl.fma(tl.fma(-d, q, a), y, q)
-        return q
-
-    @triton.jit
     def _div_const(a, M: tl.constexpr, S2: tl.constexpr, Y: tl.constexpr,
                    STEPS: tl.constexpr):
         """RN(a / D) for a >= 0 (or NaN) and a constant divisor D = S2 / M (M a power of two,
@@ -171,7 +159,7 @@ if triton is not None:
         exact for 16-bit dividends with one step and for float32 ones with two (as the CUDA
         kernel's fast_div_const); a * M below 2^-126 only where the result is floored anyway; an
         infinite a gives inf."""
-        return tl.where(a == float("inf"), a, _quotient(a * M, S2, Y, STEPS))
+        return tl.where(a == float("inf"), a, corrected_quotient(a * M, S2, Y, STEPS))
 
     @triton.jit
     def _mag_quotient(xf, m, s2, y, STEPS: tl.constexpr):
@@ -179,7 +167,7 @@ if triton is not None:
         a power of two) and at most 4 * 448.0001 (s >= RN(amax / 448), or / 127; an infinite s
         makes m 0: the product is 0, or NaN for an infinite x), so fp8_quotient's clamp and its
         sign are not needed here; the corrections as in fp8_quotient."""
-        return _quotient(tl.abs(xf) * m, s2, y, STEPS)
+        return corrected_quotient(tl.abs(xf) * m, s2, y, STEPS)
 
     @triton.jit
     def _signed_quotient(xf, m, s2, y, STEPS: tl.constexpr):
@@ -188,7 +176,7 @@ if triton is not None:
         reaches (int4: past 2^4 every code saturates)."""
         xs = xf * m
         a = tl.minimum(tl.abs(xs), 1048576.0, propagate_nan=tl.PropagateNan.ALL)
-        q = _quotient(a, s2, y, STEPS)
+        q = corrected_quotient(a, s2, y, STEPS)
         sign = xs.to(tl.int32, bitcast=True) & -2147483648
         return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -322,7 +310,7 @@ if triton is not None:
             s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
-            zbits = add_rm(add_rm(_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
+            zbits = add_rm(add_rm(corrected_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
                            COMPILED).to(tl.int32, bitcast=True)
             zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
             fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
@@ -350,7 +338,7 @@ if triton is not None:
         Horner's scheme from the last down, less the 2^23 parts' 0x4B000000 * (1 + 16) =
         0xFB000000 (mod 2^32; the rest shift out), as the cuda kernel's fast_int4_pack. The
         columns are taken apart by splits (each thread holds whole groups of eight)."""
-        q = _quotient(x, s[:, None], y[:, None], STEPS)
+        q = corrected_quotient(x, s[:, None], y[:, None], STEPS)
         t = add_rm(tl.minimum(add_rm(q, zc[:, None], COMPILED), 15.5), 8388608.0, COMPILED)
         R: tl.constexpr = x.shape[0]
         NW: tl.constexpr = x.shape[1] // 8
@@ -368,7 +356,7 @@ if triton is not None:
         for q >= 0 and RM(u - C) = -(C - floor(u)) for q < 0, C = 2^23 + 256, whose low byte
         is floor(u) or its two's complement (the cuda kernel's fast_int8_code). fp8: the
         quotient with x's sign (a zero's comes back), converted."""
-        q = _quotient(x, s[:, None], y[:, None], STEPS)
+        q = corrected_quotient(x, s[:, None], y[:, None], STEPS)
         if MODE == 0:
             u = add_rm(tl.abs(q), 0.5, COMPILED)
             c = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x4B000100).to(tl.float32,

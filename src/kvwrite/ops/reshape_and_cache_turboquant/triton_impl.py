@@ -40,7 +40,7 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import pdl_entry, tl, triton
+from ...kernels.triton_fp8 import corrected_quotient, pdl_entry, tl, triton
 from ...kernels.triton_support import PdlTuning, next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "rows_per_program",
@@ -416,9 +416,7 @@ if triton is not None:
         HI: tl.constexpr = 1.152921504606847e18  # 2^60
         db = tl.broadcast_to(den[:, None], [BLOCK_R, BLOCK_D])
         yd = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), den)[:, None]
-        q = x * yd
-        q = tl.fma(tl.fma(-db, q, x), yd, q)
-        q = tl.fma(tl.fma(-db, q, x), yd, q)
+        q = corrected_quotient(x, db, yd, 2)
         sign = x.to(tl.int32, bitcast=True) & -2147483648
         q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
         ax = tl.abs(x)
