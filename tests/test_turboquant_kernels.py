@@ -1030,7 +1030,7 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
             types[n] = "i32"
         consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, BLOCK_J=8, NUM_FLAGS=8,
                       KB=kb, VB=vb, KPS=128 if kb == 8 else 16 * kb + 2,
-                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8)
+                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8, BUTTERFLY=kb != 8)
         text = ptx(tq._tq_rows_kernel, types, consts)
         out[f"rows{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
                                        text.count("sqrt.rn.f32")]

@@ -458,11 +458,9 @@ if triton is not None:
                    ROWS, ascending, hadamard, h0, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
                    KB: tl.constexpr, VB: tl.constexpr, KPS: tl.constexpr,
-                   BF16_BITS: tl.constexpr):
+                   BF16_BITS: tl.constexpr, BUTTERFLY: tl.constexpr):
         """Pass rb of _tq_rows_kernel: rows rb * BLOCK_R .. + BLOCK_R, with the program's
         table decisions (ascending, hadamard, h0 = PiT[0, 0])."""
-        MSE: tl.constexpr = KB != 8
-        BUTTERFLY: tl.constexpr = MSE and D == BLOCK_D
         i = tl.arange(0, BLOCK_D)
         im = i < D
         r = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # ROWS < 2^31
@@ -524,6 +522,7 @@ if triton is not None:
         VB: tl.constexpr,
         KPS: tl.constexpr,
         BF16_BITS: tl.constexpr,
+        BUTTERFLY: tl.constexpr,  # MSE, D a power of two: the flags decide the butterflies
         STRIDE: tl.constexpr,  # the programs stride over the passes (else a program a pass)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
@@ -540,7 +539,7 @@ if triton is not None:
         h0 = 0.0
         if KB != 8:
             ascending = _ascending(mid_ptr, MID_S, (1 << KB) - 1)
-            if D == BLOCK_D:
+            if BUTTERFLY:
                 hadamard = tl.max(tl.load(flags_ptr + tl.arange(0, NUM_FLAGS)), axis=0) == 0
                 h0 = tl.load(pit_ptr)
         if STRIDE:
@@ -548,12 +547,13 @@ if triton is not None:
                 _rows_pass(rb, key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr,
                            mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1,
                            MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0, BLOCK_SIZE, D,
-                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS)
+                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS, BUTTERFLY)
         else:
             _rows_pass(tl.program_id(0).to(tl.int64), key_ptr, value_ptr, cache_ptr,
                        slot_mapping_ptr, pit_ptr, mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B,
                        C_S, C_H, P_0, P_1, MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0,
-                       BLOCK_SIZE, D, BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS)
+                       BLOCK_SIZE, D, BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS,
+                       BUTTERFLY)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -611,8 +611,9 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     launch = rows_launch(rows, block_d, mse, key.device, tuning)
     if launch is not None:
         block_r, programs, warps, stride = launch
-        flags, num_flags = kv_cache, 1  # any pointer: read only for the butterflies' check
-        if mse and block_d == d:
+        butterfly = mse and block_d == d  # the table kernel's flags pick the butterflies
+        flags, num_flags = kv_cache, 1  # any pointer: read only where butterfly
+        if butterfly:
             check_rows = max(1, min(d, tuning.check_elems // d))
             num_flags = d // check_rows
             flags = torch.empty(num_flags, dtype=torch.int32, device=key.device)
@@ -631,7 +632,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             _bits(key), _bits(value), kv_cache, slot_mapping, pit, mid, flags,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:3], *tables, nb * bs, h, rows,
-            BLOCK_R=block_r, BLOCK_J=block_j, NUM_FLAGS=num_flags, STRIDE=stride,
+            BLOCK_R=block_r, BLOCK_J=block_j, NUM_FLAGS=num_flags, BUTTERFLY=butterfly,
+            STRIDE=stride,
             PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, **common)
         return
     block_j = min(block_d, max(8, tuning.product_elems // block_d))
