@@ -1264,3 +1264,29 @@ def test_gpu_graph_replay_switches_rotation_paths(impl, preset_name):
         graph.replay()
         torch.cuda.synchronize()
         assert_tq_caches_equal(first.kv_cache, want, case.slot, f"replay {pit_kind} {mids_kind}")
+
+
+@pytest.mark.parametrize("pit_kind, butterflies", [
+    ("tables", True), ("negated", True), ("strided", True), ("offset", True), ("zero", True),
+    ("ulp", False), ("sign", False), ("corner", False), ("random", False)])
+def test_triton_table_kernel_flags_on_cpu(pit_kind, butterflies):
+    """_tq_table_kernel's flags (the rows kernel takes the butterflies only where every one is
+    0): the Hadamard read any way and ±0 with its signs pass, one entry off anywhere (a ulp, a
+    sign, the last corner) fails its program's flag and only that one."""
+    tq = _triton()
+    d = 32
+    pit, _ = table_variant(d, "turboquant_4bit_nc", pit_kind, "tables", seed=3)
+    rows = 8
+    flags = torch.full((d // rows,), -1, dtype=torch.int32)
+    tq._tq_table_kernel[(d // rows,)](pit, *pit.stride(), flags, D=d, CHECK_ROWS=rows, PDL=False,
+                                      PDL_TRIGGER=False)
+    if butterflies:
+        assert flags.tolist() == [0] * (d // rows)
+    elif pit_kind == "random":
+        assert flags.tolist() == [1] * (d // rows)
+    else:
+        ref = table_variant(d, "turboquant_4bit_nc", "tables", "tables", seed=3)[0]
+        bad_rows = {int(i) // rows for i in (pit.view(torch.int32) != ref.view(torch.int32))
+                    .nonzero()[:, 0]}
+        assert len(bad_rows) == 1
+        assert flags.tolist() == [int(p in bad_rows) for p in range(d // rows)]
