@@ -428,34 +428,52 @@ class _Clock:
             pass
 
 
-def test_transfer_overlap_reports_attention_per_call(monkeypatch):
-    """The overlapped attention is the repeated sequence over its repeat count, so it compares
-    with one call alone: alone 1 ms, a 6.5 ms transfer -> 7 repeats; overlapped at 1.1 ms a call
-    the row says 1100 µs (not 7700) and a slowdown of 1.10. Overlap needs CUDA: the events,
-    streams and attention are stubbed by a fake timeline."""
+def _fake_overlap(monkeypatch, drift: float):
+    """A transfer bench whose overlap runs on a fake timeline: the attention takes 1 ms alone and
+    1.1 ms while a transfer (6.5 ms) is in flight, both times growing by ``drift`` a call (a
+    clock that slows over the series). Overlap needs CUDA: the events, streams and attention are
+    stubbed."""
     import contextlib
 
     from kvwrite.bench.ops import transfer as tr
 
+    _Clock.now = 0.0
+    state = {"overlapping": False, "scale": 1.0}
     defn = tr.TransferBench()
     p = tr.Point(16, "llama3-8b", "bf16", "d2h", "swap", "", "", "sm", 4, True, False, 2)
     alone = iter([1e-3, 6.5e-3])  # _event_time: the attention alone, then the transfer alone
     monkeypatch.setattr(tr, "_event_time", lambda fn: next(alone))
     monkeypatch.setattr(torch.cuda, "Event", _Clock.Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
-        wait_stream=lambda other: None))
+
+    def joined(other):  # the main stream waits for the side one: the transfer is over
+        state["overlapping"] = False
+
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(wait_stream=joined))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
     def attention(q, k, v, is_causal):
-        _Clock.now += 1.1
+        _Clock.now += state["scale"] * (1.1 if state["overlapping"] else 1.0)
+        state["scale"] *= 1 + drift
 
     def transfer(i):
+        state["overlapping"] = True
         _Clock.now += 6.5
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention)
     side = types.SimpleNamespace(wait_stream=lambda other: None)
     defn._attention = ((None, None, None), side)
     call = defn._overlapped({"point": p, "device": torch.device("cpu")}, transfer)
+    return defn, p, call
+
+
+def test_transfer_overlap_reports_attention_per_call(monkeypatch):
+    """The overlapped attention is the repeated sequence over its repeat count, so it compares
+    with one call alone: alone 1 ms, a 6.5 ms transfer -> 7 repeats; overlapped at 1.1 ms a call
+    the row says 1100 µs (not 7700) and a slowdown of 1.10. Nothing is reported for a series
+    that was not timed."""
+    defn, p, call = _fake_overlap(monkeypatch, drift=0.0)
+    assert defn.params(p).get("attention_slowdown") is None
     for i in range(3):
         call(i)
     got = defn.params(p)
@@ -463,7 +481,22 @@ def test_transfer_overlap_reports_attention_per_call(monkeypatch):
     assert got["attention_us"] == pytest.approx(1000)
     assert got["attention_overlapped_us"] == pytest.approx(1100)
     assert got["attention_slowdown"] == pytest.approx(1.1)
+    assert got["attention_slowdown_low"] == pytest.approx(1.1)
+    assert got["attention_slowdown_high"] == pytest.approx(1.1)
     assert got["transfer_overlapped_us"] == pytest.approx(6500)
+    assert defn.params(p) == got  # measured once: the params of a series do not run it again
+
+
+def test_transfer_overlap_slowdown_cancels_clock_drift(monkeypatch):
+    """A clock that slows 1% a call over the series: the attention alone measured once before
+    the timed calls would make the slowdown about 1.4; the rounds taken in turn keep it at 1.10
+    (the drift within a round cancels between its two orders; the rounds' extremes show it)."""
+    defn, p, call = _fake_overlap(monkeypatch, drift=0.01)
+    for i in range(20):
+        call(i)
+    got = defn.params(p)
+    assert got["attention_slowdown"] == pytest.approx(1.1, rel=2e-3)
+    assert got["attention_slowdown_low"] < 1.05 and got["attention_slowdown_high"] > 1.15
 
 
 @pytest.mark.xfail(not HAS_TRANSFER, reason="needs the transfer ops", strict=True)

@@ -95,6 +95,7 @@ COMMON_FIELDS = [f.name for f in dataclasses.fields(Row) if f.name != "params"]
 # point's identity).
 MEASURED_PARAMS = frozenset({"limit_gbps", "nccl_gbps", "host_us", "attention_us",
                              "attention_overlapped_us", "attention_repeat", "attention_slowdown",
+                             "attention_slowdown_low", "attention_slowdown_high",
                              "transfer_overlapped_us"})
 _FLOATS = {f.name for f in dataclasses.fields(Row) if f.type in ("float", float)}
 

@@ -54,7 +54,10 @@ LIMIT_BYTES = GiB  # the limits: one copy of this many bytes, best of LIMIT_REPS
 LIMIT_REPS = 5
 PATTERN = 0xA5     # what the check fills destinations with (bytes not written keep it)
 ATTENTION_SHAPE = (1, 32, 8192, 128)
-SAMPLES_KEPT = 64  # overlap and host-time samples kept per series
+SAMPLES_KEPT = 64  # host-time samples kept per series
+# The overlap's rounds a series: the attention alone and beside the transfer in turn, an even
+# count so that each order comes as often.
+OVERLAP_ROUNDS = 8
 # The overlap params (attention per call) and their console columns.
 OVERLAP_COLUMNS = (("attention_us", "attn alone (µs)"),
                    ("attention_overlapped_us", "attn overlapped (µs)"),
@@ -385,8 +388,11 @@ class TransferBench(OpBench):
             lines.append(f"overlap: the transfer on a side stream beside bf16 causal "
                          f"scaled_dot_product_attention {list(ATTENTION_SHAPE)} on the main "
                          f"stream, repeated to cover it (attention_repeat); time = the pair's; "
-                         f"attention_us alone and attention_overlapped_us per attention call, "
-                         f"attention_slowdown = overlapped / alone; transfer_overlapped_us")
+                         f"attention_us alone and attention_overlapped_us per attention call "
+                         f"(medians of {OVERLAP_ROUNDS} rounds after the timed calls, alone and "
+                         f"beside the transfer in turn), attention_slowdown = the geometric mean "
+                         f"of the rounds' overlapped / alone (low, high: their extremes); "
+                         f"transfer_overlapped_us")
         return lines
 
     # -- memory and bytes
@@ -723,41 +729,77 @@ class TransferBench(OpBench):
         alone = _event_time(attention)
         once = _event_time(lambda: transfer(0))
         repeat = max(1, math.ceil(once / alone))
-        records: list = []
-        self._overlap[p] = {"attention_us": alone * 1e6, "repeat": repeat, "records": records}
 
-        def call(i: int) -> None:
+        def attentions(main) -> list:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record(main)
+            for _ in range(repeat):
+                attention()
+            ev[1].record(main)
+            return ev
+
+        def pair(i: int) -> list:
+            """The transfer on the side stream beside the repeated attention on the main one:
+            events [transfer start, end, attention start, end]."""
             main = torch.cuda.current_stream(device)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 ev[0].record(side)
                 transfer(i)
                 ev[1].record(side)
-            ev[2].record(main)
-            for _ in range(repeat):
-                attention()
-            ev[3].record(main)
+            ev += attentions(main)
             main.wait_stream(side)
-            records.append(ev)
-            del records[:-SAMPLES_KEPT]
+            return ev
+
+        def alone_seq() -> list:
+            return attentions(torch.cuda.current_stream(device))
+
+        got = self._overlap[p] = {"repeat": repeat, "timed": 0, "pair": pair, "alone": alone_seq}
+
+        def call(i: int) -> None:
+            pair(i)
+            got["timed"] += 1
         return call
 
     def _overlap_params(self, p: Point) -> dict:
+        """The overlap figures, measured once a series after its timed calls (which time the
+        pair): OVERLAP_ROUNDS rounds of the attention alone and the pair, the two in turn
+        (alone first, then the pair first), so that clock drift over the series, which the
+        attention alone measured once before it does not see, cancels. The slowdown is the
+        geometric mean of the rounds' ratios, its low and high their extremes."""
         got = self._overlap.get(p)
-        if not got or not got["records"]:
+        if not got or not got["timed"]:
             return {}
-        got["records"][-1][3].synchronize()
-        xfer = statistics.median(a.elapsed_time(b) for a, b, _, _ in got["records"])  # ms
-        attn = statistics.median(c.elapsed_time(d) for _, _, c, d in got["records"])
-        # Per attention call on both sides: the overlapped figure is the repeated sequence's
-        # time over its repeat count, so that it compares with one call alone (the issue's
-        # target: attention beside a max_ctas=4 transfer within 5% of attention alone).
-        per_call = attn * 1e3 / got["repeat"]
-        return dict(attention_us=got["attention_us"], attention_overlapped_us=per_call,
-                    attention_repeat=got["repeat"],
-                    attention_slowdown=per_call / got["attention_us"],
-                    transfer_overlapped_us=xfer * 1e3)
+        if "params" not in got:
+            rounds = []
+            for r in range(OVERLAP_ROUNDS):
+                if r % 2:
+                    both = got["pair"](r)
+                    alone = got["alone"]()
+                else:
+                    alone = got["alone"]()
+                    both = got["pair"](r)
+                rounds.append((alone, both))
+            rounds[-1][0][1].synchronize()
+            rounds[-1][1][3].synchronize()
+            n = got["repeat"]
+            # Per attention call on both sides: the overlapped figure is the repeated sequence's
+            # time over its repeat count, so that it compares with one call alone (the issue's
+            # target: attention beside a max_ctas=4 transfer within 5% of attention alone).
+            a = [s.elapsed_time(e) * 1e3 / n for (s, e), _ in rounds]  # µs
+            o = [c.elapsed_time(d) * 1e3 / n for _, (_, _, c, d) in rounds]
+            x = [s.elapsed_time(e) * 1e3 for _, (s, e, _, _) in rounds]
+            ratios = [b / c for b, c in zip(o, a, strict=True)]
+            got["params"] = dict(
+                attention_us=statistics.median(a), attention_overlapped_us=statistics.median(o),
+                attention_repeat=n,
+                attention_slowdown=math.exp(statistics.fmean(map(math.log, ratios))),
+                attention_slowdown_low=min(ratios), attention_slowdown_high=max(ratios),
+                transfer_overlapped_us=statistics.median(x))
+            for key in ("pair", "alone"):  # the graphs and buffers they hold go with the series
+                got.pop(key)
+        return got["params"]
 
 
 # --- the table's cells --------------------------------------------------------------------------
