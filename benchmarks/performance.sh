@@ -78,7 +78,9 @@ run 03_mla-auto mla --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-fp8 mla --kv-cache-dtype fp8 --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-ds mla --kv-cache-dtype fp8_ds_mla \
     --num-tokens 1,16,1024,4096,16384,65536
-run 04_qknorm qk-norm-rope --layouts NHD --num-tokens 1,16,256,1024,4096,16384
+run 04_qknorm qk-norm-rope --layouts NHD --num-tokens 1,16,256,1024,2048,4096,16384
+run 04_qknorm-unit qk-norm-rope --layouts NHD --kv-cache-dtypes fp8 --fp8-scales 1,1 \
+    --num-tokens 1,16,256,1024,2048,4096,16384
 run 05_pth-h8 per-token-head --layouts NHD --num-tokens 1,16,256,1024,4096,16384,65536
 run 05_pth-h128 per-token-head --layouts NHD --num-heads 128 --num-tokens 1,16,256,1024,4096,16384 \
     --modes int8,fp8

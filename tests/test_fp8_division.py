@@ -411,3 +411,50 @@ def test_extreme_scales_end_to_end_gpu(kv, dtype, impl):
                                         one.cuda(), implementation=impl)
         assert_caches_equal(dk.cpu(), rk, "key_cache", fp8, nan_equal=True)
         assert_caches_equal(dv.cpu(), rv, "value_cache", fp8, nan_equal=True)
+
+
+# --- power-of-two scales: one product (kvw/fp8.cuh's pow2_scale_reciprocal) ----------------------
+
+_POW2_HARNESS = r"""
+#include "kvw/fp8.cuh"
+extern "C" void kvw_pow2_rcp(const float* s, float* r, long long n) {
+  for (long long i = 0; i < n; ++i) r[i] = pow2_scale_reciprocal(s[i]);
+}
+"""
+
+
+def test_pow2_scale_reciprocal_on_the_host(tmp_path_factory):
+    """pow2_scale_reciprocal (compiled for the host): 1 / s exactly for the positive powers of
+    two 2^-126 .. 2^126, 0 (the quotient) for every other scale: the powers whose reciprocal
+    would not be a normal float (2^127, subnormal ones), their neighbours, negative powers, zeros,
+    infinities, NaN and random bits. And the premise the kernels build on: for those scales,
+    RN(x * r) is RN(x / s) for every float32 x tried (subnormal results included)."""
+    import ctypes
+
+    import numpy as np
+
+    from host import build_host_lib
+    lib = build_host_lib(tmp_path_factory, _POW2_HARNESS, "kvwpow2", "power-of-two harness")
+    e = torch.arange(0, 255, dtype=torch.int64) << 23  # 0 .. 2^127 (0: the subnormal binade)
+    sub = torch.tensor([1 << k for k in range(23)], dtype=torch.int64)  # subnormal powers
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.cat([e, e[1:] + 1, e[1:] - 1, sub, e | (1 << 31), sub | (1 << 31),
+                      torch.tensor([0x7F800000, 0xFF800000, 0x7FC00000, 0x80000000]),
+                      torch.randint(0, 1 << 32, (4096,), generator=gen, dtype=torch.int64)])
+    s = bits.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    s = s.contiguous()
+    r = torch.empty_like(s)
+    lib.kvw_pow2_rcp(ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(r.data_ptr()),
+                     ctypes.c_longlong(s.numel()))
+    sb = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    ok = ((sb & 0x7FFFFF) == 0) & ((sb >> 23) >= 1) & ((sb >> 23) <= 253)
+    assert int(ok.sum()) == 253
+    want = torch.where(ok, 1.0 / s.double(), 0.0).float()
+    assert torch.equal(r.view(torch.int32), want.view(torch.int32))
+    x = torch.cat([torch.randint(0, 1 << 32, (1 << 14,), generator=gen, dtype=torch.int64),
+                   torch.arange(0, 1 << 12)]).bitwise_and(0xFFFFFFFF).to(torch.int32)
+    xf = x.view(torch.float32).numpy()
+    with np.errstate(all="ignore"):
+        for sv, rv in zip(s[ok].numpy(), r[ok].numpy(), strict=True):
+            prod, quot = xf * rv, xf / sv
+            assert np.array_equal(prod.view(np.int32), quot.view(np.int32)), sv

@@ -1923,3 +1923,25 @@ def test_differences_compares_whole_allocations_and_their_geometry():
     got.qkv = wider.view(q.dtype).as_strided(q.shape, q.stride(), q.storage_offset())
     got.qkv.copy_(q)
     assert differences(got, want).startswith("qkv: allocation bytes differs")
+
+
+def test_pow2_scales_case_gives_the_scales_it_names():
+    """fp8_scales="pow2" (the GPU matrix's cases of the kernel's power-of-two path): k, v and q
+    scales by head from POW2_SCALES (v's reversed), 1.0 per tensor; powers whose reciprocal is a
+    normal float and others (the quotient) side by side."""
+    from kvwrite.testing.qk_norm import POW2_SCALES, make_qk_norm_inputs
+    per_head = QkNormCase(num_q_heads=8, num_k_heads=8, head_size=128, kv_cache_dtype="fp8",
+                          per_head_scale=True, query_out="fp8_e4m3", q_scale_per_head=True,
+                          fp8_scales="pow2")
+    inp = make_qk_norm_inputs(per_head)
+    want = torch.tensor(POW2_SCALES, dtype=torch.float32)
+    assert torch.equal(inp.k_scale.reshape(-1), want)
+    assert torch.equal(inp.v_scale.reshape(-1), want.flip(0))
+    assert torch.equal(inp.q_scale.reshape(-1), want)
+    assert {2.0**-126, 2.0**126, 2.0**127, 3.0} <= set(want.tolist())
+    tensor = make_qk_norm_inputs(dataclasses.replace(per_head, per_head_scale=False,
+                                                     q_scale_per_head=False))
+    assert tensor.k_scale.numel() == tensor.v_scale.numel() == tensor.q_scale.numel() == 1
+    assert float(tensor.k_scale) == float(tensor.v_scale) == float(tensor.q_scale) == 1.0
+    with pytest.raises(ValueError, match="fp8_scales"):
+        make_qk_norm_inputs(dataclasses.replace(per_head, fp8_scales="unit"))

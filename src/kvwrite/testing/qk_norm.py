@@ -54,6 +54,9 @@ class QkNormCase(RotaryWriteCase):
     # qkv's own allocation past the heads (qkv's dtype).
     query_out: str | None = None
     q_scale_per_head: bool = False
+    # fp8 scales (k, v and q): "" random ones (not powers of two); "pow2": POW2_SCALES by head
+    # (v's reversed), 1.0 where a scale is per tensor.
+    fp8_scales: str = ""
 
     @property
     def num_values(self) -> int:
@@ -85,7 +88,8 @@ class QkNormCase(RotaryWriteCase):
                  (self.padding_slots, "pad"), (self.out_of_range_slots, "oob"),
                  (self.flat, "flat"), (self.row_pad, "rowpad"),
                  (self.head_pad, f"headpad{self.head_pad}"),
-                 (not self.rotate_key_in_place, "keyout"), (self.special, self.special))
+                 (not self.rotate_key_in_place, "keyout"), (self.special, self.special),
+                 (self.fp8_scales, f"scales-{self.fp8_scales}"))
         return "-".join(flag_parts(parts, flags))
 
 
@@ -262,6 +266,14 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
                       slot_dtype=case.slot_dtype, padding_slots=case.padding_slots,
                       out_of_range_slots=case.out_of_range_slots)
     ci = make_inputs(cache_case, "cpu", seed)
+    if case.fp8_scales == "pow2":
+        if case.cache_dtype.is_fp8:
+            ci.k_scale.copy_(_pow2_scales(ci.k_scale))
+            ci.v_scale.copy_(_pow2_scales(ci.v_scale, reverse=True))
+        if q_scale is not None:
+            q_scale = _pow2_scales(q_scale)
+    elif case.fp8_scales:
+        raise ValueError(f"fp8_scales: expected '' or 'pow2', got {case.fp8_scales!r}")
 
     if query_out is not None and not case.flat:
         query_out = query_out.unflatten(1, (hq, d))
@@ -357,6 +369,19 @@ def _norm_matrix() -> list[QkNormCase]:
     return cases
 
 
+# Scales of fp8_scales="pow2": powers of two the kernels multiply by (1.0: vLLM's default; the
+# extremes 2^-126 and 2^126) and, between them, scales that take the quotient (2^127 and a
+# subnormal power: their reciprocals are not normal floats; 3.0).
+POW2_SCALES = (1.0, 0.5, 2.0**-126, 2.0**126, 2.0**127, 2.0**-7, 3.0, 2.0**-149)
+
+
+def _pow2_scales(like: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """``like``'s shape filled with POW2_SCALES by element (1.0 for one element)."""
+    n = like.numel()
+    v = [1.0] if n == 1 else [POW2_SCALES[i % len(POW2_SCALES)] for i in range(n)]
+    return torch.tensor(v[::-1] if reverse else v, dtype=torch.float32).reshape(like.shape)
+
+
 def _fused_matrix() -> list[QkNormCase]:
     cases = []
     # Every layout × allocation × a few cache dtypes.
@@ -400,6 +425,9 @@ def _fused_matrix() -> list[QkNormCase]:
                    dtype=torch.float32, query_out="fp8_e4m3"),
         QkNormCase(num_tokens=5, special="nan", kv_cache_dtype="fp8_e5m2", dtype=torch.float32),
         QkNormCase(num_tokens=5, special="inf"),
+        QkNormCase(num_tokens=9, num_q_heads=8, num_k_heads=8, head_size=128,
+                   dtype=torch.bfloat16, kv_cache_dtype="fp8", per_head_scale=True,
+                   fp8_scales="pow2"),
     ]
     # Padded heads (see _norm_matrix): the value heads and the cache write through the head
     # stride too, query_out (dense) in place and apart, a spare region after padded heads.
@@ -535,6 +563,25 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
                             head_size=128, head_pad=64, dtype=torch.bfloat16,
                             kv_cache_dtype="fp8", num_blocks=260, bad_positions=5,
                             max_position=8192))
+    # Power-of-two scales (one product an element) beside scales that take the quotient, per
+    # head and per tensor (1.0), fp8 caches and queries of both kinds, the special rows, small
+    # and large calls.
+    for kv, qo, per_head, dtype, special, t in (
+            ("fp8", None, True, torch.bfloat16, "", 19),
+            ("fp8_e5m2", None, True, torch.float16, "", 19),
+            ("fp8", None, False, torch.bfloat16, "", 19),
+            ("fp8", None, True, torch.bfloat16, "nan", 9),
+            ("fp8_e5m2", None, True, torch.float16, "huge", 9),
+            ("fp8", None, True, torch.bfloat16, "", 4000),
+            ("fp8", "fp8_e4m3", True, torch.bfloat16, "", 19),
+            ("fp8_e5m2", "fp8_e5m2", True, torch.float32, "nan", 9)):
+        cases.append(QkNormCase(num_tokens=t, num_q_heads=32, num_k_heads=8, head_size=128,
+                                dtype=dtype, kv_cache_dtype=kv, query_out=qo,
+                                per_head_scale=per_head,
+                                q_scale_per_head=per_head and qo is not None,
+                                fp8_scales="pow2", special=special, padding_slots=2,
+                                num_blocks=260 if t > 1000 else 4, max_position=8192,
+                                alloc=KVAlloc.PACKED))
     return cases
 
 

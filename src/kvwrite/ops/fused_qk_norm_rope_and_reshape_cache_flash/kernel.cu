@@ -10,8 +10,9 @@
 // head's group also carries its value head (Hv == Hk): it loads the value's chunks with the
 // key's (tokens t < num_tokens), and for a slot in [0, num_slots) stores Q(key as rounded to
 // qkv's dtype) and Q(value) chunk by chunk (kvw/vec_io.cuh's convert_chunk: copies, casts, fp8
-// by the contract's rule with scales read on the device). A token whose position is outside the
-// table is not touched at all. The large-call build (VALUE_FIRST) converts the value before it
+// by the contract's rule with scales read on the device; convert_chunks: a power-of-two
+// scale by one product an element). A token whose position is outside the table is not touched
+// at all. The large-call build (VALUE_FIRST) converts the value before it
 // requests the table's entries and stores it then, or right after the key's chunks where a
 // head's cache row is 128 bytes (value_after below); the small-call build requests the table's
 // entries first and converts the value while they are in flight.
@@ -111,7 +112,17 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   // bytes under the large-call build's 48 registers.
   const bool value_after = !VALUE_FIRST || (OB == 1 && head_size == 128);
   i64 coff = 0;  // the (slot, head) row's element offset in either cache
+  // fp8 scales: the quotient's constants (ks, vs, qs) and, where a cache's scale is a power of
+  // two, its exact reciprocal (kr, vr; else 0), which converts by one product an element
+  // (vLLM's default scale 1.0). The choice is a head's: uniform within a group. Where (P2): the
+  // large-call build, without an fp8 query. Measured (H200, Qwen3-8B, docs/tuning-log.md change
+  // 100): scales 1.0 0.88-0.97 of the quotient's time from T = 1024, other scales 0.97-1.01;
+  // in the small-call build the scales' test lengthened a small call's chain (other scales
+  // +2-4% at T <= 256); the fp8-query builds already spill under the bound (bfloat16 D = 128:
+  // 32 bytes, float16 D = 64: 16) and the second branch spilled more (float16 D = 64: 36).
+  constexpr bool P2 = VALUE_FIRST && !QFP8;
   Fp8Scale ks{}, vs{}, qs{};
+  float kr = 0.0f, vr = 0.0f;
   Raw<V * OB> cv[E / V];  // the value's chunks converted to the cache's kind
   const auto converted = [&](const Raw<V * IB>& in, const Fp8Scale& sc) -> Raw<V * OB> {
     if constexpr (OUT == DT_COPY) {
@@ -128,8 +139,14 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
       ks = make_fp8_scale<true>(k_s);
       vs = make_fp8_scale<true>(v_s);
     }
+    if constexpr (P2 && FP8) {
+      kr = pow2_scale_reciprocal(k_s);
+      vr = pow2_scale_reciprocal(v_s);
+      convert_chunks<IN, OUT, V>(v.c, vs, vr, cv);
+    } else {
 #pragma unroll
-    for (int k = 0; k < E / V; ++k) cv[k] = converted(v.c[k], vs);
+      for (int k = 0; k < E / V; ++k) cv[k] = converted(v.c[k], vs);
+    }
   };
   const auto store_value = [&]() {
 #pragma unroll
@@ -188,7 +205,15 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     const u32 b = LY::off(i0, k * V);
     if (b >= static_cast<u64>(head_size)) continue;
     const i64 c = (coff + b) * OB;
-    store_raw<V * OB>(key_cache + c, converted(out.c[k], ks));
+    if constexpr (P2 && FP8) {
+      // A chunk at a time (a row's chunks held at once spilled under the large-call bound).
+      const Raw<V * IB> in[1] = {out.c[k]};
+      Raw<V * OB> ck[1];
+      convert_chunks<IN, OUT, V>(in, ks, kr, ck);
+      store_raw<V * OB>(key_cache + c, ck[0]);
+    } else {
+      store_raw<V * OB>(key_cache + c, converted(out.c[k], ks));
+    }
     if (value_after) store_raw<V * OB>(value_cache + c, cv[k]);
   }
 }

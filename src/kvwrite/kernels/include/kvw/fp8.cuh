@@ -282,6 +282,16 @@ KVW_HD float pow2_reciprocal(float s) {
   return e >= 255u ? 0.0f : bits_f32((254u - e) << 23);
 }
 
+// The exact reciprocal of a scale s where s is a positive power of two whose reciprocal is a
+// normal float, 2^-126 <= s <= 2^126; else 0: a scale the caller quantizes by the quotient
+// (fp8_quantize). Decides, for a scale read at run time (vLLM's default 1.0), whether
+// fp8_quantize_pow2's one product an element gives the quotient's codes. Host-testable.
+KVW_HD float pow2_scale_reciprocal(float s) {
+  const u32 b = f32_bits(s);
+  const u32 e = b >> 23;  // with the sign bit: a negative s gives e >= 256
+  return (b & 0x7FFFFFu) == 0u && e >= 1u && e <= 253u ? bits_f32((254u - e) << 23) : 0.0f;
+}
+
 // fp8_quantize for a power-of-two scale: Q(x) = fp8(RN(x * r)), r = pow2_reciprocal(s), the
 // same codes as fp8_quantize's exact quotient at one multiplication an element (measured on an
 // H200: fp8_ds_mla's "pow2" rule took 8.97 us against 7.23 for "amax" at T = 16384, hot, through

@@ -293,4 +293,33 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
   }
   return out;
 }
+
+// N chunks converted to OUT (DT_COPY: the bits as they are; CB: an output chunk's bytes) under scale
+// sc: an fp8 OUT where r = pow2_scale_reciprocal(sc.s) is not 0 (a power of two) by
+// fp8_quantize_pow2 (the quotient's codes by one product an element), else convert_chunk. One
+// choice for the N chunks, so that each branch is a straight run of conversions.
+template <int IN, int OUT, int VEC, int N, int CB>
+KVW_HD void convert_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], const Fp8Scale& sc,
+                           float r, Raw<CB> (&out)[N]) {
+  if constexpr (OUT == DT_COPY) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = in[k];
+  } else if constexpr (OUT == DT_E4M3 || OUT == DT_E5M2) {
+    if (r != 0.0f) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        float x[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in[k], i);
+        fp8_quantize_pow2<OUT, VEC>(x, out[k].w, r);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
+  }
+}
 #endif  // !KVWRITE_HOST_TEST || KVWRITE_EMU
