@@ -10,12 +10,12 @@
 // head's group also carries its value head (Hv == Hk): it loads the value's chunks with the
 // key's (tokens t < num_tokens), and for a slot in [0, num_slots) stores Q(key as rounded to
 // qkv's dtype) and Q(value) chunk by chunk (kvw/vec_io.cuh's convert_chunk: copies, casts, fp8
-// by the contract's rule with scales read on the device; convert_chunks: a power-of-two
+// by the contract's rule with scales read on the device; convert_fp8_chunks: a power-of-two
 // scale by one product an element). A token whose position is outside the table is not touched
-// at all. The large-call build (VALUE_FIRST) converts the value before it
-// requests the table's entries and stores it then, or right after the key's chunks where a
-// head's cache row is 128 bytes (value_after below); the small-call build requests the table's
-// entries first and converts the value while they are in flight.
+// at all. The large-call build (VALUE_FIRST) converts the value before it requests the table's
+// entries and stores it then, or right after the key's chunks where a head's cache row is 128
+// bytes (value_after below); the small-call build requests the table's entries first and
+// converts the value while they are in flight.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/vec_io.cuh"
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
     if constexpr (P2 && FP8) {
       kr = pow2_scale_reciprocal(k_s);
       vr = pow2_scale_reciprocal(v_s);
-      convert_chunks<IN, OUT, V>(v.c, vs, vr, cv);
+      convert_fp8_chunks<IN, OUT, V>(v.c, vs, vr, cv);
     } else {
 #pragma unroll
       for (int k = 0; k < E / V; ++k) cv[k] = converted(v.c[k], vs);
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
       // A chunk at a time (a row's chunks held at once spilled under the large-call bound).
       const Raw<V * IB> in[1] = {out.c[k]};
       Raw<V * OB> ck[1];
-      convert_chunks<IN, OUT, V>(in, ks, kr, ck);
+      convert_fp8_chunks<IN, OUT, V>(in, ks, kr, ck);
       store_raw<V * OB>(key_cache + c, ck[0]);
     } else {
       store_raw<V * OB>(key_cache + c, converted(out.c[k], ks));

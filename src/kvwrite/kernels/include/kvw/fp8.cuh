@@ -289,7 +289,7 @@ KVW_HD float pow2_reciprocal(float s) {
 KVW_HD float pow2_scale_reciprocal(float s) {
   const u32 b = f32_bits(s);
   const u32 e = b >> 23;  // with the sign bit: a negative s gives e >= 256
-  return (b & 0x7FFFFFu) == 0u && e >= 1u && e <= 253u ? bits_f32((254u - e) << 23) : 0.0f;
+  return (b & 0x7FFFFFu) == 0u && e >= 1u && e <= 253u ? pow2_reciprocal(s) : 0.0f;
 }
 
 // fp8_quantize for a power-of-two scale: Q(x) = fp8(RN(x * r)), r = pow2_reciprocal(s), the

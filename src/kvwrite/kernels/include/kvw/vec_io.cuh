@@ -294,28 +294,21 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
   return out;
 }
 
-// N chunks converted to OUT (DT_COPY: the bits as they are; CB: an output chunk's bytes) under scale
-// sc: an fp8 OUT where r = pow2_scale_reciprocal(sc.s) is not 0 (a power of two) by
-// fp8_quantize_pow2 (the quotient's codes by one product an element), else convert_chunk. One
-// choice for the N chunks, so that each branch is a straight run of conversions.
-template <int IN, int OUT, int VEC, int N, int CB>
-KVW_HD void convert_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], const Fp8Scale& sc,
-                           float r, Raw<CB> (&out)[N]) {
-  if constexpr (OUT == DT_COPY) {
+// N chunks converted to an fp8 kind OUT under scale sc, where r = pow2_scale_reciprocal(sc.s):
+// by fp8_quantize_pow2 (the quotient's codes by one product an element) where r is not 0 (a
+// power of two), else by convert_chunk's quotient. One test for the N chunks, so that each
+// branch is a straight run of conversions.
+template <int IN, int OUT, int VEC, int N>
+KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], const Fp8Scale& sc,
+                               float r, Raw<VEC> (&out)[N]) {
+  static_assert(OUT == DT_E4M3 || OUT == DT_E5M2, "fp8 kinds only");
+  if (r != 0.0f) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = in[k];
-  } else if constexpr (OUT == DT_E4M3 || OUT == DT_E5M2) {
-    if (r != 0.0f) {
+    for (int k = 0; k < N; ++k) {
+      float x[VEC];
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        float x[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in[k], i);
-        fp8_quantize_pow2<OUT, VEC>(x, out[k].w, r);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
+      for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in[k], i);
+      fp8_quantize_pow2<OUT, VEC>(x, out[k].w, r);
     }
   } else {
 #pragma unroll
