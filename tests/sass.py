@@ -70,7 +70,7 @@ def dump_sass(cubin: bytes, tmp_path) -> str:
                           check=True).stdout
 
 
-_OP = re.compile(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+ )?(\S+)", re.M)
+_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+ )?(\S+)", re.M)
 
 
 def opcodes(sass: str) -> list[str]:
@@ -89,7 +89,7 @@ def functions(sass: str) -> dict[str, list[str]]:
     return {name: opcodes(text) for name, text in function_listings(sass).items()}
 
 
-_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+ )?([^;]*);\s*/\* (0x[0-9a-f]{16}) \*/\s*$"
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+ )?([^;]*);\s*/\* (0x[0-9a-f]{16}) \*/\s*$"
                     r"\n^\s*/\* (0x[0-9a-f]{16}) \*/", re.M)
 
 
