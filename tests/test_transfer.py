@@ -974,7 +974,7 @@ def test_plan_cache_memoizes_the_cuda_launches():
                     and kvwrite.kernels.triton_transfer.available(torch.device("cpu")) is not None,
                     reason="Triton's interpreter (TRITON_INTERPRET=1) or a GPU")
 def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
-    """triton_transfer.run of cached plans (its per-job shapes memoized) with new mappings writes
+    """triton_transfer.run of cached plans (its launches memoized) with new mappings writes
     what the same jobs in a plain tuple (nothing memoized) write."""
     from kvwrite.kernels import triton_transfer
 
@@ -992,7 +992,7 @@ def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
             triton_transfer.run(plan)
             if memo:
                 key = (plan.jobs.launch_key, triton_transfer.TUNING, len(pairs), None, device)
-                assert key in triton_transfer._SHAPES
+                assert key in triton_transfer._LAUNCHES
         return [storage_bytes(t).cpu() for t in dst]
 
     for got, want in zip(run(True), run(False), strict=True):

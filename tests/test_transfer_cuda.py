@@ -333,6 +333,25 @@ def test_gpu_forty_jobs_of_one_geometry_take_two_launches(monkeypatch):
     assert len(calls) == 2
 
 
+def test_launchable_triggers_early_only_where_asked(monkeypatch):
+    """A plan under an SM budget (``early_trigger`` False) loads the PDL twin built without the
+    early trigger (nvrtc.PDL_NO_TRIGGER_MACRO); the two twins are cached apart."""
+    asked = []
+    monkeypatch.setattr(launch, "require_setup", lambda: None)
+    monkeypatch.setattr(nvrtc, "load_kernels",
+                        lambda source, name, macros, index, trigger=True:
+                        (asked.append(trigger), ("plain", f"pdl-{trigger}"))[1])
+    monkeypatch.setattr(tc, "LAUNCHES", launch.LaunchCache())
+    assert tc._launchable("k", 0, False).pdl_kernel == "pdl-False"
+    assert tc._launchable("k", 0, True).pdl_kernel == "pdl-True"
+    assert tc._launchable("k", 0, False).pdl_kernel == "pdl-False"
+    assert asked == [False, True]
+    plan = tp.make_plan("relayout_kv_cache", [], torch.zeros(1, 2, dtype=torch.int32), 1,
+                        torch.device("cpu"), 4)
+    assert not plan.early_trigger
+    assert dataclasses.replace(plan, max_ctas=None).early_trigger
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("pinned", [None, "dst"])

@@ -220,10 +220,67 @@ def test_several_layers_and_in_place(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_ctas", [2, None])
+def test_jobs_of_one_shape_share_a_launch(device, max_ctas):
+    """40 layers of one shape, each its own allocation (some views past their storage's start, a
+    source allocated after its destination: offsets of both signs): two launches (SLOTS = 32,
+    then 8) whose offsets select each job's tensors; whole allocations compared. A layer of
+    another dtype (the sixth) is its own launch, after them (groups in their first job's
+    order)."""
+    views = []
+    for n in range(40):
+        dst = alloc((7, 2, 4, 8), torch.float16, device, 100 + n)
+        src = alloc((6 + n % 3, 2, 4, 8), torch.float16, device, 200 + n)[n % 3:]
+        views.append((src, dst))
+    views.insert(5, (alloc((5, 2, 4, 8), torch.float32, device, 99),
+                     alloc((6, 2, 4, 8), torch.float32, device, 98)))
+    check_copies(PAIRS, views, device, max_ctas=max_ctas)
+    plan = make_plan(mapping_tensor(PAIRS, torch.int64, device, "plain"),
+                     [copy_job(s, d) for s, d in views], max_ctas=max_ctas)
+    launches = tt.copy_launches(plan)
+    assert [len(cl.jobs) for cl in launches] == [32, 8, 1]
+    assert [len(cl.src_offs) for cl in launches] == [32, 8, 1]
+    assert launches[2].jobs == (5,)
+    assert all(cl.grid[0] <= (max_ctas or 1 << 30) for cl in launches)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_pairs_writes_nothing(device):
     src = alloc((5, 2, 4, 8), torch.float16, device, 19)
     dst = alloc((6, 2, 4, 8), torch.float16, device, 20)
     check_copies([], [(src, dst)], device)
+
+
+class _Recorder:
+    """A stand-in for a Triton kernel: ``kernel[grid](*args, **kw)`` records the launch's
+    ``PDL`` and ``PDL_TRIGGER``."""
+
+    def __init__(self):
+        self.launches: list[tuple[bool, bool]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((kw["PDL"], kw["PDL_TRIGGER"]))
+
+
+@pytest.mark.skipif(tt.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("max_ctas", [None, 4])
+def test_no_early_trigger_under_an_sm_budget(monkeypatch, max_ctas):
+    """Under ``max_ctas`` no launch lets the next kernel be scheduled early (a triggered launch's
+    programs sit resident waiting for the one before, so a call's launch per job would hold every
+    job's programs at once); without it the tuning's policy stands. Copy and page launches; PDL
+    forced on (the CPU never takes it)."""
+    monkeypatch.setattr(tt, "pdl_launch", lambda *a: (True, True))
+    copies, pages = _Recorder(), _Recorder()
+    monkeypatch.setattr(tt, "_copy_kernel", copies)
+    monkeypatch.setattr(tt, "_pack_kernel", pages)
+    mapping = torch.tensor(PAIRS, dtype=torch.int32)
+    a, b = torch.zeros(5, 2, 4, 8), torch.zeros(6, 2, 4, 8)
+    tt.run(make_plan(mapping, [copy_job(a, b), copy_job(b, a)], max_ctas=max_ctas))
+    tt.run(make_plan(mapping[:2], page_job=Pages("fp8_e4m3", torch.float16, "cpu").job("pack"),
+                     max_ctas=max_ctas))
+    want = (True, max_ctas is None)
+    assert copies.launches == [want, want]
+    assert pages.launches and set(pages.launches) == {want}
 
 
 # --- quantized pages -----------------------------------------------------------------------------
@@ -500,6 +557,8 @@ class Compile:
                 if isinstance(a, torch.Tensor):
                     sig[params[i]] = TY[a.dtype]
                     attrs[(i,)] = [["tt.divisibility", 16]]
+                elif isinstance(a, tuple):  # the copy kernel's offsets
+                    sig[params[i]] = tuple("i64" if abs(x) >= 2**31 else "i32" for x in a)
                 else:
                     sig[params[i]] = "i64" if abs(a) >= 2**31 else "i32"
             for n, v in kw.items():

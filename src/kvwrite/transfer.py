@@ -155,6 +155,16 @@ class TransferPlan:
     args: dict
     peer: torch.device | None = None
 
+    @property
+    def early_trigger(self) -> bool:
+        """Whether the call's kernels may let the next kernel of the stream be scheduled before
+        they finish (programmatic dependent launch's early trigger): not under an SM budget
+        (``max_ctas``). A triggered launch's CTAs are resident while they wait for the one before
+        it, and each of them triggers the next at its start, so a call of many launches (Triton's,
+        a launch per job) would hold up to every launch's CTAs at once, far beyond the budget,
+        keeping a concurrent kernel off those SMs. Both implementations ask this."""
+        return self.max_ctas is None
+
 
 # --- the page: its size (SPEC §9.4) ---------------------------------------------------------------
 

@@ -456,12 +456,14 @@ def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
 LAUNCHES = launch.LaunchCache()
 
 
-def _launchable(name: str, index: int) -> launch.Launchable:
-    lau = LAUNCHES.get((name, index))
+def _launchable(name: str, index: int, trigger: bool) -> launch.Launchable:
+    """Variant ``name`` on device ``index``; its PDL twin triggers the next kernel early only
+    with ``trigger`` (a plan's ``early_trigger``: not under an SM budget)."""
+    lau = LAUNCHES.get((name, index, trigger))
     if lau is None:
         launch.require_setup()
-        kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, (), index)
-        lau = LAUNCHES[(name, index)] = launch.Launchable(kernel, pdl_kernel, index, ())
+        kernel, pdl_kernel = nvrtc.load_kernels(SOURCE, name, (), index, trigger=trigger)
+        lau = LAUNCHES[(name, index, trigger)] = launch.Launchable(kernel, pdl_kernel, index, ())
     return lau
 
 
@@ -481,8 +483,9 @@ def _grid(work_items: int, per_cta: int, index: int, max_ctas: int | None,
 
 
 def _launch(name: str, index: int, work_items: int, per_cta: int, threads: int,
-            max_ctas: int | None, ctas_per_sm: int, tuning: TransferTuning, *args) -> None:
-    lau = _launchable(name, index)
+            max_ctas: int | None, ctas_per_sm: int, tuning: TransferTuning, trigger: bool,
+            *args) -> None:
+    lau = _launchable(name, index, trigger)
     grid = _grid(work_items, per_cta, index, max_ctas, ctas_per_sm)
     kernel, pdl = lau.pick(grid, tuning.pdl_max_ctas)
     nvrtc.launch(index, nvrtc.launch_config(grid, 1, threads, 1, pdl), kernel, *args)
@@ -597,14 +600,14 @@ def run(plan: TransferPlan, *, tuning: TransferTuning = TUNING) -> None:
     with torch.cuda.device(index):
         for c in copy_calls(plan, tuning):
             _launch(c.name, index, c.work, c.threads // 32 * c.per_warp, c.threads,
-                    plan.max_ctas, c.ctas_per_sm, tuning, *c.args)
+                    plan.max_ctas, c.ctas_per_sm, tuning, plan.early_trigger, *c.args)
         if plan.page_job is not None:
             _run_pages(plan, index, tuning)
 
 
 def _run_pages(plan: TransferPlan, index: int, tuning: TransferTuning) -> None:
     for pa in page_launch_args(plan, tuning, nvrtc.device_arch(index)[1]):
-        lau = _launchable(pa.name, index)
+        lau = _launchable(pa.name, index, plan.early_trigger)
         kernel, pdl = lau.pick(pa.grid, tuning.pdl_max_ctas)
         nvrtc.launch(index, nvrtc.launch_config(pa.grid, 1, pa.threads, 1, pdl), kernel,
                      *pa.args)

@@ -1,11 +1,13 @@
 """The Triton implementation of every transfer op (SPEC §9, kvwrite.transfer): ``run(plan)``
 executes a :class:`kvwrite.transfer.TransferPlan` on PyTorch's current stream.
 
-Raw copies (``plan.jobs``): one launch of :func:`_copy_kernel` per :class:`CopyJob`. Triton takes
-a fixed argument list, so several jobs in one launch would need either fixed pointer slots (one
-compiled variant per slot count, and a select chain per tile) or a device table of pointers,
-whose upload per call is a host-to-device copy that breaks CUDA-graph capture without a warm-up
-call; a launch per job keeps each job's geometry in its own compiled constants. A side is
+Raw copies (``plan.jobs``): one launch of :func:`_copy_kernel` per group of at most
+:data:`SLOTS` jobs of one compiled shape (:func:`copy_launches`: a multi-layer call of one layout
+is one launch). Triton takes a fixed argument list and a device table of pointers would need a
+host-to-device copy per call (no CUDA-graph capture without a warm-up call), so a launch passes
+its first job's storages as the pointers and every job's first vector of a side as an offset
+past them, in tuple arguments (one flat address space: device memory, a peer's and pinned host
+memory under unified addressing); a tile's job selects its offsets from the tuples. A side is
 addressed through its whole storage viewed as integers of the vector width ``W`` (the largest of
 16/8/4/2/1 bytes dividing both storages' base, both sides' first byte, every byte stride in use
 and the run length), with its first byte and strides in vectors; a vector of 8 or 16 bytes is 2
@@ -53,7 +55,19 @@ from .triton_support import PdlTuning, next_pow2, pdl_launch, storage_view
 if TYPE_CHECKING:
     from ..transfer import CopyJob, PageJob, Side, TransferPlan
 
-__all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run"]
+__all__ = ["TritonTuning", "TUNING", "SLOTS", "CopyLaunch", "copy_launches", "available",
+           "unsupported", "run"]
+
+# Jobs of one copy launch, at most: its offsets are tuples of SLOTS values (one compiled variant a
+# power of two up to it); a 64-layer call of one layout (Qwen3-32B's K and V) in two launches.
+SLOTS = 32
+# A launch passes an offset x as 16 * x + _OFFSET_BIAS (the kernel takes it back): Triton
+# specializes an int argument on its value (int32 where it fits, else int64; divisible by 16 or
+# not), also inside a tuple (which do_not_specialize cannot name), so raw offsets would compile a
+# variant per pattern; encoded, every one is an int64 divisible by 16: one variant (|x| < 2^37
+# vectors: 2 TiB).
+_OFFSET_BIAS = 1 << 44
+
 
 # FMT codes of the page kernels.
 _FMT = {"fp8_e4m3": 1, "fp8_e5m2": 2, "nvfp4": 3}
@@ -70,10 +84,29 @@ class TritonTuning(PdlTuning):
     PCIe latency)."""
 
     copy_tile_bytes: int = 32768
+    # The tile of a job that reads pinned host memory (h2d): its loads wait a PCIe round trip, so
+    # a program's bytes in flight bound it (as the CUDA kernel's loads_in_flight_host): 64 KiB.
+    # Measured (H200, a launch a job, 32 Llama-3-8B layers, h2d, tuning-log 101), GB/s at 1 / 2
+    # programs, 16 / 128 blocks: 32 KiB 19 / 20, 35 / 36; 64 KiB 33 / 35, 45 / 51; 128 KiB 40 /
+    # 47, 46 / 51 but raw pages unpacked from the host 23 / 23 (64 KiB: 28 / 32); 256 KiB 35 / 42.
+    host_read_tile_bytes: int = 65536
     copy_warps: int = 16
     # Page kernels: elements of a tile (rows x elements of one part).
     page_tile_elems: int = 2048
     page_warps: int = 4
+    # Warps of a program that writes pinned host memory (d2h): 4. A program of a copy launch
+    # stays on its SM for the whole call, and fewer warps leave room on it for a concurrent
+    # kernel's CTAs (the CUDA kernel's host_cta_threads). Measured (H200, 32 Llama-3-8B layers
+    # d2h, max_ctas = 4, beside bf16 causal SDPA [1, 32, 8192, 128], tuning-log 101), the
+    # attention's time against alone at 16 / 128 blocks: 16 warps 1.06 / 1.12, 8 1.03 / 1.09, 4
+    # 1.01 / 1.06; alone 52.3-52.6 GB/s at every count.
+    host_write_warps: int = 4
+    # Jobs per copy launch, at most SLOTS: every slot. Measured (H200, 32 Llama-3-8B layers' K
+    # and V: 64 jobs, 16 / 128 blocks, tuning-log 101), GB/s at 1 / 4 / every program(s) a
+    # launch, 1 / 4 / 32 jobs a launch: d2d 16 blocks 42 / 44 / 46, 124 / 153 / 169, 459 / 972 /
+    # 1289; 128 blocks, every program 1278 / 1749 / 1805; h2d 16 blocks 34 / 38 / 39, 45 / 49 /
+    # 51 (the link: 55).
+    jobs_per_launch: int = SLOTS
     # Programs per SM without max_ctas.
     programs_per_sm: int = 4
 
@@ -96,12 +129,13 @@ if triton is not None:
         j = tl.load(map_ptr + mo + map_s1, mask=ok, other=-1).to(tl.int64)
         return i, j, ok & (i >= 0) & (i < src_blocks) & (j >= 0) & (j < dst_blocks)
 
-    @triton.jit(do_not_specialize=["pairs", "tiles", "src_blocks", "dst_blocks", "map_s0",
-                                   "map_s1"])
+    @triton.jit(do_not_specialize=["pairs", "jobs", "job_tiles", "src_blocks", "dst_blocks",
+                                   "map_s0", "map_s1"])
     def _copy_kernel(
-        src_ptr, dst_ptr,  # storages as uint8 / int16 / int32 lanes
-        map_ptr, pairs, tiles, map_s0, map_s1, src_blocks, dst_blocks,
-        src_off, dst_off,  # first byte of each side, in vectors of VEC lanes
+        src_ptr, dst_ptr,  # the first job's storages as uint8 / int16 / int32 lanes
+        map_ptr, pairs, jobs, job_tiles, map_s0, map_s1, src_blocks, dst_blocks,
+        src_offs, dst_offs,  # each job's first byte of a side past its pointer (_offsets)
+        SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr,  # the offsets' length, their encoding
         S_SB: tl.constexpr, S_SH: tl.constexpr, S_ST: tl.constexpr, S_SC: tl.constexpr,  # vectors
         D_SB: tl.constexpr, D_SH: tl.constexpr, D_ST: tl.constexpr, D_SC: tl.constexpr,
         HEADS: tl.constexpr, TOKENS: tl.constexpr, ELEMS: tl.constexpr,  # rows of a pair
@@ -113,27 +147,42 @@ if triton is not None:
         ROWS: tl.constexpr = HEADS * TOKENS * ELEMS
         NCH: tl.constexpr = (RUN + BLOCK_C - 1) // BLOCK_C
         total = pairs.to(tl.int64) * ROWS
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            rt = tile // NCH
-            ch = tile - rt * NCH
-            r = rt.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-            r_ok = r < total
-            m = r // ROWS
-            rem = r - m * ROWS
-            c = rem % ELEMS
-            rem = rem // ELEMS
-            t = rem % TOKENS
-            h = rem // TOKENS
-            i, j, ok = _pair(map_ptr, m, map_s0, map_s1, src_blocks, dst_blocks, r_ok)
-            so = (src_off + i * S_SB + h * S_SH + t * S_ST + c * S_SC) * VEC
-            do = (dst_off + j * D_SB + h * D_SH + t * D_ST + c * D_SC) * VEC
-            col = ch * BLOCK_C + tl.arange(0, BLOCK_C)
-            if RUN % BLOCK_C == 0:  # no column mask: the compiler sees whole vectors
-                mask = tl.broadcast_to(ok[:, None], (BLOCK_R, BLOCK_C))
-            else:
-                mask = ok[:, None] & (col < RUN)[None, :]
-            x = tl.load(src_ptr + so[:, None] + col[None, :], mask=mask)
-            tl.store(dst_ptr + do[:, None] + col[None, :], x, mask=mask)
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        # The launch's tiles job after job, dealt to the programs in turn (tile n of the launch
+        # to program n mod programs). A job's offsets are chosen once a job, not once a tile:
+        # measured (H200, 64 Llama-3-8B jobs of 16 blocks, d2d), the choice among 32 slots made
+        # a tile took 1 / 4 programs 15.3 / 61 GB/s against 39 / 119 with a launch a job.
+        for job in range(0, jobs):
+            src_off = src_offs[0]
+            dst_off = dst_offs[0]
+            for k in tl.static_range(1, SLOTS):
+                src_off = tl.where(job == k, src_offs[k], src_off)
+                dst_off = tl.where(job == k, dst_offs[k], dst_off)
+            src_off = (src_off - OFFSET_BIAS) // 16
+            dst_off = (dst_off - OFFSET_BIAS) // 16
+            first = (pid + programs - (job * job_tiles) % programs) % programs
+            for tile in range(first, job_tiles, programs):
+                rt = tile // NCH
+                ch = tile - rt * NCH
+                r = rt.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+                r_ok = r < total
+                m = r // ROWS
+                rem = r - m * ROWS
+                c = rem % ELEMS
+                rem = rem // ELEMS
+                t = rem % TOKENS
+                h = rem // TOKENS
+                i, j, ok = _pair(map_ptr, m, map_s0, map_s1, src_blocks, dst_blocks, r_ok)
+                so = (src_off + i * S_SB + h * S_SH + t * S_ST + c * S_SC) * VEC
+                do = (dst_off + j * D_SB + h * D_SH + t * D_ST + c * D_SC) * VEC
+                col = ch * BLOCK_C + tl.arange(0, BLOCK_C)
+                if RUN % BLOCK_C == 0:  # no column mask: the compiler sees whole vectors
+                    mask = tl.broadcast_to(ok[:, None], (BLOCK_R, BLOCK_C))
+                else:
+                    mask = ok[:, None] & (col < RUN)[None, :]
+                x = tl.load(src_ptr + so[:, None] + col[None, :], mask=mask)
+                tl.store(dst_ptr + do[:, None] + col[None, :], x, mask=mask)
 
     @triton.jit
     def _fp8_bits(q, FMT: tl.constexpr):
@@ -349,26 +398,34 @@ def _used(stride: int, size: int) -> int:
     return stride if size > 1 else 0
 
 
-def _launch_copy(job: CopyJob, plan: TransferPlan, tuning: TritonTuning, shape=None) -> None:
-    """Launch one job; ``shape``: its :func:`_copy_shape` where the caller has it (memoized)."""
-    shape = _copy_shape(job, plan, tuning) if shape is None else shape
-    if not shape:
-        return
-    lane_dtype, grid, src_base, dst_base, consts = shape
-    pdl, trigger = pdl_launch(plan.device, grid[0], tuning.pdl_max_programs,
+def _pdl(plan: TransferPlan, programs: int, tuning: TritonTuning) -> tuple[bool, bool]:
+    """(PDL, TRIGGER) of a launch of ``programs`` programs of ``plan``: the tuning's policy, the
+    early trigger only where the plan allows it (``plan.early_trigger``: not under an SM
+    budget)."""
+    pdl, trigger = pdl_launch(plan.device, programs, tuning.pdl_max_programs,
                               tuning.pdl_trigger_max_programs)
-    mapping = plan.mapping
-    _copy_kernel[grid](
-        storage_view(job.src.tensor, lane_dtype), storage_view(job.dst.tensor, lane_dtype),
-        mapping, plan.pairs, consts["tiles"], mapping.stride(0), mapping.stride(1),
-        job.src.blocks, job.dst.blocks, src_base, dst_base, **consts["kw"], PDL=pdl,
-        PDL_TRIGGER=trigger, launch_pdl=pdl)
+    return pdl, trigger and plan.early_trigger
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyLaunch:
+    """One launch of :func:`_copy_kernel` over ``jobs`` (indices into ``plan.jobs``, all of one
+    compiled shape): the first job's storages are the pointers, each job's first vector of a
+    side is an offset past them (``src_offs``, ``dst_offs``: encoded as :data:`_OFFSET_BIAS`
+    says, padded to a power of two); ``job_tiles`` tiles a job, ``grid`` programs."""
+
+    jobs: tuple[int, ...]
+    lane_dtype: torch.dtype
+    grid: tuple[int]
+    job_tiles: int
+    src_offs: tuple[int, ...]
+    dst_offs: tuple[int, ...]
+    kw: dict
 
 
 def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple:
-    """What a job's launch computes from its geometry, ``plan.pairs``, ``plan.max_ctas`` and
-    ``plan.device`` alone (no tensor: memoizable): (lane dtype, grid, first vectors of both
-    sides, constants); ``()`` where the job moves nothing."""
+    """What a job's launch computes from its geometry and ``plan.pairs`` alone: (vector width
+    W in bytes, lane dtype, tiles, constants); ``()`` where the job moves nothing."""
     dense = job.dense_rows
     run_bytes = job.row_bytes if dense else job.elem_bytes
     elems = 1 if dense else job.elems
@@ -382,44 +439,104 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
                *(_base(x) for x in sides), *strides[0], *strides[1], run_bytes])
     lane_dtype, vec = _LANES[w]
     run = run_bytes // w * vec
-    tile = tuning.copy_tile_bytes // (w // vec)
+    tile_bytes = tuning.host_read_tile_bytes if job.src.on_host else tuning.copy_tile_bytes
+    tile = tile_bytes // (w // vec)
     block_c = min(next_pow2(run), tile)
     total = plan.pairs * rows
     block_r = max(1, min(tile // block_c, next_pow2(total)))
     tiles = triton.cdiv(total, block_r) * triton.cdiv(run, block_c)
-    assert tiles < 2**31, tiles
-    grid = (_programs(plan.device, tiles, plan.max_ctas, tuning),)
     (ss, ds) = ([x // w for x in st] for st in strides)
     kw = dict(S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1],
               D_ST=ds[2], D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run,
               VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
-              num_warps=_copy_warps(block_r * block_c * (w // vec), tuning))
-    return lane_dtype, grid, _base(job.src) // w, _base(job.dst) // w, {"tiles": tiles, "kw": kw}
+              num_warps=_copy_warps(block_r * block_c * (w // vec), job.dst.on_host, tuning))
+    return w, lane_dtype, tiles, kw
 
 
-# The copy shapes of the last few cached plans (kvwrite.transfer's plan cache: ``jobs.launch_key``
-# is the same for the same jobs, pointers included), by (key, tuning, pairs, max_ctas, device).
-_SHAPES: dict[tuple, tuple] = {}
-_SHAPES_SIZE = 16
+def _offsets(jobs: list[CopyJob], w: int, side: str) -> tuple[int, ...]:
+    """Each job's first byte of ``side`` ("src" or "dst") past the first job's storage, in
+    vectors of ``w`` bytes (w divides every storage pointer and first byte: :func:`align`),
+    encoded as :data:`_OFFSET_BIAS` says; padded to a power of two. The kernel adds them to the first job's storage pointer:
+    one flat address space (device memory, peers and pinned host memory alike under unified
+    addressing)."""
+    sides = [getattr(j, side) for j in jobs]
+    origin = sides[0].tensor.untyped_storage().data_ptr()
+    offs = []
+    for x in sides:
+        delta = x.tensor.untyped_storage().data_ptr() - origin + _base(x)
+        assert delta % w == 0 and abs(delta // w) < 2**37, (delta, w)
+        offs.append(16 * (delta // w) + _OFFSET_BIAS)
+    return tuple(offs) + (_OFFSET_BIAS,) * (next_pow2(len(offs)) - len(offs))
 
 
-def _copy_shapes(plan: TransferPlan, tuning: TritonTuning) -> tuple:
+def copy_launches(plan: TransferPlan, tuning: TritonTuning = TUNING) -> tuple[CopyLaunch, ...]:
+    """The copy launches of ``plan``: its jobs grouped by compiled shape (constants, lane type,
+    vector width, block counts, the memory each side lies in), in their first job's order, each
+    group cut into launches of at most :data:`SLOTS` jobs (so a multi-layer call of one layout
+    is one launch, not a launch per layer). No GPU needed.
+
+    Memoized for cached plans (kvwrite.transfer's plan cache: ``jobs.launch_key`` is the same
+    for the same jobs, pointers included), by (key, tuning, pairs, max_ctas, device)."""
     memo = getattr(plan.jobs, "launch_key", None)
-    if memo is None or plan.device.index is None and plan.device.type == "cuda":
-        return tuple(_copy_shape(job, plan, tuning) for job in plan.jobs)
-    key = (memo, tuning, plan.pairs, plan.max_ctas, plan.device)
-    shapes = _SHAPES.get(key)
-    if shapes is None:
-        shapes = _SHAPES[key] = tuple(_copy_shape(job, plan, tuning) for job in plan.jobs)
-        while len(_SHAPES) > _SHAPES_SIZE:
-            del _SHAPES[next(iter(_SHAPES))]
-    return shapes
+    if memo is not None and not (plan.device.index is None and plan.device.type == "cuda"):
+        key = (memo, tuning, plan.pairs, plan.max_ctas, plan.device)
+        hit = _LAUNCHES.get(key)
+        if hit is None:
+            hit = _LAUNCHES[key] = _plan_copy_launches(plan, tuning)
+            while len(_LAUNCHES) > _LAUNCHES_SIZE:
+                del _LAUNCHES[next(iter(_LAUNCHES))]
+        return hit
+    return _plan_copy_launches(plan, tuning)
 
 
-def _copy_warps(tile_bytes: int, tuning: TritonTuning) -> int:
-    """Warps of a copy tile: 64 bytes (four 16-B vectors) a thread, at most ``copy_warps`` (a
-    smaller tile spread over more threads would give each less than a vector)."""
-    return max(1, min(tuning.copy_warps, tile_bytes // (32 * 64)))
+def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyLaunch, ...]:
+    groups: dict[tuple, list[int]] = {}
+    shapes = {}
+    for n, job in enumerate(plan.jobs):
+        shape = _copy_shape(job, plan, tuning)
+        if not shape:
+            continue
+        w, lane_dtype, tiles, kw = shapes[n] = shape
+        key = (w, lane_dtype, tiles, tuple(kw.items()), job.src.blocks, job.dst.blocks,
+               job.src.tensor.device, job.dst.tensor.device)
+        groups.setdefault(key, []).append(n)
+    out = []
+    for (w, lane_dtype, tiles, *_), members in groups.items():
+        kw = shapes[members[0]][3]
+        per = max(1, min(SLOTS, tuning.jobs_per_launch))
+        for i in range(0, len(members), per):
+            part = members[i:i + per]
+            jobs = [plan.jobs[n] for n in part]
+            total = tiles * len(part)
+            assert total < 2**31, total
+            grid = (_programs(plan.device, total, plan.max_ctas, tuning),)
+            out.append(CopyLaunch(tuple(part), lane_dtype, grid, tiles, _offsets(jobs, w, "src"),
+                                  _offsets(jobs, w, "dst"), kw))
+    return tuple(out)
+
+
+# The copy launches of the last few cached plans (see copy_launches).
+_LAUNCHES: dict[tuple, tuple[CopyLaunch, ...]] = {}
+_LAUNCHES_SIZE = 16
+
+
+def _launch_copy(cl: CopyLaunch, plan: TransferPlan, tuning: TritonTuning) -> None:
+    first = plan.jobs[cl.jobs[0]]
+    pdl, trigger = _pdl(plan, cl.grid[0], tuning)
+    mapping = plan.mapping
+    _copy_kernel[cl.grid](
+        storage_view(first.src.tensor, cl.lane_dtype), storage_view(first.dst.tensor, cl.lane_dtype),
+        mapping, plan.pairs, len(cl.jobs), cl.job_tiles, mapping.stride(0),
+        mapping.stride(1), first.src.blocks, first.dst.blocks, cl.src_offs, cl.dst_offs,
+        SLOTS=len(cl.src_offs), OFFSET_BIAS=_OFFSET_BIAS, **cl.kw, PDL=pdl, PDL_TRIGGER=trigger, launch_pdl=pdl)
+
+
+def _copy_warps(tile_bytes: int, writes_host: bool, tuning: TritonTuning) -> int:
+    """Warps of a copy tile: 64 bytes (four 16-B vectors) a thread, at most ``copy_warps``
+    (``host_write_warps`` where the destination is pinned host memory; a smaller tile spread over
+    more threads would give each less than a vector)."""
+    most = tuning.host_write_warps if writes_host else tuning.copy_warps
+    return max(1, min(most, tile_bytes // (32 * 64)))
 
 
 def _cache_storage(side: Side, dtype: torch.dtype) -> tuple[torch.Tensor, int, tuple]:
@@ -441,8 +558,7 @@ def _launch_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning) -> Non
     tiles = plan.pairs * K * triton.cdiv(S * N, block_r) * triton.cdiv(width, block_e)
     assert tiles < 2**31, tiles
     grid = (_programs(plan.device, tiles, plan.max_ctas, tuning),)
-    pdl, trigger = pdl_launch(plan.device, grid[0], tuning.pdl_max_programs,
-                              tuning.pdl_trigger_max_programs)
+    pdl, trigger = _pdl(plan, grid[0], tuning)
     # A pair writes all of a chunk or nothing: the cache side's id bound is every layer's.
     cache_blocks = min(c.blocks for c in job.caches)
     pages = storage_view(job.pages.tensor, torch.uint8)
@@ -492,7 +608,7 @@ def run(plan: TransferPlan, *, tuning: TritonTuning = TUNING) -> None:
         copy_engine.enable_peer_access(plan.device, plan.peer)
     with (torch.cuda.device(plan.device) if on_gpu else contextlib.nullcontext(),
           nvrtc.capture_relaxed() if on_gpu else contextlib.nullcontext()):
-        for job, shape in zip(plan.jobs, _copy_shapes(plan, tuning), strict=True):
-            _launch_copy(job, plan, tuning, shape)
+        for cl in copy_launches(plan, tuning):
+            _launch_copy(cl, plan, tuning)
         if plan.page_job is not None:
             _launch_pages(plan.page_job, plan, tuning)
