@@ -63,12 +63,13 @@ def _driver(names: list[str], src) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _build(d: pathlib.Path, src=None):
-    """(library, names): every copy variant the tested tunings launch, emulated (``src``: the
-    kernel source's path, transfer.cu where None)."""
+def _build(d: pathlib.Path, src=None, names: list[str] | None = None):
+    """(library, names): every copy variant the tested tunings launch (or ``names``), emulated
+    (``src``: the kernel source's path, transfer.cu where None)."""
     if src is None:
         src = importlib.resources.files(tc.SOURCE.package).joinpath(tc.SOURCE.filename)
-    names = _all_names()
+    if names is None:
+        names = _all_names()
     (d / "copy.cpp").write_text(_driver(names, src))
     include = importlib.resources.files("kvwrite.kernels").joinpath("include")
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
@@ -87,6 +88,12 @@ def emu(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("no host C++ compiler (g++)")
     return _build(tmp_path_factory.mktemp("transfer_emu"))
+
+
+def launched_names(tuning: tc.TransferTuning, names: list[str]):
+    """A ``run(plan)`` that only records the copy variants ``plan`` launches in ``names`` (what a
+    mutated source's build needs: every variant is a 20-second build)."""
+    return lambda plan: names.extend(c.name for c in tc.copy_calls(plan, tuning))
 
 
 def emu_run(emu, tuning: tc.TransferTuning, launched: list | None = None):
@@ -251,7 +258,10 @@ def test_emulation_catches_a_wrong_whole_block_step(tmp_path, right, wrong):
     bad = text.replace(right, wrong)
     assert bad != text
     (tmp_path / "transfer.cu").write_text(bad)
-    broken = _build(tmp_path, tmp_path / "transfer.cu")
+    names: list[str] = []
+    for t in (16, 15):
+        _whole_block_case(launched_names(_tuning(8), names), t, 64, False)
+    broken = _build(tmp_path, tmp_path / "transfer.cu", sorted(set(names)))
     errs = [_whole_block_case(emu_run(broken, _tuning(8)), t, 64, False) for t in (16, 15)]
     assert any(e is not None and "dst" in e for e in errs), errs
 
@@ -273,8 +283,11 @@ def test_emulation_catches_a_wrong_rows_kernel(tmp_path, right, wrong):
     bad = text.replace(right, wrong)
     assert bad != text
     (tmp_path / "transfer.cu").write_text(bad)
-    broken = _build(tmp_path, tmp_path / "transfer.cu")
     views, jobs = tp.row_views("dense16", 16, "cpu")
+    names: list[str] = []
+    tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, launched_names(_tuning(2), names),
+                     jobs=jobs)
+    broken = _build(tmp_path, tmp_path / "transfer.cu", sorted(set(names)))
     err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(broken, _tuning(2)),
                            jobs=jobs)
     assert err is not None and "dst" in err

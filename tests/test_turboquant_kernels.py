@@ -964,17 +964,13 @@ def test_kernel_division_is_correctly_rounded(tmp_path):
 
 
 @needs_nvrtc
-def test_nvrtc_compiles_every_variant():
-    """Every preset and E for bf16 inputs on sm_90 (test_conformance compiles all of
-    all_kernel_names there), a few on sm_80 (the software fp8 conversion) and sm_100."""
+def test_nvrtc_compiles_for_sm80_and_sm100():
+    """A few variants on sm_80 (the software fp8 conversion) and sm_100; sm_90 compiles every
+    one of all_kernel_names in test_conformance (test_nvrtc_compiles_every_variant)."""
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
     # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones).
     assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2)
-    bf16 = [n for n in names if n.startswith("tq_kernel<1, ") and "long long" in n]
-    assert len(bf16) == 16
-    obj, _ = c.compile_kernel("sm_90", bf16)
-    assert len(bytes(obj.code)) > 0
     few = [n for n in names if ", 4, int, 16>" in n or ", 3, long long, 32>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
