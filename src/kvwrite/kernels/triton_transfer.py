@@ -456,9 +456,9 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
 def _offsets(jobs: list[CopyJob], w: int, side: str) -> tuple[int, ...]:
     """Each job's first byte of ``side`` ("src" or "dst") past the first job's storage, in
     vectors of ``w`` bytes (w divides every storage pointer and first byte: :func:`align`),
-    encoded as :data:`_OFFSET_BIAS` says; padded to a power of two. The kernel adds them to the first job's storage pointer:
-    one flat address space (device memory, peers and pinned host memory alike under unified
-    addressing)."""
+    encoded as :data:`_OFFSET_BIAS` says; padded to a power of two. The kernel adds them to the
+    first job's storage pointer: one flat address space (device memory, peers and pinned host
+    memory alike under unified addressing)."""
     sides = [getattr(j, side) for j in jobs]
     origin = sides[0].tensor.untyped_storage().data_ptr()
     offs = []
@@ -472,8 +472,8 @@ def _offsets(jobs: list[CopyJob], w: int, side: str) -> tuple[int, ...]:
 def copy_launches(plan: TransferPlan, tuning: TritonTuning = TUNING) -> tuple[CopyLaunch, ...]:
     """The copy launches of ``plan``: its jobs grouped by compiled shape (constants, lane type,
     vector width, block counts, the memory each side lies in), in their first job's order, each
-    group cut into launches of at most :data:`SLOTS` jobs (so a multi-layer call of one layout
-    is one launch, not a launch per layer). No GPU needed.
+    group cut into launches of at most ``tuning.jobs_per_launch`` (at most :data:`SLOTS`) jobs,
+    so a multi-layer call of one layout is one launch, not a launch per layer. No GPU needed.
 
     Memoized for cached plans (kvwrite.transfer's plan cache: ``jobs.launch_key`` is the same
     for the same jobs, pointers included), by (key, tuning, pairs, max_ctas, device)."""
@@ -525,10 +525,12 @@ def _launch_copy(cl: CopyLaunch, plan: TransferPlan, tuning: TritonTuning) -> No
     pdl, trigger = _pdl(plan, cl.grid[0], tuning)
     mapping = plan.mapping
     _copy_kernel[cl.grid](
-        storage_view(first.src.tensor, cl.lane_dtype), storage_view(first.dst.tensor, cl.lane_dtype),
+        storage_view(first.src.tensor, cl.lane_dtype),
+        storage_view(first.dst.tensor, cl.lane_dtype),
         mapping, plan.pairs, len(cl.jobs), cl.job_tiles, mapping.stride(0),
         mapping.stride(1), first.src.blocks, first.dst.blocks, cl.src_offs, cl.dst_offs,
-        SLOTS=len(cl.src_offs), OFFSET_BIAS=_OFFSET_BIAS, **cl.kw, PDL=pdl, PDL_TRIGGER=trigger, launch_pdl=pdl)
+        SLOTS=len(cl.src_offs), OFFSET_BIAS=_OFFSET_BIAS, **cl.kw, PDL=pdl, PDL_TRIGGER=trigger,
+        launch_pdl=pdl)
 
 
 def _copy_warps(tile_bytes: int, writes_host: bool, tuning: TritonTuning) -> int:
@@ -569,8 +571,8 @@ def _launch_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning) -> Non
     else:
         data_end = 4 * L * S + L * N * S * E
     common = dict(HB=job.chunk_bytes, K=K, L=L, S=S, N=N, E=E, FMT=fmt, BLOCK_R=block_r,
-                  BLOCK_E=block_e, NCH=triton.cdiv(width, block_e), PDL=pdl, PDL_TRIGGER=trigger, num_warps=tuning.page_warps,
-                  launch_pdl=pdl, enable_fp_fusion=False)
+                  BLOCK_E=block_e, NCH=triton.cdiv(width, block_e), PDL=pdl, PDL_TRIGGER=trigger,
+                  num_warps=tuning.page_warps, launch_pdl=pdl, enable_fp_fusion=False)
     for layer, side in enumerate(job.caches):
         cache, c_off, cs = _cache_storage(side, job.cache_dtype)
         geometry = dict(C_SB=_used(cs[0], side.blocks), C_SH=_used(cs[1], K),
