@@ -25,10 +25,10 @@ import torch
 from ..dtypes import CacheDType, scale_is_per_head
 from . import nvrtc
 
-__all__ = ["Launchable", "LaunchCache", "PdlPolicy", "require_setup", "load", "align", "aligned",
-           "log2_or_minus_1", "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3", "DT_E5M2", "DT_COPY",
-           "KIND", "kind", "int_type", "ptr", "scale_args", "FP8_KIND", "cache_kind",
-           "thread_grid"]
+__all__ = ["Launchable", "LaunchCache", "BoundedMemo", "PdlPolicy", "require_setup", "load",
+           "align", "aligned", "log2_or_minus_1", "DT_F16", "DT_BF16", "DT_F32", "DT_E4M3",
+           "DT_E5M2", "DT_COPY", "KIND", "kind", "int_type", "ptr", "scale_args", "FP8_KIND",
+           "cache_kind", "thread_grid"]
 
 # Element kinds, as DT_* in kvw/common.cuh (template arguments of every op's kernels).
 DT_F16, DT_BF16, DT_F32, DT_E4M3, DT_E5M2, DT_COPY = range(6)
@@ -108,6 +108,23 @@ class Launchable:
         (:func:`nvrtc.takes_pdl` with the tuning's ``pdl_max_ctas``), else the plain build."""
         pdl = nvrtc.takes_pdl(self.pdl_kernel, ctas, max_ctas)
         return (self.pdl_kernel if pdl else self.kernel), pdl
+
+
+class BoundedMemo(dict):
+    """Values by key, the ``size`` latest insertions kept (the oldest dropped first): the
+    transfer launchers' launches of the last few cached plans (kvwrite.transfer's plan cache
+    gives the same ``launch_key`` for the same jobs, pointers included)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` and return it."""
+        self[key] = value
+        while len(self) > self.size:
+            del self[next(iter(self))]
+        return value
 
 
 class LaunchCache(dict):

@@ -246,18 +246,7 @@ class CopyLaunch:
 
 
 # The launches of the last few cached plans (their keys hold no tensor: weak references only).
-_MEMO: dict[tuple, tuple] = {}
-_MEMO_SIZE = 16
-
-
-def _memo_get(key: tuple) -> tuple | None:
-    return _MEMO.get(key)
-
-
-def _memo_put(key: tuple, launches: tuple) -> None:
-    _MEMO[key] = launches
-    while len(_MEMO) > _MEMO_SIZE:
-        del _MEMO[next(iter(_MEMO))]
+_MEMO = launch.BoundedMemo(16)
 
 
 def _job_launch_key(job: CopyJob) -> tuple[int, tuple[int, ...]] | None:
@@ -293,7 +282,7 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
     cache: the same key means the same jobs, pointers included)."""
     memo = getattr(jobs, "launch_key", None)
     if memo is not None:
-        hit = _memo_get((memo, tuning))
+        hit = _MEMO.get((memo, tuning))
         if hit is not None:
             return list(hit)
     per = max(1, min(SLOTS, tuning.jobs_per_launch))
@@ -308,7 +297,7 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
         for i in range(0, len(ptrs), per):
             out.append(CopyLaunch(vb, tuple(ptrs[i:i + per]), geometry, vpp))
     if memo is not None:
-        _memo_put((memo, tuning), tuple(out))
+        _MEMO.put((memo, tuning), tuple(out))
     return out
 
 
@@ -326,7 +315,7 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
     Memoized as :func:`copy_launches` (``pj.caches.launch_key``)."""
     memo = getattr(pj.caches, "launch_key", None)
     if memo is not None:
-        hit = _memo_get((memo, "pages"))
+        hit = _MEMO.get((memo, "pages"))
         if hit is not None:
             return list(hit)
     out: list[PageLaunch] = []
@@ -340,7 +329,7 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
     if ptrs:
         out.append(PageLaunch(l0, tuple(ptrs), strides))
     if memo is not None:
-        _memo_put((memo, "pages"), tuple(out))
+        _MEMO.put((memo, "pages"), tuple(out))
     return out
 
 

@@ -7,12 +7,12 @@ is one launch). Triton takes a fixed argument list and a device table of pointer
 host-to-device copy per call (no CUDA-graph capture without a warm-up call), so a launch passes
 its first job's storages as the pointers and every job's first vector of a side as an offset
 past them, in tuple arguments (one flat address space: device memory, a peer's and pinned host
-memory under unified addressing); a tile's job selects its offsets from the tuples. A side is
-addressed through its whole storage viewed as integers of the vector width ``W`` (the largest of
-16/8/4/2/1 bytes dividing both storages' base, both sides' first byte, every byte stride in use
-and the run length), with its first byte and strides in vectors; a vector of 8 or 16 bytes is 2
-or 4 int32 lanes (``VEC``), offsets multiplied by ``VEC`` so the compiler sees their alignment.
-A job's work is ``pairs x rows`` rows of ``RUN`` contiguous lanes (a row of ``row_bytes`` where
+memory under unified addressing); the kernel walks the launch's jobs in turn, choosing each
+job's offsets from the tuples once. A side is addressed through its whole storage viewed as
+integers of the vector width ``W`` (the largest of 16/8/4/2/1 bytes dividing both storages'
+base, both sides' first byte, every byte stride in use and the run length), with its first byte
+and strides in vectors; a vector of 8 or 16 bytes is 2 or 4 int32 lanes (``VEC``), offsets
+multiplied by ``VEC`` so the compiler sees their alignment. A job's work is ``pairs x rows`` rows of ``RUN`` contiguous lanes (a row of ``row_bytes`` where
 the elements are dense on both sides, else one element), cut into tiles of ``BLOCK_R`` rows x
 ``BLOCK_C`` lanes: small rows are stacked, long rows (swap_blocks' four-argument form: one row of
 a block's bytes) are split into chunks that different programs copy. A persistent grid (at most
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import copy_engine, nvrtc, triton_support
-from .launch import align
+from .launch import BoundedMemo, align
 from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
 from .triton_gather import fp8_decode, fp8_dequant
 from .triton_nvfp4 import e2m1_value, e4m3, group_rule, widen
@@ -481,11 +481,7 @@ def copy_launches(plan: TransferPlan, tuning: TritonTuning = TUNING) -> tuple[Co
     if memo is not None and not (plan.device.index is None and plan.device.type == "cuda"):
         key = (memo, tuning, plan.pairs, plan.max_ctas, plan.device)
         hit = _LAUNCHES.get(key)
-        if hit is None:
-            hit = _LAUNCHES[key] = _plan_copy_launches(plan, tuning)
-            while len(_LAUNCHES) > _LAUNCHES_SIZE:
-                del _LAUNCHES[next(iter(_LAUNCHES))]
-        return hit
+        return _LAUNCHES.put(key, _plan_copy_launches(plan, tuning)) if hit is None else hit
     return _plan_copy_launches(plan, tuning)
 
 
@@ -516,8 +512,7 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
 
 
 # The copy launches of the last few cached plans (see copy_launches).
-_LAUNCHES: dict[tuple, tuple[CopyLaunch, ...]] = {}
-_LAUNCHES_SIZE = 16
+_LAUNCHES = BoundedMemo(16)
 
 
 def _launch_copy(cl: CopyLaunch, plan: TransferPlan, tuning: TritonTuning) -> None:
