@@ -974,8 +974,8 @@ def test_plan_cache_memoizes_the_cuda_launches():
                     and kvwrite.kernels.triton_transfer.available(torch.device("cpu")) is not None,
                     reason="Triton's interpreter (TRITON_INTERPRET=1) or a GPU")
 def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
-    """triton_transfer.run of cached plans (its launches memoized) with new mappings writes
-    what the same jobs in a plain tuple (nothing memoized) write."""
+    """triton_transfer.run of cached plans (their copy and page launches memoized) with new
+    mappings writes what the same jobs in a plain tuple (nothing memoized) write."""
     from kvwrite.kernels import triton_transfer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -983,17 +983,27 @@ def test_plan_cache_triton_memo_writes_the_bytes_of_a_miss():
     def run(memo: bool):
         src, dst = _layers(seed=7)
         src, dst = [t.to(device) for t in src], [t.to(device) for t in dst]
+        a = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in _pack_args().items()}
+        caches = tuple(c.to(device) for c in a["caches"])
         transfer.clear_plan_cache()
-        for pairs in ([[0, 1], [2, 0]], [[4, 5]], [[3, 2], [1, 4], [0, 0]]):
+        for pairs in ([[0, 1], [2, 0]], [[2, 1]], [[1, 2], [0, 0], [2, 1]]):
             m = mapping(pairs, device=device)
             plan = transfer.build_swap(src, dst, m, listed=True)
-            plan = dataclasses.replace(plan, device=device,
-                                       jobs=plan.jobs if memo else tuple(plan.jobs))
-            triton_transfer.run(plan)
+            pack = transfer.build_pack(caches, a["pages"], m, kv_split=2, page_format="fp8",
+                                       scale=a["scale"])
+            if not memo:
+                plan = dataclasses.replace(plan, jobs=tuple(plan.jobs))
+                pack = dataclasses.replace(pack, page_job=dataclasses.replace(
+                    pack.page_job, caches=tuple(pack.page_job.caches)))
+            triton_transfer.run(dataclasses.replace(plan, device=device))
+            triton_transfer.run(dataclasses.replace(pack, device=device))
             if memo:
-                key = (plan.jobs.launch_key, triton_transfer.TUNING, len(pairs), None, device)
-                assert key in triton_transfer._LAUNCHES
-        return [storage_bytes(t).cpu() for t in dst]
+                for keyed, what in ((plan.jobs, "copy"), (pack.page_job.caches, "pages")):
+                    key = (keyed.launch_key, what, triton_transfer.TUNING, len(pairs), None,
+                           device)
+                    assert key in triton_transfer._LAUNCHES
+        return [storage_bytes(t).cpu() for t in (*dst, a["pages"])]
 
     for got, want in zip(run(True), run(False), strict=True):
         assert torch.equal(got, want)

@@ -23,6 +23,7 @@ import torch
 from kvwrite.dtypes import CacheDType, quantize
 from kvwrite.gather import fp8_dequant
 from kvwrite.kernels import triton_transfer as tt
+from kvwrite.kernels.triton_support import next_pow2
 from kvwrite.ops.nvfp4.readers import dequantize_groups
 from kvwrite.ops.nvfp4.rule import pack_codes, quantize_groups, unpack_codes
 from kvwrite.testing.compare import storage_bytes
@@ -307,14 +308,16 @@ class Pages:
     a wider pool), heads ``hc0 + k`` of the caches and ``hp0 + k`` of the pages, k < K."""
 
     def __init__(self, fmt, dtype, device, L=2, S=2, N=3, C=32, B=5, R=4, Hc=3, Hp=3, hc0=1,
-                 hp0=0, K=2, seed=0, pin_pages=False, ties=False):
+                 hp0=0, K=2, seed=0, pin_pages=False, ties=False, token_major=None,
+                 pool_offset=8):
         self.fmt, self.dtype, self.L, self.S, self.N, self.C, self.K = fmt, dtype, L, S, N, C, K
         self.E, self.hc0, self.hp0, self.Hc = C // S, hc0, hp0, Hc
         self.hb = chunk_bytes(fmt, L, S, N, C)
-        # Layers of one cache each, strides free per tensor: layer 1 is token-major (LBNHC).
+        # Layers of one cache each, strides free per tensor: the odd layers are token-major
+        # (LBNHC) unless ``token_major`` lists those that are.
         self.caches = []
         for layer in range(L):
-            if layer % 2:
+            if layer in token_major if token_major is not None else layer % 2:
                 t = alloc((B + layer, N, Hc, C), dtype, device, seed + layer).transpose(1, 2)
             else:
                 t = alloc((B + layer, Hc, N, C), dtype, device, seed + layer)
@@ -327,9 +330,11 @@ class Pages:
             t.copy_(vals.to(dtype))
             self.caches.append(t)
         # Pinned pages are host memory: pin_memory applies to CPU tensors only.
-        pool = alloc((R, Hp * self.hb + 24), torch.uint8, "cpu" if pin_pages else device,
+        pool = alloc((R, Hp * self.hb + 32), torch.uint8, "cpu" if pin_pages else device,
                      seed + 9, pin=pin_pages)
-        self.pages = pool[:, 8:8 + Hp * self.hb]
+        # Rows 8 bytes past 16-byte alignment by default (pool_offset): the page kernels'
+        # general form; 0 (rows of a multiple of 16 bytes) their aligned one.
+        self.pages = pool[:, pool_offset:pool_offset + Hp * self.hb]
         g = torch.Generator().manual_seed(seed + 99)
         self.scale = (torch.rand((L, S, Hc), generator=g) * 4 + 0.01).to(device)
         if ties:
@@ -390,7 +395,8 @@ class Pages:
         return fp8_dequant(codes, FP8[self.fmt], sig, self.dtype)
 
 
-def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None) -> None:
+def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None, tuning=tt.TUNING
+               ) -> None:
     scale = g.scale if scale is None else scale
     mapping = mapping_tensor(pairs_list, torch.int64, device)
     want_pages = storage_bytes(g.pages).cpu().clone()
@@ -402,7 +408,7 @@ def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None) -> None:
             for k in range(g.K):
                 at = (g.hp0 + k) * g.hb
                 exp[p, at:at + g.hb] = g.packed_chunk(b, k, scale)
-    tt.run(make_plan(mapping, page_job=g.job("pack", scale), max_ctas=max_ctas))
+    tt.run(make_plan(mapping, page_job=g.job("pack", scale), max_ctas=max_ctas), tuning=tuning)
     finish(device)
     got = storage_bytes(g.pages).cpu()
     diff = (got != want_pages).nonzero().flatten()
@@ -412,7 +418,7 @@ def check_pack(g: Pages, pairs_list, device, max_ctas=None, scale=None) -> None:
 
 
 def check_unpack(g: Pages, pairs_list, device, max_ctas=None, random_codes=False,
-                 ties=False) -> None:
+                 ties=False, tuning=tt.TUNING) -> None:
     mapping = mapping_tensor(pairs_list, torch.int32, device)
     # Pages holding the torch rules' chunks of the caches (another seed), or random codes.
     src = Pages(g.fmt, g.dtype, "cpu", L=g.L, S=g.S, N=g.N, C=g.C, K=g.K, Hc=g.Hc, hc0=g.hc0,
@@ -445,7 +451,7 @@ def check_unpack(g: Pages, pairs_list, device, max_ctas=None, random_codes=False
                     for s in range(g.S):
                         exp[layer][b, g.hc0 + k, :, s * g.E:(s + 1) * g.E] = \
                             g.unpacked(chunk, layer, s)
-    tt.run(make_plan(mapping, page_job=g.job("unpack"), max_ctas=max_ctas))
+    tt.run(make_plan(mapping, page_job=g.job("unpack"), max_ctas=max_ctas), tuning=tuning)
     finish(device)
     for layer, (c, w) in enumerate(zip(g.caches, want, strict=True)):
         got = storage_bytes(c).cpu()
@@ -481,6 +487,48 @@ def test_pack_one_scale_one_part(device, fmt):
     """A [1] scale (broadcast), kv_split 1, one layer, every head of the page."""
     g = Pages(fmt, torch.bfloat16, device, L=1, S=1, C=48, Hp=2, hp0=0, K=2, hc0=0, seed=3)
     check_pack(g, PAGE_PAIRS, device, scale=torch.tensor([0.37], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aligned_pages(device, fmt, dtype):
+    """Pages and caches whose every address and stride is a multiple of 16 bytes
+    (PageJob.code_align > 0): the kernels' vector form on the GPU, both directions, a
+    token-major layer among them."""
+    g = Pages(fmt, dtype, device, L=3, N=16, C=64, pool_offset=0, token_major={1}, seed=6)
+    assert g.job("pack").code_align() > 0
+    check_pack(g, PAGE_PAIRS, device, max_ctas=3)
+    check_unpack(g, [[q, b] for b, q in PAGE_PAIRS], device, random_codes=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("fmt", FORMATS[1:])
+def test_layers_of_one_layout_share_a_page_launch(monkeypatch, device, direction, fmt):
+    """Six layers, each its own allocation (block counts differ), the fifth token-major: one
+    launch for layers 0-3 (equal strides: the layers' offsets select their tensors), one for 4,
+    one for 5; with two layers a launch, 0-1, 2-3, 4, 5; where no other layer's storage is in
+    the first's reach (the offset range cut to 200 elements: layer 0's first element is 96
+    past its storage's start, every other allocation at least 1440 - 96 elements away), a
+    launch a layer. Whole allocations compared each time."""
+    g = Pages(fmt, torch.float16, device, L=6, token_major={4}, seed=8)
+    check = check_pack if direction == "pack" else check_unpack
+    pairs = PAGE_PAIRS if direction == "pack" else [[q, b] for b, q in PAGE_PAIRS]
+    two = tt.TritonTuning(jobs_per_launch=2)
+    for tuning, runs in [(tt.TUNING, [(0, 4), (4, 1), (5, 1)]),
+                         (two, [(0, 2), (2, 2), (4, 1), (5, 1)]),
+                         ("far", [(n, 1) for n in range(6)])]:
+        if tuning == "far":
+            monkeypatch.setattr(tt, "_OFFSET_MOST", 200)
+            tuning = tt.TUNING
+        check(g, pairs, device, max_ctas=3, tuning=tuning)
+        plan = make_plan(mapping_tensor(pairs, torch.int64, device, "plain"),
+                         page_job=g.job(direction, g.scale if direction == "pack" else None),
+                         max_ctas=3)
+        launches = tt.page_launches(plan, tuning)
+        assert [(pl.l0, pl.layers) for pl in launches] == runs
+        assert [len(pl.cache_offs) for pl in launches] == [next_pow2(n) for _, n in runs]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -542,6 +590,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 sys.path.insert(0, sys.argv[1])
 from kvwrite.kernels import triton_transfer as tt
+from kvwrite.kernels.triton_support import next_pow2
 import test_transfer_triton as T
 TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.int16: "*i16", torch.uint8: "*u8",
       torch.int32: "*i32", torch.int64: "*i64"}
@@ -578,17 +627,21 @@ src = T.alloc((5, 2, 4, 128), torch.bfloat16, "cpu", 1)
 dst = T.alloc((6, 4, 2, 128), torch.bfloat16, "cpu", 2).transpose(1, 2)
 tt.run(T.make_plan(T.mapping_tensor([[0, 1]] * 64, torch.int32, "cpu"), [T.copy_job(src, dst)]))
 for fmt in T.FORMATS:
-    g = T.Pages(fmt, torch.bfloat16, "cpu", L=1)
     m = T.mapping_tensor([[0, 1]], torch.int64, "cpu")
-    tt.run(T.make_plan(m, page_job=g.job("pack")))
-    tt.run(T.make_plan(m, page_job=g.job("unpack")))
+    for g in (T.Pages(fmt, torch.bfloat16, "cpu", L=1),
+              T.Pages(fmt, torch.bfloat16, "cpu", L=2, N=16, C=64, Hp=2, pool_offset=0,
+                      token_major=())):
+        assert (g.job("pack").code_align() > 0) == (g.L == 2), fmt
+        tt.run(T.make_plan(m, page_job=g.job("pack")))
+        tt.run(T.make_plan(m, page_job=g.job("unpack")))
 print(json.dumps(out))
 """
 
 
 def test_kernels_compile_for_the_gpu():
-    """Every kernel compiles for sm_90 (no GPU needed), and a copy of 256-byte rows moves
-    16-byte vectors, several loads before their stores."""
+    """Every kernel compiles for sm_90 (no GPU needed), a copy of 256-byte rows moves 16-byte
+    vectors, several loads before their stores, and the page kernels move 16-byte vectors where
+    the job is aligned (PageJob.code_align)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(tt.__file__), "..", ".."),
@@ -597,8 +650,14 @@ def test_kernels_compile_for_the_gpu():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [name for name, *_ in got] == ["_copy_kernel"] + ["_pack_kernel", "_unpack_kernel"] * 3
+    assert [name for name, *_ in got] == ["_copy_kernel"] + ["_pack_kernel", "_unpack_kernel"] * 6
     assert got[0][1] >= 2 and got[0][2] >= 2, got
+    # Aligned pages (the second page case of each format): the cache moved as whole 16-byte
+    # vectors, loaded by pack and stored by unpack; the general case has none.
+    for n, fmt in enumerate(FORMATS):
+        pack, unpack = got[1 + 4 * n + 2], got[1 + 4 * n + 3]
+        assert pack[1] >= 1 and unpack[2] >= 1, (fmt, pack, unpack)
+        assert got[1 + 4 * n][1] == got[1 + 4 * n + 1][2] == 0, (fmt, got)
 
 
 # --- GPU only: pinned host sides, graphs, larger shapes ------------------------------------------

@@ -21,7 +21,7 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -127,6 +127,57 @@ class PageJob:
     def part_elems(self) -> int:
         """E = C / S."""
         return self.row_elems // self.parts
+
+    def code_align(self) -> int:
+        """The alignment the aligned page kernels rely on, 0 where they cannot run: every group
+        whole (``E % 16 == 0``), every layer's parts dense (element stride the element size)
+        with their first element and every byte stride that moves an address (block; head where
+        ``K > 1``; token where ``N > 1``) multiples of 16, so each group's cache bytes are one
+        16-byte aligned run, and the page's chunks starting 16-byte aligned (its first byte, the
+        row stride where there are two rows or more, ``hb``); then the alignment of every
+        group's codes: the largest power of two dividing ``4*L*S`` (their offset in the chunk),
+        at most a group's code bytes (16 fp8, 8 nvfp4). A stride of a dim of one index never
+        moves an address and is not counted (as for copies)."""
+        if self.part_elems % 16:
+            return 0
+        for side in self.caches:
+            sb, sh, st, sc = side.strides
+            moving = (sb if side.blocks > 1 else 0, sh if self.heads > 1 else 0,
+                      st if self.tokens > 1 else 0)
+            if sc != self.cache_dtype.itemsize or (side.ptr | _or(moving)) % 16:
+                return 0
+        prs = self.pages.strides[0] if self.pages.blocks > 1 else 0
+        if (self.pages.ptr | prs | self.chunk_bytes) % 16:
+            return 0
+        most = 8 if self.page_format == "nvfp4" else 16
+        codes_at = 4 * self.layers * self.parts
+        return min(most, codes_at & -codes_at)
+
+    def layer_runs(self, most: int, joins: Callable[[Side, Side], bool] | None = None
+                   ) -> tuple[tuple[int, int], ...]:
+        """The layers as runs ``(first layer, count)`` of at most ``most`` consecutive layers
+        whose caches have the strides of their run's first (one launch of a page kernel each:
+        the strides are its constants, the layers' addresses its slots); ``joins(first, side)``,
+        where given, must hold too (an implementation's own limit on a run's addresses)."""
+        runs: list[tuple[int, int]] = []
+        for layer, side in enumerate(self.caches):
+            if runs:
+                l0, n = runs[-1]
+                first = self.caches[l0]
+                if n < most and side.strides == first.strides and (
+                        joins is None or joins(first, side)):
+                    runs[-1] = (l0, n + 1)
+                    continue
+            runs.append((layer, 1))
+        return tuple(runs)
+
+
+def _or(values) -> int:
+    """The bitwise or of integers (an alignment test of all of them at once)."""
+    out = 0
+    for v in values:
+        out |= v
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -318,56 +318,19 @@ def page_launches(pj: PageJob) -> list[PageLaunch]:
         hit = _MEMO.get((memo, "pages"))
         if hit is not None:
             return list(hit)
-    out: list[PageLaunch] = []
-    l0, ptrs, strides = 0, [], None
-    for layer, side in enumerate(pj.caches):
-        if ptrs and (side.strides != strides or len(ptrs) == SLOTS):
-            out.append(PageLaunch(l0, tuple(ptrs), strides))
-            l0, ptrs = layer, []
-        strides = side.strides
-        ptrs.append(side.ptr)
-    if ptrs:
-        out.append(PageLaunch(l0, tuple(ptrs), strides))
+    caches = pj.caches
+    out = [PageLaunch(l0, tuple(c.ptr for c in caches[l0:l0 + n]), caches[l0].strides)
+           for l0, n in pj.layer_runs(SLOTS)]
     if memo is not None:
         _MEMO.put((memo, "pages"), tuple(out))
     return out
 
 
 def page_align(pj: PageJob) -> int:
-    """transfer.cu's ALIGN for ``pj``: 0 (the general variant) unless every group is whole
-    (``E % 16 == 0``), every layer's parts are dense (element stride the element size) with their
-    pointer and every byte stride that moves an address (block; head where ``K > 1``; token where
-    ``N > 1``) multiples of 16, so each group's cache bytes are one 16-byte aligned run, and the
-    page's chunks start 16-byte aligned (its pointer, the row stride where there are two rows or
-    more, ``hb``); then the alignment of every group's codes: the largest power of two dividing
-    ``4*L*S`` (their offset in the chunk), at most a group's code bytes (16 fp8, 8 nvfp4). A
-    stride of a dim of one index never moves an address and is not counted (as for copies). The
-    aligned variants walk a segment's units in 32-bit indices (transfer.cu's UnitWalk): a row
-    part's elements of all N tokens (``N * E``) below 2^32, else the general variant."""
-    E, L, S = pj.part_elems, pj.layers, pj.parts
-    if E % 16 or pj.tokens * E >= 1 << 32:
-        return 0
-    es = pj.cache_dtype.itemsize
-    for side in pj.caches:
-        sb, sh, st, sc = side.strides
-        moving = (sb if side.blocks > 1 else 0, sh if pj.heads > 1 else 0,
-                  st if pj.tokens > 1 else 0)
-        if sc != es or (side.ptr | _or(moving)) % 16:
-            return 0
-    prs = pj.pages.strides[0] if pj.pages.blocks > 1 else 0
-    if (pj.pages.ptr | prs | pj.chunk_bytes) % 16:
-        return 0
-    most = 8 if pj.page_format == "nvfp4" else 16
-    codes_at = 4 * L * S
-    return min(most, codes_at & -codes_at)
-
-
-def _or(values) -> int:
-    """The bitwise or of integers (an alignment test of all of them at once)."""
-    out = 0
-    for v in values:
-        out |= v
-    return out
+    """transfer.cu's ALIGN for ``pj``: :meth:`PageJob.code_align` (0: the general variant), but
+    0 where a row part's elements of all N tokens (``N * E``) reach 2^32 (the aligned variants
+    walk a segment's units in 32-bit indices: transfer.cu's UnitWalk)."""
+    return 0 if pj.tokens * pj.part_elems >= 1 << 32 else pj.code_align()
 
 
 def page_unit_elems(page_format: str, align: int, cache_dtype: torch.dtype) -> int:

@@ -12,21 +12,28 @@ job's offsets from the tuples once. A side is addressed through its whole storag
 integers of the vector width ``W`` (the largest of 16/8/4/2/1 bytes dividing both storages'
 base, both sides' first byte, every byte stride in use and the run length), with its first byte
 and strides in vectors; a vector of 8 or 16 bytes is 2 or 4 int32 lanes (``VEC``), offsets
-multiplied by ``VEC`` so the compiler sees their alignment. A job's work is ``pairs x rows`` rows of ``RUN`` contiguous lanes (a row of ``row_bytes`` where
-the elements are dense on both sides, else one element), cut into tiles of ``BLOCK_R`` rows x
+multiplied by ``VEC`` so the compiler sees their alignment. A job's work is ``pairs x rows``
+rows of ``RUN`` contiguous lanes (a row of ``row_bytes`` where the elements are dense on both
+sides, else one element), cut into tiles of ``BLOCK_R`` rows x
 ``BLOCK_C`` lanes: small rows are stacked, long rows (swap_blocks' four-argument form: one row of
 a block's bytes) are split into chunks that different programs copy. A persistent grid (at most
 ``plan.max_ctas`` programs, else enough to fill the GPU) walks the tiles with a grid-stride loop.
 
-Quantized pages (``plan.page_job``): one launch per layer of :func:`_pack_kernel` or
-:func:`_unpack_kernel` (each layer is its own tensor); a launch writes its layer's share of every
-head chunk (its ``sigma(l, s)`` floats, its rows' codes and, NVFP4, scale bytes), and layer 0's
-pack also the chunk's zero tail, so the launches together write whole chunks. fp8 codes are
-``Q(x)`` by kernels.triton_fp8's exact quotient, encoded by integer operations on its bits
-(nearest even, subnormals, saturation; no float8 cast); NVFP4 is kernels.triton_nvfp4's group
+Quantized pages (``plan.page_job``): one launch of :func:`_pack_kernel` or
+:func:`_unpack_kernel` per run of consecutive layers with equal strides (:func:`page_launches`,
+:meth:`PageJob.layer_runs`; each layer is its own tensor, addressed as a copy launch's jobs are:
+the run's first storage the pointer, each layer's first element an offset slot); the kernel
+walks the run's layers in turn, writing each layer's share of every head chunk (its
+``sigma(l, s)`` floats, its rows' codes and, NVFP4, scale bytes), and layer 0's pack also the
+chunk's zero tail, so the launches together write whole chunks. fp8 codes are
+``Q(x)`` by kernels.triton_fp8's exact quotient, encoded on the GPU by the float8 cast and under
+the interpreter by integer operations on its bits (nearest even, subnormals, saturation: the
+interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group
 rule with ``k = sigma``; unpack decodes exactly and rounds to the cache dtype (bfloat16 by integer
 operations on the float32 bits). So Triton's interpreter writes the GPU's bytes, and the CPU
-tests compare everything.
+tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels declare their
+row addresses aligned, so the compiler moves the cache as 16-byte vectors; under an SM budget
+a program's tile is larger and has more warps (``budget_page_*``: its loads in flight).
 
 The mapping is read by the kernels (int32 or int64, any strides); a pair whose source or
 destination id is outside its side's ``[0, blocks)`` is skipped (for pages, ``blocks`` of the
@@ -67,6 +74,7 @@ SLOTS = 32
 # variant per pattern; encoded, every one is an int64 divisible by 16: one variant (|x| < 2^37
 # vectors: 2 TiB).
 _OFFSET_BIAS = 1 << 44
+_OFFSET_MOST = 1 << 37
 
 
 # FMT codes of the page kernels.
@@ -91,9 +99,22 @@ class TritonTuning(PdlTuning):
     # 47, 46 / 51 but raw pages unpacked from the host 23 / 23 (64 KiB: 28 / 32); 256 KiB 35 / 42.
     host_read_tile_bytes: int = 65536
     copy_warps: int = 16
-    # Page kernels: elements of a tile (rows x elements of one part).
-    page_tile_elems: int = 2048
+    # Page kernels: elements of a tile (rows x elements of one part; at most a head's rows of a
+    # layer: Llama-3-8B's 2 x 16 rows of 128 make 4096). Measured (H200, aligned pages, every
+    # program, 128 blocks, GB/s of page bytes, Llama-3-8B / DeepSeek-V3; tuning-log 102): 2048
+    # elements over 4 warps fp8 pack 690 / 569, unpack 736 / 746, nvfp4 pack 303 / 266, unpack
+    # 262 / 301; 4096 over 4 847 / 651, 941 / 909, 339 / 330, 342 / 351 (8192 and 16384 the
+    # same); 4096 over 2 777 / 536; over 8 751 / 626.
+    page_tile_elems: int = 4096
     page_warps: int = 4
+    # The page kernels' tile and warps under an SM budget (max_ctas): a program's loads in flight
+    # bound it. Measured (H200, 32 Llama-3-8B layers d2d, 4 programs, 16 / 128 blocks, GB/s of
+    # page bytes; tuning-log 102): 2048 elements over 4 warps fp8 pack 10.7 / 10.1, unpack 12.1
+    # / 11.1, nvfp4 pack 4.5 / 4.2, unpack 3.0 / 2.8; 8192 over 8 19.4 / 18.5, 18.3 / 16.0, 6.8 /
+    # 6.4, 3.7 / 3.5; 8192 over 16 20.1 / 19.6, 28.2 / 27.1, 6.8 / 6.6, 3.3 / 3.2 (16384 the
+    # same).
+    budget_page_tile_elems: int = 8192
+    budget_page_warps: int = 16
     # Warps of a program that writes pinned host memory (d2h): 4. A program of a copy launch
     # stays on its SM for the whole call, and fewer warps leave room on it for a concurrent
     # kernel's CTAs (the CUDA kernel's host_cta_threads). Measured (H200, 32 Llama-3-8B layers
@@ -129,6 +150,15 @@ if triton is not None:
         j = tl.load(map_ptr + mo + map_s1, mask=ok, other=-1).to(tl.int64)
         return i, j, ok & (i >= 0) & (i < src_blocks) & (j >= 0) & (j < dst_blocks)
 
+    @triton.jit
+    def _slot(offs, n, SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr):
+        """Offset ``n`` of the tuple ``offs`` of a launch's :data:`SLOTS` slots (n a scalar
+        below the launch's jobs or layers), decoded (see :func:`_encoded`)."""
+        x = offs[0]
+        for k in tl.static_range(1, SLOTS):
+            x = tl.where(n == k, offs[k], x)
+        return (x - OFFSET_BIAS) // 16
+
     @triton.jit(do_not_specialize=["pairs", "jobs", "job_tiles", "src_blocks", "dst_blocks",
                                    "map_s0", "map_s1"])
     def _copy_kernel(
@@ -154,13 +184,8 @@ if triton is not None:
         # measured (H200, 64 Llama-3-8B jobs of 16 blocks, d2d), the choice among 32 slots made
         # a tile took 1 / 4 programs 15.3 / 61 GB/s against 39 / 119 with a launch a job.
         for job in range(0, jobs):
-            src_off = src_offs[0]
-            dst_off = dst_offs[0]
-            for k in tl.static_range(1, SLOTS):
-                src_off = tl.where(job == k, src_offs[k], src_off)
-                dst_off = tl.where(job == k, dst_offs[k], dst_off)
-            src_off = (src_off - OFFSET_BIAS) // 16
-            dst_off = (dst_off - OFFSET_BIAS) // 16
+            src_off = _slot(src_offs, job, SLOTS, OFFSET_BIAS)
+            dst_off = _slot(dst_offs, job, SLOTS, OFFSET_BIAS)
             first = (pid + programs - (job * job_tiles) % programs) % programs
             for tile in range(first, job_tiles, programs):
                 rt = tile // NCH
@@ -185,12 +210,20 @@ if triton is not None:
                 tl.store(dst_ptr + do[:, None] + col[None, :], x, mask=mask)
 
     @triton.jit
-    def _fp8_bits(q, FMT: tl.constexpr):
+    def _fp8_bits(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
         """fp8 codes (int32, 0-255) of float32 ``q`` already clamped to the format's ±MAX (NaN
         kept; fp8_quotient's result): nearest even, subnormals rounded, the sign kept (-0 too),
-        NaN -> 0x7F, by integer operations (Triton's interpreter rounds float8 casts otherwise
-        than the GPU). E4M3 is triton_nvfp4's e4m3 of |q|; E5M2 the same steps with 2 mantissa
-        bits and bias 15."""
+        NaN -> 0x7F with q's sign. ``NATIVE`` (a GPU): the float8 cast (the GPU's conversion
+        rounds to nearest even), NaN set apart; else by integer operations (Triton's
+        interpreter rounds float8 casts otherwise than the GPU): E4M3 is triton_nvfp4's e4m3 of
+        |q|, E5M2 the same steps with 2 mantissa bits and bias 15."""
+        sign = (q.to(tl.int32, bitcast=True) >> 24) & 128
+        if NATIVE:
+            if FMT == 1:
+                code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                code = q.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+            return tl.where(q != q, 0x7F | sign, code)
         a = tl.abs(q)
         if FMT == 1:
             code, _ = e4m3(a)
@@ -202,7 +235,7 @@ if triton is not None:
             code = tl.where(a < 6.103515625e-05, sub, normal)
             code = tl.where(a >= 57344.0, 0x7B, code)
             code = tl.where(a != a, 0x7F, code)
-        return code | ((q.to(tl.int32, bitcast=True) >> 24) & 128)
+        return code | sign
 
     @triton.jit
     def _round_out(v, OUT: tl.constexpr):
@@ -220,151 +253,202 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _page_tile(tile, map_ptr, map_s0, map_s1, src_blocks, dst_blocks, pairs,
-                   K: tl.constexpr, SN: tl.constexpr, N: tl.constexpr, NCH: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
-        """A page kernel's tile ``tile``: (i, j: its pair's ids, k: the head, ok: row valid
+    def _row_mask(ok, e, E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+        """[BLOCK_R, BLOCK_E] mask of rows ``ok`` and a part's elements ``e < E``; no element
+        mask where BLOCK_E divides E (the compiler sees whole vectors)."""
+        if E % BLOCK_E == 0:
+            mask = tl.broadcast_to(ok[:, None], (BLOCK_R, BLOCK_E))
+        else:
+            mask = ok[:, None] & (e < E)[None, :]
+        return mask
+
+    @triton.jit
+    def _page_tile(tile, layer, cache_off, page_off, map_ptr, map_s0, map_s1, src_blocks,
+                   dst_blocks, pairs, PACK: tl.constexpr,
+                   C_SB: tl.constexpr, C_SH: tl.constexpr, C_ST: tl.constexpr,
+                   C_SC: tl.constexpr, P_SB: tl.constexpr, HB: tl.constexpr, K: tl.constexpr,
+                   L: tl.constexpr, S: tl.constexpr, N: tl.constexpr, E: tl.constexpr,
+                   FMT: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr,
+                   ALIGN: tl.constexpr, VE: tl.constexpr):
+        """A page kernel's tile ``tile`` of layer ``layer`` (the pairs' cache ids are the
+        mapping's sources where ``PACK``, else its destinations): (k: the head, ok: row valid
         (pair valid, row in the part's rows), s: the rows' part, t: their token, ch: the step
-        over a part's elements (scalar), first_ch: ``ch == 0``, lead: the first valid row of the
-        first step (writes the zero tail)); vectors over the ``BLOCK_R`` rows, since Triton's
-        interpreter mishandles masks made of scalar comparisons."""
+        over a part's elements (scalar), first_ch: ``ch == 0``, lead: layer 0's first valid row
+        of the first step (writes the zero tail), chunk: the head chunk's first byte, row: the
+        page's row ``(layer*S + s)*N + t``, base: the row part's first cache element, at: its
+        codes' first byte); vectors over the ``BLOCK_R`` rows, since Triton's interpreter
+        mishandles masks made of scalar comparisons. Where ``ALIGN`` (PageJob.code_align) is
+        nonzero, base is declared a multiple of ``VE`` elements (16 bytes) and at of ALIGN, so
+        the compiler moves whole vectors."""
+        SN: tl.constexpr = S * N
         RT: tl.constexpr = (SN + BLOCK_R - 1) // BLOCK_R
         lanes = tl.zeros([BLOCK_R], tl.int32)
         ch = tile % NCH
         rest = tile // NCH
         rt = rest % RT
         rest = rest // RT
-        k = rest % K + lanes
+        k = (rest % K + lanes).to(tl.int64)
         m = rest // K + lanes
         rr = rt * BLOCK_R + tl.arange(0, BLOCK_R)
         i, j, ok = _pair(map_ptr, m, map_s0, map_s1, src_blocks, dst_blocks,
                          (m < pairs) & (rr < SN))
+        if PACK:
+            b, p = i, j
+        else:
+            b, p = j, i
         s = rr // N
         t = rr - s * N
         first_ch = ch + lanes == 0
-        return i, j, k.to(tl.int64), ok, s, t, ch, first_ch, ok & first_ch & (rr == 0)
+        lead = ok & first_ch & (rr == 0) & (layer + lanes == 0)
+        chunk = page_off + p * P_SB + k * HB
+        row = (layer * S + s) * N + t
+        base = cache_off + b * C_SB + k * C_SH + t * C_ST + s * (E * C_SC)
+        # The codes of the rows' part: fp8 a byte an element, nvfp4 a byte per two.
+        at = chunk + 4 * L * S + row * (E // 2 if FMT == 3 else E)
+        if ALIGN:
+            base = tl.multiple_of(base, VE)
+            at = tl.multiple_of(at, ALIGN)
+        return k, ok, s, t, ch, first_ch, lead, chunk, row, base, at
 
-    @triton.jit(do_not_specialize=["pairs", "tiles", "src_blocks", "dst_blocks", "map_s0",
-                                   "map_s1", "layer", "cache_off", "page_off", "scale_off"])
+    @triton.jit(do_not_specialize=["pairs", "tiles", "layers", "src_blocks", "dst_blocks",
+                                   "map_s0", "map_s1", "l0", "page_off", "scale_off"])
     def _pack_kernel(
-        cache_ptr,  # layer `layer`'s cache storage: float32 / float16 / int16 (bfloat16 bits)
+        cache_ptr,  # layer l0's cache storage: float32 / float16 / int16 (bfloat16 bits)
         page_ptr,  # the pages' storage as uint8
         scale_ptr,  # float32
-        map_ptr, pairs, tiles, map_s0, map_s1, src_blocks, dst_blocks, layer,
-        cache_off, page_off, scale_off,  # elements, bytes, elements
+        map_ptr, pairs, tiles, layers, map_s0, map_s1, src_blocks, dst_blocks, l0,
+        cache_offs, page_off, scale_off,  # elements (a layer each, _encoded), bytes, elements
+        SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr,
         C_SB: tl.constexpr, C_SH: tl.constexpr, C_ST: tl.constexpr, C_SC: tl.constexpr,
         P_SB: tl.constexpr, HB: tl.constexpr,  # page row stride, head chunk bytes
         SC_L: tl.constexpr, SC_S: tl.constexpr, SC_K: tl.constexpr,
         K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, N: tl.constexpr, E: tl.constexpr,
-        FMT: tl.constexpr, IN: tl.constexpr, STEPS: tl.constexpr, ZERO_TAIL: tl.constexpr,
-        DATA_END: tl.constexpr,
+        FMT: tl.constexpr, IN: tl.constexpr, STEPS: tl.constexpr, DATA_END: tl.constexpr,
+        NATIVE: tl.constexpr, ALIGN: tl.constexpr,  # float8 casts; PageJob.code_align
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,  # rows x elements (nvfp4: groups of 16)
         NCH: tl.constexpr,  # steps of BLOCK_E over a part
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         HDR: tl.constexpr = 4 * L * S
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            b, p, k, ok, s, t, ch, first_ch, lead = _page_tile(
-                tile, map_ptr, map_s0, map_s1, src_blocks, dst_blocks, pairs, K, S * N, N, NCH,
-                BLOCK_R)
-            chunk = page_off + p * P_SB + k * HB
-            row = (layer * S + s) * N + t  # the page's row r of (layer, s, t)
-            sig = tl.load(scale_ptr + scale_off + layer * SC_L + s * SC_S + k * SC_K, mask=ok,
-                          other=1.0)
-            base = cache_off + b * C_SB + k * C_SH + t * C_ST + s * (E * C_SC)
-            if FMT == 3:
-                g = ch * BLOCK_E + tl.arange(0, BLOCK_E)
-                e = tl.arange(0, 16)
-                ok2 = ok[:, None] & (g < E // 16)[None, :]
-                ok3 = ok2[:, :, None]
-                col = (g * 16)[None, :, None] + e[None, None, :]
-                x = tl.load(cache_ptr + base[:, None, None] + col * C_SC, mask=ok3, other=0)
-                sc, codes = group_rule(widen(x, IN == 2), sig[:, None], False, BLOCK_R, BLOCK_E)
-                jj = tl.arange(0, 8)
-                cd = (chunk + HDR + row * (E // 2))[:, None, None] + (g * 8)[None, :, None] \
-                    + jj[None, None, :]
-                tl.store(page_ptr + cd, codes, mask=ok3)
-                sd = (chunk + HDR + L * N * S * E // 2 + row * (E // 16))[:, None] + g[None, :]
-                tl.store(page_ptr + sd, sc.to(tl.uint8), mask=ok2)
-            else:
-                e = ch * BLOCK_E + tl.arange(0, BLOCK_E)
-                ok2 = ok[:, None] & (e < E)[None, :]
-                x = tl.load(cache_ptr + base[:, None] + (e * C_SC)[None, :], mask=ok2, other=0)
-                m, s2, y = fp8_scale(sig)
-                if FMT == 1:
-                    q = fp8_quotient(widen(x, IN == 2), m[:, None], s2[:, None], y[:, None], 448.0,
-                                     STEPS)
+        VE: tl.constexpr = 4 if IN == 0 else 8  # cache elements of 16 bytes
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
+        # job's (a layer's offset chosen once).
+        for li in range(0, layers):
+            layer = l0 + li
+            cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
+            first_tile = (pid + programs - (li * tiles) % programs) % programs
+            for tile in range(first_tile, tiles, programs):
+                k, ok, s, t, ch, first_ch, lead, chunk, row, base, at = _page_tile(
+                    tile, layer, cache_off, page_off, map_ptr, map_s0, map_s1, src_blocks,
+                    dst_blocks, pairs, True, C_SB, C_SH, C_ST, C_SC, P_SB, HB, K, L, S, N, E,
+                    FMT, NCH, BLOCK_R, ALIGN, VE)
+                sig = tl.load(scale_ptr + scale_off + layer * SC_L + s * SC_S + k * SC_K,
+                              mask=ok, other=1.0)
+                if FMT == 3:
+                    g = ch * BLOCK_E + tl.arange(0, BLOCK_E)
+                    e = tl.arange(0, 16)
+                    ok2 = ok[:, None] & (g < E // 16)[None, :]
+                    ok3 = ok2[:, :, None]
+                    col = (g * 16)[None, :, None] + e[None, None, :]
+                    x = tl.load(cache_ptr + base[:, None, None] + col * C_SC, mask=ok3,
+                                other=0)
+                    sc, codes = group_rule(widen(x, IN == 2), sig[:, None], False, BLOCK_R,
+                                           BLOCK_E)
+                    jj = tl.arange(0, 8)
+                    cd = at[:, None, None] + (g * 8)[None, :, None] + jj[None, None, :]
+                    tl.store(page_ptr + cd, codes, mask=ok3)
+                    sd = (chunk + HDR + L * N * S * E // 2 + row * (E // 16))[:, None] \
+                        + g[None, :]
+                    tl.store(page_ptr + sd, sc.to(tl.uint8), mask=ok2)
                 else:
-                    q = fp8_quotient(widen(x, IN == 2), m[:, None], s2[:, None], y[:, None],
-                                     57344.0, STEPS)
-                cd = (chunk + HDR + row * E)[:, None] + e[None, :]
-                tl.store(page_ptr + cd, _fp8_bits(q, FMT).to(tl.uint8), mask=ok2)
-            # sigma(l, s) by the first chunk of each part's token 0, as 4 little-endian bytes.
-            nb = tl.arange(0, 4)
-            sbits = sig.to(tl.int32, bitcast=True)
-            sb = ((sbits[:, None] >> (nb * 8)[None, :]) & 255).to(tl.uint8)
-            first = ok & (t == 0) & first_ch
-            tl.store(page_ptr + (chunk + 4 * (layer * S + s))[:, None] + nb[None, :], sb,
-                     mask=first[:, None])
-            if ZERO_TAIL:  # HB - DATA_END < 16 bytes, by the chunk's first row
+                    e = ch * BLOCK_E + tl.arange(0, BLOCK_E)
+                    ok2 = _row_mask(ok, e, E, BLOCK_R, BLOCK_E)
+                    x = tl.load(cache_ptr + base[:, None] + (e * C_SC)[None, :], mask=ok2,
+                                other=0)
+                    m, s2, y = fp8_scale(sig)
+                    top = 448.0 if FMT == 1 else 57344.0
+                    q = fp8_quotient(widen(x, IN == 2), m[:, None], s2[:, None], y[:, None], top,
+                                     STEPS)
+                    cd = at[:, None] + e[None, :]
+                    tl.store(page_ptr + cd, _fp8_bits(q, FMT, NATIVE).to(tl.uint8), mask=ok2)
+                # sigma(l, s) by the first chunk of each part's token 0, as 4 little-endian bytes.
+                nb = tl.arange(0, 4)
+                sbits = sig.to(tl.int32, bitcast=True)
+                sb = ((sbits[:, None] >> (nb * 8)[None, :]) & 255).to(tl.uint8)
+                first = ok & (t == 0) & first_ch
+                tl.store(page_ptr + (chunk + 4 * (layer * S + s))[:, None] + nb[None, :], sb,
+                         mask=first[:, None])
+                # The chunk's zero tail (HB - DATA_END < 16 bytes) by layer 0's first row.
                 z = tl.arange(0, 16)
                 tl.store(page_ptr + (chunk + DATA_END)[:, None] + z[None, :],
                          tl.zeros([BLOCK_R, 16], tl.uint8),
                          mask=lead[:, None] & (z < HB - DATA_END)[None, :])
 
-    @triton.jit(do_not_specialize=["pairs", "tiles", "src_blocks", "dst_blocks", "map_s0",
-                                   "map_s1", "layer", "cache_off", "page_off"])
+    @triton.jit(do_not_specialize=["pairs", "tiles", "layers", "src_blocks", "dst_blocks",
+                                   "map_s0", "map_s1", "l0", "page_off"])
     def _unpack_kernel(
         page_ptr,  # the pages' storage as uint8
-        cache_ptr,  # layer `layer`'s cache storage: float32 / float16 / int16 (bfloat16 bits)
-        map_ptr, pairs, tiles, map_s0, map_s1, src_blocks, dst_blocks, layer,
-        page_off, cache_off,  # bytes, elements
+        cache_ptr,  # layer l0's cache storage: float32 / float16 / int16 (bfloat16 bits)
+        map_ptr, pairs, tiles, layers, map_s0, map_s1, src_blocks, dst_blocks, l0,
+        page_off, cache_offs,  # bytes, elements (a layer each, _encoded)
+        SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr,
         C_SB: tl.constexpr, C_SH: tl.constexpr, C_ST: tl.constexpr, C_SC: tl.constexpr,
         P_SB: tl.constexpr, HB: tl.constexpr,
         K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, N: tl.constexpr, E: tl.constexpr,
-        FMT: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr,
+        FMT: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, NCH: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         HDR: tl.constexpr = 4 * L * S
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            p, b, k, ok, s, t, ch, first_ch, lead = _page_tile(
-                tile, map_ptr, map_s0, map_s1, src_blocks, dst_blocks, pairs, K, S * N, N, NCH,
-                BLOCK_R)
-            chunk = page_off + p * P_SB + k * HB
-            row = (layer * S + s) * N + t
-            nb = tl.arange(0, 4)
-            sb = tl.load(page_ptr + (chunk + 4 * (layer * S + s))[:, None] + nb[None, :],
-                         mask=ok[:, None], other=0)
-            sig = tl.sum(sb.to(tl.int32) << (nb * 8)[None, :], axis=1).to(tl.float32,
-                                                                          bitcast=True)
-            base = cache_off + b * C_SB + k * C_SH + t * C_ST + s * (E * C_SC)
-            if FMT == 3:
-                g = ch * BLOCK_E + tl.arange(0, BLOCK_E)
-                e = tl.arange(0, 16)
-                ok2 = ok[:, None] & (g < E // 16)[None, :]
-                ok3 = ok2[:, :, None]
-                col = (g * 16)[None, :, None] + e[None, None, :]
-                byte = tl.load(page_ptr + (chunk + HDR + row * (E // 2))[:, None, None]
-                               + col // 2, mask=ok3, other=0).to(tl.int32)
-                code = (byte >> ((col & 1) * 4)) & 15
-                sc = tl.load(page_ptr + (chunk + HDR + L * N * S * E // 2
-                                         + row * (E // 16))[:, None] + g[None, :],
-                             mask=ok2, other=0)
-                # value(c) * float(S) is exact; the one rounding is the product with sigma.
-                v = (e2m1_value(code) * fp8_decode(sc, 1)[:, :, None]) * sig[:, None, None]
-                tl.store(cache_ptr + base[:, None, None] + col * C_SC, _round_out(v, OUT),
-                         mask=ok3)
-            else:
-                e = ch * BLOCK_E + tl.arange(0, BLOCK_E)
-                ok2 = ok[:, None] & (e < E)[None, :]
-                c = tl.load(page_ptr + (chunk + HDR + row * E)[:, None] + e[None, :], mask=ok2,
-                            other=0)
-                v = fp8_dequant(c, sig[:, None], FMT, NATIVE)
-                tl.store(cache_ptr + base[:, None] + (e * C_SC)[None, :], _round_out(v, OUT),
-                         mask=ok2)
+        VE: tl.constexpr = 4 if OUT == 0 else 8  # cache elements of 16 bytes
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
+        # job's (a layer's offset chosen once).
+        for li in range(0, layers):
+            layer = l0 + li
+            cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
+            first_tile = (pid + programs - (li * tiles) % programs) % programs
+            for tile in range(first_tile, tiles, programs):
+                k, ok, s, t, ch, first_ch, lead, chunk, row, base, at = _page_tile(
+                    tile, layer, cache_off, page_off, map_ptr, map_s0, map_s1, src_blocks,
+                    dst_blocks, pairs, False, C_SB, C_SH, C_ST, C_SC, P_SB, HB, K, L, S, N, E,
+                    FMT, NCH, BLOCK_R, ALIGN, VE)
+                nb = tl.arange(0, 4)
+                sb = tl.load(page_ptr + (chunk + 4 * (layer * S + s))[:, None] + nb[None, :],
+                             mask=ok[:, None], other=0)
+                sig = tl.sum(sb.to(tl.int32) << (nb * 8)[None, :], axis=1).to(tl.float32,
+                                                                              bitcast=True)
+                if FMT == 3:
+                    g = ch * BLOCK_E + tl.arange(0, BLOCK_E)
+                    e = tl.arange(0, 16)
+                    ok2 = ok[:, None] & (g < E // 16)[None, :]
+                    ok3 = ok2[:, :, None]
+                    col = (g * 16)[None, :, None] + e[None, None, :]
+                    # A group's 8 code bytes (one vector where aligned), element 2j in byte j's
+                    # low nibble and 2j + 1 in its high one.
+                    jj = tl.arange(0, 8)
+                    byte = tl.load(page_ptr + at[:, None, None] + (g * 8)[None, :, None]
+                                   + jj[None, None, :], mask=ok3, other=0).to(tl.int32)
+                    code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_R, BLOCK_E, 16))
+                    sc = tl.load(page_ptr + (chunk + HDR + L * N * S * E // 2
+                                             + row * (E // 16))[:, None] + g[None, :],
+                                 mask=ok2, other=0)
+                    # value(c) * float(S) is exact; the one rounding is the product with sigma.
+                    v = (e2m1_value(code) * fp8_decode(sc, 1)[:, :, None]) * sig[:, None, None]
+                    tl.store(cache_ptr + base[:, None, None] + col * C_SC, _round_out(v, OUT),
+                             mask=ok3)
+                else:
+                    e = ch * BLOCK_E + tl.arange(0, BLOCK_E)
+                    ok2 = _row_mask(ok, e, E, BLOCK_R, BLOCK_E)
+                    c = tl.load(page_ptr + at[:, None] + e[None, :], mask=ok2, other=0)
+                    v = fp8_dequant(c, sig[:, None], FMT, NATIVE)
+                    tl.store(cache_ptr + base[:, None] + (e * C_SC)[None, :],
+                             _round_out(v, OUT), mask=ok2)
 
 
 def available(device: torch.device) -> str | None:
@@ -453,36 +537,58 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
     return w, lane_dtype, tiles, kw
 
 
-def _offsets(jobs: list[CopyJob], w: int, side: str) -> tuple[int, ...]:
-    """Each job's first byte of ``side`` ("src" or "dst") past the first job's storage, in
-    vectors of ``w`` bytes (w divides every storage pointer and first byte: :func:`align`),
-    encoded as :data:`_OFFSET_BIAS` says; padded to a power of two. The kernel adds them to the
-    first job's storage pointer: one flat address space (device memory, peers and pinned host
+def _delta(first: Side, side: Side) -> int:
+    """Bytes from the start of ``first``'s storage to ``side``'s element [0, 0, 0, 0]: a slot's
+    offset past a launch's pointer (one flat address space: device memory, peers and pinned host
     memory alike under unified addressing)."""
-    sides = [getattr(j, side) for j in jobs]
-    origin = sides[0].tensor.untyped_storage().data_ptr()
+    return side.tensor.untyped_storage().data_ptr() - first.tensor.untyped_storage().data_ptr() \
+        + _base(side)
+
+
+def _reachable(first: Side, side: Side, unit: int) -> bool:
+    """Whether a launch whose pointer is ``first``'s storage, viewed as units of ``unit`` bytes,
+    reaches ``side`` through an offset slot (whole units, within the encoding's range)."""
+    delta = _delta(first, side)
+    return delta % unit == 0 and abs(delta // unit) < _OFFSET_MOST
+
+
+def _encoded(sides: list[Side], unit: int) -> tuple[int, ...]:
+    """Each side's :func:`_delta` past the first side's storage in units of ``unit`` bytes
+    (each :func:`_reachable`), encoded as :data:`_OFFSET_BIAS` says and padded to a power of
+    two: a launch's offset slots."""
     offs = []
     for x in sides:
-        delta = x.tensor.untyped_storage().data_ptr() - origin + _base(x)
-        assert delta % w == 0 and abs(delta // w) < 2**37, (delta, w)
-        offs.append(16 * (delta // w) + _OFFSET_BIAS)
+        assert _reachable(sides[0], x, unit), (_delta(sides[0], x), unit)
+        offs.append(16 * (_delta(sides[0], x) // unit) + _OFFSET_BIAS)
     return tuple(offs) + (_OFFSET_BIAS,) * (next_pow2(len(offs)) - len(offs))
+
+
+def _memoized(keyed: tuple, what: str, plan: TransferPlan, tuning: TritonTuning, build):
+    """``build()``, memoized for cached plans (kvwrite.transfer's plan cache: ``launch_key`` of
+    ``keyed``, a plan's jobs or a page job's caches, is the same for the same tensors, pointers
+    included) by (key, what, tuning, pairs, max_ctas, device); not where the device is CUDA's
+    current one (its SM count is the current device's)."""
+    memo = getattr(keyed, "launch_key", None)
+    if memo is None or (plan.device.index is None and plan.device.type == "cuda"):
+        return build()
+    key = (memo, what, tuning, plan.pairs, plan.max_ctas, plan.device)
+    hit = _LAUNCHES.get(key)
+    return _LAUNCHES.put(key, build()) if hit is None else hit
+
+
+def _per_launch(tuning: TritonTuning) -> int:
+    """Jobs of a copy launch or layers of a page launch, at most."""
+    return max(1, min(SLOTS, tuning.jobs_per_launch))
 
 
 def copy_launches(plan: TransferPlan, tuning: TritonTuning = TUNING) -> tuple[CopyLaunch, ...]:
     """The copy launches of ``plan``: its jobs grouped by compiled shape (constants, lane type,
     vector width, block counts, the memory each side lies in), in their first job's order, each
     group cut into launches of at most ``tuning.jobs_per_launch`` (at most :data:`SLOTS`) jobs,
-    so a multi-layer call of one layout is one launch, not a launch per layer. No GPU needed.
-
-    Memoized for cached plans (kvwrite.transfer's plan cache: ``jobs.launch_key`` is the same
-    for the same jobs, pointers included), by (key, tuning, pairs, max_ctas, device)."""
-    memo = getattr(plan.jobs, "launch_key", None)
-    if memo is not None and not (plan.device.index is None and plan.device.type == "cuda"):
-        key = (memo, tuning, plan.pairs, plan.max_ctas, plan.device)
-        hit = _LAUNCHES.get(key)
-        return _LAUNCHES.put(key, _plan_copy_launches(plan, tuning)) if hit is None else hit
-    return _plan_copy_launches(plan, tuning)
+    so a multi-layer call of one layout is one launch, not a launch per layer (a job whose
+    storages the launch's pointers do not reach starts another). No GPU needed. Memoized
+    (:func:`_memoized`)."""
+    return _memoized(plan.jobs, "copy", plan, tuning, lambda: _plan_copy_launches(plan, tuning))
 
 
 def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyLaunch, ...]:
@@ -499,19 +605,27 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
     out = []
     for (w, lane_dtype, tiles, *_), members in groups.items():
         kw = shapes[members[0]][3]
-        per = max(1, min(SLOTS, tuning.jobs_per_launch))
-        for i in range(0, len(members), per):
-            part = members[i:i + per]
+        parts: list[list[int]] = []
+        for n in members:
+            job = plan.jobs[n]
+            if parts and len(parts[-1]) < _per_launch(tuning):
+                first = plan.jobs[parts[-1][0]]
+                if _reachable(first.src, job.src, w) and _reachable(first.dst, job.dst, w):
+                    parts[-1].append(n)
+                    continue
+            parts.append([n])
+        for part in parts:
             jobs = [plan.jobs[n] for n in part]
             total = tiles * len(part)
             assert total < 2**31, total
             grid = (_programs(plan.device, total, plan.max_ctas, tuning),)
-            out.append(CopyLaunch(tuple(part), lane_dtype, grid, tiles, _offsets(jobs, w, "src"),
-                                  _offsets(jobs, w, "dst"), kw))
+            out.append(CopyLaunch(tuple(part), lane_dtype, grid, tiles,
+                                  _encoded([j.src for j in jobs], w),
+                                  _encoded([j.dst for j in jobs], w), kw))
     return tuple(out)
 
 
-# The copy launches of the last few cached plans (see copy_launches).
+# The copy and page launches of the last few cached plans (see _memoized).
 _LAUNCHES = BoundedMemo(16)
 
 
@@ -536,56 +650,101 @@ def _copy_warps(tile_bytes: int, writes_host: bool, tuning: TritonTuning) -> int
     return max(1, min(most, tile_bytes // (32 * 64)))
 
 
-def _cache_storage(side: Side, dtype: torch.dtype) -> tuple[torch.Tensor, int, tuple]:
-    """(storage view as the kernel's element type, first element, strides in elements) of a
-    cache side (bfloat16 as int16 bits)."""
-    es = dtype.itemsize
-    view = storage_view(side.tensor, torch.int16 if dtype == torch.bfloat16 else dtype)
-    return view, _base(side) // es, tuple(x // es for x in side.strides)
+def _cache_view(side: Side, dtype: torch.dtype) -> torch.Tensor:
+    """A cache side's storage as the page kernels' element type (bfloat16 as int16 bits)."""
+    return storage_view(side.tensor, torch.int16 if dtype == torch.bfloat16 else dtype)
 
 
-def _launch_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning) -> None:
+@dataclasses.dataclass(frozen=True)
+class PageLaunch:
+    """One launch of :func:`_pack_kernel` or :func:`_unpack_kernel` over the ``layers``
+    consecutive layers from ``l0`` (one run of :meth:`PageJob.layer_runs`: equal strides): layer
+    ``l0``'s cache storage is the pointer, each layer's first element an offset past it
+    (``cache_offs``, in elements, encoded as :data:`_OFFSET_BIAS` says); ``tiles`` tiles a layer,
+    ``grid`` programs, ``kw`` the kernel's constants."""
+
+    l0: int
+    layers: int
+    grid: tuple[int]
+    tiles: int
+    cache_offs: tuple[int, ...]
+    kw: dict
+
+
+def page_launches(plan: TransferPlan, tuning: TritonTuning = TUNING) -> tuple[PageLaunch, ...]:
+    """The page launches of ``plan``: a launch per run of at most ``tuning.jobs_per_launch``
+    consecutive layers of equal strides whose storages the run's first reaches, so a call of
+    one layout is one launch, not a launch per layer. No GPU needed. Memoized
+    (:func:`_memoized`)."""
+    job = plan.page_job
+    return _memoized(job.caches, "pages", plan, tuning, lambda: _plan_pages(job, plan, tuning))
+
+
+def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
+                ) -> tuple[PageLaunch, ...]:
     fmt = _FMT[job.page_format]
     L, S, N, K, E = job.layers, job.parts, job.tokens, job.heads, job.part_elems
-    pack = job.direction == "pack"
+    es = job.cache_dtype.itemsize
     width = E // 16 if fmt == 3 else E  # groups of 16 (nvfp4) or elements (fp8) of a part
-    per = tuning.page_tile_elems // 16 if fmt == 3 else tuning.page_tile_elems
+    budget = plan.max_ctas is not None
+    tile_elems = tuning.budget_page_tile_elems if budget else tuning.page_tile_elems
+    per = tile_elems // 16 if fmt == 3 else tile_elems
     block_e = min(next_pow2(width), per)
+    if width % block_e and width & -width >= (1 if fmt == 3 else 8):
+        # A power of two dividing the part (DeepSeek-V3's 576 elements: 64, not 1024 with 448
+        # masked), at least a group or a 16-byte vector of the cache.
+        block_e = min(width & -width, per)
     block_r = max(1, min(per // block_e, next_pow2(S * N)))
     tiles = plan.pairs * K * triton.cdiv(S * N, block_r) * triton.cdiv(width, block_e)
-    assert tiles < 2**31, tiles
-    grid = (_programs(plan.device, tiles, plan.max_ctas, tuning),)
-    pdl, trigger = _pdl(plan, grid[0], tuning)
+    data_end = 4 * L * S + (L * N * S * E // 2 + L * N * S * E // 16 if fmt == 3
+                            else L * N * S * E)
+    common = dict(P_SB=_used(job.pages.strides[0], job.pages.blocks), HB=job.chunk_bytes, K=K,
+                  L=L, S=S, N=N, E=E, FMT=fmt, BLOCK_R=block_r, BLOCK_E=block_e,
+                  NCH=triton.cdiv(width, block_e), NATIVE=plan.device.type == "cuda",
+                  ALIGN=job.code_align(),
+                  num_warps=tuning.budget_page_warps if budget else tuning.page_warps,
+                  enable_fp_fusion=False)
+    if job.direction == "pack":
+        sst = job.scale_strides
+        common.update(SC_L=_used(sst[0], L), SC_S=_used(sst[1], S), SC_K=_used(sst[2], K),
+                      IN=_DT[job.cache_dtype],
+                      STEPS=2 if job.cache_dtype == torch.float32 else 1, DATA_END=data_end)
+    else:
+        common.update(OUT=_DT[job.cache_dtype])
+    out = []
+    for l0, n in job.layer_runs(_per_launch(tuning),
+                                lambda first, side: _reachable(first, side, es)):
+        sides = list(job.caches[l0:l0 + n])
+        cs = [x // es for x in sides[0].strides]
+        # A stride along blocks multiplies a nonzero id where any layer of the run has two.
+        kw = dict(C_SB=_used(cs[0], max(x.blocks for x in sides)), C_SH=_used(cs[1], K),
+                  C_ST=_used(cs[2], N), C_SC=cs[3], **common)
+        assert tiles * n < 2**31, (tiles, n)
+        grid = (_programs(plan.device, tiles * n, plan.max_ctas, tuning),)
+        out.append(PageLaunch(l0, n, grid, tiles, _encoded(sides, es), kw))
+    return tuple(out)
+
+
+def _launch_pages(pl: PageLaunch, plan: TransferPlan, tuning: TritonTuning) -> None:
+    job = plan.page_job
+    pdl, trigger = _pdl(plan, pl.grid[0], tuning)
+    cache = _cache_view(job.caches[pl.l0], job.cache_dtype)
+    pages = storage_view(job.pages.tensor, torch.uint8)
     # A pair writes all of a chunk or nothing: the cache side's id bound is every layer's.
     cache_blocks = min(c.blocks for c in job.caches)
-    pages = storage_view(job.pages.tensor, torch.uint8)
-    p_sb = _used(job.pages.strides[0], job.pages.blocks)
     mapping = plan.mapping
-    if fmt == 3:
-        data_end = 4 * L * S + L * N * S * E // 2 + L * N * S * E // 16
+    kw = dict(SLOTS=len(pl.cache_offs), OFFSET_BIAS=_OFFSET_BIAS, **pl.kw, PDL=pdl,
+              PDL_TRIGGER=trigger, launch_pdl=pdl)
+    if job.direction == "pack":
+        _pack_kernel[pl.grid](
+            cache, pages, job.scale, mapping, plan.pairs, pl.tiles, pl.layers, mapping.stride(0),
+            mapping.stride(1), cache_blocks, job.pages.blocks, pl.l0, pl.cache_offs,
+            _base(job.pages), job.scale_offset, **kw)
     else:
-        data_end = 4 * L * S + L * N * S * E
-    common = dict(HB=job.chunk_bytes, K=K, L=L, S=S, N=N, E=E, FMT=fmt, BLOCK_R=block_r,
-                  BLOCK_E=block_e, NCH=triton.cdiv(width, block_e), PDL=pdl, PDL_TRIGGER=trigger,
-                  num_warps=tuning.page_warps, launch_pdl=pdl, enable_fp_fusion=False)
-    for layer, side in enumerate(job.caches):
-        cache, c_off, cs = _cache_storage(side, job.cache_dtype)
-        geometry = dict(C_SB=_used(cs[0], side.blocks), C_SH=_used(cs[1], K),
-                        C_ST=_used(cs[2], N), C_SC=cs[3], P_SB=p_sb)
-        if pack:
-            sst = job.scale_strides
-            _pack_kernel[grid](
-                cache, pages, job.scale, mapping, plan.pairs, tiles, mapping.stride(0),
-                mapping.stride(1), cache_blocks, job.pages.blocks, layer, c_off,
-                _base(job.pages), job.scale_offset, **geometry,
-                SC_L=_used(sst[0], L), SC_S=_used(sst[1], S), SC_K=_used(sst[2], K),
-                IN=_DT[job.cache_dtype], STEPS=2 if job.cache_dtype == torch.float32 else 1,
-                ZERO_TAIL=layer == 0, DATA_END=data_end, **common)
-        else:
-            _unpack_kernel[grid](
-                pages, cache, mapping, plan.pairs, tiles, mapping.stride(0), mapping.stride(1),
-                job.pages.blocks, cache_blocks, layer, _base(job.pages), c_off, **geometry,
-                OUT=_DT[job.cache_dtype], NATIVE=plan.device.type == "cuda", **common)
+        _unpack_kernel[pl.grid](
+            pages, cache, mapping, plan.pairs, pl.tiles, pl.layers, mapping.stride(0),
+            mapping.stride(1), job.pages.blocks, cache_blocks, pl.l0, _base(job.pages),
+            pl.cache_offs, **kw)
 
 
 def run(plan: TransferPlan, *, tuning: TritonTuning = TUNING) -> None:
@@ -608,4 +767,5 @@ def run(plan: TransferPlan, *, tuning: TritonTuning = TUNING) -> None:
         for cl in copy_launches(plan, tuning):
             _launch_copy(cl, plan, tuning)
         if plan.page_job is not None:
-            _launch_pages(plan.page_job, plan, tuning)
+            for pl in page_launches(plan, tuning):
+                _launch_pages(pl, plan, tuning)
