@@ -245,6 +245,19 @@ def test_jobs_of_one_shape_share_a_launch(device, max_ctas):
     assert all(cl.grid[0] <= (max_ctas or 1 << 30) for cl in launches)
 
 
+@pytest.mark.skipif(tt.triton is None, reason="needs Triton")
+def test_host_writes_spread_a_launchs_warps():
+    """A launch writing pinned host memory has ``host_write_launch_warps`` (8) in all over its
+    programs, 2 to 4 a program: one or two programs keep 4 (their loads in flight), four or
+    more take 2 each (room on their SMs for a concurrent kernel)."""
+    src = torch.zeros(64, 8, 16, 256, dtype=torch.bfloat16)
+    dst = torch.zeros(64, 8, 16, 256, dtype=torch.bfloat16)
+    mapping = torch.tensor([[i, 63 - i] for i in range(64)], dtype=torch.int32)
+    for max_ctas, warps in [(1, 4), (2, 4), (4, 2), (8, 2)]:
+        (cl,) = tt.copy_launches(make_plan(mapping, [copy_job(src, dst)], max_ctas=max_ctas))
+        assert (cl.grid, cl.kw["num_warps"]) == ((max_ctas,), warps)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_pairs_writes_nothing(device):
     src = alloc((5, 2, 4, 8), torch.float16, device, 19)

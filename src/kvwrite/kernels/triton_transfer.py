@@ -115,13 +115,19 @@ class TritonTuning(PdlTuning):
     # same).
     budget_page_tile_elems: int = 8192
     budget_page_warps: int = 16
-    # Warps of a program that writes pinned host memory (d2h): 4. A program of a copy launch
-    # stays on its SM for the whole call, and fewer warps leave room on it for a concurrent
-    # kernel's CTAs (the CUDA kernel's host_cta_threads). Measured (H200, 32 Llama-3-8B layers
-    # d2h, max_ctas = 4, beside bf16 causal SDPA [1, 32, 8192, 128], tuning-log 101), the
-    # attention's time against alone at 16 / 128 blocks: 16 warps 1.06 / 1.12, 8 1.03 / 1.09, 4
-    # 1.01 / 1.06; alone 52.3-52.6 GB/s at every count.
+    # Warps of a program that writes pinned host memory (d2h): a launch's host_write_launch_warps
+    # spread over its programs, from host_write_least_warps to host_write_warps a program. A
+    # program of a copy launch stays on its SM for the whole call, and fewer warps leave room on
+    # it for a concurrent kernel's CTAs (the CUDA kernel's host_cta_threads), but one program
+    # needs its warps' loads in flight. Measured (H200, 32 Llama-3-8B layers d2h, beside bf16
+    # causal SDPA [1, 32, 8192, 128], 16 / 128 blocks, tuning-log 101 and 103): 4 programs, the
+    # attention's time against alone, 16 warps 1.06 / 1.12, 8 1.03 / 1.09, 4 1.01 / 1.06 (three
+    # alternating runs at 128 blocks: 1.053-1.058), 2 1.032-1.044 at 128 blocks; alone 52.3-52.6
+    # GB/s at every count; 1 program alone 38.9 / 35.7 GB/s with 4 warps, 31.9 / 29.5 with 2; 2
+    # programs 52.3 / 52.4 with 4 warps, the attention 1.001 / 1.008.
     host_write_warps: int = 4
+    host_write_launch_warps: int = 8
+    host_write_least_warps: int = 2
     # Jobs per copy launch, at most SLOTS: every slot. Measured (H200, 32 Llama-3-8B layers' K
     # and V: 64 jobs, 16 / 128 blocks, tuning-log 101), GB/s at 1 / 4 / every program(s) a
     # launch, 1 / 4 / 32 jobs a launch: d2d 16 blocks 42 / 44 / 46, 124 / 153 / 169, 459 / 972 /
@@ -532,8 +538,7 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
     (ss, ds) = ([x // w for x in st] for st in strides)
     kw = dict(S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1],
               D_ST=ds[2], D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run,
-              VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c,
-              num_warps=_copy_warps(block_r * block_c * (w // vec), job.dst.on_host, tuning))
+              VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c)
     return w, lane_dtype, tiles, kw
 
 
@@ -619,9 +624,11 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
             total = tiles * len(part)
             assert total < 2**31, total
             grid = (_programs(plan.device, total, plan.max_ctas, tuning),)
+            tile_bytes = kw["BLOCK_R"] * kw["BLOCK_C"] * (w // kw["VEC"])
+            warps = _copy_warps(tile_bytes, jobs[0].dst.on_host, grid[0], tuning)
             out.append(CopyLaunch(tuple(part), lane_dtype, grid, tiles,
                                   _encoded([j.src for j in jobs], w),
-                                  _encoded([j.dst for j in jobs], w), kw))
+                                  _encoded([j.dst for j in jobs], w), {**kw, "num_warps": warps}))
     return tuple(out)
 
 
@@ -642,11 +649,16 @@ def _launch_copy(cl: CopyLaunch, plan: TransferPlan, tuning: TritonTuning) -> No
         launch_pdl=pdl)
 
 
-def _copy_warps(tile_bytes: int, writes_host: bool, tuning: TritonTuning) -> int:
-    """Warps of a copy tile: 64 bytes (four 16-B vectors) a thread, at most ``copy_warps``
-    (``host_write_warps`` where the destination is pinned host memory; a smaller tile spread over
-    more threads would give each less than a vector)."""
-    most = tuning.host_write_warps if writes_host else tuning.copy_warps
+def _copy_warps(tile_bytes: int, writes_host: bool, programs: int, tuning: TritonTuning) -> int:
+    """Warps of a copy program: 64 bytes (four 16-B vectors) of its tile a thread (a smaller
+    tile spread over more threads would give each less than a vector), at most ``copy_warps``;
+    where the destination is pinned host memory, at most the launch's
+    ``host_write_launch_warps`` spread over its ``programs``, from ``host_write_least_warps``
+    to ``host_write_warps`` a program."""
+    most = tuning.copy_warps
+    if writes_host:
+        most = max(tuning.host_write_least_warps,
+                   min(tuning.host_write_warps, tuning.host_write_launch_warps // programs))
     return max(1, min(most, tile_bytes // (32 * 64)))
 
 
