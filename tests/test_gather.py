@@ -545,7 +545,7 @@ from kvwrite.ops.cp_gather_cache import triton_impl as cp
 from kvwrite.ops.cp_gather_and_upconvert_fp8_kv_cache import triton_impl as up
 from kvwrite.ops.gather_and_maybe_dequant_cache import triton_impl as dq
 
-def ptx(kernel, types, consts, div=()):
+def ptx(kernel, types, consts, div=(), arch=90):
     consts = {**consts, "PDL": False, "PDL_TRIGGER": False}
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
@@ -554,7 +554,7 @@ def ptx(kernel, types, consts, div=()):
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 4}).asm["ptx"]
 
 # The benchmark's geometry: 8 requests, blocks of 64 slots, int32 index tensors, 32 rows a program.
@@ -575,6 +575,18 @@ out["dequant-fp8"] = ptx(dq._kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "sca
                                       **idx},
                          dict(ss_ptr=None, CBS=64 * 576, CPS=576, DRS=576, E=576, CHUNK=64, FMT=1,
                               NATIVE=True, **row))
+# sm_80 has no e4m3 type in Triton: the integer decode there (triton_gather.native_fp8).
+out["dequant-fp8-sm80"] = ptx(dq._kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16",
+                                           "scale_ptr": "*fp32", **idx},
+                              dict(ss_ptr=None, CBS=64 * 576, CPS=576, DRS=576, E=576, CHUNK=64,
+                                   FMT=1, NATIVE=False, **row), arch=80)
+out["upconvert-sm80"] = ptx(up._kernel, {"src_ptr": "*u8", "src16_ptr": "*i16",
+                                         "src32_ptr": "*i32", "dst_ptr": "*bf16",
+                                         "dst_bits_ptr": "*i16", **idx},
+                            dict(ss_ptr=None, CBS=64 * 656, CPS=656, DRS=576, ALIGN=4,
+                                 NATIVE=False,
+                                 **{**row, "ROW": (1, 0, 256, 1, 256, 64, 2048, False, True,
+                                                   8)}), arch=80)
 print(json.dumps(out))
 """
 
@@ -604,3 +616,19 @@ def test_triton_benchmark_calls_move_rows_in_16_byte_accesses():
     assert not any(o.startswith("st.global") and o != "st.global.v4.b32" for o in u), u
     assert up.count("cvt.rn.f16x2.e4m3x2") >= 64 and up.count("cvt.rn.bf16x2.f32") >= 64
     assert ptx["dequant-fp8"].count("cvt.rn.f16x2.e4m3x2") >= 8
+    assert "e4m3" not in ptx["dequant-fp8-sm80"] + ptx["upconvert-sm80"]
+
+
+@pytest.mark.parametrize("capability, native", [((8, 0), False), ((8, 6), False), ((8, 9), True),
+                                                ((9, 0), True)])
+def test_triton_gathers_decode_by_the_float8_conversion_where_the_gpu_has_it(
+        monkeypatch, capability, native):
+    """The fp8 gathers' NATIVE (triton_gather.native_fp8) is triton_support.native_fp8: the
+    float8 conversion on sm_89 and later only (below it Triton has no e4m3 type: the kernels
+    compile with the integer decode, test_triton_benchmark_calls_move_rows_in_16_byte_accesses);
+    never on the CPU (the interpreter's conversion is inexact)."""
+    from kvwrite.kernels import triton_gather, triton_support
+
+    monkeypatch.setattr(triton_support, "_native_fp8_device", lambda index: capability >= (8, 9))
+    assert triton_gather.native_fp8(torch.device("cuda", 0)) is native
+    assert triton_gather.native_fp8(torch.device("cpu")) is False

@@ -11,6 +11,7 @@ rounds differently. The gpu-marked tests add pinned host sides, CUDA graphs and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -502,6 +503,25 @@ def test_pack_one_scale_one_part(device, fmt):
     check_pack(g, PAGE_PAIRS, device, scale=torch.tensor([0.37], device=device))
 
 
+@pytest.mark.skipif(tt.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("capability, native", [((8, 0), False), ((8, 9), True), ((9, 0), True)])
+def test_page_kernels_take_the_float8_conversion_where_the_gpu_has_it(monkeypatch, capability,
+                                                                      native):
+    """fp8 codes by Triton's float8 conversion only on sm_89 and later (triton_support.native_fp8:
+    below it Triton has no e4m3 type and the kernels would not compile), by integer operations
+    elsewhere, in both directions. No GPU needed: the launches of a plan on cuda:0 under a budget
+    (no SM count asked), its capability faked."""
+    from kvwrite.kernels import triton_support
+
+    monkeypatch.setattr(triton_support, "_native_fp8_device", lambda index: capability >= (8, 9))
+    g = Pages("fp8_e4m3", torch.bfloat16, "cpu")
+    m = mapping_tensor([[0, 1]], torch.int64, "cpu")
+    for direction in ("pack", "unpack"):
+        plan = dataclasses.replace(make_plan(m, page_job=g.job(direction), max_ctas=2),
+                                   device=torch.device("cuda", 0))
+        assert {pl.kw["NATIVE"] for pl in tt.page_launches(plan)} == {native}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -629,8 +649,14 @@ class Compile:
                     consts[(params.index(n),)] = v
                 elif n in ("num_warps", "enable_fp_fusion"):
                     opts[n] = v
-            src = ASTSource(fn=self.fn, signature=sig, constexprs=consts, attrs=attrs)
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+            # sm_90 with the float8 conversion (what an H200 gets: counted), and sm_80 without
+            # it (triton_support.native_fp8 there: Triton has no e4m3 type below sm_89).
+            for arch, native in ((80, False), (90, True)):
+                if "NATIVE" in params:
+                    consts[(params.index("NATIVE"),)] = native
+                src = ASTSource(fn=self.fn, signature=sig, constexprs=consts, attrs=attrs)
+                ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                     options=opts).asm["ptx"]
             out.append([self.fn.__name__, len(re.findall(r"ld\.global\.v4", ptx)),
                         len(re.findall(r"st\.global\.v4", ptx))])
         return call
@@ -652,9 +678,10 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_the_gpu():
-    """Every kernel compiles for sm_90 (no GPU needed), a copy of 256-byte rows moves 16-byte
-    vectors, several loads before their stores, and the page kernels move 16-byte vectors where
-    the job is aligned (PageJob.code_align)."""
+    """Every kernel compiles for sm_90 and for sm_80 (no GPU needed; the page kernels with the
+    float8 conversion on sm_90 only), a copy of 256-byte rows moves 16-byte vectors, several
+    loads before their stores, and the page kernels move 16-byte vectors where the job is
+    aligned (PageJob.code_align)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(tt.__file__), "..", ".."),

@@ -118,9 +118,10 @@ if triton is not None:
     @triton.jit
     def fp8_dequant(c, s, FMT: tl.constexpr, NATIVE: tl.constexpr):
         """``D(c, s)`` in float32 (round it to the output dtype with ``.to``). NATIVE (compiled
-        kernels, not the interpreter): the codes decoded by Triton's float8 conversion (on sm_89
-        and later cvt.rn.f16x2.e4m3x2 and float16 -> float32; e5m2 codes are float16's high
-        byte), exact as fp8_decode and a few instructions per element instead of a dozen. The
+        for sm_89 and later, not the interpreter: :func:`native_fp8`): the codes decoded by
+        Triton's float8 conversion (cvt.rn.f16x2.e4m3x2 and float16 -> float32; e5m2 codes are
+        float16's high byte), exact as fp8_decode and a few instructions per element instead of
+        a dozen. The
         interpreter's conversion is not exact (it reads e4m3's NaN codes as 480, e5m2's
         infinities and NaNs as numbers), so it keeps fp8_decode."""
         if NATIVE:
@@ -228,9 +229,9 @@ def launch_rows(kernel, device: torch.device, t_out: int, args: tuple, starts: t
 
 
 def native_fp8(device: torch.device) -> bool:
-    """fp8_dequant's NATIVE for a call on ``device``: compiled kernels (CUDA devices), not
-    Triton's interpreter."""
-    return device.type == "cuda"
+    """fp8_dequant's NATIVE for a call on ``device``: triton_support.native_fp8 (a GPU of sm_89
+    or later: Triton has no e4m3 type below it, and its interpreter decodes float8 inexactly)."""
+    return triton_support.native_fp8(device)
 
 
 def interpreter_reason(device: torch.device, out_dtype: torch.dtype | None) -> str | None:

@@ -26,9 +26,10 @@ the run's first storage the pointer, each layer's first element an offset slot);
 walks the run's layers in turn, writing each layer's share of every head chunk (its
 ``sigma(l, s)`` floats, its rows' codes and, NVFP4, scale bytes), and layer 0's pack also the
 chunk's zero tail, so the launches together write whole chunks. fp8 codes are
-``Q(x)`` by kernels.triton_fp8's exact quotient, encoded on the GPU by the float8 cast and under
-the interpreter by integer operations on its bits (nearest even, subnormals, saturation: the
-interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group
+``Q(x)`` by kernels.triton_fp8's exact quotient, encoded by the float8 cast on GPUs that have it
+(sm_89 and later: triton_support.native_fp8; unpack decodes by it there too) and elsewhere by
+integer operations on its bits (nearest even, subnormals, saturation: Triton has no e4m3 type
+below sm_89, and its interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group
 rule with ``k = sigma``; unpack decodes exactly and rounds to the cache dtype (bfloat16 by integer
 operations on the float32 bits). So Triton's interpreter writes the GPU's bytes, and the CPU
 tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels declare their
@@ -219,10 +220,11 @@ if triton is not None:
     def _fp8_bits(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
         """fp8 codes (int32, 0-255) of float32 ``q`` already clamped to the format's ±MAX (NaN
         kept; fp8_quotient's result): nearest even, subnormals rounded, the sign kept (-0 too),
-        NaN -> 0x7F with q's sign. ``NATIVE`` (a GPU): the float8 cast (the GPU's conversion
-        rounds to nearest even), NaN set apart; else by integer operations (Triton's
-        interpreter rounds float8 casts otherwise than the GPU): E4M3 is triton_nvfp4's e4m3 of
-        |q|, E5M2 the same steps with 2 mantissa bits and bias 15."""
+        NaN -> 0x7F with q's sign. ``NATIVE`` (compiled for sm_89 and later:
+        triton_support.native_fp8): the float8 cast (the GPU's conversion rounds to nearest
+        even), NaN set apart; else by integer operations (older GPUs have no e4m3 type in Triton,
+        and its interpreter rounds float8 casts otherwise than the GPU): E4M3 is triton_nvfp4's
+        e4m3 of |q|, E5M2 the same steps with 2 mantissa bits and bias 15."""
         sign = (q.to(tl.int32, bitcast=True) >> 24) & 128
         if NATIVE:
             if FMT == 1:
@@ -712,7 +714,8 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
                             else L * N * S * E)
     common = dict(P_SB=_used(job.pages.strides[0], job.pages.blocks), HB=job.chunk_bytes, K=K,
                   L=L, S=S, N=N, E=E, FMT=fmt, BLOCK_R=block_r, BLOCK_E=block_e,
-                  NCH=triton.cdiv(width, block_e), NATIVE=plan.device.type == "cuda",
+                  NCH=triton.cdiv(width, block_e),
+                  NATIVE=triton_support.native_fp8(plan.device),
                   ALIGN=job.code_align(),
                   num_warps=tuning.budget_page_warps if budget else tuning.page_warps,
                   enable_fp_fusion=False)
