@@ -458,3 +458,12 @@ def test_pow2_scale_reciprocal_on_the_host(tmp_path_factory):
         for sv, rv in zip(s[ok].numpy(), r[ok].numpy(), strict=True):
             prod, quot = xf * rv, xf / sv
             assert np.array_equal(prod.view(np.int32), quot.view(np.int32)), sv
+
+
+def test_quant_code_names_every_fp8_format_once():
+    """store_quantized's QUANT for a cache dtype and for a quantized query's torch dtype (one
+    table every Triton launcher asks): the two fp8 formats, a copy for everything else."""
+    q = triton_fp8.quant_code
+    assert (q(CacheDType.FP8_E4M3), q(CacheDType.FP8_E5M2)) == (triton_fp8.E4M3, triton_fp8.E5M2)
+    assert (q(torch.float8_e4m3fn), q(torch.float8_e5m2)) == (triton_fp8.E4M3, triton_fp8.E5M2)
+    assert {q(CacheDType.AUTO), q(torch.bfloat16), q(torch.float16)} == {triton_fp8.COPY}

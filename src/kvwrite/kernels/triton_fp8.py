@@ -22,6 +22,10 @@ this. ``triton`` is optional at import time: where it is missing, :data:`triton`
 
 from __future__ import annotations
 
+import torch
+
+from ..dtypes import CacheDType
+
 try:
     import triton
     import triton.language as tl
@@ -31,14 +35,24 @@ except ImportError as _e:  # optional: implementations report it through `availa
 else:
     IMPORT_ERROR = None
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "fp8_scale", "fp8_quotient",
-           "corrected_quotient",
+__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "fp8_scale",
+           "fp8_quotient", "corrected_quotient",
            "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
            "pdl_entry", "ue8m0_round_up"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
 # fp8 e5m2.
 COPY, E4M3, E5M2 = 0, 1, 2
+
+
+_QUANT_CODES = {CacheDType.FP8_E4M3: E4M3, CacheDType.FP8_E5M2: E5M2, torch.float8_e4m3fn: E4M3,
+                torch.float8_e5m2: E5M2}
+
+
+def quant_code(fmt) -> int:
+    """store_quantized's QUANT for ``fmt``, a cache's kvwrite.dtypes.CacheDType or a float8
+    torch dtype (a quantized query's): E4M3 or E5M2, else COPY."""
+    return _QUANT_CODES.get(fmt, COPY)
 
 if triton is not None:
 

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from ..dtypes import CacheDType, scale_is_per_head
-from .triton_fp8 import COPY, E4M3, E5M2, fp8_scale_pair, pdl_entry, store_quantized, tl, triton
+from .triton_fp8 import COPY, fp8_scale_pair, pdl_entry, quant_code, store_quantized, tl, triton
 from .triton_support import PdlTuning, inexact_cast_reason, next_pow2, pdl_launch
 
 __all__ = ["TritonTuning", "TUNING", "tiling", "interpreter_reason", "load_kv_tile",
@@ -276,9 +276,6 @@ if triton is not None:
         return store_mask, cache_row[:, None, None] + h.to(tl.int64) * stride_h + d
 
 
-_QUANT = {CacheDType.FP8_E4M3: E4M3, CacheDType.FP8_E5M2: E5M2}
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor, cache_dtype: CacheDType,
              k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, tuning: TritonTuning,
@@ -289,7 +286,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     if num_tokens == 0:
         return
     t_pad, num_heads, head_size = key.shape
-    quant = _QUANT.get(cache_dtype, COPY)
+    quant = quant_code(cache_dtype)
     block_t, block_h, block_d, num_warps, grid, evict = tiling(
         num_tokens, num_heads, head_size, key.element_size(), quant != COPY, tuning)
     k_per_head = quant != COPY and scale_is_per_head(k_scale)

@@ -26,10 +26,8 @@ import torch
 from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
-from ...kernels.triton_fp8 import E4M3 as _E4M3
-from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import tl, triton
+from ...kernels.triton_fp8 import quant_code, tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS
 from ...kernels.triton_support import inexact_cast_reason
 from ..fused_qk_norm_rope import triton_impl as _norm
@@ -59,8 +57,6 @@ def available(device: torch.device) -> str | None:
                                     _IMPORT_ERROR)
 
 
-_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
-_QUERY_QUANT = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
 
 
 def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
@@ -69,7 +65,7 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
         return None
     reason = (interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
               or inexact_cast_reason(qkv.dtype, cache_dtype.element_dtype(qkv.dtype), False))
-    if reason is None and query_out is not None and query_out.dtype in _QUERY_QUANT:
+    if reason is None and query_out is not None and quant_code(query_out.dtype) != _COPY:
         # fp8: every cast into it is inexact there
         reason = inexact_cast_reason(qkv.dtype, query_out.dtype, False)
     return reason
@@ -246,8 +242,8 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     a ``RopeTuning`` (rotary_embedding's; None: its ``TUNING``) for the tile kernel;
     ``rows_tuning``: fused_qk_norm_rope's ``RowsTuning`` (None: its ``ROWS_TUNING``, read per
     call), which calls take the whole-row kernel."""
-    quant = _QUANT.get(cache_dtype, _COPY)
-    query_quant = 0 if query_out is None else _QUERY_QUANT.get(query_out.dtype, 0)
+    quant = quant_code(cache_dtype)
+    query_quant = _COPY if query_out is None else quant_code(query_out.dtype)
     num_blocks, block_size = key_cache.shape[:2]
     qo = qkv if query_out is None else query_out
     args = (position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,

@@ -21,11 +21,10 @@ import torch
 from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
-from ...kernels.triton_fp8 import E4M3 as _E4M3
-from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import (
     fp8_scale_pair,
     load_scale_pair,
+    quant_code,
     scale_constants,
     store_quantized,
     tl,
@@ -53,7 +52,6 @@ def unsupported(query, key, key_cache, cache_dtype: CacheDType, cos_sin_cache,
             or inexact_cast_reason(key.dtype, cache_dtype.element_dtype(key.dtype), False))
 
 
-_QUANT = {CacheDType.FP8_E4M3: _E4M3, CacheDType.FP8_E5M2: _E5M2}
 
 if triton is not None:
 
@@ -162,7 +160,7 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
     h = key.shape[1]
     block_t, block_h, block_d, warps, nq, nk = tiling(num_rot, hq, h, d, query.element_size(),
                                                       tuning)
-    quant = _QUANT.get(cache_dtype, _COPY)
+    quant = quant_code(cache_dtype)
     num_blocks, block_size = key_cache.shape[:2]
     qo = query if query_out is None else query_out
     grid = (triton.cdiv(num_rot, block_t), nq + nk)
