@@ -30,7 +30,7 @@ from .registry import get as get_impl
 from .registry import select as select_impl
 from .validation import check_int, check_mutation_safe, require_tensor, shape_str
 
-__all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "ENGINES", "PAGE_FORMATS",
+__all__ = ["Side", "CopyJob", "PageJob", "TransferPlan", "consecutive_runs", "ENGINES", "PAGE_FORMATS",
            "QUANTIZED_CACHE_DTYPES", "kv_page_bytes", "chunk_bytes", "parse_page_format",
            "check_kv_split", "check_max_ctas", "check_engine", "check_mapping",
            "check_head_range", "same_view", "call_device", "call_devices", "check_mapping_device",
@@ -159,17 +159,25 @@ class PageJob:
         whose caches have the strides of their run's first (one launch of a page kernel each:
         the strides are its constants, the layers' addresses its slots); ``joins(first, side)``,
         where given, must hold too (an implementation's own limit on a run's addresses)."""
-        runs: list[tuple[int, int]] = []
-        for layer, side in enumerate(self.caches):
-            if runs:
-                l0, n = runs[-1]
-                first = self.caches[l0]
-                if n < most and side.strides == first.strides and (
-                        joins is None or joins(first, side)):
-                    runs[-1] = (l0, n + 1)
-                    continue
-            runs.append((layer, 1))
-        return tuple(runs)
+        return consecutive_runs(self.caches, most, lambda first, side: (
+            side.strides == first.strides and (joins is None or joins(first, side))))
+
+
+def consecutive_runs(items: Sequence, most: int, joins: Callable[[object, object], bool]
+                     ) -> tuple[tuple[int, int], ...]:
+    """``items`` as runs ``(first index, count)`` of at most ``most`` consecutive items, each
+    item in its run's where ``joins(run's first item, item)``: the launches of a page kernel's
+    layers (:meth:`PageJob.layer_runs`) and of a group of copy jobs (their storages the first
+    job's pointers reach)."""
+    runs: list[tuple[int, int]] = []
+    for i, item in enumerate(items):
+        if runs:
+            first, n = runs[-1]
+            if n < most and joins(items[first], item):
+                runs[-1] = (first, n + 1)
+                continue
+        runs.append((i, 1))
+    return tuple(runs)
 
 
 def _or(values) -> int:

@@ -121,9 +121,8 @@ if triton is not None:
         for sm_89 and later, not the interpreter: :func:`native_fp8`): the codes decoded by
         Triton's float8 conversion (cvt.rn.f16x2.e4m3x2 and float16 -> float32; e5m2 codes are
         float16's high byte), exact as fp8_decode and a few instructions per element instead of
-        a dozen. The
-        interpreter's conversion is not exact (it reads e4m3's NaN codes as 480, e5m2's
-        infinities and NaNs as numbers), so it keeps fp8_decode."""
+        a dozen. The interpreter's conversion is not exact (it reads e4m3's NaN codes as 480,
+        e5m2's infinities and NaNs as numbers), so it keeps fp8_decode."""
         if NATIVE:
             if FMT == 1:
                 d = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)

@@ -29,12 +29,13 @@ chunk's zero tail, so the launches together write whole chunks. fp8 codes are
 ``Q(x)`` by kernels.triton_fp8's exact quotient, encoded by the float8 cast on GPUs that have it
 (sm_89 and later: triton_support.native_fp8; unpack decodes by it there too) and elsewhere by
 integer operations on its bits (nearest even, subnormals, saturation: Triton has no e4m3 type
-below sm_89, and its interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group
-rule with ``k = sigma``; unpack decodes exactly and rounds to the cache dtype (bfloat16 by integer
-operations on the float32 bits). So Triton's interpreter writes the GPU's bytes, and the CPU
-tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels declare their
-row addresses aligned, so the compiler moves the cache as 16-byte vectors; under an SM budget
-a program's tile is larger and has more warps (``budget_page_*``: its loads in flight).
+below sm_89, and its interpreter rounds float8 casts otherwise than the GPU); NVFP4 is
+kernels.triton_nvfp4's group rule with ``k = sigma``; unpack decodes exactly and rounds to the
+cache dtype (bfloat16 by integer operations on the float32 bits). So Triton's interpreter writes
+the GPU's bytes, and the CPU tests compare everything. Where :meth:`PageJob.code_align` allows,
+the kernels declare their row addresses aligned, so the compiler moves the cache as 16-byte
+vectors; under an SM budget a program's tile is larger and has more warps (``budget_page_*``:
+its loads in flight).
 
 The mapping is read by the kernels (int32 or int64, any strides); a pair whose source or
 destination id is outside its side's ``[0, blocks)`` is skipped (for pages, ``blocks`` of the
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..transfer import consecutive_runs
 from . import copy_engine, nvrtc, triton_support
 from .launch import BoundedMemo, align
 from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
@@ -158,6 +160,15 @@ if triton is not None:
         return i, j, ok & (i >= 0) & (i < src_blocks) & (j >= 0) & (j < dst_blocks)
 
     @triton.jit
+    def _first_tile(n, tiles):
+        """This program's first tile of a launch's job or layer ``n`` (``tiles`` tiles each): the
+        launch's tiles job after job are dealt to its programs in turn (tile x of the launch to
+        program x mod programs), so a program takes the tiles from the returned one in steps of
+        the program count."""
+        programs = tl.num_programs(0)
+        return (tl.program_id(0) + programs - (n * tiles) % programs) % programs
+
+    @triton.jit
     def _slot(offs, n, SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr):
         """Offset ``n`` of the tuple ``offs`` of a launch's :data:`SLOTS` slots (n a scalar
         below the launch's jobs or layers), decoded (see :func:`_encoded`)."""
@@ -184,17 +195,15 @@ if triton is not None:
         ROWS: tl.constexpr = HEADS * TOKENS * ELEMS
         NCH: tl.constexpr = (RUN + BLOCK_C - 1) // BLOCK_C
         total = pairs.to(tl.int64) * ROWS
-        pid = tl.program_id(0)
         programs = tl.num_programs(0)
-        # The launch's tiles job after job, dealt to the programs in turn (tile n of the launch
-        # to program n mod programs). A job's offsets are chosen once a job, not once a tile:
+        # The launch's tiles job after job, dealt to the programs in turn (_first_tile). A job's
+        # offsets are chosen once a job, not once a tile:
         # measured (H200, 64 Llama-3-8B jobs of 16 blocks, d2d), the choice among 32 slots made
         # a tile took 1 / 4 programs 15.3 / 61 GB/s against 39 / 119 with a launch a job.
         for job in range(0, jobs):
             src_off = _slot(src_offs, job, SLOTS, OFFSET_BIAS)
             dst_off = _slot(dst_offs, job, SLOTS, OFFSET_BIAS)
-            first = (pid + programs - (job * job_tiles) % programs) % programs
-            for tile in range(first, job_tiles, programs):
+            for tile in range(_first_tile(job, job_tiles), job_tiles, programs):
                 rt = tile // NCH
                 ch = tile - rt * NCH
                 r = rt.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -340,15 +349,13 @@ if triton is not None:
         pdl_entry(PDL, PDL_TRIGGER)
         HDR: tl.constexpr = 4 * L * S
         VE: tl.constexpr = 4 if IN == 0 else 8  # cache elements of 16 bytes
-        pid = tl.program_id(0)
         programs = tl.num_programs(0)
         # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
         # job's (a layer's offset chosen once).
         for li in range(0, layers):
             layer = l0 + li
             cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
-            first_tile = (pid + programs - (li * tiles) % programs) % programs
-            for tile in range(first_tile, tiles, programs):
+            for tile in range(_first_tile(li, tiles), tiles, programs):
                 k, ok, s, t, ch, first_ch, lead, chunk, row, base, at = _page_tile(
                     tile, layer, cache_off, page_off, map_ptr, map_s0, map_s1, src_blocks,
                     dst_blocks, pairs, True, C_SB, C_SH, C_ST, C_SC, P_SB, HB, K, L, S, N, E,
@@ -413,15 +420,13 @@ if triton is not None:
         pdl_entry(PDL, PDL_TRIGGER)
         HDR: tl.constexpr = 4 * L * S
         VE: tl.constexpr = 4 if OUT == 0 else 8  # cache elements of 16 bytes
-        pid = tl.program_id(0)
         programs = tl.num_programs(0)
         # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
         # job's (a layer's offset chosen once).
         for li in range(0, layers):
             layer = l0 + li
             cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
-            first_tile = (pid + programs - (li * tiles) % programs) % programs
-            for tile in range(first_tile, tiles, programs):
+            for tile in range(_first_tile(li, tiles), tiles, programs):
                 k, ok, s, t, ch, first_ch, lead, chunk, row, base, at = _page_tile(
                     tile, layer, cache_off, page_off, map_ptr, map_s0, map_s1, src_blocks,
                     dst_blocks, pairs, False, C_SB, C_SH, C_ST, C_SC, P_SB, HB, K, L, S, N, E,
@@ -552,21 +557,27 @@ def _delta(first: Side, side: Side) -> int:
         + _base(side)
 
 
-def _reachable(first: Side, side: Side, unit: int) -> bool:
-    """Whether a launch whose pointer is ``first``'s storage, viewed as units of ``unit`` bytes,
-    reaches ``side`` through an offset slot (whole units, within the encoding's range)."""
+def _slot_units(first: Side, side: Side, unit: int) -> int | None:
+    """:func:`_delta` in units of ``unit`` bytes: the offset slot by which a launch whose pointer
+    is ``first``'s storage, viewed as such units, reaches ``side``; None where it cannot (not
+    whole units, or beyond the encoding's range)."""
     delta = _delta(first, side)
-    return delta % unit == 0 and abs(delta // unit) < _OFFSET_MOST
+    return delta // unit if delta % unit == 0 and abs(delta // unit) < _OFFSET_MOST else None
+
+
+def _reachable(first: Side, side: Side, unit: int) -> bool:
+    """Whether :func:`_slot_units` reaches ``side`` from ``first``."""
+    return _slot_units(first, side, unit) is not None
 
 
 def _encoded(sides: list[Side], unit: int) -> tuple[int, ...]:
-    """Each side's :func:`_delta` past the first side's storage in units of ``unit`` bytes
-    (each :func:`_reachable`), encoded as :data:`_OFFSET_BIAS` says and padded to a power of
-    two: a launch's offset slots."""
+    """Each side's :func:`_slot_units` past the first side's storage (each reachable), encoded
+    as :data:`_OFFSET_BIAS` says and padded to a power of two: a launch's offset slots."""
     offs = []
     for x in sides:
-        assert _reachable(sides[0], x, unit), (_delta(sides[0], x), unit)
-        offs.append(16 * (_delta(sides[0], x) // unit) + _OFFSET_BIAS)
+        units = _slot_units(sides[0], x, unit)
+        assert units is not None, (_delta(sides[0], x), unit)
+        offs.append(16 * units + _OFFSET_BIAS)
     return tuple(offs) + (_OFFSET_BIAS,) * (next_pow2(len(offs)) - len(offs))
 
 
@@ -612,23 +623,17 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
     out = []
     for (w, lane_dtype, tiles, *_), members in groups.items():
         kw = shapes[members[0]][3]
-        parts: list[list[int]] = []
-        for n in members:
-            job = plan.jobs[n]
-            if parts and len(parts[-1]) < _per_launch(tuning):
-                first = plan.jobs[parts[-1][0]]
-                if _reachable(first.src, job.src, w) and _reachable(first.dst, job.dst, w):
-                    parts[-1].append(n)
-                    continue
-            parts.append([n])
-        for part in parts:
-            jobs = [plan.jobs[n] for n in part]
-            total = tiles * len(part)
+        tile_bytes = kw["BLOCK_R"] * kw["BLOCK_C"] * (w // kw["VEC"])
+        group = [plan.jobs[n] for n in members]
+        # A launch's jobs are those its first job's storages reach (each side).
+        for i, count in consecutive_runs(group, _per_launch(tuning), lambda f, j, w=w: (
+                _reachable(f.src, j.src, w) and _reachable(f.dst, j.dst, w))):
+            jobs = group[i:i + count]
+            total = tiles * count
             assert total < 2**31, total
             grid = (_programs(plan.device, total, plan.max_ctas, tuning),)
-            tile_bytes = kw["BLOCK_R"] * kw["BLOCK_C"] * (w // kw["VEC"])
             warps = _copy_warps(tile_bytes, jobs[0].dst.on_host, grid[0], tuning)
-            out.append(CopyLaunch(tuple(part), lane_dtype, grid, tiles,
+            out.append(CopyLaunch(tuple(members[i:i + count]), lane_dtype, grid, tiles,
                                   _encoded([j.src for j in jobs], w),
                                   _encoded([j.dst for j in jobs], w), {**kw, "num_warps": warps}))
     return tuple(out)
