@@ -536,6 +536,21 @@ def test_aligned_pages(device, fmt, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("halves_groups", [1, 1024])
+def test_nvfp4_pack_takes_both_group_forms(device, aligned, halves_groups):
+    """The NVFP4 pack's two forms of a group (nvfp4_halves_groups: as two halves a thread, or
+    whole across two threads), each general and aligned (code words stored as words), write
+    the same bytes: whole allocations against the reference."""
+    tuning = dataclasses.replace(tt.TUNING, nvfp4_halves_groups=halves_groups)
+    g = Pages("nvfp4", torch.bfloat16, device, L=3, N=16, C=64, seed=12,
+              pool_offset=0 if aligned else 8, token_major={1})
+    assert (g.job("pack").code_align() >= 4) == aligned
+    check_pack(g, PAGE_PAIRS, device, tuning=tuning)
+    check_pack(g, PAGE_PAIRS, device, max_ctas=2, tuning=tuning)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("fmt", FORMATS[1:])
 def test_layers_of_one_layout_share_a_page_launch(monkeypatch, device, direction, fmt):

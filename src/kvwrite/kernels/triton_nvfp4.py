@@ -4,9 +4,11 @@ transfer pages (kvwrite.kernels.triton_transfer).
 
 - :func:`group_rule`: (S codes, packed code bytes) of groups of 16 float32 elements with the
   per-tensor scale ``k`` (a scalar or a tensor broadcast against the groups' amax);
-- :func:`group_rule_halves`: the same rule on groups given as two halves of 8 elements (the
-  NVFP4 writes: a thread's whole groups), the codes packed into little-endian words;
+- :func:`group_rule_halves`: the same rule on groups given as two halves of 8 elements (a
+  thread's whole groups), the codes packed into little-endian words;
 - :func:`e2m1`, :func:`e2m1_value`, :func:`e4m3`: the E2M1 and E4M3 codes and values;
+- :func:`store_code_words`: a group's 8 code bytes stored from its two little-endian words (word
+  stores where aligned, bytes elsewhere);
 - :func:`widen`, :func:`widen_words`: input elements as float32 (bfloat16 from its bits).
 
 Each step is one IEEE float32 operation rounded to nearest even: ``tl.math.div_rn`` for the two
@@ -24,7 +26,7 @@ from __future__ import annotations
 from .triton_fp8 import IMPORT_ERROR, tl, triton
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "e2m1", "e2m1_value", "e4m3", "group_rule",
-           "group_rule_halves", "widen", "widen_words"]
+           "group_rule_halves", "store_code_words", "widen", "widen_words"]
 
 if triton is not None:
 
@@ -258,6 +260,21 @@ if triton is not None:
             S = tl.where(use4, S4, S)
             r = tl.where(use4, r4, r)
         return S, packed_half(x0, r, BT, BQ, NATIVE), packed_half(x1, r, BT, BQ, NATIVE)
+
+    @triton.jit
+    def store_code_words(ptr, c0, c1, ok3, WORDS: tl.constexpr):
+        """A group's 8 code bytes at ``ptr`` [BT, BQ, 1] (uint8): the little-endian words ``c0``,
+        ``c1`` [BT, BQ] (uint32, :func:`group_rule_halves`'), as two words (``WORDS``: ``ptr``
+        4-byte aligned; an 8-byte store where Triton sees 8-byte alignment) or as 8 bytes (any
+        alignment)."""
+        if WORDS:
+            w = tl.arange(0, 2)[None, None, :]
+            tl.store(ptr.to(tl.pointer_type(tl.uint32)) + w, tl.join(c0, c1), mask=ok3)
+        else:
+            j = tl.arange(0, 4)[None, None, :]
+            sh = (j * 8).to(tl.uint32)
+            tl.store(ptr + j, (c0[:, :, None] >> sh).to(tl.uint8), mask=ok3)
+            tl.store(ptr + 4 + j, (c1[:, :, None] >> sh).to(tl.uint8), mask=ok3)
 
     @triton.jit
     def widen(x, BF16_BITS: tl.constexpr):

@@ -19,23 +19,24 @@ sides, else one element), cut into tiles of ``BLOCK_R`` rows x
 a block's bytes) are split into chunks that different programs copy. A persistent grid (at most
 ``plan.max_ctas`` programs, else enough to fill the GPU) walks the tiles with a grid-stride loop.
 
-Quantized pages (``plan.page_job``): one launch of :func:`_pack_kernel` or
-:func:`_unpack_kernel` per run of consecutive layers with equal strides (:func:`page_launches`,
+Quantized pages (``plan.page_job``): one launch of :func:`_pack_kernel` or :func:`_unpack_kernel`
+per run of consecutive layers with equal strides (:func:`page_launches`,
 :meth:`PageJob.layer_runs`; each layer is its own tensor, addressed as a copy launch's jobs are:
-the run's first storage the pointer, each layer's first element an offset slot); the kernel
-walks the run's layers in turn, writing each layer's share of every head chunk (its
-``sigma(l, s)`` floats, its rows' codes and, NVFP4, scale bytes), and layer 0's pack also the
-chunk's zero tail, so the launches together write whole chunks. fp8 codes are
-``Q(x)`` by kernels.triton_fp8's exact quotient, encoded by the float8 cast on GPUs that have it
-(sm_89 and later: triton_support.native_fp8; unpack decodes by it there too) and elsewhere by
-integer operations on its bits (nearest even, subnormals, saturation: Triton has no e4m3 type
-below sm_89, and its interpreter rounds float8 casts otherwise than the GPU); NVFP4 is
-kernels.triton_nvfp4's group rule with ``k = sigma``; unpack decodes exactly and rounds to the
-cache dtype (bfloat16 by integer operations on the float32 bits). So Triton's interpreter writes
-the GPU's bytes, and the CPU tests compare everything. Where :meth:`PageJob.code_align` allows,
-the kernels declare their row addresses aligned, so the compiler moves the cache as 16-byte
-vectors; under an SM budget a program's tile is larger and has more warps (``budget_page_*``:
-its loads in flight).
+the run's first storage the pointer, each layer's first element an offset slot); the kernel walks
+the run's layers in turn, writing each layer's share of every head chunk (its ``sigma(l, s)``
+floats, its rows' codes and, NVFP4, scale bytes), and layer 0's pack also the chunk's zero tail, so
+the launches together write whole chunks. fp8 codes are ``Q(x)`` by kernels.triton_fp8's exact
+quotient, encoded by the float8 cast on GPUs that have it (sm_89 and later:
+triton_support.native_fp8; unpack decodes by it there too) and elsewhere by integer operations on
+its bits (nearest even, subnormals, saturation: Triton has no e4m3 type below sm_89, and its
+interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group rule
+with ``k = sigma`` (group_rule_halves, each thread holding whole groups loaded as two halves and
+storing their codes as two words, where a tile's rows are wide enough: ``nvfp4_halves_groups``;
+else group_rule, a group across two threads); unpack decodes exactly and rounds to the cache dtype
+(bfloat16 by integer operations on the float32 bits). So Triton's interpreter writes the GPU's
+bytes, and the CPU tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels
+declare their row addresses aligned, so the compiler moves the cache as 16-byte vectors; under an
+SM budget a program's tile is larger and has more warps (``budget_page_*``: its loads in flight).
 
 The mapping is read by the kernels (int32 or int64, any strides); a pair whose source or
 destination id is outside its side's ``[0, blocks)`` is skipped (for pages, ``blocks`` of the
@@ -59,7 +60,14 @@ from . import copy_engine, nvrtc, triton_support
 from .launch import BoundedMemo, align
 from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
 from .triton_gather import fp8_decode, fp8_dequant
-from .triton_nvfp4 import e2m1_value, e4m3, group_rule, widen
+from .triton_nvfp4 import (
+    e2m1_value,
+    e4m3,
+    group_rule,
+    group_rule_halves,
+    store_code_words,
+    widen,
+)
 from .triton_support import PdlTuning, next_pow2, pdl_launch, storage_view
 
 if TYPE_CHECKING:
@@ -118,6 +126,12 @@ class TritonTuning(PdlTuning):
     # same).
     budget_page_tile_elems: int = 8192
     budget_page_warps: int = 16
+    # NVFP4 pack: groups loaded as two halves a thread (group_rule_halves) where a tile's row
+    # holds at least this many groups, else whole across two threads (group_rule). Measured
+    # (H200, every program / 4, 16 and 128 blocks, tuning-log 104): halves against whole,
+    # Llama-3-8B (8 groups a row) 0.73 / 0.74 of the time, 0.93 / 0.95 at 4 programs;
+    # DeepSeek-V3 (4 a row: 576 elements) 0.89 / 1.14, 1.06 / 1.08.
+    nvfp4_halves_groups: int = 8
     # Warps of a program that writes pinned host memory (d2h): a launch's host_write_launch_warps
     # spread over its programs, from host_write_least_warps to host_write_warps a program. A
     # program of a copy launch stays on its SM for the whole call, and fewer warps leave room on
@@ -139,6 +153,14 @@ class TritonTuning(PdlTuning):
     jobs_per_launch: int = SLOTS
     # Programs per SM without max_ctas.
     programs_per_sm: int = 4
+    # The page kernels' programs per SM without max_ctas (4 warps each: a quarter of the SM's
+    # warps, whose loads wait). Measured (H200, 32 Llama-3-8B / 61 DeepSeek-V3 layers, 16 / 128
+    # blocks, GB/s of page bytes, tuning-log 104): 4: fp8 pack 589 / 849 and 530 / 660, fp8
+    # unpack 669 / 948 and 717 / 918, nvfp4 unpack 259 / 345 and 279 / 352; 8: 547 / 857, 480 /
+    # 690, 638 / 1083, 687 / 1017; 16: 448 / 855, 399 / 708, 501 / 1059, 544 / 896, nvfp4 unpack
+    # 210 / 370, 225 / 371; 32 slower again at 16 blocks. More programs gain up to 14% at 128
+    # blocks and lose as much at 16: 4 kept.
+    page_programs_per_sm: int = 4
 
 
 TUNING = TritonTuning()
@@ -342,6 +364,7 @@ if triton is not None:
         K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, N: tl.constexpr, E: tl.constexpr,
         FMT: tl.constexpr, IN: tl.constexpr, STEPS: tl.constexpr, DATA_END: tl.constexpr,
         NATIVE: tl.constexpr, ALIGN: tl.constexpr,  # float8 casts; PageJob.code_align
+        HALVES: tl.constexpr,  # nvfp4: groups as two halves a thread (_plan_pages says where)
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,  # rows x elements (nvfp4: groups of 16)
         NCH: tl.constexpr,  # steps of BLOCK_E over a part
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
@@ -364,17 +387,30 @@ if triton is not None:
                               mask=ok, other=1.0)
                 if FMT == 3:
                     g = ch * BLOCK_E + tl.arange(0, BLOCK_E)
-                    e = tl.arange(0, 16)
                     ok2 = ok[:, None] & (g < E // 16)[None, :]
                     ok3 = ok2[:, :, None]
-                    col = (g * 16)[None, :, None] + e[None, None, :]
-                    x = tl.load(cache_ptr + base[:, None, None] + col * C_SC, mask=ok3,
-                                other=0)
-                    sc, codes = group_rule(widen(x, IN == 2), sig[:, None], False, BLOCK_R,
-                                           BLOCK_E)
-                    jj = tl.arange(0, 8)
-                    cd = at[:, None, None] + (g * 8)[None, :, None] + jj[None, None, :]
-                    tl.store(page_ptr + cd, codes, mask=ok3)
+                    if HALVES:
+                        # Each group as its halves (elements 0-7, 8-15: where aligned, 16-byte
+                        # vectors of 16-bit elements), so a thread holds whole groups
+                        # (group_rule_halves: no shuffles, a group's scale computed once).
+                        half = base[:, None, None] + ((g * 16)[None, :, None]
+                                                      + tl.arange(0, 8)[None, None, :]) * C_SC
+                        x0 = widen(tl.load(cache_ptr + half, mask=ok3, other=0), IN == 2)
+                        x1 = widen(tl.load(cache_ptr + half + 8 * C_SC, mask=ok3, other=0),
+                                   IN == 2)
+                        sc, c0, c1 = group_rule_halves(x0, x1, sig[:, None], False, BLOCK_R,
+                                                       BLOCK_E, NATIVE)
+                        store_code_words(page_ptr + (at[:, None] + g[None, :] * 8)[:, :, None],
+                                         c0, c1, ok3, ALIGN >= 4)
+                    else:
+                        col = (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+                        x = tl.load(cache_ptr + base[:, None, None] + col * C_SC, mask=ok3,
+                                    other=0)
+                        sc, codes = group_rule(widen(x, IN == 2), sig[:, None], False, BLOCK_R,
+                                               BLOCK_E)
+                        jj = tl.arange(0, 8)
+                        cd = at[:, None, None] + (g * 8)[None, :, None] + jj[None, None, :]
+                        tl.store(page_ptr + cd, codes, mask=ok3)
                     sd = (chunk + HDR + L * N * S * E // 2 + row * (E // 16))[:, None] \
                         + g[None, :]
                     tl.store(page_ptr + sd, sc.to(tl.uint8), mask=ok2)
@@ -476,12 +512,10 @@ def unsupported(plan: TransferPlan) -> str | None:
     return None
 
 
-def _programs(device: torch.device, tiles: int, max_ctas: int | None,
-              tuning: TritonTuning) -> int:
+def _programs(device: torch.device, tiles: int, max_ctas: int | None, per_sm: int) -> int:
     """Programs of a launch over ``tiles`` tiles: at most ``max_ctas``, else enough to fill the
-    GPU (SMs x ``programs_per_sm``; the interpreter counts one SM)."""
-    cap = max_ctas if max_ctas is not None else triton_support.programs_to_fill(
-        device, tuning.programs_per_sm)
+    GPU (SMs x ``per_sm``; the interpreter counts one SM)."""
+    cap = max_ctas if max_ctas is not None else triton_support.programs_to_fill(device, per_sm)
     return max(1, min(tiles, cap))
 
 
@@ -631,7 +665,7 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
             jobs = group[i:i + count]
             total = tiles * count
             assert total < 2**31, total
-            grid = (_programs(plan.device, total, plan.max_ctas, tuning),)
+            grid = (_programs(plan.device, total, plan.max_ctas, tuning.programs_per_sm),)
             warps = _copy_warps(tile_bytes, jobs[0].dst.on_host, grid[0], tuning)
             out.append(CopyLaunch(tuple(members[i:i + count]), lane_dtype, grid, tiles,
                                   _encoded([j.src for j in jobs], w),
@@ -715,6 +749,12 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
         block_e = min(width & -width, per)
     block_r = max(1, min(per // block_e, next_pow2(S * N)))
     tiles = plan.pairs * K * triton.cdiv(S * N, block_r) * triton.cdiv(width, block_e)
+    warps = tuning.budget_page_warps if budget else tuning.page_warps
+    # NVFP4 pack: a thread's groups whole (group_rule_halves: no shuffles) where a tile's row
+    # holds nvfp4_halves_groups groups or more, at most a warp per 32 of the tile's groups.
+    halves = fmt == 3 and block_e >= tuning.nvfp4_halves_groups
+    if halves:
+        warps = min(warps, max(1, block_r * block_e // 32))
     data_end = 4 * L * S + (L * N * S * E // 2 + L * N * S * E // 16 if fmt == 3
                             else L * N * S * E)
     common = dict(P_SB=_used(job.pages.strides[0], job.pages.blocks), HB=job.chunk_bytes, K=K,
@@ -722,13 +762,13 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
                   NCH=triton.cdiv(width, block_e),
                   NATIVE=triton_support.native_fp8(plan.device),
                   ALIGN=job.code_align(),
-                  num_warps=tuning.budget_page_warps if budget else tuning.page_warps,
-                  enable_fp_fusion=False)
+                  num_warps=warps, enable_fp_fusion=False)
     if job.direction == "pack":
         sst = job.scale_strides
         common.update(SC_L=_used(sst[0], L), SC_S=_used(sst[1], S), SC_K=_used(sst[2], K),
                       IN=_DT[job.cache_dtype],
-                      STEPS=2 if job.cache_dtype == torch.float32 else 1, DATA_END=data_end)
+                      STEPS=2 if job.cache_dtype == torch.float32 else 1, DATA_END=data_end,
+                      HALVES=halves)
     else:
         common.update(OUT=_DT[job.cache_dtype])
     out = []
@@ -740,7 +780,7 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
         kw = dict(C_SB=_used(cs[0], max(x.blocks for x in sides)), C_SH=_used(cs[1], K),
                   C_ST=_used(cs[2], N), C_SC=cs[3], **common)
         assert tiles * n < 2**31, (tiles, n)
-        grid = (_programs(plan.device, tiles * n, plan.max_ctas, tuning),)
+        grid = (_programs(plan.device, tiles * n, plan.max_ctas, tuning.page_programs_per_sm),)
         out.append(PageLaunch(l0, n, grid, tiles, _encoded(sides, es), kw))
     return tuple(out)
 

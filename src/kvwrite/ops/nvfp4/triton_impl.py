@@ -16,7 +16,7 @@ layout); nothing is read on the host per call, so ``run`` is CUDA-graph safe: a 
 inputs, slots and scale tensors.
 
 The group rule (docs/ops/nvfp4.md) is kvwrite.kernels.triton_nvfp4's group_rule_halves (the
-transfer pages take its group_rule): each step one IEEE float32 operation rounded to nearest
+transfer pages take it too): each step one IEEE float32 operation rounded to nearest
 even, launched here with FMA contraction off (``enable_fp_fusion=False``), no float8 cast,
 bfloat16 widened from its bits: so Triton's interpreter (``TRITON_INTERPRET=1``) writes the
 GPU's bytes, and the CPU tests compare it in full. Compiled for sm_89 and later (NATIVE), the
@@ -34,7 +34,7 @@ from ...dtypes import CacheDType
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import pdl_entry, tl, triton
-from ...kernels.triton_nvfp4 import group_rule_halves, widen, widen_words
+from ...kernels.triton_nvfp4 import group_rule_halves, store_code_words, widen, widen_words
 from ...kernels.triton_support import GroupTuning, group_tiling
 from .op import ScaleLayout
 from .rule import GROUP
@@ -105,20 +105,6 @@ if triton is not None:
         """[BT, BQ, 4] ``a`` then ``b`` as [BT, BQ, 8] (a's columns 0-3, b's 4-7)."""
         return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), (BT, BQ, 8))
 
-    @triton.jit
-    def _store_words(ptr, c0, c1, ok3, DATA_WORDS: tl.constexpr):
-        """A group's 8 code bytes at ``ptr`` [BT, BQ, 1] (uint8): the little-endian words
-        ``c0``, ``c1`` [BT, BQ] (uint32), as two words (DATA_WORDS: the data 4-byte aligned; an
-        8-byte store where Triton sees 8-byte alignment) or as 8 bytes (any alignment)."""
-        if DATA_WORDS:
-            w = tl.arange(0, 2)[None, None, :]
-            tl.store(ptr.to(tl.pointer_type(tl.uint32)) + w, tl.join(c0, c1), mask=ok3)
-        else:
-            j = tl.arange(0, 4)[None, None, :]
-            sh = (j * 8).to(tl.uint32)
-            tl.store(ptr + j, (c0[:, :, None] >> sh).to(tl.uint8), mask=ok3)
-            tl.store(ptr + 4 + j, (c1[:, :, None] >> sh).to(tl.uint8), mask=ok3)
-
     @triton.jit(do_not_specialize=["num_tokens"])
     def _nvfp4_kernel(
         key_ptr, value_ptr,  # [T_pad, H, D]; token strides KEY_STRIDE / VALUE_STRIDE (elements)
@@ -173,13 +159,13 @@ if triton is not None:
 
         sk, ck0, ck1 = group_rule_halves(xk0, xk1, k, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q, NATIVE)
         kd = (blk * KD_SB + pg * KD_SS)[:, None, None] + (h * KD_SH + g * 8)[None, :, None]
-        _store_words(k_data_ptr + kd, ck0, ck1, ok3, DATA_WORDS)
+        store_code_words(k_data_ptr + kd, ck0, ck1, ok3, DATA_WORDS)
         ks = (blk * KS_SB + pg * KS_SS)[:, None] + (h * KS_SH + g)[None, :]
         tl.store(k_sf_ptr + ks, sk.to(tl.uint8), mask=ok2)
 
         sv, cv0, cv1 = group_rule_halves(xv0, xv1, v, FOUR_OVER_SIX, BLOCK_T, BLOCK_Q, NATIVE)
         vd = (blk * VD_SB + pg * VD_SS)[:, None, None] + (h * VD_SH + g * 8)[None, :, None]
-        _store_words(v_data_ptr + vd, cv0, cv1, ok3, DATA_WORDS)
+        store_code_words(v_data_ptr + vd, cv0, cv1, ok3, DATA_WORDS)
         if V_SWIZZLE:
             # Group g of offset t: row 4*(t//4) + g//(G/4), byte 4*(g % (G/4)) + t % 4.
             Q4: tl.constexpr = G // 4
