@@ -86,10 +86,11 @@ def _cpu_job(shape=(4, 2, 3, 8), dtype=torch.bfloat16, offset=0, src=None, dst=N
     return job
 
 
-def test_copy_launches_group_forty_jobs_into_two():
-    jobs = tuple(_cpu_job() for _ in range(40))
+def test_copy_launches_group_jobs_into_launches_of_every_slot():
+    n = tc.SLOTS + 8
+    jobs = tuple(_cpu_job() for _ in range(n))
     ls = tc.copy_launches(jobs)
-    assert [len(x.pointers) for x in ls] == [tc.SLOTS, 40 - tc.SLOTS]
+    assert [len(x.pointers) for x in ls] == [tc.SLOTS, 8]
     assert all(x.vb == 16 for x in ls)
     assert ls[0].pointers[3] == (jobs[3].src.ptr, jobs[3].dst.ptr)
 
@@ -317,9 +318,10 @@ def test_gpu_forty_jobs_in_one_call_take_two_launches(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_forty_jobs_of_one_geometry_take_two_launches(monkeypatch):
+def test_gpu_more_jobs_of_one_geometry_than_slots_take_two_launches(monkeypatch):
     views = [(torch.randn(6, 2, 4, 8, device="cuda").to(torch.float16),
-              torch.randn(6, 2, 4, 8, device="cuda").to(torch.float16)) for _ in range(40)]
+              torch.randn(6, 2, 4, 8, device="cuda").to(torch.float16))
+             for _ in range(tc.SLOTS + 8)]
     calls = []
     real = nvrtc.launch
     monkeypatch.setattr(nvrtc, "launch", lambda *a: (calls.append(a), real(*a))[1])
@@ -591,7 +593,8 @@ def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
         segs = -(-nvec // 64)
         assert (c.work, c.per_warp) == (rows * segs, 1) and c.args[-5] == segs
     assert c.args[0] == mapping.data_ptr() and c.args[4:6] == (jobs[0].src.ptr, jobs[0].dst.ptr)
-    assert c.args[68] == 3 and c.args[81] == nvec  # njobs, nvec
+    njobs = 4 + 2 * tc.SLOTS  # after the mapping's 4 arguments and the slots
+    assert c.args[njobs] == 3 and c.args[njobs + 13] == nvec  # njobs, nvec
 
 
 @pytest.mark.parametrize("src_on, dst_on, peer, u", [

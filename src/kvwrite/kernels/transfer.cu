@@ -29,10 +29,13 @@
 __host__ __device__ constexpr int page_batches(int fmt) { return fmt == KVW_NVFP4 ? 1 : 2; }
 
 // Slots per launch (transfer_cuda.SLOTS says the same).
-#define KVW_SLOTS 32
-#define KVW_X32(X)                                                                              \
-  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15) X(16)  \
-  X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(24) X(25) X(26) X(27) X(28) X(29) X(30) X(31)
+#define KVW_SLOTS 64
+#define KVW_XSLOTS(X)                                                                              \
+  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15) X(16)      \
+  X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(24) X(25) X(26) X(27) X(28) X(29) X(30) X(31)        \
+  X(32) X(33) X(34) X(35) X(36) X(37) X(38) X(39) X(40) X(41) X(42) X(43) X(44) X(45) X(46)        \
+  X(47) X(48) X(49) X(50) X(51) X(52) X(53) X(54) X(55) X(56) X(57) X(58) X(59) X(60) X(61)        \
+  X(62) X(63)
 
 // a / b and a % b for 64-bit counts, in 32-bit arithmetic where both fit (the common case; a
 // 64-bit division is a long software sequence).
@@ -97,7 +100,7 @@ KVW_HD void read_pair(const IDX* mapping, i64 ms0, i64 ms1, u64 m, i64* i, i64* 
 // 1024 threads per SM at every U.
 template <int VB, typename IDX, int U>
 __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
-                                     KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh,
+                                     KVW_XSLOTS(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh,
                                      i64 sst, i64 ssc, i64 dsb, i64 dsh, i64 dst_, i64 dsc,
                                      i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec,
                                      i64 ppe_shift, i64 segs, u64 m_segs, u64 m_tokens,
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
     read_pair(mapping, ms0, ms1, r - q * pairs, &i, &j);
     if (i < 0 || i >= sblocks || j < 0 || j >= dblocks) continue;
     u64 s = 0, d = 0;
-    switch (static_cast<int>(q)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }
+    switch (static_cast<int>(q)) { KVW_XSLOTS(KVW_COPY_SLOT_CASE) default: break; }
     const u8* srow = reinterpret_cast<const u8*>(s + i * ssb + h * ssh + t * sst);
     u8* drow = reinterpret_cast<u8*>(d + j * dsb + h * dsh + t * dst_);
     const i64 v0 = sg * SEG + lane;
@@ -178,7 +181,7 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
     q_ = fdiv(p_, pairs, m_pairs, small);                                           \
     read_pair(mapping, ms0, ms1, p_ - q_ * pairs, &I, &J);                          \
     u64 s = 0, d = 0;                                                               \
-    switch (static_cast<int>(q_)) { KVW_X32(KVW_COPY_SLOT_CASE) default: break; }  \
+    switch (static_cast<int>(q_)) { KVW_XSLOTS(KVW_COPY_SLOT_CASE) default: break; }  \
     S = s + h_ * ssh + T * sst + vs;                                                \
     D = d + h_ * dsh + T * dst_ + vd;                                               \
   } while (0)
@@ -186,7 +189,7 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 template <int VB, typename IDX, int U, int LANES>
 __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
-    KVW_X32(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh, i64 sst, i64 ssc, i64 dsb, i64 dsh,
+    KVW_XSLOTS(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh, i64 sst, i64 ssc, i64 dsb, i64 dsh,
     i64 dst_, i64 dsc, i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec, i64 ppe_shift,
     i64 segs, u64 m_segs, u64 m_tokens, u64 m_heads, u64 m_pairs) {
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0,
@@ -556,7 +559,7 @@ __host__ __device__ constexpr int page_unit_elems(int fmt, bool aligned, int es)
 
 #define KVW_LAYER_PTR(li)                                                    \
   [&]() -> u64 {                                                             \
-    switch (static_cast<int>(li)) { KVW_X32(KVW_LAYER_SLOT_CASE) default: break; } \
+    switch (static_cast<int>(li)) { KVW_XSLOTS(KVW_LAYER_SLOT_CASE) default: break; } \
     return 0;                                                                \
   }()
 
@@ -611,7 +614,7 @@ template <int FMT, int IN, typename IDX, int ALIGN, int U>
 __global__ void __launch_bounds__(1024)
     transfer_pack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
                          const float* __restrict__ scale, i64 ss0, i64 ss1, i64 ss2,
-                         KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
+                         KVW_XSLOTS(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
   constexpr bool ALIGNED = ALIGN != 0;
   static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
@@ -732,7 +735,7 @@ __global__ void __launch_bounds__(1024)
 template <int FMT, int OUT, typename IDX, int ALIGN, int U>
 __global__ void __launch_bounds__(1024)
     transfer_unpack_kernel(const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
-                           KVW_X32(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
+                           KVW_XSLOTS(KVW_LAYER_SLOT_PARAMS) KVW_PAGE_PARAMS) {
   KVW_PDL_ENTRY();
   constexpr bool ALIGNED = ALIGN != 0;
   static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");

@@ -43,9 +43,13 @@ __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsuppor
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
-# pointers of a page launch. 32: a 64-layer call (Qwen3-32B's K and V) in two launches, with
-# 64 + 20 eight-byte parameters (far below the 4 KiB parameter limit).
-SLOTS = 32
+# pointers of a page launch. 64: a 32-layer call's K and V (64 jobs) or DeepSeek-V3's 61
+# layers in one launch, with 128 + 20 eight-byte parameters (far below the 4 KiB limit).
+# Measured against 32 (H200, 128 / 1024 blocks, every SM, tuning-log 104): raw pages
+# Llama-3-8B pack 1840 -> 1882 / 1916 -> 1926 GB/s, unpack 1828 -> 1892 / 1941 -> 1939;
+# DeepSeek-V3 relayout 1899-1925 -> 1938-1954 at 128 blocks (jobs a launch 8 / 16 / 32 before:
+# Llama-3-8B raw pack 1638 / 1731 / 1842-1855 at 128 blocks).
+SLOTS = 64
 # The page kernels' FMT (transfer.cu: DT_E4M3, DT_E5M2, KVW_NVFP4).
 _FMT = {"fp8_e4m3": launch.DT_E4M3, "fp8_e5m2": launch.DT_E5M2, "nvfp4": 6}
 
@@ -92,7 +96,7 @@ class TransferTuning(launch.PdlPolicy):
     # of h2d took it from 50.7 to 25.9 GB/s (reads wait a round trip): h2d keeps 1024.
     host_threads: int = 512
     host_cta_threads: int = 128
-    # Jobs per copy launch, at most SLOTS. Unmeasured: every slot (fewest launches).
+    # Jobs per copy launch, at most SLOTS: every slot (fewest launches; measured at SLOTS).
     jobs_per_launch: int = SLOTS
     # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
     # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
