@@ -550,6 +550,21 @@ def test_nvfp4_pack_takes_both_group_forms(device, aligned, halves_groups):
     check_pack(g, PAGE_PAIRS, device, max_ctas=2, tuning=tuning)
 
 
+@pytest.mark.parametrize("max_ctas", [None, 4])
+def test_nvfp4_halves_launch_the_pack_only(max_ctas):
+    """Rows of 8 groups (nvfp4_halves_groups): the pack takes the halves form, at most a warp per
+    32 of a tile's 256 groups; the unpack keeps its warps (page_warps / budget_page_warps)."""
+    g = Pages("nvfp4", torch.bfloat16, "cpu", L=2, N=16, C=256, Hp=2, pool_offset=0,
+              token_major=())
+    m = mapping_tensor([[0, 1]], torch.int64, "cpu")
+    warps = tt.TUNING.budget_page_warps if max_ctas else tt.TUNING.page_warps
+    (pack,) = tt.page_launches(make_plan(m, page_job=g.job("pack"), max_ctas=max_ctas))
+    (unpack,) = tt.page_launches(make_plan(m, page_job=g.job("unpack"), max_ctas=max_ctas))
+    assert pack.kw["HALVES"] and pack.kw["BLOCK_R"] * pack.kw["BLOCK_E"] == 256
+    assert pack.kw["num_warps"] == min(warps, 8)
+    assert "HALVES" not in unpack.kw and unpack.kw["num_warps"] == warps
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("direction", ["pack", "unpack"])
 @pytest.mark.parametrize("fmt", FORMATS[1:])

@@ -752,7 +752,7 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
     warps = tuning.budget_page_warps if budget else tuning.page_warps
     # NVFP4 pack: a thread's groups whole (group_rule_halves: no shuffles) where a tile's row
     # holds nvfp4_halves_groups groups or more, at most a warp per 32 of the tile's groups.
-    halves = fmt == 3 and block_e >= tuning.nvfp4_halves_groups
+    halves = fmt == 3 and job.direction == "pack" and block_e >= tuning.nvfp4_halves_groups
     if halves:
         warps = min(warps, max(1, block_r * block_e // 32))
     data_end = 4 * L * S + (L * N * S * E // 2 + L * N * S * E // 16 if fmt == 3
