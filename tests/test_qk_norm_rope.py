@@ -1561,6 +1561,8 @@ def ptx(kernel, types, consts, warps):
     # The specialization Triton's JIT gives a call whose pointers are 16-byte aligned and
     # whose strides are multiples of 16 (the benchmark's tensors): tt.divisibility 16.
     consts = {**consts, "PDL": False, "PDL_TRIGGER": False}
+    if "NATIVE" in kernel.arg_names:  # sm_90's (triton_support.native_fp8)
+        consts["NATIVE"] = True
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in types.items()

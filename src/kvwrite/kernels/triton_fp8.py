@@ -8,13 +8,14 @@ division per element.
 - :func:`load_scale`, :func:`load_scale_pair`, :func:`scale_constants`, :func:`fp8_scale_pair`:
   a key's and a value's scale, each per tensor or per head on its own (the launcher passes each
   tensor's kind, kvwrite.dtypes.scale_is_per_head), and those constants of them;
-- :func:`fp8_code`: the fp8 codes of a quotient, by the float8 conversion where the kernel is
-  compiled for a GPU that has it (``NATIVE``: sm_89 and later,
+- :func:`fp8_code`, :func:`fp8_bytes`: the fp8 codes of a quotient, by the float8 conversion where
+  the kernel is compiled for a GPU that has it (``NATIVE``: sm_89 and later,
   kvwrite.kernels.triton_support.native_fp8) and by integer steps elsewhere (below sm_89 Triton
   has no e4m3 type; its interpreter rounds float8 casts otherwise than the GPU); :func:`e4m3`:
   E4M3 by those steps;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
-  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
+  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8; the launchers
+  pass a float8 one as :func:`code_view`'s uint8 view);
 - :func:`ue8m0_round_up`: a positive scale rounded up to a power of two from its bits (vLLM's
   "ue8m0" scales; ``kvwrite.dtypes.ue8m0_round_up`` says how);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
@@ -40,13 +41,13 @@ except ImportError as _e:  # optional: implementations report it through `availa
 else:
     IMPORT_ERROR = None
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "fp8_scale",
-           "fp8_quotient", "corrected_quotient", "e4m3", "fp8_code",
+__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "code_view",
+           "fp8_scale", "fp8_quotient", "corrected_quotient", "e4m3", "fp8_code", "fp8_bytes",
            "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
            "pdl_entry", "ue8m0_round_up"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
-# fp8 e5m2 (E4M3 and E5M2 are fp8_code's FMT too).
+# fp8 e5m2 (E4M3 and E5M2 are fp8_code's and fp8_bytes's FMT too).
 COPY, E4M3, E5M2 = 0, 1, 2
 
 
@@ -58,6 +59,15 @@ def quant_code(fmt) -> int:
     """store_quantized's QUANT for ``fmt``, a cache's kvwrite.dtypes.CacheDType or a float8
     torch dtype (a quantized query's): E4M3 or E5M2, else COPY."""
     return _QUANT_CODES.get(fmt, COPY)
+
+
+def code_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as a kernel that writes fp8 codes takes it: a float8 tensor (an fp8 cache or query
+    of torch's float8 dtype) as its uint8 view, the same bytes (below sm_89 Triton refuses a
+    kernel with a float8_e4m3fn pointer argument); any other tensor (or None) as it is."""
+    if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
 
 if triton is not None:
 
@@ -161,7 +171,8 @@ if triton is not None:
         kvwrite.kernels.triton_support.native_fp8): the float8 conversion, NaN set apart; else
         integer operations on the bits (below sm_89 Triton has no e4m3 type, and its
         interpreter rounds float8 casts otherwise than the GPU): E4M3 is :func:`e4m3` of |q|,
-        E5M2 the same steps with 2 mantissa bits and bias 15."""
+        E5M2 the same steps with 2 mantissa bits and bias 15. tests/test_fp8_code.py checks
+        both formats against PyTorch's conversion."""
         sign = (q.to(tl.int32, bitcast=True) >> 24) & 128
         if NATIVE:
             code = _float8_bits(q, FMT).to(tl.int32)
@@ -180,19 +191,28 @@ if triton is not None:
         return code | sign
 
     @triton.jit
-    def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
-        """Store Q(x) (the fp8 rule) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`."""
+    def fp8_bytes(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
+        """The fp8 rule's code bytes (uint8) of ``q``: where ``NATIVE``, the float8 conversion
+        alone (one instruction per two codes; a NaN's code the conversion's, which the rule
+        leaves open), else :func:`fp8_code`'s integer steps."""
+        if NATIVE:
+            return _float8_bits(q, FMT)
+        return fp8_code(q, FMT, False).to(tl.uint8)
+
+    @triton.jit
+    def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr,
+                        STEPS: tl.constexpr, NATIVE: tl.constexpr):
+        """Store Q(x) (the fp8 rule) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`;
+        ``NATIVE``: :func:`fp8_bytes`'s."""
         if QUANT == 0:
             tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
             if QUANT == 1:
                 fmax: tl.constexpr = 448.0
-                fp8_ty: tl.constexpr = tl.float8e4nv
             else:
                 fmax: tl.constexpr = 57344.0
-                fp8_ty: tl.constexpr = tl.float8e5
             q = fp8_quotient(x, m, s2, y, fmax, STEPS)
-            bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
+            bits = fp8_bytes(q, QUANT, NATIVE)
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 

@@ -71,9 +71,11 @@ def inexact_cast_reason(input_dtype: torch.dtype, element_dtype: torch.dtype,
 def native_fp8(device: torch.device) -> bool:
     """Whether a Triton kernel on ``device`` is compiled for a GPU with float32 -> float8
     conversion instructions (sm_89 and later: cvt.rn.satfinite.e4m3x2.f32): true on such CUDA
-    devices; false on older ones and on the CPU, where Triton's interpreter rounds those casts
-    differently (:func:`interpreter_inexact`). Kernels whose integer steps write the same bytes as
-    the conversion take it where this holds (fewer instructions)."""
+    devices; false on older ones (Triton has no e4m3 type there: a float8 cast does not compile)
+    and on the CPU, where Triton's interpreter rounds those casts differently. Every kernel with
+    a float8 conversion takes this as its ``NATIVE`` constexpr: the conversion where it holds
+    (fewer instructions), integer steps that give the same bytes elsewhere
+    (kvwrite.kernels.triton_fp8.fp8_code, kvwrite.kernels.triton_gather.fp8_dequant)."""
     if device.type != "cuda":
         return False
     return _native_fp8_device(device.index if device.index is not None
