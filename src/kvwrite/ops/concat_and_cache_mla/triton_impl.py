@@ -16,9 +16,10 @@ slots and scale.
   ``x / s``. The scales and the rotary part are stored as bytes (``k_pe`` is read through a byte
   view), so any cache row alignment works; with ``P = 0`` (NoPE) the rotary bytes are zeros.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
-:func:`unsupported` refuses the fp8 modes there; "auto" (a copy) is exact.
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), where the codes come from
+``fp8_bytes``'s integer steps (``NATIVE`` false), exact; its bfloat16 -> float32 widening is not
+for subnormals (``kvwrite.kernels.triton_support.interpreter_inexact``), which an fp8 mode's
+scale may turn into codes: :func:`unsupported` refuses the fp8 modes of bfloat16 input there.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def available(device: torch.device) -> str | None:
 def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> str | None:
     if kv_c.device.type == "cuda" or mode is MlaMode.AUTO:
         return None
-    return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
-            f"the GPU, so kv_cache_dtype={mode.value!r} is not exact there; run on a CUDA device")
+    fp8 = torch.float8_e5m2 if mode is MlaMode.FP8_E5M2 else torch.float8_e4m3fn
+    return triton_support.inexact_cast_reason(kv_c.dtype, fp8)
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.

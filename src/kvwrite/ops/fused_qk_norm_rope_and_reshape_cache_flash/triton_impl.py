@@ -16,7 +16,8 @@ slots are skipped. Graph-safe. Large calls with rot_dim == head_size == a power 
 (its ``rows_launch`` and ``RowsTuning`` decide).
 
 Under Triton's interpreter (CPU) the cases whose casts it rounds differently from the GPU are
-refused (bfloat16 rows, tables or weights, fp8 and the cache write's inexact casts).
+refused (bfloat16 rows, tables or weights, and the cache write's and the query's inexact casts:
+kvwrite.kernels.triton_support.interpreter_inexact).
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
     reason = (interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
               or inexact_cast_reason(qkv.dtype, cache_dtype.element_dtype(qkv.dtype), False))
     if reason is None and query_out is not None and quant_code(query_out.dtype) != _COPY:
-        # fp8: every cast into it is inexact there
         reason = inexact_cast_reason(qkv.dtype, query_out.dtype, False)
     return reason
 

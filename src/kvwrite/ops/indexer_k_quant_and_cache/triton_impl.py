@@ -11,10 +11,10 @@ times), through the page layout (codes at ``page + o*D``, scales at ``page +
 block_size*D + 4*(o*G + g)``). Offsets are 64-bit; strides and the geometry are compile-time
 constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
-:func:`unsupported` refuses the CPU there (every code is an fp8 cast); the tests call :func:`run`
-directly on inputs whose quotients are fp8 values, where any rounding agrees.
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), where the codes come from
+``fp8_bytes``'s integer steps (``NATIVE`` false): exact, for every input dtype (its bfloat16 ->
+float32 widening mangles only subnormals, whose quotients by a scale of at least 1e-4 / 448 are
+±0 codes either way, their sign kept; the floor keeps their amax out of the scale).
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ def available(device: torch.device) -> str | None:
 
 
 def unsupported(k: torch.Tensor, kv_cache: torch.Tensor, fmt: ScaleFormat) -> str | None:
-    if k.device.type == "cuda":
-        return None
-    return ("Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
-            "the GPU, so the indexer's e4m3 codes are not exact there; run on a CUDA device")
+    return None
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
