@@ -107,7 +107,9 @@ def run_triton_script(script: str, env_defaults: dict[str, str] | None = None):
 
 # The start of a script for :func:`run_triton_script`: ``ptx(kernel, types, consts, fusion,
 # pdl)`` compiles one Triton kernel for sm_90 with kvwrite's launch options and 4 warps and
-# returns its PTX (``fusion``: floating-point contraction allowed; ``pdl``: the PDL build).
+# returns its PTX (``fusion``: floating-point contraction allowed; ``pdl``: the PDL build; a
+# kernel's NATIVE, where it has one and ``consts`` gives none, as sm_90 takes it:
+# triton_support.native_fp8).
 TRITON_PTX_PRELUDE = r"""
 import json
 import triton
@@ -117,6 +119,8 @@ from kvwrite.kernels.triton_rope import LAUNCH_OPTIONS
 
 def ptx(kernel, types, consts, fusion=False, pdl=False):
     consts = {**consts, "PDL": pdl, "PDL_TRIGGER": pdl}
+    if "NATIVE" in kernel.arg_names:
+        consts.setdefault("NATIVE", True)
     sig = dict(types)
     sig.update({n: "constexpr" for n in consts})
     src = ASTSource(fn=kernel, signature=sig,

@@ -87,7 +87,7 @@ def test_a_layout_an_op_cannot_write_is_one_line_and_exit_2(no_bench_work, capsy
 
 
 # Each benchmark that writes the packed orders, with the torch reference and Triton (its
-# interpreter on the CPU, float32 into float32 caches: exact there; fp8 casts are not): every point checked against the reference's
+# interpreter on the CPU, float32 into float32 caches: exact there): every point checked against the reference's
 # bytes before it is timed.
 WRITERS = [
     ["reshape_and_cache_flash", "--num-heads", "4", "--dtype", "float", "--num-tokens", "2,16"],

@@ -391,7 +391,8 @@ def test_create_mla_cache_errors():
 def _exact_quotient_inputs(kv: str, dtype: torch.dtype, device: str, rule: str = "pow2",
                            pe_dim: int = 64):
     """Inputs whose quotients are fp8 values themselves, so any rounding gives the same code: the
-    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly. fp8_ds_mla
+    interpreter then runs the fp8 paths' indexing, scales and byte layout exactly on bfloat16
+    rows too (whose fp8 modes the op refuses there: subnormal rows). fp8_ds_mla
     tiles: amax = 448 * 2^k under "amax" (s = 2^k); under "pow2" amax = 320 * 2^k or more
     (r = 5/7 * 2^k at least, rounded up to s = 2^k: an "amax" scale would not be 2^k)."""
     mode = MlaMode(kv) if kv != "fp8" else MlaMode.FP8_E4M3

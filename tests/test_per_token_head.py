@@ -1642,7 +1642,7 @@ def ptx(mode, align, small):
         types[n] = "i32"
     consts = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128, BLOCK_T=bt, BLOCK_H=bh, MODE=mode,
                   PDL=False, PDL_TRIGGER=False, BLOCK_SIZE=16, ALIGN=align, COMPILED=True,
-                  FAST=not small)
+                  NATIVE=True, FAST=not small)
     sig = {n: ("constexpr" if n in consts else types[n]) for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})

@@ -537,7 +537,7 @@ _PTH_ARGS = ["kvwrite.ops.reshape_and_cache_flash_per_token_head_quant.triton_im
              *(f"--const={n}={v}" for n, v in (
                  ("BLOCK_SIZE", 16), ("DK", 128), ("DV", 128), ("BLOCK_DK", 128),
                  ("BLOCK_DV", 128), ("BLOCK_T", 2), ("BLOCK_H", 8), ("MODE", 2), ("ALIGN", 16),
-                 ("COMPILED", True), ("PDL", False), ("PDL_TRIGGER", False)))]
+                 ("COMPILED", True), ("NATIVE", True), ("PDL", False), ("PDL_TRIGGER", False)))]
 
 
 def _triton_code(argv: list[str], tmp_path, path: tuple[str, ...] = ()):

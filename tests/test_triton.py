@@ -3,11 +3,13 @@
 On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, which conftest.py sets
 when there is no GPU). There it checks the kernel's indexing (layouts, head chunks, tokens per
 program, the 2D grid of token and head tiles, padding and out-of-range slots, int32 slots, odd head sizes) and
-the casts the interpreter rounds like the GPU: copies, float16->float32, bfloat16->float16 and
-float32->float16. The interpreter rounds float32->bfloat16, bfloat16->float32 (subnormals) and
-every fp8 cast differently from the GPU, so ``unsupported`` refuses those cases there; the fp8
-path's indexing and scale selection is still checked on inputs whose quotients are exact fp8
-values (where rounding cannot differ). fp8 rounding itself is checked by the gpu-marked sweep.
+the casts the interpreter rounds like the GPU: copies, float16->float32, bfloat16->float16,
+float32->float16, and fp8 from float16 and float32 rows (the kernel's integer form of the codes:
+kvwrite.kernels.triton_fp8.fp8_code). The interpreter rounds float32->bfloat16 and
+bfloat16->float32 (subnormals, so fp8 from bfloat16 rows too) differently from the GPU, so
+``unsupported`` refuses those cases there; the fp8 path's indexing and scale selection is still
+checked on bfloat16 inputs whose quotients are exact fp8 values (where rounding cannot differ).
+fp8 rounding on the GPU (the float8 conversion) is checked by the gpu-marked sweep.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _check(case: Case, device: str, tuning=None) -> None:
 # (masked BLOCK_D), H split into several head chunks with a partial last one (130 heads), several
 # tokens per program (small H*D), HND and packed strides, int32 slots, padding, out-of-range slots,
 # key/value slices of a fused qkv tensor with rows past T. Cache dtypes are ones the interpreter
-# rounds exactly.
+# rounds exactly (fp8 runs there in test_matrix.py's cases).
 CASES = [
     Case(num_tokens=11, num_heads=5, head_size=46, layout=Layout.HND, alloc=KVAlloc.PACKED,
          padding_slots=3, out_of_range_slots=2, slot_dtype=torch.int32, fused_qkv=True,
@@ -94,7 +96,7 @@ CASES = [
     Case(num_tokens=40, num_heads=3, head_size=120, dtype=torch.bfloat16, kv_cache_dtype="float16",
          alloc=KVAlloc.PACKED, out_of_range_slots=3, slot_dtype=torch.int32),
 ]
-# The same shapes with fp8 and the casts the interpreter cannot check, for the GPU.
+# The same shapes with fp8 and the casts the interpreter cannot check (bfloat16), for the GPU.
 GPU_CASES = CASES + [
     Case(num_tokens=11, num_heads=5, head_size=46, layout=Layout.HND, alloc=KVAlloc.PACKED,
          kv_cache_dtype="fp8_e5m2", per_head_scale=True, padding_slots=3, out_of_range_slots=2,
@@ -173,7 +175,7 @@ KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2")
 # (input dtype, kv_cache_dtype) pairs refused under the interpreter; every other one runs there.
 INTERPRETER_INEXACT = {(torch.float16, "bfloat16"), (torch.float32, "bfloat16"),
                        (torch.bfloat16, "float32")}
-INTERPRETER_INEXACT |= {(dt, kv) for dt in INPUT_DTYPES for kv in FP8}
+INTERPRETER_INEXACT |= {(torch.bfloat16, kv) for kv in FP8}
 
 
 @needs_triton
@@ -277,7 +279,7 @@ def test_fp8_path_on_exact_quotients(kv, per_head, storage, dtype, device):
     ref_k, ref_v = clone_caches(inp)
     torch_ref.run(inp.key, inp.value, ref_k, ref_v, inp.slot_mapping, cdt, inp.k_scale,
                   inp.v_scale)
-    # Called directly: the public op refuses fp8 under the interpreter (rounding in general).
+    # Called directly: the public op refuses bfloat16 rows into fp8 under the interpreter.
     triton_impl.run(inp.key, inp.value, kc, vc, inp.slot_mapping, cdt, inp.k_scale, inp.v_scale)
     assert_caches_equal(kc, ref_k, "key_cache", fp8)
     assert_caches_equal(vc, ref_v, "value_cache", fp8)

@@ -8,8 +8,14 @@ division per element.
 - :func:`load_scale`, :func:`load_scale_pair`, :func:`scale_constants`, :func:`fp8_scale_pair`:
   a key's and a value's scale, each per tensor or per head on its own (the launcher passes each
   tensor's kind, kvwrite.dtypes.scale_is_per_head), and those constants of them;
+- :func:`fp8_code`, :func:`fp8_bytes`: the fp8 codes of a quotient, by the float8 conversion where
+  the kernel is compiled for a GPU that has it (``NATIVE``: sm_89 and later,
+  kvwrite.kernels.triton_support.native_fp8) and by integer steps elsewhere (below sm_89 Triton
+  has no e4m3 type; its interpreter rounds float8 casts otherwise than the GPU); :func:`e4m3`:
+  E4M3 by those steps;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
-  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8);
+  e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8; the launchers
+  pass a float8 one as :func:`code_view`'s uint8 view);
 - :func:`ue8m0_round_up`: a positive scale rounded up to a power of two from its bits (vLLM's
   "ue8m0" scales; ``kvwrite.dtypes.ue8m0_round_up`` says how);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
@@ -35,13 +41,13 @@ except ImportError as _e:  # optional: implementations report it through `availa
 else:
     IMPORT_ERROR = None
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "fp8_scale",
-           "fp8_quotient", "corrected_quotient",
+__all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "code_view",
+           "fp8_scale", "fp8_quotient", "corrected_quotient", "e4m3", "fp8_code", "fp8_bytes",
            "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
            "pdl_entry", "ue8m0_round_up"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
-# fp8 e5m2.
+# fp8 e5m2 (E4M3 and E5M2 are fp8_code's and fp8_bytes's FMT too).
 COPY, E4M3, E5M2 = 0, 1, 2
 
 
@@ -53,6 +59,15 @@ def quant_code(fmt) -> int:
     """store_quantized's QUANT for ``fmt``, a cache's kvwrite.dtypes.CacheDType or a float8
     torch dtype (a quantized query's): E4M3 or E5M2, else COPY."""
     return _QUANT_CODES.get(fmt, COPY)
+
+
+def code_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as a kernel that writes fp8 codes takes it: a float8 tensor (an fp8 cache or query
+    of torch's float8 dtype) as its uint8 view, the same bytes (below sm_89 Triton refuses a
+    kernel with a float8_e4m3fn pointer argument); any other tensor (or None) as it is."""
+    if t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
 
 if triton is not None:
 
@@ -121,19 +136,83 @@ if triton is not None:
         return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr, STEPS: tl.constexpr):
-        """Store Q(x) (the fp8 rule) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`."""
+    def e4m3(s):
+        """(code int32, float32 value) of E4M3(s) for s >= 0: nearest even, subnormals rounded,
+        s >= 448 (and +inf) saturating to 448 (0x7E); NaN (a scale outside its range) -> 0x7F."""
+        b = s.to(tl.int32, bitcast=True)
+        # Normal: the float32 bits rounded to 3 mantissa bits, the exponent rebiased 127 -> 7.
+        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
+        # Below 2^-6: RN(s / 2^-9) is the last bits of s + 2^14 (whose ulp is 2^-9).
+        sub = (s + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        code = tl.where(s < 0.015625, sub, normal)
+        code = tl.where(s >= 448.0, 0x7E, code)
+        code = tl.where(s != s, 0x7F, code)
+        val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
+                       ((code + (120 << 3)) << 20).to(tl.float32, bitcast=True))
+        return code, val
+
+    @triton.jit
+    def _float8_bits(q, FMT: tl.constexpr):
+        """uint8 bits of Triton's float8 conversion of float32 ``q`` (FMT: E4M3 or E5M2): on
+        sm_89 and later cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (nearest even, subnormals rounded,
+        saturating to ±MAX). Below sm_89 an e4m3 one does not compile, and the interpreter
+        rounds both otherwise."""
+        if FMT == 1:
+            bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            bits = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        return bits
+
+    @triton.jit
+    def fp8_code(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
+        """fp8 codes (int32, 0-255; FMT: E4M3 or E5M2) of float32 ``q`` (fp8_quotient's result:
+        NaN kept): nearest even, subnormals rounded, past ±MAX (±inf too) saturating, the sign
+        kept (-0 too), NaN -> 0x7F with q's sign. ``NATIVE`` (compiled for sm_89 and later:
+        kvwrite.kernels.triton_support.native_fp8): the float8 conversion, NaN set apart; else
+        integer operations on the bits (below sm_89 Triton has no e4m3 type, and its
+        interpreter rounds float8 casts otherwise than the GPU): E4M3 is :func:`e4m3` of |q|,
+        E5M2 the same steps with 2 mantissa bits and bias 15. tests/test_fp8_code.py checks
+        both formats against PyTorch's conversion."""
+        sign = (q.to(tl.int32, bitcast=True) >> 24) & 128
+        if NATIVE:
+            code = _float8_bits(q, FMT).to(tl.int32)
+            return tl.where(q != q, 0x7F | sign, code)
+        a = tl.abs(q)
+        if FMT == 1:
+            code, _ = e4m3(a)
+        else:
+            b = a.to(tl.int32, bitcast=True)
+            normal = ((b + 0xFFFFF + ((b >> 21) & 1)) >> 21) - (112 << 2)
+            # Below 2^-14: RN(a / 2^-16) is the last bits of a + 2^7 (whose ulp is 2^-16).
+            sub = (a + 128.0).to(tl.int32, bitcast=True) - 0x43000000
+            code = tl.where(a < 6.103515625e-05, sub, normal)
+            code = tl.where(a >= 57344.0, 0x7B, code)
+            code = tl.where(a != a, 0x7F, code)
+        return code | sign
+
+    @triton.jit
+    def fp8_bytes(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
+        """The fp8 rule's code bytes (uint8) of ``q``: where ``NATIVE``, the float8 conversion
+        alone (one instruction per two codes; a NaN's code the conversion's, which the rule
+        leaves open), else :func:`fp8_code`'s integer steps."""
+        if NATIVE:
+            return _float8_bits(q, FMT)
+        return fp8_code(q, FMT, False).to(tl.uint8)
+
+    @triton.jit
+    def store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr,
+                        STEPS: tl.constexpr, NATIVE: tl.constexpr):
+        """Store Q(x) (the fp8 rule) through `cache_ptr + offs`; (m, s2, y) from `fp8_scale`;
+        ``NATIVE``: :func:`fp8_bytes`'s."""
         if QUANT == 0:
             tl.store(cache_ptr + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
         else:
             if QUANT == 1:
                 fmax: tl.constexpr = 448.0
-                fp8_ty: tl.constexpr = tl.float8e4nv
             else:
                 fmax: tl.constexpr = 57344.0
-                fp8_ty: tl.constexpr = tl.float8e5
             q = fp8_quotient(x, m, s2, y, fmax, STEPS)
-            bits = q.to(fp8_ty).to(tl.uint8, bitcast=True)  # round to nearest even
+            bits = fp8_bytes(q, QUANT, NATIVE)
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
 

@@ -27,7 +27,17 @@ import functools
 import torch
 
 from ..dtypes import CacheDType, scale_is_per_head
-from .triton_fp8 import COPY, fp8_scale_pair, pdl_entry, quant_code, store_quantized, tl, triton
+from . import triton_support
+from .triton_fp8 import (
+    COPY,
+    code_view,
+    fp8_scale_pair,
+    pdl_entry,
+    quant_code,
+    store_quantized,
+    tl,
+    triton,
+)
 from .triton_support import PdlTuning, inexact_cast_reason, next_pow2, pdl_launch
 
 __all__ = ["TritonTuning", "TUNING", "tiling", "interpreter_reason", "load_kv_tile",
@@ -208,6 +218,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         LOAD_EVICT: tl.constexpr,  # the data loads' eviction policy ("" or "evict_first")
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
         LEGACY: tl.constexpr,  # reshape_and_cache's layout (else the flash layout)
         # The caches' strides in elements. Flash (both caches): (block, slot in block, head).
         # Legacy: key (block, head, d // X, slot, d % X), value (block, head, d, slot), then X.
@@ -241,8 +252,10 @@ if triton is not None:
             vc_row = block * VC_B + o * VC_S
             vc_off = (vc_row[:, None, None] + (h64 * VC_H)[None, :, None]
                       + (d64 * VC_D)[None, None, :])
-            store_quantized(key_cache_ptr, kc_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
-            store_quantized(value_cache_ptr, vc_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+            store_quantized(key_cache_ptr, kc_off, store_mask, k, km, ks2, ky, QUANT, STEPS,
+                            NATIVE)
+            store_quantized(value_cache_ptr, vc_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
+                            NATIVE)
         else:
             STRIDE_B: tl.constexpr = CACHE[0]
             STRIDE_S: tl.constexpr = CACHE[1]
@@ -250,8 +263,10 @@ if triton is not None:
             cache_row = block * STRIDE_B + (slot - block * BLOCK_SIZE) * STRIDE_S  # int64
             cache_col = h.to(tl.int64) * STRIDE_H
             c_off = cache_row[:, None, None] + cache_col[None, :, None] + offs_d[None, None, :]
-            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
-            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS,
+                            NATIVE)
+            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
+                            NATIVE)
 
     @triton.jit
     def token_prologue(num_tokens, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
@@ -296,12 +311,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     # A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     # not compile another variant (the callers' cache_strides follow the same rule).
     kv_write_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, num_tokens,
+        key, value, code_view(key_cache), code_view(value_cache), slot_mapping, k_scale, v_scale,
+        num_tokens,
         KEY_STRIDE=key.stride(0) if t_pad > 1 else 0,
         VALUE_STRIDE=value.stride(0) if t_pad > 1 else 0,
         NUM_SLOTS=key_cache.shape[0] * block_size, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
         BLOCK_SIZE=block_size, QUANT=quant, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, LOAD_EVICT=evict, PDL=pdl,
-        PDL_TRIGGER=trigger, LEGACY=legacy, CACHE=cache_strides, num_warps=num_warps,
-        launch_pdl=pdl,
+        PDL_TRIGGER=trigger, NATIVE=triton_support.native_fp8(key.device), LEGACY=legacy,
+        CACHE=cache_strides, num_warps=num_warps, launch_pdl=pdl,
     )

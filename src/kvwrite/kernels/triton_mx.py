@@ -5,14 +5,15 @@
 - :func:`mx_rule`: (scale bytes, code bytes) of groups of 32 float32 elements.
 
 Integer work on the amax's bits, exact products by powers of two, E4M3 and E2M1 codes by
-kernels.triton_nvfp4's integer and comparison steps (never a float8 cast): so Triton's interpreter
-(``TRITON_INTERPRET=1``) writes the GPU's bytes, and the CPU tests compare it in full.
+kernels.triton_fp8's and kernels.triton_nvfp4's integer and comparison steps (never a float8 cast
+but mx_rule's NATIVE): so Triton's interpreter (``TRITON_INTERPRET=1``) writes the GPU's bytes,
+and the CPU tests compare it in full.
 """
 
 from __future__ import annotations
 
-from .triton_fp8 import IMPORT_ERROR, tl, triton
-from .triton_nvfp4 import e2m1, e4m3, halves
+from .triton_fp8 import IMPORT_ERROR, e4m3, tl, triton
+from .triton_nvfp4 import e2m1, halves
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "mx_scale_exp", "mx_scaled", "mx_rule"]
 

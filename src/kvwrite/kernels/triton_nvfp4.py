@@ -6,7 +6,8 @@ transfer pages (kvwrite.kernels.triton_transfer).
   per-tensor scale ``k`` (a scalar or a tensor broadcast against the groups' amax);
 - :func:`group_rule_halves`: the same rule on groups given as two halves of 8 elements (a
   thread's whole groups), the codes packed into little-endian words;
-- :func:`e2m1`, :func:`e2m1_value`, :func:`e4m3`: the E2M1 and E4M3 codes and values;
+- :func:`e2m1`, :func:`e2m1_value`: the E2M1 codes and values (E4M3's:
+  kvwrite.kernels.triton_fp8.e4m3);
 - :func:`store_code_words`: a group's 8 code bytes stored from its two little-endian words (word
   stores where aligned, bytes elsewhere);
 - :func:`widen`, :func:`widen_words`: input elements as float32 (bfloat16 from its bits).
@@ -23,9 +24,9 @@ takes E4M3 by the float8 conversion and packs codes with a funnel shift in inlin
 
 from __future__ import annotations
 
-from .triton_fp8 import IMPORT_ERROR, tl, triton
+from .triton_fp8 import IMPORT_ERROR, e4m3, tl, triton
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "e2m1", "e2m1_value", "e4m3", "group_rule",
+__all__ = ["triton", "tl", "IMPORT_ERROR", "e2m1", "e2m1_value", "group_rule",
            "group_rule_halves", "store_code_words", "widen", "widen_words"]
 
 if triton is not None:
@@ -60,22 +61,6 @@ if triton is not None:
         val = tl.where(mag < 5, mag.to(tl.float32) * 0.5,
                        tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
         return (val.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def e4m3(s):
-        """(code int32, float32 value) of E4M3(s) for s >= 0: nearest even, subnormals rounded,
-        s >= 448 (and +inf) saturating to 448 (0x7E); NaN (a scale outside its range) -> 0x7F."""
-        b = s.to(tl.int32, bitcast=True)
-        # Normal: the float32 bits rounded to 3 mantissa bits, the exponent rebiased 127 -> 7.
-        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
-        # Below 2^-6: RN(s / 2^-9) is the last bits of s + 2^14 (whose ulp is 2^-9).
-        sub = (s + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-        code = tl.where(s < 0.015625, sub, normal)
-        code = tl.where(s >= 448.0, 0x7E, code)
-        code = tl.where(s != s, 0x7F, code)
-        val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
-                       ((code + (120 << 3)) << 20).to(tl.float32, bitcast=True))
-        return code, val
 
     @triton.jit
     def candidate(x, a, k, C: tl.constexpr):

@@ -211,15 +211,16 @@ if triton is not None:
 
     @triton.jit
     def store_pairs_quantized(ptr, row, mask, a, b, m, s2, y, QUANT: tl.constexpr,
-                              STEPS: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+                              STEPS: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+                              NATIVE: tl.constexpr):
         """:func:`store_row_pairs` through triton_fp8's ``store_quantized`` (a cache row or an
         fp8 query row at ``ptr + row``, unit element stride; ``m, s2, y`` its scale's
-        constants)."""
+        constants; ``NATIVE``: store_quantized's)."""
         j = tl.arange(0, HALF)[None, None, :]
         if IS_NEOX:
-            store_quantized(ptr, row + j, mask, a, m, s2, y, QUANT, STEPS)
-            store_quantized(ptr, row + HALF + j, mask, b, m, s2, y, QUANT, STEPS)
+            store_quantized(ptr, row + j, mask, a, m, s2, y, QUANT, STEPS, NATIVE)
+            store_quantized(ptr, row + HALF + j, mask, b, m, s2, y, QUANT, STEPS, NATIVE)
         else:
             d = tl.arange(0, 2 * HALF)[None, None, :]
             x = tl.reshape(tl.join(a, b), [a.shape[0], a.shape[1], 2 * HALF])
-            store_quantized(ptr, row + d, mask, x, m, s2, y, QUANT, STEPS)
+            store_quantized(ptr, row + d, mask, x, m, s2, y, QUANT, STEPS, NATIVE)

@@ -42,13 +42,16 @@ def available(device: torch.device, triton, kernel: Callable[[], object],
 # reshape_and_cache_flash's kernel under the interpreter against the torch reference on all 65536
 # patterns of each 16-bit input dtype and on 2^20 random float32 bit patterns plus rounding ties
 # and overflow edges (tests/test_triton.py keeps checking the exact ones): its float32->bfloat16
-# cast truncates instead of rounding to nearest even (float16->bfloat16 goes through it), its
-# bfloat16->float32 cast mangles bfloat16 subnormals, and its float32->fp8 cast rounds ties away
-# from zero and mishandles mantissa carries, subnormals and NaN. Exact there (NaN payloads aside):
-# copies, float16->float32, bfloat16->float16 and float32->float16.
+# cast truncates instead of rounding to nearest even (float16->bfloat16 goes through it), and its
+# bfloat16->float32 cast mangles bfloat16 subnormals (their sign kept). Exact there (NaN payloads
+# aside): copies, float16->float32, bfloat16->float16 and float32->float16. Its float32->fp8 cast
+# rounds ties away from zero and mishandles mantissa carries, subnormals and NaN, but no kernel
+# takes it there: fp8 codes come from the input widened to float32 by integer steps where
+# native_fp8 is false (kvwrite.kernels.triton_fp8.fp8_code), so an fp8 element is as exact as a
+# float32 one.
 def interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -> bool:
     if element_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return True
+        element_dtype = torch.float32
     if element_dtype == torch.bfloat16:
         return input_dtype != torch.bfloat16
     return input_dtype == torch.bfloat16 and element_dtype == torch.float32
@@ -71,9 +74,11 @@ def inexact_cast_reason(input_dtype: torch.dtype, element_dtype: torch.dtype,
 def native_fp8(device: torch.device) -> bool:
     """Whether a Triton kernel on ``device`` is compiled for a GPU with float32 -> float8
     conversion instructions (sm_89 and later: cvt.rn.satfinite.e4m3x2.f32): true on such CUDA
-    devices; false on older ones and on the CPU, where Triton's interpreter rounds those casts
-    differently (:func:`interpreter_inexact`). Kernels whose integer steps write the same bytes as
-    the conversion take it where this holds (fewer instructions)."""
+    devices; false on older ones (Triton has no e4m3 type there: a float8 cast does not compile)
+    and on the CPU, where Triton's interpreter rounds those casts differently. Every kernel with
+    a float8 conversion takes this as its ``NATIVE`` constexpr: the conversion where it holds
+    (fewer instructions), integer steps that give the same bytes elsewhere
+    (kvwrite.kernels.triton_fp8.fp8_code, kvwrite.kernels.triton_gather.fp8_dequant)."""
     if device.type != "cuda":
         return False
     return _native_fp8_device(device.index if device.index is not None

@@ -26,17 +26,17 @@ the run's first storage the pointer, each layer's first element an offset slot);
 the run's layers in turn, writing each layer's share of every head chunk (its ``sigma(l, s)``
 floats, its rows' codes and, NVFP4, scale bytes), and layer 0's pack also the chunk's zero tail, so
 the launches together write whole chunks. fp8 codes are ``Q(x)`` by kernels.triton_fp8's exact
-quotient, encoded by the float8 cast on GPUs that have it (sm_89 and later:
-triton_support.native_fp8; unpack decodes by it there too) and elsewhere by integer operations on
-its bits (nearest even, subnormals, saturation: Triton has no e4m3 type below sm_89, and its
-interpreter rounds float8 casts otherwise than the GPU); NVFP4 is kernels.triton_nvfp4's group rule
-with ``k = sigma`` (group_rule_halves, each thread holding whole groups loaded as two halves and
-storing their codes as two words, where a tile's rows are wide enough: ``nvfp4_halves_groups``;
-else group_rule, a group across two threads); unpack decodes exactly and rounds to the cache dtype
-(bfloat16 by integer operations on the float32 bits). So Triton's interpreter writes the GPU's
-bytes, and the CPU tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels
-declare their row addresses aligned, so the compiler moves the cache as 16-byte vectors; under an
-SM budget a program's tile is larger and has more warps (``budget_page_*``: its loads in flight).
+quotient, encoded by its ``fp8_code`` (the float8 cast on GPUs that have it, sm_89 and later:
+triton_support.native_fp8; unpack decodes by it there too; elsewhere integer operations on its
+bits: Triton has no e4m3 type below sm_89, and its interpreter rounds float8 casts otherwise than
+the GPU), NaN as 0x7F with its sign; NVFP4 is kernels.triton_nvfp4's group rule with ``k = sigma``
+(group_rule_halves, each thread holding whole groups loaded as two halves and storing their codes
+as two words, where a tile's rows are wide enough: ``nvfp4_halves_groups``; else group_rule, a
+group across two threads); unpack decodes exactly and rounds to the cache dtype (bfloat16 by
+integer operations on the float32 bits). So Triton's interpreter writes the GPU's bytes, and the
+CPU tests compare everything. Where :meth:`PageJob.code_align` allows, the kernels declare their
+row addresses aligned, so the compiler moves the cache as 16-byte vectors; under an SM budget a
+program's tile is larger and has more warps (``budget_page_*``: its loads in flight).
 
 The mapping is read by the kernels (int32 or int64, any strides); a pair whose source or
 destination id is outside its side's ``[0, blocks)`` is skipped (for pages, ``blocks`` of the
@@ -58,16 +58,9 @@ import torch
 from ..transfer import consecutive_runs
 from . import copy_engine, nvrtc, triton_support
 from .launch import BoundedMemo, align
-from .triton_fp8 import IMPORT_ERROR, fp8_quotient, fp8_scale, pdl_entry, tl, triton
+from .triton_fp8 import IMPORT_ERROR, fp8_code, fp8_quotient, fp8_scale, pdl_entry, tl, triton
 from .triton_gather import fp8_decode, fp8_dequant
-from .triton_nvfp4 import (
-    e2m1_value,
-    e4m3,
-    group_rule,
-    group_rule_halves,
-    store_code_words,
-    widen,
-)
+from .triton_nvfp4 import e2m1_value, group_rule, group_rule_halves, store_code_words, widen
 from .triton_support import PdlTuning, next_pow2, pdl_launch, storage_view
 
 if TYPE_CHECKING:
@@ -248,35 +241,6 @@ if triton is not None:
                 tl.store(dst_ptr + do[:, None] + col[None, :], x, mask=mask)
 
     @triton.jit
-    def _fp8_bits(q, FMT: tl.constexpr, NATIVE: tl.constexpr):
-        """fp8 codes (int32, 0-255) of float32 ``q`` already clamped to the format's ±MAX (NaN
-        kept; fp8_quotient's result): nearest even, subnormals rounded, the sign kept (-0 too),
-        NaN -> 0x7F with q's sign. ``NATIVE`` (compiled for sm_89 and later:
-        triton_support.native_fp8): the float8 cast (the GPU's conversion rounds to nearest
-        even), NaN set apart; else by integer operations (older GPUs have no e4m3 type in Triton,
-        and its interpreter rounds float8 casts otherwise than the GPU): E4M3 is triton_nvfp4's
-        e4m3 of |q|, E5M2 the same steps with 2 mantissa bits and bias 15."""
-        sign = (q.to(tl.int32, bitcast=True) >> 24) & 128
-        if NATIVE:
-            if FMT == 1:
-                code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-            else:
-                code = q.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-            return tl.where(q != q, 0x7F | sign, code)
-        a = tl.abs(q)
-        if FMT == 1:
-            code, _ = e4m3(a)
-        else:
-            b = a.to(tl.int32, bitcast=True)
-            normal = ((b + 0xFFFFF + ((b >> 21) & 1)) >> 21) - (112 << 2)
-            # Below 2^-14: RN(a / 2^-16) is the last bits of a + 2^7 (whose ulp is 2^-16).
-            sub = (a + 128.0).to(tl.int32, bitcast=True) - 0x43000000
-            code = tl.where(a < 6.103515625e-05, sub, normal)
-            code = tl.where(a >= 57344.0, 0x7B, code)
-            code = tl.where(a != a, 0x7F, code)
-        return code | sign
-
-    @triton.jit
     def _round_out(v, OUT: tl.constexpr):
         """float32 ``v`` rounded to nearest even in the cache's element type (OUT: 0 float32, 1
         float16, 2 bfloat16 as its int16 bits, rounded from the float32 bits: any NaN -> a
@@ -424,7 +388,7 @@ if triton is not None:
                     q = fp8_quotient(widen(x, IN == 2), m[:, None], s2[:, None], y[:, None], top,
                                      STEPS)
                     cd = at[:, None] + e[None, :]
-                    tl.store(page_ptr + cd, _fp8_bits(q, FMT, NATIVE).to(tl.uint8), mask=ok2)
+                    tl.store(page_ptr + cd, fp8_code(q, FMT, NATIVE).to(tl.uint8), mask=ok2)
                 # sigma(l, s) by the first chunk of each part's token 0, as 4 little-endian bytes.
                 nb = tl.arange(0, 4)
                 sbits = sig.to(tl.int32, bitcast=True)

@@ -233,9 +233,8 @@ def exact_quotient_inputs(case: IndexerCase, device: str | torch.device = "cpu",
                           ) -> IndexerInputs:
     """``case``'s inputs with k replaced by values whose quotients are normal e4m3 values: each
     group holds ±448 * 2^k once (so its scale is 2^k exactly, with or without "ue8m0") and
-    e4m3 values times 2^k elsewhere. Any rounding of x / s gives the same code, so Triton's
-    interpreter (whose fp8 casts round differently from the GPU) runs the kernel's indexing,
-    scales and page layout exactly on them."""
+    e4m3 values times 2^k elsewhere. Any rounding of x / s gives the same code, so a kernel's
+    indexing, scales and page layout are checked on them apart from its rounding."""
     inp = make_indexer_inputs(case, "cpu", seed)
     gen = torch.Generator().manual_seed(seed + 11)
     codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

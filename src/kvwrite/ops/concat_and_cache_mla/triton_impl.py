@@ -16,9 +16,10 @@ slots and scale.
   ``x / s``. The scales and the rotary part are stored as bytes (``k_pe`` is read through a byte
   view), so any cache row alignment works; with ``P = 0`` (NoPE) the rotary bytes are zeros.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
-:func:`unsupported` refuses the fp8 modes there; "auto" (a copy) is exact.
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), where the codes come from
+``fp8_bytes``'s integer steps (``NATIVE`` false), exact; its bfloat16 -> float32 widening is not
+for subnormals (``kvwrite.kernels.triton_support.interpreter_inexact``), which an fp8 mode's
+scale may turn into codes: :func:`unsupported` refuses the fp8 modes of bfloat16 input there.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from ...kernels.triton_fp8 import E4M3 as _E4M3
 from ...kernels.triton_fp8 import E5M2 as _E5M2
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import (
+    code_view,
+    fp8_bytes,
     fp8_quotient,
     fp8_scale,
     store_quantized,
@@ -69,8 +72,8 @@ def available(device: torch.device) -> str | None:
 def unsupported(kv_c: torch.Tensor, kv_cache: torch.Tensor, mode: MlaMode) -> str | None:
     if kv_c.device.type == "cuda" or mode is MlaMode.AUTO:
         return None
-    return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
-            f"the GPU, so kv_cache_dtype={mode.value!r} is not exact there; run on a CUDA device")
+    fp8 = torch.float8_e5m2 if mode is MlaMode.FP8_E5M2 else torch.float8_e4m3fn
+    return triton_support.inexact_cast_reason(kv_c.dtype, fp8)
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -155,6 +158,7 @@ if triton is not None:
         POW2: tl.constexpr,  # fp8_ds_mla's tile scale rule: "pow2" (True) or "amax"
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
     ):
         t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         slot = tl.load(slot_mapping_ptr + t, mask=t_in, other=-1).to(tl.int64)
@@ -186,7 +190,7 @@ if triton is not None:
                 s = tl.maximum(r, 1.1754943508222875e-38)  # FLT_MIN = 2^-126
             m, s2, y = fp8_scale(s)
             q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], 448.0, 1)
-            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            codes = fp8_bytes(q, 1, NATIVE)
             ok3 = valid[:, None, None]
             tl.store(cache_ptr + row[:, None, None] + col, codes, mask=ok3)
             b = tl.arange(0, 4)
@@ -209,9 +213,9 @@ if triton is not None:
             else:
                 m, s2, y = fp8_scale(tl.load(scale_ptr))
             store_quantized(cache_ptr, row[:, None] + offs_l[None, :], in_l & valid[:, None],
-                            x, m, s2, y, MODE, STEPS)
+                            x, m, s2, y, MODE, STEPS, NATIVE)
             store_quantized(cache_ptr, row[:, None] + L + offs_p[None, :], in_p & valid[:, None],
-                            pe, m, s2, y, MODE, STEPS)
+                            pe, m, s2, y, MODE, STEPS, NATIVE)
 
 assert DS_MLA_TILE == 128 and DS_MLA_L % DS_MLA_TILE == 0  # the kernel's tile shape
 
@@ -238,7 +242,8 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
     pdl, trigger = triton_support.pdl_launch(kv_c.device, grid[0], tuning.pdl_max_programs,
                                              tuning.pdl_trigger_max_programs)
     _mla_kernel[grid](
-        kv_c, k_pe, kv_cache, slot_mapping, scale if code in (_E4M3, _E5M2) else None, num_tokens,
+        kv_c, k_pe, code_view(kv_cache), slot_mapping, scale if code in (_E4M3, _E5M2) else None,
+        num_tokens,
         KV_C_STRIDE=kv_c.stride(0) if t_pad > 1 else 0,
         K_PE_STRIDE=k_pe.stride(0) if t_pad > 1 and P else 0,
         STRIDE_B=kv_cache.stride(0) if num_blocks > 1 else 0,
@@ -246,5 +251,6 @@ def run(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_map
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, L=L, P=P,
         BLOCK_L=next_pow2(L), BLOCK_P=next_pow2(P), MODE=code,
         POW2=code == _DS and ds_scale is DsMlaScale.POW2, BLOCK_T=block_t, PDL=pdl,
-        PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
+        PDL_TRIGGER=trigger, NATIVE=triton_support.native_fp8(kv_c.device), num_warps=warps,
+        launch_pdl=pdl,
     )

@@ -16,7 +16,8 @@ slots are skipped. Graph-safe. Large calls with rot_dim == head_size == a power 
 (its ``rows_launch`` and ``RowsTuning`` decide).
 
 Under Triton's interpreter (CPU) the cases whose casts it rounds differently from the GPU are
-refused (bfloat16 rows, tables or weights, fp8 and the cache write's inexact casts).
+refused (bfloat16 rows, tables or weights, and the cache write's and the query's inexact casts:
+kvwrite.kernels.triton_support.interpreter_inexact).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import quant_code, tl, triton
+from ...kernels.triton_fp8 import code_view, quant_code, tl, triton
 from ...kernels.triton_rope import LAUNCH_OPTIONS
 from ...kernels.triton_support import inexact_cast_reason
 from ..fused_qk_norm_rope import triton_impl as _norm
@@ -66,7 +67,6 @@ def unsupported(qkv, q_weight, k_weight, cos_sin_cache, is_neox, key_cache,
     reason = (interpreter_reason(*interpreter_dtypes(qkv, q_weight, k_weight, cos_sin_cache))
               or inexact_cast_reason(qkv.dtype, cache_dtype.element_dtype(qkv.dtype), False))
     if reason is None and query_out is not None and quant_code(query_out.dtype) != _COPY:
-        # fp8: every cast into it is inexact there
         reason = inexact_cast_reason(qkv.dtype, query_out.dtype, False)
     return reason
 
@@ -99,6 +99,7 @@ if triton is not None:
         Q_TILES: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
     ):
         t, tile, valid, c, s, partner, first, is_rot, eps, offset, d, t64 = qk_norm_prologue(
             positions_ptr, cos_sin_ptr, num_rot, max_position, eps_bits, offset_bits, ROT,
@@ -125,7 +126,7 @@ if triton is not None:
                         qsc = tl.load(q_scale_ptr)
                     qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
                     store_quantized(query_out_ptr, q_row + d, mask, q, qm, qs2, qy,
-                                    QUERY_QUANT, STEPS)
+                                    QUERY_QUANT, STEPS, NATIVE)
         else:
             hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
             h = hv[None, :, None]
@@ -145,8 +146,10 @@ if triton is not None:
                                                       QUANT, K_PER_HEAD, V_PER_HEAD, False)
             store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
-            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
-            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS,
+                            NATIVE)
+            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
+                            NATIVE)
 
 
     @triton.jit(do_not_specialize=["num_rot", "num_tokens", "eps_bits", "offset_bits"])
@@ -162,7 +165,7 @@ if triton is not None:
         QUERY_QUANT: tl.constexpr, Q_PER_HEAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         QUANT: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-        PDL_TRIGGER: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr, NATIVE: tl.constexpr,
     ):
         """The large-call kernel (rot_dim == head_size == a power of two; fused_qk_norm_rope's
         RowsTuning): the kernel above with kvwrite.kernels.triton_qk_norm's whole-row tiles of
@@ -202,7 +205,7 @@ if triton is not None:
                         qsc = tl.load(q_scale_ptr)
                     qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
                     store_pairs_quantized(query_out_ptr, q_row, mask, a, b, qm, qs2, qy,
-                                          QUERY_QUANT, STEPS, HALF, IS_NEOX)
+                                          QUERY_QUANT, STEPS, HALF, IS_NEOX, NATIVE)
         else:
             hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
             h = hv[None, :, None]
@@ -225,9 +228,9 @@ if triton is not None:
             store_mask, c_row = cache_offsets(slot, cached & valid, in_row, h, 0, num_slots,
                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_pairs_quantized(key_cache_ptr, c_row, store_mask, a, b, km, ks2, ky, QUANT,
-                                  STEPS, HALF, IS_NEOX)
+                                  STEPS, HALF, IS_NEOX, NATIVE)
             store_pairs_quantized(value_cache_ptr, c_row, store_mask, va, vb, vm, vs2, vy, QUANT,
-                                  STEPS, HALF, IS_NEOX)
+                                  STEPS, HALF, IS_NEOX, NATIVE)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
@@ -245,9 +248,10 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
     quant = quant_code(cache_dtype)
     query_quant = _COPY if query_out is None else quant_code(query_out.dtype)
     num_blocks, block_size = key_cache.shape[:2]
-    qo = qkv if query_out is None else query_out
-    args = (position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
-            slot_mapping, k_scale, v_scale, q_scale if query_quant else None,
+    qo = qkv if query_out is None else code_view(query_out)
+    args = (position_ids, qkv, qo, cos_sin_cache, q_weight, k_weight, code_view(key_cache),
+            code_view(value_cache), slot_mapping, k_scale, v_scale,
+            q_scale if query_quant else None,
             position_ids.numel(), slot_mapping.numel(), qkv.stride(0), qo.stride(0),
             cos_sin_cache.shape[0], num_blocks * block_size, *key_cache.stride()[:3],
             signed_bits(eps), signed_bits(weight_offset))
@@ -260,7 +264,8 @@ def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
         Q_PER_HEAD_SCALE=bool(query_quant) and scale_is_per_head(q_scale),
         BLOCK_SIZE=block_size, QUANT=quant,
         K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
-        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), **LAUNCH_OPTIONS)
+        V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale),
+        NATIVE=triton_support.native_fp8(qkv.device), **LAUNCH_OPTIONS)
     r = _norm.rows_launch(qkv, num_heads_q, num_heads_k, cos_sin_cache, position_ids,
                           _norm.ROWS_TUNING if rows_tuning is None else rows_tuning)
     if r is not None:

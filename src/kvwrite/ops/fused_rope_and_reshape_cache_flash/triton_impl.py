@@ -22,6 +22,7 @@ from ...dtypes import CacheDType, scale_is_per_head
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import COPY as _COPY
 from ...kernels.triton_fp8 import (
+    code_view,
     fp8_scale_pair,
     load_scale_pair,
     quant_code,
@@ -82,6 +83,7 @@ if triton is not None:
         Q_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
         VALUE_FIRST: tl.constexpr,
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
     ):
         t, tile, valid, c, s, partner, first, is_rot = rope_prologue(
             positions_ptr, cos_sin_ptr, num_rot, max_position, ROT, IS_NEOX, BLOCK_T, BLOCK_D,
@@ -121,7 +123,8 @@ if triton is not None:
                 store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
                 vm, vs2, vy = scale_constants(vsc, QUANT, V_PER_HEAD)
-                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
+                                NATIVE)
                 km, ks2, ky = scale_constants(ksc, QUANT, K_PER_HEAD)
             k = rope_rotate(x, y, c, s, first, is_rot)
             if STORE_KEY:
@@ -135,9 +138,11 @@ if triton is not None:
                                                           False)
                 store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                                   BLOCK_SIZE, stride_b, stride_s, stride_h)
-            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS)
+            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS,
+                            NATIVE)
             if not VALUE_FIRST:
-                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS)
+                store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
+                                NATIVE)
 
 
 def takes_value_first(programs: int, fp8: bool, tuning: RopeTuning = TUNING) -> bool:
@@ -169,7 +174,8 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
                                              tuning.pdl_trigger_max_programs)
     value_first = takes_value_first(programs, quant != _COPY, tuning)
     _fused_kernel[grid](
-        positions, query, qo, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        positions, query, qo, key, value, cos_sin_cache, code_view(key_cache),
+        code_view(value_cache), slot_mapping,
         k_scale, v_scale, num_rot, slot_mapping.numel(), query.stride(0), qo.stride(0),
         key.stride(0), value.stride(0), cos_sin_cache.shape[0], num_blocks * block_size,
         *key_cache.stride()[:3],
@@ -180,6 +186,6 @@ def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: 
         K_PER_HEAD=quant != _COPY and scale_is_per_head(k_scale),
         V_PER_HEAD=quant != _COPY and scale_is_per_head(v_scale), Q_TILES=nq, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps, PDL=pdl, PDL_TRIGGER=trigger,
-        VALUE_FIRST=value_first, launch_pdl=pdl,
+        VALUE_FIRST=value_first, NATIVE=triton_support.native_fp8(query.device), launch_pdl=pdl,
         **LAUNCH_OPTIONS,
     )

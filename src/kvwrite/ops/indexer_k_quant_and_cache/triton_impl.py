@@ -11,10 +11,10 @@ times), through the page layout (codes at ``page + o*D``, scales at ``page +
 block_size*D + 4*(o*G + g)``). Offsets are 64-bit; strides and the geometry are compile-time
 constants; nothing is read on the host per call, so ``run`` is CUDA-graph safe.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU (see ``kvwrite.kernels.triton_support.interpreter_inexact``):
-:func:`unsupported` refuses the CPU there (every code is an fp8 cast); the tests call :func:`run`
-directly on inputs whose quotients are fp8 values, where any rounding agrees.
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), where the codes come from
+``fp8_bytes``'s integer steps (``NATIVE`` false): exact, for every input dtype (its bfloat16 ->
+float32 widening mangles only subnormals, whose quotients by a scale of at least 1e-4 / 448 are
+±0 codes either way, their sign kept; the floor keeps their amax out of the scale).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from ...kernels import triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import fp8_quotient, fp8_scale, tl, triton, ue8m0_round_up
+from ...kernels.triton_fp8 import fp8_bytes, fp8_quotient, fp8_scale, tl, triton, ue8m0_round_up
 from ...kernels.triton_kv import token_prologue
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import E4M3_MAX, SCALE_FLOOR_BITS, ScaleFormat
@@ -39,10 +39,7 @@ def available(device: torch.device) -> str | None:
 
 
 def unsupported(k: torch.Tensor, kv_cache: torch.Tensor, fmt: ScaleFormat) -> str | None:
-    if k.device.type == "cuda":
-        return None
-    return ("Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
-            "the GPU, so the indexer's e4m3 codes are not exact there; run on a CUDA device")
+    return None
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -94,6 +91,7 @@ if triton is not None:
         MXFP8: tl.constexpr,  # scale bytes: the biased exponent 4 times, not the float32 bits
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
     ):
         t, t_in, t64 = token_prologue(num_tokens, BLOCK_T, PDL, PDL_TRIGGER)
         g = tl.arange(0, BLOCK_G)
@@ -117,7 +115,7 @@ if triton is not None:
             s = ue8m0_round_up(s)  # s > 0
         m, s2, y = fp8_scale(s)
         q = fp8_quotient(xf, m[:, :, None], s2[:, :, None], y[:, :, None], FMAX, STEPS)
-        codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        codes = fp8_bytes(q, 1, NATIVE)
         block = slot // BLOCK_SIZE
         o = slot - block * BLOCK_SIZE
         page = block * STRIDE_B  # int64
@@ -158,5 +156,6 @@ def run(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
         NUM_SLOTS=num_blocks * block_size, BLOCK_SIZE=block_size, D=head_dim, Q=q, G=groups,
         BLOCK_G=block_g, BLOCK_Q=block_q, UE8M0=fmt.power_of_two,
         MXFP8=fmt.exponent_bytes, BLOCK_T=block_t,
-        PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
+        PDL=pdl, PDL_TRIGGER=trigger, NATIVE=triton_support.native_fp8(k.device),
+        num_warps=warps, launch_pdl=pdl,
     )

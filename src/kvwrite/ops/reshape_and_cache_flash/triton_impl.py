@@ -16,8 +16,9 @@ fp8 follows the fp8 rule exactly: the true float32 quotient ``RN(x / s)`` (Trito
 is approximate), computed without a division per element (``kvwrite.kernels.triton_fp8``: ``fp8_scale`` splits the
 scale's exponent off once per program or head, ``fp8_quotient`` corrects a reciprocal product
 with fused multiply-adds), saturated to ±448 / ±57344 with NaN kept and the sign of zero kept, then
-the round-to-nearest-even cast to ``float8e4nv`` / ``float8e5``, stored bit for bit into
-``uint8`` or float8 caches.
+rounded to nearest even by ``fp8_bytes`` (the cast to ``float8e4nv`` / ``float8e5`` on sm_89 and
+later, integer steps on older GPUs and under the interpreter: ``NATIVE``), stored bit for bit into
+``uint8`` or float8 caches (a float8 one passed as its uint8 view).
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which rounds some float casts
 differently from the GPU; :func:`unsupported` refuses those cases there

@@ -25,9 +25,11 @@ clamp, eight codes a word by Horner's scheme), fp8 codes by the conversion with 
 rows loaded as halves so that a row lies on 8 threads; a program with any other row takes the
 general path above (tuning-log 96, 97).
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), whose float->fp8 casts round
-differently from the GPU: :func:`unsupported` refuses the fp8 mode there; int8 and int4 are
-exact.
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), where fp8 codes come from
+``fp8_bytes``'s integer steps (``NATIVE`` false), so the fp8 mode is exact there as int8 and int4
+are, bfloat16 rows included (the interpreter's bfloat16 -> float32 widening mangles only
+subnormals, whose quotients by a scale of at least 1e-6 are zero codes either way, their sign
+kept).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
-from ...kernels.triton_fp8 import corrected_quotient, fp8_scale, pdl_entry, tl, triton
+from ...kernels.triton_fp8 import corrected_quotient, fp8_bytes, fp8_scale, pdl_entry, tl, triton
 from ...kernels.triton_nvfp4 import halves, quarters
 from ...kernels.triton_round import add_rm, rhu, rne
 from ...kernels.triton_support import PdlTuning, next_pow2
@@ -58,10 +60,7 @@ def available(device: torch.device) -> str | None:
 
 
 def unsupported(key, value, key_cache, value_cache, mode: PerTokenHeadMode) -> str | None:
-    if key.device.type == "cuda" or mode is not PerTokenHeadMode.FP8_PER_TOKEN_HEAD:
-        return None
-    return (f"Triton's interpreter (TRITON_INTERPRET=1) rounds float->fp8 casts differently from "
-            f"the GPU, so kv_quant_mode={mode.value!r} is not exact there; run on a CUDA device")
+    return None
 
 
 # eq=False: hashed and compared by identity, so a call's cache lookups hash no fields.
@@ -187,10 +186,11 @@ if triton is not None:
 
     @triton.jit
     def _quantize(x, ok, MODE: tl.constexpr, STEPS: tl.constexpr, DSTEPS: tl.constexpr,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
         """(codes, entries) of rows x ``[BT, BH, BLOCK_D]`` (``ok``: the row's elements): the
         stored bytes ``[BT, BH, BLOCK_D]`` (int4: ``[BT, BH, BLOCK_D // 2]``) as int32 (their
-        low byte) and the scale cache entries ``[BT, BH]`` as float32."""
+        low byte) and the scale cache entries ``[BT, BH]`` as float32; ``NATIVE``: fp8 codes by
+        the float8 conversion (triton_fp8.fp8_bytes)."""
         xf = x.to(tl.float32)
         # tl.min and tl.max ignore NaN (minnum/maxnum; the interpreter's nanmin/nanmax): a row
         # of NaN only gives NaN. Elements past the head size (masked loads: 0) are left out of
@@ -236,11 +236,11 @@ if triton is not None:
                 n = _rhaz_mag(tl.maximum(q, 0.0))
                 codes = _bits_low(n + tl.where(xf < 0, -8388864.0, 8388864.0)) & 255
             else:
-                # Saturated (NaN kept), x's sign put back (keeps -0), rounded by the cast.
+                # Saturated (NaN kept), x's sign put back (keeps -0), rounded to fp8.
                 q = tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
                 sign = xf.to(tl.int32, bitcast=True) & -2147483648
                 q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-                codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+                codes = fp8_bytes(q, 1, NATIVE).to(tl.int32)
             entry = s
         return codes, entry
 
@@ -349,13 +349,15 @@ if triton is not None:
         return w + 0x05000000
 
     @triton.jit
-    def _fast_bytes(x, s, y, MODE: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.constexpr):
+    def _fast_bytes(x, s, y, MODE: tl.constexpr, STEPS: tl.constexpr, COMPILED: tl.constexpr,
+                    NATIVE: tl.constexpr):
         """The int8 or fp8 codes of a half ``x`` ``[R, HALF]`` of fast rows as uint8. int8:
         rhaz(q) = sign(q) floor(|q| + 1/2) by two sums rounded toward -inf, the sign folded into
         the second: u = RM(|q| + 1/2) (a positive sum: RM is RZ), then RM(u + C) = C + floor(u)
         for q >= 0 and RM(u - C) = -(C - floor(u)) for q < 0, C = 2^23 + 256, whose low byte
         is floor(u) or its two's complement (the cuda kernel's fast_int8_code). fp8: the
-        quotient with x's sign (a zero's comes back), converted."""
+        quotient with x's sign (a zero's comes back), converted (triton_fp8.fp8_bytes; at most
+        448 by a hair, which rounds to 448)."""
         q = corrected_quotient(x, s[:, None], y[:, None], STEPS)
         if MODE == 0:
             u = add_rm(tl.abs(q), 0.5, COMPILED)
@@ -365,7 +367,7 @@ if triton is not None:
         else:
             sign = x.to(tl.int32, bitcast=True) & -2147483648
             v = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-            return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            return fp8_bytes(v, 1, NATIVE)
 
     @triton.jit
     def _store_words(words, cache_ptr, row, write, C: tl.constexpr, DW: tl.constexpr):
@@ -404,7 +406,7 @@ if triton is not None:
     @triton.jit
     def _fast_side(x0, x1, s, y, zc, entry, cache_ptr, scale_ptr, row, srow, write,
                    MODE: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, VEC: tl.constexpr,
-                   COMPILED: tl.constexpr):
+                   COMPILED: tl.constexpr, NATIVE: tl.constexpr):
         """One side's fast rows: both halves' codes (int4: words), then the entries."""
         if MODE == 2:
             c0 = _int4_fast_words(x0, s, y, zc, STEPS, COMPILED)
@@ -412,8 +414,8 @@ if triton is not None:
             _store_words(c0, cache_ptr, row, write, 0, D // 8)
             _store_words(c1, cache_ptr, row, write, 1, D // 8)
         else:
-            c0 = _fast_bytes(x0, s, y, MODE, STEPS, COMPILED)
-            c1 = _fast_bytes(x1, s, y, MODE, STEPS, COMPILED)
+            c0 = _fast_bytes(x0, s, y, MODE, STEPS, COMPILED, NATIVE)
+            c1 = _fast_bytes(x1, s, y, MODE, STEPS, COMPILED, NATIVE)
             _store_bytes(c0, cache_ptr, row, write, 0, D, VEC)
             _store_bytes(c1, cache_ptr, row, write, 1, D, VEC)
         _store_entries(entry, scale_ptr, srow, write, c0)
@@ -433,7 +435,8 @@ if triton is not None:
                          VC_H, KS_B, KS_S, KS_H, VS_B, VS_S, VS_H, NUM_SLOTS, H,
                          BLOCK_SIZE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_H: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr):
+                         BLOCK_H: tl.constexpr, MODE: tl.constexpr, ALIGN: tl.constexpr,
+                         NATIVE: tl.constexpr):
         """A program's tile by the general path (every mode, any row): the rows, then the slots,
         then each side's quantization and stores."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -458,8 +461,8 @@ if triton is not None:
         blk = slot // BLOCK_SIZE
         pg = slot - blk * BLOCK_SIZE
         write = valid[:, None] & (h < H)[None, :]
-        ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK)
-        cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV)
+        ck, ek = _quantize(xk, k_ok, MODE, STEPS, DSTEPS, DK, BLOCK_DK, NATIVE)
+        cv, ev = _quantize(xv, v_ok, MODE, STEPS, DSTEPS, DV, BLOCK_DV, NATIVE)
         PACK: tl.constexpr = 2 if MODE == 2 else 1  # elements per code byte
         _store_rows(ck, ek, kc_ptr, ks_ptr, blk, pg, h64, write, KC_B, KC_S, KC_H, KS_B, KS_S,
                     KS_H, DK // PACK, BLOCK_DK // PACK, ALIGN)
@@ -493,6 +496,7 @@ if triton is not None:
         FAST: tl.constexpr,  # programs take the fast path where all their rows can
         COMPILED: tl.constexpr,  # compiled for a GPU (not Triton's interpreter): add_rm's form
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,  # programmatic dependent launch (pdl_entry)
+        NATIVE: tl.constexpr,  # fp8 codes by the float8 conversion (triton_support.native_fp8)
     ):
         pdl_entry(PDL, PDL_TRIGGER)
         if FAST:
@@ -522,21 +526,21 @@ if triton is not None:
                 vr, vsr = _row_offsets(slot, rh, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H, BLOCK_SIZE)
                 VEC: tl.constexpr = 8 if ALIGN > 8 else ALIGN
                 _fast_side(xk0, xk1, sk, yk, zck, ek, kc_ptr, ks_ptr, kr, ksr, write, MODE, STEPS,
-                           DK, VEC, COMPILED)
+                           DK, VEC, COMPILED, NATIVE)
                 _fast_side(xv0, xv1, sv, yv, zcv, ev, vc_ptr, vs_ptr, vr, vsr, write, MODE, STEPS,
-                           DV, VEC, COMPILED)
+                           DV, VEC, COMPILED, NATIVE)
             else:
                 _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                                  slot_mapping_ptr, num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD,
                                  KC_B, KC_S, KC_H, VC_B, VC_S, VC_H, KS_B, KS_S, KS_H, VS_B,
                                  VS_S, VS_H, NUM_SLOTS, H, BLOCK_SIZE, DK, DV, BLOCK_DK,
-                                 BLOCK_DV, BLOCK_T, BLOCK_H, MODE, ALIGN)
+                                 BLOCK_DV, BLOCK_T, BLOCK_H, MODE, ALIGN, NATIVE)
         else:
             _general_program(key_ptr, value_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                              slot_mapping_ptr, num_tokens, K_TOK, K_HEAD, V_TOK, V_HEAD, KC_B,
                              KC_S, KC_H, VC_B, VC_S, VC_H, KS_B, KS_S, KS_H, VS_B, VS_S, VS_H,
                              NUM_SLOTS, H, BLOCK_SIZE, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_T,
-                             BLOCK_H, MODE, ALIGN)
+                             BLOCK_H, MODE, ALIGN, NATIVE)
 
 
 def fast_path(mode: PerTokenHeadMode, dk: int, dv: int, align: int, small: bool,
@@ -578,7 +582,7 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         DK=dk, DV=dv, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv),
         BLOCK_T=block_t, BLOCK_H=block_h, MODE=_MODE[mode], ALIGN=align,
         FAST=fast_path(mode, dk, dv, align, small, tuning),
-        COMPILED=key.device.type == "cuda",
+        COMPILED=key.device.type == "cuda", NATIVE=triton_support.native_fp8(key.device),
         PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl,
     )
 

@@ -7,7 +7,7 @@ writes one row a program. Both compute SPEC §10.2 step by step with one IEEE fl
 per step, launched with ``enable_fp_fusion=False`` (no product is contracted into an FMA; the
 few ``tl.fma`` are explicit):
 
-- keys, k8v4: e4m3fn codes of ``x`` by ``kvwrite.kernels.triton_nvfp4.e4m3`` on ``|x|`` (integer
+- keys, k8v4: e4m3fn codes of ``x`` by ``kvwrite.kernels.triton_fp8.e4m3`` on ``|x|`` (integer
   encoded: nearest even, saturating at 448, subnormals) with the sign bit put back; a NaN's code
   is 0x7F (the GPU's satfinite conversion's).
 - keys, MSE: ``ss`` by §7.1's padded pairwise tree, ``n = sqrt_rn(ss)``, ``den = n + 1e-8``,
@@ -49,7 +49,8 @@ __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "rows_pe
 MAX_HEAD_SIZE = 512  # triton_qk_norm.tree_sum's widest tree
 
 if triton is not None:
-    from ...kernels.triton_nvfp4 import e4m3, widen
+    from ...kernels.triton_fp8 import e4m3
+    from ...kernels.triton_nvfp4 import widen
     from ...kernels.triton_qk_norm import row_tree, tree_sum
     from ...kernels.triton_round import rhu
 
