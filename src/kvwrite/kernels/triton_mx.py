@@ -12,7 +12,7 @@ and the CPU tests compare it in full.
 
 from __future__ import annotations
 
-from .triton_fp8 import IMPORT_ERROR, e4m3, tl, triton
+from .triton_fp8 import IMPORT_ERROR, fp8_bytes, tl, triton
 from .triton_nvfp4 import e2m1, halves
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "mx_scale_exp", "mx_scaled", "mx_rule"]
@@ -68,9 +68,6 @@ if triton is not None:
         if FP4:
             lo, hi = halves(e2m1(v), BT, BQ, 32)
             codes = (lo | (hi << 4)).to(tl.uint8)
-        elif NATIVE:
-            codes = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         else:
-            code, _ = e4m3(tl.abs(v))  # saturating at 448 (inf too), NaN -> 0x7F
-            codes = (code | ((v.to(tl.int32, bitcast=True) >> 24) & 128)).to(tl.uint8)
+            codes = fp8_bytes(v, 1, NATIVE)  # E4M3, saturating at 448 (inf too)
         return (E + 127).to(tl.uint8), codes
