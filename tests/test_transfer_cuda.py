@@ -588,13 +588,43 @@ def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
     lanes = tc.copy_lanes(nvec)
     if lanes:
         assert (c.work, c.per_warp) == (rows, 32 // lanes * 2)
-        assert c.args[-5:-4] == (1,)  # segs
+        assert c.args[-6] == 1 and c.args[-1] == 1  # segs; pair-major (one source)
     else:
         segs = -(-nvec // 64)
         assert (c.work, c.per_warp) == (rows * segs, 1) and c.args[-5] == segs
     assert c.args[0] == mapping.data_ptr() and c.args[4:6] == (jobs[0].src.ptr, jobs[0].dst.ptr)
     njobs = 4 + 2 * tc.SLOTS  # after the mapping's 4 arguments and the slots
     assert c.args[njobs] == 3 and c.args[njobs + 13] == nvec  # njobs, nvec
+
+
+def test_rows_order_by_where_the_jobs_lie():
+    """pair_major (the rows launch's order): pair-major where the jobs lie inside one block of a
+    side (layers of a page-first buffer on either side), job-major where every job has its
+    allocations (per-layer caches), for one job, and as a tuning forces it; copy_calls passes
+    the order last and the inner count's fdiv constant (njobs where pair-major) before it."""
+    caches = [torch.zeros(6, 2, 3, 64, dtype=torch.uint8) for _ in range(4)]
+    buf = torch.zeros(7, 4, 2, 3, 64, dtype=torch.uint8)  # [blocks, L, H, N, C]
+
+    def launch_of(pairs):
+        (cl,) = tc.copy_launches(tuple(tp.copy_job(s, d) for s, d in pairs))
+        return cl
+
+    into_buffer = launch_of([(c, buf[:6, n]) for n, c in enumerate(caches)])
+    from_buffer = launch_of([(buf[:6, n], c) for n, c in enumerate(caches)])
+    apart = launch_of([(c, c.clone()) for c in caches])
+    one = launch_of([(caches[0], buf[:6, 0])])
+    assert tc.pair_major(into_buffer) and tc.pair_major(from_buffer)
+    assert not tc.pair_major(apart) and not tc.pair_major(one)
+    assert tc.pair_major(apart, "pairs") and not tc.pair_major(into_buffer, "jobs")
+    mapping = tp.mapping_tensor(PAIRS, torch.int32, "cpu")
+    for pairs, order in (([(c, buf[:6, n]) for n, c in enumerate(caches)], 1),
+                         ([(c, c.clone()) for c in caches], 0)):
+        plan = tp.make_plan("relayout_kv_cache", [tp.copy_job(s, d) for s, d in pairs], mapping,
+                            len(PAIRS), torch.device("cuda"))
+        (c,) = tc.copy_calls(plan, tc.TransferTuning(loads_in_flight_host=2, host_read_rows=2))
+        assert c.name.startswith("transfer_copy_rows_kernel<")
+        assert c.args[-1] == order
+        assert c.args[-2] == tc.magic(4 if order else len(PAIRS))
 
 
 @pytest.mark.parametrize("src_on, dst_on, peer, u", [

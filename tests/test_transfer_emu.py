@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.resources
+import itertools
 import pathlib
 import shutil
 import subprocess
@@ -41,8 +42,11 @@ ROW_VECTORS = list(range(1, 41)) + [63, 64, 100, 257]
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler (g++)")
 
 
-def _tuning(most: int) -> tc.TransferTuning:
-    return tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most, host_read_rows=most)
+def _tuning(most: int, order: str = "auto") -> tc.TransferTuning:
+    """Loads in flight ``most`` on every side; the rows kernel's order ``order`` (auto: these
+    tests' jobs lie in allocations of their own, so job-major; "pairs" forces the other)."""
+    return tc.TransferTuning(loads_in_flight=most, loads_in_flight_host=most, host_read_rows=most,
+                             rows_order=order)
 
 
 def _all_names() -> list[str]:
@@ -54,9 +58,10 @@ def _all_names() -> list[str]:
 
 def _driver(names: list[str], src) -> str:
     lines = ['#include "gather_emu.h"', f'#include "{src}"']
-    n_args = 4 + 2 * tc.SLOTS + 1 + 12 + 3 + 4
     for i, name in enumerate(names):
         idx = name.split(", ")[1]
+        # the rows kernel's last argument: its order (pair_major)
+        n_args = 4 + 2 * tc.SLOTS + 1 + 12 + 3 + 4 + ("rows" in name)
         args = [f"(const {idx}*)a[0]"] + [f"a[{k}]" for k in range(1, n_args)]
         lines.append(f'extern "C" void kvw_emu_{i}(unsigned grid, const long long* a) {{\n'
                      f'  emu_launch(grid, [&] {{ {name}({", ".join(args)}); }});\n}}')
@@ -113,12 +118,13 @@ def emu_run(emu, tuning: tc.TransferTuning, launched: list | None = None):
 
 
 @needs_cxx
-@pytest.mark.parametrize("most", MOST)
+@pytest.mark.parametrize("most, order", [(m, "auto") for m in MOST] + [(2, "pairs"), (8, "pairs")])
 @pytest.mark.parametrize("layout", list(tp.ROW_LAYOUTS))
-def test_emulated_rows_of_every_length(emu, layout, most):
+def test_emulated_rows_of_every_length(emu, layout, most, order):
     """Rows of 1..40 vectors and a few long ones: every grouping (lanes 1..32 a row) and the
-    segments, each length at one of the grids and mapping kinds (rotating), two jobs a launch."""
-    tuning = _tuning(most)
+    segments, each length at one of the grids and mapping kinds (rotating), two jobs a launch,
+    the rows walked job-major and pair-major."""
+    tuning = _tuning(most, order)
     failures = []
     for k, n in enumerate(ROW_VECTORS):
         views, jobs = tp.row_views(layout, n, "cpu", seed=k)
@@ -157,7 +163,7 @@ def test_emulated_copy_kinds(emu, kind, most):
 def test_emulated_rows_many_warps_and_ctas(emu):
     """A launch of many rows (32 jobs of 6 heads x 5 tokens of 16-vector rows, 41 pairs with
     repeated sources and out-of-range ids): every warp of several CTAs takes steps, the
-    grid-stride loop wraps, rows of one step span pairs and jobs."""
+    grid-stride loop wraps, rows of one step span pairs and jobs; job-major and pair-major."""
     g = torch.Generator().manual_seed(11)
     views = []
     for _ in range(32):
@@ -166,8 +172,8 @@ def test_emulated_rows_many_warps_and_ctas(emu):
                                          dtype=torch.int32)))
     jobs = [tp.copy_job(s, d) for s, d in views]
     pairs = [(m % 7 - 1, m) for m in range(40)] + [(2, 40)]  # m % 7 == 0, j 40: skipped
-    tuning = _tuning(2)
-    for max_ctas in (2, None):
+    for order, max_ctas in itertools.product(("jobs", "pairs"), (2, None)):
+        tuning = _tuning(2, order)
         launched = []
         want = tp.raw_oracle(views, pairs)
         mapping = tp.mapping_tensor(pairs, torch.int32, "cpu", strided=True)
@@ -177,6 +183,39 @@ def test_emulated_rows_many_warps_and_ctas(emu):
                              2 if max_ctas else SMS)]
         got = {f"dst{n}": d for n, (_, d) in enumerate(views)}
         assert compare_outputs(got, {f"dst{n}": w for n, w in enumerate(want)}) is None
+
+
+@needs_cxx
+@pytest.mark.parametrize("max_ctas", [1, 3, None])
+def test_emulated_relayout_into_one_buffer(emu, max_ctas):
+    """Five layers' [blocks, N, H, C] caches into one page-first buffer [blocks, L, H, N, C] and
+    back out of it: their jobs lie inside one block of the buffer, so the rule walks the rows
+    pair-major; the whole buffer (and the caches) against torch."""
+    g = torch.Generator().manual_seed(5)
+    layers = 5
+
+    def ints(*shape):
+        return torch.randint(-2**31, 2**31, shape, generator=g, dtype=torch.int32)
+
+    caches = [ints(6, 3, 2, 16).transpose(1, 2) for _ in range(layers)]  # [blocks, H, N, C]
+    buf = ints(7, layers, 2, 3, 16)
+    tuning = _tuning(2)
+    for into in (True, False):
+        want_buf, want_caches = buf.clone(), [c.clone() for c in caches]
+        for i, j in PAIRS:
+            for n in range(layers):
+                if into and 0 <= i < 6 and 0 <= j < 7:
+                    want_buf[j, n] = caches[n][i]
+                if not into and 0 <= i < 7 and 0 <= j < 6:
+                    want_caches[n][j] = buf[i, n]
+        pairs = [(c, buf[:, n]) if into else (buf[:, n], c) for n, c in enumerate(caches)]
+        mapping = tp.mapping_tensor(PAIRS, torch.int64, "cpu")
+        plan = tp.make_plan("relayout_kv_cache", [tp.copy_job(s, d) for s, d in pairs], mapping,
+                            len(PAIRS), torch.device("cuda"), max_ctas)
+        assert [c.args[-1] for c in tc.copy_calls(plan, tuning)] == [1]
+        emu_run(emu, tuning)(plan)
+        assert torch.equal(buf, want_buf) and all(
+            torch.equal(c, w) for c, w in zip(caches, want_caches, strict=True)), (into, max_ctas)
 
 
 def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> str | None:
@@ -197,17 +236,18 @@ def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> s
 
 
 @needs_cxx
+@pytest.mark.parametrize("order", ["auto", "pairs"])
 @pytest.mark.parametrize("tokens", [16, 20, 7])
 @pytest.mark.parametrize("vectors", [4, 16, 32])
-def test_emulated_rows_of_whole_blocks_at_u8(emu, tokens, vectors):
+def test_emulated_rows_of_whole_blocks_at_u8(emu, tokens, vectors, order):
     """U = 8 (a remote side's loads in flight): rows of 4, 16 and 32 vectors (8, 2 and 1 rows a
     warp's load) in blocks of 16 tokens (a step's rows all in one block: the path that takes
     them from the lane's first row), 20 (some steps cross a block's end) and 7 (every step
-    does), copied and relayout."""
+    does), copied and relayout, job-major and pair-major."""
     launched = []
     for relayout in (False, True):
-        err = _whole_block_case(emu_run(emu, _tuning(8), launched), tokens, 4 * vectors,
-                                relayout)
+        err = _whole_block_case(emu_run(emu, _tuning(8, order), launched), tokens,
+                                4 * vectors, relayout)
         assert err is None, (tokens, vectors, relayout, err)
     lanes = tc.copy_lanes(vectors)
     assert {name for name, _ in launched} == {tc.copy_name(16, torch.int64, 8, lanes)}
@@ -266,8 +306,7 @@ def test_emulation_catches_a_wrong_whole_block_step(tmp_path, right, wrong):
     assert any(e is not None and "dst" in e for e in errs), errs
 
 
-@needs_cxx
-@pytest.mark.parametrize("right, wrong", [
+_ROWS_MUTATIONS = [
     # a lane's rows one apart instead of a warp's load of rows apart (the rows past their
     # block's last token, decomposed in full)
     ("const u64 r = r0 + static_cast<u64>(k) * ROWS;", "const u64 r = r0 + static_cast<u64>(k);"),
@@ -275,19 +314,32 @@ def test_emulation_catches_a_wrong_whole_block_step(tmp_path, right, wrong):
     ("sb[kk] = s0 + static_cast<i64>(k * ROWS) * sst;", "sb[kk] = s0 + static_cast<i64>(k) * sst;"),
     # a row one token past its block taken as the block's (the destination side's next block)
     ("if (k * ROWS < room) {", "if (k * ROWS <= room) {"),
-])
-def test_emulation_catches_a_wrong_rows_kernel(tmp_path, right, wrong):
+    # the order's pair and job swapped (where pair_major, or where not)
+    ("read_pair(mapping, ms0, ms1, pair_major ? q_ : w_, &I, &J);",
+     "read_pair(mapping, ms0, ms1, pair_major ? w_ : q_, &I, &J);"),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("order, right, wrong", [
+    (order, right, wrong) for order in ("jobs", "pairs") for right, wrong in _ROWS_MUTATIONS
+    # pair-major, the last row's stray neighbour of the third lands past the case's
+    # allocations (the emulation's process dies, nothing to compare): job-major's case only
+    if not (order == "pairs" and "room" in right)])
+def test_emulation_catches_a_wrong_rows_kernel(tmp_path, right, wrong, order):
     """The check can fail: with the kernel's source altered in how a lane's rows follow its
-    first (rows of 16 vectors: 2 rows a load, 3 tokens a block), the copies no longer match."""
+    first or where a row's pair comes from (rows of 16 vectors: 2 rows a load, 3 tokens a
+    block), the copies no longer match, in either order."""
     text = tc.SOURCE.text
     bad = text.replace(right, wrong)
     assert bad != text
     (tmp_path / "transfer.cu").write_text(bad)
     views, jobs = tp.row_views("dense16", 16, "cpu")
     names: list[str] = []
-    tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, launched_names(_tuning(2), names),
+    tuning = _tuning(2, order)
+    tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, launched_names(tuning, names),
                      jobs=jobs)
     broken = _build(tmp_path, tmp_path / "transfer.cu", sorted(set(names)))
-    err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(broken, _tuning(2)),
+    err = tp.run_copy_case("swap_blocks_multi_layer", views, PAIRS, emu_run(broken, tuning),
                            jobs=jobs)
     assert err is not None and "dst" in err

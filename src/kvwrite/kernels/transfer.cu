@@ -152,7 +152,10 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
 // power of two >= nvec, transfer_cuda.copy_lanes). A warp's lanes form 32 / LANES groups of LANES
 // lanes, group k of a warp's step owning one row; lane l moves vector l % LANES (masked where
 // >= nvec) of each of its U rows. The unit of work is a warp's step of 32 / LANES * U consecutive
-// rows of the (job, pair, head, token) index: row base + k * (32 / LANES) + l / LANES of lane l
+// rows of the (job, pair, head, token) index, or (pair, job, head, token) where the launcher
+// asks (pair_major: the launch's jobs lie inside one block of a side, as a page-first buffer's
+// layers or a page's chunks do, so the grid finishes a block's region before the next; see
+// transfer_cuda.pair_major): row base + k * (32 / LANES) + l / LANES of lane l
 // at k < U, so each of the U loads of the warp covers 32 / LANES whole consecutive rows. Each
 // lane decomposes its first row and reads its mapping pair itself (the lanes of a group read the
 // same pair: one broadcast load); its later rows that are the same block's later tokens take
@@ -178,10 +181,13 @@ __global__ void __launch_bounds__(1024) transfer_copy_kernel(const IDX* __restri
     WITH_T;                                                                         \
     u64 p_ = fdiv(q_, heads, m_heads, small);                                       \
     const i64 h_ = static_cast<i64>(q_ - p_ * heads);                               \
-    q_ = fdiv(p_, pairs, m_pairs, small);                                           \
-    read_pair(mapping, ms0, ms1, p_ - q_ * pairs, &I, &J);                          \
+    q_ = fdiv(p_, inner, m_inner, small);                                           \
+    const u64 w_ = p_ - q_ * inner;                                                 \
+    read_pair(mapping, ms0, ms1, pair_major ? q_ : w_, &I, &J);                     \
     u64 s = 0, d = 0;                                                               \
-    switch (static_cast<int>(q_)) { KVW_XSLOTS(KVW_COPY_SLOT_CASE) default: break; }  \
+    switch (static_cast<int>(pair_major ? w_ : q_)) {                               \
+      KVW_XSLOTS(KVW_COPY_SLOT_CASE) default: break;                                \
+    }                                                                               \
     S = s + h_ * ssh + T * sst + vs;                                                \
     D = d + h_ * dsh + T * dst_ + vd;                                               \
   } while (0)
@@ -191,12 +197,15 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
     const IDX* __restrict__ mapping, i64 ms0, i64 ms1, i64 pairs,
     KVW_XSLOTS(KVW_COPY_SLOT_PARAMS) i64 njobs, i64 ssb, i64 ssh, i64 sst, i64 ssc, i64 dsb, i64 dsh,
     i64 dst_, i64 dsc, i64 sblocks, i64 dblocks, i64 heads, i64 tokens, i64 nvec, i64 ppe_shift,
-    i64 segs, u64 m_segs, u64 m_tokens, u64 m_heads, u64 m_pairs) {
+    i64 segs, u64 m_segs, u64 m_tokens, u64 m_heads, u64 m_inner, i64 pair_major) {
   static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0,
                 "LANES: a power of two up to 32");
   KVW_PDL_ENTRY();
   constexpr int ROWS = 32 / LANES;  // rows a warp's load covers
   const u64 total = static_cast<u64>(njobs) * pairs * heads * tokens;  // rows
+  // The rows' order: (job, pair, head, token), or where pair_major (pair, job, head, token);
+  // m_inner is fdiv's constant of the inner count (pairs, or njobs where pair_major).
+  const i64 inner = pair_major ? njobs : pairs;
   const bool small = total < (1ull << 32);  // every count and quotient below 2^32: fdiv
   const int lane = threadIdx.x & 31;
   const i64 v = lane & (LANES - 1);  // the lane's vector of each of its rows

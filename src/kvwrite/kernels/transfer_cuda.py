@@ -98,6 +98,9 @@ class TransferTuning(launch.PdlPolicy):
     host_cta_threads: int = 128
     # Jobs per copy launch, at most SLOTS: every slot (fewest launches; measured at SLOTS).
     jobs_per_launch: int = SLOTS
+    # The order of a rows launch's rows (pair_major): "auto" (by where its jobs lie), "jobs" or
+    # "pairs" (tests forcing one).
+    rows_order: str = "auto"
     # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
     # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
     # registers a thread, tests/test_transfer_cuda.py). Measured (H200, 32 Llama-3-8B layers,
@@ -185,6 +188,29 @@ def copy_rows_unroll(most: int) -> int:
     while u * 2 <= min(most, ROWS_MOST):
         u *= 2
     return u
+
+
+def pair_major(cl: CopyLaunch, order: str = "auto") -> bool:
+    """Whether the rows launch ``cl`` walks its rows pair-major ((pair, job, head, token), not
+    (job, pair, head, token)): ``order`` "pairs" or "jobs" where it is not "auto"; else where its
+    jobs (two or more) lie inside one block of a side, every job's pointer on that side less than
+    a block stride from the others' (a page-first buffer's layers, a page's chunks: the grid then
+    finishes each block's region of that buffer before it moves on, instead of striding over
+    every block once a job). Jobs in allocations of their own on both sides (per-layer caches)
+    keep job-major: each job's region walked whole. Measured (H200, 32 Llama-3-8B layers,
+    every SM, two rounds, GB/s at 128 / 1024 blocks, tuning-log 105), job-major against
+    pair-major: relayout to a page-first buffer 1789 / 1900 against 1813-1821 / 1906; raw pack
+    1885 / 1904-1910 against 1785-1929 / 1993; raw unpack 1897-1908 / 1940 against 1883-1896 /
+    1968; relayout to per-layer LBHNC 1831-1836 / 1917-1920 against 1805-1809 / 1894."""
+    if order != "auto":
+        return order == "pairs"
+    if len(cl.pointers) < 2:
+        return False
+    for side, stride in ((0, cl.geometry[0]), (1, cl.geometry[4])):
+        ptrs = [p[side] for p in cl.pointers]
+        if max(ptrs) - min(ptrs) < abs(stride):
+            return True
+    return False
 
 
 def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int, lanes: int = 0) -> str:
@@ -519,10 +545,13 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
             u = copy_unroll(nvec, most)
             segs = -(-nvec // (32 * u))
             work, per_warp = rows * segs, 1  # warp segments
-        magics = (magic(segs), magic(tokens), magic(heads), magic(plan.pairs))
+        # The rows kernel's inner count and order (pair_major: its last argument).
+        order = (int(pair_major(cl, tuning.rows_order)),) if lanes else ()
+        inner = len(cl.pointers) if order and order[0] else plan.pairs
+        magics = (magic(segs), magic(tokens), magic(heads), magic(inner))
         out.append(CopyCall(copy_name(cl.vb, mdt, u, lanes), work, per_warp, threads, ctas_per_sm,
                             (*margs, *slots, len(cl.pointers), *geometry[:12], nvec,
-                             ppe.bit_length() - 1, segs, *magics)))
+                             ppe.bit_length() - 1, segs, *magics, *order)))
     return out
 
 
