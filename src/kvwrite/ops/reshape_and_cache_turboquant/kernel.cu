@@ -67,7 +67,7 @@
 #include "kvw/vec_io.cuh"
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
-#define TQ_BATCH 4     // the table check's loads in flight per thread
+#define TQ_BATCH 8     // the table check's loads in flight per thread
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
 
 // Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
@@ -422,13 +422,9 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   bool hadamard = false;
   float h = 0.0f;
   if constexpr (MSE) {
-    if (tid < NM) s_mid[tid] = mid[static_cast<i64>(tid) * mid_s];
-    __syncthreads();
-    if (tid == 0) {
-      int sorted = 1;
-      for (u32 k = 0; k + 1 < NM; ++k) sorted &= s_mid[k] <= s_mid[k + 1] ? 1 : 0;
-      s_sorted = sorted;
-    }
+    // The midpoints' load is issued here and waited for after the table's (their order is
+    // checked once both have arrived): at a few tokens the setup is one round trip, not two.
+    const float mid_t = tid < NM ? mid[static_cast<i64>(tid) * mid_s] : 0.0f;
     int bad = 1;
     if (d == p) {  // a power of two: compare every entry with its Sylvester sign times PiT[0, 0]
       bad = 0;
@@ -439,7 +435,7 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
                        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
       if (vec) {
         // TQ_BATCH 16-byte loads in flight per thread before any compare (at T = 1 this check is
-        // on the critical path: D = 128 takes 8 a thread, two round trips, not eight).
+        // on the critical path: D = 128 takes 8 a thread of a 512-thread CTA, one round trip).
         const uint4* p4 = reinterpret_cast<const uint4*>(pit);
         const u32 n4 = dd / 4;
         for (u32 q0 = tid; q0 < n4; q0 += TQ_BATCH * CTA) {
@@ -467,6 +463,13 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
         }
       }
       h = bits_f32(hb);
+    }
+    if (tid < NM) s_mid[tid] = mid_t;
+    __syncthreads();
+    if (tid == 0) {
+      int sorted = 1;
+      for (u32 k = 0; k + 1 < NM; ++k) sorted &= s_mid[k] <= s_mid[k + 1] ? 1 : 0;
+      s_sorted = sorted;
     }
     hadamard = __syncthreads_or(bad) == 0;  // CTA-uniform (s_sorted is visible after it too)
   }
