@@ -491,12 +491,12 @@ def emu_lib(tmp_path_factory):
 def run_emulated(lib, inp: MxInputs, small: bool) -> str:
     """cuda_impl.run's launch of ``inp`` with the kernel emulated: mx_small_kernel where
     ``small`` and the call is aligned, else mx_kernel. Returns the kernel's name."""
-    from kvwrite.kernels.mx_views import as_bytes
+    from kvwrite.gather import bits_view
     cuda_impl = _impl("cuda")
     c = inp.case
     tuning = cuda_impl.CudaTuning(small_call_groups=(1 << 40) if small else 0)
-    views = [as_bytes(x) for x in (inp.key_cache, inp.value_cache, inp.k_scale_cache,
-                                   inp.v_scale_cache)]
+    views = [bits_view(x) for x in (inp.key_cache, inp.value_cache, inp.k_scale_cache,
+                                    inp.v_scale_cache)]
     p = cuda_impl.plan(inp.key, inp.value, *views, inp.slot_mapping, Mode(c.fmt), c.rule,
                        "interleaved128" if c.scales == "interleaved128" else "linear", tuning)
     n = inp.slot_mapping.numel()

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "is_fp4", "is_floor", "is_interleaved", "data_strides", "scale_strides",
-           "as_bytes"]
+__all__ = ["GROUP", "is_fp4", "is_floor", "is_interleaved", "data_strides", "scale_strides"]
 
 GROUP = 32  # elements a scale byte covers (SPEC §10.3)
 
@@ -43,11 +42,6 @@ def _z(stride: int, size: int) -> int:
     """A stride along a dim of size 1 never multiplies a nonzero index: 0 there, so that it does
     not compile another variant."""
     return stride if size > 1 else 0
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A one-byte cache (uint8, float8_e4m3fn, float8_e8m0fnu) as uint8, same strides."""
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def data_strides(view: torch.Tensor) -> tuple[int, int, int, int]:

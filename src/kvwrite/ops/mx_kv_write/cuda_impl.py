@@ -20,10 +20,10 @@ import dataclasses
 
 import torch
 
+from ...gather import bits_view
 from ...kernels import launch, nvrtc
 from ...kernels.mx_views import (
     GROUP,
-    as_bytes,
     data_strides,
     is_floor,
     is_fp4,
@@ -175,7 +175,8 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
-    views = tuple(as_bytes(x) for x in (key_cache, value_cache, k_scale_cache, v_scale_cache))
+    # One-byte caches (op.py checks their dtypes), so their uint8 views, same strides.
+    views = tuple(bits_view(x) for x in (key_cache, value_cache, k_scale_cache, v_scale_cache))
     # Everything that selects the variant, the CTA shape or a fixed kernel argument.
     sig = (key.dtype, key.shape[1:], key.shape[0] > 1, key.stride(0), value.stride(0),
            key.data_ptr() & 15, value.data_ptr() & 15, slot_mapping.dtype, mode.name,

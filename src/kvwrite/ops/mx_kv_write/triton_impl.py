@@ -26,10 +26,10 @@ import functools
 
 import torch
 
+from ...gather import bits_view
 from ...kernels import triton_support
 from ...kernels.mx_views import (
     GROUP,
-    as_bytes,
     data_strides,
     is_floor,
     is_fp4,
@@ -176,7 +176,9 @@ def run(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     bf16 = key.dtype == torch.bfloat16
     if bf16:
         key, value = key.view(torch.int16), value.view(torch.int16)
-    kc, vc, ksc, vsc = (as_bytes(x) for x in (key_cache, value_cache, k_scale_cache, v_scale_cache))
+    # One-byte caches (op.py checks their dtypes), so their uint8 views, same strides.
+    kc, vc, ksc, vsc = (bits_view(x)
+                        for x in (key_cache, value_cache, k_scale_cache, v_scale_cache))
     kd, vd = data_strides(kc), data_strides(vc)
     inter = is_interleaved(scale_layout)
     ks, vs = scale_strides(ksc, inter), scale_strides(vsc, inter)
