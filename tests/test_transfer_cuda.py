@@ -597,6 +597,26 @@ def test_copy_calls_pick_the_rows_kernel_for_short_rows(row_bytes, name):
     assert c.args[njobs] == 3 and c.args[njobs + 13] == nvec  # njobs, nvec
 
 
+def test_half_rows():
+    """halve_rows: dense rows of 32 vectors as two jobs of 16-vector half rows, a job's halves
+    together, the second's pointers half a row on; None for other rows, where the halves would
+    not fit one launch, and where the tuning turns it off."""
+    caches = [torch.zeros(6, 2, 3, 512, dtype=torch.uint8) for _ in range(3)]
+    (cl,) = tc.copy_launches(tuple(tp.copy_job(c, c.clone()) for c in caches))
+    assert (cl.vb, cl.geometry[12:]) == (16, (32, 1))
+    h = tc.halve_rows(cl)
+    assert h.geometry == (*cl.geometry[:12], 16, 1) and h.vectors_per_pair == 2 * 3 * 16
+    assert h.pointers == tuple(q for s, d in cl.pointers for q in ((s, d), (s + 256, d + 256)))
+    assert tc.halve_rows(cl, tc.TransferTuning(half_rows=0)) is None
+    assert tc.halve_rows(cl, tc.TransferTuning(jobs_per_launch=4)) is None  # 6 jobs > 4
+    short = [torch.zeros(6, 2, 3, 256, dtype=torch.uint8) for _ in range(2)]
+    (cs,) = tc.copy_launches(tuple(tp.copy_job(c, c.clone()) for c in short))
+    assert tc.halve_rows(cs) is None  # 16 vectors
+    many = [torch.zeros(1, 1, 1, 512, dtype=torch.uint8) for _ in range(tc.SLOTS // 2 + 1)]
+    (cm,) = tc.copy_launches(tuple(tp.copy_job(c, c.clone()) for c in many))
+    assert tc.halve_rows(cm) is None
+
+
 def test_rows_order_by_where_the_jobs_lie():
     """pair_major (the rows launch's order): pair-major where the jobs lie inside one block of a
     side (layers of a page-first buffer on either side), job-major where every job has its

@@ -29,6 +29,7 @@ import torch
 
 from kvwrite.kernels import transfer_cuda as tc
 from kvwrite.testing.sanitize import compare_outputs
+from kvwrite.transfer import CopyJob, Side
 from tools.sanitize import transfer_plans as tp
 
 EMU_H = pathlib.Path(__file__).with_name("gather_emu.h")
@@ -216,6 +217,37 @@ def test_emulated_relayout_into_one_buffer(emu, max_ctas):
         emu_run(emu, tuning)(plan)
         assert torch.equal(buf, want_buf) and all(
             torch.equal(c, w) for c, w in zip(caches, want_caches, strict=True)), (into, max_ctas)
+
+
+class _DeviceSide(Side):
+    """A CPU tensor's side taken for device memory (the emulated kernels' memory is the host's):
+    the launcher's device-copy choices (half rows, U) apply."""
+
+    on_host = False
+
+
+def _as_device(job: CopyJob) -> CopyJob:
+    def side(x: Side) -> _DeviceSide:
+        return _DeviceSide(x.tensor, x.offset, x.strides, x.blocks)
+    return dataclasses.replace(job, src=side(job.src), dst=side(job.dst))
+
+
+@needs_cxx
+@pytest.mark.parametrize("max_ctas", [None, 3])
+@pytest.mark.parametrize("layout", ["dense16", "relayout16"])
+def test_emulated_half_rows(emu, layout, max_ctas):
+    """Rows of 32 vectors in device memory: on every SM (no max_ctas) copy_calls moves each job
+    as two jobs of half rows (16 lanes a row, halve_rows), under a budget as rows of 32 lanes;
+    the same bytes either way, whole allocations (sources unchanged too)."""
+    views, jobs = tp.row_views(layout, 32, "cpu", seed=3)
+    jobs = [_as_device(j) for j in jobs]
+    tuning = _tuning(2)
+    launched = []
+    err = tp.run_copy_case("relayout_kv_cache", views, PAIRS, emu_run(emu, tuning, launched),
+                           max_ctas=max_ctas, jobs=jobs)
+    assert err is None, err
+    lanes = 16 if max_ctas is None else 32
+    assert [name for name, _ in launched] == [tc.copy_name(16, torch.int64, 2, lanes)]
 
 
 def _whole_block_case(run, tokens: int, int32_per_row: int, relayout: bool) -> str | None:

@@ -39,7 +39,7 @@ __all__ = ["TransferTuning", "TUNING", "SOURCE", "SLOTS", "available", "unsuppor
            "all_kernel_names", "compile_kernel", "copy_launches", "page_launches", "copy_name",
            "page_name", "page_align", "page_aligns", "page_unit_elems", "page_unroll",
            "page_launch_args", "PageLaunchArgs", "magic", "copy_lanes", "copy_rows_unroll",
-           "copy_calls", "CopyCall", "ROWS_MOST", "grid_size"]
+           "copy_calls", "CopyCall", "ROWS_MOST", "grid_size", "pair_major", "halve_rows"]
 
 SOURCE = nvrtc.KernelSource(__package__, "transfer.cu", "kvwrite_transfer")
 # Pointer slots per launch (KVW_SLOTS in transfer.cu): (src, dst) pairs of a copy launch, layer
@@ -101,6 +101,14 @@ class TransferTuning(launch.PdlPolicy):
     # The order of a rows launch's rows (pair_major): "auto" (by where its jobs lie), "jobs" or
     # "pairs" (tests forcing one).
     rows_order: str = "auto"
+    # Dense rows of this many vectors, in a device copy on every SM (no max_ctas), are moved as
+    # two jobs of half rows where the halves fit one launch's slots (halve_rows); 0: never.
+    # Measured (H200, 32 Llama-3-8B layers of 512-byte rows, relayout, two rounds, GB/s at 16 /
+    # 128 / 1024 blocks, tuning-log 107): to LBHNC 1438-1559 / 1823-1832 / 1916-1922 as rows of
+    # 32 vectors, 1437-1546 / 1912 / 1956 as half rows (16 lanes a row, two rows a warp's
+    # load); to a page-first buffer 1465-1479 / 1812-1818 / 1904-1905 against 1485-1565 / 1923-
+    # 1926 / 1993-1996; at max_ctas=4 half rows lost 3% (96-98 against 99-100): not there.
+    half_rows: int = 32
     # Threads per CTA of the page kernels (a warp's item: 32 * U groups of 16 elements of one
     # (pair, chunk, layer, part) segment): 1024, as the copy kernel (launch bounds: at most 64
     # registers a thread, tests/test_transfer_cuda.py). Measured (H200, 32 Llama-3-8B layers,
@@ -211,6 +219,22 @@ def pair_major(cl: CopyLaunch, order: str = "auto") -> bool:
         if max(ptrs) - min(ptrs) < abs(stride):
             return True
     return False
+
+
+def halve_rows(cl: CopyLaunch, tuning: TransferTuning = TUNING) -> CopyLaunch | None:
+    """``cl`` with each job cut into two jobs of half rows (the second half's pointers moved by
+    half a row's vectors; job order: a job's halves together) where its rows are dense rows of
+    ``tuning.half_rows`` vectors and twice its jobs fit one launch's slots; None elsewhere. The
+    same bytes move either way; copy_calls asks it for device copies on every SM."""
+    g = cl.geometry
+    nvec, ppe = g[12], g[13]
+    if not tuning.half_rows or nvec != tuning.half_rows or nvec % 2 or ppe != 1:
+        return None
+    if 2 * len(cl.pointers) > max(1, min(SLOTS, tuning.jobs_per_launch)):
+        return None
+    half = nvec // 2 * cl.vb  # bytes: a dense row's vectors are vb apart on both sides
+    pointers = tuple(q for s, d in cl.pointers for q in ((s, d), (s + half, d + half)))
+    return CopyLaunch(cl.vb, pointers, (*g[:12], nvec // 2, ppe), g[10] * g[11] * (nvec // 2))
 
 
 def copy_name(vb: int, mapping_dtype: torch.dtype, unroll: int, lanes: int = 0) -> str:
@@ -527,8 +551,12 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
     most = tuning.loads_in_flight_host if remote else tuning.loads_in_flight
     threads = copy_threads(writes_host and not reads_host, plan.max_ctas, tuning)
     ctas_per_sm = tuning.ctas_per_sm * (tuning.copy_threads // threads)
+    # Half rows only on every SM of one GPU, device memory both sides (halve_rows' measurement).
+    halves = plan.max_ctas is None and not remote
     out = []
     for cl in copy_launches(plan.jobs, tuning):
+        if halves:
+            cl = halve_rows(cl, tuning) or cl
         slots = [0] * (2 * SLOTS)
         for i, (s, d) in enumerate(cl.pointers):
             slots[2 * i], slots[2 * i + 1] = s, d
