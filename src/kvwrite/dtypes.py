@@ -21,6 +21,7 @@ from .formats import scale_is_per_head
 __all__ = [
     "CacheDType",
     "FP8_MAX",
+    "FLOAT8_FORMAT",
     "INPUT_DTYPES",
     "parse_kv_cache_dtype",
     "allowed_cache_dtypes",
@@ -127,6 +128,10 @@ _MX_ALIASES = {s: CacheDType(f.name) for f in formats.formats_of(formats.Family.
                for s in f.spellings if CacheDType(f.name).is_mx}
 # Each mode's format (the table's record: storage, scales, row bytes, reader).
 _FORMATS = {c: formats.lookup(c.value) for c in CacheDType}
+
+# torch's float8 dtypes and the fp8 format whose codes each holds (a float8 cache or query
+# tensor): every check for "a float8 tensor" and every dtype -> format step asks this table.
+FLOAT8_FORMAT = {torch.float8_e4m3fn: CacheDType.FP8_E4M3, torch.float8_e5m2: CacheDType.FP8_E5M2}
 
 FP8_MAX = {
     torch.float8_e4m3fn: 448.0,

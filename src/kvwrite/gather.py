@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import FLOAT8_FORMAT
 from .validation import check_slot_dtype, require_tensor
 from .validation import shape_str as _shape
 
@@ -26,8 +27,7 @@ __all__ = ["INDEX_DTYPES", "check_index", "check_requests", "request_rows",
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The dtype of a cache that holds fp8 codes, for each float8 format: uint8 (vLLM's storage) or the
 # float8 dtype itself.
-FP8_CODE_DTYPES = {torch.float8_e4m3fn: (torch.uint8, torch.float8_e4m3fn),
-                   torch.float8_e5m2: (torch.uint8, torch.float8_e5m2)}
+FP8_CODE_DTYPES = {f: (torch.uint8, f) for f in FLOAT8_FORMAT}
 
 
 def check_index(name: str, t, dims: int, min_len: int, what: str, device: torch.device,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import CacheDType
+from ..dtypes import FLOAT8_FORMAT, CacheDType
 from ..gather import FP8_CODE_DTYPES, bits_view
 
 try:
@@ -52,14 +52,13 @@ __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code",
 COPY, E4M3, E5M2 = 0, 1, 2
 
 
-_QUANT_CODES = {CacheDType.FP8_E4M3: E4M3, CacheDType.FP8_E5M2: E5M2, torch.float8_e4m3fn: E4M3,
-                torch.float8_e5m2: E5M2}
+_QUANT_CODES = {CacheDType.FP8_E4M3: E4M3, CacheDType.FP8_E5M2: E5M2}
 
 
 def quant_code(fmt) -> int:
     """store_quantized's QUANT for ``fmt``, a cache's kvwrite.dtypes.CacheDType or a float8
     torch dtype (a quantized query's): E4M3 or E5M2, else COPY."""
-    return _QUANT_CODES.get(fmt, COPY)
+    return _QUANT_CODES.get(FLOAT8_FORMAT.get(fmt, fmt), COPY)
 
 
 def code_view(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..dtypes import FLOAT8_FORMAT
 from . import nvrtc
 
 __all__ = ["available", "interpreter_inexact", "inexact_cast_reason", "native_fp8", "next_pow2",
@@ -50,7 +51,7 @@ def available(device: torch.device, triton, kernel: Callable[[], object],
 # native_fp8 is false (kvwrite.kernels.triton_fp8.fp8_code), so an fp8 element is as exact as a
 # float32 one.
 def interpreter_inexact(input_dtype: torch.dtype, element_dtype: torch.dtype) -> bool:
-    if element_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if element_dtype in FLOAT8_FORMAT:
         element_dtype = torch.float32
     if element_dtype == torch.bfloat16:
         return input_dtype != torch.bfloat16

@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from ...dtypes import CacheDType, scale_is_per_head
+from ...dtypes import FLOAT8_FORMAT, CacheDType, scale_is_per_head
 from ...kernels import launch, nvrtc
 from ...kernels.launch import int_type, kind
 from ..fused_qk_norm_rope import cuda_impl as norm_cuda
@@ -46,9 +46,8 @@ __all__ = ["available", "unsupported", "run", "SOURCE", "KERNEL", "kernel_name",
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_qk_norm_rope_cache")
 KERNEL = "qk_norm_rope_cache_kernel"
-_COPY, _E4M3, _E5M2 = 5, 3, 4
+_COPY, _E4M3, _E5M2 = launch.DT_COPY, launch.DT_E4M3, launch.DT_E5M2
 IN_PLACE = 7  # kvw/qk_norm.cuh's QKN_IN_PLACE
-_QUERY_FP8_KIND = {torch.float8_e4m3fn: _E4M3, torch.float8_e5m2: _E5M2}
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
 
@@ -65,7 +64,8 @@ def query_kind(query_out: torch.Tensor | None) -> int:
     """The query's destination: in place, a copy to query_out, or fp8 e4m3 / e5m2."""
     if query_out is None:
         return IN_PLACE
-    return _QUERY_FP8_KIND.get(query_out.dtype, _COPY)
+    fmt = FLOAT8_FORMAT.get(query_out.dtype)
+    return _COPY if fmt is None else launch.FP8_KIND[fmt]
 
 
 def kernel_name(in_kind: int, cs_kind: int, wq: int, wk: int, out: int, qo: int, p: Plan,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import registry
-from ...dtypes import CacheDType
+from ...dtypes import FLOAT8_FORMAT
 from ...validation import check_at_most, check_mutation_safe, require_same_device, require_tensor
 from ...validation import shape_str as _shape
 from ..fused_qk_norm_rope.op import validate_norm
@@ -17,7 +17,7 @@ __all__ = ["OP", "fused_qk_norm_rope_and_reshape_cache_flash", "validate", "QUER
 OP = "fused_qk_norm_rope_and_reshape_cache_flash"
 
 # The fp8 query_out dtypes and their format.
-QUERY_FP8 = {torch.float8_e4m3fn: CacheDType.FP8_E4M3, torch.float8_e5m2: CacheDType.FP8_E5M2}
+QUERY_FP8 = FLOAT8_FORMAT  # a float8 query_out's format
 
 
 def _query_out(query_out, qkv: torch.Tensor, view: torch.Tensor, num_heads_q: int,
