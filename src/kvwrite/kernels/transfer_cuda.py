@@ -230,7 +230,7 @@ def halve_rows(cl: CopyLaunch, tuning: TransferTuning = TUNING) -> CopyLaunch | 
     nvec, ppe = g[12], g[13]
     if not tuning.half_rows or nvec != tuning.half_rows or nvec % 2 or ppe != 1:
         return None
-    if 2 * len(cl.pointers) > max(1, min(SLOTS, tuning.jobs_per_launch)):
+    if 2 * len(cl.pointers) > _jobs_per_launch(tuning):
         return None
     half = nvec // 2 * cl.vb  # bytes: a dense row's vectors are vb apart on both sides
     pointers = tuple(q for s, d in cl.pointers for q in ((s, d), (s + half, d + half)))
@@ -327,6 +327,11 @@ def _job_launch_key(job: CopyJob) -> tuple[int, tuple[int, ...]] | None:
     return vb, (*ss, *ds, src.blocks, dst.blocks, job.heads, job.tokens, nvec, ppe)
 
 
+def _jobs_per_launch(tuning: TransferTuning) -> int:
+    """The most jobs one copy launch takes: ``tuning.jobs_per_launch`` within 1..SLOTS."""
+    return max(1, min(SLOTS, tuning.jobs_per_launch))
+
+
 def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
                   ) -> list[CopyLaunch]:
     """The copy launches of ``jobs``: grouped by (VB, geometry) in their first job's order, each
@@ -339,7 +344,7 @@ def copy_launches(jobs: tuple[CopyJob, ...], tuning: TransferTuning = TUNING
         hit = _MEMO.get((memo, tuning))
         if hit is not None:
             return list(hit)
-    per = max(1, min(SLOTS, tuning.jobs_per_launch))
+    per = _jobs_per_launch(tuning)
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for job in jobs:
         key = _job_launch_key(job)
@@ -573,10 +578,11 @@ def copy_calls(plan: TransferPlan, tuning: TransferTuning = TUNING) -> list[Copy
             u = copy_unroll(nvec, most)
             segs = -(-nvec // (32 * u))
             work, per_warp = rows * segs, 1  # warp segments
-        # The rows kernel's inner count and order (pair_major: its last argument).
-        order = (int(pair_major(cl, tuning.rows_order)),) if lanes else ()
-        inner = len(cl.pointers) if order and order[0] else plan.pairs
-        magics = (magic(segs), magic(tokens), magic(heads), magic(inner))
+        # The rows kernel's order (pair_major: its last argument) and inner count.
+        pm = bool(lanes) and pair_major(cl, tuning.rows_order)
+        order = (int(pm),) if lanes else ()
+        magics = (magic(segs), magic(tokens), magic(heads),
+                  magic(len(cl.pointers) if pm else plan.pairs))
         out.append(CopyCall(copy_name(cl.vb, mdt, u, lanes), work, per_warp, threads, ctas_per_sm,
                             (*margs, *slots, len(cl.pointers), *geometry[:12], nvec,
                              ppe.bit_length() - 1, segs, *magics, *order)))

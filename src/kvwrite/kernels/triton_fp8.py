@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import FLOAT8_FORMAT, CacheDType
-from ..gather import FP8_CODE_DTYPES, bits_view
+from ..gather import bits_view
 
 try:
     import triton
@@ -63,11 +63,11 @@ def quant_code(fmt) -> int:
 
 def code_view(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` as a kernel that writes fp8 codes takes it: a float8 tensor (an fp8 cache or query
-    of torch's float8 dtype, a key of kvwrite.gather.FP8_CODE_DTYPES) as its uint8 view
+    of torch's float8 dtype, a key of kvwrite.dtypes.FLOAT8_FORMAT) as its uint8 view
     (kvwrite.gather.bits_view), the same bytes (below sm_89 Triton refuses a kernel with a
     float8_e4m3fn pointer argument); any other tensor (or None) as it is: a float16, bfloat16 or
     float32 one stays a float tensor, since the kernels compute on it."""
-    return bits_view(t) if t is not None and t.dtype in FP8_CODE_DTYPES else t
+    return bits_view(t) if t is not None and t.dtype in FLOAT8_FORMAT else t
 
 if triton is not None:
 
