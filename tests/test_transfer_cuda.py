@@ -190,13 +190,15 @@ def test_page_launch_args_grid_and_max_ctas():
 def test_benchmark_page_variants_machine_code(tmp_path):
     """The variants of the benchmark's pages (bfloat16, sm_90): the cache side in 16-byte
     accesses, fp8 codes in 8-byte accesses (a unit's 8 codes) at ALIGN 16 and 4-byte ones at 4,
-    NVFP4 codes in 8-byte ones, the fp8 bracket (FMUL.RZ) in the pack, the hardware fp8 decode
-    and paired rounding in the unpack, no local memory."""
+    NVFP4 codes in 8-byte ones, the fp8 pack by the exact quotient (the saturating paired
+    conversion, no bracket: no FMUL.RZ), the hardware fp8 decode and paired rounding in the
+    unpack, no local memory."""
     sass = importlib.import_module("sass").cuobjdump_or_skip()
     bf16, i64 = torch.bfloat16, torch.int64
     want = {
-        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.128", "ST.E.64", "FMUL.RZ"),
-        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 4): ("LD.E.128", "FMUL.RZ"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.128", "ST.E.64",
+                                                             "F2FP.SATFINITE.E4M3"),
+        tc.page_name("pack", "fp8_e4m3", bf16, i64, 4, 4): ("LD.E.128", "F2FP.SATFINITE.E4M3"),
         tc.page_name("pack", "nvfp4", bf16, i64, 8, 2): ("LD.E.128", "ST.E.64", "VIMNMX3"),
         tc.page_name("unpack", "fp8_e4m3", bf16, i64, 16, 4): ("LD.E.64", "ST.E.128",
                                                                "F2FP.F16.E4M3.UNPACK_B",
@@ -213,6 +215,11 @@ def test_benchmark_page_variants_machine_code(tmp_path):
     text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16, i64,
                                                                 4, 4), ())[0], tmp_path)
     assert "ST.E.64" not in text  # codes 4-byte aligned: two 4-byte stores a unit
+    for align in (16, 4):  # the exact quotient, not the bracket (tuning-log 108)
+        text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16,
+                                                                    i64, align, 4), ())[0],
+                              tmp_path)
+        assert "FMUL.RZ" not in text, align
 
 
 def test_unsupported_and_available_without_a_gpu():
@@ -427,8 +434,8 @@ def test_gpu_pages_more_layers_than_slots_and_pinned_pages(direction, page_forma
 def test_gpu_aligned_pages_match_the_torch_rules(direction, page_format, cache_dtype, N, C, S,
                                                  L, max_ctas):
     """The aligned variants (dense caches, 16-byte aligned chunks; codes at 4*L*S = 8, 12, 16,
-    24: ALIGN 8, 4, 16, 8): U = 1 and 2, items masked at a segment's end, the fp8 bracket of
-    their GPU build."""
+    24: ALIGN 8, 4, 16, 8): U = 1 and 2, items masked at a segment's end, their GPU build's
+    fp8 quotient and NVFP4 rule."""
     case = tp.PageCase(direction, page_format, cache_dtype, L=L, S=S, N=N, C=C, pad=0,
                        row_pad=16, page_offset=32)
     caches, pages, scale = case.make("cpu")
@@ -444,7 +451,7 @@ def test_gpu_aligned_pages_match_the_torch_rules(direction, page_format, cache_d
 @pytest.mark.parametrize("scale_value", [1.0, 0.125, 3.0, 1e-30, 2.0 ** -101, 2.0 ** 101])
 def test_gpu_pack_special_values(page_format, cache_dtype, aligned, scale_value):
     """Every fp8 value and tie (times sigma), saturation, +-inf, NaN, +-0, tiny values; sigma
-    inside and outside the bracket's [2^-100, 2^100] (fp8; nvfp4's contract stops there)."""
+    inside and outside [2^-100, 2^100] (fp8; nvfp4's contract stops there)."""
     if page_format == "nvfp4" and not 2.0 ** -100 <= scale_value <= 2.0 ** 100:
         pytest.skip("nvfp4 chunks of a sigma outside [2^-100, 2^100] are unspecified")
     case = tp.PageCase("pack", page_format, cache_dtype, L=2, S=2, N=16, C=64, Hc=2, Hp=2, K=2,

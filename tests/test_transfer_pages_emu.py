@@ -11,8 +11,9 @@ rows, a misaligned page pool), the aligned variant (U = 1 and 2, items masked at
 partial fp8 groups (E % 16 != 0), kv_split 1 and 2, head slices, several grid sizes, more layers
 than a launch's slots, and special values (every fp8 value and tie, saturation, +-inf, NaN, +-0).
 What this cannot run is the GPU's own instructions: with KVWRITE_EMU the headers take their host
-paths (fp8_quantize's exact quotient, not the bracket of the GPU's aligned builds; the software
-fp8 decode; exact float16 / bfloat16 rounding), which the GPU tests of test_transfer_cuda.py cover.
+paths (fp8_quantize's quotient in host arithmetic, not the GPU's reciprocal and fused steps; the
+software fp8 decode; exact float16 / bfloat16 rounding), which test_transfer_cuda.py's GPU tests
+cover.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def test_more_layers_than_slots(emu, direction, page_format, aligned):
 def test_pack_special_values(emu, page_format, cache_dtype, aligned, scale_value):
     """Every fp8 value and every tie between neighbours (times sigma), saturation, +-inf, NaN,
     +-0 and tiny values: the codes of SPEC §9.4's rule (sigma 3: quotients not exact; 2^-101:
-    outside the GPU bracket's range, fp8 only)."""
+    most quotients saturate, fp8 only)."""
     if page_format == "nvfp4" and scale_value < 2.0 ** -100:
         pytest.skip("nvfp4 chunks of a sigma outside [2^-100, 2^100] are unspecified")
     case = tp.PageCase("pack", page_format, cache_dtype, L=2, S=2, N=16, C=64, Hc=2, Hp=2, K=2,

@@ -347,9 +347,11 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
 // nvfp4): fixed-width accesses (a group's codes as 16 / ALIGN pieces: DeepSeek-V3's 61 layers give
 // ALIGN 4), all U groups' loads issued before their arithmetic.
 //
-// fp8 quantizes through kvw/fp8.cuh's fp8_quantize, in aligned builds with its bracket (two
-// products an element; the exact quotient only for a group with an element within 2^-20 of an
-// fp8 rounding boundary), as the flash write does for its wide chunks; nvfp4 through
+// fp8 quantizes through kvw/fp8.cuh's fp8_quantize by the exact quotient in every variant (the
+// scale's constants once an item). Its bracket (two products an element, the quotient only for a
+// unit holding an element near an fp8 rounding boundary) was faster for scales whose quotients
+// never meet a boundary and 1.3x slower where they do (s = 0.01, 2^-7: a power-of-two bfloat16
+// element lands on a midpoint, and the warp runs both paths): tuning-log 108. nvfp4 through
 // kvw/nvfp4.cuh's nvfp4_part_rule (the nvfp4 write's fast pack: no clamp where there is no NaN
 // and no product of 7 or more, else the general pack), the same bytes as nvfp4_group.
 // ------------------------------------------------------------------------------------------
@@ -693,7 +695,7 @@ __global__ void __launch_bounds__(1024)
         if constexpr (FMT == KVW_NVFP4) {
           den6 = nvfp4_den(mul_rn(sigma, 6.0f));
         } else {
-          fs = make_fp8_scale<true, ALIGNED>(sigma);
+          fs = make_fp8_scale<true>(sigma);  // the exact quotient (see above)
         }
       }
       UnitWalk<UI> at = w0;
