@@ -50,7 +50,11 @@ def test_nvrtc_compile_every_variant(arch, family, tmp_path):
     usage = re.findall(r"Function (\S+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
     assert len(usage) == len(names), out
     for fn, reg, stack, local in usage:
-        assert int(reg) <= 64 and int(stack) == 0 and int(local) == 0, (fn, reg, stack)
+        # The nvfp4 pack's two batches an item spill a few loop invariants (36 bytes at U = 2,
+        # bfloat16), measured faster than one batch without (tuning-log 109); no other variant
+        # touches local memory.
+        most = 64 if "transfer_pack_kernelILi6E" in fn else 0
+        assert int(reg) <= 64 and int(stack) <= most and int(local) <= most, (fn, reg, stack)
     assert tc.TUNING.page_threads * 64 <= 65536
 
 
@@ -70,9 +74,11 @@ def test_kernel_source_ships_as_package_data():
     assert res.is_file() and "transfer_copy_kernel" in res.read_text(encoding="utf-8")
     assert f"#define KVW_SLOTS {tc.SLOTS}" in tc.SOURCE.text
     # page_batches, written twice (transfer.cu's constexpr and transfer_cuda's): the same
-    batches = (tc.page_batches("nvfp4"), tc.page_batches("fp8_e4m3"), tc.page_batches("fp8_e5m2"))
-    assert batches[1] == batches[2]
-    assert (f"page_batches(int fmt) {{ return fmt == KVW_NVFP4 ? {batches[0]} : {batches[1]}; }}"
+    batches = {(f, d): tc.page_batches(f, d) for f in ("nvfp4", "fp8_e4m3", "fp8_e5m2")
+               for d in ("pack", "unpack")}
+    fp8 = {b for (f, _), b in batches.items() if f != "nvfp4"}
+    assert fp8 == {batches["nvfp4", "pack"]}, batches  # the rule below: one value but one
+    assert (f"return fmt == KVW_NVFP4 && !pack ? {batches['nvfp4', 'unpack']} : {fp8.pop()};"
             in tc.SOURCE.text)
 
 
@@ -156,8 +162,8 @@ def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     """The benchmark's pages (32 Llama-3-8B layers) take the aligned variant: fp8 in units of one
     16-byte cache vector (8 elements: 16 a row part, 256 a (pair, head, layer, part) segment of 16
     tokens) with U = 4, nvfp4 in groups (8 a row part, 128 a segment) with U = 2: two batches of
-    32 * U units a segment either way, fp8's in one warp item (page_batches 2), nvfp4's in two
-    (1); one header item a chunk (pack), one launch, 1024-thread CTAs, one per SM."""
+    32 * U units a segment either way, in one warp item (page_batches 2) but the nvfp4 unpack's
+    in two (1); one header item a chunk (pack), one launch, 1024-thread CTAs, one per SM."""
     case, plan = _llama_pages(direction, page_format, blocks=4)
     (pa,) = tc.page_launch_args(plan, sm_count=132)
     fp8 = page_format != "nvfp4"
@@ -165,7 +171,7 @@ def test_page_launch_args_of_the_benchmark_shape(direction, page_format):
     assert pa.name == tc.page_name(direction, page_format, torch.bfloat16, torch.int64, align,
                                    unroll)
     assert pa.threads == 1024
-    segs_want = 1 if fp8 else 2  # page_batches 2 (fp8), 1 (nvfp4)
+    segs_want = 2 if not fp8 and direction == "unpack" else 1  # page_batches 1 there, else 2
     items = 4 * 8 * (32 * 2 * segs_want + (direction == "pack"))
     assert pa.grid == min(132, -(-items // 32))
     geometry = pa.args[-23:]
@@ -192,7 +198,7 @@ def test_benchmark_page_variants_machine_code(tmp_path):
     accesses, fp8 codes in 8-byte accesses (a unit's 8 codes) at ALIGN 16 and 4-byte ones at 4,
     NVFP4 codes in 8-byte ones, the fp8 pack by the exact quotient (the saturating paired
     conversion, no bracket: no FMUL.RZ), the hardware fp8 decode and paired rounding in the
-    unpack, no local memory."""
+    unpack, no local memory (but the nvfp4 pack's spilled invariants)."""
     sass = importlib.import_module("sass").cuobjdump_or_skip()
     bf16, i64 = torch.bfloat16, torch.int64
     want = {
@@ -211,7 +217,8 @@ def test_benchmark_page_variants_machine_code(tmp_path):
         text = sass.dump_sass(cubin, tmp_path)
         for op in ops:
             assert op in text, (name, op)
-        assert "LDL" not in text and "STL" not in text, name
+        if not name.startswith("transfer_pack_kernel<6,"):  # see test_nvrtc_compile_every_variant
+            assert "LDL" not in text and "STL" not in text, name
     text = sass.dump_sass(tc.SOURCE.cubin("sm_90", tc.page_name("pack", "fp8_e4m3", bf16, i64,
                                                                 4, 4), ())[0], tmp_path)
     assert "ST.E.64" not in text  # codes 4-byte aligned: two 4-byte stores a unit

@@ -24,9 +24,12 @@
 
 // Batches of 32 * U units a warp item of the page kernels moves one after the other (the item's
 // decomposition, pair, addresses and scale once for all; transfer_cuda.page_batches): 2, but 1
-// for nvfp4 (with a second batch ptxas spilled 16 bytes of the pack's registers at U = 2, and
-// the unpack measured 0.73-0.79 of its one-batch rate: tuning-log 90).
-__host__ __device__ constexpr int page_batches(int fmt) { return fmt == KVW_NVFP4 ? 1 : 2; }
+// for the nvfp4 unpack (it measured 0.73-0.79 of its one-batch rate: tuning-log 90). The nvfp4
+// pack takes 2 although ptxas spills 36 bytes of its registers at U = 2 (loop invariants,
+// reloaded once an item): 119.4 -> 107.8 us for 128 Llama-3-8B blocks (tuning-log 109).
+__host__ __device__ constexpr int page_batches(int fmt, bool pack) {
+  return fmt == KVW_NVFP4 && !pack ? 1 : 2;
+}
 
 // Slots per launch (transfer_cuda.SLOTS says the same).
 #define KVW_SLOTS 64
@@ -632,7 +635,7 @@ __global__ void __launch_bounds__(1024)
   constexpr int ES = IN == DT_F32 ? 4 : 2;
   constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
   constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
-  constexpr int B = page_batches(FMT);
+  constexpr int B = page_batches(FMT, true);
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;
@@ -754,7 +757,7 @@ __global__ void __launch_bounds__(1024)
   constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
   constexpr int CB = FMT == KVW_NVFP4 ? 8 : UE;  // code bytes of a whole unit
   constexpr int CA = ALIGN < CB ? ALIGN : CB;     // their alignment (aligned variants)
-  constexpr int B = page_batches(FMT);
+  constexpr int B = page_batches(FMT, false);
   const bool small = small_ != 0;
   const i64 G = (E + UE - 1) / UE;  // units a row part
   const i64 NG = N * G;

@@ -399,12 +399,11 @@ def page_unit_elems(page_format: str, align: int, cache_dtype: torch.dtype) -> i
     return 16 // cache_dtype.itemsize if align and page_format != "nvfp4" else 16
 
 
-def page_batches(page_format: str) -> int:
+def page_batches(page_format: str, direction: str) -> int:
     """Batches of 32 * U units a page kernel's warp item moves one after the other (transfer.cu's
     page_batches): its decomposition, mapping pair, addresses and scale once for all of them. 2,
-    but 1 for nvfp4 (two spilled the pack's registers and slowed the unpack). Measured:
-    tuning-log 90."""
-    return 1 if page_format == "nvfp4" else 2
+    but 1 for the nvfp4 unpack (two slowed it). Measured: tuning-log 90 and 109."""
+    return 1 if page_format == "nvfp4" and direction == "unpack" else 2
 
 
 def page_unroll(page_format: str, cache_dtype: torch.dtype, units: int,
@@ -441,7 +440,7 @@ def page_launch_args(plan: TransferPlan, tuning: TransferTuning = TUNING,
     u = page_unroll(pj.page_format, pj.cache_dtype, N * G, tuning.page_bytes_in_flight) \
         if align else 1
     name = page_name(pj.direction, pj.page_format, pj.cache_dtype, plan.mapping.dtype, align, u)
-    segs = -(-(N * G) // (32 * u * page_batches(pj.page_format)))  # items a segment
+    segs = -(-(N * G) // (32 * u * page_batches(pj.page_format, pj.direction)))  # items a segment
     cblocks = min(side.blocks for side in pj.caches)
     pages = pj.pages
     page_args = (pages.ptr, pages.strides[0], pj.chunk_bytes, pages.blocks)
