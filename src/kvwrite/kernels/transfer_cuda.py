@@ -127,8 +127,8 @@ class TransferTuning(launch.PdlPolicy):
     # unpack 613 / 667 against 674 / 733); with the walk, 128 bytes spill the pack's registers
     # (fp8: 124 bytes). The NVFP4 pack's two batches an item spill 36 bytes of invariants at 64
     # (tuning-log 109). The graph-timed sweep of 32 / 64 / 128 (tuning-log 108's run 2, µs):
-    # NVFP4 pack 156.5 / 119.7 / 124.2, unpack 123.5 / 104.2 / 122.7, fp8 unpack 115.0 / 112.4
-    # / 113.9.
+    # NVFP4 pack (one batch) 156.5 / 119.7 / 124.2, unpack 123.5 / 104.2 / 122.7, fp8 unpack
+    # 115.0 / 112.4 / 113.9.
     page_bytes_in_flight: int = 64
     # CTAs per SM where max_ctas is None (a persistent grid that covers the GPU): one CTA of
     # 1024 threads (the copy kernel's registers, at most 64 a thread at U = 8 (ptxas, sm_90,
