@@ -460,6 +460,104 @@ def test_pow2_scale_reciprocal_on_the_host(tmp_path_factory):
             assert np.array_equal(prod.view(np.int32), quot.view(np.int32)), sv
 
 
+_FAST16_HARNESS = r"""
+#include "kvw/fp8.cuh"
+template <int IN> static float h2f(u32 h) {
+  if (IN == DT_BF16) return bits_f32(h << 16);
+  const u16 b = static_cast<u16>(h);
+  _Float16 x;
+  __builtin_memcpy(&x, &b, 2);
+  return static_cast<float>(x);
+}
+template <int FMT> static bool nan_code(u32 c) {
+  return FMT == DT_E4M3 ? (c & 0x7Fu) == 0x7Fu : (c & 0x7Fu) > 0x7Cu;
+}
+/* Every 16-bit input under scale s, both fp8 formats: fp8_fast16_clamp, the exact conversion,
+   fp8_quantize_fast16 where the scale is in its range (else fp8_quantize under
+   fp8_fast16_fallback's constants) against the rule, fp8(RN(x / s)) by a true division (any NaN
+   code for a NaN). Returns the mismatches (*fast: whether the fast path took s); bad[] the
+   first one (input bits, got, want). */
+template <int IN, int FMT> static long check(float s, long* fast, long* bad) {
+  const Fp8Fast16 f = fp8_fast16_scale<IN>(s);
+  *fast = f.c2 != 0u;
+  long n = 0;
+  for (u32 w = 0; w < 0x10000u; w += 2) {
+    const u32 c = *fast ? fp8_fast16_clamp<IN>(w | ((w + 1) << 16), f) : w | ((w + 1) << 16);
+    const float x[2] = {h2f<IN>(c & 0xFFFFu), h2f<IN>(c >> 16)};
+    u32 out[1];
+    if (*fast) fp8_quantize_fast16<FMT, 2>(x, out, f);
+    else fp8_quantize<FMT, 2, 1>(x, out, fp8_fast16_fallback(f));
+    for (int k = 0; k < 2; ++k) {
+      const u32 got = (out[0] >> (8 * k)) & 0xFFu;
+      const u32 want = fp8_from_f32_soft<FMT>(h2f<IN>(w + k) / s);
+      if (got != want && !(nan_code<FMT>(got) && nan_code<FMT>(want))) {
+        if (n++ == 0) { bad[0] = w + k; bad[1] = got; bad[2] = want; }
+      }
+    }
+  }
+  return n;
+}
+/* fast[0], fast[1]: how many scales took the fast path for bfloat16 and float16 inputs (in both
+   formats, else -1). */
+extern "C" long kvw_fast16(const float* s, long ns, long* fast, long* bad) {
+  long n = 0;
+  fast[0] = fast[1] = 0;
+  for (long i = 0; i < ns; ++i) {
+    long f[4];
+    n += check<DT_BF16, DT_E4M3>(s[i], f, bad) + check<DT_BF16, DT_E5M2>(s[i], f + 1, bad) +
+         check<DT_F16, DT_E4M3>(s[i], f + 2, bad) + check<DT_F16, DT_E5M2>(s[i], f + 3, bad);
+    if (f[0] != f[1] || f[2] != f[3]) { fast[0] = fast[1] = -1; return n; }
+    fast[0] += f[0];
+    fast[1] += f[2];
+    if (n) { bad[3] = i; return n; }
+  }
+  return n;
+}
+"""
+
+
+def _float_bits(*bits: int) -> list[float]:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).tolist()
+
+
+def test_fp8_fast16_on_the_host(tmp_path_factory):
+    """fp8_quantize_fast16 (compiled for the host) gives the rule's code, fp8(RN(x / s)) by a
+    true division, for every bfloat16 and float16 input (NaN, ±inf, ±0, subnormals, past every
+    clamp) in both fp8 formats, under its range's ends ([2^-60, 2^60] for bfloat16, [2^-60, 1]
+    for float16) and their neighbours, every power of two in it, decimal scales whose quotients
+    land near fp8 midpoints (0.05, 0.04, 0.01), scales under which one product an element is not
+    the rule, and log-uniform random scales; and every other scale (negative, zero, tiny, huge,
+    infinite, NaN) takes fp8_quantize under fp8_fast16_fallback's constants, with the same
+    codes."""
+    import ctypes
+
+    from host import build_host_lib
+    lib = build_host_lib(tmp_path_factory, _FAST16_HARNESS, "kvwfast16", "fast16 harness")
+    gen = torch.Generator().manual_seed(7)
+    # Scales under which RN(x * RN(1 / s)) alone gives another code for some inputs (found by a
+    # search over random scales; each of the four input and format pairs has some): the
+    # correction step is what these check.
+    one_product_fails = _float_bits(0x398372C2, 0x371372C2, 0x3EDC8E38, 0x3CABE666, 0x393B8E38,
+                                    0x3D4B38E3, 0x3CF55556, 0x3B927627, 0x3D5D70A3, 0x3D7EFFFF)
+    below_one = [2.0**-60, 1.0, 1.0 - 2.0**-24, 0.05, 0.04, 0.01, 0.0123, 1 / 3, 2.0**-7,
+                 2.0**-60 * (1 + 2.0**-23), *(2.0**k for k in range(-59, 0)), *one_product_fails,
+                 *torch.exp2(-60 * torch.rand(200, generator=gen, dtype=torch.float64)).tolist()]
+    above_one = [1.0 + 2.0**-23, 2.0, 3.0, 448.0, 2.0**60, 2.0**60 * (1 - 2.0**-24),
+                 *(2.0**k for k in range(1, 60)),
+                 *torch.exp2(60 * torch.rand(100, generator=gen, dtype=torch.float64)).tolist()]
+    outside = [2.0**-61, 2.0**-60 * (1 - 2.0**-24), 2.0**60 * (1 + 2.0**-23), 2.0**100, -0.05,
+               -3.0, 0.0, -0.0, 1e-39, 2.0**-149, 3.4028235e38, float("inf"), -float("inf"),
+               float("nan")]
+    for scales, want in ((below_one, (1, 1)), (above_one, (1, 0)), (outside, (0, 0))):
+        s = torch.tensor(scales, dtype=torch.float32)
+        fast, bad = (ctypes.c_long * 2)(), (ctypes.c_long * 4)()
+        n = lib.kvw_fast16(ctypes.c_void_p(s.data_ptr()), ctypes.c_long(s.numel()), fast, bad)
+        assert n == 0, (f"scale {s[bad[3]].item()!r}: input {bad[0]:#06x} gave {bad[1]:#04x}, "
+                        f"the rule {bad[2]:#04x}")
+        # the fast path for bfloat16 and float16 inputs, every scale of the list or none
+        assert (fast[0], fast[1]) == (want[0] * s.numel(), want[1] * s.numel()), scales
+
+
 def test_quant_code_names_every_fp8_format_once():
     """store_quantized's QUANT for a cache dtype and for a quantized query's torch dtype (one
     table every Triton launcher asks): the two fp8 formats, a copy for everything else."""

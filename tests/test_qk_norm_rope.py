@@ -1973,3 +1973,21 @@ def test_pow2_scales_case_gives_the_scales_it_names():
     assert float(tensor.k_scale) == float(tensor.v_scale) == float(tensor.q_scale) == 1.0
     with pytest.raises(ValueError, match="fp8_scales"):
         make_qk_norm_inputs(dataclasses.replace(per_head, fp8_scales="unit"))
+
+
+def test_fast16_scales_case_gives_the_scales_it_names():
+    """fp8_scales="fast16" (the GPU matrix's cases of fp8_quantize_fast16): k and v scales by head
+    from FAST16_SCALES (v's reversed), the first per tensor; scales inside its ranges (their ends
+    too) and just outside side by side."""
+    from kvwrite.testing.qk_norm import FAST16_SCALES, make_qk_norm_inputs
+    per_head = QkNormCase(num_q_heads=8, num_k_heads=8, head_size=128, kv_cache_dtype="fp8",
+                          per_head_scale=True, fp8_scales="fast16")
+    inp = make_qk_norm_inputs(per_head)
+    want = torch.tensor(FAST16_SCALES, dtype=torch.float32)
+    assert torch.equal(inp.k_scale.reshape(-1), want)
+    assert torch.equal(inp.v_scale.reshape(-1), want.flip(0))
+    inside = [2.0**-60 <= v <= 1.0 for v in want.tolist()]
+    assert 2.0**-60 in want.tolist() and any(inside) and not all(inside)
+    assert {1.0 + 2.0**-23, 2.0**-61, 300.0} <= set(want.tolist())
+    tensor = make_qk_norm_inputs(dataclasses.replace(per_head, per_head_scale=False))
+    assert float(tensor.k_scale) == float(tensor.v_scale) == FAST16_SCALES[0]

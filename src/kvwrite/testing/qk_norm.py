@@ -55,7 +55,8 @@ class QkNormCase(RotaryWriteCase):
     query_out: str | None = None
     q_scale_per_head: bool = False
     # fp8 scales (k, v and q): "" random ones (not powers of two); "pow2": POW2_SCALES by head
-    # (v's reversed), 1.0 where a scale is per tensor.
+    # (v's reversed), 1.0 where a scale is per tensor; "fast16": FAST16_SCALES by head (v's
+    # reversed; k and v only).
     fp8_scales: str = ""
 
     @property
@@ -272,8 +273,12 @@ def _build_on_cpu(case: QkNormCase, seed: int) -> QkNormInputs:
             ci.v_scale.copy_(_pow2_scales(ci.v_scale, reverse=True))
         if q_scale is not None:
             q_scale = _pow2_scales(q_scale)
+    elif case.fp8_scales == "fast16":
+        if case.cache_dtype.is_fp8:
+            ci.k_scale.copy_(_listed_scales(ci.k_scale, FAST16_SCALES))
+            ci.v_scale.copy_(_listed_scales(ci.v_scale, FAST16_SCALES, reverse=True))
     elif case.fp8_scales:
-        raise ValueError(f"fp8_scales: expected '' or 'pow2', got {case.fp8_scales!r}")
+        raise ValueError(f"fp8_scales: expected '', 'pow2' or 'fast16', got {case.fp8_scales!r}")
 
     if query_out is not None and not case.flat:
         query_out = query_out.unflatten(1, (hq, d))
@@ -375,11 +380,30 @@ def _norm_matrix() -> list[QkNormCase]:
 POW2_SCALES = (1.0, 0.5, 2.0**-126, 2.0**126, 2.0**127, 2.0**-7, 3.0, 2.0**-149)
 
 
+# Scales of fp8_scales="fast16" (kvw/fp8.cuh's fp8_quantize_fast16 in the fused QK-norm write's
+# large-call build: 16-bit rows, 2^-60 <= s <= 2^60 for bfloat16, <= 1 for float16): scales
+# under which one product an element would give another code for some inputs (the correction
+# step's cases), the range's ends, 0.05 (near fp8 midpoints), 300 (bfloat16's range only) and
+# scales just outside (1 + 2^-23 for float16 rows, 2^-61 for both) that take the quotient. One
+# element (per tensor): the first.
+FAST16_SCALES = (float(torch.tensor(0x3CF55556, dtype=torch.int32).view(torch.float32)),
+                 float(torch.tensor(0x393B8E38, dtype=torch.int32).view(torch.float32)),
+                 1.0 - 2.0**-24, 2.0**-60, 1.0 + 2.0**-23, 0.05, 300.0, 2.0**-61)
+
+
+def _listed_scales(like: torch.Tensor, scales: tuple[float, ...],
+                   reverse: bool = False) -> torch.Tensor:
+    """``like``'s shape filled with ``scales`` by element (reversed with ``reverse``)."""
+    n = like.numel()
+    v = [scales[i % len(scales)] for i in range(n)]
+    return torch.tensor(v[::-1] if reverse else v, dtype=torch.float32).reshape(like.shape)
+
+
 def _pow2_scales(like: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     """``like``'s shape filled with POW2_SCALES by element (1.0 for one element)."""
-    n = like.numel()
-    v = [1.0] if n == 1 else [POW2_SCALES[i % len(POW2_SCALES)] for i in range(n)]
-    return torch.tensor(v[::-1] if reverse else v, dtype=torch.float32).reshape(like.shape)
+    if like.numel() == 1:
+        return torch.ones_like(like)
+    return _listed_scales(like, POW2_SCALES, reverse)
 
 
 def _fused_matrix() -> list[QkNormCase]:
@@ -580,6 +604,20 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
                                 per_head_scale=per_head,
                                 q_scale_per_head=per_head and qo is not None,
                                 fp8_scales="pow2", special=special, padding_slots=2,
+                                num_blocks=260 if t > 1000 else 4, max_position=8192,
+                                alloc=KVAlloc.PACKED))
+    # fp8_quantize_fast16's scales (the large-call build: 16-bit rows, 2^-60 <= s <= 1) beside
+    # scales just outside, per head and per tensor, both fp8 kinds and 16-bit dtypes, the
+    # special rows (NaN, ±inf and past every clamp), small calls (the small-call build, its
+    # quotient) and large ones.
+    for kv, per_head, dtype, special, t in (
+            ("fp8", True, torch.bfloat16, "", 19), ("fp8_e5m2", True, torch.float16, "", 19),
+            ("fp8", True, torch.bfloat16, "huge", 9), ("fp8_e5m2", True, torch.bfloat16, "inf", 9),
+            ("fp8", True, torch.float16, "nan", 9), ("fp8", False, torch.bfloat16, "", 4000),
+            ("fp8_e5m2", True, torch.float16, "", 4000)):
+        cases.append(QkNormCase(num_tokens=t, num_q_heads=32, num_k_heads=8, head_size=128,
+                                dtype=dtype, kv_cache_dtype=kv, per_head_scale=per_head,
+                                fp8_scales="fast16", special=special, padding_slots=2,
                                 num_blocks=260 if t > 1000 else 4, max_position=8192,
                                 alloc=KVAlloc.PACKED))
     return cases

@@ -80,7 +80,8 @@ def all_kernel_names() -> list[str]:
     """A representative set of variants (for the NVRTC compile test): every row dtype against
     every cache kind and every query destination at D = 128 with its layouts of the small-call
     and the large-call build, both pairings, partial rotary, D = 64, 80, 46 and 512, weights of
-    other kinds and none, narrow widths, int32 indices."""
+    other kinds and none, narrow widths (one-element chunks of the large-call build's fp8 caches
+    too), int32 indices."""
     names = set()
     f32, bf16 = kind(torch.float32), kind(torch.bfloat16)
     i64, i32 = torch.int64, torch.int32
@@ -116,6 +117,11 @@ def all_kernel_names() -> list[str]:
         p = layout_plan(128, es, 128, True, large.chunks)
         names.add(kernel_name(k, bf16, NO_WEIGHT, f32, _E4M3, _E5M2, p, True, i32, i32, large,
                               True))
+        # One-element chunks in the large-call build (rows aligned to their element only): its
+        # fp8 paths (power of two, fp8_quantize_fast16, quotient) on single elements.
+        for out in (_E4M3, _E5M2):
+            names.add(kernel_name(k, f32, k, k, out, _COPY, dataclasses.replace(p, v=1), True,
+                                  i64, i64, large, True))
     return sorted(names)
 
 

@@ -11,11 +11,12 @@
 // key's (tokens t < num_tokens), and for a slot in [0, num_slots) stores Q(key as rounded to
 // qkv's dtype) and Q(value) chunk by chunk (kvw/vec_io.cuh's convert_chunk: copies, casts, fp8
 // by the contract's rule with scales read on the device; convert_fp8_chunks: a power-of-two
-// scale by one product an element). A token whose position is outside the table is not touched
-// at all. The large-call build (VALUE_FIRST) converts the value before it requests the table's
-// entries and stores it then, or right after the key's chunks where a head's cache row is 128
-// bytes (value_after below); the small-call build requests the table's entries first and
-// converts the value while they are in flight.
+// scale by one product an element, 16-bit rows under fp8_fast16_scale's scales by three). A
+// token whose position is outside the table is not touched at all. The large-call build
+// (VALUE_FIRST) converts the value before it requests the table's entries and stores it then,
+// or right after the key's chunks where a head's cache row is 128 bytes (value_after below);
+// the small-call build requests the table's entries first and converts the value while they
+// are in flight.
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
 #include "kvw/vec_io.cuh"
@@ -112,17 +113,22 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   // bytes under the large-call build's 48 registers.
   const bool value_after = !VALUE_FIRST || (OB == 1 && head_size == 128);
   i64 coff = 0;  // the (slot, head) row's element offset in either cache
-  // fp8 scales: the quotient's constants (ks, vs, qs) and, where a cache's scale is a power of
-  // two, its exact reciprocal (kr, vr; else 0), which converts by one product an element
-  // (vLLM's default scale 1.0). The choice is a head's: uniform within a group. Where (P2): the
-  // large-call build, without an fp8 query. Measured (H200, Qwen3-8B, docs/tuning-log.md change
-  // 100): scales 1.0 0.88-0.97 of the quotient's time from T = 1024, other scales 0.97-1.01;
-  // in the small-call build the scales' test lengthened a small call's chain (other scales
-  // +2-4% at T <= 256); the fp8-query builds already spill under the bound (bfloat16 D = 128:
-  // 32 bytes, float16 D = 64: 16) and the second branch spilled more (float16 D = 64: 36).
+  // fp8 scales: the quotient's constants (ks, vs, qs); in the large-call build (P2, without an
+  // fp8 query) instead, a cache scale's exact reciprocal where it is a power of two (kr, vr;
+  // else 0: one product an element, vLLM's default 1.0) and fp8_fast16_scale's constants (kf,
+  // vf: 16-bit rows in its scale range, three operations an element), the quotient (under
+  // fp8_fast16_fallback's constants) for the rest. The choice is a head's: uniform within a
+  // group. Measured (H200, Qwen3-8B, docs/tuning-log.md changes 100 and 112): scales 1.0
+  // 0.88-0.97 of the quotient's time from T = 1024; scales 0.05 / 0.04, the three operations
+  // against the quotient, hot, 0.95 at T = 1024 and 2048, 1.007-1.010 from T = 4096 (cold
+  // 0.996-1.008). In the small-call build the scales' test lengthened a small call's chain
+  // (other scales +2-4% at T <= 256); the fp8-query builds already spill under the bound
+  // (bfloat16 D = 128: 32 bytes, float16 D = 64: 16) and the second branch spilled more
+  // (float16 D = 64: 36); holding the quotient's constants beside kf, vf spilled 8 bytes.
   constexpr bool P2 = VALUE_FIRST && !QFP8;
   Fp8Scale ks{}, vs{}, qs{};
   float kr = 0.0f, vr = 0.0f;
+  Fp8Fast16 kf{}, vf{};
   Raw<V * OB> cv[E / V];  // the value's chunks converted to the cache's kind
   const auto converted = [&](const Raw<V * IB>& in, const Fp8Scale& sc) -> Raw<V * OB> {
     if constexpr (OUT == DT_COPY) {
@@ -135,15 +141,17 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
   const auto prepare_value = [&]() {
     coff = slot_offset(s, block_stride, page_stride, block_size, block_shift,
                        (static_cast<u64>(num_slots) >> 32) == 0) + h * head_stride;
-    if constexpr (FP8) {
-      ks = make_fp8_scale<true>(k_s);
-      vs = make_fp8_scale<true>(v_s);
-    }
     if constexpr (P2 && FP8) {
       kr = pow2_scale_reciprocal(k_s);
       vr = pow2_scale_reciprocal(v_s);
-      convert_fp8_chunks<IN, OUT, V>(v.c, vs, vr, cv);
+      kf = fp8_fast16_scale<IN>(k_s);
+      vf = fp8_fast16_scale<IN>(v_s);
+      convert_fp8_chunks<IN, OUT, V>(v.c, vr, vf, cv);
     } else {
+      if constexpr (FP8) {
+        ks = make_fp8_scale<true>(k_s);
+        vs = make_fp8_scale<true>(v_s);
+      }
 #pragma unroll
       for (int k = 0; k < E / V; ++k) cv[k] = converted(v.c[k], vs);
     }
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(CTA, MIN_BLOCKS) qk_norm_rope_cache_kernel(
       // A chunk at a time (a row's chunks held at once spilled under the large-call bound).
       const Raw<V * IB> in[1] = {out.c[k]};
       Raw<V * OB> ck[1];
-      convert_fp8_chunks<IN, OUT, V>(in, ks, kr, ck);
+      convert_fp8_chunks<IN, OUT, V>(in, kr, kf, ck);
       store_raw<V * OB>(key_cache + c, ck[0]);
     } else {
       store_raw<V * OB>(key_cache + c, converted(out.c[k], ks));

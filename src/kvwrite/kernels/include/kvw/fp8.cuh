@@ -141,8 +141,8 @@ struct Fp8Scale {
 #endif
 
 // The exact quotient's constants m, s2, y (see above). BRANCH_FREE: y by rcp_rn_s2.
-template <bool BRANCH_FREE = true>
-KVW_HD Fp8Scale fp8_exact_scale(float s) {
+// m and s2 of scale s, with y (RN(1 / s2)) given.
+KVW_HD Fp8Scale fp8_exact_scale_given_y(float s, float y) {
   const u32 sb = f32_bits(s);
   const u32 ab = sb & 0x7FFFFFFFu;
   const float a = bits_f32(ab);
@@ -156,9 +156,16 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
     r.s2 = 1.0f;
   }
   r.m = bits_f32(f32_bits(m) | (sb & 0x80000000u));
-  r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
+  r.y = y;
   r.bracket = r.lazy = false;
   r.r_lo = r.r_hi = 0.0f;
+  return r;
+}
+
+template <bool BRANCH_FREE = true>
+KVW_HD Fp8Scale fp8_exact_scale(float s) {
+  Fp8Scale r = fp8_exact_scale_given_y(s, 0.0f);
+  r.y = BRANCH_FREE ? rcp_rn_s2(r.s2) : div_rn(1.0f, r.s2);
   return r;
 }
 
@@ -255,6 +262,97 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
     const float q0 = fp8_quotient<STEPS>(x[i], sc), q1 = fp8_quotient<STEPS>(x1, sc);
 #endif
     out[i >> 2] |= fp8x2_from_f32<FMT>(q0, q1) << ((i & 2) * 8);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// 16-bit inputs under a scale in [2^-60, 2^60] (bfloat16) or [2^-60, 1] (float16): Q(x) by a
+// clamp of each pair and three float32 operations an element. With y = RN(1 / s): q0 = RN(x *
+// y), r = RN(s * q0 - x), q = RN(q0 - r * y) is RN(x / s): the identity fp8_quantize rests on
+// (one correction step is exact for 16-bit x, tests/test_fp8_division.py), taken at the scale
+// itself instead of at s2 = s * m, which changes every value by the power of two m only; the
+// residual's sign is flipped (RN is symmetric), which keeps the sign of zero: x = -0 gives q0 =
+// -0, r = +0, q = -0. Nothing under- or overflows where it matters: a quotient that can reach
+// an fp8 rounding boundary (>= 2^-18) has a residual that is 0 or at least ulp(s) * ulp(q0) >=
+// 2^-126 for s >= 2^-60, and every product stays below 2^18 after the clamp. The clamp (NaN
+// kept, as a canonical NaN: the rule does not fix a NaN's code) bounds |x| by c: bfloat16
+// 2^(E + 17) for s in [2^E, 2^(E+1)), where |x / s| > 2^16 saturates in both formats; float16
+// its largest finite value, which turns +-inf into +-65504, saturating for s <= 1 (and no
+// float16 product overflows). Host-testable (tests/test_fp8_division.py, every 16-bit input).
+// Other scales (negative, zero, tiny, huge, inf, NaN; float32 inputs) take fp8_quantize, whose
+// y the struct carries (c2 = 0), so a kernel holds one set of constants for either path.
+// ------------------------------------------------------------------------------------------
+struct Fp8Fast16 {
+  float s;  // the scale
+  float y;  // RN(1 / s) where c2 != 0, else the quotient's y = RN(1 / s2) (fp8_fast16_fallback)
+  u32 c2;   // the clamp bound c in both halves of a 16-bit pair; 0: s takes the quotient
+};
+
+template <int IN>
+KVW_HD Fp8Fast16 fp8_fast16_scale(float s) {
+  const Fp8Scale q = fp8_exact_scale<true>(s);
+  const u32 e = (f32_bits(s) >> 23) & 0xFFu;  // s in range: its biased exponent, 67 .. 187
+  const bool ok = IN != DT_F32 && s >= 0x1p-60f && s <= (IN == DT_BF16 ? 0x1p60f : 1.0f);
+  Fp8Fast16 f;
+  f.s = s;
+  f.y = ok ? mul_rn(q.y, q.m) : q.y;  // RN(1 / s2) * 2^(1 - E): RN(1 / s), exactly
+  f.c2 = !ok ? 0u : IN == DT_BF16 ? ((e + 17u) << 7) * 0x10001u : 0x7BFF7BFFu;
+  return f;
+}
+
+// The quotient's constants of a scale that takes it (f.c2 == 0): m and s2 again, y kept.
+KVW_HD Fp8Scale fp8_fast16_fallback(const Fp8Fast16& f) {
+  return fp8_exact_scale_given_y(f.s, f.y);
+}
+
+// A pair of 16-bit elements (IN) with each clamped to [-c, c] (NaN a canonical NaN).
+template <int IN>
+KVW_HD u32 fp8_fast16_clamp(u32 w, const Fp8Fast16& f) {
+#if !defined(KVWRITE_HOST_TEST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u32 r;
+  const u32 lo = f.c2 | 0x80008000u;  // -c in both halves
+  if constexpr (IN == DT_BF16) {
+    asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(f.c2));
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(lo));
+  } else {
+    asm("min.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(f.c2));
+    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(lo));
+  }
+  return r;
+#else
+  // By the bits: 16-bit floats order as sign-magnitude integers.
+  u32 r = 0;
+  const u32 c = f.c2 & 0x7FFFu, inf = IN == DT_BF16 ? 0x7F80u : 0x7C00u;
+  for (int h = 0; h < 2; ++h) {
+    u32 v = (w >> (16 * h)) & 0xFFFFu;
+    const u32 a = v & 0x7FFFu;
+    if (a > inf) v = 0x7FFFu;  // a NaN in both kinds
+    else if (a > c) v = (v & 0x8000u) | c;
+    r |= v << (16 * h);
+  }
+  return r;
+#endif
+}
+
+// Q of N clamped 16-bit elements as float32 (fp8_fast16_clamp, then exact conversions) into N
+// fp8 codes, byte i of `out` = Q(x[i]), under f (f.c2 != 0).
+template <int FMT, int N>
+KVW_HD void fp8_quantize_fast16(const float (&x)[N], u32 (&out)[(N + 3) / 4],
+                                const Fp8Fast16& f) {
+  static_assert(N == 1 || N % 2 == 0, "fp8 chunks hold 1 or an even number of elements");
+#pragma unroll
+  for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    float q[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float xk = i + k < N ? x[i + k] : 0.0f;
+      const float q0 = mul_rn(xk, f.y);
+      const float r = fma_rn(f.s, q0, -xk);
+      q[k] = fma_rn(-r, f.y, q0);
+    }
+    out[i >> 2] |= fp8x2_from_f32<FMT>(q[0], q[1]) << ((i & 2) * 8);
   }
 }
 

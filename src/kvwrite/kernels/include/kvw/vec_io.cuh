@@ -294,13 +294,30 @@ KVW_HD Raw<VEC * elem_bytes(OUT)> convert_chunk(const Raw<VEC * elem_bytes(IN)>&
   return out;
 }
 
-// N chunks converted to an fp8 kind OUT under scale sc, where r = pow2_scale_reciprocal(sc.s):
-// by fp8_quantize_pow2 (the quotient's codes by one product an element) where r is not 0 (a
-// power of two), else by convert_chunk's quotient. One test for the N chunks, so that each
-// branch is a straight run of conversions.
+// A chunk of VEC 16-bit elements (IN; float32: nothing) to fp8 codes of kind OUT by
+// fp8_quantize_fast16 under f (f.c2 != 0): each pair clamped, then converted exactly.
+template <int IN, int OUT, int VEC>
+KVW_HD void fp8_fast16_chunk(const Raw<VEC * elem_bytes(IN)>& in, u32 (&out)[(VEC + 3) / 4],
+                             const Fp8Fast16& f) {
+  if constexpr (IN != DT_F32) {
+    Raw<VEC * 2> c;
+#pragma unroll
+    for (int j = 0; j < (VEC * 2 + 3) / 4; ++j) c.w[j] = fp8_fast16_clamp<IN>(in.w[j], f);
+    float x[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(c, i);
+    fp8_quantize_fast16<OUT, VEC>(x, out, f);
+  }
+}
+
+// N chunks converted to an fp8 kind OUT under scale f.s (f = fp8_fast16_scale<IN>(s)), where r =
+// pow2_scale_reciprocal(s): by fp8_quantize_pow2 (the quotient's codes by one product an
+// element) where r is not 0 (a power of two), else by fp8_quantize_fast16 where f.c2 is not 0
+// (16-bit inputs in its scale range), else by convert_chunk's quotient (fp8_fast16_fallback's
+// constants). One test for the N chunks, so that each branch is a straight run of conversions.
 template <int IN, int OUT, int VEC, int N>
-KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], const Fp8Scale& sc,
-                               float r, Raw<VEC> (&out)[N]) {
+KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], float r,
+                               const Fp8Fast16& f, Raw<VEC> (&out)[N]) {
   static_assert(OUT == DT_E4M3 || OUT == DT_E5M2, "fp8 kinds only");
   if (r != 0.0f) {
 #pragma unroll
@@ -310,7 +327,11 @@ KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], const F
       for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in[k], i);
       fp8_quantize_pow2<OUT, VEC>(x, out[k].w, r);
     }
+  } else if (f.c2 != 0u) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) fp8_fast16_chunk<IN, OUT, VEC>(in[k], out[k].w, f);
   } else {
+    const Fp8Scale sc = fp8_fast16_fallback(f);
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
   }
