@@ -140,8 +140,7 @@ struct Fp8Scale {
 #define KVW_FP8_BRACKET 0
 #endif
 
-// The exact quotient's constants m, s2, y (see above). BRANCH_FREE: y by rcp_rn_s2.
-// m and s2 of scale s, with y (RN(1 / s2)) given.
+// The exact quotient's constants m and s2 of scale s (see above), with y = RN(1 / s2) given.
 KVW_HD Fp8Scale fp8_exact_scale_given_y(float s, float y) {
   const u32 sb = f32_bits(s);
   const u32 ab = sb & 0x7FFFFFFFu;
@@ -162,6 +161,7 @@ KVW_HD Fp8Scale fp8_exact_scale_given_y(float s, float y) {
   return r;
 }
 
+// The exact quotient's constants m, s2, y. BRANCH_FREE: y by rcp_rn_s2.
 template <bool BRANCH_FREE = true>
 KVW_HD Fp8Scale fp8_exact_scale(float s) {
   Fp8Scale r = fp8_exact_scale_given_y(s, 0.0f);
@@ -274,11 +274,11 @@ KVW_HD void fp8_quantize(const float (&x)[N], u32 (&out)[(N + 3) / 4],
 // residual's sign is flipped (RN is symmetric), which keeps the sign of zero: x = -0 gives q0 =
 // -0, r = +0, q = -0. Nothing under- or overflows where it matters: a quotient that can reach
 // an fp8 rounding boundary (>= 2^-18) has a residual that is 0 or at least ulp(s) * ulp(q0) >=
-// 2^-126 for s >= 2^-60, and every product stays below 2^18 after the clamp. The clamp (NaN
-// kept, as a canonical NaN: the rule does not fix a NaN's code) bounds |x| by c: bfloat16
-// 2^(E + 17) for s in [2^E, 2^(E+1)), where |x / s| > 2^16 saturates in both formats; float16
-// its largest finite value, which turns +-inf into +-65504, saturating for s <= 1 (and no
-// float16 product overflows). Host-testable (tests/test_fp8_division.py, every 16-bit input).
+// 2^-126 for s >= 2^-60, and no product overflows after the clamp. The clamp (NaN kept, as a
+// canonical NaN: the rule does not fix a NaN's code) bounds |x| by c: bfloat16 2^(E + 17) for
+// s in [2^E, 2^(E+1)), where |x / s| > 2^16 saturates in both formats (products below 2^18);
+// float16 its largest finite value, which turns +-inf into +-65504, saturating for s <= 1
+// (products below 2^77). Host-testable (tests/test_fp8_division.py, every 16-bit input).
 // Other scales (negative, zero, tiny, huge, inf, NaN; float32 inputs) take fp8_quantize, whose
 // y the struct carries (c2 = 0), so a kernel holds one set of constants for either path.
 // ------------------------------------------------------------------------------------------
