@@ -351,14 +351,14 @@ __global__ void __launch_bounds__(1024) transfer_copy_rows_kernel(
 // ALIGN 4), all U groups' loads issued before their arithmetic.
 //
 // fp8 quantizes 16-bit caches through kvw/fp8.cuh's fp8_quantize_fast16 where sigma is in its
-// range (three operations an element; H200, Llama-3-8B, 128 blocks: 108.3 -> 103.9 us,
+// range (three operations an element; H200, Llama-3-8B, 128 blocks: 108.2 -> 104.5 us,
 // tuning-log 112), else (float32 caches, other scales) through fp8_quantize's exact quotient, in
-// every variant (the scale's constants once an item). The bracket (two products an element, the
-// quotient only for a unit holding an element near an fp8 rounding boundary) was faster for
-// scales whose quotients never meet a boundary and 1.3x slower where they do (s = 0.01, 2^-7: a
-// power-of-two bfloat16 element lands on a midpoint, and the warp runs both paths): tuning-log
-// 108. nvfp4 through
-// kvw/nvfp4.cuh's nvfp4_part_rule (the nvfp4 write's fast pack: no clamp where there is no NaN
+// every variant (fp8_fast16_scale's constants once an item; the quotient's m and s2 again a
+// unit from them). The bracket (two products an element, the quotient only for a unit holding
+// an element near an fp8 rounding boundary) was faster for scales whose quotients never meet a
+// boundary and 1.3x slower where they do (s = 0.01, 2^-7: a power-of-two bfloat16 element lands
+// on a midpoint, and the warp runs both paths): tuning-log 108. nvfp4 through kvw/nvfp4.cuh's
+// nvfp4_part_rule (the nvfp4 write's fast pack: no clamp where there is no NaN
 // and no product of 7 or more, else the general pack), the same bytes as nvfp4_group.
 // ------------------------------------------------------------------------------------------
 

@@ -606,7 +606,7 @@ def _gpu_fused_matrix() -> list[QkNormCase]:
                                 fp8_scales="pow2", special=special, padding_slots=2,
                                 num_blocks=260 if t > 1000 else 4, max_position=8192,
                                 alloc=KVAlloc.PACKED))
-    # fp8_quantize_fast16's scales (the large-call build: 16-bit rows, 2^-60 <= s <= 1) beside
+    # fp8_quantize_fast16's scales (the large-call build: 16-bit rows, FAST16_SCALES) beside
     # scales just outside, per head and per tensor, both fp8 kinds and 16-bit dtypes, the
     # special rows (NaN, ±inf and past every clamp), small calls (the small-call build, its
     # quotient) and large ones.
