@@ -151,6 +151,9 @@ OWN_BAD = {
         (["--dtype", "bogus"], "--dtype"), (["--kv-cache-dtype", "bogus"], "--kv-cache-dtype"),
         (["--slots", "bogus"], "--slots"), (["--pad-fraction", "2"], "--pad-fraction"),
         (["--layouts", "NHD,,HND"], "--layouts"), (["--per-head-scale"], "--per-head-scale"),
+        (["--fp8-scales", "1,1"], "--fp8-scales"),
+        (["--kv-cache-dtype", "fp8", "--fp8-scales", "1"], "--fp8-scales"),
+        (["--kv-cache-dtype", "fp8", "--fp8-scales", "1,x"], "--fp8-scales"),
         (["--num-tokens", "2048"], "--num-blocks"),
         (["--slots", "decode", "--num-tokens", "128"], "--num-blocks")],
     "rope": [
@@ -548,6 +551,31 @@ def test_qk_norm_rope_fp8_scales_are_a_param_where_asked_for(tmp_path):
         rows = json.loads(out.read_text())["rows"]
         assert {r["kv_cache_dtype"]: r.get("fp8_scales") for r in rows} == {
             "fp8_e4m3": want, "auto": None}, rows
+
+
+def test_write_fp8_scales_set_the_inputs_scales_and_are_a_param(tmp_path):
+    """The write benchmark's --fp8-scales K,V: every k_scale K and every v_scale V (per tensor, or
+    each head's), a param of the rows; without it amax / 64 (vLLM's recipe) and no such param, so
+    the committed rows keep their identity."""
+    bench = _bench("reshape_and_cache_flash")
+    base = [*TINY["reshape_and_cache_flash"], "--kv-cache-dtype", "fp8", "--iters", "2",
+            "--time-budget", "0.01"]
+    for extra, want in (([], None), (["--fp8-scales", "1,0.5"], [1.0, 0.5]),
+                        (["--fp8-scales", "2,0.25", "--per-head-scale"], [2.0, 0.25])):
+        out = tmp_path / f"{len(extra)}.json"
+        assert main(base + extra + ["--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert rows and all(r.get("fp8_scales") == want for r in rows), rows
+        _, _, points, _ = engine.configure(bench, base + extra, "kvwrite-bench")
+        point = points[0]
+        _, _, sets = bench.prepare(point, 2, torch.device("cpu"))
+        heads = point.case.num_heads if "--per-head-scale" in extra else 1
+        for s in sets:
+            assert s.k_scale.numel() == heads and s.v_scale.numel() == heads
+            if want is None:
+                assert torch.equal(s.k_scale, (s.key.amax() / 64).float().reshape(s.k_scale.shape))
+            else:
+                assert (s.k_scale == want[0]).all() and (s.v_scale == want[1]).all()
 
 
 @pytest.mark.parametrize("argv", [["--implementation", "all"], ["rope"], []])

@@ -111,7 +111,8 @@ def point_caches(shape: Case) -> tuple[torch.Tensor, torch.Tensor]:
 def point_sets(shape: Case, num_tokens: int, count: int = 1,
                scale: float | None = None) -> list[InputSet]:
     """``count`` input sets (set i = slot set i of the benchmark's recipe) on the GPU."""
-    return make_input_sets(shape, num_tokens, count, torch.device("cuda"), scale=scale)
+    return make_input_sets(shape, num_tokens, count, torch.device("cuda"),
+                           scales=None if scale is None else (scale, scale))
 
 
 # --------------------------------------------------------------------------------------------

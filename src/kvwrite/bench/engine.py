@@ -355,6 +355,15 @@ def positive(flag: str, value, *, zero: bool = False) -> None:
         raise ValueError(f"{flag}: expected {what} number, got {value}")
 
 
+def parse_fp8_scales(text: str, flag: str = "--fp8-scales") -> tuple[float, float]:
+    """``K,V`` (an fp8 cache's k_scale and v_scale) as two floats; ValueError naming ``flag``."""
+    try:
+        k, v = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected K,V (two numbers), got {text!r}") from None
+    return k, v
+
+
 def require_positive(args: argparse.Namespace, dests: Sequence[str]) -> None:
     """Raise ValueError naming the flag of the first of ``dests`` whose value is below 1."""
     for dest in dests:

@@ -125,12 +125,13 @@ def slot_sets(pattern, num_tokens: int, num_blocks: int, block_size: int, count:
 
 
 def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.device,
-                    scale: float | None = None) -> list[InputSet]:
+                    scales: tuple[float, float] | None = None) -> list[InputSet]:
     """``count`` input sets of ``num_tokens`` tokens with ``case.slots``'s slot pattern; with the
     default pattern (random, no padding) set 0 is vLLM's benchmark input. Raises ValueError where
     the pattern does not fit the cache.
 
-    ``scale``: every fp8 scale (per tensor, or each head's) is this value instead of amax / 64."""
+    ``scales`` (k, v): every fp8 k_scale (per tensor, or each head's) is k and every v_scale v,
+    instead of amax / 64."""
     if num_tokens > case.num_slots:
         raise ValueError(
             f"num_tokens: expected at most num_blocks * block_size = {case.num_slots}, got {num_tokens}"
@@ -143,10 +144,10 @@ def make_input_sets(case: Case, num_tokens: int, count: int, device: torch.devic
         value = torch.randn_like(key)
         batch = make_slots(case.slots, num_tokens, case.num_blocks, case.block_size, set_index=i)
         slots = torch.from_numpy(batch.slots).to(device=device, dtype=case.slot_dtype)
-        if scale is not None:
-            k_scale = torch.full((case.num_heads,) if case.per_head_scale else (), scale,
-                                 dtype=torch.float32, device=device)
-            v_scale = k_scale.clone()
+        if scales is not None:
+            shape = (case.num_heads,) if case.per_head_scale else ()
+            k_scale, v_scale = (torch.full(shape, s, dtype=torch.float32, device=device)
+                                for s in scales)
         elif case.per_head_scale:
             k_scale = (key.amax(dim=(0, 2)) / 64.0).to(torch.float32)
             v_scale = (value.amax(dim=(0, 2)) / 64.0).to(torch.float32)

@@ -188,12 +188,7 @@ class QkNormRopeBench(OpBench):
                                   convert=parse_kv_cache_dtype)
         args.layout_list = parse_layout_names(args.layouts, "--layouts")
         args.pattern = slot_pattern(args, None if args.slots == "random" else args.max_position)
-        try:
-            k_s, v_s = (float(x) for x in args.fp8_scales.split(","))
-        except ValueError:
-            raise ValueError(f"--fp8-scales: expected K,V (two numbers), got "
-                             f"{args.fp8_scales!r}") from None
-        args.fp8_scale_pair = (k_s, v_s)
+        args.fp8_scale_pair = engine.parse_fp8_scales(args.fp8_scales)
 
     def points(self, args) -> list:
         return [Point(args.dtype_t, kv, hq, h, d, wo, layout, args.cos_sin_t, t,

@@ -3,9 +3,9 @@ benchmark_reshape_and_cache_flash.py (its flags, defaults, sweep and table) plus
 
 Points: layouts (NHD then HND by default) x num_tokens (2^1 .. 2^16). Each point follows vLLM's
 recipe (:mod:`kvwrite.bench.workload`: RNGs seeded with 42, random key/value, unique random
-slots, random caches, ``k_scale = key.amax() / 64``); the check before timing is
-:func:`kvwrite.bench.check.check_point` (every written row byte for byte, and whole blocks around
-them for stray writes). Bytes per call: ``2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes``
+slots, random caches, ``k_scale = key.amax() / 64``, or the values of ``--fp8-scales K,V``); the
+check before timing is :func:`kvwrite.bench.check.check_point` (every written row byte for byte,
+and whole blocks around them for stray writes). Bytes per call: ``2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes``
 (N = T less the padding). :func:`run_benchmark` is vLLM's function with its signature and method.
 """
 
@@ -44,6 +44,7 @@ class Point:
     case: Case          # the shape, dtypes, layout and slots (num_tokens set per point)
     model: str = ""
     tp: int = 1
+    fp8_scales: tuple[float, float] | None = None  # (k, v); None: amax / 64 (vLLM's recipe)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +94,11 @@ class ReshapeAndCacheFlashBench(OpBench):
                                "or all (default: NHD,HND, vLLM's sweep)")
         more.add_argument("--per-head-scale", action="store_true",
                           help="fp8: one scale per head (its amax over tokens and dims / 64)")
+        more.add_argument("--fp8-scales", default=None,
+                          help="K,V: every fp8 k_scale is K and every v_scale V (per tensor, or "
+                               "each head's with --per-head-scale), e.g. 1,1, vLLM's scales when "
+                               "none are calibrated (default: amax / 64, vLLM's benchmark; "
+                               "given, the values are a param of the rows)")
 
     def configure(self, args, device) -> None:
         if device.type == "cpu" and args.model and "num_heads" not in args.explicit:
@@ -103,9 +109,13 @@ class ReshapeAndCacheFlashBench(OpBench):
         engine.require_positive(args, ("num_heads", "num_blocks"))
         args.num_heads = heads_per_rank(args.num_heads, args.tp)
         args.layout_list = parse_layout_names(args.layouts, "--layouts")
-        if args.per_head_scale and not args.kv_cache_dtype.startswith("fp8"):
-            raise ValueError(f"--per-head-scale: scales an fp8 cache, and --kv-cache-dtype is "
-                             f"{args.kv_cache_dtype}")
+        for flag, given in (("--per-head-scale", args.per_head_scale),
+                            ("--fp8-scales", args.fp8_scales is not None)):
+            if given and not args.kv_cache_dtype.startswith("fp8"):
+                raise ValueError(f"{flag}: scales an fp8 cache, and --kv-cache-dtype is "
+                                 f"{args.kv_cache_dtype}")
+        args.fp8_scale_pair = (None if args.fp8_scales is None
+                               else engine.parse_fp8_scales(args.fp8_scales))
         args.pattern = slot_pattern(args, args.max_position)
         if args.model and "num_blocks" not in args.explicit:
             args.num_blocks = model_cache_blocks(args)
@@ -116,7 +126,7 @@ class ReshapeAndCacheFlashBench(OpBench):
                                         num_blocks=args.num_blocks, dtype=DTYPES[args.dtype],
                                         kv_cache_dtype=args.kv_cache_dtype,
                                         per_head_scale=args.per_head_scale, slots=args.pattern),
-                      args.model or "", args.tp)
+                      args.model or "", args.tp, args.fp8_scale_pair)
                 for layout in args.layout_list for t in args.token_counts]
 
     def params(self, p: Point) -> dict:
@@ -125,13 +135,17 @@ class ReshapeAndCacheFlashBench(OpBench):
                     kv_cache_dtype=c.kv_cache_dtype, num_heads=c.num_heads,
                     head_size=c.head_size, block_size=c.block_size, num_blocks=c.num_blocks,
                     per_head_scale=c.per_head_scale, model=p.model, tp=p.tp,
-                    **engine.slot_params(c.slots))
+                    **engine.slot_params(c.slots),
+                    # Only where asked for: the committed rows (amax / 64) keep their identity.
+                    **({"fp8_scales": list(p.fp8_scales)} if p.fp8_scales is not None else {}))
 
     def header(self, args, points) -> list[str]:
         c = points[0].case
         model = (f" ({args.model}, tp={args.tp})" if args.model
                  else (f" (tp={args.tp})" if args.tp > 1 else ""))
         scale = ", per-head scales" if c.per_head_scale and c.cache_dtype.is_fp8 else ""
+        if points[0].fp8_scales is not None:
+            scale += ", fp8 scales k={} v={}".format(*points[0].fp8_scales)
         return [f"shape: num_heads={c.num_heads}{model} head_size={c.head_size} "
                 f"block_size={c.block_size} num_blocks={c.num_blocks} "
                 f"dtype={str(c.dtype).removeprefix('torch.')} "
@@ -181,7 +195,7 @@ class ReshapeAndCacheFlashBench(OpBench):
         caches = self._caches[1]
         fill_caches(*caches, c)
         with engine.skip_unless_fits():
-            sets = make_input_sets(c, c.num_tokens, count, device)
+            sets = make_input_sets(c, c.num_tokens, count, device, p.fp8_scales)
         s0 = sets[0]
         validate(s0.key, s0.value, *caches, s0.slot_mapping, c.kv_cache_dtype, s0.k_scale,
                  s0.v_scale)
