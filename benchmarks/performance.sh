@@ -73,6 +73,9 @@ run 01_write-auto --layouts all --num-tokens 2,32,1024,16384,65536
 run 01_write-fp8 --layouts all --num-tokens 2,32,1024,16384,65536 --kv-cache-dtype fp8
 run 01_write-h8 --num-heads 8 --layouts all --num-tokens 2,32,1024,16384,65536 \
     --kv-cache-dtype fp8
+# vLLM's scales where none are calibrated (1.0): a power of two, every fp8 midpoint exact
+run 01_write-unit --num-heads 8 --layouts NHD,packed --num-tokens 2,32,1024,2048,4096,16384,65536 \
+    --kv-cache-dtype fp8 --fp8-scales 1,1
 run 02_rope rope --layouts NHD --dtypes bfloat16 --kv-cache-dtypes auto,fp8_e4m3 --num-tokens 1,16,1024,4096,16384
 run 03_mla-auto mla --num-tokens 1,16,1024,4096,16384,65536
 run 03_mla-fp8 mla --kv-cache-dtype fp8 --num-tokens 1,16,1024,4096,16384,65536

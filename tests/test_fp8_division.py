@@ -203,6 +203,16 @@ __global__ void kvw_test_quantize(const float* x, const float* s, unsigned char*
   fp8_quantize<FMT, 8, STEPS>(v, w, make_fp8_scale<true, BRACKET>(s[i / per_scale]));
   for (int k = 0; k < 8; ++k) out[i + k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
 }
+// The bracket's constants of each scale: r_lo, r_hi and whether the bracket is tried.
+__global__ void kvw_test_bracket_constants(const float* s, float* lo, float* hi,
+                                           unsigned char* tried, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const Fp8Scale sc = make_fp8_scale<true, true>(s[i]);
+  lo[i] = sc.r_lo;
+  hi[i] = sc.r_hi;
+  tried[i] = sc.bracket;
+}
 """
 
 
@@ -241,14 +251,17 @@ def _near_rounding_boundaries(fp8: torch.dtype, s: float) -> torch.Tensor:
 @pytest.mark.parametrize("kv", list(FP8))
 def test_cuda_fp8_bracket_against_the_reference(kv):
     """fp8_quantize with the bracket (make_fp8_scale<..., true>) and without it, against the
-    reference: every bfloat16 value under scales inside the bracket's range (s = 1 and 0.5: every
-    fp8 midpoint is exact and must take the quotient) and outside it, and float32 values within
-    6 ulp of every fp8 rounding boundary. The same sweep fails for a bracket with no margin."""
+    reference: every bfloat16 value under scales inside the bracket's range and outside it, and
+    float32 values within 6 ulp of every fp8 rounding boundary. The same sweep fails for a
+    bracket with no margin. Powers of two (1, 0.5, 0.25, 2^-126 and 2^126 among them: every fp8
+    midpoint is an exact quotient under them) have a bracket of no width (its constants:
+    test_cuda_fp8_bracket_of_powers_of_two), so their codes are its product's alone."""
     fmt = 3 if kv == "fp8_e4m3" else 4  # DT_E4M3, DT_E5M2
     fp8 = FP8[kv]
     fmax = torch.finfo(fp8).max
     scales = torch.tensor([1.0, 0.5, 0.37, 96.0, 3.0, 1.0 / 3, 7.3e5, 1e-3, 2.0**-100, 2.0**100,
-                           1e-38, 2.0**125, -0.37])
+                           1e-38, 2.0**125, -0.37, 0.25, 2.0**-126, 2.0**126, 2.0**127,
+                           2.0**-127, -1.0])
 
     def want(x: torch.Tensor, ss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.cat([x / s for s in ss])
@@ -269,6 +282,39 @@ def test_cuda_fp8_bracket_against_the_reference(kv):
         assert differing(got, ref32) == 0, f"bracket={bracket}, near the boundaries"
     narrow = _cuda_quantize(near, near_s, fmt, True, 2, (("KVWRITE_FP8_BRACKET_MARGIN", "0.0f"),))
     assert differing(narrow, ref32) > 0
+
+
+@gpu
+def test_cuda_fp8_bracket_of_powers_of_two():
+    """make_fp8_scale<..., true>: for every power of two 2^-126 .. 2^126, r_lo = r_hi = 1 / s
+    exactly and the bracket is tried (so it never falls back to the quotient); for every other
+    scale tried (their neighbours, negative powers) |r_lo| < |r_hi|, and no scale outside
+    2^-100 .. 2^100 but those powers is tried (2^127, subnormal ones, zero, inf)."""
+    dev = torch.cuda.current_device()
+    arch, _ = nvrtc.device_arch(dev)
+    name = "kvw_test_bracket_constants"
+    obj, _ = cuda_impl.SOURCE.compile(arch, name, source=_QUANTIZE_KERNEL_SRC)
+    cc = nvrtc.cuda_core()
+    cc.Device(dev).set_current()
+    pow2 = torch.exp2(torch.arange(-126, 127, dtype=torch.float64)).float()
+    bits = pow2.view(torch.int32)
+    others = torch.cat([(bits + 1).view(torch.float32), (bits - 1).view(torch.float32)[1:],
+                        -pow2, torch.tensor([2.0**127, 2.0**-127, 2.0**-149, 0.37, 3.0,
+                                             1.0 / 3, 0.0, float("inf")])])
+    s = torch.cat([pow2, others]).cuda()
+    lo, hi = torch.empty_like(s), torch.empty_like(s)
+    tried = torch.empty(s.numel(), dtype=torch.uint8, device="cuda")
+    config = cc.LaunchConfig(grid=(-(-s.numel() // 256), 1, 1), block=(256, 1, 1))
+    cc.launch(nvrtc.current_stream(dev), config, obj.get_kernel(name), s.data_ptr(),
+              lo.data_ptr(), hi.data_ptr(), tried.data_ptr(), s.numel())
+    torch.cuda.synchronize()
+    n = pow2.numel()
+    exact = (1.0 / pow2.double()).float().cuda()
+    assert torch.equal(lo[:n], exact) and torch.equal(hi[:n], exact)
+    assert bool(tried[:n].all())
+    inside = (s[n:].abs() >= 2.0**-100) & (s[n:].abs() <= 2.0**100)
+    assert torch.equal(tried[n:].bool(), inside)
+    assert bool((lo[n:][inside].abs() < hi[n:][inside].abs()).all())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,55 @@ KVW_HD float rcp_rn_s2(float b) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Power-of-two scales (vLLM's "ue8m0" scales: DeepSeek's indexer, fp8_ds_mla's "pow2" rule):
+// the smallest power of two >= s for a positive float32 s, from the bits as DeepSeek's
+// fast_log2_ceil does: s itself when its 23 mantissa bits are zero (a power of two, and +inf),
+// else 2^(e+1) for s in (2^e, 2^(e+1)) (a carry past 2^127 gives +inf; a subnormal s gives
+// 2^-126, which the callers' floors never reach). exp2f(ceilf(log2f(s)))
+// is not this: it can return 2^e for s a few ulps above 2^e. Host-testable. The PyTorch and
+// Triton twins: kvwrite.dtypes.ue8m0_round_up, kvwrite.kernels.triton_fp8.ue8m0_round_up.
+// ------------------------------------------------------------------------------------------
+KVW_HD float ue8m0_round_up(float s) {
+  u32 b = f32_bits(s);
+  if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x00800000u;
+  return bits_f32(b);
+}
+
+// The exact reciprocal of a power-of-two scale s = 2^k, |k| <= 126 (ue8m0_round_up's results
+// above the callers' 1e-4 floors and below 2^127), or 0 for s = +inf. Then RN(x * r) is RN(x / s)
+// for every x: both are x * 2^-k rounded once (subnormal results included), and for s = +inf
+// x * 0 gives x / inf's ±0 (finite x) and NaN (infinite or NaN x). Host-testable.
+KVW_HD float pow2_reciprocal(float s) {
+  const u32 e = f32_bits(s) >> 23;  // s > 0: the biased exponent
+  return e >= 255u ? 0.0f : bits_f32((254u - e) << 23);
+}
+
+// The exact reciprocal of a scale s where s is a positive power of two whose reciprocal is a
+// normal float, 2^-126 <= s <= 2^126; else 0: a scale the caller quantizes by the quotient
+// (fp8_quantize). Decides, for a scale read at run time (vLLM's default 1.0), whether
+// fp8_quantize_pow2's one product an element gives the quotient's codes. Host-testable.
+KVW_HD float pow2_scale_reciprocal(float s) {
+  const u32 b = f32_bits(s);
+  const u32 e = b >> 23;  // with the sign bit: a negative s gives e >= 256
+  return (b & 0x7FFFFFu) == 0u && e >= 1u && e <= 253u ? pow2_reciprocal(s) : 0.0f;
+}
+
+// fp8_quantize for a power-of-two scale: Q(x) = fp8(RN(x * r)), r = pow2_reciprocal(s), the
+// same codes as fp8_quantize's exact quotient at one multiplication an element (measured on an
+// H200: fp8_ds_mla's "pow2" rule took 8.97 us against 7.23 for "amax" at T = 16384, hot, through
+// the quotient; tuning-log 67).
+template <int FMT, int N>
+KVW_HD void fp8_quantize_pow2(const float (&x)[N], u32 (&out)[(N + 3) / 4], float r) {
+#pragma unroll
+  for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
+    out[i >> 2] |= fp8x2_from_f32<FMT>(mul_rn(x[i], r), mul_rn(x1, r)) << ((i & 2) * 8);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // fp8 quantization Q(x) = fp8(RN_f32(x / s)), saturated (the fp8 rule), bit for bit, without a
 // division per element.
 //
@@ -115,10 +164,19 @@ KVW_HD float rcp_rn_s2(float b) {
 // involved is below 2^-125 and converts to the signed zero of x; where it overflows, RZ gives
 // ±FLT_MAX, which saturates as x / s does; NaN converts to NaN either way. So two products and
 // two conversions per element decide Q(x) unless an fp8 rounding boundary lies within about
-// 2^-20 of x / s (about one element in 10^5 for random data; every exact midpoint, e.g. s = 1
-// and x halfway between two fp8 values), and only a thread holding such an element computes
+// 2^-20 of x / s (about one element in 10^5 for random data; every exact midpoint, which a power
+// of two as s makes common: see below), and only a thread holding such an element computes
 // the exact constants and the quotient above. The GPU tests check every 16-bit input under
 // per-tensor and per-head scales (tests/test_cuda.py, test_mla.py, test_rope.py).
+//
+// A power of two s in [2^-126, 2^126] (pow2_scale_reciprocal; outside 2^-100 .. 2^100 too)
+// takes the bracket with r_lo = r_hi = 1 / s, exact: then lo = hi = x / s, which is RN(x / s)
+// itself wherever it is a normal float; below the normal range both convert to the signed zero
+// of x, past FLT_MAX both saturate, as x / s does. So the bracket holds at every element and
+// never falls back. Under such a scale every fp8 midpoint a 16-bit x can reach is an exact
+// quotient (at s = 1, vLLM's default, one bfloat16 value in 16 is an e4m3 midpoint): with the
+// margins, ~40% of the 8-element chunks took the quotient (H200, H = 8, T = 2048, hot L2: 4.43
+// -> 2.77 us; tuning-log change 113).
 // ------------------------------------------------------------------------------------------
 struct Fp8Scale {
   float s;   // the scale itself (for the exact-division build)
@@ -177,7 +235,8 @@ KVW_HD Fp8Scale fp8_exact_scale(float s) {
 
 // What fp8_quantize needs of scale s. BRACKET (in bracket builds): the bracket's reciprocals
 // only, from the hardware approximation of 1/s (within 1 ulp, so 2^-23 relative, inside the
-// 2^-20 margins: |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|); a thread computes the exact
+// 2^-20 margins: |r_lo| < 1/|s| and |RZ(x * r_hi)| > |x / s|; none for a power of two, see
+// "The bracket"); a thread computes the exact
 // constants only where an element needs the quotient. Otherwise the exact constants, and
 // fp8_quantize compiles to the quotient alone. Measured (H200, docs/tuning-log.md change 33):
 // the bracket pays in the reshape kernel's 16- and 32-byte chunks (H=128 T=64 2.77 -> 2.36 us)
@@ -190,12 +249,14 @@ KVW_HD Fp8Scale make_fp8_scale(float s) {
   Fp8Scale r;
   r.s = s;
   const u32 ab = f32_bits(s) & 0x7FFFFFFFu;
-  r.bracket = ab >= 0x0D800000u && ab <= 0x71800000u;  // 2^-100 <= |s| <= 2^100
+  const float p2r = pow2_scale_reciprocal(s);  // 1 / s for a power of two, else 0
+  // 2^-100 <= |s| <= 2^100, or a power of two
+  r.bracket = (ab >= 0x0D800000u && ab <= 0x71800000u) || p2r != 0.0f;
   r.lazy = true;
   float rcp;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"(s));
-  r.r_lo = mul_rn(rcp, 1.0f - KVWRITE_FP8_BRACKET_MARGIN);
-  r.r_hi = mul_rn(rcp, 1.0f + KVWRITE_FP8_BRACKET_MARGIN);
+  r.r_lo = p2r != 0.0f ? p2r : mul_rn(rcp, 1.0f - KVWRITE_FP8_BRACKET_MARGIN);
+  r.r_hi = p2r != 0.0f ? p2r : mul_rn(rcp, 1.0f + KVWRITE_FP8_BRACKET_MARGIN);
   r.m = r.s2 = r.y = 0.0f;
   return r;
 #else
@@ -353,54 +414,5 @@ KVW_HD void fp8_quantize_fast16(const float (&x)[N], u32 (&out)[(N + 3) / 4],
       q[k] = fma_rn(-r, f.y, q0);
     }
     out[i >> 2] |= fp8x2_from_f32<FMT>(q[0], q[1]) << ((i & 2) * 8);
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-// Power-of-two scales (vLLM's "ue8m0" scales: DeepSeek's indexer, fp8_ds_mla's "pow2" rule):
-// the smallest power of two >= s for a positive float32 s, from the bits as DeepSeek's
-// fast_log2_ceil does: s itself when its 23 mantissa bits are zero (a power of two, and +inf),
-// else 2^(e+1) for s in (2^e, 2^(e+1)) (a carry past 2^127 gives +inf; a subnormal s gives
-// 2^-126, which the callers' floors never reach). exp2f(ceilf(log2f(s)))
-// is not this: it can return 2^e for s a few ulps above 2^e. Host-testable. The PyTorch and
-// Triton twins: kvwrite.dtypes.ue8m0_round_up, kvwrite.kernels.triton_fp8.ue8m0_round_up.
-// ------------------------------------------------------------------------------------------
-KVW_HD float ue8m0_round_up(float s) {
-  u32 b = f32_bits(s);
-  if (b & 0x7FFFFFu) b = (b & 0xFF800000u) + 0x00800000u;
-  return bits_f32(b);
-}
-
-// The exact reciprocal of a power-of-two scale s = 2^k, |k| <= 126 (ue8m0_round_up's results
-// above the callers' 1e-4 floors and below 2^127), or 0 for s = +inf. Then RN(x * r) is RN(x / s)
-// for every x: both are x * 2^-k rounded once (subnormal results included), and for s = +inf
-// x * 0 gives x / inf's ±0 (finite x) and NaN (infinite or NaN x). Host-testable.
-KVW_HD float pow2_reciprocal(float s) {
-  const u32 e = f32_bits(s) >> 23;  // s > 0: the biased exponent
-  return e >= 255u ? 0.0f : bits_f32((254u - e) << 23);
-}
-
-// The exact reciprocal of a scale s where s is a positive power of two whose reciprocal is a
-// normal float, 2^-126 <= s <= 2^126; else 0: a scale the caller quantizes by the quotient
-// (fp8_quantize). Decides, for a scale read at run time (vLLM's default 1.0), whether
-// fp8_quantize_pow2's one product an element gives the quotient's codes. Host-testable.
-KVW_HD float pow2_scale_reciprocal(float s) {
-  const u32 b = f32_bits(s);
-  const u32 e = b >> 23;  // with the sign bit: a negative s gives e >= 256
-  return (b & 0x7FFFFFu) == 0u && e >= 1u && e <= 253u ? pow2_reciprocal(s) : 0.0f;
-}
-
-// fp8_quantize for a power-of-two scale: Q(x) = fp8(RN(x * r)), r = pow2_reciprocal(s), the
-// same codes as fp8_quantize's exact quotient at one multiplication an element (measured on an
-// H200: fp8_ds_mla's "pow2" rule took 8.97 us against 7.23 for "amax" at T = 16384, hot, through
-// the quotient; tuning-log 67).
-template <int FMT, int N>
-KVW_HD void fp8_quantize_pow2(const float (&x)[N], u32 (&out)[(N + 3) / 4], float r) {
-#pragma unroll
-  for (int j = 0; j < (N + 3) / 4; ++j) out[j] = 0;
-#pragma unroll
-  for (int i = 0; i < N; i += 2) {
-    const float x1 = i + 1 < N ? x[i + 1] : 0.0f;
-    out[i >> 2] |= fp8x2_from_f32<FMT>(mul_rn(x[i], r), mul_rn(x1, r)) << ((i & 2) * 8);
   }
 }
