@@ -1016,7 +1016,7 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
                       KPS=128 if kb == 8 else 16 * kb + 2, BF16_BITS=in_ty == "*i16")
         text = ptx(tq._tq_kernel, types, consts)
         out[f"{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
-                                   text.count("sqrt.rn.f32")]
+                                   text.count("sqrt.rn.f32"), text.count("add.rm.f32")]
     for in_ty in ("*fp16", "*i16", "*fp32"):  # the rows kernel
         types = {"key_ptr": in_ty, "value_ptr": in_ty, "cache_ptr": "*u8",
                  "slot_mapping_ptr": "*i64", "pit_ptr": "*fp32", "mid_ptr": "*fp32",
@@ -1026,10 +1026,11 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
             types[n] = "i32"
         consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, BLOCK_J=8, NUM_FLAGS=8,
                       KB=kb, VB=vb, KPS=128 if kb == 8 else 16 * kb + 2,
-                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8, BUTTERFLY=kb != 8)
+                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8, BUTTERFLY=kb != 8,
+                      COMPILED=True)
         text = ptx(tq._tq_rows_kernel, types, consts)
         out[f"rows{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
-                                       text.count("sqrt.rn.f32")]
+                                       text.count("sqrt.rn.f32"), text.count("add.rm.f32")]
 print(json.dumps(out))
 """
 
@@ -1040,11 +1041,13 @@ def test_triton_kernel_compiles_for_sm90_without_fma():
     needs it."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
     assert len(out) == 24
-    for name, (fma, div, sqrt) in out.items():
+    for name, (fma, div, sqrt, add_rm) in out.items():
         k8v4 = name.startswith(("8", "rows8"))
-        # The rows kernel's value codes take one explicit FMA an element (tl.fma); nothing else
+        # The rows kernel's value codes take two explicit FMAs an element (tl.fma: the
+        # quotient's corrections) and two sums rounded toward -inf (the code); nothing else
         # contracts.
-        assert (fma > 0) == name.startswith("rows") and div > 0, (name, out)
+        rows = name.startswith("rows")
+        assert (fma > 0) == rows and (add_rm > 0) == rows and div > 0, (name, out)
         assert (sqrt > 0) != k8v4, (name, out)  # one a row (BLOCK_R rows: replicated)
 
 

@@ -190,22 +190,35 @@ KVW_HD float tq_rotate_one(const float* u, const float* pit, i64 s0, i64 s1, u32
   return stk[top];
 }
 
-// The E codes c (each below 2^B) as a field of E*B/8 bytes in 32-bit words (little endian).
+// The E codes c (each below 2^B) as a field of E*B/8 bytes in 32-bit words (little endian), from
+// t[e] = BIAS + c[e] (BIAS 0, or 0x4B000000: floor_bits' 2^23 + c, taken off here). Groups of G =
+// min(E, 8) codes (G*B <= 32 bits) by Horner's scheme mod 2^32, acc = acc * 2^B + t[e] from the
+// group's last code down, one multiply-add a code: the group's value is sum t[e] 2^(B e) = sum
+// c[e] 2^(B e) + BIAS * sum 2^(B e), and the codes' sum is below 2^(G B), so subtracting the
+// constant mod 2^32 leaves it exactly. The groups are then placed at bit G*B*g of the field.
 template <int B, int E>
 struct TqField {
   static constexpr int NB = E * B / 8;
   u32 w[(NB + 3) / 4];
 };
-template <int B, int E>
-KVW_HD TqField<B, E> tq_pack(const u32 (&c)[E]) {
+template <int B, int E, u32 BIAS = 0>
+KVW_HD TqField<B, E> tq_pack(const u32 (&t)[E]) {
+  constexpr int G = E < 8 ? E : 8;
+  u32 bias_sum = 0;  // BIAS * sum over e < G of 2^(B e), mod 2^32 (folded by the compiler)
+#pragma unroll
+  for (int e = 0; e < G; ++e) bias_sum += BIAS << (B * e);  // B * e <= 28
   TqField<B, E> f;
 #pragma unroll
   for (int k = 0; k < (TqField<B, E>::NB + 3) / 4; ++k) f.w[k] = 0;
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int bit = B * e;
-    f.w[bit / 32] |= c[e] << (bit % 32);
-    if (bit % 32 + B > 32) f.w[bit / 32 + 1] |= c[e] >> (32 - bit % 32);
+  for (int g = 0; g < E / G; ++g) {
+    u32 acc = t[g * G + G - 1];
+#pragma unroll
+    for (int e = G - 2; e >= 0; --e) acc = acc * (1u << B) + t[g * G + e];
+    acc -= bias_sum;
+    const int bit = B * G * g;
+    f.w[bit / 32] |= acc << (bit % 32);
+    if (bit % 32 + B * G > 32) f.w[bit / 32 + 1] |= acc >> (32 - bit % 32);
   }
   return f;
 }
@@ -237,9 +250,9 @@ KVW_HD void tq_store_field(u8* field, const TqField<B, E>& f, u32 r, u32 d) {
   const u32 total = (d * B + 7) / 8, start = r * NB;
   if (start < total) tq_store_bytes<NB>(field + start, f.w, total - start < NB ? total - start : NB);
 }
-template <int B, int E>
-KVW_HD void tq_store_field(u8* field, const u32 (&c)[E], u32 r, u32 d) {
-  tq_store_field<B, E>(field, tq_pack<B, E>(c), r, d);
+template <int B, int E, u32 BIAS = 0>
+KVW_HD void tq_store_field(u8* field, const u32 (&t)[E], u32 r, u32 d) {
+  tq_store_field<B, E>(field, tq_pack<B, E, BIAS>(t), r, d);
 }
 
 // k8v4's key field: e4m3fn(x_e) by the satfinite conversion, two a conversion, in little-endian
@@ -275,6 +288,16 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
 // inf or NaN element; b out of range) the lane takes div.rn for all E. One predicate and one
 // branch a lane, not one a division. tests/test_turboquant_kernels.py compares it with the
 // host's division on 6 * 10^6 pairs.
+// The steps alone: q0 = RN(a * yb), then two corrections (RN(a / b) under tq_div_row's
+// conditions; the sign is the steps', not yet a's). tq_value_codes takes them too.
+KVW_HD float tq_quotient(float a, float b, float yb) {
+  float x = mul_rn(a, yb);
+  float r = fma_rn(-b, x, a);
+  x = fma_rn(r, yb, x);
+  r = fma_rn(-b, x, a);
+  return fma_rn(r, yb, x);
+}
+
 template <int E>
 KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bool fast) {
   const float lo = bits_f32(0x21800000u), hi = bits_f32(0x5D800000u);  // 2^-60, 2^60
@@ -283,11 +306,7 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
   for (int e = 0; e < E; ++e) {
     const float aa = fabsf(a[e]);
     ok = ok && aa <= hi && !(aa < lo && aa > 0.0f);  // a NaN fails aa <= hi
-    float x = mul_rn(a[e], yb);
-    float r = fma_rn(-b, x, a[e]);
-    x = fma_rn(r, yb, x);
-    r = fma_rn(-b, x, a[e]);
-    x = fma_rn(r, yb, x);
+    const float x = tq_quotient(a[e], b, yb);
     q[e] = bits_f32((f32_bits(x) & 0x7FFFFFFFu) | (f32_bits(a[e]) & 0x80000000u));
   }
   if (!ok) {
@@ -296,39 +315,38 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
   }
 }
 
-// The value codes q[e] = clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is R = RN(mx - mn):
-// w[e] = RN(v[e] - mn) in [0, R] or NaN, s >= RN(R / L) (the row's scale, floored), ys =
-// RN(1 / s); without the quotient. With Q = w / s <= L (1 + 2^-24): q0 = RN(w * ys) lies within
-// 2^-23 Q of Q where s is in [2^-60, 2^60] (`fast`), so the code, floor(RN(Q) + 1/2), is k or
-// k + 1 for k = floor(q0) (< L + 2^-17): k + 1 exactly where RN(Q) >= B = k + 1/2. B has at most
-// five significant bits (an even significand), so RN(Q) >= B iff Q >= B - d, d half the gap
-// between B and the float below it (2^(e - 24) for B in (2^e, 2^(e+1)), 2^-26 for B = 1/2; no
-// quotient of two floats lies on that midpoint), iff w - s B + s d >= 0. r = RN(w - s B) (one
-// FMA) is exact where |Q - B| <= 2^-14 (w - s B is then a multiple of ulp(s) / 4 below 2^13 of
-// them), and elsewhere has the sign of w - s B with |r| far above s d (<= 2^-21 s); s d is exact,
-// and RN(r + s d) has the sign of r + s d. So the code is k + [RN(r + s d) >= 0], exactly, for
-// every element, and never above L (Q < L + 1/2). A NaN w: k = 0 (the max), r NaN, code 0.
-// Rows not `fast` (s huge, inf or NaN) take tq_div_row and rhu_clamp_code. tests/
-// test_turboquant_kernels.py puts values within ulps of every code boundary.
+// floor_bits' 2^23 + c: the value codes' form until tq_pack takes the bias off.
+#define TQ_CODE_BIAS 0x4B000000u
+
+// The value codes q[e] = TQ_CODE_BIAS + clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is
+// R = RN(mx - mn): w[e] = RN(v[e] - mn) in [0, R] or NaN, s >= RN(R / L) (the row's scale,
+// floored: s >= FL = 1e-8), ys = RN(1 / s). Where s <= 2^60 (`fast`; so s is in [2^-60, 2^60])
+// the quotient is tq_div_row's steps (tq_quotient) without its element test, which keeps the
+// steps' operands normal: here every element whose code is not 0 has them so. Q = w / s <=
+// L (1 + 2^-24) (w <= R, s >= (R / L)(1 - 2^-24)), so RN(Q) <= L (L (1 + 2^-24) is within half
+// an ulp of L for L = 7 and 15) and no clamp above is needed. An element with Q >= 1/4 has w >=
+// s / 4 >= 2^-62 and w <= 2^64, the steps' products below 2^64 and a nonzero remainder at least
+// s ulp(Q) / 2 >= 2^-88: the steps' proof holds (tq_div_row), q = RN(Q). An element with Q < 1/4
+// (w tiny, subnormal or 0) gets some q within 2^-22 Q + 2^-140 of Q, below 1/2: code 0 as RN(Q)
+// gives. A NaN w gives a NaN q, taken to 0 by the max (code 0); w = -0 (v = -0, mn = +0) gives
+// q = -0, code 0. The code, floor(q + 1/2) exactly, is round.cuh's floor_bits(RM(q + 1/2)) (a
+// directed rounding never passes the integer below); its bias leaves in tq_pack. Eight
+// instructions an element, no branch, no comparison. Rows not `fast` (s huge, inf or NaN) take
+// tq_div_row and rhu_clamp_code. tests/test_turboquant_kernels.py puts values within ulps of
+// every code boundary (+1/2 rounded to nearest, or no max, fails them); tq_div_row's test checks
+// the steps on 6 * 10^6 pairs.
 template <int E>
 KVW_HD void tq_value_codes(u32 (&q)[E], const float (&w)[E], float s, float ys, bool fast,
                            float L) {
   if (fast) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float k = add_rm(fmaxf(mul_rn(w[e], ys), 0.0f), KVW_2P23);  // 2^23 + floor(q0)
-      const float B = sub_rn(k, 8388607.5f);  // floor(q0) + 1/2, exactly (2^23 - 1/2 is a float)
-      const float r = fma_rn(-s, B, w[e]);
-      // d: the exponent of the float below B, less 24 (B >= 1/2: no underflow)
-      const float d = bits_f32(((f32_bits(B) - 1u) & 0x7F800000u) - (24u << 23));
-      const float t = add_rn(r, mul_rn(s, d));
-      q[e] = f32_bits(k) - 0x4B000000u + (t >= 0.0f ? 1u : 0u);
-    }
+    for (int e = 0; e < E; ++e)
+      q[e] = floor_bits(add_rm(fmaxf(tq_quotient(w[e], s, ys), 0.0f), 0.5f));
   } else {
     float qv[E];
     tq_div_row<E>(qv, w, s, ys, false);
 #pragma unroll
-    for (int e = 0; e < E; ++e) q[e] = rhu_clamp_code(qv[e], 0.5f, L);
+    for (int e = 0; e < E; ++e) q[e] = TQ_CODE_BIAS + rhu_clamp_code(qv[e], 0.5f, L);
   }
 }
 
@@ -611,7 +629,7 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
-      tq_store_field<VB, E>(vdst, q, r, d);
+      tq_store_field<VB, E, TQ_CODE_BIAS>(vdst, q, r, d);
       if (r == 0) {
         tq_store_f16(vdst + vdb, s);
         tq_store_f16(vdst + vdb + 2, mn);

@@ -22,8 +22,9 @@ few ``tl.fma`` are explicit):
   j; 3-bit: 8 codes in 3 bytes, little-endian bit order), ``fp16(n)`` after the field (a NaN
   norm as 0x7E00, the CUDA kernel's).
 - values: min and max over the non-NaN elements, ``s = div_rn(mx - mn, L)`` floored to 1e-8,
-  ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (the rows kernel without the quotient: the CUDA
-  kernel's FMA decision against the code boundary), ``fp16(s)``, ``fp16(mn)``.
+  ``q = clamp(rhu(div_rn(v - mn, s)), 0, L)`` (the rows kernel without the division: the CUDA
+  kernel's product, two fused corrections and two sums rounded toward -inf), ``fp16(s)``,
+  ``fp16(mn)``.
 
 Every byte goes out in a byte store (the slot's fields are at any byte offset). bfloat16 inputs
 arrive as their int16 bits and are widened by a shift (the interpreter's bfloat16 cast mangles
@@ -52,7 +53,7 @@ if triton is not None:
     from ...kernels.triton_fp8 import e4m3
     from ...kernels.triton_nvfp4 import widen
     from ...kernels.triton_qk_norm import row_tree, tree_sum
-    from ...kernels.triton_round import rhu
+    from ...kernels.triton_round import add_rm, rhu
 
 
 def available(device: torch.device) -> str | None:
@@ -381,7 +382,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_values(vdst, xv, m2, valid, VB: tl.constexpr, D: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
         """The value part of rows xv [BLOCK_R, BLOCK_D] (m2: inside the row and the call):
         VB-bit codes, fp16(s), fp16(mn) at vdst [BLOCK_R]."""
         L: tl.constexpr = (1 << VB) - 1
@@ -389,16 +390,14 @@ if triton is not None:
         s = _value_scale(mx - mn, L)
         w = xv - mn[:, None]
         # The codes as the CUDA kernel's tq_value_codes takes them (its comment has the proof):
-        # k = floor(RN(w * RN(1/s))), then k + [RN(RN(w - s B) + s d) >= 0] for B = k + 1/2, d
-        # half the gap below B; rows whose s is out of [2^-60, 2^60] divide (div_rn).
+        # q = RN(w / s) by the product with RN(1 / s) and two fused corrections (any q below
+        # 1/2 where w / s < 1/4), the code floor(max(q, 0) + 1/2) by two sums rounded toward
+        # -inf; rows whose s is out of [2^-60, 2^60] divide (div_rn).
         ys = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s)
-        k = tl.floor(tl.maximum(w * ys[:, None], 0.0))
-        B = k + 0.5
         sb = tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])
-        rem = tl.fma(-sb, B, w)
-        d = (((B.to(tl.int32, bitcast=True) - 1) & 0x7F800000) - (24 << 23)).to(
-            tl.float32, bitcast=True)
-        c = k.to(tl.int32) + ((rem + sb * d) >= 0.0).to(tl.int32)
+        q = tl.maximum(corrected_quotient(w, sb, ys[:, None], 2), 0.0)
+        c = add_rm(add_rm(q, 0.5, COMPILED), 8388608.0, COMPILED).to(tl.int32, bitcast=True)
+        c -= 0x4B000000
         fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
         if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
             c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, L))
@@ -459,7 +458,7 @@ if triton is not None:
                    ROWS, ascending, hadamard, h0, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
                    KB: tl.constexpr, VB: tl.constexpr, KPS: tl.constexpr,
-                   BF16_BITS: tl.constexpr, BUTTERFLY: tl.constexpr):
+                   BF16_BITS: tl.constexpr, BUTTERFLY: tl.constexpr, COMPILED: tl.constexpr):
         """Pass rb of _tq_rows_kernel: rows rb * BLOCK_R .. + BLOCK_R, with the program's
         table decisions (ascending, hadamard, h0 = PiT[0, 0])."""
         i = tl.arange(0, BLOCK_D)
@@ -505,7 +504,7 @@ if triton is not None:
             _f16_bytes_rows(dst + KF_BYTES, n, valid)
 
         # ---- values ----
-        _rows_values(dst + KPS, xv, m2, valid, VB, D, BLOCK_R, BLOCK_D)
+        _rows_values(dst + KPS, xv, m2, valid, VB, D, BLOCK_R, BLOCK_D, COMPILED)
 
     @triton.jit(do_not_specialize=["NUM_SLOTS", "H", "ROWS"])
     def _tq_rows_kernel(
@@ -525,6 +524,7 @@ if triton is not None:
         BF16_BITS: tl.constexpr,
         BUTTERFLY: tl.constexpr,  # MSE, D a power of two: the flags decide the butterflies
         STRIDE: tl.constexpr,  # the programs stride over the passes (else a program a pass)
+        COMPILED: tl.constexpr,  # built for a GPU (not the interpreter): add.rm.f32 in asm
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         """Every preset, BLOCK_R (token, head) rows a pass (row r = t * H + h), a program a pass
@@ -548,13 +548,13 @@ if triton is not None:
                 _rows_pass(rb, key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr,
                            mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1,
                            MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0, BLOCK_SIZE, D,
-                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS, BUTTERFLY)
+                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS, BUTTERFLY, COMPILED)
         else:
             _rows_pass(tl.program_id(0).to(tl.int64), key_ptr, value_ptr, cache_ptr,
                        slot_mapping_ptr, pit_ptr, mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B,
                        C_S, C_H, P_0, P_1, MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0,
                        BLOCK_SIZE, D, BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS,
-                       BUTTERFLY)
+                       BUTTERFLY, COMPILED)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -634,7 +634,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:3], *tables, nb * bs, h, rows,
             BLOCK_R=block_r, BLOCK_J=block_j, NUM_FLAGS=num_flags, BUTTERFLY=butterfly,
-            STRIDE=stride,
+            STRIDE=stride, COMPILED=key.device.type == "cuda",
             PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, **common)
         return
     block_j = min(block_d, max(8, tuning.product_elems // block_d))
