@@ -206,6 +206,12 @@ def make_case(preset_name, dtype, slot_dtype, d, *, t=7, h=2, nb=4, bs=4, extra=
         # Ties of the rounding (4-bit: s = 1, quotients x.5 round up).
         ties = torch.tensor([0.0, 15.0, 0.5, 1.5, 2.5, 7.5, 14.5, 3.0] * (d // 8 + 1))[:d]
         value[4, 0] = ties.to(dtype)
+        if t_pad > 5:
+            # A row on the fast value path (s = the floor 1e-8) whose small elements are
+            # subnormal or far below s (their quotients must give code 0, not garbage), the
+            # others near the codes' boundaries 1/2 and 3/2.
+            tiny = [0.0, 1e-40, 2.0**-70, 3e-39, 5e-9, 7.5e-9, 1.5e-8, 1e-9]
+            value[5, 0] = torch.tensor(tiny * (d // 8 + 1))[:d].to(dtype)
     if pit_kind == "hadamard":
         pit = hadamard(d)
     elif pit_kind == "identity":
