@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .triton_fp8 import tl, triton
 
-__all__ = ["rne", "rhu", "add_rm"]
+__all__ = ["rne", "rhu", "add_rm", "rhu_bits"]
 
 if triton is not None:
 
@@ -43,3 +43,9 @@ if triton is not None:
             bits = s.to(tl.int32, bitcast=True)
             below = tl.where(s > 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)
             return tl.where(e < 0, below, s)
+
+    @triton.jit
+    def rhu_bits(q, COMPILED: tl.constexpr):
+        """The bits (int32) of 2^23 + rhu(q) = floor(q + 1/2), for q + 1/2 in (0, 2^23): RM(RM(q +
+        1/2) + 2^23), whose floor is the exact one (kvw/round.cuh's rhu_bits)."""
+        return add_rm(add_rm(q, 0.5, COMPILED), 8388608.0, COMPILED).to(tl.int32, bitcast=True)

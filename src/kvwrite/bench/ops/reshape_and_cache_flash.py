@@ -5,8 +5,8 @@ Points: layouts (NHD then HND by default) x num_tokens (2^1 .. 2^16). Each point
 recipe (:mod:`kvwrite.bench.workload`: RNGs seeded with 42, random key/value, unique random
 slots, random caches, ``k_scale = key.amax() / 64``, or the values of ``--fp8-scales K,V``); the
 check before timing is :func:`kvwrite.bench.check.check_point` (every written row byte for byte,
-and whole blocks around them for stray writes). Bytes per call: ``2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes``
-(N = T less the padding). :func:`run_benchmark` is vLLM's function with its signature and method.
+and whole blocks around them for stray writes). Bytes per call:
+``2*N*H*D*(in_bytes + cache_bytes) + T*slot_bytes`` (N = T less the padding). :func:`run_benchmark` is vLLM's function with its signature and method.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ KVW_HD float fast_int4_scale(float mn, float mx) {
 // 2^23 - 1/2, exactly.
 template <int STEPS>
 KVW_HD u32 fast_int4_zero_point(float mn, float s, float y) {
-  return floor_bits(add_rm(fast_quotient<STEPS>(-mn, s, y), 0.5f));
+  return rhu_bits(fast_quotient<STEPS>(-mn, s, y));
 }
 KVW_HD float fast_int4_zc(u32 zp_bits) { return sub_rn(bits_f32(zp_bits), 8388607.5f); }
 

@@ -43,7 +43,7 @@ from ...kernels import gather_cuda, triton_support
 from ...kernels.triton_fp8 import IMPORT_ERROR as _IMPORT_ERROR
 from ...kernels.triton_fp8 import corrected_quotient, fp8_bytes, fp8_scale, pdl_entry, tl, triton
 from ...kernels.triton_nvfp4 import halves, quarters
-from ...kernels.triton_round import add_rm, rhu, rne
+from ...kernels.triton_round import add_rm, rhu, rhu_bits, rne
 from ...kernels.triton_support import PdlTuning, next_pow2
 from .op import PerTokenHeadMode
 
@@ -310,8 +310,7 @@ if triton is not None:
             s = _fmax_floor(_div_const(rng, 0.25, 3.75, _Y15, 2))  # the general path's s here
             y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             # The bits of 2^23 + zp: RM(RM(RN(-mn / s) + 1/2) + 2^23), whose floor is exact.
-            zbits = add_rm(add_rm(corrected_quotient(-mn, s, y, STEPS), 0.5, COMPILED), 8388608.0,
-                           COMPILED).to(tl.int32, bitcast=True)
+            zbits = rhu_bits(corrected_quotient(-mn, s, y, STEPS), COMPILED)
             zc = zbits.to(tl.float32, bitcast=True) - 8388607.5
             fast = (mn <= 0.0) & (mx >= 0.0) & (rng < float("inf"))
             entry = ((s.to(tl.int32, bitcast=True) & -16) | (zbits & 15)).to(tl.float32,

@@ -191,11 +191,12 @@ KVW_HD float tq_rotate_one(const float* u, const float* pit, i64 s0, i64 s1, u32
 }
 
 // The E codes c (each below 2^B) as a field of E*B/8 bytes in 32-bit words (little endian), from
-// t[e] = BIAS + c[e] (BIAS 0, or 0x4B000000: floor_bits' 2^23 + c, taken off here). Groups of G =
-// min(E, 8) codes (G*B <= 32 bits) by Horner's scheme mod 2^32, acc = acc * 2^B + t[e] from the
-// group's last code down, one multiply-add a code: the group's value is sum t[e] 2^(B e) = sum
-// c[e] 2^(B e) + BIAS * sum 2^(B e), and the codes' sum is below 2^(G B), so subtracting the
-// constant mod 2^32 leaves it exactly. The groups are then placed at bit G*B*g of the field.
+// t[e] = BIAS + c[e] (BIAS 0, or KVW_2P23_BITS: floor_bits' 2^23 + c, taken off here). Groups
+// of G = min(E, 8) codes (G*B <= 32 bits) by Horner's scheme mod 2^32, acc = acc * 2^B + t[e]
+// from the group's last code down, one multiply-add a code: the group's value is sum t[e]
+// 2^(B e) = sum c[e] 2^(B e) + BIAS * sum 2^(B e), and the codes' sum is below 2^(G B), so
+// subtracting the constant mod 2^32 leaves it exactly. The groups are then placed at bit G*B*g
+// of the field.
 template <int B, int E>
 struct TqField {
   static constexpr int NB = E * B / 8;
@@ -275,6 +276,16 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
   return f;
 }
 
+// tq_div_row's steps alone: q0 = RN(a * yb), then two corrections (RN(a / b) under tq_div_row's
+// conditions; the sign is the steps', not yet a's). tq_value_codes takes them too.
+KVW_HD float tq_quotient(float a, float b, float yb) {
+  float x = mul_rn(a, yb);
+  float r = fma_rn(-b, x, a);
+  x = fma_rn(r, yb, x);
+  r = fma_rn(-b, x, a);
+  return fma_rn(r, yb, x);
+}
+
 // q[e] = RN(a[e] / b) for a row's divisor b > 0, with yb = RN(1 / b) (rcp.rn, once a row).
 // Where b is in [2^-60, 2^60] (`fast`, the row's) and every |a[e]| is 0 or in [2^-60, 2^60]:
 // q0 = RN(a * yb) (within 1.5 ulp of a / b), one correction q1 = RN(q0 + RN(a - b*q0) * yb)
@@ -288,16 +299,6 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
 // inf or NaN element; b out of range) the lane takes div.rn for all E. One predicate and one
 // branch a lane, not one a division. tests/test_turboquant_kernels.py compares it with the
 // host's division on 6 * 10^6 pairs.
-// The steps alone: q0 = RN(a * yb), then two corrections (RN(a / b) under tq_div_row's
-// conditions; the sign is the steps', not yet a's). tq_value_codes takes them too.
-KVW_HD float tq_quotient(float a, float b, float yb) {
-  float x = mul_rn(a, yb);
-  float r = fma_rn(-b, x, a);
-  x = fma_rn(r, yb, x);
-  r = fma_rn(-b, x, a);
-  return fma_rn(r, yb, x);
-}
-
 template <int E>
 KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bool fast) {
   const float lo = bits_f32(0x21800000u), hi = bits_f32(0x5D800000u);  // 2^-60, 2^60
@@ -315,10 +316,7 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
   }
 }
 
-// floor_bits' 2^23 + c: the value codes' form until tq_pack takes the bias off.
-#define TQ_CODE_BIAS 0x4B000000u
-
-// The value codes q[e] = TQ_CODE_BIAS + clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is
+// The value codes q[e] = KVW_2P23_BITS + clamp(rhu(RN(w[e] / s)), 0, L) of a row whose range is
 // R = RN(mx - mn): w[e] = RN(v[e] - mn) in [0, R] or NaN, s >= RN(R / L) (the row's scale,
 // floored: s >= FL = 1e-8), ys = RN(1 / s). Where s <= 2^60 (`fast`; so s is in [2^-60, 2^60])
 // the quotient is tq_div_row's steps (tq_quotient) without its element test, which keeps the
@@ -329,8 +327,8 @@ KVW_HD void tq_div_row(float (&q)[E], const float (&a)[E], float b, float yb, bo
 // s ulp(Q) / 2 >= 2^-88: the steps' proof holds (tq_div_row), q = RN(Q). An element with Q < 1/4
 // (w tiny, subnormal or 0) gets some q within 2^-22 Q + 2^-140 of Q, below 1/2: code 0 as RN(Q)
 // gives. A NaN w gives a NaN q, taken to 0 by the max (code 0); w = -0 (v = -0, mn = +0) gives
-// q = -0, code 0. The code, floor(q + 1/2) exactly, is round.cuh's floor_bits(RM(q + 1/2)) (a
-// directed rounding never passes the integer below); its bias leaves in tq_pack. Eight
+// q = -0, code 0. The code, floor(q + 1/2) exactly, is round.cuh's rhu_bits (2^23 + the code,
+// its bias taken off in tq_pack). Eight
 // instructions an element, no branch, no comparison. Rows not `fast` (s huge, inf or NaN) take
 // tq_div_row and rhu_clamp_code. tests/test_turboquant_kernels.py puts values within ulps of
 // every code boundary (+1/2 rounded to nearest, or no max, fails them); tq_div_row's test checks
@@ -341,12 +339,12 @@ KVW_HD void tq_value_codes(u32 (&q)[E], const float (&w)[E], float s, float ys, 
   if (fast) {
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      q[e] = floor_bits(add_rm(fmaxf(tq_quotient(w[e], s, ys), 0.0f), 0.5f));
+      q[e] = rhu_bits(fmaxf(tq_quotient(w[e], s, ys), 0.0f));
   } else {
     float qv[E];
     tq_div_row<E>(qv, w, s, ys, false);
 #pragma unroll
-    for (int e = 0; e < E; ++e) q[e] = TQ_CODE_BIAS + rhu_clamp_code(qv[e], 0.5f, L);
+    for (int e = 0; e < E; ++e) q[e] = KVW_2P23_BITS + rhu_clamp_code(qv[e], 0.5f, L);
   }
 }
 
@@ -629,7 +627,7 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
-      tq_store_field<VB, E, TQ_CODE_BIAS>(vdst, q, r, d);
+      tq_store_field<VB, E, KVW_2P23_BITS>(vdst, q, r, d);
       if (r == 0) {
         tq_store_f16(vdst + vdb, s);
         tq_store_f16(vdst + vdb + 2, mn);

@@ -53,7 +53,7 @@ if triton is not None:
     from ...kernels.triton_fp8 import e4m3
     from ...kernels.triton_nvfp4 import widen
     from ...kernels.triton_qk_norm import row_tree, tree_sum
-    from ...kernels.triton_round import add_rm, rhu
+    from ...kernels.triton_round import rhu, rhu_bits
 
 
 def available(device: torch.device) -> str | None:
@@ -396,8 +396,7 @@ if triton is not None:
         ys = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s)
         sb = tl.broadcast_to(s[:, None], [BLOCK_R, BLOCK_D])
         q = tl.maximum(corrected_quotient(w, sb, ys[:, None], 2), 0.0)
-        c = add_rm(add_rm(q, 0.5, COMPILED), 8388608.0, COMPILED).to(tl.int32, bitcast=True)
-        c -= 0x4B000000
+        c = rhu_bits(q, COMPILED) - 0x4B000000
         fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
         if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
             c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, L))

@@ -34,11 +34,16 @@ KVW_F32_ASM2(add_rm, "add.rm.f32")
 KVW_HD float nan_to_zero(float v) { return v == v ? v : 0.0f; }
 KVW_HD float clampf(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
 
-#define KVW_2P23 8388608.0f  // 2^23
+#define KVW_2P23 8388608.0f         // 2^23
+#define KVW_2P23_BITS 0x4B000000u  // its bits: floor_bits' bias
 
-// The bits of 2^23 + floor(y) for y in [0, 2^23): 0x4B000000 + floor(y), whose low byte is
+// The bits of 2^23 + floor(y) for y in [0, 2^23): KVW_2P23_BITS + floor(y), whose low byte is
 // floor(y)'s (0x4B000000 ends with a zero byte).
 KVW_HD u32 floor_bits(float y) { return f32_bits(add_rm(y, KVW_2P23)); }
+
+// The bits of 2^23 + rhu(q) = floor(q + 1/2) for q + 1/2 in [0, 2^23): floor_bits(RM(q + 1/2))
+// (the sum rounds toward -inf, so its floor is the exact one).
+KVW_HD u32 rhu_bits(float q) { return floor_bits(add_rm(q, 0.5f)); }
 
 // clamp(rhu(q) + zp, 0, top) for an integer zp (zc = zp + 1/2, exact) and an integer top <= 255,
 // a NaN q counted as 0, in the low byte: floor(clamp(RM(q + zc), 0, top + 1/2)) (the sum rounds
