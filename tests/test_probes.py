@@ -150,6 +150,8 @@ def test_gpu_probes_say_so_plainly_on_cpu(argv, capsys):
     (["probes", "pdl-step", "--tokens", "70000"], "--tokens"),
     (["probes", "pdl-step", "--impls", "cuda,torch"], "--impls"),
     (["probes", "pdl-step", "--replays", "0"], "--replays"),
+    (["probes", "tq-pattern", "--kinds", "pattern,odd"], "--kinds"),
+    (["probes", "tq-pattern", "--presets", "turboquant_2bit"], "--presets"),
 ])
 def test_bad_arguments_are_one_line_naming_the_flag(argv, flag, capsys):
     # Checked before anything needs a GPU, so the same on every machine.
@@ -382,7 +384,7 @@ def test_ab_loader_errors_name_the_problem(tmp_path):
 # ------------------------------------------------------------------------------------------
 def _probe_kernel_names() -> list[str]:
     names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>", "kvw_slot_store",
-             "kvw_rope_chain", "kvw_rope_row_chain"]
+             "kvw_rope_chain", "kvw_rope_row_chain", "kvw_tq_pattern<1>", "kvw_tq_pattern<4>"]
     names += [small_t.kernel_name(h, lo, fp8, 64) for h in (8, 128) for lo in small_t.LAYOUTS
               for fp8 in (False, True)]
     return names
@@ -486,6 +488,48 @@ def test_gpu_mla_pattern_probe_runs(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [1, 4])
+@pytest.mark.parametrize("used, slot_alloc", [(196, 196), (134, 134), (134, 136)])
+def test_gpu_tq_pattern_writes_the_slot_bytes_it_says_and_nothing_else(used, slot_alloc, pieces):
+    """kvw_tq_pattern into vLLM's TurboQuant cache (heads outermost): unit i of row n's slot
+    (4-byte words where every slot is 4-byte aligned, else halves) is n * 0x9E3779B1 ^ i;
+    padding slots, the pad bytes and every other byte unchanged."""
+    from tools.probes import tq_pattern
+
+    T, H, D, nb, bs = 40, 3, 128, 8, 16
+    torch.manual_seed(0)
+    key = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    value = torch.randn(T, H, D, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(nb * bs, device="cuda")[:T]
+    slots[::7] = -1
+    alloc = torch.randint(0, 256, (nb, H, bs, slot_alloc), dtype=torch.uint8, device="cuda")
+    before = alloc.clone()
+    tq_pattern.pattern_call(key, value, alloc.transpose(1, 2), slots, used, bs, pieces)()
+    torch.cuda.synchronize()
+    unit = 4 if slot_alloc % 4 == 0 and used % 4 == 0 else 2
+    i = torch.arange(used // unit, dtype=torch.int64)
+    expect = before.clone()
+    for t, s in enumerate(slots.tolist()):
+        for h in range(H if s >= 0 else 0):
+            tag = (t * H + h) * 0x9E3779B1 & 0xFFFFFFFF
+            units = ((tag ^ i) & 0xFFFFFFFF).to(torch.int32).view(torch.uint8).view(-1, 4)
+            expect[s // bs, h, s % bs, :used] = units[:, :unit].reshape(-1).cuda()
+    assert torch.equal(alloc, expect)
+
+
+@pytest.mark.gpu
+def test_gpu_tq_pattern_probe_runs(tmp_path, capsys):
+    path = str(tmp_path / "rows.json")
+    assert tool(["probes", "tq-pattern", "--implementation", "cuda", "--presets",
+                 "turboquant_k8v4,turboquant_4bit_nc", "--num-tokens", "16,1024", "--kinds",
+                 "turboquant,pattern,pattern_nhd,pattern_1", "--iters", "5", "--json", path]) == 0
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    kinds = sorted({r["kind"] for r in rows if r.get("median_us")})
+    assert kinds == ["pattern", "pattern_1", "pattern_nhd", "turboquant"], rows[:2]
+
+
+@pytest.mark.gpu
 def test_gpu_chain_probe_runs(capsys):
     from kvwrite.kernels import nvrtc
 
@@ -517,10 +561,11 @@ def test_the_pdl_builds_of_the_floor_kernels_wait_before_any_memory_access(tmp_p
 
     if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton wheel) to read the SASS")
-    names = ["kvw_empty", "kvw_slot_store", "kvw_rope_chain", "kvw_rope_row_chain"]
+    names = ["kvw_empty", "kvw_slot_store", "kvw_rope_chain", "kvw_rope_row_chain",
+             "kvw_tq_pattern<1>", "kvw_tq_pattern<4>"]
     obj, _ = common.SOURCE.compile("sm_90", names, macros=(common.nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path))
-    assert set(funcs) == set(names)
+    assert set(funcs) == {obj.symbol_mapping[n].decode() for n in names}
     for name, ops in funcs.items():
         wait = ops.index("ACQBULK")
         assert "PREEXIT" in ops[:wait], name

@@ -9,6 +9,7 @@ the checkout's root (kvwrite installed, or ``PYTHONPATH=src``):
     python -m tools.probes l2-follow  [...]         # what a call leaves in the L2
     python -m tools.probes mla                      # concat_and_cache_mla's launch variants
     python -m tools.probes mla-pattern              # ... its slot patterns and entry alignment
+    python -m tools.probes tq-pattern [--kinds turboquant,pattern,pattern_nhd] ...  # its floor
     python -m tools.probes chain                    # the floor of a small call's dependent loads
     python -m tools.probes pdl-step                 # programmatic dependent launch in a GEMM step
     python -m tools.probes triton-code MODULE:KERNEL --arg ... --const ...  # sm_90 code, no GPU
@@ -41,6 +42,7 @@ PROBES = {
     "l2-follow": ("l2_follow", "a follower kernel's time right after a call (L2 effects)"),
     "mla": ("mla", "concat_and_cache_mla's launch-shape variants, hot and rotated"),
     "mla-pattern": ("mla_pattern", "concat_and_cache_mla's cost of slot order and entry alignment"),
+    "tq-pattern": ("tq_pattern", "the TurboQuant write's access pattern without its work"),
     "chain": ("chain", "the floor of a small call's dependent loads (slot, position -> table)"),
     "pdl-step": ("pdl_step", "the fused op after a GEMM, with and without dependent launch"),
     "triton-code": ("triton_code", "a Triton kernel's sm_90 machine code, compiled here: counts"),

@@ -137,3 +137,67 @@ extern "C" __global__ void kvw_rope_row_chain(const i64* positions,
                                               i64 row_vectors) {
   rope_chain(positions, table, slots, out, cache, row_vectors);
 }
+
+// The access pattern of reshape_and_cache_turboquant and none of its work (`probe tq-pattern`):
+// a warp takes 32 U / (row_bytes / 16) (token, head) rows at a time (rows striding over the
+// grid): U 16-byte pieces of their key rows and of their value rows a lane, all loads in flight
+// before any store, then each row's slot_bytes written by consecutive lanes as 4-byte words
+// where every slot is 4-byte aligned (else 2-byte halves). Unit i of row n's slot is
+// n * 0x9E3779B1 ^ i ^ (the lane's XOR of its loaded words & zero): `zero` is 0, an argument so
+// that no load is dead. Slot s lands at (s / bs) * c_blk + (s % bs) * c_page + head * c_head
+// bytes (bs = 2^block_shift); s < 0 or >= num_slots writes nothing. row_bytes / 16 a power of
+// two <= 32 U. No __restrict__ on the inputs: see kvw_rope_row_chain.
+template <int U>
+__global__ void kvw_tq_pattern(const u8* key, const u8* value, u8* cache, const i64* slots,
+                               i64 num_rows, i64 num_heads, i64 row_bytes, i64 k_tok,
+                               i64 k_head, i64 v_tok, i64 v_head, i64 c_blk, i64 c_page,
+                               i64 c_head, i64 block_shift, i64 slot_bytes, i64 num_slots,
+                               i64 zero) {
+  KVW_PDL_ENTRY();
+  const u32 lane = threadIdx.x & 31u;
+  const u32 cpr = static_cast<u32>(row_bytes) >> 4, rpi = 32u * U / cpr;
+  const i64 step = static_cast<i64>(gridDim.x) * (blockDim.x >> 5) * rpi;
+  const bool words = ((slot_bytes | c_blk | c_page | c_head |
+                       static_cast<i64>(reinterpret_cast<u64>(cache))) & 3) == 0;
+  const u32 units = static_cast<u32>(slot_bytes) >> (words ? 2 : 1);
+  for (i64 base = (static_cast<i64>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpi;
+       base < num_rows; base += step) {
+    uint4 k[U], v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 c = lane + 32u * u;
+      const i64 row = base + c / cpr;
+      k[u] = v[u] = make_uint4(0, 0, 0, 0);
+      if (row < num_rows) {
+        const i64 t = row / num_heads, h = row - t * num_heads, off = (c % cpr) * 16;
+        k[u] = *reinterpret_cast<const uint4*>(key + t * k_tok + h * k_head + off);
+        v[u] = *reinterpret_cast<const uint4*>(value + t * v_tok + h * v_head + off);
+      }
+    }
+    const i64 mine = base + lane;
+    const i64 my_slot = lane < rpi && mine < num_rows ? slots[mine / num_heads] : -1;
+    u32 w = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) w ^= k[u].x ^ k[u].y ^ k[u].z ^ k[u].w ^ v[u].x ^ v[u].y ^
+                                     v[u].z ^ v[u].w;
+    w &= static_cast<u32>(zero);
+    for (u32 j = 0; j < rpi; ++j) {
+      const i64 s = static_cast<i64>(
+          static_cast<u64>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(my_slot), j)) |
+          static_cast<u64>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(my_slot >> 32), j)) << 32);
+      const i64 row = base + j;
+      if (row >= num_rows || s < 0 || s >= num_slots) continue;
+      const i64 h = row % num_heads;
+      u8* dst = cache + (s >> block_shift) * c_blk + (s & ((1ll << block_shift) - 1)) * c_page +
+                h * c_head;
+      const u32 tag = static_cast<u32>(row) * 0x9E3779B1u ^ w;
+      for (u32 i = lane; i < units; i += 32u) {
+        if (words) {
+          reinterpret_cast<u32*>(dst)[i] = tag ^ i;
+        } else {
+          reinterpret_cast<u16*>(dst)[i] = static_cast<u16>(tag ^ i);
+        }
+      }
+    }
+  }
+}
