@@ -15,6 +15,7 @@ import dataclasses
 import importlib.resources
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -819,6 +820,35 @@ def test_value_boundary_case_lands_near_the_boundaries():
     assert (off[:, 2:] <= 8).float().mean() > 0.9
 
 
+def _stage_passes() -> int:
+    """kernel.cu's TQ_STAGE_PASSES: k8v4 stages its stores past that many passes a warp."""
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    text = (pathlib.Path(cuda_impl.__file__).parent / "kernel.cu").read_text()
+    return int(re.search(r"#define TQ_STAGE_PASSES (\d+)", text).group(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v)[6:])
+@pytest.mark.parametrize("d, lane_elems", [(128, 16), (128, 8), (16, 8), (24, 8)])
+@pytest.mark.parametrize("vllm_alloc", [True, False], ids=["vllm", "unaligned"])
+def test_cuda_kernel_emulated_k8v4_staged_stores(emu_lib, dtype, d, lane_elems, vllm_alloc):
+    """k8v4 calls of more than TQ_STAGE_PASSES passes a warp (one CTA striding over the rows)
+    store each warp's slots through shared memory where every slot is 4-byte aligned and the
+    rows whole (D a power of two; D = 24 and the unaligned cache take the lanes' own stores):
+    the same bytes, the special rows and the skipped slots included."""
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    h = 2
+    impl = _Emulated(emu_lib, lane_elems=lane_elems, sm_count=1)
+    _, lpr = cuda_impl.lanes(d, impl.tuning, 1 << 20)
+    per_pass = _EMU_CTA // lpr  # rows of one CTA a pass
+    t = (_stage_passes() * per_pass) // h + 3
+    rows = t * h
+    assert cuda_impl.grid(rows, d, 1, impl.tuning, threads=_EMU_CTA) == 1
+    assert rows > _stage_passes() * per_pass, "the case must take the staged path's passes"
+    preset, inputs = make_case("turboquant_k8v4", dtype, torch.int64, d, t=t, h=h,
+                               nb=-(-t // 4) + 1, bs=4, seed=d + t, vllm_alloc=vllm_alloc)
+    _check_inputs(impl, preset, inputs, f"k8v4 staged D={d} E={lane_elems} {dtype}")
+
+
 @pytest.mark.parametrize("preset_name", PRESETS)
 @pytest.mark.parametrize("d, lane_elems", [(16, 16), (128, 16), (64, 4)])
 def test_cuda_kernel_emulated_value_boundaries(emu_lib, preset_name, d, lane_elems):
@@ -1096,6 +1126,21 @@ def _gpu_impl(name):
                                                 mse_rows_min=1 << 62))
     return impl
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v)[6:])
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_k8v4_staged_stores(dtype, d):
+    """A k8v4 call of more than TQ_STAGE_PASSES passes a warp on this GPU (a pass: at most two
+    512-thread CTAs an SM, 512 / D rows a warp), which stores through shared memory: the whole
+    allocation as the oracle's."""
+    h = 8
+    sm = torch.cuda.get_device_properties(0).multi_processor_count if \
+        torch.cuda.is_available() else 0
+    t = (_stage_passes() + 1) * sm * 2 * 16 * (512 // d) // h + 7
+    _check(_gpu_impl("cuda"), "turboquant_k8v4", dtype, torch.int64, d, t=t, h=h,
+           nb=-(-t // 16) + 2, bs=16, device="cuda", seed=d)
 
 
 GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)

@@ -68,6 +68,11 @@
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
 #define TQ_BATCH 8     // the table check's loads in flight per thread
+// k8v4 stages its stores (tq_stage_words) in calls of more than this many passes a warp: H200,
+// H = 8, D = 128, tuning-log 115: 0.82-0.85 of the time at T >= 16384 (15.5 passes and more),
+// cold and hot; at T = 3072 and 4096 (2.9, 3.9 passes) 0.90 cold but 1.28-1.29 hot, at fewer
+// passes up to 1.19 slower (a pass's latency is the call's).
+#define TQ_STAGE_PASSES 8
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
 
 // Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
@@ -353,13 +358,23 @@ KVW_HD bool tq_div_fast(float b) {
   return b >= bits_f32(0x21800000u) && b <= bits_f32(0x5D800000u);
 }
 
-// fp16(v) little-endian at p; a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
+// fp16(v)'s bits (tq_f16_bits), little-endian at p (tq_store_f16); a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
 // one fixed pattern makes every implementation's bytes equal).
+KVW_HD u32 tq_f16_bits(float v) { return v == v ? f16ish_from_f32<DT_F16>(v) : 0x7E00u; }
 KVW_HD void tq_store_f16(u8* p, float v) {
-  const u32 h = v == v ? f16ish_from_f32<DT_F16>(v) : 0x7E00u;
+  const u32 h = tq_f16_bits(v);
   p[0] = static_cast<u8>(h & 0xFFu);  // little-endian; the field may be at an odd byte
   p[1] = static_cast<u8>(h >> 8);
 }
+
+// k8v4's staging (E >= 8, whole rows of 4-byte aligned slots): a warp's rows' slots are
+// assembled in shared memory and then stored word by word, consecutive lanes on consecutive
+// words, instead of each lane storing its own bytes (E / 4 key words and E / 8 value words at a
+// stride of E and E / 2 bytes, every store instruction writing a part of each sector of its
+// rows). Words a warp: rows (32 E / P) times slot words ((1.5 P + 4) / 4), at most 12 E + 32
+// (P >= E).
+template <int E>
+__host__ __device__ constexpr int tq_stage_words() { return 12 * E + 32; }
 
 template <int IN, int KB, int VB, typename SlotT, int E>
 __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
@@ -382,6 +397,8 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   constexpr u32 NM = MSE ? (1u << KB) - 1u : 1u;  // midpoints
   // The generic rotation's u rows (row stride P + 1: the warp's rows in different banks).
   __shared__ float s_u[MSE ? CTA * (E + 1) : 1];
+  constexpr bool STAGE = !MSE && E >= 8;
+  __shared__ u32 s_stage[STAGE ? (CTA / 32) * tq_stage_words<E>() : 1];
   __shared__ float s_mid[16];
   __shared__ int s_sorted;
 
@@ -490,6 +507,13 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     hadamard = __syncthreads_or(bad) == 0;  // CTA-uniform (s_sorted is visible after it too)
   }
   const bool sorted = MSE && s_sorted != 0;
+  // k8v4's slot words (key d bytes, value d VB / 8, scale and zero 4), and whether the stores are
+  // staged (tq_stage_words): more than TQ_STAGE_PASSES passes, whole rows (d == P) and every
+  // slot 4-byte aligned.
+  const u32 slot_words = (d + d * VB / 8 + 4) / 4;
+  const bool stage = STAGE && rows > TQ_STAGE_PASSES * rows_per_pass && d == p &&
+      ((reinterpret_cast<unsigned long long>(cache) | static_cast<unsigned long long>(
+           c_blk | c_page | c_head)) & 3u) == 0;
 
   for (i64 base = first; base < rows; base += rows_per_pass) {  // warp-uniform
     float x[E], v[E];
@@ -516,7 +540,7 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     // ---- keys ----
     u32 kps;  // the key part's bytes
     if constexpr (!MSE) {
-      if (write) tq_store_field<8, E>(dst, tq_e4m3_field<E>(x), r, d);
+      if (write && !stage) tq_store_field<8, E>(dst, tq_e4m3_field<E>(x), r, d);
       kps = d;
     } else {
       float sq[E];
@@ -624,6 +648,34 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
     for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
     u32 q[E];
     tq_value_codes<E>(q, w, s, ys, vfast, L);
+    if constexpr (STAGE) {
+      if (stage) {  // warp-uniform
+        constexpr int KW = E / 4, VW = E * VB / 32;  // a lane's key and value words
+        u32* mine = s_stage + warp * tq_stage_words<E>();
+        u32* row = mine + sub * slot_words;
+        const TqField<8, E> kf = tq_e4m3_field<E>(x);
+        const TqField<VB, E> vf = tq_pack<VB, E, KVW_2P23_BITS>(q);
+        __syncwarp();  // the last pass's rows are stored
+#pragma unroll
+        for (int k = 0; k < KW; ++k) row[r * KW + k] = kf.w[k];
+#pragma unroll
+        for (int k = 0; k < VW; ++k) row[d / 4 + r * VW + k] = vf.w[k];
+        if (r == 0) row[slot_words - 1] = tq_f16_bits(s) | tq_f16_bits(mn) << 16;
+        __syncwarp();
+        const unsigned long long at = write ? reinterpret_cast<unsigned long long>(dst) : 0ull;
+        for (u32 j = 0; j < rpw; ++j) {
+          const int from = static_cast<int>(j << lg_lpr);
+          const unsigned long long pj =
+              __shfl_sync(0xFFFFFFFFu, static_cast<u32>(at), from) |
+              static_cast<unsigned long long>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(at >> 32),
+                                                          from)) << 32;
+          if (pj == 0) continue;  // warp-uniform: row j writes nothing
+          const u32* src = mine + j * slot_words;
+          for (u32 w = lane; w < slot_words; w += 32u) reinterpret_cast<u32*>(pj)[w] = src[w];
+        }
+        continue;
+      }
+    }
     if (write) {
       const u32 vdb = d * VB / 8;
       u8* vdst = dst + kps;
