@@ -14,7 +14,7 @@ unsupported here (torch runs them).
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
 the GPU at every launch). One build per variant, the geometry passed at run time; measured in
-docs/tuning-log.md (changes 80 and 91).
+docs/tuning-log.md (changes 80, 91 and 115).
 """
 
 from __future__ import annotations

@@ -48,13 +48,14 @@
 //   field.
 // - values: mn, mx over the non-NaN elements (the GPU's min and max ignore NaN; lane-local, then
 //   shuffles), both 0 if none, a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL;
-//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (round.cuh's rhu_clamp_code; NaN -> 0), from
-//   a product with RN(1 / s) and one exact FMA against the code boundary (tq_value_codes);
-//   fp16(s), fp16(mn) after the codes.
+//   q_i = clamp(rhu(RN(RN(v_i - mn) / s)), 0, L) (NaN -> 0): the quotient's steps
+//   (tq_quotient) and two sums rounded toward -inf (round.cuh's rhu_bits; tq_value_codes has
+//   the proof); fp16(s), fp16(mn) after the codes.
 // - b-bit fields: code i in bits [b*i, b*i + b) of the field read as one little-endian integer;
 //   lane r's E codes are the field's bytes [r*E*b/8, (r+1)*E*b/8) (E*b a multiple of 8: 3-bit
 //   fields need D % 8 == 0, so E >= 8 there), stored with the widest accesses their address
-//   allows.
+//   allows; k8v4 in calls of more than TQ_STAGE_PASSES passes: a warp's slots assembled in
+//   shared memory and stored word by word by consecutive lanes (tq_stage_words).
 // Only the slot's slot_size bytes are written (the pad byte of slot_size_aligned never is).
 // Shapes the launcher checks: D even, D <= TQ_MAXP (3-bit fields: D % 8 == 0), P / E <= 32.
 // With KVWRITE_HOST_TEST (tests/test_turboquant_kernels.py's SIMT emulation, tests/gather_emu.h)
@@ -358,8 +359,9 @@ KVW_HD bool tq_div_fast(float b) {
   return b >= bits_f32(0x21800000u) && b <= bits_f32(0x5D800000u);
 }
 
-// fp16(v)'s bits (tq_f16_bits), little-endian at p (tq_store_f16); a NaN as 0x7E00 (the contract leaves a NaN norm's encoding free:
-// one fixed pattern makes every implementation's bytes equal).
+// fp16(v)'s bits (tq_f16_bits), little-endian at p (tq_store_f16); a NaN as 0x7E00 (the
+// contract leaves a NaN norm's encoding free: one fixed pattern makes every implementation's
+// bytes equal).
 KVW_HD u32 tq_f16_bits(float v) { return v == v ? f16ish_from_f32<DT_F16>(v) : 0x7E00u; }
 KVW_HD void tq_store_f16(u8* p, float v) {
   const u32 h = tq_f16_bits(v);
