@@ -420,6 +420,26 @@ def test_triton_rows_kernel_signed_nan_keys_on_cpu(dtype):
     _check_inputs(_TritonRows(64), *signed_nan_key_case(dtype), "rows kernel, signed NaN keys")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v)[6:])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("vllm_alloc", [True, False], ids=["words", "unaligned"])
+def test_triton_k8v4_word_slots_on_cpu(dtype, d, vllm_alloc):
+    """The k8v4 rows kernel at one row a program (rows_elems = D: BLOCK_R 1) stores its slots
+    as 4-byte words (word_slots: D a power of two >= 32, every slot 4-byte aligned; the
+    unaligned cache takes the byte stores): the special rows, signed NaN keys and
+    value-boundary rows, skipped slots, against the oracle."""
+    launch = "rows"
+    impl = _TritonRows(d)
+    preset, inputs = make_case("turboquant_k8v4", dtype, torch.int64, d, t=14, h=2, nb=8,
+                               seed=d, vllm_alloc=vllm_alloc)
+    assert _triton().word_slots(inputs[2], preset, d) == vllm_alloc
+    _check_inputs(impl, preset, inputs, f"{launch} words D={d}")
+    if vllm_alloc:
+        _check_inputs(impl, *signed_nan_key_case(dtype, d=d), f"{launch} words, NaN keys D={d}")
+        _check_inputs(impl, *value_boundary_case("turboquant_k8v4", d, t=8),
+                      f"{launch} words, value boundaries D={d}")
+
+
 def test_triton_rows_per_program():
     """BLOCK_R: the widest power of two within rows_elems while rows_programs programs remain
     (the H200's measured choice: 1 row up to 4095 rows at D = 128, 2 below 8192, then 4)."""
@@ -1060,13 +1080,15 @@ for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3)):
         for n in ("K_TOK", "K_HEAD", "V_TOK", "V_HEAD", "C_B", "C_S", "C_H", "P_0", "P_1",
                   "MID_S", "NUM_SLOTS", "H", "ROWS"):
             types[n] = "i32"
-        consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, BLOCK_J=8, NUM_FLAGS=8,
-                      KB=kb, VB=vb, KPS=128 if kb == 8 else 16 * kb + 2,
-                      BF16_BITS=in_ty == "*i16", STRIDE=kb != 8, BUTTERFLY=kb != 8,
-                      COMPILED=True)
-        text = ptx(tq._tq_rows_kernel, types, consts)
-        out[f"rows{kb}{vb}{in_ty}"] = [text.count("fma.rn.f32"), text.count("div.rn.f32"),
-                                       text.count("sqrt.rn.f32"), text.count("add.rm.f32")]
+        for words in (False, True) if kb == 8 else (False,):
+            consts = dict(BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_R=8, BLOCK_J=8, NUM_FLAGS=8,
+                          KB=kb, VB=vb, KPS=128 if kb == 8 else 16 * kb + 2,
+                          BF16_BITS=in_ty == "*i16", STRIDE=kb != 8, BUTTERFLY=kb != 8,
+                          COMPILED=True, WORDS=words)
+            text = ptx(tq._tq_rows_kernel, types, consts)
+            out[f"rows{kb}{vb}{in_ty}{'/words' if words else ''}"] = [
+                text.count("fma.rn.f32"), text.count("div.rn.f32"), text.count("sqrt.rn.f32"),
+                text.count("add.rm.f32"), text.count("st.global.b8"), text.count("st.global.b32")]
 print(json.dumps(out))
 """
 
@@ -1076,8 +1098,10 @@ def test_triton_kernel_compiles_for_sm90_without_fma():
     kernels: no fused multiply-add, true divisions, the correctly rounded root where the preset
     needs it."""
     out = run_triton_script(_TRITON_PTX_SCRIPT)
-    assert len(out) == 24
-    for name, (fma, div, sqrt, add_rm) in out.items():
+    assert len(out) == 27
+    for name, (fma, div, sqrt, add_rm, *stores) in out.items():
+        if name.endswith("/words"):  # k8v4's slots as 4-byte words: no byte store is left
+            assert stores[0] == 0 and stores[1] > 0, (name, out)
         k8v4 = name.startswith(("8", "rows8"))
         # The rows kernel's value codes take two explicit FMAs an element (tl.fma: the
         # quotient's corrections) and two sums rounded toward -inf (the code); nothing else

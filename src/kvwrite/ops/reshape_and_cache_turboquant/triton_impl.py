@@ -45,7 +45,7 @@ from ...kernels.triton_fp8 import corrected_quotient, pdl_entry, tl, triton
 from ...kernels.triton_support import PdlTuning, next_pow2
 
 __all__ = ["TritonTuning", "TUNING", "available", "unsupported", "run", "rows_per_program",
-           "MAX_HEAD_SIZE"]
+           "word_slots", "MAX_HEAD_SIZE"]
 
 MAX_HEAD_SIZE = 512  # triton_qk_norm.tree_sum's widest tree
 
@@ -381,10 +381,10 @@ if triton is not None:
                      b.to(tl.uint8), mask=ok)
 
     @triton.jit
-    def _rows_values(vdst, xv, m2, valid, VB: tl.constexpr, D: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
-        """The value part of rows xv [BLOCK_R, BLOCK_D] (m2: inside the row and the call):
-        VB-bit codes, fp16(s), fp16(mn) at vdst [BLOCK_R]."""
+    def _rows_value_codes(xv, m2, VB: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+        """The value part of rows xv [BLOCK_R, BLOCK_D] (m2: inside the row and the call): the
+        VB-bit codes [BLOCK_R, BLOCK_D], s and mn [BLOCK_R]."""
         L: tl.constexpr = (1 << VB) - 1
         mn, mx = _value_range(xv, m2 & (xv == xv), 1)
         s = _value_scale(mx - mn, L)
@@ -400,10 +400,44 @@ if triton is not None:
         fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)  # 2^-60, 2^60
         if tl.min(fast.to(tl.int32), axis=0) == 0:  # a row with s out of range (inf, NaN)
             c = tl.where(fast[:, None], c, _value_codes_by_division(w, sb, L))
+        return c, s, mn
+
+    @triton.jit
+    def _rows_values(vdst, xv, m2, valid, VB: tl.constexpr, D: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COMPILED: tl.constexpr):
+        """The value part of rows xv [BLOCK_R, BLOCK_D] (m2: inside the row and the call):
+        VB-bit codes, fp16(s), fp16(mn) at vdst [BLOCK_R]."""
+        c, s, mn = _rows_value_codes(xv, m2, VB, BLOCK_R, BLOCK_D, COMPILED)
         _store_field_rows(vdst, c, 0, D, VB, BLOCK_R, BLOCK_D, valid)
         VDB: tl.constexpr = D * VB // 8
         _f16_bytes_rows(vdst + VDB, s, valid)
         _f16_bytes_rows(vdst + VDB + 2, mn, valid)
+
+    @triton.jit
+    def _or(a, b):
+        return a | b
+
+    @triton.jit
+    def _words(codes, BITS: tl.constexpr, R: tl.constexpr, N: tl.constexpr):
+        """Codes [R, N] of BITS bits (8 or 4) as the little-endian 4-byte words of their
+        field, [R, N * BITS // 32]."""
+        PER: tl.constexpr = 32 // BITS
+        g = tl.reshape(codes, [R, N // PER, PER])
+        return tl.reduce(g << (BITS * tl.arange(0, PER))[None, None, :], 2, _or)
+
+    @triton.jit
+    def _word_slot(dst, kc, vc, s, mn, valid, VB: tl.constexpr, D: tl.constexpr,
+                   R: tl.constexpr):
+        """k8v4 slots at dst [R] as 4-byte words (WORDS: D a power of two >= 32, every slot
+        4-byte aligned), from the key codes kc and value codes vc [R, D], s and mn [R]: one
+        store a word instead of one a byte (tuning-log 116)."""
+        w = dst.to(tl.pointer_type(tl.int32))
+        KW: tl.constexpr = D // 4
+        VW: tl.constexpr = D * VB // 32
+        tl.store(w[:, None] + tl.arange(0, KW)[None, :], _words(kc, 8, R, D), mask=valid[:, None])
+        tl.store(w[:, None] + (KW + tl.arange(0, VW))[None, :], _words(vc, VB, R, D),
+                 mask=valid[:, None])
+        tl.store(w + (KW + VW), _f16_bits(s) | (_f16_bits(mn) << 16), mask=valid)
 
     @triton.jit
     def _row_quotients(x, den, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -457,7 +491,8 @@ if triton is not None:
                    ROWS, ascending, hadamard, h0, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
                    KB: tl.constexpr, VB: tl.constexpr, KPS: tl.constexpr,
-                   BF16_BITS: tl.constexpr, BUTTERFLY: tl.constexpr, COMPILED: tl.constexpr):
+                   BF16_BITS: tl.constexpr, BUTTERFLY: tl.constexpr, COMPILED: tl.constexpr,
+                   WORDS: tl.constexpr):
         """Pass rb of _tq_rows_kernel: rows rb * BLOCK_R .. + BLOCK_R, with the program's
         table decisions (ascending, hadamard, h0 = PiT[0, 0])."""
         i = tl.arange(0, BLOCK_D)
@@ -478,6 +513,10 @@ if triton is not None:
         dst = cache_ptr + off
 
         # ---- keys ----
+        if KB == 8 and WORDS:  # the slots as 4-byte words (word_slots)
+            c, s, mn = _rows_value_codes(xv, m2, VB, BLOCK_R, D, COMPILED)
+            _word_slot(dst, _e4m3_key_codes(xk), c, s, mn, valid, VB, D, BLOCK_R)
+            return
         if KB == 8:  # e4m3fn codes, a NaN's 0x7F
             tl.store(dst[:, None] + i[None, :], _e4m3_key_codes(xk).to(tl.uint8),
                      mask=valid[:, None] & im[None, :])
@@ -524,6 +563,7 @@ if triton is not None:
         BUTTERFLY: tl.constexpr,  # MSE, D a power of two: the flags decide the butterflies
         STRIDE: tl.constexpr,  # the programs stride over the passes (else a program a pass)
         COMPILED: tl.constexpr,  # built for a GPU (not the interpreter): add.rm.f32 in asm
+        WORDS: tl.constexpr,  # k8v4 slots stored as 4-byte words (run: where and why)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         """Every preset, BLOCK_R (token, head) rows a pass (row r = t * H + h), a program a pass
@@ -547,17 +587,27 @@ if triton is not None:
                 _rows_pass(rb, key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, pit_ptr,
                            mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B, C_S, C_H, P_0, P_1,
                            MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0, BLOCK_SIZE, D,
-                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS, BUTTERFLY, COMPILED)
+                           BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS, BUTTERFLY, COMPILED,
+                           WORDS)
         else:
             _rows_pass(tl.program_id(0).to(tl.int64), key_ptr, value_ptr, cache_ptr,
                        slot_mapping_ptr, pit_ptr, mid_ptr, K_TOK, K_HEAD, V_TOK, V_HEAD, C_B,
                        C_S, C_H, P_0, P_1, MID_S, NUM_SLOTS, H, ROWS, ascending, hadamard, h0,
                        BLOCK_SIZE, D, BLOCK_D, BLOCK_R, BLOCK_J, KB, VB, KPS, BF16_BITS,
-                       BUTTERFLY, COMPILED)
+                       BUTTERFLY, COMPILED, WORDS)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def word_slots(kv_cache: torch.Tensor, preset, head_size: int) -> bool:
+    """Whether the rows kernel stores k8v4 slots as 4-byte words: D a power of two >= 32 (whole
+    words of both fields and the scale and zero) and every slot 4-byte aligned (the cache's
+    address and its block, page and head strides)."""
+    d = head_size
+    return (int(preset.key_bits) == 8 and d >= 32 and d & (d - 1) == 0
+            and kv_cache.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in kv_cache.stride()[:3]))
 
 
 def rows_per_program(rows: int, block_d: int, tuning: TritonTuning = TUNING) -> int:
@@ -634,6 +684,9 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             *kv_cache.stride()[:3], *tables, nb * bs, h, rows,
             BLOCK_R=block_r, BLOCK_J=block_j, NUM_FLAGS=num_flags, BUTTERFLY=butterfly,
             STRIDE=stride, COMPILED=key.device.type == "cuda",
+            # k8v4's slots as words at one row a program only: H200, tuning-log 116: 0.87-0.90
+            # of the time at T = 64 and 256 (cold, twice), 1.12-1.20 at 2 and 4 rows a program.
+            WORDS=block_r == 1 and word_slots(kv_cache, preset, d),
             PDL=pdl, PDL_TRIGGER=trigger, num_warps=warps, launch_pdl=pdl, **common)
         return
     block_j = min(block_d, max(8, tuning.product_elems // block_d))
