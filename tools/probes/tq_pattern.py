@@ -5,13 +5,14 @@ and table) with more kinds: ``pattern``, a minimal kernel (``kvw_tq_pattern<4>``
 that reads the same key and value rows and slots and writes the preset's slot bytes at the same
 cache addresses (vLLM's allocation, heads outermost) with none of the op's work; ``pattern_1``
 the same with one 16-byte piece of K and of V a lane at a time instead of four (fewer bytes in
-flight); ``pattern_nhd``, the pattern kernel into a cache of the same size allocated
-``(num_blocks, block_size, H, slot_size_aligned)`` (a token's heads side by side: its slots one
-contiguous run). The faster of the first two is the floor of the op's pattern; ``pattern`` over
-``pattern_nhd`` is what the layout costs. Their bytes are not checked
-(they write no TurboQuant fields). Input rows of at most 512 bytes (head size 128: 256 in bfloat16).
+flight, fewer rows a warp: faster at small T); ``pattern_nhd``, the pattern kernel into a cache
+of the same size allocated ``(num_blocks, block_size, H, slot_size_aligned)`` (a token's heads
+side by side: its slots one contiguous run). The faster of the first two is the floor of the
+op's pattern; ``pattern`` over ``pattern_nhd`` is what the layout costs. Their bytes are not
+checked (they write no TurboQuant fields); every kind runs under each implementation named, so
+name one. Input rows of at most 512 bytes (head size 128: 256 in bfloat16).
 
-    python -m tools.probes tq-pattern --implementation cuda --kinds turboquant,pattern,pattern_nhd
+    python -m tools.probes tq-pattern --implementation cuda
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class TqPatternBench(TurboQuantBench):
     kinds = ("turboquant", "pattern", "pattern_nhd", "pattern_1", "fp8")
     ops_of_kind = {"turboquant": (OP,), "pattern": (), "pattern_nhd": (), "pattern_1": (),
                    "fp8": TurboQuantBench.ops_of_kind["fp8"]}
-    defaults = {"time_budget": 0.15, "kinds": ("turboquant", "pattern", "pattern_nhd")}
-    cpu_defaults = {**TurboQuantBench.cpu_defaults, "kinds": "turboquant,pattern,pattern_nhd"}
+    defaults = {"time_budget": 0.15,
+                "kinds": ("turboquant", "pattern", "pattern_1", "pattern_nhd", "fp8")}
+    cpu_defaults = {**TurboQuantBench.cpu_defaults, "kinds": "turboquant,pattern,pattern_1"}
 
     def block_bytes(self, p) -> int:
         # The benchmark's, and the contiguous cache of the pattern_nhd kind.
