@@ -848,13 +848,13 @@ def _stage_passes() -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda v: str(v)[6:])
-@pytest.mark.parametrize("d, lane_elems", [(128, 16), (128, 8), (16, 8), (24, 8)])
+@pytest.mark.parametrize("d, lane_elems", [(128, 16), (128, 8), (16, 8), (24, 8), (1024, 16)])
 @pytest.mark.parametrize("vllm_alloc", [True, False], ids=["vllm", "unaligned"])
 def test_cuda_kernel_emulated_k8v4_staged_stores(emu_lib, dtype, d, lane_elems, vllm_alloc):
     """k8v4 calls of more than TQ_STAGE_PASSES passes a warp (one CTA striding over the rows)
     store each warp's slots through shared memory where every slot is 4-byte aligned and the
-    rows whole (D a power of two; D = 24 and the unaligned cache take the lanes' own stores):
-    the same bytes, the special rows and the skipped slots included."""
+    rows whole (D a power of two, E = 8 to 32; D = 24 and the unaligned cache take the lanes'
+    own stores): the same bytes, the special rows and the skipped slots included."""
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
     h = 2
     impl = _Emulated(emu_lib, lane_elems=lane_elems, sm_count=1)
