@@ -4,6 +4,7 @@
 // are 64-bit (cuda.core passes a Python int as 8 bytes).
 #include "kvw/common.cuh"
 #include "kvw/fp8.cuh"
+#include "kvw/warp.cuh"
 
 // Nothing: the floor of a launch (one thread). Built with KVWRITE_PDL (kvw/common.cuh), this and
 // the two chain kernels below start as every kernel of the ops does: trigger, then wait.
@@ -182,9 +183,7 @@ __global__ void kvw_tq_pattern(const u8* key, const u8* value, u8* cache, const 
                                      v[u].z ^ v[u].w;
     w &= static_cast<u32>(zero);
     for (u32 j = 0; j < rpi; ++j) {
-      const i64 s = static_cast<i64>(
-          static_cast<u64>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(my_slot), j)) |
-          static_cast<u64>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(my_slot >> 32), j)) << 32);
+      const i64 s = shfl_i64(my_slot, static_cast<int>(j));
       const i64 row = base + j;
       if (row >= num_rows || s < 0 || s >= num_slots) continue;
       const i64 h = row % num_heads;

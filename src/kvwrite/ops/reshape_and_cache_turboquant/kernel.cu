@@ -66,6 +66,7 @@
 #include "kvw/round.cuh"
 #include "kvw/slot.cuh"
 #include "kvw/vec_io.cuh"
+#include "kvw/warp.cuh"
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
 #define TQ_BATCH 8     // the table check's loads in flight per thread
@@ -664,16 +665,12 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
         for (int k = 0; k < VW; ++k) row[d / 4 + r * VW + k] = vf.w[k];
         if (r == 0) row[slot_words - 1] = tq_f16_bits(s) | tq_f16_bits(mn) << 16;
         __syncwarp();
-        const unsigned long long at = write ? reinterpret_cast<unsigned long long>(dst) : 0ull;
+        const i64 at = write ? reinterpret_cast<i64>(dst) : 0;
         for (u32 j = 0; j < rpw; ++j) {
-          const int from = static_cast<int>(j << lg_lpr);
-          const unsigned long long pj =
-              __shfl_sync(0xFFFFFFFFu, static_cast<u32>(at), from) |
-              static_cast<unsigned long long>(__shfl_sync(0xFFFFFFFFu, static_cast<u32>(at >> 32),
-                                                          from)) << 32;
+          const i64 pj = shfl_i64(at, static_cast<int>(j << lg_lpr));
           if (pj == 0) continue;  // warp-uniform: row j writes nothing
           const u32* src = mine + j * slot_words;
-          for (u32 w = lane; w < slot_words; w += 32u) reinterpret_cast<u32*>(pj)[w] = src[w];
+          for (u32 k = lane; k < slot_words; k += 32u) reinterpret_cast<u32*>(pj)[k] = src[k];
         }
         continue;
       }

@@ -26,9 +26,10 @@ few ``tl.fma`` are explicit):
   kernel's product, two fused corrections and two sums rounded toward -inf), ``fp16(s)``,
   ``fp16(mn)``.
 
-Every byte goes out in a byte store (the slot's fields are at any byte offset). bfloat16 inputs
-arrive as their int16 bits and are widened by a shift (the interpreter's bfloat16 cast mangles
-subnormals). On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``); its
+Every byte goes out in a byte store (the slot's fields are at any byte offset), but k8v4 slots
+at one row a program of the rows kernel, stored as 4-byte words where every slot is 4-byte
+aligned (``word_slots``). bfloat16 inputs arrive as their int16 bits and are widened by a shift
+(the interpreter's bfloat16 cast mangles subnormals). On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``); its
 float32 -> float16 cast is exact, and no float8 cast is used, so every preset and input dtype is
 exact there. Head sizes up to 512 (the tree helper's width).
 """

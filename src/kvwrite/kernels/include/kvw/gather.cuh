@@ -36,6 +36,7 @@
 #include "kvw/common.cuh"
 #include "kvw/fp8_read.cuh"
 #include "kvw/vec_io.cuh"
+#include "kvw/warp.cuh"
 
 #if !defined(KVWRITE_HOST_TEST) || defined(KVWRITE_EMU)
 
@@ -237,18 +238,6 @@ KVW_HD Raw<N> load_raw_if(const u8* p, bool pred) {
 #define KVW_GATHER_KEEP(x) asm("mov.b64 %0, %0;" : "+l"(x))
 #endif
 
-// 64-bit values moved between the lanes of a warp (every lane takes part).
-__device__ __forceinline__ i64 gather_shfl_i64(i64 v, int src) {
-  const u32 lo = __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v)), src);
-  const u32 hi = __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v) >> 32), src);
-  return static_cast<i64>((static_cast<u64>(hi) << 32) | lo);
-}
-__device__ __forceinline__ i64 gather_shfl_down_i64(i64 v, u32 delta) {
-  const u32 lo = __shfl_down_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v)), delta);
-  const u32 hi = __shfl_down_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(v) >> 32), delta);
-  return static_cast<i64>((static_cast<u64>(hi) << 32) | lo);
-}
-
 // A row's byte offset (an op's row_base, or -1: the row keeps its bytes) from lane `src`. Where
 // every row base lies below 2^31 (`narrow`: a constant in a specialized build) one shuffle of the
 // low word carries it, -1 included.
@@ -257,7 +246,7 @@ __device__ __forceinline__ i64 gather_shfl_base(i64 base, int src, bool narrow) 
     return static_cast<i64>(static_cast<int>(
         __shfl_sync(0xFFFFFFFFu, static_cast<u32>(static_cast<u64>(base)), src)));
   }
-  return gather_shfl_i64(base, src);
+  return shfl_i64(base, src);
 }
 
 // Whether (n - 1) * a + (m - 1) * b < 2^31 for non-negative a, b (n, m >= 1): every row base of
@@ -340,7 +329,7 @@ __device__ __forceinline__ GatherRow gather_rule_warp(const GatherRowArgs& g, i6
   if (lane <= nreq) a = gather_start_global(g, lane);
   if ((g.flags & KVW_GATHER_HAS_SS) && lane < nreq)
     s = gather_index(g.seq_starts, lane * g.ss_stride, g.flags & KVW_GATHER_SS64);
-  const i64 e = gather_shfl_down_i64(a, 1u);
+  const i64 e = shfl_down_i64(a, 1u);
   int r = -1;
 #pragma unroll 4
   for (int j = 0; j < rows; ++j) {
@@ -349,8 +338,8 @@ __device__ __forceinline__ GatherRow gather_rule_warp(const GatherRowArgs& g, i6
     if (lane == j && m != 0u) r = 31 - __clz(m);
   }
   const int src = r < 0 ? 0 : r;
-  const i64 a_r = gather_shfl_i64(a, src);
-  const i64 s_r = gather_shfl_i64(s, src);
+  const i64 a_r = shfl_i64(a, src);
+  const i64 s_r = shfl_i64(s, src);
   return gather_locate(g, t_first + lane, r, a_r, s_r);
 }
 
