@@ -1019,6 +1019,67 @@ def test_kernel_division_is_correctly_rounded(tmp_path):
     assert fast > 6000000 * 0.6, out
 
 
+_HADAMARD_CHECK = r"""
+#include "gather_emu.h"
+#undef __shared__
+#define __shared__ static
+#define TQ_CTA_FIXED 128
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
+#include "kernel.cu"
+#include <cstdio>
+#include <random>
+// kernel.cu's tq_hadamard_misses against the entry-by-entry rule, for every 16-byte load of
+// the Sylvester Hadamard of every power-of-two d from 4 to 1024 times a random h: zero on the
+// table, nonzero with any one of its four entries changed (the sign, a low bit, a zero's sign).
+// Prints "wrong_accepts wrong_rejects loads".
+int main() {
+  std::mt19937 g(7);
+  long accepts = 0, rejects = 0, loads = 0;
+  for (u32 lg = 2; lg <= 10; ++lg) {
+    const u32 d = 1u << lg;
+    const u32 hb = (g() & 0x807FFFFFu) | (0x3Fu << 23) | ((lg & 1u) ? 0u : 0x80000000u);
+    for (u32 kk = 0; kk < d * d; kk += 4) {
+      u32 e[4];
+      for (u32 c = 0; c < 4; ++c) {
+        const u32 i = (kk + c) >> lg, j = (kk + c) & (d - 1u);
+        e[c] = hb ^ ((tq_popc(i & j) & 1u) << 31);
+      }
+      ++loads;
+      rejects += tq_hadamard_misses(uint4{e[0], e[1], e[2], e[3]}, kk, lg, hb) != 0u;
+      for (u32 c = 0; c < 4; ++c)
+        for (u32 flip : {0x80000000u, 1u, 0x00400000u}) {
+          u32 w[4] = {e[0], e[1], e[2], e[3]};
+          w[c] ^= flip;
+          accepts += tq_hadamard_misses(uint4{w[0], w[1], w[2], w[3]}, kk, lg, hb) == 0u;
+        }
+    }
+  }
+  std::printf("%ld %ld %ld\n", accepts, rejects, loads);
+}
+"""
+
+
+def test_kernel_hadamard_check_takes_one_parity_a_load(tmp_path):
+    """kernel.cu's table check (tq_hadamard_misses: one parity for a 16-byte load's four
+    entries) accepts every load of the scaled Sylvester Hadamard of D = 4 .. 1024 and rejects
+    each of them with any one entry's sign or a bit of its significand changed."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++)")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    op = pathlib.Path(cuda_impl.__file__).parent
+    (tmp_path / "had.cpp").write_text(_HADAMARD_CHECK)
+    exe = tmp_path / "had"
+    subprocess.run([cxx, "-O2", "-std=c++20", "-Wno-unknown-pragmas", "-pthread", f"-I{inc}",
+                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(tmp_path / "had.cpp"),
+                    "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    accepts, rejects, loads = map(int, out.split()[-3:])
+    assert (accepts, rejects) == (0, 0), out
+    assert loads == sum(4**k for k in range(1, 10)), out  # d * d / 4 for d = 4 .. 1024
+
+
 @needs_nvrtc
 def test_nvrtc_compiles_for_sm80_and_sm100():
     """A few variants on sm_80 (the software fp8 conversion) and sm_100; sm_90 compiles every

@@ -283,6 +283,19 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
   return f;
 }
 
+// The table check's test of one 16-byte load of PiT (d >= 4 a power of two, row-major and
+// contiguous): entries kk .. kk + 3 of the flattened [d, d] table (kk % 4 == 0: one row i,
+// columns j .. j + 3 with j % 4 == 0) against the Sylvester Hadamard times h (its bits hb),
+// whose entry (i, j + c) is hb ^ parity(i & (j + c)) << 31. As c < 4 shares no bit with j,
+// parity(i & (j + c)) = parity(i & j) ^ parity(i & c): one popcount for the four. Nonzero iff
+// any entry differs.
+KVW_HD u32 tq_hadamard_misses(uint4 w, u32 kk, u32 lg_d, u32 hb) {
+  const u32 i = kk >> lg_d, j = kk & ((1u << lg_d) - 1u);
+  const u32 e0 = hb ^ ((tq_popc(i & j) & 1u) << 31);
+  const u32 s1 = (i & 1u) << 31, s2 = (i & 2u) << 30;
+  return (w.x ^ e0) | (w.y ^ e0 ^ s1) | (w.z ^ e0 ^ s2) | (w.w ^ e0 ^ s1 ^ s2);
+}
+
 // tq_div_row's steps alone: q0 = RN(a * yb), then two corrections (RN(a / b) under tq_div_row's
 // conditions; the sign is the steps', not yet a's). tq_value_codes takes them too.
 KVW_HD float tq_quotient(float a, float b, float yb) {
@@ -467,7 +480,8 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
       const u32 hb = f32_bits(pit[0]);
       const u32 lg_d = 31u - static_cast<u32>(__clz(d));
       const u32 dd = d * d;
-      const bool vec = pit_s1 == 1 && pit_s0 == d && dd % 4 == 0 &&
+      u32 misses = 0u;
+      const bool vec = pit_s1 == 1 && pit_s0 == d && d >= 4 &&
                        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
       if (vec) {
         // TQ_BATCH 16-byte loads in flight per thread before any compare (at T = 1 this check is
@@ -482,15 +496,10 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
 #pragma unroll
           for (u32 k = 0; k < TQ_BATCH; ++k) {
             const u32 q = q0 + k * CTA;
-            if (q >= n4) continue;
-            const u32 w[4] = {w4[k].x, w4[k].y, w4[k].z, w4[k].w};
-#pragma unroll
-            for (u32 c = 0; c < 4; ++c) {
-              const u32 kk = 4 * q + c, i = kk >> lg_d, j = kk & (d - 1u);
-              bad |= w[c] != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
-            }
+            if (q < n4) misses |= tq_hadamard_misses(w4[k], 4 * q, lg_d, hb);
           }
         }
+        bad = misses != 0u ? 1 : 0;
       } else {
         for (u32 k = tid; k < dd; k += CTA) {
           const u32 i = k >> lg_d, j = k & (d - 1u);
