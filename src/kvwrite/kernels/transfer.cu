@@ -636,7 +636,6 @@ __global__ void __launch_bounds__(1024)
   constexpr bool ALIGNED = ALIGN != 0;
   static_assert(ALIGNED || U == 1, "the general variant takes one unit a lane");
   constexpr int ES = IN == DT_F32 ? 4 : 2;
-  constexpr int STEPS = IN == DT_F32 ? 2 : 1;  // kvw/fp8.cuh: float32 inputs take two steps
   constexpr int UE = page_unit_elems(FMT, ALIGNED, ES);
   constexpr int B = page_batches(FMT, true);
   const bool small = small_ != 0;
@@ -711,10 +710,10 @@ __global__ void __launch_bounds__(1024)
         const i64 t = at.t, e0 = UE * static_cast<i64>(at.g);
         const int n = static_cast<int>(E - e0 < UE ? E - e0 : UE);
         if constexpr (!ALIGNED) raw[u] = load_group<IN>(src + t * cst + e0 * csc, csc, n);
-        float x[UE];
-#pragma unroll
-        for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
         if constexpr (FMT == KVW_NVFP4) {
+          float x[UE];
+#pragma unroll
+          for (int i = 0; i < UE; ++i) x[i] = elem_f32<IN>(raw[u], i);
           u32 out[4], s8;
           quantize_group<IN>(raw[u], x, sigma, den6, out, &s8);
           const i64 r = r0 + t;
@@ -729,18 +728,17 @@ __global__ void __launch_bounds__(1024)
           }
           cbase[codes_at + lnc / 2 + r * (E / 16) + e0 / 16] = static_cast<u8>(s8);
         } else {
-          Raw<UE> c;  // the unit's UE codes
-          if (ff.c2 != 0u) {
-            fp8_fast16_chunk<IN, FMT, UE>(raw[u], c.w, ff);
-          } else {  // (m and s2 again a unit: held beside ff for the item, they spilled)
-            fp8_quantize<FMT, UE, STEPS>(x, c.w, fp8_fast16_fallback(ff));
-          }
+          // The unit's UE codes (fp8_fast16_or_quotient: the quotient's m and s2 again a unit;
+          // held beside ff for the item, they spilled).
+          const Raw<UE * ES> unit[1] = {raw[u]};
+          Raw<UE> c[1];
+          fp8_fast16_or_quotient<IN, FMT, UE, 1>(unit, c, ff);
           const i64 r = r0 + t;
           u8* codes = cbase + codes_at + r * E + e0;
           if constexpr (ALIGNED) {
-            store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c);
+            store_aligned<UE, (ALIGN < UE ? ALIGN : UE)>(codes, c[0]);
           } else {
-            store_bytes(codes, n, c.w);
+            store_bytes(codes, n, c[0].w);
           }
         }
       }

@@ -310,11 +310,28 @@ KVW_HD void fp8_fast16_chunk(const Raw<VEC * elem_bytes(IN)>& in, u32 (&out)[(VE
   }
 }
 
+// N chunks of VEC elements (IN) to fp8 codes of kind OUT under f = fp8_fast16_scale<IN>(s): by
+// fp8_quantize_fast16 where f.c2 is not 0 (16-bit inputs in its scale
+// range), else by convert_chunk's quotient with fp8_fast16_fallback's constants (computed once
+// for the N chunks). The one place that choice is made: the fused QK-norm write
+// (convert_fp8_chunks) and the fp8 page pack (transfer.cu, one chunk a unit) ask it.
+template <int IN, int OUT, int VEC, int N>
+KVW_HD void fp8_fast16_or_quotient(const Raw<VEC * elem_bytes(IN)> (&in)[N],
+                                   Raw<VEC> (&out)[N], const Fp8Fast16& f) {
+  if (f.c2 != 0u) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) fp8_fast16_chunk<IN, OUT, VEC>(in[k], out[k].w, f);
+  } else {
+    const Fp8Scale sc = fp8_fast16_fallback(f);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
+  }
+}
+
 // N chunks converted to an fp8 kind OUT under scale f.s (f = fp8_fast16_scale<IN>(s)), where r =
 // pow2_scale_reciprocal(s): by fp8_quantize_pow2 (the quotient's codes by one product an
-// element) where r is not 0 (a power of two), else by fp8_quantize_fast16 where f.c2 is not 0
-// (16-bit inputs in its scale range), else by convert_chunk's quotient (fp8_fast16_fallback's
-// constants). One test for the N chunks, so that each branch is a straight run of conversions.
+// element) where r is not 0 (a power of two), else by fp8_fast16_or_quotient. One test for the
+// N chunks, so that each branch is a straight run of conversions.
 template <int IN, int OUT, int VEC, int N>
 KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], float r,
                                const Fp8Fast16& f, Raw<VEC> (&out)[N]) {
@@ -327,13 +344,8 @@ KVW_HD void convert_fp8_chunks(const Raw<VEC * elem_bytes(IN)> (&in)[N], float r
       for (int i = 0; i < VEC; ++i) x[i] = elem_f32<IN>(in[k], i);
       fp8_quantize_pow2<OUT, VEC>(x, out[k].w, r);
     }
-  } else if (f.c2 != 0u) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) fp8_fast16_chunk<IN, OUT, VEC>(in[k], out[k].w, f);
   } else {
-    const Fp8Scale sc = fp8_fast16_fallback(f);
-#pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = convert_chunk<IN, OUT, VEC>(in[k], sc);
+    fp8_fast16_or_quotient<IN, OUT, VEC, N>(in, out, f);
   }
 }
 #endif  // !KVWRITE_HOST_TEST || KVWRITE_EMU
