@@ -484,17 +484,17 @@ _EMU_HARNESS = r"""
 #include "gather_emu.h"
 #undef __shared__
 #define __shared__ static
-#define TQ_CTA_FIXED 128  // gather_emu.h's CTA size
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(); }
 #include "kernel.cu"
+#define TQ_EMU_CTA 128  // gather_emu.h's CTA size (_EMU_CTA)
 #define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
                        const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
                        i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
                        i64 p1, i64 ms, i64 nt, i64 grid) {                                  \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_kernel<IN, KB, VB, ST, E>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt, vh, cb, cp,   \
-                                   ch, bs, bsh, ns, p0, p1, ms, nt);                        \
+      tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt,   \
+                                               vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, nt);\
     });                                                                                     \
   }
 """
@@ -551,7 +551,7 @@ class _Emulated:
         e, _ = self.c.lanes(d, self.tuning, rows, least)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
                                          preset.value_bits, slot_mapping.dtype, e))
-        grid = self.c.grid(rows, d, self.sm_count, self.tuning, threads=_EMU_CTA, least=least)
+        grid = self.c.grid(rows, d, self.sm_count, _EMU_CTA, self.tuning, least=least)
         fn(*(ctypes.c_void_p(a) for a in args[:6]),
            *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
 
@@ -862,7 +862,7 @@ def test_cuda_kernel_emulated_k8v4_staged_stores(emu_lib, dtype, d, lane_elems, 
     per_pass = _EMU_CTA // lpr  # rows of one CTA a pass
     t = (_stage_passes() * per_pass) // h + 3
     rows = t * h
-    assert cuda_impl.grid(rows, d, 1, impl.tuning, threads=_EMU_CTA) == 1
+    assert cuda_impl.grid(rows, d, 1, _EMU_CTA, impl.tuning) == 1
     assert rows > _stage_passes() * per_pass, "the case must take the staged path's passes"
     preset, inputs = make_case("turboquant_k8v4", dtype, torch.int64, d, t=t, h=h,
                                nb=-(-t // 4) + 1, bs=4, seed=d + t, vllm_alloc=vllm_alloc)
@@ -957,7 +957,6 @@ _DIV_CHECK = r"""
 #include "gather_emu.h"
 #undef __shared__
 #define __shared__ static
-#define TQ_CTA_FIXED 128
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
 #include "kernel.cu"
 #include <cstdio>
@@ -1023,7 +1022,6 @@ _HADAMARD_CHECK = r"""
 #include "gather_emu.h"
 #undef __shared__
 #define __shared__ static
-#define TQ_CTA_FIXED 128
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {}
 #include "kernel.cu"
 #include <cstdio>
@@ -1086,9 +1084,10 @@ def test_nvrtc_compiles_for_sm80_and_sm100():
     one of all_kernel_names in test_conformance (test_nvrtc_compiles_every_variant)."""
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
-    # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones).
-    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2)
-    few = [n for n in names if ", 4, int, 16>" in n or ", 3, long long, 32>" in n][:4]
+    # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones,
+    # and k8v4's E = 8 at two CTA sizes).
+    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 1)
+    few = [n for n in names if ", 4, int, 16, 512>" in n or ", 3, long long, 32, 256>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
         assert len(bytes(obj.code)) > 0
@@ -1110,12 +1109,24 @@ def test_lanes_and_grid():
                                                       128 // c.TUNING.small_lane_elems)
     assert c.min_elems(make_preset("turboquant_k3v4_nc", 16)) == 8
     assert c.min_elems(make_preset("turboquant_4bit_nc", 16)) == 2
-    # 64 rows a CTA of 512 threads at E = 16, 32 at E = 8 (the small calls'), 16 at E = 4
-    assert c.grid(8, 128, 132) == 1 and c.grid(t.small_rows + 1, 128, 1000) == 65
-    assert c.grid(64 * 5 + 1, 128, 132, c.CudaTuning(small_rows=0)) == 6
-    assert c.grid(32 * 5 + 1, 128, 132) == 6 and c.grid(16 * 5 + 1, 128, 132, t) == 6
-    assert c.grid(16384 * 8, 128, 132) == 132
-    assert c.grid(16384 * 8, 128, 132, c.CudaTuning(waves=2)) == 264
+    # 64 rows a CTA of 512 threads at E = 16, 32 at E = 8 (the small calls'), 16 at E = 4; 8 a
+    # CTA of 128 threads at E = 8 (k8v4's small calls)
+    assert c.grid(8, 128, 132, 512) == 1 and c.grid(t.small_rows + 1, 128, 1000, 512) == 65
+    assert c.grid(64 * 5 + 1, 128, 132, 512, c.CudaTuning(small_rows=0)) == 6
+    assert c.grid(32 * 5 + 1, 128, 132, 512) == 6 and c.grid(16 * 5 + 1, 128, 132, 512, t) == 6
+    assert c.grid(8 * 5 + 1, 128, 132, 128) == 6 and c.grid(8 * 200, 128, 132, 128) == 132
+    assert c.grid(16384 * 8, 128, 132, 512) == 132
+    assert c.grid(16384 * 8, 128, 132, 512, c.CudaTuning(waves=2)) == 264
+    # CTA sizes: k8v4 at E = 8 128 threads while its CTAs are at most the SMs, else 512
+    assert c.cta_options(8, 8) == (128, 512) and c.cta_options(4, 8) == (512,)
+    assert c.cta_options(8, 16) == (512,) and c.cta_options(8, 32) == (256,)
+    assert c.cta_threads(8, 8, 16, 132 * 8, 132) == 128
+    assert c.cta_threads(8, 8, 16, 132 * 8 + 1, 132) == 512
+    assert c.cta_threads(8, 8, 32, 132 * 4, 132) == 128  # D = 256: 4 rows a CTA
+    assert c.cta_threads(8, 8, 32, 132 * 4 + 1, 132) == 512
+    assert c.cta_threads(4, 8, 16, 8, 132) == 512 and c.cta_threads(3, 8, 16, 8, 132) == 512
+    assert c.cta_threads(8, 16, 8, 8, 132) == 512 and c.cta_threads(8, 32, 32, 8, 132) == 256
+    assert sum(n.endswith(", 8, 128>") for n in c.all_kernel_names()) == 6
 
 
 _TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
@@ -1226,6 +1237,29 @@ def test_gpu_k8v4_staged_stores(dtype, d):
     t = (_stage_passes() + 1) * sm * 2 * 16 * (512 // d) // h + 7
     _check(_gpu_impl("cuda"), "turboquant_k8v4", dtype, torch.int64, d, t=t, h=h,
            nb=-(-t // 16) + 2, bs=16, device="cuda", seed=d)
+
+
+@pytest.mark.gpu
+def test_gpu_cta_sizes():
+    """Each call's CTA size is cta_threads' and the loaded variant's (its max_threads_per_block,
+    __launch_bounds__'s CTA): k8v4's small calls 128 threads while those CTAs fit one an SM, 512
+    past that and for the MSE presets and E = 16; every call spans several CTAs and matches the
+    oracle."""
+    impl = _gpu_impl("cuda")
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    h = 4  # D = 128, E = 8: 8 rows a 128-thread CTA
+    many = (sm + 1) * 8 // h + 1  # more 128-thread CTAs than SMs, still a small call
+    assert many * h <= cuda_impl.TUNING.small_rows
+    cuda_impl.LAUNCHES.clear()
+    for name, t in (("turboquant_k8v4", 40), ("turboquant_4bit_nc", 40),
+                    ("turboquant_k8v4", many), ("turboquant_k8v4", 1100)):
+        _check(impl, name, torch.bfloat16, torch.int64, 128, t=t, h=h, nb=-(-t // 16) + 2,
+               bs=16, device="cuda", seed=t)
+    sizes = sorted((sig[1], sig[4], sig[5]) for sig in cuda_impl.LAUNCHES)
+    assert sizes == [(4, 8, 512), (8, 8, 128), (8, 8, 512), (8, 16, 512)], sizes
+    for sig, lau in cuda_impl.LAUNCHES.items():
+        assert lau.kernel.attributes.max_threads_per_block == sig[5]
 
 
 GPU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)

@@ -1,20 +1,20 @@
 """The CUDA implementation of reshape_and_cache_turboquant: ``kernel.cu`` compiled at run time with
 NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
 
-One kernel, ``tq_kernel<IN, KB, VB, SlotT, E>`` (see ``kernel.cu``): a row (token, head) is
-``P / E`` neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the CTAs of
-``cta_threads(E)`` threads striding over the rows (a grid of at most the resident CTAs: each CTA
-reads the rotation table once to see whether it is the Sylvester Hadamard, whose product it then
-takes by the fast Walsh-Hadamard transform, bit-exact with the tree). Every step of SPEC §10.2 is
-one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded pairwise
-tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
+One kernel, ``tq_kernel<IN, KB, VB, SlotT, E, CTA>`` (see ``kernel.cu``): a row (token, head)
+is ``P / E`` neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the CTAs
+of :func:`cta_threads` threads striding over the rows (a grid of at most the resident CTAs: each
+CTA reads the rotation table once to see whether it is the Sylvester Hadamard, whose product it
+then takes by the fast Walsh-Hadamard transform, bit-exact with the tree). Every step of SPEC
+§10.2 is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
+pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
 unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
 the GPU at every launch). One build per variant, the geometry passed at run time; measured in
-docs/tuning-log.md (changes 80, 91 and 115).
+docs/tuning-log.md (changes 80, 91, 115 and 118).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
            "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
-           "cta_threads", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
+           "cta_options", "cta_threads", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
@@ -63,9 +63,9 @@ TUNING = CudaTuning()
 
 
 def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.dtype,
-                elems: int) -> str:
+                elems: int, threads: int) -> str:
     return (f"{KERNEL}<{in_kind}, {key_bits}, {value_bits}, {launch.int_type(slot_dtype)}, "
-            f"{elems}>")
+            f"{elems}, {threads}>")
 
 
 def lanes(head_size: int, tuning: CudaTuning = TUNING, rows: int | None = None,
@@ -86,18 +86,34 @@ def min_elems(preset) -> int:
     return 8 if 3 in (int(preset.key_bits), int(preset.value_bits)) else 2
 
 
-def cta_threads(elems: int) -> int:
-    """kernel.cu's tq_cta<E>()."""
-    return 256 if elems >= 32 else 512
+def cta_options(key_bits: int, elems: int) -> tuple[int, ...]:
+    """The CTA sizes a variant is built with: 256 at E = 32 (512 rows' shared u would not fit);
+    k8v4 at E = 8 (the small calls' lanes) 128 or 512 (:func:`cta_threads`); else 512."""
+    if elems >= 32:
+        return (256,)
+    return (128, 512) if key_bits == 8 and elems == 8 else (512,)
 
 
-def grid(num_rows: int, head_size: int, resident: int, tuning: CudaTuning = TUNING,
-         threads: int | None = None, least: int = 2) -> int:
+def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_count: int) -> int:
+    """The threads of a CTA for a call of ``rows`` rows (one of :func:`cta_options`): k8v4 at E
+    = 8 takes 128-thread CTAs while there are at most ``sm_count`` of them, else 512. It has no
+    table check to share among a CTA's threads, and a few rows spread over more SMs finish sooner;
+    once the small CTAs outnumber the SMs they cost more than they spread (H200, H = 8, D = 128,
+    128 against 512 threads, cold / hot, tuning-log 118: T = 1 0.93 / 0.92, T = 16 0.84 / 0.77,
+    T = 64 0.85 / 0.79; T = 256, 256 CTAs: 0.975 / 1.08; T = 512 0.97 / 1.065). The MSE presets'
+    per-CTA table check needs 512 threads' loads in flight (128: 1.37 at T = 1)."""
+    opts = cta_options(key_bits, elems)
+    if len(opts) > 1 and -(-rows // (opts[0] // lanes_per_row)) <= sm_count:
+        return opts[0]
+    return opts[-1]
+
+
+def grid(num_rows: int, head_size: int, resident: int, threads: int,
+         tuning: CudaTuning = TUNING, least: int = 2) -> int:
     """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most ``waves`` times the
-    ``resident`` CTAs (``threads``: the CTA size, kernel.cu's by default; the emulation's
+    ``resident`` CTAs (``threads``: the CTA size, :func:`cta_threads`'s; the emulation's
     differs; ``least``: :func:`min_elems`)."""
-    e, lpr = lanes(head_size, tuning, num_rows, least)
-    threads = threads or cta_threads(e)
+    _, lpr = lanes(head_size, tuning, num_rows, least)
     rows_per_cta = threads // lpr
     return max(1, min(-(-num_rows // rows_per_cta), max(1, resident) * max(1, tuning.waves)))
 
@@ -105,9 +121,9 @@ def grid(num_rows: int, head_size: int, resident: int, tuning: CudaTuning = TUNI
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests): 3-bit fields need D % 8 == 0, so
     E >= 8 there."""
-    return [kernel_name(kind, kb, vb, sd, e) for kind in launch.KIND.values() for kb, vb in BITS
-            for sd in (torch.int32, torch.int64) for e in LANE_ELEMS
-            if e >= 8 or (kb != 3 and vb != 3)]
+    return [kernel_name(kind, kb, vb, sd, e, c) for kind in launch.KIND.values()
+            for kb, vb in BITS for sd in (torch.int32, torch.int64) for e in LANE_ELEMS
+            if e >= 8 or (kb != 3 and vb != 3) for c in cta_options(kb, e)]
 
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -137,23 +153,25 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          f"{unsupported(key, kv_cache, preset)}")
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     least = min_elems(preset)
-    e, _ = lanes(d, tuning, num_tokens * h, least)
-    sig = (key.dtype, kb, vb, slot_mapping.dtype, e, key.get_device(), tuning)
+    rows = num_tokens * h
+    e, lpr = lanes(d, tuning, rows, least)
+    index = key.get_device()
+    threads = cta_threads(kb, e, lpr, rows, nvrtc.device_arch(index)[1])
+    sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
         launch.require_setup()
-        index = key.get_device()
-        name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, e)
+        name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, e, threads)
         k, pk = launch.load(SOURCE, name, (), index, False)
         with nvrtc.capture_relaxed():
             nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context
             _, sm_count = nvrtc.device_arch(index)
-            per_sm = k.occupancy.max_active_blocks_per_multiprocessor(cta_threads(e), 0)
+            per_sm = k.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
                                                 bounds=(sm_count * max(1, per_sm),))
-    ctas = grid(num_tokens * h, d, lau.bounds[0], tuning, least=least)
+    ctas = grid(rows, d, lau.bounds[0], threads, tuning, least=least)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
-    config = nvrtc.launch_config(ctas, 1, cta_threads(e), 1, pdl)
+    config = nvrtc.launch_config(ctas, 1, threads, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
                  *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints))
 

@@ -2,20 +2,22 @@
 // TurboQuant slot of a paged byte cache (SPEC 10.1-10.2).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py), one module per variant
-// tq_kernel<IN, KB, VB, SlotT, E>: IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's bits
-// (8: k8v4's e4m3fn codes; 4 or 3: MSE indices), VB the value's bits (4 or 3), SlotT the slot
+// tq_kernel<IN, KB, VB, SlotT, E, CTA>: IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
+// bits (8: k8v4's e4m3fn codes; 4 or 3: MSE indices), VB the value's bits (4 or 3), SlotT the slot
 // type (int or long long), E the elements of a row each lane holds (a power of two; the launcher
-// picks E for the padded head size P, the power of two >= D: LPR = P / E <= 32 lanes per row).
+// picks E for the padded head size P, the power of two >= D: LPR = P / E <= 32 lanes per row),
+// CTA the threads of a CTA (the launcher's cta_threads; one CTA per SM at least:
+// __launch_bounds__'s second argument 1 lets ptxas take up to 128 registers a thread at 512
+// rather than spill; the launcher sizes the grid by the measured occupancy).
 //
 // Layout: a row (token, head) is LPR neighbouring lanes of one warp, lane r of the row holding
 // elements [r*E, r*E + E) of the key and the value rows in registers (loaded as 16-byte vectors
 // where the chunk is whole and aligned; elements >= D are never read: +0 in the key, NaN in the
-// value). A warp holds 32 / LPR rows; the CTAs (tq_cta<E>() threads) stride over the rows (grid
-// sized by the launcher to the resident CTAs: the per-CTA setup below is paid once per CTA, not
-// once per row; the first pass's rows are loaded before it, each later pass's row while the lane
-// quantizes the one before: TqRaw). A row whose
-// slot is negative or out of range computes on but stores nothing (its lanes still take part in
-// the warp's shuffles).
+// value). A warp holds 32 / LPR rows; the CTAs (CTA threads) stride over the rows
+// (grid sized by the launcher to the resident CTAs: the per-CTA setup below is paid once per
+// CTA, not once per row; the first pass's rows are loaded before it, each later pass's row while
+// the lane quantizes the one before: TqRaw). A row whose slot is negative or out of range
+// computes on but stores nothing (its lanes still take part in the warp's shuffles).
 //
 // Every float32 step is one explicitly rounded PTX instruction (common.cuh's add_rn, sub_rn,
 // mul_rn, div_rn, fma_rn; qk_norm.cuh's sqrt_rn, rcp_rn), so no compiler flag can contract or
@@ -76,18 +78,6 @@
 // passes up to 1.19 slower (a pass's latency is the call's).
 #define TQ_STAGE_PASSES 8
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
-
-// Threads of a CTA: 512 (256 for E = 32, whose rows' shared u would not fit); the emulation
-// defines its own (its CTAs have a fixed size). One CTA per SM at least (__launch_bounds__'s
-// second argument 1: ptxas may take up to 128 registers a thread rather than spill; the launcher
-// sizes the grid by the measured occupancy).
-#ifndef TQ_CTA_FIXED
-template <int E>
-__host__ __device__ constexpr int tq_cta() { return E >= 32 ? 256 : 512; }
-#else
-template <int E>
-__host__ __device__ constexpr int tq_cta() { return TQ_CTA_FIXED; }
-#endif
 
 KVW_HD u32 tq_popc(u32 x) {
 #ifdef KVWRITE_HOST_TEST
@@ -392,8 +382,8 @@ KVW_HD void tq_store_f16(u8* p, float v) {
 template <int E>
 __host__ __device__ constexpr int tq_stage_words() { return 12 * E + 32; }
 
-template <int IN, int KB, int VB, typename SlotT, int E>
-__global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
+template <int IN, int KB, int VB, typename SlotT, int E, int CTA>
+__global__ void __launch_bounds__(CTA, 1) tq_kernel(
     const u8* __restrict__ key,    // [T_pad, H, D] of kind IN via (k_tok, k_head, 1) elements
     const u8* __restrict__ value,  // [T_pad, H, D] via (v_tok, v_head, 1)
     u8* __restrict__ cache,        // [num_blocks, block_size, H, S] bytes via (c_blk, c_page, c_head, 1)
@@ -408,8 +398,9 @@ __global__ void __launch_bounds__(tq_cta<E>(), 1) tq_kernel(
   static_assert(KB == 8 || KB == 4 || KB == 3, "key bits");
   static_assert(VB == 4 || VB == 3, "value bits");
   static_assert(E >= 2 && E <= 32 && (E & (E - 1)) == 0, "elements per lane");
-  constexpr int CTA = tq_cta<E>();
   constexpr bool MSE = KB != 8;
+  static_assert(CTA % 32 == 0 && CTA >= 32 && CTA <= 512, "threads of a CTA");
+  static_assert(!MSE || CTA * (E + 1) * 4 <= 40 * 1024, "the MSE rows' shared u (s_u) fit");
   constexpr u32 NM = MSE ? (1u << KB) - 1u : 1u;  // midpoints
   // The generic rotation's u rows (row stride P + 1: the warp's rows in different banks).
   __shared__ float s_u[MSE ? CTA * (E + 1) : 1];
