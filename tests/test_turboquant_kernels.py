@@ -1086,7 +1086,7 @@ def test_nvrtc_compiles_for_sm80_and_sm100():
     names = c.all_kernel_names()
     # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones,
     # and k8v4's E = 8 at two CTA sizes).
-    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 1)
+    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 4)
     few = [n for n in names if ", 4, int, 16, 512>" in n or ", 3, long long, 32, 256>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
@@ -1118,13 +1118,16 @@ def test_lanes_and_grid():
     assert c.grid(16384 * 8, 128, 132, 512) == 132
     assert c.grid(16384 * 8, 128, 132, 512, c.CudaTuning(waves=2)) == 264
     # CTA sizes: k8v4 at E = 8 128 threads while its CTAs are at most the SMs, else 512
-    assert c.cta_options(8, 8) == (128, 512) and c.cta_options(4, 8) == (512,)
+    assert c.cta_options(8, 8) == (128, 512) and c.cta_options(4, 8) == (256, 512)
     assert c.cta_options(8, 16) == (512,) and c.cta_options(8, 32) == (256,)
     assert c.cta_threads(8, 8, 16, 132 * 8, 132) == 128
     assert c.cta_threads(8, 8, 16, 132 * 8 + 1, 132) == 512
     assert c.cta_threads(8, 8, 32, 132 * 4, 132) == 128  # D = 256: 4 rows a CTA
     assert c.cta_threads(8, 8, 32, 132 * 4 + 1, 132) == 512
-    assert c.cta_threads(4, 8, 16, 8, 132) == 512 and c.cta_threads(3, 8, 16, 8, 132) == 512
+    # the MSE presets at E = 8: 256 where that makes more CTAs than 512, at most MSE_SMALL_CTAS
+    assert c.cta_threads(4, 8, 16, 32, 132) == 512 and c.cta_threads(3, 8, 16, 33, 132) == 256
+    assert c.cta_threads(4, 8, 16, 16 * c.MSE_SMALL_CTAS, 132) == 256
+    assert c.cta_threads(4, 8, 16, 16 * c.MSE_SMALL_CTAS + 1, 132) == 512
     assert c.cta_threads(8, 16, 8, 8, 132) == 512 and c.cta_threads(8, 32, 32, 8, 132) == 256
     assert sum(n.endswith(", 8, 128>") for n in c.all_kernel_names()) == 6
 
@@ -1242,9 +1245,9 @@ def test_gpu_k8v4_staged_stores(dtype, d):
 @pytest.mark.gpu
 def test_gpu_cta_sizes():
     """Each call's CTA size is cta_threads' and the loaded variant's (its max_threads_per_block,
-    __launch_bounds__'s CTA): k8v4's small calls 128 threads while those CTAs fit one an SM, 512
-    past that and for the MSE presets and E = 16; every call spans several CTAs and matches the
-    oracle."""
+    __launch_bounds__'s CTA): k8v4's small calls 128 threads while those CTAs fit one an SM, the
+    MSE presets' 256 while they are at most MSE_SMALL_CTAS, 512 past that and at E = 16; every
+    call spans several CTAs and matches the oracle."""
     impl = _gpu_impl("cuda")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
     sm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1253,11 +1256,12 @@ def test_gpu_cta_sizes():
     assert many * h <= cuda_impl.TUNING.small_rows
     cuda_impl.LAUNCHES.clear()
     for name, t in (("turboquant_k8v4", 40), ("turboquant_4bit_nc", 40),
-                    ("turboquant_k8v4", many), ("turboquant_k8v4", 1100)):
+                    ("turboquant_4bit_nc", 300), ("turboquant_k8v4", many),
+                    ("turboquant_k8v4", 1100)):
         _check(impl, name, torch.bfloat16, torch.int64, 128, t=t, h=h, nb=-(-t // 16) + 2,
                bs=16, device="cuda", seed=t)
     sizes = sorted((sig[1], sig[4], sig[5]) for sig in cuda_impl.LAUNCHES)
-    assert sizes == [(4, 8, 512), (8, 8, 128), (8, 8, 512), (8, 16, 512)], sizes
+    assert sizes == [(4, 8, 256), (4, 8, 512), (8, 8, 128), (8, 8, 512), (8, 16, 512)], sizes
     for sig, lau in cuda_impl.LAUNCHES.items():
         assert lau.kernel.attributes.max_threads_per_block == sig[5]
 

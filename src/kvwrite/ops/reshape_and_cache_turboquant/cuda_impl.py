@@ -14,7 +14,7 @@ unsupported here (torch runs them).
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
 the GPU at every launch). One build per variant, the geometry passed at run time; measured in
-docs/tuning-log.md (changes 80, 91, 115 and 118).
+docs/tuning-log.md (changes 80, 91, 115, 118 and 119).
 """
 
 from __future__ import annotations
@@ -88,24 +88,40 @@ def min_elems(preset) -> int:
 
 def cta_options(key_bits: int, elems: int) -> tuple[int, ...]:
     """The CTA sizes a variant is built with: 256 at E = 32 (512 rows' shared u would not fit);
-    k8v4 at E = 8 (the small calls' lanes) 128 or 512 (:func:`cta_threads`); else 512."""
+    at E = 8 (the small calls' lanes) a small size and 512, k8v4 128, the MSE presets 256
+    (:func:`cta_threads`); else 512."""
     if elems >= 32:
         return (256,)
-    return (128, 512) if key_bits == 8 and elems == 8 else (512,)
+    if elems == 8:
+        return (128, 512) if key_bits == 8 else (256, 512)
+    return (512,)
+
+
+# The MSE presets' small CTAs at most (each checks the 64 KiB table at D = 128).
+MSE_SMALL_CTAS = 64
 
 
 def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_count: int) -> int:
-    """The threads of a CTA for a call of ``rows`` rows (one of :func:`cta_options`): k8v4 at E
-    = 8 takes 128-thread CTAs while there are at most ``sm_count`` of them, else 512. It has no
-    table check to share among a CTA's threads, and a few rows spread over more SMs finish sooner;
-    once the small CTAs outnumber the SMs they cost more than they spread (H200, H = 8, D = 128,
-    128 against 512 threads, cold / hot, tuning-log 118: T = 1 0.93 / 0.92, T = 16 0.84 / 0.77,
-    T = 64 0.85 / 0.79; T = 256, 256 CTAs: 0.975 / 1.08; T = 512 0.97 / 1.065). The MSE presets'
-    per-CTA table check needs 512 threads' loads in flight (128: 1.37 at T = 1)."""
+    """The threads of a CTA for a call of ``rows`` rows (one of :func:`cta_options`): a few rows
+    spread over more SMs finish sooner, until the small CTAs cost more than they spread (H200,
+    H = 8, D = 128, time against 512 threads, cold / hot, tuning-log 118 and 119).
+
+    - k8v4 at E = 8: 128 threads while those CTAs are at most ``sm_count`` (T = 1 0.93 / 0.92,
+      16 0.84 / 0.76, 64 0.85 / 0.79, 128 0.89 / 0.85; at T = 256, 256 CTAs: 0.975 / 1.08).
+    - The MSE presets at E = 8: 256 threads where that makes more CTAs than 512 would and at
+      most ``MSE_SMALL_CTAS`` (T = 16 0.90 / 0.885, 64 0.92 / 0.89, 128 0.98 / 0.99; one CTA
+      either way at T = 1: 1.045 / 1.03; 128 CTAs at T = 256: 1.045 / 1.09). Each CTA checks the
+      rotation table, so more CTAs read it more often; 128 threads measured 1.07–1.37.
+    """
     opts = cta_options(key_bits, elems)
-    if len(opts) > 1 and -(-rows // (opts[0] // lanes_per_row)) <= sm_count:
+    if len(opts) == 1:
         return opts[0]
-    return opts[-1]
+    small, large = opts
+    ctas = -(-rows // (small // lanes_per_row))
+    if key_bits == 8:
+        return small if ctas <= sm_count else large
+    more = rows > large // lanes_per_row
+    return small if more and ctas <= MSE_SMALL_CTAS else large
 
 
 def grid(num_rows: int, head_size: int, resident: int, threads: int,

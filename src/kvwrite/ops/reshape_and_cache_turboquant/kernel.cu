@@ -71,7 +71,11 @@
 #include "kvw/warp.cuh"
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
-#define TQ_BATCH 8     // the table check's loads in flight per thread
+// The table check's 16-byte loads in flight a thread: 4096 a CTA where the registers allow (E <=
+// 16: 8 a thread at 512 threads, 16 at 256: D = 128's table in one round trip), 8 at E = 32
+// (255 registers already).
+template <int E, int CTA>
+__host__ __device__ constexpr u32 tq_check_batch() { return E <= 16 ? 4096u / CTA : 8u; }
 // k8v4 stages its stores (tq_stage_words) in calls of more than this many passes a warp: H200,
 // H = 8, D = 128, tuning-log 115: 0.82-0.85 of the time at T >= 16384 (15.5 passes and more),
 // cold and hot; at T = 3072 and 4096 (2.9, 3.9 passes) 0.90 cold but 1.28-1.29 hot, at fewer
@@ -475,17 +479,18 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
       const bool vec = pit_s1 == 1 && pit_s0 == d && d >= 4 &&
                        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
       if (vec) {
-        // TQ_BATCH 16-byte loads in flight per thread before any compare (at T = 1 this check is
-        // on the critical path: D = 128 takes 8 a thread of a 512-thread CTA, one round trip).
+        // B 16-byte loads in flight per thread before any compare (at T = 1 this check is on
+        // the critical path: D = 128 takes 8 a thread of a 512-thread CTA, one round trip).
         const uint4* p4 = reinterpret_cast<const uint4*>(pit);
         const u32 n4 = dd / 4;
-        for (u32 q0 = tid; q0 < n4; q0 += TQ_BATCH * CTA) {
-          uint4 w4[TQ_BATCH];
+        constexpr u32 B = tq_check_batch<E, CTA>();
+        for (u32 q0 = tid; q0 < n4; q0 += B * CTA) {
+          uint4 w4[B];
 #pragma unroll
-          for (u32 k = 0; k < TQ_BATCH; ++k)
+          for (u32 k = 0; k < B; ++k)
             if (q0 + k * CTA < n4) w4[k] = p4[q0 + k * CTA];
 #pragma unroll
-          for (u32 k = 0; k < TQ_BATCH; ++k) {
+          for (u32 k = 0; k < B; ++k) {
             const u32 q = q0 + k * CTA;
             if (q < n4) misses |= tq_hadamard_misses(w4[k], 4 * q, lg_d, hb);
           }
