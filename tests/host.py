@@ -56,6 +56,23 @@ def build_emu_lib(tmp_path_factory, harness: str, name: str, op_dir) -> ctypes.C
     return ctypes.CDLL(str(lib))
 
 
+def run_emu_program(tmp_path, name: str, source: str, op_dir) -> str:
+    """What the C++ program ``source`` prints, built for the host with build_emu_lib's include
+    paths (kvwrite/kernels/include, ``op_dir``, tests/) and flags (C++20, threads, no FMA
+    contraction). Skips where there is no host C++ compiler."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++)")
+    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
+    (tmp_path / f"{name}.cpp").write_text(source)
+    exe = tmp_path / name
+    subprocess.run([cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
+                    "-Wno-unknown-pragmas", "-pthread", f"-I{inc}", f"-I{op_dir}",
+                    f"-I{os.path.dirname(os.path.abspath(__file__))}",
+                    str(tmp_path / f"{name}.cpp"), "-o", str(exe)], check=True)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
 def run_c(tmp_path, name: str, source: str) -> str:
     """What the C program ``source`` prints, built for the host (``-ffp-contract=off``: x * y
     stays a rounded product; fmaf is the C library's exact fma). Skips where there is no host C

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.resources
 import math
 import pathlib
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
-from host import TRITON_PTX_PRELUDE, build_emu_lib, run_triton_script
+from host import TRITON_PTX_PRELUDE, build_emu_lib, run_emu_program, run_triton_script
 from kvwrite.testing.compare import storage_bytes
 from sass import needs_nvrtc
 
@@ -1000,19 +997,8 @@ int main() {
 def test_kernel_division_is_correctly_rounded(tmp_path):
     """kernel.cu's row-reciprocal division (tq_div_row) gives the correctly rounded quotient,
     signed zeros included, on 6 * 10^6 pairs, most of them on its fast path."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++)")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
-    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    op = pathlib.Path(cuda_impl.__file__).parent
-    (tmp_path / "div.cpp").write_text(_DIV_CHECK)
-    exe = tmp_path / "div"
-    subprocess.run([cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-fno-fast-math",
-                    "-Wno-unknown-pragmas", "-pthread", f"-I{inc}", f"-I{op}",
-                    f"-I{pathlib.Path(__file__).parent}", str(tmp_path / "div.cpp"), "-o",
-                    str(exe)], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    out = run_emu_program(tmp_path, "div", _DIV_CHECK, pathlib.Path(cuda_impl.__file__).parent)
     bad, fast = map(int, out.split()[-2:])
     assert bad == 0, out
     assert fast > 6000000 * 0.6, out
@@ -1061,18 +1047,9 @@ def test_kernel_hadamard_check_takes_one_parity_a_load(tmp_path):
     """kernel.cu's table check (tq_hadamard_misses: one parity for a 16-byte load's four
     entries) accepts every load of the scaled Sylvester Hadamard of D = 4 .. 1024 and rejects
     each of them with any one entry's sign or a bit of its significand changed."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++)")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
-    inc = importlib.resources.files("kvwrite.kernels").joinpath("include")
-    op = pathlib.Path(cuda_impl.__file__).parent
-    (tmp_path / "had.cpp").write_text(_HADAMARD_CHECK)
-    exe = tmp_path / "had"
-    subprocess.run([cxx, "-O2", "-std=c++20", "-Wno-unknown-pragmas", "-pthread", f"-I{inc}",
-                    f"-I{op}", f"-I{pathlib.Path(__file__).parent}", str(tmp_path / "had.cpp"),
-                    "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    out = run_emu_program(tmp_path, "had", _HADAMARD_CHECK,
+                          pathlib.Path(cuda_impl.__file__).parent)
     accepts, rejects, loads = map(int, out.split()[-3:])
     assert (accepts, rejects) == (0, 0), out
     assert loads == sum(4**k for k in range(1, 10)), out  # d * d / 4 for d = 4 .. 1024

@@ -172,7 +172,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     rows = num_tokens * h
     e, lpr = lanes(d, tuning, rows, least)
     index = key.get_device()
-    threads = cta_threads(kb, e, lpr, rows, nvrtc.device_arch(index)[1])
+    sm_count = nvrtc.device_arch(index)[1]
+    threads = cta_threads(kb, e, lpr, rows, sm_count)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning)
     lau = LAUNCHES.get(sig)
     if lau is None:
@@ -181,7 +182,6 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         k, pk = launch.load(SOURCE, name, (), index, False)
         with nvrtc.capture_relaxed():
             nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context
-            _, sm_count = nvrtc.device_arch(index)
             per_sm = k.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
                                                 bounds=(sm_count * max(1, per_sm),))
