@@ -488,10 +488,11 @@ inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
                        const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
                        i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
-                       i64 p1, i64 ms, i64 nt, i64 grid) {                                  \
+                       i64 p1, i64 ms, i64 nt, i64 rw, i64 grid) {                          \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
       tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt,   \
-                                               vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, nt);\
+                                               vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, nt, \
+                                               rw);                                         \
     });                                                                                     \
   }
 """
@@ -530,25 +531,29 @@ class _Emulated:
     grid's bound (1: one CTA strides over every row)."""
 
     def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2, small_rows: int = 0,
-                 small_lane_elems: int = 4):
+                 small_lane_elems: int = 4, warps: int | None = None):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
         # small_rows 0: every call takes lane_elems (the small-call choice has its own test)
         self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems, small_rows=small_rows,
                                            small_lane_elems=small_lane_elems)
         self.sm_count = sm_count
+        self.warps = warps  # the warps with rows a CTA (None: cuda_impl.row_warps's)
 
     def unsupported(self, key, kv_cache, preset):
         return self.c.unsupported(key, kv_cache, preset)
 
     def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
         from kvwrite.kernels import launch
-        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids)
         d, rows, least = key.shape[2], slot_mapping.numel() * key.shape[1], self.c.min_elems(preset)
-        e, _ = self.c.lanes(d, self.tuning, rows, least)
+        e, lpr = self.c.lanes(d, self.tuning, rows, least)
+        warps = self.warps or self.c.row_warps(int(preset.key_bits), e, lpr, rows, _EMU_CTA,
+                                               self.tuning)
+        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids, warps)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
                                          preset.value_bits, slot_mapping.dtype, e))
-        grid = self.c.grid(rows, d, self.sm_count, _EMU_CTA, self.tuning, least=least)
+        grid = self.c.grid(rows, d, self.sm_count, _EMU_CTA, self.tuning, least=least,
+                           warps=warps)
         fn(*(ctypes.c_void_p(a) for a in args[:6]),
            *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
 
@@ -866,6 +871,20 @@ def test_cuda_kernel_emulated_k8v4_staged_stores(emu_lib, dtype, d, lane_elems, 
     _check_inputs(impl, preset, inputs, f"k8v4 staged D={d} E={lane_elems} {dtype}")
 
 
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_3bit_nc",
+                                         "turboquant_k8v4"])
+@pytest.mark.parametrize("warps", [1, 2])
+@pytest.mark.parametrize("sm_count", [1, 64])
+def test_cuda_kernel_emulated_row_warps(emu_lib, preset_name, warps, sm_count):
+    """CTAs whose first ``warps`` warps take rows (the others only share the setup): many CTAs
+    of a few rows each, or one CTA striding over every row; the same bytes, skipped slots
+    included (the table is the Hadamard: the check's loads on every warp, the rows on few)."""
+    impl = _Emulated(emu_lib, lane_elems=8, sm_count=sm_count, small_rows=1 << 20,
+                     small_lane_elems=8, warps=warps)
+    _check(impl, preset_name, torch.bfloat16, torch.int64, 64, t=37, h=3, nb=12, bs=4,
+           seed=warps + sm_count, pit_kind="hadamard")
+
+
 @pytest.mark.parametrize("preset_name", PRESETS)
 @pytest.mark.parametrize("d, lane_elems", [(16, 16), (128, 16), (64, 4)])
 def test_cuda_kernel_emulated_value_boundaries(emu_lib, preset_name, d, lane_elems):
@@ -1107,6 +1126,16 @@ def test_lanes_and_grid():
     assert c.cta_threads(4, 8, 16, 16 * c.MSE_SMALL_CTAS + 1, 132) == 512
     assert c.cta_threads(8, 16, 8, 8, 132) == 512 and c.cta_threads(8, 32, 32, 8, 132) == 256
     assert sum(n.endswith(", 8, 128>") for n in c.all_kernel_names()) == 6
+    # warps with rows: every one but in the MSE presets' small calls (E = 8): at least
+    # mse_row_warps, as many as keep the CTAs at most MSE_SMALL_CTAS, a power of two
+    assert c.row_warps(8, 8, 16, 8, 128) == 4 and c.row_warps(4, 16, 8, 8, 512) == 16
+    assert c.row_warps(4, 8, 16, 8, 512) == 4 == c.TUNING.mse_row_warps
+    assert c.row_warps(3, 8, 16, 2 * 4 * c.MSE_SMALL_CTAS, 512) == 4
+    assert c.row_warps(3, 8, 16, 2 * 4 * c.MSE_SMALL_CTAS + 1, 512) == 8
+    with pytest.raises(ValueError, match="power of two"):
+        c.launch_args(*[None] * 7, 3)
+    assert c.row_warps(4, 8, 16, 4096, 256) == 8 and c.row_warps(4, 8, 16, 4096, 512) == 16
+    assert c.grid(128, 128, 132, 512, warps=4) == 16 and c.grid(128, 128, 132, 512) == 4
 
 
 _TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""

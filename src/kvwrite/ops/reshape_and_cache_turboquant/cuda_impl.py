@@ -28,7 +28,7 @@ from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
            "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
-           "cta_options", "cta_threads", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
+           "cta_options", "cta_threads", "row_warps", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
@@ -57,6 +57,12 @@ class CudaTuning(launch.PdlPolicy):
     # than 8 for k8v4 at every T (one more shuffle level a reduction).
     small_rows: int = 4096
     small_lane_elems: int = 8
+    # The MSE presets' small calls (E = 8) put their rows on at least this many warps a CTA
+    # (:func:`row_warps`; the CTA's other warps only share its table check): few rows a CTA,
+    # more CTAs. 4: one warp with rows a scheduler. H200, H = 8, D = 128, against every warp,
+    # cold / hot (tuning-log 120): T = 2 0.94 / 0.95, 4 0.79 / 0.79, 8 to 32 0.92-0.93, 64 0.93 /
+    # 0.95-0.97, T = 1 and >= 128 1.00; 2 the same, 8 0.84 at T = 4 and 1.00 at T = 8 to 32.
+    mse_row_warps: int = 4
 
 
 TUNING = CudaTuning()
@@ -124,13 +130,27 @@ def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_cou
     return small if more and ctas <= MSE_SMALL_CTAS else large
 
 
+def row_warps(key_bits: int, elems: int, lanes_per_row: int, rows: int, threads: int,
+              tuning: CudaTuning = TUNING) -> int:
+    """The warps of a CTA that take rows, a power of two (the kernel takes its log2): every one,
+    but in the MSE presets' small calls (E = 8) the fewest that keep the CTAs at most
+    ``MSE_SMALL_CTAS``, at least ``tuning.mse_row_warps``: their rows queue behind each other's
+    instructions on a scheduler, and the CTA's other warps still load the table for its check."""
+    every = threads // 32
+    if key_bits == 8 or elems != 8:
+        return every
+    need = -(-rows // ((32 // lanes_per_row) * MSE_SMALL_CTAS))
+    return min(every, next_pow2(max(tuning.mse_row_warps, need)))
+
+
 def grid(num_rows: int, head_size: int, resident: int, threads: int,
-         tuning: CudaTuning = TUNING, least: int = 2) -> int:
+         tuning: CudaTuning = TUNING, least: int = 2, warps: int | None = None) -> int:
     """CTAs for ``num_rows`` (token, head) rows: the rows' CTAs, at most ``waves`` times the
     ``resident`` CTAs (``threads``: the CTA size, :func:`cta_threads`'s; the emulation's
-    differs; ``least``: :func:`min_elems`)."""
+    differs; ``least``: :func:`min_elems`; ``warps``: those with rows, :func:`row_warps`'s,
+    every one by default)."""
     _, lpr = lanes(head_size, tuning, num_rows, least)
-    rows_per_cta = threads // lpr
+    rows_per_cta = (warps or threads // 32) * (32 // lpr)
     return max(1, min(-(-num_rows // rows_per_cta), max(1, resident) * max(1, tuning.waves)))
 
 
@@ -185,16 +205,21 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             per_sm = k.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
                                                 bounds=(sm_count * max(1, per_sm),))
-    ctas = grid(rows, d, lau.bounds[0], threads, tuning, least=least)
+    warps = row_warps(kb, e, lpr, rows, threads, tuning)
+    ctas = grid(rows, d, lau.bounds[0], threads, tuning, least=least, warps=warps)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, threads, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
-                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints))
+                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps))
 
 
-def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints) -> tuple[int, ...]:
-    """The kernel's arguments (addresses and int64 scalars, kernel.cu's order) of a call; tests
-    launch the SIMT emulation with them."""
+def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints,
+                warps: int) -> tuple[int, ...]:
+    """The kernel's arguments (addresses and int64 scalars, kernel.cu's order) of a call whose
+    CTAs have ``warps`` warps with rows (:func:`row_warps`, a power of two); tests launch the
+    SIMT emulation with them."""
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
     h, d = key.shape[1], key.shape[2]
     nb, bs = kv_cache.shape[:2]
     mse = int(preset.key_bits) != 8
@@ -204,4 +229,5 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints) -> t
             pit_args[0], mid_args[0], h, d, next_pow2(d),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
-            pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel())
+            pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel(),
+            warps.bit_length() - 1)

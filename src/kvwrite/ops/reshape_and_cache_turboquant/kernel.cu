@@ -397,7 +397,8 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
     i64 num_heads, i64 head_size, i64 p2,  // H, D, P (the power of two >= D)
     i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
     i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
-    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens) {
+    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens,
+    i64 row_warps_log2) {  // MSE: log2 of the warps of a CTA that take rows (k8v4: every one)
   KVW_PDL_ENTRY();
   static_assert(KB == 8 || KB == 4 || KB == 3, "key bits");
   static_assert(VB == 4 || VB == 3, "value bits");
@@ -420,6 +421,7 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
   const u32 r = lane & (lpr - 1u);  // the lane's place in its row
   const u32 sub = lane >> lg_lpr;   // the row's place in the warp
   const u32 rpw = 32u >> lg_lpr;    // rows per warp
+  const u32 lg_rpw = 5u - lg_lpr;
   const u32 i0 = r * E;             // the lane's first element
 
   // A lane's rows: first + sub, then rows_per_pass apart, each a (token t, head hh): the first
@@ -428,7 +430,13 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
   // bytes. Past D: key +0 (the trees' padding leaves), value NaN (min and max skip it; its codes
   // land in no stored byte); a row past the rows (t >= T) has slot -1 and zeros.
   const i64 rows = num_tokens * num_heads;
-  const i64 rows_per_pass = static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
+  // MSE: warps from 2^row_warps_log2 on take no rows; they share the CTA's setup (the table
+  // check's loads) and leave, so a small call's few rows spread over more CTAs with every thread
+  // checking. Shifts, not products: the first row's index is on a small call's critical path
+  // (products cost k8v4 0.5-2.5%, tuning-log 120). k8v4 (no table): every warp, as constants.
+  const u32 lg_rw = MSE ? static_cast<u32>(row_warps_log2) : 0u;
+  const i64 rows_per_pass = MSE ? static_cast<i64>(gridDim.x) << (lg_rw + lg_rpw)
+                                : static_cast<i64>(gridDim.x) * (CTA / 32) * rpw;
   const bool small = rows + rows_per_pass <= 0xFFFFFFFFll;  // every row index and the step fit
   auto divmod_heads = [&](i64 n, i64& q, i64& m) {
     q = small ? static_cast<i64>(static_cast<u32>(n) / static_cast<u32>(num_heads))
@@ -453,7 +461,10 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
       }
     }
   };
-  const i64 first = (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw;
+  const i64 first =
+      !MSE               ? (static_cast<i64>(blockIdx.x) * (CTA / 32) + warp) * rpw
+      : warp < (1u << lg_rw) ? ((static_cast<i64>(blockIdx.x) << lg_rw) + warp) << lg_rpw
+                             : rows;
   i64 step_t, step_h;
   divmod_heads(rows_per_pass, step_t, step_h);
   Row cur;
