@@ -486,15 +486,19 @@ inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(
 #define TQ_EMU_CTA 128  // gather_emu.h's CTA size (_EMU_CTA)
 #define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
-                       const float* mid, i64 H, i64 D, i64 P, i64 kt, i64 kh, i64 vt,       \
-                       i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0,     \
-                       i64 p1, i64 ms, i64 nt, i64 rw, i64 grid) {                          \
+                       const float* mid, const int* fl, i64 H, i64 D, i64 P, i64 kt,        \
+                       i64 kh, i64 vt, i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh,     \
+                       i64 ns, i64 p0, i64 p1, i64 ms, i64 nt, i64 rw, i64 nf, i64 grid) {  \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, H, D, P, kt, kh, vt,   \
-                                               vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, nt, \
-                                               rw);                                         \
+      tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, fl, H, D, P, kt, kh,   \
+                                               vt, vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, \
+                                               nt, rw, nf);                                 \
     });                                                                                     \
   }
+extern "C" void tq_check_emu(const float* pit, i64 D, i64 p0, i64 p1, int* fl, i64 grid) {
+  emu_launch(static_cast<unsigned>(grid),
+             [&] { tq_check_kernel<TQ_EMU_CTA>(pit, D, p0, p1, fl); });
+}
 """
 
 
@@ -531,12 +535,15 @@ class _Emulated:
     grid's bound (1: one CTA strides over every row)."""
 
     def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2, small_rows: int = 0,
-                 small_lane_elems: int = 4, warps: int | None = None):
+                 small_lane_elems: int = 4, warps: int | None = None, check_rows: int = 4096):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
         # small_rows 0: every call takes lane_elems (the small-call choice has its own test)
+        # check_rows: calls of at most that many rows take the table check's kernel (0: each
+        # CTA checks the table itself)
         self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems, small_rows=small_rows,
-                                           small_lane_elems=small_lane_elems)
+                                           small_lane_elems=small_lane_elems,
+                                           check_rows=check_rows)
         self.sm_count = sm_count
         self.warps = warps  # the warps with rows a CTA (None: cuda_impl.row_warps's)
 
@@ -548,14 +555,22 @@ class _Emulated:
         d, rows, least = key.shape[2], slot_mapping.numel() * key.shape[1], self.c.min_elems(preset)
         e, lpr = self.c.lanes(d, self.tuning, rows, least)
         warps = self.warps or self.c.row_warps(int(preset.key_bits), e, lpr, rows, _EMU_CTA,
-                                               self.tuning)
-        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids, warps)
+                                               self.sm_count, self.tuning)
+        flags, n = None, self.c.check_ctas(int(preset.key_bits), d, rows, self.tuning, _EMU_CTA)
+        if n:  # the table check first, as run launches it
+            flags = torch.full((n,), -1, dtype=torch.int32)
+            self.lib.tq_check_emu(ctypes.c_void_p(pit.data_ptr()), ctypes.c_longlong(d),
+                                  *(ctypes.c_longlong(x) for x in pit.stride()),
+                                  ctypes.c_void_p(flags.data_ptr()), ctypes.c_longlong(n))
+            assert set(flags.tolist()) <= {0, 1}, "every check CTA writes its flag"
+        args = self.c.launch_args(key, value, kv_cache, slot_mapping, preset, pit, mids, warps,
+                                  flags)
         fn = getattr(self.lib, _emu_name(launch.KIND[key.dtype], preset.key_bits,
                                          preset.value_bits, slot_mapping.dtype, e))
         grid = self.c.grid(rows, d, self.sm_count, _EMU_CTA, self.tuning, least=least,
                            warps=warps)
-        fn(*(ctypes.c_void_p(a) for a in args[:6]),
-           *(ctypes.c_longlong(a) for a in args[6:]), ctypes.c_longlong(grid))
+        fn(*(ctypes.c_void_p(a) for a in args[:7]),
+           *(ctypes.c_longlong(a) for a in args[7:]), ctypes.c_longlong(grid))
 
 
 EMU_PARAMS = [(p, dt, sd, d) for p in PRESETS for dt in (torch.float16, torch.bfloat16, torch.float32)
@@ -674,12 +689,15 @@ TABLE_KINDS = [("negated", "tables"), ("strided", "unsorted"), ("offset", "dup")
 
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 @pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
-def test_cuda_kernel_emulated_table_variants(emu_lib, preset_name, pit_kind, mids_kind):
+@pytest.mark.parametrize("check_rows", [0, 4096])
+def test_cuda_kernel_emulated_table_variants(emu_lib, preset_name, pit_kind, mids_kind,
+                                             check_rows):
     """Tables near the Hadamard (the generic path) or the Hadamard read another way, midpoints
-    out of order (the count itself), D = 64 over 8 lanes."""
+    out of order (the count itself), D = 64 over 8 lanes; the table checked by each CTA (0) or
+    by the check's kernel (4096)."""
     preset, inputs = table_case(preset_name, 64, pit_kind, mids_kind, seed=3)
-    _check_inputs(_Emulated(emu_lib, lane_elems=8), preset, inputs,
-                  f"{preset_name} {pit_kind} {mids_kind}")
+    _check_inputs(_Emulated(emu_lib, lane_elems=8, check_rows=check_rows), preset, inputs,
+                  f"{preset_name} {pit_kind} {mids_kind} check_rows={check_rows}")
 
 
 @pytest.mark.parametrize("preset_name, pit_kind", [("turboquant_k8v4", "tables"),
@@ -1081,8 +1099,8 @@ def test_nvrtc_compiles_for_sm80_and_sm100():
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
     # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones,
-    # and k8v4's E = 8 at two CTA sizes).
-    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 4)
+    # and E = 8 at two CTA sizes), and the table check.
+    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 4) + 1
     few = [n for n in names if ", 4, int, 16, 512>" in n or ", 3, long long, 32, 256>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
@@ -1120,21 +1138,28 @@ def test_lanes_and_grid():
     assert c.cta_threads(8, 8, 16, 132 * 8 + 1, 132) == 512
     assert c.cta_threads(8, 8, 32, 132 * 4, 132) == 128  # D = 256: 4 rows a CTA
     assert c.cta_threads(8, 8, 32, 132 * 4 + 1, 132) == 512
-    # the MSE presets at E = 8: 256 where that makes more CTAs than 512, at most MSE_SMALL_CTAS
+    # the MSE presets at E = 8: 256 where that makes more CTAs than 512, at most the SMs
     assert c.cta_threads(4, 8, 16, 32, 132) == 512 and c.cta_threads(3, 8, 16, 33, 132) == 256
-    assert c.cta_threads(4, 8, 16, 16 * c.MSE_SMALL_CTAS, 132) == 256
-    assert c.cta_threads(4, 8, 16, 16 * c.MSE_SMALL_CTAS + 1, 132) == 512
+    assert c.cta_threads(4, 8, 16, 16 * 132, 132) == 256
+    assert c.cta_threads(4, 8, 16, 16 * 132 + 1, 132) == 512
     assert c.cta_threads(8, 16, 8, 8, 132) == 512 and c.cta_threads(8, 32, 32, 8, 132) == 256
     assert sum(n.endswith(", 8, 128>") for n in c.all_kernel_names()) == 6
     # warps with rows: every one but in the MSE presets' small calls (E = 8): at least
-    # mse_row_warps, as many as keep the CTAs at most MSE_SMALL_CTAS, a power of two
-    assert c.row_warps(8, 8, 16, 8, 128) == 4 and c.row_warps(4, 16, 8, 8, 512) == 16
-    assert c.row_warps(4, 8, 16, 8, 512) == 4 == c.TUNING.mse_row_warps
-    assert c.row_warps(3, 8, 16, 2 * 4 * c.MSE_SMALL_CTAS, 512) == 4
-    assert c.row_warps(3, 8, 16, 2 * 4 * c.MSE_SMALL_CTAS + 1, 512) == 8
+    # mse_row_warps, as many as keep the CTAs at most the SMs, a power of two
+    assert c.row_warps(8, 8, 16, 8, 128, 132) == 4 and c.row_warps(4, 16, 8, 8, 512, 132) == 16
+    assert c.row_warps(4, 8, 16, 8, 512, 132) == 4 == c.TUNING.mse_row_warps
+    assert c.row_warps(3, 8, 16, 2 * 4 * 132, 512, 132) == 4
+    assert c.row_warps(3, 8, 16, 2 * 4 * 132 + 1, 512, 132) == 8
     with pytest.raises(ValueError, match="power of two"):
-        c.launch_args(*[None] * 7, 3)
-    assert c.row_warps(4, 8, 16, 4096, 256) == 8 and c.row_warps(4, 8, 16, 4096, 512) == 16
+        c.launch_args(*[None] * 7, 3, None)
+    assert c.row_warps(4, 8, 16, 4096, 256, 64) == 8
+    assert c.row_warps(4, 8, 16, 4096, 512, 64) == 16
+    # the table check's kernel: the MSE presets' calls of at most check_rows rows, D a power of
+    # two, four entries a thread
+    assert c.check_ctas(4, 128, c.TUNING.check_rows) == 16 == c.check_ctas(3, 128, 8)
+    assert c.check_ctas(4, 128, c.TUNING.check_rows + 1) == 0 == c.check_ctas(8, 128, 8)
+    assert c.check_ctas(4, 96, 8) == 0 and c.check_ctas(4, 2, 8) == 1
+    assert c.check_ctas(4, 1024, 8) == 1024 and c.check_ctas(4, 64, 8, threads=128) == 8
     assert c.grid(128, 128, 132, 512, warps=4) == 16 and c.grid(128, 128, 132, 512) == 4
 
 
@@ -1206,8 +1231,9 @@ def test_unsupported_head_sizes():
 # ------------------------------------------------------------------------------------------
 def _gpu_impl(name):
     """An implementation on the GPU by name: "cuda" and "triton" as the launchers choose;
-    "cuda-wide" the CUDA kernel with lane_elems a lane at every call size (the large-call
-    path; the small tests' calls otherwise take small_lane_elems), "triton-rows" / "triton-row1"
+    "cuda-wide" the CUDA kernel with lane_elems a lane and its CTAs' own table check at every
+    call size (the large-call path; the small tests' calls otherwise take small_lane_elems and
+    the table check's kernel), "triton-rows" / "triton-row1"
     every call on the Triton rows kernel, BLOCK_R its widest / 1 (MSE: one program an SM,
     striding), "triton-program-a-row" every call on _tq_kernel."""
     if not torch.cuda.is_available():
@@ -1219,7 +1245,7 @@ def _gpu_impl(name):
     if reason is not None:
         pytest.skip(reason)
     if name == "cuda-wide":
-        return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0))
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0, check_rows=0))
     if name.startswith("triton-row"):  # "-rows": BLOCK_R as wide as rows_elems allows, "-row1": 1
         wide = name == "triton-rows"
         return _Tuned(impl, dataclasses.replace(
@@ -1251,23 +1277,28 @@ def test_gpu_k8v4_staged_stores(dtype, d):
 @pytest.mark.gpu
 def test_gpu_cta_sizes():
     """Each call's CTA size is cta_threads' and the loaded variant's (its max_threads_per_block,
-    __launch_bounds__'s CTA): k8v4's small calls 128 threads while those CTAs fit one an SM, the
-    MSE presets' 256 while they are at most MSE_SMALL_CTAS, 512 past that and at E = 16; every
-    call spans several CTAs and matches the oracle."""
+    __launch_bounds__'s CTA): small calls' 128 (k8v4) or 256 threads (the MSE presets, whose
+    tables the check's kernel reads) while those CTAs fit one an SM, 512 past that and at E = 16
+    (the MSE presets' CTAs checking the table themselves); every call spans several CTAs and
+    matches the oracle, the MSE presets with vLLM's Hadamard table."""
     impl = _gpu_impl("cuda")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     h = 4  # D = 128, E = 8: 8 rows a 128-thread CTA
     many = (sm + 1) * 8 // h + 1  # more 128-thread CTAs than SMs, still a small call
-    assert many * h <= cuda_impl.TUNING.small_rows
+    mse_many = (sm * 16) // h + 1  # more 256-thread CTAs than SMs, still a small call
+    assert many * h <= cuda_impl.TUNING.small_rows and mse_many * h <= cuda_impl.TUNING.check_rows
     cuda_impl.LAUNCHES.clear()
+    cuda_impl.CHECKS.clear()
     for name, t in (("turboquant_k8v4", 40), ("turboquant_4bit_nc", 40),
-                    ("turboquant_4bit_nc", 300), ("turboquant_k8v4", many),
-                    ("turboquant_k8v4", 1100)):
+                    ("turboquant_4bit_nc", mse_many), ("turboquant_k8v4", many),
+                    ("turboquant_k8v4", 1100), ("turboquant_4bit_nc", 1100)):
         _check(impl, name, torch.bfloat16, torch.int64, 128, t=t, h=h, nb=-(-t // 16) + 2,
-               bs=16, device="cuda", seed=t)
+               bs=16, device="cuda", seed=t, pit_kind="hadamard")
     sizes = sorted((sig[1], sig[4], sig[5]) for sig in cuda_impl.LAUNCHES)
-    assert sizes == [(4, 8, 256), (4, 8, 512), (8, 8, 128), (8, 8, 512), (8, 16, 512)], sizes
+    assert sizes == [(4, 8, 256), (4, 8, 512), (4, 16, 512), (8, 8, 128), (8, 8, 512),
+                     (8, 16, 512)], sizes
+    assert len(cuda_impl.CHECKS) == 1
     for sig, lau in cuda_impl.LAUNCHES.items():
         assert lau.kernel.attributes.max_threads_per_block == sig[5]
 
@@ -1363,7 +1394,7 @@ def test_gpu_hadamard_path(impl, preset_name, d, lane_elems):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "cuda-wide", "triton"])
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 @pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
 @pytest.mark.parametrize("d", [64, 128])

@@ -1,19 +1,21 @@
 """The CUDA implementation of reshape_and_cache_turboquant: ``kernel.cu`` compiled at run time with
 NVRTC (through :mod:`kvwrite.kernels.nvrtc`), launched on PyTorch's current stream.
 
-One kernel, ``tq_kernel<IN, KB, VB, SlotT, E, CTA>`` (see ``kernel.cu``): a row (token, head)
-is ``P / E`` neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the CTAs
-of :func:`cta_threads` threads striding over the rows (a grid of at most the resident CTAs: each
-CTA reads the rotation table once to see whether it is the Sylvester Hadamard, whose product it
-then takes by the fast Walsh-Hadamard transform, bit-exact with the tree). Every step of SPEC
+``tq_kernel<IN, KB, VB, SlotT, E, CTA>`` (see ``kernel.cu``): a row (token, head) is ``P / E``
+neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the CTAs of
+:func:`cta_threads` threads striding over the rows (a grid of at most the resident CTAs). Before
+it, for the MSE presets where D is a power of two, ``tq_check_kernel`` (:data:`CHECK_KERNEL`)
+checks the rotation table once a call, spread over :func:`check_ctas` CTAs, for the Sylvester
+Hadamard, whose product ``tq_kernel`` then takes by the fast Walsh-Hadamard transform, bit-exact
+with the tree. Every step of SPEC
 §10.2 is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
 pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
 unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
-``slot_size``). Graph-safe: no allocation and no host sync per call (the table checks run on
-the GPU at every launch). One build per variant, the geometry passed at run time; measured in
+``slot_size``). Graph-safe: no host sync per call (the table check runs on the GPU at every call,
+its flags in a buffer from PyTorch's allocator on the current stream). One build per variant, the geometry passed at run time; measured in
 docs/tuning-log.md (changes 80, 91, 115, 118 and 119).
 """
 
@@ -28,10 +30,14 @@ from ...kernels.triton_support import next_pow2
 
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
            "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
-           "cta_options", "cta_threads", "row_warps", "grid", "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
+           "cta_options", "cta_threads", "row_warps", "grid", "check_ctas", "CHECK_KERNEL",
+           "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
+# The table check: CTAs of CHECK_THREADS threads, four entries a thread (check_ctas).
+CHECK_THREADS = 256
+CHECK_KERNEL = f"tq_check_kernel<{CHECK_THREADS}>"
 MAX_HEAD_SIZE = 1024  # kernel.cu's TQ_MAXP
 LANE_ELEMS = (2, 4, 8, 16, 32)  # the kernel's E variants
 # (key bits, value bits) of the four presets (SPEC §10.1).
@@ -45,8 +51,8 @@ compile_kernel = SOURCE.compile_fixed
 class CudaTuning(launch.PdlPolicy):
     """The launch constants: ``lane_elems`` the elements a lane holds where the row allows
     (16: 32-byte bf16 chunks, 8 lanes a row at D = 128); ``waves`` the CTAs of the grid at most,
-    in resident CTAs (SMs times the measured occupancy): each CTA checks the rotation table once,
-    so more CTAs than resident ones only repeat that check."""
+    in resident CTAs (SMs times the measured occupancy): each CTA reads the midpoints and the
+    table check's flags once, so more CTAs than resident ones only repeat that."""
 
     lane_elems: int = 16
     waves: int = 1
@@ -63,6 +69,14 @@ class CudaTuning(launch.PdlPolicy):
     # cold / hot (tuning-log 120): T = 2 0.94 / 0.95, 4 0.79 / 0.79, 8 to 32 0.92-0.93, 64 0.93 /
     # 0.95-0.97, T = 1 and >= 128 1.00; 2 the same, 8 0.84 at T = 4 and 1.00 at T = 8 to 32.
     mse_row_warps: int = 4
+    # Calls of at most check_rows rows (the MSE presets, D a power of two) check the rotation
+    # table in a kernel of its own (tq_check_kernel, spread over the table) whose flags
+    # tq_kernel's CTAs read; larger ones in each CTA, overlapped with the rows' loads. H200,
+    # H = 8, D = 128, against each CTA's own check, cold / hot (tuning-log 121): T = 16 to 256
+    # 0.93-0.97 / 0.91-0.94 on the same CTAs (and more CTAs become cheap: cta_threads), T = 1
+    # and 4 1.00-1.02 / 0.97, 512 (4096 rows) 1.02 / 0.97; T = 1024 1.02 / 1.00, 4096 and 16384
+    # 1.02-1.06 (a serial round trip that the rows' loads no longer hide).
+    check_rows: int = 4096
 
 
 TUNING = CudaTuning()
@@ -103,10 +117,6 @@ def cta_options(key_bits: int, elems: int) -> tuple[int, ...]:
     return (512,)
 
 
-# The MSE presets' small CTAs at most (each checks the 64 KiB table at D = 128).
-MSE_SMALL_CTAS = 64
-
-
 def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_count: int) -> int:
     """The threads of a CTA for a call of ``rows`` rows (one of :func:`cta_options`): a few rows
     spread over more SMs finish sooner, until the small CTAs cost more than they spread (H200,
@@ -114,10 +124,11 @@ def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_cou
 
     - k8v4 at E = 8: 128 threads while those CTAs are at most ``sm_count`` (T = 1 0.93 / 0.92,
       16 0.84 / 0.76, 64 0.85 / 0.79, 128 0.89 / 0.85; at T = 256, 256 CTAs: 0.975 / 1.08).
-    - The MSE presets at E = 8: 256 threads where that makes more CTAs than 512 would and at
-      most ``MSE_SMALL_CTAS`` (T = 16 0.90 / 0.885, 64 0.92 / 0.89, 128 0.98 / 0.99; one CTA
-      either way at T = 1: 1.045 / 1.03; 128 CTAs at T = 256: 1.045 / 1.09). Each CTA checks the
-      rotation table, so more CTAs read it more often; 128 threads measured 1.07–1.37.
+    - The MSE presets at E = 8: 256 threads where that makes more CTAs than 512 would and while
+      those are at most ``sm_count`` (T = 16 0.90 / 0.885, 64 0.92 / 0.89; one CTA either way at
+      T = 1: 1.045 / 1.03). While each CTA checked the rotation table itself, 128 CTAs at T = 256
+      took 1.045 / 1.09 and the limit was 64; with the table checked by :func:`check_ctas`'s
+      kernel, up to the SMs: T = 128 0.83 / 0.80, 256 0.905 / 0.85 against 64 (tuning-log 121).
     """
     opts = cta_options(key_bits, elems)
     if len(opts) == 1:
@@ -127,19 +138,19 @@ def cta_threads(key_bits: int, elems: int, lanes_per_row: int, rows: int, sm_cou
     if key_bits == 8:
         return small if ctas <= sm_count else large
     more = rows > large // lanes_per_row
-    return small if more and ctas <= MSE_SMALL_CTAS else large
+    return small if more and ctas <= sm_count else large
 
 
 def row_warps(key_bits: int, elems: int, lanes_per_row: int, rows: int, threads: int,
-              tuning: CudaTuning = TUNING) -> int:
+              sm_count: int, tuning: CudaTuning = TUNING) -> int:
     """The warps of a CTA that take rows, a power of two (the kernel takes its log2): every one,
     but in the MSE presets' small calls (E = 8) the fewest that keep the CTAs at most
-    ``MSE_SMALL_CTAS``, at least ``tuning.mse_row_warps``: their rows queue behind each other's
-    instructions on a scheduler, and the CTA's other warps still load the table for its check."""
+    ``sm_count``, at least ``tuning.mse_row_warps``: their rows queue behind each other's
+    instructions on a scheduler; the CTA's other warps only share its setup."""
     every = threads // 32
     if key_bits == 8 or elems != 8:
         return every
-    need = -(-rows // ((32 // lanes_per_row) * MSE_SMALL_CTAS))
+    need = -(-rows // ((32 // lanes_per_row) * sm_count))
     return min(every, next_pow2(max(tuning.mse_row_warps, need)))
 
 
@@ -156,10 +167,20 @@ def grid(num_rows: int, head_size: int, resident: int, threads: int,
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests): 3-bit fields need D % 8 == 0, so
-    E >= 8 there."""
+    E >= 8 there; the table check last."""
     return [kernel_name(kind, kb, vb, sd, e, c) for kind in launch.KIND.values()
             for kb, vb in BITS for sd in (torch.int32, torch.int64) for e in LANE_ELEMS
-            if e >= 8 or (kb != 3 and vb != 3) for c in cta_options(kb, e)]
+            if e >= 8 or (kb != 3 and vb != 3) for c in cta_options(kb, e)] + [CHECK_KERNEL]
+
+
+def check_ctas(key_bits: int, head_size: int, rows: int, tuning: CudaTuning = TUNING,
+               threads: int = CHECK_THREADS) -> int:
+    """The CTAs of the table check ahead of ``tq_kernel`` (four entries a thread), 0 where
+    ``tq_kernel``'s CTAs check the table themselves (calls of more than ``tuning.check_rows``
+    rows) or there is nothing to check (k8v4; D not a power of two: the generic rotation)."""
+    if key_bits == 8 or head_size & (head_size - 1) or rows > tuning.check_rows:
+        return 0
+    return -(-head_size * head_size // (4 * threads))
 
 
 available = nvrtc.available  # None on a CUDA device with cuda.core and NVRTC, else why not
@@ -174,6 +195,24 @@ def unsupported(key, kv_cache, preset) -> str | None:
 
 
 LAUNCHES = launch.LaunchCache()
+CHECKS = launch.LaunchCache()  # the table check's, by (device index, tuning)
+
+
+def _check_table(PiT: torch.Tensor, n: int, index: int, tuning: CudaTuning) -> torch.Tensor:
+    """Launch the table check of ``n`` CTAs on PyTorch's current stream: its flags (one int32 a
+    CTA)."""
+    d = PiT.shape[0]
+    flags = torch.empty(n, dtype=torch.int32, device=PiT.device)
+    lau = CHECKS.get((index, tuning))
+    if lau is None:
+        launch.require_setup()
+        k, pk = launch.load(SOURCE, CHECK_KERNEL, (), index, False)
+        lau = CHECKS[index, tuning] = launch.Launchable(k, pk, index, ())
+    kernel, pdl = lau.pick(n, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(n, 1, CHECK_THREADS, 1, pdl)
+    nvrtc.launch(lau.device_index, config, kernel, PiT.data_ptr(), d, *PiT.stride(),
+                 flags.data_ptr())
+    return flags
 
 
 def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -205,19 +244,22 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
             per_sm = k.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
                                                 bounds=(sm_count * max(1, per_sm),))
-    warps = row_warps(kb, e, lpr, rows, threads, tuning)
+    checks = check_ctas(kb, d, rows, tuning)
+    flags = _check_table(PiT, checks, index, tuning) if checks else None
+    warps = row_warps(kb, e, lpr, rows, threads, sm_count, tuning)
     ctas = grid(rows, d, lau.bounds[0], threads, tuning, least=least, warps=warps)
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, threads, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
-                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps))
+                 *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps,
+                              flags))
 
 
-def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints,
-                warps: int) -> tuple[int, ...]:
-    """The kernel's arguments (addresses and int64 scalars, kernel.cu's order) of a call whose
-    CTAs have ``warps`` warps with rows (:func:`row_warps`, a power of two); tests launch the
-    SIMT emulation with them."""
+def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps: int,
+                flags: torch.Tensor | None) -> tuple[int, ...]:
+    """The kernel's arguments (seven addresses, then int64 scalars: kernel.cu's order) of a call
+    whose CTAs have ``warps`` warps with rows (:func:`row_warps`, a power of two), ``flags`` the
+    table check's (None: the generic rotation); tests launch the SIMT emulation with them."""
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
     h, d = key.shape[1], key.shape[2]
@@ -226,8 +268,8 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints,
     pit_args = (PiT.data_ptr(), PiT.stride(0), PiT.stride(1)) if mse else (0, 0, 0)
     mid_args = (midpoints.data_ptr(), midpoints.stride(0)) if mse else (0, 0)
     return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-            pit_args[0], mid_args[0], h, d, next_pow2(d),
+            pit_args[0], mid_args[0], 0 if flags is None else flags.data_ptr(), h, d, next_pow2(d),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
             pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel(),
-            warps.bit_length() - 1)
+            warps.bit_length() - 1, 0 if flags is None else flags.numel())

@@ -2,7 +2,8 @@
 // TurboQuant slot of a paged byte cache (SPEC 10.1-10.2).
 //
 // Compiled at run time with NVRTC (see cuda_impl.py), one module per variant
-// tq_kernel<IN, KB, VB, SlotT, E, CTA>: IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
+// tq_kernel<IN, KB, VB, SlotT, E, CTA> (and tq_check_kernel<CTA>, the MSE presets' table check
+// that runs before it where D is a power of two): IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
 // bits (8: k8v4's e4m3fn codes; 4 or 3: MSE indices), VB the value's bits (4 or 3), SlotT the slot
 // type (int or long long), E the elements of a row each lane holds (a power of two; the launcher
 // picks E for the padded head size P, the power of two >= D: LPR = P / E <= 32 lanes per row),
@@ -29,7 +30,8 @@
 // - keys, k8v4: code_i = e4m3fn(x_i) by the satfinite conversion with no scale (fp8.cuh).
 // - keys, MSE: ss = the tree of RN(x_i^2); n = RN(sqrt(ss)); den = RN(n + 1e-8f);
 //   u_i = RN(x_i / den); y_j = the tree over i of RN(u_i * PiT[i, j]) by one of two paths, the
-//   CTA's choice (a flag all its threads compute together from the table's values, every call):
+//   call's choice from the table's values, every call (tq_check_kernel's flags where the launcher
+//   ran it, else each CTA's own check of every entry, its threads together):
 //   * Hadamard (D a power of two and PiT[i, j] = (-1)^popcount(i & j) * PiT[0, 0] bit for bit):
 //     p_i = RN(u_i * h), h = PiT[0, 0], then the fast Walsh-Hadamard transform of p, strides
 //     1, 2, 4, ... (lane-local strides < E, then shuffles), each butterfly (a, b) -> (RN(a + b),
@@ -71,9 +73,9 @@
 #include "kvw/warp.cuh"
 
 #define TQ_MAXP 1024  // the padded head size P (a power of two >= D) at most
-// The table check's 16-byte loads in flight a thread: 4096 a CTA where the registers allow (E <=
-// 16: 8 a thread at 512 threads, 16 at 256: D = 128's table in one round trip), 8 at E = 32
-// (255 registers already).
+// tq_kernel's own table check's 16-byte loads in flight a thread: 4096 a CTA where the registers
+// allow (E <= 16: 8 a thread at 512 threads, 16 at 256: D = 128's table in one round trip), 8 at
+// E = 32 (255 registers already).
 template <int E, int CTA>
 __host__ __device__ constexpr u32 tq_check_batch() { return E <= 16 ? 4096u / CTA : 8u; }
 // k8v4 stages its stores (tq_stage_words) in calls of more than this many passes a warp: H200,
@@ -277,6 +279,10 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
   return f;
 }
 
+// Entry (i, j) of the Sylvester Hadamard times h, as bits (hb: h's): h with its sign flipped
+// where popcount(i & j) is odd.
+KVW_HD u32 tq_sylvester_bits(u32 hb, u32 i, u32 j) { return hb ^ ((tq_popc(i & j) & 1u) << 31); }
+
 // The table check's test of one 16-byte load of PiT (d >= 4 a power of two, row-major and
 // contiguous): entries kk .. kk + 3 of the flattened [d, d] table (kk % 4 == 0: one row i,
 // columns j .. j + 3 with j % 4 == 0) against the Sylvester Hadamard times h (its bits hb),
@@ -285,9 +291,44 @@ KVW_HD TqField<8, E> tq_e4m3_field(const float (&x)[E]) {
 // any entry differs.
 KVW_HD u32 tq_hadamard_misses(uint4 w, u32 kk, u32 lg_d, u32 hb) {
   const u32 i = kk >> lg_d, j = kk & ((1u << lg_d) - 1u);
-  const u32 e0 = hb ^ ((tq_popc(i & j) & 1u) << 31);
+  const u32 e0 = tq_sylvester_bits(hb, i, j);
   const u32 s1 = (i & 1u) << 31, s2 = (i & 2u) << 30;
   return (w.x ^ e0) | (w.y ^ e0 ^ s1) | (w.z ^ e0 ^ s2) | (w.w ^ e0 ^ s1 ^ s2);
+}
+
+// The table check, a kernel of its own ahead of tq_kernel (MSE presets, D a power of two): each
+// thread compares entries 4q .. 4q + 3 of the flattened [D, D] table (q its index in the grid;
+// one 16-byte load where the table is contiguous and 16-byte aligned) with the Sylvester
+// Hadamard times PiT[0, 0]; flags[blockIdx.x] = 1 where any entry of the CTA's differs, else 0.
+// The grid covers the table once (D = 128: 16 CTAs of 256), so no SM streams all of it, and
+// tq_kernel's CTAs only OR the flags: small calls then spread over more CTAs (tuning-log 121).
+// Large calls check in tq_kernel instead, where the check's loads overlap the rows'.
+template <int CTA>
+__global__ void __launch_bounds__(CTA) tq_check_kernel(
+    const float* __restrict__ pit,  // [D, D] via (pit_s0, pit_s1)
+    i64 head_size, i64 pit_s0, i64 pit_s1,
+    int* __restrict__ flags) {  // [gridDim.x]
+  KVW_PDL_ENTRY();
+  const u32 d = static_cast<u32>(head_size);
+  const u32 lg_d = 31u - static_cast<u32>(__clz(d));
+  const u32 dd = d * d;
+  const u32 q = blockIdx.x * CTA + threadIdx.x;
+  const u32 hb = f32_bits(pit[0]);
+  u32 misses = 0u;
+  if (4u * q < dd) {
+    if (pit_s1 == 1 && pit_s0 == d && d >= 4 &&
+        (reinterpret_cast<unsigned long long>(pit) & 15u) == 0) {
+      misses = tq_hadamard_misses(reinterpret_cast<const uint4*>(pit)[q], 4u * q, lg_d, hb);
+    } else {
+      for (u32 k = 4u * q; k < 4u * q + 4u && k < dd; ++k) {
+        const u32 i = k >> lg_d, j = k & (d - 1u);
+        const u32 w = f32_bits(pit[static_cast<i64>(i) * pit_s0 + static_cast<i64>(j) * pit_s1]);
+        misses |= w ^ tq_sylvester_bits(hb, i, j);
+      }
+    }
+  }
+  const int bad = __syncthreads_or(misses != 0u ? 1 : 0);
+  if (threadIdx.x == 0) flags[blockIdx.x] = bad;
 }
 
 // tq_div_row's steps alone: q0 = RN(a * yb), then two corrections (RN(a / b) under tq_div_row's
@@ -394,11 +435,13 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
     const SlotT* __restrict__ slot_mapping,  // [T]
     const float* __restrict__ pit,  // MSE: [D, D] via (pit_s0, pit_s1); k8v4: unused
     const float* __restrict__ mid,  // MSE: [2^KB - 1] via mid_s; k8v4: unused
+    const int* __restrict__ flags,  // tq_check_kernel's (num_flags > 0) or unused
     i64 num_heads, i64 head_size, i64 p2,  // H, D, P (the power of two >= D)
     i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
     i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
     i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens,
-    i64 row_warps_log2) {  // MSE: log2 of the warps of a CTA that take rows (k8v4: every one)
+    i64 row_warps_log2,  // MSE: log2 of the warps of a CTA that take rows (k8v4: every one)
+    i64 num_flags) {     // flags' entries (0: the CTA checks the table itself)
   KVW_PDL_ENTRY();
   static_assert(KB == 8 || KB == 4 || KB == 3, "key bits");
   static_assert(VB == 4 || VB == 3, "value bits");
@@ -469,19 +512,23 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
   divmod_heads(rows_per_pass, step_t, step_h);
   Row cur;
   divmod_heads(first + sub, cur.t, cur.hh);
-  // The first pass's rows are fetched before the setup's table check, so that at a few tokens
-  // the two round trips overlap.
+  // The first pass's rows are fetched before the setup's loads, so that at a few tokens the
+  // round trips overlap.
   fetch(cur);
 
   // ---- the CTA's setup (MSE): the midpoints, their order, the table's structure ----
   bool hadamard = false;
   float h = 0.0f;
   if constexpr (MSE) {
-    // The midpoints' load is issued here and waited for after the table's (their order is
-    // checked once both have arrived): at a few tokens the setup is one round trip, not two.
+    // The midpoints' load is issued here and waited for after the table's or the flags' (their
+    // order is checked once both have arrived): at a few tokens the setup is one round trip.
     const float mid_t = tid < NM ? mid[static_cast<i64>(tid) * mid_s] : 0.0f;
     int bad = 1;
-    if (d == p) {  // a power of two: compare every entry with its Sylvester sign times PiT[0, 0]
+    if (d == p && num_flags > 0) {  // tq_check_kernel's verdict: any flag set
+      bad = 0;
+      for (u32 k = tid; k < num_flags; k += CTA) bad |= flags[k];
+      h = pit[0];
+    } else if (d == p) {  // compare every entry with its Sylvester sign times PiT[0, 0]
       bad = 0;
       const u32 hb = f32_bits(pit[0]);
       const u32 lg_d = 31u - static_cast<u32>(__clz(d));
@@ -511,7 +558,7 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
         for (u32 k = tid; k < dd; k += CTA) {
           const u32 i = k >> lg_d, j = k & (d - 1u);
           const u32 w = f32_bits(pit[static_cast<i64>(i) * pit_s0 + static_cast<i64>(j) * pit_s1]);
-          bad |= w != (hb ^ ((tq_popc(i & j) & 1u) << 31)) ? 1 : 0;
+          bad |= w != tq_sylvester_bits(hb, i, j) ? 1 : 0;
         }
       }
       h = bits_f32(hb);

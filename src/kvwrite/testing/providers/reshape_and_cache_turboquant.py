@@ -296,6 +296,6 @@ PROVIDER = Provider(
              special_values=True)),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    # The input kinds (3) x presets (4) x slot types (2) x E, and k8v4's two CTA sizes at E = 8.
-    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 120),
+    # The input kinds (3) x presets (4) x slot types (2) x E, two CTA sizes at E = 8; the check.
+    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 121),
 )
