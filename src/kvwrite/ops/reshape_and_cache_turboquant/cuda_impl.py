@@ -51,8 +51,8 @@ compile_kernel = SOURCE.compile_fixed
 class CudaTuning(launch.PdlPolicy):
     """The launch constants: ``lane_elems`` the elements a lane holds where the row allows
     (16: 32-byte bf16 chunks, 8 lanes a row at D = 128); ``waves`` the CTAs of the grid at most,
-    in resident CTAs (SMs times the measured occupancy): each CTA reads the midpoints and the
-    table check's flags once, so more CTAs than resident ones only repeat that."""
+    in resident CTAs (SMs times the measured occupancy): each CTA does its setup once (the
+    midpoints; a large call's table check), so more CTAs than resident ones only repeat that."""
 
     lane_elems: int = 16
     waves: int = 1
