@@ -893,12 +893,14 @@ def test_cuda_kernel_emulated_k8v4_staged_stores(emu_lib, dtype, d, lane_elems, 
                                          "turboquant_k8v4"])
 @pytest.mark.parametrize("warps", [1, 2])
 @pytest.mark.parametrize("sm_count", [1, 64])
-def test_cuda_kernel_emulated_row_warps(emu_lib, preset_name, warps, sm_count):
+@pytest.mark.parametrize("check_rows", [0, 4096])
+def test_cuda_kernel_emulated_row_warps(emu_lib, preset_name, warps, sm_count, check_rows):
     """CTAs whose first ``warps`` warps take rows (the others only share the setup): many CTAs
     of a few rows each, or one CTA striding over every row; the same bytes, skipped slots
-    included (the table is the Hadamard: the check's loads on every warp, the rows on few)."""
+    included (the table is the Hadamard, checked by every warp of each CTA (check_rows 0) or by
+    the check's kernel, its flags read by every warp)."""
     impl = _Emulated(emu_lib, lane_elems=8, sm_count=sm_count, small_rows=1 << 20,
-                     small_lane_elems=8, warps=warps)
+                     small_lane_elems=8, warps=warps, check_rows=check_rows)
     _check(impl, preset_name, torch.bfloat16, torch.int64, 64, t=37, h=3, nb=12, bs=4,
            seed=warps + sm_count, pit_kind="hadamard")
 

@@ -7,16 +7,17 @@ neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the C
 it, for the MSE presets where D is a power of two, ``tq_check_kernel`` (:data:`CHECK_KERNEL`)
 checks the rotation table once a call, spread over :func:`check_ctas` CTAs, for the Sylvester
 Hadamard, whose product ``tq_kernel`` then takes by the fast Walsh-Hadamard transform, bit-exact
-with the tree. Every step of SPEC
-§10.2 is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
-pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
+with the tree (larger calls' CTAs check the table themselves). Every step of SPEC §10.2 is one
+explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded pairwise
+tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
 unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no host sync per call (the table check runs on the GPU at every call,
-its flags in a buffer from PyTorch's allocator on the current stream). One build per variant, the geometry passed at run time; measured in
-docs/tuning-log.md (changes 80, 91, 115, 118 and 119).
+its flags in a buffer from PyTorch's allocator on the current stream). One build per variant,
+the geometry passed at run time; measured in docs/tuning-log.md (changes 80, 91, 115 and 118 to
+121).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class CudaTuning(launch.PdlPolicy):
     small_rows: int = 4096
     small_lane_elems: int = 8
     # The MSE presets' small calls (E = 8) put their rows on at least this many warps a CTA
-    # (:func:`row_warps`; the CTA's other warps only share its table check): few rows a CTA,
+    # (:func:`row_warps`; the CTA's other warps only share its setup): few rows a CTA,
     # more CTAs. 4: one warp with rows a scheduler. H200, H = 8, D = 128, against every warp,
     # cold / hot (tuning-log 120): T = 2 0.94 / 0.95, 4 0.79 / 0.79, 8 to 32 0.92-0.93, 64 0.93 /
     # 0.95-0.97, T = 1 and >= 128 1.00; 2 the same, 8 0.84 at T = 4 and 1.00 at T = 8 to 32.
@@ -259,7 +260,8 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warp
                 flags: torch.Tensor | None) -> tuple[int, ...]:
     """The kernel's arguments (seven addresses, then int64 scalars: kernel.cu's order) of a call
     whose CTAs have ``warps`` warps with rows (:func:`row_warps`, a power of two), ``flags`` the
-    table check's (None: the generic rotation); tests launch the SIMT emulation with them."""
+    table check's kernel's (None: the CTAs check the table themselves, or there is no table to
+    check); tests launch the SIMT emulation with them."""
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
     h, d = key.shape[1], key.shape[2]

@@ -473,9 +473,9 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
   // bytes. Past D: key +0 (the trees' padding leaves), value NaN (min and max skip it; its codes
   // land in no stored byte); a row past the rows (t >= T) has slot -1 and zeros.
   const i64 rows = num_tokens * num_heads;
-  // MSE: warps from 2^row_warps_log2 on take no rows; they share the CTA's setup (the table
-  // check's loads) and leave, so a small call's few rows spread over more CTAs with every thread
-  // checking. Shifts, not products: the first row's index is on a small call's critical path
+  // MSE: warps from 2^row_warps_log2 on take no rows; they share the CTA's setup (the
+  // midpoints, and the flags or the table check's loads) and leave, so a small call's few rows
+  // spread over more CTAs. Shifts, not products: the first row's index is on a small call's critical path
   // (products cost k8v4 0.5-2.5%, tuning-log 120). k8v4 (no table): every warp, as constants.
   const u32 lg_rw = MSE ? static_cast<u32>(row_warps_log2) : 0u;
   const i64 rows_per_pass = MSE ? static_cast<i64>(gridDim.x) << (lg_rw + lg_rpw)
