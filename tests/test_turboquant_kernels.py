@@ -29,7 +29,7 @@ _BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
          "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
 EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
 # Every launch path on the GPU (_gpu_impl): both CUDA lane widths, Triton's k8v4 rows kernel.
-GPU_PATHS = ["cuda", "cuda-wide", "triton", "triton-rows", "triton-row1", "triton-program-a-row"]
+GPU_PATHS = ["cuda", "cuda-wide", "cuda-nosplit", "triton", "triton-rows", "triton-row1", "triton-program-a-row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,19 +252,21 @@ def _check(impl, preset_name, dtype, slot_dtype, d, **kw):
     _check_inputs(impl, preset, inputs, f"{preset_name} {dtype} {slot_dtype} D={d}")
 
 
-def tree_order_case(preset_name: str, device="cpu"):
+def tree_order_case(preset_name: str, device="cpu", at=(0, 8, 16, 24),
+                    rows=(2.0**25, 2.0, 2.0, -(2.0**25))):
     """A row whose rotation sums differ between the contract's tree and a sum in order: x = 1 at
     i = 0, 8, 16, 24 (D = 64), so u = 0.5 there (n = 2, den = RN(2 + 1e-8) = 2), and PiT rows
     2^25, 2, 2, -2^25 there: the leaves 2^24, 1, 1, -2^24 in four chunks of 8. The tree gives
     (RN(2^24 + 1) + RN(1 - 2^24)) = 2^24 - (2^24 - 1) = 1; in order, 0. A midpoint at 0.5 tells
-    them apart."""
+    them apart. ``at`` and ``rows``: other places and values of the four leaves (times 2)."""
     d = 64
     preset = make_preset(preset_name, d)
     key = torch.zeros(1, 2, d)
-    key[0, :, [0, 8, 16, 24]] = 1.0
+    key[0, :, list(at)] = 1.0
     value = torch.linspace(-1, 1, 2 * d).reshape(1, 2, d)
     pit = torch.zeros(d, d)
-    pit[0], pit[8], pit[16], pit[24] = 2.0**25, 2.0, 2.0, -(2.0**25)
+    for i, r in zip(at, rows, strict=True):
+        pit[i] = r
     nm = (1 << preset.key_bits) - 1
     mids = torch.linspace(-3.0, 3.0, nm + 1)[1:] - 0.5 * 6.0 / nm
     mids[nm // 2] = 0.5
@@ -499,6 +501,17 @@ extern "C" void tq_check_emu(const float* pit, i64 D, i64 p0, i64 p1, int* fl, i
   emu_launch(static_cast<unsigned>(grid),
              [&] { tq_check_kernel<TQ_EMU_CTA>(pit, D, p0, p1, fl); });
 }
+#define TQ_SPLIT_EMU(IN, KB, VB, ST, E, NAME)                                               \
+  extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
+                       const float* mid, i64 H, i64 D, i64 kt, i64 kh, i64 vt, i64 vh,      \
+                       i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0, i64 p1,     \
+                       i64 ms, i64 nt, i64 grid) {                                          \
+    emu_launch(static_cast<unsigned>(grid), [&] {                                           \
+      tq_split_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, H, D, kt, kh, vt,  \
+                                                     vh, cb, cp, ch, bs, bsh, ns, p0, p1,   \
+                                                     ms, nt);                               \
+    });                                                                                     \
+}
 """
 
 
@@ -518,6 +531,9 @@ def emu_lib(tmp_path_factory):
                         continue
                     lines.append(f"TQ_EMU({kind}, {kb}, {vb}, {st}, {e}, "
                                  f"{_emu_name(kind, kb, vb, sd, e)})")
+                for e in (2, 4) if kb != 8 else ():
+                    lines.append(f"TQ_SPLIT_EMU({kind}, {kb}, {vb}, {st}, {e}, "
+                                 f"split_{_emu_name(kind, kb, vb, sd, e)})")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
     return build_emu_lib(tmp_path_factory, "\n".join(lines) + "\n", "tqemu",
                          pathlib.Path(cuda_impl.__file__).parent)
@@ -535,15 +551,17 @@ class _Emulated:
     grid's bound (1: one CTA strides over every row)."""
 
     def __init__(self, lib, lane_elems: int = 16, sm_count: int = 2, small_rows: int = 0,
-                 small_lane_elems: int = 4, warps: int | None = None, check_rows: int = 4096):
+                 small_lane_elems: int = 4, warps: int | None = None, check_rows: int = 4096,
+                 split_warps: int = 0):
         from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
         self.lib, self.c = lib, cuda_impl
         # small_rows 0: every call takes lane_elems (the small-call choice has its own test)
         # check_rows: calls of at most that many rows take the table check's kernel (0: each
-        # CTA checks the table itself)
+        # CTA checks the table itself); split_warps: the MSE presets' calls of at most that many
+        # warps take tq_split_kernel (0: none, tq_kernel is what the test is about)
         self.tuning = cuda_impl.CudaTuning(lane_elems=lane_elems, small_rows=small_rows,
                                            small_lane_elems=small_lane_elems,
-                                           check_rows=check_rows)
+                                           check_rows=check_rows, split_warps=split_warps)
         self.sm_count = sm_count
         self.warps = warps  # the warps with rows a CTA (None: cuda_impl.row_warps's)
 
@@ -553,6 +571,15 @@ class _Emulated:
     def run(self, key, value, kv_cache, slot_mapping, preset, pit, mids):
         from kvwrite.kernels import launch
         d, rows, least = key.shape[2], slot_mapping.numel() * key.shape[1], self.c.min_elems(preset)
+        se = self.c.split_elems(int(preset.key_bits), d, rows, self.tuning)
+        if se:  # as run: the split kernel alone
+            args = self.c.split_args(key, value, kv_cache, slot_mapping, pit, mids)
+            fn = getattr(self.lib, "split_" + _emu_name(launch.KIND[key.dtype], preset.key_bits,
+                                                        preset.value_bits, slot_mapping.dtype, se))
+            fn(*(ctypes.c_void_p(a) for a in args[:6]),
+               *(ctypes.c_longlong(a) for a in args[6:]),
+               ctypes.c_longlong(self.c.split_grid(rows, d)))
+            return
         e, lpr = self.c.lanes(d, self.tuning, rows, least)
         warps = self.warps or self.c.row_warps(int(preset.key_bits), e, lpr, rows, _EMU_CTA,
                                                self.sm_count, self.tuning)
@@ -905,6 +932,50 @@ def test_cuda_kernel_emulated_row_warps(emu_lib, preset_name, warps, sm_count, c
            seed=warps + sm_count, pit_kind="hadamard")
 
 
+# The MSE presets' small calls on tq_split_kernel: a row's outputs 8 a warp, every table by
+# the products' trees, the midpoints counted (no order assumed). P = 64, 128 (E = 2, 4), padded
+# head sizes (D = 34, 40, 56, 100, 120: the last slice's outputs partly past D).
+SPLIT_PARAMS = [(p, dt, sd, d) for p in MSE_PRESETS for dt, sd, d in (
+    (torch.bfloat16, torch.int64, 128), (torch.float16, torch.int32, 64),
+    (torch.float32, torch.int32, 56), (torch.bfloat16, torch.int32, 40),
+    (torch.float32, torch.int64, 120))] + [
+    ("turboquant_4bit_nc", torch.float16, torch.int64, 34),
+    ("turboquant_4bit_nc", torch.bfloat16, torch.int64, 100)]
+
+
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", SPLIT_PARAMS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_cuda_split_kernel_emulated_matches_oracle(emu_lib, preset_name, dtype, slot_dtype, d):
+    """Special rows, skipped slots, both cache allocations, the Hadamard or a random table (the
+    Hadamard's strides column-major at odd seeds: one entry a load)."""
+    _check(_Emulated(emu_lib, split_warps=1 << 20), preset_name, dtype, slot_dtype, d, h=2,
+           seed=d, pit_kind="hadamard" if d == 128 else "random", vllm_alloc=d % 5 != 0)
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
+def test_cuda_split_kernel_emulated_table_variants(emu_lib, preset_name, pit_kind, mids_kind):
+    """The tables of test_cuda_kernel_emulated_table_variants (read by rows, column-major, off
+    16-byte alignment; midpoints out of order, NaN, tied), D = 64."""
+    preset, inputs = table_case(preset_name, 64, pit_kind, mids_kind, seed=3)
+    _check_inputs(_Emulated(emu_lib, split_warps=1 << 20), preset, inputs,
+                  f"split {preset_name} {pit_kind} {mids_kind}")
+
+
+# Leaves 2^24, 1, -2^24, 1 in lanes 0, 8, 16, 24 (D = 64, E = 2): the tree's last two levels
+# give RN(2^24 + 1) + RN(1 - 2^24) = 1; joined at distance 16 before 8, 0 + 2. The same in lanes
+# 0 to 3: the reduce-scatter's first two distances.
+SPLIT_TREE_CASES = [{}, {"at": (0, 16, 32, 48), "rows": (2.0**25, 2.0, -(2.0**25), 2.0)},
+                    {"at": (0, 2, 4, 6), "rows": (2.0**25, 2.0, -(2.0**25), 2.0)}]
+
+
+@pytest.mark.parametrize("preset_name", MSE_PRESETS)
+@pytest.mark.parametrize("case", range(len(SPLIT_TREE_CASES)))
+def test_cuda_split_kernel_emulated_sums_by_the_tree(emu_lib, preset_name, case):
+    _check_inputs(_Emulated(emu_lib, split_warps=1 << 20),
+                  *tree_order_case(preset_name, **SPLIT_TREE_CASES[case]), "split, tree order")
+
+
 @pytest.mark.parametrize("preset_name", PRESETS)
 @pytest.mark.parametrize("d, lane_elems", [(16, 16), (128, 16), (64, 4)])
 def test_cuda_kernel_emulated_value_boundaries(emu_lib, preset_name, d, lane_elems):
@@ -1101,8 +1172,9 @@ def test_nvrtc_compiles_for_sm80_and_sm100():
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
     names = c.all_kernel_names()
     # 3 input kinds x 2 slot types x (4 presets x 5 E, less E = 2, 4 for the two 3-bit ones,
-    # and E = 8 at two CTA sizes), and the table check.
-    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 4) + 1
+    # and E = 8 at two CTA sizes), the table check, and the split kernels (3 input kinds x 2
+    # slot types x 3 MSE presets x E = 2, 4).
+    assert len(names) == len(set(names)) == 3 * 2 * (4 * 5 - 2 * 2 + 4) + 1 + 3 * 2 * 3 * 2
     few = [n for n in names if ", 4, int, 16, 512>" in n or ", 3, long long, 32, 256>" in n][:4]
     for arch in ("sm_80", "sm_100"):
         obj, _ = c.compile_kernel(arch, few)
@@ -1145,7 +1217,8 @@ def test_lanes_and_grid():
     assert c.cta_threads(4, 8, 16, 16 * 132, 132) == 256
     assert c.cta_threads(4, 8, 16, 16 * 132 + 1, 132) == 512
     assert c.cta_threads(8, 16, 8, 8, 132) == 512 and c.cta_threads(8, 32, 32, 8, 132) == 256
-    assert sum(n.endswith(", 8, 128>") for n in c.all_kernel_names()) == 6
+    assert sum(n.startswith("tq_kernel<") and n.endswith(", 8, 128>")
+               for n in c.all_kernel_names()) == 6
     # warps with rows: every one but in the MSE presets' small calls (E = 8): at least
     # mse_row_warps, as many as keep the CTAs at most the SMs, a power of two
     assert c.row_warps(8, 8, 16, 8, 128, 132) == 4 and c.row_warps(4, 16, 8, 8, 512, 132) == 16
@@ -1163,6 +1236,15 @@ def test_lanes_and_grid():
     assert c.check_ctas(4, 96, 8) == 0 and c.check_ctas(4, 2, 8) == 1
     assert c.check_ctas(4, 1024, 8) == 1024 and c.check_ctas(4, 64, 8, threads=128) == 8
     assert c.grid(128, 128, 132, 512, warps=4) == 16 and c.grid(128, 128, 132, 512) == 4
+    # the split kernel: the MSE presets' calls of at most split_warps warps (rows x D / 8),
+    # P = 64, 128; one warp a row and 8 outputs, 4 warps a CTA
+    n = c.TUNING.split_warps
+    assert c.split_elems(4, 128, n // 16) == 4 and c.split_elems(3, 64, n // 8) == 2
+    assert c.split_elems(4, 128, n // 16 + 1) == 0 == c.split_elems(3, 64, n // 8 + 1)
+    assert c.split_elems(3, 256, 8) == 0 and c.split_elems(4, 100, 8) == 4
+    assert c.split_elems(8, 128, 8) == 0
+    assert c.split_elems(4, 32, 8) == 0 == c.split_elems(4, 512, 8)
+    assert c.split_grid(8, 128) == 32 and c.split_grid(1, 100) == 4 and c.split_grid(3, 40) == 4
 
 
 _TRITON_PTX_SCRIPT = TRITON_PTX_PRELUDE + r"""
@@ -1234,8 +1316,9 @@ def test_unsupported_head_sizes():
 def _gpu_impl(name):
     """An implementation on the GPU by name: "cuda" and "triton" as the launchers choose;
     "cuda-wide" the CUDA kernel with lane_elems a lane and its CTAs' own table check at every
-    call size (the large-call path; the small tests' calls otherwise take small_lane_elems and
-    the table check's kernel), "triton-rows" / "triton-row1"
+    call size (the large-call path; the small tests' calls otherwise take tq_split_kernel, or
+    small_lane_elems and the table check's kernel), "cuda-nosplit" tq_kernel at every call size
+    as the launcher configures it (the small calls' lanes and table check), "triton-rows" / "triton-row1"
     every call on the Triton rows kernel, BLOCK_R its widest / 1 (MSE: one program an SM,
     striding), "triton-program-a-row" every call on _tq_kernel."""
     if not torch.cuda.is_available():
@@ -1247,7 +1330,10 @@ def _gpu_impl(name):
     if reason is not None:
         pytest.skip(reason)
     if name == "cuda-wide":
-        return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0, check_rows=0))
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, small_rows=0, check_rows=0,
+                                                split_warps=0))
+    if name == "cuda-nosplit":
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, split_warps=0))
     if name.startswith("triton-row"):  # "-rows": BLOCK_R as wide as rows_elems allows, "-row1": 1
         wide = name == "triton-rows"
         return _Tuned(impl, dataclasses.replace(
@@ -1283,7 +1369,7 @@ def test_gpu_cta_sizes():
     tables the check's kernel reads) while those CTAs fit one an SM, 512 past that and at E = 16
     (the MSE presets' CTAs checking the table themselves); every call spans several CTAs and
     matches the oracle, the MSE presets with vLLM's Hadamard table."""
-    impl = _gpu_impl("cuda")
+    impl = _gpu_impl("cuda-nosplit")
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     h = 4  # D = 128, E = 8: 8 rows a 128-thread CTA
@@ -1360,10 +1446,12 @@ def test_gpu_cuda_long_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "cuda-nosplit", "triton"])
 @pytest.mark.parametrize("preset_name", PRESETS[1:])
-def test_gpu_sums_by_the_tree(impl, preset_name):
-    _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda"), "tree order")
+@pytest.mark.parametrize("case", range(len(SPLIT_TREE_CASES)))
+def test_gpu_sums_by_the_tree(impl, preset_name, case):
+    _check_inputs(_gpu_impl(impl), *tree_order_case(preset_name, "cuda", **SPLIT_TREE_CASES[case]),
+                  "tree order")
 
 
 class _Tuned:
@@ -1387,7 +1475,7 @@ def test_gpu_hadamard_path(impl, preset_name, d, lane_elems):
     lane_elems; Triton once per case)."""
     mod = _gpu_impl(impl)
     if impl == "cuda":
-        mod = _Tuned(mod, mod.CudaTuning(lane_elems=lane_elems))
+        mod = _Tuned(mod, mod.CudaTuning(lane_elems=lane_elems, split_warps=0))
     elif lane_elems != 16:
         pytest.skip("lane_elems is the CUDA kernel's")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -1396,7 +1484,7 @@ def test_gpu_hadamard_path(impl, preset_name, d, lane_elems):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "cuda-wide", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "cuda-wide", "cuda-nosplit", "triton"])
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
 @pytest.mark.parametrize("pit_kind, mids_kind", TABLE_KINDS)
 @pytest.mark.parametrize("d", [64, 128])
@@ -1448,15 +1536,17 @@ def test_gpu_rotation_paths_against_the_reference(impl, preset_name, pit_kind, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
 @pytest.mark.parametrize("preset_name", MSE_PRESETS)
-def test_gpu_graph_replay_switches_rotation_paths(impl, preset_name):
+@pytest.mark.parametrize("t", [4, 300])
+def test_gpu_graph_replay_switches_rotation_paths(impl, preset_name, t):
     """Captured with vLLM's tables, replayed after new rows, cache bytes and tables were copied
     in: a random table (the generic path), the Hadamard again, one a ulp off with midpoints out of
-    order, the negated Hadamard; each replay writes the reference's bytes."""
+    order, the negated Hadamard; each replay writes the reference's bytes (T = 4: the CUDA
+    split kernel, 300: the table check and tq_kernel)."""
     import kvwrite
     from kvwrite.testing.compare import storage_bytes
     from kvwrite.testing.turboquant import assert_tq_caches_equal, make_tq_inputs
     _gpu_impl(impl)
-    case = _tq_case(preset_name, 300, "hadamard")
+    case = _tq_case(preset_name, t, "hadamard")
     first = make_tq_inputs(case, "cuda", seed=1)
     kvwrite.reshape_and_cache_turboquant(*first.args(), implementation=impl)  # compile first
     torch.cuda.synchronize()

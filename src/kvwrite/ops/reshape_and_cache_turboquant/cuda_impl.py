@@ -7,9 +7,11 @@ neighbouring lanes of a warp, each holding ``E`` elements (:func:`lanes`), the C
 it, for the MSE presets where D is a power of two, ``tq_check_kernel`` (:data:`CHECK_KERNEL`)
 checks the rotation table once a call, spread over :func:`check_ctas` CTAs, for the Sylvester
 Hadamard, whose product ``tq_kernel`` then takes by the fast Walsh-Hadamard transform, bit-exact
-with the tree (larger calls' CTAs check the table themselves). Every step of SPEC §10.2 is one
-explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded pairwise
-tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
+with the tree (larger calls' CTAs check the table themselves). The MSE presets' smallest calls
+(:func:`split_elems`) take ``tq_split_kernel`` instead: a warp a row's 8 outputs (its 8
+columns of the table), the products' trees for any table, so no check. Every step of SPEC §10.2
+is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
+pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
 unsupported here (torch runs them).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
@@ -17,7 +19,7 @@ fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_
 ``slot_size``). Graph-safe: no host sync per call (the table check runs on the GPU at every call,
 its flags in a buffer from PyTorch's allocator on the current stream). One build per variant,
 the geometry passed at run time; measured in docs/tuning-log.md (changes 80, 91, 115 and 118 to
-121).
+122).
 """
 
 from __future__ import annotations
@@ -32,10 +34,18 @@ from ...kernels.triton_support import next_pow2
 __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_name",
            "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
            "cta_options", "cta_threads", "row_warps", "grid", "check_ctas", "CHECK_KERNEL",
-           "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS"]
+           "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS", "split_elems", "split_grid",
+           "split_kernel_name", "split_args", "SPLIT_THREADS", "SPLIT_ELEMS"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
+# The MSE presets' small calls (split_elems): one warp a (row, 8 outputs), CTAs of
+# SPLIT_THREADS, E = P / 32 elements a lane for P = 64 and 128 (P = 256, E = 8: T = 1 at H = 8
+# took 4.25 us against tq_kernel's 4.32, T = 2 6.00 against 4.37; tuning-log 122).
+SPLIT_KERNEL = "tq_split_kernel"
+SPLIT_THREADS = 128
+SPLIT_ELEMS = (2, 4)
+SPLIT_COORDS = 8  # kernel.cu's TQ_SPLIT_J
 # The table check: CTAs of CHECK_THREADS threads, four entries a thread (check_ctas).
 CHECK_THREADS = 256
 CHECK_KERNEL = f"tq_check_kernel<{CHECK_THREADS}>"
@@ -78,6 +88,15 @@ class CudaTuning(launch.PdlPolicy):
     # and 4 1.00-1.02 / 0.97, 512 (4096 rows) 1.02 / 0.97; T = 1024 1.02 / 1.00, 4096 and 16384
     # 1.02-1.06 (a serial round trip that the rows' loads no longer hide).
     check_rows: int = 4096
+    # The MSE presets' calls whose tq_split_kernel would have at most split_warps warps (rows
+    # times ceil(D / 8)) run it (a row's rotation spread over D / 8 warps, no table check)
+    # instead of the table check and tq_kernel. H200, H = 8, against tq_kernel, cold / hot
+    # (tuning-log 122): D = 128 T = 1, 2, 4 (128 to 512 warps) 0.73 / 0.67, 0.74 / 0.68, 0.81 /
+    # 0.80, T = 8 1.42 / 1.47; D = 64 T = 1, 4, 8 (64 to 512 warps) 0.66, 0.67, 0.71 cold (T =
+    # 16, 1024 warps: 1.13 on a build within 4% of this one). Each warp reads 8 columns of the
+    # table, 32 bytes of each row, so a row's D / 8 warps read all of it: the reads, not the
+    # work, set the crossover.
+    split_warps: int = 512
 
 
 TUNING = CudaTuning()
@@ -87,6 +106,29 @@ def kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.
                 elems: int, threads: int) -> str:
     return (f"{KERNEL}<{in_kind}, {key_bits}, {value_bits}, {launch.int_type(slot_dtype)}, "
             f"{elems}, {threads}>")
+
+
+def split_kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: torch.dtype,
+                      elems: int) -> str:
+    return (f"{SPLIT_KERNEL}<{in_kind}, {key_bits}, {value_bits}, "
+            f"{launch.int_type(slot_dtype)}, {elems}, {SPLIT_THREADS}>")
+
+
+def split_elems(key_bits: int, head_size: int, rows: int, tuning: CudaTuning = TUNING) -> int:
+    """The elements a lane of ``tq_split_kernel`` holds (P / 32) for a call of ``rows`` rows, 0
+    where ``tq_kernel`` takes it: k8v4 (no rotation), more than ``tuning.split_warps`` warps
+    (rows times ceil(D / 8)), or a padded head size P other than 64 and 128."""
+    e = next_pow2(head_size) // 32
+    warps = rows * -(-head_size // SPLIT_COORDS)
+    if key_bits == 8 or warps > tuning.split_warps or e not in SPLIT_ELEMS:
+        return 0
+    return e
+
+
+def split_grid(rows: int, head_size: int) -> int:
+    """The CTAs of ``tq_split_kernel``: one warp a (row, slice of SPLIT_COORDS outputs)."""
+    warps = rows * -(-head_size // SPLIT_COORDS)
+    return -(-warps // (SPLIT_THREADS // 32))
 
 
 def lanes(head_size: int, tuning: CudaTuning = TUNING, rows: int | None = None,
@@ -168,10 +210,12 @@ def grid(num_rows: int, head_size: int, resident: int, threads: int,
 
 def all_kernel_names() -> list[str]:
     """Every variant `run` can launch (for compile tests): 3-bit fields need D % 8 == 0, so
-    E >= 8 there; the table check last."""
+    E >= 8 there; then the table check, then the small calls' split kernels."""
     return [kernel_name(kind, kb, vb, sd, e, c) for kind in launch.KIND.values()
             for kb, vb in BITS for sd in (torch.int32, torch.int64) for e in LANE_ELEMS
-            if e >= 8 or (kb != 3 and vb != 3) for c in cta_options(kb, e)] + [CHECK_KERNEL]
+            if e >= 8 or (kb != 3 and vb != 3) for c in cta_options(kb, e)] + [CHECK_KERNEL] + [
+        split_kernel_name(kind, kb, vb, sd, e) for kind in launch.KIND.values()
+        for kb, vb in BITS if kb != 8 for sd in (torch.int32, torch.int64) for e in SPLIT_ELEMS]
 
 
 def check_ctas(key_bits: int, head_size: int, rows: int, tuning: CudaTuning = TUNING,
@@ -230,8 +274,12 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     least = min_elems(preset)
     rows = num_tokens * h
-    e, lpr = lanes(d, tuning, rows, least)
     index = key.get_device()
+    se = split_elems(kb, d, rows, tuning)
+    if se:
+        _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, se, index, tuning)
+        return
+    e, lpr = lanes(d, tuning, rows, least)
     sm_count = nvrtc.device_arch(index)[1]
     threads = cta_threads(kb, e, lpr, rows, sm_count)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning)
@@ -254,6 +302,39 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     nvrtc.launch(lau.device_index, config, kernel,
                  *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps,
                               flags))
+
+
+SPLITS = launch.LaunchCache()
+
+
+def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, elems: int,
+               index: int, tuning: CudaTuning) -> None:
+    sig = (key.dtype, int(preset.key_bits), int(preset.value_bits), slot_mapping.dtype, elems,
+           index, tuning)
+    lau = SPLITS.get(sig)
+    if lau is None:
+        launch.require_setup()
+        name = split_kernel_name(launch.KIND[key.dtype], int(preset.key_bits),
+                                 int(preset.value_bits), slot_mapping.dtype, elems)
+        k, pk = launch.load(SOURCE, name, (), index, False)
+        lau = SPLITS[sig] = launch.Launchable(k, pk, index, ())
+    ctas = split_grid(slot_mapping.numel() * key.shape[1], key.shape[2])
+    kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
+    config = nvrtc.launch_config(ctas, 1, SPLIT_THREADS, 1, pdl)
+    nvrtc.launch(lau.device_index, config, kernel,
+                 *split_args(key, value, kv_cache, slot_mapping, PiT, midpoints))
+
+
+def split_args(key, value, kv_cache, slot_mapping, PiT, midpoints) -> tuple[int, ...]:
+    """``tq_split_kernel``'s arguments (six addresses, then int64 scalars: kernel.cu's order);
+    tests launch the SIMT emulation with them."""
+    h, d = key.shape[1], key.shape[2]
+    nb, bs = kv_cache.shape[:2]
+    return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            PiT.data_ptr(), midpoints.data_ptr(), h, d,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
+            PiT.stride(0), PiT.stride(1), midpoints.stride(0), slot_mapping.numel())
 
 
 def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps: int,

@@ -3,7 +3,8 @@
 //
 // Compiled at run time with NVRTC (see cuda_impl.py), one module per variant
 // tq_kernel<IN, KB, VB, SlotT, E, CTA> (and tq_check_kernel<CTA>, the MSE presets' table check
-// that runs before it where D is a power of two): IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
+// that runs before it where D is a power of two; the MSE presets' smallest calls take
+// tq_split_kernel, at the end of this file, instead of both): IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
 // bits (8: k8v4's e4m3fn codes; 4 or 3: MSE indices), VB the value's bits (4 or 3), SlotT the slot
 // type (int or long long), E the elements of a row each lane holds (a power of two; the launcher
 // picks E for the padded head size P, the power of two >= D: LPR = P / E <= 32 lanes per row),
@@ -748,4 +749,197 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
       }
     }
   }
+}
+
+// ---- small calls of the MSE presets: tq_split_kernel ----
+// One warp a (row, slice): the slice is TQ_SPLIT_J = 8 of the row's output coordinates
+// [j0, j0 + 8), so a row's rotation is spread over ceil(D / 8) warps, each reading only its
+// 8 columns of PiT (D = 128: 4 KiB of the 64 KiB) and no warp waiting for a check of the whole
+// table: every output is the tree of its products whatever the table (the generic path of
+// tq_kernel, without the Hadamard shortcut and hence without its check). For calls of a few
+// rows (the launcher's split_warps), where tq_kernel's chain (the table check, then each row on
+// one warp) is the call's time.
+// Layout: lane l holds elements [l*E, l*E + E) of the row (32 lanes, P = 32 E, the padded head
+// size; +0 past D in the key, NaN in the value), so every sum is the lane's tree of E leaves
+// then shuffles at distances 1 .. 16 (the same neighbours as §7.1's tree, as in tq_kernel).
+// Each warp recomputes the row's norm and the value's range (a few instructions). A CTA's warps
+// take neighbouring rows of one slice (slice-major), so they read the same 8 columns.
+// - The 8 outputs' trees: the lane's products u_i * PiT[i, j0 + c] (its E rows i, 8 columns)
+//   summed by qkn_tree, then a reduce-scatter: at distance 1, 2, 4 each lane keeps the half of
+//   the coordinates its bit 1, 2, 4 selects and adds its partner's partial of that half (the
+//   partner's subtree: the tree's neighbour); lane l then holds coordinate c(l) = 4 b0 + 2 b1 +
+//   b2 (b_k bit k of l) over 8 lanes, and distances 8 and 16 finish the tree. 7 + 2 shuffles
+//   for 8 outputs instead of 40.
+// - idx = #{k : y >= m_k}, counted against every midpoint (no order assumed, so no order check);
+//   the 8 codes OR-ed over lanes 0..7 into one field of KB bytes: field bytes [j0 KB / 8,
+//   (j0 + 8) KB / 8), stored by lane 0 (fewer where D - j0 < 8: whole bytes, as D is even and
+//   3-bit fields need D % 8 == 0).
+// - values: each lane's E codes as tq_kernel's (tq_value_codes), those of [j0, j0 + 8) OR-ed
+//   over the 8 / E lanes holding them into VB bytes, stored by the first of those lanes.
+// - slice 0 also stores the norm, the scale and the zero.
+// The launcher's conditions (split_elems): the MSE presets, P = 32 E (E = 2, 4), rows * slices
+// < 2^31.
+#define TQ_SPLIT_J 8u
+
+KVW_HD float tq_shfl(float v, int src) {
+  return bits_f32(__shfl_sync(0xFFFFFFFFu, f32_bits(v), src));
+}
+KVW_HD u32 tq_or_xor(u32 v, int m) { return v | __shfl_xor_sync(0xFFFFFFFFu, v, m); }
+
+// x[e] = element i0 + e of a row (kind IN) for i0 + e < d, else pad: one load of the lane's
+// E * elem_bytes(IN) bytes where they are whole and aligned, else element by element.
+template <int IN, int E>
+KVW_HD void tq_load_lane(const u8* row, u32 i0, u32 d, float pad, float (&x)[E]) {
+  constexpr int N = E * elem_bytes(IN);
+  constexpr unsigned long long A = N < 16 ? N : 16;
+  const u8* p = row + static_cast<i64>(i0) * elem_bytes(IN);
+  if (i0 + E <= d && (reinterpret_cast<unsigned long long>(p) & (A - 1u)) == 0) {
+    const Raw<N> r = load_raw<N>(p);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = elem_f32<IN, N>(r, e);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = i0 + e < d ? tq_elem<IN>(p, e) : pad;
+  }
+}
+
+template <int IN, int KB, int VB, typename SlotT, int E, int CTA>
+__global__ void __launch_bounds__(CTA) tq_split_kernel(
+    const u8* __restrict__ key,    // [T_pad, H, D] of kind IN via (k_tok, k_head, 1) elements
+    const u8* __restrict__ value,  // [T_pad, H, D] via (v_tok, v_head, 1)
+    u8* __restrict__ cache,        // [num_blocks, block_size, H, S] bytes via (c_blk, c_page, c_head, 1)
+    const SlotT* __restrict__ slot_mapping,  // [T]
+    const float* __restrict__ pit,  // [D, D] via (pit_s0, pit_s1)
+    const float* __restrict__ mid,  // [2^KB - 1] via mid_s
+    i64 num_heads, i64 head_size, i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
+    i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
+    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens) {
+  KVW_PDL_ENTRY();
+  static_assert(KB == 4 || KB == 3, "key bits (the MSE presets)");
+  static_assert(VB == 4 || VB == 3, "value bits");
+  static_assert(E == 2 || E == 4, "elements per lane");
+  static_assert(CTA % 32 == 0 && CTA <= 1024, "threads of a CTA");
+  constexpr u32 J = TQ_SPLIT_J, NM = (1u << KB) - 1u;
+  const u32 d = static_cast<u32>(head_size), lane = threadIdx.x & 31u, i0 = lane * E;
+  const u32 h = static_cast<u32>(num_heads);
+  const u32 rows = static_cast<u32>(num_tokens) * h;
+  const u32 g = blockIdx.x * (CTA / 32) + (threadIdx.x >> 5);
+  const u32 slice = g / rows, row = g - slice * rows;  // slice-major: a CTA's warps share columns
+  const u32 j0 = slice * J;
+  if (j0 >= d) return;  // warp-uniform: the grid's last CTA
+  const u32 t = row / h, hh = row - t * h;
+  const i64 slot = static_cast<i64>(slot_mapping[t]);
+  float x[E], v[E];
+  tq_load_lane<IN, E>(key + (t * k_tok + hh * k_head) * elem_bytes(IN), i0, d, 0.0f, x);
+  tq_load_lane<IN, E>(value + (t * v_tok + hh * v_head) * elem_bytes(IN), i0, d,
+                      bits_f32(0x7FC00000u), v);
+  // The lane's part of the slice's columns: a[e][c] = PiT[i0 + e, j0 + c], 0 past D (the
+  // padding leaves are +0: u = +0 there).
+  float a[E][J];
+  const bool tvec = pit_s1 == 1 && (pit_s0 & 3) == 0 && j0 + J <= d &&
+                    (reinterpret_cast<unsigned long long>(pit) & 15u) == 0;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const u32 i = i0 + e;
+    const float* prow = pit + static_cast<i64>(i) * pit_s0 + static_cast<i64>(j0) * pit_s1;
+    if (i < d && tvec) {
+      const uint4 q0 = reinterpret_cast<const uint4*>(prow)[0];
+      const uint4 q1 = reinterpret_cast<const uint4*>(prow)[1];
+      const u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+      for (u32 c = 0; c < J; ++c) a[e][c] = bits_f32(w[c]);
+    } else {
+#pragma unroll
+      for (u32 c = 0; c < J; ++c)
+        a[e][c] = i < d && j0 + c < d ? prow[static_cast<i64>(c) * pit_s1] : 0.0f;
+    }
+  }
+  const float mid_t = lane < NM ? mid[static_cast<i64>(lane) * mid_s] : 0.0f;
+
+  // ---- keys: the norm, u, the slice's outputs, their codes ----
+  float sq[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) sq[e] = mul_rn(x[e], x[e]);  // padding: +0 * +0 = +0
+  float ss = qkn_tree<E>(sq);
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) ss = add_rn(ss, tq_shfl_xor(ss, m));
+  const float n = sqrt_rn(ss);
+  const float den = add_rn(n, TQ_EPS);
+  float u[E];
+  tq_div_row<E>(u, x, den, rcp_rn(den), tq_div_fast(den));
+  float part[J];
+#pragma unroll
+  for (u32 c = 0; c < J; ++c) {
+    float leaf[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) leaf[e] = mul_rn(u[e], a[e][c]);
+    part[c] = qkn_tree<E>(leaf);
+  }
+  // The reduce-scatter (distances 1, 2, 4), then the tree's last two levels.
+  const bool b0 = (lane & 1u) != 0, b1 = (lane & 2u) != 0, b2 = (lane & 4u) != 0;
+  float r1[4], r2[2];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    r1[k] = add_rn(b0 ? part[k + 4] : part[k], tq_shfl_xor(b0 ? part[k] : part[k + 4], 1));
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    r2[k] = add_rn(b1 ? r1[k + 2] : r1[k], tq_shfl_xor(b1 ? r1[k] : r1[k + 2], 2));
+  float y = add_rn(b2 ? r2[1] : r2[0], tq_shfl_xor(b2 ? r2[0] : r2[1], 4));
+  y = add_rn(y, tq_shfl_xor(y, 8));
+  y = add_rn(y, tq_shfl_xor(y, 16));
+  const u32 c_mine = (b0 ? 4u : 0u) + (b1 ? 2u : 0u) + (b2 ? 1u : 0u);
+  u32 idx = 0;
+#pragma unroll
+  for (u32 k = 0; k < NM; ++k) idx += y >= tq_shfl(mid_t, static_cast<int>(k)) ? 1u : 0u;
+  u32 kf = idx << (KB * c_mine);
+  kf = tq_or_xor(kf, 1);
+  kf = tq_or_xor(kf, 2);
+  kf = tq_or_xor(kf, 4);
+
+  // ---- values: the range over the row, the lane's codes, the slice's field ----
+  constexpr float L = static_cast<float>((1 << VB) - 1);
+  float mn = bits_f32(0x7F800000u), mx = -mn;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    mn = fminf(mn, v[e]);
+    mx = fmaxf(mx, v[e]);
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    mn = fminf(mn, tq_shfl_xor(mn, m));
+    mx = fmaxf(mx, tq_shfl_xor(mx, m));
+  }
+  if (!(mn <= mx)) mn = mx = 0.0f;
+  if (mn == 0.0f) mn = 0.0f;
+  float s = div_rn(sub_rn(mx, mn), L);
+  if (!(s > TQ_EPS)) s = TQ_EPS;
+  float w[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
+  u32 q[E];
+  tq_value_codes<E>(q, w, s, rcp_rn(s), tq_div_fast(s), L);
+  u32 vf = 0;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const u32 j = i0 + e;
+    if (j >= j0 && j < j0 + J) vf |= (q[e] - KVW_2P23_BITS) << (VB * (j - j0));
+  }
+#pragma unroll
+  for (int m = 1; m < static_cast<int>(J) / E; m <<= 1) vf = tq_or_xor(vf, m);
+
+  if (slot < 0 || slot >= num_slots) return;
+  u8* dst = cache + slot_offset(slot, c_blk, c_page, block_size, block_shift,
+                                num_slots <= 0xFFFFFFFFll) + hh * c_head;
+  const u32 nb = d * KB / 8, vdb = d * VB / 8;
+  u8* vdst = dst + nb + 2;
+  const u32 left = d - j0 < J ? d - j0 : J;  // the slice's coordinates below D
+  if (lane == 0) {
+    tq_store_bytes<KB>(dst + j0 * KB / 8, &kf, left * KB / 8);
+    if (slice == 0) {
+      tq_store_f16(dst + nb, n);
+      tq_store_f16(vdst + vdb, s);
+      tq_store_f16(vdst + vdb + 2, mn);
+    }
+  }
+  if (lane == j0 / E) tq_store_bytes<VB>(vdst + j0 * VB / 8, &vf, left * VB / 8);
 }
