@@ -419,6 +419,41 @@ KVW_HD void tq_store_f16(u8* p, float v) {
   p[1] = static_cast<u8>(h >> 8);
 }
 
+// A row's key norm n = RN(sqrt(ss)), ss the tree of RN(x_i^2) over the row's `lanes` lanes (E
+// leaves each, +0 padding): the lane's tree, then shuffles at distances 1, 2, ... < lanes.
+template <int E>
+KVW_HD float tq_key_norm(const float (&x)[E], u32 lanes) {
+  float sq[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) sq[e] = mul_rn(x[e], x[e]);  // padding: +0 * +0 = +0
+  float ss = qkn_tree<E>(sq);
+  for (u32 m = 1; m < lanes; m <<= 1) ss = add_rn(ss, tq_shfl_xor(ss, static_cast<int>(m)));
+  return sqrt_rn(ss);
+}
+
+// A row's value scale s (returned) and zero mn over its `lanes` lanes: mn, mx the min and max
+// of the non-NaN elements (the GPU's min and max skip NaN, the NaN padding too; lane-local,
+// then shuffles), both 0 if none, a zero mn +0; s = RN(RN(mx - mn) / L), FL unless s > FL.
+template <int E>
+KVW_HD float tq_value_scale(const float (&v)[E], u32 lanes, float L, float& mn_out) {
+  float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    mn = fminf(mn, v[e]);
+    mx = fmaxf(mx, v[e]);
+  }
+  for (u32 m = 1; m < lanes; m <<= 1) {
+    mn = fminf(mn, tq_shfl_xor(mn, static_cast<int>(m)));
+    mx = fmaxf(mx, tq_shfl_xor(mx, static_cast<int>(m)));
+  }
+  if (!(mn <= mx)) mn = mx = 0.0f;  // no non-NaN value
+  if (mn == 0.0f) mn = 0.0f;        // a zero mn is +0
+  float s = div_rn(sub_rn(mx, mn), L);
+  if (!(s > TQ_EPS)) s = TQ_EPS;
+  mn_out = mn;
+  return s;
+}
+
 // k8v4's staging (E >= 8, whole rows of 4-byte aligned slots): a warp's rows' slots are
 // assembled in shared memory and then stored word by word, consecutive lanes on consecutive
 // words, instead of each lane storing its own bytes (E / 4 key words and E / 8 value words at a
@@ -610,6 +645,8 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
       if (write && !stage) tq_store_field<8, E>(dst, tq_e4m3_field<E>(x), r, d);
       kps = d;
     } else {
+      // tq_key_norm's steps, written out: the call compiles the E = 32 variants to other
+      // integer instructions (same count), not yet run on a GPU.
       float sq[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) sq[e] = mul_rn(x[e], x[e]);  // padding: +0 * +0 = +0
@@ -694,20 +731,8 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
 
     // ---- values ----
     constexpr float L = static_cast<float>((1 << VB) - 1);
-    float mn = bits_f32(0x7F800000u), mx = -mn;  // +inf, -inf: no value yet
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      mn = fminf(mn, v[e]);  // NaN (and the NaN padding) ignored
-      mx = fmaxf(mx, v[e]);
-    }
-    for (u32 m = 1; m < lpr; m <<= 1) {
-      mn = fminf(mn, tq_shfl_xor(mn, static_cast<int>(m)));
-      mx = fmaxf(mx, tq_shfl_xor(mx, static_cast<int>(m)));
-    }
-    if (!(mn <= mx)) mn = mx = 0.0f;  // no non-NaN value
-    if (mn == 0.0f) mn = 0.0f;        // a zero mn is +0
-    float s = div_rn(sub_rn(mx, mn), L);
-    if (!(s > TQ_EPS)) s = TQ_EPS;
+    float mn;
+    const float s = tq_value_scale<E>(v, lpr, L, mn);
     const bool vfast = tq_div_fast(s);
     const float ys = rcp_rn(s);
     float w[E];
@@ -857,13 +882,7 @@ __global__ void __launch_bounds__(CTA) tq_split_kernel(
   const float mid_t = lane < NM ? mid[static_cast<i64>(lane) * mid_s] : 0.0f;
 
   // ---- keys: the norm, u, the slice's outputs, their codes ----
-  float sq[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) sq[e] = mul_rn(x[e], x[e]);  // padding: +0 * +0 = +0
-  float ss = qkn_tree<E>(sq);
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) ss = add_rn(ss, tq_shfl_xor(ss, m));
-  const float n = sqrt_rn(ss);
+  const float n = tq_key_norm<E>(x, 32u);
   const float den = add_rn(n, TQ_EPS);
   float u[E];
   tq_div_row<E>(u, x, den, rcp_rn(den), tq_div_fast(den));
@@ -898,21 +917,8 @@ __global__ void __launch_bounds__(CTA) tq_split_kernel(
 
   // ---- values: the range over the row, the lane's codes, the slice's field ----
   constexpr float L = static_cast<float>((1 << VB) - 1);
-  float mn = bits_f32(0x7F800000u), mx = -mn;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    mn = fminf(mn, v[e]);
-    mx = fmaxf(mx, v[e]);
-  }
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    mn = fminf(mn, tq_shfl_xor(mn, m));
-    mx = fmaxf(mx, tq_shfl_xor(mx, m));
-  }
-  if (!(mn <= mx)) mn = mx = 0.0f;
-  if (mn == 0.0f) mn = 0.0f;
-  float s = div_rn(sub_rn(mx, mn), L);
-  if (!(s > TQ_EPS)) s = TQ_EPS;
+  float mn;
+  const float s = tq_value_scale<E>(v, 32u, L, mn);
   float w[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) w[e] = sub_rn(v[e], mn);
