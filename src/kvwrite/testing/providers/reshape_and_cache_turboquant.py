@@ -296,6 +296,7 @@ PROVIDER = Provider(
              special_values=True)),
     wrong_writers=WRONG,
     bad_inputs=BAD,
-    # The input kinds (3) x presets (4) x slot types (2) x E, two CTA sizes at E = 8; the check.
-    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 121),
+    # The input kinds (3) x presets (4) x slot types (2) x E, two CTA sizes at E = 8; the check;
+    # the split kernel: input kinds x the 3 MSE presets x slot types x E = 2, 4.
+    compile_variants=compile_every_variant("kvwrite.ops.reshape_and_cache_turboquant", 157),
 )
