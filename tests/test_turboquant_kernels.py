@@ -946,8 +946,9 @@ SPLIT_PARAMS = [(p, dt, sd, d) for p in MSE_PRESETS for dt, sd, d in (
 @pytest.mark.parametrize("preset_name, dtype, slot_dtype, d", SPLIT_PARAMS,
                          ids=lambda v: str(v).replace("torch.", ""))
 def test_cuda_split_kernel_emulated_matches_oracle(emu_lib, preset_name, dtype, slot_dtype, d):
-    """Special rows, skipped slots, both cache allocations, the Hadamard or a random table (the
-    Hadamard's strides column-major at odd seeds: one entry a load)."""
+    """Special rows, skipped slots, both cache allocations, the Hadamard (D = 128) or a random
+    table (row-major: the two 16-byte loads a row; the table read entry by entry is
+    test_cuda_split_kernel_emulated_table_variants' "strided" and "offset")."""
     _check(_Emulated(emu_lib, split_warps=1 << 20), preset_name, dtype, slot_dtype, d, h=2,
            seed=d, pit_kind="hadamard" if d == 128 else "random", vllm_alloc=d % 5 != 0)
 

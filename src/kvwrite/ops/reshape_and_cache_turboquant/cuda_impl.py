@@ -114,21 +114,24 @@ def split_kernel_name(in_kind: int, key_bits: int, value_bits: int, slot_dtype: 
             f"{launch.int_type(slot_dtype)}, {elems}, {SPLIT_THREADS}>")
 
 
+def _split_warps(rows: int, head_size: int) -> int:
+    """``tq_split_kernel``'s warps: one a (row, slice of SPLIT_COORDS outputs)."""
+    return rows * -(-head_size // SPLIT_COORDS)
+
+
 def split_elems(key_bits: int, head_size: int, rows: int, tuning: CudaTuning = TUNING) -> int:
     """The elements a lane of ``tq_split_kernel`` holds (P / 32) for a call of ``rows`` rows, 0
     where ``tq_kernel`` takes it: k8v4 (no rotation), more than ``tuning.split_warps`` warps
     (rows times ceil(D / 8)), or a padded head size P other than 64 and 128."""
     e = next_pow2(head_size) // 32
-    warps = rows * -(-head_size // SPLIT_COORDS)
-    if key_bits == 8 or warps > tuning.split_warps or e not in SPLIT_ELEMS:
+    if key_bits == 8 or _split_warps(rows, head_size) > tuning.split_warps or e not in SPLIT_ELEMS:
         return 0
     return e
 
 
 def split_grid(rows: int, head_size: int) -> int:
-    """The CTAs of ``tq_split_kernel``: one warp a (row, slice of SPLIT_COORDS outputs)."""
-    warps = rows * -(-head_size // SPLIT_COORDS)
-    return -(-warps // (SPLIT_THREADS // 32))
+    """The CTAs of ``tq_split_kernel``: its warps, SPLIT_THREADS / 32 a CTA."""
+    return -(-_split_warps(rows, head_size) // (SPLIT_THREADS // 32))
 
 
 def lanes(head_size: int, tuning: CudaTuning = TUNING, rows: int | None = None,
@@ -243,16 +246,23 @@ LAUNCHES = launch.LaunchCache()
 CHECKS = launch.LaunchCache()  # the table check's, by (device index, tuning)
 
 
+def _loaded(cache: launch.LaunchCache, sig, name: str, index: int) -> launch.Launchable:
+    """The variant ``name`` on device ``index``, loaded once under ``sig`` in ``cache`` (no
+    occupancy bound: the split kernel and the table check size their grids from the call)."""
+    lau = cache.get(sig)
+    if lau is None:
+        launch.require_setup()
+        k, pk = launch.load(SOURCE, name, (), index, False)
+        lau = cache[sig] = launch.Launchable(k, pk, index, ())
+    return lau
+
+
 def _check_table(PiT: torch.Tensor, n: int, index: int, tuning: CudaTuning) -> torch.Tensor:
     """Launch the table check of ``n`` CTAs on PyTorch's current stream: its flags (one int32 a
     CTA)."""
     d = PiT.shape[0]
     flags = torch.empty(n, dtype=torch.int32, device=PiT.device)
-    lau = CHECKS.get((index, tuning))
-    if lau is None:
-        launch.require_setup()
-        k, pk = launch.load(SOURCE, CHECK_KERNEL, (), index, False)
-        lau = CHECKS[index, tuning] = launch.Launchable(k, pk, index, ())
+    lau = _loaded(CHECKS, (index, tuning), CHECK_KERNEL, index)
     kernel, pdl = lau.pick(n, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(n, 1, CHECK_THREADS, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel, PiT.data_ptr(), d, *PiT.stride(),
@@ -309,15 +319,10 @@ SPLITS = launch.LaunchCache()
 
 def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, elems: int,
                index: int, tuning: CudaTuning) -> None:
-    sig = (key.dtype, int(preset.key_bits), int(preset.value_bits), slot_mapping.dtype, elems,
-           index, tuning)
-    lau = SPLITS.get(sig)
-    if lau is None:
-        launch.require_setup()
-        name = split_kernel_name(launch.KIND[key.dtype], int(preset.key_bits),
-                                 int(preset.value_bits), slot_mapping.dtype, elems)
-        k, pk = launch.load(SOURCE, name, (), index, False)
-        lau = SPLITS[sig] = launch.Launchable(k, pk, index, ())
+    kb, vb = int(preset.key_bits), int(preset.value_bits)
+    lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning),
+                  split_kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, elems),
+                  index)
     ctas = split_grid(slot_mapping.numel() * key.shape[1], key.shape[2])
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, SPLIT_THREADS, 1, pdl)
@@ -328,13 +333,18 @@ def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, elems
 def split_args(key, value, kv_cache, slot_mapping, PiT, midpoints) -> tuple[int, ...]:
     """``tq_split_kernel``'s arguments (six addresses, then int64 scalars: kernel.cu's order);
     tests launch the SIMT emulation with them."""
-    h, d = key.shape[1], key.shape[2]
-    nb, bs = kv_cache.shape[:2]
     return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-            PiT.data_ptr(), midpoints.data_ptr(), h, d,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
+            PiT.data_ptr(), midpoints.data_ptr(), key.shape[1], key.shape[2],
+            *_rows_and_cache_args(key, value, kv_cache),
             PiT.stride(0), PiT.stride(1), midpoints.stride(0), slot_mapping.numel())
+
+
+def _rows_and_cache_args(key, value, kv_cache) -> tuple[int, ...]:
+    """Both kernels' row strides (key, value: token, head) and cache geometry (block, page and
+    head strides, block size, its log2 or -1, the slots)."""
+    nb, bs = kv_cache.shape[:2]
+    return (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs)
 
 
 def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps: int,
@@ -346,13 +356,11 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warp
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
     h, d = key.shape[1], key.shape[2]
-    nb, bs = kv_cache.shape[:2]
     mse = int(preset.key_bits) != 8
     pit_args = (PiT.data_ptr(), PiT.stride(0), PiT.stride(1)) if mse else (0, 0, 0)
     mid_args = (midpoints.data_ptr(), midpoints.stride(0)) if mse else (0, 0)
     return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
             pit_args[0], mid_args[0], 0 if flags is None else flags.data_ptr(), h, d, next_pow2(d),
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs,
+            *_rows_and_cache_args(key, value, kv_cache),
             pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel(),
             warps.bit_length() - 1, 0 if flags is None else flags.numel())
