@@ -384,7 +384,8 @@ def test_ab_loader_errors_name_the_problem(tmp_path):
 # ------------------------------------------------------------------------------------------
 def _probe_kernel_names() -> list[str]:
     names = ["kvw_empty", "kvw_pattern<false>", "kvw_pattern<true>", "kvw_slot_store",
-             "kvw_rope_chain", "kvw_rope_row_chain", "kvw_tq_pattern<1>", "kvw_tq_pattern<4>"]
+             "kvw_rope_chain", "kvw_rope_row_chain", "kvw_tq_pattern<1>", "kvw_tq_pattern<4>",
+             "kvw_tq_row_pattern"]
     names += [small_t.kernel_name(h, lo, fp8, 64) for h in (8, 128) for lo in small_t.LAYOUTS
               for fp8 in (False, True)]
     return names
@@ -488,12 +489,13 @@ def test_gpu_mla_pattern_probe_runs(capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pieces", [1, 4])
+@pytest.mark.parametrize("pieces", [1, 4, "row"])
 @pytest.mark.parametrize("used, slot_alloc", [(196, 196), (134, 134), (134, 136)])
 def test_gpu_tq_pattern_writes_the_slot_bytes_it_says_and_nothing_else(used, slot_alloc, pieces):
-    """kvw_tq_pattern into vLLM's TurboQuant cache (heads outermost): unit i of row n's slot
-    (4-byte words where every slot is 4-byte aligned, else halves) is n * 0x9E3779B1 ^ i;
-    padding slots, the pad bytes and every other byte unchanged."""
+    """kvw_tq_pattern (and kvw_tq_row_pattern: "row") into vLLM's TurboQuant cache (heads
+    outermost): unit i of row n's slot (4-byte words where every slot is 4-byte aligned, else
+    halves) is n * 0x9E3779B1 ^ i; padding slots, the pad bytes and every other byte
+    unchanged."""
     from tools.probes import tq_pattern
 
     T, H, D, nb, bs = 40, 3, 128, 8, 16
@@ -504,7 +506,10 @@ def test_gpu_tq_pattern_writes_the_slot_bytes_it_says_and_nothing_else(used, slo
     slots[::7] = -1
     alloc = torch.randint(0, 256, (nb, H, bs, slot_alloc), dtype=torch.uint8, device="cuda")
     before = alloc.clone()
-    tq_pattern.pattern_call(key, value, alloc.transpose(1, 2), slots, used, bs, pieces)()
+    if pieces == "row":
+        tq_pattern.row_pattern_call(key, value, alloc.transpose(1, 2), slots, used, bs)()
+    else:
+        tq_pattern.pattern_call(key, value, alloc.transpose(1, 2), slots, used, bs, pieces)()
     torch.cuda.synchronize()
     unit = 4 if slot_alloc % 4 == 0 and used % 4 == 0 else 2
     i = torch.arange(used // unit, dtype=torch.int64)
@@ -522,11 +527,13 @@ def test_gpu_tq_pattern_probe_runs(tmp_path, capsys):
     path = str(tmp_path / "rows.json")
     assert tool(["probes", "tq-pattern", "--implementation", "cuda", "--presets",
                  "turboquant_k8v4,turboquant_4bit_nc", "--num-tokens", "16,1024", "--kinds",
-                 "turboquant,pattern,pattern_nhd,pattern_1", "--iters", "5", "--json", path]) == 0
+                 "turboquant,pattern,pattern_nhd,pattern_1,pattern_row,pattern_row_nhd", "--iters",
+                 "5", "--json", path]) == 0
     with open(path) as f:
         rows = json.load(f)["rows"]
     kinds = sorted({r["kind"] for r in rows if r.get("median_us")})
-    assert kinds == ["pattern", "pattern_1", "pattern_nhd", "turboquant"], rows[:2]
+    assert kinds == ["pattern", "pattern_1", "pattern_nhd", "pattern_row", "pattern_row_nhd",
+                     "turboquant"], rows[:2]
 
 
 @pytest.mark.gpu
@@ -562,7 +569,7 @@ def test_the_pdl_builds_of_the_floor_kernels_wait_before_any_memory_access(tmp_p
     if sass_tools.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton wheel) to read the SASS")
     names = ["kvw_empty", "kvw_slot_store", "kvw_rope_chain", "kvw_rope_row_chain",
-             "kvw_tq_pattern<1>", "kvw_tq_pattern<4>"]
+             "kvw_tq_pattern<1>", "kvw_tq_pattern<4>", "kvw_tq_row_pattern"]
     obj, _ = common.SOURCE.compile("sm_90", names, macros=(common.nvrtc.PDL_MACRO,))
     funcs = sass_tools.functions(sass_tools.dump_sass(bytes(obj.code), tmp_path))
     assert set(funcs) == {obj.symbol_mapping[n].decode() for n in names}

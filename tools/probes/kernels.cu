@@ -148,12 +148,12 @@ extern "C" __global__ void kvw_rope_row_chain(const i64* positions,
 // that no load is dead. Slot s lands at (s / bs) * c_blk + (s % bs) * c_page + head * c_head
 // bytes (bs = 2^block_shift); s < 0 or >= num_slots writes nothing. row_bytes / 16 a power of
 // two <= 32 U. No __restrict__ on the inputs: see kvw_rope_row_chain.
+#define KVW_TQ_PATTERN_PARAMS                                                                \
+  const u8 *key, const u8 *value, u8 *cache, const i64 *slots, i64 num_rows, i64 num_heads,    \
+      i64 row_bytes, i64 k_tok, i64 k_head, i64 v_tok, i64 v_head, i64 c_blk, i64 c_page,      \
+      i64 c_head, i64 block_shift, i64 slot_bytes, i64 num_slots, i64 zero
 template <int U>
-__global__ void kvw_tq_pattern(const u8* key, const u8* value, u8* cache, const i64* slots,
-                               i64 num_rows, i64 num_heads, i64 row_bytes, i64 k_tok,
-                               i64 k_head, i64 v_tok, i64 v_head, i64 c_blk, i64 c_page,
-                               i64 c_head, i64 block_shift, i64 slot_bytes, i64 num_slots,
-                               i64 zero) {
+__global__ void kvw_tq_pattern(KVW_TQ_PATTERN_PARAMS) {
   KVW_PDL_ENTRY();
   const u32 lane = threadIdx.x & 31u;
   const u32 cpr = static_cast<u32>(row_bytes) >> 4, rpi = 32u * U / cpr;
@@ -197,6 +197,41 @@ __global__ void kvw_tq_pattern(const u8* key, const u8* value, u8* cache, const 
           reinterpret_cast<u16*>(dst)[i] = static_cast<u16>(tag ^ i);
         }
       }
+    }
+  }
+}
+
+// The same pattern for a call of a few rows, as tight as it can be written: a warp a (token,
+// head) row, 32-bit indices (num_rows < 2^31; the grid has a warp for every row, no loop), the
+// row's key and value rows as 4-byte words (lane l words l, l + 32, ...; row_bytes a multiple
+// of 4 and the rows 4-byte aligned), its slot in one load, then the slot's bytes as
+// kvw_tq_pattern writes them (unit i = row * 0x9E3779B1 ^ i ^ (the lane's XOR & zero)).
+__global__ void kvw_tq_row_pattern(KVW_TQ_PATTERN_PARAMS) {
+  KVW_PDL_ENTRY();
+  const u32 lane = threadIdx.x & 31u;
+  const u32 row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= static_cast<u32>(num_rows)) return;
+  const u32 h = static_cast<u32>(num_heads), t = row / h, hh = row - t * h;
+  const i64 s = slots[t];
+  const u32* kp = reinterpret_cast<const u32*>(key + t * k_tok + hh * k_head);
+  const u32* vp = reinterpret_cast<const u32*>(value + t * v_tok + hh * v_head);
+  const u32 words = static_cast<u32>(row_bytes) >> 2;
+  u32 w = 0;
+#pragma unroll 4
+  for (u32 i = lane; i < words; i += 32u) w ^= kp[i] ^ vp[i];
+  w &= static_cast<u32>(zero);
+  if (s < 0 || s >= num_slots) return;
+  u8* dst = cache + (s >> block_shift) * c_blk + (s & ((1ll << block_shift) - 1)) * c_page +
+            hh * c_head;
+  const bool as_words = ((slot_bytes | c_blk | c_page | c_head |
+                          static_cast<i64>(reinterpret_cast<u64>(cache))) & 3) == 0;
+  const u32 units = static_cast<u32>(slot_bytes) >> (as_words ? 2 : 1);
+  const u32 tag = row * 0x9E3779B1u ^ w;
+  for (u32 i = lane; i < units; i += 32u) {
+    if (as_words) {
+      reinterpret_cast<u32*>(dst)[i] = tag ^ i;
+    } else {
+      reinterpret_cast<u16*>(dst)[i] = static_cast<u16>(tag ^ i);
     }
   }
 }

@@ -12,6 +12,10 @@ op's pattern; ``pattern`` over ``pattern_nhd`` is what the layout costs. Their b
 checked (they write no TurboQuant fields); every kind runs under each implementation named, so
 name one. Input rows of at most 512 bytes (head size 128: 256 in bfloat16).
 
+``pattern_row`` and ``pattern_row_nhd`` (``kvw_tq_row_pattern``) are the small calls' floor: a
+warp a row, 32-bit indices and no loop, the slot's bytes as ``pattern`` writes them, into the two
+caches.
+
     python -m tools.probes tq-pattern --implementation cuda
 """
 
@@ -25,9 +29,10 @@ from kvwrite.bench.workload import cycling
 
 from . import common
 
-__all__ = ["TqPatternBench", "pattern_call", "main"]
+__all__ = ["TqPatternBench", "pattern_call", "row_pattern_call", "main"]
 
 CTA = 256  # threads
+ROW_CTA = 128  # kvw_tq_row_pattern's threads: 4 rows a CTA
 
 
 def pattern_call(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -46,26 +51,50 @@ def pattern_call(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                                 f"{row_bytes} and {block_size}")
     pdl = common.pdl_launches()
     kern = common.kernel(f"kvw_tq_pattern<{pieces}>", pdl)
-    es = key.element_size()
-    rows = t * h
     rows_per_warp = 32 * pieces // pieces_per_row
+    ctas = max(1, -(-t * h // (CTA // 32 * rows_per_warp)))
+    return common.launch(kern, (ctas, 1), CTA,
+                         *_args(key, value, cache, slots, slot_bytes, block_size), pdl=pdl)
+
+
+def _args(key, value, cache, slots, slot_bytes: int, block_size: int) -> tuple[int, ...]:
+    """Both pattern kernels' arguments (kernels.cu's KVW_TQ_PATTERN_PARAMS)."""
+    t, h, d = key.shape
+    es = key.element_size()
     sb, sp, sh = cache.stride()[:3]
-    args = (key.data_ptr(), value.data_ptr(), cache.data_ptr(), slots.data_ptr(), rows, h,
-            row_bytes, key.stride(0) * es, key.stride(1) * es, value.stride(0) * es,
+    return (key.data_ptr(), value.data_ptr(), cache.data_ptr(), slots.data_ptr(), t * h, h,
+            d * es, key.stride(0) * es, key.stride(1) * es, value.stride(0) * es,
             value.stride(1) * es, sb, sp, sh, block_size.bit_length() - 1, slot_bytes,
             cache.shape[0] * block_size, 0)
-    ctas = max(1, -(-rows // (CTA // 32 * rows_per_warp)))
-    return common.launch(kern, (ctas, 1), CTA, *args, pdl=pdl)
+
+
+def row_pattern_call(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                     slots: torch.Tensor, slot_bytes: int, block_size: int):
+    """A call of ``kvw_tq_row_pattern``: a warp a (token, head) row (arguments as
+    :func:`pattern_call`'s; rows of a multiple of 4 bytes, fewer than 2^31 rows)."""
+    t, h, d = key.shape
+    row_bytes = d * key.element_size()
+    if row_bytes % 4 or block_size & (block_size - 1) or t * h >= 2**31:
+        raise common.ProbeError("tq-pattern's row kernel needs rows of a multiple of 4 bytes, a "
+                                "power-of-two block size and fewer than 2^31 rows, got "
+                                f"{row_bytes}, {block_size} and {t * h}")
+    pdl = common.pdl_launches()
+    kern = common.kernel("kvw_tq_row_pattern", pdl)
+    return common.launch(kern, (max(1, -(-t * h // (ROW_CTA // 32))), 1), ROW_CTA,
+                         *_args(key, value, cache, slots, slot_bytes, block_size), pdl=pdl)
 
 
 class TqPatternBench(TurboQuantBench):
     name = "tq-pattern"
     summary = "the TurboQuant write's access pattern without its work"
-    kinds = ("turboquant", "pattern", "pattern_nhd", "pattern_1", "fp8")
+    kinds = ("turboquant", "pattern", "pattern_nhd", "pattern_1", "pattern_row",
+             "pattern_row_nhd", "fp8")
     ops_of_kind = {"turboquant": (OP,), "pattern": (), "pattern_nhd": (), "pattern_1": (),
+                   "pattern_row": (), "pattern_row_nhd": (),
                    "fp8": TurboQuantBench.ops_of_kind["fp8"]}
     defaults = {"time_budget": 0.15,
-                "kinds": ("turboquant", "pattern", "pattern_1", "pattern_nhd", "fp8")}
+                "kinds": ("turboquant", "pattern", "pattern_1", "pattern_nhd", "pattern_row",
+                          "pattern_row_nhd", "fp8")}
     cpu_defaults = {**TurboQuantBench.cpu_defaults, "kinds": "turboquant,pattern,pattern_1"}
 
     def block_bytes(self, p) -> int:
@@ -86,8 +115,9 @@ class TqPatternBench(TurboQuantBench):
         s = ctx["layout"].slot_size_aligned
         nhd = torch.empty(p.num_blocks, p.block_size, p.num_heads, s, dtype=torch.uint8,
                           device=device)
-        ctx["caches"]["pattern"] = ctx["caches"]["pattern_1"] = ctx["caches"]["turboquant"]
-        ctx["caches"]["pattern_nhd"] = (nhd,)
+        for kind in ("pattern", "pattern_1", "pattern_row"):
+            ctx["caches"][kind] = ctx["caches"]["turboquant"]
+        ctx["caches"]["pattern_nhd"] = ctx["caches"]["pattern_row_nhd"] = (nhd,)
         return ctx
 
     def unsupported(self, ctx, kind, impl) -> str | None:
@@ -104,6 +134,9 @@ class TqPatternBench(TurboQuantBench):
         if not kind.startswith("pattern"):
             return super().call(ctx, kind, impl)
         p, cache = ctx["point"], ctx["caches"][kind][0]
+        if kind.startswith("pattern_row"):
+            return cycling([row_pattern_call(k, v, cache, s, ctx["layout"].slot_size,
+                                             p.block_size) for k, v, s in ctx["sets"]])
         pieces = 1 if kind == "pattern_1" else 4
         return cycling([pattern_call(k, v, cache, s, ctx["layout"].slot_size, p.block_size,
                                      pieces) for k, v, s in ctx["sets"]])
