@@ -29,7 +29,7 @@ _BITS = {"turboquant_k8v4": (8, 4), "turboquant_4bit_nc": (4, 4),
          "turboquant_k3v4_nc": (3, 4), "turboquant_3bit_nc": (3, 3)}
 EPS = 1e-8  # float32(1e-8) = bits 0x322BCC77 once rounded
 # Every launch path on the GPU (_gpu_impl): both CUDA lane widths, Triton's k8v4 rows kernel.
-GPU_PATHS = ["cuda", "cuda-wide", "cuda-nosplit", "triton", "triton-rows", "triton-row1", "triton-program-a-row"]
+GPU_PATHS = ["cuda", "cuda-wide", "cuda-nosplit", "cuda-generic", "triton", "triton-rows", "triton-row1", "triton-program-a-row"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,13 +488,13 @@ inline void __syncwarp(unsigned = 0xFFFFFFFFu) { emu_warp().bar.arrive_and_wait(
 #define TQ_EMU_CTA 128  // gather_emu.h's CTA size (_EMU_CTA)
 #define TQ_EMU(IN, KB, VB, ST, E, NAME)                                                     \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
-                       const float* mid, const int* fl, i64 H, i64 D, i64 P, i64 kt,        \
-                       i64 kh, i64 vt, i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh,     \
-                       i64 ns, i64 p0, i64 p1, i64 ms, i64 nt, i64 rw, i64 nf, i64 grid) {  \
+                       const float* mid, const int* fl, i64 nt, i64 rw, i64 nf, i64 H,      \
+                       i64 D, i64 P, i64 kt, i64 kh, i64 vt, i64 vh, i64 cb, i64 cp,        \
+                       i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0, i64 p1, i64 ms, i64 grid) { \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, fl, H, D, P, kt, kh,   \
-                                               vt, vh, cb, cp, ch, bs, bsh, ns, p0, p1, ms, \
-                                               nt, rw, nf);                                 \
+      tq_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, fl, nt, rw, nf, H, D,  \
+                                               P, kt, kh, vt, vh, cb, cp, ch, bs, bsh, ns,  \
+                                               p0, p1, ms);                                 \
     });                                                                                     \
   }
 extern "C" void tq_check_emu(const float* pit, i64 D, i64 p0, i64 p1, int* fl, i64 grid) {
@@ -503,13 +503,13 @@ extern "C" void tq_check_emu(const float* pit, i64 D, i64 p0, i64 p1, int* fl, i
 }
 #define TQ_SPLIT_EMU(IN, KB, VB, ST, E, NAME)                                               \
   extern "C" void NAME(const u8* k, const u8* v, u8* c, const ST* s, const float* pit,      \
-                       const float* mid, i64 H, i64 D, i64 kt, i64 kh, i64 vt, i64 vh,      \
-                       i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns, i64 p0, i64 p1,     \
-                       i64 ms, i64 nt, i64 grid) {                                          \
+                       const float* mid, i64 nt, i64 H, i64 D, i64 P, i64 kt, i64 kh,       \
+                       i64 vt, i64 vh, i64 cb, i64 cp, i64 ch, i64 bs, i64 bsh, i64 ns,     \
+                       i64 p0, i64 p1, i64 ms, i64 grid) {                                  \
     emu_launch(static_cast<unsigned>(grid), [&] {                                           \
-      tq_split_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, H, D, kt, kh, vt,  \
-                                                     vh, cb, cp, ch, bs, bsh, ns, p0, p1,   \
-                                                     ms, nt);                               \
+      tq_split_kernel<IN, KB, VB, ST, E, TQ_EMU_CTA>(k, v, c, s, pit, mid, nt, H, D, P, kt, \
+                                                     kh, vt, vh, cb, cp, ch, bs, bsh, ns,   \
+                                                     p0, p1, ms);                           \
     });                                                                                     \
 }
 """
@@ -932,6 +932,55 @@ def test_cuda_kernel_emulated_row_warps(emu_lib, preset_name, warps, sm_count, c
            seed=warps + sm_count, pit_kind="hadamard")
 
 
+# A build with one call's fixed arguments compiled in, as a specialized launch builds it
+# (KVWRITE_FIXED_ARGS in FIXED_ARGS' order, ahead of kernel.cu): the variants that call takes.
+@pytest.mark.parametrize("preset_name, dtype, slot_dtype, d, split", [
+    ("turboquant_k8v4", torch.bfloat16, torch.int64, 64, False),
+    ("turboquant_4bit_nc", torch.float16, torch.int32, 64, False),
+    ("turboquant_3bit_nc", torch.bfloat16, torch.int64, 56, True),
+    ("turboquant_k3v4_nc", torch.float32, torch.int32, 128, True)],
+    ids=lambda v: str(v).replace("torch.", ""))
+def test_cuda_specialized_build_emulated_matches_oracle(tmp_path_factory, preset_name, dtype,
+                                                        slot_dtype, d, split):
+    """tq_kernel (with the table check where the table is a Hadamard's) and tq_split_kernel
+    built for one call's fixed arguments write the oracle's bytes; the same library given
+    another call's (the value's token stride off by one) does not."""
+    from kvwrite.kernels import launch
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    preset, inputs = make_case(preset_name, dtype, slot_dtype, d, h=3, seed=d,
+                               pit_kind="hadamard" if d & (d - 1) == 0 else "random",
+                               vllm_alloc=d != 56)
+    key, value, kv_cache, slots, pit, mids = inputs
+    mse = preset.key_bits != 8
+    fixed = cuda_impl.fixed_args(key, value, kv_cache, pit if mse else None,
+                                 mids if mse else None)
+    assert len(fixed) == len(cuda_impl.FIXED_ARGS) == 16
+    kind, st = launch.KIND[dtype], launch.int_type(slot_dtype)
+    kb, vb = int(preset.key_bits), int(preset.value_bits)
+    lines = [f"TQ_EMU({kind}, {kb}, {vb}, {st}, {e}, {_emu_name(kind, kb, vb, slot_dtype, e)})"
+             for e in _EMU_ELEMS if e >= cuda_impl.min_elems(preset)]
+    if split:
+        lines += [f"TQ_SPLIT_EMU({kind}, {kb}, {vb}, {st}, {e}, "
+                  f"split_{_emu_name(kind, kb, vb, slot_dtype, e)})" for e in (2, 4)]
+    op_dir = pathlib.Path(cuda_impl.__file__).parent
+
+    def lib(values):
+        head = f"#define KVWRITE_FIXED_ARGS {','.join(str(v) for v in values)}\n"
+        return build_emu_lib(tmp_path_factory, head + _EMU_HARNESS + "\n".join(lines) + "\n",
+                             "tqfixed", op_dir)
+
+    emulated = _Emulated(lib(fixed), split_warps=1 << 20 if split else 0)
+    _check_inputs(emulated, preset, inputs, f"specialized {preset_name} D={d}")
+    other = list(fixed)
+    other[cuda_impl.FIXED_ARGS.index("v_tok")] += 1
+    _, again = make_case(preset_name, dtype, slot_dtype, d, h=3, seed=d,
+                         pit_kind="hadamard" if d & (d - 1) == 0 else "random",
+                         vllm_alloc=d != 56)
+    with pytest.raises(AssertionError):
+        _check_inputs(_Emulated(lib(other), split_warps=emulated.tuning.split_warps), preset,
+                      again, "another call's build")
+
+
 # The MSE presets' small calls on tq_split_kernel: a row's outputs 8 a warp, every table by
 # the products' trees, the midpoints counted (no order assumed). P = 64, 128 (E = 2, 4), padded
 # head sizes (D = 34, 40, 56, 100, 120: the last slice's outputs partly past D).
@@ -1182,6 +1231,37 @@ def test_nvrtc_compiles_for_sm80_and_sm100():
         assert len(bytes(obj.code)) > 0
 
 
+@needs_nvrtc
+def test_nvrtc_specialized_builds_read_no_fixed_argument(tmp_path):
+    """sm_90 kernels find their parameters at c[0x0][0x210] on: the 16 fixed arguments
+    (FIXED_ARGS) follow tq_kernel's ten leading ones (seven addresses, the tokens, the log2 of
+    the warps with rows, the flags' count) and tq_split_kernel's seven (six addresses, the
+    tokens); a build specialized for a call reads none of them, the generic build does; a
+    build given other than 16 values is refused."""
+    from kvwrite.kernels import launch
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    from sass import assert_source_fixed_args_compiled_in, cuobjdump_or_skip
+    cuobjdump_or_skip()
+    bf16 = launch.KIND[torch.bfloat16]
+    builds = []
+    for name, d in (("turboquant_k8v4", 128), ("turboquant_4bit_nc", 128),
+                    ("turboquant_3bit_nc", 64)):
+        preset, (key, value, kv_cache, _, pit, mids) = make_case(name, torch.bfloat16,
+                                                                 torch.int64, d)
+        mse = preset.key_bits != 8
+        fixed = c.fixed_args(key, value, kv_cache, pit if mse else None, mids if mse else None)
+        kb, vb = int(preset.key_bits), int(preset.value_bits)
+        builds.append((c.kernel_name(bf16, kb, vb, torch.int64, 8, c.cta_options(kb, 8)[0]),
+                       fixed, 10))
+        builds.append((c.kernel_name(bf16, kb, vb, torch.int32, 16, 512), fixed, 10))
+        if mse:
+            builds.append((c.split_kernel_name(bf16, kb, vb, torch.int64, d // 32), fixed, 7))
+    for kernel, fixed, leading in builds:
+        assert_source_fixed_args_compiled_in(c.SOURCE, kernel, fixed, leading, tmp_path)
+    with pytest.raises(RuntimeError, match="16 values"):
+        c.compile_kernel("sm_90", builds[0][0], fixed=(1, 2, 3))
+
+
 def test_lanes_and_grid():
     """E and the lanes a row for each head size (E = 16 where P allows, P / E <= 32), and the
     grid: the rows' CTAs, at most the resident ones."""
@@ -1228,6 +1308,10 @@ def test_lanes_and_grid():
     assert c.row_warps(3, 8, 16, 2 * 4 * 132 + 1, 512, 132) == 8
     with pytest.raises(ValueError, match="power of two"):
         c.launch_args(*[None] * 7, 3, None)
+    # the build with the fixed arguments compiled in: calls of at most specialize_rows rows
+    assert c.specialized(c.TUNING.specialize_rows) is c.TUNING.specialize
+    assert not c.specialized(c.TUNING.specialize_rows + 1)
+    assert not c.specialized(1, c.CudaTuning(specialize=False))
     assert c.row_warps(4, 8, 16, 4096, 256, 64) == 8
     assert c.row_warps(4, 8, 16, 4096, 512, 64) == 16
     # the table check's kernel: the MSE presets' calls of at most check_rows rows, D a power of
@@ -1319,7 +1403,8 @@ def _gpu_impl(name):
     "cuda-wide" the CUDA kernel with lane_elems a lane and its CTAs' own table check at every
     call size (the large-call path; the small tests' calls otherwise take tq_split_kernel, or
     small_lane_elems and the table check's kernel), "cuda-nosplit" tq_kernel at every call size
-    as the launcher configures it (the small calls' lanes and table check), "triton-rows" / "triton-row1"
+    as the launcher configures it (the small calls' lanes and table check), "cuda-generic" the
+    launcher's choices with generic builds (no fixed argument compiled in), "triton-rows" / "triton-row1"
     every call on the Triton rows kernel, BLOCK_R its widest / 1 (MSE: one program an SM,
     striding), "triton-program-a-row" every call on _tq_kernel."""
     if not torch.cuda.is_available():
@@ -1335,6 +1420,8 @@ def _gpu_impl(name):
                                                 split_warps=0))
     if name == "cuda-nosplit":
         return _Tuned(impl, dataclasses.replace(impl.TUNING, split_warps=0))
+    if name == "cuda-generic":
+        return _Tuned(impl, dataclasses.replace(impl.TUNING, specialize=False))
     if name.startswith("triton-row"):  # "-rows": BLOCK_R as wide as rows_elems allows, "-row1": 1
         wide = name == "triton-rows"
         return _Tuned(impl, dataclasses.replace(
@@ -1361,6 +1448,34 @@ def test_gpu_k8v4_staged_stores(dtype, d):
     t = (_stage_passes() + 1) * sm * 2 * 16 * (512 // d) // h + 7
     _check(_gpu_impl("cuda"), "turboquant_k8v4", dtype, torch.int64, d, t=t, h=h,
            nb=-(-t // 16) + 2, bs=16, device="cuda", seed=d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl_name", ["cuda", "cuda-generic"])
+def test_gpu_specialized_builds_are_the_default(monkeypatch, record_builds, impl_name):
+    """tq_kernel and tq_split_kernel are built for each call's fixed arguments in calls of at
+    most specialize_rows rows (larger ones and the table check: generic), one build a
+    signature and its PDL twin; "cuda-generic" builds none."""
+    impl = _gpu_impl(impl_name)
+    from kvwrite.kernels import launch
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
+    for cache in ("LAUNCHES", "SPLITS", "CHECKS"):
+        monkeypatch.setattr(cuda_impl, cache, launch.LaunchCache())
+    seen = record_builds(cuda_impl.SOURCE)
+    large = cuda_impl.TUNING.specialize_rows // 4 + 1  # tokens of h = 4
+    for name, t in (("turboquant_k8v4", 3), ("turboquant_4bit_nc", 3),
+                    ("turboquant_4bit_nc", 300), ("turboquant_3bit_nc", 300),
+                    ("turboquant_k8v4", large)):
+        _check(impl, name, torch.bfloat16, torch.int64, 128, t=t, h=4, nb=-(-t // 16) + 2,
+               bs=16, device="cuda", seed=t, pit_kind="hadamard")
+    assert len(cuda_impl.SPLITS) == 1 and len(cuda_impl.LAUNCHES) == 4 and cuda_impl.CHECKS
+    twins = 1 if next(iter(cuda_impl.SPLITS.values())).pdl_kernel is None else 2
+    special = [sig[-1] for sig in cuda_impl.LAUNCHES] + [impl_name == "cuda"]
+    assert special == [impl_name == "cuda"] * 3 + [False] + [impl_name == "cuda"]
+    built = [*cuda_impl.LAUNCHES.values(), *cuda_impl.SPLITS.values()]
+    expected = [lau.fixed if sp else None for lau, sp in zip(built, special, strict=True)
+                for _ in range(twins)] + [None] * twins * len(cuda_impl.CHECKS)
+    assert sorted(seen, key=str) == sorted(expected, key=str)
 
 
 @pytest.mark.gpu

@@ -12,14 +12,15 @@ with the tree (larger calls' CTAs check the table themselves). The MSE presets' 
 columns of the table), the products' trees for any table, so no check. Every step of SPEC §10.2
 is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
 pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
-unsupported here (torch runs them).
+unsupported here (torch runs them). By default each small call's signature gets its own build
+of its kernel with the arguments fixed by the views compiled in (:func:`fixed_args`,
+:func:`specialized`).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no host sync per call (the table check runs on the GPU at every call,
-its flags in a buffer from PyTorch's allocator on the current stream). One build per variant,
-the geometry passed at run time; measured in docs/tuning-log.md (changes 80, 91, 115 and 118 to
-122).
+its flags in a buffer from PyTorch's allocator on the current stream). Measured in
+docs/tuning-log.md (changes 80, 91, 115 and 118 to 123).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ __all__ = ["CudaTuning", "TUNING", "available", "unsupported", "run", "kernel_na
            "all_kernel_names", "compile_kernel", "launch_args", "lanes", "min_elems",
            "cta_options", "cta_threads", "row_warps", "grid", "check_ctas", "CHECK_KERNEL",
            "SOURCE", "MAX_HEAD_SIZE", "LANE_ELEMS", "split_elems", "split_grid",
-           "split_kernel_name", "split_args", "SPLIT_THREADS", "SPLIT_ELEMS"]
+           "split_kernel_name", "split_args", "SPLIT_THREADS", "SPLIT_ELEMS", "FIXED_ARGS",
+           "fixed_args", "specialized"]
 
 SOURCE = nvrtc.KernelSource(__package__, "kernel.cu", "kvwrite_turboquant")
 KERNEL = "tq_kernel"
@@ -54,7 +56,14 @@ LANE_ELEMS = (2, 4, 8, 16, 32)  # the kernel's E variants
 # (key bits, value bits) of the four presets (SPEC §10.1).
 BITS = ((8, 4), (4, 4), (3, 4), (3, 3))
 
-# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed); tests.
+# Both kernels' trailing arguments, fixed by a call's signature (kernel.cu's TQ_FIXED_PARAMS),
+# in order: what a specialized build compiles in.
+FIXED_ARGS = ("num_heads", "head_size", "p2", "k_tok", "k_head", "v_tok", "v_head", "c_blk",
+              "c_page", "c_head", "block_size", "block_shift", "num_slots", "pit_s0", "pit_s1",
+              "mid_s")
+
+# Compile kernel variants to one cubin for an arch with NVRTC (no GPU needed), ``fixed``: the
+# 16 trailing arguments compiled in (KernelSource.compile_fixed); tests.
 compile_kernel = SOURCE.compile_fixed
 
 
@@ -97,6 +106,17 @@ class CudaTuning(launch.PdlPolicy):
     # table, 32 bytes of each row, so a row's D / 8 warps read all of it: the reads, not the
     # work, set the crossover.
     split_warps: int = 512
+    # Calls of at most specialize_rows rows get one build per call signature with the fixed
+    # arguments (FIXED_ARGS) compiled in (NVRTC once per signature and process, about 0.2 s a
+    # kernel); larger calls, and every call where specialize is off (KVWRITE_CUDA_SPECIALIZE=0),
+    # the generic build of their variant. H200, H = 8, D = 128, cold, against the generic build
+    # (tuning-log 123): every preset 0.77-0.84 at T = 1 to 64 (k8v4 1.96 -> 1.56 us at T = 1,
+    # 4bit_nc 3.02 -> 2.43), 0.84-0.89 at T = 256 (2048 rows); but with every call specialized,
+    # k8v4 0.90 / 0.96 at T = 1024 / 4096 and 1.07-1.09 at T >= 16384, the MSE presets 1.09-1.11
+    # at T = 1024 and 1.49-1.76 from T = 4096 (their builds then took a 480-856-byte stack, since
+    # fixed: tq_rotate_one's loop is not unrolled).
+    specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
+    specialize_rows: int = 4096
 
 
 TUNING = CudaTuning()
@@ -246,14 +266,16 @@ LAUNCHES = launch.LaunchCache()
 CHECKS = launch.LaunchCache()  # the table check's, by (device index, tuning)
 
 
-def _loaded(cache: launch.LaunchCache, sig, name: str, index: int) -> launch.Launchable:
-    """The variant ``name`` on device ``index``, loaded once under ``sig`` in ``cache`` (no
-    occupancy bound: the split kernel and the table check size their grids from the call)."""
+def _loaded(cache: launch.LaunchCache, sig, name: str, index: int, fixed: tuple = (),
+            specialize: bool = False) -> launch.Launchable:
+    """The variant ``name`` on device ``index``, loaded once under ``sig`` in ``cache``, with
+    ``fixed`` compiled in where ``specialize`` (no occupancy bound: the split kernel and the
+    table check size their grids from the call)."""
     lau = cache.get(sig)
     if lau is None:
         launch.require_setup()
-        k, pk = launch.load(SOURCE, name, (), index, False)
-        lau = cache[sig] = launch.Launchable(k, pk, index, ())
+        k, pk = launch.load(SOURCE, name, fixed, index, specialize)
+        lau = cache[sig] = launch.Launchable(k, pk, index, fixed)
     return lau
 
 
@@ -292,16 +314,19 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     e, lpr = lanes(d, tuning, rows, least)
     sm_count = nvrtc.device_arch(index)[1]
     threads = cta_threads(kb, e, lpr, rows, sm_count)
-    sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning)
+    mse = kb != 8
+    fixed = fixed_args(key, value, kv_cache, PiT if mse else None, midpoints if mse else None)
+    special = specialized(rows, tuning)
+    sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning, fixed, special)
     lau = LAUNCHES.get(sig)
     if lau is None:
         launch.require_setup()
         name = kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, e, threads)
-        k, pk = launch.load(SOURCE, name, (), index, False)
+        k, pk = launch.load(SOURCE, name, fixed, index, special)
         with nvrtc.capture_relaxed():
             nvrtc.cuda_core().Device(index).set_current()  # PyTorch's primary context
             per_sm = k.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
-        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, (),
+        lau = LAUNCHES[sig] = launch.Launchable(k, pk, index, fixed,
                                                 bounds=(sm_count * max(1, per_sm),))
     checks = check_ctas(kb, d, rows, tuning)
     flags = _check_table(PiT, checks, index, tuning) if checks else None
@@ -311,7 +336,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     config = nvrtc.launch_config(ctas, 1, threads, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
                  *launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps,
-                              flags))
+                              flags, lau.fixed))
 
 
 SPLITS = launch.LaunchCache()
@@ -320,47 +345,59 @@ SPLITS = launch.LaunchCache()
 def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, elems: int,
                index: int, tuning: CudaTuning) -> None:
     kb, vb = int(preset.key_bits), int(preset.value_bits)
-    lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning),
+    fixed = fixed_args(key, value, kv_cache, PiT, midpoints)
+    lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning, fixed),
                   split_kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, elems),
-                  index)
+                  index, fixed, specialized(slot_mapping.numel() * key.shape[1], tuning))
     ctas = split_grid(slot_mapping.numel() * key.shape[1], key.shape[2])
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, SPLIT_THREADS, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
-                 *split_args(key, value, kv_cache, slot_mapping, PiT, midpoints))
+                 *split_args(key, value, kv_cache, slot_mapping, PiT, midpoints, lau.fixed))
 
 
-def split_args(key, value, kv_cache, slot_mapping, PiT, midpoints) -> tuple[int, ...]:
-    """``tq_split_kernel``'s arguments (six addresses, then int64 scalars: kernel.cu's order);
-    tests launch the SIMT emulation with them."""
-    return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-            PiT.data_ptr(), midpoints.data_ptr(), key.shape[1], key.shape[2],
-            *_rows_and_cache_args(key, value, kv_cache),
-            PiT.stride(0), PiT.stride(1), midpoints.stride(0), slot_mapping.numel())
+def specialized(rows: int, tuning: CudaTuning = TUNING) -> bool:
+    """Whether a call of ``rows`` rows takes the build with its fixed arguments compiled in
+    (``tuning.specialize``, and at most ``tuning.specialize_rows`` rows), else the generic one."""
+    return tuning.specialize and rows <= tuning.specialize_rows
 
 
-def _rows_and_cache_args(key, value, kv_cache) -> tuple[int, ...]:
-    """Both kernels' row strides (key, value: token, head) and cache geometry (block, page and
-    head strides, block size, its log2 or -1, the slots)."""
+def fixed_args(key, value, kv_cache, PiT, midpoints) -> tuple[int, ...]:
+    """Both kernels' 16 trailing arguments (:data:`FIXED_ARGS`), fixed by the call signature:
+    H, D, P; the key's and value's token and head strides (a token stride 0 where the view
+    holds one token: never multiplied by more than 0); the cache's block, page and head
+    strides, block size, its log2 or -1 and slots; the table's and the midpoints' strides (0
+    without tables: k8v4)."""
+    h, d = key.shape[1], key.shape[2]
     nb, bs = kv_cache.shape[:2]
-    return (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs)
+    tables = (0, 0, 0) if PiT is None else (*PiT.stride(), midpoints.stride(0))
+    return (h, d, next_pow2(d), key.stride(0) if key.shape[0] > 1 else 0, key.stride(1),
+            value.stride(0) if value.shape[0] > 1 else 0, value.stride(1),
+            *kv_cache.stride()[:3], bs, launch.log2_or_minus_1(bs), nb * bs, *tables)
+
+
+def split_args(key, value, kv_cache, slot_mapping, PiT, midpoints,
+               fixed: tuple | None = None) -> tuple[int, ...]:
+    """``tq_split_kernel``'s arguments (six addresses, the tokens, then :func:`fixed_args`'s, or
+    ``fixed``: kernel.cu's order); tests launch the SIMT emulation with them."""
+    return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            PiT.data_ptr(), midpoints.data_ptr(), slot_mapping.numel(),
+            *(fixed or fixed_args(key, value, kv_cache, PiT, midpoints)))
 
 
 def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warps: int,
-                flags: torch.Tensor | None) -> tuple[int, ...]:
-    """The kernel's arguments (seven addresses, then int64 scalars: kernel.cu's order) of a call
+                flags: torch.Tensor | None, fixed: tuple | None = None) -> tuple[int, ...]:
+    """The kernel's arguments (seven addresses, the tokens, the log2 of the warps with rows,
+    the flags' count, then :func:`fixed_args`'s, or ``fixed``: kernel.cu's order) of a call
     whose CTAs have ``warps`` warps with rows (:func:`row_warps`, a power of two), ``flags`` the
     table check's kernel's (None: the CTAs check the table themselves, or there is no table to
     check); tests launch the SIMT emulation with them."""
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
-    h, d = key.shape[1], key.shape[2]
     mse = int(preset.key_bits) != 8
-    pit_args = (PiT.data_ptr(), PiT.stride(0), PiT.stride(1)) if mse else (0, 0, 0)
-    mid_args = (midpoints.data_ptr(), midpoints.stride(0)) if mse else (0, 0)
     return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-            pit_args[0], mid_args[0], 0 if flags is None else flags.data_ptr(), h, d, next_pow2(d),
-            *_rows_and_cache_args(key, value, kv_cache),
-            pit_args[1], pit_args[2], mid_args[1], slot_mapping.numel(),
-            warps.bit_length() - 1, 0 if flags is None else flags.numel())
+            PiT.data_ptr() if mse else 0, midpoints.data_ptr() if mse else 0,
+            0 if flags is None else flags.data_ptr(), slot_mapping.numel(),
+            warps.bit_length() - 1, 0 if flags is None else flags.numel(),
+            *(fixed or fixed_args(key, value, kv_cache, PiT if mse else None,
+                                  midpoints if mse else None)))

@@ -86,6 +86,21 @@ __host__ __device__ constexpr u32 tq_check_batch() { return E <= 16 ? 4096u / CT
 #define TQ_STAGE_PASSES 8
 #define TQ_EPS 1e-8f  // float32(1e-8): bits 0x322BCC77 (den = n + eps; the scale floor FL)
 
+// Both kernels' trailing arguments, fixed by a call's signature (cuda_impl.fixed_args, in this
+// order): H, D, P (the power of two >= D; tq_split_kernel's P is 32 E), the key's and value's
+// token and head strides in elements, the cache's block, page and head strides in bytes, the
+// block size, its log2 (or -1), the slots, the table's strides and the midpoints' (0 for k8v4).
+// In a build specialized for one signature (-D KVWRITE_FIXED_ARGS=v0,...,v15) they are
+// compile-time constants: H200, H = 8, D = 128, the small calls 0.45-0.75 us faster
+// (docs/tuning-log.md 123).
+#define TQ_FIXED_PARAMS                                                                         \
+  i64 num_heads, i64 head_size, i64 p2, i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,          \
+      i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,       \
+      i64 pit_s0, i64 pit_s1, i64 mid_s
+#define TQ_FIXED_PROLOGUE()                                                                     \
+  KVW_ASSIGN_FIXED_ARGS(num_heads, head_size, p2, k_tok, k_head, v_tok, v_head, c_blk, c_page, \
+                        c_head, block_size, block_shift, num_slots, pit_s0, pit_s1, mid_s)
+
 KVW_HD u32 tq_popc(u32 x) {
 #ifdef KVWRITE_HOST_TEST
   return static_cast<u32>(__builtin_popcount(x));
@@ -177,6 +192,9 @@ KVW_HD float tq_rotate_one(const float* u, const float* pit, i64 s0, i64 s1, u32
   float stk[11];
   const u32 chunks = p / CH;
   u32 top = 0;
+  // Not unrolled where a specialized build knows P: unrolled, the counter's stack took 480-856
+  // bytes of local memory a thread (sm_90, D = 128, E = 8 and 16, against 48).
+#pragma unroll 1
   for (u32 c = 0; c < chunks; ++c) {
     float leaf[CH];
 #pragma unroll
@@ -472,13 +490,12 @@ __global__ void __launch_bounds__(CTA, 1) tq_kernel(
     const float* __restrict__ pit,  // MSE: [D, D] via (pit_s0, pit_s1); k8v4: unused
     const float* __restrict__ mid,  // MSE: [2^KB - 1] via mid_s; k8v4: unused
     const int* __restrict__ flags,  // tq_check_kernel's (num_flags > 0) or unused
-    i64 num_heads, i64 head_size, i64 p2,  // H, D, P (the power of two >= D)
-    i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
-    i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
-    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens,
+    i64 num_tokens,
     i64 row_warps_log2,  // MSE: log2 of the warps of a CTA that take rows (k8v4: every one)
-    i64 num_flags) {     // flags' entries (0: the CTA checks the table itself)
+    i64 num_flags,       // flags' entries (0: the CTA checks the table itself)
+    TQ_FIXED_PARAMS) {
   KVW_PDL_ENTRY();
+  TQ_FIXED_PROLOGUE()
   static_assert(KB == 8 || KB == 4 || KB == 3, "key bits");
   static_assert(VB == 4 || VB == 3, "value bits");
   static_assert(E >= 2 && E <= 32 && (E & (E - 1)) == 0, "elements per lane");
@@ -836,10 +853,9 @@ __global__ void __launch_bounds__(CTA) tq_split_kernel(
     const SlotT* __restrict__ slot_mapping,  // [T]
     const float* __restrict__ pit,  // [D, D] via (pit_s0, pit_s1)
     const float* __restrict__ mid,  // [2^KB - 1] via mid_s
-    i64 num_heads, i64 head_size, i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,
-    i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,
-    i64 pit_s0, i64 pit_s1, i64 mid_s, i64 num_tokens) {
+    i64 num_tokens, TQ_FIXED_PARAMS) {
   KVW_PDL_ENTRY();
+  TQ_FIXED_PROLOGUE()
   static_assert(KB == 4 || KB == 3, "key bits (the MSE presets)");
   static_assert(VB == 4 || VB == 3, "value bits");
   static_assert(E == 2 || E == 4, "elements per lane");
