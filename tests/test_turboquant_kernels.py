@@ -1262,6 +1262,19 @@ def test_nvrtc_specialized_builds_read_no_fixed_argument(tmp_path):
         c.compile_kernel("sm_90", builds[0][0], fixed=(1, 2, 3))
 
 
+@needs_nvrtc
+def test_nvrtc_pdl_builds_wait_before_any_memory_access(tmp_path):
+    """sm_90, every bfloat16 variant (the table check, tq_kernel's, the split kernel's): the PDL
+    build lets the next kernel start (PREEXIT) and waits for the one before (ACQBULK) before its
+    first global access; the plain build does neither."""
+    from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl as c
+    from sass import assert_pdl_builds_wait_first, cuobjdump_or_skip
+    cuobjdump_or_skip()
+    names = [n for n in c.all_kernel_names() if n.startswith("tq_check") or "<1, " in n]
+    assert len(names) == 1 + (157 - 1) // 3
+    assert_pdl_builds_wait_first(c.SOURCE, names, tmp_path)
+
+
 def test_lanes_and_grid():
     """E and the lanes a row for each head size (E = 16 where P allows, P / E <= 32), and the
     grid: the rows' CTAs, at most the resident ones."""
