@@ -309,7 +309,8 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     index = key.get_device()
     se = split_elems(kb, d, rows, tuning)
     if se:
-        _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, se, index, tuning)
+        _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, rows, se, index,
+                   tuning)
         return
     e, lpr = lanes(d, tuning, rows, least)
     sm_count = nvrtc.device_arch(index)[1]
@@ -342,14 +343,16 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
 SPLITS = launch.LaunchCache()
 
 
-def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, elems: int,
-               index: int, tuning: CudaTuning) -> None:
+def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, rows: int,
+               elems: int, index: int, tuning: CudaTuning) -> None:
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     fixed = fixed_args(key, value, kv_cache, PiT, midpoints)
-    lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning, fixed),
+    special = specialized(rows, tuning)  # in the signature, as run's: it depends on the rows
+    lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning, fixed,
+                           special),
                   split_kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, elems),
-                  index, fixed, specialized(slot_mapping.numel() * key.shape[1], tuning))
-    ctas = split_grid(slot_mapping.numel() * key.shape[1], key.shape[2])
+                  index, fixed, special)
+    ctas = split_grid(rows, key.shape[2])
     kernel, pdl = lau.pick(ctas, tuning.pdl_max_ctas)
     config = nvrtc.launch_config(ctas, 1, SPLIT_THREADS, 1, pdl)
     nvrtc.launch(lau.device_index, config, kernel,
