@@ -950,10 +950,8 @@ def test_cuda_specialized_build_emulated_matches_oracle(tmp_path_factory, preset
     preset, inputs = make_case(preset_name, dtype, slot_dtype, d, h=3, seed=d,
                                pit_kind="hadamard" if d & (d - 1) == 0 else "random",
                                vllm_alloc=d != 56)
-    key, value, kv_cache, slots, pit, mids = inputs
-    mse = preset.key_bits != 8
-    fixed = cuda_impl.fixed_args(key, value, kv_cache, pit if mse else None,
-                                 mids if mse else None)
+    key, value, kv_cache, slots, pit, mids = inputs  # k8v4: no tables (None), as the op passes
+    fixed = cuda_impl.fixed_args(key, value, kv_cache, pit, mids)
     assert len(fixed) == len(cuda_impl.FIXED_ARGS) == 16
     kind, st = launch.KIND[dtype], launch.int_type(slot_dtype)
     kb, vb = int(preset.key_bits), int(preset.value_bits)
@@ -1248,13 +1246,12 @@ def test_nvrtc_specialized_builds_read_no_fixed_argument(tmp_path):
                     ("turboquant_3bit_nc", 64)):
         preset, (key, value, kv_cache, _, pit, mids) = make_case(name, torch.bfloat16,
                                                                  torch.int64, d)
-        mse = preset.key_bits != 8
-        fixed = c.fixed_args(key, value, kv_cache, pit if mse else None, mids if mse else None)
+        fixed = c.fixed_args(key, value, kv_cache, pit, mids)  # k8v4: no tables
         kb, vb = int(preset.key_bits), int(preset.value_bits)
         builds.append((c.kernel_name(bf16, kb, vb, torch.int64, 8, c.cta_options(kb, 8)[0]),
                        fixed, 10))
         builds.append((c.kernel_name(bf16, kb, vb, torch.int32, 16, 512), fixed, 10))
-        if mse:
+        if preset.mse:
             builds.append((c.split_kernel_name(bf16, kb, vb, torch.int64, d // 32), fixed, 7))
     for kernel, fixed, leading in builds:
         assert_source_fixed_args_compiled_in(c.SOURCE, kernel, fixed, leading, tmp_path)
@@ -1483,7 +1480,7 @@ def test_gpu_specialized_builds_are_the_default(monkeypatch, record_builds, impl
                bs=16, device="cuda", seed=t, pit_kind="hadamard")
     assert len(cuda_impl.SPLITS) == 1 and len(cuda_impl.LAUNCHES) == 4 and cuda_impl.CHECKS
     twins = 1 if next(iter(cuda_impl.SPLITS.values())).pdl_kernel is None else 2
-    special = [sig[-1] for sig in cuda_impl.LAUNCHES] + [impl_name == "cuda"]
+    special = [sig[-1] for sig in (*cuda_impl.LAUNCHES, *cuda_impl.SPLITS)]
     assert special == [impl_name == "cuda"] * 3 + [False] + [impl_name == "cuda"]
     built = [*cuda_impl.LAUNCHES.values(), *cuda_impl.SPLITS.values()]
     expected = [lau.fixed if sp else None for lau, sp in zip(built, special, strict=True)
