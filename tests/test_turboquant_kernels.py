@@ -1318,10 +1318,13 @@ def test_lanes_and_grid():
     assert c.row_warps(3, 8, 16, 2 * 4 * 132 + 1, 512, 132) == 8
     with pytest.raises(ValueError, match="power of two"):
         c.launch_args(*[None] * 7, 3, None)
-    # the build with the fixed arguments compiled in: calls of at most specialize_rows rows
-    assert c.specialized(c.TUNING.specialize_rows) is c.TUNING.specialize
-    assert not c.specialized(c.TUNING.specialize_rows + 1)
-    assert not c.specialized(1, c.CudaTuning(specialize=False))
+    # the build with the fixed arguments compiled in: k8v4's calls of at most specialize_rows
+    # rows, every MSE preset's call
+    assert c.specialized(c.TUNING.specialize_rows, False) is c.TUNING.specialize
+    assert not c.specialized(c.TUNING.specialize_rows + 1, False)
+    assert c.specialized(c.TUNING.specialize_rows + 1, True) is c.TUNING.specialize  # MSE: all
+    assert not c.specialized(1, False, c.CudaTuning(specialize=False))
+    assert not c.specialized(1, True, c.CudaTuning(specialize=False))
     assert c.row_warps(4, 8, 16, 4096, 256, 64) == 8
     assert c.row_warps(4, 8, 16, 4096, 512, 64) == 16
     # the table check's kernel: the MSE presets' calls of at most check_rows rows, D a power of
@@ -1463,9 +1466,9 @@ def test_gpu_k8v4_staged_stores(dtype, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl_name", ["cuda", "cuda-generic"])
 def test_gpu_specialized_builds_are_the_default(monkeypatch, record_builds, impl_name):
-    """tq_kernel and tq_split_kernel are built for each call's fixed arguments in calls of at
-    most specialize_rows rows (larger ones and the table check: generic), one build a
-    signature and its PDL twin; "cuda-generic" builds none."""
+    """tq_kernel and tq_split_kernel are built for each call's fixed arguments in the MSE
+    presets' calls and k8v4's of at most specialize_rows rows (k8v4's larger ones and the table
+    check: generic), one build a signature and its PDL twin; "cuda-generic" builds none."""
     impl = _gpu_impl(impl_name)
     from kvwrite.kernels import launch
     from kvwrite.ops.reshape_and_cache_turboquant import cuda_impl
@@ -1475,13 +1478,13 @@ def test_gpu_specialized_builds_are_the_default(monkeypatch, record_builds, impl
     large = cuda_impl.TUNING.specialize_rows // 4 + 1  # tokens of h = 4
     for name, t in (("turboquant_k8v4", 3), ("turboquant_4bit_nc", 3),
                     ("turboquant_4bit_nc", 300), ("turboquant_3bit_nc", 300),
-                    ("turboquant_k8v4", large)):
+                    ("turboquant_k8v4", large), ("turboquant_4bit_nc", large)):
         _check(impl, name, torch.bfloat16, torch.int64, 128, t=t, h=4, nb=-(-t // 16) + 2,
                bs=16, device="cuda", seed=t, pit_kind="hadamard")
-    assert len(cuda_impl.SPLITS) == 1 and len(cuda_impl.LAUNCHES) == 4 and cuda_impl.CHECKS
+    assert len(cuda_impl.SPLITS) == 1 and len(cuda_impl.LAUNCHES) == 5 and cuda_impl.CHECKS
     twins = 1 if next(iter(cuda_impl.SPLITS.values())).pdl_kernel is None else 2
     special = [sig[-1] for sig in (*cuda_impl.LAUNCHES, *cuda_impl.SPLITS)]
-    assert special == [impl_name == "cuda"] * 3 + [False] + [impl_name == "cuda"]
+    assert special == [impl_name == "cuda"] * 3 + [False] + [impl_name == "cuda"] * 2
     built = [*cuda_impl.LAUNCHES.values(), *cuda_impl.SPLITS.values()]
     expected = [lau.fixed if sp else None for lau, sp in zip(built, special, strict=True)
                 for _ in range(twins)] + [None] * twins * len(cuda_impl.CHECKS)

@@ -106,17 +106,16 @@ class CudaTuning(launch.PdlPolicy):
     # table, 32 bytes of each row, so a row's D / 8 warps read all of it: the reads, not the
     # work, set the crossover.
     split_warps: int = 512
-    # Calls of at most specialize_rows rows get one build per call signature with the fixed
-    # arguments (FIXED_ARGS) compiled in (NVRTC once per signature and process, about 0.2 s a
-    # kernel); larger calls, and every call where specialize is off (KVWRITE_CUDA_SPECIALIZE=0),
-    # the generic build of their variant. H200, H = 8, D = 128, cold, against the generic build
-    # (tuning-log 123): every preset 0.77-0.84 at T = 1 to 64 (k8v4 1.96 -> 1.56 us at T = 1,
-    # 4bit_nc 3.02 -> 2.43), 0.84-0.89 at T = 256 (2048 rows); but with every call specialized,
-    # k8v4 0.90 / 0.96 at T = 1024 / 4096 and 1.07-1.09 at T >= 16384, the MSE presets 1.09-1.11
-    # at T = 1024 and 1.49-1.76 from T = 4096 (their builds then took a 480-856-byte stack, since
-    # fixed: tq_rotate_one's loop is not unrolled).
+    # The MSE presets' calls, and k8v4's of at most specialize_rows rows, get one build per call
+    # signature with the fixed arguments (FIXED_ARGS) compiled in (NVRTC once per signature and
+    # process, about 0.2 s a kernel); k8v4's larger calls, and every call where specialize is
+    # off (KVWRITE_CUDA_SPECIALIZE=0), the generic build of their variant. H200, H = 8, D = 128,
+    # cold, against the generic build: every preset 0.77-0.84 at T = 1 to 64 (k8v4 1.96 -> 1.56
+    # us at T = 1, 4bit_nc 3.02 -> 2.43), 0.84-0.89 at T = 256 (tuning-log 123); T = 1024 /
+    # 2048 / 4096 (up to 32768 rows) k8v4 0.88 / 0.94 / 0.95, the MSE presets 0.91-0.94; T =
+    # 16384 and 65536 the MSE presets 0.89-0.93, but k8v4 1.07-1.09 (tuning-log 124).
     specialize: bool = dataclasses.field(default_factory=nvrtc.specialize_default)
-    specialize_rows: int = 4096
+    specialize_rows: int = 32768
 
 
 TUNING = CudaTuning()
@@ -317,7 +316,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     threads = cta_threads(kb, e, lpr, rows, sm_count)
     mse = kb != 8
     fixed = fixed_args(key, value, kv_cache, PiT if mse else None, midpoints if mse else None)
-    special = specialized(rows, tuning)
+    special = specialized(rows, mse, tuning)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning, fixed, special)
     lau = LAUNCHES.get(sig)
     if lau is None:
@@ -347,7 +346,7 @@ def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, rows:
                elems: int, index: int, tuning: CudaTuning) -> None:
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     fixed = fixed_args(key, value, kv_cache, PiT, midpoints)
-    special = specialized(rows, tuning)  # in the signature, as run's: it depends on the rows
+    special = specialized(rows, True, tuning)  # in the signature, as run's
     lau = _loaded(SPLITS, (key.dtype, kb, vb, slot_mapping.dtype, elems, index, tuning, fixed,
                            special),
                   split_kernel_name(launch.KIND[key.dtype], kb, vb, slot_mapping.dtype, elems),
@@ -359,10 +358,11 @@ def _run_split(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, rows:
                  *split_args(key, value, kv_cache, slot_mapping, PiT, midpoints, lau.fixed))
 
 
-def specialized(rows: int, tuning: CudaTuning = TUNING) -> bool:
+def specialized(rows: int, mse: bool, tuning: CudaTuning = TUNING) -> bool:
     """Whether a call of ``rows`` rows takes the build with its fixed arguments compiled in
-    (``tuning.specialize``, and at most ``tuning.specialize_rows`` rows), else the generic one."""
-    return tuning.specialize and rows <= tuning.specialize_rows
+    (``tuning.specialize``, and an MSE preset's call (``mse``) or one of at most
+    ``tuning.specialize_rows`` rows), else the generic one."""
+    return tuning.specialize and (mse or rows <= tuning.specialize_rows)
 
 
 def fixed_args(key, value, kv_cache, PiT, midpoints) -> tuple[int, ...]:

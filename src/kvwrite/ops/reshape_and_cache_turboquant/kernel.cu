@@ -93,7 +93,7 @@ __host__ __device__ constexpr u32 tq_check_batch() { return E <= 16 ? 4096u / CT
 // block size, its log2 (or -1), the slots, the table's strides and the midpoints' (0 for k8v4).
 // In a build specialized for one signature (-D KVWRITE_FIXED_ARGS=v0,...,v15) they are
 // compile-time constants: H200, H = 8, D = 128, calls of T <= 512 0.40-0.88 us faster (0.78-0.89
-// of the time; docs/tuning-log.md 123).
+// of the time; docs/tuning-log.md 123), the MSE presets' larger ones 0.89-0.94 of it (124).
 #define TQ_FIXED_PARAMS                                                                         \
   i64 num_heads, i64 head_size, i64 p2, i64 k_tok, i64 k_head, i64 v_tok, i64 v_head,          \
       i64 c_blk, i64 c_page, i64 c_head, i64 block_size, i64 block_shift, i64 num_slots,       \
