@@ -12,15 +12,15 @@ with the tree (larger calls' CTAs check the table themselves). The MSE presets' 
 columns of the table), the products' trees for any table, so no check. Every step of SPEC §10.2
 is one explicitly rounded PTX instruction (no contraction, no flush), the sums by the padded
 pairwise tree, so the bytes are the reference's. Head sizes up to ``MAX_HEAD_SIZE``; longer ones are
-unsupported here (torch runs them). By default each small call's signature gets its own build
-of its kernel with the arguments fixed by the views compiled in (:func:`fixed_args`,
-:func:`specialized`).
+unsupported here (torch runs them). By default each signature of the MSE presets' calls, and of
+k8v4's up to ``CudaTuning.specialize_rows`` rows, gets its own build of its kernel with the
+arguments fixed by the views compiled in (:func:`fixed_args`, :func:`specialized`).
 
 ``run`` takes the arguments the public op validated and the preset's record (any object with the
 fields ``key_bits``, ``value_bits``, ``mse``, ``key_packed_size``, ``value_data_bytes``,
 ``slot_size``). Graph-safe: no host sync per call (the table check runs on the GPU at every call,
 its flags in a buffer from PyTorch's allocator on the current stream). Measured in
-docs/tuning-log.md (changes 80, 91, 115 and 118 to 123).
+docs/tuning-log.md (changes 80, 91, 115 and 118 to 124).
 """
 
 from __future__ import annotations
