@@ -1,8 +1,8 @@
 // kvwrite: reshape_and_cache_turboquant: quantize each (token, head) of key and value into one
 // TurboQuant slot of a paged byte cache (SPEC 10.1-10.2).
 //
-// Compiled at run time with NVRTC (see cuda_impl.py), one module per variant (and, in small
-// calls, per call signature: TQ_FIXED_PARAMS compiled in)
+// Compiled at run time with NVRTC (see cuda_impl.py), one module per variant (and, for the calls
+// cuda_impl.specialized picks, per call signature: TQ_FIXED_PARAMS compiled in)
 // tq_kernel<IN, KB, VB, SlotT, E, CTA> (and tq_check_kernel<CTA>, the MSE presets' table check
 // that runs before it where D is a power of two; the MSE presets' smallest calls take
 // tq_split_kernel, at the end of this file, instead of both): IN the input kind (DT_F16, DT_BF16, DT_F32), KB the key's
