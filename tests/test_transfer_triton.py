@@ -202,7 +202,7 @@ def test_long_rows_split_across_programs(device, max_ctas):
         if in_range(i, j, 5, 6):
             want_d[j * 6200:j * 6200 + nbytes] = want_s[i * 6000:i * 6000 + nbytes]
     tt.run(make_plan(mapping, [job], max_ctas=max_ctas),
-           tuning=tt.TritonTuning(copy_tile_bytes=1024))
+           tuning=tt.TritonTuning(copy_tile_bytes=1024, one_tile_copy_bytes=1024))
     finish(device)
     assert torch.equal(storage_bytes(dst).cpu(), want_d)
     assert torch.equal(storage_bytes(src).cpu(), want_s)
@@ -244,6 +244,48 @@ def test_jobs_of_one_shape_share_a_launch(device, max_ctas):
     assert [len(cl.src_offs) for cl in launches] == [32, 8, 1]
     assert launches[2].jobs == (5,)
     assert all(cl.grid[0] <= (max_ctas or 1 << 30) for cl in launches)
+
+
+@pytest.mark.skipif(tt.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_one_tile_programs(max_ctas):
+    """Without an SM budget a launch between the memories of the device it runs on takes a
+    program a tile (copies: tiles of one_tile_copy_bytes); under a budget, or with
+    one_tile_programs off, the persistent programs (the interpreter's one SM: 4) and
+    copy_tile_bytes; a pack whose part rows take several steps keeps them too, its unpack not.
+    A pinned host side or a peer GPU's is not the launch device's memory."""
+    src = torch.zeros(12, 8, 16, 128, dtype=torch.bfloat16)
+    dst = torch.zeros(12, 8, 16, 128, dtype=torch.bfloat16)
+    mapping = torch.tensor([[i, 11 - i] for i in range(10)], dtype=torch.int64)
+    off = dataclasses.replace(tt.TUNING, one_tile_programs=False)
+    for tuning in (tt.TUNING, off):
+        one = max_ctas is None and tuning.one_tile_programs
+        (cl,) = tt.copy_launches(make_plan(mapping, [copy_job(src, dst)] * 3,
+                                           max_ctas=max_ctas), tuning)
+        tile = cl.kw["BLOCK_R"] * cl.kw["BLOCK_C"] * 16 // cl.kw["VEC"]  # 16-byte vectors
+        # The persistent programs' tile is host_read_tile_bytes here: CPU tensors are host
+        # memory (on the GPU, a device source's is copy_tile_bytes).
+        assert tile == (tuning.one_tile_copy_bytes if one else tuning.host_read_tile_bytes)
+        assert cl.job_tiles == 10 * 8 * 16 * 256 // tile
+        assert cl.grid == ((3 * cl.job_tiles,) if one else (max_ctas or 4,))
+        assert cl.kw["ONE_TILE"] == one
+    steps = dataclasses.replace(tt.TUNING, page_tile_elems=64, budget_page_tile_elems=64)
+    g = Pages("fp8_e4m3", torch.bfloat16, "cpu", L=2, S=1, N=16, C=256, Hp=2, pool_offset=0,
+              token_major=())
+    m = mapping_tensor([[0, 1], [2, 3]], torch.int64, "cpu")
+    for tuning, pack_one in ((tt.TUNING, True), (steps, False)):
+        (pack,) = tt.page_launches(make_plan(m, page_job=g.job("pack"), max_ctas=max_ctas),
+                                   tuning)
+        (unpack,) = tt.page_launches(make_plan(m, page_job=g.job("unpack"),
+                                               max_ctas=max_ctas), tuning)
+        assert pack.kw["NCH"] == (1 if pack_one else 4) == unpack.kw["NCH"]
+        for pl, one in ((pack, pack_one), (unpack, True)):
+            one = one and max_ctas is None
+            assert pl.grid == ((pl.tiles * pl.layers,) if one else (max_ctas or 4,))
+            assert pl.kw["ONE_TILE"] == one
+    gpu_plan = dataclasses.replace(make_plan(mapping, [copy_job(src, dst)]),
+                                   device=torch.device("cuda", 0))
+    assert not tt._one_tile(gpu_plan, tt.TUNING, side(src), side(dst))
 
 
 @pytest.mark.skipif(tt.triton is None, reason="needs Triton")

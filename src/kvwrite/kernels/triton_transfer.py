@@ -144,8 +144,21 @@ class TritonTuning(PdlTuning):
     # 1289; 128 blocks, every program 1278 / 1749 / 1805; h2d 16 blocks 34 / 38 / 39, 45 / 49 /
     # 51 (the link: 55).
     jobs_per_launch: int = SLOTS
-    # Programs per SM without max_ctas.
+    # Programs per SM without max_ctas, where one_tile_programs does not apply.
     programs_per_sm: int = 4
+    # Without max_ctas, launches within the memory of the GPU they run on (no pinned host or
+    # peer side) take a program a tile, of one_tile_copy_bytes for copies, instead of
+    # programs_per_sm (page_programs_per_sm) persistent programs an SM: the GPU deals the
+    # tiles, and no program's loads wait behind its previous tile's. Measured (H200, Triton 3.6,
+    # every program, against the persistent programs, 16 / 128 blocks; tuning-log 125): copies
+    # (swap, relayout, raw pages) with 8 KiB tiles Llama-3-8B 1.26-1.95 / 1.07-1.14 (relayout
+    # 1749 -> 1953 GB/s), DeepSeek-V3 bf16 1.30-1.32 / 1.09-1.10, fp8 1.83-1.85 / 1.10-1.11
+    # (32 KiB tiles: 0.59-0.98 at 128); unpacks fp8 1.25-1.26 / 1.10-1.22, NVFP4 1.20-1.21 /
+    # 1.08-1.10; Llama-3-8B packs fp8 1.23 / 1.06, NVFP4 1.20 / 1.09; but DeepSeek-V3's packs
+    # (part rows in 9 steps) fp8 0.97 / 0.88, NVFP4 1.07 / 0.92: such packs keep the persistent
+    # programs.
+    one_tile_programs: bool = True
+    one_tile_copy_bytes: int = 8192
     # The page kernels' programs per SM without max_ctas (4 warps each: a quarter of the SM's
     # warps, whose loads wait). Measured (H200, 32 Llama-3-8B / 61 DeepSeek-V3 layers, 16 / 128
     # blocks, GB/s of page bytes, tuning-log 104): 4: fp8 pack 589 / 849 and 530 / 660, fp8
@@ -184,6 +197,20 @@ if triton is not None:
         return (tl.program_id(0) + programs - (n * tiles) % programs) % programs
 
     @triton.jit
+    def _runs_of_program(n, tiles, ONE_TILE: tl.constexpr):
+        """The range [lo, hi) of a launch's ``n`` jobs or layers in which this program has tiles
+        (:func:`_first_tile`): with ``ONE_TILE`` (a program a tile: ``tiles`` tiles a job or
+        layer and ``n * tiles`` programs, :func:`_one_tile`) only job ``program_id // tiles``,
+        the others' offsets not decoded; else every one."""
+        if ONE_TILE:
+            lo = tl.program_id(0) // tiles
+            hi = lo + 1
+        else:
+            lo = 0
+            hi = n
+        return lo, hi
+
+    @triton.jit
     def _slot(offs, n, SLOTS: tl.constexpr, OFFSET_BIAS: tl.constexpr):
         """Offset ``n`` of the tuple ``offs`` of a launch's :data:`SLOTS` slots (n a scalar
         below the launch's jobs or layers), decoded (see :func:`_encoded`)."""
@@ -204,6 +231,7 @@ if triton is not None:
         HEADS: tl.constexpr, TOKENS: tl.constexpr, ELEMS: tl.constexpr,  # rows of a pair
         RUN: tl.constexpr,  # lanes of a row (contiguous on both sides)
         VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        ONE_TILE: tl.constexpr,  # a program a tile (_one_tile)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -215,7 +243,8 @@ if triton is not None:
         # offsets are chosen once a job, not once a tile:
         # measured (H200, 64 Llama-3-8B jobs of 16 blocks, d2d), the choice among 32 slots made
         # a tile took 1 / 4 programs 15.3 / 61 GB/s against 39 / 119 with a launch a job.
-        for job in range(0, jobs):
+        lo, hi = _runs_of_program(jobs, job_tiles, ONE_TILE)
+        for job in range(lo, hi):
             src_off = _slot(src_offs, job, SLOTS, OFFSET_BIAS)
             dst_off = _slot(dst_offs, job, SLOTS, OFFSET_BIAS)
             for tile in range(_first_tile(job, job_tiles), job_tiles, programs):
@@ -331,6 +360,7 @@ if triton is not None:
         HALVES: tl.constexpr,  # nvfp4: groups as two halves a thread (_plan_pages says where)
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,  # rows x elements (nvfp4: groups of 16)
         NCH: tl.constexpr,  # steps of BLOCK_E over a part
+        ONE_TILE: tl.constexpr,  # a program a tile (_one_tile)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -339,7 +369,8 @@ if triton is not None:
         programs = tl.num_programs(0)
         # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
         # job's (a layer's offset chosen once).
-        for li in range(0, layers):
+        lo, hi = _runs_of_program(layers, tiles, ONE_TILE)
+        for li in range(lo, hi):
             layer = l0 + li
             cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
             for tile in range(_first_tile(li, tiles), tiles, programs):
@@ -415,6 +446,7 @@ if triton is not None:
         K: tl.constexpr, L: tl.constexpr, S: tl.constexpr, N: tl.constexpr, E: tl.constexpr,
         FMT: tl.constexpr, OUT: tl.constexpr, NATIVE: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, NCH: tl.constexpr,
+        ONE_TILE: tl.constexpr,  # a program a tile (_one_tile)
         PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr,
     ):
         pdl_entry(PDL, PDL_TRIGGER)
@@ -423,7 +455,8 @@ if triton is not None:
         programs = tl.num_programs(0)
         # The launch's layers one after the other, their tiles dealt as _copy_kernel deals a
         # job's (a layer's offset chosen once).
-        for li in range(0, layers):
+        lo, hi = _runs_of_program(layers, tiles, ONE_TILE)
+        for li in range(lo, hi):
             layer = l0 + li
             cache_off = _slot(cache_offs, li, SLOTS, OFFSET_BIAS)
             for tile in range(_first_tile(li, tiles), tiles, programs):
@@ -476,11 +509,23 @@ def unsupported(plan: TransferPlan) -> str | None:
     return None
 
 
-def _programs(device: torch.device, tiles: int, max_ctas: int | None, per_sm: int) -> int:
-    """Programs of a launch over ``tiles`` tiles: at most ``max_ctas``, else enough to fill the
-    GPU (SMs x ``per_sm``; the interpreter counts one SM)."""
+def _programs(device: torch.device, tiles: int, max_ctas: int | None, per_sm: int,
+              one_tile: bool = False) -> int:
+    """Programs of a launch over ``tiles`` tiles: a program a tile where ``one_tile``
+    (:func:`_one_tile`: no budget), else at most ``max_ctas``, or without one enough to fill
+    the GPU (SMs x ``per_sm``; the interpreter counts one SM)."""
+    if one_tile:
+        return max(1, tiles)
     cap = max_ctas if max_ctas is not None else triton_support.programs_to_fill(device, per_sm)
     return max(1, min(tiles, cap))
+
+
+def _one_tile(plan: TransferPlan, tuning: TritonTuning, *sides: Side) -> bool:
+    """Whether a launch over ``sides`` takes a program a tile (:attr:`TritonTuning.
+    one_tile_programs`): no SM budget, and every side in the memory of the device the launch
+    runs on (not pinned host memory, not a peer GPU's)."""
+    return (tuning.one_tile_programs and plan.max_ctas is None
+            and all(x.tensor.device == plan.device for x in sides))
 
 
 _LANES = {1: (torch.uint8, 1), 2: (torch.int16, 1), 4: (torch.int32, 1), 8: (torch.int32, 2),
@@ -534,7 +579,10 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
                *(_base(x) for x in sides), *strides[0], *strides[1], run_bytes])
     lane_dtype, vec = _LANES[w]
     run = run_bytes // w * vec
-    tile_bytes = tuning.host_read_tile_bytes if job.src.on_host else tuning.copy_tile_bytes
+    one = _one_tile(plan, tuning, job.src, job.dst)
+    tile_bytes = (tuning.one_tile_copy_bytes if one
+                  else tuning.host_read_tile_bytes if job.src.on_host
+                  else tuning.copy_tile_bytes)
     tile = tile_bytes // (w // vec)
     block_c = min(next_pow2(run), tile)
     total = plan.pairs * rows
@@ -543,7 +591,7 @@ def _copy_shape(job: CopyJob, plan: TransferPlan, tuning: TritonTuning) -> tuple
     (ss, ds) = ([x // w for x in st] for st in strides)
     kw = dict(S_SB=ss[0], S_SH=ss[1], S_ST=ss[2], S_SC=ss[3], D_SB=ds[0], D_SH=ds[1],
               D_ST=ds[2], D_SC=ds[3], HEADS=job.heads, TOKENS=job.tokens, ELEMS=elems, RUN=run,
-              VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c)
+              VEC=vec, BLOCK_R=block_r, BLOCK_C=block_c, ONE_TILE=one)
     return w, lane_dtype, tiles, kw
 
 
@@ -629,7 +677,8 @@ def _plan_copy_launches(plan: TransferPlan, tuning: TritonTuning) -> tuple[CopyL
             jobs = group[i:i + count]
             total = tiles * count
             assert total < 2**31, total
-            grid = (_programs(plan.device, total, plan.max_ctas, tuning.programs_per_sm),)
+            grid = (_programs(plan.device, total, plan.max_ctas, tuning.programs_per_sm,
+                              kw["ONE_TILE"]),)
             warps = _copy_warps(tile_bytes, jobs[0].dst.on_host, grid[0], tuning)
             out.append(CopyLaunch(tuple(members[i:i + count]), lane_dtype, grid, tiles,
                                   _encoded([j.src for j in jobs], w),
@@ -744,7 +793,12 @@ def _plan_pages(job: PageJob, plan: TransferPlan, tuning: TritonTuning
         kw = dict(C_SB=_used(cs[0], max(x.blocks for x in sides)), C_SH=_used(cs[1], K),
                   C_ST=_used(cs[2], N), C_SC=cs[3], **common)
         assert tiles * n < 2**31, (tiles, n)
-        grid = (_programs(plan.device, tiles * n, plan.max_ctas, tuning.page_programs_per_sm),)
+        # A pack whose part rows take several steps (DeepSeek-V3's 576 elements: 9 of 64)
+        # keeps the persistent programs (see one_tile_programs).
+        kw["ONE_TILE"] = (_one_tile(plan, tuning, job.pages, *sides)
+                          and not (job.direction == "pack" and common["NCH"] > 1))
+        grid = (_programs(plan.device, tiles * n, plan.max_ctas, tuning.page_programs_per_sm,
+                          kw["ONE_TILE"]),)
         out.append(PageLaunch(l0, n, grid, tiles, _encoded(sides, es), kw))
     return tuple(out)
 
