@@ -314,7 +314,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     e, lpr = lanes(d, tuning, rows, least)
     sm_count = nvrtc.device_arch(index)[1]
     threads = cta_threads(kb, e, lpr, rows, sm_count)
-    mse = kb != 8
+    mse = bool(preset.mse)
     fixed = fixed_args(key, value, kv_cache, PiT if mse else None, midpoints if mse else None)
     special = specialized(rows, mse, tuning)
     sig = (key.dtype, kb, vb, slot_mapping.dtype, e, threads, index, tuning, fixed, special)
@@ -397,7 +397,7 @@ def launch_args(key, value, kv_cache, slot_mapping, preset, PiT, midpoints, warp
     check); tests launch the SIMT emulation with them."""
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps with rows must be a power of two >= 1, got {warps}")
-    mse = int(preset.key_bits) != 8
+    mse = bool(preset.mse)
     return (key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
             PiT.data_ptr() if mse else 0, midpoints.data_ptr() if mse else 0,
             0 if flags is None else flags.data_ptr(), slot_mapping.numel(),

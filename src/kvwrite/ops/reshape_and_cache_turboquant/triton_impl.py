@@ -651,7 +651,7 @@ def run(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     nb, bs = kv_cache.shape[:2]
     kb, vb = int(preset.key_bits), int(preset.value_bits)
     block_d = next_pow2(d)
-    mse = kb != 8
+    mse = bool(preset.mse)
     pit = PiT if mse else kv_cache  # any pointer: never read for k8v4
     mid = midpoints if mse else kv_cache
     tables = (*(PiT.stride() if mse else (0, 0)), midpoints.stride(0) if mse else 0)
