@@ -93,28 +93,57 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+ )?([^;]*);\s*/\* (0x
                     r"\n^\s*/\* (0x[0-9a-f]{16}) \*/", re.M)
 
 
+def _scheduled_at(sass: str) -> list[tuple[int, str, bool, int | None, int]]:
+    out = []
+    for m in _INSTR.finditer(sass):
+        ctrl = int(m.group(5), 16) >> 41
+        wb = (ctrl >> 5) & 7
+        out.append((int(m.group(1), 16), m.group(3).strip(), m.group(2) is not None,
+                    None if wb == 7 else wb, (ctrl >> 11) & 0x3F))
+    return out
+
+
 def scheduled(sass: str) -> list[tuple[str, bool, int | None, int]]:
     """The instructions of one function's SASS (sm_70 and later) with their scheduling: (text,
     predicated, the scoreboard a variable-latency result sets or None, the mask of scoreboards
     the instruction waits for). The control bits are the top 23 of the 128-bit word: stall (4),
     yield (1), write scoreboard (3; 7 for none), read scoreboard (3), wait mask (6), reuse (4)."""
+    return [x[1:] for x in _scheduled_at(sass)]
+
+
+_BRANCH = re.compile(r"^BRA (?:!?U?P\w+, )?(0x[0-9a-f]+)")
+
+
+def skipped_by_branches(sass: str, holds) -> list[tuple[int, int]]:
+    """The address ranges [after the branch, its target) of one function's SASS that a
+    predicated forward branch jumps over, for the ranges holding an instruction for which
+    ``holds(text)`` is true: a rare path's code laid out in line (the caller names what marks
+    it)."""
+    ins = _scheduled_at(sass)
     out = []
-    for m in _INSTR.finditer(sass):
-        ctrl = int(m.group(5), 16) >> 41
-        wb = (ctrl >> 5) & 7
-        out.append((m.group(3).strip(), m.group(2) is not None, None if wb == 7 else wb,
-                    (ctrl >> 11) & 0x3F))
+    for i, (addr, text, predicated, _, _) in enumerate(ins):
+        m = _BRANCH.match(text)
+        if not (m and predicated) or int(m.group(1), 16) <= addr:
+            continue
+        target = int(m.group(1), 16)
+        inside = [x[1] for x in ins[i + 1:] if x[0] < target]
+        if any(holds(x) for x in inside):
+            out.append((ins[i + 1][0], target))
     return out
 
 
-def waits_before_loads(sass: str, is_row_load) -> list[str]:
+def waits_before_loads(sass: str, is_row_load, skip=lambda sass: ()) -> list[str]:
     """Where a kernel waits for a global load's result before it has issued a later load for
     which ``is_row_load(text)`` holds, in listing order up to an unpredicated EXIT (for a
     loop-free kernel whose branches rejoin, or end in an EXIT before the next path's code): the
     instructions that wait, with the load they come before. Empty when every such load is issued
-    before the first wait for a load."""
+    before the first wait for a load. ``skip(sass)``: address ranges left out (a rare path's
+    code, see skipped_by_branches), their loads and waits both."""
     found, pending, waits = [], set(), []
-    for text, predicated, wb, wait in scheduled(sass):
+    ranges = skip(sass)
+    for addr, text, predicated, wb, wait in _scheduled_at(sass):
+        if any(lo <= addr < hi for lo, hi in ranges):
+            continue
         op = text.split()[0]
         hit = [sb for sb in pending if wait >> sb & 1]
         if hit:
@@ -130,10 +159,10 @@ def waits_before_loads(sass: str, is_row_load) -> list[str]:
     return found
 
 
-def late_issues(sass: str, is_row_load) -> dict[str, list[str]]:
+def late_issues(sass: str, is_row_load, skip=lambda sass: ()) -> dict[str, list[str]]:
     """:func:`waits_before_loads` of each kernel function of a listing, by mangled name (only
     those with any)."""
-    found = {name: waits_before_loads(text, is_row_load)
+    found = {name: waits_before_loads(text, is_row_load, skip)
              for name, text in function_listings(sass).items()}
     return {k: v for k, v in found.items() if v}
 

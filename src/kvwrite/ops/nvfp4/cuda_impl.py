@@ -125,8 +125,9 @@ class CudaTuning(launch.PdlPolicy):
     wide_elems: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_WIDE_ELEMS", KV_ELEMS))
     # nvfp4_kv_kernel's minimum of resident 256-thread CTAs an SM (__launch_bounds__): 0, no
-    # bound (48 registers in the bfloat16 build: 5 CTAs, 40 warps an SM); 6 caps it at 40 (48
-    # warps, 8-12 bytes spilled). KVWRITE_NVFP4_KV_MIN_CTAS sets the default. Not measured.
+    # bound (48 registers in the specialized bfloat16 build: 5 CTAs, 40 warps an SM; 5 measured
+    # the same, tuning-log 126); 6 caps it at 40 (48 warps, spilling). KVWRITE_NVFP4_KV_MIN_CTAS
+    # sets the default.
     kv_min_ctas: int = dataclasses.field(
         default_factory=lambda: _env_int("KVWRITE_NVFP4_KV_MIN_CTAS", 0))
     # nvfp4_kv_kernel's TABLE: the scale constants and reciprocals once per CTA in shared memory

@@ -382,11 +382,12 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
 // each side's rule in turn from its raw words (nvfp4_small_kernel's E = 16 rule: the amax by the
 // 16-bit SIMD maximum, nvfp4_part_rule), so that the token's slot, the rows' addresses and the
 // stores' block and offset are paid once for two groups while only the raw words of both are
-// held (48 registers in the bfloat16 build: 5 CTAs of 256 threads an SM); one rare branch a side
-// (nvfp4_group_rule). sm_90, bfloat16, the benchmark's layout, the fast path: ~447 instructions a
-// thread (~224 a group of one side; nvfp4_small_kernel's E = 16 ~288, MODE 1 ~229, MODE 2 ~215).
-// NG = 2: two adjacent groups of each side (MODE 2's conditions, and TABLE), each group's rule in
-// turn: ~771 (~193), 64 registers, no spill.
+// held; every group's fast path (nvfp4_group_fast), then one rare branch for them all
+// (nvfp4_group_rare, the rows loaded again): 48 registers in the specialized bfloat16 build, 5
+// CTAs of 256 threads an SM. sm_90, bfloat16, the benchmark's layout, the fast path: ~447
+// instructions a thread (~224 a group of one side; nvfp4_small_kernel's E = 16 ~288, MODE 1
+// ~229, MODE 2 ~215). NG = 2: two adjacent groups of each side (MODE 2's conditions, and
+// TABLE): ~771 (~193), 64 registers, no spill.
 // OFF32: every byte offset into the four views fits 32 bits (cuda_impl.py checks their spans):
 //   the stores' offsets are 32-bit products added to each view's pointer.
 // TABLE: the scale's constants (nvfp4_den of RN(6k), RN(6v)) and the reciprocal of every scale
@@ -400,14 +401,20 @@ __global__ void __launch_bounds__(256) nvfp4_small_kernel(KVW_NVFP4_PARAMS) {
 #define KVW_NVFP4_KV_MIN_CTAS 0  // cuda_impl.CudaTuning.kv_min_ctas
 #endif
 
-// One side's rule of nvfp4_kv_kernel from its raw words and amax (nvfp4_group_amax): the codes
-// (two words) and S.
-template <int IN, typename RcpOf>
-KVW_HD u32 nvfp4_kv_side(const u32 (&w)[4 * elem_bytes(IN)], float a, const Nvfp4Den& den,
-                         RcpOf rcp_of, u32 (&codes)[2]) {
+// One side's group of nvfp4_kv_kernel from its raw words and amax (nvfp4_group_amax), by
+// nvfp4_group_fast (RARE = false: the codes in two words, S in *S, and whether the group needs
+// the rare path) or nvfp4_group_rare (RARE = true).
+template <bool RARE, int IN, typename RcpOf>
+KVW_HD bool nvfp4_kv_side(const u32 (&w)[4 * elem_bytes(IN)], float a, const Nvfp4Den& den,
+                          RcpOf rcp_of, u32 (&codes)[2], u32* S) {
   float x[16];
   nvfp4_widen<IN, 16>(w, x);
-  return nvfp4_group_rule<1>(x, a, den, rcp_of, codes);
+  if constexpr (RARE) {
+    *S = nvfp4_group_rare<1>(x, a, den, rcp_of, codes);
+    return false;
+  } else {
+    return nvfp4_group_fast<1>(x, a, den, rcp_of, codes, S);
+  }
 }
 
 template <int IN, typename SlotT, bool OFF32, bool TABLE, int NG>
@@ -449,7 +456,7 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     k = nvfp4_scale(k_scale, k_scale_bits);
     v = nvfp4_scale(v_scale, v_scale_bits);
   }
-  // [side][S]; S = 0x7F, the code of a NaN amax's quotient (nvfp4_group_rule), holds 0: the
+  // [side][S]; S = 0x7F, the code of a NaN amax's quotient (nvfp4_group_fast), holds 0: the
   // rare path recomputes such a group.
   __shared__ float rcp_tab[2][128];
   __shared__ float4 den_tab[2];      // [side]: (m, s2, y)
@@ -472,6 +479,9 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     ak[j] = nvfp4_group_amax<IN>(wk[j]);
     av[j] = nvfp4_group_amax<IN>(wv[j]);
   }
+  // !TABLE: RN(6k) and RN(6v) before the slot's test (after it, ptxas sank a scale's load
+  // below the slot's wait).
+  const float k6 = mul_rn(k, 6.0f), v6 = mul_rn(v, 6.0f);
   if (static_cast<u64>(s) >= static_cast<u64>(num_slots)) return;  // also s < 0
 
   u32 ck[2 * NG], cv[2 * NG], sk[NG], sv[NG];
@@ -481,25 +491,49 @@ __global__ void __launch_bounds__(256, KVW_NVFP4_KV_MIN_CTAS) nvfp4_kv_kernel(KV
     dk = Nvfp4Den{tk.x, tk.y, tk.z};
     dv = Nvfp4Den{tv.x, tv.y, tv.z};
   } else {
-    dk = nvfp4_den(mul_rn(k, 6.0f));
-    dv = nvfp4_den(mul_rn(v, 6.0f));
+    dk = nvfp4_den(k6);
+    dv = nvfp4_den(v6);
   }
+  const auto rcp_k = [=](u32 S) {
+    if constexpr (TABLE) return rcp_tab[0][S & 127];
+    else return nvfp4_scale_rcp(S, k);
+  };
+  const auto rcp_v = [=](u32 S) {
+    if constexpr (TABLE) return rcp_tab[1][S & 127];
+    else return nvfp4_scale_rcp(S, v);
+  };
+  // Every group's fast path, then one rare branch for them all that loads the rows again and
+  // takes every group by the general path (the same bytes where a group's fast path held): the
+  // fast paths are one straight run of code, and the specialized builds keep 48 registers (5
+  // CTAs an SM; 64 where the words are held for the rare path). Measured (tuning-log 126)
+  // against a rare branch a side: 1-4% faster at 2^17 and 2^18 groups; a branch a pair of groups
+  // holding the words (64 registers) was 8% faster at 2^17 but 6% slower at 2^18 (two waves).
+  bool rare = false;
 #pragma unroll
   for (int j = 0; j < NG; ++j) {
     u32 a[2], b[2];
-    if constexpr (TABLE) {
-      sk[j] = nvfp4_kv_side<IN>(wk[j], ak[j], dk, [](u32 S) { return rcp_tab[0][S & 127]; }, a);
-      sv[j] = nvfp4_kv_side<IN>(wv[j], av[j], dv, [](u32 S) { return rcp_tab[1][S & 127]; }, b);
-    } else {
-      sk[j] = nvfp4_kv_side<IN>(wk[j], ak[j], dk, [k](u32 S) { return nvfp4_scale_rcp(S, k); },
-                                a);
-      sv[j] = nvfp4_kv_side<IN>(wv[j], av[j], dv, [v](u32 S) { return nvfp4_scale_rcp(S, v); },
-                                b);
-    }
+    rare |= nvfp4_kv_side<false, IN>(wk[j], ak[j], dk, rcp_k, a, &sk[j]);
+    rare |= nvfp4_kv_side<false, IN>(wv[j], av[j], dv, rcp_v, b, &sv[j]);
     ck[2 * j] = a[0];
     ck[2 * j + 1] = a[1];
     cv[2 * j] = b[0];
     cv[2 * j + 1] = b[1];
+  }
+  if (rare) {  // the rows loaded again, so that the fast paths need not hold their words
+    const u8* krow = key + (t * key_stride + static_cast<i64>(q) * 16) * IB;
+    const u8* vrow = value + (t * value_stride + static_cast<i64>(q) * 16) * IB;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      u32 a[2], b[2];
+      nvfp4_load_raw<IN, 16, 16>(krow + j * 16 * IB, wk[j]);
+      nvfp4_load_raw<IN, 16, 16>(vrow + j * 16 * IB, wv[j]);
+      nvfp4_kv_side<true, IN>(wk[j], ak[j], dk, rcp_k, a, &sk[j]);
+      nvfp4_kv_side<true, IN>(wv[j], av[j], dv, rcp_v, b, &sv[j]);
+      ck[2 * j] = a[0];
+      ck[2 * j + 1] = a[1];
+      cv[2 * j] = b[0];
+      cv[2 * j + 1] = b[1];
+    }
   }
   // NG = 2: the groups are adjacent in one head (head_groups even) and the data 16-byte aligned
   // (cuda_impl.py): one 16-byte store of codes a side.
