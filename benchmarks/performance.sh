@@ -87,7 +87,7 @@ run 04_qknorm-unit qk-norm-rope --layouts NHD --kv-cache-dtypes fp8 --fp8-scales
 run 05_pth-h8 per-token-head --layouts NHD --num-tokens 1,16,256,1024,4096,16384,65536
 run 05_pth-h128 per-token-head --layouts NHD --num-heads 128 --num-tokens 1,16,256,1024,4096,16384 \
     --modes int8,fp8
-run 06_nvfp4 nvfp4 --num-tokens 1,16,1024,16384,65536
+run 06_nvfp4 nvfp4 --num-tokens 1,16,512,1024,2048,4096,16384,65536
 run 07_gather-auto gather --num-tokens 1024,8192,16384,65536
 run 07_gather-fp8 gather --kinds dequant,cp,flash --kv-cache-dtypes fp8 \
     --num-tokens 1024,8192,16384,65536
