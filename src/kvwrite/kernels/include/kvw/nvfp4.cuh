@@ -418,15 +418,16 @@ KVW_HD u32 nvfp4_part_rule_by(const float (&x)[N], float amax_nan, float amax_nu
   return S;
 }
 
-// The "nvfp4" rule for a whole group (N = 16) from its NaN-propagating amax (nvfp4_amax_nan), in
-// two steps. nvfp4_group_fast: the fast path on amax_nan as it is (S in *S, the codes in out);
-// it returns whether the group needs nvfp4_group_rare instead: amax_nan is NaN (so RN(a * r) < 7
-// is false) or a product is 7 or more. nvfp4_group_rare: the general path from the rule's amax
-// (NaN skipped). Together the same bytes as nvfp4_part_rule<16> (the fast path's S and r are the
-// general path's wherever amax_nan is a number). A caller with several groups (nvfp4_kv_kernel:
-// a key's and a value's) takes every group's fast path, then one rare branch for them all, so
-// the fast paths are one straight run of code. rcp_of as nvfp4_part_rule_by's; it also gets the
-// code of a NaN quotient, 0x7F, whose value is unused.
+// The "nvfp4" rule for a whole group (N = 16) of one thread (no lane's help for its amax, so the
+// rare branch may diverge) from its NaN-propagating amax (nvfp4_amax_nan), in two steps.
+// nvfp4_group_fast: the fast path on amax_nan as it is (S in *S, the codes in out); it returns
+// whether the group needs nvfp4_group_rare instead: amax_nan is NaN (so RN(a * r) < 7 is false) or
+// a product is 7 or more. nvfp4_group_rare: the general path from the rule's amax (NaN skipped).
+// Together the same bytes as nvfp4_part_rule<16> (the fast path's S and r are the general path's
+// wherever amax_nan is a number). A caller with several groups (nvfp4_kv_kernel: a key's and a
+// value's) takes every group's fast path, then one rare branch for them all, so the fast paths are
+// one straight run of code. rcp_of as nvfp4_part_rule_by's; it also gets the code of a NaN
+// quotient, 0x7F, whose value is unused.
 template <int STEPS, typename RcpOf>
 KVW_HD bool nvfp4_group_fast(const float (&x)[16], float amax_nan, const Nvfp4Den& den6,
                              RcpOf rcp_of, u32 (&out)[2], u32* S) {
@@ -442,18 +443,6 @@ KVW_HD u32 nvfp4_group_rare(const float (&x)[16], float amax_nan, const Nvfp4Den
   const float a = amax_nan != amax_nan ? nvfp4_amax_num(x) : amax_nan;
   const u32 S = nvfp4_scale_code<STEPS>(a, den6);
   nvfp4_pack_n<16, false>(x, rcp_of(S), out);
-  return S;
-}
-
-// Both steps for one group (a group of one thread needs no lane's help for its amax, so the
-// branch may diverge).
-template <int STEPS, typename RcpOf>
-KVW_HD u32 nvfp4_group_rule(const float (&x)[16], float amax_nan, const Nvfp4Den& den6,
-                            RcpOf rcp_of, u32 (&out)[2]) {
-  u32 S;
-  if (nvfp4_group_fast<STEPS>(x, amax_nan, den6, rcp_of, out, &S)) {  // rare
-    S = nvfp4_group_rare<STEPS>(x, amax_nan, den6, rcp_of, out);
-  }
   return S;
 }
 
