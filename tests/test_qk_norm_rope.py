@@ -1544,6 +1544,39 @@ def test_triton_rows_kernel_fused_matches_reference(monkeypatch, case, tile_byte
     _run_fused("triton", case, device)
 
 
+# Per-tensor scales of every kind for store_quantized_uniform (k, v, q): powers of two at both
+# ends of its product's range (2^126: the product; 2^127: |m| = 2^-126, the division), negative,
+# and ones that are not powers of two (the division).
+_UNIFORM_SCALES = [(1.0, 1.0, 1.0), (2.0**-8, 0.5, 2.0**-6), (2.0**126, 2.0**127, -2.0),
+                   (-4.0, 3.0, 0.75), (2.0**-100, 1.0, 2.0**20)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [False, True], ids=["tile", "rows"])
+@pytest.mark.parametrize("scales", _UNIFORM_SCALES, ids=lambda s: "-".join(f"{x:g}" for x in s))
+def test_triton_per_tensor_power_of_two_scales(monkeypatch, scales, rows, device):
+    """A per-tensor scale that is a power of two takes Triton's one-product store
+    (triton_fp8.store_quantized_uniform) for the key, the value and an fp8 query: the same bytes
+    as the reference (whole allocations), in the tile and the whole-row kernel, e4m3 cache and
+    query, and codes that saturate (2^-8, 2^-100), round to subnormals or to zero (2^20,
+    2^126)."""
+    case = QkNormCase(num_tokens=6, num_q_heads=4, num_k_heads=2, head_size=64,
+                      kv_cache_dtype="fp8_e4m3", query_out="fp8_e4m3", padding_slots=1)
+    if rows:
+        _rows_tuning(monkeypatch, 512)
+    inp = make_qk_norm_inputs(case, device)
+    _skip_unless_runs(FUSED, "triton", inp, device)
+    for t, v in zip((inp.k_scale, inp.v_scale, inp.q_scale), scales, strict=True):
+        assert t.numel() == 1
+        t.fill_(v)
+    want = clone_inputs(inp)
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*inp.fused_args(), **inp.fused_kwargs(),
+                                                       implementation="triton")
+    kvwrite.fused_qk_norm_rope_and_reshape_cache_flash(*want.fused_args(), **want.fused_kwargs(),
+                                                       implementation="torch")
+    assert_same(inp, want, _nan_equal(case))
+
+
 def test_triton_rows_launch_picks_by_tokens_and_shape():
     """Calls of at most 16 tokens keep the tile kernel's launch (its small-call shapes were
     measured); larger ones with rot_dim == head_size == a power of two take the whole-row

@@ -15,7 +15,8 @@ division per element.
   E4M3 by those steps;
 - :func:`store_quantized`: store ``Q(x)`` (a copy or float cast when ``QUANT == COPY``, else fp8
   e4m3fn or e5m2 bits) into a cache of any element type (uint8 or float8 for fp8; the launchers
-  pass a float8 one as :func:`code_view`'s uint8 view);
+  pass a float8 one as :func:`code_view`'s uint8 view); :func:`store_quantized_uniform`: the
+  same, with one product per element where a per-tensor scale is a power of two;
 - :func:`ue8m0_round_up`: a positive scale rounded up to a power of two from its bits (vLLM's
   "ue8m0" scales; ``kvwrite.dtypes.ue8m0_round_up`` says how);
 - :func:`pdl_entry`: every kernel's first statement, programmatic dependent launch's entry when
@@ -44,8 +45,8 @@ else:
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "COPY", "E4M3", "E5M2", "quant_code", "code_view",
            "fp8_scale", "fp8_quotient", "corrected_quotient", "e4m3", "fp8_code", "fp8_bytes",
-           "store_quantized", "load_scale", "load_scale_pair", "scale_constants", "fp8_scale_pair",
-           "pdl_entry", "ue8m0_round_up"]
+           "store_quantized", "store_quantized_uniform", "load_scale", "load_scale_pair",
+           "scale_constants", "fp8_scale_pair", "pdl_entry", "ue8m0_round_up"]
 
 # QUANT codes of store_quantized: a copy or float cast to the cache's element type, fp8 e4m3fn,
 # fp8 e5m2 (E4M3 and E5M2 are fp8_code's and fp8_bytes's FMT too).
@@ -215,6 +216,27 @@ if triton is not None:
             bits = fp8_bytes(q, QUANT, NATIVE)
             # The cache is uint8 (vLLM's storage) or the float8 type itself: store the bits.
             tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True), mask=mask)
+
+    @triton.jit
+    def store_quantized_uniform(cache_ptr, offs, mask, x, m, s2, y, QUANT: tl.constexpr,
+                                STEPS: tl.constexpr, NATIVE: tl.constexpr,
+                                UNIFORM: tl.constexpr):
+        """`store_quantized`, and where the scale is one value for the whole program
+        (``UNIFORM``: a per-tensor scale, scalar m, s2, y) that is a power of two ±2^E with
+        E <= 126 (s2 == 2 and |m| >= 2^-125), the quotient as one product: x * (m / 2) =
+        x * 2^-E rounds once, as RN(x / s) does, to the same float32 (past ±MAX, ±inf and NaN
+        give the same codes too: the conversion saturates, and a NaN's code is open). vLLM's
+        default scale 1.0 is such a scale. A branch on a value every thread shares."""
+        if UNIFORM and QUANT != 0:
+            if (s2 == 2.0) & (tl.abs(m) >= 2.350988701644575e-38):  # 2^-125
+                q = x.to(tl.float32) * (m * 0.5)
+                bits = fp8_bytes(q, QUANT, NATIVE)
+                tl.store(cache_ptr + offs, bits.to(cache_ptr.dtype.element_ty, bitcast=True),
+                         mask=mask)
+            else:
+                store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT, STEPS, NATIVE)
+        else:
+            store_quantized(cache_ptr, offs, mask, x, m, s2, y, QUANT, STEPS, NATIVE)
 
     @triton.jit
     def load_scale(scale_ptr, h, NUM_HEADS: tl.constexpr, PER_HEAD: tl.constexpr):

@@ -24,7 +24,7 @@ __all__ = ["pair_sum", "tree_sum", "inv_rms", "norm_rope_tile", "f32_from_bits",
            "norm_rope_pairs", "pair_tables", "store_pairs_quantized"]
 
 if triton is not None:
-    from .triton_fp8 import store_quantized
+    from .triton_fp8 import store_quantized_uniform
     from .triton_rope import rope_prologue, rope_rotate
 
     @triton.jit
@@ -212,15 +212,18 @@ if triton is not None:
     @triton.jit
     def store_pairs_quantized(ptr, row, mask, a, b, m, s2, y, QUANT: tl.constexpr,
                               STEPS: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-                              NATIVE: tl.constexpr):
-        """:func:`store_row_pairs` through triton_fp8's ``store_quantized`` (a cache row or an
-        fp8 query row at ``ptr + row``, unit element stride; ``m, s2, y`` its scale's
-        constants; ``NATIVE``: store_quantized's)."""
+                              NATIVE: tl.constexpr, UNIFORM: tl.constexpr):
+        """:func:`store_row_pairs` through triton_fp8's ``store_quantized_uniform`` (a cache row
+        or an fp8 query row at ``ptr + row``, unit element stride; ``m, s2, y`` its scale's
+        constants; ``NATIVE``, ``UNIFORM``: store_quantized_uniform's)."""
         j = tl.arange(0, HALF)[None, None, :]
         if IS_NEOX:
-            store_quantized(ptr, row + j, mask, a, m, s2, y, QUANT, STEPS, NATIVE)
-            store_quantized(ptr, row + HALF + j, mask, b, m, s2, y, QUANT, STEPS, NATIVE)
+            store_quantized_uniform(ptr, row + j, mask, a, m, s2, y, QUANT, STEPS, NATIVE,
+                                    UNIFORM)
+            store_quantized_uniform(ptr, row + HALF + j, mask, b, m, s2, y, QUANT, STEPS,
+                                    NATIVE, UNIFORM)
         else:
             d = tl.arange(0, 2 * HALF)[None, None, :]
             x = tl.reshape(tl.join(a, b), [a.shape[0], a.shape[1], 2 * HALF])
-            store_quantized(ptr, row + d, mask, x, m, s2, y, QUANT, STEPS, NATIVE)
+            store_quantized_uniform(ptr, row + d, mask, x, m, s2, y, QUANT, STEPS, NATIVE,
+                                    UNIFORM)

@@ -5,11 +5,12 @@ Grid (token tiles, query head tiles + key head tiles), tiles as rotary_embedding
 stride compiled in as fused_qk_norm_rope's kernel's (query_out keeps dense heads). A query
 program normalizes and rotates a ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of query heads
 (kvwrite.kernels.triton_qk_norm) and stores it in place, to query_out, or fp8-quantized to
-query_out (kvwrite.kernels.triton_fp8.store_quantized with q_scale's constants). A key program
-does the same for key heads, stores them back (unless ``rotate_key_in_place`` is false), loads
-the same tile of value heads and stores key and value into the caches through their strides
-(every layout) with the cache write's conversion (copies, casts, fp8 with per-tensor or
-per-head scales read on the device). Tokens whose position is outside the table are not
+query_out (kvwrite.kernels.triton_fp8.store_quantized_uniform with q_scale's constants). A key
+program does the same for key heads, stores them back (unless ``rotate_key_in_place`` is
+false), loads the same tile of value heads and stores key and value into the caches through
+their strides (every layout) with the cache write's conversion (copies, casts, fp8 with
+per-tensor or per-head scales read on the device; a per-tensor power-of-two scale as one
+product per element, store_quantized_uniform's). Tokens whose position is outside the table are not
 touched; tokens ``t >= T`` are normalized and rotated but not cached; padding and out-of-range
 slots are skipped. Graph-safe. Large calls with rot_dim == head_size == a power of two take
 ``_qk_norm_rope_cache_rows_kernel``, the same program on fused_qk_norm_rope's whole-row tiles
@@ -35,7 +36,12 @@ from ..fused_qk_norm_rope import triton_impl as _norm
 from ..fused_qk_norm_rope.triton_impl import interpreter_dtypes, qk_launch, signed_bits
 
 if triton is not None:  # without triton this module imports, and `available` says why
-    from ...kernels.triton_fp8 import fp8_scale_pair, pdl_entry, scale_constants, store_quantized
+    from ...kernels.triton_fp8 import (
+        fp8_scale_pair,
+        pdl_entry,
+        scale_constants,
+        store_quantized_uniform,
+    )
     from ...kernels.triton_kv import cache_offsets
     from ...kernels.triton_qk_norm import (
         f32_from_bits,
@@ -125,8 +131,8 @@ if triton is not None:
                     else:
                         qsc = tl.load(q_scale_ptr)
                     qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
-                    store_quantized(query_out_ptr, q_row + d, mask, q, qm, qs2, qy,
-                                    QUERY_QUANT, STEPS, NATIVE)
+                    store_quantized_uniform(query_out_ptr, q_row + d, mask, q, qm, qs2, qy,
+                                            QUERY_QUANT, STEPS, NATIVE, not Q_PER_HEAD_SCALE)
         else:
             hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
             h = hv[None, :, None]
@@ -146,10 +152,10 @@ if triton is not None:
                                                       QUANT, K_PER_HEAD, V_PER_HEAD, False)
             store_mask, c_off = cache_offsets(slot, cached & valid, in_row, h, d, num_slots,
                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
-            store_quantized(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT, STEPS,
-                            NATIVE)
-            store_quantized(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT, STEPS,
-                            NATIVE)
+            store_quantized_uniform(key_cache_ptr, c_off, store_mask, k, km, ks2, ky, QUANT,
+                                    STEPS, NATIVE, not K_PER_HEAD)
+            store_quantized_uniform(value_cache_ptr, c_off, store_mask, v, vm, vs2, vy, QUANT,
+                                    STEPS, NATIVE, not V_PER_HEAD)
 
 
     @triton.jit(do_not_specialize=["num_rot", "num_tokens", "eps_bits", "offset_bits"])
@@ -205,7 +211,8 @@ if triton is not None:
                         qsc = tl.load(q_scale_ptr)
                     qm, qs2, qy = scale_constants(qsc, QUERY_QUANT, Q_PER_HEAD_SCALE)
                     store_pairs_quantized(query_out_ptr, q_row, mask, a, b, qm, qs2, qy,
-                                          QUERY_QUANT, STEPS, HALF, IS_NEOX, NATIVE)
+                                          QUERY_QUANT, STEPS, HALF, IS_NEOX, NATIVE,
+                                          not Q_PER_HEAD_SCALE)
         else:
             hv = (tile - Q_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
             h = hv[None, :, None]
@@ -228,9 +235,9 @@ if triton is not None:
             store_mask, c_row = cache_offsets(slot, cached & valid, in_row, h, 0, num_slots,
                                               BLOCK_SIZE, stride_b, stride_s, stride_h)
             store_pairs_quantized(key_cache_ptr, c_row, store_mask, a, b, km, ks2, ky, QUANT,
-                                  STEPS, HALF, IS_NEOX, NATIVE)
+                                  STEPS, HALF, IS_NEOX, NATIVE, not K_PER_HEAD)
             store_pairs_quantized(value_cache_ptr, c_row, store_mask, va, vb, vm, vs2, vy, QUANT,
-                                  STEPS, HALF, IS_NEOX, NATIVE)
+                                  STEPS, HALF, IS_NEOX, NATIVE, not V_PER_HEAD)
 
 
 def run(qkv: torch.Tensor, num_heads_q: int, num_heads_k: int, eps: float,
